@@ -1,0 +1,300 @@
+"""Apply a compression spec to a trace and compare compressed attention with the original.
+
+For every evaluated (layer, query head, query) the engine computes
+    original    a     = softmax(q . K^T / sqrt(d))               over tokens 0..p
+    compressed  a_hat = softmax over the kept tokens of q . K_hat^T / sqrt(d)
+                        (K_hat: kept keys, quantized; or logits + sigma * eps)
+    outputs     o = a . V,  o_hat = a_hat . V_hat               (where values exist)
+Eviction first decides what is kept (per KV head, at the time the policy would), then
+what is kept is quantized, as a real compressed cache would be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .attention import logit_row, masked_softmax, softmax
+from .metrics import RowMetrics, Spread, row_metrics, spread
+from .policies import ScoreContext, get_policy, select
+from .quant import kv_bytes_per_token, quantize, tensor_bytes
+from .spec import FULL_BITS, Spec, SpecError, View
+from .trace import Trace
+
+# Why each token is in (or out of) the compressed cache, for colouring charts.
+EVICTED, SINK, RECENT, HEAVY, ALL = 0, 1, 2, 3, 4
+REASONS = {EVICTED: "evicted", SINK: "sink", RECENT: "recent", HEAVY: "heavy hitter", ALL: "kept (no eviction)"}
+
+NO_LATER_QUERIES_NOTE = ("This source has no later queries: the evaluated query is the last context "
+                         "query, and its own attention is part of the history the policy ranks by.")
+
+
+@dataclass(frozen=True, eq=False)
+class RowResult:
+    """One evaluated attention row: layer, query head, query position."""
+
+    layer: int
+    head: int
+    kv_head: int
+    query: int        # index into trace.query_positions
+    position: int     # the query's token position p; the row covers tokens 0..p
+    original: np.ndarray
+    compressed: np.ndarray
+    kept: np.ndarray
+    reason: np.ndarray
+    out_original: np.ndarray | None
+    out_compressed: np.ndarray | None
+    metrics: RowMetrics
+
+    @property
+    def error(self) -> np.ndarray:
+        """Per-token error: compressed minus original attention."""
+        return self.compressed - self.original
+
+
+@dataclass(frozen=True)
+class Memory:
+    kv_bytes: float        # compressed K+V cache, all layers and KV heads, incl. scales/zero points
+    kv_bytes_full: float   # the same tokens in a full 16-bit cache
+    kept_tokens: int
+    total_tokens: int
+
+    @property
+    def ratio(self) -> float:
+        """Compressed / full bytes (1.0 = no saving)."""
+        return self.kv_bytes / self.kv_bytes_full if self.kv_bytes_full else 1.0
+
+    @property
+    def compression_ratio(self) -> float:
+        """Full / compressed bytes (e.g. 4.0 = four times smaller)."""
+        return self.kv_bytes_full / self.kv_bytes if self.kv_bytes else float("inf")
+
+
+@dataclass(frozen=True, eq=False)
+class Comparison:
+    """Everything one configuration produces: the primary row, its ensemble, and summaries."""
+
+    spec: Spec
+    view: View
+    ensemble: str | None
+    tokens: tuple[str, ...]     # labels of tokens 0..p of the primary row
+    primary: RowResult
+    members: tuple[RowResult, ...]
+    spread: Spread              # per-token error statistics over the members
+    memory: Memory
+    notes: tuple[str, ...]
+
+    @property
+    def metrics(self) -> dict:
+        """The primary row's metrics plus memory (what the app's cards show)."""
+        return {**self.primary.metrics.as_dict(), **memory_dict(self.memory)}
+
+    @property
+    def metrics_mean(self) -> dict:
+        """Each row metric averaged over the ensemble members."""
+        out = {}
+        for key in self.primary.metrics.as_dict():
+            vals = [getattr(m.metrics, key) for m in self.members]
+            out[key] = None if vals[0] is None else float(np.mean(vals))
+        return out
+
+    def to_json(self) -> dict:
+        p = self.primary
+        return {
+            "source": self.primary_source,
+            "spec": self.spec.__dict__,
+            "layer": p.layer, "head": p.head, "kv_head": p.kv_head, "position": p.position,
+            "ensemble": self.ensemble, "ensemble_members": len(self.members),
+            "tokens": list(self.tokens),
+            "original": p.original.tolist(),
+            "compressed": p.compressed.tolist(),
+            "kept": p.kept.tolist(),
+            "reason": [REASONS[int(r)] for r in p.reason],
+            "error": p.error.tolist(),
+            "error_mean": self.spread.mean.tolist(),
+            "error_std": self.spread.std.tolist(),
+            "error_lo": self.spread.lo.tolist(),
+            "error_hi": self.spread.hi.tolist(),
+            "metrics": self.metrics,
+            "metrics_mean": self.metrics_mean,
+            "notes": list(self.notes),
+        }
+
+    primary_source: str = ""
+
+
+def memory_dict(m: Memory) -> dict:
+    return {"kv_bytes": m.kv_bytes, "kv_bytes_full": m.kv_bytes_full,
+            "compression_ratio": m.compression_ratio, "memory_ratio": m.ratio,
+            "kept_tokens": m.kept_tokens, "total_tokens": m.total_tokens}
+
+
+# --- checks ------------------------------------------------------------------------
+
+def check_view(trace: Trace, view: View) -> int:
+    """Validate layer / head / step against the trace; return the query index evaluated."""
+    if not 0 <= view.layer < trace.n_layers:
+        raise SpecError(f"layer {view.layer} does not exist: this trace has layers 0-{trace.n_layers - 1}")
+    if not 0 <= view.head < trace.n_q_heads:
+        raise SpecError(f"head {view.head} does not exist: this trace has query heads 0-{trace.n_q_heads - 1}")
+    evaluated = trace.evaluated_queries
+    step = len(evaluated) - 1 if view.step is None else view.step
+    if not 0 <= step < len(evaluated):
+        raise SpecError(f"step {view.step} does not exist: this trace has {len(evaluated)} evaluated "
+                        f"quer{'y' if len(evaluated) == 1 else 'ies'} (steps 0-{len(evaluated) - 1})")
+    return int(evaluated[step])
+
+
+# --- one row -------------------------------------------------------------------------
+
+def memory_for(trace: Trace, spec: Spec, n_tokens: int) -> Memory:
+    """Bytes of the compressed cache holding the first n_tokens, all layers and KV heads.
+
+    Memory follows the bits settings whichever quantization model simulates the error.
+    """
+    kept = min(spec.budget, n_tokens) if spec.evicts else n_tokens
+    per_head = sum(
+        tensor_bytes(kept, trace.head_dim, bits, axis, spec.group_size, spec.residual, spec.symmetric).total
+        for bits, axis in ((spec.key_bits, spec.key_axis), (spec.value_bits, spec.value_axis)))
+    heads = trace.n_layers * trace.n_kv_heads
+    return Memory(kv_bytes=per_head * heads,
+                  kv_bytes_full=n_tokens * kv_bytes_per_token(trace.n_layers, trace.n_kv_heads, trace.head_dim),
+                  kept_tokens=kept, total_tokens=n_tokens)
+
+
+def reasons_for(kept: np.ndarray, spec: Spec) -> np.ndarray:
+    n = len(kept)
+    if not spec.evicts:
+        return np.full(n, ALL, dtype=np.int8)
+    reason = np.where(kept, HEAVY, EVICTED).astype(np.int8)
+    reason[max(0, n - spec.recent):] = RECENT
+    reason[: min(spec.sink, n)] = SINK
+    return reason
+
+
+def noise_eps(trace: Trace, spec: Spec, layer: int, head: int, position: int) -> np.ndarray:
+    """Standard normals for the noise model; the source's own draw where it has one."""
+    if trace.noise_eps is not None and spec.seed == 0:
+        return trace.noise_eps[: position + 1]
+    return np.random.default_rng([spec.seed, layer, head, position]).standard_normal(position + 1)
+
+
+def evaluate_row(trace: Trace, spec: Spec, layer: int, head: int, qi: int,
+                 kept_kv: np.ndarray | None) -> RowResult:
+    """Original vs compressed attention of one query; kept_kv is its KV head's kept mask."""
+    p = int(trace.query_positions[qi])
+    kvh = trace.kv_head(head)
+    logits = logit_row(trace, layer, head, qi)                       # (p+1,)
+    original = softmax(logits)
+    if kept_kv is None:  # the oracle: top-k by this very query's attention
+        kept = select(original[None, :], spec)[0] if spec.evicts else np.ones(p + 1, bool)
+    else:
+        kept = kept_kv[: p + 1]
+    idx = np.flatnonzero(kept)
+
+    if spec.quant_model == "noise":
+        logits_hat = logits + noise_eps(trace, spec, layer, head, p) * spec.noise_sigma
+    elif spec.key_bits < FULL_BITS:
+        keys = trace.k[layer, kvh, : p + 1].astype(np.float64)
+        keys[idx] = quantize(keys[idx], spec.key_bits, spec.key_axis, spec.group_size,
+                             spec.residual, spec.symmetric)
+        logits_hat = logit_row(trace, layer, head, qi, keys=keys)
+    else:
+        logits_hat = logits
+    compressed = masked_softmax(logits_hat, kept)
+
+    out = out_hat = None
+    if trace.v is not None:
+        values = trace.v[layer, kvh, : p + 1].astype(np.float64)    # (p+1, D)
+        out = original @ values
+        v_kept = values[idx]
+        if spec.quant_model == "kv" and spec.value_bits < FULL_BITS:
+            v_kept = quantize(v_kept, spec.value_bits, spec.value_axis, spec.group_size,
+                              spec.residual, spec.symmetric)
+        out_hat = compressed[idx] @ v_kept
+    return RowResult(layer=layer, head=head, kv_head=kvh, query=qi, position=p,
+                     original=original, compressed=compressed, kept=kept,
+                     reason=reasons_for(kept, spec), out_original=out, out_compressed=out_hat,
+                     metrics=row_metrics(original, compressed, kept, out, out_hat))
+
+
+def keep_masks(trace: Trace, spec: Spec, layer: int, positions) -> np.ndarray | None:
+    """Kept masks (len(positions), kv_heads, positions) of the spec's policy; None for the oracle."""
+    policy = get_policy(spec.scorer)
+    if policy.needs_query and spec.evicts:
+        return None
+    return policy.keep_masks(ScoreContext(trace, layer, spec), np.asarray(positions))
+
+
+# --- ensembles ------------------------------------------------------------------------
+
+Member = tuple[Trace, Spec, int, int, int]  # trace, spec, layer, head, query index
+
+
+def ensemble_members(trace: Trace, spec: Spec, view: View, qi: int,
+                     trace_for_seed: Callable[[int], Trace] | None = None) -> list[Member]:
+    """The rows behind the error bars; the primary row comes first."""
+    size = view.ensemble_size
+    primary = (trace, spec, view.layer, view.head, qi)
+    if view.ensemble is None:
+        return [primary]
+    if view.ensemble == "heads":
+        n = min(size, trace.n_q_heads)
+        return [(trace, spec, view.layer, (view.head + i) % trace.n_q_heads, qi) for i in range(n)]
+    if view.ensemble == "layers":
+        n = min(size, trace.n_layers)
+        return [(trace, spec, (view.layer + i) % trace.n_layers, view.head, qi) for i in range(n)]
+    if view.ensemble == "steps":
+        evaluated = list(trace.evaluated_queries)
+        at = evaluated.index(qi)
+        return [(trace, spec, view.layer, view.head, q) for q in evaluated[max(0, at - size + 1): at + 1][::-1]]
+    # seeds: repeated random draws (noise, random scorer, and the source itself if it can)
+    members = [primary]
+    for r in range(1, size):
+        t = trace_for_seed(r) if trace_for_seed is not None else trace
+        members.append((t, spec.with_(seed=spec.seed + r), view.layer, view.head,
+                        qi if t is trace else _same_step(trace, t, qi)))
+    return members
+
+
+def _same_step(a: Trace, b: Trace, qi: int) -> int:
+    evaluated_a, evaluated_b = list(a.evaluated_queries), b.evaluated_queries
+    return int(evaluated_b[min(evaluated_a.index(qi), len(evaluated_b) - 1)])
+
+
+def compare(trace: Trace, spec: Spec, view: View = View(),
+            trace_for_seed: Callable[[int], Trace] | None = None) -> Comparison:
+    """Compute one configuration: the primary row, its ensemble and the summaries."""
+    qi = check_view(trace, view)
+    members = ensemble_members(trace, spec, view, qi, trace_for_seed)
+
+    # Policy decisions once per (trace, spec, layer), for all positions needed there.
+    wanted: dict[tuple[int, Spec, int], list[int]] = {}
+    for t, s, layer, _, q in members:
+        wanted.setdefault((id(t), s, layer), []).append(int(t.query_positions[q]))
+    masks: dict[tuple[int, Spec, int], tuple[list[int], np.ndarray | None]] = {}
+    traces = {id(t): t for t, *_ in members}
+    for key, positions in wanted.items():
+        positions = sorted(set(positions))
+        masks[key] = positions, keep_masks(traces[key[0]], key[1], key[2], positions)
+
+    rows = []
+    for t, s, layer, head, q in members:
+        positions, m = masks[(id(t), s, layer)]
+        p = int(t.query_positions[q])
+        kept_kv = None if m is None else m[positions.index(p), t.kv_head(head)]
+        rows.append(evaluate_row(t, s, layer, head, q, kept_kv))
+
+    primary = rows[0]
+    n = primary.position + 1
+    errors = np.full((len(rows), n), np.nan)
+    for i, r in enumerate(rows):
+        m = min(n, len(r.error))
+        errors[i, :m] = r.error[:m]
+    notes = () if trace.has_later_queries else (NO_LATER_QUERIES_NOTE,)
+    return Comparison(spec=spec, view=view, ensemble=view.ensemble, tokens=tuple(trace.tokens[:n]),
+                      primary=primary, members=tuple(rows), spread=spread(errors),
+                      memory=memory_for(trace, spec, n), notes=notes,
+                      primary_source=str(trace.meta.get("source", "")))

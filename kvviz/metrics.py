@@ -1,0 +1,98 @@
+"""Metrics of a compressed attention row against the original, and ensemble statistics."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+KL_EPS = 1e-10  # keeps KL finite when a token the original attends to was evicted
+
+
+@dataclass(frozen=True)
+class RowMetrics:
+    mass_retained: float      # original attention mass on the kept tokens
+    tv_distance: float        # 0.5 * sum |a - a_hat|
+    kl: float                 # KL(original || compressed), epsilon-smoothed, nats
+    max_abs_error: float
+    output_rel_error: float | None  # ||o - o_hat|| / ||o||, o = a . V
+    output_cosine: float | None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def kl_divergence(p: np.ndarray, q: np.ndarray, eps: float = KL_EPS) -> float:
+    p_s = (p + eps) / (1 + eps * len(p))
+    q_s = (q + eps) / (1 + eps * len(q))
+    return float(np.sum(p_s * (np.log(p_s) - np.log(q_s))))
+
+
+def row_metrics(original: np.ndarray, compressed: np.ndarray, kept: np.ndarray,
+                out_original: np.ndarray | None = None,
+                out_compressed: np.ndarray | None = None) -> RowMetrics:
+    err = compressed - original
+    rel = cos = None
+    if out_original is not None and out_compressed is not None:
+        norm = float(np.linalg.norm(out_original))
+        rel = float(np.linalg.norm(out_compressed - out_original) / norm) if norm > 0 else 0.0
+        denom = norm * float(np.linalg.norm(out_compressed))
+        cos = float(out_original @ out_compressed / denom) if denom > 0 else 1.0
+    return RowMetrics(
+        mass_retained=float(original[kept].sum()),
+        tv_distance=float(0.5 * np.abs(err).sum()),
+        kl=kl_divergence(original, compressed),
+        max_abs_error=float(np.abs(err).max()) if len(err) else 0.0,
+        output_rel_error=rel,
+        output_cosine=cos,
+    )
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Per-token statistics of an ensemble of error rows (members x tokens)."""
+
+    mean: np.ndarray
+    std: np.ndarray
+    lo: np.ndarray   # 2.5th percentile
+    hi: np.ndarray   # 97.5th percentile
+    n: np.ndarray    # members that see each token
+
+
+def spread(errors: np.ndarray) -> Spread:
+    """Mean, std and 95% interval per token; NaN marks a token a member cannot see.
+
+    A single member (or identical members) gives zero spread, never missing values.
+    """
+    errors = np.atleast_2d(errors)
+    seen = ~np.isnan(errors)
+    n = seen.sum(axis=0)
+    if not n.all():
+        raise ValueError("every token needs at least one ensemble member that sees it")
+    mean = np.nanmean(errors, axis=0)
+    std = np.nanstd(errors, axis=0)
+    lo, hi = np.nanpercentile(errors, [2.5, 97.5], axis=0)
+    return Spread(mean=mean, std=std, lo=lo, hi=hi, n=n)
+
+
+def concentration_curve(attention: np.ndarray, fractions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Share of attention mass held by the top x of tokens, for x in `fractions` (0..1].
+
+    Fractions are of the tokens the row covers; the share uses ceil(x * n) tokens.
+    """
+    if fractions is None:
+        fractions = np.linspace(0.01, 1.0, 100)
+    a = np.sort(np.asarray(attention, dtype=np.float64))[::-1]
+    cum = np.concatenate([[0.0], np.cumsum(a)]) / max(a.sum(), 1e-300)
+    counts = np.clip(np.ceil(fractions * len(a) - 1e-9).astype(int), 0, len(a))
+    return np.asarray(fractions), cum[counts]
+
+
+def top_share(attention: np.ndarray, fraction: float) -> float:
+    """Mass held by the top `fraction` of tokens (at least one token)."""
+    return float(concentration_curve(attention, np.array([fraction]))[1][0])
+
+
+def entropy(attention: np.ndarray) -> float:
+    a = attention[attention > 0]
+    return float(-(a * np.log(a)).sum())

@@ -1,0 +1,23 @@
+"""Eviction policies: one small class a file; `POLICIES` maps scorer name -> instance."""
+
+from .base import Policy, ScoreContext, select
+from .h2o import H2O
+from .knorm import KNorm
+from .oracle import Oracle
+from .random import Random
+from .snapkv import SnapKV
+from .streaming import Streaming
+from .tova import TOVA
+
+POLICIES: dict[str, Policy] = {p.name: p for p in
+                               (H2O(), TOVA(), SnapKV(), Streaming(), Oracle(), KNorm(), Random())}
+
+
+def get_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown scorer {name!r}; choose one of {', '.join(POLICIES)}") from None
+
+
+__all__ = ["POLICIES", "Policy", "ScoreContext", "get_policy", "select"]

@@ -1,0 +1,170 @@
+"""The shared bookkeeping behind every eviction policy.
+
+A policy only says how much each cached token matters (`score`). This base turns scores
+into kept masks under the budget: the first `sink` tokens, the last `recent` tokens the
+query sees (its own included), and the `heavy` highest-scoring tokens among the rest.
+
+When decisions are made (DESIGN.md section 4):
+- at the compression point (right after the context) from what the cache has seen by
+  then: the context's own attention rows;
+- streaming policies (`streaming = True`) keep deciding at every later step: the new
+  token arrives, the cache is trimmed back to the budget by the current scores (a token
+  no query has scored yet is not evicted before one has), the query attends over what is
+  kept, and its attention updates the scores. An evicted token never comes back.
+- one-shot policies keep their compression-time scores; a later kept set is the top of a
+  growing candidate set under fixed scores, which is the same as greedy eviction.
+Only the oracle (`needs_query = True`) sees the query it is evaluated on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from ..attention import context_rows, masked_softmax
+from ..spec import Spec
+from ..trace import Trace
+
+
+@dataclass(frozen=True)
+class ScoreContext:
+    """What a policy may look at in one layer at the compression point."""
+
+    trace: Trace
+    layer: int
+    spec: Spec
+
+    @property
+    def n_context(self) -> int:
+        return self.trace.context_len
+
+    @property
+    def n_positions(self) -> int:
+        return self.trace.n_positions
+
+    @cached_property
+    def history_rows(self) -> np.ndarray:
+        """Context queries (indices) a real cache has seen by the compression point."""
+        return self.trace.context_queries
+
+    def context_attention(self, rows: np.ndarray | None = None, heads: np.ndarray | None = None):
+        """Chunks of (rows, attention (heads, rows, n_context)) of context queries."""
+        rows = self.history_rows if rows is None else rows
+        heads = np.arange(self.trace.n_q_heads) if heads is None else heads
+        return context_rows(self.trace, self.layer, heads, rows, self.n_context)
+
+    def per_kv_head(self, per_q_head: np.ndarray) -> np.ndarray:
+        """Sum a (q_heads, n) array within each GQA group -> (kv_heads, n)."""
+        g = self.trace.group_size
+        return per_q_head.reshape(self.trace.n_kv_heads, g, -1).sum(axis=1)
+
+
+class Policy:
+    """Base class: subclasses set `name` and implement `score` (and `update` if streaming)."""
+
+    name: str = ""
+    description: str = ""
+    streaming: bool = False    # keeps deciding at every later step
+    needs_query: bool = False  # sees the evaluated query (the oracle bound only)
+
+    def score(self, ctx: ScoreContext) -> np.ndarray:
+        """Importance of every position, shape (kv_heads, positions); higher = keep.
+
+        Context positions are scored at the compression point. Later positions get the
+        score they would have on arrival (-inf where the policy cannot score them: they
+        then stay only while inside the recent window).
+        """
+        raise NotImplementedError
+
+    def update(self, scores: np.ndarray, attention: np.ndarray, ctx: ScoreContext) -> None:
+        """Streaming policies: fold one later query's attention (q_heads, n) into scores in place."""
+
+    # --- bookkeeping ---------------------------------------------------------------
+    def keep_masks(self, ctx: ScoreContext, positions: np.ndarray) -> np.ndarray:
+        """Kept masks at the given evaluated query positions, shape (len, kv_heads, positions)."""
+        trace, spec = ctx.trace, ctx.spec
+        P, Hkv = trace.n_positions, trace.n_kv_heads
+        positions = np.asarray(positions)
+        out = np.zeros((len(positions), Hkv, P), dtype=bool)
+        if not spec.evicts:
+            for i, p in enumerate(positions):
+                out[i, :, : p + 1] = True
+            return out
+        scores = np.asarray(self.score(ctx), dtype=np.float64)
+        scores = np.broadcast_to(scores, (Hkv, P)).copy()
+        if not self.streaming:
+            for i, p in enumerate(positions):
+                out[i, :, : p + 1] = select(scores[:, : p + 1], spec)
+            return out
+        return self._simulate(ctx, scores, positions, out)
+
+    def _simulate(self, ctx: ScoreContext, scores: np.ndarray, positions: np.ndarray,
+                  out: np.ndarray) -> np.ndarray:
+        """Run a streaming policy step by step from the compression point."""
+        trace, spec = ctx.trace, ctx.spec
+        c = trace.context_len
+        kept = np.zeros((trace.n_kv_heads, trace.n_positions), dtype=bool)
+        kept[:, :c] = select(scores[:, :c], spec)
+        scores[:, c:] = np.inf  # nothing has scored a token that has not arrived
+        want = {int(p): i for i, p in enumerate(positions)}
+        for i, p in enumerate(positions):  # queries evaluated at the compression point
+            if p < c:
+                out[i, :, : p + 1] = kept[:, : p + 1]
+        query_at = {int(p): qi for qi, p in enumerate(trace.query_positions)}
+        group = trace.group_size
+        inv_sqrt_d = 1.0 / np.sqrt(trace.head_dim)
+        for p in range(c, int(positions.max()) + 1 if len(positions) else c):
+            kept[:, p] = True
+            _evict_over_budget(kept[:, : p + 1], scores[:, : p + 1], spec)
+            if p in want:
+                out[want[p], :, : p + 1] = kept[:, : p + 1]
+            qi = query_at.get(p)
+            if qi is None:
+                continue
+            q = trace.q[ctx.layer, :, qi].astype(np.float64)                     # (Hq, D)
+            k = trace.k[ctx.layer, :, : p + 1].astype(np.float64)                # (Hkv, p+1, D)
+            k = np.repeat(k, group, axis=0)                                      # (Hq, p+1, D)
+            if trace.logits is not None:
+                logits = trace.logits[ctx.layer, :, qi, : p + 1].astype(np.float64)
+            else:
+                logits = np.einsum("hd,hnd->hn", q, k) * inv_sqrt_d
+            attn = masked_softmax(logits, np.repeat(kept[:, : p + 1], group, axis=0))
+            new = scores[:, : p + 1]
+            new[np.isposinf(new)] = 0.0  # arrivals have now been seen by a query
+            self.update(new, attn, ctx)
+        return out
+
+
+def select(scores: np.ndarray, spec: Spec) -> np.ndarray:
+    """Kept mask (kv_heads, n): sinks, recent window, and the top `heavy` of the rest.
+
+    Keeps min(sink + recent + heavy, n) tokens. Ties go to the earlier token.
+    """
+    H, n = scores.shape
+    keep = np.zeros((H, n), dtype=bool)
+    keep[:, : spec.sink] = True
+    keep[:, max(0, n - spec.recent):] = True
+    n_cand = n - int(keep[0].sum())
+    take = min(spec.heavy, n_cand)
+    if take > 0:
+        key = np.where(keep, np.nan, -scores)  # candidates first by score; NaN sorts last
+        top = np.argsort(key, axis=1, kind="stable")[:, :take]
+        np.put_along_axis(keep, top, True, axis=1)
+    return keep
+
+
+def _evict_over_budget(kept: np.ndarray, scores: np.ndarray, spec: Spec) -> None:
+    """Evict, per KV head, the lowest-scoring unprotected tokens until the budget holds."""
+    n = kept.shape[1]
+    protected = np.zeros(n, dtype=bool)
+    protected[: spec.sink] = True
+    protected[max(0, n - spec.recent):] = True
+    while True:
+        cand = kept & ~protected
+        rows = np.flatnonzero((kept.sum(axis=1) > spec.budget) & cand.any(axis=1))
+        if not len(rows):
+            return
+        victim = np.nanargmin(np.where(cand[rows], scores[rows], np.nan), axis=1)
+        kept[rows, victim] = False

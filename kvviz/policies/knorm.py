@@ -1,0 +1,14 @@
+"""Key-norm baseline: keep the keys with the smallest L2 norm (query-free)."""
+
+import numpy as np
+
+from .base import Policy, ScoreContext
+
+
+class KNorm(Policy):
+    name = "knorm"
+    description = "smallest key L2 norm first; needs no attention at all"
+
+    def score(self, ctx: ScoreContext) -> np.ndarray:
+        keys = ctx.trace.k[ctx.layer]                       # (kv_heads, positions, head_dim)
+        return -np.linalg.norm(keys.astype(np.float64), axis=-1)

@@ -1,0 +1,14 @@
+"""Seeded random baseline: what any policy must beat."""
+
+import numpy as np
+
+from .base import Policy, ScoreContext
+
+
+class Random(Policy):
+    name = "random"
+    description = "uniformly random heavy hitters (seeded)"
+
+    def score(self, ctx: ScoreContext) -> np.ndarray:
+        rng = np.random.default_rng([ctx.spec.seed, ctx.layer])
+        return rng.random((ctx.trace.n_kv_heads, ctx.n_positions))

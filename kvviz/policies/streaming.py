@@ -1,0 +1,14 @@
+"""StreamingLLM (Xiao et al. 2023): attention sinks plus a recent window, by position only."""
+
+import numpy as np
+
+from .base import Policy, ScoreContext
+
+
+class Streaming(Policy):
+    name = "streaming"
+    description = "position only: sinks + recent window (a heavy budget widens the window)"
+
+    def score(self, ctx: ScoreContext) -> np.ndarray:
+        recency = np.arange(ctx.n_positions, dtype=np.float64)
+        return np.broadcast_to(recency, (ctx.trace.n_kv_heads, ctx.n_positions))

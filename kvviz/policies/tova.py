@@ -1,0 +1,21 @@
+"""TOVA, Token Omission Via Attention (Oren et al. 2024): the last query decides, for all heads."""
+
+import numpy as np
+
+from .base import Policy, ScoreContext
+
+
+class TOVA(Policy):
+    name = "tova"
+    description = "attention from the last query seen, averaged over all heads; streaming"
+    streaming = True
+
+    def score(self, ctx: ScoreContext) -> np.ndarray:
+        last = ctx.history_rows[-1:]
+        _, attn = next(ctx.context_attention(rows=last))  # (q_heads, 1, n_context)
+        scores = np.full(ctx.n_positions, -np.inf)
+        scores[: ctx.n_context] = attn[:, 0].mean(axis=0)
+        return np.broadcast_to(scores, (ctx.trace.n_kv_heads, ctx.n_positions))
+
+    def update(self, scores, attention, ctx):
+        scores[:] = attention.mean(axis=0)  # one decision shared by every head

@@ -1,0 +1,157 @@
+"""The Trace: what every attention source produces.
+
+A trace holds, per layer, the queries of the token positions that have one, and the
+keys and values the KV cache stores for every position. Shapes:
+
+    q      (layers, q_heads,  n_queries, head_dim)   queries at `query_positions`
+    k, v   (layers, kv_heads, positions, head_dim)   what the cache stores (post-RoPE K)
+    logits (layers, q_heads,  n_queries, positions)  optional exact logits (logit-only sources)
+
+`context_len` is the compression point: positions < context_len are the prompt, whose
+attention rows the policies may read; queries at positions >= context_len are the later
+(decode) steps that read the compressed cache. The query at position p sees keys 0..p.
+Query head h reads KV head h // (q_heads // kv_heads) (grouped-query attention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class TraceError(ValueError):
+    """A trace that cannot be used; the message says what is wrong."""
+
+
+@dataclass(frozen=True, eq=False)
+class Trace:
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray | None
+    context_len: int
+    tokens: tuple[str, ...]
+    query_positions: np.ndarray  # (n_queries,) int64, strictly increasing
+    meta: dict[str, Any] = field(default_factory=dict)
+    logits: np.ndarray | None = None
+    noise_eps: np.ndarray | None = None  # (positions,) the source's own first noise draw
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    # --- shape helpers -------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def n_q_heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def n_positions(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.n_q_heads // self.n_kv_heads
+
+    def kv_head(self, q_head: int) -> int:
+        return q_head // self.group_size
+
+    @property
+    def n_queries(self) -> int:
+        return len(self.query_positions)
+
+    @property
+    def later_queries(self) -> np.ndarray:
+        """Indices (into query_positions) of the queries after the compression point."""
+        return np.flatnonzero(self.query_positions >= self.context_len)
+
+    @property
+    def context_queries(self) -> np.ndarray:
+        """Indices of the queries inside the context (what policies may read)."""
+        return np.flatnonzero(self.query_positions < self.context_len)
+
+    @property
+    def evaluated_queries(self) -> np.ndarray:
+        """The queries that read the compressed cache.
+
+        Later queries when there are any; otherwise the last context query (whose own
+        attention is then part of the history, as in the handbook's example).
+        """
+        later = self.later_queries
+        return later if len(later) else np.array([self.n_queries - 1])
+
+    @property
+    def has_later_queries(self) -> bool:
+        return len(self.later_queries) > 0
+
+    @property
+    def has_values(self) -> bool:
+        return self.v is not None
+
+    def describe(self) -> str:
+        return (f"{self.meta.get('source', 'trace')}: {self.n_layers} layers x "
+                f"{self.n_q_heads} query heads ({self.n_kv_heads} KV) x "
+                f"{self.n_positions} tokens, head dim {self.head_dim}, "
+                f"context {self.context_len}, {len(self.later_queries)} later queries")
+
+
+def validate(t: Trace) -> None:
+    """Check shapes, dtypes and finiteness; raise TraceError with a readable reason."""
+    for name in ("q", "k"):
+        a = getattr(t, name)
+        if not isinstance(a, np.ndarray) or a.ndim != 4:
+            raise TraceError(f"{name} must be a 4-D array (layers, heads, positions, head_dim)")
+    arrays = {"q": t.q, "k": t.k}
+    if t.v is not None:
+        arrays["v"] = t.v
+        if t.v.shape != t.k.shape:
+            raise TraceError(f"v has shape {t.v.shape} but k has {t.k.shape}")
+    for name, a in arrays.items():
+        if a.dtype.kind != "f":
+            raise TraceError(f"{name} must hold floats, not {a.dtype}")
+        if a.size == 0:
+            raise TraceError(f"{name} is empty")
+    L, Hq, Nq, D = t.q.shape
+    Lk, Hkv, P, Dk = t.k.shape
+    if (L, D) != (Lk, Dk):
+        raise TraceError(f"q {t.q.shape} and k {t.k.shape} disagree on layers or head_dim")
+    if Hkv < 1 or Hq % Hkv:
+        raise TraceError(f"{Hq} query heads cannot share {Hkv} KV heads evenly")
+    qp = np.asarray(t.query_positions)
+    if qp.shape != (Nq,):
+        raise TraceError(f"query_positions has {qp.shape} entries, q has {Nq} queries")
+    if Nq and (qp.min() < 0 or qp.max() >= P or np.any(np.diff(qp) <= 0)):
+        raise TraceError("query_positions must be increasing positions inside the trace")
+    if not 1 <= t.context_len <= P:
+        raise TraceError(f"context_len {t.context_len} must be between 1 and {P}")
+    if len(t.tokens) != P:
+        raise TraceError(f"{len(t.tokens)} token labels for {P} positions")
+    if t.logits is not None and t.logits.shape != (L, Hq, Nq, P):
+        raise TraceError(f"logits must have shape {(L, Hq, Nq, P)}, not {t.logits.shape}")
+    if t.noise_eps is not None and t.noise_eps.shape != (P,):
+        raise TraceError("noise_eps must have one value per position")
+    for name, a in {**arrays, "logits": t.logits}.items():
+        if a is not None and not np.isfinite(a).all():
+            raise TraceError(f"{name} contains NaN or infinite values")
+
+
+def trace_with(t: Trace, **changes: Any) -> Trace:
+    """A copy of `t` with some fields replaced (re-validated)."""
+    fields = dict(q=t.q, k=t.k, v=t.v, context_len=t.context_len, tokens=t.tokens,
+                  query_positions=t.query_positions, meta=t.meta, logits=t.logits,
+                  noise_eps=t.noise_eps)
+    fields.update(changes)
+    return Trace(**fields)
