@@ -166,5 +166,7 @@ def _evict_over_budget(kept: np.ndarray, scores: np.ndarray, spec: Spec) -> None
         rows = np.flatnonzero((kept.sum(axis=1) > spec.budget) & cand.any(axis=1))
         if not len(rows):
             return
-        victim = np.nanargmin(np.where(cand[rows], scores[rows], np.nan), axis=1)
+        # candidates by score (a not-yet-scored +inf still beats a non-candidate)
+        key = np.where(cand[rows], np.minimum(scores[rows], np.finfo(np.float64).max), np.inf)
+        victim = np.argmin(key, axis=1)
         kept[rows, victim] = False
