@@ -1,0 +1,237 @@
+"""The `kvviz` command line: compare one configuration, sweep many, and the plug-in commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from .spec import AXES, ENSEMBLES, FULL_BITS, QUANT_MODELS, SCORERS, Spec, SpecError, View
+from .trace import TraceError
+
+
+class CliError(Exception):
+    """A usage problem to report in one line."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments: one clear line and exit status 2, not a usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _nonneg(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def add_source_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("source")
+    g.add_argument("--source", default="handbook", help="handbook, synthetic, or a trace file (.safetensors)")
+    g.add_argument("--context", type=int, default=512, help="synthetic: context tokens (8-32768)")
+    g.add_argument("--steps", type=int, default=32, help="synthetic: later query steps")
+    g.add_argument("--layers", type=int, default=2, help="synthetic: layers")
+    g.add_argument("--heads", type=int, default=4, help="synthetic: query heads")
+    g.add_argument("--kv-heads", type=int, default=2, help="synthetic: KV heads")
+    g.add_argument("--head-dim", type=int, default=64, help="synthetic: head dimension")
+    g.add_argument("--topic-shift", type=float, default=0.0, help="synthetic: logit boost of late anchors")
+
+
+def add_compression_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("compression (eviction is off unless --sink, --recent or --heavy is given)")
+    g.add_argument("--sink", type=_nonneg, default=0, help="attention-sink tokens kept")
+    g.add_argument("--recent", type=_nonneg, default=0, help="recent-window tokens kept")
+    g.add_argument("--heavy", type=_nonneg, default=0, help="heavy-hitter budget")
+    g.add_argument("--scorer", default="h2o", choices=SCORERS, help="how heavy hitters are ranked")
+    g.add_argument("--bits", type=int, help="key and value bits (1-8; 16 = off)")
+    g.add_argument("--key-bits", type=int, help="key bits (overrides --bits)")
+    g.add_argument("--value-bits", type=int, help="value bits (overrides --bits)")
+    g.add_argument("--key-axis", default="channel", choices=AXES)
+    g.add_argument("--value-axis", default="token", choices=AXES)
+    g.add_argument("--group-size", type=int, default=32)
+    g.add_argument("--residual", type=_nonneg, default=0, help="recent tokens kept in full precision")
+    g.add_argument("--symmetric", action="store_true", help="symmetric quantization (no zero point)")
+    g.add_argument("--quant-model", default="kv", choices=QUANT_MODELS,
+                   help="kv = real K/V quantization; noise = the handbook's logit-noise model")
+    g.add_argument("--noise-sigma", type=float, default=0.01, help="noise model: logit noise std")
+    g.add_argument("--seed", type=int, default=0, help="random draws (noise, random scorer, synthetic source)")
+
+
+def spec_from_args(a: argparse.Namespace) -> Spec:
+    bits = FULL_BITS if a.bits is None else a.bits
+    return Spec(sink=a.sink, recent=a.recent, heavy=a.heavy, scorer=a.scorer,
+                key_bits=bits if a.key_bits is None else a.key_bits,
+                value_bits=bits if a.value_bits is None else a.value_bits,
+                key_axis=a.key_axis, value_axis=a.value_axis, group_size=a.group_size,
+                residual=a.residual, symmetric=a.symmetric, quant_model=a.quant_model,
+                noise_sigma=a.noise_sigma, seed=a.seed)
+
+
+def source_from_args(a: argparse.Namespace):
+    """(trace, trace_for_seed) for the chosen source."""
+    from .sources import SyntheticSpec, load_source
+
+    synthetic = None
+    if a.source == "synthetic":
+        synthetic = SyntheticSpec(context=a.context, steps=a.steps, layers=a.layers, q_heads=a.heads,
+                                  kv_heads=a.kv_heads, head_dim=a.head_dim, seed=a.seed,
+                                  topic_shift=a.topic_shift)
+    elif a.source not in ("handbook",) and not Path(a.source).exists():
+        raise TraceError(f"no such source or file: {a.source} (use handbook, synthetic or a .safetensors trace)")
+    trace = load_source(a.source, synthetic)
+    for_seed = None
+    if synthetic is not None:
+        from .sources import make_synthetic
+        for_seed = lambda r: make_synthetic(synthetic.with_(seed=synthetic.seed + r))  # noqa: E731
+    return trace, for_seed
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    from .engine import compare
+
+    spec = spec_from_args(a)
+    view = View(layer=a.layer, head=a.head, step=a.step, ensemble=a.ensemble, ensemble_size=a.ensemble_size)
+    trace, for_seed = source_from_args(a)
+    result = compare(trace, spec, view, trace_for_seed=for_seed)
+    if a.json:
+        json.dump(_json_safe(result.to_json()), sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(format_table(result, trace))
+    return 0
+
+
+def _json_safe(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def format_table(result, trace, max_rows: int = 80) -> str:
+    from .engine import REASONS
+
+    p = result.primary
+    lines = [trace.describe(),
+             f"spec: {result.spec.label()}   layer {p.layer}, head {p.head} (KV head {p.kv_head}), "
+             f"query at position {p.position}"
+             + (f", error bars over {len(result.members)} {result.ensemble}" if result.ensemble else ""),
+             *[f"note: {n}" for n in result.notes], "",
+             f"{'pos':>6} {'token':<12} {'original':>10} {'compressed':>11} {'error':>10} {'err std':>9}  kept"]
+    n = len(p.original)
+    rows = range(n) if n <= max_rows else list(range(max_rows // 2)) + list(range(n - max_rows // 2, n))
+    last = -1
+    for i in rows:
+        if i != last + 1:
+            lines.append(f"{'...':>6}")
+        last = i
+        lines.append(f"{i:>6} {result.tokens[i][:12]:<12} {p.original[i]:>10.5f} {p.compressed[i]:>11.5f} "
+                     f"{p.error[i]:>+10.5f} {result.spread.std[i]:>9.5f}  {REASONS[int(p.reason[i])]}")
+    m = result.metrics
+    out = "n/a" if m["output_rel_error"] is None else f"{m['output_rel_error']:.4f}"
+    lines += ["", "metrics:",
+              f"  attention mass retained   {m['mass_retained']:.4f}",
+              f"  total-variation distance  {m['tv_distance']:.4f}",
+              f"  KL(original || compressed) {m['kl']:.4f} nats",
+              f"  max |error|               {m['max_abs_error']:.5f}",
+              f"  output relative L2 error  {out}",
+              f"  KV cache                  {m['kv_bytes']:,.0f} B of {m['kv_bytes_full']:,.0f} B (16-bit), "
+              f"{m['compression_ratio']:.2f}x smaller; {m['kept_tokens']} of {m['total_tokens']} tokens kept"]
+    return "\n".join(lines)
+
+
+def cmd_sweep(a: argparse.Namespace) -> int:
+    from .sweep import sweep, to_csv
+
+    scorers = [s.strip() for s in a.scorers.split(",") if s.strip()]
+    bad = [s for s in scorers if s not in SCORERS]
+    if bad:
+        raise SpecError(f"unknown scorer {bad[0]!r}; choose from {', '.join(SCORERS)}")
+    try:
+        fractions = [float(x) for x in a.budgets.split(",")]
+        bits = [int(x) for x in a.bits_list.split(",")]
+    except ValueError:
+        raise CliError("--budgets takes fractions like 0.1,0.2 and --bits-list integers like 16,4,2") from None
+    if any(not 0 < f <= 1 for f in fractions):
+        raise CliError("budgets are fractions of the tokens, each in (0, 1]")
+    base = spec_from_args(a)
+    trace, _ = source_from_args(a)
+    view = View(layer=a.layer, head=a.head, step=a.step, ensemble=a.ensemble or "heads",
+                ensemble_size=a.ensemble_size)
+    rows = sweep(trace, scorers, fractions, bits, view, base,
+                 progress=(lambda f, msg: print(f"\r[{f:4.0%}] {msg:<50}", end="", file=sys.stderr)))
+    print(file=sys.stderr)
+    text = to_csv(rows)
+    if a.out:
+        Path(a.out).write_text(text)
+        print(f"wrote {len(rows)} rows to {a.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def add_view_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("view")
+    g.add_argument("--layer", type=int, default=0)
+    g.add_argument("--head", type=int, default=0, help="query head")
+    g.add_argument("--step", type=int, default=None, help="which evaluated query (default: the last)")
+    g.add_argument("--ensemble", choices=ENSEMBLES, default=None, help="what the error bars range over")
+    g.add_argument("--ensemble-size", type=int, default=8)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .commands import register_all
+
+    parser = OneLineParser(prog="kvviz", description="See what KV-cache compression does to attention.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+
+    p = sub.add_parser("compare", help="original vs compressed attention for one configuration")
+    add_source_args(p)
+    add_compression_args(p)
+    add_view_args(p)
+    p.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("sweep", help="several policies over several budgets and bits -> CSV")
+    add_source_args(p)
+    add_compression_args(p)
+    add_view_args(p)
+    p.add_argument("--scorers", default=",".join(SCORERS), help="comma-separated scorers")
+    p.add_argument("--budgets", default="0.05,0.1,0.2,0.3,0.5,1.0", help="budget fractions of the tokens")
+    p.add_argument("--bits-list", default="16,8,4,2", help="bit widths to sweep")
+    p.add_argument("--out", help="CSV file (default: standard output)")
+    p.set_defaults(func=cmd_sweep)
+
+    register_all(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except BrokenPipeError:  # e.g. piped into `head`
+        sys.stderr.close()
+        return 0
+    except (SpecError, TraceError, CliError) as exc:
+        print(f"kvviz: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # ModelError and friends: one line, no traceback
+        from .models import ModelError
+        if isinstance(exc, (ModelError, FileNotFoundError, PermissionError)):
+            print(f"kvviz: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""Sweeps: many policies over many budgets and bit widths -> the data behind a trade-off curve."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Callable, Iterable, Sequence
+
+from .engine import compare
+from .spec import FULL_BITS, SCORERS, Spec, View
+from .trace import Trace
+
+DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
+DEFAULT_BITS = (16, 8, 4, 2)
+COLUMNS = ("method", "budget", "budget_fraction", "bits", "memory_ratio", "compression_ratio",
+           "mass_retained", "tv", "kl", "output_error", "output_cosine")
+
+
+def split_budget(scorer: str, budget: int, sink: int = 4) -> dict:
+    """Sink / recent / heavy for a total token budget.
+
+    StreamingLLM spends everything after the sinks on the recent window; the others split
+    it evenly between recent window and heavy hitters (H2O's 10% + 10%).
+    """
+    sink = min(sink, budget)
+    rest = budget - sink
+    if scorer == "streaming":
+        return dict(sink=sink, recent=rest, heavy=0)
+    recent = rest // 2
+    return dict(sink=sink, recent=recent, heavy=rest - recent)
+
+
+def sweep(trace: Trace, scorers: Sequence[str] = SCORERS, fractions: Iterable[float] = DEFAULT_FRACTIONS,
+          bits: Iterable[int] = DEFAULT_BITS, view: View = View(ensemble="heads"), base: Spec = Spec(),
+          progress: Callable[[float, str], None] | None = None) -> list[dict]:
+    """One row per (method, budget, bits): memory ratio and errors averaged over the view's ensemble.
+
+    A fraction of 1.0 means no eviction (the method column then reads "full") so the
+    quantization-only points sit on the same chart.
+    """
+    n_tokens = int(trace.query_positions[trace.evaluated_queries[-1 if view.step is None else view.step]]) + 1
+    fractions, bits = sorted(set(fractions)), list(bits)
+    jobs = []
+    for f in fractions:
+        budget = max(1, int(round(f * n_tokens)))
+        methods = ["full"] if budget >= n_tokens else list(scorers)
+        for method in methods:
+            for b in bits:
+                jobs.append((method, budget, f, b))
+    rows = []
+    for i, (method, budget, f, b) in enumerate(jobs):
+        if progress:
+            progress(i / len(jobs), f"{method} budget {budget} at {b} bits")
+        evict = {} if method == "full" else split_budget(method, budget)
+        spec = base.with_(scorer=base.scorer if method == "full" else method, key_bits=b, value_bits=b,
+                          **({"sink": 0, "recent": 0, "heavy": 0} | evict))
+        c = compare(trace, spec, view)
+        m = c.metrics_mean
+        rows.append({
+            "method": method, "budget": min(budget, n_tokens), "budget_fraction": f, "bits": b,
+            "memory_ratio": c.memory.ratio, "compression_ratio": c.memory.compression_ratio,
+            "mass_retained": m["mass_retained"], "tv": m["tv_distance"], "kl": m["kl"],
+            "output_error": m["output_rel_error"], "output_cosine": m["output_cosine"],
+        })
+    if progress:
+        progress(1.0, "done")
+    return rows
+
+
+def to_csv(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: ("" if r.get(k) is None else r[k]) for k in COLUMNS})
+    return buf.getvalue()
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of points not dominated in (lower x, lower y), sorted by x."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1]))
+    front, best = [], float("inf")
+    for i in order:
+        if points[i][1] < best:
+            front.append(i)
+            best = points[i][1]
+    return front
+
+
+__all__ = ["COLUMNS", "DEFAULT_BITS", "DEFAULT_FRACTIONS", "FULL_BITS", "pareto_front", "split_budget",
+           "sweep", "to_csv"]
