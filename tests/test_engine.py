@@ -1,0 +1,145 @@
+"""Engine properties: no compression -> zero error, budgets, renormalisation, streaming H2O, ensembles."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvviz import SCORERS, Spec, SpecError, View, compare, keep_masks
+from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+
+SMALL = SyntheticSpec(context=96, steps=12, layers=2, q_heads=4, kv_heads=2, head_dim=48,
+                      n_anchors=4, n_shift_tokens=2, outlier_channels=2)
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return make_synthetic(SMALL)
+
+
+def test_no_compression_is_exact(trace):
+    for ens in (None, "heads", "steps"):
+        c = compare(trace, Spec(), View(layer=1, head=2, ensemble=ens))
+        assert np.all(c.primary.error == 0)
+        assert np.all(c.spread.mean == 0) and np.all(c.spread.std == 0)
+        assert c.metrics["tv_distance"] == 0 and c.metrics["kl"] == pytest.approx(0, abs=1e-12)
+        assert c.metrics["output_rel_error"] == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(sink=st.integers(0, 10), recent=st.integers(0, 40), heavy=st.integers(0, 120),
+       scorer=st.sampled_from(SCORERS), head=st.integers(0, 3), step=st.integers(0, 11))
+def test_budget_and_renormalisation(trace, sink, recent, heavy, scorer, head, step):
+    spec = Spec(sink=sink, recent=recent, heavy=heavy, scorer=scorer)
+    c = compare(trace, spec, View(head=head, step=step))
+    row = c.primary
+    n = row.position + 1
+    expected = min(spec.budget, n) if spec.evicts else n
+    assert row.kept.sum() == expected
+    assert np.all(row.compressed[~row.kept] == 0)
+    assert row.compressed.sum() == pytest.approx(1.0, abs=1e-12)
+    assert np.all(row.kept[:min(sink, n)])
+    if recent:
+        assert np.all(row.kept[n - min(recent, n):])
+    if spec.evicts:
+        assert c.memory.kept_tokens == expected
+
+
+def test_evicted_mass_is_the_error(trace):
+    """Without quantization, kept tokens scale up by 1/mass_retained."""
+    row = compare(trace, Spec(sink=4, recent=8, heavy=8)).primary
+    m = row.original[row.kept].sum()
+    np.testing.assert_allclose(row.compressed[row.kept], row.original[row.kept] / m, atol=1e-12)
+
+
+def test_more_budget_more_mass(trace):
+    masses = [compare(trace, Spec(sink=4, recent=b, heavy=b), View(ensemble="heads")).metrics_mean["mass_retained"]
+              for b in (2, 8, 24, 48)]
+    assert all(a < b for a, b in zip(masses, masses[1:]))
+
+
+def test_more_bits_less_error(trace):
+    errs = [compare(trace, Spec(key_bits=b, value_bits=b), View(ensemble="heads")).metrics_mean["tv_distance"]
+            for b in (2, 3, 4, 8)]
+    assert all(a > b for a, b in zip(errs, errs[1:]))
+
+
+def test_streaming_h2o_never_readmits(trace):
+    spec = Spec(sink=2, recent=4, heavy=10, scorer="h2o")
+    positions = trace.query_positions[trace.later_queries]
+    masks = keep_masks(trace, spec, 0, positions)          # (steps, kv_heads, positions)
+    for t in range(1, len(positions)):
+        before, after = masks[t - 1], masks[t]
+        readmitted = after & ~before
+        readmitted[:, positions[t]] = False                 # the new token arrives
+        assert not readmitted.any()
+        assert (after.sum(axis=1) == spec.budget).all()
+
+
+def test_oracle_is_the_bound(trace):
+    view = View(ensemble="heads")
+    best = compare(trace, Spec(sink=4, recent=8, heavy=16, scorer="oracle"), view).metrics_mean["mass_retained"]
+    for scorer in SCORERS:
+        got = compare(trace, Spec(sink=4, recent=8, heavy=16, scorer=scorer), view).metrics_mean["mass_retained"]
+        assert got <= best + 1e-12
+
+
+def test_topic_shift_hurts_history_based_eviction():
+    t = make_synthetic(SyntheticSpec(context=256, steps=32, topic_shift=10.0, shift_at=0.25))
+    spec = dict(sink=4, recent=16, heavy=24)
+    view = View(ensemble="steps", ensemble_size=16)
+    h2o = compare(t, Spec(scorer="h2o", **spec), view).metrics_mean["mass_retained"]
+    oracle = compare(t, Spec(scorer="oracle", **spec), view).metrics_mean["mass_retained"]
+    assert oracle - h2o > 0.2, "late anchors were never attended in the context, so H2O dropped them"
+
+
+def test_gqa_decisions_are_per_kv_head(trace):
+    masks = keep_masks(trace, Spec(sink=1, recent=2, heavy=6, scorer="h2o"), 0, [trace.n_positions - 1])
+    assert masks.shape == (1, trace.n_kv_heads, trace.n_positions)
+    shared = keep_masks(trace, Spec(sink=1, recent=2, heavy=6, scorer="tova"), 0, [trace.n_positions - 1])
+    assert (shared[0, 0] == shared[0, 1]).all()
+
+
+def test_ensembles_give_error_bars(trace):
+    spec = Spec(sink=4, recent=8, heavy=8, key_bits=2, value_bits=2)
+    for ens, size in (("heads", 4), ("layers", 2), ("steps", 5), ("seeds", 3)):
+        c = compare(trace, spec, View(ensemble=ens, ensemble_size=size))
+        assert len(c.members) == size
+        n = len(c.primary.error)
+        errors = np.full((size, n), np.nan)  # an earlier step does not see the newest tokens
+        for i, m in enumerate(c.members):
+            errors[i, : min(n, len(m.error))] = m.error[:n]
+        np.testing.assert_allclose(c.spread.mean, np.nanmean(errors, axis=0), atol=1e-12)
+        np.testing.assert_allclose(c.spread.std, np.nanstd(errors, axis=0), atol=1e-12)
+        assert c.spread.std.max() > 0
+        assert np.all(c.spread.lo <= c.spread.mean + 1e-12) and np.all(c.spread.mean <= c.spread.hi + 1e-12)
+
+
+def test_seed_ensemble_of_noise_has_spread_and_deterministic_has_none():
+    from kvviz.sources.handbook import handbook_trace
+    t = handbook_trace()
+    noisy = compare(t, Spec(quant_model="noise", noise_sigma=0.05), View(ensemble="seeds", ensemble_size=10))
+    assert noisy.spread.std.max() > 0
+    fixed = compare(t, Spec(key_bits=4, value_bits=4), View(ensemble="seeds", ensemble_size=10))
+    assert np.all(fixed.spread.std == 0)
+
+
+def test_bad_views_and_specs(trace):
+    with pytest.raises(SpecError, match="head 9"):
+        compare(trace, Spec(), View(head=9))
+    with pytest.raises(SpecError, match="layer"):
+        compare(trace, Spec(), View(layer=5))
+    with pytest.raises(SpecError, match="step"):
+        compare(trace, Spec(), View(step=100))
+    for bad in (dict(sink=-1), dict(key_bits=0), dict(value_bits=9), dict(scorer="nope"),
+                dict(symmetric=True, key_bits=1), dict(noise_sigma=float("nan")), dict(group_size=0)):
+        with pytest.raises(SpecError):
+            Spec(**bad)
+
+
+def test_memory_counts_gqa(trace):
+    c = compare(trace, Spec(sink=4, recent=8, heavy=8))
+    n = c.primary.position + 1
+    per_token = 2 * 2 * trace.n_layers * trace.n_kv_heads * trace.head_dim
+    assert c.memory.kv_bytes_full == n * per_token
+    assert c.memory.kv_bytes == 20 * per_token

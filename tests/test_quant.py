@@ -1,0 +1,73 @@
+"""Quantization: the error bound, monotonicity in bits, KIVI's axis choice, memory counts."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from kvviz.quant import kv_bytes_per_token, quant_step, quantize, tensor_bytes
+
+finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False, width=64)
+
+
+@settings(max_examples=80, deadline=None)
+@given(x=arrays(np.float64, st.tuples(st.integers(1, 40), st.integers(1, 16)), elements=finite),
+       bits=st.integers(1, 8), axis=st.sampled_from(["channel", "token"]), group=st.integers(1, 40))
+def test_error_at_most_half_a_step(x, bits, axis, group):
+    x_hat = quantize(x, bits, axis, group)
+    s = quant_step(x, bits, axis, group)
+    assert np.all(np.abs(x - x_hat) <= s / 2 + 1e-9 * (1 + np.abs(x)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(x=arrays(np.float64, st.tuples(st.integers(2, 40), st.integers(2, 16)), elements=finite),
+       bits=st.integers(2, 8))
+def test_symmetric_error_bound(x, bits):
+    x_hat = quantize(x, bits, "token", 8, symmetric=True)
+    s = quant_step(x, bits, "token", 8, symmetric=True)
+    assert np.all(np.abs(x - x_hat) <= s / 2 + 1e-9 * (1 + np.abs(x)))
+
+
+def test_error_falls_as_bits_rise():
+    x = np.random.default_rng(0).standard_normal((256, 64))
+    errors = [np.abs(quantize(x, b, "token", 32) - x).mean() for b in range(1, 9)]
+    assert all(a > b for a, b in zip(errors, errors[1:]))
+    assert quantize(x, 16) is x  # 16 bits = off
+
+
+def test_residual_tokens_untouched():
+    x = np.random.default_rng(1).standard_normal((100, 16))
+    x_hat = quantize(x, 2, "channel", 32, residual=10)
+    np.testing.assert_array_equal(x_hat[-10:], x[-10:])
+    assert np.abs(x_hat[:-10] - x[:-10]).max() > 0
+
+
+def test_per_channel_beats_per_token_on_outlier_keys():
+    rng = np.random.default_rng(2)
+    keys = rng.standard_normal((512, 64))
+    keys[:, [3, 17]] = 20 + rng.standard_normal((512, 2))  # outlier channels, as real keys have
+    err = {(b, axis): np.abs(quantize(keys, b, axis, 32) - keys).mean()
+           for b in (2, 4) for axis in ("channel", "token")}
+    assert err[2, "channel"] < 0.7 * err[2, "token"]
+    assert err[4, "channel"] < 0.5 * err[4, "token"]
+
+
+def test_memory_by_hand():
+    # 100 tokens x 64 channels at 4 bits, per-channel groups of 32 tokens, residual 4:
+    # 96 quantized tokens -> 3 groups per channel -> 192 groups x (16 + 16) bits overhead.
+    b = tensor_bytes(100, 64, 4, "channel", 32, 4, False)
+    assert b.payload == 96 * 64 * 4 / 8
+    assert b.overhead == 192 * 4
+    assert b.residual == 4 * 64 * 2
+    # per-token groups of 32 channels, symmetric: 2 groups a token, 16-bit scale only
+    b = tensor_bytes(10, 64, 2, "token", 32, 0, True)
+    assert (b.payload, b.overhead, b.residual) == (10 * 64 * 2 / 8, 20 * 2, 0)
+    assert tensor_bytes(10, 64, 16, "token", 32, 0, False).total == 10 * 64 * 2
+    # 2 bits with G=32 costs about 3 bits a value (DESIGN: b + 32/G)
+    b = tensor_bytes(3200, 64, 2, "token", 32, 0, False)
+    assert b.total * 8 / (3200 * 64) == pytest.approx(3.0)
+
+
+def test_llama2_7b_bytes_per_token():
+    assert kv_bytes_per_token(32, 32, 128) == 0.5 * 2**20  # 0.5 MB a token
