@@ -25,24 +25,32 @@ def masked_softmax(logits: np.ndarray, keep: np.ndarray) -> np.ndarray:
     return softmax(np.where(keep, logits, -np.inf))
 
 
-def logit_row(trace: Trace, layer: int, head: int, qi: int, keys: np.ndarray | None = None) -> np.ndarray:
+def logit_row(trace: Trace, layer: int, head: int, qi: int) -> np.ndarray:
     """Logits of query qi (index into query_positions) of one head over keys 0..p. Shape (p+1,).
 
-    `keys` (p+1, head_dim) replaces the trace's keys (e.g. dequantized ones). For a
-    logit-only source the exact stored logits are used, plus q . (keys - K) / sqrt(d)
-    when other keys are given, so no quantization means exactly the source's logits.
+    Computed in the trace's precision and returned as float64; a logit-only source
+    returns its exact stored logits.
     """
     p = int(trace.query_positions[qi])
-    k_true = trace.k[layer, trace.kv_head(head), : p + 1]
-    q = trace.q[layer, head, qi].astype(np.float64)
-    scale = 1.0 / np.sqrt(trace.head_dim)
     if trace.logits is not None:
-        base = trace.logits[layer, head, qi, : p + 1].astype(np.float64)
-        if keys is None:
-            return base
-        return base + (keys.astype(np.float64) - k_true) @ q * scale
-    k = k_true if keys is None else keys
-    return k.astype(np.float64) @ q * scale
+        return trace.logits[layer, head, qi, : p + 1].astype(np.float64)
+    k = trace.k[layer, trace.kv_head(head), : p + 1]               # (p+1, D)
+    q = trace.q[layer, head, qi]                                    # (D,)
+    return (k @ q).astype(np.float64) / np.sqrt(trace.head_dim)
+
+
+def logits_with_keys(trace: Trace, layer: int, head: int, qi: int, logits: np.ndarray,
+                     idx: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """`logits` with the entries at `idx` recomputed from other keys (e.g. dequantized ones).
+
+    Adds q . (keys - K) / sqrt(d) to the original logits, so a logit-only source keeps its
+    exact logits wherever the keys did not change.
+    """
+    q = trace.q[layer, head, qi].astype(np.float64)
+    k_true = trace.k[layer, trace.kv_head(head), idx].astype(np.float64)
+    out = logits.copy()
+    out[idx] += (keys - k_true) @ q / np.sqrt(trace.head_dim)
+    return out
 
 
 def context_rows(trace: Trace, layer: int, heads: np.ndarray, rows: np.ndarray,
@@ -55,7 +63,7 @@ def context_rows(trace: Trace, layer: int, heads: np.ndarray, rows: np.ndarray,
     """
     q_all = trace.q[layer][heads]                                   # (H, Nq, D)
     kv = trace.kv_head(np.asarray(heads))
-    k = trace.k[layer][kv, :n_keys].astype(np.float32, copy=False)  # (H, n_keys, D)
+    k_t = np.swapaxes(trace.k[layer][kv, :n_keys].astype(np.float32, copy=False), 1, 2)  # (H, D, n_keys)
     scale = np.float32(1.0 / np.sqrt(trace.head_dim))
     key_pos = np.arange(n_keys)
     for start in range(0, len(rows), chunk):
@@ -63,8 +71,11 @@ def context_rows(trace: Trace, layer: int, heads: np.ndarray, rows: np.ndarray,
         if trace.logits is not None:
             logits = trace.logits[layer][heads][:, idx, :n_keys].astype(np.float32)
         else:
-            q = q_all[:, idx].astype(np.float32, copy=False)        # (H, c, D)
-            logits = np.matmul(q, np.swapaxes(k, 1, 2)) * scale    # (H, c, n_keys)
-        future = key_pos[None, :] > trace.query_positions[idx][:, None]  # (c, n_keys)
-        logits[:, future] = -np.inf
-        yield idx, softmax(logits)
+            logits = np.matmul(q_all[:, idx].astype(np.float32, copy=False), k_t)   # (H, c, n_keys)
+            logits *= scale
+        future = key_pos[None, :] > trace.query_positions[idx][:, None]             # (c, n_keys)
+        np.copyto(logits, -np.inf, where=future[None])
+        logits -= logits.max(axis=-1, keepdims=True)
+        np.exp(logits, out=logits)
+        logits /= logits.sum(axis=-1, keepdims=True)
+        yield idx, logits

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .attention import logit_row, masked_softmax, softmax
+from .attention import logit_row, logits_with_keys, masked_softmax, softmax
 from .metrics import RowMetrics, Spread, row_metrics, spread
 from .policies import ScoreContext, get_policy, select
 from .quant import kv_bytes_per_token, quantize, tensor_bytes
@@ -182,8 +182,12 @@ def noise_eps(trace: Trace, spec: Spec, layer: int, head: int, position: int) ->
 
 
 def evaluate_row(trace: Trace, spec: Spec, layer: int, head: int, qi: int,
-                 kept_kv: np.ndarray | None) -> RowResult:
-    """Original vs compressed attention of one query; kept_kv is its KV head's kept mask."""
+                 kept_kv: np.ndarray | None, cache: dict | None = None) -> RowResult:
+    """Original vs compressed attention of one query; kept_kv is its KV head's kept mask.
+
+    `cache` (optional) shares the quantized kept keys / values between the query heads
+    of one KV head that keep the same tokens.
+    """
     p = int(trace.query_positions[qi])
     kvh = trace.kv_head(head)
     logits = logit_row(trace, layer, head, qi)                       # (p+1,)
@@ -193,31 +197,47 @@ def evaluate_row(trace: Trace, spec: Spec, layer: int, head: int, qi: int,
     else:
         kept = kept_kv[: p + 1]
     idx = np.flatnonzero(kept)
+    k_hat, v_hat = _quantized_kept(trace, spec, layer, kvh, p, idx, {} if cache is None else cache)
 
     if spec.quant_model == "noise":
         logits_hat = logits + noise_eps(trace, spec, layer, head, p) * spec.noise_sigma
-    elif spec.key_bits < FULL_BITS:
-        keys = trace.k[layer, kvh, : p + 1].astype(np.float64)
-        keys[idx] = quantize(keys[idx], spec.key_bits, spec.key_axis, spec.group_size,
-                             spec.residual, spec.symmetric)
-        logits_hat = logit_row(trace, layer, head, qi, keys=keys)
+    elif k_hat is not None:
+        logits_hat = logits_with_keys(trace, layer, head, qi, logits, idx, k_hat)
     else:
         logits_hat = logits
     compressed = masked_softmax(logits_hat, kept)
 
     out = out_hat = None
     if trace.v is not None:
-        values = trace.v[layer, kvh, : p + 1].astype(np.float64)    # (p+1, D)
-        out = original @ values
-        v_kept = values[idx]
-        if spec.quant_model == "kv" and spec.value_bits < FULL_BITS:
-            v_kept = quantize(v_kept, spec.value_bits, spec.value_axis, spec.group_size,
-                              spec.residual, spec.symmetric)
-        out_hat = compressed[idx] @ v_kept
+        values = trace.v[layer, kvh, : p + 1]                          # (p+1, D)
+        out = (original @ values).astype(np.float64)
+        out_hat = compressed[idx] @ (values[idx] if v_hat is None else v_hat)
     return RowResult(layer=layer, head=head, kv_head=kvh, query=qi, position=p,
                      original=original, compressed=compressed, kept=kept,
                      reason=reasons_for(kept, spec), out_original=out, out_compressed=out_hat,
                      metrics=row_metrics(original, compressed, kept, out, out_hat))
+
+
+def _quantized_kept(trace: Trace, spec: Spec, layer: int, kvh: int, p: int, idx: np.ndarray,
+                    cache: dict) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Dequantized keys and values of the kept tokens (None where not quantized).
+
+    Evict, then quantize what is kept: groups run over the compacted cache, and the
+    last `residual` kept tokens stay at full precision.
+    """
+    if spec.quant_model != "kv" or not spec.quantizes:
+        return None, None
+    key = (layer, kvh, p, len(idx), hash(idx.tobytes()))
+    if key not in cache:
+        k_hat = v_hat = None
+        if spec.key_bits < FULL_BITS:
+            k_hat = quantize(trace.k[layer, kvh, idx].astype(np.float64), spec.key_bits, spec.key_axis,
+                             spec.group_size, spec.residual, spec.symmetric)
+        if trace.v is not None and spec.value_bits < FULL_BITS:
+            v_hat = quantize(trace.v[layer, kvh, idx].astype(np.float64), spec.value_bits, spec.value_axis,
+                             spec.group_size, spec.residual, spec.symmetric)
+        cache[key] = k_hat, v_hat
+    return cache[key]
 
 
 def keep_masks(trace: Trace, spec: Spec, layer: int, positions) -> np.ndarray | None:
@@ -280,12 +300,12 @@ def compare(trace: Trace, spec: Spec, view: View = View(),
         positions = sorted(set(positions))
         masks[key] = positions, keep_masks(traces[key[0]], key[1], key[2], positions)
 
-    rows = []
+    rows, quantized = [], {}
     for t, s, layer, head, q in members:
         positions, m = masks[(id(t), s, layer)]
         p = int(t.query_positions[q])
         kept_kv = None if m is None else m[positions.index(p), t.kv_head(head)]
-        rows.append(evaluate_row(t, s, layer, head, q, kept_kv))
+        rows.append(evaluate_row(t, s, layer, head, q, kept_kv, quantized.setdefault((id(t), s), {})))
 
     primary = rows[0]
     n = primary.position + 1

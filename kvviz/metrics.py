@@ -71,8 +71,20 @@ def spread(errors: np.ndarray) -> Spread:
         raise ValueError("every token needs at least one ensemble member that sees it")
     mean = np.nanmean(errors, axis=0)
     std = np.nanstd(errors, axis=0)
-    lo, hi = np.nanpercentile(errors, [2.5, 97.5], axis=0)
+    lo, hi = (_column_percentile(errors, n, q) for q in (2.5, 97.5))
     return Spread(mean=mean, std=std, lo=lo, hi=hi, n=n)
+
+
+def _column_percentile(a: np.ndarray, n: np.ndarray, q: float) -> np.ndarray:
+    """np.nanpercentile(a, q, axis=0) (linear interpolation), vectorised over columns."""
+    s = np.sort(a, axis=0)                      # NaN sorts last, so valid values lead
+    pos = (n - 1) * (q / 100.0)
+    below = np.floor(pos).astype(int)
+    above = np.minimum(below + 1, n - 1)
+    frac = pos - below
+    lo = np.take_along_axis(s, below[None], axis=0)[0]
+    hi = np.take_along_axis(s, above[None], axis=0)[0]
+    return lo + (hi - lo) * frac
 
 
 def concentration_curve(attention: np.ndarray, fractions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -61,9 +61,16 @@ def quantize_groups(xg: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndar
     scale = (hi - lo) / levels
     safe = np.where(scale > 0, scale, 1.0)
     zero = np.round(-lo / safe)
-    q = np.clip(np.round(xg / safe) + zero, 0, levels)
-    x_hat = np.where(scale > 0, scale * (q - zero), xg)  # a constant group is exact
-    return x_hat, scale
+    q = xg / safe                                   # in place from here on: one buffer
+    np.round(q, out=q)
+    q += zero
+    np.clip(q, 0, levels, out=q)
+    q -= zero
+    q *= scale
+    constant = (scale == 0)[..., 0]
+    if constant.any():                              # a constant group is exact
+        q[constant] = xg[constant]
+    return q, scale
 
 
 def quantize(x: np.ndarray, bits: int, axis: str = "token", group_size: int = 32,

@@ -123,13 +123,13 @@ class Policy:
             qi = query_at.get(p)
             if qi is None:
                 continue
-            q = trace.q[ctx.layer, :, qi].astype(np.float64)                     # (Hq, D)
-            k = trace.k[ctx.layer, :, : p + 1].astype(np.float64)                # (Hkv, p+1, D)
-            k = np.repeat(k, group, axis=0)                                      # (Hq, p+1, D)
             if trace.logits is not None:
                 logits = trace.logits[ctx.layer, :, qi, : p + 1].astype(np.float64)
             else:
-                logits = np.einsum("hd,hnd->hn", q, k) * inv_sqrt_d
+                q = trace.q[ctx.layer, :, qi].reshape(trace.n_kv_heads, group, -1)   # (Hkv, g, D)
+                k = trace.k[ctx.layer, :, : p + 1]                                   # (Hkv, p+1, D)
+                logits = (np.matmul(q, np.swapaxes(k, 1, 2)).reshape(trace.n_q_heads, p + 1)
+                          .astype(np.float64) * inv_sqrt_d)                           # (Hq, p+1)
             attn = masked_softmax(logits, np.repeat(kept[:, : p + 1], group, axis=0))
             new = scores[:, : p + 1]
             new[np.isposinf(new)] = 0.0  # arrivals have now been seen by a query

@@ -1,0 +1,108 @@
+"""Engine speed: one full configuration per scorer vs the bare attention work it needs.
+
+Trace: synthetic, 4 layers x 8 query heads (2 KV heads) x 4096 context tokens x 32 later
+steps x head dim 64. Configuration: 4 sinks + 10% recent + 10% heavy, 4-bit K/V, all
+metrics, error bars over the 8 heads of one layer at the last step.
+
+Bare work, timed in the same run: numpy q.K^T, softmax and a.V over exactly the query
+rows the scorer reads — the whole context (h2o), the SnapKV window, the last context
+query (tova) — plus the later queries a streaming scorer reads step by step, plus the
+evaluated rows every scorer needs. Ratios, not seconds, because the machine is shared.
+
+    python benchmarks/engine.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kvviz import Spec, View, compare
+from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from kvviz.spec import SCORERS
+
+CONTEXT, STEPS, LAYER = 4096, 32, 1
+
+
+def best_of(fn, repeat=3):
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def bare_attention(trace, rows_by_head_chunks):
+    """q.K^T / sqrt(d), softmax, a.V for the given query indices, every head of the layer."""
+    q, k, v = trace.q[LAYER], trace.k[LAYER], trace.v[LAYER]
+    group = trace.group_size
+    scale = np.float32(1 / np.sqrt(trace.head_dim))
+    for rows, n_keys in rows_by_head_chunks:
+        for h in range(trace.n_q_heads):
+            kv = h // group
+            for start in range(0, len(rows), 512):
+                idx = rows[start:start + 512]
+                logits = (q[h, idx] @ k[kv, :n_keys].T) * scale
+                logits -= logits.max(axis=-1, keepdims=True)
+                a = np.exp(logits)
+                a /= a.sum(axis=-1, keepdims=True)
+                a @ v[kv, :n_keys]
+
+
+def rows_needed(trace, scorer, window=64):
+    c = trace.context_len
+    last = trace.evaluated_queries[-1:]
+    needs = [(last, trace.n_positions)]
+    later = trace.later_queries
+    if scorer == "h2o":
+        needs += [(trace.context_queries, c), (later, trace.n_positions)]
+    elif scorer == "tova":
+        needs += [(trace.context_queries[-1:], c), (later, trace.n_positions)]
+    elif scorer == "snapkv":
+        needs += [(trace.context_queries[-window:], c)]
+    return needs
+
+
+def main() -> None:
+    trace = make_synthetic(SyntheticSpec(context=CONTEXT, steps=STEPS, layers=4, q_heads=8, kv_heads=2,
+                                         head_dim=64))
+    n = CONTEXT
+    budget = dict(sink=4, recent=n // 10, heavy=n // 10)
+    view = View(layer=LAYER, ensemble="heads", ensemble_size=8)
+    print(f"trace: {trace.describe()}")
+    print(f"config: sink 4 + recent {budget['recent']} + heavy {budget['heavy']}, 4-bit K/V, error bars over 8 heads")
+    worst = 0.0
+    for scorer in SCORERS:
+        spec = Spec(scorer=scorer, key_bits=4, value_bits=4, **budget)
+        full = best_of(lambda: compare(trace, spec, view))
+        bare = best_of(lambda: bare_attention(trace, rows_needed(trace, scorer)))
+        worst = max(worst, full / bare)
+        print(f"{scorer:>9}: full {full * 1e3:8.1f} ms  bare attention {bare * 1e3:8.1f} ms  ratio {full / bare:5.2f}")
+    print(f"worst ratio {worst:.2f} (target <= 3)")
+
+    from kvviz.sources.handbook import handbook_trace
+    hb = handbook_trace()
+    t = best_of(lambda: compare(hb, Spec(sink=4, recent=8, heavy=2, key_bits=4, value_bits=4)), repeat=20)
+    print(f"handbook: one configuration in {t * 1e3:.2f} ms")
+    long = make_synthetic(SyntheticSpec(context=32768, steps=1, layers=1, q_heads=1, kv_heads=1))
+    spec = Spec(sink=4, recent=3277, heavy=3277, scorer="snapkv", key_bits=4, value_bits=4)
+    t = best_of(lambda: compare(long, spec), repeat=3)
+    bare = best_of(lambda: bare_attention_long(long), repeat=3)
+    print(f"32k tokens, single query (snapkv, 4-bit): {t * 1e3:.1f} ms; bare attention {bare * 1e3:.1f} ms; "
+          f"ratio {t / bare:.2f}")
+
+
+def bare_attention_long(trace):
+    q, k, v = trace.q[0, 0], trace.k[0, 0], trace.v[0, 0]
+    rows = list(trace.context_queries[-64:]) + [trace.n_queries - 1]
+    logits = (q[rows] @ k.T) / np.sqrt(trace.head_dim)
+    logits -= logits.max(axis=-1, keepdims=True)
+    a = np.exp(logits)
+    a /= a.sum(axis=-1, keepdims=True)
+    a @ v
+
+
+if __name__ == "__main__":
+    main()
