@@ -1,0 +1,79 @@
+"""kvviz Explorer: move the sliders, see what KV-cache compression does to attention.
+
+Run with `streamlit run app.py`. This file is the router and the Explorer page; the
+Trade-offs and Concentration pages live in pages/. Widgets -> kvviz -> figures.
+"""
+
+import streamlit as st
+
+from kvviz import figures, ui
+from kvviz.ui_data import BIN_THRESHOLD, binned_frame, ranges_text, token_frame
+
+
+def explorer() -> None:
+    ui.page_setup("KV-cache compression explorer",
+                  "Evict tokens (sinks, recent window, heavy hitters) and quantize keys and values; "
+                  "compare the compressed attention with the original, token by token.")
+    settings = ui.sidebar()
+    ui.show_notices()
+    if settings is None or settings.spec is None:
+        return
+    source, spec, vs = settings.source, settings.spec, settings.view
+    ui.preset_buttons(int(source.trace.query_positions[source.trace.evaluated_queries[-1]]) + 1)
+    comp = ui.run_compare(source, spec, vs.view)
+    if comp is None:
+        return
+    n_seen = len(comp.tokens)
+    for w in ui.budget_warnings(spec, n_seen):
+        st.warning(w, icon="⚠️")
+
+    ui.metric_cards(comp)
+    p = comp.primary
+    st.caption(f"{source.label} · layer {p.layer}, query head {p.head} (KV head {p.kv_head}), query at "
+               f"position {p.position} · {spec.label()} · {ui.quant_model_note(source, spec)}")
+    for note in comp.notes + tuple(filter(None, [ui.scorer_note(spec)])):
+        st.info(note, icon="ℹ️")
+
+    members = len(comp.members)
+    per_token = token_frame(comp, vs.bars)
+    if n_seen > BIN_THRESHOLD:
+        frame = binned_frame(comp, vs.bars)
+        fig_att = figures.binned_attention_figure(frame)
+        fig_err = figures.error_figure(frame, vs.bars, members)
+        st.caption(f"{n_seen} tokens: the charts show {len(frame)} bins of up to {int(frame['tokens'].max())} "
+                   "tokens each (the CSV has every token).")
+    else:
+        fig_att = figures.attention_figure(per_token)
+        fig_err = figures.error_figure(per_token, vs.bars, members)
+        if spec.evicts:
+            st.markdown(f"**Kept tokens:** {ranges_text(per_token.index[per_token['kept']])}")
+
+    st.plotly_chart(fig_att, key="attention_chart")
+    st.caption("What to look for: grey is the original attention, coloured bars what the compressed cache gives "
+               "each kept token (renormalised, so kept tokens gain weight); crosses mark evicted tokens, whose "
+               "attention drops to zero.")
+    st.plotly_chart(fig_err, key="error_chart")
+    st.caption("What to look for: eviction zeroes some tokens (deep negative bars) and shifts their mass onto the "
+               "kept ones; quantization spreads small errors over every kept token. Error bars: "
+               + ("one standard deviation" if vs.bars == "std" else "the 2.5–97.5 percentile interval")
+               + f" over {members} row{'s' if members != 1 else ''} ({comp.ensemble or 'no ensemble'}).")
+
+    c1, c2 = st.columns(2)
+    c1.download_button("Download per-token data (CSV)", data=lambda: per_token.to_csv(index=False),
+                       file_name="kvviz-tokens.csv", mime="text/csv", on_click="ignore", icon="⬇️")
+    c2.download_button("Download charts (standalone HTML)",
+                       data=lambda: figures.figures_html([fig_att, fig_err], f"kvviz: {spec.label()}"),
+                       file_name="kvviz-explorer.html", mime="text/html", on_click="ignore", icon="⬇️")
+    with st.expander("All numbers"):
+        st.dataframe(ui.metrics_table(comp), hide_index=True, key="metrics_table")
+        st.dataframe(per_token, hide_index=True, height=240)
+
+
+st.set_page_config(page_title="kvviz", page_icon="🗜️", layout="wide")
+page = st.navigation([
+    st.Page(explorer, title="Explorer", icon="🔍", default=True),
+    st.Page("pages/1_Trade-offs.py", title="Trade-offs", icon="📉", url_path="trade-offs"),
+    st.Page("pages/2_Concentration.py", title="Concentration", icon="🎯", url_path="concentration"),
+])
+page.run()
+ui.sync_url()

@@ -1,0 +1,677 @@
+"""Shared Streamlit widgets for the kvviz app: sidebar controls, presets, URL state, cached compute.
+
+Every control is a `Param` with a default and a valid range. Its value lives in one
+session-wide store, mirrored into `st.query_params` (non-default values only), so a link
+reproduces the view; a value in a link that is unknown, unparsable or out of range is
+clamped or ignored with a visible notice, never a crash. Widgets read the store before
+they render and write it back, so values survive page switches and widgets that are
+hidden for a while (the Advanced bits, a source's knobs).
+
+Numerics stay in the core (kvviz.engine, kvviz.sweep, kvviz.ui_data); this module only
+reads widgets, calls them through Streamlit's caches and draws cards and notices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import streamlit as st
+
+from .engine import Comparison, compare
+from .spec import FULL_BITS, SCORERS, Spec, SpecError, View
+from .sources import handbook
+from .trace import Trace, TraceError
+
+STORE = "_kvviz_state"
+NOTICES = "_kvviz_notices"
+
+BITS_OPTIONS = (1, 2, 3, 4, 5, 6, 7, 8, FULL_BITS)
+GROUP_OPTIONS = (8, 16, 32, 64, 128)
+ENSEMBLE_OPTIONS = ("auto", "none", "heads", "layers", "steps", "seeds")
+MAX_TOKENS = 32768 + 512
+SOURCE_LABELS = {"handbook": "Handbook example", "synthetic": "Synthetic pattern",
+                 "real": "Real model", "file": "Trace file"}
+SCORER_LABELS = {"h2o": "H2O (accumulated attention)", "tova": "TOVA (last query)",
+                 "snapkv": "SnapKV (observation window vote)", "streaming": "StreamingLLM (position only)",
+                 "oracle": "Oracle (this query's attention; the bound)", "knorm": "K-norm (smallest key norm)",
+                 "random": "Random (seeded baseline)"}
+
+
+# --- parameters ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Param:
+    """One control: its URL name, kind, default and the widest range any source allows."""
+
+    name: str
+    kind: str                      # int | float | choice | bool | list
+    default: Any
+    lo: float | None = None
+    hi: float | None = None
+    choices: tuple = ()
+
+    def parse(self, raw: str) -> tuple[Any, str | None]:
+        """(value, notice) for a raw query-parameter string; the notice says what was changed."""
+        label = f"`{self.name}={raw}`"
+        if self.kind == "bool":
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True, None
+            if low in ("0", "false", "no", "off"):
+                return False, None
+            return self.default, f"{label} is not true/false; using {self.default}."
+        if self.kind == "choice":
+            for c in self.choices:
+                if str(c) == raw.strip():
+                    return c, None
+            return self.default, (f"{label} is not one of {', '.join(map(str, self.choices))}; "
+                                  f"using {self.default}.")
+        if self.kind == "list":
+            items = [s for s in raw.split(",") if s.strip()]
+            known = [c for c in self.choices if str(c) in {s.strip() for s in items}]
+            bad = [s for s in items if s.strip() not in {str(c) for c in self.choices}]
+            note = f"{label}: ignored {', '.join(bad)} (not one of {', '.join(map(str, self.choices))})." if bad else None
+            return (tuple(known) if known else self.default), note
+        try:
+            x = float(raw)
+        except ValueError:
+            return self.default, f"{label} is not a number; using {self.default}."
+        if not math.isfinite(x):
+            return self.default, f"{label} is not a finite number; using {self.default}."
+        if self.kind == "int":
+            x = int(round(x))
+        clamped = min(max(x, self.lo), self.hi) if self.lo is not None else x
+        if clamped != x:
+            return clamped, f"{label} is out of range ({_num(self.lo)}-{_num(self.hi)}); clamped to {_num(clamped)}."
+        return x, None
+
+    def encode(self, value: Any) -> str:
+        if self.kind == "bool":
+            return "1" if value else "0"
+        if self.kind == "list":
+            return ",".join(map(str, value))
+        return _num(value) if self.kind == "float" else str(value)
+
+
+def _num(x) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+_PARAMS = [
+    Param("source", "choice", "handbook", choices=tuple(SOURCE_LABELS)),
+    # synthetic pattern knobs (kvviz.sources.synthetic.SyntheticSpec)
+    Param("context", "int", 512, 8, 32768), Param("steps", "int", 32, 0, 512),
+    Param("layers", "int", 2, 1, 32), Param("q_heads", "int", 4, 1, 32), Param("kv_heads", "int", 2, 1, 32),
+    Param("head_dim", "choice", 64, choices=(32, 64, 128)), Param("syn_seed", "int", 0, 0, 1_000_000),
+    Param("sink_strength", "float", 8.0, 0.0, 30.0), Param("local_strength", "float", 5.0, 0.0, 30.0),
+    Param("local_width", "float", 8.0, 0.5, 512.0), Param("n_anchors", "int", 6, 0, 64),
+    Param("anchor_strength", "float", 5.0, 0.0, 30.0), Param("sparsity", "float", 1.5, 0.0, 10.0),
+    Param("topic_shift", "float", 0.0, 0.0, 30.0), Param("outlier_channels", "int", 4, 0, 16),
+    Param("outlier_scale", "float", 12.0, 0.0, 100.0),
+    # compression (defaults: the handbook's example)
+    Param("sink", "int", handbook.SINK, 0, MAX_TOKENS), Param("recent", "int", handbook.RECENT, 0, MAX_TOKENS),
+    Param("heavy", "int", handbook.HEAVY, 0, MAX_TOKENS),
+    Param("bits", "choice", FULL_BITS, choices=BITS_OPTIONS),
+    Param("scorer", "choice", "h2o", choices=SCORERS),
+    Param("split", "bool", False),
+    Param("key_bits", "choice", FULL_BITS, choices=BITS_OPTIONS),
+    Param("value_bits", "choice", FULL_BITS, choices=BITS_OPTIONS),
+    Param("key_axis", "choice", "channel", choices=("channel", "token")),
+    Param("value_axis", "choice", "token", choices=("channel", "token")),
+    Param("group", "choice", 32, choices=GROUP_OPTIONS),
+    Param("residual", "int", 0, 0, MAX_TOKENS),
+    Param("symmetric", "bool", False),
+    Param("qmodel", "choice", "kv", choices=("kv", "noise")),
+    Param("sigma", "float", handbook.SIGMA, 0.0, 100.0),
+    # view
+    Param("layer", "int", 0, 0, 1023), Param("head", "int", 0, 0, 1023), Param("step", "int", -1, -1, 1_000_000),
+    Param("ensemble", "choice", "auto", choices=ENSEMBLE_OPTIONS),
+    Param("ens_size", "int", 8, 2, 32),
+    Param("bars", "choice", "std", choices=("std", "95%")),
+    # trade-offs page
+    Param("metric", "choice", "tv", choices=("tv", "kl", "output_error")),
+    Param("methods", "list", ("streaming", "h2o", "tova", "snapkv", "oracle"), choices=SCORERS),
+    Param("sweep_bits", "list", (16, 4, 2), choices=(16, 8, 4, 3, 2)),
+    # concentration page
+    Param("window", "int", 16, 1, 4096), Param("sink_k", "int", 1, 1, 64),
+]
+PARAMS: dict[str, Param] = {p.name: p for p in _PARAMS}
+
+
+# --- the store ----------------------------------------------------------------------------
+
+def _store() -> dict:
+    """The session's settings, read from the URL on the session's first run."""
+    ss = st.session_state
+    if STORE not in ss:
+        store = {name: p.default for name, p in PARAMS.items()}
+        notes = []
+        for name in st.query_params:
+            raw = st.query_params.get_all(name)
+            raw = raw[-1] if raw else ""
+            if name not in PARAMS:
+                notes.append(f"The link's `{name}` is not a kvviz setting; ignored.")
+                continue
+            value, note = PARAMS[name].parse(raw)
+            store[name] = value
+            if note:
+                notes.append(note)
+        ss[STORE] = store
+        ss[NOTICES] = notes
+    return ss[STORE]
+
+
+def settings_dict() -> dict:
+    return dict(_store())
+
+
+def notice(text: str) -> None:
+    """Queue a visible notice (shown by `show_notices`)."""
+    _store()
+    if text not in st.session_state[NOTICES]:
+        st.session_state[NOTICES].append(text)
+
+
+def show_notices() -> None:
+    notes = st.session_state.get(NOTICES) or []
+    if notes:
+        st.warning("**Some settings were adjusted:**\n\n" + "\n".join(f"- {n}" for n in notes), icon="⚠️")
+        st.button("Dismiss", key="_dismiss_notices", on_click=lambda: st.session_state[NOTICES].clear())
+
+
+def sync_url() -> None:
+    """Mirror the store into st.query_params (non-default values only); no-op if unchanged."""
+    store = _store()
+    wanted = {name: PARAMS[name].encode(v) for name, v in store.items() if v != PARAMS[name].default}
+    current = {k: st.query_params.get(k) for k in st.query_params}
+    if current != wanted:
+        st.query_params.from_dict(wanted)
+
+
+def _bind(name: str, lo=None, hi=None, label: str = "", to_widget=None, from_widget=None) -> None:
+    """Before a widget renders: take its last value into the store, clamp to [lo, hi], seed it."""
+    store, ss = _store(), st.session_state
+    if name in ss:
+        store[name] = from_widget(ss[name]) if from_widget else ss[name]
+    v = store[name]
+    if lo is not None and hi is not None and not lo <= v <= hi:
+        c = min(max(v, lo), hi)
+        notice(f"{label or name} {v} is outside this source's range {lo}-{hi}; set to {c}.")
+        store[name] = v = c
+    # Always re-seed: after a page switch the widget is a new element whose state would
+    # otherwise start from its default, not from the value the user chose on another page.
+    ss[name] = to_widget(v) if to_widget else v
+
+
+def _after(name: str, value, from_widget=None) -> Any:
+    store = _store()
+    store[name] = from_widget(value) if from_widget else value
+    return store[name]
+
+
+def w_slider(where, name: str, label: str, lo: int, hi: int, help: str | None = None) -> int:
+    _bind(name, lo, hi, label)
+    if hi <= lo:  # a slider needs a range; a single possible value is shown as text
+        where.caption(f"{label}: {lo}")
+        return _after(name, lo)
+    return _after(name, where.slider(label, lo, hi, key=name, help=help))
+
+
+def w_number(where, name: str, label: str, lo, hi, step=None, help: str | None = None, fmt: str | None = None,
+             disabled: bool = False):
+    _bind(name, lo, hi, label)
+    kwargs = dict(min_value=lo, max_value=hi, key=name, help=help, disabled=disabled)
+    if step is not None:
+        kwargs["step"] = step
+    if fmt:
+        kwargs["format"] = fmt
+    return _after(name, where.number_input(label, **kwargs))
+
+
+def w_choice(where, name: str, label: str, options: Sequence, widget: str = "selectbox",
+             format_func: Callable = str, help: str | None = None, disabled: bool = False):
+    _bind(name)
+    if _store()[name] not in options:
+        notice(f"{label} {_store()[name]} is not available here; using {options[0]}.")
+        _store()[name] = options[0]
+        st.session_state[name] = options[0]
+    fn = {"selectbox": where.selectbox, "radio": where.radio, "select_slider": where.select_slider}[widget]
+    kwargs = dict(options=list(options), key=name, format_func=format_func, help=help, disabled=disabled)
+    if widget == "radio":
+        kwargs["horizontal"] = True
+    return _after(name, fn(label, **kwargs))
+
+
+def w_check(where, name: str, label: str, help: str | None = None) -> bool:
+    _bind(name)
+    return _after(name, where.checkbox(label, key=name, help=help))
+
+
+def w_multi(where, name: str, label: str, options: Sequence, format_func: Callable = str,
+            help: str | None = None) -> tuple:
+    _bind(name, to_widget=list, from_widget=tuple)
+    return _after(name, where.multiselect(label, list(options), key=name, format_func=format_func, help=help),
+                  from_widget=tuple)
+
+
+# --- sources ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class Source:
+    key: tuple                   # hashable identity for the caches
+    trace: Trace
+    label: str
+    seed_fn: Callable[[int], Trace] | None = None
+    quant_note_kv: str = "real K/V quantization of the cached keys and values"
+
+
+@st.cache_resource(max_entries=4, show_spinner=False)
+def _handbook(seed: int = 0) -> Trace:
+    return handbook.handbook_trace(seed=seed)
+
+
+@st.cache_resource(max_entries=16, show_spinner="Generating the synthetic pattern…")
+def _synthetic(items: tuple) -> Trace:
+    from .sources.synthetic import SyntheticSpec, make_synthetic
+    return make_synthetic(SyntheticSpec(**dict(items)))
+
+
+def _external_sources() -> dict[str, Callable | None]:
+    """The Real model / Trace file pickers, if kvviz.ui_sources provides them."""
+    try:
+        from . import ui_sources  # noqa: PLC0415 (optional: another issue builds it)
+    except Exception:  # missing module or a broken import must not take the app down
+        return {"real": None, "file": None}
+    return {"real": getattr(ui_sources, "real_model_source", None),
+            "file": getattr(ui_sources, "trace_file_source", None)}
+
+
+def _fingerprint(trace: Trace) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for a in (trace.q, trace.k, trace.v, trace.logits):
+        if a is not None:
+            h.update(str(a.shape).encode())
+            h.update(np.ascontiguousarray(a.reshape(-1)[:: max(1, a.size // 65536)]).tobytes())
+    h.update(repr(trace.tokens[:64]).encode() + str(trace.context_len).encode())
+    return h.hexdigest()
+
+
+def source_section(where=None) -> Source | None:
+    """Sidebar: the Source picker and its own knobs. None (with a message shown) if unusable."""
+    where = where or st.sidebar
+    where.header("Source")
+    external = _external_sources()
+    options = ["handbook", "synthetic"] + [k for k in ("real", "file") if external[k] is not None]
+    choice = w_choice(where, "source", "Attention source", options, widget="radio",
+                      format_func=SOURCE_LABELS.get,
+                      help="Where the attention comes from: the handbook's worked example, a tunable "
+                           "synthetic pattern, or (when available) a real model or a saved trace.")
+    missing = [SOURCE_LABELS[k] for k in ("real", "file") if external[k] is None]
+    if missing:
+        where.caption(f"{' and '.join(missing)}: coming soon.")
+    if choice == "handbook":
+        where.caption("One query over 64 tokens: sinks 0-3, heavy hitters 15 and 28, a local window of 8.")
+        return Source(("handbook",), _handbook(0), "handbook example", seed_fn=_handbook,
+                      quant_note_kv="real K/V quantization of keys realised from the handbook's logits "
+                                    "(exact at 16 bits)")
+    if choice == "synthetic":
+        return _synthetic_section(where)
+    fn = external[choice]
+    try:
+        trace = fn(where)
+    except (TraceError, SpecError, ValueError, OSError) as e:
+        st.error(f"The {SOURCE_LABELS[choice]} source failed: {e}")
+        return None
+    if trace is None:
+        st.info(f"Choose a {SOURCE_LABELS[choice].lower()} in the sidebar to start.")
+        return None
+    return Source(("external", choice, _fingerprint(trace)), trace, SOURCE_LABELS[choice].lower())
+
+
+def _synthetic_section(where) -> Source | None:
+    from .sources.synthetic import SyntheticSpec
+    knobs = dict(
+        context=w_number(where, "context", "Context tokens", 8, 32768, step=64,
+                         help="Prompt length: the compression point. Past 256 tokens the charts switch to bins."),
+        steps=w_number(where, "steps", "Later queries (decode steps)", 0, 512, step=8),
+        layers=w_number(where, "layers", "Layers", 1, 32),
+        q_heads=w_number(where, "q_heads", "Query heads", 1, 32),
+        kv_heads=w_number(where, "kv_heads", "KV heads", 1, 32, help="Query heads must be a multiple of KV heads (GQA)."),
+    )
+    with where.expander("Pattern knobs"):
+        knobs.update(
+            sink_strength=w_number(st, "sink_strength", "Sink strength (logit)", 0.0, 30.0, step=0.5),
+            local_strength=w_number(st, "local_strength", "Locality strength (logit)", 0.0, 30.0, step=0.5),
+            local_width=w_number(st, "local_width", "Locality width (tokens)", 0.5, 512.0, step=1.0),
+            n_anchors=w_number(st, "n_anchors", "Anchor tokens (heavy hitters)", 0, 64),
+            anchor_strength=w_number(st, "anchor_strength", "Anchor strength (logit)", 0.0, 30.0, step=0.5),
+            sparsity=w_number(st, "sparsity", "Background sparsity (logit std)", 0.0, 10.0, step=0.1),
+            topic_shift=w_number(st, "topic_shift", "Topic shift (logit; 0 = off)", 0.0, 30.0, step=0.5,
+                                 help="Late anchors that only the later queries need: where history-based eviction fails."),
+            outlier_channels=w_number(st, "outlier_channels", "Key outlier channels", 0, 16),
+            outlier_scale=w_number(st, "outlier_scale", "Outlier scale", 0.0, 100.0, step=1.0),
+            head_dim=w_choice(st, "head_dim", "Head dim", (32, 64, 128)),
+            seed=w_number(st, "syn_seed", "Pattern seed", 0, 1_000_000),
+        )
+    try:
+        spec = SyntheticSpec(**knobs)
+    except SpecError as e:
+        st.error(f"The synthetic pattern cannot be built: {e}. Change the pattern knobs in the sidebar.")
+        return None
+    items = tuple(sorted(spec.as_dict().items()))
+
+    def seed_fn(r: int, _spec=spec) -> Trace:
+        return _synthetic(tuple(sorted(_spec.with_(seed=_spec.seed + r).as_dict().items())))
+
+    return Source(("synthetic", items), _synthetic(items), f"synthetic pattern ({spec.context} tokens)",
+                  seed_fn=seed_fn)
+
+
+# --- compression and view --------------------------------------------------------------------
+
+def bits_label(b: int) -> str:
+    return "16 (off)" if b == FULL_BITS else str(b)
+
+
+def compression_section(trace: Trace, where=None) -> Spec | None:
+    """Sidebar: the four headline sliders and the Advanced expander. None if the combination is impossible."""
+    where = where or st.sidebar
+    where.header("Compression")
+    n = trace.n_positions
+    sink = w_slider(where, "sink", "Sink tokens", 0, n,
+                    help="The first tokens, always kept: attention sinks (StreamingLLM keeps 4).")
+    recent = w_slider(where, "recent", "Recent window", 0, n,
+                      help="The last tokens the query sees (its own included), always kept.")
+    heavy = w_slider(where, "heavy", "Heavy-hitter budget", 0, n,
+                     help="How many more tokens the scorer may keep among the rest (H2O's heavy hitters).")
+    split = bool(_store()["split"])
+    bits = w_choice(where, "bits", "Quantization bits", BITS_OPTIONS, widget="select_slider",
+                    format_func=bits_label, disabled=split,
+                    help="Bits per cached key and value (16 = not quantized). "
+                         + ("Advanced sets keys and values separately now." if split else ""))
+    adv = where.expander("Advanced")
+    with adv:
+        scorer = w_choice(st, "scorer", "Heavy-hitter scorer", SCORERS, format_func=SCORER_LABELS.get)
+        split = w_check(st, "split", "Separate key and value bits")
+        if split:
+            key_bits = w_choice(st, "key_bits", "Key bits", BITS_OPTIONS, widget="select_slider", format_func=bits_label)
+            value_bits = w_choice(st, "value_bits", "Value bits", BITS_OPTIONS, widget="select_slider",
+                                  format_func=bits_label)
+        else:
+            key_bits = value_bits = bits
+        key_axis = w_choice(st, "key_axis", "Key groups run along", ("channel", "token"), widget="radio",
+                            help="KIVI quantizes keys per channel (keys have outlier channels).")
+        value_axis = w_choice(st, "value_axis", "Value groups run along", ("channel", "token"), widget="radio",
+                              help="KIVI quantizes values per token.")
+        group = w_choice(st, "group", "Group size (values per scale)", GROUP_OPTIONS)
+        residual = w_number(st, "residual", "Residual (last tokens kept at 16 bits)", 0, n)
+        symmetric = w_check(st, "symmetric", "Symmetric quantization (no zero point; needs ≥ 2 bits)")
+        qmodel = w_choice(st, "qmodel", "Quantization model", ("kv", "noise"), widget="radio",
+                          format_func={"kv": "real K/V quantization", "noise": "handbook logit noise"}.get)
+        sigma = w_number(st, "sigma", "Noise σ (logit noise model)", 0.0, 100.0, step=0.005, fmt="%.3f",
+                         disabled=qmodel != "noise")
+    try:
+        return Spec(sink=sink, recent=recent, heavy=heavy, scorer=scorer, key_bits=key_bits, value_bits=value_bits,
+                    key_axis=key_axis, value_axis=value_axis, group_size=group, residual=residual,
+                    symmetric=symmetric, quant_model=qmodel, noise_sigma=float(sigma))
+    except SpecError as e:
+        hint = (" Turn off symmetric quantization or raise the bits to 2 or more."
+                if symmetric and 1 in (key_bits, value_bits) else "")
+        st.error(f"These compression settings are impossible: {e}.{hint}")
+        return None
+
+
+@dataclass(frozen=True)
+class ViewSettings:
+    view: View
+    bars: str
+    ensemble_choice: str
+
+
+def view_section(source: Source, where=None, ensemble: bool = True) -> ViewSettings:
+    where = where or st.sidebar
+    where.header("View")
+    t = source.trace
+    n_eval = len(t.evaluated_queries)
+    layer = w_number(where, "layer", "Layer", 0, t.n_layers - 1, disabled=t.n_layers == 1)
+    head = w_number(where, "head", "Query head", 0, t.n_q_heads - 1, disabled=t.n_q_heads == 1)
+
+    def to_w(v):
+        return n_eval - 1 if v < 0 else min(v, n_eval - 1)
+
+    def from_w(v):
+        return -1 if v >= n_eval - 1 else int(v)
+
+    _bind("step", to_widget=to_w, from_widget=from_w)
+    step = _after("step", where.number_input("Query step", 0, n_eval - 1, key="step", disabled=n_eval == 1,
+                                             help="Which evaluated query (decode step) to show; the last by default."),
+                  from_widget=from_w)
+    choice, bars, size = "none", "std", 1
+    if ensemble:
+        choice = w_choice(where, "ensemble", "Error bars over", ENSEMBLE_OPTIONS,
+                          format_func=lambda c: {"auto": "auto (seeds for the handbook, heads otherwise)",
+                                                 "none": "none (one row)"}.get(c, c),
+                          help="The ensemble behind the error bars: query heads of this layer, layers, "
+                               "recent decode steps, or repeated random draws (seeds).")
+        size = w_slider(where, "ens_size", "Ensemble size", 2, 32)
+        bars = w_choice(where, "bars", "Error bars show", ("std", "95%"), widget="radio",
+                        format_func={"std": "mean ± 1 std", "95%": "95% interval"}.get)
+    ens = resolve_ensemble(choice, source)
+    return ViewSettings(View(layer=int(layer), head=int(head), step=None if step < 0 else int(step),
+                             ensemble=ens, ensemble_size=int(size)), bars, choice)
+
+
+def resolve_ensemble(choice: str, source: Source) -> str | None:
+    if choice == "none":
+        return None
+    if choice == "auto":
+        return "seeds" if source.key[0] == "handbook" else "heads"
+    return choice
+
+
+@dataclass(frozen=True, eq=False)
+class Settings:
+    source: Source
+    spec: Spec | None
+    view: ViewSettings
+
+
+def sidebar(compression: bool = True, ensemble: bool = True) -> Settings | None:
+    """Render the sidebar in the fixed order: Source, its knobs, Compression, Advanced, View."""
+    _store()
+    source = source_section()
+    if source is None:
+        return None
+    spec = compression_section(source.trace) if compression else None
+    view = view_section(source, ensemble=ensemble)
+    return Settings(source, spec, view)
+
+
+# --- presets ---------------------------------------------------------------------------------
+
+PRESETS = ("Handbook example", "StreamingLLM", "H2O 10%+10%", "KIVI 2-bit", "Aggressive 25% + 2-bit")
+_NO_QUANT = dict(bits=FULL_BITS, split=False, key_bits=FULL_BITS, value_bits=FULL_BITS, qmodel="kv",
+                 symmetric=False, residual=0, key_axis="channel", value_axis="token", group=32)
+
+
+def preset_values(name: str, n_tokens: int) -> dict:
+    """Slider values of a preset for a query that sees n_tokens tokens."""
+    tenth = max(1, math.ceil(0.1 * n_tokens))
+    if name == "Handbook example":
+        return dict(_NO_QUANT, sink=handbook.SINK, recent=handbook.RECENT, heavy=handbook.HEAVY, scorer="h2o")
+    if name == "StreamingLLM":  # 4 attention sinks + a recent window (~20% of the tokens)
+        return dict(_NO_QUANT, sink=4, recent=max(8, 2 * tenth - 4), heavy=0, scorer="streaming")
+    if name == "H2O 10%+10%":
+        return dict(_NO_QUANT, sink=0, recent=tenth, heavy=tenth, scorer="h2o")
+    if name == "KIVI 2-bit":  # keys per channel, values per token, G=32; residual 128 (less on short traces)
+        return dict(_NO_QUANT, sink=0, recent=0, heavy=0, bits=2, key_bits=2, value_bits=2,
+                    residual=min(128, n_tokens // 16))
+    if name == "Aggressive 25% + 2-bit":
+        budget = max(3, math.ceil(0.25 * n_tokens))
+        sink = min(4, budget // 3)
+        recent = (budget - sink) // 2
+        return dict(_NO_QUANT, sink=sink, recent=recent, heavy=budget - sink - recent, scorer="h2o",
+                    bits=2, key_bits=2, value_bits=2)
+    raise ValueError(f"unknown preset {name!r}")
+
+
+def apply_preset(name: str, n_tokens: int) -> None:
+    store = _store()
+    for k, v in preset_values(name, n_tokens).items():
+        store[k] = v
+        st.session_state[k] = v
+
+
+def preset_buttons(n_tokens: int) -> None:
+    cols = st.columns(len(PRESETS) + 1, vertical_alignment="center")
+    cols[0].markdown("**Presets**")
+    for col, name in zip(cols[1:], PRESETS):
+        col.button(name, key=f"preset_{name}", on_click=apply_preset, args=(name, n_tokens),
+                   use_container_width=True)
+
+
+# --- cached compute --------------------------------------------------------------------------
+
+def _items(obj) -> tuple:
+    return tuple(sorted(asdict(obj).items()))
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def _compare_cached(source_key: tuple, spec_items: tuple, view_items: tuple,
+                    _trace: Trace, _seed_fn) -> Comparison:
+    return compare(_trace, Spec(**dict(spec_items)), View(**dict(view_items)), trace_for_seed=_seed_fn)
+
+
+def run_compare(source: Source, spec: Spec, view: View) -> Comparison | None:
+    """kvviz.compare through the cache; impossible settings show an error and give None."""
+    try:
+        return _compare_cached(source.key, _items(spec), _items(view), source.trace, source.seed_fn)
+    except (SpecError, TraceError, ValueError) as e:
+        st.error(f"Cannot compare with these settings: {e}. Change the View or Compression settings in the sidebar.")
+        return None
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def _sweep_cached(source_key: tuple, scorers: tuple, bits: tuple, view_items: tuple, base_items: tuple,
+                  _trace: Trace, _progress) -> list[dict]:
+    from .sweep import sweep
+    return sweep(_trace, scorers=scorers, bits=bits, view=View(**dict(view_items)),
+                 base=Spec(**dict(base_items)), progress=_progress)
+
+
+def run_sweep(source: Source, scorers: tuple, bits: tuple, view: View, base: Spec) -> list[dict] | None:
+    bar = st.progress(0.0, text="Sweeping budgets and bit widths…")
+    try:
+        rows = _sweep_cached(source.key, tuple(scorers), tuple(bits), _items(view), _items(base), source.trace,
+                             lambda f, text: bar.progress(min(1.0, f), text=f"Sweeping: {text}"))
+    except (SpecError, TraceError, ValueError) as e:
+        st.error(f"The sweep failed: {e}. Change the methods, bits or View settings.")
+        rows = None
+    bar.empty()
+    return rows
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def _concentration_cached(source_key: tuple, step: int | None, sink: int, window: int, _trace: Trace):
+    from .ui_data import concentration
+    return concentration(_trace, step=step, sink=sink, window=window)
+
+
+def run_concentration(source: Source, step: int | None, sink: int, window: int):
+    return _concentration_cached(source.key, step, sink, window, source.trace)
+
+
+# --- cards and notes -------------------------------------------------------------------------
+
+def fmt_bytes(b: float) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if b >= size:
+            return f"{b / size:.1f} {unit}"
+    return f"{b:.0f} B"
+
+
+def fmt_pct(x: float | None, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def card_values(metrics: dict) -> dict[str, str]:
+    """The text of each metric card, from Comparison.metrics."""
+    return {
+        "Attention mass retained": fmt_pct(metrics["mass_retained"]),
+        "TV distance": f"{metrics['tv_distance']:.4f}",
+        "Output error": fmt_pct(metrics["output_rel_error"], 2),
+        "KV memory": fmt_bytes(metrics["kv_bytes"]),
+        "Memory vs 16-bit": fmt_pct(metrics["memory_ratio"]),
+        "Tokens kept": f"{metrics['kept_tokens']} / {metrics['total_tokens']}",
+    }
+
+
+CARD_HELP = {
+    "Attention mass retained": "Share of the original attention that falls on tokens the compressed cache keeps.",
+    "TV distance": "Total variation distance ½·Σ|a − â| between original and compressed attention (0 = identical, 1 = disjoint).",
+    "Output error": "Relative error of the attention output ‖â·V̂ − a·V‖ / ‖a·V‖.",
+    "KV memory": "Bytes of the compressed K and V cache, all layers and KV heads, incl. scales and zero points.",
+    "Memory vs 16-bit": "Compressed bytes as a share of a full 16-bit cache of the same tokens.",
+    "Tokens kept": "Tokens in the compressed cache of the tokens this query sees.",
+}
+
+
+def metric_cards(comp: Comparison) -> None:
+    values = card_values(comp.metrics)
+    ratio = comp.metrics["compression_ratio"]
+    cols = st.columns(len(values))
+    for col, (label, value) in zip(cols, values.items()):
+        extra = f" ({ratio:.1f}× smaller)" if label == "Memory vs 16-bit" and math.isfinite(ratio) else ""
+        col.metric(label, value, help=CARD_HELP[label] + extra, border=True)
+
+
+def metrics_table(comp: Comparison):
+    """Every metric of the primary row next to its ensemble mean (the 'All numbers' table)."""
+    import pandas as pd
+    mean = comp.metrics_mean
+    rows = [{"metric": k, "value": v, "ensemble mean": mean.get(k)} for k, v in comp.metrics.items()]
+    return pd.DataFrame(rows).astype({"value": float, "ensemble mean": float})
+
+
+def quant_model_note(source: Source, spec: Spec) -> str:
+    if spec.quant_model == "noise":
+        return (f"Quantization model: the handbook's logit-noise stand-in (logits + σ·ε, σ = {spec.noise_sigma:g}); "
+                "the bits set the memory only.")
+    state = "off (16 bits)" if not spec.quantizes else f"K {spec.key_bits}-bit / V {spec.value_bits}-bit"
+    return f"Quantization model: {source.quant_note_kv}; now {state}."
+
+
+def budget_warnings(spec: Spec, n_seen: int) -> list[str]:
+    """What to change when the budgets do not mean what the sliders suggest."""
+    out = []
+    if spec.evicts and spec.budget >= n_seen:
+        out.append(f"Sink + recent + heavy = {spec.budget} covers all {n_seen} tokens this query sees, so nothing "
+                   "is evicted. Lower the sliders (or pick a later query) to see eviction.")
+    elif spec.evicts and spec.heavy > n_seen - min(n_seen, spec.sink + spec.recent):
+        left = n_seen - min(n_seen, spec.sink + spec.recent)
+        out.append(f"Heavy-hitter budget {spec.heavy} is larger than the {left} tokens left after the sinks and "
+                   f"the recent window; only {left} can be heavy hitters. Lower the Heavy-hitter budget.")
+    return out
+
+
+def scorer_note(spec: Spec) -> str | None:
+    if spec.evicts and spec.heavy > 0 and spec.scorer == "streaming":
+        return ("StreamingLLM ranks tokens by position only, so the heavy-hitter budget simply widens the recent "
+                "window; pick another scorer under Advanced to keep heavy hitters.")
+    return None
+
+
+def page_setup(title: str, intro: str) -> None:
+    st.title(title)
+    st.caption(intro)
+
+
+__all__ = ["BITS_OPTIONS", "PARAMS", "PRESETS", "Param", "Settings", "Source", "apply_preset", "budget_warnings",
+           "card_values", "fmt_bytes", "fmt_pct", "metric_cards", "notice", "page_setup", "preset_buttons",
+           "preset_values", "quant_model_note", "run_compare", "run_concentration", "run_sweep", "show_notices",
+           "sidebar", "sync_url"]
