@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .attention import logit_row, logits_with_keys, masked_softmax, softmax
-from .metrics import RowMetrics, Spread, row_metrics, spread
+from .attention import logit_rows, masked_softmax, softmax
+from .metrics import RowMetrics, Spread, row_metrics_batch, spread
 from .policies import ScoreContext, get_policy, select
 from .quant import kv_bytes_per_token, quantize, tensor_bytes
 from .spec import FULL_BITS, Spec, SpecError, View
@@ -181,62 +181,87 @@ def noise_eps(trace: Trace, spec: Spec, layer: int, head: int, position: int) ->
     return np.random.default_rng([spec.seed, layer, head, position]).standard_normal(position + 1)
 
 
-def evaluate_row(trace: Trace, spec: Spec, layer: int, head: int, qi: int,
-                 kept_kv: np.ndarray | None, cache: dict | None = None) -> RowResult:
-    """Original vs compressed attention of one query; kept_kv is its KV head's kept mask.
+def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
+                  kept_kv: np.ndarray | None, cache: dict | None = None) -> list[RowResult]:
+    """Original vs compressed attention of one query for several query heads, batched.
 
-    `cache` (optional) shares the quantized kept keys / values between the query heads
-    of one KV head that keep the same tokens.
+    kept_kv (kv_heads, positions) is the policy's kept mask at this query (None for the
+    oracle, which ranks by each head's own attention). `cache` shares the quantized kept
+    keys / values between calls.
     """
+    cache = {} if cache is None else cache
+    heads = np.asarray(heads, dtype=int)
     p = int(trace.query_positions[qi])
-    kvh = trace.kv_head(head)
-    logits = logit_row(trace, layer, head, qi)                       # (p+1,)
+    n = p + 1
+    kvh = heads // trace.group_size                                      # (H,)
+    logits = logit_rows(trace, layer, heads, qi)                         # (H, n)
     original = softmax(logits)
-    if kept_kv is None:  # the oracle: top-k by this very query's attention
-        kept = select(original[None, :], spec)[0] if spec.evicts else np.ones(p + 1, bool)
+    if kept_kv is None:
+        kept = select(original, spec) if spec.evicts else np.ones((len(heads), n), bool)
     else:
-        kept = kept_kv[: p + 1]
-    idx = np.flatnonzero(kept)
-    k_hat, v_hat = _quantized_kept(trace, spec, layer, kvh, p, idx, {} if cache is None else cache)
+        kept = kept_kv[kvh, :n]                                          # (H, n)
+    idx = [np.flatnonzero(row) for row in kept]
+    quantized = [_quantized_kept(trace, spec, layer, kvh[i], p, idx[i], cache) for i in range(len(heads))]
 
     if spec.quant_model == "noise":
-        logits_hat = logits + noise_eps(trace, spec, layer, head, p) * spec.noise_sigma
-    elif k_hat is not None:
-        logits_hat = logits_with_keys(trace, layer, head, qi, logits, idx, k_hat)
+        eps = np.stack([noise_eps(trace, spec, layer, h, p) for h in heads])
+        logits_hat = logits + eps * spec.noise_sigma
+    elif spec.key_bits < FULL_BITS:
+        # q . K_hat = q . K + q . (K_hat - K): exact logits wherever keys did not change
+        logits_hat = logits.copy()
+        q = trace.q[layer, heads, qi].astype(np.float64)                 # (H, D)
+        for i, (key_delta, _) in enumerate(quantized):
+            logits_hat[i, idx[i]] += key_delta @ q[i] / np.sqrt(trace.head_dim)
     else:
         logits_hat = logits
-    compressed = masked_softmax(logits_hat, kept)
+    compressed = masked_softmax(logits_hat, kept)                        # (H, n)
 
     out = out_hat = None
     if trace.v is not None:
-        values = trace.v[layer, kvh, : p + 1]                          # (p+1, D)
-        out = (original @ values).astype(np.float64)
-        out_hat = compressed[idx] @ (values[idx] if v_hat is None else v_hat)
-    return RowResult(layer=layer, head=head, kv_head=kvh, query=qi, position=p,
-                     original=original, compressed=compressed, kept=kept,
-                     reason=reasons_for(kept, spec), out_original=out, out_compressed=out_hat,
-                     metrics=row_metrics(original, compressed, kept, out, out_hat))
+        out = np.empty((len(heads), trace.head_dim))
+        out_hat = np.empty_like(out)
+        for i, h in enumerate(heads):
+            values = trace.v[layer, kvh[i], :n]                          # (n, D)
+            out[i] = original[i] @ values
+            v_hat = quantized[i][1]
+            out_hat[i] = compressed[i] @ values if v_hat is None else compressed[i, idx[i]] @ v_hat
+    metrics = row_metrics_batch(original, compressed, kept, out, out_hat)
+    return [RowResult(layer=layer, head=int(h), kv_head=int(kvh[i]), query=qi, position=p,
+                      original=original[i], compressed=compressed[i], kept=kept[i],
+                      reason=reasons_for(kept[i], spec),
+                      out_original=None if out is None else out[i],
+                      out_compressed=None if out_hat is None else out_hat[i], metrics=metrics[i])
+            for i, h in enumerate(heads)]
+
+
+def evaluate_row(trace: Trace, spec: Spec, layer: int, head: int, qi: int,
+                 kept_kv: np.ndarray | None = None) -> RowResult:
+    """One row; kept_kv (kv_heads, positions) as in evaluate_rows (None: oracle / no eviction)."""
+    if kept_kv is None and spec.evicts and not get_policy(spec.scorer).needs_query:
+        kept_kv = keep_masks(trace, spec, layer, [int(trace.query_positions[qi])])[0]
+    return evaluate_rows(trace, spec, layer, [head], qi, kept_kv)[0]
 
 
 def _quantized_kept(trace: Trace, spec: Spec, layer: int, kvh: int, p: int, idx: np.ndarray,
                     cache: dict) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """Dequantized keys and values of the kept tokens (None where not quantized).
+    """(K_hat - K, V_hat) of the kept tokens; None where not quantized.
 
     Evict, then quantize what is kept: groups run over the compacted cache, and the
     last `residual` kept tokens stay at full precision.
     """
     if spec.quant_model != "kv" or not spec.quantizes:
         return None, None
-    key = (layer, kvh, p, len(idx), hash(idx.tobytes()))
+    key = (layer, int(kvh), p, len(idx), hash(idx.tobytes()))
     if key not in cache:
-        k_hat = v_hat = None
+        key_delta = v_hat = None
         if spec.key_bits < FULL_BITS:
-            k_hat = quantize(trace.k[layer, kvh, idx].astype(np.float64), spec.key_bits, spec.key_axis,
-                             spec.group_size, spec.residual, spec.symmetric)
+            k = trace.k[layer, kvh, idx].astype(np.float64)
+            key_delta = quantize(k, spec.key_bits, spec.key_axis, spec.group_size, spec.residual,
+                                 spec.symmetric) - k
         if trace.v is not None and spec.value_bits < FULL_BITS:
             v_hat = quantize(trace.v[layer, kvh, idx].astype(np.float64), spec.value_bits, spec.value_axis,
                              spec.group_size, spec.residual, spec.symmetric)
-        cache[key] = k_hat, v_hat
+        cache[key] = key_delta, v_hat
     return cache[key]
 
 
@@ -300,12 +325,21 @@ def compare(trace: Trace, spec: Spec, view: View = View(),
         positions = sorted(set(positions))
         masks[key] = positions, keep_masks(traces[key[0]], key[1], key[2], positions)
 
-    rows, quantized = [], {}
-    for t, s, layer, head, q in members:
-        positions, m = masks[(id(t), s, layer)]
+    # Rows sharing (trace, spec, layer, query) are evaluated together across heads.
+    batches: dict[tuple[int, Spec, int, int], list[int]] = {}
+    for i, (t, s, layer, head, q) in enumerate(members):
+        batches.setdefault((id(t), s, layer, q), []).append(i)
+    rows: list[RowResult | None] = [None] * len(members)
+    quantized: dict = {}
+    for (tid, s, layer, q), which in batches.items():
+        t = traces[tid]
+        positions, m = masks[(tid, s, layer)]
         p = int(t.query_positions[q])
-        kept_kv = None if m is None else m[positions.index(p), t.kv_head(head)]
-        rows.append(evaluate_row(t, s, layer, head, q, kept_kv, quantized.setdefault((id(t), s), {})))
+        kept_kv = None if m is None else m[positions.index(p)]
+        heads = [members[i][3] for i in which]
+        for i, row in zip(which, evaluate_rows(t, s, layer, heads, q, kept_kv,
+                                                quantized.setdefault((tid, s), {}))):
+            rows[i] = row
 
     primary = rows[0]
     n = primary.position + 1

@@ -31,21 +31,37 @@ def kl_divergence(p: np.ndarray, q: np.ndarray, eps: float = KL_EPS) -> float:
 def row_metrics(original: np.ndarray, compressed: np.ndarray, kept: np.ndarray,
                 out_original: np.ndarray | None = None,
                 out_compressed: np.ndarray | None = None) -> RowMetrics:
+    """Metrics of one compressed row (n,) against the original."""
+    return row_metrics_batch(original[None], compressed[None], kept[None],
+                             None if out_original is None else out_original[None],
+                             None if out_compressed is None else out_compressed[None])[0]
+
+
+def row_metrics_batch(original: np.ndarray, compressed: np.ndarray, kept: np.ndarray,
+                      out_original: np.ndarray | None = None,
+                      out_compressed: np.ndarray | None = None) -> list[RowMetrics]:
+    """row_metrics for rows stacked along axis 0, vectorised."""
     err = compressed - original
-    rel = cos = None
+    eps = KL_EPS
+    n = original.shape[1]
+    p_s = (original + eps) / (1 + eps * n)
+    q_s = (compressed + eps) / (1 + eps * n)
+    kl = np.sum(p_s * (np.log(p_s) - np.log(q_s)), axis=1)
+    mass = np.where(kept, original, 0.0).sum(axis=1)
+    tv = 0.5 * np.abs(err).sum(axis=1)
+    mx = np.abs(err).max(axis=1)
+    rel = cos = [None] * len(original)
     if out_original is not None and out_compressed is not None:
-        norm = float(np.linalg.norm(out_original))
-        rel = float(np.linalg.norm(out_compressed - out_original) / norm) if norm > 0 else 0.0
-        denom = norm * float(np.linalg.norm(out_compressed))
-        cos = float(out_original @ out_compressed / denom) if denom > 0 else 1.0
-    return RowMetrics(
-        mass_retained=float(original[kept].sum()),
-        tv_distance=float(0.5 * np.abs(err).sum()),
-        kl=kl_divergence(original, compressed),
-        max_abs_error=float(np.abs(err).max()) if len(err) else 0.0,
-        output_rel_error=rel,
-        output_cosine=cos,
-    )
+        norm = np.linalg.norm(out_original, axis=1)
+        norm_hat = np.linalg.norm(out_compressed, axis=1)
+        diff = np.linalg.norm(out_compressed - out_original, axis=1)
+        rel = np.where(norm > 0, diff / np.where(norm > 0, norm, 1), 0.0).tolist()
+        dot = (out_original * out_compressed).sum(axis=1)
+        denom = norm * norm_hat
+        cos = np.where(denom > 0, dot / np.where(denom > 0, denom, 1), 1.0).tolist()
+    return [RowMetrics(mass_retained=float(mass[i]), tv_distance=float(tv[i]), kl=float(kl[i]),
+                       max_abs_error=float(mx[i]), output_rel_error=rel[i], output_cosine=cos[i])
+            for i in range(len(original))]
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ..attention import context_rows, masked_softmax
+from ..attention import context_rows, softmax
 from ..spec import Spec
 from ..trace import Trace
 
@@ -102,38 +102,51 @@ class Policy:
 
     def _simulate(self, ctx: ScoreContext, scores: np.ndarray, positions: np.ndarray,
                   out: np.ndarray) -> np.ndarray:
-        """Run a streaming policy step by step from the compression point."""
-        trace, spec = ctx.trace, ctx.spec
-        c = trace.context_len
-        kept = np.zeros((trace.n_kv_heads, trace.n_positions), dtype=bool)
-        kept[:, :c] = select(scores[:, :c], spec)
+        """Run a streaming policy step by step from the compression point.
+
+        The cache is held as kept positions per KV head, `kept` (kv_heads, m): every head
+        keeps the same number of tokens, so it stays rectangular. Each step's attention
+        is computed over the kept keys only, as a real compressed cache would.
+        """
+        trace, spec, layer = ctx.trace, ctx.spec, ctx.layer
+        c, Hkv, g = trace.context_len, trace.n_kv_heads, trace.group_size
+        kept = np.nonzero(select(scores[:, :c], spec))[1].reshape(Hkv, -1)   # (Hkv, m)
         scores[:, c:] = np.inf  # nothing has scored a token that has not arrived
         want = {int(p): i for i, p in enumerate(positions)}
         for i, p in enumerate(positions):  # queries evaluated at the compression point
             if p < c:
-                out[i, :, : p + 1] = kept[:, : p + 1]
+                np.put_along_axis(out[i], kept[kept <= p].reshape(Hkv, -1), True, axis=1)
         query_at = {int(p): qi for qi, p in enumerate(trace.query_positions)}
-        group = trace.group_size
         inv_sqrt_d = 1.0 / np.sqrt(trace.head_dim)
+        rows = np.arange(Hkv)
         for p in range(c, int(positions.max()) + 1 if len(positions) else c):
-            kept[:, p] = True
-            _evict_over_budget(kept[:, : p + 1], scores[:, : p + 1], spec)
+            kept = np.concatenate([kept, np.full((Hkv, 1), p)], axis=1)       # the new token arrives
+            if kept.shape[1] > spec.budget:                                   # evict one per head
+                protected = (kept < spec.sink) | (kept > p - spec.recent)
+                key = np.where(protected, np.inf,
+                               np.minimum(np.take_along_axis(scores, kept, 1), np.finfo(np.float64).max))
+                drop = np.ones(kept.shape, dtype=bool)
+                drop[rows, np.argmin(key, axis=1)] = False
+                kept = kept[drop].reshape(Hkv, -1)
             if p in want:
-                out[want[p], :, : p + 1] = kept[:, : p + 1]
+                np.put_along_axis(out[want[p]], kept, True, axis=1)
             qi = query_at.get(p)
             if qi is None:
                 continue
+            kept_q = np.repeat(kept, g, axis=0)                               # (Hq, m)
             if trace.logits is not None:
-                logits = trace.logits[ctx.layer, :, qi, : p + 1].astype(np.float64)
+                logits = np.take_along_axis(trace.logits[layer, :, qi].astype(np.float64), kept_q, axis=1)
             else:
-                q = trace.q[ctx.layer, :, qi].reshape(trace.n_kv_heads, group, -1)   # (Hkv, g, D)
-                k = trace.k[ctx.layer, :, : p + 1]                                   # (Hkv, p+1, D)
-                logits = (np.matmul(q, np.swapaxes(k, 1, 2)).reshape(trace.n_q_heads, p + 1)
-                          .astype(np.float64) * inv_sqrt_d)                           # (Hq, p+1)
-            attn = masked_softmax(logits, np.repeat(kept[:, : p + 1], group, axis=0))
-            new = scores[:, : p + 1]
-            new[np.isposinf(new)] = 0.0  # arrivals have now been seen by a query
-            self.update(new, attn, ctx)
+                q = trace.q[layer, :, qi].reshape(Hkv, g, -1)                 # (Hkv, g, D)
+                k = np.take_along_axis(trace.k[layer], kept[..., None], axis=1)  # (Hkv, m, D)
+                logits = np.swapaxes(np.matmul(k, np.swapaxes(q, 1, 2)), 1, 2)    # (Hkv, g, m)
+                logits = logits.reshape(-1, kept.shape[1]).astype(np.float64)
+                logits *= inv_sqrt_d                                          # (Hq, m)
+            attn = softmax(logits)
+            seen = np.take_along_axis(scores, kept, axis=1)                   # (Hkv, m)
+            seen[np.isposinf(seen)] = 0.0  # arrivals have now been seen by a query
+            self.update(seen, attn, ctx)
+            np.put_along_axis(scores, kept, seen, axis=1)
         return out
 
 
@@ -153,20 +166,3 @@ def select(scores: np.ndarray, spec: Spec) -> np.ndarray:
         top = np.argsort(key, axis=1, kind="stable")[:, :take]
         np.put_along_axis(keep, top, True, axis=1)
     return keep
-
-
-def _evict_over_budget(kept: np.ndarray, scores: np.ndarray, spec: Spec) -> None:
-    """Evict, per KV head, the lowest-scoring unprotected tokens until the budget holds."""
-    n = kept.shape[1]
-    protected = np.zeros(n, dtype=bool)
-    protected[: spec.sink] = True
-    protected[max(0, n - spec.recent):] = True
-    while True:
-        cand = kept & ~protected
-        rows = np.flatnonzero((kept.sum(axis=1) > spec.budget) & cand.any(axis=1))
-        if not len(rows):
-            return
-        # candidates by score (a not-yet-scored +inf still beats a non-candidate)
-        key = np.where(cand[rows], np.minimum(scores[rows], np.finfo(np.float64).max), np.inf)
-        victim = np.argmin(key, axis=1)
-        kept[rows, victim] = False
