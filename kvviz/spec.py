@@ -9,6 +9,7 @@ AXES = ("channel", "token")
 QUANT_MODELS = ("kv", "noise")
 ENSEMBLES = ("heads", "layers", "steps", "seeds")
 FULL_BITS = 16  # 16 bits = not quantized (the fp16 baseline)
+MAX_ENSEMBLE = 256
 
 
 class SpecError(ValueError):
@@ -120,5 +121,5 @@ class View:
     def __post_init__(self) -> None:
         if self.ensemble is not None and self.ensemble not in ENSEMBLES:
             raise SpecError(f"ensemble must be one of {', '.join(ENSEMBLES)}, got {self.ensemble!r}")
-        if self.ensemble_size < 1:
-            raise SpecError("ensemble size must be at least 1")
+        if not 1 <= self.ensemble_size <= MAX_ENSEMBLE:
+            raise SpecError(f"ensemble size must be 1-{MAX_ENSEMBLE}, got {self.ensemble_size}")
