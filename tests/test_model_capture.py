@@ -319,3 +319,101 @@ def test_bundled_round_trip_and_errors(bundled, bundled_trace, tmp_path):
         capture(model, tok, info, "")
     cut = capture(model, tok, info, ENGLISH, max_tokens=16)
     assert cut.context_len == 16 and cut.meta["truncated"] and cut.meta["prompt_tokens_total"] > 16
+
+
+# --- the app's Real model and Trace file sources (AppTest) ----------------------------------
+
+def _real_model_page():
+    import streamlit as st
+
+    from kvviz.ui_sources import real_model_source
+
+    t = real_model_source(st.sidebar)
+    st.write("TRACE:" + ("none" if t is None else f"{t.n_layers}x{t.n_q_heads}x{t.n_positions}"
+                         f" ctx {t.context_len} {t.meta['model_name']}"))
+
+
+def _trace_file_page():
+    import streamlit as st
+
+    from kvviz.ui_sources import trace_file_source
+
+    t = trace_file_source(st.sidebar)
+    st.write("TRACE:" + ("none" if t is None else f"{t.n_positions} tokens {t.tokens[0]}"))
+
+
+def _shown(at) -> str:
+    return next(m.value for m in at.main.markdown if m.value.startswith("TRACE:"))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVVIZ_CACHE_DIR", str(tmp_path / "traces"))
+    return tmp_path / "traces"
+
+
+def test_app_real_model_capture_is_cached_on_disk(tiny_dir, cache):
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_function(_real_model_page, default_timeout=120).run()
+    assert _shown(at) == "TRACE:none" and "Press **Capture**" in at.sidebar.info[0].value
+    at.sidebar.radio(key="rm_kind").set_value("other").run()
+    at.sidebar.text_input(key="rm_name").set_value(str(tiny_dir)).run()
+    at.sidebar.slider(key="rm_new").set_value(4).run()
+    at.sidebar.number_input(key="rm_max").set_value(64).run()
+    at.sidebar.button(key="rm_capture").click().run()
+    assert not at.exception
+    assert _shown(at) == f"TRACE:2x4x68 ctx 64 {tiny_dir}"
+    assert at.status[0].label.startswith("Captured 68 tokens")
+    assert any("kept the first 64" in w.value for w in at.sidebar.warning)     # the prompt cap, said
+    assert len(list(cache.glob("*.safetensors"))) == 1
+    # A new session with the same settings: straight from the disk cache, no click, no status box.
+    again = AppTest.from_function(_real_model_page, default_timeout=120).run()
+    again.sidebar.radio(key="rm_kind").set_value("other").run()
+    again.sidebar.text_input(key="rm_name").set_value(str(tiny_dir)).run()
+    again.sidebar.slider(key="rm_new").set_value(4).run()
+    again.sidebar.number_input(key="rm_max").set_value(64).run()
+    assert _shown(again) == f"TRACE:2x4x68 ctx 64 {tiny_dir}" and len(again.status) == 0
+    # A model that does not exist: one readable error, nothing shown.
+    again.sidebar.text_input(key="rm_name").set_value(str(cache / "no-model")).run()
+    again.sidebar.button(key="rm_capture").click().run()
+    assert not again.exception
+    assert "no such model folder or file" in again.sidebar.error[0].value
+
+
+def test_app_trace_file_upload_and_saved(tiny_trace, cache):
+    from streamlit.testing.v1 import AppTest
+
+    cache.mkdir(parents=True)
+    good = save_trace(tiny_trace, cache / "good.safetensors").read_bytes()
+    at = AppTest.from_function(_trace_file_page, default_timeout=60).run()
+    assert not at.exception
+    assert _shown(at) == f"TRACE:{tiny_trace.n_positions} tokens {tiny_trace.tokens[0]}"   # saved, newest
+    assert "(1)" in at.sidebar.radio(key="tf_how").options[1]
+    at.sidebar.radio(key="tf_how").set_value("upload").run()
+    assert _shown(at) == "TRACE:none"
+    at.get("file_uploader")[0].upload("bad.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!").run()
+    assert not at.exception and _shown(at) == "TRACE:none"
+    err = at.sidebar.error[0].value
+    assert "bad.safetensors" in err and "cannot be used" in err and "kvviz capture" in err
+    at.get("file_uploader")[0].upload("good.safetensors", good).run()
+    assert _shown(at) == f"TRACE:{tiny_trace.n_positions} tokens {tiny_trace.tokens[0]}"
+
+
+@pytest.mark.model
+def test_app_real_model_default_flow_on_the_bundled_model(bundled, cache, monkeypatch):
+    """The default Real model settings (bundled model, example paragraph, 16 new tokens) capture a
+    ~150-200-token prompt. The already-loaded model stands in for the st.cache_resource load."""
+    from streamlit.testing.v1 import AppTest
+
+    import kvviz.ui_sources as ui_sources
+
+    monkeypatch.setattr(ui_sources, "_model", lambda name, device, dtype, _progress=None: bundled)
+    at = AppTest.from_function(_real_model_page, default_timeout=180).run()
+    at.sidebar.button(key="rm_capture").click().run()
+    assert not at.exception
+    shown = _shown(at)
+    assert shown.startswith("TRACE:30x9x") and shown.endswith("bundled")
+    n_prompt = int(shown.split("ctx ")[1].split()[0])
+    assert 150 <= n_prompt <= 200 and shown.startswith(f"TRACE:30x9x{n_prompt + 16} ")
+    assert at.status[0].label.startswith(f"Captured {n_prompt + 16} tokens")
