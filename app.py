@@ -25,14 +25,14 @@ def explorer() -> None:
         return
     n_seen = len(comp.tokens)
     for w in ui.budget_warnings(spec, n_seen):
-        st.warning(w, icon="⚠️")
+        st.warning(w, icon=":material/warning:")
 
     ui.metric_cards(comp)
     p = comp.primary
     st.caption(f"{source.label} · layer {p.layer}, query head {p.head} (KV head {p.kv_head}), query at "
                f"position {p.position} · {spec.label()} · {ui.quant_model_note(source, spec)}")
     for note in comp.notes + tuple(filter(None, [ui.scorer_note(spec)])):
-        st.info(note, icon="ℹ️")
+        st.info(note, icon=":material/info:")
 
     members = len(comp.members)
     per_token = token_frame(comp, vs.bars)
@@ -50,8 +50,9 @@ def explorer() -> None:
 
     st.plotly_chart(fig_att, key="attention_chart")
     st.caption("What to look for: grey is the original attention, coloured bars what the compressed cache gives "
-               "each kept token (renormalised, so kept tokens gain weight); crosses mark evicted tokens, whose "
-               "attention drops to zero.")
+               "each kept token (renormalised, so kept tokens gain weight); "
+               + ("the vermillion part of each grey bar is mass on evicted tokens, lost to the compressed cache."
+                  if n_seen > BIN_THRESHOLD else "crosses mark evicted tokens, whose attention drops to zero."))
     st.plotly_chart(fig_err, key="error_chart")
     st.caption("What to look for: eviction zeroes some tokens (deep negative bars) and shifts their mass onto the "
                "kept ones; quantization spreads small errors over every kept token. Error bars: "
@@ -60,20 +61,20 @@ def explorer() -> None:
 
     c1, c2 = st.columns(2)
     c1.download_button("Download per-token data (CSV)", data=lambda: per_token.to_csv(index=False),
-                       file_name="kvviz-tokens.csv", mime="text/csv", on_click="ignore", icon="⬇️")
+                       file_name="kvviz-tokens.csv", mime="text/csv", on_click="ignore", icon=":material/download:")
     c2.download_button("Download charts (standalone HTML)",
                        data=lambda: figures.figures_html([fig_att, fig_err], f"kvviz: {spec.label()}"),
-                       file_name="kvviz-explorer.html", mime="text/html", on_click="ignore", icon="⬇️")
+                       file_name="kvviz-explorer.html", mime="text/html", on_click="ignore", icon=":material/download:")
     with st.expander("All numbers"):
         st.dataframe(ui.metrics_table(comp), hide_index=True, key="metrics_table")
         st.dataframe(per_token, hide_index=True, height=240)
 
 
-st.set_page_config(page_title="kvviz", page_icon="🗜️", layout="wide")
+st.set_page_config(page_title="kvviz", layout="wide")
 page = st.navigation([
-    st.Page(explorer, title="Explorer", icon="🔍", default=True),
-    st.Page("pages/1_Trade-offs.py", title="Trade-offs", icon="📉", url_path="trade-offs"),
-    st.Page("pages/2_Concentration.py", title="Concentration", icon="🎯", url_path="concentration"),
+    st.Page(explorer, title="Explorer", default=True),
+    st.Page("pages/1_Trade-offs.py", title="Trade-offs"),
+    st.Page("pages/2_Concentration.py", title="Concentration"),
 ])
 page.run()
 ui.sync_url()

@@ -82,7 +82,8 @@ def attention_figure(frame: pd.DataFrame, title: str = "Attention per token: ori
 
 def binned_attention_figure(frame: pd.DataFrame,
                             title: str = "Attention mass per bin of tokens: original vs compressed") -> go.Figure:
-    """Long sequences: one bar pair per bin; the evicted share of each bin's original mass in vermillion.
+    """Long sequences: one bar pair per bin; the original bar splits into kept (grey) and evicted
+    (vermillion, hatched) mass, the compressed bar beside it.
 
     `frame` is `kvviz.ui_data.binned_frame`.
     """
@@ -95,17 +96,14 @@ def binned_attention_figure(frame: pd.DataFrame,
              "<br>original %{customdata[4]:.4f}<br>compressed %{customdata[5]:.4f}"
              "<br>kept %{customdata[6]} of %{customdata[7]}; evicted mass %{customdata[8]:.4f}<extra></extra>")
     fig = go.Figure()
-    fig.add_bar(x=centers, y=frame["original"], width=width * 0.45, offset=-width * 0.45, name="original",
+    kept_mass = frame["original"] - frame["evicted_mass"]
+    fig.add_bar(x=centers, y=kept_mass, width=width * 0.45, offset=-width * 0.45, name="original: kept tokens",
                 marker_color=ORIGINAL_COLOR, customdata=custom, hovertemplate=hover)
+    fig.add_bar(x=centers, y=frame["evicted_mass"], base=kept_mass, width=width * 0.45, offset=-width * 0.45,
+                name="original: evicted tokens", marker_color=REASON_COLORS["evicted"],
+                marker_pattern_shape="x", customdata=custom, hovertemplate=hover)
     fig.add_bar(x=centers, y=frame["compressed"], width=width * 0.45, offset=0, name="compressed",
                 marker_color=REASON_COLORS["kept (no eviction)"], customdata=custom, hovertemplate=hover)
-    lost = frame["evicted_mass"] > 0
-    if lost.any():
-        fig.add_scatter(x=centers[lost], y=frame["evicted_mass"][lost], mode="markers",
-                        name="evicted mass in bin",
-                        marker=dict(symbol="x-thin-open", size=8, color=REASON_COLORS["evicted"],
-                                    line=dict(width=2, color=REASON_COLORS["evicted"])),
-                        customdata=custom[lost.to_numpy()], hovertemplate=hover)
     fig.update_layout(barmode="overlay")
     return _layout(fig, title, f"token position (bins of {int(width)} tokens)", "attention mass per bin (probability)")
 

@@ -180,7 +180,7 @@ def notice(text: str) -> None:
 def show_notices() -> None:
     notes = st.session_state.get(NOTICES) or []
     if notes:
-        st.warning("**Some settings were adjusted:**\n\n" + "\n".join(f"- {n}" for n in notes), icon="⚠️")
+        st.warning("**Some settings were adjusted:**\n\n" + "\n".join(f"- {n}" for n in notes), icon=":material/warning:")
         st.button("Dismiss", key="_dismiss_notices", on_click=lambda: st.session_state[NOTICES].clear())
 
 
@@ -499,6 +499,15 @@ _NO_QUANT = dict(bits=FULL_BITS, split=False, key_bits=FULL_BITS, value_bits=FUL
                  symmetric=False, residual=0, key_axis="channel", value_axis="token", group=32)
 
 
+PRESET_HELP = {
+    "Handbook example": "Sink 4, recent 8, heavy 2 (H2O), no quantization: the handbook's worked example.",
+    "StreamingLLM": "4 attention sinks + a recent window of ~20% of the tokens; position only.",
+    "H2O 10%+10%": "H2O: 10% heavy hitters + 10% recent window, as in the H2O paper's experiments.",
+    "KIVI 2-bit": "No eviction; 2-bit keys per channel, values per token, groups of 32, recent tokens at 16 bits.",
+    "Aggressive 25% + 2-bit": "Keep 25% of the tokens (sinks, recent, H2O heavy hitters) and quantize them to 2 bits.",
+}
+
+
 def preset_values(name: str, n_tokens: int) -> dict:
     """Slider values of a preset for a query that sees n_tokens tokens."""
     tenth = max(1, math.ceil(0.1 * n_tokens))
@@ -528,11 +537,11 @@ def apply_preset(name: str, n_tokens: int) -> None:
 
 
 def preset_buttons(n_tokens: int) -> None:
-    cols = st.columns(len(PRESETS) + 1, vertical_alignment="center")
-    cols[0].markdown("**Presets**")
-    for col, name in zip(cols[1:], PRESETS):
-        col.button(name, key=f"preset_{name}", on_click=apply_preset, args=(name, n_tokens),
-                   use_container_width=True)
+    with st.container(horizontal=True, vertical_alignment="center", gap="small"):
+        st.markdown("**Presets**", width="content")
+        for name in PRESETS:
+            st.button(name, key=f"preset_{name}", on_click=apply_preset, args=(name, n_tokens),
+                      help=PRESET_HELP[name])
 
 
 # --- cached compute --------------------------------------------------------------------------
@@ -624,7 +633,7 @@ CARD_HELP = {
 def metric_cards(comp: Comparison) -> None:
     values = card_values(comp.metrics)
     ratio = comp.metrics["compression_ratio"]
-    cols = st.columns(len(values))
+    cols = st.columns(3) + st.columns(3)
     for col, (label, value) in zip(cols, values.items()):
         extra = f" ({ratio:.1f}× smaller)" if label == "Memory vs 16-bit" and math.isfinite(ratio) else ""
         col.metric(label, value, help=CARD_HELP[label] + extra, border=True)
