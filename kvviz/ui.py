@@ -565,23 +565,33 @@ def run_compare(source: Source, spec: Spec, view: View) -> Comparison | None:
         return None
 
 
-@st.cache_data(max_entries=16, show_spinner=False)
-def _sweep_cached(source_key: tuple, scorers: tuple, bits: tuple, view_items: tuple, base_items: tuple,
-                  _trace: Trace, _progress) -> list[dict]:
+@st.cache_resource
+def _sweep_results() -> dict:
+    """Sweeps shared across sessions. Not st.cache_data: the sweep drives a progress bar,
+    and Streamlit cannot replay elements created outside a cached function."""
+    return {}
+
+
+def run_sweep(source: Source, scorers: tuple, bits: tuple, view: View, base: Spec,
+              max_entries: int = 16) -> list[dict] | None:
+    """kvviz.sweep with a progress bar, cached by (source, methods, bits, view, base spec)."""
     from .sweep import sweep
-    return sweep(_trace, scorers=scorers, bits=bits, view=View(**dict(view_items)),
-                 base=Spec(**dict(base_items)), progress=_progress)
-
-
-def run_sweep(source: Source, scorers: tuple, bits: tuple, view: View, base: Spec) -> list[dict] | None:
+    key = (source.key, tuple(scorers), tuple(bits), _items(view), _items(base))
+    results = _sweep_results()
+    if key in results:
+        return results[key]
     bar = st.progress(0.0, text="Sweeping budgets and bit widths…")
     try:
-        rows = _sweep_cached(source.key, tuple(scorers), tuple(bits), _items(view), _items(base), source.trace,
-                             lambda f, text: bar.progress(min(1.0, f), text=f"Sweeping: {text}"))
+        rows = sweep(source.trace, scorers=scorers, bits=bits, view=view, base=base,
+                     progress=lambda f, text: bar.progress(min(1.0, f), text=f"Sweeping: {text}"))
     except (SpecError, TraceError, ValueError) as e:
         st.error(f"The sweep failed: {e}. Change the methods, bits or View settings.")
-        rows = None
-    bar.empty()
+        return None
+    finally:
+        bar.empty()
+    while len(results) >= max_entries:
+        results.pop(next(iter(results)))
+    results[key] = rows
     return rows
 
 
@@ -658,13 +668,14 @@ def quant_model_note(source: Source, spec: Spec) -> str:
 def budget_warnings(spec: Spec, n_seen: int) -> list[str]:
     """What to change when the budgets do not mean what the sliders suggest."""
     out = []
-    if spec.evicts and spec.budget >= n_seen:
+    left = n_seen - min(n_seen, spec.sink + spec.recent)
+    if spec.evicts and spec.heavy > left:
+        out.append(f"Heavy-hitter budget {spec.heavy} is larger than the {left} tokens left after the sinks and "
+                   f"the recent window, so every token is kept. Lower the Heavy-hitter budget below {left} "
+                   "(or the other sliders).")
+    elif spec.evicts and spec.budget >= n_seen:
         out.append(f"Sink + recent + heavy = {spec.budget} covers all {n_seen} tokens this query sees, so nothing "
                    "is evicted. Lower the sliders (or pick a later query) to see eviction.")
-    elif spec.evicts and spec.heavy > n_seen - min(n_seen, spec.sink + spec.recent):
-        left = n_seen - min(n_seen, spec.sink + spec.recent)
-        out.append(f"Heavy-hitter budget {spec.heavy} is larger than the {left} tokens left after the sinks and "
-                   f"the recent window; only {left} can be heavy hitters. Lower the Heavy-hitter budget.")
     return out
 
 

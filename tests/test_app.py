@@ -1,0 +1,265 @@
+"""AppTest (streamlit.testing.v1) for every page: labels, directions, exact numbers, URL state, presets, errors."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from kvviz import Spec, View, compare
+from kvviz.sources.handbook import handbook_trace
+from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from kvviz.ui import card_values
+from kvviz.ui_data import concentration
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = str(ROOT / "app.py")
+TRADEOFFS = str(ROOT / "pages" / "1_Trade-offs.py")
+CONCENTRATION = str(ROOT / "pages" / "2_Concentration.py")
+# a small synthetic pattern keeps these tests quick
+SMALL = {"source": "synthetic", "context": "128", "steps": "4"}
+
+
+def run(path=APP, **params) -> AppTest:
+    at = AppTest.from_file(path, default_timeout=120)
+    for k, v in params.items():
+        at.query_params[k] = str(v)
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def cards(at) -> dict:
+    return {m.label: m.value for m in at.metric}
+
+
+def numbers(at) -> dict:
+    """The 'All numbers' table: metric -> value exactly as computed."""
+    df = at.dataframe[0].value
+    return dict(zip(df["metric"], df["value"]))
+
+
+def warnings(at) -> str:
+    return "\n".join(w.value for w in at.warning)
+
+
+def set_and_run(at, key, value) -> AppTest:
+    widget = at.select_slider(key=key) if key == "bits" else at.slider(key=key)
+    widget.set_value(value)
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+# --- explorer -------------------------------------------------------------------------------
+
+def test_four_sliders_with_exact_labels_in_sidebar():
+    at = run()
+    sliders = {s.label for s in at.sidebar.slider} | {s.label for s in at.sidebar.select_slider}
+    assert {"Sink tokens", "Recent window", "Heavy-hitter budget", "Quantization bits"} <= sliders
+    headers = [h.value for h in at.sidebar.header]
+    assert headers == ["Source", "Compression", "View"]
+
+
+def test_default_view_is_the_handbook_example():
+    at = run()
+    assert at.slider(key="sink").value == 4 and at.slider(key="recent").value == 8
+    assert at.slider(key="heavy").value == 2 and at.select_slider(key="bits").value == 16
+    assert any("0-3, 15, 28, 56-63" in m.value for m in at.markdown)
+    assert cards(at)["Attention mass retained"] == "62.9%"
+    assert cards(at)["Tokens kept"] == "14 / 64"
+    assert any("no later queries" in i.value for i in at.info)  # Comparison.notes is shown
+    captions = " ".join(c.value for c in at.caption)
+    assert "keys realised from the handbook's logits" in captions
+
+
+def test_shown_numbers_equal_kvviz_compare():
+    at = run(sink=2, recent=6, heavy=5, bits=4, ensemble="none")
+    expected = compare(handbook_trace(), Spec(sink=2, recent=6, heavy=5, key_bits=4, value_bits=4), View())
+    shown = numbers(at)
+    for k, v in expected.metrics.items():
+        assert shown[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
+    assert cards(at) == card_values(expected.metrics)
+
+
+def test_synthetic_numbers_equal_kvviz_compare_for_layer_and_head():
+    at = run(**SMALL, layers=2, sink=4, recent=16, heavy=8, layer=1, head=3, ensemble="heads")
+    t = make_synthetic(SyntheticSpec(context=128, steps=4, layers=2))
+    expected = compare(t, Spec(sink=4, recent=16, heavy=8), View(layer=1, head=3, ensemble="heads"))
+    shown = numbers(at)
+    assert shown["mass_retained"] == pytest.approx(expected.metrics["mass_retained"], rel=1e-12)
+    assert shown["tv_distance"] == pytest.approx(expected.metrics["tv_distance"], rel=1e-12)
+    assert any("layer 1, query head 3 (KV head 1)" in c.value for c in at.caption)
+
+
+def test_more_bits_means_less_error():
+    at = run(**SMALL, sink=0, recent=0, heavy=0)
+    errors = []
+    for bits in (2, 4, 8):
+        set_and_run(at, "bits", bits)
+        errors.append((numbers(at)["tv_distance"], numbers(at)["output_rel_error"]))
+    tv, out = zip(*errors)
+    assert tv[0] > tv[1] > tv[2] > 0 and out[0] > out[1] > out[2] > 0
+    set_and_run(at, "bits", 16)
+    assert numbers(at)["tv_distance"] == 0.0
+
+
+def test_larger_budget_retains_more_mass():
+    at = run()
+    masses = []
+    for heavy in (0, 2, 10, 30):
+        set_and_run(at, "heavy", heavy)
+        masses.append(numbers(at)["mass_retained"])
+    assert masses == sorted(masses) and masses[0] < masses[-1]
+    set_and_run(at, "recent", 20)
+    assert numbers(at)["mass_retained"] >= masses[-1]
+
+
+def test_query_params_round_trip():
+    params = {"source": "synthetic", "context": "128", "steps": "4", "sink": "3", "recent": "20",
+              "heavy": "7", "bits": "4", "scorer": "tova", "layer": "1", "bars": "95%", "ensemble": "steps"}
+    at = run(**params)
+    assert dict(at.query_params) == params
+    assert at.slider(key="recent").value == 20 and at.selectbox(key="scorer").value == "tova"
+    assert not warnings(at)
+    # a widget change lands in the URL; going back to the default removes it
+    set_and_run(at, "sink", 5)
+    assert at.query_params["sink"] == "5"
+    set_and_run(at, "sink", 4)
+    assert "sink" not in at.query_params and "recent" in at.query_params
+
+
+def test_out_of_range_link_is_clamped_with_a_notice():
+    at = run(sink="-5", bits="11", layer="9", heavy="abc", nonsense="1")
+    w = warnings(at)
+    assert "`sink=-5` is out of range" in w and "clamped to 0" in w
+    assert "`bits=11` is not one of" in w
+    assert "Layer 9 is outside this source's range 0-0" in w
+    assert "`heavy=abc` is not a number" in w
+    assert "`nonsense` is not a kvviz setting" in w
+    assert at.slider(key="sink").value == 0 and at.select_slider(key="bits").value == 16
+    assert at.number_input(key="layer").value == 0
+    assert at.query_params.get("layer") is None  # the URL now holds the clamped state
+
+
+def test_presets_apply():
+    at = run()
+    at.button(key="preset_StreamingLLM").click().run()
+    assert at.slider(key="sink").value == 4 and at.slider(key="heavy").value == 0
+    assert at.selectbox(key="scorer").value == "streaming"
+    at.button(key="preset_KIVI 2-bit").click().run()
+    assert at.select_slider(key="bits").value == 2
+    assert cards(at)["Attention mass retained"] == "100.0%" and numbers(at)["tv_distance"] > 0
+    at.button(key="preset_H2O 10%+10%").click().run()
+    assert (at.slider(key="recent").value, at.slider(key="heavy").value) == (7, 7)
+    at.button(key="preset_Aggressive 25% + 2-bit").click().run()
+    s, r, h = (at.slider(key=k).value for k in ("sink", "recent", "heavy"))
+    assert s + r + h == 16 and at.select_slider(key="bits").value == 2
+    at.button(key="preset_Handbook example").click().run()
+    assert cards(at)["Attention mass retained"] == "62.9%"
+    assert not at.exception
+
+
+def test_impossible_combinations_show_messages_not_tracebacks():
+    at = run(symmetric="1", bits="1")
+    assert at.error and "symmetric" in at.error[0].value.lower() and "2 or more" in at.error[0].value
+    at = run(source="synthetic", context="128", q_heads="3", kv_heads="2")
+    assert at.error and "multiple of KV heads" in at.error[0].value
+    at = run(sink="4", recent="8", heavy="60")
+    assert "larger than the 52 tokens left" in warnings(at)
+    at = run(sink="40", recent="30", heavy="0")
+    assert "nothing is evicted" in warnings(at)
+
+
+def test_separate_key_and_value_bits():
+    at = run(**SMALL, sink=0, recent=0, heavy=0, split=1, key_bits=16, value_bits=2)
+    n = numbers(at)
+    assert n["tv_distance"] == 0.0 and n["output_rel_error"] > 0  # values only: attention unchanged
+    assert at.select_slider(key="bits").disabled
+
+
+def test_error_bars_choice_changes_the_chart():
+    at = run(ensemble="seeds", qmodel="noise", sigma="0.5", sink="0", recent="0", heavy="0")
+    std_title = at.get("plotly_chart")[1].proto.spec
+    at.radio(key="bars").set_value("95%").run()
+    assert "95% interval" in at.get("plotly_chart")[1].proto.spec and "1 std" in std_title
+    assert "logit-noise" in " ".join(c.value for c in at.caption)
+
+
+def test_long_sequences_are_binned():
+    at = run(source="synthetic", context="1024", steps="2", sink="4", recent="64", heavy="64")
+    assert any("bins of up to" in c.value for c in at.caption)
+    spec = at.get("plotly_chart")[0].proto.spec
+    assert "bins of" in spec and spec.count('"x"') < 20  # a handful of traces, not a bar per token
+
+
+# --- pages ---------------------------------------------------------------------------------------
+
+def test_tradeoffs_page():
+    at = run(TRADEOFFS, methods="h2o,streaming,oracle", sweep_bits="16,2")
+    assert not at.error
+    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    names = {t.get("name", "") for t in fig["data"]}
+    assert {"Pareto frontier", "h2o · 16-bit", "streaming · 2-bit", "oracle · 2-bit"} <= names
+    assert any(n.startswith("current:") for n in names) and not any("tova" in n for n in names)
+    at.radio(key="metric").set_value("kl").run()
+    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert fig["layout"]["yaxis"]["title"]["text"] == "KL divergence (nats)"
+    # the sweep uses the explorer's sliders too
+    assert {"Sink tokens", "Recent window", "Heavy-hitter budget"} <= {s.label for s in at.sidebar.slider}
+
+
+def test_tradeoffs_needs_a_method():
+    at = run(TRADEOFFS)
+    at.multiselect(key="methods").set_value([]).run()
+    assert "Pick at least one method" in warnings(at)
+
+
+def test_concentration_page_numbers():
+    at = run(CONCENTRATION, **SMALL, window="8", sink_k="1")
+    c = concentration(make_synthetic(SyntheticSpec(context=128, steps=4)), sink=1, window=8)
+    shown = cards(at)
+    assert shown["Top 10% of tokens hold"] == f"{100 * c.top10.mean():.1f}%"
+    assert shown["Sink share (first 1)"] == f"{100 * c.sink_share.mean():.1f}%"
+    assert shown["Locality (last 8)"] == f"{100 * c.locality.mean():.1f}%"
+    assert len(at.get("plotly_chart")) == 4
+    assert "80-90%" in at.get("plotly_chart")[0].proto.spec
+
+
+def test_navigation_keeps_settings():
+    at = run(sink=2)
+    at.switch_page("pages/1_Trade-offs.py").run()
+    assert at.slider(key="sink").value == 2 and at.query_params["sink"] == "2"
+    at.switch_page("pages/2_Concentration.py").run()
+    assert not at.exception and at.query_params["sink"] == "2"
+
+
+# --- timing ---------------------------------------------------------------------------------------
+
+def _timed_rerun(at, key, value) -> float:
+    at.slider(key=key).set_value(value)
+    t0 = time.perf_counter()
+    at.run()
+    return time.perf_counter() - t0
+
+
+def test_rerun_time_handbook_and_4k_synthetic(capsys):
+    """Server-side rerun time after moving a slider (uncached compute), reported in test-artifacts/."""
+    at = run()
+    handbook = np.median([_timed_rerun(at, "heavy", h) for h in (3, 4, 5)])
+    at = run(source="synthetic", context="4096", sink="4", recent="410", heavy="410")
+    synth = np.median([_timed_rerun(at, "heavy", h) for h in (400, 390, 380)])
+    t0 = time.perf_counter()
+    at.run()  # nothing changed: cached
+    cached = time.perf_counter() - t0
+    report = (f"explorer rerun after a slider move: handbook {handbook * 1000:.0f} ms, "
+              f"4k-token synthetic {synth * 1000:.0f} ms (h2o, heads ensemble); cached rerun {cached * 1000:.0f} ms\n")
+    out = ROOT / "test-artifacts"
+    out.mkdir(exist_ok=True)
+    (out / "rerun-times.txt").write_text(report)
+    with capsys.disabled():
+        print("\n" + report)
+    assert handbook < 3.0 and synth < 15.0 or os.environ.get("CI")

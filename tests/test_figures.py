@@ -1,0 +1,139 @@
+"""Figure builders and the app's data tables: what a chart says is what was computed."""
+
+import numpy as np
+import plotly.graph_objects as go
+import pytest
+
+from kvviz import Spec, View, compare
+from kvviz import figures
+from kvviz.sources.handbook import HEAVY, RECENT, SINK, handbook_trace
+from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from kvviz.sweep import pareto_front
+from kvviz.ui_data import (BIN_THRESHOLD, binned_frame, bin_edges, concentration, error_band, ranges_text,
+                           token_frame)
+
+
+@pytest.fixture(scope="module")
+def handbook_comp():
+    return compare(handbook_trace(), Spec(sink=SINK, recent=RECENT, heavy=HEAVY), View())
+
+
+@pytest.fixture(scope="module")
+def long_comp():
+    t = make_synthetic(SyntheticSpec(context=1024, steps=4))
+    return compare(t, Spec(sink=4, recent=100, heavy=100, key_bits=4, value_bits=4), View(ensemble="heads"))
+
+
+def test_ranges_text():
+    assert ranges_text([0, 1, 2, 3, 15, 28] + list(range(56, 64))) == "0-3, 15, 28, 56-63"
+    assert ranges_text([]) == "none"
+    assert ranges_text([5]) == "5"
+
+
+def test_token_frame_matches_comparison(handbook_comp):
+    f = token_frame(handbook_comp)
+    p = handbook_comp.primary
+    assert len(f) == 64
+    np.testing.assert_array_equal(f["original"], p.original)
+    np.testing.assert_array_equal(f["compressed"], p.compressed)
+    assert set(np.flatnonzero(f["kept"])) == {0, 1, 2, 3, 15, 28, *range(56, 64)}
+    assert f.loc[0, "reason"] == "sink" and f.loc[15, "reason"] == "heavy hitter"
+    assert f.loc[60, "reason"] == "recent" and f.loc[20, "reason"] == "evicted"
+
+
+def test_error_band_std_and_interval(long_comp):
+    mean, lo, hi = error_band(long_comp, "std")
+    np.testing.assert_allclose(hi - mean, long_comp.spread.std)
+    mean, lo, hi = error_band(long_comp, "95%")
+    np.testing.assert_array_equal(lo, long_comp.spread.lo)
+    with pytest.raises(ValueError):
+        error_band(long_comp, "iqr")
+
+
+def test_binned_frame_conserves_mass_and_caps_bins(long_comp):
+    n = len(long_comp.tokens)
+    assert n > BIN_THRESHOLD
+    b = binned_frame(long_comp, max_bins=100)
+    assert len(b) <= 100
+    assert b["tokens"].sum() == n
+    assert b["original"].sum() == pytest.approx(1.0)
+    assert b["compressed"].sum() == pytest.approx(1.0)
+    assert b["kept_tokens"].sum() == long_comp.primary.kept.sum()
+    assert b["evicted_mass"].sum() == pytest.approx(1 - long_comp.metrics["mass_retained"])
+    # each bin's mean error is the mean over members of their bin sums
+    sums = np.array([np.add.reduceat(m.error, bin_edges(n, 100)) for m in long_comp.members])
+    np.testing.assert_allclose(b["error_mean"], sums.mean(axis=0), atol=1e-12)
+
+
+def test_attention_figure_marks_evicted_and_colours_by_reason(handbook_comp):
+    f = token_frame(handbook_comp)
+    fig = figures.attention_figure(f)
+    assert isinstance(fig, go.Figure)
+    names = [t.name for t in fig.data]
+    assert "original" in names and "evicted (compressed = 0)" in names
+    assert {"compressed: sink", "compressed: recent", "compressed: heavy hitter"} <= set(names)
+    heavy = next(t for t in fig.data if t.name == "compressed: heavy hitter")
+    assert list(heavy.x) == [15, 28]
+    assert heavy.marker.color == figures.REASON_COLORS["heavy hitter"]
+    evicted = next(t for t in fig.data if t.name.startswith("evicted"))
+    assert len(evicted.x) == 64 - 14
+    assert "attention weight" in fig.layout.yaxis.title.text and "token" in fig.layout.xaxis.title.text
+    # token text is in the hover data
+    assert any("t15" in str(row[0]) for row in heavy.customdata)
+
+
+def test_error_figure_bars(handbook_comp, long_comp):
+    f = token_frame(long_comp, "std")
+    fig = figures.error_figure(f.iloc[:200], "std", len(long_comp.members))
+    bars = [t for t in fig.data if isinstance(t, go.Bar)]
+    assert bars and all(t.error_y.array is not None for t in bars)
+    assert "4 rows" in fig.layout.title.text
+    b = figures.error_figure(binned_frame(long_comp), "95%", 4)
+    assert "bins of" in b.layout.xaxis.title.text and "95% interval" in b.layout.title.text
+    assert len(b.data[0].x) <= 128
+
+
+def test_binned_attention_figure_sends_few_bars(long_comp):
+    fig = figures.binned_attention_figure(binned_frame(long_comp))
+    assert all(len(t.x) <= 128 for t in fig.data)
+
+
+def test_tradeoff_figure_lines_front_and_star():
+    rows = [
+        {"method": "h2o", "budget": 10, "bits": 16, "memory_ratio": 0.1, "tv": 0.5},
+        {"method": "h2o", "budget": 20, "bits": 16, "memory_ratio": 0.2, "tv": 0.3},
+        {"method": "streaming", "budget": 10, "bits": 16, "memory_ratio": 0.1, "tv": 0.6},
+        {"method": "full", "budget": 64, "bits": 4, "memory_ratio": 0.3, "tv": 0.01},
+    ]
+    front = pareto_front([(r["memory_ratio"], r["tv"]) for r in rows])
+    fig = figures.tradeoff_figure(rows, "tv", front, {"memory_ratio": 0.2, "tv": 0.3, "label": "now"})
+    names = [t.name for t in fig.data]
+    assert "h2o · 16-bit" in names and "streaming · 16-bit" in names and "Pareto frontier" in names
+    frontier = next(t for t in fig.data if t.name == "Pareto frontier")
+    assert list(frontier.x) == [0.1, 0.2, 0.3]
+    star = next(t for t in fig.data if t.name.startswith("current"))
+    assert star.marker.symbol == "star" and list(star.y) == [0.3]
+    assert "memory ratio" in fig.layout.xaxis.title.text
+
+
+def test_concentration_stats_and_figure():
+    t = make_synthetic(SyntheticSpec(context=256, steps=2, layers=2, q_heads=2, kv_heads=1))
+    c = concentration(t, sink=1, window=16)
+    assert c.curves.shape[:2] == (2, 2)
+    assert np.all(np.diff(c.curves, axis=-1) >= -1e-12) and np.allclose(c.curves[..., -1], 1.0)
+    assert np.all((c.sink_share >= 0) & (c.sink_share <= 1)) and np.all(c.entropy <= c.max_entropy + 1e-9)
+    fig = figures.concentration_figure(c.fractions, c.curves)
+    assert fig.layout.shapes[0].x0 == 10 and fig.layout.shapes[0].y1 == 90
+    h = figures.heatmap_figure(c.entropy, "Entropy", "nats")
+    assert h.data[0].z.shape == (2, 2) and "layer" in h.layout.yaxis.title.text
+
+
+def test_handbook_attention_is_concentrated_single_row():
+    c = concentration(handbook_trace(), sink=4, window=8)
+    assert c.sink_share.shape == (1, 1) and 0.1 < c.sink_share[0, 0] < 0.5
+
+
+def test_figures_html_is_standalone(handbook_comp):
+    html = figures.figures_html([figures.attention_figure(token_frame(handbook_comp))], "t")
+    assert html.startswith("<!DOCTYPE html>")
+    assert 'src="https://cdn.plot.ly' not in html and len(html) > 1_000_000  # plotly.js inlined: works offline
