@@ -220,6 +220,16 @@ def test_load_errors_say_what_to_do(tmp_path, monkeypatch):
     transformers.ViTConfig().save_pretrained(vit)
     with pytest.raises(ModelError, match="not a causal language model"):
         load_model(str(vit))
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "mamba9")     # an architecture transformers lacks
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelError, match="unsupported GGUF architecture"):
+        load_model(str(tmp_path / "odd.gguf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelError, match="no network and not in the local cache; try --model bundled"):
         load_model("someone/not-a-cached-model")
@@ -417,3 +427,19 @@ def test_app_real_model_default_flow_on_the_bundled_model(bundled, cache, monkey
     n_prompt = int(shown.split("ctx ")[1].split()[0])
     assert 150 <= n_prompt <= 200 and shown.startswith(f"TRACE:30x9x{n_prompt + 16} ")
     assert at.status[0].label.startswith(f"Captured {n_prompt + 16} tokens")
+
+
+def test_hub_id_without_network_fails_fast(monkeypatch):
+    """Even when the environment does not say offline, a dead hub must not mean 25 s of retries."""
+    import time
+
+    from kvviz import models
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")          # nothing listens on port 9
+    t0 = time.perf_counter()
+    assert models._hub_reachable(timeout=2.0) is False
+    with pytest.raises(ModelError, match="no network and not in the local cache"):
+        load_model("someone/not-a-cached-model")
+    assert time.perf_counter() - t0 < 15
