@@ -140,7 +140,7 @@ def error_figure(frame: pd.DataFrame, bars: str = "std", members: int = 1,
             sel = (frame["reason"] == reason).to_numpy()
             if not sel.any():
                 continue
-            fig.add_bar(x=x[sel], y=frame["error_mean"][sel], name=reason, marker_color=color,
+            fig.add_bar(x=x[sel], y=frame["error_mean"][sel], name=reason, marker_color=color, width=0.8,
                         customdata=custom[sel], hovertemplate=hover,
                         error_y=dict(type="data", symmetric=False, array=up[sel], arrayminus=down[sel],
                                      color=OKABE_ITO["black"], thickness=1.2, width=2))

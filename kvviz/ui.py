@@ -433,13 +433,15 @@ class ViewSettings:
     ensemble_choice: str
 
 
-def view_section(source: Source, where=None, ensemble: bool = True) -> ViewSettings:
+def view_section(source: Source, where=None, ensemble: bool = True, layer_head: bool = True) -> ViewSettings:
     where = where or st.sidebar
     where.header("View")
     t = source.trace
     n_eval = len(t.evaluated_queries)
-    layer = w_number(where, "layer", "Layer", 0, t.n_layers - 1, disabled=t.n_layers == 1)
-    head = w_number(where, "head", "Query head", 0, t.n_q_heads - 1, disabled=t.n_q_heads == 1)
+    layer = head = 0
+    if layer_head:
+        layer = w_number(where, "layer", "Layer", 0, t.n_layers - 1, disabled=t.n_layers == 1)
+        head = w_number(where, "head", "Query head", 0, t.n_q_heads - 1, disabled=t.n_q_heads == 1)
 
     def to_w(v):
         return n_eval - 1 if v < 0 else min(v, n_eval - 1)
@@ -488,7 +490,8 @@ def sidebar(compression: bool = True, ensemble: bool = True) -> Settings | None:
     if source is None:
         return None
     spec = compression_section(source.trace) if compression else None
-    view = view_section(source, ensemble=ensemble)
+    # without compression controls the page shows every layer and head (Concentration)
+    view = view_section(source, ensemble=ensemble, layer_head=compression)
     return Settings(source, spec, view)
 
 

@@ -25,7 +25,7 @@ def main() -> None:
     methods = ui.w_multi(c2, "methods", "Methods", SCORERS, format_func=ui.SCORER_LABELS.get)
     bits = ui.w_multi(c3, "sweep_bits", "Bit widths", (16, 8, 4, 3, 2), format_func=ui.bits_label)
     if not methods or not bits:
-        st.warning("Pick at least one method and one bit width to sweep.", icon="⚠️")
+        st.warning("Pick at least one method and one bit width to sweep.", icon=":material/warning:")
         return
     # the sweep and the star average over the query heads of the chosen layer (the explorer's view)
     view = View(layer=vs.view.layer, head=vs.view.head, step=vs.view.step, ensemble="heads",
@@ -36,7 +36,7 @@ def main() -> None:
     front = pareto_front([(r["memory_ratio"], r[metric]) for r in rows if r[metric] is not None])
     valid = [r for r in rows if r[metric] is not None]
     if len(valid) < len(rows):
-        st.info("This source has no values, so output error is not available; showing the rest.", icon="ℹ️")
+        st.info("This source has no values, so output error is not available; showing the rest.", icon=":material/info:")
     comp = ui.run_compare(source, spec, view)
     current = None
     if comp is not None:
@@ -55,9 +55,9 @@ def main() -> None:
                      hide_index=True, key="pareto_table")
     d1, d2 = st.columns(2)
     d1.download_button("Download sweep (CSV)", data=lambda: to_csv(rows), file_name="kvviz-sweep.csv",
-                       mime="text/csv", on_click="ignore", icon="⬇️")
+                       mime="text/csv", on_click="ignore", icon=":material/download:")
     d2.download_button("Download chart (standalone HTML)", data=lambda: figures.figures_html([fig], "kvviz trade-offs"),
-                       file_name="kvviz-tradeoffs.html", mime="text/html", on_click="ignore", icon="⬇️")
+                       file_name="kvviz-tradeoffs.html", mime="text/html", on_click="ignore", icon=":material/download:")
 
 
 main()
