@@ -315,15 +315,16 @@ def compare(trace: Trace, spec: Spec, view: View = View(),
     qi = check_view(trace, view)
     members = ensemble_members(trace, spec, view, qi, trace_for_seed)
 
-    # Policy decisions once per (trace, spec, layer), for all positions needed there.
-    wanted: dict[tuple[int, Spec, int], list[int]] = {}
-    for t, s, layer, _, q in members:
-        wanted.setdefault((id(t), s, layer), []).append(int(t.query_positions[q]))
-    masks: dict[tuple[int, Spec, int], tuple[list[int], np.ndarray | None]] = {}
+    # Policy decisions once per (trace, eviction settings, layer), for all positions needed there.
     traces = {id(t): t for t, *_ in members}
-    for key, positions in wanted.items():
-        positions = sorted(set(positions))
-        masks[key] = positions, keep_masks(traces[key[0]], key[1], key[2], positions)
+    wanted: dict[tuple, tuple[Spec, set[int]]] = {}
+    for t, s, layer, _, q in members:
+        spec_, positions = wanted.setdefault((id(t), s.eviction_key, layer), (s, set()))
+        positions.add(int(t.query_positions[q]))
+    masks: dict[tuple, tuple[list[int], np.ndarray | None]] = {}
+    for key, (s, positions) in wanted.items():
+        positions = sorted(positions)
+        masks[key] = positions, keep_masks(traces[key[0]], s, key[2], positions)
 
     # Rows sharing (trace, spec, layer, query) are evaluated together across heads.
     batches: dict[tuple[int, Spec, int, int], list[int]] = {}
@@ -333,7 +334,7 @@ def compare(trace: Trace, spec: Spec, view: View = View(),
     quantized: dict = {}
     for (tid, s, layer, q), which in batches.items():
         t = traces[tid]
-        positions, m = masks[(tid, s, layer)]
+        positions, m = masks[(tid, s.eviction_key, layer)]
         p = int(t.query_positions[q])
         kept_kv = None if m is None else m[positions.index(p)]
         heads = [members[i][3] for i in which]

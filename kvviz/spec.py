@@ -49,6 +49,12 @@ class Spec:
         return self.sink + self.recent + self.heavy > 0
 
     @property
+    def eviction_key(self) -> tuple:
+        """The fields that decide what is kept (quantization never changes it)."""
+        return (self.sink, self.recent, self.heavy, self.scorer, self.seed, self.snapkv_window,
+                self.snapkv_kernel) if self.evicts else ()
+
+    @property
     def budget(self) -> int:
         return self.sink + self.recent + self.heavy
 

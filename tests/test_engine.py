@@ -143,3 +143,21 @@ def test_memory_counts_gqa(trace):
     per_token = 2 * 2 * trace.n_layers * trace.n_kv_heads * trace.head_dim
     assert c.memory.kv_bytes_full == n * per_token
     assert c.memory.kv_bytes == 20 * per_token
+
+
+def test_score_cache_is_per_trace_and_ignores_budgets():
+    from kvviz.policies import base
+
+    a = make_synthetic(SMALL)
+    b = make_synthetic(SMALL.with_(seed=5))
+    spec = Spec(sink=2, recent=4, heavy=12, scorer="h2o")
+    first_a = compare(a, spec).primary.kept.copy()
+    first_b = compare(b, spec).primary.kept.copy()
+    assert not np.array_equal(first_a, first_b)
+    base._SCORE_CACHE.clear()
+    assert np.array_equal(compare(b, spec).primary.kept, first_b)
+    # budgets and bits change the kept set / error, never the cached scores
+    wider = compare(a, spec.with_(heavy=30, key_bits=4)).primary
+    base._SCORE_CACHE.clear()
+    fresh = compare(a, spec.with_(heavy=30, key_bits=4)).primary
+    assert np.array_equal(wider.kept, fresh.kept) and np.array_equal(wider.compressed, fresh.compressed)

@@ -9,6 +9,9 @@ class SnapKV(Policy):
     name = "snapkv"
     description = "votes of the last context queries, average-pooled; the window is kept"
 
+    def score_key(self, spec):
+        return (spec.snapkv_window, spec.snapkv_kernel)
+
     def score(self, ctx: ScoreContext) -> np.ndarray:
         c, spec = ctx.n_context, ctx.spec
         window_start = max(0, c - spec.snapkv_window)
