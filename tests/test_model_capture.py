@@ -186,6 +186,18 @@ def test_progress_is_reported_and_monotonic(tiny):
     assert "running prefill: layer 2/2" in text and "decoding step 3/3" in text
 
 
+def test_capture_trace_loads_then_captures(tiny_dir, tiny_trace):
+    from kvviz.sources.model import capture_trace
+
+    seen = []
+    t = capture_trace(str(tiny_dir), TINY_TEXT, new_tokens=0, layers=[0],
+                      progress=lambda f, m: seen.append((f, m)))
+    assert t.context_len == tiny_trace.context_len and t.n_positions == t.context_len and t.n_layers == 1
+    np.testing.assert_allclose(t.q[0], tiny_trace.q[0, :, : t.n_positions], atol=1e-6)
+    loading = [f for f, m in seen if "load" in m]
+    assert loading and max(loading) <= 0.4 and seen[-1][0] == 1.0
+
+
 def test_head_overview_and_concentration_match_brute_force():
     rng = np.random.default_rng(1)
     L, H, Hkv, T, D = 3, 4, 2, 40, 8
