@@ -259,7 +259,9 @@ def capture(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, new_tokens
     truncated = n_prompt_tokens > limit
     if truncated:
         ids = ids[:limit]
-        notes.append(f"the prompt has {n_prompt_tokens} tokens; kept the first {limit} (limit {limit})")
+        why = (f"the max-tokens limit of {max_tokens}" if limit == max_tokens else
+               f"the model's {max_pos} positions minus {new_tokens} new tokens")
+        notes.append(f"the prompt has {n_prompt_tokens} tokens; kept the first {limit} ({why})")
         say(0.0, notes[-1])
     P, T = len(ids), len(ids) + new_tokens
 
