@@ -60,7 +60,7 @@ def context_rows(trace: Trace, layer: int, heads: np.ndarray, rows: np.ndarray,
     """
     q_all = trace.q[layer][heads]                                   # (H, Nq, D)
     kv = trace.kv_head(np.asarray(heads))
-    k_t = np.swapaxes(trace.k[layer][kv, :n_keys].astype(np.float32, copy=False), 1, 2)  # (H, D, n_keys)
+    k = trace.k[layer][kv, :n_keys].astype(np.float32, copy=False)   # (H, n_keys, D)
     scale = np.float32(1.0 / np.sqrt(trace.head_dim))
     key_pos = np.arange(n_keys)
     for start in range(0, len(rows), chunk):
@@ -68,7 +68,8 @@ def context_rows(trace: Trace, layer: int, heads: np.ndarray, rows: np.ndarray,
         if trace.logits is not None:
             logits = trace.logits[layer][heads][:, idx, :n_keys].astype(np.float32)
         else:
-            logits = np.matmul(q_all[:, idx].astype(np.float32, copy=False), k_t)   # (H, c, n_keys)
+            q_t = np.swapaxes(q_all[:, idx].astype(np.float32, copy=False), 1, 2)   # (H, D, c)
+            logits = np.swapaxes(np.matmul(k, q_t), 1, 2)   # (H, c, n_keys); K.q^T is faster in BLAS
             logits *= scale
         future = key_pos[None, :] > trace.query_positions[idx][:, None]             # (c, n_keys)
         np.copyto(logits, -np.inf, where=future[None])

@@ -220,11 +220,16 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     if trace.v is not None:
         out = np.empty((len(heads), trace.head_dim))
         out_hat = np.empty_like(out)
-        for i, h in enumerate(heads):
-            values = trace.v[layer, kvh[i], :n]                          # (n, D)
-            out[i] = original[i] @ values
-            v_hat = quantized[i][1]
-            out_hat[i] = compressed[i] @ values if v_hat is None else compressed[i, idx[i]] @ v_hat
+        for g in np.unique(kvh):                                         # one GEMM per KV head
+            rows = np.flatnonzero(kvh == g)
+            values = trace.v[layer, g, :n]                               # (n, D), the trace's dtype
+            out[rows] = original[rows].astype(values.dtype) @ values
+            # same arithmetic for both, so no compression gives exactly zero output error
+            out_hat[rows] = compressed[rows].astype(values.dtype) @ values
+            for i in rows:
+                v_hat = quantized[i][1]
+                if v_hat is not None:
+                    out_hat[i] = compressed[i, idx[i]] @ v_hat
     metrics = row_metrics_batch(original, compressed, kept, out, out_hat)
     return [RowResult(layer=layer, head=int(h), kv_head=int(kvh[i]), query=qi, position=p,
                       original=original[i], compressed=compressed[i], kept=kept[i],
@@ -255,11 +260,11 @@ def _quantized_kept(trace: Trace, spec: Spec, layer: int, kvh: int, p: int, idx:
     if key not in cache:
         key_delta = v_hat = None
         if spec.key_bits < FULL_BITS:
-            k = trace.k[layer, kvh, idx].astype(np.float64)
+            k = trace.k[layer, kvh, idx]
             key_delta = quantize(k, spec.key_bits, spec.key_axis, spec.group_size, spec.residual,
                                  spec.symmetric) - k
         if trace.v is not None and spec.value_bits < FULL_BITS:
-            v_hat = quantize(trace.v[layer, kvh, idx].astype(np.float64), spec.value_bits, spec.value_axis,
+            v_hat = quantize(trace.v[layer, kvh, idx], spec.value_bits, spec.value_axis,
                              spec.group_size, spec.residual, spec.symmetric)
         cache[key] = key_delta, v_hat
     return cache[key]

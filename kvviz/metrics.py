@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -64,31 +65,41 @@ def row_metrics_batch(original: np.ndarray, compressed: np.ndarray, kept: np.nda
             for i in range(len(original))]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Spread:
-    """Per-token statistics of an ensemble of error rows (members x tokens)."""
+    """Per-token statistics of an ensemble of error rows (members x tokens).
 
+    NaN in `errors` marks a token a member cannot see (an earlier step, say).
+    """
+
+    errors: np.ndarray
     mean: np.ndarray
     std: np.ndarray
-    lo: np.ndarray   # 2.5th percentile
-    hi: np.ndarray   # 97.5th percentile
     n: np.ndarray    # members that see each token
+
+    @cached_property
+    def lo(self) -> np.ndarray:
+        """2.5th percentile per token (computed on first use: it needs a sort)."""
+        return _column_percentile(self.errors, self.n, 2.5)
+
+    @cached_property
+    def hi(self) -> np.ndarray:
+        """97.5th percentile per token."""
+        return _column_percentile(self.errors, self.n, 97.5)
 
 
 def spread(errors: np.ndarray) -> Spread:
-    """Mean, std and 95% interval per token; NaN marks a token a member cannot see.
+    """Mean, std and 95% interval per token over the ensemble members (rows).
 
     A single member (or identical members) gives zero spread, never missing values.
     """
     errors = np.atleast_2d(errors)
-    seen = ~np.isnan(errors)
-    n = seen.sum(axis=0)
+    n = (~np.isnan(errors)).sum(axis=0)
     if not n.all():
         raise ValueError("every token needs at least one ensemble member that sees it")
-    mean = np.nanmean(errors, axis=0)
-    std = np.nanstd(errors, axis=0)
-    lo, hi = (_column_percentile(errors, n, q) for q in (2.5, 97.5))
-    return Spread(mean=mean, std=std, lo=lo, hi=hi, n=n)
+    if n.min() == len(errors):  # the common case: plain reductions, no NaN handling
+        return Spread(errors=errors, mean=errors.mean(axis=0), std=errors.std(axis=0), n=n)
+    return Spread(errors=errors, mean=np.nanmean(errors, axis=0), std=np.nanstd(errors, axis=0), n=n)
 
 
 def _column_percentile(a: np.ndarray, n: np.ndarray, q: float) -> np.ndarray:

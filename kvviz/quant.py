@@ -22,55 +22,58 @@ SCALE_BITS = 16
 ZERO_BITS = 16
 
 
-def _group_view(x: np.ndarray, axis: str, group: int) -> tuple[np.ndarray, int]:
-    """Reshape (..., tokens, dim) so each group of G values is the last axis.
+def _blocks(n_tokens: int, dim: int, axis: str, group: int):
+    """The groups of a (..., tokens, dim) array as (token slice, channel slice, shape, reduce axis).
 
-    Returns the grouped array (..., n_groups, G) and the number of padding values added
-    (groups that do not divide evenly are padded by repeating the edge value, which
-    leaves min, max and max|x| of the partial group unchanged).
+    Each block reshapes to (..., n_groups, G, dim) (channel axis: G consecutive tokens of
+    one channel) or (..., tokens, n_groups, G) (token axis: G consecutive channels of one
+    token), so min / max reduce along one axis of a view - no transposed copy. A last,
+    shorter group is its own block.
     """
     if axis == "channel":
-        x = np.swapaxes(x, -1, -2)  # (..., dim, tokens): group consecutive tokens of a channel
-    n = x.shape[-1]
-    pad = (-n) % group
-    if pad:
-        x = np.concatenate([x, np.repeat(x[..., -1:], pad, axis=-1)], axis=-1)
-    return x.reshape(*x.shape[:-1], -1, group), pad
+        full = n_tokens - n_tokens % group
+        if full:
+            yield slice(0, full), slice(None), (full // group, group, dim), -2
+        if full < n_tokens:
+            yield slice(full, n_tokens), slice(None), (1, n_tokens - full, dim), -2
+    else:
+        full = dim - dim % group
+        if full:
+            yield slice(None), slice(0, full), (n_tokens, full // group, group), -1
+        if full < dim:
+            yield slice(None), slice(full, dim), (n_tokens, 1, dim - full), -1
 
 
-def _ungroup(xg: np.ndarray, axis: str, pad: int) -> np.ndarray:
-    x = xg.reshape(*xg.shape[:-2], -1)
-    if pad:
-        x = x[..., :-pad]
-    if axis == "channel":
-        x = np.swapaxes(x, -1, -2)
-    return x
+def _scale(block: np.ndarray, bits: int, symmetric: bool, reduce: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per-group scale s and (asymmetric) minimum, shaped to broadcast against `block`."""
+    # numpy reduces a short last axis row by row (slow); put the group axis first instead.
+    rows = np.ascontiguousarray(np.moveaxis(block, reduce, 0))
+    if symmetric:
+        hi = np.abs(rows).max(axis=0)
+        return np.expand_dims(hi / (2 ** (bits - 1) - 1), reduce), None
+    lo = rows.min(axis=0)
+    scale = (rows.max(axis=0) - lo) / (2 ** bits - 1)
+    return np.expand_dims(scale, reduce), np.expand_dims(lo, reduce)
 
 
-def quantize_groups(xg: np.ndarray, bits: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Quantize-dequantize each group (last axis). Returns (x_hat, scale per group)."""
+def _fake_quantize(block: np.ndarray, bits: int, symmetric: bool, reduce: int) -> np.ndarray:
+    """Quantize then dequantize every group of `block`; returns a new array."""
+    scale, lo = _scale(block, bits, symmetric, reduce)
+    safe = np.where(scale > 0, scale, 1)
+    q = block / safe                                # one buffer, updated in place
+    np.round(q, out=q)
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
-        scale = np.abs(xg).max(axis=-1, keepdims=True) / qmax
-        safe = np.where(scale > 0, scale, 1.0)
-        q = np.clip(np.round(xg / safe), -qmax, qmax)
-        return q * scale, scale
-    levels = 2 ** bits - 1
-    lo = xg.min(axis=-1, keepdims=True)
-    hi = xg.max(axis=-1, keepdims=True)
-    scale = (hi - lo) / levels
-    safe = np.where(scale > 0, scale, 1.0)
+        np.clip(q, -qmax, qmax, out=q)
+        q *= scale
+        return q
     zero = np.round(-lo / safe)
-    q = xg / safe                                   # in place from here on: one buffer
-    np.round(q, out=q)
     q += zero
-    np.clip(q, 0, levels, out=q)
+    np.clip(q, 0, 2 ** bits - 1, out=q)
     q -= zero
     q *= scale
-    constant = (scale == 0)[..., 0]
-    if constant.any():                              # a constant group is exact
-        q[constant] = xg[constant]
-    return q, scale
+    np.copyto(q, lo, where=scale == 0)              # a constant group is exact
+    return q
 
 
 def quantize(x: np.ndarray, bits: int, axis: str = "token", group_size: int = 32,
@@ -82,16 +85,16 @@ def quantize(x: np.ndarray, bits: int, axis: str = "token", group_size: int = 32
     """
     if bits >= FULL_BITS:
         return x
-    n_tokens = x.shape[-2]
-    n_quant = max(0, n_tokens - residual)
+    n_quant = max(0, x.shape[-2] - residual)
     if n_quant == 0:
         return x
     group = min(group_size, n_quant if axis == "channel" else x.shape[-1])
-    head = x[..., :n_quant, :]
-    xg, pad = _group_view(head, axis, group)
-    xg_hat, _ = quantize_groups(xg, bits, symmetric)
     out = x.copy()
-    out[..., :n_quant, :] = _ungroup(xg_hat, axis, pad)
+    head = out[..., :n_quant, :]
+    lead = x.shape[:-2]
+    for tokens, channels, shape, reduce in _blocks(n_quant, x.shape[-1], axis, group):
+        part = head[..., tokens, channels]
+        part[...] = _fake_quantize(part.reshape(*lead, *shape), bits, symmetric, reduce).reshape(part.shape)
     return out
 
 
@@ -99,13 +102,16 @@ def quant_step(x: np.ndarray, bits: int, axis: str = "token", group_size: int = 
                symmetric: bool = False) -> np.ndarray:
     """The scale s of the group each element of x (..., tokens, dim) falls in.
 
-    Every dequantized element is within s/2 of the original (asymmetric), the bound
-    the tests check.
+    Every dequantized element is within s/2 of the original, the bound the tests check.
     """
     group = min(group_size, x.shape[-2] if axis == "channel" else x.shape[-1])
-    xg, pad = _group_view(x, axis, group)
-    _, scale = quantize_groups(xg, bits, symmetric)
-    return _ungroup(np.broadcast_to(scale, xg.shape), axis, pad)
+    out = np.empty(x.shape, dtype=np.float64)
+    lead = x.shape[:-2]
+    for tokens, channels, shape, reduce in _blocks(x.shape[-2], x.shape[-1], axis, group):
+        block = x[..., tokens, channels].reshape(*lead, *shape)
+        scale, _ = _scale(block, bits, symmetric, reduce)
+        out[..., tokens, channels] = np.broadcast_to(scale, block.shape).reshape(out[..., tokens, channels].shape)
+    return out
 
 
 @dataclass(frozen=True)

@@ -71,3 +71,36 @@ def test_memory_by_hand():
 
 def test_llama2_7b_bytes_per_token():
     assert kv_bytes_per_token(32, 32, 128) == 0.5 * 2**20  # 0.5 MB a token
+
+
+def _reference(x, bits, axis, group, residual, symmetric):
+    """The DESIGN.md formulas, one group at a time with plain loops."""
+    out = x.copy()
+    n_quant = max(0, x.shape[0] - residual)
+    cells = ([[(slice(t, min(t + group, n_quant)), c) for t in range(0, n_quant, group)] for c in range(x.shape[1])]
+             if axis == "channel" else
+             [[(t, slice(c, min(c + group, x.shape[1]))) for c in range(0, x.shape[1], group)] for t in range(n_quant)])
+    for row in cells:
+        for where in row:
+            g = x[where]
+            if symmetric:
+                s = np.abs(g).max() / (2 ** (bits - 1) - 1)
+                out[where] = s * np.clip(np.round(g / s), -(2 ** (bits - 1) - 1), 2 ** (bits - 1) - 1) if s else g
+            else:
+                s = (g.max() - g.min()) / (2 ** bits - 1)
+                if s == 0:
+                    continue
+                z = np.round(-g.min() / s)
+                out[where] = s * (np.clip(np.round(g / s) + z, 0, 2 ** bits - 1) - z)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=arrays(np.float64, st.tuples(st.integers(1, 37), st.integers(1, 20)), elements=finite),
+       bits=st.integers(2, 8), axis=st.sampled_from(["channel", "token"]), group=st.integers(1, 12),
+       residual=st.integers(0, 5), symmetric=st.booleans())
+def test_matches_reference_formulas(x, bits, axis, group, residual, symmetric):
+    n_quant = max(0, x.shape[0] - residual)
+    g = min(group, n_quant if axis == "channel" else x.shape[1]) if n_quant else group
+    np.testing.assert_allclose(quantize(x, bits, axis, group, residual, symmetric),
+                               _reference(x, bits, axis, g, residual, symmetric), rtol=1e-12, atol=1e-9)

@@ -11,4 +11,4 @@ class KNorm(Policy):
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         keys = ctx.trace.k[ctx.layer]                       # (kv_heads, positions, head_dim)
-        return -np.linalg.norm(keys.astype(np.float64), axis=-1)
+        return -np.sqrt(np.einsum("hpd,hpd->hp", keys, keys))
