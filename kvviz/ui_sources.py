@@ -248,6 +248,14 @@ def _unusable(c, name: str, e: Exception) -> None:
             "`kvviz capture --out FILE.safetensors`.")
 
 
+def upload_limit_mb() -> int:
+    """kvviz's limit, or Streamlit's server.maxUploadSize when that is lower (default 200 MB)."""
+    try:
+        return min(MAX_UPLOAD_MB, int(st.get_option("server.maxUploadSize")))
+    except Exception:  # noqa: BLE001 - an unknown option must not break the page
+        return MAX_UPLOAD_MB
+
+
 def trace_file_source(container=None) -> Trace | None:
     """Upload a .safetensors trace, or pick one from the cache folder; the Trace (or None)."""
     c = container if container is not None else st.sidebar
@@ -271,14 +279,15 @@ def trace_file_source(container=None) -> Trace | None:
         c.caption(_describe(trace) if trace.meta.get("source") == "model" else trace.describe())
         return trace
 
-    up = c.file_uploader(f"Trace file (.safetensors, up to {MAX_UPLOAD_MB} MB)", type=["safetensors"],
+    limit_mb = upload_limit_mb()
+    up = c.file_uploader(f"Trace file (.safetensors, up to {limit_mb} MB)", type=["safetensors"],
                          key="tf_upload", help="Written by `kvviz capture` or kvviz.sources.save_trace.")
     if up is None:
         c.info("Upload a trace written by `kvviz capture` (e.g. captured on a GPU machine, "
                "see docs/big-models.md).")
         return None
-    if up.size > MAX_UPLOAD_MB * 1024**2:
-        c.error(f"**{up.name}** is {up.size / 1024**2:.0f} MB; the limit is {MAX_UPLOAD_MB} MB. "
+    if up.size > limit_mb * 1024**2:
+        c.error(f"**{up.name}** is {up.size / 1024**2:.0f} MB; the limit is {limit_mb} MB. "
                 "Capture fewer layers (`kvviz capture --layers 0-7`) or a shorter prompt.")
         return None
     data = up.getvalue()
