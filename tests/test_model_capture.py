@@ -148,6 +148,22 @@ def test_tiny_keys_values_are_the_cache_and_decode_is_greedy(tiny, tiny_trace):
     assert model.config._attn_implementation == "eager"           # restored after the capture
 
 
+def test_capture_wraps_whatever_attention_the_model_uses(tiny_dir, tiny_trace):
+    """A model the user loaded with SDPA attention records the same q/k/v, and keeps SDPA."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvviz.models import model_info
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="sdpa").eval()
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    t = capture(model, tok, model_info("tiny", str(tiny_dir), model, "float32", "cpu"), TINY_TEXT,
+                new_tokens=6, stop_at_eos=False)
+    assert model.config._attn_implementation == "sdpa"
+    assert t.meta["token_ids"] == tiny_trace.meta["token_ids"]
+    np.testing.assert_allclose(t.q, tiny_trace.q, atol=1e-5)
+    np.testing.assert_allclose(t.k, tiny_trace.k, atol=1e-5)
+
+
 def test_tiny_layer_subset_truncation_and_errors(tiny, tiny_trace):
     model, tok, info = tiny
     one = capture(model, tok, info, TINY_TEXT, new_tokens=6, layers="1", stop_at_eos=False)

@@ -283,7 +283,15 @@ def capture(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, new_tokens
     with _recording(model, rec), torch.inference_mode():
         say(0.0, f"running prefill over {P} tokens")
         x = torch.tensor([ids], device=device)
-        out = model(input_ids=x, use_cache=True, logits_to_keep=1)
+        try:
+            out = model(input_ids=x, use_cache=True, logits_to_keep=1)
+        except TypeError as exc:            # an older model class without logits_to_keep
+            if "logits_to_keep" not in str(exc):
+                raise
+            rec.calls, keep = 0, {}
+            out = model(input_ids=x, use_cache=True)
+        else:
+            keep = {"logits_to_keep": 1}
         if rec.calls == 0:
             raise CaptureError(f"{info.architecture} did not call its attention through transformers' "
                                "AttentionInterface, so kvviz cannot record it")
@@ -298,7 +306,7 @@ def capture(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, new_tokens
             rec.start = P + step
             say((prefill_w + step) / total_w, f"decoding step {step + 1}/{new_tokens}")
             out = model(input_ids=torch.tensor([[nxt]], device=device), past_key_values=cache,
-                        use_cache=True, logits_to_keep=1)
+                        use_cache=True, **keep)
             cache = _cache_of(out)
         next_token = int(out.logits[0, -1].argmax())
     seconds = time.perf_counter() - t0
