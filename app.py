@@ -59,6 +59,9 @@ def explorer() -> None:
                + ("one standard deviation" if vs.bars == "std" else "the 2.5–97.5 percentile interval")
                + f" over {members} row{'s' if members != 1 else ''} ({comp.ensemble or 'no ensemble'}).")
 
+    ui.token_grid(comp, source)
+    ui.head_overview(source, spec, vs.view)
+
     c1, c2 = st.columns(2)
     c1.download_button("Download per-token data (CSV)", data=lambda: per_token.to_csv(index=False),
                        file_name="kvviz-tokens.csv", mime="text/csv", on_click="ignore", icon=":material/download:")

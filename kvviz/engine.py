@@ -358,3 +358,20 @@ def compare(trace: Trace, spec: Spec, view: View = View(),
                       primary=primary, members=tuple(rows), spread=spread(errors),
                       memory=memory_for(trace, spec, n), notes=notes,
                       primary_source=str(trace.meta.get("source", "")))
+
+
+def head_grid(trace: Trace, spec: Spec, step: int | None = None,
+              metric: str = "tv_distance") -> np.ndarray:
+    """One row metric for every (layer, query head) at one query: shape (layers, q_heads).
+
+    The overview that points at the heads compression hurts most (or, with
+    metric="mass_retained", the heads whose mass it keeps).
+    """
+    if metric not in RowMetrics.__dataclass_fields__:
+        raise SpecError(f"unknown metric {metric!r}")
+    grid = np.zeros((trace.n_layers, trace.n_q_heads))
+    for layer in range(trace.n_layers):
+        view = View(layer=layer, head=0, step=step, ensemble="heads", ensemble_size=trace.n_q_heads)
+        for row in compare(trace, spec, view).members:
+            grid[layer, row.head] = getattr(row.metrics, metric)
+    return grid

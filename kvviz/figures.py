@@ -244,6 +244,45 @@ def heatmap_figure(matrix: np.ndarray, title: str, colorbar: str, zmin: float | 
     return fig
 
 
+# --- token grid ----------------------------------------------------------------------------------
+
+GRID_STYLES = {  # background, text colour, border style: colour is never the only cue
+    "sink": (OKABE_ITO["blue"], "#ffffff", "solid"),
+    "recent": (OKABE_ITO["bluish_green"], "#ffffff", "solid"),
+    "heavy hitter": (OKABE_ITO["orange"], "#000000", "solid"),
+    "kept (no eviction)": (OKABE_ITO["sky_blue"], "#000000", "solid"),
+    "evicted": ("#f2f2f2", "#8a8a8a", "dashed"),
+    "newest": (OKABE_ITO["black"], "#ffffff", "double"),
+}
+
+
+def token_grid_html(tokens: Sequence[str], reasons: Sequence[str], original: Sequence[float],
+                    newest: int | None = None) -> str:
+    """The text as chips, each coloured by what the compressed cache does with it.
+
+    Evicted tokens are struck through and dashed, so the grid reads without colour too;
+    the hover title gives the position, the reason and the original attention.
+    """
+    from html import escape
+
+    chips = []
+    for i, (tok, why, a) in enumerate(zip(tokens, reasons, original)):
+        kind = "newest" if i == newest else why
+        bg, fg, border = GRID_STYLES[kind]
+        strike = "line-through" if why == "evicted" else "none"
+        label = escape(tok) if tok.strip() else "&nbsp;"
+        chips.append(
+            f"<span title='{i}: {escape(tok)!s} — {escape(kind)}, attention {a:.4f}' "
+            f"style='display:inline-block;margin:2px;padding:1px 5px;border-radius:4px;"
+            f"background:{bg};color:{fg};border:2px {border} {bg if border != 'dashed' else '#8a8a8a'};"
+            f"text-decoration:{strike};font-family:monospace;font-size:13px'>{label}</span>")
+    legend = " ".join(
+        f"<span style='display:inline-block;margin:2px 6px 6px 0;padding:1px 6px;border-radius:4px;"
+        f"background:{bg};color:{fg};border:2px {border} {bg if border != 'dashed' else '#8a8a8a'};"
+        f"font-size:12px'>{name}</span>" for name, (bg, fg, border) in GRID_STYLES.items())
+    return f"<div>{legend}</div><div style='line-height:1.9'>{''.join(chips)}</div>"
+
+
 # --- export -------------------------------------------------------------------------------------
 
 def figures_html(figures: Sequence[go.Figure], title: str = "kvviz") -> str:

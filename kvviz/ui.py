@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import streamlit as st
 
-from .engine import Comparison, compare
+from . import figures
+from .engine import REASONS, Comparison, compare
 from .spec import FULL_BITS, SCORERS, Spec, SpecError, View
 from .sources import handbook
 from .trace import Trace, TraceError
@@ -698,3 +699,73 @@ __all__ = ["BITS_OPTIONS", "PARAMS", "PRESETS", "Param", "Settings", "Source", "
            "card_values", "fmt_bytes", "fmt_pct", "metric_cards", "notice", "page_setup", "preset_buttons",
            "preset_values", "quant_model_note", "run_compare", "run_concentration", "run_sweep", "show_notices",
            "sidebar", "sync_url"]
+
+
+# --- layer x head overview and token grid ---------------------------------------------------------
+
+OVERVIEW_MAX_CELLS = 1024   # layers x heads
+OVERVIEW_MAX_TOKENS = 8192
+GRID_MAX_TOKENS = 1500
+
+
+@st.cache_data(max_entries=32, show_spinner="Computing every layer and head…")
+def _head_grid_cached(source_key: tuple, spec_items: tuple, step: int | None, metric: str,
+                      _trace: Trace) -> np.ndarray:
+    from .engine import head_grid
+    return head_grid(_trace, Spec(**dict(spec_items)), step, metric)
+
+
+def _jump(layer: int, head: int) -> None:
+    for name, value in (("layer", layer), ("head", head)):
+        _store()[name] = value
+        st.session_state[name] = value
+
+
+def head_overview(source: Source, spec: Spec, view: View) -> None:
+    """A layers x heads heatmap of the error at this query, and a jump to the worst head."""
+    t = source.trace
+    if t.n_layers * t.n_q_heads <= 1:
+        return
+    with st.expander("Layer × head overview: where does compression hurt most?"):
+        n = int(t.query_positions[t.evaluated_queries[-1 if view.step is None else view.step]]) + 1
+        if t.n_layers * t.n_q_heads > OVERVIEW_MAX_CELLS or n > OVERVIEW_MAX_TOKENS:
+            st.info(f"The overview covers up to {OVERVIEW_MAX_CELLS} layer × head cells and "
+                    f"{OVERVIEW_MAX_TOKENS} tokens; this trace is larger. Pick a layer and head in View.")
+            return
+        metric = st.radio("Colour by", ("tv_distance", "mass_retained"), horizontal=True, key="_overview_metric",
+                          format_func={"tv_distance": "TV distance (error)",
+                                       "mass_retained": "attention mass retained"}.get)
+        try:
+            grid = _head_grid_cached(source.key, _items(spec), view.step, metric, t)
+        except (SpecError, TraceError, ValueError) as e:
+            st.error(f"Cannot compute the overview: {e}")
+            return
+        label = "TV distance" if metric == "tv_distance" else "mass retained"
+        st.plotly_chart(figures.heatmap_figure(grid, f"{label} per layer and query head at this query", label),
+                        key="overview_chart")
+        worst = np.unravel_index(np.argmax(grid) if metric == "tv_distance" else np.argmin(grid), grid.shape)
+        st.button(f"Jump to the head that loses most: layer {worst[0]}, head {worst[1]}", key="_jump_worst",
+                  on_click=_jump, args=(int(worst[0]), int(worst[1])))
+        st.caption("What to look for: bright cells (TV) or dark cells (mass) are the heads this setting hurts; "
+                   "early layers and local heads usually suffer most from heavy eviction.")
+
+
+def has_text_tokens(trace: Trace) -> bool:
+    """True for real text (a model capture), not the t0, t1, ... labels of synthetic sources."""
+    return trace.meta.get("source") not in ("handbook", "synthetic")
+
+
+def token_grid(comp: Comparison, source: Source) -> None:
+    """The real text as chips: sink / recent / heavy hitter / evicted / the newest token."""
+    if not has_text_tokens(source.trace):
+        return
+    p = comp.primary
+    n = len(comp.tokens)
+    st.markdown("**The text, as the compressed cache holds it**")
+    if n > GRID_MAX_TOKENS:
+        st.caption(f"Showing the last {GRID_MAX_TOKENS} of {n} tokens.")
+    start = max(0, n - GRID_MAX_TOKENS)
+    reasons = [REASONS[int(r)] for r in p.reason[start:]]
+    st.html(figures.token_grid_html(comp.tokens[start:], reasons, p.original[start:], newest=n - 1 - start))
+    st.caption("What to look for: which words survive. Sinks and the recent window are kept by position; "
+               "heavy hitters by score; struck-through tokens are gone for this query. Hover a token for its attention.")

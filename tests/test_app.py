@@ -263,3 +263,28 @@ def test_rerun_time_handbook_and_4k_synthetic(capsys):
     with capsys.disabled():
         print("\n" + report)
     assert handbook < 3.0 and synth < 15.0 or os.environ.get("CI")
+
+
+# --- real-text traces: token grid and the layer x head overview ----------------------------------
+
+def test_trace_file_shows_token_grid_and_overview_jump(tmp_path, monkeypatch):
+    from kvviz.sources import save_trace
+    from kvviz.trace import trace_with
+
+    monkeypatch.setenv("KVVIZ_CACHE_DIR", str(tmp_path))
+    syn = make_synthetic(SyntheticSpec(context=48, steps=4, layers=2, q_heads=4, kv_heads=2))
+    words = [f"w{i}" if i % 5 else "<the>" for i in range(syn.n_positions)]
+    save_trace(trace_with(syn, tokens=tuple(words), meta={"source": "model", "model": "test"}),
+               tmp_path / "text.safetensors")
+    at = run(source="file", sink=2, recent=4, heavy=4)
+    grid = [h.proto.body for h in at.get("html")]
+    assert len(grid) == 1 and "&lt;the&gt;" in grid[0] and grid[0].count("line-through") == syn.n_positions - 10
+    # the overview knows which head loses most, and one click takes the View there
+    button = next(b for b in at.button if b.label.startswith("Jump to the head"))
+    button.click().run()
+    assert not at.exception
+    layer, head = (int(x) for x in button.label.rsplit("layer ", 1)[1].split(", head "))
+    assert at.number_input(key="layer").value == layer and at.number_input(key="head").value == head
+    from kvviz.engine import head_grid
+    grid = head_grid(syn, Spec(sink=2, recent=4, heavy=4))
+    assert grid[layer, head] == grid.max()

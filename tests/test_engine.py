@@ -161,3 +161,15 @@ def test_score_cache_is_per_trace_and_ignores_budgets():
     base._SCORE_CACHE.clear()
     fresh = compare(a, spec.with_(heavy=30, key_bits=4)).primary
     assert np.array_equal(wider.kept, fresh.kept) and np.array_equal(wider.compressed, fresh.compressed)
+
+
+def test_head_grid_matches_single_rows(trace):
+    from kvviz.engine import head_grid
+
+    spec = Spec(sink=2, recent=6, heavy=6, key_bits=3, value_bits=3)
+    grid = head_grid(trace, spec, step=3)
+    assert grid.shape == (trace.n_layers, trace.n_q_heads)
+    for layer, head in ((0, 0), (1, 3)):
+        one = compare(trace, spec, View(layer=layer, head=head, step=3)).metrics["tv_distance"]
+        assert grid[layer, head] == pytest.approx(one, abs=1e-6)  # float32 logits, batched vs one row
+    np.testing.assert_allclose(head_grid(trace, Spec(), metric="mass_retained"), 1, atol=1e-12)

@@ -137,3 +137,13 @@ def test_figures_html_is_standalone(handbook_comp):
     html = figures.figures_html([figures.attention_figure(token_frame(handbook_comp))], "t")
     assert html.startswith("<!DOCTYPE html>")
     assert 'src="https://cdn.plot.ly' not in html and len(html) > 1_000_000  # plotly.js inlined: works offline
+
+
+def test_token_grid_marks_every_token():
+    from kvviz.figures import token_grid_html
+
+    html = token_grid_html(["The", "▁cat", "<b>", "▁sat"], ["sink", "evicted", "heavy hitter", "recent"],
+                           [0.5, 0.1, 0.3, 0.1], newest=3)
+    assert html.count("line-through") == 1            # only the evicted token is struck through
+    assert "&lt;b&gt;" in html and "<b>" not in html   # token text is escaped
+    assert "3: ▁sat — newest" in html and "1: ▁cat — evicted" in html
