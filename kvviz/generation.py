@@ -63,6 +63,13 @@ MAX_PROMPT_TOKENS = 2048
 MAX_NEW_TOKENS = 512
 
 Progress = Callable[[float, str], None]
+SAMPLE_TEXT_FILE = __file__.rsplit("/", 1)[0] + "/data/sample.txt"   # ~470 tokens of plain English
+
+
+def sample_text() -> str:
+    """The bundled English sample (written for kvviz) used by tests, demos and defaults."""
+    with open(SAMPLE_TEXT_FILE, encoding="utf-8") as f:
+        return f.read()
 
 _LOCK = threading.RLock()        # one compressed run per model at a time (Streamlit threads)
 _ACTIVE: dict[int, "CompressedCache"] = {}   # id(model config) -> the cache its attention uses
@@ -447,7 +454,7 @@ def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
             if on_step is not None:
                 on_step(i, last)
             if progress is not None and (i % 4 == 0 or i == steps - 1):
-                say((i + 1) / max(steps, 1), f"decode step {i + 1}/{steps} with the compressed cache")
+                say((i + 1) / max(steps, 1), f"decode step {i + 1}/{steps}")
     return torch.stack(rows), fed, cache
 
 
@@ -540,8 +547,9 @@ def check_lengths(n_ids: int, prompt_tokens: int, continuation_tokens: int | Non
     if n_ids <= prompt_tokens:
         raise SpecError(f"the text has {n_ids} tokens: nothing is left after a {prompt_tokens}-token prompt; "
                         "use a longer text or fewer --prompt-tokens")
-    m = n_ids - prompt_tokens if continuation_tokens is None else continuation_tokens
-    m = min(m, n_ids - prompt_tokens)
+    if continuation_tokens is None:          # the rest of the text, up to the cap
+        return prompt_tokens, min(n_ids - prompt_tokens, max_new)
+    m = min(continuation_tokens, n_ids - prompt_tokens)
     if m < 1:
         raise SpecError(f"the continuation needs at least 1 token, got {continuation_tokens}")
     if m > max_new:
@@ -637,7 +645,9 @@ def evaluate(model, ref: Reference, spec: Spec, mode: str = "delete", progress: 
     n, m = ref.prompt_len, ref.n_continuation
     t0 = time.perf_counter()
     logits, _, cache = decode(model, ref.ids[:n], spec, steps=m - 1, feed=ref.ids[n: n + m - 1],
-                              mode=mode, tokens=ref.tokens, progress=progress)
+                              mode=mode, tokens=ref.tokens,
+                              progress=None if progress is None else
+                              (lambda f, msg: progress(f, f"{spec.label()}: {msg}")))
     logp_hat = torch.log_softmax(logits, dim=-1)                                 # (m, V)
     logp = ref.logp
     target = torch.as_tensor(ref.targets)[:, None]
