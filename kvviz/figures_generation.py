@@ -1,0 +1,121 @@
+"""Plotly figures and HTML for the Model lab and the Decode timeline (data in, figure out).
+
+Pure functions: no Streamlit. Every figure labels its axes with what was computed
+(layer, KV head, policy, steps, positions), and the numbers behind each mark are the
+ones in the Timeline / Quality objects passed in, which the tests check.
+"""
+
+from __future__ import annotations
+
+import html
+
+import numpy as np
+import plotly.graph_objects as go
+
+from .timeline import EVICTED, FUTURE, KEPT, MISSED, STATE_NAMES, Timeline
+
+# Colour-blind-safe (Okabe-Ito): not arrived, evicted, kept, evicted-but-needed.
+STATE_COLOURS = {FUTURE: "#f2f2f2", EVICTED: "#bdbdbd", KEPT: "#0072B2", MISSED: "#D55E00"}
+POLICY_COLOURS = {"h2o": "#0072B2", "tova": "#009E73", "streaming": "#CC79A7", "oracle": "#000000",
+                  "snapkv": "#E69F00", "knorm": "#56B4E9", "random": "#999999"}
+
+
+def _discrete_scale() -> list:
+    n = len(STATE_COLOURS)
+    scale = []
+    for i, state in enumerate(sorted(STATE_COLOURS)):
+        scale += [[i / n, STATE_COLOURS[state]], [(i + 1) / n, STATE_COLOURS[state]]]
+    return scale
+
+
+def timeline_map(tl: Timeline, policy: str, step: int | None = None, max_tokens: int = 1200) -> go.Figure:
+    """Steps x tokens map of what `policy` holds; the chosen step is outlined.
+
+    Very long traces show their last `max_tokens` positions (the axis says which).
+    """
+    pt = tl.policies[policy]
+    states = pt.states(tl.positions)                                     # (S, P)
+    P = states.shape[1]
+    lo = max(0, P - max_tokens)
+    x = np.arange(lo, P)
+    fig = go.Figure(go.Heatmap(
+        z=states[:, lo:], x=x, y=np.arange(tl.n_steps), zmin=-0.5, zmax=3.5,
+        colorscale=_discrete_scale(), showscale=False,
+        customdata=np.broadcast_to(np.array([tl.tokens[i] for i in x], dtype=object), states[:, lo:].shape),
+        text=np.vectorize(STATE_NAMES.get)(states[:, lo:]),
+        hovertemplate="step %{y}<br>token %{x} %{customdata}<br>%{text}<extra></extra>"))
+    for state in (KEPT, EVICTED, MISSED):   # legend entries for the discrete colours
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=STATE_NAMES[state],
+                                 marker=dict(size=10, symbol="square", color=STATE_COLOURS[state])))
+    if step is not None and 0 <= step < tl.n_steps:
+        fig.add_hline(y=step, line=dict(color="#000000", width=1, dash="dot"))
+    if lo <= tl.context_len - 0.5 <= P:
+        fig.add_vline(x=tl.context_len - 0.5, line=dict(color="#555555", width=1, dash="dash"),
+                      annotation_text="compression point", annotation_position="top")
+    title = (f"{policy}: tokens held at each decode step (layer {tl.layer}, KV head {tl.kv_head}, "
+             f"budget {tl.spec.budget})")
+    if lo:
+        title += f" - positions {lo}-{P - 1}"
+    fig.update_layout(title=title, xaxis_title="token position", yaxis_title="decode step",
+                      yaxis=dict(autorange="reversed"), height=320, margin=dict(l=50, r=10, t=50, b=40),
+                      legend=dict(orientation="h", y=-0.25))
+    return fig
+
+
+def regret_chart(tl: Timeline, step: int | None = None) -> go.Figure:
+    """Per-step regret of every policy: full attention mass on tokens it had evicted."""
+    fig = go.Figure()
+    for name, pt in tl.policies.items():
+        fig.add_trace(go.Scatter(x=np.arange(tl.n_steps), y=pt.regret, mode="lines+markers", name=name,
+                                 line=dict(color=POLICY_COLOURS.get(name)), marker=dict(size=4),
+                                 hovertemplate=f"{name}<br>step %{{x}}<br>regret %{{y:.4f}}<extra></extra>"))
+    if step is not None:
+        fig.add_vline(x=step, line=dict(color="#000000", width=1, dash="dot"))
+    fig.update_layout(title=f"Regret per step: attention the full model put on evicted tokens "
+                            f"(layer {tl.layer}, KV head {tl.kv_head})",
+                      xaxis_title="decode step", yaxis_title="attention mass on evicted tokens",
+                      yaxis=dict(rangemode="tozero"), height=320, margin=dict(l=50, r=10, t=50, b=40))
+    return fig
+
+
+def kl_strip(tokens, kl: np.ndarray, first_is_prefill: bool = True) -> go.Figure:
+    """Per-token KL(full || compressed) over the continuation, one cell per token."""
+    kl = np.asarray(kl, dtype=float)
+    labels = [t.replace("\n", "\\n") for t in tokens]
+    fig = go.Figure(go.Heatmap(
+        z=kl[None, :], x=np.arange(len(kl)), y=["KL"], colorscale="Oranges", zmin=0,
+        customdata=np.array(labels, dtype=object)[None, :],
+        hovertemplate="token %{x}: %{customdata}<br>KL %{z:.4f} nats<extra></extra>",
+        colorbar=dict(title="nats", thickness=10)))
+    fig.update_layout(title="Per-token KL(full || compressed) of the next-token distribution"
+                            + (" (token 0 comes from the prefill, before compression)" if first_is_prefill else ""),
+                      xaxis_title="continuation token", height=170, margin=dict(l=40, r=10, t=40, b=40))
+    return fig
+
+
+def nll_chart(tokens, nll: np.ndarray, nll_full: np.ndarray) -> go.Figure:
+    """Per-token negative log-likelihood with the full and the compressed cache."""
+    x = np.arange(len(nll))
+    labels = [t.replace("\n", "\\n") for t in tokens]
+    fig = go.Figure([
+        go.Scatter(x=x, y=nll_full, name="full cache", mode="lines", line=dict(color="#000000"),
+                   customdata=labels, hovertemplate="%{customdata}<br>%{y:.3f} nats<extra>full</extra>"),
+        go.Scatter(x=x, y=nll, name="compressed", mode="lines", line=dict(color="#D55E00"),
+                   customdata=labels, hovertemplate="%{customdata}<br>%{y:.3f} nats<extra>compressed</extra>")])
+    fig.update_layout(title="Surprise of each true continuation token (-log p)", xaxis_title="continuation token",
+                      yaxis_title="nats", height=260, margin=dict(l=50, r=10, t=40, b=40))
+    return fig
+
+
+def continuation_html(tokens, first_divergence: int | None, label: str) -> str:
+    """A greedy continuation as HTML chips; tokens from the first divergence on are marked."""
+    chips = []
+    for i, t in enumerate(tokens):
+        style = "padding:1px 2px;border-radius:3px;"
+        if first_divergence is not None and i >= first_divergence:
+            style += ("background:#D55E00;color:white;" if i == first_divergence else "background:#fbe3d6;")
+        text = html.escape(t).replace("\n", "&#8629;<br>")
+        title = f"token {i}" + (" - first divergence" if i == first_divergence else "")
+        chips.append(f'<span style="{style}" title="{title}">{text}</span>')
+    return (f'<div style="font-family:monospace;line-height:1.7;white-space:pre-wrap">'
+            f"<b>{html.escape(label)}</b><br>{''.join(chips)}</div>")
