@@ -72,7 +72,7 @@ def sample_text() -> str:
         return f.read()
 
 _LOCK = threading.RLock()        # one compressed run per model at a time (Streamlit threads)
-_ACTIVE: dict[int, "CompressedCache"] = {}   # id(model config) -> the cache its attention uses
+_ACTIVE: dict[int, tuple] = {}   # id(model config) -> (cache, owning thread, the model's own attention)
 
 
 # --- the compressed cache -------------------------------------------------------------
@@ -373,11 +373,31 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 # --- plugging the cache into the model ----------------------------------------------------
 
+def _fallback(module, implementation: str | None):
+    """The attention function the model had before (for other threads sharing the model)."""
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if implementation in (None, "eager") and eager is not None:
+        return eager
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function: (B, Hq, t, D) query -> (B, t, Hq, D) output."""
-    cache = _ACTIVE.get(id(module.config))
-    if cache is None:
-        raise RuntimeError("kvviz compressed attention used outside compressed_cache()")
+    """transformers attention function: (B, Hq, t, D) query -> (B, t, Hq, D) output.
+
+    Only the thread running the compressed decode reads the compressed cache; any other
+    thread using the same model object meanwhile gets the model's own attention (and the
+    eager mask transformers built for it), so a shared app model is never corrupted.
+    """
+    entry = _ACTIVE.get(id(module.config))
+    if entry is None or entry[1] != threading.get_ident():
+        before = entry[2] if entry is not None else "eager"
+        return _fallback(module, before)(module, query, key, value, attention_mask, scaling=scaling,
+                                         dropout=dropout, **kwargs)
+    cache = entry[0]
     if query.shape[0] != 1:
         raise RuntimeError("compressed decoding runs one sequence at a time")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -387,14 +407,16 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 
 @contextmanager
 def compressed_cache(model, cache: CompressedCache):
-    """Run `model` with its attention reading and writing `cache` (serialised by a lock)."""
+    """Run `model` with its attention reading and writing `cache` (one run per model at a time)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
     AttentionInterface.register(ATTN_NAME, _attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, eager_mask)   # other threads still get causal masks
     with _LOCK:
         config = model.config
         before = config._attn_implementation
-        _ACTIVE[id(config)] = cache
+        _ACTIVE[id(config)] = (cache, threading.get_ident(), before)
         config._attn_implementation = ATTN_NAME
         try:
             yield cache

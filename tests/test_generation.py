@@ -267,3 +267,29 @@ def test_bundled_side_by_side(bundled):
     assert tiny.compressed_ids[0] == tiny.full_ids[0]
     assert tiny.first_divergence is not None and tiny.first_divergence >= 1
     assert tiny.full_text == "".join(tokenizer.decode([i]) for i in tiny.full_ids)
+
+
+def test_other_threads_sharing_the_model_get_the_plain_model(tiny):
+    """A Streamlit server shares one model object: a forward pass from another thread in
+    the middle of a compressed decode must see the model's own attention, not our cache."""
+    import threading
+
+    model, ids = tiny
+    with torch.inference_mode():
+        expected = model(input_ids=torch.tensor([ids[:12]])).logits
+    seen = []
+
+    def other():
+        with torch.inference_mode():
+            seen.append(model(input_ids=torch.tensor([ids[:12]])).logits)
+
+    def on_step(i, _):
+        if i == 2:
+            t = threading.Thread(target=other)
+            t.start()
+            t.join()
+
+    compressed, _, _ = decode(model, ids[:20], Spec(sink=2, recent=4), 5, feed=ids[20:25], on_step=on_step)
+    assert len(seen) == 1 and torch.allclose(seen[0], expected, atol=1e-5)
+    reference_run, _, _ = decode(model, ids[:20], Spec(sink=2, recent=4), 5, feed=ids[20:25])
+    assert torch.allclose(compressed, reference_run, atol=1e-6)
