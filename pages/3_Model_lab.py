@@ -1,0 +1,181 @@
+"""Model lab: run a real model with the compressed KV cache and compare its text with the full cache's."""
+
+import numpy as np
+import streamlit as st
+
+from kvviz import ui
+from kvviz.figures_generation import continuation_html, kl_strip, nll_chart
+from kvviz.generation import sample_text
+from kvviz.spec import Spec, SpecError
+from kvviz.trace import Trace
+
+# Caps that keep one run under about a minute on a classroom laptop's CPU.
+MAX_PROMPT = 512
+MAX_CONTINUATION = 128
+MAX_GREEDY = 64
+CAP_MESSAGE = (f"Lengths are capped (prompt ≤ {MAX_PROMPT} tokens, continuation ≤ {MAX_CONTINUATION}, greedy "
+               f"≤ {MAX_GREEDY}) so a run on a laptop CPU takes seconds, not minutes. For longer texts use "
+               "`kvviz eval --text-file F --prompt-tokens N` on the command line.")
+
+
+def _slider_trace() -> Trace:
+    """A stand-in with as many positions as the longest run, so the sidebar sliders get their range."""
+    n = MAX_PROMPT + MAX_CONTINUATION
+    z = np.zeros((1, 1, n, 1), np.float32)
+    return Trace(q=z, k=z, v=None, context_len=n, tokens=("",) * n, query_positions=np.arange(n),
+                 meta={"source": "model lab"})
+
+
+@st.cache_resource(max_entries=2, show_spinner=False)
+def _own_model(name: str, _progress=None):
+    from kvviz.models import load_model
+    return load_model(name, progress=_progress)
+
+
+def load(name: str, progress):
+    """The model, shared with the Real-model source's cache when that exists (one copy in memory)."""
+    try:
+        from kvviz import ui_sources
+        return ui_sources._model(name, "cpu", "float32", _progress=progress)
+    except (ImportError, AttributeError):
+        return _own_model(name, _progress=progress)
+
+
+@st.cache_resource(show_spinner=False)
+def _results() -> dict:
+    """Finished runs, shared by every session (a run's progress widgets are not replayed)."""
+    return {}
+
+
+def run_lab(model_name: str, text: str, prompt_tokens: int, continuation: int, greedy_tokens: int,
+            spec_items: tuple, _progress=None) -> dict:
+    key = (model_name, text, prompt_tokens, continuation, greedy_tokens, spec_items)
+    cache = _results()
+    if key not in cache:
+        if len(cache) >= 32:
+            cache.pop(next(iter(cache)))
+        cache[key] = _compute(*key, _progress=_progress)
+    return cache[key]
+
+
+def _compute(model_name: str, text: str, prompt_tokens: int, continuation: int, greedy_tokens: int,
+             spec_items: tuple, _progress=None) -> dict:
+    from kvviz.generation import evaluate, reference, side_by_side
+
+    say = _progress or (lambda f, m: None)
+    spec = Spec(**dict(spec_items))
+    say(0.0, "Loading the model (the first time takes ~15 s: converting the GGUF weights)…")
+    model, tokenizer, info = load(model_name, lambda f, m: say(0.25 * f, f"Loading the model: {m}"))
+    say(0.25, "Full-cache reference: one forward pass over prompt + continuation…")
+    ref = reference(model, tokenizer, text, prompt_tokens, continuation)
+    quality = evaluate(model, ref, spec, progress=lambda f, m: say(0.3 + 0.4 * f, f"Teacher-forced, {m}"))
+    pair = None
+    if greedy_tokens:
+        pair = side_by_side(model, tokenizer, list(ref.ids[:prompt_tokens]), spec, greedy_tokens,
+                            progress=lambda f, m: say(0.7 + 0.3 * f, f"Greedy continuation, {m}"))
+    say(1.0, "Done")
+    label = getattr(info, "label", info.name)
+    return {"quality": quality, "pair": pair, "model": label() if callable(label) else label,
+            "n_text_tokens": len(ref.ids), "prompt_text": "".join(ref.tokens[:prompt_tokens])}
+
+
+def main() -> None:
+    ui.page_setup("Model lab: what compression does to the text",
+                  "A real model (SmolLM2-135M, bundled) reads the prompt, the cache is compressed at the end of it, "
+                  "and every later token is decoded from the compressed cache at its true position. Quality is "
+                  "measured against the full cache on the same text.")
+    st.sidebar.header("Model")
+    model_name = st.sidebar.text_input("Model", "bundled", key="lab_model",
+                                       help="'bundled' (SmolLM2-135M, offline), a local model folder or .gguf "
+                                            "file, or a hub id where a hub is reachable.").strip() or "bundled"
+    spec = ui.compression_section(_slider_trace())
+    ui.show_notices()
+
+    text = st.text_area("Text (the prompt is its first tokens, the continuation the next ones)", sample_text(),
+                        height=160, key="lab_text")
+    c1, c2, c3 = st.columns(3)
+    prompt_tokens = int(c1.number_input("Prompt tokens (compression point)", 8, MAX_PROMPT, 206, step=8,
+                                        key="lab_prompt"))
+    continuation = int(c2.number_input("Continuation tokens scored", 2, MAX_CONTINUATION, 57, key="lab_cont"))
+    greedy_tokens = int(c3.number_input("Greedy tokens side by side (0 = off)", 0, MAX_GREEDY, 32, key="lab_greedy"))
+    st.caption(CAP_MESSAGE)
+    if spec is None:
+        return
+    if spec.quant_model == "noise":
+        st.error("The handbook's logit-noise model only stands in for attention rows; on a real model the "
+                 "cached keys and values are quantized for real. Switch *Quantization model* to real K/V "
+                 "quantization under Advanced.")
+        return
+    if not text.strip():
+        st.warning("Enter some text first.", icon=":material/warning:")
+        return
+    st.markdown(f"**Compression:** {spec.label()}"
+                + ("" if spec.evicts or spec.quantizes else " — set a budget or bits in the sidebar to compress."))
+
+    args = (model_name, text, prompt_tokens, continuation, greedy_tokens, tuple(sorted(spec.__dict__.items())))
+    clicked = st.button("Run the model", type="primary", key="lab_run",
+                        help="Loads the model on first use, then decodes with the full and the compressed cache.")
+    done = _results()
+    if not clicked and args not in done:
+        st.info("Nothing has run yet for these settings: press **Run the model**. The model loads only then.",
+                icon=":material/play_circle:")
+        return
+    try:
+        if args in done:
+            result = run_lab(*args)
+        else:
+            with st.status("Running the model…", expanded=True) as status:
+                bar = st.progress(0.0)
+                line = st.empty()
+
+                def progress(f: float, msg: str) -> None:
+                    bar.progress(min(max(float(f), 0.0), 1.0))
+                    line.caption(msg)
+                result = run_lab(*args, _progress=progress)
+                status.update(label="Finished", state="complete", expanded=False)
+    except SpecError as e:
+        st.error(f"Cannot run: {e}")
+        return
+    except Exception as e:  # ModelError (missing model, bad path) and friends: one clear line
+        from kvviz.models import ModelError
+        if isinstance(e, (ModelError, OSError)):
+            st.error(f"The model could not be loaded: {e}")
+            return
+        raise
+    show(result)
+
+
+def show(result: dict) -> None:
+    q, pair = result["quality"], result["pair"]
+    d = q.as_dict()
+    st.caption(f"{result['model']}: {d['prompt_tokens']}-token prompt, {d['continuation_tokens']} continuation "
+               f"tokens scored (teacher-forced; the first is predicted by the prefill, before compression).")
+    m = st.columns(5)
+    m[0].metric("Perplexity (compressed)", f"{q.perplexity:.2f}", delta=f"{q.perplexity - q.perplexity_full:+.2f}",
+                delta_color="inverse", border=True, help="exp(mean −log p̂) of the true continuation tokens.")
+    m[1].metric("Perplexity (full cache)", f"{q.perplexity_full:.2f}", border=True)
+    m[2].metric("KL full ‖ compressed", f"{q.kl_mean:.3f}", border=True,
+                help=f"Mean over tokens, nats; max {q.kl_max:.3f}.")
+    m[3].metric("Top-1 agreement", ui.fmt_pct(q.top1_agreement), border=True,
+                help="Share of steps where both caches rank the same next token first.")
+    m[4].metric("KV cache", ui.fmt_bytes(q.kv_bytes), border=True,
+                help=f"{q.compression_ratio:.2f}× smaller than the full 16-bit cache "
+                     f"({ui.fmt_bytes(q.kv_bytes_full)}); {q.kept_tokens} of {q.total_tokens} tokens kept.")
+    st.plotly_chart(kl_strip(q.tokens, q.kl), key="lab_kl_strip")
+    if pair is not None:
+        st.subheader("Greedy continuation, side by side")
+        if pair.first_divergence is None:
+            st.success(f"Identical for all {len(pair.full_ids)} tokens.", icon=":material/check:")
+        else:
+            st.caption(f"First divergence at token {pair.first_divergence} (marked); the text after it is "
+                       "shaded. Token 0 comes from the prefill, before compression, so it always agrees.")
+        a, b = st.columns(2)
+        a.html(continuation_html(pair.full_tokens, pair.first_divergence, "Full cache"))
+        b.html(continuation_html(pair.compressed_tokens, pair.first_divergence, f"Compressed: {q.spec.label()}"))
+    st.plotly_chart(nll_chart(q.tokens, q.nll, q.nll_full), key="lab_nll")
+    with st.expander("All numbers"):
+        st.dataframe([{"metric": k, "value": v} for k, v in d.items()], hide_index=True, key="lab_numbers")
+
+
+main()
+ui.sync_url()

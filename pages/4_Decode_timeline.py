@@ -1,0 +1,138 @@
+"""Decode timeline: what each eviction policy holds at every decode step, and what it threw away too early."""
+
+import time
+
+import numpy as np
+import streamlit as st
+
+from kvviz import ui
+from kvviz.figures_generation import regret_chart, timeline_map
+from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from kvviz.spec import Spec, SpecError
+from kvviz.timeline import DEFAULT_NEED, TIMELINE_POLICIES, timeline
+from kvviz.trace import Trace, TraceError
+
+# Shown while the chosen source has no decode steps (the handbook example): a topic shift
+# halfway through the decode steps, where history-based eviction visibly fails.
+DEMO = SyntheticSpec(context=256, steps=48, topic_shift=8.0)
+DEMO_SPEC = Spec(sink=4, recent=16, heavy=16)
+POLICY_LABELS = {"h2o": "H2O", "tova": "TOVA", "streaming": "StreamingLLM", "oracle": "Oracle (bound)",
+                 "snapkv": "SnapKV", "knorm": "K-norm", "random": "Random"}
+MAX_STEPS = 256
+
+
+@st.cache_resource(max_entries=2, show_spinner=False)
+def _demo_trace() -> Trace:
+    return make_synthetic(DEMO)
+
+
+@st.cache_resource(max_entries=16, show_spinner="Replaying every policy step by step…")
+def _timeline(source_key: tuple, budget: tuple, layer: int, kv_head: int, need: float, policies: tuple,
+              _trace: Trace):
+    sink, recent, heavy = budget
+    return timeline(_trace, Spec(sink=sink, recent=recent, heavy=heavy), layer=layer, kv_head=kv_head,
+                    policies=policies, need=need, max_steps=MAX_STEPS)
+
+
+def main() -> None:
+    ui.page_setup("Decode timeline: what eviction throws away too early",
+                  "Each row is a decode step, each column a token. H2O and TOVA decide step by step from the "
+                  "attention they have seen; StreamingLLM by position; the oracle sees the step's own attention "
+                  "(the bound). Regret is the attention the full model put on tokens a policy had already evicted.")
+    source = ui.source_section()
+    if source is None:
+        return
+    trace, key, demo = source.trace, source.key, False
+    spec = ui.compression_section(trace)
+    ui.show_notices()
+    if spec is None:
+        return
+    if not trace.has_later_queries:
+        demo = True
+        trace, key, spec = _demo_trace(), ("demo",), DEMO_SPEC
+        st.info(f"The {source.label} has no decode steps, so this page shows a built-in demo: a synthetic "
+                f"pattern of {DEMO.context} context tokens and {DEMO.steps} decode steps whose topic shifts "
+                f"halfway (budget: {DEMO_SPEC.sink} sinks + {DEMO_SPEC.recent} recent + {DEMO_SPEC.heavy} heavy). "
+                "Choose **Synthetic pattern** in the sidebar (its *Topic shift* knob is under Pattern knobs), or a "
+                "real trace with decode steps, to explore your own.", icon=":material/info:")
+    elif not spec.evicts:
+        st.warning("Eviction is off (sink, recent and heavy are all 0): every policy keeps everything. "
+                   "Set a budget in the sidebar.", icon=":material/warning:")
+        return
+
+    c1, c2, c3, c4 = st.columns([1, 1, 2, 1])
+    layer = int(c1.number_input("Layer", 0, trace.n_layers - 1, 0, key="tl_layer",
+                                disabled=trace.n_layers == 1))
+    kv_head = int(c2.number_input("KV head", 0, trace.n_kv_heads - 1, 0, key="tl_kv_head",
+                                  disabled=trace.n_kv_heads == 1,
+                                  help="Eviction is decided per KV head; the attention shown is the mean over "
+                                       "the query heads that share it."))
+    policies = c3.multiselect("Policies", list(POLICY_LABELS), default=list(TIMELINE_POLICIES),
+                              format_func=POLICY_LABELS.get, key="tl_policies")
+    need = float(c4.number_input("Needed at ≥ (attention share)", 0.001, 1.0, DEFAULT_NEED, step=0.005,
+                                 format="%.3f", key="tl_need",
+                                 help="A token counts as needed at a step when the full model gives it at "
+                                      "least this share of that step's attention."))
+    if not policies:
+        st.warning("Pick at least one policy.", icon=":material/warning:")
+        return
+    n_later = len(trace.later_queries)
+    if n_later > MAX_STEPS:
+        st.caption(f"Showing the first {MAX_STEPS} of {n_later} decode steps (the cap that keeps this page quick).")
+    try:
+        tl = _timeline(key, (spec.sink, spec.recent, spec.heavy), layer, kv_head, need, tuple(policies), trace)
+    except (SpecError, TraceError) as e:
+        st.error(f"The timeline cannot be computed: {e}")
+        return
+
+    shift = trace.meta.get("shift_position")
+    if trace.meta.get("source") == "synthetic" and trace.meta.get("synthetic", {}).get("topic_shift", 0) > 0:
+        st.caption(f"Topic shift at position {shift} (decode step {shift - trace.context_len}); the late "
+                   f"anchor tokens {trace.meta.get('shift_tokens')} are what the queries after it need.")
+
+    s1, s2 = st.columns([4, 1])
+    step = s1.slider("Decode step", 0, tl.n_steps - 1, 0, key="tl_step",
+                     help="Move through the decode steps; the dotted line marks the step on every chart.")
+    play = s2.button("▶ Play", key="tl_play", help="Animate the step line through every decode step.")
+
+    # summary cards: one per policy
+    cols = st.columns(len(tl.policies))
+    for col, (name, pt) in zip(cols, tl.policies.items()):
+        col.metric(f"{POLICY_LABELS[name]} mean regret", f"{pt.regret_mean:.3f}", border=True,
+                   help="Mean over the decode steps of the attention mass on evicted tokens.")
+        col.caption(f"{int(pt.evicted_needed.sum())} tokens evicted, then needed")
+
+    detail = st.empty()
+    charts = st.empty()
+
+    def draw(s: int) -> None:
+        p = int(tl.positions[s])
+        with detail.container():
+            rows = []
+            for name, pt in tl.policies.items():
+                missed = np.flatnonzero(pt.missed[s])
+                rows.append({"policy": POLICY_LABELS[name], "regret at this step": round(float(pt.regret[s]), 4),
+                             "tokens held": int(pt.kept[s].sum()),
+                             "needed now but evicted": ", ".join(f"{i} {tl.tokens[i]!r}" for i in missed[:12])
+                             + (" …" if len(missed) > 12 else "")})
+            st.markdown(f"**Step {s}**: query at position {p}, layer {tl.layer}, KV head {tl.kv_head}")
+            st.dataframe(rows, hide_index=True, width="stretch")
+        with charts.container():
+            st.plotly_chart(regret_chart(tl, s), key=f"tl_regret_{s}")
+            for name in tl.policies:
+                st.plotly_chart(timeline_map(tl, name, s), key=f"tl_map_{name}_{s}")
+
+    if play:
+        for s in range(tl.n_steps):
+            draw(s)
+            time.sleep(0.12)
+    else:
+        draw(step)
+    st.caption("What to look for: orange cells are tokens the full model needed at that step (attention ≥ "
+               f"{tl.need:g}) that the policy had already evicted. The oracle has none by construction; after a "
+               "topic shift H2O and TOVA have many, because nothing before the shift had looked at those tokens."
+               + (" (Demo data: choose a source with decode steps in the sidebar.)" if demo else ""))
+
+
+main()
+ui.sync_url()

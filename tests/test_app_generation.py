@@ -1,0 +1,127 @@
+"""AppTest for the Model lab and Decode timeline pages: they load without a model, say what
+they show, and the numbers on screen are the ones the core computes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from kvviz.spec import Spec
+from kvviz.timeline import timeline
+
+ROOT = Path(__file__).resolve().parents[1]
+LAB = str(ROOT / "pages" / "3_Model_lab.py")
+TIMELINE = str(ROOT / "pages" / "4_Decode_timeline.py")
+SMALL_SHIFT = {"source": "synthetic", "context": "128", "steps": "16", "topic_shift": "8",
+               "sink": "4", "recent": "8", "heavy": "8"}
+
+
+def run(path, **params) -> AppTest:
+    at = AppTest.from_file(path, default_timeout=300)
+    for k, v in params.items():
+        at.query_params[k] = str(v)
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+# --- Decode timeline ----------------------------------------------------------------------------
+
+def test_timeline_default_shows_the_demo_and_says_so():
+    at = run(TIMELINE)
+    assert any("no decode steps" in i.value for i in at.info)
+    labels = [m.label for m in at.metric]
+    assert labels == ["H2O mean regret", "TOVA mean regret", "StreamingLLM mean regret", "Oracle (bound) mean regret"]
+    values = [float(m.value) for m in at.metric]
+    assert values[3] == min(values)          # the oracle is the bound
+
+
+def test_timeline_numbers_are_the_cores():
+    at = run(TIMELINE, **SMALL_SHIFT)
+    trace = make_synthetic(SyntheticSpec(context=128, steps=16, topic_shift=8.0))
+    tl = timeline(trace, Spec(sink=4, recent=8, heavy=8), layer=0, kv_head=0, max_steps=256)
+    shown = {m.label: m.value for m in at.metric}
+    assert shown["H2O mean regret"] == f"{tl.policies['h2o'].regret_mean:.3f}"
+    assert shown["Oracle (bound) mean regret"] == f"{tl.policies['oracle'].regret_mean:.3f}"
+    assert any("Topic shift at position" in c.value for c in at.caption)
+    # the step slider drives the per-step table and the charts
+    at.slider(key="tl_step").set_value(12).run()
+    assert not at.exception
+    assert any("**Step 12**: query at position 140" in md.value for md in at.markdown)
+    table = at.dataframe[0].value
+    assert list(table["regret at this step"]) == [round(float(tl.policies[n].regret[12]), 4) for n in tl.policies]
+    assert list(table["tokens held"]) == [20] * 4
+
+
+def test_timeline_layer_and_head_are_used():
+    at = run(TIMELINE, **SMALL_SHIFT)
+    at.number_input(key="tl_layer").set_value(1).run()
+    at.number_input(key="tl_kv_head").set_value(1).run()
+    assert not at.exception
+    trace = make_synthetic(SyntheticSpec(context=128, steps=16, topic_shift=8.0))
+    tl = timeline(trace, Spec(sink=4, recent=8, heavy=8), layer=1, kv_head=1)
+    assert {m.label: m.value for m in at.metric}["TOVA mean regret"] == f"{tl.policies['tova'].regret_mean:.3f}"
+    assert any("layer 1, KV head 1" in md.value for md in at.markdown)
+
+
+def test_timeline_play_and_no_budget():
+    at = run(TIMELINE, **SMALL_SHIFT)
+    at.button(key="tl_play").click().run()
+    assert not at.exception
+    at = run(TIMELINE, **{**SMALL_SHIFT, "sink": 0, "recent": 0, "heavy": 0})
+    assert any("Eviction is off" in w.value for w in at.warning)
+
+
+# --- Model lab ---------------------------------------------------------------------------------------
+
+def test_model_lab_loads_no_model_until_run(monkeypatch):
+    import kvviz.models
+
+    def refuse(*a, **k):
+        raise AssertionError("the Model lab loaded a model without a click")
+
+    monkeypatch.setattr(kvviz.models, "load_model", refuse)
+    at = run(LAB)
+    assert [b.label for b in at.button] == ["Run the model"]
+    assert any("press **Run the model**" in i.value for i in at.info)
+    assert any("capped" in c.value for c in at.caption)
+    assert at.number_input(key="lab_prompt").max == 512
+    assert at.number_input(key="lab_cont").max == 128
+
+
+def test_model_lab_refuses_the_noise_model():
+    at = run(LAB, qmodel="noise")
+    assert any("logit-noise model" in e.value for e in at.error)
+
+
+@pytest.mark.model
+def test_model_lab_run_shows_the_cores_numbers():
+    from kvviz.models import bundled_model_file
+
+    if bundled_model_file() is None:
+        pytest.skip("the bundled model is not installed")
+    at = run(LAB, sink=4, recent=12, heavy=0, scorer="streaming")
+    at.number_input(key="lab_prompt").set_value(48)
+    at.number_input(key="lab_cont").set_value(10)
+    at.number_input(key="lab_greedy").set_value(6)
+    at.button(key="lab_run").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    shown = {m.label: m.value for m in at.metric}
+
+    from kvviz.generation import evaluate, reference, sample_text
+    from kvviz.models import load_model
+    model, tok, _ = load_model("bundled")
+    q = evaluate(model, reference(model, tok, sample_text(), 48, 10), Spec(sink=4, recent=12, scorer="streaming"))
+    assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"
+    assert shown["Perplexity (full cache)"] == f"{q.perplexity_full:.2f}"
+    assert shown["KL full ‖ compressed"] == f"{q.kl_mean:.3f}"
+    strip = at.get("plotly_chart")
+    assert strip
+    # a rerun with the same settings shows the cached result without running again
+    at.run()
+    assert not at.exception and {m.label: m.value for m in at.metric} == shown
+    assert np.isfinite(q.kl_max)
