@@ -78,6 +78,8 @@ page = st.navigation([
     st.Page(explorer, title="Explorer", default=True),
     st.Page("pages/1_Trade-offs.py", title="Trade-offs"),
     st.Page("pages/2_Concentration.py", title="Concentration"),
+    st.Page("pages/3_Model_lab.py", title="Model lab"),
+    st.Page("pages/4_Decode_timeline.py", title="Decode timeline"),
 ])
 page.run()
 ui.sync_url()
