@@ -447,12 +447,15 @@ def _forward(model, ids: Sequence[int], start: int):
 
 def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
            feed: Sequence[int] | None = None, mode: str = "delete", tokens: Sequence[str] | None = None,
-           record: bool = False, on_step: Callable[[int, Any], None] | None = None, progress: Progress | None = None):
+           record: bool = False, on_step: Callable[[int, Any], None] | None = None, progress: Progress | None = None,
+           timings: dict | None = None):
     """Prefill the prompt, compress, then run `steps` decode steps.
 
     Step i feeds feed[i] (teacher forcing) or, when feed is None, the greedy choice of
     the previous logits. Returns (logits (steps + 1, vocab) float32 tensor — row 0 from
-    the prefill, row i+1 after feeding token i — the fed tokens, the cache).
+    the prefill, row i+1 after feeding token i — the fed tokens, the cache). `timings`,
+    if given, receives the seconds of the prefill (with the policy's scoring) and of the
+    decode steps.
     """
     import torch
 
@@ -465,8 +468,10 @@ def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
     rows, fed = [], []
     with torch.inference_mode(), compressed_cache(model, cache):
         say(0.0, f"prefill of {n} prompt tokens")
+        t0 = time.perf_counter()
         last = _forward(model, prompt_ids, 0)[-1]
         cache.compress()
+        t1 = time.perf_counter()
         rows.append(last)
         for i in range(steps):
             tok = int(feed[i]) if feed is not None else int(torch.argmax(last))
@@ -477,10 +482,13 @@ def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
                 on_step(i, last)
             if progress is not None and (i % 4 == 0 or i == steps - 1):
                 say((i + 1) / max(steps, 1), f"decode step {i + 1}/{steps}")
+        if timings is not None:
+            timings.update(prefill=t1 - t0, decode=time.perf_counter() - t1)
     return torch.stack(rows), fed, cache
 
 
-def plain_decode(model, prompt_ids: Sequence[int], steps: int, feed: Sequence[int] | None = None):
+def plain_decode(model, prompt_ids: Sequence[int], steps: int, feed: Sequence[int] | None = None,
+                 timings: dict | None = None):
     """The plain full-cache baseline: transformers' DynamicCache, one token a step.
 
     Returns (logits (steps + 1, vocab), fed tokens). Used by the benchmark and as an
@@ -492,8 +500,10 @@ def plain_decode(model, prompt_ids: Sequence[int], steps: int, feed: Sequence[in
     cache = DynamicCache()
     rows, fed = [], []
     with torch.inference_mode():
+        t0 = time.perf_counter()
         out = model(input_ids=torch.tensor([list(prompt_ids)]), past_key_values=cache, use_cache=True)
         last = out.logits[0, -1].float()
+        t1 = time.perf_counter()
         rows.append(last)
         for i in range(steps):
             tok = int(feed[i]) if feed is not None else int(torch.argmax(last))
@@ -501,6 +511,8 @@ def plain_decode(model, prompt_ids: Sequence[int], steps: int, feed: Sequence[in
             last = out.logits[0, -1].float()
             rows.append(last)
             fed.append(tok)
+        if timings is not None:
+            timings.update(prefill=t1 - t0, decode=time.perf_counter() - t1)
     return torch.stack(rows), fed
 
 
