@@ -293,3 +293,64 @@ def test_other_threads_sharing_the_model_get_the_plain_model(tiny):
     assert len(seen) == 1 and torch.allclose(seen[0], expected, atol=1e-5)
     reference_run, _, _ = decode(model, ids[:20], Spec(sink=2, recent=4), 5, feed=ids[20:25])
     assert torch.allclose(compressed, reference_run, atol=1e-6)
+
+
+# --- the command line ------------------------------------------------------------------------
+
+def _cli(capsys, *argv):
+    from kvviz.cli import main
+
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "--prompt-tokens", "5000"], "capped at 2048"),
+    (["eval", "--text-file", "/no/such/file.txt"], "text file not found"),
+    (["eval", "--quant-model", "noise"], "noise"),
+    (["eval", "--bits", "11"], "bits must be"),
+    (["eval-sweep", "--methods", "h2o,bogus"], "unknown method 'bogus'"),
+    (["eval-sweep", "--budgets", "4"], "at least 8"),
+    (["eval-sweep", "--budgets", "a,b"], "token counts"),
+])
+def test_cli_errors_are_one_line_before_any_model_loads(capsys, monkeypatch, argv, message):
+    import kvviz.models
+
+    monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    code, out, err = _cli(capsys, *argv, "--quiet")
+    assert code == 2 and out == ""
+    assert err.startswith("kvviz: error:") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.model
+def test_cli_eval_json_and_sweep_csv(bundled, capsys, monkeypatch, tmp_path):
+    import json
+
+    import kvviz.models
+
+    model, tokenizer, _ = bundled
+    monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: (model, tokenizer, None))
+    code, out, _ = _cli(capsys, "eval", "--model", "bundled", "--text-file", SAMPLE, "--prompt-tokens", 64,
+                        "--continuation-tokens", 12, "--sink", 4, "--recent", 16, "--scorer", "streaming",
+                        "--bits", 4, "--greedy", 4, "--json", "--quiet")
+    assert code == 0
+    d = json.loads(out)
+    for key in ("perplexity", "perplexity_full", "kl_mean", "kl_max", "top1_agreement", "kv_bytes",
+                "compression_ratio"):
+        assert isinstance(d[key], float), key
+    assert d["prompt_tokens"] == 64 and d["continuation_tokens"] == 12 and d["kept_tokens"] == 20
+    assert len(d["per_token"]["kl"]) == 12 and d["per_token"]["kl"][0] < 1e-6   # token 0: the prefill
+    # 75 -> 20 tokens; 4-bit plus a 16-bit scale and zero point per group: keys per channel
+    # (a group is the 20 kept tokens: 5.6 bits a value), values per token (32 channels: 5 bits)
+    assert d["compression_ratio"] == pytest.approx(75 / 20 * 16 / ((5.6 + 5.0) / 2), rel=1e-6)
+    assert set(d["greedy"]) == {"full", "compressed", "first_divergence"}
+    csv_path = tmp_path / "sweep.csv"
+    code, _, err = _cli(capsys, "eval-sweep", "--text-file", SAMPLE, "--prompt-tokens", 64,
+                        "--continuation-tokens", 8, "--methods", "streaming,recent-only,kv-4bit",
+                        "--budgets", "16,32", "--out", csv_path, "--quiet")
+    assert code == 0 and "wrote 5 rows" in err
+    import csv
+    rows = list(csv.DictReader(open(csv_path)))
+    assert [r["method"] for r in rows] == ["streaming", "streaming", "recent-only", "recent-only", "kv-4bit"]
+    assert float(rows[0]["memory_ratio"]) < float(rows[1]["memory_ratio"]) < 1.0
