@@ -28,8 +28,9 @@ def _discrete_scale() -> list:
     return scale
 
 
-def timeline_map(tl: Timeline, policy: str, step: int | None = None, max_tokens: int = 1200) -> go.Figure:
-    """Steps x tokens map of what `policy` holds; the chosen step is outlined.
+def timeline_map(tl: Timeline, policy: str, step: int | None = None, max_tokens: int = 1200,
+                 shift_step: int | None = None) -> go.Figure:
+    """Steps x tokens map of what `policy` holds; the chosen step is outlined, a topic shift marked.
 
     Very long traces show their last `max_tokens` positions (the axis says which).
     """
@@ -49,6 +50,9 @@ def timeline_map(tl: Timeline, policy: str, step: int | None = None, max_tokens:
                                  marker=dict(size=10, symbol="square", color=STATE_COLOURS[state])))
     if step is not None and 0 <= step < tl.n_steps:
         fig.add_hline(y=step, line=dict(color="#000000", width=1, dash="dot"))
+    if shift_step is not None and 0 <= shift_step < tl.n_steps:
+        fig.add_hline(y=shift_step - 0.5, line=dict(color="#D55E00", width=1, dash="dash"),
+                      annotation_text="topic shift", annotation_position="bottom left")
     if lo <= tl.context_len - 0.5 <= P:
         fig.add_vline(x=tl.context_len - 0.5, line=dict(color="#555555", width=1, dash="dash"),
                       annotation_text="compression point", annotation_position="top")

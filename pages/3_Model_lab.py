@@ -1,5 +1,7 @@
 """Model lab: run a real model with the compressed KV cache and compare its text with the full cache's."""
 
+import threading
+
 import numpy as np
 import streamlit as st
 
@@ -26,19 +28,24 @@ def _slider_trace() -> Trace:
                  meta={"source": "model lab"})
 
 
-@st.cache_resource(max_entries=2, show_spinner=False)
-def _own_model(name: str, _progress=None):
-    from kvviz.models import load_model
-    return load_model(name, progress=_progress)
+@st.cache_resource(show_spinner=False)
+def _model_store() -> dict:
+    """Loaded models, one per server process. The load runs outside any cached function, so
+    its progress widgets are never recorded for replay (Streamlit replays element calls made
+    inside cached functions, which fails for widgets created outside them)."""
+    return {"lock": threading.Lock(), "models": {}}
 
 
 def load(name: str, progress):
-    """The model, shared with the Real-model source's cache when that exists (one copy in memory)."""
-    try:
-        from kvviz import ui_sources
-        return ui_sources._model(name, "cpu", "float32", _progress=progress)
-    except (ImportError, AttributeError):
-        return _own_model(name, _progress=progress)
+    from kvviz.models import load_model
+
+    store = _model_store()
+    with store["lock"]:
+        models = store["models"]
+        if name not in models:
+            models.clear()                       # one model in memory at a time
+            models[name] = load_model(name, progress=progress)
+        return models[name]
 
 
 @st.cache_resource(show_spinner=False)

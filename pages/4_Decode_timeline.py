@@ -86,7 +86,9 @@ def main() -> None:
         return
 
     shift = trace.meta.get("shift_position")
+    shift_step = None
     if trace.meta.get("source") == "synthetic" and trace.meta.get("synthetic", {}).get("topic_shift", 0) > 0:
+        shift_step = int(shift) - trace.context_len
         st.caption(f"Topic shift at position {shift} (decode step {shift - trace.context_len}); the late "
                    f"anchor tokens {trace.meta.get('shift_tokens')} are what the queries after it need.")
 
@@ -120,7 +122,7 @@ def main() -> None:
         with charts.container():
             st.plotly_chart(regret_chart(tl, s), key=f"tl_regret_{s}")
             for name in tl.policies:
-                st.plotly_chart(timeline_map(tl, name, s), key=f"tl_map_{name}_{s}")
+                st.plotly_chart(timeline_map(tl, name, s, shift_step=shift_step), key=f"tl_map_{name}_{s}")
 
     if play:
         for s in range(tl.n_steps):

@@ -99,11 +99,20 @@ def test_model_lab_refuses_the_noise_model():
 
 
 @pytest.mark.model
-def test_model_lab_run_shows_the_cores_numbers():
+def test_model_lab_run_shows_the_cores_numbers(monkeypatch):
+    import kvviz.models
     from kvviz.models import bundled_model_file
 
     if bundled_model_file() is None:
         pytest.skip("the bundled model is not installed")
+    real, loaded = kvviz.models.load_model, {}
+
+    def load_once(name="bundled", **kwargs):   # the page and this test share one load
+        if name not in loaded:
+            loaded[name] = real(name, **kwargs)
+        return loaded[name]
+
+    monkeypatch.setattr(kvviz.models, "load_model", load_once)
     at = run(LAB, sink=4, recent=12, heavy=0, scorer="streaming")
     at.number_input(key="lab_prompt").set_value(48)
     at.number_input(key="lab_cont").set_value(10)
@@ -113,8 +122,7 @@ def test_model_lab_run_shows_the_cores_numbers():
     shown = {m.label: m.value for m in at.metric}
 
     from kvviz.generation import evaluate, reference, sample_text
-    from kvviz.models import load_model
-    model, tok, _ = load_model("bundled")
+    model, tok, _ = load_once("bundled")
     q = evaluate(model, reference(model, tok, sample_text(), 48, 10), Spec(sink=4, recent=12, scorer="streaming"))
     assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"
     assert shown["Perplexity (full cache)"] == f"{q.perplexity_full:.2f}"
