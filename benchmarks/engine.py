@@ -79,6 +79,11 @@ def rows_needed(trace, scorer, window=64):
 
 
 def main() -> None:
+    # Both sides run with single-threaded BLAS: on a shared 2-core machine, waking a second
+    # BLAS thread can stall for a scheduler slice, which would swamp either side at random.
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(1, user_api="blas")
+    print("BLAS: 1 thread for both the full configuration and the bare attention work")
     trace = make_synthetic(SyntheticSpec(context=CONTEXT, steps=STEPS, layers=4, q_heads=8, kv_heads=2,
                                          head_dim=64))
     n = CONTEXT

@@ -6,11 +6,33 @@ they need, one layer at a time, vectorised over heads and rows.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
+from functools import lru_cache
 
 import numpy as np
 
 from .trace import Trace
+
+
+@lru_cache(maxsize=1)
+def _blas_controller():
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:  # optional: without it BLAS keeps its default threads
+        return None
+    return ThreadpoolController()
+
+
+def small_blas():
+    """A context in which BLAS runs single-threaded.
+
+    For many small products (one query row against the keys) waking BLAS worker threads
+    costs more than the work, and on a busy machine a wake-up can stall for a whole
+    scheduler slice - measured here at ~300 ms per configuration with 2 threads.
+    """
+    controller = _blas_controller()
+    return contextlib.nullcontext() if controller is None else controller.limit(limits=1, user_api="blas")
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:

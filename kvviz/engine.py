@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .attention import logit_rows, masked_softmax, softmax
+from .attention import logit_rows, masked_softmax, small_blas, softmax
 from .metrics import RowMetrics, Spread, row_metrics_batch, spread
 from .policies import ScoreContext, get_policy, select
 from .quant import kv_bytes_per_token, quantize, tensor_bytes
@@ -343,8 +343,9 @@ def compare(trace: Trace, spec: Spec, view: View = View(),
         p = int(t.query_positions[q])
         kept_kv = None if m is None else m[positions.index(p)]
         heads = [members[i][3] for i in which]
-        for i, row in zip(which, evaluate_rows(t, s, layer, heads, q, kept_kv,
-                                                quantized.setdefault((tid, s), {}))):
+        with small_blas():
+            evaluated = evaluate_rows(t, s, layer, heads, q, kept_kv, quantized.setdefault((tid, s), {}))
+        for i, row in zip(which, evaluated):
             rows[i] = row
 
     primary = rows[0]

@@ -24,7 +24,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ..attention import context_rows, softmax
+from ..attention import context_rows, small_blas, softmax
 from ..spec import Spec
 from ..trace import Trace
 
@@ -121,7 +121,8 @@ class Policy:
             for i, p in enumerate(positions):
                 out[i, :, : p + 1] = select(scores[:, : p + 1], spec)
             return out
-        return self._simulate(ctx, scores, positions, out)
+        with small_blas():  # one query a step: small products
+            return self._simulate(ctx, scores, positions, out)
 
     def _simulate(self, ctx: ScoreContext, scores: np.ndarray, positions: np.ndarray,
                   out: np.ndarray) -> np.ndarray:
