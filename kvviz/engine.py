@@ -201,7 +201,7 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     else:
         kept = kept_kv[kvh, :n]                                          # (H, n)
     idx = [np.flatnonzero(row) for row in kept]
-    quantized = [_quantized_kept(trace, spec, layer, kvh[i], p, idx[i], cache) for i in range(len(heads))]
+    quantized = _quantized_kept(trace, spec, layer, kvh, p, idx, cache)
 
     if spec.quant_model == "noise":
         eps = np.stack([noise_eps(trace, spec, layer, h, p) for h in heads])
@@ -224,8 +224,9 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
             rows = np.flatnonzero(kvh == g)
             values = trace.v[layer, g, :n]                               # (n, D), the trace's dtype
             out[rows] = original[rows].astype(values.dtype) @ values
-            # same arithmetic for both, so no compression gives exactly zero output error
-            out_hat[rows] = compressed[rows].astype(values.dtype) @ values
+            exact = [i for i in rows if quantized[i][1] is None]
+            if exact:  # same arithmetic as `out`, so no compression gives exactly zero error
+                out_hat[exact] = compressed[exact].astype(values.dtype) @ values
             for i in rows:
                 v_hat = quantized[i][1]
                 if v_hat is not None:
@@ -247,27 +248,33 @@ def evaluate_row(trace: Trace, spec: Spec, layer: int, head: int, qi: int,
     return evaluate_rows(trace, spec, layer, [head], qi, kept_kv)[0]
 
 
-def _quantized_kept(trace: Trace, spec: Spec, layer: int, kvh: int, p: int, idx: np.ndarray,
-                    cache: dict) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """(K_hat - K, V_hat) of the kept tokens; None where not quantized.
+def _quantized_kept(trace: Trace, spec: Spec, layer: int, kvh: np.ndarray, p: int,
+                    idx: list[np.ndarray], cache: dict) -> list[tuple[np.ndarray | None, np.ndarray | None]]:
+    """(K_hat - K, V_hat) of each row's kept tokens; None where not quantized.
 
-    Evict, then quantize what is kept: groups run over the compacted cache, and the
-    last `residual` kept tokens stay at full precision.
+    Evict, then quantize what is kept: groups run over the compacted cache, and the last
+    `residual` kept tokens stay at full precision. Rows of one KV head that keep the same
+    tokens share one result; the caches still missing are quantized in one batched call.
     """
     if spec.quant_model != "kv" or not spec.quantizes:
-        return None, None
-    key = (layer, int(kvh), p, len(idx), hash(idx.tobytes()))
-    if key not in cache:
-        key_delta = v_hat = None
+        return [(None, None)] * len(idx)
+    keys = [(layer, int(h), p, len(i), hash(i.tobytes())) for h, i in zip(kvh, idx)]
+    missing = {key: (h, i) for key, h, i in zip(keys, kvh, idx) if key not in cache}
+    for n_kept in {key[3] for key in missing}:          # stack caches of equal length
+        todo = [(key, h, i) for key, (h, i) in missing.items() if key[3] == n_kept]
+        heads = np.array([h for _, h, _ in todo])[:, None]
+        where = np.stack([i for _, _, i in todo])                            # (U, n_kept)
+        key_delta = v_hat = [None] * len(todo)
         if spec.key_bits < FULL_BITS:
-            k = trace.k[layer, kvh, idx]
+            k = trace.k[layer][heads, where]                                 # (U, n_kept, D)
             key_delta = quantize(k, spec.key_bits, spec.key_axis, spec.group_size, spec.residual,
                                  spec.symmetric) - k
         if trace.v is not None and spec.value_bits < FULL_BITS:
-            v_hat = quantize(trace.v[layer, kvh, idx], spec.value_bits, spec.value_axis,
+            v_hat = quantize(trace.v[layer][heads, where], spec.value_bits, spec.value_axis,
                              spec.group_size, spec.residual, spec.symmetric)
-        cache[key] = key_delta, v_hat
-    return cache[key]
+        for u, (key, _, _) in enumerate(todo):
+            cache[key] = key_delta[u], v_hat[u]
+    return [cache[key] for key in keys]
 
 
 def keep_masks(trace: Trace, spec: Spec, layer: int, positions) -> np.ndarray | None:
