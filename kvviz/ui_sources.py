@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,12 +113,29 @@ def _load_cached(path: str, mtime: float) -> Trace:
     return load_trace(path)
 
 
-@st.cache_resource(max_entries=2, show_spinner=False)
-def _model(name: str, device: str, dtype: str, _progress=None):
-    """One loaded (model, tokenizer, info) per server process and settings."""
+@st.cache_resource(show_spinner=False)
+def _model_store() -> dict:
+    """Loaded models, one per server process, shared by every page that runs a model.
+
+    The load itself runs outside any cached function: Streamlit records the element calls
+    made inside a cached function for replay, and replaying a progress bar that was
+    created outside it fails on the next call.
+    """
+    return {"lock": threading.Lock(), "models": {}}
+
+
+def shared_model(name: str, device: str = "cpu", dtype: str = "float32", progress=None):
+    """(model, tokenizer, info), loaded once per server; one model in memory at a time."""
     from .models import load_model
 
-    return load_model(name, device=device, dtype=dtype, progress=_progress)
+    store = _model_store()
+    key = (name, device, dtype)
+    with store["lock"]:
+        models = store["models"]
+        if key not in models:
+            models.clear()
+            models[key] = load_model(name, device=device, dtype=dtype, progress=progress)
+        return models[key]
 
 
 # --- Real model ---------------------------------------------------------------------------
@@ -153,7 +171,7 @@ def run_capture(settings: CaptureSettings) -> Trace:
 
         t0 = time.perf_counter()
         status.update(label=f"Loading model {settings.model} (first time: converting weights, ~20 s) …")
-        model, tok, info = _model(settings.model, settings.device, settings.dtype, _progress=progress(0.0, 0.3))
+        model, tok, info = shared_model(settings.model, settings.device, settings.dtype, progress=progress(0.0, 0.3))
         status.update(label="Running the model over the prompt …")
         trace = capture(model, tok, info, settings.prompt, new_tokens=settings.new_tokens,
                         max_tokens=settings.max_tokens, progress=progress(0.3, 1.0))

@@ -1,7 +1,5 @@
 """Model lab: run a real model with the compressed KV cache and compare its text with the full cache's."""
 
-import threading
-
 import numpy as np
 import streamlit as st
 
@@ -10,6 +8,7 @@ from kvviz.figures_generation import continuation_html, kl_strip, nll_chart
 from kvviz.generation import sample_text
 from kvviz.spec import Spec, SpecError
 from kvviz.trace import Trace
+from kvviz.ui_sources import shared_model
 
 # Caps that keep one run under about a minute on a classroom laptop's CPU.
 MAX_PROMPT = 512
@@ -26,26 +25,6 @@ def _slider_trace() -> Trace:
     z = np.zeros((1, 1, n, 1), np.float32)
     return Trace(q=z, k=z, v=None, context_len=n, tokens=("",) * n, query_positions=np.arange(n),
                  meta={"source": "model lab"})
-
-
-@st.cache_resource(show_spinner=False)
-def _model_store() -> dict:
-    """Loaded models, one per server process. The load runs outside any cached function, so
-    its progress widgets are never recorded for replay (Streamlit replays element calls made
-    inside cached functions, which fails for widgets created outside them)."""
-    return {"lock": threading.Lock(), "models": {}}
-
-
-def load(name: str, progress):
-    from kvviz.models import load_model
-
-    store = _model_store()
-    with store["lock"]:
-        models = store["models"]
-        if name not in models:
-            models.clear()                       # one model in memory at a time
-            models[name] = load_model(name, progress=progress)
-        return models[name]
 
 
 @st.cache_resource(show_spinner=False)
@@ -72,7 +51,7 @@ def _compute(model_name: str, text: str, prompt_tokens: int, continuation: int, 
     say = _progress or (lambda f, m: None)
     spec = Spec(**dict(spec_items))
     say(0.0, "Loading the model (the first time takes ~15 s: converting the GGUF weights)…")
-    model, tokenizer, info = load(model_name, lambda f, m: say(0.25 * f, f"Loading the model: {m}"))
+    model, tokenizer, info = shared_model(model_name, progress=lambda f, m: say(0.25 * f, f"Loading the model: {m}"))
     say(0.25, "Full-cache reference: one forward pass over prompt + continuation…")
     ref = reference(model, tokenizer, text, prompt_tokens, continuation)
     quality = evaluate(model, ref, spec, progress=lambda f, m: say(0.3 + 0.4 * f, f"Teacher-forced, {m}"))

@@ -405,6 +405,13 @@ def test_app_real_model_capture_is_cached_on_disk(tiny_dir, cache):
     assert at.status[0].label.startswith("Captured 68 tokens")
     assert any("kept the first 64" in w.value for w in at.sidebar.warning)     # the prompt cap, said
     assert len(list(cache.glob("*.safetensors"))) == 1
+    # A second capture in the same session reuses the loaded model (no cache replay of the
+    # first capture's progress bar, which Streamlit cannot do).
+    at.sidebar.slider(key="rm_new").set_value(3).run()
+    at.sidebar.button(key="rm_capture").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert _shown(at) == f"TRACE:2x4x67 ctx 64 {tiny_dir}"
+    assert len(list(cache.glob("*.safetensors"))) == 2
     # A new session with the same settings: straight from the disk cache, no click, no status box.
     again = AppTest.from_function(_real_model_page, default_timeout=120).run()
     again.sidebar.radio(key="rm_kind").set_value("other").run()
@@ -444,9 +451,9 @@ def test_app_real_model_default_flow_on_the_bundled_model(bundled, cache, monkey
     ~150-200-token prompt. The already-loaded model stands in for the st.cache_resource load."""
     from streamlit.testing.v1 import AppTest
 
-    import kvviz.ui_sources as ui_sources
+    import kvviz.models
 
-    monkeypatch.setattr(ui_sources, "_model", lambda name, device, dtype, _progress=None: bundled)
+    monkeypatch.setattr(kvviz.models, "load_model", lambda name, device="cpu", dtype="float32", progress=None: bundled)
     at = AppTest.from_function(_real_model_page, default_timeout=180).run()
     at.sidebar.button(key="rm_capture").click().run()
     assert not at.exception
