@@ -164,6 +164,23 @@ def torch_dtype(dtype: str):
     return getattr(torch, dtype)
 
 
+def _silence_gguf_bar():
+    """The GGUF converter draws its own tqdm bar on stderr, outside transformers' switch;
+    we report progress ourselves. Returns the function that puts the bar back."""
+    import functools
+
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        return lambda: None
+    original = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(original, disable=True)
+
+    def restore() -> None:
+        gguf_utils.tqdm = original
+    return restore
+
+
 def load_model(name: str = BUNDLED, device: str = "cpu", dtype: str = "float32",
                progress: Progress | None = None, device_map: str | None = None) -> tuple[Any, Any, ModelInfo]:
     """(model, tokenizer, info) for `bundled`, a local folder / .gguf file, or a hub id.
@@ -187,6 +204,7 @@ def load_model(name: str = BUNDLED, device: str = "cpu", dtype: str = "float32",
 
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()
+    gguf_bar = _silence_gguf_bar() if "gguf_file" in extra else None
     try:
         say(0.05, "reading the model config")
         try:
@@ -212,6 +230,8 @@ def load_model(name: str = BUNDLED, device: str = "cpu", dtype: str = "float32",
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
+        if gguf_bar is not None:
+            gguf_bar()
     if not device_map:
         model.to(device)
     model.eval()

@@ -105,7 +105,7 @@ def test_out_of_range_link_shows_notice(page, app_url):
 @pytest.mark.parametrize("name, marker", [("Trade-offs", "Error vs memory for every policy"),
                                           ("Concentration", "Top x% of tokens hold"),
                                           ("Model lab", None),
-                                          ("Decode timeline", "regret")])
+                                          ("Decode timeline", "Regret per step")])
 def test_every_page_loads(page, app_url, name, marker):
     page.set_viewport_size({"width": 1400, "height": 2000})
     page.goto(f"{app_url}/?sink=3")
