@@ -42,6 +42,18 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / e.sum(axis=axis, keepdims=True)
 
 
+def softmax_and_log(logits: np.ndarray, keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(softmax, log-softmax) over the last axis, optionally over the kept entries only.
+
+    One exp pass gives both; evicted entries get probability 0 and log-probability -inf.
+    """
+    x = logits if keep is None else np.where(keep, logits, -np.inf)
+    z = x - np.max(x, axis=-1, keepdims=True)
+    e = np.exp(z)
+    total = e.sum(axis=-1, keepdims=True)
+    return e / total, z - np.log(total)
+
+
 def masked_softmax(logits: np.ndarray, keep: np.ndarray) -> np.ndarray:
     """Softmax over the kept entries only; evicted entries get exactly zero."""
     return softmax(np.where(keep, logits, -np.inf))
@@ -57,14 +69,14 @@ def logit_rows(trace: Trace, layer: int, heads: np.ndarray, qi: int) -> np.ndarr
     p = int(trace.query_positions[qi])
     if trace.logits is not None:
         return trace.logits[layer, heads, qi, : p + 1].astype(np.float64)
-    q = trace.q[layer, heads, qi]                                       # (H, D)
+    q = trace.q[layer, heads, qi] * np.float32(1 / np.sqrt(trace.head_dim))   # (H, D)
     kvh = heads // trace.group_size
     out = np.empty((len(heads), p + 1))
-    for g in np.unique(kvh):                                            # one matmul per KV head
-        rows = kvh == g
-        out[rows] = (trace.k[layer, g, : p + 1] @ q[rows].T).T          # (p+1, D) @ (D, h); BLAS
-                                                                        # is far faster this way round
-    return out / np.sqrt(trace.head_dim)
+    for g in set(kvh.tolist()):                                         # one matmul per KV head
+        rows = np.flatnonzero(kvh == g)
+        # (p+1, D) @ (D, h): BLAS is far faster this way round than q @ K^T
+        out[rows] = (trace.k[layer, g, : p + 1] @ q[rows].T).T
+    return out
 
 
 def logit_row(trace: Trace, layer: int, head: int, qi: int) -> np.ndarray:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .attention import logit_rows, masked_softmax, small_blas, softmax
+from .attention import logit_rows, small_blas, softmax_and_log
 from .metrics import RowMetrics, Spread, row_metrics_batch, spread
 from .policies import ScoreContext, get_policy, select
 from .quant import kv_bytes_per_token, quantize, tensor_bytes
@@ -195,7 +195,7 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     n = p + 1
     kvh = heads // trace.group_size                                      # (H,)
     logits = logit_rows(trace, layer, heads, qi)                         # (H, n)
-    original = softmax(logits)
+    original, log_original = softmax_and_log(logits)
     if kept_kv is None:
         kept = select(original, spec) if spec.evicts else np.ones((len(heads), n), bool)
     else:
@@ -209,12 +209,12 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     elif spec.key_bits < FULL_BITS:
         # q . K_hat = q . K + q . (K_hat - K): exact logits wherever keys did not change
         logits_hat = logits.copy()
-        q = trace.q[layer, heads, qi].astype(np.float64)                 # (H, D)
+        q = trace.q[layer, heads, qi]                                    # (H, D), the trace's dtype
         for i, (key_delta, _) in enumerate(quantized):
             logits_hat[i, idx[i]] += key_delta @ q[i] / np.sqrt(trace.head_dim)
     else:
         logits_hat = logits
-    compressed = masked_softmax(logits_hat, kept)                        # (H, n)
+    compressed, log_compressed = softmax_and_log(logits_hat, kept)       # (H, n)
 
     out = out_hat = None
     if trace.v is not None:
@@ -231,7 +231,7 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
                 v_hat = quantized[i][1]
                 if v_hat is not None:
                     out_hat[i] = compressed[i, idx[i]] @ v_hat
-    metrics = row_metrics_batch(original, compressed, kept, out, out_hat)
+    metrics = row_metrics_batch(original, compressed, kept, out, out_hat, (log_original, log_compressed))
     return [RowResult(layer=layer, head=int(h), kv_head=int(kvh[i]), query=qi, position=p,
                       original=original[i], compressed=compressed[i], kept=kept[i],
                       reason=reasons_for(kept[i], spec),
@@ -268,7 +268,8 @@ def _quantized_kept(trace: Trace, spec: Spec, layer: int, kvh: np.ndarray, p: in
         if spec.key_bits < FULL_BITS:
             k = trace.k[layer][heads, where]                                 # (U, n_kept, D)
             key_delta = quantize(k, spec.key_bits, spec.key_axis, spec.group_size, spec.residual,
-                                 spec.symmetric) - k
+                                 spec.symmetric)
+            key_delta -= k
         if trace.v is not None and spec.value_bits < FULL_BITS:
             v_hat = quantize(trace.v[layer][heads, where], spec.value_bits, spec.value_axis,
                              spec.group_size, spec.residual, spec.symmetric)

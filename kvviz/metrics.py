@@ -23,10 +23,9 @@ class RowMetrics:
         return asdict(self)
 
 
-def kl_divergence(p: np.ndarray, q: np.ndarray, eps: float = KL_EPS) -> float:
-    p_s = (p + eps) / (1 + eps * len(p))
-    q_s = (q + eps) / (1 + eps * len(q))
-    return float(np.sum(p_s * (np.log(p_s) - np.log(q_s))))
+def kl_divergence(p: np.ndarray, q: np.ndarray) -> float:
+    """KL(p || q) in nats, finite where q drops a token p attends to (see row_metrics_batch)."""
+    return float(row_metrics_batch(p[None], q[None], q[None] > 0)[0].kl)
 
 
 def row_metrics(original: np.ndarray, compressed: np.ndarray, kept: np.ndarray,
@@ -40,14 +39,19 @@ def row_metrics(original: np.ndarray, compressed: np.ndarray, kept: np.ndarray,
 
 def row_metrics_batch(original: np.ndarray, compressed: np.ndarray, kept: np.ndarray,
                       out_original: np.ndarray | None = None,
-                      out_compressed: np.ndarray | None = None) -> list[RowMetrics]:
-    """row_metrics for rows stacked along axis 0, vectorised."""
+                      out_compressed: np.ndarray | None = None,
+                      logs: tuple[np.ndarray, np.ndarray] | None = None) -> list[RowMetrics]:
+    """row_metrics for rows stacked along axis 0, vectorised.
+
+    KL(original || compressed) = sum p (log p - log q), with log q = log eps where the
+    compressed row is zero (an evicted token), so it stays finite. `logs` passes the
+    log-softmaxes the caller already has (-inf where evicted) instead of taking logs.
+    """
     err = compressed - original
-    eps = KL_EPS
-    n = original.shape[1]
-    p_s = (original + eps) / (1 + eps * n)
-    q_s = (compressed + eps) / (1 + eps * n)
-    kl = np.sum(p_s * (np.log(p_s) - np.log(q_s)), axis=1)
+    with np.errstate(divide="ignore"):
+        log_p, log_q = logs if logs is not None else (np.log(original), np.log(compressed))
+    log_q = np.maximum(log_q, np.log(KL_EPS))
+    kl = np.sum(np.where(original > 0, original * (log_p - log_q), 0.0), axis=1)
     mass = np.where(kept, original, 0.0).sum(axis=1)
     tv = 0.5 * np.abs(err).sum(axis=1)
     mx = np.abs(err).max(axis=1)

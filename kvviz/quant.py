@@ -46,20 +46,25 @@ def _blocks(n_tokens: int, dim: int, axis: str, group: int):
 
 def _scale(block: np.ndarray, bits: int, symmetric: bool, reduce: int) -> tuple[np.ndarray, np.ndarray | None]:
     """Per-group scale s and (asymmetric) minimum, shaped to broadcast against `block`."""
-    # numpy reduces a short last axis row by row (slow); put the group axis first instead.
-    rows = np.ascontiguousarray(np.moveaxis(block, reduce, 0))
+    rows, axis = block, reduce
+    if reduce == -1:  # numpy reduces a short last axis row by row (slow): put it first
+        rows, axis = np.ascontiguousarray(np.moveaxis(block, -1, 0)), 0
     if symmetric:
-        hi = np.abs(rows).max(axis=0)
+        hi = np.abs(rows).max(axis=axis)
         return np.expand_dims(hi / (2 ** (bits - 1) - 1), reduce), None
-    lo = rows.min(axis=0)
-    scale = (rows.max(axis=0) - lo) / (2 ** bits - 1)
+    lo = rows.min(axis=axis)
+    scale = (rows.max(axis=axis) - lo) / (2 ** bits - 1)
     return np.expand_dims(scale, reduce), np.expand_dims(lo, reduce)
 
 
 def _fake_quantize(block: np.ndarray, bits: int, symmetric: bool, reduce: int) -> np.ndarray:
-    """Quantize then dequantize every group of `block`; returns a new array."""
+    """Quantize then dequantize every group of `block`; returns a new array.
+
+    Asymmetric: x_hat = s * (clamp(round(x/s) + z, 0, 2^b-1) - z), in place on one buffer.
+    """
     scale, lo = _scale(block, bits, symmetric, reduce)
-    safe = np.where(scale > 0, scale, 1)
+    constant = not scale.all()
+    safe = np.where(scale > 0, scale, 1) if constant else scale
     q = block / safe                                # one buffer, updated in place
     np.round(q, out=q)
     if symmetric:
@@ -68,11 +73,12 @@ def _fake_quantize(block: np.ndarray, bits: int, symmetric: bool, reduce: int) -
         q *= scale
         return q
     zero = np.round(-lo / safe)
-    q += zero
+    q += zero                                       # (a scalar clip beats array bounds)
     np.clip(q, 0, 2 ** bits - 1, out=q)
     q -= zero
     q *= scale
-    np.copyto(q, lo, where=scale == 0)              # a constant group is exact
+    if constant:                                    # a constant group is exact
+        np.copyto(q, lo, where=scale == 0)
     return q
 
 
@@ -89,12 +95,13 @@ def quantize(x: np.ndarray, bits: int, axis: str = "token", group_size: int = 32
     if n_quant == 0:
         return x
     group = min(group_size, n_quant if axis == "channel" else x.shape[-1])
-    out = x.copy()
-    head = out[..., :n_quant, :]
+    out = np.empty_like(x)
+    out[..., n_quant:, :] = x[..., n_quant:, :]     # the full-precision residual
     lead = x.shape[:-2]
     for tokens, channels, shape, reduce in _blocks(n_quant, x.shape[-1], axis, group):
-        part = head[..., tokens, channels]
-        part[...] = _fake_quantize(part.reshape(*lead, *shape), bits, symmetric, reduce).reshape(part.shape)
+        part = x[..., :n_quant, :][..., tokens, channels]
+        out[..., :n_quant, :][..., tokens, channels] = (
+            _fake_quantize(part.reshape(*lead, *shape), bits, symmetric, reduce).reshape(part.shape))
     return out
 
 
