@@ -15,7 +15,6 @@ def explorer() -> None:
                   "Evict tokens (sinks, recent window, heavy hitters) and quantize keys and values; "
                   "compare the compressed attention with the original, token by token.")
     settings = ui.sidebar()
-    ui.show_notices()
     if settings is None or settings.spec is None:
         return
     source, spec, vs = settings.source, settings.spec, settings.view

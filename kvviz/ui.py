@@ -489,10 +489,12 @@ def sidebar(compression: bool = True, ensemble: bool = True) -> Settings | None:
     _store()
     source = source_section()
     if source is None:
+        show_notices()
         return None
     spec = compression_section(source.trace) if compression else None
     # without compression controls the page shows every layer and head (Concentration)
     view = view_section(source, ensemble=ensemble, layer_head=compression)
+    show_notices()
     return Settings(source, spec, view)
 
 

@@ -15,7 +15,6 @@ def main() -> None:
                   "Every policy over a sweep of budgets (5%–100% of the tokens) and bit widths; the explorer's "
                   "current setting is the star, the Pareto frontier the thick dashed line.")
     settings = ui.sidebar()
-    ui.show_notices()
     if settings is None or settings.spec is None:
         return
     source, spec, vs = settings.source, settings.spec, settings.view

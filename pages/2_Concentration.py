@@ -10,7 +10,6 @@ def main() -> None:
                   "Eviction works because attention is concentrated. The curve shows what share of the mass the "
                   "top x% of tokens hold; the heatmaps show sinks, locality and entropy per layer and head.")
     settings = ui.sidebar(compression=False, ensemble=False)
-    ui.show_notices()
     if settings is None:
         return
     source, vs = settings.source, settings.view

@@ -41,6 +41,7 @@ def main() -> None:
                   "(the bound). Regret is the attention the full model put on tokens a policy had already evicted.")
     source = ui.source_section()
     if source is None:
+        ui.show_notices()
         return
     trace, key, demo = source.trace, source.key, False
     spec = ui.compression_section(trace)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from apptest_util import run_app
 from streamlit.testing.v1 import AppTest
 
 from kvviz import Spec, View, compare
@@ -24,12 +25,7 @@ SMALL = {"source": "synthetic", "context": "128", "steps": "4"}
 
 
 def run(path=APP, **params) -> AppTest:
-    at = AppTest.from_file(path, default_timeout=120)
-    for k, v in params.items():
-        at.query_params[k] = str(v)
-    at.run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
+    return run_app(path, 120, **params)
 
 
 def cards(at) -> dict:

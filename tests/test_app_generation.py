@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from apptest_util import run_app
 from streamlit.testing.v1 import AppTest
 
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
@@ -21,12 +22,7 @@ SMALL_SHIFT = {"source": "synthetic", "context": "128", "steps": "16", "topic_sh
 
 
 def run(path, **params) -> AppTest:
-    at = AppTest.from_file(path, default_timeout=300)
-    for k, v in params.items():
-        at.query_params[k] = str(v)
-    at.run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
+    return run_app(path, 300, **params)
 
 
 # --- Decode timeline ----------------------------------------------------------------------------
