@@ -85,6 +85,7 @@ def main() -> None:
     continuation = int(c2.number_input("Continuation tokens scored", 2, MAX_CONTINUATION, 57, key="lab_cont"))
     greedy_tokens = int(c3.number_input("Greedy tokens side by side (0 = off)", 0, MAX_GREEDY, 32, key="lab_greedy"))
     st.caption(CAP_MESSAGE)
+    ui.preset_buttons(prompt_tokens)  # budgets sized to this prompt (the sidebar keeps the explorer's values)
     if spec is None:
         return
     if spec.quant_model == "noise":

@@ -82,7 +82,8 @@ def test_model_lab_loads_no_model_until_run(monkeypatch):
 
     monkeypatch.setattr(kvviz.models, "load_model", refuse)
     at = run(LAB)
-    assert [b.label for b in at.button] == ["Run the model"]
+    from kvviz.ui import PRESETS
+    assert [b.label for b in at.button] == [*PRESETS, "Run the model"]
     assert any("press **Run the model**" in i.value for i in at.info)
     assert any("capped" in c.value for c in at.caption)
     assert at.number_input(key="lab_prompt").max == 512
@@ -129,3 +130,12 @@ def test_model_lab_run_shows_the_cores_numbers(monkeypatch):
     at.run()
     assert not at.exception and {m.label: m.value for m in at.metric} == shown
     assert np.isfinite(q.kl_max)
+
+
+def test_model_lab_presets_size_budgets_to_the_prompt():
+    at = run(LAB)
+    at.number_input(key="lab_prompt").set_value(200).run()
+    at.button(key="preset_StreamingLLM").click().run()
+    assert not at.exception
+    assert (at.slider(key="sink").value, at.slider(key="recent").value, at.slider(key="heavy").value) == (4, 36, 0)
+    assert "streaming sink 4 recent 36 heavy 0" in "".join(m.value for m in at.markdown)
