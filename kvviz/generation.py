@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from .engine import memory_for
-from .policies import ScoreContext, get_policy, select
+from .policies import ScoreContext, evict_one, get_policy, select
 from .quant import quantize
 from .spec import FULL_BITS, Spec, SpecError
 from .trace import Trace
@@ -183,24 +183,6 @@ class CompressedCache:
             np.put_along_axis(out[i], kept, True, axis=1)
         return out
 
-    def _arrival_score(self, layer: int, p: int) -> np.ndarray:
-        """Score of a token entering the cache at position p, per KV head (one-shot scorers).
-
-        Streaming scorers give +inf (no query has scored it yet, so it is not evicted
-        before one has); position-only StreamingLLM ranks by position; SnapKV cannot
-        score later tokens (they stay only while in the recent window).
-        """
-        name = self.spec.scorer
-        if self.policy.streaming:
-            return np.full(self.H, np.inf)
-        if name == "streaming":
-            return np.full(self.H, float(p))
-        if name == "knorm":
-            return -np.linalg.norm(self.k[layer, :, p].numpy().astype(np.float64), axis=-1)
-        if name == "random":
-            return np.random.default_rng([self.spec.seed, layer, p]).random(self.H)
-        return np.full(self.H, -np.inf)
-
     # -- quantization of what is kept ------------------------------------------------------
     def _quantized(self, layer: int, which: str, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """quantize(x[kept]) with the spec's settings, x (H, m, D) gathered at idx (H, m).
@@ -261,9 +243,9 @@ class CompressedCache:
             kept = _indices(select(a_full.sum(dim=1).numpy().astype(np.float64), spec))
         else:
             kept = np.concatenate([self.kept[layer], np.full((self.H, 1), p)], axis=1)   # arrives
-            scores[:, p] = self._arrival_score(layer, p)
+            scores[:, p] = self.policy.arrival_score(self.k[layer, :, p].numpy(), layer, p, self.spec)
             if self.evicts and kept.shape[1] > spec.budget:                   # evict one per head
-                kept = _evict_one(kept, scores, spec, p, ties_evict_later=not self.policy.streaming)
+                kept = evict_one(kept, scores, spec, p, ties_evict_later=not self.policy.streaming)
         self.kept[layer] = kept
         if self.record:
             self.step_q[layer].append(q[:, 0].numpy().copy())
@@ -341,27 +323,6 @@ def _indices(mask: np.ndarray) -> np.ndarray:
     if not np.all(counts == counts[0]):
         raise RuntimeError("KV heads hold different numbers of tokens")
     return np.nonzero(mask)[1].reshape(mask.shape[0], -1)
-
-
-def _evict_one(kept: np.ndarray, scores: np.ndarray, spec: Spec, p: int,
-               ties_evict_later: bool = False) -> np.ndarray:
-    """Drop, per KV head, the lowest-scoring token outside the sinks and the recent window.
-
-    kept (H, m+1) -> (H, m). A token no query has scored yet (+inf) goes only before
-    protected ones. Ties follow the policies' own rules: streaming policies evict the
-    earlier token; one-shot policies keep it (`select` keeps the earlier of equal scores,
-    and greedy eviction under fixed scores must give the same kept set).
-    """
-    H = kept.shape[0]
-    protected = (kept < spec.sink) | (kept > p - spec.recent)
-    key = np.where(protected, np.inf, np.minimum(np.take_along_axis(scores, kept, 1), np.finfo(np.float64).max))
-    if ties_evict_later:
-        victim = key.shape[1] - 1 - np.argmin(key[:, ::-1], axis=1)
-    else:
-        victim = np.argmin(key, axis=1)
-    drop = np.ones(kept.shape, dtype=bool)
-    drop[np.arange(H), victim] = False
-    return kept[drop].reshape(H, -1)
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

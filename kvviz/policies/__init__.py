@@ -1,6 +1,6 @@
 """Eviction policies: one small class a file; `POLICIES` maps scorer name -> instance."""
 
-from .base import Policy, ScoreContext, select
+from .base import Policy, ScoreContext, evict_one, select
 from .h2o import H2O
 from .knorm import KNorm
 from .oracle import Oracle
@@ -20,4 +20,4 @@ def get_policy(name: str) -> Policy:
         raise ValueError(f"unknown scorer {name!r}; choose one of {', '.join(POLICIES)}") from None
 
 
-__all__ = ["POLICIES", "Policy", "ScoreContext", "get_policy", "select"]
+__all__ = ["POLICIES", "Policy", "ScoreContext", "evict_one", "get_policy", "select"]

@@ -86,6 +86,15 @@ class Policy:
     def update(self, scores: np.ndarray, attention: np.ndarray, ctx: ScoreContext) -> None:
         """Streaming policies: fold one later query's attention (q_heads, n) into scores in place."""
 
+    def arrival_score(self, key: np.ndarray, layer: int, position: int, spec: Spec) -> np.ndarray:
+        """Score of a token entering the cache after the compression point, per KV head.
+
+        key (kv_heads, head_dim) is its cached key. Streaming policies give +inf (no query
+        has scored it yet, so it is not evicted before one has); the default -inf means
+        the policy cannot score it and it stays only while inside the recent window.
+        """
+        return np.full(key.shape[0], np.inf if self.streaming else -np.inf)
+
     def score_key(self, spec: Spec) -> tuple:
         """The spec fields `score` depends on (budgets never change scores)."""
         return ()
@@ -142,16 +151,10 @@ class Policy:
                 np.put_along_axis(out[i], kept[kept <= p].reshape(Hkv, -1), True, axis=1)
         query_at = {int(p): qi for qi, p in enumerate(trace.query_positions)}
         inv_sqrt_d = 1.0 / np.sqrt(trace.head_dim)
-        rows = np.arange(Hkv)
         for p in range(c, int(positions.max()) + 1 if len(positions) else c):
             kept = np.concatenate([kept, np.full((Hkv, 1), p)], axis=1)       # the new token arrives
             if kept.shape[1] > spec.budget:                                   # evict one per head
-                protected = (kept < spec.sink) | (kept > p - spec.recent)
-                key = np.where(protected, np.inf,
-                               np.minimum(np.take_along_axis(scores, kept, 1), np.finfo(np.float64).max))
-                drop = np.ones(kept.shape, dtype=bool)
-                drop[rows, np.argmin(key, axis=1)] = False
-                kept = kept[drop].reshape(Hkv, -1)
+                kept = evict_one(kept, scores, spec, p)
             if p in want:
                 np.put_along_axis(out[want[p]], kept, True, axis=1)
             qi = query_at.get(p)
@@ -190,3 +193,24 @@ def select(scores: np.ndarray, spec: Spec) -> np.ndarray:
         top = np.argsort(key, axis=1, kind="stable")[:, :take]
         np.put_along_axis(keep, top, True, axis=1)
     return keep
+
+
+def evict_one(kept: np.ndarray, scores: np.ndarray, spec: Spec, p: int,
+              ties_evict_later: bool = False) -> np.ndarray:
+    """Drop, per KV head, the lowest-scoring token outside the sinks and the recent window.
+
+    kept (H, m+1) -> (H, m). A token no query has scored yet (+inf) goes only before
+    protected ones. Ties follow the policies' own rules: streaming policies evict the
+    earlier token; one-shot policies keep it (`select` keeps the earlier of equal scores,
+    and greedy eviction under fixed scores must give the same kept set).
+    """
+    H = kept.shape[0]
+    protected = (kept < spec.sink) | (kept > p - spec.recent)
+    key = np.where(protected, np.inf, np.minimum(np.take_along_axis(scores, kept, 1), np.finfo(np.float64).max))
+    if ties_evict_later:
+        victim = key.shape[1] - 1 - np.argmin(key[:, ::-1], axis=1)
+    else:
+        victim = np.argmin(key, axis=1)
+    drop = np.ones(kept.shape, dtype=bool)
+    drop[np.arange(H), victim] = False
+    return kept[drop].reshape(H, -1)

@@ -15,3 +15,6 @@ class Random(Policy):
     def score(self, ctx: ScoreContext) -> np.ndarray:
         rng = np.random.default_rng([ctx.spec.seed, ctx.layer])
         return rng.random((ctx.trace.n_kv_heads, ctx.n_positions))
+
+    def arrival_score(self, key, layer, position, spec):
+        return np.random.default_rng([spec.seed, layer, position]).random(key.shape[0])

@@ -12,3 +12,6 @@ class Streaming(Policy):
     def score(self, ctx: ScoreContext) -> np.ndarray:
         recency = np.arange(ctx.n_positions, dtype=np.float64)
         return np.broadcast_to(recency, (ctx.trace.n_kv_heads, ctx.n_positions))
+
+    def arrival_score(self, key, layer, position, spec):
+        return np.full(key.shape[0], float(position))
