@@ -200,21 +200,28 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
         kept = select(original, spec) if spec.evicts else np.ones((len(heads), n), bool)
     else:
         kept = kept_kv[kvh, :n]                                          # (H, n)
-    idx = [np.flatnonzero(row) for row in kept]
+    at = np.nonzero(kept)[1].reshape(len(heads), -1)                    # (H, m) kept positions
+    idx = list(at)
     quantized = _quantized_kept(trace, spec, layer, kvh, p, idx, cache)
+    # rows of one KV head that keep the same tokens share one quantized cache: batch them
+    shared: dict[int, list[int]] = {}
+    for i, (key_delta, v_hat) in enumerate(quantized):
+        shared.setdefault(id(key_delta if key_delta is not None else v_hat), []).append(i)
 
+    kept_logits = np.take_along_axis(logits, at, axis=1)                 # (H, m)
     if spec.quant_model == "noise":
         eps = np.stack([noise_eps(trace, spec, layer, h, p) for h in heads])
-        logits_hat = logits + eps * spec.noise_sigma
+        kept_logits = kept_logits + np.take_along_axis(eps, at, axis=1) * spec.noise_sigma
     elif spec.key_bits < FULL_BITS:
         # q . K_hat = q . K + q . (K_hat - K): exact logits wherever keys did not change
-        logits_hat = logits.copy()
-        q = trace.q[layer, heads, qi]                                    # (H, D), the trace's dtype
-        for i, (key_delta, _) in enumerate(quantized):
-            logits_hat[i, idx[i]] += key_delta @ q[i] / np.sqrt(trace.head_dim)
-    else:
-        logits_hat = logits
-    compressed, log_compressed = softmax_and_log(logits_hat, kept)       # (H, n)
+        q = trace.q[layer, heads, qi] / np.float32(np.sqrt(trace.head_dim))  # (H, D), the trace's dtype
+        for rows in shared.values():
+            kept_logits[rows] += (quantized[rows[0]][0] @ q[rows].T).T
+    p_kept, logp_kept = softmax_and_log(kept_logits)                     # over the kept tokens only
+    compressed = np.zeros_like(original)
+    np.put_along_axis(compressed, at, p_kept, axis=1)
+    log_compressed = np.full_like(original, -np.inf)
+    np.put_along_axis(log_compressed, at, logp_kept, axis=1)
 
     out = out_hat = None
     if trace.v is not None:
@@ -227,10 +234,10 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
             exact = [i for i in rows if quantized[i][1] is None]
             if exact:  # same arithmetic as `out`, so no compression gives exactly zero error
                 out_hat[exact] = compressed[exact].astype(values.dtype) @ values
-            for i in rows:
-                v_hat = quantized[i][1]
-                if v_hat is not None:
-                    out_hat[i] = compressed[i, idx[i]] @ v_hat
+        for rows in shared.values():
+            v_hat = quantized[rows[0]][1]
+            if v_hat is not None:
+                out_hat[rows] = p_kept[rows] @ v_hat
     metrics = row_metrics_batch(original, compressed, kept, out, out_hat, (log_original, log_compressed))
     return [RowResult(layer=layer, head=int(h), kv_head=int(kvh[i]), query=qi, position=p,
                       original=original[i], compressed=compressed[i], kept=kept[i],

@@ -57,15 +57,16 @@ def _scale(block: np.ndarray, bits: int, symmetric: bool, reduce: int) -> tuple[
     return np.expand_dims(scale, reduce), np.expand_dims(lo, reduce)
 
 
-def _fake_quantize(block: np.ndarray, bits: int, symmetric: bool, reduce: int) -> np.ndarray:
-    """Quantize then dequantize every group of `block`; returns a new array.
+def _fake_quantize(block: np.ndarray, bits: int, symmetric: bool, reduce: int,
+                   out: np.ndarray | None = None) -> np.ndarray:
+    """Quantize then dequantize every group of `block` into `out` (a new array if None).
 
     Asymmetric: x_hat = s * (clamp(round(x/s) + z, 0, 2^b-1) - z), in place on one buffer.
     """
     scale, lo = _scale(block, bits, symmetric, reduce)
     constant = not scale.all()
     safe = np.where(scale > 0, scale, 1) if constant else scale
-    q = block / safe                                # one buffer, updated in place
+    q = np.divide(block, safe, out=out)             # one buffer, updated in place
     np.round(q, out=q)
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
@@ -100,8 +101,12 @@ def quantize(x: np.ndarray, bits: int, axis: str = "token", group_size: int = 32
     lead = x.shape[:-2]
     for tokens, channels, shape, reduce in _blocks(n_quant, x.shape[-1], axis, group):
         part = x[..., :n_quant, :][..., tokens, channels]
-        out[..., :n_quant, :][..., tokens, channels] = (
-            _fake_quantize(part.reshape(*lead, *shape), bits, symmetric, reduce).reshape(part.shape))
+        region = out[..., :n_quant, :][..., tokens, channels]
+        target = region.reshape(*lead, *shape)
+        if np.shares_memory(target, out):          # write straight into the result
+            _fake_quantize(part.reshape(*lead, *shape), bits, symmetric, reduce, out=target)
+        else:
+            region[...] = _fake_quantize(part.reshape(*lead, *shape), bits, symmetric, reduce).reshape(region.shape)
     return out
 
 

@@ -173,3 +173,22 @@ def test_head_grid_matches_single_rows(trace):
         one = compare(trace, spec, View(layer=layer, head=head, step=3)).metrics["tv_distance"]
         assert grid[layer, head] == pytest.approx(one, abs=1e-6)  # float32 logits, batched vs one row
     np.testing.assert_allclose(head_grid(trace, Spec(), metric="mass_retained"), 1, atol=1e-12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(scores=st.lists(st.sampled_from([0.0, 1.0, 2.0, -np.inf, np.inf, 0.5]), min_size=1, max_size=40),
+       sink=st.integers(0, 5), recent=st.integers(0, 8), heavy=st.integers(0, 40))
+def test_select_is_top_k_with_earliest_ties(scores, sink, recent, heavy):
+    """select == a stable sort: best scores first, the earlier token on ties."""
+    from kvviz.policies import select
+
+    s = np.array([scores])
+    n = s.shape[1]
+    got = select(s, Spec(sink=sink, recent=recent, heavy=heavy))[0]
+    want = np.zeros(n, bool)
+    want[:sink] = True
+    want[max(0, n - recent):] = True
+    cand = [i for i in range(n) if not want[i]]
+    for i in sorted(cand, key=lambda i: (-s[0, i], i))[:heavy]:
+        want[i] = True
+    assert np.array_equal(got, want)

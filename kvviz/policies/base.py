@@ -180,7 +180,9 @@ class Policy:
 def select(scores: np.ndarray, spec: Spec) -> np.ndarray:
     """Kept mask (kv_heads, n): sinks, recent window, and the top `heavy` of the rest.
 
-    Keeps min(sink + recent + heavy, n) tokens. Ties go to the earlier token.
+    Keeps min(sink + recent + heavy, n) tokens. Ties go to the earlier token. O(n) per
+    row: a partition finds the score of the last heavy hitter, and the earliest of the
+    tokens tied at that score fill what is left.
     """
     H, n = scores.shape
     keep = np.zeros((H, n), dtype=bool)
@@ -189,9 +191,12 @@ def select(scores: np.ndarray, spec: Spec) -> np.ndarray:
     n_cand = n - int(keep[0].sum())
     take = min(spec.heavy, n_cand)
     if take > 0:
-        key = np.where(keep, np.nan, -scores)  # candidates first by score; NaN sorts last
-        top = np.argsort(key, axis=1, kind="stable")[:, :take]
-        np.put_along_axis(keep, top, True, axis=1)
+        key = np.where(keep, np.nan, -scores)       # candidates by score; NaN sorts last
+        cut = np.partition(key, take - 1, axis=1)[:, take - 1: take]      # (H, 1)
+        above = key < cut                                                 # strictly better
+        tied = key == cut
+        need = take - above.sum(axis=1, keepdims=True)
+        keep |= above | (tied & (np.cumsum(tied, axis=1) <= need))
     return keep
 
 
