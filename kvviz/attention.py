@@ -54,11 +54,6 @@ def softmax_and_log(logits: np.ndarray, keep: np.ndarray | None = None) -> tuple
     return e / total, z - np.log(total)
 
 
-def masked_softmax(logits: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """Softmax over the kept entries only; evicted entries get exactly zero."""
-    return softmax(np.where(keep, logits, -np.inf))
-
-
 def logit_rows(trace: Trace, layer: int, heads: np.ndarray, qi: int) -> np.ndarray:
     """Logits of query qi (index into query_positions) for several heads over keys 0..p.
 

@@ -23,20 +23,6 @@ class RowMetrics:
         return asdict(self)
 
 
-def kl_divergence(p: np.ndarray, q: np.ndarray) -> float:
-    """KL(p || q) in nats, finite where q drops a token p attends to (see row_metrics_batch)."""
-    return float(row_metrics_batch(p[None], q[None], q[None] > 0)[0].kl)
-
-
-def row_metrics(original: np.ndarray, compressed: np.ndarray, kept: np.ndarray,
-                out_original: np.ndarray | None = None,
-                out_compressed: np.ndarray | None = None) -> RowMetrics:
-    """Metrics of one compressed row (n,) against the original."""
-    return row_metrics_batch(original[None], compressed[None], kept[None],
-                             None if out_original is None else out_original[None],
-                             None if out_compressed is None else out_compressed[None])[0]
-
-
 def row_metrics_batch(original: np.ndarray, compressed: np.ndarray, kept: np.ndarray,
                       out_original: np.ndarray | None = None,
                       out_compressed: np.ndarray | None = None,

@@ -1,4 +1,6 @@
-"""K/V quantization (KIVI-style group-wise min-max) and the handbook's logit-noise model.
+"""K/V quantization (KIVI-style group-wise min-max) and what a quantized cache costs in bytes.
+
+(The handbook's logit-noise model is applied by the engine: logits + sigma * eps.)
 
 Asymmetric, per group of G values:
     s = (max - min) / (2^b - 1);  z = round(-min / s)
@@ -165,11 +167,3 @@ def tensor_bytes(n_tokens: int, dim: int, bits: int, axis: str, group_size: int,
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_value: float = 2.0) -> float:
     """Full-cache bytes per token: K and V, every layer and KV head (fp16: 2 bytes)."""
     return 2 * bytes_per_value * layers * kv_heads * head_dim
-
-
-def logit_noise(n: int, sigma: float, rng: np.random.Generator | None = None,
-                eps: np.ndarray | None = None) -> np.ndarray:
-    """The handbook's stand-in for quantization: sigma * standard normal noise on logits."""
-    if eps is None:
-        eps = rng.standard_normal(n)
-    return eps * sigma

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .attention import logit_row, softmax
+from .attention import logit_rows, softmax
 from .engine import REASONS, Comparison
 from .metrics import concentration_curve, entropy, spread
 from .trace import Trace
@@ -149,9 +149,10 @@ def concentration(trace: Trace, step: int | None = None, sink: int = 1, window: 
     shape = (trace.n_layers, trace.n_q_heads)
     curves = np.zeros(shape + (len(fractions),))
     sink_share, locality, ent, top10 = (np.zeros(shape) for _ in range(4))
+    heads = np.arange(trace.n_q_heads)
     for layer in range(trace.n_layers):
-        for head in range(trace.n_q_heads):
-            a = softmax(logit_row(trace, layer, head, qi))
+        rows = softmax(logit_rows(trace, layer, heads, qi))             # (q_heads, n), one pass
+        for head, a in enumerate(rows):
             curves[layer, head] = concentration_curve(a, fractions)[1]
             sink_share[layer, head] = a[: max(0, sink)].sum()
             locality[layer, head] = a[max(0, n - window):].sum()
