@@ -4,6 +4,10 @@ The core never imports Streamlit; torch and transformers are imported lazily, on
 model-capture code.
 """
 
+from .heap import keep_heap
+
+keep_heap()  # the engine's temporaries reuse freed memory instead of faulting it in again
+
 from .engine import Comparison, Memory, RowResult, compare, evaluate_row, keep_masks, memory_for
 from .spec import ENSEMBLES, SCORERS, Spec, SpecError, View
 from .trace import Trace, TraceError

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .attention import logit_rows, small_blas, softmax_and_log
-from .metrics import RowMetrics, Spread, row_metrics_batch, spread
+from .metrics import LOG_KL_EPS, RowMetrics, Spread, row_metrics_batch, spread
 from .policies import ScoreContext, get_policy, select
-from .quant import kv_bytes_per_token, quantize, tensor_bytes
+from .quant import kv_bytes_per_token, quantize_kept, tensor_bytes
 from .spec import FULL_BITS, Spec, SpecError, View
 from .trace import Trace
 
@@ -44,14 +44,10 @@ class RowResult:
     compressed: np.ndarray
     kept: np.ndarray
     reason: np.ndarray
+    error: np.ndarray  # per-token error: compressed minus original attention
     out_original: np.ndarray | None
     out_compressed: np.ndarray | None
     metrics: RowMetrics
-
-    @property
-    def error(self) -> np.ndarray:
-        """Per-token error: compressed minus original attention."""
-        return self.compressed - self.original
 
 
 @dataclass(frozen=True)
@@ -165,12 +161,13 @@ def memory_for(trace: Trace, spec: Spec, n_tokens: int) -> Memory:
 
 
 def reasons_for(kept: np.ndarray, spec: Spec) -> np.ndarray:
-    n = len(kept)
+    """Why each token is kept or not, for kept masks (..., n)."""
+    n = kept.shape[-1]
     if not spec.evicts:
-        return np.full(n, ALL, dtype=np.int8)
-    reason = np.where(kept, HEAVY, EVICTED).astype(np.int8)
-    reason[max(0, n - spec.recent):] = RECENT
-    reason[: min(spec.sink, n)] = SINK
+        return np.full(kept.shape, ALL, dtype=np.int8)
+    reason = kept * np.int8(HEAVY)                  # EVICTED is 0
+    reason[..., max(0, n - spec.recent):] = RECENT
+    reason[..., : min(spec.sink, n)] = SINK
     return reason
 
 
@@ -191,60 +188,76 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     """
     cache = {} if cache is None else cache
     heads = np.asarray(heads, dtype=int)
+    H = len(heads)
     p = int(trace.query_positions[qi])
     n = p + 1
     kvh = heads // trace.group_size                                      # (H,)
     logits = logit_rows(trace, layer, heads, qi)                         # (H, n)
     original, log_original = softmax_and_log(logits)
     if kept_kv is None:
-        kept = select(original, spec) if spec.evicts else np.ones((len(heads), n), bool)
+        kept = select(original, spec) if spec.evicts else np.ones((H, n), bool)
     else:
         kept = kept_kv[kvh, :n]                                          # (H, n)
-    at = np.nonzero(kept)[1].reshape(len(heads), -1)                    # (H, m) kept positions
-    idx = list(at)
-    quantized = _quantized_kept(trace, spec, layer, kvh, p, idx, cache)
-    # rows of one KV head that keep the same tokens share one quantized cache: batch them
-    shared: dict[int, list[int]] = {}
-    for i, (key_delta, v_hat) in enumerate(quantized):
-        shared.setdefault(id(key_delta if key_delta is not None else v_hat), []).append(i)
+    flat = np.flatnonzero(kept)                  # kept entries of the (H, n) rows, row-major
+    m = len(flat) // H                           # every row keeps the same number of tokens
+    at = flat.reshape(H, m) - (np.arange(H) * n)[:, None]               # (H, m) kept positions
+    quantized = _quantized_kept(trace, spec, layer, kvh, p, at, cache)
+    # Consecutive rows of one KV head share its values, and (unless the oracle gave each
+    # its own kept set) one quantized cache: each run is one product. Callers order heads
+    # by KV head so the runs are long.
+    by_head = _runs(kvh.tolist())
+    by_cache = _runs([id(entry[0] if entry[0] is not None else entry[1]) for entry in quantized])
 
-    kept_logits = np.take_along_axis(logits, at, axis=1)                 # (H, m)
+    kept_logits = logits.take(flat).reshape(H, m)                       # (H, m)
     if spec.quant_model == "noise":
         eps = np.stack([noise_eps(trace, spec, layer, h, p) for h in heads])
-        kept_logits = kept_logits + np.take_along_axis(eps, at, axis=1) * spec.noise_sigma
+        kept_logits += eps.take(flat).reshape(H, m) * spec.noise_sigma
     elif spec.key_bits < FULL_BITS:
         # q . K_hat = q . K + q . (K_hat - K): exact logits wherever keys did not change
         q = trace.q[layer, heads, qi] / np.float32(np.sqrt(trace.head_dim))  # (H, D), the trace's dtype
-        for rows in shared.values():
-            kept_logits[rows] += (quantized[rows[0]][0] @ q[rows].T).T
+        for rows in by_cache:
+            kept_logits[rows] += (quantized[rows.start][0] @ q[rows].T).T
     p_kept, logp_kept = softmax_and_log(kept_logits)                     # over the kept tokens only
     compressed = np.zeros_like(original)
-    np.put_along_axis(compressed, at, p_kept, axis=1)
-    log_compressed = np.full_like(original, -np.inf)
-    np.put_along_axis(log_compressed, at, logp_kept, axis=1)
+    compressed.ravel()[flat] = p_kept.ravel()
+    log_compressed = np.full_like(original, LOG_KL_EPS)                  # evicted: the KL floor
+    log_compressed.ravel()[flat] = logp_kept.ravel()
 
     out = out_hat = None
     if trace.v is not None:
-        out = np.empty((len(heads), trace.head_dim))
+        values = trace.v[layer]                                          # (kv_heads, P, D), the trace's dtype
+        out = np.empty((H, trace.head_dim))
         out_hat = np.empty_like(out)
-        for g in np.unique(kvh):                                         # one GEMM per KV head
-            rows = np.flatnonzero(kvh == g)
-            values = trace.v[layer, g, :n]                               # (n, D), the trace's dtype
-            out[rows] = original[rows].astype(values.dtype) @ values
-            exact = [i for i in rows if quantized[i][1] is None]
-            if exact:  # same arithmetic as `out`, so no compression gives exactly zero error
-                out_hat[exact] = compressed[exact].astype(values.dtype) @ values
-        for rows in shared.values():
-            v_hat = quantized[rows[0]][1]
-            if v_hat is not None:
-                out_hat[rows] = p_kept[rows] @ v_hat
+        for rows in by_head:                                             # o = a . V
+            out[rows] = original[rows].astype(values.dtype) @ values[kvh[rows.start], :n]
+        if quantized[0][1] is not None:                                  # o_hat = a_hat . V_hat
+            for rows in by_cache:
+                out_hat[rows] = p_kept[rows].astype(values.dtype) @ quantized[rows.start][1]
+        elif m == n:  # nothing evicted: the same arithmetic as `o`, so exactly zero error
+            for rows in by_head:
+                out_hat[rows] = compressed[rows].astype(values.dtype) @ values[kvh[rows.start], :n]
+        else:
+            kept_values = values[kvh[:, None], at]                       # (H, m, D)
+            out_hat[:] = (p_kept[:, None].astype(values.dtype) @ kept_values)[:, 0]
     metrics = row_metrics_batch(original, compressed, kept, out, out_hat, (log_original, log_compressed))
+    error = compressed - original
+    reason = reasons_for(kept, spec)
     return [RowResult(layer=layer, head=int(h), kv_head=int(kvh[i]), query=qi, position=p,
-                      original=original[i], compressed=compressed[i], kept=kept[i],
-                      reason=reasons_for(kept[i], spec),
+                      original=original[i], compressed=compressed[i], kept=kept[i], reason=reason[i],
+                      error=error[i],
                       out_original=None if out is None else out[i],
                       out_compressed=None if out_hat is None else out_hat[i], metrics=metrics[i])
-            for i, h in enumerate(heads)]
+            for i, h in enumerate(heads.tolist())]
+
+
+def _runs(keys: list) -> list[slice]:
+    """Slices of the maximal runs of equal consecutive keys."""
+    runs, start = [], 0
+    for i in range(1, len(keys) + 1):
+        if i == len(keys) or keys[i] != keys[start]:
+            runs.append(slice(start, i))
+            start = i
+    return runs
 
 
 def evaluate_row(trace: Trace, spec: Spec, layer: int, head: int, qi: int,
@@ -256,31 +269,28 @@ def evaluate_row(trace: Trace, spec: Spec, layer: int, head: int, qi: int,
 
 
 def _quantized_kept(trace: Trace, spec: Spec, layer: int, kvh: np.ndarray, p: int,
-                    idx: list[np.ndarray], cache: dict) -> list[tuple[np.ndarray | None, np.ndarray | None]]:
-    """(K_hat - K, V_hat) of each row's kept tokens; None where not quantized.
+                    at: np.ndarray, cache: dict) -> list[tuple[np.ndarray | None, np.ndarray | None]]:
+    """(K_hat - K, V_hat) of each row's kept tokens at (H, m); None where not quantized.
 
     Evict, then quantize what is kept: groups run over the compacted cache, and the last
     `residual` kept tokens stay at full precision. Rows of one KV head that keep the same
-    tokens share one result; the caches still missing are quantized in one batched call.
+    tokens share one result; the caches still missing are quantized in one call.
     """
     if spec.quant_model != "kv" or not spec.quantizes:
-        return [(None, None)] * len(idx)
-    keys = [(layer, int(h), p, len(i), hash(i.tobytes())) for h, i in zip(kvh, idx)]
-    missing = {key: (h, i) for key, h, i in zip(keys, kvh, idx) if key not in cache}
-    for n_kept in {key[3] for key in missing}:          # stack caches of equal length
-        todo = [(key, h, i) for key, (h, i) in missing.items() if key[3] == n_kept]
-        heads = np.array([h for _, h, _ in todo])[:, None]
-        where = np.stack([i for _, _, i in todo])                            # (U, n_kept)
-        key_delta = v_hat = [None] * len(todo)
+        return [(None, None)] * len(at)
+    keys = [(layer, h, p, hash(i.tobytes())) for h, i in zip(kvh.tolist(), at)]
+    missing = {key: u for u, key in enumerate(keys) if key not in cache}
+    if missing:
+        rows = list(missing.values())
+        heads, where = kvh[rows], at[rows]                                  # (U,), (U, m)
+        key_delta = v_hat = [None] * len(rows)
+        settings = dict(group_size=spec.group_size, residual=spec.residual, symmetric=spec.symmetric)
         if spec.key_bits < FULL_BITS:
-            k = trace.k[layer][heads, where]                                 # (U, n_kept, D)
-            key_delta = quantize(k, spec.key_bits, spec.key_axis, spec.group_size, spec.residual,
-                                 spec.symmetric)
-            key_delta -= k
+            key_delta = quantize_kept(trace.k[layer], heads, where, spec.key_bits, spec.key_axis,
+                                      delta=True, **settings)
         if trace.v is not None and spec.value_bits < FULL_BITS:
-            v_hat = quantize(trace.v[layer][heads, where], spec.value_bits, spec.value_axis,
-                             spec.group_size, spec.residual, spec.symmetric)
-        for u, (key, _, _) in enumerate(todo):
+            v_hat = quantize_kept(trace.v[layer], heads, where, spec.value_bits, spec.value_axis, **settings)
+        for u, key in enumerate(missing):
             cache[key] = key_delta[u], v_hat[u]
     return [cache[key] for key in keys]
 
@@ -357,6 +367,7 @@ def compare(trace: Trace, spec: Spec, view: View = View(),
         positions, m = masks[(tid, s.eviction_key, layer)]
         p = int(t.query_positions[q])
         kept_kv = None if m is None else m[positions.index(p)]
+        which.sort(key=lambda i: members[i][3] // t.group_size)          # rows of one KV head together
         heads = [members[i][3] for i in which]
         with small_blas():
             evaluated = evaluate_rows(t, s, layer, heads, q, kept_kv, quantized.setdefault((tid, s), {}))
@@ -365,13 +376,17 @@ def compare(trace: Trace, spec: Spec, view: View = View(),
 
     primary = rows[0]
     n = primary.position + 1
-    errors = np.full((len(rows), n), np.nan)
-    for i, r in enumerate(rows):
-        m = min(n, len(r.error))
-        errors[i, :m] = r.error[:m]
+    complete = all(len(r.error) == n for r in rows)
+    if complete:
+        errors = np.stack([r.error for r in rows])
+    else:  # earlier steps see fewer tokens: NaN marks what a member cannot see
+        errors = np.full((len(rows), n), np.nan)
+        for i, r in enumerate(rows):
+            m = min(n, len(r.error))
+            errors[i, :m] = r.error[:m]
     notes = () if trace.has_later_queries else (NO_LATER_QUERIES_NOTE,)
     return Comparison(spec=spec, view=view, ensemble=view.ensemble, tokens=tuple(trace.tokens[:n]),
-                      primary=primary, members=tuple(rows), spread=spread(errors),
+                      primary=primary, members=tuple(rows), spread=spread(errors, complete),
                       memory=memory_for(trace, spec, n), notes=notes,
                       primary_source=str(trace.meta.get("source", "")))
 

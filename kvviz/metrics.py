@@ -8,6 +8,7 @@ from functools import cached_property
 import numpy as np
 
 KL_EPS = 1e-10  # keeps KL finite when a token the original attends to was evicted
+LOG_KL_EPS = float(np.log(KL_EPS))
 
 
 @dataclass(frozen=True)
@@ -27,32 +28,37 @@ def row_metrics_batch(original: np.ndarray, compressed: np.ndarray, kept: np.nda
                       out_original: np.ndarray | None = None,
                       out_compressed: np.ndarray | None = None,
                       logs: tuple[np.ndarray, np.ndarray] | None = None) -> list[RowMetrics]:
-    """row_metrics for rows stacked along axis 0, vectorised.
+    """Metrics of rows stacked along axis 0 (H, n), vectorised.
 
-    KL(original || compressed) = sum p (log p - log q), with log q = log eps where the
-    compressed row is zero (an evicted token), so it stays finite. `logs` passes the
-    log-softmaxes the caller already has (-inf where evicted) instead of taking logs.
+    KL(original || compressed) = sum p (log p - log q), where an evicted token (q = 0)
+    counts as q = KL_EPS so the sum stays finite; with nothing compressed it is exactly
+    0. `logs` passes the log-softmaxes the caller already has: (log p, log q), finite,
+    with log q = log KL_EPS at evicted tokens.
     """
-    err = compressed - original
-    with np.errstate(divide="ignore"):
-        log_p, log_q = logs if logs is not None else (np.log(original), np.log(compressed))
-    log_q = np.maximum(log_q, np.log(KL_EPS))
-    kl = np.sum(np.where(original > 0, original * (log_p - log_q), 0.0), axis=1)
-    mass = np.where(kept, original, 0.0).sum(axis=1)
-    tv = 0.5 * np.abs(err).sum(axis=1)
-    mx = np.abs(err).max(axis=1)
+    if logs is None:
+        with np.errstate(divide="ignore"):
+            log_p = np.log(original)
+            log_q = np.where(kept, np.log(compressed), LOG_KL_EPS)
+        log_p = np.where(original > 0, log_p, 0.0)      # 0 log 0 = 0
+    else:
+        log_p, log_q = logs
+    kl = np.einsum("ij,ij->i", original, log_p - log_q)
+    mass = np.einsum("ij,ij->i", original, kept)
+    abs_err = np.abs(compressed - original)
+    tv = 0.5 * abs_err.sum(axis=1)
+    mx = abs_err.max(axis=1)
     rel = cos = [None] * len(original)
     if out_original is not None and out_compressed is not None:
-        norm = np.linalg.norm(out_original, axis=1)
-        norm_hat = np.linalg.norm(out_compressed, axis=1)
-        diff = np.linalg.norm(out_compressed - out_original, axis=1)
-        rel = np.where(norm > 0, diff / np.where(norm > 0, norm, 1), 0.0).tolist()
-        dot = (out_original * out_compressed).sum(axis=1)
-        denom = norm * norm_hat
-        cos = np.where(denom > 0, dot / np.where(denom > 0, denom, 1), 1.0).tolist()
-    return [RowMetrics(mass_retained=float(mass[i]), tv_distance=float(tv[i]), kl=float(kl[i]),
-                       max_abs_error=float(mx[i]), output_rel_error=rel[i], output_cosine=cos[i])
-            for i in range(len(original))]
+        o, o_hat = out_original, out_compressed
+        diff = o_hat - o
+        norm = np.sqrt(np.einsum("ij,ij->i", o, o)).tolist()                # a few rows: finish in Python
+        norm_hat = np.sqrt(np.einsum("ij,ij->i", o_hat, o_hat)).tolist()
+        norm_diff = np.sqrt(np.einsum("ij,ij->i", diff, diff)).tolist()
+        dot = np.einsum("ij,ij->i", o, o_hat).tolist()
+        rel = [d / a if a > 0 else 0.0 for d, a in zip(norm_diff, norm)]
+        cos = [x / (a * b) if a * b > 0 else 1.0 for x, a, b in zip(dot, norm, norm_hat)]
+    return [RowMetrics(mass_retained=m, tv_distance=t, kl=k, max_abs_error=x, output_rel_error=r, output_cosine=c)
+            for m, t, k, x, r, c in zip(mass.tolist(), tv.tolist(), kl.tolist(), mx.tolist(), rel, cos)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,17 +84,21 @@ class Spread:
         return _column_percentile(self.errors, self.n, 97.5)
 
 
-def spread(errors: np.ndarray) -> Spread:
+def spread(errors: np.ndarray, complete: bool = False) -> Spread:
     """Mean, std and 95% interval per token over the ensemble members (rows).
 
     A single member (or identical members) gives zero spread, never missing values.
+    `complete` says every member sees every token (no NaN), which skips the NaN count.
     """
     errors = np.atleast_2d(errors)
-    n = (~np.isnan(errors)).sum(axis=0)
+    n = np.full(errors.shape[1], len(errors)) if complete else (~np.isnan(errors)).sum(axis=0)
     if not n.all():
         raise ValueError("every token needs at least one ensemble member that sees it")
-    if n.min() == len(errors):  # the common case: plain reductions, no NaN handling
-        return Spread(errors=errors, mean=errors.mean(axis=0), std=errors.std(axis=0), n=n)
+    if complete or n.min() == len(errors):  # the common case: plain reductions, no NaN handling
+        mean = errors.sum(axis=0) / len(errors)
+        deviation = errors - mean
+        std = np.sqrt(np.einsum("ij,ij->j", deviation, deviation) / len(errors))
+        return Spread(errors=errors, mean=mean, std=std, n=n)
     return Spread(errors=errors, mean=np.nanmean(errors, axis=0), std=np.nanstd(errors, axis=0), n=n)
 
 

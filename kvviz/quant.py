@@ -59,32 +59,6 @@ def _scale(block: np.ndarray, bits: int, symmetric: bool, reduce: int) -> tuple[
     return np.expand_dims(scale, reduce), np.expand_dims(lo, reduce)
 
 
-def _fake_quantize(block: np.ndarray, bits: int, symmetric: bool, reduce: int,
-                   out: np.ndarray | None = None) -> np.ndarray:
-    """Quantize then dequantize every group of `block` into `out` (a new array if None).
-
-    Asymmetric: x_hat = s * (clamp(round(x/s) + z, 0, 2^b-1) - z), in place on one buffer.
-    """
-    scale, lo = _scale(block, bits, symmetric, reduce)
-    constant = not scale.all()
-    safe = np.where(scale > 0, scale, 1) if constant else scale
-    q = np.divide(block, safe, out=out)             # one buffer, updated in place
-    np.round(q, out=q)
-    if symmetric:
-        qmax = 2 ** (bits - 1) - 1
-        np.clip(q, -qmax, qmax, out=q)
-        q *= scale
-        return q
-    zero = np.round(-lo / safe)
-    q += zero                                       # (a scalar clip beats array bounds)
-    np.clip(q, 0, 2 ** bits - 1, out=q)
-    q -= zero
-    q *= scale
-    if constant:                                    # a constant group is exact
-        np.copyto(q, lo, where=scale == 0)
-    return q
-
-
 def quantize(x: np.ndarray, bits: int, axis: str = "token", group_size: int = 32,
              residual: int = 0, symmetric: bool = False) -> np.ndarray:
     """Quantize then dequantize x of shape (..., tokens, dim).
@@ -92,23 +66,40 @@ def quantize(x: np.ndarray, bits: int, axis: str = "token", group_size: int = 32
     The last `residual` tokens are returned unchanged; bits == 16 returns x itself.
     Groups never straddle the quantized / residual boundary.
     """
+    if bits >= FULL_BITS or x.shape[-2] <= residual:
+        return x
+    lead, (n_tokens, dim) = x.shape[:-2], x.shape[-2:]
+    rows = np.ascontiguousarray(x).reshape(-1, n_tokens, dim)            # (U, T, D)
+    positions = np.broadcast_to(np.arange(n_tokens), (len(rows), n_tokens))
+    out = quantize_kept(rows, np.arange(len(rows)), positions, bits, axis, group_size, residual, symmetric)
+    return out.reshape(*lead, n_tokens, dim)
+
+
+def quantize_kept(cache: np.ndarray, heads: np.ndarray, positions: np.ndarray, bits: int,
+                  axis: str = "token", group_size: int = 32, residual: int = 0,
+                  symmetric: bool = False, delta: bool = False) -> np.ndarray:
+    """Quantize-dequantize the kept tokens of a cache, read in place: (U, T, D).
+
+    cache (heads, positions, D) is one layer's K or V; result row u holds
+    cache[heads[u], positions[u]] (positions (U, T), in cache order) after evicting
+    everything else and quantizing what is kept: groups run over the compacted tokens,
+    and the last `residual` of them stay exact. With delta=True the result is
+    x_hat - x, exactly zero where nothing changed (what the engine adds to exact logits).
+    """
+    from .quant_kernel import fake_quantize  # numba: compiled on first use, cached on disk
+
+    cache = np.ascontiguousarray(cache)
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    heads = np.ascontiguousarray(heads, dtype=np.int64)
+    n_tokens, dim = positions.shape[1], cache.shape[-1]
+    out = np.empty((len(positions), n_tokens, dim), dtype=cache.dtype)
     if bits >= FULL_BITS:
-        return x
-    n_quant = max(0, x.shape[-2] - residual)
-    if n_quant == 0:
-        return x
-    group = min(group_size, n_quant if axis == "channel" else x.shape[-1])
-    out = np.empty_like(x)
-    out[..., n_quant:, :] = x[..., n_quant:, :]     # the full-precision residual
-    lead = x.shape[:-2]
-    for tokens, channels, shape, reduce in _blocks(n_quant, x.shape[-1], axis, group):
-        part = x[..., :n_quant, :][..., tokens, channels]
-        region = out[..., :n_quant, :][..., tokens, channels]
-        target = region.reshape(*lead, *shape)
-        if np.shares_memory(target, out):          # write straight into the result
-            _fake_quantize(part.reshape(*lead, *shape), bits, symmetric, reduce, out=target)
-        else:
-            region[...] = _fake_quantize(part.reshape(*lead, *shape), bits, symmetric, reduce).reshape(region.shape)
+        out[...] = 0 if delta else cache[heads[:, None], positions]
+        return out
+    n_quant = max(0, n_tokens - residual)
+    group = max(1, min(group_size, n_quant if axis == "channel" else dim))
+    top = cache.dtype.type(2 ** (bits - 1) - 1 if symmetric else 2 ** bits - 1)
+    fake_quantize(cache, heads, positions, n_quant, axis == "channel", group, top, symmetric, delta, out)
     return out
 
 

@@ -192,3 +192,23 @@ def test_select_is_top_k_with_earliest_ties(scores, sink, recent, heavy):
     for i in sorted(cand, key=lambda i: (-s[0, i], i))[:heavy]:
         want[i] = True
     assert np.array_equal(got, want)
+
+
+def test_kl_floor_applies_to_evicted_tokens_only():
+    """A kept token the query barely attends to (p ~ 1e-12, below the KL floor) must not
+    make KL nonzero without compression; an evicted one counts as q = KL_EPS."""
+    from kvviz import Trace
+    from kvviz.metrics import KL_EPS
+
+    logits = np.zeros(8)
+    logits[3] = -27.0                                 # p ~ 1e-12 < KL_EPS
+    q = np.zeros((1, 1, 1, 4), np.float32)
+    q[..., 0] = 1.0
+    k = np.zeros((1, 1, 8, 4), np.float32)
+    k[0, 0, :, 0] = logits * 2                        # logit = q.k / sqrt(4)
+    trace = Trace(q=q, k=k, v=None, context_len=8, tokens=tuple("abcdefgh"), query_positions=np.array([7]))
+    assert compare(trace, Spec()).metrics["kl"] == 0.0
+    c = compare(trace, Spec(sink=3, recent=4))        # evicts token 3 only
+    p = c.primary.original
+    expected = p[3] * (np.log(p[3]) - np.log(KL_EPS)) + np.sum(p[c.primary.kept] * np.log(1 - p[3]))
+    assert c.metrics["kl"] == pytest.approx(expected, rel=1e-9)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from kvviz.quant import kv_bytes_per_token, quant_step, quantize, tensor_bytes
+from kvviz.quant import kv_bytes_per_token, quant_step, quantize, quantize_kept, tensor_bytes
 
 finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False, width=64)
 
@@ -104,3 +104,42 @@ def test_matches_reference_formulas(x, bits, axis, group, residual, symmetric):
     g = min(group, n_quant if axis == "channel" else x.shape[1]) if n_quant else group
     np.testing.assert_allclose(quantize(x, bits, axis, group, residual, symmetric),
                                _reference(x, bits, axis, g, residual, symmetric), rtol=1e-12, atol=1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), bits=st.integers(1, 8), axis=st.sampled_from(["channel", "token"]),
+       group=st.integers(1, 40), residual=st.integers(0, 12), symmetric=st.booleans(),
+       n_kept=st.integers(1, 60))
+def test_kept_tokens_read_in_place_equal_quantizing_a_gathered_copy(seed, bits, axis, group, residual,
+                                                                    symmetric, n_kept):
+    """quantize_kept reads the cache at the kept positions; the result must be what
+    quantizing the compacted (gathered) cache gives, and delta=True must give x_hat - x."""
+    if symmetric and bits < 2:
+        bits = 2
+    rng = np.random.default_rng(seed)
+    cache = rng.standard_normal((3, 80, 16)).astype(np.float32)
+    cache[:, :, 5] *= 30                                        # an outlier channel
+    heads = rng.integers(0, 3, size=4)
+    positions = np.sort(np.stack([rng.choice(80, n_kept, replace=False) for _ in heads]), axis=1)
+    gathered = cache[heads[:, None], positions]                 # (4, n_kept, 16)
+    x_hat = quantize_kept(cache, heads, positions, bits, axis, group, residual, symmetric)
+    np.testing.assert_array_equal(x_hat, quantize(gathered, bits, axis, group, residual, symmetric))
+    delta = quantize_kept(cache, heads, positions, bits, axis, group, residual, symmetric, delta=True)
+    np.testing.assert_array_equal(delta, x_hat - gathered)
+    if residual:
+        assert np.all(delta[:, max(0, n_kept - residual):] == 0)  # the residual window is exact
+
+
+@settings(max_examples=40, deadline=None)
+@given(x=arrays(np.float32, st.tuples(st.integers(1, 37), st.integers(1, 20)),
+                elements=st.floats(-1e3, 1e3, allow_nan=False, width=32)),
+       bits=st.integers(2, 8), axis=st.sampled_from(["channel", "token"]), group=st.integers(1, 12),
+       symmetric=st.booleans())
+def test_float32_cache_follows_the_formulas_in_float32(x, bits, axis, group, symmetric):
+    """A float32 cache (every real trace) is quantized in float32 arithmetic, step for step
+    as the DESIGN formulas evaluated by numpy on float32 values."""
+    g = min(group, x.shape[0] if axis == "channel" else x.shape[1])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        expected = _reference(x, bits, axis, g, 0, symmetric)
+    assert expected.dtype == np.float32
+    np.testing.assert_array_equal(quantize(x, bits, axis, group, 0, symmetric), expected)

@@ -125,13 +125,13 @@ class Policy:
             for i, p in enumerate(positions):
                 out[i, :, : p + 1] = True
             return out
-        scores = np.broadcast_to(self.scores_at_compression(ctx), (Hkv, P)).copy()
+        scores = np.broadcast_to(self.scores_at_compression(ctx), (Hkv, P))
         if not self.streaming:
             for i, p in enumerate(positions):
                 out[i, :, : p + 1] = select(scores[:, : p + 1], spec)
             return out
         with small_blas():  # one query a step: small products
-            return self._simulate(ctx, scores, positions, out)
+            return self._simulate(ctx, scores.copy(), positions, out)
 
     def _simulate(self, ctx: ScoreContext, scores: np.ndarray, positions: np.ndarray,
                   out: np.ndarray) -> np.ndarray:
@@ -188,15 +188,17 @@ def select(scores: np.ndarray, spec: Spec) -> np.ndarray:
     keep = np.zeros((H, n), dtype=bool)
     keep[:, : spec.sink] = True
     keep[:, max(0, n - spec.recent):] = True
-    n_cand = n - int(keep[0].sum())
-    take = min(spec.heavy, n_cand)
+    first, end = min(spec.sink, n), max(min(spec.sink, n), n - spec.recent)   # candidates: [first, end)
+    take = min(spec.heavy, end - first)
     if take > 0:
-        key = np.where(keep, np.nan, -scores)       # candidates by score; NaN sorts last
-        cut = np.partition(key, take - 1, axis=1)[:, take - 1: take]      # (H, 1)
+        key = -scores[:, first:end]                 # best first
+        cut = np.partition(key, take - 1, axis=1)[:, take - 1: take]      # (H, 1): the last one taken
         above = key < cut                                                 # strictly better
         tied = key == cut
         need = take - above.sum(axis=1, keepdims=True)
-        keep |= above | (tied & (np.cumsum(tied, axis=1) <= need))
+        if (tied.sum(axis=1, keepdims=True) > need).any():               # too many tied: earliest first
+            tied &= np.cumsum(tied, axis=1) <= need
+        keep[:, first:end] = above | tied
     return keep
 
 
