@@ -37,7 +37,7 @@ def best_of(fn, repeat=3):
     return min(times)
 
 
-def ratio_of(full_fn, bare_fn, repeat=5):
+def ratio_of(full_fn, bare_fn, repeat=15):
     """Interleave the two so load changes on a shared machine hit both alike."""
     full = bare = float("inf")
     for _ in range(repeat):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .attention import logit_rows, small_blas, softmax_and_log
+from .attention import logit_rows, small_blas, softmax, softmax_and_log
 from .metrics import LOG_KL_EPS, RowMetrics, Spread, row_metrics_batch, spread
 from .policies import ScoreContext, get_policy, select
 from .quant import kv_bytes_per_token, quantize_kept, tensor_bytes
@@ -183,8 +183,8 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     """Original vs compressed attention of one query for several query heads, batched.
 
     kept_kv (kv_heads, positions) is the policy's kept mask at this query (None for the
-    oracle, which ranks by each head's own attention). `cache` shares the quantized kept
-    keys / values between calls.
+    oracle, which ranks by this query's own attention, and without eviction). `cache`
+    shares the quantized kept keys / values between calls.
     """
     cache = {} if cache is None else cache
     heads = np.asarray(heads, dtype=int)
@@ -194,17 +194,15 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     kvh = heads // trace.group_size                                      # (H,)
     logits = logit_rows(trace, layer, heads, qi)                         # (H, n)
     original, log_original = softmax_and_log(logits)
-    if kept_kv is None:
-        kept = select(original, spec) if spec.evicts else np.ones((H, n), bool)
-    else:
-        kept = kept_kv[kvh, :n]                                          # (H, n)
+    if kept_kv is None and spec.evicts:                                  # the oracle ranks by this query
+        kept_kv = _oracle_kept(trace, spec, layer, qi, heads, original)
+    kept = np.ones((H, n), bool) if kept_kv is None else kept_kv[kvh, :n]  # (H, n)
     flat = np.flatnonzero(kept)                  # kept entries of the (H, n) rows, row-major
     m = len(flat) // H                           # every row keeps the same number of tokens
     at = flat.reshape(H, m) - (np.arange(H) * n)[:, None]               # (H, m) kept positions
     quantized = _quantized_kept(trace, spec, layer, kvh, p, at, cache)
-    # Consecutive rows of one KV head share its values, and (unless the oracle gave each
-    # its own kept set) one quantized cache: each run is one product. Callers order heads
-    # by KV head so the runs are long.
+    # Consecutive rows of one KV head share its values and its (quantized) cache: each run
+    # is one product. Callers order heads by KV head so the runs are long.
     by_head = _runs(kvh.tolist())
     by_cache = _runs([id(entry[0] if entry[0] is not None else entry[1]) for entry in quantized])
 
@@ -248,6 +246,22 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
                       out_original=None if out is None else out[i],
                       out_compressed=None if out_hat is None else out_hat[i], metrics=metrics[i])
             for i, h in enumerate(heads.tolist())]
+
+
+def _oracle_kept(trace: Trace, spec: Spec, layer: int, qi: int, heads: np.ndarray,
+                 attention: np.ndarray) -> np.ndarray:
+    """The oracle's kept mask (kv_heads, n) at query qi, from every query head's attention.
+
+    `attention` (len(heads), n) holds the rows already computed; the other heads' rows
+    are computed here (the oracle of one KV head reads its whole group).
+    """
+    rows = np.empty((trace.n_q_heads, attention.shape[1]))
+    rows[heads] = attention
+    missing = np.setdiff1d(np.arange(trace.n_q_heads), heads)
+    if len(missing):
+        rows[missing] = softmax(logit_rows(trace, layer, missing, qi))
+    scores = get_policy(spec.scorer).query_scores(rows, ScoreContext(trace, layer, spec))
+    return select(scores, spec)
 
 
 def _runs(keys: list) -> list[slice]:

@@ -76,12 +76,40 @@ def test_streaming_h2o_never_readmits(trace):
         assert (after.sum(axis=1) == spec.budget).all()
 
 
-def test_oracle_is_the_bound(trace):
-    view = View(ensemble="heads")
-    best = compare(trace, Spec(sink=4, recent=8, heavy=16, scorer="oracle"), view).metrics_mean["mass_retained"]
+def _group_mass(c, group_size):
+    """Attention mass each KV head's cache keeps, summed over the query heads reading it."""
+    mass = {}
+    for r in c.members:
+        mass[r.head // group_size] = mass.get(r.head // group_size, 0.0) + r.metrics.mass_retained
+    return mass
+
+
+@pytest.mark.parametrize("step", [0, 5, 11])
+def test_oracle_is_the_bound_for_every_kv_cache(trace, step):
+    """One cache per KV head: no policy keeps more of a GQA group's attention mass."""
+    view = View(layer=1, step=step, ensemble="heads")
+    best = _group_mass(compare(trace, Spec(sink=4, recent=8, heavy=16, scorer="oracle"), view), trace.group_size)
     for scorer in SCORERS:
-        got = compare(trace, Spec(sink=4, recent=8, heavy=16, scorer=scorer), view).metrics_mean["mass_retained"]
-        assert got <= best + 1e-12
+        got = _group_mass(compare(trace, Spec(sink=4, recent=8, heavy=16, scorer=scorer), view), trace.group_size)
+        assert all(got[g] <= best[g] + 1e-12 for g in best), scorer
+
+
+def test_oracle_keeps_one_cache_per_kv_head(trace):
+    """Heads sharing a KV head keep the same tokens, and a one-head view decides as the
+    whole group would (it reads the group's attention, not only its own)."""
+    spec = Spec(sink=2, recent=4, heavy=6, scorer="oracle")
+    g = trace.group_size
+    rows = {r.head: r for r in compare(trace, spec, View(layer=1, head=1, ensemble="heads")).members}
+    assert g > 1 and len(rows) == trace.n_q_heads
+    for h, r in rows.items():
+        np.testing.assert_array_equal(r.kept, rows[h // g * g].kept)
+        single = compare(trace, spec, View(layer=1, head=h)).primary
+        np.testing.assert_array_equal(single.kept, r.kept)
+        np.testing.assert_allclose(single.compressed, r.compressed, rtol=1e-5, atol=1e-9)  # fp32 logits
+    group = np.stack([rows[h].original for h in range(g)]).sum(axis=0)
+    heavy = np.flatnonzero(rows[0].kept[2: -4]) + 2
+    outside = np.setdiff1d(np.arange(2, len(group) - 4), heavy)
+    assert group[heavy].min() >= group[outside].max()      # the top of the group's attention
 
 
 def test_topic_shift_hurts_history_based_eviction():

@@ -143,3 +143,4 @@ def test_float32_cache_follows_the_formulas_in_float32(x, bits, axis, group, sym
         expected = _reference(x, bits, axis, g, 0, symmetric)
     assert expected.dtype == np.float32
     np.testing.assert_array_equal(quantize(x, bits, axis, group, 0, symmetric), expected)
+

@@ -1,4 +1,9 @@
-"""Oracle: top-k by the evaluated query's own attention; the bound no causal policy can beat."""
+"""Oracle: top-k by the evaluated query's own attention; the bound no causal policy can beat.
+
+Like every policy it keeps one cache per KV head, so it ranks by the query's attention
+summed over the query heads that read that cache (as the decode loop's oracle does): no
+cache shared by a GQA group can keep more of that group's attention mass.
+"""
 
 import numpy as np
 
@@ -7,13 +12,12 @@ from .base import Policy, ScoreContext
 
 class Oracle(Policy):
     name = "oracle"
-    description = "the evaluated query's true attention (an upper bound, not a real policy)"
+    description = "the evaluated query's true attention, summed over the KV group (an upper bound, not a real policy)"
     needs_query = True
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
-        raise TypeError("the oracle is scored per evaluated query: use keep_for_query")
+        raise TypeError("the oracle is scored per evaluated query: use query_scores")
 
-    def keep_for_query(self, attention: np.ndarray, ctx: ScoreContext) -> np.ndarray:
-        """Kept mask (n,) for one query's attention row (n,)."""
-        from .base import select
-        return select(attention[None, :], ctx.spec)[0]
+    def query_scores(self, attention: np.ndarray, ctx: ScoreContext) -> np.ndarray:
+        """Scores (kv_heads, n) from one query's attention of every query head (q_heads, n)."""
+        return ctx.per_kv_head(attention)
