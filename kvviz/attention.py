@@ -6,7 +6,6 @@ they need, one layer at a time, vectorised over heads and rows.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from functools import lru_cache
 
@@ -16,23 +15,36 @@ from .trace import Trace
 
 
 @lru_cache(maxsize=1)
-def _blas_controller():
+def _blas_libraries() -> tuple:
+    """threadpoolctl's handles on the loaded BLAS libraries (none without threadpoolctl)."""
     try:
         from threadpoolctl import ThreadpoolController
     except ImportError:  # optional: without it BLAS keeps its default threads
-        return None
-    return ThreadpoolController()
+        return ()
+    return tuple(ThreadpoolController().select(user_api="blas").lib_controllers)
 
 
-def small_blas():
+class small_blas:
     """A context in which BLAS runs single-threaded.
 
     For many small products (one query row against the keys) waking BLAS worker threads
     costs more than the work, and on a busy machine a wake-up can stall for a whole
-    scheduler slice - measured here at ~300 ms per configuration with 2 threads.
+    scheduler slice - measured here at ~300 ms per configuration with 2 threads. (A
+    direct get / set of the thread count: threadpoolctl's `limit` costs ~10 us a call.)
     """
-    controller = _blas_controller()
-    return contextlib.nullcontext() if controller is None else controller.limit(limits=1, user_api="blas")
+
+    def __enter__(self):
+        self.saved = [(lib, lib.num_threads) for lib in _blas_libraries()]
+        for lib, n in self.saved:
+            if n != 1:
+                lib.set_num_threads(1)
+        return self
+
+    def __exit__(self, *exc):
+        for lib, n in self.saved:
+            if n != 1:
+                lib.set_num_threads(n)
+        return False
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:

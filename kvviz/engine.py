@@ -218,8 +218,9 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     p_kept, logp_kept = softmax_and_log(kept_logits)                     # over the kept tokens only
     compressed = np.zeros_like(original)
     compressed.ravel()[flat] = p_kept.ravel()
-    log_compressed = np.full_like(original, LOG_KL_EPS)                  # evicted: the KL floor
-    log_compressed.ravel()[flat] = logp_kept.ravel()
+    error = compressed - original
+    log_ratio = log_original - LOG_KL_EPS             # log p - log q: evicted tokens count as q = KL_EPS
+    log_ratio.ravel()[flat] = log_original.take(flat) - logp_kept.ravel()
 
     out = out_hat = None
     if trace.v is not None:
@@ -237,8 +238,7 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
         else:
             kept_values = values[kvh[:, None], at]                       # (H, m, D)
             out_hat[:] = (p_kept[:, None].astype(values.dtype) @ kept_values)[:, 0]
-    metrics = row_metrics_batch(original, compressed, kept, out, out_hat, (log_original, log_compressed))
-    error = compressed - original
+    metrics = row_metrics_batch(original, compressed, kept, out, out_hat, log_ratio, error)
     reason = reasons_for(kept, spec)
     return [RowResult(layer=layer, head=int(h), kv_head=int(kvh[i]), query=qi, position=p,
                       original=original[i], compressed=compressed[i], kept=kept[i], reason=reason[i],

@@ -27,24 +27,23 @@ class RowMetrics:
 def row_metrics_batch(original: np.ndarray, compressed: np.ndarray, kept: np.ndarray,
                       out_original: np.ndarray | None = None,
                       out_compressed: np.ndarray | None = None,
-                      logs: tuple[np.ndarray, np.ndarray] | None = None) -> list[RowMetrics]:
+                      log_ratio: np.ndarray | None = None,
+                      error: np.ndarray | None = None) -> list[RowMetrics]:
     """Metrics of rows stacked along axis 0 (H, n), vectorised.
 
     KL(original || compressed) = sum p (log p - log q), where an evicted token (q = 0)
     counts as q = KL_EPS so the sum stays finite; with nothing compressed it is exactly
-    0. `logs` passes the log-softmaxes the caller already has: (log p, log q), finite,
-    with log q = log KL_EPS at evicted tokens.
+    0. Callers that have them pass log_ratio = log p - log q (finite, so computed from
+    log-softmaxes) and error = compressed - original.
     """
-    if logs is None:
-        with np.errstate(divide="ignore"):
-            log_p = np.log(original)
-            log_q = np.where(kept, np.log(compressed), LOG_KL_EPS)
-        log_p = np.where(original > 0, log_p, 0.0)      # 0 log 0 = 0
-    else:
-        log_p, log_q = logs
-    kl = np.einsum("ij,ij->i", original, log_p - log_q)
+    if log_ratio is None:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            log_ratio = np.log(original) - np.where(kept, np.log(compressed), LOG_KL_EPS)
+        log_ratio[original == 0] = 0.0                   # 0 log 0 = 0
+    error = compressed - original if error is None else error
+    kl = np.einsum("ij,ij->i", original, log_ratio)
     mass = np.einsum("ij,ij->i", original, kept)
-    abs_err = np.abs(compressed - original)
+    abs_err = np.abs(error)
     tv = 0.5 * abs_err.sum(axis=1)
     mx = abs_err.max(axis=1)
     rel = cos = [None] * len(original)

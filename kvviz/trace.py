@@ -16,6 +16,7 @@ Query head h reads KV head h // (q_heads // kv_heads) (grouped-query attention).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -73,17 +74,17 @@ class Trace:
     def n_queries(self) -> int:
         return len(self.query_positions)
 
-    @property
+    @cached_property
     def later_queries(self) -> np.ndarray:
         """Indices (into query_positions) of the queries after the compression point."""
-        return np.flatnonzero(self.query_positions >= self.context_len)
+        return _frozen(np.flatnonzero(self.query_positions >= self.context_len))
 
-    @property
+    @cached_property
     def context_queries(self) -> np.ndarray:
         """Indices of the queries inside the context (what policies may read)."""
-        return np.flatnonzero(self.query_positions < self.context_len)
+        return _frozen(np.flatnonzero(self.query_positions < self.context_len))
 
-    @property
+    @cached_property
     def evaluated_queries(self) -> np.ndarray:
         """The queries that read the compressed cache.
 
@@ -91,7 +92,7 @@ class Trace:
         attention is then part of the history, as in the handbook's example).
         """
         later = self.later_queries
-        return later if len(later) else np.array([self.n_queries - 1])
+        return later if len(later) else _frozen(np.array([self.n_queries - 1]))
 
     @property
     def has_later_queries(self) -> bool:
@@ -155,3 +156,9 @@ def trace_with(t: Trace, **changes: Any) -> Trace:
                   noise_eps=t.noise_eps)
     fields.update(changes)
     return Trace(**fields)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    """A read-only array: cached index arrays are shared by every caller."""
+    a.flags.writeable = False
+    return a

@@ -149,7 +149,7 @@ class Policy:
         for i, p in enumerate(positions):  # queries evaluated at the compression point
             if p < c:
                 np.put_along_axis(out[i], kept[kept <= p].reshape(Hkv, -1), True, axis=1)
-        query_at = {int(p): qi for qi, p in enumerate(trace.query_positions)}
+        query_at = {int(trace.query_positions[qi]): int(qi) for qi in trace.later_queries}
         inv_sqrt_d = 1.0 / np.sqrt(trace.head_dim)
         for p in range(c, int(positions.max()) + 1 if len(positions) else c):
             kept = np.concatenate([kept, np.full((Hkv, 1), p)], axis=1)       # the new token arrives
@@ -165,7 +165,7 @@ class Policy:
                 logits = np.take_along_axis(trace.logits[layer, :, qi].astype(np.float64), kept_q, axis=1)
             else:
                 q = trace.q[layer, :, qi].reshape(Hkv, g, -1)                 # (Hkv, g, D)
-                k = np.take_along_axis(trace.k[layer], kept[..., None], axis=1)  # (Hkv, m, D)
+                k = trace.k[layer][np.arange(Hkv)[:, None], kept]              # (Hkv, m, D), row gathers
                 logits = np.swapaxes(np.matmul(k, np.swapaxes(q, 1, 2)), 1, 2)    # (Hkv, g, m)
                 logits = logits.reshape(-1, kept.shape[1]).astype(np.float64)
                 logits *= inv_sqrt_d                                          # (Hq, m)
