@@ -54,16 +54,14 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / e.sum(axis=axis, keepdims=True)
 
 
-def softmax_and_log(logits: np.ndarray, keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(softmax, log-softmax) over the last axis, optionally over the kept entries only.
-
-    One exp pass gives both; evicted entries get probability 0 and log-probability -inf.
-    """
-    x = logits if keep is None else np.where(keep, logits, -np.inf)
-    z = x - np.max(x, axis=-1, keepdims=True)
-    e = np.exp(z)
-    total = e.sum(axis=-1, keepdims=True)
-    return e / total, z - np.log(total)
+def softmax_and_log(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(softmax, log-softmax) over the last axis; one exp pass gives both."""
+    z = logits - np.max(logits, axis=-1, keepdims=True)
+    p = np.exp(z)
+    total = p.sum(axis=-1, keepdims=True)
+    p /= total                                      # in place: no further (rows, n) temporaries
+    z -= np.log(total)
+    return p, z
 
 
 def logit_rows(trace: Trace, layer: int, heads: np.ndarray, qi: int) -> np.ndarray:

@@ -196,15 +196,18 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     original, log_original = softmax_and_log(logits)
     if kept_kv is None and spec.evicts:                                  # the oracle ranks by this query
         kept_kv = _oracle_kept(trace, spec, layer, qi, heads, original)
-    kept = np.ones((H, n), bool) if kept_kv is None else kept_kv[kvh, :n]  # (H, n)
-    flat = np.flatnonzero(kept)                  # kept entries of the (H, n) rows, row-major
-    m = len(flat) // H                           # every row keeps the same number of tokens
-    at = flat.reshape(H, m) - (np.arange(H) * n)[:, None]               # (H, m) kept positions
-    quantized = _quantized_kept(trace, spec, layer, kvh, p, at, cache)
-    # Consecutive rows of one KV head share its values and its (quantized) cache: each run
-    # is one product. Callers order heads by KV head so the runs are long.
-    by_head = _runs(kvh.tolist())
-    by_cache = _runs([id(entry[0] if entry[0] is not None else entry[1]) for entry in quantized])
+    if kept_kv is None:
+        kept_kv = np.ones((trace.n_kv_heads, n), bool)
+
+    # One cache per KV head: its rows share the kept tokens, the values and the quantized
+    # K / V. Callers order heads by KV head, so each run of rows is one product.
+    runs = _runs(kvh.tolist())
+    kv_of_run = [int(kvh[rows.start]) for rows in runs]
+    kept_at = {g: np.flatnonzero(kept_kv[g, :n]) for g in set(kv_of_run)}    # kept positions
+    m = len(kept_at[kv_of_run[0]])                                       # the same for every KV head
+    at = np.stack([kept_at[g] for g in kvh.tolist()])                    # (H, m)
+    flat = (at + (np.arange(H) * n)[:, None]).ravel()                    # into the (H, n) rows
+    quantized = _quantized_kept(trace, spec, layer, p, kept_at, cache)   # per KV head
 
     kept_logits = logits.take(flat).reshape(H, m)                       # (H, m)
     if spec.quant_model == "noise":
@@ -213,39 +216,37 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     elif spec.key_bits < FULL_BITS:
         # q . K_hat = q . K + q . (K_hat - K): exact logits wherever keys did not change
         q = trace.q[layer, heads, qi] / np.float32(np.sqrt(trace.head_dim))  # (H, D), the trace's dtype
-        for rows in by_cache:
-            kept_logits[rows] += (quantized[rows.start][0] @ q[rows].T).T
+        for rows, g in zip(runs, kv_of_run):
+            kept_logits[rows] += q[rows] @ quantized[g][0].T
     p_kept, logp_kept = softmax_and_log(kept_logits)                     # over the kept tokens only
     compressed = np.zeros_like(original)
     compressed.ravel()[flat] = p_kept.ravel()
     error = compressed - original
     log_ratio = log_original - LOG_KL_EPS             # log p - log q: evicted tokens count as q = KL_EPS
     log_ratio.ravel()[flat] = log_original.take(flat) - logp_kept.ravel()
+    mass = original.take(flat).reshape(H, m).sum(axis=1)
 
     out = out_hat = None
     if trace.v is not None:
         values = trace.v[layer]                                          # (kv_heads, P, D), the trace's dtype
         out = np.empty((H, trace.head_dim))
         out_hat = np.empty_like(out)
-        for rows in by_head:                                             # o = a . V
-            out[rows] = original[rows].astype(values.dtype) @ values[kvh[rows.start], :n]
-        if quantized[0][1] is not None:                                  # o_hat = a_hat . V_hat
-            for rows in by_cache:
-                out_hat[rows] = p_kept[rows].astype(values.dtype) @ quantized[rows.start][1]
-        elif m == n:  # nothing evicted: the same arithmetic as `o`, so exactly zero error
-            for rows in by_head:
-                out_hat[rows] = compressed[rows].astype(values.dtype) @ values[kvh[rows.start], :n]
-        else:
-            kept_values = values[kvh[:, None], at]                       # (H, m, D)
-            out_hat[:] = (p_kept[:, None].astype(values.dtype) @ kept_values)[:, 0]
-    metrics = row_metrics_batch(original, compressed, kept, out, out_hat, log_ratio, error)
-    reason = reasons_for(kept, spec)
-    return [RowResult(layer=layer, head=int(h), kv_head=int(kvh[i]), query=qi, position=p,
-                      original=original[i], compressed=compressed[i], kept=kept[i], reason=reason[i],
+        for rows, g in zip(runs, kv_of_run):
+            out[rows] = original[rows].astype(values.dtype) @ values[g, :n]              # o = a . V
+            if quantized[g][1] is not None:                                             # o_hat = a_hat . V_hat
+                out_hat[rows] = p_kept[rows].astype(values.dtype) @ quantized[g][1]
+            elif m == n:  # nothing evicted: the same arithmetic as `o`, so exactly zero error
+                out_hat[rows] = compressed[rows].astype(values.dtype) @ values[g, :n]
+            else:
+                out_hat[rows] = p_kept[rows].astype(values.dtype) @ values[g, kept_at[g]]
+    metrics = row_metrics_batch(original, compressed, None, out, out_hat, log_ratio, error, mass)
+    reason = reasons_for(kept_kv[:, :n], spec)                           # (kv_heads, n)
+    return [RowResult(layer=layer, head=int(h), kv_head=g, query=qi, position=p,
+                      original=original[i], compressed=compressed[i], kept=kept_kv[g, :n], reason=reason[g],
                       error=error[i],
                       out_original=None if out is None else out[i],
                       out_compressed=None if out_hat is None else out_hat[i], metrics=metrics[i])
-            for i, h in enumerate(heads.tolist())]
+            for i, (h, g) in enumerate(zip(heads.tolist(), kvh.tolist()))]
 
 
 def _oracle_kept(trace: Trace, spec: Spec, layer: int, qi: int, heads: np.ndarray,
@@ -282,31 +283,30 @@ def evaluate_row(trace: Trace, spec: Spec, layer: int, head: int, qi: int,
     return evaluate_rows(trace, spec, layer, [head], qi, kept_kv)[0]
 
 
-def _quantized_kept(trace: Trace, spec: Spec, layer: int, kvh: np.ndarray, p: int,
-                    at: np.ndarray, cache: dict) -> list[tuple[np.ndarray | None, np.ndarray | None]]:
-    """(K_hat - K, V_hat) of each row's kept tokens at (H, m); None where not quantized.
+def _quantized_kept(trace: Trace, spec: Spec, layer: int, p: int, kept_at: dict[int, np.ndarray],
+                    cache: dict) -> dict[int, tuple[np.ndarray | None, np.ndarray | None]]:
+    """KV head -> (K_hat - K, V_hat) of its kept tokens at kept_at[g] (m,); None where not quantized.
 
     Evict, then quantize what is kept: groups run over the compacted cache, and the last
-    `residual` kept tokens stay at full precision. Rows of one KV head that keep the same
-    tokens share one result; the caches still missing are quantized in one call.
+    `residual` kept tokens stay at full precision. The caches not yet in `cache` are
+    quantized in one call.
     """
     if spec.quant_model != "kv" or not spec.quantizes:
-        return [(None, None)] * len(at)
-    keys = [(layer, h, p, hash(i.tobytes())) for h, i in zip(kvh.tolist(), at)]
-    missing = {key: u for u, key in enumerate(keys) if key not in cache}
+        return {g: (None, None) for g in kept_at}
+    keys = {g: (layer, g, p, hash(at.tobytes())) for g, at in kept_at.items()}
+    missing = [g for g, key in keys.items() if key not in cache]
     if missing:
-        rows = list(missing.values())
-        heads, where = kvh[rows], at[rows]                                  # (U,), (U, m)
-        key_delta = v_hat = [None] * len(rows)
+        heads, where = np.array(missing), np.stack([kept_at[g] for g in missing])   # (U,), (U, m)
+        key_delta = v_hat = [None] * len(missing)
         settings = dict(group_size=spec.group_size, residual=spec.residual, symmetric=spec.symmetric)
         if spec.key_bits < FULL_BITS:
             key_delta = quantize_kept(trace.k[layer], heads, where, spec.key_bits, spec.key_axis,
                                       delta=True, **settings)
         if trace.v is not None and spec.value_bits < FULL_BITS:
             v_hat = quantize_kept(trace.v[layer], heads, where, spec.value_bits, spec.value_axis, **settings)
-        for u, key in enumerate(missing):
-            cache[key] = key_delta[u], v_hat[u]
-    return [cache[key] for key in keys]
+        for u, g in enumerate(missing):
+            cache[keys[g]] = key_delta[u], v_hat[u]
+    return {g: cache[key] for g, key in keys.items()}
 
 
 def keep_masks(trace: Trace, spec: Spec, layer: int, positions) -> np.ndarray | None:
