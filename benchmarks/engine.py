@@ -37,12 +37,16 @@ def best_of(fn, repeat=3):
     return min(times)
 
 
-def ratio_of(full_fn, bare_fn, repeat=15):
-    """Interleave the two so load changes on a shared machine hit both alike."""
+def ratio_of(full_fn, bare_fn, seconds=2.0, min_pairs=3, max_pairs=500):
+    """Fastest full and bare time over pairs run back to back, so load changes on a
+    shared machine hit both alike; as many pairs as fit in `seconds` (at least
+    `min_pairs`): a millisecond run needs hundreds of tries to meet a quiet moment."""
     full = bare = float("inf")
-    for _ in range(repeat):
+    pairs, start = 0, time.perf_counter()
+    while pairs < min_pairs or (pairs < max_pairs and time.perf_counter() - start < seconds):
         full = min(full, best_of(full_fn, 1))
         bare = min(bare, best_of(bare_fn, 1))
+        pairs += 1
     return full, bare
 
 
@@ -106,7 +110,7 @@ def main() -> None:
     print(f"handbook: one configuration in {t * 1e3:.2f} ms")
     long = make_synthetic(SyntheticSpec(context=32768, steps=1, layers=1, q_heads=1, kv_heads=1))
     spec = Spec(sink=4, recent=3277, heavy=3277, scorer="snapkv", key_bits=4, value_bits=4)
-    t, bare = ratio_of(lambda: compare(long, spec), lambda: bare_attention_long(long), repeat=3)
+    t, bare = ratio_of(lambda: compare(long, spec), lambda: bare_attention_long(long))
     print(f"32k tokens, single query (snapkv, 4-bit): {t * 1e3:.1f} ms; bare attention {bare * 1e3:.1f} ms; "
           f"ratio {t / bare:.2f}")
 

@@ -11,7 +11,7 @@ class KNorm(Policy):
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         keys = ctx.trace.k[ctx.layer]                       # (kv_heads, positions, head_dim)
-        return -np.sqrt(np.einsum("hpd,hpd->hp", keys, keys))
+        return -np.sqrt(np.vecdot(keys, keys))
 
     def arrival_score(self, key, layer, position, spec):
-        return -np.sqrt(np.einsum("hd,hd->h", key, key))      # as `score` computes it
+        return -np.sqrt(np.vecdot(key, key))                 # as `score` computes it
