@@ -40,7 +40,7 @@ def _round_trip(x, s, z, code_lo, top):
 
 
 @kernel
-def _by_channel(x, at, n_quant, group, top, symmetric, code_lo, out, lo, hi, s, z):
+def _by_channel(x, at, n_quant, group, top, symmetric, code_lo, delta, out, lo, hi, s, z):
     """Groups of `group` consecutive kept tokens, one per channel (KIVI's keys)."""
     for t0 in range(0, n_quant, group):
         t1 = min(t0 + group, n_quant)
@@ -56,12 +56,16 @@ def _by_channel(x, at, n_quant, group, top, symmetric, code_lo, out, lo, hi, s, 
         for t in range(t0, t1):
             row = x[at[t]]
             o = out[t]
-            for d in range(len(row)):
-                o[d] = _round_trip(row[d], s[d], z[d], code_lo, top)
+            if delta:
+                for d in range(len(row)):
+                    o[d] = _round_trip(row[d], s[d], z[d], code_lo, top) - row[d]
+            else:
+                for d in range(len(row)):
+                    o[d] = _round_trip(row[d], s[d], z[d], code_lo, top)
 
 
 @kernel
-def _by_token(x, at, n_quant, group, top, symmetric, code_lo, out, block, lo, hi, s, z):
+def _by_token(x, at, n_quant, group, top, symmetric, code_lo, delta, out, block, lo, hi, s, z):
     """Groups of `group` consecutive channels of one token (KIVI's values).
 
     A block of tokens is transposed into block (D, B) so that min / max and the round
@@ -87,9 +91,13 @@ def _by_token(x, at, n_quant, group, top, symmetric, code_lo, out, block, lo, hi
                 for b in range(nb):
                     block[d, b] = _round_trip(block[d, b], s[b], z[b], code_lo, top)
         for b in range(nb):
-            row = out[b0 + b]
-            for d in range(D):
-                row[d] = block[d, b]
+            row, o = x[at[b0 + b]], out[b0 + b]
+            if delta:
+                for d in range(D):
+                    o[d] = block[d, b] - row[d]
+            else:
+                for d in range(D):
+                    o[d] = block[d, b]
 
 
 @kernel
@@ -115,13 +123,11 @@ def fake_quantize(cache, heads, positions, n_quant, by_channel, group, top, symm
         x = cache[heads[u]]                                  # (P, D)
         at = positions[u]                                    # (T,)
         if by_channel:
-            _by_channel(x, at, n_quant, group, top, symmetric, code_lo, out[u], lo, hi, s, z)
+            _by_channel(x, at, n_quant, group, top, symmetric, code_lo, delta, out[u], lo, hi, s, z)
         else:
-            _by_token(x, at, n_quant, group, top, symmetric, code_lo, out[u], block, lo, hi, s, z)
+            _by_token(x, at, n_quant, group, top, symmetric, code_lo, delta, out[u], block, lo, hi, s, z)
         for t in range(n_quant, T):                          # the full-precision residual
-            out[u, t] = x[at[t]]
-        if delta:
-            for t in range(T):
-                row = x[at[t]]
-                for d in range(D):
-                    out[u, t, d] -= row[d]
+            if delta:
+                out[u, t] = 0
+            else:
+                out[u, t] = x[at[t]]
