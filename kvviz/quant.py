@@ -103,6 +103,15 @@ def quantize_kept(cache: np.ndarray, heads: np.ndarray, positions: np.ndarray, b
     return out
 
 
+def compile_kernel() -> None:
+    """Compile the quantization kernel for float32 and float64 caches, or load it from
+    numba's on-disk cache (a few seconds the first time after an install or an edit)."""
+    for dtype in (np.float32, np.float64):
+        cache = np.zeros((1, 4, 4), dtype=dtype)
+        for axis in ("channel", "token"):
+            quantize_kept(cache, np.zeros(1, int), np.arange(4)[None], 4, axis, 2, delta=True)
+
+
 def quant_step(x: np.ndarray, bits: int, axis: str = "token", group_size: int = 32,
                symmetric: bool = False) -> np.ndarray:
     """The scale s of the group each element of x (..., tokens, dim) falls in.

@@ -562,8 +562,17 @@ def _compare_cached(source_key: tuple, spec_items: tuple, view_items: tuple,
     return compare(_trace, Spec(**dict(spec_items)), View(**dict(view_items)), trace_for_seed=_seed_fn)
 
 
+@st.cache_resource(show_spinner="Compiling the quantization kernel (once after an install)…")
+def _quantization_kernel() -> bool:
+    from .quant import compile_kernel
+    compile_kernel()
+    return True
+
+
 def run_compare(source: Source, spec: Spec, view: View) -> Comparison | None:
     """kvviz.compare through the cache; impossible settings show an error and give None."""
+    if spec.quantizes and spec.quant_model == "kv":
+        _quantization_kernel()
     try:
         return _compare_cached(source.key, _items(spec), _items(view), source.trace, source.seed_fn)
     except (SpecError, TraceError, ValueError) as e:
