@@ -31,7 +31,7 @@ NO_LATER_QUERIES_NOTE = ("This source has no later queries: the evaluated query 
                          "query, and its own attention is part of the history the policy ranks by.")
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)   # slots: a configuration builds one per member
 class RowResult:
     """One evaluated attention row: layer, query head, query position."""
 

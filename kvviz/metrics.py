@@ -11,7 +11,7 @@ KL_EPS = 1e-10  # keeps KL finite when a token the original attends to was evict
 LOG_KL_EPS = float(np.log(KL_EPS))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RowMetrics:
     mass_retained: float      # original attention mass on the kept tokens
     tv_distance: float        # 0.5 * sum |a - a_hat|
