@@ -56,12 +56,25 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 def softmax_and_log(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(softmax, log-softmax) over the last axis; one exp pass gives both."""
-    z = logits - np.max(logits, axis=-1, keepdims=True)
+    z = logits - logits.max(axis=-1, keepdims=True)
     p = np.exp(z)
     total = p.sum(axis=-1, keepdims=True)
     p /= total                                      # in place: no further (rows, n) temporaries
     z -= np.log(total)
     return p, z
+
+
+def kv_runs(kv_heads: list[int]) -> list[tuple[int, slice]]:
+    """(KV head, rows) for each maximal run of consecutive rows that read one KV head.
+
+    Rows ordered by KV head make one run per KV head: one product each, on views.
+    """
+    runs, start = [], 0
+    for i in range(1, len(kv_heads) + 1):
+        if i == len(kv_heads) or kv_heads[i] != kv_heads[start]:
+            runs.append((kv_heads[start], slice(start, i)))
+            start = i
+    return runs
 
 
 def logit_rows(trace: Trace, layer: int, heads: np.ndarray, qi: int) -> np.ndarray:
@@ -75,10 +88,8 @@ def logit_rows(trace: Trace, layer: int, heads: np.ndarray, qi: int) -> np.ndarr
     if trace.logits is not None:
         return trace.logits[layer, heads, qi, : p + 1].astype(np.float64)
     q = trace.q[layer, heads, qi] * np.float32(1 / np.sqrt(trace.head_dim))   # (H, D)
-    kvh = heads // trace.group_size
     out = np.empty((len(heads), p + 1))
-    for g in set(kvh.tolist()):                                         # one matmul per KV head
-        rows = np.flatnonzero(kvh == g)
+    for g, rows in kv_runs((heads // trace.group_size).tolist()):       # one matmul per run
         # (p+1, D) @ (D, h): BLAS is far faster this way round than q @ K^T
         out[rows] = (trace.k[layer, g, : p + 1] @ q[rows].T).T
     return out

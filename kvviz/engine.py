@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
-from .attention import logit_rows, small_blas, softmax, softmax_and_log
+from .attention import kv_runs, logit_rows, small_blas, softmax, softmax_and_log
 from .metrics import LOG_KL_EPS, RowMetrics, Spread, row_metrics_batch, spread
 from .policies import ScoreContext, get_policy, select
 from .quant import kv_bytes_per_token, quantize_kept, tensor_bytes
@@ -150,13 +151,18 @@ def memory_for(trace: Trace, spec: Spec, n_tokens: int) -> Memory:
 
     Memory follows the bits settings whichever quantization model simulates the error.
     """
+    return _memory(trace.n_layers, trace.n_kv_heads, trace.head_dim, spec, n_tokens)
+
+
+@lru_cache(maxsize=256)
+def _memory(n_layers: int, n_kv_heads: int, head_dim: int, spec: Spec, n_tokens: int) -> Memory:
     kept = min(spec.budget, n_tokens) if spec.evicts else n_tokens
     per_head = sum(
-        tensor_bytes(kept, trace.head_dim, bits, axis, spec.group_size, spec.residual, spec.symmetric).total
+        tensor_bytes(kept, head_dim, bits, axis, spec.group_size, spec.residual, spec.symmetric).total
         for bits, axis in ((spec.key_bits, spec.key_axis), (spec.value_bits, spec.value_axis)))
-    heads = trace.n_layers * trace.n_kv_heads
+    heads = n_layers * n_kv_heads
     return Memory(kv_bytes=per_head * heads,
-                  kv_bytes_full=n_tokens * kv_bytes_per_token(trace.n_layers, trace.n_kv_heads, trace.head_dim),
+                  kv_bytes_full=n_tokens * kv_bytes_per_token(n_layers, n_kv_heads, head_dim),
                   kept_tokens=kept, total_tokens=n_tokens)
 
 
@@ -201,11 +207,11 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
 
     # One cache per KV head: its rows share the kept tokens, the values and the quantized
     # K / V. Callers order heads by KV head, so each run of rows is one product.
-    runs = _runs(kvh.tolist())
-    kv_of_run = [int(kvh[rows.start]) for rows in runs]
-    kept_at = {g: np.flatnonzero(kept_kv[g, :n]) for g in set(kv_of_run)}    # kept positions
-    m = len(kept_at[kv_of_run[0]])                                       # the same for every KV head
-    at = np.stack([kept_at[g] for g in kvh.tolist()])                    # (H, m)
+    kv_list = kvh.tolist()
+    runs = kv_runs(kv_list)
+    kept_at = {g: np.flatnonzero(kept_kv[g, :n]) for g in set(kv_list)}  # kept positions
+    m = len(kept_at[kv_list[0]])                                         # the same for every KV head
+    at = np.array([kept_at[g] for g in kv_list])                         # (H, m)
     flat = (at + (np.arange(H) * n)[:, None]).ravel()                    # into the (H, n) rows
     quantized = _quantized_kept(trace, spec, layer, p, kept_at, cache)   # per KV head
 
@@ -216,7 +222,7 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     elif spec.key_bits < FULL_BITS:
         # q . K_hat = q . K + q . (K_hat - K): exact logits wherever keys did not change
         q = trace.q[layer, heads, qi] / np.float32(np.sqrt(trace.head_dim))  # (H, D), the trace's dtype
-        for rows, g in zip(runs, kv_of_run):
+        for g, rows in runs:
             kept_logits[rows] += q[rows] @ quantized[g][0].T
     p_kept, logp_kept = softmax_and_log(kept_logits)                     # over the kept tokens only
     compressed = np.zeros_like(original)
@@ -231,7 +237,7 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
         values = trace.v[layer]                                          # (kv_heads, P, D), the trace's dtype
         out = np.empty((H, trace.head_dim))
         out_hat = np.empty_like(out)
-        for rows, g in zip(runs, kv_of_run):
+        for g, rows in runs:
             out[rows] = original[rows].astype(values.dtype) @ values[g, :n]              # o = a . V
             if quantized[g][1] is not None:                                             # o_hat = a_hat . V_hat
                 out_hat[rows] = p_kept[rows].astype(values.dtype) @ quantized[g][1]
@@ -246,7 +252,7 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
                       error=error[i],
                       out_original=None if out is None else out[i],
                       out_compressed=None if out_hat is None else out_hat[i], metrics=metrics[i])
-            for i, (h, g) in enumerate(zip(heads.tolist(), kvh.tolist()))]
+            for i, (h, g) in enumerate(zip(heads.tolist(), kv_list))]
 
 
 def _oracle_kept(trace: Trace, spec: Spec, layer: int, qi: int, heads: np.ndarray,
@@ -263,16 +269,6 @@ def _oracle_kept(trace: Trace, spec: Spec, layer: int, qi: int, heads: np.ndarra
         rows[missing] = softmax(logit_rows(trace, layer, missing, qi))
     scores = get_policy(spec.scorer).query_scores(rows, ScoreContext(trace, layer, spec))
     return select(scores, spec)
-
-
-def _runs(keys: list) -> list[slice]:
-    """Slices of the maximal runs of equal consecutive keys."""
-    runs, start = [], 0
-    for i in range(1, len(keys) + 1):
-        if i == len(keys) or keys[i] != keys[start]:
-            runs.append(slice(start, i))
-            start = i
-    return runs
 
 
 def evaluate_row(trace: Trace, spec: Spec, layer: int, head: int, qi: int,
@@ -359,11 +355,15 @@ def compare(trace: Trace, spec: Spec, view: View = View(),
     qi = check_view(trace, view)
     members = ensemble_members(trace, spec, view, qi, trace_for_seed)
 
-    # Policy decisions once per (trace, eviction settings, layer), for all positions needed there.
+    # Members mostly share one trace and one spec object: group by identity.
     traces = {id(t): t for t, *_ in members}
+    specs = {id(s): s for _, s, *_ in members}
+    eviction = {sid: s.eviction_key for sid, s in specs.items()}
+
+    # Policy decisions once per (trace, eviction settings, layer), for all positions needed there.
     wanted: dict[tuple, tuple[Spec, set[int]]] = {}
     for t, s, layer, _, q in members:
-        spec_, positions = wanted.setdefault((id(t), s.eviction_key, layer), (s, set()))
+        _, positions = wanted.setdefault((id(t), eviction[id(s)], layer), (s, set()))
         positions.add(int(t.query_positions[q]))
     masks: dict[tuple, tuple[list[int], np.ndarray | None]] = {}
     for key, (s, positions) in wanted.items():
@@ -371,20 +371,20 @@ def compare(trace: Trace, spec: Spec, view: View = View(),
         masks[key] = positions, keep_masks(traces[key[0]], s, key[2], positions)
 
     # Rows sharing (trace, spec, layer, query) are evaluated together across heads.
-    batches: dict[tuple[int, Spec, int, int], list[int]] = {}
+    batches: dict[tuple[int, int, int, int], list[int]] = {}
     for i, (t, s, layer, head, q) in enumerate(members):
-        batches.setdefault((id(t), s, layer, q), []).append(i)
+        batches.setdefault((id(t), id(s), layer, q), []).append(i)
     rows: list[RowResult | None] = [None] * len(members)
     quantized: dict = {}
-    for (tid, s, layer, q), which in batches.items():
-        t = traces[tid]
-        positions, m = masks[(tid, s.eviction_key, layer)]
+    for (tid, sid, layer, q), which in batches.items():
+        t, s = traces[tid], specs[sid]
+        positions, m = masks[(tid, eviction[sid], layer)]
         p = int(t.query_positions[q])
         kept_kv = None if m is None else m[positions.index(p)]
         which.sort(key=lambda i: members[i][3] // t.group_size)          # rows of one KV head together
         heads = [members[i][3] for i in which]
         with small_blas():
-            evaluated = evaluate_rows(t, s, layer, heads, q, kept_kv, quantized.setdefault((tid, s), {}))
+            evaluated = evaluate_rows(t, s, layer, heads, q, kept_kv, quantized.setdefault((tid, sid), {}))
         for i, row in zip(which, evaluated):
             rows[i] = row
 

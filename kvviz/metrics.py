@@ -92,15 +92,18 @@ def spread(errors: np.ndarray, complete: bool = False) -> Spread:
     `complete` says every member sees every token (no NaN), which skips the NaN count.
     """
     errors = np.atleast_2d(errors)
-    n = np.full(errors.shape[1], len(errors)) if complete else (~np.isnan(errors)).sum(axis=0)
-    if not n.all():
-        raise ValueError("every token needs at least one ensemble member that sees it")
-    if complete or n.min() == len(errors):  # the common case: plain reductions, no NaN handling
-        mean = errors.sum(axis=0) / len(errors)
-        deviation = errors - mean
-        std = np.sqrt(np.einsum("ij,ij->j", deviation, deviation) / len(errors))
-        return Spread(errors=errors, mean=mean, std=std, n=n)
-    return Spread(errors=errors, mean=np.nanmean(errors, axis=0), std=np.nanstd(errors, axis=0), n=n)
+    members = len(errors)
+    if not complete:
+        n = (~np.isnan(errors)).sum(axis=0)
+        if not n.all():
+            raise ValueError("every token needs at least one ensemble member that sees it")
+        if n.min() < members:
+            return Spread(errors=errors, mean=np.nanmean(errors, axis=0), std=np.nanstd(errors, axis=0), n=n)
+    mean = errors.sum(axis=0) / members          # every member sees every token: plain reductions
+    deviation = errors - mean
+    deviation *= deviation
+    std = np.sqrt(deviation.sum(axis=0) / members)
+    return Spread(errors=errors, mean=mean, std=std, n=np.full(errors.shape[1], members))
 
 
 def _column_percentile(a: np.ndarray, n: np.ndarray, q: float) -> np.ndarray:

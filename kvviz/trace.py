@@ -42,27 +42,27 @@ class Trace:
         validate(self)
 
     # --- shape helpers -------------------------------------------------------------
-    @property
+    @cached_property
     def n_layers(self) -> int:
         return self.k.shape[0]
 
-    @property
+    @cached_property
     def n_q_heads(self) -> int:
         return self.q.shape[1]
 
-    @property
+    @cached_property
     def n_kv_heads(self) -> int:
         return self.k.shape[1]
 
-    @property
+    @cached_property
     def n_positions(self) -> int:
         return self.k.shape[2]
 
-    @property
+    @cached_property
     def head_dim(self) -> int:
         return self.k.shape[3]
 
-    @property
+    @cached_property
     def group_size(self) -> int:
         """Query heads per KV head."""
         return self.n_q_heads // self.n_kv_heads

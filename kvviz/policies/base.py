@@ -125,7 +125,9 @@ class Policy:
             for i, p in enumerate(positions):
                 out[i, :, : p + 1] = True
             return out
-        scores = np.broadcast_to(self.scores_at_compression(ctx), (Hkv, P))
+        scores = self.scores_at_compression(ctx)
+        if scores.shape != (Hkv, P):                # a score shared by every KV head
+            scores = np.broadcast_to(scores, (Hkv, P))
         if not self.streaming:
             for i, p in enumerate(positions):
                 out[i, :, : p + 1] = select(scores[:, : p + 1], spec)
