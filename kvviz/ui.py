@@ -39,7 +39,7 @@ SOURCE_LABELS = {"handbook": "Handbook example", "synthetic": "Synthetic pattern
                  "real": "Real model", "file": "Trace file"}
 SCORER_LABELS = {"h2o": "H2O (accumulated attention)", "tova": "TOVA (last query)",
                  "snapkv": "SnapKV (observation window vote)", "streaming": "StreamingLLM (position only)",
-                 "oracle": "Oracle (this query's attention; the bound)", "knorm": "K-norm (smallest key norm)",
+                 "oracle": "Oracle (this query's attention, per KV head; the bound)", "knorm": "K-norm (smallest key norm)",
                  "random": "Random (seeded baseline)"}
 
 
