@@ -88,6 +88,9 @@ def quantize_kept(cache: np.ndarray, heads: np.ndarray, positions: np.ndarray, b
     """
     from .quant_kernel import fake_quantize  # numba: compiled on first use, cached on disk
 
+    if cache.dtype not in (np.float32, np.float64):   # float16 and friends: compute in float32
+        return quantize_kept(cache.astype(np.float32), heads, positions, bits, axis, group_size, residual,
+                             symmetric, delta).astype(cache.dtype)
     cache = np.ascontiguousarray(cache)
     positions = np.ascontiguousarray(positions, dtype=np.int64)
     heads = np.ascontiguousarray(heads, dtype=np.int64)

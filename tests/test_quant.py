@@ -144,3 +144,10 @@ def test_float32_cache_follows_the_formulas_in_float32(x, bits, axis, group, sym
     assert expected.dtype == np.float32
     np.testing.assert_array_equal(quantize(x, bits, axis, group, 0, symmetric), expected)
 
+
+
+def test_half_precision_cache_is_quantized_in_float32():
+    x = np.random.default_rng(3).standard_normal((2, 40, 8)).astype(np.float16)
+    got = quantize(x, 3, "channel", 8)
+    assert got.dtype == np.float16
+    np.testing.assert_array_equal(got, quantize(x.astype(np.float32), 3, "channel", 8).astype(np.float16))
