@@ -237,10 +237,12 @@ class CompressedCache:
         scores = self.scores[layer]                                           # (H, capacity)
         qg = q[:, 0].reshape(self.H, self.group, self.D)                      # (H, g, D)
         if self.policy.needs_query and self.evicts:
-            # oracle: top-k by this step's full-precision attention, summed over the group
+            # oracle: top-k by this step's full-precision attention (the policy sums the group)
             K_all = self.k[layer, :, : p + 1]                                 # (H, p+1, D)
             a_full = torch.softmax(qg @ K_all.transpose(1, 2) * scaling, dim=-1)   # (H, g, p+1)
-            kept = _indices(select(a_full.sum(dim=1).numpy().astype(np.float64), spec))
+            attention = a_full.reshape(self.Hq, -1).numpy().astype(np.float64)     # (Hq, p+1)
+            kept = _indices(select(self.policy.query_scores(attention, ScoreContext(self.trace, layer, spec)),
+                                   spec))
         else:
             kept = np.concatenate([self.kept[layer], np.full((self.H, 1), p)], axis=1)   # arrives
             scores[:, p] = self.policy.arrival_score(self.k[layer, :, p].numpy(), layer, p, self.spec)

@@ -1,8 +1,9 @@
 """Oracle: top-k by the evaluated query's own attention; the bound no causal policy can beat.
 
 Like every policy it keeps one cache per KV head, so it ranks by the query's attention
-summed over the query heads that read that cache (as the decode loop's oracle does): no
-cache shared by a GQA group can keep more of that group's attention mass.
+summed over the query heads that read that cache (the engine and the decode loop both
+ask `query_scores`): no cache shared by a GQA group can keep more of that group's
+attention mass.
 """
 
 import numpy as np
