@@ -245,7 +245,7 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
                 out_hat[rows] = compressed[rows].astype(values.dtype) @ values[g, :n]
             else:
                 out_hat[rows] = p_kept[rows].astype(values.dtype) @ values[g, kept_at[g]]
-    metrics = row_metrics_batch(original, compressed, None, out, out_hat, log_ratio, error, mass)
+    metrics = row_metrics_batch(original, error, log_ratio, mass, out, out_hat)
     reason = reasons_for(kept_kv[:, :n], spec)                           # (kv_heads, n)
     return [RowResult(layer=layer, head=int(h), kv_head=g, query=qi, position=p,
                       original=original[i], compressed=compressed[i], kept=kept_kv[g, :n], reason=reason[g],

@@ -24,27 +24,17 @@ class RowMetrics:
         return asdict(self)
 
 
-def row_metrics_batch(original: np.ndarray, compressed: np.ndarray, kept: np.ndarray | None,
+def row_metrics_batch(original: np.ndarray, error: np.ndarray, log_ratio: np.ndarray, mass: np.ndarray,
                       out_original: np.ndarray | None = None,
-                      out_compressed: np.ndarray | None = None,
-                      log_ratio: np.ndarray | None = None,
-                      error: np.ndarray | None = None,
-                      mass: np.ndarray | None = None) -> list[RowMetrics]:
+                      out_compressed: np.ndarray | None = None) -> list[RowMetrics]:
     """Metrics of rows stacked along axis 0 (H, n), vectorised.
 
-    KL(original || compressed) = sum p (log p - log q), where an evicted token (q = 0)
-    counts as q = KL_EPS so the sum stays finite; with nothing compressed it is exactly
-    0. Callers that have them pass log_ratio = log p - log q (finite, so computed from
-    log-softmaxes), error = compressed - original and the mass on the kept tokens (then
-    `kept` is not needed).
+    error = compressed - original; mass (H,) = original attention on the kept tokens;
+    log_ratio = log p - log q, from log-softmaxes, where an evicted token (q = 0) counts
+    as q = KL_EPS: KL(original || compressed) = sum p log_ratio stays finite, and is
+    exactly 0 with nothing compressed.
     """
-    if log_ratio is None:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            log_ratio = np.log(original) - np.where(kept, np.log(compressed), LOG_KL_EPS)
-        log_ratio[original == 0] = 0.0                   # 0 log 0 = 0
-    error = compressed - original if error is None else error
     kl = np.einsum("ij,ij->i", original, log_ratio)
-    mass = np.einsum("ij,ij->i", original, kept) if mass is None else mass
     abs_err = np.abs(error)
     tv = 0.5 * abs_err.sum(axis=1)
     mx = abs_err.max(axis=1)
