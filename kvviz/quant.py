@@ -2,14 +2,24 @@
 
 (The handbook's logit-noise model is applied by the engine: logits + sigma * eps.)
 
-Asymmetric, per group of G values:
-    s = (max - min) / (2^b - 1);  z = round(-min / s)
-    q = clamp(round(x / s) + z, 0, 2^b - 1);   x_hat = s * (q - z)
-Symmetric (b >= 2): s = max|x| / (2^(b-1) - 1), no zero point.
+Asymmetric, per group of G values, KIVI's float offset (zero_point="float", the default):
+    s = (max - min) / (2^b - 1)
+    q = clamp(round((x - min) / s), 0, 2^b - 1);   x_hat = q * s + min
+    |x - x_hat| <= s / 2 and x_hat in [min, max]; min is stored as a 16-bit float.
+The integer zero point (zero_point="int"), as integer kernels store it:
+    z = round(-min / s);  q = clamp(round(x / s) + z, 0, 2^b - 1);   x_hat = s * (q - z)
+    slightly larger error (the zero is rounded), and at 1 bit x_hat can leave [min, max];
+    z is stored as a b-bit integer.
+Symmetric (b >= 2): s = max|x| / (2^(b-1) - 1), q = clamp(round(x / s), -(2^(b-1) - 1), 2^(b-1) - 1),
+    x_hat = s * q; no zero point.
 
 Axis "channel": a group is one channel across G consecutive tokens (KIVI keys).
-Axis "token":   a group is G consecutive channels of one token (KIVI values).
-The last `residual` tokens stay in full precision.
+Axis "token":   a group is G consecutive channels of one token (KIVI values); a group
+                never exceeds one token, so G is capped at the head dimension.
+The last `residual` tokens stay in full precision. A trailing group shorter than G
+(the tokens after the last full group of a channel, or the channels after the last full
+group of a token) stays in full precision too (partial="full", as KIVI keeps them until a
+group fills), or is quantized as a short group (partial="quantize").
 """
 
 from __future__ import annotations
@@ -22,6 +32,14 @@ from .spec import FULL_BITS
 
 SCALE_BITS = 16
 ZERO_BITS = 16
+KIVI_RESIDUAL = 128   # KIVI keeps the last 128 tokens at full precision
+KIVI_GROUP = 32
+
+
+def kivi_residual(n_tokens: int) -> int:
+    """KIVI's full-precision residual (128) for a cache of n_tokens, shrunk on a short cache
+    so that at least one group of 32 tokens is quantized."""
+    return max(0, min(KIVI_RESIDUAL, n_tokens - KIVI_GROUP))
 
 
 def _blocks(n_tokens: int, dim: int, axis: str, group: int):
@@ -59,8 +77,27 @@ def _scale(block: np.ndarray, bits: int, symmetric: bool, reduce: int) -> tuple[
     return np.expand_dims(scale, reduce), np.expand_dims(lo, reduce)
 
 
+def quantized_extent(n_tokens: int, dim: int, axis: str, group_size: int, residual: int,
+                     partial: str = "full") -> tuple[int, int, int]:
+    """(tokens quantized, channels quantized, group) of an (n_tokens, dim) cache.
+
+    Tokens after the residual cut and, with partial="full", the tokens (channel axis) or
+    channels (token axis) of a trailing group shorter than G stay in full precision.
+    """
+    n_quant = max(0, n_tokens - residual)
+    if axis == "channel":
+        group = max(1, group_size)
+        if partial == "full":
+            n_quant -= n_quant % group
+        return n_quant, dim, group
+    group = max(1, min(group_size, dim))
+    d_quant = dim - dim % group if partial == "full" else dim
+    return (n_quant if d_quant else 0), d_quant, group
+
+
 def quantize(x: np.ndarray, bits: int, axis: str = "token", group_size: int = 32,
-             residual: int = 0, symmetric: bool = False) -> np.ndarray:
+             residual: int = 0, symmetric: bool = False, zero_point: str = "float",
+             partial: str = "full") -> np.ndarray:
     """Quantize then dequantize x of shape (..., tokens, dim).
 
     The last `residual` tokens are returned unchanged; bits == 16 returns x itself.
@@ -71,13 +108,15 @@ def quantize(x: np.ndarray, bits: int, axis: str = "token", group_size: int = 32
     lead, (n_tokens, dim) = x.shape[:-2], x.shape[-2:]
     rows = np.ascontiguousarray(x).reshape(-1, n_tokens, dim)            # (U, T, D)
     positions = np.broadcast_to(np.arange(n_tokens), (len(rows), n_tokens))
-    out = quantize_kept(rows, np.arange(len(rows)), positions, bits, axis, group_size, residual, symmetric)
+    out = quantize_kept(rows, np.arange(len(rows)), positions, bits, axis, group_size, residual, symmetric,
+                        zero_point=zero_point, partial=partial)
     return out.reshape(*lead, n_tokens, dim)
 
 
 def quantize_kept(cache: np.ndarray, heads: np.ndarray, positions: np.ndarray, bits: int,
                   axis: str = "token", group_size: int = 32, residual: int = 0,
-                  symmetric: bool = False, delta: bool = False) -> np.ndarray:
+                  symmetric: bool = False, delta: bool = False, zero_point: str = "float",
+                  partial: str = "full") -> np.ndarray:
     """Quantize-dequantize the kept tokens of a cache, read in place: (U, T, D).
 
     cache (heads, positions, D) is one layer's K or V; result row u holds
@@ -90,7 +129,7 @@ def quantize_kept(cache: np.ndarray, heads: np.ndarray, positions: np.ndarray, b
 
     if cache.dtype not in (np.float32, np.float64):   # float16 and friends: compute in float32
         return quantize_kept(cache.astype(np.float32), heads, positions, bits, axis, group_size, residual,
-                             symmetric, delta).astype(cache.dtype)
+                             symmetric, delta, zero_point, partial).astype(cache.dtype)
     cache = np.ascontiguousarray(cache)
     positions = np.ascontiguousarray(positions, dtype=np.int64)
     heads = np.ascontiguousarray(heads, dtype=np.int64)
@@ -99,10 +138,10 @@ def quantize_kept(cache: np.ndarray, heads: np.ndarray, positions: np.ndarray, b
     if bits >= FULL_BITS:
         out[...] = 0 if delta else cache[heads[:, None], positions]
         return out
-    n_quant = max(0, n_tokens - residual)
-    group = max(1, min(group_size, n_quant if axis == "channel" else dim))
+    n_quant, d_quant, group = quantized_extent(n_tokens, dim, axis, group_size, residual, partial)
     top = cache.dtype.type(2 ** (bits - 1) - 1 if symmetric else 2 ** bits - 1)
-    fake_quantize(cache, heads, positions, n_quant, axis == "channel", group, top, symmetric, delta, out)
+    fake_quantize(cache, heads, positions, n_quant, axis == "channel", group, d_quant, top, symmetric,
+                  zero_point == "float" and not symmetric, delta, out)
     return out
 
 
@@ -116,18 +155,20 @@ def compile_kernel() -> None:
 
 
 def quant_step(x: np.ndarray, bits: int, axis: str = "token", group_size: int = 32,
-               symmetric: bool = False) -> np.ndarray:
-    """The scale s of the group each element of x (..., tokens, dim) falls in.
+               symmetric: bool = False, partial: str = "full") -> np.ndarray:
+    """The scale s of the group each element of x (..., tokens, dim) falls in (0 where it stays exact).
 
     Every dequantized element is within s/2 of the original, the bound the tests check.
     """
-    group = min(group_size, x.shape[-2] if axis == "channel" else x.shape[-1])
-    out = np.empty(x.shape, dtype=np.float64)
+    n_quant, d_quant, group = quantized_extent(x.shape[-2], x.shape[-1], axis, group_size, 0, partial)
+    out = np.zeros(x.shape, dtype=np.float64)
     lead = x.shape[:-2]
-    for tokens, channels, shape, reduce in _blocks(x.shape[-2], x.shape[-1], axis, group):
-        block = x[..., tokens, channels].reshape(*lead, *shape)
+    part = x[..., :n_quant, :d_quant]
+    for tokens, channels, shape, reduce in _blocks(n_quant, d_quant, axis, group):
+        block = part[..., tokens, channels].reshape(*lead, *shape)
         scale, _ = _scale(block, bits, symmetric, reduce)
-        out[..., tokens, channels] = np.broadcast_to(scale, block.shape).reshape(out[..., tokens, channels].shape)
+        out[..., :n_quant, :d_quant][..., tokens, channels] = (
+            np.broadcast_to(scale, block.shape).reshape(part[..., tokens, channels].shape))
     return out
 
 
@@ -136,35 +177,33 @@ class CacheBytes:
     """Bytes of one tensor's cache (K or V) for n tokens of `dim` channels."""
 
     payload: float
-    overhead: float  # scales and zero points
-    residual: float
+    overhead: float  # scales and zero points / offsets
+    residual: float  # the full-precision residual window
+    partial: float = 0.0  # partial trailing groups kept at 16 bits
 
     @property
     def total(self) -> float:
-        return self.payload + self.overhead + self.residual
+        return self.payload + self.overhead + self.residual + self.partial
 
 
 def tensor_bytes(n_tokens: int, dim: int, bits: int, axis: str, group_size: int,
-                 residual: int, symmetric: bool) -> CacheBytes:
+                 residual: int, symmetric: bool, zero_point: str = "float", partial: str = "full") -> CacheBytes:
     """Memory of one (kv head's) K or V cache holding n_tokens tokens.
 
-    A quantized group costs b*G bits plus a 16-bit scale and (asymmetric) a 16-bit zero
-    point; residual tokens and bits == 16 cost 16 bits a value.
+    A quantized group costs b*G bits plus a 16-bit scale and, asymmetric, its zero: a
+    16-bit float offset (KIVI) or a b-bit integer zero point. Residual tokens, partial
+    groups kept in full precision and bits == 16 cost 16 bits a value.
     """
     if bits >= FULL_BITS:
         return CacheBytes(0.0, 0.0, n_tokens * dim * 2.0)
-    n_quant = max(0, n_tokens - residual)
-    n_res = n_tokens - n_quant
-    if n_quant == 0:
-        return CacheBytes(0.0, 0.0, n_res * dim * 2.0)
-    group = min(group_size, n_quant if axis == "channel" else dim)
-    if axis == "channel":
-        n_groups = dim * -(-n_quant // group)
-    else:
-        n_groups = n_quant * -(-dim // group)
-    overhead_bits = SCALE_BITS + (0 if symmetric else ZERO_BITS)
-    return CacheBytes(payload=n_quant * dim * bits / 8, overhead=n_groups * overhead_bits / 8,
-                      residual=n_res * dim * 2.0)
+    n_before = max(0, n_tokens - residual)
+    n_res = n_tokens - n_before
+    n_quant, d_quant, group = quantized_extent(n_tokens, dim, axis, group_size, residual, partial)
+    values = n_quant * d_quant
+    n_groups = d_quant * -(-n_quant // group) if axis == "channel" else n_quant * -(-d_quant // group)
+    zero_bits = 0 if symmetric else (ZERO_BITS if zero_point == "float" else bits)
+    return CacheBytes(payload=values * bits / 8, overhead=n_groups * (SCALE_BITS + zero_bits) / 8,
+                      residual=n_res * dim * 2.0, partial=(n_before * dim - values) * 2.0)
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_value: float = 2.0) -> float:

@@ -73,37 +73,103 @@ def test_llama2_7b_bytes_per_token():
     assert kv_bytes_per_token(32, 32, 128) == 0.5 * 2**20  # 0.5 MB a token
 
 
-def _reference(x, bits, axis, group, residual, symmetric):
+def _reference(x, bits, axis, group, residual, symmetric, zero_point="float", partial="full"):
     """The DESIGN.md formulas, one group at a time with plain loops."""
     out = x.copy()
     n_quant = max(0, x.shape[0] - residual)
-    cells = ([[(slice(t, min(t + group, n_quant)), c) for t in range(0, n_quant, group)] for c in range(x.shape[1])]
-             if axis == "channel" else
-             [[(t, slice(c, min(c + group, x.shape[1]))) for c in range(0, x.shape[1], group)] for t in range(n_quant)])
-    for row in cells:
-        for where in row:
-            g = x[where]
-            if symmetric:
-                s = np.abs(g).max() / (2 ** (bits - 1) - 1)
-                out[where] = s * np.clip(np.round(g / s), -(2 ** (bits - 1) - 1), 2 ** (bits - 1) - 1) if s else g
-            else:
-                s = (g.max() - g.min()) / (2 ** bits - 1)
-                if s == 0:
-                    continue
-                z = np.round(-g.min() / s)
-                out[where] = s * (np.clip(np.round(g / s) + z, 0, 2 ** bits - 1) - z)
+    dim = x.shape[1]
+    if axis == "channel":
+        end = n_quant - n_quant % group if partial == "full" else n_quant
+        cells = [(slice(t, min(t + group, end)), c) for c in range(dim) for t in range(0, end, group)]
+    else:
+        group = min(group, dim)
+        end = dim - dim % group if partial == "full" else dim
+        cells = [(t, slice(c, min(c + group, end))) for t in range(n_quant) for c in range(0, end, group)]
+    for where in cells:
+        g = x[where]
+        if symmetric:
+            s = np.abs(g).max() / (2 ** (bits - 1) - 1)
+            out[where] = s * np.clip(np.round(g / s), -(2 ** (bits - 1) - 1), 2 ** (bits - 1) - 1) if s else g
+            continue
+        s = (g.max() - g.min()) / (2 ** bits - 1)
+        if s == 0:
+            continue
+        if zero_point == "float":       # KIVI: x_hat = q * s + min
+            out[where] = np.clip(np.round((g - g.min()) / s), 0, 2 ** bits - 1) * s + g.min()
+        else:                           # integer zero point: x_hat = s * (q - z)
+            z = np.round(-g.min() / s)
+            out[where] = s * (np.clip(np.round(g / s) + z, 0, 2 ** bits - 1) - z)
     return out
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(x=arrays(np.float64, st.tuples(st.integers(1, 37), st.integers(1, 20)), elements=finite),
        bits=st.integers(2, 8), axis=st.sampled_from(["channel", "token"]), group=st.integers(1, 12),
-       residual=st.integers(0, 5), symmetric=st.booleans())
-def test_matches_reference_formulas(x, bits, axis, group, residual, symmetric):
-    n_quant = max(0, x.shape[0] - residual)
-    g = min(group, n_quant if axis == "channel" else x.shape[1]) if n_quant else group
-    np.testing.assert_allclose(quantize(x, bits, axis, group, residual, symmetric),
-                               _reference(x, bits, axis, g, residual, symmetric), rtol=1e-12, atol=1e-9)
+       residual=st.integers(0, 5), symmetric=st.booleans(), zero_point=st.sampled_from(["float", "int"]),
+       partial=st.sampled_from(["full", "quantize"]))
+def test_matches_reference_formulas(x, bits, axis, group, residual, symmetric, zero_point, partial):
+    got = quantize(x, bits, axis, group, residual, symmetric, zero_point=zero_point, partial=partial)
+    want = _reference(x, bits, axis, group, residual, symmetric, zero_point, partial)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-9)
+
+
+def test_kivi_float_offset_stays_inside_the_data_where_an_integer_zero_point_does_not():
+    """A 1-bit group spanning [-2.55, 1.34]: KIVI's x_hat = q s + min decodes to the ends of
+    the range; a rounded integer zero point decodes to {-3.89, 0}, outside the data."""
+    x = np.array([[-2.55], [1.34], [0.2], [-1.0]])
+    kivi = quantize(x, 1, "channel", 4)
+    np.testing.assert_allclose(np.unique(kivi), [-2.55, 1.34])
+    integer = quantize(x, 1, "channel", 4, zero_point="int")
+    np.testing.assert_allclose(np.unique(integer), [-3.89, 0.0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=arrays(np.float64, st.tuples(st.integers(1, 40), st.integers(1, 16)), elements=finite),
+       bits=st.integers(1, 8), axis=st.sampled_from(["channel", "token"]), group=st.integers(1, 40))
+def test_float_offset_reconstructs_inside_each_group(x, bits, axis, group):
+    """x_hat in [min, max] of its group (KIVI's form), checked through the step bound and the range."""
+    x_hat = quantize(x, bits, axis, group, partial="quantize")
+    lo, hi = x.min(axis=0 if axis == "channel" else 1), x.max(axis=0 if axis == "channel" else 1)
+    if (axis == "channel" and x.shape[0] <= group) or (axis == "token" and x.shape[1] <= group):
+        tol = 1e-9 * (1 + np.abs(x).max())
+        lo_b, hi_b = (lo[None, :], hi[None, :]) if axis == "channel" else (lo[:, None], hi[:, None])
+        assert np.all(x_hat >= lo_b - tol) and np.all(x_hat <= hi_b + tol)
+
+
+def test_float_offset_error_is_below_the_integer_zero_point_error():
+    x = np.random.default_rng(5).standard_normal((512, 64)) + 0.37
+    for bits in (2, 3, 4):
+        kivi = np.abs(quantize(x, bits, "token", 32) - x).mean()
+        integer = np.abs(quantize(x, bits, "token", 32, zero_point="int") - x).mean()
+        assert kivi < integer
+
+
+def test_partial_trailing_groups_stay_in_full_precision_and_cost_16_bits():
+    x = np.random.default_rng(6).standard_normal((70, 64))
+    x_hat = quantize(x, 2, "channel", 32)                 # 2 full groups of 32 tokens, then 6 tokens
+    np.testing.assert_array_equal(x_hat[64:], x[64:])
+    assert np.abs(x_hat[:64] - x[:64]).min() >= 0 and np.abs(x_hat[:64] - x[:64]).max() > 0
+    short = quantize(x, 2, "channel", 32, partial="quantize")
+    assert np.abs(short[64:] - x[64:]).max() > 0
+    b = tensor_bytes(70, 64, 2, "channel", 32, 0, False)
+    assert b.payload == 64 * 64 * 2 / 8 and b.partial == 6 * 64 * 2 and b.overhead == 2 * 64 * 4
+    b = tensor_bytes(70, 64, 2, "channel", 32, 0, False, partial="quantize")
+    assert b.partial == 0 and b.payload == 70 * 64 * 2 / 8 and b.overhead == 3 * 64 * 4
+    # per-token groups of 48 channels on a 64-channel head: the last 16 channels stay exact
+    y = quantize(x, 2, "token", 48)
+    np.testing.assert_array_equal(y[:, 48:], x[:, 48:])
+    assert tensor_bytes(10, 64, 2, "token", 48, 0, False).partial == 10 * 16 * 2
+
+
+def test_each_zero_point_form_reports_its_own_bytes():
+    """KIVI stores a 16-bit float offset per group; an integer zero point needs only b bits."""
+    kivi = tensor_bytes(64, 64, 2, "channel", 32, 0, False)
+    integer = tensor_bytes(64, 64, 2, "channel", 32, 0, False, zero_point="int")
+    symmetric = tensor_bytes(64, 64, 2, "channel", 32, 0, True)
+    groups = 2 * 64
+    assert kivi.overhead == groups * (16 + 16) / 8
+    assert integer.overhead == groups * (16 + 2) / 8
+    assert symmetric.overhead == groups * 16 / 8
 
 
 @settings(max_examples=40, deadline=None)
@@ -138,9 +204,8 @@ def test_kept_tokens_read_in_place_equal_quantizing_a_gathered_copy(seed, bits, 
 def test_float32_cache_follows_the_formulas_in_float32(x, bits, axis, group, symmetric):
     """A float32 cache (every real trace) is quantized in float32 arithmetic, step for step
     as the DESIGN formulas evaluated by numpy on float32 values."""
-    g = min(group, x.shape[0] if axis == "channel" else x.shape[1])
     with np.errstate(divide="ignore", invalid="ignore"):
-        expected = _reference(x, bits, axis, g, 0, symmetric)
+        expected = _reference(x, bits, axis, group, 0, symmetric)
     assert expected.dtype == np.float32
     np.testing.assert_array_equal(quantize(x, bits, axis, group, 0, symmetric), expected)
 
