@@ -7,6 +7,10 @@ from dataclasses import dataclass, replace
 SCORERS = ("h2o", "tova", "snapkv", "streaming", "oracle", "knorm", "random")
 AXES = ("channel", "token")
 QUANT_MODELS = ("kv", "noise")
+ZERO_POINTS = ("float", "int")        # KIVI's float offset x_hat = q*s + min, or an integer zero point
+PARTIAL_GROUPS = ("full", "quantize")  # a trailing group shorter than G: kept at 16 bits (KIVI) or quantized
+POSITIONS = ("true", "cache")         # real-model decode: keys at their true positions, or re-rotated to slots
+SNAPKV_MAX_WINDOW = 64                # SnapKV's observation window (Li et al. 2024; kvpress window_size)
 ENSEMBLES = ("heads", "layers", "steps", "seeds")
 FULL_BITS = 16  # 16 bits = not quantized (the fp16 baseline)
 MAX_ENSEMBLE = 256
@@ -35,11 +39,15 @@ class Spec:
     group_size: int = 32
     residual: int = 0              # last tokens kept at full precision (KIVI: 128)
     symmetric: bool = False
+    zero_point: str = "float"      # asymmetric: "float" offset (KIVI) or "int" zero point (integer kernels)
+    partial: str = "full"          # trailing groups shorter than group_size: "full" precision (KIVI) or "quantize"
     quant_model: str = "kv"        # "kv" = real K/V quantization, "noise" = logit noise
     noise_sigma: float = 0.01     # the handbook's sigma; used only by the noise model
     seed: int = 0                  # random scorer and noise draws
-    snapkv_window: int = 64
+    snapkv_window: int | None = None  # observation window; None = the recent window, capped at 64
     snapkv_kernel: int = 5
+    h2o_normalized: bool = False   # H2O: accumulated attention / number of queries that saw the token
+    positions: str = "true"        # real-model decode only: "cache" re-rotates keys to their cache slots
 
     def __post_init__(self) -> None:
         check_spec(self)
@@ -51,8 +59,16 @@ class Spec:
     @property
     def eviction_key(self) -> tuple:
         """The fields that decide what is kept (quantization never changes it)."""
-        return (self.sink, self.recent, self.heavy, self.scorer, self.seed, self.snapkv_window,
-                self.snapkv_kernel) if self.evicts else ()
+        return (self.sink, self.recent, self.heavy, self.scorer, self.seed, self.observation_window,
+                self.snapkv_kernel, self.h2o_normalized) if self.evicts else ()
+
+    @property
+    def observation_window(self) -> int:
+        """SnapKV's voters: the last this-many context queries. Always inside the recent window,
+        so the window is kept and every heavy slot goes to a voted token before it."""
+        if self.snapkv_window is not None:
+            return self.snapkv_window
+        return min(self.recent, SNAPKV_MAX_WINDOW)
 
     @property
     def budget(self) -> int:
@@ -75,6 +91,10 @@ class Spec:
             parts.append(f"logit noise sigma {self.noise_sigma:g}")
         elif self.quant_model == "kv" and self.quantizes:
             parts.append(f"K{self.key_bits}/V{self.value_bits}-bit")
+            if self.zero_point == "int" and not self.symmetric:
+                parts.append("integer zero point")
+        if self.positions == "cache":
+            parts.append("keys re-rotated to cache slots")
         return ", ".join(parts) or "no compression"
 
 
@@ -104,8 +124,21 @@ def check_spec(s: Spec) -> None:
         raise SpecError(f"quantization model must be 'kv' or 'noise', got {s.quant_model!r}")
     if not (s.noise_sigma >= 0) or s.noise_sigma != s.noise_sigma or s.noise_sigma > 100:
         raise SpecError(f"noise sigma must be between 0 and 100, got {s.noise_sigma}")
-    if s.snapkv_window < 1 or s.snapkv_kernel < 1 or s.snapkv_kernel % 2 == 0:
-        raise SpecError("snapkv window must be >= 1 and its pooling kernel an odd number >= 1")
+    for name, allowed in (("zero_point", ZERO_POINTS), ("partial", PARTIAL_GROUPS), ("positions", POSITIONS)):
+        if getattr(s, name) not in allowed:
+            raise SpecError(f"{name} must be one of {', '.join(allowed)}, got {getattr(s, name)!r}")
+    if s.snapkv_kernel < 1 or s.snapkv_kernel % 2 == 0:
+        raise SpecError(f"the SnapKV pooling kernel must be an odd number >= 1, got {s.snapkv_kernel}")
+    if s.snapkv_window is not None and s.snapkv_window < 1:
+        raise SpecError(f"the SnapKV observation window must be at least 1 query, got {s.snapkv_window}")
+    if s.scorer == "snapkv" and s.evicts:
+        if s.recent < 1:
+            raise SpecError("SnapKV needs a recent window of at least 1 token: its observation window (the last "
+                            "context queries, which vote) is always kept, as part of the recent window")
+        if s.observation_window > s.recent:
+            raise SpecError(f"the SnapKV observation window ({s.observation_window}) must fit inside the recent "
+                            f"window ({s.recent}): the window is always kept. Raise the recent window to "
+                            f"{s.observation_window} or shrink the observation window")
 
 
 @dataclass(frozen=True)

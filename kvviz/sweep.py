@@ -13,20 +13,26 @@ from .trace import Trace
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
 DEFAULT_BITS = (16, 8, 4, 2)
 COLUMNS = ("method", "budget", "budget_fraction", "bits", "memory_ratio", "compression_ratio",
-           "mass_retained", "tv", "kl", "output_error", "output_cosine")
+           "mass_retained", "tv", "kl_compressed_vs_original", "js", "output_error", "output_cosine")
+# Which metric of the engine each error column holds (kl: KL(compressed || original), finite).
+METRIC_COLUMNS = {"tv": "tv_distance", "kl_compressed_vs_original": "kl", "js": "js",
+                  "output_error": "output_rel_error", "output_cosine": "output_cosine",
+                  "mass_retained": "mass_retained"}
 
 
 def split_budget(scorer: str, budget: int, sink: int = 4) -> dict:
-    """Sink / recent / heavy for a total token budget.
+    """Sink / recent / heavy for a total token budget (the split rule of every sweep).
 
-    StreamingLLM spends everything after the sinks on the recent window; the others split
-    it evenly between recent window and heavy hitters (H2O's 10% + 10%).
+    Up to `sink` sinks, but at least one recent token (the query's own, which SnapKV's
+    observation window also needs); StreamingLLM spends the rest on the recent window, the
+    others split it evenly between recent window and heavy hitters (H2O's 10% + 10%), the
+    odd token going to the heavy hitters.
     """
-    sink = min(sink, budget)
+    sink = min(sink, max(0, budget - 1))
     rest = budget - sink
     if scorer == "streaming":
         return dict(sink=sink, recent=rest, heavy=0)
-    recent = rest // 2
+    recent = max(1, rest // 2) if rest else 0
     return dict(sink=sink, recent=recent, heavy=rest - recent)
 
 
@@ -59,8 +65,7 @@ def sweep(trace: Trace, scorers: Sequence[str] = SCORERS, fractions: Iterable[fl
         rows.append({
             "method": method, "budget": min(budget, n_tokens), "budget_fraction": f, "bits": b,
             "memory_ratio": c.memory.ratio, "compression_ratio": c.memory.compression_ratio,
-            "mass_retained": m["mass_retained"], "tv": m["tv_distance"], "kl": m["kl"],
-            "output_error": m["output_rel_error"], "output_cosine": m["output_cosine"],
+            **{column: m[key] for column, key in METRIC_COLUMNS.items()},
         })
     if progress:
         progress(1.0, "done")
@@ -87,5 +92,5 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     return front
 
 
-__all__ = ["COLUMNS", "DEFAULT_BITS", "DEFAULT_FRACTIONS", "FULL_BITS", "pareto_front", "split_budget",
+__all__ = ["COLUMNS", "METRIC_COLUMNS", "DEFAULT_BITS", "DEFAULT_FRACTIONS", "FULL_BITS", "pareto_front", "split_budget",
            "sweep", "to_csv"]

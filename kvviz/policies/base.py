@@ -50,6 +50,11 @@ class ScoreContext:
         """Context queries (indices) a real cache has seen by the compression point."""
         return self.trace.context_queries
 
+    def history_counts(self) -> np.ndarray:
+        """(positions,) how many of the history rows could see each token (queries at positions >= it)."""
+        qp = self.trace.query_positions[self.history_rows]
+        return len(qp) - np.searchsorted(qp, np.arange(self.n_positions), side="left")
+
     def context_attention(self, rows: np.ndarray | None = None, heads: np.ndarray | None = None):
         """Chunks of (rows, attention (heads, rows, n_context)) of context queries."""
         rows = self.history_rows if rows is None else rows
@@ -83,8 +88,11 @@ class Policy:
         """
         raise NotImplementedError
 
-    def update(self, scores: np.ndarray, attention: np.ndarray, ctx: ScoreContext) -> None:
-        """Streaming policies: fold one later query's attention (q_heads, n) into scores in place."""
+    def update(self, scores: np.ndarray, attention: np.ndarray, ctx: ScoreContext,
+               seen_counts: np.ndarray | None = None) -> None:
+        """Streaming policies: fold one later query's attention (q_heads, m) over the kept tokens
+        into their scores (kv_heads, m) in place. seen_counts (kv_heads, m): how many queries
+        had seen each kept token before this one."""
 
     def arrival_score(self, key: np.ndarray, layer: int, position: int, spec: Spec) -> np.ndarray:
         """Score of a token entering the cache after the compression point, per KV head.
@@ -147,6 +155,7 @@ class Policy:
         c, Hkv, g = trace.context_len, trace.n_kv_heads, trace.group_size
         kept = np.nonzero(select(scores[:, :c], spec))[1].reshape(Hkv, -1)   # (Hkv, m)
         scores[:, c:] = np.inf  # nothing has scored a token that has not arrived
+        seen_counts = ctx.history_counts().astype(np.float64)              # queries that saw each token
         want = {int(p): i for i, p in enumerate(positions)}
         for i, p in enumerate(positions):  # queries evaluated at the compression point
             if p < c:
@@ -174,8 +183,9 @@ class Policy:
             attn = softmax(logits)
             seen = np.take_along_axis(scores, kept, axis=1)                   # (Hkv, m)
             seen[np.isposinf(seen)] = 0.0  # arrivals have now been seen by a query
-            self.update(seen, attn, ctx)
+            self.update(seen, attn, ctx, seen_counts[kept])
             np.put_along_axis(scores, kept, seen, axis=1)
+            seen_counts[: p + 1] += 1
         return out
 
 

@@ -7,7 +7,9 @@ from .base import Policy, ScoreContext
 
 class TOVA(Policy):
     name = "tova"
-    description = "attention from the last query seen, averaged over all heads; streaming"
+    description = ("attention from the last query seen, averaged over all heads (one decision for every head); "
+                   "streaming. The budget includes the arriving token: a query sees exactly sink + recent + heavy "
+                   "tokens, itself among them")
     streaming = True
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
@@ -17,5 +19,5 @@ class TOVA(Policy):
         scores[: ctx.n_context] = attn[:, 0].mean(axis=0)
         return np.broadcast_to(scores, (ctx.trace.n_kv_heads, ctx.n_positions))
 
-    def update(self, scores, attention, ctx):
+    def update(self, scores, attention, ctx, seen_counts=None):
         scores[:] = attention.mean(axis=0)  # one decision shared by every head

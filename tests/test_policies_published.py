@@ -1,0 +1,156 @@
+"""Policies against small independent re-computations of their published rules (issue #9):
+SnapKV never spends heavy slots on its own window, H2O's normalised form, the budget a query sees."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvviz import Spec, SpecError, View, compare, keep_masks
+from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+
+SMALL = SyntheticSpec(context=120, steps=10, layers=2, q_heads=4, kv_heads=2, head_dim=32, n_anchors=5,
+                      n_shift_tokens=2, outlier_channels=2)
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return make_synthetic(SMALL)
+
+
+def causal_attention(trace, layer, q_head, rows, n_keys):
+    """softmax(q . K^T / sqrt(d)) of the queries at `rows` over keys 0..n_keys-1, causal."""
+    k = trace.k[layer, trace.kv_head(q_head), :n_keys].astype(np.float64)
+    out = []
+    for r in rows:
+        p = int(trace.query_positions[r])
+        logits = k[: p + 1] @ trace.q[layer, q_head, r].astype(np.float64) / np.sqrt(trace.head_dim)
+        a = np.zeros(n_keys)
+        a[: p + 1] = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+        out.append(a)
+    return np.array(out)
+
+
+def snapkv_votes(trace, layer, window, kernel=5):
+    """SnapKV as kvpress computes it: the window's queries' mean attention to the prefix,
+    avg_pool1d(kernel, stride 1, padding kernel // 2, zeros counted), mean over the GQA group."""
+    c = trace.context_len
+    rows = [i for i, p in enumerate(trace.query_positions) if c - window <= p < c]
+    per_head = []
+    for h in range(trace.n_q_heads):
+        votes = causal_attention(trace, layer, h, rows, c).mean(axis=0)[: c - window]
+        padded = np.concatenate([np.zeros(kernel // 2), votes, np.zeros(kernel // 2)])
+        per_head.append([padded[i:i + kernel].mean() for i in range(c - window)])
+    per_head = np.array(per_head).reshape(trace.n_kv_heads, trace.group_size, -1)
+    return per_head.mean(axis=1)                                     # (kv_heads, c - window)
+
+
+@settings(max_examples=25, deadline=None)
+@given(sink=st.integers(0, 6), recent=st.integers(1, 40), heavy=st.integers(1, 50), window=st.integers(0, 40))
+def test_snapkv_heavy_slots_go_to_the_top_voted_tokens_before_the_window(trace, sink, recent, heavy, window):
+    """At every budget, including heavy < window - recent (where the old +inf window filled every
+    heavy slot with the window's first tokens), the heavy hitters are the top votes of the prefix."""
+    if window > recent:
+        with pytest.raises(SpecError, match="must fit inside the recent window"):
+            Spec(sink=sink, recent=recent, heavy=heavy, scorer="snapkv", snapkv_window=window)
+        return
+    spec = Spec(sink=sink, recent=recent, heavy=heavy, scorer="snapkv", snapkv_window=window or None)
+    w = spec.observation_window
+    assert w == (window or min(recent, 64))
+    c = trace.context_len
+    kept = keep_masks(trace, spec, 1, [c - 1])[0]                    # at the compression point
+    votes = snapkv_votes(trace, 1, w)
+    for g in range(trace.n_kv_heads):
+        candidates = np.arange(min(sink, c), max(min(sink, c), c - recent))
+        assert np.all(candidates < c - w)                            # nothing inside the window competes
+        order = sorted(candidates, key=lambda i: (-votes[g, i], i))
+        want = set(order[:heavy])
+        got = set(np.flatnonzero(kept[g])) - set(range(min(sink, c))) - set(range(c - recent, c))
+        assert got == want
+        assert np.all(kept[g, c - w: c])                             # the window itself is kept
+
+
+def test_snapkv_needs_a_recent_window_that_holds_its_observation_window():
+    with pytest.raises(SpecError, match="recent window of at least 1"):
+        Spec(sink=4, heavy=8, scorer="snapkv")
+    assert Spec(sink=4, recent=23, heavy=24, scorer="snapkv").observation_window == 23
+    assert Spec(sink=4, recent=200, heavy=24, scorer="snapkv").observation_window == 64
+
+
+def test_snapkv_synthetic_default_keeps_no_block_of_its_window():
+    """The issue's case: synthetic default, sink 4 + recent 23 + heavy 24 kept 448-471 as 'heavy'."""
+    t = make_synthetic(SyntheticSpec())
+    row = compare(t, Spec(sink=4, recent=23, heavy=24, scorer="snapkv")).primary
+    heavy = np.flatnonzero(row.reason == 3)
+    assert len(heavy) == 24
+    assert not set(range(448, 472)) <= set(heavy.tolist())           # no tie-broken block of a window
+    assert np.all(heavy < t.context_len - 23)                        # all before the observation window
+    votes = snapkv_votes(t, 0, 23)[0]
+    others = np.setdiff1d(np.arange(4, t.context_len - 23), heavy)
+    assert votes[heavy].min() >= votes[others].max()                 # the top votes, as kvpress ranks
+
+
+def h2o_reference(trace, spec, layer, positions, normalized):
+    """Streaming H2O from its definition, one KV head at a time, with plain loops."""
+    c, P, g = trace.context_len, trace.n_positions, trace.group_size
+    ctx_rows = [i for i, p in enumerate(trace.query_positions) if p < c]
+    later = {int(p): i for i, p in enumerate(trace.query_positions) if p >= c}
+    out = np.zeros((len(positions), trace.n_kv_heads, P), bool)
+    for kv in range(trace.n_kv_heads):
+        heads = range(kv * g, (kv + 1) * g)
+        total = sum(causal_attention(trace, layer, h, ctx_rows, P).sum(axis=0) for h in heads)
+        count = np.array([sum(trace.query_positions[r] >= i for r in ctx_rows) for i in range(P)], float)
+        score = lambda i: total[i] / max(count[i], 1) if normalized else total[i]   # noqa: E731
+        ranked = sorted(range(spec.sink, c - spec.recent), key=lambda i: (-score(i), i))
+        kept = sorted(set(range(spec.sink)) | set(range(c - spec.recent, c)) | set(ranked[:spec.heavy]))
+        unseen = set()
+        for p in range(c, max(positions) + 1):
+            kept.append(p)
+            unseen.add(p)
+            if len(kept) > spec.budget:
+                free = [i for i in kept if spec.sink <= i <= p - spec.recent]
+                seen_free = [i for i in free if i not in unseen]
+                pool = seen_free or free
+                victim = min(pool, key=lambda i: (score(i), i)) if seen_free else min(pool)
+                kept.remove(victim)
+            if p in positions:
+                out[list(positions).index(p), kv, kept] = True
+            if p in later:
+                ks = np.array(kept)
+                for h in heads:
+                    k = trace.k[layer, kv, ks].astype(np.float64)
+                    logits = k @ trace.q[layer, h, later[p]].astype(np.float64) / np.sqrt(trace.head_dim)
+                    a = np.exp(logits - logits.max())
+                    total[ks] += a / a.sum()
+                count[: p + 1] += 1
+                unseen.clear()
+    return out
+
+
+@pytest.mark.parametrize("normalized", [False, True])
+def test_h2o_sum_and_mean_forms_follow_their_definitions(trace, normalized):
+    spec = Spec(sink=2, recent=6, heavy=9, scorer="h2o", h2o_normalized=normalized)
+    positions = [int(p) for p in trace.query_positions[trace.later_queries]]
+    got = keep_masks(trace, spec, 0, positions)
+    want = h2o_reference(trace, spec, 0, positions, normalized)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_h2o_mean_form_changes_the_decision(trace):
+    last = [trace.n_positions - 1]
+    a = keep_masks(trace, Spec(sink=2, recent=6, heavy=9), 0, last)
+    b = keep_masks(trace, Spec(sink=2, recent=6, heavy=9, h2o_normalized=True), 0, last)
+    assert (a != b).any()
+
+
+@pytest.mark.parametrize("scorer", ["h2o", "tova", "snapkv", "streaming", "knorm", "oracle"])
+def test_the_budget_shown_is_what_a_query_attends_over(trace, scorer):
+    """Streaming policies count the arriving token inside the budget: a decode query attends over
+    exactly sink + recent + heavy tokens, its own among them, and 'Tokens kept' says that number."""
+    spec = Spec(sink=3, recent=5, heavy=7, scorer=scorer)
+    for step in range(len(trace.later_queries)):
+        c = compare(trace, spec, View(head=1, step=step))
+        row = c.primary
+        attended = np.flatnonzero(row.compressed > 0)
+        assert len(attended) == spec.budget == c.memory.kept_tokens == row.kept.sum()
+        assert row.kept[row.position]
