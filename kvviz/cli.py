@@ -8,7 +8,9 @@ import math
 import sys
 from pathlib import Path
 
-from .spec import AXES, ENSEMBLES, FULL_BITS, QUANT_MODELS, SCORERS, Spec, SpecError, View
+from .metrics import DEFINITIONS as METRIC_DEFINITIONS
+from .spec import (AXES, ENSEMBLES, FULL_BITS, PARTIAL_GROUPS, QUANT_MODELS, SCORERS, ZERO_POINTS, Spec,
+                   SpecError, View)
 from .trace import TraceError
 
 
@@ -56,6 +58,21 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--group-size", type=int, default=32)
     g.add_argument("--residual", type=_nonneg, default=0, help="recent tokens kept in full precision")
     g.add_argument("--symmetric", action="store_true", help="symmetric quantization (no zero point)")
+    g.add_argument("--zero-point", default="float", choices=ZERO_POINTS,
+                   help="asymmetric groups: KIVI's float offset x_hat = q*s + min (float, default) or an "
+                        "integer zero point x_hat = s*(q - z) as integer kernels store it (int)")
+    g.add_argument("--partial-groups", default="full", choices=PARTIAL_GROUPS,
+                   help="a trailing group shorter than --group-size: kept at 16 bits as KIVI does (full, "
+                        "default) or quantized as a short group (quantize)")
+    g.add_argument("--snapkv-window", type=_nonneg, default=0,
+                   help="SnapKV observation window in queries (0 = the recent window, capped at 64); "
+                        "must fit inside --recent, which keeps it")
+    g.add_argument("--h2o-normalized", action="store_true",
+                   help="H2O: divide each token's accumulated attention by the number of queries that saw it "
+                        "(kvpress's observed-attention form)")
+    g.add_argument("--rerotate", action="store_true",
+                   help="real-model decode (eval): re-rotate kept keys to their cache slots as the original "
+                        "StreamingLLM does, instead of keeping their true positions")
     g.add_argument("--quant-model", default="kv", choices=QUANT_MODELS,
                    help="kv = real K/V quantization; noise = the handbook's logit-noise model")
     g.add_argument("--noise-sigma", type=float, default=0.01, help="noise model: logit noise std")
@@ -69,7 +86,9 @@ def spec_from_args(a: argparse.Namespace) -> Spec:
                 value_bits=bits if a.value_bits is None else a.value_bits,
                 key_axis=a.key_axis, value_axis=a.value_axis, group_size=a.group_size,
                 residual=a.residual, symmetric=a.symmetric, quant_model=a.quant_model,
-                noise_sigma=a.noise_sigma, seed=a.seed)
+                noise_sigma=a.noise_sigma, seed=a.seed, zero_point=a.zero_point, partial=a.partial_groups,
+                snapkv_window=a.snapkv_window or None, h2o_normalized=a.h2o_normalized,
+                positions="cache" if a.rerotate else "true")
 
 
 def source_from_args(a: argparse.Namespace):
@@ -99,7 +118,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
     trace, for_seed = source_from_args(a)
     result = compare(trace, spec, view, trace_for_seed=for_seed)
     if a.json:
-        json.dump(_json_safe(result.to_json()), sys.stdout)
+        json.dump(_json_safe({**result.to_json(), "definitions": METRIC_DEFINITIONS}), sys.stdout)
         sys.stdout.write("\n")
     else:
         print(format_table(result, trace))
@@ -137,10 +156,14 @@ def format_table(result, trace, max_rows: int = 80) -> str:
                      f"{p.error[i]:>+10.5f} {result.spread.std[i]:>9.5f}  {REASONS[int(p.reason[i])]}")
     m = result.metrics
     out = "n/a" if m["output_rel_error"] is None else f"{m['output_rel_error']:.4f}"
+    forward = "inf (a token the original attends to was evicted)" if math.isinf(m["kl_forward"]) \
+        else f"{m['kl_forward']:.4f} nats"
     lines += ["", "metrics:",
               f"  attention mass retained   {m['mass_retained']:.4f}",
               f"  total-variation distance  {m['tv_distance']:.4f}",
-              f"  KL(original || compressed) {m['kl']:.4f} nats",
+              f"  KL(compressed || original) {m['kl']:.4f} nats",
+              f"  KL(original || compressed) {forward}",
+              f"  Jensen-Shannon            {m['js']:.4f} nats (at most ln 2 = 0.6931)",
               f"  max |error|               {m['max_abs_error']:.5f}",
               f"  output relative L2 error  {out}",
               f"  KV cache                  {m['kv_bytes']:,.0f} B of {m['kv_bytes_full']:,.0f} B (16-bit), "

@@ -18,7 +18,7 @@ from functools import lru_cache
 import numpy as np
 
 from .attention import kv_runs, logit_rows, small_blas, softmax, softmax_and_log
-from .metrics import LOG_KL_EPS, RowMetrics, Spread, row_metrics_batch, spread
+from .metrics import RowMetrics, Spread, divergences, row_metrics_batch, spread
 from .policies import ScoreContext, get_policy, select
 from .quant import kv_bytes_per_token, quantize_kept, tensor_bytes
 from .spec import FULL_BITS, Spec, SpecError, View
@@ -111,9 +111,11 @@ class Comparison:
             "reason": [REASONS[int(r)] for r in p.reason],
             "error": p.error.tolist(),
             "error_mean": self.spread.mean.tolist(),
-            "error_std": self.spread.std.tolist(),
-            "error_lo": self.spread.lo.tolist(),
-            "error_hi": self.spread.hi.tolist(),
+            "error_std_sample": self.spread.std.tolist(),
+            "error_ci95_lo": self.spread.ci_lo.tolist(),
+            "error_ci95_hi": self.spread.ci_hi.tolist(),
+            "error_min": self.spread.member_min.tolist(),
+            "error_max": self.spread.member_max.tolist(),
             "metrics": self.metrics,
             "metrics_mean": self.metrics_mean,
             "notes": list(self.notes),
@@ -158,7 +160,8 @@ def memory_for(trace: Trace, spec: Spec, n_tokens: int) -> Memory:
 def _memory(n_layers: int, n_kv_heads: int, head_dim: int, spec: Spec, n_tokens: int) -> Memory:
     kept = min(spec.budget, n_tokens) if spec.evicts else n_tokens
     per_head = sum(
-        tensor_bytes(kept, head_dim, bits, axis, spec.group_size, spec.residual, spec.symmetric).total
+        tensor_bytes(kept, head_dim, bits, axis, spec.group_size, spec.residual, spec.symmetric,
+                     spec.zero_point, spec.partial).total
         for bits, axis in ((spec.key_bits, spec.key_axis), (spec.value_bits, spec.value_axis)))
     heads = n_layers * n_kv_heads
     return Memory(kv_bytes=per_head * heads,
@@ -228,9 +231,10 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     compressed = np.zeros_like(original)
     compressed.ravel()[flat] = p_kept.ravel()
     error = compressed - original
-    log_ratio = log_original - LOG_KL_EPS             # log p - log q: evicted tokens count as q = KL_EPS
-    log_ratio.ravel()[flat] = log_original.take(flat) - logp_kept.ravel()
-    mass = original.take(flat).reshape(H, m).sum(axis=1)
+    original_kept = original.take(flat).reshape(H, m)
+    mass = original_kept.sum(axis=1)
+    kl, kl_forward, js = divergences(original_kept, log_original.take(flat).reshape(H, m), p_kept, logp_kept,
+                                     mass, evicted=m < n)
 
     out = out_hat = None
     if trace.v is not None:
@@ -245,7 +249,7 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
                 out_hat[rows] = compressed[rows].astype(values.dtype) @ values[g, :n]
             else:
                 out_hat[rows] = p_kept[rows].astype(values.dtype) @ values[g, kept_at[g]]
-    metrics = row_metrics_batch(original, error, log_ratio, mass, out, out_hat)
+    metrics = row_metrics_batch(error, mass, kl, kl_forward, js, out, out_hat)
     reason = reasons_for(kept_kv[:, :n], spec)                           # (kv_heads, n)
     return [RowResult(layer=layer, head=int(h), kv_head=g, query=qi, position=p,
                       original=original[i], compressed=compressed[i], kept=kept_kv[g, :n], reason=reason[g],
@@ -294,7 +298,8 @@ def _quantized_kept(trace: Trace, spec: Spec, layer: int, p: int, kept_at: dict[
     if missing:
         heads, where = np.array(missing), np.stack([kept_at[g] for g in missing])   # (U,), (U, m)
         key_delta = v_hat = [None] * len(missing)
-        settings = dict(group_size=spec.group_size, residual=spec.residual, symmetric=spec.symmetric)
+        settings = dict(group_size=spec.group_size, residual=spec.residual, symmetric=spec.symmetric,
+                        zero_point=spec.zero_point, partial=spec.partial)
         if spec.key_bits < FULL_BITS:
             key_delta = quantize_kept(trace.k[layer], heads, where, spec.key_bits, spec.key_axis,
                                       delta=True, **settings)
@@ -352,6 +357,9 @@ def _same_step(a: Trace, b: Trace, qi: int) -> int:
 def compare(trace: Trace, spec: Spec, view: View = View(),
             trace_for_seed: Callable[[int], Trace] | None = None) -> Comparison:
     """Compute one configuration: the primary row, its ensemble and the summaries."""
+    if spec.positions != "true":
+        raise SpecError("re-rotating keys to their cache slots needs the model's RoPE: it applies to real-model "
+                        "decoding (Model lab, kvviz eval), not to attention traces")
     qi = check_view(trace, view)
     members = ensemble_members(trace, spec, view, qi, trace_for_seed)
 

@@ -37,9 +37,11 @@ METHOD_SYMBOLS = {"h2o": "circle", "tova": "diamond", "snapkv": "square", "strea
 FONT = dict(family="Source Sans Pro, sans-serif", size=13)
 
 
-def _layout(fig: go.Figure, title: str, x_title: str, y_title: str, height: int = 380) -> go.Figure:
-    fig.update_layout(title=dict(text=title, x=0.01), height=height, font=FONT, template="plotly_white",
-                      margin=dict(l=60, r=20, t=50, b=50),
+def _layout(fig: go.Figure, title: str, x_title: str, y_title: str, height: int = 380,
+            subtitle: str = "") -> go.Figure:
+    text = f"{title}<br><sup>{subtitle}</sup>" if subtitle else title
+    fig.update_layout(title=dict(text=text, x=0.01), height=height, font=FONT, template="plotly_white",
+                      margin=dict(l=60, r=20, t=70 if subtitle else 50, b=50),
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0),
                       hoverlabel=dict(namelength=-1))
     fig.update_xaxes(title_text=x_title)
@@ -49,11 +51,12 @@ def _layout(fig: go.Figure, title: str, x_title: str, y_title: str, height: int 
 
 # --- explorer ----------------------------------------------------------------------------
 
-def attention_figure(frame: pd.DataFrame, title: str = "Attention per token: original vs compressed") -> go.Figure:
+def attention_figure(frame: pd.DataFrame, title: str = "Attention per token: original vs compressed",
+                     row: str = "") -> go.Figure:
     """Grouped bars per token: original (grey) and compressed coloured by why the token was kept.
 
     Evicted tokens have no compressed bar; a vermillion cross marks their original weight.
-    `frame` is `kvviz.ui_data.token_frame`.
+    `frame` is `kvviz.ui_data.token_frame`; `row` names the one row shown ("layer 0, head 0, ...").
     """
     fig = go.Figure()
     hover = ("<b>%{customdata[0]}</b> (position %{x})<br>original %{customdata[1]:.4f}"
@@ -77,11 +80,13 @@ def attention_figure(frame: pd.DataFrame, title: str = "Attention per token: ori
                                     line=dict(width=2, color=REASON_COLORS["evicted"])),
                         customdata=custom[ev], hovertemplate=hover)
     fig.update_layout(barmode="group", bargap=0.15, bargroupgap=0.0)
-    return _layout(fig, title, "token position (index)", "attention weight (probability)")
+    return _layout(fig, title, "token position (index)", "attention weight (probability)",
+                   subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)")
 
 
 def binned_attention_figure(frame: pd.DataFrame,
-                            title: str = "Attention mass per bin of tokens: original vs compressed") -> go.Figure:
+                            title: str = "Attention mass per bin of tokens: original vs compressed",
+                            row: str = "") -> go.Figure:
     """Long sequences: one bar pair per bin; the original bar splits into kept (grey) and evicted
     (vermillion, hatched) mass, the compressed bar beside it.
 
@@ -105,35 +110,45 @@ def binned_attention_figure(frame: pd.DataFrame,
     fig.add_bar(x=centers, y=frame["compressed"], width=width * 0.45, offset=0, name="compressed",
                 marker_color=REASON_COLORS["kept (no eviction)"], customdata=custom, hovertemplate=hover)
     fig.update_layout(barmode="overlay")
-    return _layout(fig, title, f"token position (bins of {int(width)} tokens)", "attention mass per bin (probability)")
+    return _layout(fig, title, f"token position (bins of {int(width)} tokens)", "attention mass per bin (probability)",
+                   subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)")
+
+
+BAND_TEXT = {"std": "± 1 sample std", "ci95": "95% t-interval for the mean", "range": "range (min–max)"}
 
 
 def error_figure(frame: pd.DataFrame, bars: str = "std", members: int = 1,
-                 title: str = "Per-token error: compressed − original attention") -> go.Figure:
+                 title: str = "Per-token error: compressed − original attention",
+                 what: str = "") -> go.Figure:
     """Mean error per token over the ensemble with error bars, coloured by why the token was kept.
 
-    `frame` is `kvviz.ui_data.token_frame` (or `binned_frame`, which has `start`/`end`).
+    `frame` is `kvviz.ui_data.token_frame` (or `binned_frame`, which has `start`/`end`);
+    `bars` one of kvviz.metrics.BANDS; `what` names the ensemble ("query heads 0-7 of layer 1").
+    With one member there is no spread: the chart says it shows that one row.
     """
+    from .ui_data import with_band
+
+    frame = with_band(frame, bars)
     binned = "start" in frame.columns
     x = frame["start"] + (frame["tokens"] - 1) / 2 if binned else frame["position"]
-    bar_text = "± 1 std" if bars == "std" else "95% interval"
+    bar_text = BAND_TEXT[bars]
     fig = go.Figure()
-    up = (frame["error_hi"] - frame["error_mean"]).clip(lower=0)
-    down = (frame["error_mean"] - frame["error_lo"]).clip(lower=0)
+    up = (frame["band_hi"] - frame["error_mean"]).clip(lower=0).fillna(0)
+    down = (frame["error_mean"] - frame["band_lo"]).clip(lower=0).fillna(0)
     if binned:
-        custom = np.stack([frame["start"], frame["end"], frame["error_mean"], frame["error_lo"],
-                           frame["error_hi"]], axis=1)
+        custom = np.stack([frame["start"], frame["end"], frame["error_mean"], frame["band_lo"],
+                           frame["band_hi"]], axis=1)
         hover = ("<b>tokens %{customdata[0]}-%{customdata[1]}</b><br>mean error %{customdata[2]:.5f}"
                  "<br>bars %{customdata[3]:.5f} to %{customdata[4]:.5f}<extra></extra>")
-        fig.add_bar(x=x, y=frame["error_mean"], name=f"mean error per bin ({bar_text}, {members} rows)",
+        fig.add_bar(x=x, y=frame["error_mean"], name=f"mean error per bin ({bar_text}, N = {members})",
                     marker_color=OKABE_ITO["blue"], customdata=custom, hovertemplate=hover,
                     error_y=dict(type="data", symmetric=False, array=up, arrayminus=down,
                                  color=OKABE_ITO["black"], thickness=1.2, width=2))
         x_title = f"token position (bins of {int(frame['tokens'].max())} tokens)"
         y_title = "error in attention mass per bin (probability)"
     else:
-        custom = np.stack([frame["token"].astype(str), frame["error_mean"], frame["error_lo"],
-                           frame["error_hi"], frame["reason"]], axis=1)
+        custom = np.stack([frame["token"].astype(str), frame["error_mean"], frame["band_lo"],
+                           frame["band_hi"], frame["reason"]], axis=1)
         hover = ("<b>%{customdata[0]}</b> (position %{x})<br>mean error %{customdata[1]:.5f}"
                  "<br>bars %{customdata[2]:.5f} to %{customdata[3]:.5f}<br>%{customdata[4]}<extra></extra>")
         for reason, color in REASON_COLORS.items():
@@ -148,13 +163,20 @@ def error_figure(frame: pd.DataFrame, bars: str = "std", members: int = 1,
         y_title = "attention error (compressed − original)"
     fig.add_hline(y=0, line_width=1, line_color=OKABE_ITO["black"])
     fig.update_layout(barmode="overlay", bargap=0.15)
-    return _layout(fig, f"{title} — mean {bar_text} over {members} row{'s' if members != 1 else ''}",
-                   x_title, y_title)
+    if members > 1:
+        subtitle = f"ensemble mean of N = {members} rows{f' ({what})' if what else ''}, bars: {bar_text}"
+    else:
+        subtitle = f"one row{f' ({what})' if what else ''}, no ensemble: no error bars"
+    return _layout(fig, title, x_title, y_title, subtitle=subtitle)
 
 
 # --- trade-offs -----------------------------------------------------------------------------
 
-METRIC_LABELS = {"tv": "TV distance (0-1)", "kl": "KL divergence (nats)", "output_error": "output relative error (‖ô−o‖/‖o‖)"}
+METRIC_LABELS = {"tv": "TV distance (0-1)",
+                 "kl_compressed_vs_original": "KL(compressed ‖ original), nats",
+                 "js": "Jensen–Shannon divergence, nats (≤ ln 2)",
+                 "output_error": "output relative error (‖ô−o‖/‖o‖)",
+                 "mass_retained": "attention mass retained (0-1)"}
 
 
 def tradeoff_figure(rows: Sequence[dict], metric: str = "tv", front: Sequence[int] = (),

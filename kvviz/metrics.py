@@ -7,15 +7,28 @@ from functools import cached_property
 
 import numpy as np
 
-KL_EPS = 1e-10  # keeps KL finite when a token the original attends to was evicted
-LOG_KL_EPS = float(np.log(KL_EPS))
+LN2 = float(np.log(2.0))
+T_LEVEL = 0.95   # the t-interval's confidence
 
 
 @dataclass(frozen=True, slots=True)
 class RowMetrics:
+    """How far one compressed attention row q is from the original p (both over tokens 0..pos).
+
+    kl          KL(compressed || original) = sum over kept tokens of q (log q - log p), nats.
+                Always finite; exactly -log(mass retained) for pure eviction (q = p / mass on
+                the kept tokens), the usual KL for pure quantization.
+    kl_forward  KL(original || compressed) = sum p (log p - log q): infinite (inf; JSON null)
+                as soon as a token with p > 0 is evicted, so it is finite only without eviction.
+    js          Jensen-Shannon divergence, 1/2 KL(p || m) + 1/2 KL(q || m) with m = (p + q) / 2;
+                symmetric, finite, at most ln 2.
+    """
+
     mass_retained: float      # original attention mass on the kept tokens
     tv_distance: float        # 0.5 * sum |a - a_hat|
-    kl: float                 # KL(original || compressed), epsilon-smoothed, nats
+    kl: float                 # KL(compressed || original), nats
+    kl_forward: float         # KL(original || compressed), nats; inf once anything is evicted
+    js: float                 # Jensen-Shannon divergence, nats, <= ln 2
     max_abs_error: float
     output_rel_error: float | None  # ||o - o_hat|| / ||o||, o = a . V
     output_cosine: float | None
@@ -24,21 +37,38 @@ class RowMetrics:
         return asdict(self)
 
 
-def row_metrics_batch(original: np.ndarray, error: np.ndarray, log_ratio: np.ndarray, mass: np.ndarray,
-                      out_original: np.ndarray | None = None,
+def divergences(p_kept: np.ndarray, log_p_kept: np.ndarray, q_kept: np.ndarray, log_q_kept: np.ndarray,
+                mass: np.ndarray, evicted: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(kl, kl_forward, js) per row, from the rows over the kept tokens only (H, m).
+
+    p is the original attention (its log from the full log-softmax), q the compressed one
+    (zero on evicted tokens, so those enter only through the mass they lose: each evicted
+    token adds 1/2 p ln 2 to js and makes kl_forward infinite).
+    """
+    kl = np.einsum("ij,ij->i", q_kept, log_q_kept - log_p_kept)
+    if evicted:
+        kl_forward = np.full(len(p_kept), np.inf)
+    else:
+        kl_forward = np.einsum("ij,ij->i", p_kept, log_p_kept - log_q_kept)
+    log_mid = np.logaddexp(log_p_kept, log_q_kept) - LN2                      # log (p + q) / 2
+    js = 0.5 * (np.einsum("ij,ij->i", p_kept, log_p_kept - log_mid)
+                + np.einsum("ij,ij->i", q_kept, log_q_kept - log_mid)
+                + np.clip(1.0 - mass, 0.0, None) * LN2)
+    return np.maximum(kl, 0.0), np.maximum(kl_forward, 0.0), np.clip(js, 0.0, LN2)
+
+
+def row_metrics_batch(error: np.ndarray, mass: np.ndarray, kl: np.ndarray, kl_forward: np.ndarray,
+                      js: np.ndarray, out_original: np.ndarray | None = None,
                       out_compressed: np.ndarray | None = None) -> list[RowMetrics]:
     """Metrics of rows stacked along axis 0 (H, n), vectorised.
 
     error = compressed - original; mass (H,) = original attention on the kept tokens;
-    log_ratio = log p - log q, from log-softmaxes, where an evicted token (q = 0) counts
-    as q = KL_EPS: KL(original || compressed) = sum p log_ratio stays finite, and is
-    exactly 0 with nothing compressed.
+    kl, kl_forward, js (H,) from `divergences`.
     """
-    kl = np.einsum("ij,ij->i", original, log_ratio)
     abs_err = np.abs(error)
     tv = 0.5 * abs_err.sum(axis=1)
     mx = abs_err.max(axis=1)
-    rel = cos = [None] * len(original)
+    rel = cos = [None] * len(error)
     if out_original is not None and out_compressed is not None:
         o, o_hat = out_original, out_compressed
         diff = o_hat - o
@@ -48,8 +78,32 @@ def row_metrics_batch(original: np.ndarray, error: np.ndarray, log_ratio: np.nda
         dot = np.einsum("ij,ij->i", o, o_hat).tolist()
         rel = [d / a if a > 0 else 0.0 for d, a in zip(norm_diff, norm)]
         cos = [x / (a * b) if a * b > 0 else 1.0 for x, a, b in zip(dot, norm, norm_hat)]
-    return [RowMetrics(mass_retained=m, tv_distance=t, kl=k, max_abs_error=x, output_rel_error=r, output_cosine=c)
-            for m, t, k, x, r, c in zip(mass.tolist(), tv.tolist(), kl.tolist(), mx.tolist(), rel, cos)]
+    return [RowMetrics(mass_retained=m, tv_distance=t, kl=k, kl_forward=f, js=j, max_abs_error=x,
+                       output_rel_error=r, output_cosine=c)
+            for m, t, k, f, j, x, r, c in zip(mass.tolist(), tv.tolist(), kl.tolist(), kl_forward.tolist(),
+                                              js.tolist(), mx.tolist(), rel, cos)]
+
+
+DEFINITIONS = {
+    "mass_retained": "original attention mass on the tokens the compressed cache keeps",
+    "tv_distance": "0.5 * sum |compressed - original| (0 = identical, 1 = disjoint)",
+    "kl": "KL(compressed || original) = sum over kept tokens of q (log q - log p), nats; finite; "
+          "-log(mass_retained) for pure eviction",
+    "kl_forward": "KL(original || compressed), nats; infinite (JSON null) once an attended token is evicted",
+    "js": "Jensen-Shannon divergence of original and compressed attention, nats, at most ln 2",
+    "max_abs_error": "largest |compressed - original| over the tokens",
+    "output_rel_error": "||o_hat - o|| / ||o||, o = a . V the attention output",
+    "output_cosine": "cosine similarity of o_hat and o",
+    "error_std_sample": "sample standard deviation over the ensemble members (n - 1)",
+    "error_ci95_lo": "mean - t(0.975, n-1) * std / sqrt(n): 95% confidence interval for the mean error (_hi: +)",
+    "error_min": "smallest error among the ensemble members (error_max: largest)",
+}
+
+BANDS = {
+    "std": "mean ± 1 sample std",
+    "ci95": "95% t-interval for the mean",
+    "range": "range (min–max) of the members",
+}
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,6 +111,12 @@ class Spread:
     """Per-token statistics of an ensemble of error rows (members x tokens).
 
     NaN in `errors` marks a token a member cannot see (an earlier step, say).
+        mean    the members' mean error per token
+        std     the *sample* standard deviation (n - 1 in the denominator); 0 for one member
+        n       members that see each token
+        ci95    mean -+ t(0.975, n - 1) * std / sqrt(n): a 95% confidence interval for the mean
+                error, assuming the members are independent draws (NaN for one member)
+        min/max the range of the members themselves
     """
 
     errors: np.ndarray
@@ -65,20 +125,51 @@ class Spread:
     n: np.ndarray    # members that see each token
 
     @cached_property
-    def lo(self) -> np.ndarray:
-        """2.5th percentile per token (computed on first use: it needs a sort)."""
-        return _column_percentile(self.errors, self.n, 2.5)
+    def member_min(self) -> np.ndarray:
+        return np.nanmin(self.errors, axis=0)
 
     @cached_property
-    def hi(self) -> np.ndarray:
-        """97.5th percentile per token."""
-        return _column_percentile(self.errors, self.n, 97.5)
+    def member_max(self) -> np.ndarray:
+        return np.nanmax(self.errors, axis=0)
+
+    @cached_property
+    def half_width(self) -> np.ndarray:
+        """t(0.975, n - 1) * std / sqrt(n) per token; NaN where n = 1."""
+        n = self.n.astype(np.float64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(n > 1, t_quantile(0.5 + T_LEVEL / 2, n - 1) * self.std / np.sqrt(n), np.nan)
+
+    @property
+    def ci_lo(self) -> np.ndarray:
+        return self.mean - self.half_width
+
+    @property
+    def ci_hi(self) -> np.ndarray:
+        return self.mean + self.half_width
+
+    def band(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
+        """(lo, hi) of one of BANDS."""
+        if kind == "std":
+            return self.mean - self.std, self.mean + self.std
+        if kind == "ci95":
+            return self.ci_lo, self.ci_hi
+        if kind == "range":
+            return self.member_min, self.member_max
+        raise ValueError(f"error band must be one of {', '.join(BANDS)}, got {kind!r}")
+
+
+def t_quantile(prob: float, df: np.ndarray) -> np.ndarray:
+    """Student t quantile (scipy.special.stdtrit), NaN where df < 1."""
+    from scipy.special import stdtrit
+
+    df = np.asarray(df, dtype=np.float64)
+    return np.where(df >= 1, stdtrit(np.maximum(df, 1.0), prob), np.nan)
 
 
 def spread(errors: np.ndarray, complete: bool = False) -> Spread:
-    """Mean, std and 95% interval per token over the ensemble members (rows).
+    """Mean, sample std and member count per token over the ensemble members (rows).
 
-    A single member (or identical members) gives zero spread, never missing values.
+    A single member (or identical members) gives zero std, never missing values.
     `complete` says every member sees every token (no NaN), which skips the NaN count.
     """
     errors = np.atleast_2d(errors)
@@ -88,24 +179,14 @@ def spread(errors: np.ndarray, complete: bool = False) -> Spread:
         if not n.all():
             raise ValueError("every token needs at least one ensemble member that sees it")
         if n.min() < members:
-            return Spread(errors=errors, mean=np.nanmean(errors, axis=0), std=np.nanstd(errors, axis=0), n=n)
+            mean = np.nanmean(errors, axis=0)
+            std = np.sqrt(np.nansum((errors - mean) ** 2, axis=0) / np.maximum(n - 1, 1))
+            return Spread(errors=errors, mean=mean, std=std, n=n)
     mean = errors.sum(axis=0) / members          # every member sees every token: plain reductions
     deviation = errors - mean
     deviation *= deviation
-    std = np.sqrt(deviation.sum(axis=0) / members)
+    std = np.sqrt(deviation.sum(axis=0) / max(members - 1, 1))
     return Spread(errors=errors, mean=mean, std=std, n=np.full(errors.shape[1], members))
-
-
-def _column_percentile(a: np.ndarray, n: np.ndarray, q: float) -> np.ndarray:
-    """np.nanpercentile(a, q, axis=0) (linear interpolation), vectorised over columns."""
-    s = np.sort(a, axis=0)                      # NaN sorts last, so valid values lead
-    pos = (n - 1) * (q / 100.0)
-    below = np.floor(pos).astype(int)
-    above = np.minimum(below + 1, n - 1)
-    frac = pos - below
-    lo = np.take_along_axis(s, below[None], axis=0)[0]
-    hi = np.take_along_axis(s, above[None], axis=0)[0]
-    return lo + (hi - lo) * frac
 
 
 def concentration_curve(attention: np.ndarray, fractions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

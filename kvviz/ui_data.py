@@ -14,12 +14,12 @@ import pandas as pd
 
 from .attention import logit_rows, softmax
 from .engine import REASONS, Comparison
-from .metrics import concentration_curve, entropy, spread
+from .metrics import BANDS, Spread, concentration_curve, entropy, spread
 from .trace import Trace
 
 BIN_THRESHOLD = 256   # above this many tokens the charts show bins instead of one bar per token
 MAX_BINS = 128
-BARS = ("std", "95%")  # error bars: mean +- one standard deviation, or the 2.5-97.5 percentile interval
+BARS = tuple(BANDS)   # error bars: mean +- 1 sample std, a 95% t-interval for the mean, or the members' range
 
 
 def ranges_text(indices) -> str:
@@ -39,19 +39,53 @@ def ranges_text(indices) -> str:
 
 
 def error_band(comp: Comparison, bars: str = "std") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(mean, lo, hi) of the per-token error over the ensemble; bars 'std' or '95%'."""
+    """(mean, lo, hi) of the per-token error over the ensemble; bars one of BANDS."""
     s = comp.spread
-    if bars == "95%":
-        return s.mean, s.lo, s.hi
-    if bars != "std":
-        raise ValueError(f"error bars must be one of {BARS}, got {bars!r}")
-    return s.mean, s.mean - s.std, s.mean + s.std
+    return (s.mean, *s.band(bars))
 
 
-def token_frame(comp: Comparison, bars: str = "std") -> pd.DataFrame:
-    """One row per token the evaluated query sees: attention before/after, why kept, error."""
+def band_columns(s: Spread) -> dict[str, np.ndarray]:
+    """Every error band under a name that says what it holds (the CSV has them all)."""
+    return {"error_mean": s.mean, "error_std_sample": s.std,
+            "error_ci95_lo": s.ci_lo, "error_ci95_hi": s.ci_hi,
+            "error_min": s.member_min, "error_max": s.member_max, "members": s.n}
+
+
+def with_band(frame: pd.DataFrame, bars: str) -> pd.DataFrame:
+    """The frame plus `band_lo` / `band_hi`: the band the chart draws (one of BANDS)."""
+    lo, hi = {"std": (frame["error_mean"] - frame["error_std_sample"], frame["error_mean"] + frame["error_std_sample"]),
+              "ci95": (frame["error_ci95_lo"], frame["error_ci95_hi"]),
+              "range": (frame["error_min"], frame["error_max"])}[bars]
+    return frame.assign(band_lo=lo, band_hi=hi)
+
+
+def row_text(comp: Comparison) -> str:
+    """The primary row in words: 'layer 1, query head 2 (KV head 1), query at position 543'."""
     p = comp.primary
-    mean, lo, hi = error_band(comp, bars)
+    return f"layer {p.layer}, query head {p.head} (KV head {p.kv_head}), query at position {p.position}"
+
+
+def ensemble_text(comp: Comparison) -> str:
+    """What the ensemble members are, in words ('query heads 0-3 of layer 1, query at 543')."""
+    rows = comp.members
+    if len(rows) == 1:
+        return row_text(comp)
+    kind = comp.ensemble
+    if kind == "heads":
+        return f"query heads {ranges_text(r.head for r in rows)} of layer {rows[0].layer}"
+    if kind == "layers":
+        return f"query head {rows[0].head} in layers {ranges_text(r.layer for r in rows)}"
+    if kind == "steps":
+        return f"layer {rows[0].layer}, head {rows[0].head}, queries at positions {ranges_text(r.position for r in rows)}"
+    return f"{len(rows)} random seeds (noise draws, random scorer, synthetic pattern)"
+
+
+def token_frame(comp: Comparison) -> pd.DataFrame:
+    """One row per token the evaluated query sees: attention before/after, why kept, error.
+
+    `error` is the primary row's; the error_* columns are the ensemble's statistics.
+    """
+    p = comp.primary
     return pd.DataFrame({
         "position": np.arange(len(p.original)),
         "token": list(comp.tokens),
@@ -60,10 +94,7 @@ def token_frame(comp: Comparison, bars: str = "std") -> pd.DataFrame:
         "kept": p.kept.astype(bool),
         "reason": [REASONS[int(r)] for r in p.reason],
         "error": p.error,
-        "error_mean": mean,
-        "error_lo": lo,
-        "error_hi": hi,
-        "members": comp.spread.n,
+        **band_columns(comp.spread),
     })
 
 
@@ -78,7 +109,7 @@ def bin_sums(values: np.ndarray, edges: np.ndarray) -> np.ndarray:
     return np.add.reduceat(values, edges, axis=-1)
 
 
-def binned_frame(comp: Comparison, bars: str = "std", max_bins: int = MAX_BINS) -> pd.DataFrame:
+def binned_frame(comp: Comparison, max_bins: int = MAX_BINS) -> pd.DataFrame:
     """Bins of consecutive tokens: attention mass per bin and the error bars of each bin's mass shift.
 
     Each ensemble member's error row is summed per bin first, so the bars are the spread
@@ -98,10 +129,6 @@ def binned_frame(comp: Comparison, bars: str = "std", max_bins: int = MAX_BINS) 
     sums = bin_sums(member_sums, edges)
     sums[bin_sums(seen.astype(int), edges) == 0] = np.nan
     s = spread(sums)
-    if bars == "95%":
-        lo, hi = s.lo, s.hi
-    else:
-        lo, hi = s.mean - s.std, s.mean + s.std
     kept = p.kept.astype(bool)
     tokens = comp.tokens
     return pd.DataFrame({
@@ -115,9 +142,7 @@ def binned_frame(comp: Comparison, bars: str = "std", max_bins: int = MAX_BINS) 
         "compressed": bin_sums(p.compressed, edges),
         "evicted_mass": bin_sums(np.where(kept, 0.0, p.original), edges),
         "error": bin_sums(p.error, edges),
-        "error_mean": s.mean,
-        "error_lo": lo,
-        "error_hi": hi,
+        **band_columns(s),
     })
 
 

@@ -11,8 +11,8 @@ from kvviz import Spec, View, compare
 from kvviz.cli import main
 from kvviz.sources import handbook_trace, save_trace
 
-KEYS = ("mass_retained", "tv_distance", "kl", "max_abs_error", "output_rel_error", "output_cosine",
-        "kv_bytes", "kv_bytes_full", "compression_ratio")
+KEYS = ("mass_retained", "tv_distance", "kl", "kl_forward", "js", "max_abs_error", "output_rel_error",
+        "output_cosine", "kv_bytes", "kv_bytes_full", "compression_ratio")
 
 
 def run(capsys, *argv):
@@ -25,9 +25,12 @@ def test_compare_json_matches_engine(capsys):
     code, out, _ = run(capsys, "compare", "--sink", "4", "--recent", "8", "--heavy", "2", "--bits", "4", "--json")
     assert code == 0
     data = json.loads(out)
-    for key in ("tokens", "original", "compressed", "kept", "error_mean", "error_std", "metrics"):
+    for key in ("tokens", "original", "compressed", "kept", "error_mean", "error_std_sample", "error_ci95_lo",
+                "error_ci95_hi", "error_min", "error_max", "metrics", "definitions"):
         assert key in data
     assert set(KEYS) <= set(data["metrics"])
+    assert data["metrics"]["kl_forward"] is None          # infinite: tokens were evicted
+    assert "KL(compressed || original)" in data["definitions"]["kl"]
     expected = compare(handbook_trace(), Spec(sink=4, recent=8, heavy=2, key_bits=4, value_bits=4))
     assert data["metrics"]["tv_distance"] == pytest.approx(expected.metrics["tv_distance"], abs=1e-15)
     assert np.flatnonzero(data["kept"]).tolist() == [0, 1, 2, 3, 15, 28, *range(56, 64)]
@@ -45,7 +48,7 @@ def test_compare_trace_file(capsys, tmp_path):
     code, out, _ = run(capsys, "compare", "--source", str(path), "--json", "--ensemble", "seeds",
                        "--quant-model", "noise", "--noise-sigma", "0.1", "--ensemble-size", "5")
     data = json.loads(out)
-    assert code == 0 and max(data["error_std"]) > 0
+    assert code == 0 and max(data["error_std_sample"]) > 0
     assert data["metrics"]["output_cosine"] is not None
 
 
@@ -71,7 +74,8 @@ def test_sweep_csv(capsys, tmp_path):
     assert code == 0
     rows = list(csv.DictReader(io.StringIO(out_file.read_text())))
     assert {r["method"] for r in rows} == {"h2o", "streaming", "full"}
-    assert {"method", "budget", "bits", "memory_ratio", "tv", "kl", "output_error"} <= set(rows[0])
+    assert {"method", "budget", "bits", "memory_ratio", "tv", "kl_compressed_vs_original", "js",
+            "output_error"} <= set(rows[0])
     full16 = [r for r in rows if r["method"] == "full" and r["bits"] == "16"][0]
     assert float(full16["tv"]) == 0 and float(full16["memory_ratio"]) == 1
     quarter = [float(r["memory_ratio"]) for r in rows if r["method"] == "h2o" and r["bits"] == "16"][0]

@@ -44,8 +44,10 @@ def test_token_frame_matches_comparison(handbook_comp):
 def test_error_band_std_and_interval(long_comp):
     mean, lo, hi = error_band(long_comp, "std")
     np.testing.assert_allclose(hi - mean, long_comp.spread.std)
-    mean, lo, hi = error_band(long_comp, "95%")
-    np.testing.assert_array_equal(lo, long_comp.spread.lo)
+    mean, lo, hi = error_band(long_comp, "ci95")
+    np.testing.assert_array_equal(lo, long_comp.spread.ci_lo)
+    mean, lo, hi = error_band(long_comp, "range")
+    np.testing.assert_array_equal(hi, long_comp.spread.member_max)
     with pytest.raises(ValueError):
         error_band(long_comp, "iqr")
 
@@ -83,13 +85,15 @@ def test_attention_figure_marks_evicted_and_colours_by_reason(handbook_comp):
 
 
 def test_error_figure_bars(handbook_comp, long_comp):
-    f = token_frame(long_comp, "std")
-    fig = figures.error_figure(f.iloc[:200], "std", len(long_comp.members))
+    f = token_frame(long_comp)
+    fig = figures.error_figure(f.iloc[:200], "std", len(long_comp.members), what="query heads 0-3")
     bars = [t for t in fig.data if isinstance(t, go.Bar)]
     assert bars and all(t.error_y.array is not None for t in bars)
-    assert "4 rows" in fig.layout.title.text
-    b = figures.error_figure(binned_frame(long_comp), "95%", 4)
-    assert "bins of" in b.layout.xaxis.title.text and "95% interval" in b.layout.title.text
+    assert "N = 4 rows (query heads 0-3)" in fig.layout.title.text and "sample std" in fig.layout.title.text
+    b = figures.error_figure(binned_frame(long_comp), "ci95", 4)
+    assert "bins of" in b.layout.xaxis.title.text and "95% t-interval for the mean" in b.layout.title.text
+    one = figures.error_figure(token_frame(handbook_comp), "std", 1, what="layer 0, query head 0")
+    assert "one row (layer 0, query head 0)" in one.layout.title.text and "no error bars" in one.layout.title.text
     assert len(b.data[0].x) <= 128
 
 
