@@ -53,7 +53,7 @@ import numpy as np
 
 from .engine import memory_for
 from .policies import ScoreContext, evict_one, get_policy, select
-from .quant import quantize
+from .quant import kivi_residual, quantize
 from .spec import FULL_BITS, Spec, SpecError
 from .trace import Trace
 
@@ -90,11 +90,18 @@ class CompressedCache:
 
     def __init__(self, spec: Spec, n_layers: int, n_q_heads: int, n_kv_heads: int, head_dim: int,
                  capacity: int, mode: str = "delete", tokens: Sequence[str] | None = None,
-                 record: bool = False) -> None:
+                 record: bool = False, inv_freq=None) -> None:
         import torch
 
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        if spec.positions == "cache":
+            if inv_freq is None:
+                raise SpecError("re-rotating keys to their cache slots needs the model's rotary embedding "
+                                "(RoPE); this model has none kvviz can find")
+            if mode != "delete":
+                raise SpecError("keys re-rotated to cache slots are only simulated with deleted entries")
+        self.inv_freq = None if inv_freq is None else torch.as_tensor(inv_freq, dtype=torch.float32)
         if spec.quant_model == "noise" and spec.noise_sigma > 0:
             raise SpecError("the logit-noise model is a stand-in for attention rows only; "
                             "on a real model use real K/V quantization (quant_model 'kv')")
@@ -199,17 +206,13 @@ class CompressedCache:
             return x
         memo = self._quant_memo.get((layer, which))
         same = _common_prefix(memo[0], idx[:, :n_quant]) if memo is not None else 0
-        if axis == "token":
-            start = same          # a token's groups depend on that token alone
-        else:
-            G = min(s.group_size, n_quant)
-            # a channel group is reused only if it held the same G tokens last step
-            start = (same // G) * G if G == s.group_size else 0
+        # a token's groups depend on that token alone; a channel group only on its G tokens
+        start = same if axis == "token" else (same // s.group_size) * s.group_size
         out = np.empty_like(x)
         if start:
             out[:, :start] = memo[1][:, :start]
-        out[:, start:n_quant] = quantize(x[:, start:n_quant], bits, axis, s.group_size if axis == "token"
-                                         else min(s.group_size, n_quant), 0, s.symmetric)
+        out[:, start:n_quant] = quantize(x[:, start:n_quant], bits, axis, s.group_size, 0, s.symmetric,
+                                         zero_point=s.zero_point, partial=s.partial)
         out[:, n_quant:] = x[:, n_quant:]
         self._quant_memo[(layer, which)] = (idx[:, :n_quant].copy(), out[:, :n_quant].copy())
         return out
@@ -259,8 +262,9 @@ class CompressedCache:
         if self.policy.streaming and self.evicts:
             seen = np.take_along_axis(scores, kept, axis=1)                   # (H, m)
             seen[np.isposinf(seen)] = 0.0         # the new token has now been seen by a query
+            # every position has a query here: before this one, p - i queries saw token i
             self.policy.update(seen, a.reshape(self.Hq, -1).numpy().astype(np.float64),
-                               ScoreContext(self.trace, layer, spec))
+                               ScoreContext(self.trace, layer, spec), (p - kept).astype(np.float64))
             np.put_along_axis(scores, kept, seen, axis=1)
         return out.reshape(self.Hq, 1, self.D)
 
@@ -295,8 +299,28 @@ class CompressedCache:
         import torch
 
         K, V = self._kept_kv(layer, kept)                                     # (H, m, D)
+        if self.spec.positions == "cache":
+            K = self._rerotated(K, kept, self.length[layer] - 1)
         a = torch.softmax(qg @ K.transpose(1, 2) * scaling, dim=-1)            # (H, g, m)
         return a, a @ V                                                        # out (H, g, D)
+
+    def _rerotated(self, K, kept: np.ndarray, p: int):
+        """Kept keys as if each sat at its cache slot, the query at its own slot (StreamingLLM).
+
+        The cache holds post-RoPE keys at their true positions i; the query is rotated for
+        its true position p. RoPE makes q_p . k_i depend on p - i only, so rotating each key
+        by delta = (slot_k - slot_q) - (i - p) gives the logits of slot positions.
+        """
+        import torch
+
+        m = kept.shape[1]
+        slot_q = m - 1 if int(kept[0, -1]) == p else m        # the query's own slot (its token is kept)
+        delta = (np.arange(m)[None, :] - slot_q) - (kept - p)                 # (H, m)
+        angle = torch.from_numpy(delta.astype(np.float32))[..., None] * self.inv_freq   # (H, m, D/2)
+        cos, sin = torch.cat([angle.cos()] * 2, dim=-1), torch.cat([angle.sin()] * 2, dim=-1)
+        half = K.shape[-1] // 2
+        rotated_half = torch.cat([-K[..., half:], K[..., :half]], dim=-1)     # transformers' rotate_half
+        return K * cos + rotated_half * sin
 
     def _attend_masked(self, layer: int, qg, kept: np.ndarray, scaling: float):
         """Every entry stays; evicted ones get -inf logits. Returns a over the kept (H, g, m)."""
@@ -388,6 +412,14 @@ def compressed_cache(model, cache: CompressedCache):
             _ACTIVE.pop(id(config), None)
 
 
+def rope_inv_freq(model):
+    """The model's RoPE inverse frequencies (head_dim / 2,), or None if it has no rotary embedding."""
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb") and getattr(module, "inv_freq", None) is not None:
+            return module.inv_freq.detach().float().cpu()
+    return None
+
+
 def model_dims(model) -> tuple[int, int, int, int]:
     """(layers, query heads, KV heads, head_dim) of a causal LM's text config."""
     cfg = model.config
@@ -426,7 +458,8 @@ def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
     n = len(prompt_ids)
     if n < 1:
         raise SpecError("the prompt is empty")
-    cache = CompressedCache(spec, L, Hq, Hkv, D, capacity=n + steps, mode=mode, tokens=tokens, record=record)
+    cache = CompressedCache(spec, L, Hq, Hkv, D, capacity=n + steps, mode=mode, tokens=tokens, record=record,
+                            inv_freq=rope_inv_freq(model) if spec.positions == "cache" else None)
     say = progress or (lambda f, m: None)
     rows, fed = [], []
     with torch.inference_mode(), compressed_cache(model, cache):
@@ -719,7 +752,7 @@ def side_by_side(model, tokenizer, prompt: str | Sequence[int], spec: Spec, max_
 
 # --- sweeps ------------------------------------------------------------------------------
 
-SWEEP_FIELDS = ("method", "budget", "perplexity", "perplexity_full", "perplexity_ratio", "kl_mean", "kl_max",
+SWEEP_FIELDS = ("method", "budget", "spec", "residual", "perplexity", "perplexity_full", "perplexity_ratio", "kl_mean", "kl_max",
                 "top1_agreement", "kv_bytes", "kv_bytes_full", "compression_ratio", "memory_ratio",
                 "kept_tokens", "total_tokens")
 
@@ -728,16 +761,20 @@ SWEEP_METHODS: dict[str, Callable[[int], Spec]] = {
     "recent-only": lambda b: Spec(sink=0, recent=b, scorer="streaming"),
     "h2o": lambda b: Spec(sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="h2o"),
     "tova": lambda b: Spec(sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="tova"),
-    "snapkv": lambda b: Spec(sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="snapkv",
-                             snapkv_window=16),
+    "snapkv": lambda b: Spec(sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="snapkv"),
     "knorm": lambda b: Spec(sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="knorm"),
     "oracle": lambda b: Spec(sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="oracle"),
 }
-QUANT_METHODS: dict[str, Spec] = {
-    "kivi-2bit": Spec(key_bits=2, value_bits=2, key_axis="channel", value_axis="token", group_size=32),
-    "kv-4bit": Spec(key_bits=4, value_bits=4, key_axis="channel", value_axis="token", group_size=32),
-    "kv-8bit": Spec(key_bits=8, value_bits=8, key_axis="channel", value_axis="token", group_size=32),
-    "2bit-per-token-keys": Spec(key_bits=2, value_bits=2, key_axis="token", value_axis="token", group_size=32),
+# Whole-cache quantizers as a function of the prompt length n. KIVI as published: keys per
+# channel, values per token, groups of 32, float offset, the last 128 tokens at full
+# precision (kivi_residual: less on a prompt too short to quantize a group otherwise).
+QUANT_METHODS: dict[str, Callable[[int], Spec]] = {
+    "kivi-2bit": lambda n: Spec(key_bits=2, value_bits=2, key_axis="channel", value_axis="token", group_size=32,
+                                residual=kivi_residual(n)),
+    "kv-4bit": lambda n: Spec(key_bits=4, value_bits=4, key_axis="channel", value_axis="token", group_size=32),
+    "kv-8bit": lambda n: Spec(key_bits=8, value_bits=8, key_axis="channel", value_axis="token", group_size=32),
+    "2bit-per-token-keys": lambda n: Spec(key_bits=2, value_bits=2, key_axis="token", value_axis="token",
+                                          group_size=32),
 }
 
 
@@ -749,7 +786,7 @@ def sweep(model, ref: Reference, methods: Sequence[str], budgets: Sequence[int],
         if name in SWEEP_METHODS:
             jobs += [(name, b, SWEEP_METHODS[name](b)) for b in budgets]
         elif name in QUANT_METHODS:
-            jobs.append((name, "", QUANT_METHODS[name]))
+            jobs.append((name, "", QUANT_METHODS[name](ref.prompt_len)))
         else:
             raise SpecError(f"unknown sweep method {name!r}; choose from "
                             f"{', '.join([*SWEEP_METHODS, *QUANT_METHODS])}")

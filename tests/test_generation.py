@@ -82,7 +82,7 @@ def test_deleting_equals_masking_equals_transformers_2d_mask(tiny, window):
 @pytest.mark.parametrize("scorer", ALL_SCORERS)
 def test_every_scorer_deleting_equals_masking(tiny, scorer):
     model, ids = tiny
-    spec = Spec(sink=2, recent=6, heavy=6, scorer=scorer, snapkv_window=8)
+    spec = Spec(sink=2, recent=6, heavy=6, scorer=scorer)
     deleted, _, c1 = decode(model, ids[:24], spec, 20, feed=ids[24:44])
     masked, _, c2 = decode(model, ids[:24], spec, 20, feed=ids[24:44], mode="mask")
     assert torch.allclose(deleted, masked, atol=1e-4)
@@ -91,11 +91,12 @@ def test_every_scorer_deleting_equals_masking(tiny, scorer):
         assert np.array_equal(a, b)
 
 
-@pytest.mark.parametrize("scorer", ["h2o", "tova", "snapkv", "streaming", "knorm"])
-def test_real_run_makes_the_policies_own_decisions(tiny, scorer):
+@pytest.mark.parametrize("scorer, normalized", [("h2o", False), ("h2o", True), ("tova", False),
+                                                ("snapkv", False), ("streaming", False), ("knorm", False)])
+def test_real_run_makes_the_policies_own_decisions(tiny, scorer, normalized):
     """Replay the run's own queries through Policy.keep_masks: same kept set at every step."""
     model, ids = tiny
-    spec = Spec(sink=2, recent=5, heavy=7, scorer=scorer, snapkv_window=8)
+    spec = Spec(sink=2, recent=5, heavy=7, scorer=scorer, h2o_normalized=normalized)
     n, steps = 24, 16
     _, _, cache = decode(model, ids[:n], spec, steps, feed=ids[n:n + steps], record=True)
     trace = cache.run_trace()
@@ -341,9 +342,10 @@ def test_cli_eval_json_and_sweep_csv(bundled, capsys, monkeypatch, tmp_path):
         assert isinstance(d[key], float), key
     assert d["prompt_tokens"] == 64 and d["continuation_tokens"] == 12 and d["kept_tokens"] == 20
     assert len(d["per_token"]["kl"]) == 12 and d["per_token"]["kl"][0] < 1e-6   # token 0: the prefill
-    # 75 -> 20 tokens; 4-bit plus a 16-bit scale and zero point per group: keys per channel
-    # (a group is the 20 kept tokens: 5.6 bits a value), values per token (32 channels: 5 bits)
-    assert d["compression_ratio"] == pytest.approx(75 / 20 * 16 / ((5.6 + 5.0) / 2), rel=1e-6)
+    # 75 -> 20 tokens; 4-bit plus a 16-bit scale and 16-bit float offset per group: keys per
+    # channel (20 kept tokens < one group of 32: KIVI keeps the partial group at 16 bits), values
+    # per token (groups of 32 channels: 4 + 32 / 32 = 5 bits a value)
+    assert d["compression_ratio"] == pytest.approx(75 / 20 * 16 / ((16 + 5.0) / 2), rel=1e-6)
     assert set(d["greedy"]) == {"full", "compressed", "first_divergence"}
     csv_path = tmp_path / "sweep.csv"
     code, _, err = _cli(capsys, "eval-sweep", "--text-file", SAMPLE, "--prompt-tokens", 64,
@@ -354,3 +356,49 @@ def test_cli_eval_json_and_sweep_csv(bundled, capsys, monkeypatch, tmp_path):
     rows = list(csv.DictReader(open(csv_path)))
     assert [r["method"] for r in rows] == ["streaming", "streaming", "recent-only", "recent-only", "kv-4bit"]
     assert float(rows[0]["memory_ratio"]) < float(rows[1]["memory_ratio"]) < 1.0
+
+
+def test_rerotated_keys_give_the_logits_of_cache_slot_positions(tiny):
+    """StreamingLLM's re-rotation: with keys held at their true positions, rotating each by
+    (slot_k - slot_q) - (i - p) must give exactly the logits of RoPE applied at the slots.
+    Checked against transformers' own rotary embedding, not our rotation."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    from kvviz.generation import CompressedCache, rope_inv_freq
+
+    model, _ = tiny
+    rope = model.model.rotary_emb
+    H, D, p = 2, model.config.hidden_size // model.config.num_attention_heads, 12
+    kept = np.array([[0, 1, 5, 9, 10, 11, 12], [0, 2, 5, 8, 10, 11, 12]])
+    m = kept.shape[1]
+    g = torch.Generator().manual_seed(3)
+    k_raw, q_raw = torch.randn(H, m, D, generator=g), torch.randn(H, D, generator=g)
+
+    def at(x, positions):                      # RoPE of x (H, n, D) at positions (H, n)
+        cos, sin = rope(x, torch.as_tensor(positions))
+        return x * cos + rotate_half(x) * sin
+
+    k_true = at(k_raw, kept)
+    q_true = at(q_raw[:, None], np.full((H, 1), p))[:, 0]
+    cache = CompressedCache(Spec(sink=1, recent=4, heavy=2, positions="cache"), 1, H, H, D, capacity=16,
+                            inv_freq=rope_inv_freq(model))
+    ours = (q_true[:, None] * cache._rerotated(k_true, kept, p)).sum(-1)
+    k_slot = at(k_raw, np.tile(np.arange(m), (H, 1)))
+    q_slot = at(q_raw[:, None], np.full((H, 1), m - 1))[:, 0]
+    assert torch.allclose(ours, (q_slot[:, None] * k_slot).sum(-1), atol=1e-5)
+
+
+def test_rerotation_changes_nothing_without_eviction_and_something_with_it(tiny):
+    model, ids = tiny
+    true, _, _ = decode(model, ids[:20], Spec(), 10, feed=ids[20:30])
+    slots, _, _ = decode(model, ids[:20], Spec(positions="cache"), 10, feed=ids[20:30])
+    assert torch.allclose(true, slots, atol=1e-5)              # every slot is the true position
+    spec = Spec(sink=2, recent=6, scorer="streaming")
+    a, _, _ = decode(model, ids[:20], spec, 10, feed=ids[20:30])
+    b, _, _ = decode(model, ids[:20], spec.with_(positions="cache"), 10, feed=ids[20:30])
+    assert (a - b).abs().max() > 1e-3
+    assert "keys re-rotated to cache slots" in spec.with_(positions="cache").label()
+    with pytest.raises(SpecError, match="real-model"):
+        from kvviz import compare
+        from kvviz.sources.handbook import handbook_trace
+        compare(handbook_trace(), Spec(positions="cache"))
