@@ -7,7 +7,8 @@ Trade-offs and Concentration pages live in pages/. Widgets -> kvviz -> figures.
 import streamlit as st
 
 from kvviz import figures, ui
-from kvviz.ui_data import BIN_THRESHOLD, binned_frame, ranges_text, token_frame
+from kvviz.figures import BAND_TEXT
+from kvviz.ui_data import BIN_THRESHOLD, binned_frame, ensemble_text, ranges_text, row_text, token_frame
 
 
 def explorer() -> None:
@@ -30,20 +31,21 @@ def explorer() -> None:
     p = comp.primary
     st.caption(f"{source.label} · layer {p.layer}, query head {p.head} (KV head {p.kv_head}), query at "
                f"position {p.position} · {spec.label()} · {ui.quant_model_note(source, spec)}")
-    for note in comp.notes + tuple(filter(None, [ui.scorer_note(spec)])):
+    for note in comp.notes + tuple(filter(None, [ui.scorer_note(spec, source.trace)])):
         st.info(note, icon=":material/info:")
 
     members = len(comp.members)
-    per_token = token_frame(comp, vs.bars)
+    per_token = token_frame(comp)
+    row, ensemble = row_text(comp), ensemble_text(comp)
     if n_seen > BIN_THRESHOLD:
-        frame = binned_frame(comp, vs.bars)
-        fig_att = figures.binned_attention_figure(frame)
-        fig_err = figures.error_figure(frame, vs.bars, members)
+        frame = binned_frame(comp)
+        fig_att = figures.binned_attention_figure(frame, row=row)
+        fig_err = figures.error_figure(frame, vs.bars, members, what=ensemble)
         st.caption(f"{n_seen} tokens: the charts show {len(frame)} bins of up to {int(frame['tokens'].max())} "
                    "tokens each (the CSV has every token).")
     else:
-        fig_att = figures.attention_figure(per_token)
-        fig_err = figures.error_figure(per_token, vs.bars, members)
+        fig_att = figures.attention_figure(per_token, row=row)
+        fig_err = figures.error_figure(per_token, vs.bars, members, what=ensemble)
         if spec.evicts:
             st.markdown(f"**Kept tokens:** {ranges_text(per_token.index[per_token['kept']])}")
 
@@ -54,9 +56,10 @@ def explorer() -> None:
                   if n_seen > BIN_THRESHOLD else "crosses mark evicted tokens, whose attention drops to zero."))
     st.plotly_chart(fig_err, key="error_chart")
     st.caption("What to look for: eviction zeroes some tokens (deep negative bars) and shifts their mass onto the "
-               "kept ones; quantization spreads small errors over every kept token. Error bars: "
-               + ("one standard deviation" if vs.bars == "std" else "the 2.5–97.5 percentile interval")
-               + f" over {members} row{'s' if members != 1 else ''} ({comp.ensemble or 'no ensemble'}).")
+               "kept ones; quantization spreads small errors over every kept token. "
+               + (f"Bars are the mean over N = {members} rows ({ensemble}); error bars: {BAND_TEXT[vs.bars]}"
+                  + (" (assumes independent rows)." if vs.bars == "ci95" else ".")
+                  if members > 1 else "One row, no ensemble: pick one under View → Error bars over for error bars."))
 
     ui.token_grid(comp, source)
     ui.head_overview(source, spec, vs.view)
@@ -75,10 +78,10 @@ def explorer() -> None:
 st.set_page_config(page_title="kvviz", layout="wide")
 page = st.navigation([
     st.Page(explorer, title="Explorer", default=True),
-    st.Page("pages/1_Trade-offs.py", title="Trade-offs"),
-    st.Page("pages/2_Concentration.py", title="Concentration"),
-    st.Page("pages/3_Model_lab.py", title="Model lab"),
-    st.Page("pages/4_Decode_timeline.py", title="Decode timeline"),
+    st.Page("pages/1_Trade-offs.py", title="Trade-offs", url_path="trade-offs"),
+    st.Page("pages/2_Concentration.py", title="Concentration", url_path="concentration"),
+    st.Page("pages/3_Model_lab.py", title="Model lab", url_path="model-lab"),
+    st.Page("pages/4_Decode_timeline.py", title="Decode timeline", url_path="decode-timeline"),
 ])
 page.run()
 ui.sync_url()

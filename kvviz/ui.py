@@ -127,19 +127,34 @@ _PARAMS = [
     Param("group", "choice", 32, choices=GROUP_OPTIONS),
     Param("residual", "int", 0, 0, MAX_TOKENS),
     Param("symmetric", "bool", False),
+    Param("zero_point", "choice", "float", choices=("float", "int")),
+    Param("partial", "choice", "full", choices=("full", "quantize")),
+    Param("snap_window", "int", 0, 0, 4096),
+    Param("h2o_norm", "bool", False),
     Param("qmodel", "choice", "kv", choices=("kv", "noise")),
     Param("sigma", "float", handbook.SIGMA, 0.0, 100.0),
     # view
     Param("layer", "int", 0, 0, 1023), Param("head", "int", 0, 0, 1023), Param("step", "int", -1, -1, 1_000_000),
     Param("ensemble", "choice", "auto", choices=ENSEMBLE_OPTIONS),
     Param("ens_size", "int", 8, 2, 32),
-    Param("bars", "choice", "std", choices=("std", "95%")),
+    Param("bars", "choice", "std", choices=("std", "ci95", "range")),
     # trade-offs page
-    Param("metric", "choice", "tv", choices=("tv", "kl", "output_error")),
+    Param("metric", "choice", "tv", choices=("tv", "kl", "js", "output_error")),
     Param("methods", "list", ("streaming", "h2o", "tova", "snapkv", "oracle"), choices=SCORERS),
     Param("sweep_bits", "list", (16, 4, 2), choices=(16, 8, 4, 3, 2)),
     # concentration page
     Param("window", "int", 16, 1, 4096), Param("sink_k", "int", 1, 1, 64),
+    # decode timeline page
+    Param("tl_layer", "int", 0, 0, 1023), Param("tl_kv_head", "int", 0, 0, 1023),
+    Param("tl_policies", "list", ("h2o", "tova", "streaming", "oracle"), choices=SCORERS),
+    Param("tl_need", "float", 0.02, 0.001, 1.0), Param("tl_step", "int", 0, 0, 1_000_000),
+    # model lab page
+    Param("lab_text", "choice", "sample", choices=("sample", "bakery", "custom")),
+    Param("lab_prompt", "int", 206, 8, 512), Param("lab_cont", "int", 57, 2, 128),
+    Param("lab_greedy", "int", 32, 0, 64), Param("lab_rerotate", "bool", False),
+    # real model source
+    Param("rm_text", "choice", "bakery", choices=("bakery", "sample", "custom")),
+    Param("rm_new", "int", 16, 0, 64), Param("rm_max", "int", 1024, 16, 4096),
 ]
 PARAMS: dict[str, Param] = {p.name: p for p in _PARAMS}
 
@@ -194,11 +209,20 @@ def sync_url() -> None:
         st.query_params.from_dict(wanted)
 
 
-def _bind(name: str, lo=None, hi=None, label: str = "", to_widget=None, from_widget=None) -> None:
-    """Before a widget renders: take its last value into the store, clamp to [lo, hi], seed it."""
+def _bind(name: str, lo=None, hi=None, label: str = "", to_widget=None, from_widget=None, scope=None) -> None:
+    """Before a widget renders: take its last value into the store, clamp to [lo, hi], seed it.
+
+    `scope` is what the widget's raw value is relative to (the query step widget counts
+    steps of one source): a widget last shown in another scope is not read back, so the
+    stored setting, not a number from another source, decides the value after a switch.
+    """
     store, ss = _store(), st.session_state
-    if name in ss:
+    scope_key = f"_scope_{name}"
+    same_scope = scope is None or ss.get(scope_key) == scope
+    if name in ss and same_scope:
         store[name] = from_widget(ss[name]) if from_widget else ss[name]
+    if scope is not None:
+        ss[scope_key] = scope
     v = store[name]
     if lo is not None and hi is not None and not lo <= v <= hi:
         c = min(max(v, lo), hi)
@@ -379,8 +403,12 @@ def bits_label(b: int) -> str:
     return "16 (off)" if b == FULL_BITS else str(b)
 
 
-def compression_section(trace: Trace, where=None) -> Spec | None:
-    """Sidebar: the four headline sliders and the Advanced expander. None if the combination is impossible."""
+def compression_section(trace: Trace, where=None, budget_only: bool = False) -> Spec | None:
+    """Sidebar: the four headline sliders and the Advanced expander. None if the combination is impossible.
+
+    budget_only: only the eviction budget (a page that draws each policy itself and never
+    quantizes); the other controls are hidden and the page says so.
+    """
     where = where or st.sidebar
     where.header("Compression")
     n = trace.n_positions
@@ -390,6 +418,10 @@ def compression_section(trace: Trace, where=None) -> Spec | None:
                       help="The last tokens the query sees (its own included), always kept.")
     heavy = w_slider(where, "heavy", "Heavy-hitter budget", 0, n,
                      help="How many more tokens the scorer may keep among the rest (H2O's heavy hitters).")
+    if budget_only:
+        where.caption("This page compares eviction policies side by side: the scorer is picked per chart and "
+                      "nothing is quantized, so only the budget sliders are shown.")
+        return Spec(sink=sink, recent=recent, heavy=heavy)
     split = bool(_store()["split"])
     bits = w_choice(where, "bits", "Quantization bits", BITS_OPTIONS, widget="select_slider",
                     format_func=bits_label, disabled=split,
@@ -397,7 +429,20 @@ def compression_section(trace: Trace, where=None) -> Spec | None:
                          + ("Advanced sets keys and values separately now." if split else ""))
     adv = where.expander("Advanced")
     with adv:
-        scorer = w_choice(st, "scorer", "Heavy-hitter scorer", SCORERS, format_func=SCORER_LABELS.get)
+        scorer = w_choice(st, "scorer", "Heavy-hitter scorer", SCORERS, format_func=SCORER_LABELS.get,
+                          help=scorer_help())
+        snap_window = _store()["snap_window"]
+        h2o_norm = _store()["h2o_norm"]
+        if scorer == "snapkv":
+            snap_window = w_number(st, "snap_window", "SnapKV observation window (queries; 0 = auto)", 0, 4096,
+                                   help="The last context queries that vote. 0 = the recent window, capped at 64 "
+                                        "(SnapKV's default). The window is kept, so it must fit inside the recent "
+                                        "window.")
+        if scorer == "h2o":
+            h2o_norm = w_check(st, "h2o_norm", "H2O: divide by the queries that saw each token",
+                               help="Off: accumulated attention (H2O as published). On: accumulated attention / "
+                                    "number of queries that could see the token, so early tokens are not favoured "
+                                    "for having been seen more often (kvpress's observed-attention press).")
         split = w_check(st, "split", "Separate key and value bits")
         if split:
             key_bits = w_choice(st, "key_bits", "Key bits", BITS_OPTIONS, widget="select_slider", format_func=bits_label)
@@ -412,6 +457,17 @@ def compression_section(trace: Trace, where=None) -> Spec | None:
         group = w_choice(st, "group", "Group size (values per scale)", GROUP_OPTIONS)
         residual = w_number(st, "residual", "Residual (last tokens kept at 16 bits)", 0, n)
         symmetric = w_check(st, "symmetric", "Symmetric quantization (no zero point; needs ≥ 2 bits)")
+        zero_point = w_choice(st, "zero_point", "Asymmetric zero", ("float", "int"), widget="radio",
+                              format_func={"float": "float offset (KIVI)", "int": "integer zero point"}.get,
+                              disabled=symmetric,
+                              help="KIVI dequantizes x̂ = q·s + min with min kept as a 16-bit float. Integer "
+                                   "kernels round a zero point z = round(−min/s) and store it in b bits: "
+                                   "x̂ = s·(q − z), slightly larger error, and at 1 bit x̂ can leave [min, max].")
+        partial = w_choice(st, "partial", "Partial groups (shorter than G)", ("full", "quantize"), widget="radio",
+                           format_func={"full": "16-bit (KIVI)", "quantize": "quantize"}.get,
+                           help="Tokens after the last full group of G (per-channel keys) or channels after the "
+                                "last full group (per-token): KIVI keeps them at full precision until a group "
+                                "fills; counted as 16-bit in the memory. Or quantize them as a short group.")
         qmodel = w_choice(st, "qmodel", "Quantization model", ("kv", "noise"), widget="radio",
                           format_func={"kv": "real K/V quantization", "noise": "handbook logit noise"}.get)
         sigma = w_number(st, "sigma", "Noise σ (logit noise model)", 0.0, 100.0, step=0.005, fmt="%.3f",
@@ -419,7 +475,8 @@ def compression_section(trace: Trace, where=None) -> Spec | None:
     try:
         return Spec(sink=sink, recent=recent, heavy=heavy, scorer=scorer, key_bits=key_bits, value_bits=value_bits,
                     key_axis=key_axis, value_axis=value_axis, group_size=group, residual=residual,
-                    symmetric=symmetric, quant_model=qmodel, noise_sigma=float(sigma))
+                    symmetric=symmetric, quant_model=qmodel, noise_sigma=float(sigma), zero_point=zero_point,
+                    partial=partial, snapkv_window=int(snap_window) or None, h2o_normalized=bool(h2o_norm))
     except SpecError as e:
         hint = (" Turn off symmetric quantization or raise the bits to 2 or more."
                 if symmetric and 1 in (key_bits, value_bits) else "")
@@ -434,15 +491,22 @@ class ViewSettings:
     ensemble_choice: str
 
 
-def view_section(source: Source, where=None, ensemble: bool = True, layer_head: bool = True) -> ViewSettings:
+def view_section(source: Source, where=None, ensemble: bool = True, layer_head: bool = True,
+                 head: bool = True) -> ViewSettings:
+    """Sidebar: layer, query head, query step and (optionally) the ensemble behind the error bars.
+
+    A page shows only the controls it uses: `layer_head=False` hides layer and head (the
+    page shows every one), `head=False` only the head (the page averages over the heads).
+    """
     where = where or st.sidebar
     where.header("View")
     t = source.trace
     n_eval = len(t.evaluated_queries)
-    layer = head = 0
+    layer = head_index = 0
     if layer_head:
         layer = w_number(where, "layer", "Layer", 0, t.n_layers - 1, disabled=t.n_layers == 1)
-        head = w_number(where, "head", "Query head", 0, t.n_q_heads - 1, disabled=t.n_q_heads == 1)
+        if head:
+            head_index = w_number(where, "head", "Query head", 0, t.n_q_heads - 1, disabled=t.n_q_heads == 1)
 
     def to_w(v):
         return n_eval - 1 if v < 0 else min(v, n_eval - 1)
@@ -450,7 +514,7 @@ def view_section(source: Source, where=None, ensemble: bool = True, layer_head: 
     def from_w(v):
         return -1 if v >= n_eval - 1 else int(v)
 
-    _bind("step", to_widget=to_w, from_widget=from_w)
+    _bind("step", to_widget=to_w, from_widget=from_w, scope=(source.key, n_eval))
     step = _after("step", where.number_input("Query step", 0, n_eval - 1, key="step", disabled=n_eval == 1,
                                              help="Which evaluated query (decode step) to show; the last by default."),
                   from_widget=from_w)
@@ -462,10 +526,14 @@ def view_section(source: Source, where=None, ensemble: bool = True, layer_head: 
                           help="The ensemble behind the error bars: query heads of this layer, layers, "
                                "recent decode steps, or repeated random draws (seeds).")
         size = w_slider(where, "ens_size", "Ensemble size", 2, 32)
-        bars = w_choice(where, "bars", "Error bars show", ("std", "95%"), widget="radio",
-                        format_func={"std": "mean ± 1 std", "95%": "95% interval"}.get)
+        bars = w_choice(where, "bars", "Error bars show", ("std", "ci95", "range"), widget="radio",
+                        format_func={"std": "± 1 sample std", "ci95": "95% CI of the mean",
+                                     "range": "min–max"}.get,
+                        help="± 1 sample standard deviation of the members (n − 1); a 95% t-interval for the "
+                             "mean error (mean ± t·s/√N, members taken as independent draws); or the range of "
+                             "the N members themselves.")
     ens = resolve_ensemble(choice, source)
-    return ViewSettings(View(layer=int(layer), head=int(head), step=None if step < 0 else int(step),
+    return ViewSettings(View(layer=int(layer), head=int(head_index), step=None if step < 0 else int(step),
                              ensemble=ens, ensemble_size=int(size)), bars, choice)
 
 
@@ -484,7 +552,7 @@ class Settings:
     view: ViewSettings
 
 
-def sidebar(compression: bool = True, ensemble: bool = True) -> Settings | None:
+def sidebar(compression: bool = True, ensemble: bool = True, head: bool = True) -> Settings | None:
     """Render the sidebar in the fixed order: Source, its knobs, Compression, Advanced, View."""
     _store()
     source = source_section()
@@ -493,7 +561,7 @@ def sidebar(compression: bool = True, ensemble: bool = True) -> Settings | None:
         return None
     spec = compression_section(source.trace) if compression else None
     # without compression controls the page shows every layer and head (Concentration)
-    view = view_section(source, ensemble=ensemble, layer_head=compression)
+    view = view_section(source, ensemble=ensemble, layer_head=compression, head=head)
     show_notices()
     return Settings(source, spec, view)
 
@@ -502,14 +570,16 @@ def sidebar(compression: bool = True, ensemble: bool = True) -> Settings | None:
 
 PRESETS = ("Handbook example", "StreamingLLM", "H2O 10%+10%", "KIVI 2-bit", "Aggressive 25% + 2-bit")
 _NO_QUANT = dict(bits=FULL_BITS, split=False, key_bits=FULL_BITS, value_bits=FULL_BITS, qmodel="kv",
-                 symmetric=False, residual=0, key_axis="channel", value_axis="token", group=32)
+                 symmetric=False, residual=0, key_axis="channel", value_axis="token", group=32,
+                 zero_point="float", partial="full")
 
 
 PRESET_HELP = {
     "Handbook example": "Sink 4, recent 8, heavy 2 (H2O), no quantization: the handbook's worked example.",
     "StreamingLLM": "4 attention sinks + a recent window of ~20% of the tokens; position only.",
     "H2O 10%+10%": "H2O: 10% heavy hitters + 10% recent window, as in the H2O paper's experiments.",
-    "KIVI 2-bit": "No eviction; 2-bit keys per channel, values per token, groups of 32, recent tokens at 16 bits.",
+    "KIVI 2-bit": ("No eviction; KIVI as published: 2-bit keys per channel, values per token, groups of 32, float "
+                   "offset, the last 128 tokens at 16 bits (fewer on a short text, so one group is quantized)."),
     "Aggressive 25% + 2-bit": "Keep 25% of the tokens (sinks, recent, H2O heavy hitters) and quantize them to 2 bits.",
 }
 
@@ -524,8 +594,9 @@ def preset_values(name: str, n_tokens: int) -> dict:
     if name == "H2O 10%+10%":
         return dict(_NO_QUANT, sink=0, recent=tenth, heavy=tenth, scorer="h2o")
     if name == "KIVI 2-bit":  # keys per channel, values per token, G=32; residual 128 (less on short traces)
+        from .quant import kivi_residual
         return dict(_NO_QUANT, sink=0, recent=0, heavy=0, bits=2, key_bits=2, value_bits=2,
-                    residual=min(128, n_tokens // 16))
+                    residual=kivi_residual(n_tokens))
     if name == "Aggressive 25% + 2-bit":
         budget = max(3, math.ceil(0.25 * n_tokens))
         sink = min(4, budget // 3)
@@ -638,6 +709,7 @@ def card_values(metrics: dict) -> dict[str, str]:
     return {
         "Attention mass retained": fmt_pct(metrics["mass_retained"]),
         "TV distance": f"{metrics['tv_distance']:.4f}",
+        "KL divergence": f"{metrics['kl']:.4f} nats",
         "Output error": fmt_pct(metrics["output_rel_error"], 2),
         "KV memory": fmt_bytes(metrics["kv_bytes"]),
         "Memory vs 16-bit": fmt_pct(metrics["memory_ratio"]),
@@ -648,6 +720,10 @@ def card_values(metrics: dict) -> dict[str, str]:
 CARD_HELP = {
     "Attention mass retained": "Share of the original attention that falls on tokens the compressed cache keeps.",
     "TV distance": "Total variation distance ½·Σ|a − â| between original and compressed attention (0 = identical, 1 = disjoint).",
+    "KL divergence": ("KL(compressed ‖ original) = Σ over kept tokens of â·log(â / a), in nats. Always finite; for "
+                      "eviction alone it equals −log(mass retained). The other direction, KL(original ‖ compressed), "
+                      "is infinite as soon as any attended token is evicted. Not the same quantity as the Model "
+                      "lab's KL between next-token distributions."),
     "Output error": "Relative error of the attention output ‖â·V̂ − a·V‖ / ‖a·V‖.",
     "KV memory": "Bytes of the compressed K and V cache, all layers and KV heads, incl. scales and zero points.",
     "Memory vs 16-bit": "Compressed bytes as a share of a full 16-bit cache of the same tokens.",
@@ -658,7 +734,7 @@ CARD_HELP = {
 def metric_cards(comp: Comparison) -> None:
     values = card_values(comp.metrics)
     ratio = comp.metrics["compression_ratio"]
-    cols = st.columns(3) + st.columns(3)
+    cols = st.columns(4) + st.columns(3)
     for col, (label, value) in zip(cols, values.items()):
         extra = f" ({ratio:.1f}× smaller)" if label == "Memory vs 16-bit" and math.isfinite(ratio) else ""
         col.metric(label, value, help=CARD_HELP[label] + extra, border=True)
@@ -667,9 +743,20 @@ def metric_cards(comp: Comparison) -> None:
 def metrics_table(comp: Comparison):
     """Every metric of the primary row next to its ensemble mean (the 'All numbers' table)."""
     import pandas as pd
+    from .metrics import DEFINITIONS
     mean = comp.metrics_mean
-    rows = [{"metric": k, "value": v, "ensemble mean": mean.get(k)} for k, v in comp.metrics.items()]
-    return pd.DataFrame(rows).astype({"value": float, "ensemble mean": float})
+    rows = [{"metric": k, "value": fmt_exact(v), "ensemble mean": fmt_exact(mean.get(k)),
+             "definition": DEFINITIONS.get(k, "")} for k, v in comp.metrics.items()]
+    return pd.DataFrame(rows)
+
+
+def fmt_exact(x) -> str:
+    """A number in full (repr) precision for the 'All numbers' table; ∞ for infinity, blank for none."""
+    if x is None:
+        return ""
+    if isinstance(x, float) and math.isinf(x):
+        return "∞" if x > 0 else "−∞"
+    return repr(float(x)) if isinstance(x, float) else str(x)
 
 
 def quant_model_note(source: Source, spec: Spec) -> str:
@@ -694,10 +781,34 @@ def budget_warnings(spec: Spec, n_seen: int) -> list[str]:
     return out
 
 
-def scorer_note(spec: Spec) -> str | None:
-    if spec.evicts and spec.heavy > 0 and spec.scorer == "streaming":
+def scorer_help() -> str:
+    from .policies import POLICIES
+    return "How heavy hitters are ranked:\n\n" + "\n".join(
+        f"- **{SCORER_LABELS[name]}**: {p.description}." for name, p in POLICIES.items())
+
+
+def scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:
+    """What the chosen scorer keeps and why, where the sliders alone do not say it."""
+    if not spec.evicts:
+        return None
+    if spec.heavy > 0 and spec.scorer == "streaming":
         return ("StreamingLLM ranks tokens by position only, so the heavy-hitter budget simply widens the recent "
                 "window; pick another scorer under Advanced to keep heavy hitters.")
+    if spec.scorer == "snapkv" and trace is not None:
+        c, w = trace.context_len, min(spec.observation_window, trace.context_len)
+        return (f"SnapKV: the last {w} context queries (positions {c - w}–{c - 1}) are the observation window; "
+                f"they vote with their attention, averaged and smoothed (pooling kernel {spec.snapkv_kernel}). "
+                f"The window is kept as part of the recent window ({spec.recent} tokens); the {spec.heavy} heavy "
+                f"hitters are the top-voted tokens before position {c - w}.")
+    if spec.scorer == "oracle" and trace is not None and trace.group_size > 1:
+        return (f"The oracle keeps one cache per KV head, chosen by the attention of all {trace.group_size} query "
+                "heads that share it: it is the bound for the group's total attention mass, not for each query "
+                "head on its own, so another policy can keep slightly more of this one head's mass.")
+    if spec.scorer in ("h2o", "tova"):
+        form = " divided by the queries that saw each token" if spec.h2o_normalized and spec.scorer == "h2o" else ""
+        return (f"{'H2O' if spec.scorer == 'h2o' else 'TOVA'} decides again at every decode step{form}: the new "
+                f"token arrives inside the budget, so each query attends over exactly {spec.budget} tokens "
+                "(sink + recent + heavy), itself among them.")
     return None
 
 

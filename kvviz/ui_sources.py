@@ -208,13 +208,23 @@ def real_model_source(container=None) -> Trace | None:
         if not name:
             c.info("Type a model folder, a .gguf file or a hub id, or pick the bundled model.")
             return None
-    prompt = c.text_area("Prompt", value=EXAMPLE_PROMPT, height=200, key="rm_prompt",
-                         help="The context: its keys and values fill the cache; the model then "
-                              "writes the new tokens greedily (the later queries).")
-    new_tokens = c.slider("New tokens", 0, MAX_NEW_TOKENS_UI, 16, key="rm_new",
-                          help="Greedy decode steps after the prompt: the queries that read the compressed cache.")
-    max_tokens = c.number_input("Max prompt tokens", 16, PROMPT_CAP_UI, 1024, step=64, key="rm_max",
-                                help="Longer prompts are cut to their first tokens (you will be told).")
+    from . import ui
+    from .generation import sample_text
+
+    choice = ui.w_choice(c, "rm_text", "Prompt", ("bakery", "sample", "custom"), widget="radio",
+                         format_func={"bakery": "Bakery story", "sample": "kvviz sample", "custom": "Your own"}.get,
+                         help="The context: its keys and values fill the cache; the model then writes the new "
+                              "tokens greedily (the later queries). A built-in prompt is kept in the page's link; "
+                              "your own text is not.")
+    if choice == "custom":
+        prompt = c.text_area("Prompt", value=EXAMPLE_PROMPT, height=200, key="rm_prompt")
+    else:
+        prompt = EXAMPLE_PROMPT if choice == "bakery" else sample_text()
+        c.caption(f"“{' '.join(prompt.split()[:14])} …”")
+    new_tokens = ui.w_slider(c, "rm_new", "New tokens", 0, MAX_NEW_TOKENS_UI,
+                             help="Greedy decode steps after the prompt: the queries that read the compressed cache.")
+    max_tokens = ui.w_number(c, "rm_max", "Max prompt tokens", 16, PROMPT_CAP_UI, step=64,
+                             help="Longer prompts are cut to their first tokens (you will be told).")
     clicked = c.button("Capture", key="rm_capture", type="primary")
 
     if not prompt.strip():

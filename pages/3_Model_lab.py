@@ -8,7 +8,12 @@ from kvviz.figures_generation import continuation_html, kl_strip, nll_chart
 from kvviz.generation import sample_text
 from kvviz.spec import Spec, SpecError
 from kvviz.trace import Trace
-from kvviz.ui_sources import shared_model
+from kvviz.ui_sources import EXAMPLE_PROMPT, shared_model
+
+TEXTS = {"sample": sample_text, "bakery": lambda: EXAMPLE_PROMPT, "custom": None}
+TEXT_LABELS = {"sample": "kvviz sample text (built-in)", "bakery": "Bakery story (built-in)", "custom": "Your own text"}
+POSITION_TEXT = {"true": "every token at its true position (kvpress)",
+                 "cache": "kept keys re-rotated to their cache slots (the original StreamingLLM)"}
 
 # Caps that keep one run under about a minute on a classroom laptop's CPU.
 MAX_PROMPT = 512
@@ -77,13 +82,24 @@ def main() -> None:
     spec = ui.compression_section(_slider_trace())
     ui.show_notices()
 
-    text = st.text_area("Text (the prompt is its first tokens, the continuation the next ones)", sample_text(),
-                        height=160, key="lab_text")
+    choice = ui.w_choice(st, "lab_text", "Text", tuple(TEXTS), widget="radio", format_func=TEXT_LABELS.get,
+                         help="A built-in text (kept in the page's link) or your own (not put in the link).")
+    if choice == "custom":
+        text = st.text_area("Your text (the prompt is its first tokens, the continuation the next ones)",
+                            sample_text(), height=160, key="lab_custom_text")
+    else:
+        text = TEXTS[choice]()
+        with st.expander("The text"):
+            st.write(text)
     c1, c2, c3 = st.columns(3)
-    prompt_tokens = int(c1.number_input("Prompt tokens (compression point)", 8, MAX_PROMPT, 206, step=8,
-                                        key="lab_prompt"))
-    continuation = int(c2.number_input("Continuation tokens scored", 2, MAX_CONTINUATION, 57, key="lab_cont"))
-    greedy_tokens = int(c3.number_input("Greedy tokens side by side (0 = off)", 0, MAX_GREEDY, 32, key="lab_greedy"))
+    prompt_tokens = int(ui.w_number(c1, "lab_prompt", "Prompt tokens (compression point)", 8, MAX_PROMPT, step=8))
+    continuation = int(ui.w_number(c2, "lab_cont", "Continuation tokens scored", 2, MAX_CONTINUATION))
+    greedy_tokens = int(ui.w_number(c3, "lab_greedy", "Greedy tokens side by side (0 = off)", 0, MAX_GREEDY))
+    rerotate = ui.w_check(st, "lab_rerotate", "Re-rotate kept keys to their cache slots (StreamingLLM's original)",
+                          help="Off (default, as kvpress does): every token keeps its true position, so RoPE "
+                               "distances stay right however many tokens were evicted. On: as the original "
+                               "StreamingLLM, the kept keys are re-rotated to their slot in the compressed cache "
+                               "and the query to its own slot, so distances shrink to the cache's.")
     st.caption(CAP_MESSAGE)
     ui.preset_buttons(prompt_tokens)  # budgets sized to this prompt (the sidebar keeps the explorer's values)
     if spec is None:
@@ -96,8 +112,11 @@ def main() -> None:
     if not text.strip():
         st.warning("Enter some text first.", icon=":material/warning:")
         return
+    if rerotate:
+        spec = spec.with_(positions="cache")
     st.markdown(f"**Compression:** {spec.label()}"
-                + ("" if spec.evicts or spec.quantizes else " — set a budget or bits in the sidebar to compress."))
+                + ("" if spec.evicts or spec.quantizes else " — set a budget or bits in the sidebar to compress.")
+                + f"  \n**Positions:** {POSITION_TEXT[spec.positions]}")
 
     args = (model_name, text, prompt_tokens, continuation, greedy_tokens, tuple(sorted(spec.__dict__.items())))
     clicked = st.button("Run the model", type="primary", key="lab_run",
@@ -141,8 +160,10 @@ def show(result: dict) -> None:
     m[0].metric("Perplexity (compressed)", f"{q.perplexity:.2f}", delta=f"{q.perplexity - q.perplexity_full:+.2f}",
                 delta_color="inverse", border=True, help="exp(mean −log p̂) of the true continuation tokens.")
     m[1].metric("Perplexity (full cache)", f"{q.perplexity_full:.2f}", border=True)
-    m[2].metric("KL full ‖ compressed", f"{q.kl_mean:.3f}", border=True,
-                help=f"Mean over tokens, nats; max {q.kl_max:.3f}.")
+    m[2].metric("Next-token KL", f"{q.kl_mean:.3f}", border=True,
+                help=f"KL(full ‖ compressed) between the two caches' next-token distributions over the vocabulary, "
+                     f"mean over the scored tokens, nats (max {q.kl_max:.3f}). Not the Explorer's attention KL, "
+                     "which compares attention rows.")
     m[3].metric("Top-1 agreement", ui.fmt_pct(q.top1_agreement), border=True,
                 help="Share of steps where both caches rank the same next token first.")
     m[4].metric("KV cache", ui.fmt_bytes(q.kv_bytes), border=True,
@@ -161,7 +182,8 @@ def show(result: dict) -> None:
         b.html(continuation_html(pair.compressed_tokens, pair.first_divergence, f"Compressed: {q.spec.label()}"))
     st.plotly_chart(nll_chart(q.tokens, q.nll, q.nll_full), key="lab_nll")
     with st.expander("All numbers"):
-        st.dataframe([{"metric": k, "value": v} for k, v in d.items()], hide_index=True, key="lab_numbers")
+        st.dataframe([{"metric": k, "value": ui.fmt_exact(v) if isinstance(v, float) else str(v)}
+                      for k, v in d.items()], hide_index=True, key="lab_numbers")
 
 
 main()

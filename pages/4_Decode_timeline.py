@@ -15,7 +15,6 @@ from kvviz.trace import Trace, TraceError
 # Shown while the chosen source has no decode steps (the handbook example): a topic shift
 # halfway through the decode steps, where history-based eviction visibly fails.
 DEMO = SyntheticSpec(context=256, steps=48, topic_shift=8.0)
-DEMO_SPEC = Spec(sink=4, recent=16, heavy=16)
 POLICY_LABELS = {"h2o": "H2O", "tova": "TOVA", "streaming": "StreamingLLM", "oracle": "Oracle (bound)",
                  "snapkv": "SnapKV", "knorm": "K-norm", "random": "Random"}
 MAX_STEPS = 256
@@ -43,37 +42,33 @@ def main() -> None:
     if source is None:
         ui.show_notices()
         return
-    trace, key, demo = source.trace, source.key, False
-    spec = ui.compression_section(trace)
+    trace, key, demo = source.trace, source.key, not source.trace.has_later_queries
+    if demo:  # the sidebar's budget runs on the demo, so every control shown is used
+        trace, key = _demo_trace(), ("demo",)
+    spec = ui.compression_section(trace, budget_only=True)
     ui.show_notices()
     if spec is None:
         return
-    if not trace.has_later_queries:
-        demo = True
-        trace, key, spec = _demo_trace(), ("demo",), DEMO_SPEC
-        st.info(f"The {source.label} has no decode steps, so this page shows a built-in demo: a synthetic "
-                f"pattern of {DEMO.context} context tokens and {DEMO.steps} decode steps whose topic shifts "
-                f"halfway (budget: {DEMO_SPEC.sink} sinks + {DEMO_SPEC.recent} recent + {DEMO_SPEC.heavy} heavy). "
-                "Choose **Synthetic pattern** in the sidebar (its *Topic shift* knob is under Pattern knobs), or a "
-                "real trace with decode steps, to explore your own.", icon=":material/info:")
-    elif not spec.evicts:
+    if demo:
+        st.info(f"The {source.label} has no decode steps, so this page runs the sidebar's budget on a built-in "
+                f"demo: a synthetic pattern of {DEMO.context} context tokens and {DEMO.steps} decode steps whose "
+                "topic shifts halfway (the sliders now range over its tokens). Choose **Synthetic pattern** in the "
+                "sidebar (its *Topic shift* knob is under Pattern knobs), or a real trace with decode steps, to "
+                "explore your own.", icon=":material/info:")
+    if not spec.evicts:
         st.warning("Eviction is off (sink, recent and heavy are all 0): every policy keeps everything. "
                    "Set a budget in the sidebar.", icon=":material/warning:")
         return
 
     c1, c2, c3, c4 = st.columns([1, 1, 2, 1])
-    layer = int(c1.number_input("Layer", 0, trace.n_layers - 1, 0, key="tl_layer",
-                                disabled=trace.n_layers == 1))
-    kv_head = int(c2.number_input("KV head", 0, trace.n_kv_heads - 1, 0, key="tl_kv_head",
-                                  disabled=trace.n_kv_heads == 1,
-                                  help="Eviction is decided per KV head; the attention shown is the mean over "
-                                       "the query heads that share it."))
-    policies = c3.multiselect("Policies", list(POLICY_LABELS), default=list(TIMELINE_POLICIES),
-                              format_func=POLICY_LABELS.get, key="tl_policies")
-    need = float(c4.number_input("Needed at ≥ (attention share)", 0.001, 1.0, DEFAULT_NEED, step=0.005,
-                                 format="%.3f", key="tl_need",
-                                 help="A token counts as needed at a step when the full model gives it at "
-                                      "least this share of that step's attention."))
+    layer = int(ui.w_number(c1, "tl_layer", "Layer", 0, trace.n_layers - 1, disabled=trace.n_layers == 1))
+    kv_head = int(ui.w_number(c2, "tl_kv_head", "KV head", 0, trace.n_kv_heads - 1, disabled=trace.n_kv_heads == 1,
+                              help="Eviction is decided per KV head; the attention shown is the mean over "
+                                   "the query heads that share it."))
+    policies = ui.w_multi(c3, "tl_policies", "Policies", tuple(POLICY_LABELS), format_func=POLICY_LABELS.get)
+    need = float(ui.w_number(c4, "tl_need", "Needed at ≥ (attention share)", 0.001, 1.0, step=0.005, fmt="%.3f",
+                             help="A token counts as needed at a step when the full model gives it at "
+                                  "least this share of that step's attention."))
     if not policies:
         st.warning("Pick at least one policy.", icon=":material/warning:")
         return
@@ -94,8 +89,8 @@ def main() -> None:
                    f"anchor tokens {trace.meta.get('shift_tokens')} are what the queries after it need.")
 
     s1, s2 = st.columns([4, 1])
-    step = s1.slider("Decode step", 0, tl.n_steps - 1, 0, key="tl_step",
-                     help="Move through the decode steps; the dotted line marks the step on every chart.")
+    step = int(ui.w_slider(s1, "tl_step", "Decode step", 0, tl.n_steps - 1,
+                           help="Move through the decode steps; the dotted line marks the step on every chart."))
     play = s2.button("▶ Play", key="tl_play", help="Animate the step line through every decode step.")
 
     # summary cards: one per policy

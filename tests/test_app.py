@@ -33,7 +33,7 @@ def cards(at) -> dict:
 def numbers(at) -> dict:
     """The 'All numbers' table: metric -> value exactly as computed."""
     df = at.dataframe[0].value
-    return dict(zip(df["metric"], df["value"]))
+    return {k: float("inf") if v == "∞" else float(v) for k, v in zip(df["metric"], df["value"])}
 
 
 def warnings(at) -> str:
@@ -114,7 +114,7 @@ def test_larger_budget_retains_more_mass():
 
 def test_query_params_round_trip():
     params = {"source": "synthetic", "context": "128", "steps": "4", "sink": "3", "recent": "20",
-              "heavy": "7", "bits": "4", "scorer": "tova", "layer": "1", "bars": "95%", "ensemble": "steps"}
+              "heavy": "7", "bits": "4", "scorer": "tova", "layer": "1", "bars": "ci95", "ensemble": "steps"}
     at = run(**params)
     assert dict(at.query_params) == params
     assert at.slider(key="recent").value == 20 and at.selectbox(key="scorer").value == "tova"
@@ -178,8 +178,12 @@ def test_separate_key_and_value_bits():
 def test_error_bars_choice_changes_the_chart():
     at = run(ensemble="seeds", qmodel="noise", sigma="0.5", sink="0", recent="0", heavy="0")
     std_title = at.get("plotly_chart")[1].proto.spec
-    at.radio(key="bars").set_value("95%").run()
-    assert "95% interval" in at.get("plotly_chart")[1].proto.spec and "1 std" in std_title
+    at.radio(key="bars").set_value("ci95").run()
+    ci_title = at.get("plotly_chart")[1].proto.spec
+    assert "95% t-interval for the mean" in ci_title and "1 sample std" in std_title
+    assert "N = 8 rows" in ci_title and "8 random seeds" in ci_title
+    at.radio(key="bars").set_value("range").run()
+    assert "range (min" in at.get("plotly_chart")[1].proto.spec
     assert "logit-noise" in " ".join(c.value for c in at.caption)
 
 
@@ -201,7 +205,10 @@ def test_tradeoffs_page():
     assert any(n.startswith("current:") for n in names) and not any("tova" in n for n in names)
     at.radio(key="metric").set_value("kl").run()
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
-    assert fig["layout"]["yaxis"]["title"]["text"] == "KL divergence (nats)"
+    assert fig["layout"]["yaxis"]["title"]["text"] == "KL(compressed ‖ original), nats"
+    at.radio(key="metric").set_value("js").run()
+    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert fig["layout"]["yaxis"]["title"]["text"].startswith("Jensen–Shannon")
     # the sweep uses the explorer's sliders too
     assert {"Sink tokens", "Recent window", "Heavy-hitter budget"} <= {s.label for s in at.sidebar.slider}
 
@@ -254,3 +261,35 @@ def test_trace_file_shows_token_grid_and_overview_jump(tmp_path, monkeypatch):
     from kvviz.engine import head_grid
     grid = head_grid(syn, Spec(sink=2, recent=4, heavy=4))
     assert grid[layer, head] == grid.max()
+
+
+# --- issue 9: one rule for defaults, notes that say what a scorer keeps ----------------------------
+
+def test_switching_the_source_keeps_the_last_step_as_a_fresh_link_does():
+    """handbook -> synthetic used to land on step 0 (and write step=0); a fresh ?source=synthetic
+    link opens on the last step. Both paths now give the same view and the same numbers."""
+    at = run()
+    at.radio(key="source").set_value("synthetic").run()
+    assert not at.exception
+    fresh = run(source="synthetic")
+    assert at.number_input(key="step").value == fresh.number_input(key="step").value == 31   # 32 steps: 0-31
+    assert "step" not in at.query_params
+    assert cards(at) == cards(fresh)
+
+
+def test_scorer_notes_say_what_is_kept():
+    at = run(source="synthetic", context="128", steps="4", scorer="snapkv", sink="4", recent="23", heavy="24")
+    info = " ".join(i.value for i in at.info)
+    assert "the last 23 context queries (positions 105–127)" in info and "before position 105" in info
+    at = run(source="synthetic", context="128", steps="4", scorer="oracle", sink="4", recent="8", heavy="8")
+    assert "not for each query head" in " ".join(i.value for i in at.info)
+    at = run(source="synthetic", context="128", steps="4", scorer="snapkv", sink="4", recent="8", heavy="8",
+             snap_window="16")
+    assert any("must fit inside the recent window" in e.value for e in at.error)
+
+
+def test_new_quantizer_options_reach_the_numbers():
+    at = run(bits="2", zero_point="int", partial="quantize", ensemble="none", sink="0", recent="0", heavy="0")
+    expected = compare(handbook_trace(), Spec(key_bits=2, value_bits=2, zero_point="int", partial="quantize"), View())
+    assert numbers(at)["kl"] == pytest.approx(expected.metrics["kl"], rel=1e-12)
+    assert numbers(at)["kv_bytes"] == expected.metrics["kv_bytes"]

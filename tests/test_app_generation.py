@@ -123,7 +123,7 @@ def test_model_lab_run_shows_the_cores_numbers(monkeypatch):
     q = evaluate(model, reference(model, tok, sample_text(), 48, 10), Spec(sink=4, recent=12, scorer="streaming"))
     assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"
     assert shown["Perplexity (full cache)"] == f"{q.perplexity_full:.2f}"
-    assert shown["KL full ‖ compressed"] == f"{q.kl_mean:.3f}"
+    assert shown["Next-token KL"] == f"{q.kl_mean:.3f}"
     strip = at.get("plotly_chart")
     assert strip
     # a rerun with the same settings shows the cached result without running again
@@ -139,3 +139,44 @@ def test_model_lab_presets_size_budgets_to_the_prompt():
     assert not at.exception
     assert (at.slider(key="sink").value, at.slider(key="recent").value, at.slider(key="heavy").value) == (4, 36, 0)
     assert "streaming sink 4 recent 36 heavy 0" in "".join(m.value for m in at.markdown)
+
+
+# --- issue 9: every control shown is used, and page settings live in the URL -----------------------
+
+def test_timeline_on_the_handbook_uses_the_sidebar_budget_and_hides_what_it_does_not_use():
+    """The handbook has no decode steps: the demo runs with the sidebar's 4 + 8 + 2, not a
+    budget of its own, and the bits / Advanced controls (unused here) are not shown."""
+    at = run(TIMELINE)
+    assert at.slider(key="sink").value == 4 and at.slider(key="recent").value == 8
+    assert list(at.dataframe[0].value["tokens held"]) == [14] * 4
+    assert not [s for s in at.sidebar.select_slider if s.key == "bits"]
+    assert not [e for e in at.sidebar.expander if e.label == "Advanced"]
+    assert any("only the budget sliders" in c.value for c in at.sidebar.caption)
+    at.slider(key="heavy").set_value(10).run()
+    assert list(at.dataframe[0].value["tokens held"]) == [22] * 4
+
+
+def test_timeline_settings_round_trip_through_the_url():
+    params = {**SMALL_SHIFT, "tl_layer": "1", "tl_kv_head": "1", "tl_policies": "h2o,oracle", "tl_need": "0.05",
+              "tl_step": "7"}
+    at = run(TIMELINE, **params)
+    defaults = {"sink", "recent"}                       # 4 and 8 are the defaults: not written
+    assert dict(at.query_params) == {k: v for k, v in params.items() if k not in defaults}
+    assert [m.label for m in at.metric] == ["H2O mean regret", "Oracle (bound) mean regret"]
+    assert any("**Step 7**" in md.value for md in at.markdown)
+    at.slider(key="tl_step").set_value(3).run()
+    assert at.query_params["tl_step"] == "3"
+
+
+def test_model_lab_settings_round_trip_through_the_url(monkeypatch):
+    import kvviz.models
+
+    monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    params = {"lab_text": "bakery", "lab_prompt": "64", "lab_cont": "20", "lab_greedy": "8", "lab_rerotate": "1",
+              "sink": "4", "recent": "16", "scorer": "streaming", "heavy": "0"}
+    at = run(LAB, **params)
+    assert dict(at.query_params) == {k: v for k, v in params.items() if k != "sink"}   # 4 is the default
+    assert at.number_input(key="lab_prompt").value == 64 and at.checkbox(key="lab_rerotate").value
+    assert any("re-rotated to their cache slots" in md.value for md in at.markdown)
+    at.number_input(key="lab_cont").set_value(30).run()
+    assert at.query_params["lab_cont"] == "30"

@@ -120,3 +120,75 @@ def test_every_page_loads(page, app_url, name, marker):
     settle(page)
     shot(page, name.lower())
     no_console_errors(page)
+
+
+# --- the address bar after every single interaction (issue 9) ---------------------------------------
+
+def address(page) -> dict:
+    """The query string of the real address bar (location.href, not Playwright's cached page.url)."""
+    return {k: v[0] for k, v in parse_qs(urlparse(page.evaluate("location.href")).query).items()}
+
+
+def wait_for_address(page, expected: dict) -> None:
+    """Wait until the address bar holds exactly `expected`, then check it (one interaction = one update)."""
+    page.wait_for_function(
+        """(want) => { const got = Object.fromEntries(new URLSearchParams(location.search));
+                      return JSON.stringify(Object.entries(got).sort()) === JSON.stringify(Object.entries(want).sort()); }""",
+        arg=expected, timeout=TIMEOUT)
+    assert address(page) == expected
+
+
+def test_address_bar_follows_each_single_interaction_on_the_explorer(page, app_url):
+    """A copied link must reproduce the view on screen after every move, not the previous one."""
+    page.set_viewport_size({"width": 1400, "height": 1600})
+    page.goto(app_url)
+    e = expect()
+    e(metric(page, "Tokens kept")).to_have_text("14 / 64")
+    expected = {}
+    moves = [("Heavy-hitter budget", "ArrowRight", "heavy", "3"), ("Quantization bits", "ArrowLeft", "bits", "8"),
+             ("Sink tokens", "ArrowRight", "sink", "5"), ("Recent window", "ArrowLeft", "recent", "7")]
+    for label, key, name, value in moves:
+        thumb = slider_thumb(page, label)
+        thumb.focus()
+        thumb.press(key)
+        expected[name] = value
+        wait_for_address(page, expected)
+        shown = compare(handbook_trace(), Spec(sink=int(expected.get("sink", 4)), recent=int(expected.get("recent", 8)),
+                                               heavy=int(expected.get("heavy", 2)), key_bits=int(expected.get("bits", 16)),
+                                               value_bits=int(expected.get("bits", 16))),
+                        View(ensemble="seeds", ensemble_size=8))
+        e(metric(page, "Tokens kept")).to_have_text(card_values(shown.metrics)["Tokens kept"])
+        e(metric(page, "TV distance")).to_have_text(card_values(shown.metrics)["TV distance"])
+    # switching the source writes the source, never a stray step=0 (one rule for defaults)
+    page.locator('[data-testid="stSidebar"]').get_by_text("Synthetic pattern", exact=True).click()
+    wait_for_address(page, {**expected, "source": "synthetic"})
+    no_console_errors(page)
+
+
+@pytest.mark.parametrize("name, start, act, expected", [
+    ("Trade-offs", "Error vs memory for every policy",
+     lambda page: page.get_by_text("Jensen–Shannon", exact=True).click(), {"metric": "js"}),
+    ("Concentration", "Top x% of tokens hold",
+     lambda page: (slider_thumb(page, "Locality").focus(), slider_thumb(page, "Locality").press("ArrowRight")),
+     {"window": "17"}),
+    ("Decode timeline", "Regret per step",
+     lambda page: (slider_thumb(page, "Decode step").focus(), slider_thumb(page, "Decode step").press("ArrowRight")),
+     {"tl_step": "1"}),
+    ("Model lab", None,
+     lambda page: page.get_by_text("Bakery story (built-in)", exact=True).click(), {"lab_text": "bakery"}),
+])
+def test_address_bar_follows_a_single_interaction_on_every_page(page, app_url, name, start, act, expected):
+    page.set_viewport_size({"width": 1400, "height": 1600})
+    page.goto(app_url)
+    e = expect()
+    e(metric(page, "Tokens kept")).to_have_text("14 / 64")
+    page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=name).click()
+    if start:
+        e(page.locator(".js-plotly-plot").first).to_contain_text(start)
+    else:
+        e(page.get_by_role("button", name="Run the model")).to_be_visible()
+    settle(page)
+    assert address(page) == {}
+    act(page)
+    wait_for_address(page, expected)
+    no_console_errors(page)
