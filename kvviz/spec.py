@@ -86,7 +86,9 @@ class Spec:
     def label(self) -> str:
         parts = []
         if self.evicts:
-            parts.append(f"{self.scorer} sink {self.sink} recent {self.recent} heavy {self.heavy}")
+            scorer = "h2o (mean over the queries that saw each token)" if self.scorer == "h2o" and \
+                self.h2o_normalized else self.scorer
+            parts.append(f"{scorer} sink {self.sink} recent {self.recent} heavy {self.heavy}")
         if self.quant_model == "noise" and self.noise_sigma > 0:
             parts.append(f"logit noise sigma {self.noise_sigma:g}")
         elif self.quant_model == "kv" and self.quantizes:

@@ -154,3 +154,16 @@ def test_the_budget_shown_is_what_a_query_attends_over(trace, scorer):
         attended = np.flatnonzero(row.compressed > 0)
         assert len(attended) == spec.budget == c.memory.kept_tokens == row.kept.sum()
         assert row.kept[row.position]
+
+
+def test_snapkv_is_a_real_method_on_the_trade_offs_sweep_at_small_budgets():
+    """At 5-20% budgets SnapKV's votes must beat chance (the random baseline) and never spend
+    heavy slots inside its own window; before, it degenerated to a block of the window."""
+    from kvviz.sweep import sweep
+    t = make_synthetic(SyntheticSpec(context=256, steps=8))
+    rows = sweep(t, scorers=("snapkv", "random"), fractions=(0.05, 0.1, 0.2), bits=(16,), view=View(ensemble="heads"))
+    mass = {(r["method"], r["budget_fraction"]): r["mass_retained"] for r in rows}
+    for f in (0.05, 0.1, 0.2):
+        assert mass["snapkv", f] > mass["random", f]
+    assert "mean over the queries that saw each token" in Spec(sink=1, recent=2, heavy=3,
+                                                                h2o_normalized=True).label()
