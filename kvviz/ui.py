@@ -109,9 +109,9 @@ _PARAMS = [
     Param("context", "int", 512, 8, 32768), Param("steps", "int", 32, 0, 512),
     Param("layers", "int", 2, 1, 32), Param("q_heads", "int", 4, 1, 32), Param("kv_heads", "int", 2, 1, 32),
     Param("head_dim", "choice", 64, choices=(32, 64, 128)), Param("syn_seed", "int", 0, 0, 1_000_000),
-    Param("sink_strength", "float", 8.0, 0.0, 30.0), Param("local_strength", "float", 5.0, 0.0, 30.0),
+    Param("sink_strength", "float", 11.0, 0.0, 30.0), Param("local_strength", "float", 5.0, 0.0, 30.0),
     Param("local_width", "float", 8.0, 0.5, 512.0), Param("n_anchors", "int", 6, 0, 64),
-    Param("anchor_strength", "float", 5.0, 0.0, 30.0), Param("sparsity", "float", 1.5, 0.0, 10.0),
+    Param("anchor_strength", "float", 4.0, 0.0, 30.0), Param("sparsity", "float", 2.0, 0.0, 10.0),
     Param("topic_shift", "float", 0.0, 0.0, 30.0), Param("outlier_channels", "int", 4, 0, 16),
     Param("outlier_scale", "float", 12.0, 0.0, 100.0),
     # compression (defaults: the handbook's example)
@@ -358,8 +358,31 @@ def source_section(where=None) -> Source | None:
     return Source(("external", choice, _fingerprint(trace)), trace, SOURCE_LABELS[choice].lower())
 
 
+SYNTHETIC_PRESET_HELP = {
+    "realistic": "Concentrated like a real model (the default): a strong first-token sink and a few heavy hitters; "
+                 "the top 10% of tokens hold ~87% of the attention (SmolLM2-135M measured: 84%).",
+    "diffuse": "The hard case: a weak sink and a flat background, so eviction must keep most tokens for 95% of the mass.",
+    "topic shift": "Late anchor tokens that no context query looked at, needed after the shift halfway through 48 "
+                   "decode steps: where history-based eviction (H2O, TOVA) fails.",
+}
+SYNTHETIC_KNOBS = ("sink_strength", "local_strength", "local_width", "n_anchors", "anchor_strength", "sparsity",
+                   "topic_shift", "outlier_channels", "outlier_scale", "steps")
+
+
+def _apply_synthetic_preset(name: str) -> None:
+    from .sources.synthetic import PRESETS
+    preset = PRESETS[name].as_dict()
+    for knob in SYNTHETIC_KNOBS:
+        _store()[knob] = preset[knob]
+        st.session_state[knob] = preset[knob]
+
+
 def _synthetic_section(where) -> Source | None:
-    from .sources.synthetic import SyntheticSpec
+    from .sources.synthetic import PRESETS, SyntheticSpec
+    with where.container(horizontal=True, gap="small"):
+        for name in PRESETS:
+            st.button(name.capitalize(), key=f"synthetic_{name}", on_click=_apply_synthetic_preset, args=(name,),
+                      help=SYNTHETIC_PRESET_HELP[name])
     knobs = dict(
         context=w_number(where, "context", "Context tokens", 8, 32768, step=64,
                          help="Prompt length: the compression point. Past 256 tokens the charts switch to bins."),

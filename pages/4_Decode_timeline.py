@@ -14,7 +14,7 @@ from kvviz.trace import Trace, TraceError
 
 # Shown while the chosen source has no decode steps (the handbook example): a topic shift
 # halfway through the decode steps, where history-based eviction visibly fails.
-DEMO = SyntheticSpec(context=256, steps=48, topic_shift=8.0)
+DEMO = SyntheticSpec(context=256, steps=48, topic_shift=12.0)
 POLICY_LABELS = {"h2o": "H2O", "tova": "TOVA", "streaming": "StreamingLLM", "oracle": "Oracle (bound)",
                  "snapkv": "SnapKV", "knorm": "K-norm", "random": "Random"}
 MAX_STEPS = 256

@@ -293,3 +293,15 @@ def test_new_quantizer_options_reach_the_numbers():
     expected = compare(handbook_trace(), Spec(key_bits=2, value_bits=2, zero_point="int", partial="quantize"), View())
     assert numbers(at)["kl"] == pytest.approx(expected.metrics["kl"], rel=1e-12)
     assert numbers(at)["kv_bytes"] == expected.metrics["kv_bytes"]
+
+
+def test_synthetic_presets_set_the_pattern():
+    from kvviz.sources.synthetic import PRESETS
+    at = run(source="synthetic", context="128")
+    at.button(key="synthetic_diffuse").click().run()
+    assert at.number_input(key="sink_strength").value == PRESETS["diffuse"].sink_strength
+    assert at.query_params["sparsity"] == "1.5"
+    at.button(key="synthetic_topic shift").click().run()
+    assert at.number_input(key="topic_shift").value == 12.0 and at.number_input(key="steps").value == 48
+    at.button(key="synthetic_realistic").click().run()
+    assert "sink_strength" not in at.query_params and "topic_shift" not in at.query_params

@@ -17,7 +17,7 @@ SPEC = Spec(sink=4, recent=16, heavy=16)
 
 @pytest.fixture(scope="module")
 def shifted():
-    return make_synthetic(SyntheticSpec(context=256, steps=48, topic_shift=8.0))
+    return make_synthetic(SyntheticSpec(context=256, steps=48, topic_shift=12.0))
 
 
 @pytest.fixture(scope="module")
