@@ -1,0 +1,65 @@
+"""`kvviz solve`: the smallest cache for a target, checked against a brute-force scan."""
+
+import json
+
+import pytest
+
+from kvviz import Spec, SpecError, View, compare
+from kvviz.cli import main
+from kvviz.solve import solve
+from kvviz.sources.handbook import handbook_trace
+from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from kvviz.sweep import split_budget
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return make_synthetic(SyntheticSpec(context=96, steps=6, layers=1, q_heads=4, kv_heads=2, head_dim=32,
+                                        n_anchors=4, n_shift_tokens=2, outlier_channels=2))
+
+
+def brute_force(trace, base, view, metric, target):
+    n = int(trace.query_positions[trace.evaluated_queries[-1]]) + 1
+    values = {}
+    for b in range(1, n + 1):
+        values[b] = compare(trace, base.with_(**split_budget(base.scorer, b)), view).metrics[metric]
+    ok = [b for b, v in values.items() if (v >= target if metric == "mass_retained" else v <= target)]
+    return min(ok), values
+
+
+@pytest.mark.parametrize("scorer, bits, metric, target", [
+    ("h2o", 16, "mass_retained", 0.9), ("tova", 4, "mass_retained", 0.95), ("snapkv", 16, "mass_retained", 0.8),
+    ("streaming", 16, "mass_retained", 0.9), ("oracle", 4, "mass_retained", 0.97), ("knorm", 16, "tv_distance", 0.2),
+    ("h2o", 4, "tv_distance", 0.1)])
+def test_smallest_means_smallest(trace, scorer, bits, metric, target):
+    base = Spec(scorer=scorer, key_bits=bits, value_bits=bits)
+    view = View(head=1)
+    kwargs = {"target_mass": target} if metric == "mass_retained" else {"target_tv": target}
+    sol = solve(trace, base, view, **kwargs)
+    smallest, values = brute_force(trace, base, view, metric, target)
+    good = (lambda v: v >= target) if metric == "mass_retained" else (lambda v: v <= target)
+    assert good(values[sol.budget]) and sol.value == values[sol.budget]
+    assert sol.budget == 1 or not good(values[sol.budget - 1])         # one token less misses
+    if sol.exact:
+        assert sol.budget == smallest
+    assert sol.spec.sink + sol.spec.recent + sol.spec.heavy == sol.budget
+    assert sol.evaluations < len(values) / 2                             # a search, not a scan
+
+
+def test_unreachable_target_says_what_to_change(trace):
+    with pytest.raises(SpecError, match="raise the bits"):
+        solve(trace, Spec(key_bits=1, value_bits=1, key_axis="token"), target_tv=1e-6)
+    with pytest.raises(SpecError, match="exactly one target"):
+        solve(trace, Spec())
+
+
+def test_cli_solve_json(capsys):
+    code = main(["solve", "--target-mass", "0.95", "--bits", "4", "--scorer", "h2o", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert {"budget", "sink", "recent", "heavy", "mass_retained", "split_rule"} <= set(out)
+    assert out["mass_retained"] >= 0.95 and out["one_token_less"] < 0.95
+    again = compare(handbook_trace(), Spec(sink=out["sink"], recent=out["recent"], heavy=out["heavy"],
+                                           key_bits=4, value_bits=4))
+    assert again.metrics["mass_retained"] == out["mass_retained"]
+    assert main(["solve", "--target-mass", "1.5"]) == 2
