@@ -249,7 +249,10 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
                 out_hat[rows] = compressed[rows].astype(values.dtype) @ values[g, :n]
             else:
                 out_hat[rows] = p_kept[rows].astype(values.dtype) @ values[g, kept_at[g]]
-    metrics = row_metrics_batch(error, mass, kl, kl_forward, js, out, out_hat)
+    tv_quant = None
+    if spec.quantizes:   # what quantization adds: compressed vs eviction alone (a / mass on the kept tokens)
+        tv_quant = 0.5 * np.abs(p_kept - original_kept / mass[:, None]).sum(axis=1)
+    metrics = row_metrics_batch(error, mass, kl, kl_forward, js, out, out_hat, tv_quant)
     reason = reasons_for(kept_kv[:, :n], spec)                           # (kv_heads, n)
     return [RowResult(layer=layer, head=int(h), kv_head=g, query=qi, position=p,
                       original=original[i], compressed=compressed[i], kept=kept_kv[g, :n], reason=reason[g],

@@ -26,6 +26,7 @@ class RowMetrics:
 
     mass_retained: float      # original attention mass on the kept tokens
     tv_distance: float        # 0.5 * sum |a - a_hat|
+    tv_quantization: float    # 0.5 * sum |a_hat - a_evict|: what quantization adds to eviction alone
     kl: float                 # KL(compressed || original), nats
     kl_forward: float         # KL(original || compressed), nats; inf once anything is evicted
     js: float                 # Jensen-Shannon divergence, nats, <= ln 2
@@ -57,13 +58,28 @@ def divergences(p_kept: np.ndarray, log_p_kept: np.ndarray, q_kept: np.ndarray, 
     return np.maximum(kl, 0.0), np.maximum(kl_forward, 0.0), np.clip(js, 0.0, LN2)
 
 
+def error_split(original: np.ndarray, compressed: np.ndarray, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The per-token error split into its two causes (..., n): (eviction part, quantization part).
+
+    Eviction alone gives a_evict = a / mass on the kept tokens and 0 on the evicted ones;
+        eviction part     = a_evict - a      (whole tokens lost, their mass spread on the kept)
+        quantization part = a_hat - a_evict  (small errors on every kept token)
+    The two add up to the error a_hat - a exactly.
+    """
+    kept = np.asarray(kept, dtype=bool)
+    mass = np.where(kept, original, 0.0).sum(axis=-1, keepdims=True)
+    evict_only = np.where(kept, original / np.where(mass > 0, mass, 1.0), 0.0)
+    return evict_only - original, compressed - evict_only
+
+
 def row_metrics_batch(error: np.ndarray, mass: np.ndarray, kl: np.ndarray, kl_forward: np.ndarray,
                       js: np.ndarray, out_original: np.ndarray | None = None,
-                      out_compressed: np.ndarray | None = None) -> list[RowMetrics]:
+                      out_compressed: np.ndarray | None = None,
+                      tv_quantization: np.ndarray | None = None) -> list[RowMetrics]:
     """Metrics of rows stacked along axis 0 (H, n), vectorised.
 
     error = compressed - original; mass (H,) = original attention on the kept tokens;
-    kl, kl_forward, js (H,) from `divergences`.
+    kl, kl_forward, js (H,) from `divergences`; tv_quantization (H,) (zeros if None).
     """
     abs_err = np.abs(error)
     tv = 0.5 * abs_err.sum(axis=1)
@@ -78,15 +94,17 @@ def row_metrics_batch(error: np.ndarray, mass: np.ndarray, kl: np.ndarray, kl_fo
         dot = np.einsum("ij,ij->i", o, o_hat).tolist()
         rel = [d / a if a > 0 else 0.0 for d, a in zip(norm_diff, norm)]
         cos = [x / (a * b) if a * b > 0 else 1.0 for x, a, b in zip(dot, norm, norm_hat)]
-    return [RowMetrics(mass_retained=m, tv_distance=t, kl=k, kl_forward=f, js=j, max_abs_error=x,
-                       output_rel_error=r, output_cosine=c)
-            for m, t, k, f, j, x, r, c in zip(mass.tolist(), tv.tolist(), kl.tolist(), kl_forward.tolist(),
-                                              js.tolist(), mx.tolist(), rel, cos)]
+    tvq = [0.0] * len(error) if tv_quantization is None else tv_quantization.tolist()
+    return [RowMetrics(mass_retained=m, tv_distance=t, tv_quantization=tq, kl=k, kl_forward=f, js=j,
+                       max_abs_error=x, output_rel_error=r, output_cosine=c)
+            for m, t, tq, k, f, j, x, r, c in zip(mass.tolist(), tv.tolist(), tvq, kl.tolist(),
+                                                  kl_forward.tolist(), js.tolist(), mx.tolist(), rel, cos)]
 
 
 DEFINITIONS = {
     "mass_retained": "original attention mass on the tokens the compressed cache keeps",
     "tv_distance": "0.5 * sum |compressed - original| (0 = identical, 1 = disjoint)",
+    "tv_quantization": "0.5 * sum |compressed - eviction only|: what quantization adds to the eviction's error",
     "kl": "KL(compressed || original) = sum over kept tokens of q (log q - log p), nats; finite; "
           "-log(mass_retained) for pure eviction",
     "kl_forward": "KL(original || compressed), nats; infinite (JSON null) once an attended token is evicted",
