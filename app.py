@@ -1,20 +1,23 @@
 """kvviz Explorer: move the sliders, see what KV-cache compression does to attention.
 
 Run with `streamlit run app.py`. This file is the router and the Explorer page; the
-Trade-offs and Concentration pages live in pages/. Widgets -> kvviz -> figures.
+other pages live in pages/. Widgets -> kvviz -> figures.
 """
 
 import streamlit as st
 
 from kvviz import figures, ui
+from kvviz import ui_explorer as ux
 from kvviz.figures import BAND_TEXT
-from kvviz.ui_data import BIN_THRESHOLD, binned_frame, ensemble_text, ranges_text, row_text, token_frame
+from kvviz.ui_data import (BIN_THRESHOLD, binned_frame, ensemble_text, error_extent, ranges_text, row_text,
+                           token_frame)
 
 
 def explorer() -> None:
+    present = ux.presentation_toggle()
     ui.page_setup("KV-cache compression explorer",
                   "Evict tokens (sinks, recent window, heavy hitters) and quantize keys and values; "
-                  "compare the compressed attention with the original, token by token.")
+                  "compare the compressed attention with the original, token by token.", compact=present)
     settings = ui.sidebar()
     if settings is None or settings.spec is None:
         return
@@ -23,65 +26,95 @@ def explorer() -> None:
     comp = ui.run_compare(source, spec, vs.view)
     if comp is None:
         return
+    pinned_spec = ux.pinned_spec()
+    pinned = ui.run_compare(source, pinned_spec, vs.view) if pinned_spec is not None else None
     n_seen = len(comp.tokens)
     for w in ui.budget_warnings(spec, n_seen):
         st.warning(w, icon=":material/warning:")
+    ui.quant_warning_box(spec, comp.memory.kept_tokens)
 
-    ui.metric_cards(comp)
+    ui.metric_cards(comp, pinned)
+    ux.pin_controls(spec, pinned_spec if pinned is not None else None)
     p = comp.primary
     st.caption(f"{source.label} · layer {p.layer}, query head {p.head} (KV head {p.kv_head}), query at "
                f"position {p.position} · {spec.label()} · {ui.quant_model_note(source, spec)}")
-    for note in comp.notes + tuple(filter(None, [ui.scorer_note(spec, source.trace)])):
+    typical = st.session_state.get("_typical_note") if st.session_state.get("_typical_for") == source.key else None
+    for note in comp.notes + tuple(filter(None, [ui.scorer_note(spec, source.trace), typical])):
         st.info(note, icon=":material/info:")
 
     members = len(comp.members)
     per_token = token_frame(comp)
+    pinned_tokens = token_frame(pinned) if pinned is not None else None
     row, ensemble = row_text(comp), ensemble_text(comp)
-    if n_seen > BIN_THRESHOLD:
-        frame = binned_frame(comp)
+    text = ui.has_text_tokens(source.trace)
+    binned = n_seen > BIN_THRESHOLD
+    frame = binned_frame(comp) if binned else per_token
+    y_range = ux.y_lock(error_extent(frame))
+    if binned:
+        pinned_frame = binned_frame(pinned) if pinned is not None else None
         fig_att = figures.binned_attention_figure(frame, row=row)
-        fig_err = figures.error_figure(frame, vs.bars, members, what=ensemble)
-        st.caption(f"{n_seen} tokens: the charts show {len(frame)} bins of up to {int(frame['tokens'].max())} "
-                   "tokens each (the CSV has every token).")
+        fig_err = figures.error_figure(frame, vs.bars, members, what=ensemble, y_range=y_range, pinned=pinned_frame)
     else:
-        fig_att = figures.attention_figure(per_token, row=row)
-        fig_err = figures.error_figure(per_token, vs.bars, members, what=ensemble)
-        if spec.evicts:
+        fig_att = figures.attention_figure(per_token, row=row, text_tokens=text, pinned=pinned_tokens)
+        fig_err = figures.error_figure(per_token, vs.bars, members, what=ensemble, y_range=y_range,
+                                       text_tokens=text, pinned=pinned_tokens)
+
+    def error_chart() -> None:      # the main chart: the handbook's lesson, two kinds of error
+        st.plotly_chart(fig_err, key="error_chart", config=figures.CHART_CONFIG)
+        if not present:
+            st.caption("What to look for: the two causes of error apart. Eviction (hatched vermillion) loses whole "
+                       "tokens and shifts their mass onto the kept ones; quantization (purple) spreads small errors "
+                       "over every kept token. "
+                       + (f"Bars are the mean over N = {members} rows ({ensemble}); black ticks the total, with "
+                          f"error bars: {BAND_TEXT[vs.bars]}" + (" (assumes independent rows)." if vs.bars == "ci95"
+                                                                   else ".")
+                          if members > 1 else "One row, no ensemble: pick one under View → Error bars over."))
+
+    def attention_chart() -> None:
+        if binned:
+            st.caption(f"{n_seen} tokens: the charts show {len(frame)} bins of up to {int(frame['tokens'].max())} "
+                       "tokens each (the CSV has every token).")
+        elif spec.evicts:
             st.markdown(f"**Kept tokens:** {ranges_text(per_token.index[per_token['kept']])}")
+        st.plotly_chart(fig_att, key="attention_chart", config=figures.CHART_CONFIG)
+        if not present:
+            st.caption("What to look for: grey is the original attention, coloured bars what the compressed cache "
+                       "gives each kept token (renormalised, so kept tokens gain weight); hatched vermillion bars "
+                       "are evicted tokens, whose attention drops to zero.")
 
-    st.plotly_chart(fig_att, key="attention_chart")
-    st.caption("What to look for: grey is the original attention, coloured bars what the compressed cache gives "
-               "each kept token (renormalised, so kept tokens gain weight); "
-               + ("the vermillion part of each grey bar is mass on evicted tokens, lost to the compressed cache."
-                  if n_seen > BIN_THRESHOLD else "crosses mark evicted tokens, whose attention drops to zero."))
-    st.plotly_chart(fig_err, key="error_chart")
-    st.caption("What to look for: eviction zeroes some tokens (deep negative bars) and shifts their mass onto the "
-               "kept ones; quantization spreads small errors over every kept token. "
-               + (f"Bars are the mean over N = {members} rows ({ensemble}); error bars: {BAND_TEXT[vs.bars]}"
-                  + (" (assumes independent rows)." if vs.bars == "ci95" else ".")
-                  if members > 1 else "One row, no ensemble: pick one under View → Error bars over for error bars."))
-
+    charts = (error_chart, attention_chart) if present else (attention_chart, error_chart)
+    for draw in charts:
+        draw()
+    ux.solver_panel(source.trace, spec, vs.view)
     ui.token_grid(comp, source)
     ui.head_overview(source, spec, vs.view)
+    if present:
+        return
 
+    stem, link = ux.slug(spec, source.key[0] if source.key[0] != "external" else source.key[1]), ux.page_link()
+    header = ux.settings_header(comp, source.label, link, vs.bars)
     c1, c2 = st.columns(2)
-    c1.download_button("Download per-token data (CSV)", data=lambda: per_token.to_csv(index=False),
-                       file_name="kvviz-tokens.csv", mime="text/csv", on_click="ignore", icon=":material/download:")
+    c1.download_button("Download per-token data (CSV)", data=lambda: header + per_token.to_csv(index=False),
+                       file_name=f"{stem}.csv", mime="text/csv", on_click="ignore", icon=":material/download:")
     c2.download_button("Download charts (standalone HTML)",
-                       data=lambda: figures.figures_html([fig_att, fig_err], f"kvviz: {spec.label()}"),
-                       file_name="kvviz-explorer.html", mime="text/html", on_click="ignore", icon=":material/download:")
+                       data=lambda: figures.figures_html([fig_att, fig_err], f"kvviz: {spec.label()}",
+                                                         metrics=comp.metrics, about=header, link=link),
+                       file_name=f"{stem}.html", mime="text/html", on_click="ignore", icon=":material/download:")
+    st.caption("For slides: every chart's toolbar (top right of the chart, on hover) has a camera button that "
+               "saves it as an SVG image in your browser, offline.")
     with st.expander("All numbers"):
         st.dataframe(ui.metrics_table(comp), hide_index=True, key="metrics_table")
         st.dataframe(per_token, hide_index=True, height=240)
 
 
 st.set_page_config(page_title="kvviz", layout="wide")
-page = st.navigation([
-    st.Page(explorer, title="Explorer", default=True),
-    st.Page("pages/1_Trade-offs.py", title="Trade-offs", url_path="trade-offs"),
-    st.Page("pages/2_Concentration.py", title="Concentration", url_path="concentration"),
-    st.Page("pages/3_Model_lab.py", title="Model lab", url_path="model-lab"),
-    st.Page("pages/4_Decode_timeline.py", title="Decode timeline", url_path="decode-timeline"),
-])
+ui.PAGES.update(
+    explorer=st.Page(explorer, title="Explorer", default=True),
+    tradeoffs=st.Page("pages/1_Trade-offs.py", title="Trade-offs", url_path="trade-offs"),
+    concentration=st.Page("pages/2_Concentration.py", title="Concentration", url_path="concentration"),
+    model_lab=st.Page("pages/3_Model_lab.py", title="Model lab", url_path="model-lab"),
+    timeline=st.Page("pages/4_Decode_timeline.py", title="Decode timeline", url_path="decode-timeline"),
+)
+page = st.navigation(list(ui.PAGES.values()))
 page.run()
 ui.sync_url()

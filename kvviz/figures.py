@@ -1,8 +1,13 @@
 """Plotly figure builders: pure functions, data in -> go.Figure out (no Streamlit).
 
-Colours are the Okabe-Ito palette (safe for the common colour-vision deficiencies), and
-every chart also encodes the key distinction by shape or position, not colour alone:
-evicted tokens are drawn as crosses, the Pareto frontier as a thick dashed line.
+One colour means one thing on every page, and colour is never the only cue:
+- what happens to a token (Okabe-Ito): sink blue, recent bluish green, heavy hitter orange,
+  kept without eviction sky blue, evicted vermillion (and hatched);
+- the two causes of error: eviction vermillion, quantization reddish purple;
+- eviction methods (Paul Tol's muted palette, none of the hues above, plus a marker shape
+  each): H2O indigo, TOVA wine, SnapKV olive, StreamingLLM rose, K-norm sand, random pale
+  grey, the oracle black, no eviction ("full") dark grey.
+Legends sit below the charts so they never cover a title at a projector's 1024 px.
 """
 
 from __future__ import annotations
@@ -26,15 +31,17 @@ REASON_COLORS = {
     "kept (no eviction)": OKABE_ITO["sky_blue"],
     "evicted": OKABE_ITO["vermillion"],
 }
+PART_COLORS = {"eviction": OKABE_ITO["vermillion"], "quantization": OKABE_ITO["reddish_purple"]}
 ORIGINAL_COLOR = OKABE_ITO["grey"]
-METHOD_COLORS = {
-    "h2o": OKABE_ITO["orange"], "tova": OKABE_ITO["reddish_purple"], "snapkv": OKABE_ITO["bluish_green"],
-    "streaming": OKABE_ITO["blue"], "oracle": OKABE_ITO["black"], "knorm": OKABE_ITO["sky_blue"],
-    "random": OKABE_ITO["grey"], "full": OKABE_ITO["vermillion"],
+METHOD_COLORS = {  # Paul Tol, muted (colour-blind safe); distinct from the token colours above
+    "h2o": "#332288", "tova": "#882255", "snapkv": "#999933", "streaming": "#CC6677",
+    "knorm": "#DDCC77", "random": "#BBBBBB", "oracle": "#000000", "full": "#555555",
 }
 METHOD_SYMBOLS = {"h2o": "circle", "tova": "diamond", "snapkv": "square", "streaming": "triangle-up",
                   "oracle": "star-diamond", "knorm": "pentagon", "random": "x-thin-open", "full": "hexagon"}
 FONT = dict(family="Source Sans Pro, sans-serif", size=13)
+# plotly's own toolbar: its camera button saves the chart as SVG (vector, for slides), in the browser
+CHART_CONFIG = {"toImageButtonOptions": {"format": "svg", "filename": "kvviz-chart"}, "displaylogo": False}
 
 
 def _layout(fig: go.Figure, title: str, x_title: str, y_title: str, height: int = 380,
@@ -42,7 +49,7 @@ def _layout(fig: go.Figure, title: str, x_title: str, y_title: str, height: int 
     text = f"{title}<br><sup>{subtitle}</sup>" if subtitle else title
     fig.update_layout(title=dict(text=text, x=0.01), height=height, font=FONT, template="plotly_white",
                       margin=dict(l=60, r=20, t=70 if subtitle else 50, b=50),
-                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0),
+                      legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0.0),
                       hoverlabel=dict(namelength=-1))
     fig.update_xaxes(title_text=x_title)
     fig.update_yaxes(title_text=y_title)
@@ -51,19 +58,39 @@ def _layout(fig: go.Figure, title: str, x_title: str, y_title: str, height: int 
 
 # --- explorer ----------------------------------------------------------------------------
 
+def _token_axis(fig: go.Figure, frame: pd.DataFrame, text_tokens: bool, max_labels: int = 48) -> None:
+    """Real text on the x axis (every k-th token when there are many), positions otherwise."""
+    if not text_tokens:
+        return
+    step = max(1, -(-len(frame) // max_labels))
+    at = frame["position"].to_numpy()[::step]
+    labels = [t.replace("\n", "↵").strip() or "␣" for t in frame["token"].astype(str).to_numpy()[::step]]
+    fig.update_xaxes(tickmode="array", tickvals=at, ticktext=[f"{w[:10]}" for w in labels], tickangle=-60)
+
+
 def attention_figure(frame: pd.DataFrame, title: str = "Attention per token: original vs compressed",
-                     row: str = "") -> go.Figure:
+                     row: str = "", text_tokens: bool = False, pinned: pd.DataFrame | None = None,
+                     pinned_label: str = "A") -> go.Figure:
     """Grouped bars per token: original (grey) and compressed coloured by why the token was kept.
 
-    Evicted tokens have no compressed bar; a vermillion cross marks their original weight.
-    `frame` is `kvviz.ui_data.token_frame`; `row` names the one row shown ("layer 0, head 0, ...").
+    Evicted tokens have no compressed bar, and their original bar is hatched vermillion
+    (shape and colour), so a long run of evictions reads as one band, not a wall of marks.
+    `frame` is `kvviz.ui_data.token_frame`; `row` names the one row shown; `text_tokens`
+    puts the real text on the axis; `pinned` (a token_frame of a pinned setting A) adds A's
+    compressed attention as open diamonds.
     """
     fig = go.Figure()
     hover = ("<b>%{customdata[0]}</b> (position %{x})<br>original %{customdata[1]:.4f}"
              "<br>compressed %{customdata[2]:.4f}<br>%{customdata[3]}<extra></extra>")
     custom = np.stack([frame["token"].astype(str), frame["original"], frame["compressed"], frame["reason"]], axis=1)
-    fig.add_bar(x=frame["position"], y=frame["original"], name="original", marker_color=ORIGINAL_COLOR,
-                offsetgroup="original", customdata=custom, hovertemplate=hover)
+    ev = (frame["reason"] == "evicted").to_numpy()
+    fig.add_bar(x=frame["position"][~ev], y=frame["original"][~ev], name="original", marker_color=ORIGINAL_COLOR,
+                offsetgroup="original", customdata=custom[~ev], hovertemplate=hover)
+    if ev.any():
+        fig.add_bar(x=frame["position"][ev], y=frame["original"][ev], name="original, evicted (compressed = 0)",
+                    marker=dict(color="rgba(213, 94, 0, 0.35)", line=dict(color=REASON_COLORS["evicted"], width=0.5),
+                                pattern=dict(shape="/", fgcolor=REASON_COLORS["evicted"], size=5)),
+                    offsetgroup="original", customdata=custom[ev], hovertemplate=hover)
     for reason, color in REASON_COLORS.items():
         if reason == "evicted":
             continue
@@ -72,16 +99,16 @@ def attention_figure(frame: pd.DataFrame, title: str = "Attention per token: ori
             fig.add_bar(x=frame["position"][sel], y=frame["compressed"][sel], name=f"compressed: {reason}",
                         marker_color=color, offsetgroup="compressed", customdata=custom[sel],
                         hovertemplate=hover)
-    ev = (frame["reason"] == "evicted").to_numpy()
-    if ev.any():
-        fig.add_scatter(x=frame["position"][ev], y=frame["original"][ev], mode="markers",
-                        name="evicted (compressed = 0)",
-                        marker=dict(symbol="x-thin-open", size=9, color=REASON_COLORS["evicted"],
-                                    line=dict(width=2, color=REASON_COLORS["evicted"])),
-                        customdata=custom[ev], hovertemplate=hover)
+    if pinned is not None:
+        fig.add_scatter(x=pinned["position"], y=pinned["compressed"], mode="markers",
+                        name=f"pinned {pinned_label}: compressed",
+                        marker=dict(symbol="diamond-open", size=7, color=OKABE_ITO["black"], line=dict(width=1.5)),
+                        hovertemplate="pinned: %{y:.4f}<extra></extra>")
     fig.update_layout(barmode="group", bargap=0.15, bargroupgap=0.0)
-    return _layout(fig, title, "token position (index)", "attention weight (probability)",
-                   subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)")
+    _layout(fig, title, "token" if text_tokens else "token position (index)", "attention weight (probability)",
+            subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)")
+    _token_axis(fig, frame, text_tokens)
+    return fig
 
 
 def binned_attention_figure(frame: pd.DataFrame,
@@ -119,12 +146,16 @@ BAND_TEXT = {"std": "± 1 sample std", "ci95": "95% t-interval for the mean", "r
 
 def error_figure(frame: pd.DataFrame, bars: str = "std", members: int = 1,
                  title: str = "Per-token error: compressed − original attention",
-                 what: str = "") -> go.Figure:
-    """Mean error per token over the ensemble with error bars, coloured by why the token was kept.
+                 what: str = "", y_range: float | None = None, text_tokens: bool = False,
+                 pinned: pd.DataFrame | None = None, pinned_label: str = "A") -> go.Figure:
+    """The per-token error split into its two causes, with error bars on the total.
 
-    `frame` is `kvviz.ui_data.token_frame` (or `binned_frame`, which has `start`/`end`);
-    `bars` one of kvviz.metrics.BANDS; `what` names the ensemble ("query heads 0-7 of layer 1").
-    With one member there is no spread: the chart says it shows that one row.
+    Stacked bars: the eviction part (whole tokens lost, their mass spread over the kept ones)
+    and the quantization part (small errors on every kept token), each the ensemble mean;
+    black ticks mark the mean total error with the `bars` band (kvviz.metrics.BANDS) over
+    the N members. `frame` is `kvviz.ui_data.token_frame` (or `binned_frame`); `what` names
+    the ensemble; `y_range` locks the axis to ±y_range; `pinned` adds a pinned setting's
+    total error as open diamonds. With one member the chart says it shows that one row.
     """
     from .ui_data import with_band
 
@@ -136,38 +167,48 @@ def error_figure(frame: pd.DataFrame, bars: str = "std", members: int = 1,
     up = (frame["band_hi"] - frame["error_mean"]).clip(lower=0).fillna(0)
     down = (frame["error_mean"] - frame["band_lo"]).clip(lower=0).fillna(0)
     if binned:
-        custom = np.stack([frame["start"], frame["end"], frame["error_mean"], frame["band_lo"],
-                           frame["band_hi"]], axis=1)
-        hover = ("<b>tokens %{customdata[0]}-%{customdata[1]}</b><br>mean error %{customdata[2]:.5f}"
-                 "<br>bars %{customdata[3]:.5f} to %{customdata[4]:.5f}<extra></extra>")
-        fig.add_bar(x=x, y=frame["error_mean"], name=f"mean error per bin ({bar_text}, N = {members})",
-                    marker_color=OKABE_ITO["blue"], customdata=custom, hovertemplate=hover,
-                    error_y=dict(type="data", symmetric=False, array=up, arrayminus=down,
-                                 color=OKABE_ITO["black"], thickness=1.2, width=2))
+        where = ("tokens %{customdata[0]}-%{customdata[1]}", np.stack([frame["start"], frame["end"]], axis=1))
         x_title = f"token position (bins of {int(frame['tokens'].max())} tokens)"
         y_title = "error in attention mass per bin (probability)"
     else:
-        custom = np.stack([frame["token"].astype(str), frame["error_mean"], frame["band_lo"],
-                           frame["band_hi"], frame["reason"]], axis=1)
-        hover = ("<b>%{customdata[0]}</b> (position %{x})<br>mean error %{customdata[1]:.5f}"
-                 "<br>bars %{customdata[2]:.5f} to %{customdata[3]:.5f}<br>%{customdata[4]}<extra></extra>")
-        for reason, color in REASON_COLORS.items():
-            sel = (frame["reason"] == reason).to_numpy()
-            if not sel.any():
-                continue
-            fig.add_bar(x=x[sel], y=frame["error_mean"][sel], name=reason, marker_color=color, width=0.8,
-                        customdata=custom[sel], hovertemplate=hover,
-                        error_y=dict(type="data", symmetric=False, array=up[sel], arrayminus=down[sel],
-                                     color=OKABE_ITO["black"], thickness=1.2, width=2))
-        x_title = "token position (index)"
+        where = ("%{customdata[0]} (position %{customdata[1]})",
+                 np.stack([frame["token"].astype(str), frame["position"]], axis=1))
+        x_title = "token" if text_tokens else "token position (index)"
         y_title = "attention error (compressed − original)"
+    label, ids = where
+    for part in ("eviction", "quantization"):
+        values = frame[f"error_{part}_mean"]
+        if not np.any(np.abs(values.to_numpy()) > 0):
+            continue
+        fig.add_bar(x=x, y=values, name=f"{part} part", marker_color=PART_COLORS[part], customdata=ids,
+                    marker_pattern_shape="/" if part == "eviction" else "",
+                    hovertemplate=f"<b>{label}</b><br>{part} part %{{y:.5f}}<extra></extra>")
+    custom = np.concatenate([ids, np.stack([frame["band_lo"], frame["band_hi"]], axis=1)], axis=1)
+    fig.add_scatter(x=x, y=frame["error_mean"], mode="markers", name=f"total ({bar_text})" if members > 1 else "total",
+                    marker=dict(symbol="line-ew-open", size=12, color=OKABE_ITO["black"], line=dict(width=2)),
+                    customdata=custom,
+                    error_y=dict(type="data", symmetric=False, array=up, arrayminus=down,
+                                 color=OKABE_ITO["black"], thickness=1.2, width=2, visible=members > 1),
+                    hovertemplate=(f"<b>{label}</b><br>total error %{{y:.5f}}"
+                                   + ("<br>band %{customdata[2]:.5f} to %{customdata[3]:.5f}" if members > 1 else "")
+                                   + "<extra></extra>"))
+    if pinned is not None:
+        px = pinned["start"] + (pinned["tokens"] - 1) / 2 if binned else pinned["position"]
+        fig.add_scatter(x=px, y=pinned["error_mean"], mode="markers", name=f"pinned {pinned_label}: total",
+                        marker=dict(symbol="diamond-open", size=7, color=OKABE_ITO["black"], line=dict(width=1.5)),
+                        hovertemplate="pinned: %{y:.5f}<extra></extra>")
     fig.add_hline(y=0, line_width=1, line_color=OKABE_ITO["black"])
-    fig.update_layout(barmode="overlay", bargap=0.15)
+    fig.update_layout(barmode="relative", bargap=0.15)
     if members > 1:
         subtitle = f"ensemble mean of N = {members} rows{f' ({what})' if what else ''}, bars: {bar_text}"
     else:
         subtitle = f"one row{f' ({what})' if what else ''}, no ensemble: no error bars"
-    return _layout(fig, title, x_title, y_title, subtitle=subtitle)
+    _layout(fig, title, x_title, y_title, subtitle=subtitle)
+    if y_range:
+        fig.update_yaxes(range=[-y_range, y_range], autorange=False)
+    if not binned:
+        _token_axis(fig, frame, text_tokens)
+    return fig
 
 
 # --- trade-offs -----------------------------------------------------------------------------
@@ -179,31 +220,53 @@ METRIC_LABELS = {"tv": "TV distance (0-1)",
                  "mass_retained": "attention mass retained (0-1)"}
 
 
-def tradeoff_figure(rows: Sequence[dict], metric: str = "tv", front: Sequence[int] = (),
-                    current: dict | None = None) -> go.Figure:
-    """Error against memory ratio, one line per method (each line one bit width per budget sweep).
+BITS_SYMBOLS = {16: "circle", 8: "square", 6: "hexagon", 5: "pentagon", 4: "diamond", 3: "triangle-up", 2: "x",
+                1: "cross"}
+BITS_DASH = {16: "solid", 8: "dot", 4: "dash", 3: "longdash", 2: "dashdot"}
+METHOD_LABELS = {"h2o": "H2O", "tova": "TOVA", "snapkv": "SnapKV", "streaming": "StreamingLLM",
+                 "oracle": "oracle (the bound)", "knorm": "K-norm", "random": "random", "full": "no eviction"}
 
-    `front` indexes the Pareto-optimal rows; `current` ({memory_ratio, <metric>, label}) is
-    the explorer's setting, drawn as a large star.
+
+def tradeoff_figure(rows: Sequence[dict], metric: str = "tv", front: Sequence[int] = (),
+                    current: dict | None = None, log_x: bool = False) -> go.Figure:
+    """Error against memory ratio: one colour and one legend entry per method, one marker
+    shape (and dash) per bit width, explained once in a bit-width legend.
+
+    `rows` are kvviz.sweep rows, `metric` the column on the y axis; `front` indexes the
+    Pareto-optimal rows (the page leaves the oracle out: no real policy reaches it), drawn
+    as a thick dashed line; the oracle itself is a thin dotted black line, the bound;
+    `current` ({memory_ratio, <metric>, label}) is the Explorer's setting, a large star.
+    Each point carries (method, budget, bits) so a click can open that setting.
     """
     frame = pd.DataFrame(list(rows))
     fig = go.Figure()
+    label = METRIC_LABELS.get(metric, metric)
     if len(frame):
         frame = frame.dropna(subset=[metric])
+        seen_methods = set()
         for (method, bits), g in frame.groupby(["method", "bits"], sort=True):
             g = g.sort_values("memory_ratio")
-            dash = {16: "solid", 8: "dot", 4: "dash", 2: "dashdot"}.get(int(bits), "longdash")
+            bound = method == "oracle"
             fig.add_scatter(
-                x=g["memory_ratio"], y=g[metric], mode="lines+markers", name=f"{method} · {bits}-bit",
-                legendgroup=method, line=dict(color=METHOD_COLORS.get(method, OKABE_ITO["grey"]), dash=dash),
-                marker=dict(symbol=METHOD_SYMBOLS.get(method, "circle"), size=8),
+                x=g["memory_ratio"], y=g[metric], mode="lines+markers", name=METHOD_LABELS.get(method, method),
+                legendgroup=method, showlegend=method not in seen_methods,
+                line=dict(color=METHOD_COLORS.get(method, OKABE_ITO["grey"]), width=1.5 if bound else 2,
+                          dash="dot" if bound else BITS_DASH.get(int(bits), "solid")),
+                marker=dict(symbol=BITS_SYMBOLS.get(int(bits), "circle"), size=9,
+                            color=METHOD_COLORS.get(method, OKABE_ITO["grey"])),
                 customdata=np.stack([g["method"], g["budget"], g["bits"]], axis=1),
                 hovertemplate=("<b>%{customdata[0]}</b> budget %{customdata[1]} tokens, %{customdata[2]}-bit"
-                               "<br>memory %{x:.3f} of 16-bit<br>" + metric + " %{y:.4f}<extra></extra>"))
+                               "<br>memory %{x:.3f} of 16-bit<br>" + label + " %{y:.4f}"
+                               "<br>click to open in the Explorer<extra></extra>"))
+            seen_methods.add(method)
+        for bits in sorted(frame["bits"].unique(), reverse=True):   # the marker legend, once
+            fig.add_scatter(x=[None], y=[None], mode="markers", name=f"{int(bits)}-bit" if bits < 16 else "16-bit (off)",
+                            legendgroup="bits", legendgrouptitle_text="bit width",
+                            marker=dict(symbol=BITS_SYMBOLS.get(int(bits), "circle"), size=9, color=OKABE_ITO["grey"]))
         rows_list = list(rows)
         if len(front):
             pts = pd.DataFrame([rows_list[i] for i in front]).sort_values("memory_ratio")
-            fig.add_scatter(x=pts["memory_ratio"], y=pts[metric], mode="lines", name="Pareto frontier",
+            fig.add_scatter(x=pts["memory_ratio"], y=pts[metric], mode="lines", name="Pareto frontier (real policies)",
                             line=dict(color=OKABE_ITO["black"], width=4, dash="dash"), opacity=0.55,
                             hoverinfo="skip")
     if current is not None and current.get(metric) is not None:
@@ -211,10 +274,14 @@ def tradeoff_figure(rows: Sequence[dict], metric: str = "tv", front: Sequence[in
                         name=f"current: {current.get('label', 'explorer setting')}",
                         marker=dict(symbol="star", size=20, color=OKABE_ITO["yellow"],
                                     line=dict(width=2, color=OKABE_ITO["black"])),
-                        hovertemplate="current setting<br>memory %{x:.3f}<br>" + metric + " %{y:.4f}<extra></extra>")
-    fig = _layout(fig, "Error vs memory for every policy", "memory ratio (compressed / 16-bit cache bytes)",
-                  METRIC_LABELS.get(metric, metric), height=520)
-    fig.update_layout(legend=dict(orientation="v", yanchor="top", y=1.0, xanchor="left", x=1.02))
+                        hovertemplate="current setting<br>memory %{x:.3f}<br>" + label + " %{y:.4f}<extra></extra>")
+    better = "higher is better" if metric == "mass_retained" else "lower is better"
+    fig = _layout(fig, "Error vs memory for every policy", "memory ratio (compressed / 16-bit cache bytes)"
+                  + (", log scale" if log_x else ""), f"{label} — {better}", height=540)
+    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.16, xanchor="left", x=0.0),
+                      margin=dict(b=130))
+    if log_x:
+        fig.update_xaxes(type="log")
     return fig
 
 
@@ -231,9 +298,14 @@ def concentration_figure(fractions: np.ndarray, curves: np.ndarray, band: tuple 
     fig = go.Figure()
     (x0, x1), (y0, y1) = band
     fig.add_shape(type="rect", x0=100 * x0, x1=100 * x1, y0=100 * y0, y1=100 * y1,
-                  fillcolor=OKABE_ITO["orange"], opacity=0.25, line_width=0, layer="below")
-    fig.add_annotation(x=100 * x1, y=100 * y0, text="handbook: 10-20% of tokens → 80-90% of mass",
-                       showarrow=False, xanchor="left", yanchor="top", font=dict(size=11))
+                  fillcolor=OKABE_ITO["yellow"], opacity=0.45, line=dict(color=OKABE_ITO["black"], width=1, dash="dot"),
+                  layer="below")
+    # the label sits low on the right, under every curve (which rise above 80% long before x = 55%)
+    # and right of the uniform diagonal, with an arrow to the band
+    fig.add_annotation(x=100 * (x0 + x1) / 2, y=100 * y0, ax=62, ay=22, axref="x", ayref="y",
+                       text="handbook: 10-20% of tokens<br>take 80-90% of the mass", showarrow=True, arrowhead=2,
+                       xanchor="left", yanchor="middle", align="left", font=dict(size=12),
+                       bgcolor="rgba(255,255,255,0.9)")
     per_layer = curves.mean(axis=1)
     for layer, c in enumerate(per_layer):
         fig.add_scatter(x=x, y=100 * c, mode="lines", line=dict(width=1, color=OKABE_ITO["sky_blue"]),
@@ -278,38 +350,93 @@ GRID_STYLES = {  # background, text colour, border style: colour is never the on
 }
 
 
+def _mix(hex_colour: str, weight: float) -> str:
+    """hex_colour blended with white: weight 0 = white, 1 = the colour."""
+    r, g, b = (int(hex_colour[i:i + 2], 16) for i in (1, 3, 5))
+    w = min(max(float(weight), 0.0), 1.0)
+    return "#{:02x}{:02x}{:02x}".format(*(round(255 + (c - 255) * w) for c in (r, g, b)))
+
+
 def token_grid_html(tokens: Sequence[str], reasons: Sequence[str], original: Sequence[float],
-                    newest: int | None = None) -> str:
+                    newest: int | None = None, shade: str = "reason", error: Sequence[float] | None = None,
+                    context_len: int | None = None) -> str:
     """The text as chips, each coloured by what the compressed cache does with it.
 
-    Evicted tokens are struck through and dashed, so the grid reads without colour too;
-    the hover title gives the position, the reason and the original attention.
+    shade "reason": sink / recent / heavy hitter / evicted / newest colours; "attention": the
+    chip's depth is the token's original attention (cividis-like blue, a max-scaled square
+    root so small weights stay visible); "error": vermillion where compression lowered the
+    token's attention, blue where it raised it. Evicted tokens are struck through and dashed
+    in every mode, so the grid reads without colour too. `context_len` draws a separator
+    between the prompt and the generated tokens. The legend lists only classes that occur.
     """
     from html import escape
 
-    chips = []
+    original = np.asarray(original, dtype=float)
+    err = np.zeros_like(original) if error is None else np.asarray(error, dtype=float)
+    top = float(original.max()) if len(original) else 1.0
+    worst = float(np.abs(err).max()) if len(err) else 1.0
+    chips, present = [], []
     for i, (tok, why, a) in enumerate(zip(tokens, reasons, original)):
         kind = "newest" if i == newest else why
+        if kind not in present:
+            present.append(kind)
         bg, fg, border = GRID_STYLES[kind]
+        if shade == "attention":
+            bg = _mix(OKABE_ITO["blue"], np.sqrt(a / top) if top > 0 else 0)
+            fg = "#ffffff" if a / max(top, 1e-300) > 0.3 else "#000000"
+        elif shade == "error":
+            e = err[i] / worst if worst > 0 else 0.0
+            bg = _mix(OKABE_ITO["vermillion"] if e < 0 else OKABE_ITO["blue"], abs(e) ** 0.5)
+            fg = "#ffffff" if abs(e) > 0.35 else "#000000"
         strike = "line-through" if why == "evicted" else "none"
         label = escape(tok) if tok.strip() else "&nbsp;"
+        edge = "#8a8a8a" if border == "dashed" else (bg if shade == "reason" else "#555555")
+        if context_len is not None and i == context_len:
+            chips.append("<span title='the prompt ends here: later tokens were generated' style='display:inline-block;"
+                         "margin:2px 6px;padding:0 4px;border-left:3px solid #000;font-size:11px;color:#000'>"
+                         "generated →</span>")
         chips.append(
-            f"<span title='{i}: {escape(tok)!s} — {escape(kind)}, attention {a:.4f}' "
+            f"<span title='{i}: {escape(tok)!s} — {escape(kind)}, attention {a:.4f}, error {err[i]:+.4f}' "
             f"style='display:inline-block;margin:2px;padding:1px 5px;border-radius:4px;"
-            f"background:{bg};color:{fg};border:2px {border} {bg if border != 'dashed' else '#8a8a8a'};"
+            f"background:{bg};color:{fg};border:2px {border} {edge};"
             f"text-decoration:{strike};font-family:monospace;font-size:13px'>{label}</span>")
+    if shade == "reason":
+        items = [(name, *GRID_STYLES[name]) for name in GRID_STYLES if name in present]
+    else:
+        items = [(name, GRID_STYLES[name][0], GRID_STYLES[name][1], GRID_STYLES[name][2])
+                 for name in ("evicted", "newest") if name in present]
+        scale = ("darker = more of the original attention" if shade == "attention" else
+                 "vermillion = attention lowered by compression, blue = raised; deeper = more")
+        items.insert(0, (scale, "#ffffff", "#000000", "solid"))
     legend = " ".join(
         f"<span style='display:inline-block;margin:2px 6px 6px 0;padding:1px 6px;border-radius:4px;"
         f"background:{bg};color:{fg};border:2px {border} {bg if border != 'dashed' else '#8a8a8a'};"
-        f"font-size:12px'>{name}</span>" for name, (bg, fg, border) in GRID_STYLES.items())
+        f"font-size:12px'>{escape(name)}</span>" for name, bg, fg, border in items)
     return f"<div>{legend}</div><div style='line-height:1.9'>{''.join(chips)}</div>"
 
 
 # --- export -------------------------------------------------------------------------------------
 
-def figures_html(figures: Sequence[go.Figure], title: str = "kvviz") -> str:
-    """A standalone HTML page holding the figures (plotly.js inlined once; works offline)."""
-    parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figures)]
+def figures_html(figures: Sequence[go.Figure], title: str = "kvviz", metrics: dict | None = None,
+                 about: str = "", link: str = "") -> str:
+    """A standalone HTML page holding the figures (plotly.js inlined once; works offline), with
+    what was computed (`about`: '# ' lines), the metrics and a link back to the live view."""
+    from html import escape
+
+    parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0), config=CHART_CONFIG)
+             for i, fig in enumerate(figures)]
     body = "\n".join(f"<section>{p}</section>" for p in parts)
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title></head>"
-            f"<body style='font-family:sans-serif'><h1>{title}</h1>{body}</body></html>")
+    info = "".join(f"<li>{escape(line[2:])}</li>" for line in about.splitlines() if line.startswith("# "))
+    table = "".join(f"<tr><td>{escape(k)}</td><td>{escape(_fmt_metric(v))}</td></tr>" for k, v in (metrics or {}).items())
+    back = f"<p><a href='{escape(link, quote=True)}'>Open this view in kvviz</a></p>" if link else ""
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(title)}</title></head>"
+            f"<body style='font-family:sans-serif'><h1>{escape(title)}</h1>{back}"
+            + (f"<ul>{info}</ul>" if info else "")
+            + (f"<table><tr><th>metric</th><th>value</th></tr>{table}</table>" if table else "")
+            + f"{body}</body></html>")
+
+
+def _fmt_metric(v) -> str:
+    if isinstance(v, float):
+        return "∞" if v == float("inf") else f"{v:.6g}"
+    return "" if v is None else str(v)

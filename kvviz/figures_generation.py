@@ -12,12 +12,14 @@ import html
 import numpy as np
 import plotly.graph_objects as go
 
+from .figures import METHOD_COLORS, REASON_COLORS
 from .timeline import EVICTED, FUTURE, KEPT, MISSED, STATE_NAMES, Timeline
 
-# Colour-blind-safe (Okabe-Ito): not arrived, evicted, kept, evicted-but-needed.
-STATE_COLOURS = {FUTURE: "#f2f2f2", EVICTED: "#bdbdbd", KEPT: "#0072B2", MISSED: "#D55E00"}
-POLICY_COLOURS = {"h2o": "#0072B2", "tova": "#009E73", "streaming": "#CC79A7", "oracle": "#000000",
-                  "snapkv": "#E69F00", "knorm": "#56B4E9", "random": "#999999"}
+# Colours mean what they mean on the Explorer (kvviz.figures): kept = sky blue ("kept"),
+# evicted = light grey, evicted but needed = vermillion (the evicted colour), not arrived = near white.
+STATE_COLOURS = {FUTURE: "#f7f7f7", EVICTED: "#c8c8c8", KEPT: REASON_COLORS["kept (no eviction)"],
+                 MISSED: REASON_COLORS["evicted"]}
+POLICY_COLOURS = METHOD_COLORS
 
 
 def _discrete_scale() -> list:
@@ -51,8 +53,9 @@ def timeline_map(tl: Timeline, policy: str, step: int | None = None, max_tokens:
     if step is not None and 0 <= step < tl.n_steps:
         fig.add_hline(y=step, line=dict(color="#000000", width=1, dash="dot"))
     if shift_step is not None and 0 <= shift_step < tl.n_steps:
-        fig.add_hline(y=shift_step - 0.5, line=dict(color="#D55E00", width=1, dash="dash"),
-                      annotation_text="topic shift", annotation_position="bottom left")
+        fig.add_hline(y=shift_step - 0.5, line=dict(color="#000000", width=2, dash="dash"),
+                      annotation_text="topic shift", annotation_position="bottom left",
+                      annotation=dict(font=dict(size=13, color="#000000"), bgcolor="rgba(255,255,255,0.85)"))
     if lo <= tl.context_len - 0.5 <= P:
         fig.add_vline(x=tl.context_len - 0.5, line=dict(color="#555555", width=1, dash="dash"),
                       annotation_text="compression point", annotation_position="top")

@@ -82,7 +82,7 @@ def to_csv(rows: list[dict]) -> str:
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
-    """Indices of points not dominated in (lower x, lower y), sorted by x."""
+    """Indices of points not dominated in (lower x, lower y), sorted by x (negate y for higher-is-better)."""
     order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1]))
     front, best = [], float("inf")
     for i in order:

@@ -68,6 +68,31 @@ class PolicyTimeline:
     def regret_mean(self) -> float:
         return float(self.regret.mean()) if len(self.regret) else 0.0
 
+    def history(self, token: int, positions: np.ndarray, context_len: int) -> str:
+        """One token's story under this policy: when it was evicted, when it was needed while gone.
+
+        e.g. 'evicted at the compression point; needed at steps 17-31 while evicted'.
+        """
+        from .ui_data import ranges_text
+
+        arrived = positions >= token
+        held = self.kept[:, token] & arrived
+        steps = np.flatnonzero(arrived)
+        if not len(steps):
+            return "not arrived within these steps"
+        parts = []
+        if not held[steps[0]]:
+            parts.append("evicted at the compression point" if token < context_len else
+                         f"evicted on arrival (step {steps[0]})")
+        else:
+            gone = steps[~held[steps]]
+            parts.append(f"held until step {gone[0] - 1}, evicted at step {gone[0]}" if len(gone) else
+                         "held at every step")
+        needed = np.flatnonzero(self.missed[:, token])
+        if len(needed):
+            parts.append(f"needed at step{'s' if len(needed) > 1 else ''} {ranges_text(needed)} while evicted")
+        return "; ".join(parts)
+
 
 @dataclass(frozen=True, eq=False)
 class Timeline:

@@ -37,6 +37,9 @@ ENSEMBLE_OPTIONS = ("auto", "none", "heads", "layers", "steps", "seeds")
 MAX_TOKENS = 32768 + 512
 SOURCE_LABELS = {"handbook": "Handbook example", "synthetic": "Synthetic pattern",
                  "real": "Real model", "file": "Trace file"}
+PAGES: dict = {}   # app.py registers its st.Page objects here, so a page can switch to another
+SCORER_SHORT = {"h2o": "H2O", "tova": "TOVA", "snapkv": "SnapKV", "streaming": "StreamingLLM", "oracle": "oracle (bound)",
+                "knorm": "K-norm", "random": "random"}
 SCORER_LABELS = {"h2o": "H2O (accumulated attention)", "tova": "TOVA (last query)",
                  "snapkv": "SnapKV (observation window vote)", "streaming": "StreamingLLM (position only)",
                  "oracle": "Oracle (this query's attention, per KV head; the bound)", "knorm": "K-norm (smallest key norm)",
@@ -50,7 +53,7 @@ class Param:
     """One control: its URL name, kind, default and the widest range any source allows."""
 
     name: str
-    kind: str                      # int | float | choice | bool | list
+    kind: str                      # int | float | choice | bool | list | text
     default: Any
     lo: float | None = None
     hi: float | None = None
@@ -59,6 +62,11 @@ class Param:
     def parse(self, raw: str) -> tuple[Any, str | None]:
         """(value, notice) for a raw query-parameter string; the notice says what was changed."""
         label = f"`{self.name}={raw}`"
+        if self.kind == "text":
+            text = raw.strip()
+            if len(text) > 600:
+                return self.default, f"`{self.name}` is longer than 600 characters; ignored."
+            return text, None
         if self.kind == "bool":
             low = raw.strip().lower()
             if low in ("1", "true", "yes", "on"):
@@ -96,6 +104,8 @@ class Param:
             return "1" if value else "0"
         if self.kind == "list":
             return ",".join(map(str, value))
+        if self.kind == "text":
+            return str(value)
         return _num(value) if self.kind == "float" else str(value)
 
 
@@ -117,6 +127,7 @@ _PARAMS = [
     # compression (defaults: the handbook's example)
     Param("sink", "int", handbook.SINK, 0, MAX_TOKENS), Param("recent", "int", handbook.RECENT, 0, MAX_TOKENS),
     Param("heavy", "int", handbook.HEAVY, 0, MAX_TOKENS),
+    Param("budget_unit", "choice", "tokens", choices=("tokens", "%")),
     Param("bits", "choice", FULL_BITS, choices=BITS_OPTIONS),
     Param("scorer", "choice", "h2o", choices=SCORERS),
     Param("split", "bool", False),
@@ -138,12 +149,17 @@ _PARAMS = [
     Param("ensemble", "choice", "auto", choices=ENSEMBLE_OPTIONS),
     Param("ens_size", "int", 8, 2, 32),
     Param("bars", "choice", "std", choices=("std", "ci95", "range")),
+    # explorer: a pinned setting A, a locked y-axis, the target solver, presentation mode
+    Param("pin", "text", ""), Param("ylock", "float", 0.0, 0.0, 1.0),
+    Param("solve_kind", "choice", "mass", choices=("mass", "tv")), Param("solve_target", "float", 0.95, 0.001, 1.0),
+    Param("present", "bool", False), Param("grid_shade", "choice", "reason", choices=("reason", "attention", "error")),
     # trade-offs page
-    Param("metric", "choice", "tv", choices=("tv", "kl", "js", "output_error")),
+    Param("metric", "choice", "tv", choices=("tv", "kl", "js", "mass", "output_error")),
+    Param("logx", "bool", False),
     Param("methods", "list", ("streaming", "h2o", "tova", "snapkv", "oracle"), choices=SCORERS),
     Param("sweep_bits", "list", (16, 4, 2), choices=(16, 8, 4, 3, 2)),
     # concentration page
-    Param("window", "int", 16, 1, 4096), Param("sink_k", "int", 1, 1, 64),
+    Param("window", "int", 16, 1, 4096),
     # decode timeline page
     Param("tl_layer", "int", 0, 0, 1023), Param("tl_kv_head", "int", 0, 0, 1023),
     Param("tl_policies", "list", ("h2o", "tova", "streaming", "oracle"), choices=SCORERS),
@@ -247,6 +263,36 @@ def w_slider(where, name: str, label: str, lo: int, hi: int, help: str | None = 
     return _after(name, where.slider(label, lo, hi, key=name, help=help))
 
 
+def w_budget(where, name: str, label: str, n: int, unit: str, help: str | None = None) -> int:
+    """A token budget: a slider (counts) and a number box beside it (counts or % of the n tokens).
+
+    Typing a target beats slider hunting on long traces (a 0-544 slider is 2.4 tokens a
+    pixel); both widgets edit the one stored count.
+    """
+    _bind(name, 0, n, label)
+    ss, box = st.session_state, f"_box_{name}"
+    value = _store()[name]
+    ss[box] = value if unit == "tokens" else round(100.0 * value / max(n, 1), 1)
+
+    def typed() -> None:
+        count = ss[box] if unit == "tokens" else round(ss[box] * n / 100.0)
+        _store()[name] = ss[name] = int(min(max(count, 0), n))
+
+    def slid() -> None:
+        _store()[name] = ss[name]
+
+    left, right = where.columns([3, 2], vertical_alignment="bottom")
+    if n > 0:
+        left.slider(label, 0, n, key=name, help=help, on_change=slid)
+    else:
+        left.caption(f"{label}: 0")
+    right.number_input(f"{label} ({'tokens' if unit == 'tokens' else '%'})", min_value=0 if unit == "tokens" else 0.0,
+                       max_value=n if unit == "tokens" else 100.0, step=1 if unit == "tokens" else 0.5, key=box,
+                       on_change=typed, label_visibility="collapsed",
+                       help=f"Type the {label.lower()} in {'tokens' if unit == 'tokens' else '% of the tokens'}.")
+    return _after(name, int(ss.get(name, value)) if n > 0 else 0)
+
+
 def w_number(where, name: str, label: str, lo, hi, step=None, help: str | None = None, fmt: str | None = None,
              disabled: bool = False):
     _bind(name, lo, hi, label)
@@ -275,6 +321,14 @@ def w_choice(where, name: str, label: str, options: Sequence, widget: str = "sel
 def w_check(where, name: str, label: str, help: str | None = None) -> bool:
     _bind(name)
     return _after(name, where.checkbox(label, key=name, help=help))
+
+
+def w_pills(where, name: str, label: str, options: Sequence, format_func: Callable = str,
+            help: str | None = None) -> tuple:
+    """A multi-choice as pills: every option visible, nothing truncated to '1…' at 1024 px."""
+    _bind(name, to_widget=list, from_widget=tuple)
+    chosen = where.pills(label, list(options), selection_mode="multi", key=name, format_func=format_func, help=help)
+    return _after(name, tuple(chosen or ()), from_widget=tuple)
 
 
 def w_multi(where, name: str, label: str, options: Sequence, format_func: Callable = str,
@@ -435,11 +489,14 @@ def compression_section(trace: Trace, where=None, budget_only: bool = False) -> 
     where = where or st.sidebar
     where.header("Compression")
     n = trace.n_positions
-    sink = w_slider(where, "sink", "Sink tokens", 0, n,
+    unit = w_choice(where, "budget_unit", "Budgets in", ("tokens", "%"), widget="radio",
+                    format_func={"tokens": "tokens", "%": f"% of the {n} tokens"}.get,
+                    help="Type budgets as token counts or as a share of the tokens; the sliders always show counts.")
+    sink = w_budget(where, "sink", "Sink tokens", n, unit,
                     help="The first tokens, always kept: attention sinks (StreamingLLM keeps 4).")
-    recent = w_slider(where, "recent", "Recent window", 0, n,
+    recent = w_budget(where, "recent", "Recent window", n, unit,
                       help="The last tokens the query sees (its own included), always kept.")
-    heavy = w_slider(where, "heavy", "Heavy-hitter budget", 0, n,
+    heavy = w_budget(where, "heavy", "Heavy-hitter budget", n, unit,
                      help="How many more tokens the scorer may keep among the rest (H2O's heavy hitters).")
     if budget_only:
         where.caption("This page compares eviction policies side by side: the scorer is picked per chart and "
@@ -496,15 +553,27 @@ def compression_section(trace: Trace, where=None, budget_only: bool = False) -> 
         sigma = w_number(st, "sigma", "Noise σ (logit noise model)", 0.0, 100.0, step=0.005, fmt="%.3f",
                          disabled=qmodel != "noise")
     try:
-        return Spec(sink=sink, recent=recent, heavy=heavy, scorer=scorer, key_bits=key_bits, value_bits=value_bits,
-                    key_axis=key_axis, value_axis=value_axis, group_size=group, residual=residual,
-                    symmetric=symmetric, quant_model=qmodel, noise_sigma=float(sigma), zero_point=zero_point,
-                    partial=partial, snapkv_window=int(snap_window) or None, h2o_normalized=bool(h2o_norm))
+        return spec_from_values(_store())
     except SpecError as e:
         hint = (" Turn off symmetric quantization or raise the bits to 2 or more."
                 if symmetric and 1 in (key_bits, value_bits) else "")
         st.error(f"These compression settings are impossible: {e}.{hint}")
         return None
+
+
+COMPRESSION_PARAMS = ("sink", "recent", "heavy", "bits", "scorer", "split", "key_bits", "value_bits", "key_axis",
+                      "value_axis", "group", "residual", "symmetric", "zero_point", "partial", "qmodel", "sigma",
+                      "snap_window", "h2o_norm")
+
+
+def spec_from_values(v: dict) -> Spec:
+    """The Spec the compression controls describe, from their stored values (URL names)."""
+    key_bits, value_bits = (v["key_bits"], v["value_bits"]) if v["split"] else (v["bits"], v["bits"])
+    return Spec(sink=int(v["sink"]), recent=int(v["recent"]), heavy=int(v["heavy"]), scorer=v["scorer"],
+                key_bits=key_bits, value_bits=value_bits, key_axis=v["key_axis"], value_axis=v["value_axis"],
+                group_size=v["group"], residual=int(v["residual"]), symmetric=bool(v["symmetric"]),
+                quant_model=v["qmodel"], noise_sigma=float(v["sigma"]), zero_point=v["zero_point"],
+                partial=v["partial"], snapkv_window=int(v["snap_window"]) or None, h2o_normalized=bool(v["h2o_norm"]))
 
 
 @dataclass(frozen=True)
@@ -527,6 +596,7 @@ def view_section(source: Source, where=None, ensemble: bool = True, layer_head: 
     n_eval = len(t.evaluated_queries)
     layer = head_index = 0
     if layer_head:
+        representative_head(source)
         layer = w_number(where, "layer", "Layer", 0, t.n_layers - 1, disabled=t.n_layers == 1)
         if head:
             head_index = w_number(where, "head", "Query head", 0, t.n_q_heads - 1, disabled=t.n_q_heads == 1)
@@ -558,6 +628,41 @@ def view_section(source: Source, where=None, ensemble: bool = True, layer_head: 
     ens = resolve_ensemble(choice, source)
     return ViewSettings(View(layer=int(layer), head=int(head_index), step=None if step < 0 else int(step),
                              ensemble=ens, ensemble_size=int(size)), bars, choice)
+
+
+def typical_head(trace: Trace) -> tuple[int, int, str]:
+    """(layer, head, why): the head whose attention concentration (top-10% mass at the last
+    query) is the median over every layer and head - typical, neither the best nor the worst."""
+    from .ui_data import concentration
+    top10 = concentration(trace, fractions=np.array([0.1])).top10          # (layers, heads)
+    order = np.argsort(top10, axis=None, kind="stable")
+    layer, head = np.unravel_index(order[len(order) // 2], top10.shape)
+    why = (f"Opened on layer {layer}, head {head}: the head whose attention concentration (top-10% mass "
+           f"{top10[layer, head]:.0%}) is the median of all {top10.size} heads — typical, neither the best nor the "
+           "worst (layer 0, head 0 is often the most diffuse). Change it under View.")
+    return int(layer), int(head), why
+
+
+def representative_head(source: Source) -> None:
+    """On a real model's trace, open on a typical head instead of layer 0 / head 0, and say so.
+
+    Only on the first view of that trace in a session, and only if the link did not ask
+    for a layer or head.
+    """
+    ss = st.session_state
+    if source.key[0] != "external" or ss.get("_typical_for") == source.key:
+        return
+    ss["_typical_for"] = source.key
+    store = _store()
+    if "layer" in st.query_params or "head" in st.query_params or (store["layer"], store["head"]) != (0, 0):
+        return
+    if source.trace.n_layers * source.trace.n_q_heads <= 1:
+        return
+    layer, head, why = typical_head(source.trace)
+    for name, value in (("layer", layer), ("head", head)):
+        store[name] = value
+        ss.pop(name, None)
+    ss["_typical_note"] = why
 
 
 def resolve_ensemble(choice: str, source: Source) -> str | None:
@@ -732,8 +837,9 @@ def card_values(metrics: dict) -> dict[str, str]:
     return {
         "Attention mass retained": fmt_pct(metrics["mass_retained"]),
         "TV distance": f"{metrics['tv_distance']:.4f}",
-        "KL divergence": f"{metrics['kl']:.4f} nats",
-        "Output error": fmt_pct(metrics["output_rel_error"], 2),
+        "TV from quantization": f"{metrics['tv_quantization']:.4f}",
+        "KL divergence": f"{metrics['kl']:.4f}",
+        "Output error": fmt_pct(metrics["output_rel_error"], 1),
         "KV memory": fmt_bytes(metrics["kv_bytes"]),
         "Memory vs 16-bit": fmt_pct(metrics["memory_ratio"]),
         "Tokens kept": f"{metrics['kept_tokens']} / {metrics['total_tokens']}",
@@ -742,25 +848,62 @@ def card_values(metrics: dict) -> dict[str, str]:
 
 CARD_HELP = {
     "Attention mass retained": "Share of the original attention that falls on tokens the compressed cache keeps.",
-    "TV distance": "Total variation distance ½·Σ|a − â| between original and compressed attention (0 = identical, 1 = disjoint).",
-    "KL divergence": ("KL(compressed ‖ original) = Σ over kept tokens of â·log(â / a), in nats. Always finite; for "
+    "TV distance": ("Total variation distance ½·Σ|a − â| between original and compressed attention (0 = identical, "
+                    "1 = disjoint). With eviction on it is at least the evicted mass, whatever the bits."),
+    "TV from quantization": ("What quantization adds on top of eviction: ½·Σ|â − a_evict|, where a_evict is the "
+                             "attention with the same tokens evicted but nothing quantized (a / mass on the kept "
+                             "tokens). The error chart splits every token's error the same way."),
+    "KL divergence": ("In nats: KL(compressed ‖ original) = Σ over kept tokens of â·log(â / a). Always finite; for "
                       "eviction alone it equals −log(mass retained). The other direction, KL(original ‖ compressed), "
                       "is infinite as soon as any attended token is evicted. Not the same quantity as the Model "
                       "lab's KL between next-token distributions."),
-    "Output error": "Relative error of the attention output ‖â·V̂ − a·V‖ / ‖a·V‖.",
+    "Output error": ("How far the attention output o = a·V moved: ‖ô − o‖ / ‖o‖, as a share of the output's own "
+                     "length. Above 100% the compressed output is further from the original than the original is "
+                     "from zero (kept values that point elsewhere); the cosine under it, between −1 and 1, says "
+                     "whether ô still points the same way (1 = same direction; it shows the difference from A "
+                     "instead when a setting is pinned)."),
     "KV memory": "Bytes of the compressed K and V cache, all layers and KV heads, incl. scales and zero points.",
     "Memory vs 16-bit": "Compressed bytes as a share of a full 16-bit cache of the same tokens.",
     "Tokens kept": "Tokens in the compressed cache of the tokens this query sees.",
 }
+# For comparing against a pinned setting: is a rise good (normal), bad (inverse) or neither (off)?
+CARD_DIRECTION = {"Attention mass retained": ("mass_retained", "normal"), "TV distance": ("tv_distance", "inverse"),
+                  "TV from quantization": ("tv_quantization", "inverse"), "KL divergence": ("kl", "inverse"),
+                  "Output error": ("output_rel_error", "inverse"), "KV memory": ("kv_bytes", "inverse"),
+                  "Memory vs 16-bit": ("memory_ratio", "inverse"), "Tokens kept": ("kept_tokens", "off")}
 
 
-def metric_cards(comp: Comparison) -> None:
+def card_delta(label: str, now: dict, pinned: dict) -> str | None:
+    """'+0.0123' style difference of a card's number against the pinned setting A."""
+    key = CARD_DIRECTION[label][0]
+    a, b = pinned.get(key), now.get(key)
+    if a is None or b is None:
+        return None
+    d = b - a
+    if key in ("mass_retained", "output_rel_error", "memory_ratio"):
+        return f"{100 * d:+.1f} pts"
+    if key == "kv_bytes":
+        return ("+" if d >= 0 else "−") + fmt_bytes(abs(d))
+    if key == "kept_tokens":
+        return f"{int(d):+d}"
+    return f"{d:+.4f}"
+
+
+def metric_cards(comp: Comparison, pinned: Comparison | None = None) -> None:
+    """Eight cards in two rows; with a pinned setting A each shows its difference from A."""
     values = card_values(comp.metrics)
     ratio = comp.metrics["compression_ratio"]
-    cols = st.columns(4) + st.columns(3)
+    cols = st.columns(4) + st.columns(4)
     for col, (label, value) in zip(cols, values.items()):
         extra = f" ({ratio:.1f}× smaller)" if label == "Memory vs 16-bit" and math.isfinite(ratio) else ""
-        col.metric(label, value, help=CARD_HELP[label] + extra, border=True)
+        kwargs = {}
+        cosine = comp.metrics["output_cosine"]
+        if label == "Output error" and cosine is not None:   # the bounded measure beside it
+            kwargs = dict(delta=f"cos {cosine:.2f}", delta_color="off", delta_arrow="off")
+        if pinned is not None:
+            kwargs = dict(delta=card_delta(label, comp.metrics, pinned.metrics), delta_color=CARD_DIRECTION[label][1],
+                          delta_description="vs pinned A")
+        col.metric(label, value, help=CARD_HELP[label] + extra, border=True, **kwargs)
 
 
 def metrics_table(comp: Comparison):
@@ -804,6 +947,32 @@ def budget_warnings(spec: Spec, n_seen: int) -> list[str]:
     return out
 
 
+def quant_warnings(spec: Spec, kept: int) -> list[str]:
+    """Where the bits slider cannot change anything: the kept tokens do not fill one group."""
+    if spec.quant_model != "kv" or spec.partial != "full":
+        return []
+    out = []
+    for what, bits, axis in (("keys", spec.key_bits, spec.key_axis), ("values", spec.value_bits, spec.value_axis)):
+        outside = max(0, kept - spec.residual)
+        if bits < FULL_BITS and axis == "channel" and outside < spec.group_size:
+            out.append(f"The {what} are not quantized: the {outside} kept tokens outside the residual window do not "
+                       f"fill one per-channel group of {spec.group_size}, and KIVI keeps a partial group at 16 bits. "
+                       "Lower the group size under Advanced, or quantize partial groups too.")
+    return out
+
+
+def _quantize_partial_groups() -> None:
+    _store()["partial"] = st.session_state["partial"] = "quantize"
+
+
+def quant_warning_box(spec: Spec, kept: int) -> None:
+    """The warnings above, with a one-click way out."""
+    for w in quant_warnings(spec, kept):
+        st.warning(w, icon=":material/warning:")
+    if quant_warnings(spec, kept):
+        st.button("Quantize the partial groups too", key="_fix_partial", on_click=_quantize_partial_groups)
+
+
 def scorer_help() -> str:
     from .policies import POLICIES
     return "How heavy hitters are ranked:\n\n" + "\n".join(
@@ -835,7 +1004,11 @@ def scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:
     return None
 
 
-def page_setup(title: str, intro: str) -> None:
+def page_setup(title: str, intro: str, compact: bool = False) -> None:
+    """The page title and its one-line intro (a smaller title and no intro in presentation mode)."""
+    if compact:
+        st.subheader(title)
+        return
     st.title(title)
     st.caption(intro)
 
@@ -906,11 +1079,18 @@ def token_grid(comp: Comparison, source: Source) -> None:
         return
     p = comp.primary
     n = len(comp.tokens)
-    st.markdown("**The text, as the compressed cache holds it**")
+    c1, c2 = st.columns([2, 3], vertical_alignment="bottom")
+    c1.markdown("**The text, as the compressed cache holds it**")
+    shade = w_choice(c2, "grid_shade", "Colour the chips by", ("reason", "attention", "error"), widget="radio",
+                     format_func={"reason": "why kept", "attention": "original attention",
+                                  "error": "attention error"}.get)
     if n > GRID_MAX_TOKENS:
         st.caption(f"Showing the last {GRID_MAX_TOKENS} of {n} tokens.")
     start = max(0, n - GRID_MAX_TOKENS)
     reasons = [REASONS[int(r)] for r in p.reason[start:]]
-    st.html(figures.token_grid_html(comp.tokens[start:], reasons, p.original[start:], newest=n - 1 - start))
+    context = source.trace.context_len - start if source.trace.context_len < n else None
+    st.html(figures.token_grid_html(comp.tokens[start:], reasons, p.original[start:], newest=n - 1 - start,
+                                    shade=shade, error=p.error[start:], context_len=context))
     st.caption("What to look for: which words survive. Sinks and the recent window are kept by position; "
-               "heavy hitters by score; struck-through tokens are gone for this query. Hover a token for its attention.")
+               "heavy hitters by score; struck-through tokens are gone for this query. Hover a token for its "
+               "attention and error.")

@@ -14,7 +14,7 @@ import pandas as pd
 
 from .attention import logit_rows, softmax
 from .engine import REASONS, Comparison
-from .metrics import BANDS, Spread, concentration_curve, entropy, spread
+from .metrics import BANDS, Spread, concentration_curve, entropy, error_split, spread
 from .trace import Trace
 
 BIN_THRESHOLD = 256   # above this many tokens the charts show bins instead of one bar per token
@@ -80,12 +80,43 @@ def ensemble_text(comp: Comparison) -> str:
     return f"{len(rows)} random seeds (noise draws, random scorer, synthetic pattern)"
 
 
+def member_parts(comp: Comparison) -> tuple[np.ndarray, np.ndarray]:
+    """(eviction part, quantization part) of each member's error, (members, n); NaN where a
+    member does not see a token (an earlier decode step)."""
+    n = len(comp.primary.original)
+    parts = np.full((2, len(comp.members), n), np.nan)
+    for i, m in enumerate(comp.members):
+        k = min(n, len(m.error))
+        evict, quant = _split(comp, m)
+        parts[0, i, :k], parts[1, i, :k] = evict[:k], quant[:k]
+    return parts[0], parts[1]
+
+
+def _split(comp: Comparison, row) -> tuple[np.ndarray, np.ndarray]:
+    """error_split of one row; without quantization the quantization part is exactly zero
+    (not the rounding noise of two softmaxes) and the eviction part is the whole error."""
+    if not comp.spec.quantizes:
+        return row.error, np.zeros_like(row.error)
+    return error_split(row.original, row.compressed, row.kept)
+
+
+def error_extent(frame: pd.DataFrame) -> float:
+    """The largest |error| any band of the frame reaches (what a locked y-axis must hold)."""
+    cols = [frame["error_min"], frame["error_max"], frame["error_ci95_lo"], frame["error_ci95_hi"],
+            frame["error_mean"] - frame["error_std_sample"], frame["error_mean"] + frame["error_std_sample"]]
+    return float(np.nanmax(np.abs(np.concatenate([c.to_numpy(dtype=float) for c in cols]))))
+
+
 def token_frame(comp: Comparison) -> pd.DataFrame:
     """One row per token the evaluated query sees: attention before/after, why kept, error.
 
-    `error` is the primary row's; the error_* columns are the ensemble's statistics.
+    `error` is the primary row's; the error_* columns are the ensemble's statistics;
+    error_eviction / error_quantization split the error by cause (metrics.error_split),
+    for the primary row and (…_mean) averaged over the ensemble.
     """
     p = comp.primary
+    evict, quant = _split(comp, p)
+    evict_members, quant_members = member_parts(comp)
     return pd.DataFrame({
         "position": np.arange(len(p.original)),
         "token": list(comp.tokens),
@@ -94,6 +125,10 @@ def token_frame(comp: Comparison) -> pd.DataFrame:
         "kept": p.kept.astype(bool),
         "reason": [REASONS[int(r)] for r in p.reason],
         "error": p.error,
+        "error_eviction": evict,
+        "error_quantization": quant,
+        "error_eviction_mean": np.nanmean(evict_members, axis=0),
+        "error_quantization_mean": np.nanmean(quant_members, axis=0),
         **band_columns(comp.spread),
     })
 
@@ -130,6 +165,8 @@ def binned_frame(comp: Comparison, max_bins: int = MAX_BINS) -> pd.DataFrame:
     sums[bin_sums(seen.astype(int), edges) == 0] = np.nan
     s = spread(sums)
     kept = p.kept.astype(bool)
+    evict_members, quant_members = member_parts(comp)
+    part_means = [np.nanmean(bin_sums(np.nan_to_num(part), edges), axis=0) for part in (evict_members, quant_members)]
     tokens = comp.tokens
     return pd.DataFrame({
         "start": edges,
@@ -142,6 +179,8 @@ def binned_frame(comp: Comparison, max_bins: int = MAX_BINS) -> pd.DataFrame:
         "compressed": bin_sums(p.compressed, edges),
         "evicted_mass": bin_sums(np.where(kept, 0.0, p.original), edges),
         "error": bin_sums(p.error, edges),
+        "error_eviction_mean": part_means[0],
+        "error_quantization_mean": part_means[1],
         **band_columns(s),
     })
 

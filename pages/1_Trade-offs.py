@@ -4,28 +4,47 @@ import streamlit as st
 
 from kvviz import figures, ui
 from kvviz.spec import SCORERS, View
-from kvviz.sweep import DEFAULT_FRACTIONS, pareto_front, to_csv
+from kvviz.sweep import DEFAULT_FRACTIONS, pareto_front, split_budget, to_csv
 
 # URL value -> (label, sweep column, engine metric)
 METRICS = {"tv": ("TV distance", "tv", "tv_distance"),
            "kl": ("KL(compressed ‖ original)", "kl_compressed_vs_original", "kl"),
            "js": ("Jensen–Shannon", "js", "js"),
+           "mass": ("attention mass retained", "mass_retained", "mass_retained"),
            "output_error": ("output error", "output_error", "output_rel_error")}
+HIGHER_IS_BETTER = {"mass"}
+TABLE_COLUMNS = {"method": "method", "budget": "budget (tokens)", "budget_fraction": "budget (share of tokens)",
+                 "bits": "bits (K and V)", "memory_ratio": "memory (× the 16-bit cache)"}
+
+
+def open_in_explorer(point: dict) -> None:
+    """Set the sliders to a clicked sweep point and go to the Explorer."""
+    method, budget, bits = point["customdata"][:3]
+    values = dict(sink=0, recent=0, heavy=0) if method == "full" else split_budget(method, int(budget))
+    values.update(bits=int(bits), split=False)
+    if method != "full":
+        values["scorer"] = method
+    for name, value in values.items():
+        st.session_state[ui.STORE][name] = value
+        st.session_state.pop(name, None)          # the widget takes the store's value when it renders
+    st.switch_page(ui.PAGES["explorer"])
 
 
 def main() -> None:
     ui.page_setup("Trade-offs: error vs memory",
                   "Every policy over a sweep of budgets (5%–100% of the tokens) and bit widths; the explorer's "
-                  "current setting is the star, the Pareto frontier the thick dashed line.")
+                  "current setting is the star, the Pareto frontier of the real policies the thick dashed line, "
+                  "the oracle the dotted bound.")
     settings = ui.sidebar(ensemble=False, head=False)   # the sweep averages over every query head of the layer
     if settings is None or settings.spec is None:
         return
     source, spec, vs = settings.source, settings.spec, settings.view
-    c1, c2, c3 = st.columns([1, 2, 1])
-    metric = ui.w_choice(c1, "metric", "Error measure", tuple(METRICS), widget="radio",
+    c1, c2 = st.columns([1, 1])
+    metric = ui.w_choice(c1, "metric", "Measure", tuple(METRICS), widget="radio",
                          format_func=lambda m: METRICS[m][0])
-    methods = ui.w_multi(c2, "methods", "Methods", SCORERS, format_func=ui.SCORER_LABELS.get)
-    bits = ui.w_multi(c3, "sweep_bits", "Bit widths", (16, 8, 4, 3, 2), format_func=ui.bits_label)
+    log_x = ui.w_check(c2, "logx", "Log memory axis", help="Spreads out the small-memory end, where methods differ.")
+    methods = ui.w_pills(st, "methods", "Methods", SCORERS, format_func=ui.SCORER_SHORT.get)
+    bits = ui.w_pills(st, "sweep_bits", "Bit widths", (16, 8, 4, 3, 2), format_func=ui.bits_label)
     if not methods or not bits:
         st.warning("Pick at least one method and one bit width to sweep.", icon=":material/warning:")
         return
@@ -33,13 +52,15 @@ def main() -> None:
     n_heads = source.trace.n_q_heads
     view = View(layer=vs.view.layer, head=0, step=vs.view.step, ensemble="heads", ensemble_size=n_heads)
     st.caption(f"Each point is the mean over all {n_heads} query head{'s' if n_heads != 1 else ''} of layer "
-               f"{view.layer} at the query chosen under View.")
+               f"{view.layer} at the query chosen under View. Click a point to open that setting in the Explorer.")
     rows = ui.run_sweep(source, tuple(methods), tuple(sorted(bits, reverse=True)), view, spec)
     if not rows:
         return
     column = METRICS[metric][1]
+    sign = -1.0 if metric in HIGHER_IS_BETTER else 1.0
     valid = [r for r in rows if r[column] is not None]
-    front = pareto_front([(r["memory_ratio"], r[column]) for r in valid])
+    real = [i for i, r in enumerate(valid) if r["method"] != "oracle"]       # no real policy reaches the oracle
+    front = [real[j] for j in pareto_front([(valid[i]["memory_ratio"], sign * valid[i][column]) for i in real])]
     if len(valid) < len(rows):
         st.info("This source has no values, so output error is not available; showing the rest.", icon=":material/info:")
     comp = ui.run_compare(source, spec, view)
@@ -47,22 +68,28 @@ def main() -> None:
     if comp is not None:
         mean = comp.metrics_mean
         current = {"memory_ratio": comp.memory.ratio, column: mean[METRICS[metric][2]], "label": spec.label()}
-    fig = figures.tradeoff_figure(valid, column, front, current)
-    st.plotly_chart(fig, key="tradeoff_chart")
-    st.caption("What to look for: lower-left is better. Where the dashed frontier is made of quantized points, "
-               "quantization beats eviction at that memory; eviction curves bend up sharply once the budget drops "
-               "below the tokens that hold the mass. Budgets: "
-               + ", ".join(f"{f:.0%}" for f in DEFAULT_FRACTIONS) + " of the tokens the query sees.")
+    fig = figures.tradeoff_figure(valid, column, front, current, log_x=bool(log_x))
+    event = st.plotly_chart(fig, key="tradeoff_chart", on_select="rerun", selection_mode="points",
+                            config=figures.CHART_CONFIG)
+    points = [p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3]
+    if points:
+        open_in_explorer(points[0])
+    st.caption(("What to look for: upper-left is better." if metric in HIGHER_IS_BETTER else
+                "What to look for: lower-left is better.")
+               + " Where the dashed frontier is made of quantized points, quantization beats eviction at that "
+                 "memory; eviction curves bend sharply once the budget drops below the tokens that hold the mass. "
+                 "Budgets: " + ", ".join(f"{f:.0%}" for f in DEFAULT_FRACTIONS) + " of the tokens the query sees.")
     best = [valid[i] for i in front] if front else []
     if best:
-        st.markdown("**Pareto-optimal settings**")
-        st.dataframe([{k: r[k] for k in ("method", "budget", "bits", "memory_ratio", column)} for r in best],
-                     hide_index=True, key="pareto_table")
+        st.markdown("**Pareto-optimal settings** (real policies)")
+        st.dataframe([{**{TABLE_COLUMNS[k]: r[k] for k in TABLE_COLUMNS}, METRICS[metric][0]: r[column]}
+                      for r in best], hide_index=True, key="pareto_table")
     d1, d2 = st.columns(2)
-    d1.download_button("Download sweep (CSV)", data=lambda: to_csv(rows), file_name="kvviz-sweep.csv",
+    d1.download_button("Download sweep (CSV)", data=lambda: to_csv(rows), file_name=f"kvviz-sweep-{source.key[0]}.csv",
                        mime="text/csv", on_click="ignore", icon=":material/download:")
     d2.download_button("Download chart (standalone HTML)", data=lambda: figures.figures_html([fig], "kvviz trade-offs"),
-                       file_name="kvviz-tradeoffs.html", mime="text/html", on_click="ignore", icon=":material/download:")
+                       file_name=f"kvviz-tradeoffs-{source.key[0]}.html", mime="text/html", on_click="ignore",
+                       icon=":material/download:")
 
 
 main()

@@ -14,7 +14,11 @@ def main() -> None:
         return
     source, vs = settings.source, settings.view
     c1, c2 = st.columns(2)
-    sink_k = ui.w_slider(c1, "sink_k", "Sink share counts the first … tokens", 1, 64)
+    # the same sink count as the Compression sliders (4 for the handbook example), so the share
+    # shown is the share those sinks keep
+    sink_k = ui.w_slider(c1, "sink", "Sink share counts the first … tokens (the sink tokens)", 0,
+                         min(64, source.trace.n_positions),
+                         help="The Compression section's Sink tokens: change it here or there.")
     window = ui.w_slider(c2, "window", "Locality: mass in the last … tokens (w)", 1,
                          min(4096, source.trace.n_positions))
     conc = ui.run_concentration(source, vs.view.step, sink_k, window)
@@ -28,6 +32,14 @@ def main() -> None:
     st.caption(f"What to look for: curves far above the dotted diagonal mean concentrated attention; the shaded "
                f"band is the handbook's rule of thumb (10–20% of tokens take 80–90% of the mass). Query at position "
                f"{conc.position}, {conc.position + 1} tokens.")
+    if conc.sink_share.size == 1:      # one layer and one head (the handbook): numbers, not 1 x 1 maps
+        e1, e2 = st.columns(2)
+        e1.metric("Entropy", f"{float(conc.entropy[0, 0]):.2f} nats", border=True,
+                  help=f"Uniform attention over these tokens would be {conc.max_entropy:.2f} nats.")
+        e2.metric("Uniform attention would be", f"{conc.max_entropy:.2f} nats", border=True)
+        st.caption("This source has one layer and one head, so the per-layer × head maps are single numbers: "
+                   "they are the cards above.")
+        return
     h1, h2, h3 = st.columns(3)
     h1.plotly_chart(figures.heatmap_figure(conc.sink_share, f"Sink share (first {sink_k} tokens)", "mass", 0, 1),
                     key="sink_heatmap")

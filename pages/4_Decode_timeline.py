@@ -120,6 +120,13 @@ def main() -> None:
             for name in tl.policies:
                 st.plotly_chart(timeline_map(tl, name, s, shift_step=shift_step), key=f"tl_map_{name}_{s}")
 
+    needed = sorted(set().union(*(np.flatnonzero(pt.evicted_needed).tolist() for pt in tl.policies.values())))
+    if needed:
+        pick = st.selectbox("A token's history (tokens some policy evicted and a later step needed)", needed,
+                            format_func=lambda i: f"{i}: {tl.tokens[i]!r}", key="tl_token")
+        st.markdown("\n".join(f"- **{POLICY_LABELS[name]}**: {pt.history(int(pick), tl.positions, tl.context_len)}"
+                              for name, pt in tl.policies.items()))
+
     if play:
         for s in range(tl.n_steps):
             draw(s)

@@ -113,11 +113,11 @@ def test_larger_budget_retains_more_mass():
 
 
 def test_query_params_round_trip():
-    params = {"source": "synthetic", "context": "128", "steps": "4", "sink": "3", "recent": "20",
+    params = {"source": "synthetic", "context": "128", "steps": "4", "sink": "3", "recent": "30",
               "heavy": "7", "bits": "4", "scorer": "tova", "layer": "1", "bars": "ci95", "ensemble": "steps"}
     at = run(**params)
     assert dict(at.query_params) == params
-    assert at.slider(key="recent").value == 20 and at.selectbox(key="scorer").value == "tova"
+    assert at.slider(key="recent").value == 30 and at.selectbox(key="scorer").value == "tova"
     assert not warnings(at)
     # a widget change lands in the URL; going back to the default removes it
     set_and_run(at, "sink", 5)
@@ -200,27 +200,39 @@ def test_tradeoffs_page():
     at = run(TRADEOFFS, methods="h2o,streaming,oracle", sweep_bits="16,2")
     assert not at.error
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
-    names = {t.get("name", "") for t in fig["data"]}
-    assert {"Pareto frontier", "h2o · 16-bit", "streaming · 2-bit", "oracle · 2-bit"} <= names
-    assert any(n.startswith("current:") for n in names) and not any("tova" in n for n in names)
+    legend = [t["name"] for t in fig["data"] if t.get("showlegend", True) and t.get("name")]
+    # one legend entry per method, the bit widths once as markers, not one entry per (method, bits)
+    assert {"H2O", "StreamingLLM", "oracle (the bound)", "16-bit (off)", "2-bit",
+            "Pareto frontier (real policies)"} <= set(legend)
+    assert legend.count("H2O") == 1 and not any("·" in n for n in legend)
+    oracle = [t for t in fig["data"] if t.get("legendgroup") == "oracle"]
+    assert all(t["line"]["dash"] == "dot" for t in oracle)
+    assert any(n.startswith("current:") for n in legend) and not any("TOVA" in n for n in legend)
     at.radio(key="metric").set_value("kl").run()
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
-    assert fig["layout"]["yaxis"]["title"]["text"] == "KL(compressed ‖ original), nats"
+    assert fig["layout"]["yaxis"]["title"]["text"] == "KL(compressed ‖ original), nats — lower is better"
     at.radio(key="metric").set_value("js").run()
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert fig["layout"]["yaxis"]["title"]["text"].startswith("Jensen–Shannon")
+    at.radio(key="metric").set_value("mass").run()
+    at.checkbox(key="logx").check().run()
+    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert fig["layout"]["yaxis"]["title"]["text"].endswith("higher is better")
+    assert fig["layout"]["xaxis"]["type"] == "log" and at.query_params["logx"] == "1"
+    table = at.dataframe[0].value
+    assert "budget (tokens)" in table.columns and "oracle" not in set(table["method"])   # the bound is not a frontier point
     # the sweep uses the explorer's sliders too
     assert {"Sink tokens", "Recent window", "Heavy-hitter budget"} <= {s.label for s in at.sidebar.slider}
 
 
 def test_tradeoffs_needs_a_method():
     at = run(TRADEOFFS)
-    at.multiselect(key="methods").set_value([]).run()
+    at.pills(key="methods").set_value([]).run()
     assert "Pick at least one method" in warnings(at)
 
 
 def test_concentration_page_numbers():
-    at = run(CONCENTRATION, **SMALL, window="8", sink_k="1")
+    at = run(CONCENTRATION, **SMALL, window="8", sink="1")
     c = concentration(make_synthetic(SyntheticSpec(context=128, steps=4)), sink=1, window=8)
     shown = cards(at)
     assert shown["Top 10% of tokens hold"] == f"{100 * c.top10.mean():.1f}%"
@@ -228,6 +240,14 @@ def test_concentration_page_numbers():
     assert shown["Locality (last 8)"] == f"{100 * c.locality.mean():.1f}%"
     assert len(at.get("plotly_chart")) == 4
     assert "80-90%" in at.get("plotly_chart")[0].proto.spec
+
+
+def test_concentration_uses_the_sidebar_sinks_and_no_single_cell_maps():
+    """The handbook: its 4 sinks (the Compression sliders' count), and numbers instead of 1 x 1 heatmaps."""
+    at = run(CONCENTRATION)
+    c = concentration(handbook_trace(), sink=4, window=16)
+    assert cards(at)["Sink share (first 4)"] == f"{100 * c.sink_share.mean():.1f}%"
+    assert len(at.get("plotly_chart")) == 1 and "Entropy" in cards(at)
 
 
 def test_navigation_keeps_settings():
@@ -250,7 +270,7 @@ def test_trace_file_shows_token_grid_and_overview_jump(tmp_path, monkeypatch):
     save_trace(trace_with(syn, tokens=tuple(words), meta={"source": "model", "model": "test"}),
                tmp_path / "text.safetensors")
     at = run(source="file", sink=2, recent=4, heavy=4)
-    grid = [h.proto.body for h in at.get("html")]
+    grid = [h.proto.body for h in at.get("html") if "<style>" not in h.proto.body]
     assert len(grid) == 1 and "&lt;the&gt;" in grid[0] and grid[0].count("line-through") == syn.n_positions - 10
     # the overview knows which head loses most, and one click takes the View there
     button = next(b for b in at.button if b.label.startswith("Jump to the head"))
@@ -305,3 +325,136 @@ def test_synthetic_presets_set_the_pattern():
     assert at.number_input(key="topic_shift").value == 12.0 and at.number_input(key="steps").value == 48
     at.button(key="synthetic_realistic").click().run()
     assert "sink_strength" not in at.query_params and "topic_shift" not in at.query_params
+
+
+# --- issue 11: targets instead of slider hunting --------------------------------------------------
+
+def test_budget_number_boxes_set_counts_or_percentages():
+    at = run(source="synthetic", context="512", steps="32")
+    at.number_input(key="_box_recent").set_value(240).run()          # one keystroke-free step, not 232 presses
+    assert at.slider(key="recent").value == 240 and at.query_params["recent"] == "240"
+    at.radio(key="budget_unit").set_value("%").run()
+    assert at.number_input(key="_box_recent").value == pytest.approx(100 * 240 / 544, abs=0.05)
+    at.number_input(key="_box_heavy").set_value(25.0).run()           # 25% of 544 tokens
+    assert at.slider(key="heavy").value == 136
+    assert cards(at)["Tokens kept"] == f"{min(544, 4 + 240 + 136)} / 544"
+
+
+# --- issue 11: the lesson at a glance ----------------------------------------------------------------
+
+def test_cards_split_the_quantizations_own_error():
+    """With eviction on, TV is the evicted mass whatever the bits; the card beside it shows what
+    quantization adds, and it grows as the bits fall."""
+    tvs, quant = [], []
+    for bits in (16, 4, 3, 2):
+        at = run(bits=str(bits), ensemble="none", partial="quantize")
+        c = cards(at)
+        tvs.append(c["TV distance"])
+        quant.append(float(c["TV from quantization"]))
+        expected = compare(handbook_trace(), Spec(sink=4, recent=8, heavy=2, key_bits=bits, value_bits=bits,
+                                                  partial="quantize"))
+        assert c == card_values(expected.metrics)
+    assert quant[0] == 0 and quant[1] < quant[2] < quant[3]
+
+
+def test_the_app_says_when_the_bits_cannot_reach_the_keys():
+    """14 kept tokens never fill a per-channel group of 32, which KIVI keeps at 16 bits: the app
+    says so and offers the fix instead of letting the bits slider look broken."""
+    at = run(bits="2", ensemble="none")
+    assert cards(at)["TV from quantization"] == "0.0000"
+    assert any("keys are not quantized" in w.value for w in at.warning)
+    at.button(key="_fix_partial").click().run()
+    assert at.query_params["partial"] == "quantize" and float(cards(at)["TV from quantization"]) > 0
+
+
+def test_pin_and_compare_a_against_b():
+    at = run(ensemble="none")
+    at.button(key="_pin").click().run()
+    assert at.query_params["pin"] == "default"
+    at.slider(key="heavy").set_value(10).run()
+    a = compare(handbook_trace(), Spec(sink=4, recent=8, heavy=2)).metrics
+    b = compare(handbook_trace(), Spec(sink=4, recent=8, heavy=10)).metrics
+    mass = next(m for m in at.metric if m.label == "Attention mass retained")
+    assert mass.proto.delta == f"{100 * (b['mass_retained'] - a['mass_retained']):+.1f} pts"
+    spec = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert any(t.get("name", "").startswith("pinned A") for t in spec["data"])
+    assert any("**A:** h2o sink 4 recent 8 heavy 2" in m.value for m in at.markdown)
+    # a link with the pin reproduces the comparison
+    again = run(heavy="10", pin="default", ensemble="none")
+    assert next(m for m in again.metric if m.label == "Attention mass retained").proto.delta == mass.proto.delta
+    at.button(key="_unpin").click().run()
+    assert "pin" not in at.query_params
+
+
+def test_locked_y_axis_survives_slider_moves():
+    at = run(ensemble="none", bits="3")
+    at.toggle(key="_ylock_on").set_value(True).run()
+    locked = float(at.query_params["ylock"])
+    assert locked > 0
+    at.slider(key="heavy").set_value(20).run()
+    layout = json.loads(at.get("plotly_chart")[1].proto.spec)["layout"]
+    assert layout["yaxis"]["range"] == [-locked, locked]
+
+
+def test_solver_applies_the_smallest_budget():
+    from kvviz.solve import solve
+    at = run(bits="4", solve_target="0.95", ensemble="none")
+    at.button(key="_solve").click().run()
+    sol = solve(handbook_trace(), Spec(key_bits=4, value_bits=4), target_mass=0.95)
+    assert at.slider(key="recent").value == sol.spec.recent and at.slider(key="heavy").value == sol.spec.heavy
+    assert any(f"{sol.budget} of 64 tokens" in s.value for s in at.success)
+    assert float(cards(at)["Attention mass retained"].rstrip("%")) >= 95.0
+
+
+def test_presentation_mode_puts_the_main_chart_first_and_folds_the_extras():
+    at = run(present="1")
+    assert at.get("plotly_chart")[0].proto.id.endswith("error_chart")
+    assert not [e for e in at.expander if e.label == "All numbers"]
+    assert not at.title and any("explorer" in h.value for h in at.subheader)
+
+
+def test_downloads_are_named_by_their_settings_and_say_what_they_hold():
+    from kvviz import ui_explorer as ux
+    comp = compare(handbook_trace(), Spec(sink=4, recent=8, heavy=2, key_bits=4, value_bits=4),
+                   View(ensemble="seeds", ensemble_size=8))
+    assert ux.slug(comp.spec, "handbook") == "kvviz-handbook-h2o-s4-r8-h2-k4v4bit"
+    assert ux.slug(Spec(), "synthetic") == "kvviz-synthetic-no-eviction-16bit"
+    header = ux.settings_header(comp, "handbook example", "http://x/?bits=4", "ci95")
+    lines = header.splitlines()
+    assert all(line.startswith("# ") for line in lines)
+    assert "settings: h2o sink 4 recent 8 heavy 2, K4/V4-bit" in header and "N = 8 rows" in header
+    assert "error_ci95_lo/hi: 95% t-interval" in header and "the chart draws: 95% t-interval" in header
+    import io
+
+    import pandas as pd
+    from kvviz.ui_data import token_frame
+    csv_text = header + token_frame(comp).to_csv(index=False)
+    back = pd.read_csv(io.StringIO(csv_text), comment="#")
+    assert len(back) == 64 and "error_ci95_lo" in back.columns
+    from kvviz import figures
+    html = figures.figures_html([], "t", metrics=comp.metrics, about=header, link="http://x/?bits=4")
+    assert "Open this view in kvviz" in html and "mass_retained" in html and "layer 0, query head 0" in html
+
+
+def test_real_text_opens_on_a_typical_head_and_the_grid_shades_and_separates(tmp_path, monkeypatch):
+    from kvviz.sources import save_trace
+    from kvviz.trace import trace_with
+    from kvviz.ui import typical_head
+
+    monkeypatch.setenv("KVVIZ_CACHE_DIR", str(tmp_path))
+    syn = make_synthetic(SyntheticSpec(context=48, steps=4, layers=3, q_heads=4, kv_heads=2))
+    text = trace_with(syn, tokens=tuple(f"w{i}" for i in range(syn.n_positions)), meta={"source": "model"})
+    save_trace(text, tmp_path / "text.safetensors")
+    at = run(source="file", sink=2, recent=4, heavy=4)
+    layer, head, why = typical_head(text)
+    assert (at.number_input(key="layer").value, at.number_input(key="head").value) == (layer, head)
+    assert any("median of all 12 heads" in i.value for i in at.info)
+    grid = next(h.proto.body for h in at.get("html") if "generated →" in h.proto.body)
+    assert grid.index("generated →") < grid.index(">w48<")             # the separator sits before token 48
+    assert "heavy hitter" in grid and "kept (no eviction)" not in grid  # only classes that occur
+    at.radio(key="grid_shade").set_value("error").run()
+    grid = next(h.proto.body for h in at.get("html") if "generated →" in h.proto.body)
+    assert "attention lowered by compression" in grid
+    # a link that names the head keeps it
+    again = run(source="file", sink=2, recent=4, heavy=4, layer=0, head=0)
+    assert again.number_input(key="head").value == 0 and not any("median of all" in i.value for i in again.info)

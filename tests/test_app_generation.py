@@ -180,3 +180,12 @@ def test_model_lab_settings_round_trip_through_the_url(monkeypatch):
     assert any("re-rotated to their cache slots" in md.value for md in at.markdown)
     at.number_input(key="lab_cont").set_value(30).run()
     assert at.query_params["lab_cont"] == "30"
+
+
+def test_timeline_tells_a_tokens_history():
+    at = run(TIMELINE, **{**SMALL_SHIFT, "topic_shift": "12"})
+    box = at.selectbox(key="tl_token")
+    trace = make_synthetic(SyntheticSpec(context=128, steps=16, topic_shift=12.0))
+    tl = timeline(trace, Spec(sink=4, recent=8, heavy=8), layer=0, kv_head=0)
+    token = box.value
+    assert any(tl.policies["h2o"].history(token, tl.positions, tl.context_len) in md.value for md in at.markdown)

@@ -72,13 +72,13 @@ def test_attention_figure_marks_evicted_and_colours_by_reason(handbook_comp):
     fig = figures.attention_figure(f)
     assert isinstance(fig, go.Figure)
     names = [t.name for t in fig.data]
-    assert "original" in names and "evicted (compressed = 0)" in names
+    assert "original" in names and "original, evicted (compressed = 0)" in names
     assert {"compressed: sink", "compressed: recent", "compressed: heavy hitter"} <= set(names)
     heavy = next(t for t in fig.data if t.name == "compressed: heavy hitter")
     assert list(heavy.x) == [15, 28]
     assert heavy.marker.color == figures.REASON_COLORS["heavy hitter"]
-    evicted = next(t for t in fig.data if t.name.startswith("evicted"))
-    assert len(evicted.x) == 64 - 14
+    evicted = next(t for t in fig.data if t.name.startswith("original, evicted"))
+    assert len(evicted.x) == 64 - 14 and evicted.marker.pattern.shape == "/"   # hatched: not colour alone
     assert "attention weight" in fig.layout.yaxis.title.text and "token" in fig.layout.xaxis.title.text
     # token text is in the hover data
     assert any("t15" in str(row[0]) for row in heavy.customdata)
@@ -87,8 +87,8 @@ def test_attention_figure_marks_evicted_and_colours_by_reason(handbook_comp):
 def test_error_figure_bars(handbook_comp, long_comp):
     f = token_frame(long_comp)
     fig = figures.error_figure(f.iloc[:200], "std", len(long_comp.members), what="query heads 0-3")
-    bars = [t for t in fig.data if isinstance(t, go.Bar)]
-    assert bars and all(t.error_y.array is not None for t in bars)
+    total = next(t for t in fig.data if t.name.startswith("total"))
+    assert total.error_y.array is not None and total.error_y.visible
     assert "N = 4 rows (query heads 0-3)" in fig.layout.title.text and "sample std" in fig.layout.title.text
     b = figures.error_figure(binned_frame(long_comp), "ci95", 4)
     assert "bins of" in b.layout.xaxis.title.text and "95% t-interval for the mean" in b.layout.title.text
@@ -151,3 +151,30 @@ def test_token_grid_marks_every_token():
     assert html.count("line-through") == 1            # only the evicted token is struck through
     assert "&lt;b&gt;" in html and "<b>" not in html   # token text is escaped
     assert "3: ▁sat — newest" in html and "1: ▁cat — evicted" in html
+
+
+def test_error_parts_add_up_and_each_cause_vanishes_without_it(handbook_comp):
+    """Eviction part + quantization part = the error, exactly; each is zero without its cause."""
+    from kvviz import Spec, View, compare
+    from kvviz.sources.handbook import handbook_trace
+    t = handbook_trace()
+    both = token_frame(compare(t, Spec(sink=4, recent=8, heavy=2, key_bits=3, value_bits=3), View()))
+    np.testing.assert_allclose(both["error_eviction"] + both["error_quantization"], both["error"], atol=1e-15)
+    assert np.abs(both["error_quantization"]).max() > 0 and np.abs(both["error_eviction"]).max() > 0
+    evict_only = token_frame(handbook_comp)
+    assert np.abs(evict_only["error_quantization"]).max() < 1e-15
+    quant_only = token_frame(compare(t, Spec(key_bits=3, value_bits=3), View()))
+    assert np.all(quant_only["error_eviction"] == 0)
+    fig = figures.error_figure(both, "std", 1, y_range=0.1)
+    assert {"eviction part", "quantization part"} <= {tr.name for tr in fig.data}
+    assert tuple(fig.layout.yaxis.range) == (-0.1, 0.1)
+    assert "quantization part" not in {tr.name for tr in figures.error_figure(evict_only).data}
+
+
+def test_pinned_setting_and_real_text_on_the_charts(handbook_comp):
+    f = token_frame(handbook_comp)
+    fig = figures.attention_figure(f, pinned=f, pinned_label="A: h2o 4/8/2", text_tokens=True)
+    assert any(t.name == "pinned A: h2o 4/8/2: compressed" for t in fig.data)
+    assert list(fig.layout.xaxis.ticktext)[:3] == ["t0", "t2", "t4"]          # 64 tokens: every 2nd labelled
+    err = figures.error_figure(f, pinned=f)
+    assert any(t.name == "pinned A: total" for t in err.data)

@@ -135,3 +135,16 @@ def test_errors_are_clear():
         timeline(trace, SPEC, layer=5)
     with pytest.raises(SpecError, match="KV head 9"):
         timeline(trace, SPEC, kv_head=9)
+
+
+def test_token_history_tells_when_a_token_was_evicted_and_needed(shifted):
+    tl = timeline(shifted, SPEC, layer=1)
+    h2o = tl.policies["h2o"]
+    token = int(np.flatnonzero(h2o.evicted_needed)[0])
+    text = h2o.history(token, tl.positions, tl.context_len)
+    needed = np.flatnonzero(h2o.missed[:, token])
+    from kvviz.ui_data import ranges_text
+    assert f"needed at step{'s' if len(needed) > 1 else ''} {ranges_text(needed)} while evicted" in text
+    if token < tl.context_len and not h2o.kept[0, token]:
+        assert text.startswith("evicted at the compression point")
+    assert tl.policies["oracle"].history(token, tl.positions, tl.context_len).count("needed") == 0
