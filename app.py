@@ -14,33 +14,35 @@ from kvviz.ui_data import (BIN_THRESHOLD, binned_frame, ensemble_text, error_ext
 
 
 def explorer() -> None:
-    present = ux.presentation_toggle()
-    ui.page_setup("KV-cache compression explorer",
-                  "Evict tokens (sinks, recent window, heavy hitters) and quantize keys and values; "
-                  "compare the compressed attention with the original, token by token.", compact=present)
+    present = ui.page_setup("KV-cache compression explorer",
+                            "Evict tokens (sinks, recent window, heavy hitters) and quantize keys and values; "
+                            "compare the compressed attention with the original, token by token.")
     settings = ui.sidebar()
     if settings is None or settings.spec is None:
         return
     source, spec, vs = settings.source, settings.spec, settings.view
-    ui.preset_buttons(int(source.trace.query_positions[source.trace.evaluated_queries[-1]]) + 1)
+    n_tokens = int(source.trace.query_positions[source.trace.evaluated_queries[-1]]) + 1
+    if not present:
+        ui.preset_buttons(n_tokens)
     comp = ui.run_compare(source, spec, vs.view)
     if comp is None:
         return
     pinned_spec = ux.pinned_spec()
     pinned = ui.run_compare(source, pinned_spec, vs.view) if pinned_spec is not None else None
     n_seen = len(comp.tokens)
-    for w in ui.budget_warnings(spec, n_seen):
-        st.warning(w, icon=":material/warning:")
-    ui.quant_warning_box(spec, comp.memory.kept_tokens)
-
-    ui.metric_cards(comp, pinned)
-    ux.pin_controls(spec, pinned_spec if pinned is not None else None)
     p = comp.primary
-    st.caption(f"{source.label} · layer {p.layer}, query head {p.head} (KV head {p.kv_head}), query at "
-               f"position {p.position} · {spec.label()} · {ui.quant_model_note(source, spec)}")
-    typical = st.session_state.get("_typical_note") if st.session_state.get("_typical_for") == source.key else None
-    for note in comp.notes + tuple(filter(None, [ui.scorer_note(spec, source.trace), typical])):
-        st.info(note, icon=":material/info:")
+
+    def cards_and_notes() -> None:
+        for w in ui.budget_warnings(spec, n_seen):
+            st.warning(w, icon=":material/warning:")
+        ui.quant_warning_box(spec, comp.memory.kept_tokens)
+        ui.metric_cards(comp, pinned)
+        ux.pin_controls(spec, pinned_spec if pinned is not None else None)
+        st.caption(f"{source.label} · layer {p.layer}, query head {p.head} (KV head {p.kv_head}), query at "
+                   f"position {p.position} · {spec.label()} · {ui.quant_model_note(source, spec)}")
+        typical = st.session_state.get("_typical_note") if st.session_state.get("_typical_for") == source.key else None
+        for note in comp.notes + tuple(filter(None, [ui.scorer_note(spec, source.trace), typical])):
+            st.info(note, icon=":material/info:")
 
     members = len(comp.members)
     per_token = token_frame(comp)
@@ -82,9 +84,13 @@ def explorer() -> None:
                        "gives each kept token (renormalised, so kept tokens gain weight); hatched vermillion bars "
                        "are evicted tokens, whose attention drops to zero.")
 
-    charts = (error_chart, attention_chart) if present else (attention_chart, error_chart)
-    for draw in charts:
+    # presentation mode: the lesson (the error chart) first, above the fold on a projector
+    order = (error_chart, cards_and_notes, attention_chart) if present else \
+        (cards_and_notes, attention_chart, error_chart)
+    for draw in order:
         draw()
+    if present:
+        ui.preset_buttons(n_tokens)
     ux.solver_panel(source.trace, spec, vs.view)
     ui.token_grid(comp, source)
     ui.head_overview(source, spec, vs.view)

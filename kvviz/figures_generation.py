@@ -81,7 +81,8 @@ def regret_chart(tl: Timeline, step: int | None = None) -> go.Figure:
     fig.update_layout(title=f"Regret per step: attention the full model put on evicted tokens "
                             f"(layer {tl.layer}, KV head {tl.kv_head})",
                       xaxis_title="decode step", yaxis_title="attention mass on evicted tokens",
-                      yaxis=dict(rangemode="tozero"), height=320, margin=dict(l=50, r=10, t=50, b=40))
+                      yaxis=dict(rangemode="tozero"), height=340, margin=dict(l=50, r=10, t=50, b=40),
+                      legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0.0))
     return fig
 
 

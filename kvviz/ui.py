@@ -1004,13 +1004,21 @@ def scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:
     return None
 
 
-def page_setup(title: str, intro: str, compact: bool = False) -> None:
-    """The page title and its one-line intro (a smaller title and no intro in presentation mode)."""
-    if compact:
+def page_setup(title: str, intro: str) -> bool:
+    """Every page's head: the app-wide layout styles, the Presentation mode switch (sidebar,
+    in the URL), the title and its one-line intro (a smaller title and no intro when
+    presenting). Returns whether presentation mode is on."""
+    from .ui_explorer import LAYOUT_CSS, PRESENT_CSS
+    present = bool(w_check(st.sidebar, "present", "Presentation mode",
+                           help="For a projector: larger text, the main chart first, the extras (tables, downloads, "
+                                "explanations) folded away. Kept in the link."))
+    st.html(LAYOUT_CSS + (PRESENT_CSS if present else ""))
+    if present:
         st.subheader(title)
-        return
-    st.title(title)
-    st.caption(intro)
+    else:
+        st.title(title)
+        st.caption(intro)
+    return present
 
 
 __all__ = ["BITS_OPTIONS", "PARAMS", "PRESETS", "Param", "Settings", "Source", "apply_preset", "budget_warnings",

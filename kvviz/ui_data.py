@@ -77,7 +77,7 @@ def ensemble_text(comp: Comparison) -> str:
         return f"query head {rows[0].head} in layers {ranges_text(r.layer for r in rows)}"
     if kind == "steps":
         return f"layer {rows[0].layer}, head {rows[0].head}, queries at positions {ranges_text(r.position for r in rows)}"
-    return f"{len(rows)} random seeds (noise draws, random scorer, synthetic pattern)"
+    return f"{len(rows)} random seeds"
 
 
 def member_parts(comp: Comparison) -> tuple[np.ndarray, np.ndarray]:

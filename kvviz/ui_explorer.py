@@ -211,12 +211,3 @@ LAYOUT_CSS = """
       text-overflow: clip !important; }
 </style>
 """
-
-
-def presentation_toggle() -> bool:
-    """The sidebar's Presentation mode switch (in the URL); styles the page when on."""
-    on = ui.w_check(st.sidebar, "present", "Presentation mode",
-                    help="For a projector: larger text, the main chart first, the extras (tables, downloads, "
-                         "explanations) folded away. Kept in the link.")
-    st.html(LAYOUT_CSS + (PRESENT_CSS if on else ""))
-    return bool(on)

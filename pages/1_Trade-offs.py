@@ -39,10 +39,9 @@ def main() -> None:
     if settings is None or settings.spec is None:
         return
     source, spec, vs = settings.source, settings.spec, settings.view
-    c1, c2 = st.columns([1, 1])
-    metric = ui.w_choice(c1, "metric", "Measure", tuple(METRICS), widget="radio",
+    metric = ui.w_choice(st, "metric", "Measure", tuple(METRICS), widget="radio",
                          format_func=lambda m: METRICS[m][0])
-    log_x = ui.w_check(c2, "logx", "Log memory axis", help="Spreads out the small-memory end, where methods differ.")
+    log_x = ui.w_check(st, "logx", "Log memory axis", help="Spreads out the small-memory end, where methods differ.")
     methods = ui.w_pills(st, "methods", "Methods", SCORERS, format_func=ui.SCORER_SHORT.get)
     bits = ui.w_pills(st, "sweep_bits", "Bit widths", (16, 8, 4, 3, 2), format_func=ui.bits_label)
     if not methods or not bits:
@@ -51,8 +50,9 @@ def main() -> None:
     # the sweep and the star average over every query head of the chosen layer
     n_heads = source.trace.n_q_heads
     view = View(layer=vs.view.layer, head=0, step=vs.view.step, ensemble="heads", ensemble_size=n_heads)
-    st.caption(f"Each point is the mean over all {n_heads} query head{'s' if n_heads != 1 else ''} of layer "
-               f"{view.layer} at the query chosen under View. Click a point to open that setting in the Explorer.")
+    heads = f"all {n_heads} query heads" if n_heads > 1 else "its one query head"
+    st.caption(f"Each point is the mean over {heads} of layer {view.layer} at the query chosen under View. "
+               "Click a point to open that setting in the Explorer.")
     rows = ui.run_sweep(source, tuple(methods), tuple(sorted(bits, reverse=True)), view, spec)
     if not rows:
         return

@@ -192,3 +192,85 @@ def test_address_bar_follows_a_single_interaction_on_every_page(page, app_url, n
     act(page)
     wait_for_address(page, expected)
     no_console_errors(page)
+
+
+# --- a projector's 1024 x 768 (issue 11): nothing clipped, legends below, the main chart first ----------
+
+CLIPPED_JS = """(selector) => Array.from(document.querySelectorAll(selector))
+    .filter(el => el.offsetParent !== null && el.scrollWidth > el.clientWidth + 1)
+    .map(el => el.innerText.slice(0, 60))"""
+LEGEND_JS = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(plot => {
+    const legend = plot.querySelector('.legend'), title = plot.querySelector('.gtitle'),
+          area = plot.querySelector('.draglayer .nsewdrag');
+    if (!legend || !area) return null;
+    const l = legend.getBoundingClientRect(), a = area.getBoundingClientRect(),
+          t = title ? title.getBoundingClientRect() : null;
+    return {below: l.top >= a.bottom - 1, overTitle: t ? (l.bottom > t.top && l.top < t.bottom) : false,
+            plotWidth: a.width};
+}).filter(x => x)"""
+
+
+def assert_nothing_clipped(page, where: str) -> None:
+    for selector in ('[data-testid="stMetricLabel"]', '[data-testid="stMetricValue"]',
+                     '[data-testid="stWidgetLabel"]', '[data-testid="stButtonGroup"] button',
+                     '[data-testid="stMultiSelect"] span'):
+        clipped = page.evaluate(CLIPPED_JS, selector)
+        assert clipped == [], f"{where}: clipped {selector}: {clipped}"
+    for legend in page.evaluate(LEGEND_JS):
+        assert legend["below"] and not legend["overTitle"], f"{where}: a legend covers its chart: {legend}"
+
+
+@pytest.mark.parametrize("name, marker", [("Explorer", "Per-token error"), ("Trade-offs", "Error vs memory"),
+                                          ("Concentration", "Top x% of tokens hold"),
+                                          ("Decode timeline", "Regret per step")])
+def test_projector_1024x768_clips_nothing(page, app_url, name, marker):
+    page.set_viewport_size({"width": 1024, "height": 768})
+    page.goto(app_url)
+    e = expect()
+    e(metric(page, "Tokens kept")).to_have_text("14 / 64")
+    if name != "Explorer":
+        page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=name).click()
+    e(page.locator(".js-plotly-plot").filter(has_text=marker).first).to_be_visible()
+    settle(page)
+    assert_nothing_clipped(page, name)
+    if name == "Trade-offs":   # the plot keeps its width (it was ~200 px beside a scrolling legend)
+        widths = [x["plotWidth"] for x in page.evaluate(LEGEND_JS)]
+        assert widths and min(widths) >= 450, widths
+    shot(page, f"after-{name.lower().replace(' ', '-')}-1024x768")
+    no_console_errors(page)
+
+
+def test_presentation_mode_puts_the_lesson_above_the_fold(page, app_url):
+    page.set_viewport_size({"width": 1024, "height": 768})
+    page.goto(f"{app_url}/?present=1&bits=3&partial=quantize")
+    e = expect()
+    chart = page.locator(".js-plotly-plot").filter(has_text="Per-token error").first
+    e(chart).to_be_visible()
+    settle(page)
+    box = chart.bounding_box()
+    assert box["y"] < 768 - 150, f"the main chart starts at y = {box['y']:.0f}, below the fold"
+    assert_nothing_clipped(page, "presentation mode")
+    shot(page, "after-presentation-1024x768")
+    no_console_errors(page)
+
+
+def test_clicking_a_trade_off_point_opens_it_in_the_explorer(page, app_url):
+    page.set_viewport_size({"width": 1400, "height": 1400})
+    page.goto(app_url)
+    e = expect()
+    e(metric(page, "Tokens kept")).to_have_text("14 / 64")
+    page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name="Trade-offs").click()
+    plot = page.locator(".js-plotly-plot").filter(has_text="Error vs memory").first
+    e(plot).to_be_visible()
+    settle(page)
+    # the H2O trace's points (the first legend entry's line); click its smallest-budget point
+    points = plot.locator(".scatterlayer .trace").nth(0).locator(".points path")
+    e(points.first).to_be_visible()
+    points.first.click(force=True)
+    e(page.get_by_role("heading", name=re.compile("KV-cache compression explorer"))).to_be_visible()
+    e(metric(page, "Tokens kept")).not_to_have_text("14 / 64")
+    kept = metric(page, "Tokens kept").inner_text()
+    wait_for_address(page, {**address(page)})
+    assert "scorer" in address(page) or "heavy" in address(page) or "recent" in address(page), address(page)
+    assert kept.endswith("/ 64")
+    no_console_errors(page)

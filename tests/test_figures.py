@@ -112,8 +112,10 @@ def test_tradeoff_figure_lines_front_and_star():
     front = pareto_front([(r["memory_ratio"], r["tv"]) for r in rows])
     fig = figures.tradeoff_figure(rows, "tv", front, {"memory_ratio": 0.2, "tv": 0.3, "label": "now"})
     names = [t.name for t in fig.data]
-    assert "h2o · 16-bit" in names and "streaming · 16-bit" in names and "Pareto frontier" in names
-    frontier = next(t for t in fig.data if t.name == "Pareto frontier")
+    assert "H2O" in names and "StreamingLLM" in names and "Pareto frontier (real policies)" in names
+    assert {t.marker.symbol for t in fig.data if t.name == "H2O"} == {"circle"}       # 16-bit marker
+    assert next(t for t in fig.data if t.name == "no eviction").marker.symbol == "diamond"   # 4-bit marker
+    frontier = next(t for t in fig.data if t.name == "Pareto frontier (real policies)")
     assert list(frontier.x) == [0.1, 0.2, 0.3]
     star = next(t for t in fig.data if t.name.startswith("current"))
     assert star.marker.symbol == "star" and list(star.y) == [0.3]
