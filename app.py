@@ -51,18 +51,19 @@ def explorer() -> None:
     text = ui.has_text_tokens(source.trace)
     binned = n_seen > BIN_THRESHOLD
     frame = binned_frame(comp) if binned else per_token
-    y_range = ux.y_lock(error_extent(frame))
     if binned:
         pinned_frame = binned_frame(pinned) if pinned is not None else None
         fig_att = figures.binned_attention_figure(frame, row=row)
-        fig_err = figures.error_figure(frame, vs.bars, members, what=ensemble, y_range=y_range, pinned=pinned_frame)
     else:
+        pinned_frame = pinned_tokens
         fig_att = figures.attention_figure(per_token, row=row, text_tokens=text, pinned=pinned_tokens)
-        fig_err = figures.error_figure(per_token, vs.bars, members, what=ensemble, y_range=y_range,
-                                       text_tokens=text, pinned=pinned_tokens)
+    drawn = {}
 
     def error_chart() -> None:      # the main chart: the handbook's lesson, two kinds of error
-        st.plotly_chart(fig_err, key="error_chart", config=figures.CHART_CONFIG)
+        y_range = ux.y_lock(error_extent(frame))          # the toggle sits on the chart it locks
+        drawn["error"] = figures.error_figure(frame, vs.bars, members, what=ensemble, y_range=y_range,
+                                              text_tokens=text and not binned, pinned=pinned_frame)
+        st.plotly_chart(drawn["error"], key="error_chart", config=figures.CHART_CONFIG)
         if not present:
             st.caption("What to look for: the two causes of error apart. Eviction (hatched vermillion) loses whole "
                        "tokens and shifts their mass onto the kept ones; quantization (purple) spreads small errors "
@@ -103,7 +104,7 @@ def explorer() -> None:
     c1.download_button("Download per-token data (CSV)", data=lambda: header + per_token.to_csv(index=False),
                        file_name=f"{stem}.csv", mime="text/csv", on_click="ignore", icon=":material/download:")
     c2.download_button("Download charts (standalone HTML)",
-                       data=lambda: figures.figures_html([fig_att, fig_err], f"kvviz: {spec.label()}",
+                       data=lambda: figures.figures_html([fig_att, drawn["error"]], f"kvviz: {spec.label()}",
                                                          metrics=comp.metrics, about=header, link=link),
                        file_name=f"{stem}.html", mime="text/html", on_click="ignore", icon=":material/download:")
     st.caption("For slides: every chart's toolbar (top right of the chart, on hover) has a camera button that "

@@ -996,7 +996,7 @@ def scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:
         return (f"The oracle keeps one cache per KV head, chosen by the attention of all {trace.group_size} query "
                 "heads that share it: it is the bound for the group's total attention mass, not for each query "
                 "head on its own, so another policy can keep slightly more of this one head's mass.")
-    if spec.scorer in ("h2o", "tova"):
+    if spec.scorer in ("h2o", "tova") and trace is not None and trace.has_later_queries:
         form = " divided by the queries that saw each token" if spec.h2o_normalized and spec.scorer == "h2o" else ""
         return (f"{'H2O' if spec.scorer == 'h2o' else 'TOVA'} decides again at every decode step{form}: the new "
                 f"token arrives inside the budget, so each query attends over exactly {spec.budget} tokens "
