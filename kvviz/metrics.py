@@ -51,11 +51,14 @@ def divergences(p_kept: np.ndarray, log_p_kept: np.ndarray, q_kept: np.ndarray, 
         kl_forward = np.full(len(p_kept), np.inf)
     else:
         kl_forward = np.einsum("ij,ij->i", p_kept, log_p_kept - log_q_kept)
-    log_mid = np.logaddexp(log_p_kept, log_q_kept) - LN2                      # log (p + q) / 2
+    mid = p_kept + q_kept                                                     # 2m on the kept tokens
+    np.maximum(mid, 1e-300, out=mid)     # p = q = 0 (underflow): weight 0 either way, keep the log finite
+    log_mid = np.log(mid, out=mid)
+    log_mid -= LN2                                                            # log (p + q) / 2
+    lost = np.maximum(1.0 - mass, 0.0) * LN2                                  # evicted: p log(p / (p/2))
     js = 0.5 * (np.einsum("ij,ij->i", p_kept, log_p_kept - log_mid)
-                + np.einsum("ij,ij->i", q_kept, log_q_kept - log_mid)
-                + np.clip(1.0 - mass, 0.0, None) * LN2)
-    return np.maximum(kl, 0.0), np.maximum(kl_forward, 0.0), np.clip(js, 0.0, LN2)
+                + np.einsum("ij,ij->i", q_kept, log_q_kept - log_mid) + lost)
+    return np.maximum(kl, 0.0), np.maximum(kl_forward, 0.0), np.minimum(np.maximum(js, 0.0), LN2)
 
 
 def error_split(original: np.ndarray, compressed: np.ndarray, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
