@@ -511,15 +511,13 @@ def compression_section(trace: Trace, where=None, budget_only: bool = False) -> 
     with adv:
         scorer = w_choice(st, "scorer", "Heavy-hitter scorer", SCORERS, format_func=SCORER_LABELS.get,
                           help=scorer_help())
-        snap_window = _store()["snap_window"]
-        h2o_norm = _store()["h2o_norm"]
         if scorer == "snapkv":
-            snap_window = w_number(st, "snap_window", "SnapKV observation window (queries; 0 = auto)", 0, 4096,
+            w_number(st, "snap_window", "SnapKV observation window (queries; 0 = auto)", 0, 4096,
                                    help="The last context queries that vote. 0 = the recent window, capped at 64 "
                                         "(SnapKV's default). The window is kept, so it must fit inside the recent "
                                         "window.")
         if scorer == "h2o":
-            h2o_norm = w_check(st, "h2o_norm", "H2O: divide by the queries that saw each token",
+            w_check(st, "h2o_norm", "H2O: divide by the queries that saw each token",
                                help="Off: accumulated attention (H2O as published). On: accumulated attention / "
                                     "number of queries that could see the token, so early tokens are not favoured "
                                     "for having been seen more often (kvpress's observed-attention press).")
@@ -530,27 +528,27 @@ def compression_section(trace: Trace, where=None, budget_only: bool = False) -> 
                                   format_func=bits_label)
         else:
             key_bits = value_bits = bits
-        key_axis = w_choice(st, "key_axis", "Key groups run along", ("channel", "token"), widget="radio",
+        w_choice(st, "key_axis", "Key groups run along", ("channel", "token"), widget="radio",
                             help="KIVI quantizes keys per channel (keys have outlier channels).")
-        value_axis = w_choice(st, "value_axis", "Value groups run along", ("channel", "token"), widget="radio",
+        w_choice(st, "value_axis", "Value groups run along", ("channel", "token"), widget="radio",
                               help="KIVI quantizes values per token.")
-        group = w_choice(st, "group", "Group size (values per scale)", GROUP_OPTIONS)
-        residual = w_number(st, "residual", "Residual (last tokens kept at 16 bits)", 0, n)
+        w_choice(st, "group", "Group size (values per scale)", GROUP_OPTIONS)
+        w_number(st, "residual", "Residual (last tokens kept at 16 bits)", 0, n)
         symmetric = w_check(st, "symmetric", "Symmetric quantization (no zero point; needs ≥ 2 bits)")
-        zero_point = w_choice(st, "zero_point", "Asymmetric zero", ("float", "int"), widget="radio",
+        w_choice(st, "zero_point", "Asymmetric zero", ("float", "int"), widget="radio",
                               format_func={"float": "float offset (KIVI)", "int": "integer zero point"}.get,
                               disabled=symmetric,
                               help="KIVI dequantizes x̂ = q·s + min with min kept as a 16-bit float. Integer "
                                    "kernels round a zero point z = round(−min/s) and store it in b bits: "
                                    "x̂ = s·(q − z), slightly larger error, and at 1 bit x̂ can leave [min, max].")
-        partial = w_choice(st, "partial", "Partial groups (shorter than G)", ("full", "quantize"), widget="radio",
+        w_choice(st, "partial", "Partial groups (shorter than G)", ("full", "quantize"), widget="radio",
                            format_func={"full": "16-bit (KIVI)", "quantize": "quantize"}.get,
                            help="Tokens after the last full group of G (per-channel keys) or channels after the "
                                 "last full group (per-token): KIVI keeps them at full precision until a group "
                                 "fills; counted as 16-bit in the memory. Or quantize them as a short group.")
         qmodel = w_choice(st, "qmodel", "Quantization model", ("kv", "noise"), widget="radio",
                           format_func={"kv": "real K/V quantization", "noise": "handbook logit noise"}.get)
-        sigma = w_number(st, "sigma", "Noise σ (logit noise model)", 0.0, 100.0, step=0.005, fmt="%.3f",
+        w_number(st, "sigma", "Noise σ (logit noise model)", 0.0, 100.0, step=0.005, fmt="%.3f",
                          disabled=qmodel != "noise")
     try:
         return spec_from_values(_store())

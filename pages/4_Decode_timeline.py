@@ -9,7 +9,7 @@ from kvviz import ui
 from kvviz.figures_generation import regret_chart, timeline_map
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.spec import Spec, SpecError
-from kvviz.timeline import DEFAULT_NEED, TIMELINE_POLICIES, timeline
+from kvviz.timeline import timeline
 from kvviz.trace import Trace, TraceError
 
 # Shown while the chosen source has no decode steps (the handbook example): a topic shift

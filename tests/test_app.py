@@ -3,7 +3,6 @@
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 from apptest_util import run_app
 from streamlit.testing.v1 import AppTest

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from kvviz import Spec, View, compare
+from kvviz import Spec, compare
 from kvviz.cli import main
 from kvviz.sources import handbook_trace, save_trace
 
