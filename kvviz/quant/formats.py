@@ -139,3 +139,31 @@ def spec_residual_for_memory(spec: Spec, kept: int, n_tokens: int, context_len: 
     if spec.residual_mode == "kivi":
         return min(spec.residual, kept)
     return min(kept, n_tokens - flush_point(spec, n_tokens - 1, context_len))
+
+
+# --- presets -----------------------------------------------------------------------------
+
+HF_RESIDUAL_LENGTH = 128   # transformers QuantizedCache defaults: nbits 4, q_group_size 64, residual_length 128
+HF_GROUP = 64
+
+
+def hf_quantized_cache(nbits: int = 4, residual_length: int = HF_RESIDUAL_LENGTH, q_group_size: int = HF_GROUP,
+                       **changes) -> Spec:
+    """transformers' QuantizedCache (quanto backend, its defaults axis_key = axis_value = 0) as a Spec.
+
+    quanto's MaxOptimizer + affine quantizer on groups of q_group_size consecutive values of the
+    (batch, heads, tokens, head_dim) cache: with head_dim a multiple of the group, one group is
+    q_group_size channels of one token, for keys and values alike;
+        s = (max - min) / (2^b - 1),  q = clamp(round((x - min) / s), 0, 2^b - 1),  x_hat = q s + min
+    i.e. min-max with a float offset. The full-precision window is flushed every residual_length
+    tokens (residual_mode "hf").
+
+    How it differs from KIVI: KIVI quantizes keys per *channel* (groups of 32 tokens of one
+    channel, because keys have outlier channels) and values per token, and keeps a sliding
+    window of the last 128 tokens exact; HF quantizes keys per *token* too, quantizes the whole
+    prompt at once, and its exact window grows from 0 to residual_length - 1 and empties.
+    """
+    if nbits not in (2, 4):
+        raise ValueError(f"QuantizedCache's quanto backend takes nbits 2 or 4, got {nbits}")
+    return Spec(key_bits=nbits, value_bits=nbits, key_axis="token", value_axis="token", group_size=q_group_size,
+                residual=residual_length, residual_mode="hf", zero_point="float", partial="quantize", **changes)

@@ -3,7 +3,7 @@
     s = amax / format max            (per tensor, per KV head, or per token of one head)
     x_hat = s * round_fp8(x / s)     round to nearest, ties to even, saturating (no inf)
 
-x / s never exceeds the format's largest finite value, so nothing overflows; a group that
+x / s never exceeds (s is rounded up to FP32) the format's largest finite value, so nothing overflows; a group that
 is all zeros gets s = 1. Per tensor means one scale for the layer's whole K (or V): every
 KV head and every quantized token in the call. Bytes: 1 per value plus 4 per scale.
 """
@@ -31,8 +31,16 @@ def fp8_scales(x: np.ndarray, fmt: Minifloat, scale: str) -> np.ndarray:
         amax = a.max(axis=2, keepdims=True, initial=0.0)
     else:
         raise ValueError(f"FP8 scale must be one of {FP8_SCALES}, got {scale!r}")
-    s = (amax.astype(np.float64) / fmt.max_value).astype(np.float32)
-    return np.where(s > 0, s, np.float32(1.0))
+    s = fp32_at_least(amax.astype(np.float64) / fmt.max_value)
+    return np.where(amax > 0, s, np.float32(1.0))
+
+
+def fp32_at_least(x) -> np.ndarray:
+    """x as FP32, rounded up where FP32 cannot hold it exactly, so that amax / s never exceeds (s is rounded up to FP32)
+    the format's max (a plain conversion can round a tiny, subnormal scale down)."""
+    x = np.asarray(x, dtype=np.float64)
+    s = x.astype(np.float32)
+    return np.where(s.astype(np.float64) < x, np.nextafter(s, np.float32(np.inf)), s)
 
 
 def fp8_quantize(x: np.ndarray, fmt: str, scale: str = "head") -> np.ndarray:

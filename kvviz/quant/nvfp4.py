@@ -1,7 +1,7 @@
 """NVFP4: E2M1 values in blocks of 16 consecutive channels of one token, an E4M3 scale per
 block and one FP32 scale per tensor (NVIDIA's two-level scaling).
 
-    s_t = amax(tensor) / (448 * 6)                       FP32, per tensor (the layer's K or V)
+    s_t = amax(tensor) / (448 * 6)                       FP32 (rounded up), per tensor (the layer's K or V)
     s_b = round_e4m3(amax(block) / (6 * s_t))            <= 448 by construction: never overflows
     x_hat = s_t * s_b * round_e2m1(x / (s_t * s_b))      nearest, ties to even, saturating at 6
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .fp8 import fp32_at_least
 from .minifloat import E2M1, E4M3
 
 NVFP4_BLOCK = 16
@@ -30,7 +31,7 @@ def blocked(x: np.ndarray, block: int) -> np.ndarray:
 def nvfp4_scales(x: np.ndarray, block: int = NVFP4_BLOCK) -> tuple[np.float32, np.ndarray]:
     """(tensor scale s_t, block scales s_b (..., n_blocks, 1)) of x (..., D)."""
     amax_t = float(np.abs(x).max(initial=0.0))
-    s_t = np.float32(amax_t / (E4M3.max_value * E2M1.max_value)) if amax_t > 0 else np.float32(1.0)
+    s_t = fp32_at_least(amax_t / (E4M3.max_value * E2M1.max_value))[()] if amax_t > 0 else np.float32(1.0)
     amax_b = np.abs(blocked(x, block)).max(axis=-1, keepdims=True).astype(np.float64)
     s_b = E4M3.round(amax_b / (E2M1.max_value * float(s_t)))
     return s_t, s_b
