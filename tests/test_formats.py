@@ -247,3 +247,24 @@ def test_fp8_beats_fp4_beats_2bit_per_token_on_attention():
         "e4m3": Spec(key_format="e4m3"), "nvfp4": Spec(key_format="nvfp4"),
         "int2-token": Spec(key_bits=2, key_axis="token")}.items()}
     assert 0 < tv["e4m3"] < tv["nvfp4"] < tv["int2-token"], tv
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+def test_cli_formats(capsys):
+    import json
+
+    from kvviz.cli import main
+
+    base = ["compare", "--source", "synthetic", "--context", "64", "--steps", "2", "--layers", "1", "--json"]
+    assert main(base + ["--key-format", "e4m3", "--value-format", "nvfp4", "--fp8-scale", "token",
+                        "--rotate", "keys"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["spec"]["key_format"], out["spec"]["value_format"], out["spec"]["fp8_scale"],
+            out["spec"]["rotate"]) == ("e4m3", "nvfp4", "token", "keys")
+    assert 0 < out["metrics"]["tv_distance"] and out["metrics"]["memory_ratio"] < 0.5
+    assert main(base + ["--quant-preset", "hf-qc-4bit"]) == 0
+    spec = json.loads(capsys.readouterr().out)["spec"]
+    assert (spec["key_axis"], spec["group_size"], spec["residual"], spec["residual_mode"]) == ("token", 64, 128, "hf")
+    assert main(base + ["--residual-mode", "hf", "--residual", "4", "--bits", "4"]) == 0
+    capsys.readouterr()
