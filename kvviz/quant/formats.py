@@ -167,3 +167,25 @@ def hf_quantized_cache(nbits: int = 4, residual_length: int = HF_RESIDUAL_LENGTH
         raise ValueError(f"QuantizedCache's quanto backend takes nbits 2 or 4, got {nbits}")
     return Spec(key_bits=nbits, value_bits=nbits, key_axis="token", value_axis="token", group_size=q_group_size,
                 residual=residual_length, residual_mode="hf", zero_point="float", partial="quantize", **changes)
+
+
+# --- what rotation does to one head's keys ---------------------------------------------------
+
+def rotation_effect(k: np.ndarray, bits: int = 2, group: int = 32) -> dict:
+    """One head's keys k (tokens, D) before and after rotation: how outlying the largest channel
+    is (its max |k| over the median channel's) and the relative error of per-token `bits`-bit
+    keys in groups of `group` channels, ||K_hat - K|| / ||K||, quantized as they are or rotated first."""
+    k = np.asarray(k, dtype=np.float64)
+    kr = rotate(k)
+    spec = Spec(key_bits=bits, key_axis="token", group_size=group, partial="quantize")
+
+    def peak(x):
+        amax = np.abs(x).max(axis=0)
+        return float(amax.max() / max(np.median(amax), 1e-30))
+
+    norm = max(float(np.linalg.norm(k)), 1e-30)
+    plain = quantize_tensor(k[None], spec, "k", 0)[0]
+    rotated = quantize_tensor(k[None], spec.with_(rotate="keys"), "k", 0)[0]
+    return {"peak_before": peak(k), "peak_after": peak(kr),
+            "error_before": float(np.linalg.norm(plain - k)) / norm,
+            "error_after": float(np.linalg.norm(rotated - k)) / norm}
