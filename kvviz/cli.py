@@ -218,8 +218,13 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     trace, _ = source_from_args(a)
     view = View(layer=a.layer, head=a.head, step=a.step, ensemble=a.ensemble or "heads",
                 ensemble_size=a.ensemble_size)
+    from .sweep import SWEEP_FORMATS
+    formats = [f.strip() for f in a.formats_list.split(",") if f.strip()]
+    bad = [f for f in formats if f not in SWEEP_FORMATS]
+    if bad:
+        raise CliError(f"unknown format {bad[0]!r} in --formats-list; choose from {', '.join(SWEEP_FORMATS)}")
     rows = sweep(trace, scorers, fractions, bits, view, base,
-                 progress=(lambda f, msg: print(f"\r[{f:4.0%}] {msg:<50}", end="", file=sys.stderr)))
+                 progress=(lambda f, msg: print(f"\r[{f:4.0%}] {msg:<50}", end="", file=sys.stderr)), formats=formats)
     print(file=sys.stderr)
     text = to_csv(rows)
     if a.out:
@@ -286,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scorers", default=",".join(SCORERS), help="comma-separated scorers")
     p.add_argument("--budgets", default="0.05,0.1,0.2,0.3,0.5,1.0", help="budget fractions of the tokens")
     p.add_argument("--bits-list", default="16,8,4,2", help="bit widths to sweep")
+    p.add_argument("--formats-list", default="",
+                   help="cache formats to add to the sweep, K and V alike: e4m3,e5m2,nvfp4,mxfp4 (default none)")
     p.add_argument("--out", help="CSV file (default: standard output)")
     p.set_defaults(func=cmd_sweep)
 
