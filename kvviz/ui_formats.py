@@ -10,7 +10,7 @@ from .quant.formats import rotation_effect
 from .quant.rotation import rotate
 from .spec import View
 
-MAX_HEATMAP_TOKENS = 1024
+MAX_HEATMAP_TOKENS = 512
 
 
 def key_rotation_expander(source, view: View) -> None:
@@ -30,15 +30,12 @@ def key_rotation_expander(source, view: View) -> None:
         effect = rotation_effect(k)
         shown = k[start:]
         fig = figures_quant.key_rotation_figure(shown, rotate(shown), trace.tokens[start:n],
-                                                title=f"Layer {layer}, KV head {kv_head}: keys, channel × token")
-        if start:
-            fig.update_xaxes(tickvals=None)
+                                                title=f"Layer {layer}, KV head {kv_head}: keys, channel × token",
+                                                first_position=start)
         st.plotly_chart(fig, key="rotation_heatmap", config=figures.CHART_CONFIG)
-        c1, c2 = st.columns(2)
-        c1.metric("Largest channel's max |k| / median channel's", f"{effect['peak_before']:.1f}× → "
-                  f"{effect['peak_after']:.1f}×")
-        c2.metric("2-bit per-token key error ‖K̂ − K‖ / ‖K‖", f"{effect['error_before']:.3f} → "
-                  f"{effect['error_after']:.3f}")
+        st.markdown(f"**Largest channel's max |k| / the median channel's:** {effect['peak_before']:.1f}× → "
+                    f"{effect['peak_after']:.1f}×  \n**2-bit per-token key error ‖K̂ − K‖ / ‖K‖** (groups of 32 "
+                    f"channels): {effect['error_before']:.3f} → {effect['error_after']:.3f}")
         st.caption("What to look for: outlier channels are the bright horizontal stripes on the left. Per-token "
                    "groups share one scale across channels, so a stripe sets the step for every ordinary channel "
                    "of that token. The orthonormal Hadamard rotation (right) mixes every channel into every "

@@ -268,3 +268,17 @@ def test_cli_formats(capsys):
     assert (spec["key_axis"], spec["group_size"], spec["residual"], spec["residual_mode"]) == ("token", 64, 128, "hf")
     assert main(base + ["--residual-mode", "hf", "--residual", "4", "--bits", "4"]) == 0
     capsys.readouterr()
+
+
+def test_rotation_figure_and_effect():
+    from kvviz.figures_quant import key_rotation_figure
+    from kvviz.quant.formats import rotation_effect
+
+    t = make_synthetic(SyntheticSpec(context=64, steps=2, layers=1, q_heads=2, kv_heads=1, head_dim=64))
+    k = t.k[0, 0].astype(np.float64)
+    effect = rotation_effect(k)
+    assert effect["peak_after"] < effect["peak_before"] and effect["error_after"] < effect["error_before"]
+    fig = key_rotation_figure(k[10:], rotate(k[10:]), t.tokens[10:], first_position=10)
+    before, after = fig.data
+    assert before.z.shape == (64, len(k) - 10) and before.x[0] == 10
+    assert np.allclose(after.z, rotate(k[10:]).T) and before.zmin == -before.zmax == after.zmin
