@@ -31,5 +31,6 @@ def key_rotation_figure(k: np.ndarray, k_rotated: np.ndarray, tokens: Sequence[s
                                       "</extra>", row=1, col=col)
     fig = _layout(fig, title, "token position", "channel", height=420)
     fig.update_xaxes(title_text="token position", row=1, col=2)
+    fig.update_yaxes(title_text=None, row=1, col=2)
     fig.update_yaxes(autorange="reversed")
     return fig
