@@ -62,6 +62,7 @@ def _ours(k: np.ndarray, spec: Spec, p: int, context_len: int, which: str) -> np
     return quantize_tensor(x, spec, which, residual_at(spec, np.arange(p + 1), p, context_len))
 
 
+@pytest.mark.slow   # seconds once quanto's CPU extension is built; the first use on a fresh venv builds it (minutes)
 @pytest.mark.parametrize("nbits, group", [(2, 64), (4, 64), (4, 32)])
 def test_layer_matches_quanto(nbits, group):
     """Prefill of 20 tokens, then 20 decode steps across two flushes (residual_length 8): the
@@ -89,6 +90,7 @@ def test_layer_matches_quanto(nbits, group):
     assert worst < 1e-5
 
 
+@pytest.mark.slow
 def test_decode_matches_transformers_quantized_cache():
     """A tiny random Llama, teacher-forced: transformers' QuantizedCache (quanto, 4 bits, groups of
     16 = head_dim, residual_length 8) and kvviz's decode under the preset give the same logits."""
