@@ -4,6 +4,7 @@ FP8 / FP4 points on Trade-offs, and the keys-before-and-after-rotation heatmap."
 import json
 from pathlib import Path
 
+import pytest
 from apptest_util import run_app
 
 from kvviz import Spec, View, compare
@@ -12,6 +13,7 @@ from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 ROOT = Path(__file__).resolve().parents[1]
 APP = str(ROOT / "app.py")
 TRADEOFFS = str(ROOT / "pages" / "1_Trade-offs.py")
+LAB = str(ROOT / "pages" / "3_Model_lab.py")
 SMALL = {"source": "synthetic", "context": "128", "steps": "4"}
 
 
@@ -72,3 +74,33 @@ def test_tradeoffs_gets_fp8_and_fp4_points():
     assert "FP8 E4M3" in names and "NVFP4" in names
     fp8 = [t for t in fig["data"] if t.get("customdata") and t["customdata"][0][3] == "e4m3"]
     assert fp8 and {row[0] for t in fp8 for row in t["customdata"]} == {"h2o", "full"}
+
+
+@pytest.mark.model
+def test_model_lab_runs_a_serving_format(monkeypatch):
+    """Model lab with NVFP4 keys, FP8 values and rotated keys from the URL: the page's perplexity
+    is kvviz.generation.evaluate's under the same Spec (the real-model decode path)."""
+    import kvviz.models
+    from kvviz.models import bundled_model_file
+
+    if bundled_model_file() is None:
+        pytest.skip("the bundled model is not installed")
+    real, loaded = kvviz.models.load_model, {}
+
+    def load_once(name="bundled", **kwargs):
+        if name not in loaded:
+            loaded[name] = real(name, **kwargs)
+        return loaded[name]
+
+    monkeypatch.setattr(kvviz.models, "load_model", load_once)
+    at = run_app(LAB, 300, sink="0", recent="0", heavy="0", key_fmt="nvfp4", value_fmt="e4m3", rotate="keys",
+                 lab_prompt="40", lab_cont="8", lab_greedy="0")
+    at.button(key="lab_run").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    shown = {m.label: m.value for m in at.metric}
+    from kvviz.generation import evaluate, reference, sample_text
+    model, tok, _ = load_once("bundled")
+    spec = Spec(key_format="nvfp4", value_format="e4m3", rotate="keys")
+    q = evaluate(model, reference(model, tok, sample_text(), 40, 8), spec)
+    assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"
+    assert "NVFP4" in "".join(m.value for m in at.markdown)
