@@ -8,6 +8,7 @@ import streamlit as st
 
 from kvviz import figures, ui
 from kvviz import ui_explorer as ux
+from kvviz import ui_formats
 from kvviz.figures import BAND_TEXT
 from kvviz.ui_data import (BIN_THRESHOLD, binned_frame, ensemble_text, error_extent, ranges_text, row_text,
                            token_frame)
@@ -97,6 +98,7 @@ def explorer() -> None:
     ui.head_overview(source, spec, vs.view)
     if present:
         return
+    ui_formats.key_rotation_expander(source, vs.view)
 
     stem, link = ux.slug(spec, source.key[0] if source.key[0] != "external" else source.key[1]), ux.page_link()
     header = ux.settings_header(comp, source.label, link, vs.bars)

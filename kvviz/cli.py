@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from .metrics import DEFINITIONS as METRIC_DEFINITIONS
-from .spec import (AXES, ENSEMBLES, FULL_BITS, PARTIAL_GROUPS, QUANT_MODELS, SCORERS, ZERO_POINTS, Spec,
-                   SpecError, View)
+from .spec import (AXES, ENSEMBLES, FORMATS, FP8_SCALES, FULL_BITS, PARTIAL_GROUPS, QUANT_MODELS,
+                   RESIDUAL_MODES, ROTATIONS, SCORERS, ZERO_POINTS, Spec, SpecError, View)
 from .trace import TraceError
 
 
@@ -73,6 +73,22 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rerotate", action="store_true",
                    help="real-model decode (eval): re-rotate kept keys to their cache slots as the original "
                         "StreamingLLM does, instead of keeping their true positions")
+    g.add_argument("--key-format", default="int", choices=FORMATS,
+                   help="key cache format: int = integer groups at --key-bits (KIVI, default); e4m3 / e5m2 = FP8 "
+                        "with FP32 scales (--fp8-scale); nvfp4 = E2M1 blocks of 16 + E4M3 block scale + FP32 tensor "
+                        "scale; mxfp4 = E2M1 blocks of 32 + power-of-two scale")
+    g.add_argument("--value-format", default="int", choices=FORMATS, help="value cache format (as --key-format)")
+    g.add_argument("--fp8-scale", default="head", choices=FP8_SCALES,
+                   help="FP8 scale granularity: one per layer tensor, per KV head (default) or per token")
+    g.add_argument("--rotate", default="none", choices=ROTATIONS,
+                   help="Hadamard-rotate the head dimension before quantizing: keys (and queries, so q.k is "
+                        "unchanged) or keys-values (values rotated back on the output)")
+    g.add_argument("--residual-mode", default="kivi", choices=RESIDUAL_MODES,
+                   help="which tokens --residual keeps exact: kivi = the last N (sliding, default); hf = "
+                        "transformers' QuantizedCache (prompt quantized whole, a window flushed every N tokens)")
+    g.add_argument("--quant-preset", choices=("hf-qc-4bit", "hf-qc-2bit"),
+                   help="transformers' QuantizedCache defaults (quanto: per-token groups of 64 on K and V, "
+                        "residual_length 128, flushed) at 4 or 2 bits; overrides the bits/axis/group/residual options")
     g.add_argument("--quant-model", default="kv", choices=QUANT_MODELS,
                    help="kv = real K/V quantization; noise = the handbook's logit-noise model")
     g.add_argument("--noise-sigma", type=float, default=0.01, help="noise model: logit noise std")
@@ -81,14 +97,27 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
 
 def spec_from_args(a: argparse.Namespace) -> Spec:
     bits = FULL_BITS if a.bits is None else a.bits
-    return Spec(sink=a.sink, recent=a.recent, heavy=a.heavy, scorer=a.scorer,
-                key_bits=bits if a.key_bits is None else a.key_bits,
-                value_bits=bits if a.value_bits is None else a.value_bits,
-                key_axis=a.key_axis, value_axis=a.value_axis, group_size=a.group_size,
-                residual=a.residual, symmetric=a.symmetric, quant_model=a.quant_model,
-                noise_sigma=a.noise_sigma, seed=a.seed, zero_point=a.zero_point, partial=a.partial_groups,
-                snapkv_window=a.snapkv_window or None, h2o_normalized=a.h2o_normalized,
-                positions="cache" if a.rerotate else "true")
+    fields = dict(sink=a.sink, recent=a.recent, heavy=a.heavy, scorer=a.scorer,
+                  key_bits=bits if a.key_bits is None else a.key_bits,
+                  value_bits=bits if a.value_bits is None else a.value_bits,
+                  key_axis=a.key_axis, value_axis=a.value_axis, group_size=a.group_size,
+                  residual=a.residual, symmetric=a.symmetric, quant_model=a.quant_model,
+                  noise_sigma=a.noise_sigma, seed=a.seed, zero_point=a.zero_point, partial=a.partial_groups,
+                  snapkv_window=a.snapkv_window or None, h2o_normalized=a.h2o_normalized,
+                  positions="cache" if a.rerotate else "true")
+    return Spec(**(fields | _format_args(a)))
+
+
+def _format_args(a: argparse.Namespace) -> dict:
+    """The cache-format options (kvviz.quant.formats); the HF preset replaces the integer settings."""
+    out = dict(key_format=a.key_format, value_format=a.value_format, fp8_scale=a.fp8_scale, rotate=a.rotate,
+               residual_mode=a.residual_mode)
+    if getattr(a, "quant_preset", None):
+        from .quant.formats import hf_quantized_cache
+        hf = hf_quantized_cache(4 if a.quant_preset == "hf-qc-4bit" else 2)
+        out.update({k: getattr(hf, k) for k in ("key_bits", "value_bits", "key_axis", "value_axis", "group_size",
+                                                 "residual", "residual_mode", "zero_point", "partial")})
+    return out
 
 
 def source_from_args(a: argparse.Namespace):
@@ -189,8 +218,13 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     trace, _ = source_from_args(a)
     view = View(layer=a.layer, head=a.head, step=a.step, ensemble=a.ensemble or "heads",
                 ensemble_size=a.ensemble_size)
+    from .sweep import SWEEP_FORMATS
+    formats = [f.strip() for f in a.formats_list.split(",") if f.strip()]
+    bad = [f for f in formats if f not in SWEEP_FORMATS]
+    if bad:
+        raise CliError(f"unknown format {bad[0]!r} in --formats-list; choose from {', '.join(SWEEP_FORMATS)}")
     rows = sweep(trace, scorers, fractions, bits, view, base,
-                 progress=(lambda f, msg: print(f"\r[{f:4.0%}] {msg:<50}", end="", file=sys.stderr)))
+                 progress=(lambda f, msg: print(f"\r[{f:4.0%}] {msg:<50}", end="", file=sys.stderr)), formats=formats)
     print(file=sys.stderr)
     text = to_csv(rows)
     if a.out:
@@ -257,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scorers", default=",".join(SCORERS), help="comma-separated scorers")
     p.add_argument("--budgets", default="0.05,0.1,0.2,0.3,0.5,1.0", help="budget fractions of the tokens")
     p.add_argument("--bits-list", default="16,8,4,2", help="bit widths to sweep")
+    p.add_argument("--formats-list", default="",
+                   help="cache formats to add to the sweep, K and V alike: e4m3,e5m2,nvfp4,mxfp4 (default none)")
     p.add_argument("--out", help="CSV file (default: standard output)")
     p.set_defaults(func=cmd_sweep)
 

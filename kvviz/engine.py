@@ -20,6 +20,7 @@ import numpy as np
 from .attention import kv_runs, logit_rows, small_blas, softmax, softmax_and_log
 from .metrics import RowMetrics, Spread, divergences, row_metrics_batch, spread
 from .policies import ScoreContext, get_policy, select
+from .quant import formats as qformats
 from .quant import kv_bytes_per_token, quantize_kept, tensor_bytes
 from .spec import FULL_BITS, Spec, SpecError, View
 from .trace import Trace
@@ -153,12 +154,20 @@ def memory_for(trace: Trace, spec: Spec, n_tokens: int) -> Memory:
 
     Memory follows the bits settings whichever quantization model simulates the error.
     """
-    return _memory(trace.n_layers, trace.n_kv_heads, trace.head_dim, spec, n_tokens)
+    return _memory(trace.n_layers, trace.n_kv_heads, trace.head_dim, spec, n_tokens, trace.context_len)
 
 
 @lru_cache(maxsize=256)
-def _memory(n_layers: int, n_kv_heads: int, head_dim: int, spec: Spec, n_tokens: int) -> Memory:
+def _memory(n_layers: int, n_kv_heads: int, head_dim: int, spec: Spec, n_tokens: int,
+            context_len: int = 0) -> Memory:
     kept = min(spec.budget, n_tokens) if spec.evicts else n_tokens
+    if qformats.uses_formats(spec):   # FP8 / FP4 formats, rotation, HF's residual flush
+        residual = qformats.spec_residual_for_memory(spec, kept, n_tokens, context_len)
+        per_head = sum(qformats.tensor_bytes(spec, which, kept, head_dim, n_kv_heads, residual).total
+                       for which in ("k", "v"))
+        return Memory(kv_bytes=per_head * n_layers * n_kv_heads,
+                      kv_bytes_full=n_tokens * kv_bytes_per_token(n_layers, n_kv_heads, head_dim),
+                      kept_tokens=kept, total_tokens=n_tokens)
     per_head = sum(
         tensor_bytes(kept, head_dim, bits, axis, spec.group_size, spec.residual, spec.symmetric,
                      spec.zero_point, spec.partial).total
@@ -216,13 +225,13 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     m = len(kept_at[kv_list[0]])                                         # the same for every KV head
     at = np.array([kept_at[g] for g in kv_list])                         # (H, m)
     flat = (at + (np.arange(H) * n)[:, None]).ravel()                    # into the (H, n) rows
-    quantized = _quantized_kept(trace, spec, layer, p, kept_at, cache)   # per KV head
+    quantized = _quantized_kept(trace, spec, layer, p, kept_at, cache, kept_kv)   # per KV head
 
     kept_logits = logits.take(flat).reshape(H, m)                       # (H, m)
     if spec.quant_model == "noise":
         eps = np.stack([noise_eps(trace, spec, layer, h, p) for h in heads])
         kept_logits += eps.take(flat).reshape(H, m) * spec.noise_sigma
-    elif spec.key_bits < FULL_BITS:
+    elif spec.quantizes_keys:
         # q . K_hat = q . K + q . (K_hat - K): exact logits wherever keys did not change
         q = trace.q[layer, heads, qi] / np.float32(np.sqrt(trace.head_dim))  # (H, D), the trace's dtype
         for g, rows in runs:
@@ -287,7 +296,8 @@ def evaluate_row(trace: Trace, spec: Spec, layer: int, head: int, qi: int,
 
 
 def _quantized_kept(trace: Trace, spec: Spec, layer: int, p: int, kept_at: dict[int, np.ndarray],
-                    cache: dict) -> dict[int, tuple[np.ndarray | None, np.ndarray | None]]:
+                    cache: dict, kept_kv: np.ndarray | None = None
+                    ) -> dict[int, tuple[np.ndarray | None, np.ndarray | None]]:
     """KV head -> (K_hat - K, V_hat) of its kept tokens at kept_at[g] (m,); None where not quantized.
 
     Evict, then quantize what is kept: groups run over the compacted cache, and the last
@@ -296,6 +306,8 @@ def _quantized_kept(trace: Trace, spec: Spec, layer: int, p: int, kept_at: dict[
     """
     if spec.quant_model != "kv" or not spec.quantizes:
         return {g: (None, None) for g in kept_at}
+    if qformats.uses_formats(spec):
+        return _quantized_kept_formats(trace, spec, layer, p, kept_at, cache, kept_kv)
     keys = {g: (layer, g, p, hash(at.tobytes())) for g, at in kept_at.items()}
     missing = [g for g, key in keys.items() if key not in cache]
     if missing:
@@ -311,6 +323,30 @@ def _quantized_kept(trace: Trace, spec: Spec, layer: int, p: int, kept_at: dict[
         for u, g in enumerate(missing):
             cache[keys[g]] = key_delta[u], v_hat[u]
     return {g: cache[key] for g, key in keys.items()}
+
+
+def _quantized_kept_formats(trace: Trace, spec: Spec, layer: int, p: int, kept_at: dict[int, np.ndarray],
+                            cache: dict, kept_kv: np.ndarray | None
+                            ) -> dict[int, tuple[np.ndarray | None, np.ndarray | None]]:
+    """_quantized_kept for kvviz.quant.formats: every KV head of the layer at once (a per-tensor
+    scale reads them all), rotated and quantized in the spec's format; residual per its mode."""
+    n = p + 1
+    if kept_kv is None:
+        kept_kv = np.ones((trace.n_kv_heads, n), bool)
+    where = np.stack([np.flatnonzero(kept_kv[g, :n]) for g in range(trace.n_kv_heads)])   # (H, m)
+    key = ("formats", layer, p, hash(where.tobytes()))
+    if key not in cache:
+        residual = qformats.residual_at(spec, where, p, trace.context_len)
+        rows = np.arange(trace.n_kv_heads)[:, None]
+        key_delta = v_hat = None
+        if spec.quantizes_keys:
+            k = trace.k[layer][rows, where]
+            key_delta = qformats.quantize_tensor(k, spec, "k", residual) - k
+        if trace.v is not None and spec.quantizes_values:
+            v_hat = qformats.quantize_tensor(trace.v[layer][rows, where], spec, "v", residual)
+        cache[key] = key_delta, v_hat
+    key_delta, v_hat = cache[key]
+    return {g: (None if key_delta is None else key_delta[g], None if v_hat is None else v_hat[g]) for g in kept_at}
 
 
 def keep_masks(trace: Trace, spec: Spec, layer: int, positions) -> np.ndarray | None:

@@ -223,6 +223,13 @@ METRIC_LABELS = {"tv": "TV distance (0-1)",
 BITS_SYMBOLS = {16: "circle", 8: "square", 6: "hexagon", 5: "pentagon", 4: "diamond", 3: "triangle-up", 2: "x",
                 1: "cross"}
 BITS_DASH = {16: "solid", 8: "dot", 4: "dash", 3: "longdash", 2: "dashdot"}
+# FP8 / FP4 cache formats on the trade-off chart: open markers, told apart from the integer widths
+FORMAT_NAMES = {"e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2", "nvfp4": "NVFP4", "mxfp4": "MXFP4"}
+FORMAT_SYMBOLS = {"e4m3": "square-open", "e5m2": "square-x-open", "nvfp4": "diamond-open", "mxfp4": "diamond-wide-open"}
+
+
+def _width_symbol(bits: int, fmt: str) -> str:
+    return BITS_SYMBOLS.get(bits, "circle") if fmt == "int" else FORMAT_SYMBOLS.get(fmt, "circle-open")
 METHOD_LABELS = {"h2o": "H2O", "tova": "TOVA", "snapkv": "SnapKV", "streaming": "StreamingLLM",
                  "oracle": "oracle (the bound)", "knorm": "K-norm", "random": "random", "full": "no eviction"}
 
@@ -244,25 +251,32 @@ def tradeoff_figure(rows: Sequence[dict], metric: str = "tv", front: Sequence[in
     if len(frame):
         frame = frame.dropna(subset=[metric])
         seen_methods = set()
-        for (method, bits), g in frame.groupby(["method", "bits"], sort=True):
+        if "format" not in frame:
+            frame["format"] = "int"
+        frame["format"] = frame["format"].fillna("int")
+        for (method, bits, fmt), g in frame.groupby(["method", "bits", "format"], sort=True):
             g = g.sort_values("memory_ratio")
             bound = method == "oracle"
+            width = f"{int(bits)}-bit" if fmt == "int" else FORMAT_NAMES.get(fmt, fmt)
             fig.add_scatter(
                 x=g["memory_ratio"], y=g[metric], mode="lines+markers", name=METHOD_LABELS.get(method, method),
                 legendgroup=method, showlegend=method not in seen_methods,
                 line=dict(color=METHOD_COLORS.get(method, OKABE_ITO["grey"]), width=1.5 if bound else 2,
-                          dash="dot" if bound else BITS_DASH.get(int(bits), "solid")),
-                marker=dict(symbol=BITS_SYMBOLS.get(int(bits), "circle"), size=9,
+                          dash="dot" if bound else (BITS_DASH.get(int(bits), "solid") if fmt == "int" else "solid")),
+                marker=dict(symbol=_width_symbol(int(bits), fmt), size=9,
                             color=METHOD_COLORS.get(method, OKABE_ITO["grey"])),
-                customdata=np.stack([g["method"], g["budget"], g["bits"]], axis=1),
-                hovertemplate=("<b>%{customdata[0]}</b> budget %{customdata[1]} tokens, %{customdata[2]}-bit"
+                customdata=np.stack([g["method"], g["budget"], g["bits"], g["format"]], axis=1),
+                hovertemplate=("<b>%{customdata[0]}</b> budget %{customdata[1]} tokens, " + width +
                                "<br>memory %{x:.3f} of 16-bit<br>" + label + " %{y:.4f}"
                                "<br>click to open in the Explorer<extra></extra>"))
             seen_methods.add(method)
-        for bits in sorted(frame["bits"].unique(), reverse=True):   # the marker legend, once
-            fig.add_scatter(x=[None], y=[None], mode="markers", name=f"{int(bits)}-bit" if bits < 16 else "16-bit (off)",
+        widths = frame[["bits", "format"]].drop_duplicates()
+        widths = sorted(zip(widths["bits"], widths["format"]), key=lambda w: (w[1] != "int", -w[0], w[1]))
+        for bits, fmt in widths:   # the marker legend, once
+            name = (f"{int(bits)}-bit" if bits < 16 else "16-bit (off)") if fmt == "int" else FORMAT_NAMES.get(fmt, fmt)
+            fig.add_scatter(x=[None], y=[None], mode="markers", name=name,
                             legendgroup="bits", legendgrouptitle_text="bit width",
-                            marker=dict(symbol=BITS_SYMBOLS.get(int(bits), "circle"), size=9, color=OKABE_ITO["grey"]))
+                            marker=dict(symbol=_width_symbol(int(bits), fmt), size=9, color=OKABE_ITO["grey"]))
         rows_list = list(rows)
         if len(front):
             pts = pd.DataFrame([rows_list[i] for i in front]).sort_values("memory_ratio")

@@ -54,6 +54,8 @@ import numpy as np
 from .engine import memory_for
 from .policies import ScoreContext, evict_one, get_policy, select
 from .quant import kivi_residual, quantize
+from .quant.formats import hf_quantized_cache, quantize_tensor, uses_formats
+from .quant.formats import residual_at as formats_residual_at
 from .spec import FULL_BITS, Spec, SpecError
 from .trace import Trace
 
@@ -289,11 +291,26 @@ class CompressedCache:
         K = self.k[layer][self._rows, it]                                     # (H, m, D)
         V = self.v[layer][self._rows, it]
         s = self.spec
+        if s.quant_model == "kv" and uses_formats(s):
+            return self._kept_kv_formats(layer, K.numpy(), V.numpy(), idx)
         if s.quant_model == "kv" and s.key_bits < FULL_BITS:
             K = torch.from_numpy(self._quantized(layer, "k", K.numpy(), idx))
         if s.quant_model == "kv" and s.value_bits < FULL_BITS:
             V = torch.from_numpy(self._quantized(layer, "v", V.numpy(), idx))
         return K, V
+
+    def _kept_kv_formats(self, layer: int, K: np.ndarray, V: np.ndarray, idx: np.ndarray):
+        """FP8 / FP4 formats, rotation, HF's residual flush (kvviz.quant.formats): the whole
+        kept set of every KV head is quantized afresh at each step (no reuse across steps)."""
+        import torch
+
+        s = self.spec
+        residual = formats_residual_at(s, idx, self.length[layer] - 1, self.trace.context_len)
+        if s.quantizes_keys:
+            K = quantize_tensor(K, s, "k", residual)
+        if s.quantizes_values:
+            V = quantize_tensor(V, s, "v", residual)
+        return torch.from_numpy(np.ascontiguousarray(K)), torch.from_numpy(np.ascontiguousarray(V))
 
     def _attend_deleted(self, layer: int, qg, kept: np.ndarray, scaling: float):
         import torch
@@ -331,7 +348,7 @@ class CompressedCache:
         V = self.v[layer, :, :n].clone()
         s = self.spec
         it = torch.from_numpy(kept)
-        if s.quant_model == "kv" and (s.key_bits < FULL_BITS or s.value_bits < FULL_BITS):
+        if s.quant_model == "kv" and s.quantizes:
             Kq, Vq = self._kept_kv(layer, kept)
             K[self._rows, it] = Kq
             V[self._rows, it] = Vq
@@ -657,6 +674,8 @@ class Quality:
             "heavy": self.spec.heavy, "key_bits": self.spec.key_bits, "value_bits": self.spec.value_bits,
             "key_axis": self.spec.key_axis, "value_axis": self.spec.value_axis,
             "group_size": self.spec.group_size, "residual": self.spec.residual,
+            "key_format": self.spec.key_format, "value_format": self.spec.value_format,
+            "rotate": self.spec.rotate, "residual_mode": self.spec.residual_mode,
             "prompt_tokens": self.prompt_len, "continuation_tokens": len(self.tokens),
             "perplexity": self.perplexity, "perplexity_full": self.perplexity_full,
             "perplexity_ratio": self.perplexity / self.perplexity_full,
@@ -776,6 +795,22 @@ QUANT_METHODS: dict[str, Callable[[int], Spec]] = {
     "2bit-per-token-keys": lambda n: Spec(key_bits=2, value_bits=2, key_axis="token", value_axis="token",
                                           group_size=32),
 }
+# Serving formats (kvviz.quant.formats): FP8 with FP32 scales, block-scaled FP4, Hadamard rotation
+# before quantizing, and transformers' QuantizedCache (per-token groups, residual flushed every 128).
+QUANT_METHODS.update({
+    "fp16": lambda n: Spec(),   # the full cache: the baseline row
+    "fp8-e4m3-tensor": lambda n: Spec(key_format="e4m3", value_format="e4m3", fp8_scale="tensor"),
+    "fp8-e4m3-head": lambda n: Spec(key_format="e4m3", value_format="e4m3", fp8_scale="head"),
+    "fp8-e4m3-token": lambda n: Spec(key_format="e4m3", value_format="e4m3", fp8_scale="token"),
+    "fp8-e5m2-head": lambda n: Spec(key_format="e5m2", value_format="e5m2", fp8_scale="head"),
+    "nvfp4": lambda n: Spec(key_format="nvfp4", value_format="nvfp4"),
+    "mxfp4": lambda n: Spec(key_format="mxfp4", value_format="mxfp4"),
+    "nvfp4-rotated": lambda n: Spec(key_format="nvfp4", value_format="nvfp4", rotate="keys"),
+    "kivi-2bit-rotated": lambda n: QUANT_METHODS["kivi-2bit"](n).with_(rotate="keys"),
+    "2bit-per-token-keys-rotated": lambda n: QUANT_METHODS["2bit-per-token-keys"](n).with_(rotate="keys"),
+    "hf-qc-4bit": lambda n: hf_quantized_cache(4),
+    "hf-qc-2bit": lambda n: hf_quantized_cache(2),
+})
 
 
 def sweep(model, ref: Reference, methods: Sequence[str], budgets: Sequence[int],

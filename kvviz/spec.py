@@ -13,6 +13,10 @@ POSITIONS = ("true", "cache")         # real-model decode: keys at their true po
 SNAPKV_MAX_WINDOW = 64                # SnapKV's observation window (Li et al. 2024; kvpress window_size)
 ENSEMBLES = ("heads", "layers", "steps", "seeds")
 FULL_BITS = 16  # 16 bits = not quantized (the fp16 baseline)
+FORMATS = ("int", "e4m3", "e5m2", "nvfp4", "mxfp4")   # cache formats (kvviz.quant.formats)
+FP8_SCALES = ("tensor", "head", "token")          # FP8 scale granularity
+ROTATIONS = ("none", "keys", "keys-values")       # Hadamard rotation before quantization (queries follow keys)
+RESIDUAL_MODES = ("kivi", "hf")                   # sliding full-precision window, or HF QuantizedCache's flush
 MAX_ENSEMBLE = 256
 
 
@@ -48,6 +52,11 @@ class Spec:
     snapkv_kernel: int = 5
     h2o_normalized: bool = False   # H2O: accumulated attention / number of queries that saw the token
     positions: str = "true"        # real-model decode only: "cache" re-rotates keys to their cache slots
+    key_format: str = "int"        # "int" = integer groups at key_bits; e4m3 / e5m2 (FP8), nvfp4, mxfp4
+    value_format: str = "int"
+    fp8_scale: str = "head"        # FP8 scales: one per "tensor" (layer), KV "head", or "token"
+    rotate: str = "none"           # Hadamard-rotate "keys" (and queries) or "keys-values" before quantizing
+    residual_mode: str = "kivi"    # "kivi": the last `residual` tokens exact; "hf": QuantizedCache's flush
 
     def __post_init__(self) -> None:
         check_spec(self)
@@ -78,7 +87,15 @@ class Spec:
     def quantizes(self) -> bool:
         if self.quant_model == "noise":
             return self.noise_sigma > 0
-        return self.key_bits < FULL_BITS or self.value_bits < FULL_BITS
+        return self.quantizes_keys or self.quantizes_values
+
+    @property
+    def quantizes_keys(self) -> bool:
+        return self.key_format != "int" or self.key_bits < FULL_BITS
+
+    @property
+    def quantizes_values(self) -> bool:
+        return self.value_format != "int" or self.value_bits < FULL_BITS
 
     def with_(self, **changes) -> "Spec":
         return replace(self, **changes)
@@ -92,12 +109,28 @@ class Spec:
         if self.quant_model == "noise" and self.noise_sigma > 0:
             parts.append(f"logit noise sigma {self.noise_sigma:g}")
         elif self.quant_model == "kv" and self.quantizes:
-            parts.append(f"K{self.key_bits}/V{self.value_bits}-bit")
+            if self.key_format == "int" and self.value_format == "int":
+                parts.append(f"K{self.key_bits}/V{self.value_bits}-bit")
+            else:
+                parts.append(f"K {_format_label(self.key_format, self.key_bits)} / "
+                             f"V {_format_label(self.value_format, self.value_bits)}")
+                if "e4m3" in (self.key_format, self.value_format) or "e5m2" in (self.key_format, self.value_format):
+                    parts.append(f"FP8 scale per {self.fp8_scale}")
+            if self.rotate != "none":
+                parts.append("Hadamard-rotated " + ("keys" if self.rotate == "keys" else "keys and values"))
+            if self.residual_mode == "hf":
+                parts.append(f"HF QuantizedCache residual {self.residual}")
             if self.zero_point == "int" and not self.symmetric:
                 parts.append("integer zero point")
         if self.positions == "cache":
             parts.append("keys re-rotated to cache slots")
         return ", ".join(parts) or "no compression"
+
+
+def _format_label(fmt: str, bits: int) -> str:
+    if fmt == "int":
+        return "16-bit" if bits >= FULL_BITS else f"{bits}-bit int"
+    return {"e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2", "nvfp4": "NVFP4", "mxfp4": "MXFP4"}[fmt]
 
 
 def check_bits(bits: int, symmetric: bool, what: str) -> None:
@@ -126,7 +159,9 @@ def check_spec(s: Spec) -> None:
         raise SpecError(f"quantization model must be 'kv' or 'noise', got {s.quant_model!r}")
     if not (s.noise_sigma >= 0) or s.noise_sigma != s.noise_sigma or s.noise_sigma > 100:
         raise SpecError(f"noise sigma must be between 0 and 100, got {s.noise_sigma}")
-    for name, allowed in (("zero_point", ZERO_POINTS), ("partial", PARTIAL_GROUPS), ("positions", POSITIONS)):
+    for name, allowed in (("zero_point", ZERO_POINTS), ("partial", PARTIAL_GROUPS), ("positions", POSITIONS),
+                          ("key_format", FORMATS), ("value_format", FORMATS), ("fp8_scale", FP8_SCALES),
+                          ("rotate", ROTATIONS), ("residual_mode", RESIDUAL_MODES)):
         if getattr(s, name) not in allowed:
             raise SpecError(f"{name} must be one of {', '.join(allowed)}, got {getattr(s, name)!r}")
     if s.snapkv_kernel < 1 or s.snapkv_kernel % 2 == 0:

@@ -13,7 +13,9 @@ from .trace import Trace
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
 DEFAULT_BITS = (16, 8, 4, 2)
 COLUMNS = ("method", "budget", "budget_fraction", "bits", "memory_ratio", "compression_ratio",
-           "mass_retained", "tv", "kl_compressed_vs_original", "js", "output_error", "output_cosine")
+           "mass_retained", "tv", "kl_compressed_vs_original", "js", "output_error", "output_cosine", "format")
+# Cache formats a sweep can add next to the integer bit widths (kvviz.quant.formats); `bits` is their width.
+SWEEP_FORMATS = {"e4m3": 8, "e5m2": 8, "nvfp4": 4, "mxfp4": 4}
 # Which metric of the engine each error column holds (kl: KL(compressed || original), finite).
 METRIC_COLUMNS = {"tv": "tv_distance", "kl_compressed_vs_original": "kl", "js": "js",
                   "output_error": "output_rel_error", "output_cosine": "output_cosine",
@@ -38,34 +40,41 @@ def split_budget(scorer: str, budget: int, sink: int = 4) -> dict:
 
 def sweep(trace: Trace, scorers: Sequence[str] = SCORERS, fractions: Iterable[float] = DEFAULT_FRACTIONS,
           bits: Iterable[int] = DEFAULT_BITS, view: View = View(ensemble="heads"), base: Spec = Spec(),
-          progress: Callable[[float, str], None] | None = None) -> list[dict]:
+          progress: Callable[[float, str], None] | None = None, formats: Iterable[str] = ()) -> list[dict]:
     """One row per (method, budget, bits): memory ratio and errors averaged over the view's ensemble.
+
+    `formats` (e4m3, e5m2, nvfp4, mxfp4) add points in those cache formats, K and V alike, with the
+    base spec's FP8 scale and rotation; their rows carry the format's width in `bits` and its name
+    in `format` (integer rows: "int").
 
     A fraction of 1.0 means no eviction (the method column then reads "full") so the
     quantization-only points sit on the same chart.
     """
     n_tokens = int(trace.query_positions[trace.evaluated_queries[-1 if view.step is None else view.step]]) + 1
     fractions, bits = sorted(set(fractions)), list(bits)
+    widths = [(b, "int") for b in bits] + [(SWEEP_FORMATS[f], f) for f in formats]
     jobs = []
     for f in fractions:
         budget = max(1, int(round(f * n_tokens)))
         methods = ["full"] if budget >= n_tokens else list(scorers)
         for method in methods:
-            for b in bits:
-                jobs.append((method, budget, f, b))
+            for b, fmt in widths:
+                jobs.append((method, budget, f, b, fmt))
     rows = []
-    for i, (method, budget, f, b) in enumerate(jobs):
+    for i, (method, budget, f, b, fmt) in enumerate(jobs):
         if progress:
-            progress(i / len(jobs), f"{method} budget {budget} at {b} bits")
+            progress(i / len(jobs), f"{method} budget {budget} at {b} bits" if fmt == "int" else
+                     f"{method} budget {budget} in {fmt}")
         evict = {} if method == "full" else split_budget(method, budget)
         spec = base.with_(scorer=base.scorer if method == "full" else method, key_bits=b, value_bits=b,
+                          key_format=fmt, value_format=fmt,
                           **({"sink": 0, "recent": 0, "heavy": 0} | evict))
         c = compare(trace, spec, view)
         m = c.metrics_mean
         rows.append({
             "method": method, "budget": min(budget, n_tokens), "budget_fraction": f, "bits": b,
             "memory_ratio": c.memory.ratio, "compression_ratio": c.memory.compression_ratio,
-            **{column: m[key] for column, key in METRIC_COLUMNS.items()},
+            **{column: m[key] for column, key in METRIC_COLUMNS.items()}, "format": fmt,
         })
     if progress:
         progress(1.0, "done")
@@ -92,5 +101,5 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     return front
 
 
-__all__ = ["COLUMNS", "METRIC_COLUMNS", "DEFAULT_BITS", "DEFAULT_FRACTIONS", "FULL_BITS", "pareto_front", "split_budget",
-           "sweep", "to_csv"]
+__all__ = ["COLUMNS", "METRIC_COLUMNS", "DEFAULT_BITS", "DEFAULT_FRACTIONS", "FULL_BITS", "SWEEP_FORMATS", "pareto_front",
+           "split_budget", "sweep", "to_csv"]

@@ -24,7 +24,7 @@ import streamlit as st
 
 from . import figures
 from .engine import REASONS, Comparison, compare
-from .spec import FULL_BITS, SCORERS, Spec, SpecError, View
+from .spec import FORMATS, FP8_SCALES, FULL_BITS, RESIDUAL_MODES, ROTATIONS, SCORERS, Spec, SpecError, View
 from .sources import handbook
 from .trace import Trace, TraceError
 
@@ -142,6 +142,9 @@ _PARAMS = [
     Param("partial", "choice", "full", choices=("full", "quantize")),
     Param("snap_window", "int", 0, 0, 4096),
     Param("h2o_norm", "bool", False),
+    Param("key_fmt", "choice", "int", choices=FORMATS), Param("value_fmt", "choice", "int", choices=FORMATS),
+    Param("fp8_scale", "choice", "head", choices=FP8_SCALES), Param("rotate", "choice", "none", choices=ROTATIONS),
+    Param("res_mode", "choice", "kivi", choices=RESIDUAL_MODES),
     Param("qmodel", "choice", "kv", choices=("kv", "noise")),
     Param("sigma", "float", handbook.SIGMA, 0.0, 100.0),
     # view
@@ -158,6 +161,7 @@ _PARAMS = [
     Param("logx", "bool", False),
     Param("methods", "list", ("streaming", "h2o", "tova", "snapkv", "oracle"), choices=SCORERS),
     Param("sweep_bits", "list", (16, 4, 2), choices=(16, 8, 4, 3, 2)),
+    Param("sweep_formats", "list", (), choices=("e4m3", "e5m2", "nvfp4", "mxfp4")),
     # concentration page
     Param("window", "int", 16, 1, 4096),
     # decode timeline page
@@ -546,6 +550,7 @@ def compression_section(trace: Trace, where=None, budget_only: bool = False) -> 
                            help="Tokens after the last full group of G (per-channel keys) or channels after the "
                                 "last full group (per-token): KIVI keeps them at full precision until a group "
                                 "fills; counted as 16-bit in the memory. Or quantize them as a short group.")
+        cache_format_controls()
         qmodel = w_choice(st, "qmodel", "Quantization model", ("kv", "noise"), widget="radio",
                           format_func={"kv": "real K/V quantization", "noise": "handbook logit noise"}.get)
         w_number(st, "sigma", "Noise σ (logit noise model)", 0.0, 100.0, step=0.005, fmt="%.3f",
@@ -561,7 +566,37 @@ def compression_section(trace: Trace, where=None, budget_only: bool = False) -> 
 
 COMPRESSION_PARAMS = ("sink", "recent", "heavy", "bits", "scorer", "split", "key_bits", "value_bits", "key_axis",
                       "value_axis", "group", "residual", "symmetric", "zero_point", "partial", "qmodel", "sigma",
-                      "snap_window", "h2o_norm")
+                      "snap_window", "h2o_norm", "key_fmt", "value_fmt", "fp8_scale", "rotate", "res_mode")
+FORMAT_LABELS = {"int": "integer groups (bits above)", "e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2",
+                 "nvfp4": "NVFP4 (E2M1, blocks of 16)", "mxfp4": "MXFP4 (E2M1, blocks of 32)"}
+
+
+def cache_format_controls() -> None:
+    """Advanced: the cache format of keys and values, FP8 scales, rotation, the residual's mode."""
+    st.markdown("**Cache format**")
+    key_fmt = w_choice(st, "key_fmt", "Key format", FORMATS, format_func=FORMAT_LABELS.get,
+                       help="Integer min-max groups (KIVI) at the bits above, or a serving format: FP8 (vLLM, "
+                            "SGLang) with FP32 scales, NVFP4 (E2M1 values, E4M3 scale per 16, FP32 per tensor) or "
+                            "MXFP4 (E2M1, power-of-two scale per 32). FP8/FP4 fix their own width.")
+    value_fmt = w_choice(st, "value_fmt", "Value format", FORMATS, format_func=FORMAT_LABELS.get)
+    fp8 = {"e4m3", "e5m2"} & {key_fmt, value_fmt}
+    w_choice(st, "fp8_scale", "FP8 scale per", FP8_SCALES, widget="radio", disabled=not fp8,
+             format_func={"tensor": "tensor (layer)", "head": "KV head", "token": "token"}.get,
+             help="One FP32 scale s = amax / format max for the layer's whole K (or V), for each KV head, or "
+                  "for each token of each head.")
+    w_choice(st, "rotate", "Hadamard rotation before quantizing", ROTATIONS, widget="radio",
+             format_func={"none": "off", "keys": "keys (+ queries)", "keys-values": "keys and values"}.get,
+             help="An orthonormal Hadamard rotation of the head dimension spreads outlier channels over all "
+                  "channels (QuaRot / SpinQuant). Queries get the same rotation, so q·k is unchanged before "
+                  "quantization; rotated values are rotated back on the output. Works with every format and axis.")
+    w_choice(st, "res_mode", "Residual window", RESIDUAL_MODES, widget="radio",
+             format_func={"kivi": "sliding (KIVI)", "hf": "flushed (HF QuantizedCache)"}.get,
+             help="Sliding: the last `Residual` tokens are always exact. Flushed: transformers' QuantizedCache "
+                  "quantizes the prompt whole, then collects new tokens at full precision and quantizes them "
+                  "together once `Residual` of them have arrived.")
+    if key_fmt != "int" or value_fmt != "int":
+        st.caption("The bits slider sets the integer format only: FP8 stores 8 bits a value, NVFP4 / MXFP4 4 "
+                   "(plus their scales, all counted in the memory).")
 
 
 def spec_from_values(v: dict) -> Spec:
@@ -571,7 +606,10 @@ def spec_from_values(v: dict) -> Spec:
                 key_bits=key_bits, value_bits=value_bits, key_axis=v["key_axis"], value_axis=v["value_axis"],
                 group_size=v["group"], residual=int(v["residual"]), symmetric=bool(v["symmetric"]),
                 quant_model=v["qmodel"], noise_sigma=float(v["sigma"]), zero_point=v["zero_point"],
-                partial=v["partial"], snapkv_window=int(v["snap_window"]) or None, h2o_normalized=bool(v["h2o_norm"]))
+                partial=v["partial"], snapkv_window=int(v["snap_window"]) or None, h2o_normalized=bool(v["h2o_norm"]),
+                key_format=v.get("key_fmt", "int"), value_format=v.get("value_fmt", "int"),
+                fp8_scale=v.get("fp8_scale", "head"), rotate=v.get("rotate", "none"),
+                residual_mode=v.get("res_mode", "kivi"))
 
 
 @dataclass(frozen=True)
@@ -694,10 +732,11 @@ def sidebar(compression: bool = True, ensemble: bool = True, head: bool = True) 
 
 # --- presets ---------------------------------------------------------------------------------
 
-PRESETS = ("Handbook example", "StreamingLLM", "H2O 10%+10%", "KIVI 2-bit", "Aggressive 25% + 2-bit")
+PRESETS = ("Handbook example", "StreamingLLM", "H2O 10%+10%", "KIVI 2-bit", "Aggressive 25% + 2-bit",
+           "HF QuantizedCache 4-bit")
 _NO_QUANT = dict(bits=FULL_BITS, split=False, key_bits=FULL_BITS, value_bits=FULL_BITS, qmodel="kv",
                  symmetric=False, residual=0, key_axis="channel", value_axis="token", group=32,
-                 zero_point="float", partial="full")
+                 zero_point="float", partial="full", key_fmt="int", value_fmt="int", rotate="none", res_mode="kivi")
 
 
 PRESET_HELP = {
@@ -707,6 +746,9 @@ PRESET_HELP = {
     "KIVI 2-bit": ("No eviction; KIVI as published: 2-bit keys per channel, values per token, groups of 32, float "
                    "offset, the last 128 tokens at 16 bits (fewer on a short text, so one group is quantized)."),
     "Aggressive 25% + 2-bit": "Keep 25% of the tokens (sinks, recent, H2O heavy hitters) and quantize them to 2 bits.",
+    "HF QuantizedCache 4-bit": ("No eviction; transformers' QuantizedCache defaults (quanto): 4-bit keys AND values per "
+                                "token in groups of 64 channels, float offset, the prompt quantized whole and a "
+                                "full-precision window flushed every 128 tokens. Unlike KIVI, keys are per token."),
 }
 
 
@@ -729,6 +771,9 @@ def preset_values(name: str, n_tokens: int) -> dict:
         recent = (budget - sink) // 2
         return dict(_NO_QUANT, sink=sink, recent=recent, heavy=budget - sink - recent, scorer="h2o",
                     bits=2, key_bits=2, value_bits=2)
+    if name == "HF QuantizedCache 4-bit":   # kvviz.quant.formats.hf_quantized_cache(4)
+        return dict(_NO_QUANT, sink=0, recent=0, heavy=0, bits=4, key_bits=4, value_bits=4, key_axis="token",
+                    value_axis="token", group=64, residual=min(128, n_tokens), partial="quantize", res_mode="hf")
     raise ValueError(f"unknown preset {name!r}")
 
 
@@ -785,17 +830,17 @@ def _sweep_results() -> dict:
 
 
 def run_sweep(source: Source, scorers: tuple, bits: tuple, view: View, base: Spec,
-              max_entries: int = 16) -> list[dict] | None:
-    """kvviz.sweep with a progress bar, cached by (source, methods, bits, view, base spec)."""
+              max_entries: int = 16, formats: tuple = ()) -> list[dict] | None:
+    """kvviz.sweep with a progress bar, cached by (source, methods, bits, formats, view, base spec)."""
     from .sweep import sweep
-    key = (source.key, tuple(scorers), tuple(bits), _items(view), _items(base))
+    key = (source.key, tuple(scorers), tuple(bits), _items(view), _items(base)) + ((tuple(formats),) if formats else ())
     results = _sweep_results()
     if key in results:
         return results[key]
     bar = st.progress(0.0, text="Sweeping budgets and bit widths…")
     try:
         rows = sweep(source.trace, scorers=scorers, bits=bits, view=view, base=base,
-                     progress=lambda f, text: bar.progress(min(1.0, f), text=f"Sweeping: {text}"))
+                     progress=lambda f, text: bar.progress(min(1.0, f), text=f"Sweeping: {text}"), formats=formats)
     except (SpecError, TraceError, ValueError) as e:
         st.error(f"The sweep failed: {e}. Change the methods, bits or View settings.")
         return None
@@ -928,6 +973,10 @@ def quant_model_note(source: Source, spec: Spec) -> str:
         return (f"Quantization model: the handbook's logit-noise stand-in (logits + σ·ε, σ = {spec.noise_sigma:g}); "
                 "the bits set the memory only.")
     state = "off (16 bits)" if not spec.quantizes else f"K {spec.key_bits}-bit / V {spec.value_bits}-bit"
+    if spec.quantizes and (spec.key_format != "int" or spec.value_format != "int" or spec.rotate != "none"):
+        from .spec import _format_label
+        state = (f"K {_format_label(spec.key_format, spec.key_bits)} / V {_format_label(spec.value_format, spec.value_bits)}"
+                 + ("" if spec.rotate == "none" else ", Hadamard-rotated " + spec.rotate.replace("-", " and ")))
     return f"Quantization model: {source.quant_note_kv}; now {state}."
 
 
@@ -950,9 +999,11 @@ def quant_warnings(spec: Spec, kept: int) -> list[str]:
     if spec.quant_model != "kv" or spec.partial != "full":
         return []
     out = []
-    for what, bits, axis in (("keys", spec.key_bits, spec.key_axis), ("values", spec.value_bits, spec.value_axis)):
+    for what, bits, axis, fmt in (("keys", spec.key_bits, spec.key_axis, spec.key_format),
+                                  ("values", spec.value_bits, spec.value_axis, spec.value_format)):
         outside = max(0, kept - spec.residual)
-        if bits < FULL_BITS and axis == "channel" and outside < spec.group_size:
+        if fmt == "int" and spec.residual_mode == "kivi" and bits < FULL_BITS and axis == "channel" \
+                and outside < spec.group_size:
             out.append(f"The {what} are not quantized: the {outside} kept tokens outside the residual window do not "
                        f"fill one per-channel group of {spec.group_size}, and KIVI keeps a partial group at 16 bits. "
                        "Lower the group size under Advanced, or quantize partial groups too.")

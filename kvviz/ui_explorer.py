@@ -161,6 +161,11 @@ def solver_panel(trace, spec: Spec, view: View) -> None:
 def slug(spec: Spec, source_label: str) -> str:
     """A file-name stem naming the settings: 'kvviz-handbook-h2o-s4-r8-h2-16bit'."""
     bits = "16bit" if not spec.quantizes else f"k{spec.key_bits}v{spec.value_bits}bit"
+    if spec.quantizes and (spec.key_format != "int" or spec.value_format != "int"):
+        name = lambda fmt, b: f"{b}bit" if fmt == "int" else fmt  # noqa: E731
+        bits = f"k-{name(spec.key_format, spec.key_bits)}-v-{name(spec.value_format, spec.value_bits)}"
+    if spec.quantizes and spec.rotate != "none":
+        bits += "-rotated"
     evict = f"{spec.scorer}-s{spec.sink}-r{spec.recent}-h{spec.heavy}" if spec.evicts else "no-eviction"
     text = f"kvviz-{source_label}-{evict}-{bits}"
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-").lower()

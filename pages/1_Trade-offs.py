@@ -14,14 +14,15 @@ METRICS = {"tv": ("TV distance", "tv", "tv_distance"),
            "output_error": ("output error", "output_error", "output_rel_error")}
 HIGHER_IS_BETTER = {"mass"}
 TABLE_COLUMNS = {"method": "method", "budget": "budget (tokens)", "budget_fraction": "budget (share of tokens)",
-                 "bits": "bits (K and V)", "memory_ratio": "memory (× the 16-bit cache)"}
+                 "bits": "bits (K and V)", "format": "format", "memory_ratio": "memory (× the 16-bit cache)"}
 
 
 def open_in_explorer(point: dict) -> None:
     """Set the sliders to a clicked sweep point and go to the Explorer."""
     method, budget, bits = point["customdata"][:3]
+    fmt = point["customdata"][3] if len(point["customdata"]) > 3 else "int"
     values = dict(sink=0, recent=0, heavy=0) if method == "full" else split_budget(method, int(budget))
-    values.update(bits=int(bits), split=False)
+    values.update(bits=int(bits), split=False, key_fmt=fmt, value_fmt=fmt)
     if method != "full":
         values["scorer"] = method
     for name, value in values.items():
@@ -44,7 +45,12 @@ def main() -> None:
     log_x = ui.w_check(st, "logx", "Log memory axis", help="Spreads out the small-memory end, where methods differ.")
     methods = ui.w_pills(st, "methods", "Methods", SCORERS, format_func=ui.SCORER_SHORT.get)
     bits = ui.w_pills(st, "sweep_bits", "Bit widths", (16, 8, 4, 3, 2), format_func=ui.bits_label)
-    if not methods or not bits:
+    formats = ui.w_pills(st, "sweep_formats", "Serving formats (FP8 / FP4 points)", ("e4m3", "e5m2", "nvfp4", "mxfp4"),
+                         format_func=figures.FORMAT_NAMES.get,
+                         help="Add points in FP8 (8 bits + FP32 scales, per the Advanced FP8 scale) or block-scaled "
+                              "FP4 (NVFP4: 4.5 bits a value, MXFP4: 4.25), keys and values alike, with the Advanced "
+                              "rotation setting.")
+    if not methods or not (bits or formats):
         st.warning("Pick at least one method and one bit width to sweep.", icon=":material/warning:")
         return
     # the sweep and the star average over every query head of the chosen layer
@@ -53,7 +59,7 @@ def main() -> None:
     heads = f"all {n_heads} query heads" if n_heads > 1 else "its one query head"
     st.caption(f"Each point is the mean over {heads} of layer {view.layer} at the query chosen under View. "
                "Click a point to open that setting in the Explorer.")
-    rows = ui.run_sweep(source, tuple(methods), tuple(sorted(bits, reverse=True)), view, spec)
+    rows = ui.run_sweep(source, tuple(methods), tuple(sorted(bits, reverse=True)), view, spec, formats=tuple(formats))
     if not rows:
         return
     column = METRICS[metric][1]

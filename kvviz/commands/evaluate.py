@@ -55,7 +55,10 @@ def register(subparsers) -> None:
     s.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma-separated: eviction methods (streaming, recent-only, h2o, tova, snapkv, knorm, "
                         "oracle) run at every budget; quantizers (kv-8bit, kv-4bit, kivi-2bit, "
-                        f"2bit-per-token-keys) once (default {DEFAULT_METHODS})")
+                        "2bit-per-token-keys, and the serving formats fp16, fp8-e4m3-tensor / -head / -token, "
+                        "fp8-e5m2-head, nvfp4, mxfp4, nvfp4-rotated, kivi-2bit-rotated, "
+                        "2bit-per-token-keys-rotated, hf-qc-4bit, hf-qc-2bit) once "
+                        f"(default {DEFAULT_METHODS})")
     s.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"token budgets (default {DEFAULT_BUDGETS})")
     s.add_argument("--out", help="CSV file (default: standard output)")
     s.set_defaults(func=cmd_eval_sweep)

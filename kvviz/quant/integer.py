@@ -24,11 +24,10 @@ group fills), or is quantized as a short group (partial="quantize").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from .spec import FULL_BITS
+from ..spec import FULL_BITS
+from .base import CacheBytes
 
 SCALE_BITS = 16
 ZERO_BITS = 16
@@ -125,7 +124,7 @@ def quantize_kept(cache: np.ndarray, heads: np.ndarray, positions: np.ndarray, b
     and the last `residual` of them stay exact. With delta=True the result is
     x_hat - x, exactly zero where nothing changed (what the engine adds to exact logits).
     """
-    from .quant_kernel import fake_quantize  # numba: compiled on first use, cached on disk
+    from ..quant_kernel import fake_quantize  # numba: compiled on first use, cached on disk
 
     if cache.dtype not in (np.float32, np.float64):   # float16 and friends: compute in float32
         return quantize_kept(cache.astype(np.float32), heads, positions, bits, axis, group_size, residual,
@@ -172,20 +171,6 @@ def quant_step(x: np.ndarray, bits: int, axis: str = "token", group_size: int = 
     return out
 
 
-@dataclass(frozen=True)
-class CacheBytes:
-    """Bytes of one tensor's cache (K or V) for n tokens of `dim` channels."""
-
-    payload: float
-    overhead: float  # scales and zero points / offsets
-    residual: float  # the full-precision residual window
-    partial: float = 0.0  # partial trailing groups kept at 16 bits
-
-    @property
-    def total(self) -> float:
-        return self.payload + self.overhead + self.residual + self.partial
-
-
 def tensor_bytes(n_tokens: int, dim: int, bits: int, axis: str, group_size: int,
                  residual: int, symmetric: bool, zero_point: str = "float", partial: str = "full") -> CacheBytes:
     """Memory of one (kv head's) K or V cache holding n_tokens tokens.
@@ -204,8 +189,3 @@ def tensor_bytes(n_tokens: int, dim: int, bits: int, axis: str, group_size: int,
     zero_bits = 0 if symmetric else (ZERO_BITS if zero_point == "float" else bits)
     return CacheBytes(payload=values * bits / 8, overhead=n_groups * (SCALE_BITS + zero_bits) / 8,
                       residual=n_res * dim * 2.0, partial=(n_before * dim - values) * 2.0)
-
-
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_value: float = 2.0) -> float:
-    """Full-cache bytes per token: K and V, every layer and KV head (fp16: 2 bytes)."""
-    return 2 * bytes_per_value * layers * kv_heads * head_dim

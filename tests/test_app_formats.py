@@ -1,0 +1,106 @@
+"""AppTest: the cache formats in the Advanced controls and the URL, the HF QuantizedCache preset,
+FP8 / FP4 points on Trade-offs, and the keys-before-and-after-rotation heatmap."""
+
+import json
+from pathlib import Path
+
+import pytest
+from apptest_util import run_app
+
+from kvviz import Spec, View, compare
+from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = str(ROOT / "app.py")
+TRADEOFFS = str(ROOT / "pages" / "1_Trade-offs.py")
+LAB = str(ROOT / "pages" / "3_Model_lab.py")
+SMALL = {"source": "synthetic", "context": "128", "steps": "4"}
+
+
+def numbers(at) -> dict:
+    df = at.dataframe[0].value
+    return {k: float("inf") if v == "∞" else float(v) for k, v in zip(df["metric"], df["value"])}
+
+
+def test_url_formats_reach_the_engine_exactly():
+    at = run_app(APP, 120, **SMALL, key_fmt="nvfp4", value_fmt="e4m3", fp8_scale="token", rotate="keys")
+    assert at.selectbox(key="key_fmt").value == "nvfp4" and at.selectbox(key="value_fmt").value == "e4m3"
+    assert at.radio(key="fp8_scale").value == "token" and at.radio(key="rotate").value == "keys"
+    spec = Spec(sink=4, recent=8, heavy=2, key_format="nvfp4", value_format="e4m3", fp8_scale="token", rotate="keys")
+    want = compare(make_synthetic(SyntheticSpec(context=128, steps=4)), spec, View(ensemble="heads")).metrics
+    got = numbers(at)
+    assert got["tv_distance"] == want["tv_distance"] and got["kv_bytes"] == want["kv_bytes"]
+    assert any("NVFP4" in c.value and "Hadamard" in c.value for c in at.caption)
+
+
+def test_format_controls_and_bad_url_values():
+    at = run_app(APP, 120, **SMALL, key_fmt="fp6")
+    assert at.selectbox(key="key_fmt").value == "int"
+    assert any("key_fmt=fp6" in w.value for w in at.warning)
+    at.selectbox(key="key_fmt").set_value("e4m3").run()
+    assert not at.exception
+    assert not at.radio(key="fp8_scale").disabled
+    assert at.query_params["key_fmt"] in ("e4m3", ["e4m3"])
+
+
+def test_hf_preset_sets_per_token_groups_and_the_flush():
+    at = run_app(APP, 120, **SMALL, sink="0", recent="0", heavy="0")
+    at.button(key="preset_HF QuantizedCache 4-bit").click().run()
+    assert not at.exception
+    assert at.radio(key="key_axis").value == "token" and at.radio(key="res_mode").value == "hf"
+    assert at.selectbox(key="group").value == 64
+    n = numbers(at)
+    t = make_synthetic(SyntheticSpec(context=128, steps=4))
+    spec = Spec(key_bits=4, value_bits=4, key_axis="token", value_axis="token", group_size=64, residual=128,
+                residual_mode="hf", partial="quantize")
+    assert n["tv_distance"] == compare(t, spec, View(ensemble="heads")).metrics["tv_distance"]
+
+
+def test_rotation_heatmap_expander():
+    at = run_app(APP, 120, **SMALL)
+    fig = json.loads(next(c for c in at.get("plotly_chart") if "after the Hadamard rotation" in c.proto.spec).proto.spec)
+    heatmaps = [t for t in fig["data"] if t["type"] == "heatmap"]
+    assert len(heatmaps) == 2 and heatmaps[0]["z"]["shape"] == "64, 132"   # channels down, tokens 0..131 across
+    text = next(m.value for m in at.markdown if "2-bit per-token key error" in m.value)
+    before, after = (float(x) for x in text.rsplit(": ", 1)[1].split(" → "))
+    assert after < before                                            # the synthetic keys have outlier channels
+
+
+def test_tradeoffs_gets_fp8_and_fp4_points():
+    at = run_app(TRADEOFFS, 180, **SMALL, methods="h2o", sweep_bits="16", sweep_formats="e4m3,nvfp4")
+    assert not at.error and not at.exception
+    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    names = [t.get("name") for t in fig["data"]]
+    assert "FP8 E4M3" in names and "NVFP4" in names
+    fp8 = [t for t in fig["data"] if t.get("customdata") and t["customdata"][0][3] == "e4m3"]
+    assert fp8 and {row[0] for t in fp8 for row in t["customdata"]} == {"h2o", "full"}
+
+
+@pytest.mark.model
+def test_model_lab_runs_a_serving_format(monkeypatch):
+    """Model lab with NVFP4 keys, FP8 values and rotated keys from the URL: the page's perplexity
+    is kvviz.generation.evaluate's under the same Spec (the real-model decode path)."""
+    import kvviz.models
+    from kvviz.models import bundled_model_file
+
+    if bundled_model_file() is None:
+        pytest.skip("the bundled model is not installed")
+    real, loaded = kvviz.models.load_model, {}
+
+    def load_once(name="bundled", **kwargs):
+        if name not in loaded:
+            loaded[name] = real(name, **kwargs)
+        return loaded[name]
+
+    monkeypatch.setattr(kvviz.models, "load_model", load_once)
+    at = run_app(LAB, 300, sink="0", recent="0", heavy="0", key_fmt="nvfp4", value_fmt="e4m3", rotate="keys",
+                 lab_prompt="40", lab_cont="8", lab_greedy="0")
+    at.button(key="lab_run").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    shown = {m.label: m.value for m in at.metric}
+    from kvviz.generation import evaluate, reference, sample_text
+    model, tok, _ = load_once("bundled")
+    spec = Spec(key_format="nvfp4", value_format="e4m3", rotate="keys")
+    q = evaluate(model, reference(model, tok, sample_text(), 40, 8), spec)
+    assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"
+    assert "NVFP4" in "".join(m.value for m in at.markdown)
