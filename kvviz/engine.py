@@ -352,6 +352,17 @@ def keep_masks(trace: Trace, spec: Spec, layer: int, positions) -> np.ndarray | 
     return policy.keep_masks(ScoreContext(trace, layer, spec), np.asarray(positions))
 
 
+def kept_at_query(trace: Trace, spec: Spec, layer: int, qi: int) -> np.ndarray:
+    """What every KV head of a layer holds (reads, for Quest) at query qi: (kv_heads, p + 1) bool."""
+    p = int(trace.query_positions[qi])
+    if not spec.evicts:
+        return np.ones((trace.n_kv_heads, p + 1), dtype=bool)
+    if get_policy(spec.scorer).needs_query:
+        heads = np.arange(trace.n_q_heads)
+        return _oracle_kept(trace, spec, layer, qi, heads, softmax(logit_rows(trace, layer, heads, qi)))
+    return keep_masks(trace, spec, layer, [p])[0, :, : p + 1]
+
+
 # --- ensembles ------------------------------------------------------------------------
 
 Member = tuple[Trace, Spec, int, int, int]  # trace, spec, layer, head, query index

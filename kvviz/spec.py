@@ -194,7 +194,7 @@ def check_new_fields(s: Spec) -> None:
     if s.allocation == "adakv" and s.evicts and s.scorer in STREAMING_SCORERS:
         raise SpecError(f"AdaKV spreads one layer budget over the KV heads once, at the compression point, from "
                         f"one-shot scores (kvpress: a ScorerPress); {s.scorer} decides again at every step. Use "
-                        f"snapkv, expected_attention, keydiff, knorm, chunkkv or the oracle, or allocation "
+                        f"snapkv, expected_attention, keydiff, knorm or the oracle, or allocation "
                         f"uniform / pyramid")
     if s.allocation == "adakv" and s.evicts and s.scorer == "chunkkv":
         raise SpecError("ChunkKV keeps the same chunks in every KV head, so there is nothing for AdaKV to spread "
