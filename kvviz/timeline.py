@@ -146,6 +146,14 @@ def policy_masks(trace: Trace, spec: Spec, layer: int, positions: np.ndarray, na
     """(steps, positions) kept masks of one policy for one KV head."""
     s = spec.with_(scorer=name)
     policy = get_policy(name)
+    if policy.needs_query and (name != "oracle" or s.allocation != "uniform"):
+        # Quest's page reads, or an allocation across heads / layers: what the engine evaluates
+        from .engine import kept_at_query
+        index = {int(p): i for i, p in enumerate(trace.query_positions)}
+        kept = np.zeros((len(positions), trace.n_positions), dtype=bool)
+        for i, p in enumerate(positions):
+            kept[i, : p + 1] = kept_at_query(trace, s, layer, index[int(p)])[kv_head]
+        return kept
     if policy.needs_query:
         # the oracle: top-k of this very step's attention (summed over the group = the mean here)
         kept = np.zeros((len(positions), trace.n_positions), dtype=bool)
