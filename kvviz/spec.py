@@ -136,6 +136,9 @@ def check_spec(s: Spec) -> None:
         if getattr(s, name) < 0:
             raise SpecError(f"{name} must be 0 or more, got {getattr(s, name)}")
     if s.scorer not in SCORERS and s.scorer not in PLUGIN_SCORERS:
+        from .plugins import load_entry_points     # an installed plug-in kvviz has not loaded yet
+        load_entry_points()
+    if s.scorer not in SCORERS and s.scorer not in PLUGIN_SCORERS:
         raise SpecError(f"unknown scorer {s.scorer!r}; choose one of {', '.join(scorer_names())}")
     check_bits(s.key_bits, s.symmetric, "key")
     check_bits(s.value_bits, s.symmetric, "value")

@@ -19,6 +19,9 @@ POLICIES: dict[str, Policy] = {p.name: p for p in
 
 
 def get_policy(name: str) -> Policy:
+    if name not in POLICIES:
+        from ..plugins import load_entry_points   # installed plug-ins (entry-point group kvviz.policies)
+        load_entry_points()
     try:
         return POLICIES[name]
     except KeyError:
