@@ -8,6 +8,7 @@ import streamlit as st
 
 from kvviz import figures, ui
 from kvviz import ui_explorer as ux
+from kvviz import ui_ledger
 from kvviz.figures import BAND_TEXT
 from kvviz.ui_data import (BIN_THRESHOLD, binned_frame, ensemble_text, error_extent, ranges_text, row_text,
                            token_frame)
@@ -95,6 +96,7 @@ def explorer() -> None:
     ux.solver_panel(source.trace, spec, vs.view)
     ui.token_grid(comp, source)
     ui.head_overview(source, spec, vs.view)
+    ui_ledger.ledger_expander(source.trace, spec, vs.view.step)
     if present:
         return
 
