@@ -96,7 +96,6 @@ def explorer() -> None:
     ux.solver_panel(source.trace, spec, vs.view)
     ui.token_grid(comp, source)
     ui.head_overview(source, spec, vs.view)
-    ui_ledger.ledger_expander(source.trace, spec, vs.view.step)
     if present:
         return
 
@@ -114,6 +113,7 @@ def explorer() -> None:
     with st.expander("All numbers"):
         st.dataframe(ui.metrics_table(comp), hide_index=True, key="metrics_table")
         st.dataframe(per_token, hide_index=True, height=240)
+    ui_ledger.ledger_expander(source.trace, spec, vs.view.step)
 
 
 st.set_page_config(page_title="kvviz", layout="wide")

@@ -13,7 +13,8 @@ from .trace import Trace
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
 DEFAULT_BITS = (16, 8, 4, 2)
 COLUMNS = ("method", "budget", "budget_fraction", "bits", "memory_ratio", "compression_ratio",
-           "mass_retained", "tv", "kl_compressed_vs_original", "js", "output_error", "output_cosine")
+           "mass_retained", "tv", "kl_compressed_vs_original", "js", "output_error", "output_cosine",
+           "memory_read_ratio", "saves")
 # Which metric of the engine each error column holds (kl: KL(compressed || original), finite).
 METRIC_COLUMNS = {"tv": "tv_distance", "kl_compressed_vs_original": "kl", "js": "js",
                   "output_error": "output_rel_error", "output_cosine": "output_cosine",
@@ -65,6 +66,10 @@ def sweep(trace: Trace, scorers: Sequence[str] = SCORERS, fractions: Iterable[fl
         rows.append({
             "method": method, "budget": min(budget, n_tokens), "budget_fraction": f, "bits": b,
             "memory_ratio": c.memory.ratio, "compression_ratio": c.memory.compression_ratio,
+            # eviction and quantization save memory stored; read-selection methods (Quest) store
+            # everything and save memory read per step
+            "memory_read_ratio": c.memory.bytes_read / c.memory.kv_bytes_full if c.memory.kv_bytes_full else 1.0,
+            "saves": "memory read" if c.memory.kv_bytes_read is not None else "memory stored",
             **{column: m[key] for column, key in METRIC_COLUMNS.items()},
         })
     if progress:
