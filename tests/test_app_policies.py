@@ -70,3 +70,22 @@ def test_tradeoff_chart_places_quest_by_bytes_read_and_says_so():
     np.testing.assert_allclose(trace.x, [quest["memory_read_ratio"]])
     c = compare(t, Spec(sink=4, recent=6, heavy=6, scorer="quest"), View())
     assert c.memory.bytes_read < c.memory.kv_bytes
+
+
+def test_timeline_with_new_scorers_and_ragged_caches():
+    from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+    from kvviz.timeline import timeline
+
+    t = make_synthetic(SyntheticSpec(context=96, steps=6))
+    spec = Spec(sink=4, recent=8, heavy=12, scorer="oracle", allocation="adakv")   # scorer: set per policy
+    tl = timeline(t, spec, layer=1, kv_head=0, policies=("snapkv", "oracle", "quest", "expected_attention", "h2o"))
+    assert "AdaKV" in tl.skipped["h2o"] and "h2o" not in tl.policies
+    from kvviz.engine import kept_at_query
+    for name in ("snapkv", "oracle", "quest", "expected_attention"):
+        s = spec.with_(scorer=name)
+        for i, qi in enumerate(t.later_queries):
+            p = int(t.query_positions[qi])
+            np.testing.assert_array_equal(tl.policies[name].kept[i, : p + 1], kept_at_query(t, s, 1, int(qi))[0])
+    at = run_app(str(ROOT / "pages" / "4_Decode_timeline.py"), 120, allocation="adakv",
+                 tl_policies="snapkv,h2o,quest", **{"source": "synthetic", "context": "96", "steps": "6"})
+    assert any("H2O is not drawn" in i.value for i in at.info)
