@@ -767,6 +767,11 @@ SWEEP_METHODS: dict[str, Callable[[int], Spec]] = {
     "knorm": lambda b: Spec(sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="knorm"),
     "oracle": lambda b: Spec(sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="oracle"),
 }
+# issue #12: the newer scorers with the same split, and allocations over heads / layers
+SWEEP_METHODS.update({name: (lambda s_: lambda b: SWEEP_METHODS["h2o"](b).with_(scorer=s_))(name)
+                      for name in ("expected_attention", "keydiff", "chunkkv", "quest")})
+SWEEP_METHODS.update({f"{al}-{name}": (lambda a_, s_: lambda b: SWEEP_METHODS["h2o"](b).with_(scorer=s_, allocation=a_))(al, name)
+                      for al in ("adakv", "pyramid") for name in ("snapkv", "expected_attention", "knorm", "oracle")})
 # Whole-cache quantizers as a function of the prompt length n. KIVI as published: keys per
 # channel, values per token, groups of 32, float offset, the last 128 tokens at full
 # precision (kivi_residual: less on a prompt too short to quantize a group otherwise).
