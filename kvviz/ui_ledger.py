@@ -16,6 +16,10 @@ def ledger_expander(trace: Trace, spec, step: int | None = None) -> None:
                    "holds (sinks, window and heavy hitters are all inside the budget), and its bytes — quantized "
                    "payload, scale / zero-point overhead, tokens kept at 16 bits. Read-selection methods (Quest) "
                    "store everything and save bytes read instead.")
+        big = trace.n_layers * trace.n_positions > 20_000   # every layer's policy decisions: seconds on a real trace
+        if big and not st.checkbox(f"Compute the ledger for all {trace.n_layers} layers", key="_ledger_on",
+                                   help="Runs the policy in every layer, which takes a few seconds on a real trace."):
+            return
         try:
             ledger = budget_ledger(trace, spec, step)
         except SpecError as e:
