@@ -104,3 +104,17 @@ def test_ledger_kept_tokens_equal_the_declared_budget_per_layer(scorer, allocati
         if allocation != "adakv":   # the engine's memory counts the same bytes
             assert t["stored_bytes"] == pytest.approx(memory_for(trace, spec, ledger.n_tokens).kv_bytes)
     assert any("overhead" in n for n in ledger.notes())
+
+
+def test_pyramid_rounding_is_kvpress_rounding_where_that_sums_exactly():
+    assert pyramid_budgets(16, 2, 20.0).tolist() == [31, 1]          # kvpress: round(31.2), round(0.8)
+
+
+def test_ledger_on_the_cli(capsys):
+    from kvviz.cli import main
+    assert main(["ledger", "--sink", "4", "--recent", "8", "--heavy", "8", "--scorer", "snapkv", "--allocation",
+                 "adakv", "--csv"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].startswith("layer,kv_head,declared_tokens,kept_tokens")
+    assert main(["ledger", "--sink", "4", "--recent", "8", "--heavy", "8", "--bits", "4"]) == 0
+    assert "scale / zero-point overhead" in capsys.readouterr().out

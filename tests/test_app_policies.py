@@ -4,6 +4,7 @@ the URL, the budget ledger expander, and the trade-off chart saying what Quest s
 from pathlib import Path
 
 import numpy as np
+import pytest
 from apptest_util import run_app
 
 from kvviz import Spec, View, compare, figures
@@ -89,3 +90,34 @@ def test_timeline_with_new_scorers_and_ragged_caches():
     at = run_app(str(ROOT / "pages" / "4_Decode_timeline.py"), 120, allocation="adakv",
                  tl_policies="snapkv,h2o,quest", **{"source": "synthetic", "context": "96", "steps": "6"})
     assert any("H2O is not drawn" in i.value for i in at.info)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_model_lab_runs_adakv_snapkv_with_the_cores_numbers(monkeypatch):
+    import kvviz.models
+    from kvviz.generation import evaluate, reference, sample_text
+    from kvviz.models import bundled_model_file
+
+    if bundled_model_file() is None:
+        pytest.skip("the bundled model is not installed")
+    real, loaded = kvviz.models.load_model, {}
+
+    def load_once(name="bundled", **kwargs):
+        if name not in loaded:
+            loaded[name] = real(name, **kwargs)
+        return loaded[name]
+
+    monkeypatch.setattr(kvviz.models, "load_model", load_once)
+    at = run_app(str(ROOT / "pages" / "3_Model_lab.py"), 300, sink=4, recent=8, heavy=8, scorer="snapkv",
+                 allocation="adakv")
+    at.number_input(key="lab_prompt").set_value(48)
+    at.number_input(key="lab_cont").set_value(10)
+    at.number_input(key="lab_greedy").set_value(0)
+    at.button(key="lab_run").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    shown = {m.label: m.value for m in at.metric}
+    model, tok, _ = load_once("bundled")
+    q = evaluate(model, reference(model, tok, sample_text(), 48, 10),
+                 Spec(sink=4, recent=8, heavy=8, scorer="snapkv", allocation="adakv"))
+    assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"

@@ -13,7 +13,7 @@ window stay per head, as always.
              different numbers of tokens: the caches are ragged.
     pyramid  PyramidKV (Cai et al. 2024; kvpress PyramidKVPress): layer budgets falling
              linearly from 2h - h/beta at the lowest layer to h/beta at the highest (h =
-             heavy, kvpress beta = 20), rounded so that they sum to exactly n_layers * h,
+             heavy, kvpress beta = 20), rounded (largest remainder) to sum to exactly n_layers * h,
              the uniform total. beta = 1 is flat.
 
 AdaKV is decided once, at the compression point, from the compression-time scores (the
@@ -36,8 +36,11 @@ def pyramid_budgets(heavy: int, n_layers: int, beta: float) -> np.ndarray:
     hi = 2.0 * heavy - lo
     real = hi - np.arange(n_layers) * (hi - lo) / (n_layers - 1)
     out = np.floor(real + 1e-9).astype(np.int64)
-    rest = int(n_layers * heavy - out.sum())      # 0 <= rest < n_layers: to the lowest layers, stays monotone
-    out[:rest] += 1
+    rest = int(n_layers * heavy - out.sum())      # 0 <= rest < n_layers, to the largest fractional parts
+    # (largest remainder keeps the budgets non-increasing: of two layers with the same floor the
+    # lower one has the larger fraction; it is also kvpress's rounding wherever that sums exactly)
+    order = np.lexsort((np.arange(n_layers), -(real - out)))
+    out[order[:rest]] += 1
     return out
 
 
