@@ -13,7 +13,7 @@ averaged over the query heads of the KV group, times ||v_i|| (kvpress use_vnorm,
 The first 4 tokens rank above every other (kvpress pads them with max + 1). Without the
 covariance (`Spec.ea_covariance = False`) only the mean term is used.
 
-RoPE comes from the trace: `meta["rope_inv_freq"]`, or the model config's `rope_theta`
+RoPE comes from the trace: `meta["rope_inv_freq"]` (captured and decoded traces carry the model's own), or an unscaled config `rope_theta`
 (Llama-style rotate-half RoPE). A trace without RoPE (synthetic, handbook) has queries that
 do not rotate: the statistics are used as they are and the horizon has no effect.
 """
@@ -35,7 +35,8 @@ def rope_inv_freq(trace) -> np.ndarray | None:
     params = config.get("rope_parameters")
     if theta is None and isinstance(params, dict):
         theta = params.get("rope_theta")
-    if theta is None:
+    scaled = config.get("rope_scaling") or (isinstance(params, dict) and params.get("rope_type", "default") != "default")
+    if theta is None or scaled:     # scaled RoPE: only the model's own inv_freq (captured traces carry it) is exact
         return None
     d = trace.head_dim
     return 1.0 / (float(theta) ** (np.arange(0, d, 2, dtype=np.float64) / d))
