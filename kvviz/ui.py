@@ -1096,7 +1096,30 @@ def scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:
         return (f"{'H2O' if spec.scorer == 'h2o' else 'TOVA'} decides again at every decode step{form}: the new "
                 f"token arrives inside the budget, so each query attends over exactly {spec.budget} tokens "
                 "(sink + recent + heavy), itself among them.")
-    return None
+    return new_scorer_note(spec, trace)
+
+
+def new_scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:
+    """Issue #12: what Quest saves, what an allocation does, how the new scorers decide."""
+    alloc = {"adakv": f" AdaKV: this layer's {spec.heavy} × KV-heads heavy slots go to the top scores across its "
+                      f"heads (each head at least {int(spec.adakv_alpha * spec.heavy)}), so heads hold different "
+                      "numbers of tokens — the Budget ledger below lists each head.",
+             "pyramid": f" PyramidKV: each layer has its own heavy budget, falling linearly with depth (β "
+                        f"{spec.pyramid_beta:g}), the same total as {spec.heavy} per layer — see the Budget ledger."
+             }.get(spec.allocation, "")
+    what = {"quest": f"Quest keeps the whole cache plus each page's min / max keys (pages of {spec.page_size}); "
+                     "this query reads only its top pages by the bound q·k ≤ Σ max(q·min, q·max), so it saves "
+                     "memory read per step, not memory stored (the memory card counts what is stored).",
+            "expected_attention": f"Expected Attention: the context queries' mean and covariance (before RoPE) "
+                                  f"rotated over the next {spec.ea_horizon} positions give each key its expected "
+                                  "attention, times its value norm; the first 4 tokens always rank first (kvpress).",
+            "keydiff": "KeyDiff: keys least similar (cosine) to the mean of the context's normalised keys are kept; "
+                       "no attention is needed.",
+            "chunkkv": f"ChunkKV: chunks of {spec.chunk_size} tokens, ranked by the mean {spec.chunk_scorer} score "
+                       "of their tokens summed over heads, are kept whole (one decision for every head)."}.get(
+        spec.scorer, "")
+    text = (what + alloc).strip()
+    return text or None
 
 
 def page_setup(title: str, intro: str) -> bool:

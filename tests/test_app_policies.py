@@ -53,6 +53,7 @@ def test_the_ledger_on_the_explorer_shows_the_cores_numbers():
     assert list(table["stored_bytes"]) == list(ledger.column("stored_bytes"))
     text = " ".join(m.value for m in exp[0].markdown)
     assert "Quest keeps every token" in text and "reads" in text
+    assert any("saves memory read per step, not memory stored" in i.value for i in at.info)
 
 
 def test_tradeoff_chart_places_quest_by_bytes_read_and_says_so():
