@@ -7,7 +7,7 @@ import io
 from collections.abc import Callable, Iterable, Sequence
 
 from .engine import compare
-from .spec import FULL_BITS, SCORERS, Spec, View
+from .spec import FULL_BITS, SCORERS, Spec, SpecError, View
 from .trace import Trace
 
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
@@ -59,8 +59,16 @@ def sweep(trace: Trace, scorers: Sequence[str] = SCORERS, fractions: Iterable[fl
         if progress:
             progress(i / len(jobs), f"{method} budget {budget} at {b} bits")
         evict = {} if method == "full" else split_budget(method, budget)
-        spec = base.with_(scorer=base.scorer if method == "full" else method, key_bits=b, value_bits=b,
-                          **({"sink": 0, "recent": 0, "heavy": 0} | evict))
+        changes = dict(scorer=base.scorer if method == "full" else method, key_bits=b, value_bits=b,
+                       **({"sink": 0, "recent": 0, "heavy": 0} | evict))
+        try:
+            spec = base.with_(**changes)
+        except SpecError:
+            if base.allocation == "uniform":
+                raise
+            base.with_(allocation="uniform", **changes)      # raises if the allocation is not the reason
+            continue                                         # e.g. AdaKV with H2O / TOVA: no such method
+
         c = compare(trace, spec, view)
         m = c.metrics_mean
         rows.append({

@@ -118,3 +118,13 @@ def test_ledger_on_the_cli(capsys):
     assert rows[0].startswith("layer,kv_head,declared_tokens,kept_tokens")
     assert main(["ledger", "--sink", "4", "--recent", "8", "--heavy", "8", "--bits", "4"]) == 0
     assert "scale / zero-point overhead" in capsys.readouterr().out
+
+
+def test_sweep_under_adakv_leaves_out_the_methods_it_cannot_wrap():
+    from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+    from kvviz.sweep import sweep
+
+    t = make_synthetic(SyntheticSpec(context=64, steps=2))
+    rows = sweep(t, ["h2o", "snapkv", "oracle"], [0.25], [16], View(ensemble="heads"),
+                 Spec(scorer="oracle", allocation="adakv"))
+    assert sorted(r["method"] for r in rows) == ["oracle", "snapkv"]
