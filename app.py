@@ -9,6 +9,7 @@ import streamlit as st
 from kvviz import figures, ui
 from kvviz import ui_explorer as ux
 from kvviz import ui_formats
+from kvviz import ui_ledger
 from kvviz.figures import BAND_TEXT
 from kvviz.ui_data import (BIN_THRESHOLD, binned_frame, ensemble_text, error_extent, ranges_text, row_text,
                            token_frame)
@@ -114,6 +115,7 @@ def explorer() -> None:
     with st.expander("All numbers"):
         st.dataframe(ui.metrics_table(comp), hide_index=True, key="metrics_table")
         st.dataframe(per_token, hide_index=True, height=240)
+    ui_ledger.ledger_expander(source.trace, spec, vs.view.step)
 
 
 st.set_page_config(page_title="kvviz", layout="wide")

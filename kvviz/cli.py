@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 from .metrics import DEFINITIONS as METRIC_DEFINITIONS
-from .spec import (AXES, ENSEMBLES, FORMATS, FP8_SCALES, FULL_BITS, PARTIAL_GROUPS, QUANT_MODELS,
-                   RESIDUAL_MODES, ROTATIONS, SCORERS, ZERO_POINTS, Spec, SpecError, View)
+from .spec import (ALLOCATIONS, AXES, CHUNK_INNER, ENSEMBLES, FORMATS, FP8_SCALES, FULL_BITS, PARTIAL_GROUPS,
+                   QUANT_MODELS, RESIDUAL_MODES, ROTATIONS, SCORERS, ZERO_POINTS, Spec, SpecError, View,
+                   scorer_names)
 from .trace import TraceError
 
 
@@ -49,7 +50,27 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sink", type=_nonneg, default=0, help="attention-sink tokens kept")
     g.add_argument("--recent", type=_nonneg, default=0, help="recent-window tokens kept")
     g.add_argument("--heavy", type=_nonneg, default=0, help="heavy-hitter budget")
-    g.add_argument("--scorer", default="h2o", choices=SCORERS, help="how heavy hitters are ranked")
+    g.add_argument("--scorer", default=None, metavar="SCORER",
+                   help=f"how heavy hitters are ranked: {', '.join(SCORERS)}, or an installed plug-in "
+                        "(default h2o; with --policy, the plug-in)")
+    g.add_argument("--policy", default=None, metavar="FILE.py:NAME",
+                   help="your own scorer: a Policy subclass or score(ctx) function in a Python file "
+                        "(docs/plugins.md); it becomes --scorer unless --scorer is given")
+    g.add_argument("--allocation", default="uniform", choices=ALLOCATIONS,
+                   help="heavy budget over heads and layers: uniform; adakv (one budget per layer, top scores "
+                        "across its KV heads, each head at least alpha x heavy); pyramid (layer budgets falling "
+                        "linearly, same total)")
+    g.add_argument("--adakv-alpha", type=float, default=0.2, help="AdaKV safeguard alpha (kvpress 0.2)")
+    g.add_argument("--pyramid-beta", type=float, default=20.0,
+                   help="PyramidKV: top layer heavy/beta, bottom 2 heavy - heavy/beta (kvpress 20; 1 = flat)")
+    g.add_argument("--ea-horizon", type=int, default=512,
+                   help="Expected Attention: future positions the query statistics are rotated over (kvpress 512)")
+    g.add_argument("--ea-no-covariance", action="store_true",
+                   help="Expected Attention: the queries' mean only, no covariance")
+    g.add_argument("--chunk-size", type=int, default=20, help="ChunkKV: tokens per chunk (kvpress 20)")
+    g.add_argument("--chunk-scorer", default="snapkv", choices=CHUNK_INNER,
+                   help="ChunkKV: the token scorer pooled per chunk")
+    g.add_argument("--page-size", type=int, default=16, help="Quest: tokens per page (Quest 16)")
     g.add_argument("--bits", type=int, help="key and value bits (1-8; 16 = off)")
     g.add_argument("--key-bits", type=int, help="key bits (overrides --bits)")
     g.add_argument("--value-bits", type=int, help="value bits (overrides --bits)")
@@ -95,9 +116,23 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="random draws (noise, random scorer, synthetic source)")
 
 
+def scorer_from_args(a: argparse.Namespace) -> str:
+    """--scorer, else the --policy plug-in's name, else h2o; loads the --policy file once."""
+    plugin = None
+    if getattr(a, "policy", None):
+        from .plugins import load_file
+        if getattr(a, "_plugin", None) is None:
+            a._plugin = load_file(a.policy)
+        plugin = a._plugin.name
+    return a.scorer or plugin or "h2o"
+
+
 def spec_from_args(a: argparse.Namespace) -> Spec:
     bits = FULL_BITS if a.bits is None else a.bits
-    fields = dict(sink=a.sink, recent=a.recent, heavy=a.heavy, scorer=a.scorer,
+    fields = dict(sink=a.sink, recent=a.recent, heavy=a.heavy, scorer=scorer_from_args(a),
+                  allocation=a.allocation, adakv_alpha=a.adakv_alpha, pyramid_beta=a.pyramid_beta,
+                  ea_horizon=a.ea_horizon, ea_covariance=not a.ea_no_covariance, chunk_size=a.chunk_size,
+                  chunk_scorer=a.chunk_scorer, page_size=a.page_size,
                   key_bits=bits if a.key_bits is None else a.key_bits,
                   value_bits=bits if a.value_bits is None else a.value_bits,
                   key_axis=a.key_axis, value_axis=a.value_axis, group_size=a.group_size,
@@ -197,6 +232,9 @@ def format_table(result, trace, max_rows: int = 80) -> str:
               f"  output relative L2 error  {out}",
               f"  KV cache                  {m['kv_bytes']:,.0f} B of {m['kv_bytes_full']:,.0f} B (16-bit), "
               f"{m['compression_ratio']:.2f}x smaller; {m['kept_tokens']} of {m['total_tokens']} tokens kept"]
+    if m.get("kv_bytes_read") is not None and m["kv_bytes_read"] != m["kv_bytes"]:
+        lines.append(f"  read per step             {m['kv_bytes_read']:,.0f} B ({m['kv_bytes_read'] / m['kv_bytes_full']:.1%} "
+                     "of the 16-bit cache): this method saves memory read, not memory stored")
     return "\n".join(lines)
 
 
@@ -204,9 +242,14 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     from .sweep import sweep, to_csv
 
     scorers = [s.strip() for s in a.scorers.split(",") if s.strip()]
-    bad = [s for s in scorers if s not in SCORERS]
+    if a.policy:   # the plug-in joins the sweep
+        name = scorer_from_args(a)
+        scorers += [] if name in scorers else [name]
+    from .plugins import load_entry_points
+    load_entry_points()
+    bad = [s for s in scorers if s not in scorer_names()]
     if bad:
-        raise SpecError(f"unknown scorer {bad[0]!r}; choose from {', '.join(SCORERS)}")
+        raise SpecError(f"unknown scorer {bad[0]!r}; choose from {', '.join(scorer_names())}")
     try:
         fractions = [float(x) for x in a.budgets.split(",")]
         bits = [int(x) for x in a.bits_list.split(",")]
@@ -262,6 +305,32 @@ def cmd_solve(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ledger(a: argparse.Namespace) -> int:
+    from .ledger import budget_ledger, to_csv
+
+    spec = spec_from_args(a)
+    trace, _ = source_from_args(a)
+    ledger = budget_ledger(trace, spec, a.step)
+    if a.csv:
+        sys.stdout.write(to_csv(ledger))
+        return 0
+    print(trace.describe())
+    print(f"spec: {spec.label()}; caches at the query at position {ledger.position} ({ledger.n_tokens} tokens seen)")
+    print(f"{'layer':>5} {'declared':>9} {'kept':>6} {'sink':>5} {'recent':>7} {'heavy':>6} {'stored B':>11} "
+          f"{'read B':>11} {'overhead B':>11} {'16-bit B':>10}   (summed over the layer's KV heads)")
+    cols = ("declared_tokens", "kept_tokens", "sink", "recent", "heavy", "stored_bytes", "read_bytes",
+            "overhead_bytes")
+    per = {c: ledger.per_layer(c) for c in cols}
+    full16 = ledger.per_layer("residual_bytes") + ledger.per_layer("partial_bytes")
+    for i in range(len(per["kept_tokens"])):
+        print(f"{i:>5} {per['declared_tokens'][i]:>9.0f} {per['kept_tokens'][i]:>6.0f} {per['sink'][i]:>5.0f} "
+              f"{per['recent'][i]:>7.0f} {per['heavy'][i]:>6.0f} {per['stored_bytes'][i]:>11,.0f} "
+              f"{per['read_bytes'][i]:>11,.0f} {per['overhead_bytes'][i]:>11,.0f} {full16[i]:>10,.0f}")
+    for note in ledger.notes():
+        print(f"note: {note}")
+    return 0
+
+
 def add_view_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("view")
     g.add_argument("--layer", type=int, default=0)
@@ -306,6 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sink", type=_nonneg, default=4, help="sinks in the split rule (default 4)")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     p.set_defaults(func=cmd_solve)
+
+    p = sub.add_parser("ledger", help="declared vs kept tokens and bytes per layer and KV head (the budget ledger)")
+    add_source_args(p)
+    add_compression_args(p)
+    p.add_argument("--step", type=int, default=None, help="which evaluated query (default: the last)")
+    p.add_argument("--csv", action="store_true", help="every (layer, KV head) row as CSV")
+    p.set_defaults(func=cmd_ledger)
 
     register_all(sub)
     return parser

@@ -19,9 +19,9 @@ import numpy as np
 
 from .attention import kv_runs, logit_rows, small_blas, softmax, softmax_and_log
 from .metrics import RowMetrics, Spread, divergences, row_metrics_batch, spread
-from .policies import ScoreContext, get_policy, select
+from .policies import ScoreContext, get_policy
 from .quant import formats as qformats
-from .quant import kv_bytes_per_token, quantize_kept, tensor_bytes
+from .quant import CacheBytes, kv_bytes_per_token, quantize_kept, tensor_bytes
 from .spec import FULL_BITS, Spec, SpecError, View
 from .trace import Trace
 
@@ -58,6 +58,13 @@ class Memory:
     kv_bytes_full: float   # the same tokens in a full 16-bit cache
     kept_tokens: int
     total_tokens: int
+    kv_bytes_read: float | None = None   # what one decode step reads (None: everything stored, as eviction)
+    kept_per_layer: tuple[int, ...] = ()  # tokens kept per KV head of each layer (pyramid: differs by layer)
+
+    @property
+    def bytes_read(self) -> float:
+        """Bytes one query reads: all that is stored, except for read-selection methods (Quest)."""
+        return self.kv_bytes if self.kv_bytes_read is None else self.kv_bytes_read
 
     @property
     def ratio(self) -> float:
@@ -128,7 +135,7 @@ class Comparison:
 def memory_dict(m: Memory) -> dict:
     return {"kv_bytes": m.kv_bytes, "kv_bytes_full": m.kv_bytes_full,
             "compression_ratio": m.compression_ratio, "memory_ratio": m.ratio,
-            "kept_tokens": m.kept_tokens, "total_tokens": m.total_tokens}
+            "kept_tokens": m.kept_tokens, "total_tokens": m.total_tokens, "kv_bytes_read": m.bytes_read}
 
 
 # --- checks ------------------------------------------------------------------------
@@ -157,25 +164,55 @@ def memory_for(trace: Trace, spec: Spec, n_tokens: int) -> Memory:
     return _memory(trace.n_layers, trace.n_kv_heads, trace.head_dim, spec, n_tokens, trace.context_len)
 
 
+def head_parts(spec: Spec, n_kept: int, head_dim: int, n_kv_heads: int = 1, n_tokens: int | None = None,
+               context_len: int = 0) -> tuple[CacheBytes, CacheBytes]:
+    """K and V bytes of one KV head's cache holding n_kept tokens once n_tokens (default n_kept) have arrived.
+
+    Integer groups (KIVI) or, where the spec asks for them, FP8 / FP4 formats, rotation and HF's residual flush
+    (n_kv_heads: the heads a per-tensor FP8 scale is shared by; context_len: where HF's flush starts).
+    """
+    if qformats.uses_formats(spec):
+        residual = qformats.spec_residual_for_memory(spec, n_kept, n_tokens or n_kept, context_len)
+        return tuple(qformats.tensor_bytes(spec, which, n_kept, head_dim, n_kv_heads, residual)
+                     for which in ("k", "v"))
+    return tuple(tensor_bytes(n_kept, head_dim, bits, axis, spec.group_size, spec.residual, spec.symmetric,
+                              spec.zero_point, spec.partial)
+                 for bits, axis in ((spec.key_bits, spec.key_axis), (spec.value_bits, spec.value_axis)))
+
+
+def head_bytes(spec: Spec, n_kept: int, head_dim: int, n_kv_heads: int = 1, n_tokens: int | None = None,
+               context_len: int = 0) -> float:
+    """Bytes of one KV head's K + V cache holding n_kept tokens under the spec's quantization."""
+    return sum(b.total for b in head_parts(spec, n_kept, head_dim, n_kv_heads, n_tokens, context_len))
+
+
+def page_meta_bytes(spec: Spec, n_tokens: int, head_dim: int) -> float:
+    """Quest's per-page min and max keys of one KV head, 16 bits each."""
+    return -(-n_tokens // spec.page_size) * 2 * head_dim * 2.0
+
+
 @lru_cache(maxsize=256)
 def _memory(n_layers: int, n_kv_heads: int, head_dim: int, spec: Spec, n_tokens: int,
             context_len: int = 0) -> Memory:
-    kept = min(spec.budget, n_tokens) if spec.evicts else n_tokens
-    if qformats.uses_formats(spec):   # FP8 / FP4 formats, rotation, HF's residual flush
-        residual = qformats.spec_residual_for_memory(spec, kept, n_tokens, context_len)
-        per_head = sum(qformats.tensor_bytes(spec, which, kept, head_dim, n_kv_heads, residual).total
-                       for which in ("k", "v"))
-        return Memory(kv_bytes=per_head * n_layers * n_kv_heads,
-                      kv_bytes_full=n_tokens * kv_bytes_per_token(n_layers, n_kv_heads, head_dim),
-                      kept_tokens=kept, total_tokens=n_tokens)
-    per_head = sum(
-        tensor_bytes(kept, head_dim, bits, axis, spec.group_size, spec.residual, spec.symmetric,
-                     spec.zero_point, spec.partial).total
-        for bits, axis in ((spec.key_bits, spec.key_axis), (spec.value_bits, spec.value_axis)))
-    heads = n_layers * n_kv_heads
-    return Memory(kv_bytes=per_head * heads,
-                  kv_bytes_full=n_tokens * kv_bytes_per_token(n_layers, n_kv_heads, head_dim),
-                  kept_tokens=kept, total_tokens=n_tokens)
+    from .policies.allocation import layer_spec
+
+    def per_head(k: int) -> float:
+        return head_bytes(spec, k, head_dim, n_kv_heads, n_tokens, context_len)
+
+    full = n_tokens * kv_bytes_per_token(n_layers, n_kv_heads, head_dim)
+    budgets = [layer_spec(spec, layer, n_layers).budget for layer in range(n_layers)]
+    kept_per_layer = tuple(min(b, n_tokens) if spec.evicts else n_tokens for b in budgets)
+    if spec.evicts and get_policy(spec.scorer).kind == "read":   # Quest: stores all, reads the budget
+        stored = per_head(n_tokens) + page_meta_bytes(spec, n_tokens, head_dim)
+        read = sum(per_head(k) + page_meta_bytes(spec, n_tokens, head_dim) for k in kept_per_layer) * n_kv_heads
+        return Memory(kv_bytes=stored * n_layers * n_kv_heads, kv_bytes_full=full, kept_tokens=n_tokens,
+                      total_tokens=n_tokens, kv_bytes_read=read, kept_per_layer=(n_tokens,) * n_layers)
+    # AdaKV: a layer keeps kv_heads x its budget in all, split by scores; counted here as an even split
+    # (the budget ledger counts each head's bytes from its own kept tokens).
+    stored = sum(per_head(k) for k in kept_per_layer) * n_kv_heads
+    return Memory(kv_bytes=stored, kv_bytes_full=full,
+                  kept_tokens=kept_per_layer[0] if len(set(kept_per_layer)) == 1 else
+                  round(sum(kept_per_layer) / n_layers), total_tokens=n_tokens, kept_per_layer=kept_per_layer)
 
 
 def reasons_for(kept: np.ndarray, spec: Spec) -> np.ndarray:
@@ -221,6 +258,9 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     # K / V. Callers order heads by KV head, so each run of rows is one product.
     kv_list = kvh.tolist()
     runs = kv_runs(kv_list)
+    if len({int(kept_kv[g, :n].sum()) for g in set(kv_list)}) > 1:     # ragged caches (AdaKV): one head at a time
+        return [row for _, rows in runs
+                for row in evaluate_rows(trace, spec, layer, heads[rows], qi, kept_kv, cache)]
     kept_at = {g: np.flatnonzero(kept_kv[g, :n]) for g in set(kv_list)}  # kept positions
     m = len(kept_at[kv_list[0]])                                         # the same for every KV head
     at = np.array([kept_at[g] for g in kv_list])                         # (H, m)
@@ -283,8 +323,9 @@ def _oracle_kept(trace: Trace, spec: Spec, layer: int, qi: int, heads: np.ndarra
     missing = np.setdiff1d(np.arange(trace.n_q_heads), heads)
     if len(missing):
         rows[missing] = softmax(logit_rows(trace, layer, missing, qi))
-    scores = get_policy(spec.scorer).query_scores(rows, ScoreContext(trace, layer, spec))
-    return select(scores, spec)
+    n = attention.shape[1]
+    return get_policy(spec.scorer).query_kept(rows, ScoreContext(trace, layer, spec),
+                                              query=trace.q[layer, :, qi], keys=trace.k[layer, :, :n])
 
 
 def evaluate_row(trace: Trace, spec: Spec, layer: int, head: int, qi: int,
@@ -355,6 +396,17 @@ def keep_masks(trace: Trace, spec: Spec, layer: int, positions) -> np.ndarray | 
     if policy.needs_query and spec.evicts:
         return None
     return policy.keep_masks(ScoreContext(trace, layer, spec), np.asarray(positions))
+
+
+def kept_at_query(trace: Trace, spec: Spec, layer: int, qi: int) -> np.ndarray:
+    """What every KV head of a layer holds (reads, for Quest) at query qi: (kv_heads, p + 1) bool."""
+    p = int(trace.query_positions[qi])
+    if not spec.evicts:
+        return np.ones((trace.n_kv_heads, p + 1), dtype=bool)
+    if get_policy(spec.scorer).needs_query:
+        heads = np.arange(trace.n_q_heads)
+        return _oracle_kept(trace, spec, layer, qi, heads, softmax(logit_rows(trace, layer, heads, qi)))
+    return keep_masks(trace, spec, layer, [p])[0, :, : p + 1]
 
 
 # --- ensembles ------------------------------------------------------------------------

@@ -258,8 +258,12 @@ def tradeoff_figure(rows: Sequence[dict], metric: str = "tv", front: Sequence[in
             g = g.sort_values("memory_ratio")
             bound = method == "oracle"
             width = f"{int(bits)}-bit" if fmt == "int" else FORMAT_NAMES.get(fmt, fmt)
+            reads = "saves" in g and (g["saves"] == "memory read").all()   # Quest: x = bytes read per step
+            x = g["memory_read_ratio"] if reads else g["memory_ratio"]
             fig.add_scatter(
-                x=g["memory_ratio"], y=g[metric], mode="lines+markers", name=METHOD_LABELS.get(method, method),
+                x=x, y=g[metric], mode="lines+markers",
+                name=METHOD_LABELS.get(method, method) + (" — saves memory read (x: read per step; stores all)"
+                                                          if reads else ""),
                 legendgroup=method, showlegend=method not in seen_methods,
                 line=dict(color=METHOD_COLORS.get(method, OKABE_ITO["grey"]), width=1.5 if bound else 2,
                           dash="dot" if bound else (BITS_DASH.get(int(bits), "solid") if fmt == "int" else "solid")),

@@ -155,7 +155,8 @@ class CompressedCache:
         v = self.v[:, :, :n].numpy()
         tokens = self.tokens[:n] if self.tokens is not None else tuple(f"t{i}" for i in range(n))
         self.trace = Trace(q=q, k=k, v=v, context_len=n, tokens=tuple(tokens),
-                           query_positions=np.arange(n), meta={"source": "model prefill"})
+                           query_positions=np.arange(n), meta={"source": "model prefill", **(
+                               {} if self.inv_freq is None else {"rope_inv_freq": self.inv_freq.tolist()})})
         self._context_q = q if self.record else None
         self.prefill_q = [None] * self.L
         for layer in range(self.L):
@@ -246,8 +247,8 @@ class CompressedCache:
             K_all = self.k[layer, :, : p + 1]                                 # (H, p+1, D)
             a_full = torch.softmax(qg @ K_all.transpose(1, 2) * scaling, dim=-1)   # (H, g, p+1)
             attention = a_full.reshape(self.Hq, -1).numpy().astype(np.float64)     # (Hq, p+1)
-            kept = _indices(select(self.policy.query_scores(attention, ScoreContext(self.trace, layer, spec)),
-                                   spec))
+            kept = _indices(self.policy.query_kept(attention, ScoreContext(self.trace, layer, spec),
+                                                   query=q[:, 0].numpy(), keys=K_all.numpy()))
         else:
             kept = np.concatenate([self.kept[layer], np.full((self.H, 1), p)], axis=1)   # arrives
             scores[:, p] = self.policy.arrival_score(self.k[layer, :, p].numpy(), layer, p, self.spec)
@@ -475,8 +476,9 @@ def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
     n = len(prompt_ids)
     if n < 1:
         raise SpecError("the prompt is empty")
-    cache = CompressedCache(spec, L, Hq, Hkv, D, capacity=n + steps, mode=mode, tokens=tokens, record=record,
-                            inv_freq=rope_inv_freq(model) if spec.positions == "cache" else None)
+    from .generation_alloc import cache_class   # allocations over heads / layers: ragged caches
+    cache = cache_class(spec)(spec, L, Hq, Hkv, D, capacity=n + steps, mode=mode, tokens=tokens, record=record,
+                              inv_freq=rope_inv_freq(model))   # RoPE: re-rotation, Expected Attention
     say = progress or (lambda f, m: None)
     rows, fed = [], []
     with torch.inference_mode(), compressed_cache(model, cache):
@@ -784,6 +786,11 @@ SWEEP_METHODS: dict[str, Callable[[int], Spec]] = {
     "knorm": lambda b: Spec(sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="knorm"),
     "oracle": lambda b: Spec(sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="oracle"),
 }
+# issue #12: the newer scorers with the same split, and allocations over heads / layers
+SWEEP_METHODS.update({name: (lambda s_: lambda b: SWEEP_METHODS["h2o"](b).with_(scorer=s_))(name)
+                      for name in ("expected_attention", "keydiff", "chunkkv", "quest")})
+SWEEP_METHODS.update({f"{al}-{name}": (lambda a_, s_: lambda b: SWEEP_METHODS["h2o"](b).with_(scorer=s_, allocation=a_))(al, name)
+                      for al in ("adakv", "pyramid") for name in ("snapkv", "expected_attention", "knorm", "oracle")})
 # Whole-cache quantizers as a function of the prompt length n. KIVI as published: keys per
 # channel, values per token, groups of 32, float offset, the last 128 tokens at full
 # precision (kivi_residual: less on a prompt too short to quantize a group otherwise).

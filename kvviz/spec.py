@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-SCORERS = ("h2o", "tova", "snapkv", "streaming", "oracle", "knorm", "random")
+SCORERS = ("h2o", "tova", "snapkv", "streaming", "oracle", "knorm", "random",
+           "expected_attention", "keydiff", "chunkkv", "quest")
+PLUGIN_SCORERS: list[str] = []        # names registered by plug-ins (kvviz.plugins), appended at load time
+ALLOCATIONS = ("uniform", "adakv", "pyramid")   # how the heavy budget is spread over KV heads and layers
+CHUNK_INNER = ("snapkv", "expected_attention", "keydiff", "knorm", "h2o", "random")  # ChunkKV's token scorer
 AXES = ("channel", "token")
 QUANT_MODELS = ("kv", "noise")
 ZERO_POINTS = ("float", "int")        # KIVI's float offset x_hat = q*s + min, or an integer zero point
@@ -57,6 +61,14 @@ class Spec:
     fp8_scale: str = "head"        # FP8 scales: one per "tensor" (layer), KV "head", or "token"
     rotate: str = "none"           # Hadamard-rotate "keys" (and queries) or "keys-values" before quantizing
     residual_mode: str = "kivi"    # "kivi": the last `residual` tokens exact; "hf": QuantizedCache's flush
+    allocation: str = "uniform"    # heavy budget over heads / layers: uniform, adakv (per layer, across heads), pyramid
+    adakv_alpha: float = 0.2       # AdaKV safeguard: each KV head keeps at least floor(alpha * heavy) heavy hitters
+    pyramid_beta: float = 20.0     # PyramidKV: the top layer gets heavy / beta, the bottom 2 * heavy - heavy / beta
+    ea_horizon: int = 512          # Expected Attention: future positions the query statistics are rotated over
+    ea_covariance: bool = True     # Expected Attention: use the queries' covariance as well as their mean
+    chunk_size: int = 20           # ChunkKV: tokens per chunk (kvpress chunk_length 20)
+    chunk_scorer: str = "snapkv"   # ChunkKV: the token scorer whose scores are pooled per chunk
+    page_size: int = 16            # Quest: tokens per page (Quest's default page size 16)
 
     def __post_init__(self) -> None:
         check_spec(self)
@@ -69,7 +81,9 @@ class Spec:
     def eviction_key(self) -> tuple:
         """The fields that decide what is kept (quantization never changes it)."""
         return (self.sink, self.recent, self.heavy, self.scorer, self.seed, self.observation_window,
-                self.snapkv_kernel, self.h2o_normalized) if self.evicts else ()
+                self.snapkv_kernel, self.h2o_normalized, self.allocation, self.adakv_alpha, self.pyramid_beta,
+                self.ea_horizon, self.ea_covariance, self.chunk_size, self.chunk_scorer,
+                self.page_size) if self.evicts else ()
 
     @property
     def observation_window(self) -> int:
@@ -105,6 +119,14 @@ class Spec:
         if self.evicts:
             scorer = "h2o (mean over the queries that saw each token)" if self.scorer == "h2o" and \
                 self.h2o_normalized else self.scorer
+            if self.scorer == "chunkkv":
+                scorer = f"chunkkv ({self.chunk_scorer}, chunks of {self.chunk_size})"
+            elif self.scorer == "quest":
+                scorer = f"quest (pages of {self.page_size}, cache kept whole)"
+            if self.allocation == "adakv":
+                scorer = f"adakv-{scorer} (alpha {self.adakv_alpha:g})"
+            elif self.allocation == "pyramid":
+                scorer = f"pyramid-{scorer} (beta {self.pyramid_beta:g})"
             parts.append(f"{scorer} sink {self.sink} recent {self.recent} heavy {self.heavy}")
         if self.quant_model == "noise" and self.noise_sigma > 0:
             parts.append(f"logit noise sigma {self.noise_sigma:g}")
@@ -146,8 +168,11 @@ def check_spec(s: Spec) -> None:
     for name in ("sink", "recent", "heavy", "residual"):
         if getattr(s, name) < 0:
             raise SpecError(f"{name} must be 0 or more, got {getattr(s, name)}")
-    if s.scorer not in SCORERS:
-        raise SpecError(f"unknown scorer {s.scorer!r}; choose one of {', '.join(SCORERS)}")
+    if s.scorer not in SCORERS and s.scorer not in PLUGIN_SCORERS:
+        from .plugins import load_entry_points     # an installed plug-in kvviz has not loaded yet
+        load_entry_points()
+    if s.scorer not in SCORERS and s.scorer not in PLUGIN_SCORERS:
+        raise SpecError(f"unknown scorer {s.scorer!r}; choose one of {', '.join(scorer_names())}")
     check_bits(s.key_bits, s.symmetric, "key")
     check_bits(s.value_bits, s.symmetric, "value")
     for name in ("key_axis", "value_axis"):
@@ -168,7 +193,8 @@ def check_spec(s: Spec) -> None:
         raise SpecError(f"the SnapKV pooling kernel must be an odd number >= 1, got {s.snapkv_kernel}")
     if s.snapkv_window is not None and s.snapkv_window < 1:
         raise SpecError(f"the SnapKV observation window must be at least 1 query, got {s.snapkv_window}")
-    if s.scorer == "snapkv" and s.evicts:
+    check_new_fields(s)
+    if (s.scorer == "snapkv" or (s.scorer == "chunkkv" and s.chunk_scorer == "snapkv")) and s.evicts:
         if s.recent < 1:
             raise SpecError("SnapKV needs a recent window of at least 1 token: its observation window (the last "
                             "context queries, which vote) is always kept, as part of the recent window")
@@ -176,6 +202,46 @@ def check_spec(s: Spec) -> None:
             raise SpecError(f"the SnapKV observation window ({s.observation_window}) must fit inside the recent "
                             f"window ({s.recent}): the window is always kept. Raise the recent window to "
                             f"{s.observation_window} or shrink the observation window")
+
+
+def scorer_names() -> tuple[str, ...]:
+    """Built-in scorers, then the ones plug-ins registered."""
+    return SCORERS + tuple(n for n in PLUGIN_SCORERS if n not in SCORERS)
+
+
+STREAMING_SCORERS = ("h2o", "tova")   # decide again at every step
+
+
+def check_new_fields(s: Spec) -> None:
+    """Allocation, Expected Attention, ChunkKV and Quest settings (issue #12)."""
+    if s.allocation not in ALLOCATIONS:
+        raise SpecError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {s.allocation!r}")
+    if not 0.0 <= s.adakv_alpha <= 1.0 or s.adakv_alpha != s.adakv_alpha:
+        raise SpecError(f"the AdaKV safeguard alpha must be between 0 and 1, got {s.adakv_alpha}")
+    if not s.pyramid_beta >= 1.0 or s.pyramid_beta > 1e6:
+        raise SpecError(f"the PyramidKV beta must be at least 1 (1 = flat), got {s.pyramid_beta}")
+    if not 1 <= s.ea_horizon <= 1_000_000:
+        raise SpecError(f"the Expected Attention horizon must be 1 to 1,000,000 future positions, got {s.ea_horizon}")
+    if not 1 <= s.chunk_size <= 4096:
+        raise SpecError(f"the ChunkKV chunk size must be 1-4096 tokens, got {s.chunk_size}")
+    if s.chunk_scorer not in CHUNK_INNER:
+        raise SpecError(f"ChunkKV pools one-shot token scores: chunk scorer must be one of {', '.join(CHUNK_INNER)}, "
+                        f"got {s.chunk_scorer!r}")
+    if not 1 <= s.page_size <= 4096:
+        raise SpecError(f"the Quest page size must be 1-4096 tokens, got {s.page_size}")
+    if s.allocation == "adakv" and s.evicts and s.scorer in STREAMING_SCORERS:
+        raise SpecError(f"AdaKV spreads one layer budget over the KV heads once, at the compression point, from "
+                        f"one-shot scores (kvpress: a ScorerPress); {s.scorer} decides again at every step. Use "
+                        f"snapkv, expected_attention, keydiff, knorm or the oracle, or allocation "
+                        f"uniform / pyramid")
+    if s.allocation == "adakv" and s.evicts and s.scorer == "chunkkv":
+        raise SpecError("ChunkKV keeps the same chunks in every KV head, so there is nothing for AdaKV to spread "
+                        "over heads: use allocation uniform or pyramid")
+    if s.allocation == "adakv" and s.evicts and s.quantizes and (
+            s.key_format != "int" or s.value_format != "int" or s.rotate != "none" or s.residual_mode != "kivi"):
+        raise SpecError("AdaKV's per-head caches have different lengths; the FP8 / FP4 formats, rotation and HF's "
+                        "residual flush quantize a layer's heads together and need equal lengths. Use the integer "
+                        "format with AdaKV, or allocation uniform / pyramid with these formats")
 
 
 @dataclass(frozen=True)

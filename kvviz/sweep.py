@@ -7,13 +7,14 @@ import io
 from collections.abc import Callable, Iterable, Sequence
 
 from .engine import compare
-from .spec import FULL_BITS, SCORERS, Spec, View
+from .spec import FULL_BITS, SCORERS, Spec, SpecError, View
 from .trace import Trace
 
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
 DEFAULT_BITS = (16, 8, 4, 2)
 COLUMNS = ("method", "budget", "budget_fraction", "bits", "memory_ratio", "compression_ratio",
-           "mass_retained", "tv", "kl_compressed_vs_original", "js", "output_error", "output_cosine", "format")
+           "mass_retained", "tv", "kl_compressed_vs_original", "js", "output_error", "output_cosine",
+           "memory_read_ratio", "saves", "format")
 # Cache formats a sweep can add next to the integer bit widths (kvviz.quant.formats); `bits` is their width.
 SWEEP_FORMATS = {"e4m3": 8, "e5m2": 8, "nvfp4": 4, "mxfp4": 4}
 # Which metric of the engine each error column holds (kl: KL(compressed || original), finite).
@@ -66,14 +67,26 @@ def sweep(trace: Trace, scorers: Sequence[str] = SCORERS, fractions: Iterable[fl
             progress(i / len(jobs), f"{method} budget {budget} at {b} bits" if fmt == "int" else
                      f"{method} budget {budget} in {fmt}")
         evict = {} if method == "full" else split_budget(method, budget)
-        spec = base.with_(scorer=base.scorer if method == "full" else method, key_bits=b, value_bits=b,
-                          key_format=fmt, value_format=fmt,
-                          **({"sink": 0, "recent": 0, "heavy": 0} | evict))
+        changes = dict(scorer=base.scorer if method == "full" else method, key_bits=b, value_bits=b,
+                       key_format=fmt, value_format=fmt,
+                       **({"sink": 0, "recent": 0, "heavy": 0} | evict))
+        try:
+            spec = base.with_(**changes)
+        except SpecError:
+            if base.allocation == "uniform":
+                raise
+            base.with_(allocation="uniform", **changes)      # raises if the allocation is not the reason
+            continue                                         # e.g. AdaKV with H2O / TOVA: no such method
+
         c = compare(trace, spec, view)
         m = c.metrics_mean
         rows.append({
             "method": method, "budget": min(budget, n_tokens), "budget_fraction": f, "bits": b,
             "memory_ratio": c.memory.ratio, "compression_ratio": c.memory.compression_ratio,
+            # eviction and quantization save memory stored; read-selection methods (Quest) store
+            # everything and save memory read per step
+            "memory_read_ratio": c.memory.bytes_read / c.memory.kv_bytes_full if c.memory.kv_bytes_full else 1.0,
+            "saves": "memory read" if c.memory.kv_bytes_read is not None else "memory stored",
             **{column: m[key] for column, key in METRIC_COLUMNS.items()}, "format": fmt,
         })
     if progress:

@@ -20,7 +20,7 @@ for 500 steps can be needed at step 501). Pure numpy; no Streamlit, no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -105,6 +105,7 @@ class Timeline:
     context_len: int
     need: float
     policies: dict[str, PolicyTimeline]
+    skipped: dict[str, str] = field(default_factory=dict)   # policy -> why it cannot run with this spec
 
     @property
     def n_steps(self) -> int:
@@ -146,6 +147,14 @@ def policy_masks(trace: Trace, spec: Spec, layer: int, positions: np.ndarray, na
     """(steps, positions) kept masks of one policy for one KV head."""
     s = spec.with_(scorer=name)
     policy = get_policy(name)
+    if policy.needs_query and (name != "oracle" or s.allocation != "uniform"):
+        # Quest's page reads, or an allocation across heads / layers: what the engine evaluates
+        from .engine import kept_at_query
+        index = {int(p): i for i, p in enumerate(trace.query_positions)}
+        kept = np.zeros((len(positions), trace.n_positions), dtype=bool)
+        for i, p in enumerate(positions):
+            kept[i, : p + 1] = kept_at_query(trace, s, layer, index[int(p)])[kv_head]
+        return kept
     if policy.needs_query:
         # the oracle: top-k of this very step's attention (summed over the group = the mean here)
         kept = np.zeros((len(positions), trace.n_positions), dtype=bool)
@@ -176,12 +185,17 @@ def timeline(trace: Trace, spec: Spec, layer: int = 0, kv_head: int = 0,
     positions = trace.query_positions[steps].astype(np.int64)
     attn = full_attention(trace, layer, kv_head, steps)                      # (S, P)
     arrived = np.arange(trace.n_positions)[None, :] <= positions[:, None]    # (S, P)
-    out = {}
+    out, skipped = {}, {}
     for name in policies:
+        try:
+            spec.with_(scorer=name)
+        except SpecError as e:     # e.g. AdaKV with a streaming scorer: say why, draw the others
+            skipped[name] = str(e)
+            continue
         kept = policy_masks(trace, spec, layer, positions, name, kv_head, attn)
         evicted = arrived & ~kept
         regret = (attn * evicted).sum(axis=1)
         missed = evicted & (attn >= need)
         out[name] = PolicyTimeline(name=name, kept=kept, regret=regret, missed=missed)
     return Timeline(spec=spec, layer=layer, kv_head=kv_head, positions=positions, attention=attn,
-                    tokens=trace.tokens, context_len=trace.context_len, need=need, policies=out)
+                    tokens=trace.tokens, context_len=trace.context_len, need=need, policies=out, skipped=skipped)

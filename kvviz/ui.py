@@ -38,12 +38,63 @@ MAX_TOKENS = 32768 + 512
 SOURCE_LABELS = {"handbook": "Handbook example", "synthetic": "Synthetic pattern",
                  "real": "Real model", "file": "Trace file"}
 PAGES: dict = {}   # app.py registers its st.Page objects here, so a page can switch to another
-SCORER_SHORT = {"h2o": "H2O", "tova": "TOVA", "snapkv": "SnapKV", "streaming": "StreamingLLM", "oracle": "oracle (bound)",
-                "knorm": "K-norm", "random": "random"}
-SCORER_LABELS = {"h2o": "H2O (accumulated attention)", "tova": "TOVA (last query)",
-                 "snapkv": "SnapKV (observation window vote)", "streaming": "StreamingLLM (position only)",
-                 "oracle": "Oracle (this query's attention, per KV head; the bound)", "knorm": "K-norm (smallest key norm)",
-                 "random": "Random (seeded baseline)"}
+
+
+class _Labels(dict):
+    """Scorer labels; a plug-in (not listed) is labelled by its name and the start of its description."""
+
+    def get(self, key, default=None):
+        if key in self:
+            return self[key]
+        from .policies import POLICIES
+        p = POLICIES.get(key)
+        if p is None:
+            return default if default is not None else str(key)
+        return f"{key} (plug-in)" if self is SCORER_SHORT else f"{key} (plug-in: {p.description[:60]})"
+
+    def __missing__(self, key):
+        return self.get(key)
+
+
+SCORER_SHORT = _Labels({"h2o": "H2O", "tova": "TOVA", "snapkv": "SnapKV", "streaming": "StreamingLLM",
+                        "oracle": "oracle (bound)", "knorm": "K-norm", "random": "random",
+                        "expected_attention": "Expected Attention", "keydiff": "KeyDiff", "chunkkv": "ChunkKV",
+                        "quest": "Quest (reads)"})
+SCORER_LABELS = _Labels({"h2o": "H2O (accumulated attention)", "tova": "TOVA (last query)",
+                         "snapkv": "SnapKV (observation window vote)", "streaming": "StreamingLLM (position only)",
+                         "oracle": "Oracle (this query's attention, per KV head; the bound)",
+                         "knorm": "K-norm (smallest key norm)", "random": "Random (seeded baseline)",
+                         "expected_attention": "Expected Attention (future queries' expected attention × ‖v‖)",
+                         "keydiff": "KeyDiff (least similar to the mean key)",
+                         "chunkkv": "ChunkKV (whole chunks of C tokens)",
+                         "quest": "Quest (reads top pages per query; stores everything)"})
+ALLOCATION_LABELS = {"uniform": "uniform (every head the same)",
+                     "adakv": "AdaKV (per layer, across heads)", "pyramid": "PyramidKV (per layer, linear)"}
+
+
+class _ScorerChoices:
+    """The scorer choices, live: built-ins, then installed plug-ins (entry-point group kvviz.policies)."""
+
+    def _names(self) -> tuple:
+        from .plugins import load_entry_points
+        from .spec import scorer_names
+        load_entry_points()
+        return scorer_names()
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __contains__(self, x):
+        return x in self._names()
+
+    def __len__(self):
+        return len(self._names())
+
+    def __getitem__(self, i):
+        return self._names()[i]
+
+
+SCORER_CHOICES = _ScorerChoices()
 
 
 # --- parameters ----------------------------------------------------------------------------
@@ -129,7 +180,14 @@ _PARAMS = [
     Param("heavy", "int", handbook.HEAVY, 0, MAX_TOKENS),
     Param("budget_unit", "choice", "tokens", choices=("tokens", "%")),
     Param("bits", "choice", FULL_BITS, choices=BITS_OPTIONS),
-    Param("scorer", "choice", "h2o", choices=SCORERS),
+    Param("scorer", "choice", "h2o", choices=SCORER_CHOICES),
+    Param("allocation", "choice", "uniform", choices=("uniform", "adakv", "pyramid")),
+    Param("ada_alpha", "float", 0.2, 0.0, 1.0), Param("pyr_beta", "float", 20.0, 1.0, 1000.0),
+    Param("ea_horizon", "int", 512, 1, 100_000), Param("ea_cov", "bool", True),
+    Param("chunk", "int", 20, 1, 4096),
+    Param("chunk_scorer", "choice", "snapkv", choices=("snapkv", "expected_attention", "keydiff", "knorm", "h2o",
+                                                       "random")),
+    Param("page", "int", 16, 1, 4096),
     Param("split", "bool", False),
     Param("key_bits", "choice", FULL_BITS, choices=BITS_OPTIONS),
     Param("value_bits", "choice", FULL_BITS, choices=BITS_OPTIONS),
@@ -159,7 +217,7 @@ _PARAMS = [
     # trade-offs page
     Param("metric", "choice", "tv", choices=("tv", "kl", "js", "mass", "output_error")),
     Param("logx", "bool", False),
-    Param("methods", "list", ("streaming", "h2o", "tova", "snapkv", "oracle"), choices=SCORERS),
+    Param("methods", "list", ("streaming", "h2o", "tova", "snapkv", "oracle"), choices=SCORER_CHOICES),
     Param("sweep_bits", "list", (16, 4, 2), choices=(16, 8, 4, 3, 2)),
     Param("sweep_formats", "list", (), choices=("e4m3", "e5m2", "nvfp4", "mxfp4")),
     # concentration page
@@ -513,8 +571,9 @@ def compression_section(trace: Trace, where=None, budget_only: bool = False) -> 
                          + ("Advanced sets keys and values separately now." if split else ""))
     adv = where.expander("Advanced")
     with adv:
-        scorer = w_choice(st, "scorer", "Heavy-hitter scorer", SCORERS, format_func=SCORER_LABELS.get,
+        scorer = w_choice(st, "scorer", "Heavy-hitter scorer", tuple(SCORER_CHOICES), format_func=SCORER_LABELS.get,
                           help=scorer_help())
+        allocation_widgets(st, scorer, n)
         if scorer == "snapkv":
             w_number(st, "snap_window", "SnapKV observation window (queries; 0 = auto)", 0, 4096,
                                    help="The last context queries that vote. 0 = the recent window, capped at 64 "
@@ -566,7 +625,9 @@ def compression_section(trace: Trace, where=None, budget_only: bool = False) -> 
 
 COMPRESSION_PARAMS = ("sink", "recent", "heavy", "bits", "scorer", "split", "key_bits", "value_bits", "key_axis",
                       "value_axis", "group", "residual", "symmetric", "zero_point", "partial", "qmodel", "sigma",
-                      "snap_window", "h2o_norm", "key_fmt", "value_fmt", "fp8_scale", "rotate", "res_mode")
+                      "snap_window", "h2o_norm", "key_fmt", "value_fmt", "fp8_scale", "rotate", "res_mode",
+                      "allocation", "ada_alpha", "pyr_beta", "ea_horizon", "ea_cov", "chunk", "chunk_scorer",
+                      "page")
 FORMAT_LABELS = {"int": "integer groups (bits above)", "e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2",
                  "nvfp4": "NVFP4 (E2M1, blocks of 16)", "mxfp4": "MXFP4 (E2M1, blocks of 32)"}
 
@@ -599,6 +660,34 @@ def cache_format_controls() -> None:
                    "(plus their scales, all counted in the memory).")
 
 
+def allocation_widgets(where, scorer: str, n: int) -> None:
+    """Advanced: the budget allocation over heads / layers, and the new scorers' own settings."""
+    allocation = w_choice(where, "allocation", "Budget allocation", ("uniform", "adakv", "pyramid"),
+                          format_func=ALLOCATION_LABELS.get,
+                          help="Uniform: every KV head of every layer keeps `heavy` heavy hitters. AdaKV (Feng et "
+                               "al. 2024; kvpress AdaKVPress): one budget per layer, given to the top scores across "
+                               "all its KV heads, each head keeping at least α × heavy — heads end up with different "
+                               "cache lengths. PyramidKV (Cai et al. 2024; kvpress PyramidKVPress): layer budgets "
+                               "falling linearly from the lowest layer to the highest, the same total.")
+    if allocation == "adakv":
+        w_number(where, "ada_alpha", "AdaKV safeguard α (share of heavy each head keeps)", 0.0, 1.0, step=0.05,
+                 fmt="%.2f", help="kvpress alpha_safeguard, 0.2 by default.")
+    if allocation == "pyramid":
+        w_number(where, "pyr_beta", "PyramidKV β (slope; 1 = flat)", 1.0, 1000.0, step=1.0,
+                 help="Top layer heavy/β, bottom layer 2·heavy − heavy/β (kvpress β = 20).")
+    if scorer == "expected_attention":
+        w_number(where, "ea_horizon", "Expected Attention horizon (future positions)", 1, 100_000, step=64,
+                 help="The query statistics are rotated by the RoPE rotation averaged over this many positions "
+                      "after the context (kvpress n_future_positions 512). No effect on traces without RoPE.")
+        w_check(where, "ea_cov", "Use the queries' covariance (not only their mean)")
+    if scorer == "chunkkv":
+        w_number(where, "chunk", "ChunkKV chunk size (tokens)", 1, 4096, help="kvpress chunk_length 20.")
+        w_choice(where, "chunk_scorer", "ChunkKV token scorer", ("snapkv", "expected_attention", "keydiff", "knorm",
+                                                                "h2o", "random"), format_func=SCORER_SHORT.get)
+    if scorer == "quest":
+        w_number(where, "page", "Quest page size (tokens)", 1, 4096, help="Quest's default is 16.")
+
+
 def spec_from_values(v: dict) -> Spec:
     """The Spec the compression controls describe, from their stored values (URL names)."""
     key_bits, value_bits = (v["key_bits"], v["value_bits"]) if v["split"] else (v["bits"], v["bits"])
@@ -609,7 +698,11 @@ def spec_from_values(v: dict) -> Spec:
                 partial=v["partial"], snapkv_window=int(v["snap_window"]) or None, h2o_normalized=bool(v["h2o_norm"]),
                 key_format=v.get("key_fmt", "int"), value_format=v.get("value_fmt", "int"),
                 fp8_scale=v.get("fp8_scale", "head"), rotate=v.get("rotate", "none"),
-                residual_mode=v.get("res_mode", "kivi"))
+                residual_mode=v.get("res_mode", "kivi"),
+                allocation=v.get("allocation", "uniform"), adakv_alpha=float(v.get("ada_alpha", 0.2)),
+                pyramid_beta=float(v.get("pyr_beta", 20.0)), ea_horizon=int(v.get("ea_horizon", 512)),
+                ea_covariance=bool(v.get("ea_cov", True)), chunk_size=int(v.get("chunk", 20)),
+                chunk_scorer=v.get("chunk_scorer", "snapkv"), page_size=int(v.get("page", 16)))
 
 
 @dataclass(frozen=True)
@@ -1024,8 +1117,13 @@ def quant_warning_box(spec: Spec, kept: int) -> None:
 
 def scorer_help() -> str:
     from .policies import POLICIES
-    return "How heavy hitters are ranked:\n\n" + "\n".join(
-        f"- **{SCORER_LABELS[name]}**: {p.description}." for name, p in POLICIES.items())
+    from .plugins import load_entry_points
+    load_entry_points()
+
+    def line(name, p):
+        extra = "; ".join(x for x in (p.paper, f"kvpress: {p.kvpress}" if p.kvpress else "") if x)
+        return f"- **{SCORER_LABELS.get(name)}**: {p.description}." + (f" ({extra})" if extra else "")
+    return "How heavy hitters are ranked:\n\n" + "\n".join(line(name, p) for name, p in POLICIES.items())
 
 
 def scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:
@@ -1050,7 +1148,30 @@ def scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:
         return (f"{'H2O' if spec.scorer == 'h2o' else 'TOVA'} decides again at every decode step{form}: the new "
                 f"token arrives inside the budget, so each query attends over exactly {spec.budget} tokens "
                 "(sink + recent + heavy), itself among them.")
-    return None
+    return new_scorer_note(spec, trace)
+
+
+def new_scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:
+    """Issue #12: what Quest saves, what an allocation does, how the new scorers decide."""
+    alloc = {"adakv": f" AdaKV: this layer's {spec.heavy} × KV-heads heavy slots go to the top scores across its "
+                      f"heads (each head at least {int(spec.adakv_alpha * spec.heavy)}), so heads hold different "
+                      "numbers of tokens — the Budget ledger below lists each head.",
+             "pyramid": f" PyramidKV: each layer has its own heavy budget, falling linearly with depth (β "
+                        f"{spec.pyramid_beta:g}), the same total as {spec.heavy} per layer — see the Budget ledger."
+             }.get(spec.allocation, "")
+    what = {"quest": f"Quest keeps the whole cache plus each page's min / max keys (pages of {spec.page_size}); "
+                     "this query reads only its top pages by the bound q·k ≤ Σ max(q·min, q·max), so it saves "
+                     "memory read per step, not memory stored (the memory card counts what is stored).",
+            "expected_attention": f"Expected Attention: the context queries' mean and covariance (before RoPE) "
+                                  f"rotated over the next {spec.ea_horizon} positions give each key its expected "
+                                  "attention, times its value norm; the first 4 tokens always rank first (kvpress).",
+            "keydiff": "KeyDiff: keys least similar (cosine) to the mean of the context's normalised keys are kept; "
+                       "no attention is needed.",
+            "chunkkv": f"ChunkKV: chunks of {spec.chunk_size} tokens, ranked by the mean {spec.chunk_scorer} score "
+                       "of their tokens summed over heads, are kept whole (one decision for every head)."}.get(
+        spec.scorer, "")
+    text = (what + alloc).strip()
+    return text or None
 
 
 def page_setup(title: str, intro: str) -> bool:

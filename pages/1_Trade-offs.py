@@ -3,7 +3,7 @@
 import streamlit as st
 
 from kvviz import figures, ui
-from kvviz.spec import SCORERS, View
+from kvviz.spec import View
 from kvviz.sweep import DEFAULT_FRACTIONS, pareto_front, split_budget, to_csv
 
 # URL value -> (label, sweep column, engine metric)
@@ -43,7 +43,7 @@ def main() -> None:
     metric = ui.w_choice(st, "metric", "Measure", tuple(METRICS), widget="radio",
                          format_func=lambda m: METRICS[m][0])
     log_x = ui.w_check(st, "logx", "Log memory axis", help="Spreads out the small-memory end, where methods differ.")
-    methods = ui.w_pills(st, "methods", "Methods", SCORERS, format_func=ui.SCORER_SHORT.get)
+    methods = ui.w_pills(st, "methods", "Methods", tuple(ui.SCORER_CHOICES), format_func=ui.SCORER_SHORT.get)
     bits = ui.w_pills(st, "sweep_bits", "Bit widths", (16, 8, 4, 3, 2), format_func=ui.bits_label)
     formats = ui.w_pills(st, "sweep_formats", "Serving formats (FP8 / FP4 points)", ("e4m3", "e5m2", "nvfp4", "mxfp4"),
                          format_func=figures.FORMAT_NAMES.get,

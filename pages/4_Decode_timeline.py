@@ -16,7 +16,9 @@ from kvviz.trace import Trace, TraceError
 # halfway through the decode steps, where history-based eviction visibly fails.
 DEMO = SyntheticSpec(context=256, steps=48, topic_shift=12.0)
 POLICY_LABELS = {"h2o": "H2O", "tova": "TOVA", "streaming": "StreamingLLM", "oracle": "Oracle (bound)",
-                 "snapkv": "SnapKV", "knorm": "K-norm", "random": "Random"}
+                 "snapkv": "SnapKV", "knorm": "K-norm", "random": "Random",
+                 "expected_attention": "Expected Attention", "keydiff": "KeyDiff", "chunkkv": "ChunkKV",
+                 "quest": "Quest (pages read)"}
 MAX_STEPS = 256
 
 
@@ -28,8 +30,10 @@ def _demo_trace() -> Trace:
 @st.cache_resource(max_entries=16, show_spinner="Replaying every policy step by step…")
 def _timeline(source_key: tuple, budget: tuple, layer: int, kv_head: int, need: float, policies: tuple,
               _trace: Trace):
-    sink, recent, heavy = budget
-    return timeline(_trace, Spec(sink=sink, recent=recent, heavy=heavy), layer=layer, kv_head=kv_head,
+    sink, recent, heavy, allocation = budget
+    return timeline(_trace, Spec(sink=sink, recent=recent, heavy=heavy, scorer="oracle", allocation=allocation),
+                    layer=layer,
+                    kv_head=kv_head,
                     policies=policies, need=need, max_steps=MAX_STEPS)
 
 
@@ -69,6 +73,10 @@ def main() -> None:
     need = float(ui.w_number(c4, "tl_need", "Needed at ≥ (attention share)", 0.001, 1.0, step=0.005, fmt="%.3f",
                              help="A token counts as needed at a step when the full model gives it at "
                                   "least this share of that step's attention."))
+    allocation = ui.w_choice(st, "allocation", "Budget allocation", ("uniform", "adakv", "pyramid"),
+                             format_func=ui.ALLOCATION_LABELS.get, widget="radio",
+                             help="AdaKV: this layer's budget goes to the top scores across its KV heads (heads "
+                                  "differ in length); PyramidKV: each layer its own budget, falling with depth.")
     if not policies:
         st.warning("Pick at least one policy.", icon=":material/warning:")
         return
@@ -76,9 +84,15 @@ def main() -> None:
     if n_later > MAX_STEPS:
         st.caption(f"Showing the first {MAX_STEPS} of {n_later} decode steps (the cap that keeps this page quick).")
     try:
-        tl = _timeline(key, (spec.sink, spec.recent, spec.heavy), layer, kv_head, need, tuple(policies), trace)
+        tl = _timeline(key, (spec.sink, spec.recent, spec.heavy, allocation), layer, kv_head, need, tuple(policies),
+                       trace)
     except (SpecError, TraceError) as e:
         st.error(f"The timeline cannot be computed: {e}")
+        return
+    for name, why in tl.skipped.items():
+        st.info(f"{POLICY_LABELS.get(name, name)} is not drawn: {why}", icon=":material/info:")
+    if not tl.policies:
+        st.warning("None of the chosen policies runs with this allocation; pick another.", icon=":material/warning:")
         return
 
     shift = trace.meta.get("shift_position")

@@ -77,7 +77,11 @@ class Policy:
     name: str = ""
     description: str = ""
     streaming: bool = False    # keeps deciding at every later step
-    needs_query: bool = False  # sees the evaluated query (the oracle bound only)
+    needs_query: bool = False  # sees the evaluated query (the oracle bound; Quest reads pages by it)
+    kind: str = "evict"        # "evict": the cache holds only what is kept (saves memory stored);
+                               # "read": the cache stays whole, each query reads a part (saves memory read)
+    paper: str = ""            # the published method
+    kvpress: str = ""          # the corresponding NVIDIA kvpress press, if any
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         """Importance of every position, shape (kv_heads, positions); higher = keep.
@@ -87,6 +91,19 @@ class Policy:
         then stay only while inside the recent window).
         """
         raise NotImplementedError
+
+    def query_scores(self, attention: np.ndarray, ctx: ScoreContext, query: np.ndarray | None = None,
+                     keys: np.ndarray | None = None) -> np.ndarray:
+        """needs_query policies: scores (kv_heads, n) at one query from its attention (q_heads, n),
+        its query vectors (q_heads, head_dim) and the cached keys (kv_heads, n, head_dim)."""
+        raise TypeError(f"{self.name} scores at the compression point: use score")
+
+    def query_kept(self, attention: np.ndarray, ctx: ScoreContext, query: np.ndarray | None = None,
+                   keys: np.ndarray | None = None) -> np.ndarray:
+        """needs_query policies: the kept (read) mask (kv_heads, n) at one query, under the allocation."""
+        from .allocation import allocate
+        return allocate(self.query_scores(attention, ctx, query=query, keys=keys), ctx.spec, ctx.layer,
+                        ctx.trace.n_layers)
 
     def update(self, scores: np.ndarray, attention: np.ndarray, ctx: ScoreContext,
                seen_counts: np.ndarray | None = None) -> None:
@@ -133,13 +150,26 @@ class Policy:
             for i, p in enumerate(positions):
                 out[i, :, : p + 1] = True
             return out
+        from .allocation import adakv_heavy, layer_spec, select_heads
+        if spec.allocation == "pyramid":             # this layer's budget, then as uniform
+            spec = layer_spec(spec, ctx.layer, trace.n_layers)
+            ctx = ScoreContext(trace, ctx.layer, spec)
         scores = self.scores_at_compression(ctx)
         if scores.shape != (Hkv, P):                # a score shared by every KV head
             scores = np.broadcast_to(scores, (Hkv, P))
         if not self.streaming:
+            if spec.allocation == "adakv":           # head budgets fixed at the compression point
+                c = trace.context_len
+                heavy = adakv_heavy(scores[:, :c], spec)
+                for i, p in enumerate(positions):
+                    out[i, :, : p + 1] = select_heads(scores[:, : p + 1], spec, heavy)
+                return out
             for i, p in enumerate(positions):
                 out[i, :, : p + 1] = select(scores[:, : p + 1], spec)
             return out
+        if spec.allocation == "adakv":
+            from ..spec import SpecError
+            raise SpecError(f"AdaKV allocates once from one-shot scores; {self.name} decides at every step")
         with small_blas():  # one query a step: small products
             return self._simulate(ctx, scores.copy(), positions, out)
 

@@ -330,6 +330,10 @@ def capture(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, new_tokens
         "sliding_window": info.config.get("sliding_window"),
         "capture_seconds": round(seconds, 3), "kvviz_version": __version__, "notes": notes,
     }
+    from ..generation import rope_inv_freq       # RoPE of the cached keys (Expected Attention un-rotates queries)
+    inv_freq = rope_inv_freq(model)
+    if inv_freq is not None:
+        meta["rope_inv_freq"] = [float(x) for x in inv_freq]
     say(1.0, f"captured {n} tokens ({P} prompt + {n - P} new) in {seconds:.1f} s")
     return Trace(q=q, k=k, v=v, context_len=P, tokens=token_strings(tokenizer, all_ids),
                  query_positions=np.arange(n, dtype=np.int64), meta=meta)

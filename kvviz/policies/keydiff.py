@@ -1,0 +1,30 @@
+"""KeyDiff (Park et al. 2025): keep the keys least similar to the mean key (query-free).
+
+Anchor: the mean of the context's L2-normalised keys of each KV head,
+a = mean_i k_i / ||k_i||; score_i = -cos(k_i, a). Keys that point away from the common
+direction carry distinct information; those close to it are redundant. (kvpress:
+KeyDiffPress, one shot over the context; the paper's block-wise form is kvpress's
+BlockPress around it.) Tokens after the compression point get no score.
+"""
+
+import numpy as np
+
+from .base import Policy, ScoreContext
+
+
+class KeyDiff(Policy):
+    name = "keydiff"
+    description = ("least cosine-similar to the anchor, the mean of the context's normalised keys; "
+                   "needs no attention at all")
+    paper = "Park et al. 2025, KeyDiff: key similarity-based KV cache eviction for long-context LLM inference"
+    kvpress = "KeyDiffPress"
+
+    def score(self, ctx: ScoreContext) -> np.ndarray:
+        c = ctx.n_context
+        keys = ctx.trace.k[ctx.layer][:, :c].astype(np.float64)            # (kv_heads, c, d)
+        norms = np.maximum(np.linalg.norm(keys, axis=-1, keepdims=True), 1e-12)
+        anchor = (keys / norms).mean(axis=1, keepdims=True)                  # (kv_heads, 1, d)
+        cos = (keys * anchor).sum(-1) / (norms[..., 0] * np.maximum(np.linalg.norm(anchor, axis=-1), 1e-12))
+        scores = np.full((ctx.trace.n_kv_heads, ctx.n_positions), -np.inf)
+        scores[:, :c] = -cos
+        return scores

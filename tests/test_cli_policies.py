@@ -1,0 +1,48 @@
+"""The command line for issue #12: allocation and the new scorers' settings; bad values in one line."""
+
+import json
+
+import pytest
+
+from kvviz.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_allocation_and_scorer_flags_reach_the_spec(capsys):
+    code, out, _ = run(capsys, "compare", "--source", "synthetic", "--context", "64", "--steps", "2", "--layers", "3",
+                       "--sink", "4", "--recent", "8", "--heavy", "8", "--scorer", "expected_attention",
+                       "--allocation", "pyramid", "--pyramid-beta", "4", "--ea-horizon", "32", "--ea-no-covariance",
+                       "--layer", "2", "--json")
+    assert code == 0
+    d = json.loads(out)
+    s = d["spec"]
+    assert (s["allocation"], s["pyramid_beta"], s["ea_horizon"], s["ea_covariance"]) == ("pyramid", 4.0, 32, False)
+    from kvviz.policies.allocation import pyramid_budgets
+    assert sum(d["kept"]) == 4 + 8 + pyramid_budgets(8, 3, 4.0)[2]       # the top layer's budget
+    code, out, _ = run(capsys, "compare", "--scorer", "chunkkv", "--chunk-size", "4", "--chunk-scorer", "keydiff",
+                       "--sink", "4", "--recent", "8", "--heavy", "8", "--json")
+    assert code == 0 and json.loads(out)["spec"]["chunk_size"] == 4
+    code, out, _ = run(capsys, "compare", "--scorer", "quest", "--page-size", "8", "--sink", "0", "--recent", "8",
+                       "--heavy", "16")
+    assert code == 0 and "saves memory read, not memory stored" in out
+    code, out, _ = run(capsys, "compare", "--source", "synthetic", "--context", "64", "--steps", "2", "--scorer",
+                       "snapkv", "--allocation", "adakv", "--adakv-alpha", "0.5", "--sink", "4", "--recent", "8",
+                       "--heavy", "8", "--ensemble", "heads", "--json")
+    assert code == 0 and json.loads(out)["spec"]["adakv_alpha"] == 0.5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--adakv-alpha", "1.5", "--allocation", "adakv", "--scorer", "snapkv"], "alpha must be between 0 and 1"),
+    (["--pyramid-beta", "0.5"], "beta must be at least 1"),
+    (["--scorer", "tova", "--allocation", "adakv"], "AdaKV"),
+    (["--scorer", "nope"], "unknown scorer 'nope'"),
+    (["--page-size", "0", "--scorer", "quest"], "page size"),
+])
+def test_bad_values_are_one_line(capsys, argv, message):
+    code, _, err = run(capsys, "compare", "--sink", "4", "--recent", "8", "--heavy", "4", *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1

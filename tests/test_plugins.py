@@ -1,0 +1,151 @@
+"""Your own policy as a plug-in (issue #12): the example package under tests/plugin_example is
+"installed" through a temporary dist-info on sys.path (importlib.metadata finds its entry points;
+the shared venv is not touched) and runs through compare, sweep, the app and the decode path."""
+
+import importlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvviz import Spec, SpecError, View, compare, keep_masks
+from kvviz import plugins
+from kvviz.cli import main
+from kvviz.policies import POLICIES, ScoreContext, get_policy
+from kvviz.spec import PLUGIN_SCORERS
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "tests" / "plugin_example"
+PLUGIN_FILE = EXAMPLE / "kvviz_example_plugin" / "__init__.py"
+
+
+def _forget():
+    for name in ("last8", "keep_early"):
+        POLICIES.pop(name, None)
+        while name in PLUGIN_SCORERS:
+            PLUGIN_SCORERS.remove(name)
+    plugins._loaded_entry_points = False
+    plugins.ERRORS.clear()
+    for m in [m for m in sys.modules if m.startswith("kvviz_example_plugin") or m.startswith("kvviz_plugin_")]:
+        sys.modules.pop(m)
+
+
+@pytest.fixture
+def installed(tmp_path, monkeypatch):
+    """The example package and a dist-info with its entry points, on sys.path for this test only."""
+    shutil.copytree(EXAMPLE / "kvviz_example_plugin", tmp_path / "kvviz_example_plugin")
+    info = tmp_path / "kvviz_example_plugin-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvviz-example-plugin\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[kvviz.policies]\nlast8 = kvviz_example_plugin:LastQueries\n"
+                                           "keep_early = kvviz_example_plugin:keep_early\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    _forget()
+    yield tmp_path
+    _forget()
+
+
+def last8_reference(trace, layer):
+    """The plug-in's rule recomputed: attention of the last 8 context queries, summed over the group."""
+    c, g, d = trace.context_len, trace.group_size, trace.head_dim
+    votes = np.zeros((trace.n_kv_heads, c))
+    for qi in range(c - 8, c):
+        for h in range(trace.n_q_heads):
+            logits = trace.k[layer, h // g, : qi + 1].astype(np.float64) @ trace.q[layer, h, qi] / np.sqrt(d)
+            a = np.exp(logits - logits.max())
+            votes[h // g, : qi + 1] += a / a.sum()
+    return votes
+
+
+def test_installed_plugin_is_found_by_entry_point_and_matches_its_rule(installed):
+    from test_policies_new import random_trace
+
+    assert "last8" not in POLICIES
+    spec = Spec(sink=2, recent=4, heavy=6, scorer="last8")          # an unknown name loads the entry points
+    assert "last8" in POLICIES and "keep_early" in POLICIES
+    assert POLICIES["keep_early"].description == "earliest tokens first (a position-only baseline)"
+    trace = random_trace(11)
+    c = trace.context_len
+    kept = keep_masks(trace, spec, 1, [c - 1])[0]
+    ref = last8_reference(trace, 1)
+    for h in range(trace.n_kv_heads):
+        order = sorted(range(2, c - 4), key=lambda i: (-ref[h, i], i))
+        assert set(np.flatnonzero(kept[h])) - set(range(2)) - set(range(c - 4, c)) == set(order[:6])
+    early = compare(trace, Spec(sink=0, recent=1, heavy=5, scorer="keep_early"), View())
+    assert np.flatnonzero(early.primary.kept).tolist() == [0, 1, 2, 3, 4, early.primary.position]
+
+
+def test_plugin_through_compare_and_sweep_on_the_cli(installed, capsys):
+    assert main(["compare", "--scorer", "last8", "--sink", "4", "--recent", "8", "--heavy", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["spec"]["scorer"] == "last8" and sum(out["kept"]) == 16
+    assert main(["sweep", "--source", "synthetic", "--context", "64", "--steps", "4", "--scorers", "last8,h2o",
+                 "--budgets", "0.25,0.5", "--bits-list", "16"]) == 0
+    csv = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("last8,") for line in csv) == 2 and sum(line.startswith("h2o,") for line in csv) == 2
+
+
+def test_policy_file_on_the_cli(capsys):
+    _forget()
+    try:
+        assert main(["compare", "--policy", f"{PLUGIN_FILE}:keep_early", "--sink", "0", "--recent", "1",
+                     "--heavy", "3", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["spec"]["scorer"] == "keep_early"
+        assert [i for i, k in enumerate(out["kept"]) if k] == [0, 1, 2, len(out["kept"]) - 1]
+        assert main(["sweep", "--policy", f"{PLUGIN_FILE}:LastQueries", "--scorers", "h2o", "--budgets", "0.5",
+                     "--bits-list", "16"]) == 0
+        assert any(line.startswith("last8,") for line in capsys.readouterr().out.splitlines())
+        for bad, msg in ((f"{PLUGIN_FILE}:Nope", "has no 'Nope'"), ("nowhere.py:X", "no Python file"),
+                         (str(PLUGIN_FILE), "path/to/file.py:ClassName")):
+            assert main(["compare", "--policy", bad]) == 2
+            assert msg in capsys.readouterr().err
+    finally:
+        _forget()
+
+
+def test_plugins_cannot_replace_built_ins():
+    class Fake(POLICIES["h2o"].__class__):
+        name = "h2o"
+    with pytest.raises(SpecError, match="built-in"):
+        plugins.register(Fake)
+
+
+def test_plugin_in_the_app(installed):
+    from apptest_util import run_app
+
+    at = run_app(str(ROOT / "app.py"), scorer="last8", sink=4, recent=8, heavy=4)
+    box = next(b for b in at.selectbox if b.label == "Heavy-hitter scorer")
+    assert box.value == "last8"
+    assert any("last8 (plug-in: attention from the last 8" in o for o in box.options)
+    assert "last8" in at.session_state["_kvviz_state"]["scorer"]
+    # code never comes through the browser: a `policy` link parameter is not a setting
+    at = run_app(str(ROOT / "app.py"), policy=f"{PLUGIN_FILE}:LastQueries")
+    assert at.session_state["_kvviz_state"]["scorer"] == "h2o"
+    assert "policy" not in at.session_state["_kvviz_state"]
+    assert any("`policy` is not a kvviz setting" in n for n in at.session_state["_kvviz_notices"])
+
+
+def test_plugin_in_the_decode_path(installed):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvviz.generation import decode
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      attn_implementation="eager")
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    spec = Spec(sink=2, recent=4, heavy=6, scorer="last8")
+    logits, _, cache = decode(model, ids[:24], spec, 8, feed=ids[24:32], record=True)
+    assert torch.isfinite(logits).all()
+    trace = cache.run_trace()
+    for layer in range(2):
+        want = get_policy("last8").keep_masks(ScoreContext(trace, layer, spec), np.arange(24, 32))
+        assert np.array_equal(cache.kept_history(layer), want)

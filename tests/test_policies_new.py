@@ -1,0 +1,191 @@
+"""The issue-#12 scorers against small independent re-computations of their published rules:
+Expected Attention, KeyDiff, ChunkKV (whole chunks) and Quest (page reads; all pages = exact)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvviz import Spec, SpecError, Trace, View, compare, keep_masks
+from kvviz.policies import POLICIES
+from kvviz.policies.quest import page_bounds
+
+
+def random_trace(seed=0, L=2, Hq=4, Hkv=2, D=16, c=48, steps=6, rope=True):
+    rng = np.random.default_rng(seed)
+    P = c + steps
+    q = rng.standard_normal((L, Hq, P, D)).astype(np.float32)
+    k = rng.standard_normal((L, Hkv, P, D)).astype(np.float32)
+    k[..., 3] += 2.0 * rng.standard_normal((L, Hkv, 1))            # a shared direction: cosines differ
+    v = rng.standard_normal((L, Hkv, P, D)).astype(np.float32) * rng.uniform(0.5, 2, (L, Hkv, P, 1)).astype(np.float32)
+    meta = {"source": "test"}
+    if rope:
+        meta["rope_inv_freq"] = (1.0 / 100.0 ** (np.arange(0, D, 2) / D)).tolist()
+    return Trace(q=q, k=k, v=v, context_len=c, tokens=tuple(f"t{i}" for i in range(P)),
+                 query_positions=np.arange(P), meta=meta)
+
+
+def heavy_set(kept_row, spec, n):
+    return set(np.flatnonzero(kept_row)) - set(range(min(spec.sink, n))) - set(range(n - spec.recent, n))
+
+
+def top_set(scores, first, end, k):
+    order = sorted(range(first, end), key=lambda i: (-scores[i], i))
+    return set(order[:k])
+
+
+# --- Expected Attention ----------------------------------------------------------------------
+
+def rope_matrix(pos, inv_freq):
+    """The explicit (d, d) rotate-half RoPE matrix at one position."""
+    d = 2 * len(inv_freq)
+    R = np.zeros((d, d))
+    for i, w in enumerate(inv_freq):
+        c, s = np.cos(pos * w), np.sin(pos * w)
+        R[i, i], R[i, i + d // 2] = c, -s
+        R[i + d // 2, i], R[i + d // 2, i + d // 2] = s, c
+    return R
+
+
+def expected_attention_reference(trace, layer, horizon, covariance=True):
+    """kvpress ExpectedAttentionPress written out with explicit rotation matrices, per head."""
+    c, d, g = trace.context_len, trace.head_dim, trace.group_size
+    inv_freq = np.array(trace.meta["rope_inv_freq"])
+    Rbar = np.mean([rope_matrix(p, inv_freq) for p in range(c, c + horizon)], axis=0)
+    out = np.zeros((trace.n_kv_heads, c))
+    for h in range(trace.n_q_heads):
+        pre = np.array([rope_matrix(p, inv_freq).T @ trace.q[layer, h, p].astype(np.float64) for p in range(4, c)])
+        mu = pre.mean(0)
+        cov = (pre - mu).T @ (pre - mu) / len(pre)
+        mu, cov = Rbar @ mu, Rbar @ cov @ Rbar.T
+        K = trace.k[layer, h // g, 4:c].astype(np.float64)
+        z = K @ mu / np.sqrt(d) + (0.5 / d * np.einsum("ni,ij,nj->n", K, cov, K) if covariance else 0)
+        a = np.exp(z - z.max())
+        out[h // g, 4:] += a / a.sum() / g
+    out[:, 4:] *= np.linalg.norm(trace.v[layer, :, 4:c].astype(np.float64), axis=-1)
+    return out
+
+
+@pytest.mark.parametrize("covariance", [True, False])
+def test_expected_attention_matches_the_kvpress_rule(covariance):
+    trace = random_trace(1)
+    spec = Spec(sink=0, recent=4, heavy=12, scorer="expected_attention", ea_horizon=32, ea_covariance=covariance)
+    ref = expected_attention_reference(trace, 1, 32, covariance)
+    from kvviz.policies import ScoreContext
+    got = POLICIES["expected_attention"].score(ScoreContext(trace, 1, spec))
+    c = trace.context_len
+    np.testing.assert_allclose(got[:, 4:c], ref[:, 4:], rtol=1e-6, atol=1e-12)
+    assert np.all(got[:, :4] > got[:, 4:c].max())                   # the first 4 always rank first (kvpress)
+    assert np.all(np.isneginf(got[:, c:]))
+    kept = keep_masks(trace, spec, 1, [c - 1])[0]
+    for h in range(trace.n_kv_heads):
+        ranked = np.concatenate([np.full(4, np.inf), ref[h, 4:]])
+        assert heavy_set(kept[h], spec, c) == top_set(ranked, 0, c - 4, 12)
+
+
+def test_expected_attention_horizon_matters_only_with_rope():
+    with_rope, without = random_trace(2), random_trace(2, rope=False)
+    from kvviz.policies import ScoreContext
+    ea = POLICIES["expected_attention"]
+    a, b = (ea.score(ScoreContext(with_rope, 0, Spec(ea_horizon=h))) for h in (1, 400))
+    assert not np.allclose(a[:, :48], b[:, :48])
+    a, b = (ea.score(ScoreContext(without, 0, Spec(ea_horizon=h))) for h in (1, 400))
+    np.testing.assert_array_equal(a, b)
+
+
+# --- KeyDiff ----------------------------------------------------------------------------------
+
+def test_keydiff_keeps_the_keys_least_similar_to_the_mean_normalised_key():
+    trace = random_trace(3)
+    c = trace.context_len
+    spec = Spec(sink=2, recent=6, heavy=10, scorer="keydiff")
+    kept = keep_masks(trace, spec, 0, [c - 1])[0]
+    for h in range(trace.n_kv_heads):
+        K = [trace.k[0, h, i].astype(np.float64) for i in range(c)]
+        anchor = sum(k / np.linalg.norm(k) for k in K) / c
+        dis = [-(k @ anchor) / (np.linalg.norm(k) * np.linalg.norm(anchor)) for k in K]
+        assert heavy_set(kept[h], spec, c) == top_set(dis, 2, c - 6, 10)
+
+
+# --- ChunkKV ----------------------------------------------------------------------------------
+
+def test_chunkkv_keeps_whole_top_chunks_by_summed_mean_score():
+    trace = random_trace(4, c=60)
+    c, C = 60, 5
+    spec = Spec(sink=0, recent=10, heavy=15, scorer="chunkkv", chunk_size=C, chunk_scorer="keydiff")
+    kept = keep_masks(trace, spec, 1, [c - 1])[0]
+    # kvpress: token scores summed over heads, mean per chunk of C, top chunks, kept whole
+    K = trace.k[1, :, :c].astype(np.float64)
+    unit = K / np.linalg.norm(K, axis=-1, keepdims=True)
+    anchor = unit.mean(1, keepdims=True)
+    token = -(unit * anchor).sum(-1) / np.linalg.norm(anchor, axis=-1)
+    chunk = token.sum(0).reshape(-1, C).mean(1)                      # (12,)
+    eligible = [j for j in range(len(chunk)) if (j + 1) * C <= c - 10]   # the window's chunks are kept anyway
+    best = sorted(eligible, key=lambda j: -chunk[j])[:3]
+    want = {i for j in best for i in range(j * C, (j + 1) * C)}
+    assert np.array_equal(kept[0], kept[1])                          # one decision for every head
+    assert heavy_set(kept[0], spec, c) == want
+
+
+# --- Quest ------------------------------------------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), page=st.integers(1, 9), n=st.integers(1, 40))
+def test_quest_page_bound_is_an_upper_bound_of_every_key_in_the_page(seed, page, n):
+    rng = np.random.default_rng(seed)
+    q, k = rng.standard_normal((4, 8)), rng.standard_normal((2, n, 8))
+    bound = page_bounds(q, k, page)
+    for h in range(4):
+        logits = k[h // 2] @ q[h]
+        for j in range(bound.shape[1]):
+            assert bound[h, j] >= logits[j * page:(j + 1) * page].max() - 1e-12
+
+
+def test_quest_reading_every_page_is_exact_and_stores_the_whole_cache():
+    trace = random_trace(5)
+    n = trace.n_positions
+    exact = compare(trace, Spec(sink=0, recent=1, heavy=n, scorer="quest"), View(layer=1, head=2))
+    assert exact.primary.kept.all()
+    np.testing.assert_array_equal(exact.primary.compressed, exact.primary.original)
+    np.testing.assert_array_equal(exact.primary.out_compressed, exact.primary.out_original)
+    assert exact.metrics["mass_retained"] == pytest.approx(1.0, abs=1e-12)
+    part = compare(trace, Spec(sink=0, recent=4, heavy=16, scorer="quest", page_size=8), View(layer=1, head=2))
+    assert part.memory.kept_tokens == n                             # stored: all of it, plus page min / max
+    assert part.memory.kv_bytes > part.memory.kv_bytes_full
+    assert part.memory.kv_bytes_read < part.memory.kv_bytes_full     # what it saves: bytes read per step
+
+
+def test_quest_reads_the_top_pages_by_the_bound_of_the_query():
+    trace = random_trace(6)
+    spec = Spec(sink=0, recent=1, heavy=16, scorer="quest", page_size=8)
+    c = compare(trace, spec, View(layer=0, head=1))
+    p, n = c.primary.position, c.primary.position + 1
+    g = trace.group_size
+    kv = 1 // g
+    bounds = []
+    for j in range(-(-n // 8)):
+        K = trace.k[0, kv, j * 8: min(n, (j + 1) * 8)].astype(np.float64)
+        per_head = [np.maximum(trace.q[0, h, p] * K.min(0), trace.q[0, h, p] * K.max(0)).sum()
+                    for h in range(kv * g, (kv + 1) * g)]
+        bounds.append(max(per_head))
+    token = np.repeat(bounds, 8)[:n]
+    assert heavy_set(c.primary.kept, spec, n) == top_set(token, 0, n - 1, 16)
+    assert len(heavy_set(c.primary.kept, spec, n)) == 16
+
+
+def test_new_scorers_say_how_they_decide_paper_and_press():
+    for name in ("expected_attention", "keydiff", "chunkkv", "quest"):
+        p = POLICIES[name]
+        assert p.description and p.paper and p.kvpress
+    assert POLICIES["quest"].kind == "read" and POLICIES["snapkv"].kind == "evict"
+
+
+def test_bad_settings_are_refused_with_a_reason():
+    with pytest.raises(SpecError, match="chunk size"):
+        Spec(scorer="chunkkv", chunk_size=0)
+    with pytest.raises(SpecError, match="page size"):
+        Spec(scorer="quest", page_size=0)
+    with pytest.raises(SpecError, match="horizon"):
+        Spec(ea_horizon=0)
+    with pytest.raises(SpecError, match="chunk scorer"):
+        Spec(scorer="chunkkv", chunk_scorer="quest")
