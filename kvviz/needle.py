@@ -543,10 +543,10 @@ class NeedleGrid:
         return cls.from_dict(json.loads(gzip.decompress(Path(path).read_bytes()).decode("utf-8")))
 
 
-def load_default() -> NeedleGrid | None:
+def load_default(path: str | Path | None = None) -> NeedleGrid | None:
     """The shipped precomputed default grid (bundled model), or None if it is missing."""
     try:
-        return NeedleGrid.load(DEFAULT_FILE)
+        return NeedleGrid.load(path or DEFAULT_FILE)
     except (OSError, ValueError, KeyError):
         return None
 
@@ -686,3 +686,23 @@ def format_grid(grid: NeedleGrid) -> str:
         lines.append(f"  correct {n_ok}/{n_all}")
     lines.append("cells: ok/MISS = the key exactly right or not; % = needle tokens kept over all layers x KV heads")
     return "\n".join(lines)
+
+
+# --- what the page opens on ----------------------------------------------------------------------
+
+def classic_failure(grid: NeedleGrid) -> tuple[str, int, float] | None:
+    """The classic failure to show in one click: StreamingLLM (else any policy) wrong where the
+    full cache is right, the needle nearest the start, at the shortest such length."""
+    for scorer in ("streaming", *[s for s in grid.scorers if s not in ("streaming", FULL)]):
+        bad = [c for c in grid.cells if c.scorer == scorer and not c.correct and c.full_correct]
+        if bad:
+            c = min(bad, key=lambda c: (c.depth, c.length))
+            return c.scorer, c.length, c.depth
+    return None
+
+
+def loudest_head(cell: NeedleCell) -> tuple[int, int]:
+    """(layer, KV head) where the full model wanted the needle most (where a loss hurts most)."""
+    w = np.asarray(cell.wanted_mass_by_head)
+    layer, head = np.unravel_index(int(np.argmax(w)), w.shape)
+    return int(layer), int(head)

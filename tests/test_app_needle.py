@@ -1,0 +1,102 @@
+"""AppTest for the Needle test page: it opens instantly on a shipped grid (here a small fake
+one, so no model loads), the numbers on screen are the cells', the classic-failure preset
+and the layer / KV head pickers drive what is shown, and no grid says what to do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from apptest_util import run_app
+
+from kvviz import needle
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = str(ROOT / "pages" / "5_Needle_test.py")
+L, H = 4, 2
+
+
+def _fake_grid() -> needle.NeedleGrid:
+    prompts, cells = [], []
+    for n in (40, 60):
+        for d in (0.0, 1.0):
+            ns = 5 if d == 0.0 else n - 12
+            tokens = tuple(f"t{i} " for i in range(n))
+            prompts.append(needle.NeedlePrompt(length=n, depth=d, key="12345", haystack="filler",
+                                               ids=tuple(range(n)), tokens=tokens, needle_start=ns, needle_end=ns + 4,
+                                               question_start=n - 6, hay_start=2))
+            for scorer in ("full", "streaming", "h2o"):
+                kept = np.ones((L, H, n), bool)
+                if scorer != "full":
+                    kept[:, :, 4:n - 20] = False                   # sinks 4 + a 20-token window
+                    kept[1, 1, ns:ns + 2] = scorer == "h2o"       # h2o keeps half the needle in one head
+                nk = kept[:, :, ns:ns + 4].mean(axis=2)
+                wanted = np.full((L, H), 0.1)
+                wanted[2, 1] = 0.5                                 # the loudest head
+                right = scorer == "full" or bool(nk.mean() > 0.5)
+                cells.append(needle.NeedleCell(
+                    scorer=scorer, length=n, depth=d, budget=1.0 if scorer == "full" else 0.25, bits=16,
+                    question_after_compression=False, spec=scorer, budget_tokens=int(kept[0, 0].sum()), key="12345",
+                    correct=right, answer="12345. Remember" if right else "98. It is", answer_ids=(1, 2),
+                    needle_kept=float(nk.mean()), needle_kept_by_head=tuple(map(tuple, nk)),
+                    wanted_mass=float(wanted.mean()), wanted_mass_by_head=tuple(map(tuple, wanted)),
+                    kept_mass=float((wanted * nk).mean()), kept_mass_by_head=tuple(map(tuple, wanted * nk)),
+                    full_answer="12345. Remember", full_correct=True, kept_packed=needle._pack(kept)))
+    return needle.NeedleGrid(model="fake", settings={"new_tokens": 8, "haystack": "filler"},
+                             prompts=tuple(prompts), cells=tuple(cells))
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    grid = _fake_grid()
+    path = tmp_path / "needle_default.json.gz"
+    grid.save(path)
+    monkeypatch.setattr(needle, "DEFAULT_FILE", path)
+    return grid
+
+
+def test_opens_on_the_classic_failure_with_the_cells_numbers(shipped):
+    at = run_app(PAGE, 120)
+    assert any("Needle test" in t.value for t in at.title)
+    assert needle.classic_failure(shipped) == ("streaming", 40, 0.0)
+    assert [s.value for s in at.subheader][0] == "StreamingLLM · 40 tokens · needle at 0%"
+    shown = {m.label: m for m in at.metric}
+    cell = shipped.cell("streaming", 40, 0.0)
+    assert shown["Answer"].value == cell.answer and shown["Full cache's answer"].value == cell.full_answer
+    assert shown["Needle tokens kept"].value == f"{cell.needle_kept:.0%}" == "0%"
+    # the token grid opens on the head that wanted the needle most
+    assert at.number_input(key="needle_layer").value == 2 and at.number_input(key="needle_head").value == 1
+    chips = [h for h in at.get("html") if "kvviz-needle-grid" in h.proto.body]
+    assert len(chips) == 1 and chips[0].proto.body.count("line-through;outline") == 4   # needle, all evicted
+
+
+def test_layer_and_head_pickers_drive_the_token_grid(shipped):
+    at = run_app(PAGE, 120)
+    grid = needle.NeedleGrid.load(needle.DEFAULT_FILE)
+    # pick the h2o cell through the session (what a click on its square does), then its one good head
+    at.session_state["needle_selected"] = ("h2o", 40, 0.0)
+    at.session_state["needle_layer"], at.session_state["needle_head"] = 1, 1
+    at.run()
+    assert not at.exception
+    assert [s.value for s in at.subheader][0] == "H2O · 40 tokens · needle at 0%"
+    body = next(h.proto.body for h in at.get("html") if "kvviz-needle-grid" in h.proto.body)
+    assert body.count("line-through;outline") == 2                    # half the needle evicted in layer 1 head 1
+    assert {m.label: m.value for m in at.metric}["Needle tokens kept"] == \
+        f"{grid.cell('h2o', 40, 0.0).needle_kept:.0%}"
+
+
+def test_classic_failure_button_selects_it(shipped):
+    at = run_app(PAGE, 120)
+    at.session_state["needle_selected"] = ("full", 60, 1.0)
+    at.run()
+    assert [s.value for s in at.subheader][0] == "Full cache · 60 tokens · needle at 100%"
+    at.button(key="needle_classic").click().run()
+    assert not at.exception
+    assert [s.value for s in at.subheader][0] == "StreamingLLM · 40 tokens · needle at 0%"
+
+
+def test_no_shipped_grid_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setattr(needle, "DEFAULT_FILE", tmp_path / "missing.json.gz")
+    at = run_app(PAGE, 120)
+    assert any("Run it live" in i.value for i in at.info)
