@@ -83,11 +83,16 @@ def bundled():
 
 
 @pytest.fixture(scope="module")
-def runs(bundled, tmp_path_factory):
+def cache_folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("needle-cache")
+
+
+@pytest.fixture(scope="module")
+def runs(bundled, cache_folder):
     """The same small grid twice: fresh into an empty cache folder, then from it."""
     model, tokenizer = bundled
     mp = pytest.MonkeyPatch()
-    mp.setenv("KVVIZ_CACHE_DIR", str(tmp_path_factory.mktemp("needle-cache")))
+    mp.setenv("KVVIZ_CACHE_DIR", str(cache_folder))
     try:
         args = dict(lengths=[LENGTH], depths=[DEPTH], scorers=["full", *POLICIES], budgets=[BUDGET])
         s1, s2 = {}, {}
@@ -178,3 +183,80 @@ def test_results_are_identical_from_the_cache_and_fresh(runs):
     assert s2["computed"] == 0 and s2["cached"] == 1 + len(POLICIES)
     assert [c.as_dict(kept=True) for c in fresh.cells] == [c.as_dict(kept=True) for c in again.cells]
     assert fresh == again
+
+
+# --- the command line ----------------------------------------------------------------------
+
+def _cli(capsys, *argv):
+    from kvviz.cli import main
+
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--scorers", "full,bogus"], "unknown scorer 'bogus'"),
+    (["--depths", "1.5"], "depths are fractions"),
+    (["--depths", "a,b"], "--depths takes"),
+    (["--budget", "2"], "fraction of the prompt's tokens"),
+    (["--bits", "11"], "bits must be"),
+    (["--lengths", "x"], "--lengths takes"),
+    (["--new-tokens", "0"], "--new-tokens must be"),
+])
+def test_cli_errors_are_one_line_before_any_model_loads(capsys, monkeypatch, argv, message):
+    import kvviz.models
+
+    monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    code, out, err = _cli(capsys, "needle", *argv, "--quiet")
+    assert code == 2 and out == ""
+    assert err.startswith("kvviz: error:") and message in err and err.count("\n") == 1
+
+
+def test_cli_json_and_out_are_exclusive(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _cli(capsys, "needle", "--json", "--out", "x.csv")
+    assert exc.value.code == 2
+
+
+@pytest.mark.model
+def test_cli_lengths_past_the_model_positions(bundled, capsys, monkeypatch):
+    import kvviz.models
+
+    model, tokenizer = bundled
+    monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: (model, tokenizer, None))
+    code, out, err = _cli(capsys, "needle", "--lengths", "320,9000", "--quiet")
+    assert code == 2 and out == ""
+    assert "past the model's 8192 positions; use lengths up to 8184" in err and err.count("\n") == 1
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_cli_json_csv_and_progress_from_the_cache(bundled, runs, cache_folder, capsys, monkeypatch, tmp_path):
+    import csv
+    import json
+
+    import kvviz.models
+
+    model, tokenizer = bundled
+    fresh, *_ = runs
+    monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: (model, tokenizer, None))
+    monkeypatch.setenv("KVVIZ_CACHE_DIR", str(cache_folder))
+    args = ["needle", "--model", "bundled", "--lengths", LENGTH, "--depths", DEPTH,
+            "--scorers", ",".join(["full", *POLICIES]), "--budget", BUDGET]
+    code, out, err = _cli(capsys, *args, "--json")
+    assert code == 0
+    cells = json.loads(out)["cells"]
+    assert cells == [c.as_dict() for c in fresh.cells]              # the same numbers, from the cache
+    keys = {"scorer", "length", "depth", "budget", "bits", "correct", "answer", "needle_kept",
+            "needle_kept_by_head", "wanted_mass"}
+    assert all(keys <= set(c) for c in cells)
+    assert [c["scorer"] for c in cells] == ["full", *POLICIES]
+    assert cells[0]["budget"] == 1.0 and all(c["budget"] == BUDGET for c in cells[1:])
+    assert "6 cells: 0 computed, 6 from the cache" in err and "[" in err     # the progress line
+    code, out, err = _cli(capsys, *args, "--out", tmp_path / "needle.csv", "--quiet")
+    rows = list(csv.DictReader(open(tmp_path / "needle.csv")))
+    assert code == 0 and len(rows) == 6 and rows[1]["scorer"] == "streaming" and rows[1]["needle_kept"] == "0"
+    assert rows[0]["correct"] == "True"
+    code, out, err = _cli(capsys, *args, "--quiet")
+    assert code == 0 and "streaming 0.25" in out and "correct 1/1" in out
