@@ -567,16 +567,30 @@ def max_positions(model) -> int | None:
     return getattr(cfg, "max_position_embeddings", None)
 
 
+def prompt_key(model_id: str, length: int, depth: float, seed: int, haystack: str) -> str:
+    """sha256 of what decides a prompt's tokens (the model's tokenizer by its name, and the texts)."""
+    from . import __version__
+
+    blob = json.dumps({"model": model_id, "length": length, "depth": depth, "seed": seed, "haystack": haystack,
+                       "texts": [NEEDLE_TEMPLATE, QUESTION, PRIMER, INSTRUCTION, FILLER],
+                       "format": FORMAT_VERSION, "kvviz": __version__}, sort_keys=True)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
 def run_grid(model, tokenizer, model_id: str = "bundled", lengths: Sequence[int] = DEFAULT_LENGTHS,
              depths: Sequence[float] = DEFAULT_DEPTHS, scorers: Sequence[str] = DEFAULT_SCORERS,
              budgets: Sequence[float] = (DEFAULT_BUDGET,), bits: Sequence[int] = (FULL_BITS,),
              question_after_compression: bool = False, new_tokens: int = DEFAULT_NEW_TOKENS,
              seed: int = DEFAULT_SEED, haystack: str = "filler", use_cache: bool = True,
-             progress: Progress | None = None, stats: dict | None = None) -> NeedleGrid:
+             progress: Progress | None = None, stats: dict | None = None,
+             load: Callable[[], tuple[Any, Any]] | None = None) -> NeedleGrid:
     """Every (length, depth) prompt x every (scorer, budget, bits) cell.
 
-    One prefill per prompt, only when some cell of it is not on disk yet. `stats`, if
-    given, receives counts of cells computed and read from the cache, and the seconds.
+    One prefill per prompt, only when some cell of it is not on disk yet. With
+    model = tokenizer = None and a `load` function, the model is loaded only when a
+    prompt or a cell is not on disk (a fully cached rerun needs no model at all).
+    `stats`, if given, receives counts of cells computed and read from the cache, and
+    the seconds.
     """
     if not lengths or not depths or not scorers:
         raise SpecError("give at least one length, one depth and one scorer")
@@ -591,20 +605,45 @@ def run_grid(model, tokenizer, model_id: str = "bundled", lengths: Sequence[int]
         Spec(key_bits=b, value_bits=b)
     if haystack not in HAYSTACKS:
         raise SpecError(f"unknown haystack {haystack!r}; choose from {', '.join(HAYSTACKS)}")
-    check_lengths(lengths, max_positions(model), new_tokens, min_length(tokenizer))
+    if model is None and load is None:
+        raise ValueError("run_grid needs a model and tokenizer, or a load function")
     say = progress or (lambda f, m: None)
     folder = cache_dir()
+    held = {"model": model, "tokenizer": tokenizer}
+
+    def need_model():
+        if held["model"] is None:
+            held["model"], held["tokenizer"] = load()
+        return held["model"], held["tokenizer"]
+
+    jobs = [(n, d) for n in lengths for d in depths]
+    stored = {}
+    for n, d in jobs:
+        hit = _read(folder / "prompts" / f"{prompt_key(model_id, n, d, seed, haystack)}.json") if use_cache else None
+        if hit is not None:
+            stored[(n, d)] = hit
+    if len(stored) == len(jobs) and held["model"] is None:
+        limits = stored[jobs[0]]
+        check_lengths(lengths, limits["max_positions"], new_tokens, limits["min_length"])
+    else:
+        m, tok = need_model()
+        check_lengths(lengths, max_positions(m), new_tokens, min_length(tok))
     prompts, cells = [], []
     computed = cached = 0
     t0 = time.perf_counter()
-    jobs = [(n, d) for n in lengths for d in depths]
     variants = [(s, b, q) for s in scorers for b in (budgets if s != FULL else (1.0,)) for q in bits]
     variants = list(dict.fromkeys(variants))
     total = len(jobs) * (len(variants) + 1)
     done = 0
     full_spec = Spec()
     for n, d in jobs:
-        prompt = build_prompt(tokenizer, n, d, seed=seed, haystack=haystack)
+        if (n, d) in stored:
+            prompt = NeedlePrompt.from_dict(stored[(n, d)]["prompt"])
+        else:
+            m, tok = need_model()
+            prompt = build_prompt(tok, n, d, seed=seed, haystack=haystack)
+            _write(folder / "prompts" / f"{prompt_key(model_id, n, d, seed, haystack)}.json",
+                   {"prompt": prompt.as_dict(), "max_positions": max_positions(m), "min_length": min_length(tok)})
         prompts.append(prompt)
         pre = attn = None
 
@@ -616,11 +655,15 @@ def run_grid(model, tokenizer, model_id: str = "bundled", lengths: Sequence[int]
                 cached += 1
                 return hit
             if pre is None:
+                if held["model"] is None:
+                    say(done / total, "loading the model")
+                m, _ = need_model()
                 say(done / total, f"length {n}, depth {d:.0%}: prefill")
-                pre = prefill(model, prompt.ids, logits_at=[prompt.question_start - 1])
+                pre = prefill(m, prompt.ids, logits_at=[prompt.question_start - 1])
                 attn = _first_answer_attention(pre, n - 1)
             say(done / total, f"length {n}, depth {d:.0%}: {what}")
-            out = run_cell(model, tokenizer, prompt, pre, spec, qac, new_tokens, attention=attn)
+            m, tok = need_model()
+            out = run_cell(m, tok, prompt, pre, spec, qac, new_tokens, attention=attn)
             computed += 1
             _write(path, out)
             return json.loads(json.dumps(out))           # exactly what a later read returns

@@ -69,6 +69,32 @@ def test_kept_masks_round_trip_through_packed_bits():
     assert np.array_equal(needle._unpack(needle._pack(mask), mask.shape), mask)
 
 
+def test_the_shipped_default_grid_is_complete_and_consistent():
+    grid = needle.load_default()
+    if grid is None:
+        pytest.skip("no shipped grid yet (scripts/needle_default.py writes it)")
+    s = grid.settings
+    assert grid.model == "bundled" and s["budgets"] == [needle.DEFAULT_BUDGET] and s["bits"] == [16]
+    assert grid.scorers == list(needle.DEFAULT_SCORERS)
+    assert len(grid.cells) == len(grid.scorers) * len(s["lengths"]) * len(s["depths"])
+    for p in grid.prompts:
+        assert len(p.ids) == len(p.tokens) == p.length
+        assert p.key in "".join(p.tokens[p.needle_start:p.needle_end])
+        full = grid.cell("full", p.length, p.depth)
+        stream = grid.cell("streaming", p.length, p.depth)
+        spec = needle.spec_for("streaming", needle.DEFAULT_BUDGET, 16, p.length)
+        if spec.sink <= p.needle_start and p.needle_end <= p.length - spec.recent:
+            assert stream.needle_kept == 0.0                     # out of the window: gone, by definition
+        if p.needle_start >= p.length - spec.recent:
+            assert stream.needle_kept == 1.0
+        for name in grid.scorers:
+            c = grid.cell(name, p.length, p.depth)
+            kept = c.kept()
+            assert np.all(kept.sum(axis=2) == c.budget_tokens)
+            assert np.allclose(kept[:, :, p.needle_start:p.needle_end].mean(axis=2), c.needle_kept_by_head)
+            assert c.full_answer == full.answer and c.correct == needle.score_answer(c.answer, c.key)
+
+
 # --- the bundled model ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -232,15 +258,15 @@ def test_cli_lengths_past_the_model_positions(bundled, capsys, monkeypatch):
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_cli_json_csv_and_progress_from_the_cache(bundled, runs, cache_folder, capsys, monkeypatch, tmp_path):
+def test_cli_json_csv_and_progress_from_the_cache(runs, cache_folder, capsys, monkeypatch, tmp_path):
     import csv
     import json
 
     import kvviz.models
 
-    model, tokenizer = bundled
     fresh, *_ = runs
-    monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: (model, tokenizer, None))
+    # every prompt and cell is on disk: the rerun needs no model at all
+    monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     monkeypatch.setenv("KVVIZ_CACHE_DIR", str(cache_folder))
     args = ["needle", "--model", "bundled", "--lengths", LENGTH, "--depths", DEPTH,
             "--scorers", ",".join(["full", *POLICIES]), "--budget", BUDGET]

@@ -108,13 +108,16 @@ def cmd_needle(a: argparse.Namespace) -> int:
     args = parse(a)
     say = _progress(not a.quiet)
     t0 = time.perf_counter()
-    model, tokenizer, _ = load_model(a.model, progress=say)
+    def load():
+        model, tokenizer, _ = load_model(a.model, progress=say)
+        return model, tokenizer
+
     stats: dict = {}
-    grid = nd.run_grid(model, tokenizer, a.model, progress=say, stats=stats, **args)
+    grid = nd.run_grid(None, None, a.model, progress=say, stats=stats, load=load, **args)   # loads only if needed
     if say:
         sys.stderr.write("\r" + " " * 70 + "\r")
         sys.stderr.write(f"{len(grid.cells)} cells: {stats['computed']} computed, {stats['cached']} from the "
-                         f"cache ({nd.cache_dir()}); {time.perf_counter() - t0:.1f} s with the model load\n")
+                         f"cache ({nd.cache_dir()}); {time.perf_counter() - t0:.1f} s\n")
     if a.json:
         json.dump(_json_safe(grid.as_dict()), sys.stdout)
         sys.stdout.write("\n")
