@@ -19,16 +19,18 @@ prefill's cache compressed and decoded through the Model lab's own path
 (kvviz.generation.CompressedCache: true positions, eviction per KV head, K/V quantized
 with kvviz.quant). Two places for the compression point:
 
-    default                     after the question, as kvpress's benchmarks compress the
-                                whole prompt: the policy scores every prompt token, the
-                                question's own queries included. The first answer token is
+    default                     after the question (kvpress's evaluation with
+                                compress_questions=True; SnapKV's setting): the policy
+                                scores every prompt token, the question's own queries
+                                included. The first answer token is
                                 predicted by the prefill itself (as in real serving); every
                                 later one reads the compressed cache.
-    question_after_compression  query-agnostic: the cache is compressed right after the
-                                haystack (the "user start" of the question), then the
-                                question arrives token by token through the compressed
-                                cache. Harder and realistic: the policy cannot know what
-                                will be asked.
+    question_after_compression  query-agnostic (kvpress's pipeline default, which compresses
+                                the context only): the cache is compressed right after the
+                                haystack, then the question arrives token by token through
+                                the compressed cache (its own tokens are kept as decode
+                                tokens are). Harder and realistic: the policy cannot know
+                                what will be asked.
 
 Per cell, at the first answer step (the query at the prompt's last position, the one that
 predicts the first digit of the key):

@@ -56,8 +56,9 @@ def live_controls() -> None:
             budget = c4.slider("Budget (share of the prompt's tokens)", 0.05, 1.0, needle.DEFAULT_BUDGET, 0.05)
             bits = c5.selectbox("K/V bits", [16, 8, 4, 3, 2], format_func=lambda b: "16 (off)" if b == 16 else str(b))
             qac = c6.toggle("Question after compression (query-agnostic)",
-                            help="Off: the cache is compressed after the question (kvpress's benchmarks). On: right "
-                                 "after the haystack, then the question arrives through the compressed cache.")
+                            help="Off: the cache is compressed after the question (kvpress's compress_questions). On: right "
+                                 "after the haystack, then the question arrives through the compressed cache (kvpress's "
+                                 "pipeline default).")
             model_name = st.text_input("Model", "bundled").strip() or "bundled"
             go = st.form_submit_button("Run live", type="primary")
         st.caption("Every cell is cached on disk, so a rerun of the same settings is instant. On a laptop CPU a "
@@ -93,7 +94,7 @@ def main() -> None:
         return
     s = grid.settings
     where = ("after the haystack, before the question (query-agnostic)" if s.get("question_after_compression")
-             else "after the question (as kvpress's benchmarks)")
+             else "after the question (kvpress's compress_questions=True)")
     source = "this session's live run" if st.session_state.get(LIVE) is not None else "the shipped precomputed grid"
     st.caption(f"{source}: model {grid.model}, {len(grid.cells)} cells; compressed {where}; greedy "
                f"{s.get('new_tokens')} tokens; true positions; {s.get('haystack')} haystack.")

@@ -41,7 +41,8 @@ def register(subparsers) -> None:
     p.add_argument("--bits", default="16", help="K/V bits for every cell, 1-8 or 16 = off, or several (default 16)")
     p.add_argument("--question-after-compression", action="store_true",
                    help="query-agnostic: compress right after the haystack, then feed the question through the "
-                        "compressed cache (default: compress after the question, as kvpress's benchmarks do)")
+                        "compressed cache, as kvpress's pipeline does by default (default here: compress after the "
+                        "question, kvpress's compress_questions=True)")
     p.add_argument("--new-tokens", type=int, default=nd.DEFAULT_NEW_TOKENS, help="greedy answer tokens (default 8)")
     p.add_argument("--seed", type=int, default=nd.DEFAULT_SEED, help="seed of the pass keys (default 0)")
     p.add_argument("--haystack", default="filler", choices=nd.HAYSTACKS,
