@@ -42,6 +42,7 @@ def grid_figure(cells: Sequence, selected: tuple | None = None, height: int = 33
     cols = max(1, len(groups))
     fig = make_subplots(rows=1, cols=cols, shared_yaxes=True, horizontal_spacing=0.02,
                         subplot_titles=[_title(*g) for g in groups])
+    shown: set = set()
     for j, g in enumerate(groups, start=1):
         mine = [c for c in cells if (c.scorer, c.budget, c.bits) == g]
         for ok in (True, False):
@@ -57,15 +58,16 @@ def grid_figure(cells: Sequence, selected: tuple | None = None, height: int = 33
                            f"key {c.key} · answer “{escape(c.answer.strip())[:40]}”<br>"
                            f"{'right' if ok else 'wrong'} · needle tokens kept {c.needle_kept:.0%}" for c in part],
                 hoverinfo="text", name="key right" if ok else "key wrong", legendgroup=str(ok),
-                showlegend=j == 1 and bool(part)), row=1, col=j)
+                showlegend=bool(part) and ok not in shown), row=1, col=j)
+            if part:
+                shown.add(ok)
         fig.update_xaxes(type="category", categoryorder="array", categoryarray=[str(n) for n in lengths],
                          title_text="prompt tokens" if j == (cols + 1) // 2 else None, row=1, col=j)
     fig.update_yaxes(type="category", categoryorder="array", categoryarray=[f"{d:.0%}" for d in depths],
                      autorange="reversed")
     fig.update_yaxes(title_text="needle depth", row=1, col=1)
-    fig.update_layout(height=height, margin=dict(l=60, r=10, t=40, b=40), clickmode="event+select",
-                      legend=dict(orientation="h", yanchor="top", y=-0.22, x=0), plot_bgcolor="#ffffff",
-                      dragmode=False)
+    fig.update_layout(height=height, margin=dict(l=60, r=10, t=40, b=40),
+                      legend=dict(orientation="h", yanchor="top", y=-0.22, x=0), plot_bgcolor="#ffffff")
     return fig
 
 

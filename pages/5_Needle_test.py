@@ -109,8 +109,8 @@ def main() -> None:
     sel = tuple(st.session_state[SEL])
     event = st.plotly_chart(grid_figure(grid.cells, selected=sel), key="needle_grid_chart", on_select="rerun",
                             selection_mode="points", config=CHART_CONFIG)
-    points = (event or {}).get("selection", {}).get("points", []) if event else []
-    if points and points[0].get("customdata"):
+    points = [p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3]
+    if points:
         scorer, length, depth = points[0]["customdata"][:3]
         picked = (scorer, int(length), float(depth))
         if picked != sel:

@@ -283,8 +283,10 @@ def test_needle_page_opens_on_the_shipped_grid_and_a_click_opens_a_cell(page, ap
     if grid is None:
         pytest.skip("no shipped needle grid (scripts/needle_default.py writes it)")
     page.set_viewport_size({"width": 1400, "height": 1900})
-    page.goto(f"{app_url}/needle-test")
+    page.goto(app_url)
     e = expect()
+    e(metric(page, "Tokens kept")).to_have_text("14 / 64")
+    page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name="Needle test").click()
     e(page.get_by_role("heading", name=re.compile("Needle test"))).to_be_visible()
     classic = needle.classic_failure(grid)
     plot = page.locator(".js-plotly-plot").filter(has_text="needle depth").first
