@@ -286,3 +286,25 @@ def test_cli_json_csv_and_progress_from_the_cache(runs, cache_folder, capsys, mo
     assert rows[0]["correct"] == "True"
     code, out, err = _cli(capsys, *args, "--quiet")
     assert code == 0 and "streaming 0.25" in out and "correct 1/1" in out
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_question_after_compression_and_quantization_run_the_same_path(bundled, runs, cache_folder, monkeypatch):
+    """Query-agnostic: compressed right after the haystack, the question decoded through the
+    compressed cache. 4-bit K/V on every cell; `full` is then quantization alone."""
+    model, tokenizer = bundled
+    fresh, *_ = runs
+    monkeypatch.setenv("KVVIZ_CACHE_DIR", str(cache_folder))
+    grid = needle.run_grid(model, tokenizer, "bundled", lengths=[LENGTH], depths=[DEPTH],
+                           scorers=["full", "streaming"], budgets=[BUDGET], bits=[4], question_after_compression=True)
+    p = grid.prompt(LENGTH, DEPTH)
+    quant, stream = grid.cell("full", LENGTH, DEPTH), grid.cell("streaming", LENGTH, DEPTH)
+    assert quant.question_after_compression and stream.question_after_compression
+    assert quant.spec == "K4/V4-bit" and quant.needle_kept == 1.0 and quant.budget_tokens == LENGTH
+    assert stream.spec.startswith("streaming sink 4 recent 76") and stream.spec.endswith("K4/V4-bit")
+    assert stream.needle_kept == 0.0 and stream.budget_tokens == 80
+    kept = stream.kept()
+    assert np.all(kept[:, :, LENGTH - 76:]) and not kept[:, :, 4:LENGTH - 76].any()   # sinks + window, nothing else
+    # the reference is still the uncompressed cache's answer
+    assert quant.full_answer == fresh.cell("full", LENGTH, DEPTH).answer and p.question_start < LENGTH
