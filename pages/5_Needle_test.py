@@ -86,9 +86,9 @@ def main() -> None:
         "A pass key hides at a depth of a filler text; the model is asked for it. Each square is one prompt: "
         "blue ✓ when the greedy answer is exactly the key, vermillion ✗ when not. Click a square to see which "
         "needle tokens that cache evicted, in which layer and KV head.")
-    grid = _grid()
     if not present:
         live_controls()
+    grid = _grid()
     if grid is None:
         st.info("No precomputed grid is shipped with this copy: open *Run it live* above.", icon=":material/info:")
         return

@@ -100,3 +100,29 @@ def test_no_shipped_grid_says_what_to_do(tmp_path, monkeypatch):
     monkeypatch.setattr(needle, "DEFAULT_FILE", tmp_path / "missing.json.gz")
     at = run_app(PAGE, 120)
     assert any("Run it live" in i.value for i in at.info)
+
+
+def test_run_live_runs_the_grid_with_the_forms_settings_and_shows_it(shipped, monkeypatch):
+    import kvviz.ui_sources
+
+    asked = {}
+    live = needle.NeedleGrid(model="live", settings=shipped.settings, prompts=shipped.prompts,
+                             cells=tuple(c for c in shipped.cells if c.length == 60))
+
+    def fake_run(model, tokenizer, model_id, progress=None, **settings):
+        asked.update(settings, model_id=model_id)
+        progress(0.5, "half way")
+        return live
+
+    monkeypatch.setattr(kvviz.ui_sources, "shared_model", lambda name: (None, None, None))
+    monkeypatch.setattr(needle, "run_grid", fake_run)
+    at = run_app(PAGE, 120)
+    submit = [b for b in at.get("form_submit_button")]
+    assert submit, "the live form has a submit button"
+    submit[0].click().run()
+    assert not at.exception
+    assert asked["model_id"] == "bundled" and asked["lengths"] == [320] and asked["depths"] == [0.0, 0.5, 1.0]
+    assert asked["budgets"] == [needle.DEFAULT_BUDGET] and asked["bits"] == [16]
+    assert asked["question_after_compression"] is False and asked["scorers"] == list(needle.DEFAULT_SCORERS)
+    assert any("this session's live run: model live" in c.value for c in at.caption)
+    assert [s.value for s in at.subheader][0] == "StreamingLLM · 60 tokens · needle at 0%"
