@@ -8,7 +8,6 @@ from kvviz.figures_needle import LABELS, grid_figure, heads_figure, needle_token
 from kvviz.spec import SpecError
 
 LIVE = "needle_live_grid"
-SEL = "needle_selected"
 
 
 @st.cache_resource(show_spinner=False)
@@ -20,10 +19,38 @@ def _grid():
     return st.session_state.get(LIVE) or _shipped(str(needle.DEFAULT_FILE))
 
 
-def _select(cell: tuple, grid) -> None:
-    st.session_state[SEL] = cell
-    c = grid.cell(*cell)
-    st.session_state["needle_layer"], st.session_state["needle_head"] = needle.loudest_head(c)
+def _encode(cell: tuple) -> str:
+    return f"{cell[0]}:{cell[1]}:{cell[2]:g}"
+
+
+def _decode(text: str, grid) -> tuple | None:
+    """The cell a link names ("scorer:length:depth"), if the grid has it."""
+    try:
+        scorer, length, depth = text.split(":")
+        grid.cell(scorer, int(length), float(depth))
+        return scorer, int(length), float(depth)
+    except (ValueError, KeyError):
+        return None
+
+
+def _select(cell: tuple | None) -> None:
+    """Open a cell (None = the classic failure) on the head that wanted the needle most."""
+    store = ui._store()
+    store["nd_cell"] = "" if cell is None else _encode(cell)
+    store["nd_layer"] = store["nd_head"] = -1
+    st.session_state.pop("needle_layer", None)
+    st.session_state.pop("needle_head", None)
+
+
+def _head_picker(where, key: str, param: str, label: str, n: int, loudest: int) -> int:
+    """A layer / KV head box whose default is the loudest one (kept in the link only when changed)."""
+    store, ss = ui._store(), st.session_state
+    stored = store[param]
+    if key not in ss:
+        ss[key] = min(stored, n - 1) if stored >= 0 else loudest
+    value = int(where.number_input(label, 0, n - 1, key=key))
+    store[param] = -1 if value == loudest else value
+    return value
 
 
 def run_live(settings: dict, model_name: str) -> None:
@@ -40,7 +67,7 @@ def run_live(settings: dict, model_name: str) -> None:
         grid = needle.run_grid(model, tokenizer, model_name, progress=say, **settings)
         status.update(label=f"Finished: {len(grid.cells)} cells", state="complete", expanded=False)
     st.session_state[LIVE] = grid
-    st.session_state.pop(SEL, None)
+    _select(None)
 
 
 def live_controls() -> None:
@@ -102,11 +129,14 @@ def main() -> None:
     if classic is not None and st.button("Show the classic failure", icon=":material/bolt:", key="needle_classic",
                                          help="StreamingLLM keeps the first tokens and a recent window: a needle "
                                               "early in the text falls out of the cache."):
-        _select(classic, grid)
-    if st.session_state.get(SEL) is None or not any(
-            (c.scorer, c.length, c.depth) == tuple(st.session_state[SEL]) for c in grid.cells):
-        _select(classic or (grid.cells[0].scorer, grid.cells[0].length, grid.cells[0].depth), grid)
-    sel = tuple(st.session_state[SEL])
+        _select(None)
+    store = ui._store()
+    sel = _decode(store["nd_cell"], grid) if store["nd_cell"] else None
+    if store["nd_cell"] and sel is None:
+        ui.notice(f"The link's cell `{store['nd_cell']}` is not in this grid; showing the classic failure.")
+        _select(None)
+    sel = sel or classic or (grid.cells[0].scorer, grid.cells[0].length, grid.cells[0].depth)
+    ui.show_notices()
     event = st.plotly_chart(grid_figure(grid.cells, selected=sel), key="needle_grid_chart", on_select="rerun",
                             selection_mode="points", config=CHART_CONFIG)
     points = [p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3]
@@ -114,10 +144,9 @@ def main() -> None:
         scorer, length, depth = points[0]["customdata"][:3]
         picked = (scorer, int(length), float(depth))
         if picked != sel:
-            _select(picked, grid)
+            _select(picked)
             st.rerun()
     cell = grid.cell(*sel)
-    full = grid.cell("full", cell.length, cell.depth) if "full" in grid.scorers else None
     prompt = grid.prompt(cell.length, cell.depth) if grid.prompts else None
 
     st.subheader(f"{LABELS.get(cell.scorer, cell.scorer)} · {cell.length} tokens · needle at {cell.depth:.0%}")
@@ -133,9 +162,10 @@ def main() -> None:
                   f"on the needle at the first answer step (mean per head); {cell.kept_mass:.3f} of it is on "
                   "needle tokens this cache still holds.")
     L, H = cell.n_layers, cell.n_kv_heads
+    loud = needle.loudest_head(cell)
     c1, c2 = st.columns(2)
-    layer = int(c1.number_input("Layer", 0, L - 1, key="needle_layer"))
-    head = int(c2.number_input("KV head", 0, H - 1, key="needle_head"))
+    layer = _head_picker(c1, "needle_layer", "nd_layer", "Layer", L, loud[0])
+    head = _head_picker(c2, "needle_head", "nd_head", "KV head", H, loud[1])
     if prompt is not None and cell.kept_packed:
         kept = cell.kept()[layer, head]
         point = prompt.question_start if cell.question_after_compression else None

@@ -71,28 +71,32 @@ def test_opens_on_the_classic_failure_with_the_cells_numbers(shipped):
     assert len(chips) == 1 and chips[0].proto.body.count("line-through;outline") == 4   # needle, all evicted
 
 
-def test_layer_and_head_pickers_drive_the_token_grid(shipped):
-    at = run_app(PAGE, 120)
-    grid = needle.NeedleGrid.load(needle.DEFAULT_FILE)
-    # pick the h2o cell through the session (what a click on its square does), then its one good head
-    at.session_state["needle_selected"] = ("h2o", 40, 0.0)
-    at.session_state["needle_layer"], at.session_state["needle_head"] = 1, 1
-    at.run()
-    assert not at.exception
+def _needle_chips(at) -> str:
+    return next(h.proto.body for h in at.get("html") if "kvviz-needle-grid" in h.proto.body)
+
+
+def test_a_link_opens_a_cell_and_head_and_the_pickers_drive_the_token_grid(shipped):
+    # the h2o cell and its one head that keeps half the needle, from the link
+    at = run_app(PAGE, 120, nd_cell="h2o:40:0", nd_layer=1, nd_head=1)
     assert [s.value for s in at.subheader][0] == "H2O · 40 tokens · needle at 0%"
-    body = next(h.proto.body for h in at.get("html") if "kvviz-needle-grid" in h.proto.body)
-    assert body.count("line-through;outline") == 2                    # half the needle evicted in layer 1 head 1
+    assert _needle_chips(at).count("line-through;outline") == 2        # half the needle evicted in layer 1 head 1
     assert {m.label: m.value for m in at.metric}["Needle tokens kept"] == \
-        f"{grid.cell('h2o', 40, 0.0).needle_kept:.0%}"
+        f"{shipped.cell('h2o', 40, 0.0).needle_kept:.0%}"
+    at.number_input(key="needle_layer").set_value(0).run()
+    assert not at.exception
+    assert _needle_chips(at).count("line-through;outline") == 4        # layer 0: all of it evicted
+    assert at.query_params["nd_layer"] == "0" and at.query_params["nd_cell"] == "h2o:40:0"
 
 
-def test_classic_failure_button_selects_it(shipped):
-    at = run_app(PAGE, 120)
-    at.session_state["needle_selected"] = ("full", 60, 1.0)
-    at.run()
+def test_classic_failure_button_selects_it_and_a_bad_link_says_so(shipped):
+    at = run_app(PAGE, 120, nd_cell="full:60:1")
     assert [s.value for s in at.subheader][0] == "Full cache · 60 tokens · needle at 100%"
     at.button(key="needle_classic").click().run()
     assert not at.exception
+    assert [s.value for s in at.subheader][0] == "StreamingLLM · 40 tokens · needle at 0%"
+    assert "nd_cell" not in at.query_params                          # the default view leaves the link clean
+    at = run_app(PAGE, 120, nd_cell="tova:999:0.5")
+    assert any("not in this grid" in w.value for w in at.warning)
     assert [s.value for s in at.subheader][0] == "StreamingLLM · 40 tokens · needle at 0%"
 
 

@@ -300,5 +300,7 @@ def test_needle_page_opens_on_the_shipped_grid_and_a_click_opens_a_cell(page, ap
     plot.locator(".scatterlayer .trace").nth(0).locator(".points path").first.click(force=True)
     e(page.get_by_role("heading", name=re.compile(r"^Full cache · "))).to_be_visible()
     e(page.locator(".kvviz-needle-grid")).to_be_visible()
+    page.wait_for_function("() => new URLSearchParams(location.search).get('nd_cell') !== null", timeout=TIMEOUT)
+    assert address(page)["nd_cell"].startswith("full:"), address(page)      # the open cell is in the link
     shot(page, "needle")
     no_console_errors(page)
