@@ -42,6 +42,13 @@ def _select(cell: tuple | None) -> None:
     st.session_state.pop("needle_head", None)
 
 
+def _answer_card(where, title: str, answer: str, right: bool, about: str) -> None:
+    """An answer in a bordered card that wraps (a metric would cut a long answer at 1024 px)."""
+    shown = answer.strip().replace("`", "'").replace("\n", " ⏎ ") or "(empty)"
+    mark = ":blue[**✓ right**]" if right else ":orange[**✗ wrong**]"
+    where.container(border=True).markdown(f"{title}  \n`{shown}`  \n{mark}", help=about)
+
+
 def _head_picker(where, key: str, param: str, label: str, n: int, loudest: int) -> int:
     """A layer / KV head box whose default is the loudest one (kept in the link only when changed)."""
     store, ss = ui._store(), st.session_state
@@ -73,12 +80,13 @@ def run_live(settings: dict, model_name: str) -> None:
 def live_controls() -> None:
     with st.expander("Run it live (your own lengths, depths, policies, budget, bits)"):
         with st.form("needle_form"):
-            c1, c2, c3 = st.columns(3)
-            lengths = c1.multiselect("Prompt lengths (tokens)", [192, 320, 640, 1024, 2048], default=[320])
-            depths = c2.multiselect("Needle depths", [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0],
-                                    default=[0.0, 0.5, 1.0], format_func=lambda d: f"{d:.0%}")
-            scorers = c3.multiselect("Caches", list(needle.SCORER_NAMES), default=list(needle.DEFAULT_SCORERS),
-                                     format_func=lambda s: LABELS.get(s, s))
+            # pills, not multiselects: every choice stays visible on a 1024 px projector
+            lengths = st.pills("Prompt lengths (tokens)", [192, 320, 640, 1024, 2048], selection_mode="multi",
+                               default=[320]) or []
+            depths = st.pills("Needle depths", [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0], selection_mode="multi",
+                              default=[0.0, 0.5, 1.0], format_func=lambda d: f"{d:.0%}") or []
+            scorers = st.pills("Caches", list(needle.SCORER_NAMES), selection_mode="multi",
+                               default=list(needle.DEFAULT_SCORERS), format_func=lambda s: LABELS.get(s, s)) or []
             c4, c5, c6 = st.columns(3)
             budget = c4.slider("Budget (share of the prompt's tokens)", 0.05, 1.0, needle.DEFAULT_BUDGET, 0.05)
             bits = c5.selectbox("K/V bits", [16, 8, 4, 3, 2], format_func=lambda b: "16 (off)" if b == 16 else str(b))
@@ -151,12 +159,8 @@ def main() -> None:
 
     st.subheader(f"{LABELS.get(cell.scorer, cell.scorer)} · {cell.length} tokens · needle at {cell.depth:.0%}")
     a, b, c = st.columns(3)
-    a.metric("Answer", cell.answer.strip().splitlines()[0] if cell.answer.strip() else "(empty)",
-             delta="right" if cell.correct else "wrong", delta_color="normal" if cell.correct else "inverse",
-             border=True, help=f"The key is {cell.key}; {cell.spec}.")
-    b.metric("Full cache's answer", (cell.full_answer.strip().splitlines() or ["(empty)"])[0],
-             delta="right" if cell.full_correct else "wrong",
-             delta_color="normal" if cell.full_correct else "inverse", border=True)
+    _answer_card(a, "Answer", cell.answer, cell.correct, f"The key is {cell.key}; {cell.spec}.")
+    _answer_card(b, "Full cache's answer", cell.full_answer, cell.full_correct, "No compression.")
     c.metric("Needle tokens kept", f"{cell.needle_kept:.0%}", border=True,
              help=f"Mean over all layers × KV heads. The full model puts {cell.wanted_mass:.3f} of its attention "
                   f"on the needle at the first answer step (mean per head); {cell.kept_mass:.3f} of it is on "

@@ -61,10 +61,11 @@ def test_opens_on_the_classic_failure_with_the_cells_numbers(shipped):
     assert any("Needle test" in t.value for t in at.title)
     assert needle.classic_failure(shipped) == ("streaming", 40, 0.0)
     assert [s.value for s in at.subheader][0] == "StreamingLLM · 40 tokens · needle at 0%"
-    shown = {m.label: m for m in at.metric}
     cell = shipped.cell("streaming", 40, 0.0)
-    assert shown["Answer"].value == cell.answer and shown["Full cache's answer"].value == cell.full_answer
-    assert shown["Needle tokens kept"].value == f"{cell.needle_kept:.0%}" == "0%"
+    cards = [m.value for m in at.markdown if "answer" in m.value.lower()]
+    assert f"Answer  \n`{cell.answer}`  \n:orange[**✗ wrong**]" in cards
+    assert f"Full cache's answer  \n`{cell.full_answer}`  \n:blue[**✓ right**]" in cards
+    assert {m.label: m.value for m in at.metric}["Needle tokens kept"] == f"{cell.needle_kept:.0%}" == "0%"
     # the token grid opens on the head that wanted the needle most
     assert at.number_input(key="needle_layer").value == 2 and at.number_input(key="needle_head").value == 1
     chips = [h for h in at.get("html") if "kvviz-needle-grid" in h.proto.body]

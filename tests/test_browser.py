@@ -222,7 +222,8 @@ def assert_nothing_clipped(page, where: str) -> None:
 
 @pytest.mark.parametrize("name, marker", [("Explorer", "Per-token error"), ("Trade-offs", "Error vs memory"),
                                           ("Concentration", "Top x% of tokens hold"),
-                                          ("Decode timeline", "Regret per step")])
+                                          ("Decode timeline", "Regret per step"),
+                                          ("Needle test", "needle depth")])
 def test_projector_1024x768_clips_nothing(page, app_url, name, marker):
     page.set_viewport_size({"width": 1024, "height": 768})
     page.goto(app_url)
