@@ -125,6 +125,7 @@ ui.PAGES.update(
     concentration=st.Page("pages/2_Concentration.py", title="Concentration", url_path="concentration"),
     model_lab=st.Page("pages/3_Model_lab.py", title="Model lab", url_path="model-lab"),
     timeline=st.Page("pages/4_Decode_timeline.py", title="Decode timeline", url_path="decode-timeline"),
+    needle=st.Page("pages/5_Needle_test.py", title="Needle test", url_path="needle-test"),
 )
 page = st.navigation(list(ui.PAGES.values()))
 page.run()

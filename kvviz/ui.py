@@ -230,6 +230,9 @@ _PARAMS = [
     Param("lab_text", "choice", "sample", choices=("sample", "bakery", "custom")),
     Param("lab_prompt", "int", 206, 8, 512), Param("lab_cont", "int", 57, 2, 128),
     Param("lab_greedy", "int", 32, 0, 64), Param("lab_rerotate", "bool", False),
+    # needle test page: the open cell ("scorer:length:depth", empty = the classic failure) and
+    # its layer / KV head (-1 = where the full model wanted the needle most)
+    Param("nd_cell", "text", ""), Param("nd_layer", "int", -1, -1, 1023), Param("nd_head", "int", -1, -1, 1023),
     # real model source
     Param("rm_text", "choice", "bakery", choices=("bakery", "sample", "custom")),
     Param("rm_new", "int", 16, 0, 64), Param("rm_max", "int", 1024, 16, 4096),

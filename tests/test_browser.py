@@ -222,7 +222,8 @@ def assert_nothing_clipped(page, where: str) -> None:
 
 @pytest.mark.parametrize("name, marker", [("Explorer", "Per-token error"), ("Trade-offs", "Error vs memory"),
                                           ("Concentration", "Top x% of tokens hold"),
-                                          ("Decode timeline", "Regret per step")])
+                                          ("Decode timeline", "Regret per step"),
+                                          ("Needle test", "needle depth")])
 def test_projector_1024x768_clips_nothing(page, app_url, name, marker):
     page.set_viewport_size({"width": 1024, "height": 768})
     page.goto(app_url)
@@ -273,4 +274,34 @@ def test_clicking_a_trade_off_point_opens_it_in_the_explorer(page, app_url):
     wait_for_address(page, {**address(page)})
     assert "scorer" in address(page) or "heavy" in address(page) or "recent" in address(page), address(page)
     assert kept.endswith("/ 64")
+    no_console_errors(page)
+
+
+def test_needle_page_opens_on_the_shipped_grid_and_a_click_opens_a_cell(page, app_url):
+    from kvviz import needle
+
+    grid = needle.load_default()
+    if grid is None:
+        pytest.skip("no shipped needle grid (scripts/needle_default.py writes it)")
+    page.set_viewport_size({"width": 1400, "height": 1900})
+    page.goto(app_url)
+    e = expect()
+    e(metric(page, "Tokens kept")).to_have_text("14 / 64")
+    page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name="Needle test").click()
+    e(page.get_by_role("heading", name=re.compile("Needle test"))).to_be_visible()
+    classic = needle.classic_failure(grid)
+    plot = page.locator(".js-plotly-plot").filter(has_text="needle depth").first
+    e(plot).to_be_visible()
+    if classic is not None:
+        e(page.get_by_role("heading", name=re.compile(f"StreamingLLM · {classic[1]} tokens"))).to_be_visible()
+    settle(page)
+    if os.environ.get("KVVIZ_UPDATE_SCREENSHOT") == "1":
+        page.screenshot(path=str(ROOT / "docs" / "needle.png"), full_page=False)
+    # the full cache's panel comes first: click its first square
+    plot.locator(".scatterlayer .trace").nth(0).locator(".points path").first.click(force=True)
+    e(page.get_by_role("heading", name=re.compile(r"^Full cache · "))).to_be_visible()
+    e(page.locator(".kvviz-needle-grid")).to_be_visible()
+    page.wait_for_function("() => new URLSearchParams(location.search).get('nd_cell') !== null", timeout=TIMEOUT)
+    assert address(page)["nd_cell"].startswith("full:"), address(page)      # the open cell is in the link
+    shot(page, "needle")
     no_console_errors(page)

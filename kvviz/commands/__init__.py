@@ -7,7 +7,7 @@ handler imports what it needs, so `kvviz compare` stays fast.
 
 import importlib
 
-MODULES = ("capture", "evaluate")
+MODULES = ("capture", "evaluate", "needle")
 
 
 def register_all(subparsers) -> None:

@@ -1,0 +1,196 @@
+"""Needle test: the pass key hidden at each depth of each length; which policies still find it, and why not."""
+
+import streamlit as st
+
+from kvviz import needle, ui
+from kvviz.figures import CHART_CONFIG
+from kvviz.figures_needle import LABELS, grid_figure, heads_figure, needle_tokens_html
+from kvviz.spec import SpecError
+
+LIVE = "needle_live_grid"
+
+
+@st.cache_resource(show_spinner=False)
+def _shipped(path: str):
+    return needle.load_default(path)
+
+
+def _grid():
+    return st.session_state.get(LIVE) or _shipped(str(needle.DEFAULT_FILE))
+
+
+def _encode(cell: tuple) -> str:
+    return f"{cell[0]}:{cell[1]}:{cell[2]:g}"
+
+
+def _decode(text: str, grid) -> tuple | None:
+    """The cell a link names ("scorer:length:depth"), if the grid has it."""
+    try:
+        scorer, length, depth = text.split(":")
+        grid.cell(scorer, int(length), float(depth))
+        return scorer, int(length), float(depth)
+    except (ValueError, KeyError):
+        return None
+
+
+def _select(cell: tuple | None) -> None:
+    """Open a cell (None = the classic failure) on the head that wanted the needle most."""
+    store = ui._store()
+    store["nd_cell"] = "" if cell is None else _encode(cell)
+    store["nd_layer"] = store["nd_head"] = -1
+    st.session_state.pop("needle_layer", None)
+    st.session_state.pop("needle_head", None)
+
+
+def _answer_card(where, title: str, answer: str, right: bool, about: str) -> None:
+    """An answer in a bordered card that wraps (a metric would cut a long answer at 1024 px)."""
+    shown = answer.strip().replace("`", "'").replace("\n", " ⏎ ") or "(empty)"
+    mark = ":blue[**✓ right**]" if right else ":orange[**✗ wrong**]"
+    where.container(border=True).markdown(f"{title}  \n`{shown}`  \n{mark}", help=about)
+
+
+def _head_picker(where, key: str, param: str, label: str, n: int, loudest: int) -> int:
+    """A layer / KV head box whose default is the loudest one (kept in the link only when changed)."""
+    store, ss = ui._store(), st.session_state
+    stored = store[param]
+    if key not in ss:
+        ss[key] = min(stored, n - 1) if stored >= 0 else loudest
+    value = int(where.number_input(label, 0, n - 1, key=key))
+    store[param] = -1 if value == loudest else value
+    return value
+
+
+def run_live(settings: dict, model_name: str) -> None:
+    from kvviz.ui_sources import shared_model
+
+    with st.status("Running the needle grid…", expanded=True) as status:
+        bar, line = st.progress(0.0), st.empty()
+
+        def say(f: float, msg: str) -> None:
+            bar.progress(min(max(float(f), 0.0), 1.0))
+            line.caption(msg)
+        say(0.0, "Loading the model (the first time takes ~15-40 s: converting the GGUF weights)…")
+        model, tokenizer, _ = shared_model(model_name)
+        grid = needle.run_grid(model, tokenizer, model_name, progress=say, **settings)
+        status.update(label=f"Finished: {len(grid.cells)} cells", state="complete", expanded=False)
+    st.session_state[LIVE] = grid
+    _select(None)
+
+
+def live_controls() -> None:
+    with st.expander("Run it live (your own lengths, depths, policies, budget, bits)"):
+        with st.form("needle_form"):
+            # pills, not multiselects: every choice stays visible on a 1024 px projector
+            lengths = st.pills("Prompt lengths (tokens)", [192, 320, 640, 1024, 2048], selection_mode="multi",
+                               default=[320]) or []
+            depths = st.pills("Needle depths", [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0], selection_mode="multi",
+                              default=[0.0, 0.5, 1.0], format_func=lambda d: f"{d:.0%}") or []
+            scorers = st.pills("Caches", list(needle.SCORER_NAMES), selection_mode="multi",
+                               default=list(needle.DEFAULT_SCORERS), format_func=lambda s: LABELS.get(s, s)) or []
+            c4, c5, c6 = st.columns(3)
+            budget = c4.slider("Budget (share of the prompt's tokens)", 0.05, 1.0, needle.DEFAULT_BUDGET, 0.05)
+            bits = c5.selectbox("K/V bits", [16, 8, 4, 3, 2], format_func=lambda b: "16 (off)" if b == 16 else str(b))
+            qac = c6.toggle("Question after compression (query-agnostic)",
+                            help="Off: the cache is compressed after the question (kvpress's compress_questions). On: right "
+                                 "after the haystack, then the question arrives through the compressed cache (kvpress's "
+                                 "pipeline default).")
+            model_name = st.text_input("Model", "bundled").strip() or "bundled"
+            go = st.form_submit_button("Run live", type="primary")
+        st.caption("Every cell is cached on disk, so a rerun of the same settings is instant. On a laptop CPU a "
+                   "1024-token prompt takes tens of seconds per policy.")
+    if go:
+        if not lengths or not depths or not scorers:
+            st.error("Pick at least one length, one depth and one cache.")
+            return
+        try:
+            run_live(dict(lengths=sorted(lengths), depths=sorted(depths), scorers=scorers, budgets=[budget],
+                          bits=[bits], question_after_compression=qac), model_name)
+        except SpecError as e:
+            st.error(f"Cannot run: {e}")
+        except Exception as e:  # a model that cannot load: one clear line
+            from kvviz.models import ModelError
+            if isinstance(e, (ModelError, OSError)):
+                st.error(f"The model could not be loaded: {e}")
+            else:
+                raise
+
+
+def main() -> None:
+    present = ui.page_setup(
+        "Needle test: does the compressed cache still find the pass key?",
+        "A pass key hides at a depth of a filler text; the model is asked for it. Each square is one prompt: "
+        "blue ✓ when the greedy answer is exactly the key, vermillion ✗ when not. Click a square to see which "
+        "needle tokens that cache evicted, in which layer and KV head.")
+    if not present:
+        live_controls()
+    grid = _grid()
+    if grid is None:
+        st.info("No precomputed grid is shipped with this copy: open *Run it live* above.", icon=":material/info:")
+        return
+    s = grid.settings
+    where = ("after the haystack, before the question (query-agnostic)" if s.get("question_after_compression")
+             else "after the question (kvpress's compress_questions=True)")
+    source = "this session's live run" if st.session_state.get(LIVE) is not None else "the shipped precomputed grid"
+    st.caption(f"{source}: model {grid.model}, {len(grid.cells)} cells; compressed {where}; greedy "
+               f"{s.get('new_tokens')} tokens; true positions; {s.get('haystack')} haystack.")
+    classic = needle.classic_failure(grid)
+    if classic is not None and st.button("Show the classic failure", icon=":material/bolt:", key="needle_classic",
+                                         help="StreamingLLM keeps the first tokens and a recent window: a needle "
+                                              "early in the text falls out of the cache."):
+        _select(None)
+    store = ui._store()
+    sel = _decode(store["nd_cell"], grid) if store["nd_cell"] else None
+    if store["nd_cell"] and sel is None:
+        ui.notice(f"The link's cell `{store['nd_cell']}` is not in this grid; showing the classic failure.")
+        _select(None)
+    sel = sel or classic or (grid.cells[0].scorer, grid.cells[0].length, grid.cells[0].depth)
+    ui.show_notices()
+    event = st.plotly_chart(grid_figure(grid.cells, selected=sel), key="needle_grid_chart", on_select="rerun",
+                            selection_mode="points", config=CHART_CONFIG)
+    points = [p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3]
+    if points:
+        scorer, length, depth = points[0]["customdata"][:3]
+        picked = (scorer, int(length), float(depth))
+        if picked != sel:
+            _select(picked)
+            st.rerun()
+    cell = grid.cell(*sel)
+    prompt = grid.prompt(cell.length, cell.depth) if grid.prompts else None
+
+    st.subheader(f"{LABELS.get(cell.scorer, cell.scorer)} · {cell.length} tokens · needle at {cell.depth:.0%}")
+    a, b, c = st.columns(3)
+    _answer_card(a, "Answer", cell.answer, cell.correct, f"The key is {cell.key}; {cell.spec}.")
+    _answer_card(b, "Full cache's answer", cell.full_answer, cell.full_correct, "No compression.")
+    c.metric("Needle tokens kept", f"{cell.needle_kept:.0%}", border=True,
+             help=f"Mean over all layers × KV heads. The full model puts {cell.wanted_mass:.3f} of its attention "
+                  f"on the needle at the first answer step (mean per head); {cell.kept_mass:.3f} of it is on "
+                  "needle tokens this cache still holds.")
+    L, H = cell.n_layers, cell.n_kv_heads
+    loud = needle.loudest_head(cell)
+    c1, c2 = st.columns(2)
+    layer = _head_picker(c1, "needle_layer", "nd_layer", "Layer", L, loud[0])
+    head = _head_picker(c2, "needle_head", "nd_head", "KV head", H, loud[1])
+    if prompt is not None and cell.kept_packed:
+        kept = cell.kept()[layer, head]
+        point = prompt.question_start if cell.question_after_compression else None
+        st.html(needle_tokens_html(prompt.tokens, kept, (prompt.needle_start, prompt.needle_end),
+                                   question_start=prompt.question_start, compression_point=point))
+        st.caption(f"The cache layer {layer}, KV head {head} holds when the model starts answering "
+                   f"({cell.budget_tokens} of {cell.length} tokens). The page opens on the head where the full model "
+                   "wanted the needle most; pick another above or in the heatmap's hover.")
+    st.plotly_chart(heads_figure(cell.needle_kept_by_head, cell.wanted_mass_by_head, cell.kept_mass_by_head,
+                                 selected=(layer, head)), key="needle_heads", config=CHART_CONFIG)
+    if not present:
+        st.caption("What to look for: a policy can lose the needle in the heads that wanted it while keeping it "
+                   "elsewhere. StreamingLLM's set is the same in every head (position only); H2O, TOVA and SnapKV "
+                   "decide per head from attention; the oracle keeps the top of the answering query's own attention, "
+                   "the bound no real cache can beat.")
+        with st.expander("All cells"):
+            st.dataframe([{k: v for k, v in c.as_dict().items() if not k.endswith("_by_head")} for c in grid.cells],
+                         hide_index=True, key="needle_table")
+        st.download_button("Download the cells (CSV)", data=needle.to_csv(grid), file_name="needle.csv",
+                           mime="text/csv", on_click="ignore", icon=":material/download:")
+
+
+main()
+ui.sync_url()
