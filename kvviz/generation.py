@@ -119,7 +119,7 @@ class CompressedCache:
         self.tokens = tuple(tokens) if tokens is not None else None
         self.trace: Trace | None = None
         self.compressed = False
-        self._quant_memo: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
+        self._quant_memo: dict[tuple[int, str], Any] = {}   # see _quantized
         self._rows = torch.arange(n_kv_heads)[:, None]   # (H, 1) for gathers
         self.block = False   # True: teacher-forced steps may arrive as one block (see block_ok)
         # record=True keeps every decode query and kept set, to rebuild the run as a Trace
@@ -204,9 +204,11 @@ class CompressedCache:
     def _quantized(self, layer: int, which: str, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """quantize(x[kept]) with the spec's settings, x (H, m, D) gathered at idx (H, m).
 
-        Identical to calling kvviz.quant.quantize on the kept tokens every step; groups
-        whose tokens did not change since the last step are reused (a real quantized
-        cache quantizes a group once), so a step costs about one group's work.
+        Identical to calling kvviz.quant.quantize on the kept tokens every step, but each
+        token is quantized once, when it leaves the residual window (token axis: a group
+        is G channels of one token, so its value never changes), and each channel group
+        once when it fills (channel axis; a group whose tokens change by an eviction in
+        the middle of the cache is quantized again, as its members changed).
         """
         s = self.spec
         bits, axis = (s.key_bits, s.key_axis) if which == "k" else (s.value_bits, s.value_axis)
@@ -214,18 +216,43 @@ class CompressedCache:
         n_quant = max(0, m - s.residual)
         if n_quant == 0:
             return x
-        memo = self._quant_memo.get((layer, which))
-        same = _common_prefix(memo[0], idx[:, :n_quant]) if memo is not None else 0
-        # a token's groups depend on that token alone; a channel group only on its G tokens
-        start = same if axis == "token" else (same // s.group_size) * s.group_size
+        sel = idx[:, :n_quant]
         out = np.empty_like(x)
-        if start:
-            out[:, :start] = memo[1][:, :start]
-        out[:, start:n_quant] = quantize(x[:, start:n_quant], bits, axis, s.group_size, 0, s.symmetric,
-                                         zero_point=s.zero_point, partial=s.partial)
         out[:, n_quant:] = x[:, n_quant:]
-        self._quant_memo[(layer, which)] = (idx[:, :n_quant].copy(), out[:, :n_quant].copy())
+        memo = self._quant_memo.get((layer, which))
+        if axis == "token":
+            if memo is None:          # per cache position: its quantized value, and whether it is there yet
+                memo = (np.zeros((self.H, self.capacity, self.D), dtype=x.dtype),
+                        np.zeros((self.H, self.capacity), dtype=bool))
+                self._quant_memo[(layer, which)] = memo
+            values, done = memo
+            todo = ~np.take_along_axis(done, sel, axis=1)                         # (H, n_quant)
+            if todo.any():
+                heads, cols = np.nonzero(todo)
+                fresh = self._quantize_block(which, x[:, :n_quant][heads, cols][None])[0]   # (P, D)
+                values[heads, sel[heads, cols]] = fresh
+                done[heads, sel[heads, cols]] = True
+            out[:, :n_quant] = values[self._rows.numpy(), sel]
+            return out
+        # channel axis: a group of G consecutive kept tokens; keep the quantized compacted cache
+        if memo is None:
+            memo = [np.full((self.H, self.capacity), -1, dtype=np.int64),
+                    np.zeros((self.H, self.capacity, self.D), dtype=x.dtype), 0]
+            self._quant_memo[(layer, which)] = memo
+        kept_idx, values, length = memo
+        same = _common_prefix(kept_idx[:, :length], sel)
+        start = (same // s.group_size) * s.group_size
+        values[:, start:n_quant] = self._quantize_block(which, x[:, start:n_quant])
+        kept_idx[:, start:n_quant] = sel[:, start:]
+        memo[2] = n_quant
+        out[:, :n_quant] = values[:, :n_quant]
         return out
+
+    def _quantize_block(self, which: str, x: np.ndarray) -> np.ndarray:
+        """kvviz.quant.quantize of x (..., tokens, D) with the spec's K or V settings, no residual."""
+        s = self.spec
+        bits, axis = (s.key_bits, s.key_axis) if which == "k" else (s.value_bits, s.value_axis)
+        return quantize(x, bits, axis, s.group_size, 0, s.symmetric, zero_point=s.zero_point, partial=s.partial)
 
     # -- attention ------------------------------------------------------------------------
     def attend(self, layer: int, q, k, v, scaling: float):
