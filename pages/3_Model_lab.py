@@ -8,7 +8,7 @@ import streamlit as st
 from kvviz import lab, ui, ui_sources
 from kvviz.figures_generation import continuation_html, kl_strip, nll_chart
 from kvviz.generation import sample_text
-from kvviz.spec import Spec, SpecError
+from kvviz.spec import SpecError
 from kvviz.trace import Trace
 from kvviz.ui_sources import EXAMPLE_PROMPT, shared_model
 
