@@ -487,9 +487,15 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         return _fallback(module, before)(module, query, key, value, attention_mask, scaling=scaling,
                                          dropout=dropout, **kwargs)
     cache = entry[0]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if isinstance(cache, list):          # a batch: row b reads and writes its own cache (decode_many)
+        if query.shape[0] != len(cache):
+            raise RuntimeError(f"a batch of {query.shape[0]} rows for {len(cache)} caches")
+        import torch
+        outs = [c.attend(module.layer_idx, query[b], key[b], value[b], scale) for b, c in enumerate(cache)]
+        return torch.stack(outs).transpose(1, 2).contiguous(), None
     if query.shape[0] != 1:
         raise RuntimeError("compressed decoding runs one sequence at a time")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = cache.attend(module.layer_idx, query[0], key[0], value[0], scale)    # (Hq, t, D)
     return out.transpose(0, 1)[None].contiguous(), None
 
@@ -640,6 +646,51 @@ def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
         if timings is not None:
             timings.update(prefill=t1 - t0, decode=time.perf_counter() - t1)
     return torch.stack(rows), fed, cache
+
+
+def decode_many(model, prompt_ids: Sequence[int], specs: Sequence[Spec], steps: Sequence[int],
+                feeds: Sequence[Sequence[int] | None], prefix: Prefill | None = None,
+                on_step: Callable[[int, int, Any], None] | None = None, tokens: Sequence[str] | None = None):
+    """Several decode runs of one prompt side by side, one batched forward a step.
+
+    Run r has its own spec and cache, runs steps[r] steps and feeds feeds[r][i] (teacher
+    forcing) or, when feeds[r] is None, its own greedy choice. Each batch row attends over
+    its own cache only, so every run gives what decode() gives it alone (the weights are
+    read once a step for all of them: on a CPU a batch of 2-3 costs about one step).
+    on_step(r, i, logits) after run r's step i. Returns [(logits, fed, cache)] per run.
+    """
+    import torch
+
+    L, Hq, Hkv, D = model_dims(model)
+    n = len(prompt_ids)
+    if n < 1:
+        raise SpecError("the prompt is empty")
+    if prefix is None or not prefix.covers(prompt_ids):
+        prefix = prefill(model, prompt_ids)
+    R = len(specs)
+    caches = [CompressedCache(spec, L, Hq, Hkv, D, capacity=n + st, tokens=tokens,
+                              inv_freq=rope_inv_freq(model) if spec.positions == "cache" else None)
+              for spec, st in zip(specs, steps)]
+    rows = [[prefix.logits[n - 1]] for _ in range(R)]
+    fed: list[list[int]] = [[] for _ in range(R)]
+    active: list = []
+    with torch.inference_mode(), compressed_cache(model, active):
+        for c in caches:
+            c.seed(prefix, n)
+            c.compress()
+        for i in range(max(steps, default=0)):
+            live = [r for r in range(R) if steps[r] > i]
+            toks = [int(feeds[r][i]) if feeds[r] is not None else int(torch.argmax(rows[r][-1])) for r in live]
+            active[:] = [caches[r] for r in live]
+            x = torch.tensor([[t] for t in toks], dtype=torch.long)
+            pos = torch.full((len(live), 1), n + i, dtype=torch.long)
+            logits = model(input_ids=x, position_ids=pos, use_cache=False).logits[:, -1].float()
+            for j, r in enumerate(live):
+                rows[r].append(logits[j])
+                fed[r].append(toks[j])
+                if on_step is not None:
+                    on_step(r, i, logits[j])
+    return [(torch.stack(rows[r]), fed[r], caches[r]) for r in range(R)]
 
 
 def plain_decode(model, prompt_ids: Sequence[int], steps: int, feed: Sequence[int] | None = None,
@@ -844,6 +895,14 @@ def evaluate(model, ref: Reference, spec: Spec, mode: str = "delete", progress: 
                               mode=mode, tokens=ref.tokens, prefix=ref.prefill, block=block,
                               progress=None if progress is None else
                               (lambda f, msg: progress(f, f"{spec.label()}: {msg}")))
+    return quality_from(ref, spec, logits, cache, t0)
+
+
+def quality_from(ref: Reference, spec: Spec, logits, cache: CompressedCache, t0: float) -> Quality:
+    """Quality of a teacher-forced run's logits (m, vocab) against the reference (see evaluate)."""
+    import torch
+
+    n = ref.prompt_len
     logp_hat = torch.log_softmax(logits, dim=-1)                                 # (m, V)
     logp = ref.logp
     target = torch.as_tensor(ref.targets)[:, None]

@@ -123,32 +123,98 @@ def run(model, tokenizer, label: str, settings: LabSettings, progress: Progress 
         on_token: Callable[[int, int], None] | None = None) -> dict:
     """One Model lab run: {"quality", "pair", "model", "n_text_tokens", "prompt_text", "seconds"}.
 
+    One prefill of prompt + continuation (kept per text); then, in one batched decode
+    loop (generation.decode_many), the full cache's greedy text (once per text), the
+    compressed greedy text and, for H2O / TOVA / the oracle, the teacher-forced steps;
+    one-shot policies score the continuation in one masked pass instead.
     on_full_token / on_token(i, id) stream the full and the compressed greedy text; any
     callback may raise (Cancelled) to stop the run, leaving the model as it was.
     """
-    from .generation import SideBySide, evaluate, first_divergence, greedy, token_strings
+    import torch
+
+    from .generation import (SideBySide, decode_many, evaluate, first_divergence, quality_from, reference,
+                             token_strings, tokenize)
+    from .generation import Spec as _Spec
 
     say = progress or (lambda f, m: None)
     t0 = time.perf_counter()
     spec = settings.spec
-    full = full_side(model, tokenizer, settings, progress=lambda f, m: say(0.3 * f, m), on_token=on_full_token)
-    ref = full.ref
-    n = ref.prompt_len
+    ids = tokenize(tokenizer, settings.text)
+    key = _full_key(model, ids, settings)
+    with _FULL_LOCK:
+        full = _FULL.get(key)
+    if full is None:
+        say(0.0, "full cache: one forward pass over prompt + continuation")
+        ref = reference(model, tokenizer, ids, settings.prompt_tokens, settings.continuation)
+        _record("forward_token", ref.seconds / len(ref.ids))
+    else:
+        ref = full.ref
+    n, m, g = ref.prompt_len, ref.n_continuation, settings.greedy_tokens
+    first = int(torch.argmax(ref.prefill.logits[n - 1]))
+    runs: list[tuple[str, Spec, int, Any]] = []             # (role, spec, steps, feed)
+    if g and full is None:
+        runs.append(("full", _Spec(), g - 1, None))
+        if on_full_token is not None:
+            on_full_token(0, first)
+    elif full is not None and on_full_token is not None:
+        for i, t in enumerate(full.greedy_ids):
+            on_full_token(i, t)
+    if g:
+        runs.append(("greedy", spec, g - 1, None))
+        if on_token is not None:
+            on_token(0, first)
+    stepwise = not one_pass(spec)
+    if stepwise:
+        runs.append(("forced", spec, m - 1, list(ref.ids[n:n + m - 1])))
+    total = max([r[2] for r in runs], default=0)
+    t1 = time.perf_counter()
+
+    def on_step(r: int, i: int, logits) -> None:
+        role = runs[r][0]
+        if role == "full" and on_full_token is not None:
+            on_full_token(i + 1, int(torch.argmax(logits)))
+        elif role == "greedy" and on_token is not None:
+            on_token(i + 1, int(torch.argmax(logits)))
+        if r == 0 and (i % 2 == 0 or i == total - 1):
+            say(0.05 + 0.85 * (i + 1) / max(total, 1),
+                f"decode step {i + 1}/{total} ({' + '.join(x[0] for x in runs if x[2] > i)})")
+    out = decode_many(model, ref.ids[:n], [r[1] for r in runs], [r[2] for r in runs], [r[3] for r in runs],
+                      prefix=ref.prefill, on_step=on_step if runs else None, tokens=ref.tokens) if runs else []
+    if total:
+        _record("step", (time.perf_counter() - t1) / total)
+    got = {role: res for (role, *_), res in zip(runs, out)}
+    if full is None:
+        full = FullSide(ref=ref, greedy_ids=_greedy_ids(got["full"]) if "full" in got else (), seconds=0.0)
+        with _FULL_LOCK:
+            _FULL[key] = full
+            while len(_FULL) > _FULL_SIZE:
+                _FULL.popitem(last=False)
     pair = None
-    if settings.greedy_tokens:
-        t1 = time.perf_counter()
-        comp = greedy(model, list(ref.ids[:n]), spec, settings.greedy_tokens, prefix=ref.prefill, on_token=on_token,
-                      progress=lambda f, m: say(0.3 + 0.3 * f, f"compressed greedy: {m}"))
-        _record("step", (time.perf_counter() - t1) / max(settings.greedy_tokens - 1, 1))
-        fids = list(full.greedy_ids)
+    if g:
+        fids, comp = list(full.greedy_ids), list(_greedy_ids(got["greedy"]))
         pair = SideBySide(spec=spec, prompt="".join(ref.tokens[:n]), full_ids=tuple(fids), compressed_ids=tuple(comp),
                           full_tokens=token_strings(tokenizer, fids), compressed_tokens=token_strings(tokenizer, comp),
                           first_divergence=first_divergence(fids, comp))
-    say(0.6, "teacher-forced quality" + (" (one masked pass)" if one_pass(spec) else " (step by step)"))
-    quality = evaluate(model, ref, spec, progress=lambda f, m: say(0.6 + 0.4 * f, f"teacher-forced, {m}"))
+    if stepwise:
+        logits, _, cache = got["forced"]
+        quality = quality_from(ref, spec, logits, cache, t1)
+    else:
+        say(0.9, "teacher-forced quality in one masked pass")
+        quality = evaluate(model, ref, spec)
     say(1.0, "done")
     return {"quality": quality, "pair": pair, "model": label, "n_text_tokens": len(ref.ids),
             "prompt_text": "".join(ref.tokens[:n]), "seconds": time.perf_counter() - t0}
+
+
+def _greedy_ids(result) -> tuple[int, ...]:
+    import torch
+
+    logits, fed, _ = result
+    return tuple(fed) + (int(torch.argmax(logits[-1])),)
+
+
+def _full_key(model, ids, settings: LabSettings) -> tuple:
+    return (id(model), tuple(ids), settings.prompt_tokens, settings.continuation, settings.greedy_tokens)
 
 
 def one_pass(spec: Spec) -> bool:
@@ -192,18 +258,18 @@ def estimate(settings: LabSettings, full_cached: bool = False) -> float | None:
     if step is None or tok is None:
         return None
     n, m, g = settings.prompt_tokens, settings.continuation, settings.greedy_tokens
-    seconds = 0.0 if full_cached else tok * (n + m) + step * max(g - 1, 0)
-    seconds += step * max(g - 1, 0)
-    seconds += tok * 1.5 * m if one_pass(settings.spec) else step * max(m - 1, 0)
+    # one batched decode loop as long as its longest run, plus the prefill and the masked pass
+    seconds = 0.0 if full_cached else tok * (n + m)
+    seconds += step * max(g - 1, 0 if one_pass(settings.spec) else m - 1, 0)
+    if one_pass(settings.spec):
+        seconds += tok * 1.5 * m
     return seconds
 
 
 def full_cached(model, tokenizer, settings: LabSettings) -> bool:
     from .generation import tokenize
 
-    key = (id(model), tuple(tokenize(tokenizer, settings.text)), settings.prompt_tokens, settings.continuation,
-           settings.greedy_tokens)
-    return key in _FULL
+    return _full_key(model, tokenize(tokenizer, settings.text), settings) in _FULL
 
 
 # --- results on disk (JSON, no pickle) ---------------------------------------------------------

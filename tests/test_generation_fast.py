@@ -119,3 +119,21 @@ def test_an_interrupted_greedy_run_leaves_the_model_usable(tiny):
     with pytest.raises(Stop):
         gen.greedy(model, ids[:20], Spec(sink=2, recent=4), 10, on_token=stop)
     assert model.config._attn_implementation == "eager" and not gen._ACTIVE
+
+
+def test_batched_runs_equal_separate_runs(tiny):
+    """decode_many: a full-cache greedy run, a compressed greedy run and an H2O teacher-forced
+    run in one batched loop give what each gives alone."""
+    model, ids = tiny
+    n = 24
+    specs = [Spec(), Spec(sink=2, recent=4, scorer="streaming"), Spec(sink=2, recent=5, heavy=7, scorer="h2o")]
+    steps, feeds = [7, 7, 15], [None, None, ids[n:n + 15]]
+    seen = []
+    out = gen.decode_many(model, ids[:n], specs, steps, feeds, prefix=prefill(model, ids[:40]),
+                          on_step=lambda r, i, _: seen.append((r, i)))
+    for (logits, fed, cache), spec, st, feed in zip(out, specs, steps, feeds):
+        alone, fed_alone, c = decode(model, ids[:n], spec, st, feed=feed)
+        assert fed == fed_alone and logits.shape == alone.shape
+        assert (logits - alone).abs().max() < 1e-4
+        assert all(np.array_equal(a, b) for a, b in zip(cache.kept, c.kept))
+    assert len(seen) == sum(steps) and seen[:3] == [(0, 0), (1, 0), (2, 0)]
