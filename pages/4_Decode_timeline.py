@@ -1,7 +1,6 @@
 """Decode timeline: what each eviction policy holds at every decode step, and what it threw away too early."""
 
 import numpy as np
-import plotly.graph_objects as go
 import streamlit as st
 
 from kvviz import ui
@@ -40,10 +39,11 @@ def _animation(timeline_key: tuple, shift_step, _tl):
 
 @st.fragment
 def _step_view(tl, timeline_key: tuple, shift_step) -> None:
-    """The step slider, the step's table and the animated charts: a step move reruns only this."""
+    """The step slider and that step's table: a step move reruns only this fragment (the charts below
+    have their own step slider and ▶ Play, animated in the browser)."""
     step = int(ui.w_slider(st, "tl_step", "Decode step", 0, tl.n_steps - 1,
-                           help="The step shown first and in the table; ▶ Play under the charts animates every "
-                                "step in the browser."))
+                           help="The step in the table; the charts below have their own step slider and ▶ Play, "
+                                "which animate every step in the browser."))
     p = int(tl.positions[step])
     rows = []
     for name, pt in tl.policies.items():
@@ -54,11 +54,6 @@ def _step_view(tl, timeline_key: tuple, shift_step) -> None:
                      + (" …" if len(missed) > 12 else "")})
     st.markdown(f"**Step {step}**: query at position {p}, layer {tl.layer}, KV head {tl.kv_head}")
     st.dataframe(rows, hide_index=True, width="stretch")
-    fig = go.Figure(_animation(timeline_key, shift_step, tl))     # a copy: the cached figure stays at step 0
-    frame = fig.frames[step]
-    fig.update_layout(shapes=frame.layout.shapes, title_text=frame.layout.title.text)
-    fig.layout.sliders[0].active = step
-    st.plotly_chart(fig, key="tl_animation")
 
 
 def main() -> None:
@@ -123,7 +118,10 @@ def main() -> None:
                    help="Mean over the decode steps of the attention mass on evicted tokens.")
         col.caption(f"{int(pt.evicted_needed.sum())} tokens evicted, then needed")
 
-    _step_view(tl, (key, (spec.sink, spec.recent, spec.heavy), layer, kv_head, need, tuple(policies)), shift_step)
+    tkey = (key, (spec.sink, spec.recent, spec.heavy), layer, kv_head, need, tuple(policies))
+    _step_view(tl, tkey, shift_step)
+    # built once per setting; ▶ Play and the step slider under it run in the browser (no rerun)
+    st.plotly_chart(_animation(tkey, shift_step, tl), key="tl_animation")
 
     needed = sorted(set().union(*(np.flatnonzero(pt.evicted_needed).tolist() for pt in tl.policies.values())))
     if needed:
