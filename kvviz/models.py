@@ -352,6 +352,9 @@ def load_model(name: str = BUNDLED, device: str = "cpu", dtype: str = "float32",
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    threads = os.environ.get("KVVIZ_TORCH_THREADS", "").strip()
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))   # 1 is faster on a busy 2-core machine (benchmarks/model_lab.py)
     dt = torch_dtype(dtype)
     _check_device(device, torch)
     where, extra = resolve(name)
