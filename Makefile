@@ -58,6 +58,8 @@ $(RUNTIME_STAMP): | $(PY)
 	$(PIP) install -q --no-deps -e .
 	@echo "==> compiling the K/V quantization kernel (numba caches it on disk)"
 	$(PY) -c "from kvviz.quant import compile_kernel; compile_kernel()"
+	@echo "==> converting the bundled model once (weights cache) and precomputing the Model lab's default result"
+	-$(PY) -m kvviz.lab --precompute
 	@rm -f $(VENV)/.stamp-runtime-*
 	@touch $@
 

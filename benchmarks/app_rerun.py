@@ -9,11 +9,14 @@ where nothing changed (served from st.cache_data).
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 from streamlit.testing.v1 import AppTest
+
+os.environ.setdefault("KVVIZ_WARMUP", "0")   # no background model load while the Explorer is timed
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 

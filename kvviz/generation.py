@@ -121,8 +121,9 @@ class CompressedCache:
         self.tokens = tuple(tokens) if tokens is not None else None
         self.trace: Trace | None = None
         self.compressed = False
-        self._quant_memo: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
+        self._quant_memo: dict[tuple[int, str], Any] = {}   # see _quantized
         self._rows = torch.arange(n_kv_heads)[:, None]   # (H, 1) for gathers
+        self.block = False   # True: teacher-forced steps may arrive as one block (see block_ok)
         # record=True keeps every decode query and kept set, to rebuild the run as a Trace
         self.record = record
         self.step_q: list[list[np.ndarray]] = [[] for _ in range(n_layers)]       # (Hq, D) per step
@@ -146,6 +147,15 @@ class CompressedCache:
         mask = np.zeros((self.H, self.length[layer]), dtype=bool)
         np.put_along_axis(mask, self.kept[layer], True, axis=1)
         return mask
+
+    def seed(self, prefix: "Prefill", n: int) -> None:
+        """Fill the cache with the first n positions of a full-cache prefill (instead of running them)."""
+        if self.compressed or self.length[0]:
+            raise RuntimeError("seed an empty cache only")
+        self.k[:, :, :n] = prefix.k[:, :, :n]
+        self.v[:, :, :n] = prefix.v[:, :, :n]
+        self.length = [n] * self.L
+        self.prefill_q = [np.ascontiguousarray(prefix.q[layer, :, :n]) for layer in range(self.L)]
 
     def compress(self) -> None:
         """The compression point: score the prompt from its own attention and select."""
@@ -197,9 +207,11 @@ class CompressedCache:
     def _quantized(self, layer: int, which: str, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """quantize(x[kept]) with the spec's settings, x (H, m, D) gathered at idx (H, m).
 
-        Identical to calling kvviz.quant.quantize on the kept tokens every step; groups
-        whose tokens did not change since the last step are reused (a real quantized
-        cache quantizes a group once), so a step costs about one group's work.
+        Identical to calling kvviz.quant.quantize on the kept tokens every step, but each
+        token is quantized once, when it leaves the residual window (token axis: a group
+        is G channels of one token, so its value never changes), and each channel group
+        once when it fills (channel axis; a group whose tokens change by an eviction in
+        the middle of the cache is quantized again, as its members changed).
         """
         s = self.spec
         bits, axis = (s.key_bits, s.key_axis) if which == "k" else (s.value_bits, s.value_axis)
@@ -207,18 +219,43 @@ class CompressedCache:
         n_quant = max(0, m - s.residual)
         if n_quant == 0:
             return x
-        memo = self._quant_memo.get((layer, which))
-        same = _common_prefix(memo[0], idx[:, :n_quant]) if memo is not None else 0
-        # a token's groups depend on that token alone; a channel group only on its G tokens
-        start = same if axis == "token" else (same // s.group_size) * s.group_size
+        sel = idx[:, :n_quant]
         out = np.empty_like(x)
-        if start:
-            out[:, :start] = memo[1][:, :start]
-        out[:, start:n_quant] = quantize(x[:, start:n_quant], bits, axis, s.group_size, 0, s.symmetric,
-                                         zero_point=s.zero_point, partial=s.partial)
         out[:, n_quant:] = x[:, n_quant:]
-        self._quant_memo[(layer, which)] = (idx[:, :n_quant].copy(), out[:, :n_quant].copy())
+        memo = self._quant_memo.get((layer, which))
+        if axis == "token":
+            if memo is None:          # per cache position: its quantized value, and whether it is there yet
+                memo = (np.zeros((self.H, self.capacity, self.D), dtype=x.dtype),
+                        np.zeros((self.H, self.capacity), dtype=bool))
+                self._quant_memo[(layer, which)] = memo
+            values, done = memo
+            todo = ~np.take_along_axis(done, sel, axis=1)                         # (H, n_quant)
+            if todo.any():
+                heads, cols = np.nonzero(todo)
+                fresh = self._quantize_block(which, x[:, :n_quant][heads, cols][None])[0]   # (P, D)
+                values[heads, sel[heads, cols]] = fresh
+                done[heads, sel[heads, cols]] = True
+            out[:, :n_quant] = values[self._rows.numpy(), sel]
+            return out
+        # channel axis: a group of G consecutive kept tokens; keep the quantized compacted cache
+        if memo is None:
+            memo = [np.full((self.H, self.capacity), -1, dtype=np.int64),
+                    np.zeros((self.H, self.capacity, self.D), dtype=x.dtype), 0]
+            self._quant_memo[(layer, which)] = memo
+        kept_idx, values, length = memo
+        same = _common_prefix(kept_idx[:, :length], sel)
+        start = (same // s.group_size) * s.group_size
+        values[:, start:n_quant] = self._quantize_block(which, x[:, start:n_quant])
+        kept_idx[:, start:n_quant] = sel[:, start:]
+        memo[2] = n_quant
+        out[:, :n_quant] = values[:, :n_quant]
         return out
+
+    def _quantize_block(self, which: str, x: np.ndarray) -> np.ndarray:
+        """kvviz.quant.quantize of x (..., tokens, D) with the spec's K or V settings, no residual."""
+        s = self.spec
+        bits, axis = (s.key_bits, s.key_axis) if which == "k" else (s.value_bits, s.value_axis)
+        return quantize(x, bits, axis, s.group_size, 0, s.symmetric, zero_point=s.zero_point, partial=s.partial)
 
     # -- attention ------------------------------------------------------------------------
     def attend(self, layer: int, q, k, v, scaling: float):
@@ -237,7 +274,9 @@ class CompressedCache:
                 raise RuntimeError("the prefill must start at position 0")
             return self._prefill(layer, q, scaling)
         if t != 1:
-            raise RuntimeError("after the prefill, decode one token at a time")
+            if not self.block:
+                raise RuntimeError("after the prefill, decode one token at a time")
+            return self._attend_block(layer, q, start, scaling)
         p = start
         spec = self.spec
         scores = self.scores[layer]                                           # (H, capacity)
@@ -250,10 +289,7 @@ class CompressedCache:
             kept = _indices(self.policy.query_kept(attention, ScoreContext(self.trace, layer, spec),
                                                    query=q[:, 0].numpy(), keys=K_all.numpy()))
         else:
-            kept = np.concatenate([self.kept[layer], np.full((self.H, 1), p)], axis=1)   # arrives
-            scores[:, p] = self.policy.arrival_score(self.k[layer, :, p].numpy(), layer, p, self.spec)
-            if self.evicts and kept.shape[1] > spec.budget:                   # evict one per head
-                kept = evict_one(kept, scores, spec, p, ties_evict_later=not self.policy.streaming)
+            kept = self._arrive(layer, p)
         self.kept[layer] = kept
         if self.record:
             self.step_q[layer].append(q[:, 0].numpy().copy())
@@ -270,6 +306,72 @@ class CompressedCache:
                                ScoreContext(self.trace, layer, spec), (p - kept).astype(np.float64))
             np.put_along_axis(scores, kept, seen, axis=1)
         return out.reshape(self.Hq, 1, self.D)
+
+    def _arrive(self, layer: int, p: int) -> np.ndarray:
+        """Token p joins layer's cache; the cache is trimmed back to the budget. Returns the kept set."""
+        spec = self.spec
+        kept = np.concatenate([self.kept[layer], np.full((self.H, 1), p)], axis=1)   # arrives
+        self.scores[layer, :, p] = self.policy.arrival_score(self.k[layer, :, p].numpy(), layer, p, spec)
+        if self.evicts and kept.shape[1] > spec.budget:                       # evict one per head
+            kept = evict_one(kept, self.scores[layer], spec, p, ties_evict_later=not self.policy.streaming)
+        return kept
+
+    # -- teacher forcing in one pass ---------------------------------------------------------
+    def block_ok(self) -> bool:
+        """Can the steps after the compression point run as one masked pass?
+
+        Yes when the kept set at a step depends only on the tokens before it, never on the
+        compressed model's own later attention: one-shot policies (their scores are fixed at
+        the compression point; a later token's arrival score comes from its own key) and
+        quantization alone. Not for streaming policies (H2O, TOVA: scores fold in each
+        step's attention), the oracle (the step's own attention), the mask mode or a
+        recorded run.
+        """
+        return (self.mode == "delete" and not self.record
+                and not (self.evicts and (self.policy.streaming or self.policy.needs_query)))
+
+    def _attend_block(self, layer: int, q, start: int, scaling: float):
+        """t teacher-forced tokens at positions start.. in one pass, each query reading exactly
+        the cache the step loop would give it: the kept set after its own arrival (and
+        eviction), quantized as the loop quantizes it. Equal to t single steps."""
+        import torch
+
+        t = q.shape[1]
+        kept_steps = []
+        for i in range(t):                                   # the loop's own bookkeeping, token by token
+            self.kept[layer] = self._arrive(layer, start + i)
+            kept_steps.append(self.kept[layer])
+        qg = q.reshape(self.H, self.group, t, self.D)                         # (H, g, t, D)
+        s = self.spec
+        quantized = s.quant_model == "kv" and (s.key_bits < FULL_BITS or s.value_bits < FULL_BITS)
+        if not quantized and s.positions == "true":
+            # one mask over the full cache: -inf where a step's cache does not hold a token
+            n = start + t
+            hole = np.full((t, self.H, n), -np.inf, dtype=np.float32)
+            for i, kept in enumerate(kept_steps):
+                np.put_along_axis(hole[i], kept, 0.0, axis=1)
+            bias = torch.from_numpy(hole).permute(1, 0, 2)[:, None]           # (H, 1, t, n)
+            K, V = self.k[layer, :, :n], self.v[layer, :, :n]                 # (H, n, D)
+            a = torch.softmax(qg @ K[:, None].transpose(-1, -2) * scaling + bias, dim=-1)   # (H, g, t, n)
+            out = a @ V[:, None]                                              # (H, g, t, D)
+        else:
+            # every step's own cache, gathered (quantized, re-rotated) and padded to the longest
+            M = max(k.shape[1] for k in kept_steps)
+            Ks = torch.zeros(t, self.H, M, self.D)
+            Vs = torch.zeros(t, self.H, M, self.D)
+            hole = np.full((t, self.H, M), -np.inf, dtype=np.float32)
+            for i, kept in enumerate(kept_steps):
+                m = kept.shape[1]
+                K, V = self._kept_kv(layer, kept)
+                if s.positions == "cache":
+                    K = self._rerotated(K, kept, start + i)
+                Ks[i, :, :m], Vs[i, :, :m] = K, V
+                hole[i, :, :m] = 0.0
+            bias = torch.from_numpy(hole)[:, :, None]                         # (t, H, 1, M)
+            qt = qg.permute(2, 0, 1, 3)                                       # (t, H, g, D)
+            a = torch.softmax(qt @ Ks.transpose(-1, -2) * scaling + bias, dim=-1)   # (t, H, g, M)
+            out = (a @ Vs).permute(1, 2, 0, 3)                                # (H, g, t, D)
+        return out.reshape(self.Hq, t, self.D)
 
     def _prefill(self, layer: int, q, scaling: float):
         """Full causal attention over the prompt; q is kept for the policies' Trace."""
@@ -403,9 +505,15 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         return _fallback(module, before)(module, query, key, value, attention_mask, scaling=scaling,
                                          dropout=dropout, **kwargs)
     cache = entry[0]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if isinstance(cache, list):          # a batch: row b reads and writes its own cache (decode_many)
+        if query.shape[0] != len(cache):
+            raise RuntimeError(f"a batch of {query.shape[0]} rows for {len(cache)} caches")
+        import torch
+        outs = [c.attend(module.layer_idx, query[b], key[b], value[b], scale) for b, c in enumerate(cache)]
+        return torch.stack(outs).transpose(1, 2).contiguous(), None
     if query.shape[0] != 1:
         raise RuntimeError("compressed decoding runs one sequence at a time")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = cache.attend(module.layer_idx, query[0], key[0], value[0], scale)    # (Hq, t, D)
     return out.transpose(0, 1)[None].contiguous(), None
 
@@ -458,10 +566,50 @@ def _forward(model, ids: Sequence[int], start: int):
     return model(input_ids=x, position_ids=pos, use_cache=False).logits[0].float()
 
 
+@dataclass(frozen=True, eq=False)
+class Prefill:
+    """One full-cache forward pass over a text, kept so every later run can start from it.
+
+    Attention is full and causal, so the first n positions' q, k, v are exactly what a
+    prefill of the first n tokens alone gives: a compressed run (any spec) over a prompt
+    of n <= len(ids) tokens starts from here instead of running the prompt again.
+        logits  (N, vocab) float32   the full-cache logits at every position
+        k, v    (L, kv_heads, N, D)  post-RoPE, as a cache holds them
+        q       (L, q_heads, N, D)   float32 numpy, for the policies' Trace of the prompt
+    """
+
+    ids: tuple[int, ...]
+    logits: Any
+    k: Any
+    v: Any
+    q: np.ndarray
+    seconds: float
+
+    def covers(self, prompt_ids: Sequence[int]) -> bool:
+        n = len(prompt_ids)
+        return 0 < n <= len(self.ids) and tuple(int(i) for i in prompt_ids) == self.ids[:n]
+
+
+def prefill(model, ids: Sequence[int]) -> Prefill:
+    """The full-cache forward over ids, keeping every layer's q, k, v (see Prefill)."""
+    import torch
+
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise SpecError("the prompt is empty")
+    L, Hq, Hkv, D = model_dims(model)
+    cache = CompressedCache(Spec(), L, Hq, Hkv, D, capacity=len(ids))
+    t0 = time.perf_counter()
+    with torch.inference_mode(), compressed_cache(model, cache):
+        logits = _forward(model, ids, 0)
+    return Prefill(ids=tuple(ids), logits=logits, k=cache.k, v=cache.v, q=np.stack(cache.prefill_q),
+                   seconds=time.perf_counter() - t0)
+
+
 def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
            feed: Sequence[int] | None = None, mode: str = "delete", tokens: Sequence[str] | None = None,
            record: bool = False, on_step: Callable[[int, Any], None] | None = None, progress: Progress | None = None,
-           timings: dict | None = None):
+           timings: dict | None = None, prefix: Prefill | None = None, block: bool = False):
     """Prefill the prompt, compress, then run `steps` decode steps.
 
     Step i feeds feed[i] (teacher forcing) or, when feed is None, the greedy choice of
@@ -469,6 +617,11 @@ def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
     the prefill, row i+1 after feeding token i — the fed tokens, the cache). `timings`,
     if given, receives the seconds of the prefill (with the policy's scoring) and of the
     decode steps.
+
+    `prefix`: a Prefill whose ids start with prompt_ids; the prompt is not run again.
+    `block=True` with teacher forcing: when the spec allows it (CompressedCache.block_ok,
+    one-shot policies and quantization), all steps run as one masked pass, equal to the
+    step loop; otherwise the steps run one by one as usual.
     """
     import torch
 
@@ -481,13 +634,25 @@ def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
                               inv_freq=rope_inv_freq(model))   # RoPE: re-rotation, Expected Attention
     say = progress or (lambda f, m: None)
     rows, fed = [], []
+    if prefix is not None and not prefix.covers(prompt_ids):
+        prefix = None
     with torch.inference_mode(), compressed_cache(model, cache):
         say(0.0, f"prefill of {n} prompt tokens")
         t0 = time.perf_counter()
-        last = _forward(model, prompt_ids, 0)[-1]
+        if prefix is not None:
+            cache.seed(prefix, n)
+            last = prefix.logits[n - 1]
+        else:
+            last = _forward(model, prompt_ids, 0)[-1]
         cache.compress()
         t1 = time.perf_counter()
         rows.append(last)
+        if block and feed is not None and steps > 1 and on_step is None and cache.block_ok():
+            cache.block = True
+            say(0.0, f"{steps} teacher-forced steps in one masked pass")
+            rows.extend(_forward(model, [int(x) for x in feed[:steps]], n))
+            fed = [int(x) for x in feed[:steps]]
+            steps = 0
         for i in range(steps):
             tok = int(feed[i]) if feed is not None else int(torch.argmax(last))
             last = _forward(model, [tok], n + i)[-1]
@@ -500,6 +665,51 @@ def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
         if timings is not None:
             timings.update(prefill=t1 - t0, decode=time.perf_counter() - t1)
     return torch.stack(rows), fed, cache
+
+
+def decode_many(model, prompt_ids: Sequence[int], specs: Sequence[Spec], steps: Sequence[int],
+                feeds: Sequence[Sequence[int] | None], prefix: Prefill | None = None,
+                on_step: Callable[[int, int, Any], None] | None = None, tokens: Sequence[str] | None = None):
+    """Several decode runs of one prompt side by side, one batched forward a step.
+
+    Run r has its own spec and cache, runs steps[r] steps and feeds feeds[r][i] (teacher
+    forcing) or, when feeds[r] is None, its own greedy choice. Each batch row attends over
+    its own cache only, so every run gives what decode() gives it alone (the weights are
+    read once a step for all of them: on a CPU a batch of 2-3 costs about one step).
+    on_step(r, i, logits) after run r's step i. Returns [(logits, fed, cache)] per run.
+    """
+    import torch
+
+    L, Hq, Hkv, D = model_dims(model)
+    n = len(prompt_ids)
+    if n < 1:
+        raise SpecError("the prompt is empty")
+    if prefix is None or not prefix.covers(prompt_ids):
+        prefix = prefill(model, prompt_ids)
+    R = len(specs)
+    caches = [CompressedCache(spec, L, Hq, Hkv, D, capacity=n + st, tokens=tokens,
+                              inv_freq=rope_inv_freq(model) if spec.positions == "cache" else None)
+              for spec, st in zip(specs, steps)]
+    rows = [[prefix.logits[n - 1]] for _ in range(R)]
+    fed: list[list[int]] = [[] for _ in range(R)]
+    active: list = []
+    with torch.inference_mode(), compressed_cache(model, active):
+        for c in caches:
+            c.seed(prefix, n)
+            c.compress()
+        for i in range(max(steps, default=0)):
+            live = [r for r in range(R) if steps[r] > i]
+            toks = [int(feeds[r][i]) if feeds[r] is not None else int(torch.argmax(rows[r][-1])) for r in live]
+            active[:] = [caches[r] for r in live]
+            x = torch.tensor([[t] for t in toks], dtype=torch.long)
+            pos = torch.full((len(live), 1), n + i, dtype=torch.long)
+            logits = model(input_ids=x, position_ids=pos, use_cache=False).logits[:, -1].float()
+            for j, r in enumerate(live):
+                rows[r].append(logits[j])
+                fed[r].append(toks[j])
+                if on_step is not None:
+                    on_step(r, i, logits[j])
+    return [(torch.stack(rows[r]), fed[r], caches[r]) for r in range(R)]
 
 
 def plain_decode(model, prompt_ids: Sequence[int], steps: int, feed: Sequence[int] | None = None,
@@ -567,6 +777,7 @@ class Reference:
     tokens: tuple[str, ...]          # display strings of every token
     logp: Any                        # torch (M, vocab) full-cache log-probs predicting each continuation token
     seconds: float
+    prefill: Prefill | None = None   # the full-cache pass it came from: compressed runs start from it
 
     @property
     def n_continuation(self) -> int:
@@ -616,11 +827,11 @@ def reference(model, tokenizer, text_or_ids: str | Sequence[int], prompt_tokens:
     n, m = check_lengths(len(ids), prompt_tokens, continuation_tokens)
     ids = ids[: n + m]
     t0 = time.perf_counter()
+    pre = prefill(model, ids)                      # the full-cache logits and every layer's q, k, v
     with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()   # (n+m, V)
-    logp = torch.log_softmax(logits[n - 1: n + m - 1], dim=-1)                             # (m, V)
+        logp = torch.log_softmax(pre.logits[n - 1: n + m - 1], dim=-1)                    # (m, V)
     return Reference(ids=tuple(ids), prompt_len=n, tokens=token_strings(tokenizer, ids), logp=logp,
-                     seconds=time.perf_counter() - t0)
+                     seconds=time.perf_counter() - t0, prefill=pre)
 
 
 @dataclass(frozen=True, eq=False)
@@ -689,16 +900,30 @@ class Quality:
         }
 
 
-def evaluate(model, ref: Reference, spec: Spec, mode: str = "delete", progress: Progress | None = None) -> Quality:
-    """Teacher-forced decoding of ref's continuation with the compressed cache vs the full cache."""
+def evaluate(model, ref: Reference, spec: Spec, mode: str = "delete", progress: Progress | None = None,
+             block: bool = True) -> Quality:
+    """Teacher-forced decoding of ref's continuation with the compressed cache vs the full cache.
+
+    Starts from ref's prefill (the prompt is not run again). One-shot policies and
+    quantization score the whole continuation in one masked pass (block=True, equal to
+    the step loop); streaming policies and the oracle step token by token.
+    """
     import torch
 
     n, m = ref.prompt_len, ref.n_continuation
     t0 = time.perf_counter()
     logits, _, cache = decode(model, ref.ids[:n], spec, steps=m - 1, feed=ref.ids[n: n + m - 1],
-                              mode=mode, tokens=ref.tokens,
+                              mode=mode, tokens=ref.tokens, prefix=ref.prefill, block=block,
                               progress=None if progress is None else
                               (lambda f, msg: progress(f, f"{spec.label()}: {msg}")))
+    return quality_from(ref, spec, logits, cache, t0)
+
+
+def quality_from(ref: Reference, spec: Spec, logits, cache: CompressedCache, t0: float) -> Quality:
+    """Quality of a teacher-forced run's logits (m, vocab) against the reference (see evaluate)."""
+    import torch
+
+    n = ref.prompt_len
     logp_hat = torch.log_softmax(logits, dim=-1)                                 # (m, V)
     logp = ref.logp
     target = torch.as_tensor(ref.targets)[:, None]
@@ -750,21 +975,54 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def greedy(model, prompt_ids: Sequence[int], spec: Spec, max_new_tokens: int,
-           progress: Progress | None = None) -> list[int]:
-    """Greedy continuation (max_new_tokens ids) with the compressed cache."""
-    logits, fed, _ = decode(model, prompt_ids, spec, steps=max_new_tokens - 1, progress=progress)
+           progress: Progress | None = None, prefix: Prefill | None = None,
+           on_token: Callable[[int, int], None] | None = None) -> list[int]:
+    """Greedy continuation (max_new_tokens ids) with the compressed cache.
+
+    prefix: a Prefill covering the prompt (not run again). on_token(i, id) is called as
+    each token is chosen, so a caller can stream the text (and stop the run by raising).
+    """
     import torch
+
+    n = len(prompt_ids)
+    if prefix is not None and not prefix.covers(prompt_ids):
+        prefix = None
+    if prefix is None:
+        prefix = prefill(model, prompt_ids)
+    first = int(torch.argmax(prefix.logits[n - 1]))
+    if on_token is not None:
+        on_token(0, first)
+
+    def step(i: int, last) -> None:
+        on_token(i + 1, int(torch.argmax(last)))
+
+    logits, fed, _ = decode(model, prompt_ids, spec, steps=max_new_tokens - 1, progress=progress, prefix=prefix,
+                            on_step=step if on_token is not None else None)
     return fed + [int(torch.argmax(logits[-1]))]
 
 
 def side_by_side(model, tokenizer, prompt: str | Sequence[int], spec: Spec, max_new_tokens: int = 48,
-                 progress: Progress | None = None) -> SideBySide:
-    """Greedy text of the full cache next to the compressed cache's, first divergence marked."""
+                 progress: Progress | None = None, prefix: Prefill | None = None,
+                 full_ids: Sequence[int] | None = None,
+                 on_token: Callable[[int, int], None] | None = None) -> SideBySide:
+    """Greedy text of the full cache next to the compressed cache's, first divergence marked.
+
+    Both runs start from one prefill of the prompt (`prefix`, or one made here).
+    full_ids: the full cache's greedy ids computed before (they do not depend on the spec).
+    on_token streams the compressed run's tokens (see greedy).
+    """
     ids = tokenize(tokenizer, prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
     check_lengths(len(ids) + max_new_tokens, len(ids), max_new_tokens)
     say = progress or (lambda f, m: None)
-    full = greedy(model, ids, Spec(), max_new_tokens, progress=lambda f, m: say(0.5 * f, "full cache: " + m))
-    comp = greedy(model, ids, spec, max_new_tokens, progress=lambda f, m: say(0.5 + 0.5 * f, "compressed: " + m))
+    if prefix is None or not prefix.covers(ids):
+        prefix = prefill(model, ids)
+    if full_ids is not None and len(full_ids) >= max_new_tokens:
+        full = [int(i) for i in full_ids[:max_new_tokens]]
+    else:
+        full = greedy(model, ids, Spec(), max_new_tokens, prefix=prefix,
+                      progress=lambda f, m: say(0.5 * f, "full cache: " + m))
+    comp = greedy(model, ids, spec, max_new_tokens, prefix=prefix, on_token=on_token,
+                  progress=lambda f, m: say(0.5 + 0.5 * f, "compressed: " + m))
     return SideBySide(spec=spec, prompt=prompt if isinstance(prompt, str) else tokenizer.decode(ids),
                       full_ids=tuple(full), compressed_ids=tuple(comp),
                       full_tokens=token_strings(tokenizer, full), compressed_tokens=token_strings(tokenizer, comp),

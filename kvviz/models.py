@@ -12,7 +12,9 @@ probed with a short TCP connect; with no network it is loaded from the local cac
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import time
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -164,21 +166,172 @@ def torch_dtype(dtype: str):
     return getattr(torch, dtype)
 
 
-def _silence_gguf_bar():
+def _silence_gguf_bar(on_tensor: Callable[[int, int], None] | None = None):
     """The GGUF converter draws its own tqdm bar on stderr, outside transformers' switch;
-    we report progress ourselves. Returns the function that puts the bar back."""
-    import functools
-
+    we report progress ourselves: `on_tensor(done, total)` after each converted tensor.
+    Returns the function that puts the bar back."""
     try:
         import transformers.modeling_gguf_pytorch_utils as gguf_utils
     except ImportError:
         return lambda: None
     original = gguf_utils.tqdm
-    gguf_utils.tqdm = functools.partial(original, disable=True)
+
+    def quiet(iterable, *args, **kwargs):
+        items = list(iterable)
+        for i, item in enumerate(items):
+            yield item
+            if on_tensor is not None:
+                on_tensor(i + 1, len(items))
+    gguf_utils.tqdm = quiet
 
     def restore() -> None:
         gguf_utils.tqdm = original
     return restore
+
+
+# --- the converted-weights cache ------------------------------------------------------------
+#
+# Dequantizing a GGUF file costs 10-40 s on a laptop CPU, in every new process. After the
+# first conversion the weights are saved as safetensors (no pickle) with the config and the
+# tokenizer in <weights_cache_dir()>/<sha256 of the GGUF file>-<dtype>/, and later loads
+# read them back (well under a second). meta.json records what the folder was built from
+# and the sha256 of model.safetensors: a folder whose record does not match the GGUF file,
+# the dtype, this format or its own bytes is stale or corrupt; it is deleted and rebuilt,
+# never loaded.
+
+WEIGHTS_FORMAT = 1
+WEIGHTS_FILE = "model.safetensors"
+META_FILE = "meta.json"
+TIMINGS_FILE = "timings.json"
+_HASHES: dict[tuple[str, int, int], str] = {}   # (path, size, mtime_ns) -> sha256, per process
+
+
+def weights_cache_dir() -> Path:
+    """$KVVIZ_WEIGHTS_DIR, else $XDG_CACHE_HOME/kvviz/weights (~/.cache/kvviz/weights)."""
+    env = os.environ.get("KVVIZ_WEIGHTS_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvviz" / "weights"
+
+
+def weights_cache_enabled() -> bool:
+    return os.environ.get("KVVIZ_WEIGHTS_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file (remembered per process by path, size and mtime)."""
+    import hashlib
+
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _HASHES:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        _HASHES[key] = h.hexdigest()
+    return _HASHES[key]
+
+
+def weights_cache_folder(gguf: Path, dtype: str) -> Path:
+    """Where the converted weights of this GGUF file in this dtype live."""
+    return weights_cache_dir() / f"{file_sha256(gguf)[:32]}-{dtype}"
+
+
+def _meta_for(gguf: Path, dtype: str) -> dict:
+    import torch
+    import transformers
+
+    return {"format": WEIGHTS_FORMAT, "gguf_sha256": file_sha256(gguf), "gguf_name": gguf.name, "dtype": dtype,
+            "transformers": transformers.__version__, "torch": torch.__version__.split("+")[0]}
+
+
+def cached_weights_valid(folder: Path, gguf: Path, dtype: str) -> bool:
+    """True when `folder` holds a complete, uncorrupted conversion of `gguf` in `dtype`."""
+    try:
+        meta = json.loads((folder / META_FILE).read_text())
+        weights = folder / WEIGHTS_FILE
+        if not isinstance(meta, dict) or {k: meta.get(k) for k in _meta_for(gguf, dtype)} != _meta_for(gguf, dtype):
+            return False
+        if not (folder / "config.json").is_file() or not (folder / "tokenizer.json").is_file():
+            return False
+        if weights.stat().st_size != meta.get("weights_bytes"):
+            return False
+        _HASHES.pop((str(weights.resolve()), weights.stat().st_size, weights.stat().st_mtime_ns), None)
+        return file_sha256(weights) == meta.get("weights_sha256")
+    except (OSError, ValueError):
+        return False
+
+
+def save_weights_cache(model: Any, tokenizer: Any, gguf: Path, dtype: str) -> Path | None:
+    """Write the converted model to its cache folder (atomically: a temp folder, then a rename).
+    Returns the folder, or None when the cache cannot be written (read-only disk, ...)."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_model
+
+    folder = weights_cache_folder(gguf, dtype)
+    tmp = None
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
+        save_model(model, str(tmp / WEIGHTS_FILE))          # shared (tied) tensors stored once
+        model.config.save_pretrained(tmp)
+        cfg = json.loads((tmp / "config.json").read_text())
+        cfg.pop("quantization_config", None)                # plain float weights now
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        tokenizer.save_pretrained(tmp)
+        weights = tmp / WEIGHTS_FILE
+        meta = {**_meta_for(gguf, dtype), "weights_bytes": weights.stat().st_size,
+                "weights_sha256": file_sha256(weights)}
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+        return folder
+    except OSError:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return None
+
+
+def _timings() -> dict:
+    try:
+        d = json.loads((weights_cache_dir() / TIMINGS_FILE).read_text())
+        return d if isinstance(d, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _record_timing(kind: str, seconds: float) -> None:
+    try:
+        d = _timings()
+        d[kind] = round(float(seconds), 3)
+        weights_cache_dir().mkdir(parents=True, exist_ok=True)
+        (weights_cache_dir() / TIMINGS_FILE).write_text(json.dumps(d))
+    except OSError:
+        pass
+
+
+def load_estimate(name: str = BUNDLED, dtype: str = "float32") -> tuple[str, float]:
+    """("cached" | "convert", expected seconds) for loading `name`: measured on this machine
+    before when possible, else a guess from the GGUF file's size (~1 s per 5 MB to convert)."""
+    try:
+        where, extra = resolve(name)
+    except ModelError:
+        return "convert", 0.0
+    if "gguf_file" not in extra:
+        return "convert", _timings().get("plain", 5.0)
+    gguf = Path(where) / extra["gguf_file"]
+    d = _timings()
+    if weights_cache_enabled() and (weights_cache_folder(gguf, dtype) / META_FILE).is_file():
+        return "cached", d.get("cached", 1.5)
+    return "convert", d.get("convert", gguf.stat().st_size / 5e6)
+
+
+def _eta(seconds: float) -> str:
+    return f"about {max(1, round(seconds))} s" if seconds >= 0.5 else "under a second"
 
 
 def load_model(name: str = BUNDLED, device: str = "cpu", dtype: str = "float32",
@@ -186,34 +339,74 @@ def load_model(name: str = BUNDLED, device: str = "cpu", dtype: str = "float32",
     """(model, tokenizer, info) for `bundled`, a local folder / .gguf file, or a hub id.
 
     Never trust_remote_code. `device_map="auto"` (needs accelerate) spreads a big model
-    over several GPUs; otherwise the model is moved to `device`.
+    over several GPUs; otherwise the model is moved to `device`. A GGUF file is converted
+    once; later loads read the converted weights from the weights cache (see above).
+    Progress messages say which phase runs (reading, converting, moving) and how long
+    it should take, from the times measured on this machine before.
     """
     say = progress or (lambda f, m: None)
     name = (name or "").strip()
+    t_start = time.perf_counter()
     say(0.0, "loading torch and transformers")
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    threads = os.environ.get("KVVIZ_TORCH_THREADS", "").strip()
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))   # 1 is faster on a busy 2-core machine (benchmarks/model_lab.py)
     dt = torch_dtype(dtype)
     _check_device(device, torch)
     where, extra = resolve(name)
     local_only = extra.get("local_files_only", False)
     common = {**extra, "trust_remote_code": False}
     hub_msg = f"cannot load {name!r}: {NO_NETWORK}"
+    gguf = Path(where) / extra["gguf_file"] if "gguf_file" in extra else None
+    use_cache = gguf is not None and not device_map and weights_cache_enabled()
+
+    if use_cache:
+        say(0.02, f"reading {gguf.name} (checking the converted-weights cache)")
+        folder = weights_cache_folder(gguf, dtype)
+        if cached_weights_valid(folder, gguf, dtype):
+            expected = _timings().get("cached", 1.0)
+            say(0.1, f"reading the converted weights from the cache ({_eta(expected)})")
+            try:
+                model, tokenizer = _load_plain(folder, dt, {"local_files_only": True, "trust_remote_code": False})
+            except (OSError, ValueError, KeyError, TypeError, RuntimeError):
+                model = None                                 # unreadable after all: convert again
+            if model is not None:
+                say(0.9, f"moving the model to {device}")
+                model.to(device)
+                model.eval()
+                _record_timing("cached", time.perf_counter() - t_start)
+                say(1.0, "model ready")
+                return model, tokenizer, model_info(name, where, model, dtype, device)
+        if folder.exists():                                  # stale or corrupt: never loaded, rebuilt
+            import shutil
+            shutil.rmtree(folder, ignore_errors=True)
 
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()
-    gguf_bar = _silence_gguf_bar() if "gguf_file" in extra else None
+    t_convert = time.perf_counter()
+    expected = _timings().get("convert", gguf.stat().st_size / 5e6) if gguf is not None else 0.0
+
+    def on_tensor(done: int, total: int) -> None:
+        if done % 8 and done != total:
+            return
+        left = expected * (1 - done / total) if expected else 0.0
+        say(0.3 + 0.55 * done / total, f"converting the GGUF weights (first time only): tensor {done}/{total}, "
+                                       f"{_eta(left)} left")
+    gguf_bar = _silence_gguf_bar(on_tensor) if gguf is not None else None
     try:
         say(0.05, "reading the model config")
         try:
-            if "gguf_file" not in extra:
+            if gguf is None:
                 config = AutoConfig.from_pretrained(where, **common)
                 _check_causal_lm(name, config)
             say(0.1, "loading the tokenizer")
             tokenizer = AutoTokenizer.from_pretrained(where, **common)
-            say(0.3, "loading the weights" + (" (converting the GGUF file)" if "gguf_file" in extra else ""))
+            say(0.3, "loading the weights" + (f" (converting the GGUF file, first time only: {_eta(expected)})"
+                                              if gguf is not None else ""))
             kwargs: dict[str, Any] = dict(common, attn_implementation="eager", dtype=dt)
             if device_map:
                 kwargs["device_map"] = device_map
@@ -224,7 +417,7 @@ def load_model(name: str = BUNDLED, device: str = "cpu", dtype: str = "float32",
             raise ModelError(f"cannot load {name!r}: {_first_line(exc)}") from None
         except (ValueError, KeyError, TypeError) as exc:
             msg = _first_line(exc)
-            if "gguf_file" in extra and ("architecture" in msg.lower() or "not supported" in msg.lower()):
+            if gguf is not None and ("architecture" in msg.lower() or "not supported" in msg.lower()):
                 raise ModelError(f"cannot load {name!r}: unsupported GGUF architecture ({msg})") from None
             raise ModelError(f"{name!r} is not a causal language model transformers can load ({msg})") from None
     finally:
@@ -232,11 +425,33 @@ def load_model(name: str = BUNDLED, device: str = "cpu", dtype: str = "float32",
             transformers.utils.logging.enable_progress_bar()
         if gguf_bar is not None:
             gguf_bar()
+    if gguf is not None:
+        _record_timing("convert", time.perf_counter() - t_convert)
+    if use_cache:
+        say(0.88, "saving the converted weights (later loads take about a second)")
+        save_weights_cache(model, tokenizer, gguf, dtype)
     if not device_map:
+        say(0.95, f"moving the model to {device}")
         model.to(device)
     model.eval()
     say(1.0, "model ready")
     return model, tokenizer, model_info(name, where, model, dtype, device if not device_map else device_map)
+
+
+def _load_plain(folder: Path, dt: Any, common: dict) -> tuple[Any, Any]:
+    """Model and tokenizer from a transformers folder (the weights cache), progress bars off."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **common)
+        model = AutoModelForCausalLM.from_pretrained(folder, **common, attn_implementation="eager", dtype=dt)
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+    return model, tokenizer
 
 
 def model_info(name: str, where: str, model: Any, dtype: str, device: str) -> ModelInfo:

@@ -1182,6 +1182,8 @@ def page_setup(title: str, intro: str) -> bool:
     in the URL), the title and its one-line intro (a smaller title and no intro when
     presenting). Returns whether presentation mode is on."""
     from .ui_explorer import LAYOUT_CSS, PRESENT_CSS
+    from .ui_sources import warm_up
+    warm_up()   # the bundled model starts loading in the background on the first page view
     present = bool(w_check(st.sidebar, "present", "Presentation mode",
                            help="For a projector: larger text, the main chart first, the extras (tables, downloads, "
                                 "explanations) folded away. Kept in the link."))

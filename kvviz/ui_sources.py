@@ -125,17 +125,78 @@ def _model_store() -> dict:
 
 
 def shared_model(name: str, device: str = "cpu", dtype: str = "float32", progress=None):
-    """(model, tokenizer, info), loaded once per server; one model in memory at a time."""
+    """(model, tokenizer, info), loaded once per server; one model in memory at a time.
+
+    While the background load (warm_up) is reading the same model, its progress is
+    relayed to `progress` and its result used."""
     from .models import load_model
 
     store = _model_store()
     key = (name, device, dtype)
+    loading = store.get("loading", {}).get(key)
+    if loading is not None:
+        while not loading["done"].wait(0.25):
+            if progress is not None:
+                progress(loading["f"], f"{loading['msg']} (started {time.time() - loading['t0']:.0f} s ago)")
     with store["lock"]:
         models = store["models"]
         if key not in models:
             models.clear()
             models[key] = load_model(name, device=device, dtype=dtype, progress=progress)
         return models[key]
+
+
+def warmup_enabled() -> bool:
+    return os.environ.get("KVVIZ_WARMUP", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def warm_up(name: str = BUNDLED) -> dict | None:
+    """Start loading the bundled model in a background thread (once per server), then
+    precompute the Model lab's default result if it is not on disk yet, so the first
+    click in a class rarely waits. Returns the load's status dict (f, msg, t0, done, error)."""
+    if not warmup_enabled() or bundled_model_file() is None:
+        return None
+    store = _model_store()
+    key = (name, "cpu", "float32")
+    with store["lock"]:
+        if "warm" in store:
+            return store["warm"]
+        if key in store["models"]:
+            return None
+        status = {"f": 0.0, "msg": "starting", "t0": time.time(), "done": threading.Event(), "error": None}
+        store["warm"] = status
+        store.setdefault("loading", {})[key] = status
+
+    def work() -> None:
+        from .models import load_model
+
+        try:
+            loaded = load_model(name, progress=lambda f, m: status.update(f=f, msg=m))
+            with store["lock"]:
+                if not store["models"]:
+                    store["models"][key] = loaded
+        except Exception as e:  # noqa: BLE001 - shown by the page that needs the model
+            status["error"] = e
+        finally:
+            store["loading"].pop(key, None)
+            status["done"].set()
+        if status["error"] is None:
+            try:
+                from . import lab
+                lab.precompute(loader=lambda n, progress=None: shared_model(n, progress=progress))
+            except Exception:  # noqa: BLE001 - a precomputed result is a nicety; the page computes live
+                pass
+    threading.Thread(target=work, name="kvviz-warm-up", daemon=True).start()
+    return status
+
+
+def model_status(name: str = BUNDLED) -> str | None:
+    """One line on the background load, or None when nothing is loading."""
+    store = _model_store()
+    loading = store.get("loading", {}).get((name, "cpu", "float32"))
+    if loading is None:
+        return None
+    return f"Loading the model in the background: {loading['msg']} ({100 * loading['f']:.0f} %)"
 
 
 # --- Real model ---------------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """Model lab: run a real model with the compressed KV cache and compare its text with the full cache's."""
 
+import time
+
 import numpy as np
 import streamlit as st
 
-from kvviz import ui
+from kvviz import lab, ui, ui_sources
 from kvviz.figures_generation import continuation_html, kl_strip, nll_chart
 from kvviz.generation import sample_text
-from kvviz.spec import Spec, SpecError
+from kvviz.spec import SpecError
 from kvviz.trace import Trace
 from kvviz.ui_sources import EXAMPLE_PROMPT, shared_model
 
@@ -38,36 +40,67 @@ def _results() -> dict:
     return {}
 
 
-def run_lab(model_name: str, text: str, prompt_tokens: int, continuation: int, greedy_tokens: int,
-            spec_items: tuple, _progress=None) -> dict:
-    key = (model_name, text, prompt_tokens, continuation, greedy_tokens, spec_items)
+def _remember(key: tuple, result: dict) -> None:
     cache = _results()
-    if key not in cache:
-        if len(cache) >= 32:
-            cache.pop(next(iter(cache)))
-        cache[key] = _compute(*key, _progress=_progress)
-    return cache[key]
+    if len(cache) >= 32:
+        cache.pop(next(iter(cache)))
+    cache[key] = result
 
 
-def _compute(model_name: str, text: str, prompt_tokens: int, continuation: int, greedy_tokens: int,
-             spec_items: tuple, _progress=None) -> dict:
-    from kvviz.generation import evaluate, reference, side_by_side
+def _label(info, name: str) -> str:
+    label = getattr(info, "label", getattr(info, "name", name))
+    return label() if callable(label) else label
 
-    say = _progress or (lambda f, m: None)
-    spec = Spec(**dict(spec_items))
-    say(0.0, "Loading the model (the first time takes ~15 s: converting the GGUF weights)…")
-    model, tokenizer, info = shared_model(model_name, progress=lambda f, m: say(0.25 * f, f"Loading the model: {m}"))
-    say(0.25, "Full-cache reference: one forward pass over prompt + continuation…")
-    ref = reference(model, tokenizer, text, prompt_tokens, continuation)
-    quality = evaluate(model, ref, spec, progress=lambda f, m: say(0.3 + 0.4 * f, f"Teacher-forced, {m}"))
-    pair = None
-    if greedy_tokens:
-        pair = side_by_side(model, tokenizer, list(ref.ids[:prompt_tokens]), spec, greedy_tokens,
-                            progress=lambda f, m: say(0.7 + 0.3 * f, f"Greedy continuation, {m}"))
-    say(1.0, "Done")
-    label = getattr(info, "label", info.name)
-    return {"quality": quality, "pair": pair, "model": label() if callable(label) else label,
-            "n_text_tokens": len(ref.ids), "prompt_text": "".join(ref.tokens[:prompt_tokens])}
+
+def _estimate_text(settings: lab.LabSettings) -> str:
+    seconds = lab.estimate(settings, full_cached=_full_cached(settings))
+    if seconds is None:
+        return "The first run also measures how long a step takes here."
+    return (f"About {max(1, round(seconds))} s on this machine (from the step time measured here), "
+            + ("one masked pass for the scored tokens." if lab.one_pass(settings.spec) else
+               f"step by step for the scored tokens ({settings.spec.scorer} decides at every step)."))
+
+
+def _full_cached(settings: lab.LabSettings) -> bool:
+    models = ui_sources._model_store()["models"]
+    for (name, _, _), (model, tokenizer, _) in list(models.items()):
+        if name == settings.model:
+            return lab.full_cached(model, tokenizer, settings)
+    return False
+
+
+def _run_live(settings: lab.LabSettings) -> dict:
+    """Run with progress, the greedy texts streaming in as they are produced, and a cancel button."""
+    st.button("Cancel", key="lab_cancel", icon=":material/stop_circle:",
+              help="Stops the run at the next token; nothing is kept.")
+    with st.status("Running the model…", expanded=True) as status:
+        bar = st.progress(0.0)
+        line = st.empty()
+        t0 = time.perf_counter()
+        expected = lab.estimate(settings, full_cached=_full_cached(settings))
+
+        def progress(f: float, msg: str) -> None:
+            bar.progress(min(max(float(f), 0.0), 1.0))
+            took = time.perf_counter() - t0
+            left = f" · about {max(1, round(expected - took))} s left" if expected and expected > took else ""
+            line.caption(f"{msg} · {took:.0f} s{left}")
+        progress(0.0, "Loading the model (read from the weights cache after the first conversion)…")
+        model, tokenizer, info = shared_model(settings.model, progress=lambda f, m: progress(0.0, f"Loading the model: {m}"))
+        a, b = st.columns(2)
+        full_box, comp_box = a.empty(), b.empty()
+        full_toks: list[str] = []
+        comp_toks: list[str] = []
+
+        def stream(box, toks, title):
+            def on_token(i: int, tok: int) -> None:
+                toks.append(tokenizer.decode([tok]))
+                box.html(continuation_html(toks, None, title))
+            return on_token
+        result = lab.run(model, tokenizer, _label(info, settings.model), settings, progress=progress,
+                         on_full_token=stream(full_box, full_toks, "Full cache"),
+                         on_token=stream(comp_box, comp_toks, f"Compressed: {settings.spec.label()}"))
+        status.update(label=f"Finished in {result['seconds']:.1f} s", state="complete", expanded=False)
+    return result
 
 
 def main() -> None:
@@ -118,27 +151,32 @@ def main() -> None:
                 + ("" if spec.evicts or spec.quantizes else " — set a budget or bits in the sidebar to compress.")
                 + f"  \n**Positions:** {POSITION_TEXT[spec.positions]}")
 
-    args = (model_name, text, prompt_tokens, continuation, greedy_tokens, tuple(sorted(spec.__dict__.items())))
-    clicked = st.button("Run the model", type="primary", key="lab_run",
-                        help="Loads the model on first use, then decodes with the full and the compressed cache.")
+    settings = lab.LabSettings(model_name, text, prompt_tokens, continuation, greedy_tokens, spec)
+    key = settings.key()
     done = _results()
-    if not clicked and args not in done:
+    if key not in done and key == lab.default_settings().key():
+        stored = lab.load_result(settings)        # precomputed by `make venv` or the first start
+        if stored is not None:
+            done[key] = stored
+    c_run, c_est = st.columns([1, 3])
+    clicked = c_run.button("Run the model" if key not in done else "Run again (live)", type="primary", key="lab_run",
+                           help="Loads the model on first use, then decodes with the full and the compressed cache.")
+    c_est.caption(_estimate_text(settings))
+    status_line = ui_sources.model_status(model_name)
+    if status_line and not clicked:
+        st.caption(status_line)
+    if st.session_state.get("lab_cancel"):
+        st.warning("Run cancelled: nothing was kept. Press **Run the model** to start again.", icon=":material/stop_circle:")
+    if not clicked and key not in done:
         st.info("Nothing has run yet for these settings: press **Run the model**. The model loads only then.",
                 icon=":material/play_circle:")
         return
     try:
-        if args in done:
-            result = run_lab(*args)
+        if clicked:
+            result = _run_live(settings)
+            _remember(key, result)
         else:
-            with st.status("Running the model…", expanded=True) as status:
-                bar = st.progress(0.0)
-                line = st.empty()
-
-                def progress(f: float, msg: str) -> None:
-                    bar.progress(min(max(float(f), 0.0), 1.0))
-                    line.caption(msg)
-                result = run_lab(*args, _progress=progress)
-                status.update(label="Finished", state="complete", expanded=False)
+            result = done[key]
     except SpecError as e:
         st.error(f"Cannot run: {e}")
         return
@@ -148,6 +186,9 @@ def main() -> None:
             st.error(f"The model could not be loaded: {e}")
             return
         raise
+    if result.get("precomputed"):
+        st.caption("Precomputed for the default settings (at install or on the first start); "
+                   "**Run again (live)** recomputes it now.")
     show(result)
 
 

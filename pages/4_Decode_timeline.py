@@ -1,12 +1,10 @@
 """Decode timeline: what each eviction policy holds at every decode step, and what it threw away too early."""
 
-import time
-
 import numpy as np
 import streamlit as st
 
 from kvviz import ui
-from kvviz.figures_generation import regret_chart, timeline_map
+from kvviz.figures_generation import timeline_animation
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.spec import Spec, SpecError
 from kvviz.timeline import timeline
@@ -35,6 +33,31 @@ def _timeline(source_key: tuple, budget: tuple, layer: int, kv_head: int, need: 
                     layer=layer,
                     kv_head=kv_head,
                     policies=policies, need=need, max_steps=MAX_STEPS)
+
+
+@st.cache_resource(max_entries=16, show_spinner=False)
+def _animation(timeline_key: tuple, shift_step, _tl):
+    """The whole timeline as one figure with a frame per step (built once per setting)."""
+    return timeline_animation(_tl, 0, shift_step=shift_step, labels=POLICY_LABELS)
+
+
+@st.fragment
+def _step_view(tl, timeline_key: tuple, shift_step) -> None:
+    """The step slider and that step's table: a step move reruns only this fragment (the charts below
+    have their own step slider and ▶ Play, animated in the browser)."""
+    step = int(ui.w_slider(st, "tl_step", "Decode step", 0, tl.n_steps - 1,
+                           help="The step in the table; the charts below have their own step slider and ▶ Play, "
+                                "which animate every step in the browser."))
+    p = int(tl.positions[step])
+    rows = []
+    for name, pt in tl.policies.items():
+        missed = np.flatnonzero(pt.missed[step])
+        rows.append({"policy": POLICY_LABELS[name], "regret at this step": round(float(pt.regret[step]), 4),
+                     "tokens held": int(pt.kept[step].sum()),
+                     "needed now but evicted": ", ".join(f"{i} {tl.tokens[i]!r}" for i in missed[:12])
+                     + (" …" if len(missed) > 12 else "")})
+    st.markdown(f"**Step {step}**: query at position {p}, layer {tl.layer}, KV head {tl.kv_head}")
+    st.dataframe(rows, hide_index=True, width="stretch")
 
 
 def main() -> None:
@@ -102,11 +125,6 @@ def main() -> None:
         st.caption(f"Topic shift at position {shift} (decode step {shift - trace.context_len}); the late "
                    f"anchor tokens {trace.meta.get('shift_tokens')} are what the queries after it need.")
 
-    s1, s2 = st.columns([4, 1])
-    step = int(ui.w_slider(s1, "tl_step", "Decode step", 0, tl.n_steps - 1,
-                           help="Move through the decode steps; the dotted line marks the step on every chart."))
-    play = s2.button("▶ Play", key="tl_play", help="Animate the step line through every decode step.")
-
     # summary cards: one per policy
     cols = st.columns(len(tl.policies))
     for col, (name, pt) in zip(cols, tl.policies.items()):
@@ -114,25 +132,10 @@ def main() -> None:
                    help="Mean over the decode steps of the attention mass on evicted tokens.")
         col.caption(f"{int(pt.evicted_needed.sum())} tokens evicted, then needed")
 
-    detail = st.empty()
-    charts = st.empty()
-
-    def draw(s: int) -> None:
-        p = int(tl.positions[s])
-        with detail.container():
-            rows = []
-            for name, pt in tl.policies.items():
-                missed = np.flatnonzero(pt.missed[s])
-                rows.append({"policy": POLICY_LABELS[name], "regret at this step": round(float(pt.regret[s]), 4),
-                             "tokens held": int(pt.kept[s].sum()),
-                             "needed now but evicted": ", ".join(f"{i} {tl.tokens[i]!r}" for i in missed[:12])
-                             + (" …" if len(missed) > 12 else "")})
-            st.markdown(f"**Step {s}**: query at position {p}, layer {tl.layer}, KV head {tl.kv_head}")
-            st.dataframe(rows, hide_index=True, width="stretch")
-        with charts.container():
-            st.plotly_chart(regret_chart(tl, s), key=f"tl_regret_{s}")
-            for name in tl.policies:
-                st.plotly_chart(timeline_map(tl, name, s, shift_step=shift_step), key=f"tl_map_{name}_{s}")
+    tkey = (key, (spec.sink, spec.recent, spec.heavy), layer, kv_head, need, tuple(policies))
+    _step_view(tl, tkey, shift_step)
+    # built once per setting; ▶ Play and the step slider under it run in the browser (no rerun)
+    st.plotly_chart(_animation(tkey, shift_step, tl), key="tl_animation")
 
     needed = sorted(set().union(*(np.flatnonzero(pt.evicted_needed).tolist() for pt in tl.policies.values())))
     if needed:
@@ -140,13 +143,6 @@ def main() -> None:
                             format_func=lambda i: f"{i}: {tl.tokens[i]!r}", key="tl_token")
         st.markdown("\n".join(f"- **{POLICY_LABELS[name]}**: {pt.history(int(pick), tl.positions, tl.context_len)}"
                               for name, pt in tl.policies.items()))
-
-    if play:
-        for s in range(tl.n_steps):
-            draw(s)
-            time.sleep(0.12)
-    else:
-        draw(step)
     st.caption("What to look for: orange cells are tokens the full model needed at that step (attention ≥ "
                f"{tl.need:g}) that the policy had already evicted. The oracle has none by construction; after a "
                "topic shift H2O and TOVA have many, because nothing before the shift had looked at those tokens."

@@ -13,11 +13,17 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+# no background model load in test app runs (tests that need the model load it themselves)
+os.environ.setdefault("KVVIZ_WARMUP", "0")
+# Model lab results precomputed on this machine must not change what the app tests see
+os.environ.setdefault("KVVIZ_LAB_DIR", tempfile.mkdtemp(prefix="kvviz-lab-test-"))
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"

@@ -64,10 +64,20 @@ def test_timeline_layer_and_head_are_used():
     assert any("layer 1, KV head 1" in md.value for md in at.markdown)
 
 
-def test_timeline_play_and_no_budget():
+def test_timeline_plays_in_the_browser_and_no_budget():
+    """Play is in the figure: one frame per decode step, a play button and a step slider."""
+    import json
+
     at = run(TIMELINE, **SMALL_SHIFT)
-    at.button(key="tl_play").click().run()
-    assert not at.exception
+    charts = at.get("plotly_chart")
+    assert len(charts) == 1
+    fig = json.loads(charts[0].proto.spec)
+    assert len(fig["frames"]) == 16 and [f["name"] for f in fig["frames"]] == [str(s) for s in range(16)]
+    assert fig["layout"]["updatemenus"][0]["buttons"][0]["method"] == "animate"
+    assert len(fig["layout"]["sliders"][0]["steps"]) == 16
+    at.slider(key="tl_step").set_value(5).run()
+    assert any("**Step 5**" in md.value for md in at.markdown)
+    assert json.loads(at.get("plotly_chart")[0].proto.spec)["frames"][5]["layout"]["title"]["text"].startswith("Step 5:")
     at = run(TIMELINE, **{**SMALL_SHIFT, "sink": 0, "recent": 0, "heavy": 0})
     assert any("Eviction is off" in w.value for w in at.warning)
 

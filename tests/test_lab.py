@@ -1,0 +1,116 @@
+"""kvviz.lab: the Model lab's compute outside Streamlit (tiny random Llama), its JSON results
+on disk, the estimate, and the page opening on a stored result without loading a model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvviz import generation as gen  # noqa: E402
+from kvviz import lab  # noqa: E402
+from kvviz.spec import Spec  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+LAB_PAGE = str(ROOT / "pages" / "3_Model_lab.py")
+
+
+class Tok:
+    """A tokenizer for the tiny model: the text is space-separated token ids."""
+
+    def __call__(self, text):
+        return {"input_ids": [int(w) for w in text.split()]}
+
+    def decode(self, ids):
+        return f" {ids[0]}"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      attn_implementation="eager")
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    return model, " ".join(map(str, ids))
+
+
+@pytest.fixture(autouse=True)
+def lab_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVVIZ_LAB_DIR", str(tmp_path / "lab"))
+    lab._FULL.clear()
+
+
+@pytest.mark.parametrize("spec", [Spec(sink=2, recent=6, heavy=4, scorer="snapkv"),
+                                  Spec(sink=2, recent=6, heavy=4, scorer="h2o")], ids=lambda s: s.scorer)
+def test_a_run_equals_the_separate_functions(tiny, spec):
+    model, text = tiny
+    settings = lab.LabSettings("tiny", text, 24, 20, 8, spec)
+    streamed = []
+    result = lab.run(model, Tok(), "tiny", settings, on_token=lambda i, t: streamed.append(t))
+    ids = Tok()(text)["input_ids"]
+    q = gen.evaluate(model, gen.reference(model, Tok(), ids, 24, 20), spec, block=False)
+    np.testing.assert_allclose(result["quality"].nll, q.nll, atol=1e-5)
+    np.testing.assert_allclose(result["quality"].kl, q.kl, atol=1e-5)
+    pair = gen.side_by_side(model, Tok(), ids[:24], spec, 8)
+    assert result["pair"].full_ids == pair.full_ids and result["pair"].compressed_ids == pair.compressed_ids
+    assert tuple(streamed) == pair.compressed_ids
+    assert lab.full_cached(model, Tok(), settings)            # the full-cache side is kept per text
+    again = lab.run(model, Tok(), "tiny", settings.__class__(**{**settings.__dict__, "spec": Spec(sink=1, recent=4)}))
+    assert again["pair"].full_ids == pair.full_ids
+    assert lab.estimate(settings) > 0                         # measured step times now exist
+
+
+def test_a_callback_can_cancel_a_run(tiny):
+    model, text = tiny
+    settings = lab.LabSettings("tiny", text, 24, 20, 12, Spec(sink=2, recent=4, scorer="h2o"))
+
+    def stop(i, t):
+        if i == 4:
+            raise lab.Cancelled
+    with pytest.raises(lab.Cancelled):
+        lab.run(model, Tok(), "tiny", settings, on_token=stop)
+    assert model.config._attn_implementation == "eager" and not gen._ACTIVE
+
+
+def test_results_round_trip_through_json(tiny):
+    model, text = tiny
+    settings = lab.LabSettings("tiny", text, 24, 20, 6, Spec(sink=2, recent=6, heavy=4, scorer="knorm", key_bits=4))
+    result = lab.run(model, Tok(), "tiny", settings)
+    assert lab.load_result(settings) is None
+    path = lab.save_result(settings, result)
+    assert path.is_file() and path.read_text().startswith("{")      # JSON, not a pickle
+    back = lab.load_result(settings)
+    q, b = result["quality"], back["quality"]
+    assert b.spec == q.spec and b.tokens == q.tokens and np.array_equal(b.nll, q.nll) and np.array_equal(b.kl, q.kl)
+    assert b.as_dict() == q.as_dict()
+    assert back["pair"] == result["pair"] and back["precomputed"]
+    other = lab.LabSettings("tiny", text, 24, 20, 6, Spec(sink=2, recent=6, heavy=4, scorer="knorm"))
+    assert lab.load_result(other) is None                               # keyed by the settings
+    path.write_text("{broken")
+    assert lab.load_result(settings) is None
+
+
+def test_the_page_opens_on_the_stored_default_result(tiny, monkeypatch):
+    """The default settings' stored result shows at once, without loading a model."""
+    import kvviz.models
+    from apptest_util import run_app
+
+    model, text = tiny
+    tiny_result = lab.run(model, Tok(), "tiny", lab.LabSettings("tiny", text, 24, 20, 6, Spec(sink=4, recent=8)))
+    default = lab.default_settings()
+    lab.save_result(default, {**tiny_result, "model": "stored model"})
+    monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    at = run_app(LAB_PAGE, 300)
+    assert not at.exception
+    shown = {m.label: m.value for m in at.metric}
+    assert shown["Perplexity (compressed)"] == f"{tiny_result['quality'].perplexity:.2f}"
+    assert any("Precomputed for the default settings" in c.value for c in at.caption)
+    assert "Run again (live)" in [b.label for b in at.button]
