@@ -325,10 +325,12 @@ class CompressedCache:
         the compression point; a later token's arrival score comes from its own key) and
         quantization alone. Not for streaming policies (H2O, TOVA: scores fold in each
         step's attention), the oracle (the step's own attention), the mask mode or a
-        recorded run.
+        recorded run; nor for the serving formats, rotation or HF's residual flush (kvviz.quant.formats),
+        which quantize each step's whole kept set afresh, with scales and a residual of that step.
         """
         return (self.mode == "delete" and not self.record
-                and not (self.evicts and (self.policy.streaming or self.policy.needs_query)))
+                and not (self.evicts and (self.policy.streaming or self.policy.needs_query))
+                and not (self.spec.quant_model == "kv" and self.spec.quantizes and uses_formats(self.spec)))
 
     def _attend_block(self, layer: int, q, start: int, scaling: float):
         """t teacher-forced tokens at positions start.. in one pass, each query reading exactly
@@ -908,8 +910,6 @@ def evaluate(model, ref: Reference, spec: Spec, mode: str = "delete", progress: 
     quantization score the whole continuation in one masked pass (block=True, equal to
     the step loop); streaming policies and the oracle step token by token.
     """
-    import torch
-
     n, m = ref.prompt_len, ref.n_continuation
     t0 = time.perf_counter()
     logits, _, cache = decode(model, ref.ids[:n], spec, steps=m - 1, feed=ref.ids[n: n + m - 1],

@@ -123,6 +123,10 @@ class RaggedCache(CompressedCache):
                 V = torch.from_numpy(x)
         return K, V
 
+    def block_ok(self) -> bool:
+        """Ragged heads attend one at a time over their own kept tokens: the exact step loop only."""
+        return False
+
     def attend(self, layer: int, q, k, v, scaling: float):
         import torch
 
