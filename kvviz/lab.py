@@ -80,44 +80,6 @@ class FullSide:
     seconds: float
 
 
-def full_side(model, tokenizer, settings: LabSettings, progress: Progress | None = None,
-              on_token: Callable[[int, int], None] | None = None) -> FullSide:
-    """The full-cache side of a run, computed once per text and lengths (cached in memory)."""
-    from .generation import Spec as _Spec
-    from .generation import greedy, reference, tokenize
-
-    say = progress or (lambda f, m: None)
-    ids = tokenize(tokenizer, settings.text)
-    key = (id(model), tuple(ids), settings.prompt_tokens, settings.continuation, settings.greedy_tokens)
-    with _FULL_LOCK:
-        hit = _FULL.get(key)
-        if hit is not None:
-            _FULL.move_to_end(key)
-    if hit is not None:
-        if on_token is not None:
-            for i, t in enumerate(hit.greedy_ids):
-                on_token(i, t)
-        return hit
-    t0 = time.perf_counter()
-    say(0.0, "full cache: one forward pass over prompt + continuation")
-    ref = reference(model, tokenizer, ids, settings.prompt_tokens, settings.continuation)
-    _record("forward_token", ref.seconds / len(ref.ids))
-    out: tuple[int, ...] = ()
-    if settings.greedy_tokens:
-        n = ref.prompt_len
-        t1 = time.perf_counter()
-        out = tuple(greedy(model, list(ref.ids[:n]), _Spec(), settings.greedy_tokens, prefix=ref.prefill,
-                           on_token=on_token,
-                           progress=lambda f, m: say(f, f"full cache greedy: {m}")))
-        _record("step", (time.perf_counter() - t1) / max(settings.greedy_tokens - 1, 1))
-    side = FullSide(ref=ref, greedy_ids=out, seconds=time.perf_counter() - t0)
-    with _FULL_LOCK:
-        _FULL[key] = side
-        while len(_FULL) > _FULL_SIZE:
-            _FULL.popitem(last=False)
-    return side
-
-
 def run(model, tokenizer, label: str, settings: LabSettings, progress: Progress | None = None,
         on_full_token: Callable[[int, int], None] | None = None,
         on_token: Callable[[int, int], None] | None = None) -> dict:
