@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import tiny_llama
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
@@ -16,15 +18,7 @@ from kvviz.quant.formats import quantize_tensor, residual_at  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      attn_implementation="eager")
-    model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(1)).tolist()
-    return model, ids
+    return tiny_llama(hidden_size=128)
 
 
 SPECS = {

@@ -31,20 +31,7 @@ SAMPLE = (gen.__file__.rsplit("/", 1)[0] + "/data/sample.txt")
 ALL_SCORERS = ("h2o", "tova", "snapkv", "streaming", "oracle", "knorm", "random")
 
 
-# --- a tiny random Llama ------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      attn_implementation="eager")
-    model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(1)).tolist()
-    return model, ids
-
+# --- a tiny random Llama (the `tiny` fixture, conftest.tiny_llama) ---------------------------------
 
 def test_no_compression_matches_transformers_decoding(tiny):
     model, ids = tiny

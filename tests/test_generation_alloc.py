@@ -11,7 +11,6 @@ from kvviz.generation import decode
 from kvviz.policies import ScoreContext, get_policy
 from kvviz.policies.allocation import pyramid_budgets
 
-from test_generation import tiny  # noqa: F401  (the tiny random Llama fixture)
 
 
 def replay(cache, spec, n, steps):

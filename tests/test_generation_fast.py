@@ -11,20 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvviz import generation as gen  # noqa: E402
-from kvviz.generation import CompressedCache, Spec, decode, prefill  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      attn_implementation="eager")
-    model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(1)).tolist()
-    return model, ids
+from kvviz.generation import Spec, decode, prefill  # noqa: E402
 
 
 ONE_SHOT = [

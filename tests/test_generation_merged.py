@@ -10,7 +10,6 @@ pytest.importorskip("transformers")
 
 from kvviz.generation import Spec, decode, plain_decode, prefill  # noqa: E402
 
-from test_generation_fast import tiny  # noqa: E402,F401  (the fixture)
 
 SPECS = [
     Spec(key_format="e4m3", value_format="e4m3", fp8_scale="head"),

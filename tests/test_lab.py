@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import tiny_llama
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
@@ -31,14 +33,7 @@ class Tok:
 
 @pytest.fixture(scope="module")
 def tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      attn_implementation="eager")
-    model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    model, ids = tiny_llama()
     return model, " ".join(map(str, ids))
 
 
