@@ -196,10 +196,12 @@ def timeline_animation(tl: Timeline, step: int = 0, max_tokens: int = 1200, shif
 
     fig.frames = [go.Frame(name=str(s), layout=dict(shapes=shapes(s), title=dict(text=title(s)))) for s in range(S)]
     play = dict(frame=dict(duration=150, redraw=True), transition=dict(duration=0), fromcurrent=True, mode="immediate")
+    height, top, bottom = 300 + 260 * len(names), 70, 170
+    below_slider = -0.02 - 100 / (height - top - bottom)      # the legend under Play and the step slider
     fig.update_layout(
         title=dict(text=title(step), font=dict(size=14)), shapes=shapes(step),
-        height=300 + 260 * len(names), margin=dict(l=50, r=10, t=70, b=40),
-        legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="left", x=0.0),
+        height=height, margin=dict(l=50, r=10, t=top, b=bottom),
+        legend=dict(orientation="h", yanchor="top", y=below_slider, xanchor="left", x=0.0),
         updatemenus=[dict(type="buttons", direction="left", x=0.0, y=-0.02, xanchor="left", yanchor="top",
                           showactive=False, pad=dict(t=30, r=10),
                           buttons=[dict(label="▶ Play", method="animate", args=[None, play]),

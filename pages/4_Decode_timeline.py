@@ -58,6 +58,7 @@ def _step_view(tl, timeline_key: tuple, shift_step) -> None:
                      + (" …" if len(missed) > 12 else "")})
     st.markdown(f"**Step {step}**: query at position {p}, layer {tl.layer}, KV head {tl.kv_head}")
     st.dataframe(rows, hide_index=True, width="stretch")
+    ui.sync_url()   # a fragment rerun skips the script's own sync: the link must follow the step too
 
 
 def main() -> None:
