@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from apptest_util import run_app
+from apptest_util import run_app, share_one_model_load
 
 from kvviz import Spec, View, compare
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
@@ -80,19 +80,7 @@ def test_tradeoffs_gets_fp8_and_fp4_points():
 def test_model_lab_runs_a_serving_format(monkeypatch):
     """Model lab with NVFP4 keys, FP8 values and rotated keys from the URL: the page's perplexity
     is kvviz.generation.evaluate's under the same Spec (the real-model decode path)."""
-    import kvviz.models
-    from kvviz.models import bundled_model_file
-
-    if bundled_model_file() is None:
-        pytest.skip("the bundled model is not installed")
-    real, loaded = kvviz.models.load_model, {}
-
-    def load_once(name="bundled", **kwargs):
-        if name not in loaded:
-            loaded[name] = real(name, **kwargs)
-        return loaded[name]
-
-    monkeypatch.setattr(kvviz.models, "load_model", load_once)
+    load_once = share_one_model_load(monkeypatch)   # the page and this test share one load
     at = run_app(LAB, 300, sink="0", recent="0", heavy="0", key_fmt="nvfp4", value_fmt="e4m3", rotate="keys",
                  lab_prompt="40", lab_cont="8", lab_greedy="0")
     at.button(key="lab_run").click().run()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from apptest_util import run_app
+from apptest_util import run_app, share_one_model_load
 from streamlit.testing.v1 import AppTest
 
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
@@ -107,19 +107,7 @@ def test_model_lab_refuses_the_noise_model():
 
 @pytest.mark.model
 def test_model_lab_run_shows_the_cores_numbers(monkeypatch):
-    import kvviz.models
-    from kvviz.models import bundled_model_file
-
-    if bundled_model_file() is None:
-        pytest.skip("the bundled model is not installed")
-    real, loaded = kvviz.models.load_model, {}
-
-    def load_once(name="bundled", **kwargs):   # the page and this test share one load
-        if name not in loaded:
-            loaded[name] = real(name, **kwargs)
-        return loaded[name]
-
-    monkeypatch.setattr(kvviz.models, "load_model", load_once)
+    load_once = share_one_model_load(monkeypatch)   # the page and this test share one load
     at = run(LAB, sink=4, recent=12, heavy=0, scorer="streaming")
     at.number_input(key="lab_prompt").set_value(48)
     at.number_input(key="lab_cont").set_value(10)

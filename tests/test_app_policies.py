@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from apptest_util import run_app
+from apptest_util import run_app, share_one_model_load
 
 from kvviz import Spec, View, compare, figures
 from kvviz.ledger import budget_ledger
@@ -96,20 +96,8 @@ def test_timeline_with_new_scorers_and_ragged_caches():
 @pytest.mark.model
 @pytest.mark.slow
 def test_model_lab_runs_adakv_snapkv_with_the_cores_numbers(monkeypatch):
-    import kvviz.models
     from kvviz.generation import evaluate, reference, sample_text
-    from kvviz.models import bundled_model_file
-
-    if bundled_model_file() is None:
-        pytest.skip("the bundled model is not installed")
-    real, loaded = kvviz.models.load_model, {}
-
-    def load_once(name="bundled", **kwargs):
-        if name not in loaded:
-            loaded[name] = real(name, **kwargs)
-        return loaded[name]
-
-    monkeypatch.setattr(kvviz.models, "load_model", load_once)
+    load_once = share_one_model_load(monkeypatch)   # the page and this test share one load
     at = run_app(str(ROOT / "pages" / "3_Model_lab.py"), 300, sink=4, recent=8, heavy=8, scorer="snapkv",
                  allocation="adakv")
     at.number_input(key="lab_prompt").set_value(48)
