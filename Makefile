@@ -59,7 +59,7 @@ $(RUNTIME_STAMP): | $(PY)
 	@echo "==> compiling the K/V quantization kernel (numba caches it on disk)"
 	$(PY) -c "from kvviz.quant import compile_kernel; compile_kernel()"
 	@echo "==> converting the bundled model once (weights cache) and precomputing the Model lab's default result"
-	-$(PY) -m kvviz.lab --precompute
+	-$(PY) -m kvviz.decode.lab --precompute
 	@rm -f $(VENV)/.stamp-runtime-*
 	@touch $@
 

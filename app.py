@@ -6,12 +6,14 @@ other pages live in pages/. Widgets -> kvviz -> figures.
 
 import streamlit as st
 
-from kvviz import figures, ui
-from kvviz import ui_explorer as ux
-from kvviz import ui_formats
-from kvviz import ui_ledger
-from kvviz.figures import BAND_TEXT
-from kvviz.ui_data import (BIN_THRESHOLD, binned_frame, ensemble_text, error_extent, ranges_text, row_text,
+from kvviz.plots import figures
+
+from kvviz.app import ui
+from kvviz.app import explorer as ux
+from kvviz.app import formats as ui_formats
+from kvviz.app import ledger as ui_ledger
+from kvviz.plots.figures import BAND_TEXT
+from kvviz.analysis.frames import (BIN_THRESHOLD, binned_frame, ensemble_text, error_extent, ranges_text, row_text,
                            token_frame)
 
 

@@ -4,7 +4,7 @@ For 256 and 1024 prompt tokens it prints
 
     capture time / plain forward time = ratio          (target <= 1.3)
 
-where "capture" is kvviz.sources.model.capture (prefill only: tokenize, run the model while
+where "capture" is kvviz.sources.capture.capture (prefill only: tokenize, run the model while
 recording q/k/v of every layer, build the Trace with readable token strings) and "plain
 forward" is the same model on the same token ids with no recording (forward_only). Each
 time is the median of several runs after a warm-up, measured in this one process, forward
@@ -59,7 +59,7 @@ def rss_mb() -> float:
 def child(n: int) -> None:
     """Load the model, capture n tokens + 16 decode steps, print peak RSS figures."""
     from kvviz.models import load_model
-    from kvviz.sources.model import capture
+    from kvviz.sources.capture import capture
 
     import psutil
 
@@ -107,7 +107,7 @@ def main() -> int:
         return 0
 
     from kvviz.models import load_model
-    from kvviz.sources.model import capture, forward_only
+    from kvviz.sources.capture import capture, forward_only
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bundled SmolLM2-135M, "
           "eager attention, float32, CPU")

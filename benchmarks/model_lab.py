@@ -1,7 +1,7 @@
 """The Model lab's default run against the plain transformers work for the same tokens.
 
 The default run (bundled SmolLM2-135M, the sample text: 206 prompt + 57 scored tokens, 32
-greedy tokens side by side) with the model warm, through kvviz.lab.run: one shared
+greedy tokens side by side) with the model warm, through kvviz.decode.lab.run: one shared
 prefill, the full-cache greedy text, the compressed greedy text and the teacher-forced
 quality. The plain work for the same tokens is transformers' own: one forward over
 prompt + continuation, plus plain greedy decoding (DynamicCache: the prompt's prefill,
@@ -35,8 +35,8 @@ def main() -> int:
 
     import torch
 
-    from kvviz import lab
-    from kvviz.generation import plain_decode, tokenize
+    from kvviz.decode import lab
+    from kvviz.decode.generation import plain_decode, tokenize
     from kvviz.models import load_model
     from kvviz.spec import Spec
 

@@ -3,7 +3,7 @@
 Server side, on the page's default demo (synthetic, 256 context tokens, 48 decode steps,
 topic shift) with the handbook's budget and all four policies. The first computation is
 what the page does once per setting: every policy replayed step by step
-(kvviz.timeline.timeline) and the one animated figure with a frame per step, serialized
+(kvviz.analysis.timeline.timeline) and the one animated figure with a frame per step, serialized
 as Streamlit sends it. A step move afterwards is what the page's fragment does: copy the
 step's table (the fragment holds the step slider and the table; the charts keep their own
 step slider and Play, which run in the browser, plotly frames, and cost the server nothing). It prints
@@ -30,10 +30,10 @@ def main() -> int:
     import numpy as np
     import plotly.graph_objects as go
 
-    from kvviz.figures_generation import timeline_animation
+    from kvviz.plots.decode import timeline_animation
     from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
     from kvviz.spec import Spec
-    from kvviz.timeline import timeline
+    from kvviz.analysis.timeline import timeline
 
     trace = make_synthetic(SyntheticSpec(context=256, steps=48, topic_shift=12.0))
     spec = Spec(sink=4, recent=8, heavy=2)

@@ -1,18 +1,15 @@
 """kvviz: see what KV-cache compression does to attention.
 
-The core never imports Streamlit; torch and transformers are imported lazily, only by the
-model-capture code.
+The library API: a `Trace` (from `kvviz.sources`), a `Spec` (what the sliders set) and
+`compare` (the engine). The layers and what each may import: docs/architecture.md.
+The core never imports Streamlit; torch and transformers are imported lazily, only on the
+real-model side (`kvviz.models`, `kvviz.sources.capture`, `kvviz.decode`).
 """
 
-from .heap import keep_heap
-
-keep_heap()  # the engine's temporaries reuse freed memory instead of faulting it in again
-
-from .engine import Comparison, Memory, RowResult, compare, evaluate_row, keep_masks, memory_for
-from .spec import ENSEMBLES, SCORERS, Spec, SpecError, View
-from .trace import Trace, TraceError
-
-__version__ = "0.1.0"
+from kvviz.engine import Comparison, Memory, RowResult, compare, evaluate_row, keep_masks, memory_for
+from kvviz.spec import ENSEMBLES, SCORERS, Spec, SpecError, View
+from kvviz.trace import Trace, TraceError
+from kvviz.version import __version__
 
 __all__ = ["Comparison", "ENSEMBLES", "Memory", "RowResult", "SCORERS", "Spec", "SpecError",
-           "Trace", "TraceError", "View", "compare", "evaluate_row", "keep_masks", "memory_for"]
+           "Trace", "TraceError", "View", "__version__", "compare", "evaluate_row", "keep_masks", "memory_for"]

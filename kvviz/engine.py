@@ -17,13 +17,15 @@ from functools import lru_cache
 
 import numpy as np
 
-from .attention import kv_runs, logit_rows, small_blas, softmax, softmax_and_log
-from .metrics import RowMetrics, Spread, divergences, row_metrics_batch, spread
-from .policies import ScoreContext, get_policy
-from .quant import formats as qformats
-from .quant import CacheBytes, kv_bytes_per_token, quantize_kept, tensor_bytes
-from .spec import FULL_BITS, Spec, SpecError, View
-from .trace import Trace
+from kvviz.attention import keep_heap, kv_runs, logit_rows, small_blas, softmax, softmax_and_log
+from kvviz.metrics import RowMetrics, Spread, divergences, row_metrics_batch, spread
+from kvviz.policies import ScoreContext, get_policy
+from kvviz.quant import formats as qformats
+from kvviz.quant import CacheBytes, kv_bytes_per_token, quantize_kept, tensor_bytes
+from kvviz.spec import FULL_BITS, Spec, SpecError, View
+from kvviz.trace import Trace
+
+keep_heap()  # the engine's temporaries reuse freed heap instead of faulting pages in again
 
 # Why each token is in (or out of) the compressed cache, for colouring charts.
 EVICTED, SINK, RECENT, HEAVY, ALL = 0, 1, 2, 3, 4
@@ -194,7 +196,7 @@ def page_meta_bytes(spec: Spec, n_tokens: int, head_dim: int) -> float:
 @lru_cache(maxsize=256)
 def _memory(n_layers: int, n_kv_heads: int, head_dim: int, spec: Spec, n_tokens: int,
             context_len: int = 0) -> Memory:
-    from .policies.allocation import layer_spec
+    from kvviz.policies.allocation import layer_spec
 
     def per_head(k: int) -> float:
         return head_bytes(spec, k, head_dim, n_kv_heads, n_tokens, context_len)

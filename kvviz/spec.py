@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 SCORERS = ("h2o", "tova", "snapkv", "streaming", "oracle", "knorm", "random",
            "expected_attention", "keydiff", "chunkkv", "quest")
-PLUGIN_SCORERS: list[str] = []        # names registered by plug-ins (kvviz.plugins), appended at load time
+PLUGIN_SCORERS: list[str] = []        # names registered by plug-ins (kvviz.policies.plugins), appended at load time
 ALLOCATIONS = ("uniform", "adakv", "pyramid")   # how the heavy budget is spread over KV heads and layers
 CHUNK_INNER = ("snapkv", "expected_attention", "keydiff", "knorm", "h2o", "random")  # ChunkKV's token scorer
 AXES = ("channel", "token")
@@ -169,7 +169,7 @@ def check_spec(s: Spec) -> None:
         if getattr(s, name) < 0:
             raise SpecError(f"{name} must be 0 or more, got {getattr(s, name)}")
     if s.scorer not in SCORERS and s.scorer not in PLUGIN_SCORERS:
-        from .plugins import load_entry_points     # an installed plug-in kvviz has not loaded yet
+        from kvviz.policies.plugins import load_entry_points     # an installed plug-in kvviz has not loaded yet
         load_entry_points()
     if s.scorer not in SCORERS and s.scorer not in PLUGIN_SCORERS:
         raise SpecError(f"unknown scorer {s.scorer!r}; choose one of {', '.join(scorer_names())}")
@@ -202,6 +202,14 @@ def check_spec(s: Spec) -> None:
             raise SpecError(f"the SnapKV observation window ({s.observation_window}) must fit inside the recent "
                             f"window ({s.recent}): the window is always kept. Raise the recent window to "
                             f"{s.observation_window} or shrink the observation window")
+
+
+def installed_plugin_names() -> frozenset[str]:
+    """Names of the installed plug-in scorers (entry-point group `kvviz.policies`), read from the
+    package metadata without loading their code: the registry (kvviz.policies.registry) loads
+    them when one is first used, so a spec can name a plug-in kvviz has not loaded yet."""
+    from importlib.metadata import entry_points
+    return frozenset(ep.name for ep in entry_points(group="kvviz.policies"))
 
 
 def scorer_names() -> tuple[str, ...]:

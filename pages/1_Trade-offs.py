@@ -2,9 +2,11 @@
 
 import streamlit as st
 
-from kvviz import figures, ui
+from kvviz.plots import figures
+
+from kvviz.app import ui
 from kvviz.spec import View
-from kvviz.sweep import DEFAULT_FRACTIONS, pareto_front, split_budget, to_csv
+from kvviz.analysis.sweep import DEFAULT_FRACTIONS, pareto_front, split_budget, to_csv
 
 # URL value -> (label, sweep column, engine metric)
 METRICS = {"tv": ("TV distance", "tv", "tv_distance"),

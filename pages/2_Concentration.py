@@ -2,7 +2,9 @@
 
 import streamlit as st
 
-from kvviz import figures, ui
+from kvviz.plots import figures
+
+from kvviz.app import ui
 
 
 def main() -> None:

@@ -5,12 +5,16 @@ import time
 import numpy as np
 import streamlit as st
 
-from kvviz import lab, ui, ui_sources
-from kvviz.figures_generation import continuation_html, kl_strip, nll_chart
-from kvviz.generation import sample_text
+from kvviz.decode import lab
+
+from kvviz.app import ui
+
+from kvviz.app import sources as ui_sources
+from kvviz.plots.decode import continuation_html, kl_strip, nll_chart
+from kvviz.decode.generation import sample_text
 from kvviz.spec import SpecError
 from kvviz.trace import Trace
-from kvviz.ui_sources import EXAMPLE_PROMPT, shared_model
+from kvviz.app.sources import EXAMPLE_PROMPT, shared_model
 
 TEXTS = {"sample": sample_text, "bakery": lambda: EXAMPLE_PROMPT, "custom": None}
 TEXT_LABELS = {"sample": "kvviz sample text (built-in)", "bakery": "Bakery story (built-in)", "custom": "Your own text"}

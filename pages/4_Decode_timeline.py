@@ -3,11 +3,11 @@
 import numpy as np
 import streamlit as st
 
-from kvviz import ui
-from kvviz.figures_generation import timeline_animation
+from kvviz.app import ui
+from kvviz.plots.decode import timeline_animation
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.spec import Spec, SpecError
-from kvviz.timeline import timeline
+from kvviz.analysis.timeline import timeline
 from kvviz.trace import Trace, TraceError
 
 # Shown while the chosen source has no decode steps (the handbook example): a topic shift

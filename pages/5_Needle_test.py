@@ -2,9 +2,11 @@
 
 import streamlit as st
 
-from kvviz import needle, ui
-from kvviz.figures import CHART_CONFIG
-from kvviz.figures_needle import LABELS, grid_figure, heads_figure, needle_tokens_html
+from kvviz.analysis import needle
+
+from kvviz.app import ui
+from kvviz.plots.figures import CHART_CONFIG
+from kvviz.plots.needle import LABELS, grid_figure, heads_figure, needle_tokens_html
 from kvviz.spec import SpecError
 
 LIVE = "needle_live_grid"
@@ -61,7 +63,7 @@ def _head_picker(where, key: str, param: str, label: str, n: int, loudest: int) 
 
 
 def run_live(settings: dict, model_name: str) -> None:
-    from kvviz.ui_sources import shared_model
+    from kvviz.app.sources import shared_model
 
     with st.status("Running the needle grid…", expanded=True) as status:
         bar, line = st.progress(0.0), st.empty()

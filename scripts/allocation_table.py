@@ -5,7 +5,7 @@ sample text (issue #12).
 The trace: SmolLM2-135M (bundled, offline) reads kvviz's sample text teacher-forced, prompt
 206 tokens (the compression point), then 57 decode steps whose queries read the compressed
 cache (the decode path's own recording, full cache). Budget: a fraction (default 25%) of the
-tokens the last step sees, split as every sweep splits it (kvviz.sweep.split_budget: 4 sinks,
+tokens the last step sees, split as every sweep splits it (kvviz.analysis.sweep.split_budget: 4 sinks,
 the rest half recent window, half heavy hitters; StreamingLLM all window). Mass retained is
 averaged over every layer, every query head and every decode step.
 
@@ -35,7 +35,7 @@ ALLOCATIONS = ("uniform", "adakv", "pyramid")
 
 
 def bundled_trace(prompt_tokens: int, steps: int):
-    from kvviz.generation import decode, sample_text, tokenize
+    from kvviz.decode.generation import decode, sample_text, tokenize
     from kvviz.models import load_model
     from kvviz.spec import Spec
 
@@ -57,7 +57,7 @@ def mass_table(trace, budget_fraction: float, scorers, allocations, progress=Non
     from kvviz.engine import kept_at_query, keep_masks
     from kvviz.policies import get_policy
     from kvviz.spec import Spec, SpecError
-    from kvviz.sweep import split_budget
+    from kvviz.analysis.sweep import split_budget
 
     steps = trace.later_queries
     positions = trace.query_positions[steps]

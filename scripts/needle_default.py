@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvviz import needle  # noqa: E402
+from kvviz.analysis import needle  # noqa: E402
 from kvviz.models import load_model  # noqa: E402
 
 

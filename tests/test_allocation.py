@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvviz import Spec, SpecError, View, compare, memory_for
-from kvviz.ledger import budget_ledger
+from kvviz.analysis.ledger import budget_ledger
 from kvviz.policies.allocation import adakv_heavy, pyramid_budgets
 
 from test_policies_new import random_trace
@@ -122,7 +122,7 @@ def test_ledger_on_the_cli(capsys):
 
 def test_sweep_under_adakv_leaves_out_the_methods_it_cannot_wrap():
     from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
-    from kvviz.sweep import sweep
+    from kvviz.analysis.sweep import sweep
 
     t = make_synthetic(SyntheticSpec(context=64, steps=2))
     rows = sweep(t, ["h2o", "snapkv", "oracle"], [0.25], [16], View(ensemble="heads"),

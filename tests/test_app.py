@@ -10,8 +10,8 @@ from streamlit.testing.v1 import AppTest
 from kvviz import Spec, View, compare
 from kvviz.sources.handbook import handbook_trace
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
-from kvviz.ui import card_values
-from kvviz.ui_data import concentration
+from kvviz.app.ui import card_values
+from kvviz.analysis.frames import concentration
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = str(ROOT / "app.py")
@@ -396,7 +396,7 @@ def test_locked_y_axis_survives_slider_moves():
 
 
 def test_solver_applies_the_smallest_budget():
-    from kvviz.solve import solve
+    from kvviz.analysis.solve import solve
     at = run(bits="4", solve_target="0.95", ensemble="none")
     at.button(key="_solve").click().run()
     sol = solve(handbook_trace(), Spec(key_bits=4, value_bits=4), target_mass=0.95)
@@ -413,7 +413,7 @@ def test_presentation_mode_puts_the_main_chart_first_and_folds_the_extras():
 
 
 def test_downloads_are_named_by_their_settings_and_say_what_they_hold():
-    from kvviz import ui_explorer as ux
+    from kvviz.app import explorer as ux
     comp = compare(handbook_trace(), Spec(sink=4, recent=8, heavy=2, key_bits=4, value_bits=4),
                    View(ensemble="seeds", ensemble_size=8))
     assert ux.slug(comp.spec, "handbook") == "kvviz-handbook-h2o-s4-r8-h2-k4v4bit"
@@ -426,11 +426,11 @@ def test_downloads_are_named_by_their_settings_and_say_what_they_hold():
     import io
 
     import pandas as pd
-    from kvviz.ui_data import token_frame
+    from kvviz.analysis.frames import token_frame
     csv_text = header + token_frame(comp).to_csv(index=False)
     back = pd.read_csv(io.StringIO(csv_text), comment="#")
     assert len(back) == 64 and "error_ci95_lo" in back.columns
-    from kvviz import figures
+    from kvviz.plots import figures
     html = figures.figures_html([], "t", metrics=comp.metrics, about=header, link="http://x/?bits=4")
     assert "Open this view in kvviz" in html and "mass_retained" in html and "layer 0, query head 0" in html
 
@@ -438,7 +438,7 @@ def test_downloads_are_named_by_their_settings_and_say_what_they_hold():
 def test_real_text_opens_on_a_typical_head_and_the_grid_shades_and_separates(tmp_path, monkeypatch):
     from kvviz.sources import save_trace
     from kvviz.trace import trace_with
-    from kvviz.ui import typical_head
+    from kvviz.app.ui import typical_head
 
     monkeypatch.setenv("KVVIZ_CACHE_DIR", str(tmp_path))
     syn = make_synthetic(SyntheticSpec(context=48, steps=4, layers=3, q_heads=4, kv_heads=2))

@@ -12,7 +12,7 @@ from streamlit.testing.v1 import AppTest
 
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.spec import Spec
-from kvviz.timeline import timeline
+from kvviz.analysis.timeline import timeline
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB = str(ROOT / "pages" / "3_Model_lab.py")
@@ -92,7 +92,7 @@ def test_model_lab_loads_no_model_until_run(monkeypatch):
 
     monkeypatch.setattr(kvviz.models, "load_model", refuse)
     at = run(LAB)
-    from kvviz.ui import PRESETS
+    from kvviz.app.ui import PRESETS
     assert [b.label for b in at.button] == [*PRESETS, "Run the model"]
     assert any("press **Run the model**" in i.value for i in at.info)
     assert any("capped" in c.value for c in at.caption)
@@ -116,7 +116,7 @@ def test_model_lab_run_shows_the_cores_numbers(monkeypatch):
     assert not at.exception, [e.value for e in at.exception]
     shown = {m.label: m.value for m in at.metric}
 
-    from kvviz.generation import evaluate, reference, sample_text
+    from kvviz.decode.generation import evaluate, reference, sample_text
     model, tok, _ = load_once("bundled")
     q = evaluate(model, reference(model, tok, sample_text(), 48, 10), Spec(sink=4, recent=12, scorer="streaming"))
     assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from apptest_util import run_app
 
-from kvviz import needle
+from kvviz.analysis import needle
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = str(ROOT / "pages" / "5_Needle_test.py")
@@ -108,7 +108,7 @@ def test_no_shipped_grid_says_what_to_do(tmp_path, monkeypatch):
 
 
 def test_run_live_runs_the_grid_with_the_forms_settings_and_shows_it(shipped, monkeypatch):
-    import kvviz.ui_sources
+    import kvviz.app.sources
 
     asked = {}
     live = needle.NeedleGrid(model="live", settings=shipped.settings, prompts=shipped.prompts,
@@ -119,7 +119,7 @@ def test_run_live_runs_the_grid_with_the_forms_settings_and_shows_it(shipped, mo
         progress(0.5, "half way")
         return live
 
-    monkeypatch.setattr(kvviz.ui_sources, "shared_model", lambda name: (None, None, None))
+    monkeypatch.setattr(kvviz.app.sources, "shared_model", lambda name: (None, None, None))
     monkeypatch.setattr(needle, "run_grid", fake_run)
     at = run_app(PAGE, 120)
     submit = [b for b in at.get("form_submit_button")]

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 from apptest_util import run_app, share_one_model_load
 
-from kvviz import Spec, View, compare, figures
-from kvviz.ledger import budget_ledger
+from kvviz import Spec, View, compare
+
+from kvviz.plots import figures
+from kvviz.analysis.ledger import budget_ledger
 from kvviz.sources.handbook import handbook_trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +60,7 @@ def test_the_ledger_on_the_explorer_shows_the_cores_numbers():
 
 def test_tradeoff_chart_places_quest_by_bytes_read_and_says_so():
     from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
-    from kvviz.sweep import sweep
+    from kvviz.analysis.sweep import sweep
 
     t = make_synthetic(SyntheticSpec(context=64, steps=2))
     rows = sweep(t, ["quest", "snapkv"], [0.25], [16], View(ensemble="heads"))
@@ -76,7 +78,7 @@ def test_tradeoff_chart_places_quest_by_bytes_read_and_says_so():
 
 def test_timeline_with_new_scorers_and_ragged_caches():
     from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
-    from kvviz.timeline import timeline
+    from kvviz.analysis.timeline import timeline
 
     t = make_synthetic(SyntheticSpec(context=96, steps=6))
     spec = Spec(sink=4, recent=8, heavy=12, scorer="oracle", allocation="adakv")   # scorer: set per policy
@@ -96,7 +98,7 @@ def test_timeline_with_new_scorers_and_ragged_caches():
 @pytest.mark.model
 @pytest.mark.slow
 def test_model_lab_runs_adakv_snapkv_with_the_cores_numbers(monkeypatch):
-    from kvviz.generation import evaluate, reference, sample_text
+    from kvviz.decode.generation import evaluate, reference, sample_text
     load_once = share_one_model_load(monkeypatch)   # the page and this test share one load
     at = run_app(str(ROOT / "pages" / "3_Model_lab.py"), 300, sink=4, recent=8, heavy=8, scorer="snapkv",
                  allocation="adakv")

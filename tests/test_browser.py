@@ -15,7 +15,7 @@ import pytest
 
 from kvviz import Spec, View, compare
 from kvviz.sources.handbook import handbook_trace
-from kvviz.ui import card_values
+from kvviz.app.ui import card_values
 
 pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,7 +278,7 @@ def test_clicking_a_trade_off_point_opens_it_in_the_explorer(page, app_url):
 
 
 def test_needle_page_opens_on_the_shipped_grid_and_a_click_opens_a_cell(page, app_url):
-    from kvviz import needle
+    from kvviz.analysis import needle
 
     grid = needle.load_default()
     if grid is None:

@@ -235,7 +235,7 @@ def test_select_is_top_k_with_earliest_ties(scores, sink, recent, heavy):
 
 
 def test_sweep_split_rule_keeps_a_recent_token_and_the_budget():
-    from kvviz.sweep import split_budget
+    from kvviz.analysis.sweep import split_budget
     for budget in range(1, 40):
         for scorer in ("h2o", "streaming", "snapkv"):
             s = split_budget(scorer, budget)

@@ -5,11 +5,11 @@ import plotly.graph_objects as go
 import pytest
 
 from kvviz import Spec, View, compare
-from kvviz import figures
+from kvviz.plots import figures
 from kvviz.sources.handbook import HEAVY, RECENT, SINK, handbook_trace
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
-from kvviz.sweep import pareto_front
-from kvviz.ui_data import (BIN_THRESHOLD, binned_frame, bin_edges, concentration, error_band, ranges_text,
+from kvviz.analysis.sweep import pareto_front
+from kvviz.analysis.frames import (BIN_THRESHOLD, binned_frame, bin_edges, concentration, error_band, ranges_text,
                            token_frame)
 
 
@@ -146,7 +146,7 @@ def test_figures_html_is_standalone(handbook_comp):
 
 
 def test_token_grid_marks_every_token():
-    from kvviz.figures import token_grid_html
+    from kvviz.plots.figures import token_grid_html
 
     html = token_grid_html(["The", "▁cat", "<b>", "▁sat"], ["sink", "evicted", "heavy hitter", "recent"],
                            [0.5, 0.1, 0.3, 0.1], newest=3)

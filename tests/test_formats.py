@@ -271,7 +271,7 @@ def test_cli_formats(capsys):
 
 
 def test_rotation_figure_and_effect():
-    from kvviz.figures_quant import key_rotation_figure
+    from kvviz.plots.quant import key_rotation_figure
     from kvviz.quant.formats import rotation_effect
 
     t = make_synthetic(SyntheticSpec(context=64, steps=2, layers=1, q_heads=2, kv_heads=1, head_dim=64))

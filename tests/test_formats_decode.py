@@ -12,7 +12,7 @@ from conftest import tiny_llama
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvviz.generation import CompressedCache, Spec, decode, evaluate, reference  # noqa: E402
+from kvviz.decode.generation import CompressedCache, Spec, decode, evaluate, reference  # noqa: E402
 from kvviz.quant.formats import quantize_tensor, residual_at  # noqa: E402
 
 

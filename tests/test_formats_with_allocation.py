@@ -3,7 +3,7 @@
 import pytest
 
 from kvviz import Spec, SpecError, compare, memory_for, View
-from kvviz.ledger import budget_ledger
+from kvviz.analysis.ledger import budget_ledger
 
 from test_policies_new import random_trace
 

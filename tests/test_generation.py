@@ -19,15 +19,15 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kvviz import generation as gen  # noqa: E402
-from kvviz.generation import (CompressedCache, Spec, decode, evaluate, first_divergence,  # noqa: E402
+from kvviz.decode import generation as gen  # noqa: E402
+from kvviz.decode.generation import (CompressedCache, Spec, decode, evaluate, first_divergence,  # noqa: E402
                               masked_reference_logits, plain_decode, reference, side_by_side)
 from kvviz.policies import ScoreContext, get_policy  # noqa: E402
 from kvviz.quant import quantize  # noqa: E402
 from kvviz.spec import SpecError  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-SAMPLE = (gen.__file__.rsplit("/", 1)[0] + "/data/sample.txt")
+SAMPLE = gen.SAMPLE_TEXT_FILE
 ALL_SCORERS = ("h2o", "tova", "snapkv", "streaming", "oracle", "knorm", "random")
 
 
@@ -351,7 +351,7 @@ def test_rerotated_keys_give_the_logits_of_cache_slot_positions(tiny):
     Checked against transformers' own rotary embedding, not our rotation."""
     from transformers.models.llama.modeling_llama import rotate_half
 
-    from kvviz.generation import CompressedCache, rope_inv_freq
+    from kvviz.decode.generation import CompressedCache, rope_inv_freq
 
     model, _ = tiny
     rope = model.model.rotary_emb

@@ -1,4 +1,4 @@
-"""The fast paths of compressed decoding (kvviz.generation) against the exact step loop:
+"""The fast paths of compressed decoding (kvviz.decode.generation) against the exact step loop:
 one shared prefill, teacher forcing in one masked pass for one-shot policies, and the
 quantized cache quantizing a token (or a group) once. Tiny random Llama: fast, exact."""
 
@@ -10,8 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvviz import generation as gen  # noqa: E402
-from kvviz.generation import Spec, decode, prefill  # noqa: E402
+from kvviz.decode import generation as gen  # noqa: E402
+from kvviz.decode.generation import Spec, decode, prefill  # noqa: E402
 
 
 ONE_SHOT = [

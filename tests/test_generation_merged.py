@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvviz.generation import Spec, decode, plain_decode, prefill  # noqa: E402
+from kvviz.decode.generation import Spec, decode, plain_decode, prefill  # noqa: E402
 
 
 SPECS = [

@@ -1,4 +1,4 @@
-"""kvviz.lab: the Model lab's compute outside Streamlit (tiny random Llama), its JSON results
+"""kvviz.decode.lab: the Model lab's compute outside Streamlit (tiny random Llama), its JSON results
 on disk, the estimate, and the page opening on a stored result without loading a model."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from conftest import tiny_llama
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvviz import generation as gen  # noqa: E402
-from kvviz import lab  # noqa: E402
+from kvviz.decode import generation as gen  # noqa: E402
+from kvviz.decode import lab  # noqa: E402
 from kvviz.spec import Spec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

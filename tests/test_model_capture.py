@@ -21,7 +21,7 @@ from kvviz import Spec, View, compare  # noqa: E402
 from kvviz.attention import logit_row, softmax  # noqa: E402
 from kvviz.cli import main  # noqa: E402
 from kvviz.models import ModelError, bundled_model_file, load_model  # noqa: E402
-from kvviz.sources.model import (CaptureError, capture, check_attention, concentration,  # noqa: E402
+from kvviz.sources.capture import (CaptureError, capture, check_attention, concentration,  # noqa: E402
                                  head_overview, parse_layers, visible)
 from kvviz.sources.tracefile import load_trace, save_trace  # noqa: E402
 from kvviz.trace import Trace, TraceError  # noqa: E402
@@ -203,7 +203,7 @@ def test_progress_is_reported_and_monotonic(tiny):
 
 
 def test_capture_trace_loads_then_captures(tiny_dir, tiny_trace):
-    from kvviz.sources.model import capture_trace
+    from kvviz.sources.capture import capture_trace
 
     seen = []
     t = capture_trace(str(tiny_dir), TINY_TEXT, new_tokens=0, layers=[0],
@@ -364,7 +364,7 @@ def test_bundled_round_trip_and_errors(bundled, bundled_trace, tmp_path):
 def _real_model_page():
     import streamlit as st
 
-    from kvviz.ui_sources import real_model_source
+    from kvviz.app.sources import real_model_source
 
     t = real_model_source(st.sidebar)
     st.write("TRACE:" + ("none" if t is None else f"{t.n_layers}x{t.n_q_heads}x{t.n_positions}"
@@ -374,7 +374,7 @@ def _real_model_page():
 def _trace_file_page():
     import streamlit as st
 
-    from kvviz.ui_sources import trace_file_source
+    from kvviz.app.sources import trace_file_source
 
     t = trace_file_source(st.sidebar)
     st.write("TRACE:" + ("none" if t is None else f"{t.n_positions} tokens {t.tokens[0]}"))

@@ -1,4 +1,4 @@
-"""The needle test (kvviz.needle): prompts, scoring, the disk cache, and on the bundled model
+"""The needle test (kvviz.analysis.needle): prompts, scoring, the disk cache, and on the bundled model
 at the shortest length (320 tokens, needle at depth 10%, 25% budget):
 
 - the full cache answers the key exactly;
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvviz import needle
+from kvviz.analysis import needle
 from kvviz.spec import Spec, SpecError
 
 LENGTH, DEPTH, BUDGET = 320, 0.1, 0.25

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvviz import Spec, SpecError, View, compare, keep_masks
-from kvviz import plugins
+from kvviz.policies import registry as plugins
 from kvviz.cli import main
 from kvviz.policies import POLICIES, ScoreContext, get_policy
 from kvviz.spec import PLUGIN_SCORERS
@@ -134,7 +134,7 @@ def test_plugin_in_the_decode_path(installed):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvviz.generation import decode
+    from kvviz.decode.generation import decode
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

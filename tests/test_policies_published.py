@@ -160,7 +160,7 @@ def test_snapkv_sweep_points_spend_heavy_slots_on_voted_tokens_at_every_budget()
     """The Trade-offs sweep at 5-20%: each SnapKV point keeps exactly its budget, and every heavy
     hitter is a voted token before the observation window (before, small budgets degenerated to a
     tie-broken block of the window)."""
-    from kvviz.sweep import split_budget
+    from kvviz.analysis.sweep import split_budget
     t = make_synthetic(SyntheticSpec(context=256, steps=8))
     n = t.n_positions
     for f in (0.05, 0.1, 0.2, 0.3):

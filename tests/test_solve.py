@@ -6,10 +6,10 @@ import pytest
 
 from kvviz import Spec, SpecError, View, compare
 from kvviz.cli import main
-from kvviz.solve import solve
+from kvviz.analysis.solve import solve
 from kvviz.sources.handbook import handbook_trace
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
-from kvviz.sweep import split_budget
+from kvviz.analysis.sweep import split_budget
 
 
 @pytest.fixture(scope="module")

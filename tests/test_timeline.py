@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from kvviz.attention import softmax
-from kvviz.figures_generation import continuation_html, kl_strip, regret_chart, timeline_map
+from kvviz.plots.decode import continuation_html, kl_strip, regret_chart, timeline_map
 from kvviz.sources import SyntheticSpec, handbook_trace, make_synthetic
 from kvviz.spec import Spec, SpecError
-from kvviz.timeline import EVICTED, FUTURE, KEPT, MISSED, timeline
+from kvviz.analysis.timeline import EVICTED, FUTURE, KEPT, MISSED, timeline
 from kvviz.trace import TraceError
 
 SPEC = Spec(sink=4, recent=16, heavy=16)
@@ -143,7 +143,7 @@ def test_token_history_tells_when_a_token_was_evicted_and_needed(shifted):
     token = int(np.flatnonzero(h2o.evicted_needed)[0])
     text = h2o.history(token, tl.positions, tl.context_len)
     needed = np.flatnonzero(h2o.missed[:, token])
-    from kvviz.ui_data import ranges_text
+    from kvviz.analysis.frames import ranges_text
     assert f"needed at step{'s' if len(needed) > 1 else ''} {ranges_text(needed)} while evicted" in text
     if token < tl.context_len and not h2o.kept[0, token]:
         assert text.startswith("evicted at the compression point")

@@ -1,13 +1,13 @@
-"""The Decode timeline as one animated figure (kvviz.figures_generation.timeline_animation)."""
+"""The Decode timeline as one animated figure (kvviz.plots.decode.timeline_animation)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvviz.figures_generation import timeline_animation
+from kvviz.plots.decode import timeline_animation
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.spec import Spec
-from kvviz.timeline import timeline
+from kvviz.analysis.timeline import timeline
 
 
 def test_one_frame_per_step_with_the_step_line_and_the_regrets():

@@ -11,8 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvviz import models  # noqa: E402
-from kvviz.models import (META_FILE, WEIGHTS_FILE, bundled_model_file, cached_weights_valid,  # noqa: E402
+from kvviz.models import load as models  # noqa: E402
+from kvviz.models.load import (META_FILE, WEIGHTS_FILE, bundled_model_file, cached_weights_valid,  # noqa: E402
                           load_estimate, load_model, weights_cache_folder)
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]

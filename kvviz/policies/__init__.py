@@ -1,31 +1,16 @@
-"""Eviction policies: one small class a file; `POLICIES` maps scorer name -> instance."""
+"""Eviction policies: one small class a file, each with one `score`; `base` does the bookkeeping.
 
-from .base import Policy, ScoreContext, evict_one, select
-from .chunkkv import ChunkKV
-from .expected_attention import ExpectedAttention
-from .h2o import H2O
-from .keydiff import KeyDiff
-from .knorm import KNorm
-from .oracle import Oracle
-from .quest import Quest
-from .random import Random
-from .snapkv import SnapKV
-from .streaming import Streaming
-from .tova import TOVA
+    base        Policy and ScoreContext: scores -> kept masks at the compression point and per step
+    select      the budget rule (sinks + recent + top heavy) and its streaming form
+    allocation  AdaKV / PyramidKV budgets over heads and layers
+    registry    POLICIES by name, get_policy, plug-ins (entry points and files)
+    h2o, tova, snapkv, ...   the scorers
 
-POLICIES: dict[str, Policy] = {p.name: p for p in
-                               (H2O(), TOVA(), SnapKV(), Streaming(), Oracle(), KNorm(), Random(),
-                                ExpectedAttention(), KeyDiff(), ChunkKV(), Quest())}
+May import: the core (trace, spec, attention). Adding a policy = adding a file and a line in registry.
+"""
 
-
-def get_policy(name: str) -> Policy:
-    if name not in POLICIES:
-        from ..plugins import load_entry_points   # installed plug-ins (entry-point group kvviz.policies)
-        load_entry_points()
-    try:
-        return POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown scorer {name!r}; choose one of {', '.join(POLICIES)}") from None
-
+from kvviz.policies.base import Policy, ScoreContext
+from kvviz.policies.registry import POLICIES, get_policy
+from kvviz.policies.select import evict_one, select
 
 __all__ = ["POLICIES", "Policy", "ScoreContext", "evict_one", "get_policy", "select"]

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..spec import Spec
+from kvviz.policies.select import select
+from kvviz.spec import Spec
 
 
 def pyramid_budgets(heavy: int, n_layers: int, beta: float) -> np.ndarray:
@@ -89,7 +90,6 @@ def adakv_heavy(scores: np.ndarray, spec: Spec) -> np.ndarray:
 
 def select_heads(scores: np.ndarray, spec: Spec, heavy: np.ndarray) -> np.ndarray:
     """`select` with a heavy budget per KV head (H,): a ragged kept mask (H, n)."""
-    from .base import select
 
     heavy = np.asarray(heavy)
     if (heavy == heavy[0]).all():
@@ -103,7 +103,6 @@ def select_heads(scores: np.ndarray, spec: Spec, heavy: np.ndarray) -> np.ndarra
 
 def allocate(scores: np.ndarray, spec: Spec, layer: int, n_layers: int) -> np.ndarray:
     """Kept mask (H, n) of one layer from its scores under the spec's allocation."""
-    from .base import select
 
     if spec.allocation == "adakv" and spec.evicts:
         return select_heads(scores, spec, adakv_heavy(scores, spec))

@@ -24,9 +24,11 @@ from functools import cached_property
 
 import numpy as np
 
-from ..attention import context_rows, small_blas, softmax
-from ..spec import Spec
-from ..trace import Trace
+from kvviz.attention import context_rows, small_blas, softmax
+from kvviz.policies.allocation import adakv_heavy, allocate, layer_spec, select_heads
+from kvviz.policies.select import evict_one, select  # noqa: F401  (re-exported: policies import them from here)
+from kvviz.spec import Spec
+from kvviz.trace import Trace
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,6 @@ class Policy:
     def query_kept(self, attention: np.ndarray, ctx: ScoreContext, query: np.ndarray | None = None,
                    keys: np.ndarray | None = None) -> np.ndarray:
         """needs_query policies: the kept (read) mask (kv_heads, n) at one query, under the allocation."""
-        from .allocation import allocate
         return allocate(self.query_scores(attention, ctx, query=query, keys=keys), ctx.spec, ctx.layer,
                         ctx.trace.n_layers)
 
@@ -150,7 +151,6 @@ class Policy:
             for i, p in enumerate(positions):
                 out[i, :, : p + 1] = True
             return out
-        from .allocation import adakv_heavy, layer_spec, select_heads
         if spec.allocation == "pyramid":             # this layer's budget, then as uniform
             spec = layer_spec(spec, ctx.layer, trace.n_layers)
             ctx = ScoreContext(trace, ctx.layer, spec)
@@ -168,7 +168,7 @@ class Policy:
                 out[i, :, : p + 1] = select(scores[:, : p + 1], spec)
             return out
         if spec.allocation == "adakv":
-            from ..spec import SpecError
+            from kvviz.spec import SpecError
             raise SpecError(f"AdaKV allocates once from one-shot scores; {self.name} decides at every step")
         with small_blas():  # one query a step: small products
             return self._simulate(ctx, scores.copy(), positions, out)
@@ -217,49 +217,3 @@ class Policy:
             np.put_along_axis(scores, kept, seen, axis=1)
             seen_counts[: p + 1] += 1
         return out
-
-
-def select(scores: np.ndarray, spec: Spec) -> np.ndarray:
-    """Kept mask (kv_heads, n): sinks, recent window, and the top `heavy` of the rest.
-
-    Keeps min(sink + recent + heavy, n) tokens. Ties go to the earlier token. O(n) per
-    row: a partition finds the score of the last heavy hitter, and the earliest of the
-    tokens tied at that score fill what is left.
-    """
-    H, n = scores.shape
-    keep = np.zeros((H, n), dtype=bool)
-    keep[:, : spec.sink] = True
-    keep[:, max(0, n - spec.recent):] = True
-    first, end = min(spec.sink, n), max(min(spec.sink, n), n - spec.recent)   # candidates: [first, end)
-    take = min(spec.heavy, end - first)
-    if take > 0:
-        key = -scores[:, first:end]                 # best first
-        cut = np.partition(key, take - 1, axis=1)[:, take - 1: take]      # (H, 1): the last one taken
-        above = key < cut                                                 # strictly better
-        tied = key == cut
-        need = take - above.sum(axis=1, keepdims=True)
-        if (tied.sum(axis=1, keepdims=True) > need).any():               # too many tied: earliest first
-            tied &= np.cumsum(tied, axis=1) <= need
-        keep[:, first:end] = above | tied
-    return keep
-
-
-def evict_one(kept: np.ndarray, scores: np.ndarray, spec: Spec, p: int,
-              ties_evict_later: bool = False) -> np.ndarray:
-    """Drop, per KV head, the lowest-scoring token outside the sinks and the recent window.
-
-    kept (H, m+1) -> (H, m). A token no query has scored yet (+inf) goes only before
-    protected ones. Ties follow the policies' own rules: streaming policies evict the
-    earlier token; one-shot policies keep it (`select` keeps the earlier of equal scores,
-    and greedy eviction under fixed scores must give the same kept set).
-    """
-    H = kept.shape[0]
-    protected = (kept < spec.sink) | (kept > p - spec.recent)
-    key = np.where(protected, np.inf, np.minimum(np.take_along_axis(scores, kept, 1), np.finfo(np.float64).max))
-    if ties_evict_later:
-        victim = key.shape[1] - 1 - np.argmin(key[:, ::-1], axis=1)
-    else:
-        victim = np.argmin(key, axis=1)
-    drop = np.ones(kept.shape, dtype=bool)
-    drop[np.arange(H), victim] = False
-    return kept[drop].reshape(H, -1)

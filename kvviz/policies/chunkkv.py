@@ -13,7 +13,17 @@ window) scores -inf: it lies in the recent window, which is kept anyway.
 
 import numpy as np
 
-from .base import Policy, ScoreContext
+from kvviz.policies.base import Policy, ScoreContext
+from kvviz.policies.expected_attention import ExpectedAttention
+from kvviz.policies.h2o import H2O
+from kvviz.policies.keydiff import KeyDiff
+from kvviz.policies.knorm import KNorm
+from kvviz.policies.random import Random
+from kvviz.policies.snapkv import SnapKV
+
+# The token scorers a chunk can pool (spec.CHUNK_INNER), named here rather than looked up in the
+# registry, which lists ChunkKV itself (a wrapper that asked the registry would close a circle).
+INNER = {p.name: p for p in (SnapKV(), ExpectedAttention(), KeyDiff(), KNorm(), H2O(), Random())}
 
 
 def chunk_scores(token_scores: np.ndarray, c: int, size: int) -> np.ndarray:
@@ -33,12 +43,10 @@ class ChunkKV(Policy):
     kvpress = "ChunkKVPress(press=SnapKVPress(...), chunk_length=20)"
 
     def score_key(self, spec):
-        from . import get_policy
-        return (spec.chunk_size, spec.chunk_scorer) + get_policy(spec.chunk_scorer).score_key(spec)
+        return (spec.chunk_size, spec.chunk_scorer) + INNER[spec.chunk_scorer].score_key(spec)
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
-        from . import get_policy
-        inner = get_policy(ctx.spec.chunk_scorer)
+        inner = INNER[ctx.spec.chunk_scorer]
         c = ctx.n_context
         token = np.broadcast_to(inner.scores_at_compression(ctx), (ctx.trace.n_kv_heads, ctx.n_positions))
         scores = np.full(ctx.n_positions, -np.inf)

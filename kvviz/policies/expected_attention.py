@@ -20,7 +20,7 @@ do not rotate: the statistics are used as they are and the horizon has no effect
 
 import numpy as np
 
-from .base import Policy, ScoreContext
+from kvviz.policies.base import Policy, ScoreContext
 
 EA_SINK = 4   # kvpress ExpectedAttentionPress n_sink
 

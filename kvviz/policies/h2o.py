@@ -12,7 +12,7 @@ budget by the current scores, and the step's attention is folded in.
 
 import numpy as np
 
-from .base import Policy, ScoreContext
+from kvviz.policies.base import Policy, ScoreContext
 
 
 class H2O(Policy):

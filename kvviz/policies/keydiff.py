@@ -9,7 +9,7 @@ BlockPress around it.) Tokens after the compression point get no score.
 
 import numpy as np
 
-from .base import Policy, ScoreContext
+from kvviz.policies.base import Policy, ScoreContext
 
 
 class KeyDiff(Policy):

@@ -8,7 +8,7 @@ attention mass.
 
 import numpy as np
 
-from .base import Policy, ScoreContext
+from kvviz.policies.base import Policy, ScoreContext
 
 
 class Oracle(Policy):

@@ -15,7 +15,7 @@ plus the per-page min / max keys stay in memory. Reading every page is exact.
 
 import numpy as np
 
-from .base import Policy, ScoreContext
+from kvviz.policies.base import Policy, ScoreContext
 
 
 def page_bounds(query: np.ndarray, keys: np.ndarray, page_size: int) -> np.ndarray:

@@ -13,7 +13,7 @@ window_size=64, kernel_size=5.)
 
 import numpy as np
 
-from .base import Policy, ScoreContext
+from kvviz.policies.base import Policy, ScoreContext
 
 
 class SnapKV(Policy):

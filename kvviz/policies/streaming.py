@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from .base import Policy, ScoreContext
+from kvviz.policies.base import Policy, ScoreContext
 
 
 class Streaming(Policy):

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..spec import FORMATS, FULL_BITS, Spec
-from . import integer
-from .base import CacheBytes
-from .fp8 import fp8_bytes, fp8_quantize
-from .mxfp4 import mxfp4_bytes, mxfp4_quantize
-from .nvfp4 import nvfp4_bytes, nvfp4_quantize
-from .rotation import rotate, unrotate
+from kvviz.spec import FORMATS, FULL_BITS, Spec
+from kvviz.quant import integer
+from kvviz.quant.base import CacheBytes
+from kvviz.quant.fp8 import fp8_bytes, fp8_quantize
+from kvviz.quant.mxfp4 import mxfp4_bytes, mxfp4_quantize
+from kvviz.quant.nvfp4 import nvfp4_bytes, nvfp4_quantize
+from kvviz.quant.rotation import rotate, unrotate
 
 FORMAT_LABELS = {"int": "integer groups", "e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2", "nvfp4": "NVFP4",
                  "mxfp4": "MXFP4"}

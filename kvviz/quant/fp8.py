@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import CacheBytes
-from .minifloat import E4M3, E5M2, Minifloat
+from kvviz.quant.base import CacheBytes
+from kvviz.quant.minifloat import E4M3, E5M2, Minifloat
 
 FP8 = {"e4m3": E4M3, "e5m2": E5M2}
 FP8_SCALES = ("tensor", "head", "token")

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..spec import FULL_BITS
-from .base import CacheBytes
+from kvviz.spec import FULL_BITS
+from kvviz.quant.base import CacheBytes
 
 SCALE_BITS = 16
 ZERO_BITS = 16
@@ -124,7 +124,7 @@ def quantize_kept(cache: np.ndarray, heads: np.ndarray, positions: np.ndarray, b
     and the last `residual` of them stay exact. With delta=True the result is
     x_hat - x, exactly zero where nothing changed (what the engine adds to exact logits).
     """
-    from ..quant_kernel import fake_quantize  # numba: compiled on first use, cached on disk
+    from kvviz.quant.kernel import fake_quantize  # numba: compiled on first use, cached on disk
 
     if cache.dtype not in (np.float32, np.float64):   # float16 and friends: compute in float32
         return quantize_kept(cache.astype(np.float32), heads, positions, bits, axis, group_size, residual,

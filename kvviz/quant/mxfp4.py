@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .minifloat import E2M1, E8M0_MAX_EXP, E8M0_MIN_EXP, e8m0_exponent
-from .nvfp4 import blocked
+from kvviz.quant.minifloat import E2M1, E8M0_MAX_EXP, E8M0_MIN_EXP, e8m0_exponent
+from kvviz.quant.nvfp4 import blocked
 
 MXFP4_BLOCK = 32
 E2M1_EMAX = 2

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .fp8 import fp32_at_least
-from .minifloat import E2M1, E4M3
+from kvviz.quant.fp8 import fp32_at_least
+from kvviz.quant.minifloat import E2M1, E4M3
 
 NVFP4_BLOCK = 16
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..trace import Trace, TraceError
-from .handbook import handbook_trace
-from .synthetic import SyntheticSpec, make_synthetic
-from .tracefile import load_trace, save_trace
+from kvviz.trace import Trace, TraceError
+from kvviz.sources.handbook import handbook_trace
+from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from kvviz.sources.tracefile import load_trace, save_trace
 
 SOURCES = ("handbook", "synthetic")
 

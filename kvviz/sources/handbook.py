@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..trace import Trace
+from kvviz.trace import Trace
 
 SEQ_LEN = 64
 HEAD_DIM = 64

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from ..spec import SpecError
-from ..trace import Trace
+from kvviz.spec import SpecError
+from kvviz.trace import Trace
 
 MAX_CONTEXT = 32768
 MAX_STEPS = 512

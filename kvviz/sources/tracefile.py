@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..trace import Trace, TraceError
+from kvviz.trace import Trace, TraceError
 
 FORMAT = "kvviz-trace"
 VERSION = 1

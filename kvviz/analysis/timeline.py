@@ -1,0 +1,201 @@
+"""The decode timeline: which tokens each policy holds at every decode step, and what it costs.
+
+For a trace with later queries (decode steps), one layer and one KV head:
+
+    kept[s, i]     policy holds token i when the query of step s reads the cache
+                   (Policy.keep_masks: H2O and TOVA streaming step by step, one-shot
+                   policies from their compression-time scores; the oracle re-selects
+                   every step from that step's own attention - the bound)
+    a[s, i]        the full cache's attention of step s, averaged over the query heads
+                   of the KV group: a = mean_h softmax(q_h . K^T / sqrt(d))
+    regret[s]    = sum_i a[s, i] * [i <= p_s and not kept[s, i]]
+                   the attention mass the full model put on tokens already evicted
+    missed[s, i] = a[s, i] >= need and not kept[s, i]
+                   a token the model needed at step s that was no longer in the cache
+
+"Evicted and later needed" are the tokens with any missed step: history-based eviction
+threw them away, and a later query wanted them (the handbook's warning: a token ignored
+for 500 steps can be needed at step 501). Pure numpy; no Streamlit, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvviz.attention import softmax
+from kvviz.policies import ScoreContext, get_policy, select
+from kvviz.spec import Spec, SpecError
+from kvviz.trace import Trace, TraceError
+
+TIMELINE_POLICIES = ("h2o", "tova", "streaming", "oracle")
+DEFAULT_NEED = 0.02   # attention share that counts as "needed" at a step
+
+# Cell states of the steps x tokens map (figures colour by these).
+FUTURE, EVICTED, KEPT, MISSED = 0, 1, 2, 3
+STATE_NAMES = {FUTURE: "not arrived yet", EVICTED: "evicted", KEPT: "kept", MISSED: "evicted but needed now"}
+
+
+@dataclass(frozen=True, eq=False)
+class PolicyTimeline:
+    name: str
+    kept: np.ndarray        # (steps, positions) bool
+    regret: np.ndarray      # (steps,) full attention mass on evicted tokens
+    missed: np.ndarray      # (steps, positions) bool: needed at that step but evicted
+
+    @property
+    def evicted_needed(self) -> np.ndarray:
+        """(positions,) bool: tokens evicted that a later step needed."""
+        return self.missed.any(axis=0)
+
+    @property
+    def first_missed_step(self) -> np.ndarray:
+        """(positions,) the first step each token was needed while evicted; -1 if never."""
+        hit = self.missed.any(axis=0)
+        return np.where(hit, self.missed.argmax(axis=0), -1)
+
+    def states(self, positions: np.ndarray) -> np.ndarray:
+        """(steps, positions) int8 cell states: FUTURE / EVICTED / KEPT / MISSED."""
+        P = self.kept.shape[1]
+        arrived = np.arange(P)[None, :] <= positions[:, None]
+        out = np.where(arrived, EVICTED, FUTURE).astype(np.int8)
+        out[self.kept] = KEPT
+        out[self.missed] = MISSED
+        return out
+
+    @property
+    def regret_mean(self) -> float:
+        return float(self.regret.mean()) if len(self.regret) else 0.0
+
+    def history(self, token: int, positions: np.ndarray, context_len: int) -> str:
+        """One token's story under this policy: when it was evicted, when it was needed while gone.
+
+        e.g. 'evicted at the compression point; needed at steps 17-31 while evicted'.
+        """
+        from kvviz.analysis.frames import ranges_text
+
+        arrived = positions >= token
+        held = self.kept[:, token] & arrived
+        steps = np.flatnonzero(arrived)
+        if not len(steps):
+            return "not arrived within these steps"
+        parts = []
+        if not held[steps[0]]:
+            parts.append("evicted at the compression point" if token < context_len else
+                         f"evicted on arrival (step {steps[0]})")
+        else:
+            gone = steps[~held[steps]]
+            parts.append(f"held until step {gone[0] - 1}, evicted at step {gone[0]}" if len(gone) else
+                         "held at every step")
+        needed = np.flatnonzero(self.missed[:, token])
+        if len(needed):
+            parts.append(f"needed at step{'s' if len(needed) > 1 else ''} {ranges_text(needed)} while evicted")
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True, eq=False)
+class Timeline:
+    spec: Spec                     # budgets shared by all policies (scorer overridden per policy)
+    layer: int
+    kv_head: int
+    positions: np.ndarray          # (steps,) token position of each decode step's query
+    attention: np.ndarray          # (steps, positions) full-cache attention, group mean
+    tokens: tuple[str, ...]
+    context_len: int
+    need: float
+    policies: dict[str, PolicyTimeline]
+    skipped: dict[str, str] = field(default_factory=dict)   # policy -> why it cannot run with this spec
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.positions)
+
+    def summary(self) -> list[dict]:
+        """One row per policy: mean / max regret and how many needed tokens it had evicted."""
+        return [{"policy": name, "regret_mean": pt.regret_mean,
+                 "regret_max": float(pt.regret.max()) if len(pt.regret) else 0.0,
+                 "evicted_and_needed": int(pt.evicted_needed.sum()),
+                 "missed_cells": int(pt.missed.sum())}
+                for name, pt in self.policies.items()]
+
+
+def full_attention(trace: Trace, layer: int, kv_head: int, query_indices: np.ndarray) -> np.ndarray:
+    """(len(query_indices), positions) attention of each query, mean over the KV group's heads.
+
+    Zero beyond the query's own position (causal).
+    """
+    g = trace.group_size
+    heads = np.arange(kv_head * g, (kv_head + 1) * g)
+    P = trace.n_positions
+    out = np.zeros((len(query_indices), P))
+    k = trace.k[layer, kv_head].astype(np.float64)                          # (P, D)
+    scale = 1.0 / np.sqrt(trace.head_dim)
+    for s, qi in enumerate(query_indices):
+        p = int(trace.query_positions[qi])
+        if trace.logits is not None:
+            logits = trace.logits[layer, heads, qi, : p + 1].astype(np.float64)      # (g, p+1)
+        else:
+            q = trace.q[layer, heads, qi].astype(np.float64)                     # (g, D)
+            logits = q @ k[: p + 1].T * scale                                    # (g, p+1)
+        out[s, : p + 1] = softmax(logits).mean(axis=0)
+    return out
+
+
+def policy_masks(trace: Trace, spec: Spec, layer: int, positions: np.ndarray, name: str,
+                 kv_head: int, attention: np.ndarray) -> np.ndarray:
+    """(steps, positions) kept masks of one policy for one KV head."""
+    s = spec.with_(scorer=name)
+    policy = get_policy(name)
+    if policy.needs_query and (name != "oracle" or s.allocation != "uniform"):
+        # Quest's page reads, or an allocation across heads / layers: what the engine evaluates
+        from kvviz.engine import kept_at_query
+        index = {int(p): i for i, p in enumerate(trace.query_positions)}
+        kept = np.zeros((len(positions), trace.n_positions), dtype=bool)
+        for i, p in enumerate(positions):
+            kept[i, : p + 1] = kept_at_query(trace, s, layer, index[int(p)])[kv_head]
+        return kept
+    if policy.needs_query:
+        # the oracle: top-k of this very step's attention (summed over the group = the mean here)
+        kept = np.zeros((len(positions), trace.n_positions), dtype=bool)
+        for i, p in enumerate(positions):
+            kept[i, : p + 1] = select(attention[i, None, : p + 1], s)[0] if s.evicts else True
+        return kept
+    return policy.keep_masks(ScoreContext(trace, layer, s), positions)[:, kv_head]
+
+
+def timeline(trace: Trace, spec: Spec, layer: int = 0, kv_head: int = 0,
+             policies: tuple[str, ...] = TIMELINE_POLICIES, need: float = DEFAULT_NEED,
+             max_steps: int | None = None) -> Timeline:
+    """Kept sets, regret and missed tokens of several policies over a trace's decode steps."""
+    if not trace.has_later_queries:
+        raise TraceError("the decode timeline needs a trace with decode steps (later queries); "
+                         "this one only has its prompt")
+    if not 0 <= layer < trace.n_layers:
+        raise SpecError(f"layer {layer} does not exist: this trace has layers 0-{trace.n_layers - 1}")
+    if not 0 <= kv_head < trace.n_kv_heads:
+        raise SpecError(f"KV head {kv_head} does not exist: this trace has KV heads 0-{trace.n_kv_heads - 1}")
+    if not spec.evicts:
+        raise SpecError("set a budget (sink, recent or heavy) - without eviction every policy keeps everything")
+    if not 0 < need <= 1:
+        raise SpecError(f"the 'needed' threshold is an attention share in (0, 1], got {need}")
+    steps = trace.later_queries
+    if max_steps is not None:
+        steps = steps[:max_steps]
+    positions = trace.query_positions[steps].astype(np.int64)
+    attn = full_attention(trace, layer, kv_head, steps)                      # (S, P)
+    arrived = np.arange(trace.n_positions)[None, :] <= positions[:, None]    # (S, P)
+    out, skipped = {}, {}
+    for name in policies:
+        try:
+            spec.with_(scorer=name)
+        except SpecError as e:     # e.g. AdaKV with a streaming scorer: say why, draw the others
+            skipped[name] = str(e)
+            continue
+        kept = policy_masks(trace, spec, layer, positions, name, kv_head, attn)
+        evicted = arrived & ~kept
+        regret = (attn * evicted).sum(axis=1)
+        missed = evicted & (attn >= need)
+        out[name] = PolicyTimeline(name=name, kept=kept, regret=regret, missed=missed)
+    return Timeline(spec=spec, layer=layer, kv_head=kv_head, positions=positions, attention=attn,
+                    tokens=trace.tokens, context_len=trace.context_len, need=need, policies=out, skipped=skipped)

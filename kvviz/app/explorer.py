@@ -1,0 +1,220 @@
+"""Explorer widgets for a class: pin and compare (A/B), a locked y-axis, the target solver,
+presentation mode and downloads named by their settings.
+
+Streamlit glue over the core: the pinned setting is the compression controls' values
+encoded in the URL (`pin=sink:4,heavy:8,...`), the solver is kvviz.analysis.solve, the files are
+kvviz.plots.figures / kvviz.analysis.frames output.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import streamlit as st
+
+from kvviz.plots import figures
+
+from kvviz.app import ui
+from kvviz.engine import Comparison
+from kvviz.spec import Spec, SpecError, View
+
+PIN_NONE = "default"   # a pin of the all-default compression settings
+
+
+# --- pin and compare -------------------------------------------------------------------------
+
+def pin_encode(values: dict) -> str:
+    """The compression settings that differ from their defaults, as 'name:value,...'."""
+    parts = [f"{k}:{ui.PARAMS[k].encode(values[k])}" for k in ui.COMPRESSION_PARAMS
+             if values[k] != ui.PARAMS[k].default]
+    return ",".join(parts) or PIN_NONE
+
+
+def pin_decode(text: str) -> tuple[dict, list[str]]:
+    """(compression values, notices) of a pin; unknown or bad entries are dropped with a notice."""
+    values = {k: ui.PARAMS[k].default for k in ui.COMPRESSION_PARAMS}
+    notes = []
+    if text == PIN_NONE:
+        return values, notes
+    for item in filter(None, text.split(",")):
+        name, _, raw = item.partition(":")
+        if name not in ui.COMPRESSION_PARAMS:
+            notes.append(f"The pinned setting's `{name}` is not a compression setting; ignored.")
+            continue
+        value, note = ui.PARAMS[name].parse(raw)
+        values[name] = value
+        if note:
+            notes.append(f"Pinned setting: {note}")
+    return values, notes
+
+
+def _pin() -> None:
+    store = ui.settings_dict()
+    st.session_state[ui.STORE]["pin"] = pin_encode(store)
+
+
+def _unpin() -> None:
+    st.session_state[ui.STORE]["pin"] = ""
+
+
+def pinned_spec() -> Spec | None:
+    """The pinned setting A (None if nothing is pinned or it cannot be built: a notice says why)."""
+    text = ui.settings_dict()["pin"]
+    if not text:
+        return None
+    values, notes = pin_decode(text)
+    for n in notes:
+        ui.notice(n)
+    try:
+        return ui.spec_from_values(values)
+    except SpecError as e:
+        ui.notice(f"The pinned setting cannot be used ({e}); pin again.")
+        return None
+
+
+def pin_controls(spec: Spec, pinned: Spec | None) -> None:
+    with st.container(horizontal=True, vertical_alignment="center", gap="small"):
+        st.button("Pin this setting as A", key="_pin", on_click=_pin, icon=":material/push_pin:",
+                  help="Keep the current compression settings as A; change the sliders and see A next to them "
+                       "(open diamonds on the charts, differences on the cards). The pin is in the link.")
+        if pinned is not None:
+            st.button("Unpin A", key="_unpin", on_click=_unpin)
+            st.markdown(f"**A:** {pinned.label()} · **now:** {spec.label()}", width="content")
+
+
+# --- a y-axis that does not jump ------------------------------------------------------------------
+
+def nice_ceiling(x: float) -> float:
+    """The next 1, 2 or 5 x 10^k at or above x (0.043 -> 0.05)."""
+    if not x > 0 or not math.isfinite(x):
+        return 0.1
+    k = math.floor(math.log10(x))
+    for m in (1, 2, 5, 10):
+        if m * 10 ** k >= x * (1 - 1e-12):
+            return float(m * 10 ** k)
+    return float(10 ** (k + 1))
+
+
+def y_lock(extent: float) -> float | None:
+    """A toggle that freezes the error chart's y-axis at ±range (in the URL); None = automatic."""
+    store, ss = ui.settings_dict(), st.session_state
+
+    def toggled() -> None:
+        ss[ui.STORE]["ylock"] = min(1.0, nice_ceiling(extent)) if ss["_ylock_on"] else 0.0
+        ss["ylock"] = ss[ui.STORE]["ylock"]
+
+    ss["_ylock_on"] = store["ylock"] > 0
+    c1, c2 = st.columns([2, 1], vertical_alignment="center")
+    c1.toggle("Lock the error chart's y-axis", key="_ylock_on", on_change=toggled,
+              help="Moving a slider then changes the bars, not the scale: compare settings by eye.")
+    if store["ylock"] > 0:
+        return float(ui.w_number(c2, "ylock", "± range", 0.0001, 1.0, step=0.005, fmt="%.4f"))
+    return None
+
+
+# --- ask for a target ------------------------------------------------------------------------------
+
+def _solve(trace, base: Spec, view: View) -> None:
+    from kvviz.analysis.solve import solve
+    store, ss = ss_store(), st.session_state
+    target = float(store["solve_target"])
+    try:
+        sol = solve(trace, base, view, **({"target_mass": target} if store["solve_kind"] == "mass"
+                                           else {"target_tv": target}))
+    except SpecError as e:
+        ss["_solve_msg"] = ("error", f"No cache meets that target: {e}.")
+        return
+    for name in ("sink", "recent", "heavy"):
+        store[name] = ss[name] = getattr(sol.spec, name)
+    what = "keeps ≥ " + ui.fmt_pct(target) + " of the attention" if sol.metric == "mass_retained" \
+        else f"has TV ≤ {target:g}"
+    below = "" if sol.below is None else f"; one token less gives {sol.below:.4f}"
+    ss["_solve_msg"] = ("success", f"Smallest cache that {what} with {base.scorer} at {base.key_bits}/{base.value_bits} "
+                                   f"bits: **{sol.budget} of {sol.tokens} tokens** (sink {sol.spec.sink} + recent "
+                                   f"{sol.spec.recent} + heavy {sol.spec.heavy}), reaching {sol.value:.4f}{below}. "
+                                   "Applied to the sliders.")
+
+
+def ss_store() -> dict:
+    return st.session_state[ui.STORE]
+
+
+def solver_panel(trace, spec: Spec, view: View) -> None:
+    from kvviz.analysis.solve import SPLIT_RULE
+    with st.expander("Find the smallest cache for a target", icon=":material/target:"):
+        c1, c2, c3 = st.columns([2, 1, 1], vertical_alignment="bottom")
+        kind = ui.w_choice(c1, "solve_kind", "Target", ("mass", "tv"), widget="radio",
+                           format_func={"mass": "attention mass ≥", "tv": "TV distance ≤"}.get)
+        ui.w_number(c2, "solve_target", "value (0-1)", 0.001, 1.0, step=0.01, fmt="%.3f")
+        c3.button("Find and apply", key="_solve", type="primary", on_click=_solve,
+                  args=(trace, spec.with_(sink=0, recent=0, heavy=0), View(layer=view.layer, head=view.head,
+                                                                         step=view.step)))
+        st.caption(f"For the row shown, with the current scorer and quantizer. Split rule: {SPLIT_RULE}. "
+                   "Smallest means one token less misses the target"
+                   + (" (attention mass: the exact smallest for one-shot policies)." if kind == "mass" else "."))
+        msg = st.session_state.pop("_solve_msg", None)
+        if msg:
+            (st.success if msg[0] == "success" else st.error)(msg[1])
+
+
+# --- take-aways ----------------------------------------------------------------------------------
+
+def slug(spec: Spec, source_label: str) -> str:
+    """A file-name stem naming the settings: 'kvviz-handbook-h2o-s4-r8-h2-16bit'."""
+    bits = "16bit" if not spec.quantizes else f"k{spec.key_bits}v{spec.value_bits}bit"
+    if spec.quantizes and (spec.key_format != "int" or spec.value_format != "int"):
+        name = lambda fmt, b: f"{b}bit" if fmt == "int" else fmt  # noqa: E731
+        bits = f"k-{name(spec.key_format, spec.key_bits)}-v-{name(spec.value_format, spec.value_bits)}"
+    if spec.quantizes and spec.rotate != "none":
+        bits += "-rotated"
+    evict = f"{spec.scorer}-s{spec.sink}-r{spec.recent}-h{spec.heavy}" if spec.evicts else "no-eviction"
+    text = f"kvviz-{source_label}-{evict}-{bits}"
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-").lower()
+
+
+def settings_header(comp: Comparison, source_label: str, link: str, bars: str) -> str:
+    """'# key: value' lines that open the CSV: what was computed, and what each band column holds."""
+    p = comp.primary
+    lines = [f"kvviz per-token data: {source_label}", f"settings: {comp.spec.label()}",
+             f"row: layer {p.layer}, query head {p.head} (KV head {p.kv_head}), query at position {p.position}",
+             f"ensemble: {comp.ensemble or 'none'}, N = {len(comp.members)} rows",
+             "error = compressed - original attention of that row; error_eviction + error_quantization = error",
+             "error_mean: ensemble mean; error_std_sample: sample std (n - 1); error_ci95_lo/hi: 95% t-interval "
+             "for the mean; error_min/max: range of the members",
+             f"the chart draws: {figures.BAND_TEXT[bars]}", f"link: {link}"]
+    return "".join(f"# {line}\n" for line in lines)
+
+
+def page_link() -> str:
+    """This view's address, query string included (what reproduces it)."""
+    try:
+        url = st.context.url or ""
+    except AttributeError:   # older Streamlit
+        url = ""
+    query = "&".join(f"{k}={v}" for k, v in st.query_params.to_dict().items())
+    base = url.split("?")[0]
+    return f"{base}?{query}" if query else base
+
+
+# --- presentation mode -----------------------------------------------------------------------------
+
+PRESENT_CSS = """
+<style>
+  html { font-size: 18px; }
+  [data-testid="stMainBlockContainer"] { padding-top: 1rem; }
+  [data-testid="stCaptionContainer"] { font-size: 1rem; }
+</style>
+"""
+LAYOUT_CSS = """
+<style>
+  /* a projector's 1024 px: less side padding, labels and values wrap instead of being cut */
+  [data-testid="stMainBlockContainer"] { padding-left: 2rem; padding-right: 2rem; padding-top: 2.5rem; }
+  h1 { font-size: 2.1rem !important; }
+  [data-testid="stMetricLabel"] p, [data-testid="stMetricLabel"] div { white-space: normal !important;
+      overflow: visible !important; text-overflow: clip !important; line-height: 1.2; }
+  [data-testid="stMetricValue"] { font-size: 1.7rem; }
+  [data-testid="stMetricValue"] > div { white-space: normal !important; overflow: visible !important;
+      text-overflow: clip !important; }
+</style>
+"""

@@ -1,0 +1,33 @@
+"""The budget ledger on the app: an expander with the notes, the chart and the per-head table."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from kvviz.analysis.ledger import budget_ledger
+from kvviz.spec import SpecError
+from kvviz.trace import Trace
+
+
+def ledger_expander(trace: Trace, spec, step: int | None = None) -> None:
+    with st.expander("Budget ledger: declared vs kept tokens and bytes, per layer and KV head"):
+        st.caption("Where a compression ratio meets what is stored: the budget each cache was declared, what it "
+                   "holds (sinks, window and heavy hitters are all inside the budget), and its bytes — quantized "
+                   "payload, scale / zero-point overhead, tokens kept at 16 bits. Read-selection methods (Quest) "
+                   "store everything and save bytes read instead.")
+        big = trace.n_layers * trace.n_positions > 20_000   # every layer's policy decisions: seconds on a real trace
+        if big and not st.checkbox(f"Compute the ledger for all {trace.n_layers} layers", key="_ledger_on",
+                                   help="Runs the policy in every layer, which takes a few seconds on a real trace."):
+            return
+        try:
+            ledger = budget_ledger(trace, spec, step)
+        except SpecError as e:
+            st.error(f"The ledger cannot be computed: {e}")
+            return
+        for note in ledger.notes():
+            st.markdown(f"- {note}")
+        from kvviz.plots.figures import CHART_CONFIG
+        from kvviz.plots.ledger import ledger_figure
+        st.plotly_chart(ledger_figure(ledger), key="ledger_chart", config=CHART_CONFIG)
+        st.dataframe(pd.DataFrame(list(ledger.rows)), hide_index=True, height=240, key="ledger_table")

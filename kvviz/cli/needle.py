@@ -1,0 +1,130 @@
+"""`kvviz needle`: the needle-in-a-haystack (passkey) grid on a real model, per policy.
+
+    kvviz needle --model bundled --lengths 320,640,1024 --depths 0,0.25,0.5,0.75,1 \
+        --scorers full,streaming,h2o,tova,snapkv,oracle --budget 0.25 [--bits 4] \
+        [--question-after-compression] [--json | --out needle.csv]
+
+torch and transformers are imported inside the handler only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    from kvviz.analysis import needle as nd
+
+    p = subparsers.add_parser(
+        "needle", help="needle-in-a-haystack grid: does each policy still find the pass key, and where was it lost",
+        description="A pass key hidden at each depth of a filler haystack of each length; the full cache and "
+                    "every policy answer it greedily through the Model lab's compressed decoding (true "
+                    "positions). Per cell: right or not, the answer, the share of needle tokens kept per "
+                    "layer x KV head, and the attention the full model wanted on the needle. Cells are "
+                    "cached on disk, so a rerun is instant.")
+    p.add_argument("--model", default="bundled",
+                   help="'bundled' (SmolLM2-135M, offline), a local model folder or .gguf file, or a hub id")
+    p.add_argument("--lengths", default=",".join(map(str, nd.DEFAULT_LENGTHS)),
+                   help="prompt lengths in tokens, chat template included (default %(default)s)")
+    p.add_argument("--depths", default=",".join(f"{d:g}" for d in nd.DEFAULT_DEPTHS),
+                   help="needle depths: fractions of the haystack before it, 0 = start, 1 = just before the "
+                        "question (or percentages like 50%%) (default %(default)s)")
+    p.add_argument("--scorers", default=",".join(nd.DEFAULT_SCORERS),
+                   help=f"comma-separated: full (the uncompressed cache) and any of {', '.join(nd.SCORERS)} "
+                        "(default %(default)s)")
+    p.add_argument("--budget", default=str(nd.DEFAULT_BUDGET),
+                   help="cache budget as a fraction of the prompt's tokens, or several comma-separated "
+                        "(default %(default)s)")
+    p.add_argument("--bits", default="16", help="K/V bits for every cell, 1-8 or 16 = off, or several (default 16)")
+    p.add_argument("--question-after-compression", action="store_true",
+                   help="query-agnostic: compress right after the haystack, then feed the question through the "
+                        "compressed cache, as kvpress's pipeline does by default (default here: compress after the "
+                        "question, kvpress's compress_questions=True)")
+    p.add_argument("--new-tokens", type=int, default=nd.DEFAULT_NEW_TOKENS, help="greedy answer tokens (default 8)")
+    p.add_argument("--seed", type=int, default=nd.DEFAULT_SEED, help="seed of the pass keys (default 0)")
+    p.add_argument("--haystack", default="filler", choices=nd.HAYSTACKS,
+                   help="filler (the classic repeated sentences) or sample (kvviz's bundled English text)")
+    p.add_argument("--no-cache", action="store_true", help="recompute every cell (and overwrite the cache)")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help='print {"cells": [...]} instead of the grid')
+    out.add_argument("--out", help="write one CSV row per cell to this file")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.set_defaults(func=cmd_needle)
+
+
+def _list(text: str, kind, what: str, example: str) -> list:
+    try:
+        values = [kind(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        from kvviz.spec import SpecError
+        raise SpecError(f"--{what} takes comma-separated values like {example}, got {text!r}")
+    return values
+
+
+def _depth(text: str) -> float:
+    return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+
+
+def parse(a: argparse.Namespace) -> dict:
+    """Checked run arguments, before any model loads."""
+    from kvviz.analysis import needle as nd
+    from kvviz.spec import SpecError
+
+    lengths = _list(a.lengths, int, "lengths", "320,640,1024")
+    depths = _list(a.depths, _depth, "depths", "0,0.5,1 or 0%,50%,100%")
+    scorers = [s.strip() for s in a.scorers.split(",") if s.strip()]
+    budgets = _list(a.budget, float, "budget", "0.25")
+    bits = _list(a.bits, int, "bits", "16 or 4")
+    bad = [s for s in scorers if s not in nd.SCORER_NAMES]
+    if bad or not scorers:
+        raise SpecError(f"unknown scorer {bad[0] if bad else a.scorers!r}; choose from {', '.join(nd.SCORER_NAMES)}")
+    if any(not 0 <= d <= 1 for d in depths):
+        raise SpecError("depths are fractions of the haystack in [0, 1] (or percentages 0%-100%)")
+    if min(lengths) < 1:
+        raise SpecError("lengths are token counts of at least 1")
+    for b in budgets:
+        nd.budget_tokens(b, 1000)
+    for b in bits:
+        nd.Spec(key_bits=b, value_bits=b)
+    if not 1 <= a.new_tokens <= 64:
+        raise SpecError(f"--new-tokens must be 1-64, got {a.new_tokens}")
+    return dict(lengths=lengths, depths=depths, scorers=scorers, budgets=budgets, bits=bits,
+                question_after_compression=a.question_after_compression, new_tokens=a.new_tokens,
+                seed=a.seed, haystack=a.haystack, use_cache=not a.no_cache)
+
+
+def cmd_needle(a: argparse.Namespace) -> int:
+    import time
+
+    from kvviz.analysis import needle as nd
+    from kvviz.cli.parser import _json_safe
+    from kvviz.models import load_model
+    from kvviz.cli.evaluate import _progress
+
+    args = parse(a)
+    say = _progress(not a.quiet)
+    t0 = time.perf_counter()
+    def load():
+        model, tokenizer, _ = load_model(a.model, progress=say)
+        return model, tokenizer
+
+    stats: dict = {}
+    grid = nd.run_grid(None, None, a.model, progress=say, stats=stats, load=load, **args)   # loads only if needed
+    if say:
+        sys.stderr.write("\r" + " " * 70 + "\r")
+        sys.stderr.write(f"{len(grid.cells)} cells: {stats['computed']} computed, {stats['cached']} from the "
+                         f"cache ({nd.cache_dir()}); {time.perf_counter() - t0:.1f} s\n")
+    if a.json:
+        json.dump(_json_safe(grid.as_dict()), sys.stdout)
+        sys.stdout.write("\n")
+    elif a.out:
+        Path(a.out).write_text(nd.to_csv(grid))
+        print(f"wrote {len(grid.cells)} rows to {a.out}", file=sys.stderr)
+    else:
+        print(nd.format_grid(grid))
+    return 0

@@ -1,0 +1,360 @@
+"""The Model lab's compute, without Streamlit: one run of a real model with a compressed cache.
+
+A run (LabSettings) is
+    the full-cache side, once per text (it does not depend on the spec):
+        one forward over prompt + continuation: the reference logits and every layer's
+        q, k, v (generation.Prefill), then the full cache's greedy continuation
+    the compressed side, per spec, starting from that prefill:
+        teacher-forced quality (one masked pass for one-shot policies, the step loop for
+        H2O / TOVA / the oracle) and the compressed greedy continuation, token by token
+        (on_token streams it; a callback that raises stops the run).
+
+Results go to JSON (never pickle) so the default settings' result can be precomputed
+(`python -m kvviz.decode.lab --precompute`, run by `make venv`, or in the background on the
+app's first start) and the page opens on it at once. `estimate` says how long a run will
+take from the per-step times measured on this machine. torch is imported lazily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvviz.spec import Spec
+
+Progress = Callable[[float, str], None]
+LAB_FORMAT = 1
+DEFAULT_MODEL = "bundled"
+DEFAULT_PROMPT, DEFAULT_CONTINUATION, DEFAULT_GREEDY = 206, 57, 32
+_FULL: OrderedDict = OrderedDict()      # full-cache side per (model, ids, n, m, greedy)
+_FULL_LOCK = threading.Lock()
+_FULL_SIZE = 8
+
+
+class Cancelled(Exception):
+    """Raised by a progress / token callback to stop a run."""
+
+
+@dataclass(frozen=True)
+class LabSettings:
+    model: str
+    text: str
+    prompt_tokens: int
+    continuation: int
+    greedy_tokens: int
+    spec: Spec
+
+    def key(self) -> tuple:
+        return (self.model, self.text, self.prompt_tokens, self.continuation, self.greedy_tokens,
+                tuple(sorted(self.spec.__dict__.items())))
+
+
+def default_settings(spec: Spec | None = None) -> LabSettings:
+    """The page's opening settings: the sample text, 206 + 57 tokens, 32 greedy, the sidebar's default spec."""
+    from kvviz.decode.generation import sample_text
+    from kvviz.sources import handbook
+
+    spec = spec or Spec(sink=handbook.SINK, recent=handbook.RECENT, heavy=handbook.HEAVY, scorer="h2o")
+    return LabSettings(DEFAULT_MODEL, sample_text(), DEFAULT_PROMPT, DEFAULT_CONTINUATION, DEFAULT_GREEDY, spec)
+
+
+# --- the run -------------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class FullSide:
+    """What the full cache does on one text: the reference and its greedy continuation."""
+
+    ref: Any                     # generation.Reference (with its Prefill)
+    greedy_ids: tuple[int, ...]
+    seconds: float
+
+
+def run(model, tokenizer, label: str, settings: LabSettings, progress: Progress | None = None,
+        on_full_token: Callable[[int, int], None] | None = None,
+        on_token: Callable[[int, int], None] | None = None) -> dict:
+    """One Model lab run: {"quality", "pair", "model", "n_text_tokens", "prompt_text", "seconds"}.
+
+    One prefill of prompt + continuation (kept per text); then, in one batched decode
+    loop (generation.decode_many), the full cache's greedy text (once per text), the
+    compressed greedy text and, for H2O / TOVA / the oracle, the teacher-forced steps;
+    one-shot policies score the continuation in one masked pass instead.
+    on_full_token / on_token(i, id) stream the full and the compressed greedy text; any
+    callback may raise (Cancelled) to stop the run, leaving the model as it was.
+    """
+    import torch
+
+    from kvviz.decode.generation import (SideBySide, decode_many, evaluate, first_divergence, quality_from, reference,
+                             token_strings, tokenize)
+    from kvviz.decode.generation import Spec as _Spec
+
+    say = progress or (lambda f, m: None)
+    t0 = time.perf_counter()
+    spec = settings.spec
+    ids = tokenize(tokenizer, settings.text)
+    key = _full_key(model, ids, settings)
+    with _FULL_LOCK:
+        full = _FULL.get(key)
+    if full is None:
+        say(0.0, "full cache: one forward pass over prompt + continuation")
+        ref = reference(model, tokenizer, ids, settings.prompt_tokens, settings.continuation)
+        _record("forward_token", ref.seconds / len(ref.ids))
+    else:
+        ref = full.ref
+    n, m, g = ref.prompt_len, ref.n_continuation, settings.greedy_tokens
+    first = int(torch.argmax(ref.prefill.logits[n - 1]))
+    runs: list[tuple[str, Spec, int, Any]] = []             # (role, spec, steps, feed)
+    if g and full is None:
+        runs.append(("full", _Spec(), g - 1, None))
+        if on_full_token is not None:
+            on_full_token(0, first)
+    elif full is not None and on_full_token is not None:
+        for i, t in enumerate(full.greedy_ids):
+            on_full_token(i, t)
+    if g:
+        runs.append(("greedy", spec, g - 1, None))
+        if on_token is not None:
+            on_token(0, first)
+    stepwise = not one_pass(spec)
+    if stepwise:
+        runs.append(("forced", spec, m - 1, list(ref.ids[n:n + m - 1])))
+    total = max([r[2] for r in runs], default=0)
+    t1 = time.perf_counter()
+
+    def on_step(r: int, i: int, logits) -> None:
+        role = runs[r][0]
+        if role == "full" and on_full_token is not None:
+            on_full_token(i + 1, int(torch.argmax(logits)))
+        elif role == "greedy" and on_token is not None:
+            on_token(i + 1, int(torch.argmax(logits)))
+        if r == 0 and (i % 2 == 0 or i == total - 1):
+            say(0.05 + 0.85 * (i + 1) / max(total, 1),
+                f"decode step {i + 1}/{total} ({' + '.join(x[0] for x in runs if x[2] > i)})")
+    out = decode_many(model, ref.ids[:n], [r[1] for r in runs], [r[2] for r in runs], [r[3] for r in runs],
+                      prefix=ref.prefill, on_step=on_step if runs else None, tokens=ref.tokens) if runs else []
+    if total:
+        _record("step", (time.perf_counter() - t1) / total)
+    got = {role: res for (role, *_), res in zip(runs, out)}
+    if full is None:
+        full = FullSide(ref=ref, greedy_ids=_greedy_ids(got["full"]) if "full" in got else (), seconds=0.0)
+        with _FULL_LOCK:
+            _FULL[key] = full
+            while len(_FULL) > _FULL_SIZE:
+                _FULL.popitem(last=False)
+    pair = None
+    if g:
+        fids, comp = list(full.greedy_ids), list(_greedy_ids(got["greedy"]))
+        pair = SideBySide(spec=spec, prompt="".join(ref.tokens[:n]), full_ids=tuple(fids), compressed_ids=tuple(comp),
+                          full_tokens=token_strings(tokenizer, fids), compressed_tokens=token_strings(tokenizer, comp),
+                          first_divergence=first_divergence(fids, comp))
+    if stepwise:
+        logits, _, cache = got["forced"]
+        quality = quality_from(ref, spec, logits, cache, t1)
+    else:
+        say(0.9, "teacher-forced quality in one masked pass")
+        quality = evaluate(model, ref, spec)
+    say(1.0, "done")
+    return {"quality": quality, "pair": pair, "model": label, "n_text_tokens": len(ref.ids),
+            "prompt_text": "".join(ref.tokens[:n]), "seconds": time.perf_counter() - t0}
+
+
+def _greedy_ids(result) -> tuple[int, ...]:
+    import torch
+
+    logits, fed, _ = result
+    return tuple(fed) + (int(torch.argmax(logits[-1])),)
+
+
+def _full_key(model, ids, settings: LabSettings) -> tuple:
+    return (id(model), tuple(ids), settings.prompt_tokens, settings.continuation, settings.greedy_tokens)
+
+
+def one_pass(spec: Spec) -> bool:
+    """Does teacher forcing under this spec run as one masked pass (see CompressedCache.block_ok)?"""
+    from kvviz.policies import get_policy
+
+    policy = get_policy(spec.scorer)
+    return not (spec.evicts and (policy.streaming or policy.needs_query))
+
+
+# --- how long a run takes ----------------------------------------------------------------------
+
+def _timings_path() -> Path:
+    return lab_cache_dir() / "timings.json"
+
+
+def _timings() -> dict:
+    try:
+        d = json.loads(_timings_path().read_text())
+        return d if isinstance(d, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _record(kind: str, seconds: float) -> None:
+    """Remember a measured time (exponential average with the previous ones)."""
+    try:
+        d = _timings()
+        old = d.get(kind)
+        d[kind] = float(seconds) if not isinstance(old, (int, float)) else 0.5 * old + 0.5 * float(seconds)
+        lab_cache_dir().mkdir(parents=True, exist_ok=True)
+        _timings_path().write_text(json.dumps(d))
+    except OSError:
+        pass
+
+
+def estimate(settings: LabSettings, full_cached: bool = False) -> float | None:
+    """Expected seconds of a run from the times measured here before (None before any run)."""
+    d = _timings()
+    step, tok = d.get("step"), d.get("forward_token")
+    if step is None or tok is None:
+        return None
+    n, m, g = settings.prompt_tokens, settings.continuation, settings.greedy_tokens
+    # one batched decode loop as long as its longest run, plus the prefill and the masked pass
+    seconds = 0.0 if full_cached else tok * (n + m)
+    seconds += step * max(g - 1, 0 if one_pass(settings.spec) else m - 1, 0)
+    if one_pass(settings.spec):
+        seconds += tok * 1.5 * m
+    return seconds
+
+
+def full_cached(model, tokenizer, settings: LabSettings) -> bool:
+    from kvviz.decode.generation import tokenize
+
+    return _full_key(model, tokenize(tokenizer, settings.text), settings) in _FULL
+
+
+# --- results on disk (JSON, no pickle) ---------------------------------------------------------
+
+def lab_cache_dir() -> Path:
+    """$KVVIZ_LAB_DIR, else $XDG_CACHE_HOME/kvviz/lab."""
+    env = os.environ.get("KVVIZ_LAB_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvviz" / "lab"
+
+
+def result_path(settings: LabSettings) -> Path:
+    """Where the result of these settings is stored: keyed by the settings, the model file and the code."""
+    from kvviz.version import __version__
+    from kvviz.models import BUNDLED, bundled_model_file, file_sha256
+
+    model_id = settings.model
+    if settings.model == BUNDLED and bundled_model_file() is not None:
+        model_id = file_sha256(bundled_model_file())
+    blob = json.dumps([LAB_FORMAT, __version__, model_id, settings.text, settings.prompt_tokens,
+                       settings.continuation, settings.greedy_tokens, dataclasses.asdict(settings.spec)],
+                      sort_keys=True)
+    return lab_cache_dir() / f"result-{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
+
+
+def result_to_json(result: dict) -> dict:
+    q, pair = result["quality"], result["pair"]
+    qd = {f.name: getattr(q, f.name) for f in dataclasses.fields(q)}
+    qd["spec"] = dataclasses.asdict(q.spec)
+    qd["tokens"] = list(q.tokens)
+    for k in ("nll", "nll_full", "kl"):
+        qd[k] = [float(x) for x in qd[k]]
+    for k in ("top1", "top1_full"):
+        qd[k] = [int(x) for x in qd[k]]
+    pd = None
+    if pair is not None:
+        pd = {f.name: getattr(pair, f.name) for f in dataclasses.fields(pair)}
+        pd["spec"] = dataclasses.asdict(pair.spec)
+        for k in ("full_ids", "compressed_ids", "full_tokens", "compressed_tokens"):
+            pd[k] = list(pd[k])
+    return {"format": LAB_FORMAT, "quality": qd, "pair": pd,
+            **{k: result[k] for k in ("model", "n_text_tokens", "prompt_text", "seconds")}}
+
+
+def result_from_json(d: dict) -> dict:
+    from kvviz.decode.generation import Quality, SideBySide
+
+    q = dict(d["quality"])
+    q["spec"] = Spec(**q["spec"])
+    q["tokens"] = tuple(q["tokens"])
+    for k in ("nll", "nll_full", "kl"):
+        q[k] = np.asarray(q[k], dtype=np.float64)
+    for k in ("top1", "top1_full"):
+        q[k] = np.asarray(q[k], dtype=np.int64)
+    pair = None
+    if d.get("pair") is not None:
+        p = dict(d["pair"])
+        p["spec"] = Spec(**p["spec"])
+        for k in ("full_ids", "compressed_ids", "full_tokens", "compressed_tokens"):
+            p[k] = tuple(p[k])
+        pair = SideBySide(**p)
+    return {"quality": Quality(**q), "pair": pair, "model": d["model"], "n_text_tokens": d["n_text_tokens"],
+            "prompt_text": d["prompt_text"], "seconds": d["seconds"], "precomputed": True}
+
+
+def save_result(settings: LabSettings, result: dict) -> Path | None:
+    path = result_path(settings)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(result_to_json(result)))
+        tmp.replace(path)
+        return path
+    except OSError:
+        return None
+
+
+def load_result(settings: LabSettings) -> dict | None:
+    """The stored result of these settings, or None (missing, unreadable, another format)."""
+    try:
+        d = json.loads(result_path(settings).read_text())
+        if not isinstance(d, dict) or d.get("format") != LAB_FORMAT:
+            return None
+        return result_from_json(d)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def precompute(settings: LabSettings | None = None, progress: Progress | None = None,
+               loader: Callable[..., tuple] | None = None) -> Path | None:
+    """Compute and store the result of `settings` (default: the page's opening settings)."""
+    from kvviz.models import load_model
+
+    settings = settings or default_settings()
+    if load_result(settings) is not None:
+        return result_path(settings)
+    model, tokenizer, info = (loader or load_model)(settings.model, progress=progress)
+    label = getattr(info, "label", settings.model)
+    return save_result(settings, run(model, tokenizer, label, settings, progress=progress))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m kvviz.decode.lab",
+                                description="Precompute the Model lab's default result (and the weights cache).")
+    p.add_argument("--precompute", action="store_true", help="compute and store the default settings' result")
+    a = p.parse_args(argv)
+    if not a.precompute:
+        p.print_help()
+        return 0
+    from kvviz.models import ModelError
+
+    try:
+        path = precompute(progress=lambda f, m: sys.stderr.write(f"\r{100 * f:5.1f}% {m[:70]:<70}"))
+    except ModelError as e:
+        print(f"\nkvviz.lab: skipped: {e}", file=sys.stderr)
+        return 0
+    print(f"\nModel lab default result: {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,174 @@
+"""Real-model decoding under a budget allocation over heads and layers (issue #12).
+
+`CompressedCache` keeps every KV head of a layer at the same length. The allocations
+change that:
+    pyramid  each layer has its own heavy budget (still one length per layer): the layer
+             runs under its own spec (`allocation.layer_spec`), everything else unchanged.
+    adakv    the heads of a layer hold different numbers of tokens (ragged): at the
+             compression point AdaKV gives each head its heavy budget from the scores of the
+             whole layer; afterwards each head evicts within its own budget (one-shot
+             scorers: the lowest score outside sinks and window, as `evict_one` does). The
+             oracle re-allocates from every step's own attention. Attention runs one KV
+             head at a time over that head's kept tokens (deleted entries, as in the
+             delete mode; the mask mode gives the same logits).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvviz.decode.generation import CompressedCache
+from kvviz.policies import ScoreContext, evict_one
+from kvviz.policies.allocation import adakv_heavy, layer_spec, select_heads
+from kvviz.quant import quantize
+from kvviz.spec import FULL_BITS, Spec, SpecError
+
+
+def cache_class(spec: Spec):
+    """The cache class a spec decodes with."""
+    if spec.evicts and spec.allocation == "pyramid":
+        return PyramidCache
+    if spec.evicts and spec.allocation == "adakv":
+        return RaggedCache
+    return CompressedCache
+
+
+class PyramidCache(CompressedCache):
+    """Each layer decodes under its own heavy budget (PyramidKV)."""
+
+    def _with_layer_spec(self, layer: int, fn, *args):
+        base = self.spec
+        self.spec = layer_spec(base, layer, self.L)
+        try:
+            return fn(*args)
+        finally:
+            self.spec = base
+
+    def compress(self) -> None:
+        super().compress()                                   # the trace and the scores, once
+        if self.policy.needs_query:
+            return
+        from kvviz.policies import select
+        n = self.n_tokens
+        for layer in range(self.L):
+            s = layer_spec(self.spec, layer, self.L)
+            self.kept[layer] = np.stack([np.flatnonzero(r) for r in select(self.scores[layer, :, :n], s)])
+
+    def attend(self, layer: int, q, k, v, scaling: float):
+        return self._with_layer_spec(layer, super().attend, layer, q, k, v, scaling)
+
+    def kept_tokens(self) -> int:
+        """Tokens per KV head, averaged over the layers (the pyramid gives each layer its own)."""
+        return round(float(np.mean([kept.shape[1] for kept in self.kept])))
+
+
+class RaggedCache(CompressedCache):
+    """KV heads of one layer hold different numbers of tokens (AdaKV)."""
+
+    def __init__(self, spec: Spec, *args, **kwargs) -> None:
+        super().__init__(spec, *args, **kwargs)
+        if spec.positions == "cache":
+            raise SpecError("re-rotating keys to cache slots is not simulated for ragged (AdaKV) caches")
+        self.heads_kept: list[list[np.ndarray]] = [[] for _ in range(self.L)]   # per layer, per head (m_h,)
+        self.head_budget: list[np.ndarray | None] = [None] * self.L
+        self.step_masks: list[list[np.ndarray]] = [[] for _ in range(self.L)]    # record: (H, n) per step
+
+    def compress(self) -> None:
+        super().compress()
+        n = self.n_tokens
+        for layer in range(self.L):
+            if self.policy.needs_query:
+                self.heads_kept[layer] = [np.arange(n) for _ in range(self.H)]
+                continue
+            scores = self.scores[layer, :, :n]
+            heavy = adakv_heavy(scores, self.spec)
+            self.head_budget[layer] = self.spec.sink + self.spec.recent + heavy
+            mask = select_heads(scores, self.spec, heavy)
+            self.heads_kept[layer] = [np.flatnonzero(r) for r in mask]
+
+    def kept_tokens(self) -> int:
+        """Tokens per KV head, averaged over heads and layers (the heads of a layer differ)."""
+        return round(float(np.mean([len(k) for heads in self.heads_kept for k in heads])))
+
+    def kept_mask(self, layer: int) -> np.ndarray:
+        mask = np.zeros((self.H, self.length[layer]), dtype=bool)
+        for h, idx in enumerate(self.heads_kept[layer]):
+            mask[h, idx] = True
+        return mask
+
+    def kept_history(self, layer: int) -> np.ndarray:
+        n = self.n_tokens
+        out = np.zeros((len(self.step_masks[layer]), self.H, n), dtype=bool)
+        for i, m in enumerate(self.step_masks[layer]):
+            out[i, :, : m.shape[1]] = m
+        return out
+
+    def _kv_head(self, layer: int, h: int, idx: np.ndarray):
+        """One head's kept K, V (m, D), quantized per the spec (evict, then quantize what is kept)."""
+        import torch
+
+        K = self.k[layer, h, torch.from_numpy(idx)]
+        V = self.v[layer, h, torch.from_numpy(idx)]
+        s = self.spec
+        settings = dict(zero_point=s.zero_point, partial=s.partial)
+        n_quant = max(0, len(idx) - s.residual)
+        for which, bits, axis in (("k", s.key_bits, s.key_axis), ("v", s.value_bits, s.value_axis)):
+            if s.quant_model != "kv" or bits >= FULL_BITS or n_quant == 0:
+                continue
+            x = (K if which == "k" else V).numpy().copy()
+            x[:n_quant] = quantize(x[None, :n_quant], bits, axis, s.group_size, 0, s.symmetric, **settings)[0]
+            if which == "k":
+                K = torch.from_numpy(x)
+            else:
+                V = torch.from_numpy(x)
+        return K, V
+
+    def block_ok(self) -> bool:
+        """Ragged heads attend one at a time over their own kept tokens: the exact step loop only."""
+        return False
+
+    def attend(self, layer: int, q, k, v, scaling: float):
+        import torch
+
+        if not self.compressed:
+            return super().attend(layer, q, k, v, scaling)
+        t = q.shape[1]
+        start = self.length[layer]
+        if start + t > self.capacity:
+            raise RuntimeError(f"compressed cache capacity {self.capacity} exceeded")
+        if t != 1:
+            raise RuntimeError("after the prefill, decode one token at a time")
+        self.k[layer, :, start] = k[:, 0]
+        self.v[layer, :, start] = v[:, 0]
+        p = start
+        self.length[layer] = start + 1
+        spec, scores = self.spec, self.scores[layer]
+        qg = q[:, 0].reshape(self.H, self.group, self.D)                      # (H, g, D)
+        ctx = ScoreContext(self.trace, layer, spec)
+        if self.policy.needs_query:
+            K_all = self.k[layer, :, : p + 1]
+            a_full = torch.softmax(qg @ K_all.transpose(1, 2) * scaling, dim=-1)
+            attention = a_full.reshape(self.Hq, -1).numpy().astype(np.float64)
+            mask = self.policy.query_kept(attention, ctx, query=q[:, 0].numpy(), keys=K_all.numpy())
+            heads = [np.flatnonzero(r) for r in mask]
+        else:
+            scores[:, p] = self.policy.arrival_score(self.k[layer, :, p].numpy(), layer, p, spec)
+            heads = []
+            for h, idx in enumerate(self.heads_kept[layer]):
+                idx = np.append(idx, p)
+                if len(idx) > self.head_budget[layer][h]:
+                    idx = evict_one(idx[None], scores[h:h + 1], spec, p, ties_evict_later=True)[0]
+                heads.append(idx)
+        self.heads_kept[layer] = heads
+        if self.record:
+            self.step_q[layer].append(q[:, 0].numpy().copy())
+            m = np.zeros((self.H, p + 1), dtype=bool)
+            for h, idx in enumerate(heads):
+                m[h, idx] = True
+            self.step_masks[layer].append(m)
+        out = torch.empty(self.H, self.group, self.D)
+        for h, idx in enumerate(heads):
+            K, V = self._kv_head(layer, h, idx)
+            a = torch.softmax(qg[h] @ K.T * scaling, dim=-1)                  # (g, m_h)
+            out[h] = a @ V
+        return out.reshape(self.Hq, 1, self.D)

@@ -1,0 +1,460 @@
+"""Plotly figure builders: pure functions, data in -> go.Figure out (no Streamlit).
+
+One colour means one thing on every page, and colour is never the only cue:
+- what happens to a token (Okabe-Ito): sink blue, recent bluish green, heavy hitter orange,
+  kept without eviction sky blue, evicted vermillion (and hatched);
+- the two causes of error: eviction vermillion, quantization reddish purple;
+- eviction methods (Paul Tol's muted palette, none of the hues above, plus a marker shape
+  each): H2O indigo, TOVA wine, SnapKV olive, StreamingLLM rose, K-norm sand, random pale
+  grey, the oracle black, no eviction ("full") dark grey.
+Legends sit below the charts so they never cover a title at a projector's 1024 px.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+# Okabe & Ito (2008)
+OKABE_ITO = {
+    "black": "#000000", "orange": "#E69F00", "sky_blue": "#56B4E9", "bluish_green": "#009E73",
+    "yellow": "#F0E442", "blue": "#0072B2", "vermillion": "#D55E00", "reddish_purple": "#CC79A7",
+    "grey": "#999999",
+}
+REASON_COLORS = {
+    "sink": OKABE_ITO["blue"],
+    "recent": OKABE_ITO["bluish_green"],
+    "heavy hitter": OKABE_ITO["orange"],
+    "kept (no eviction)": OKABE_ITO["sky_blue"],
+    "evicted": OKABE_ITO["vermillion"],
+}
+PART_COLORS = {"eviction": OKABE_ITO["vermillion"], "quantization": OKABE_ITO["reddish_purple"]}
+ORIGINAL_COLOR = OKABE_ITO["grey"]
+METHOD_COLORS = {  # Paul Tol, muted (colour-blind safe); distinct from the token colours above
+    "h2o": "#332288", "tova": "#882255", "snapkv": "#999933", "streaming": "#CC6677",
+    "knorm": "#DDCC77", "random": "#BBBBBB", "oracle": "#000000", "full": "#555555",
+}
+METHOD_SYMBOLS = {"h2o": "circle", "tova": "diamond", "snapkv": "square", "streaming": "triangle-up",
+                  "oracle": "star-diamond", "knorm": "pentagon", "random": "x-thin-open", "full": "hexagon"}
+FONT = dict(family="Source Sans Pro, sans-serif", size=13)
+# plotly's own toolbar: its camera button saves the chart as SVG (vector, for slides), in the browser
+CHART_CONFIG = {"toImageButtonOptions": {"format": "svg", "filename": "kvviz-chart"}, "displaylogo": False}
+
+
+def _layout(fig: go.Figure, title: str, x_title: str, y_title: str, height: int = 380,
+            subtitle: str = "") -> go.Figure:
+    text = f"{title}<br><sup>{subtitle}</sup>" if subtitle else title
+    fig.update_layout(title=dict(text=text, x=0.01), height=height, font=FONT, template="plotly_white",
+                      margin=dict(l=60, r=20, t=70 if subtitle else 50, b=50),
+                      legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0.0),
+                      hoverlabel=dict(namelength=-1))
+    fig.update_xaxes(title_text=x_title)
+    fig.update_yaxes(title_text=y_title)
+    return fig
+
+
+# --- explorer ----------------------------------------------------------------------------
+
+def _token_axis(fig: go.Figure, frame: pd.DataFrame, text_tokens: bool, max_labels: int = 48) -> None:
+    """Real text on the x axis (every k-th token when there are many), positions otherwise."""
+    if not text_tokens:
+        return
+    step = max(1, -(-len(frame) // max_labels))
+    at = frame["position"].to_numpy()[::step]
+    labels = [t.replace("\n", "↵").strip() or "␣" for t in frame["token"].astype(str).to_numpy()[::step]]
+    fig.update_xaxes(tickmode="array", tickvals=at, ticktext=[f"{w[:10]}" for w in labels], tickangle=-60)
+
+
+def attention_figure(frame: pd.DataFrame, title: str = "Attention per token: original vs compressed",
+                     row: str = "", text_tokens: bool = False, pinned: pd.DataFrame | None = None,
+                     pinned_label: str = "A") -> go.Figure:
+    """Grouped bars per token: original (grey) and compressed coloured by why the token was kept.
+
+    Evicted tokens have no compressed bar, and their original bar is hatched vermillion
+    (shape and colour), so a long run of evictions reads as one band, not a wall of marks.
+    `frame` is `kvviz.analysis.frames.token_frame`; `row` names the one row shown; `text_tokens`
+    puts the real text on the axis; `pinned` (a token_frame of a pinned setting A) adds A's
+    compressed attention as open diamonds.
+    """
+    fig = go.Figure()
+    hover = ("<b>%{customdata[0]}</b> (position %{x})<br>original %{customdata[1]:.4f}"
+             "<br>compressed %{customdata[2]:.4f}<br>%{customdata[3]}<extra></extra>")
+    custom = np.stack([frame["token"].astype(str), frame["original"], frame["compressed"], frame["reason"]], axis=1)
+    ev = (frame["reason"] == "evicted").to_numpy()
+    fig.add_bar(x=frame["position"][~ev], y=frame["original"][~ev], name="original", marker_color=ORIGINAL_COLOR,
+                offsetgroup="original", customdata=custom[~ev], hovertemplate=hover)
+    if ev.any():
+        fig.add_bar(x=frame["position"][ev], y=frame["original"][ev], name="original, evicted (compressed = 0)",
+                    marker=dict(color="rgba(213, 94, 0, 0.35)", line=dict(color=REASON_COLORS["evicted"], width=0.5),
+                                pattern=dict(shape="/", fgcolor=REASON_COLORS["evicted"], size=5)),
+                    offsetgroup="original", customdata=custom[ev], hovertemplate=hover)
+    for reason, color in REASON_COLORS.items():
+        if reason == "evicted":
+            continue
+        sel = (frame["reason"] == reason).to_numpy()
+        if sel.any():
+            fig.add_bar(x=frame["position"][sel], y=frame["compressed"][sel], name=f"compressed: {reason}",
+                        marker_color=color, offsetgroup="compressed", customdata=custom[sel],
+                        hovertemplate=hover)
+    if pinned is not None:
+        fig.add_scatter(x=pinned["position"], y=pinned["compressed"], mode="markers",
+                        name=f"pinned {pinned_label}: compressed",
+                        marker=dict(symbol="diamond-open", size=7, color=OKABE_ITO["black"], line=dict(width=1.5)),
+                        hovertemplate="pinned: %{y:.4f}<extra></extra>")
+    fig.update_layout(barmode="group", bargap=0.15, bargroupgap=0.0)
+    _layout(fig, title, "token" if text_tokens else "token position (index)", "attention weight (probability)",
+            subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)")
+    _token_axis(fig, frame, text_tokens)
+    return fig
+
+
+def binned_attention_figure(frame: pd.DataFrame,
+                            title: str = "Attention mass per bin of tokens: original vs compressed",
+                            row: str = "") -> go.Figure:
+    """Long sequences: one bar pair per bin; the original bar splits into kept (grey) and evicted
+    (vermillion, hatched) mass, the compressed bar beside it.
+
+    `frame` is `kvviz.analysis.frames.binned_frame`.
+    """
+    width = float(frame["tokens"].max())
+    centers = frame["start"] + (frame["tokens"] - 1) / 2
+    custom = np.stack([frame["start"], frame["end"], frame["first_token"].astype(str),
+                       frame["last_token"].astype(str), frame["original"], frame["compressed"],
+                       frame["kept_tokens"], frame["tokens"], frame["evicted_mass"]], axis=1)
+    hover = ("<b>tokens %{customdata[0]}-%{customdata[1]}</b> (%{customdata[2]} ... %{customdata[3]})"
+             "<br>original %{customdata[4]:.4f}<br>compressed %{customdata[5]:.4f}"
+             "<br>kept %{customdata[6]} of %{customdata[7]}; evicted mass %{customdata[8]:.4f}<extra></extra>")
+    fig = go.Figure()
+    kept_mass = frame["original"] - frame["evicted_mass"]
+    fig.add_bar(x=centers, y=kept_mass, width=width * 0.45, offset=-width * 0.45, name="original: kept tokens",
+                marker_color=ORIGINAL_COLOR, customdata=custom, hovertemplate=hover)
+    fig.add_bar(x=centers, y=frame["evicted_mass"], base=kept_mass, width=width * 0.45, offset=-width * 0.45,
+                name="original: evicted tokens", marker_color=REASON_COLORS["evicted"],
+                marker_pattern_shape="x", customdata=custom, hovertemplate=hover)
+    fig.add_bar(x=centers, y=frame["compressed"], width=width * 0.45, offset=0, name="compressed",
+                marker_color=REASON_COLORS["kept (no eviction)"], customdata=custom, hovertemplate=hover)
+    fig.update_layout(barmode="overlay")
+    return _layout(fig, title, f"token position (bins of {int(width)} tokens)", "attention mass per bin (probability)",
+                   subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)")
+
+
+BAND_TEXT = {"std": "± 1 sample std", "ci95": "95% t-interval for the mean", "range": "range (min–max)"}
+
+
+def error_figure(frame: pd.DataFrame, bars: str = "std", members: int = 1,
+                 title: str = "Per-token error: compressed − original attention",
+                 what: str = "", y_range: float | None = None, text_tokens: bool = False,
+                 pinned: pd.DataFrame | None = None, pinned_label: str = "A") -> go.Figure:
+    """The per-token error split into its two causes, with error bars on the total.
+
+    Stacked bars: the eviction part (whole tokens lost, their mass spread over the kept ones)
+    and the quantization part (small errors on every kept token), each the ensemble mean;
+    black ticks mark the mean total error with the `bars` band (kvviz.metrics.BANDS) over
+    the N members. `frame` is `kvviz.analysis.frames.token_frame` (or `binned_frame`); `what` names
+    the ensemble; `y_range` locks the axis to ±y_range; `pinned` adds a pinned setting's
+    total error as open diamonds. With one member the chart says it shows that one row.
+    """
+    from kvviz.analysis.frames import with_band
+
+    frame = with_band(frame, bars)
+    binned = "start" in frame.columns
+    x = frame["start"] + (frame["tokens"] - 1) / 2 if binned else frame["position"]
+    bar_text = BAND_TEXT[bars]
+    fig = go.Figure()
+    up = (frame["band_hi"] - frame["error_mean"]).clip(lower=0).fillna(0)
+    down = (frame["error_mean"] - frame["band_lo"]).clip(lower=0).fillna(0)
+    if binned:
+        where = ("tokens %{customdata[0]}-%{customdata[1]}", np.stack([frame["start"], frame["end"]], axis=1))
+        x_title = f"token position (bins of {int(frame['tokens'].max())} tokens)"
+        y_title = "error in attention mass per bin (probability)"
+    else:
+        where = ("%{customdata[0]} (position %{customdata[1]})",
+                 np.stack([frame["token"].astype(str), frame["position"]], axis=1))
+        x_title = "token" if text_tokens else "token position (index)"
+        y_title = "attention error (compressed − original)"
+    label, ids = where
+    for part in ("eviction", "quantization"):
+        values = frame[f"error_{part}_mean"]
+        if not np.any(np.abs(values.to_numpy()) > 0):
+            continue
+        fig.add_bar(x=x, y=values, name=f"{part} part", marker_color=PART_COLORS[part], customdata=ids,
+                    marker_pattern_shape="/" if part == "eviction" else "",
+                    hovertemplate=f"<b>{label}</b><br>{part} part %{{y:.5f}}<extra></extra>")
+    custom = np.concatenate([ids, np.stack([frame["band_lo"], frame["band_hi"]], axis=1)], axis=1)
+    fig.add_scatter(x=x, y=frame["error_mean"], mode="markers", name=f"total ({bar_text})" if members > 1 else "total",
+                    marker=dict(symbol="line-ew-open", size=12, color=OKABE_ITO["black"], line=dict(width=2)),
+                    customdata=custom,
+                    error_y=dict(type="data", symmetric=False, array=up, arrayminus=down,
+                                 color=OKABE_ITO["black"], thickness=1.2, width=2, visible=members > 1),
+                    hovertemplate=(f"<b>{label}</b><br>total error %{{y:.5f}}"
+                                   + ("<br>band %{customdata[2]:.5f} to %{customdata[3]:.5f}" if members > 1 else "")
+                                   + "<extra></extra>"))
+    if pinned is not None:
+        px = pinned["start"] + (pinned["tokens"] - 1) / 2 if binned else pinned["position"]
+        fig.add_scatter(x=px, y=pinned["error_mean"], mode="markers", name=f"pinned {pinned_label}: total",
+                        marker=dict(symbol="diamond-open", size=7, color=OKABE_ITO["black"], line=dict(width=1.5)),
+                        hovertemplate="pinned: %{y:.5f}<extra></extra>")
+    fig.add_hline(y=0, line_width=1, line_color=OKABE_ITO["black"])
+    fig.update_layout(barmode="relative", bargap=0.15)
+    if members > 1:
+        subtitle = f"ensemble mean of N = {members} rows{f' ({what})' if what else ''}, bars: {bar_text}"
+    else:
+        subtitle = f"one row{f' ({what})' if what else ''}, no ensemble: no error bars"
+    _layout(fig, title, x_title, y_title, subtitle=subtitle)
+    if y_range:
+        fig.update_yaxes(range=[-y_range, y_range], autorange=False)
+    if not binned:
+        _token_axis(fig, frame, text_tokens)
+    return fig
+
+
+# --- trade-offs -----------------------------------------------------------------------------
+
+METRIC_LABELS = {"tv": "TV distance (0-1)",
+                 "kl_compressed_vs_original": "KL(compressed ‖ original), nats",
+                 "js": "Jensen–Shannon divergence, nats (≤ ln 2)",
+                 "output_error": "output relative error (‖ô−o‖/‖o‖)",
+                 "mass_retained": "attention mass retained (0-1)"}
+
+
+BITS_SYMBOLS = {16: "circle", 8: "square", 6: "hexagon", 5: "pentagon", 4: "diamond", 3: "triangle-up", 2: "x",
+                1: "cross"}
+BITS_DASH = {16: "solid", 8: "dot", 4: "dash", 3: "longdash", 2: "dashdot"}
+# FP8 / FP4 cache formats on the trade-off chart: open markers, told apart from the integer widths
+FORMAT_NAMES = {"e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2", "nvfp4": "NVFP4", "mxfp4": "MXFP4"}
+FORMAT_SYMBOLS = {"e4m3": "square-open", "e5m2": "square-x-open", "nvfp4": "diamond-open", "mxfp4": "diamond-wide-open"}
+
+
+def _width_symbol(bits: int, fmt: str) -> str:
+    return BITS_SYMBOLS.get(bits, "circle") if fmt == "int" else FORMAT_SYMBOLS.get(fmt, "circle-open")
+METHOD_LABELS = {"h2o": "H2O", "tova": "TOVA", "snapkv": "SnapKV", "streaming": "StreamingLLM",
+                 "oracle": "oracle (the bound)", "knorm": "K-norm", "random": "random", "full": "no eviction"}
+
+
+def tradeoff_figure(rows: Sequence[dict], metric: str = "tv", front: Sequence[int] = (),
+                    current: dict | None = None, log_x: bool = False) -> go.Figure:
+    """Error against memory ratio: one colour and one legend entry per method, one marker
+    shape (and dash) per bit width, explained once in a bit-width legend.
+
+    `rows` are kvviz.analysis.sweep rows, `metric` the column on the y axis; `front` indexes the
+    Pareto-optimal rows (the page leaves the oracle out: no real policy reaches it), drawn
+    as a thick dashed line; the oracle itself is a thin dotted black line, the bound;
+    `current` ({memory_ratio, <metric>, label}) is the Explorer's setting, a large star.
+    Each point carries (method, budget, bits) so a click can open that setting.
+    """
+    frame = pd.DataFrame(list(rows))
+    fig = go.Figure()
+    label = METRIC_LABELS.get(metric, metric)
+    if len(frame):
+        frame = frame.dropna(subset=[metric])
+        seen_methods = set()
+        if "format" not in frame:
+            frame["format"] = "int"
+        frame["format"] = frame["format"].fillna("int")
+        for (method, bits, fmt), g in frame.groupby(["method", "bits", "format"], sort=True):
+            g = g.sort_values("memory_ratio")
+            bound = method == "oracle"
+            width = f"{int(bits)}-bit" if fmt == "int" else FORMAT_NAMES.get(fmt, fmt)
+            reads = "saves" in g and (g["saves"] == "memory read").all()   # Quest: x = bytes read per step
+            x = g["memory_read_ratio"] if reads else g["memory_ratio"]
+            fig.add_scatter(
+                x=x, y=g[metric], mode="lines+markers",
+                name=METHOD_LABELS.get(method, method) + (" — saves memory read (x: read per step; stores all)"
+                                                          if reads else ""),
+                legendgroup=method, showlegend=method not in seen_methods,
+                line=dict(color=METHOD_COLORS.get(method, OKABE_ITO["grey"]), width=1.5 if bound else 2,
+                          dash="dot" if bound else (BITS_DASH.get(int(bits), "solid") if fmt == "int" else "solid")),
+                marker=dict(symbol=_width_symbol(int(bits), fmt), size=9,
+                            color=METHOD_COLORS.get(method, OKABE_ITO["grey"])),
+                customdata=np.stack([g["method"], g["budget"], g["bits"], g["format"]], axis=1),
+                hovertemplate=("<b>%{customdata[0]}</b> budget %{customdata[1]} tokens, " + width +
+                               "<br>memory %{x:.3f} of 16-bit<br>" + label + " %{y:.4f}"
+                               "<br>click to open in the Explorer<extra></extra>"))
+            seen_methods.add(method)
+        widths = frame[["bits", "format"]].drop_duplicates()
+        widths = sorted(zip(widths["bits"], widths["format"]), key=lambda w: (w[1] != "int", -w[0], w[1]))
+        for bits, fmt in widths:   # the marker legend, once
+            name = (f"{int(bits)}-bit" if bits < 16 else "16-bit (off)") if fmt == "int" else FORMAT_NAMES.get(fmt, fmt)
+            fig.add_scatter(x=[None], y=[None], mode="markers", name=name,
+                            legendgroup="bits", legendgrouptitle_text="bit width",
+                            marker=dict(symbol=_width_symbol(int(bits), fmt), size=9, color=OKABE_ITO["grey"]))
+        rows_list = list(rows)
+        if len(front):
+            pts = pd.DataFrame([rows_list[i] for i in front]).sort_values("memory_ratio")
+            fig.add_scatter(x=pts["memory_ratio"], y=pts[metric], mode="lines", name="Pareto frontier (real policies)",
+                            line=dict(color=OKABE_ITO["black"], width=4, dash="dash"), opacity=0.55,
+                            hoverinfo="skip")
+    if current is not None and current.get(metric) is not None:
+        fig.add_scatter(x=[current["memory_ratio"]], y=[current[metric]], mode="markers",
+                        name=f"current: {current.get('label', 'explorer setting')}",
+                        marker=dict(symbol="star", size=20, color=OKABE_ITO["yellow"],
+                                    line=dict(width=2, color=OKABE_ITO["black"])),
+                        hovertemplate="current setting<br>memory %{x:.3f}<br>" + label + " %{y:.4f}<extra></extra>")
+    better = "higher is better" if metric == "mass_retained" else "lower is better"
+    fig = _layout(fig, "Error vs memory for every policy", "memory ratio (compressed / 16-bit cache bytes)"
+                  + (", log scale" if log_x else ""), f"{label} — {better}", height=540)
+    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.16, xanchor="left", x=0.0),
+                      margin=dict(b=130))
+    if log_x:
+        fig.update_xaxes(type="log")
+    return fig
+
+
+# --- concentration ----------------------------------------------------------------------------
+
+def concentration_figure(fractions: np.ndarray, curves: np.ndarray, band: tuple = ((0.10, 0.20), (0.80, 0.90)),
+                         labels: Sequence[str] | None = None) -> go.Figure:
+    """Share of attention held by the top x% of tokens: one faint line per layer, the mean bold.
+
+    `curves` is (layers, heads, F); the shaded band is the handbook's rule of thumb
+    (10-20% of tokens take 80-90% of the mass).
+    """
+    x = 100 * np.asarray(fractions)
+    fig = go.Figure()
+    (x0, x1), (y0, y1) = band
+    fig.add_shape(type="rect", x0=100 * x0, x1=100 * x1, y0=100 * y0, y1=100 * y1,
+                  fillcolor=OKABE_ITO["yellow"], opacity=0.45, line=dict(color=OKABE_ITO["black"], width=1, dash="dot"),
+                  layer="below")
+    # the label sits low on the right, under every curve (which rise above 80% long before x = 55%)
+    # and right of the uniform diagonal, with an arrow to the band
+    fig.add_annotation(x=100 * (x0 + x1) / 2, y=100 * y0, ax=62, ay=22, axref="x", ayref="y",
+                       text="handbook: 10-20% of tokens<br>take 80-90% of the mass", showarrow=True, arrowhead=2,
+                       xanchor="left", yanchor="middle", align="left", font=dict(size=12),
+                       bgcolor="rgba(255,255,255,0.9)")
+    per_layer = curves.mean(axis=1)
+    for layer, c in enumerate(per_layer):
+        fig.add_scatter(x=x, y=100 * c, mode="lines", line=dict(width=1, color=OKABE_ITO["sky_blue"]),
+                        name=labels[layer] if labels else f"layer {layer}", opacity=0.6,
+                        showlegend=len(per_layer) <= 8,
+                        hovertemplate=f"layer {layer}<br>top %{{x:.0f}}% of tokens hold %{{y:.1f}}%<extra></extra>")
+    fig.add_scatter(x=x, y=100 * curves.mean(axis=(0, 1)), mode="lines", name="mean over layers and heads",
+                    line=dict(width=4, color=OKABE_ITO["blue"]),
+                    hovertemplate="mean<br>top %{x:.0f}% of tokens hold %{y:.1f}%<extra></extra>")
+    fig.add_scatter(x=x, y=x, mode="lines", name="uniform attention", line=dict(dash="dot", color=OKABE_ITO["grey"]),
+                    hoverinfo="skip")
+    fig = _layout(fig, "How concentrated is attention? Top x% of tokens hold y% of the mass",
+                  "top tokens (% of tokens the query sees)", "attention mass held (%)", height=460)
+    fig.update_yaxes(range=[0, 101])
+    fig.update_xaxes(range=[0, 100])
+    return fig
+
+
+def heatmap_figure(matrix: np.ndarray, title: str, colorbar: str, zmin: float | None = None,
+                   zmax: float | None = None, fmt: str = ".2f") -> go.Figure:
+    """A layers x heads heatmap (cividis: perceptually uniform and colour-blind safe)."""
+    m = np.asarray(matrix)
+    fig = go.Figure(go.Heatmap(
+        z=m, x=[str(h) for h in range(m.shape[1])], y=[str(layer) for layer in range(m.shape[0])],
+        colorscale="Cividis", zmin=zmin, zmax=zmax, colorbar=dict(title=dict(text=colorbar)),
+        hovertemplate="layer %{y}, head %{x}<br>" + colorbar + " %{z:" + fmt + "}<extra></extra>"))
+    fig = _layout(fig, title, "query head (index)", "layer (index)", height=max(260, 120 + 18 * m.shape[0]))
+    fig.update_yaxes(autorange="reversed", type="category")
+    fig.update_xaxes(type="category")
+    return fig
+
+
+# --- token grid ----------------------------------------------------------------------------------
+
+GRID_STYLES = {  # background, text colour, border style: colour is never the only cue
+    "sink": (OKABE_ITO["blue"], "#ffffff", "solid"),
+    "recent": (OKABE_ITO["bluish_green"], "#ffffff", "solid"),
+    "heavy hitter": (OKABE_ITO["orange"], "#000000", "solid"),
+    "kept (no eviction)": (OKABE_ITO["sky_blue"], "#000000", "solid"),
+    "evicted": ("#f2f2f2", "#8a8a8a", "dashed"),
+    "newest": (OKABE_ITO["black"], "#ffffff", "double"),
+}
+
+
+def _mix(hex_colour: str, weight: float) -> str:
+    """hex_colour blended with white: weight 0 = white, 1 = the colour."""
+    r, g, b = (int(hex_colour[i:i + 2], 16) for i in (1, 3, 5))
+    w = min(max(float(weight), 0.0), 1.0)
+    return "#{:02x}{:02x}{:02x}".format(*(round(255 + (c - 255) * w) for c in (r, g, b)))
+
+
+def token_grid_html(tokens: Sequence[str], reasons: Sequence[str], original: Sequence[float],
+                    newest: int | None = None, shade: str = "reason", error: Sequence[float] | None = None,
+                    context_len: int | None = None) -> str:
+    """The text as chips, each coloured by what the compressed cache does with it.
+
+    shade "reason": sink / recent / heavy hitter / evicted / newest colours; "attention": the
+    chip's depth is the token's original attention (cividis-like blue, a max-scaled square
+    root so small weights stay visible); "error": vermillion where compression lowered the
+    token's attention, blue where it raised it. Evicted tokens are struck through and dashed
+    in every mode, so the grid reads without colour too. `context_len` draws a separator
+    between the prompt and the generated tokens. The legend lists only classes that occur.
+    """
+    from html import escape
+
+    original = np.asarray(original, dtype=float)
+    err = np.zeros_like(original) if error is None else np.asarray(error, dtype=float)
+    top = float(original.max()) if len(original) else 1.0
+    worst = float(np.abs(err).max()) if len(err) else 1.0
+    chips, present = [], []
+    for i, (tok, why, a) in enumerate(zip(tokens, reasons, original)):
+        kind = "newest" if i == newest else why
+        if kind not in present:
+            present.append(kind)
+        bg, fg, border = GRID_STYLES[kind]
+        if shade == "attention":
+            bg = _mix(OKABE_ITO["blue"], np.sqrt(a / top) if top > 0 else 0)
+            fg = "#ffffff" if a / max(top, 1e-300) > 0.3 else "#000000"
+        elif shade == "error":
+            e = err[i] / worst if worst > 0 else 0.0
+            bg = _mix(OKABE_ITO["vermillion"] if e < 0 else OKABE_ITO["blue"], abs(e) ** 0.5)
+            fg = "#ffffff" if abs(e) > 0.35 else "#000000"
+        strike = "line-through" if why == "evicted" else "none"
+        label = escape(tok) if tok.strip() else "&nbsp;"
+        edge = "#8a8a8a" if border == "dashed" else (bg if shade == "reason" else "#555555")
+        if context_len is not None and i == context_len:
+            chips.append("<span title='the prompt ends here: later tokens were generated' style='display:inline-block;"
+                         "margin:2px 6px;padding:0 4px;border-left:3px solid #000;font-size:11px;color:#000'>"
+                         "generated →</span>")
+        chips.append(
+            f"<span title='{i}: {escape(tok)!s} — {escape(kind)}, attention {a:.4f}, error {err[i]:+.4f}' "
+            f"style='display:inline-block;margin:2px;padding:1px 5px;border-radius:4px;"
+            f"background:{bg};color:{fg};border:2px {border} {edge};"
+            f"text-decoration:{strike};font-family:monospace;font-size:13px'>{label}</span>")
+    if shade == "reason":
+        items = [(name, *GRID_STYLES[name]) for name in GRID_STYLES if name in present]
+    else:
+        items = [(name, GRID_STYLES[name][0], GRID_STYLES[name][1], GRID_STYLES[name][2])
+                 for name in ("evicted", "newest") if name in present]
+        scale = ("darker = more of the original attention" if shade == "attention" else
+                 "vermillion = attention lowered by compression, blue = raised; deeper = more")
+        items.insert(0, (scale, "#ffffff", "#000000", "solid"))
+    legend = " ".join(
+        f"<span style='display:inline-block;margin:2px 6px 6px 0;padding:1px 6px;border-radius:4px;"
+        f"background:{bg};color:{fg};border:2px {border} {bg if border != 'dashed' else '#8a8a8a'};"
+        f"font-size:12px'>{escape(name)}</span>" for name, bg, fg, border in items)
+    return f"<div>{legend}</div><div style='line-height:1.9'>{''.join(chips)}</div>"
+
+
+# --- export -------------------------------------------------------------------------------------
+
+def figures_html(figures: Sequence[go.Figure], title: str = "kvviz", metrics: dict | None = None,
+                 about: str = "", link: str = "") -> str:
+    """A standalone HTML page holding the figures (plotly.js inlined once; works offline), with
+    what was computed (`about`: '# ' lines), the metrics and a link back to the live view."""
+    from html import escape
+
+    parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0), config=CHART_CONFIG)
+             for i, fig in enumerate(figures)]
+    body = "\n".join(f"<section>{p}</section>" for p in parts)
+    info = "".join(f"<li>{escape(line[2:])}</li>" for line in about.splitlines() if line.startswith("# "))
+    table = "".join(f"<tr><td>{escape(k)}</td><td>{escape(_fmt_metric(v))}</td></tr>" for k, v in (metrics or {}).items())
+    back = f"<p><a href='{escape(link, quote=True)}'>Open this view in kvviz</a></p>" if link else ""
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(title)}</title></head>"
+            f"<body style='font-family:sans-serif'><h1>{escape(title)}</h1>{back}"
+            + (f"<ul>{info}</ul>" if info else "")
+            + (f"<table><tr><th>metric</th><th>value</th></tr>{table}</table>" if table else "")
+            + f"{body}</body></html>")
+
+
+def _fmt_metric(v) -> str:
+    if isinstance(v, float):
+        return "∞" if v == float("inf") else f"{v:.6g}"
+    return "" if v is None else str(v)

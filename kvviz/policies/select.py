@@ -1,0 +1,58 @@
+"""From scores to kept masks: the budget rule every policy shares (DESIGN.md section 4).
+
+`select` keeps the first `sink` tokens, the last `recent`, and the `heavy` highest-scoring
+tokens among the rest; `evict_one` is its streaming form, one eviction per decode step.
+Pure functions over arrays: the policy base and the allocations (AdaKV, PyramidKV) both use them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvviz.spec import Spec
+
+
+def select(scores: np.ndarray, spec: Spec) -> np.ndarray:
+    """Kept mask (kv_heads, n): sinks, recent window, and the top `heavy` of the rest.
+
+    Keeps min(sink + recent + heavy, n) tokens. Ties go to the earlier token. O(n) per
+    row: a partition finds the score of the last heavy hitter, and the earliest of the
+    tokens tied at that score fill what is left.
+    """
+    H, n = scores.shape
+    keep = np.zeros((H, n), dtype=bool)
+    keep[:, : spec.sink] = True
+    keep[:, max(0, n - spec.recent):] = True
+    first, end = min(spec.sink, n), max(min(spec.sink, n), n - spec.recent)   # candidates: [first, end)
+    take = min(spec.heavy, end - first)
+    if take > 0:
+        key = -scores[:, first:end]                 # best first
+        cut = np.partition(key, take - 1, axis=1)[:, take - 1: take]      # (H, 1): the last one taken
+        above = key < cut                                                 # strictly better
+        tied = key == cut
+        need = take - above.sum(axis=1, keepdims=True)
+        if (tied.sum(axis=1, keepdims=True) > need).any():               # too many tied: earliest first
+            tied &= np.cumsum(tied, axis=1) <= need
+        keep[:, first:end] = above | tied
+    return keep
+
+
+def evict_one(kept: np.ndarray, scores: np.ndarray, spec: Spec, p: int,
+              ties_evict_later: bool = False) -> np.ndarray:
+    """Drop, per KV head, the lowest-scoring token outside the sinks and the recent window.
+
+    kept (H, m+1) -> (H, m). A token no query has scored yet (+inf) goes only before
+    protected ones. Ties follow the policies' own rules: streaming policies evict the
+    earlier token; one-shot policies keep it (`select` keeps the earlier of equal scores,
+    and greedy eviction under fixed scores must give the same kept set).
+    """
+    H = kept.shape[0]
+    protected = (kept < spec.sink) | (kept > p - spec.recent)
+    key = np.where(protected, np.inf, np.minimum(np.take_along_axis(scores, kept, 1), np.finfo(np.float64).max))
+    if ties_evict_later:
+        victim = key.shape[1] - 1 - np.argmin(key[:, ::-1], axis=1)
+    else:
+        victim = np.argmin(key, axis=1)
+    drop = np.ones(kept.shape, dtype=bool)
+    drop[np.arange(H), victim] = False
+    return kept[drop].reshape(H, -1)
