@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 SCORERS = ("h2o", "tova", "snapkv", "streaming", "oracle", "knorm", "random",
            "expected_attention", "keydiff", "chunkkv", "quest")
-PLUGIN_SCORERS: list[str] = []        # names registered by plug-ins (kvviz.policies.plugins), appended at load time
+PLUGIN_SCORERS: list[str] = []        # names registered by plug-ins (kvviz.policies.registry), appended at load time
 ALLOCATIONS = ("uniform", "adakv", "pyramid")   # how the heavy budget is spread over KV heads and layers
 CHUNK_INNER = ("snapkv", "expected_attention", "keydiff", "knorm", "h2o", "random")  # ChunkKV's token scorer
 AXES = ("channel", "token")
@@ -168,10 +168,7 @@ def check_spec(s: Spec) -> None:
     for name in ("sink", "recent", "heavy", "residual"):
         if getattr(s, name) < 0:
             raise SpecError(f"{name} must be 0 or more, got {getattr(s, name)}")
-    if s.scorer not in SCORERS and s.scorer not in PLUGIN_SCORERS:
-        from kvviz.policies.plugins import load_entry_points     # an installed plug-in kvviz has not loaded yet
-        load_entry_points()
-    if s.scorer not in SCORERS and s.scorer not in PLUGIN_SCORERS:
+    if s.scorer not in SCORERS and s.scorer not in PLUGIN_SCORERS and s.scorer not in installed_plugin_names():
         raise SpecError(f"unknown scorer {s.scorer!r}; choose one of {', '.join(scorer_names())}")
     check_bits(s.key_bits, s.symmetric, "key")
     check_bits(s.value_bits, s.symmetric, "value")
