@@ -6,7 +6,7 @@ tokens), it prints
     <spec>: compressed decode / plain full-cache decode = ratio      (target <= 1.5)
 
 where "plain" is transformers' own decode loop with a DynamicCache and "compressed" is
-kvviz.decode.generation.decode with the spec (our attention function, eviction decisions every
+kvviz.decode.loop.decode with the spec (our attention function, eviction decisions every
 step, the KIVI quantizer on the kept K/V). Decode steps only; the one-off compression
 point (the policy scoring the prompt) is printed separately. Each time is the median of
 several runs measured in this one process, plain and compressed interleaved so background
@@ -37,7 +37,8 @@ def main() -> int:
 
     import torch
 
-    from kvviz.decode.generation import decode, plain_decode, sample_text, tokenize
+    from kvviz.decode.loop import decode, plain_decode
+    from kvviz.decode.quality import sample_text, tokenize
     from kvviz.models import load_model
     from kvviz.spec import Spec
 

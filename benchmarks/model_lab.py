@@ -36,7 +36,8 @@ def main() -> int:
     import torch
 
     from kvviz.decode import lab
-    from kvviz.decode.generation import plain_decode, tokenize
+    from kvviz.decode.loop import plain_decode
+    from kvviz.decode.quality import tokenize
     from kvviz.models import load_model
     from kvviz.spec import Spec
 

@@ -11,7 +11,7 @@ from kvviz.app import ui
 
 from kvviz.app import sources as ui_sources
 from kvviz.plots.decode import continuation_html, kl_strip, nll_chart
-from kvviz.decode.generation import sample_text
+from kvviz.decode.quality import sample_text
 from kvviz.spec import SpecError
 from kvviz.trace import Trace
 from kvviz.app.sources import EXAMPLE_PROMPT, shared_model

@@ -35,7 +35,8 @@ ALLOCATIONS = ("uniform", "adakv", "pyramid")
 
 
 def bundled_trace(prompt_tokens: int, steps: int):
-    from kvviz.decode.generation import decode, sample_text, tokenize
+    from kvviz.decode.loop import decode
+    from kvviz.decode.quality import sample_text, tokenize
     from kvviz.models import load_model
     from kvviz.spec import Spec
 

@@ -79,14 +79,14 @@ def test_tradeoffs_gets_fp8_and_fp4_points():
 @pytest.mark.model
 def test_model_lab_runs_a_serving_format(monkeypatch):
     """Model lab with NVFP4 keys, FP8 values and rotated keys from the URL: the page's perplexity
-    is kvviz.decode.generation.evaluate's under the same Spec (the real-model decode path)."""
+    is kvviz.decode.quality.evaluate's under the same Spec (the real-model decode path)."""
     load_once = share_one_model_load(monkeypatch)   # the page and this test share one load
     at = run_app(LAB, 300, sink="0", recent="0", heavy="0", key_fmt="nvfp4", value_fmt="e4m3", rotate="keys",
                  lab_prompt="40", lab_cont="8", lab_greedy="0")
     at.button(key="lab_run").click().run()
     assert not at.exception, [e.value for e in at.exception]
     shown = {m.label: m.value for m in at.metric}
-    from kvviz.decode.generation import evaluate, reference, sample_text
+    from kvviz.decode.quality import evaluate, reference, sample_text
     model, tok, _ = load_once("bundled")
     spec = Spec(key_format="nvfp4", value_format="e4m3", rotate="keys")
     q = evaluate(model, reference(model, tok, sample_text(), 40, 8), spec)

@@ -116,7 +116,7 @@ def test_model_lab_run_shows_the_cores_numbers(monkeypatch):
     assert not at.exception, [e.value for e in at.exception]
     shown = {m.label: m.value for m in at.metric}
 
-    from kvviz.decode.generation import evaluate, reference, sample_text
+    from kvviz.decode.quality import evaluate, reference, sample_text
     model, tok, _ = load_once("bundled")
     q = evaluate(model, reference(model, tok, sample_text(), 48, 10), Spec(sink=4, recent=12, scorer="streaming"))
     assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"

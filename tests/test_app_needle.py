@@ -42,7 +42,7 @@ def _fake_grid() -> needle.NeedleGrid:
                     needle_kept=float(nk.mean()), needle_kept_by_head=tuple(map(tuple, nk)),
                     wanted_mass=float(wanted.mean()), wanted_mass_by_head=tuple(map(tuple, wanted)),
                     kept_mass=float((wanted * nk).mean()), kept_mass_by_head=tuple(map(tuple, wanted * nk)),
-                    full_answer="12345. Remember", full_correct=True, kept_packed=needle._pack(kept)))
+                    full_answer="12345. Remember", full_correct=True, kept_packed=needle.cell._pack(kept)))
     return needle.NeedleGrid(model="fake", settings={"new_tokens": 8, "haystack": "filler"},
                              prompts=tuple(prompts), cells=tuple(cells))
 

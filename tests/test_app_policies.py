@@ -98,7 +98,7 @@ def test_timeline_with_new_scorers_and_ragged_caches():
 @pytest.mark.model
 @pytest.mark.slow
 def test_model_lab_runs_adakv_snapkv_with_the_cores_numbers(monkeypatch):
-    from kvviz.decode.generation import evaluate, reference, sample_text
+    from kvviz.decode.quality import evaluate, reference, sample_text
     load_once = share_one_model_load(monkeypatch)   # the page and this test share one load
     at = run_app(str(ROOT / "pages" / "3_Model_lab.py"), 300, sink=4, recent=8, heavy=8, scorer="snapkv",
                  allocation="adakv")

@@ -12,7 +12,10 @@ from conftest import tiny_llama
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvviz.decode.generation import CompressedCache, Spec, decode, evaluate, reference  # noqa: E402
+from kvviz.spec import Spec  # noqa: E402
+from kvviz.decode.cache import CompressedCache
+from kvviz.decode.loop import decode
+from kvviz.decode.quality import evaluate, reference  # noqa: E402
 from kvviz.quant.formats import quantize_tensor, residual_at  # noqa: E402
 
 

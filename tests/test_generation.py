@@ -19,9 +19,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kvviz.decode import generation as gen  # noqa: E402
-from kvviz.decode.generation import (CompressedCache, Spec, decode, evaluate, first_divergence,  # noqa: E402
-                              masked_reference_logits, plain_decode, reference, side_by_side)
+from kvviz.spec import Spec  # noqa: E402
+from kvviz import decode as gen  # noqa: E402
+from kvviz.decode.cache import CompressedCache
+from kvviz.decode.loop import decode, masked_reference_logits, plain_decode
+from kvviz.decode.quality import evaluate, first_divergence, reference, side_by_side
 from kvviz.policies import ScoreContext, get_policy  # noqa: E402
 from kvviz.quant import quantize  # noqa: E402
 from kvviz.spec import SpecError  # noqa: E402
@@ -351,7 +353,8 @@ def test_rerotated_keys_give_the_logits_of_cache_slot_positions(tiny):
     Checked against transformers' own rotary embedding, not our rotation."""
     from transformers.models.llama.modeling_llama import rotate_half
 
-    from kvviz.decode.generation import CompressedCache, rope_inv_freq
+    from kvviz.decode.cache import CompressedCache
+    from kvviz.models.config import rope_inv_freq
 
     model, _ = tiny
     rope = model.model.rotary_emb

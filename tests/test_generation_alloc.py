@@ -7,7 +7,7 @@ import torch
 
 from kvviz import Spec
 from kvviz.engine import kept_at_query
-from kvviz.decode.generation import decode
+from kvviz.decode.loop import decode
 from kvviz.policies import ScoreContext, get_policy
 from kvviz.policies.allocation import pyramid_budgets
 

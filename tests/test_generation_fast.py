@@ -10,8 +10,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvviz.decode import generation as gen  # noqa: E402
-from kvviz.decode.generation import Spec, decode, prefill  # noqa: E402
+from kvviz.spec import Spec  # noqa: E402
+from kvviz import decode as gen  # noqa: E402
+from kvviz.decode.loop import decode, prefill  # noqa: E402
 
 
 ONE_SHOT = [

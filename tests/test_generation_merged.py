@@ -8,7 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvviz.decode.generation import Spec, decode, plain_decode, prefill  # noqa: E402
+from kvviz.spec import Spec  # noqa: E402
+from kvviz.decode.loop import decode, plain_decode, prefill  # noqa: E402
 
 
 SPECS = [

@@ -96,7 +96,7 @@ def test_decode_matches_transformers_quantized_cache():
     16 = head_dim, residual_length 8) and kvviz's decode under the preset give the same logits."""
     from transformers import LlamaConfig, LlamaForCausalLM, QuantizedCache
 
-    from kvviz.decode.generation import decode
+    from kvviz.decode.loop import decode
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

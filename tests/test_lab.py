@@ -13,7 +13,8 @@ from conftest import tiny_llama
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvviz.decode import generation as gen  # noqa: E402
+from kvviz import decode as gen  # noqa: E402
+from kvviz.decode import hook  # noqa: E402
 from kvviz.decode import lab  # noqa: E402
 from kvviz.spec import Spec  # noqa: E402
 
@@ -72,7 +73,7 @@ def test_a_callback_can_cancel_a_run(tiny):
             raise lab.Cancelled
     with pytest.raises(lab.Cancelled):
         lab.run(model, Tok(), "tiny", settings, on_token=stop)
-    assert model.config._attn_implementation == "eager" and not gen._ACTIVE
+    assert model.config._attn_implementation == "eager" and not hook._ACTIVE
 
 
 def test_results_round_trip_through_json(tiny):

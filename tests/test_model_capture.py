@@ -22,7 +22,7 @@ from kvviz.attention import logit_row, softmax  # noqa: E402
 from kvviz.cli import main  # noqa: E402
 from kvviz.models import ModelError, bundled_model_file, load_model  # noqa: E402
 from kvviz.sources.capture import (CaptureError, capture, check_attention, concentration,  # noqa: E402
-                                 head_overview, parse_layers, visible)
+                                   head_overview, parse_layers, visible)
 from kvviz.sources.tracefile import load_trace, save_trace  # noqa: E402
 from kvviz.trace import Trace, TraceError  # noqa: E402
 
@@ -468,7 +468,7 @@ def test_hub_id_without_network_fails_fast(monkeypatch):
     """Even when the environment does not say offline, a dead hub must not mean 25 s of retries."""
     import time
 
-    from kvviz import models
+    from kvviz.models import load as models
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)

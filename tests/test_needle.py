@@ -66,7 +66,7 @@ def test_lengths_past_the_model_positions_are_refused_with_the_limit():
 def test_kept_masks_round_trip_through_packed_bits():
     rng = np.random.default_rng(0)
     mask = rng.random((3, 2, 37)) < 0.4
-    assert np.array_equal(needle._unpack(needle._pack(mask), mask.shape), mask)
+    assert np.array_equal(needle.cell._unpack(needle.cell._pack(mask), mask.shape), mask)
 
 
 def test_the_shipped_default_grid_is_complete_and_consistent():
@@ -193,7 +193,7 @@ def test_oracle_keeps_the_most_total_mass_of_the_first_answer_query(bundled, run
     fresh, *_ = runs
     p = fresh.prompt(LENGTH, DEPTH)
     pre = needle.prefill(model, p.ids)
-    attn = needle._first_answer_attention(pre, LENGTH - 1)                   # (L, Hq, P)
+    attn = needle.cell._first_answer_attention(pre, LENGTH - 1)                   # (L, Hq, P)
     per_kv = attn.reshape(attn.shape[0], 3, 3, -1).sum(axis=2)              # (L, H, P) group sums
     best = (per_kv * fresh.cell("oracle", LENGTH, DEPTH).kept()).sum(axis=2)
     for name in ("h2o", "tova", "snapkv", "streaming"):

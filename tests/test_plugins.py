@@ -65,7 +65,11 @@ def test_installed_plugin_is_found_by_entry_point_and_matches_its_rule(installed
     from test_policies_new import random_trace
 
     assert "last8" not in POLICIES
-    spec = Spec(sink=2, recent=4, heavy=6, scorer="last8")          # an unknown name loads the entry points
+    spec = Spec(sink=2, recent=4, heavy=6, scorer="last8")   # the name is known from the installed metadata ...
+    assert "last8" not in POLICIES                                  # ... its code is not loaded for a spec
+    with pytest.raises(SpecError, match="unknown scorer 'nope'"):
+        Spec(scorer="nope")                                         # a name no plug-in declares is refused
+    assert get_policy("last8").name == "last8"                      # the registry loads the entry points
     assert "last8" in POLICIES and "keep_early" in POLICIES
     assert POLICIES["keep_early"].description == "earliest tokens first (a position-only baseline)"
     trace = random_trace(11)
@@ -134,7 +138,7 @@ def test_plugin_in_the_decode_path(installed):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvviz.decode.generation import decode
+    from kvviz.decode.loop import decode
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

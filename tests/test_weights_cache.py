@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 from kvviz.models import load as models  # noqa: E402
 from kvviz.models.load import (META_FILE, WEIGHTS_FILE, bundled_model_file, cached_weights_valid,  # noqa: E402
-                          load_estimate, load_model, weights_cache_folder)
+                               load_estimate, load_model, weights_cache_folder)
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 TEXT = "The lighthouse keeper wrote in his log that the storm"

@@ -270,7 +270,7 @@ def real_model_source(container=None) -> Trace | None:
             c.info("Type a model folder, a .gguf file or a hub id, or pick the bundled model.")
             return None
     from kvviz.app import ui
-    from kvviz.decode.generation import sample_text
+    from kvviz.decode.quality import sample_text
 
     choice = ui.w_choice(c, "rm_text", "Prompt", ("bakery", "sample", "custom"), widget="radio",
                          format_func={"bakery": "Bakery story", "sample": "kvviz sample", "custom": "Your own"}.get,

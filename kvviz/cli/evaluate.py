@@ -33,7 +33,7 @@ def _add_text_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> None:
-    from kvviz.cli.parser import add_compression_args
+    from kvviz.cli.args import add_compression_args
 
     p = subparsers.add_parser(
         "eval", help="decode a real model with a compressed KV cache: perplexity, KL, top-1 vs the full cache",
@@ -65,7 +65,7 @@ def register(subparsers) -> None:
 
 
 def _read_text(path: str | None) -> str:
-    from kvviz.decode.generation import sample_text
+    from kvviz.decode.quality import sample_text
     from kvviz.models import ModelError
 
     if path is None:
@@ -91,7 +91,7 @@ def _progress(enabled: bool):
 
 def _prepare(a: argparse.Namespace):
     """(model, tokenizer, reference) with the lengths checked before the model loads."""
-    from kvviz.decode.generation import check_lengths, reference
+    from kvviz.decode.quality import check_lengths, reference
     from kvviz.models import load_model
     from kvviz.spec import SpecError
 
@@ -106,8 +106,8 @@ def _prepare(a: argparse.Namespace):
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
-    from kvviz.cli.parser import _json_safe, spec_from_args
-    from kvviz.decode.generation import evaluate, side_by_side
+    from kvviz.cli.args import _json_safe, spec_from_args
+    from kvviz.decode.quality import evaluate, side_by_side
 
     spec = spec_from_args(a)
     if spec.quant_model == "noise":
@@ -162,7 +162,7 @@ def _marked(tokens, at) -> str:
 
 
 def cmd_eval_sweep(a: argparse.Namespace) -> int:
-    from kvviz.decode.generation import SWEEP_FIELDS, sweep
+    from kvviz.decode.eval_sweep import SWEEP_FIELDS, sweep
     from kvviz.spec import SpecError
 
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
@@ -172,7 +172,7 @@ def cmd_eval_sweep(a: argparse.Namespace) -> int:
         raise SpecError("--budgets takes token counts like 32,64,128") from None
     if not budgets or min(budgets) < 8:
         raise SpecError("budgets are token counts of at least 8 (4 sinks + a window)")
-    from kvviz.decode.generation import QUANT_METHODS, SWEEP_METHODS
+    from kvviz.decode.eval_sweep import QUANT_METHODS, SWEEP_METHODS
     bad = [m for m in methods if m not in SWEEP_METHODS and m not in QUANT_METHODS]
     if bad:
         raise SpecError(f"unknown method {bad[0]!r}; choose from {', '.join([*SWEEP_METHODS, *QUANT_METHODS])}")

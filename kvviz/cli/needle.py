@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from kvviz.spec import SCORERS, Spec
+
 
 def register(subparsers) -> None:
     from kvviz.analysis import needle as nd
@@ -33,7 +35,7 @@ def register(subparsers) -> None:
                    help="needle depths: fractions of the haystack before it, 0 = start, 1 = just before the "
                         "question (or percentages like 50%%) (default %(default)s)")
     p.add_argument("--scorers", default=",".join(nd.DEFAULT_SCORERS),
-                   help=f"comma-separated: full (the uncompressed cache) and any of {', '.join(nd.SCORERS)} "
+                   help=f"comma-separated: full (the uncompressed cache) and any of {', '.join(SCORERS)} "
                         "(default %(default)s)")
     p.add_argument("--budget", default=str(nd.DEFAULT_BUDGET),
                    help="cache budget as a fraction of the prompt's tokens, or several comma-separated "
@@ -90,7 +92,7 @@ def parse(a: argparse.Namespace) -> dict:
     for b in budgets:
         nd.budget_tokens(b, 1000)
     for b in bits:
-        nd.Spec(key_bits=b, value_bits=b)
+        Spec(key_bits=b, value_bits=b)
     if not 1 <= a.new_tokens <= 64:
         raise SpecError(f"--new-tokens must be 1-64, got {a.new_tokens}")
     return dict(lengths=lengths, depths=depths, scorers=scorers, budgets=budgets, bits=bits,
@@ -102,7 +104,7 @@ def cmd_needle(a: argparse.Namespace) -> int:
     import time
 
     from kvviz.analysis import needle as nd
-    from kvviz.cli.parser import _json_safe
+    from kvviz.cli.args import _json_safe
     from kvviz.models import load_model
     from kvviz.cli.evaluate import _progress
 

@@ -1,5 +1,26 @@
 """The real-model side: a compressed KV cache inside a transformers model, the decode loops,
 quality against the full-cache reference, and the Model lab's run.
 
+    cache       CompressedCache: one run's K/V, kept sets, quantization, attention over what is kept
+    ragged      PyramidCache / RaggedCache: budgets that differ by layer or by head (AdaKV, PyramidKV)
+    hook        the attention function that plugs a cache into a transformers model
+    loop        prefill, decode, decode_many (one batch, a cache a row), plain_decode
+    quality     the teacher-forced reference, perplexity / KL / top-1, greedy text side by side
+    eval_sweep  `kvviz eval-sweep`: named methods x budgets
+    lab         the Model lab's run, its cached results and timings
+
 May import: the core, policies, quant, models. torch and transformers only inside functions.
 """
+
+from kvviz.decode.cache import MODES, CompressedCache
+from kvviz.decode.eval_sweep import QUANT_METHODS, SWEEP_FIELDS, SWEEP_METHODS, sweep
+from kvviz.decode.loop import Prefill, decode, decode_many, masked_reference_logits, plain_decode, prefill
+from kvviz.decode.quality import (MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, SAMPLE_TEXT_FILE, Quality, Reference, SideBySide,
+                                  check_lengths, evaluate, first_divergence, greedy, quality_from, reference,
+                                  sample_text, side_by_side, token_strings, tokenize)
+
+__all__ = ["CompressedCache", "MAX_NEW_TOKENS", "MAX_PROMPT_TOKENS", "MODES", "Prefill", "QUANT_METHODS", "Quality",
+           "Reference", "SAMPLE_TEXT_FILE", "SWEEP_FIELDS", "SWEEP_METHODS", "SideBySide", "check_lengths",
+           "decode", "decode_many", "evaluate", "first_divergence", "greedy", "masked_reference_logits",
+           "plain_decode", "prefill", "quality_from", "reference", "sample_text", "side_by_side", "sweep",
+           "token_strings", "tokenize"]

@@ -3,7 +3,7 @@
 A run (LabSettings) is
     the full-cache side, once per text (it does not depend on the spec):
         one forward over prompt + continuation: the reference logits and every layer's
-        q, k, v (generation.Prefill), then the full cache's greedy continuation
+        q, k, v (kvviz.decode.loop.Prefill), then the full cache's greedy continuation
     the compressed side, per spec, starting from that prefill:
         teacher-forced quality (one masked pass for one-shot policies, the step loop for
         H2O / TOVA / the oracle) and the compressed greedy continuation, token by token
@@ -62,7 +62,7 @@ class LabSettings:
 
 def default_settings(spec: Spec | None = None) -> LabSettings:
     """The page's opening settings: the sample text, 206 + 57 tokens, 32 greedy, the sidebar's default spec."""
-    from kvviz.decode.generation import sample_text
+    from kvviz.decode.quality import sample_text
     from kvviz.sources import handbook
 
     spec = spec or Spec(sink=handbook.SINK, recent=handbook.RECENT, heavy=handbook.HEAVY, scorer="h2o")
@@ -75,7 +75,7 @@ def default_settings(spec: Spec | None = None) -> LabSettings:
 class FullSide:
     """What the full cache does on one text: the reference and its greedy continuation."""
 
-    ref: Any                     # generation.Reference (with its Prefill)
+    ref: Any                     # kvviz.decode.quality.Reference (with its Prefill)
     greedy_ids: tuple[int, ...]
     seconds: float
 
@@ -86,7 +86,7 @@ def run(model, tokenizer, label: str, settings: LabSettings, progress: Progress 
     """One Model lab run: {"quality", "pair", "model", "n_text_tokens", "prompt_text", "seconds"}.
 
     One prefill of prompt + continuation (kept per text); then, in one batched decode
-    loop (generation.decode_many), the full cache's greedy text (once per text), the
+    loop (kvviz.decode.loop.decode_many), the full cache's greedy text (once per text), the
     compressed greedy text and, for H2O / TOVA / the oracle, the teacher-forced steps;
     one-shot policies score the continuation in one masked pass instead.
     on_full_token / on_token(i, id) stream the full and the compressed greedy text; any
@@ -94,9 +94,10 @@ def run(model, tokenizer, label: str, settings: LabSettings, progress: Progress 
     """
     import torch
 
-    from kvviz.decode.generation import (SideBySide, decode_many, evaluate, first_divergence, quality_from, reference,
-                             token_strings, tokenize)
-    from kvviz.decode.generation import Spec as _Spec
+    from kvviz.decode.loop import decode_many
+    from kvviz.decode.quality import (SideBySide, evaluate, first_divergence, quality_from, reference, token_strings,
+                                      tokenize)
+    from kvviz.spec import Spec as _Spec
 
     say = progress or (lambda f, m: None)
     t0 = time.perf_counter()
@@ -229,7 +230,7 @@ def estimate(settings: LabSettings, full_cached: bool = False) -> float | None:
 
 
 def full_cached(model, tokenizer, settings: LabSettings) -> bool:
-    from kvviz.decode.generation import tokenize
+    from kvviz.decode.quality import tokenize
 
     return _full_key(model, tokenize(tokenizer, settings.text), settings) in _FULL
 
@@ -278,7 +279,7 @@ def result_to_json(result: dict) -> dict:
 
 
 def result_from_json(d: dict) -> dict:
-    from kvviz.decode.generation import Quality, SideBySide
+    from kvviz.decode.quality import Quality, SideBySide
 
     q = dict(d["quality"])
     q["spec"] = Spec(**q["spec"])

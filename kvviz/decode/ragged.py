@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvviz.decode.generation import CompressedCache
+from kvviz.decode.cache import CompressedCache
 from kvviz.policies import ScoreContext, evict_one
 from kvviz.policies.allocation import adakv_heavy, layer_spec, select_heads
 from kvviz.quant import quantize

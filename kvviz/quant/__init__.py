@@ -8,12 +8,15 @@ One format a module:
     mxfp4      E2M1 blocks of 32, E8M0 block scale (OCP MX)
     rotation   the orthonormal Hadamard rotation of the head dimension
     formats    the registry and a Spec's quantizer / byte count (rotation, residual modes)
+    kernel     the fused numba quantize-dequantize kernel behind `integer`
+
+May import: the core (spec); numba only in `kernel`, compiled on first use.
 Everything `kvviz.quant` exported before it became a package is still importable from here.
 """
 
 from kvviz.quant.base import CacheBytes, kv_bytes_per_token
 from kvviz.quant.integer import (KIVI_GROUP, KIVI_RESIDUAL, SCALE_BITS, ZERO_BITS, _blocks, _scale, compile_kernel,
-                      kivi_residual, quant_step, quantize, quantize_kept, quantized_extent, tensor_bytes)
+                                 kivi_residual, quant_step, quantize, quantize_kept, quantized_extent, tensor_bytes)
 
 __all__ = ["CacheBytes", "KIVI_GROUP", "KIVI_RESIDUAL", "SCALE_BITS", "ZERO_BITS", "_blocks", "_scale",
            "compile_kernel", "kivi_residual", "kv_bytes_per_token", "quant_step", "quantize", "quantize_kept",

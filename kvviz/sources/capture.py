@@ -330,7 +330,7 @@ def capture(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, new_tokens
         "sliding_window": info.config.get("sliding_window"),
         "capture_seconds": round(seconds, 3), "kvviz_version": __version__, "notes": notes,
     }
-    from kvviz.decode.generation import rope_inv_freq       # RoPE of the cached keys (Expected Attention un-rotates queries)
+    from kvviz.models.config import rope_inv_freq
     inv_freq = rope_inv_freq(model)
     if inv_freq is not None:
         meta["rope_inv_freq"] = [float(x) for x in inv_freq]

@@ -1,0 +1,444 @@
+"""The compressed KV cache of one decode run (DESIGN.md sections 4 and 6).
+
+    prefill   the prompt runs with full attention; every layer's q, k, v are kept.
+              At this compression point the policy scores the prompt from its own
+              attention rows (a Trace of the prefill, the very scorers the explorer
+              uses) and each KV head keeps sink + recent + heavy tokens.
+    decode    each new token runs alone at its true position (explicit position_ids,
+              so RoPE stays right however many tokens were evicted). In every layer:
+                1. its post-RoPE k, v join the cache               kept += [p]
+                2. the cache is trimmed back to the budget         lowest score out
+                3. the query attends over what is kept, quantized
+                     a = softmax(q . K_hat^T / sqrt(d)),  o = a . V_hat
+                   K_hat, V_hat = kvviz.quant.quantize of the kept K / V (the last
+                   `residual` kept tokens stay at full precision)
+                4. streaming scorers fold a into their scores      H2O: +=, TOVA: =
+              Only the oracle looks at the full cache: top-k of this step's own
+              full-precision attention (the bound, not a real policy).
+
+Evicted entries are deleted: every KV head keeps the same number of tokens, so the kept
+K / V gather into dense (kv_heads, kept, head_dim) tensors. `mode="mask"` instead keeps
+every entry and gives evicted ones -inf logits; the tests check both give the same
+logits, and that both match transformers' own eager attention with a 2-D mask with holes.
+Allocations that give heads or layers different budgets: `kvviz.decode.ragged`.
+torch is imported lazily (inside methods).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvviz.policies import ScoreContext, evict_one, get_policy, select
+from kvviz.quant import quantize
+from kvviz.quant.formats import quantize_tensor, uses_formats
+from kvviz.quant.formats import residual_at as formats_residual_at
+from kvviz.spec import FULL_BITS, Spec, SpecError
+from kvviz.trace import Trace
+
+MODES = ("delete", "mask")
+
+Progress = Callable[[float, str], None]
+
+
+class CompressedCache:
+    """The K/V cache of one decode run under a Spec (mutable; one run only).
+
+    Full-precision K / V of every position are stored (the oracle and the `mask` mode
+    need them; the delete mode gathers what is kept). Shapes per layer:
+        k, v     (kv_heads, capacity, head_dim)   post-RoPE, as the model's cache holds them
+        kept     (kv_heads, m) int                positions the compressed cache holds, sorted
+                                                  (every head holds the same number m)
+        scores   (kv_heads, capacity) float      the policy's importance of each token
+    """
+
+    def __init__(self, spec: Spec, n_layers: int, n_q_heads: int, n_kv_heads: int, head_dim: int,
+                 capacity: int, mode: str = "delete", tokens: Sequence[str] | None = None,
+                 record: bool = False, inv_freq=None) -> None:
+        import torch
+
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        if spec.positions == "cache":
+            if inv_freq is None:
+                raise SpecError("re-rotating keys to their cache slots needs the model's rotary embedding "
+                                "(RoPE); this model has none kvviz can find")
+            if mode != "delete":
+                raise SpecError("keys re-rotated to cache slots are only simulated with deleted entries")
+        self.inv_freq = None if inv_freq is None else torch.as_tensor(inv_freq, dtype=torch.float32)
+        if spec.quant_model == "noise" and spec.noise_sigma > 0:
+            raise SpecError("the logit-noise model is a stand-in for attention rows only; "
+                            "on a real model use real K/V quantization (quant_model 'kv')")
+        self.spec, self.mode = spec, mode
+        self.policy = get_policy(spec.scorer)
+        self.L, self.Hq, self.H, self.D = n_layers, n_q_heads, n_kv_heads, head_dim
+        self.group = n_q_heads // n_kv_heads
+        self.capacity = capacity
+        self.k = torch.zeros(n_layers, n_kv_heads, capacity, head_dim)
+        self.v = torch.zeros(n_layers, n_kv_heads, capacity, head_dim)
+        self.kept: list[np.ndarray] = [np.zeros((n_kv_heads, 0), dtype=np.int64)] * n_layers
+        self.scores = np.zeros((n_layers, n_kv_heads, capacity))
+        self.length = [0] * n_layers
+        self.prefill_q: list[np.ndarray | None] = [None] * n_layers
+        self.tokens = tuple(tokens) if tokens is not None else None
+        self.trace: Trace | None = None
+        self.compressed = False
+        self._quant_memo: dict[tuple[int, str], Any] = {}   # see _quantized
+        self._rows = torch.arange(n_kv_heads)[:, None]   # (H, 1) for gathers
+        self.block = False   # True: teacher-forced steps may arrive as one block (see block_ok)
+        # record=True keeps every decode query and kept set, to rebuild the run as a Trace
+        self.record = record
+        self.step_q: list[list[np.ndarray]] = [[] for _ in range(n_layers)]       # (Hq, D) per step
+        self.step_kept: list[list[np.ndarray]] = [[] for _ in range(n_layers)]    # (H, m) per step
+
+    # -- policy bookkeeping ------------------------------------------------------------
+    @property
+    def evicts(self) -> bool:
+        return self.spec.evicts
+
+    @property
+    def n_tokens(self) -> int:
+        return self.length[0]
+
+    def kept_tokens(self) -> int:
+        """Tokens each KV head holds now (the same for every head and layer)."""
+        return int(self.kept[0].shape[1])
+
+    def kept_mask(self, layer: int) -> np.ndarray:
+        """(kv_heads, n_tokens) bool: what layer's compressed cache holds now."""
+        mask = np.zeros((self.H, self.length[layer]), dtype=bool)
+        np.put_along_axis(mask, self.kept[layer], True, axis=1)
+        return mask
+
+    def seed(self, prefix, n: int) -> None:   # prefix: a kvviz.decode.loop.Prefill
+        """Fill the cache with the first n positions of a full-cache prefill (instead of running them)."""
+        if self.compressed or self.length[0]:
+            raise RuntimeError("seed an empty cache only")
+        self.k[:, :, :n] = prefix.k[:, :, :n]
+        self.v[:, :, :n] = prefix.v[:, :, :n]
+        self.length = [n] * self.L
+        self.prefill_q = [np.ascontiguousarray(prefix.q[layer, :, :n]) for layer in range(self.L)]
+
+    def compress(self) -> None:
+        """The compression point: score the prompt from its own attention and select."""
+        n = self.n_tokens
+        q = np.stack(self.prefill_q)                                      # (L, Hq, n, D)
+        k = self.k[:, :, :n].numpy()
+        v = self.v[:, :, :n].numpy()
+        tokens = self.tokens[:n] if self.tokens is not None else tuple(f"t{i}" for i in range(n))
+        self.trace = Trace(q=q, k=k, v=v, context_len=n, tokens=tuple(tokens),
+                           query_positions=np.arange(n), meta={"source": "model prefill", **(
+                               {} if self.inv_freq is None else {"rope_inv_freq": self.inv_freq.tolist()})})
+        self._context_q = q if self.record else None
+        self.prefill_q = [None] * self.L
+        for layer in range(self.L):
+            if not self.evicts or self.policy.needs_query:
+                self.kept[layer] = np.tile(np.arange(n), (self.H, 1))
+                continue
+            ctx = ScoreContext(self.trace, layer, self.spec)
+            scores = np.broadcast_to(np.asarray(self.policy.score(ctx), dtype=np.float64), (self.H, n))
+            self.scores[layer, :, :n] = scores
+            self.kept[layer] = _indices(select(self.scores[layer, :, :n], self.spec))
+        self.compressed = True
+
+    def run_trace(self) -> Trace:
+        """The run as a Trace (needs record=True): prefill queries, then every decode query.
+
+        Keys and values are the full-precision ones the cache received, so the policies'
+        own simulation can replay the run (the tests check it makes the same decisions).
+        """
+        if not self.record or self.trace is None:
+            raise RuntimeError("run_trace needs CompressedCache(record=True) and a finished prefill")
+        n = self.n_tokens
+        steps = np.stack([np.stack(s_, axis=1) for s_ in self.step_q]) if self.step_q[0] else None
+        q = self._context_q if steps is None else np.concatenate([self._context_q, steps], axis=2)
+        tokens = self.tokens[:n] if self.tokens is not None and len(self.tokens) >= n else tuple(f"t{i}" for i in range(n))
+        return Trace(q=q.astype(np.float32), k=self.k[:, :, :n].numpy().copy(), v=self.v[:, :, :n].numpy().copy(),
+                     context_len=self.trace.context_len, tokens=tuple(tokens), query_positions=np.arange(n),
+                     meta={"source": "compressed decode", "spec": self.spec.label()})
+
+    def kept_history(self, layer: int) -> np.ndarray:
+        """(steps, kv_heads, n_tokens) bool: what the cache held at each decode step (record=True)."""
+        n = self.n_tokens
+        out = np.zeros((len(self.step_kept[layer]), self.H, n), dtype=bool)
+        for i, kept in enumerate(self.step_kept[layer]):
+            np.put_along_axis(out[i], kept, True, axis=1)
+        return out
+
+    # -- quantization of what is kept ------------------------------------------------------
+    def _quantized(self, layer: int, which: str, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """quantize(x[kept]) with the spec's settings, x (H, m, D) gathered at idx (H, m).
+
+        Identical to calling kvviz.quant.quantize on the kept tokens every step, but each
+        token is quantized once, when it leaves the residual window (token axis: a group
+        is G channels of one token, so its value never changes), and each channel group
+        once when it fills (channel axis; a group whose tokens change by an eviction in
+        the middle of the cache is quantized again, as its members changed).
+        """
+        s = self.spec
+        bits, axis = (s.key_bits, s.key_axis) if which == "k" else (s.value_bits, s.value_axis)
+        m = x.shape[1]
+        n_quant = max(0, m - s.residual)
+        if n_quant == 0:
+            return x
+        sel = idx[:, :n_quant]
+        out = np.empty_like(x)
+        out[:, n_quant:] = x[:, n_quant:]
+        memo = self._quant_memo.get((layer, which))
+        if axis == "token":
+            if memo is None:          # per cache position: its quantized value, and whether it is there yet
+                memo = (np.zeros((self.H, self.capacity, self.D), dtype=x.dtype),
+                        np.zeros((self.H, self.capacity), dtype=bool))
+                self._quant_memo[(layer, which)] = memo
+            values, done = memo
+            todo = ~np.take_along_axis(done, sel, axis=1)                         # (H, n_quant)
+            if todo.any():
+                heads, cols = np.nonzero(todo)
+                fresh = self._quantize_block(which, x[:, :n_quant][heads, cols][None])[0]   # (P, D)
+                values[heads, sel[heads, cols]] = fresh
+                done[heads, sel[heads, cols]] = True
+            out[:, :n_quant] = values[self._rows.numpy(), sel]
+            return out
+        # channel axis: a group of G consecutive kept tokens; keep the quantized compacted cache
+        if memo is None:
+            memo = [np.full((self.H, self.capacity), -1, dtype=np.int64),
+                    np.zeros((self.H, self.capacity, self.D), dtype=x.dtype), 0]
+            self._quant_memo[(layer, which)] = memo
+        kept_idx, values, length = memo
+        same = _common_prefix(kept_idx[:, :length], sel)
+        start = (same // s.group_size) * s.group_size
+        values[:, start:n_quant] = self._quantize_block(which, x[:, start:n_quant])
+        kept_idx[:, start:n_quant] = sel[:, start:]
+        memo[2] = n_quant
+        out[:, :n_quant] = values[:, :n_quant]
+        return out
+
+    def _quantize_block(self, which: str, x: np.ndarray) -> np.ndarray:
+        """kvviz.quant.quantize of x (..., tokens, D) with the spec's K or V settings, no residual."""
+        s = self.spec
+        bits, axis = (s.key_bits, s.key_axis) if which == "k" else (s.value_bits, s.value_axis)
+        return quantize(x, bits, axis, s.group_size, 0, s.symmetric, zero_point=s.zero_point, partial=s.partial)
+
+    # -- attention ------------------------------------------------------------------------
+    def attend(self, layer: int, q, k, v, scaling: float):
+        """Attention of new queries q (Hq, t, D) given their k, v (H, t, D). Returns (Hq, t, D)."""
+        import torch
+
+        t = q.shape[1]
+        start = self.length[layer]
+        if start + t > self.capacity:
+            raise RuntimeError(f"compressed cache capacity {self.capacity} exceeded")
+        self.k[layer, :, start:start + t] = k
+        self.v[layer, :, start:start + t] = v
+        self.length[layer] = start + t
+        if not self.compressed:
+            if start != 0:
+                raise RuntimeError("the prefill must start at position 0")
+            return self._prefill(layer, q, scaling)
+        if t != 1:
+            if not self.block:
+                raise RuntimeError("after the prefill, decode one token at a time")
+            return self._attend_block(layer, q, start, scaling)
+        p = start
+        spec = self.spec
+        scores = self.scores[layer]                                           # (H, capacity)
+        qg = q[:, 0].reshape(self.H, self.group, self.D)                      # (H, g, D)
+        if self.policy.needs_query and self.evicts:
+            # oracle: top-k by this step's full-precision attention (the policy sums the group)
+            K_all = self.k[layer, :, : p + 1]                                 # (H, p+1, D)
+            a_full = torch.softmax(qg @ K_all.transpose(1, 2) * scaling, dim=-1)   # (H, g, p+1)
+            attention = a_full.reshape(self.Hq, -1).numpy().astype(np.float64)     # (Hq, p+1)
+            kept = _indices(self.policy.query_kept(attention, ScoreContext(self.trace, layer, spec),
+                                                   query=q[:, 0].numpy(), keys=K_all.numpy()))
+        else:
+            kept = self._arrive(layer, p)
+        self.kept[layer] = kept
+        if self.record:
+            self.step_q[layer].append(q[:, 0].numpy().copy())
+            self.step_kept[layer].append(kept.copy())
+        if self.mode == "delete":
+            a, out = self._attend_deleted(layer, qg, kept, scaling)           # a (H, g, m)
+        else:
+            a, out = self._attend_masked(layer, qg, kept, scaling)
+        if self.policy.streaming and self.evicts:
+            seen = np.take_along_axis(scores, kept, axis=1)                   # (H, m)
+            seen[np.isposinf(seen)] = 0.0         # the new token has now been seen by a query
+            # every position has a query here: before this one, p - i queries saw token i
+            self.policy.update(seen, a.reshape(self.Hq, -1).numpy().astype(np.float64),
+                               ScoreContext(self.trace, layer, spec), (p - kept).astype(np.float64))
+            np.put_along_axis(scores, kept, seen, axis=1)
+        return out.reshape(self.Hq, 1, self.D)
+
+    def _arrive(self, layer: int, p: int) -> np.ndarray:
+        """Token p joins layer's cache; the cache is trimmed back to the budget. Returns the kept set."""
+        spec = self.spec
+        kept = np.concatenate([self.kept[layer], np.full((self.H, 1), p)], axis=1)   # arrives
+        self.scores[layer, :, p] = self.policy.arrival_score(self.k[layer, :, p].numpy(), layer, p, spec)
+        if self.evicts and kept.shape[1] > spec.budget:                       # evict one per head
+            kept = evict_one(kept, self.scores[layer], spec, p, ties_evict_later=not self.policy.streaming)
+        return kept
+
+    # -- teacher forcing in one pass ---------------------------------------------------------
+    def block_ok(self) -> bool:
+        """Can the steps after the compression point run as one masked pass?
+
+        Yes when the kept set at a step depends only on the tokens before it, never on the
+        compressed model's own later attention: one-shot policies (their scores are fixed at
+        the compression point; a later token's arrival score comes from its own key) and
+        quantization alone. Not for streaming policies (H2O, TOVA: scores fold in each
+        step's attention), the oracle (the step's own attention), the mask mode or a
+        recorded run; nor for the serving formats, rotation or HF's residual flush (kvviz.quant.formats),
+        which quantize each step's whole kept set afresh, with scales and a residual of that step.
+        """
+        return (self.mode == "delete" and not self.record
+                and not (self.evicts and (self.policy.streaming or self.policy.needs_query))
+                and not (self.spec.quant_model == "kv" and self.spec.quantizes and uses_formats(self.spec)))
+
+    def _attend_block(self, layer: int, q, start: int, scaling: float):
+        """t teacher-forced tokens at positions start.. in one pass, each query reading exactly
+        the cache the step loop would give it: the kept set after its own arrival (and
+        eviction), quantized as the loop quantizes it. Equal to t single steps."""
+        import torch
+
+        t = q.shape[1]
+        kept_steps = []
+        for i in range(t):                                   # the loop's own bookkeeping, token by token
+            self.kept[layer] = self._arrive(layer, start + i)
+            kept_steps.append(self.kept[layer])
+        qg = q.reshape(self.H, self.group, t, self.D)                         # (H, g, t, D)
+        s = self.spec
+        quantized = s.quant_model == "kv" and (s.key_bits < FULL_BITS or s.value_bits < FULL_BITS)
+        if not quantized and s.positions == "true":
+            # one mask over the full cache: -inf where a step's cache does not hold a token
+            n = start + t
+            hole = np.full((t, self.H, n), -np.inf, dtype=np.float32)
+            for i, kept in enumerate(kept_steps):
+                np.put_along_axis(hole[i], kept, 0.0, axis=1)
+            bias = torch.from_numpy(hole).permute(1, 0, 2)[:, None]           # (H, 1, t, n)
+            K, V = self.k[layer, :, :n], self.v[layer, :, :n]                 # (H, n, D)
+            a = torch.softmax(qg @ K[:, None].transpose(-1, -2) * scaling + bias, dim=-1)   # (H, g, t, n)
+            out = a @ V[:, None]                                              # (H, g, t, D)
+        else:
+            # every step's own cache, gathered (quantized, re-rotated) and padded to the longest
+            M = max(k.shape[1] for k in kept_steps)
+            Ks = torch.zeros(t, self.H, M, self.D)
+            Vs = torch.zeros(t, self.H, M, self.D)
+            hole = np.full((t, self.H, M), -np.inf, dtype=np.float32)
+            for i, kept in enumerate(kept_steps):
+                m = kept.shape[1]
+                K, V = self._kept_kv(layer, kept)
+                if s.positions == "cache":
+                    K = self._rerotated(K, kept, start + i)
+                Ks[i, :, :m], Vs[i, :, :m] = K, V
+                hole[i, :, :m] = 0.0
+            bias = torch.from_numpy(hole)[:, :, None]                         # (t, H, 1, M)
+            qt = qg.permute(2, 0, 1, 3)                                       # (t, H, g, D)
+            a = torch.softmax(qt @ Ks.transpose(-1, -2) * scaling + bias, dim=-1)   # (t, H, g, M)
+            out = (a @ Vs).permute(1, 2, 0, 3)                                # (H, g, t, D)
+        return out.reshape(self.Hq, t, self.D)
+
+    def _prefill(self, layer: int, q, scaling: float):
+        """Full causal attention over the prompt; q is kept for the policies' Trace."""
+        import torch
+
+        n = q.shape[1]
+        self.prefill_q[layer] = q.numpy().astype(np.float32, copy=True)
+        K = self.k[layer, :, :n].repeat_interleave(self.group, dim=0)        # (Hq, n, D)
+        V = self.v[layer, :, :n].repeat_interleave(self.group, dim=0)
+        logits = q @ K.transpose(1, 2) * scaling                              # (Hq, n, n)
+        future = torch.ones(n, n, dtype=torch.bool).triu(1)
+        logits = logits.masked_fill(future, float("-inf"))
+        return torch.softmax(logits, dim=-1) @ V                              # (Hq, n, D)
+
+    def _kept_kv(self, layer: int, idx: np.ndarray):
+        """Kept K and V gathered at idx (H, m), quantized per the spec: (H, m, D) each."""
+        import torch
+
+        it = torch.from_numpy(idx)
+        K = self.k[layer][self._rows, it]                                     # (H, m, D)
+        V = self.v[layer][self._rows, it]
+        s = self.spec
+        if s.quant_model == "kv" and uses_formats(s):
+            return self._kept_kv_formats(layer, K.numpy(), V.numpy(), idx)
+        if s.quant_model == "kv" and s.key_bits < FULL_BITS:
+            K = torch.from_numpy(self._quantized(layer, "k", K.numpy(), idx))
+        if s.quant_model == "kv" and s.value_bits < FULL_BITS:
+            V = torch.from_numpy(self._quantized(layer, "v", V.numpy(), idx))
+        return K, V
+
+    def _kept_kv_formats(self, layer: int, K: np.ndarray, V: np.ndarray, idx: np.ndarray):
+        """FP8 / FP4 formats, rotation, HF's residual flush (kvviz.quant.formats): the whole
+        kept set of every KV head is quantized afresh at each step (no reuse across steps)."""
+        import torch
+
+        s = self.spec
+        residual = formats_residual_at(s, idx, self.length[layer] - 1, self.trace.context_len)
+        if s.quantizes_keys:
+            K = quantize_tensor(K, s, "k", residual)
+        if s.quantizes_values:
+            V = quantize_tensor(V, s, "v", residual)
+        return torch.from_numpy(np.ascontiguousarray(K)), torch.from_numpy(np.ascontiguousarray(V))
+
+    def _attend_deleted(self, layer: int, qg, kept: np.ndarray, scaling: float):
+        import torch
+
+        K, V = self._kept_kv(layer, kept)                                     # (H, m, D)
+        if self.spec.positions == "cache":
+            K = self._rerotated(K, kept, self.length[layer] - 1)
+        a = torch.softmax(qg @ K.transpose(1, 2) * scaling, dim=-1)            # (H, g, m)
+        return a, a @ V                                                        # out (H, g, D)
+
+    def _rerotated(self, K, kept: np.ndarray, p: int):
+        """Kept keys as if each sat at its cache slot, the query at its own slot (StreamingLLM).
+
+        The cache holds post-RoPE keys at their true positions i; the query is rotated for
+        its true position p. RoPE makes q_p . k_i depend on p - i only, so rotating each key
+        by delta = (slot_k - slot_q) - (i - p) gives the logits of slot positions.
+        """
+        import torch
+
+        m = kept.shape[1]
+        slot_q = m - 1 if int(kept[0, -1]) == p else m        # the query's own slot (its token is kept)
+        delta = (np.arange(m)[None, :] - slot_q) - (kept - p)                 # (H, m)
+        angle = torch.from_numpy(delta.astype(np.float32))[..., None] * self.inv_freq   # (H, m, D/2)
+        cos, sin = torch.cat([angle.cos()] * 2, dim=-1), torch.cat([angle.sin()] * 2, dim=-1)
+        half = K.shape[-1] // 2
+        rotated_half = torch.cat([-K[..., half:], K[..., :half]], dim=-1)     # transformers' rotate_half
+        return K * cos + rotated_half * sin
+
+    def _attend_masked(self, layer: int, qg, kept: np.ndarray, scaling: float):
+        """Every entry stays; evicted ones get -inf logits. Returns a over the kept (H, g, m)."""
+        import torch
+
+        n = self.length[layer]
+        K = self.k[layer, :, :n].clone()
+        V = self.v[layer, :, :n].clone()
+        s = self.spec
+        it = torch.from_numpy(kept)
+        if s.quant_model == "kv" and s.quantizes:
+            Kq, Vq = self._kept_kv(layer, kept)
+            K[self._rows, it] = Kq
+            V[self._rows, it] = Vq
+        mask = np.zeros((self.H, n), dtype=bool)
+        np.put_along_axis(mask, kept, True, axis=1)
+        hole = torch.from_numpy(np.where(mask, 0.0, -np.inf)).float()[:, None, :]   # (H, 1, n)
+        a = torch.softmax(qg @ K.transpose(1, 2) * scaling + hole, dim=-1)          # (H, g, n)
+        a_kept = torch.gather(a, 2, it[:, None, :].expand(-1, self.group, -1))       # (H, g, m)
+        return a_kept, a @ V
+
+
+def _indices(mask: np.ndarray) -> np.ndarray:
+    """(H, n) bool with the same count per row -> (H, m) sorted kept positions."""
+    counts = mask.sum(axis=1)
+    if not np.all(counts == counts[0]):
+        raise RuntimeError("KV heads hold different numbers of tokens")
+    return np.nonzero(mask)[1].reshape(mask.shape[0], -1)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two (H, n) index arrays (all heads agreeing)."""
+    n = min(a.shape[1], b.shape[1])
+    diff = np.flatnonzero((a[:, :n] != b[:, :n]).any(axis=0))
+    return int(diff[0]) if len(diff) else n

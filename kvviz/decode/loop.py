@@ -1,0 +1,230 @@
+"""The decode loops: prefill once, compress at the end of the prompt, then step token by token.
+
+`decode` runs one spec (teacher-forced or greedy), `decode_many` several specs in one batch
+(each row on its own cache), `plain_decode` the model's own DynamicCache (the reference
+path the tests compare against), `masked_reference_logits` transformers' eager attention
+with a mask with holes. torch is imported lazily.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvviz.decode.cache import CompressedCache, Progress
+from kvviz.decode.hook import compressed_cache
+from kvviz.decode.ragged import cache_class   # allocations over heads / layers: ragged caches
+from kvviz.models.config import model_dims, rope_inv_freq
+from kvviz.spec import Spec, SpecError
+
+
+def _forward(model, ids: Sequence[int], start: int):
+    """Logits (t, vocab) of tokens ids at positions start.. (explicit position_ids, no HF cache)."""
+    import torch
+
+    x = torch.tensor([list(ids)], dtype=torch.long)
+    pos = torch.arange(start, start + len(ids))[None]
+    return model(input_ids=x, position_ids=pos, use_cache=False).logits[0].float()
+
+
+@dataclass(frozen=True, eq=False)
+class Prefill:
+    """One full-cache forward pass over a text, kept so every later run can start from it.
+
+    Attention is full and causal, so the first n positions' q, k, v are exactly what a
+    prefill of the first n tokens alone gives: a compressed run (any spec) over a prompt
+    of n <= len(ids) tokens starts from here instead of running the prompt again.
+        logits  (N, vocab) float32   the full-cache logits at every position
+        k, v    (L, kv_heads, N, D)  post-RoPE, as a cache holds them
+        q       (L, q_heads, N, D)   float32 numpy, for the policies' Trace of the prompt
+    """
+
+    ids: tuple[int, ...]
+    logits: Any
+    k: Any
+    v: Any
+    q: np.ndarray
+    seconds: float
+
+    def covers(self, prompt_ids: Sequence[int]) -> bool:
+        n = len(prompt_ids)
+        return 0 < n <= len(self.ids) and tuple(int(i) for i in prompt_ids) == self.ids[:n]
+
+
+def prefill(model, ids: Sequence[int]) -> Prefill:
+    """The full-cache forward over ids, keeping every layer's q, k, v (see Prefill)."""
+    import torch
+
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise SpecError("the prompt is empty")
+    L, Hq, Hkv, D = model_dims(model)
+    cache = CompressedCache(Spec(), L, Hq, Hkv, D, capacity=len(ids))
+    t0 = time.perf_counter()
+    with torch.inference_mode(), compressed_cache(model, cache):
+        logits = _forward(model, ids, 0)
+    return Prefill(ids=tuple(ids), logits=logits, k=cache.k, v=cache.v, q=np.stack(cache.prefill_q),
+                   seconds=time.perf_counter() - t0)
+
+
+def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
+           feed: Sequence[int] | None = None, mode: str = "delete", tokens: Sequence[str] | None = None,
+           record: bool = False, on_step: Callable[[int, Any], None] | None = None, progress: Progress | None = None,
+           timings: dict | None = None, prefix: Prefill | None = None, block: bool = False):
+    """Prefill the prompt, compress, then run `steps` decode steps.
+
+    Step i feeds feed[i] (teacher forcing) or, when feed is None, the greedy choice of
+    the previous logits. Returns (logits (steps + 1, vocab) float32 tensor — row 0 from
+    the prefill, row i+1 after feeding token i — the fed tokens, the cache). `timings`,
+    if given, receives the seconds of the prefill (with the policy's scoring) and of the
+    decode steps.
+
+    `prefix`: a Prefill whose ids start with prompt_ids; the prompt is not run again.
+    `block=True` with teacher forcing: when the spec allows it (CompressedCache.block_ok,
+    one-shot policies and quantization), all steps run as one masked pass, equal to the
+    step loop; otherwise the steps run one by one as usual.
+    """
+    import torch
+
+    L, Hq, Hkv, D = model_dims(model)
+    n = len(prompt_ids)
+    if n < 1:
+        raise SpecError("the prompt is empty")
+    cache = cache_class(spec)(spec, L, Hq, Hkv, D, capacity=n + steps, mode=mode, tokens=tokens, record=record,
+                              inv_freq=rope_inv_freq(model))   # RoPE: re-rotation, Expected Attention
+    say = progress or (lambda f, m: None)
+    rows, fed = [], []
+    if prefix is not None and not prefix.covers(prompt_ids):
+        prefix = None
+    with torch.inference_mode(), compressed_cache(model, cache):
+        say(0.0, f"prefill of {n} prompt tokens")
+        t0 = time.perf_counter()
+        if prefix is not None:
+            cache.seed(prefix, n)
+            last = prefix.logits[n - 1]
+        else:
+            last = _forward(model, prompt_ids, 0)[-1]
+        cache.compress()
+        t1 = time.perf_counter()
+        rows.append(last)
+        if block and feed is not None and steps > 1 and on_step is None and cache.block_ok():
+            cache.block = True
+            say(0.0, f"{steps} teacher-forced steps in one masked pass")
+            rows.extend(_forward(model, [int(x) for x in feed[:steps]], n))
+            fed = [int(x) for x in feed[:steps]]
+            steps = 0
+        for i in range(steps):
+            tok = int(feed[i]) if feed is not None else int(torch.argmax(last))
+            last = _forward(model, [tok], n + i)[-1]
+            rows.append(last)
+            fed.append(tok)
+            if on_step is not None:
+                on_step(i, last)
+            if progress is not None and (i % 4 == 0 or i == steps - 1):
+                say((i + 1) / max(steps, 1), f"decode step {i + 1}/{steps}")
+        if timings is not None:
+            timings.update(prefill=t1 - t0, decode=time.perf_counter() - t1)
+    return torch.stack(rows), fed, cache
+
+
+def decode_many(model, prompt_ids: Sequence[int], specs: Sequence[Spec], steps: Sequence[int],
+                feeds: Sequence[Sequence[int] | None], prefix: Prefill | None = None,
+                on_step: Callable[[int, int, Any], None] | None = None, tokens: Sequence[str] | None = None):
+    """Several decode runs of one prompt side by side, one batched forward a step.
+
+    Run r has its own spec and cache, runs steps[r] steps and feeds feeds[r][i] (teacher
+    forcing) or, when feeds[r] is None, its own greedy choice. Each batch row attends over
+    its own cache only, so every run gives what decode() gives it alone (the weights are
+    read once a step for all of them: on a CPU a batch of 2-3 costs about one step).
+    on_step(r, i, logits) after run r's step i. Returns [(logits, fed, cache)] per run.
+    """
+    import torch
+
+    L, Hq, Hkv, D = model_dims(model)
+    n = len(prompt_ids)
+    if n < 1:
+        raise SpecError("the prompt is empty")
+    if prefix is None or not prefix.covers(prompt_ids):
+        prefix = prefill(model, prompt_ids)
+    R = len(specs)
+    caches = [CompressedCache(spec, L, Hq, Hkv, D, capacity=n + st, tokens=tokens,
+                              inv_freq=rope_inv_freq(model) if spec.positions == "cache" else None)
+              for spec, st in zip(specs, steps)]
+    rows = [[prefix.logits[n - 1]] for _ in range(R)]
+    fed: list[list[int]] = [[] for _ in range(R)]
+    active: list = []
+    with torch.inference_mode(), compressed_cache(model, active):
+        for c in caches:
+            c.seed(prefix, n)
+            c.compress()
+        for i in range(max(steps, default=0)):
+            live = [r for r in range(R) if steps[r] > i]
+            toks = [int(feeds[r][i]) if feeds[r] is not None else int(torch.argmax(rows[r][-1])) for r in live]
+            active[:] = [caches[r] for r in live]
+            x = torch.tensor([[t] for t in toks], dtype=torch.long)
+            pos = torch.full((len(live), 1), n + i, dtype=torch.long)
+            logits = model(input_ids=x, position_ids=pos, use_cache=False).logits[:, -1].float()
+            for j, r in enumerate(live):
+                rows[r].append(logits[j])
+                fed[r].append(toks[j])
+                if on_step is not None:
+                    on_step(r, i, logits[j])
+    return [(torch.stack(rows[r]), fed[r], caches[r]) for r in range(R)]
+
+
+def plain_decode(model, prompt_ids: Sequence[int], steps: int, feed: Sequence[int] | None = None,
+                 timings: dict | None = None):
+    """The plain full-cache baseline: transformers' DynamicCache, one token a step.
+
+    Returns (logits (steps + 1, vocab), fed tokens). Used by the benchmark and as an
+    independent check of the compressed path with compression off.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    rows, fed = [], []
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model(input_ids=torch.tensor([list(prompt_ids)]), past_key_values=cache, use_cache=True)
+        last = out.logits[0, -1].float()
+        t1 = time.perf_counter()
+        rows.append(last)
+        for i in range(steps):
+            tok = int(feed[i]) if feed is not None else int(torch.argmax(last))
+            out = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
+            last = out.logits[0, -1].float()
+            rows.append(last)
+            fed.append(tok)
+        if timings is not None:
+            timings.update(prefill=t1 - t0, decode=time.perf_counter() - t1)
+    return torch.stack(rows), fed
+
+
+def masked_reference_logits(model, ids: Sequence[int], prompt_len: int, evicted: Callable[[int], Sequence[int]]):
+    """transformers' own eager attention with a 2-D mask with holes and explicit position_ids.
+
+    The full DynamicCache is kept; at decode position p the mask zeroes `evicted(p)`.
+    Returns logits (len(ids) - prompt_len + 1, vocab): the same rows `decode` returns.
+    The independent check that deleting cache entries equals masking them.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    rows = []
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([list(ids[:prompt_len])]), past_key_values=cache, use_cache=True,
+                    position_ids=torch.arange(prompt_len)[None])
+        rows.append(out.logits[0, -1].float())
+        for p in range(prompt_len, len(ids)):
+            mask = torch.ones(1, p + 1, dtype=torch.long)
+            mask[0, list(evicted(p))] = 0
+            out = model(input_ids=torch.tensor([[ids[p]]]), past_key_values=cache, use_cache=True,
+                        attention_mask=mask, position_ids=torch.tensor([[p]]))
+            rows.append(out.logits[0, -1].float())
+    return torch.stack(rows)

@@ -1,0 +1,295 @@
+"""Quality against the full cache on the same text, and greedy text side by side.
+
+Teacher-forced: the prompt is the first N tokens, the continuation the next M. The first
+continuation token is predicted by the prefill, before any compression (as in real
+serving); each later one by a decode step that reads the compressed cache.
+
+    perplexity  = exp(mean_t  -log p_hat(x_t | x_<t))
+    KL_t        = sum_v p(v | x_<t) (log p(v | x_<t) - log p_hat(v | x_<t))     nats
+    top-1       = mean_t [argmax p_hat = argmax p]
+
+torch is imported lazily.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvviz.decode.cache import CompressedCache, Progress
+from kvviz.decode.loop import Prefill, decode, prefill
+from kvviz.engine import memory_for
+from kvviz.spec import Spec, SpecError
+
+MAX_PROMPT_TOKENS = 2048
+MAX_NEW_TOKENS = 512
+SAMPLE_TEXT_FILE = str(Path(__file__).resolve().parents[1] / "data" / "sample.txt")   # ~470 tokens of plain English
+
+
+def sample_text() -> str:
+    """The bundled English sample (written for kvviz) used by tests, demos and defaults."""
+    with open(SAMPLE_TEXT_FILE, encoding="utf-8") as f:
+        return f.read()
+
+
+@dataclass(frozen=True, eq=False)
+class Reference:
+    """The full-cache model on one text: token ids and the continuation's true log-probs."""
+
+    ids: tuple[int, ...]
+    prompt_len: int
+    tokens: tuple[str, ...]          # display strings of every token
+    logp: Any                        # torch (M, vocab) full-cache log-probs predicting each continuation token
+    seconds: float
+    prefill: Prefill | None = None   # the full-cache pass it came from: compressed runs start from it
+
+    @property
+    def n_continuation(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+    @property
+    def targets(self) -> np.ndarray:
+        return np.asarray(self.ids[self.prompt_len:])
+
+
+def token_strings(tokenizer, ids: Sequence[int]) -> tuple[str, ...]:
+    """Each token as the text it adds (leading spaces kept)."""
+    return tuple(tokenizer.decode([int(i)]) for i in ids)
+
+
+def tokenize(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text)["input_ids"])
+
+
+def check_lengths(n_ids: int, prompt_tokens: int, continuation_tokens: int | None,
+                  max_prompt: int = MAX_PROMPT_TOKENS, max_new: int = MAX_NEW_TOKENS) -> tuple[int, int]:
+    """Validated (prompt length, continuation length) for a text of n_ids tokens."""
+    if prompt_tokens < 1:
+        raise SpecError(f"the prompt needs at least 1 token, got {prompt_tokens}")
+    if prompt_tokens > max_prompt:
+        raise SpecError(f"the prompt is capped at {max_prompt} tokens (asked for {prompt_tokens})")
+    if n_ids <= prompt_tokens:
+        raise SpecError(f"the text has {n_ids} tokens: nothing is left after a {prompt_tokens}-token prompt; "
+                        "use a longer text or fewer --prompt-tokens")
+    if continuation_tokens is None:          # the rest of the text, up to the cap
+        return prompt_tokens, min(n_ids - prompt_tokens, max_new)
+    m = min(continuation_tokens, n_ids - prompt_tokens)
+    if m < 1:
+        raise SpecError(f"the continuation needs at least 1 token, got {continuation_tokens}")
+    if m > max_new:
+        raise SpecError(f"the continuation is capped at {max_new} tokens (asked for {m}); "
+                        "use fewer continuation tokens")
+    return prompt_tokens, m
+
+
+def reference(model, tokenizer, text_or_ids: str | Sequence[int], prompt_tokens: int,
+              continuation_tokens: int | None = None) -> Reference:
+    """One full-cache forward pass over prompt + continuation (the quality baseline)."""
+    import torch
+
+    ids = tokenize(tokenizer, text_or_ids) if isinstance(text_or_ids, str) else [int(i) for i in text_or_ids]
+    n, m = check_lengths(len(ids), prompt_tokens, continuation_tokens)
+    ids = ids[: n + m]
+    t0 = time.perf_counter()
+    pre = prefill(model, ids)                      # the full-cache logits and every layer's q, k, v
+    with torch.inference_mode():
+        logp = torch.log_softmax(pre.logits[n - 1: n + m - 1], dim=-1)                    # (m, V)
+    return Reference(ids=tuple(ids), prompt_len=n, tokens=token_strings(tokenizer, ids), logp=logp,
+                     seconds=time.perf_counter() - t0, prefill=pre)
+
+
+@dataclass(frozen=True, eq=False)
+class Quality:
+    """A compressed cache against the full cache on the same continuation (teacher-forced)."""
+
+    spec: Spec
+    prompt_len: int
+    tokens: tuple[str, ...]         # the M continuation tokens
+    nll: np.ndarray                 # (M,) -log p_hat of each continuation token (nats)
+    nll_full: np.ndarray            # (M,) -log p of it under the full cache
+    kl: np.ndarray                  # (M,) KL(full || compressed) of the next-token distributions
+    top1: np.ndarray                # (M,) compressed-cache argmax
+    top1_full: np.ndarray           # (M,) full-cache argmax
+    kv_bytes: float                 # compressed K+V at the end, all layers / KV heads
+    kv_bytes_full: float            # the same tokens in a full fp16 cache
+    kept_tokens: int                # tokens per KV head at the end
+    total_tokens: int
+    seconds: float
+
+    @property
+    def perplexity(self) -> float:
+        return float(math.exp(self.nll.mean()))
+
+    @property
+    def perplexity_full(self) -> float:
+        return float(math.exp(self.nll_full.mean()))
+
+    @property
+    def kl_mean(self) -> float:
+        return float(self.kl.mean())
+
+    @property
+    def kl_max(self) -> float:
+        return float(self.kl.max())
+
+    @property
+    def top1_agreement(self) -> float:
+        return float((self.top1 == self.top1_full).mean())
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.kv_bytes_full / self.kv_bytes if self.kv_bytes else float("inf")
+
+    @property
+    def memory_ratio(self) -> float:
+        return self.kv_bytes / self.kv_bytes_full if self.kv_bytes_full else 1.0
+
+    def as_dict(self) -> dict:
+        return {
+            "spec": self.spec.label(),
+            "scorer": self.spec.scorer, "sink": self.spec.sink, "recent": self.spec.recent,
+            "heavy": self.spec.heavy, "key_bits": self.spec.key_bits, "value_bits": self.spec.value_bits,
+            "key_axis": self.spec.key_axis, "value_axis": self.spec.value_axis,
+            "group_size": self.spec.group_size, "residual": self.spec.residual,
+            "key_format": self.spec.key_format, "value_format": self.spec.value_format,
+            "rotate": self.spec.rotate, "residual_mode": self.spec.residual_mode,
+            "prompt_tokens": self.prompt_len, "continuation_tokens": len(self.tokens),
+            "perplexity": self.perplexity, "perplexity_full": self.perplexity_full,
+            "perplexity_ratio": self.perplexity / self.perplexity_full,
+            "kl_mean": self.kl_mean, "kl_max": self.kl_max, "top1_agreement": self.top1_agreement,
+            "kv_bytes": self.kv_bytes, "kv_bytes_full": self.kv_bytes_full,
+            "compression_ratio": self.compression_ratio, "memory_ratio": self.memory_ratio,
+            "kept_tokens": self.kept_tokens, "total_tokens": self.total_tokens,
+            "seconds": self.seconds,
+        }
+
+
+def evaluate(model, ref: Reference, spec: Spec, mode: str = "delete", progress: Progress | None = None,
+             block: bool = True) -> Quality:
+    """Teacher-forced decoding of ref's continuation with the compressed cache vs the full cache.
+
+    Starts from ref's prefill (the prompt is not run again). One-shot policies and
+    quantization score the whole continuation in one masked pass (block=True, equal to
+    the step loop); streaming policies and the oracle step token by token.
+    """
+    n, m = ref.prompt_len, ref.n_continuation
+    t0 = time.perf_counter()
+    logits, _, cache = decode(model, ref.ids[:n], spec, steps=m - 1, feed=ref.ids[n: n + m - 1],
+                              mode=mode, tokens=ref.tokens, prefix=ref.prefill, block=block,
+                              progress=None if progress is None else
+                              (lambda f, msg: progress(f, f"{spec.label()}: {msg}")))
+    return quality_from(ref, spec, logits, cache, t0)
+
+
+def quality_from(ref: Reference, spec: Spec, logits, cache: CompressedCache, t0: float) -> Quality:
+    """Quality of a teacher-forced run's logits (m, vocab) against the reference (see evaluate)."""
+    import torch
+
+    n = ref.prompt_len
+    logp_hat = torch.log_softmax(logits, dim=-1)                                 # (m, V)
+    logp = ref.logp
+    target = torch.as_tensor(ref.targets)[:, None]
+    kl = (logp.exp() * (logp - logp_hat)).sum(dim=-1).clamp_min(0.0)            # (m,)
+    mem = memory_for(cache.trace, spec, cache.n_tokens)
+    return Quality(
+        spec=spec, prompt_len=n, tokens=ref.tokens[n:],
+        nll=(-logp_hat.gather(1, target)[:, 0]).numpy().astype(np.float64),
+        nll_full=(-logp.gather(1, target)[:, 0]).numpy().astype(np.float64),
+        kl=kl.numpy().astype(np.float64),
+        top1=logp_hat.argmax(dim=-1).numpy(), top1_full=logp.argmax(dim=-1).numpy(),
+        kv_bytes=mem.kv_bytes, kv_bytes_full=mem.kv_bytes_full,
+        kept_tokens=cache.kept_tokens(), total_tokens=cache.n_tokens,
+        seconds=time.perf_counter() - t0)
+
+
+@dataclass(frozen=True)
+class SideBySide:
+    """Greedy continuations of one prompt with the full and the compressed cache."""
+
+    spec: Spec
+    prompt: str
+    full_ids: tuple[int, ...]
+    compressed_ids: tuple[int, ...]
+    full_tokens: tuple[str, ...]
+    compressed_tokens: tuple[str, ...]
+    first_divergence: int | None     # index of the first differing token, None if identical
+
+    @property
+    def full_text(self) -> str:
+        return "".join(self.full_tokens)
+
+    @property
+    def compressed_text(self) -> str:
+        return "".join(self.compressed_tokens)
+
+    @property
+    def same_prefix(self) -> int:
+        return len(self.full_ids) if self.first_divergence is None else self.first_divergence
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def greedy(model, prompt_ids: Sequence[int], spec: Spec, max_new_tokens: int,
+           progress: Progress | None = None, prefix: Prefill | None = None,
+           on_token: Callable[[int, int], None] | None = None) -> list[int]:
+    """Greedy continuation (max_new_tokens ids) with the compressed cache.
+
+    prefix: a Prefill covering the prompt (not run again). on_token(i, id) is called as
+    each token is chosen, so a caller can stream the text (and stop the run by raising).
+    """
+    import torch
+
+    n = len(prompt_ids)
+    if prefix is not None and not prefix.covers(prompt_ids):
+        prefix = None
+    if prefix is None:
+        prefix = prefill(model, prompt_ids)
+    first = int(torch.argmax(prefix.logits[n - 1]))
+    if on_token is not None:
+        on_token(0, first)
+
+    def step(i: int, last) -> None:
+        on_token(i + 1, int(torch.argmax(last)))
+
+    logits, fed, _ = decode(model, prompt_ids, spec, steps=max_new_tokens - 1, progress=progress, prefix=prefix,
+                            on_step=step if on_token is not None else None)
+    return fed + [int(torch.argmax(logits[-1]))]
+
+
+def side_by_side(model, tokenizer, prompt: str | Sequence[int], spec: Spec, max_new_tokens: int = 48,
+                 progress: Progress | None = None, prefix: Prefill | None = None,
+                 full_ids: Sequence[int] | None = None,
+                 on_token: Callable[[int, int], None] | None = None) -> SideBySide:
+    """Greedy text of the full cache next to the compressed cache's, first divergence marked.
+
+    Both runs start from one prefill of the prompt (`prefix`, or one made here).
+    full_ids: the full cache's greedy ids computed before (they do not depend on the spec).
+    on_token streams the compressed run's tokens (see greedy).
+    """
+    ids = tokenize(tokenizer, prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+    check_lengths(len(ids) + max_new_tokens, len(ids), max_new_tokens)
+    say = progress or (lambda f, m: None)
+    if prefix is None or not prefix.covers(ids):
+        prefix = prefill(model, ids)
+    if full_ids is not None and len(full_ids) >= max_new_tokens:
+        full = [int(i) for i in full_ids[:max_new_tokens]]
+    else:
+        full = greedy(model, ids, Spec(), max_new_tokens, prefix=prefix,
+                      progress=lambda f, m: say(0.5 * f, "full cache: " + m))
+    comp = greedy(model, ids, spec, max_new_tokens, prefix=prefix, on_token=on_token,
+                  progress=lambda f, m: say(0.5 + 0.5 * f, "compressed: " + m))
+    return SideBySide(spec=spec, prompt=prompt if isinstance(prompt, str) else tokenizer.decode(ids),
+                      full_ids=tuple(full), compressed_ids=tuple(comp),
+                      full_tokens=token_strings(tokenizer, full), compressed_tokens=token_strings(tokenizer, comp),
+                      first_divergence=first_divergence(full, comp))
