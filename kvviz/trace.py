@@ -98,10 +98,6 @@ class Trace:
     def has_later_queries(self) -> bool:
         return len(self.later_queries) > 0
 
-    @property
-    def has_values(self) -> bool:
-        return self.v is not None
-
     def describe(self) -> str:
         return (f"{self.meta.get('source', 'trace')}: {self.n_layers} layers x "
                 f"{self.n_q_heads} query heads ({self.n_kv_heads} KV) x "

@@ -14,12 +14,11 @@ import pandas as pd
 
 from kvviz.attention import logit_rows, softmax
 from kvviz.engine import REASONS, Comparison
-from kvviz.metrics import BANDS, Spread, concentration_curve, entropy, error_split, spread
+from kvviz.metrics import Spread, concentration_curve, entropy, error_split, spread
 from kvviz.trace import Trace
 
 BIN_THRESHOLD = 256   # above this many tokens the charts show bins instead of one bar per token
 MAX_BINS = 128
-BARS = tuple(BANDS)   # error bars: mean +- 1 sample std, a 95% t-interval for the mean, or the members' range
 
 
 def ranges_text(indices) -> str:

@@ -111,14 +111,6 @@ class Timeline:
     def n_steps(self) -> int:
         return len(self.positions)
 
-    def summary(self) -> list[dict]:
-        """One row per policy: mean / max regret and how many needed tokens it had evicted."""
-        return [{"policy": name, "regret_mean": pt.regret_mean,
-                 "regret_max": float(pt.regret.max()) if len(pt.regret) else 0.0,
-                 "evicted_and_needed": int(pt.evicted_needed.sum()),
-                 "missed_cells": int(pt.missed.sum())}
-                for name, pt in self.policies.items()]
-
 
 def full_attention(trace: Trace, layer: int, kv_head: int, query_indices: np.ndarray) -> np.ndarray:
     """(len(query_indices), positions) attention of each query, mean over the KV group's heads.

@@ -106,12 +106,6 @@ class CompressedCache:
         """Tokens each KV head holds now (the same for every head and layer)."""
         return int(self.kept[0].shape[1])
 
-    def kept_mask(self, layer: int) -> np.ndarray:
-        """(kv_heads, n_tokens) bool: what layer's compressed cache holds now."""
-        mask = np.zeros((self.H, self.length[layer]), dtype=bool)
-        np.put_along_axis(mask, self.kept[layer], True, axis=1)
-        return mask
-
     def seed(self, prefix, n: int) -> None:   # prefix: a kvviz.decode.loop.Prefill
         """Fill the cache with the first n positions of a full-cache prefill (instead of running them)."""
         if self.compressed or self.length[0]:

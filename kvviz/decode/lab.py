@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = precompute(progress=lambda f, m: sys.stderr.write(f"\r{100 * f:5.1f}% {m[:70]:<70}"))
     except ModelError as e:
-        print(f"\nkvviz.lab: skipped: {e}", file=sys.stderr)
+        print(f"\nkvviz.decode.lab: skipped: {e}", file=sys.stderr)
         return 0
     print(f"\nModel lab default result: {path}", file=sys.stderr)
     return 0

@@ -228,10 +228,6 @@ class SideBySide:
     def compressed_text(self) -> str:
         return "".join(self.compressed_tokens)
 
-    @property
-    def same_prefix(self) -> int:
-        return len(self.full_ids) if self.first_divergence is None else self.first_divergence
-
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):

@@ -90,12 +90,6 @@ class RaggedCache(CompressedCache):
         """Tokens per KV head, averaged over heads and layers (the heads of a layer differ)."""
         return round(float(np.mean([len(k) for heads in self.heads_kept for k in heads])))
 
-    def kept_mask(self, layer: int) -> np.ndarray:
-        mask = np.zeros((self.H, self.length[layer]), dtype=bool)
-        for h, idx in enumerate(self.heads_kept[layer]):
-            mask[h, idx] = True
-        return mask
-
     def kept_history(self, layer: int) -> np.ndarray:
         n = self.n_tokens
         out = np.zeros((len(self.step_masks[layer]), self.H, n), dtype=bool)

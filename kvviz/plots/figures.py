@@ -37,8 +37,6 @@ METHOD_COLORS = {  # Paul Tol, muted (colour-blind safe); distinct from the toke
     "h2o": "#332288", "tova": "#882255", "snapkv": "#999933", "streaming": "#CC6677",
     "knorm": "#DDCC77", "random": "#BBBBBB", "oracle": "#000000", "full": "#555555",
 }
-METHOD_SYMBOLS = {"h2o": "circle", "tova": "diamond", "snapkv": "square", "streaming": "triangle-up",
-                  "oracle": "star-diamond", "knorm": "pentagon", "random": "x-thin-open", "full": "hexagon"}
 FONT = dict(family="Source Sans Pro, sans-serif", size=13)
 # plotly's own toolbar: its camera button saves the chart as SVG (vector, for slides), in the browser
 CHART_CONFIG = {"toImageButtonOptions": {"format": "svg", "filename": "kvviz-chart"}, "displaylogo": False}
@@ -230,6 +228,8 @@ FORMAT_SYMBOLS = {"e4m3": "square-open", "e5m2": "square-x-open", "nvfp4": "diam
 
 def _width_symbol(bits: int, fmt: str) -> str:
     return BITS_SYMBOLS.get(bits, "circle") if fmt == "int" else FORMAT_SYMBOLS.get(fmt, "circle-open")
+
+
 METHOD_LABELS = {"h2o": "H2O", "tova": "TOVA", "snapkv": "SnapKV", "streaming": "StreamingLLM",
                  "oracle": "oracle (the bound)", "knorm": "K-norm", "random": "random", "full": "no eviction"}
 

@@ -108,8 +108,3 @@ def allocate(scores: np.ndarray, spec: Spec, layer: int, n_layers: int) -> np.nd
         return select_heads(scores, spec, adakv_heavy(scores, spec))
     return select(scores, layer_spec(spec, layer, n_layers))
 
-
-def declared_heavy(spec: Spec, layer: int, n_layers: int, n_kv_heads: int) -> np.ndarray:
-    """The heavy budget the setting declares per KV head of a layer (H,) — AdaKV declares only the
-    layer total (H * heavy), shown here split evenly."""
-    return np.full(n_kv_heads, layer_spec(spec, layer, n_layers).heavy, dtype=np.int64)

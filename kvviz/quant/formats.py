@@ -39,7 +39,6 @@ from kvviz.quant.rotation import rotate, unrotate
 
 FORMAT_LABELS = {"int": "integer groups", "e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2", "nvfp4": "NVFP4",
                  "mxfp4": "MXFP4"}
-FORMAT_BITS = {"e4m3": 8, "e5m2": 8, "nvfp4": 4, "mxfp4": 4}   # bits of one value (scales come on top)
 
 
 def settings(spec: Spec, which: str) -> tuple[str, int, str, bool]:

@@ -38,10 +38,6 @@ class Minifloat:
         """Exponent of the smallest normal value (the subnormals share its quantum)."""
         return 1 - self.bias
 
-    @property
-    def min_subnormal(self) -> float:
-        return 2.0 ** (self.min_exponent - self.mbits)
-
     def round(self, x) -> np.ndarray:
         """x rounded to the nearest representable value (ties to even), saturating at +-max_value."""
         x = np.asarray(x, dtype=np.float64)

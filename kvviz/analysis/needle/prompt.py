@@ -11,8 +11,6 @@ import numpy as np
 
 from kvviz.spec import FULL_BITS, SCORERS, Spec, SpecError
 
-
-
 FORMAT_VERSION = 1
 NEEDLE_TEMPLATE = "The pass key is {key}. Remember it."
 QUESTION = "What is the pass key?"
