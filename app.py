@@ -8,7 +8,14 @@ import streamlit as st
 
 from kvviz.plots import figures
 
-from kvviz.app import ui
+from kvviz.app.cards import metric_cards, metrics_table
+from kvviz.app.compute import run_compare
+from kvviz.app.layout import PAGES, page_setup
+from kvviz.app.notes import budget_warnings, quant_model_note, quant_warning_box, scorer_note
+from kvviz.app.overview import has_text_tokens, head_overview, token_grid
+from kvviz.app.presets import preset_buttons
+from kvviz.app.sidebar import sidebar
+from kvviz.app.store import sync_url
 from kvviz.app import explorer as ux
 from kvviz.app import formats as ui_formats
 from kvviz.app import ledger as ui_ledger
@@ -18,41 +25,41 @@ from kvviz.analysis.frames import (BIN_THRESHOLD, binned_frame, ensemble_text, e
 
 
 def explorer() -> None:
-    present = ui.page_setup("KV-cache compression explorer",
-                            "Evict tokens (sinks, recent window, heavy hitters) and quantize keys and values; "
-                            "compare the compressed attention with the original, token by token.")
-    settings = ui.sidebar()
+    present = page_setup("KV-cache compression explorer",
+                         "Evict tokens (sinks, recent window, heavy hitters) and quantize keys and values; "
+                         "compare the compressed attention with the original, token by token.")
+    settings = sidebar()
     if settings is None or settings.spec is None:
         return
     source, spec, vs = settings.source, settings.spec, settings.view
     n_tokens = int(source.trace.query_positions[source.trace.evaluated_queries[-1]]) + 1
     if not present:
-        ui.preset_buttons(n_tokens)
-    comp = ui.run_compare(source, spec, vs.view)
+        preset_buttons(n_tokens)
+    comp = run_compare(source, spec, vs.view)
     if comp is None:
         return
     pinned_spec = ux.pinned_spec()
-    pinned = ui.run_compare(source, pinned_spec, vs.view) if pinned_spec is not None else None
+    pinned = run_compare(source, pinned_spec, vs.view) if pinned_spec is not None else None
     n_seen = len(comp.tokens)
     p = comp.primary
 
     def cards_and_notes() -> None:
-        for w in ui.budget_warnings(spec, n_seen):
+        for w in budget_warnings(spec, n_seen):
             st.warning(w, icon=":material/warning:")
-        ui.quant_warning_box(spec, comp.memory.kept_tokens)
-        ui.metric_cards(comp, pinned)
+        quant_warning_box(spec, comp.memory.kept_tokens)
+        metric_cards(comp, pinned)
         ux.pin_controls(spec, pinned_spec if pinned is not None else None)
         st.caption(f"{source.label} · layer {p.layer}, query head {p.head} (KV head {p.kv_head}), query at "
-                   f"position {p.position} · {spec.label()} · {ui.quant_model_note(source, spec)}")
+                   f"position {p.position} · {spec.label()} · {quant_model_note(source, spec)}")
         typical = st.session_state.get("_typical_note") if st.session_state.get("_typical_for") == source.key else None
-        for note in comp.notes + tuple(filter(None, [ui.scorer_note(spec, source.trace), typical])):
+        for note in comp.notes + tuple(filter(None, [scorer_note(spec, source.trace), typical])):
             st.info(note, icon=":material/info:")
 
     members = len(comp.members)
     per_token = token_frame(comp)
     pinned_tokens = token_frame(pinned) if pinned is not None else None
     row, ensemble = row_text(comp), ensemble_text(comp)
-    text = ui.has_text_tokens(source.trace)
+    text = has_text_tokens(source.trace)
     binned = n_seen > BIN_THRESHOLD
     frame = binned_frame(comp) if binned else per_token
     if binned:
@@ -95,10 +102,10 @@ def explorer() -> None:
     for draw in order:
         draw()
     if present:
-        ui.preset_buttons(n_tokens)
+        preset_buttons(n_tokens)
     ux.solver_panel(source.trace, spec, vs.view)
-    ui.token_grid(comp, source)
-    ui.head_overview(source, spec, vs.view)
+    token_grid(comp, source)
+    head_overview(source, spec, vs.view)
     if present:
         return
     ui_formats.key_rotation_expander(source, vs.view)
@@ -115,13 +122,13 @@ def explorer() -> None:
     st.caption("For slides: every chart's toolbar (top right of the chart, on hover) has a camera button that "
                "saves it as an SVG image in your browser, offline.")
     with st.expander("All numbers"):
-        st.dataframe(ui.metrics_table(comp), hide_index=True, key="metrics_table")
+        st.dataframe(metrics_table(comp), hide_index=True, key="metrics_table")
         st.dataframe(per_token, hide_index=True, height=240)
     ui_ledger.ledger_expander(source.trace, spec, vs.view.step)
 
 
 st.set_page_config(page_title="kvviz", layout="wide")
-ui.PAGES.update(
+PAGES.update(
     explorer=st.Page(explorer, title="Explorer", default=True),
     tradeoffs=st.Page("pages/1_Trade-offs.py", title="Trade-offs", url_path="trade-offs"),
     concentration=st.Page("pages/2_Concentration.py", title="Concentration", url_path="concentration"),
@@ -129,6 +136,6 @@ ui.PAGES.update(
     timeline=st.Page("pages/4_Decode_timeline.py", title="Decode timeline", url_path="decode-timeline"),
     needle=st.Page("pages/5_Needle_test.py", title="Needle test", url_path="needle-test"),
 )
-page = st.navigation(list(ui.PAGES.values()))
+page = st.navigation(list(PAGES.values()))
 page.run()
-ui.sync_url()
+sync_url()

@@ -4,7 +4,12 @@ import streamlit as st
 
 from kvviz.plots import figures
 
-from kvviz.app import ui
+from kvviz.app.compute import run_compare, run_sweep
+from kvviz.app.labels import SCORER_SHORT, bits_label
+from kvviz.app.layout import PAGES, page_setup
+from kvviz.app.params import SCORER_CHOICES
+from kvviz.app.sidebar import sidebar
+from kvviz.app.store import STORE, sync_url, w_check, w_choice, w_pills
 from kvviz.spec import View
 from kvviz.analysis.sweep import DEFAULT_FRACTIONS, pareto_front, split_budget, to_csv
 
@@ -28,30 +33,30 @@ def open_in_explorer(point: dict) -> None:
     if method != "full":
         values["scorer"] = method
     for name, value in values.items():
-        st.session_state[ui.STORE][name] = value
+        st.session_state[STORE][name] = value
         st.session_state.pop(name, None)          # the widget takes the store's value when it renders
-    st.switch_page(ui.PAGES["explorer"])
+    st.switch_page(PAGES["explorer"])
 
 
 def main() -> None:
-    ui.page_setup("Trade-offs: error vs memory",
-                  "Every policy over a sweep of budgets (5%–100% of the tokens) and bit widths; the explorer's "
-                  "current setting is the star, the Pareto frontier of the real policies the thick dashed line, "
-                  "the oracle the dotted bound.")
-    settings = ui.sidebar(ensemble=False, head=False)   # the sweep averages over every query head of the layer
+    page_setup("Trade-offs: error vs memory",
+               "Every policy over a sweep of budgets (5%–100% of the tokens) and bit widths; the explorer's "
+               "current setting is the star, the Pareto frontier of the real policies the thick dashed line, "
+               "the oracle the dotted bound.")
+    settings = sidebar(ensemble=False, head=False)   # the sweep averages over every query head of the layer
     if settings is None or settings.spec is None:
         return
     source, spec, vs = settings.source, settings.spec, settings.view
-    metric = ui.w_choice(st, "metric", "Measure", tuple(METRICS), widget="radio",
-                         format_func=lambda m: METRICS[m][0])
-    log_x = ui.w_check(st, "logx", "Log memory axis", help="Spreads out the small-memory end, where methods differ.")
-    methods = ui.w_pills(st, "methods", "Methods", tuple(ui.SCORER_CHOICES), format_func=ui.SCORER_SHORT.get)
-    bits = ui.w_pills(st, "sweep_bits", "Bit widths", (16, 8, 4, 3, 2), format_func=ui.bits_label)
-    formats = ui.w_pills(st, "sweep_formats", "Serving formats (FP8 / FP4 points)", ("e4m3", "e5m2", "nvfp4", "mxfp4"),
-                         format_func=figures.FORMAT_NAMES.get,
-                         help="Add points in FP8 (8 bits + FP32 scales, per the Advanced FP8 scale) or block-scaled "
-                              "FP4 (NVFP4: 4.5 bits a value, MXFP4: 4.25), keys and values alike, with the Advanced "
-                              "rotation setting.")
+    metric = w_choice(st, "metric", "Measure", tuple(METRICS), widget="radio",
+                      format_func=lambda m: METRICS[m][0])
+    log_x = w_check(st, "logx", "Log memory axis", help="Spreads out the small-memory end, where methods differ.")
+    methods = w_pills(st, "methods", "Methods", tuple(SCORER_CHOICES), format_func=SCORER_SHORT.get)
+    bits = w_pills(st, "sweep_bits", "Bit widths", (16, 8, 4, 3, 2), format_func=bits_label)
+    formats = w_pills(st, "sweep_formats", "Serving formats (FP8 / FP4 points)", ("e4m3", "e5m2", "nvfp4", "mxfp4"),
+                      format_func=figures.FORMAT_NAMES.get,
+                      help="Add points in FP8 (8 bits + FP32 scales, per the Advanced FP8 scale) or block-scaled "
+                           "FP4 (NVFP4: 4.5 bits a value, MXFP4: 4.25), keys and values alike, with the Advanced "
+                           "rotation setting.")
     if not methods or not (bits or formats):
         st.warning("Pick at least one method and one bit width to sweep.", icon=":material/warning:")
         return
@@ -61,7 +66,7 @@ def main() -> None:
     heads = f"all {n_heads} query heads" if n_heads > 1 else "its one query head"
     st.caption(f"Each point is the mean over {heads} of layer {view.layer} at the query chosen under View. "
                "Click a point to open that setting in the Explorer.")
-    rows = ui.run_sweep(source, tuple(methods), tuple(sorted(bits, reverse=True)), view, spec, formats=tuple(formats))
+    rows = run_sweep(source, tuple(methods), tuple(sorted(bits, reverse=True)), view, spec, formats=tuple(formats))
     if not rows:
         return
     column = METRICS[metric][1]
@@ -71,7 +76,7 @@ def main() -> None:
     front = [real[j] for j in pareto_front([(valid[i]["memory_ratio"], sign * valid[i][column]) for i in real])]
     if len(valid) < len(rows):
         st.info("This source has no values, so output error is not available; showing the rest.", icon=":material/info:")
-    comp = ui.run_compare(source, spec, view)
+    comp = run_compare(source, spec, view)
     current = None
     if comp is not None:
         mean = comp.metrics_mean
@@ -101,4 +106,4 @@ def main() -> None:
 
 
 main()
-ui.sync_url()
+sync_url()

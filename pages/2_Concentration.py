@@ -4,32 +4,36 @@ import streamlit as st
 
 from kvviz.plots import figures
 
-from kvviz.app import ui
+from kvviz.app.cards import fmt_pct
+from kvviz.app.compute import run_concentration
+from kvviz.app.layout import page_setup
+from kvviz.app.sidebar import sidebar
+from kvviz.app.store import sync_url, w_slider
 
 
 def main() -> None:
-    ui.page_setup("Concentration: how few tokens take the attention",
-                  "Eviction works because attention is concentrated. The curve shows what share of the mass the "
-                  "top x% of tokens hold; the heatmaps show sinks, locality and entropy per layer and head.")
-    settings = ui.sidebar(compression=False, ensemble=False)
+    page_setup("Concentration: how few tokens take the attention",
+               "Eviction works because attention is concentrated. The curve shows what share of the mass the "
+               "top x% of tokens hold; the heatmaps show sinks, locality and entropy per layer and head.")
+    settings = sidebar(compression=False, ensemble=False)
     if settings is None:
         return
     source, vs = settings.source, settings.view
     c1, c2 = st.columns(2)
     # the same sink count as the Compression sliders (4 for the handbook example), so the share
     # shown is the share those sinks keep
-    sink_k = ui.w_slider(c1, "sink", "Sink share counts the first … tokens (the sink tokens)", 0,
-                         min(64, source.trace.n_positions),
-                         help="The Compression section's Sink tokens: change it here or there.")
-    window = ui.w_slider(c2, "window", "Locality: mass in the last … tokens (w)", 1,
-                         min(4096, source.trace.n_positions))
-    conc = ui.run_concentration(source, vs.view.step, sink_k, window)
+    sink_k = w_slider(c1, "sink", "Sink share counts the first … tokens (the sink tokens)", 0,
+                      min(64, source.trace.n_positions),
+                      help="The Compression section's Sink tokens: change it here or there.")
+    window = w_slider(c2, "window", "Locality: mass in the last … tokens (w)", 1,
+                      min(4096, source.trace.n_positions))
+    conc = run_concentration(source, vs.view.step, sink_k, window)
     top10 = float(conc.top10.mean())
     m1, m2, m3 = st.columns(3)
-    m1.metric("Top 10% of tokens hold", ui.fmt_pct(top10), border=True,
+    m1.metric("Top 10% of tokens hold", fmt_pct(top10), border=True,
               help="Mean over layers and heads of the attention mass on the 10% most attended tokens.")
-    m2.metric(f"Sink share (first {sink_k})", ui.fmt_pct(float(conc.sink_share.mean())), border=True)
-    m3.metric(f"Locality (last {window})", ui.fmt_pct(float(conc.locality.mean())), border=True)
+    m2.metric(f"Sink share (first {sink_k})", fmt_pct(float(conc.sink_share.mean())), border=True)
+    m3.metric(f"Locality (last {window})", fmt_pct(float(conc.locality.mean())), border=True)
     st.plotly_chart(figures.concentration_figure(conc.fractions, conc.curves), key="concentration_chart")
     st.caption(f"What to look for: curves far above the dotted diagonal mean concentrated attention; the shaded "
                f"band is the handbook's rule of thumb (10–20% of tokens take 80–90% of the mass). Query at position "
@@ -55,4 +59,4 @@ def main() -> None:
 
 
 main()
-ui.sync_url()
+sync_url()

@@ -7,7 +7,11 @@ import streamlit as st
 
 from kvviz.decode import lab
 
-from kvviz.app import ui
+from kvviz.app.cards import fmt_bytes, fmt_exact, fmt_pct
+from kvviz.app.compression import compression_section
+from kvviz.app.layout import page_setup
+from kvviz.app.presets import preset_buttons
+from kvviz.app.store import show_notices, sync_url, w_check, w_choice, w_number
 
 from kvviz.app import sources as ui_sources
 from kvviz.plots.decode import continuation_html, kl_strip, nll_chart
@@ -108,19 +112,19 @@ def _run_live(settings: lab.LabSettings) -> dict:
 
 
 def main() -> None:
-    ui.page_setup("Model lab: what compression does to the text",
-                  "A real model (SmolLM2-135M, bundled) reads the prompt, the cache is compressed at the end of it, "
-                  "and every later token is decoded from the compressed cache at its true position. Quality is "
-                  "measured against the full cache on the same text.")
+    page_setup("Model lab: what compression does to the text",
+               "A real model (SmolLM2-135M, bundled) reads the prompt, the cache is compressed at the end of it, "
+               "and every later token is decoded from the compressed cache at its true position. Quality is "
+               "measured against the full cache on the same text.")
     st.sidebar.header("Model")
     model_name = st.sidebar.text_input("Model", "bundled", key="lab_model",
                                        help="'bundled' (SmolLM2-135M, offline), a local model folder or .gguf "
                                             "file, or a hub id where a hub is reachable.").strip() or "bundled"
-    spec = ui.compression_section(_slider_trace())
-    ui.show_notices()
+    spec = compression_section(_slider_trace())
+    show_notices()
 
-    choice = ui.w_choice(st, "lab_text", "Text", tuple(TEXTS), widget="radio", format_func=TEXT_LABELS.get,
-                         help="A built-in text (kept in the page's link) or your own (not put in the link).")
+    choice = w_choice(st, "lab_text", "Text", tuple(TEXTS), widget="radio", format_func=TEXT_LABELS.get,
+                      help="A built-in text (kept in the page's link) or your own (not put in the link).")
     if choice == "custom":
         text = st.text_area("Your text (the prompt is its first tokens, the continuation the next ones)",
                             sample_text(), height=160, key="lab_custom_text")
@@ -129,16 +133,16 @@ def main() -> None:
         with st.expander("The text"):
             st.write(text)
     c1, c2, c3 = st.columns(3)
-    prompt_tokens = int(ui.w_number(c1, "lab_prompt", "Prompt tokens (compression point)", 8, MAX_PROMPT, step=8))
-    continuation = int(ui.w_number(c2, "lab_cont", "Continuation tokens scored", 2, MAX_CONTINUATION))
-    greedy_tokens = int(ui.w_number(c3, "lab_greedy", "Greedy tokens side by side (0 = off)", 0, MAX_GREEDY))
-    rerotate = ui.w_check(st, "lab_rerotate", "Re-rotate kept keys to their cache slots (StreamingLLM's original)",
-                          help="Off (default, as kvpress does): every token keeps its true position, so RoPE "
-                               "distances stay right however many tokens were evicted. On: as the original "
-                               "StreamingLLM, the kept keys are re-rotated to their slot in the compressed cache "
-                               "and the query to its own slot, so distances shrink to the cache's.")
+    prompt_tokens = int(w_number(c1, "lab_prompt", "Prompt tokens (compression point)", 8, MAX_PROMPT, step=8))
+    continuation = int(w_number(c2, "lab_cont", "Continuation tokens scored", 2, MAX_CONTINUATION))
+    greedy_tokens = int(w_number(c3, "lab_greedy", "Greedy tokens side by side (0 = off)", 0, MAX_GREEDY))
+    rerotate = w_check(st, "lab_rerotate", "Re-rotate kept keys to their cache slots (StreamingLLM's original)",
+                       help="Off (default, as kvpress does): every token keeps its true position, so RoPE "
+                            "distances stay right however many tokens were evicted. On: as the original "
+                            "StreamingLLM, the kept keys are re-rotated to their slot in the compressed cache "
+                            "and the query to its own slot, so distances shrink to the cache's.")
     st.caption(CAP_MESSAGE)
-    ui.preset_buttons(prompt_tokens)  # budgets sized to this prompt (the sidebar keeps the explorer's values)
+    preset_buttons(prompt_tokens)  # budgets sized to this prompt (the sidebar keeps the explorer's values)
     if spec is None:
         return
     if spec.quant_model == "noise":
@@ -209,11 +213,11 @@ def show(result: dict) -> None:
                 help=f"KL(full ‖ compressed) between the two caches' next-token distributions over the vocabulary, "
                      f"mean over the scored tokens, nats (max {q.kl_max:.3f}). Not the Explorer's attention KL, "
                      "which compares attention rows.")
-    m[3].metric("Top-1 agreement", ui.fmt_pct(q.top1_agreement), border=True,
+    m[3].metric("Top-1 agreement", fmt_pct(q.top1_agreement), border=True,
                 help="Share of steps where both caches rank the same next token first.")
-    m[4].metric("KV cache", ui.fmt_bytes(q.kv_bytes), border=True,
+    m[4].metric("KV cache", fmt_bytes(q.kv_bytes), border=True,
                 help=f"{q.compression_ratio:.2f}× smaller than the full 16-bit cache "
-                     f"({ui.fmt_bytes(q.kv_bytes_full)}); {q.kept_tokens} of {q.total_tokens} tokens kept.")
+                     f"({fmt_bytes(q.kv_bytes_full)}); {q.kept_tokens} of {q.total_tokens} tokens kept.")
     st.plotly_chart(kl_strip(q.tokens, q.kl), key="lab_kl_strip")
     if pair is not None:
         st.subheader("Greedy continuation, side by side")
@@ -227,9 +231,9 @@ def show(result: dict) -> None:
         b.html(continuation_html(pair.compressed_tokens, pair.first_divergence, f"Compressed: {q.spec.label()}"))
     st.plotly_chart(nll_chart(q.tokens, q.nll, q.nll_full), key="lab_nll")
     with st.expander("All numbers"):
-        st.dataframe([{"metric": k, "value": ui.fmt_exact(v) if isinstance(v, float) else str(v)}
+        st.dataframe([{"metric": k, "value": fmt_exact(v) if isinstance(v, float) else str(v)}
                       for k, v in d.items()], hide_index=True, key="lab_numbers")
 
 
 main()
-ui.sync_url()
+sync_url()

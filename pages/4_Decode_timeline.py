@@ -3,7 +3,11 @@
 import numpy as np
 import streamlit as st
 
-from kvviz.app import ui
+from kvviz.app.compression import compression_section
+from kvviz.app.labels import ALLOCATION_LABELS
+from kvviz.app.layout import page_setup
+from kvviz.app.sidebar import source_section
+from kvviz.app.store import show_notices, sync_url, w_choice, w_multi, w_number, w_slider
 from kvviz.plots.decode import timeline_animation
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.spec import Spec, SpecError
@@ -45,9 +49,9 @@ def _animation(timeline_key: tuple, shift_step, _tl):
 def _step_view(tl, timeline_key: tuple, shift_step) -> None:
     """The step slider and that step's table: a step move reruns only this fragment (the charts below
     have their own step slider and ▶ Play, animated in the browser)."""
-    step = int(ui.w_slider(st, "tl_step", "Decode step", 0, tl.n_steps - 1,
-                           help="The step in the table; the charts below have their own step slider and ▶ Play, "
-                                "which animate every step in the browser."))
+    step = int(w_slider(st, "tl_step", "Decode step", 0, tl.n_steps - 1,
+                        help="The step in the table; the charts below have their own step slider and ▶ Play, "
+                             "which animate every step in the browser."))
     p = int(tl.positions[step])
     rows = []
     for name, pt in tl.policies.items():
@@ -58,23 +62,23 @@ def _step_view(tl, timeline_key: tuple, shift_step) -> None:
                      + (" …" if len(missed) > 12 else "")})
     st.markdown(f"**Step {step}**: query at position {p}, layer {tl.layer}, KV head {tl.kv_head}")
     st.dataframe(rows, hide_index=True, width="stretch")
-    ui.sync_url()   # a fragment rerun skips the script's own sync: the link must follow the step too
+    sync_url()   # a fragment rerun skips the script's own sync: the link must follow the step too
 
 
 def main() -> None:
-    ui.page_setup("Decode timeline: what eviction throws away too early",
-                  "Each row is a decode step, each column a token. H2O and TOVA decide step by step from the "
-                  "attention they have seen; StreamingLLM by position; the oracle sees the step's own attention "
-                  "(the bound). Regret is the attention the full model put on tokens a policy had already evicted.")
-    source = ui.source_section()
+    page_setup("Decode timeline: what eviction throws away too early",
+               "Each row is a decode step, each column a token. H2O and TOVA decide step by step from the "
+               "attention they have seen; StreamingLLM by position; the oracle sees the step's own attention "
+               "(the bound). Regret is the attention the full model put on tokens a policy had already evicted.")
+    source = source_section()
     if source is None:
-        ui.show_notices()
+        show_notices()
         return
     trace, key, demo = source.trace, source.key, not source.trace.has_later_queries
     if demo:  # the sidebar's budget runs on the demo, so every control shown is used
         trace, key = _demo_trace(), ("demo",)
-    spec = ui.compression_section(trace, budget_only=True)
-    ui.show_notices()
+    spec = compression_section(trace, budget_only=True)
+    show_notices()
     if spec is None:
         return
     if demo:
@@ -89,18 +93,18 @@ def main() -> None:
         return
 
     c1, c2, c3, c4 = st.columns([1, 1, 2, 1])
-    layer = int(ui.w_number(c1, "tl_layer", "Layer", 0, trace.n_layers - 1, disabled=trace.n_layers == 1))
-    kv_head = int(ui.w_number(c2, "tl_kv_head", "KV head", 0, trace.n_kv_heads - 1, disabled=trace.n_kv_heads == 1,
-                              help="Eviction is decided per KV head; the attention shown is the mean over "
-                                   "the query heads that share it."))
-    policies = ui.w_multi(c3, "tl_policies", "Policies", tuple(POLICY_LABELS), format_func=POLICY_LABELS.get)
-    need = float(ui.w_number(c4, "tl_need", "Needed at ≥ (attention share)", 0.001, 1.0, step=0.005, fmt="%.3f",
-                             help="A token counts as needed at a step when the full model gives it at "
-                                  "least this share of that step's attention."))
-    allocation = ui.w_choice(st, "allocation", "Budget allocation", ("uniform", "adakv", "pyramid"),
-                             format_func=ui.ALLOCATION_LABELS.get, widget="radio",
-                             help="AdaKV: this layer's budget goes to the top scores across its KV heads (heads "
-                                  "differ in length); PyramidKV: each layer its own budget, falling with depth.")
+    layer = int(w_number(c1, "tl_layer", "Layer", 0, trace.n_layers - 1, disabled=trace.n_layers == 1))
+    kv_head = int(w_number(c2, "tl_kv_head", "KV head", 0, trace.n_kv_heads - 1, disabled=trace.n_kv_heads == 1,
+                           help="Eviction is decided per KV head; the attention shown is the mean over "
+                                "the query heads that share it."))
+    policies = w_multi(c3, "tl_policies", "Policies", tuple(POLICY_LABELS), format_func=POLICY_LABELS.get)
+    need = float(w_number(c4, "tl_need", "Needed at ≥ (attention share)", 0.001, 1.0, step=0.005, fmt="%.3f",
+                          help="A token counts as needed at a step when the full model gives it at "
+                               "least this share of that step's attention."))
+    allocation = w_choice(st, "allocation", "Budget allocation", ("uniform", "adakv", "pyramid"),
+                          format_func=ALLOCATION_LABELS.get, widget="radio",
+                          help="AdaKV: this layer's budget goes to the top scores across its KV heads (heads "
+                               "differ in length); PyramidKV: each layer its own budget, falling with depth.")
     if not policies:
         st.warning("Pick at least one policy.", icon=":material/warning:")
         return
@@ -151,4 +155,4 @@ def main() -> None:
 
 
 main()
-ui.sync_url()
+sync_url()

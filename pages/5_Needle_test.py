@@ -4,7 +4,8 @@ import streamlit as st
 
 from kvviz.analysis import needle
 
-from kvviz.app import ui
+from kvviz.app.layout import page_setup
+from kvviz.app.store import notice, show_notices, state, sync_url
 from kvviz.plots.figures import CHART_CONFIG
 from kvviz.plots.needle import LABELS, grid_figure, heads_figure, needle_tokens_html
 from kvviz.spec import SpecError
@@ -37,7 +38,7 @@ def _decode(text: str, grid) -> tuple | None:
 
 def _select(cell: tuple | None) -> None:
     """Open a cell (None = the classic failure) on the head that wanted the needle most."""
-    store = ui._store()
+    store = state()
     store["nd_cell"] = "" if cell is None else _encode(cell)
     store["nd_layer"] = store["nd_head"] = -1
     st.session_state.pop("needle_layer", None)
@@ -53,7 +54,7 @@ def _answer_card(where, title: str, answer: str, right: bool, about: str) -> Non
 
 def _head_picker(where, key: str, param: str, label: str, n: int, loudest: int) -> int:
     """A layer / KV head box whose default is the loudest one (kept in the link only when changed)."""
-    store, ss = ui._store(), st.session_state
+    store, ss = state(), st.session_state
     stored = store[param]
     if key not in ss:
         ss[key] = min(stored, n - 1) if stored >= 0 else loudest
@@ -118,7 +119,7 @@ def live_controls() -> None:
 
 
 def main() -> None:
-    present = ui.page_setup(
+    present = page_setup(
         "Needle test: does the compressed cache still find the pass key?",
         "A pass key hides at a depth of a filler text; the model is asked for it. Each square is one prompt: "
         "blue ✓ when the greedy answer is exactly the key, vermillion ✗ when not. Click a square to see which "
@@ -140,13 +141,13 @@ def main() -> None:
                                          help="StreamingLLM keeps the first tokens and a recent window: a needle "
                                               "early in the text falls out of the cache."):
         _select(None)
-    store = ui._store()
+    store = state()
     sel = _decode(store["nd_cell"], grid) if store["nd_cell"] else None
     if store["nd_cell"] and sel is None:
-        ui.notice(f"The link's cell `{store['nd_cell']}` is not in this grid; showing the classic failure.")
+        notice(f"The link's cell `{store['nd_cell']}` is not in this grid; showing the classic failure.")
         _select(None)
     sel = sel or classic or (grid.cells[0].scorer, grid.cells[0].length, grid.cells[0].depth)
-    ui.show_notices()
+    show_notices()
     event = st.plotly_chart(grid_figure(grid.cells, selected=sel), key="needle_grid_chart", on_select="rerun",
                             selection_mode="points", config=CHART_CONFIG)
     points = [p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3]
@@ -195,4 +196,4 @@ def main() -> None:
 
 
 main()
-ui.sync_url()
+sync_url()

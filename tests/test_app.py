@@ -10,7 +10,7 @@ from streamlit.testing.v1 import AppTest
 from kvviz import Spec, View, compare
 from kvviz.sources.handbook import handbook_trace
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
-from kvviz.app.ui import card_values
+from kvviz.app.cards import card_values
 from kvviz.analysis.frames import concentration
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -438,7 +438,7 @@ def test_downloads_are_named_by_their_settings_and_say_what_they_hold():
 def test_real_text_opens_on_a_typical_head_and_the_grid_shades_and_separates(tmp_path, monkeypatch):
     from kvviz.sources import save_trace
     from kvviz.trace import trace_with
-    from kvviz.app.ui import typical_head
+    from kvviz.app.sidebar import typical_head
 
     monkeypatch.setenv("KVVIZ_CACHE_DIR", str(tmp_path))
     syn = make_synthetic(SyntheticSpec(context=48, steps=4, layers=3, q_heads=4, kv_heads=2))

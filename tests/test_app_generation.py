@@ -92,7 +92,7 @@ def test_model_lab_loads_no_model_until_run(monkeypatch):
 
     monkeypatch.setattr(kvviz.models, "load_model", refuse)
     at = run(LAB)
-    from kvviz.app.ui import PRESETS
+    from kvviz.app.presets import PRESETS
     assert [b.label for b in at.button] == [*PRESETS, "Run the model"]
     assert any("press **Run the model**" in i.value for i in at.info)
     assert any("capped" in c.value for c in at.caption)

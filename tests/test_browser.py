@@ -15,7 +15,7 @@ import pytest
 
 from kvviz import Spec, View, compare
 from kvviz.sources.handbook import handbook_trace
-from kvviz.app.ui import card_values
+from kvviz.app.cards import card_values
 
 pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The fast paths of compressed decoding (kvviz.decode.generation) against the exact step loop:
+"""The fast paths of compressed decoding (kvviz.decode) against the exact step loop:
 one shared prefill, teacher forcing in one masked pass for one-shot policies, and the
 quantized cache quantizing a token (or a group) once. Tiny random Llama: fast, exact."""
 

@@ -1,5 +1,5 @@
-"""Explorer widgets for a class: pin and compare (A/B), a locked y-axis, the target solver,
-presentation mode and downloads named by their settings.
+"""Explorer widgets for a class: pin and compare (A/B), a locked y-axis, the target solver and
+downloads named by their settings.
 
 Streamlit glue over the core: the pinned setting is the compression controls' values
 encoded in the URL (`pin=sink:4,heavy:8,...`), the solver is kvviz.analysis.solve, the files are
@@ -13,10 +13,12 @@ import re
 
 import streamlit as st
 
-from kvviz.plots import figures
-
-from kvviz.app import ui
+from kvviz.app.cards import fmt_pct
+from kvviz.app.compression import spec_from_values
+from kvviz.app.params import COMPRESSION_PARAMS, PARAMS
+from kvviz.app.store import STORE, notice, settings_dict, w_choice, w_number
 from kvviz.engine import Comparison
+from kvviz.plots import figures
 from kvviz.spec import Spec, SpecError, View
 
 PIN_NONE = "default"   # a pin of the all-default compression settings
@@ -26,23 +28,23 @@ PIN_NONE = "default"   # a pin of the all-default compression settings
 
 def pin_encode(values: dict) -> str:
     """The compression settings that differ from their defaults, as 'name:value,...'."""
-    parts = [f"{k}:{ui.PARAMS[k].encode(values[k])}" for k in ui.COMPRESSION_PARAMS
-             if values[k] != ui.PARAMS[k].default]
+    parts = [f"{k}:{PARAMS[k].encode(values[k])}" for k in COMPRESSION_PARAMS
+             if values[k] != PARAMS[k].default]
     return ",".join(parts) or PIN_NONE
 
 
 def pin_decode(text: str) -> tuple[dict, list[str]]:
     """(compression values, notices) of a pin; unknown or bad entries are dropped with a notice."""
-    values = {k: ui.PARAMS[k].default for k in ui.COMPRESSION_PARAMS}
+    values = {k: PARAMS[k].default for k in COMPRESSION_PARAMS}
     notes = []
     if text == PIN_NONE:
         return values, notes
     for item in filter(None, text.split(",")):
         name, _, raw = item.partition(":")
-        if name not in ui.COMPRESSION_PARAMS:
+        if name not in COMPRESSION_PARAMS:
             notes.append(f"The pinned setting's `{name}` is not a compression setting; ignored.")
             continue
-        value, note = ui.PARAMS[name].parse(raw)
+        value, note = PARAMS[name].parse(raw)
         values[name] = value
         if note:
             notes.append(f"Pinned setting: {note}")
@@ -50,26 +52,26 @@ def pin_decode(text: str) -> tuple[dict, list[str]]:
 
 
 def _pin() -> None:
-    store = ui.settings_dict()
-    st.session_state[ui.STORE]["pin"] = pin_encode(store)
+    store = settings_dict()
+    st.session_state[STORE]["pin"] = pin_encode(store)
 
 
 def _unpin() -> None:
-    st.session_state[ui.STORE]["pin"] = ""
+    st.session_state[STORE]["pin"] = ""
 
 
 def pinned_spec() -> Spec | None:
     """The pinned setting A (None if nothing is pinned or it cannot be built: a notice says why)."""
-    text = ui.settings_dict()["pin"]
+    text = settings_dict()["pin"]
     if not text:
         return None
     values, notes = pin_decode(text)
     for n in notes:
-        ui.notice(n)
+        notice(n)
     try:
-        return ui.spec_from_values(values)
+        return spec_from_values(values)
     except SpecError as e:
-        ui.notice(f"The pinned setting cannot be used ({e}); pin again.")
+        notice(f"The pinned setting cannot be used ({e}); pin again.")
         return None
 
 
@@ -98,18 +100,18 @@ def nice_ceiling(x: float) -> float:
 
 def y_lock(extent: float) -> float | None:
     """A toggle that freezes the error chart's y-axis at ±range (in the URL); None = automatic."""
-    store, ss = ui.settings_dict(), st.session_state
+    store, ss = settings_dict(), st.session_state
 
     def toggled() -> None:
-        ss[ui.STORE]["ylock"] = min(1.0, nice_ceiling(extent)) if ss["_ylock_on"] else 0.0
-        ss["ylock"] = ss[ui.STORE]["ylock"]
+        ss[STORE]["ylock"] = min(1.0, nice_ceiling(extent)) if ss["_ylock_on"] else 0.0
+        ss["ylock"] = ss[STORE]["ylock"]
 
     ss["_ylock_on"] = store["ylock"] > 0
     c1, c2 = st.columns([2, 1], vertical_alignment="center")
     c1.toggle("Lock the error chart's y-axis", key="_ylock_on", on_change=toggled,
               help="Moving a slider then changes the bars, not the scale: compare settings by eye.")
     if store["ylock"] > 0:
-        return float(ui.w_number(c2, "ylock", "± range", 0.0001, 1.0, step=0.005, fmt="%.4f"))
+        return float(w_number(c2, "ylock", "± range", 0.0001, 1.0, step=0.005, fmt="%.4f"))
     return None
 
 
@@ -127,7 +129,7 @@ def _solve(trace, base: Spec, view: View) -> None:
         return
     for name in ("sink", "recent", "heavy"):
         store[name] = ss[name] = getattr(sol.spec, name)
-    what = "keeps ≥ " + ui.fmt_pct(target) + " of the attention" if sol.metric == "mass_retained" \
+    what = "keeps ≥ " + fmt_pct(target) + " of the attention" if sol.metric == "mass_retained" \
         else f"has TV ≤ {target:g}"
     below = "" if sol.below is None else f"; one token less gives {sol.below:.4f}"
     ss["_solve_msg"] = ("success", f"Smallest cache that {what} with {base.scorer} at {base.key_bits}/{base.value_bits} "
@@ -137,16 +139,16 @@ def _solve(trace, base: Spec, view: View) -> None:
 
 
 def ss_store() -> dict:
-    return st.session_state[ui.STORE]
+    return st.session_state[STORE]
 
 
 def solver_panel(trace, spec: Spec, view: View) -> None:
     from kvviz.analysis.solve import SPLIT_RULE
     with st.expander("Find the smallest cache for a target", icon=":material/target:"):
         c1, c2, c3 = st.columns([2, 1, 1], vertical_alignment="bottom")
-        kind = ui.w_choice(c1, "solve_kind", "Target", ("mass", "tv"), widget="radio",
-                           format_func={"mass": "attention mass ≥", "tv": "TV distance ≤"}.get)
-        ui.w_number(c2, "solve_target", "value (0-1)", 0.001, 1.0, step=0.01, fmt="%.3f")
+        kind = w_choice(c1, "solve_kind", "Target", ("mass", "tv"), widget="radio",
+                        format_func={"mass": "attention mass ≥", "tv": "TV distance ≤"}.get)
+        w_number(c2, "solve_target", "value (0-1)", 0.001, 1.0, step=0.01, fmt="%.3f")
         c3.button("Find and apply", key="_solve", type="primary", on_click=_solve,
                   args=(trace, spec.with_(sink=0, recent=0, heavy=0), View(layer=view.layer, head=view.head,
                                                                          step=view.step)))
@@ -195,26 +197,3 @@ def page_link() -> str:
     query = "&".join(f"{k}={v}" for k, v in st.query_params.to_dict().items())
     base = url.split("?")[0]
     return f"{base}?{query}" if query else base
-
-
-# --- presentation mode -----------------------------------------------------------------------------
-
-PRESENT_CSS = """
-<style>
-  html { font-size: 18px; }
-  [data-testid="stMainBlockContainer"] { padding-top: 1rem; }
-  [data-testid="stCaptionContainer"] { font-size: 1rem; }
-</style>
-"""
-LAYOUT_CSS = """
-<style>
-  /* a projector's 1024 px: less side padding, labels and values wrap instead of being cut */
-  [data-testid="stMainBlockContainer"] { padding-left: 2rem; padding-right: 2rem; padding-top: 2.5rem; }
-  h1 { font-size: 2.1rem !important; }
-  [data-testid="stMetricLabel"] p, [data-testid="stMetricLabel"] div { white-space: normal !important;
-      overflow: visible !important; text-overflow: clip !important; line-height: 1.2; }
-  [data-testid="stMetricValue"] { font-size: 1.7rem; }
-  [data-testid="stMetricValue"] > div { white-space: normal !important; overflow: visible !important;
-      text-overflow: clip !important; }
-</style>
-"""

@@ -2,7 +2,7 @@
 
 `real_model_source(container)` and `trace_file_source(container)` each render their
 controls into `container` (the sidebar, usually) and return a Trace, or None when there
-is nothing to show yet. The app's Source picker (kvviz.app.ui) calls them.
+is nothing to show yet. The app's Source picker (kvviz.app.sidebar) calls them.
 
 Captures are cached twice: the model object with st.cache_resource (one load per server
 process), and every captured trace on disk under the user's cache folder
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import streamlit as st
 
+from kvviz.app.store import w_choice, w_number, w_slider
 from kvviz.models import BUNDLED, BUNDLED_NAME, ModelError, bundled_model_file
 from kvviz.sources.tracefile import FORMAT, VERSION, load_trace, save_trace, trace_from_bytes
 from kvviz.trace import Trace, TraceError
@@ -269,23 +270,22 @@ def real_model_source(container=None) -> Trace | None:
         if not name:
             c.info("Type a model folder, a .gguf file or a hub id, or pick the bundled model.")
             return None
-    from kvviz.app import ui
     from kvviz.decode.quality import sample_text
 
-    choice = ui.w_choice(c, "rm_text", "Prompt", ("bakery", "sample", "custom"), widget="radio",
-                         format_func={"bakery": "Bakery story", "sample": "kvviz sample", "custom": "Your own"}.get,
-                         help="The context: its keys and values fill the cache; the model then writes the new "
-                              "tokens greedily (the later queries). A built-in prompt is kept in the page's link; "
-                              "your own text is not.")
+    choice = w_choice(c, "rm_text", "Prompt", ("bakery", "sample", "custom"), widget="radio",
+                      format_func={"bakery": "Bakery story", "sample": "kvviz sample", "custom": "Your own"}.get,
+                      help="The context: its keys and values fill the cache; the model then writes the new "
+                           "tokens greedily (the later queries). A built-in prompt is kept in the page's link; "
+                           "your own text is not.")
     if choice == "custom":
         prompt = c.text_area("Prompt", value=EXAMPLE_PROMPT, height=200, key="rm_prompt")
     else:
         prompt = EXAMPLE_PROMPT if choice == "bakery" else sample_text()
         c.caption(f"“{' '.join(prompt.split()[:14])} …”")
-    new_tokens = ui.w_slider(c, "rm_new", "New tokens", 0, MAX_NEW_TOKENS_UI,
-                             help="Greedy decode steps after the prompt: the queries that read the compressed cache.")
-    max_tokens = ui.w_number(c, "rm_max", "Max prompt tokens", 16, PROMPT_CAP_UI, step=64,
-                             help="Longer prompts are cut to their first tokens (you will be told).")
+    new_tokens = w_slider(c, "rm_new", "New tokens", 0, MAX_NEW_TOKENS_UI,
+                          help="Greedy decode steps after the prompt: the queries that read the compressed cache.")
+    max_tokens = w_number(c, "rm_max", "Max prompt tokens", 16, PROMPT_CAP_UI, step=64,
+                          help="Longer prompts are cut to their first tokens (you will be told).")
     clicked = c.button("Capture", key="rm_capture", type="primary")
 
     if not prompt.strip():

@@ -16,7 +16,7 @@ seeded random 5-digit number, different for every (length, depth).
 One prefill per prompt (the full model, every layer's q, k, v kept) serves every cell:
 the full cache's greedy answer, and for each (policy, budget, bits) a copy of that
 prefill's cache compressed and decoded through the Model lab's own path
-(kvviz.decode.generation.CompressedCache: true positions, eviction per KV head, K/V quantized
+(kvviz.decode.cache.CompressedCache: true positions, eviction per KV head, K/V quantized
 with kvviz.quant). Two places for the compression point:
 
     default                     after the question (kvpress's evaluation with

@@ -167,7 +167,7 @@ def run_cell(model, tokenizer, prompt: NeedlePrompt, pre: _Prefill, spec: Spec,
     """Decode one compressed cache from the shared prefill; the cell's dictionary (no full-cache fields).
 
     The cache is a copy of the prefill's up to the compression point, compressed by the
-    policy exactly as kvviz.decode.generation.decode does (CompressedCache.compress), then the
+    policy exactly as kvviz.decode.loop.decode does (CompressedCache.compress), then the
     question tokens (query-agnostic case) and the answer run one token at a time at their
     true positions through the same attention function the Model lab uses.
     """

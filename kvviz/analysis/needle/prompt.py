@@ -161,7 +161,7 @@ def budget_tokens(fraction: float, length: int) -> int:
 
 
 def spec_for(scorer: str, fraction: float, bits: int, length: int) -> Spec:
-    """The cell's Spec: the Model lab's sweep split of the budget (kvviz.decode.generation.SWEEP_METHODS:
+    """The cell's Spec: the Model lab's sweep split of the budget (kvviz.decode.eval_sweep.SWEEP_METHODS:
     StreamingLLM = 4 sinks + the rest as window; the others 4 sinks, half the budget as
     recent window, the rest heavy), then K/V at `bits` (keys per channel, values per
     token, groups of 32, as kvviz eval's kv-Nbit methods)."""

@@ -1,0 +1,199 @@
+"""The URL-backed settings store and the widgets that read and write it.
+
+Every control's value lives in one session-wide store (`state()`), read from the link on the
+session's first run and mirrored into `st.query_params` (non-default values only) by `sync_url`,
+so a link reproduces the view; a value in a link that is unknown, unparsable or out of range is
+clamped or ignored with a visible notice, never a crash. Widgets read the store before they
+render and write it back, so values survive page switches and widgets that are hidden for a
+while (the Advanced bits, a source's knobs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import streamlit as st
+
+from kvviz.app.params import PARAMS
+
+STORE = "_kvviz_state"
+NOTICES = "_kvviz_notices"
+
+
+def state() -> dict:
+    """The session's settings (the live dict the widgets read and write), read from the URL on the
+    session's first run."""
+    ss = st.session_state
+    if STORE not in ss:
+        store = {name: p.default for name, p in PARAMS.items()}
+        notes = []
+        for name in st.query_params:
+            raw = st.query_params.get_all(name)
+            raw = raw[-1] if raw else ""
+            if name not in PARAMS:
+                notes.append(f"The link's `{name}` is not a kvviz setting; ignored.")
+                continue
+            value, note = PARAMS[name].parse(raw)
+            store[name] = value
+            if note:
+                notes.append(note)
+        ss[STORE] = store
+        ss[NOTICES] = notes
+    return ss[STORE]
+
+
+def settings_dict() -> dict:
+    return dict(state())
+
+
+def notice(text: str) -> None:
+    """Queue a visible notice (shown by `show_notices`)."""
+    state()
+    if text not in st.session_state[NOTICES]:
+        st.session_state[NOTICES].append(text)
+
+
+def show_notices() -> None:
+    notes = st.session_state.get(NOTICES) or []
+    if notes:
+        st.warning("**Some settings were adjusted:**\n\n" + "\n".join(f"- {n}" for n in notes), icon=":material/warning:")
+        st.button("Dismiss", key="_dismiss_notices", on_click=lambda: st.session_state[NOTICES].clear())
+
+
+def sync_url() -> None:
+    """Mirror the store into st.query_params (non-default values only); no-op if unchanged."""
+    store = state()
+    wanted = {name: PARAMS[name].encode(v) for name, v in store.items() if v != PARAMS[name].default}
+    current = {k: st.query_params.get(k) for k in st.query_params}
+    if current != wanted:
+        st.query_params.from_dict(wanted)
+
+
+def _bind(name: str, lo=None, hi=None, label: str = "", to_widget=None, from_widget=None, scope=None) -> None:
+    """Before a widget renders: take its last value into the store, clamp to [lo, hi], seed it.
+
+    `scope` is what the widget's raw value is relative to (the query step widget counts
+    steps of one source): a widget last shown in another scope is not read back, so the
+    stored setting, not a number from another source, decides the value after a switch.
+    """
+    store, ss = state(), st.session_state
+    scope_key = f"_scope_{name}"
+    same_scope = scope is None or ss.get(scope_key) == scope
+    if name in ss and same_scope:
+        store[name] = from_widget(ss[name]) if from_widget else ss[name]
+    if scope is not None:
+        ss[scope_key] = scope
+    v = store[name]
+    if lo is not None and hi is not None and not lo <= v <= hi:
+        c = min(max(v, lo), hi)
+        notice(f"{label or name} {v} is outside this source's range {lo}-{hi}; set to {c}.")
+        store[name] = v = c
+    # Always re-seed: after a page switch the widget is a new element whose state would
+    # otherwise start from its default, not from the value the user chose on another page.
+    ss[name] = to_widget(v) if to_widget else v
+
+
+def _after(name: str, value, from_widget=None) -> Any:
+    store = state()
+    store[name] = from_widget(value) if from_widget else value
+    return store[name]
+
+
+def w_slider(where, name: str, label: str, lo: int, hi: int, help: str | None = None) -> int:
+    _bind(name, lo, hi, label)
+    if hi <= lo:  # a slider needs a range; a single possible value is shown as text
+        where.caption(f"{label}: {lo}")
+        return _after(name, lo)
+    return _after(name, where.slider(label, lo, hi, key=name, help=help))
+
+
+def w_budget(where, name: str, label: str, n: int, unit: str, help: str | None = None) -> int:
+    """A token budget: a slider (counts) and a number box beside it (counts or % of the n tokens).
+
+    Typing a target beats slider hunting on long traces (a 0-544 slider is 2.4 tokens a
+    pixel); both widgets edit the one stored count.
+    """
+    _bind(name, 0, n, label)
+    ss, box = st.session_state, f"_box_{name}"
+    value = state()[name]
+    ss[box] = value if unit == "tokens" else round(100.0 * value / max(n, 1), 1)
+
+    def typed() -> None:
+        count = ss[box] if unit == "tokens" else round(ss[box] * n / 100.0)
+        state()[name] = ss[name] = int(min(max(count, 0), n))
+
+    def slid() -> None:
+        state()[name] = ss[name]
+
+    left, right = where.columns([3, 2], vertical_alignment="bottom")
+    if n > 0:
+        left.slider(label, 0, n, key=name, help=help, on_change=slid)
+    else:
+        left.caption(f"{label}: 0")
+    right.number_input(f"{label} ({'tokens' if unit == 'tokens' else '%'})", min_value=0 if unit == "tokens" else 0.0,
+                       max_value=n if unit == "tokens" else 100.0, step=1 if unit == "tokens" else 0.5, key=box,
+                       on_change=typed, label_visibility="collapsed",
+                       help=f"Type the {label.lower()} in {'tokens' if unit == 'tokens' else '% of the tokens'}.")
+    return _after(name, int(ss.get(name, value)) if n > 0 else 0)
+
+
+def w_number(where, name: str, label: str, lo, hi, step=None, help: str | None = None, fmt: str | None = None,
+             disabled: bool = False):
+    _bind(name, lo, hi, label)
+    kwargs = dict(min_value=lo, max_value=hi, key=name, help=help, disabled=disabled)
+    if step is not None:
+        kwargs["step"] = step
+    if fmt:
+        kwargs["format"] = fmt
+    return _after(name, where.number_input(label, **kwargs))
+
+
+def w_choice(where, name: str, label: str, options: Sequence, widget: str = "selectbox",
+             format_func: Callable = str, help: str | None = None, disabled: bool = False):
+    _bind(name)
+    if state()[name] not in options:
+        notice(f"{label} {state()[name]} is not available here; using {options[0]}.")
+        state()[name] = options[0]
+        st.session_state[name] = options[0]
+    fn = {"selectbox": where.selectbox, "radio": where.radio, "select_slider": where.select_slider}[widget]
+    kwargs = dict(options=list(options), key=name, format_func=format_func, help=help, disabled=disabled)
+    if widget == "radio":
+        kwargs["horizontal"] = True
+    return _after(name, fn(label, **kwargs))
+
+
+def w_check(where, name: str, label: str, help: str | None = None) -> bool:
+    _bind(name)
+    return _after(name, where.checkbox(label, key=name, help=help))
+
+
+def w_pills(where, name: str, label: str, options: Sequence, format_func: Callable = str,
+            help: str | None = None) -> tuple:
+    """A multi-choice as pills: every option visible, nothing truncated to '1…' at 1024 px."""
+    _bind(name, to_widget=list, from_widget=tuple)
+    chosen = where.pills(label, list(options), selection_mode="multi", key=name, format_func=format_func, help=help)
+    return _after(name, tuple(chosen or ()), from_widget=tuple)
+
+
+def w_multi(where, name: str, label: str, options: Sequence, format_func: Callable = str,
+            help: str | None = None) -> tuple:
+    _bind(name, to_widget=list, from_widget=tuple)
+    return _after(name, where.multiselect(label, list(options), key=name, format_func=format_func, help=help),
+                  from_widget=tuple)
+
+
+def w_step(where, n_eval: int, scope) -> int:
+    """The query step of `n_eval` evaluated queries; the last one is stored as -1, so it stays the last
+    when the source grows. `scope` is the source the raw widget value counts steps of."""
+
+    def to_w(v):
+        return n_eval - 1 if v < 0 else min(v, n_eval - 1)
+
+    def from_w(v):
+        return -1 if v >= n_eval - 1 else int(v)
+
+    _bind("step", to_widget=to_w, from_widget=from_w, scope=scope)
+    return _after("step", where.number_input("Query step", 0, n_eval - 1, key="step", disabled=n_eval == 1,
+                                             help="Which evaluated query (decode step) to show; the last by default."),
+                  from_widget=from_w)
