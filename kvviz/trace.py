@@ -41,6 +41,14 @@ class Trace:
     def __post_init__(self) -> None:
         validate(self)
 
+    @classmethod
+    def placeholder(cls, n_positions: int, source: str) -> "Trace":
+        """A stand-in with `n_positions` positions and nothing else (one layer, one head, head dim 1,
+        all zeros): for widgets that only need a token count before a real trace exists."""
+        z = np.zeros((1, 1, n_positions, 1), np.float32)
+        return cls(q=z, k=z, v=None, context_len=n_positions, tokens=("",) * n_positions,
+                   query_positions=np.arange(n_positions), meta={"source": source})
+
     # --- shape helpers -------------------------------------------------------------
     @cached_property
     def n_layers(self) -> int:

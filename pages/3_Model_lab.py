@@ -2,7 +2,6 @@
 
 import time
 
-import numpy as np
 import streamlit as st
 
 from kvviz.decode import lab
@@ -36,10 +35,7 @@ CAP_MESSAGE = (f"Lengths are capped (prompt ≤ {MAX_PROMPT} tokens, continuatio
 
 def _slider_trace() -> Trace:
     """A stand-in with as many positions as the longest run, so the sidebar sliders get their range."""
-    n = MAX_PROMPT + MAX_CONTINUATION
-    z = np.zeros((1, 1, n, 1), np.float32)
-    return Trace(q=z, k=z, v=None, context_len=n, tokens=("",) * n, query_positions=np.arange(n),
-                 meta={"source": "model lab"})
+    return Trace.placeholder(MAX_PROMPT + MAX_CONTINUATION, "model lab")
 
 
 @st.cache_resource(show_spinner=False)

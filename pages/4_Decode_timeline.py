@@ -1,6 +1,5 @@
 """Decode timeline: what each eviction policy holds at every decode step, and what it threw away too early."""
 
-import numpy as np
 import streamlit as st
 
 from kvviz.app.compression import compression_section
@@ -53,13 +52,7 @@ def _step_view(tl, timeline_key: tuple, shift_step) -> None:
                         help="The step in the table; the charts below have their own step slider and ▶ Play, "
                              "which animate every step in the browser."))
     p = int(tl.positions[step])
-    rows = []
-    for name, pt in tl.policies.items():
-        missed = np.flatnonzero(pt.missed[step])
-        rows.append({"policy": POLICY_LABELS[name], "regret at this step": round(float(pt.regret[step]), 4),
-                     "tokens held": int(pt.kept[step].sum()),
-                     "needed now but evicted": ", ".join(f"{i} {tl.tokens[i]!r}" for i in missed[:12])
-                     + (" …" if len(missed) > 12 else "")})
+    rows = tl.step_rows(step, POLICY_LABELS)
     st.markdown(f"**Step {step}**: query at position {p}, layer {tl.layer}, KV head {tl.kv_head}")
     st.dataframe(rows, hide_index=True, width="stretch")
     sync_url()   # a fragment rerun skips the script's own sync: the link must follow the step too
@@ -142,7 +135,7 @@ def main() -> None:
     # built once per setting; ▶ Play and the step slider under it run in the browser (no rerun)
     st.plotly_chart(_animation(tkey, shift_step, tl), key="tl_animation")
 
-    needed = sorted(set().union(*(np.flatnonzero(pt.evicted_needed).tolist() for pt in tl.policies.values())))
+    needed = tl.needed_tokens()
     if needed:
         pick = st.selectbox("A token's history (tokens some policy evicted and a later step needed)", needed,
                             format_func=lambda i: f"{i}: {tl.tokens[i]!r}", key="tl_token")

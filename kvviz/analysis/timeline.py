@@ -111,6 +111,25 @@ class Timeline:
     def n_steps(self) -> int:
         return len(self.positions)
 
+    def step_rows(self, step: int, labels: dict[str, str], max_tokens: int = 12) -> list[dict]:
+        """One table row per policy at a decode step: regret, tokens held, and the tokens needed
+        at that step but already evicted (the first `max_tokens`, then an ellipsis)."""
+        rows = []
+        for name, pt in self.policies.items():
+            missed = np.flatnonzero(pt.missed[step])
+            rows.append({"policy": labels.get(name, name), "regret at this step": round(float(pt.regret[step]), 4),
+                         "tokens held": int(pt.kept[step].sum()),
+                         "needed now but evicted": ", ".join(f"{i} {self.tokens[i]!r}" for i in missed[:max_tokens])
+                         + (" …" if len(missed) > max_tokens else "")})
+        return rows
+
+    def needed_tokens(self) -> list[int]:
+        """Positions some policy evicted and a later step needed, in order."""
+        needed = set()
+        for pt in self.policies.values():
+            needed.update(np.flatnonzero(pt.evicted_needed).tolist())
+        return sorted(needed)
+
 
 def full_attention(trace: Trace, layer: int, kv_head: int, query_indices: np.ndarray) -> np.ndarray:
     """(len(query_indices), positions) attention of each query, mean over the KV group's heads.
