@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 
 from kvviz.spec import Spec  # noqa: E402
 from kvviz import decode as gen  # noqa: E402
+from kvviz.decode import hook  # noqa: E402
 from kvviz.decode.loop import decode, prefill  # noqa: E402
 
 
@@ -106,7 +107,7 @@ def test_an_interrupted_greedy_run_leaves_the_model_usable(tiny):
             raise Stop
     with pytest.raises(Stop):
         gen.greedy(model, ids[:20], Spec(sink=2, recent=4), 10, on_token=stop)
-    assert model.config._attn_implementation == "eager" and not gen._ACTIVE
+    assert model.config._attn_implementation == "eager" and not hook._ACTIVE
 
 
 def test_batched_runs_equal_separate_runs(tiny):
