@@ -104,13 +104,93 @@ def browser(chromium_path):
             b.close()
 
 
+# Installed in every page before its scripts run (see tests/test_browser.py):
+# - counts the app's script runs: stApp's data-test-script-state leaves "notRunning" once per run (full or
+#   fragment); `changed` is when it last changed;
+# - __kvvizView(): every widget's shown value by kind and label, every metric, the headings, and a digest
+#   of every chart outside an expander (trace names, point counts, sums) -- what "the same view" means;
+# - __kvvizHeadline(): the part of the view only a script run can change (metrics, headings, charts, and
+#   the text of `window.__kvvizExtra`, a selector), sampled every 50 ms with the address bar's query, so
+#   a test can ask what the address bar held when the page first showed a new view.
+PAGE_PROBE_JS = """
+window.__kvviz = {runs: 0, state: null, changed: performance.now(), samples: []};
+new MutationObserver(() => {
+  const app = document.querySelector('[data-testid="stApp"]');
+  const s = app ? app.getAttribute('data-test-script-state') : null;
+  if (s === window.__kvviz.state) return;
+  if (s !== null && s !== 'notRunning' && s !== 'initial') window.__kvviz.runs++;
+  window.__kvviz.state = s;
+  window.__kvviz.changed = performance.now();
+}).observe(document, {subtree: true, childList: true, attributes: true, attributeFilter: ['data-test-script-state']});
+
+const txt = (e) => e ? e.textContent.trim() : null;
+const outside = (e) => !e.closest('[data-testid="stExpander"]');
+const digest = (a) => { let s = 0, n = 0;
+  const walk = (x) => { if (typeof x === 'number') { if (isFinite(x)) { s += x; n++; } }
+                        else if (x && typeof x !== 'string' && x.length !== undefined) for (const v of x) walk(v); };
+  walk(a); return n ? `${n}:${Math.abs(s) < 1e-9 ? 0 : s.toPrecision(6)}` : ''; };
+
+function results(put) {
+  document.querySelectorAll('[data-testid="stMetric"]').forEach(m =>
+    put(`metric: ${txt(m.querySelector('[data-testid="stMetricLabel"]'))}`, txt(m.querySelector('[data-testid="stMetricValue"]'))));
+  put('headings', Array.from(document.querySelectorAll('h1, h2, h3')).filter(outside).map(txt).join(' | '));
+  Array.from(document.querySelectorAll('.js-plotly-plot')).filter(outside).forEach((p, i) =>
+    put(`chart ${i}`, (p._fullData || p.data || []).map(t =>
+      `${t.name || ''}|${t.type || ''}|${digest(t.x)}|${digest(t.y)}|${digest(t.z)}`).join(' ; ')));
+  if (window.__kvvizExtra) put('extra', Array.from(document.querySelectorAll(window.__kvvizExtra)).map(txt).join(' | '));
+}
+
+window.__kvvizView = () => {
+  const out = {};
+  const label = (w) => txt(w.querySelector('[data-testid="stWidgetLabel"]'))
+                       || w.querySelector('[aria-label]')?.getAttribute('aria-label');
+  const put = (k, v) => { let key = k, i = 2; while (key in out) key = `${k} #${i++}`; out[key] = v; };
+  const each = (sel, kind, value) => document.querySelectorAll(sel).forEach(w => put(`${kind}: ${label(w)}`, value(w)));
+  each('[data-testid="stSlider"]', 'slider',
+       w => Array.from(w.querySelectorAll('input[type="range"]')).map(i => i.getAttribute('aria-valuetext')).join(' – '));
+  each('[data-testid="stSelectbox"]', 'selectbox', w => w.querySelector('input')?.value);
+  each('[data-testid="stNumberInput"]', 'number', w => w.querySelector('input')?.value);
+  each('[data-testid="stCheckbox"]', 'checkbox', w => w.querySelector('input')?.checked);
+  each('[data-testid="stRadio"]', 'radio', w => txt(w.querySelector('input:checked')?.closest('label')));
+  each('[data-testid="stMultiSelect"]', 'multiselect',
+       w => Array.from(w.querySelectorAll('[data-baseweb="tag"]')).map(txt).join(', '));
+  each('[data-testid="stButtonGroup"]', 'pills', w => Array.from(w.querySelectorAll('button'))
+       .filter(b => (b.getAttribute('kind') || '').endsWith('Active')).map(txt).join(', '));
+  each('[data-testid="stTextInput"], [data-testid="stTextArea"]', 'text', w => w.querySelector('input, textarea')?.value);
+  results(put);
+  return out;
+};
+
+window.__kvvizHeadline = () => {
+  const parts = [];
+  results((k, v) => parts.push(`${k}=${v}`));
+  return parts.join('\\n');
+};
+
+setInterval(() => {
+  const k = window.__kvviz, h = window.__kvvizHeadline(), q = location.search, last = k.samples[k.samples.length - 1];
+  if (!last || last[0] !== h || last[1] !== q) k.samples.push([h, q]);
+}, 50);
+"""
+
+
+def streamlit_probe(msg) -> bool:
+    """Streamlit's own 404s when a page's address is opened directly: the frontend first tries the page's
+    path as the server's base path (/trade-offs/_stcore/health, .../host-config), then the root."""
+    url = msg.location.get("url") or ""
+    return "status of 404" in msg.text and url.rsplit("/", 1)[-1] in ("health", "host-config") and "/_stcore/" in url
+
+
 @pytest.fixture
 def page(browser):
-    """A fresh page whose console errors and uncaught exceptions are collected in `page.errors`."""
+    """A fresh page whose console errors and uncaught exceptions are collected in `page.errors`; its
+    context probes every page it opens (PAGE_PROBE_JS)."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    context.add_init_script(PAGE_PROBE_JS)
     pg = context.new_page()
     errors: list[str] = []
-    pg.on("console", lambda msg: errors.append(f"console.{msg.type}: {msg.text}") if msg.type == "error" else None)
+    pg.on("console", lambda msg: errors.append(f"console.{msg.type}: {msg.text} ({msg.location.get('url')})")
+          if msg.type == "error" and not streamlit_probe(msg) else None)
     pg.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
     pg.errors = errors
     try:

@@ -37,11 +37,30 @@ def slider_thumb(page, label):
     return page.locator('[data-testid="stSlider"]').filter(has_text=label).get_by_role("slider")
 
 
+def runs(page) -> int:
+    """How many script runs (full or fragment) this page has seen (conftest.PAGE_PROBE_JS)."""
+    return page.evaluate("window.__kvviz.runs")
+
+
+def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
+    """Wait until the app has run more than `after` times and is idle: its script-run state is
+    "notRunning" and has stayed so for `quiet_ms` (a callback's st.rerun or a page switch starts
+    the next run within that), no element is still loading (a skeleton) and every chart on screen is
+    drawn. Not "a chart exists": a chart
+    from the previous run exists too."""
+    page.wait_for_function(
+        """([after, quiet]) => window.__kvviz.runs > after && window.__kvviz.state === 'notRunning'
+                               && performance.now() - window.__kvviz.changed > quiet
+                               && !Array.from(document.querySelectorAll('[data-testid="stSkeleton"]'))
+                                        .some(c => c.offsetParent !== null)
+                               && Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]'))
+                                       .every(c => c.offsetParent === null || c.querySelector('.main-svg'))""",
+        arg=[after, quiet_ms], timeout=TIMEOUT, polling=100)
+
+
 def settle(page):
-    """Wait until the app has finished its rerun (no running indicator) and charts are drawn."""
-    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"] svg')"
-                           " || document.querySelectorAll('.js-plotly-plot').length > 0", timeout=TIMEOUT)
-    page.wait_for_timeout(500)
+    """Wait until the app has finished its runs since the page opened."""
+    idle(page)
 
 
 def shot(page, name):
@@ -191,6 +210,216 @@ def test_address_bar_follows_a_single_interaction_on_every_page(page, app_url, n
     assert address(page) == {}
     act(page)
     wait_for_address(page, expected)
+    no_console_errors(page)
+
+
+# --- a live link after every single interaction, on every page (issue 21) ---------------------------
+
+def view(page) -> dict:
+    """Every widget's value, metric, heading and chart digest on the page (conftest.PAGE_PROBE_JS)."""
+    return page.evaluate("window.__kvvizView()")
+
+
+class LiveLink:
+    """Drives one page through single interactions. After each, once the app is idle: the address bar
+    must have held the new link by the time the page first showed the new results (a link written at
+    the end of the run lags the screen), and the link opened in a new page must show the same view
+    (widget values, metrics, headings, charts) and stay as it is."""
+
+    def __init__(self, page, url: str, extra: str | None = None):
+        self.page, self.moves = page, 0
+        page.set_default_timeout(TIMEOUT)
+        page.set_viewport_size({"width": 1400, "height": 1800})
+        self.extra = extra
+        page.goto(url)
+        self.mark(page)
+        idle(page)
+        assert address(page) == query(url), "a link must open unchanged (defaults stay out of the URL)"
+        self.shown = view(page)
+
+    def mark(self, page) -> None:
+        if self.extra:
+            page.evaluate("(selector) => { window.__kvvizExtra = selector; }", self.extra)
+
+    def act(self, what: str, interaction) -> None:
+        page, before = self.page, runs(self.page)
+        first_sample = page.evaluate("window.__kvviz.samples.length")
+        headline_before = page.evaluate("window.__kvvizHeadline()")
+        interaction(page)
+        idle(page, after=before)
+        self.moves += 1
+        where = f"move {self.moves} ({what})"
+        shown, link = view(page), page.url
+        assert shown != self.shown, f"{where} changed nothing on the page"
+        assert page.evaluate("location.href") == link
+        headline, samples = page.evaluate("[window.__kvvizHeadline(), window.__kvviz.samples]")
+        if headline != headline_before:     # the results changed: when did the address bar follow?
+            seen = next(q for h, q in samples[first_sample:] if h == headline)
+            assert seen == "?" * bool(query(link)) + urlparse(link).query, (
+                f"{where}: the page showed the new results while the address bar still held '{seen}' "
+                f"(it became '?{urlparse(link).query}' later)")
+        fresh = page.context.new_page()
+        fresh.set_default_timeout(TIMEOUT)
+        try:
+            fresh.goto(link)
+            self.mark(fresh)
+            idle(fresh)
+            again, reopened = view(fresh), fresh.url
+        finally:
+            fresh.close()
+            page.bring_to_front()
+        diff = {k: (shown.get(k), again.get(k)) for k in sorted(set(shown) | set(again)) if shown.get(k) != again.get(k)}
+        assert not diff, f"{where}: the link {link} opens another view; (on the page, from the link): {diff}"
+        assert query(reopened) == query(link), f"{where}: opening {link} rewrote it to {reopened}"
+        self.shown = shown
+
+
+def query(url: str) -> dict:
+    return {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
+
+
+def labelled(page, testid: str, label: str):
+    """The widget of this kind whose label is exactly `label`."""
+    return page.locator(f'[data-testid="{testid}"]').filter(
+        has=page.locator('[data-testid="stWidgetLabel"]', has_text=re.compile(f"^{re.escape(label)}$")))
+
+
+def key(label: str, *keys: str):
+    def press(page):
+        thumb = labelled(page, "stSlider", label).get_by_role("slider")
+        thumb.focus()
+        for k in keys:
+            thumb.press(k)
+    return press
+
+
+def number(label: str, value) -> callable:
+    def type_in(page):
+        box = labelled(page, "stNumberInput", label).locator("input")
+        box.fill(str(value))
+        box.press("Enter")
+    return type_in
+
+
+def select(label: str, option: str):
+    def pick(page):
+        labelled(page, "stSelectbox", label).locator("input").click()
+        page.get_by_role("option", name=option, exact=True).click()
+    return pick
+
+
+def radio(label: str, option: str):
+    return lambda page: labelled(page, "stRadio", label).get_by_text(option, exact=True).click()
+
+
+def tick(label: str):
+    return lambda page: labelled(page, "stCheckbox", label).locator("label").first.click()
+
+
+def press(name: str):
+    return lambda page: page.get_by_role("button", name=name, exact=True).click()
+
+
+def pill(group: str, option: str):
+    return lambda page: (page.locator('[data-testid="stButtonGroup"]').filter(has_text=group)
+                         .get_by_role("button", name=option, exact=True).click())
+
+
+def unfold(page, title: str) -> None:
+    """Open an expander (no rerun: not an interaction with the app's state)."""
+    page.locator('[data-testid="stExpander"] summary').filter(has_text=title).first.click()
+
+
+def test_explorer_link_follows_every_single_interaction(page, app_url):
+    live = LiveLink(page, app_url)
+    live.act("bits slider, keyboard (the first move)", key("Quantization bits", "ArrowLeft"))
+    live.act("heavy-hitter number box", number("Heavy-hitter budget (tokens)", 5))
+    live.act("error bars radio", radio("Error bars show", "95% CI of the mean"))
+    live.act("error bars select box", select("Error bars over", "none (one row)"))
+    live.act("y-axis lock toggle", tick("Lock the error chart's y-axis"))
+    live.act("preset button", press("StreamingLLM"))
+    live.act("sink slider, keyboard", key("Sink tokens", "ArrowRight", "ArrowRight"))
+    live.act("pin button", press("Pin this setting as A"))
+    unfold(page, "Find the smallest cache for a target")
+    live.act("Find and apply", press("Find and apply"))
+    unfold(page, "Advanced")
+    live.act("checkbox", tick("Separate key and value bits"))
+    live.act("scorer select box", select("Heavy-hitter scorer", "TOVA (last query)"))
+    live.act("source radio", radio("Attention source", "Synthetic pattern"))
+    live.act("layer number box", number("Layer", 1))
+    no_console_errors(page)
+
+
+def test_tradeoffs_link_follows_every_single_interaction(page, app_url):
+    live = LiveLink(page, f"{app_url}/trade-offs")
+    live.act("measure radio (the first move)", radio("Measure", "Jensen–Shannon"))
+    live.act("log axis checkbox", tick("Log memory axis"))
+    live.act("bit-width pills", pill("Bit widths", "8"))
+    live.act("sink slider, keyboard", key("Sink tokens", "ArrowRight"))
+    live.act("recent number box", number("Recent window (tokens)", 6))
+    unfold(page, "Advanced")
+    live.act("allocation select box", select("Budget allocation", "PyramidKV (per layer, linear)"))
+    plot = page.locator(".js-plotly-plot").filter(has_text="Error vs memory").first
+    live.act("chart click: open a point in the Explorer",
+             lambda page: plot.locator(".scatterlayer .trace").nth(0).locator(".points path").first.click(force=True))
+    expect()(page.get_by_role("heading", name=re.compile("KV-cache compression explorer"))).to_be_visible()
+    no_console_errors(page)
+
+
+def test_concentration_link_follows_every_single_interaction(page, app_url):
+    live = LiveLink(page, f"{app_url}/concentration")
+    live.act("locality slider, keyboard (the first move)", key("Locality: mass in the last … tokens (w)", "ArrowRight"))
+    live.act("sink slider, keyboard", key("Sink share counts the first … tokens (the sink tokens)", "ArrowLeft"))
+    live.act("source radio", radio("Attention source", "Synthetic pattern"))
+    live.act("context number box", number("Context tokens", 256))
+    live.act("query step number box", number("Query step", 3))
+    live.act("pattern preset button", press("Topic shift"))
+    unfold(page, "Pattern knobs")
+    live.act("head dim select box", select("Head dim", "32"))
+    live.act("presentation mode checkbox", tick("Presentation mode"))
+    no_console_errors(page)
+
+
+def test_decode_timeline_link_follows_every_single_interaction(page, app_url):
+    live = LiveLink(page, f"{app_url}/decode-timeline")
+    live.act("fragment step slider, keyboard (the first move)", key("Decode step", "ArrowRight"))
+    live.act("layer number box", number("Layer", 1))
+    live.act("policies multiselect",
+             lambda page: page.get_by_role("button", name=re.compile(r"Remove TOVA|Delete TOVA")).click())
+    live.act("allocation radio", radio("Budget allocation", "AdaKV (per layer, across heads)"))
+    live.act("recent slider, keyboard", key("Recent window", "ArrowRight"))
+    live.act("need number box", number("Needed at ≥ (attention share)", 0.05))
+    live.act("fragment step slider again", key("Decode step", "ArrowRight", "ArrowRight"))
+    live.act("presentation mode checkbox", tick("Presentation mode"))
+    no_console_errors(page)
+
+
+def test_model_lab_link_follows_every_single_interaction(page, app_url):
+    live = LiveLink(page, f"{app_url}/model-lab", extra='[data-testid="stMarkdownContainer"] p:has(strong)')
+    live.act("text radio (the first move)", radio("Text", "Bakery story (built-in)"))
+    live.act("prompt number box", number("Prompt tokens (compression point)", 128))
+    live.act("re-rotate checkbox", tick("Re-rotate kept keys to their cache slots (StreamingLLM's original)"))
+    live.act("preset button", press("StreamingLLM"))
+    live.act("heavy slider, keyboard", key("Heavy-hitter budget", "ArrowRight"))
+    live.act("bits slider, keyboard", key("Quantization bits", "ArrowLeft", "ArrowLeft"))
+    unfold(page, "Advanced")
+    live.act("scorer select box", select("Heavy-hitter scorer", "TOVA (last query)"))
+    no_console_errors(page)
+
+
+def test_needle_link_follows_every_single_interaction(page, app_url):
+    from kvviz.analysis import needle
+
+    if needle.load_default() is None:
+        pytest.skip("no shipped needle grid (scripts/needle_default.py writes it)")
+    live = LiveLink(page, f"{app_url}/needle-test")
+    cells = page.locator(".js-plotly-plot").filter(has_text="needle depth").first.locator(".scatterlayer .trace")
+    live.act("chart click (the first move)", lambda page: cells.nth(0).locator(".points path").first.click(force=True))
+    live.act("layer number box", number("Layer", 3))
+    live.act("KV head number box", number("KV head", 1))
+    live.act("classic failure button", press("Show the classic failure"))
+    live.act("chart click on another cell", lambda page: cells.nth(1).locator(".points path").nth(1).click(force=True))
+    live.act("presentation mode checkbox", tick("Presentation mode"))
     no_console_errors(page)
 
 
