@@ -110,8 +110,9 @@ def browser(chromium_path):
 # - __kvvizView(): every widget's shown value by kind and label, every metric, the headings, and a digest
 #   of every chart outside an expander (trace names, point counts, sums) -- what "the same view" means;
 # - __kvvizHeadline(): the part of the view only a script run can change (metrics, headings, charts, and
-#   the text of `window.__kvvizExtra`, a selector), sampled every 50 ms with the address bar's query, so
-#   a test can ask what the address bar held when the page first showed a new view.
+#   the text of `window.__kvvizExtra`, a selector), sampled with the address bar's query once a frame
+#   while the page changes and right after every address change, so a test can ask what the address
+#   bar held when the page first showed a new view.
 PAGE_PROBE_JS = """
 window.__kvviz = {runs: 0, state: null, changed: performance.now(), samples: []};
 new MutationObserver(() => {
@@ -167,10 +168,19 @@ window.__kvvizHeadline = () => {
   return parts.join('\\n');
 };
 
-setInterval(() => {
+const sample = () => {
   const k = window.__kvviz, h = window.__kvvizHeadline(), q = location.search, last = k.samples[k.samples.length - 1];
   if (!last || last[0] !== h || last[1] !== q) k.samples.push([h, q]);
-}, 50);
+};
+let pending = false;   // one sample a frame while the page changes, one right after each address change
+new MutationObserver(() => {
+  if (!pending) { pending = true; requestAnimationFrame(() => { pending = false; sample(); }); }
+}).observe(document, {subtree: true, childList: true, characterData: true});
+for (const name of ['pushState', 'replaceState']) {
+  const original = history[name];
+  history[name] = function (...args) { const r = original.apply(this, args); sample(); return r; };
+}
+setInterval(sample, 100);
 """
 
 
