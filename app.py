@@ -124,7 +124,7 @@ def explorer() -> None:
     with st.expander("All numbers"):
         st.dataframe(metrics_table(comp), hide_index=True, key="metrics_table")
         st.dataframe(per_token, hide_index=True, height=240)
-    ui_ledger.ledger_expander(source.trace, spec, vs.view.step)
+    ui_ledger.ledger_expander(source, spec, vs.view.step)
 
 
 st.set_page_config(page_title="kvviz", layout="wide")
@@ -137,5 +137,6 @@ PAGES.update(
     needle=st.Page("pages/5_Needle_test.py", title="Needle test", url_path="needle-test"),
 )
 page = st.navigation(list(PAGES.values()))
+sync_url()   # first: the callbacks of this run's interaction have set the store; link to it before computing
 page.run()
-sync_url()
+sync_url()   # last: the page may have clamped or set values on the way

@@ -47,7 +47,9 @@ def _animation(timeline_key: tuple, shift_step, _tl):
 @st.fragment
 def _step_view(tl, timeline_key: tuple, shift_step) -> None:
     """The step slider and that step's table: a step move reruns only this fragment (the charts below
-    have their own step slider and ▶ Play, animated in the browser)."""
+    have their own step slider and ▶ Play, animated in the browser). A fragment rerun skips app.py, so
+    the fragment links to the step itself: first thing (its slider's callback has stored it) and last."""
+    sync_url()
     step = int(w_slider(st, "tl_step", "Decode step", 0, tl.n_steps - 1,
                         help="The step in the table; the charts below have their own step slider and ▶ Play, "
                              "which animate every step in the browser."))
@@ -55,7 +57,7 @@ def _step_view(tl, timeline_key: tuple, shift_step) -> None:
     rows = tl.step_rows(step, POLICY_LABELS)
     st.markdown(f"**Step {step}**: query at position {p}, layer {tl.layer}, KV head {tl.kv_head}")
     st.dataframe(rows, hide_index=True, width="stretch")
-    sync_url()   # a fragment rerun skips the script's own sync: the link must follow the step too
+    sync_url()
 
 
 def main() -> None:

@@ -52,13 +52,18 @@ def _answer_card(where, title: str, answer: str, right: bool, about: str) -> Non
     where.container(border=True).markdown(f"{title}  \n`{shown}`  \n{mark}", help=about)
 
 
+def _picked(key: str, param: str, loudest: int) -> None:
+    """A head picker's on_change: the new value into the store before the run (so the link follows)."""
+    state()[param] = -1 if st.session_state[key] == loudest else int(st.session_state[key])
+
+
 def _head_picker(where, key: str, param: str, label: str, n: int, loudest: int) -> int:
     """A layer / KV head box whose default is the loudest one (kept in the link only when changed)."""
     store, ss = state(), st.session_state
     stored = store[param]
     if key not in ss:
         ss[key] = min(stored, n - 1) if stored >= 0 else loudest
-    value = int(where.number_input(label, 0, n - 1, key=key))
+    value = int(where.number_input(label, 0, n - 1, key=key, on_change=_picked, args=(key, param, loudest)))
     store[param] = -1 if value == loudest else value
     return value
 
@@ -137,10 +142,10 @@ def main() -> None:
     st.caption(f"{source}: model {grid.model}, {len(grid.cells)} cells; compressed {where}; greedy "
                f"{s.get('new_tokens')} tokens; true positions; {s.get('haystack')} haystack.")
     classic = needle.classic_failure(grid)
-    if classic is not None and st.button("Show the classic failure", icon=":material/bolt:", key="needle_classic",
-                                         help="StreamingLLM keeps the first tokens and a recent window: a needle "
-                                              "early in the text falls out of the cache."):
-        _select(None)
+    if classic is not None:
+        st.button("Show the classic failure", icon=":material/bolt:", key="needle_classic", on_click=_select,
+                  args=(None,), help="StreamingLLM keeps the first tokens and a recent window: a needle early in "
+                                     "the text falls out of the cache.")
     store = state()
     sel = _decode(store["nd_cell"], grid) if store["nd_cell"] else None
     if store["nd_cell"] and sel is None:

@@ -13,6 +13,14 @@ def run_app(path: str, timeout: float = 120, **params) -> AppTest:
     return at
 
 
+def unfold(at: AppTest, key: str) -> AppTest:
+    """Open a folded (state-tracking) expander, as a click on it does, and rerun; fail on any exception."""
+    at.session_state[key] = True
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
 def share_one_model_load(monkeypatch):
     """Patch kvviz.models.load_model so the page and the test share one load per model name; return
     the patched loader. Skips the test where the bundled model is not installed."""

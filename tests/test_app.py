@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from apptest_util import run_app
+from apptest_util import run_app, unfold
 from streamlit.testing.v1 import AppTest
 
 from kvviz import Spec, View, compare
@@ -272,6 +272,7 @@ def test_trace_file_shows_token_grid_and_overview_jump(tmp_path, monkeypatch):
     grid = [h.proto.body for h in at.get("html") if "<style>" not in h.proto.body]
     assert len(grid) == 1 and "&lt;the&gt;" in grid[0] and grid[0].count("line-through") == syn.n_positions - 10
     # the overview knows which head loses most, and one click takes the View there
+    unfold(at, "_overview_open")
     button = next(b for b in at.button if b.label.startswith("Jump to the head"))
     button.click().run()
     assert not at.exception
@@ -457,3 +458,38 @@ def test_real_text_opens_on_a_typical_head_and_the_grid_shades_and_separates(tmp
     # a link that names the head keeps it
     again = run(source="file", sink=2, recent=4, heavy=4, layer=0, head=0)
     assert again.number_input(key="head").value == 0 and not any("median of all" in i.value for i in again.info)
+
+
+# --- issue 21: folded means idle ------------------------------------------------------------------
+
+def test_folded_sections_compute_nothing_until_opened_then_once(monkeypatch):
+    """The budget ledger, the rotation heatmap and the layer x head overview compute nothing while their
+    expanders are closed; opening one computes it once, and a rerun that changes nothing reuses it."""
+    import streamlit as st
+
+    from kvviz.app import formats, ledger, overview
+
+    calls = {"ledger": 0, "rotation": 0, "overview": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(ledger, "budget_ledger", counted("ledger", ledger.budget_ledger))
+    monkeypatch.setattr(formats, "rotation_effect", counted("rotation", formats.rotation_effect))
+    monkeypatch.setattr(overview, "run_head_grid", counted("overview", overview.run_head_grid))
+    st.cache_resource.clear()
+    at = run(**SMALL, sink=5, heavy=7)
+    at.slider(key="heavy").set_value(9).run()                  # a move with everything folded
+    assert calls == {"ledger": 0, "rotation": 0, "overview": 0}
+    assert not [c for c in at.get("plotly_chart") if "after the Hadamard rotation" in c.proto.spec]
+    for key, name in (("_ledger_open", "ledger"), ("_rotation_open", "rotation"), ("_overview_open", "overview")):
+        unfold(at, key)
+        assert calls[name] == 1, (name, calls)
+    opened = dict(calls)
+    at.run()                                                     # open, nothing changed: cached
+    assert calls["ledger"] == opened["ledger"] and calls["rotation"] == opened["rotation"]
+    at.slider(key="heavy").set_value(10).run()                  # open and a budget move: the ledger follows
+    assert calls["ledger"] == opened["ledger"] + 1 and calls["rotation"] == opened["rotation"]

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from apptest_util import run_app, share_one_model_load
+from apptest_util import run_app, unfold, share_one_model_load
 
 from kvviz import Spec, View, compare
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
@@ -57,7 +57,7 @@ def test_hf_preset_sets_per_token_groups_and_the_flush():
 
 
 def test_rotation_heatmap_expander():
-    at = run_app(APP, 120, **SMALL)
+    at = unfold(run_app(APP, 120, **SMALL), "_rotation_open")
     fig = json.loads(next(c for c in at.get("plotly_chart") if "after the Hadamard rotation" in c.proto.spec).proto.spec)
     heatmaps = [t for t in fig["data"] if t["type"] == "heatmap"]
     assert len(heatmaps) == 2 and heatmaps[0]["z"]["shape"] == "64, 132"   # channels down, tokens 0..131 across

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from apptest_util import run_app, share_one_model_load
+from apptest_util import run_app, unfold, share_one_model_load
 
 from kvviz import Spec, View, compare
 
@@ -46,7 +46,7 @@ def test_impossible_allocation_says_why_and_changes_nothing():
 
 
 def test_the_ledger_on_the_explorer_shows_the_cores_numbers():
-    at = run_app(APP, 120, scorer="quest", sink=4, recent=8, heavy=16, page=4)
+    at = unfold(run_app(APP, 120, scorer="quest", sink=4, recent=8, heavy=16, page=4), "_ledger_open")
     exp = [e for e in at.expander if e.label.startswith("Budget ledger")]
     assert len(exp) == 1
     ledger = budget_ledger(handbook_trace(), Spec(sink=4, recent=8, heavy=16, scorer="quest", page_size=4))

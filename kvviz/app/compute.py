@@ -6,6 +6,8 @@ the arrays. Impossible settings show an error and give None; numerics stay in th
 
 from __future__ import annotations
 
+import importlib
+import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -36,17 +38,48 @@ def _compare_cached(source_key: tuple, spec_items: tuple, view_items: tuple,
     return compare(_trace, Spec(**dict(spec_items)), View(**dict(view_items)), trace_for_seed=_seed_fn)
 
 
-@st.cache_resource(show_spinner="Compiling the quantization kernel (once after an install)…")
-def _quantization_kernel() -> bool:
-    from kvviz.quant import compile_kernel
-    compile_kernel()
-    return True
+# --- warm before the first touch ---------------------------------------------------------------
+
+# What a first move needs that the first paint does not: numba and the quantization kernel (compiled
+# once after an install, loaded from numba's disk cache after that: 0.5-1.6 s in a fresh process), the
+# analyses behind the Explorer's buttons and sections, the other pages' figure modules.
+WARM_MODULES = ("kvviz.analysis.solve", "kvviz.analysis.ledger", "kvviz.analysis.sweep", "kvviz.plots.ledger",
+                "kvviz.plots.quant", "kvviz.plots.decode", "kvviz.plots.needle", "kvviz.sources.synthetic",
+                "kvviz.policies.registry", "scipy.stats")
+_warm_lock = threading.Lock()
+_warmed: list[threading.Event] = []
+
+
+def warm_up() -> threading.Event:
+    """Start warming in a background thread, once per server process (the first page view of the
+    process; Streamlit runs no app code before it): the kernel, one small quantized comparison, the
+    modules in WARM_MODULES. The event is set when it is done. Not at import: a test that only imports
+    kvviz.app starts nothing."""
+    with _warm_lock:
+        if not _warmed:
+            _warmed.append(threading.Event())
+            threading.Thread(target=_warm, args=(_warmed[0],), name="kvviz-warm-up", daemon=True).start()
+        return _warmed[0]
+
+
+def _warm(done: threading.Event) -> None:
+    try:
+        from kvviz.quant import compile_kernel
+        from kvviz.sources.handbook import handbook_trace
+        compile_kernel()
+        compare(handbook_trace(), Spec(key_bits=4, value_bits=4), View())
+        for name in WARM_MODULES:
+            importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - a failed warm-up only means the first move does this work itself
+        pass
+    finally:
+        done.set()
 
 
 def run_compare(source: Source, spec: Spec, view: View) -> Comparison | None:
     """kvviz.compare through the cache; impossible settings show an error and give None."""
     if spec.quantizes and spec.quant_model == "kv":
-        _quantization_kernel()
+        warm_up().wait()    # usually long done; never a "compiling" spinner on a slider move
     try:
         return _compare_cached(source.key, _items(spec), _items(view), source.trace, source.seed_fn)
     except (SpecError, TraceError, ValueError) as e:

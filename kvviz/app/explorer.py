@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 import re
+from urllib.parse import urlencode
 
 import streamlit as st
 
 from kvviz.app.cards import fmt_pct
 from kvviz.app.compression import spec_from_values
 from kvviz.app.params import COMPRESSION_PARAMS, PARAMS
-from kvviz.app.store import STORE, notice, settings_dict, w_choice, w_number
+from kvviz.app.store import STORE, link_params, notice, settings_dict, w_choice, w_number
 from kvviz.engine import Comparison
 from kvviz.plots import figures
 from kvviz.spec import Spec, SpecError, View
@@ -194,6 +195,6 @@ def page_link() -> str:
         url = st.context.url or ""
     except AttributeError:   # older Streamlit
         url = ""
-    query = "&".join(f"{k}={v}" for k, v in st.query_params.to_dict().items())
+    query = urlencode(link_params())
     base = url.split("?")[0]
     return f"{base}?{query}" if query else base

@@ -1,10 +1,12 @@
-"""Explorer expander: one head's keys as a channel x token heatmap, before and after rotation."""
+"""Explorer expander: one head's keys as a channel x token heatmap, before and after rotation (computed only
+while the expander is open, and cached)."""
 
 from __future__ import annotations
 
 import numpy as np
 import streamlit as st
 
+from kvviz.app.layout import folded
 from kvviz.plots import figures
 
 from kvviz.plots import quant as figures_quant
@@ -15,11 +17,24 @@ from kvviz.spec import View
 MAX_HEATMAP_TOKENS = 512
 
 
+@st.cache_resource(max_entries=16, show_spinner=False)
+def _rotation(source_key: tuple, layer: int, kv_head: int, n: int, _trace) -> tuple:
+    """(rotation effect, the drawn keys, the same keys rotated) of one KV head's first n keys; the last
+    MAX_HEATMAP_TOKENS are drawn."""
+    k = np.asarray(_trace.k[layer, kv_head, :n], dtype=np.float64)
+    shown = k[max(0, n - MAX_HEATMAP_TOKENS):]
+    return rotation_effect(k), shown, rotate(shown)
+
+
 def key_rotation_expander(source, view: View) -> None:
     """The View's layer and KV head: keys as cached next to the same keys Hadamard-rotated, with how
-    outlying the largest channel is and what 2-bit per-token keys lose either way."""
+    outlying the largest channel is and what 2-bit per-token keys lose either way. Computed only while
+    the expander is open."""
     trace = source.trace
-    with st.expander("Keys before and after rotation (channel × token)", icon=":material/grid_on:"):
+    box = folded("Keys before and after rotation (channel × token)", key="_rotation_open", icon=":material/grid_on:")
+    with box:
+        if not box.open:
+            return
         if trace.k is None:
             st.info("This source has no keys (attention logits only), so there is nothing to rotate.")
             return
@@ -28,10 +43,8 @@ def key_rotation_expander(source, view: View) -> None:
         step = len(trace.evaluated_queries) - 1 if view.step is None else min(view.step, len(trace.evaluated_queries) - 1)
         n = int(trace.query_positions[trace.evaluated_queries[step]]) + 1
         start = max(0, n - MAX_HEATMAP_TOKENS)
-        k = np.asarray(trace.k[layer, kv_head, :n], dtype=np.float64)
-        effect = rotation_effect(k)
-        shown = k[start:]
-        fig = figures_quant.key_rotation_figure(shown, rotate(shown), trace.tokens[start:n],
+        effect, shown, rotated = _rotation(source.key, layer, kv_head, n, trace)
+        fig = figures_quant.key_rotation_figure(shown, rotated, trace.tokens[start:n],
                                                 title=f"Layer {layer}, KV head {kv_head}: keys, channel × token",
                                                 first_position=start)
         st.plotly_chart(fig, key="rotation_heatmap", config=figures.CHART_CONFIG)

@@ -1,4 +1,5 @@
-"""Every page's frame: the app-wide styles, the Presentation mode switch, the title, and the page registry."""
+"""Every page's frame: the app-wide styles, the Presentation mode switch, the title, the page registry, and
+the folded (lazy) expander the pages' extra sections use."""
 
 from __future__ import annotations
 
@@ -30,11 +31,19 @@ LAYOUT_CSS = """
 """
 
 
+def folded(label: str, key: str, icon: str | None = None):
+    """An expander whose content computes nothing while it is closed: Streamlit's state-tracking expander
+    (opening or closing it reruns the page; `.open` says which). The section checks `.open` first and
+    returns when it is False, so a folded ledger or heatmap costs a move nothing; what it computes
+    when open is cached, so the next move recomputes only what that move changed."""
+    return st.expander(label, key=key, icon=icon, on_change="rerun")
+
+
 def page_setup(title: str, intro: str) -> bool:
     """Every page's head: the app-wide layout styles, the Presentation mode switch (sidebar,
     in the URL), the title and its one-line intro (a smaller title and no intro when
     presenting). Returns whether presentation mode is on."""
-    warm_up()   # the bundled model starts loading in the background on the first page view
+    warm_up()   # the first page view of the process: the kernel, then the bundled model, in the background
     present = bool(w_check(st.sidebar, "present", "Presentation mode",
                            help="For a projector: larger text, the main chart first, the extras (tables, downloads, "
                                 "explanations) folded away. Kept in the link."))

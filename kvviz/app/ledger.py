@@ -1,17 +1,29 @@
-"""The budget ledger on the app: an expander with the notes, the chart and the per-head table."""
+"""The budget ledger on the app: an expander with the notes, the chart and the per-head table, computed
+only while it is open (and cached)."""
 
 from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
 
-from kvviz.analysis.ledger import budget_ledger
-from kvviz.spec import SpecError
+from kvviz.analysis.ledger import Ledger, budget_ledger
+from kvviz.app.compute import Source
+from kvviz.app.layout import folded
+from kvviz.spec import Spec, SpecError
 from kvviz.trace import Trace
 
 
-def ledger_expander(trace: Trace, spec, step: int | None = None) -> None:
-    with st.expander("Budget ledger: declared vs kept tokens and bytes, per layer and KV head"):
+@st.cache_resource(max_entries=16, show_spinner="Computing the budget ledger…")
+def _ledger(source_key: tuple, spec: Spec, step: int | None, _trace: Trace) -> Ledger:
+    return budget_ledger(_trace, spec, step)
+
+
+def ledger_expander(source: Source, spec: Spec, step: int | None = None) -> None:
+    trace = source.trace
+    box = folded("Budget ledger: declared vs kept tokens and bytes, per layer and KV head", key="_ledger_open")
+    with box:
+        if not box.open:
+            return
         st.caption("Where a compression ratio meets what is stored: the budget each cache was declared, what it "
                    "holds (sinks, window and heavy hitters are all inside the budget), and its bytes — quantized "
                    "payload, scale / zero-point overhead, tokens kept at 16 bits. Read-selection methods (Quest) "
@@ -21,7 +33,7 @@ def ledger_expander(trace: Trace, spec, step: int | None = None) -> None:
                                    help="Runs the policy in every layer, which takes a few seconds on a real trace."):
             return
         try:
-            ledger = budget_ledger(trace, spec, step)
+            ledger = _ledger(source.key, spec, step, trace)
         except SpecError as e:
             st.error(f"The ledger cannot be computed: {e}")
             return

@@ -6,6 +6,7 @@ import numpy as np
 import streamlit as st
 
 from kvviz.app.compute import Source, run_head_grid
+from kvviz.app.layout import folded
 from kvviz.app.store import state, w_choice
 from kvviz.engine import REASONS, Comparison
 from kvviz.plots import figures
@@ -28,7 +29,10 @@ def head_overview(source: Source, spec: Spec, view: View) -> None:
     t = source.trace
     if t.n_layers * t.n_q_heads <= 1:
         return
-    with st.expander("Layer × head overview: where does compression hurt most?"):
+    box = folded("Layer × head overview: where does compression hurt most?", key="_overview_open")
+    with box:
+        if not box.open:     # folded: compute nothing (every layer and head is the costly part)
+            return
         n = int(t.query_positions[t.evaluated_queries[-1 if view.step is None else view.step]]) + 1
         if t.n_layers * t.n_q_heads > OVERVIEW_MAX_CELLS or n > OVERVIEW_MAX_TOKENS:
             st.info(f"The overview covers up to {OVERVIEW_MAX_CELLS} layer × head cells and "

@@ -81,8 +81,10 @@ class Param:
                                   f"using {self.default}.")
         if self.kind == "list":
             items = [s for s in raw.split(",") if s.strip()]
-            known = [c for c in self.choices if str(c) in {s.strip() for s in items}]
-            bad = [s for s in items if s.strip() not in {str(c) for c in self.choices}]
+            by_text = {str(c): c for c in self.choices}
+            # in the link's order, as the widget had them (so the link reads back as it was written)
+            known = list(dict.fromkeys(by_text[s.strip()] for s in items if s.strip() in by_text))
+            bad = [s for s in items if s.strip() not in by_text]
             note = f"{label}: ignored {', '.join(bad)} (not one of {', '.join(map(str, self.choices))})." if bad else None
             return (tuple(known) if known else self.default), note
         try:

@@ -16,7 +16,7 @@ from kvviz.app.compression import compression_section
 from kvviz.app.compute import Source
 from kvviz.app.labels import SOURCE_LABELS
 from kvviz.app.params import ENSEMBLE_OPTIONS
-from kvviz.app.store import show_notices, state, w_choice, w_number, w_slider, w_step
+from kvviz.app.store import in_link, show_notices, state, w_choice, w_number, w_slider, w_step
 from kvviz.sources import handbook
 from kvviz.spec import Spec, SpecError, View
 from kvviz.trace import Trace, TraceError
@@ -218,7 +218,7 @@ def representative_head(source: Source) -> None:
         return
     ss["_typical_for"] = source.key
     store = state()
-    if "layer" in st.query_params or "head" in st.query_params or (store["layer"], store["head"]) != (0, 0):
+    if in_link("layer") or in_link("head") or (store["layer"], store["head"]) != (0, 0):
         return
     if source.trace.n_layers * source.trace.n_q_heads <= 1:
         return

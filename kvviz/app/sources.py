@@ -22,6 +22,7 @@ from pathlib import Path
 
 import streamlit as st
 
+from kvviz.app.compute import warm_up as compute_warm_up
 from kvviz.app.store import w_choice, w_number, w_slider
 from kvviz.models import BUNDLED, BUNDLED_NAME, ModelError, bundled_model_file
 from kvviz.sources.tracefile import FORMAT, VERSION, load_trace, save_trace, trace_from_bytes
@@ -152,9 +153,12 @@ def warmup_enabled() -> bool:
 
 
 def warm_up(name: str = BUNDLED) -> dict | None:
-    """Start loading the bundled model in a background thread (once per server), then
-    precompute the Model lab's default result if it is not on disk yet, so the first
-    click in a class rarely waits. Returns the load's status dict (f, msg, t0, done, error)."""
+    """Warm the quantization kernel and the first move's modules (kvviz.app.compute.warm_up), then load
+    the bundled model in a background thread (once per server) and precompute the Model lab's default
+    result if it is not on disk yet, so the first click in a class rarely waits. The model waits for
+    the kernel: on two cores its load would otherwise slow the first slider moves. Returns the load's
+    status dict (f, msg, t0, done, error)."""
+    kernel = compute_warm_up()
     if not warmup_enabled() or bundled_model_file() is None:
         return None
     store = _model_store()
@@ -171,6 +175,7 @@ def warm_up(name: str = BUNDLED) -> dict | None:
     def work() -> None:
         from kvviz.models import load_model
 
+        kernel.wait()
         try:
             loaded = load_model(name, progress=lambda f, m: status.update(f=f, msg=m))
             with store["lock"]:

@@ -1,15 +1,33 @@
 """The URL-backed settings store and the widgets that read and write it.
 
 Every control's value lives in one session-wide store (`state()`), read from the link on the
-session's first run and mirrored into `st.query_params` (non-default values only) by `sync_url`,
-so a link reproduces the view; a value in a link that is unknown, unparsable or out of range is
-clamped or ignored with a visible notice, never a crash. Widgets read the store before they
-render and write it back, so values survive page switches and widgets that are hidden for a
-while (the Advanced bits, a source's knobs).
+session's first run and written to the address bar (non-default values only) by `sync_url`, so a
+link reproduces the view; a value in a link that is unknown, unparsable or out of range is clamped
+or ignored with a visible notice, never a crash. Widgets read the store before they render and
+write it back, so values survive page switches and widgets that are hidden for a while (the
+Advanced bits, a source's knobs).
+
+When the link is written. Every settings widget hands its new value to the store in its on_change
+callback (`_take`), and buttons change the store in theirs; Streamlit runs callbacks before the
+script, so `sync_url()` as the run's first act (app.py, a fragment's first line) puts the new link
+in the address bar before any computing starts, and the run's last act writes it again (a page may
+clamp a value on the way). Written only at the end, as it was, the link lagged the screen by a whole
+run -- 3 s on a first move -- and a copied link held the view before.
+
+Why not Streamlit's own `bind="query-params"` (1.67): it writes a widget's *shown* value, so every
+link of ours would change meaning -- select boxes, radios and select sliders put their labels in the
+URL ("TOVA (last query)", not `scorer=tova`), checkboxes true/false (not `present=1`), multi-choices
+repeated parameters (not `methods=h2o,tova`) -- and old links would be dropped as invalid. It also
+resets an out-of-range value to the widget's default without a word (we clamp, with a notice, to a
+range that depends on the source), keeps a link's values only for the page it opens on (a page
+switch drops the others from the address bar), and refuses writes to a bound parameter (presets,
+the solver, a chart click set them). What is left for it to do here -- plain numbers on one page
+with a fixed range -- would make a second writer of the same address bar, so nothing binds.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +37,7 @@ from kvviz.app.params import PARAMS
 
 STORE = "_kvviz_state"
 NOTICES = "_kvviz_notices"
+LINKED = "_kvviz_linked"
 
 
 def state() -> dict:
@@ -40,7 +59,14 @@ def state() -> dict:
                 notes.append(note)
         ss[STORE] = store
         ss[NOTICES] = notes
+        ss[LINKED] = frozenset(name for name in st.query_params if name in PARAMS)
     return ss[STORE]
+
+
+def in_link(name: str) -> bool:
+    """Whether the link the session opened with set this setting (the address bar is rewritten since)."""
+    state()
+    return name in st.session_state[LINKED]
 
 
 def settings_dict() -> dict:
@@ -61,13 +87,28 @@ def show_notices() -> None:
         st.button("Dismiss", key="_dismiss_notices", on_click=lambda: st.session_state[NOTICES].clear())
 
 
+def link_params() -> dict[str, str]:
+    """The link's query parameters: every setting that differs from its default, encoded."""
+    return {name: PARAMS[name].encode(v) for name, v in state().items() if v != PARAMS[name].default}
+
+
 def sync_url() -> None:
-    """Mirror the store into st.query_params (non-default values only); no-op if unchanged."""
-    store = state()
-    wanted = {name: PARAMS[name].encode(v) for name, v in store.items() if v != PARAMS[name].default}
-    current = {k: st.query_params.get(k) for k in st.query_params}
-    if current != wanted:
-        st.query_params.from_dict(wanted)
+    """Write the store into the address bar (non-default values only).
+
+    Always sent, even when the server's copy of the query already matches: that copy is what the
+    browser sent with this run's request, and a message from an earlier, interrupted run may have
+    changed the address bar since; the browser ignores a query it already shows. The last run
+    therefore has the last word."""
+    st.query_params.from_dict(link_params())
+
+
+def _take(name: str, from_widget: Callable | None = None, scope=None) -> None:
+    """A settings widget's on_change: its new value into the store before the script runs (so the
+    run's first `sync_url` links to it). `scope`: what the raw value counts in (see `_bind`)."""
+    ss = st.session_state
+    if name not in ss or (scope is not None and ss.get(f"_scope_{name}") != scope):
+        return
+    state()[name] = from_widget(ss[name]) if from_widget else ss[name]
 
 
 def _bind(name: str, lo=None, hi=None, label: str = "", to_widget=None, from_widget=None, scope=None) -> None:
@@ -105,7 +146,7 @@ def w_slider(where, name: str, label: str, lo: int, hi: int, help: str | None = 
     if hi <= lo:  # a slider needs a range; a single possible value is shown as text
         where.caption(f"{label}: {lo}")
         return _after(name, lo)
-    return _after(name, where.slider(label, lo, hi, key=name, help=help))
+    return _after(name, where.slider(label, lo, hi, key=name, help=help, on_change=_take, args=(name,)))
 
 
 def w_budget(where, name: str, label: str, n: int, unit: str, help: str | None = None) -> int:
@@ -141,7 +182,7 @@ def w_budget(where, name: str, label: str, n: int, unit: str, help: str | None =
 def w_number(where, name: str, label: str, lo, hi, step=None, help: str | None = None, fmt: str | None = None,
              disabled: bool = False):
     _bind(name, lo, hi, label)
-    kwargs = dict(min_value=lo, max_value=hi, key=name, help=help, disabled=disabled)
+    kwargs = dict(min_value=lo, max_value=hi, key=name, help=help, disabled=disabled, on_change=_take, args=(name,))
     if step is not None:
         kwargs["step"] = step
     if fmt:
@@ -157,7 +198,8 @@ def w_choice(where, name: str, label: str, options: Sequence, widget: str = "sel
         state()[name] = options[0]
         st.session_state[name] = options[0]
     fn = {"selectbox": where.selectbox, "radio": where.radio, "select_slider": where.select_slider}[widget]
-    kwargs = dict(options=list(options), key=name, format_func=format_func, help=help, disabled=disabled)
+    kwargs = dict(options=list(options), key=name, format_func=format_func, help=help, disabled=disabled,
+                  on_change=_take, args=(name,))
     if widget == "radio":
         kwargs["horizontal"] = True
     return _after(name, fn(label, **kwargs))
@@ -165,22 +207,27 @@ def w_choice(where, name: str, label: str, options: Sequence, widget: str = "sel
 
 def w_check(where, name: str, label: str, help: str | None = None) -> bool:
     _bind(name)
-    return _after(name, where.checkbox(label, key=name, help=help))
+    return _after(name, where.checkbox(label, key=name, help=help, on_change=_take, args=(name,)))
 
 
 def w_pills(where, name: str, label: str, options: Sequence, format_func: Callable = str,
             help: str | None = None) -> tuple:
     """A multi-choice as pills: every option visible, nothing truncated to '1…' at 1024 px."""
     _bind(name, to_widget=list, from_widget=tuple)
-    chosen = where.pills(label, list(options), selection_mode="multi", key=name, format_func=format_func, help=help)
+    chosen = where.pills(label, list(options), selection_mode="multi", key=name, format_func=format_func, help=help,
+                         on_change=_take, args=(name, _as_tuple))
     return _after(name, tuple(chosen or ()), from_widget=tuple)
 
 
 def w_multi(where, name: str, label: str, options: Sequence, format_func: Callable = str,
             help: str | None = None) -> tuple:
     _bind(name, to_widget=list, from_widget=tuple)
-    return _after(name, where.multiselect(label, list(options), key=name, format_func=format_func, help=help),
-                  from_widget=tuple)
+    return _after(name, where.multiselect(label, list(options), key=name, format_func=format_func, help=help,
+                                          on_change=_take, args=(name, _as_tuple)), from_widget=tuple)
+
+
+def _as_tuple(value) -> tuple:
+    return tuple(value or ())
 
 
 def w_step(where, n_eval: int, scope) -> int:
@@ -190,10 +237,14 @@ def w_step(where, n_eval: int, scope) -> int:
     def to_w(v):
         return n_eval - 1 if v < 0 else min(v, n_eval - 1)
 
-    def from_w(v):
-        return -1 if v >= n_eval - 1 else int(v)
-
+    from_w = functools.partial(_step_from_widget, n_eval)
     _bind("step", to_widget=to_w, from_widget=from_w, scope=scope)
     return _after("step", where.number_input("Query step", 0, n_eval - 1, key="step", disabled=n_eval == 1,
+                                             on_change=_take, args=("step", from_w, scope),
                                              help="Which evaluated query (decode step) to show; the last by default."),
                   from_widget=from_w)
+
+
+def _step_from_widget(n_eval: int, v) -> int:
+    """The stored query step of a step widget's value: the last of n_eval steps is -1."""
+    return -1 if v >= n_eval - 1 else int(v)
