@@ -8,6 +8,7 @@ tests skip with the reason, unless KVVIZ_REQUIRE_BROWSER=1 (CI), where they fail
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -28,6 +29,7 @@ os.environ.setdefault("KVVIZ_LAB_DIR", tempfile.mkdtemp(prefix="kvviz-lab-test-"
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM = os.environ.get("KVVIZ_CHROMIUM", "/usr/bin/chromium")
+TIMEOUT = int(os.environ.get("KVVIZ_BROWSER_TIMEOUT_MS", "60000"))   # a busy 2-core machine needs it
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 
@@ -55,24 +57,25 @@ def chromium_path() -> str:
     return CHROMIUM
 
 
-@pytest.fixture(scope="session")
-def app_url(chromium_path) -> str:
-    """Start `streamlit run app.py` on a free port; yield its URL; stop it."""
+@contextlib.contextmanager
+def serve_app(log: Path, env: dict | None = None):
+    """`streamlit run app.py` on a free localhost port (headless, usage stats off): yield its URL once
+    healthy, stop it afterwards. Raises RuntimeError if it exits or is not healthy within 60 s."""
     port = _free_port()
     streamlit = shutil.which("streamlit", path=str(Path(sys.executable).parent)) or "streamlit"
     cmd = [streamlit, "run", str(ROOT / "app.py"), "--server.headless", "true", "--server.port", str(port),
            "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
            "--server.fileWatcherType", "none", "--server.runOnSave", "false"]
-    log = (ARTIFACTS / "streamlit-server.log")
-    ARTIFACTS.mkdir(exist_ok=True)
+    log.parent.mkdir(exist_ok=True)
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env=None if env is None else {**os.environ, **env})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 60
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"streamlit exited with {proc.returncode}; see {log}")
+                raise RuntimeError(f"streamlit exited with {proc.returncode}; see {log}")
             try:
                 with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
                     if r.status == 200:
@@ -80,7 +83,7 @@ def app_url(chromium_path) -> str:
             except OSError:
                 pass
             if time.time() > deadline:
-                pytest.fail(f"streamlit did not become healthy within 60 s; see {log}")
+                raise RuntimeError(f"streamlit did not become healthy within 60 s; see {log}")
             time.sleep(0.3)
         yield url
     finally:
@@ -90,6 +93,25 @@ def app_url(chromium_path) -> str:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="session")
+def app_url(chromium_path, browser) -> str:
+    """Start `streamlit run app.py` on a free port; yield its URL; stop it.
+
+    The server's first session opens the root page. Streamlit 1.67 treats the very first session of a
+    process as a legacy pages/-folder app until st.navigation has run once, so a first session that
+    opens /trade-offs directly shows a "Page not found" dialog over the right page (later sessions do
+    not); the tests must not depend on which of them runs first."""
+    try:
+        with serve_app(ARTIFACTS / "streamlit-server.log") as url:
+            first = browser.new_page()
+            first.goto(url)
+            first.locator('[data-testid="stMetric"]').first.wait_for(timeout=TIMEOUT)   # st.navigation has run
+            first.close()
+            yield url
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="session")
@@ -111,8 +133,8 @@ def browser(chromium_path):
 #   of every chart outside an expander (trace names, point counts, sums) -- what "the same view" means;
 # - __kvvizHeadline(): the part of the view only a script run can change (metrics, headings, charts, and
 #   the text of `window.__kvvizExtra`, a selector), sampled with the address bar's query once a frame
-#   while the page changes and right after every address change, so a test can ask what the address
-#   bar held when the page first showed a new view.
+#   while the page changes and right after every address change (with the time), so a test can ask
+#   what the address bar held when the page first showed a new view.
 PAGE_PROBE_JS = """
 window.__kvviz = {runs: 0, state: null, changed: performance.now(), samples: []};
 new MutationObserver(() => {
@@ -170,7 +192,7 @@ window.__kvvizHeadline = () => {
 
 const sample = () => {
   const k = window.__kvviz, h = window.__kvvizHeadline(), q = location.search, last = k.samples[k.samples.length - 1];
-  if (!last || last[0] !== h || last[1] !== q) k.samples.push([h, q]);
+  if (!last || last[0] !== h || last[1] !== q) k.samples.push([h, q, performance.now()]);
 };
 let pending = false;   // one sample a frame while the page changes, one right after each address change
 new MutationObserver(() => {
@@ -182,6 +204,33 @@ for (const name of ['pushState', 'replaceState']) {
 }
 setInterval(sample, 100);
 """
+
+
+def runs(page) -> int:
+    """How many script runs (full or fragment) this page has seen (PAGE_PROBE_JS)."""
+    return page.evaluate("window.__kvviz.runs")
+
+
+def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
+    """Wait until the app has run more than `after` times and is idle: its script-run state is
+    "notRunning", and neither it nor the page's results nor the address bar has changed for
+    `quiet_ms` (a callback's st.rerun or a page switch starts the next run within that), no element
+    is still loading (a skeleton) and every chart on screen is drawn. Not "a chart exists": a chart
+    from the previous run exists too."""
+    page.wait_for_function(
+        """([after, quiet]) => { const k = window.__kvviz, last = k.samples[k.samples.length - 1];
+                               return k.runs > after && k.state === 'notRunning'
+                               && performance.now() - Math.max(k.changed, last ? last[2] : 0) > quiet
+                               && !Array.from(document.querySelectorAll('[data-testid="stSkeleton"]'))
+                                        .some(c => c.offsetParent !== null)
+                               && Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]'))
+                                       .every(c => c.offsetParent === null || c.querySelector('.main-svg')); }""",
+        arg=[after, quiet_ms], timeout=TIMEOUT, polling=100)
+
+
+def view(page) -> dict:
+    """Every widget's value, metric, heading and chart digest on the page (PAGE_PROBE_JS)."""
+    return page.evaluate("window.__kvvizView()")
 
 
 def streamlit_probe(msg) -> bool:

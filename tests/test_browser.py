@@ -16,11 +16,11 @@ import pytest
 from kvviz import Spec, View, compare
 from kvviz.sources.handbook import handbook_trace
 from kvviz.app.cards import card_values
+from conftest import TIMEOUT, idle, runs, view
 
 pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
-TIMEOUT = int(os.environ.get("KVVIZ_BROWSER_TIMEOUT_MS", "60000"))   # a busy 2-core machine needs it
 
 
 def expect():
@@ -35,27 +35,6 @@ def metric(page, label):
 
 def slider_thumb(page, label):
     return page.locator('[data-testid="stSlider"]').filter(has_text=label).get_by_role("slider")
-
-
-def runs(page) -> int:
-    """How many script runs (full or fragment) this page has seen (conftest.PAGE_PROBE_JS)."""
-    return page.evaluate("window.__kvviz.runs")
-
-
-def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
-    """Wait until the app has run more than `after` times and is idle: its script-run state is
-    "notRunning" and has stayed so for `quiet_ms` (a callback's st.rerun or a page switch starts
-    the next run within that), no element is still loading (a skeleton) and every chart on screen is
-    drawn. Not "a chart exists": a chart
-    from the previous run exists too."""
-    page.wait_for_function(
-        """([after, quiet]) => window.__kvviz.runs > after && window.__kvviz.state === 'notRunning'
-                               && performance.now() - window.__kvviz.changed > quiet
-                               && !Array.from(document.querySelectorAll('[data-testid="stSkeleton"]'))
-                                        .some(c => c.offsetParent !== null)
-                               && Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]'))
-                                       .every(c => c.offsetParent === null || c.querySelector('.main-svg'))""",
-        arg=[after, quiet_ms], timeout=TIMEOUT, polling=100)
 
 
 def settle(page):
@@ -215,11 +194,6 @@ def test_address_bar_follows_a_single_interaction_on_every_page(page, app_url, n
 
 # --- a live link after every single interaction, on every page (issue 21) ---------------------------
 
-def view(page) -> dict:
-    """Every widget's value, metric, heading and chart digest on the page (conftest.PAGE_PROBE_JS)."""
-    return page.evaluate("window.__kvvizView()")
-
-
 class LiveLink:
     """Drives one page through single interactions. After each, once the app is idle: the address bar
     must have held the new link by the time the page first showed the new results (a link written at
@@ -241,11 +215,15 @@ class LiveLink:
         if self.extra:
             page.evaluate("(selector) => { window.__kvvizExtra = selector; }", self.extra)
 
-    def act(self, what: str, interaction) -> None:
+    def act(self, what: str, interaction, ready=None) -> None:
+        """One interaction; `ready(page)`: a locator that is visible once the view it leads to is drawn
+        (a page switch: the new page's results), waited for before the app counts as idle."""
         page, before = self.page, runs(self.page)
         first_sample = page.evaluate("window.__kvviz.samples.length")
         headline_before = page.evaluate("window.__kvvizHeadline()")
         interaction(page)
+        if ready is not None:
+            expect()(ready(page)).to_be_visible()
         idle(page, after=before)
         self.moves += 1
         where = f"move {self.moves} ({what})"
@@ -254,7 +232,7 @@ class LiveLink:
         assert page.evaluate("location.href") == link
         headline, samples = page.evaluate("[window.__kvvizHeadline(), window.__kvviz.samples]")
         if headline != headline_before:     # the results changed: when did the address bar follow?
-            seen = next(q for h, q in samples[first_sample:] if h == headline)
+            seen = next(q for h, q, _ in samples[first_sample:] if h == headline)
             assert seen == "?" * bool(query(link)) + urlparse(link).query, (
                 f"{where}: the page showed the new results while the address bar still held '{seen}' "
                 f"(it became '?{urlparse(link).query}' later)")
@@ -265,6 +243,9 @@ class LiveLink:
             self.mark(fresh)
             idle(fresh)
             again, reopened = view(fresh), fresh.url
+            if again != shown:   # for the record: both pages as they were
+                shot(page, f"link-move-{self.moves}-page")
+                shot(fresh, f"link-move-{self.moves}-from-link")
         finally:
             fresh.close()
             page.bring_to_front()
@@ -361,7 +342,8 @@ def test_tradeoffs_link_follows_every_single_interaction(page, app_url):
     live.act("allocation select box", select("Budget allocation", "PyramidKV (per layer, linear)"))
     plot = page.locator(".js-plotly-plot").filter(has_text="Error vs memory").first
     live.act("chart click: open a point in the Explorer",
-             lambda page: plot.locator(".scatterlayer .trace").nth(0).locator(".points path").first.click(force=True))
+             lambda page: plot.locator(".scatterlayer .trace").nth(0).locator(".points path").first.click(force=True),
+             ready=lambda page: metric(page, "Tokens kept"))
     expect()(page.get_by_role("heading", name=re.compile("KV-cache compression explorer"))).to_be_visible()
     no_console_errors(page)
 

@@ -6,11 +6,13 @@ May import: every other layer of kvviz; nothing imports it but app.py and pages/
 Modules, lowest first; each imports only modules listed above it:
   labels, params        what the controls are called; their URL names, defaults and ranges (no Streamlit)
   store                 the URL-backed settings store and the w_* widgets that read and write it
-  compute               Source (a trace with a cache identity); the core's calls through st.cache_*
+  compute               Source (a trace with a cache identity); the core's calls through st.cache_*;
+                        the background warm-up of the kernel
   cards, notes          metric cards and number formats; notes and warnings beside them
   compression, presets  the Compression section and the Spec it describes; one-click presets
   sources               the Real model and Trace file pickers, the shared model and its warm-up
   sidebar               Source, Compression and View in order: sidebar() -> Settings
-  layout                every page's head (styles, Presentation mode, title) and the page registry
+  layout                every page's head (styles, Presentation mode, title), the page registry and
+                        the folded expander (computes nothing while closed)
   overview, explorer, formats, ledger   the Explorer's sections
 """

@@ -1,0 +1,113 @@
+"""The Explorer in a real browser, as a lecturer meets it: the first paint, the first move, later moves,
+and whether the address bar's link reproduces the view after each move.
+
+Starts `streamlit run app.py` on a free port (as the browser tests do), opens it in headless Chromium
+(Debian's /usr/bin/chromium through Playwright), waits for the first paint, then makes 10 single
+keyboard moves of the sidebar sliders (the first: Quantization bits 16 -> 8, which needs the
+quantization kernel). A move's time runs from the key press until the app is idle again: its script
+run done and the page's metrics and charts no longer changing. After each move the address bar's
+link is opened in a new page, which must show the same widgets, metrics, headings and charts.
+
+    python benchmarks/browser.py          # KVVIZ_WARMUP=0 also skips the bundled model's background load
+
+Prints `first paint S s`, `first move S s`, `median move S s`, `first move / median move ratio R`
+(target R <= 2) and `URL reproduces the view after K of N moves`; exits 1 when R > 2 or K < N.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WARMUP = os.environ.get("KVVIZ_WARMUP", "1")          # the app's default; tests/conftest sets 0 on import
+sys.path.insert(0, str(ROOT / "tests"))
+try:   # the browser tests' server and page probe (tests/conftest.py needs pytest: requirements-dev.txt)
+    from conftest import (CHROMIUM, CHROMIUM_ARGS, PAGE_PROBE_JS, TIMEOUT, idle, runs,  # noqa: E402
+                          serve_app, view)
+    import playwright.sync_api  # noqa: E402, F401
+except ImportError as missing:
+    CHROMIUM = None
+    MISSING = f"{missing} (pip install -r requirements-dev.txt)"
+
+TARGET_RATIO = 2.0
+# (slider label, key) -- ten single moves through different settings, none of them cached yet
+MOVES = [("Quantization bits", "ArrowLeft"), ("Heavy-hitter budget", "ArrowRight"), ("Sink tokens", "ArrowRight"),
+         ("Recent window", "ArrowLeft"), ("Quantization bits", "ArrowLeft"), ("Heavy-hitter budget", "ArrowRight"),
+         ("Ensemble size", "ArrowLeft"), ("Sink tokens", "ArrowLeft"), ("Recent window", "ArrowRight"),
+         ("Quantization bits", "ArrowRight")]
+
+
+def slider(page, label: str):
+    return page.locator('[data-testid="stSlider"]').filter(
+        has=page.locator('[data-testid="stWidgetLabel"]', has_text=label)).get_by_role("slider")
+
+
+def settled_at(page, since: float) -> float:
+    """In-page time (ms) the app became idle after `since`: its run ended and the results stopped changing."""
+    return page.evaluate("""(since) => Math.max(window.__kvviz.changed,
+        ...window.__kvviz.samples.filter(s => s[2] >= since).map(s => s[2]))""", since)
+
+
+def reproduces(page) -> bool:
+    """Does the address bar's link, opened in a new page, show the same view?"""
+    shown, link = view(page), page.url
+    fresh = page.context.new_page()
+    fresh.set_default_timeout(TIMEOUT)
+    try:
+        fresh.goto(link)
+        idle(fresh)
+        again = view(fresh)
+    finally:
+        fresh.close()
+        page.bring_to_front()
+    if again != shown:
+        diff = {k: (shown.get(k), again.get(k)) for k in set(shown) | set(again) if shown.get(k) != again.get(k)}
+        print(f"  the link {link} opens another view: {diff}")
+    return again == shown
+
+
+def main() -> int:
+    if CHROMIUM is None or not Path(CHROMIUM).is_file():
+        print(f"browser benchmark not run: {MISSING if CHROMIUM is None else f'no Chromium at {CHROMIUM}'}")
+        return 0
+    from playwright.sync_api import sync_playwright
+
+    log = ROOT / "test-artifacts" / "benchmark-browser-server.log"
+    with serve_app(log, env={"KVVIZ_WARMUP": WARMUP}) as url, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        context = browser.new_context(viewport={"width": 1400, "height": 1600})
+        context.add_init_script(PAGE_PROBE_JS)
+        page = context.new_page()
+        page.set_default_timeout(TIMEOUT)
+        page.goto(url)
+        page.locator('[data-testid="stMetric"]').filter(has_text="Attention mass retained").first.wait_for()
+        first_paint = page.evaluate("""() => window.__kvviz.samples.find(
+            s => s[0].includes('metric: Attention mass retained='))[2]""") / 1000    # since navigation start
+        idle(page)
+        moves, linked = [], 0
+        for label, key in MOVES:
+            thumb = slider(page, label)
+            thumb.focus()
+            before, t0 = runs(page), page.evaluate("performance.now()")
+            thumb.press(key)
+            idle(page, after=before)
+            moves.append((settled_at(page, t0) - t0) / 1000)
+            linked += reproduces(page)
+        browser.close()
+    median = statistics.median(moves)
+    ratio = moves[0] / median
+    print(f"model warm-up in the background: {'off' if WARMUP == '0' else 'on'} (KVVIZ_WARMUP)")
+    print("moves: " + ", ".join(f"{m:.2f}" for m in moves) + " s")
+    print(f"first paint {first_paint:.2f} s")
+    print(f"first move {moves[0]:.2f} s")
+    print(f"median move {median:.2f} s")
+    print(f"first move / median move ratio {ratio:.2f} (target <= {TARGET_RATIO:g})")
+    print(f"URL reproduces the view after {linked} of {len(MOVES)} moves")
+    return 0 if ratio <= TARGET_RATIO and linked == len(MOVES) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
