@@ -493,3 +493,25 @@ def test_folded_sections_compute_nothing_until_opened_then_once(monkeypatch):
     assert calls["ledger"] == opened["ledger"] and calls["rotation"] == opened["rotation"]
     at.slider(key="heavy").set_value(10).run()                  # open and a budget move: the ledger follows
     assert calls["ledger"] == opened["ledger"] + 1 and calls["rotation"] == opened["rotation"]
+
+
+def test_warm_up_runs_once_in_the_background_and_not_at_import():
+    """Importing the app starts nothing; the first page view's warm_up() loads numba, the kernel and the
+    first move's modules in one background thread, once per process."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, threading
+import kvviz.app.compute as compute
+assert not compute._warmed and 'numba' not in sys.modules, 'warmed at import'
+assert not [t for t in threading.enumerate() if t.name == 'kvviz-warm-up']
+first = compute.warm_up()
+assert compute.warm_up() is first
+assert [t.name for t in threading.enumerate()].count('kvviz-warm-up') <= 1
+assert first.wait(300)
+assert 'numba' in sys.modules and 'kvviz.analysis.solve' in sys.modules and 'scipy.stats' in sys.modules
+print('ok')
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
