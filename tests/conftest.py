@@ -217,15 +217,26 @@ def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
     `quiet_ms` (a callback's st.rerun or a page switch starts the next run within that), no element
     is still loading (a skeleton) and every chart on screen is drawn. Not "a chart exists": a chart
     from the previous run exists too."""
-    page.wait_for_function(
-        """([after, quiet]) => { const k = window.__kvviz, last = k.samples[k.samples.length - 1];
-                               return k.runs > after && k.state === 'notRunning'
-                               && performance.now() - Math.max(k.changed, last ? last[2] : 0) > quiet
-                               && !Array.from(document.querySelectorAll('[data-testid="stSkeleton"]'))
-                                        .some(c => c.offsetParent !== null)
-                               && Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]'))
-                                       .every(c => c.offsetParent === null || c.querySelector('.main-svg')); }""",
-        arg=[after, quiet_ms], timeout=TIMEOUT, polling=100)
+    from playwright.sync_api import TimeoutError as WaitRanOut
+
+    try:
+        page.wait_for_function(
+            """([after, quiet]) => { const k = window.__kvviz, last = k.samples[k.samples.length - 1];
+                                   return k.runs > after && k.state === 'notRunning'
+                                   && performance.now() - Math.max(k.changed, last ? last[2] : 0) > quiet
+                                   && !Array.from(document.querySelectorAll('[data-testid="stSkeleton"]'))
+                                            .some(c => c.offsetParent !== null)
+                                   && Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]'))
+                                           .every(c => c.offsetParent === null || c.querySelector('.main-svg')); }""",
+            arg=[after, quiet_ms], timeout=TIMEOUT, polling=100)
+    except WaitRanOut as e:   # say what the app was doing, not only that the wait ran out
+        state = page.evaluate("""() => ({runs: window.__kvviz.runs, state: window.__kvviz.state,
+            sinceChange: performance.now() - window.__kvviz.changed, samples: window.__kvviz.samples.length,
+            sinceSample: performance.now() - (window.__kvviz.samples.at(-1) || [0, 0, 0])[2],
+            skeletons: Array.from(document.querySelectorAll('[data-testid="stSkeleton"]')).filter(c => c.offsetParent !== null).length,
+            undrawn: Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]')).filter(c => c.offsetParent !== null && !c.querySelector('.main-svg')).length,
+            url: location.href})""")
+        raise AssertionError(f"the app did not become idle after run {after}: {state}") from e
 
 
 def view(page) -> dict:
