@@ -496,7 +496,7 @@ def test_folded_sections_compute_nothing_until_opened_then_once(monkeypatch):
 
 
 def test_warm_up_runs_once_in_the_background_and_not_at_import():
-    """Importing the app starts nothing; the first page view's warm_up() loads numba, the kernel and the
+    """Importing the app starts nothing; warm_up() (every page's head, on the first page view) loads numba, the kernel and the
     first move's modules in one background thread, once per process."""
     import subprocess
     import sys
