@@ -4,6 +4,12 @@ The server starts on a free localhost port (headless, usage stats off) and is st
 afterwards. Chromium is Debian's /usr/bin/chromium driven by Playwright's sync API through
 `executable_path` (never `playwright install`). Without Chromium or Playwright the browser
 tests skip with the reason, unless KVVIZ_REQUIRE_BROWSER=1 (CI), where they fail instead.
+
+Also here (issue 25): the hypothesis profiles (`ci`: derandomized, a fixed example budget; `dev`:
+more examples; HYPOTHESIS_PROFILE picks one, dev by default, `.ci/run` sets ci); the pytest-xdist
+grouping (every browser test in one worker, so one app server and one Chromium a run); a shorter
+timeout for browser tests; and, when a browser test fails or times out, its page's screenshot and
+console saved under test-results/.
 """
 
 from __future__ import annotations
@@ -19,6 +25,19 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
+
+# Property tests are reproducible in CI: the same examples every run (derandomize, no example
+# database), so a bug that one random draw finds cannot pass the next run by chance. Locally the
+# `dev` profile draws more, random examples; a failing example it finds is kept in the test as
+# @example. The budget is set here, not per test, so the two profiles mean what they say.
+# too_slow is not a correctness check, and a shared 2-core machine trips it at random.
+hypothesis_settings.register_profile("ci", derandomize=True, database=None, max_examples=60, deadline=None,
+                                     print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+hypothesis_settings.register_profile("dev", max_examples=150, deadline=None, print_blob=True,
+                                     suppress_health_check=[HealthCheck.too_slow])
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 # no background model load in test app runs (tests that need the model load it themselves)
 os.environ.setdefault("KVVIZ_WARMUP", "0")
@@ -27,6 +46,8 @@ os.environ.setdefault("KVVIZ_LAB_DIR", tempfile.mkdtemp(prefix="kvviz-lab-test-"
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
+RESULTS = ROOT / "test-results"      # a failed or timed-out browser test's screenshot and console
+BROWSER_TIMEOUT = int(os.environ.get("KVVIZ_BROWSER_TEST_TIMEOUT", "300"))   # seconds a browser test may take
 CHROMIUM = os.environ.get("KVVIZ_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
@@ -110,9 +131,13 @@ def page(browser):
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     pg = context.new_page()
     errors: list[str] = []
+    console: list[str] = []     # every console message, saved to test-results/ if the test fails
     pg.on("console", lambda msg: errors.append(f"console.{msg.type}: {msg.text}") if msg.type == "error" else None)
+    pg.on("console", lambda msg: console.append(f"console.{msg.type}: {msg.text}"))
     pg.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
+    pg.on("pageerror", lambda exc: console.append(f"pageerror: {exc}"))
     pg.errors = errors
+    pg.console = console
     try:
         yield pg
     finally:
@@ -140,3 +165,47 @@ def tiny():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     return tiny_llama()
+
+
+# --- pytest-xdist, timeouts, and what a failed browser test leaves behind (issue 25) ---------------
+
+def pytest_collection_modifyitems(config, items):
+    """Every browser test joins one xdist group (with --dist loadgroup they run in one worker, which
+    starts one app server and one Chromium) and gets a timeout of BROWSER_TIMEOUT seconds."""
+    for item in items:
+        if item.get_closest_marker("browser") is not None:
+            item.add_marker(pytest.mark.xdist_group("browser"))
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(BROWSER_TIMEOUT))
+
+
+def _save_page(page, name: str) -> list[Path]:
+    """The page's screenshot and its console messages under test-results/; returns the files written."""
+    RESULTS.mkdir(exist_ok=True)
+    written = []
+    log = RESULTS / f"{name}.console.txt"
+    lines = [f"url: {getattr(page, 'url', '?')}", *getattr(page, "console", getattr(page, "errors", []))]
+    log.write_text("\n".join(lines) + "\n")
+    written.append(log)
+    try:
+        png = RESULTS / f"{name}.png"
+        page.screenshot(path=str(png), full_page=True, timeout=15_000)
+        written.append(png)
+    except Exception as e:  # a crashed or closed page: the console log is still worth having
+        log.write_text(log.read_text() + f"(no screenshot: {type(e).__name__}: {e})\n")
+    return written
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A browser test that fails or times out (pytest-timeout fails it) saves its page to test-results/."""
+    outcome = yield
+    report = outcome.get_result()
+    page = getattr(item, "funcargs", {}).get("page")
+    if report.failed and report.when in ("setup", "call") and page is not None:
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in item.nodeid)[-150:]
+        try:
+            files = _save_page(page, name)
+        except Exception as e:  # never turn a test failure into an internal error
+            files = [f"(could not save the page: {e})"]
+        report.sections.append(("browser page saved", "\n".join(str(f) for f in files)))

@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvviz import Spec, Trace, View, compare
@@ -42,7 +42,6 @@ def test_handbook_kl_is_minus_log_of_the_mass_kept():
     assert 0 < m["js"] < LN2
 
 
-@settings(max_examples=30, deadline=None)
 @given(sink=st.integers(0, 6), recent=st.integers(1, 30), heavy=st.integers(0, 40),
        scorer=st.sampled_from(["h2o", "tova", "snapkv", "streaming", "oracle", "knorm"]),
        bits=st.sampled_from([16, 8, 4, 2]), head=st.integers(0, 3))
