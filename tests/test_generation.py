@@ -6,7 +6,8 @@ entries gives the same logits as masking them (ours, and transformers' eager att
 with a 2-D mask with holes and explicit position_ids); the real-model run makes exactly
 the decisions the policies' own simulation makes on the same queries; the quantized
 cache is exactly kvviz.quant.quantize of what is kept; and on the bundled model the
-StreamingLLM and KIVI findings reproduce.
+StreamingLLM and KIVI findings reproduce. (Those two agreements run the same code on both
+sides; tests/test_decode_reference.py checks the decode against independent recomputations.)
 """
 
 from __future__ import annotations
@@ -99,16 +100,6 @@ def test_real_run_makes_the_policies_own_decisions(tiny, scorer, normalized):
     if scorer == "h2o":
         hist = cache.kept_history(0)
         assert (hist.sum(axis=2) == spec.budget).all()
-
-
-def test_oracle_keeps_the_top_of_the_full_attention(tiny):
-    model, ids = tiny
-    spec = Spec(sink=1, recent=3, heavy=4, scorer="oracle")
-    _, _, cache = decode(model, ids[:20], spec, 6, feed=ids[20:26], record=True)
-    assert all(k.shape == (2, 8) for k in cache.step_kept[0])
-    # evicted tokens can come back for the oracle (it re-selects every step)
-    hist = cache.kept_history(1)
-    assert hist.shape == (6, 2, 26)
 
 
 @pytest.mark.parametrize("axes", [("channel", "token"), ("token", "token")])
@@ -255,7 +246,8 @@ def test_bundled_side_by_side(bundled):
     assert tiny.full_ids == same.full_ids
     # the first token comes from the prefill, before compression: always the same
     assert tiny.compressed_ids[0] == tiny.full_ids[0]
-    assert tiny.first_divergence is not None and tiny.first_divergence >= 1
+    differ = [i for i, (a, b) in enumerate(zip(tiny.full_ids, tiny.compressed_ids)) if a != b]
+    assert differ and tiny.first_divergence == differ[0] >= 1
     assert tiny.full_text == "".join(tokenizer.decode([i]) for i in tiny.full_ids)
 
 
