@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from kvviz import Spec, compare
+from kvviz import Spec, View, compare
 from kvviz.cli import main
 from kvviz.sources import handbook_trace, save_trace
 
@@ -49,7 +49,13 @@ def test_compare_trace_file(capsys, tmp_path):
                        "--quant-model", "noise", "--noise-sigma", "0.1", "--ensemble-size", "5")
     data = json.loads(out)
     assert code == 0 and max(data["error_std_sample"]) > 0
-    assert data["metrics"]["output_cosine"] is not None
+    # the numbers are the engine's on the same trace (a file round trip changes nothing)
+    expected = compare(handbook_trace(), Spec(quant_model="noise", noise_sigma=0.1),
+                       View(ensemble="seeds", ensemble_size=5))
+    for key in ("output_cosine", "tv_distance", "mass_retained"):
+        assert data["metrics"][key] == pytest.approx(expected.metrics[key], rel=1e-12, abs=1e-15), key
+    np.testing.assert_allclose(data["error_std_sample"], expected.spread.std, rtol=1e-12, atol=1e-15)
+    assert 0 < data["metrics"]["output_cosine"] < 1                    # noise moved the output
 
 
 @pytest.mark.parametrize("argv, words", [
