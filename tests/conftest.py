@@ -182,8 +182,9 @@ def _is_core(item) -> bool:
     if item.get_closest_marker("browser") or item.get_closest_marker("model") or item.get_closest_marker("slow"):
         return False
     module = getattr(item, "module", None)
-    names = vars(module) if module is not None else {}
-    if "torch" in names or "AppTest" in names or "run_app" in names or "share_one_model_load" in names:
+    code = getattr(getattr(item, "function", None), "__code__", None)
+    names = set(vars(module) if module is not None else ()) | set(code.co_names if code is not None else ())
+    if names & {"torch", "AppTest", "run_app", "share_one_model_load", "load_shared"}:
         return False
     return not (MODEL_FIXTURES & set(getattr(item, "fixturenames", ())))
 
