@@ -7,7 +7,8 @@ tests skip with the reason, unless KVVIZ_REQUIRE_BROWSER=1 (CI), where they fail
 
 Also here (issue 25): the hypothesis profiles (`ci`: derandomized, a fixed example budget; `dev`:
 more examples; HYPOTHESIS_PROFILE picks one, dev by default, `.ci/run` sets ci); the pytest-xdist
-grouping (every browser test in one worker, so one app server and one Chromium a run); a shorter
+grouping (a module's tests stay in one worker where the module builds its own module-scoped
+fixtures; browser tests spread, each worker with its own server and Chromium); a shorter
 timeout for browser tests; and, when a browser test fails or times out, its page's screenshot and
 console saved under test-results/.
 """
@@ -189,13 +190,29 @@ def _is_core(item) -> bool:
     return not (MODEL_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
+def _module_fixture(item) -> bool:
+    """Whether the item uses a module-scoped fixture its own module defines (a model run, a grid, a
+    capture: built once per module only while the module's tests share one worker)."""
+    info = getattr(item, "_fixtureinfo", None)
+    path = str(getattr(item, "path", ""))
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        for d in defs:
+            if d.scope == "module" and str(getattr(d, "baseid", "")).split("::")[0] and \
+                    path.endswith(str(d.baseid).split("::")[0]):
+                return True
+    return False
+
+
 def pytest_collection_modifyitems(config, items):
-    """Every browser test joins one xdist group (with --dist loadgroup they run in one worker, which
-    starts one app server and one Chromium) and gets a timeout of BROWSER_TIMEOUT seconds; the core
-    tests get the `core` marker (`make test-fast` runs `-m core`)."""
+    """xdist groups: the tests of a module with its own module-scoped fixtures stay in one worker
+    (`--dist loadgroup`), so the fixture is built once; everything else, the browser tests too, is
+    spread over the workers (each worker starts its own app server on a free port and its own
+    Chromium). Browser tests get a timeout of BROWSER_TIMEOUT seconds; the core tests the `core`
+    marker (`make test-fast` runs `-m core`)."""
     for item in items:
+        if _module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
         if item.get_closest_marker("browser") is not None:
-            item.add_marker(pytest.mark.xdist_group("browser"))
             if item.get_closest_marker("timeout") is None:
                 item.add_marker(pytest.mark.timeout(BROWSER_TIMEOUT))
         elif _is_core(item):
