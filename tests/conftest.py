@@ -209,8 +209,9 @@ def pytest_collection_modifyitems(config, items):
     spread over the workers (each worker starts its own app server on a free port and its own
     Chromium). Browser tests get a timeout of BROWSER_TIMEOUT seconds; the core tests the `core`
     marker (`make test-fast` runs `-m core`)."""
+    xdist = config.pluginmanager.hasplugin("xdist")     # -p no:xdist: its marker is not registered
     for item in items:
-        if _module_fixture(item):
+        if xdist and _module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
         if item.get_closest_marker("browser") is not None:
             if item.get_closest_marker("timeout") is None:

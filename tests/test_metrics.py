@@ -68,9 +68,13 @@ def test_no_compression_gives_zero_divergence(trace):
 def test_quantization_alone_has_finite_divergences_that_fall_with_bits(trace):
     kls = []
     for bits in (2, 4, 8):
-        m = compare(trace, Spec(key_bits=bits, value_bits=bits, key_axis="token"), View(head=1)).metrics
-        assert math.isfinite(m["kl_forward"]) and m["kl"] > 0
-        kls.append(m["kl"])
+        row = compare(trace, Spec(key_bits=bits, value_bits=bits, key_axis="token"), View(head=1)).primary
+        m = row.metrics
+        kl, kl_forward, js = reference_divergences(row.original, row.compressed)   # nothing evicted: all finite
+        assert m.kl == pytest.approx(kl, rel=1e-7) and m.kl > 0
+        assert m.kl_forward == pytest.approx(kl_forward, rel=1e-7) and m.kl_forward > 0
+        assert m.js == pytest.approx(js, rel=1e-7)
+        kls.append(m.kl)
     assert kls[0] > kls[1] > kls[2]
 
 
