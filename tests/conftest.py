@@ -8,7 +8,7 @@ tests skip with the reason, unless KVVIZ_REQUIRE_BROWSER=1 (CI), where they fail
 Also here (issue 25): the hypothesis profiles (`ci`: derandomized, a fixed example budget; `dev`:
 more examples; HYPOTHESIS_PROFILE picks one, dev by default, `.ci/run` sets ci); the pytest-xdist
 grouping (a module's tests stay in one worker where the module builds its own module-scoped
-fixtures; browser tests spread, each worker with its own server and Chromium); a shorter
+fixtures; the browser tests share one worker, server and Chromium); a shorter
 timeout for browser tests; and, when a browser test fails or times out, its page's screenshot and
 console saved under test-results/.
 """
@@ -204,14 +204,17 @@ def _module_fixture(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """xdist groups: the tests of a module with its own module-scoped fixtures stay in one worker
-    (`--dist loadgroup`), so the fixture is built once; everything else, the browser tests too, is
-    spread over the workers (each worker starts its own app server on a free port and its own
-    Chromium). Browser tests get a timeout of BROWSER_TIMEOUT seconds; the core tests the `core`
-    marker (`make test-fast` runs `-m core`)."""
+    """xdist groups (`--dist loadgroup`): the tests of a module with its own module-scoped fixtures stay
+    in one worker, so the fixture is built once; the browser tests share one worker, one app server
+    and one Chromium (spread over both workers, two servers and two Chromiums on 2 cores were slower,
+    1174 s against 883 s, and the first page load of one passed the 60 s expect timeout). Each worker's
+    server would take its own free port (app_url). Browser tests get a timeout of BROWSER_TIMEOUT
+    seconds; the core tests the `core` marker (`make test-fast` runs `-m core`)."""
     xdist = config.pluginmanager.hasplugin("xdist")     # -p no:xdist: its marker is not registered
     for item in items:
-        if xdist and _module_fixture(item):
+        if xdist and item.get_closest_marker("browser") is not None:
+            item.add_marker(pytest.mark.xdist_group("browser"))
+        elif xdist and _module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
         if item.get_closest_marker("browser") is not None:
             if item.get_closest_marker("timeout") is None:

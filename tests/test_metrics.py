@@ -122,3 +122,20 @@ def test_t_interval_covers_the_true_mean_95_percent_of_the_time():
         s = spread(members)
         covered += s.ci_lo[0] <= 0.3 <= s.ci_hi[0]
     assert 0.94 <= covered / len(draws) <= 0.96
+
+
+def test_a_kept_token_whose_attention_underflows_to_zero_leaves_every_divergence_finite():
+    """Logit -1000 on a kept token: p = q = 0 there (exp underflows) while the logs, from the log-softmax
+    as the engine computes them, stay finite. The token weighs 0 in every sum, so kl, kl_forward and js
+    are the sums over the other tokens, finite (log (p + q) / 2 must not become 0 * inf = NaN)."""
+    from kvviz.attention import softmax_and_log
+    from kvviz.metrics import divergences
+
+    p, log_p = softmax_and_log(np.array([[0.0, -0.5, -0.9, -1000.0]]))
+    q, log_q = softmax_and_log(np.array([[0.0, -0.3, -1.2, -1000.0]]))
+    assert p[0, 3] == q[0, 3] == 0.0 and np.isfinite(log_p).all() and np.isfinite(log_q).all()
+    kl, kl_forward, js = divergences(p, log_p, q, log_q, np.array([1.0]), evicted=False)
+    want_kl, want_forward, want_js = reference_divergences(p[0, :3], q[0, :3])
+    assert kl[0] == pytest.approx(want_kl, rel=1e-12)
+    assert kl_forward[0] == pytest.approx(want_forward, rel=1e-12)
+    assert js[0] == pytest.approx(want_js, rel=1e-12) and np.isfinite(js[0])
