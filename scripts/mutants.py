@@ -4,7 +4,8 @@ mutmut (requirements-dev.txt; settings in pyproject.toml [tool.mutmut]) changes 
 function (an operator, a constant, an argument) and runs the fast tests that cover that function: a
 test that fails has killed the mutant; a mutant no test notices has survived. For each module this
 prints the mutants made, killed, survived, timed out and those no test reaches, the score
-killed / (made - equivalent), and the survivors that are not in EQUIVALENT. Property tests run with the
+killed / (made - equivalent) (a mutant no test reaches is not killed), and the survivors and
+unreached mutants that are not in EQUIVALENT. Property tests run with the
 derandomized `ci` hypothesis profile, so a run is reproducible. CPU-heavy: `make mutants` runs it
 niced, one module after another; the results stay in mutants/ (git-ignored) and a second run only
 retests what changed.
@@ -64,16 +65,16 @@ def report(path: str, status: dict[str, str], seconds: float | None = None) -> f
     mine = {k: v for k, v in status.items() if k.startswith(prefix)}
     count = lambda s: sum(v == s for v in mine.values())  # noqa: E731
     equivalent = [k for k in mine if k in EQUIVALENT]
-    survivors = [k for k, v in mine.items() if v == "survived" and k not in EQUIVALENT]
-    judged = len(mine) - len(equivalent) - count("no tests")
+    survivors = [k for k, v in mine.items() if v in ("survived", "no tests") and k not in EQUIVALENT]
+    judged = len(mine) - len(equivalent)          # a mutant no test reaches counts as not killed
     killed = count("killed") + count("timeout")
     score = killed / judged if judged else None
     took = f" in {seconds:.0f} s" if seconds is not None else ""
     print(f"{path}: {len(mine)} mutants{took}: {count('killed')} killed, {count('timeout')} timed out, "
-          f"{count('survived')} survived ({len(equivalent)} of them equivalent), {count('no tests')} reached by "
-          f"no test" + (f"; score {100 * score:.1f}% of the non-equivalent mutants killed" if score is not None else ""))
+          f"{count('survived')} survived, {count('no tests')} reached by no test ({len(equivalent)} of these "
+          f"equivalent)" + (f"; score {100 * score:.1f}% of the non-equivalent mutants killed" if score is not None else ""))
     for k in survivors:
-        print(f"    survived: {k}")
+        print(f"    {mine[k]}: {k}")
     for k in equivalent:
         print(f"    equivalent: {k} ({EQUIVALENT[k]})")
     for k, v in mine.items():

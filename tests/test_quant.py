@@ -226,3 +226,10 @@ def test_half_precision_cache_is_quantized_in_float32():
     got = quantize(x, 3, "channel", 8)
     assert got.dtype == np.float16
     np.testing.assert_array_equal(got, quantize(x.astype(np.float32), 3, "channel", 8).astype(np.float16))
+
+
+def test_kivi_residual_keeps_128_exact_and_leaves_one_group_to_quantize_on_a_short_cache():
+    from kvviz.quant import KIVI_GROUP, KIVI_RESIDUAL, kivi_residual
+
+    assert (KIVI_RESIDUAL, KIVI_GROUP) == (128, 32)
+    assert [kivi_residual(n) for n in (0, 20, 32, 33, 64, 159, 160, 161, 4096)] == [0, 0, 0, 1, 32, 127, 128, 128, 128]
