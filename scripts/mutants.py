@@ -33,6 +33,14 @@ EQUIVALENT: dict[str, str] = {
     "kvviz.metrics.x_divergences__mutmut_24": "einsum subscripts in capitals: the same contraction",
     "kvviz.metrics.x_divergences__mutmut_37": "np.log(mid, out=None): a new array instead of in place, same values",
     "kvviz.metrics.x_divergences__mutmut_39": "np.log(mid) without out=: a new array instead of in place, same values",
+    "kvviz.metrics.x_divergences__mutmut_63": "einsum subscripts in capitals: the same contraction",
+    "kvviz.metrics.x_divergences__mutmut_72": "einsum subscripts in capitals: the same contraction",
+    "kvviz.metrics.x_row_metrics_batch__mutmut_13": "`or` for `and`: the engine, its one caller, passes both "
+                                                    "outputs or neither",
+    "kvviz.metrics.x_row_metrics_batch__mutmut_28": "einsum subscripts in capitals: the same contraction",
+    "kvviz.metrics.x_row_metrics_batch__mutmut_38": "einsum subscripts in capitals: the same contraction",
+    "kvviz.metrics.x_row_metrics_batch__mutmut_48": "einsum subscripts in capitals: the same contraction",
+    "kvviz.metrics.x_row_metrics_batch__mutmut_57": "einsum subscripts in capitals: the same contraction",
     "kvviz.metrics.x_t_quantile__mutmut_3": "asarray(df, dtype=None): stdtrit and the df >= 1 test give the same "
                                             "for int or float df",
     "kvviz.metrics.x_t_quantile__mutmut_5": "asarray(df) without dtype: as above",

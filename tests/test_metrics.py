@@ -51,6 +51,9 @@ def test_divergences_match_their_definitions(trace, sink, recent, heavy, scorer,
     kl, kl_forward, js = reference_divergences(row.original, row.compressed)
     assert row.metrics.kl == pytest.approx(kl, rel=1e-7, abs=1e-12)
     assert row.metrics.js == pytest.approx(js, rel=1e-7, abs=1e-12)
+    tv = 0.5 * float(np.abs(row.compressed - row.original).sum())     # total variation: half the L1 distance
+    assert row.metrics.tv_distance == pytest.approx(tv, rel=1e-9, abs=1e-15)
+    assert row.metrics.max_abs_error == pytest.approx(float(np.abs(row.compressed - row.original).max()), abs=1e-15)
     assert 0 <= row.metrics.js <= LN2
     if math.isinf(kl_forward):
         assert row.metrics.kl_forward == math.inf
