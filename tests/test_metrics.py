@@ -142,3 +142,24 @@ def test_a_kept_token_whose_attention_underflows_to_zero_leaves_every_divergence
     assert kl[0] == pytest.approx(want_kl, rel=1e-12)
     assert kl_forward[0] == pytest.approx(want_forward, rel=1e-12)
     assert js[0] == pytest.approx(want_js, rel=1e-12) and np.isfinite(js[0])
+
+
+def test_output_error_and_cosine_follow_their_definitions():
+    """o = a V and o_hat = a_hat V (eviction alone): output_rel_error = ||o_hat - o|| / ||o||, output_cosine
+    = o . o_hat / (||o|| ||o_hat||), at two value scales (||o|| below and above 1); all-zero values give
+    o = 0: no error (0) and a cosine of 1 by convention."""
+    import dataclasses
+
+    t = handbook_trace()
+    spec = Spec(sink=4, recent=8, heavy=2)
+    for scale in (0.01, 10.0):
+        row = compare(dataclasses.replace(t, v=t.v * scale), spec).primary
+        V = (t.v[row.layer, row.kv_head] * scale).astype(np.float64)
+        o, o_hat = row.original @ V, row.compressed @ V
+        assert np.linalg.norm(o) < 1 if scale < 1 else np.linalg.norm(o) > 1
+        assert row.metrics.output_rel_error == pytest.approx(np.linalg.norm(o_hat - o) / np.linalg.norm(o), rel=1e-5)
+        assert row.metrics.output_cosine == pytest.approx(o @ o_hat / (np.linalg.norm(o) * np.linalg.norm(o_hat)),
+                                                          rel=1e-6)
+        assert 0 < row.metrics.output_rel_error and row.metrics.output_cosine < 1
+    m = compare(dataclasses.replace(t, v=np.zeros_like(t.v)), spec).metrics
+    assert (m["output_rel_error"], m["output_cosine"]) == (0.0, 1.0)
