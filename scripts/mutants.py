@@ -11,6 +11,8 @@ niced, one module after another; the results stay in mutants/ (git-ignored) and 
 retests what changed.
 
 Usage: python scripts/mutants.py [kvviz/module.py ...]   (no argument: the modules in MUTANTS below)
+       python scripts/mutants.py --report [kvviz/module.py ...]   (the stored results, nothing run)
+Rerun chosen mutants after adding a test: python -m mutmut run NAME ... (then --report).
 """
 
 from __future__ import annotations
@@ -92,6 +94,11 @@ def report(path: str, status: dict[str, str], seconds: float | None = None) -> f
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--report"]:              # the stored results only: run nothing
+        status = results()
+        for path in argv[1:] or MUTANTS:
+            report(path, status)
+        return 0
     paths = argv or MUTANTS
     scores = {}
     for path in paths:
