@@ -163,3 +163,15 @@ def test_output_error_and_cosine_follow_their_definitions():
         assert 0 < row.metrics.output_rel_error and row.metrics.output_cosine < 1
     m = compare(dataclasses.replace(t, v=np.zeros_like(t.v)), spec).metrics
     assert (m["output_rel_error"], m["output_cosine"]) == (0.0, 1.0)
+
+
+def test_tv_from_quantization_is_the_distance_from_eviction_alone(trace):
+    """tv_quantization = 0.5 sum |a_hat - a_evict|, a_evict = a / mass on the kept tokens (0 elsewhere):
+    positive with eviction and 3-bit K/V, exactly 0 without quantization."""
+    spec = Spec(sink=4, recent=8, heavy=8, key_bits=3, value_bits=3)
+    for head in (0, 3):
+        row = compare(trace, spec, View(head=head)).primary
+        evict = np.where(row.kept, row.original / row.original[row.kept].sum(), 0.0)
+        want = 0.5 * float(np.abs(row.compressed - evict).sum())
+        assert row.metrics.tv_quantization == pytest.approx(want, rel=1e-9) and want > 0
+    assert compare(trace, spec.with_(key_bits=16, value_bits=16)).primary.metrics.tv_quantization == 0.0
