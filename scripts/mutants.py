@@ -45,6 +45,8 @@ EQUIVALENT: dict[str, str] = {
     "kvviz.metrics.x_row_metrics_batch__mutmut_57": "einsum subscripts in capitals: the same contraction",
     "kvviz.metrics.x_row_metrics_batch__mutmut_74": "a / b > 0 for a * b > 0 on two norms: the same but for "
                                                     "||o|| > 0 with ||o_hat|| = 0, which a . V cannot give",
+    "kvviz.metrics.x_spread__mutmut_15": "<= for <: with every member present the NaN-aware path computes the "
+                                         "same mean, std and N as the plain one",
     "kvviz.metrics.x_t_quantile__mutmut_3": "asarray(df, dtype=None): stdtrit and the df >= 1 test give the same "
                                             "for int or float df",
     "kvviz.metrics.x_t_quantile__mutmut_5": "asarray(df) without dtype: as above",

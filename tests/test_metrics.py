@@ -175,3 +175,15 @@ def test_tv_from_quantization_is_the_distance_from_eviction_alone(trace):
         want = 0.5 * float(np.abs(row.compressed - evict).sum())
         assert row.metrics.tv_quantization == pytest.approx(want, rel=1e-9) and want > 0
     assert compare(trace, spec.with_(key_bits=16, value_bits=16)).primary.metrics.tv_quantization == 0.0
+
+
+def test_spread_of_members_that_do_not_all_see_every_token():
+    """NaN = a member that does not see the token: mean, sample std and N come from the members that do;
+    a token nobody sees is refused with the reason."""
+    errors = np.array([[1.0, np.nan, 3.0], [3.0, 5.0, np.nan], [2.0, 4.0, 6.0]])
+    s = spread(errors)
+    np.testing.assert_allclose(s.mean, [2.0, 4.5, 4.5])
+    np.testing.assert_allclose(s.std, [1.0, np.sqrt(0.5), np.sqrt(4.5)])
+    assert s.n.tolist() == [3, 2, 2]
+    with pytest.raises(ValueError, match="^every token needs at least one ensemble member that sees it$"):
+        spread(np.array([[1.0, np.nan], [2.0, np.nan]]))
