@@ -73,6 +73,23 @@ _SCORE_CACHE: OrderedDict = OrderedDict()  # (trace id, layer, scorer, key) -> (
 _SCORE_CACHE_SIZE = 32
 
 
+def cached_on_trace(trace: Trace, layer: int, name: str, key: tuple, compute):
+    """`compute()`, cached in the score cache per (trace, layer, name, key): scores, and statistics
+    a scorer derives from a layer of the trace alone (Expected Attention's query mean and covariance,
+    which every horizon reuses). The trace itself is held with the entry, so an id reused by a new
+    trace never hits."""
+    full_key = (id(trace), layer, name, key)
+    hit = _SCORE_CACHE.get(full_key)
+    if hit is not None and hit[0] is trace:
+        _SCORE_CACHE.move_to_end(full_key)
+        return hit[1]
+    value = compute()
+    _SCORE_CACHE[full_key] = (trace, value)
+    while len(_SCORE_CACHE) > _SCORE_CACHE_SIZE:
+        _SCORE_CACHE.popitem(last=False)
+    return value
+
+
 class Policy:
     """Base class: subclasses set `name` and implement `score` (and `update` if streaming)."""
 
@@ -129,17 +146,11 @@ class Policy:
     def scores_at_compression(self, ctx: ScoreContext) -> np.ndarray:
         """`score(ctx)`, cached per (trace, layer, scorer settings): a sweep over budgets
         and bits, or an app rerun, reuses H2O's pass over the whole context."""
-        key = (id(ctx.trace), ctx.layer, self.name, self.score_key(ctx.spec))
-        hit = _SCORE_CACHE.get(key)
-        if hit is not None and hit[0] is ctx.trace:
-            _SCORE_CACHE.move_to_end(key)
-            return hit[1]
-        scores = np.asarray(self.score(ctx), dtype=np.float64)
-        scores.flags.writeable = False
-        _SCORE_CACHE[key] = (ctx.trace, scores)
-        while len(_SCORE_CACHE) > _SCORE_CACHE_SIZE:
-            _SCORE_CACHE.popitem(last=False)
-        return scores
+        def compute():
+            scores = np.asarray(self.score(ctx), dtype=np.float64)
+            scores.flags.writeable = False
+            return scores
+        return cached_on_trace(ctx.trace, ctx.layer, self.name, self.score_key(ctx.spec), compute)
 
     def keep_masks(self, ctx: ScoreContext, positions: np.ndarray) -> np.ndarray:
         """Kept masks at the given evaluated query positions, shape (len, kv_heads, positions)."""
