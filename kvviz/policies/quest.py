@@ -22,14 +22,16 @@ def page_bounds(query: np.ndarray, keys: np.ndarray, page_size: int) -> np.ndarr
     """Upper bound of q . k per page: query (Hq, d), keys (Hkv, n, d) -> (Hq, n_pages)."""
     Hkv, n, d = keys.shape
     g = query.shape[0] // Hkv
-    n_pages = -(-n // page_size)
-    pad = n_pages * page_size - n
-    k = keys.astype(np.float64)
-    lo = np.pad(k, ((0, 0), (0, pad), (0, 0)), constant_values=np.inf).reshape(Hkv, n_pages, page_size, d).min(2)
-    hi = np.pad(k, ((0, 0), (0, pad), (0, 0)), constant_values=-np.inf).reshape(Hkv, n_pages, page_size, d).max(2)
-    lo, hi = np.repeat(lo, g, axis=0), np.repeat(hi, g, axis=0)            # (Hq, n_pages, d)
-    q = query.astype(np.float64)[:, None, :]
-    return np.maximum(q * lo, q * hi).sum(-1)
+    full = n - n % page_size
+    # min / max are exact in the keys' own precision: no float64 copy, no padded copy
+    pages = keys[:, :full].reshape(Hkv, -1, page_size, d)
+    lo, hi = pages.min(axis=2), pages.max(axis=2)                          # (Hkv, full pages, d)
+    if full < n:                                                           # the last, shorter page
+        lo = np.concatenate([lo, keys[:, full:].min(axis=1, keepdims=True)], axis=1)
+        hi = np.concatenate([hi, keys[:, full:].max(axis=1, keepdims=True)], axis=1)
+    lo, hi = lo.astype(np.float64)[:, None], hi.astype(np.float64)[:, None]   # (Hkv, 1, n_pages, d)
+    q = query.astype(np.float64).reshape(Hkv, g, 1, d)                     # broadcast over the group
+    return np.maximum(q * lo, q * hi).sum(-1).reshape(Hkv * g, -1)
 
 
 class Quest(Policy):
