@@ -23,7 +23,8 @@ class KeyDiff(Policy):
         c = ctx.n_context
         keys = ctx.trace.k[ctx.layer][:, :c].astype(np.float64)            # (kv_heads, c, d)
         norms = np.maximum(np.sqrt(np.einsum("hcd,hcd->hc", keys, keys)), 1e-12)   # (kv_heads, c)
-        anchor = (keys / norms[..., None]).mean(axis=1)                     # (kv_heads, d)
+        # anchor = mean_i k_i / ||k_i||: a BLAS product (1/||k||)^T K a head, no normalised copy of K
+        anchor = np.matmul((1.0 / norms)[:, None, :], keys)[:, 0] / c        # (kv_heads, d)
         dots = np.matmul(keys, anchor[..., None])[..., 0]                   # k_i . a, one BLAS product a head
         cos = dots / (norms * np.maximum(np.linalg.norm(anchor, axis=-1, keepdims=True), 1e-12))
         scores = np.full((ctx.trace.n_kv_heads, ctx.n_positions), -np.inf)
