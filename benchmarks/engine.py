@@ -57,9 +57,9 @@ def ratio_of(full_fn, bare_fn, seconds=2.0, min_pairs=3, max_pairs=500):
     return full, bare
 
 
-def bare_attention(trace, rows_by_head_chunks):
+def bare_attention(trace, rows_by_head_chunks, layer=LAYER):
     """q.K^T / sqrt(d), softmax, a.V for the given query indices, every head of the layer."""
-    q, k, v = trace.q[LAYER], trace.k[LAYER], trace.v[LAYER]
+    q, k, v = trace.q[layer], trace.k[layer], trace.v[layer]
     group = trace.group_size
     scale = np.float32(1 / np.sqrt(trace.head_dim))
     for rows, n_keys in rows_by_head_chunks:
