@@ -4,8 +4,8 @@ Trace: synthetic, 4 layers x 8 query heads (2 KV heads) x 4096 context tokens x 
 steps x head dim 64. Configuration: 4 sinks + 10% recent + 10% heavy, 4-bit K/V, all
 metrics, error bars over the 8 heads of one layer at the last step.
 
-Bare work, timed in the same run: numpy q.K^T, softmax and a.V over exactly the query
-rows the scorer reads — the whole context (h2o), the SnapKV window (snapkv, and chunkkv,
+Bare work, timed in the same run: numpy q.K^T, softmax and a.V (causal: in chunks of 512
+rows, over the keys some row of the chunk may see) over exactly the query rows the scorer reads — the whole context (h2o), the SnapKV window (snapkv, and chunkkv,
 whose default token scorer is SnapKV's votes), the last context query (tova) — plus the
 later queries a streaming scorer reads step by step, plus the evaluated rows every scorer
 needs. Ratios, not seconds, because the machine is shared.
@@ -67,12 +67,14 @@ def bare_attention(trace, rows_by_head_chunks, layer=LAYER):
             kv = h // group
             for start in range(0, len(rows), 512):
                 idx = rows[start:start + 512]
+                # causal: only the keys some row of the chunk may see (the query at p sees 0..p)
+                n = min(n_keys, int(trace.query_positions[idx].max()) + 1)
                 # q.K^T computed as (K.q^T)^T: the orientation BLAS runs fastest for few rows
-                logits = (k[kv, :n_keys] @ q[h, idx].T).T * scale
+                logits = (k[kv, :n] @ q[h, idx].T).T * scale
                 logits -= logits.max(axis=-1, keepdims=True)
                 a = np.exp(logits)
                 a /= a.sum(axis=-1, keepdims=True)
-                a @ v[kv, :n_keys]
+                a @ v[kv, :n]
 
 
 def rows_needed(trace, scorer, window=64, inner="snapkv"):

@@ -57,11 +57,13 @@ class ScoreContext:
         qp = self.trace.query_positions[self.history_rows]
         return len(qp) - np.searchsorted(qp, np.arange(self.n_positions), side="left")
 
-    def context_attention(self, rows: np.ndarray | None = None, heads: np.ndarray | None = None):
-        """Chunks of (rows, attention (heads, rows, n_context)) of context queries."""
+    def context_attention(self, rows: np.ndarray | None = None, heads: np.ndarray | None = None,
+                          trim: bool = False):
+        """Chunks of (rows, attention (heads, rows, n_context)) of context queries; trim=True: over
+        the keys the chunk's rows may see only (heads, rows, m <= n_context), see context_rows."""
         rows = self.history_rows if rows is None else rows
         heads = np.arange(self.trace.n_q_heads) if heads is None else heads
-        return context_rows(self.trace, self.layer, heads, rows, self.n_context)
+        return context_rows(self.trace, self.layer, heads, rows, self.n_context, trim=trim)
 
     def per_kv_head(self, per_q_head: np.ndarray) -> np.ndarray:
         """Sum a (q_heads, n) array within each GQA group -> (kv_heads, n)."""
