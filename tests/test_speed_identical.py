@@ -150,3 +150,47 @@ if __name__ == "__main__" and "--record" in sys.argv:
     recorded = compute_all()
     np.savez_compressed(REFERENCE, **recorded)
     print(f"recorded {len(recorded)} kept-mask sets to {REFERENCE} ({REFERENCE.stat().st_size} bytes)")
+
+
+def expected_attention_float64(trace: Trace, layer: int, horizon: int) -> np.ndarray:
+    """The published rule written out plainly in float64 (the pre-#22 code's arithmetic): (kv_heads, c)."""
+    from kvviz.policies.expected_attention import mean_rotation, rope_inv_freq, rotate
+    c, d, g = trace.context_len, trace.head_dim, trace.group_size
+    rows = trace.context_queries[4:]
+    q = trace.q[layer][:, rows].astype(np.float64)
+    inv_freq = rope_inv_freq(trace)
+    if inv_freq is not None:
+        q = rotate(q, -trace.query_positions[rows], inv_freq)
+    mu = q.mean(axis=1)
+    cov = np.einsum("hni,hnj->hij", q - mu[:, None], q - mu[:, None]) / q.shape[1]
+    if inv_freq is not None:
+        R = mean_rotation(c, horizon, inv_freq)
+        mu, cov = mu @ R.T, R @ cov @ R.T
+    out = np.zeros((trace.n_kv_heads, c))
+    for h in range(trace.n_q_heads):
+        K = trace.k[layer, h // g, 4:c].astype(np.float64)
+        z = K @ mu[h] / np.sqrt(d) + ((K @ cov[h]) * K).sum(-1) / d / 2
+        a = np.exp(z - z.max())
+        out[h // g, 4:] += a / a.sum() / g
+    out[:, 4:] *= np.linalg.norm(trace.v[layer, :, 4:c].astype(np.float64), axis=-1)
+    out[:, :4] = out[:, 4:].max() + 1.0
+    return out
+
+
+@pytest.mark.parametrize("which", ["synthetic", "rope"])
+def test_expected_attention_float32_products_keep_the_float64_ranking(which):
+    """Expected Attention's d x d products run in float32 (on centred keys): its scores stay within
+    2e-6 of the float64 rule and its kept sets are the float64 ones at every budget tried, on a
+    1k-token GQA trace with outlier key channels and on a RoPE trace."""
+    from kvviz.policies import POLICIES, ScoreContext
+    from kvviz.policies.base import select
+    trace = (make_synthetic(SyntheticSpec(context=1024, steps=2, layers=1, q_heads=8, kv_heads=2, head_dim=64, seed=3))
+             if which == "synthetic" else rope_trace(c=1024, D=64, L=1))
+    c = trace.context_len
+    _SCORE_CACHE.clear()
+    got = POLICIES["expected_attention"].score(ScoreContext(trace, 0, Spec(scorer="expected_attention")))[:, :c]
+    ref = expected_attention_float64(trace, 0, 512)
+    np.testing.assert_allclose(got, ref, rtol=2e-6, atol=0)
+    for fraction in (0.02, 0.05, 0.1, 0.2, 0.3, 0.5):
+        spec = Spec(sink=4, recent=c // 10, heavy=int(c * fraction))
+        assert np.array_equal(select(got, spec), select(ref, spec)), fraction
