@@ -177,8 +177,9 @@ class Policy:
                 for i, p in enumerate(positions):
                     out[i, :, : p + 1] = select_heads(scores[:, : p + 1], spec, heavy)
                 return out
+            shared = scores.strides[0] == 0 and Hkv > 1    # one decision for every head: take it once
             for i, p in enumerate(positions):
-                out[i, :, : p + 1] = select(scores[:, : p + 1], spec)
+                out[i, :, : p + 1] = select(scores[:1 if shared else Hkv, : p + 1], spec)
             return out
         if spec.allocation == "adakv":
             from kvviz.spec import SpecError
