@@ -20,7 +20,7 @@ do not rotate: the statistics are used as they are and the horizon has no effect
 
 import numpy as np
 
-from kvviz.policies.base import Policy, ScoreContext
+from kvviz.policies.base import Policy, ScoreContext, cached_on_trace
 
 EA_SINK = 4   # kvpress ExpectedAttentionPress n_sink
 
@@ -102,7 +102,6 @@ def query_statistics(trace, layer: int, rows: np.ndarray) -> tuple[np.ndarray, n
     """Mean (Hq, d) and covariance / N (Hq, d, d) of the context queries `rows` before RoPE, leaving
     out the first EA_SINK; float64. They depend on the trace and layer alone (the horizon only
     rotates them), so they are cached there: a second horizon, or the other switch, reuses them."""
-    from .base import cached_on_trace
 
     def compute():
         r = rows[EA_SINK:] if len(rows) > EA_SINK + 1 else rows
