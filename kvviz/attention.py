@@ -127,12 +127,18 @@ def logit_row(trace: Trace, layer: int, head: int, qi: int) -> np.ndarray:
 
 
 def context_rows(trace: Trace, layer: int, heads: np.ndarray, rows: np.ndarray,
-                 n_keys: int, chunk: int = 512) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                 n_keys: int, chunk: int = 512, trim: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Causal attention of context queries `rows` (indices into query_positions) over keys 0..n_keys-1.
 
     Yields (row_indices, attention) chunks, attention of shape (len(heads), chunk, n_keys),
     float32, zero where a query may not look (future keys). Used by the history-based
     scorers; chunked so a long context never materialises all rows at once.
+
+    trim=True leaves out the keys no query of the chunk may see: the attention then covers
+    keys 0..m-1 only, m = min(n_keys, the chunk's last position + 1) — the causal triangle,
+    half the work over a whole context. The values are the same, bit for bit: the same
+    products, and the row max and sum run over the keys in order, so the trailing zeros
+    left out added nothing.
     """
     q_all = trace.q[layer][heads]                                   # (H, Nq, D)
     kv = trace.kv_head(np.asarray(heads))
@@ -141,14 +147,17 @@ def context_rows(trace: Trace, layer: int, heads: np.ndarray, rows: np.ndarray,
     key_pos = np.arange(n_keys)
     for start in range(0, len(rows), chunk):
         idx = rows[start:start + chunk]
+        positions = trace.query_positions[idx]
+        m = min(n_keys, int(positions.max()) + 1) if trim and len(idx) else n_keys
         if trace.logits is not None:
-            logits = trace.logits[layer][heads][:, idx, :n_keys].astype(np.float32)
+            logits = trace.logits[layer][heads][:, idx, :m].astype(np.float32)
         else:
             q_t = np.swapaxes(q_all[:, idx].astype(np.float32, copy=False), 1, 2)   # (H, D, c)
-            logits = np.swapaxes(np.matmul(k, q_t), 1, 2)   # (H, c, n_keys); K.q^T is faster in BLAS
+            logits = np.swapaxes(np.matmul(k[:, :m], q_t), 1, 2)   # (H, c, m); K.q^T is faster in BLAS
             logits *= scale
-        future = key_pos[None, :] > trace.query_positions[idx][:, None]             # (c, n_keys)
-        np.copyto(logits, -np.inf, where=future[None])
+        first = min(m, int(positions.min()) + 1) if len(idx) else m   # keys before it: seen by every row
+        future = key_pos[None, first:m] > positions[:, None]                          # (c, m - first)
+        np.copyto(logits[..., first:], -np.inf, where=future[None])
         logits -= logits.max(axis=-1, keepdims=True)
         np.exp(logits, out=logits)
         logits /= logits.sum(axis=-1, keepdims=True)

@@ -276,8 +276,8 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     elif spec.quantizes_keys:
         # q . K_hat = q . K + q . (K_hat - K): exact logits wherever keys did not change
         q = trace.q[layer, heads, qi] / np.float32(np.sqrt(trace.head_dim))  # (H, D), the trace's dtype
-        for g, rows in runs:
-            kept_logits[rows] += q[rows] @ quantized[g][0].T
+        for g, rows in runs:   # (K_hat - K).q^T: for a few query rows BLAS is ~2x faster this way round
+            kept_logits[rows] += (quantized[g][0] @ q[rows].T).T
     p_kept, logp_kept = softmax_and_log(kept_logits)                     # over the kept tokens only
     compressed = np.zeros_like(original)
     compressed.ravel()[flat] = p_kept.ravel()
