@@ -10,12 +10,14 @@ The app (kvviz.app) keeps its controls in it and the command line reads links wi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from kvviz.sources import handbook
-from kvviz.spec import FORMATS, FP8_SCALES, FULL_BITS, RESIDUAL_MODES, ROTATIONS, SCORERS, Spec, View
+from kvviz.spec import FORMATS, FP8_SCALES, FULL_BITS, RESIDUAL_MODES, ROTATIONS, SCORERS, Spec, SpecError, View
+from kvviz.trace import Trace
 
 SOURCE_NAMES = ("handbook", "synthetic", "real", "file")   # kvviz.app.labels.SOURCE_LABELS names them
 BITS_OPTIONS = (1, 2, 3, 4, 5, 6, 7, 8, FULL_BITS)
@@ -244,7 +246,6 @@ def parse_query(link: str) -> tuple[dict, list[str]]:
 
 def encode_query(values: dict) -> str:
     """The query string the app writes for these values: the settings that differ from their defaults."""
-    from urllib.parse import urlencode
     return urlencode({name: PARAMS[name].encode(v) for name, v in values.items()
                       if name in PARAMS and v != PARAMS[name].default})
 
@@ -285,3 +286,41 @@ def view_from_values(v: dict) -> View:
     step = int(v["step"])
     return View(layer=int(v["layer"]), head=int(v["head"]), step=None if step < 0 else step,
                 ensemble=resolve_ensemble(v["ensemble"], v["source"]), ensemble_size=int(v["ens_size"]))
+
+
+# --- the source a link names ---------------------------------------------------------------------
+
+HANDBOOK_QUANT_NOTE = "real K/V quantization of keys realised from the handbook's logits (exact at 16 bits)"
+
+
+@dataclass(frozen=True, eq=False)
+class LinkedSource:
+    """The attention source of a link: its trace, the traces of other random seeds, and its names."""
+
+    name: str                                       # one of SOURCE_NAMES
+    trace: Trace
+    label: str                                      # as the app's caption names it
+    trace_for_seed: Callable[[int], Trace] | None = None
+    quant_note: str = "real K/V quantization of the cached keys and values"
+
+
+def source_from_values(v: dict, trace: Trace | None = None) -> LinkedSource:
+    """The handbook or synthetic source a link describes; a real model's or a file's trace must be given
+    (a link names only how it was captured). SpecError if the link's knobs cannot build it."""
+    from kvviz.sources import make_synthetic
+
+    name = v["source"]
+    if name == "handbook":
+        return LinkedSource(name, handbook.handbook_trace(), "handbook example",
+                            lambda r: handbook.handbook_trace(seed=r), HANDBOOK_QUANT_NOTE)
+    if name == "synthetic":
+        syn = synthetic_from_values(v)
+        return LinkedSource(name, make_synthetic(syn), f"synthetic pattern ({syn.context} tokens)",
+                            lambda r: make_synthetic(syn.with_(seed=syn.seed + r)))
+    if trace is None:
+        raise SpecError(f"the link's source is {'a real model' if name == 'real' else 'a trace file'}, whose trace "
+                        "is not in the link: give the trace file")
+    m = trace.meta
+    label = (f"{m['model']}: {m.get('prompt_tokens', trace.context_len)} prompt tokens + {m.get('new_tokens', 0)} "
+             "generated" if m.get("model") else f"trace ({trace.n_positions} tokens)")
+    return LinkedSource(name, trace, label)

@@ -12,5 +12,5 @@ Modules, lowest first; each imports only modules listed above it:
   sources               the Real model and Trace file pickers, the shared model and its warm-up
   sidebar               Source, Compression and View in order: sidebar() -> Settings
   layout                every page's head (styles, Presentation mode, title) and the page registry
-  overview, explorer, formats, ledger   the Explorer's sections
+  overview, explorer, formats, ledger, lesson   the Explorer's sections (lesson: export the view as a page)
 """
