@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from kvviz.analysis.frames import BIN_THRESHOLD, binned_frame, ensemble_text, row_text, token_frame, with_band
+from kvviz.analysis.frames import BIN_THRESHOLD, band_bounds, binned_columns, ensemble_text, row_text, token_columns
 from kvviz.engine import REASONS, compare
 from kvviz.spec import FULL_BITS, Spec, SpecError, View
 from kvviz.trace import Trace
@@ -186,10 +186,11 @@ def compute_lesson(trace: Trace, base: Spec, view: View, grid: dict[str, tuple[i
     for i, spec in enumerate(specs):
         comp = compare(trace, spec, view, trace_for_seed=trace_for_seed)
         binned = len(comp.tokens) > BIN_THRESHOLD
-        frame = with_band(binned_frame(comp) if binned else token_frame(comp), bars)
+        frame = binned_columns(comp) if binned else token_columns(comp)     # the Explorer's frames, as arrays
+        frame["band_lo"], frame["band_hi"] = band_bounds(frame, bars)
         columns = BIN_COLUMNS if binned else TOKEN_COLUMNS
-        row = np.ascontiguousarray(np.stack([frame[c].to_numpy(dtype=np.float64) for c in columns]))
-        mark = (frame["kept_tokens"].to_numpy(dtype=np.int32) if binned
+        row = np.ascontiguousarray(np.stack([np.asarray(frame[c], dtype=np.float64) for c in columns]))
+        mark = (np.asarray(frame["kept_tokens"], dtype=np.int32) if binned
                 else np.asarray(comp.primary.reason, dtype=np.uint8))
         row_of.append(rows.setdefault(row.tobytes(), len(rows)))
         if row_of[-1] == len(row_data):
@@ -204,13 +205,13 @@ def compute_lesson(trace: Trace, base: Spec, view: View, grid: dict[str, tuple[i
             progress((i + 1) / len(specs), f"grid point {i + 1} of {len(specs)}")
     comp, frame, binned, columns = first
     if binned:
-        x, x_end = frame["start"].to_numpy(), frame["end"].to_numpy()
+        x, x_end = np.asarray(frame["start"]), np.asarray(frame["end"])
         labels = tuple(f"{a} … {b}" for a, b in zip(frame["first_token"], frame["last_token"]))
     else:
-        x = x_end = frame["position"].to_numpy()
+        x = x_end = np.asarray(frame["position"])
         labels = tuple(map(str, comp.tokens))
     return Lesson(grid=grid, start=start, binned=binned, columns=columns, x=x, x_end=x_end, labels=labels,
-                  original=frame["original"].to_numpy(dtype=np.float64), rows=np.stack(row_data),
+                  original=np.asarray(frame["original"], dtype=np.float64), rows=np.stack(row_data),
                   row_of=np.asarray(row_of, dtype=np.uint32), marks=np.stack(mark_data),
                   mark_of=np.asarray(mark_of, dtype=np.uint32), metrics=tuple(metrics), specs=tuple(specs),
                   members=len(comp.members), bars=bars, row=row_text(comp), ensemble=ensemble_text(comp),

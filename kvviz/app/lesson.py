@@ -11,6 +11,7 @@ from dataclasses import asdict
 
 import streamlit as st
 
+from kvviz.analysis.readout import fmt_bytes
 from kvviz.app.compute import Source
 from kvviz.app.store import settings_dict
 from kvviz.links import LinkedSource
@@ -60,7 +61,7 @@ def lesson_export(source: Source, spec: Spec, view: View, bars: str, file_stem: 
         built = st.session_state.get(KEY)
         if built is not None and built[0] == wanted:
             data, points = built[1], built[2]
-            st.download_button(f"Download the lesson ({len(data) / 1e6:.1f} MB, {points:,} settings)", data=data,
+            st.download_button(f"Download the lesson ({fmt_bytes(len(data))}, {points:,} settings)", data=data,
                                file_name=f"{file_stem}-lesson.html", mime="text/html", on_click="ignore",
                                icon=":material/download:", key="_lesson_download")
         elif built is not None:
