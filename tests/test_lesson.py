@@ -179,6 +179,10 @@ def test_the_page_holds_the_lesson_exactly(handbook_page):
         assert shown == point_texts(lesson, i)
     i = lesson.index(sink=0, recent=8, heavy=2, bits=2)
     assert strings[arrays["text_of"][i, FIELDS.index("warnings")]].startswith("The keys are not quantized: the 10 kept")
+    start = lesson.index(sink=4, recent=8, heavy=2, bits=4)
+    first = lesson.frame(start)
+    assert meta["first"]["marks"] == first.pop("reason").tolist() and meta["first"]["text"] == point_texts(lesson, start)
+    assert meta["first"]["columns"] == {k: v.tolist() for k, v in first.items()}
     assert meta["link"]["query"] == {} and meta["link"]["defaults"] == {"sink": 4, "recent": 8, "heavy": 2, "bits": 16}
 
 

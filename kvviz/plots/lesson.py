@@ -88,6 +88,15 @@ def unpack(manifest: dict, text: str) -> dict:
     return out
 
 
+def _opening(lesson: Lesson, texts: list[dict]) -> dict:
+    """The point the page opens at, as JSON (NaN as null): drawn before the grid is unpacked."""
+    i = lesson.index(**lesson.start)
+    frame = lesson.frame(i)
+    marks = frame.pop("kept_tokens" if lesson.binned else "reason")
+    return {"columns": {k: [None if math.isnan(x) else x for x in v.tolist()] for k, v in frame.items()},
+            "marks": marks.tolist(), "text": texts[i]}
+
+
 def _json_for_script(obj) -> str:
     """JSON that cannot end its <script> block or open a comment in it (<, >, & escaped)."""
     text = json.dumps(obj, ensure_ascii=False, allow_nan=False)
@@ -122,7 +131,7 @@ def lesson_html(lesson: Lesson, *, title: str, source: str, quant_note: str, fix
         "x": lesson.x.tolist(), "x_end": lesson.x_end.tolist(), "labels": list(lesson.labels),
         "text_tokens": lesson.text_tokens, "original": lesson.original.tolist(),
         "reasons": {str(k): v for k, v in lesson.reasons.items()},
-        "fields": list(FIELDS), "blob": manifest,
+        "fields": list(FIELDS), "blob": manifest, "first": _opening(lesson, texts),
         "fixed": fixed, "quant": quant_note,
         "link": {"base": link_base, "query": link_query, "defaults": link_defaults, "note": link_note},
     }

@@ -74,12 +74,25 @@
     return data.rows.subarray((row * K + k) * C, (row * K + k + 1) * C);
   }
   function current() {
-    var i = pointIndex(), row = data.row_of[i], out = {index: i};
+    var i = pointIndex();
+    if (!data) return opening(i);
+    var row = data.row_of[i], out = {index: i};
     meta.columns.forEach(function (name) { out[name] = column(row, name); });
     var m = data.mark_of[i];
     out[meta.binned ? "kept_tokens" : "reason"] = data.marks.subarray(m * C, (m + 1) * C);
     out.text = {};
     meta.fields.forEach(function (f, j) { out.text[f] = data.strings[data.text_of[i * meta.fields.length + j]]; });
+    return out;
+  }
+
+  function opening(i) {
+    // The point the page opens at travels in the JSON too (null = NaN), so the first chart is drawn
+    // before the grid is unpacked.
+    var first = meta.first, out = {index: i, text: first.text};
+    Object.keys(first.columns).forEach(function (name) {
+      out[name] = Float64Array.from(first.columns[name], function (v) { return v === null ? NaN : v; });
+    });
+    out[meta.binned ? "kept_tokens" : "reason"] = first.marks;
     return out;
   }
 
@@ -175,9 +188,11 @@
     for (var i = 0; i < steps.length; i++) if (steps[i] * mag >= raw * (1 - 1e-12)) return steps[i] * mag;
     return 10 * mag;
   }
+  var widths = {};   // chart widths, measured once and on resize (reading them after each change forces a layout)
   function frame(host, yLo, yHi, yTitle) {
+    if (!widths[host.id]) widths[host.id] = Math.max(320, host.clientWidth || 960);
     host.textContent = "";
-    var W = Math.max(320, host.clientWidth || 960), H = meta.text_tokens && !meta.binned ? 380 : 330;
+    var W = widths[host.id], H = meta.text_tokens && !meta.binned ? 380 : 330;
     var m = {l: 64, r: 14, t: 8, b: meta.text_tokens && !meta.binned ? 86 : 44};
     var root = svg("svg", {viewBox: "0 0 " + W + " " + H, width: W, height: H, role: "img",
                            "font-family": "Source Sans Pro, Segoe UI, Helvetica, Arial, sans-serif", "font-size": "12"},
@@ -245,11 +260,29 @@
   }
   function center(i) { return meta.binned ? (meta.x[i] + meta.x_end[i]) / 2 : meta.x[i]; }
   function width(i) { return meta.binned ? meta.x_end[i] - meta.x[i] + 1 : 1; }
-  function tip(f, i, text) {
-    var half = width(i) * f.unit / 2;
-    var r = svg("rect", {x: f.x(center(i)) - half, width: 2 * half, y: f.m.t, height: f.H - f.m.t - f.m.b,
-                         fill: "transparent", "class": "hit"}, f.plot);
-    svg("title", {}, r).textContent = text;
+  // Hover: one tooltip box per chart, filled from the column under the pointer (not an element per column,
+  // which would double what every slider move redraws).
+  function hover(f, describe) {
+    var host = f.root.parentNode, box = el("div", {"class": "tip", role: "tooltip"});
+    host.appendChild(box);
+    function column(evt) {
+      var r = f.root.getBoundingClientRect(), x = (evt.clientX - r.left) * f.W / r.width;
+      for (var i = 0; i < C; i++) {
+        var half = width(i) * f.unit / 2, cx = f.x(center(i));
+        if (x >= cx - half && x <= cx + half) return i;
+      }
+      return -1;
+    }
+    f.root.addEventListener("mousemove", function (evt) {
+      var i = column(evt);
+      if (i < 0) { box.style.display = "none"; return; }
+      box.textContent = describe(i);
+      box.style.display = "block";
+      var r = host.getBoundingClientRect();
+      box.style.left = Math.min(evt.clientX - r.left + 12, r.width - 220) + "px";
+      box.style.top = (evt.clientY - r.top + 12) + "px";
+    });
+    f.root.addEventListener("mouseleave", function () { box.style.display = "none"; });
   }
   function where(i) {
     return meta.binned ? "tokens " + meta.x[i] + "-" + meta.x_end[i] + " (" + meta.labels[i] + ")"
@@ -290,8 +323,7 @@
         bar(f, "original kept", i, cx - half, cx, 0, keptMass, COLORS.original, keptMass);
         if (ev > 0) bar(f, "original evicted", i, cx - half, cx, keptMass, keptMass + ev, f.hatch, ev);
         bar(f, "compressed", i, cx, cx + half, 0, comp[i], COLORS["kept (no eviction)"], comp[i]);
-        tip(f, i, where(i) + "\noriginal " + orig[i].toFixed(4) + "\ncompressed " + comp[i].toFixed(4) +
-                  "\nkept " + p.kept_tokens[i] + " of " + width(i) + "; evicted mass " + ev.toFixed(4));
+
       } else {
         var why = meta.reasons[p.reason[i]];
         seen[why] = true;
@@ -299,7 +331,7 @@
         bar(f, evicted ? "original evicted" : "original", i, cx - half, cx, 0, orig[i],
             evicted ? f.hatch : COLORS.original, orig[i]);
         if (!evicted) bar(f, "compressed", i, cx, cx + half, 0, comp[i], COLORS[why], comp[i]);
-        tip(f, i, where(i) + "\noriginal " + orig[i].toFixed(4) + "\ncompressed " + comp[i].toFixed(4) + "\n" + why);
+
       }
     }
     var items = [["original", COLORS.original]];
@@ -313,6 +345,11 @@
       });
     }
     legend("attention-legend", items);
+    hover(f, function (i) {
+      return where(i) + "\noriginal " + orig[i].toFixed(4) + "\ncompressed " + comp[i].toFixed(4) + "\n" +
+        (meta.binned ? "kept " + p.kept_tokens[i] + " of " + width(i) + "; evicted mass " + p.evicted_mass[i].toFixed(4)
+                     : meta.reasons[p.reason[i]]);
+    });
     return [0, hi];
   }
 
@@ -348,20 +385,16 @@
       var mean = p.error_mean[i], y = f.y(mean), tick = Math.min(6, half + 1);
       svg("line", {"class": "total", x1: cx - tick, x2: cx + tick, y1: y, y2: y, stroke: "#000", "stroke-width": 2,
                    "data-i": i, "data-v": String(mean)}, f.plot);
-      var extra = "";
       if (meta.members > 1) {
         var bhi = p.band_hi[i] - mean, blo = mean - p.band_lo[i];
         bhi = bhi > 0 ? bhi : 0;   // as the Explorer: (hi - mean).clip(0).fillna(0)
         blo = blo > 0 ? blo : 0;
         var yt = f.y(mean + bhi), yb = f.y(mean - blo);
-        svg("line", {"class": "band", x1: cx, x2: cx, y1: yt, y2: yb, stroke: "#000", "stroke-width": 1.2,
+        svg("path", {"class": "band", d: "M" + (cx - 2) + " " + yt + "H" + (cx + 2) + "M" + cx + " " + yt + "V" + yb +
+                                          "M" + (cx - 2) + " " + yb + "H" + (cx + 2),
+                     fill: "none", stroke: "#000", "stroke-width": 1.2,
                      "data-i": i, "data-lo": String(p.band_lo[i]), "data-hi": String(p.band_hi[i])}, f.plot);
-        svg("line", {x1: cx - 2, x2: cx + 2, y1: yt, y2: yt, stroke: "#000", "stroke-width": 1.2}, f.plot);
-        svg("line", {x1: cx - 2, x2: cx + 2, y1: yb, y2: yb, stroke: "#000", "stroke-width": 1.2}, f.plot);
-        extra = "\nband " + p.band_lo[i].toFixed(5) + " to " + p.band_hi[i].toFixed(5);
       }
-      tip(f, i, where(i) + "\ntotal error " + mean.toFixed(5) + extra +
-                shown.map(function (part) { return "\n" + part[0] + " part " + part[1][i].toFixed(5); }).join(""));
     }
     svg("line", {x1: f.m.l, x2: f.W - f.m.r, y1: f.y(0), y2: f.y(0), stroke: "#000", "stroke-width": 1}, f.plot);
     var items = shown.map(function (part) {
@@ -370,6 +403,11 @@
     });
     items.push([meta.members > 1 ? "total (" + meta.bars_text + ")" : "total", "#000"]);
     legend("error-legend", items);
+    hover(f, function (i) {
+      return where(i) + "\ntotal error " + p.error_mean[i].toFixed(5) +
+        (meta.members > 1 ? "\nband " + p.band_lo[i].toFixed(5) + " to " + p.band_hi[i].toFixed(5) : "") +
+        shown.map(function (part) { return "\n" + part[0] + " part " + part[1][i].toFixed(5); }).join("");
+    });
     return [lo - pad, hi + pad];
   }
 
@@ -402,17 +440,28 @@
       : "one row (" + meta.ensemble + "), no ensemble: no error bars"));
     buildSliders();
     $("lock").addEventListener("change", function () { locked = null; draw(); });
-    unpack().then(function (buffer) {
-      data = views(buffer);
-      draw();
+    draw();
+    var inputs = document.querySelectorAll("#sliders input");
+    inputs.forEach(function (input) { input.disabled = true; });     // until the grid is unpacked
+    afterPaint(function () {
       performance.mark("kvviz-first-chart");
-      api.firstChartMs = performance.now();
-      api.ready = true;
+      api.firstChartMs = performance.now();        // since the page began to load (time origin)
+      unpack().then(function (buffer) {
+        data = views(buffer);
+        meta.sliders.forEach(function (s, k) { inputs[k].disabled = s.values.length < 2; });
+        api.ready = true;
+      }).catch(function (e) {
+        fail("This lesson cannot be shown: " + (e && e.message ? e.message : String(e)) + ".");
+      });
       var resized = null;
-      window.addEventListener("resize", function () { clearTimeout(resized); resized = setTimeout(draw, 100); });
-    }).catch(function (e) {
-      fail("This lesson cannot be shown: " + (e && e.message ? e.message : String(e)) + ".");
+      window.addEventListener("resize", function () {
+        clearTimeout(resized);
+        resized = setTimeout(function () { widths = {}; draw(); }, 100);
+      });
     });
+  }
+  function afterPaint(fn) {   // a callback of the frame after next runs once this frame has been painted
+    requestAnimationFrame(function () { requestAnimationFrame(fn); });
   }
   api.current = function () { return data ? current() : null; };
   api.meta = meta;
