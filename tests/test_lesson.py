@@ -7,6 +7,7 @@ tests/test_lesson_browser.py.
 import base64
 import hashlib
 import json
+import math
 import re
 from dataclasses import replace
 
@@ -14,9 +15,9 @@ import numpy as np
 import pytest
 
 from kvviz import Spec, View, compare
-from kvviz.analysis.frames import binned_frame, token_frame, with_band
-from kvviz.analysis.lesson import (BIN_COLUMNS, MAX_VALUES, TOKEN_COLUMNS, compute_lesson, grid_specs, lesson_grid,
-                                   parse_grid)
+from kvviz.analysis.frames import bin_edges, binned_frame, token_frame, with_band
+from kvviz.analysis.lesson import (BIN_COLUMNS, MAX_CELLS, MAX_VALUES, TOKEN_COLUMNS, compute_lesson, default_grid,
+                                   grid_specs, lesson_grid, parse_grid)
 from kvviz.analysis.readout import card_values
 from kvviz.cli import main
 from kvviz.links import (PARAMS, defaults, encode_query, parse_query, source_from_values, spec_from_values,
@@ -90,10 +91,20 @@ def test_default_grid_for_the_handbook():
     assert all(len(v) <= MAX_VALUES for v in grid.values())
 
 
+def test_longer_sources_get_coarser_grids_so_the_page_stays_small():
+    assert default_grid(222) == {"sink": (0, 1, 4, 16), "recent": (0, 8, 16, 32, 64, 128),
+                                 "heavy": (0, 8, 16, 32, 64, 128), "bits": (2, 3, 4, 8, 16)}
+    for n in (8, 64, 100, 222, 256, 257, 544, 4096):
+        grid = default_grid(n)
+        columns = n * len(TOKEN_COLUMNS) if n <= 256 else len(bin_edges(n)) * len(BIN_COLUMNS)
+        assert math.prod(map(len, grid.values())) * columns <= MAX_CELLS
+        assert max(grid["recent"]) == max(grid["heavy"]) == 2 ** (n.bit_length() - 1)
+
+
 def test_grid_takes_the_current_setting_and_refuses_what_it_cannot_show():
     grid, _ = lesson_grid(544, Spec(sink=3, recent=100, heavy=0, key_bits=5, value_bits=5, symmetric=True))
-    assert grid["recent"] == (0, 8, 16, 32, 64, 100, 128, 256, 512) and 3 in grid["sink"] and 1 not in grid["bits"]
-    assert 5 in grid["bits"]
+    assert grid == {"sink": (0, 1, 3, 4, 8, 16), "recent": (0, 16, 32, 64, 100, 128, 256, 512),
+                    "heavy": (0, 16, 32, 64, 128, 256, 512), "bits": (2, 3, 4, 5, 8, 16)}   # symmetric: no 1 bit
     with pytest.raises(SpecError, match="at most 12"):
         lesson_grid(64, Spec(sink=5), {"sink": tuple(range(0, 24, 2))})
     with pytest.raises(SpecError, match="more than the 64 tokens"):

@@ -13,22 +13,32 @@ No plotting here: kvviz.plots.lesson turns a `Lesson` into the self-contained HT
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
 
-from kvviz.analysis.frames import BIN_THRESHOLD, band_bounds, binned_columns, ensemble_text, row_text, token_columns
+from kvviz.analysis.frames import (BIN_THRESHOLD, band_bounds, bin_edges, binned_columns, ensemble_text, row_text,
+                                   token_columns)
 from kvviz.engine import REASONS, compare
 from kvviz.spec import FULL_BITS, Spec, SpecError, View
 from kvviz.trace import Trace
 
 SLIDERS = ("sink", "recent", "heavy", "bits")
 MAX_VALUES = 12                           # per slider: 12^4 = 20,736 points at most
-BITS_GRID = (1, 2, 3, 4, 6, 8, 16)        # 16 = not quantized
-SINK_GRID = (0, 1, 2, 4, 8, 16)
-BUDGET_STEPS = 7                          # recent / heavy: 0 and up to this many powers of two
+# The default grids, densest first: (sink values, recent / heavy: 0 and up to this many powers of two, bits;
+# 16 = not quantized). A lesson takes the densest whose values (points x chart columns x arrays per column)
+# stay within MAX_CELLS, ~8 MB of float64 before identical rows are shared and gzip: the handbook (64 tokens,
+# many budgets keep all of them, rows shared) gets the first, 2,688 points in 1.2 MB; a 222-token model trace
+# the third, 720 points in ~4 MB (its rows rarely repeat); a 544-token synthetic pattern (109 bins) the third
+# too (the second made a 5.0 MB page).
+TIERS = (((0, 1, 2, 4, 8, 16), 7, (1, 2, 3, 4, 6, 8, 16)),
+         ((0, 1, 4, 8, 16), 6, (1, 2, 3, 4, 8, 16)),
+         ((0, 1, 4, 16), 5, (2, 3, 4, 8, 16)),
+         ((0, 4, 16), 4, (2, 4, 8, 16)))
+MAX_CELLS = 1_050_000
 # What each chart row holds, per token (or per bin): the columns of kvviz.analysis.frames the
 # Explorer's attention and error charts draw (band_lo / band_hi: the error bars `bars` asks for).
 TOKEN_COLUMNS = ("compressed", "error_eviction_mean", "error_quantization_mean", "error_mean", "band_lo", "band_hi")
@@ -91,26 +101,35 @@ class Lesson:
 
 # --- the grid ----------------------------------------------------------------------------------
 
-def _budget_values(n: int) -> tuple[int, ...]:
-    """0 and the largest BUDGET_STEPS powers of two up to n (64 tokens: 0, 1, 2, 4, ..., 64)."""
+def _budget_values(n: int, steps: int) -> tuple[int, ...]:
+    """0 and the largest `steps` powers of two up to n (64 tokens, 7 steps: 0, 1, 2, 4, ..., 64)."""
     powers = [2 ** k for k in range(0, max(n, 1).bit_length()) if 2 ** k <= n]
-    return (0, *powers[-BUDGET_STEPS:])
+    return (0, *powers[-steps:])
+
+
+def default_grid(n_tokens: int, symmetric: bool = False) -> dict[str, tuple[int, ...]]:
+    """The densest of TIERS within MAX_CELLS for a query that sees n_tokens (binned past BIN_THRESHOLD)."""
+    binned = n_tokens > BIN_THRESHOLD
+    columns = (len(bin_edges(n_tokens)) if binned else n_tokens) * len(BIN_COLUMNS if binned else TOKEN_COLUMNS)
+    for sinks, steps, bits in TIERS:
+        grid = {"sink": tuple(s for s in sinks if s <= n_tokens), "recent": _budget_values(n_tokens, steps),
+                "heavy": _budget_values(n_tokens, steps), "bits": tuple(b for b in bits if not (symmetric and b == 1))}
+        if math.prod(map(len, grid.values())) * columns <= MAX_CELLS:
+            break
+    return grid
 
 
 def lesson_grid(n_tokens: int, base: Spec, given: dict[str, tuple[int, ...]] | None = None,
                 limit: int | None = None) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
     """(grid, start): each slider's values and the base setting's value of each.
 
-    Unless `given`: sink 0-16 in powers of two, recent and heavy 0 and powers of two up to the
-    n_tokens the query sees, bits 1, 2, 3, 4, 6, 8, 16 (no 1 with symmetric quantization). The base
+    Unless `given`, `default_grid`: sinks 0-16, recent and heavy 0 and powers of two up to the n_tokens
+    the query sees, bits 1-8 and 16 (no 1 with symmetric quantization), fewer of each on long sources. The base
     setting's value joins its slider's values, so the lesson opens where the link was. A budget
     above `limit` (the trace's tokens, as the app's sliders end there) raises SpecError.
     """
     start = {"sink": base.sink, "recent": base.recent, "heavy": base.heavy, "bits": _bits_of(base)}
-    bits = tuple(b for b in BITS_GRID if not (base.symmetric and b == 1))
-    grid = {"sink": tuple(s for s in SINK_GRID if s <= n_tokens), "recent": _budget_values(n_tokens),
-            "heavy": _budget_values(n_tokens), "bits": bits}
-    grid.update(given or {})
+    grid = {**default_grid(n_tokens, base.symmetric), **(given or {})}
     limit = n_tokens if limit is None else limit
     for name in SLIDERS:
         values = sorted(set(grid[name]) | {start[name]})

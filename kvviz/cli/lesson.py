@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kvviz.cli.args import CliError, ProgressLine
 
+BIG = 5_000_000   # bytes: past this a page is slow to mail or upload (the handbook lesson is ~1.2 MB)
 PRESETS = ("handbook", "realistic", "diffuse", "topic-shift")   # the handbook, or kvviz.sources.synthetic.PRESETS
 
 
@@ -130,4 +131,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     grid_text = "; ".join(f"{k} {', '.join(map(str, v))}" for k, v in lesson.grid.items())
     print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB): {source.label}, {lesson.points:,} settings "
           f"({grid_text}), {len(lesson.rows):,} distinct charts", file=sys.stderr)
+    if out.stat().st_size > BIG:
+        print(f"kvviz: note: the page is over {BIG / 1e6:.0f} MB, slow to mail or upload; fewer values with --grid "
+              "(or a shorter trace) make it smaller", file=sys.stderr)
     return 0

@@ -189,7 +189,7 @@ def export_lesson(source, spec, view, values: dict, grid_given: dict | None = No
     query = dict(parse_qsl(encode_query({k: v for k, v in values.items() if k not in SLIDER_PARAMS})))
     note = ("" if source.name in ("handbook", "synthetic") else
             "(the app opens this view once the same trace is loaded under Source)")
-    page = lesson_html(lesson, title=title or f"kvviz lesson: {source.label}", source=source.label,
+    page = lesson_html(lesson, title=title or f"kvviz lesson: {source.label.split(': ')[0]}", source=source.label,
                        quant_note=f"Quantization model: {source.quant_note}.", fixed=fixed_settings(spec, view),
                        link_base=app_url, link_query=query, link_note=note, lecturer=lecturer,
                        link_defaults={s: PARAMS[s].default for s in SLIDERS})
