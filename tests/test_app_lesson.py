@@ -21,7 +21,8 @@ def test_the_explorer_exports_the_lesson_the_cli_writes(tmp_path):
     at.button(key="_lesson_build").click().run(timeout=600)
     assert not at.exception, [e.value for e in at.exception]
     assert not at.error, [e.value for e in at.error]
-    _, data, points = at.session_state["_kvviz_lesson"]
+    built = at.session_state["_kvviz_lesson"]
+    data, lesson, points = built["page"], built["lesson"], built["lesson"].points
     assert points == 5 * 5 * 5 * 7
     button = [b for b in at.get("download_button") if b.proto.id.endswith("_lesson_download")]
     assert button and button[0].proto.label.startswith("Download the lesson (") and "875 settings" in button[0].proto.label
@@ -36,3 +37,7 @@ def test_the_explorer_exports_the_lesson_the_cli_writes(tmp_path):
     app_meta["link"].pop("base")
     cli_meta["link"].pop("base")
     assert app_meta == cli_meta
+
+    at.text_area(key="_lesson_text").set_value("Week 3: <b>sinks</b>").run(timeout=120)   # words: no recompute
+    built = at.session_state["_kvviz_lesson"]
+    assert built["lesson"] is lesson and page_data(built["page"].decode())[0]["lecturer"] == "Week 3: <b>sinks</b>"

@@ -1,8 +1,8 @@
 """The Explorer's "Export this as a lesson": the current view as one HTML page with live sliders that runs
-from disk, offline (kvviz.plots.lesson.export_lesson, the same page `kvviz lesson export` writes).
+from disk, offline (kvviz.plots.lesson, the same page `kvviz lesson export` writes).
 
 Folded, it computes nothing; "Build the lesson" runs kvviz.compare at every grid point with a progress
-bar, then a download button hands over the page, for as long as the settings stay the same.
+bar; the page (with the title and words typed here) is then a download for as long as the settings stay.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kvviz.links import LinkedSource
 from kvviz.spec import Spec, SpecError, View
 from kvviz.trace import TraceError
 
-KEY = "_kvviz_lesson"
+KEY = "_kvviz_lesson"   # session: {wanted, lesson, source, values, base, words, page}
 
 
 def _linked(source: Source) -> LinkedSource:
@@ -35,9 +35,10 @@ def _app_base() -> str:
 
 
 def lesson_export(source: Source, spec: Spec, view: View, bars: str, file_stem: str) -> None:
-    """An expander: what a lesson holds, a Build button (with progress), then the download."""
-    from kvviz.plots.lesson import export_lesson
+    """An expander: what a lesson holds, its words, a Build button (with progress), then the download."""
+    from kvviz.plots.lesson import build_lesson, default_title, lesson_page
 
+    ss = st.session_state
     wanted = (source.key, tuple(sorted(asdict(spec).items())), tuple(sorted(asdict(view).items())), bars)
     with st.expander("Export this as a lesson (one HTML page with live sliders, runs offline)",
                      icon=":material/school:"):
@@ -45,23 +46,29 @@ def lesson_export(source: Source, spec: Spec, view: View, bars: str, file_stem: 
                    "numbers at a grid of the four sliders (sink tokens, recent window, heavy-hitter budget, bits; "
                    "the grid is listed on the page), computed here once and saved in one HTML file that any current "
                    "browser opens from disk. Everything else stays as it is now. Takes about a minute.")
+        title = st.text_input("Title (optional)", key="_lesson_title", placeholder=default_title(source.label))
+        words = st.text_area("Your words for the class (optional)", key="_lesson_text", height=80)
         if st.button("Build the lesson", key="_lesson_build", icon=":material/build:"):
             bar = st.progress(0.0, text="Computing the lesson…")
             try:
-                page, lesson = export_lesson(_linked(source), spec, view, settings_dict(), bars=bars,
-                                             app_url=_app_base(),
-                                             progress=lambda f, m: bar.progress(min(1.0, f), text=f"Computing: {m}"))
+                lesson = build_lesson(_linked(source), spec, view, bars=bars,
+                                      progress=lambda f, m: bar.progress(min(1.0, f), text=f"Computing: {m}"))
             except (SpecError, TraceError, ValueError) as e:
-                st.session_state.pop(KEY, None)
+                ss.pop(KEY, None)
                 st.error(f"This view cannot be made into a lesson: {e}.")
             else:
-                st.session_state[KEY] = (wanted, page.encode("utf-8"), lesson.points)
+                ss[KEY] = {"wanted": wanted, "lesson": lesson, "source": _linked(source), "view": view,
+                           "values": settings_dict(), "words": None, "page": b""}
             finally:
                 bar.empty()
-        built = st.session_state.get(KEY)
-        if built is not None and built[0] == wanted:
-            data, points = built[1], built[2]
-            st.download_button(f"Download the lesson ({fmt_bytes(len(data))}, {points:,} settings)", data=data,
+        built = ss.get(KEY)
+        if built is not None and built["wanted"] == wanted:
+            if built["words"] != (title, words):       # the numbers stay; only the page is written again
+                built["page"] = lesson_page(built["lesson"], built["source"], built["view"], built["values"],
+                                            title=title, lecturer=words, app_url=_app_base()).encode("utf-8")
+                built["words"] = (title, words)
+            st.download_button(f"Download the lesson ({fmt_bytes(len(built['page']))}, "
+                               f"{built['lesson'].points:,} settings)", data=built["page"],
                                file_name=f"{file_stem}-lesson.html", mime="text/html", on_click="ignore",
                                icon=":material/download:", key="_lesson_download")
         elif built is not None:

@@ -168,32 +168,48 @@ def fixed_settings(spec, view) -> str:
             + f". View: layer {view.layer}, query head {view.head}, {step}.")
 
 
+def default_title(source_label: str) -> str:
+    """'kvviz lesson: handbook example' (a model's name without its token counts)."""
+    return f"kvviz lesson: {source_label.split(': ')[0]}"
+
+
 def export_lesson(source, spec, view, values: dict, grid_given: dict | None = None, *, bars: str = "std",
                   title: str = "", lecturer: str = "", app_url: str = DEFAULT_APP_URL, progress=None
                   ) -> tuple[str, Lesson]:
-    """(page, lesson) for a kvviz.links.LinkedSource at the link `values` describe (spec, view from them).
+    """(page, lesson) for a kvviz.links.LinkedSource at the link `values` describe (spec, view from them):
+    `build_lesson`, then `lesson_page`."""
+    lesson = build_lesson(source, spec, view, grid_given, bars=bars, progress=progress)
+    return lesson_page(lesson, source, view, values, title=title, lecturer=lecturer, app_url=app_url), lesson
 
-    The grid is kvviz.analysis.lesson.lesson_grid's default for the tokens the query sees, with any
-    slider's values in `grid_given` instead.
-    """
+
+def build_lesson(source, spec, view, grid_given: dict | None = None, *, bars: str = "std", progress=None) -> Lesson:
+    """The lesson's numbers: kvviz.analysis.lesson.lesson_grid's default grid for the tokens the query sees
+    (any slider's values in `grid_given` instead), compare at every point."""
     from kvviz.analysis.lesson import compute_lesson, lesson_grid
     from kvviz.engine import check_view
-    from kvviz.links import PARAMS, encode_query
-    from urllib.parse import parse_qsl
 
     trace = source.trace
     n_tokens = int(trace.query_positions[check_view(trace, view)]) + 1
     grid, start = lesson_grid(n_tokens, spec, grid_given, limit=trace.n_positions)
-    lesson = compute_lesson(trace, spec, view, grid, start, bars=bars, trace_for_seed=source.trace_for_seed,
-                            progress=progress)
+    return compute_lesson(trace, spec, view, grid, start, bars=bars, trace_for_seed=source.trace_for_seed,
+                          progress=progress)
+
+
+def lesson_page(lesson: Lesson, source, view, values: dict, *, title: str = "", lecturer: str = "",
+                app_url: str = DEFAULT_APP_URL) -> str:
+    """The page of a built lesson, with its words (title, the lecturer's text) and its link back to the app."""
+    from urllib.parse import parse_qsl
+
+    from kvviz.links import PARAMS, encode_query
+
+    base = lesson.specs[lesson.index(**lesson.start)]
     query = dict(parse_qsl(encode_query({k: v for k, v in values.items() if k not in SLIDER_PARAMS})))
     note = ("" if source.name in ("handbook", "synthetic") else
             "(the app opens this view once the same trace is loaded under Source)")
-    page = lesson_html(lesson, title=title or f"kvviz lesson: {source.label.split(': ')[0]}", source=source.label,
-                       quant_note=f"Quantization model: {source.quant_note}.", fixed=fixed_settings(spec, view),
+    return lesson_html(lesson, title=title or default_title(source.label), source=source.label,
+                       quant_note=f"Quantization model: {source.quant_note}.", fixed=fixed_settings(base, view),
                        link_base=app_url, link_query=query, link_note=note, lecturer=lecturer,
                        link_defaults={s: PARAMS[s].default for s in SLIDERS})
-    return page, lesson
 
 
 def page_data(page: str) -> tuple[dict, dict]:
