@@ -22,7 +22,7 @@ def register(sub) -> None:
     p = sub.add_parser("lesson", help="export a lesson: one HTML page with live sliders, no Python, no server",
                        description="Lessons that run anywhere: the Explorer's charts and numbers, precomputed at "
                                    "a grid of slider settings, in one HTML file that opens from disk offline.")
-    cmds = p.add_subparsers(dest="lesson_command", required=True, parser_class=type(p))
+    cmds = p.add_subparsers(dest="lesson_command", required=True, metavar="export", parser_class=type(p))
     e = cmds.add_parser("export", help="write the lesson page",
                         description="Run kvviz compare at every point of a grid of the four headline sliders "
                                     "(sink tokens, recent window, heavy-hitter budget, bits) and write one HTML "
