@@ -38,31 +38,16 @@ MOVE = """async ([id, value]) => {
 }"""
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--opens", type=int, default=5)
-    ap.add_argument("--moves", type=int, default=40)
-    ap.add_argument("--keep", help="also write the exported lesson here")
-    a = ap.parse_args()
-
+def measure(page_file: Path, opens_n: int, moves_n: int) -> tuple[list, list, list]:
+    """(open times, redraw times, Playwright wall times to ready), in seconds."""
     from playwright.sync_api import sync_playwright
-
-    from kvviz.cli import main as kvviz
-
-    folder = Path(tempfile.mkdtemp(prefix="kvviz-lesson-bench-"))
-    page_file = Path(a.keep) if a.keep else folder / "handbook-lesson.html"
-    t0 = time.perf_counter()
-    if kvviz(["lesson", "export", "--out", str(page_file), "--quiet"]) != 0:
-        return 1
-    export_s = time.perf_counter() - t0
-    size = page_file.stat().st_size
 
     opens, moves, wall = [], [], []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
                                     args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
         context = browser.new_context(viewport={"width": 1024, "height": 768}, offline=True)
-        for _ in range(a.opens):
+        for _ in range(opens_n):
             page = context.new_page()
             t = time.perf_counter()
             page.goto(page_file.as_uri())
@@ -75,11 +60,30 @@ def main() -> int:
         page.wait_for_function("window.kvvizLesson && window.kvvizLesson.ready", timeout=60000)
         sliders = page.evaluate("kvvizLesson.meta.sliders.map(s => [s.name, s.values.length])")
         rng = random.Random(0)
-        for _ in range(a.moves):
+        for _ in range(moves_n):
             name, n = rng.choice(sliders)
             moves.append(page.evaluate(MOVE, [f"s-{name}", rng.randrange(n)]) / 1000)
         browser.close()
-    page_file.exists() and not a.keep and page_file.unlink()
+    return opens, moves, wall
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--opens", type=int, default=5)
+    ap.add_argument("--moves", type=int, default=40)
+    ap.add_argument("--keep", help="write the exported lesson here and keep it (default: a temporary folder)")
+    a = ap.parse_args()
+
+    from kvviz.cli import main as kvviz
+
+    with tempfile.TemporaryDirectory(prefix="kvviz-lesson-bench-") as folder:
+        page_file = Path(a.keep) if a.keep else Path(folder) / "handbook-lesson.html"
+        t0 = time.perf_counter()
+        if kvviz(["lesson", "export", "--out", str(page_file), "--quiet"]) != 0:
+            return 1
+        export_s = time.perf_counter() - t0
+        size = page_file.stat().st_size
+        opens, moves, wall = measure(page_file, a.opens, a.moves)
 
     open_s, move_s = statistics.median(opens), statistics.median(moves)
     checks = [("file size", size / 1e6, 5.0, "MB"), ("open -> first chart", open_s, 1.0, "s"),
