@@ -11,6 +11,7 @@ from kvviz.plots import figures
 from kvviz.app.cards import metric_cards, metrics_table
 from kvviz.app.compute import run_compare
 from kvviz.app.layout import PAGES, page_setup
+from kvviz.app.lesson import lesson_export
 from kvviz.app.notes import budget_warnings, quant_model_note, quant_warning_box, scorer_note
 from kvviz.app.overview import has_text_tokens, head_overview, token_grid
 from kvviz.app.presets import preset_buttons
@@ -121,6 +122,7 @@ def explorer() -> None:
                        file_name=f"{stem}.html", mime="text/html", on_click="ignore", icon=":material/download:")
     st.caption("For slides: every chart's toolbar (top right of the chart, on hover) has a camera button that "
                "saves it as an SVG image in your browser, offline.")
+    lesson_export(source, spec, vs.view, vs.bars, stem)
     with st.expander("All numbers"):
         st.dataframe(metrics_table(comp), hide_index=True, key="metrics_table")
         st.dataframe(per_token, hide_index=True, height=240)

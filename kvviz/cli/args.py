@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+import time
 from pathlib import Path
 
 from kvviz.spec import (ALLOCATIONS, AXES, CHUNK_INNER, ENSEMBLES, FORMATS, FP8_SCALES, FULL_BITS, PARTIAL_GROUPS, QUANT_MODELS, RESIDUAL_MODES, ROTATIONS, SCORERS, ZERO_POINTS, Spec)
@@ -19,6 +21,27 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class ProgressLine:
+    """One self-overwriting progress line on stderr."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.last, self.width = enabled, 0.0, 0
+
+    def __call__(self, fraction: float, message: str) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < 0.1 and fraction < 1.0):
+            return
+        self.last = now
+        line = f"[{fraction:4.0%}] {message}"
+        sys.stderr.write("\r" + line.ljust(self.width))
+        sys.stderr.flush()
+        self.width = len(line)
+
+    def done(self) -> None:
+        if self.enabled and self.width:
+            sys.stderr.write("\n")
 
 
 def _nonneg(text: str) -> int:
@@ -163,6 +186,9 @@ def source_from_args(a: argparse.Namespace):
         raise TraceError(f"no such source or file: {a.source} (use handbook, synthetic or a .safetensors trace)")
     trace = load_source(a.source, synthetic)
     for_seed = None
+    if a.source == "handbook":   # other seeds realise other keys and values, as in the app (kvviz.links)
+        from kvviz.sources import handbook_trace
+        for_seed = lambda r: handbook_trace(seed=r)  # noqa: E731
     if synthetic is not None:
         from kvviz.sources import make_synthetic
         for_seed = lambda r: make_synthetic(synthetic.with_(seed=synthetic.seed + r))  # noqa: E731

@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
+
+from kvviz.cli.args import ProgressLine
 
 DEFAULT_MAX_TOKENS = 2048  # mirrors kvviz.sources.capture.DEFAULT_MAX_TOKENS (no torch import here)
 
@@ -60,27 +61,6 @@ def _read_prompt(a: argparse.Namespace) -> str:
         raise ModelError(f"{path} is not a UTF-8 text file") from None
 
 
-class _ProgressLine:
-    """One self-overwriting progress line on stderr."""
-
-    def __init__(self, enabled: bool):
-        self.enabled, self.last, self.width = enabled, 0.0, 0
-
-    def __call__(self, fraction: float, message: str) -> None:
-        now = time.monotonic()
-        if not self.enabled or (now - self.last < 0.1 and fraction < 1.0):
-            return
-        self.last = now
-        line = f"[{fraction:4.0%}] {message}"
-        sys.stderr.write("\r" + line.ljust(self.width))
-        sys.stderr.flush()
-        self.width = len(line)
-
-    def done(self) -> None:
-        if self.enabled and self.width:
-            sys.stderr.write("\n")
-
-
 def cmd_capture(a: argparse.Namespace) -> int:
     from kvviz.models import ModelError
     from kvviz.sources.capture import capture
@@ -96,7 +76,7 @@ def cmd_capture(a: argparse.Namespace) -> int:
     if not out.parent.exists():
         raise ModelError(f"folder {out.parent} does not exist")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    bar = _ProgressLine(not a.quiet and sys.stderr is not None)
+    bar = ProgressLine(not a.quiet and sys.stderr is not None)
     try:
         model, tokenizer, info = load_model(a.model, device=a.device, dtype=a.dtype, device_map=a.device_map,
                                             progress=lambda f, m: bar(0.3 * f, m))
