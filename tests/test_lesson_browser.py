@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -91,7 +92,12 @@ def offline_page(browser):
 
 def open_lesson(pg, path: Path) -> None:
     pg.goto(path.as_uri())
-    pg.wait_for_function("window.kvvizLesson && window.kvvizLesson.ready", timeout=30000)
+    # Poll with evaluate (CDP, outside the page's CSP): wait_for_function compiles its predicate with
+    # eval inside the page, which the lesson's CSP (no 'unsafe-eval') rightly refuses.
+    deadline = time.monotonic() + 30
+    while not pg.evaluate("Boolean(window.kvvizLesson && window.kvvizLesson.ready)"):
+        assert time.monotonic() < deadline, "the lesson page did not get ready in 30 s"
+        pg.wait_for_timeout(50)
 
 
 def set_point(pg, **values) -> None:
