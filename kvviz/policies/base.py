@@ -18,6 +18,7 @@ Only the oracle (`needs_query = True`) sees the query it is evaluated on.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
@@ -25,6 +26,7 @@ from functools import cached_property
 import numpy as np
 
 from kvviz.attention import context_rows, small_blas, softmax
+from kvviz.limits import checkpoint
 from kvviz.policies.allocation import adakv_heavy, allocate, layer_spec, select_heads
 from kvviz.policies.select import evict_one, select  # noqa: F401  (re-exported: policies import them from here)
 from kvviz.spec import Spec
@@ -69,7 +71,9 @@ class ScoreContext:
         return per_q_head.reshape(self.trace.n_kv_heads, g, -1).sum(axis=1)
 
 
-_SCORE_CACHE: OrderedDict = OrderedDict()  # (trace id, layer, scorer, key) -> (trace, scores)
+# (trace id, layer, scorer, key) -> (weak reference to the trace, scores): the cache must not keep a
+# trace alive after its owner (an app cache, a sweep) let it go; a dead reference is a miss.
+_SCORE_CACHE: OrderedDict = OrderedDict()
 _SCORE_CACHE_SIZE = 32
 
 
@@ -131,12 +135,12 @@ class Policy:
         and bits, or an app rerun, reuses H2O's pass over the whole context."""
         key = (id(ctx.trace), ctx.layer, self.name, self.score_key(ctx.spec))
         hit = _SCORE_CACHE.get(key)
-        if hit is not None and hit[0] is ctx.trace:
+        if hit is not None and hit[0]() is ctx.trace:
             _SCORE_CACHE.move_to_end(key)
             return hit[1]
         scores = np.asarray(self.score(ctx), dtype=np.float64)
         scores.flags.writeable = False
-        _SCORE_CACHE[key] = (ctx.trace, scores)
+        _SCORE_CACHE[key] = (weakref.ref(ctx.trace), scores)
         while len(_SCORE_CACHE) > _SCORE_CACHE_SIZE:
             _SCORE_CACHE.popitem(last=False)
         return scores
@@ -193,6 +197,7 @@ class Policy:
         query_at = {int(trace.query_positions[qi]): int(qi) for qi in trace.later_queries}
         inv_sqrt_d = 1.0 / np.sqrt(trace.head_dim)
         for p in range(c, int(positions.max()) + 1 if len(positions) else c):
+            checkpoint()
             kept = np.concatenate([kept, np.full((Hkv, 1), p)], axis=1)       # the new token arrives
             if kept.shape[1] > spec.budget:                                   # evict one per head
                 kept = evict_one(kept, scores, spec, p)
