@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import streamlit as st
 
+from kvviz.app import guard
 from kvviz.app.compression import compression_section
 from kvviz.app.compute import Source
 from kvviz.app.labels import SOURCE_LABELS
@@ -31,7 +32,8 @@ def _handbook(seed: int = 0) -> Trace:
 @st.cache_resource(max_entries=16, show_spinner="Generating the synthetic pattern…")
 def _synthetic(items: tuple) -> Trace:
     from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
-    return make_synthetic(SyntheticSpec(**dict(items)))
+    with guard.heavy("the synthetic pattern"):
+        return make_synthetic(SyntheticSpec(**dict(items)))
 
 
 def _external_sources() -> dict[str, Callable | None]:
@@ -134,8 +136,8 @@ def _synthetic_section(where) -> Source | None:
             head_dim=w_choice(st, "head_dim", "Head dim", (32, 64, 128)),
             seed=w_number(st, "syn_seed", "Pattern seed", 0, 1_000_000),
         )
-    try:
-        spec = SyntheticSpec(**knobs)
+    try:   # past the work budget: a notice, and the previous (or default) pattern
+        spec = guard.within_budget("synthetic", lambda: SyntheticSpec(**knobs), SyntheticSpec)
     except SpecError as e:
         st.error(f"The synthetic pattern cannot be built: {e}. Change the pattern knobs in the sidebar.")
         return None
