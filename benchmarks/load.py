@@ -53,13 +53,13 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-def start_server(port: int, log: Path, env: dict) -> subprocess.Popen:
+def start_server(port: int, log: Path, env: dict, root: Path = ROOT) -> subprocess.Popen:
     streamlit = shutil.which("streamlit", path=str(Path(sys.executable).parent)) or "streamlit"
-    cmd = [streamlit, "run", str(ROOT / "app.py"), "--server.headless", "true", "--server.port", str(port),
+    cmd = [streamlit, "run", str(root / "app.py"), "--server.headless", "true", "--server.port", str(port),
            "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
            "--server.fileWatcherType", "none", "--server.runOnSave", "false"]
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(cmd, cwd=root, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 def get(url: str, timeout: float = 10.0) -> float:
@@ -101,6 +101,7 @@ class Session:
         self.values: dict[str, object] = {}       # widget id -> WidgetState the client holds
         self.exceptions: list[str] = []
         self.metrics: dict[str, str] = {}          # card label -> the value shown (the moves change them)
+        self.alerts: list[tuple[float, str]] = []  # (perf_counter, text) of warnings, errors and notes shown
         self.moves = 0
 
     def close(self) -> None:
@@ -109,13 +110,15 @@ class Session:
         except Exception:  # noqa: BLE001 - a closed socket is closed
             pass
 
-    def rerun(self, timeout: float) -> bool:
-        """Ask for a rerun with the widget values held; read until it finishes. True when it did."""
+    def rerun(self, timeout: float, query: str = "", page: str = "") -> bool:
+        """Ask for a rerun (of page, by its URL path; "" = the Explorer) with the widget values held;
+        read until it finishes. True when it did."""
         from streamlit.proto.BackMsg_pb2 import BackMsg
 
         msg = BackMsg()
-        msg.rerun_script.query_string = ""
+        msg.rerun_script.query_string = query
         msg.rerun_script.page_script_hash = ""
+        msg.rerun_script.page_name = page
         for state in self.values.values():
             msg.rerun_script.widget_states.widgets.append(state)
         self.ws.send(msg.SerializeToString())
@@ -145,6 +148,8 @@ class Session:
                     self.metrics[el.metric.label] = el.metric.body
                 elif what == "exception":
                     self.exceptions.append(f"{el.exception.type}: {el.exception.message}")
+                elif what == "alert":
+                    self.alerts.append((time.perf_counter(), el.alert.body))
             elif kind == "script_finished" and fm.script_finished == ForwardMsg.FINISHED_SUCCESSFULLY:
                 return True
 

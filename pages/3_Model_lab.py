@@ -6,7 +6,6 @@ import streamlit as st
 
 from kvviz.decode import lab
 
-from kvviz.app import guard
 from kvviz.app.cards import fmt_bytes, fmt_exact, fmt_pct
 from kvviz.app.compression import compression_section
 from kvviz.app.layout import page_setup
@@ -101,10 +100,9 @@ def _run_live(settings: lab.LabSettings) -> dict:
                 toks.append(tokenizer.decode([tok]))
                 box.html(continuation_html(toks, None, title))
             return on_token
-        with guard.heavy("this run"):
-            result = lab.run(model, tokenizer, _label(info, settings.model), settings, progress=progress,
-                             on_full_token=stream(full_box, full_toks, "Full cache"),
-                             on_token=stream(comp_box, comp_toks, f"Compressed: {settings.spec.label()}"))
+        result = lab.run(model, tokenizer, _label(info, settings.model), settings, progress=progress,
+                         on_full_token=stream(full_box, full_toks, "Full cache"),
+                         on_token=stream(comp_box, comp_toks, f"Compressed: {settings.spec.label()}"))
         status.update(label=f"Finished in {result['seconds']:.1f} s", state="complete", expanded=False)
     return result
 

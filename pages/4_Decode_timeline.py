@@ -2,7 +2,6 @@
 
 import streamlit as st
 
-from kvviz.app import guard
 from kvviz.app.compression import compression_section
 from kvviz.app.labels import ALLOCATION_LABELS
 from kvviz.app.layout import page_setup
@@ -33,9 +32,10 @@ def _demo_trace() -> Trace:
 def _timeline(source_key: tuple, budget: tuple, layer: int, kv_head: int, need: float, policies: tuple,
               _trace: Trace):
     sink, recent, heavy, allocation = budget
-    with guard.heavy("the timeline"):
-        return timeline(_trace, Spec(sink=sink, recent=recent, heavy=heavy, scorer="oracle", allocation=allocation),
-                        layer=layer, kv_head=kv_head, policies=policies, need=need, max_steps=MAX_STEPS)
+    return timeline(_trace, Spec(sink=sink, recent=recent, heavy=heavy, scorer="oracle", allocation=allocation),
+                    layer=layer,
+                    kv_head=kv_head,
+                    policies=policies, need=need, max_steps=MAX_STEPS)
 
 
 @st.cache_resource(max_entries=16, show_spinner=False)

@@ -4,7 +4,6 @@ import streamlit as st
 
 from kvviz.analysis import needle
 
-from kvviz.app import guard
 from kvviz.app.layout import page_setup
 from kvviz.app.store import notice, show_notices, state, sync_url
 from kvviz.plots.figures import CHART_CONFIG
@@ -75,8 +74,7 @@ def run_live(settings: dict, model_name: str) -> None:
             line.caption(msg)
         say(0.0, "Loading the model (the first time takes ~15-40 s: converting the GGUF weights)…")
         model, tokenizer, _ = shared_model(model_name)
-        with guard.heavy("the needle grid"):
-            grid = needle.run_grid(model, tokenizer, model_name, progress=say, **settings)
+        grid = needle.run_grid(model, tokenizer, model_name, progress=say, **settings)
         status.update(label=f"Finished: {len(grid.cells)} cells", state="complete", expanded=False)
     st.session_state[LIVE] = grid
     _select(None)

@@ -122,7 +122,7 @@ def test_a_closed_session_stops_a_long_synthetic_build(monkeypatch):
     assert len(calls) < 8 * (2 + 4)            # stopped long before the 48th head
 
 
-# --- the pool --------------------------------------------------------------------------------------------
+# --- the pool of run slots -----------------------------------------------------------------------------
 
 def test_the_pool_serves_in_order_and_says_how_many_are_ahead():
     p = guard.Pool(2)
@@ -161,36 +161,36 @@ def test_a_check_that_raises_leaves_the_line():
     assert p._queue == [] and p._running == 1
 
 
-def test_heavy_blocks_nest_on_one_slot_and_outside_slot_gives_it_back(monkeypatch):
-    p = guard.Pool(1)
-    monkeypatch.setattr(guard, "pool", lambda: p)
-    seen = []
-    with guard.heavy("outer"):
-        with guard.heavy("inner"):                 # the same thread: no second slot, no deadlock
-            seen.append(p._running)
-
-        def elsewhere():
-            seen.append(p._running)                # the slot is free while fn runs...
-            with guard.heavy("fn's own"):          # ...and fn's own heavy work takes it
-                seen.append(p._running)
-        guard.outside_slot(elsewhere)()
-        seen.append(p._running)                    # taken back afterwards
-    assert seen == [1, 0, 1, 1] and p._running == 0
-
-
 def test_a_queued_page_says_so_and_runs_when_a_slot_frees(monkeypatch):
     p = guard.Pool(1)
     monkeypatch.setattr(guard, "pool", lambda: p)
-    ticket = object()
-    p.acquire(ticket, lambda: None)                # another visitor's computation holds the only slot
+    p.acquire(object(), lambda: None)              # another visitor's page holds the only slot
     shown = []
-    real = guard._queued_text
-    monkeypatch.setattr(guard, "_queued_text", lambda n, what: shown.append((n, what)) or real(n, what))
+    real = guard.queued_text
+    monkeypatch.setattr(guard, "queued_text", lambda n: shown.append(n) or real(n))
     threading.Timer(1.5, p.release).start()
     at = page("app.py", source="synthetic", syn_seed=9)
     at.run()
-    assert not at.exception
-    assert shown[0] == (1, "the synthetic pattern")
-    assert real(1, "the synthetic pattern").startswith("Queued behind 1 computation of other visitors (1 run at "
-                                                      "a time on this server): the synthetic pattern starts")
-    assert p._running == 0 and p._queue == []
+    assert not at.exception and at.metric
+    assert shown[0] == 1
+    assert real(1).startswith("Queued behind 1 other visitor's page (1 run at a time on this server): this page "
+                              "starts when one finishes.")
+    assert real(3).startswith("Queued behind 3 other visitors' pages")
+    assert p._running == 0 and p._queue == []      # the page gave its slot back
+
+
+def test_a_queued_page_leaves_the_line_when_its_session_closes(monkeypatch):
+    p = guard.Pool(1)
+    monkeypatch.setattr(guard, "pool", lambda: p)
+    p.acquire(object(), lambda: None)
+    at = page("app.py")
+    with pytest.raises(RuntimeError, match="timed out"):
+        at.run(timeout=1.0)
+    assert p._queue == [] and p._running == 1      # it left; the holder still runs
+    p.release()
+
+
+def test_server_options():
+    o = guard.options(["--max-bytes", "3GB", "--workers", "4", "--other"])
+    assert (o.max_bytes, o.workers) == ("3GB", 4)
+    assert guard.options([]).max_bytes is None

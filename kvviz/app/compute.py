@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import streamlit as st
 
-from kvviz.app.guard import heavy, outside_slot
 from kvviz.engine import Comparison, compare
 from kvviz.spec import Spec, SpecError, View
 from kvviz.trace import Trace, TraceError
@@ -34,8 +33,7 @@ def _items(obj) -> tuple:
 @st.cache_data(max_entries=64, show_spinner=False)
 def _compare_cached(source_key: tuple, spec_items: tuple, view_items: tuple,
                     _trace: Trace, _seed_fn) -> Comparison:
-    with heavy("this comparison"):
-        return compare(_trace, Spec(**dict(spec_items)), View(**dict(view_items)), trace_for_seed=outside_slot(_seed_fn))
+    return compare(_trace, Spec(**dict(spec_items)), View(**dict(view_items)), trace_for_seed=_seed_fn)
 
 
 @st.cache_resource(show_spinner="Compiling the quantization kernel (once after an install)…")
@@ -73,9 +71,8 @@ def run_sweep(source: Source, scorers: tuple, bits: tuple, view: View, base: Spe
         return results[key]
     bar = st.progress(0.0, text="Sweeping budgets and bit widths…")
     try:
-        with heavy("the sweep"):
-            rows = sweep(source.trace, scorers=scorers, bits=bits, view=view, base=base,
-                         progress=lambda f, text: bar.progress(min(1.0, f), text=f"Sweeping: {text}"), formats=formats)
+        rows = sweep(source.trace, scorers=scorers, bits=bits, view=view, base=base,
+                     progress=lambda f, text: bar.progress(min(1.0, f), text=f"Sweeping: {text}"), formats=formats)
     except (SpecError, TraceError, ValueError) as e:
         st.error(f"The sweep failed: {e}. Change the methods, bits or View settings.")
         return None
@@ -90,8 +87,7 @@ def run_sweep(source: Source, scorers: tuple, bits: tuple, view: View, base: Spe
 @st.cache_data(max_entries=16, show_spinner=False)
 def _concentration_cached(source_key: tuple, step: int | None, sink: int, window: int, _trace: Trace):
     from kvviz.analysis.frames import concentration
-    with heavy("the concentration maps"):
-        return concentration(_trace, step=step, sink=sink, window=window)
+    return concentration(_trace, step=step, sink=sink, window=window)
 
 
 def run_concentration(source: Source, step: int | None, sink: int, window: int):
@@ -102,8 +98,7 @@ def run_concentration(source: Source, step: int | None, sink: int, window: int):
 def _head_grid_cached(source_key: tuple, spec_items: tuple, step: int | None, metric: str,
                       _trace: Trace) -> np.ndarray:
     from kvviz.engine import head_grid
-    with heavy("every layer and head"):
-        return head_grid(_trace, Spec(**dict(spec_items)), step, metric)
+    return head_grid(_trace, Spec(**dict(spec_items)), step, metric)
 
 
 def run_head_grid(source: Source, spec: Spec, step: int | None, metric: str) -> np.ndarray:

@@ -1,17 +1,20 @@
-"""One visitor must not take the server down: the work budget, cancellation and a fair share of the cores.
+"""One visitor must not take the server down: the work budget's notices, cancellation, a fair share of the cores.
 
-- `start_run()` (every page's head, via layout.page_setup): reads the server options, makes this script
-  run's own stop / rerun check the cancel check of every `kvviz.limits.checkpoint()` in it, and puts an
-  empty status line at the top of the page. Streamlit raises its StopException / RerunException from that
-  check (the same `yield_check` its caches use while they wait for a value another session computes), so
-  a rerun, a closed tab or a server shutdown stops the core's work at its next chunk - no thread is
-  killed, nothing half-done is cached.
-- `heavy(what)`: the body holds one of a few slots (one per core by default: KVVIZ_WORKERS or
-  `--workers`); a session that finds them taken waits in line, with "Queued behind N" on its status line,
-  instead of starving the others. Put it inside a cached function's body, so a cache hit never queues.
-  Nested `heavy` blocks on one thread hold one slot.
-- `within_budget(kind, build, default)`: a source too big for the work budget (kvviz.limits) shows one
-  notice naming the knobs and the size, and the page goes on with the session's previous source of that
+- `serve(page)` (app.py's router) runs each page in one of a few slots - one per core by default
+  (`--workers` / KVVIZ_WORKERS) - handed out first come, first served. A session that finds them taken
+  waits in line with "Queued behind N" on its status line, instead of adding one more thread that
+  fights for the cores and the interpreter lock: with ten busy sessions the server itself (its health
+  endpoint, its static files, every websocket) still gets its turn. A slot is taken only at the start
+  of a run, before the run holds any cache lock, so no run ever waits for a slot while holding what
+  another run waits for.
+- `start_run()` (every page's head, via layout.page_setup) makes this script run's own stop / rerun
+  check the cancel check of every `kvviz.limits.checkpoint()` in it, and puts an empty status line at
+  the top of the page. Streamlit raises its StopException / RerunException from that check (the
+  `yield_check` its caches use while waiting for a value another session computes), so a rerun, a
+  closed tab or a server shutdown stops the core's work at its next chunk: no thread is killed and
+  nothing half-done is cached. A session waiting in line leaves it the same way.
+- `within_budget(kind, build, default)`: a source too big for the work budget (kvviz.limits) gives one
+  notice naming the knobs and the size; the page goes on with the session's previous source of that
   kind, or the default.
 
 Server options, after `--` on the command line: `streamlit run app.py -- --max-bytes 3GB --workers 2`
@@ -21,11 +24,12 @@ Server options, after `--` on the command line: `streamlit run app.py -- --max-b
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TypeVar
 
@@ -39,33 +43,38 @@ TICK_SECONDS = 0.5              # how often a queued session's status line is re
 POLL_SECONDS = 0.1              # how often a queued session checks for a rerun or a closed tab
 LAST_GOOD = "_kvviz_guard_last"   # session state: the last source of each kind that fit the budget
 _STATUS: ContextVar = ContextVar("kvviz_status_line", default=None)
-_held = threading.local()       # .depth: heavy() blocks this thread is inside
+_SERVED: ContextVar = ContextVar("kvviz_served", default=False)
 
 
 # --- server options -----------------------------------------------------------------------------
 
-def _options() -> argparse.Namespace:
+def options(argv: list[str] | None = None) -> argparse.Namespace:
     """`--max-bytes` and `--workers` from the script's arguments (after `--` on `streamlit run`)."""
     p = argparse.ArgumentParser(prog="app.py", add_help=False)
     p.add_argument("--max-bytes", default=None)
     p.add_argument("--workers", type=int, default=None)
-    return p.parse_known_args(sys.argv[1:])[0]
+    return p.parse_known_args(sys.argv[1:] if argv is None else argv)[0]
 
 
 @st.cache_resource(show_spinner=False)
 def _server() -> dict:
-    """Once per server process: apply --max-bytes; the pool of slots for heavy work."""
-    opts = _options()
+    """Once per server process: apply --max-bytes; the pool of run slots."""
+    atexit.register(gc.freeze)   # see _fast_exit
+    opts = options()
     if opts.max_bytes:
         limits.set_max_bytes(opts.max_bytes)
     size = opts.workers or int(os.environ.get(WORKERS_ENV, "0") or 0) or os.cpu_count() or 1
     return {"pool": Pool(max(1, size))}
 
 
+def pool() -> "Pool":
+    return _server()["pool"]
+
+
 # --- the pool -------------------------------------------------------------------------------------
 
 class Pool:
-    """A few slots for heavy work, handed out first come, first served."""
+    """A few slots, handed out first come, first served."""
 
     def __init__(self, size: int):
         self.size = size
@@ -74,7 +83,7 @@ class Pool:
         self._queue: list[object] = []
 
     def ahead_of(self, ticket: object) -> int:
-        """How many computations run or wait before this ticket's."""
+        """How many runs hold a slot or wait before this ticket."""
         with self._cond:
             return self._running + (self._queue.index(ticket) if ticket in self._queue else 0)
 
@@ -110,10 +119,6 @@ class Pool:
             self._cond.notify_all()
 
 
-def pool() -> Pool:
-    return _server()["pool"]
-
-
 # --- a script run ---------------------------------------------------------------------------------
 
 def _run_context():
@@ -122,7 +127,9 @@ def _run_context():
 
 
 def start_run() -> None:
-    """At the top of every page: this run's cancel check and an empty status line."""
+    """At the top of every page: this run's cancel check and an empty status line (once a run)."""
+    if _SERVED.get():
+        return
     _server()
     from streamlit.runtime.scriptrunner_utils.script_run_context import get_run_yield_check
 
@@ -130,21 +137,21 @@ def start_run() -> None:
     _STATUS.set(st.empty())
 
 
-def _queued_text(n: int, what: str) -> str:
+def queued_text(n: int) -> str:
     size = pool().size
-    return (f"Queued behind {n} computation{'s' if n != 1 else ''} of other visitors ({size} run at a time on "
-            f"this server): {what} starts when one finishes. Changing a setting or closing the tab cancels it.")
+    pages = "other visitor's page" if n == 1 else "other visitors' pages"
+    return (f"Queued behind {n} {pages} ({size} run at a time on this server): this page starts when one "
+            "finishes. Changing a setting or closing the tab leaves the line.")
 
 
 class _Ticker:
-    """Refreshes a queued session's status line from a helper thread attached to its script run, as
-    Streamlit's own spinner shows itself while a cached function runs (a cached function's body may not
-    draw elements created outside it)."""
+    """Refreshes a queued session's status line from a helper thread attached to its script run (as
+    Streamlit's own spinner is shown), while the script thread waits for its slot."""
 
-    def __init__(self, holder, ticket: object, what: str):
+    def __init__(self, holder, ticket: object, queue: Pool):
         from streamlit.runtime.scriptrunner import add_script_run_ctx
 
-        self.holder, self.ticket, self.what = holder, ticket, what
+        self.holder, self.ticket, self.queue = holder, ticket, queue
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name="kvviz-queue-status", daemon=True)
         add_script_run_ctx(self.thread, _run_context())
@@ -153,71 +160,33 @@ class _Ticker:
     def _run(self) -> None:
         shown = None
         while not self.done.wait(0 if shown is None else TICK_SECONDS):
-            n = pool().ahead_of(self.ticket)
+            n = self.queue.ahead_of(self.ticket)
             if n != shown:
-                self.holder.info(_queued_text(n, self.what), icon=":material/hourglass_top:")
+                self.holder.info(queued_text(n), icon=":material/hourglass_top:")
                 shown = n
-        self.holder.empty()       # from this thread too: the script thread may be inside a cached function
+        self.holder.empty()
 
     def stop(self) -> None:
         self.done.set()
         self.thread.join(2)
 
 
-def _take(p: Pool, ticket: object) -> None:
-    p.acquire(ticket, limits.checkpoint)
-    _held.slot = True
-
-
-def _give_back(p: Pool) -> None:
-    if getattr(_held, "slot", False):
-        _held.slot = False
-        p.release()
-
-
-@contextmanager
-def heavy(what: str) -> Iterator[None]:
-    """Run the body in one of the pool's slots, waiting in line (visibly) if they are taken."""
-    depth = getattr(_held, "depth", 0)
-    _held.depth = depth + 1
+def serve(page) -> None:
+    """app.py's router: run `page` (an st.Page) while holding one of the server's slots."""
+    start_run()
+    p, ticket, holder = pool(), object(), _STATUS.get()
+    ticker = _Ticker(holder, ticket, p) if p.busy and holder is not None and _run_context() else None
     try:
-        if depth:                             # this thread already holds a slot
-            yield
-            return
-        p, ticket, holder = pool(), object(), _STATUS.get()
-        ticker = _Ticker(holder, ticket, what) if p.busy and holder is not None and _run_context() else None
-        try:
-            _take(p, ticket)
-        finally:
-            if ticker is not None:
-                ticker.stop()
-        try:
-            yield
-        finally:
-            _give_back(p)
+        p.acquire(ticket, limits.checkpoint)
     finally:
-        _held.depth = depth
-
-
-def outside_slot(fn: Callable[..., T] | None) -> Callable[..., T] | None:
-    """`fn` called without this thread's slot: for work that may wait on another session's cached
-    computation (a seed trace another session is generating), so no one holds a slot while waiting
-    for someone who waits for a slot."""
-    if fn is None:
-        return None
-
-    def call(*args, **kwargs):
-        if not getattr(_held, "slot", False):
-            return fn(*args, **kwargs)
-        p, depth = pool(), _held.depth
-        _give_back(p)
-        _held.depth = 0               # heavy() blocks inside fn take a slot of their own
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _held.depth = depth
-            _take(p, object())        # may raise (a rerun while waiting): heavy() then has nothing to give back
-    return call
+        if ticker is not None:
+            ticker.stop()
+    token = _SERVED.set(True)
+    try:
+        page.run()
+    finally:
+        _SERVED.reset(token)
+        p.release()
 
 
 # --- sources past the budget --------------------------------------------------------------------------

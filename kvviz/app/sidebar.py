@@ -32,8 +32,7 @@ def _handbook(seed: int = 0) -> Trace:
 @st.cache_resource(max_entries=16, show_spinner="Generating the synthetic pattern…")
 def _synthetic(items: tuple) -> Trace:
     from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
-    with guard.heavy("the synthetic pattern"):
-        return make_synthetic(SyntheticSpec(**dict(items)))
+    return make_synthetic(SyntheticSpec(**dict(items)))
 
 
 def _external_sources() -> dict[str, Callable | None]:

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvviz.app import guard
 from kvviz.app.store import w_choice, w_number, w_slider
 from kvviz.models import BUNDLED, BUNDLED_NAME, ModelError, bundled_model_file
 from kvviz.sources.tracefile import FORMAT, VERSION, load_trace, save_trace, trace_from_bytes
@@ -236,9 +235,8 @@ def run_capture(settings: CaptureSettings) -> Trace:
         status.update(label=f"Loading model {settings.model} (first time: converting weights, ~20 s) …")
         model, tok, info = shared_model(settings.model, settings.device, settings.dtype, progress=progress(0.0, 0.3))
         status.update(label="Running the model over the prompt …")
-        with guard.heavy("this capture"):
-            trace = capture(model, tok, info, settings.prompt, new_tokens=settings.new_tokens,
-                            max_tokens=settings.max_tokens, progress=progress(0.3, 1.0))
+        trace = capture(model, tok, info, settings.prompt, new_tokens=settings.new_tokens,
+                        max_tokens=settings.max_tokens, progress=progress(0.3, 1.0))
         path = settings.path()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
