@@ -114,10 +114,11 @@ def test_a_closed_session_stops_a_long_synthetic_build(monkeypatch):
 
     def slow(n):
         hold.wait(0.5)                         # each head takes a while
+    page("app.py").run()                       # imports done, so the timeout falls inside the build
     calls, raised = _counting_checkpoints(monkeypatch, slow)
     at = page("app.py", source="synthetic", syn_seed=8, layers=8)
     with pytest.raises(RuntimeError, match="timed out"):
-        at.run(timeout=1.2)
+        at.run(timeout=2.0)
     assert raised == ["StopException"]
     assert len(calls) < 8 * (2 + 4)            # stopped long before the 48th head
 
@@ -168,7 +169,12 @@ def test_a_queued_page_says_so_and_runs_when_a_slot_frees(monkeypatch):
     shown = []
     real = guard.queued_text
     monkeypatch.setattr(guard, "queued_text", lambda n: shown.append(n) or real(n))
-    threading.Timer(1.5, p.release).start()
+    def release_once_queued():
+        while not p._queue:
+            threading.Event().wait(0.05)
+        threading.Event().wait(0.6)                # a tick of the status line
+        p.release()
+    threading.Thread(target=release_once_queued, daemon=True).start()
     at = page("app.py", source="synthetic", syn_seed=9)
     at.run()
     assert not at.exception and at.metric
@@ -180,13 +186,21 @@ def test_a_queued_page_says_so_and_runs_when_a_slot_frees(monkeypatch):
 
 
 def test_a_queued_page_leaves_the_line_when_its_session_closes(monkeypatch):
+    page("app.py").run()                           # imports done, so the run reaches the line in time
     p = guard.Pool(1)
     monkeypatch.setattr(guard, "pool", lambda: p)
     p.acquire(object(), lambda: None)
-    at = page("app.py")
-    with pytest.raises(RuntimeError, match="timed out"):
-        at.run(timeout=1.0)
-    assert p._queue == [] and p._running == 1      # it left; the holder still runs
+    queued = threading.Event()
+
+    def watch():
+        while not p._queue:
+            threading.Event().wait(0.01)
+        queued.set()
+    threading.Thread(target=watch, daemon=True).start()
+    with pytest.raises(RuntimeError, match="timed out"):      # AppTest then asks the run to stop
+        page("app.py").run(timeout=3.0)
+    assert queued.is_set()                         # it waited in line...
+    assert p._queue == [] and p._running == 1      # ...and left it; the holder still runs
     p.release()
 
 

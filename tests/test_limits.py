@@ -184,3 +184,40 @@ def test_np_is_not_touched_by_a_refusal(monkeypatch):
     monkeypatch.setattr(np, "zeros", lambda *a, **k: pytest.fail("allocated"))
     with pytest.raises(BudgetError):
         SyntheticSpec(**HUGE)
+
+
+def test_a_timeline_states_its_masks_and_is_refused_past_the_limit(monkeypatch):
+    from kvviz.analysis.timeline import timeline, timeline_work
+
+    t = make_synthetic(SyntheticSpec(context=64, steps=8))
+    work = timeline_work(t, 8, 3)
+    assert work.bytes == 8 * 72 * 8 + 3 * 4 * 8 * 72 + 8 * 2 * 72
+    monkeypatch.setattr("kvviz.limits.max_bytes", lambda: work.bytes - 1)
+    with pytest.raises(BudgetError, match="this timeline needs"):
+        timeline(t, Spec(sink=4, recent=8, heavy=8, scorer="oracle"), policies=("h2o", "tova", "streaming"))
+
+
+def test_a_real_model_prefill_and_capture_state_their_size():
+    from kvviz.models.config import prefill_work
+    from kvviz.sources.capture import capture_work
+
+    dims = (30, 9, 3, 64)                           # SmolLM2-135M
+    assert prefill_work(dims, 4096).bytes == (3 * 9 * 4096 * 4096 * 4 + 30 * 9 * 4096 * 64 * 4
+                                              + 4 * 30 * 3 * 4096 * 64 * 4)
+    with pytest.raises(BudgetError, match=r"3 × 9 query heads × 8,192 tokens × 8,192 keys × 4 B = 7.2 GB of "
+                                          r"attention scores"):
+        prefill_work(dims, 8192).check()
+    # a 2048-token SmolLM2 capture: 141 MB of q, 47 MB each of k and v (the capture module's own figures)
+    work = capture_work(dims, 30, 2048, 2048)
+    assert [p.bytes for p in work.parts[1:]] == [30 * 9 * 2048 * 64 * 4, 2 * 30 * 3 * 2048 * 64 * 4]
+    assert round(work.parts[1].bytes / 1e6) == 142 and round(work.parts[2].bytes / 2e6) == 47
+
+
+def test_a_real_model_text_past_the_limit_is_refused_before_the_forward_pass(tiny, monkeypatch):
+    from kvviz.decode import quality
+
+    model, ids = tiny
+    monkeypatch.setattr("kvviz.limits.max_bytes", lambda: 100_000)
+    monkeypatch.setattr(quality, "prefill", lambda *a, **k: pytest.fail("ran the model"))
+    with pytest.raises(BudgetError, match="this text needs"):
+        quality.reference(model, None, ids, 40, 20)
