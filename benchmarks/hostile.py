@@ -18,7 +18,6 @@ Exits 1 when a notice takes 5 s or more, the peak RSS reaches 2 GB, or the serve
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load import ROOT, Session, free_port, rss_mb, start_server, wait_healthy  # noqa: E402
+from load import ROOT, Session, rss_mb, served  # noqa: E402
 
 HUGE = ("source=synthetic&context=1000000000&steps=1000000000&layers=100000&q_heads=100000&kv_heads=100000")
 PAGES = {"": "Explorer", "trade-offs": "Trade-offs", "concentration": "Concentration", "model-lab": "Model lab",
@@ -87,13 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", type=Path, default=ROOT, help="the checkout whose app.py is served")
     p.add_argument("--only", choices=("huge", "sigterm"), default=None)
     a = p.parse_args(argv)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.mkdtemp(prefix="kvviz-hostile-")) / "server.log"
-    proc = start_server(port, log, {**os.environ, "KVVIZ_WARMUP": "0"}, root=a.root.resolve())
     missed, peak, stop = [], [0.0], threading.Event()
-    try:
-        wait_healthy(url, proc)
+    with served(log, root=a.root.resolve()) as (url, proc):
         warm = Session(url, seed=2)            # a server that has served a page: imports done, as in use
         warm.rerun(timeout=180)
         warm.close()
@@ -110,11 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(status {proc.returncode})")
             if seconds >= STOP_S:
                 missed.append("SIGTERM")
-    finally:
         stop.set()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     print("targets (notice < 5 s, peak RSS < 2 GB, stop < 5 s): " + ("met" if not missed else
                                                                     "MISSED: " + ", ".join(missed))
           + f"; server log {log}")

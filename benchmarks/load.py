@@ -32,6 +32,8 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,13 +55,26 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-def start_server(port: int, log: Path, env: dict, root: Path = ROOT) -> subprocess.Popen:
+@contextmanager
+def served(log: Path, root: Path = ROOT, env: dict | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`streamlit run app.py` of `root` on a free loopback port: yield (url, process) once it is healthy
+    (the body may stop it itself); stop it afterwards."""
+    port = free_port()
     streamlit = shutil.which("streamlit", path=str(Path(sys.executable).parent)) or "streamlit"
     cmd = [streamlit, "run", str(root / "app.py"), "--server.headless", "true", "--server.port", str(port),
            "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
            "--server.fileWatcherType", "none", "--server.runOnSave", "false"]
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=root, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, cwd=root, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "KVVIZ_WARMUP": "0", **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def get(url: str, timeout: float = 10.0) -> float:
@@ -237,14 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (1 <= a.sessions <= 50 and 1 <= a.moves <= 1000 and 10 <= a.timeout <= 3600):
         p.error("sessions 1-50, moves 1-1000, timeout 10-3600 s")
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.mkdtemp(prefix="kvviz-load-")) / "server.log"
-    env = {**os.environ, "KVVIZ_WARMUP": "0"}        # no background model load: the probe is the Explorer
-    proc = start_server(port, log, env)
-    started = time.time()
-    try:
-        wait_healthy(url, proc)
+    with served(log) as (url, proc):       # no background model load (KVVIZ_WARMUP=0): the probe is the Explorer
+        started = time.time()
         warm: dict = {}
         run_session(url, 999, 5, time.time() + 180, warm)          # imports, kernels, caches: warm
         time.sleep(2)
@@ -266,13 +276,6 @@ def main(argv: list[str] | None = None) -> int:
         poller.join(15)
         time.sleep(3)
         rss_after = rss_mb(proc.pid)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
     page_exceptions = [e for r in results for e in r.get("exceptions", [])]
     errors = [r["error"] for r in results if "error" in r]

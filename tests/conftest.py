@@ -17,7 +17,6 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -57,13 +56,8 @@ def chromium_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def app_url(app_server) -> str:
-    return app_server.url
-
-
-@pytest.fixture(scope="session")
-def app_server(chromium_path):
-    """Start `streamlit run app.py` on a free port; yield its url and pid; stop it."""
+def app_url(chromium_path) -> str:
+    """Start `streamlit run app.py` on a free port; yield its URL; stop it."""
     port = _free_port()
     streamlit = shutil.which("streamlit", path=str(Path(sys.executable).parent)) or "streamlit"
     cmd = [streamlit, "run", str(ROOT / "app.py"), "--server.headless", "true", "--server.port", str(port),
@@ -88,7 +82,7 @@ def app_server(chromium_path):
             if time.time() > deadline:
                 pytest.fail(f"streamlit did not become healthy within 60 s; see {log}")
             time.sleep(0.3)
-        yield SimpleNamespace(url=url, pid=proc.pid)
+        yield url
     finally:
         proc.terminate()
         try:

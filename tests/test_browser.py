@@ -312,8 +312,22 @@ def test_needle_page_opens_on_the_shipped_grid_and_a_click_opens_a_cell(page, ap
 HUGE_LINK = "source=synthetic&context=1000000000&steps=1000000000&layers=100000&q_heads=100000&kv_heads=100000"
 
 
+def server_pid(url: str) -> int:
+    """The process of the server the app_url fixture started: the one whose command line serves its port."""
+    port = urlparse(url).port
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and b"--server.port" in args and args[args.index(b"--server.port") + 1] == \
+                str(port).encode() and any(a.endswith(b"app.py") for a in args):
+            return int(proc.name)
+    raise AssertionError(f"no streamlit process serves port {port}")
+
+
 def server_rss_mb(pid: int) -> float:
-    """Resident memory of the server process the fixture started, from /proc/<pid>/status."""
+    """Resident memory of a process, from /proc/<pid>/status."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
@@ -325,12 +339,11 @@ def server_rss_mb(pid: int) -> float:
     ("concentration", "Concentration", None), ("model-lab", "Model lab", None),
     ("decode-timeline", "Decode timeline", None), ("needle-test", "Needle test", None),
 ])
-def test_the_huge_link_gives_a_notice_on_every_page_and_the_server_stays_small(page, app_server, path, name,
-                                                                              marker):
+def test_the_huge_link_gives_a_notice_on_every_page_and_the_server_stays_small(page, app_url, path, name, marker):
     page.set_viewport_size({"width": 1400, "height": 1600})
     missing = []
     page.on("response", lambda r: missing.append(r.url) if r.status == 404 else None)
-    page.goto(f"{app_server.url}/{path}?{HUGE_LINK}")
+    page.goto(f"{app_url}/{path}?{HUGE_LINK}")
     e = expect()
     e(page.get_by_role("heading", name=re.compile(name)).first).to_be_visible()
     if path in ("", "trade-offs", "concentration", "decode-timeline"):
@@ -342,7 +355,7 @@ def test_the_huge_link_gives_a_notice_on_every_page_and_the_server_stays_small(p
         e(metric(page, marker)).to_have_text(re.compile(r"/ 544$"))   # the default pattern, usable
     settle(page)
     assert page.locator('[data-testid="stException"]').count() == 0
-    assert server_rss_mb(app_server.pid) < 2048
+    assert server_rss_mb(server_pid(app_url)) < 2048
     # Streamlit's frontend, opened on a page's own path, first looks for the server under that path
     # (/<page>/_stcore/health, /host-config) and then at the root: those two 404s are expected.
     probes = [u for u in missing if re.search(rf"/{path}/_stcore/(health|host-config)$", u)] if path else []
