@@ -429,12 +429,13 @@ def trace_bytes(trace: Trace) -> int:
 
 
 def compare_work(trace: Trace, evicts: bool, view: View, seeds: bool = False) -> Work:
-    """What `compare` holds at its peak over a trace already in memory: the ensemble's rows, (evicts)
-    the policy's inputs, attention chunks and kept masks, and (seeds=True, a source that draws a new
-    trace per seed) the ensemble's other traces."""
+    """What a comparison holds at its peak: the trace itself, the ensemble's rows, (evicts) the policy's
+    inputs, attention chunks and kept masks, and (seeds=True, a source that draws a new trace per seed)
+    the ensemble's other traces."""
     m, P, D = n_members(trace, view), trace.n_positions, trace.head_dim
     Hq, Hkv = trace.n_q_heads, trace.n_kv_heads
-    parts = [Part("attention rows", ((m, "rows"), (P, "tokens"), (ROW_TEMPORARIES, "arrays")), item_bytes=8)]
+    parts = [Part("the trace", ((trace_bytes(trace), "bytes"),), item_bytes=1),
+             Part("attention rows", ((m, "rows"), (P, "tokens"), (ROW_TEMPORARIES, "arrays")), item_bytes=8)]
     if evicts:
         chunk = chunk_rows(Hq, P)
         parts += [Part("policy inputs", ((2, ""), (Hq, "query heads"), (P, "positions"), (D, "dims"))),

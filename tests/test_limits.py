@@ -114,7 +114,8 @@ def test_compare_states_its_peak_and_refuses_a_seeds_ensemble_of_big_traces(monk
     work = compare_work(t, True, View(ensemble="heads", ensemble_size=3))
     chunk = chunk_rows(4, 68)
     assert chunk == 512
-    assert work.bytes == (3 * 68 * 12 * 8             # the rows' float64 arrays
+    assert work.bytes == (t.q.nbytes + t.k.nbytes + t.v.nbytes     # the trace itself
+                          + 3 * 68 * 12 * 8             # the rows' float64 arrays
                           + 2 * 4 * 68 * 64 * 4       # the policy's queries and keys
                           + 2 * 4 * 512 * 68 * 4      # attention chunks
                           + 3 * 2 * 68)               # kept masks
@@ -191,7 +192,7 @@ def test_a_timeline_states_its_masks_and_is_refused_past_the_limit(monkeypatch):
 
     t = make_synthetic(SyntheticSpec(context=64, steps=8))
     work = timeline_work(t, 8, 3)
-    assert work.bytes == 8 * 72 * 8 + 3 * 4 * 8 * 72 + 8 * 2 * 72
+    assert work.bytes == t.q.nbytes + t.k.nbytes + t.v.nbytes + 8 * 72 * 8 + 3 * 4 * 8 * 72 + 8 * 2 * 72
     monkeypatch.setattr("kvviz.limits.max_bytes", lambda: work.bytes - 1)
     with pytest.raises(BudgetError, match="this timeline needs"):
         timeline(t, Spec(sink=4, recent=8, heavy=8, scorer="oracle"), policies=("h2o", "tova", "streaming"))

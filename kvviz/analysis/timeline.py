@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvviz.attention import softmax
+from kvviz.engine import trace_bytes
 from kvviz.limits import Part, Work, checkpoint
 from kvviz.policies import ScoreContext, get_policy, select
 from kvviz.spec import Spec, SpecError
@@ -178,10 +179,11 @@ def policy_masks(trace: Trace, spec: Spec, layer: int, positions: np.ndarray, na
 
 
 def timeline_work(trace: Trace, n_steps: int, n_policies: int) -> Work:
-    """What `timeline` holds: the steps' attention, every policy's kept / evicted / missed masks, and
-    one policy's kept masks over every KV head while they are computed."""
+    """What `timeline` holds: the trace, the steps' attention, every policy's kept / evicted / missed
+    masks, and one policy's kept masks over every KV head while they are computed."""
     steps, P = (n_steps, "steps"), (trace.n_positions, "positions")
     return Work("this timeline", (
+        Part("the trace", ((trace_bytes(trace), "bytes"),), item_bytes=1),
         Part("attention", (steps, P), item_bytes=8),
         Part("policy masks", ((n_policies, "policies"), (4, "masks"), steps, P), item_bytes=1),
         Part("kept masks of every KV head", (steps, (trace.n_kv_heads, "KV heads"), P), item_bytes=1),
