@@ -2,6 +2,7 @@
 
     python benchmarks/load.py 10 50            # 10 sessions, 50 moves each (the target)
     python benchmarks/load.py 3 5 --timeout 300
+    python benchmarks/load.py 10 50 --root ../main          # the same probe against another checkout
 
 Each session is a websocket client that speaks Streamlit's own protocol (the BackMsg / ForwardMsg
 protobufs from the streamlit package), as the browser does: it opens the Explorer, waits until every
@@ -248,12 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("sessions", type=int, nargs="?", default=10)
     p.add_argument("moves", type=int, nargs="?", default=50)
     p.add_argument("--timeout", type=float, default=900, help="seconds for the whole run (default 900)")
+    p.add_argument("--root", type=Path, default=ROOT, help="the checkout whose app.py is served (to compare)")
     a = p.parse_args(argv)
     if not (1 <= a.sessions <= 50 and 1 <= a.moves <= 1000 and 10 <= a.timeout <= 3600):
         p.error("sessions 1-50, moves 1-1000, timeout 10-3600 s")
 
     log = Path(tempfile.mkdtemp(prefix="kvviz-load-")) / "server.log"
-    with served(log) as (url, proc):       # no background model load (KVVIZ_WARMUP=0): the probe is the Explorer
+    with served(log, root=a.root.resolve()) as (url, proc):       # no background model load (KVVIZ_WARMUP=0): the probe is the Explorer
         started = time.time()
         warm: dict = {}
         run_session(url, 999, 5, time.time() + 180, warm)          # imports, kernels, caches: warm
