@@ -118,6 +118,7 @@ class Session:
         self.exceptions: list[str] = []
         self.metrics: dict[str, str] = {}          # card label -> the value shown (the moves change them)
         self.alerts: list[tuple[float, str]] = []  # (perf_counter, text) of warnings, errors and notes shown
+        self.radios: dict[str, object] = {}        # label -> the latest Radio proto
         self.moves = 0
 
     def close(self) -> None:
@@ -162,12 +163,25 @@ class Session:
                     self.sliders[el.slider.label] = el.slider
                 elif what == "metric":
                     self.metrics[el.metric.label] = el.metric.body
+                elif what == "radio":
+                    self.radios[el.radio.label] = el.radio
                 elif what == "exception":
                     self.exceptions.append(f"{el.exception.type}: {el.exception.message}")
                 elif what == "alert":
                     self.alerts.append((time.perf_counter(), el.alert.body))
             elif kind == "script_finished" and fm.script_finished == ForwardMsg.FINISHED_SUCCESSFULLY:
                 return True
+
+    def keep_reading(self) -> None:
+        """Read (and drop) whatever arrives, in a helper thread, as a browser tab does while it waits:
+        a client that stops reading stalls the server's sends and its shutdown's close handshake."""
+        def drain():
+            try:
+                while True:
+                    self.ws.recv()
+            except Exception:  # noqa: BLE001 - closed: done
+                pass
+        threading.Thread(target=drain, daemon=True).start()
 
     def missing(self) -> list[str]:
         return [s for s in SLIDERS if s not in self.sliders]
