@@ -18,6 +18,7 @@ from kvviz.app.presets import preset_buttons
 from kvviz.app.sidebar import sidebar
 from kvviz.app.store import sync_url
 from kvviz.app import explorer as ux
+from kvviz.app import guard
 from kvviz.app import formats as ui_formats
 from kvviz.app import ledger as ui_ledger
 from kvviz.plots.figures import BAND_TEXT
@@ -139,5 +140,5 @@ PAGES.update(
     needle=st.Page("pages/5_Needle_test.py", title="Needle test", url_path="needle-test"),
 )
 page = st.navigation(list(PAGES.values()))
-page.run()
+guard.serve(page)   # in one of the server's run slots, cancelled by a rerun or a closed tab
 sync_url()

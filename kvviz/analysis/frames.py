@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from kvviz.attention import logit_rows, softmax
+from kvviz.limits import checkpoint
 from kvviz.engine import REASONS, Comparison
 from kvviz.metrics import Spread, concentration_curve, entropy, error_split, spread
 from kvviz.trace import Trace
@@ -230,6 +231,7 @@ def concentration(trace: Trace, step: int | None = None, sink: int = 1, window: 
     sink_share, locality, ent, top10 = (np.zeros(shape) for _ in range(4))
     heads = np.arange(trace.n_q_heads)
     for layer in range(trace.n_layers):
+        checkpoint()
         rows = softmax(logit_rows(trace, layer, heads, qi))             # (q_heads, n), one pass
         for head, a in enumerate(rows):
             curves[layer, head] = concentration_curve(a, fractions)[1]

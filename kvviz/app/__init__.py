@@ -5,6 +5,7 @@ May import: every other layer of kvviz; nothing imports it but app.py and pages/
 
 Modules, lowest first; each imports only modules listed above it:
   labels, params        what the controls are called; their URL names, defaults and ranges (kvviz.links)
+  guard                 the work budget's notices, cancellation on rerun, a fair pool of slots for heavy work
   store                 the URL-backed settings store and the w_* widgets that read and write it
   compute               Source (a trace with a cache identity); the core's calls through st.cache_*
   cards, notes          metric cards and number formats; notes and warnings beside them

@@ -18,6 +18,7 @@ Only the oracle (`needs_query = True`) sees the query it is evaluated on.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
@@ -25,6 +26,7 @@ from functools import cached_property
 import numpy as np
 
 from kvviz.attention import context_rows, small_blas, softmax
+from kvviz.limits import checkpoint
 from kvviz.policies.allocation import adakv_heavy, allocate, layer_spec, select_heads
 from kvviz.policies.select import evict_one, select  # noqa: F401  (re-exported: policies import them from here)
 from kvviz.spec import Spec
@@ -71,22 +73,25 @@ class ScoreContext:
         return per_q_head.reshape(self.trace.n_kv_heads, g, -1).sum(axis=1)
 
 
-_SCORE_CACHE: OrderedDict = OrderedDict()  # (trace id, layer, scorer, key) -> (trace, scores)
+# (trace id, layer, scorer, key) -> (weak reference to the trace, scores): the cache must not keep a
+# trace alive after its owner (an app cache, a sweep) let it go; a dead reference is a miss.
+_SCORE_CACHE: OrderedDict = OrderedDict()
 _SCORE_CACHE_SIZE = 32
 
 
 def cached_on_trace(trace: Trace, layer: int, name: str, key: tuple, compute):
     """`compute()`, cached in the score cache per (trace, layer, name, key): scores, and statistics
     a scorer derives from a layer of the trace alone (Expected Attention's query mean and covariance,
-    which every horizon reuses). The trace itself is held with the entry, so an id reused by a new
-    trace never hits."""
+    which every horizon reuses). The entry holds a weak reference to its trace: an id reused by a
+    new trace never hits, and the cache never keeps a trace (often the largest object in the
+    process) alive after its owner lets it go."""
     full_key = (id(trace), layer, name, key)
     hit = _SCORE_CACHE.get(full_key)
-    if hit is not None and hit[0] is trace:
+    if hit is not None and hit[0]() is trace:
         _SCORE_CACHE.move_to_end(full_key)
         return hit[1]
     value = compute()
-    _SCORE_CACHE[full_key] = (trace, value)
+    _SCORE_CACHE[full_key] = (weakref.ref(trace), value)
     while len(_SCORE_CACHE) > _SCORE_CACHE_SIZE:
         _SCORE_CACHE.popitem(last=False)
     return value
@@ -207,6 +212,7 @@ class Policy:
         query_at = {int(trace.query_positions[qi]): int(qi) for qi in trace.later_queries}
         inv_sqrt_d = 1.0 / np.sqrt(trace.head_dim)
         for p in range(c, int(positions.max()) + 1 if len(positions) else c):
+            checkpoint()
             kept = np.concatenate([kept, np.full((Hkv, 1), p)], axis=1)       # the new token arrives
             if kept.shape[1] > spec.budget:                                   # evict one per head
                 kept = evict_one(kept, scores, spec, p)
