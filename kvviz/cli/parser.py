@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import sys
 
-from kvviz.cli import capture, compare, evaluate, ledger, needle, solve, sweep
+from kvviz.cli import capture, compare, evaluate, ledger, needle, solve, study, sweep
 from kvviz.cli.args import CliError, OneLineParser
 from kvviz.spec import SpecError
 from kvviz.trace import TraceError
 
-COMMANDS = (compare, sweep, solve, ledger, capture, evaluate, needle)   # in the order --help lists them
+COMMANDS = (compare, sweep, solve, ledger, capture, evaluate, needle, study)   # in the order --help lists them
 
 
 def build_parser() -> OneLineParser:
