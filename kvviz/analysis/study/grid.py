@@ -84,11 +84,12 @@ def _check_synthetic(study: Study) -> None:
 
     src, grid = study.source, study.grid
     knobs = {k: v for k, v in src.items() if k not in ("kind", "seeds", "layer", "ensemble")}
-    for s in src["seeds"]:
-        try:
-            SyntheticSpec(**knobs, seed=s)
-        except SpecError as exc:
-            raise StudyError(f"[source] {exc}") from None
+    try:
+        SyntheticSpec(**knobs)
+    except SpecError as exc:
+        raise StudyError(f"[source] {_culprits(knobs)}: {exc}") from None
+    if min(src["seeds"]) < 0:
+        raise StudyError(f"[source] seeds: {min(src['seeds'])} is negative")
     if not 0 <= src["layer"] < src["layers"]:
         raise StudyError(f"[source] layer: {src['layer']} is not a layer of a {src['layers']}-layer trace")
     load_entry_points()
@@ -112,6 +113,24 @@ def _check_synthetic(study: Study) -> None:
                 except SpecError as exc:
                     raise StudyError(f"[grid] the cell scorer={scorer} budget={f:g} bits={b} format={fmt} is "
                                      f"impossible: {exc}") from None
+
+
+def _culprits(knobs: dict) -> str:
+    """The keys whose own values break a SyntheticSpec: each set key that, put back to its default
+    with the others kept, makes the pattern valid (its message names a rule, this names the key)."""
+    from kvviz.sources.synthetic import SyntheticSpec
+
+    default = SyntheticSpec()
+    found = []
+    for k, v in knobs.items():
+        if v == getattr(default, k):
+            continue
+        try:
+            SyntheticSpec(**{**knobs, k: getattr(default, k)})
+        except SpecError:
+            continue
+        found.append(k)
+    return " / ".join(found) or "the pattern knobs"
 
 
 def widths(grid: dict) -> list[tuple[int, str]]:
