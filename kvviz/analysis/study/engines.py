@@ -17,6 +17,7 @@ retried and does not stop the others. A lost worker loses only the cells in flig
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -72,20 +73,20 @@ def run_pool(study: Study, cells: list[Cell], on_result: OnResult, workers: int)
                 on_result(cell, result)
 
 
-def _ray_init(ray, workers: int, address: str | None) -> bool:
+def start_ray(ray, workers: int, address: str | None = None) -> bool:
     """Connect to `address`, or start a local Ray with `workers` CPUs. True if we started it."""
     if ray.is_initialized():
         return False
     if address:
         try:
-            ray.init(address=address, log_to_driver=False)
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise StudyError(f"cannot reach the Ray cluster at {address!r}: {str(exc).splitlines()[0]}") from None
         return True
     # workers import kvviz from where this driver does (an editable checkout is not on their path otherwise)
     root = str(Path(__file__).resolve().parents[3])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     return True
 
@@ -96,7 +97,7 @@ def run_ray(study: Study, cells: list[Cell], on_result: OnResult, workers: int =
         import ray
     except ImportError:
         raise StudyError(RAY_MISSING) from None
-    started = _ray_init(ray, workers, address)
+    started = start_ray(ray, workers, address)
     try:
         if study.kind == "synthetic":
             _ray_tasks(ray, study, cells, on_result, workers)
