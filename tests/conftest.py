@@ -24,6 +24,8 @@ import pytest
 os.environ.setdefault("KVVIZ_WARMUP", "0")
 # Model lab results precomputed on this machine must not change what the app tests see
 os.environ.setdefault("KVVIZ_LAB_DIR", tempfile.mkdtemp(prefix="kvviz-lab-test-"))
+# the Studies page opens folders under this root only (an empty one per test session)
+os.environ.setdefault("KVVIZ_STUDIES_DIR", tempfile.mkdtemp(prefix="kvviz-studies-test-"))
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
