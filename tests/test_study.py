@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvviz.analysis.study import StudyDir, StudyError, load_study, parse_study, plan, run_study
+from kvviz.analysis.study import cells as grid_cells
 from kvviz.analysis.study.frontier import frontier, t_half_width
 from kvviz.cli import main
 
@@ -92,13 +93,13 @@ def test_a_bad_study_file_runs_nothing_and_creates_no_folder(tmp_path, capsys):
 
 def test_cells_are_the_product_of_the_lists_with_one_full_cell_per_width():
     study = parse_study(SMALL)
-    cells = study.cells()
+    cells = grid_cells(study)
     # 2 seeds x (2 scorers x 1 budget + one shared full-cache cell) x 2 widths
     assert len(cells) == 2 * (2 + 1) * 2
     assert len({c.id for c in cells}) == len(cells)
     full = [c for c in cells if c.settings["budget"] == 1.0]
     assert {c.settings["scorer"] for c in full} == {"full"} and len(full) == 4
-    assert load_study(EXAMPLE).cells().__len__() == 3 * 3 * 2 * 2
+    assert len(grid_cells(load_study(EXAMPLE))) == 3 * 3 * 2 * 2
 
 
 # --- the local engine -----------------------------------------------------------------------------------
@@ -151,7 +152,7 @@ def test_a_killed_run_resumes_to_exactly_the_full_set(tmp_path):
         proc.wait()
         proc.stderr.close()
     killed_with = len(list((out / "parts").glob("*.parquet")))
-    cells = load_study(study).cells()
+    cells = grid_cells(load_study(study))
     assert 3 <= killed_with < len(cells), "the run finished before the kill: make the cells slower"
     plan_ = plan(study, out)[3]
     assert (plan_.done_before, plan_.to_run) == (killed_with, len(cells) - killed_with)
@@ -210,7 +211,7 @@ def test_ray_missing_says_how_to_install_it(tmp_path, monkeypatch):
     from kvviz.analysis.study.engines import run_ray
     monkeypatch.setitem(sys.modules, "ray", None)          # `import ray` raises ImportError
     with pytest.raises(StudyError, match=r"pip install 'kvviz\[ray\]'"):
-        run_ray(parse_study(SMALL), parse_study(SMALL).cells(), lambda c, r: None)
+        run_ray(parse_study(SMALL), grid_cells(parse_study(SMALL)), lambda c, r: None)
 
 
 # --- the frontier ------------------------------------------------------------------------------------------

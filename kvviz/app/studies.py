@@ -13,9 +13,8 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvviz.analysis.study import StudyDir, StudyError, run_study
+from kvviz.analysis.study import StudyDir, StudyError, cells, load_study, run_study
 from kvviz.analysis.study.frontier import METRICS, X_COLUMN, frontier
-from kvviz.analysis.study.schema import load_study
 from kvviz.analysis.sweep import split_budget
 from kvviz.app.layout import PAGES
 from kvviz.app.params import PARAMS
@@ -96,7 +95,7 @@ def example_section(root: Path) -> None:
             continue
         rel = ex.relative_to(EXAMPLES.parents[1])
         st.markdown(f"**{study.name}** — {study.description or study.kind} "
-                    f"({len(study.cells())} cells, {study.kind})")
+                    f"({len(cells(study))} cells, {study.kind})")
         st.code(f"kvviz study run {rel} --out {root / study.name}", language="bash")
         if study.kind == "synthetic" and not (root / study.name / "study.json").exists():
             if st.button(f"Run {study.name} here (seconds)", key=f"run_example_{study.name}",

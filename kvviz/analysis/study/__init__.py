@@ -15,8 +15,9 @@ model cells); pyarrow and Ray lazily, Ray in engines only. Never plotly or Strea
 
 from kvviz.analysis.study.engines import ENGINES, RAY_MISSING
 from kvviz.analysis.study.runner import RunReport, plan, run_study
-from kvviz.analysis.study.schema import Cell, Study, StudyError, load_study, parse_study
+from kvviz.analysis.study.grid import cells, load_study, parse_study
+from kvviz.analysis.study.schema import Cell, Study, StudyError
 from kvviz.analysis.study.store import StudyDir
 
-__all__ = ["Cell", "ENGINES", "RAY_MISSING", "RunReport", "Study", "StudyDir", "StudyError", "load_study",
+__all__ = ["Cell", "ENGINES", "cells", "RAY_MISSING", "RunReport", "Study", "StudyDir", "StudyError", "load_study",
            "parse_study", "plan", "run_study"]

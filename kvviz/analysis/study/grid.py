@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from kvviz.analysis.study.schema import MIN_MODEL_BUDGET, SAMPLE, Cell, Study, StudyError, cell_id
+from kvviz.analysis.study.schema import MIN_MODEL_BUDGET, SAMPLE, Cell, Study, StudyError, cell_id, read_study
 from kvviz.spec import FULL_BITS, Spec, SpecError
 
 FULL = "full"
@@ -68,6 +68,24 @@ def model_spec(method: str, budget: float, bits: int, prompt_tokens: int) -> Spe
     if bits != FULL_BITS:
         spec = spec.with_(key_bits=bits, value_bits=bits, key_axis="channel", value_axis="token", group_size=32)
     return spec
+
+
+def parse_study(text: str, base_dir: str | Path = ".", origin: str = "study file") -> Study:
+    """A checked Study from TOML text: every key, every range, every cell (StudyError naming the key)."""
+    study = read_study(text, base_dir, origin)
+    check(study)
+    return study
+
+
+def load_study(path: str | Path) -> Study:
+    p = Path(path)
+    if not p.is_file():
+        raise StudyError(f"no study file at {p}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StudyError(f"cannot read {p}: {exc}") from None
+    return parse_study(text, p.parent, origin=str(p))
 
 
 def check(study: Study) -> None:

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvviz.analysis.study.engines import run
-from kvviz.analysis.study.schema import Cell, Study, load_study
+from kvviz.analysis.study.grid import cells as grid_cells
+from kvviz.analysis.study.grid import load_study
+from kvviz.analysis.study.schema import Cell, Study
 from kvviz.analysis.study.store import StudyDir, row_for
 
 
@@ -30,7 +32,7 @@ class RunReport:
 def plan(study: Study | str | Path, out: str | Path) -> tuple[Study, StudyDir, list[Cell], RunReport]:
     """The checked study, its prepared folder, the cells left to run, and the counts (nothing runs)."""
     study = study if isinstance(study, Study) else load_study(study)
-    cells = study.cells()
+    cells = grid_cells(study)
     folder = StudyDir(out)
     folder.prepare(study, cells)
     done = folder.done_ids()

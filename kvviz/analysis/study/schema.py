@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvviz.spec import FULL_BITS, SCORERS, Spec, SpecError
+from kvviz.spec import FULL_BITS, SpecError
 
 FORMAT = 1                      # bump when a cell's meaning changes: every cell id changes with it
 KINDS = ("synthetic", "model", "needle")
@@ -209,13 +209,10 @@ class Study:
         keys = source_keys(self.kind) | GRID_KEYS[self.kind]
         return {k: v for k, v in (self.source | self.grid).items() if k in keys and keys[k].axis}
 
-    def cells(self) -> list[Cell]:
-        from kvviz.analysis.study.grid import cells
-        return cells(self)
 
-
-def parse_study(text: str, base_dir: str | Path = ".", origin: str = "study file") -> Study:
-    """A checked Study from TOML text; StudyError naming the key if anything is wrong."""
+def read_study(text: str, base_dir: str | Path = ".", origin: str = "study file") -> Study:
+    """A Study from TOML text with every key's name and type checked (StudyError naming the key);
+    kvviz.analysis.study.grid.parse_study also checks the ranges and every cell."""
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -229,22 +226,8 @@ def parse_study(text: str, base_dir: str | Path = ".", origin: str = "study file
         raise StudyError(f"[source] kind: expected one of {', '.join(KINDS)}, got {kind!r}")
     source = _table("[source]", top["source"], source_keys(kind))
     grid = _table("[grid]", top["grid"], GRID_KEYS[kind])
-    study = Study(name=top["name"], kind=kind, description=top["description"], source=source, grid=grid,
-                  text=text, base_dir=str(Path(base_dir).resolve()))
-    from kvviz.analysis.study.grid import check
-    check(study)
-    return study
-
-
-def load_study(path: str | Path) -> Study:
-    p = Path(path)
-    if not p.is_file():
-        raise StudyError(f"no study file at {p}")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise StudyError(f"cannot read {p}: {exc}") from None
-    return parse_study(text, p.parent, origin=str(p))
+    return Study(name=top["name"], kind=kind, description=top["description"], source=source, grid=grid,
+                 text=text, base_dir=str(Path(base_dir).resolve()))
 
 
 def cell_id(kind: str, fixed: dict, settings: dict) -> str:
@@ -254,5 +237,4 @@ def cell_id(kind: str, fixed: dict, settings: dict) -> str:
 
 
 __all__ = ["AXIS_COLUMNS", "Cell", "DEVICES", "DTYPES", "FORMAT", "GRID_KEYS", "KINDS", "Key", "MIN_MODEL_BUDGET",
-           "SAMPLE", "SCORERS", "SOURCE_KEYS", "Study", "StudyError", "cell_id", "load_study", "parse_study",
-           "source_keys", "Spec"]
+           "SAMPLE", "SOURCE_KEYS", "Study", "StudyError", "cell_id", "read_study", "source_keys"]
