@@ -11,6 +11,10 @@ from kvviz.plots.figures import (BITS_DASH, FORMAT_NAMES, METHOD_COLORS, METHOD_
 
 X_TITLES = {"memory_ratio": "memory ratio (compressed / 16-bit cache bytes)",
             "budget": "cache budget (share of the prompt's tokens)"}
+# eval-sweep's quantizers by their published names; the rest as the Trade-offs chart names them
+LABELS = {**METHOD_LABELS, "kivi-2bit": "KIVI 2-bit", "kivi-2bit-rotated": "KIVI 2-bit, rotated keys",
+          "kv-4bit": "K/V 4-bit", "kv-8bit": "K/V 8-bit", "fp16": "fp16 (full cache)", "nvfp4": "NVFP4",
+          "mxfp4": "MXFP4", "hf-qc-4bit": "HF QuantizedCache 4-bit", "hf-qc-2bit": "HF QuantizedCache 2-bit"}
 CLICK = {"synthetic": "click to open in the Explorer", "model": "click to open in the Model lab", "needle": ""}
 
 
@@ -37,7 +41,7 @@ def frontier_figure(fr: Frontier, x_column: str = "memory_ratio", log_x: bool = 
             method, bits, fmt = g[method_col].iloc[0], int(g["bits"].iloc[0]), fmt_of(g)
             model = g["model"].iloc[0] if "model" in g else None
             bound = method == "oracle"
-            name = METHOD_LABELS.get(method, method) + (f" · {model}" if model is not None and len(models) > 1 else "")
+            name = LABELS.get(method, method) + (f" · {model}" if model is not None and len(models) > 1 else "")
             width = _width(bits, fmt)
             fig.add_scatter(
                 x=g["x"], y=g["mean"], mode="lines+markers", name=name, legendgroup=name,

@@ -129,6 +129,10 @@ class ModelWorker:
             return
         from kvviz.models import load_model
 
+        # one torch thread per worker, as Ray gives each actor (OMP_NUM_THREADS=1 for num_cpus=1): on a
+        # busy 2-core machine 2 threads per process ran this study's cells ~10x slower (docs/studies.md);
+        # KVVIZ_TORCH_THREADS set by the user wins
+        os.environ.setdefault("KVVIZ_TORCH_THREADS", "1")
         self.name, self.model, self.tokenizer, self.ref, self.ref_key, self.error = key, None, None, None, None, None
         try:
             auto = source["device"] == "auto"
