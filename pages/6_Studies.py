@@ -5,7 +5,7 @@ import streamlit as st
 from kvviz.analysis.study import StudyError
 
 from kvviz.app.layout import page_setup
-from kvviz.app.store import show_notices, state, sync_url
+from kvviz.app.store import show_notices, state, sync_url, w_choice
 from kvviz.app.studies import example_section, frontier_section, list_studies, resolve_study, studies_root
 
 
@@ -17,15 +17,12 @@ def main() -> None:
     show_notices()
     root = studies_root()
     found = list_studies(root)
-    store = state()
-    chosen = store["study"]
-    options = ["", *found] if chosen in found or not chosen else ["", chosen, *found]
-    st.session_state["_study_pick"] = chosen
-    pick = st.selectbox(f"Study (folders under {root})", options, key="_study_pick",
-                        format_func=lambda s: s or "— choose a study —",
-                        help="Folders written by `kvviz study run FILE --out DIR` under the studies folder "
-                             "(KVVIZ_STUDIES_DIR, default ./runs). The chosen study is kept in the link.")
-    store["study"] = pick
+    chosen = st.session_state.get("study", state()["study"])
+    options = ["", *found] if chosen in found or not chosen else ["", chosen, *found]   # a bad link: refused below
+    pick = w_choice(st, "study", f"Study (folders under {root})", tuple(options),
+                    format_func=lambda s: s or "— choose a study —",
+                    help="Folders written by `kvviz study run FILE --out DIR` under the studies folder "
+                         "(KVVIZ_STUDIES_DIR, default ./runs). The chosen study is kept in the link.")
     if not pick:
         st.info("No study open. Pick one above, or run the shipped example below.", icon=":material/info:")
     else:

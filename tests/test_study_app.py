@@ -126,7 +126,15 @@ def test_a_clicked_cell_maps_to_the_explorer_and_the_model_lab_exactly(small_stu
     assert notes and "texts/x.txt" in notes[0]
 
 
-def test_the_page_loads_with_no_study(root):
+def test_the_page_loads_with_no_study_and_the_picker_opens_one(root, small_study):
+    _copy(small_study, root / "small")
     at = AppTest.from_file(PAGE, default_timeout=120)
     at.run()
     assert not at.exception and any("No study open" in i.value for i in at.info)
+    assert not at.get("plotly_chart") and at.selectbox(key="study").options == ["— choose a study —", "small"]
+    at.selectbox(key="study").select("small").run()
+    assert not at.exception and len(at.get("plotly_chart")) == 1
+    assert at.query_params["study"] in ("small", ["small"])
+    at.radio(key="st_metric").set_value("mass_retained").run()          # the choice survives a rerun
+    assert at.selectbox(key="study").value == "small" and len(at.get("plotly_chart")) == 1
+    assert "attention mass retained" in chart_spec(at)["layout"]["yaxis"]["title"]["text"]

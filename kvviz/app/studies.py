@@ -113,6 +113,7 @@ def example_section(root: Path) -> None:
                 root.mkdir(parents=True, exist_ok=True)
                 run_study(ex, root / study.name, on_start=start, on_cell=cell)
                 state()["study"] = study.name
+                st.session_state.pop("study", None)          # the picker takes the store's value when it renders
                 st.rerun()
 
 
