@@ -199,6 +199,15 @@ def test_a_changed_fixed_setting_is_refused_and_a_longer_list_runs_only_the_new_
     assert StudyDir(out).counts()["extra"] == 12 and len(StudyDir(out).rows()) == 6
 
 
+def test_an_unreadable_part_is_one_error_naming_it(tmp_path, capsys):
+    run_study(parse_study(SMALL), tmp_path / "s")
+    part = sorted((tmp_path / "s" / "parts").glob("*.parquet"))[0]
+    part.write_bytes(b"not parquet")
+    assert main(["study", "export", str(tmp_path / "s"), "--csv"]) == 2
+    err = capsys.readouterr().err
+    assert f"{part} is unreadable" in err and "delete it and rerun" in err and len(err.splitlines()) == 1
+
+
 def test_out_must_be_a_new_or_study_folder(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(StudyError, match="other files in it"):

@@ -133,8 +133,16 @@ class StudyDir:
 
         meta = self.meta()
         done = self.done_ids()
-        frames = [pq.read_table(self.path / PARTS / f"{c['id']}.parquet").to_pandas()
-                  for c in meta["cells"] if c["id"] in done]
+        frames = []
+        for c in meta["cells"]:
+            if c["id"] not in done:
+                continue
+            part = self.path / PARTS / f"{c['id']}.parquet"
+            try:
+                frames.append(pq.read_table(part).to_pandas())
+            except (OSError, ValueError) as exc:       # pyarrow's ArrowInvalid is a ValueError
+                raise StudyError(f"{part} is unreadable ({str(exc).splitlines()[0][:200]}); delete it and rerun "
+                                 "the study to compute that cell again") from None
         if not frames:
             return pd.DataFrame()
         return pd.concat(frames, ignore_index=True)
