@@ -241,3 +241,41 @@ def test_frontier_means_and_95_percent_t_intervals_over_seeds():
     front = fr.points.loc[fr.front]
     assert list(zip(front.scorer, front.budget)) == [("h2o", 0.1), ("streaming", 0.5)]   # the oracle is left out
     assert t_half_width(pd.Series([7.0])) == 0.0
+
+
+NEEDLE = """
+name = "needle-small"
+[source]
+kind = "needle"
+models = ["bundled"]
+lengths = [320]
+depths = [0.0, 1.0]
+[grid]
+scorers = ["streaming"]
+budgets = [0.25]
+"""
+
+
+@pytest.mark.model
+def test_a_needle_study_gives_kvviz_needles_cells(tmp_path, monkeypatch):
+    from kvviz.analysis import needle
+    from kvviz.models import bundled_model_file, load_model
+
+    if bundled_model_file() is None:
+        pytest.skip("the bundled model is not installed")
+    monkeypatch.setenv("KVVIZ_CACHE_DIR", str(tmp_path / "cache"))       # computed here, not read from a cache
+    report = run_study(parse_study(NEEDLE), tmp_path / "n")
+    assert (report.cells, report.finished, report.failures) == (2, 2, [])
+    rows = StudyDir(tmp_path / "n").rows()
+    model, tokenizer, _ = load_model("bundled")
+    grid = needle.run_grid(model, tokenizer, "bundled", lengths=[320], depths=[0.0, 1.0],
+                           scorers=["streaming"], budgets=[0.25])
+    for r in rows.to_dict("records"):
+        c = grid.cell(r["scorer"], r["length"], r["depth"]).as_dict()
+        assert {k: r[k] for k in ("correct", "answer", "needle_kept", "kept_mass", "budget_tokens", "key")} == \
+            {k: c[k] for k in ("correct", "answer", "needle_kept", "kept_mass", "budget_tokens", "key")}
+    # StreamingLLM keeps a window of the last quarter: the needle at depth 0 is gone, at depth 1 it is kept
+    s = rows[rows.scorer == "streaming"].set_index("depth")
+    assert s.loc[0.0, "needle_kept"] == 0.0 and s.loc[1.0, "needle_kept"] == 1.0
+    fr = frontier(rows, "needle", "correct")
+    assert list(fr.points.n) == [2] and list(fr.points.x) == [0.25] and list(fr.points["mean"]) == [0.5]
