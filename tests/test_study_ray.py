@@ -24,6 +24,7 @@ def local_ray():
 
 
 def test_ray_and_local_engines_give_identical_rows(tmp_path, local_ray):
+    pytest.importorskip("torch")      # loaded in this process, not in Ray's workers: rows must not care
     study = parse_study(SMALL)
     local = run_study(study, tmp_path / "local")
     on_ray = run_study(study, tmp_path / "ray", engine="ray", workers=2)

@@ -12,7 +12,6 @@ text's full-cache reference, so the cells of one (model, text) share one prefill
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,17 +39,23 @@ def job_for(study: Study, cell: Cell) -> dict:
     return job
 
 
-def versions(model_revision: str = "") -> dict:
-    """kvviz, numpy, torch and transformers versions (the last two when loaded), the model's revision."""
+def versions(kind: str, model_revision: str = "") -> dict:
+    """kvviz and numpy versions; torch's and transformers' for the cells that run them (model and needle:
+    the installed versions, read from package metadata; "" for a synthetic cell, which never uses
+    them), so a row does not depend on what else its process had imported; the model's revision."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import numpy
 
     from kvviz.version import __version__
 
-    def loaded(name: str) -> str:
-        mod = sys.modules.get(name)
-        return str(getattr(mod, "__version__", "")) if mod is not None else ""
-    return {"kvviz_version": __version__, "numpy_version": numpy.__version__, "torch_version": loaded("torch"),
-            "transformers_version": loaded("transformers"), "model_revision": model_revision}
+    def installed(name: str) -> str:
+        try:
+            return version(name) if kind != "synthetic" else ""
+        except PackageNotFoundError:
+            return ""
+    return {"kvviz_version": __version__, "numpy_version": numpy.__version__, "torch_version": installed("torch"),
+            "transformers_version": installed("transformers"), "model_revision": model_revision}
 
 
 # --- synthetic ----------------------------------------------------------------------------------
@@ -199,7 +204,7 @@ def execute(job: dict, worker: ModelWorker | None = None) -> dict:
                 _WORKER = worker = _WORKER or ModelWorker()
             metrics = worker.model_cell(job) if job["kind"] == "model" else worker.needle_cell(job)
             revision = worker.revision
-        return {"id": job["id"], "metrics": metrics, "versions": versions(revision),
+        return {"id": job["id"], "metrics": metrics, "versions": versions(job["kind"], revision),
                 "seconds": time.perf_counter() - t0, "pid": os.getpid()}
     except Exception as exc:  # noqa: BLE001 - one cell's failure is reported, the rest go on
         return {"id": job["id"], "error": one_line(exc), "seconds": time.perf_counter() - t0, "pid": os.getpid()}
