@@ -11,12 +11,14 @@ from kvviz.plots import figures
 from kvviz.app.cards import metric_cards, metrics_table
 from kvviz.app.compute import run_compare
 from kvviz.app.layout import PAGES, page_setup
+from kvviz.app.lesson import lesson_export
 from kvviz.app.notes import budget_warnings, quant_model_note, quant_warning_box, scorer_note
 from kvviz.app.overview import has_text_tokens, head_overview, token_grid
 from kvviz.app.presets import preset_buttons
 from kvviz.app.sidebar import sidebar
 from kvviz.app.store import sync_url
 from kvviz.app import explorer as ux
+from kvviz.app import guard
 from kvviz.app import formats as ui_formats
 from kvviz.app import ledger as ui_ledger
 from kvviz.plots.figures import BAND_TEXT
@@ -121,6 +123,7 @@ def explorer() -> None:
                        file_name=f"{stem}.html", mime="text/html", on_click="ignore", icon=":material/download:")
     st.caption("For slides: every chart's toolbar (top right of the chart, on hover) has a camera button that "
                "saves it as an SVG image in your browser, offline.")
+    lesson_export(source, spec, vs.view, vs.bars, stem)
     with st.expander("All numbers"):
         st.dataframe(metrics_table(comp), hide_index=True, key="metrics_table")
         st.dataframe(per_token, hide_index=True, height=240)
@@ -138,5 +141,5 @@ PAGES.update(
     studies=st.Page("pages/6_Studies.py", title="Studies", url_path="studies"),
 )
 page = st.navigation(list(PAGES.values()))
-page.run()
+guard.serve(page)   # in one of the server's run slots, cancelled by a rerun or a closed tab
 sync_url()

@@ -6,7 +6,8 @@ import csv
 import io
 from collections.abc import Callable, Iterable, Sequence
 
-from kvviz.engine import compare
+from kvviz.engine import compare, compare_work
+from kvviz.limits import checkpoint
 from kvviz.spec import FULL_BITS, SCORERS, Spec, SpecError, View
 from kvviz.trace import Trace
 
@@ -77,8 +78,10 @@ def sweep(trace: Trace, scorers: Sequence[str] = SCORERS, fractions: Iterable[fl
         for method in methods:
             for b, fmt in widths:
                 jobs.append((method, budget, f, b, fmt))
+    compare_work(trace, True, view).check()          # the peak of any job, before the first one runs
     rows = []
     for i, (method, budget, f, b, fmt) in enumerate(jobs):
+        checkpoint()
         if progress:
             progress(i / len(jobs), f"{method} budget {budget} at {b} bits" if fmt == "int" else
                      f"{method} budget {budget} in {fmt}")
