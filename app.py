@@ -138,6 +138,7 @@ PAGES.update(
     model_lab=st.Page("pages/3_Model_lab.py", title="Model lab", url_path="model-lab"),
     timeline=st.Page("pages/4_Decode_timeline.py", title="Decode timeline", url_path="decode-timeline"),
     needle=st.Page("pages/5_Needle_test.py", title="Needle test", url_path="needle-test"),
+    studies=st.Page("pages/6_Studies.py", title="Studies", url_path="studies"),
 )
 page = st.navigation(list(PAGES.values()))
 guard.serve(page)   # in one of the server's run slots, cancelled by a rerun or a closed tab

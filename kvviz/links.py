@@ -187,6 +187,8 @@ _PARAMS = [
     # needle test page: the open cell ("scorer:length:depth", empty = the classic failure) and
     # its layer / KV head (-1 = where the full model wanted the needle most)
     Param("nd_cell", "text", ""), Param("nd_layer", "int", -1, -1, 1023), Param("nd_head", "int", -1, -1, 1023),
+    # studies page: the open study (a folder under the studies root) and its measure
+    Param("study", "text", ""), Param("st_metric", "text", ""),
     # real model source
     Param("rm_text", "choice", "bakery", choices=("bakery", "sample", "custom")),
     Param("rm_new", "int", 16, 0, 64), Param("rm_max", "int", 1024, 16, 4096),

@@ -49,6 +49,8 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 os.environ.setdefault("KVVIZ_WARMUP", "0")
 # Model lab results precomputed on this machine must not change what the app tests see
 os.environ.setdefault("KVVIZ_LAB_DIR", tempfile.mkdtemp(prefix="kvviz-lab-test-"))
+# the Studies page opens folders under this root only (an empty one per test session)
+os.environ.setdefault("KVVIZ_STUDIES_DIR", tempfile.mkdtemp(prefix="kvviz-studies-test-"))
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -180,7 +182,7 @@ MODEL_FIXTURES = {"tiny", "tiny_dir", "tiny_trace", "bundled", "bundled_trace"}
 
 def _is_core(item) -> bool:
     """Core: no browser, no real or tiny model, no torch, no Streamlit AppTest (`make test-fast`)."""
-    if item.get_closest_marker("browser") or item.get_closest_marker("model") or item.get_closest_marker("slow"):
+    if any(item.get_closest_marker(m) for m in ("browser", "model", "slow", "ray")):
         return False
     module = getattr(item, "module", None)
     code = getattr(getattr(item, "function", None), "__code__", None)

@@ -40,6 +40,22 @@ def split_budget(scorer: str, budget: int, sink: int = 4) -> dict:
     return dict(sink=sink, recent=recent, heavy=rest - recent)
 
 
+def point_spec(method: str, budget: int, bits: int, fmt: str = "int", base: Spec = Spec()) -> Spec | None:
+    """The spec of one sweep point: `method` ("full" = no eviction) at a token budget, K and V at
+    `bits` in format `fmt`, the rest from `base`. None when the base's allocation has no such
+    method (e.g. AdaKV with H2O / TOVA); SpecError when the point is impossible."""
+    evict = {} if method == "full" else split_budget(method, budget)
+    changes = dict(scorer=base.scorer if method == "full" else method, key_bits=bits, value_bits=bits,
+                   key_format=fmt, value_format=fmt, **({"sink": 0, "recent": 0, "heavy": 0} | evict))
+    try:
+        return base.with_(**changes)
+    except SpecError:
+        if base.allocation == "uniform":
+            raise
+        base.with_(allocation="uniform", **changes)      # raises if the allocation is not the reason
+        return None
+
+
 def sweep(trace: Trace, scorers: Sequence[str] = SCORERS, fractions: Iterable[float] = DEFAULT_FRACTIONS,
           bits: Iterable[int] = DEFAULT_BITS, view: View = View(ensemble="heads"), base: Spec = Spec(),
           progress: Callable[[float, str], None] | None = None, formats: Iterable[str] = ()) -> list[dict]:
@@ -69,18 +85,9 @@ def sweep(trace: Trace, scorers: Sequence[str] = SCORERS, fractions: Iterable[fl
         if progress:
             progress(i / len(jobs), f"{method} budget {budget} at {b} bits" if fmt == "int" else
                      f"{method} budget {budget} in {fmt}")
-        evict = {} if method == "full" else split_budget(method, budget)
-        changes = dict(scorer=base.scorer if method == "full" else method, key_bits=b, value_bits=b,
-                       key_format=fmt, value_format=fmt,
-                       **({"sink": 0, "recent": 0, "heavy": 0} | evict))
-        try:
-            spec = base.with_(**changes)
-        except SpecError:
-            if base.allocation == "uniform":
-                raise
-            base.with_(allocation="uniform", **changes)      # raises if the allocation is not the reason
-            continue                                         # e.g. AdaKV with H2O / TOVA: no such method
-
+        spec = point_spec(method, budget, b, fmt, base)
+        if spec is None:
+            continue
         c = compare(trace, spec, view)
         m = c.metrics_mean
         rows.append({
@@ -118,4 +125,4 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 
 
 __all__ = ["COLUMNS", "METRIC_COLUMNS", "DEFAULT_BITS", "DEFAULT_FRACTIONS", "FULL_BITS", "SWEEP_FORMATS", "pareto_front",
-           "split_budget", "sweep", "to_csv"]
+           "point_spec", "split_budget", "sweep", "to_csv"]
