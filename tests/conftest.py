@@ -4,6 +4,13 @@ The server starts on a free localhost port (headless, usage stats off) and is st
 afterwards. Chromium is Debian's /usr/bin/chromium driven by Playwright's sync API through
 `executable_path` (never `playwright install`). Without Chromium or Playwright the browser
 tests skip with the reason, unless KVVIZ_REQUIRE_BROWSER=1 (CI), where they fail instead.
+
+Also here (issue 25): the hypothesis profiles (`ci`: derandomized, a fixed example budget; `dev`:
+more examples; HYPOTHESIS_PROFILE picks one, dev by default, `.ci/run` sets ci); the pytest-xdist
+grouping (a module's tests stay in one worker where the module builds its own module-scoped
+fixtures; the browser tests share one worker, server and Chromium); a shorter
+timeout for browser tests; and, when a browser test fails or times out, its page's screenshot and
+console saved under test-results/.
 """
 
 from __future__ import annotations
@@ -20,14 +27,36 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
+
+# Property tests are reproducible in CI: the same examples every run (derandomize, no example
+# database), so a bug that one random draw finds cannot pass the next run by chance. Locally the
+# `dev` profile draws more, random examples; a failing example it finds is kept in the test as
+# @example. The budget is set here, not per test, so the two profiles mean what they say.
+# too_slow is not a correctness check, and a shared 2-core machine trips it at random.
+hypothesis_settings.register_profile("ci", derandomize=True, database=None, max_examples=60, deadline=None,
+                                     print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+hypothesis_settings.register_profile("dev", max_examples=150, deadline=None, print_blob=True,
+                                     suppress_health_check=[HealthCheck.too_slow])
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+# Under pytest-xdist every worker gets one of the 2 cores: torch / OpenMP use one thread each
+# (set before torch is first imported) instead of both workers fighting over both cores.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # no background model load in test app runs (tests that need the model load it themselves)
 os.environ.setdefault("KVVIZ_WARMUP", "0")
 # Model lab results precomputed on this machine must not change what the app tests see
 os.environ.setdefault("KVVIZ_LAB_DIR", tempfile.mkdtemp(prefix="kvviz-lab-test-"))
+# the Studies page opens folders under this root only (an empty one per test session)
+os.environ.setdefault("KVVIZ_STUDIES_DIR", tempfile.mkdtemp(prefix="kvviz-studies-test-"))
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
+RESULTS = ROOT / "test-results"      # a failed or timed-out browser test's screenshot and console
+BROWSER_TIMEOUT = int(os.environ.get("KVVIZ_BROWSER_TEST_TIMEOUT", "300"))   # seconds a browser test may take
 CHROMIUM = os.environ.get("KVVIZ_CHROMIUM", "/usr/bin/chromium")
 TIMEOUT = int(os.environ.get("KVVIZ_BROWSER_TIMEOUT_MS", "60000"))   # a busy 2-core machine needs it
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -261,8 +290,12 @@ def page(browser):
     errors: list[str] = []
     pg.on("console", lambda msg: errors.append(f"console.{msg.type}: {msg.text} ({msg.location.get('url')})")
           if msg.type == "error" and not streamlit_probe(msg) else None)
+    console: list[str] = []     # every console message, saved to test-results/ if the test fails
+    pg.on("console", lambda msg: console.append(f"console.{msg.type}: {msg.text}"))
     pg.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
+    pg.on("pageerror", lambda exc: console.append(f"pageerror: {exc}"))
     pg.errors = errors
+    pg.console = console
     try:
         yield pg
     finally:
@@ -290,3 +323,85 @@ def tiny():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     return tiny_llama()
+
+
+# --- pytest-xdist, timeouts, and what a failed browser test leaves behind (issue 25) ---------------
+
+MODEL_FIXTURES = {"tiny", "tiny_dir", "tiny_trace", "bundled", "bundled_trace"}
+
+
+def _is_core(item) -> bool:
+    """Core: no browser, no real or tiny model, no torch, no Streamlit AppTest (`make test-fast`)."""
+    if any(item.get_closest_marker(m) for m in ("browser", "model", "slow", "ray")):
+        return False
+    module = getattr(item, "module", None)
+    code = getattr(getattr(item, "function", None), "__code__", None)
+    names = set(vars(module) if module is not None else ()) | set(code.co_names if code is not None else ())
+    if names & {"torch", "AppTest", "run_app", "share_one_model_load", "load_shared"}:
+        return False
+    return not (MODEL_FIXTURES & set(getattr(item, "fixturenames", ())))
+
+
+def _module_fixture(item) -> bool:
+    """Whether the item uses a module-scoped fixture its own module defines (a model run, a grid, a
+    capture: built once per module only while the module's tests share one worker)."""
+    info = getattr(item, "_fixtureinfo", None)
+    path = str(getattr(item, "path", ""))
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        for d in defs:
+            if d.scope == "module" and str(getattr(d, "baseid", "")).split("::")[0] and \
+                    path.endswith(str(d.baseid).split("::")[0]):
+                return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """xdist groups (`--dist loadgroup`): the tests of a module with its own module-scoped fixtures stay
+    in one worker, so the fixture is built once; the browser tests share one worker, one app server
+    and one Chromium (spread over both workers, two servers and two Chromiums on 2 cores were slower,
+    1174 s against 883 s, and the first page load of one passed the 60 s expect timeout). Each worker's
+    server would take its own free port (app_url). Browser tests get a timeout of BROWSER_TIMEOUT
+    seconds; the core tests the `core` marker (`make test-fast` runs `-m core`)."""
+    xdist = config.pluginmanager.hasplugin("xdist")     # -p no:xdist: its marker is not registered
+    for item in items:
+        if xdist and item.get_closest_marker("browser") is not None:
+            item.add_marker(pytest.mark.xdist_group("browser"))
+        elif xdist and _module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+        if item.get_closest_marker("browser") is not None:
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(BROWSER_TIMEOUT))
+        elif _is_core(item):
+            item.add_marker(pytest.mark.core)
+
+
+def _save_page(page, name: str) -> list[Path]:
+    """The page's screenshot and its console messages under test-results/; returns the files written."""
+    RESULTS.mkdir(exist_ok=True)
+    written = []
+    log = RESULTS / f"{name}.console.txt"
+    lines = [f"url: {getattr(page, 'url', '?')}", *getattr(page, "console", getattr(page, "errors", []))]
+    log.write_text("\n".join(lines) + "\n")
+    written.append(log)
+    try:
+        png = RESULTS / f"{name}.png"
+        page.screenshot(path=str(png), full_page=True, timeout=15_000)
+        written.append(png)
+    except Exception as e:  # a crashed or closed page: the console log is still worth having
+        log.write_text(log.read_text() + f"(no screenshot: {type(e).__name__}: {e})\n")
+    return written
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A browser test that fails or times out (pytest-timeout fails it) saves its page to test-results/."""
+    outcome = yield
+    report = outcome.get_result()
+    page = getattr(item, "funcargs", {}).get("page")
+    if report.failed and report.when in ("setup", "call") and page is not None:
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in item.nodeid)[-150:]
+        try:
+            files = _save_page(page, name)
+        except Exception as e:  # never turn a test failure into an internal error
+            files = [f"(could not save the page: {e})"]
+        report.sections.append(("browser page saved", "\n".join(str(f) for f in files)))

@@ -108,6 +108,10 @@ def test_model_lab_refuses_the_noise_model():
 @pytest.mark.model
 def test_model_lab_run_shows_the_cores_numbers(monkeypatch):
     load_once = share_one_model_load(monkeypatch)   # the page and this test share one load
+    from kvviz.decode import lab
+    runs = []
+    real_run = lab.run
+    monkeypatch.setattr(lab, "run", lambda *a, **k: runs.append(a) or real_run(*a, **k))
     at = run(LAB, sink=4, recent=12, heavy=0, scorer="streaming")
     at.number_input(key="lab_prompt").set_value(48)
     at.number_input(key="lab_cont").set_value(10)
@@ -122,11 +126,13 @@ def test_model_lab_run_shows_the_cores_numbers(monkeypatch):
     assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"
     assert shown["Perplexity (full cache)"] == f"{q.perplexity_full:.2f}"
     assert shown["Next-token KL"] == f"{q.kl_mean:.3f}"
-    strip = at.get("plotly_chart")
-    assert strip
+    assert at.get("plotly_chart")
+    assert len(runs) == 1                                      # the click ran the model once
     # a rerun with the same settings shows the cached result without running again
     at.run()
     assert not at.exception and {m.label: m.value for m in at.metric} == shown
+    assert len(runs) == 1                                      # the model did not run again
+    assert at.button(key="lab_run").label == "Run again (live)"
     assert np.isfinite(q.kl_max)
 
 

@@ -41,8 +41,15 @@ def test_allocation_and_scorer_settings_round_trip_through_the_url():
 
 
 def test_impossible_allocation_says_why_and_changes_nothing():
+    """The error says why; nothing is computed or drawn from some other setting, the settings stay as
+    the link gave them (not silently replaced), and a rerun shows the same."""
     at = run_app(APP, 120, scorer="h2o", allocation="adakv")
-    assert any("AdaKV" in e.value for e in at.error)
+    for _ in range(2):
+        assert [e.value for e in at.error if "AdaKV" in e.value and "h2o decides again at every step" in e.value]
+        assert not at.metric and not at.get("plotly_chart")
+        assert (store(at)["scorer"], store(at)["allocation"]) == ("h2o", "adakv")
+        assert dict(at.query_params) == {"allocation": "adakv"}          # h2o is the default: not written
+        at.run()
 
 
 def test_the_ledger_on_the_explorer_shows_the_cores_numbers():

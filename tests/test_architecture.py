@@ -27,10 +27,11 @@ MAX_LINES = 600
 # Lower number = lower layer. Data flows up: source -> trace -> policies / quantizers -> engine ->
 # metrics -> analyses -> plots -> app. A module may import its own layer and the ones below.
 LAYERS = {
-    "kvviz.version": 0, "kvviz.trace": 0, "kvviz.spec": 0, "kvviz.metrics": 0,
+    "kvviz.version": 0, "kvviz.trace": 0, "kvviz.spec": 0, "kvviz.metrics": 0, "kvviz.limits": 0,
     "kvviz.attention": 1, "kvviz.models": 1,
     "kvviz.sources": 2, "kvviz.policies": 2, "kvviz.quant": 2,
     "kvviz.engine": 3, "kvviz": 3,          # the root package re-exports the engine's API
+    "kvviz.links": 3,                       # what a link carries: the app's settings table (app and CLI read it)
     "kvviz.decode": 4,
     "kvviz.analysis": 5,
     "kvviz.plots": 6,
@@ -44,8 +45,10 @@ ONLY_IN = {
     "plotly": ("kvviz.plots", "kvviz.app"),
     "torch": ("kvviz.models", "kvviz.sources.capture", "kvviz.decode", "kvviz.analysis.needle"),
     "transformers": ("kvviz.models", "kvviz.sources.capture", "kvviz.decode", "kvviz.analysis.needle"),
+    "pyarrow": ("kvviz.analysis.study",),          # the study results' part files
+    "ray": ("kvviz.analysis.study.engines",),      # the optional engine, one module
 }
-HEAVY = ("torch", "transformers")   # never imported at module level: `import kvviz` must stay fast
+HEAVY = ("torch", "transformers", "ray")   # never imported at module level: `import kvviz` must stay fast
 
 
 def module_name(path: Path) -> str:
@@ -213,12 +216,13 @@ def test_every_package_says_what_it_is_for():
 
 @pytest.mark.parametrize("module", ["kvviz", "kvviz.sources", "kvviz.analysis.sweep", "kvviz.analysis.solve",
                                     "kvviz.analysis.ledger", "kvviz.analysis.timeline", "kvviz.analysis.needle",
+                                    "kvviz.analysis.study",
                                     "kvviz.decode", "kvviz.models", "kvviz.plots.figures", "kvviz.cli"])
 def test_the_handbook_path_starts_without_torch(module):
-    code = f"import sys, {module}; print(any(m in sys.modules for m in ('torch', 'transformers', 'streamlit')))"
+    code = f"import sys, {module}; print(any(m in sys.modules for m in ('torch', 'transformers', 'streamlit', 'ray')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False", f"importing {module} loads torch, transformers or Streamlit"
+    assert out.stdout.strip() == "False", f"importing {module} loads torch, transformers, Streamlit or Ray"
 
 
 def test_the_rules_catch_what_they_claim(tmp_path):

@@ -563,3 +563,60 @@ def test_needle_page_opens_on_the_shipped_grid_and_a_click_opens_a_cell(page, ap
     assert address(page)["nd_cell"].startswith("full:"), address(page)      # the open cell is in the link
     shot(page, "needle")
     no_console_errors(page)
+
+
+# --- a hostile link (issue 26): the work budget's notice on every page, the server's memory bounded -------
+
+HUGE_LINK = "source=synthetic&context=1000000000&steps=1000000000&layers=100000&q_heads=100000&kv_heads=100000"
+
+
+def server_pid(url: str) -> int:
+    """The process of the server the app_url fixture started: the one whose command line serves its port."""
+    port = urlparse(url).port
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and b"--server.port" in args and args[args.index(b"--server.port") + 1] == \
+                str(port).encode() and any(a.endswith(b"app.py") for a in args):
+            return int(proc.name)
+    raise AssertionError(f"no streamlit process serves port {port}")
+
+
+def server_rss_mb(pid: int) -> float:
+    """Resident memory of a process, from /proc/<pid>/status."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
+@pytest.mark.parametrize("path, name, marker", [
+    ("", "compression explorer", "Tokens kept"), ("trade-offs", "Trade-offs", None),
+    ("concentration", "Concentration", None), ("model-lab", "Model lab", None),
+    ("decode-timeline", "Decode timeline", None), ("needle-test", "Needle test", None),
+])
+def test_the_huge_link_gives_a_notice_on_every_page_and_the_server_stays_small(page, app_url, path, name, marker):
+    page.set_viewport_size({"width": 1400, "height": 1600})
+    missing = []
+    page.on("response", lambda r: missing.append(r.url) if r.status == 404 else None)
+    page.goto(f"{app_url}/{path}?{HUGE_LINK}")
+    e = expect()
+    e(page.get_by_role("heading", name=re.compile(name)).first).to_be_visible()
+    if path in ("", "trade-offs", "concentration", "decode-timeline"):
+        notice = page.locator('[data-testid="stAlert"]').filter(has_text="Too big for this server")
+        e(notice).to_be_visible()
+        e(notice).to_contain_text("the limit is 1.5 GB")
+        e(notice).to_contain_text("Showing the default setting instead")
+    if marker:
+        e(metric(page, marker)).to_have_text(re.compile(r"/ 544$"))   # the default pattern, usable
+    settle(page)
+    assert page.locator('[data-testid="stException"]').count() == 0
+    assert server_rss_mb(server_pid(app_url)) < 2048
+    # Streamlit's frontend, opened on a page's own path, first looks for the server under that path
+    # (/<page>/_stcore/health, /host-config) and then at the root: those two 404s are expected.
+    probes = [u for u in missing if re.search(rf"/{path}/_stcore/(health|host-config)$", u)] if path else []
+    assert len(missing) == len(probes), missing
+    page.errors[:] = [x for x in page.errors if "status of 404" not in x] if probes else page.errors
+    no_console_errors(page)

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from kvviz import Spec, compare
+from kvviz import Spec, View, compare
 from kvviz.cli import main
 from kvviz.sources import handbook_trace, save_trace
 
@@ -49,20 +49,30 @@ def test_compare_trace_file(capsys, tmp_path):
                        "--quant-model", "noise", "--noise-sigma", "0.1", "--ensemble-size", "5")
     data = json.loads(out)
     assert code == 0 and max(data["error_std_sample"]) > 0
-    assert data["metrics"]["output_cosine"] is not None
+    # the numbers are the engine's on the same trace (a file round trip changes nothing)
+    expected = compare(handbook_trace(), Spec(quant_model="noise", noise_sigma=0.1),
+                       View(ensemble="seeds", ensemble_size=5))
+    for key in ("output_cosine", "tv_distance", "mass_retained"):
+        assert data["metrics"][key] == pytest.approx(expected.metrics[key], rel=1e-12, abs=1e-15), key
+    np.testing.assert_allclose(data["error_std_sample"], expected.spread.std, rtol=1e-12, atol=1e-15)
+    assert 0 < data["metrics"]["output_cosine"] < 1                    # noise moved the output
+
+
+def run_or_exit(capsys, *argv):
+    """(exit status, stderr) whether the parser exits (SystemExit) or main returns."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--sink", "-2"], "0 or more"), (["--bits", "0"], "bits"), (["--head", "3"], "head 3"),
+    (["--sink", "-2"], "--sink: must be 0-1,000,000, got -2"), (["--bits", "0"], "bits"), (["--head", "3"], "head 3"),
     (["--source", "missing.safetensors"], "missing.safetensors"), (["--layer", "7"], "layer 7"),
 ])
 def test_bad_arguments_one_line(capsys, argv, words):
-    code, out, err = run(capsys, "compare", *argv) if argv[0] != "--sink" else (None, "", "")
-    if argv[0] == "--sink":
-        with pytest.raises(SystemExit) as exc:
-            main(["compare", *argv])
-        code = exc.value.code
-        err = capsys.readouterr().err
+    code, err = run_or_exit(capsys, "compare", *argv)
     assert code == 2 and words in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
@@ -80,3 +90,46 @@ def test_sweep_csv(capsys, tmp_path):
     assert float(full16["tv"]) == 0 and float(full16["memory_ratio"]) == 1
     quarter = [float(r["memory_ratio"]) for r in rows if r["method"] == "h2o" and r["bits"] == "16"][0]
     assert quarter == pytest.approx(0.25, abs=0.02)
+
+
+# --- the work budget and argument ranges (issue 26): exit 2, one line, before anything is built ----------
+
+@pytest.mark.parametrize("argv, words", [
+    (["compare", "--source", "synthetic", "--layers", "100000", "--heads", "100000"],
+     "argument --layers: must be 1-128, got 100,000"),
+    (["compare", "--source", "synthetic", "--context", "32768", "--layers", "32", "--heads", "32", "--kv-heads", "8"],
+     "the synthetic pattern needs 32 layers × 32 query heads × 32,800 positions × 64 dims × 4 B = 8.6 GB of "
+     "queries"),
+    (["compare", "--source", "synthetic", "--head-dim", "0"], "argument --head-dim: must be 8-1,024, got 0"),
+    (["compare", "--ensemble-size", "100000"], "argument --ensemble-size: must be 1-256, got 100,000"),
+    (["compare", "--context", "1e9"], "argument --context: expected an integer, got '1e9'"),
+    (["sweep", "--budgets", "-1,abc"], "a value that starts with '-' must be attached with '=': --budgets=-1,abc"),
+    (["sweep", "--budgets=-1,abc"], "argument --budgets: '-1' in '-1,abc': must be above 0 and at most 1, got -1"),
+    (["sweep", "--budgets=0.5,abc"], "argument --budgets: 'abc' in '0.5,abc': expected a number"),
+    (["sweep", "--bits-list", "16,99"], "argument --bits-list: '99' in '16,99': must be 1-16, got 99"),
+    (["solve", "--target-mass", "nan"], "argument --target-mass: expected a finite number"),
+    (["capture", "--new-tokens", "-3", "--prompt", "hi", "--out", "x.safetensors"],
+     "argument --new-tokens: must be 0-1,024, got -3"),
+])
+def test_out_of_range_and_oversized_requests_are_one_line(capsys, monkeypatch, argv, words):
+    import kvviz.models
+    import kvviz.sources.synthetic
+
+    monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(kvviz.sources.synthetic.np, "zeros", lambda *a, **k: pytest.fail("allocated a trace"))
+    code, err = run_or_exit(capsys, *argv)
+    assert code == 2 and words in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_oversized_trace_file_is_refused_from_its_header(capsys, tmp_path, monkeypatch):
+    from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+
+    small, big = (save_trace(make_synthetic(SyntheticSpec(context=n, steps=0, layers=2, q_heads=4, kv_heads=4)),
+                             tmp_path / f"{name}.safetensors") for n, name in ((1024, "small"), (2048, "big")))
+    monkeypatch.setenv("KVVIZ_MAX_BYTES", "16MB")   # loading holds a file's bytes and its arrays: 2 x 6.3 MB fits
+    code, err = run_or_exit(capsys, "compare", "--source", str(small))
+    assert code == 0
+    code, err = run_or_exit(capsys, "compare", "--source", str(big))          # 2 x 12.6 MB does not
+    assert code == 2 and "the trace file big.safetensors needs" in err and "the limit is 16.0 MB" in err
+    assert len(err.strip().splitlines()) == 1

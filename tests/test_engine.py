@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvviz import SCORERS, Spec, SpecError, View, compare, keep_masks
@@ -26,7 +26,6 @@ def test_no_compression_is_exact(trace):
         assert c.metrics["output_rel_error"] == 0
 
 
-@settings(max_examples=40, deadline=None)
 @given(sink=st.integers(0, 10), recent=st.integers(0, 40), heavy=st.integers(0, 120),
        scorer=st.sampled_from(SCORERS), head=st.integers(0, 3), step=st.integers(0, 11))
 def test_budget_and_renormalisation(trace, sink, recent, heavy, scorer, head, step):
@@ -215,7 +214,6 @@ def test_head_grid_matches_single_rows(trace):
     np.testing.assert_allclose(head_grid(trace, Spec(), metric="mass_retained"), 1, atol=1e-12)
 
 
-@settings(max_examples=200, deadline=None)
 @given(scores=st.lists(st.sampled_from([0.0, 1.0, 2.0, -np.inf, np.inf, 0.5]), min_size=1, max_size=40),
        sink=st.integers(0, 5), recent=st.integers(0, 8), heavy=st.integers(0, 40))
 def test_select_is_top_k_with_earliest_ties(scores, sink, recent, heavy):

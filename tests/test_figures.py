@@ -88,7 +88,11 @@ def test_error_figure_bars(handbook_comp, long_comp):
     f = token_frame(long_comp)
     fig = figures.error_figure(f.iloc[:200], "std", len(long_comp.members), what="query heads 0-3")
     total = next(t for t in fig.data if t.name.startswith("total"))
-    assert total.error_y.array is not None and total.error_y.visible
+    mean, lo, hi = error_band(long_comp, "std")                  # the bars are the frame's own band
+    np.testing.assert_allclose(total.y, mean[:200], atol=1e-15)
+    np.testing.assert_allclose(total.error_y.array, np.clip(hi - mean, 0, None)[:200], atol=1e-15)
+    np.testing.assert_allclose(total.error_y.arrayminus, np.clip(mean - lo, 0, None)[:200], atol=1e-15)
+    assert total.error_y.visible and np.max(total.error_y.array) > 0
     assert "N = 4 rows (query heads 0-3)" in fig.layout.title.text and "sample std" in fig.layout.title.text
     b = figures.error_figure(binned_frame(long_comp), "ci95", 4)
     assert "bins of" in b.layout.xaxis.title.text and "95% t-interval for the mean" in b.layout.title.text
@@ -98,8 +102,17 @@ def test_error_figure_bars(handbook_comp, long_comp):
 
 
 def test_binned_attention_figure_sends_few_bars(long_comp):
-    fig = figures.binned_attention_figure(binned_frame(long_comp))
+    b = binned_frame(long_comp)
+    fig = figures.binned_attention_figure(b)
     assert all(len(t.x) <= 128 for t in fig.data)
+    bars = {t.name: t for t in fig.data}                          # each bar is its bin's mass
+    drawn = lambda name, attr="y": np.asarray(getattr(bars[name], attr), dtype=float)   # noqa: E731
+    np.testing.assert_allclose(drawn("original: kept tokens"), b["original"] - b["evicted_mass"], atol=1e-15)
+    np.testing.assert_allclose(drawn("original: evicted tokens"), b["evicted_mass"], atol=1e-15)
+    np.testing.assert_allclose(drawn("original: evicted tokens", "base"), b["original"] - b["evicted_mass"],
+                               atol=1e-15)
+    np.testing.assert_allclose(drawn("compressed"), b["compressed"], atol=1e-15)
+    np.testing.assert_allclose(drawn("compressed", "x"), b["start"] + (b["tokens"] - 1) / 2)
 
 
 def test_tradeoff_figure_lines_front_and_star():

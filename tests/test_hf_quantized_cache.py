@@ -21,7 +21,15 @@ from kvviz.quant.formats import hf_quantized_cache, quantize_tensor, residual_at
 from kvviz.quant.minifloat import E4M3, E5M2
 from kvviz.spec import Spec
 
-torch = pytest.importorskip("torch")
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _quanto():
+    """optimum-quanto, or skip only the test that needs it (the rule and the float8 checks run without it)."""
+    _torch()
+    return pytest.importorskip("optimum.quanto")
 
 
 def test_published_rule_by_hand():
@@ -45,6 +53,7 @@ def test_preset_differs_from_kivi_where_stated():
 
 @pytest.mark.parametrize("fmt, dtype", [(E4M3, "float8_e4m3fn"), (E5M2, "float8_e5m2")])
 def test_minifloat_matches_torch_float8(fmt, dtype):
+    torch = _torch()
     v = fmt.values()
     mids = (v[:-1] + v[1:]) / 2
     rng = np.random.default_rng(0)
@@ -52,9 +61,6 @@ def test_minifloat_matches_torch_float8(fmt, dtype):
                         rng.standard_normal(4000) * 2.0 ** rng.integers(-20, 10, 4000)]).astype(np.float32)
     theirs = torch.from_numpy(x).to(getattr(torch, dtype)).float().numpy()
     assert np.array_equal(fmt.round(x), theirs)
-
-
-quanto = pytest.importorskip("optimum.quanto")
 
 
 def _ours(k: np.ndarray, spec: Spec, p: int, context_len: int, which: str) -> np.ndarray:
@@ -67,6 +73,8 @@ def _ours(k: np.ndarray, spec: Spec, p: int, context_len: int, which: str) -> np
 def test_layer_matches_quanto(nbits, group):
     """Prefill of 20 tokens, then 20 decode steps across two flushes (residual_length 8): the
     keys and values transformers hands to attention equal ours at every step."""
+    _quanto()
+    import torch
     from transformers.cache_utils import QuantoQuantizedLayer
 
     R, c, steps, H, D = 8, 20, 20, 2, 64
@@ -91,19 +99,16 @@ def test_layer_matches_quanto(nbits, group):
 
 
 @pytest.mark.slow
-def test_decode_matches_transformers_quantized_cache():
+def test_decode_matches_transformers_quantized_cache(tiny):
     """A tiny random Llama, teacher-forced: transformers' QuantizedCache (quanto, 4 bits, groups of
     16 = head_dim, residual_length 8) and kvviz's decode under the preset give the same logits."""
-    from transformers import LlamaConfig, LlamaForCausalLM, QuantizedCache
+    _quanto()
+    import torch
+    from transformers import QuantizedCache
 
     from kvviz.decode.loop import decode
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      attn_implementation="eager")
-    model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    model, ids = tiny
     n, steps = 24, 20
     cache = QuantizedCache(backend="quanto", config=model.config, nbits=4, q_group_size=16, residual_length=8)
     rows = []

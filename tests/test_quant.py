@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
@@ -11,7 +11,6 @@ from kvviz.quant import kv_bytes_per_token, quant_step, quantize, quantize_kept,
 finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False, width=64)
 
 
-@settings(max_examples=80, deadline=None)
 @given(x=arrays(np.float64, st.tuples(st.integers(1, 40), st.integers(1, 16)), elements=finite),
        bits=st.integers(1, 8), axis=st.sampled_from(["channel", "token"]), group=st.integers(1, 40))
 def test_error_at_most_half_a_step(x, bits, axis, group):
@@ -20,7 +19,6 @@ def test_error_at_most_half_a_step(x, bits, axis, group):
     assert np.all(np.abs(x - x_hat) <= s / 2 + 1e-9 * (1 + np.abs(x)))
 
 
-@settings(max_examples=40, deadline=None)
 @given(x=arrays(np.float64, st.tuples(st.integers(2, 40), st.integers(2, 16)), elements=finite),
        bits=st.integers(2, 8))
 def test_symmetric_error_bound(x, bits):
@@ -102,11 +100,21 @@ def _reference(x, bits, axis, group, residual, symmetric, zero_point="float", pa
     return out
 
 
-@settings(max_examples=80, deadline=None)
+# A wrong KIVI offset (an integer zero point where the float offset belongs) once failed one random
+# run of this test and passed the next: these groups tell the two forms apart at 2 and 3 bits.
+KIVI_OFFSET_CASE = np.array([[-2.55, 0.7], [1.34, -0.3], [0.2, 0.11], [-1.0, 2.9], [0.5, -1.7]])
+
+
 @given(x=arrays(np.float64, st.tuples(st.integers(1, 37), st.integers(1, 20)), elements=finite),
        bits=st.integers(2, 8), axis=st.sampled_from(["channel", "token"]), group=st.integers(1, 12),
        residual=st.integers(0, 5), symmetric=st.booleans(), zero_point=st.sampled_from(["float", "int"]),
        partial=st.sampled_from(["full", "quantize"]))
+@example(x=KIVI_OFFSET_CASE, bits=2, axis="channel", group=2, residual=0, symmetric=False, zero_point="float",
+         partial="full")
+@example(x=KIVI_OFFSET_CASE, bits=3, axis="token", group=2, residual=1, symmetric=False, zero_point="float",
+         partial="quantize")
+@example(x=KIVI_OFFSET_CASE, bits=2, axis="token", group=2, residual=0, symmetric=False, zero_point="int",
+         partial="full")
 def test_matches_reference_formulas(x, bits, axis, group, residual, symmetric, zero_point, partial):
     got = quantize(x, bits, axis, group, residual, symmetric, zero_point=zero_point, partial=partial)
     want = _reference(x, bits, axis, group, residual, symmetric, zero_point, partial)
@@ -123,7 +131,6 @@ def test_kivi_float_offset_stays_inside_the_data_where_an_integer_zero_point_doe
     np.testing.assert_allclose(np.unique(integer), [-3.89, 0.0])
 
 
-@settings(max_examples=60, deadline=None)
 @given(x=arrays(np.float64, st.tuples(st.integers(1, 40), st.integers(1, 16)), elements=finite),
        bits=st.integers(1, 8), axis=st.sampled_from(["channel", "token"]), group=st.integers(1, 40))
 def test_float_offset_reconstructs_inside_each_group(x, bits, axis, group):
@@ -148,7 +155,12 @@ def test_partial_trailing_groups_stay_in_full_precision_and_cost_16_bits():
     x = np.random.default_rng(6).standard_normal((70, 64))
     x_hat = quantize(x, 2, "channel", 32)                 # 2 full groups of 32 tokens, then 6 tokens
     np.testing.assert_array_equal(x_hat[64:], x[64:])
-    assert np.abs(x_hat[:64] - x[:64]).min() >= 0 and np.abs(x_hat[:64] - x[:64]).max() > 0
+    # the two full groups are quantized: every element moves by at most half its group's step s,
+    # s = (max - min) / 3 of its 32 tokens of one channel, and a 2-bit grid moves most of them
+    s = (x[:64].reshape(2, 32, 64).max(axis=1) - x[:64].reshape(2, 32, 64).min(axis=1)) / 3     # (2, 64)
+    err = np.abs(x_hat[:64] - x[:64]).reshape(2, 32, 64)
+    assert np.all(err <= s[:, None, :] / 2 + 1e-12)
+    assert np.mean(err > 1e-12) > 0.9
     short = quantize(x, 2, "channel", 32, partial="quantize")
     assert np.abs(short[64:] - x[64:]).max() > 0
     b = tensor_bytes(70, 64, 2, "channel", 32, 0, False)
@@ -172,7 +184,6 @@ def test_each_zero_point_form_reports_its_own_bytes():
     assert symmetric.overhead == groups * 16 / 8
 
 
-@settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), bits=st.integers(1, 8), axis=st.sampled_from(["channel", "token"]),
        group=st.integers(1, 40), residual=st.integers(0, 12), symmetric=st.booleans(),
        n_kept=st.integers(1, 60))
@@ -196,7 +207,6 @@ def test_kept_tokens_read_in_place_equal_quantizing_a_gathered_copy(seed, bits, 
         assert np.all(delta[:, max(0, n_kept - residual):] == 0)  # the residual window is exact
 
 
-@settings(max_examples=40, deadline=None)
 @given(x=arrays(np.float32, st.tuples(st.integers(1, 37), st.integers(1, 20)),
                 elements=st.floats(-1e3, 1e3, allow_nan=False, width=32)),
        bits=st.integers(2, 8), axis=st.sampled_from(["channel", "token"]), group=st.integers(1, 12),
@@ -216,3 +226,10 @@ def test_half_precision_cache_is_quantized_in_float32():
     got = quantize(x, 3, "channel", 8)
     assert got.dtype == np.float16
     np.testing.assert_array_equal(got, quantize(x.astype(np.float32), 3, "channel", 8).astype(np.float16))
+
+
+def test_kivi_residual_keeps_128_exact_and_leaves_one_group_to_quantize_on_a_short_cache():
+    from kvviz.quant import KIVI_GROUP, KIVI_RESIDUAL, kivi_residual
+
+    assert (KIVI_RESIDUAL, KIVI_GROUP) == (128, 32)
+    assert [kivi_residual(n) for n in (0, 20, 32, 33, 64, 159, 160, 161, 4096)] == [0, 0, 0, 1, 32, 127, 128, 128, 128]

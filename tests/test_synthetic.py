@@ -1,5 +1,7 @@
 """The synthetic source looks like real attention and its knobs do what they say."""
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -22,7 +24,7 @@ def test_defaults_look_like_real_attention():
     assert np.mean([top_share(a, 0.2) for a in rows]) >= 0.8
     first = np.mean([a[0] for a in rows])
     assert first > 10 * (1 / t.n_positions), "the first token is a visible sink"
-    assert t.q.dtype == np.float32 and t.k.shape == (2, 2, 544, 64) and t.v is not None
+    assert t.q.dtype == np.float32 and t.k.shape == t.v.shape == (2, 2, 544, 64)
 
 
 def test_knobs_move_the_pattern():
@@ -46,8 +48,23 @@ def test_seed_reproducible_and_varies():
 
 
 def test_long_context_single_query_is_cheap():
-    t = make_synthetic(SyntheticSpec(context=32768, steps=1, layers=1, q_heads=1, kv_heads=1))
-    assert t.n_positions == 32769
+    """32k positions: making the trace and one query's attention row take memory in proportion to the
+    positions (a few times the trace's own q, k, v; about 96 MB and 29 MB measured, 25 MB of arrays),
+    never a positions x positions matrix (4.3 GB in float32 here). Memory, not time: no timing asserts."""
+    tracemalloc.start()
+    try:
+        t = make_synthetic(SyntheticSpec(context=32768, steps=1, layers=1, q_heads=1, kv_heads=1))
+        _, peak_make = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        row = softmax(logit_row(t, 0, 0, t.later_queries[0]))
+        _, peak_row = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert t.n_positions == 32769 and row.shape == (32769,) and abs(row.sum() - 1) < 1e-9
+    own = t.q.nbytes + t.k.nbytes + t.v.nbytes
+    square = t.n_positions ** 2 * 4
+    assert peak_make < 8 * own < square / 20
+    assert peak_row < 4 * own
 
 
 @pytest.mark.parametrize("bad", [dict(context=4), dict(context=40000), dict(q_heads=3, kv_heads=2),

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from kvviz.attention import logit_rows, softmax
+from kvviz.limits import checkpoint
 from kvviz.engine import REASONS, Comparison
 from kvviz.metrics import Spread, concentration_curve, entropy, error_split, spread
 from kvviz.trace import Trace
@@ -50,11 +51,17 @@ def band_columns(s: Spread) -> dict[str, np.ndarray]:
             "error_min": s.member_min, "error_max": s.member_max, "members": s.n}
 
 
+def band_bounds(columns, bars: str) -> tuple:
+    """(band_lo, band_hi): the band the chart draws (one of BANDS), from a frame or a dict of its columns."""
+    if bars == "std":
+        return columns["error_mean"] - columns["error_std_sample"], columns["error_mean"] + columns["error_std_sample"]
+    return {"ci95": (columns["error_ci95_lo"], columns["error_ci95_hi"]),
+            "range": (columns["error_min"], columns["error_max"])}[bars]
+
+
 def with_band(frame: pd.DataFrame, bars: str) -> pd.DataFrame:
     """The frame plus `band_lo` / `band_hi`: the band the chart draws (one of BANDS)."""
-    lo, hi = {"std": (frame["error_mean"] - frame["error_std_sample"], frame["error_mean"] + frame["error_std_sample"]),
-              "ci95": (frame["error_ci95_lo"], frame["error_ci95_hi"]),
-              "range": (frame["error_min"], frame["error_max"])}[bars]
+    lo, hi = band_bounds(frame, bars)
     return frame.assign(band_lo=lo, band_hi=hi)
 
 
@@ -113,10 +120,15 @@ def token_frame(comp: Comparison) -> pd.DataFrame:
     error_eviction / error_quantization split the error by cause (metrics.error_split),
     for the primary row and (…_mean) averaged over the ensemble.
     """
+    return pd.DataFrame(token_columns(comp))
+
+
+def token_columns(comp: Comparison) -> dict:
+    """token_frame's columns as arrays (what a lesson stores at each of thousands of settings)."""
     p = comp.primary
     evict, quant = _split(comp, p)
     evict_members, quant_members = member_parts(comp)
-    return pd.DataFrame({
+    return {
         "position": np.arange(len(p.original)),
         "token": list(comp.tokens),
         "original": p.original,
@@ -129,7 +141,7 @@ def token_frame(comp: Comparison) -> pd.DataFrame:
         "error_eviction_mean": np.nanmean(evict_members, axis=0),
         "error_quantization_mean": np.nanmean(quant_members, axis=0),
         **band_columns(comp.spread),
-    })
+    }
 
 
 def bin_edges(n: int, max_bins: int = MAX_BINS) -> np.ndarray:
@@ -149,6 +161,11 @@ def binned_frame(comp: Comparison, max_bins: int = MAX_BINS) -> pd.DataFrame:
     Each ensemble member's error row is summed per bin first, so the bars are the spread
     of the bin's total error over the members, not a sum of per-token spreads.
     """
+    return pd.DataFrame(binned_columns(comp, max_bins))
+
+
+def binned_columns(comp: Comparison, max_bins: int = MAX_BINS) -> dict:
+    """binned_frame's columns as arrays."""
     p = comp.primary
     n = len(p.original)
     edges = bin_edges(n, max_bins)
@@ -167,7 +184,7 @@ def binned_frame(comp: Comparison, max_bins: int = MAX_BINS) -> pd.DataFrame:
     evict_members, quant_members = member_parts(comp)
     part_means = [np.nanmean(bin_sums(np.nan_to_num(part), edges), axis=0) for part in (evict_members, quant_members)]
     tokens = comp.tokens
-    return pd.DataFrame({
+    return {
         "start": edges,
         "end": ends,
         "first_token": [tokens[i] for i in edges],
@@ -181,7 +198,7 @@ def binned_frame(comp: Comparison, max_bins: int = MAX_BINS) -> pd.DataFrame:
         "error_eviction_mean": part_means[0],
         "error_quantization_mean": part_means[1],
         **band_columns(s),
-    })
+    }
 
 
 # --- concentration ---------------------------------------------------------------------
@@ -214,6 +231,7 @@ def concentration(trace: Trace, step: int | None = None, sink: int = 1, window: 
     sink_share, locality, ent, top10 = (np.zeros(shape) for _ in range(4))
     heads = np.arange(trace.n_q_heads)
     for layer in range(trace.n_layers):
+        checkpoint()
         rows = softmax(logit_rows(trace, layer, heads, qi))             # (q_heads, n), one pass
         for head, a in enumerate(rows):
             curves[layer, head] = concentration_curve(a, fractions)[1]

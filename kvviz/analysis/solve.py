@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvviz.engine import Comparison, check_view, compare
+from kvviz.limits import checkpoint
 from kvviz.policies import get_policy
 from kvviz.spec import Spec, SpecError, View
 from kvviz.analysis.sweep import split_budget
@@ -67,6 +68,7 @@ def solve(trace: Trace, base: Spec = Spec(), view: View = View(), target_mass: f
     results: dict[int, Comparison] = {}
 
     def evaluate(b: int) -> Comparison:
+        checkpoint()
         if b not in results:
             spec = base.with_(**split_budget(base.scorer, b, max_sink))
             results[b] = compare(trace, spec, view)

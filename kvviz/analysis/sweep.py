@@ -6,7 +6,8 @@ import csv
 import io
 from collections.abc import Callable, Iterable, Sequence
 
-from kvviz.engine import compare
+from kvviz.engine import compare, compare_work
+from kvviz.limits import checkpoint
 from kvviz.spec import FULL_BITS, SCORERS, Spec, SpecError, View
 from kvviz.trace import Trace
 
@@ -39,6 +40,22 @@ def split_budget(scorer: str, budget: int, sink: int = 4) -> dict:
     return dict(sink=sink, recent=recent, heavy=rest - recent)
 
 
+def point_spec(method: str, budget: int, bits: int, fmt: str = "int", base: Spec = Spec()) -> Spec | None:
+    """The spec of one sweep point: `method` ("full" = no eviction) at a token budget, K and V at
+    `bits` in format `fmt`, the rest from `base`. None when the base's allocation has no such
+    method (e.g. AdaKV with H2O / TOVA); SpecError when the point is impossible."""
+    evict = {} if method == "full" else split_budget(method, budget)
+    changes = dict(scorer=base.scorer if method == "full" else method, key_bits=bits, value_bits=bits,
+                   key_format=fmt, value_format=fmt, **({"sink": 0, "recent": 0, "heavy": 0} | evict))
+    try:
+        return base.with_(**changes)
+    except SpecError:
+        if base.allocation == "uniform":
+            raise
+        base.with_(allocation="uniform", **changes)      # raises if the allocation is not the reason
+        return None
+
+
 def sweep(trace: Trace, scorers: Sequence[str] = SCORERS, fractions: Iterable[float] = DEFAULT_FRACTIONS,
           bits: Iterable[int] = DEFAULT_BITS, view: View = View(ensemble="heads"), base: Spec = Spec(),
           progress: Callable[[float, str], None] | None = None, formats: Iterable[str] = ()) -> list[dict]:
@@ -61,23 +78,16 @@ def sweep(trace: Trace, scorers: Sequence[str] = SCORERS, fractions: Iterable[fl
         for method in methods:
             for b, fmt in widths:
                 jobs.append((method, budget, f, b, fmt))
+    compare_work(trace, True, view).check()          # the peak of any job, before the first one runs
     rows = []
     for i, (method, budget, f, b, fmt) in enumerate(jobs):
+        checkpoint()
         if progress:
             progress(i / len(jobs), f"{method} budget {budget} at {b} bits" if fmt == "int" else
                      f"{method} budget {budget} in {fmt}")
-        evict = {} if method == "full" else split_budget(method, budget)
-        changes = dict(scorer=base.scorer if method == "full" else method, key_bits=b, value_bits=b,
-                       key_format=fmt, value_format=fmt,
-                       **({"sink": 0, "recent": 0, "heavy": 0} | evict))
-        try:
-            spec = base.with_(**changes)
-        except SpecError:
-            if base.allocation == "uniform":
-                raise
-            base.with_(allocation="uniform", **changes)      # raises if the allocation is not the reason
-            continue                                         # e.g. AdaKV with H2O / TOVA: no such method
-
+        spec = point_spec(method, budget, b, fmt, base)
+        if spec is None:
+            continue
         c = compare(trace, spec, view)
         m = c.metrics_mean
         rows.append({
@@ -115,4 +125,4 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 
 
 __all__ = ["COLUMNS", "METRIC_COLUMNS", "DEFAULT_BITS", "DEFAULT_FRACTIONS", "FULL_BITS", "SWEEP_FORMATS", "pareto_front",
-           "split_budget", "sweep", "to_csv"]
+           "point_spec", "split_budget", "sweep", "to_csv"]

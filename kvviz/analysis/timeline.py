@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvviz.attention import softmax
+from kvviz.engine import trace_bytes
+from kvviz.limits import Part, Work, checkpoint
 from kvviz.policies import ScoreContext, get_policy, select
 from kvviz.spec import Spec, SpecError
 from kvviz.trace import Trace, TraceError
@@ -143,6 +145,7 @@ def full_attention(trace: Trace, layer: int, kv_head: int, query_indices: np.nda
     k = trace.k[layer, kv_head].astype(np.float64)                          # (P, D)
     scale = 1.0 / np.sqrt(trace.head_dim)
     for s, qi in enumerate(query_indices):
+        checkpoint()
         p = int(trace.query_positions[qi])
         if trace.logits is not None:
             logits = trace.logits[layer, heads, qi, : p + 1].astype(np.float64)      # (g, p+1)
@@ -175,6 +178,18 @@ def policy_masks(trace: Trace, spec: Spec, layer: int, positions: np.ndarray, na
     return policy.keep_masks(ScoreContext(trace, layer, s), positions)[:, kv_head]
 
 
+def timeline_work(trace: Trace, n_steps: int, n_policies: int) -> Work:
+    """What `timeline` holds: the trace, the steps' attention, every policy's kept / evicted / missed
+    masks, and one policy's kept masks over every KV head while they are computed."""
+    steps, P = (n_steps, "steps"), (trace.n_positions, "positions")
+    return Work("this timeline", (
+        Part("the trace", ((trace_bytes(trace), "bytes"),), item_bytes=1),
+        Part("attention", (steps, P), item_bytes=8),
+        Part("policy masks", ((n_policies, "policies"), (4, "masks"), steps, P), item_bytes=1),
+        Part("kept masks of every KV head", (steps, (trace.n_kv_heads, "KV heads"), P), item_bytes=1),
+    ), lower="the steps shown, the policies or the source's size")
+
+
 def timeline(trace: Trace, spec: Spec, layer: int = 0, kv_head: int = 0,
              policies: tuple[str, ...] = TIMELINE_POLICIES, need: float = DEFAULT_NEED,
              max_steps: int | None = None) -> Timeline:
@@ -194,10 +209,12 @@ def timeline(trace: Trace, spec: Spec, layer: int = 0, kv_head: int = 0,
     if max_steps is not None:
         steps = steps[:max_steps]
     positions = trace.query_positions[steps].astype(np.int64)
+    timeline_work(trace, len(steps), len(policies)).check()
     attn = full_attention(trace, layer, kv_head, steps)                      # (S, P)
     arrived = np.arange(trace.n_positions)[None, :] <= positions[:, None]    # (S, P)
     out, skipped = {}, {}
     for name in policies:
+        checkpoint()
         try:
             spec.with_(scorer=name)
         except SpecError as e:     # e.g. AdaKV with a streaming scorer: say why, draw the others

@@ -4,7 +4,8 @@ page sections. The only package that imports Streamlit (with app.py and pages/).
 May import: every other layer of kvviz; nothing imports it but app.py and pages/.
 
 Modules, lowest first; each imports only modules listed above it:
-  labels, params        what the controls are called; their URL names, defaults and ranges (no Streamlit)
+  labels, params        what the controls are called; their URL names, defaults and ranges (kvviz.links)
+  guard                 the work budget's notices, cancellation on rerun, a fair pool of slots for heavy work
   store                 the URL-backed settings store and the w_* widgets that read and write it
   compute               Source (a trace with a cache identity); the core's calls through st.cache_*;
                         the background warm-up of the kernel
@@ -14,5 +15,5 @@ Modules, lowest first; each imports only modules listed above it:
   sidebar               Source, Compression and View in order: sidebar() -> Settings
   layout                every page's head (styles, Presentation mode, title), the page registry and
                         the folded expander (computes nothing while closed)
-  overview, explorer, formats, ledger   the Explorer's sections
+  overview, explorer, formats, ledger, lesson   the Explorer's sections (lesson: export the view as a page)
 """

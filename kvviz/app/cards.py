@@ -6,32 +6,8 @@ import math
 
 import streamlit as st
 
+from kvviz.analysis.readout import card_values, fmt_bytes, fmt_pct  # noqa: F401 (pages read fmt_pct here)
 from kvviz.engine import Comparison
-
-
-def fmt_bytes(b: float) -> str:
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if b >= size:
-            return f"{b / size:.1f} {unit}"
-    return f"{b:.0f} B"
-
-
-def fmt_pct(x: float | None, digits: int = 1) -> str:
-    return "n/a" if x is None else f"{100 * x:.{digits}f}%"
-
-
-def card_values(metrics: dict) -> dict[str, str]:
-    """The text of each metric card, from Comparison.metrics."""
-    return {
-        "Attention mass retained": fmt_pct(metrics["mass_retained"]),
-        "TV distance": f"{metrics['tv_distance']:.4f}",
-        "TV from quantization": f"{metrics['tv_quantization']:.4f}",
-        "KL divergence": f"{metrics['kl']:.4f}",
-        "Output error": fmt_pct(metrics["output_rel_error"], 1),
-        "KV memory": fmt_bytes(metrics["kv_bytes"]),
-        "Memory vs 16-bit": fmt_pct(metrics["memory_ratio"]),
-        "Tokens kept": f"{metrics['kept_tokens']} / {metrics['total_tokens']}",
-    }
 
 
 CARD_HELP = {

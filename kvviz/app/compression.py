@@ -7,6 +7,7 @@ import streamlit as st
 from kvviz.app.labels import ALLOCATION_LABELS, FORMAT_LABELS, SCORER_LABELS, SCORER_SHORT, bits_label, scorer_help
 from kvviz.app.params import BITS_OPTIONS, GROUP_OPTIONS, SCORER_CHOICES
 from kvviz.app.store import state, w_budget, w_check, w_choice, w_number
+from kvviz.links import spec_from_values
 from kvviz.spec import FORMATS, FP8_SCALES, RESIDUAL_MODES, ROTATIONS, Spec, SpecError
 from kvviz.trace import Trace
 
@@ -146,20 +147,3 @@ def allocation_widgets(where, scorer: str, n: int) -> None:
                                                                 "h2o", "random"), format_func=SCORER_SHORT.get)
     if scorer == "quest":
         w_number(where, "page", "Quest page size (tokens)", 1, 4096, help="Quest's default is 16.")
-
-
-def spec_from_values(v: dict) -> Spec:
-    """The Spec the compression controls describe, from their stored values (URL names)."""
-    key_bits, value_bits = (v["key_bits"], v["value_bits"]) if v["split"] else (v["bits"], v["bits"])
-    return Spec(sink=int(v["sink"]), recent=int(v["recent"]), heavy=int(v["heavy"]), scorer=v["scorer"],
-                key_bits=key_bits, value_bits=value_bits, key_axis=v["key_axis"], value_axis=v["value_axis"],
-                group_size=v["group"], residual=int(v["residual"]), symmetric=bool(v["symmetric"]),
-                quant_model=v["qmodel"], noise_sigma=float(v["sigma"]), zero_point=v["zero_point"],
-                partial=v["partial"], snapkv_window=int(v["snap_window"]) or None, h2o_normalized=bool(v["h2o_norm"]),
-                key_format=v.get("key_fmt", "int"), value_format=v.get("value_fmt", "int"),
-                fp8_scale=v.get("fp8_scale", "head"), rotate=v.get("rotate", "none"),
-                residual_mode=v.get("res_mode", "kivi"),
-                allocation=v.get("allocation", "uniform"), adakv_alpha=float(v.get("ada_alpha", 0.2)),
-                pyramid_beta=float(v.get("pyr_beta", 20.0)), ea_horizon=int(v.get("ea_horizon", 512)),
-                ea_covariance=bool(v.get("ea_cov", True)), chunk_size=int(v.get("chunk", 20)),
-                chunk_scorer=v.get("chunk_scorer", "snapkv"), page_size=int(v.get("page", 16)))

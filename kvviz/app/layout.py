@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
+from kvviz.app import guard
 from kvviz.app.sources import warm_up
 from kvviz.app.store import w_check
 
@@ -43,6 +44,7 @@ def page_setup(title: str, intro: str) -> bool:
     """Every page's head: the app-wide layout styles, the Presentation mode switch (sidebar,
     in the URL), the title and its one-line intro (a smaller title and no intro when
     presenting). Returns whether presentation mode is on."""
+    guard.start_run()   # this run's cancel check and status line (issue 26)
     warm_up()   # the first page view of the process: the kernel, then the bundled model, in the background
     present = bool(w_check(st.sidebar, "present", "Presentation mode",
                            help="For a projector: larger text, the main chart first, the extras (tables, downloads, "

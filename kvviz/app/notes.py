@@ -6,8 +6,9 @@ from __future__ import annotations
 import streamlit as st
 
 from kvviz.app.compute import Source
+from kvviz.analysis.readout import budget_warnings, quant_warnings  # noqa: F401 (app.py reads budget_warnings here)
 from kvviz.app.store import state
-from kvviz.spec import FULL_BITS, Spec
+from kvviz.spec import Spec
 from kvviz.trace import Trace
 
 
@@ -21,36 +22,6 @@ def quant_model_note(source: Source, spec: Spec) -> str:
         now = (f"K {_format_label(spec.key_format, spec.key_bits)} / V {_format_label(spec.value_format, spec.value_bits)}"
                + ("" if spec.rotate == "none" else ", Hadamard-rotated " + spec.rotate.replace("-", " and ")))
     return f"Quantization model: {source.quant_note_kv}; now {now}."
-
-
-def budget_warnings(spec: Spec, n_seen: int) -> list[str]:
-    """What to change when the budgets do not mean what the sliders suggest."""
-    out = []
-    left = n_seen - min(n_seen, spec.sink + spec.recent)
-    if spec.evicts and spec.heavy > left:
-        out.append(f"Heavy-hitter budget {spec.heavy} is larger than the {left} tokens left after the sinks and "
-                   f"the recent window, so every token is kept. Lower the Heavy-hitter budget below {left} "
-                   "(or the other sliders).")
-    elif spec.evicts and spec.budget >= n_seen:
-        out.append(f"Sink + recent + heavy = {spec.budget} covers all {n_seen} tokens this query sees, so nothing "
-                   "is evicted. Lower the sliders (or pick a later query) to see eviction.")
-    return out
-
-
-def quant_warnings(spec: Spec, kept: int) -> list[str]:
-    """Where the bits slider cannot change anything: the kept tokens do not fill one group."""
-    if spec.quant_model != "kv" or spec.partial != "full":
-        return []
-    out = []
-    for what, bits, axis, fmt in (("keys", spec.key_bits, spec.key_axis, spec.key_format),
-                                  ("values", spec.value_bits, spec.value_axis, spec.value_format)):
-        outside = max(0, kept - spec.residual)
-        if fmt == "int" and spec.residual_mode == "kivi" and bits < FULL_BITS and axis == "channel" \
-                and outside < spec.group_size:
-            out.append(f"The {what} are not quantized: the {outside} kept tokens outside the residual window do not "
-                       f"fill one per-channel group of {spec.group_size}, and KIVI keeps a partial group at 16 bits. "
-                       "Lower the group size under Advanced, or quantize partial groups too.")
-    return out
 
 
 def _quantize_partial_groups() -> None:

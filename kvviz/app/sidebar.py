@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import streamlit as st
 
+from kvviz.app import guard
 from kvviz.app.compression import compression_section
 from kvviz.app.compute import Source
 from kvviz.app.labels import SOURCE_LABELS
@@ -134,8 +135,8 @@ def _synthetic_section(where) -> Source | None:
             head_dim=w_choice(st, "head_dim", "Head dim", (32, 64, 128)),
             seed=w_number(st, "syn_seed", "Pattern seed", 0, 1_000_000),
         )
-    try:
-        spec = SyntheticSpec(**knobs)
+    try:   # past the work budget: a notice, and the previous (or default) pattern
+        spec = guard.within_budget("synthetic", lambda: SyntheticSpec(**knobs), SyntheticSpec)
     except SpecError as e:
         st.error(f"The synthetic pattern cannot be built: {e}. Change the pattern knobs in the sidebar.")
         return None

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
+import sys
+import time
 from pathlib import Path
 
-from kvviz.spec import (ALLOCATIONS, AXES, CHUNK_INNER, ENSEMBLES, FORMATS, FP8_SCALES, FULL_BITS, PARTIAL_GROUPS, QUANT_MODELS, RESIDUAL_MODES, ROTATIONS, SCORERS, ZERO_POINTS, Spec)
+from kvviz.sources.synthetic import MAX_CONTEXT, MAX_STEPS
+from kvviz.spec import (ALLOCATIONS, AXES, CHUNK_INNER, ENSEMBLES, FORMATS, FP8_SCALES, FULL_BITS, MAX_ENSEMBLE, PARTIAL_GROUPS, QUANT_MODELS, RESIDUAL_MODES, ROTATIONS, SCORERS, ZERO_POINTS, Spec)
 from kvviz.trace import TraceError
+
+MAX_TOKENS = 1_000_000     # token counts and budgets (the work budget bounds their products)
+MAX_SEED = 2**32 - 1
+DASH_VALUE = re.compile(r"argument (-[-\w]+(?:/-[-\w]+)*): expected one argument")
 
 
 class CliError(Exception):
@@ -17,27 +25,107 @@ class CliError(Exception):
 class OneLineParser(argparse.ArgumentParser):
     """Bad arguments: one clear line and exit status 2, not a usage dump."""
 
+    argv: list[str] = []          # the command line being parsed (set by kvviz.cli.parser.main)
+
     def error(self, message: str):
+        m = DASH_VALUE.fullmatch(message)
+        if m:   # `--budgets -1,abc`: argparse reads a value starting with '-' as another option
+            options = m.group(1).split("/")
+            at = next((i for i, x in enumerate(self.argv) if x in options), None)
+            value = self.argv[at + 1] if at is not None and at + 1 < len(self.argv) else "-1"
+            message += f"; a value that starts with '-' must be attached with '=': {options[-1]}={value}"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _nonneg(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+class ProgressLine:
+    """One self-overwriting progress line on stderr."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.last, self.width = enabled, 0.0, 0
+
+    def __call__(self, fraction: float, message: str) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < 0.1 and fraction < 1.0):
+            return
+        self.last = now
+        line = f"[{fraction:4.0%}] {message}"
+        sys.stderr.write("\r" + line.ljust(self.width))
+        sys.stderr.flush()
+        self.width = len(line)
+
+    def done(self) -> None:
+        if self.enabled and self.width:
+            sys.stderr.write("\n")
+
+
+def _number(text: str, kind):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                         f"got {text!r}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
+
+
+def integer(lo: int, hi: int):
+    """An argparse type: an integer in [lo, hi], else one line saying the range."""
+    def parse(text: str) -> int:
+        value = _number(text, int)
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be {lo:,}-{hi:,}, got {value:,}")
+        return value
+    return parse
+
+
+def number(lo: float, hi: float, open_low: bool = False):
+    """An argparse type: a finite number in [lo, hi] ((lo, hi] with open_low)."""
+    def parse(text: str) -> float:
+        value = _number(text, float)
+        if not (lo < value if open_low else lo <= value) or value > hi:
+            raise argparse.ArgumentTypeError(f"must be {'above' if open_low else 'at least'} {lo:g} and at most "
+                                             f"{hi:g}, got {value:g}")
+        return value
+    return parse
+
+
+def number_list(kind, lo: float, hi: float, example: str, open_low: bool = False):
+    """An argparse type: comma-separated numbers, each in range; one line names the first bad one."""
+    one = integer(lo, hi) if kind is int else number(lo, hi, open_low)
+
+    def parse(text: str) -> list:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected comma-separated values like {example}, got {text!r}")
+        out = []
+        for x in items:
+            try:
+                out.append(one(x))
+            except argparse.ArgumentTypeError as e:
+                raise argparse.ArgumentTypeError(f"{x!r} in {text!r}: {e} (like {example})") from None
+        return out
+    return parse
+
+
+_nonneg = integer(0, MAX_TOKENS)
+
+
+MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 128, 256, 1024   # per knob; the work budget bounds their product
 
 
 def add_source_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("source")
     g.add_argument("--source", default="handbook", help="handbook, synthetic, or a trace file (.safetensors)")
-    g.add_argument("--context", type=int, default=512, help="synthetic: context tokens (8-32768)")
-    g.add_argument("--steps", type=int, default=32, help="synthetic: later query steps")
-    g.add_argument("--layers", type=int, default=2, help="synthetic: layers")
-    g.add_argument("--heads", type=int, default=4, help="synthetic: query heads")
-    g.add_argument("--kv-heads", type=int, default=2, help="synthetic: KV heads")
-    g.add_argument("--head-dim", type=int, default=64, help="synthetic: head dimension")
-    g.add_argument("--topic-shift", type=float, default=0.0, help="synthetic: logit boost of late anchors")
+    g.add_argument("--context", type=integer(8, MAX_CONTEXT), default=512,
+                   help=f"synthetic: context tokens (8-{MAX_CONTEXT})")
+    g.add_argument("--steps", type=integer(0, MAX_STEPS), default=32, help=f"synthetic: later query steps (0-{MAX_STEPS})")
+    g.add_argument("--layers", type=integer(1, MAX_LAYERS), default=2, help=f"synthetic: layers (1-{MAX_LAYERS})")
+    g.add_argument("--heads", type=integer(1, MAX_HEADS), default=4, help=f"synthetic: query heads (1-{MAX_HEADS})")
+    g.add_argument("--kv-heads", type=integer(1, MAX_HEADS), default=2, help=f"synthetic: KV heads (1-{MAX_HEADS})")
+    g.add_argument("--head-dim", type=integer(8, MAX_HEAD_DIM), default=64,
+                   help=f"synthetic: head dimension (8-{MAX_HEAD_DIM})")
+    g.add_argument("--topic-shift", type=number(0, 1000), default=0.0, help="synthetic: logit boost of late anchors")
 
 
 def add_compression_args(p: argparse.ArgumentParser) -> None:
@@ -55,23 +143,23 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
                    help="heavy budget over heads and layers: uniform; adakv (one budget per layer, top scores "
                         "across its KV heads, each head at least alpha x heavy); pyramid (layer budgets falling "
                         "linearly, same total)")
-    g.add_argument("--adakv-alpha", type=float, default=0.2, help="AdaKV safeguard alpha (kvpress 0.2)")
-    g.add_argument("--pyramid-beta", type=float, default=20.0,
+    g.add_argument("--adakv-alpha", type=number(0, 1), default=0.2, help="AdaKV safeguard alpha (kvpress 0.2)")
+    g.add_argument("--pyramid-beta", type=number(1, 1e6), default=20.0,
                    help="PyramidKV: top layer heavy/beta, bottom 2 heavy - heavy/beta (kvpress 20; 1 = flat)")
-    g.add_argument("--ea-horizon", type=int, default=512,
+    g.add_argument("--ea-horizon", type=integer(1, 1_000_000), default=512,
                    help="Expected Attention: future positions the query statistics are rotated over (kvpress 512)")
     g.add_argument("--ea-no-covariance", action="store_true",
                    help="Expected Attention: the queries' mean only, no covariance")
-    g.add_argument("--chunk-size", type=int, default=20, help="ChunkKV: tokens per chunk (kvpress 20)")
+    g.add_argument("--chunk-size", type=integer(1, 4096), default=20, help="ChunkKV: tokens per chunk (kvpress 20)")
     g.add_argument("--chunk-scorer", default="snapkv", choices=CHUNK_INNER,
                    help="ChunkKV: the token scorer pooled per chunk")
-    g.add_argument("--page-size", type=int, default=16, help="Quest: tokens per page (Quest 16)")
-    g.add_argument("--bits", type=int, help="key and value bits (1-8; 16 = off)")
-    g.add_argument("--key-bits", type=int, help="key bits (overrides --bits)")
-    g.add_argument("--value-bits", type=int, help="value bits (overrides --bits)")
+    g.add_argument("--page-size", type=integer(1, 4096), default=16, help="Quest: tokens per page (Quest 16)")
+    g.add_argument("--bits", type=integer(1, FULL_BITS), help="key and value bits (1-8; 16 = off)")
+    g.add_argument("--key-bits", type=integer(1, FULL_BITS), help="key bits (overrides --bits)")
+    g.add_argument("--value-bits", type=integer(1, FULL_BITS), help="value bits (overrides --bits)")
     g.add_argument("--key-axis", default="channel", choices=AXES)
     g.add_argument("--value-axis", default="token", choices=AXES)
-    g.add_argument("--group-size", type=int, default=32)
+    g.add_argument("--group-size", type=integer(1, 4096), default=32)
     g.add_argument("--residual", type=_nonneg, default=0, help="recent tokens kept in full precision")
     g.add_argument("--symmetric", action="store_true", help="symmetric quantization (no zero point)")
     g.add_argument("--zero-point", default="float", choices=ZERO_POINTS,
@@ -80,7 +168,7 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--partial-groups", default="full", choices=PARTIAL_GROUPS,
                    help="a trailing group shorter than --group-size: kept at 16 bits as KIVI does (full, "
                         "default) or quantized as a short group (quantize)")
-    g.add_argument("--snapkv-window", type=_nonneg, default=0,
+    g.add_argument("--snapkv-window", type=integer(0, 4096), default=0,
                    help="SnapKV observation window in queries (0 = the recent window, capped at 64); "
                         "must fit inside --recent, which keeps it")
     g.add_argument("--h2o-normalized", action="store_true",
@@ -107,8 +195,9 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
                         "residual_length 128, flushed) at 4 or 2 bits; overrides the bits/axis/group/residual options")
     g.add_argument("--quant-model", default="kv", choices=QUANT_MODELS,
                    help="kv = real K/V quantization; noise = the handbook's logit-noise model")
-    g.add_argument("--noise-sigma", type=float, default=0.01, help="noise model: logit noise std")
-    g.add_argument("--seed", type=int, default=0, help="random draws (noise, random scorer, synthetic source)")
+    g.add_argument("--noise-sigma", type=number(0, 100), default=0.01, help="noise model: logit noise std")
+    g.add_argument("--seed", type=integer(0, MAX_SEED), default=0,
+                   help="random draws (noise, random scorer, synthetic source)")
 
 
 def scorer_from_args(a: argparse.Namespace) -> str:
@@ -163,6 +252,9 @@ def source_from_args(a: argparse.Namespace):
         raise TraceError(f"no such source or file: {a.source} (use handbook, synthetic or a .safetensors trace)")
     trace = load_source(a.source, synthetic)
     for_seed = None
+    if a.source == "handbook":   # other seeds realise other keys and values, as in the app (kvviz.links)
+        from kvviz.sources import handbook_trace
+        for_seed = lambda r: handbook_trace(seed=r)  # noqa: E731
     if synthetic is not None:
         from kvviz.sources import make_synthetic
         for_seed = lambda r: make_synthetic(synthetic.with_(seed=synthetic.seed + r))  # noqa: E731
@@ -181,8 +273,9 @@ def _json_safe(obj):
 
 def add_view_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("view")
-    g.add_argument("--layer", type=int, default=0)
-    g.add_argument("--head", type=int, default=0, help="query head")
-    g.add_argument("--step", type=int, default=None, help="which evaluated query (default: the last)")
+    g.add_argument("--layer", type=integer(0, MAX_TOKENS), default=0)
+    g.add_argument("--head", type=integer(0, MAX_TOKENS), default=0, help="query head")
+    g.add_argument("--step", type=integer(0, MAX_TOKENS), default=None, help="which evaluated query (default: the last)")
     g.add_argument("--ensemble", choices=ENSEMBLES, default=None, help="what the error bars range over")
-    g.add_argument("--ensemble-size", type=int, default=8)
+    g.add_argument("--ensemble-size", type=integer(1, MAX_ENSEMBLE), default=8,
+                   help=f"rows behind the error bars (1-{MAX_ENSEMBLE})")

@@ -8,13 +8,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
+from kvviz.cli.args import ProgressLine
+
 DEFAULT_MAX_TOKENS = 2048  # mirrors kvviz.sources.capture.DEFAULT_MAX_TOKENS (no torch import here)
+MAX_CAPTURE_TOKENS = 131072
 
 
 def register(subparsers) -> None:
+    from kvviz.cli.args import integer
+    from kvviz.sources.capture import MAX_NEW_TOKENS
+
     p = subparsers.add_parser(
         "capture", help="capture a real model's queries, keys and values for a prompt -> trace file",
         description="Run a causal language model over a prompt (prefill, then greedy decode steps) "
@@ -25,9 +30,11 @@ def register(subparsers) -> None:
     text = p.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="the prompt text")
     text.add_argument("--prompt-file", help="read the prompt from this UTF-8 text file ('-' = stdin)")
-    p.add_argument("--new-tokens", type=int, default=0, help="greedy decode steps after the prompt (default 0)")
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                   help=f"longer prompts are cut to their first N tokens (default {DEFAULT_MAX_TOKENS})")
+    p.add_argument("--new-tokens", type=integer(0, MAX_NEW_TOKENS), default=0,
+                   help=f"greedy decode steps after the prompt (0-{MAX_NEW_TOKENS}, default 0)")
+    p.add_argument("--max-tokens", type=integer(1, MAX_CAPTURE_TOKENS), default=DEFAULT_MAX_TOKENS,
+                   help=f"longer prompts are cut to their first N tokens (1-{MAX_CAPTURE_TOKENS:,}, default "
+                        f"{DEFAULT_MAX_TOKENS}); the work budget (KVVIZ_MAX_BYTES) bounds what the model's shape allows")
     p.add_argument("--layers", default=None, help="layers to keep, e.g. 0,1,5 or 0-3 (default: all)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps (default cpu)")
     p.add_argument("--device-map", default=None,
@@ -60,27 +67,6 @@ def _read_prompt(a: argparse.Namespace) -> str:
         raise ModelError(f"{path} is not a UTF-8 text file") from None
 
 
-class _ProgressLine:
-    """One self-overwriting progress line on stderr."""
-
-    def __init__(self, enabled: bool):
-        self.enabled, self.last, self.width = enabled, 0.0, 0
-
-    def __call__(self, fraction: float, message: str) -> None:
-        now = time.monotonic()
-        if not self.enabled or (now - self.last < 0.1 and fraction < 1.0):
-            return
-        self.last = now
-        line = f"[{fraction:4.0%}] {message}"
-        sys.stderr.write("\r" + line.ljust(self.width))
-        sys.stderr.flush()
-        self.width = len(line)
-
-    def done(self) -> None:
-        if self.enabled and self.width:
-            sys.stderr.write("\n")
-
-
 def cmd_capture(a: argparse.Namespace) -> int:
     from kvviz.models import ModelError
     from kvviz.sources.capture import capture
@@ -96,7 +82,7 @@ def cmd_capture(a: argparse.Namespace) -> int:
     if not out.parent.exists():
         raise ModelError(f"folder {out.parent} does not exist")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    bar = _ProgressLine(not a.quiet and sys.stderr is not None)
+    bar = ProgressLine(not a.quiet and sys.stderr is not None)
     try:
         model, tokenizer, info = load_model(a.model, device=a.device, dtype=a.dtype, device_map=a.device_map,
                                             progress=lambda f, m: bar(0.3 * f, m))

@@ -20,20 +20,26 @@ DEFAULT_BUDGETS = "32,64,128"
 
 
 def _add_text_args(p: argparse.ArgumentParser) -> None:
+    from kvviz.cli.args import integer
+    from kvviz.decode.quality import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS
+
     p.add_argument("--model", default="bundled",
                    help="'bundled' (SmolLM2-135M, offline), a local model folder or .gguf file, or a hub id")
     p.add_argument("--text-file", default=None,
                    help="UTF-8 text: the first --prompt-tokens tokens are the prompt, the rest the "
                         "continuation scored (default: kvviz's bundled English sample, ~470 tokens)")
-    p.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS,
-                   help=f"prompt length in tokens: the compression point (default {DEFAULT_PROMPT_TOKENS})")
-    p.add_argument("--continuation-tokens", type=int, default=None,
-                   help="continuation tokens scored (default: the rest of the text, at most 512)")
+    p.add_argument("--prompt-tokens", type=integer(1, MAX_PROMPT_TOKENS), default=DEFAULT_PROMPT_TOKENS,
+                   help=f"prompt length in tokens: the compression point (1-{MAX_PROMPT_TOKENS}, default "
+                        f"{DEFAULT_PROMPT_TOKENS})")
+    p.add_argument("--continuation-tokens", type=integer(1, MAX_NEW_TOKENS), default=None,
+                   help=f"continuation tokens scored (1-{MAX_NEW_TOKENS}; default: the rest of the text, at most "
+                        f"{MAX_NEW_TOKENS})")
     p.add_argument("--quiet", action="store_true", help="no progress line")
 
 
 def register(subparsers) -> None:
-    from kvviz.cli.args import add_compression_args
+    from kvviz.cli.args import MAX_TOKENS, add_compression_args, integer, number_list
+    from kvviz.decode.quality import MAX_NEW_TOKENS
 
     p = subparsers.add_parser(
         "eval", help="decode a real model with a compressed KV cache: perplexity, KL, top-1 vs the full cache",
@@ -42,7 +48,7 @@ def register(subparsers) -> None:
                     "with the kvviz quantizer) against the full cache on the same text.")
     _add_text_args(p)
     add_compression_args(p)
-    p.add_argument("--greedy", type=int, default=0, metavar="N",
+    p.add_argument("--greedy", type=integer(0, MAX_NEW_TOKENS), default=0, metavar="N",
                    help="also write N greedy tokens after the prompt with both caches, side by side")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
     p.set_defaults(func=cmd_eval)
@@ -59,7 +65,8 @@ def register(subparsers) -> None:
                         "fp8-e5m2-head, nvfp4, mxfp4, nvfp4-rotated, kivi-2bit-rotated, "
                         "2bit-per-token-keys-rotated, hf-qc-4bit, hf-qc-2bit) once "
                         f"(default {DEFAULT_METHODS})")
-    s.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"token budgets (default {DEFAULT_BUDGETS})")
+    s.add_argument("--budgets", type=number_list(int, 8, MAX_TOKENS, "32,64,128"), default=DEFAULT_BUDGETS,
+                   help=f"token budgets, each at least 8 (4 sinks + a window) (default {DEFAULT_BUDGETS})")
     s.add_argument("--out", help="CSV file (default: standard output)")
     s.set_defaults(func=cmd_eval_sweep)
 
@@ -166,12 +173,7 @@ def cmd_eval_sweep(a: argparse.Namespace) -> int:
     from kvviz.spec import SpecError
 
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    try:
-        budgets = [int(b) for b in a.budgets.split(",") if b.strip()]
-    except ValueError:
-        raise SpecError("--budgets takes token counts like 32,64,128") from None
-    if not budgets or min(budgets) < 8:
-        raise SpecError("budgets are token counts of at least 8 (4 sinks + a window)")
+    budgets = a.budgets                                # checked by its argparse type
     from kvviz.decode.eval_sweep import QUANT_METHODS, SWEEP_METHODS
     bad = [m for m in methods if m not in SWEEP_METHODS and m not in QUANT_METHODS]
     if bad:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvviz.cli.args import add_compression_args, add_source_args, source_from_args, spec_from_args
+from kvviz.cli.args import MAX_TOKENS, add_compression_args, integer, add_source_args, source_from_args, spec_from_args
 
 
 def cmd_ledger(a: argparse.Namespace) -> int:
@@ -38,6 +38,6 @@ def register(sub) -> None:
     p = sub.add_parser("ledger", help="declared vs kept tokens and bytes per layer and KV head (the budget ledger)")
     add_source_args(p)
     add_compression_args(p)
-    p.add_argument("--step", type=int, default=None, help="which evaluated query (default: the last)")
+    p.add_argument("--step", type=integer(0, MAX_TOKENS), default=None, help="which evaluated query (default: the last)")
     p.add_argument("--csv", action="store_true", help="every (layer, KV head) row as CSV")
     p.set_defaults(func=cmd_ledger)

@@ -19,6 +19,7 @@ from kvviz.spec import SCORERS, Spec
 
 def register(subparsers) -> None:
     from kvviz.analysis import needle as nd
+    from kvviz.cli.args import MAX_SEED, integer
 
     p = subparsers.add_parser(
         "needle", help="needle-in-a-haystack grid: does each policy still find the pass key, and where was it lost",
@@ -45,8 +46,9 @@ def register(subparsers) -> None:
                    help="query-agnostic: compress right after the haystack, then feed the question through the "
                         "compressed cache, as kvpress's pipeline does by default (default here: compress after the "
                         "question, kvpress's compress_questions=True)")
-    p.add_argument("--new-tokens", type=int, default=nd.DEFAULT_NEW_TOKENS, help="greedy answer tokens (default 8)")
-    p.add_argument("--seed", type=int, default=nd.DEFAULT_SEED, help="seed of the pass keys (default 0)")
+    p.add_argument("--new-tokens", type=integer(1, 64), default=nd.DEFAULT_NEW_TOKENS,
+                   help="greedy answer tokens, 1-64 (default 8)")
+    p.add_argument("--seed", type=integer(0, MAX_SEED), default=nd.DEFAULT_SEED, help="seed of the pass keys (default 0)")
     p.add_argument("--haystack", default="filler", choices=nd.HAYSTACKS,
                    help="filler (the classic repeated sentences) or sample (kvviz's bundled English text)")
     p.add_argument("--no-cache", action="store_true", help="recompute every cell (and overwrite the cache)")
@@ -87,14 +89,14 @@ def parse(a: argparse.Namespace) -> dict:
         raise SpecError(f"unknown scorer {bad[0] if bad else a.scorers!r}; choose from {', '.join(nd.SCORER_NAMES)}")
     if any(not 0 <= d <= 1 for d in depths):
         raise SpecError("depths are fractions of the haystack in [0, 1] (or percentages 0%-100%)")
-    if min(lengths) < 1:
-        raise SpecError("lengths are token counts of at least 1")
+    if not 1 <= min(lengths) <= max(lengths) <= nd.MAX_LENGTH:
+        bad = next(n for n in lengths if not 1 <= n <= nd.MAX_LENGTH)
+        raise SpecError(f"--lengths are token counts of 1-{nd.MAX_LENGTH:,} (and at most the model's positions), "
+                        f"got {bad:,}")
     for b in budgets:
         nd.budget_tokens(b, 1000)
     for b in bits:
         Spec(key_bits=b, value_bits=b)
-    if not 1 <= a.new_tokens <= 64:
-        raise SpecError(f"--new-tokens must be 1-64, got {a.new_tokens}")
     return dict(lengths=lengths, depths=depths, scorers=scorers, budgets=budgets, bits=bits,
                 question_after_compression=a.question_after_compression, new_tokens=a.new_tokens,
                 seed=a.seed, haystack=a.haystack, use_cache=not a.no_cache)

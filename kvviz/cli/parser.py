@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import sys
 
-from kvviz.cli import capture, compare, evaluate, ledger, needle, solve, sweep
+from kvviz.cli import capture, compare, evaluate, ledger, lesson, needle, solve, study, sweep
 from kvviz.cli.args import CliError, OneLineParser
+from kvviz.limits import ENV
 from kvviz.spec import SpecError
 from kvviz.trace import TraceError
 
-COMMANDS = (compare, sweep, solve, ledger, capture, evaluate, needle)   # in the order --help lists them
+COMMANDS = (compare, sweep, solve, ledger, capture, evaluate, needle, lesson, study)   # in the order --help lists them
 
 
 def build_parser() -> OneLineParser:
@@ -25,6 +26,7 @@ def build_parser() -> OneLineParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    OneLineParser.argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
@@ -33,6 +35,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (SpecError, TraceError, CliError) as exc:
         print(f"kvviz: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:    # Ctrl-C in a long computation: one line, the shell's status for SIGINT
+        print("kvviz: interrupted", file=sys.stderr)
+        return 130
+    except MemoryError:
+        print(f"kvviz: error: out of memory; lower the sizes, or the work budget ({ENV}) so kvviz refuses "
+              "such a request up front", file=sys.stderr)
         return 2
     except Exception as exc:  # ModelError and friends: one line, no traceback
         from kvviz.models import ModelError

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from kvviz.cli.args import (CliError, _json_safe, _nonneg, add_compression_args, add_source_args, add_view_args, source_from_args, spec_from_args)
+from kvviz.cli.args import (CliError, _json_safe, _nonneg, number, add_compression_args, add_source_args, add_view_args, source_from_args, spec_from_args)
 from kvviz.spec import View
 
 
@@ -43,8 +43,9 @@ def register(sub) -> None:
     add_compression_args(p)
     add_view_args(p)
     g = p.add_argument_group("target (give one)")
-    g.add_argument("--target-mass", type=float, help="keep at least this share of the attention (0-1)")
-    g.add_argument("--target-tv", type=float, help="keep the TV distance at most this (0-1)")
+    g.add_argument("--target-mass", type=number(0, 1, open_low=True),
+                   help="keep at least this share of the attention (0-1)")
+    g.add_argument("--target-tv", type=number(0, 1, open_low=True), help="keep the TV distance at most this (0-1)")
     p.add_argument("--max-sink", type=_nonneg, default=4, help="sinks in the split rule (default 4)")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     p.set_defaults(func=cmd_solve)

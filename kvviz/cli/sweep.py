@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvviz.cli.args import (CliError, add_compression_args, add_source_args, add_view_args, scorer_from_args, source_from_args, spec_from_args)
+from kvviz.cli.args import (CliError, add_compression_args, add_source_args, add_view_args, number_list, scorer_from_args, source_from_args, spec_from_args)
+from kvviz.spec import FULL_BITS
 from kvviz.spec import SCORERS, SpecError, View, scorer_names
 
 
@@ -22,13 +23,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     bad = [s for s in scorers if s not in scorer_names()]
     if bad:
         raise SpecError(f"unknown scorer {bad[0]!r}; choose from {', '.join(scorer_names())}")
-    try:
-        fractions = [float(x) for x in a.budgets.split(",")]
-        bits = [int(x) for x in a.bits_list.split(",")]
-    except ValueError:
-        raise CliError("--budgets takes fractions like 0.1,0.2 and --bits-list integers like 16,4,2") from None
-    if any(not 0 < f <= 1 for f in fractions):
-        raise CliError("budgets are fractions of the tokens, each in (0, 1]")
+    fractions, bits = a.budgets, a.bits_list           # checked by their argparse types
     base = spec_from_args(a)
     trace, _ = source_from_args(a)
     view = View(layer=a.layer, head=a.head, step=a.step, ensemble=a.ensemble or "heads",
@@ -56,8 +51,11 @@ def register(sub) -> None:
     add_compression_args(p)
     add_view_args(p)
     p.add_argument("--scorers", default=",".join(SCORERS), help="comma-separated scorers")
-    p.add_argument("--budgets", default="0.05,0.1,0.2,0.3,0.5,1.0", help="budget fractions of the tokens")
-    p.add_argument("--bits-list", default="16,8,4,2", help="bit widths to sweep")
+    p.add_argument("--budgets", type=number_list(float, 0, 1, "0.1,0.25,1", open_low=True),
+                   default=[0.05, 0.1, 0.2, 0.3, 0.5, 1.0],
+                   help="budget fractions of the tokens, each in (0, 1] (default 0.05,0.1,0.2,0.3,0.5,1)")
+    p.add_argument("--bits-list", type=number_list(int, 1, FULL_BITS, "16,4,2"), default=[16, 8, 4, 2],
+                   help="bit widths to sweep, each 1-8 or 16 (default 16,8,4,2)")
     p.add_argument("--formats-list", default="",
                    help="cache formats to add to the sweep, K and V alike: e4m3,e5m2,nvfp4,mxfp4 (default none)")
     p.add_argument("--out", help="CSV file (default: standard output)")

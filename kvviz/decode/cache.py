@@ -87,6 +87,7 @@ class CompressedCache:
         self.compressed = False
         self._quant_memo: dict[tuple[int, str], Any] = {}   # see _quantized
         self._rows = torch.arange(n_kv_heads)[:, None]   # (H, 1) for gathers
+        self._rows_np = np.arange(n_kv_heads)[:, None]
         self.block = False   # True: teacher-forced steps may arrive as one block (see block_ok)
         # record=True keeps every decode query and kept set, to rebuild the run as a Trace
         self.record = record
@@ -257,12 +258,13 @@ class CompressedCache:
         else:
             a, out = self._attend_masked(layer, qg, kept, scaling)
         if self.policy.streaming and self.evicts:
-            seen = np.take_along_axis(scores, kept, axis=1)                   # (H, m)
-            seen[np.isposinf(seen)] = 0.0         # the new token has now been seen by a query
+            at = (self._rows_np, kept)                                        # (H, m) fancy index
+            seen = scores[at]                                                 # (H, m)
+            seen[seen == np.inf] = 0.0            # the new token has now been seen by a query
             # every position has a query here: before this one, p - i queries saw token i
             self.policy.update(seen, a.reshape(self.Hq, -1).numpy().astype(np.float64),
                                ScoreContext(self.trace, layer, spec), (p - kept).astype(np.float64))
-            np.put_along_axis(scores, kept, seen, axis=1)
+            scores[at] = seen
         return out.reshape(self.Hq, 1, self.D)
 
     def _arrive(self, layer: int, p: int) -> np.ndarray:
@@ -350,9 +352,12 @@ class CompressedCache:
         """Kept K and V gathered at idx (H, m), quantized per the spec: (H, m, D) each."""
         import torch
 
-        it = torch.from_numpy(idx)
-        K = self.k[layer][self._rows, it]                                     # (H, m, D)
-        V = self.v[layer][self._rows, it]
+        m = idx.shape[1]
+        if m and (idx[:, -1] == m - 1).all():   # sorted positions ending at m - 1: the whole prefix
+            K, V = self.k[layer, :, :m], self.v[layer, :, :m]                 # views: nothing to gather
+        else:   # numpy's gather on the shared storage: the same values, without torch's indexing overhead
+            K = torch.from_numpy(self.k[layer].numpy()[self._rows_np, idx])   # (H, m, D)
+            V = torch.from_numpy(self.v[layer].numpy()[self._rows_np, idx])
         s = self.spec
         if s.quant_model == "kv" and uses_formats(s):
             return self._kept_kv_formats(layer, K.numpy(), V.numpy(), idx)

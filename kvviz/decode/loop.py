@@ -18,6 +18,7 @@ import numpy as np
 from kvviz.decode.cache import CompressedCache, Progress
 from kvviz.decode.hook import compressed_cache
 from kvviz.decode.ragged import cache_class   # allocations over heads / layers: ragged caches
+from kvviz.limits import checkpoint
 from kvviz.models.config import model_dims, rope_inv_freq
 from kvviz.spec import Spec, SpecError
 
@@ -118,6 +119,7 @@ def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
             fed = [int(x) for x in feed[:steps]]
             steps = 0
         for i in range(steps):
+            checkpoint()
             tok = int(feed[i]) if feed is not None else int(torch.argmax(last))
             last = _forward(model, [tok], n + i)[-1]
             rows.append(last)
@@ -162,6 +164,7 @@ def decode_many(model, prompt_ids: Sequence[int], specs: Sequence[Spec], steps: 
             c.seed(prefix, n)
             c.compress()
         for i in range(max(steps, default=0)):
+            checkpoint()
             live = [r for r in range(R) if steps[r] > i]
             toks = [int(feeds[r][i]) if feeds[r] is not None else int(torch.argmax(rows[r][-1])) for r in live]
             active[:] = [caches[r] for r in live]

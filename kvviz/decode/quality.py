@@ -24,6 +24,7 @@ import numpy as np
 
 from kvviz.decode.cache import CompressedCache, Progress
 from kvviz.decode.loop import Prefill, decode, prefill
+from kvviz.models.config import model_dims, prefill_work
 from kvviz.engine import memory_for
 from kvviz.spec import Spec, SpecError
 
@@ -96,6 +97,7 @@ def reference(model, tokenizer, text_or_ids: str | Sequence[int], prompt_tokens:
     ids = tokenize(tokenizer, text_or_ids) if isinstance(text_or_ids, str) else [int(i) for i in text_or_ids]
     n, m = check_lengths(len(ids), prompt_tokens, continuation_tokens)
     ids = ids[: n + m]
+    prefill_work(model_dims(model), n + m, "this text").check()      # before the forward pass allocates
     t0 = time.perf_counter()
     pre = prefill(model, ids)                      # the full-cache logits and every layer's q, k, v
     with torch.inference_mode():

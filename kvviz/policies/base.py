@@ -18,6 +18,7 @@ Only the oracle (`needs_query = True`) sees the query it is evaluated on.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
@@ -25,6 +26,7 @@ from functools import cached_property
 import numpy as np
 
 from kvviz.attention import context_rows, small_blas, softmax
+from kvviz.limits import checkpoint
 from kvviz.policies.allocation import adakv_heavy, allocate, layer_spec, select_heads
 from kvviz.policies.select import evict_one, select  # noqa: F401  (re-exported: policies import them from here)
 from kvviz.spec import Spec
@@ -57,11 +59,13 @@ class ScoreContext:
         qp = self.trace.query_positions[self.history_rows]
         return len(qp) - np.searchsorted(qp, np.arange(self.n_positions), side="left")
 
-    def context_attention(self, rows: np.ndarray | None = None, heads: np.ndarray | None = None):
-        """Chunks of (rows, attention (heads, rows, n_context)) of context queries."""
+    def context_attention(self, rows: np.ndarray | None = None, heads: np.ndarray | None = None,
+                          trim: bool = False):
+        """Chunks of (rows, attention (heads, rows, n_context)) of context queries; trim=True: over
+        the keys the chunk's rows may see only (heads, rows, m <= n_context), see context_rows."""
         rows = self.history_rows if rows is None else rows
         heads = np.arange(self.trace.n_q_heads) if heads is None else heads
-        return context_rows(self.trace, self.layer, heads, rows, self.n_context)
+        return context_rows(self.trace, self.layer, heads, rows, self.n_context, trim=trim)
 
     def per_kv_head(self, per_q_head: np.ndarray) -> np.ndarray:
         """Sum a (q_heads, n) array within each GQA group -> (kv_heads, n)."""
@@ -69,8 +73,28 @@ class ScoreContext:
         return per_q_head.reshape(self.trace.n_kv_heads, g, -1).sum(axis=1)
 
 
-_SCORE_CACHE: OrderedDict = OrderedDict()  # (trace id, layer, scorer, key) -> (trace, scores)
+# (trace id, layer, scorer, key) -> (weak reference to the trace, scores): the cache must not keep a
+# trace alive after its owner (an app cache, a sweep) let it go; a dead reference is a miss.
+_SCORE_CACHE: OrderedDict = OrderedDict()
 _SCORE_CACHE_SIZE = 32
+
+
+def cached_on_trace(trace: Trace, layer: int, name: str, key: tuple, compute):
+    """`compute()`, cached in the score cache per (trace, layer, name, key): scores, and statistics
+    a scorer derives from a layer of the trace alone (Expected Attention's query mean and covariance,
+    which every horizon reuses). The entry holds a weak reference to its trace: an id reused by a
+    new trace never hits, and the cache never keeps a trace (often the largest object in the
+    process) alive after its owner lets it go."""
+    full_key = (id(trace), layer, name, key)
+    hit = _SCORE_CACHE.get(full_key)
+    if hit is not None and hit[0]() is trace:
+        _SCORE_CACHE.move_to_end(full_key)
+        return hit[1]
+    value = compute()
+    _SCORE_CACHE[full_key] = (weakref.ref(trace), value)
+    while len(_SCORE_CACHE) > _SCORE_CACHE_SIZE:
+        _SCORE_CACHE.popitem(last=False)
+    return value
 
 
 class Policy:
@@ -129,17 +153,11 @@ class Policy:
     def scores_at_compression(self, ctx: ScoreContext) -> np.ndarray:
         """`score(ctx)`, cached per (trace, layer, scorer settings): a sweep over budgets
         and bits, or an app rerun, reuses H2O's pass over the whole context."""
-        key = (id(ctx.trace), ctx.layer, self.name, self.score_key(ctx.spec))
-        hit = _SCORE_CACHE.get(key)
-        if hit is not None and hit[0] is ctx.trace:
-            _SCORE_CACHE.move_to_end(key)
-            return hit[1]
-        scores = np.asarray(self.score(ctx), dtype=np.float64)
-        scores.flags.writeable = False
-        _SCORE_CACHE[key] = (ctx.trace, scores)
-        while len(_SCORE_CACHE) > _SCORE_CACHE_SIZE:
-            _SCORE_CACHE.popitem(last=False)
-        return scores
+        def compute():
+            scores = np.asarray(self.score(ctx), dtype=np.float64)
+            scores.flags.writeable = False
+            return scores
+        return cached_on_trace(ctx.trace, ctx.layer, self.name, self.score_key(ctx.spec), compute)
 
     def keep_masks(self, ctx: ScoreContext, positions: np.ndarray) -> np.ndarray:
         """Kept masks at the given evaluated query positions, shape (len, kv_heads, positions)."""
@@ -164,8 +182,9 @@ class Policy:
                 for i, p in enumerate(positions):
                     out[i, :, : p + 1] = select_heads(scores[:, : p + 1], spec, heavy)
                 return out
+            shared = scores.strides[0] == 0 and Hkv > 1    # one decision for every head: take it once
             for i, p in enumerate(positions):
-                out[i, :, : p + 1] = select(scores[:, : p + 1], spec)
+                out[i, :, : p + 1] = select(scores[:1 if shared else Hkv, : p + 1], spec)
             return out
         if spec.allocation == "adakv":
             from kvviz.spec import SpecError
@@ -193,6 +212,7 @@ class Policy:
         query_at = {int(trace.query_positions[qi]): int(qi) for qi in trace.later_queries}
         inv_sqrt_d = 1.0 / np.sqrt(trace.head_dim)
         for p in range(c, int(positions.max()) + 1 if len(positions) else c):
+            checkpoint()
             kept = np.concatenate([kept, np.full((Hkv, 1), p)], axis=1)       # the new token arrives
             if kept.shape[1] > spec.budget:                                   # evict one per head
                 kept = evict_one(kept, scores, spec, p)

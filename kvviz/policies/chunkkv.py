@@ -29,9 +29,12 @@ INNER = {p.name: p for p in (SnapKV(), ExpectedAttention(), KeyDiff(), KNorm(), 
 def chunk_scores(token_scores: np.ndarray, c: int, size: int) -> np.ndarray:
     """(c,) each context token's chunk score from token scores (kv_heads, >= c)."""
     summed = np.asarray(token_scores, dtype=np.float64)[:, :c].sum(axis=0)      # over KV heads
+    full = c - c % size                                     # whole chunks: one mean per row of a reshape
+    means = summed[:full].reshape(-1, size).mean(axis=1)    # (the same pairwise sums as a mean per slice)
     out = np.empty(c)
-    for start in range(0, c, size):
-        out[start:start + size] = summed[start:start + size].mean()
+    out[:full] = np.repeat(means, size)
+    if full < c:                                            # the last, shorter chunk
+        out[full:] = summed[full:].mean()
     return out
 
 

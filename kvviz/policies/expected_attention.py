@@ -20,7 +20,7 @@ do not rotate: the statistics are used as they are and the horizon has no effect
 
 import numpy as np
 
-from kvviz.policies.base import Policy, ScoreContext
+from kvviz.policies.base import Policy, ScoreContext, cached_on_trace
 
 EA_SINK = 4   # kvpress ExpectedAttentionPress n_sink
 
@@ -75,37 +75,90 @@ class ExpectedAttention(Policy):
         return (spec.ea_horizon, spec.ea_covariance)
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
-        trace, layer, c = ctx.trace, ctx.layer, ctx.n_context
-        rows = ctx.history_rows
-        if len(rows) > EA_SINK + 1:
-            rows = rows[EA_SINK:]
-        q = trace.q[layer][:, rows].astype(np.float64)                     # (Hq, N, d), post-RoPE
+        trace, layer, c, spec = ctx.trace, ctx.layer, ctx.n_context, ctx.spec
+        d, g, Hkv = trace.head_dim, trace.group_size, trace.n_kv_heads
+        mu, cov = query_statistics(trace, layer, ctx.history_rows)          # pre-RoPE, (Hq, d), (Hq, d, d)
         inv_freq = rope_inv_freq(trace)
-        if inv_freq is not None:                                           # back to pre-RoPE
-            q = rotate(q, -trace.query_positions[rows], inv_freq)
-        mu = q.mean(axis=1)                                                 # (Hq, d)
-        centred = q - mu[:, None]
-        cov = np.einsum("hni,hnj->hij", centred, centred) / q.shape[1]      # (Hq, d, d)
         if inv_freq is not None:
-            R = mean_rotation(c, ctx.spec.ea_horizon, inv_freq)
+            R = mean_rotation(c, spec.ea_horizon, inv_freq)
             mu = mu @ R.T
             cov = R @ cov @ R.T
-        d = trace.head_dim
-        g = trace.group_size
-        keys = np.repeat(trace.k[layer][:, :c].astype(np.float64), g, axis=0)   # (Hq, c, d)
-        logits = np.einsum("hnd,hd->hn", keys, mu) / np.sqrt(d)
-        if ctx.spec.ea_covariance:
-            logits += np.einsum("hni,hij,hnj->hn", keys, cov, keys) / d / 2
         first = EA_SINK if c > EA_SINK else 0
-        z = logits[:, first:]
-        z = np.exp(z - z.max(axis=1, keepdims=True))
-        expected = np.zeros_like(logits)
-        expected[:, first:] = z / z.sum(axis=1, keepdims=True)
-        scores_c = ctx.per_kv_head(expected) / g                            # mean over the group
+        expected = np.zeros((Hkv, c))
+        expected[:, first:] = expected_attention(trace.k[layer][:, first:c], mu.reshape(Hkv, g, d),
+                                                 cov.reshape(Hkv, g, d, d) if spec.ea_covariance else None)
+        scores_c = expected
         if trace.v is not None:
-            scores_c *= np.linalg.norm(trace.v[layer][:, :c].astype(np.float64), axis=-1)
+            v = trace.v[layer][:, :c]
+            scores_c *= np.sqrt(np.einsum("hci,hci->hc", v, v, dtype=np.float64))   # ||v_i||, in float64
         if first:
             scores_c[:, :first] = scores_c[:, first:].max() + 1.0
-        scores = np.full((trace.n_kv_heads, ctx.n_positions), -np.inf)
+        scores = np.full((Hkv, ctx.n_positions), -np.inf)
         scores[:, :c] = scores_c
         return scores
+
+
+def query_statistics(trace, layer: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean (Hq, d) and covariance / N (Hq, d, d) of the context queries `rows` before RoPE, leaving
+    out the first EA_SINK; float64. They depend on the trace and layer alone (the horizon only
+    rotates them), so they are cached there: a second horizon, or the other switch, reuses them."""
+
+    def compute():
+        r = rows[EA_SINK:] if len(rows) > EA_SINK + 1 else rows
+        q = trace.q[layer]
+        if len(r) and np.array_equal(r, np.arange(r[0], r[0] + len(r))):
+            q = q[:, r[0]: r[0] + len(r)]                                   # a view: no gather
+        else:
+            q = q[:, r]
+        inv_freq = rope_inv_freq(trace)
+        if inv_freq is not None:                                             # back to pre-RoPE
+            q = rotate(q.astype(np.float64), -trace.query_positions[r], inv_freq)
+        # Centre on a float32 estimate of the mean (a BLAS sum), then correct by the mean of what is
+        # left, which is small: the covariance of centred data is safe in float32 (one syrk per head).
+        q = q.astype(np.float32, copy=False)
+        H, N, d = q.shape
+        ones = np.ones(N, dtype=np.float32)
+        mu = np.empty((H, d))
+        cov = np.empty((H, d, d))
+        for h in range(H):
+            rough = (ones @ q[h]) / np.float32(N)                            # (d,) float32
+            centred = q[h] - rough
+            rest = (ones @ centred).astype(np.float64) / N                    # the mean left over, small
+            mu[h] = rough + rest
+            cov[h] = (centred.T @ centred).astype(np.float64) / N - np.outer(rest, rest)
+        return mu, cov
+    return cached_on_trace(trace, layer, "expected_attention/query-statistics", (), compute)
+
+
+def expected_attention(keys: np.ndarray, mu: np.ndarray, cov: np.ndarray | None, chunk: int = 1024) -> np.ndarray:
+    """softmax_i(mu . k_i / sqrt(d) + k_i^T S k_i / (2 d)) averaged over each KV group's query heads.
+
+    keys (Hkv, n, d), mu (Hkv, g, d), cov (Hkv, g, d, d) or None (mean term only) -> (Hkv, n), float64.
+
+    The logits are computed relative to the mean key kbar (a constant per head, which the softmax
+    does not see): with delta_i = k_i - kbar,
+        z_i - z(kbar) = w . delta_i + delta_i^T S delta_i / (2 d),   w = mu / sqrt(d) + S kbar / d.
+    The linear term is float64; the quadratic one - the d x d product per key and head that costs
+    the time - runs as one float32 BLAS product per KV group, K @ [S_1 .. S_g], on the centred keys:
+    keys with large, nearly constant outlier channels then lose nothing to float32.
+    """
+    Hkv, n, d = keys.shape
+    g = mu.shape[1]
+    kbar = keys.mean(axis=1, keepdims=True, dtype=np.float64)               # (Hkv, 1, d)
+    delta = keys - kbar                                                      # (Hkv, n, d) float64
+    w = mu / np.sqrt(d)                                                      # (Hkv, g, d)
+    if cov is not None:
+        w = w + np.matmul(cov, kbar[:, None, 0, :, None])[..., 0] / d        # + S kbar / d
+    z = np.matmul(delta, np.swapaxes(w, 1, 2))                               # (Hkv, n, g) float64
+    if cov is not None:
+        delta32 = delta.astype(np.float32)
+        stacked = np.swapaxes(cov, 1, 2).reshape(Hkv, d, g * d).astype(np.float32)   # [S_1 .. S_g]
+        for start in range(0, n, chunk):
+            part = delta32[:, start:start + chunk]                           # (Hkv, m, d)
+            y = np.matmul(part, stacked).reshape(Hkv, -1, g, d)              # (Hkv, m, g, d)
+            quad = np.matmul(y, part[..., None])[..., 0]                     # (Hkv, m, g): delta^T S delta
+            z[:, start:start + chunk] += quad * np.float32(0.5 / d)
+    z -= z.max(axis=1, keepdims=True)
+    np.exp(z, out=z)
+    z /= z.sum(axis=1, keepdims=True)
+    return z.mean(axis=2)

@@ -29,8 +29,8 @@ class H2O(Policy):
         # Sum of the attention each context token received from the context queries,
         # summed over the query heads of each KV group -> (kv_heads, positions).
         received = np.zeros((ctx.trace.n_q_heads, ctx.n_positions))
-        for _, attn in ctx.context_attention():          # (q_heads, rows, n_context)
-            received[:, : ctx.n_context] += attn.sum(axis=1, dtype=np.float64)
+        for _, attn in ctx.context_attention(trim=True):  # (q_heads, rows, m): the keys those rows see
+            received[:, : attn.shape[-1]] += attn.sum(axis=1, dtype=np.float64)
         scores = ctx.per_kv_head(received)
         if ctx.spec.h2o_normalized:
             seen = ctx.history_counts()[: ctx.n_context]

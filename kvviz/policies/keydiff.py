@@ -22,9 +22,11 @@ class KeyDiff(Policy):
     def score(self, ctx: ScoreContext) -> np.ndarray:
         c = ctx.n_context
         keys = ctx.trace.k[ctx.layer][:, :c].astype(np.float64)            # (kv_heads, c, d)
-        norms = np.maximum(np.linalg.norm(keys, axis=-1, keepdims=True), 1e-12)
-        anchor = (keys / norms).mean(axis=1, keepdims=True)                  # (kv_heads, 1, d)
-        cos = (keys * anchor).sum(-1) / (norms[..., 0] * np.maximum(np.linalg.norm(anchor, axis=-1), 1e-12))
+        norms = np.maximum(np.sqrt(np.einsum("hcd,hcd->hc", keys, keys)), 1e-12)   # (kv_heads, c)
+        # anchor = mean_i k_i / ||k_i||: a BLAS product (1/||k||)^T K a head, no normalised copy of K
+        anchor = np.matmul((1.0 / norms)[:, None, :], keys)[:, 0] / c        # (kv_heads, d)
+        dots = np.matmul(keys, anchor[..., None])[..., 0]                   # k_i . a, one BLAS product a head
+        cos = dots / (norms * np.maximum(np.linalg.norm(anchor, axis=-1, keepdims=True), 1e-12))
         scores = np.full((ctx.trace.n_kv_heads, ctx.n_positions), -np.inf)
         scores[:, :c] = -cos
         return scores

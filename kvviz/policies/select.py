@@ -48,7 +48,8 @@ def evict_one(kept: np.ndarray, scores: np.ndarray, spec: Spec, p: int,
     """
     H = kept.shape[0]
     protected = (kept < spec.sink) | (kept > p - spec.recent)
-    key = np.where(protected, np.inf, np.minimum(np.take_along_axis(scores, kept, 1), np.finfo(np.float64).max))
+    at = scores[np.arange(H)[:, None], kept]            # take_along_axis, without its index building
+    key = np.where(protected, np.inf, np.minimum(at, np.finfo(np.float64).max))
     if ties_evict_later:
         victim = key.shape[1] - 1 - np.argmin(key[:, ::-1], axis=1)
     else:

@@ -31,7 +31,9 @@ from typing import Any
 
 import numpy as np
 
+from kvviz.limits import Part, Work, checkpoint
 from kvviz.models import BUNDLED, ModelError, ModelInfo, load_model
+from kvviz.models.config import PREFILL_SCORE_COPIES, model_dims
 from kvviz.trace import Trace
 
 DEFAULT_MAX_TOKENS = 2048
@@ -264,6 +266,7 @@ def capture(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, new_tokens
         notes.append(f"the prompt has {n_prompt_tokens} tokens; kept the first {limit} ({why})")
         say(0.0, notes[-1])
     P, T = len(ids), len(ids) + new_tokens
+    capture_work(model_dims(model), len(layer_ids), P, T).check()     # before any buffer is allocated
 
     # progress: the prefill is worth ~P/8 decode steps, at least one
     prefill_w = max(1.0, P / 8)
@@ -271,6 +274,7 @@ def capture(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, new_tokens
     n_layers = info.n_layers
 
     def on_layer(layer: int) -> None:
+        checkpoint()
         if rec.start == 0:
             say(prefill_w / total_w * (layer + 1) / n_layers, f"running prefill: layer {layer + 1}/{n_layers}")
 
@@ -304,6 +308,7 @@ def capture(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, new_tokens
                 break
             all_ids.append(nxt)
             rec.start = P + step
+            checkpoint()
             say((prefill_w + step) / total_w, f"decoding step {step + 1}/{new_tokens}")
             out = model(input_ids=torch.tensor([[nxt]], device=device), past_key_values=cache,
                         use_cache=True, **keep)
@@ -337,6 +342,19 @@ def capture(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, new_tokens
     say(1.0, f"captured {n} tokens ({P} prompt + {n - P} new) in {seconds:.1f} s")
     return Trace(q=q, k=k, v=v, context_len=P, tokens=token_strings(tokenizer, all_ids),
                  query_positions=np.arange(n, dtype=np.int64), meta=meta)
+
+
+def capture_work(dims: tuple[int, int, int, int], n_layers: int, n_prompt: int, n_positions: int) -> Work:
+    """What a capture holds beyond the weights: the trace's float32 buffers for the recorded layers
+    and, during the prefill, one layer's (query heads, prompt, prompt) attention scores."""
+    _, Hq, H, D = dims
+    T = (n_positions, "positions")
+    return Work("this capture", (
+        Part("attention scores", ((PREFILL_SCORE_COPIES, ""), (Hq, "query heads"), (n_prompt, "tokens"),
+                                  (n_prompt, "keys"))),
+        Part("queries", ((n_layers, "layers"), (Hq, "query heads"), T, (D, "dims"))),
+        Part("keys and values", ((2, ""), (n_layers, "layers"), (H, "KV heads"), T, (D, "dims"))),
+    ), lower="Max prompt tokens (--max-tokens), the new tokens or the layers kept (--layers)")
 
 
 def capture_trace(model_name: str = BUNDLED, prompt: str = "", new_tokens: int = 0,

@@ -23,12 +23,14 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from kvviz.limits import Part, Work, checkpoint
 from kvviz.spec import SpecError
 from kvviz.trace import Trace
 
 MAX_CONTEXT = 32768
 MAX_STEPS = 512
 N_ROPE_PAIRS = 8
+SCRATCH_ARRAYS = 6          # one head's float64 temporaries in make_synthetic (key, value, query, draws)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,15 @@ class SyntheticSpec:
     def with_(self, **changes) -> "SyntheticSpec":
         return replace(self, **changes)
 
+    def work(self) -> Work:
+        """What `make_synthetic` holds: q, k, v in float32 and one head's float64 scratch."""
+        positions, dims = (self.context + self.steps, "positions"), (self.head_dim, "dims")
+        return Work("the synthetic pattern", (
+            Part("queries", ((self.layers, "layers"), (self.q_heads, "query heads"), positions, dims)),
+            Part("keys and values", ((2, ""), (self.layers, "layers"), (self.kv_heads, "KV heads"), positions, dims)),
+            Part("scratch", ((SCRATCH_ARRAYS, ""), positions, dims), item_bytes=8),
+        ), lower="the context, the later steps, the layers, the heads or the head dim")
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -82,6 +93,7 @@ def check_synthetic(s: SyntheticSpec) -> None:
     values = (s.sink_strength, s.local_strength, s.anchor_strength, s.sparsity, s.topic_shift, s.outlier_scale)
     if not all(np.isfinite(values)) or min(values) < 0:
         raise SpecError("strengths, sparsity and scales must be finite and non-negative")
+    s.work().check()        # before anything is allocated: the knobs' product, not each knob alone
 
 
 PRESETS = {
@@ -111,7 +123,12 @@ def _rotate(x: np.ndarray, positions: np.ndarray, theta: np.ndarray) -> np.ndarr
 
 
 def make_synthetic(spec: SyntheticSpec = SyntheticSpec()) -> Trace:
-    """Generate a trace: context + later steps, every position has a query."""
+    """Generate a trace: context + later steps, every position has a query.
+
+    Checks the work budget first (the limit may have changed since the spec was made) and
+    calls `kvviz.limits.checkpoint()` after every head, so a cancelled request stops within one.
+    """
+    spec.work().check()
     rng = np.random.default_rng(spec.seed)
     L, Hq, Hkv, D = spec.layers, spec.q_heads, spec.kv_heads, spec.head_dim
     P = spec.context + spec.steps
@@ -154,6 +171,7 @@ def make_synthetic(spec: SyntheticSpec = SyntheticSpec()) -> Trace:
             vv = rng.standard_normal((P, D))
             vv[0] *= 0.1                                             # sinks carry small values
             v[layer, h] = vv
+            checkpoint()
         for h in range(Hq):
             # Per-head character: some heads local, some anchor readers, all see the sink.
             mix = rng.uniform(0.6, 1.4, size=3)
@@ -169,6 +187,7 @@ def make_synthetic(spec: SyntheticSpec = SyntheticSpec()) -> Trace:
             qq[:, c_rand:] = rng.standard_normal((P, n_rand)) * (spec.sparsity * sqrt_d / np.sqrt(n_rand))
             qq[:, c_out:c_rand] = 0.02 * rng.standard_normal((P, spec.outlier_channels))
             q[layer, h] = qq
+            checkpoint()
 
     return Trace(
         q=q, k=k, v=v, context_len=spec.context,

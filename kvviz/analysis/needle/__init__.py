@@ -56,7 +56,7 @@ torch is imported lazily (inside functions), so `import kvviz.analysis.needle` s
 
 from kvviz.analysis.needle import cell, grid, prompt
 from kvviz.analysis.needle.cell import NeedleCell, prefill, run_cell, score_answer
-from kvviz.analysis.needle.grid import (CSV_FIELDS, DEFAULT_FILE, NeedleGrid, cache_dir, cell_key, check_lengths,
+from kvviz.analysis.needle.grid import (CSV_FIELDS, DEFAULT_FILE, MAX_LENGTH, NeedleGrid, cache_dir, cell_key, check_lengths,
                                         classic_failure, format_grid, load_default, loudest_head, max_positions,
                                         prompt_key, run_grid, to_csv)
 from kvviz.analysis.needle.prompt import (DEFAULT_BUDGET, DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_NEW_TOKENS,
@@ -66,7 +66,7 @@ from kvviz.analysis.needle.prompt import (DEFAULT_BUDGET, DEFAULT_DEPTHS, DEFAUL
                                           min_length, passkey, spec_for)
 
 __all__ = ["CSV_FIELDS", "DEFAULT_BUDGET", "DEFAULT_DEPTHS", "DEFAULT_FILE", "DEFAULT_LENGTHS", "DEFAULT_NEW_TOKENS",
-           "DEFAULT_SCORERS", "DEFAULT_SEED", "FILLER", "FORMAT_VERSION", "FULL", "HAYSTACKS", "INSTRUCTION",
+           "DEFAULT_SCORERS", "DEFAULT_SEED", "FILLER", "FORMAT_VERSION", "FULL", "HAYSTACKS", "INSTRUCTION", "MAX_LENGTH",
            "MIN_BUDGET_TOKENS", "NEEDLE_TEMPLATE", "NeedleCell", "NeedleGrid", "NeedlePrompt", "PRIMER", "QUESTION",
            "SCORER_NAMES", "budget_tokens", "build_prompt", "cache_dir", "cell_key", "check_lengths",
            "cell", "classic_failure", "format_grid", "grid", "haystack_text", "load_default", "loudest_head",

@@ -20,7 +20,11 @@ from kvviz.analysis.needle.prompt import (DEFAULT_BUDGET, DEFAULT_DEPTHS, DEFAUL
                                           DEFAULT_SCORERS, DEFAULT_SEED, FILLER, FORMAT_VERSION, FULL, HAYSTACKS,
                                           INSTRUCTION, NEEDLE_TEMPLATE, PRIMER, QUESTION, SCORER_NAMES, NeedlePrompt,
                                           Progress, budget_tokens, build_prompt, min_length, spec_for)
+from kvviz.limits import checkpoint
+from kvviz.models.config import model_dims, prefill_work
 from kvviz.spec import FULL_BITS, Spec, SpecError
+
+MAX_LENGTH = 131072     # the longest prompt asked for at all; the model's positions and the work budget decide
 
 
 DEFAULT_FILE = Path(__file__).resolve().parents[2] / "data" / "needle_default.json.gz"
@@ -174,6 +178,8 @@ def run_grid(model, tokenizer, model_id: str = "bundled", lengths: Sequence[int]
     """
     if not lengths or not depths or not scorers:
         raise SpecError("give at least one length, one depth and one scorer")
+    if not 1 <= min(lengths) <= max(lengths) <= MAX_LENGTH:
+        raise SpecError(f"lengths are token counts of 1-{MAX_LENGTH:,}, got {max(lengths):,}")
     bad = [s for s in scorers if s not in SCORER_NAMES]
     if bad:
         raise SpecError(f"unknown scorer {bad[0]!r}; choose from {', '.join(SCORER_NAMES)}")
@@ -208,6 +214,7 @@ def run_grid(model, tokenizer, model_id: str = "bundled", lengths: Sequence[int]
     else:
         m, tok = need_model()
         check_lengths(lengths, max_positions(m), new_tokens, min_length(tok))
+        prefill_work(model_dims(m), max(lengths), "the longest needle prompt").check()
     prompts, cells = [], []
     computed = cached = 0
     t0 = time.perf_counter()
@@ -229,6 +236,7 @@ def run_grid(model, tokenizer, model_id: str = "bundled", lengths: Sequence[int]
 
         def get(spec: Spec, qac: bool, what: str) -> dict:
             nonlocal pre, attn, computed, cached
+            checkpoint()
             path = folder / f"{cell_key(model_id, prompt, spec, qac, new_tokens)}.json"
             hit = _read(path) if use_cache else None
             if hit is not None:

@@ -1,0 +1,271 @@
+"""A study's cells: the product of its lists, each checked as the command that runs it would check it.
+
+Budgets are fractions everywhere (of the tokens the evaluated query sees, as `kvviz sweep
+--budgets`; of the prompt, as `kvviz needle --budget`); a budget of 1 is the full cache, one cell
+with scorer / method `full` however many scorers are listed. A model study's quantizers
+(kivi-2bit, nvfp4, ...) are one cell per (model, text): budget 1, their own bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from kvviz.analysis.study.schema import MIN_MODEL_BUDGET, SAMPLE, Cell, Study, StudyError, cell_id, read_study
+from kvviz.spec import FULL_BITS, Spec, SpecError
+
+FULL = "full"
+
+
+def _bits_ok(bits: list[int]) -> None:
+    for b in bits:
+        try:
+            Spec(key_bits=b, value_bits=b)
+        except SpecError as exc:
+            raise StudyError(f"[grid] bits: {b}: {exc}") from None
+
+
+def _fractions_ok(budgets: list[float], what: str) -> None:
+    for f in budgets:
+        if not 0 < f <= 1:
+            raise StudyError(f"[grid] budgets: {f:g} is not a fraction in (0, 1] of {what}")
+
+
+def synthetic_tokens(source: dict) -> int:
+    """Tokens the evaluated (last) query of a synthetic trace sees: the context, plus the later steps."""
+    return source["context"] + source["steps"] if source["steps"] else source["context"]
+
+
+def text_of(study: Study, name: str) -> str:
+    """A model study's text: the bundled sample, or a UTF-8 file (relative to the study file's folder)."""
+    if name == SAMPLE:
+        from kvviz.decode.quality import sample_text
+        return sample_text()
+    path = Path(study.base_dir) / name
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise StudyError(f"[source] texts: no such file {name!r} (paths are relative to the study file's folder; "
+                         f"'{SAMPLE}' is the bundled text)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StudyError(f"[source] texts: cannot read {name!r} as UTF-8 text ({exc})") from None
+
+
+def quant_bits(spec: Spec) -> int:
+    """The nominal width of a whole-cache quantizer (its key format's)."""
+    from kvviz.analysis.sweep import SWEEP_FORMATS
+    return spec.key_bits if spec.key_format == "int" else SWEEP_FORMATS[spec.key_format]
+
+
+def model_spec(method: str, budget: float, bits: int, prompt_tokens: int) -> Spec:
+    """A model cell's spec: `kvviz eval-sweep`'s method at round(budget x prompt) tokens, K/V at `bits`
+    (keys per channel, values per token, groups of 32, as the kv-Nbit methods); a quantizer as is."""
+    from kvviz.decode.eval_sweep import QUANT_METHODS, SWEEP_METHODS
+
+    if method in QUANT_METHODS:
+        return QUANT_METHODS[method](prompt_tokens)
+    spec = SWEEP_METHODS[method](int(round(budget * prompt_tokens)))
+    if bits != FULL_BITS:
+        spec = spec.with_(key_bits=bits, value_bits=bits, key_axis="channel", value_axis="token", group_size=32)
+    return spec
+
+
+def parse_study(text: str, base_dir: str | Path = ".", origin: str = "study file") -> Study:
+    """A checked Study from TOML text: every key, every range, every cell (StudyError naming the key)."""
+    study = read_study(text, base_dir, origin)
+    check(study)
+    return study
+
+
+def load_study(path: str | Path) -> Study:
+    p = Path(path)
+    if not p.is_file():
+        raise StudyError(f"no study file at {p}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StudyError(f"cannot read {p}: {exc}") from None
+    return parse_study(text, p.parent, origin=str(p))
+
+
+def check(study: Study) -> None:
+    """Every key's range and every cell's spec, before anything runs (StudyError naming the key)."""
+    {"synthetic": _check_synthetic, "model": _check_model, "needle": _check_needle}[study.kind](study)
+    cells(study)
+
+
+def _check_synthetic(study: Study) -> None:
+    from kvviz.analysis.sweep import SWEEP_FORMATS, point_spec
+    from kvviz.policies.registry import load_entry_points
+    from kvviz.sources.synthetic import SyntheticSpec
+    from kvviz.spec import scorer_names
+
+    src, grid = study.source, study.grid
+    knobs = {k: v for k, v in src.items() if k not in ("kind", "seeds", "layer", "ensemble")}
+    try:
+        SyntheticSpec(**knobs)
+    except SpecError as exc:
+        raise StudyError(f"[source] {_culprits(knobs)}: {exc}") from None
+    if min(src["seeds"]) < 0:
+        raise StudyError(f"[source] seeds: {min(src['seeds'])} is negative")
+    if not 0 <= src["layer"] < src["layers"]:
+        raise StudyError(f"[source] layer: {src['layer']} is not a layer of a {src['layers']}-layer trace")
+    load_entry_points()
+    bad = [s for s in grid["scorers"] if s not in scorer_names()]
+    if bad:
+        raise StudyError(f"[grid] scorers: unknown scorer {bad[0]!r}; choose from {', '.join(scorer_names())}")
+    _fractions_ok(grid["budgets"], "the tokens the query sees")
+    _bits_ok(grid["bits"])
+    bad = [f for f in grid["formats"] if f not in SWEEP_FORMATS]
+    if bad:
+        raise StudyError(f"[grid] formats: unknown format {bad[0]!r}; choose from {', '.join(SWEEP_FORMATS)}")
+    if not grid["bits"] and not grid["formats"]:
+        raise StudyError("[grid] bits: give at least one bit width (or a format)")
+    n = synthetic_tokens(src)
+    for scorer in grid["scorers"]:
+        for f in grid["budgets"]:
+            for b, fmt in widths(grid):
+                budget = max(1, int(round(f * n)))
+                try:
+                    point_spec(FULL if budget >= n else scorer, budget, b, fmt)
+                except SpecError as exc:
+                    raise StudyError(f"[grid] the cell scorer={scorer} budget={f:g} bits={b} format={fmt} is "
+                                     f"impossible: {exc}") from None
+
+
+def _culprits(knobs: dict) -> str:
+    """The keys whose own values break a SyntheticSpec: each set key that, put back to its default
+    with the others kept, makes the pattern valid (its message names a rule, this names the key)."""
+    from kvviz.sources.synthetic import SyntheticSpec
+
+    default = SyntheticSpec()
+    found = []
+    for k, v in knobs.items():
+        if v == getattr(default, k):
+            continue
+        try:
+            SyntheticSpec(**{**knobs, k: getattr(default, k)})
+        except SpecError:
+            continue
+        found.append(k)
+    return " / ".join(found) or "the pattern knobs"
+
+
+def widths(grid: dict) -> list[tuple[int, str]]:
+    from kvviz.analysis.sweep import SWEEP_FORMATS
+    return [(b, "int") for b in grid["bits"]] + [(SWEEP_FORMATS[f], f) for f in grid["formats"]]
+
+
+def _check_model(study: Study) -> None:
+    from kvviz.decode.eval_sweep import QUANT_METHODS, SWEEP_METHODS
+    from kvviz.decode.quality import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS
+
+    src, grid = study.source, study.grid
+    _check_models(src)
+    n, m = src["prompt_tokens"], src["continuation_tokens"]
+    if not 1 <= n <= MAX_PROMPT_TOKENS:
+        raise StudyError(f"[source] prompt_tokens: {n} is not in 1-{MAX_PROMPT_TOKENS}")
+    if m is not None and not 1 <= m <= MAX_NEW_TOKENS:
+        raise StudyError(f"[source] continuation_tokens: {m} is not in 1-{MAX_NEW_TOKENS}")
+    for t in src["texts"]:
+        if not text_of(study, t).strip():
+            raise StudyError(f"[source] texts: {t!r} is empty")
+    bad = [x for x in grid["methods"] if x not in SWEEP_METHODS and x not in QUANT_METHODS]
+    if bad:
+        raise StudyError(f"[grid] methods: unknown method {bad[0]!r}; choose from "
+                         f"{', '.join([*SWEEP_METHODS, *QUANT_METHODS])}")
+    evictors = [x for x in grid["methods"] if x in SWEEP_METHODS]
+    if evictors and not grid["budgets"]:
+        raise StudyError(f"[grid] budgets: {evictors[0]} evicts tokens: give budgets as fractions of the prompt")
+    _fractions_ok(grid["budgets"], "the prompt")
+    for f in grid["budgets"]:
+        if evictors and round(f * n) < MIN_MODEL_BUDGET:
+            raise StudyError(f"[grid] budgets: {f:g} of a {n}-token prompt is {round(f * n)} tokens; eviction needs "
+                             f"at least {MIN_MODEL_BUDGET} (4 sinks + a window)")
+    _bits_ok(grid["bits"])
+    for x in evictors:
+        for f in grid["budgets"]:
+            for b in grid["bits"]:
+                try:
+                    model_spec(x, f, b, n)
+                except SpecError as exc:
+                    raise StudyError(f"[grid] the cell method={x} budget={f:g} bits={b} is impossible: {exc}") from None
+
+
+def _check_models(src: dict) -> None:
+    if any(not m.strip() for m in src["models"]):
+        raise StudyError("[source] models: a model name is empty (use 'bundled', a folder, a .gguf file or a hub id)")
+    if src["gpus"] < 0:
+        raise StudyError(f"[source] gpus: {src['gpus']} is negative")
+
+
+def _check_needle(study: Study) -> None:
+    from kvviz.analysis.needle import HAYSTACKS, SCORER_NAMES, budget_tokens
+
+    src, grid = study.source, study.grid
+    _check_models(src)
+    if min(src["lengths"]) < 1:
+        raise StudyError("[source] lengths: token counts of at least 1")
+    if any(not 0 <= d <= 1 for d in src["depths"]):
+        raise StudyError("[source] depths: fractions of the haystack in [0, 1]")
+    if not 1 <= src["new_tokens"] <= 64:
+        raise StudyError(f"[source] new_tokens: {src['new_tokens']} is not in 1-64")
+    if src["haystack"] not in HAYSTACKS:
+        raise StudyError(f"[source] haystack: choose from {', '.join(HAYSTACKS)}")
+    bad = [s for s in grid["scorers"] if s not in SCORER_NAMES]
+    if bad:
+        raise StudyError(f"[grid] scorers: unknown scorer {bad[0]!r}; choose from {', '.join(SCORER_NAMES)}")
+    for f in grid["budgets"]:
+        try:
+            budget_tokens(f, 1000)
+        except SpecError:
+            raise StudyError(f"[grid] budgets: {f:g} is not a fraction in (0, 1] of the prompt") from None
+    _bits_ok(grid["bits"])
+
+
+def cells(study: Study) -> list[Cell]:
+    """Every cell, in run order (a model's cells together, a text's / prompt's cells together)."""
+    fixed = {k: v for k, v in study.fixed().items() if k != "name"}
+    out: list[Cell] = []
+    seen: set[str] = set()
+
+    def add(settings: dict) -> None:
+        cid = cell_id(study.kind, fixed, settings)
+        if cid not in seen:
+            seen.add(cid)
+            out.append(Cell(cid, study.kind, settings))
+
+    src, grid = study.source, study.grid
+    if study.kind == "synthetic":
+        n = synthetic_tokens(src)
+        for seed in src["seeds"]:
+            for scorer in grid["scorers"]:
+                for f in grid["budgets"]:
+                    full = max(1, int(round(f * n))) >= n
+                    for b, fmt in widths(grid):
+                        add({"seed": seed, "scorer": FULL if full else scorer, "budget": 1.0 if full else f,
+                             "bits": b, "format": fmt})
+    elif study.kind == "model":
+        from kvviz.decode.eval_sweep import SWEEP_METHODS
+        for model in src["models"]:
+            for text in src["texts"]:
+                sha = hashlib.sha256(text_of(study, text).encode("utf-8")).hexdigest()
+                for method in grid["methods"]:
+                    if method not in SWEEP_METHODS:
+                        add({"model": model, "text": text, "text_sha256": sha, "method": method, "budget": 1.0,
+                             "bits": quant_bits(model_spec(method, 1.0, FULL_BITS, src["prompt_tokens"]))})
+                        continue
+                    for f in grid["budgets"]:
+                        for b in grid["bits"]:
+                            add({"model": model, "text": text, "text_sha256": sha, "method": method, "budget": f,
+                                 "bits": b})
+    else:
+        for model in src["models"]:
+            for length in src["lengths"]:
+                for depth in src["depths"]:
+                    for scorer in grid["scorers"]:
+                        for f in ((1.0,) if scorer == FULL else grid["budgets"]):
+                            for b in grid["bits"]:
+                                add({"model": model, "length": length, "depth": depth, "scorer": scorer,
+                                     "budget": f, "bits": b})
+    return out

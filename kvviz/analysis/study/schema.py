@@ -1,0 +1,240 @@
+"""The study file (TOML): what to run as a grid, checked whole before anything runs.
+
+    name = "quarter-cache"
+    [source]                 kind = "synthetic" | "model" | "needle", and that kind's settings
+    [grid]                   the lists the cells are the product of
+
+Every key is checked for its name, its type and its range; an unknown key, a wrong type or an
+impossible cell is one `StudyError` naming the key (`[grid] budgets: ...`). Lists are the grid's
+axes; a cell is one value of each, and its columns are the keys' singular names (`seeds` -> `seed`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvviz.spec import FULL_BITS, SpecError
+
+FORMAT = 1                      # bump when a cell's meaning changes: every cell id changes with it
+KINDS = ("synthetic", "model", "needle")
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda", "auto")
+SAMPLE = "sample"               # the bundled English sample text (kvviz/data/sample.txt)
+MIN_MODEL_BUDGET = 8            # tokens: 4 sinks + a window (as `kvviz eval-sweep --budgets`)
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class StudyError(SpecError):
+    """A study file that cannot run as written; the message names the key to change."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One key of a table: its type, default, and (for a list) the singular column it becomes."""
+
+    type: str                    # int | float | str | bool | ints | floats | strs
+    default: Any = None          # None + required=False: absent means "not set"
+    required: bool = False
+    axis: str | None = None      # a list the grid runs over: the column name of one value
+    choices: tuple = ()
+    identity: bool = True        # changes a cell's numbers (False: scheduling only, e.g. GPUs per actor)
+
+
+def _synthetic_keys() -> dict[str, Key]:
+    from kvviz.sources.synthetic import SyntheticSpec
+
+    keys = {f.name: Key("float" if isinstance(f.default, float) else "int", f.default)
+            for f in fields(SyntheticSpec) if f.name != "seed"}
+    keys["seeds"] = Key("ints", required=True, axis="seed")
+    keys["layer"] = Key("int", 0)
+    keys["ensemble"] = Key("str", "heads", choices=("heads", "layers", "steps"))
+    return keys
+
+
+_MODEL_COMMON = {
+    "models": Key("strs", required=True, axis="model"),
+    "dtype": Key("str", "float32", choices=DTYPES),
+    "device": Key("str", "cpu", choices=DEVICES),
+    "gpus": Key("int", 0, identity=False),
+}
+SOURCE_KEYS: dict[str, dict[str, Key]] = {
+    "synthetic": {},            # filled lazily (SyntheticSpec's fields): see source_keys()
+    "model": {**_MODEL_COMMON,
+              "texts": Key("strs", [SAMPLE], axis="text"),
+              "prompt_tokens": Key("int", 206),
+              "continuation_tokens": Key("int", None)},
+    "needle": {**_MODEL_COMMON,
+               "lengths": Key("ints", required=True, axis="length"),
+               "depths": Key("floats", required=True, axis="depth"),
+               "seed": Key("int", 0),
+               "haystack": Key("str", "filler", choices=("filler", "sample")),
+               "question_after_compression": Key("bool", False),
+               "new_tokens": Key("int", 8)},
+}
+GRID_KEYS: dict[str, dict[str, Key]] = {
+    "synthetic": {"scorers": Key("strs", required=True, axis="scorer"),
+                  "budgets": Key("floats", required=True, axis="budget"),
+                  "bits": Key("ints", [FULL_BITS], axis="bits"),
+                  "formats": Key("strs", [], axis="format")},
+    "model": {"methods": Key("strs", required=True, axis="method"),
+              "budgets": Key("floats", [], axis="budget"),
+              "bits": Key("ints", [FULL_BITS], axis="bits")},
+    "needle": {"scorers": Key("strs", required=True, axis="scorer"),
+               "budgets": Key("floats", [0.25], axis="budget"),
+               "bits": Key("ints", [FULL_BITS], axis="bits")},
+}
+TOP_KEYS = {"name": Key("str", required=True), "description": Key("str", ""),
+            "source": Key("table", required=True), "grid": Key("table", required=True)}
+
+
+def source_keys(kind: str) -> dict[str, Key]:
+    keys = {"kind": Key("str", required=True, choices=KINDS)}
+    return keys | (_synthetic_keys() if kind == "synthetic" else SOURCE_KEYS[kind])
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+               "ints": "a list of integers", "floats": "a list of numbers", "strs": "a list of strings",
+               "table": "a table"}
+
+
+def _check_value(where: str, key: Key, value: Any) -> Any:
+    def bad() -> StudyError:
+        return StudyError(f"{where}: expected {_TYPE_WORDS[key.type]}, got {value!r}")
+
+    def one(kind: str, v: Any) -> Any:
+        if kind == "int":
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise bad()
+            return v
+        if kind == "float":
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad()
+            return float(v)
+        if kind == "str":
+            if not isinstance(v, str):
+                raise bad()
+            return v
+        if kind == "bool":
+            if not isinstance(v, bool):
+                raise bad()
+            return v
+        if kind == "table":
+            if not isinstance(v, dict):
+                raise bad()
+            return v
+        raise AssertionError(kind)
+
+    if key.type in ("ints", "floats", "strs"):
+        if not isinstance(value, list):
+            raise bad()
+        items = [one(key.type[:-1], v) for v in value]
+        if key.required and not items:
+            raise StudyError(f"{where}: give at least one value")
+        dup = next((v for i, v in enumerate(items) if v in items[:i]), None)
+        if dup is not None:
+            raise StudyError(f"{where}: {dup!r} is listed twice")
+        if key.choices:
+            wrong = [v for v in items if v not in key.choices]
+            if wrong:
+                raise StudyError(f"{where}: {wrong[0]!r} is not one of {', '.join(map(str, key.choices))}")
+        return items
+    out = one(key.type, value)
+    if key.choices and out not in key.choices:
+        raise StudyError(f"{where}: {out!r} is not one of {', '.join(map(str, key.choices))}")
+    return out
+
+
+def _table(where: str, raw: dict, keys: dict[str, Key]) -> dict[str, Any]:
+    unknown = [k for k in raw if k not in keys]
+    if unknown:
+        raise StudyError(f"{where}: unknown key {unknown[0]!r}; the keys here are {', '.join(keys)}")
+    out = {}
+    for name, key in keys.items():
+        label = f"{where} {name}" if where else name
+        if name in raw:
+            out[name] = _check_value(label, key, raw[name])
+        elif key.required:
+            raise StudyError(f"{label}: missing (required)")
+        else:
+            out[name] = list(key.default) if isinstance(key.default, list) else key.default
+    return out
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One task of the grid: its settings (column -> value) and its id (a hash of every setting
+    that changes its numbers)."""
+
+    id: str
+    kind: str
+    settings: dict = field(hash=False)
+
+    def label(self) -> str:
+        return " ".join(f"{k}={self.settings[k]:g}" if isinstance(self.settings[k], float) else
+                        f"{k}={self.settings[k]}" for k in AXIS_COLUMNS if k in self.settings)
+
+
+# the columns a grid runs over (the singular names of the list keys)
+AXIS_COLUMNS = ("model", "text", "seed", "length", "depth", "method", "scorer", "budget", "bits", "format")
+
+
+@dataclass(frozen=True)
+class Study:
+    """A checked study file: the name, the kind, the fixed settings and the grid's axes."""
+
+    name: str
+    kind: str
+    description: str
+    source: dict                 # every [source] key, defaults filled in
+    grid: dict                   # every [grid] key, defaults filled in
+    text: str = ""               # the file as written
+    base_dir: str = "."          # where relative text paths are read from
+
+    def fixed(self) -> dict:
+        """The settings every cell shares (not a list the grid runs over): a folder's results are
+        comparable only under the same fixed settings."""
+        keys = source_keys(self.kind)
+        return {"name": self.name, "kind": self.kind, **{k: v for k, v in self.source.items() if k != "kind" and not keys[k].axis and keys[k].identity}}
+
+    def axes(self) -> dict:
+        keys = source_keys(self.kind) | GRID_KEYS[self.kind]
+        return {k: v for k, v in (self.source | self.grid).items() if k in keys and keys[k].axis}
+
+
+def read_study(text: str, base_dir: str | Path = ".", origin: str = "study file") -> Study:
+    """A Study from TOML text with every key's name and type checked (StudyError naming the key);
+    kvviz.analysis.study.grid.parse_study also checks the ranges and every cell."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise StudyError(f"{origin} is not valid TOML: {exc}") from None
+    top = _table("", raw, TOP_KEYS)
+    if not NAME_RE.match(top["name"]):
+        raise StudyError("name: use letters, digits, '-', '_' or '.' (up to 64), starting with a letter or digit; "
+                         f"got {top['name']!r}")
+    kind = raw["source"].get("kind")
+    if kind not in KINDS:
+        raise StudyError(f"[source] kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+    source = _table("[source]", top["source"], source_keys(kind))
+    grid = _table("[grid]", top["grid"], GRID_KEYS[kind])
+    return Study(name=top["name"], kind=kind, description=top["description"], source=source, grid=grid,
+                 text=text, base_dir=str(Path(base_dir).resolve()))
+
+
+def cell_id(kind: str, fixed: dict, settings: dict) -> str:
+    """16 hex digits of sha256 over everything that decides the cell's numbers."""
+    blob = json.dumps({"format": FORMAT, "kind": kind, "fixed": fixed, "cell": settings}, sort_keys=True)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+__all__ = ["AXIS_COLUMNS", "Cell", "DEVICES", "DTYPES", "FORMAT", "GRID_KEYS", "KINDS", "Key", "MIN_MODEL_BUDGET",
+           "SAMPLE", "SOURCE_KEYS", "Study", "StudyError", "cell_id", "read_study", "source_keys"]

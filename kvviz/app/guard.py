@@ -1,0 +1,207 @@
+"""One visitor must not take the server down: the work budget's notices, cancellation, a fair share of the cores.
+
+- `serve(page)` (app.py's router) runs each page in one of a few slots - one per core by default
+  (`--workers` / KVVIZ_WORKERS) - handed out first come, first served. A session that finds them taken
+  waits in line with "Queued behind N" on its status line, instead of adding one more thread that
+  fights for the cores and the interpreter lock: with ten busy sessions the server itself (its health
+  endpoint, its static files, every websocket) still gets its turn. A slot is taken only at the start
+  of a run, before the run holds any cache lock, so no run ever waits for a slot while holding what
+  another run waits for.
+- `start_run()` (every page's head, via layout.page_setup) makes this script run's own stop / rerun
+  check the cancel check of every `kvviz.limits.checkpoint()` in it, and puts an empty status line at
+  the top of the page. Streamlit raises its StopException / RerunException from that check (the
+  `yield_check` its caches use while waiting for a value another session computes), so a rerun, a
+  closed tab or a server shutdown stops the core's work at its next chunk: no thread is killed and
+  nothing half-done is cached. A session waiting in line leaves it the same way.
+- `within_budget(kind, build, default)`: a source too big for the work budget (kvviz.limits) gives one
+  notice naming the knobs and the size; the page goes on with the session's previous source of that
+  kind, or the default.
+
+Server options, after `--` on the command line: `streamlit run app.py -- --max-bytes 3GB --workers 2`
+(or KVVIZ_MAX_BYTES / KVVIZ_WORKERS in the environment, e.g. for `make run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import gc
+import os
+import sys
+import threading
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import TypeVar
+
+import streamlit as st
+
+from kvviz import limits
+
+T = TypeVar("T")
+WORKERS_ENV = "KVVIZ_WORKERS"
+TICK_SECONDS = 0.5              # how often a queued session's status line is refreshed
+POLL_SECONDS = 0.1              # how often a queued session checks for a rerun or a closed tab
+LAST_GOOD = "_kvviz_guard_last"   # session state: the last source of each kind that fit the budget
+_STATUS: ContextVar = ContextVar("kvviz_status_line", default=None)
+_SERVED: ContextVar = ContextVar("kvviz_served", default=False)
+
+
+# --- server options -----------------------------------------------------------------------------
+
+def options(argv: list[str] | None = None) -> argparse.Namespace:
+    """`--max-bytes` and `--workers` from the script's arguments (after `--` on `streamlit run`)."""
+    p = argparse.ArgumentParser(prog="app.py", add_help=False)
+    p.add_argument("--max-bytes", default=None)
+    p.add_argument("--workers", type=int, default=None)
+    return p.parse_known_args(sys.argv[1:] if argv is None else argv)[0]
+
+
+@st.cache_resource(show_spinner=False)
+def _server() -> dict:
+    """Once per server process: apply --max-bytes; the pool of run slots."""
+    atexit.register(gc.freeze)   # see _fast_exit
+    opts = options()
+    if opts.max_bytes:
+        limits.set_max_bytes(opts.max_bytes)
+    size = opts.workers or int(os.environ.get(WORKERS_ENV, "0") or 0) or os.cpu_count() or 1
+    return {"pool": Pool(max(1, size))}
+
+
+def pool() -> "Pool":
+    return _server()["pool"]
+
+
+# --- the pool -------------------------------------------------------------------------------------
+
+class Pool:
+    """A few slots, handed out first come, first served."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._cond = threading.Condition()
+        self._running = 0
+        self._queue: list[object] = []
+
+    def ahead_of(self, ticket: object) -> int:
+        """How many runs hold a slot or wait before this ticket."""
+        with self._cond:
+            return self._running + (self._queue.index(ticket) if ticket in self._queue else 0)
+
+    @property
+    def busy(self) -> bool:
+        with self._cond:
+            return self._running >= self.size or bool(self._queue)
+
+    def acquire(self, ticket: object, check: Callable[[], None]) -> None:
+        """Wait for a slot; `check` runs between waits and may raise to leave the line."""
+        with self._cond:
+            self._queue.append(ticket)
+        try:
+            while True:
+                with self._cond:
+                    if self._queue[0] is ticket and self._running < self.size:
+                        self._queue.pop(0)
+                        self._running += 1
+                        self._cond.notify_all()
+                        return
+                    self._cond.wait(POLL_SECONDS)
+                check()
+        except BaseException:
+            with self._cond:
+                if ticket in self._queue:
+                    self._queue.remove(ticket)
+                    self._cond.notify_all()
+            raise
+
+    def release(self) -> None:
+        with self._cond:
+            self._running -= 1
+            self._cond.notify_all()
+
+
+# --- a script run ---------------------------------------------------------------------------------
+
+def _run_context():
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+    return get_script_run_ctx(suppress_warning=True)
+
+
+def start_run() -> None:
+    """At the top of every page: this run's cancel check and an empty status line (once a run)."""
+    if _SERVED.get():
+        return
+    _server()
+    from streamlit.runtime.scriptrunner_utils.script_run_context import get_run_yield_check
+
+    limits.install_check(get_run_yield_check())
+    _STATUS.set(st.empty())
+
+
+def queued_text(n: int) -> str:
+    size = pool().size
+    pages = "other visitor's page" if n == 1 else "other visitors' pages"
+    return (f"Queued behind {n} {pages} ({size} run at a time on this server): this page starts when one "
+            "finishes. Changing a setting or closing the tab leaves the line.")
+
+
+class _Ticker:
+    """Refreshes a queued session's status line from a helper thread attached to its script run (as
+    Streamlit's own spinner is shown), while the script thread waits for its slot."""
+
+    def __init__(self, holder, ticket: object, queue: Pool):
+        from streamlit.runtime.scriptrunner import add_script_run_ctx
+
+        self.holder, self.ticket, self.queue = holder, ticket, queue
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="kvviz-queue-status", daemon=True)
+        add_script_run_ctx(self.thread, _run_context())
+        self.thread.start()
+
+    def _run(self) -> None:
+        shown = None
+        while not self.done.wait(0 if shown is None else TICK_SECONDS):
+            n = self.queue.ahead_of(self.ticket)
+            if n != shown:
+                self.holder.info(queued_text(n), icon=":material/hourglass_top:")
+                shown = n
+        self.holder.empty()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(2)
+
+
+def serve(page) -> None:
+    """app.py's router: run `page` (an st.Page) while holding one of the server's slots."""
+    start_run()
+    p, ticket, holder = pool(), object(), _STATUS.get()
+    ticker = _Ticker(holder, ticket, p) if p.busy and holder is not None and _run_context() else None
+    try:
+        p.acquire(ticket, limits.checkpoint)
+    finally:
+        if ticker is not None:
+            ticker.stop()
+    token = _SERVED.set(True)
+    try:
+        page.run()
+    finally:
+        _SERVED.reset(token)
+        p.release()
+
+
+# --- sources past the budget --------------------------------------------------------------------------
+
+def within_budget(kind: str, build: Callable[[], T], default: Callable[[], T]) -> T:
+    """build(), or - when it is past the work budget - a notice and the session's previous value of
+    this kind (the default if there is none), so the page stays usable."""
+    last = st.session_state.setdefault(LAST_GOOD, {})
+    try:
+        value = build()
+    except limits.BudgetError as e:
+        previous = last.get(kind)
+        st.warning(f"**Too big for this server:** {e}. Showing the "
+                   f"{'previous' if previous is not None else 'default'} setting instead.",
+                   icon=":material/memory:")
+        return previous if previous is not None else default()
+    last[kind] = value
+    return value

@@ -1,0 +1,123 @@
+"""Mutation testing of kvviz's core, one module at a time: `make mutants` (or MUTANTS="kvviz/x.py" make mutants).
+
+mutmut (requirements-dev.txt; settings in pyproject.toml [tool.mutmut]) changes one small thing in a
+function (an operator, a constant, an argument) and runs the fast tests that cover that function: a
+test that fails has killed the mutant; a mutant no test notices has survived. For each module this
+prints the mutants made, killed, survived, timed out and those no test reaches, the score
+killed / (made - equivalent) (a mutant no test reaches is not killed), and the survivors and
+unreached mutants that are not in EQUIVALENT. Property tests run with the
+derandomized `ci` hypothesis profile, so a run is reproducible. CPU-heavy: `make mutants` runs it
+niced, one module after another; the results stay in mutants/ (git-ignored) and a second run only
+retests what changed.
+
+Usage: python scripts/mutants.py [kvviz/module.py ...]   (no argument: the modules in MUTANTS below)
+       python scripts/mutants.py --report [kvviz/module.py ...]   (the stored results, nothing run)
+Rerun chosen mutants after adding a test: python -m mutmut run NAME ... (then --report).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MUTANTS = ["kvviz/metrics.py", "kvviz/quant/integer.py", "kvviz/policies/select.py", "kvviz/policies/h2o.py",
+           "kvviz/policies/base.py", "kvviz/quant/formats.py", "kvviz/engine.py"]
+
+# Mutants that cannot change behaviour, with the reason (mutmut's names: module.function__mutmut_N).
+# A survivor that is not here is a missing test.
+EQUIVALENT: dict[str, str] = {
+    "kvviz.metrics.x_divergences__mutmut_9": "einsum subscripts in capitals: the same contraction",
+    "kvviz.metrics.x_divergences__mutmut_24": "einsum subscripts in capitals: the same contraction",
+    "kvviz.metrics.x_divergences__mutmut_37": "np.log(mid, out=None): a new array instead of in place, same values",
+    "kvviz.metrics.x_divergences__mutmut_39": "np.log(mid) without out=: a new array instead of in place, same values",
+    "kvviz.metrics.x_divergences__mutmut_63": "einsum subscripts in capitals: the same contraction",
+    "kvviz.metrics.x_divergences__mutmut_72": "einsum subscripts in capitals: the same contraction",
+    "kvviz.metrics.x_row_metrics_batch__mutmut_13": "`or` for `and`: the engine, its one caller, passes both "
+                                                    "outputs or neither",
+    "kvviz.metrics.x_row_metrics_batch__mutmut_28": "einsum subscripts in capitals: the same contraction",
+    "kvviz.metrics.x_row_metrics_batch__mutmut_38": "einsum subscripts in capitals: the same contraction",
+    "kvviz.metrics.x_row_metrics_batch__mutmut_48": "einsum subscripts in capitals: the same contraction",
+    "kvviz.metrics.x_row_metrics_batch__mutmut_57": "einsum subscripts in capitals: the same contraction",
+    "kvviz.metrics.x_row_metrics_batch__mutmut_74": "a / b > 0 for a * b > 0 on two norms: the same but for "
+                                                    "||o|| > 0 with ||o_hat|| = 0, which a . V cannot give",
+    "kvviz.metrics.x_spread__mutmut_15": "<= for <: with every member present the NaN-aware path computes the "
+                                         "same mean, std and N as the plain one",
+    "kvviz.metrics.x_t_quantile__mutmut_3": "asarray(df, dtype=None): stdtrit and the df >= 1 test give the same "
+                                            "for int or float df",
+    "kvviz.metrics.x_t_quantile__mutmut_5": "asarray(df) without dtype: as above",
+}
+
+
+def _mutmut(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HYPOTHESIS_PROFILE": "ci", "KVVIZ_WARMUP": "0"}
+    return subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=ROOT, env=env, text=True,
+                          capture_output=True)
+
+
+def _module(path: str) -> str:
+    return path.removesuffix(".py").replace("/", ".")
+
+
+def results() -> dict[str, str]:
+    """Every mutant's status from mutmut's stored results (killed ones too)."""
+    out = _mutmut("results", "--all", "true").stdout
+    found = {}
+    for line in out.splitlines():
+        m = re.match(r"\s*([\w.]+__mutmut_\d+): (.+)$", line)
+        if m:
+            found[m.group(1)] = m.group(2).strip()
+    return found
+
+
+def report(path: str, status: dict[str, str], seconds: float | None = None) -> float | None:
+    prefix = _module(path) + "."
+    mine = {k: v for k, v in status.items() if k.startswith(prefix)}
+    count = lambda s: sum(v == s for v in mine.values())  # noqa: E731
+    equivalent = [k for k in mine if k in EQUIVALENT]
+    survivors = [k for k, v in mine.items() if v in ("survived", "no tests") and k not in EQUIVALENT]
+    judged = len(mine) - len(equivalent)          # a mutant no test reaches counts as not killed
+    killed = count("killed") + count("timeout")
+    score = killed / judged if judged else None
+    took = f" in {seconds:.0f} s" if seconds is not None else ""
+    print(f"{path}: {len(mine)} mutants{took}: {count('killed')} killed, {count('timeout')} timed out, "
+          f"{count('survived')} survived, {count('no tests')} reached by no test ({len(equivalent)} of these "
+          f"equivalent)" + (f"; score {100 * score:.1f}% of the non-equivalent mutants killed" if score is not None else ""))
+    for k in survivors:
+        print(f"    {mine[k]}: {k}")
+    for k in equivalent:
+        print(f"    equivalent: {k} ({EQUIVALENT[k]})")
+    for k, v in mine.items():
+        if v not in ("killed", "survived", "timeout", "no tests"):
+            print(f"    {v}: {k}")
+    return score
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--report"]:              # the stored results only: run nothing
+        status = results()
+        for path in argv[1:] or MUTANTS:
+            report(path, status)
+        return 0
+    paths = argv or MUTANTS
+    scores = {}
+    for path in paths:
+        if not (ROOT / path).is_file():
+            print(f"no such module: {path}", file=sys.stderr)
+            return 2
+        t0 = time.perf_counter()
+        run = _mutmut("run", _module(path) + ".*")
+        if run.returncode != 0:
+            print(run.stdout[-3000:], run.stderr[-3000:], sep="\n", file=sys.stderr)
+            print(f"mutmut failed on {path} (exit {run.returncode})", file=sys.stderr)
+            return run.returncode
+        scores[path] = report(path, results(), time.perf_counter() - t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
