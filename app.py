@@ -1,7 +1,13 @@
 """kvviz Explorer: move the sliders, see what KV-cache compression does to attention.
 
 Run with `streamlit run app.py`. This file is the router and the Explorer page; the
-other pages live in pages/. Widgets -> kvviz -> figures.
+other pages live in app_pages/. Widgets -> kvviz -> figures.
+
+Why app_pages/ and not pages/: Streamlit (1.67) runs an app that has a folder named `pages` beside its
+entry script as a legacy multipage app -- its own page list from the folder's file names -- until
+st.navigation has run once in the process. The first visitor of a fresh server who opened a link to
+a page (/trade-offs) got a "Page not found" dialog over the right page, and a page file named after
+its URL made the sidebar list file names instead of our titles.
 """
 
 import streamlit as st
@@ -133,12 +139,12 @@ def explorer() -> None:
 st.set_page_config(page_title="kvviz", layout="wide")
 PAGES.update(
     explorer=st.Page(explorer, title="Explorer", default=True),
-    tradeoffs=st.Page("pages/1_Trade-offs.py", title="Trade-offs", url_path="trade-offs"),
-    concentration=st.Page("pages/2_Concentration.py", title="Concentration", url_path="concentration"),
-    model_lab=st.Page("pages/3_Model_lab.py", title="Model lab", url_path="model-lab"),
-    timeline=st.Page("pages/4_Decode_timeline.py", title="Decode timeline", url_path="decode-timeline"),
-    needle=st.Page("pages/5_Needle_test.py", title="Needle test", url_path="needle-test"),
-    studies=st.Page("pages/6_Studies.py", title="Studies", url_path="studies"),
+    tradeoffs=st.Page("app_pages/1_Trade-offs.py", title="Trade-offs", url_path="trade-offs"),
+    concentration=st.Page("app_pages/2_Concentration.py", title="Concentration", url_path="concentration"),
+    model_lab=st.Page("app_pages/3_Model_lab.py", title="Model lab", url_path="model-lab"),
+    timeline=st.Page("app_pages/4_Decode_timeline.py", title="Decode timeline", url_path="decode-timeline"),
+    needle=st.Page("app_pages/5_Needle_test.py", title="Needle test", url_path="needle-test"),
+    studies=st.Page("app_pages/6_Studies.py", title="Studies", url_path="studies"),
 )
 page = st.navigation(list(PAGES.values()))
 sync_url()          # first: this run's interaction callbacks have set the store; link to it before computing

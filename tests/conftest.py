@@ -126,18 +126,9 @@ def serve_app(log: Path, env: dict | None = None):
 
 @pytest.fixture(scope="session")
 def app_url(chromium_path, browser) -> str:
-    """Start `streamlit run app.py` on a free port; yield its URL; stop it.
-
-    The server's first session opens the root page. Streamlit 1.67 treats the very first session of a
-    process as a legacy pages/-folder app until st.navigation has run once, so a first session that
-    opens /trade-offs directly shows a "Page not found" dialog over the right page (later sessions do
-    not); the tests must not depend on which of them runs first."""
+    """Start `streamlit run app.py` on a free port; yield its URL; stop it."""
     try:
         with serve_app(ARTIFACTS / "streamlit-server.log") as url:
-            first = browser.new_page()
-            first.goto(url)
-            first.locator('[data-testid="stMetric"]').first.wait_for(timeout=TIMEOUT)   # st.navigation has run
-            first.close()
             yield url
     except RuntimeError as e:
         pytest.fail(str(e))

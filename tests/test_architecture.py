@@ -3,7 +3,7 @@ the ones inside functions too, so a lazy import cannot hide a circle or a layer 
 
 - no import circle among kvviz's modules (a package re-exporting its own children is not one);
 - a module imports only its own layer or lower ones (LAYERS);
-- Streamlit only in kvviz/app, app.py and pages/; plotly only in kvviz/plots and kvviz/app;
+- Streamlit only in kvviz/app, app.py and app_pages/; plotly only in kvviz/plots and kvviz/app;
   torch / transformers only on the real-model side, and never at import time;
 - no module past MAX_LINES lines, no family of top-level modules sharing a prefix;
 - pages are thin: no numerics (numpy, pandas, torch) and no engine calls of their own;
@@ -200,7 +200,7 @@ def test_rooms_are_small_and_families_are_packages():
 
 def test_pages_are_thin():
     numeric = {"numpy", "pandas", "torch", "transformers", "scipy"}
-    for page in [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py"))]:
+    for page in [ROOT / "app.py", *sorted((ROOT / "app_pages").glob("*.py"))]:
         names = {t.split(".")[0] for t, _, _ in imports(page)}
         assert not names & numeric, f"{page.name} imports {names & numeric}: numerics belong in kvviz"
         assert "kvviz.engine" not in {t for t, _, _ in imports(page)}, f"{page.name} calls the engine directly"

@@ -17,6 +17,7 @@ from kvviz import Spec, View, compare
 from kvviz.sources.handbook import handbook_trace
 from kvviz.app.cards import card_values
 from conftest import TIMEOUT, idle, runs, view
+from kvviz.app.studies import studies_root
 
 pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,6 +191,25 @@ def test_address_bar_follows_a_single_interaction_on_every_page(page, app_url, n
     act(page)
     wait_for_address(page, expected)
     no_console_errors(page)
+
+
+def test_a_fresh_server_opens_a_page_link_as_that_page(page):
+    """The first visitor of a freshly started server who opens a link to a page sees that page with the
+    app's own navigation, no "Page not found" dialog (Streamlit runs an app with a `pages/` folder as a
+    legacy multipage app until st.navigation has run once: hence app_pages/)."""
+    from conftest import serve_app
+
+    with serve_app(ARTIFACTS / "streamlit-server-fresh.log") as url:
+        page.goto(f"{url}/trade-offs?sink=3")
+        e = expect()
+        e(page.get_by_role("heading", name=re.compile("Trade-offs"))).to_be_visible()
+        idle(page)
+        dialogs = page.locator('[role="dialog"]')
+        assert dialogs.count() == 0, f"a dialog over the page: {dialogs.first.inner_text()}"
+        nav = page.locator('[data-testid="stSidebarNav"]').inner_text().split()
+        assert [w for w in nav if w] == ["Explorer", "Trade-offs", "Concentration", "Model", "lab", "Decode",
+                                         "timeline", "Needle", "test", "Studies"], nav
+        assert query(page.url) == {"sink": "3"}
 
 
 # --- a live link after every single interaction, on every page (issue 21) ---------------------------
@@ -404,6 +424,23 @@ def test_needle_link_follows_every_single_interaction(page, app_url):
     live.act("KV head number box", number("KV head", 1))
     live.act("classic failure button", press("Show the classic failure"))
     live.act("chart click on another cell", lambda page: cells.nth(1).locator(".points path").nth(1).click(force=True))
+    live.act("presentation mode checkbox", tick("Presentation mode"))
+    no_console_errors(page)
+
+
+def test_studies_link_follows_every_single_interaction(page, app_url):
+    """The studies root is the tests' own temporary folder (conftest: KVVIZ_STUDIES_DIR); the first move
+    runs the shipped synthetic example into it and opens it."""
+    import shutil
+    shutil.rmtree(studies_root() / "quarter-cache", ignore_errors=True)   # another test may have run it
+    picker = f"Study (folders under {studies_root()})"
+    drawn = lambda page: page.locator(".js-plotly-plot").filter(has_text="quarter-cache").first  # noqa: E731
+    live = LiveLink(page, f"{app_url}/studies")
+    live.act("run the shipped example (the first move)", press("Run quarter-cache here (seconds)"), ready=drawn)
+    live.act("measure radio", radio("Measure", "Jensen–Shannon (≤ ln 2)"))
+    live.act("measure radio again", radio("Measure", "attention mass retained (0-1)"))
+    live.act("study select box: none", select(picker, "— choose a study —"))
+    live.act("study select box: the example", select(picker, "quarter-cache"), ready=drawn)
     live.act("presentation mode checkbox", tick("Presentation mode"))
     no_console_errors(page)
 
