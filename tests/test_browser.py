@@ -304,11 +304,20 @@ def number(label: str, value) -> callable:
 
 def select(label: str, option: str):
     def pick(page):
+        from playwright.sync_api import TimeoutError as WaitRanOut
+
         box = labelled(page, "stSelectbox", label).locator("input")
-        box.click()
-        if box.get_attribute("aria-expanded") != "true":   # a click does not always open it; the keyboard does
-            box.press("ArrowDown")
-        page.get_by_role("option", name=option, exact=True).click()
+        wanted = page.get_by_role("option", name=option, exact=True)
+        for _ in range(3):     # a click does not always open the list (nor keep it open while the sidebar scrolls)
+            box.click()
+            if box.get_attribute("aria-expanded") != "true":
+                box.press("ArrowDown")
+            try:
+                wanted.wait_for(state="visible", timeout=5000)
+                break
+            except WaitRanOut:
+                box.press("Escape")
+        wanted.click()
     return pick
 
 
