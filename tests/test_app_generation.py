@@ -84,8 +84,10 @@ def test_timeline_plays_in_the_browser_and_no_budget():
 
 # --- Model lab ---------------------------------------------------------------------------------------
 
-def test_model_lab_loads_no_model_until_run(monkeypatch):
+def test_model_lab_loads_no_model_until_run(monkeypatch, tmp_path):
     import kvviz.models
+
+    monkeypatch.setenv("KVVIZ_LAB_DIR", str(tmp_path))   # no stored default run (another test may have made one)
 
     def refuse(*a, **k):
         raise AssertionError("the Model lab loaded a model without a click")
