@@ -60,6 +60,41 @@ EQUIVALENT: dict[str, str] = {
 }
 
 
+def _same(reason: str, prefix: str, *names: str) -> dict[str, str]:
+    """One reason for several mutants of one module (names: function__mutmut_N)."""
+    return {prefix + name: reason for name in names}
+
+
+_INT = "kvviz.quant.integer.x_"
+_SIGNATURES = "compile_kernel compiles the same signatures: "
+EQUIVALENT.update({
+    **_same("slice(None, full) / slice(full) for slice(0, full): the same slice", _INT,
+            *(f"_blocks__mutmut_{n}" for n in (7, 9, 27, 29))),
+    **_same("slice(full, None) for slice(full, end): the array sliced ends at end", _INT,
+            "_blocks__mutmut_17", "_blocks__mutmut_37"),
+    _INT + "_scale__mutmut_3": "reduce == +1 never holds: the short last axis is reduced where it is, "
+                               "the same values (slower)",
+    **_same("the branch for d_quant = 0, which needs a head of 0 channels", _INT,
+            "quantized_extent__mutmut_44", "quantized_extent__mutmut_45"),
+    **_same("another default axis name: every axis but 'channel' is 'token'", _INT,
+            *(f"{f}__mutmut_{n}" for f in ("quantize", "quantize_kept", "quant_step") for n in (1, 2))),
+    _INT + "quantize__mutmut_14": "< for <= residual: with tokens == residual the kernel copies x "
+                                  "unquantized, the same values as returning x",
+    _INT + "quantize__mutmut_29": "reshape(-2, ...): numpy takes any negative size as the unknown one",
+    **_same("no int64 cast of the indices: integer indices of any width index the same rows (numba "
+            "compiles one more specialisation)", _INT, *(f"quantize_kept__mutmut_{n}" for n in (40, 42, 45, 47))),
+    **_same("np.zeros(dtype=None) is float64 already", _INT, "quant_step__mutmut_27", "quant_step__mutmut_29"),
+    **_same(_SIGNATURES + "another shape, bit width or group size, the same argument types", _INT,
+            *(f"compile_kernel__mutmut_{n}" for n in (6, 7, 8, 25, 31, 33, 34, 35))),
+    **_same(_SIGNATURES + "another axis name; by_channel is a runtime bool of one compiled function", _INT,
+            *(f"compile_kernel__mutmut_{n}" for n in (9, 10, 11, 12, 17, 24))),
+    **_same(_SIGNATURES + "delta=False for True, the same bool type", _INT,
+            "compile_kernel__mutmut_26", "compile_kernel__mutmut_36"),
+    **_same(_SIGNATURES + "float head indices, which quantize_kept casts to int64", _INT,
+            "compile_kernel__mutmut_28", "compile_kernel__mutmut_30"),
+})
+
+
 def _mutmut(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYPOTHESIS_PROFILE": "ci", "KVVIZ_WARMUP": "0"}
     return subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=ROOT, env=env, text=True,
