@@ -71,19 +71,20 @@ def test_llama2_7b_bytes_per_token():
     assert kv_bytes_per_token(32, 32, 128) == 0.5 * 2**20  # 0.5 MB a token
 
 
+def _groups(n_quant, dim, axis, group, partial):
+    """The index of every quantization group among the first n_quant tokens of a (tokens, dim) matrix."""
+    if axis == "channel":
+        end = n_quant - n_quant % group if partial == "full" else n_quant
+        return [(slice(t, min(t + group, end)), c) for c in range(dim) for t in range(0, end, group)]
+    group = min(group, dim)
+    end = dim - dim % group if partial == "full" else dim
+    return [(t, slice(c, min(c + group, end))) for t in range(n_quant) for c in range(0, end, group)]
+
+
 def _reference(x, bits, axis, group, residual, symmetric, zero_point="float", partial="full"):
     """The DESIGN.md formulas, one group at a time with plain loops."""
     out = x.copy()
-    n_quant = max(0, x.shape[0] - residual)
-    dim = x.shape[1]
-    if axis == "channel":
-        end = n_quant - n_quant % group if partial == "full" else n_quant
-        cells = [(slice(t, min(t + group, end)), c) for c in range(dim) for t in range(0, end, group)]
-    else:
-        group = min(group, dim)
-        end = dim - dim % group if partial == "full" else dim
-        cells = [(t, slice(c, min(c + group, end))) for t in range(n_quant) for c in range(0, end, group)]
-    for where in cells:
+    for where in _groups(max(0, x.shape[0] - residual), x.shape[1], axis, group, partial):
         g = x[where]
         if symmetric:
             s = np.abs(g).max() / (2 ** (bits - 1) - 1)
@@ -239,15 +240,7 @@ def _reference_step(x, bits, axis, group, symmetric, partial="full"):
     """DESIGN.md's scale per element of x (tokens, dim), one group at a time: s = (max - min) / (2^b - 1)
     (symmetric: max|x| / (2^(b-1) - 1)) of the group the element falls in, 0 where it stays exact."""
     out = np.zeros(x.shape)
-    n, dim = x.shape
-    if axis == "channel":
-        end = n - n % group if partial == "full" else n
-        cells = [(slice(t, min(t + group, end)), c) for c in range(dim) for t in range(0, end, group)]
-    else:
-        group = min(group, dim)
-        end = dim - dim % group if partial == "full" else dim
-        cells = [(t, slice(c, min(c + group, end))) for t in range(n) for c in range(0, end, group)]
-    for where in cells:
+    for where in _groups(x.shape[0], x.shape[1], axis, group, partial):
         g = x[where]
         out[where] = np.abs(g).max() / (2 ** (bits - 1) - 1) if symmetric else (g.max() - g.min()) / (2 ** bits - 1)
     return out
