@@ -43,14 +43,71 @@ EQUIVALENT: dict[str, str] = {
     "kvviz.metrics.x_row_metrics_batch__mutmut_38": "einsum subscripts in capitals: the same contraction",
     "kvviz.metrics.x_row_metrics_batch__mutmut_48": "einsum subscripts in capitals: the same contraction",
     "kvviz.metrics.x_row_metrics_batch__mutmut_57": "einsum subscripts in capitals: the same contraction",
-    "kvviz.metrics.x_row_metrics_batch__mutmut_74": "a / b > 0 for a * b > 0 on two norms: the same but for "
-                                                    "||o|| > 0 with ||o_hat|| = 0, which a . V cannot give",
     "kvviz.metrics.x_spread__mutmut_15": "<= for <: with every member present the NaN-aware path computes the "
                                          "same mean, std and N as the plain one",
     "kvviz.metrics.x_t_quantile__mutmut_3": "asarray(df, dtype=None): stdtrit and the df >= 1 test give the same "
                                             "for int or float df",
     "kvviz.metrics.x_t_quantile__mutmut_5": "asarray(df) without dtype: as above",
+    "kvviz.metrics.x_error_split__mutmut_3": "asarray(kept, dtype=None): np.where reads any kept array (bool or "
+                                             "0/1) by truth value, the same as after the cast to bool",
+    "kvviz.metrics.x_error_split__mutmut_5": "asarray(kept) without dtype: as above",
+    "kvviz.metrics.x_error_split__mutmut_37": "2.0 for 1.0 as the divisor where the kept mass is 0: every kept "
+                                              "attention there is 0 (attention >= 0), and 0 / 2 = 0 / 1",
+    "kvviz.metrics.x_concentration_curve__mutmut_32": "clip with no lower bound: ceil(x n - 1e-9) >= 0 for every "
+                                                      "fraction x in [0, 1]",
+    "kvviz.metrics.x_concentration_curve__mutmut_33": "clip with no upper bound: ceil(x n - 1e-9) <= n for every "
+                                                      "fraction x in [0, 1]",
 }
+
+
+def _same(reason: str, prefix: str, *names: str) -> dict[str, str]:
+    """One reason for several mutants of one module (names: function__mutmut_N)."""
+    return {prefix + name: reason for name in names}
+
+
+_INT = "kvviz.quant.integer.x_"
+_SIGNATURES = "compile_kernel compiles the same signatures: "
+EQUIVALENT.update({
+    **_same("slice(None, full) / slice(full) for slice(0, full): the same slice", _INT,
+            *(f"_blocks__mutmut_{n}" for n in (7, 9, 27, 29))),
+    **_same("slice(full, None) for slice(full, end): the array sliced ends at end", _INT,
+            "_blocks__mutmut_17", "_blocks__mutmut_37"),
+    _INT + "_scale__mutmut_3": "reduce == +1 never holds: the short last axis is reduced where it is, "
+                               "the same values (slower)",
+    **_same("the branch for d_quant = 0, which needs a head of 0 channels", _INT,
+            "quantized_extent__mutmut_44", "quantized_extent__mutmut_45"),
+    **_same("another default axis name: every axis but 'channel' is 'token'", _INT,
+            *(f"{f}__mutmut_{n}" for f in ("quantize", "quantize_kept", "quant_step") for n in (1, 2))),
+    _INT + "quantize__mutmut_14": "< for <= residual: with tokens == residual the kernel copies x "
+                                  "unquantized, the same values as returning x",
+    _INT + "quantize__mutmut_29": "reshape(-2, ...): numpy takes any negative size as the unknown one",
+    **_same("no int64 cast of the indices: integer indices of any width index the same rows (numba "
+            "compiles one more specialisation)", _INT, *(f"quantize_kept__mutmut_{n}" for n in (40, 42, 45, 47))),
+    **_same("np.zeros(dtype=None) is float64 already", _INT, "quant_step__mutmut_27", "quant_step__mutmut_29"),
+    **_same(_SIGNATURES + "another shape, bit width or group size, the same argument types", _INT,
+            *(f"compile_kernel__mutmut_{n}" for n in (6, 7, 8, 25, 31, 33, 34, 35))),
+    **_same(_SIGNATURES + "another axis name; by_channel is a runtime bool of one compiled function", _INT,
+            *(f"compile_kernel__mutmut_{n}" for n in (9, 10, 11, 12, 17, 24))),
+    **_same(_SIGNATURES + "delta=False for True, the same bool type", _INT,
+            "compile_kernel__mutmut_26", "compile_kernel__mutmut_36"),
+    **_same(_SIGNATURES + "float head indices, which quantize_kept casts to int64", _INT,
+            "compile_kernel__mutmut_28", "compile_kernel__mutmut_30"),
+})
+
+
+_SEL = "kvviz.policies.select.x_"
+_H2O = "kvviz.policies.h2o.xǁH2Oǁ"
+EQUIVALENT.update({
+    _SEL + "select__mutmut_47": "np.partition without axis=1: its default axis -1 is axis 1 of the (H, n) key",
+    **_same("the test for too many tied tokens fires as often or more (summed over every row, or compared across "
+            "rows, or >= for >); trimming the ties of a row with no excess keeps them all", _SEL,
+            *(f"select__mutmut_{n}" for n in (66, 68, 69, 71, 72))),
+    _SEL + "evict_one__mutmut_22": "np.finfo(None) is float64's (deprecated in numpy 1.25, not yet an error)",
+    _SEL + "evict_one__mutmut_46": "None assigned into a bool array is False",
+    _SEL + "evict_one__mutmut_54": "reshape(H, -2): numpy takes any negative size as the unknown one",
+    **_same("context_attention(trim=None / False): the keys no row of the chunk sees come back as zeros, "
+            "which add nothing to the sum (trim only skips them)", _H2O, "score__mutmut_3", "score__mutmut_4"),
+})
 
 
 def _mutmut(*args: str) -> subprocess.CompletedProcess:
@@ -78,7 +135,10 @@ def report(path: str, status: dict[str, str], seconds: float | None = None) -> f
     prefix = _module(path) + "."
     mine = {k: v for k, v in status.items() if k.startswith(prefix)}
     count = lambda s: sum(v == s for v in mine.values())  # noqa: E731
-    equivalent = [k for k in mine if k in EQUIVALENT]
+    killed_ = ("killed", "timeout")
+    # a mutant listed as equivalent that a test kills is not equivalent: it counts as killed (and is flagged)
+    equivalent = [k for k in mine if k in EQUIVALENT and mine[k] not in killed_]
+    wrongly_listed = [k for k in mine if k in EQUIVALENT and mine[k] in killed_]
     survivors = [k for k, v in mine.items() if v in ("survived", "no tests") and k not in EQUIVALENT]
     judged = len(mine) - len(equivalent)          # a mutant no test reaches counts as not killed
     killed = count("killed") + count("timeout")
@@ -91,6 +151,8 @@ def report(path: str, status: dict[str, str], seconds: float | None = None) -> f
         print(f"    {mine[k]}: {k}")
     for k in equivalent:
         print(f"    equivalent: {k} ({EQUIVALENT[k]})")
+    for k in wrongly_listed:
+        print(f"    {mine[k]}, yet listed in EQUIVALENT (remove it there): {k}")
     for k, v in mine.items():
         if v not in ("killed", "survived", "timeout", "no tests"):
             print(f"    {v}: {k}")

@@ -232,6 +232,56 @@ def test_select_is_top_k_with_earliest_ties(scores, sink, recent, heavy):
     assert np.array_equal(got, want)
 
 
+
+@given(scores=st.lists(st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, 0.5, -np.inf]), min_size=12, max_size=12),
+                       min_size=2, max_size=4),
+       sink=st.integers(0, 3), recent=st.integers(0, 4), heavy=st.integers(1, 8))
+def test_select_row_by_row_is_each_rows_own_top_k(scores, sink, recent, heavy):
+    """Several KV heads at once: each row's kept set is the stable top-k of that row alone (the cut, the
+    ties, the count of tied tokens are per row), the same as selecting it on its own."""
+    from kvviz.policies import select
+
+    spec = Spec(sink=sink, recent=recent, heavy=heavy)
+    s = np.array(scores)
+    got = select(s, spec)
+    for h in range(len(s)):
+        want = np.zeros(s.shape[1], bool)
+        want[:sink] = True
+        want[max(0, s.shape[1] - recent):] = True
+        cand = [i for i in range(s.shape[1]) if not want[i]]
+        for i in sorted(cand, key=lambda i: (-s[h, i], i))[:heavy]:
+            want[i] = True
+        assert np.array_equal(got[h], want), h
+
+
+
+def test_select_on_a_long_context_keeps_exactly_the_top_scores():
+    """2048 distinct scores, 512 heavy hitters and no sink or window: the kept set is exactly the 512
+    highest (numpy's introselect on a long row is where a cut read at the wrong rank shows)."""
+    from kvviz.policies import select
+
+    scores = np.random.default_rng(2).permutation(2048).astype(np.float64)[None]
+    kept = select(scores, Spec(sink=0, recent=0, heavy=512))[0]
+    assert np.array_equal(kept, scores[0] >= 2048 - 512)
+
+def test_evict_one_by_hand():
+    """kept (H, m+1) -> (H, m): per head, the lowest score outside the first `sink` positions and the last
+    `recent` (positions > p - recent) goes; on a tie the earlier token goes by default (streaming policies),
+    the later one with ties_evict_later (one-shot policies keep the earlier, as select does); a token no
+    query has scored (+inf) goes before any protected one."""
+    from kvviz.policies.select import evict_one
+
+    spec = Spec(sink=1, recent=2, heavy=3)
+    kept = np.array([[0, 1, 2, 3, 4, 5], [0, 2, 3, 4, 5, 6], [0, 1, 2, 3, 5, 6]])
+    scores = np.array([[9, 1.0, 0.5, 1.0, 0.0, -5, 9],       # position 4 lowest (5 is recent: protected)
+                       [-9, 9, 2.0, 2.0, 9, -9, -9],         # 2 and 3 tie; 0 is a sink, 5 and 6 recent
+                       [-9, np.inf, np.inf, np.inf, 9, -9, -9]])   # unscored: the earliest goes (the later)
+    assert evict_one(kept, scores, spec, 6).tolist() == [[0, 1, 2, 3, 5], [0, 3, 4, 5, 6], [0, 2, 3, 5, 6]]
+    assert evict_one(kept, scores, spec, 6, ties_evict_later=True).tolist() == [
+        [0, 1, 2, 3, 5], [0, 2, 4, 5, 6], [0, 1, 2, 5, 6]]
+    one = np.array([[0, 1, 2, 3]])                              # sink 1: position 1 is not protected
+    assert evict_one(one, np.array([[-1.0, 5.0, 6.0, 7.0]]), spec, 3).tolist() == [[0, 2, 3]]
+
 def test_sweep_split_rule_keeps_a_recent_token_and_the_budget():
     from kvviz.analysis.sweep import split_budget
     for budget in range(1, 40):

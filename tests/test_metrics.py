@@ -187,3 +187,122 @@ def test_spread_of_members_that_do_not_all_see_every_token():
     assert s.n.tolist() == [3, 2, 2]
     with pytest.raises(ValueError, match="^every token needs at least one ensemble member that sees it$"):
         spread(np.array([[1.0, np.nan], [2.0, np.nan]]))
+
+
+# --- the error split, the concentration curve, entropy (issue 25: mutants these must kill) ---------
+
+def test_error_split_by_hand_row_by_row():
+    """Two rows (..., n) with their own kept sets: a_evict = a / mass on the kept tokens, 0 elsewhere;
+    eviction part = a_evict - a, quantization part = a_hat - a_evict, and they add up to a_hat - a.
+    Row 0 keeps tokens 0, 2 (mass 0.5), row 1 keeps tokens 1, 2, 3 (mass 0.8); the mass is per row."""
+    from kvviz.metrics import error_split
+
+    a = np.array([[0.4, 0.1, 0.1, 0.4], [0.2, 0.3, 0.1, 0.4]])
+    kept = np.array([[True, False, True, False], [False, True, True, True]])
+    a_hat = np.array([[0.75, 0.0, 0.25, 0.0], [0.0, 0.35, 0.15, 0.5]])
+    evict_only = np.array([[0.8, 0.0, 0.2, 0.0], [0.0, 0.375, 0.125, 0.5]])
+    eviction, quantization = error_split(a, a_hat, kept)
+    np.testing.assert_allclose(eviction, evict_only - a, rtol=0, atol=1e-15)
+    np.testing.assert_allclose(quantization, a_hat - evict_only, rtol=0, atol=1e-15)
+    np.testing.assert_allclose(eviction + quantization, a_hat - a, rtol=0, atol=1e-15)
+    one, _ = error_split(a[1], a_hat[1], kept[1])                    # one row alone: the same split
+    np.testing.assert_allclose(one, eviction[1], rtol=0, atol=1e-15)
+
+
+def test_error_split_of_kept_tokens_without_attention_is_finite():
+    """The kept tokens hold no attention at all (mass 0): eviction alone has nothing to spread, so
+    a_evict = 0 and the eviction part is -a, never 0/0 = NaN."""
+    from kvviz.metrics import error_split
+
+    eviction, quantization = error_split(np.array([0.0, 1.0]), np.array([0.0, 0.0]), np.array([True, False]))
+    assert eviction.tolist() == [0.0, -1.0] and quantization.tolist() == [0.0, 0.0]
+
+
+def test_concentration_curve_by_hand():
+    """Share of the mass held by the top x of the tokens, ceil(x n) of them, for a row that need not
+    sum to 1 (the share is of its own total): [0.1, 0.4, 0.2, 0.3] sorted is 0.4, 0.3, 0.2, 0.1; the
+    top 25% (1 token) hold 0.4 / 1.0 of it, the top 30% (ceil 1.2 = 2 tokens) 0.7, none of it 0."""
+    from kvviz.metrics import concentration_curve
+
+    fractions, share = concentration_curve(np.array([0.1, 0.4, 0.2, 0.3]) * 0.5, np.array([0.0, 0.25, 0.3, 0.75, 1.0]))
+    assert fractions.tolist() == [0.0, 0.25, 0.3, 0.75, 1.0]
+    np.testing.assert_allclose(share, [0.0, 0.4, 0.7, 0.9, 1.0], rtol=1e-15, atol=0)
+
+
+def test_concentration_curve_counts_whole_tokens_despite_rounding():
+    """x n that is a whole number in exact arithmetic uses exactly that many tokens, even where the
+    float product lands a hair above it (0.07 * 100 = 7.000000000000001) or on it (0.1 * 10 = 1)."""
+    from kvviz.metrics import concentration_curve
+
+    a = np.arange(100, 0, -1, dtype=np.float64)                 # already sorted, largest first
+    assert 0.07 * 100 > 7
+    _, share = concentration_curve(a, np.array([0.07, 0.5]))
+    np.testing.assert_allclose(share, [a[:7].sum() / a.sum(), a[:50].sum() / a.sum()], rtol=1e-15)
+    _, share = concentration_curve(np.array([5.0, 1, 1, 1, 1, 1, 1, 1, 1, 1]), np.array([0.1]))
+    assert share[0] == pytest.approx(5 / 14, rel=1e-15)
+
+
+def test_concentration_curve_default_grid_is_one_to_hundred_percent():
+    """Without fractions: the 100 fractions 1%, 2%, ..., 100%; the last holds all of the mass."""
+    from kvviz.metrics import concentration_curve
+
+    a = np.array([0.5, 0.25, 0.125, 0.125])
+    fractions, share = concentration_curve(a)
+    np.testing.assert_allclose(fractions, np.arange(1, 101) / 100, rtol=1e-14)
+    assert share[0] == 0.5 and share[-1] == 1.0
+    assert share[24] == 0.5 and share[25] == 0.75          # 25% of 4 tokens: 1; 26%: ceil(1.04) = 2
+
+
+def test_concentration_curve_of_float32_attention_sums_in_float64():
+    """Captured attention is float32: one big weight and 4000 of 1e-8 each. Summed in float32 the
+    small ones vanish next to the 1 (its spacing is 1.2e-7), so the whole row would hold
+    1 / 1.00004 of its own mass; in float64 it holds all of it and the top token 1 / 1.00004."""
+    from kvviz.metrics import concentration_curve
+
+    a = np.array([1.0] + [1e-8] * 4000, dtype=np.float32)
+    _, share = concentration_curve(a, np.array([1 / 4001, 1.0]))
+    total = 1.0 + 4000 * float(np.float32(1e-8))
+    assert share[1] == pytest.approx(1.0, rel=1e-12)
+    assert share[0] == pytest.approx(1.0 / total, rel=1e-12)
+
+
+def test_top_share_by_hand():
+    from kvviz.metrics import top_share
+
+    a = np.array([0.05, 0.6, 0.05, 0.3])
+    assert top_share(a, 0.25) == pytest.approx(0.6, rel=1e-15)
+    assert top_share(a, 0.5) == pytest.approx(0.9, rel=1e-15)
+
+
+def test_entropy_by_hand():
+    """Shannon entropy in nats, -sum a ln a over the tokens with a > 0 (0 ln 0 = 0): uniform over 4 of
+    6 tokens is ln 4; one token holding everything is 0."""
+    from kvviz.metrics import entropy
+
+    assert entropy(np.array([0.25, 0.0, 0.25, 0.25, 0.0, 0.25])) == pytest.approx(math.log(4), rel=1e-15)
+    assert entropy(np.array([0.0, 1.0, 0.0])) == 0.0
+    assert entropy(np.array([0.5, 0.3, 0.2])) == pytest.approx(
+        -(0.5 * math.log(0.5) + 0.3 * math.log(0.3) + 0.2 * math.log(0.2)), rel=1e-15)
+
+
+def test_band_kinds_and_the_message_for_an_unknown_one():
+    s = spread(np.array([[0.0, 1.0], [2.0, 1.0], [4.0, 1.0]]))
+    lo, hi = s.band("std")
+    np.testing.assert_allclose([lo[0], hi[0]], [0.0, 4.0])
+    assert [x.tolist() for x in s.band("range")] == [[0.0, 1.0], [4.0, 1.0]]
+    lo, hi = s.band("ci95")
+    assert hi[0] - 2.0 == pytest.approx(2.0 - lo[0]) and hi[0] - 2.0 == pytest.approx(4.302652729749464 * 2 / math.sqrt(3))
+    with pytest.raises(ValueError) as err:
+        s.band("iqr")
+    assert str(err.value) == "error band must be one of std, ci95, range, got 'iqr'"
+
+
+def test_row_metrics_batch_passes_each_rows_quantization_distance_through():
+    """tv_quantization given per row is that row's field; absent, it is 0 for every row."""
+    from kvviz.metrics import row_metrics_batch
+
+    error = np.array([[0.1, -0.1], [0.0, 0.0]])
+    ones = np.ones(2)
+    rows = row_metrics_batch(error, ones, ones, ones, ones, tv_quantization=np.array([0.25, 0.5]))
+    assert [r.tv_quantization for r in rows] == [0.25, 0.5]
+    assert [r.tv_quantization for r in row_metrics_batch(error, ones, ones, ones, ones)] == [0.0, 0.0]

@@ -170,3 +170,50 @@ def test_snapkv_sweep_points_spend_heavy_slots_on_voted_tokens_at_every_budget()
         assert np.all(heavy < t.context_len - spec.observation_window)
     assert "mean over the queries that saw each token" in Spec(sink=1, recent=2, heavy=3,
                                                                 h2o_normalized=True).label()
+
+
+LONG = SyntheticSpec(context=600, steps=2, layers=1, q_heads=2, kv_heads=1, head_dim=40, n_anchors=3,
+                     n_shift_tokens=1, outlier_channels=1)
+
+
+@pytest.mark.parametrize("normalized", [False, True])
+def test_h2o_compression_scores_are_the_attention_each_token_received(normalized):
+    """A context of 600 queries, longer than one chunk of rows (512): each context token's score is the
+    attention it received from every context query, summed over the query heads of its KV group (mean
+    form: divided by the queries that could see it, the last token by 1), against softmax(q . K^T / sqrt d)
+    in float64 here; and the sum runs in float64: it equals the float64 sum of the engine's own float32
+    attention rows to 1e-12 (a float32 sum of 512 rows drifts by ~1e-6)."""
+    from kvviz.attention import context_rows
+    from kvviz.policies.base import ScoreContext
+    from kvviz.policies.h2o import H2O
+
+    t = make_synthetic(LONG)
+    c = t.context_len
+    ctx = ScoreContext(t, 0, Spec(sink=2, recent=6, heavy=9, h2o_normalized=normalized))
+    rows = [i for i, p in enumerate(t.query_positions) if p < c]
+    assert len(rows) == c > 512
+    count = np.array([sum(t.query_positions[r] >= i for r in rows) for i in range(c)], float)
+    divide = np.maximum(count, 1) if normalized else 1.0
+    got = H2O().score(ctx)[0, :c]
+    total = sum(causal_attention(t, 0, h, rows, c).sum(axis=0) for h in range(t.n_q_heads))
+    np.testing.assert_allclose(got, total / divide, rtol=2e-5)
+    exact = np.zeros(c)
+    for _, attn in context_rows(t, 0, np.arange(t.n_q_heads), np.array(rows), c):
+        exact += attn.astype(np.float64).sum(axis=(0, 1))
+    np.testing.assert_allclose(got, exact / divide, rtol=1e-12)
+    if normalized:
+        assert count[-1] == 1
+
+
+SHORT_CONTEXT = SyntheticSpec(context=24, steps=40, layers=1, q_heads=4, kv_heads=2, head_dim=40, n_anchors=3,
+                              n_shift_tokens=1, outlier_channels=1, topic_shift=2.0)
+
+
+@pytest.mark.parametrize("normalized", [False, True])
+def test_h2o_decode_steps_drive_the_decision_when_the_context_is_short(normalized):
+    """24 context queries, then 40 decode steps: the later queries' attention outweighs the context's, so
+    the kept sets depend on how every step is folded into the scores; they match the reference."""
+    t = make_synthetic(SHORT_CONTEXT)
+    spec = Spec(sink=1, recent=4, heavy=6, scorer="h2o", h2o_normalized=normalized)
+    positions = [int(p) for p in t.query_positions[t.later_queries]]
+    np.testing.assert_array_equal(keep_masks(t, spec, 0, positions), h2o_reference(t, spec, 0, positions, normalized))

@@ -71,19 +71,20 @@ def test_llama2_7b_bytes_per_token():
     assert kv_bytes_per_token(32, 32, 128) == 0.5 * 2**20  # 0.5 MB a token
 
 
+def _groups(n_quant, dim, axis, group, partial):
+    """The index of every quantization group among the first n_quant tokens of a (tokens, dim) matrix."""
+    if axis == "channel":
+        end = n_quant - n_quant % group if partial == "full" else n_quant
+        return [(slice(t, min(t + group, end)), c) for c in range(dim) for t in range(0, end, group)]
+    group = min(group, dim)
+    end = dim - dim % group if partial == "full" else dim
+    return [(t, slice(c, min(c + group, end))) for t in range(n_quant) for c in range(0, end, group)]
+
+
 def _reference(x, bits, axis, group, residual, symmetric, zero_point="float", partial="full"):
     """The DESIGN.md formulas, one group at a time with plain loops."""
     out = x.copy()
-    n_quant = max(0, x.shape[0] - residual)
-    dim = x.shape[1]
-    if axis == "channel":
-        end = n_quant - n_quant % group if partial == "full" else n_quant
-        cells = [(slice(t, min(t + group, end)), c) for c in range(dim) for t in range(0, end, group)]
-    else:
-        group = min(group, dim)
-        end = dim - dim % group if partial == "full" else dim
-        cells = [(t, slice(c, min(c + group, end))) for t in range(n_quant) for c in range(0, end, group)]
-    for where in cells:
+    for where in _groups(max(0, x.shape[0] - residual), x.shape[1], axis, group, partial):
         g = x[where]
         if symmetric:
             s = np.abs(g).max() / (2 ** (bits - 1) - 1)
@@ -233,3 +234,120 @@ def test_kivi_residual_keeps_128_exact_and_leaves_one_group_to_quantize_on_a_sho
 
     assert (KIVI_RESIDUAL, KIVI_GROUP) == (128, 32)
     assert [kivi_residual(n) for n in (0, 20, 32, 33, 64, 159, 160, 161, 4096)] == [0, 0, 0, 1, 32, 127, 128, 128, 128]
+
+
+def _reference_step(x, bits, axis, group, symmetric, partial="full"):
+    """DESIGN.md's scale per element of x (tokens, dim), one group at a time: s = (max - min) / (2^b - 1)
+    (symmetric: max|x| / (2^(b-1) - 1)) of the group the element falls in, 0 where it stays exact."""
+    out = np.zeros(x.shape)
+    for where in _groups(x.shape[0], x.shape[1], axis, group, partial):
+        g = x[where]
+        out[where] = np.abs(g).max() / (2 ** (bits - 1) - 1) if symmetric else (g.max() - g.min()) / (2 ** bits - 1)
+    return out
+
+
+@given(x=arrays(np.float64, st.lists(st.integers(1, 2), max_size=2).flatmap(
+           lambda lead: st.tuples(*map(st.just, lead), st.integers(1, 37), st.integers(1, 20))), elements=finite),
+       bits=st.integers(2, 8), axis=st.sampled_from(["channel", "token"]), group=st.integers(1, 12),
+       symmetric=st.booleans(), partial=st.sampled_from(["full", "quantize"]))
+@example(x=np.arange(2 * 7 * 5, dtype=np.float64).reshape(2, 7, 5) ** 1.5, bits=2, axis="channel", group=3,
+         symmetric=False, partial="quantize")
+@example(x=np.arange(2 * 7 * 5, dtype=np.float64).reshape(2, 7, 5) ** 1.5, bits=3, axis="token", group=2,
+         symmetric=True, partial="quantize")
+@example(x=np.arange(7 * 5, dtype=np.float64).reshape(7, 5) ** 1.5, bits=2, axis="channel", group=3,
+         symmetric=False, partial="quantize")
+@example(x=np.arange(2 * 2 * 7 * 5, dtype=np.float64).reshape(2, 2, 7, 5) ** 1.5, bits=2, axis="channel", group=3,
+         symmetric=False, partial="quantize")
+def test_quant_step_is_each_groups_scale(x, bits, axis, group, symmetric, partial):
+    """quant_step gives, per element, exactly the scale s of its group (the bound |x - x_hat| <= s/2 is
+    only as strong as s is exact), for a single (tokens, dim) matrix and for every leading (layer / head)
+    index on its own."""
+    got = quant_step(x, bits, axis, group, symmetric, partial)
+    assert got.shape == x.shape
+    for i in np.ndindex(x.shape[:-2]):
+        np.testing.assert_allclose(got[i], _reference_step(x[i], bits, axis, group, symmetric, partial),
+                                   rtol=1e-14, atol=0)
+
+
+def test_quant_step_defaults_are_those_of_quantize():
+    """quant_step(x, b) describes quantize(x, b): per-token groups of 32, asymmetric, a trailing
+    group shorter than 32 channels exact (here channels 32..39)."""
+    x = np.random.default_rng(10).standard_normal((6, 40))
+    np.testing.assert_allclose(quant_step(x, 3), _reference_step(x, 3, "token", 32, False), rtol=1e-14, atol=0)
+    assert not quant_step(x, 3)[:, 32:].any()
+
+
+def test_defaults_are_kivis_per_token_groups_of_32_with_a_float_offset():
+    """quantize(x, b) and quantize_kept(cache, heads, positions, b) without options: per-token groups of
+    32 channels, no residual, asymmetric with KIVI's float offset (DESIGN §4), as the formulas give."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((40, 64)) * np.linspace(0.5, 3, 64)
+    want = _reference(x, 2, "token", 32, 0, False)
+    np.testing.assert_allclose(quantize(x, 2), want, rtol=1e-12, atol=1e-12)
+    got = quantize_kept(x[None], np.zeros(1, int), np.arange(40)[None], 2)
+    np.testing.assert_allclose(got[0], want, rtol=1e-12, atol=1e-12)
+
+
+def test_sixteen_bits_reads_the_kept_tokens_exactly():
+    """bits = 16 is 'off': quantize_kept returns the kept rows unchanged, and delta=True exact zeros."""
+    cache = np.random.default_rng(8).standard_normal((2, 10, 4))
+    heads, positions = np.array([1, 0]), np.array([[0, 3, 9], [2, 5, 6]])
+    np.testing.assert_array_equal(quantize_kept(cache, heads, positions, 16), cache[heads[:, None], positions])
+    assert not quantize_kept(cache, heads, positions, 16, delta=True).any()
+
+
+@pytest.mark.parametrize("options", [dict(symmetric=True), dict(delta=True), dict(partial="quantize"),
+                                     dict(symmetric=True, delta=True, partial="quantize")])
+def test_half_precision_cache_keeps_every_option(options):
+    """A float16 cache is computed in float32 with the caller's options, not the defaults."""
+    cache = np.random.default_rng(9).standard_normal((2, 23, 8)).astype(np.float16)
+    heads, positions = np.array([0, 1]), np.tile(np.arange(0, 23, 2), (2, 1))
+    args = (heads, positions, 3, "channel", 5)          # 12 kept tokens: 2 groups of 5, then 2 (partial)
+    got = quantize_kept(cache, *args, **options)
+    assert got.dtype == np.float16
+    np.testing.assert_array_equal(got, quantize_kept(cache.astype(np.float32), *args, **options).astype(np.float16))
+
+
+def test_memory_when_everything_is_residual_and_of_short_per_token_groups():
+    """A cache shorter than its residual window is all 16-bit residual (no partial group bytes);
+    per-token groups of 48 over 64 channels quantized short (partial="quantize"): 2 groups a token."""
+    b = tensor_bytes(4, 64, 2, "channel", 32, 10, False)
+    assert (b.payload, b.overhead, b.residual, b.partial) == (0, 0, 4 * 64 * 2, 0)
+    b = tensor_bytes(10, 64, 2, "token", 48, 0, False, partial="quantize")
+    assert (b.payload, b.overhead, b.partial) == (10 * 64 * 2 / 8, 10 * 2 * (16 + 16) / 8, 0)
+
+
+def test_quantized_extent_by_hand():
+    """(tokens quantized, channels quantized, group): by default (partial="full") a trailing group shorter
+    than G stays exact: 70 tokens, groups of 32 tokens -> 64; 64 channels, groups of 48 -> 48; a
+    residual of 10 leaves 60 tokens -> 32; G above the head dimension is capped at it (token axis)."""
+    from kvviz.quant.integer import quantized_extent
+
+    assert quantized_extent(70, 64, "channel", 32, 0) == (64, 64, 32)
+    assert quantized_extent(70, 64, "channel", 32, 10) == (32, 64, 32)
+    assert quantized_extent(70, 64, "channel", 32, 0, partial="quantize") == (70, 64, 32)
+    assert quantized_extent(70, 64, "token", 48, 0) == (70, 48, 48)
+    assert quantized_extent(70, 64, "token", 48, 0, partial="quantize") == (70, 64, 48)
+    assert quantized_extent(70, 64, "token", 128, 5) == (65, 64, 64)
+    assert quantized_extent(4, 64, "token", 32, 10) == (0, 64, 32)
+
+
+def test_compile_kernel_compiles_for_float32_and_float64_caches():
+    """The app's warm-up: afterwards the kernel holds a compiled version for each cache dtype, with the
+    argument types real calls use (int64 heads and positions, a bool delta). Checked in a fresh process:
+    in this one other tests may have compiled them already."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    probe = ("from kvviz.quant import compile_kernel\n"
+             "from kvviz.quant.kernel import fake_quantize\n"
+             "compile_kernel()\n"
+             "for sig in fake_quantize.signatures:\n"
+             "    print(sig[0].dtype, sig[1].dtype, sig[2].dtype, sig[10])\n")
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=root, env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert {"float32 int64 int64 bool", "float64 int64 int64 bool"} <= set(out.splitlines())
