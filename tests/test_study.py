@@ -124,8 +124,13 @@ def test_local_run_writes_one_row_per_cell_with_settings_metrics_versions_and_ti
     assert (rows.wall_time_s > 0).all() and (rows.engine == "local").all()
 
 
-def test_a_process_pool_gives_the_same_rows(tmp_path):
+def test_a_process_pool_gives_the_same_rows(tmp_path, monkeypatch):
     pytest.importorskip("torch")      # loaded here, not in the pool's fresh processes: rows must not care
+    # Under pytest-xdist this process's __main__ is execnet's bootstrap script, which a spawned worker
+    # would re-run (and fail on: it needs execnet's arguments); `kvviz study run`'s __main__ is the CLI.
+    main = sys.modules["__main__"]
+    if getattr(main, "__spec__", None) is None:
+        monkeypatch.delattr(main, "__file__", raising=False)
     run_study(parse_study(SMALL), tmp_path / "one")
     run_study(parse_study(SMALL), tmp_path / "two", workers=2)
     drop = ["wall_time_s", "engine"]
