@@ -83,7 +83,7 @@ venv: $(RUNTIME_STAMP)
 dev: $(DEV_STAMP)
 
 run: venv
-	$(VENV)/bin/streamlit run app.py --server.address 127.0.0.1 --server.headless true --browser.gatherUsageStats false
+	$(PY) -m kvviz.app.serve --server.address 127.0.0.1 --server.headless true --browser.gatherUsageStats false
 
 test: dev
 	$(PY) -m pytest -q $(XDIST) --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)

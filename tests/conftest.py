@@ -87,12 +87,14 @@ def chromium_path() -> str:
 
 
 @contextlib.contextmanager
-def serve_app(log: Path, env: dict | None = None):
+def serve_app(log: Path, env: dict | None = None, launcher: bool = False):
     """`streamlit run app.py` on a free localhost port (headless, usage stats off): yield its URL once
-    healthy, stop it afterwards. Raises RuntimeError if it exits or is not healthy within 60 s."""
+    healthy, stop it afterwards. Raises RuntimeError if it exits or is not healthy within 60 s.
+    launcher=True starts it as `make run` does (`python -m kvviz.app.serve`: the app warm from the start)."""
     port = _free_port()
     streamlit = shutil.which("streamlit", path=str(Path(sys.executable).parent)) or "streamlit"
-    cmd = [streamlit, "run", str(ROOT / "app.py"), "--server.headless", "true", "--server.port", str(port),
+    start = [sys.executable, "-m", "kvviz.app.serve"] if launcher else [streamlit, "run", str(ROOT / "app.py")]
+    cmd = [*start, "--server.headless", "true", "--server.port", str(port),
            "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
            "--server.fileWatcherType", "none", "--server.runOnSave", "false"]
     log.parent.mkdir(exist_ok=True)

@@ -196,10 +196,11 @@ def test_address_bar_follows_a_single_interaction_on_every_page(page, app_url, n
 def test_a_fresh_server_opens_a_page_link_as_that_page(page):
     """The first visitor of a freshly started server who opens a link to a page sees that page with the
     app's own navigation, no "Page not found" dialog (Streamlit runs an app with a `pages/` folder as a
-    legacy multipage app until st.navigation has run once: hence app_pages/)."""
+    legacy multipage app until st.navigation has run once: hence app_pages/). Started as `make run`
+    starts it (kvviz.app.serve: the app's modules imported at server start, beside the first visit)."""
     from conftest import serve_app
 
-    with serve_app(ARTIFACTS / "streamlit-server-fresh.log") as url:
+    with serve_app(ARTIFACTS / "streamlit-server-fresh.log", launcher=True) as url:
         page.goto(f"{url}/trade-offs?sink=3")
         e = expect()
         e(page.get_by_role("heading", name=re.compile("Trade-offs"))).to_be_visible()
