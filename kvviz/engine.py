@@ -159,12 +159,38 @@ def check_view(trace: Trace, view: View) -> int:
 
 # --- one row -------------------------------------------------------------------------
 
-def memory_for(trace: Trace, spec: Spec, n_tokens: int) -> Memory:
+def memory_for(trace: Trace, spec: Spec, n_tokens: int, counts: np.ndarray | None = None) -> Memory:
     """Bytes of the compressed cache holding the first n_tokens, all layers and KV heads.
 
-    Memory follows the bits settings whichever quantization model simulates the error.
+    counts (layers, kv_heads): the tokens each cache holds (Quest: reads), as `kept_counts` gives
+    them; None = what the budget declares, which is exact wherever every head keeps
+    min(its layer's budget, n_tokens) (`budget_is_exact`). Memory follows the bits settings
+    whichever quantization model simulates the error.
     """
-    return _memory(trace.n_layers, trace.n_kv_heads, trace.head_dim, spec, n_tokens, trace.context_len)
+    key = None if counts is None else tuple(map(tuple, np.asarray(counts, dtype=np.int64).tolist()))
+    return _memory(trace.n_layers, trace.n_kv_heads, trace.head_dim, spec, n_tokens, trace.context_len, key)
+
+
+def budget_is_exact(spec: Spec) -> bool:
+    """True where every KV head of a layer holds exactly min(the layer's budget, tokens seen): the
+    budget alone gives the bytes. Ragged allocations (AdaKV) and policies that keep or read a
+    number of their own (ChunkKV's whole chunks, Quest per query head) need the kept masks."""
+    if not spec.evicts:
+        return True
+    return spec.allocation != "adakv" and get_policy(spec.scorer).fills_budget(spec)
+
+
+def kept_counts(trace: Trace, spec: Spec, qi: int) -> np.ndarray:
+    """(layers, kv_heads) int: the tokens each cache holds at query qi (Quest: the tokens it reads),
+    counted from the kept masks where the budget does not say it exactly — the memory card and the
+    budget ledger both count bytes from these."""
+    n = int(trace.query_positions[qi]) + 1
+    L, H = trace.n_layers, trace.n_kv_heads
+    if budget_is_exact(spec):
+        from kvviz.policies.allocation import layer_spec
+        per_layer = [min(layer_spec(spec, layer, L).budget, n) if spec.evicts else n for layer in range(L)]
+        return np.repeat(np.array(per_layer, dtype=np.int64)[:, None], H, axis=1)
+    return np.stack([kept_at_query(trace, spec, layer, qi).sum(axis=1) for layer in range(L)]).astype(np.int64)
 
 
 def head_parts(spec: Spec, n_kept: int, head_dim: int, n_kv_heads: int = 1, n_tokens: int | None = None,
@@ -196,26 +222,28 @@ def page_meta_bytes(spec: Spec, n_tokens: int, head_dim: int) -> float:
 
 @lru_cache(maxsize=256)
 def _memory(n_layers: int, n_kv_heads: int, head_dim: int, spec: Spec, n_tokens: int,
-            context_len: int = 0) -> Memory:
+            context_len: int = 0, counts: tuple[tuple[int, ...], ...] | None = None) -> Memory:
     from kvviz.policies.allocation import layer_spec
 
     def per_head(k: int) -> float:
         return head_bytes(spec, k, head_dim, n_kv_heads, n_tokens, context_len)
 
     full = n_tokens * kv_bytes_per_token(n_layers, n_kv_heads, head_dim)
-    budgets = [layer_spec(spec, layer, n_layers).budget for layer in range(n_layers)]
-    kept_per_layer = tuple(min(b, n_tokens) if spec.evicts else n_tokens for b in budgets)
+    if counts is None:
+        budgets = [layer_spec(spec, layer, n_layers).budget for layer in range(n_layers)]
+        counts = tuple((min(b, n_tokens) if spec.evicts else n_tokens,) * n_kv_heads for b in budgets)
+    # every head's bytes from its own count (AdaKV's heads differ): the budget ledger's sum, exactly
+    kept_per_layer = tuple(round(sum(c) / len(c)) for c in counts)
+    mean_kept = round(sum(map(sum, counts)) / max(n_layers * n_kv_heads, 1))
     if spec.evicts and get_policy(spec.scorer).kind == "read":   # Quest: stores all, reads the budget
-        stored = per_head(n_tokens) + page_meta_bytes(spec, n_tokens, head_dim)
-        read = sum(per_head(k) + page_meta_bytes(spec, n_tokens, head_dim) for k in kept_per_layer) * n_kv_heads
+        meta = page_meta_bytes(spec, n_tokens, head_dim)
+        stored = per_head(n_tokens) + meta
+        read = sum(per_head(k) + meta for c in counts for k in c)
         return Memory(kv_bytes=stored * n_layers * n_kv_heads, kv_bytes_full=full, kept_tokens=n_tokens,
                       total_tokens=n_tokens, kv_bytes_read=read, kept_per_layer=(n_tokens,) * n_layers)
-    # AdaKV: a layer keeps kv_heads x its budget in all, split by scores; counted here as an even split
-    # (the budget ledger counts each head's bytes from its own kept tokens).
-    stored = sum(per_head(k) for k in kept_per_layer) * n_kv_heads
-    return Memory(kv_bytes=stored, kv_bytes_full=full,
-                  kept_tokens=kept_per_layer[0] if len(set(kept_per_layer)) == 1 else
-                  round(sum(kept_per_layer) / n_layers), total_tokens=n_tokens, kept_per_layer=kept_per_layer)
+    stored = sum(per_head(k) for c in counts for k in c)
+    return Memory(kv_bytes=stored, kv_bytes_full=full, kept_tokens=mean_kept, total_tokens=n_tokens,
+                  kept_per_layer=kept_per_layer)
 
 
 def reasons_for(kept: np.ndarray, spec: Spec) -> np.ndarray:
@@ -540,7 +568,8 @@ def compare(trace: Trace, spec: Spec, view: View = View(),
     notes = () if trace.has_later_queries else (NO_LATER_QUERIES_NOTE,)
     return Comparison(spec=spec, view=view, ensemble=view.ensemble, tokens=tuple(trace.tokens[:n]),
                       primary=primary, members=tuple(rows), spread=spread(errors, complete),
-                      memory=memory_for(trace, spec, n), notes=notes,
+                      memory=memory_for(trace, spec, n, None if budget_is_exact(spec) else
+                                        kept_counts(trace, spec, qi)), notes=notes,
                       primary_source=str(trace.meta.get("source", "")))
 
 

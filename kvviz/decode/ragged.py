@@ -90,6 +90,10 @@ class RaggedCache(CompressedCache):
         """Tokens per KV head, averaged over heads and layers (the heads of a layer differ)."""
         return round(float(np.mean([len(k) for heads in self.heads_kept for k in heads])))
 
+    def head_counts(self) -> np.ndarray:
+        """(layers, KV heads): the tokens each head's cache holds now (the memory line counts each)."""
+        return np.array([[len(k) for k in heads] for heads in self.heads_kept], dtype=np.int64)
+
     def kept_history(self, layer: int) -> np.ndarray:
         n = self.n_tokens
         out = np.zeros((len(self.step_masks[layer]), self.H, n), dtype=bool)

@@ -145,6 +145,11 @@ class Policy:
         """
         return np.full(key.shape[0], np.inf if self.streaming else -np.inf)
 
+    def fills_budget(self, spec: Spec) -> bool:
+        """True when every KV head keeps (reads) exactly min(budget, tokens seen), as `select` does;
+        a policy that keeps a number of its own says False, and memory is counted from its masks."""
+        return True
+
     def score_key(self, spec: Spec) -> tuple:
         """The spec fields `score` depends on (budgets never change scores)."""
         return ()
