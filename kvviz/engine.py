@@ -188,7 +188,7 @@ def kept_counts(trace: Trace, spec: Spec, qi: int) -> np.ndarray:
     L, H = trace.n_layers, trace.n_kv_heads
     if budget_is_exact(spec):
         from kvviz.policies.allocation import layer_spec
-        per_layer = [min(layer_spec(spec, layer, L).budget, n) if spec.evicts else n for layer in range(L)]
+        per_layer = [min(layer_spec(spec, layer, L, trace.context_len).budget, n) if spec.evicts else n for layer in range(L)]
         return np.repeat(np.array(per_layer, dtype=np.int64)[:, None], H, axis=1)
     return np.stack([kept_at_query(trace, spec, layer, qi).sum(axis=1) for layer in range(L)]).astype(np.int64)
 
@@ -230,7 +230,7 @@ def _memory(n_layers: int, n_kv_heads: int, head_dim: int, spec: Spec, n_tokens:
 
     full = n_tokens * kv_bytes_per_token(n_layers, n_kv_heads, head_dim)
     if counts is None:
-        budgets = [layer_spec(spec, layer, n_layers).budget for layer in range(n_layers)]
+        budgets = [layer_spec(spec, layer, n_layers, context_len).budget for layer in range(n_layers)]
         counts = tuple((min(b, n_tokens) if spec.evicts else n_tokens,) * n_kv_heads for b in budgets)
     # every head's bytes from its own count (AdaKV's heads differ): the budget ledger's sum, exactly
     kept_per_layer = tuple(round(sum(c) / len(c)) for c in counts)

@@ -112,7 +112,8 @@ def test_keydiff_keeps_the_keys_least_similar_to_the_mean_normalised_key():
 def test_chunkkv_keeps_whole_top_chunks_by_summed_mean_score():
     trace = random_trace(4, c=60)
     c, C = 60, 5
-    spec = Spec(sink=0, recent=10, heavy=15, scorer="chunkkv", chunk_size=C, chunk_scorer="keydiff")
+    spec = Spec(sink=0, recent=10, heavy=15, scorer="chunkkv", chunk_size=C, chunk_scorer="keydiff",
+                chunk_rule="budget")
     kept = keep_masks(trace, spec, 1, [c - 1])[0]
     # kvpress: token scores summed over heads, mean per chunk of C, top chunks, kept whole
     K = trace.k[1, :, :c].astype(np.float64)
@@ -125,6 +126,40 @@ def test_chunkkv_keeps_whole_top_chunks_by_summed_mean_score():
     want = {i for j in best for i in range(j * C, (j + 1) * C)}
     assert np.array_equal(kept[0], kept[1])                          # one decision for every head
     assert heavy_set(kept[0], spec, c) == want
+
+
+def test_chunkkv_keeps_kvpress_count_of_whole_chunks_and_nothing_else():
+    """kvpress ChunkKVPress: int(n_chunks * (1 - ratio)) whole chunks, n(1 - ratio) = budget + 1/2."""
+    trace = random_trace(4, c=62)
+    c, C = 62, 5                                                     # 12 whole chunks + one of 2 tokens
+    spec = Spec(sink=0, recent=10, heavy=15, scorer="chunkkv", chunk_size=C, chunk_scorer="keydiff")
+    kept = keep_masks(trace, spec, 1, [c - 1])[0]
+    K = trace.k[1, :, :c].astype(np.float64)
+    unit = K / np.linalg.norm(K, axis=-1, keepdims=True)
+    anchor = unit.mean(1, keepdims=True)
+    token = (-(unit * anchor).sum(-1) / np.linalg.norm(anchor, axis=-1)).sum(0)      # summed over heads
+    chunks = [token[j:j + C].mean() for j in range(0, c, C)]        # 13 chunks, the last of 2 tokens
+    n_keep = int(13 * (25.5 / 62))                                  # = 5
+    best = sorted(range(13), key=lambda j: -chunks[j])[:n_keep]
+    want = {i for j in best for i in range(j * C, min((j + 1) * C, c))}
+    assert np.array_equal(kept[0], kept[1])
+    assert set(np.flatnonzero(kept[0]).tolist()) == want            # no separate window: whole chunks only
+    assert kept[0].sum() < spec.budget
+
+
+def test_chunkkv_pads_snapkv_window_with_max_plus_one():
+    """The chunk straddling SnapKV's window scores with its window tokens at max + 1 (kvpress)."""
+    trace = random_trace(5, c=80)
+    spec = Spec(sink=0, recent=16, heavy=24, scorer="chunkkv", chunk_size=10, chunk_scorer="snapkv",
+                snapkv_window=16)
+    from kvviz.policies import get_policy
+    from kvviz.policies.base import ScoreContext
+    scores = get_policy("chunkkv").score(ScoreContext(trace, 0, spec))[0, :80]
+    snap = get_policy("snapkv").score(ScoreContext(trace, 0, spec))[:, :80]
+    top = snap[np.isfinite(snap)].max() + 1
+    token = np.where(np.isfinite(snap), snap, top).sum(0)
+    assert scores[60] == pytest.approx(token[60:70].mean())          # tokens 64..69 are window tokens
+    assert scores[79] == pytest.approx(2 * top)
 
 
 # --- Quest ------------------------------------------------------------------------------------

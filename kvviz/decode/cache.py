@@ -135,7 +135,8 @@ class CompressedCache:
             ctx = ScoreContext(self.trace, layer, self.spec)
             scores = np.broadcast_to(np.asarray(self.policy.score(ctx), dtype=np.float64), (self.H, n))
             self.scores[layer, :, :n] = scores
-            self.kept[layer] = _indices(select(self.scores[layer, :, :n], self.spec))
+            own = self.policy.compression_kept(self.scores[layer, :, :n], self.spec)   # ChunkKV's whole chunks
+            self.kept[layer] = _indices(select(self.scores[layer, :, :n], self.spec) if own is None else own)
         self.compressed = True
 
     def run_trace(self) -> Trace:

@@ -36,9 +36,13 @@ def cache_class(spec: Spec):
 class PyramidCache(CompressedCache):
     """Each layer decodes under its own heavy budget (PyramidKV)."""
 
+    def _n_context(self) -> int:
+        """The tokens at the compression point (the prompt), which kvpress's schedule depends on."""
+        return self.trace.context_len if self.trace is not None else self.n_tokens
+
     def _with_layer_spec(self, layer: int, fn, *args):
         base = self.spec
-        self.spec = layer_spec(base, layer, self.L)
+        self.spec = layer_spec(base, layer, self.L, self._n_context())
         try:
             return fn(*args)
         finally:
@@ -51,8 +55,10 @@ class PyramidCache(CompressedCache):
         from kvviz.policies import select
         n = self.n_tokens
         for layer in range(self.L):
-            s = layer_spec(self.spec, layer, self.L)
-            self.kept[layer] = np.stack([np.flatnonzero(r) for r in select(self.scores[layer, :, :n], s)])
+            s = layer_spec(self.spec, layer, self.L, n)
+            own = self.policy.compression_kept(self.scores[layer, :, :n], s)
+            mask = select(self.scores[layer, :, :n], s) if own is None else own
+            self.kept[layer] = np.stack([np.flatnonzero(r) for r in mask])
 
     def attend(self, layer: int, q, k, v, scaling: float):
         return self._with_layer_spec(layer, super().attend, layer, q, k, v, scaling)

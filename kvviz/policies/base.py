@@ -128,7 +128,7 @@ class Policy:
                    keys: np.ndarray | None = None) -> np.ndarray:
         """needs_query policies: the kept (read) mask (kv_heads, n) at one query, under the allocation."""
         return allocate(self.query_scores(attention, ctx, query=query, keys=keys), ctx.spec, ctx.layer,
-                        ctx.trace.n_layers)
+                        ctx.trace.n_layers, ctx.trace.context_len)
 
     def update(self, scores: np.ndarray, attention: np.ndarray, ctx: ScoreContext,
                seen_counts: np.ndarray | None = None) -> None:
@@ -144,6 +144,11 @@ class Policy:
         the policy cannot score it and it stays only while inside the recent window.
         """
         return np.full(key.shape[0], np.inf if self.streaming else -np.inf)
+
+    def compression_kept(self, scores: np.ndarray, spec: Spec) -> np.ndarray | None:
+        """A kept mask (kv_heads, c) of the context at the compression point by the policy's own rule,
+        from its scores (kv_heads, c); None = the shared rule, `select` under the budget."""
+        return None
 
     def fills_budget(self, spec: Spec) -> bool:
         """True when every KV head keeps (reads) exactly min(budget, tokens seen), as `select` does;
@@ -175,7 +180,7 @@ class Policy:
                 out[i, :, : p + 1] = True
             return out
         if spec.allocation == "pyramid":             # this layer's budget, then as uniform
-            spec = layer_spec(spec, ctx.layer, trace.n_layers)
+            spec = layer_spec(spec, ctx.layer, trace.n_layers, trace.context_len)
             ctx = ScoreContext(trace, ctx.layer, spec)
         scores = self.scores_at_compression(ctx)
         if scores.shape != (Hkv, P):                # a score shared by every KV head
@@ -187,6 +192,9 @@ class Policy:
                 for i, p in enumerate(positions):
                     out[i, :, : p + 1] = select_heads(scores[:, : p + 1], spec, heavy)
                 return out
+            own = self.compression_kept(scores[:, : trace.context_len], spec)
+            if own is not None:                      # the policy's own rule at the compression point
+                return self._grow(own, scores, spec, trace.context_len, positions, out)
             shared = scores.strides[0] == 0 and Hkv > 1    # one decision for every head: take it once
             for i, p in enumerate(positions):
                 out[i, :, : p + 1] = select(scores[:1 if shared else Hkv, : p + 1], spec)
@@ -196,6 +204,31 @@ class Policy:
             raise SpecError(f"AdaKV allocates once from one-shot scores; {self.name} decides at every step")
         with small_blas():  # one query a step: small products
             return self._simulate(ctx, scores.copy(), positions, out)
+
+    @staticmethod
+    def _grow(kept_c: np.ndarray, scores: np.ndarray, spec: Spec, c: int, positions: np.ndarray,
+              out: np.ndarray) -> np.ndarray:
+        """Kept masks after a compression point whose kept set kept_c (H, c) is the policy's own: a
+        query before the point sees the part of it up to itself; later tokens join the cache, which
+        past the budget drops its lowest score outside sinks and window (`evict_one`, as the
+        real-model cache's arrivals do)."""
+        H = kept_c.shape[0]
+        for i, p in enumerate(positions):
+            if p < c:
+                out[i, :, : p + 1] = kept_c[:, : p + 1]
+        later = sorted((int(p), i) for i, p in enumerate(positions) if p >= c)
+        if not later:
+            return out
+        kept = np.stack([np.flatnonzero(r) for r in kept_c])                     # (H, m): equal per head
+        p = c
+        for target, i in later:
+            while p <= target:
+                kept = np.concatenate([kept, np.full((H, 1), p)], axis=1)
+                if kept.shape[1] > spec.budget:
+                    kept = evict_one(kept, scores, spec, p, ties_evict_later=True)
+                p += 1
+            np.put_along_axis(out[i], kept, True, axis=1)
+        return out
 
     def _simulate(self, ctx: ScoreContext, scores: np.ndarray, positions: np.ndarray,
                   out: np.ndarray) -> np.ndarray:
