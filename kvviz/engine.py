@@ -21,6 +21,7 @@ from kvviz.attention import chunk_rows, keep_heap, kv_runs, logit_rows, small_bl
 from kvviz.limits import Part, Work, checkpoint
 from kvviz.metrics import RowMetrics, Spread, divergences, row_metrics_batch, spread
 from kvviz.policies import ScoreContext, get_policy
+from kvviz.policies.base import group_union
 from kvviz.quant import formats as qformats
 from kvviz.quant import CacheBytes, kv_bytes_per_token, quantize_kept, tensor_bytes
 from kvviz.spec import FULL_BITS, Spec, SpecError, View
@@ -281,7 +282,14 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     logits = logit_rows(trace, layer, heads, qi)                         # (H, n)
     original, log_original = softmax_and_log(logits)
     if kept_kv is None and spec.evicts:                                  # the oracle ranks by this query
-        kept_kv = _oracle_kept(trace, spec, layer, qi, heads, original)
+        reads, kept_kv = _query_kept(trace, spec, layer, qi, heads, original)
+        if reads is not None:            # each query head reads its own tokens (Quest per head): row by row
+            out = []
+            for h in heads.tolist():
+                own = kept_kv.copy()
+                own[h // trace.group_size] = reads[h]
+                out += evaluate_rows(trace, spec, layer, [h], qi, own, cache)
+            return out
     if kept_kv is None:
         kept_kv = np.ones((trace.n_kv_heads, n), bool)
 
@@ -342,9 +350,10 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
             for i, (h, g) in enumerate(zip(heads.tolist(), kv_list))]
 
 
-def _oracle_kept(trace: Trace, spec: Spec, layer: int, qi: int, heads: np.ndarray,
-                 attention: np.ndarray) -> np.ndarray:
-    """The oracle's kept mask (kv_heads, n) at query qi, from every query head's attention.
+def _query_kept(trace: Trace, spec: Spec, layer: int, qi: int, heads: np.ndarray,
+                attention: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    """A needs_query policy (the oracle, Quest) at query qi: (each query head's own read mask (q_heads, n)
+    or None, the kept (read) mask of every KV head (kv_heads, n)), from every query head's attention.
 
     `attention` (len(heads), n) holds the rows already computed; the other heads' rows
     are computed here (the oracle of one KV head reads its whole group).
@@ -355,8 +364,12 @@ def _oracle_kept(trace: Trace, spec: Spec, layer: int, qi: int, heads: np.ndarra
     if len(missing):
         rows[missing] = softmax(logit_rows(trace, layer, missing, qi))
     n = attention.shape[1]
-    return get_policy(spec.scorer).query_kept(rows, ScoreContext(trace, layer, spec),
-                                              query=trace.q[layer, :, qi], keys=trace.k[layer, :, :n])
+    policy, ctx = get_policy(spec.scorer), ScoreContext(trace, layer, spec)
+    inputs = dict(query=trace.q[layer, :, qi], keys=trace.k[layer, :, :n])
+    reads = policy.query_reads(rows, ctx, **inputs)
+    if reads is not None:
+        return reads, group_union(reads, trace.n_kv_heads)
+    return None, policy.query_kept(rows, ctx, **inputs)
 
 
 def evaluate_row(trace: Trace, spec: Spec, layer: int, head: int, qi: int,
@@ -436,7 +449,7 @@ def kept_at_query(trace: Trace, spec: Spec, layer: int, qi: int) -> np.ndarray:
         return np.ones((trace.n_kv_heads, p + 1), dtype=bool)
     if get_policy(spec.scorer).needs_query:
         heads = np.arange(trace.n_q_heads)
-        return _oracle_kept(trace, spec, layer, qi, heads, softmax(logit_rows(trace, layer, heads, qi)))
+        return _query_kept(trace, spec, layer, qi, heads, softmax(logit_rows(trace, layer, heads, qi)))[1]
     return keep_masks(trace, spec, layer, [p])[0, :, : p + 1]
 
 

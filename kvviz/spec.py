@@ -259,6 +259,11 @@ def check_new_fields(s: Spec) -> None:
         raise SpecError("AdaKV's per-head caches have different lengths; the FP8 / FP4 formats, rotation and HF's "
                         "residual flush quantize a layer's heads together and need equal lengths. Use the integer "
                         "format with AdaKV, or allocation uniform / pyramid with these formats")
+    if s.scorer == "quest" and s.quest_heads == "query" and s.evicts and s.quantizes and s.quant_model == "kv" and (
+            s.key_format != "int" or s.value_format != "int" or s.rotate != "none" or s.residual_mode != "kivi"):
+        raise SpecError("Quest per query head reads a different number of tokens through each KV head; the FP8 / "
+                        "FP4 formats, rotation and HF's residual flush quantize a layer's heads together and need "
+                        "equal lengths. Use the integer format, or Quest per KV head (quest_heads 'kv')")
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,9 @@ def test_adakv_over_the_oracle_keeps_at_least_the_uniform_mass_at_every_budget(s
         assert ada >= uni - 1e-9, (heavy, ada, uni)
         kept = {r.kv_head: int(r.kept.sum()) for r in c.members}
         assert sum(kept.values()) == trace.n_kv_heads * min(sink + recent + heavy, n)   # the layer's budget
-        floor = min(int(alpha * heavy), n - sink - recent)
-        assert min(kept.values()) >= sink + recent + floor             # the safeguard
+        # the safeguard (kvpress): each head's top int(alpha * budget) tokens, sinks and window first
+        floor = min(max(0, int(min(sink + recent + heavy, n) * alpha) - (sink + recent)), n - sink - recent, heavy)
+        assert min(kept.values()) >= sink + recent + floor
 
 
 @settings(max_examples=60, deadline=None)
@@ -95,7 +96,8 @@ def test_streaming_scorers_refuse_adakv_but_take_the_pyramid():
 def test_ledger_kept_tokens_equal_the_declared_budget_per_layer(scorer, allocation):
     trace = random_trace(9, L=3)
     spec = Spec(sink=2, recent=4, heavy=12, scorer=scorer, allocation=allocation, key_bits=4, value_bits=4,
-                group_size=8, residual=3, page_size=4, chunk_rule="budget")     # (kvpress's chunks: below)
+                group_size=8, residual=3, page_size=4, chunk_rule="budget",     # (kvpress's chunks: below;
+                quest_heads="kv")                                                 # Quest per query head: below)
     ledger = budget_ledger(trace, spec)
     np.testing.assert_array_equal(ledger.per_layer("kept_tokens"), ledger.per_layer("declared_tokens"))
     kept = ledger.column("kept_tokens")
@@ -160,3 +162,25 @@ def test_ledger_says_chunkkv_holds_fewer_tokens_than_declared():
     assert any("whole chunks" in note for note in ledger.notes())
     result = compare(trace, spec, View(layer=2))
     assert result.memory.kv_bytes == pytest.approx(ledger.totals["stored_bytes"], rel=1e-12)
+
+
+def test_quest_per_query_head_reads_its_own_pages_and_the_ledger_counts_the_union():
+    """Quest as the paper: each query head's own top pages; a KV head serves (and the ledger counts as
+    read) the union of its group's pages, at least the budget and at most group x budget."""
+    from kvviz.engine import kept_at_query
+    trace = random_trace(11, L=2, Hq=4, Hkv=2, c=64, steps=3)
+    spec = Spec(sink=2, recent=6, heavy=8, scorer="quest", page_size=4)
+    result = compare(trace, spec, View(layer=1, ensemble="heads"))
+    reads = {r.head: r.kept for r in result.members}
+    assert all(int(m.sum()) == spec.budget for m in reads.values())           # each head reads its budget
+    qi = int(trace.evaluated_queries[-1])
+    served = kept_at_query(trace, spec, 1, qi)
+    for g in range(2):
+        assert np.array_equal(served[g], reads[2 * g] | reads[2 * g + 1])
+    assert any(not np.array_equal(reads[2 * g], reads[2 * g + 1]) for g in range(2))   # heads choose apart
+    ledger = budget_ledger(trace, spec)
+    kept = ledger.column("kept_tokens")
+    assert (kept >= spec.budget).all() and (kept <= 2 * spec.budget).all() and (kept > spec.budget).any()
+    assert result.memory.bytes_read == pytest.approx(ledger.totals["read_bytes"], rel=1e-12)
+    per_kv = compare(trace, spec.with_(quest_heads="kv"), View(layer=1, ensemble="heads"))
+    assert all(int(r.kept.sum()) == spec.budget for r in per_kv.members)

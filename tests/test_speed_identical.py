@@ -90,6 +90,7 @@ PRE24 = {
     "adakv": (lambda scorer, allocation: allocation == "adakv", dict(adakv_floor="outside-window")),
     "pyramid": (lambda scorer, allocation: allocation == "pyramid", dict(pyramid_schedule="heavy")),
     "chunkkv": (lambda scorer, allocation: scorer == "chunkkv", dict(chunk_rule="budget")),
+    "quest": (lambda scorer, allocation: scorer == "quest", dict(quest_heads="kv")),
 }
 
 

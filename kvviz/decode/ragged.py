@@ -20,8 +20,8 @@ import numpy as np
 from kvviz.decode.cache import CompressedCache
 from kvviz.policies import ScoreContext, evict_one
 from kvviz.policies.allocation import adakv_heavy, layer_spec, select_heads
-from kvviz.quant import quantize
-from kvviz.spec import FULL_BITS, Spec, SpecError
+from kvviz.policies.base import group_union
+from kvviz.spec import Spec, SpecError
 
 
 def cache_class(spec: Spec):
@@ -107,26 +107,6 @@ class RaggedCache(CompressedCache):
             out[i, :, : m.shape[1]] = m
         return out
 
-    def _kv_head(self, layer: int, h: int, idx: np.ndarray):
-        """One head's kept K, V (m, D), quantized per the spec (evict, then quantize what is kept)."""
-        import torch
-
-        K = self.k[layer, h, torch.from_numpy(idx)]
-        V = self.v[layer, h, torch.from_numpy(idx)]
-        s = self.spec
-        settings = dict(zero_point=s.zero_point, partial=s.partial)
-        n_quant = max(0, len(idx) - s.residual)
-        for which, bits, axis in (("k", s.key_bits, s.key_axis), ("v", s.value_bits, s.value_axis)):
-            if s.quant_model != "kv" or bits >= FULL_BITS or n_quant == 0:
-                continue
-            x = (K if which == "k" else V).numpy().copy()
-            x[:n_quant] = quantize(x[None, :n_quant], bits, axis, s.group_size, 0, s.symmetric, **settings)[0]
-            if which == "k":
-                K = torch.from_numpy(x)
-            else:
-                V = torch.from_numpy(x)
-        return K, V
-
     def block_ok(self) -> bool:
         """Ragged heads attend one at a time over their own kept tokens: the exact step loop only."""
         return False
@@ -153,6 +133,13 @@ class RaggedCache(CompressedCache):
             K_all = self.k[layer, :, : p + 1]
             a_full = torch.softmax(qg @ K_all.transpose(1, 2) * scaling, dim=-1)
             attention = a_full.reshape(self.Hq, -1).numpy().astype(np.float64)
+            reads = self.policy.query_reads(attention, ctx, query=q[:, 0].numpy(), keys=K_all.numpy())
+            if reads is not None:                    # Quest per query head: each head reads its own pages
+                self.heads_kept[layer] = [np.arange(p + 1) for _ in range(self.H)]     # Quest stores all
+                if self.record:
+                    self.step_q[layer].append(q[:, 0].numpy().copy())
+                    self.step_masks[layer].append(group_union(reads, self.H))
+                return self._attend_reads(layer, q, reads, scaling)
             mask = self.policy.query_kept(attention, ctx, query=q[:, 0].numpy(), keys=K_all.numpy())
             heads = [np.flatnonzero(r) for r in mask]
         else:

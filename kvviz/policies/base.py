@@ -73,6 +73,11 @@ class ScoreContext:
         return per_q_head.reshape(self.trace.n_kv_heads, g, -1).sum(axis=1)
 
 
+def group_union(reads: np.ndarray, n_kv_heads: int) -> np.ndarray:
+    """Per-query-head masks (q_heads, n) -> what each KV head's cache serves (kv_heads, n): their union."""
+    return reads.reshape(n_kv_heads, reads.shape[0] // n_kv_heads, -1).any(axis=1)
+
+
 # (trace id, layer, scorer, key) -> (weak reference to the trace, scores): the cache must not keep a
 # trace alive after its owner (an app cache, a sweep) let it go; a dead reference is a miss.
 _SCORE_CACHE: OrderedDict = OrderedDict()
@@ -124,9 +129,19 @@ class Policy:
         its query vectors (q_heads, head_dim) and the cached keys (kv_heads, n, head_dim)."""
         raise TypeError(f"{self.name} scores at the compression point: use score")
 
+    def query_reads(self, attention: np.ndarray, ctx: ScoreContext, query: np.ndarray | None = None,
+                    keys: np.ndarray | None = None) -> np.ndarray | None:
+        """needs_query policies that choose per query head (Quest as the paper): each query head's own
+        read mask (q_heads, n) under the allocation; None where one choice serves a KV head's group."""
+        return None
+
     def query_kept(self, attention: np.ndarray, ctx: ScoreContext, query: np.ndarray | None = None,
                    keys: np.ndarray | None = None) -> np.ndarray:
-        """needs_query policies: the kept (read) mask (kv_heads, n) at one query, under the allocation."""
+        """needs_query policies: the kept (read) mask (kv_heads, n) at one query, under the allocation;
+        where query heads choose their own (query_reads), what the KV head's cache serves: their union."""
+        reads = self.query_reads(attention, ctx, query=query, keys=keys)
+        if reads is not None:
+            return group_union(reads, ctx.trace.n_kv_heads)
         return allocate(self.query_scores(attention, ctx, query=query, keys=keys), ctx.spec, ctx.layer,
                         ctx.trace.n_layers, ctx.trace.context_len)
 
