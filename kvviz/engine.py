@@ -453,6 +453,19 @@ def kept_at_query(trace: Trace, spec: Spec, layer: int, qi: int) -> np.ndarray:
     return keep_masks(trace, spec, layer, [p])[0, :, : p + 1]
 
 
+def read_masks(trace: Trace, spec: Spec, layer: int, qi: int) -> np.ndarray:
+    """(q_heads, p + 1) bool: what each query head attends over at query qi — its KV head's kept set, or,
+    where query heads choose their own (Quest per query head), its own reads."""
+    if spec.evicts and get_policy(spec.scorer).needs_query:
+        heads = np.arange(trace.n_q_heads)
+        reads, kept = _query_kept(trace, spec, layer, qi, heads, softmax(logit_rows(trace, layer, heads, qi)))
+        if reads is not None:
+            return reads
+    else:
+        kept = kept_at_query(trace, spec, layer, qi)
+    return np.repeat(kept, trace.group_size, axis=0)
+
+
 # --- the work budget -------------------------------------------------------------------
 
 ROW_TEMPORARIES = 12   # float64 (tokens,) arrays per evaluated row: logits, softmax, log, compressed, error, ...
