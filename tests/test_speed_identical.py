@@ -203,7 +203,6 @@ if __name__ == "__main__" and "--record-changed" in sys.argv:
     applies, _ = PRE24[rule]
     with np.load(REFERENCE, allow_pickle=False) as data:
         stored = {key: data[key] for key in data.files}
-    from kvviz.spec import SpecError
     ts, changed, same = traces(), 0, 0
     for label, name, scorer, settings, budget, allocation in cases():
         if not applies(scorer, allocation) or label not in stored:

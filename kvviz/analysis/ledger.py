@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvviz.engine import (ALL, EVICTED, HEAVY, RECENT, SINK, check_view, head_parts, kept_at_query, page_meta_bytes,
-                          reasons_for)
+from kvviz.engine import ALL, EVICTED, HEAVY, RECENT, SINK, check_view, kept_at_query, reasons_for
+from kvviz.memory import head_parts, page_meta_bytes
 from kvviz.policies import get_policy
 from kvviz.policies.allocation import layer_spec
 from kvviz.quant import kv_bytes_per_token
