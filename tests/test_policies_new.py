@@ -224,3 +224,49 @@ def test_bad_settings_are_refused_with_a_reason():
         Spec(ea_horizon=0)
     with pytest.raises(SpecError, match="chunk scorer"):
         Spec(scorer="chunkkv", chunk_scorer="quest")
+
+
+def test_expected_attention_on_a_config_only_trace_with_llama3_scaled_rope():
+    """A Llama-3-style config (rope_scaling llama3) and no captured frequencies: the frequencies are
+    transformers' own (the model's rotary embedding starts with them), and Expected Attention scores
+    exactly as on the same trace carrying them."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from kvviz.policies.base import ScoreContext
+    from kvviz.policies.expected_attention import ExpectedAttention, rope_inv_freq
+
+    config = {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    model_freq = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})).inv_freq
+    base = random_trace(6, D=16, rope=False)
+    only_config = Trace(q=base.q, k=base.k, v=base.v, context_len=base.context_len, tokens=base.tokens,
+                        query_positions=base.query_positions, meta={"source": "test", "config": config})
+    got = rope_inv_freq(only_config)
+    np.testing.assert_allclose(got, model_freq.double().numpy(), rtol=1e-6)
+    unscaled = 1.0 / 500000.0 ** (np.arange(0, 16, 2) / 16)
+    assert not np.allclose(got, unscaled)                                  # llama3 really rescales the low ones
+    carried = Trace(q=base.q, k=base.k, v=base.v, context_len=base.context_len, tokens=base.tokens,
+                    query_positions=base.query_positions,
+                    meta={"source": "test", "rope_inv_freq": model_freq.double().numpy().tolist()})
+    spec = Spec(heavy=8, scorer="expected_attention")
+    a = ExpectedAttention().score(ScoreContext(only_config, 0, spec))
+    b = ExpectedAttention().score(ScoreContext(carried, 0, spec))
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_a_scaled_rope_trace_without_frequencies_is_refused_not_scored_unrotated(monkeypatch):
+    import kvviz.models.config as model_config
+    from kvviz.policies.expected_attention import rope_inv_freq
+
+    monkeypatch.setattr(model_config, "inv_freq_from_config", lambda config, head_dim: None)   # no transformers
+    base = random_trace(6, D=16, rope=False)
+    trace = Trace(q=base.q, k=base.k, v=base.v, context_len=base.context_len, tokens=base.tokens,
+                  query_positions=base.query_positions,
+                  meta={"config": {"rope_theta": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}})
+    with pytest.raises(SpecError, match="scaled RoPE"):
+        rope_inv_freq(trace)
