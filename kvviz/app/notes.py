@@ -78,8 +78,11 @@ def new_scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:
              "pyramid": f" PyramidKV: {pyramid} — see the Budget ledger."
              }.get(spec.allocation, "")
     what = {"quest": f"Quest keeps the whole cache plus each page's min / max keys (pages of {spec.page_size}); "
-                     "this query reads only its top pages by the bound q·k ≤ Σ max(q·min, q·max), so it saves "
-                     "memory read per step, not memory stored (the memory card counts what is stored).",
+                     "this query reads only its top pages by the bound q·k ≤ Σ max(q·min, q·max)" + (
+                         ", each query head its own (a KV head serves the union of its heads' pages)"
+                         if spec.quest_heads == "query" else ", one choice per KV head") +
+                     ", so it saves memory read per step, not memory stored (the memory card counts what is "
+                     "stored).",
             "expected_attention": f"Expected Attention: the context queries' mean and covariance (before RoPE) "
                                   f"rotated over the next {spec.ea_horizon} positions give each key its expected "
                                   "attention, times its value norm; the first 4 tokens always rank first (kvpress).",
