@@ -79,3 +79,11 @@ def test_quantized_ragged_cache_runs(tiny):  # noqa: F811
                 group_size=4, residual=2)
     logits, _, cache = decode(model, ids[:24], spec, 6, feed=ids[24:30])
     assert torch.isfinite(logits).all() and cache.kept_tokens() == spec.budget
+    counts = cache.head_counts()                       # what the Model lab's memory line counts, head by head
+    assert counts.tolist() == [[len(k) for k in heads] for heads in cache.heads_kept]
+    assert (counts.sum(axis=1) == 2 * spec.budget).all()
+    from kvviz.engine import memory_for
+    exact = memory_for(cache.trace, spec, cache.n_tokens, counts).kv_bytes
+    assert exact == pytest.approx(sum(memory_for(cache.trace, spec, cache.n_tokens,
+                                                 np.full_like(counts, k)).kv_bytes / counts.size
+                                      for k in counts.ravel()))

@@ -94,6 +94,7 @@ class CompressedCache:
         self.record = record
         self.step_q: list[list[np.ndarray]] = [[] for _ in range(n_layers)]       # (Hq, D) per step
         self.step_kept: list[list[np.ndarray]] = [[] for _ in range(n_layers)]    # (H, m) per step
+        self.read_counts: list[np.ndarray | None] = [None] * n_layers   # Quest: tokens each KV head read last
 
     # -- policy bookkeeping ------------------------------------------------------------
     @property
@@ -107,6 +108,15 @@ class CompressedCache:
     def kept_tokens(self) -> int:
         """Tokens each KV head holds now (the same for every head and layer)."""
         return int(self.kept[0].shape[1])
+
+    def head_counts(self) -> np.ndarray | None:
+        """(layers, KV heads): the tokens each cache holds now (Quest: read at the last step), which the
+        memory line counts; None before any step where that is what the budget says."""
+        if self.evicts and self.policy.needs_query:
+            if any(c is None for c in self.read_counts):
+                return None
+            return np.stack(self.read_counts)
+        return np.array([[k.shape[-1]] * self.H for k in self.kept], dtype=np.int64)
 
     def seed(self, prefix, n: int) -> None:   # prefix: a kvviz.decode.loop.Prefill
         """Fill the cache with the first n positions of a full-cache prefill (instead of running them)."""
@@ -254,11 +264,14 @@ class CompressedCache:
             reads = self.policy.query_reads(attention, ctx, **inputs)
             if reads is not None:                    # Quest per query head: each head reads its own pages
                 self.kept[layer] = np.tile(np.arange(p + 1), (self.H, 1))    # Quest stores everything
-                if self.record:                      # per KV head, what it served: its group's union
+                served = group_union(reads, self.H)  # per KV head, what it served: its group's union
+                self.read_counts[layer] = served.sum(axis=1)
+                if self.record:
                     self.step_q[layer].append(q[:, 0].numpy().copy())
-                    self.step_kept[layer].append(group_union(reads, self.H))
+                    self.step_kept[layer].append(served)
                 return self._attend_reads(layer, q, reads, scaling)
             kept = _indices(self.policy.query_kept(attention, ctx, **inputs))
+            self.read_counts[layer] = np.full(self.H, kept.shape[1])
         else:
             kept = self._arrive(layer, p)
         self.kept[layer] = kept

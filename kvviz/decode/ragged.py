@@ -96,8 +96,10 @@ class RaggedCache(CompressedCache):
         """Tokens per KV head, averaged over heads and layers (the heads of a layer differ)."""
         return round(float(np.mean([len(k) for heads in self.heads_kept for k in heads])))
 
-    def head_counts(self) -> np.ndarray:
-        """(layers, KV heads): the tokens each head's cache holds now (the memory line counts each)."""
+    def head_counts(self) -> np.ndarray | None:
+        """(layers, KV heads): the tokens each head's cache holds now (Quest: read at the last step)."""
+        if self.evicts and self.policy.needs_query:
+            return super().head_counts()
         return np.array([[len(k) for k in heads] for heads in self.heads_kept], dtype=np.int64)
 
     def kept_history(self, layer: int) -> np.ndarray:
@@ -136,12 +138,15 @@ class RaggedCache(CompressedCache):
             reads = self.policy.query_reads(attention, ctx, query=q[:, 0].numpy(), keys=K_all.numpy())
             if reads is not None:                    # Quest per query head: each head reads its own pages
                 self.heads_kept[layer] = [np.arange(p + 1) for _ in range(self.H)]     # Quest stores all
+                served = group_union(reads, self.H)
+                self.read_counts[layer] = served.sum(axis=1)
                 if self.record:
                     self.step_q[layer].append(q[:, 0].numpy().copy())
-                    self.step_masks[layer].append(group_union(reads, self.H))
+                    self.step_masks[layer].append(served)
                 return self._attend_reads(layer, q, reads, scaling)
             mask = self.policy.query_kept(attention, ctx, query=q[:, 0].numpy(), keys=K_all.numpy())
             heads = [np.flatnonzero(r) for r in mask]
+            self.read_counts[layer] = mask.sum(axis=1)
         else:
             scores[:, p] = self.policy.arrival_score(self.k[layer, :, p].numpy(), layer, p, spec)
             heads = []
