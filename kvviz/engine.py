@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
@@ -21,8 +20,10 @@ from kvviz.attention import chunk_rows, keep_heap, kv_runs, logit_rows, small_bl
 from kvviz.limits import Part, Work, checkpoint
 from kvviz.metrics import RowMetrics, Spread, divergences, row_metrics_batch, spread
 from kvviz.policies import ScoreContext, get_policy
+from kvviz.policies.base import group_union
+from kvviz.memory import Memory, budget_is_exact, memory_dict, memory_for
 from kvviz.quant import formats as qformats
-from kvviz.quant import CacheBytes, kv_bytes_per_token, quantize_kept, tensor_bytes
+from kvviz.quant import quantize_kept
 from kvviz.spec import FULL_BITS, Spec, SpecError, View
 from kvviz.trace import Trace
 
@@ -53,31 +54,6 @@ class RowResult:
     out_original: np.ndarray | None
     out_compressed: np.ndarray | None
     metrics: RowMetrics
-
-
-@dataclass(frozen=True)
-class Memory:
-    kv_bytes: float        # compressed K+V cache, all layers and KV heads, incl. scales/zero points
-    kv_bytes_full: float   # the same tokens in a full 16-bit cache
-    kept_tokens: int
-    total_tokens: int
-    kv_bytes_read: float | None = None   # what one decode step reads (None: everything stored, as eviction)
-    kept_per_layer: tuple[int, ...] = ()  # tokens kept per KV head of each layer (pyramid: differs by layer)
-
-    @property
-    def bytes_read(self) -> float:
-        """Bytes one query reads: all that is stored, except for read-selection methods (Quest)."""
-        return self.kv_bytes if self.kv_bytes_read is None else self.kv_bytes_read
-
-    @property
-    def ratio(self) -> float:
-        """Compressed / full bytes (1.0 = no saving)."""
-        return self.kv_bytes / self.kv_bytes_full if self.kv_bytes_full else 1.0
-
-    @property
-    def compression_ratio(self) -> float:
-        """Full / compressed bytes (e.g. 4.0 = four times smaller)."""
-        return self.kv_bytes_full / self.kv_bytes if self.kv_bytes else float("inf")
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,12 +111,6 @@ class Comparison:
     primary_source: str = ""
 
 
-def memory_dict(m: Memory) -> dict:
-    return {"kv_bytes": m.kv_bytes, "kv_bytes_full": m.kv_bytes_full,
-            "compression_ratio": m.compression_ratio, "memory_ratio": m.ratio,
-            "kept_tokens": m.kept_tokens, "total_tokens": m.total_tokens, "kv_bytes_read": m.bytes_read}
-
-
 # --- checks ------------------------------------------------------------------------
 
 def check_view(trace: Trace, view: View) -> int:
@@ -159,63 +129,17 @@ def check_view(trace: Trace, view: View) -> int:
 
 # --- one row -------------------------------------------------------------------------
 
-def memory_for(trace: Trace, spec: Spec, n_tokens: int) -> Memory:
-    """Bytes of the compressed cache holding the first n_tokens, all layers and KV heads.
-
-    Memory follows the bits settings whichever quantization model simulates the error.
-    """
-    return _memory(trace.n_layers, trace.n_kv_heads, trace.head_dim, spec, n_tokens, trace.context_len)
-
-
-def head_parts(spec: Spec, n_kept: int, head_dim: int, n_kv_heads: int = 1, n_tokens: int | None = None,
-               context_len: int = 0) -> tuple[CacheBytes, CacheBytes]:
-    """K and V bytes of one KV head's cache holding n_kept tokens once n_tokens (default n_kept) have arrived.
-
-    Integer groups (KIVI) or, where the spec asks for them, FP8 / FP4 formats, rotation and HF's residual flush
-    (n_kv_heads: the heads a per-tensor FP8 scale is shared by; context_len: where HF's flush starts).
-    """
-    if qformats.uses_formats(spec):
-        residual = qformats.spec_residual_for_memory(spec, n_kept, n_tokens or n_kept, context_len)
-        return tuple(qformats.tensor_bytes(spec, which, n_kept, head_dim, n_kv_heads, residual)
-                     for which in ("k", "v"))
-    return tuple(tensor_bytes(n_kept, head_dim, bits, axis, spec.group_size, spec.residual, spec.symmetric,
-                              spec.zero_point, spec.partial)
-                 for bits, axis in ((spec.key_bits, spec.key_axis), (spec.value_bits, spec.value_axis)))
-
-
-def head_bytes(spec: Spec, n_kept: int, head_dim: int, n_kv_heads: int = 1, n_tokens: int | None = None,
-               context_len: int = 0) -> float:
-    """Bytes of one KV head's K + V cache holding n_kept tokens under the spec's quantization."""
-    return sum(b.total for b in head_parts(spec, n_kept, head_dim, n_kv_heads, n_tokens, context_len))
-
-
-def page_meta_bytes(spec: Spec, n_tokens: int, head_dim: int) -> float:
-    """Quest's per-page min and max keys of one KV head, 16 bits each."""
-    return -(-n_tokens // spec.page_size) * 2 * head_dim * 2.0
-
-
-@lru_cache(maxsize=256)
-def _memory(n_layers: int, n_kv_heads: int, head_dim: int, spec: Spec, n_tokens: int,
-            context_len: int = 0) -> Memory:
-    from kvviz.policies.allocation import layer_spec
-
-    def per_head(k: int) -> float:
-        return head_bytes(spec, k, head_dim, n_kv_heads, n_tokens, context_len)
-
-    full = n_tokens * kv_bytes_per_token(n_layers, n_kv_heads, head_dim)
-    budgets = [layer_spec(spec, layer, n_layers).budget for layer in range(n_layers)]
-    kept_per_layer = tuple(min(b, n_tokens) if spec.evicts else n_tokens for b in budgets)
-    if spec.evicts and get_policy(spec.scorer).kind == "read":   # Quest: stores all, reads the budget
-        stored = per_head(n_tokens) + page_meta_bytes(spec, n_tokens, head_dim)
-        read = sum(per_head(k) + page_meta_bytes(spec, n_tokens, head_dim) for k in kept_per_layer) * n_kv_heads
-        return Memory(kv_bytes=stored * n_layers * n_kv_heads, kv_bytes_full=full, kept_tokens=n_tokens,
-                      total_tokens=n_tokens, kv_bytes_read=read, kept_per_layer=(n_tokens,) * n_layers)
-    # AdaKV: a layer keeps kv_heads x its budget in all, split by scores; counted here as an even split
-    # (the budget ledger counts each head's bytes from its own kept tokens).
-    stored = sum(per_head(k) for k in kept_per_layer) * n_kv_heads
-    return Memory(kv_bytes=stored, kv_bytes_full=full,
-                  kept_tokens=kept_per_layer[0] if len(set(kept_per_layer)) == 1 else
-                  round(sum(kept_per_layer) / n_layers), total_tokens=n_tokens, kept_per_layer=kept_per_layer)
+def kept_counts(trace: Trace, spec: Spec, qi: int) -> np.ndarray:
+    """(layers, kv_heads) int: the tokens each cache holds at query qi (Quest: the tokens it reads),
+    counted from the kept masks where the budget does not say it exactly — the memory card and the
+    budget ledger both count bytes from these."""
+    n = int(trace.query_positions[qi]) + 1
+    L, H = trace.n_layers, trace.n_kv_heads
+    if budget_is_exact(spec):
+        from kvviz.policies.allocation import layer_spec
+        per_layer = [min(layer_spec(spec, layer, L, trace.context_len).budget, n) if spec.evicts else n for layer in range(L)]
+        return np.repeat(np.array(per_layer, dtype=np.int64)[:, None], H, axis=1)
+    return np.stack([kept_at_query(trace, spec, layer, qi).sum(axis=1) for layer in range(L)]).astype(np.int64)
 
 
 def reasons_for(kept: np.ndarray, spec: Spec) -> np.ndarray:
@@ -253,7 +177,14 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     logits = logit_rows(trace, layer, heads, qi)                         # (H, n)
     original, log_original = softmax_and_log(logits)
     if kept_kv is None and spec.evicts:                                  # the oracle ranks by this query
-        kept_kv = _oracle_kept(trace, spec, layer, qi, heads, original)
+        reads, kept_kv = _query_kept(trace, spec, layer, qi, heads, original)
+        if reads is not None:            # each query head reads its own tokens (Quest per head): row by row
+            out = []
+            for h in heads.tolist():
+                own = kept_kv.copy()
+                own[h // trace.group_size] = reads[h]
+                out += evaluate_rows(trace, spec, layer, [h], qi, own, cache)
+            return out
     if kept_kv is None:
         kept_kv = np.ones((trace.n_kv_heads, n), bool)
 
@@ -314,9 +245,10 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
             for i, (h, g) in enumerate(zip(heads.tolist(), kv_list))]
 
 
-def _oracle_kept(trace: Trace, spec: Spec, layer: int, qi: int, heads: np.ndarray,
-                 attention: np.ndarray) -> np.ndarray:
-    """The oracle's kept mask (kv_heads, n) at query qi, from every query head's attention.
+def _query_kept(trace: Trace, spec: Spec, layer: int, qi: int, heads: np.ndarray,
+                attention: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    """A needs_query policy (the oracle, Quest) at query qi: (each query head's own read mask (q_heads, n)
+    or None, the kept (read) mask of every KV head (kv_heads, n)), from every query head's attention.
 
     `attention` (len(heads), n) holds the rows already computed; the other heads' rows
     are computed here (the oracle of one KV head reads its whole group).
@@ -327,8 +259,12 @@ def _oracle_kept(trace: Trace, spec: Spec, layer: int, qi: int, heads: np.ndarra
     if len(missing):
         rows[missing] = softmax(logit_rows(trace, layer, missing, qi))
     n = attention.shape[1]
-    return get_policy(spec.scorer).query_kept(rows, ScoreContext(trace, layer, spec),
-                                              query=trace.q[layer, :, qi], keys=trace.k[layer, :, :n])
+    policy, ctx = get_policy(spec.scorer), ScoreContext(trace, layer, spec)
+    inputs = dict(query=trace.q[layer, :, qi], keys=trace.k[layer, :, :n])
+    reads = policy.query_reads(rows, ctx, **inputs)
+    if reads is not None:
+        return reads, group_union(reads, trace.n_kv_heads)
+    return None, policy.query_kept(rows, ctx, **inputs)
 
 
 def evaluate_row(trace: Trace, spec: Spec, layer: int, head: int, qi: int,
@@ -408,8 +344,21 @@ def kept_at_query(trace: Trace, spec: Spec, layer: int, qi: int) -> np.ndarray:
         return np.ones((trace.n_kv_heads, p + 1), dtype=bool)
     if get_policy(spec.scorer).needs_query:
         heads = np.arange(trace.n_q_heads)
-        return _oracle_kept(trace, spec, layer, qi, heads, softmax(logit_rows(trace, layer, heads, qi)))
+        return _query_kept(trace, spec, layer, qi, heads, softmax(logit_rows(trace, layer, heads, qi)))[1]
     return keep_masks(trace, spec, layer, [p])[0, :, : p + 1]
+
+
+def read_masks(trace: Trace, spec: Spec, layer: int, qi: int) -> np.ndarray:
+    """(q_heads, p + 1) bool: what each query head attends over at query qi — its KV head's kept set, or,
+    where query heads choose their own (Quest per query head), its own reads."""
+    if spec.evicts and get_policy(spec.scorer).needs_query:
+        heads = np.arange(trace.n_q_heads)
+        reads, kept = _query_kept(trace, spec, layer, qi, heads, softmax(logit_rows(trace, layer, heads, qi)))
+        if reads is not None:
+            return reads
+    else:
+        kept = kept_at_query(trace, spec, layer, qi)
+    return np.repeat(kept, trace.group_size, axis=0)
 
 
 # --- the work budget -------------------------------------------------------------------
@@ -540,7 +489,8 @@ def compare(trace: Trace, spec: Spec, view: View = View(),
     notes = () if trace.has_later_queries else (NO_LATER_QUERIES_NOTE,)
     return Comparison(spec=spec, view=view, ensemble=view.ensemble, tokens=tuple(trace.tokens[:n]),
                       primary=primary, members=tuple(rows), spread=spread(errors, complete),
-                      memory=memory_for(trace, spec, n), notes=notes,
+                      memory=memory_for(trace, spec, n, None if budget_is_exact(spec) else
+                                        kept_counts(trace, spec, qi)), notes=notes,
                       primary_source=str(trace.meta.get("source", "")))
 
 

@@ -8,6 +8,10 @@ SCORERS = ("h2o", "tova", "snapkv", "streaming", "oracle", "knorm", "random",
            "expected_attention", "keydiff", "chunkkv", "quest")
 PLUGIN_SCORERS: list[str] = []        # names registered by plug-ins (kvviz.policies.registry), appended at load time
 ALLOCATIONS = ("uniform", "adakv", "pyramid")   # how the heavy budget is spread over KV heads and layers
+ADAKV_FLOORS = ("all", "outside-window")   # AdaKV safeguard: over all of a head's ranked tokens (kvpress), or heavy only
+PYRAMID_SCHEDULES = ("kvpress", "heavy")     # PyramidKV: kvpress's per-layer totals, or kvviz's heavy-only slope
+CHUNK_RULES = ("chunks", "budget")           # ChunkKV: kvpress's whole-chunk count, or fill the heavy budget
+QUEST_HEADS = ("query", "kv")                # Quest: pages per query head (the paper), or per KV head (group max)
 CHUNK_INNER = ("snapkv", "expected_attention", "keydiff", "knorm", "h2o", "random")  # ChunkKV's token scorer
 AXES = ("channel", "token")
 QUANT_MODELS = ("kv", "noise")
@@ -62,13 +66,18 @@ class Spec:
     rotate: str = "none"           # Hadamard-rotate "keys" (and queries) or "keys-values" before quantizing
     residual_mode: str = "kivi"    # "kivi": the last `residual` tokens exact; "hf": QuantizedCache's flush
     allocation: str = "uniform"    # heavy budget over heads / layers: uniform, adakv (per layer, across heads), pyramid
-    adakv_alpha: float = 0.2       # AdaKV safeguard: each KV head keeps at least floor(alpha * heavy) heavy hitters
-    pyramid_beta: float = 20.0     # PyramidKV: the top layer gets heavy / beta, the bottom 2 * heavy - heavy / beta
+    adakv_alpha: float = 0.2       # AdaKV safeguard: each KV head keeps at least floor(alpha * budget) tokens
+    adakv_floor: str = "all"       # "all": the safeguard is the head's top floor(alpha * budget), sinks and window
+                                   # first (kvpress); "outside-window": floor(alpha * heavy) heavy hitters (kvviz < #24)
+    pyramid_beta: float = 20.0     # PyramidKV: the steepness (kvpress beta 20; 1 = flat)
+    pyramid_schedule: str = "kvpress"  # "kvpress": layer totals as PyramidKVPress; "heavy": the heavy part sloped
     ea_horizon: int = 512          # Expected Attention: future positions the query statistics are rotated over
     ea_covariance: bool = True     # Expected Attention: use the queries' covariance as well as their mean
     chunk_size: int = 20           # ChunkKV: tokens per chunk (kvpress chunk_length 20)
     chunk_scorer: str = "snapkv"   # ChunkKV: the token scorer whose scores are pooled per chunk
+    chunk_rule: str = "chunks"     # "chunks": kvpress's count of whole chunks; "budget": chunks fill the budget
     page_size: int = 16            # Quest: tokens per page (Quest's default page size 16)
+    quest_heads: str = "query"     # Quest: "query": each query head reads its own pages (the paper); "kv": per KV head
 
     def __post_init__(self) -> None:
         check_spec(self)
@@ -83,7 +92,8 @@ class Spec:
         return (self.sink, self.recent, self.heavy, self.scorer, self.seed, self.observation_window,
                 self.snapkv_kernel, self.h2o_normalized, self.allocation, self.adakv_alpha, self.pyramid_beta,
                 self.ea_horizon, self.ea_covariance, self.chunk_size, self.chunk_scorer,
-                self.page_size) if self.evicts else ()
+                self.page_size, self.adakv_floor, self.pyramid_schedule, self.chunk_rule,
+                self.quest_heads) if self.evicts else ()
 
     @property
     def observation_window(self) -> int:
@@ -183,7 +193,9 @@ def check_spec(s: Spec) -> None:
         raise SpecError(f"noise sigma must be between 0 and 100, got {s.noise_sigma}")
     for name, allowed in (("zero_point", ZERO_POINTS), ("partial", PARTIAL_GROUPS), ("positions", POSITIONS),
                           ("key_format", FORMATS), ("value_format", FORMATS), ("fp8_scale", FP8_SCALES),
-                          ("rotate", ROTATIONS), ("residual_mode", RESIDUAL_MODES)):
+                          ("rotate", ROTATIONS), ("residual_mode", RESIDUAL_MODES),
+                          ("adakv_floor", ADAKV_FLOORS), ("pyramid_schedule", PYRAMID_SCHEDULES),
+                          ("chunk_rule", CHUNK_RULES), ("quest_heads", QUEST_HEADS)):
         if getattr(s, name) not in allowed:
             raise SpecError(f"{name} must be one of {', '.join(allowed)}, got {getattr(s, name)!r}")
     if s.snapkv_kernel < 1 or s.snapkv_kernel % 2 == 0:
@@ -247,6 +259,11 @@ def check_new_fields(s: Spec) -> None:
         raise SpecError("AdaKV's per-head caches have different lengths; the FP8 / FP4 formats, rotation and HF's "
                         "residual flush quantize a layer's heads together and need equal lengths. Use the integer "
                         "format with AdaKV, or allocation uniform / pyramid with these formats")
+    if s.scorer == "quest" and s.quest_heads == "query" and s.evicts and s.quantizes and s.quant_model == "kv" and (
+            s.key_format != "int" or s.value_format != "int" or s.rotate != "none" or s.residual_mode != "kivi"):
+        raise SpecError("Quest per query head reads a different number of tokens through each KV head; the FP8 / "
+                        "FP4 formats, rotation and HF's residual flush quantize a layer's heads together and need "
+                        "equal lengths. Use the integer format, or Quest per KV head (quest_heads 'kv')")
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ def bundled_trace(prompt_tokens: int, steps: int):
 def mass_table(trace, budget_fraction: float, scorers, allocations, progress=None):
     """{(scorer, allocation): mean mass retained or a reason string}, and the budget split."""
     from kvviz.attention import logit_rows, softmax
-    from kvviz.engine import kept_at_query, keep_masks
+    from kvviz.engine import keep_masks, read_masks
     from kvviz.policies import get_policy
     from kvviz.spec import Spec, SpecError
     from kvviz.analysis.sweep import split_budget
@@ -82,14 +82,14 @@ def mass_table(trace, budget_fraction: float, scorers, allocations, progress=Non
                 progress(f"{scorer} {allocation}")
             masses = []
             for layer in range(trace.n_layers):
-                if get_policy(scorer).needs_query:
-                    masks = [kept_at_query(trace, spec, layer, int(qi)) for qi in steps]
+                if get_policy(scorer).needs_query:     # per query head (Quest reads its own pages)
+                    masks = [read_masks(trace, spec, layer, int(qi)) for qi in steps]
                 else:
                     all_masks = keep_masks(trace, spec, layer, positions)
-                    masks = [all_masks[i, :, : int(p) + 1] for i, p in enumerate(positions)]
+                    masks = [np.repeat(all_masks[i, :, : int(p) + 1], g, axis=0) for i, p in enumerate(positions)]
                 for qi, kept in zip(steps, masks):
                     a = attention[(layer, int(qi))]                                  # (Hq, n)
-                    masses.append((a * np.repeat(kept, g, axis=0)).sum(axis=1))
+                    masses.append((a * kept).sum(axis=1))
             out[(scorer, allocation)] = float(np.mean(masses))
     return out, splits, budget, n_last
 

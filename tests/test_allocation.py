@@ -34,8 +34,9 @@ def test_adakv_over_the_oracle_keeps_at_least_the_uniform_mass_at_every_budget(s
         assert ada >= uni - 1e-9, (heavy, ada, uni)
         kept = {r.kv_head: int(r.kept.sum()) for r in c.members}
         assert sum(kept.values()) == trace.n_kv_heads * min(sink + recent + heavy, n)   # the layer's budget
-        floor = min(int(alpha * heavy), n - sink - recent)
-        assert min(kept.values()) >= sink + recent + floor             # the safeguard
+        # the safeguard (kvpress): each head's top int(alpha * budget) tokens, sinks and window first
+        floor = min(max(0, int(min(sink + recent + heavy, n) * alpha) - (sink + recent)), n - sink - recent, heavy)
+        assert min(kept.values()) >= sink + recent + floor
 
 
 @given(heavy=st.integers(0, 500), layers=st.integers(1, 64), beta=st.floats(1.0, 100.0))
@@ -58,7 +59,11 @@ def test_adakv_safeguard_and_cross_head_top():
     spec = Spec(sink=0, recent=1, heavy=4, scorer="knorm", allocation="adakv", adakv_alpha=0.5)
     scores = np.array([[9, 8, 7, 6, 5, 4, 3, 2, 0.0],
                        [1, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.0]])
-    assert adakv_heavy(scores, spec).tolist() == [6, 2]             # floor 2 each, then the 4 best are head 0's
+    # kvpress: the safeguard is each head's top int(0.5 * 5) = 2 of all its tokens, the window (1) first:
+    # 1 heavy hitter each, then the 6 best left are head 0's
+    assert adakv_heavy(scores, spec).tolist() == [7, 1]
+    old = spec.with_(adakv_floor="outside-window")                  # kvviz before #24: 2 heavy each on top
+    assert adakv_heavy(scores, old).tolist() == [6, 2]
 
 
 def test_ragged_caches_in_the_engine_and_memory():
@@ -70,7 +75,8 @@ def test_ragged_caches_in_the_engine_and_memory():
     for r in c.members:
         assert r.compressed.sum() == pytest.approx(1.0, abs=1e-12)
         assert np.all(r.compressed[~r.kept] == 0)
-    pyr = memory_for(trace, Spec(sink=2, recent=4, heavy=10, allocation="pyramid"), trace.n_positions)
+    pyr = memory_for(trace, Spec(sink=2, recent=4, heavy=10, allocation="pyramid", pyramid_schedule="heavy"),
+                     trace.n_positions)
     uni = memory_for(trace, Spec(sink=2, recent=4, heavy=10), trace.n_positions)
     assert pyr.kv_bytes == uni.kv_bytes and sum(pyr.kept_per_layer) == sum(uni.kept_per_layer)
     assert pyr.kept_per_layer[0] > pyr.kept_per_layer[1]
@@ -80,8 +86,8 @@ def test_streaming_scorers_refuse_adakv_but_take_the_pyramid():
     with pytest.raises(SpecError, match="AdaKV"):
         Spec(sink=2, recent=4, heavy=8, scorer="h2o", allocation="adakv")
     trace = random_trace(8)
-    c = compare(trace, Spec(sink=2, recent=4, heavy=8, scorer="h2o", allocation="pyramid", pyramid_beta=4),
-                View(layer=1))
+    c = compare(trace, Spec(sink=2, recent=4, heavy=8, scorer="h2o", allocation="pyramid", pyramid_beta=4,
+                            pyramid_schedule="heavy"), View(layer=1))
     assert c.primary.kept.sum() == 2 + 4 + pyramid_budgets(8, 2, 4)[1]
 
 
@@ -91,7 +97,8 @@ def test_streaming_scorers_refuse_adakv_but_take_the_pyramid():
 def test_ledger_kept_tokens_equal_the_declared_budget_per_layer(scorer, allocation):
     trace = random_trace(9, L=3)
     spec = Spec(sink=2, recent=4, heavy=12, scorer=scorer, allocation=allocation, key_bits=4, value_bits=4,
-                group_size=8, residual=3, page_size=4)
+                group_size=8, residual=3, page_size=4, chunk_rule="budget",     # (kvpress's chunks: below;
+                quest_heads="kv")                                                 # Quest per query head: below)
     ledger = budget_ledger(trace, spec)
     np.testing.assert_array_equal(ledger.per_layer("kept_tokens"), ledger.per_layer("declared_tokens"))
     kept = ledger.column("kept_tokens")
@@ -132,3 +139,52 @@ def test_sweep_under_adakv_leaves_out_the_methods_it_cannot_wrap():
     rows = sweep(t, ["h2o", "snapkv", "oracle"], [0.25], [16], View(ensemble="heads"),
                  Spec(scorer="oracle", allocation="adakv"))
     assert sorted(r["method"] for r in rows) == ["oracle", "snapkv"]
+
+
+def test_pyramid_totals_are_kvpress_get_layer_budget():
+    """kvpress PyramidKVPress on 261 tokens at ratio 0.5 (n(1 - ratio) = 130.5 = kvviz budget 130 + 1/2):
+    max 2A - A/20 = 254.5 is clamped at 261 - 64 = 197, min = 2A - 197 = 64, round(197 - l * 133 / 29)."""
+    from kvviz.policies.allocation import pyramid_totals
+    got = pyramid_totals(130, 64, 261, 30, 20.0)
+    assert got.tolist() == [round(197 - layer * 133 / 29) for layer in range(30)]
+    assert got[0] == 197 and got[-1] == 64
+    assert pyramid_totals(130, 64, 1000, 30, 20.0) is None           # min 6.5 < the window: kvpress falls back
+    spec = Spec(sink=0, recent=64, heavy=66, scorer="snapkv", allocation="pyramid")
+    from kvviz.policies.allocation import layer_spec
+    assert [layer_spec(spec, layer, 30, 261).budget for layer in (0, 29)] == [197, 64]
+    assert layer_spec(spec, 3, 30, 1000).budget == 130                  # the uniform budget
+
+
+def test_ledger_says_chunkkv_holds_fewer_tokens_than_declared():
+    """At the compression point (no later queries): int(10 chunks * 18.5 / 48) = 3 whole chunks of 5."""
+    trace = random_trace(9, L=3, steps=0)
+    spec = Spec(sink=2, recent=4, heavy=12, scorer="chunkkv", chunk_size=5)
+    ledger = budget_ledger(trace, spec)
+    assert ledger.column("declared_tokens").tolist() == [18] * 6
+    kept = ledger.column("kept_tokens")
+    assert set(kept.tolist()) <= {15, 13}                             # 3 chunks; the last chunk has 3 tokens
+    assert any("whole chunks" in note for note in ledger.notes())
+    result = compare(trace, spec, View(layer=2))
+    assert result.memory.kv_bytes == pytest.approx(ledger.totals["stored_bytes"], rel=1e-12)
+
+
+def test_quest_per_query_head_reads_its_own_pages_and_the_ledger_counts_the_union():
+    """Quest as the paper: each query head's own top pages; a KV head serves (and the ledger counts as
+    read) the union of its group's pages, at least the budget and at most group x budget."""
+    from kvviz.engine import kept_at_query
+    trace = random_trace(11, L=2, Hq=4, Hkv=2, c=64, steps=3)
+    spec = Spec(sink=2, recent=6, heavy=8, scorer="quest", page_size=4)
+    result = compare(trace, spec, View(layer=1, ensemble="heads"))
+    reads = {r.head: r.kept for r in result.members}
+    assert all(int(m.sum()) == spec.budget for m in reads.values())           # each head reads its budget
+    qi = int(trace.evaluated_queries[-1])
+    served = kept_at_query(trace, spec, 1, qi)
+    for g in range(2):
+        assert np.array_equal(served[g], reads[2 * g] | reads[2 * g + 1])
+    assert any(not np.array_equal(reads[2 * g], reads[2 * g + 1]) for g in range(2))   # heads choose apart
+    ledger = budget_ledger(trace, spec)
+    kept = ledger.column("kept_tokens")
+    assert (kept >= spec.budget).all() and (kept <= 2 * spec.budget).all() and (kept > spec.budget).any()
+    assert result.memory.bytes_read == pytest.approx(ledger.totals["read_bytes"], rel=1e-12)
+    per_kv = compare(trace, spec.with_(quest_heads="kv"), View(layer=1, ensemble="heads"))
+    assert all(int(r.kept.sum()) == spec.budget for r in per_kv.members)

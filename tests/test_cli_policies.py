@@ -22,8 +22,15 @@ def test_allocation_and_scorer_flags_reach_the_spec(capsys):
     d = json.loads(out)
     s = d["spec"]
     assert (s["allocation"], s["pyramid_beta"], s["ea_horizon"], s["ea_covariance"]) == ("pyramid", 4.0, 32, False)
-    from kvviz.policies.allocation import pyramid_budgets
-    assert sum(d["kept"]) == 4 + 8 + pyramid_budgets(8, 3, 4.0)[2]       # the top layer's budget
+    from kvviz.policies.allocation import pyramid_budgets, pyramid_totals
+    assert pyramid_totals(20, 12, 64, 3, 4.0) is None                   # kvpress: min 20.5 / 4 < the window
+    assert sum(d["kept"]) == 20                                         # so every layer keeps the uniform budget
+    code, out, _ = run(capsys, "compare", "--source", "synthetic", "--context", "64", "--steps", "2", "--layers", "3",
+                       "--sink", "4", "--recent", "8", "--heavy", "8", "--scorer", "expected_attention",
+                       "--allocation", "pyramid", "--pyramid-beta", "4", "--pyramid-schedule", "heavy",
+                       "--layer", "2", "--json")
+    assert code == 0 and json.loads(out)["spec"]["pyramid_schedule"] == "heavy"
+    assert sum(json.loads(out)["kept"]) == 4 + 8 + pyramid_budgets(8, 3, 4.0)[2]       # the top layer's budget
     code, out, _ = run(capsys, "compare", "--scorer", "chunkkv", "--chunk-size", "4", "--chunk-scorer", "keydiff",
                        "--sink", "4", "--recent", "8", "--heavy", "8", "--json")
     assert code == 0 and json.loads(out)["spec"]["chunk_size"] == 4

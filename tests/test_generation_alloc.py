@@ -9,7 +9,7 @@ from kvviz import Spec
 from kvviz.engine import kept_at_query
 from kvviz.decode.loop import decode
 from kvviz.policies import ScoreContext, get_policy
-from kvviz.policies.allocation import pyramid_budgets
+from kvviz.policies.allocation import layer_spec
 
 
 
@@ -44,8 +44,13 @@ def test_decode_makes_the_engines_decisions(tiny, scorer, allocation):  # noqa: 
     replay(cache, spec, n, steps)
     hist = [cache.kept_history(layer) for layer in range(2)]
     if allocation == "pyramid":
-        b = 2 + 5 + pyramid_budgets(7, 2, 3)
-        assert [int(h[-1, 0].sum()) for h in hist] == b.tolist()
+        b = [layer_spec(spec, layer, 2, n).budget for layer in range(2)]         # kvpress's schedule
+        assert [int(h[-1, 0].sum()) for h in hist] == b
+    elif scorer == "quest":      # per query head: a KV head serves its group's union (replayed above)
+        held = np.stack([h.sum(axis=2) for h in hist])
+        assert allocation == "adakv" or ((held >= spec.budget).all() and (held > spec.budget).any())
+    elif scorer == "chunkkv":    # whole chunks at the compression point; arrivals fill up to the budget
+        assert all((h.sum(axis=2) <= spec.budget).all() for h in hist)
     else:
         assert all((h.sum(axis=2).sum(axis=1) == 2 * spec.budget).all() for h in hist)   # per layer
 
@@ -74,3 +79,11 @@ def test_quantized_ragged_cache_runs(tiny):  # noqa: F811
                 group_size=4, residual=2)
     logits, _, cache = decode(model, ids[:24], spec, 6, feed=ids[24:30])
     assert torch.isfinite(logits).all() and cache.kept_tokens() == spec.budget
+    counts = cache.head_counts()                       # what the Model lab's memory line counts, head by head
+    assert counts.tolist() == [[len(k) for k in heads] for heads in cache.heads_kept]
+    assert (counts.sum(axis=1) == 2 * spec.budget).all()
+    from kvviz.engine import memory_for
+    exact = memory_for(cache.trace, spec, cache.n_tokens, counts).kv_bytes
+    assert exact == pytest.approx(sum(memory_for(cache.trace, spec, cache.n_tokens,
+                                                 np.full_like(counts, k)).kv_bytes / counts.size
+                                      for k in counts.ravel()))

@@ -112,7 +112,8 @@ def test_keydiff_keeps_the_keys_least_similar_to_the_mean_normalised_key():
 def test_chunkkv_keeps_whole_top_chunks_by_summed_mean_score():
     trace = random_trace(4, c=60)
     c, C = 60, 5
-    spec = Spec(sink=0, recent=10, heavy=15, scorer="chunkkv", chunk_size=C, chunk_scorer="keydiff")
+    spec = Spec(sink=0, recent=10, heavy=15, scorer="chunkkv", chunk_size=C, chunk_scorer="keydiff",
+                chunk_rule="budget")
     kept = keep_masks(trace, spec, 1, [c - 1])[0]
     # kvpress: token scores summed over heads, mean per chunk of C, top chunks, kept whole
     K = trace.k[1, :, :c].astype(np.float64)
@@ -125,6 +126,40 @@ def test_chunkkv_keeps_whole_top_chunks_by_summed_mean_score():
     want = {i for j in best for i in range(j * C, (j + 1) * C)}
     assert np.array_equal(kept[0], kept[1])                          # one decision for every head
     assert heavy_set(kept[0], spec, c) == want
+
+
+def test_chunkkv_keeps_kvpress_count_of_whole_chunks_and_nothing_else():
+    """kvpress ChunkKVPress: int(n_chunks * (1 - ratio)) whole chunks, n(1 - ratio) = budget + 1/2."""
+    trace = random_trace(4, c=62)
+    c, C = 62, 5                                                     # 12 whole chunks + one of 2 tokens
+    spec = Spec(sink=0, recent=10, heavy=15, scorer="chunkkv", chunk_size=C, chunk_scorer="keydiff")
+    kept = keep_masks(trace, spec, 1, [c - 1])[0]
+    K = trace.k[1, :, :c].astype(np.float64)
+    unit = K / np.linalg.norm(K, axis=-1, keepdims=True)
+    anchor = unit.mean(1, keepdims=True)
+    token = (-(unit * anchor).sum(-1) / np.linalg.norm(anchor, axis=-1)).sum(0)      # summed over heads
+    chunks = [token[j:j + C].mean() for j in range(0, c, C)]        # 13 chunks, the last of 2 tokens
+    n_keep = int(13 * (25.5 / 62))                                  # = 5
+    best = sorted(range(13), key=lambda j: -chunks[j])[:n_keep]
+    want = {i for j in best for i in range(j * C, min((j + 1) * C, c))}
+    assert np.array_equal(kept[0], kept[1])
+    assert set(np.flatnonzero(kept[0]).tolist()) == want            # no separate window: whole chunks only
+    assert kept[0].sum() < spec.budget
+
+
+def test_chunkkv_pads_snapkv_window_with_max_plus_one():
+    """The chunk straddling SnapKV's window scores with its window tokens at max + 1 (kvpress)."""
+    trace = random_trace(5, c=80)
+    spec = Spec(sink=0, recent=16, heavy=24, scorer="chunkkv", chunk_size=10, chunk_scorer="snapkv",
+                snapkv_window=16)
+    from kvviz.policies import get_policy
+    from kvviz.policies.base import ScoreContext
+    scores = get_policy("chunkkv").score(ScoreContext(trace, 0, spec))[0, :80]
+    snap = get_policy("snapkv").score(ScoreContext(trace, 0, spec))[:, :80]
+    top = snap[np.isfinite(snap)].max() + 1
+    token = np.where(np.isfinite(snap), snap, top).sum(0)
+    assert scores[60] == pytest.approx(token[60:70].mean())          # tokens 64..69 are window tokens
+    assert scores[79] == pytest.approx(2 * top)
 
 
 # --- Quest ------------------------------------------------------------------------------------
@@ -188,3 +223,49 @@ def test_bad_settings_are_refused_with_a_reason():
         Spec(ea_horizon=0)
     with pytest.raises(SpecError, match="chunk scorer"):
         Spec(scorer="chunkkv", chunk_scorer="quest")
+
+
+def test_expected_attention_on_a_config_only_trace_with_llama3_scaled_rope():
+    """A Llama-3-style config (rope_scaling llama3) and no captured frequencies: the frequencies are
+    transformers' own (the model's rotary embedding starts with them), and Expected Attention scores
+    exactly as on the same trace carrying them."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from kvviz.policies.base import ScoreContext
+    from kvviz.policies.expected_attention import ExpectedAttention, rope_inv_freq
+
+    config = {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    model_freq = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})).inv_freq
+    base = random_trace(6, D=16, rope=False)
+    only_config = Trace(q=base.q, k=base.k, v=base.v, context_len=base.context_len, tokens=base.tokens,
+                        query_positions=base.query_positions, meta={"source": "test", "config": config})
+    got = rope_inv_freq(only_config)
+    np.testing.assert_allclose(got, model_freq.double().numpy(), rtol=1e-6)
+    unscaled = 1.0 / 500000.0 ** (np.arange(0, 16, 2) / 16)
+    assert not np.allclose(got, unscaled)                                  # llama3 really rescales the low ones
+    carried = Trace(q=base.q, k=base.k, v=base.v, context_len=base.context_len, tokens=base.tokens,
+                    query_positions=base.query_positions,
+                    meta={"source": "test", "rope_inv_freq": model_freq.double().numpy().tolist()})
+    spec = Spec(heavy=8, scorer="expected_attention")
+    a = ExpectedAttention().score(ScoreContext(only_config, 0, spec))
+    b = ExpectedAttention().score(ScoreContext(carried, 0, spec))
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_a_scaled_rope_trace_without_frequencies_is_refused_not_scored_unrotated(monkeypatch):
+    import kvviz.models.config as model_config
+    from kvviz.policies.expected_attention import rope_inv_freq
+
+    monkeypatch.setattr(model_config, "inv_freq_from_config", lambda config, head_dim: None)   # no transformers
+    base = random_trace(6, D=16, rope=False)
+    trace = Trace(q=base.q, k=base.k, v=base.v, context_len=base.context_len, tokens=base.tokens,
+                  query_positions=base.query_positions,
+                  meta={"config": {"rope_theta": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}})
+    with pytest.raises(SpecError, match="scaled RoPE"):
+        rope_inv_freq(trace)

@@ -9,6 +9,12 @@ with the code *before* the speed work (commit 40b491e) by
 Each entry is the packed bits (np.packbits) of the kept (read, for the oracle and Quest)
 masks of every layer at three evaluated queries (first, middle, last), concatenated; no
 pickle. The test recomputes them with today's code and asks for exact equality.
+
+Issue #24 changed four default rules on purpose, to kvpress's / the paper's (AdaKV's safeguard,
+PyramidKV's schedule, ChunkKV's chunk count, Quest per query head). Only the entries those rules
+decide were re-recorded (`--record-changed RULE`); each one's pre-#24 value is kept as
+"pre24|<label>", and the options that name the old rules (`PRE24`) must still reproduce it bit
+for bit. Every other entry is the pre-#22 recording, untouched.
 """
 
 from __future__ import annotations
@@ -79,6 +85,24 @@ def cases():
     return out
 
 
+# the rules #24 changed: which cases each decides, and the option that restores the rule before #24
+PRE24 = {
+    "adakv": (lambda scorer, allocation: allocation == "adakv", dict(adakv_floor="outside-window")),
+    "pyramid": (lambda scorer, allocation: allocation == "pyramid", dict(pyramid_schedule="heavy")),
+    "chunkkv": (lambda scorer, allocation: scorer == "chunkkv", dict(chunk_rule="budget")),
+    "quest": (lambda scorer, allocation: scorer == "quest", dict(quest_heads="kv")),
+}
+
+
+def pre24_options(scorer: str, allocation: str) -> dict:
+    """The options under which a case runs as it did before #24 ({} where no rule of #24 applies)."""
+    out = {}
+    for applies, options in PRE24.values():
+        if applies(scorer, allocation):
+            out.update(options)
+    return out
+
+
 def make_spec(trace: Trace, scorer, settings, budget, allocation) -> Spec:
     n = trace.context_len
     if budget == "tenth":
@@ -145,11 +169,52 @@ def test_kept_masks_match_the_code_before_the_speed_work(scorer, reference, trac
     assert checked >= 8
 
 
+@pytest.mark.parametrize("rule", sorted(PRE24))
+def test_the_options_named_after_the_old_rules_reproduce_them(rule, reference, trace_set):
+    """adakv_floor="outside-window", pyramid_schedule="heavy", chunk_rule="budget", quest_heads="kv":
+    the kept sets before #24, bit for bit, wherever #24's rules changed the default."""
+    from kvviz.spec import SpecError
+    applies, _ = PRE24[rule]
+    checked = 0
+    for label, name, scorer, settings, budget, allocation in cases():
+        if not applies(scorer, allocation) or f"pre24|{label}" not in reference:
+            continue
+        trace = trace_set[name]
+        try:
+            spec = make_spec(trace, scorer, settings, budget, allocation)
+        except SpecError:
+            continue
+        _SCORE_CACHE.clear()
+        got = masks(trace, spec.with_(**pre24_options(scorer, allocation)))
+        assert np.array_equal(got, reference[f"pre24|{label}"]), f"the old rule changed: {label}"
+        checked += 1
+    assert checked >= 8
+
+
 if __name__ == "__main__" and "--record" in sys.argv:
     REFERENCE.parent.mkdir(exist_ok=True)
     recorded = compute_all()
     np.savez_compressed(REFERENCE, **recorded)
     print(f"recorded {len(recorded)} kept-mask sets to {REFERENCE} ({REFERENCE.stat().st_size} bytes)")
+
+if __name__ == "__main__" and "--record-changed" in sys.argv:
+    # re-record only the entries a rule of #24 decides, keeping each old value as "pre24|<label>"
+    rule = sys.argv[sys.argv.index("--record-changed") + 1]
+    applies, _ = PRE24[rule]
+    with np.load(REFERENCE, allow_pickle=False) as data:
+        stored = {key: data[key] for key in data.files}
+    ts, changed, same = traces(), 0, 0
+    for label, name, scorer, settings, budget, allocation in cases():
+        if not applies(scorer, allocation) or label not in stored:
+            continue
+        spec = make_spec(ts[name], scorer, settings, budget, allocation)
+        stored.setdefault(f"pre24|{label}", stored[label])
+        stored[label] = masks(ts[name], spec)
+        changed += not np.array_equal(stored[label], stored[f"pre24|{label}"])
+        same += np.array_equal(stored[label], stored[f"pre24|{label}"])
+    np.savez_compressed(REFERENCE, **stored)
+    print(f"{rule}: re-recorded {changed + same} entries ({changed} changed, {same} the same); "
+          f"{REFERENCE.stat().st_size} bytes")
 
 
 def expected_attention_float64(trace: Trace, layer: int, horizon: int) -> np.ndarray:

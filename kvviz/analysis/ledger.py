@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvviz.engine import (ALL, EVICTED, HEAVY, RECENT, SINK, check_view, head_parts, kept_at_query, page_meta_bytes,
-                          reasons_for)
+from kvviz.engine import ALL, EVICTED, HEAVY, RECENT, SINK, check_view, kept_at_query, reasons_for
+from kvviz.memory import head_parts, page_meta_bytes
 from kvviz.policies import get_policy
 from kvviz.policies.allocation import layer_spec
 from kvviz.quant import kv_bytes_per_token
@@ -80,8 +80,12 @@ class Ledger:
         out.append(f"bytes stored / full 16-bit cache: {t['byte_ratio_stored']:.1%} (compression ratio "
                    f"{1 / t['byte_ratio_stored'] if t['byte_ratio_stored'] else float('inf'):.2f}x)")
         if s.allocation == "adakv":
-            out.append("AdaKV declares a budget per layer (kv_heads x heavy): heads trade slots, so per-head "
+            out.append("AdaKV declares a budget per layer (kv_heads x budget): heads trade slots, so per-head "
                        "counts differ while each layer's total matches")
+        if s.evicts and s.scorer == "chunkkv" and s.chunk_rule == "chunks" and t["kept_tokens"] < t["declared_tokens"]:
+            out.append(f"ChunkKV keeps whole chunks of {s.chunk_size}, as many as kvpress's ChunkKVPress does at "
+                       f"this budget: {t['kept_tokens']:.0f} of the {t['declared_tokens']:.0f} declared token slots "
+                       "hold tokens; bytes count what is held")
         return out
 
 
@@ -107,7 +111,7 @@ def budget_ledger(trace: Trace, spec: Spec, step: int | None = None) -> Ledger:
     for layer in range(trace.n_layers):
         kept = kept_at_query(trace, spec, layer, qi)                        # (kv_heads, n)
         reason = reasons_for(kept, spec)
-        declared = min(layer_spec(spec, layer, trace.n_layers).budget, n) if spec.evicts else n
+        declared = min(layer_spec(spec, layer, trace.n_layers, trace.context_len).budget, n) if spec.evicts else n
         for g in range(trace.n_kv_heads):
             r = np.where(kept[g], reason[g], EVICTED)
             k_tok = int(kept[g].sum())

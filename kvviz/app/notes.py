@@ -63,22 +63,36 @@ def scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:
 
 def new_scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:
     """Issue #12: what Quest saves, what an allocation does, how the new scorers decide."""
-    alloc = {"adakv": f" AdaKV: this layer's {spec.heavy} × KV-heads heavy slots go to the top scores across its "
-                      f"heads (each head at least {int(spec.adakv_alpha * spec.heavy)}), so heads hold different "
-                      "numbers of tokens — the Budget ledger below lists each head.",
-             "pyramid": f" PyramidKV: each layer has its own heavy budget, falling linearly with depth (β "
-                        f"{spec.pyramid_beta:g}), the same total as {spec.heavy} per layer — see the Budget ledger."
+    floor = (f"each head first keeps its top {int(spec.budget * spec.adakv_alpha)} tokens, sinks and window "
+             "first, as kvpress" if spec.adakv_floor == "all" else
+             f"each head at least {int(spec.adakv_alpha * spec.heavy)} heavy hitters beside sinks and window")
+    pyramid = ("each layer keeps its own total, falling linearly with depth as kvpress's PyramidKVPress computes it "
+               f"(β {spec.pyramid_beta:g}; a short prompt's top layer keeps its window alone, and where kvpress's "
+               "schedule does not fit the prompt every layer keeps the uniform budget)"
+               if spec.pyramid_schedule == "kvpress" else
+               f"each layer has its own heavy budget, falling linearly with depth (β {spec.pyramid_beta:g}), the "
+               f"same total as {spec.heavy} per layer")
+    alloc = {"adakv": f" AdaKV: this layer's {spec.budget} × KV-heads token slots go to the top scores across its "
+                      f"heads ({floor}), so heads hold different numbers of tokens — the Budget ledger below lists "
+                      "each head.",
+             "pyramid": f" PyramidKV: {pyramid} — see the Budget ledger."
              }.get(spec.allocation, "")
     what = {"quest": f"Quest keeps the whole cache plus each page's min / max keys (pages of {spec.page_size}); "
-                     "this query reads only its top pages by the bound q·k ≤ Σ max(q·min, q·max), so it saves "
-                     "memory read per step, not memory stored (the memory card counts what is stored).",
+                     "this query reads only its top pages by the bound q·k ≤ Σ max(q·min, q·max)" + (
+                         ", each query head its own (a KV head serves the union of its heads' pages)"
+                         if spec.quest_heads == "query" else ", one choice per KV head") +
+                     ", so it saves memory read per step, not memory stored (the memory card counts what is "
+                     "stored).",
             "expected_attention": f"Expected Attention: the context queries' mean and covariance (before RoPE) "
                                   f"rotated over the next {spec.ea_horizon} positions give each key its expected "
                                   "attention, times its value norm; the first 4 tokens always rank first (kvpress).",
             "keydiff": "KeyDiff: keys least similar (cosine) to the mean of the context's normalised keys are kept; "
                        "no attention is needed.",
             "chunkkv": f"ChunkKV: chunks of {spec.chunk_size} tokens, ranked by the mean {spec.chunk_scorer} score "
-                       "of their tokens summed over heads, are kept whole (one decision for every head)."}.get(
+                       "of their tokens summed over heads, are kept whole (one decision for every head)" + (
+                           "; as kvpress, it keeps as many whole chunks as the budget's share of the chunks, so "
+                           "the cache can hold fewer tokens than the budget (the memory card counts what it holds)."
+                           if spec.chunk_rule == "chunks" else ", filling the heavy budget.")}.get(
         spec.scorer, "")
     text = (what + alloc).strip()
     return text or None

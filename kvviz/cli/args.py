@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 
 from kvviz.sources.synthetic import MAX_CONTEXT, MAX_STEPS
-from kvviz.spec import (ALLOCATIONS, AXES, CHUNK_INNER, ENSEMBLES, FORMATS, FP8_SCALES, FULL_BITS, MAX_ENSEMBLE, PARTIAL_GROUPS, QUANT_MODELS, RESIDUAL_MODES, ROTATIONS, SCORERS, ZERO_POINTS, Spec)
+from kvviz.spec import (ADAKV_FLOORS, ALLOCATIONS, AXES, CHUNK_INNER, CHUNK_RULES, ENSEMBLES, FORMATS, FP8_SCALES, FULL_BITS,
+                         MAX_ENSEMBLE, PARTIAL_GROUPS, PYRAMID_SCHEDULES, QUANT_MODELS, QUEST_HEADS, RESIDUAL_MODES,
+                         ROTATIONS, SCORERS, ZERO_POINTS, Spec)
 from kvviz.trace import TraceError
 
 MAX_TOKENS = 1_000_000     # token counts and budgets (the work budget bounds their products)
@@ -141,11 +143,17 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
                         "(docs/plugins.md); it becomes --scorer unless --scorer is given")
     g.add_argument("--allocation", default="uniform", choices=ALLOCATIONS,
                    help="heavy budget over heads and layers: uniform; adakv (one budget per layer, top scores "
-                        "across its KV heads, each head at least alpha x heavy); pyramid (layer budgets falling "
-                        "linearly, same total)")
+                        "across its KV heads, each head first its top alpha x budget); pyramid (layer budgets "
+                        "falling linearly, as kvpress's PyramidKVPress)")
     g.add_argument("--adakv-alpha", type=number(0, 1), default=0.2, help="AdaKV safeguard alpha (kvpress 0.2)")
+    g.add_argument("--adakv-floor", default="all", choices=ADAKV_FLOORS,
+                   help="AdaKV safeguard: all = each head's top alpha x budget tokens, sinks and window first "
+                        "(kvpress); outside-window = alpha x heavy heavy hitters beside them (kvviz before #24)")
     g.add_argument("--pyramid-beta", type=number(1, 1e6), default=20.0,
-                   help="PyramidKV: top layer heavy/beta, bottom 2 heavy - heavy/beta (kvpress 20; 1 = flat)")
+                   help="PyramidKV steepness (kvpress 20; 1 = flat)")
+    g.add_argument("--pyramid-schedule", default="kvpress", choices=PYRAMID_SCHEDULES,
+                   help="PyramidKV: kvpress = layer totals as PyramidKVPress.get_layer_budget; heavy = the heavy "
+                        "part alone from 2h - h/beta down to h/beta, same total (kvviz before #24)")
     g.add_argument("--ea-horizon", type=integer(1, 1_000_000), default=512,
                    help="Expected Attention: future positions the query statistics are rotated over (kvpress 512)")
     g.add_argument("--ea-no-covariance", action="store_true",
@@ -153,7 +161,13 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk-size", type=integer(1, 4096), default=20, help="ChunkKV: tokens per chunk (kvpress 20)")
     g.add_argument("--chunk-scorer", default="snapkv", choices=CHUNK_INNER,
                    help="ChunkKV: the token scorer pooled per chunk")
+    g.add_argument("--chunk-rule", default="chunks", choices=CHUNK_RULES,
+                   help="ChunkKV: chunks = kvpress's count of whole chunks (the cache may hold fewer tokens than the "
+                        "budget); budget = chunks fill the heavy budget beside sinks and window (kvviz before #24)")
     g.add_argument("--page-size", type=integer(1, 4096), default=16, help="Quest: tokens per page (Quest 16)")
+    g.add_argument("--quest-heads", default="query", choices=QUEST_HEADS,
+                   help="Quest: query = each query head reads its own top pages (the paper); kv = one page choice "
+                        "per KV head by its group's largest bound (kvviz before #24)")
     g.add_argument("--bits", type=integer(1, FULL_BITS), help="key and value bits (1-8; 16 = off)")
     g.add_argument("--key-bits", type=integer(1, FULL_BITS), help="key bits (overrides --bits)")
     g.add_argument("--value-bits", type=integer(1, FULL_BITS), help="value bits (overrides --bits)")
@@ -216,7 +230,8 @@ def spec_from_args(a: argparse.Namespace) -> Spec:
     fields = dict(sink=a.sink, recent=a.recent, heavy=a.heavy, scorer=scorer_from_args(a),
                   allocation=a.allocation, adakv_alpha=a.adakv_alpha, pyramid_beta=a.pyramid_beta,
                   ea_horizon=a.ea_horizon, ea_covariance=not a.ea_no_covariance, chunk_size=a.chunk_size,
-                  chunk_scorer=a.chunk_scorer, page_size=a.page_size,
+                  chunk_scorer=a.chunk_scorer, page_size=a.page_size, adakv_floor=a.adakv_floor,
+                  pyramid_schedule=a.pyramid_schedule, chunk_rule=a.chunk_rule, quest_heads=a.quest_heads,
                   key_bits=bits if a.key_bits is None else a.key_bits,
                   value_bits=bits if a.value_bits is None else a.value_bits,
                   key_axis=a.key_axis, value_axis=a.value_axis, group_size=a.group_size,

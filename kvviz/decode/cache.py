@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from kvviz.policies import ScoreContext, evict_one, get_policy, select
+from kvviz.policies.base import group_union
 from kvviz.quant import quantize
 from kvviz.quant.formats import quantize_tensor, uses_formats
 from kvviz.quant.formats import residual_at as formats_residual_at
@@ -93,6 +94,7 @@ class CompressedCache:
         self.record = record
         self.step_q: list[list[np.ndarray]] = [[] for _ in range(n_layers)]       # (Hq, D) per step
         self.step_kept: list[list[np.ndarray]] = [[] for _ in range(n_layers)]    # (H, m) per step
+        self.read_counts: list[np.ndarray | None] = [None] * n_layers   # Quest: tokens each KV head read last
 
     # -- policy bookkeeping ------------------------------------------------------------
     @property
@@ -106,6 +108,15 @@ class CompressedCache:
     def kept_tokens(self) -> int:
         """Tokens each KV head holds now (the same for every head and layer)."""
         return int(self.kept[0].shape[1])
+
+    def head_counts(self) -> np.ndarray | None:
+        """(layers, KV heads): the tokens each cache holds now (Quest: read at the last step), which the
+        memory line counts; None before any step where that is what the budget says."""
+        if self.evicts and self.policy.needs_query:
+            if any(c is None for c in self.read_counts):
+                return None
+            return np.stack(self.read_counts)
+        return np.array([[k.shape[-1]] * self.H for k in self.kept], dtype=np.int64)
 
     def seed(self, prefix, n: int) -> None:   # prefix: a kvviz.decode.loop.Prefill
         """Fill the cache with the first n positions of a full-cache prefill (instead of running them)."""
@@ -135,7 +146,8 @@ class CompressedCache:
             ctx = ScoreContext(self.trace, layer, self.spec)
             scores = np.broadcast_to(np.asarray(self.policy.score(ctx), dtype=np.float64), (self.H, n))
             self.scores[layer, :, :n] = scores
-            self.kept[layer] = _indices(select(self.scores[layer, :, :n], self.spec))
+            own = self.policy.compression_kept(self.scores[layer, :, :n], self.spec)   # ChunkKV's whole chunks
+            self.kept[layer] = _indices(select(self.scores[layer, :, :n], self.spec) if own is None else own)
         self.compressed = True
 
     def run_trace(self) -> Trace:
@@ -159,7 +171,10 @@ class CompressedCache:
         n = self.n_tokens
         out = np.zeros((len(self.step_kept[layer]), self.H, n), dtype=bool)
         for i, kept in enumerate(self.step_kept[layer]):
-            np.put_along_axis(out[i], kept, True, axis=1)
+            if kept.dtype == bool:                       # a mask (Quest per query head: ragged unions)
+                out[i, :, : kept.shape[1]] = kept
+            else:
+                np.put_along_axis(out[i], kept, True, axis=1)
         return out
 
     # -- quantization of what is kept ------------------------------------------------------
@@ -245,8 +260,18 @@ class CompressedCache:
             K_all = self.k[layer, :, : p + 1]                                 # (H, p+1, D)
             a_full = torch.softmax(qg @ K_all.transpose(1, 2) * scaling, dim=-1)   # (H, g, p+1)
             attention = a_full.reshape(self.Hq, -1).numpy().astype(np.float64)     # (Hq, p+1)
-            kept = _indices(self.policy.query_kept(attention, ScoreContext(self.trace, layer, spec),
-                                                   query=q[:, 0].numpy(), keys=K_all.numpy()))
+            ctx, inputs = ScoreContext(self.trace, layer, spec), dict(query=q[:, 0].numpy(), keys=K_all.numpy())
+            reads = self.policy.query_reads(attention, ctx, **inputs)
+            if reads is not None:                    # Quest per query head: each head reads its own pages
+                self.kept[layer] = np.tile(np.arange(p + 1), (self.H, 1))    # Quest stores everything
+                served = group_union(reads, self.H)  # per KV head, what it served: its group's union
+                self.read_counts[layer] = served.sum(axis=1)
+                if self.record:
+                    self.step_q[layer].append(q[:, 0].numpy().copy())
+                    self.step_kept[layer].append(served)
+                return self._attend_reads(layer, q, reads, scaling)
+            kept = _indices(self.policy.query_kept(attention, ctx, **inputs))
+            self.read_counts[layer] = np.full(self.H, kept.shape[1])
         else:
             kept = self._arrive(layer, p)
         self.kept[layer] = kept
@@ -266,6 +291,38 @@ class CompressedCache:
                                ScoreContext(self.trace, layer, spec), (p - kept).astype(np.float64))
             scores[at] = seen
         return out.reshape(self.Hq, 1, self.D)
+
+    def _attend_reads(self, layer: int, q, reads: np.ndarray, scaling: float):
+        """Each query head attends over its own reads (Hq, p + 1) (Quest per query head): its read tokens,
+        quantized as the engine quantizes a read set (compacted; integer formats)."""
+        import torch
+
+        out = torch.empty(self.Hq, self.D)
+        for j in range(self.Hq):
+            h = j // self.group
+            K, V = self._kv_head(layer, h, np.flatnonzero(reads[j]))
+            out[j] = torch.softmax(q[j, 0] @ K.T * scaling, dim=-1) @ V
+        return out.reshape(self.Hq, 1, self.D)
+
+    def _kv_head(self, layer: int, h: int, idx: np.ndarray):
+        """One head's K, V (m, D) at idx, quantized per the spec as a compacted cache (integer formats)."""
+        import torch
+
+        K = self.k[layer, h, torch.from_numpy(idx)]
+        V = self.v[layer, h, torch.from_numpy(idx)]
+        s = self.spec
+        settings = dict(zero_point=s.zero_point, partial=s.partial)
+        n_quant = max(0, len(idx) - s.residual)
+        for which, bits, axis in (("k", s.key_bits, s.key_axis), ("v", s.value_bits, s.value_axis)):
+            if s.quant_model != "kv" or bits >= FULL_BITS or n_quant == 0:
+                continue
+            x = (K if which == "k" else V).numpy().copy()
+            x[:n_quant] = quantize(x[None, :n_quant], bits, axis, s.group_size, 0, s.symmetric, **settings)[0]
+            if which == "k":
+                K = torch.from_numpy(x)
+            else:
+                V = torch.from_numpy(x)
+        return K, V
 
     def _arrive(self, layer: int, p: int) -> np.ndarray:
         """Token p joins layer's cache; the cache is trimmed back to the budget. Returns the kept set."""

@@ -198,7 +198,7 @@ def quality_from(ref: Reference, spec: Spec, logits, cache: CompressedCache, t0:
     logp = ref.logp
     target = torch.as_tensor(ref.targets)[:, None]
     kl = (logp.exp() * (logp - logp_hat)).sum(dim=-1).clamp_min(0.0)            # (m,)
-    mem = memory_for(cache.trace, spec, cache.n_tokens)
+    mem = memory_for(cache.trace, spec, cache.n_tokens, cache.head_counts())   # each head's own bytes
     return Quality(
         spec=spec, prompt_len=n, tokens=ref.tokens[n:],
         nll=(-logp_hat.gather(1, target)[:, 0]).numpy().astype(np.float64),

@@ -20,8 +20,8 @@ import numpy as np
 from kvviz.decode.cache import CompressedCache
 from kvviz.policies import ScoreContext, evict_one
 from kvviz.policies.allocation import adakv_heavy, layer_spec, select_heads
-from kvviz.quant import quantize
-from kvviz.spec import FULL_BITS, Spec, SpecError
+from kvviz.policies.base import group_union
+from kvviz.spec import Spec, SpecError
 
 
 def cache_class(spec: Spec):
@@ -36,9 +36,13 @@ def cache_class(spec: Spec):
 class PyramidCache(CompressedCache):
     """Each layer decodes under its own heavy budget (PyramidKV)."""
 
+    def _n_context(self) -> int:
+        """The tokens at the compression point (the prompt), which kvpress's schedule depends on."""
+        return self.trace.context_len if self.trace is not None else self.n_tokens
+
     def _with_layer_spec(self, layer: int, fn, *args):
         base = self.spec
-        self.spec = layer_spec(base, layer, self.L)
+        self.spec = layer_spec(base, layer, self.L, self._n_context())
         try:
             return fn(*args)
         finally:
@@ -51,8 +55,10 @@ class PyramidCache(CompressedCache):
         from kvviz.policies import select
         n = self.n_tokens
         for layer in range(self.L):
-            s = layer_spec(self.spec, layer, self.L)
-            self.kept[layer] = np.stack([np.flatnonzero(r) for r in select(self.scores[layer, :, :n], s)])
+            s = layer_spec(self.spec, layer, self.L, n)
+            own = self.policy.compression_kept(self.scores[layer, :, :n], s)
+            mask = select(self.scores[layer, :, :n], s) if own is None else own
+            self.kept[layer] = np.stack([np.flatnonzero(r) for r in mask])
 
     def attend(self, layer: int, q, k, v, scaling: float):
         return self._with_layer_spec(layer, super().attend, layer, q, k, v, scaling)
@@ -90,32 +96,18 @@ class RaggedCache(CompressedCache):
         """Tokens per KV head, averaged over heads and layers (the heads of a layer differ)."""
         return round(float(np.mean([len(k) for heads in self.heads_kept for k in heads])))
 
+    def head_counts(self) -> np.ndarray | None:
+        """(layers, KV heads): the tokens each head's cache holds now (Quest: read at the last step)."""
+        if self.evicts and self.policy.needs_query:
+            return super().head_counts()
+        return np.array([[len(k) for k in heads] for heads in self.heads_kept], dtype=np.int64)
+
     def kept_history(self, layer: int) -> np.ndarray:
         n = self.n_tokens
         out = np.zeros((len(self.step_masks[layer]), self.H, n), dtype=bool)
         for i, m in enumerate(self.step_masks[layer]):
             out[i, :, : m.shape[1]] = m
         return out
-
-    def _kv_head(self, layer: int, h: int, idx: np.ndarray):
-        """One head's kept K, V (m, D), quantized per the spec (evict, then quantize what is kept)."""
-        import torch
-
-        K = self.k[layer, h, torch.from_numpy(idx)]
-        V = self.v[layer, h, torch.from_numpy(idx)]
-        s = self.spec
-        settings = dict(zero_point=s.zero_point, partial=s.partial)
-        n_quant = max(0, len(idx) - s.residual)
-        for which, bits, axis in (("k", s.key_bits, s.key_axis), ("v", s.value_bits, s.value_axis)):
-            if s.quant_model != "kv" or bits >= FULL_BITS or n_quant == 0:
-                continue
-            x = (K if which == "k" else V).numpy().copy()
-            x[:n_quant] = quantize(x[None, :n_quant], bits, axis, s.group_size, 0, s.symmetric, **settings)[0]
-            if which == "k":
-                K = torch.from_numpy(x)
-            else:
-                V = torch.from_numpy(x)
-        return K, V
 
     def block_ok(self) -> bool:
         """Ragged heads attend one at a time over their own kept tokens: the exact step loop only."""
@@ -143,8 +135,18 @@ class RaggedCache(CompressedCache):
             K_all = self.k[layer, :, : p + 1]
             a_full = torch.softmax(qg @ K_all.transpose(1, 2) * scaling, dim=-1)
             attention = a_full.reshape(self.Hq, -1).numpy().astype(np.float64)
+            reads = self.policy.query_reads(attention, ctx, query=q[:, 0].numpy(), keys=K_all.numpy())
+            if reads is not None:                    # Quest per query head: each head reads its own pages
+                self.heads_kept[layer] = [np.arange(p + 1) for _ in range(self.H)]     # Quest stores all
+                served = group_union(reads, self.H)
+                self.read_counts[layer] = served.sum(axis=1)
+                if self.record:
+                    self.step_q[layer].append(q[:, 0].numpy().copy())
+                    self.step_masks[layer].append(served)
+                return self._attend_reads(layer, q, reads, scaling)
             mask = self.policy.query_kept(attention, ctx, query=q[:, 0].numpy(), keys=K_all.numpy())
             heads = [np.flatnonzero(r) for r in mask]
+            self.read_counts[layer] = mask.sum(axis=1)
         else:
             scores[:, p] = self.policy.arrival_score(self.k[layer, :, p].numpy(), layer, p, spec)
             heads = []

@@ -1,6 +1,7 @@
 """What a loaded model's config says: its attention shape and its RoPE frequencies.
 
-No torch import here: the model object brings its own tensors.
+No torch import at module level: the model object brings its own tensors; a config alone gets its
+scaled-RoPE frequencies from transformers (imported lazily).
 """
 
 from __future__ import annotations
@@ -14,6 +15,30 @@ def rope_inv_freq(model):
         if name.endswith("rotary_emb") and getattr(module, "inv_freq", None) is not None:
             return module.inv_freq.detach().float().cpu()
     return None
+
+
+def inv_freq_from_config(config: dict, head_dim: int):
+    """The RoPE inverse frequencies (head_dim / 2,) float64 a model with this config (a dict, as a
+    trace's meta carries it) starts with, for a scaled RoPE (`rope_scaling`, or `rope_parameters`
+    with a rope_type other than "default": linear, dynamic, yarn, longrope, llama3, ...), computed by
+    transformers' own ROPE_INIT_FUNCTIONS — the code the model's rotary embedding runs, not a
+    re-derivation. None when the config has no scaled RoPE or transformers is not installed.
+    (YaRN's attention factor scales queries and keys alike; kvviz only needs the frequencies.)"""
+    params = config.get("rope_parameters") or config.get("rope_scaling")
+    rope_type = (params or {}).get("rope_type", (params or {}).get("type", "default"))
+    if not isinstance(params, dict) or rope_type == "default":
+        return None
+    try:
+        import numpy as np
+        from transformers import AutoConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    except ImportError:
+        return None
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    fields.setdefault("head_dim", head_dim)
+    cfg = AutoConfig.for_model(config.get("model_type", "llama"), **fields)
+    inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    return np.asarray(inv_freq.double().numpy(), dtype=np.float64)
 
 
 def model_dims(model) -> tuple[int, int, int, int]:

@@ -6,15 +6,19 @@ window stay per head, as always.
 
     uniform  every KV head of every layer keeps `heavy` heavy hitters (kvviz's default).
     adakv    AdaKV (Feng et al. 2024; kvpress AdaKVPress): one budget per layer,
-             kv_heads * heavy heavy hitters, given to the top scores across all KV heads
-             of the layer taken together (scores must be comparable across heads, e.g.
-             attention), after a safeguard: each head first keeps its own top
-             floor(alpha * heavy) (kvpress alpha_safeguard = 0.2). Heads then hold
+             kv_heads * budget tokens, given to the top scores across all KV heads of the
+             layer taken together (scores must be comparable across heads, e.g. attention),
+             after a safeguard: each head first keeps its own top floor(alpha * budget) tokens
+             (kvpress alpha_safeguard = 0.2, budget = sink + recent + heavy = kvpress's n_kept).
+             As in kvpress, the safeguard ranks all of a head's tokens, and the sinks and the
+             window rank first (kvpress pads SnapKV's window with max + 1), so it is spent on
+             them before any heavy hitter: floor(alpha * budget) - (sinks + window) heavy
+             hitters, if that is positive. `adakv_floor="outside-window"` (kvviz before #24):
+             floor(alpha * heavy) heavy hitters on top of sinks and window. Heads then hold
              different numbers of tokens: the caches are ragged.
-    pyramid  PyramidKV (Cai et al. 2024; kvpress PyramidKVPress): layer budgets falling
-             linearly from 2h - h/beta at the lowest layer to h/beta at the highest (h =
-             heavy, kvpress beta = 20), rounded (largest remainder) to sum to exactly n_layers * h,
-             the uniform total. beta = 1 is flat.
+    pyramid  PyramidKV (Cai et al. 2024; kvpress PyramidKVPress): per-layer totals falling
+             linearly (`pyramid_budgets`). `pyramid_schedule="heavy"` (kvviz before #24): the
+             heavy part alone sloped from 2h - h/beta to h/beta, summing to n_layers * h.
 
 AdaKV is decided once, at the compression point, from the compression-time scores (the
 oracle: from each evaluated query's own attention); afterwards each head keeps its own
@@ -29,8 +33,17 @@ from kvviz.policies.select import select
 from kvviz.spec import Spec
 
 
+def kvpress_kept(budget: int) -> float:
+    """kvpress's unrounded n(1 - ratio) for kvviz's budget of B tokens: a kvpress press keeps
+    floor(n(1 - ratio)) = B at every ratio with n(1 - ratio) in [B, B + 1); PyramidKV's and ChunkKV's
+    schedules use the unrounded value, and kvviz takes the middle of that range, B + 1/2 (the
+    ratio 0.5 of an odd n, kvpress's usual setting, is exactly that)."""
+    return budget + 0.5
+
+
 def pyramid_budgets(heavy: int, n_layers: int, beta: float) -> np.ndarray:
-    """Heavy budget of each layer (n_layers,) int: linear from the bottom, non-increasing, sum n_layers * heavy."""
+    """The "heavy" schedule (kvviz before #24): heavy budget of each layer (n_layers,) int, linear from
+    the bottom, non-increasing, sum n_layers * heavy. Sinks and window stay as in the uniform spec."""
     if n_layers <= 1 or heavy == 0:
         return np.full(max(n_layers, 1), heavy, dtype=np.int64)[:n_layers]
     lo = heavy / beta
@@ -39,17 +52,44 @@ def pyramid_budgets(heavy: int, n_layers: int, beta: float) -> np.ndarray:
     out = np.floor(real + 1e-9).astype(np.int64)
     rest = int(n_layers * heavy - out.sum())      # 0 <= rest < n_layers, to the largest fractional parts
     # (largest remainder keeps the budgets non-increasing: of two layers with the same floor the
-    # lower one has the larger fraction; it is also kvpress's rounding wherever that sums exactly)
+    # lower one has the larger fraction)
     order = np.lexsort((np.arange(n_layers), -(real - out)))
     out[order[:rest]] += 1
     return out
 
 
-def layer_spec(spec: Spec, layer: int, n_layers: int) -> Spec:
-    """The spec one layer runs under: the pyramid's heavy budget for that layer; otherwise `spec`."""
+def pyramid_totals(budget: int, window: int, n_context: int, n_layers: int, beta: float) -> np.ndarray | None:
+    """kvpress PyramidKVPress.get_layer_budget: each layer's total kept tokens (n_layers,), or None
+    where kvpress falls back to the uniform budget.
+
+    With A = kvpress_kept(budget): from max = 2A - A/beta at the bottom to min = A/beta at the top;
+    where max exceeds n - window it is clamped there and min = 2A - max (so a short prompt's top
+    layer keeps its window alone); unless n >= max >= min >= window, uniform. Each layer
+    round(max - layer * (max - min) / (L - 1)), Python's round as kvpress's (halves to even).
+    """
+    a = kvpress_kept(budget)
+    lo = a / beta
+    hi = a * 2 - lo
+    if hi >= n_context - window:
+        hi = n_context - window
+        lo = a * 2 - hi
+    if not (n_context >= hi >= lo >= window):
+        return None
+    steps = (hi - lo) / (n_layers - 1) if n_layers > 1 else 0.0
+    return np.array([round(hi - layer * steps) for layer in range(n_layers)], dtype=np.int64)
+
+
+def layer_spec(spec: Spec, layer: int, n_layers: int, n_context: int) -> Spec:
+    """The spec one layer runs under: the pyramid's budget for that layer (n_context: the tokens at
+    the compression point, which kvpress's schedule depends on); otherwise `spec`."""
     if spec.allocation != "pyramid" or not spec.evicts:
         return spec
-    heavy = int(pyramid_budgets(spec.heavy, n_layers, spec.pyramid_beta)[layer])
+    if spec.pyramid_schedule == "heavy":
+        heavy = int(pyramid_budgets(spec.heavy, n_layers, spec.pyramid_beta)[layer])
+        return spec.with_(heavy=heavy, allocation="uniform")
+    protected = spec.sink + spec.recent
+    totals = pyramid_totals(spec.budget, protected, n_context, n_layers, spec.pyramid_beta)
+    heavy = spec.heavy if totals is None else int(totals[layer]) - protected
     return spec.with_(heavy=heavy, allocation="uniform")
 
 
@@ -62,9 +102,11 @@ def candidates(n: int, spec: Spec) -> tuple[int, int]:
 def adakv_heavy(scores: np.ndarray, spec: Spec) -> np.ndarray:
     """AdaKV's heavy budget per KV head (H,) from scores (H, n) of one layer.
 
-    Safeguard: each head's top floor(alpha * heavy) candidates first; then the rest of the
-    layer's H * heavy slots to the best remaining candidates of any head. Ties: the earlier
-    token, then the lower head (as `select` breaks ties within a head).
+    Safeguard: each head's top floor(alpha * budget) tokens first, of which the sinks and window
+    take the first slots (adakv_floor "all", kvpress), or floor(alpha * heavy) candidates
+    ("outside-window"); then the rest of the layer's H * heavy slots to the best remaining
+    candidates of any head. Ties: the earlier token, then the lower head (as `select` breaks ties
+    within a head).
     """
     H, n = scores.shape
     first, end = candidates(n, spec)
@@ -72,7 +114,10 @@ def adakv_heavy(scores: np.ndarray, spec: Spec) -> np.ndarray:
     take = min(spec.heavy, n_c)
     if take <= 0:
         return np.zeros(H, dtype=np.int64)
-    floor = min(int(spec.adakv_alpha * spec.heavy), take)
+    if spec.adakv_floor == "all":           # kvpress: int(n_kept * alpha), sinks and window ranked first
+        floor = min(max(0, int(min(spec.budget, n) * spec.adakv_alpha) - (n - n_c)), take)
+    else:
+        floor = min(int(spec.adakv_alpha * spec.heavy), take)
     s = np.nan_to_num(np.asarray(scores[:, first:end], dtype=np.float64), nan=-np.inf, posinf=np.finfo(float).max)
     order = np.argsort(-s, axis=1, kind="stable")                   # per head, best first, earlier on ties
     rank = np.empty_like(order)
@@ -101,10 +146,10 @@ def select_heads(scores: np.ndarray, spec: Spec, heavy: np.ndarray) -> np.ndarra
     return out
 
 
-def allocate(scores: np.ndarray, spec: Spec, layer: int, n_layers: int) -> np.ndarray:
+def allocate(scores: np.ndarray, spec: Spec, layer: int, n_layers: int, n_context: int) -> np.ndarray:
     """Kept mask (H, n) of one layer from its scores under the spec's allocation."""
 
     if spec.allocation == "adakv" and spec.evicts:
         return select_heads(scores, spec, adakv_heavy(scores, spec))
-    return select(scores, layer_spec(spec, layer, n_layers))
+    return select(scores, layer_spec(spec, layer, n_layers, n_context))
 

@@ -73,6 +73,11 @@ class ScoreContext:
         return per_q_head.reshape(self.trace.n_kv_heads, g, -1).sum(axis=1)
 
 
+def group_union(reads: np.ndarray, n_kv_heads: int) -> np.ndarray:
+    """Per-query-head masks (q_heads, n) -> what each KV head's cache serves (kv_heads, n): their union."""
+    return reads.reshape(n_kv_heads, reads.shape[0] // n_kv_heads, -1).any(axis=1)
+
+
 # (trace id, layer, scorer, key) -> (weak reference to the trace, scores): the cache must not keep a
 # trace alive after its owner (an app cache, a sweep) let it go; a dead reference is a miss.
 _SCORE_CACHE: OrderedDict = OrderedDict()
@@ -124,11 +129,21 @@ class Policy:
         its query vectors (q_heads, head_dim) and the cached keys (kv_heads, n, head_dim)."""
         raise TypeError(f"{self.name} scores at the compression point: use score")
 
+    def query_reads(self, attention: np.ndarray, ctx: ScoreContext, query: np.ndarray | None = None,
+                    keys: np.ndarray | None = None) -> np.ndarray | None:
+        """needs_query policies that choose per query head (Quest as the paper): each query head's own
+        read mask (q_heads, n) under the allocation; None where one choice serves a KV head's group."""
+        return None
+
     def query_kept(self, attention: np.ndarray, ctx: ScoreContext, query: np.ndarray | None = None,
                    keys: np.ndarray | None = None) -> np.ndarray:
-        """needs_query policies: the kept (read) mask (kv_heads, n) at one query, under the allocation."""
+        """needs_query policies: the kept (read) mask (kv_heads, n) at one query, under the allocation;
+        where query heads choose their own (query_reads), what the KV head's cache serves: their union."""
+        reads = self.query_reads(attention, ctx, query=query, keys=keys)
+        if reads is not None:
+            return group_union(reads, ctx.trace.n_kv_heads)
         return allocate(self.query_scores(attention, ctx, query=query, keys=keys), ctx.spec, ctx.layer,
-                        ctx.trace.n_layers)
+                        ctx.trace.n_layers, ctx.trace.context_len)
 
     def update(self, scores: np.ndarray, attention: np.ndarray, ctx: ScoreContext,
                seen_counts: np.ndarray | None = None) -> None:
@@ -144,6 +159,16 @@ class Policy:
         the policy cannot score it and it stays only while inside the recent window.
         """
         return np.full(key.shape[0], np.inf if self.streaming else -np.inf)
+
+    def compression_kept(self, scores: np.ndarray, spec: Spec) -> np.ndarray | None:
+        """A kept mask (kv_heads, c) of the context at the compression point by the policy's own rule,
+        from its scores (kv_heads, c); None = the shared rule, `select` under the budget."""
+        return None
+
+    def fills_budget(self, spec: Spec) -> bool:
+        """True when every KV head keeps (reads) exactly min(budget, tokens seen), as `select` does;
+        a policy that keeps a number of its own says False, and memory is counted from its masks."""
+        return True
 
     def score_key(self, spec: Spec) -> tuple:
         """The spec fields `score` depends on (budgets never change scores)."""
@@ -170,7 +195,7 @@ class Policy:
                 out[i, :, : p + 1] = True
             return out
         if spec.allocation == "pyramid":             # this layer's budget, then as uniform
-            spec = layer_spec(spec, ctx.layer, trace.n_layers)
+            spec = layer_spec(spec, ctx.layer, trace.n_layers, trace.context_len)
             ctx = ScoreContext(trace, ctx.layer, spec)
         scores = self.scores_at_compression(ctx)
         if scores.shape != (Hkv, P):                # a score shared by every KV head
@@ -182,6 +207,9 @@ class Policy:
                 for i, p in enumerate(positions):
                     out[i, :, : p + 1] = select_heads(scores[:, : p + 1], spec, heavy)
                 return out
+            own = self.compression_kept(scores[:, : trace.context_len], spec)
+            if own is not None:                      # the policy's own rule at the compression point
+                return self._grow(own, scores, spec, trace.context_len, positions, out)
             shared = scores.strides[0] == 0 and Hkv > 1    # one decision for every head: take it once
             for i, p in enumerate(positions):
                 out[i, :, : p + 1] = select(scores[:1 if shared else Hkv, : p + 1], spec)
@@ -191,6 +219,31 @@ class Policy:
             raise SpecError(f"AdaKV allocates once from one-shot scores; {self.name} decides at every step")
         with small_blas():  # one query a step: small products
             return self._simulate(ctx, scores.copy(), positions, out)
+
+    @staticmethod
+    def _grow(kept_c: np.ndarray, scores: np.ndarray, spec: Spec, c: int, positions: np.ndarray,
+              out: np.ndarray) -> np.ndarray:
+        """Kept masks after a compression point whose kept set kept_c (H, c) is the policy's own: a
+        query before the point sees the part of it up to itself; later tokens join the cache, which
+        past the budget drops its lowest score outside sinks and window (`evict_one`, as the
+        real-model cache's arrivals do)."""
+        H = kept_c.shape[0]
+        for i, p in enumerate(positions):
+            if p < c:
+                out[i, :, : p + 1] = kept_c[:, : p + 1]
+        later = sorted((int(p), i) for i, p in enumerate(positions) if p >= c)
+        if not later:
+            return out
+        kept = np.stack([np.flatnonzero(r) for r in kept_c])                     # (H, m): equal per head
+        p = c
+        for target, i in later:
+            while p <= target:
+                kept = np.concatenate([kept, np.full((H, 1), p)], axis=1)
+                if kept.shape[1] > spec.budget:
+                    kept = evict_one(kept, scores, spec, p, ties_evict_later=True)
+                p += 1
+            np.put_along_axis(out[i], kept, True, axis=1)
+        return out
 
     def _simulate(self, ctx: ScoreContext, scores: np.ndarray, positions: np.ndarray,
                   out: np.ndarray) -> np.ndarray:

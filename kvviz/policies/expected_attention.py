@@ -13,9 +13,12 @@ averaged over the query heads of the KV group, times ||v_i|| (kvpress use_vnorm,
 The first 4 tokens rank above every other (kvpress pads them with max + 1). Without the
 covariance (`Spec.ea_covariance = False`) only the mean term is used.
 
-RoPE comes from the trace: `meta["rope_inv_freq"]` (captured and decoded traces carry the model's own), or an unscaled config `rope_theta`
-(Llama-style rotate-half RoPE). A trace without RoPE (synthetic, handbook) has queries that
-do not rotate: the statistics are used as they are and the horizon has no effect.
+RoPE comes from the trace: `meta["rope_inv_freq"]` (captured and decoded traces carry the model's
+own), or its config: an unscaled `rope_theta` (Llama-style rotate-half RoPE), or a scaled RoPE
+(Llama 3, YaRN, linear, ...) whose frequencies transformers' own ROPE_INIT_FUNCTIONS compute
+(`models.config.inv_freq_from_config`; without transformers such a trace is refused, never
+scored as if unrotated). A trace without RoPE (synthetic, handbook) has queries that do not
+rotate: the statistics are used as they are and the horizon has no effect.
 """
 
 import numpy as np
@@ -36,7 +39,15 @@ def rope_inv_freq(trace) -> np.ndarray | None:
     if theta is None and isinstance(params, dict):
         theta = params.get("rope_theta")
     scaled = config.get("rope_scaling") or (isinstance(params, dict) and params.get("rope_type", "default") != "default")
-    if theta is None or scaled:     # scaled RoPE: only the model's own inv_freq (captured traces carry it) is exact
+    if scaled:                      # scaled RoPE (Llama 3, YaRN, ...): transformers' own init functions
+        from kvviz.models.config import inv_freq_from_config
+        inv_freq = inv_freq_from_config(config, trace.head_dim)
+        if inv_freq is None:
+            from kvviz.spec import SpecError
+            raise SpecError("this trace's model uses a scaled RoPE and carries no RoPE frequencies; Expected "
+                            "Attention needs transformers installed to compute them from its config")
+        return inv_freq
+    if theta is None:
         return None
     d = trace.head_dim
     return 1.0 / (float(theta) ** (np.arange(0, d, 2, dtype=np.float64) / d))

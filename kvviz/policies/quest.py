@@ -5,16 +5,21 @@ A different kind of method: nothing is evicted. The cache is cut into pages of
 minimum m and maximum M of its keys. A query q bounds the logit any key of the page can
 reach by
     U(page) = sum_d max(q_d m_d, q_d M_d)  >=  q . k  for every key k of the page,
-and reads only its top pages by U (plus the sinks and the recent window), ranked per KV
-head by the largest bound among the query heads of its group. Every token of a page carries
-the page's bound, so the heavy budget reads whole pages, best first. What it saves is memory
-*read* per step (the kept mask is what this query reads), not memory stored: the whole cache
-plus the per-page min / max keys stay in memory. Reading every page is exact.
+and reads only its top pages by U (plus the sinks and the recent window). As the paper does,
+each query head ranks the pages by its own bound and reads its own top pages
+(`Spec.quest_heads="query"`); with GQA, a KV head's cache serves the union of what its query
+heads read, and that union is what the ledger and memory card count as bytes read (a page is
+read once per step however many of the group's heads chose it). `quest_heads="kv"` (kvviz
+before #24): one choice per KV head by the largest bound among its query heads. Every token of
+a page carries the page's bound, so the heavy budget reads whole pages, best first. What it
+saves is memory *read* per step, not memory stored: the whole cache plus the per-page min / max
+keys stay in memory. Reading every page is exact.
 (No kvpress press corresponds: kvpress presses evict; Quest is a sparse-attention read.)
 """
 
 import numpy as np
 
+from kvviz.policies.allocation import allocate
 from kvviz.policies.base import Policy, ScoreContext
 
 
@@ -54,11 +59,26 @@ class Quest(Policy):
     def score(self, ctx: ScoreContext) -> np.ndarray:
         raise TypeError("Quest picks pages per query: use query_scores")
 
+    def fills_budget(self, spec) -> bool:
+        return spec.quest_heads == "kv"       # per query head: a KV head serves the union of its group's pages
+
     def query_scores(self, attention, ctx: ScoreContext, query=None, keys=None) -> np.ndarray:
-        if query is None or keys is None:
-            raise TypeError("Quest needs the query vectors and the cached keys")
-        size = ctx.spec.page_size
-        Hkv, n, _ = keys.shape
-        bound = page_bounds(query, keys, size)                              # (Hq, n_pages)
+        """Per KV head (quest_heads "kv"): each page's largest bound over the group's query heads, (Hkv, n)."""
+        bound, size, n = self._bounds(query, keys, ctx)
+        Hkv = keys.shape[0]
         per_kv = bound.reshape(Hkv, -1, bound.shape[1]).max(axis=1)         # (Hkv, n_pages)
         return np.repeat(per_kv, size, axis=1)[:, :n]
+
+    def query_reads(self, attention, ctx: ScoreContext, query=None, keys=None) -> np.ndarray | None:
+        """Per query head (quest_heads "query", the paper): each head's own top pages, (Hq, n) bool."""
+        if ctx.spec.quest_heads != "query":
+            return None
+        bound, size, n = self._bounds(query, keys, ctx)
+        scores = np.repeat(bound, size, axis=1)[:, :n]                     # (Hq, n): each head's own bound
+        return allocate(scores, ctx.spec, ctx.layer, ctx.trace.n_layers, ctx.trace.context_len)
+
+    @staticmethod
+    def _bounds(query, keys, ctx: ScoreContext):
+        if query is None or keys is None:
+            raise TypeError("Quest needs the query vectors and the cached keys")
+        return page_bounds(query, keys, ctx.spec.page_size), ctx.spec.page_size, keys.shape[1]

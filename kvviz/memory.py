@@ -1,0 +1,127 @@
+"""Bytes of a compressed K / V cache: what the memory card shows (the budget ledger counts the same).
+
+A cache of a (layer, KV head) holding n_kept tokens costs its K and V bytes under the spec's
+quantization (`head_parts`: integer groups with scale / zero-point overhead, FP8 / FP4 formats,
+the full-precision residual); Quest adds its per-page min / max keys and stores every token.
+`memory_for` sums every cache from its own count (`counts`), so ragged allocations (AdaKV) and
+policies that keep a number of their own (ChunkKV's whole chunks, Quest's reads per query head)
+are exact; where every head holds min(its layer's budget, n) the budget alone gives the counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from kvviz.policies import get_policy
+from kvviz.quant import formats as qformats
+from kvviz.quant import CacheBytes, kv_bytes_per_token, tensor_bytes
+from kvviz.spec import Spec
+from kvviz.trace import Trace
+
+
+@dataclass(frozen=True)
+class Memory:
+    kv_bytes: float        # compressed K+V cache, all layers and KV heads, incl. scales/zero points
+    kv_bytes_full: float   # the same tokens in a full 16-bit cache
+    kept_tokens: int
+    total_tokens: int
+    kv_bytes_read: float | None = None   # what one decode step reads (None: everything stored, as eviction)
+    kept_per_layer: tuple[int, ...] = ()  # tokens kept per KV head of each layer (pyramid: differs by layer)
+
+    @property
+    def bytes_read(self) -> float:
+        """Bytes one query reads: all that is stored, except for read-selection methods (Quest)."""
+        return self.kv_bytes if self.kv_bytes_read is None else self.kv_bytes_read
+
+    @property
+    def ratio(self) -> float:
+        """Compressed / full bytes (1.0 = no saving)."""
+        return self.kv_bytes / self.kv_bytes_full if self.kv_bytes_full else 1.0
+
+    @property
+    def compression_ratio(self) -> float:
+        """Full / compressed bytes (e.g. 4.0 = four times smaller)."""
+        return self.kv_bytes_full / self.kv_bytes if self.kv_bytes else float("inf")
+
+
+def memory_dict(m: Memory) -> dict:
+    return {"kv_bytes": m.kv_bytes, "kv_bytes_full": m.kv_bytes_full,
+            "compression_ratio": m.compression_ratio, "memory_ratio": m.ratio,
+            "kept_tokens": m.kept_tokens, "total_tokens": m.total_tokens, "kv_bytes_read": m.bytes_read}
+
+
+def memory_for(trace: Trace, spec: Spec, n_tokens: int, counts: np.ndarray | None = None) -> Memory:
+    """Bytes of the compressed cache holding the first n_tokens, all layers and KV heads.
+
+    counts (layers, kv_heads): the tokens each cache holds (Quest: reads), as `kept_counts` gives
+    them; None = what the budget declares, which is exact wherever every head keeps
+    min(its layer's budget, n_tokens) (`budget_is_exact`). Memory follows the bits settings
+    whichever quantization model simulates the error.
+    """
+    key = None if counts is None else tuple(map(tuple, np.asarray(counts, dtype=np.int64).tolist()))
+    return _memory(trace.n_layers, trace.n_kv_heads, trace.head_dim, spec, n_tokens, trace.context_len, key)
+
+
+def budget_is_exact(spec: Spec) -> bool:
+    """True where every KV head of a layer holds exactly min(the layer's budget, tokens seen): the
+    budget alone gives the bytes. Ragged allocations (AdaKV) and policies that keep or read a
+    number of their own (ChunkKV's whole chunks, Quest per query head) need the kept masks."""
+    if not spec.evicts:
+        return True
+    return spec.allocation != "adakv" and get_policy(spec.scorer).fills_budget(spec)
+
+
+def head_parts(spec: Spec, n_kept: int, head_dim: int, n_kv_heads: int = 1, n_tokens: int | None = None,
+               context_len: int = 0) -> tuple[CacheBytes, CacheBytes]:
+    """K and V bytes of one KV head's cache holding n_kept tokens once n_tokens (default n_kept) have arrived.
+
+    Integer groups (KIVI) or, where the spec asks for them, FP8 / FP4 formats, rotation and HF's residual flush
+    (n_kv_heads: the heads a per-tensor FP8 scale is shared by; context_len: where HF's flush starts).
+    """
+    if qformats.uses_formats(spec):
+        residual = qformats.spec_residual_for_memory(spec, n_kept, n_tokens or n_kept, context_len)
+        return tuple(qformats.tensor_bytes(spec, which, n_kept, head_dim, n_kv_heads, residual)
+                     for which in ("k", "v"))
+    return tuple(tensor_bytes(n_kept, head_dim, bits, axis, spec.group_size, spec.residual, spec.symmetric,
+                              spec.zero_point, spec.partial)
+                 for bits, axis in ((spec.key_bits, spec.key_axis), (spec.value_bits, spec.value_axis)))
+
+
+def head_bytes(spec: Spec, n_kept: int, head_dim: int, n_kv_heads: int = 1, n_tokens: int | None = None,
+               context_len: int = 0) -> float:
+    """Bytes of one KV head's K + V cache holding n_kept tokens under the spec's quantization."""
+    return sum(b.total for b in head_parts(spec, n_kept, head_dim, n_kv_heads, n_tokens, context_len))
+
+
+def page_meta_bytes(spec: Spec, n_tokens: int, head_dim: int) -> float:
+    """Quest's per-page min and max keys of one KV head, 16 bits each."""
+    return -(-n_tokens // spec.page_size) * 2 * head_dim * 2.0
+
+
+@lru_cache(maxsize=256)
+def _memory(n_layers: int, n_kv_heads: int, head_dim: int, spec: Spec, n_tokens: int,
+            context_len: int = 0, counts: tuple[tuple[int, ...], ...] | None = None) -> Memory:
+    from kvviz.policies.allocation import layer_spec
+
+    def per_head(k: int) -> float:
+        return head_bytes(spec, k, head_dim, n_kv_heads, n_tokens, context_len)
+
+    full = n_tokens * kv_bytes_per_token(n_layers, n_kv_heads, head_dim)
+    if counts is None:
+        budgets = [layer_spec(spec, layer, n_layers, context_len).budget for layer in range(n_layers)]
+        counts = tuple((min(b, n_tokens) if spec.evicts else n_tokens,) * n_kv_heads for b in budgets)
+    # every head's bytes from its own count (AdaKV's heads differ): the budget ledger's sum, exactly
+    kept_per_layer = tuple(round(sum(c) / len(c)) for c in counts)
+    mean_kept = round(sum(map(sum, counts)) / max(n_layers * n_kv_heads, 1))
+    if spec.evicts and get_policy(spec.scorer).kind == "read":   # Quest: stores all, reads the budget
+        meta = page_meta_bytes(spec, n_tokens, head_dim)
+        stored = per_head(n_tokens) + meta
+        read = sum(per_head(k) + meta for c in counts for k in c)
+        return Memory(kv_bytes=stored * n_layers * n_kv_heads, kv_bytes_full=full, kept_tokens=n_tokens,
+                      total_tokens=n_tokens, kv_bytes_read=read, kept_per_layer=(n_tokens,) * n_layers)
+    stored = sum(per_head(k) for c in counts for k in c)
+    return Memory(kv_bytes=stored, kv_bytes_full=full, kept_tokens=mean_kept, total_tokens=n_tokens,
+                  kept_per_layer=kept_per_layer)

@@ -1,0 +1,157 @@
+"""Record NVIDIA kvpress 0.5.5's kept sets on the bundled SmolLM2-135M: tests/data/kvpress_reference.json.
+
+Runs in its OWN venv, never kvviz's (kvpress 0.5.5 needs transformers < 5.3; kvviz runs a newer one):
+
+    python3 -m venv /work/kvpress-venv
+    /work/kvpress-venv/bin/pip install torch==2.13.0
+    /work/kvpress-venv/bin/pip install kvpress==0.5.5 'transformers<5.3'
+    /work/kvpress-venv/bin/python scripts/kvpress_reference.py            # writes tests/data/kvpress_reference.json
+
+The model: kvviz's converted copy of the bundled GGUF (a plain transformers folder, float32,
+~/.cache/kvviz/weights/<sha>-float32, written the first time kvviz loads the bundled model), or
+--model DIR. No hub, no network. The prompt: the first 261 tokens of kvviz/data/sample.txt.
+
+What is recorded is read from kvpress itself, not re-derived: each press's `compress` is wrapped,
+and the kept positions are the rows of the keys it returns found in the keys it was given (AdaKV,
+which masks instead of pruning: the complement of the `masked_key_indices` it sets). kvpress
+compresses a layer's cache after that layer's attention, so every layer's decision is made on
+the full prefill, as kvviz's trace of the same prompt has it. Only the kept sets are stored (per layer and KV head, a hex bit mask
+of the 261 positions).
+tests/test_kvpress_reference.py compares kvviz's kept sets with them, per layer and KV head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+N_TOKENS = 261
+RATIO = 0.5
+
+# name -> (press constructor, the kvviz settings that correspond, attention implementation)
+# (kvviz's budget is sink + recent + heavy = int(261 * 0.5) = 130 tokens, kvpress's n_kept)
+METHODS = {
+    "snapkv": ("SnapKVPress()", dict(sink=0, recent=64, heavy=66, scorer="snapkv")),
+    "tova": ("TOVAPress()", dict(sink=0, recent=1, heavy=129, scorer="tova")),
+    "streaming": ("StreamingLLMPress()", dict(sink=4, recent=126, heavy=0, scorer="streaming")),
+    "expected_attention": ("ExpectedAttentionPress()", dict(sink=0, recent=0, heavy=130, scorer="expected_attention")),
+    "keydiff": ("KeyDiffPress()", dict(sink=0, recent=0, heavy=130, scorer="keydiff")),
+    "knorm": ("KnormPress()", dict(sink=0, recent=0, heavy=130, scorer="knorm")),
+    "observed_attention": ("ObservedAttentionPress()",
+                           dict(sink=0, recent=0, heavy=130, scorer="h2o", h2o_normalized=True)),
+    "adakv_snapkv": ("AdaKVPress(SnapKVPress())",
+                     dict(sink=0, recent=64, heavy=66, scorer="snapkv", allocation="adakv")),
+    "adakv_expected_attention": ("AdaKVPress(ExpectedAttentionPress())",
+                                 dict(sink=0, recent=0, heavy=130, scorer="expected_attention", allocation="adakv")),
+    "pyramidkv": ("PyramidKVPress()", dict(sink=0, recent=64, heavy=66, scorer="snapkv", allocation="pyramid",
+                                          pyramid_beta=20.0)),
+    "chunkkv_snapkv": ("ChunkKVPress(SnapKVPress(), chunk_length=20)",
+                       dict(sink=0, recent=64, heavy=66, scorer="chunkkv", chunk_size=20, chunk_scorer="snapkv")),
+}
+
+
+def default_model_dir() -> str:
+    base = os.environ.get("KVVIZ_WEIGHTS_DIR") or os.path.expanduser("~/.cache/kvviz/weights")
+    found = sorted(glob.glob(os.path.join(base, "*-float32", "config.json")))
+    if not found:
+        raise SystemExit(f"no converted bundled model under {base}: load it once with kvviz "
+                         "(kvviz compare --model bundled ...) or pass --model DIR")
+    return str(Path(found[0]).parent)
+
+
+def make_press(name: str, ratio: float):
+    """The press of METHODS[name], at the compression ratio (kvpress's own defaults otherwise)."""
+    import kvpress as kp
+
+    build = {
+        "snapkv": kp.SnapKVPress, "tova": kp.TOVAPress, "streaming": kp.StreamingLLMPress,
+        "expected_attention": kp.ExpectedAttentionPress, "keydiff": kp.KeyDiffPress, "knorm": kp.KnormPress,
+        "observed_attention": kp.ObservedAttentionPress, "pyramidkv": kp.PyramidKVPress,
+        "adakv_snapkv": lambda: kp.AdaKVPress(kp.SnapKVPress()),
+        "adakv_expected_attention": lambda: kp.AdaKVPress(kp.ExpectedAttentionPress()),
+        "chunkkv_snapkv": lambda: kp.ChunkKVPress(kp.SnapKVPress(), chunk_length=20),
+    }
+    press = build[name]()
+    press.compression_ratio = ratio
+    return press
+
+
+def record(model, ids, name: str, ratio: float) -> list:
+    """Kept positions per layer and KV head, read from what kvpress's compress returns."""
+    import torch
+
+    press = make_press(name, ratio)
+    kept: dict[int, list] = {}
+    inner_compress = press.compress
+
+    def compress(module, hidden_states, keys, values, attentions, kwargs):
+        new_keys, new_values = inner_compress(module, hidden_states, keys, values, attentions, kwargs)
+        H, n = keys.shape[1], keys.shape[2]
+        masked = getattr(module, "masked_key_indices", None)
+        if masked is not None:                           # AdaKV: keeps the keys, masks the pruned ones
+            drop = torch.zeros(H, n, dtype=torch.bool)
+            drop[masked[1], masked[2]] = True
+            kept[module.layer_idx] = [torch.nonzero(~drop[h]).flatten().tolist() for h in range(H)]
+            module.masked_key_indices = None
+        else:
+            per_head = []
+            for h in range(H):
+                same = (new_keys[0, h][:, None, :] == keys[0, h][None, :, :]).all(dim=-1)   # (m, n)
+                assert bool((same.sum(dim=1) == 1).all()), "a kept key matches no single cached key"
+                per_head.append(sorted(same.float().argmax(dim=1).tolist()))
+            kept[module.layer_idx] = per_head
+        return new_keys, new_values
+
+    press.compress = compress
+    with torch.inference_mode(), press(model):
+        model(input_ids=torch.tensor([ids]), use_cache=True)
+    return [kept[layer] for layer in sorted(kept)]
+
+
+def to_hex(positions: list[int], n: int) -> str:
+    """A kept set as a hex bit mask, bit i (little-endian, int(h, 16) >> i & 1) = position i kept."""
+    return format(sum(1 << i for i in positions), "x").zfill(-(-n // 4))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="a transformers folder of the bundled model (default: kvviz's cache)")
+    ap.add_argument("--out", default=str(ROOT / "tests" / "data" / "kvpress_reference.json"))
+    args = ap.parse_args()
+
+    import kvpress
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    transformers.utils.logging.disable_progress_bar()
+    model_dir = args.model or default_model_dir()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text = (ROOT / "kvviz" / "data" / "sample.txt").read_text(encoding="utf-8")
+    ids = list(tok(text)["input_ids"])[:N_TOKENS]
+    models = {}
+    out = {"kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
+           "transformers": transformers.__version__, "torch": torch.__version__,
+           "model": "SmolLM2-135M-Instruct (bundled GGUF Q4_1, float32)", "prompt": "kvviz/data/sample.txt",
+           "token_ids": ids, "compression_ratio": RATIO, "methods": {}}
+    for name, (expr, settings) in METHODS.items():
+        impl = "eager" if name == "observed_attention" else "sdpa"    # ObservedAttention reads the weights
+        if impl not in models:
+            models[impl] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                                attn_implementation=impl).eval()
+        kept = record(models[impl], ids, name, RATIO)
+        out["methods"][name] = {"press": expr, "kvviz": settings, "kept": [[to_hex(h, len(ids)) for h in layer]
+                                                                        for layer in kept]}
+        sizes = sorted({len(h) for layer in kept for h in layer})
+        print(f"{name:26s} {expr:48s} layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}")
+    Path(args.out).write_text(json.dumps(out, separators=(",", ":")) + "\n", encoding="utf-8")
+    print(f"wrote {args.out} ({Path(args.out).stat().st_size / 1e3:.0f} kB)")
+
+
+if __name__ == "__main__":
+    main()
