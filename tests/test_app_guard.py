@@ -208,3 +208,15 @@ def test_server_options():
     o = guard.options(["--max-bytes", "3GB", "--workers", "4", "--other"])
     assert (o.max_bytes, o.workers) == ("3GB", 4)
     assert guard.options([]).max_bytes is None
+
+
+def test_background_work_waits_until_no_run_has_held_a_slot_for_the_quiet_time():
+    import time
+
+    p = guard.Pool(1)
+    p.acquire(object(), lambda: None)
+    assert p.wait_quiet(0.05, timeout=0.3) is False          # a run holds the slot the whole time
+    p.release()
+    released = time.monotonic()
+    assert p.wait_quiet(0.2, timeout=5.0) is True
+    assert time.monotonic() - released >= 0.2                # quiet for the whole `quiet`, counted from the release

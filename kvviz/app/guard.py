@@ -29,6 +29,7 @@ import gc
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TypeVar
@@ -81,6 +82,7 @@ class Pool:
         self._cond = threading.Condition()
         self._running = 0
         self._queue: list[object] = []
+        self._last_busy = time.monotonic()   # when a run last held or waited for a slot
 
     def ahead_of(self, ticket: object) -> int:
         """How many runs hold a slot or wait before this ticket."""
@@ -116,7 +118,23 @@ class Pool:
     def release(self) -> None:
         with self._cond:
             self._running -= 1
+            self._last_busy = time.monotonic()
             self._cond.notify_all()
+
+    def wait_quiet(self, quiet: float, timeout: float) -> bool:
+        """Block until no run has held or waited for a slot for `quiet` seconds (at most `timeout`):
+        background work that would slow a page being drawn starts after it. True if it got quiet."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                if self._running or self._queue:
+                    self._last_busy = now
+                elif now - self._last_busy >= quiet:
+                    return True
+                if now >= deadline:
+                    return False
+                self._cond.wait(min(POLL_SECONDS * 5, max(0.01, deadline - now)))
 
 
 # --- a script run ---------------------------------------------------------------------------------

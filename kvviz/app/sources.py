@@ -22,11 +22,14 @@ from pathlib import Path
 
 import streamlit as st
 
+from kvviz.app import guard
 from kvviz.app.compute import warm_up as compute_warm_up
 from kvviz.app.store import w_choice, w_number, w_slider
 from kvviz.models import BUNDLED, BUNDLED_NAME, ModelError, bundled_model_file
 from kvviz.sources.tracefile import FORMAT, VERSION, load_trace, save_trace, trace_from_bytes
 from kvviz.trace import Trace, TraceError
+
+QUIET_BEFORE_MODEL_S = 3.0   # the bundled model's warm-up waits for this long without a page run
 
 MAX_UPLOAD_MB = 500
 MAX_NEW_TOKENS_UI = 64
@@ -156,7 +159,8 @@ def warm_up(name: str = BUNDLED) -> dict | None:
     """Warm the quantization kernel and the first move's modules (kvviz.app.compute.warm_up), then load
     the bundled model in a background thread (once per server) and precompute the Model lab's default
     result if it is not on disk yet, so the first click in a class rarely waits. The model waits for
-    the kernel: on two cores its load would otherwise slow the first slider moves. Returns the load's
+    the kernel and then for QUIET_BEFORE_MODEL_S without a page run: on two cores its load would
+    otherwise slow the first paint and the first slider moves. Returns the load's
     status dict (f, msg, t0, done, error)."""
     kernel = compute_warm_up()
     if not warmup_enabled() or bundled_model_file() is None:
@@ -176,6 +180,9 @@ def warm_up(name: str = BUNDLED) -> dict | None:
         from kvviz.models import load_model
 
         kernel.wait()
+        # After the page that started it is drawn: the first paint measured 6-15 s instead of 2.6 s when
+        # torch's import and the weights competed with it for two cores (benchmarks/browser.py).
+        guard.pool().wait_quiet(QUIET_BEFORE_MODEL_S, timeout=60.0)
         try:
             loaded = load_model(name, progress=lambda f, m: status.update(f=f, msg=m))
             with store["lock"]:
