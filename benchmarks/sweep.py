@@ -26,14 +26,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine import CONTEXT, LAYER, STEPS, bare_attention, best_of   # noqa: E402  (benchmarks/engine.py)
+from engine import LAYER, bare_attention, benchmark_trace, best_of   # noqa: E402  (benchmarks/engine.py)
 
 try:                                         # the package layout in flux: kvviz.analysis.sweep, else kvviz.sweep
     from kvviz.analysis.sweep import sweep
 except ImportError:
     from kvviz.sweep import sweep
 from kvviz import View                       # noqa: E402
-from kvviz.sources.synthetic import SyntheticSpec, make_synthetic   # noqa: E402
 from kvviz.spec import SCORERS               # noqa: E402
 
 FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75)
@@ -65,8 +64,7 @@ def main() -> int:
     from threadpoolctl import threadpool_limits
     threadpool_limits(1, user_api="blas")
     print("BLAS: 1 thread for both the sweep and the bare attention work")
-    trace = make_synthetic(SyntheticSpec(context=CONTEXT, steps=STEPS, layers=4, q_heads=8, kv_heads=2,
-                                         head_dim=64))
+    trace = benchmark_trace()
     view = View(layer=LAYER, ensemble="heads", ensemble_size=8)
     n_configs = len(SCORERS) * len(FRACTIONS) * len(BITS)
     print(f"trace: {trace.describe()}")
