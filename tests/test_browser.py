@@ -38,11 +38,6 @@ def slider_thumb(page, label):
     return page.locator('[data-testid="stSlider"]').filter(has_text=label).get_by_role("slider")
 
 
-def settle(page):
-    """Wait until the app has finished its runs since the page opened."""
-    idle(page)
-
-
 def shot(page, name):
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
@@ -59,7 +54,7 @@ def test_explorer_slider_moves_metric(page, app_url):
     e(metric(page, "Attention mass retained")).to_have_text("62.9%")
     e(page.get_by_text("0-3, 15, 28, 56-63")).to_be_visible()
     e(page.locator(".js-plotly-plot:visible")).to_have_count(2)   # the expanders' charts stay folded
-    settle(page)
+    idle(page)
     shot(page, "explorer")
     if os.environ.get("KVVIZ_UPDATE_SCREENSHOT") == "1":
         page.screenshot(path=str(ROOT / "docs" / "explorer.png"), clip={"x": 0, "y": 0, "width": 1400, "height": 1720})
@@ -87,7 +82,7 @@ def test_shared_url_reproduces_state(page, app_url):
         e(metric(page, label)).to_have_text(expected[label])
     e(slider_thumb(page, "Sink tokens")).to_have_value("2")
     e(slider_thumb(page, "Recent window")).to_have_value("6")
-    settle(page)
+    idle(page)
     query = parse_qs(urlparse(page.url).query)
     assert {k: v[0] for k, v in query.items()} == dict(p.split("=") for p in params.split("&"))
     no_console_errors(page)
@@ -116,7 +111,7 @@ def test_every_page_loads(page, app_url, name, marker):
     if marker:  # the Model lab waits for a click before it loads a model
         e(page.locator(".js-plotly-plot").filter(has_text=marker).first).to_be_visible()
     e(page).to_have_url(re.compile(r"[?&]sink=3"))  # the settings travel with the page
-    settle(page)
+    idle(page)
     shot(page, name.lower())
     no_console_errors(page)
 
@@ -186,7 +181,7 @@ def test_address_bar_follows_a_single_interaction_on_every_page(page, app_url, n
         e(page.locator(".js-plotly-plot").first).to_contain_text(start)
     else:
         e(page.get_by_role("button", name="Run the model")).to_be_visible()
-    settle(page)
+    idle(page)
     assert address(page) == {}
     act(page)
     wait_for_address(page, expected)
@@ -552,7 +547,7 @@ def test_projector_1024x768_clips_nothing(page, app_url, name, marker):
     if name != "Explorer":
         page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=name).click()
     e(page.locator(".js-plotly-plot").filter(has_text=marker).first).to_be_visible()
-    settle(page)
+    idle(page)
     assert_nothing_clipped(page, name)
     if name == "Trade-offs":   # the plot keeps its width (it was ~200 px beside a scrolling legend)
         widths = [x["plotWidth"] for x in page.evaluate(LEGEND_JS)]
@@ -567,7 +562,7 @@ def test_presentation_mode_puts_the_lesson_above_the_fold(page, app_url):
     e = expect()
     chart = page.locator(".js-plotly-plot").filter(has_text="Per-token error").first
     e(chart).to_be_visible()
-    settle(page)
+    idle(page)
     box = chart.bounding_box()
     assert box["y"] < 768 - 150, f"the main chart starts at y = {box['y']:.0f}, below the fold"
     assert_nothing_clipped(page, "presentation mode")
@@ -583,7 +578,7 @@ def test_clicking_a_trade_off_point_opens_it_in_the_explorer(page, app_url):
     page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name="Trade-offs").click()
     plot = page.locator(".js-plotly-plot").filter(has_text="Error vs memory").first
     e(plot).to_be_visible()
-    settle(page)
+    idle(page)
     # the H2O trace's points (the first legend entry's line); click its smallest-budget point
     points = plot.locator(".scatterlayer .trace").nth(0).locator(".points path")
     e(points.first).to_be_visible()
@@ -614,7 +609,7 @@ def test_needle_page_opens_on_the_shipped_grid_and_a_click_opens_a_cell(page, ap
     e(plot).to_be_visible()
     if classic is not None:
         e(page.get_by_role("heading", name=re.compile(f"StreamingLLM · {classic[1]} tokens"))).to_be_visible()
-    settle(page)
+    idle(page)
     if os.environ.get("KVVIZ_UPDATE_SCREENSHOT") == "1":
         page.screenshot(path=str(ROOT / "docs" / "needle.png"), full_page=False)
     # the full cache's panel comes first: click its first square
@@ -673,7 +668,7 @@ def test_the_huge_link_gives_a_notice_on_every_page_and_the_server_stays_small(p
         e(notice).to_contain_text("Showing the default setting instead")
     if marker:
         e(metric(page, marker)).to_have_text(re.compile(r"/ 544$"))   # the default pattern, usable
-    settle(page)
+    idle(page)
     assert page.locator('[data-testid="stException"]').count() == 0
     assert server_rss_mb(server_pid(app_url)) < 2048
     # Streamlit's frontend, opened on a page's own path, first looks for the server under that path

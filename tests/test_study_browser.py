@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvviz.analysis.study import run_study
-from tests.test_browser import address, assert_nothing_clipped, expect, metric, no_console_errors, settle, shot
+from conftest import idle
+from tests.test_browser import address, assert_nothing_clipped, expect, metric, no_console_errors, shot
 
 pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ def test_a_study_is_drawn_unclipped_and_a_click_opens_its_cell_in_the_explorer(p
     plot = page.locator(".js-plotly-plot").filter(has_text="quarter-cache").first
     e(plot).to_be_visible()
     e(page.get_by_text("36 cells, 36 done, 0 to run")).to_be_visible()
-    settle(page)
+    idle(page)
     assert_nothing_clipped(page, "Studies")
     shot(page, "after-studies-1024x768")
     # the first line is H2O at 4 bits (series sorted by scorer, then bits); its first point is budget 0.1:
