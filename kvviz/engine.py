@@ -20,7 +20,7 @@ from kvviz.attention import chunk_rows, keep_heap, kv_runs, logit_rows, small_bl
 from kvviz.limits import Part, Work, checkpoint
 from kvviz.metrics import RowMetrics, Spread, divergences, row_metrics_batch, spread
 from kvviz.policies import ScoreContext, get_policy
-from kvviz.policies.base import group_union
+from kvviz.policies.base import cached_on_trace, group_union
 from kvviz.memory import Memory, budget_is_exact, memory_dict, memory_for
 from kvviz.quant import formats as qformats
 from kvviz.quant import quantize_kept
@@ -161,12 +161,14 @@ def noise_eps(trace: Trace, spec: Spec, layer: int, head: int, position: int) ->
 
 
 def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
-                  kept_kv: np.ndarray | None, cache: dict | None = None) -> list[RowResult]:
+                  kept_kv: np.ndarray | None, cache: dict | None = None,
+                  reads: np.ndarray | None = None) -> list[RowResult]:
     """Original vs compressed attention of one query for several query heads, batched.
 
     kept_kv (kv_heads, positions) is the policy's kept mask at this query (None for the
-    oracle, which ranks by this query's own attention, and without eviction). `cache`
-    shares the quantized kept keys / values between calls.
+    oracle and Quest, which decide from this query, and without eviction). `cache`
+    shares the quantized kept keys / values between calls. reads (q_heads, positions):
+    Quest's per-query-head reads where already decided (with kept_kv their union).
     """
     cache = {} if cache is None else cache
     heads = np.asarray(heads, dtype=int)
@@ -176,30 +178,39 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     kvh = heads // trace.group_size                                      # (H,)
     logits = logit_rows(trace, layer, heads, qi)                         # (H, n)
     original, log_original = softmax_and_log(logits)
-    if kept_kv is None and spec.evicts:                                  # the oracle ranks by this query
+    # reads: Quest per query head, each row reads its own tokens from the whole cache, (Hq, n)
+    if kept_kv is None and spec.evicts:                                  # the oracle / Quest decide at this query
         reads, kept_kv = _query_kept(trace, spec, layer, qi, heads, original)
-        if reads is not None:            # each query head reads its own tokens (Quest per head): row by row
-            out = []
-            for h in heads.tolist():
-                own = kept_kv.copy()
-                own[h // trace.group_size] = reads[h]
-                out += evaluate_rows(trace, spec, layer, [h], qi, own, cache)
-            return out
     if kept_kv is None:
         kept_kv = np.ones((trace.n_kv_heads, n), bool)
+    row_kept = kept_kv[kvh, :n] if reads is None else reads[heads]       # (H, n): what each row attends over
 
     # One cache per KV head: its rows share the kept tokens, the values and the quantized
     # K / V. Callers order heads by KV head, so each run of rows is one product.
     kv_list = kvh.tolist()
     runs = kv_runs(kv_list)
-    if len({int(kept_kv[g, :n].sum()) for g in set(kv_list)}) > 1:     # ragged caches (AdaKV): one head at a time
+    sizes = row_kept.sum(axis=1)
+    if (sizes != sizes[0]).any():                                        # ragged caches (AdaKV): one head at a time
+        if reads is not None:
+            return [row for h in heads.tolist()
+                    for row in evaluate_rows(trace, spec, layer, [h], qi, kept_kv, cache, reads)]
         return [row for _, rows in runs
                 for row in evaluate_rows(trace, spec, layer, heads[rows], qi, kept_kv, cache)]
-    kept_at = {g: np.flatnonzero(kept_kv[g, :n]) for g in set(kv_list)}  # kept positions
-    m = len(kept_at[kv_list[0]])                                         # the same for every KV head
-    at = np.array([kept_at[g] for g in kv_list])                         # (H, m)
+    m = int(sizes[0])                                                    # the same for every row
+    at = np.nonzero(row_kept)[1].reshape(H, m)                           # (H, m) kept positions, in order
     flat = (at + (np.arange(H) * n)[:, None]).ravel()                    # into the (H, n) rows
-    quantized = _quantized_kept(trace, spec, layer, p, kept_at, cache, kept_kv)   # per KV head
+    if reads is None:         # evict, then quantize what is kept: per KV head, over its compacted cache
+        kept_at = {g: at[rows.start] for g, rows in runs}
+        quantized = _quantized_kept(trace, spec, layer, p, kept_at, cache, kept_kv)
+    else:                     # Quest: the whole cache is stored (quantized as stored); each row reads from it
+        whole = _quantized_kept(trace, spec, layer, p, {g: np.arange(n) for g in set(kv_list)}, cache)
+
+    def kept_part(i: int, g: int, which: int) -> np.ndarray | None:
+        """Row i's (K_hat - K) (which 0) or V_hat (1) at its kept tokens, (m, D); None: not quantized."""
+        if reads is None:
+            return quantized[g][which]
+        part = whole[g][which]
+        return None if part is None else part[at[i]]
 
     kept_logits = logits.take(flat).reshape(H, m)                       # (H, m)
     if spec.quant_model == "noise":
@@ -208,8 +219,12 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     elif spec.quantizes_keys:
         # q . K_hat = q . K + q . (K_hat - K): exact logits wherever keys did not change
         q = trace.q[layer, heads, qi] / np.float32(np.sqrt(trace.head_dim))  # (H, D), the trace's dtype
-        for g, rows in runs:   # (K_hat - K).q^T: for a few query rows BLAS is ~2x faster this way round
-            kept_logits[rows] += (quantized[g][0] @ q[rows].T).T
+        if reads is None:
+            for g, rows in runs:   # (K_hat - K).q^T: for a few query rows BLAS is ~2x faster this way round
+                kept_logits[rows] += (quantized[g][0] @ q[rows].T).T
+        else:
+            for i, g in enumerate(kv_list):
+                kept_logits[i] += kept_part(i, g, 0) @ q[i]
     p_kept, logp_kept = softmax_and_log(kept_logits)                     # over the kept tokens only
     compressed = np.zeros_like(original)
     compressed.ravel()[flat] = p_kept.ravel()
@@ -226,45 +241,58 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
         out_hat = np.empty_like(out)
         for g, rows in runs:
             out[rows] = original[rows].astype(values.dtype) @ values[g, :n]              # o = a . V
-            if quantized[g][1] is not None:                                             # o_hat = a_hat . V_hat
-                out_hat[rows] = p_kept[rows].astype(values.dtype) @ quantized[g][1]
-            elif m == n:  # nothing evicted: the same arithmetic as `o`, so exactly zero error
-                out_hat[rows] = compressed[rows].astype(values.dtype) @ values[g, :n]
+            if m == n and kept_part(rows.start, g, 1) is None:  # nothing evicted or quantized: the same
+                out_hat[rows] = compressed[rows].astype(values.dtype) @ values[g, :n]   # arithmetic, zero error
+            elif reads is None:                                                         # o_hat = a_hat . V_hat
+                v_kept = quantized[g][1] if quantized[g][1] is not None else values[g, at[rows.start]]
+                out_hat[rows] = p_kept[rows].astype(values.dtype) @ v_kept
             else:
-                out_hat[rows] = p_kept[rows].astype(values.dtype) @ values[g, kept_at[g]]
+                for i in range(rows.start, rows.stop):
+                    v_kept = kept_part(i, g, 1)
+                    out_hat[i] = p_kept[i].astype(values.dtype) @ (values[g, at[i]] if v_kept is None else v_kept)
     tv_quant = None
     if spec.quantizes:   # what quantization adds: compressed vs eviction alone (a / mass on the kept tokens)
         tv_quant = 0.5 * np.abs(p_kept - original_kept / mass[:, None]).sum(axis=1)
     metrics = row_metrics_batch(error, mass, kl, kl_forward, js, out, out_hat, tv_quant)
-    reason = reasons_for(kept_kv[:, :n], spec)                           # (kv_heads, n)
+    reason = reasons_for(row_kept, spec)                                 # (H, n)
     return [RowResult(layer=layer, head=int(h), kv_head=g, query=qi, position=p,
-                      original=original[i], compressed=compressed[i], kept=kept_kv[g, :n], reason=reason[g],
+                      original=original[i], compressed=compressed[i], kept=row_kept[i], reason=reason[i],
                       error=error[i],
                       out_original=None if out is None else out[i],
                       out_compressed=None if out_hat is None else out_hat[i], metrics=metrics[i])
             for i, (h, g) in enumerate(zip(heads.tolist(), kv_list))]
 
 
-def _query_kept(trace: Trace, spec: Spec, layer: int, qi: int, heads: np.ndarray,
-                attention: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+def _query_kept(trace: Trace, spec: Spec, layer: int, qi: int, heads: np.ndarray | None = None,
+                attention: np.ndarray | None = None) -> tuple[np.ndarray | None, np.ndarray]:
     """A needs_query policy (the oracle, Quest) at query qi: (each query head's own read mask (q_heads, n)
-    or None, the kept (read) mask of every KV head (kv_heads, n)), from every query head's attention.
+    or None, the kept (read) mask of every KV head (kv_heads, n)).
 
-    `attention` (len(heads), n) holds the rows already computed; the other heads' rows
-    are computed here (the oracle of one KV head reads its whole group).
+    The oracle ranks by every query head's attention: `attention` (len(heads), n) holds the rows
+    already computed and the others are computed here. Quest reads only the query and the keys.
+    Decided once per (trace, layer, query, settings): the memory count and the rows reuse it.
     """
-    rows = np.empty((trace.n_q_heads, attention.shape[1]))
-    rows[heads] = attention
-    missing = np.setdiff1d(np.arange(trace.n_q_heads), heads)
-    if len(missing):
-        rows[missing] = softmax(logit_rows(trace, layer, missing, qi))
-    n = attention.shape[1]
     policy, ctx = get_policy(spec.scorer), ScoreContext(trace, layer, spec)
-    inputs = dict(query=trace.q[layer, :, qi], keys=trace.k[layer, :, :n])
-    reads = policy.query_reads(rows, ctx, **inputs)
-    if reads is not None:
-        return reads, group_union(reads, trace.n_kv_heads)
-    return None, policy.query_kept(rows, ctx, **inputs)
+    n = int(trace.query_positions[qi]) + 1
+
+    def decide():
+        rows = None
+        if policy.uses_attention:
+            rows = np.empty((trace.n_q_heads, n))
+            done = np.array([], dtype=int) if heads is None else np.asarray(heads)
+            if len(done):
+                rows[done] = attention
+            missing = np.setdiff1d(np.arange(trace.n_q_heads), done)
+            if len(missing):
+                rows[missing] = softmax(logit_rows(trace, layer, missing, qi))
+        inputs = dict(query=trace.q[layer, :, qi], keys=trace.k[layer, :, :n])
+        reads = policy.query_reads(rows, ctx, **inputs)
+        kept = policy.query_kept(rows, ctx, **inputs) if reads is None else group_union(reads, trace.n_kv_heads)
+        for shared in (reads, kept):             # cached: every caller reads the same arrays
+            if shared is not None:
+                shared.setflags(write=False)
+        return reads, kept
+    return cached_on_trace(trace, layer, f"query-kept/{spec.scorer}", (qi, spec.eviction_key), decide)
 
 
 def evaluate_row(trace: Trace, spec: Spec, layer: int, head: int, qi: int,
@@ -343,8 +371,7 @@ def kept_at_query(trace: Trace, spec: Spec, layer: int, qi: int) -> np.ndarray:
     if not spec.evicts:
         return np.ones((trace.n_kv_heads, p + 1), dtype=bool)
     if get_policy(spec.scorer).needs_query:
-        heads = np.arange(trace.n_q_heads)
-        return _query_kept(trace, spec, layer, qi, heads, softmax(logit_rows(trace, layer, heads, qi)))[1]
+        return _query_kept(trace, spec, layer, qi)[1]
     return keep_masks(trace, spec, layer, [p])[0, :, : p + 1]
 
 
@@ -352,8 +379,7 @@ def read_masks(trace: Trace, spec: Spec, layer: int, qi: int) -> np.ndarray:
     """(q_heads, p + 1) bool: what each query head attends over at query qi — its KV head's kept set, or,
     where query heads choose their own (Quest per query head), its own reads."""
     if spec.evicts and get_policy(spec.scorer).needs_query:
-        heads = np.arange(trace.n_q_heads)
-        reads, kept = _query_kept(trace, spec, layer, qi, heads, softmax(logit_rows(trace, layer, heads, qi)))
+        reads, kept = _query_kept(trace, spec, layer, qi)
         if reads is not None:
             return reads
     else:

@@ -207,6 +207,38 @@ def test_quest_reads_the_top_pages_by_the_bound_of_the_query():
     assert len(heavy_set(c.primary.kept, spec, n)) == 16
 
 
+@pytest.mark.parametrize("key_axis", ["channel", "token"])
+def test_quest_reads_its_pages_from_the_whole_cache_quantized_as_stored(key_axis):
+    """Quest stores the whole cache, so its quantization groups run over every stored token (not over
+    the pages a head happens to read, as an evicting policy's compacted cache would); each query head
+    then reads its own pages of that one quantized cache."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_quant import _reference as reference_quantize    # DESIGN section 4's formulas, a group at a time
+
+    trace = random_trace(8)
+    spec = Spec(sink=0, recent=4, heavy=16, scorer="quest", page_size=8, key_bits=3, value_bits=3,
+                key_axis=key_axis, value_axis="token", group_size=8, residual=0)
+    c = compare(trace, spec, View(layer=1, head=0, ensemble="heads", ensemble_size=4))
+    p = c.primary.position
+    n = p + 1
+    reads = [row.kept for row in c.members]
+    assert any((a != b).any() for a, b in zip(reads, reads[1:]))            # the heads read different pages
+    for row in c.members:
+        g = row.head // trace.group_size
+        k = trace.k[1, g, :n].astype(np.float64)
+        k_hat = reference_quantize(k, 3, key_axis, 8, 0, False)            # the stored cache, whole
+        v_hat = reference_quantize(trace.v[1, g, :n].astype(np.float64), 3, "token", 8, 0, False)
+        at = np.flatnonzero(row.kept)
+        logits = k_hat[at] @ trace.q[1, row.head, p].astype(np.float64) / np.sqrt(trace.head_dim)
+        a = np.exp(logits - logits.max())
+        a /= a.sum()
+        np.testing.assert_allclose(row.compressed[at], a, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(row.out_compressed, a @ v_hat[at], rtol=1e-5, atol=1e-6)
+        assert not row.compressed[~row.kept].any()
+
+
 def test_new_scorers_say_how_they_decide_paper_and_press():
     for name in ("expected_attention", "keydiff", "chunkkv", "quest"):
         p = POLICIES[name]

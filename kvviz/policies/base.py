@@ -109,6 +109,8 @@ class Policy:
     description: str = ""
     streaming: bool = False    # keeps deciding at every later step
     needs_query: bool = False  # sees the evaluated query (the oracle bound; Quest reads pages by it)
+    uses_attention: bool = True  # needs_query policies: ranks by the query's attention (the oracle), not
+                                 # by its vector and the keys alone (Quest)
     kind: str = "evict"        # "evict": the cache holds only what is kept (saves memory stored);
                                # "read": the cache stays whole, each query reads a part (saves memory read)
     paper: str = ""            # the published method

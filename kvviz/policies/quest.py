@@ -54,6 +54,7 @@ class Quest(Policy):
     paper = "Tang et al. 2024, Quest: query-aware sparsity for efficient long-context LLM inference"
     kvpress = "none (a sparse read, not an eviction; kvpress presses evict)"
     needs_query = True
+    uses_attention = False     # the page bounds read the query vector and the keys, not the attention
     kind = "read"
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
