@@ -6,7 +6,9 @@ For every evaluated (layer, query head, query) the engine computes
                         (K_hat: kept keys, quantized; or logits + sigma * eps)
     outputs     o = a . V,  o_hat = a_hat . V_hat               (where values exist)
 Eviction first decides what is kept (per KV head, at the time the policy would), then
-what is kept is quantized, as a real compressed cache would be.
+what is kept is quantized, as a real compressed cache would be. A policy that reads instead
+of evicting (Quest) stores the whole cache, quantized as stored, and each query head reads
+its own pages of it.
 """
 
 from __future__ import annotations
