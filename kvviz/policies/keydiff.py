@@ -21,12 +21,17 @@ class KeyDiff(Policy):
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         c = ctx.n_context
-        keys = ctx.trace.k[ctx.layer][:, :c].astype(np.float64)            # (kv_heads, c, d)
-        norms = np.maximum(np.sqrt(np.einsum("hcd,hcd->hc", keys, keys)), 1e-12)   # (kv_heads, c)
+        keys = ctx.trace.k[ctx.layer][:, :c]                               # (kv_heads, c, d), the trace's dtype
+        if keys.dtype not in (np.float32, np.float64):                     # float16 and friends: float32
+            keys = keys.astype(np.float32)
+        # In the keys' own precision, as kvpress computes it (float32 BLAS: a float64 copy of K cost
+        # 7x the time and moved no kept set in the kvpress reference test); the cosine in float64.
+        norms = np.maximum(np.sqrt(np.einsum("hcd,hcd->hc", keys, keys)), keys.dtype.type(1e-12))  # (kv_heads, c)
         # anchor = mean_i k_i / ||k_i||: a BLAS product (1/||k||)^T K a head, no normalised copy of K
-        anchor = np.matmul((1.0 / norms)[:, None, :], keys)[:, 0] / c        # (kv_heads, d)
+        anchor = np.matmul((1.0 / norms)[:, None, :], keys)[:, 0] / keys.dtype.type(c)   # (kv_heads, d)
         dots = np.matmul(keys, anchor[..., None])[..., 0]                   # k_i . a, one BLAS product a head
-        cos = dots / (norms * np.maximum(np.linalg.norm(anchor, axis=-1, keepdims=True), 1e-12))
+        anchor_norm = np.maximum(np.linalg.norm(anchor.astype(np.float64), axis=-1, keepdims=True), 1e-12)
+        cos = dots.astype(np.float64) / (norms * anchor_norm)
         scores = np.full((ctx.trace.n_kv_heads, ctx.n_positions), -np.inf)
         scores[:, :c] = -cos
         return scores
