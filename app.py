@@ -16,7 +16,7 @@ from kvviz.plots import figures
 
 from kvviz.app.cards import metric_cards, metrics_table
 from kvviz.app.compute import run_compare
-from kvviz.app.layout import PAGES, page_setup
+from kvviz.app.layout import PAGES, folded, page_setup
 from kvviz.app.lesson import lesson_export
 from kvviz.app.notes import budget_warnings, quant_model_note, quant_warning_box, scorer_note
 from kvviz.app.overview import has_text_tokens, head_overview, token_grid
@@ -130,9 +130,12 @@ def explorer() -> None:
     st.caption("For slides: every chart's toolbar (top right of the chart, on hover) has a camera button that "
                "saves it as an SVG image in your browser, offline.")
     lesson_export(source, spec, vs.view, vs.bars, stem)
-    with st.expander("All numbers"):
-        st.dataframe(metrics_table(comp), hide_index=True, key="metrics_table")
-        st.dataframe(per_token, hide_index=True, height=240)
+    # folded until opened: its tables would load the data grid's scripts (~1.2 MB) into the first paint
+    numbers = folded("All numbers", key="_numbers_open")
+    with numbers:
+        if numbers.open:
+            st.dataframe(metrics_table(comp), hide_index=True, key="metrics_table")
+            st.dataframe(per_token, hide_index=True, height=240)
     ui_ledger.ledger_expander(source, spec, vs.view.step)
 
 

@@ -30,7 +30,9 @@ def cards(at) -> dict:
 
 
 def numbers(at) -> dict:
-    """The 'All numbers' table: metric -> value exactly as computed."""
+    """The 'All numbers' table: metric -> value exactly as computed (its expander opened if folded)."""
+    if not at.dataframe:
+        unfold(at, "_numbers_open")
     df = at.dataframe[0].value
     return {k: float("inf") if v == "∞" else float(v) for k, v in zip(df["metric"], df["value"])}
 
@@ -485,6 +487,8 @@ def test_folded_sections_compute_nothing_until_opened_then_once(monkeypatch):
     at.slider(key="heavy").set_value(9).run()                  # a move with everything folded
     assert calls == {"ledger": 0, "rotation": 0, "overview": 0}
     assert not [c for c in at.get("plotly_chart") if "after the Hadamard rotation" in c.proto.spec]
+    assert not at.dataframe            # "All numbers" folded: no table (nor the data grid's scripts) on the page
+    assert len(unfold(at, "_numbers_open").dataframe) == 2
     for key, name in (("_ledger_open", "ledger"), ("_rotation_open", "rotation"), ("_overview_open", "overview")):
         unfold(at, key)
         assert calls[name] == 1, (name, calls)
