@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvviz import Spec, SpecError, View, compare, memory_for
 from kvviz.analysis.ledger import budget_ledger
-from kvviz.policies.allocation import adakv_heavy, pyramid_budgets
+from kvviz.policies.allocation import adakv_heavy, allocate, layer_spec, pyramid_budgets, pyramid_totals, select_heads
 
 from test_policies_new import random_trace
 
@@ -188,3 +188,137 @@ def test_quest_per_query_head_reads_its_own_pages_and_the_ledger_counts_the_unio
     assert result.memory.bytes_read == pytest.approx(ledger.totals["read_bytes"], rel=1e-12)
     per_kv = compare(trace, spec.with_(quest_heads="kv"), View(layer=1, ensemble="heads"))
     assert all(int(r.kept.sum()) == spec.budget for r in per_kv.members)
+
+
+# --- by hand and against plain references (mutation testing, issue #25) ---------------------------
+
+
+def test_pyramid_budgets_by_hand():
+    """One heavy hitter over 2 layers at beta 20: from 2 - 1/20 = 1.95 to 1/20 = 0.05, floors 1 and 0, the one
+    left to the larger fraction (layer 0): [2, 0]. Token counts, as integers."""
+    b = pyramid_budgets(1, 2, 20.0)
+    assert b.tolist() == [2, 0] and b.dtype == np.int64
+    assert pyramid_budgets(6, 3, 2.0).tolist() == [9, 6, 3]                    # 9 - l * 3, exact
+    assert pyramid_budgets(0, 3, 20.0).tolist() == [0, 0, 0] and pyramid_budgets(5, 1, 20.0).tolist() == [5]
+
+
+def test_pyramid_totals_by_hand_where_kvpress_does_not_clamp():
+    """kvpress PyramidKVPress.get_layer_budget with A = B + 1/2 (docs/kvpress.md), worked by hand:
+    - B 130, window 4, n 1000, beta 20: min 130.5 / 20 = 6.525, max 261 - 6.525 = 254.475 < 996: no clamp;
+    - window 0, n 200: max 254.475 >= 200 is clamped to 200 (= n, still allowed), min 261 - 200 = 61;
+    - beta 1: flat at round(A), Python's round to even: round(131.5) = 132, round(130.5) = 130;
+    - one layer: max itself; two: max and min."""
+    got = pyramid_totals(130, 4, 1000, 30, 20.0)
+    assert got.tolist() == [round(254.475 - layer * (254.475 - 6.525) / 29) for layer in range(30)]
+    assert got[0] == 254 and got[-1] == 7
+    assert pyramid_totals(130, 0, 200, 5, 20.0).tolist() == [200, 165, 130, 96, 61]   # step 34.75
+    assert pyramid_totals(131, 4, 1000, 4, 1.0).tolist() == [132] * 4
+    assert pyramid_totals(130, 4, 1000, 4, 1.0).tolist() == [130] * 4
+    assert pyramid_totals(130, 4, 1000, 1, 20.0).tolist() == [254]
+    assert pyramid_totals(130, 4, 1000, 2, 20.0).tolist() == [254, 7]
+
+
+def test_allocate_under_the_pyramid_keeps_each_layers_total_once():
+    """allocate (the query-time path: the oracle) under PyramidKV keeps the layer's total, and the spec
+    layer_spec hands a layer is that layer's uniform spec: allocating under it again (as the decode
+    cache does, its spec already the layer's) keeps the same total, not a pyramid of the pyramid.
+    kvpress schedule, B 10 (window 4), n 40, beta 2: max 21 - 5.25 = 15.75, min 5.25: 16, 10, 5;
+    kvviz's "heavy" schedule, 6 heavy hitters: 9, 6, 3 on top of the 4 window tokens."""
+    scores = np.random.default_rng(5).random((2, 40))
+    spec = Spec(sink=0, recent=4, heavy=6, scorer="oracle", allocation="pyramid", pyramid_beta=2.0)
+    for sched, totals in (("kvpress", [16, 10, 5]), ("heavy", [13, 10, 7])):
+        s = spec.with_(pyramid_schedule=sched)
+        for layer, total in enumerate(totals):
+            assert allocate(scores, s, layer, 3, 40).sum(axis=1).tolist() == [total, total], (sched, layer)
+            own = layer_spec(s, layer, 3, 40)
+            assert own.budget == total
+            assert allocate(scores, own, layer, 3, 40).sum(axis=1).tolist() == [total, total], (sched, layer)
+
+
+SCORES = np.array([[9, 8, 7, 6, 5, 4, 3, 2, 0.0],
+                   [1, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.0]])
+
+
+def test_adakv_safeguard_spent_on_the_window_leaves_no_heavy_hitter_guaranteed():
+    """alpha 0.2, budget 5: the safeguard is int(0.2 * 5) = 1 token a head, the window's; no heavy hitter is
+    guaranteed, and all 8 heavy slots go to head 0, whose every candidate outscores head 1's."""
+    spec = Spec(sink=0, recent=1, heavy=4, scorer="knorm", allocation="adakv", adakv_alpha=0.2)
+    assert adakv_heavy(SCORES, spec).tolist() == [8, 0]
+
+
+def test_allocate_under_adakv_keeps_the_ragged_sets():
+    """allocate routes AdaKV: alpha 0.5 gives head 0 seven heavy hitters (its tokens 0-6) and head 1 one (its
+    token 0), each with its window (token 8)."""
+    spec = Spec(sink=0, recent=1, heavy=4, scorer="knorm", allocation="adakv", adakv_alpha=0.5)
+    mask = allocate(SCORES, spec, 0, 1, 9)
+    assert [np.flatnonzero(m).tolist() for m in mask] == [[0, 1, 2, 3, 4, 5, 6, 8], [0, 8]]
+
+
+def test_adakv_nan_scores_rank_last():
+    """A NaN score is the worst candidate, below any negative score: head 0's three real candidates and
+    head 1's best take the 4 slots."""
+    scores = np.array([[-1, np.nan, -2, -3, 0], [-5, -6, -7, -8, 0]])
+    spec = Spec(sink=0, recent=1, heavy=2, scorer="knorm", allocation="adakv", adakv_alpha=0.0)
+    assert adakv_heavy(scores, spec).tolist() == [3, 1]
+
+
+def test_adakv_on_one_kv_head_is_the_uniform_budget():
+    """With one KV head the layer's budget is that head's: it keeps min(heavy, candidates) heavy hitters
+    whatever the safeguard (the safeguard's share and the rest add up), as int64 counts."""
+    scores = np.random.default_rng(2).random((1, 10))
+    for floor in ("all", "outside-window"):
+        for heavy in range(0, 9):
+            for alpha in np.linspace(0, 1, 11):
+                spec = Spec(sink=1, recent=2, heavy=heavy, scorer="knorm", allocation="adakv",
+                            adakv_alpha=float(alpha), adakv_floor=floor)
+                got = adakv_heavy(scores, spec)
+                assert got.tolist() == [min(heavy, 7)] and got.dtype == np.int64, (floor, heavy, alpha)
+
+
+def adakv_reference(scores, spec):
+    """AdaKV's heavy budgets written plainly from the rule (kvpress AdaKVPress; docs/kvpress.md): each head's
+    top `floor` candidates first, then the best H * (take - floor) of the rest; ties to the earlier
+    token, then the lower head."""
+    H, n = scores.shape
+    first, end = min(spec.sink, n), max(min(spec.sink, n), n - spec.recent)
+    take = min(spec.heavy, end - first)
+    if take <= 0:
+        return [0] * H
+    if spec.adakv_floor == "all":
+        floor = min(max(0, int(min(spec.budget, n) * spec.adakv_alpha) - (n - (end - first))), take)
+    else:
+        floor = min(int(spec.adakv_alpha * spec.heavy), take)
+    counts, pool = [floor] * H, []
+    for h in range(H):
+        ranked = sorted(range(first, end), key=lambda t: (-scores[h, t], t))
+        pool += [(-scores[h, t], t, h) for t in ranked[floor:]]
+    for _, _, h in sorted(pool)[:H * (take - floor)]:
+        counts[h] += 1
+    return counts
+
+
+def test_adakv_matches_the_plain_rule_with_many_ties():
+    """Scores of only three values over 40 candidates tie everywhere: which of a head's tied tokens the
+    safeguard takes decides which are left to compete across heads, where the earlier token wins."""
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        scores = rng.integers(0, 3, (3, 44)).astype(np.float64)
+        for floor, alpha in (("all", 0.5), ("all", 0.9), ("outside-window", 0.4)):
+            spec = Spec(sink=2, recent=2, heavy=int(rng.integers(5, 30)), scorer="knorm", allocation="adakv",
+                        adakv_alpha=alpha, adakv_floor=floor)
+            assert adakv_heavy(scores, spec).tolist() == adakv_reference(scores, spec), (seed, floor, alpha)
+
+
+def test_select_heads_with_a_budget_per_head():
+    """Each head keeps its sinks (token 0), window (tokens 8, 9) and its own number of top candidates, the
+    same when every head has the same number, whatever the spec's own heavy; the mask picks the tokens."""
+    scores = np.array([[0, 5, 1, 4, 2, 3, 9, 8, 0, 0], [0, 1, 2, 3, 4, 5, 6, 7, 0, 0.0]])
+    spec = Spec(sink=1, recent=2, heavy=5, scorer="knorm")
+    kept = lambda heavy: [np.flatnonzero(m).tolist() for m in select_heads(scores, spec, np.array(heavy))]  # noqa: E731
+    assert kept([2, 2]) == [[0, 6, 7, 8, 9], [0, 6, 7, 8, 9]]
+    assert kept([3, 1]) == [[0, 1, 6, 7, 8, 9], [0, 7, 8, 9]]
+    assert kept([5, 5]) == [[0, 1, 3, 5, 6, 7, 8, 9], [0, 3, 4, 5, 6, 7, 8, 9]]
+    one = select_heads(scores[:1], spec, np.array([1]))                         # a single KV head
+    assert scores[:1][one].tolist() == [0, 9, 0, 0]                             # a boolean mask: it indexes
+    mixed = select_heads(scores, spec, np.array([0, 4]))
+    assert scores[mixed].tolist() == [0, 0, 0, 0, 4, 5, 6, 7, 0, 0]

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvviz.attention import softmax
 from kvviz.engine import compare, memory_for
+from kvviz.quant.base import CacheBytes
 from kvviz.quant.formats import (flush_point, quantize_tensor, quantize_values, residual_at, tensor_bytes,
                                  uses_formats)
 from kvviz.quant.fp8 import fp8_quantize, fp8_scales
@@ -21,6 +22,8 @@ from kvviz.quant.nvfp4 import nvfp4_quantize, nvfp4_scales
 from kvviz.quant.rotation import hadamard, rotate, unrotate
 from kvviz.sources import SyntheticSpec, make_synthetic
 from kvviz.spec import Spec, SpecError, View
+
+from test_quant import _reference as reference_quantize   # DESIGN section 4's formulas, a group at a time
 
 FORMATS = [E4M3, E5M2, E2M1]
 
@@ -323,3 +326,202 @@ def test_rotation_figure_and_effect():
     before, after = fig.data
     assert before.z.shape == (64, len(k) - 10) and before.x[0] == 10
     assert np.allclose(after.z, rotate(k[10:]).T) and before.zmin == -before.zmax == after.zmin
+
+
+# --- the quantizer a spec routes to, checked against the formulas (mutation testing, issue #25) ----
+
+
+def _reference_tensor(x, spec, which, residual, rotated):
+    """K_hat (or V_hat) of x (U, T, D) from DESIGN section 4 alone: per head, the plain-loop integer
+    quantizer of the first T - residual tokens, in the Hadamard basis when `rotated`."""
+    bits = spec.key_bits if which == "k" else spec.value_bits
+    axis = spec.key_axis if which == "k" else spec.value_axis
+    x = x.astype(np.float64)
+    y = rotate(x) if rotated else x
+    q = np.stack([reference_quantize(h, bits, axis, spec.group_size, residual, spec.symmetric, spec.zero_point,
+                                     spec.partial) for h in y])
+    if rotated:                   # only the quantized tokens were rotated; the residual ones are x itself
+        n = max(0, x.shape[1] - residual)
+        q[:, :n] = unrotate(q[:, :n])
+        q[:, n:] = x[:, n:]
+    return q
+
+
+@pytest.mark.parametrize("rotate_", ["none", "keys", "keys-values"])
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_integer_tensor_is_the_design_formulas_with_every_setting(rotate_, which):
+    """quantize_tensor on the integer format equals the plain-loop quantizer of DESIGN section 4 for every
+    setting the spec carries (bits, axis, group, symmetric, integer zero point, partial groups), for
+    any residual (none, all but one token, all of them, more than there are), keys rotated under
+    rotate 'keys' / 'keys-values' and values only under 'keys-values'."""
+    rng = np.random.default_rng(25)
+    x = rng.standard_normal((2, 13, 12))
+    x[..., 3] += 6.0                                                          # an outlier channel
+    rotated = rotate_ == "keys-values" or (which == "k" and rotate_ == "keys")
+    settings_ = [dict(bits=3, axis="channel", group_size=4),                  # 13 tokens: a partial group kept
+                 dict(bits=2, axis="token", group_size=5),                    # 12 channels: 5 + 5 + 2 left
+                 dict(bits=4, axis="channel", group_size=4, partial="quantize"),
+                 dict(bits=2, axis="token", group_size=5, partial="quantize"),
+                 dict(bits=3, axis="token", group_size=6, symmetric=True),
+                 dict(bits=2, axis="channel", group_size=3, zero_point="int")]
+    for s in settings_:
+        bits, axis, rest = s.pop("bits"), s.pop("axis"), s
+        spec = Spec(**{f"{'key' if which == 'k' else 'value'}_bits": bits,
+                       f"{'key' if which == 'k' else 'value'}_axis": axis}, rotate=rotate_, **rest)
+        for residual in (0, 2, 12, 13, 20):
+            got = quantize_tensor(x, spec, which, residual)
+            want = _reference_tensor(x, spec, which, residual, rotated)
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-12, err_msg=f"{s} {bits} {axis} r={residual}")
+            assert np.array_equal(got[:, 13 - min(residual, 13):], x[:, 13 - min(residual, 13):])  # residual exact
+            if residual == 0:
+                assert not np.array_equal(got[:, 0], x[:, 0])                 # the first token is quantized
+
+
+def test_a_tensor_at_full_precision_comes_back_as_it_is():
+    """16-bit integer keys / values are not quantized, rotation on or off: x itself, not a rotated and
+    rotated-back copy (which is x only up to rounding)."""
+    x = np.random.default_rng(1).standard_normal((2, 9, 64)).astype(np.float32)
+    for which in ("k", "v"):
+        for rot in ("none", "keys", "keys-values"):
+            out = quantize_tensor(x, Spec(rotate=rot, residual=0), which, 0)
+            assert np.array_equal(out, x), (which, rot)
+    assert not np.array_equal(unrotate(rotate(x)), x)                         # the round trip is not exact
+
+
+def test_fp8_scale_per_token_reaches_the_quantizer():
+    """fp8_scale 'token' gives each token its own FP32 scale: tokens of magnitudes 1 down to 1e-6 in one
+    head all keep E4M3's relative error of at most 2^-4 (half an ulp of 3 mantissa bits, normal
+    values); one scale for the head pushes the small tokens into the subnormals (larger error)."""
+    rng = np.random.default_rng(4)
+    x = rng.uniform(1, 2, (1, 7, 16)) * (10.0 ** -np.arange(7))[None, :, None]
+    x *= np.where(np.arange(16) % 2, -1, 1)
+
+    def rel(scale):
+        return np.abs(quantize_tensor(x, Spec(key_format="e4m3", fp8_scale=scale), "k", 0) - x) / np.abs(x)
+
+    assert rel("token").max() <= 2.0 ** -4 + 1e-12
+    assert rel("head").max() > 2.0 ** -4
+
+
+def test_unknown_format_names_the_choices():
+    with pytest.raises(ValueError, match=r"^unknown format 'fp6'; choose one of int, e4m3, e5m2, nvfp4, mxfp4$"):
+        quantize_values(np.zeros((1, 2, 16)), "fp6")
+
+
+def test_integer_bytes_through_the_formats_path():
+    """The integer format's bytes when the spec goes through the formats path (rotation on), by hand from
+    DESIGN section 4: b*G bits a group plus a 16-bit scale and a 16-bit float offset (a b-bit integer
+    zero point, nothing when symmetric); 100 tokens of 64 channels, 10 residual at 16 bits."""
+    n, d = 100, 64
+
+    def b(which="k", **kw):
+        return tensor_bytes(Spec(rotate="keys-values", **kw), which, n, d, kv_heads=3, residual=10)
+
+    # per channel, groups of 32 tokens: 90 quantized tokens = 2 whole groups (64 tokens) + 26 kept at 16 bits
+    got = b(key_bits=2, key_axis="channel", group_size=32)
+    assert got == CacheBytes(payload=64 * 64 * 2 / 8, overhead=2 * 64 * 4, residual=10 * 64 * 2,
+                             partial=26 * 64 * 2)
+    got = b(key_bits=2, key_axis="channel", group_size=32, partial="quantize")     # 3 groups, the last of 26
+    assert got == CacheBytes(payload=90 * 64 * 2 / 8, overhead=3 * 64 * 4, residual=10 * 64 * 2)
+    assert b(key_bits=2, key_axis="channel", group_size=32, symmetric=True).overhead == 2 * 64 * 2
+    assert b(key_bits=2, key_axis="channel", group_size=32, zero_point="int").overhead == 2 * 64 * (16 + 2) / 8
+    # per token, groups of 16 channels: 4 groups a token
+    assert b(key_bits=4, key_axis="token", group_size=16) == CacheBytes(payload=90 * 64 * 4 / 8,
+                                                                         overhead=90 * 4 * 4, residual=10 * 64 * 2)
+    assert b("v", value_bits=3, value_axis="token", group_size=64) == CacheBytes(
+        payload=90 * 64 * 3 / 8, overhead=90 * 4, residual=10 * 64 * 2)
+
+
+def test_fp8_bytes_for_both_fp8_formats_and_an_all_residual_cache():
+    """E4M3 and E5M2 both store a byte a value and one FP32 scale a head; a cache shorter than the
+    residual window is all at 16 bits, with no payload and no scale."""
+    for fmt in ("e4m3", "e5m2"):
+        assert tensor_bytes(Spec(key_format=fmt), "k", 100, 64, 3, residual=10) == CacheBytes(
+            payload=90 * 64, overhead=4, residual=10 * 64 * 2)
+        assert tensor_bytes(Spec(key_format=fmt), "k", 5, 64, 3, residual=8) == CacheBytes(
+            payload=0, overhead=0, residual=5 * 64 * 2)
+
+
+def test_hf_flush_window_of_one_and_kivi_against_hf():
+    """residual 1 (or 0, read as 1) under 'hf': every token is flushed as it arrives, so at every decode step
+    only the newest is exact; 'kivi' keeps its last `residual` where HF's window would hold fewer; with
+    heads holding different tokens, the fewest exact over the heads."""
+    c = 20
+    for r in (0, 1):
+        s = Spec(key_bits=4, residual=r, residual_mode="hf")
+        assert [residual_at(s, np.arange(c + j + 1), c + j, c) for j in range(6)] == [1] * 6
+    kivi = Spec(key_bits=4, residual=5)
+    assert residual_at(kivi, np.arange(48), 47, c) == 5              # hf's window at p 47 would hold 3 (45..47)
+    assert residual_at(kivi.with_(residual_mode="hf"), np.arange(48), 47, c) == 3
+    hf = Spec(key_bits=4, residual=8, residual_mode="hf")             # p 30: the window starts at 28
+    kept = np.array([[0, 5, 27, 28, 29, 30], [1, 2, 3, 4, 29, 30]])
+    assert residual_at(hf, kept, 30, c) == 2                           # head 0 has 3 exact, head 1 has 2
+
+
+def test_residual_for_memory_in_both_modes():
+    """The full-precision tokens the memory counts when n tokens have arrived (prompt of 20):
+    kivi the last `residual` of the kept; hf the flush window, (n - 21) mod 8 + 1 after the prompt
+    and none inside it."""
+    from kvviz.quant.formats import spec_residual_for_memory
+    c = 20
+    kivi = Spec(key_format="e4m3", residual=8)
+    assert [spec_residual_for_memory(kivi, kept, 40, c) for kept in (30, 5)] == [8, 5]
+    hf = kivi.with_(residual_mode="hf")
+    got = [spec_residual_for_memory(hf, 100, n, c) for n in range(5, 45)]
+    assert got == [0 if n <= c else (n - c - 1) % 8 + 1 for n in range(5, 45)]
+    assert spec_residual_for_memory(hf, 3, 27, c) == 3                        # never more than is kept
+
+
+def test_hf_quantized_cache_preset_is_transformers_defaults():
+    """transformers' QuantizedCache defaults (nbits 4, q_group_size 64, residual_length 128, axis 0:
+    per-token groups, keys and values alike, every group quantized): a 64-channel token is one group,
+    4 * 64 bits + a 16-bit scale + a 16-bit offset = 36 bytes; a 96-channel token is two groups (the
+    second of 32 channels, quantized too): 48 + 8 bytes."""
+    from kvviz.quant.formats import hf_quantized_cache
+    s = hf_quantized_cache()
+    assert (s.key_bits, s.value_bits, s.key_axis, s.value_axis, s.group_size, s.residual, s.residual_mode) == (
+        4, 4, "token", "token", 64, 128, "hf")
+    for which in ("k", "v"):
+        assert tensor_bytes(s, which, 200, 64, 3, residual=0) == CacheBytes(payload=200 * 32, overhead=200 * 4,
+                                                                             residual=0)
+        assert tensor_bytes(s, which, 10, 96, 3, residual=0) == CacheBytes(payload=10 * 48, overhead=10 * 8,
+                                                                            residual=0)
+    two = hf_quantized_cache(2, residual_length=16, sink=4)
+    assert (two.key_bits, two.value_bits, two.residual, two.sink) == (2, 2, 16, 4)
+    with pytest.raises(ValueError, match=r"^QuantizedCache's quanto backend takes nbits 2 or 4, got 3$"):
+        hf_quantized_cache(3)
+
+
+def test_rotation_effect_values_from_the_formulas():
+    """rotation_effect by hand: the largest channel's max |k| over the median channel's, before and after
+    the Hadamard rotation, and ||K_hat - K|| / ||K|| of 2-bit per-token keys in groups of 32 channels
+    (DESIGN section 4's quantizer), quantized as they are or rotated first. Keys stored as float32 and
+    small (norm < 1) give the float64 figures of the same keys."""
+    from kvviz.quant.formats import rotation_effect
+    t = make_synthetic(SyntheticSpec(context=48, steps=2, layers=1, q_heads=2, kv_heads=1, head_dim=64))
+    k = t.k[0, 0] * np.float32(1e-3)                                      # float32, ||k|| < 1
+    k64 = k.astype(np.float64)
+    assert np.linalg.norm(k64) < 1 and np.median(np.abs(k64).max(axis=0)) < 1
+
+    def peak(x):
+        amax = np.abs(x).max(axis=0)
+        return amax.max() / np.median(amax)
+
+    plain = reference_quantize(k64, 2, "token", 32, 0, False)
+    rotated = unrotate(reference_quantize(rotate(k64), 2, "token", 32, 0, False))
+    want = {"peak_before": peak(k64), "peak_after": peak(rotate(k64)),
+            "error_before": np.linalg.norm(plain - k64) / np.linalg.norm(k64),
+            "error_after": np.linalg.norm(rotated - k64) / np.linalg.norm(k64)}
+    got = rotation_effect(k)
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, rel=1e-12, abs=0), name
+    assert 0 < got["error_after"] < got["error_before"]
+    # 3 bits, groups of 16: other settings, other figures
+    got3 = rotation_effect(k, bits=3, group=16)
+    plain3 = reference_quantize(k64, 3, "token", 16, 0, False)
+    assert got3["error_before"] == pytest.approx(np.linalg.norm(plain3 - k64) / np.linalg.norm(k64), rel=1e-12)
+    # a 48-channel head: the last 16-channel group of a 32-channel grouping is quantized too (partial)
+    k48 = k64[:, :48]
+    part = reference_quantize(k48, 2, "token", 32, 0, False, partial="quantize")
+    assert rotation_effect(k48)["error_before"] == pytest.approx(
+        np.linalg.norm(part - k48) / np.linalg.norm(k48), rel=1e-12)
