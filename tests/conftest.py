@@ -159,14 +159,21 @@ def browser(chromium_path):
 #   what the address bar held when the page first showed a new view.
 PAGE_PROBE_JS = """
 window.__kvviz = {runs: 0, state: null, changed: performance.now(), samples: []};
-new MutationObserver(() => {
-  const app = document.querySelector('[data-testid="stApp"]');
-  const s = app ? app.getAttribute('data-test-script-state') : null;
+// Every state the app passed through, in order: a record's oldValue is the state before it, so a run
+// that started and ended within one batch of mutations (a busy page delivers them together) still counts.
+const enter = (s) => {
   if (s === window.__kvviz.state) return;
   if (s !== null && s !== 'notRunning' && s !== 'initial') window.__kvviz.runs++;
   window.__kvviz.state = s;
   window.__kvviz.changed = performance.now();
-}).observe(document, {subtree: true, childList: true, attributes: true, attributeFilter: ['data-test-script-state']});
+};
+new MutationObserver((records) => {
+  const app = document.querySelector('[data-testid="stApp"]');
+  const states = records.filter(r => r.type === 'attributes' && r.target === app).map(r => r.oldValue);
+  for (const s of states.slice(1)) enter(s);
+  enter(app ? app.getAttribute('data-test-script-state') : null);
+}).observe(document, {subtree: true, childList: true, attributes: true, attributeOldValue: true,
+                      attributeFilter: ['data-test-script-state']});
 
 const txt = (e) => e ? e.textContent.trim() : null;
 const outside = (e) => !e.closest('[data-testid="stExpander"]');
