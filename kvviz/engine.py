@@ -185,13 +185,18 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
         reads, kept_kv = _query_kept(trace, spec, layer, qi, heads, original)
     if kept_kv is None:
         kept_kv = np.ones((trace.n_kv_heads, n), bool)
-    row_kept = kept_kv[kvh, :n] if reads is None else reads[heads]       # (H, n): what each row attends over
 
     # One cache per KV head: its rows share the kept tokens, the values and the quantized
     # K / V. Callers order heads by KV head, so each run of rows is one product.
     kv_list = kvh.tolist()
     runs = kv_runs(kv_list)
-    sizes = row_kept.sum(axis=1)
+    # what each row attends over: its KV head's kept tokens (decided once per KV head), or its own reads
+    if reads is None:
+        kept_at = {g: np.flatnonzero(kept_kv[g, :n]) for g in set(kv_list)}
+        rows_at = [kept_at[g] for g in kv_list]
+    else:
+        rows_at = [np.flatnonzero(reads[h, :n]) for h in heads.tolist()]
+    sizes = np.array([len(a) for a in rows_at])
     if (sizes != sizes[0]).any():                                        # ragged caches (AdaKV): one head at a time
         if reads is not None:
             return [row for h in heads.tolist()
@@ -199,10 +204,9 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
         return [row for _, rows in runs
                 for row in evaluate_rows(trace, spec, layer, heads[rows], qi, kept_kv, cache)]
     m = int(sizes[0])                                                    # the same for every row
-    at = np.nonzero(row_kept)[1].reshape(H, m)                           # (H, m) kept positions, in order
+    at = np.array(rows_at).reshape(H, m)                                 # (H, m) kept positions, in order
     flat = (at + (np.arange(H) * n)[:, None]).ravel()                    # into the (H, n) rows
     if reads is None:         # evict, then quantize what is kept: per KV head, over its compacted cache
-        kept_at = {g: at[rows.start] for g, rows in runs}
         quantized = _quantized_kept(trace, spec, layer, p, kept_at, cache, kept_kv)
     else:                     # Quest: the whole cache is stored (quantized as stored); each row reads from it
         whole = _quantized_kept(trace, spec, layer, p, {g: np.arange(n) for g in set(kv_list)}, cache)
@@ -256,13 +260,18 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     if spec.quantizes:   # what quantization adds: compressed vs eviction alone (a / mass on the kept tokens)
         tv_quant = 0.5 * np.abs(p_kept - original_kept / mass[:, None]).sum(axis=1)
     metrics = row_metrics_batch(error, mass, kl, kl_forward, js, out, out_hat, tv_quant)
-    reason = reasons_for(row_kept, spec)                                 # (H, n)
+    if reads is None:                                                    # per KV head, shared by its rows
+        row_kept, reason = kept_kv[:, :n], reasons_for(kept_kv[:, :n], spec)
+        row_of = kv_list
+    else:
+        row_kept = reads[heads, :n]
+        reason, row_of = reasons_for(row_kept, spec), range(H)
     return [RowResult(layer=layer, head=int(h), kv_head=g, query=qi, position=p,
-                      original=original[i], compressed=compressed[i], kept=row_kept[i], reason=reason[i],
+                      original=original[i], compressed=compressed[i], kept=row_kept[r], reason=reason[r],
                       error=error[i],
                       out_original=None if out is None else out[i],
                       out_compressed=None if out_hat is None else out_hat[i], metrics=metrics[i])
-            for i, (h, g) in enumerate(zip(heads.tolist(), kv_list))]
+            for i, (h, g, r) in enumerate(zip(heads.tolist(), kv_list, row_of))]
 
 
 def _query_kept(trace: Trace, spec: Spec, layer: int, qi: int, heads: np.ndarray | None = None,
