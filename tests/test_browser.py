@@ -557,24 +557,6 @@ def test_projector_1024x768_clips_nothing(page, app_url, name, marker):
     no_console_errors(page)
 
 
-def test_the_chart_code_is_asked_for_with_the_first_element_and_takes_no_space(page, app_url):
-    """Every page starts loading Streamlit's plotly code with its first element (kvviz.app.layout.
-    chart_script_preload), so the update that brings the metric cards does not wait for it. The Model lab
-    shows no chart before a run: there the code is requested by the preload alone. Its element is hidden:
-    the title sits where it sits without it."""
-    page.set_viewport_size({"width": 1024, "height": 768})
-    page.goto(f"{app_url}/model-lab")
-    idle(page)
-    expect()(page.get_by_role("button", name=re.compile(r"^(Run the model|Run again \(live\))$"))).to_be_visible()
-    assert page.locator(".js-plotly-plot").count() == 0
-    page.wait_for_function("performance.getEntriesByType('resource').some(e => e.name.includes('/PlotlyChart.'))")
-    box = page.locator('[data-testid="stElementContainer"]:has(.kvviz-preload)')
-    assert box.count() == 1 and not box.is_visible()
-    gaps = page.evaluate("""() => { const h1 = document.querySelector('h1'), main = document.querySelector(
-        '[data-testid="stMainBlockContainer"]'); return h1.getBoundingClientRect().top - main.getBoundingClientRect().top; }""")
-    assert gaps <= 2.5 * 16 + 1          # the container's top padding (2.5 rem, LAYOUT_CSS) and no element gap
-
-
 def test_presentation_mode_puts_the_lesson_above_the_fold(page, app_url):
     page.set_viewport_size({"width": 1024, "height": 768})
     page.goto(f"{app_url}/?present=1&bits=3&partial=quantize")

@@ -3,10 +3,6 @@ the folded (lazy) expander the pages' extra sections use."""
 
 from __future__ import annotations
 
-import os
-from functools import lru_cache
-from pathlib import Path
-
 import streamlit as st
 
 from kvviz.app import guard
@@ -14,25 +10,6 @@ from kvviz.app.sources import warm_up
 from kvviz.app.store import w_check
 
 PAGES: dict = {}   # app.py registers its st.Page objects here, so a page can switch to another
-
-@lru_cache(maxsize=1)
-def chart_script_preload() -> str:
-    """A script that starts loading Streamlit's plotly chunk (4.6 MB of JavaScript; evaluating it takes ~0.8 s
-    of the browser's main thread on two cores) with the page's first element, while the server still
-    computes. Without it the browser asks for the chunk only when the first chart arrives, and the whole
-    update that carries the chart - sliders and metric cards too - is shown only once the chunk has run.
-    Streamlit has no option to preload a component's code, so this imports the file its chart element
-    imports (the same URL: one module, loaded once). Empty if the installed Streamlit names it differently,
-    or with KVVIZ_PRELOAD=0 (benchmarks/first_paint.py measures the page both ways)."""
-    if os.environ.get("KVVIZ_PRELOAD", "1") == "0":
-        return ""
-    chunk = next((Path(st.__file__).parent / "static" / "static" / "js").glob("PlotlyChart.*.js"), None)
-    if chunk is None:
-        return ""
-    return ('<div class="kvviz-preload"></div>'      # LAYOUT_CSS hides its element: no gap in the layout
-            "<script>(() => { const main = document.querySelector('script[src*=\"static/js/index.\"]');"
-            f" if (main) import(new URL('{chunk.name}', main.src).href).catch(() => {{}}); }})();</script>")
-
 
 PRESENT_CSS = """
 <style>
@@ -51,7 +28,6 @@ LAYOUT_CSS = """
   [data-testid="stMetricValue"] { font-size: 1.7rem; }
   [data-testid="stMetricValue"] > div { white-space: normal !important; overflow: visible !important;
       text-overflow: clip !important; }
-  [data-testid="stElementContainer"]:has(.kvviz-preload) { display: none; }
 </style>
 """
 
@@ -74,9 +50,6 @@ def page_setup(title: str, intro: str) -> bool:
                            help="For a projector: larger text, the main chart first, the extras (tables, downloads, "
                                 "explanations) folded away. Kept in the link."))
     st.html(LAYOUT_CSS + (PRESENT_CSS if present else ""))
-    preload = chart_script_preload()
-    if preload:
-        st.html(preload, unsafe_allow_javascript=True)
     if present:
         st.subheader(title)
     else:
