@@ -171,3 +171,39 @@ def test_quantized_decode_reads_the_formulas_of_the_kept_tokens(tiny, monkeypatc
                 np.testing.assert_allclose(got[kv], want, rtol=0, atol=1e-6)
                 quantized += int(np.any(want != x))
     assert quantized > len(read)          # most steps' caches were really quantized
+
+
+def test_quest_decode_reads_its_pages_of_the_whole_cache_quantized_as_stored(tiny, monkeypatch):
+    """Quest stores the whole cache: at every step each query head's output is the softmax over its own
+    read pages of q . K_hat, times V_hat, where K_hat, V_hat are DESIGN's formulas (test_quant's plain
+    loop) applied to every stored token - the same numbers the engine gives a trace
+    (test_policies_new.test_quest_reads_its_pages_from_the_whole_cache_quantized_as_stored)."""
+    spec = Spec(sink=2, recent=4, heavy=8, scorer="quest", page_size=4, key_bits=3, value_bits=3,
+                key_axis="channel", value_axis="token", group_size=4, residual=0)
+    seen = []
+    original = CompressedCache._attend_reads
+
+    def recording(self, layer, q, reads, scaling):
+        out = original(self, layer, q, reads, scaling)
+        p = reads.shape[1] - 1
+        seen.append((q[:, 0].numpy().copy(), reads.copy(), self.k[layer, :, : p + 1].numpy().copy(),
+                     self.v[layer, :, : p + 1].numpy().copy(), float(scaling), out[:, 0].numpy().copy(),
+                     self.group))
+        return out
+
+    monkeypatch.setattr(CompressedCache, "_attend_reads", recording)
+    model, ids = tiny
+    decode(model, ids[:20], spec, 12, feed=ids[20:32])
+    assert len(seen) == 2 * 12
+    differ = 0
+    for q, reads, k, v, scaling, out, group in seen:
+        for j in range(len(q)):
+            h = j // group
+            k_hat = reference_quantize(k[h].astype(np.float64), 3, "channel", 4, 0, False)
+            v_hat = reference_quantize(v[h].astype(np.float64), 3, "token", 4, 0, False)
+            at = np.flatnonzero(reads[j])
+            a = _softmax(k_hat[at] @ q[j].astype(np.float64) * scaling)
+            np.testing.assert_allclose(out[j], a @ v_hat[at], rtol=1e-4, atol=1e-5)
+            compacted = reference_quantize(k[h, at].astype(np.float64), 3, "channel", 4, 0, False)
+            differ += int(not np.allclose(compacted, k_hat[at], atol=1e-6))
+    assert differ > 0      # the reads are not whole groups: quantizing them compacted would differ

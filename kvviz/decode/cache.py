@@ -293,15 +293,19 @@ class CompressedCache:
         return out.reshape(self.Hq, 1, self.D)
 
     def _attend_reads(self, layer: int, q, reads: np.ndarray, scaling: float):
-        """Each query head attends over its own reads (Hq, p + 1) (Quest per query head): its read tokens,
-        quantized as the engine quantizes a read set (compacted; integer formats)."""
+        """Each query head attends over its own reads (Hq, p + 1) (Quest per query head): its read tokens of
+        the whole stored cache, quantized whole as the engine quantizes it (integer formats)."""
         import torch
 
         out = torch.empty(self.Hq, self.D)
+        stored = {}                                            # KV head -> its whole cache (K, V), quantized
         for j in range(self.Hq):
             h = j // self.group
-            K, V = self._kv_head(layer, h, np.flatnonzero(reads[j]))
-            out[j] = torch.softmax(q[j, 0] @ K.T * scaling, dim=-1) @ V
+            if h not in stored:
+                stored[h] = self._kv_head(layer, h, np.arange(reads.shape[1]))
+            K, V = stored[h]
+            idx = torch.from_numpy(np.flatnonzero(reads[j]))
+            out[j] = torch.softmax(q[j, 0] @ K[idx].T * scaling, dim=-1) @ V[idx]
         return out.reshape(self.Hq, 1, self.D)
 
     def _kv_head(self, layer: int, h: int, idx: np.ndarray):
