@@ -251,3 +251,22 @@ def test_the_rules_catch_what_they_claim(tmp_path):
                                      "(kvviz.plots, layer 6)"]
     del sources["kvviz.plots.style"], modules["kvviz.plots.style"]
     assert find_circle(graph(modules)) is None
+
+
+def test_the_launcher_preloads_what_the_pages_import_and_nothing_heavy():
+    """`make run` imports the app's modules before the first visitor (kvviz.app.serve): the list is read
+    from app.py and the page scripts, so a page's new section is preloaded too; none of it is torch."""
+    import subprocess
+    import sys
+
+    from kvviz.app.serve import app_modules
+
+    modules = app_modules()
+    assert modules[0].startswith("kvviz.") and len(set(modules)) == len(modules)
+    assert {"kvviz.app.sidebar", "kvviz.app.explorer", "kvviz.app.studies", "kvviz.plots.figures",
+            "kvviz.analysis.frames", "kvviz.decode.lab"} <= set(modules)
+    code = ("import sys, importlib; import streamlit; from kvviz.app.serve import app_modules\n"
+            "for m in app_modules(): importlib.import_module(m)\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"

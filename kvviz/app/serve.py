@@ -19,10 +19,30 @@ import time
 from pathlib import Path
 
 APP = Path(__file__).resolve().parents[2] / "app.py"
-# What app.py and the pages import at their top (the Explorer's sections first: the usual first page).
-PRELOAD = ("kvviz.app.sidebar", "kvviz.app.cards", "kvviz.app.compute", "kvviz.app.explorer", "kvviz.app.overview",
-           "kvviz.app.formats", "kvviz.app.ledger", "kvviz.app.lesson", "kvviz.app.notes", "kvviz.app.presets",
-           "kvviz.app.guard", "kvviz.plots.figures", "kvviz.analysis.frames", "kvviz.app.studies")
+PAGES_DIR = APP.parent / "app_pages"
+
+
+def app_modules() -> tuple[str, ...]:
+    """The kvviz modules app.py and the page scripts import at their top level, read from their source
+    (app.py first: the Explorer is the usual first page), so the list cannot drift from the pages."""
+    import ast
+
+    def is_module(name: str) -> bool:        # by its file, without importing its package
+        path = APP.parent.joinpath(*name.split("."))
+        return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+    found: dict[str, None] = {}
+    for script in [APP, *sorted(PAGES_DIR.glob("*.py"))]:
+        for node in ast.parse(script.read_text(encoding="utf-8")).body:
+            names = ([(a.name, None) for a in node.names] if isinstance(node, ast.Import) else
+                     [(node.module, a.name) for a in node.names] if isinstance(node, ast.ImportFrom) and node.module
+                     else [])
+            for module, member in names:
+                if not (module == "kvviz" or module.startswith("kvviz.")):
+                    continue
+                sub = f"{module}.{member}" if member else None   # `from kvviz.app import explorer`: a module
+                found[sub if sub and is_module(sub) else module] = None
+    return tuple(found)
 
 
 def _preload(wait_s: float = 30.0) -> None:
@@ -38,7 +58,7 @@ def _preload(wait_s: float = 30.0) -> None:
     if not Runtime.exists():
         return
     try:
-        for name in PRELOAD:
+        for name in app_modules():
             importlib.import_module(name)
         from kvviz.app.compute import warm_up
         warm_up()   # the kernel and the first move's modules; the bundled model waits for the first page view
