@@ -41,6 +41,15 @@ def unfold(at: AppTest, key: str) -> AppTest:
     return at
 
 
+def numbers(at: AppTest) -> dict:
+    """The Explorer's 'All numbers' table: metric -> value exactly as computed (its folded expander
+    opened first if it is closed)."""
+    if not at.dataframe:
+        unfold(at, "_numbers_open")
+    df = at.dataframe[0].value
+    return {k: float("inf") if v == "∞" else float(v) for k, v in zip(df["metric"], df["value"])}
+
+
 def share_one_model_load(monkeypatch):
     """Patch kvviz.models.load_model so the page and the test share one load per model name (and with
     every other test in this process: load_shared); return the patched loader. Skips the test where

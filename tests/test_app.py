@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from apptest_util import run_app, unfold
+from apptest_util import numbers, run_app, unfold
 from streamlit.testing.v1 import AppTest
 
 from kvviz import Spec, View, compare
@@ -27,14 +27,6 @@ def run(path=APP, **params) -> AppTest:
 
 def cards(at) -> dict:
     return {m.label: m.value for m in at.metric}
-
-
-def numbers(at) -> dict:
-    """The 'All numbers' table: metric -> value exactly as computed (its expander opened if folded)."""
-    if not at.dataframe:
-        unfold(at, "_numbers_open")
-    df = at.dataframe[0].value
-    return {k: float("inf") if v == "∞" else float(v) for k, v in zip(df["metric"], df["value"])}
 
 
 def warnings(at) -> str:

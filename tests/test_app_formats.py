@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from apptest_util import run_app, unfold, share_one_model_load
+from apptest_util import numbers, run_app, unfold, share_one_model_load
 
 from kvviz import Spec, View, compare
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
@@ -15,11 +15,6 @@ APP = str(ROOT / "app.py")
 TRADEOFFS = str(ROOT / "app_pages" / "1_Trade-offs.py")
 LAB = str(ROOT / "app_pages" / "3_Model_lab.py")
 SMALL = {"source": "synthetic", "context": "128", "steps": "4"}
-
-
-def numbers(at) -> dict:
-    df = at.dataframe[0].value
-    return {k: float("inf") if v == "∞" else float(v) for k, v in zip(df["metric"], df["value"])}
 
 
 def test_url_formats_reach_the_engine_exactly():
