@@ -146,6 +146,26 @@ EQUIVALENT.update({
     _ALLOC + "select_heads__mutmut_9": "spec.with_(heavy=heavy[0]) where heavy[0] is spec.heavy already: the same spec",
 })
 
+_BASE = "kvviz.policies.base."
+_POL = _BASE + "xǁPolicyǁ"
+EQUIVALENT.update({
+    _BASE + "xǁScoreContextǁhistory_counts__mutmut_8": "np.searchsorted's default side is 'left', the side given",
+    **_same("reshape(..., -2): numpy takes any negative size as the unknown one", _BASE,
+            "xǁScoreContextǁper_kv_head__mutmut_10", "x_group_union__mutmut_11",
+            *(f"xǁPolicyǁ_simulate__mutmut_{n}" for n in (15, 38, 120, 151))),
+    _BASE + "x_cached_on_trace__mutmut_15": "OrderedDict.popitem(last=None): last is read by truth value, as False",
+    _POL + "query_kept__mutmut_2": "query_reads(None, ...): the only policy with its own query_reads (Quest) "
+                                   "reads the query and keys, never the attention; the base's returns None",
+    _POL + "scores_at_compression__mutmut_7": "flags.writeable = None: numpy sets the flag by truth value, False",
+    **_same("the shared-decision shortcut taken less often (never, or only above 2 KV heads): every row of a "
+            "broadcast score is the same, so selecting each row gives the rows the shortcut copies", _POL,
+            *(f"keep_masks__mutmut_{n}" for n in (83, 85, 87, 88, 89, 98))),
+    **_same("astype(None) is float64, the dtype given", _POL,
+            *(f"_simulate__mutmut_{n}" for n in (18, 110, 145))),
+    **_same("np.take_along_axis's default axis (numpy >= 2.3) is -1, axis 1 of the 2-D arrays", _POL,
+            "_simulate__mutmut_109", "_simulate__mutmut_163"),
+})
+
 def _mutmut(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYPOTHESIS_PROFILE": "ci", "KVVIZ_WARMUP": "0"}
     return subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=ROOT, env=env, text=True,

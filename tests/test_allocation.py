@@ -322,3 +322,37 @@ def test_select_heads_with_a_budget_per_head():
     assert scores[:1][one].tolist() == [0, 9, 0, 0]                             # a boolean mask: it indexes
     mixed = select_heads(scores, spec, np.array([0, 4]))
     assert scores[mixed].tolist() == [0, 0, 0, 0, 4, 5, 6, 7, 0, 0]
+
+
+def test_one_shot_masks_under_adakv_before_and_after_the_compression_point():
+    """Policy.keep_masks under AdaKV: each head's heavy budget is fixed once from the context's scores (the
+    plain rule above, on KNorm's -|k|), then at every query each head keeps its sinks, the last `recent`
+    tokens it sees and its own number of top scores among the rest of 0..p."""
+    from kvviz import keep_masks
+
+    trace = random_trace(4, L=1, Hq=4, Hkv=4, c=40, steps=6)
+    spec = Spec(sink=2, recent=3, heavy=6, scorer="knorm", allocation="adakv", adakv_alpha=0.2)
+    c = trace.context_len
+    scores = -np.linalg.norm(trace.k[0].astype(np.float64), axis=-1)          # (H, P), KNorm's rule
+    heavy = adakv_reference(scores[:, :c], spec)
+    assert len(set(heavy)) > 1                                                  # ragged: not the uniform split
+    positions = [20, c - 1, c + 5]
+    masks = keep_masks(trace, spec, 0, positions)
+    for i, p in enumerate(positions):
+        for h in range(4):
+            ranked = sorted(range(2, p + 1 - 3), key=lambda t: (-scores[h, t], t))[: heavy[h]]
+            want = sorted({0, 1, p - 2, p - 1, p, *ranked})
+            assert np.flatnonzero(masks[i, h]).tolist() == want, (p, h)
+
+
+def test_oracle_query_kept_under_the_pyramid_keeps_each_layers_kvpress_total():
+    """The oracle at one query under PyramidKV (kvpress schedule) keeps the layer's total: B 10 (window 4),
+    context 40, beta 2, 3 layers: 16, 10, 5 tokens per KV head (worked in the test above)."""
+    from kvviz.policies import POLICIES, ScoreContext
+
+    trace = random_trace(2, L=3, Hq=4, Hkv=2, c=40, steps=4)
+    spec = Spec(sink=0, recent=4, heavy=6, scorer="oracle", allocation="pyramid", pyramid_beta=2.0)
+    attention = np.random.default_rng(0).random((4, 44))
+    for layer, total in enumerate([16, 10, 5]):
+        kept = POLICIES["oracle"].query_kept(attention, ScoreContext(trace, layer, spec))
+        assert kept.sum(axis=1).tolist() == [total, total], layer

@@ -292,3 +292,94 @@ def test_sweep_split_rule_keeps_a_recent_token_and_the_budget():
             s = split_budget(scorer, budget)
             assert s["sink"] + s["recent"] + s["heavy"] == budget and s["recent"] >= 1 and s["sink"] <= 4
             Spec(scorer=scorer, **s)                    # every sweep point is a valid spec (SnapKV included)
+
+
+# --- policies/base.py by hand and against plain references (mutation testing, issue #25) ----------
+
+def test_score_cache_hits_per_trace_and_keeps_the_32_most_recent():
+    """cached_on_trace computes once per (trace, layer, name, key): a second ask is a hit, two traces
+    asked in turn both stay cached, and the cache holds the 32 entries used last (least recently used
+    goes first; the entry just stored stays)."""
+    from kvviz.policies import base
+
+    a, b = make_synthetic(SMALL), make_synthetic(SMALL.with_(seed=5))
+    calls = []
+
+    def ask(trace, key):
+        return base.cached_on_trace(trace, 0, "test-cache", (key,), lambda: calls.append(key) or f"v{key}")
+
+    base._SCORE_CACHE.clear()
+    assert ask(a, 0) == "v0" and ask(b, 0) == "v0" and ask(a, 0) == "v0" and ask(b, 0) == "v0"
+    assert calls == [0, 0]                                  # a and b once each, then hits
+    base._SCORE_CACHE.clear()
+    calls.clear()
+    for key in range(32):
+        ask(a, key)
+    ask(a, 0)                                               # 32 entries fit: key 0 is a hit, now the newest
+    assert calls == list(range(32))
+    ask(a, 32)                                              # the 33rd pushes out the least recent: key 1
+    ask(a, 32)
+    ask(a, 0)
+    assert calls == list(range(33))
+    ask(a, 1)
+    assert calls == list(range(33)) + [1]
+    base._SCORE_CACHE.clear()
+
+
+def test_cached_scores_are_float64_read_only_and_per_layer_and_policy():
+    """scores_at_compression caches each (layer, policy) on its own: layer 0 and 1 of H2O and TOVA / KNorm
+    on one layer each equal their definitions (accumulated context attention; the last context query's
+    attention averaged over heads; minus the key norm), in float64 (KNorm's keys are float32), and the
+    cached array cannot be written."""
+    from kvviz.policies import POLICIES, ScoreContext, base
+
+    t = make_synthetic(SMALL)
+    c, g, P = t.context_len, t.group_size, t.n_positions
+    base._SCORE_CACHE.clear()
+
+    def attention(layer, h, r):                             # causal softmax of query r over keys 0..c-1
+        k = t.k[layer, h // g, : int(t.query_positions[r]) + 1].astype(np.float64)
+        x = k @ t.q[layer, h, r].astype(np.float64) / np.sqrt(t.head_dim)
+        a = np.zeros(c)
+        a[: len(x)] = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+        return a
+
+    rows = [r for r in range(t.n_queries) if t.query_positions[r] < c]
+    for layer in (0, 1):
+        got = POLICIES["h2o"].scores_at_compression(ScoreContext(t, layer, Spec(scorer="h2o")))
+        want = np.zeros((t.n_kv_heads, P))
+        for h in range(t.n_q_heads):
+            want[h // g, :c] += sum(attention(layer, h, r) for r in rows)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9)
+    tova = POLICIES["tova"].scores_at_compression(ScoreContext(t, 1, Spec(scorer="tova")))
+    last = np.mean([attention(1, h, rows[-1]) for h in range(t.n_q_heads)], axis=0)
+    np.testing.assert_allclose(tova[:, :c], np.broadcast_to(last, (t.n_kv_heads, c)), rtol=1e-5, atol=1e-9)
+    knorm = POLICIES["knorm"].scores_at_compression(ScoreContext(t, 1, Spec(scorer="knorm")))
+    np.testing.assert_allclose(knorm, -np.linalg.norm(t.k[1].astype(np.float64), axis=-1), rtol=1e-6)
+    for scores in (tova, knorm):
+        assert scores.dtype == np.float64 and not scores.flags.writeable
+        with pytest.raises(ValueError):
+            scores[0, 0] = 1.0
+    base._SCORE_CACHE.clear()
+
+
+def test_context_attention_chunks_are_causal_softmax_rows():
+    """ScoreContext.context_attention: (rows, attention (heads, rows, n_context)) of the context queries,
+    zero on future keys; heads= picks query heads; trim=True leaves out the keys no row of the chunk sees."""
+    from kvviz.policies import ScoreContext
+
+    t = make_synthetic(SMALL)
+    ctx = ScoreContext(t, 1, Spec())
+    c, g = t.context_len, t.group_size
+    rows = np.array([3, 10, 40])
+    idx, attn = next(ctx.context_attention(rows=rows, heads=np.array([3])))
+    assert idx.tolist() == [3, 10, 40] and attn.shape == (1, 3, c)
+    for i, r in enumerate(rows):
+        k = t.k[1, 3 // g, : r + 1].astype(np.float64)
+        x = k @ t.q[1, 3, r].astype(np.float64) / np.sqrt(t.head_dim)
+        np.testing.assert_allclose(attn[0, i, : r + 1], np.exp(x - x.max()) / np.exp(x - x.max()).sum(), rtol=2e-5)
+        assert not attn[0, i, r + 1:].any()
+    _, trimmed = next(ctx.context_attention(rows=rows, trim=True))
+    assert trimmed.shape == (t.n_q_heads, 3, 41)
+    np.testing.assert_array_equal(trimmed, next(ctx.context_attention(rows=rows))[1][..., :41])
+    assert next(ctx.context_attention())[1].shape == (t.n_q_heads, c, c)    # every context row, every key

@@ -301,3 +301,23 @@ def test_a_scaled_rope_trace_without_frequencies_is_refused_not_scored_unrotated
                   meta={"config": {"rope_theta": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}})
     with pytest.raises(SpecError, match="scaled RoPE"):
         rope_inv_freq(trace)
+
+
+def test_quest_query_kept_is_the_union_of_each_heads_own_top_pages():
+    """Quest per query head through Policy.query_kept (the decode cache's path): a KV head serves the union
+    of its query heads' own reads, each head's top 2 pages of 4 by its own bound max(q * k_min, q * k_max)."""
+    from kvviz.policies import ScoreContext
+
+    trace = random_trace(7, L=1, Hq=4, Hkv=2, c=20, steps=4)
+    spec = Spec(sink=0, recent=1, heavy=8, scorer="quest", page_size=4)
+    n = 17
+    query, keys = trace.q[0, :, n - 1], trace.k[0, :, :n]
+    kept = POLICIES["quest"].query_kept(None, ScoreContext(trace, 0, spec), query=query, keys=keys)
+    want = np.zeros((2, n), bool)
+    for h in range(4):
+        bounds = [np.maximum(query[h] * K.min(0), query[h] * K.max(0)).sum()
+                  for K in (keys[h // 2, j * 4: min(n, j * 4 + 4)].astype(np.float64) for j in range(5))]
+        token = np.repeat(bounds, 4)[:n]
+        want[h // 2, n - 1] = True                                          # the window: the query's own token
+        want[h // 2, sorted(top_set(token, 0, n - 1, 8))] = True
+    assert kept.shape == (2, n) and (kept == want).all()

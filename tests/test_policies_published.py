@@ -18,13 +18,21 @@ def trace():
     return make_synthetic(SMALL)
 
 
+def query_logits(trace, layer, q_head, r, keys):
+    """Query r's logits over the given key positions: the trace's own logits where it has them (a logit-only
+    source), else q . k / sqrt(d)."""
+    if trace.logits is not None:
+        return trace.logits[layer, q_head, r, keys].astype(np.float64)
+    k = trace.k[layer, trace.kv_head(q_head), keys].astype(np.float64)
+    return k @ trace.q[layer, q_head, r].astype(np.float64) / np.sqrt(trace.head_dim)
+
+
 def causal_attention(trace, layer, q_head, rows, n_keys):
     """softmax(q . K^T / sqrt(d)) of the queries at `rows` over keys 0..n_keys-1, causal."""
-    k = trace.k[layer, trace.kv_head(q_head), :n_keys].astype(np.float64)
     out = []
     for r in rows:
         p = int(trace.query_positions[r])
-        logits = k[: p + 1] @ trace.q[layer, q_head, r].astype(np.float64) / np.sqrt(trace.head_dim)
+        logits = query_logits(trace, layer, q_head, r, np.arange(p + 1))
         a = np.zeros(n_keys)
         a[: p + 1] = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
         out.append(a)
@@ -117,8 +125,7 @@ def h2o_reference(trace, spec, layer, positions, normalized):
             if p in later:
                 ks = np.array(kept)
                 for h in heads:
-                    k = trace.k[layer, kv, ks].astype(np.float64)
-                    logits = k @ trace.q[layer, h, later[p]].astype(np.float64) / np.sqrt(trace.head_dim)
+                    logits = query_logits(trace, layer, h, later[p], ks)
                     a = np.exp(logits - logits.max())
                     total[ks] += a / a.sum()
                 count[: p + 1] += 1
@@ -217,3 +224,130 @@ def test_h2o_decode_steps_drive_the_decision_when_the_context_is_short(normalize
     spec = Spec(sink=1, recent=4, heavy=6, scorer="h2o", h2o_normalized=normalized)
     positions = [int(p) for p in t.query_positions[t.later_queries]]
     np.testing.assert_array_equal(keep_masks(t, spec, 0, positions), h2o_reference(t, spec, 0, positions, normalized))
+
+
+# --- policies/base.py against plain references (mutation testing, issue #25) -----------------------
+
+def logit_only_trace(seed=3, c=20, steps=8, gap=(23,)):
+    """A logit-only source (its own logits, unrelated to q . k) with later queries, some decode positions
+    without a query (`gap`): the streaming policy reads the logits, and a position with no query scores
+    nothing."""
+    from kvviz import Trace
+
+    rng = np.random.default_rng(seed)
+    P, L, Hq, Hkv, D = c + steps, 1, 4, 2, 8
+    qp = np.array([p for p in range(P) if p not in gap])
+    q = rng.standard_normal((L, Hq, len(qp), D)).astype(np.float32)
+    k = rng.standard_normal((L, Hkv, P, D)).astype(np.float32)
+    logits = (2.0 * rng.standard_normal((L, Hq, len(qp), P))).astype(np.float32)
+    return Trace(q=q, k=k, v=None, context_len=c, tokens=tuple(f"t{i}" for i in range(P)), query_positions=qp,
+                 meta={"source": "test"}, logits=logits)
+
+
+@pytest.mark.parametrize("heavy", [5, 20])
+@pytest.mark.parametrize("normalized", [False, True])
+def test_h2o_on_a_logit_only_trace_with_a_position_without_query(heavy, normalized):
+    """Streaming H2O over the source's own logits; position 23 has no query (nothing is folded in there, and
+    the steps after it still are). heavy 20 (budget 27 > context 20): nothing is evicted before the cache
+    holds the budget, then exactly the budget."""
+    t = logit_only_trace()
+    spec = Spec(sink=2, recent=5, heavy=heavy, scorer="h2o", h2o_normalized=normalized)
+    positions = list(range(t.context_len, t.n_positions))
+    got = keep_masks(t, spec, 0, positions)
+    np.testing.assert_array_equal(got, h2o_reference(t, spec, 0, positions, normalized))
+    for i, p in enumerate(positions):
+        assert (got[i].sum(axis=1) == min(spec.budget, p + 1)).all()
+    assert keep_masks(t, spec, 0, []).shape == (0, t.n_kv_heads, t.n_positions)
+
+
+def test_no_eviction_keeps_exactly_the_tokens_a_query_sees(trace):
+    masks = keep_masks(trace, Spec(), 0, [0, 5, trace.context_len + 2])
+    for i, p in enumerate([0, 5, trace.context_len + 2]):
+        assert (masks[i] == (np.arange(trace.n_positions) <= p)).all()
+
+
+def test_a_decision_shared_by_four_kv_heads_is_taken_for_each():
+    """StreamingLLM (position only, one decision for every head) on 4 KV heads, before and after the
+    compression point: each head keeps the 2 sinks and the last recent + heavy = 14 tokens the query sees."""
+    t = make_synthetic(SMALL.with_(kv_heads=4, q_heads=4))
+    positions = [30, t.context_len - 1, t.context_len + 4]
+    masks = keep_masks(t, Spec(sink=2, recent=4, heavy=10, scorer="streaming"), 0, positions)
+    for i, p in enumerate(positions):
+        want = np.zeros(t.n_positions, bool)
+        want[:2] = want[p - 13: p + 1] = True
+        assert (masks[i] == want).all(), p
+
+
+def test_one_shot_policy_with_its_own_kept_set_grows_by_hand():
+    """A one-shot policy whose compression-time kept set is its own (as ChunkKV's whole chunks): a query
+    before the point sees its part of that set; later tokens join, and past the budget the lowest score
+    outside sink and window goes, the later token on a tie (as `select` keeps the earlier). Sink 1, recent 2,
+    heavy 2 (budget 5), context 6, kept {0, 2, 4, 5} / {0, 3, 4, 5}, later tokens unscored (-inf):
+    p 6: 5 tokens, none goes; p 7: head 0 drops 4 (score 1 < 2, 3), head 1 the later of the tie 3 = 4 (4);
+    p 8: 6 (-inf) goes; p 9: 7 goes."""
+    from kvviz import Trace
+    from kvviz.policies import Policy, ScoreContext
+
+    scores = np.full((2, 10), -np.inf)
+    scores[0, :6] = [9, 0, 3, 0, 1, 2]
+    scores[1, :6] = [9, 0, 0, 1, 1, 2]
+
+    class OwnSet(Policy):
+        name = "test-own-kept-set"
+
+        def score(self, ctx):
+            return scores
+
+        def compression_kept(self, s, spec):
+            own = np.zeros((2, 6), bool)
+            own[0, [0, 2, 4, 5]] = own[1, [0, 3, 4, 5]] = True
+            return own
+
+    z = np.zeros((1, 2, 10, 4), np.float32)
+    t = Trace(q=z, k=z, v=None, context_len=6, tokens=tuple("abcdefghij"), query_positions=np.arange(10),
+              meta={"source": "test"})
+    positions = [9, 2, 6, 7, 8, 5]
+    got = OwnSet().keep_masks(ScoreContext(t, 0, Spec(sink=1, recent=2, heavy=2)), positions)
+    want = {2: [[0, 2], [0]], 5: [[0, 2, 4, 5], [0, 3, 4, 5]], 6: [[0, 2, 4, 5, 6], [0, 3, 4, 5, 6]],
+            7: [[0, 2, 5, 6, 7], [0, 3, 5, 6, 7]], 8: [[0, 2, 5, 7, 8], [0, 3, 5, 7, 8]],
+            9: [[0, 2, 5, 8, 9], [0, 3, 5, 8, 9]]}
+    for i, p in enumerate(positions):
+        assert [np.flatnonzero(r).tolist() for r in got[i]] == want[p], p
+
+
+def test_arrival_scores_and_the_budget_claim_of_the_shared_rule():
+    """A token arriving after the compression point: +inf for a streaming policy (not evicted before a
+    query has scored it), -inf for a one-shot one (kept only while in the window), one per KV head. The
+    policies on the shared rule say they fill the budget, and their masks hold min(budget, tokens)."""
+    from kvviz.policies import POLICIES
+
+    key = np.ones((3, 8))
+    assert POLICIES["h2o"].arrival_score(key, 0, 10, Spec()).tolist() == [np.inf] * 3
+    assert POLICIES["snapkv"].arrival_score(key, 0, 10, Spec()).tolist() == [-np.inf] * 3
+    t = make_synthetic(SMALL)
+    for scorer in ("h2o", "tova", "snapkv", "streaming", "knorm"):
+        spec = Spec(sink=2, recent=4, heavy=9, scorer=scorer)
+        assert POLICIES[scorer].fills_budget(spec), scorer
+        masks = keep_masks(t, spec, 1, [t.context_len - 1, t.n_positions - 1])
+        assert (masks.sum(axis=2) == 15).all(), scorer
+
+
+def test_a_streaming_plugin_under_adakv_and_a_one_shot_policy_asked_per_query_are_refused():
+    """Spec refuses AdaKV for the built-in streaming scorers by name; a plug-in that decides at every step
+    is refused where its masks are made, with the reason. A policy scored at the compression point has no
+    per-query scores."""
+    from kvviz.policies import POLICIES, Policy, ScoreContext
+
+    class EveryStep(Policy):
+        name = "test-every-step"
+        streaming = True
+
+        def score(self, ctx):
+            return np.zeros((ctx.trace.n_kv_heads, ctx.n_positions))
+
+    t = make_synthetic(SMALL)
+    ctx = ScoreContext(t, 0, Spec(sink=1, recent=2, heavy=3, scorer="knorm", allocation="adakv"))
+    with pytest.raises(SpecError, match="AdaKV allocates once from one-shot scores; test-every-step decides at"):
+        EveryStep().keep_masks(ctx, [t.n_positions - 1])
+    with pytest.raises(TypeError, match="h2o scores at the compression point: use score"):
+        POLICIES["h2o"].query_scores(np.ones((4, 5)), ctx)
