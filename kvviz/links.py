@@ -229,6 +229,24 @@ def defaults() -> dict:
     return {name: p.default for name, p in PARAMS.items()}
 
 
+def read_settings(pairs, names=None, unknown: str = "`{name}` is not a kvviz setting",
+                  prefix: str = "") -> tuple[dict, list[str]]:
+    """(values, notices) of (name, raw text) pairs: what a link's query string, the app's address bar and
+    a pin all carry. Each known name is parsed by its Param (clamped or replaced with a notice); a name
+    outside `names` (default: every setting) gives the `unknown` notice; `prefix` starts each Param
+    notice. Only the named settings are in `values` (the caller starts from the defaults)."""
+    names = PARAMS if names is None else names
+    values, notes = {}, []
+    for name, raw in pairs:
+        if name not in names:
+            notes.append(unknown.format(name=name))
+            continue
+        values[name], note = PARAMS[name].parse(raw)
+        if note:
+            notes.append(prefix + note)
+    return values, notes
+
+
 def parse_query(link: str) -> tuple[dict, list[str]]:
     """(values, notices) of a link: a whole URL or only its query string ('sink=2&bits=4').
 
@@ -237,15 +255,8 @@ def parse_query(link: str) -> tuple[dict, list[str]]:
     """
     text = link.strip()
     query = urlsplit(text).query if "?" in text or "://" in text else text.lstrip("?")
-    values, notes = defaults(), []
-    for name, raw in parse_qsl(query, keep_blank_values=True):
-        if name not in PARAMS:
-            notes.append(f"`{name}` is not a kvviz setting")
-            continue
-        values[name], note = PARAMS[name].parse(raw)
-        if note:
-            notes.append(note)
-    return values, notes
+    read, notes = read_settings(parse_qsl(query, keep_blank_values=True))
+    return {**defaults(), **read}, notes
 
 
 def encode_query(values: dict) -> str:

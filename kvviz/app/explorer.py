@@ -16,7 +16,7 @@ import streamlit as st
 
 from kvviz.app.cards import fmt_pct
 from kvviz.app.compression import spec_from_values
-from kvviz.app.params import COMPRESSION_PARAMS, PARAMS
+from kvviz.app.params import COMPRESSION_PARAMS, PARAMS, read_settings
 from kvviz.app.store import STORE, link_params, notice, settings_dict, w_choice, w_number
 from kvviz.engine import Comparison
 from kvviz.plots import figures
@@ -37,19 +37,12 @@ def pin_encode(values: dict) -> str:
 def pin_decode(text: str) -> tuple[dict, list[str]]:
     """(compression values, notices) of a pin; unknown or bad entries are dropped with a notice."""
     values = {k: PARAMS[k].default for k in COMPRESSION_PARAMS}
-    notes = []
     if text == PIN_NONE:
-        return values, notes
-    for item in filter(None, text.split(",")):
-        name, _, raw = item.partition(":")
-        if name not in COMPRESSION_PARAMS:
-            notes.append(f"The pinned setting's `{name}` is not a compression setting; ignored.")
-            continue
-        value, note = PARAMS[name].parse(raw)
-        values[name] = value
-        if note:
-            notes.append(f"Pinned setting: {note}")
-    return values, notes
+        return values, []
+    pairs = [item.partition(":")[::2] for item in filter(None, text.split(","))]
+    read, notes = read_settings(pairs, COMPRESSION_PARAMS, prefix="Pinned setting: ",
+                                unknown="The pinned setting's `{name}` is not a compression setting; ignored.")
+    return {**values, **read}, notes
 
 
 def _pin() -> None:

@@ -33,7 +33,7 @@ from typing import Any
 
 import streamlit as st
 
-from kvviz.app.params import PARAMS
+from kvviz.app.params import PARAMS, read_settings
 
 STORE = "_kvviz_state"
 NOTICES = "_kvviz_notices"
@@ -45,19 +45,9 @@ def state() -> dict:
     session's first run."""
     ss = st.session_state
     if STORE not in ss:
-        store = {name: p.default for name, p in PARAMS.items()}
-        notes = []
-        for name in st.query_params:
-            raw = st.query_params.get_all(name)
-            raw = raw[-1] if raw else ""
-            if name not in PARAMS:
-                notes.append(f"The link's `{name}` is not a kvviz setting; ignored.")
-                continue
-            value, note = PARAMS[name].parse(raw)
-            store[name] = value
-            if note:
-                notes.append(note)
-        ss[STORE] = store
+        pairs = [(name, (st.query_params.get_all(name) or [""])[-1]) for name in st.query_params]
+        read, notes = read_settings(pairs, unknown="The link's `{name}` is not a kvviz setting; ignored.")
+        ss[STORE] = {**{name: p.default for name, p in PARAMS.items()}, **read}
         ss[NOTICES] = notes
         ss[LINKED] = frozenset(name for name in st.query_params if name in PARAMS)
     return ss[STORE]
