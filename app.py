@@ -12,7 +12,7 @@ its URL made the sidebar list file names instead of our titles.
 
 import streamlit as st
 
-from kvviz.plots import figures
+from kvviz.plots import figures, style
 
 from kvviz.app.cards import metric_cards, metrics_table
 from kvviz.app.compute import run_compare
@@ -82,7 +82,7 @@ def explorer() -> None:
         y_range = ux.y_lock(error_extent(frame))          # the toggle sits on the chart it locks
         drawn["error"] = figures.error_figure(frame, vs.bars, members, what=ensemble, y_range=y_range,
                                               text_tokens=text and not binned, pinned=pinned_frame)
-        st.plotly_chart(drawn["error"], key="error_chart", config=figures.CHART_CONFIG)
+        st.plotly_chart(drawn["error"], key="error_chart", config=style.CHART_CONFIG)
         if not present:
             st.caption("What to look for: the two causes of error apart. Eviction (hatched vermillion) loses whole "
                        "tokens and shifts their mass onto the kept ones; quantization (purple) spreads small errors "
@@ -98,7 +98,7 @@ def explorer() -> None:
                        "tokens each (the CSV has every token).")
         elif spec.evicts:
             st.markdown(f"**Kept tokens:** {ranges_text(per_token.index[per_token['kept']])}")
-        st.plotly_chart(fig_att, key="attention_chart", config=figures.CHART_CONFIG)
+        st.plotly_chart(fig_att, key="attention_chart", config=style.CHART_CONFIG)
         if not present:
             st.caption("What to look for: grey is the original attention, coloured bars what the compressed cache "
                        "gives each kept token (renormalised, so kept tokens gain weight); hatched vermillion bars "

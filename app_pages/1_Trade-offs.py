@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from kvviz.plots import figures
+from kvviz.plots import figures, style, tradeoffs
 
 from kvviz.app.compute import run_compare, run_sweep
 from kvviz.app.labels import SCORER_SHORT, bits_label
@@ -53,7 +53,7 @@ def main() -> None:
     methods = w_pills(st, "methods", "Methods", tuple(SCORER_CHOICES), format_func=SCORER_SHORT.get)
     bits = w_pills(st, "sweep_bits", "Bit widths", (16, 8, 4, 3, 2), format_func=bits_label)
     formats = w_pills(st, "sweep_formats", "Serving formats (FP8 / FP4 points)", ("e4m3", "e5m2", "nvfp4", "mxfp4"),
-                      format_func=figures.FORMAT_NAMES.get,
+                      format_func=style.FORMAT_NAMES.get,
                       help="Add points in FP8 (8 bits + FP32 scales, per the Advanced FP8 scale) or block-scaled "
                            "FP4 (NVFP4: 4.5 bits a value, MXFP4: 4.25), keys and values alike, with the Advanced "
                            "rotation setting.")
@@ -81,9 +81,9 @@ def main() -> None:
     if comp is not None:
         mean = comp.metrics_mean
         current = {"memory_ratio": comp.memory.ratio, column: mean[METRICS[metric][2]], "label": spec.label()}
-    fig = figures.tradeoff_figure(valid, column, front, current, log_x=bool(log_x))
+    fig = tradeoffs.tradeoff_figure(valid, column, front, current, log_x=bool(log_x))
     event = st.plotly_chart(fig, key="tradeoff_chart", on_select="rerun", selection_mode="points",
-                            config=figures.CHART_CONFIG)
+                            config=style.CHART_CONFIG)
     points = [p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3]
     if points:
         open_in_explorer(points[0])

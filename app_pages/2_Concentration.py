@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from kvviz.plots import figures
+from kvviz.plots import figures, tradeoffs
 
 from kvviz.app.cards import fmt_pct
 from kvviz.app.compute import run_concentration
@@ -34,7 +34,7 @@ def main() -> None:
               help="Mean over layers and heads of the attention mass on the 10% most attended tokens.")
     m2.metric(f"Sink share (first {sink_k})", fmt_pct(float(conc.sink_share.mean())), border=True)
     m3.metric(f"Locality (last {window})", fmt_pct(float(conc.locality.mean())), border=True)
-    st.plotly_chart(figures.concentration_figure(conc.fractions, conc.curves), key="concentration_chart")
+    st.plotly_chart(tradeoffs.concentration_figure(conc.fractions, conc.curves), key="concentration_chart")
     st.caption(f"What to look for: curves far above the dotted diagonal mean concentrated attention; the shaded "
                f"band is the handbook's rule of thumb (10–20% of tokens take 80–90% of the mass). Query at position "
                f"{conc.position}, {conc.position + 1} tokens.")

@@ -6,7 +6,7 @@ from kvviz.analysis import needle
 
 from kvviz.app.layout import page_setup
 from kvviz.app.store import notice, show_notices, state, sync_url
-from kvviz.plots.figures import CHART_CONFIG
+from kvviz.plots.style import CHART_CONFIG
 from kvviz.plots.needle import LABELS, grid_figure, heads_figure, needle_tokens_html
 from kvviz.spec import SpecError
 

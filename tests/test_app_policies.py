@@ -9,7 +9,7 @@ from apptest_util import run_app, unfold, share_one_model_load
 
 from kvviz import Spec, View, compare
 
-from kvviz.plots import figures
+from kvviz.plots import tradeoffs
 from kvviz.analysis.ledger import budget_ledger
 from kvviz.sources.handbook import handbook_trace
 
@@ -75,7 +75,7 @@ def test_tradeoff_chart_places_quest_by_bytes_read_and_says_so():
     snap = next(r for r in rows if r["method"] == "snapkv")
     assert quest["saves"] == "memory read" and snap["saves"] == "memory stored"
     assert quest["memory_ratio"] > 1 > quest["memory_read_ratio"]
-    fig = figures.tradeoff_figure(rows, "tv")
+    fig = tradeoffs.tradeoff_figure(rows, "tv")
     trace = next(d for d in fig.data if d.name and d.name.startswith("quest"))
     assert "saves memory read" in trace.name
     np.testing.assert_allclose(trace.x, [quest["memory_read_ratio"]])

@@ -5,7 +5,7 @@ import plotly.graph_objects as go
 import pytest
 
 from kvviz import Spec, View, compare
-from kvviz.plots import figures
+from kvviz.plots import figures, style, tradeoffs
 from kvviz.sources.handbook import HEAVY, RECENT, SINK, handbook_trace
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.analysis.sweep import pareto_front
@@ -76,7 +76,7 @@ def test_attention_figure_marks_evicted_and_colours_by_reason(handbook_comp):
     assert {"compressed: sink", "compressed: recent", "compressed: heavy hitter"} <= set(names)
     heavy = next(t for t in fig.data if t.name == "compressed: heavy hitter")
     assert list(heavy.x) == [15, 28]
-    assert heavy.marker.color == figures.REASON_COLORS["heavy hitter"]
+    assert heavy.marker.color == style.REASON_COLORS["heavy hitter"]
     evicted = next(t for t in fig.data if t.name.startswith("original, evicted"))
     assert len(evicted.x) == 64 - 14 and evicted.marker.pattern.shape == "/"   # hatched: not colour alone
     assert "attention weight" in fig.layout.yaxis.title.text and "token" in fig.layout.xaxis.title.text
@@ -123,7 +123,7 @@ def test_tradeoff_figure_lines_front_and_star():
         {"method": "full", "budget": 64, "bits": 4, "memory_ratio": 0.3, "tv": 0.01},
     ]
     front = pareto_front([(r["memory_ratio"], r["tv"]) for r in rows])
-    fig = figures.tradeoff_figure(rows, "tv", front, {"memory_ratio": 0.2, "tv": 0.3, "label": "now"})
+    fig = tradeoffs.tradeoff_figure(rows, "tv", front, {"memory_ratio": 0.2, "tv": 0.3, "label": "now"})
     names = [t.name for t in fig.data]
     assert "H2O" in names and "StreamingLLM" in names and "Pareto frontier (real policies)" in names
     assert {t.marker.symbol for t in fig.data if t.name == "H2O"} == {"circle"}       # 16-bit marker
@@ -141,7 +141,7 @@ def test_concentration_stats_and_figure():
     assert c.curves.shape[:2] == (2, 2)
     assert np.all(np.diff(c.curves, axis=-1) >= -1e-12) and np.allclose(c.curves[..., -1], 1.0)
     assert np.all((c.sink_share >= 0) & (c.sink_share <= 1)) and np.all(c.entropy <= c.max_entropy + 1e-9)
-    fig = figures.concentration_figure(c.fractions, c.curves)
+    fig = tradeoffs.concentration_figure(c.fractions, c.curves)
     assert fig.layout.shapes[0].x0 == 10 and fig.layout.shapes[0].y1 == 90
     h = figures.heatmap_figure(c.entropy, "Entropy", "nats")
     assert h.data[0].z.shape == (2, 2) and "layer" in h.layout.yaxis.title.text

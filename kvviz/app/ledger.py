@@ -39,7 +39,7 @@ def ledger_expander(source: Source, spec: Spec, step: int | None = None) -> None
             return
         for note in ledger.notes():
             st.markdown(f"- {note}")
-        from kvviz.plots.figures import CHART_CONFIG
+        from kvviz.plots.style import CHART_CONFIG
         from kvviz.plots.ledger import ledger_figure
         st.plotly_chart(ledger_figure(ledger), key="ledger_chart", config=CHART_CONFIG)
         st.dataframe(pd.DataFrame(list(ledger.rows)), hide_index=True, height=240, key="ledger_table")

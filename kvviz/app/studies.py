@@ -19,7 +19,7 @@ from kvviz.analysis.sweep import split_budget
 from kvviz.app.layout import PAGES
 from kvviz.app.params import PARAMS
 from kvviz.app.store import STORE, notice, state, w_choice
-from kvviz.plots.figures import CHART_CONFIG
+from kvviz.plots.style import CHART_CONFIG
 from kvviz.plots.study import frontier_figure
 from kvviz.spec import FULL_BITS, Spec
 

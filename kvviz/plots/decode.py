@@ -12,7 +12,7 @@ import html
 import numpy as np
 import plotly.graph_objects as go
 
-from kvviz.plots.figures import METHOD_COLORS, REASON_COLORS
+from kvviz.plots.style import METHOD_COLORS, REASON_COLORS
 from kvviz.analysis.timeline import EVICTED, FUTURE, KEPT, MISSED, STATE_NAMES, Timeline
 
 # Colours mean what they mean on the Explorer (kvviz.plots.figures): kept = sky blue ("kept"),

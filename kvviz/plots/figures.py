@@ -1,14 +1,5 @@
-"""Plotly figure builders: pure functions, data in -> go.Figure out (no Streamlit).
-
-One colour means one thing on every page, and colour is never the only cue:
-- what happens to a token (Okabe-Ito): sink blue, recent bluish green, heavy hitter orange,
-  kept without eviction sky blue, evicted vermillion (and hatched);
-- the two causes of error: eviction vermillion, quantization reddish purple;
-- eviction methods (Paul Tol's muted palette, none of the hues above, plus a marker shape
-  each): H2O indigo, TOVA wine, SnapKV olive, StreamingLLM rose, K-norm sand, random pale
-  grey, the oracle black, no eviction ("full") dark grey.
-Legends sit below the charts so they never cover a title at a projector's 1024 px.
-"""
+"""The Explorer's figures: pure functions, data in -> go.Figure (or HTML) out (no Streamlit).
+Colours, fonts and the shared layout are kvviz.plots.style's."""
 
 from __future__ import annotations
 
@@ -18,41 +9,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-# Okabe & Ito (2008)
-OKABE_ITO = {
-    "black": "#000000", "orange": "#E69F00", "sky_blue": "#56B4E9", "bluish_green": "#009E73",
-    "yellow": "#F0E442", "blue": "#0072B2", "vermillion": "#D55E00", "reddish_purple": "#CC79A7",
-    "grey": "#999999",
-}
-REASON_COLORS = {
-    "sink": OKABE_ITO["blue"],
-    "recent": OKABE_ITO["bluish_green"],
-    "heavy hitter": OKABE_ITO["orange"],
-    "kept (no eviction)": OKABE_ITO["sky_blue"],
-    "evicted": OKABE_ITO["vermillion"],
-}
-PART_COLORS = {"eviction": OKABE_ITO["vermillion"], "quantization": OKABE_ITO["reddish_purple"]}
-ORIGINAL_COLOR = OKABE_ITO["grey"]
-METHOD_COLORS = {  # Paul Tol, muted (colour-blind safe); distinct from the token colours above
-    "h2o": "#332288", "tova": "#882255", "snapkv": "#999933", "streaming": "#CC6677",
-    "knorm": "#DDCC77", "random": "#BBBBBB", "oracle": "#000000", "full": "#555555",
-}
-FONT = dict(family="Source Sans Pro, sans-serif", size=13)
-# plotly's own toolbar: its camera button saves the chart as SVG (vector, for slides), in the browser
-CHART_CONFIG = {"toImageButtonOptions": {"format": "svg", "filename": "kvviz-chart"}, "displaylogo": False}
-
-
-def _layout(fig: go.Figure, title: str, x_title: str, y_title: str, height: int = 380,
-            subtitle: str = "") -> go.Figure:
-    text = f"{title}<br><sup>{subtitle}</sup>" if subtitle else title
-    fig.update_layout(title=dict(text=text, x=0.01), height=height, font=FONT, template="plotly_white",
-                      margin=dict(l=60, r=20, t=70 if subtitle else 50, b=50),
-                      legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0.0),
-                      hoverlabel=dict(namelength=-1))
-    fig.update_xaxes(title_text=x_title)
-    fig.update_yaxes(title_text=y_title)
-    return fig
-
+from kvviz.plots.style import CHART_CONFIG, OKABE_ITO, ORIGINAL_COLOR, PART_COLORS, REASON_COLORS, layout
 
 # --- explorer ----------------------------------------------------------------------------
 
@@ -103,7 +60,7 @@ def attention_figure(frame: pd.DataFrame, title: str = "Attention per token: ori
                         marker=dict(symbol="diamond-open", size=7, color=OKABE_ITO["black"], line=dict(width=1.5)),
                         hovertemplate="pinned: %{y:.4f}<extra></extra>")
     fig.update_layout(barmode="group", bargap=0.15, bargroupgap=0.0)
-    _layout(fig, title, "token" if text_tokens else "token position (index)", "attention weight (probability)",
+    layout(fig, title, "token" if text_tokens else "token position (index)", "attention weight (probability)",
             subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)")
     _token_axis(fig, frame, text_tokens)
     return fig
@@ -135,7 +92,7 @@ def binned_attention_figure(frame: pd.DataFrame,
     fig.add_bar(x=centers, y=frame["compressed"], width=width * 0.45, offset=0, name="compressed",
                 marker_color=REASON_COLORS["kept (no eviction)"], customdata=custom, hovertemplate=hover)
     fig.update_layout(barmode="overlay")
-    return _layout(fig, title, f"token position (bins of {int(width)} tokens)", "attention mass per bin (probability)",
+    return layout(fig, title, f"token position (bins of {int(width)} tokens)", "attention mass per bin (probability)",
                    subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)")
 
 
@@ -201,144 +158,11 @@ def error_figure(frame: pd.DataFrame, bars: str = "std", members: int = 1,
         subtitle = f"ensemble mean of N = {members} rows{f' ({what})' if what else ''}, bars: {bar_text}"
     else:
         subtitle = f"one row{f' ({what})' if what else ''}, no ensemble: no error bars"
-    _layout(fig, title, x_title, y_title, subtitle=subtitle)
+    layout(fig, title, x_title, y_title, subtitle=subtitle)
     if y_range:
         fig.update_yaxes(range=[-y_range, y_range], autorange=False)
     if not binned:
         _token_axis(fig, frame, text_tokens)
-    return fig
-
-
-# --- trade-offs -----------------------------------------------------------------------------
-
-METRIC_LABELS = {"tv": "TV distance (0-1)",
-                 "kl_compressed_vs_original": "KL(compressed ‖ original), nats",
-                 "js": "Jensen–Shannon divergence, nats (≤ ln 2)",
-                 "output_error": "output relative error (‖ô−o‖/‖o‖)",
-                 "mass_retained": "attention mass retained (0-1)"}
-
-
-BITS_SYMBOLS = {16: "circle", 8: "square", 6: "hexagon", 5: "pentagon", 4: "diamond", 3: "triangle-up", 2: "x",
-                1: "cross"}
-BITS_DASH = {16: "solid", 8: "dot", 4: "dash", 3: "longdash", 2: "dashdot"}
-# FP8 / FP4 cache formats on the trade-off chart: open markers, told apart from the integer widths
-FORMAT_NAMES = {"e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2", "nvfp4": "NVFP4", "mxfp4": "MXFP4"}
-FORMAT_SYMBOLS = {"e4m3": "square-open", "e5m2": "square-x-open", "nvfp4": "diamond-open", "mxfp4": "diamond-wide-open"}
-
-
-def _width_symbol(bits: int, fmt: str) -> str:
-    return BITS_SYMBOLS.get(bits, "circle") if fmt == "int" else FORMAT_SYMBOLS.get(fmt, "circle-open")
-
-
-METHOD_LABELS = {"h2o": "H2O", "tova": "TOVA", "snapkv": "SnapKV", "streaming": "StreamingLLM",
-                 "oracle": "oracle (the bound)", "knorm": "K-norm", "random": "random", "full": "no eviction"}
-
-
-def tradeoff_figure(rows: Sequence[dict], metric: str = "tv", front: Sequence[int] = (),
-                    current: dict | None = None, log_x: bool = False) -> go.Figure:
-    """Error against memory ratio: one colour and one legend entry per method, one marker
-    shape (and dash) per bit width, explained once in a bit-width legend.
-
-    `rows` are kvviz.analysis.sweep rows, `metric` the column on the y axis; `front` indexes the
-    Pareto-optimal rows (the page leaves the oracle out: no real policy reaches it), drawn
-    as a thick dashed line; the oracle itself is a thin dotted black line, the bound;
-    `current` ({memory_ratio, <metric>, label}) is the Explorer's setting, a large star.
-    Each point carries (method, budget, bits) so a click can open that setting.
-    """
-    frame = pd.DataFrame(list(rows))
-    fig = go.Figure()
-    label = METRIC_LABELS.get(metric, metric)
-    if len(frame):
-        frame = frame.dropna(subset=[metric])
-        seen_methods = set()
-        if "format" not in frame:
-            frame["format"] = "int"
-        frame["format"] = frame["format"].fillna("int")
-        for (method, bits, fmt), g in frame.groupby(["method", "bits", "format"], sort=True):
-            g = g.sort_values("memory_ratio")
-            bound = method == "oracle"
-            width = f"{int(bits)}-bit" if fmt == "int" else FORMAT_NAMES.get(fmt, fmt)
-            reads = "saves" in g and (g["saves"] == "memory read").all()   # Quest: x = bytes read per step
-            x = g["memory_read_ratio"] if reads else g["memory_ratio"]
-            fig.add_scatter(
-                x=x, y=g[metric], mode="lines+markers",
-                name=METHOD_LABELS.get(method, method) + (" — saves memory read (x: read per step; stores all)"
-                                                          if reads else ""),
-                legendgroup=method, showlegend=method not in seen_methods,
-                line=dict(color=METHOD_COLORS.get(method, OKABE_ITO["grey"]), width=1.5 if bound else 2,
-                          dash="dot" if bound else (BITS_DASH.get(int(bits), "solid") if fmt == "int" else "solid")),
-                marker=dict(symbol=_width_symbol(int(bits), fmt), size=9,
-                            color=METHOD_COLORS.get(method, OKABE_ITO["grey"])),
-                customdata=np.stack([g["method"], g["budget"], g["bits"], g["format"]], axis=1),
-                hovertemplate=("<b>%{customdata[0]}</b> budget %{customdata[1]} tokens, " + width +
-                               "<br>memory %{x:.3f} of 16-bit<br>" + label + " %{y:.4f}"
-                               "<br>click to open in the Explorer<extra></extra>"))
-            seen_methods.add(method)
-        widths = frame[["bits", "format"]].drop_duplicates()
-        widths = sorted(zip(widths["bits"], widths["format"]), key=lambda w: (w[1] != "int", -w[0], w[1]))
-        for bits, fmt in widths:   # the marker legend, once
-            name = (f"{int(bits)}-bit" if bits < 16 else "16-bit (off)") if fmt == "int" else FORMAT_NAMES.get(fmt, fmt)
-            fig.add_scatter(x=[None], y=[None], mode="markers", name=name,
-                            legendgroup="bits", legendgrouptitle_text="bit width",
-                            marker=dict(symbol=_width_symbol(int(bits), fmt), size=9, color=OKABE_ITO["grey"]))
-        rows_list = list(rows)
-        if len(front):
-            pts = pd.DataFrame([rows_list[i] for i in front]).sort_values("memory_ratio")
-            fig.add_scatter(x=pts["memory_ratio"], y=pts[metric], mode="lines", name="Pareto frontier (real policies)",
-                            line=dict(color=OKABE_ITO["black"], width=4, dash="dash"), opacity=0.55,
-                            hoverinfo="skip")
-    if current is not None and current.get(metric) is not None:
-        fig.add_scatter(x=[current["memory_ratio"]], y=[current[metric]], mode="markers",
-                        name=f"current: {current.get('label', 'explorer setting')}",
-                        marker=dict(symbol="star", size=20, color=OKABE_ITO["yellow"],
-                                    line=dict(width=2, color=OKABE_ITO["black"])),
-                        hovertemplate="current setting<br>memory %{x:.3f}<br>" + label + " %{y:.4f}<extra></extra>")
-    better = "higher is better" if metric == "mass_retained" else "lower is better"
-    fig = _layout(fig, "Error vs memory for every policy", "memory ratio (compressed / 16-bit cache bytes)"
-                  + (", log scale" if log_x else ""), f"{label} — {better}", height=540)
-    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.16, xanchor="left", x=0.0),
-                      margin=dict(b=130))
-    if log_x:
-        fig.update_xaxes(type="log")
-    return fig
-
-
-# --- concentration ----------------------------------------------------------------------------
-
-def concentration_figure(fractions: np.ndarray, curves: np.ndarray, band: tuple = ((0.10, 0.20), (0.80, 0.90)),
-                         labels: Sequence[str] | None = None) -> go.Figure:
-    """Share of attention held by the top x% of tokens: one faint line per layer, the mean bold.
-
-    `curves` is (layers, heads, F); the shaded band is the handbook's rule of thumb
-    (10-20% of tokens take 80-90% of the mass).
-    """
-    x = 100 * np.asarray(fractions)
-    fig = go.Figure()
-    (x0, x1), (y0, y1) = band
-    fig.add_shape(type="rect", x0=100 * x0, x1=100 * x1, y0=100 * y0, y1=100 * y1,
-                  fillcolor=OKABE_ITO["yellow"], opacity=0.45, line=dict(color=OKABE_ITO["black"], width=1, dash="dot"),
-                  layer="below")
-    # the label sits low on the right, under every curve (which rise above 80% long before x = 55%)
-    # and right of the uniform diagonal, with an arrow to the band
-    fig.add_annotation(x=100 * (x0 + x1) / 2, y=100 * y0, ax=62, ay=22, axref="x", ayref="y",
-                       text="handbook: 10-20% of tokens<br>take 80-90% of the mass", showarrow=True, arrowhead=2,
-                       xanchor="left", yanchor="middle", align="left", font=dict(size=12),
-                       bgcolor="rgba(255,255,255,0.9)")
-    per_layer = curves.mean(axis=1)
-    for layer, c in enumerate(per_layer):
-        fig.add_scatter(x=x, y=100 * c, mode="lines", line=dict(width=1, color=OKABE_ITO["sky_blue"]),
-                        name=labels[layer] if labels else f"layer {layer}", opacity=0.6,
-                        showlegend=len(per_layer) <= 8,
-                        hovertemplate=f"layer {layer}<br>top %{{x:.0f}}% of tokens hold %{{y:.1f}}%<extra></extra>")
-    fig.add_scatter(x=x, y=100 * curves.mean(axis=(0, 1)), mode="lines", name="mean over layers and heads",
-                    line=dict(width=4, color=OKABE_ITO["blue"]),
-                    hovertemplate="mean<br>top %{x:.0f}% of tokens hold %{y:.1f}%<extra></extra>")
-    fig.add_scatter(x=x, y=x, mode="lines", name="uniform attention", line=dict(dash="dot", color=OKABE_ITO["grey"]),
-                    hoverinfo="skip")
-    fig = _layout(fig, "How concentrated is attention? Top x% of tokens hold y% of the mass",
-                  "top tokens (% of tokens the query sees)", "attention mass held (%)", height=460)
-    fig.update_yaxes(range=[0, 101])
-    fig.update_xaxes(range=[0, 100])
     return fig
 
 
@@ -350,7 +174,7 @@ def heatmap_figure(matrix: np.ndarray, title: str, colorbar: str, zmin: float | 
         z=m, x=[str(h) for h in range(m.shape[1])], y=[str(layer) for layer in range(m.shape[0])],
         colorscale="Cividis", zmin=zmin, zmax=zmax, colorbar=dict(title=dict(text=colorbar)),
         hovertemplate="layer %{y}, head %{x}<br>" + colorbar + " %{z:" + fmt + "}<extra></extra>"))
-    fig = _layout(fig, title, "query head (index)", "layer (index)", height=max(260, 120 + 18 * m.shape[0]))
+    fig = layout(fig, title, "query head (index)", "layer (index)", height=max(260, 120 + 18 * m.shape[0]))
     fig.update_yaxes(autorange="reversed", type="category")
     fig.update_xaxes(type="category")
     return fig

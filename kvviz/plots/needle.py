@@ -18,7 +18,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvviz.plots.figures import OKABE_ITO
+from kvviz.plots.style import OKABE_ITO
 
 RIGHT, WRONG = OKABE_ITO["blue"], OKABE_ITO["vermillion"]
 LABELS = {"full": "Full cache", "h2o": "H2O", "tova": "TOVA", "snapkv": "SnapKV", "streaming": "StreamingLLM",

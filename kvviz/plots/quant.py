@@ -9,7 +9,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvviz.plots.figures import _layout
+from kvviz.plots.style import layout
 
 
 def key_rotation_figure(k: np.ndarray, k_rotated: np.ndarray, tokens: Sequence[str] | None = None,
@@ -29,7 +29,7 @@ def key_rotation_figure(k: np.ndarray, k_rotated: np.ndarray, tokens: Sequence[s
                         customdata=np.broadcast_to(np.array(labels, dtype=object)[None, :], (d, n)),
                         hovertemplate="channel %{y}<br>token %{x} (%{customdata})<br>%{z:.3f}<extra>" + name +
                                       "</extra>", row=1, col=col)
-    fig = _layout(fig, title, "token position", "channel", height=420)
+    fig = layout(fig, title, "token position", "channel", height=420)
     fig.update_xaxes(title_text="token position", row=1, col=2)
     fig.update_yaxes(title_text=None, row=1, col=2)
     fig.update_yaxes(autorange="reversed")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from kvviz.analysis.study.frontier import METHOD_COLUMN, Frontier
-from kvviz.plots.figures import (BITS_DASH, FORMAT_NAMES, METHOD_COLORS, METHOD_LABELS, OKABE_ITO, _layout,
-                                 _width_symbol)
+from kvviz.plots.style import (BITS_DASH, FORMAT_NAMES, METHOD_COLORS, METHOD_LABELS, OKABE_ITO, layout,
+                                 width_symbol)
 
 X_TITLES = {"memory_ratio": "memory ratio (compressed / 16-bit cache bytes)",
             "budget": "cache budget (share of the prompt's tokens)"}
@@ -49,7 +49,7 @@ def frontier_figure(fr: Frontier, x_column: str = "memory_ratio", log_x: bool = 
                 error_y=dict(type="data", array=g["half"], visible=True, thickness=1.2, width=4),
                 line=dict(color=METHOD_COLORS.get(method, OKABE_ITO["grey"]), width=1.5 if bound else 2,
                           dash="dot" if bound else BITS_DASH.get(bits, "solid") if fmt == "int" else "solid"),
-                marker=dict(symbol=_width_symbol(bits, fmt), size=9, color=METHOD_COLORS.get(method, OKABE_ITO["grey"])),
+                marker=dict(symbol=width_symbol(bits, fmt), size=9, color=METHOD_COLORS.get(method, OKABE_ITO["grey"])),
                 customdata=g[["cell", "budget", "n", "half"]].to_numpy(),
                 hovertemplate=(f"<b>{name}</b>, {width}<br>budget %{{customdata[1]:.3g}}<br>x %{{x:.3f}}<br>"
                                f"{fr.label} %{{y:.4f}} ± %{{customdata[3]:.4f}} (95% t, N = %{{customdata[2]}} "
@@ -61,14 +61,14 @@ def frontier_figure(fr: Frontier, x_column: str = "memory_ratio", log_x: bool = 
             bits, fmt = int(w["bits"]), w.get("format", "int")
             fig.add_scatter(x=[None], y=[None], mode="markers", name=_width(bits, fmt), legendgroup="bits",
                             legendgrouptitle_text="bit width",
-                            marker=dict(symbol=_width_symbol(bits, fmt), size=9, color=OKABE_ITO["grey"]))
+                            marker=dict(symbol=width_symbol(bits, fmt), size=9, color=OKABE_ITO["grey"]))
         if fr.front:
             best = pts.loc[fr.front].sort_values("x")
             fig.add_scatter(x=best["x"], y=best["mean"], mode="lines", name="Pareto frontier (real policies, means)",
                             line=dict(color=OKABE_ITO["black"], width=4, dash="dash"), opacity=0.5, hoverinfo="skip")
     better = "higher is better" if fr.higher_is_better else "lower is better"
     n = int(pts["n"].max()) if len(pts) else 0
-    fig = _layout(fig, title, X_TITLES.get(x_column, x_column) + (", log scale" if log_x else ""),
+    fig = layout(fig, title, X_TITLES.get(x_column, x_column) + (", log scale" if log_x else ""),
                   f"{fr.label} — {better}", height=540,
                   subtitle=f"mean over {n} {fr.replicates}; error bars: 95% t-interval for the mean")
     fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.16, xanchor="left", x=0.0), margin=dict(b=130))
