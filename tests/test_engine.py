@@ -6,7 +6,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvviz import SCORERS, Spec, SpecError, View, compare, keep_masks
+from kvviz.engine import REASONS
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from test_quant import _reference as reference_quantize   # DESIGN section 4's formulas, a group at a time
 
 SMALL = SyntheticSpec(context=96, steps=12, layers=2, q_heads=4, kv_heads=2, head_dim=48,
                       n_anchors=4, n_shift_tokens=2, outlier_channels=2)
@@ -383,3 +385,291 @@ def test_context_attention_chunks_are_causal_softmax_rows():
     assert trimmed.shape == (t.n_q_heads, 3, 41)
     np.testing.assert_array_equal(trimmed, next(ctx.context_attention(rows=rows))[1][..., :41])
     assert next(ctx.context_attention())[1].shape == (t.n_q_heads, c, c)    # every context row, every key
+
+
+# --- every row against DESIGN's formulas, recomputed in plain numpy (mutation testing, issue #25) ------
+
+LN2 = np.log(2.0)
+
+
+def _reference_row(t, spec, layer, head, qi, kept, whole=False):
+    """One row from DESIGN section 4 alone, in float64: a = softmax(q.K^T / sqrt(d)) over tokens 0..p; the
+    kept tokens' keys / values quantized by the plain-loop quantizer over the compacted kept cache (or,
+    whole=True, Quest's: over the whole cache, then read), or logits + sigma eps for the noise model;
+    a_hat = softmax over the kept tokens; o = a V, o_hat = a_hat V_hat; the metrics by their definitions."""
+    p = int(t.query_positions[qi])
+    n, g, d = p + 1, head // t.group_size, t.head_dim
+    idx = np.flatnonzero(kept[:n])
+    q = t.q[layer, head, qi].astype(np.float64)
+    logits = t.k[layer, g, :n].astype(np.float64) @ q / np.sqrt(d)
+    a = np.exp(logits - logits.max())
+    a /= a.sum()
+
+    def hat(x, bits, axis):                               # the stored (quantized) rows of the kept tokens
+        if spec.quant_model != "kv" or bits >= 16:
+            return x[idx].astype(np.float64)
+        part = x if whole else x[idx]
+        return reference_quantize(part, bits, axis, spec.group_size, spec.residual, spec.symmetric,
+                                  spec.zero_point, spec.partial)[idx if whole else slice(None)].astype(np.float64)
+
+    kept_logits = hat(t.k[layer, g, :n], spec.key_bits, spec.key_axis) @ q / np.sqrt(d)
+    if spec.quant_model == "noise":
+        if t.noise_eps is not None and spec.seed == 0:
+            eps = t.noise_eps[:n]
+        else:
+            eps = np.random.default_rng([spec.seed, layer, head, p]).standard_normal(n)
+        kept_logits = logits[idx] + spec.noise_sigma * eps[idx]
+    a_hat = np.zeros(n)
+    e = np.exp(kept_logits - kept_logits.max())
+    a_hat[idx] = e / e.sum()
+    mass = a[idx].sum()
+    kl = float(np.sum(a_hat[idx] * np.log(a_hat[idx] / a[idx])))
+    mid = (a + a_hat) / 2
+    js = 0.5 * np.sum(a * np.log(a / mid)) + 0.5 * np.sum(a_hat[idx] * np.log(a_hat[idx] / mid[idx]))
+    metrics = dict(mass_retained=mass, tv_distance=0.5 * np.abs(a_hat - a).sum(),
+                   tv_quantization=0.5 * np.abs(a_hat[idx] - a[idx] / mass).sum() if spec.quantizes else 0.0,
+                   kl=kl, kl_forward=np.inf if len(idx) < n else float(np.sum(a * np.log(a / a_hat))),
+                   js=js, max_abs_error=np.abs(a_hat - a).max(), output_rel_error=None, output_cosine=None)
+    out = out_hat = None
+    if t.v is not None:
+        v = t.v[layer, g, :n].astype(np.float64)
+        out, out_hat = a @ v, a_hat[idx] @ hat(t.v[layer, g, :n], spec.value_bits, spec.value_axis)
+        metrics["output_rel_error"] = np.linalg.norm(out_hat - out) / np.linalg.norm(out)
+        metrics["output_cosine"] = out @ out_hat / (np.linalg.norm(out) * np.linalg.norm(out_hat))
+    return a, a_hat, out, out_hat, metrics
+
+
+def _reason_names(kept, spec):
+    """DESIGN's reasons: the first sink tokens, the last recent ones, heavy hitters, evicted; all kept: no eviction."""
+    n = len(kept)
+    if not spec.evicts:
+        return ["kept (no eviction)"] * n
+    return ["sink" if i < spec.sink else "recent" if i >= n - spec.recent else
+            "heavy hitter" if kept[i] else "evicted" for i in range(n)]
+
+
+def _check_row(t, spec, row, kept, whole=False, tol=2e-5):
+    a, a_hat, out, out_hat, metrics = _reference_row(t, spec, row.layer, row.head, row.query, kept, whole)
+    assert row.kv_head == row.head // t.group_size and row.position == t.query_positions[row.query]
+    np.testing.assert_array_equal(row.kept, kept)
+    assert [REASONS[int(r)] for r in row.reason] == _reason_names(kept, spec)
+    np.testing.assert_allclose(row.original, a, rtol=tol, atol=1e-9)
+    np.testing.assert_allclose(row.compressed, a_hat, rtol=tol, atol=1e-9)
+    np.testing.assert_allclose(row.error, a_hat - a, rtol=tol, atol=1e-8)
+    if out is None:
+        assert row.out_original is None and row.out_compressed is None
+    else:
+        np.testing.assert_allclose(row.out_original, out, rtol=tol, atol=1e-6)
+        np.testing.assert_allclose(row.out_compressed, out_hat, rtol=tol, atol=1e-6)
+    got = row.metrics.as_dict()
+    assert got.keys() == metrics.keys()
+    for key, want in metrics.items():
+        if want is None or want == np.inf:
+            assert got[key] == want, key
+        else:
+            assert got[key] == pytest.approx(want, rel=1e-3, abs=1e-7), key
+
+
+def _select_reference(scores, sink, recent, heavy):
+    """DESIGN's budget rule for one row of scores: first sink, last recent, the top heavy of the rest
+    (ties: the earlier token)."""
+    n = len(scores)
+    keep = np.zeros(n, bool)
+    keep[:sink] = True
+    keep[max(0, n - recent):] = True
+    rest = [i for i in range(n) if not keep[i]]
+    keep[sorted(rest, key=lambda i: (-scores[i], i))[:heavy]] = True
+    return keep
+
+
+def _attention(t, layer, head, qi):
+    p = int(t.query_positions[qi])
+    x = t.k[layer, head // t.group_size, : p + 1].astype(np.float64) @ t.q[layer, head, qi].astype(np.float64)
+    x /= np.sqrt(t.head_dim)
+    return np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+
+
+def _oracle_kept(t, spec, layer, qi):
+    """The oracle's kept mask per KV head: the top of the group's summed attention (DESIGN's `oracle`)."""
+    g = t.group_size
+    return np.stack([_select_reference(sum(_attention(t, layer, h, qi) for h in range(kv * g, kv * g + g)),
+                                       spec.sink, spec.recent, spec.heavy) for kv in range(t.n_kv_heads)])
+
+
+def _quest_reads(t, spec, layer, qi):
+    """Quest per query head: every token carries its page's bound U = sum_d max(q_d m_d, q_d M_d) over the
+    page's keys (pages of page_size tokens from 0); each head reads its top pages (quest.py's docstring)."""
+    p = int(t.query_positions[qi])
+    reads = []
+    for h in range(t.n_q_heads):
+        k = t.k[layer, h // t.group_size, : p + 1].astype(np.float64)
+        q = t.q[layer, h, qi].astype(np.float64)
+        score = np.empty(p + 1)
+        for start in range(0, p + 1, spec.page_size):
+            page = k[start: start + spec.page_size]
+            score[start: start + spec.page_size] = np.maximum(q * page.min(axis=0), q * page.max(axis=0)).sum()
+        reads.append(_select_reference(score, spec.sink, spec.recent, spec.heavy))
+    return np.stack(reads)
+
+
+KIVI = dict(key_bits=2, value_bits=3, group_size=8, residual=5)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(sink=3, recent=6, heavy=9, scorer="oracle", **KIVI),           # evict, then quantize the kept cache
+    dict(sink=3, recent=6, heavy=9, scorer="oracle"),                   # eviction alone: V read as stored
+    dict(key_bits=3, value_bits=16, group_size=6, key_axis="token"),    # keys only, nothing evicted
+    dict(key_bits=16, value_bits=2, group_size=4, symmetric=False, zero_point="int", partial="quantize"),
+    dict(sink=2, recent=4, heavy=7, scorer="oracle", quant_model="noise", noise_sigma=0.3, seed=4),
+    dict(quant_model="noise", noise_sigma=0.5),                         # seed 0, a source with no draw
+], ids=["oracle-kivi", "oracle", "keys", "values", "oracle-noise", "noise"])
+@pytest.mark.parametrize("step", [2, 11])
+def test_every_row_is_the_design_formulas(trace, settings, step):
+    """Every member of a heads ensemble (both KV heads batched) against _reference_row, the kept set
+    against the oracle's definition; kept_at_query, read_masks and kept_counts say the same."""
+    from kvviz.engine import kept_at_query, kept_counts, read_masks
+
+    spec = Spec(**settings)
+    c = compare(trace, spec, View(layer=1, head=1, step=step, ensemble="heads"))
+    qi = int(trace.evaluated_queries[step])
+    n = int(trace.query_positions[qi]) + 1
+    kept = _oracle_kept(trace, spec, 1, qi) if spec.evicts else np.ones((trace.n_kv_heads, n), bool)
+    assert [r.head for r in c.members] == [1, 2, 3, 0]
+    for row in c.members:
+        _check_row(trace, spec, row, kept[row.head // trace.group_size])
+    np.testing.assert_array_equal(kept_at_query(trace, spec, 1, qi), kept)
+    np.testing.assert_array_equal(read_masks(trace, spec, 1, qi), np.repeat(kept, trace.group_size, axis=0))
+    counts = kept_counts(trace, spec, qi)
+    assert counts.dtype == np.int64 and counts.shape == (trace.n_layers, trace.n_kv_heads)
+    assert counts.tolist() == [[int(min(spec.budget, n)) if spec.evicts else n] * trace.n_kv_heads] * trace.n_layers
+
+
+@pytest.mark.parametrize("bits", [16, 3])
+def test_quest_rows_read_their_own_pages_of_the_whole_cache(trace, bits):
+    """Quest per query head: each row's kept set is its own top pages, and its keys / values are read
+    from the whole cache quantized as stored (not a compacted cache of its reads)."""
+    from kvviz.engine import kept_at_query, kept_counts, read_masks
+
+    spec = Spec(sink=2, recent=5, heavy=16, scorer="quest", page_size=8, key_bits=bits, value_bits=bits,
+                group_size=8, residual=3)
+    qi = int(trace.evaluated_queries[4])
+    reads = _quest_reads(trace, spec, 0, qi)
+    c = compare(trace, spec, View(layer=0, head=2, step=4, ensemble="heads"))
+    assert not np.array_equal(reads[0], reads[1]) and not np.array_equal(reads[2], reads[3])  # own pages
+    for row in c.members:
+        _check_row(trace, spec, row, reads[row.head], whole=True)
+    np.testing.assert_array_equal(read_masks(trace, spec, 0, qi), reads)
+    union = reads.reshape(trace.n_kv_heads, trace.group_size, -1).any(axis=1)
+    np.testing.assert_array_equal(kept_at_query(trace, spec, 0, qi), union)
+    assert kept_counts(trace, spec, qi)[0].tolist() == union.sum(axis=1).tolist()
+
+
+def test_adakv_rows_of_ragged_caches_each_quantize_their_own(trace):
+    """AdaKV: KV heads of different sizes are evaluated one at a time, each over its own compacted cache."""
+    from kvviz.engine import kept_at_query
+
+    spec = Spec(sink=2, recent=6, heavy=20, scorer="snapkv", allocation="adakv", **KIVI)
+    c = compare(trace, spec, View(layer=1, head=0, ensemble="heads"))
+    kept = kept_at_query(trace, spec, 1, int(trace.evaluated_queries[-1]))
+    assert kept.sum(axis=1)[0] != kept.sum(axis=1)[1]          # ragged here
+    for row in c.members:
+        _check_row(trace, spec, row, kept[row.kv_head])
+
+
+def test_noise_model_draws_the_sources_eps_at_seed_0_and_seeded_normals_otherwise():
+    """The handbook's noise draw (DESIGN: legacy seed 42, the 64 normals after the logits') at seed 0;
+    at another seed default_rng([seed, layer, head, position])'s normals, on the source's own logits."""
+    from kvviz.sources.handbook import handbook_trace
+
+    t = handbook_trace()
+    legacy = np.random.RandomState(42)
+    legacy.randn(1, 64)
+    for seed, eps in ((0, legacy.randn(64)), (3, np.random.default_rng([3, 0, 0, 63]).standard_normal(64))):
+        row = compare(t, Spec(quant_model="noise", noise_sigma=0.7, seed=seed)).primary
+        x = t.logits[0, 0, 0].astype(np.float64) + 0.7 * eps
+        np.testing.assert_allclose(row.compressed, np.exp(x - x.max()) / np.exp(x - x.max()).sum(), rtol=1e-12)
+
+
+def test_seed_members_from_another_trace_take_its_step_at_the_same_index(trace):
+    """A seed ensemble whose source draws a trace per seed: each member is evaluated on its own trace at the
+    primary's step index, the last step where that trace has fewer; the spread covers only what each sees."""
+    others = {r: make_synthetic(SMALL.with_(seed=r, steps=6)) for r in (1, 2)}
+    spec = Spec(key_bits=3, value_bits=3, group_size=8)
+    for step, want in ((3, 3), (9, 5)):
+        c = compare(trace, spec, View(step=step, ensemble="seeds", ensemble_size=3), trace_for_seed=others.get)
+        assert [m.query for m in c.members] == [int(trace.evaluated_queries[step])] + \
+            [int(others[r].evaluated_queries[want]) for r in (1, 2)]
+        for r, row in zip((1, 2), c.members[1:]):
+            _check_row(others[r], spec.with_(seed=r), row, np.ones(row.position + 1, bool))
+        n = c.primary.position + 1
+        errors = np.full((3, n), np.nan)
+        for i, m in enumerate(c.members):
+            errors[i, : len(m.error)] = m.error
+        np.testing.assert_allclose(c.spread.mean, np.nanmean(errors, axis=0), atol=1e-15)
+        assert c.spread.n.tolist() == (~np.isnan(errors)).sum(axis=0).tolist()
+
+
+def test_evaluate_row_decides_as_compare_does(trace):
+    """evaluate_row alone: a history policy's mask at that query, the oracle's from it, none without eviction."""
+    from kvviz import evaluate_row
+
+    qi = int(trace.evaluated_queries[7])
+    p = int(trace.query_positions[qi])
+    for spec in (Spec(sink=2, recent=5, heavy=9, scorer="h2o", **KIVI), Spec(sink=2, recent=5, heavy=9,
+                 scorer="oracle", **KIVI), Spec(**KIVI)):
+        row = evaluate_row(trace, spec, 1, 3, qi)
+        if spec.scorer == "oracle":
+            kept = _oracle_kept(trace, spec, 1, qi)[1]
+        elif spec.evicts:
+            kept = keep_masks(trace, spec, 1, [p])[0, 1, : p + 1]
+            assert kept.sum() == spec.budget
+        else:
+            kept = np.ones(p + 1, bool)
+        _check_row(trace, spec, row, kept)
+
+
+def test_to_json_holds_every_field_of_the_comparison(trace):
+    from scipy import stats
+
+    spec = Spec(sink=3, recent=6, heavy=9, scorer="oracle", **KIVI)
+    c = compare(trace, spec, View(layer=1, head=2, step=5, ensemble="heads", ensemble_size=3))
+    got = c.to_json()
+    qi = int(trace.evaluated_queries[5])
+    n = int(trace.query_positions[qi]) + 1
+    kept = _oracle_kept(trace, spec, 1, qi)[1]
+    a, a_hat, *_ = _reference_row(trace, spec, 1, 2, qi, kept)
+    errors = np.stack([m.error for m in c.members])
+    mean, std = errors.mean(axis=0), errors.std(axis=0, ddof=1)
+    half = stats.t.ppf(0.975, 2) * std / np.sqrt(3)
+    assert got["source"] == "synthetic" and got["spec"] == spec.__dict__ and got["notes"] == []
+    assert (got["layer"], got["head"], got["kv_head"], got["position"]) == (1, 2, 1, n - 1)
+    assert (got["ensemble"], got["ensemble_members"]) == ("heads", 3)
+    assert got["tokens"] == list(trace.tokens[:n]) and got["kept"] == kept.tolist()
+    assert got["reason"] == _reason_names(kept, spec)
+    for key, want in (("original", a), ("compressed", a_hat), ("error", a_hat - a), ("error_mean", mean),
+                      ("error_std_sample", std), ("error_ci95_lo", mean - half), ("error_ci95_hi", mean + half),
+                      ("error_min", errors.min(axis=0)), ("error_max", errors.max(axis=0))):
+        assert isinstance(got[key], list) and len(got[key]) == n, key
+        np.testing.assert_allclose(got[key], want, rtol=2e-5, atol=1e-9, err_msg=key)
+    assert got["metrics"] == {**c.primary.metrics.as_dict(), "kv_bytes": c.memory.kv_bytes,
+                              "kv_bytes_full": c.memory.kv_bytes_full, "compression_ratio":
+                              c.memory.compression_ratio, "memory_ratio": c.memory.ratio, "kept_tokens": 18,
+                              "total_tokens": n, "kv_bytes_read": c.memory.bytes_read}
+    for key, value in got["metrics_mean"].items():
+        assert value == pytest.approx(np.mean([getattr(m.metrics, key) for m in c.members]), rel=1e-12), key
+    assert got["metrics_mean"]["kl_forward"] == np.inf
+
+
+def test_head_grid_is_each_rows_metric(trace):
+    from kvviz.engine import head_grid
+
+    spec = Spec(sink=2, recent=4, heavy=5, scorer="oracle", **KIVI)
+    qi = int(trace.evaluated_queries[-1])
+    grid = head_grid(trace, spec, metric="js")
+    for layer in range(trace.n_layers):
+        kept = _oracle_kept(trace, spec, layer, qi)
+        for head in range(trace.n_q_heads):
+            want = _reference_row(trace, spec, layer, head, qi, kept[head // trace.group_size])[4]["js"]
+            assert grid[layer, head] == pytest.approx(want, rel=1e-3), (layer, head)
+    with pytest.raises(SpecError, match="unknown metric 'nope'"):
+        head_grid(trace, spec, metric="nope")
