@@ -578,7 +578,8 @@ def test_quest_rows_read_their_own_pages_of_the_whole_cache(trace, bits):
     np.testing.assert_array_equal(read_masks(trace, spec, 0, qi), reads)
     union = reads.reshape(trace.n_kv_heads, trace.group_size, -1).any(axis=1)
     np.testing.assert_array_equal(kept_at_query(trace, spec, 0, qi), union)
-    assert kept_counts(trace, spec, qi)[0].tolist() == union.sum(axis=1).tolist()
+    counts = kept_counts(trace, spec, qi)
+    assert counts.dtype == np.int64 and counts[0].tolist() == union.sum(axis=1).tolist()
 
 
 def test_adakv_rows_of_ragged_caches_each_quantize_their_own(trace):
@@ -651,6 +652,10 @@ def test_to_json_holds_every_field_of_the_comparison(trace):
     spec = Spec(sink=3, recent=6, heavy=9, scorer="oracle", **KIVI)
     c = compare(trace, spec, View(layer=1, head=2, step=5, ensemble="heads", ensemble_size=3))
     got = c.to_json()
+    assert sorted(got) == sorted(["source", "spec", "layer", "head", "kv_head", "position", "ensemble",
+                                  "ensemble_members", "tokens", "original", "compressed", "kept", "reason", "error",
+                                  "error_mean", "error_std_sample", "error_ci95_lo", "error_ci95_hi", "error_min",
+                                  "error_max", "metrics", "metrics_mean", "notes"])
     qi = int(trace.evaluated_queries[5])
     n = int(trace.query_positions[qi]) + 1
     kept = _oracle_kept(trace, spec, 1, qi)[1]
@@ -729,3 +734,17 @@ def test_hf_residual_keeps_the_tokens_since_the_last_flush_exact(trace, step):
     v_hat = _stored(trace.v[0][rows, where], spec, 1, step % 4 + 1)
     for row in c.members:
         _check_row(trace, spec, row, kept[row.kv_head], stored=(k_hat[row.kv_head], v_hat[row.kv_head]))
+
+
+def test_a_sources_own_noise_draw_is_cut_to_the_tokens_each_query_sees(trace):
+    """A source with its own draw (one per position): at seed 0 every head of a query reads its first p + 1
+    values, at an earlier step too; at another seed the seeded normals."""
+    import dataclasses
+
+    drawn = dataclasses.replace(trace, noise_eps=np.random.default_rng(7).standard_normal(trace.n_positions))
+    for seed in (0, 2):
+        spec = Spec(sink=2, recent=4, heavy=7, scorer="oracle", quant_model="noise", noise_sigma=0.4, seed=seed)
+        c = compare(drawn, spec, View(layer=0, head=0, step=3, ensemble="heads"))
+        kept = _oracle_kept(drawn, spec, 0, c.primary.query)
+        for row in c.members:
+            _check_row(drawn, spec, row, kept[row.kv_head])
