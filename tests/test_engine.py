@@ -468,6 +468,7 @@ def _reason_names(kept, spec):
 def _check_row(t, spec, row, kept, whole=False, tol=2e-5, stored=None):
     a, a_hat, out, out_hat, metrics = _reference_row(t, spec, row.layer, row.head, row.query, kept, whole, stored)
     assert row.kv_head == row.head // t.group_size and row.position == t.query_positions[row.query]
+    assert row.kept.dtype == bool
     np.testing.assert_array_equal(row.kept, kept)
     assert [REASONS[int(r)] for r in row.reason] == _reason_names(kept, spec)
     np.testing.assert_allclose(row.original, a, rtol=tol, atol=1e-9)
@@ -554,7 +555,9 @@ def test_every_row_is_the_design_formulas(trace, settings, step):
     assert [r.head for r in c.members] == [1, 2, 3, 0]
     for row in c.members:
         _check_row(trace, spec, row, kept[row.head // trace.group_size])
-    np.testing.assert_array_equal(kept_at_query(trace, spec, 1, qi), kept)
+    held = kept_at_query(trace, spec, 1, qi)
+    assert held.dtype == bool and held.shape == (trace.n_kv_heads, n)
+    np.testing.assert_array_equal(held, kept)
     np.testing.assert_array_equal(read_masks(trace, spec, 1, qi), np.repeat(kept, trace.group_size, axis=0))
     counts = kept_counts(trace, spec, qi)
     assert counts.dtype == np.int64 and counts.shape == (trace.n_layers, trace.n_kv_heads)
@@ -630,6 +633,7 @@ def test_seed_members_from_another_trace_take_its_step_at_the_same_index(trace):
 def test_evaluate_row_decides_as_compare_does(trace):
     """evaluate_row alone: a history policy's mask at that query, the oracle's from it, none without eviction."""
     from kvviz import evaluate_row
+    from kvviz.engine import kept_at_query
 
     qi = int(trace.evaluated_queries[7])
     p = int(trace.query_positions[qi])
@@ -641,6 +645,8 @@ def test_evaluate_row_decides_as_compare_does(trace):
         elif spec.evicts:
             kept = keep_masks(trace, spec, 1, [p])[0, 1, : p + 1]
             assert kept.sum() == spec.budget
+            held = kept_at_query(trace, spec, 1, qi)
+            assert held.shape == (trace.n_kv_heads, p + 1) and held[1].tolist() == kept.tolist()
         else:
             kept = np.ones(p + 1, bool)
         _check_row(trace, spec, row, kept)
@@ -748,3 +754,46 @@ def test_a_sources_own_noise_draw_is_cut_to_the_tokens_each_query_sees(trace):
         kept = _oracle_kept(drawn, spec, 0, c.primary.query)
         for row in c.members:
             _check_row(drawn, spec, row, kept[row.kv_head])
+
+
+def test_oracle_asked_for_its_masks_first_computes_every_heads_attention():
+    """kept_at_query / read_masks before any row: the oracle computes every query head's attention itself,
+    and the shared decision it caches cannot be written to."""
+    from kvviz.engine import kept_at_query, read_masks
+
+    t = make_synthetic(SMALL.with_(seed=11))                  # a fresh trace: nothing cached for it
+    spec = Spec(sink=2, recent=5, heavy=9, scorer="oracle")
+    qi = int(t.evaluated_queries[6])
+    held = kept_at_query(t, spec, 1, qi)
+    np.testing.assert_array_equal(held, _oracle_kept(t, spec, 1, qi))
+    assert not held.flags.writeable
+    np.testing.assert_array_equal(read_masks(t, spec, 0, qi), np.repeat(_oracle_kept(t, spec, 0, qi), 2, axis=0))
+
+
+def test_formats_path_quantizes_only_the_tensors_the_spec_and_the_source_have(trace):
+    """Rotated keys with values at 16 bits, and a source with no values: keys quantized, nothing else."""
+    import dataclasses
+
+    spec = Spec(sink=3, recent=6, heavy=9, scorer="oracle", key_bits=3, value_bits=16, group_size=8, residual=2,
+                rotate="keys-values")
+    no_values = dataclasses.replace(trace, v=None)
+    for t, s in ((trace, spec), (no_values, spec.with_(value_bits=2))):
+        c = compare(t, s, View(layer=1, head=2, step=8, ensemble="heads"))
+        kept = _oracle_kept(t, s, 1, c.primary.query)
+        where = np.stack([np.flatnonzero(k) for k in kept])
+        k_hat = _stored(t.k[1][np.arange(2)[:, None], where], s, 0, 2, rotated=True)
+        for row in c.members:
+            v_kept = None if t.v is None else t.v[1, row.kv_head, where[row.kv_head]]
+            _check_row(t, s, row, kept[row.kv_head], stored=(k_hat[row.kv_head], v_kept))
+
+
+def test_head_grid_covers_more_heads_than_the_default_ensemble():
+    from kvviz.engine import head_grid
+
+    t = make_synthetic(SMALL.with_(q_heads=10, kv_heads=2, context=40, steps=2))
+    spec = Spec(key_bits=2, value_bits=2, group_size=8)                 # nothing evicted: every token kept
+    grid = head_grid(t, spec, step=0, metric="tv_distance")
+    qi = int(t.evaluated_queries[0])
+    kept = np.ones(int(t.query_positions[qi]) + 1, bool)
+    want = [[_reference_row(t, spec, layer, h, qi, kept)[4]["tv_distance"] for h in range(10)] for layer in (0, 1)]
+    np.testing.assert_allclose(grid, want, rtol=1e-3)
