@@ -585,6 +585,21 @@ def test_quest_rows_read_their_own_pages_of_the_whole_cache(trace, bits):
     assert counts.dtype == np.int64 and counts[0].tolist() == union.sum(axis=1).tolist()
 
 
+def test_quest_under_adakv_reads_a_different_number_of_tokens_per_query_head(trace):
+    """Quest per query head with AdaKV's budget spread: rows read different numbers of tokens (evaluated one
+    at a time), each its own reads as the policy gives them, from the whole cache quantized as stored."""
+    from kvviz.policies import ScoreContext, get_policy
+
+    spec = Spec(sink=2, recent=5, heavy=16, scorer="quest", page_size=8, allocation="adakv", **KIVI)
+    qi = int(trace.evaluated_queries[4])
+    n = int(trace.query_positions[qi]) + 1
+    reads = get_policy("quest").query_reads(None, ScoreContext(trace, 0, spec), query=trace.q[0, :, qi],
+                                            keys=trace.k[0, :, :n])
+    assert len(set(reads.sum(axis=1).tolist())) > 1                      # ragged
+    for row in compare(trace, spec, View(layer=0, head=2, step=4, ensemble="heads")).members:
+        _check_row(trace, spec, row, reads[row.head], whole=True)
+
+
 def test_adakv_rows_of_ragged_caches_each_quantize_their_own(trace):
     """AdaKV: KV heads of different sizes are evaluated one at a time, each over its own compacted cache."""
     from kvviz.engine import kept_at_query
