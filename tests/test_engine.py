@@ -648,7 +648,7 @@ def test_seed_members_from_another_trace_take_its_step_at_the_same_index(trace):
 def test_evaluate_row_decides_as_compare_does(trace):
     """evaluate_row alone: a history policy's mask at that query, the oracle's from it, none without eviction."""
     from kvviz import evaluate_row
-    from kvviz.engine import kept_at_query
+    from kvviz.engine import kept_at_query, read_masks
 
     qi = int(trace.evaluated_queries[7])
     p = int(trace.query_positions[qi])
@@ -662,6 +662,7 @@ def test_evaluate_row_decides_as_compare_does(trace):
             assert kept.sum() == spec.budget
             held = kept_at_query(trace, spec, 1, qi)
             assert held.shape == (trace.n_kv_heads, p + 1) and held[1].tolist() == kept.tolist()
+            np.testing.assert_array_equal(read_masks(trace, spec, 1, qi), np.repeat(held, trace.group_size, axis=0))
         else:
             kept = np.ones(p + 1, bool)
         _check_row(trace, spec, row, kept)
@@ -783,6 +784,8 @@ def test_oracle_asked_for_its_masks_first_computes_every_heads_attention():
     np.testing.assert_array_equal(held, _oracle_kept(t, spec, 1, qi))
     assert not held.flags.writeable
     np.testing.assert_array_equal(read_masks(t, spec, 0, qi), np.repeat(_oracle_kept(t, spec, 0, qi), 2, axis=0))
+    everything = read_masks(t, Spec(scorer="oracle"), 0, qi)                 # no budget: nothing evicted
+    assert everything.shape == (t.n_q_heads, int(t.query_positions[qi]) + 1) and everything.all()
 
 
 def test_formats_path_quantizes_only_the_tensors_the_spec_and_the_source_have(trace):
@@ -800,6 +803,13 @@ def test_formats_path_quantizes_only_the_tensors_the_spec_and_the_source_have(tr
         for row in c.members:
             v_kept = None if t.v is None else t.v[1, row.kv_head, where[row.kv_head]]
             _check_row(t, s, row, kept[row.kv_head], stored=(k_hat[row.kv_head], v_kept))
+    fp8_values = spec.with_(key_bits=16, rotate="none", value_format="e4m3")      # keys exact, values FP8
+    c = compare(trace, fp8_values, View(layer=1, head=2, step=8, ensemble="heads"))
+    kept = _oracle_kept(trace, spec, 1, c.primary.query)
+    for row in c.members:
+        a_hat = _reference_row(trace, Spec(sink=3, recent=6, heavy=9), 1, row.head, row.query, kept[row.kv_head])[1]
+        np.testing.assert_allclose(row.compressed, a_hat, rtol=2e-5, atol=1e-9)
+        assert row.metrics.output_rel_error > 0                              # the values were quantized
 
 
 def test_head_grid_covers_more_heads_than_the_default_ensemble():
