@@ -173,8 +173,16 @@ _RECOMPUTED = ("the oracle recomputes the attention of heads it was given instea
 EQUIVALENT.update({
     **_same("per_layer is a list of Python ints: np.array makes it int64 without the dtype", _ENG,
             "kept_counts__mutmut_30", "kept_counts__mutmut_32"),
-    _ENG + "evaluate_rows__mutmut_3": "a fresh quantized-cache dict on every call: the same K_hat / V_hat computed "
-                                      "again (the shared dict only saves the work)",
+    **_same("a fresh quantized-cache dict (on every call, or for the ragged one-head calls): the same K_hat / "
+            "V_hat computed again (the shared dict only saves the work)", _ENG,
+            *(f"evaluate_rows__mutmut_{n}" for n in (3, 71, 87, 94))),
+    _ENG + "evaluate_rows__mutmut_128": "p None for Quest's whole cache: p enters only the cache key on this path "
+                                        "(formats, which read p, are refused for Quest per query head), and the "
+                                        "key's hash of arange(n) already tells the queries apart",
+    _ENG + "evaluate_rows__mutmut_236": "o_hat by the first branch when tokens are evicted and V is stored exact: "
+                                        "compressed is p_kept on the kept tokens and 0 elsewhere, so compressed . V "
+                                        "= p_kept . V_kept (the zeros add nothing); with nothing evicted and nothing "
+                                        "quantized the elif branch reads V at every position: the same product",
     **_same("heads arrive as a list of Python ints (compare, evaluate_row) or a slice of this int array (the "
             "ragged recursion): int64 without the dtype", _ENG, "evaluate_rows__mutmut_7", "evaluate_rows__mutmut_9"),
     **_same(_RECOMPUTED, _ENG, "evaluate_rows__mutmut_36", "_query_kept__mutmut_18", "_query_kept__mutmut_28"),
@@ -186,6 +194,8 @@ EQUIVALENT.update({
             "int heads", _ENG, "_query_kept__mutmut_20", "_query_kept__mutmut_22"),
     _ENG + "_query_kept__mutmut_50": "query_reads(None, ...): Quest, the one policy with its own reads, ranks by "
                                      "the query and keys and never reads the attention",
+    _ENG + "_query_kept__mutmut_57": "query_kept where query_reads gave reads: Policy.query_kept returns their "
+                                     "group_union itself (base.py), the mask the engine would build",
     _ENG + "_query_kept__mutmut_73": "name None: the key (query, eviction_key) already names the scorer, and no "
                                      "other score-cache entry has a None name",
     **_same("kept masks are False past the query (a token that has not arrived is never kept; checked for every "
