@@ -540,7 +540,13 @@ KIVI = dict(key_bits=2, value_bits=3, group_size=8, residual=5)
     dict(key_bits=16, value_bits=2, group_size=4, symmetric=False, zero_point="int", partial="quantize"),
     dict(sink=2, recent=4, heavy=7, scorer="oracle", quant_model="noise", noise_sigma=0.3, seed=4),
     dict(quant_model="noise", noise_sigma=0.5),                         # seed 0, a source with no draw
-], ids=["oracle-kivi", "oracle", "keys", "values", "oracle-noise", "noise"])
+    dict(quant_model="noise", noise_sigma=0.2, key_bits=3, value_bits=3),   # bits count memory only
+    dict(sink=3, recent=6, heavy=9, scorer="oracle", key_bits=3, value_bits=4, group_size=6, residual=2,
+         symmetric=True, key_axis="token", value_axis="channel"),
+    dict(sink=3, recent=6, heavy=9, scorer="oracle", key_bits=2, value_bits=3, group_size=5, zero_point="int",
+         partial="quantize"),
+], ids=["oracle-kivi", "oracle", "keys", "values", "oracle-noise", "noise", "noise-bits", "oracle-symmetric",
+        "oracle-int-zero-point"])
 @pytest.mark.parametrize("step", [2, 11])
 def test_every_row_is_the_design_formulas(trace, settings, step):
     """Every member of a heads ensemble (both KV heads batched) against _reference_row, the kept set
@@ -795,6 +801,9 @@ def test_formats_path_quantizes_only_the_tensors_the_spec_and_the_source_have(tr
     spec = Spec(sink=3, recent=6, heavy=9, scorer="oracle", key_bits=3, value_bits=16, group_size=8, residual=2,
                 rotate="keys-values")
     no_values = dataclasses.replace(trace, v=None)
+    kivi = Spec(sink=3, recent=6, heavy=9, scorer="oracle", **KIVI)                # the integer path, no values
+    for row in compare(no_values, kivi, View(layer=1, head=2, step=8, ensemble="heads")).members:
+        _check_row(no_values, kivi, row, _oracle_kept(no_values, kivi, 1, row.query)[row.kv_head])
     for t, s in ((trace, spec), (no_values, spec.with_(value_bits=2))):
         c = compare(t, s, View(layer=1, head=2, step=8, ensemble="heads"))
         kept = _oracle_kept(t, s, 1, c.primary.query)
@@ -822,3 +831,12 @@ def test_head_grid_covers_more_heads_than_the_default_ensemble():
     kept = np.ones(int(t.query_positions[qi]) + 1, bool)
     want = [[_reference_row(t, spec, layer, h, qi, kept)[4]["tv_distance"] for h in range(10)] for layer in (0, 1)]
     np.testing.assert_allclose(grid, want, rtol=1e-3)
+
+
+def test_ensemble_sizes_for_the_work_budget(trace):
+    from kvviz.engine import n_members
+
+    assert n_members(trace, View()) == 1
+    assert [n_members(trace, View(ensemble=e, ensemble_size=3)) for e in ("heads", "layers", "steps", "seeds")] \
+        == [3, 2, 3, 3]                                               # 2 layers: no more than there are
+    assert [n_members(trace, View(ensemble=e, ensemble_size=20)) for e in ("heads", "steps", "seeds")] == [4, 12, 20]
