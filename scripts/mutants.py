@@ -179,6 +179,16 @@ EQUIVALENT.update({
     _ENG + "evaluate_rows__mutmut_128": "p None for Quest's whole cache: p enters only the cache key on this path "
                                         "(formats, which read p, are refused for Quest per query head), and the "
                                         "key's hash of arange(n) already tells the queries apart",
+    _ENG + "evaluate_rows__mutmut_237": "kept_part(None, ...): the row only indexes a stored V_hat (at[None] adds "
+                                        "an axis), and here only whether it is None is asked",
+    **_same("p_kept cast to float64 instead of the trace's float32 before o_hat = p_kept . V: the same product "
+            "to float32 rounding (the cast is a speed choice; no result reads the last bits)", _ENG,
+            "evaluate_rows__mutmut_255", "evaluate_rows__mutmut_269"),
+    _ENG + "_quantized_kept__mutmut_22": "hash(None) for the kept positions: one cache serves one trace and spec "
+                                         "(compare; evaluate_row makes its own), where (layer, KV head, p), all in "
+                                         "the key, decide the kept positions (Quest's whole cache: arange(p + 1))",
+    **_same("<= for < FULL_BITS: quantize_kept at 16 bits returns a zero K delta / V unchanged (integer.py), what "
+            "skipping it gives", _ENG, "_quantized_kept__mutmut_46", "_quantized_kept__mutmut_64"),
     _ENG + "evaluate_rows__mutmut_236": "o_hat by the first branch when tokens are evicted and V is stored exact: "
                                         "compressed is p_kept on the kept tokens and 0 elsewhere, so compressed . V "
                                         "= p_kept . V_kept (the zeros add nothing); with nothing evicted and nothing "
