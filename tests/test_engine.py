@@ -840,3 +840,26 @@ def test_ensemble_sizes_for_the_work_budget(trace):
     assert [n_members(trace, View(ensemble=e, ensemble_size=3)) for e in ("heads", "layers", "steps", "seeds")] \
         == [3, 2, 3, 3]                                               # 2 layers: no more than there are
     assert [n_members(trace, View(ensemble=e, ensemble_size=20)) for e in ("heads", "steps", "seeds")] == [4, 12, 20]
+
+
+def test_compare_work_counts_what_a_comparison_holds_at_its_peak(trace):
+    """The work budget's parts, as compare_work's docstring lists them: the trace's bytes, 12 float64 arrays per
+    row and token, (evicting) the policy's inputs, attention chunks and kept masks, (seeds) the other traces."""
+    from kvviz.attention import chunk_rows
+    from kvviz.engine import compare_work
+    from kvviz.limits import Part
+
+    size = trace.q.nbytes + trace.k.nbytes + trace.v.nbytes                      # no stored logits
+    P = trace.n_positions
+    work = compare_work(trace, True, View(ensemble="seeds", ensemble_size=3), seeds=True)
+    assert (work.what, work.lower) == ("this comparison", "the ensemble size or the source's size")
+    assert work.parts == (
+        Part("the trace", ((size, "bytes"),), item_bytes=1),
+        Part("attention rows", ((3, "rows"), (P, "tokens"), (12, "arrays")), item_bytes=8),
+        Part("policy inputs", ((2, ""), (4, "query heads"), (P, "positions"), (48, "dims")), item_bytes=4),
+        Part("attention chunks", ((2, ""), (4, "query heads"), (chunk_rows(4, P), "rows"), (P, "keys")), item_bytes=4),
+        Part("kept masks", ((3, "queries"), (2, "KV heads"), (P, "positions")), item_bytes=1),
+        Part("seed traces", ((2, "more traces"), (size, "bytes")), item_bytes=1))
+    assert work.bytes == size * 3 + 3 * P * 12 * 8 + 2 * 4 * P * 48 * 4 + 2 * 4 * chunk_rows(4, P) * P * 4 + 3 * 2 * P
+    assert compare_work(trace, False, View()).parts == (work.parts[0], Part("attention rows", ((1, "rows"), (
+        P, "tokens"), (12, "arrays")), item_bytes=8))
