@@ -863,3 +863,5 @@ def test_compare_work_counts_what_a_comparison_holds_at_its_peak(trace):
     assert work.bytes == size * 3 + 3 * P * 12 * 8 + 2 * 4 * P * 48 * 4 + 2 * 4 * chunk_rows(4, P) * P * 4 + 3 * 2 * P
     assert compare_work(trace, False, View()).parts == (work.parts[0], Part("attention rows", ((1, "rows"), (
         P, "tokens"), (12, "arrays")), item_bytes=8))
+    same_trace = compare_work(trace, True, View(ensemble="seeds", ensemble_size=3))   # seeds of one trace
+    assert same_trace.parts == work.parts[:-1]
