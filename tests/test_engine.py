@@ -865,3 +865,7 @@ def test_compare_work_counts_what_a_comparison_holds_at_its_peak(trace):
         P, "tokens"), (12, "arrays")), item_bytes=8))
     same_trace = compare_work(trace, True, View(ensemble="seeds", ensemble_size=3))   # seeds of one trace
     assert same_trace.parts == work.parts[:-1]
+    two = compare_work(trace, True, View(ensemble="seeds", ensemble_size=2), seeds=True).parts
+    assert two[-1] == Part("seed traces", ((1, "more traces"), (size, "bytes")), item_bytes=1)
+    for view in (View(ensemble="seeds", ensemble_size=1), View(ensemble="heads", ensemble_size=3)):
+        assert [p.what for p in compare_work(trace, True, view, seeds=True).parts][-1] == "kept masks"
