@@ -869,3 +869,26 @@ def test_compare_work_counts_what_a_comparison_holds_at_its_peak(trace):
     assert two[-1] == Part("seed traces", ((1, "more traces"), (size, "bytes")), item_bytes=1)
     for view in (View(ensemble="seeds", ensemble_size=1), View(ensemble="heads", ensemble_size=3)):
         assert [p.what for p in compare_work(trace, True, view, seeds=True).parts][-1] == "kept masks"
+
+
+def test_ensemble_members_in_order_primary_first():
+    """heads: the next heads round; layers: the next layers round (3 layers tell + from -); steps: this step and
+    the ones before it, newest first, as many as exist; positions='cache' is refused with the reason."""
+    from kvviz.engine import ensemble_members
+
+    t = make_synthetic(SMALL.with_(layers=3, steps=5))
+    spec = Spec(key_bits=4)
+    q = [int(x) for x in t.evaluated_queries]
+
+    def members(**view):
+        return [(layer, head, qi) for _, _, layer, head, qi in ensemble_members(t, spec, View(**view), q[view["step"]])]
+    assert members(layer=1, head=3, step=2, ensemble="heads", ensemble_size=3) == [(1, 3, q[2]), (1, 0, q[2]),
+                                                                                     (1, 1, q[2])]
+    assert members(layer=1, head=2, step=2, ensemble="layers", ensemble_size=3) == [(1, 2, q[2]), (2, 2, q[2]),
+                                                                                      (0, 2, q[2])]
+    assert members(layer=0, head=0, step=3, ensemble="steps", ensemble_size=3) == [(0, 0, q[3]), (0, 0, q[2]),
+                                                                                     (0, 0, q[1])]
+    assert members(layer=0, head=0, step=1, ensemble="steps", ensemble_size=4) == [(0, 0, q[1]), (0, 0, q[0])]
+    with pytest.raises(SpecError, match=r"^re-rotating keys to their cache slots needs the model's RoPE: it applies "
+                                        r"to real-model decoding \(Model lab, kvviz eval\), not to attention traces$"):
+        compare(t, spec.with_(positions="cache"))
