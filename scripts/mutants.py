@@ -222,6 +222,8 @@ EQUIVALENT.update({
                                                  "in the key, decide the kept positions",
     **_same("quantize_tensor reads which == 'k': any other value is the values (formats.settings)", _ENG,
             *(f"_quantized_kept_formats__mutmut_{n}" for n in (49, 55, 56))),
+    _ENG + "ensemble_members__mutmut_60": "_same_step for every seed member: where the member's trace is the "
+                                          "primary's, _same_step(trace, trace, qi) is qi",
     _ENG + "head_grid__mutmut_15": "head=0 is View's default",
     _ENG + "head_grid__mutmut_19": "an ensemble of all n_q_heads heads from head 1 wraps round to every head once",
 })
