@@ -224,6 +224,11 @@ EQUIVALENT.update({
             *(f"_quantized_kept_formats__mutmut_{n}" for n in (49, 55, 56))),
     _ENG + "ensemble_members__mutmut_60": "_same_step for every seed member: where the member's trace is the "
                                           "primary's, _same_step(trace, trace, qi) is qi",
+    **_same("another order of a batch's rows (by member, by head / group size, by query: all one within a "
+            "batch): evaluate_rows takes any order, one product per run of rows of one KV head (kv_runs)", _ENG,
+            "compare__mutmut_87", "compare__mutmut_89", "compare__mutmut_90"),
+    **_same("no shared quantized-cache dict for the batch: evaluate_rows makes a fresh one and computes the same "
+            "K_hat / V_hat again", _ENG, "compare__mutmut_100", "compare__mutmut_107", "compare__mutmut_109"),
     _ENG + "head_grid__mutmut_15": "head=0 is View's default",
     _ENG + "head_grid__mutmut_19": "an ensemble of all n_q_heads heads from head 1 wraps round to every head once",
 })
