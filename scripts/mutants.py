@@ -228,7 +228,13 @@ EQUIVALENT.update({
             "batch): evaluate_rows takes any order, one product per run of rows of one KV head (kv_runs)", _ENG,
             "compare__mutmut_87", "compare__mutmut_89", "compare__mutmut_90"),
     **_same("no shared quantized-cache dict for the batch: evaluate_rows makes a fresh one and computes the same "
-            "K_hat / V_hat again", _ENG, "compare__mutmut_100", "compare__mutmut_107", "compare__mutmut_109"),
+            "K_hat / V_hat again", _ENG, *(f"compare__mutmut_{n}" for n in (100, 107, 109, 111))),
+    **_same("the spread as if some member saw fewer tokens (complete None / False): the rows are copied into a "
+            "NaN-filled array, no NaN is left, and spread's NaN-aware path gives the same mean, std and N as the "
+            "plain one (see metrics.x_spread__mutmut_15); the primary row has n tokens, so all(len != n) is False",
+            _ENG, *(f"compare__mutmut_{n}" for n in (122, 124, 165, 167))),
+    _ENG + "compare__mutmut_176": "counts passed where the budget is exact: kept_counts gives min(each layer's "
+                                  "budget, n) for every head there, what memory_for counts from the budget",
     _ENG + "head_grid__mutmut_15": "head=0 is View's default",
     _ENG + "head_grid__mutmut_19": "an ensemble of all n_q_heads heads from head 1 wraps round to every head once",
 })
