@@ -468,7 +468,7 @@ def _reason_names(kept, spec):
 def _check_row(t, spec, row, kept, whole=False, tol=2e-5, stored=None):
     a, a_hat, out, out_hat, metrics = _reference_row(t, spec, row.layer, row.head, row.query, kept, whole, stored)
     assert row.kv_head == row.head // t.group_size and row.position == t.query_positions[row.query]
-    assert row.kept.dtype == bool
+    assert row.kept.dtype == bool and row.reason.dtype == np.int8
     np.testing.assert_array_equal(row.kept, kept)
     assert [REASONS[int(r)] for r in row.reason] == _reason_names(kept, spec)
     np.testing.assert_allclose(row.original, a, rtol=tol, atol=1e-9)
@@ -913,3 +913,21 @@ def test_compare_checks_its_work_budget_counting_eviction_and_seed_traces():
             compare(t, Spec(key_bits=4), view, trace_for_seed=lambda r: t)
     finally:
         set_max_bytes(None)
+
+
+def test_views_outside_the_trace_are_refused_word_for_word(trace):
+    import dataclasses
+    from kvviz.sources.handbook import handbook_trace
+
+    for view, message in ((View(layer=2), "layer 2 does not exist: this trace has layers 0-1"),
+                          (View(head=4), "head 4 does not exist: this trace has query heads 0-3"),
+                          (View(step=12), "step 12 does not exist: this trace has 12 evaluated queries (steps 0-11)")):
+        with pytest.raises(SpecError) as info:
+            compare(trace, Spec(), view)
+        assert str(info.value) == message
+    with pytest.raises(SpecError) as info:
+        compare(handbook_trace(), Spec(), View(step=1))
+    assert str(info.value) == "step 1 does not exist: this trace has 1 evaluated query (steps 0-0)"
+    assert compare(dataclasses.replace(trace, meta={}), Spec()).to_json()["source"] == ""
+    everything_recent = compare(trace, Spec(recent=200), View(step=0)).primary     # a window past the start
+    assert [REASONS[int(r)] for r in everything_recent.reason] == ["recent"] * (trace.context_len + 1)
