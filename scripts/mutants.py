@@ -235,6 +235,7 @@ EQUIVALENT.update({
             _ENG, *(f"compare__mutmut_{n}" for n in (122, 124, 165, 167))),
     _ENG + "compare__mutmut_176": "counts passed where the budget is exact: kept_counts gives min(each layer's "
                                   "budget, n) for every head there, what memory_for counts from the budget",
+    _ENG + "reasons_for__mutmut_2": "kept.shape[+1] for shape[-1]: every caller passes (rows, n) masks",
     _ENG + "head_grid__mutmut_15": "head=0 is View's default",
     _ENG + "head_grid__mutmut_19": "an ensemble of all n_q_heads heads from head 1 wraps round to every head once",
 })
