@@ -6,7 +6,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvviz import SCORERS, Spec, SpecError, View, compare, keep_masks
+from kvviz.engine import REASONS
+from kvviz.quant.rotation import rotate, unrotate
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from test_quant import _reference as reference_quantize   # DESIGN section 4's formulas, a group at a time
 
 SMALL = SyntheticSpec(context=96, steps=12, layers=2, q_heads=4, kv_heads=2, head_dim=48,
                       n_anchors=4, n_shift_tokens=2, outlier_channels=2)
@@ -383,3 +386,548 @@ def test_context_attention_chunks_are_causal_softmax_rows():
     assert trimmed.shape == (t.n_q_heads, 3, 41)
     np.testing.assert_array_equal(trimmed, next(ctx.context_attention(rows=rows))[1][..., :41])
     assert next(ctx.context_attention())[1].shape == (t.n_q_heads, c, c)    # every context row, every key
+
+
+# --- every row against DESIGN's formulas, recomputed in plain numpy (mutation testing, issue #25) ------
+
+LN2 = np.log(2.0)
+
+
+def _reference_row(t, spec, layer, head, qi, kept, whole=False, stored=None):
+    """One row from DESIGN section 4 alone, in float64: a = softmax(q.K^T / sqrt(d)) over tokens 0..p; the
+    kept tokens' keys / values quantized by the plain-loop quantizer over the compacted kept cache (or,
+    whole=True, Quest's: over the whole cache, then read), or logits + sigma eps for the noise model;
+    a_hat = softmax over the kept tokens; o = a V, o_hat = a_hat V_hat; the metrics by their definitions.
+    stored: (K_hat, V_hat) of the kept tokens where the caller quantized them itself."""
+    p = int(t.query_positions[qi])
+    n, g, d = p + 1, head // t.group_size, t.head_dim
+    idx = np.flatnonzero(kept[:n])
+    q = t.q[layer, head, qi].astype(np.float64)
+    logits = t.k[layer, g, :n].astype(np.float64) @ q / np.sqrt(d)
+    a = np.exp(logits - logits.max())
+    a /= a.sum()
+
+    def hat(x, which):                                    # the stored (quantized) rows of the kept tokens
+        if stored is not None:
+            return stored[which].astype(np.float64)
+        bits, axis = (spec.key_bits, spec.key_axis) if which == 0 else (spec.value_bits, spec.value_axis)
+        if spec.quant_model != "kv" or bits >= 16:
+            return x[idx].astype(np.float64)
+        part = x if whole else x[idx]
+        return reference_quantize(part, bits, axis, spec.group_size, spec.residual, spec.symmetric,
+                                  spec.zero_point, spec.partial)[idx if whole else slice(None)].astype(np.float64)
+
+    kept_logits = hat(t.k[layer, g, :n], 0) @ q / np.sqrt(d)
+    if spec.quant_model == "noise":
+        if t.noise_eps is not None and spec.seed == 0:
+            eps = t.noise_eps[:n]
+        else:
+            eps = np.random.default_rng([spec.seed, layer, head, p]).standard_normal(n)
+        kept_logits = logits[idx] + spec.noise_sigma * eps[idx]
+    a_hat = np.zeros(n)
+    e = np.exp(kept_logits - kept_logits.max())
+    a_hat[idx] = e / e.sum()
+    mass = a[idx].sum()
+    kl = float(np.sum(a_hat[idx] * np.log(a_hat[idx] / a[idx])))
+    mid = (a + a_hat) / 2
+    js = 0.5 * np.sum(a * np.log(a / mid)) + 0.5 * np.sum(a_hat[idx] * np.log(a_hat[idx] / mid[idx]))
+    metrics = dict(mass_retained=mass, tv_distance=0.5 * np.abs(a_hat - a).sum(),
+                   tv_quantization=0.5 * np.abs(a_hat[idx] - a[idx] / mass).sum() if spec.quantizes else 0.0,
+                   kl=kl, kl_forward=np.inf if len(idx) < n else float(np.sum(a * np.log(a / a_hat))),
+                   js=js, max_abs_error=np.abs(a_hat - a).max(), output_rel_error=None, output_cosine=None)
+    out = out_hat = None
+    if t.v is not None:
+        v = t.v[layer, g, :n].astype(np.float64)
+        out, out_hat = a @ v, a_hat[idx] @ hat(t.v[layer, g, :n], 1)
+        metrics["output_rel_error"] = np.linalg.norm(out_hat - out) / np.linalg.norm(out)
+        metrics["output_cosine"] = out @ out_hat / (np.linalg.norm(out) * np.linalg.norm(out_hat))
+    return a, a_hat, out, out_hat, metrics
+
+
+def _stored(x, spec, which, residual, rotated=False):
+    """A layer's kept keys (which 0) or values (1), x (kv_heads, m, D), as the formats path stores them:
+    the plain-loop quantizer per head on all but the last `residual` tokens, in the Hadamard basis when
+    rotated; in the trace's float32, as the engine quantizes (a float64 copy rounds a few ties otherwise)."""
+    bits, axis = (spec.key_bits, spec.key_axis) if which == 0 else (spec.value_bits, spec.value_axis)
+    n = x.shape[1] - residual
+    y = rotate(x[:, :n]) if rotated else x[:, :n]
+    q = np.stack([reference_quantize(h, bits, axis, spec.group_size, 0, spec.symmetric, spec.zero_point,
+                                     spec.partial) for h in y])
+    return np.concatenate([unrotate(q) if rotated else q, x[:, n:]], axis=1)
+
+
+def _reason_names(kept, spec):
+    """DESIGN's reasons: the first sink tokens, the last recent ones, heavy hitters, evicted; all kept: no eviction."""
+    n = len(kept)
+    if not spec.evicts:
+        return ["kept (no eviction)"] * n
+    return ["sink" if i < spec.sink else "recent" if i >= n - spec.recent else
+            "heavy hitter" if kept[i] else "evicted" for i in range(n)]
+
+
+def _check_row(t, spec, row, kept, whole=False, tol=2e-5, stored=None):
+    a, a_hat, out, out_hat, metrics = _reference_row(t, spec, row.layer, row.head, row.query, kept, whole, stored)
+    assert row.kv_head == row.head // t.group_size and row.position == t.query_positions[row.query]
+    assert row.kept.dtype == bool and row.reason.dtype == np.int8
+    np.testing.assert_array_equal(row.kept, kept)
+    assert [REASONS[int(r)] for r in row.reason] == _reason_names(kept, spec)
+    np.testing.assert_allclose(row.original, a, rtol=tol, atol=1e-9)
+    np.testing.assert_allclose(row.compressed, a_hat, rtol=tol, atol=1e-9)
+    np.testing.assert_allclose(row.error, a_hat - a, rtol=0, atol=tol * max(a.max(), a_hat.max()))  # a difference
+    if out is None:
+        assert row.out_original is None and row.out_compressed is None
+    else:
+        np.testing.assert_allclose(row.out_original, out, rtol=tol, atol=1e-6)
+        np.testing.assert_allclose(row.out_compressed, out_hat, rtol=tol, atol=1e-6)
+    got = row.metrics.as_dict()
+    assert got.keys() == metrics.keys()
+    for key, want in metrics.items():
+        if want is None or want == np.inf:
+            assert got[key] == want, key
+        else:
+            assert got[key] == pytest.approx(want, rel=1e-3, abs=1e-7), key
+
+
+def _select_reference(scores, sink, recent, heavy):
+    """DESIGN's budget rule for one row of scores: first sink, last recent, the top heavy of the rest
+    (ties: the earlier token)."""
+    n = len(scores)
+    keep = np.zeros(n, bool)
+    keep[:sink] = True
+    keep[max(0, n - recent):] = True
+    rest = [i for i in range(n) if not keep[i]]
+    keep[sorted(rest, key=lambda i: (-scores[i], i))[:heavy]] = True
+    return keep
+
+
+def _attention(t, layer, head, qi):
+    p = int(t.query_positions[qi])
+    x = t.k[layer, head // t.group_size, : p + 1].astype(np.float64) @ t.q[layer, head, qi].astype(np.float64)
+    x /= np.sqrt(t.head_dim)
+    return np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+
+
+def _oracle_kept(t, spec, layer, qi):
+    """The oracle's kept mask per KV head: the top of the group's summed attention (DESIGN's `oracle`)."""
+    g = t.group_size
+    return np.stack([_select_reference(sum(_attention(t, layer, h, qi) for h in range(kv * g, kv * g + g)),
+                                       spec.sink, spec.recent, spec.heavy) for kv in range(t.n_kv_heads)])
+
+
+def _quest_reads(t, spec, layer, qi):
+    """Quest per query head: every token carries its page's bound U = sum_d max(q_d m_d, q_d M_d) over the
+    page's keys (pages of page_size tokens from 0); each head reads its top pages (quest.py's docstring)."""
+    p = int(t.query_positions[qi])
+    reads = []
+    for h in range(t.n_q_heads):
+        k = t.k[layer, h // t.group_size, : p + 1].astype(np.float64)
+        q = t.q[layer, h, qi].astype(np.float64)
+        score = np.empty(p + 1)
+        for start in range(0, p + 1, spec.page_size):
+            page = k[start: start + spec.page_size]
+            score[start: start + spec.page_size] = np.maximum(q * page.min(axis=0), q * page.max(axis=0)).sum()
+        reads.append(_select_reference(score, spec.sink, spec.recent, spec.heavy))
+    return np.stack(reads)
+
+
+KIVI = dict(key_bits=2, value_bits=3, group_size=8, residual=5)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(sink=3, recent=6, heavy=9, scorer="oracle", **KIVI),           # evict, then quantize the kept cache
+    dict(sink=3, recent=6, heavy=9, scorer="oracle"),                   # eviction alone: V read as stored
+    dict(key_bits=3, value_bits=16, group_size=6, key_axis="token"),    # keys only, nothing evicted
+    dict(key_bits=16, value_bits=2, group_size=4, symmetric=False, zero_point="int", partial="quantize"),
+    dict(sink=2, recent=4, heavy=7, scorer="oracle", quant_model="noise", noise_sigma=0.3, seed=4),
+    dict(quant_model="noise", noise_sigma=0.5),                         # seed 0, a source with no draw
+    dict(quant_model="noise", noise_sigma=0.2, key_bits=3, value_bits=3),   # bits count memory only
+    dict(sink=3, recent=6, heavy=9, scorer="oracle", key_bits=3, value_bits=4, group_size=6, residual=2,
+         symmetric=True, key_axis="token", value_axis="channel"),
+    dict(sink=3, recent=6, heavy=9, scorer="oracle", key_bits=2, value_bits=3, group_size=5, zero_point="int",
+         partial="quantize"),
+], ids=["oracle-kivi", "oracle", "keys", "values", "oracle-noise", "noise", "noise-bits", "oracle-symmetric",
+        "oracle-int-zero-point"])
+@pytest.mark.parametrize("step", [2, 11])
+def test_every_row_is_the_design_formulas(trace, settings, step):
+    """Every member of a heads ensemble (both KV heads batched) against _reference_row, the kept set
+    against the oracle's definition; kept_at_query, read_masks and kept_counts say the same."""
+    from kvviz.engine import kept_at_query, kept_counts, read_masks
+
+    spec = Spec(**settings)
+    c = compare(trace, spec, View(layer=1, head=1, step=step, ensemble="heads"))
+    qi = int(trace.evaluated_queries[step])
+    n = int(trace.query_positions[qi]) + 1
+    kept = _oracle_kept(trace, spec, 1, qi) if spec.evicts else np.ones((trace.n_kv_heads, n), bool)
+    assert [r.head for r in c.members] == [1, 2, 3, 0]
+    for row in c.members:
+        _check_row(trace, spec, row, kept[row.head // trace.group_size])
+    held = kept_at_query(trace, spec, 1, qi)
+    assert held.dtype == bool and held.shape == (trace.n_kv_heads, n)
+    np.testing.assert_array_equal(held, kept)
+    np.testing.assert_array_equal(read_masks(trace, spec, 1, qi), np.repeat(kept, trace.group_size, axis=0))
+    counts = kept_counts(trace, spec, qi)
+    assert counts.dtype == np.int64 and counts.shape == (trace.n_layers, trace.n_kv_heads)
+    assert counts.tolist() == [[int(min(spec.budget, n)) if spec.evicts else n] * trace.n_kv_heads] * trace.n_layers
+
+
+@pytest.mark.parametrize("bits", [16, 3])
+def test_quest_rows_read_their_own_pages_of_the_whole_cache(trace, bits):
+    """Quest per query head: each row's kept set is its own top pages, and its keys / values are read
+    from the whole cache quantized as stored (not a compacted cache of its reads)."""
+    from kvviz.engine import kept_at_query, kept_counts, read_masks
+
+    spec = Spec(sink=2, recent=5, heavy=16, scorer="quest", page_size=8, key_bits=bits, value_bits=bits,
+                group_size=8, residual=3)
+    qi = int(trace.evaluated_queries[4])
+    reads = _quest_reads(trace, spec, 0, qi)
+    c = compare(trace, spec, View(layer=0, head=2, step=4, ensemble="heads"))
+    assert not np.array_equal(reads[0], reads[1]) and not np.array_equal(reads[2], reads[3])  # own pages
+    for row in c.members:
+        _check_row(trace, spec, row, reads[row.head], whole=True)
+    np.testing.assert_array_equal(read_masks(trace, spec, 0, qi), reads)
+    union = reads.reshape(trace.n_kv_heads, trace.group_size, -1).any(axis=1)
+    np.testing.assert_array_equal(kept_at_query(trace, spec, 0, qi), union)
+    counts = kept_counts(trace, spec, qi)
+    assert counts.dtype == np.int64 and counts[0].tolist() == union.sum(axis=1).tolist()
+
+
+def test_quest_under_adakv_reads_a_different_number_of_tokens_per_query_head(trace):
+    """Quest per query head with AdaKV's budget spread: rows read different numbers of tokens (evaluated one
+    at a time), each its own reads as the policy gives them, from the whole cache quantized as stored."""
+    from kvviz.policies import ScoreContext, get_policy
+
+    spec = Spec(sink=2, recent=5, heavy=16, scorer="quest", page_size=8, allocation="adakv", **KIVI)
+    qi = int(trace.evaluated_queries[4])
+    n = int(trace.query_positions[qi]) + 1
+    reads = get_policy("quest").query_reads(None, ScoreContext(trace, 0, spec), query=trace.q[0, :, qi],
+                                            keys=trace.k[0, :, :n])
+    assert len(set(reads.sum(axis=1).tolist())) > 1                      # ragged
+    for row in compare(trace, spec, View(layer=0, head=2, step=4, ensemble="heads")).members:
+        _check_row(trace, spec, row, reads[row.head], whole=True)
+
+
+def test_adakv_rows_of_ragged_caches_each_quantize_their_own(trace):
+    """AdaKV: KV heads of different sizes are evaluated one at a time, each over its own compacted cache."""
+    from kvviz.engine import kept_at_query
+
+    spec = Spec(sink=2, recent=6, heavy=20, scorer="snapkv", allocation="adakv", **KIVI)
+    c = compare(trace, spec, View(layer=1, head=0, ensemble="heads"))
+    kept = kept_at_query(trace, spec, 1, int(trace.evaluated_queries[-1]))
+    assert kept.sum(axis=1)[0] != kept.sum(axis=1)[1]          # ragged here
+    for row in c.members:
+        _check_row(trace, spec, row, kept[row.kv_head])
+
+
+def test_noise_model_draws_the_sources_eps_at_seed_0_and_seeded_normals_otherwise():
+    """The handbook's noise draw (DESIGN: legacy seed 42, the 64 normals after the logits') at seed 0;
+    at another seed default_rng([seed, layer, head, position])'s normals, on the source's own logits."""
+    from kvviz.sources.handbook import handbook_trace
+
+    t = handbook_trace()
+    legacy = np.random.RandomState(42)
+    legacy.randn(1, 64)
+    for seed, eps in ((0, legacy.randn(64)), (3, np.random.default_rng([3, 0, 0, 63]).standard_normal(64))):
+        row = compare(t, Spec(quant_model="noise", noise_sigma=0.7, seed=seed)).primary
+        x = t.logits[0, 0, 0].astype(np.float64) + 0.7 * eps
+        np.testing.assert_allclose(row.compressed, np.exp(x - x.max()) / np.exp(x - x.max()).sum(), rtol=1e-12)
+
+
+def test_seed_members_from_another_trace_take_its_step_at_the_same_index(trace):
+    """A seed ensemble whose source draws a trace per seed: each member is evaluated on its own trace at the
+    primary's step index, the last step where that trace has fewer; the spread covers only what each sees."""
+    others = {r: make_synthetic(SMALL.with_(seed=r, steps=6)) for r in (1, 2)}
+    spec = Spec(key_bits=3, value_bits=3, group_size=8)
+    for step, want in ((3, 3), (9, 5)):
+        c = compare(trace, spec, View(step=step, ensemble="seeds", ensemble_size=3), trace_for_seed=others.get)
+        assert [m.query for m in c.members] == [int(trace.evaluated_queries[step])] + \
+            [int(others[r].evaluated_queries[want]) for r in (1, 2)]
+        for r, row in zip((1, 2), c.members[1:]):
+            _check_row(others[r], spec.with_(seed=r), row, np.ones(row.position + 1, bool))
+        n = c.primary.position + 1
+        errors = np.full((3, n), np.nan)
+        for i, m in enumerate(c.members):
+            errors[i, : len(m.error)] = m.error
+        np.testing.assert_allclose(c.spread.mean, np.nanmean(errors, axis=0), atol=1e-15)
+        assert c.spread.n.tolist() == (~np.isnan(errors)).sum(axis=0).tolist()
+
+
+def test_evaluate_row_decides_as_compare_does(trace):
+    """evaluate_row alone: a history policy's mask at that query, the oracle's from it, none without eviction."""
+    from kvviz import evaluate_row
+    from kvviz.engine import kept_at_query, read_masks
+
+    qi = int(trace.evaluated_queries[7])
+    p = int(trace.query_positions[qi])
+    for spec in (Spec(sink=2, recent=5, heavy=9, scorer="h2o", **KIVI), Spec(sink=2, recent=5, heavy=9,
+                 scorer="oracle", **KIVI), Spec(**KIVI)):
+        row = evaluate_row(trace, spec, 1, 3, qi)
+        if spec.scorer == "oracle":
+            kept = _oracle_kept(trace, spec, 1, qi)[1]
+        elif spec.evicts:
+            kept = keep_masks(trace, spec, 1, [p])[0, 1, : p + 1]
+            assert kept.sum() == spec.budget
+            held = kept_at_query(trace, spec, 1, qi)
+            assert held.shape == (trace.n_kv_heads, p + 1) and held[1].tolist() == kept.tolist()
+            np.testing.assert_array_equal(read_masks(trace, spec, 1, qi), np.repeat(held, trace.group_size, axis=0))
+        else:
+            kept = np.ones(p + 1, bool)
+        _check_row(trace, spec, row, kept)
+
+
+def test_to_json_holds_every_field_of_the_comparison(trace):
+    from scipy import stats
+
+    spec = Spec(sink=3, recent=6, heavy=9, scorer="oracle", **KIVI)
+    c = compare(trace, spec, View(layer=1, head=2, step=5, ensemble="heads", ensemble_size=3))
+    got = c.to_json()
+    assert c.view == View(layer=1, head=2, step=5, ensemble="heads", ensemble_size=3) and c.spec == spec
+    assert sorted(got) == sorted(["source", "spec", "layer", "head", "kv_head", "position", "ensemble",
+                                  "ensemble_members", "tokens", "original", "compressed", "kept", "reason", "error",
+                                  "error_mean", "error_std_sample", "error_ci95_lo", "error_ci95_hi", "error_min",
+                                  "error_max", "metrics", "metrics_mean", "notes"])
+    qi = int(trace.evaluated_queries[5])
+    n = int(trace.query_positions[qi]) + 1
+    kept = _oracle_kept(trace, spec, 1, qi)[1]
+    a, a_hat, *_ = _reference_row(trace, spec, 1, 2, qi, kept)
+    errors = np.stack([m.error for m in c.members])
+    mean, std = errors.mean(axis=0), errors.std(axis=0, ddof=1)
+    half = stats.t.ppf(0.975, 2) * std / np.sqrt(3)
+    assert got["source"] == "synthetic" and got["spec"] == spec.__dict__ and got["notes"] == []
+    assert (got["layer"], got["head"], got["kv_head"], got["position"]) == (1, 2, 1, n - 1)
+    assert (got["ensemble"], got["ensemble_members"]) == ("heads", 3)
+    assert got["tokens"] == list(trace.tokens[:n]) and got["kept"] == kept.tolist()
+    assert got["reason"] == _reason_names(kept, spec)
+    for key, want in (("original", a), ("compressed", a_hat), ("error", a_hat - a), ("error_mean", mean),
+                      ("error_std_sample", std), ("error_ci95_lo", mean - half), ("error_ci95_hi", mean + half),
+                      ("error_min", errors.min(axis=0)), ("error_max", errors.max(axis=0))):
+        assert isinstance(got[key], list) and len(got[key]) == n, key
+        np.testing.assert_allclose(got[key], want, rtol=2e-5, atol=1e-9, err_msg=key)
+    assert got["metrics"] == {**c.primary.metrics.as_dict(), "kv_bytes": c.memory.kv_bytes,
+                              "kv_bytes_full": c.memory.kv_bytes_full, "compression_ratio":
+                              c.memory.compression_ratio, "memory_ratio": c.memory.ratio, "kept_tokens": 18,
+                              "total_tokens": n, "kv_bytes_read": c.memory.bytes_read}
+    for key, value in got["metrics_mean"].items():
+        assert value == pytest.approx(np.mean([getattr(m.metrics, key) for m in c.members]), rel=1e-12), key
+    assert got["metrics_mean"]["kl_forward"] == np.inf
+
+
+def test_head_grid_is_each_rows_metric(trace):
+    from kvviz.engine import head_grid
+
+    spec = Spec(sink=2, recent=4, heavy=5, scorer="oracle", **KIVI)
+    qi = int(trace.evaluated_queries[-1])
+    grid = head_grid(trace, spec, metric="js")
+    for layer in range(trace.n_layers):
+        kept = _oracle_kept(trace, spec, layer, qi)
+        for head in range(trace.n_q_heads):
+            want = _reference_row(trace, spec, layer, head, qi, kept[head // trace.group_size])[4]["js"]
+            assert grid[layer, head] == pytest.approx(want, rel=1e-3), (layer, head)
+    with pytest.raises(SpecError, match="unknown metric 'nope'"):
+        head_grid(trace, spec, metric="nope")
+
+
+@pytest.mark.parametrize("ensemble", ["steps", "layers"])
+def test_rows_of_other_layers_and_steps_quantize_their_own_caches(trace, ensemble):
+    """One quantized-cache store serves a comparison's batches: each (layer, query) still gets its own
+    kept keys quantized (integer path: per KV head; formats path: the layer's heads together)."""
+    for spec in (Spec(sink=3, recent=6, heavy=9, scorer="oracle", **KIVI),
+                 Spec(sink=3, recent=6, heavy=9, scorer="oracle", rotate="keys", **KIVI)):
+        c = compare(trace, spec, View(layer=1, head=3, step=10, ensemble=ensemble, ensemble_size=4))
+        assert len({(m.layer, m.query) for m in c.members}) == len(c.members) > 1
+        for row in c.members:
+            kept = _oracle_kept(trace, spec, row.layer, row.query)
+            if spec.rotate == "none":
+                _check_row(trace, spec, row, kept[row.kv_head])
+                continue
+            at = [np.flatnonzero(k) for k in kept]
+            rows = np.arange(trace.n_kv_heads)[:, None]
+            residual = min(spec.residual, len(at[0]))
+            k_hat = _stored(trace.k[row.layer][rows, np.stack(at)], spec, 0, residual, rotated=True)
+            v_hat = _stored(trace.v[row.layer][rows, np.stack(at)], spec, 1, residual)
+            _check_row(trace, spec, row, kept[row.kv_head], stored=(k_hat[row.kv_head], v_hat[row.kv_head]))
+
+
+@pytest.mark.parametrize("step", [4, 6])
+def test_hf_residual_keeps_the_tokens_since_the_last_flush_exact(trace, step):
+    """residual_mode 'hf' through the formats path: at decode step s past the prompt the tokens since the
+    last flush, (s mod r) + 1 of them, stay exact; every earlier kept token is quantized (HF QuantizedCache)."""
+    spec = Spec(sink=3, recent=6, heavy=9, scorer="oracle", key_bits=3, value_bits=2, group_size=8, residual=4,
+                residual_mode="hf")
+    c = compare(trace, spec, View(layer=0, head=0, step=step, ensemble="heads"))
+    qi = int(trace.evaluated_queries[step])
+    assert int(trace.query_positions[qi]) == trace.context_len + step
+    kept = _oracle_kept(trace, spec, 0, qi)
+    where = np.stack([np.flatnonzero(k) for k in kept])
+    rows = np.arange(trace.n_kv_heads)[:, None]
+    k_hat = _stored(trace.k[0][rows, where], spec, 0, step % 4 + 1)
+    v_hat = _stored(trace.v[0][rows, where], spec, 1, step % 4 + 1)
+    for row in c.members:
+        _check_row(trace, spec, row, kept[row.kv_head], stored=(k_hat[row.kv_head], v_hat[row.kv_head]))
+
+
+def test_a_sources_own_noise_draw_is_cut_to_the_tokens_each_query_sees(trace):
+    """A source with its own draw (one per position): at seed 0 every head of a query reads its first p + 1
+    values, at an earlier step too; at another seed the seeded normals."""
+    import dataclasses
+
+    drawn = dataclasses.replace(trace, noise_eps=np.random.default_rng(7).standard_normal(trace.n_positions))
+    for seed in (0, 2):
+        spec = Spec(sink=2, recent=4, heavy=7, scorer="oracle", quant_model="noise", noise_sigma=0.4, seed=seed)
+        c = compare(drawn, spec, View(layer=0, head=0, step=3, ensemble="heads"))
+        kept = _oracle_kept(drawn, spec, 0, c.primary.query)
+        for row in c.members:
+            _check_row(drawn, spec, row, kept[row.kv_head])
+
+
+def test_oracle_asked_for_its_masks_first_computes_every_heads_attention():
+    """kept_at_query / read_masks before any row: the oracle computes every query head's attention itself,
+    and the shared decision it caches cannot be written to."""
+    from kvviz.engine import kept_at_query, read_masks
+
+    t = make_synthetic(SMALL.with_(seed=11))                  # a fresh trace: nothing cached for it
+    spec = Spec(sink=2, recent=5, heavy=9, scorer="oracle")
+    qi = int(t.evaluated_queries[6])
+    held = kept_at_query(t, spec, 1, qi)
+    np.testing.assert_array_equal(held, _oracle_kept(t, spec, 1, qi))
+    assert not held.flags.writeable
+    np.testing.assert_array_equal(read_masks(t, spec, 0, qi), np.repeat(_oracle_kept(t, spec, 0, qi), 2, axis=0))
+    everything = read_masks(t, Spec(scorer="oracle"), 0, qi)                 # no budget: nothing evicted
+    assert everything.shape == (t.n_q_heads, int(t.query_positions[qi]) + 1) and everything.all()
+
+
+def test_formats_path_quantizes_only_the_tensors_the_spec_and_the_source_have(trace):
+    """Rotated keys with values at 16 bits, and a source with no values: keys quantized, nothing else."""
+    import dataclasses
+
+    spec = Spec(sink=3, recent=6, heavy=9, scorer="oracle", key_bits=3, value_bits=16, group_size=8, residual=2,
+                rotate="keys-values")
+    no_values = dataclasses.replace(trace, v=None)
+    kivi = Spec(sink=3, recent=6, heavy=9, scorer="oracle", **KIVI)                # the integer path, no values
+    for row in compare(no_values, kivi, View(layer=1, head=2, step=8, ensemble="heads")).members:
+        _check_row(no_values, kivi, row, _oracle_kept(no_values, kivi, 1, row.query)[row.kv_head])
+    for t, s in ((trace, spec), (no_values, spec.with_(value_bits=2))):
+        c = compare(t, s, View(layer=1, head=2, step=8, ensemble="heads"))
+        kept = _oracle_kept(t, s, 1, c.primary.query)
+        where = np.stack([np.flatnonzero(k) for k in kept])
+        k_hat = _stored(t.k[1][np.arange(2)[:, None], where], s, 0, 2, rotated=True)
+        for row in c.members:
+            v_kept = None if t.v is None else t.v[1, row.kv_head, where[row.kv_head]]
+            _check_row(t, s, row, kept[row.kv_head], stored=(k_hat[row.kv_head], v_kept))
+    fp8_values = spec.with_(key_bits=16, rotate="none", value_format="e4m3")      # keys exact, values FP8
+    c = compare(trace, fp8_values, View(layer=1, head=2, step=8, ensemble="heads"))
+    kept = _oracle_kept(trace, spec, 1, c.primary.query)
+    for row in c.members:
+        a_hat = _reference_row(trace, Spec(sink=3, recent=6, heavy=9), 1, row.head, row.query, kept[row.kv_head])[1]
+        np.testing.assert_allclose(row.compressed, a_hat, rtol=2e-5, atol=1e-9)
+        assert row.metrics.output_rel_error > 0                              # the values were quantized
+
+
+def test_head_grid_covers_more_heads_than_the_default_ensemble():
+    from kvviz.engine import head_grid
+
+    t = make_synthetic(SMALL.with_(q_heads=10, kv_heads=2, context=40, steps=2))
+    spec = Spec(key_bits=2, value_bits=2, group_size=8)                 # nothing evicted: every token kept
+    grid = head_grid(t, spec, step=0, metric="tv_distance")
+    qi = int(t.evaluated_queries[0])
+    kept = np.ones(int(t.query_positions[qi]) + 1, bool)
+    want = [[_reference_row(t, spec, layer, h, qi, kept)[4]["tv_distance"] for h in range(10)] for layer in (0, 1)]
+    np.testing.assert_allclose(grid, want, rtol=1e-3)
+
+
+def test_ensemble_sizes_for_the_work_budget(trace):
+    from kvviz.engine import n_members
+
+    assert n_members(trace, View()) == 1
+    assert [n_members(trace, View(ensemble=e, ensemble_size=3)) for e in ("heads", "layers", "steps", "seeds")] \
+        == [3, 2, 3, 3]                                               # 2 layers: no more than there are
+    assert [n_members(trace, View(ensemble=e, ensemble_size=20)) for e in ("heads", "steps", "seeds")] == [4, 12, 20]
+
+
+def test_compare_work_counts_what_a_comparison_holds_at_its_peak(trace):
+    """The work budget's parts, as compare_work's docstring lists them: the trace's bytes, 12 float64 arrays per
+    row and token, (evicting) the policy's inputs, attention chunks and kept masks, (seeds) the other traces."""
+    from kvviz.attention import chunk_rows
+    from kvviz.engine import compare_work
+    from kvviz.limits import Part
+
+    size = trace.q.nbytes + trace.k.nbytes + trace.v.nbytes                      # no stored logits
+    P = trace.n_positions
+    work = compare_work(trace, True, View(ensemble="seeds", ensemble_size=3), seeds=True)
+    assert (work.what, work.lower) == ("this comparison", "the ensemble size or the source's size")
+    assert work.parts == (
+        Part("the trace", ((size, "bytes"),), item_bytes=1),
+        Part("attention rows", ((3, "rows"), (P, "tokens"), (12, "arrays")), item_bytes=8),
+        Part("policy inputs", ((2, ""), (4, "query heads"), (P, "positions"), (48, "dims")), item_bytes=4),
+        Part("attention chunks", ((2, ""), (4, "query heads"), (chunk_rows(4, P), "rows"), (P, "keys")), item_bytes=4),
+        Part("kept masks", ((3, "queries"), (2, "KV heads"), (P, "positions")), item_bytes=1),
+        Part("seed traces", ((2, "more traces"), (size, "bytes")), item_bytes=1))
+    assert work.bytes == size * 3 + 3 * P * 12 * 8 + 2 * 4 * P * 48 * 4 + 2 * 4 * chunk_rows(4, P) * P * 4 + 3 * 2 * P
+    assert compare_work(trace, False, View()).parts == (work.parts[0], Part("attention rows", ((1, "rows"), (
+        P, "tokens"), (12, "arrays")), item_bytes=8))
+    same_trace = compare_work(trace, True, View(ensemble="seeds", ensemble_size=3))   # seeds of one trace
+    assert same_trace.parts == work.parts[:-1]
+    two = compare_work(trace, True, View(ensemble="seeds", ensemble_size=2), seeds=True).parts
+    assert two[-1] == Part("seed traces", ((1, "more traces"), (size, "bytes")), item_bytes=1)
+    for view in (View(ensemble="seeds", ensemble_size=1), View(ensemble="heads", ensemble_size=3)):
+        assert [p.what for p in compare_work(trace, True, view, seeds=True).parts][-1] == "kept masks"
+
+
+def test_ensemble_members_in_order_primary_first():
+    """heads: the next heads round; layers: the next layers round (3 layers tell + from -); steps: this step and
+    the ones before it, newest first, as many as exist; positions='cache' is refused with the reason."""
+    from kvviz.engine import ensemble_members
+
+    t = make_synthetic(SMALL.with_(layers=3, steps=5))
+    spec = Spec(key_bits=4)
+    q = [int(x) for x in t.evaluated_queries]
+
+    def members(**view):
+        return [(layer, head, qi) for _, _, layer, head, qi in ensemble_members(t, spec, View(**view), q[view["step"]])]
+    assert members(layer=1, head=3, step=2, ensemble="heads", ensemble_size=3) == [(1, 3, q[2]), (1, 0, q[2]),
+                                                                                     (1, 1, q[2])]
+    assert members(layer=1, head=2, step=2, ensemble="layers", ensemble_size=3) == [(1, 2, q[2]), (2, 2, q[2]),
+                                                                                      (0, 2, q[2])]
+    assert members(layer=0, head=0, step=3, ensemble="steps", ensemble_size=3) == [(0, 0, q[3]), (0, 0, q[2]),
+                                                                                     (0, 0, q[1])]
+    assert members(layer=0, head=0, step=1, ensemble="steps", ensemble_size=4) == [(0, 0, q[1]), (0, 0, q[0])]
+    with pytest.raises(SpecError, match=r"^re-rotating keys to their cache slots needs the model's RoPE: it applies "
+                                        r"to real-model decoding \(Model lab, kvviz eval\), not to attention traces$"):
+        compare(t, spec.with_(positions="cache"))
+
+
+def test_compare_checks_its_work_budget_counting_eviction_and_seed_traces():
+    """compare_work's estimate for this request (an ensemble of 4 seeds over 1,500 tokens): 9.8 MB plain,
+    65 MB with a policy's inputs, 37 MB with three more traces drawn per seed."""
+    from kvviz.limits import BudgetError, set_max_bytes
+
+    t = make_synthetic(SyntheticSpec(context=1500, steps=2, layers=2, q_heads=8, kv_heads=2, head_dim=64))
+    view = View(ensemble="seeds", ensemble_size=4)
+    try:
+        set_max_bytes(50_000_000)
+        compare(t, Spec(key_bits=4), view)
+        with pytest.raises(BudgetError):
+            compare(t, Spec(sink=4, recent=8, heavy=8), view)
+        set_max_bytes(20_000_000)
+        compare(t, Spec(key_bits=4), view)                           # one trace: its seeds draw no traces
+        with pytest.raises(BudgetError):
+            compare(t, Spec(key_bits=4), view, trace_for_seed=lambda r: t)
+    finally:
+        set_max_bytes(None)
+
+
+def test_views_outside_the_trace_are_refused_word_for_word(trace):
+    import dataclasses
+    from kvviz.sources.handbook import handbook_trace
+
+    for view, message in ((View(layer=2), "layer 2 does not exist: this trace has layers 0-1"),
+                          (View(head=4), "head 4 does not exist: this trace has query heads 0-3"),
+                          (View(step=12), "step 12 does not exist: this trace has 12 evaluated queries (steps 0-11)")):
+        with pytest.raises(SpecError) as info:
+            compare(trace, Spec(), view)
+        assert str(info.value) == message
+    with pytest.raises(SpecError) as info:
+        compare(handbook_trace(), Spec(), View(step=1))
+    assert str(info.value) == "step 1 does not exist: this trace has 1 evaluated query (steps 0-0)"
+    assert compare(dataclasses.replace(trace, meta={}), Spec()).to_json()["source"] == ""
+    everything_recent = compare(trace, Spec(recent=200), View(step=0)).primary     # a window past the start
+    assert [REASONS[int(r)] for r in everything_recent.reason] == ["recent"] * (trace.context_len + 1)

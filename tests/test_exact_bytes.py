@@ -82,10 +82,19 @@ def test_adakv_card_counts_each_head_not_an_even_split(trace):
     assert exact == pytest.approx(budget_ledger(trace, spec).totals["stored_bytes"], rel=1e-12)
 
 
-def test_counts_follow_the_budget_where_it_is_exact(trace):
-    spec = Spec(sink=2, recent=20, heavy=24, scorer="snapkv", allocation="pyramid")
-    qi = int(trace.evaluated_queries[-1])
+@pytest.mark.parametrize("allocation,heavy", [("pyramid", 24), ("pyramid", 60), ("uniform", 130)])
+@pytest.mark.parametrize("step", [0, -1])
+@pytest.mark.parametrize("scorer", ["snapkv", "oracle"])
+def test_counts_follow_the_budget_where_it_is_exact(trace, allocation, heavy, step, scorer):
+    """Pyramid at heavy 60: layers of 128, 82 and 37 tokens; uniform at heavy 130: a budget of 152 tokens,
+    one more than the 151 a query at step 0 has seen (it holds those 151)."""
+    spec = Spec(sink=2, recent=20, heavy=heavy, scorer=scorer, allocation=allocation)
+    qi = int(trace.evaluated_queries[step])
     counts = kept_counts(trace, spec, qi)
     masks = np.stack([kept_at_query(trace, spec, layer, qi).sum(axis=1) for layer in range(trace.n_layers)])
     assert budget_is_exact(spec)
-    assert counts.tolist() == masks.tolist()
+    assert counts.dtype == np.int64 and counts.tolist() == masks.tolist()
+    if heavy == 60:
+        assert counts[:, 0].tolist() == [128, 82, 37]
+    if heavy == 130:
+        assert counts.ravel().tolist() == [min(152, int(trace.query_positions[qi]) + 1)] * 6
