@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvviz import SCORERS, Spec, SpecError, View, compare, keep_masks
@@ -31,6 +31,7 @@ def test_no_compression_is_exact(trace):
 
 @given(sink=st.integers(0, 10), recent=st.integers(0, 40), heavy=st.integers(0, 120),
        scorer=st.sampled_from(SCORERS), head=st.integers(0, 3), step=st.integers(0, 11))
+@example(sink=0, recent=36, heavy=0, scorer="chunkkv", head=0, step=0)   # a layer keeps more whole chunks than the mean
 def test_budget_and_renormalisation(trace, sink, recent, heavy, scorer, head, step):
     if scorer in ("snapkv", "chunkkv") and recent == 0 and sink + heavy > 0:   # chunkkv pools SnapKV's votes
         with pytest.raises(SpecError, match="recent window"):   # its observation window lives there
