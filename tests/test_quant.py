@@ -343,11 +343,16 @@ def test_compile_kernel_compiles_for_float32_and_float64_caches():
 
     root = Path(__file__).resolve().parents[1]
     probe = ("from kvviz.quant import compile_kernel\n"
-             "from kvviz.quant.kernel import fake_quantize\n"
+             "from kvviz.quant.kernel import _by_token, _quantize_by_channel\n"
              "compile_kernel()\n"
-             "for sig in fake_quantize.signatures:\n"
-             "    print(sig[0].dtype, sig[1].dtype, sig[2].dtype, sig[10])\n")
+             "for name, k in (('channel', _quantize_by_channel), ('token', _by_token(32))):\n"
+             "    for sig in k.signatures:\n"
+             "        print(name, sig[0].dtype, sig[1].dtype, sig[2].dtype, sig[8])\n"
+             "print('token groups compiled', sorted(g for g in (8, 16, 32, 64) if _by_token(g).signatures))\n")
     env = {**os.environ, "PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-c", probe], cwd=root, env=env, capture_output=True, text=True,
                          check=True).stdout
-    assert {"float32 int64 int64 bool", "float64 int64 int64 bool"} <= set(out.splitlines())
+    lines = set(out.splitlines())
+    for axis in ("channel", "token"):   # the per-token kernel in KIVI's group size, the one the defaults use
+        assert {f"{axis} float32 int64 int64 bool", f"{axis} float64 int64 int64 bool"} <= lines
+    assert "token groups compiled [32]" in lines

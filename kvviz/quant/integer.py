@@ -145,12 +145,13 @@ def quantize_kept(cache: np.ndarray, heads: np.ndarray, positions: np.ndarray, b
 
 
 def compile_kernel() -> None:
-    """Compile the quantization kernel for float32 and float64 caches, or load it from
-    numba's on-disk cache (a few seconds the first time after an install or an edit)."""
+    """Compile the quantization kernels for float32 and float64 caches, or load them from
+    numba's on-disk cache (a few seconds the first time after an install or an edit): groups
+    by channel, and by token in KIVI's group size (the per-token kernel is compiled per size)."""
     for dtype in (np.float32, np.float64):
-        cache = np.zeros((1, 4, 4), dtype=dtype)
+        cache = np.zeros((1, KIVI_GROUP, KIVI_GROUP), dtype=dtype)
         for axis in ("channel", "token"):
-            quantize_kept(cache, np.zeros(1, int), np.arange(4)[None], 4, axis, 2, delta=True)
+            quantize_kept(cache, np.zeros(1, int), np.arange(KIVI_GROUP)[None], 4, axis, KIVI_GROUP, delta=True)
 
 
 def quant_step(x: np.ndarray, bits: int, axis: str = "token", group_size: int = 32,
