@@ -525,3 +525,47 @@ def test_rotation_effect_values_from_the_formulas():
     part = reference_quantize(k48, 2, "token", 32, 0, False, partial="quantize")
     assert rotation_effect(k48)["error_before"] == pytest.approx(
         np.linalg.norm(part - k48) / np.linalg.norm(k48), rel=1e-12)
+
+
+# --- the codecs' own functions, checked against the specs (mutation testing, issue #25) -------------
+
+def _sylvester(n: int) -> np.ndarray:
+    """The n x n Sylvester Hadamard matrix (n a power of two), entries +-1, from its definition entry by
+    entry: H[i, j] = (-1)^popcount(i & j)."""
+    i, j = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
+    return (-1.0) ** np.vectorize(lambda v: bin(v).count("1"))(i & j)
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3, 12, 40, 64, 96])
+def test_hadamard_is_the_block_diagonal_sylvester_matrix(dim):
+    """hadamard(dim): blocks of the Sylvester matrix of the largest power of two dividing dim (12 -> 4,
+    40 -> 8, 96 -> 32), normalised by 1/sqrt of the block size. The cache is cleared first, so the
+    matrix is built here, not taken from an earlier test."""
+    n = max(2 ** k for k in range(8) if dim % 2 ** k == 0)
+    block = _sylvester(n) / np.sqrt(n)
+    want = np.zeros((dim, dim))
+    for b in range(dim // n):
+        want[b * n:(b + 1) * n, b * n:(b + 1) * n] = block
+    hadamard.cache_clear()
+    np.testing.assert_allclose(hadamard(dim), want, rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="^the head dimension must be at least 1, got 0$"):
+        hadamard(0)
+
+
+def test_rotate_and_unrotate_keep_float_dtypes_and_read_integers_as_float64():
+    """rotate / unrotate return float32 for float32 keys and float64 for float64 ones; integer keys are
+    rotated as float64 (R cast to an integer type would be all zeros): x R and x R^T by hand."""
+    keys_f64 = np.random.default_rng(7).standard_normal((2, 5, 12))          # (U, T, D), D = 3 blocks of 4
+    r = hadamard(12)
+    for fn, matrix in ((rotate, r), (unrotate, r.T)):
+        assert fn(keys_f64).dtype == np.float64
+        np.testing.assert_allclose(fn(keys_f64), keys_f64 @ matrix, rtol=0, atol=1e-12)
+        keys_f32 = keys_f64.astype(np.float32)
+        assert fn(keys_f32).dtype == np.float32
+        np.testing.assert_allclose(fn(keys_f32), keys_f32.astype(np.float64) @ matrix, rtol=0, atol=1e-5)
+        keys_int = np.arange(2 * 5 * 12).reshape(2, 5, 12) - 50
+        assert fn(keys_int).dtype == np.float64
+        np.testing.assert_allclose(fn(keys_int), keys_int @ matrix, rtol=0, atol=1e-12)
+        keys_f16 = keys_f64.astype(np.float16)
+        assert fn(keys_f16).dtype == np.float64                               # not float32 / 64: read as float64
+        np.testing.assert_allclose(fn(keys_f16), keys_f16.astype(np.float64) @ matrix, rtol=0, atol=1e-12)
