@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ["kvviz/metrics.py", "kvviz/quant/integer.py", "kvviz/policies/select.py", "kvviz/policies/h2o.py",
            "kvviz/policies/base.py", "kvviz/quant/formats.py", "kvviz/policies/allocation.py", "kvviz/engine.py",
-           "kvviz/quant/base.py", "kvviz/quant/rotation.py"]
+           "kvviz/quant/base.py", "kvviz/quant/mxfp4.py", "kvviz/quant/rotation.py"]
 
 # Mutants that cannot change behaviour, with the reason (mutmut's names: module.function__mutmut_N).
 # A survivor that is not here is a missing test.
@@ -239,6 +239,24 @@ EQUIVALENT.update({
     _ENG + "reasons_for__mutmut_2": "kept.shape[+1] for shape[-1]: every caller passes (rows, n) masks",
     _ENG + "head_grid__mutmut_15": "head=0 is View's default",
     _ENG + "head_grid__mutmut_19": "an ensemble of all n_q_heads heads from head 1 wraps round to every head once",
+})
+
+
+# kvviz/quant/base.py, fp8.py, minifloat.py, mxfp4.py, nvfp4.py, rotation.py (base.py and rotation.py have none)
+_FP8 = "kvviz.quant.fp8.x_"
+_MF = "kvviz.quant.minifloat."
+_MX = "kvviz.quant.mxfp4.x_"
+_NV = "kvviz.quant.nvfp4.x_"
+_AS_F64 = "astype(None) is float64, the dtype given"
+_NEG = "reshape(..., -2): numpy takes any negative size as the unknown one"
+_DIV1 = "/ 1.0 for * 1.0: the same float"
+EQUIVALENT.update({
+    # mxfp4.py
+    _MX + "mxfp4_exponents__mutmut_16": "clip with no upper bound: e8m0_exponent is at most 127, so X = it - 2 is "
+                                        "at most 125",
+    _MX + "mxfp4_quantize__mutmut_15": _AS_F64,
+    _MX + "mxfp4_quantize__mutmut_27": _NEG,
+    _MX + "mxfp4_bytes__mutmut_4": _DIV1,
 })
 
 

@@ -5,6 +5,8 @@ to nearest with ties to even, scales never overflow. Rotation: orthonormal, so u
 attention is unchanged; on keys with outlier channels it helps per-token quantization.
 """
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -569,3 +571,93 @@ def test_rotate_and_unrotate_keep_float_dtypes_and_read_integers_as_float64():
         keys_f16 = keys_f64.astype(np.float16)
         assert fn(keys_f16).dtype == np.float64                               # not float32 / 64: read as float64
         np.testing.assert_allclose(fn(keys_f16), keys_f16.astype(np.float64) @ matrix, rtol=0, atol=1e-12)
+
+
+# A plain reference of the OCP formats, from their definitions alone: every finite value of a format with
+# `ebits` / `mbits` / `bias` (exponent field 0: subnormals m / 2^mbits * 2^(1 - bias)), up to its largest
+# finite value; rounding to the nearest one, ties to the one with an even mantissa m, saturating.
+SPEC_FORMATS = {"e4m3": (4, 3, 7, 448.0), "e5m2": (5, 2, 15, 57344.0), "e2m1": (2, 1, 1, 6.0)}
+
+
+def _spec_table(name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(magnitudes >= 0 sorted, whether each has an even mantissa) of the format `name`."""
+    ebits, mbits, bias, top = SPEC_FORMATS[name]
+    table = {}
+    for e in range(2 ** ebits):
+        for m in range(2 ** mbits):
+            v = m / 2 ** mbits * 2.0 ** (1 - bias) if e == 0 else (1 + m / 2 ** mbits) * 2.0 ** (e - bias)
+            if v <= top:
+                table[v] = m % 2 == 0
+    mags = np.array(sorted(table))
+    return mags, np.array([table[v] for v in mags])
+
+
+def _spec_round(x, name: str) -> np.ndarray:
+    """x rounded to the format `name` by search in its table: nearest, ties to even, saturating."""
+    mags, even = _spec_table(name)
+    x = np.asarray(x, dtype=np.float64)
+    a = np.minimum(np.abs(x), mags[-1])
+    hi = np.clip(np.searchsorted(mags, a), 1, len(mags) - 1)
+    lo = hi - 1
+    d_lo, d_hi = a - mags[lo], mags[hi] - a
+    pick = np.where(d_lo < d_hi, lo, np.where(d_hi < d_lo, hi, np.where(even[lo], lo, hi)))
+    return np.copysign(mags[pick], x)
+
+
+def _fp32_up(v: float) -> float:
+    """v as an FP32 number, the next one up where FP32 cannot hold v exactly (a scale never rounds down)."""
+    s = np.float32(v)
+    return float(np.nextafter(s, np.float32(np.inf)) if float(s) < v else s)
+
+
+def _reference_mxfp4(x: np.ndarray, block: int) -> np.ndarray:
+    """OCP MX v1.0 MXFP4, a block at a time: X = floor(log2 amax) - 2 clamped to [-127, 127] (a block of
+    zeros stays zeros), x_hat = 2^X round_e2m1(x / 2^X); the last block of a row may be short."""
+    out = np.zeros(x.shape)
+    for idx in np.ndindex(x.shape[:-1]):
+        for start in range(0, x.shape[-1], block):
+            v = x[idx][start:start + block].astype(np.float64)
+            amax = float(np.abs(v).max())
+            if amax == 0:
+                continue
+            e8m0 = min(max(math.frexp(amax)[1] - 1, -127), 127)              # floor(log2 amax), 8-bit field
+            exp = min(max(e8m0 - 2, -127), 127)
+            out[idx][start:start + block] = _spec_round(v / 2.0 ** exp, "e2m1") * 2.0 ** exp
+    return out
+
+
+def test_mxfp4_is_the_ocp_definition_block_by_block():
+    """mxfp4_quantize against the plain reference: several heads and tokens (each token's blocks have their
+    own scale), 40 channels (a full block of 32 and a short one of 8, zero-padded), magnitudes from 2^-30 to
+    2^10, one token so small (2^-128 < amax < 2^-125) that its exponent is clamped at -127, a block of zeros;
+    float32 stays float32; block 16 honoured."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 6, 40)) * 2.0 ** rng.integers(-30, 11, (2, 6, 1))   # (U, T, D)
+    x[0, 1] = rng.standard_normal(40) * 2.0 ** -127                                 # X clamped at -127
+    x[1, 2, 32:] = 0.0                                                              # the short block all zeros
+    for block in (32, 16):
+        np.testing.assert_array_equal(mxfp4_quantize(x, block), _reference_mxfp4(x, block))
+    np.testing.assert_array_equal(mxfp4_quantize(x), _reference_mxfp4(x, 32))
+    x32 = x.astype(np.float32)
+    got = mxfp4_quantize(x32)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, _reference_mxfp4(x32, 32).astype(np.float32))
+    exps = mxfp4_exponents(x)
+    assert exps.shape == (2, 6, 2, 1)                                               # (U, T, blocks, 1)
+    assert exps[0, 1, 0, 0] == -127
+
+
+def test_e8m0_exponent_is_floor_log2_clamped_to_the_8_bit_field():
+    """floor(log2 x) for x > 0, -127 (the smallest code) for x <= 0, and clamped to [-127, 127]."""
+    x = np.array([1.0, 1.5, 2.0, 0.75, 2.0 ** -126, 2.0 ** -127, 2.0 ** -200, 5e-324, 2.0 ** 127, 2.0 ** 200,
+                  0.0, -3.0])
+    want = [0, 0, 1, -1, -126, -127, -127, -127, 127, 127, -127, -127]
+    np.testing.assert_array_equal(e8m0_exponent(x), want)
+
+
+def test_mxfp4_bytes_count_a_scale_byte_for_a_short_block():
+    """Half a byte a value, one E8M0 byte a block; 40 channels are two blocks (32 + 8)."""
+    from kvviz.quant.mxfp4 import mxfp4_bytes
+    assert mxfp4_bytes(10, 40) == (200.0, 20.0)
+    assert mxfp4_bytes(10, 64) == (320.0, 20.0)
+    assert mxfp4_bytes(10, 40, block=16) == (200.0, 30.0)
