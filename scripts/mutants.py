@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ["kvviz/metrics.py", "kvviz/quant/integer.py", "kvviz/policies/select.py", "kvviz/policies/h2o.py",
            "kvviz/policies/base.py", "kvviz/quant/formats.py", "kvviz/policies/allocation.py", "kvviz/engine.py",
-           "kvviz/quant/base.py", "kvviz/quant/mxfp4.py", "kvviz/quant/rotation.py"]
+           "kvviz/quant/base.py", "kvviz/quant/fp8.py", "kvviz/quant/mxfp4.py", "kvviz/quant/rotation.py"]
 
 # Mutants that cannot change behaviour, with the reason (mutmut's names: module.function__mutmut_N).
 # A survivor that is not here is a missing test.
@@ -257,6 +257,13 @@ EQUIVALENT.update({
     _MX + "mxfp4_quantize__mutmut_15": _AS_F64,
     _MX + "mxfp4_quantize__mutmut_27": _NEG,
     _MX + "mxfp4_bytes__mutmut_4": _DIV1,
+    # fp8.py
+    **_same("the per-token amax with no initial value: differs only for a head of 0 channels (a max over an "
+            "empty channel axis)", _FP8, "fp8_scales__mutmut_38", "fp8_scales__mutmut_41"),
+    **_same("np.asarray without dtype: both callers pass float64 (fp8_scales an array, nvfp4_scales a Python "
+            "float), which asarray keeps (0 differences over 200 random tensors, both dtypes)", _FP8,
+            "fp32_at_least__mutmut_3", "fp32_at_least__mutmut_5"),
+    **_same(_AS_F64, _FP8, "fp8_scales__mutmut_49", "fp32_at_least__mutmut_14", "fp8_quantize__mutmut_5"),
 })
 
 

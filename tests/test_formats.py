@@ -661,3 +661,50 @@ def test_mxfp4_bytes_count_a_scale_byte_for_a_short_block():
     assert mxfp4_bytes(10, 40) == (200.0, 20.0)
     assert mxfp4_bytes(10, 64) == (320.0, 20.0)
     assert mxfp4_bytes(10, 40, block=16) == (200.0, 30.0)
+
+
+def _reference_fp8(x: np.ndarray, name: str, scale: str) -> tuple[np.ndarray, np.ndarray]:
+    """(x_hat, the scale of every value) of FP8 `name` with one scale per tensor, KV head or token of x
+    (U, T, D): s = amax / the format's largest value, as FP32 rounded up, 1 for a group of zeros;
+    x_hat = s * round(x / s)."""
+    top = SPEC_FORMATS[name][3]
+    groups = {"tensor": [(...,)], "head": [(u,) for u in range(x.shape[0])],
+              "token": [(u, t) for u in range(x.shape[0]) for t in range(x.shape[1])]}[scale]
+    s = np.ones(x.shape)
+    for g in groups:
+        amax = float(np.abs(x[g]).max())
+        s[g] = _fp32_up(amax / top) if amax > 0 else 1.0
+    x = x.astype(np.float64)
+    return s * _spec_round(x / s, name), s
+
+
+def test_fp8_is_the_definition_for_every_scale():
+    """fp8_quantize and fp8_scales against the plain reference, for both formats and the three scale
+    granularities: values far below 1 (so no group's amax reaches 1), heads 100x apart, a token and a
+    whole head of zeros (scale 1); the scales are FP32 and shaped to broadcast against (U, T, D)."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, 5, 24)) * np.array([1e-3, 1e-5, 1.0])[:, None, None]   # (U, T, D)
+    x[0, 2] = 0.0                                                                       # a token of zeros
+    x[2] = 0.0                                                                          # a head of zeros
+    shapes = {"tensor": (1, 1, 1), "head": (3, 1, 1), "token": (3, 5, 1)}
+    for name in ("e4m3", "e5m2"):
+        for scale in ("tensor", "head", "token"):
+            want, want_s = _reference_fp8(x, name, scale)
+            s = fp8_scales(x, {"e4m3": E4M3, "e5m2": E5M2}[name], scale)
+            assert s.dtype == np.float32 and s.shape == shapes[scale], (name, scale)
+            np.testing.assert_array_equal(np.broadcast_to(s, x.shape), want_s, err_msg=f"{name} {scale}")
+            np.testing.assert_array_equal(fp8_quantize(x, name, scale), want, err_msg=f"{name} {scale}")
+        got32 = fp8_quantize(x.astype(np.float32), name, "head")
+        assert got32.dtype == np.float32
+        np.testing.assert_array_equal(got32, _reference_fp8(x.astype(np.float32), name, "head")[0].astype(np.float32))
+        np.testing.assert_array_equal(fp8_quantize(x, name), fp8_quantize(x, name, "head"))   # the default: per head
+    assert np.all(fp8_scales(x, E4M3, "head")[2] == 1) and np.all(fp8_scales(x, E4M3, "token")[0, 2] == 1)
+
+
+def test_fp8_quantizes_a_head_with_no_tokens_and_names_the_scales():
+    """No tokens yet: an empty result (the amax of nothing is 0, scale 1), for the scales over many
+    values; an unknown scale is refused with the choices named."""
+    for scale in ("tensor", "head", "token"):
+        assert fp8_quantize(np.zeros((2, 0, 8)), "e4m3", scale).shape == (2, 0, 8)
+    with pytest.raises(ValueError, match=r"^FP8 scale must be one of \('tensor', 'head', 'token'\), got 'row'$"):
+        fp8_scales(np.ones((1, 2, 8)), E4M3, "row")
