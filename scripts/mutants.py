@@ -27,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ["kvviz/metrics.py", "kvviz/quant/integer.py", "kvviz/policies/select.py", "kvviz/policies/h2o.py",
            "kvviz/policies/base.py", "kvviz/quant/formats.py", "kvviz/policies/allocation.py", "kvviz/engine.py",
-           "kvviz/quant/base.py", "kvviz/quant/fp8.py", "kvviz/quant/mxfp4.py", "kvviz/quant/rotation.py"]
+           "kvviz/quant/base.py", "kvviz/quant/fp8.py", "kvviz/quant/mxfp4.py", "kvviz/quant/nvfp4.py",
+           "kvviz/quant/rotation.py"]
 
 # Mutants that cannot change behaviour, with the reason (mutmut's names: module.function__mutmut_N).
 # A survivor that is not here is a missing test.
@@ -264,6 +265,17 @@ EQUIVALENT.update({
             "float), which asarray keeps (0 differences over 200 random tensors, both dtypes)", _FP8,
             "fp32_at_least__mutmut_3", "fp32_at_least__mutmut_5"),
     **_same(_AS_F64, _FP8, "fp8_scales__mutmut_49", "fp32_at_least__mutmut_14", "fp8_quantize__mutmut_5"),
+    # nvfp4.py
+    **_same("padding zeros as float64 (the array becomes float64): every caller reads the blocks as float64 next "
+            "(astype, e8m0_exponent's asarray), the same values", _NV, "blocked__mutmut_13", "blocked__mutmut_15"),
+    _NV + "nvfp4_scales__mutmut_3": "the tensor amax with no initial value: differs only for an empty tensor, which "
+                                    "blocked() then cannot reshape (size 0 with an unknown axis) either way",
+    _NV + "nvfp4_quantize__mutmut_24": "2.0 for the divisor where s == 0: `out` takes 0 there, not the quotient",
+    _NV + "nvfp4_quantize__mutmut_32": "s >= 0 in `out`: where s == 0 the rounded value times 0 is +-0, equal to "
+                                       "the 0 given (safe is 1 there, so nothing divides by 0)",
+    **_same(_AS_F64, _NV, "nvfp4_scales__mutmut_17", "nvfp4_quantize__mutmut_10"),
+    **_same(_NEG, _NV, "blocked__mutmut_28", "nvfp4_quantize__mutmut_45"),
+    _NV + "nvfp4_bytes__mutmut_8": _DIV1,
 })
 
 

@@ -708,3 +708,49 @@ def test_fp8_quantizes_a_head_with_no_tokens_and_names_the_scales():
         assert fp8_quantize(np.zeros((2, 0, 8)), "e4m3", scale).shape == (2, 0, 8)
     with pytest.raises(ValueError, match=r"^FP8 scale must be one of \('tensor', 'head', 'token'\), got 'row'$"):
         fp8_scales(np.ones((1, 2, 8)), E4M3, "row")
+
+
+def _reference_nvfp4(x: np.ndarray, block: int) -> tuple[float, np.ndarray]:
+    """(s_t, x_hat) of NVFP4 on the tensor x (..., D), a block of `block` channels at a time: s_t = amax /
+    (448 * 6) as FP32 rounded up (1 for a tensor of zeros), s_b = round_e4m3(amax_block / (6 s_t)),
+    x_hat = s_t s_b round_e2m1(x / (s_t s_b)), zeros where s_b underflows to 0."""
+    amax = float(np.abs(x).max())
+    s_t = _fp32_up(amax / (448 * 6)) if amax > 0 else 1.0
+    out = np.zeros(x.shape)
+    for idx in np.ndindex(x.shape[:-1]):
+        for start in range(0, x.shape[-1], block):
+            v = x[idx][start:start + block].astype(np.float64)
+            s = float(_spec_round(np.abs(v).max() / (6 * s_t), "e4m3")) * s_t
+            out[idx][start:start + block] = s * _spec_round(v / s, "e2m1") if s > 0 else 0.0
+    return s_t, out
+
+
+def test_nvfp4_is_the_two_level_definition():
+    """nvfp4_quantize against the plain reference: a tensor whose amax is far below 1, 40 channels (blocks of
+    16, 16 and a short 8, zero-padded), blocks of 8 too; one block so small against the tensor that its E4M3
+    scale underflows to 0 (zeros, and no division by that 0 is attempted); float32 stays float32; the block
+    scales are shaped (U, T, blocks, 1)."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 4, 40)) * 2.0 ** rng.integers(-12, -2, (2, 4, 1))    # (U, T, D), amax < 1
+    x[1, 3, :16] = 1e-9                                                             # s_b underflows to 0
+    with np.errstate(divide="raise", invalid="raise"):
+        for block in (16, 8):
+            s_t, want = _reference_nvfp4(x, block)
+            np.testing.assert_array_equal(nvfp4_quantize(x, block), want, err_msg=f"block {block}")
+            assert float(nvfp4_scales(x, block)[0]) == s_t
+        assert nvfp4_scales(x)[1].shape == (2, 4, 3, 1) and nvfp4_scales(x)[1][1, 3, 0, 0] == 0
+        np.testing.assert_array_equal(nvfp4_quantize(x), _reference_nvfp4(x, 16)[1])
+        got32 = nvfp4_quantize(x.astype(np.float32))
+        assert got32.dtype == np.float32
+        np.testing.assert_array_equal(got32, _reference_nvfp4(x.astype(np.float32), 16)[1].astype(np.float32))
+        s_t, s_b = nvfp4_scales(np.zeros((2, 3, 16)))                 # a tensor of zeros: s_t 1, every s_b 0
+        assert s_t == 1 and s_t.dtype == np.float32 and np.array_equal(s_b, np.zeros((2, 3, 1, 1)))
+
+
+def test_nvfp4_bytes_count_a_scale_byte_for_a_short_block_and_nothing_for_no_tokens():
+    """Half a byte a value, one E4M3 byte a block (40 channels: 16 + 16 + 8, three blocks) and the FP32
+    tensor scale shared by the layer's KV heads; no quantized token, no bytes at all."""
+    from kvviz.quant.nvfp4 import nvfp4_bytes
+    assert nvfp4_bytes(10, 40, kv_heads=2) == (200.0, 30.0 + 2.0)
+    assert nvfp4_bytes(10, 64, kv_heads=4) == (320.0, 40.0 + 1.0)
+    assert nvfp4_bytes(0, 64, kv_heads=2) == (0.0, 0.0)
