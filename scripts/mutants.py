@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ["kvviz/metrics.py", "kvviz/quant/integer.py", "kvviz/policies/select.py", "kvviz/policies/h2o.py",
            "kvviz/policies/base.py", "kvviz/quant/formats.py", "kvviz/policies/allocation.py", "kvviz/engine.py",
-           "kvviz/quant/base.py", "kvviz/quant/fp8.py", "kvviz/quant/mxfp4.py", "kvviz/quant/nvfp4.py",
-           "kvviz/quant/rotation.py"]
+           "kvviz/quant/base.py", "kvviz/quant/fp8.py", "kvviz/quant/minifloat.py", "kvviz/quant/mxfp4.py",
+           "kvviz/quant/nvfp4.py", "kvviz/quant/rotation.py"]
 
 # Mutants that cannot change behaviour, with the reason (mutmut's names: module.function__mutmut_N).
 # A survivor that is not here is a missing test.
@@ -276,6 +276,16 @@ EQUIVALENT.update({
     **_same(_AS_F64, _NV, "nvfp4_scales__mutmut_17", "nvfp4_quantize__mutmut_10"),
     **_same(_NEG, _NV, "blocked__mutmut_28", "nvfp4_quantize__mutmut_45"),
     _NV + "nvfp4_bytes__mutmut_8": _DIV1,
+    # minifloat.py
+    _MF + "xǁMinifloatǁvalues__mutmut_4": "3^n codes for 2^n: the extra codes have exponent fields past the "
+                                         "format's, above max_value, and are dropped (the same set, slower)",
+    **_same("np.asarray without float64: on representable values (the method's domain) float16 / 32 / 64 and "
+            "integer arrays give the same exponent and step parity (checked on every value of the three formats)",
+            _MF, "xǁMinifloatǁmantissa_is_even__mutmut_4", "xǁMinifloatǁmantissa_is_even__mutmut_6"),
+    _MF + "xǁMinifloatǁmantissa_is_even__mutmut_17": _AS_F64 + ": rint gives whole numbers, whose parity % 2 reads",
+    _MF + "x_e8m0_exponent__mutmut_14": "x >= 0 inside: frexp(0) is read only where x > 0 (the outer where gives "
+                                        "-127 for x <= 0)",
+    _MF + "x_e8m0_exponent__mutmut_16": "2.0 for x <= 0 inside: the outer where gives -127 there",
 })
 
 

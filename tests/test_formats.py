@@ -754,3 +754,13 @@ def test_nvfp4_bytes_count_a_scale_byte_for_a_short_block_and_nothing_for_no_tok
     assert nvfp4_bytes(10, 40, kv_heads=2) == (200.0, 30.0 + 2.0)
     assert nvfp4_bytes(10, 64, kv_heads=4) == (320.0, 40.0 + 1.0)
     assert nvfp4_bytes(0, 64, kv_heads=2) == (0.0, 0.0)
+
+
+def test_rounding_reads_any_number_as_float64():
+    """Minifloat.round and e8m0_exponent take numbers of any type as float64: an int8 -128 (whose np.abs
+    overflows in int8) saturates like -128.0, a Python int past int64 like the float it is."""
+    ints = np.array([-128, 127, 5, 3, 0], dtype=np.int8)
+    np.testing.assert_array_equal(E2M1.round(ints), [-6, 6, 4, 3, 0])
+    np.testing.assert_array_equal(E2M1.round(ints), _spec_round(ints.astype(np.float64), "e2m1"))
+    assert E4M3.round(2 ** 200) == 448 and E5M2.round(-(2 ** 70)) == -57344
+    assert e8m0_exponent(2 ** 200) == 127 and e8m0_exponent(3) == 1
