@@ -26,7 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ["kvviz/metrics.py", "kvviz/quant/integer.py", "kvviz/policies/select.py", "kvviz/policies/h2o.py",
-           "kvviz/policies/base.py", "kvviz/quant/formats.py", "kvviz/policies/allocation.py", "kvviz/engine.py"]
+           "kvviz/policies/base.py", "kvviz/quant/formats.py", "kvviz/policies/allocation.py", "kvviz/engine.py",
+           "kvviz/quant/base.py", "kvviz/quant/fp8.py", "kvviz/quant/minifloat.py", "kvviz/quant/mxfp4.py",
+           "kvviz/quant/nvfp4.py", "kvviz/quant/rotation.py"]
 
 # Mutants that cannot change behaviour, with the reason (mutmut's names: module.function__mutmut_N).
 # A survivor that is not here is a missing test.
@@ -241,8 +243,56 @@ EQUIVALENT.update({
 })
 
 
+# kvviz/quant/base.py, fp8.py, minifloat.py, mxfp4.py, nvfp4.py, rotation.py (base.py and rotation.py have none)
+_FP8 = "kvviz.quant.fp8.x_"
+_MF = "kvviz.quant.minifloat."
+_MX = "kvviz.quant.mxfp4.x_"
+_NV = "kvviz.quant.nvfp4.x_"
+_AS_F64 = "astype(None) is float64, the dtype given"
+_NEG = "reshape(..., -2): numpy takes any negative size as the unknown one"
+_DIV1 = "/ 1.0 for * 1.0: the same float"
+EQUIVALENT.update({
+    # mxfp4.py
+    _MX + "mxfp4_exponents__mutmut_16": "clip with no upper bound: e8m0_exponent is at most 127, so X = it - 2 is "
+                                        "at most 125",
+    _MX + "mxfp4_quantize__mutmut_15": _AS_F64,
+    _MX + "mxfp4_quantize__mutmut_27": _NEG,
+    _MX + "mxfp4_bytes__mutmut_4": _DIV1,
+    # fp8.py
+    **_same("the per-token amax with no initial value: differs only for a head of 0 channels (a max over an "
+            "empty channel axis)", _FP8, "fp8_scales__mutmut_38", "fp8_scales__mutmut_41"),
+    **_same("np.asarray without dtype: both callers pass float64 (fp8_scales an array, nvfp4_scales a Python "
+            "float), which asarray keeps (0 differences over 200 random tensors, both dtypes)", _FP8,
+            "fp32_at_least__mutmut_3", "fp32_at_least__mutmut_5"),
+    **_same(_AS_F64, _FP8, "fp8_scales__mutmut_49", "fp32_at_least__mutmut_14", "fp8_quantize__mutmut_5"),
+    # nvfp4.py
+    **_same("padding zeros as float64 (the array becomes float64): every caller reads the blocks as float64 next "
+            "(astype, e8m0_exponent's asarray), the same values", _NV, "blocked__mutmut_13", "blocked__mutmut_15"),
+    _NV + "nvfp4_scales__mutmut_3": "the tensor amax with no initial value: differs only for an empty tensor, which "
+                                    "blocked() then cannot reshape (size 0 with an unknown axis) either way",
+    _NV + "nvfp4_quantize__mutmut_24": "2.0 for the divisor where s == 0: `out` takes 0 there, not the quotient",
+    _NV + "nvfp4_quantize__mutmut_32": "s >= 0 in `out`: where s == 0 the rounded value times 0 is +-0, equal to "
+                                       "the 0 given (safe is 1 there, so nothing divides by 0)",
+    **_same(_AS_F64, _NV, "nvfp4_scales__mutmut_17", "nvfp4_quantize__mutmut_10"),
+    **_same(_NEG, _NV, "blocked__mutmut_28", "nvfp4_quantize__mutmut_45"),
+    _NV + "nvfp4_bytes__mutmut_8": _DIV1,
+    # minifloat.py
+    _MF + "xǁMinifloatǁvalues__mutmut_4": "3^n codes for 2^n: the extra codes have exponent fields past the "
+                                         "format's, above max_value, and are dropped (the same set, slower)",
+    **_same("np.asarray without float64: on representable values (the method's domain) float16 / 32 / 64 and "
+            "integer arrays give the same exponent and step parity (checked on every value of the three formats)",
+            _MF, "xǁMinifloatǁmantissa_is_even__mutmut_4", "xǁMinifloatǁmantissa_is_even__mutmut_6"),
+    _MF + "xǁMinifloatǁmantissa_is_even__mutmut_17": _AS_F64 + ": rint gives whole numbers, whose parity % 2 reads",
+    _MF + "x_e8m0_exponent__mutmut_14": "x >= 0 inside: frexp(0) is read only where x > 0 (the outer where gives "
+                                        "-127 for x <= 0)",
+    _MF + "x_e8m0_exponent__mutmut_16": "2.0 for x <= 0 inside: the outer where gives -127 there",
+})
+
+
 def _mutmut(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYPOTHESIS_PROFILE": "ci", "KVVIZ_WARMUP": "0"}
+    if args[:1] == ("run",) and os.environ.get("MUTMUT_CHILDREN"):   # e.g. 1 on a shared machine
+        args = ("run", "--max-children", os.environ["MUTMUT_CHILDREN"], *args[1:])
     return subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=ROOT, env=env, text=True,
                           capture_output=True)
 

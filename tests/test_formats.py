@@ -5,6 +5,8 @@ to nearest with ties to even, scales never overflow. Rotation: orthonormal, so u
 attention is unchanged; on keys with outlier channels it helps per-token quantization.
 """
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -525,3 +527,240 @@ def test_rotation_effect_values_from_the_formulas():
     part = reference_quantize(k48, 2, "token", 32, 0, False, partial="quantize")
     assert rotation_effect(k48)["error_before"] == pytest.approx(
         np.linalg.norm(part - k48) / np.linalg.norm(k48), rel=1e-12)
+
+
+# --- the codecs' own functions, checked against the specs (mutation testing, issue #25) -------------
+
+def _sylvester(n: int) -> np.ndarray:
+    """The n x n Sylvester Hadamard matrix (n a power of two), entries +-1, from its definition entry by
+    entry: H[i, j] = (-1)^popcount(i & j)."""
+    i, j = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
+    return (-1.0) ** np.vectorize(lambda v: bin(v).count("1"))(i & j)
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3, 12, 40, 64, 96])
+def test_hadamard_is_the_block_diagonal_sylvester_matrix(dim):
+    """hadamard(dim): blocks of the Sylvester matrix of the largest power of two dividing dim (12 -> 4,
+    40 -> 8, 96 -> 32), normalised by 1/sqrt of the block size. The cache is cleared first, so the
+    matrix is built here, not taken from an earlier test."""
+    n = max(2 ** k for k in range(8) if dim % 2 ** k == 0)
+    block = _sylvester(n) / np.sqrt(n)
+    want = np.zeros((dim, dim))
+    for b in range(dim // n):
+        want[b * n:(b + 1) * n, b * n:(b + 1) * n] = block
+    hadamard.cache_clear()
+    np.testing.assert_allclose(hadamard(dim), want, rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="^the head dimension must be at least 1, got 0$"):
+        hadamard(0)
+
+
+def test_rotate_and_unrotate_keep_float_dtypes_and_read_integers_as_float64():
+    """rotate / unrotate return float32 for float32 keys and float64 for float64 ones; integer keys are
+    rotated as float64 (R cast to an integer type would be all zeros): x R and x R^T by hand."""
+    keys_f64 = np.random.default_rng(7).standard_normal((2, 5, 12))          # (U, T, D), D = 3 blocks of 4
+    r = hadamard(12)
+    for fn, matrix in ((rotate, r), (unrotate, r.T)):
+        assert fn(keys_f64).dtype == np.float64
+        np.testing.assert_allclose(fn(keys_f64), keys_f64 @ matrix, rtol=0, atol=1e-12)
+        keys_f32 = keys_f64.astype(np.float32)
+        assert fn(keys_f32).dtype == np.float32
+        np.testing.assert_allclose(fn(keys_f32), keys_f32.astype(np.float64) @ matrix, rtol=0, atol=1e-5)
+        keys_int = np.arange(2 * 5 * 12).reshape(2, 5, 12) - 50
+        assert fn(keys_int).dtype == np.float64
+        np.testing.assert_allclose(fn(keys_int), keys_int @ matrix, rtol=0, atol=1e-12)
+        keys_f16 = keys_f64.astype(np.float16)
+        assert fn(keys_f16).dtype == np.float64                               # not float32 / 64: read as float64
+        np.testing.assert_allclose(fn(keys_f16), keys_f16.astype(np.float64) @ matrix, rtol=0, atol=1e-12)
+
+
+# A plain reference of the OCP formats, from their definitions alone: every finite value of a format with
+# `ebits` / `mbits` / `bias` (exponent field 0: subnormals m / 2^mbits * 2^(1 - bias)), up to its largest
+# finite value; rounding to the nearest one, ties to the one with an even mantissa m, saturating.
+SPEC_FORMATS = {"e4m3": (4, 3, 7, 448.0), "e5m2": (5, 2, 15, 57344.0), "e2m1": (2, 1, 1, 6.0)}
+
+
+def _spec_table(name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(magnitudes >= 0 sorted, whether each has an even mantissa) of the format `name`."""
+    ebits, mbits, bias, top = SPEC_FORMATS[name]
+    table = {}
+    for e in range(2 ** ebits):
+        for m in range(2 ** mbits):
+            v = m / 2 ** mbits * 2.0 ** (1 - bias) if e == 0 else (1 + m / 2 ** mbits) * 2.0 ** (e - bias)
+            if v <= top:
+                table[v] = m % 2 == 0
+    mags = np.array(sorted(table))
+    return mags, np.array([table[v] for v in mags])
+
+
+def _spec_round(x, name: str) -> np.ndarray:
+    """x rounded to the format `name` by search in its table: nearest, ties to even, saturating."""
+    mags, even = _spec_table(name)
+    x = np.asarray(x, dtype=np.float64)
+    a = np.minimum(np.abs(x), mags[-1])
+    hi = np.clip(np.searchsorted(mags, a), 1, len(mags) - 1)
+    lo = hi - 1
+    d_lo, d_hi = a - mags[lo], mags[hi] - a
+    pick = np.where(d_lo < d_hi, lo, np.where(d_hi < d_lo, hi, np.where(even[lo], lo, hi)))
+    return np.copysign(mags[pick], x)
+
+
+def _fp32_up(v: float) -> float:
+    """v as an FP32 number, the next one up where FP32 cannot hold v exactly (a scale never rounds down)."""
+    s = np.float32(v)
+    return float(np.nextafter(s, np.float32(np.inf)) if float(s) < v else s)
+
+
+def _reference_mxfp4(x: np.ndarray, block: int) -> np.ndarray:
+    """OCP MX v1.0 MXFP4, a block at a time: X = floor(log2 amax) - 2 clamped to [-127, 127] (a block of
+    zeros stays zeros), x_hat = 2^X round_e2m1(x / 2^X); the last block of a row may be short."""
+    out = np.zeros(x.shape)
+    for idx in np.ndindex(x.shape[:-1]):
+        for start in range(0, x.shape[-1], block):
+            v = x[idx][start:start + block].astype(np.float64)
+            amax = float(np.abs(v).max())
+            if amax == 0:
+                continue
+            e8m0 = min(max(math.frexp(amax)[1] - 1, -127), 127)              # floor(log2 amax), 8-bit field
+            exp = min(max(e8m0 - 2, -127), 127)
+            out[idx][start:start + block] = _spec_round(v / 2.0 ** exp, "e2m1") * 2.0 ** exp
+    return out
+
+
+def test_mxfp4_is_the_ocp_definition_block_by_block():
+    """mxfp4_quantize against the plain reference: several heads and tokens (each token's blocks have their
+    own scale), 40 channels (a full block of 32 and a short one of 8, zero-padded), magnitudes from 2^-30 to
+    2^10, one token so small (2^-128 < amax < 2^-125) that its exponent is clamped at -127, a block of zeros;
+    float32 stays float32; block 16 honoured."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 6, 40)) * 2.0 ** rng.integers(-30, 11, (2, 6, 1))   # (U, T, D)
+    x[0, 1] = rng.standard_normal(40) * 2.0 ** -127                                 # X clamped at -127
+    x[1, 2, 32:] = 0.0                                                              # the short block all zeros
+    for block in (32, 16):
+        np.testing.assert_array_equal(mxfp4_quantize(x, block), _reference_mxfp4(x, block))
+    np.testing.assert_array_equal(mxfp4_quantize(x), _reference_mxfp4(x, 32))
+    x32 = x.astype(np.float32)
+    got = mxfp4_quantize(x32)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, _reference_mxfp4(x32, 32).astype(np.float32))
+    exps = mxfp4_exponents(x)
+    assert exps.shape == (2, 6, 2, 1)                                               # (U, T, blocks, 1)
+    assert exps[0, 1, 0, 0] == -127
+
+
+def test_e8m0_exponent_is_floor_log2_clamped_to_the_8_bit_field():
+    """floor(log2 x) for x > 0, -127 (the smallest code) for x <= 0, and clamped to [-127, 127]."""
+    x = np.array([1.0, 1.5, 2.0, 0.75, 2.0 ** -126, 2.0 ** -127, 2.0 ** -200, 5e-324, 2.0 ** 127, 2.0 ** 200,
+                  0.0, -3.0])
+    want = [0, 0, 1, -1, -126, -127, -127, -127, 127, 127, -127, -127]
+    np.testing.assert_array_equal(e8m0_exponent(x), want)
+
+
+def test_mxfp4_bytes_count_a_scale_byte_for_a_short_block():
+    """Half a byte a value, one E8M0 byte a block; 40 channels are two blocks (32 + 8)."""
+    from kvviz.quant.mxfp4 import mxfp4_bytes
+    assert mxfp4_bytes(10, 40) == (200.0, 20.0)
+    assert mxfp4_bytes(10, 64) == (320.0, 20.0)
+    assert mxfp4_bytes(10, 40, block=16) == (200.0, 30.0)
+
+
+def _reference_fp8(x: np.ndarray, name: str, scale: str) -> tuple[np.ndarray, np.ndarray]:
+    """(x_hat, the scale of every value) of FP8 `name` with one scale per tensor, KV head or token of x
+    (U, T, D): s = amax / the format's largest value, as FP32 rounded up, 1 for a group of zeros;
+    x_hat = s * round(x / s)."""
+    top = SPEC_FORMATS[name][3]
+    groups = {"tensor": [(...,)], "head": [(u,) for u in range(x.shape[0])],
+              "token": [(u, t) for u in range(x.shape[0]) for t in range(x.shape[1])]}[scale]
+    s = np.ones(x.shape)
+    for g in groups:
+        amax = float(np.abs(x[g]).max())
+        s[g] = _fp32_up(amax / top) if amax > 0 else 1.0
+    x = x.astype(np.float64)
+    return s * _spec_round(x / s, name), s
+
+
+def test_fp8_is_the_definition_for_every_scale():
+    """fp8_quantize and fp8_scales against the plain reference, for both formats and the three scale
+    granularities: values far below 1 (so no group's amax reaches 1), heads 100x apart, a token and a
+    whole head of zeros (scale 1); the scales are FP32 and shaped to broadcast against (U, T, D)."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, 5, 24)) * np.array([1e-3, 1e-5, 1.0])[:, None, None]   # (U, T, D)
+    x[0, 2] = 0.0                                                                       # a token of zeros
+    x[2] = 0.0                                                                          # a head of zeros
+    shapes = {"tensor": (1, 1, 1), "head": (3, 1, 1), "token": (3, 5, 1)}
+    for name in ("e4m3", "e5m2"):
+        for scale in ("tensor", "head", "token"):
+            want, want_s = _reference_fp8(x, name, scale)
+            s = fp8_scales(x, {"e4m3": E4M3, "e5m2": E5M2}[name], scale)
+            assert s.dtype == np.float32 and s.shape == shapes[scale], (name, scale)
+            np.testing.assert_array_equal(np.broadcast_to(s, x.shape), want_s, err_msg=f"{name} {scale}")
+            np.testing.assert_array_equal(fp8_quantize(x, name, scale), want, err_msg=f"{name} {scale}")
+        got32 = fp8_quantize(x.astype(np.float32), name, "head")
+        assert got32.dtype == np.float32
+        np.testing.assert_array_equal(got32, _reference_fp8(x.astype(np.float32), name, "head")[0].astype(np.float32))
+        np.testing.assert_array_equal(fp8_quantize(x, name), fp8_quantize(x, name, "head"))   # the default: per head
+    assert np.all(fp8_scales(x, E4M3, "head")[2] == 1) and np.all(fp8_scales(x, E4M3, "token")[0, 2] == 1)
+
+
+def test_fp8_quantizes_a_head_with_no_tokens_and_names_the_scales():
+    """No tokens yet: an empty result (the amax of nothing is 0, scale 1), for the scales over many
+    values; an unknown scale is refused with the choices named."""
+    for scale in ("tensor", "head", "token"):
+        assert fp8_quantize(np.zeros((2, 0, 8)), "e4m3", scale).shape == (2, 0, 8)
+    with pytest.raises(ValueError, match=r"^FP8 scale must be one of \('tensor', 'head', 'token'\), got 'row'$"):
+        fp8_scales(np.ones((1, 2, 8)), E4M3, "row")
+
+
+def _reference_nvfp4(x: np.ndarray, block: int) -> tuple[float, np.ndarray]:
+    """(s_t, x_hat) of NVFP4 on the tensor x (..., D), a block of `block` channels at a time: s_t = amax /
+    (448 * 6) as FP32 rounded up (1 for a tensor of zeros), s_b = round_e4m3(amax_block / (6 s_t)),
+    x_hat = s_t s_b round_e2m1(x / (s_t s_b)), zeros where s_b underflows to 0."""
+    amax = float(np.abs(x).max())
+    s_t = _fp32_up(amax / (448 * 6)) if amax > 0 else 1.0
+    out = np.zeros(x.shape)
+    for idx in np.ndindex(x.shape[:-1]):
+        for start in range(0, x.shape[-1], block):
+            v = x[idx][start:start + block].astype(np.float64)
+            s = float(_spec_round(np.abs(v).max() / (6 * s_t), "e4m3")) * s_t
+            out[idx][start:start + block] = s * _spec_round(v / s, "e2m1") if s > 0 else 0.0
+    return s_t, out
+
+
+def test_nvfp4_is_the_two_level_definition():
+    """nvfp4_quantize against the plain reference: a tensor whose amax is far below 1, 40 channels (blocks of
+    16, 16 and a short 8, zero-padded), blocks of 8 too; one block so small against the tensor that its E4M3
+    scale underflows to 0 (zeros, and no division by that 0 is attempted); float32 stays float32; the block
+    scales are shaped (U, T, blocks, 1)."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 4, 40)) * 2.0 ** rng.integers(-12, -2, (2, 4, 1))    # (U, T, D), amax < 1
+    x[1, 3, :16] = 1e-9                                                             # s_b underflows to 0
+    with np.errstate(divide="raise", invalid="raise"):
+        for block in (16, 8):
+            s_t, want = _reference_nvfp4(x, block)
+            np.testing.assert_array_equal(nvfp4_quantize(x, block), want, err_msg=f"block {block}")
+            assert float(nvfp4_scales(x, block)[0]) == s_t
+        assert nvfp4_scales(x)[1].shape == (2, 4, 3, 1) and nvfp4_scales(x)[1][1, 3, 0, 0] == 0
+        np.testing.assert_array_equal(nvfp4_quantize(x), _reference_nvfp4(x, 16)[1])
+        got32 = nvfp4_quantize(x.astype(np.float32))
+        assert got32.dtype == np.float32
+        np.testing.assert_array_equal(got32, _reference_nvfp4(x.astype(np.float32), 16)[1].astype(np.float32))
+        s_t, s_b = nvfp4_scales(np.zeros((2, 3, 16)))                 # a tensor of zeros: s_t 1, every s_b 0
+        assert s_t == 1 and s_t.dtype == np.float32 and np.array_equal(s_b, np.zeros((2, 3, 1, 1)))
+
+
+def test_nvfp4_bytes_count_a_scale_byte_for_a_short_block_and_nothing_for_no_tokens():
+    """Half a byte a value, one E4M3 byte a block (40 channels: 16 + 16 + 8, three blocks) and the FP32
+    tensor scale shared by the layer's KV heads; no quantized token, no bytes at all."""
+    from kvviz.quant.nvfp4 import nvfp4_bytes
+    assert nvfp4_bytes(10, 40, kv_heads=2) == (200.0, 30.0 + 2.0)
+    assert nvfp4_bytes(10, 64, kv_heads=4) == (320.0, 40.0 + 1.0)
+    assert nvfp4_bytes(0, 64, kv_heads=2) == (0.0, 0.0)
+
+
+def test_rounding_reads_any_number_as_float64():
+    """Minifloat.round and e8m0_exponent take numbers of any type as float64: an int8 -128 (whose np.abs
+    overflows in int8) saturates like -128.0, a Python int past int64 like the float it is."""
+    ints = np.array([-128, 127, 5, 3, 0], dtype=np.int8)
+    np.testing.assert_array_equal(E2M1.round(ints), [-6, 6, 4, 3, 0])
+    np.testing.assert_array_equal(E2M1.round(ints), _spec_round(ints.astype(np.float64), "e2m1"))
+    assert E4M3.round(2 ** 200) == 448 and E5M2.round(-(2 ** 70)) == -57344
+    assert e8m0_exponent(2 ** 200) == 127 and e8m0_exponent(3) == 1
