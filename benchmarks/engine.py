@@ -12,10 +12,13 @@ later queries a streaming scorer reads step by step, plus the evaluated rows eve
 needs. Where the cache's size is the policy's own choice (ChunkKV's whole chunks, Quest's
 reads per query head: `memory.budget_is_exact` is False), the exact memory card needs that
 choice in every layer, so the decision rows of every layer count (kvpress too decides in
-every layer). Expected Attention reads no attention at all: its work is its formula — the
-mean and covariance of the context's queries and k^T S k for every key, n d^2 multiplies per
-query head each, as many as q.K^T for d query rows — so its bare work is that formula in
-plain numpy (float32 BLAS, as fast as numpy goes) plus the evaluated rows.
+every layer). A scorer that reads no attention ranks by a formula over every context key, work
+its configuration must do whatever the attention costs, so its bare work includes that formula
+in plain numpy (float32 BLAS where numpy has it, as fast as numpy goes) plus the evaluated rows:
+Expected Attention (the mean and covariance of the context's queries and k^T S k for every key,
+n d^2 multiplies per query head, as many as q.K^T for d query rows), KeyDiff (every key's norm,
+the mean normalised key, every key's cosine to it) and KNorm (every key's norm). For these the
+ratio to the evaluated rows' attention alone is printed too, for information.
 Ratios, not seconds, because the machine is shared.
 
 Prints one line per scorer, `NAME: full X ms, bare Y ms, ratio R`, then the worst ratio and
@@ -123,8 +126,9 @@ def bare_work(trace, scorer, spec):
     """The bare numpy work of one configuration of `scorer` (see the module docstring)."""
     from kvviz.memory import budget_is_exact
 
-    if scorer == "expected_attention":
-        bare_expected_attention(trace)
+    formula = SCORE_FORMULAS.get(scorer)
+    if formula is not None:
+        formula(trace)
     bare_attention(trace, rows_needed(trace, scorer))
     if not budget_is_exact(spec):
         for layer in range(trace.n_layers):
@@ -152,6 +156,23 @@ def bare_expected_attention(trace, layer=LAYER, sink=4):
         scores / g * np.linalg.norm(v[kv, sink:c], axis=1)
 
 
+def bare_keydiff(trace, layer=LAYER):
+    """KeyDiff's formula in plain numpy: -cos(k_i, a), a the mean of the context's normalised keys."""
+    keys = trace.k[layer][:, :trace.context_len]                               # (kv_heads, c, d) float32
+    norms = np.sqrt(np.vecdot(keys, keys))                                      # (kv_heads, c)
+    anchor = np.matmul((1 / norms)[:, None, :], keys)[:, 0] / np.float32(keys.shape[1])
+    -np.matmul(keys, anchor[..., None])[..., 0] / (norms * np.linalg.norm(anchor, axis=-1, keepdims=True))
+
+
+def bare_knorm(trace, layer=LAYER):
+    """KNorm's formula in plain numpy: -||k_i|| for every key."""
+    keys = trace.k[layer]
+    -np.sqrt(np.vecdot(keys, keys))
+
+
+SCORE_FORMULAS = {"expected_attention": bare_expected_attention, "keydiff": bare_keydiff, "knorm": bare_knorm}
+
+
 def main() -> None:
     # Both sides run with single-threaded BLAS: on a shared 2-core machine, waking a second
     # BLAS thread can stall for a scheduler slice, which would swamp either side at random.
@@ -170,7 +191,12 @@ def main() -> None:
         full, bare = ratio_of(lambda: compare(trace, spec, view),
                               lambda: bare_work(trace, scorer, spec))
         worst = max(worst, full / bare)
-        print(f"{scorer}: full {full * 1e3:.1f} ms, bare {bare * 1e3:.1f} ms, ratio {full / bare:.2f}"
+        info = ""
+        if scorer in SCORE_FORMULAS:   # for information: against the evaluated rows' attention alone
+            full_again, rows_only = ratio_of(lambda: compare(trace, spec, view),
+                                             lambda: bare_attention(trace, rows_needed(trace, scorer)))
+            info = f" (to the rows' attention alone, {rows_only * 1e3:.2f} ms: {full_again / rows_only:.2f})"
+        print(f"{scorer}: full {full * 1e3:.1f} ms, bare {bare * 1e3:.1f} ms, ratio {full / bare:.2f}{info}"
               + ("" if full / bare <= TARGET else f"  MISSES the target <= {TARGET:g}"), flush=True)
     print(f"worst ratio {worst:.2f} (target <= {TARGET:g})", flush=True)
 
