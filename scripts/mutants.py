@@ -243,6 +243,8 @@ EQUIVALENT.update({
 
 def _mutmut(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYPOTHESIS_PROFILE": "ci", "KVVIZ_WARMUP": "0"}
+    if args[:1] == ("run",) and os.environ.get("MUTMUT_CHILDREN"):   # e.g. 1 on a shared machine
+        args = ("run", "--max-children", os.environ["MUTMUT_CHILDREN"], *args[1:])
     return subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=ROOT, env=env, text=True,
                           capture_output=True)
 
