@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ["kvviz/metrics.py", "kvviz/quant/integer.py", "kvviz/policies/select.py", "kvviz/policies/h2o.py",
            "kvviz/policies/base.py", "kvviz/quant/formats.py", "kvviz/policies/allocation.py", "kvviz/engine.py",
-           "kvviz/policies/expected_attention.py"]
+           "kvviz/policies/expected_attention.py", "kvviz/policies/registry.py"]
 
 # Mutants that cannot change behaviour, with the reason (mutmut's names: module.function__mutmut_N).
 # A survivor that is not here is a missing test.
@@ -241,7 +241,7 @@ EQUIVALENT.update({
     _ENG + "head_grid__mutmut_19": "an ensemble of all n_q_heads heads from head 1 wraps round to every head once",
 })
 
-# kvviz/policies/expected_attention.py
+# kvviz/policies/expected_attention.py, kvviz/policies/registry.py
 _EA = "kvviz.policies.expected_attention.x_"
 _QS = _EA + "query_statistics__mutmut_"
 _FLOAT64 = ("computed in float64 instead of float32: the same maths, more exact (float32 is a speed choice, "
@@ -272,6 +272,16 @@ EQUIVALENT.update({
                                           "quadratic term is its own row of the products",
     **_same(_FLOAT64, _EA, "expected_attention__mutmut_44", "expected_attention__mutmut_46"),
     _EA + "expected_attention__mutmut_85": "reshape(..., -2, ...): numpy takes any negative size as the unknown one",
+})
+_REG = "kvviz.policies.registry.x_"
+EQUIVALENT.update({
+    **_same("another default (None, 'XXXX', none) for getattr(policy, 'name'): every Policy has a name (the base "
+            "class sets ''), so the default is never read", _REG,
+            "as_policy__mutmut_19", "as_policy__mutmut_22", "as_policy__mutmut_25"),
+    **_same("another default for getattr(policy, 'description'): every Policy has one (the base class sets ''), "
+            "so the default is never read", _REG, "register__mutmut_26", "register__mutmut_29", "register__mutmut_32"),
+    _REG + "load_file__mutmut_43": "sys.modules.pop(mod_name) without a default: the entry was set just before "
+                                   "exec_module, so it is there unless the plug-in deleted its own entry",
 })
 
 
