@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ["kvviz/metrics.py", "kvviz/quant/integer.py", "kvviz/policies/select.py", "kvviz/policies/h2o.py",
            "kvviz/policies/base.py", "kvviz/quant/formats.py", "kvviz/policies/allocation.py", "kvviz/engine.py",
            "kvviz/quant/base.py", "kvviz/quant/fp8.py", "kvviz/quant/minifloat.py", "kvviz/quant/mxfp4.py",
-           "kvviz/quant/nvfp4.py", "kvviz/quant/rotation.py"]
+           "kvviz/quant/nvfp4.py", "kvviz/quant/rotation.py",
+           "kvviz/policies/expected_attention.py", "kvviz/policies/registry.py"]
 
 # Mutants that cannot change behaviour, with the reason (mutmut's names: module.function__mutmut_N).
 # A survivor that is not here is a missing test.
@@ -240,6 +241,49 @@ EQUIVALENT.update({
     _ENG + "reasons_for__mutmut_2": "kept.shape[+1] for shape[-1]: every caller passes (rows, n) masks",
     _ENG + "head_grid__mutmut_15": "head=0 is View's default",
     _ENG + "head_grid__mutmut_19": "an ensemble of all n_q_heads heads from head 1 wraps round to every head once",
+})
+
+# kvviz/policies/expected_attention.py, kvviz/policies/registry.py
+_EA = "kvviz.policies.expected_attention.x_"
+_QS = _EA + "query_statistics__mutmut_"
+_FLOAT64 = ("computed in float64 instead of float32: the same maths, more exact (float32 is a speed choice, "
+            "checked against a float64 reference to 1e-6; no result reads the last bits)")
+EQUIVALENT.update({
+    **_same("no float64 cast of the trace's frequencies: both uses multiply them by float64 positions, and "
+            "widening float32 or int to float64 is exact, so every angle is the same", _EA,
+            "rope_inv_freq__mutmut_8", "rope_inv_freq__mutmut_10"),
+    **_same("np.arange(0, d, 2) of ints: divided by d it is the same float64 exponents", _EA,
+            "rope_inv_freq__mutmut_72", "rope_inv_freq__mutmut_76"),
+    _EA + "rotate__mutmut_3": "astype(None) is float64, the dtype given",
+    **_same("np.concatenate(axis=+1) of the 2-D (n, d/2) cos / sin is axis -1", _EA,
+            "rotate__mutmut_12", "rotate__mutmut_18"),
+    **_same("integer positions (start and horizon are ints): times the float64 frequencies they give the same "
+            "float64 angles", _EA, "mean_rotation__mutmut_5", "mean_rotation__mutmut_8"),
+    "kvviz.policies.expected_attention.xǁExpectedAttentionǁscore__mutmut_67": "einsum subscripts in capitals: the "
+                                                                           "same contraction",
+    **_same("the test for a run of rows fails more often: the rows are gathered (q[:, r]) instead of sliced, "
+            "the same values", _QS, *(f"{n}" for n in (9, 10, 14, 15, 16, 18))),
+    **_same("astype(None) is float64, the dtype given", _QS, "35", "61", "67"),
+    **_same(_FLOAT64, _QS, "38", "46", "48"),
+    **_same("astype(float32) copying or not (copy=None / True / default): the same values", _QS, "39", "41", "42"),
+    _QS + "74": "the cache's name None: no other entry has it (scores use the policy's name, the engine "
+                "'query-kept/...'), so the key stays distinct",
+    _QS + "75": "the cache's key None for (): no other entry has this name, so the key stays distinct",
+    **_same("another name for the cached statistics: no other entry uses it", _QS, "82", "83"),
+    _EA + "expected_attention__mutmut_1": "chunk 1025 for 1024: the chunks only split the keys, each key's "
+                                          "quadratic term is its own row of the products",
+    **_same(_FLOAT64, _EA, "expected_attention__mutmut_44", "expected_attention__mutmut_46"),
+    _EA + "expected_attention__mutmut_85": "reshape(..., -2, ...): numpy takes any negative size as the unknown one",
+})
+_REG = "kvviz.policies.registry.x_"
+EQUIVALENT.update({
+    **_same("another default (None, 'XXXX', none) for getattr(policy, 'name'): every Policy has a name (the base "
+            "class sets ''), so the default is never read", _REG,
+            "as_policy__mutmut_19", "as_policy__mutmut_22", "as_policy__mutmut_25"),
+    **_same("another default for getattr(policy, 'description'): every Policy has one (the base class sets ''), "
+            "so the default is never read", _REG, "register__mutmut_26", "register__mutmut_29", "register__mutmut_32"),
+    _REG + "load_file__mutmut_43": "sys.modules.pop(mod_name) without a default: the entry was set just before "
+                                   "exec_module, so it is there unless the plug-in deleted its own entry",
 })
 
 

@@ -153,3 +153,162 @@ def test_plugin_in_the_decode_path(installed):
     for layer in range(2):
         want = get_policy("last8").keep_masks(ScoreContext(trace, layer, spec), np.arange(24, 32))
         assert np.array_equal(cache.kept_history(layer), want)
+
+
+# --- the registry's own rules (register, as_policy, load_entry_points, load_file) ----------------
+
+@pytest.fixture
+def registry():
+    """The registry module, its tables restored after the test."""
+    saved = dict(POLICIES), list(PLUGIN_SCORERS), list(plugins.ERRORS), plugins._loaded_entry_points
+    yield plugins
+    POLICIES.clear()
+    POLICIES.update(saved[0])
+    PLUGIN_SCORERS[:] = saved[1]
+    plugins.ERRORS[:] = saved[2]
+    plugins._loaded_entry_points = saved[3]
+
+
+def newest(ctx):
+    """newest tokens first"""
+    return np.arange(ctx.n_positions, dtype=np.float64)
+
+
+def test_an_unknown_scorer_is_refused_naming_every_scorer(registry):
+    with pytest.raises(ValueError) as refused:
+        get_policy("nope")
+    assert str(refused.value) == "unknown scorer 'nope'; choose one of " + ", ".join(POLICIES)
+    assert str(refused.value).startswith("unknown scorer 'nope'; choose one of h2o, tova, snapkv, ")
+
+
+def test_register_names_and_describes_what_it_is_given(registry):
+    def anonymous(ctx):
+        return np.zeros(ctx.n_positions)
+
+    assert registry.register(newest, "newest-first").name == "newest-first"        # the given name wins
+    assert get_policy("newest-first").description == "newest tokens first"         # the docstring's first line
+    assert "newest-first" in PLUGIN_SCORERS
+    plain = registry.register(anonymous)                                            # no name: the function's
+    assert plain.name == "anonymous"
+    assert plain.description == f"plug-in function {__name__}.{anonymous.__qualname__}"
+
+    class Nameless(plugins.Policy):
+        def score(self, ctx):
+            return np.zeros(ctx.n_positions)
+
+    named = registry.register(Nameless, "My.Scorer_2-b")                            # capitals, digits, _ . -
+    assert isinstance(named, Nameless) and named.name == "My.Scorer_2-b" and get_policy("My.Scorer_2-b") is named
+    assert named.description == f"plug-in {__name__}.{Nameless.__qualname__}"
+    instance = Nameless()
+    assert registry.as_policy(instance, "given") is instance and instance.name == "given"
+    with pytest.raises(plugins.PluginError) as refused:
+        registry.as_policy(Nameless)
+    assert str(refused.value) == "plug-in Nameless has no `name`"
+
+
+@pytest.mark.parametrize("obj, name, message", [
+    (42, None, "42 is not a kvviz Policy subclass or a score(ctx) function"),
+    (newest, "9lives", "plug-in scorer name '9lives' must be a short identifier (letters, digits, _ . -)"),
+    (newest, "h2o", "plug-in scorer 'h2o' would replace kvviz's built-in 'h2o'; give it another name"),
+    (type("Unscored", (plugins.Policy,), {}), "unscored", "plug-in 'unscored' does not implement score(ctx)")])
+def test_register_refuses_with_a_reason(registry, obj, name, message):
+    with pytest.raises(plugins.PluginError) as refused:
+        registry.register(obj, name)
+    assert str(refused.value) == message
+    assert name not in PLUGIN_SCORERS
+
+
+class FakeEntryPoint:
+    def __init__(self, name, value, load):
+        self.name, self.value, self.load = name, value, load
+
+
+def test_entry_points_load_once_under_their_own_names_and_failures_are_reported_once(registry, monkeypatch):
+    """An entry point registers under its entry-point name; one that fails to load is skipped with one line
+    (its message's first line, or the exception's type when it has no message); the group is read once
+    unless forced, and a failure read twice is reported once."""
+    import importlib.metadata
+
+    def multi_line():
+        raise ValueError("bad thing\nmore detail")
+
+    def silent():
+        raise RuntimeError()
+
+    reads = []
+
+    def entry_points(group):
+        reads.append(group)
+        return [FakeEntryPoint("fresh", "pkg:newest", lambda: newest),
+                FakeEntryPoint("broken", "pkg:Broken", multi_line), FakeEntryPoint("quiet", "pkg:quiet", silent)]
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    registry._loaded_entry_points = False
+    registry.ERRORS.clear()
+    assert "fresh" in registry.load_entry_points() and reads == ["kvviz.policies"]
+    assert POLICIES["fresh"].name == "fresh" and "newest" not in POLICIES
+    want = ["plug-in 'broken' (pkg:Broken) could not be loaded: bad thing",
+            "plug-in 'quiet' (pkg:quiet) could not be loaded: RuntimeError"]
+    assert registry.ERRORS == want
+    registry.load_entry_points()
+    get_policy("fresh")
+    assert len(reads) == 1                                          # read once ...
+    registry.load_entry_points(force=True)
+    assert len(reads) == 2 and registry.ERRORS == want             # ... unless forced; no line twice
+
+
+PLUGIN_SOURCE = '''
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvviz.policies import Policy
+
+
+@dataclass
+class Newest(Policy):
+    """A dataclass with string annotations: dataclasses looks its module up in sys.modules while importing."""
+    weight: float = 1.0
+    name = "newest_file"
+
+    def score(self, ctx) -> np.ndarray:
+        return self.weight * np.arange(ctx.n_positions, dtype=np.float64)
+'''
+
+
+def test_load_file_imports_a_plugin_file_as_its_own_module(registry, tmp_path):
+    import re
+
+    folder = tmp_path / "a:b"                                         # a colon in the path, not only before Name
+    folder.mkdir()
+    first, second = folder / "plug.py", tmp_path / "plug.py"
+    first.write_text(PLUGIN_SOURCE)
+    second.write_text(PLUGIN_SOURCE.replace("newest_file", "newest_other"))
+    try:
+        a, b = registry.load_file(f"{first}:Newest"), registry.load_file(f"{second}:Newest")
+        module = "kvviz_plugin_" + re.sub(r"\W", "_", str(first.resolve()))   # the path, every non-word char _
+        assert type(a).__module__ == module and module.isidentifier()
+        assert sys.modules[module].Newest is type(a)                   # each file its own module (pickle finds it)
+        assert sys.modules[type(b).__module__].Newest is type(b) and type(b) is not type(a)
+        assert get_policy("newest_file") is a and a.description == f"plug-in {module}.Newest"
+    finally:
+        _forget()
+
+
+@pytest.mark.parametrize("target", [":Newest", "plug.py:", "plug.py"])
+def test_load_file_needs_a_path_and_a_name(registry, target):
+    with pytest.raises(plugins.PluginError) as refused:
+        registry.load_file(target)
+    assert str(refused.value) == f"--policy takes path/to/file.py:ClassName, got {target!r}"
+
+
+def test_load_file_that_fails_to_import_leaves_no_module_behind(registry, tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("x = 1 / 0\n")
+    before = set(sys.modules)
+    with pytest.raises(plugins.PluginError) as refused:
+        registry.load_file(f"{broken}:X")
+    assert str(refused.value) == f"--policy: {broken} failed to import: ZeroDivisionError: division by zero"
+    assert set(sys.modules) == before

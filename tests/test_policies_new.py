@@ -48,39 +48,132 @@ def rope_matrix(pos, inv_freq):
 
 
 def expected_attention_reference(trace, layer, horizon, covariance=True):
-    """kvpress ExpectedAttentionPress written out with explicit rotation matrices, per head."""
+    """kvpress ExpectedAttentionPress written out with explicit rotation matrices, per head. (c,) per KV head.
+    Contexts too short for kvpress's rule: the statistics leave out the first 4 queries only when at least
+    2 are left (one query has no covariance), and a context of 4 tokens or fewer has no sinks."""
     c, d, g = trace.context_len, trace.head_dim, trace.group_size
-    inv_freq = np.array(trace.meta["rope_inv_freq"])
-    Rbar = np.mean([rope_matrix(p, inv_freq) for p in range(c, c + horizon)], axis=0)
+    sinks = 4 if c > 4 else 0
+    rows = range(4, c) if c > 5 else range(c)
+    freq = trace.meta.get("rope_inv_freq")
+    rope = (lambda p: rope_matrix(p, np.array(freq))) if freq is not None else (lambda p: np.eye(d))
+    Rbar = np.mean([rope(p) for p in range(c, c + horizon)], axis=0)
     out = np.zeros((trace.n_kv_heads, c))
     for h in range(trace.n_q_heads):
-        pre = np.array([rope_matrix(p, inv_freq).T @ trace.q[layer, h, p].astype(np.float64) for p in range(4, c)])
+        pre = np.array([rope(p).T @ trace.q[layer, h, p].astype(np.float64) for p in rows])
         mu = pre.mean(0)
         cov = (pre - mu).T @ (pre - mu) / len(pre)
         mu, cov = Rbar @ mu, Rbar @ cov @ Rbar.T
-        K = trace.k[layer, h // g, 4:c].astype(np.float64)
+        K = trace.k[layer, h // g, sinks:c].astype(np.float64)
         z = K @ mu / np.sqrt(d) + (0.5 / d * np.einsum("ni,ij,nj->n", K, cov, K) if covariance else 0)
         a = np.exp(z - z.max())
-        out[h // g, 4:] += a / a.sum() / g
-    out[:, 4:] *= np.linalg.norm(trace.v[layer, :, 4:c].astype(np.float64), axis=-1)
+        out[h // g, sinks:] += a / a.sum() / g
+    out[:, sinks:] *= np.linalg.norm(trace.v[layer, :, sinks:c].astype(np.float64), axis=-1)
+    out[:, :sinks] = out[:, sinks:].max() + 1.0                      # kvpress pads the sinks with max + 1
     return out
+
+
+def score_ea(trace, layer, **settings):
+    from kvviz.policies import ScoreContext
+    return POLICIES["expected_attention"].score(ScoreContext(trace, layer, Spec(scorer="expected_attention",
+                                                                                **settings)))
 
 
 @pytest.mark.parametrize("covariance", [True, False])
 def test_expected_attention_matches_the_kvpress_rule(covariance):
     trace = random_trace(1)
     spec = Spec(sink=0, recent=4, heavy=12, scorer="expected_attention", ea_horizon=32, ea_covariance=covariance)
-    ref = expected_attention_reference(trace, 1, 32, covariance)
-    from kvviz.policies import ScoreContext
-    got = POLICIES["expected_attention"].score(ScoreContext(trace, 1, spec))
     c = trace.context_len
-    np.testing.assert_allclose(got[:, 4:c], ref[:, 4:], rtol=1e-6, atol=1e-12)
-    assert np.all(got[:, :4] > got[:, 4:c].max())                   # the first 4 always rank first (kvpress)
-    assert np.all(np.isneginf(got[:, c:]))
+    for layer in (0, 1):                         # each layer its own query statistics (cached per layer)
+        ref = expected_attention_reference(trace, layer, 32, covariance)
+        got = score_ea(trace, layer, ea_horizon=32, ea_covariance=covariance)
+        np.testing.assert_allclose(got[:, 4:c], ref[:, 4:], rtol=1e-6, atol=1e-12)
+        assert np.all(got[:, :4] == got[:, 4:c].max() + 1.0)         # the first 4 rank first: kvpress's max + 1
+        assert np.all(np.isneginf(got[:, c:]))
     kept = keep_masks(trace, spec, 1, [c - 1])[0]
+    ref = expected_attention_reference(trace, 1, 32, covariance)
     for h in range(trace.n_kv_heads):
         ranked = np.concatenate([np.full(4, np.inf), ref[h, 4:]])
         assert heavy_set(kept[h], spec, c) == top_set(ranked, 0, c - 4, 12)
+
+
+@pytest.mark.parametrize("c", [1, 3, 4, 5, 6, 7])
+def test_expected_attention_on_contexts_too_short_for_the_sinks(c):
+    trace = random_trace(4, c=c)                                    # 1 to 7 context tokens, 6 later queries
+    for layer in (0, 1):
+        got = score_ea(trace, layer, ea_horizon=16)
+        np.testing.assert_allclose(got[:, :c], expected_attention_reference(trace, layer, 16), rtol=1e-6)
+
+
+def test_expected_attention_of_a_float16_trace_is_that_of_its_values():
+    """A trace file may hold float16 tensors: the key mean and the value norms are taken in float64, so
+    the scores are those of the same values in float64."""
+    base = random_trace(1)
+    half = Trace(q=base.q.astype(np.float16), k=(3 * base.k).astype(np.float16), v=(40 * base.v).astype(np.float16),
+                 context_len=base.context_len, tokens=base.tokens, query_positions=base.query_positions,
+                 meta=base.meta)
+    c = half.context_len
+    for covariance in (False, True):
+        got = score_ea(half, 0, ea_horizon=8, ea_covariance=covariance)
+        np.testing.assert_allclose(got[:, :c], expected_attention_reference(half, 0, 8, covariance), rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [np.arange(40), np.arange(5), np.arange(1), np.array([0, 1, 2, 3, 5, 6, 9, 10, 17, 30]),
+                                  np.array([2, 4, 7])])
+def test_query_statistics_are_the_pre_rope_mean_and_covariance_after_the_sinks(rows):
+    """query_statistics(rows) against numpy: the queries un-rotated at their own positions, the first 4 left
+    out when at least 2 remain; rows in any order of positions (a gather) or a run (a view)."""
+    from kvviz.policies.expected_attention import query_statistics
+
+    trace = random_trace(5, c=40)                                   # a fresh trace: the statistics are cached on it
+    used = rows[4:] if len(rows) > 5 else rows
+    freq = np.array(trace.meta["rope_inv_freq"])
+    for layer in (0, 1):
+        mu, cov = query_statistics(trace, layer, rows)              # (Hq, d), (Hq, d, d)
+        for h in range(trace.n_q_heads):
+            pre = np.array([rope_matrix(p, freq).T @ trace.q[layer, h, p].astype(np.float64) for p in used])
+            np.testing.assert_allclose(mu[h], pre.mean(0), rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(cov[h], np.cov(pre.T, bias=True).reshape(cov[h].shape), rtol=1e-5, atol=1e-6)
+
+
+def test_query_statistics_of_queries_with_a_large_offset_keep_the_mean_and_the_covariance():
+    """Real queries have outlier channels far from 0: the float32 estimate of the mean is off by more than
+    the spread's own rounding, and the correction (the mean of what is left) must be added back, its square
+    taken off the covariance."""
+    from kvviz.policies.expected_attention import query_statistics
+
+    rng = np.random.default_rng(8)
+    base = random_trace(8, L=1, c=200, rope=False)
+    q = base.q.copy()                                               # (1, 4, 206, 16)
+    q[..., :8] = 3000.0 + 0.05 * rng.standard_normal(q[..., :8].shape)   # half the channels: a big offset
+    trace = Trace(q=q, k=base.k, v=base.v, context_len=200, tokens=base.tokens,
+                  query_positions=base.query_positions, meta=base.meta)
+    mu, cov = query_statistics(trace, 0, np.arange(200))
+    pre = q[0, :, 4:200].astype(np.float64)                         # (4, 196, 16)
+    want_mu = pre.mean(1)
+    np.testing.assert_allclose(mu, want_mu, rtol=0, atol=2e-6)
+    centred = pre - want_mu[:, None]
+    want_cov = np.einsum("hni,hnj->hij", centred, centred) / 196
+    np.testing.assert_allclose(cov, want_cov, rtol=0, atol=1e-5)
+    # the offset channels: the float32 sums of what is centred are exact there, so the covariance is too
+    np.testing.assert_allclose(cov[:, :8, :8], want_cov[:, :8, :8], rtol=0, atol=1e-6 * 0.05 ** 2)
+
+
+def test_expected_attention_softmax_per_head_and_group_with_logits_far_apart():
+    """Each (KV head, query head) has its own softmax: one head's logits spanning thousands, another's a few
+    units, give each its own finite distribution (no shared or wrong-signed shift that overflows or
+    underflows)."""
+    from kvviz.policies.expected_attention import expected_attention
+
+    rng = np.random.default_rng(9)
+    keys = rng.standard_normal((2, 30, 8))                          # (Hkv, n, d)
+    keys[1] *= 200.0                                                # head 1: logits of hundreds to thousands
+    mu = rng.standard_normal((2, 2, 8))                             # (Hkv, g, d)
+    got = expected_attention(keys, mu, None)                        # (Hkv, n)
+    z = np.einsum("hnd,hgd->hgn", keys, mu) / np.sqrt(8)
+    a = np.exp(z - z.max(-1, keepdims=True))
+    want = (a / a.sum(-1, keepdims=True)).mean(1)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-300)
 
 
 def test_expected_attention_horizon_matters_only_with_rope():
@@ -290,17 +383,60 @@ def test_expected_attention_on_a_config_only_trace_with_llama3_scaled_rope():
     np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
-def test_a_scaled_rope_trace_without_frequencies_is_refused_not_scored_unrotated(monkeypatch):
+def config_trace(config):
+    """random_trace(6)'s tensors (head_dim 16) with only a model config in the meta, no RoPE frequencies."""
+    base = random_trace(6, D=16, rope=False)
+    return Trace(q=base.q, k=base.k, v=base.v, context_len=base.context_len, tokens=base.tokens,
+                 query_positions=base.query_positions, meta={"config": config})
+
+
+@pytest.mark.parametrize("config", [
+    {"rope_theta": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},                  # transformers 4
+    {"rope_parameters": {"rope_theta": 1e4, "rope_type": "linear", "factor": 2.0}}])              # transformers 5
+def test_a_scaled_rope_trace_without_frequencies_is_refused_not_scored_unrotated(monkeypatch, config):
+    import re
+
     import kvviz.models.config as model_config
     from kvviz.policies.expected_attention import rope_inv_freq
 
     monkeypatch.setattr(model_config, "inv_freq_from_config", lambda config, head_dim: None)   # no transformers
-    base = random_trace(6, D=16, rope=False)
-    trace = Trace(q=base.q, k=base.k, v=base.v, context_len=base.context_len, tokens=base.tokens,
-                  query_positions=base.query_positions,
-                  meta={"config": {"rope_theta": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}})
-    with pytest.raises(SpecError, match="scaled RoPE"):
-        rope_inv_freq(trace)
+    with pytest.raises(SpecError, match=re.escape(
+            "this trace's model uses a scaled RoPE and carries no RoPE frequencies; Expected Attention needs "
+            "transformers installed to compute them from its config")):
+        rope_inv_freq(config_trace(config))
+
+
+@pytest.mark.parametrize("config", [
+    {"rope_theta": 1e4},                                                          # transformers 4
+    {"rope_theta": 1e4, "rope_scaling": None},
+    {"rope_parameters": {"rope_theta": 1e4, "rope_type": "default"}},             # transformers 5
+    {"rope_parameters": {"rope_theta": 1e4}},                                     # rope_type "default" implied
+    {"rope_theta": 1e4, "rope_parameters": {"rope_type": "default"}}])            # the top-level theta counts
+def test_an_unscaled_rope_from_the_config_is_llamas_own(monkeypatch, config):
+    """theta^(-2i/d) for i < d/2 (RoFormer, Llama), computed without transformers."""
+    import kvviz.models.config as model_config
+    from kvviz.policies.expected_attention import rope_inv_freq
+
+    def refuse(config, head_dim):
+        raise AssertionError("an unscaled RoPE needs no transformers")
+    monkeypatch.setattr(model_config, "inv_freq_from_config", refuse)
+    want = np.array([1e4 ** (-2 * i / 16) for i in range(8)])
+    np.testing.assert_allclose(rope_inv_freq(config_trace(config)), want, rtol=1e-14)
+    assert rope_inv_freq(config_trace({"hidden_size": 64})) is None                # no RoPE in the config
+
+
+def test_a_scaled_rope_is_computed_for_the_traces_head_dim(monkeypatch):
+    """A config may carry only its RoPE settings: the scaled frequencies are asked for the trace's head_dim
+    (transformers' own computation is checked against the model in the llama3 test above)."""
+    import kvviz.models.config as model_config
+    from kvviz.policies.expected_attention import rope_inv_freq
+
+    asked = []
+    monkeypatch.setattr(model_config, "inv_freq_from_config",
+                        lambda config, head_dim: asked.append(head_dim) or np.full(head_dim // 2, 0.5))
+    config = {"rope_theta": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    np.testing.assert_array_equal(rope_inv_freq(config_trace(config)), np.full(8, 0.5))
+    assert asked == [16]
 
 
 def test_quest_query_kept_is_the_union_of_each_heads_own_top_pages():
