@@ -26,7 +26,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ["kvviz/metrics.py", "kvviz/quant/integer.py", "kvviz/policies/select.py", "kvviz/policies/h2o.py",
-           "kvviz/policies/base.py", "kvviz/quant/formats.py", "kvviz/policies/allocation.py", "kvviz/engine.py"]
+           "kvviz/policies/base.py", "kvviz/quant/formats.py", "kvviz/policies/allocation.py", "kvviz/engine.py",
+           "kvviz/policies/knorm.py", "kvviz/policies/streaming.py", "kvviz/policies/random.py",
+           "kvviz/policies/tova.py", "kvviz/policies/oracle.py", "kvviz/policies/keydiff.py",
+           "kvviz/policies/snapkv.py", "kvviz/policies/quest.py", "kvviz/policies/chunkkv.py"]
 
 # Mutants that cannot change behaviour, with the reason (mutmut's names: module.function__mutmut_N).
 # A survivor that is not here is a missing test.
@@ -241,8 +244,22 @@ EQUIVALENT.update({
 })
 
 
+# kvviz/policies: knorm, streaming, random, tova, oracle, keydiff, snapkv, quest, chunkkv
+_STREAM = "kvviz.policies.streaming.xǁStreamingǁ"
+_TOVA = "kvviz.policies.tova.xǁTOVAǁ"
+EQUIVALENT.update({
+    **_same("int positions instead of float64: both readers of `score` (scores_at_compression, the decode cache) "
+            "cast it to float64, and positions are exact there", _STREAM, "score__mutmut_3", "score__mutmut_5"),
+    **_same("another fill (None, +inf) for the positions after the context: TOVA is streaming, so _simulate "
+            "overwrites them with +inf before reading them, and the decode cache's trace ends at the context",
+            _TOVA, "score__mutmut_9", "score__mutmut_12"),
+})
+
+
 def _mutmut(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYPOTHESIS_PROFILE": "ci", "KVVIZ_WARMUP": "0"}
+    if args[:1] == ("run",) and os.environ.get("MUTMUT_CHILDREN"):    # e.g. 1 on a shared machine
+        args = ("run", "--max-children", os.environ["MUTMUT_CHILDREN"], *args[1:])
     return subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=ROOT, env=env, text=True,
                           capture_output=True)
 
