@@ -254,6 +254,18 @@ EQUIVALENT.update({
             "overwrites them with +inf before reading them, and the decode cache's trace ends at the context",
             _TOVA, "score__mutmut_9", "score__mutmut_12"),
 })
+_KD = "kvviz.policies.keydiff.xǁKeyDiffǁ"
+EQUIVALENT.update({
+    _KD + "score__mutmut_5": "float16 keys cast to float64 instead of float32: the same cosines to float32 rounding "
+                             "(float32 is kvpress's precision and a speed choice, not another rule)",
+    _KD + "score__mutmut_19": "einsum subscripts in capitals: the same contraction",
+    **_same("the anchor times a positive constant (c^2, or 2): cos(k, s a) = cos(k, a); only an anchor under the "
+            "1e-12 floor (normalised keys cancelling, the cosine undefined) would scale a head's scores, all alike "
+            "(0 differences in the masks of 48 KeyDiff / ChunkKV cases)",
+            _KD, "score__mutmut_23", "score__mutmut_29"),
+    **_same("astype(None) is float64, the dtype given", _KD, "score__mutmut_49", "score__mutmut_56"),
+    _KD + "score__mutmut_50": "norm over axis +1 for -1: the anchor is 2-D (kv_heads, d)",
+})
 
 
 def _mutmut(*args: str) -> subprocess.CompletedProcess:

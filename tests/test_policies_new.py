@@ -107,6 +107,32 @@ def test_keydiff_keeps_the_keys_least_similar_to_the_mean_normalised_key():
         assert heavy_set(kept[h], spec, c) == top_set(dis, 2, c - 6, 10)
 
 
+def keydiff_reference(keys):
+    """-cos(k_i, a), a = mean_i k_i / ||k_i||, in float64: keys (kv_heads, c, d) -> (kv_heads, c)."""
+    K = keys.astype(np.float64)
+    norms = np.linalg.norm(K, axis=-1)                                    # (kv_heads, c)
+    anchor = (K / norms[..., None]).mean(axis=1)                          # (kv_heads, d)
+    return -np.einsum("hcd,hd->hc", K, anchor) / (norms * np.linalg.norm(anchor, axis=-1)[:, None])
+
+
+@pytest.mark.parametrize("dtype, scale, rtol", [(np.float64, 1.0, 1e-12), (np.float32, 1e-3, 1e-5),
+                                                (np.float16, 1.0, 1e-5)])
+def test_keydiff_scores_are_the_negated_cosine_to_the_anchor(dtype, scale, rtol):
+    """The scores themselves, not only their order: float64 keys scored in float64, float16 ones in float32
+    (as kvpress, not in float16), short keys (norms under 1) normalised by their own norm; the tokens
+    after the compression point get no score."""
+    from kvviz.policies import ScoreContext
+
+    trace = random_trace(4)
+    k = (trace.k * scale).astype(dtype)                                   # (L, kv_heads, P, d)
+    trace = Trace(q=trace.q, k=k, v=trace.v, context_len=trace.context_len, tokens=trace.tokens,
+                  query_positions=trace.query_positions, meta=trace.meta)
+    c = trace.context_len
+    got = POLICIES["keydiff"].score(ScoreContext(trace, 1, Spec(sink=2, recent=6, heavy=10, scorer="keydiff")))
+    np.testing.assert_allclose(got[:, :c], keydiff_reference(k[1, :, :c]), rtol=rtol)
+    assert np.isneginf(got[:, c:]).all()
+
+
 # --- ChunkKV ----------------------------------------------------------------------------------
 
 def test_chunkkv_keeps_whole_top_chunks_by_summed_mean_score():
