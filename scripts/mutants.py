@@ -265,6 +265,9 @@ EQUIVALENT.update({
             _KD, "score__mutmut_23", "score__mutmut_29"),
     **_same("astype(None) is float64, the dtype given", _KD, "score__mutmut_49", "score__mutmut_56"),
     _KD + "score__mutmut_50": "norm over axis +1 for -1: the anchor is 2-D (kv_heads, d)",
+    **_same("the window's float32 attention rows summed in float32 instead of float64: votes equal to float32 "
+            "rounding, the precision of the attention rows themselves", "kvviz.policies.snapkv.xǁSnapKVǁ",
+            "score__mutmut_25", "score__mutmut_27"),
 })
 
 

@@ -77,6 +77,32 @@ def test_snapkv_heavy_slots_go_to_the_top_voted_tokens_before_the_window(trace, 
         assert np.all(kept[g, c - w: c])                             # the window itself is kept
 
 
+@pytest.mark.parametrize("window, kernel, chunk_rows", [(1, 5, None), (7, 3, 2), (119, 5, None), (40, 1, 3)])
+def test_snapkv_scores_are_the_pooled_votes_of_its_window(trace, monkeypatch, window, kernel, chunk_rows):
+    """The scores themselves, not only their order: the window's mean attention to each token before it,
+    average-pooled (zeros counted) and averaged over the GQA group, the same when the window's rows come
+    in several chunks; down to a window of one query and a prefix of one token. Tokens in the window and
+    after the context get no score."""
+    from kvviz import attention
+    from kvviz.policies import POLICIES, ScoreContext
+
+    if chunk_rows is not None:             # context_rows: chunk_rows rows a chunk (heads x rows x keys floats)
+        monkeypatch.setattr(attention, "CHUNK_BYTES", 4 * trace.n_q_heads * trace.context_len * chunk_rows)
+    c = trace.context_len
+    spec = Spec(sink=0, recent=window, heavy=4, scorer="snapkv", snapkv_window=window, snapkv_kernel=kernel)
+    got = POLICIES["snapkv"].score(ScoreContext(trace, 1, spec))          # (kv_heads, positions)
+    np.testing.assert_allclose(got[:, : c - window], snapkv_votes(trace, 1, window, kernel), rtol=1e-5)
+    assert np.isneginf(got[:, c - window:]).all()
+
+
+@pytest.mark.parametrize("window", [120, 125])
+def test_snapkv_window_over_the_whole_context_ranks_nothing(trace, window):
+    from kvviz.policies import POLICIES, ScoreContext
+
+    spec = Spec(sink=0, recent=window, heavy=4, scorer="snapkv", snapkv_window=window)
+    assert np.isneginf(POLICIES["snapkv"].score(ScoreContext(trace, 0, spec))).all()
+
+
 def test_snapkv_needs_a_recent_window_that_holds_its_observation_window():
     with pytest.raises(SpecError, match="recent window of at least 1"):
         Spec(sink=4, heavy=8, scorer="snapkv")
