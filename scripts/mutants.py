@@ -255,6 +255,9 @@ EQUIVALENT.update({
             _TOVA, "score__mutmut_9", "score__mutmut_12"),
 })
 _KD = "kvviz.policies.keydiff.xǁKeyDiffǁ"
+_QUEST = "kvviz.policies.quest.x"
+_CHUNK = "kvviz.policies.chunkkv.x"
+_NEG2 = "reshape(..., -2): numpy takes any negative size as the unknown one"
 EQUIVALENT.update({
     _KD + "score__mutmut_5": "float16 keys cast to float64 instead of float32: the same cosines to float32 rounding "
                              "(float32 is kvpress's precision and a speed choice, not another rule)",
@@ -268,6 +271,19 @@ EQUIVALENT.update({
     **_same("the window's float32 attention rows summed in float32 instead of float64: votes equal to float32 "
             "rounding, the precision of the attention rows themselves", "kvviz.policies.snapkv.xǁSnapKVǁ",
             "score__mutmut_25", "score__mutmut_27"),
+    **_same(_NEG2, _QUEST, "_page_bounds__mutmut_18", "_page_bounds__mutmut_126", "ǁQuestǁquery_scores__mutmut_19"),
+    _QUEST + "_page_bounds__mutmut_24": "the min / max loop from j = 0: lo and hi start as page row 0, and "
+                                        "min(x, x) = x",
+    **_same("astype(None) is float64, the dtype given", _QUEST,
+            *(f"_page_bounds__mutmut_{n}" for n in (71, 88, 103))),
+    **_same("no float64 cast: chunk_scores' one caller passes float64 token scores (scores_at_compression casts "
+            "them; the max + 1 pad keeps them float64)", _CHUNK, "_chunk_scores__mutmut_4", "_chunk_scores__mutmut_6"),
+    _CHUNK + "_chunk_scores__mutmut_18": _NEG2,
+    _CHUNK + "ǁChunkKVǁscore__mutmut_25": "pad 1 + 1 for 0 + 1 where the inner scorer ranks nothing: every token "
+                                          "gets the same pad either way, all chunks tie, and only the order is read "
+                                          "(0 differences in the masks of 384 cases)",
+    _CHUNK + "ǁChunkKVǁcompression_kept__mutmut_31": "numpy reads the sort kind case-insensitively: 'STABLE' is "
+                                                     "'stable'",
 })
 
 
