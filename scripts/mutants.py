@@ -29,7 +29,10 @@ MUTANTS = ["kvviz/metrics.py", "kvviz/quant/integer.py", "kvviz/policies/select.
            "kvviz/policies/base.py", "kvviz/quant/formats.py", "kvviz/policies/allocation.py", "kvviz/engine.py",
            "kvviz/quant/base.py", "kvviz/quant/fp8.py", "kvviz/quant/minifloat.py", "kvviz/quant/mxfp4.py",
            "kvviz/quant/nvfp4.py", "kvviz/quant/rotation.py",
-           "kvviz/policies/expected_attention.py", "kvviz/policies/registry.py"]
+           "kvviz/policies/expected_attention.py", "kvviz/policies/registry.py",
+           "kvviz/policies/knorm.py", "kvviz/policies/streaming.py", "kvviz/policies/random.py",
+           "kvviz/policies/tova.py", "kvviz/policies/oracle.py", "kvviz/policies/keydiff.py",
+           "kvviz/policies/snapkv.py", "kvviz/policies/quest.py", "kvviz/policies/chunkkv.py"]
 
 # Mutants that cannot change behaviour, with the reason (mutmut's names: module.function__mutmut_N).
 # A survivor that is not here is a missing test.
@@ -330,6 +333,49 @@ EQUIVALENT.update({
     _MF + "x_e8m0_exponent__mutmut_14": "x >= 0 inside: frexp(0) is read only where x > 0 (the outer where gives "
                                         "-127 for x <= 0)",
     _MF + "x_e8m0_exponent__mutmut_16": "2.0 for x <= 0 inside: the outer where gives -127 there",
+})
+
+
+# kvviz/policies: knorm, streaming, random, tova, oracle, keydiff, snapkv, quest, chunkkv
+_STREAM = "kvviz.policies.streaming.xǁStreamingǁ"
+_TOVA = "kvviz.policies.tova.xǁTOVAǁ"
+EQUIVALENT.update({
+    **_same("int positions instead of float64: both readers of `score` (scores_at_compression, the decode cache) "
+            "cast it to float64, and positions are exact there", _STREAM, "score__mutmut_3", "score__mutmut_5"),
+    **_same("another fill (None, +inf) for the positions after the context: TOVA is streaming, so _simulate "
+            "overwrites them with +inf before reading them, and the decode cache's trace ends at the context",
+            _TOVA, "score__mutmut_9", "score__mutmut_12"),
+})
+_KD = "kvviz.policies.keydiff.xǁKeyDiffǁ"
+_QUEST = "kvviz.policies.quest.x"
+_CHUNK = "kvviz.policies.chunkkv.x"
+_NEG2 = "reshape(..., -2): numpy takes any negative size as the unknown one"
+EQUIVALENT.update({
+    _KD + "score__mutmut_5": "float16 keys cast to float64 instead of float32: the same cosines to float32 rounding "
+                             "(float32 is kvpress's precision and a speed choice, not another rule)",
+    _KD + "score__mutmut_19": "einsum subscripts in capitals: the same contraction",
+    **_same("the anchor times a positive constant (c^2, or 2): cos(k, s a) = cos(k, a); only an anchor under the "
+            "1e-12 floor (normalised keys cancelling, the cosine undefined) would scale a head's scores, all alike "
+            "(0 differences in the masks of 48 KeyDiff / ChunkKV cases)",
+            _KD, "score__mutmut_23", "score__mutmut_29"),
+    **_same("astype(None) is float64, the dtype given", _KD, "score__mutmut_49", "score__mutmut_56"),
+    _KD + "score__mutmut_50": "norm over axis +1 for -1: the anchor is 2-D (kv_heads, d)",
+    **_same("the window's float32 attention rows summed in float32 instead of float64: votes equal to float32 "
+            "rounding, the precision of the attention rows themselves", "kvviz.policies.snapkv.xǁSnapKVǁ",
+            "score__mutmut_25", "score__mutmut_27"),
+    **_same(_NEG2, _QUEST, "_page_bounds__mutmut_18", "_page_bounds__mutmut_126", "ǁQuestǁquery_scores__mutmut_19"),
+    _QUEST + "_page_bounds__mutmut_24": "the min / max loop from j = 0: lo and hi start as page row 0, and "
+                                        "min(x, x) = x",
+    **_same("astype(None) is float64, the dtype given", _QUEST,
+            *(f"_page_bounds__mutmut_{n}" for n in (71, 88, 103))),
+    **_same("no float64 cast: chunk_scores' one caller passes float64 token scores (scores_at_compression casts "
+            "them; the max + 1 pad keeps them float64)", _CHUNK, "_chunk_scores__mutmut_4", "_chunk_scores__mutmut_6"),
+    _CHUNK + "_chunk_scores__mutmut_18": _NEG2,
+    _CHUNK + "ǁChunkKVǁscore__mutmut_25": "pad 1 + 1 for 0 + 1 where the inner scorer ranks nothing: every token "
+                                          "gets the same pad either way, all chunks tie, and only the order is read "
+                                          "(0 differences in the masks of 384 cases)",
+    _CHUNK + "ǁChunkKVǁcompression_kept__mutmut_31": "numpy reads the sort kind case-insensitively: 'STABLE' is "
+                                                     "'stable'",
 })
 
 

@@ -200,6 +200,32 @@ def test_keydiff_keeps_the_keys_least_similar_to_the_mean_normalised_key():
         assert heavy_set(kept[h], spec, c) == top_set(dis, 2, c - 6, 10)
 
 
+def keydiff_reference(keys):
+    """-cos(k_i, a), a = mean_i k_i / ||k_i||, in float64: keys (kv_heads, c, d) -> (kv_heads, c)."""
+    K = keys.astype(np.float64)
+    norms = np.linalg.norm(K, axis=-1)                                    # (kv_heads, c)
+    anchor = (K / norms[..., None]).mean(axis=1)                          # (kv_heads, d)
+    return -np.einsum("hcd,hd->hc", K, anchor) / (norms * np.linalg.norm(anchor, axis=-1)[:, None])
+
+
+@pytest.mark.parametrize("dtype, scale, rtol", [(np.float64, 1.0, 1e-12), (np.float32, 1e-3, 1e-5),
+                                                (np.float16, 1.0, 1e-5)])
+def test_keydiff_scores_are_the_negated_cosine_to_the_anchor(dtype, scale, rtol):
+    """The scores themselves, not only their order: float64 keys scored in float64, float16 ones in float32
+    (as kvpress, not in float16), short keys (norms under 1) normalised by their own norm; the tokens
+    after the compression point get no score."""
+    from kvviz.policies import ScoreContext
+
+    trace = random_trace(4)
+    k = (trace.k * scale).astype(dtype)                                   # (L, kv_heads, P, d)
+    trace = Trace(q=trace.q, k=k, v=trace.v, context_len=trace.context_len, tokens=trace.tokens,
+                  query_positions=trace.query_positions, meta=trace.meta)
+    c = trace.context_len
+    got = POLICIES["keydiff"].score(ScoreContext(trace, 1, Spec(sink=2, recent=6, heavy=10, scorer="keydiff")))
+    np.testing.assert_allclose(got[:, :c], keydiff_reference(k[1, :, :c]), rtol=rtol)
+    assert np.isneginf(got[:, c:]).all()
+
+
 # --- ChunkKV ----------------------------------------------------------------------------------
 
 def test_chunkkv_keeps_whole_top_chunks_by_summed_mean_score():
@@ -253,6 +279,74 @@ def test_chunkkv_pads_snapkv_window_with_max_plus_one():
     token = np.where(np.isfinite(snap), snap, top).sum(0)
     assert scores[60] == pytest.approx(token[60:70].mean())          # tokens 64..69 are window tokens
     assert scores[79] == pytest.approx(2 * top)
+
+
+@pytest.mark.parametrize("c, size", [(48, 8), (48, 10), (7, 7), (5, 2)])
+def test_chunk_scores_are_the_mean_of_each_chunks_head_summed_token_scores(c, size):
+    """Every token carries its chunk's mean of the token scores summed over the KV heads, the last chunk
+    shorter where size does not divide c; no warning (a context of whole chunks has no short chunk)."""
+    import warnings
+
+    from kvviz.policies.chunkkv import chunk_scores
+
+    token = np.random.default_rng(c + size).standard_normal((2, c + 3))    # (kv_heads, >= c)
+    summed = token[:, :c].sum(axis=0)
+    want = [summed[j - j % size: j - j % size + size].mean() for j in range(c)]   # (c,) plain slices
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = chunk_scores(token, c, size)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_chunkkv_scores_its_inner_scorers_chunks_and_leaves_arrivals_unscored():
+    from kvviz.policies.base import ScoreContext
+    from kvviz.policies.chunkkv import chunk_scores
+
+    trace = random_trace(4)
+    c = trace.context_len
+    spec = Spec(sink=0, recent=6, heavy=10, scorer="chunkkv", chunk_size=5, chunk_scorer="knorm")
+    got = POLICIES["chunkkv"].score(ScoreContext(trace, 0, spec))        # (kv_heads, positions)
+    knorm = -np.linalg.norm(trace.k[0].astype(np.float64), axis=-1)       # (kv_heads, positions)
+    np.testing.assert_allclose(got[:, :c], np.broadcast_to(chunk_scores(knorm, c, 5), (2, c)), rtol=1e-6)
+    assert np.isneginf(got[:, c:]).all()                                  # an arrival has no chunk score
+
+
+def test_chunkkv_with_nothing_ranked_by_its_inner_scorer_ties_every_chunk():
+    """SnapKV's window over the whole context ranks no token: every token is padded alike, so every chunk
+    ties (the window then lies in the recent window: the budget holds the whole context)."""
+    from kvviz.policies.base import ScoreContext
+
+    trace = random_trace(4)
+    c = trace.context_len
+    spec = Spec(sink=0, recent=c, heavy=0, scorer="chunkkv", chunk_size=5, chunk_scorer="snapkv",
+                snapkv_window=c)
+    scores = POLICIES["chunkkv"].score(ScoreContext(trace, 0, spec))     # (kv_heads, positions)
+    assert np.isfinite(scores[:, :c]).all() and len(np.unique(scores[:, :c])) == 1
+    assert keep_masks(trace, spec, 0, [c - 1])[0, :, :c].all()
+
+
+def chunkkv_reference_kept(per_chunk, c, size, budget):
+    """kvpress ChunkKVPress: the top max(1, int(n_chunks (1 - ratio))) chunks whole, n_chunks counting a
+    short last chunk, n (1 - ratio) = budget + 1/2; ties: the earlier chunk. -> (c,) bool"""
+    n_chunks = len(per_chunk)
+    keep = max(1, int(n_chunks * (budget + 0.5) / c))
+    best = sorted(range(n_chunks), key=lambda j: (-per_chunk[j], j))[:keep]
+    return np.array([i // size in best for i in range(c)])
+
+
+@pytest.mark.parametrize("c, size, budget, per_chunk", [
+    (48, 10, 29, [0.3, 0.9, 0.1, 0.5, 0.7]),            # 5 chunks, not 4.8: 3 kept, not 2
+    (48, 10, 3, [0.3, 0.9, 0.1, 0.5, 0.7]),             # int(...) = 0: still one chunk
+    (10, 10, 4, [0.2]),                                 # one whole chunk: kvpress keeps it
+    (80, 2, 20, np.random.default_rng(0).integers(0, 3, 40).astype(float).tolist()),   # 10 of 40, ties
+])
+def test_chunkkv_compression_kept_is_kvpress_count_of_top_chunks(c, size, budget, per_chunk):
+    spec = Spec(sink=0, recent=min(4, budget), heavy=budget - min(4, budget), scorer="chunkkv", chunk_size=size)
+    scores = np.broadcast_to(np.repeat(per_chunk, size)[:c], (2, c))     # every token carries its chunk's
+    kept = POLICIES["chunkkv"].compression_kept(scores, spec)            # (kv_heads, c)
+    assert kept.dtype == bool and kept.shape == (2, c)
+    want = chunkkv_reference_kept(per_chunk, c, size, budget)
+    assert kept[0].tolist() == kept[1].tolist() == want.tolist()
 
 
 # --- Quest ------------------------------------------------------------------------------------
@@ -457,3 +551,50 @@ def test_quest_query_kept_is_the_union_of_each_heads_own_top_pages():
         want[h // 2, n - 1] = True                                          # the window: the query's own token
         want[h // 2, sorted(top_set(token, 0, n - 1, 8))] = True
     assert kept.shape == (2, n) and (kept == want).all()
+
+
+@pytest.mark.parametrize("scorer, setting, fills", [
+    ("quest", {"quest_heads": "kv"}, True), ("quest", {"quest_heads": "query"}, False),
+    ("chunkkv", {"chunk_rule": "budget"}, True), ("chunkkv", {"chunk_rule": "chunks"}, False)])
+def test_a_policy_says_it_fills_the_budget_where_every_head_holds_exactly_the_budget(scorer, setting, fills):
+    """fills_budget lets the memory card count bytes from the budget alone: true for Quest's one choice per
+    KV head and ChunkKV's budget rule, where every head holds (reads) min(budget, tokens seen); false for
+    Quest per query head (a union of reads) and kvpress's whole chunks, whose counts are their own."""
+    from kvviz.engine import kept_at_query
+
+    trace = random_trace(8)
+    spec = Spec(sink=1, recent=4, heavy=13, scorer=scorer, page_size=4, chunk_size=5, **setting)
+    assert POLICIES[scorer].fills_budget(spec) is fills
+    exact = [(kept_at_query(trace, spec, layer, qi).sum(axis=1) == min(spec.budget, trace.query_positions[qi] + 1)
+              ).all() for layer in range(trace.n_layers) for qi in trace.evaluated_queries]
+    assert all(exact) if fills else not all(exact)
+
+
+def test_quest_per_query_head_reads_its_layers_pyramid_budget():
+    """Under PyramidKV each layer has its own budget, and each query head of that layer reads that many."""
+    from kvviz.policies import ScoreContext
+    from kvviz.policies.allocation import layer_spec
+
+    trace = random_trace(7, L=3, c=40, steps=2)
+    spec = Spec(sink=1, recent=4, heavy=12, scorer="quest", page_size=1, allocation="pyramid", pyramid_schedule="heavy")
+    n = trace.n_positions
+    query, budgets = trace.q[:, :, n - 1], []
+    for layer in range(trace.n_layers):
+        reads = POLICIES["quest"].query_reads(None, ScoreContext(trace, layer, spec), query=query[layer],
+                                              keys=trace.k[layer])
+        budgets.append(layer_spec(spec, layer, trace.n_layers, trace.context_len).budget)
+        assert reads.sum(axis=1).tolist() == [budgets[-1]] * trace.n_q_heads
+    assert len(set(budgets)) == trace.n_layers                            # the layer really matters
+
+
+def test_quest_without_the_query_or_the_keys_is_refused_with_the_reason():
+    from kvviz.policies import ScoreContext
+
+    trace = random_trace(7)
+    ctx = ScoreContext(trace, 0, Spec(sink=1, recent=4, heavy=8, scorer="quest"))
+    quest = POLICIES["quest"]
+    with pytest.raises(TypeError, match="^Quest picks pages per query: use query_scores$"):
+        quest.score(ctx)
+    for query, keys in ((None, trace.k[0]), (trace.q[0, :, 10], None), (None, None)):
+        with pytest.raises(TypeError, match="^Quest needs the query vectors and the cached keys$"):
+            quest.query_reads(None, ctx, query=query, keys=keys)

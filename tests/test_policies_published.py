@@ -77,6 +77,32 @@ def test_snapkv_heavy_slots_go_to_the_top_voted_tokens_before_the_window(trace, 
         assert np.all(kept[g, c - w: c])                             # the window itself is kept
 
 
+@pytest.mark.parametrize("window, kernel, chunk_rows", [(1, 5, None), (7, 3, 2), (119, 5, None), (40, 1, 3)])
+def test_snapkv_scores_are_the_pooled_votes_of_its_window(trace, monkeypatch, window, kernel, chunk_rows):
+    """The scores themselves, not only their order: the window's mean attention to each token before it,
+    average-pooled (zeros counted) and averaged over the GQA group, the same when the window's rows come
+    in several chunks; down to a window of one query and a prefix of one token. Tokens in the window and
+    after the context get no score."""
+    from kvviz import attention
+    from kvviz.policies import POLICIES, ScoreContext
+
+    if chunk_rows is not None:             # context_rows: chunk_rows rows a chunk (heads x rows x keys floats)
+        monkeypatch.setattr(attention, "CHUNK_BYTES", 4 * trace.n_q_heads * trace.context_len * chunk_rows)
+    c = trace.context_len
+    spec = Spec(sink=0, recent=window, heavy=4, scorer="snapkv", snapkv_window=window, snapkv_kernel=kernel)
+    got = POLICIES["snapkv"].score(ScoreContext(trace, 1, spec))          # (kv_heads, positions)
+    np.testing.assert_allclose(got[:, : c - window], snapkv_votes(trace, 1, window, kernel), rtol=1e-5)
+    assert np.isneginf(got[:, c - window:]).all()
+
+
+@pytest.mark.parametrize("window", [120, 125])
+def test_snapkv_window_over_the_whole_context_ranks_nothing(trace, window):
+    from kvviz.policies import POLICIES, ScoreContext
+
+    spec = Spec(sink=0, recent=window, heavy=4, scorer="snapkv", snapkv_window=window)
+    assert np.isneginf(POLICIES["snapkv"].score(ScoreContext(trace, 0, spec))).all()
+
+
 def test_snapkv_needs_a_recent_window_that_holds_its_observation_window():
     with pytest.raises(SpecError, match="recent window of at least 1"):
         Spec(sink=4, heavy=8, scorer="snapkv")
@@ -330,6 +356,93 @@ def test_arrival_scores_and_the_budget_claim_of_the_shared_rule():
         assert POLICIES[scorer].fills_budget(spec), scorer
         masks = keep_masks(t, spec, 1, [t.context_len - 1, t.n_positions - 1])
         assert (masks.sum(axis=2) == 15).all(), scorer
+
+
+def test_arrival_scores_of_the_query_free_scorers_are_what_score_gives_that_key():
+    """The decode cache scores an arriving token with arrival_score: KNorm the negated L2 norm of its key
+    and StreamingLLM its position, the values `score` gives the same token of a trace, one per KV head."""
+    from kvviz.policies import POLICIES, ScoreContext
+
+    t = make_synthetic(SMALL)
+    p = t.n_positions - 1
+    key = t.k[1, :, p]                                                    # (kv_heads, head_dim)
+    ctx = ScoreContext(t, 1, Spec())
+    knorm = POLICIES["knorm"].arrival_score(key, 1, p, Spec())
+    np.testing.assert_allclose(knorm, -np.linalg.norm(key.astype(np.float64), axis=-1), rtol=1e-6)
+    np.testing.assert_array_equal(knorm, POLICIES["knorm"].score(ctx)[:, p])
+    streaming = POLICIES["streaming"].arrival_score(key, 1, p, Spec())
+    assert streaming.tolist() == [float(p)] * t.n_kv_heads == POLICIES["streaming"].score(ctx)[:, p].tolist()
+
+
+def test_random_scores_are_uniform_draws_fixed_by_seed_layer_and_position():
+    """The random baseline: a fresh uniform draw in [0, 1) for every head and token, the same for the same
+    seed (a run is reproducible, an ensemble over seeds is not one draw repeated), another for another
+    seed or layer; an arriving token's draw is fixed by seed, layer and position, one per KV head."""
+    from kvviz.policies import POLICIES, ScoreContext
+
+    t = make_synthetic(SMALL)
+    rand = POLICIES["random"]
+    scores = rand.score(ScoreContext(t, 0, Spec(seed=3)))                 # (kv_heads, positions)
+    assert scores.shape == (t.n_kv_heads, t.n_positions)
+    assert scores.min() >= 0 and scores.max() < 1 and len(np.unique(scores)) == scores.size
+    np.testing.assert_array_equal(scores, rand.score(ScoreContext(t, 0, Spec(seed=3))))
+    assert (scores != rand.score(ScoreContext(t, 0, Spec(seed=4)))).all()
+    assert (scores != rand.score(ScoreContext(t, 1, Spec(seed=3)))).all()
+    key = np.ones((3, 8))                                                 # (kv_heads, head_dim)
+    arrival = rand.arrival_score(key, 1, 10, Spec(seed=3))
+    assert arrival.shape == (3,) and arrival.min() >= 0 and arrival.max() < 1 and len(set(arrival)) == 3
+    np.testing.assert_array_equal(arrival, rand.arrival_score(key, 1, 10, Spec(seed=3)))
+    for other in (rand.arrival_score(key, 1, 11, Spec(seed=3)), rand.arrival_score(key, 0, 10, Spec(seed=3)),
+                  rand.arrival_score(key, 1, 10, Spec(seed=4))):
+        assert (other != arrival).all()
+
+
+def test_the_oracle_has_no_compression_time_score():
+    from kvviz.policies import POLICIES, ScoreContext
+
+    t = make_synthetic(SMALL)
+    with pytest.raises(TypeError, match="^the oracle is scored per evaluated query: use query_scores$"):
+        POLICIES["oracle"].score(ScoreContext(t, 0, Spec(scorer="oracle")))
+
+
+def tova_reference(trace, spec, layer, positions):
+    """TOVA from its definition, with plain loops: the last query's attention averaged over every query
+    head ranks the tokens, one decision for all KV heads; a token arrives unscored (+inf), the cache drops
+    its lowest scorer outside the sinks and the recent window (ties: the earlier), and each later query's
+    attention over what is kept, averaged over the heads, replaces the scores."""
+    c, P, heads = trace.context_len, trace.n_positions, range(trace.n_q_heads)
+    ctx_rows = [i for i, p in enumerate(trace.query_positions) if p < c]
+    later = {int(p): i for i, p in enumerate(trace.query_positions) if p >= c}
+    score = np.mean([causal_attention(trace, layer, h, ctx_rows[-1:], P)[0] for h in heads], axis=0)   # (P,)
+    ranked = sorted(range(spec.sink, c - spec.recent), key=lambda i: (-score[i], i))
+    kept = sorted(set(range(spec.sink)) | set(range(c - spec.recent, c)) | set(ranked[:spec.heavy]))
+    out = np.zeros((len(positions), trace.n_kv_heads, P), bool)
+    for p in range(c, max(positions) + 1):
+        kept.append(p)
+        score[p] = np.inf
+        if len(kept) > spec.budget:
+            free = [i for i in kept if spec.sink <= i <= p - spec.recent]
+            kept.remove(min(free, key=lambda i: (score[i], i)))
+        if p in positions:
+            out[positions.index(p), :, kept] = True
+        if p in later:
+            ks = np.array(kept)
+            attn = []
+            for h in heads:
+                logits = query_logits(trace, layer, h, later[p], ks)
+                attn.append(np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum())
+            score[ks] = np.mean(attn, axis=0)
+    return out
+
+
+def test_tova_later_steps_follow_its_definition(trace):
+    """Every later query re-scores the kept tokens by its own attention averaged over all heads, and the
+    next eviction follows those scores (not the compression point's, not one value shared by every token)."""
+    spec = Spec(sink=2, recent=6, heavy=9, scorer="tova")
+    positions = [int(p) for p in trace.query_positions[trace.later_queries]]
+    for layer in range(trace.n_layers):
+        np.testing.assert_array_equal(keep_masks(trace, spec, layer, positions),
+                                      tova_reference(trace, spec, layer, positions))
 
 
 def test_a_streaming_plugin_under_adakv_and_a_one_shot_policy_asked_per_query_are_refused():
