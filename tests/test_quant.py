@@ -258,6 +258,8 @@ def _reference_step(x, bits, axis, group, symmetric, partial="full"):
          symmetric=False, partial="quantize")
 @example(x=np.arange(2 * 2 * 7 * 5, dtype=np.float64).reshape(2, 2, 7, 5) ** 1.5, bits=2, axis="channel", group=3,
          symmetric=False, partial="quantize")
+@example(x=np.arange(8 * 5, dtype=np.float64).reshape(8, 5) ** 1.5, bits=2, axis="channel", group=3,
+         symmetric=False, partial="quantize")   # a short last group of two tokens: its min and max run over both
 def test_quant_step_is_each_groups_scale(x, bits, axis, group, symmetric, partial):
     """quant_step gives, per element, exactly the scale s of its group (the bound |x - x_hat| <= s/2 is
     only as strong as s is exact), for a single (tokens, dim) matrix and for every leading (layer / head)
@@ -332,15 +334,28 @@ def test_quantized_extent_by_hand():
     assert quantized_extent(4, 64, "token", 32, 10) == (0, 64, 32)
 
 
+def _kernel_signatures() -> set[str]:
+    """'axis dtype heads positions delta' of every compiled quantization kernel (per-token: KIVI's group)."""
+    from kvviz.quant.kernel import _by_token, _quantize_by_channel
+
+    return {f"{axis} {sig[0].dtype} {sig[1].dtype} {sig[2].dtype} {sig[8]}"
+            for axis, k in (("channel", _quantize_by_channel), ("token", _by_token(32))) for sig in k.signatures}
+
+
 def test_compile_kernel_compiles_for_float32_and_float64_caches():
     """The app's warm-up: afterwards the kernel holds a compiled version for each cache dtype, with the
-    argument types real calls use (int64 heads and positions, a bool delta). Checked in a fresh process:
-    in this one other tests may have compiled them already."""
+    argument types real calls use (int64 heads and positions, a bool delta), the per-token one in KIVI's
+    group size. Checked here (where other tests may have compiled some already) and in a fresh process."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
+    from kvviz.quant import compile_kernel
+
+    compile_kernel()
+    for axis in ("channel", "token"):
+        assert {f"{axis} float32 int64 int64 bool", f"{axis} float64 int64 int64 bool"} <= _kernel_signatures()
     root = Path(__file__).resolve().parents[1]
     probe = ("from kvviz.quant import compile_kernel\n"
              "from kvviz.quant.kernel import _by_token, _quantize_by_channel\n"
