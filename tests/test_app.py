@@ -334,6 +334,22 @@ def test_budget_number_boxes_set_counts_or_percentages():
     assert cards(at)["Tokens kept"] == f"{min(544, 4 + 240 + 136)} / 544"
 
 
+def test_a_budget_slider_move_wins_over_its_boxs_stale_echo():
+    """A superseded run can leave the number box's new value unseen by the browser, which then sends the
+    box's old value along with the slider's next move (seen in Chromium: sink 4 -> 5 -> 6 by two quick key
+    presses ended at 4). The slider moved, so it wins; a box typed on its own still sets the count."""
+    at = run(source="synthetic", context="512", steps="32")
+    at.slider(key="sink").set_value(5).run()
+    assert at.number_input(key="_box_sink").value == 5
+    at.slider(key="sink").set_value(6)
+    at.number_input(key="_box_sink").set_value(4)      # the browser's stale copy, sent with the move
+    at.run()
+    assert at.slider(key="sink").value == 6 and at.number_input(key="_box_sink").value == 6
+    assert at.query_params["sink"] == "6"
+    at.number_input(key="_box_sink").set_value(9).run()   # typed alone: the box sets the count
+    assert at.slider(key="sink").value == 9 and at.query_params["sink"] == "9"
+
+
 # --- issue 11: the lesson at a glance ----------------------------------------------------------------
 
 def test_cards_split_the_quantizations_own_error():

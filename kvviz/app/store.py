@@ -37,6 +37,7 @@ from kvviz.app.params import PARAMS, read_settings
 
 STORE = "_kvviz_state"
 NOTICES = "_kvviz_notices"
+MOVED = "_kvviz_budget_slider_moved"   # a budget slider moved in this round of callbacks (see w_budget)
 LINKED = "_kvviz_linked"
 
 
@@ -89,6 +90,7 @@ def sync_url() -> None:
     browser sent with this run's request, and a message from an earlier, interrupted run may have
     changed the address bar since; the browser ignores a query it already shows. The last run
     therefore has the last word."""
+    st.session_state.pop(MOVED, None)   # this round's callbacks are over (the run's first act)
     st.query_params.from_dict(link_params())
 
 
@@ -150,11 +152,18 @@ def w_budget(where, name: str, label: str, n: int, unit: str, help: str | None =
     value = state()[name]
     ss[box] = value if unit == "tokens" else round(100.0 * value / max(n, 1), 1)
 
+    # Each run sets the box to the slider's count. A run that a quick second key press supersedes can
+    # leave that value unseen by the browser, which then sends the box's old value with the slider's
+    # next move, as if typed (measured: sink 4 -> 5 -> 6 by two presses ended at 4). One interaction
+    # moves one widget, so when the slider moved in this round, the box's "change" is that echo.
     def typed() -> None:
+        if ss.get(MOVED) == name:
+            return
         count = ss[box] if unit == "tokens" else round(ss[box] * n / 100.0)
         state()[name] = ss[name] = int(min(max(count, 0), n))
 
     def slid() -> None:
+        ss[MOVED] = name
         state()[name] = ss[name]
 
     left, right = where.columns([3, 2], vertical_alignment="bottom")
