@@ -26,6 +26,7 @@ from numba import njit
 # vectorised; a group with s == 0 (stored exactly) selects x itself instead.
 kernel = njit(cache=True, nogil=True, error_model="numpy")
 
+
 @kernel
 def _scale(lo, hi, top, symmetric, offset):
     """Step s and z of one group from its min and max (s == 0: stored exactly).
