@@ -34,21 +34,26 @@ MUTANTS = ["kvviz/metrics.py", "kvviz/quant/integer.py", "kvviz/policies/select.
            "kvviz/policies/tova.py", "kvviz/policies/oracle.py", "kvviz/policies/keydiff.py",
            "kvviz/policies/snapkv.py", "kvviz/policies/quest.py", "kvviz/policies/chunkkv.py"]
 
+# Reasons several modules share (numpy details no input can tell apart)
+_NEG = "reshape(..., -2): numpy takes any negative size as the unknown one"
+_AS_F64 = "astype(None) is float64, the dtype given"
+_CAPITALS = "einsum subscripts in capitals: the same contraction"
+
 # Mutants that cannot change behaviour, with the reason (mutmut's names: module.function__mutmut_N).
 # A survivor that is not here is a missing test.
 EQUIVALENT: dict[str, str] = {
-    "kvviz.metrics.x_divergences__mutmut_9": "einsum subscripts in capitals: the same contraction",
-    "kvviz.metrics.x_divergences__mutmut_24": "einsum subscripts in capitals: the same contraction",
+    "kvviz.metrics.x_divergences__mutmut_9": _CAPITALS,
+    "kvviz.metrics.x_divergences__mutmut_24": _CAPITALS,
     "kvviz.metrics.x_divergences__mutmut_37": "np.log(mid, out=None): a new array instead of in place, same values",
     "kvviz.metrics.x_divergences__mutmut_39": "np.log(mid) without out=: a new array instead of in place, same values",
-    "kvviz.metrics.x_divergences__mutmut_63": "einsum subscripts in capitals: the same contraction",
-    "kvviz.metrics.x_divergences__mutmut_72": "einsum subscripts in capitals: the same contraction",
+    "kvviz.metrics.x_divergences__mutmut_63": _CAPITALS,
+    "kvviz.metrics.x_divergences__mutmut_72": _CAPITALS,
     "kvviz.metrics.x_row_metrics_batch__mutmut_13": "`or` for `and`: the engine, its one caller, passes both "
                                                     "outputs or neither",
-    "kvviz.metrics.x_row_metrics_batch__mutmut_28": "einsum subscripts in capitals: the same contraction",
-    "kvviz.metrics.x_row_metrics_batch__mutmut_38": "einsum subscripts in capitals: the same contraction",
-    "kvviz.metrics.x_row_metrics_batch__mutmut_48": "einsum subscripts in capitals: the same contraction",
-    "kvviz.metrics.x_row_metrics_batch__mutmut_57": "einsum subscripts in capitals: the same contraction",
+    "kvviz.metrics.x_row_metrics_batch__mutmut_28": _CAPITALS,
+    "kvviz.metrics.x_row_metrics_batch__mutmut_38": _CAPITALS,
+    "kvviz.metrics.x_row_metrics_batch__mutmut_48": _CAPITALS,
+    "kvviz.metrics.x_row_metrics_batch__mutmut_57": _CAPITALS,
     "kvviz.metrics.x_spread__mutmut_15": "<= for <: with every member present the NaN-aware path computes the "
                                          "same mean, std and N as the plain one",
     "kvviz.metrics.x_t_quantile__mutmut_3": "asarray(df, dtype=None): stdtrit and the df >= 1 test give the same "
@@ -156,7 +161,7 @@ _BASE = "kvviz.policies.base."
 _POL = _BASE + "xǁPolicyǁ"
 EQUIVALENT.update({
     _BASE + "xǁScoreContextǁhistory_counts__mutmut_8": "np.searchsorted's default side is 'left', the side given",
-    **_same("reshape(..., -2): numpy takes any negative size as the unknown one", _BASE,
+    **_same(_NEG, _BASE,
             "xǁScoreContextǁper_kv_head__mutmut_10", "x_group_union__mutmut_11",
             *(f"xǁPolicyǁ_simulate__mutmut_{n}" for n in (15, 38, 120, 151))),
     _BASE + "x_cached_on_trace__mutmut_15": "OrderedDict.popitem(last=None): last is read by truth value, as False",
@@ -166,7 +171,7 @@ EQUIVALENT.update({
     **_same("the shared-decision shortcut taken less often (never, or only above 2 KV heads): every row of a "
             "broadcast score is the same, so selecting each row gives the rows the shortcut copies", _POL,
             *(f"keep_masks__mutmut_{n}" for n in (83, 85, 87, 88, 89, 98))),
-    **_same("astype(None) is float64, the dtype given", _POL,
+    **_same(_AS_F64, _POL,
             *(f"_simulate__mutmut_{n}" for n in (18, 110, 145))),
     **_same("np.take_along_axis's default axis (numpy >= 2.3) is -1, axis 1 of the 2-D arrays", _POL,
             "_simulate__mutmut_109", "_simulate__mutmut_163"),
@@ -257,7 +262,7 @@ EQUIVALENT.update({
             "rope_inv_freq__mutmut_8", "rope_inv_freq__mutmut_10"),
     **_same("np.arange(0, d, 2) of ints: divided by d it is the same float64 exponents", _EA,
             "rope_inv_freq__mutmut_72", "rope_inv_freq__mutmut_76"),
-    _EA + "rotate__mutmut_3": "astype(None) is float64, the dtype given",
+    _EA + "rotate__mutmut_3": _AS_F64,
     **_same("np.concatenate(axis=+1) of the 2-D (n, d/2) cos / sin is axis -1", _EA,
             "rotate__mutmut_12", "rotate__mutmut_18"),
     **_same("integer positions (start and horizon are ints): times the float64 frequencies they give the same "
@@ -266,7 +271,7 @@ EQUIVALENT.update({
                                                                            "same contraction",
     **_same("the test for a run of rows fails more often: the rows are gathered (q[:, r]) instead of sliced, "
             "the same values", _QS, *(f"{n}" for n in (9, 10, 14, 15, 16, 18))),
-    **_same("astype(None) is float64, the dtype given", _QS, "35", "61", "67"),
+    **_same(_AS_F64, _QS, "35", "61", "67"),
     **_same(_FLOAT64, _QS, "38", "46", "48"),
     **_same("astype(float32) copying or not (copy=None / True / default): the same values", _QS, "39", "41", "42"),
     _QS + "74": "the cache's name None: no other entry has it (scores use the policy's name, the engine "
@@ -295,8 +300,6 @@ _FP8 = "kvviz.quant.fp8.x_"
 _MF = "kvviz.quant.minifloat."
 _MX = "kvviz.quant.mxfp4.x_"
 _NV = "kvviz.quant.nvfp4.x_"
-_AS_F64 = "astype(None) is float64, the dtype given"
-_NEG = "reshape(..., -2): numpy takes any negative size as the unknown one"
 _DIV1 = "/ 1.0 for * 1.0: the same float"
 EQUIVALENT.update({
     # mxfp4.py
@@ -349,28 +352,27 @@ EQUIVALENT.update({
 _KD = "kvviz.policies.keydiff.xǁKeyDiffǁ"
 _QUEST = "kvviz.policies.quest.x"
 _CHUNK = "kvviz.policies.chunkkv.x"
-_NEG2 = "reshape(..., -2): numpy takes any negative size as the unknown one"
 EQUIVALENT.update({
     _KD + "score__mutmut_5": "float16 keys cast to float64 instead of float32: the same cosines to float32 rounding "
                              "(float32 is kvpress's precision and a speed choice, not another rule)",
-    _KD + "score__mutmut_19": "einsum subscripts in capitals: the same contraction",
+    _KD + "score__mutmut_19": _CAPITALS,
     **_same("the anchor times a positive constant (c^2, or 2): cos(k, s a) = cos(k, a); only an anchor under the "
             "1e-12 floor (normalised keys cancelling, the cosine undefined) would scale a head's scores, all alike "
             "(0 differences in the masks of 48 KeyDiff / ChunkKV cases)",
             _KD, "score__mutmut_23", "score__mutmut_29"),
-    **_same("astype(None) is float64, the dtype given", _KD, "score__mutmut_49", "score__mutmut_56"),
+    **_same(_AS_F64, _KD, "score__mutmut_49", "score__mutmut_56"),
     _KD + "score__mutmut_50": "norm over axis +1 for -1: the anchor is 2-D (kv_heads, d)",
     **_same("the window's float32 attention rows summed in float32 instead of float64: votes equal to float32 "
             "rounding, the precision of the attention rows themselves", "kvviz.policies.snapkv.xǁSnapKVǁ",
             "score__mutmut_25", "score__mutmut_27"),
-    **_same(_NEG2, _QUEST, "_page_bounds__mutmut_18", "_page_bounds__mutmut_126", "ǁQuestǁquery_scores__mutmut_19"),
+    **_same(_NEG, _QUEST, "_page_bounds__mutmut_18", "_page_bounds__mutmut_126", "ǁQuestǁquery_scores__mutmut_19"),
     _QUEST + "_page_bounds__mutmut_24": "the min / max loop from j = 0: lo and hi start as page row 0, and "
                                         "min(x, x) = x",
-    **_same("astype(None) is float64, the dtype given", _QUEST,
+    **_same(_AS_F64, _QUEST,
             *(f"_page_bounds__mutmut_{n}" for n in (71, 88, 103))),
     **_same("no float64 cast: chunk_scores' one caller passes float64 token scores (scores_at_compression casts "
             "them; the max + 1 pad keeps them float64)", _CHUNK, "_chunk_scores__mutmut_4", "_chunk_scores__mutmut_6"),
-    _CHUNK + "_chunk_scores__mutmut_18": _NEG2,
+    _CHUNK + "_chunk_scores__mutmut_18": _NEG,
     _CHUNK + "ǁChunkKVǁscore__mutmut_25": "pad 1 + 1 for 0 + 1 where the inner scorer ranks nothing: every token "
                                           "gets the same pad either way, all chunks tie, and only the order is read "
                                           "(0 differences in the masks of 384 cases)",
