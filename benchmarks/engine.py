@@ -60,17 +60,16 @@ def best_of(fn, repeat=3):
     return min(times)
 
 
-def ratio_of(full_fn, bare_fn, seconds=2.0, min_pairs=3, max_pairs=500):
-    """Fastest full and bare time over pairs run back to back, so load changes on a
-    shared machine hit both alike; as many pairs as fit in `seconds` (at least
+def ratio_of(full_fn, *bare_fns, seconds=2.0, min_pairs=3, max_pairs=500):
+    """Fastest full time and fastest time of each bare function, run back to back, so load
+    changes on a shared machine hit all alike; as many rounds as fit in `seconds` (at least
     `min_pairs`): a millisecond run needs hundreds of tries to meet a quiet moment."""
-    full = bare = float("inf")
+    times = [float("inf")] * (1 + len(bare_fns))
     pairs, start = 0, time.perf_counter()
     while pairs < min_pairs or (pairs < max_pairs and time.perf_counter() - start < seconds):
-        full = min(full, best_of(full_fn, 1))
-        bare = min(bare, best_of(bare_fn, 1))
+        times = [min(t, best_of(fn, 1)) for t, fn in zip(times, (full_fn, *bare_fns))]
         pairs += 1
-    return full, bare
+    return tuple(times)
 
 
 def bare_attention(trace, rows_by_head_chunks, layer=LAYER):
@@ -188,14 +187,12 @@ def main() -> None:
     worst = 0.0
     for scorer in SCORERS:
         spec = Spec(scorer=scorer, key_bits=4, value_bits=4, **budget)
-        full, bare = ratio_of(lambda: compare(trace, spec, view),
-                              lambda: bare_work(trace, scorer, spec))
+        # for a scorer with a formula, the evaluated rows' attention alone too (for information), in the same rounds
+        rows_alone = [lambda: bare_attention(trace, rows_needed(trace, scorer))] if scorer in SCORE_FORMULAS else []
+        full, bare, *rows_only = ratio_of(lambda: compare(trace, spec, view),
+                                          lambda: bare_work(trace, scorer, spec), *rows_alone)
         worst = max(worst, full / bare)
-        info = ""
-        if scorer in SCORE_FORMULAS:   # for information: against the evaluated rows' attention alone
-            full_again, rows_only = ratio_of(lambda: compare(trace, spec, view),
-                                             lambda: bare_attention(trace, rows_needed(trace, scorer)))
-            info = f" (to the rows' attention alone, {rows_only * 1e3:.2f} ms: {full_again / rows_only:.2f})"
+        info = "".join(f" (to the rows' attention alone, {t * 1e3:.2f} ms: {full / t:.2f})" for t in rows_only)
         print(f"{scorer}: full {full * 1e3:.1f} ms, bare {bare * 1e3:.1f} ms, ratio {full / bare:.2f}{info}"
               + ("" if full / bare <= TARGET else f"  MISSES the target <= {TARGET:g}"), flush=True)
     print(f"worst ratio {worst:.2f} (target <= {TARGET:g})", flush=True)
