@@ -508,8 +508,9 @@ def test_folded_sections_compute_nothing_until_opened_then_once(monkeypatch):
 
 
 def test_warm_up_runs_once_in_the_background_and_not_at_import():
-    """Importing the app starts nothing; warm_up() (every page's head, on the first page view) loads numba, the kernel and the
-    first move's modules in one background thread, once per process."""
+    """Importing the app starts nothing; warm_up() (every page's head, on the first page view) loads numba, the kernel, the
+    first move's modules and the Explorer's charts' plotly classes (~700 modules that building the first figure imported
+    in the first page run) in one background thread, once per process."""
     import subprocess
     import sys
 
@@ -517,13 +518,17 @@ def test_warm_up_runs_once_in_the_background_and_not_at_import():
 import sys, threading
 import kvviz.app.compute as compute
 assert not compute._warmed and 'numba' not in sys.modules, 'warmed at import'
+assert 'plotly.graph_objs._bar' not in sys.modules and 'kvviz.plots.lesson' not in sys.modules
 assert not [t for t in threading.enumerate() if t.name == 'kvviz-warm-up']
 first = compute.warm_up()
 assert compute.warm_up() is first
 assert [t.name for t in threading.enumerate()].count('kvviz-warm-up') <= 1
 assert first.wait(300)
 assert 'numba' in sys.modules and 'kvviz.analysis.solve' in sys.modules and 'scipy.stats' in sys.modules
+assert 'plotly.graph_objs._bar' in sys.modules and 'plotly.graph_objs.bar._error_y' in sys.modules
+assert 'kvviz.plots.lesson' in sys.modules
 print('ok')
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+

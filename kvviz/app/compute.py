@@ -45,7 +45,7 @@ def _compare_cached(source_key: tuple, spec_items: tuple, view_items: tuple,
 # analyses behind the Explorer's buttons and sections, the other pages' figure modules.
 WARM_MODULES = ("kvviz.analysis.solve", "kvviz.analysis.ledger", "kvviz.analysis.sweep", "kvviz.plots.ledger",
                 "kvviz.plots.quant", "kvviz.plots.decode", "kvviz.plots.needle", "kvviz.sources.synthetic",
-                "kvviz.policies.registry", "scipy.stats")
+                "kvviz.policies.registry", "kvviz.plots.lesson", "scipy.stats")
 _warm_lock = threading.Lock()
 _warmed: list[threading.Event] = []
 
@@ -69,13 +69,27 @@ def _warm(done: threading.Event) -> None:
         from kvviz.quant import compile_kernel
         from kvviz.sources.handbook import handbook_trace
         compile_kernel()
-        compare(handbook_trace(), Spec(key_bits=4, value_bits=4), View())
+        comp = compare(handbook_trace(), Spec(key_bits=4, value_bits=4), View())
+        _warm_figures(comp)
         for name in WARM_MODULES:
             importlib.import_module(name)
     except Exception:  # noqa: BLE001 - a failed warm-up only means the first move does this work itself
         pass
     finally:
         done.set()
+
+
+def _warm_figures(comp: Comparison) -> None:
+    """Build and serialise the Explorer's two charts once, as st.plotly_chart does: plotly imports each
+    trace's and layout's validators on first use (~0.2 s on two cores), which the first page run paid."""
+    import plotly.io
+
+    from kvviz.analysis.frames import token_frame
+    from kvviz.plots import figures
+
+    frame = token_frame(comp)
+    for fig in (figures.attention_figure(frame), figures.error_figure(frame, members=len(comp.members))):
+        plotly.io.to_json(fig, validate=False)
 
 
 def run_compare(source: Source, spec: Spec, view: View) -> Comparison | None:
