@@ -14,6 +14,7 @@ import streamlit as st
 
 from kvviz.plots import figures, style
 
+from kvviz.app.charts import chart, report_first_paint
 from kvviz.app.cards import metric_cards, metrics_table
 from kvviz.app.compute import run_compare
 from kvviz.app.layout import PAGES, folded, page_setup
@@ -82,7 +83,7 @@ def explorer() -> None:
         y_range = ux.y_lock(error_extent(frame))          # the toggle sits on the chart it locks
         drawn["error"] = figures.error_figure(frame, vs.bars, members, what=ensemble, y_range=y_range,
                                               text_tokens=text and not binned, pinned=pinned_frame)
-        st.plotly_chart(drawn["error"], key="error_chart", config=style.CHART_CONFIG)
+        chart(drawn["error"], key="error_chart", config=style.CHART_CONFIG)
         if not present:
             st.caption("What to look for: the two causes of error apart. Eviction (hatched vermillion) loses whole "
                        "tokens and shifts their mass onto the kept ones; quantization (purple) spreads small errors "
@@ -98,7 +99,7 @@ def explorer() -> None:
                        "tokens each (the CSV has every token).")
         elif spec.evicts:
             st.markdown(f"**Kept tokens:** {ranges_text(per_token.index[per_token['kept']])}")
-        st.plotly_chart(fig_att, key="attention_chart", config=style.CHART_CONFIG)
+        chart(fig_att, key="attention_chart", config=style.CHART_CONFIG)
         if not present:
             st.caption("What to look for: grey is the original attention, coloured bars what the compressed cache "
                        "gives each kept token (renormalised, so kept tokens gain weight); hatched vermillion bars "
@@ -152,4 +153,5 @@ PAGES.update(
 page = st.navigation(list(PAGES.values()))
 sync_url()          # first: this run's interaction callbacks have set the store; link to it before computing
 guard.serve(page)   # in one of the server's run slots, cancelled by a rerun or a closed tab
+report_first_paint()   # charts left as frames before the browser's first paint: drawn when it says so
 sync_url()          # last: the page may have clamped or set values on the way

@@ -4,6 +4,7 @@ import streamlit as st
 
 from kvviz.plots import figures, style, tradeoffs
 
+from kvviz.app.charts import chart
 from kvviz.app.compute import run_compare, run_sweep
 from kvviz.app.labels import SCORER_SHORT, bits_label
 from kvviz.app.layout import PAGES, page_setup
@@ -82,8 +83,8 @@ def main() -> None:
         mean = comp.metrics_mean
         current = {"memory_ratio": comp.memory.ratio, column: mean[METRICS[metric][2]], "label": spec.label()}
     fig = tradeoffs.tradeoff_figure(valid, column, front, current, log_x=bool(log_x))
-    event = st.plotly_chart(fig, key="tradeoff_chart", on_select="rerun", selection_mode="points",
-                            config=style.CHART_CONFIG)
+    event = chart(fig, key="tradeoff_chart", on_select="rerun", selection_mode="points",
+                  config=style.CHART_CONFIG)
     points = [p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3]
     if points:
         open_in_explorer(points[0])

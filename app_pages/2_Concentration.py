@@ -4,6 +4,7 @@ import streamlit as st
 
 from kvviz.plots import figures, tradeoffs
 
+from kvviz.app.charts import chart
 from kvviz.app.cards import fmt_pct
 from kvviz.app.compute import run_concentration
 from kvviz.app.layout import page_setup
@@ -34,7 +35,7 @@ def main() -> None:
               help="Mean over layers and heads of the attention mass on the 10% most attended tokens.")
     m2.metric(f"Sink share (first {sink_k})", fmt_pct(float(conc.sink_share.mean())), border=True)
     m3.metric(f"Locality (last {window})", fmt_pct(float(conc.locality.mean())), border=True)
-    st.plotly_chart(tradeoffs.concentration_figure(conc.fractions, conc.curves), key="concentration_chart")
+    chart(tradeoffs.concentration_figure(conc.fractions, conc.curves), key="concentration_chart")
     st.caption(f"What to look for: curves far above the dotted diagonal mean concentrated attention; the shaded "
                f"band is the handbook's rule of thumb (10–20% of tokens take 80–90% of the mass). Query at position "
                f"{conc.position}, {conc.position + 1} tokens.")
@@ -47,12 +48,12 @@ def main() -> None:
                    "they are the cards above.")
         return
     h1, h2, h3 = st.columns(3)
-    h1.plotly_chart(figures.heatmap_figure(conc.sink_share, f"Sink share (first {sink_k} tokens)", "mass", 0, 1),
-                    key="sink_heatmap")
-    h2.plotly_chart(figures.heatmap_figure(conc.locality, f"Locality (last {window} tokens)", "mass", 0, 1),
-                    key="locality_heatmap")
-    h3.plotly_chart(figures.heatmap_figure(conc.entropy, "Entropy", "nats", 0, conc.max_entropy),
-                    key="entropy_heatmap")
+    chart(figures.heatmap_figure(conc.sink_share, f"Sink share (first {sink_k} tokens)", "mass", 0, 1),
+          key="sink_heatmap", where=h1)
+    chart(figures.heatmap_figure(conc.locality, f"Locality (last {window} tokens)", "mass", 0, 1),
+          key="locality_heatmap", where=h2)
+    chart(figures.heatmap_figure(conc.entropy, "Entropy", "nats", 0, conc.max_entropy),
+          key="entropy_heatmap", where=h3)
     st.caption(f"What to look for: sink heads put most mass on the first tokens (bright left map), local heads on "
                f"the last w tokens; low entropy means few tokens matter (uniform attention over these tokens would "
                f"be {conc.max_entropy:.2f} nats).")

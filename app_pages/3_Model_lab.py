@@ -6,6 +6,7 @@ import streamlit as st
 
 from kvviz.decode import lab
 
+from kvviz.app.charts import chart
 from kvviz.app.cards import fmt_bytes, fmt_exact, fmt_pct
 from kvviz.app.compression import compression_section
 from kvviz.app.layout import page_setup
@@ -214,7 +215,7 @@ def show(result: dict) -> None:
     m[4].metric("KV cache", fmt_bytes(q.kv_bytes), border=True,
                 help=f"{q.compression_ratio:.2f}× smaller than the full 16-bit cache "
                      f"({fmt_bytes(q.kv_bytes_full)}); {q.kept_tokens} of {q.total_tokens} tokens kept.")
-    st.plotly_chart(kl_strip(q.tokens, q.kl), key="lab_kl_strip")
+    chart(kl_strip(q.tokens, q.kl), key="lab_kl_strip")
     if pair is not None:
         st.subheader("Greedy continuation, side by side")
         if pair.first_divergence is None:
@@ -225,7 +226,7 @@ def show(result: dict) -> None:
         a, b = st.columns(2)
         a.html(continuation_html(pair.full_tokens, pair.first_divergence, "Full cache"))
         b.html(continuation_html(pair.compressed_tokens, pair.first_divergence, f"Compressed: {q.spec.label()}"))
-    st.plotly_chart(nll_chart(q.tokens, q.nll, q.nll_full), key="lab_nll")
+    chart(nll_chart(q.tokens, q.nll, q.nll_full), key="lab_nll")
     with st.expander("All numbers"):
         st.dataframe([{"metric": k, "value": fmt_exact(v) if isinstance(v, float) else str(v)}
                       for k, v in d.items()], hide_index=True, key="lab_numbers")

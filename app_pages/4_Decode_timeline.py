@@ -2,6 +2,7 @@
 
 import streamlit as st
 
+from kvviz.app.charts import chart
 from kvviz.app.compression import compression_section
 from kvviz.app.labels import ALLOCATION_LABELS
 from kvviz.app.layout import page_setup
@@ -135,7 +136,7 @@ def main() -> None:
     tkey = (key, (spec.sink, spec.recent, spec.heavy), layer, kv_head, need, tuple(policies))
     _step_view(tl, tkey, shift_step)
     # built once per setting; ▶ Play and the step slider under it run in the browser (no rerun)
-    st.plotly_chart(_animation(tkey, shift_step, tl), key="tl_animation")
+    chart(_animation(tkey, shift_step, tl), key="tl_animation")
 
     needed = tl.needed_tokens()
     if needed:

@@ -4,6 +4,7 @@ import streamlit as st
 
 from kvviz.analysis import needle
 
+from kvviz.app.charts import chart
 from kvviz.app.layout import page_setup
 from kvviz.app.store import notice, show_notices, state, sync_url
 from kvviz.plots.style import CHART_CONFIG
@@ -153,8 +154,8 @@ def main() -> None:
         _select(None)
     sel = sel or classic or (grid.cells[0].scorer, grid.cells[0].length, grid.cells[0].depth)
     show_notices()
-    event = st.plotly_chart(grid_figure(grid.cells, selected=sel), key="needle_grid_chart", on_select="rerun",
-                            selection_mode="points", config=CHART_CONFIG)
+    event = chart(grid_figure(grid.cells, selected=sel), key="needle_grid_chart", on_select="rerun",
+                  selection_mode="points", config=CHART_CONFIG)
     points = [p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3]
     if points:
         scorer, length, depth = points[0]["customdata"][:3]
@@ -186,8 +187,8 @@ def main() -> None:
         st.caption(f"The cache layer {layer}, KV head {head} holds when the model starts answering "
                    f"({cell.budget_tokens} of {cell.length} tokens). The page opens on the head where the full model "
                    "wanted the needle most; pick another above or in the heatmap's hover.")
-    st.plotly_chart(heads_figure(cell.needle_kept_by_head, cell.wanted_mass_by_head, cell.kept_mass_by_head,
-                                 selected=(layer, head)), key="needle_heads", config=CHART_CONFIG)
+    chart(heads_figure(cell.needle_kept_by_head, cell.wanted_mass_by_head, cell.kept_mass_by_head,
+                       selected=(layer, head)), key="needle_heads", config=CHART_CONFIG)
     if not present:
         st.caption("What to look for: a policy can lose the needle in the heads that wanted it while keeping it "
                    "elsewhere. StreamingLLM's set is the same in every head (position only); H2O, TOVA and SnapKV "

@@ -23,9 +23,20 @@ def load_shared(name: str = "bundled", **kwargs):
     return _LOADED[key]
 
 
+def app_test(path: str, timeout: float = 120) -> AppTest:
+    """An AppTest of a page whose browser has painted it once: AppTest has no browser, so nothing would
+    report the first paint that the app's charts and folded sections wait for (kvviz.app.charts).
+    test_app.py's first-paint test runs a page without it."""
+    from kvviz.app.charts import PAINTED
+
+    at = AppTest.from_file(path, default_timeout=timeout)
+    at.session_state[PAINTED] = True
+    return at
+
+
 def run_app(path: str, timeout: float = 120, **params) -> AppTest:
     """Run a page with the given URL query parameters; fail on any exception in the page."""
-    at = AppTest.from_file(path, default_timeout=timeout)
+    at = app_test(path, timeout)
     for k, v in params.items():
         at.query_params[k] = str(v)
     at.run()

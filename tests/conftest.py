@@ -244,8 +244,8 @@ def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
     """Wait until the app has run more than `after` times and is idle: its script-run state is
     "notRunning", and neither it nor the page's results nor the address bar has changed for
     `quiet_ms` (a callback's st.rerun or a page switch starts the next run within that), no element
-    is still loading (a skeleton) and every chart on screen is drawn. Not "a chart exists": a chart
-    from the previous run exists too."""
+    is still loading (a skeleton, or a chart's frame before the first paint's report: kvviz.app.charts)
+    and every chart on screen is drawn. Not "a chart exists": a chart from the previous run exists too."""
     from playwright.sync_api import TimeoutError as WaitRanOut
 
     try:
@@ -253,7 +253,8 @@ def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
             """([after, quiet]) => { const k = window.__kvviz, last = k.samples[k.samples.length - 1];
                                    return k.runs > after && k.state === 'notRunning'
                                    && performance.now() - Math.max(k.changed, last ? last[2] : 0) > quiet
-                                   && !Array.from(document.querySelectorAll('[data-testid="stSkeleton"]'))
+                                   && !Array.from(document.querySelectorAll(
+                                            '[data-testid="stSkeleton"], [class*="st-key-kvviz_chart_wait"]'))
                                             .some(c => c.offsetParent !== null)
                                    && Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]'))
                                            .every(c => c.offsetParent === null || c.querySelector('.main-svg')); }""",
@@ -262,7 +263,7 @@ def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
         state = page.evaluate("""() => ({runs: window.__kvviz.runs, state: window.__kvviz.state,
             sinceChange: performance.now() - window.__kvviz.changed, samples: window.__kvviz.samples.length,
             sinceSample: performance.now() - (window.__kvviz.samples.at(-1) || [0, 0, 0])[2],
-            skeletons: Array.from(document.querySelectorAll('[data-testid="stSkeleton"]')).filter(c => c.offsetParent !== null).length,
+            skeletons: Array.from(document.querySelectorAll('[data-testid="stSkeleton"], [class*="st-key-kvviz_chart_wait"]')).filter(c => c.offsetParent !== null).length,
             undrawn: Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]')).filter(c => c.offsetParent !== null && !c.querySelector('.main-svg')).length,
             url: location.href})""")
         raise AssertionError(f"the app did not become idle after run {after}: {state}") from e

@@ -532,3 +532,33 @@ print('ok')
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
+
+def test_before_the_first_paint_charts_are_frames_and_folded_sections_wait():
+    """A session's first run, before its browser has said it painted the page (kvviz.app.charts): the cards
+    are drawn, each chart is a frame as tall as the chart, the folded sections (Advanced, the solver) hold no
+    widget, and a probe asks the browser for its report. The report's rerun draws the charts into the frames'
+    places and the sections' widgets, and asks no more."""
+    from kvviz.app.charts import PAINTED, WAITING
+
+    def blocks(node):
+        yield node
+        for child in (node.children.values() if isinstance(getattr(node, "children", None), dict) else ()):
+            yield from blocks(child)
+
+    at = AppTest.from_file(APP, default_timeout=120).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert len(at.metric) == 8 and not at.get("plotly_chart")
+    frames = {b.proto.id.rsplit(f"{WAITING}_", 1)[1]: b.proto.height_config.pixel_height
+              for b in blocks(at._tree) if getattr(b, "type", None) == "flex_container" and WAITING in b.proto.id}
+    assert set(frames) == {"attention_chart", "error_chart"}
+    assert [c.value for c in at.caption if c.value == "Drawing the chart…"] == ["Drawing the chart…"] * 2
+    assert "scorer" not in [b.key for b in at.selectbox] and "solve_kind" not in [r.key for r in at.radio]
+    assert len(at.get("bidi_component")) == 1                  # the probe
+
+    at.session_state[PAINTED] = True                          # what the probe's report does
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    charts = {c.key: json.loads(c.proto.spec)["layout"]["height"] for c in at.get("plotly_chart")}
+    assert charts == frames                                    # each chart as tall as its frame was
+    assert not [c for c in at.caption if c.value == "Drawing the chart…"] and not at.get("bidi_component")
+    assert "scorer" in [b.key for b in at.selectbox] and "solve_kind" in [r.key for r in at.radio]

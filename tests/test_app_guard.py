@@ -5,6 +5,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from apptest_util import app_test
 from streamlit.testing.v1 import AppTest
 
 import kvviz.sources.synthetic as synthetic
@@ -26,7 +27,7 @@ def default_limit(monkeypatch):
 
 
 def page(path: str, timeout: float = 120, **params) -> AppTest:
-    at = AppTest.from_file(str(ROOT / path), default_timeout=timeout)
+    at = app_test(str(ROOT / path), timeout)
     for k, v in params.items():
         at.query_params[k] = str(v)
     return at

@@ -199,6 +199,17 @@ def test_rooms_are_small_and_families_are_packages():
     assert not set(top) & packages, f"a module beside a package of the same name: {set(top) & packages}"
 
 
+def test_charts_are_drawn_through_kvviz_app_charts():
+    """Every plotly chart goes through kvviz.app.charts.chart, which leaves it as a frame until the browser's
+    first paint: one st.plotly_chart called directly would hold the page's first paint back again."""
+    called = []
+    for path in [ROOT / "app.py", *sorted((ROOT / "app_pages").glob("*.py")), *sorted((PKG / "app").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr == "plotly_chart" and path.name != "charts.py":
+                called.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not called, f"st.plotly_chart called directly (use kvviz.app.charts.chart): {called}"
+
+
 def test_pages_are_thin():
     numeric = {"numpy", "pandas", "torch", "transformers", "scipy"}
     for page in [ROOT / "app.py", *sorted((ROOT / "app_pages").glob("*.py"))]:

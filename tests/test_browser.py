@@ -72,6 +72,38 @@ def test_explorer_slider_moves_metric(page, app_url):
     no_console_errors(page)
 
 
+FIRST_SEEN_JS = """
+window.__firstSeen = {};
+new MutationObserver(() => {
+  const seen = window.__firstSeen, now = performance.now();
+  const frames = Array.from(document.querySelectorAll('[class*="st-key-kvviz_chart_wait"]'));
+  if (!seen.metric && document.querySelector('[data-testid="stMetricValue"]')) seen.metric = now;
+  if (!seen.frames && frames.length) {
+    seen.frames = now;
+    seen.frameHeights = frames.map(f => Math.round(f.getBoundingClientRect().height));
+  }
+  if (!seen.chart && document.querySelector('.js-plotly-plot .main-svg')) seen.chart = now;
+}).observe(document, {subtree: true, childList: true});
+"""
+
+
+def test_the_first_paint_shows_the_cards_and_frames_where_the_charts_come(page, app_url):
+    """A fresh session's page is painted before its charts (kvviz.app.charts): the metric cards come with
+    a frame in each chart's place and no chart; the charts replace the frames after the browser's report,
+    each as tall as its frame, so nothing below them jumps."""
+    page.add_init_script(FIRST_SEEN_JS)
+    page.set_viewport_size({"width": 1400, "height": 2200})
+    page.goto(app_url)
+    idle(page)
+    seen = page.evaluate("window.__firstSeen")
+    assert seen["frames"] <= seen["metric"] < seen["chart"], seen
+    charts = page.locator('[data-testid="stPlotlyChart"]:visible')
+    assert charts.count() == 2 and page.locator('[class*="st-key-kvviz_chart_wait"]').count() == 0
+    heights = [round(charts.nth(i).bounding_box()["height"]) for i in range(2)]
+    assert all(abs(h - f) <= 0.05 * f for h, f in zip(heights, seen["frameHeights"])), (heights, seen)
+    no_console_errors(page)
+
+
 def test_shared_url_reproduces_state(page, app_url):
     params = "sink=2&recent=6&heavy=5&bits=4&scorer=tova"
     page.goto(f"{app_url}/?{params}")

@@ -9,8 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from apptest_util import run_app
-from streamlit.testing.v1 import AppTest
+from apptest_util import app_test, run_app
 
 from kvviz.analysis.study import StudyDir, parse_study, run_study
 from kvviz.analysis.study.frontier import frontier
@@ -128,7 +127,7 @@ def test_a_clicked_cell_maps_to_the_explorer_and_the_model_lab_exactly(small_stu
 
 def test_the_page_loads_with_no_study_and_the_picker_opens_one(root, small_study):
     _copy(small_study, root / "small")
-    at = AppTest.from_file(PAGE, default_timeout=120)
+    at = app_test(PAGE)
     at.run()
     assert not at.exception and any("No study open" in i.value for i in at.info)
     assert not at.get("plotly_chart") and at.selectbox(key="study").options == ["— choose a study —", "small"]

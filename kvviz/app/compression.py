@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
+from kvviz.app.charts import deferred
 from kvviz.app.labels import ALLOCATION_LABELS, FORMAT_LABELS, SCORER_LABELS, SCORER_SHORT, bits_label, scorer_help
 from kvviz.app.params import BITS_OPTIONS, GROUP_OPTIONS, SCORER_CHOICES
 from kvviz.app.store import state, w_budget, w_check, w_choice, w_number
@@ -39,58 +40,59 @@ def compression_section(trace: Trace, where=None, budget_only: bool = False) -> 
                     format_func=bits_label, disabled=split,
                     help="Bits per cached key and value (16 = not quantized). "
                          + ("Advanced sets keys and values separately now." if split else ""))
-    adv = where.expander("Advanced")
-    with adv:
-        scorer = w_choice(st, "scorer", "Heavy-hitter scorer", tuple(SCORER_CHOICES), format_func=SCORER_LABELS.get,
-                          help=scorer_help())
-        allocation_widgets(st, scorer, n)
-        if scorer == "snapkv":
-            w_number(st, "snap_window", "SnapKV observation window (queries; 0 = auto)", 0, 4096,
-                                   help="The last context queries that vote. 0 = the recent window, capped at 64 "
-                                        "(SnapKV's default). The window is kept, so it must fit inside the recent "
-                                        "window.")
-        if scorer == "h2o":
-            w_check(st, "h2o_norm", "H2O: divide by the queries that saw each token",
-                               help="Off: accumulated attention (H2O as published). On: accumulated attention / "
-                                    "number of queries that could see the token, so early tokens are not favoured "
-                                    "for having been seen more often (kvpress's observed-attention press).")
-        split = w_check(st, "split", "Separate key and value bits")
-        if split:
-            key_bits = w_choice(st, "key_bits", "Key bits", BITS_OPTIONS, widget="select_slider", format_func=bits_label)
-            value_bits = w_choice(st, "value_bits", "Value bits", BITS_OPTIONS, widget="select_slider",
-                                  format_func=bits_label)
-        else:
-            key_bits = value_bits = bits
-        w_choice(st, "key_axis", "Key groups run along", ("channel", "token"), widget="radio",
-                            help="KIVI quantizes keys per channel (keys have outlier channels).")
-        w_choice(st, "value_axis", "Value groups run along", ("channel", "token"), widget="radio",
-                              help="KIVI quantizes values per token.")
-        w_choice(st, "group", "Group size (values per scale)", GROUP_OPTIONS)
-        w_number(st, "residual", "Residual (last tokens kept at 16 bits)", 0, n)
-        symmetric = w_check(st, "symmetric", "Symmetric quantization (no zero point; needs ≥ 2 bits)")
-        w_choice(st, "zero_point", "Asymmetric zero", ("float", "int"), widget="radio",
-                              format_func={"float": "float offset (KIVI)", "int": "integer zero point"}.get,
-                              disabled=symmetric,
-                              help="KIVI dequantizes x̂ = q·s + min with min kept as a 16-bit float. Integer "
-                                   "kernels round a zero point z = round(−min/s) and store it in b bits: "
-                                   "x̂ = s·(q − z), slightly larger error, and at 1 bit x̂ can leave [min, max].")
-        w_choice(st, "partial", "Partial groups (shorter than G)", ("full", "quantize"), widget="radio",
-                           format_func={"full": "16-bit (KIVI)", "quantize": "quantize"}.get,
-                           help="Tokens after the last full group of G (per-channel keys) or channels after the "
-                                "last full group (per-token): KIVI keeps them at full precision until a group "
-                                "fills; counted as 16-bit in the memory. Or quantize them as a short group.")
-        cache_format_controls()
-        qmodel = w_choice(st, "qmodel", "Quantization model", ("kv", "noise"), widget="radio",
-                          format_func={"kv": "real K/V quantization", "noise": "handbook logit noise"}.get)
-        w_number(st, "sigma", "Noise σ (logit noise model)", 0.0, 100.0, step=0.005, fmt="%.3f",
-                         disabled=qmodel != "noise")
+    with where.expander("Advanced"):
+        if not deferred():   # folded at the first paint: its ~20 widgets come with the charts (kvviz.app.charts)
+            advanced_controls(n)
     try:
         return spec_from_values(state())
     except SpecError as e:
+        values = state()
+        bits_used = (values["key_bits"], values["value_bits"]) if values["split"] else (values["bits"],)
         hint = (" Turn off symmetric quantization or raise the bits to 2 or more."
-                if symmetric and 1 in (key_bits, value_bits) else "")
+                if values["symmetric"] and 1 in bits_used else "")
         st.error(f"These compression settings are impossible: {e}.{hint}")
         return None
+
+
+def advanced_controls(n: int) -> None:
+    """Advanced: the scorer and its settings, the budget allocation, the quantizer and the cache format."""
+    scorer = w_choice(st, "scorer", "Heavy-hitter scorer", tuple(SCORER_CHOICES), format_func=SCORER_LABELS.get,
+                      help=scorer_help())
+    allocation_widgets(st, scorer, n)
+    if scorer == "snapkv":
+        w_number(st, "snap_window", "SnapKV observation window (queries; 0 = auto)", 0, 4096,
+                 help="The last context queries that vote. 0 = the recent window, capped at 64 (SnapKV's "
+                      "default). The window is kept, so it must fit inside the recent window.")
+    if scorer == "h2o":
+        w_check(st, "h2o_norm", "H2O: divide by the queries that saw each token",
+                help="Off: accumulated attention (H2O as published). On: accumulated attention / number of "
+                     "queries that could see the token, so early tokens are not favoured for having been seen "
+                     "more often (kvpress's observed-attention press).")
+    if w_check(st, "split", "Separate key and value bits"):
+        w_choice(st, "key_bits", "Key bits", BITS_OPTIONS, widget="select_slider", format_func=bits_label)
+        w_choice(st, "value_bits", "Value bits", BITS_OPTIONS, widget="select_slider", format_func=bits_label)
+    w_choice(st, "key_axis", "Key groups run along", ("channel", "token"), widget="radio",
+             help="KIVI quantizes keys per channel (keys have outlier channels).")
+    w_choice(st, "value_axis", "Value groups run along", ("channel", "token"), widget="radio",
+             help="KIVI quantizes values per token.")
+    w_choice(st, "group", "Group size (values per scale)", GROUP_OPTIONS)
+    w_number(st, "residual", "Residual (last tokens kept at 16 bits)", 0, n)
+    symmetric = w_check(st, "symmetric", "Symmetric quantization (no zero point; needs ≥ 2 bits)")
+    w_choice(st, "zero_point", "Asymmetric zero", ("float", "int"), widget="radio",
+             format_func={"float": "float offset (KIVI)", "int": "integer zero point"}.get, disabled=symmetric,
+             help="KIVI dequantizes x̂ = q·s + min with min kept as a 16-bit float. Integer kernels round a zero "
+                  "point z = round(−min/s) and store it in b bits: x̂ = s·(q − z), slightly larger error, and at "
+                  "1 bit x̂ can leave [min, max].")
+    w_choice(st, "partial", "Partial groups (shorter than G)", ("full", "quantize"), widget="radio",
+             format_func={"full": "16-bit (KIVI)", "quantize": "quantize"}.get,
+             help="Tokens after the last full group of G (per-channel keys) or channels after the last full "
+                  "group (per-token): KIVI keeps them at full precision until a group fills; counted as 16-bit "
+                  "in the memory. Or quantize them as a short group.")
+    cache_format_controls()
+    qmodel = w_choice(st, "qmodel", "Quantization model", ("kv", "noise"), widget="radio",
+                      format_func={"kv": "real K/V quantization", "noise": "handbook logit noise"}.get)
+    w_number(st, "sigma", "Noise σ (logit noise model)", 0.0, 100.0, step=0.005, fmt="%.3f",
+             disabled=qmodel != "noise")
 
 
 def cache_format_controls() -> None:

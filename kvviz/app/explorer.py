@@ -15,6 +15,7 @@ from urllib.parse import urlencode
 import streamlit as st
 
 from kvviz.app.cards import fmt_pct
+from kvviz.app.charts import deferred
 from kvviz.app.compression import spec_from_values
 from kvviz.app.params import COMPRESSION_PARAMS, PARAMS, read_settings
 from kvviz.app.store import STORE, link_params, notice, settings_dict, w_choice, w_number
@@ -139,6 +140,8 @@ def ss_store() -> dict:
 def solver_panel(trace, spec: Spec, view: View) -> None:
     from kvviz.analysis.solve import SPLIT_RULE
     with st.expander("Find the smallest cache for a target", icon=":material/target:"):
+        if deferred():   # folded at the first paint: drawn with the charts (kvviz.app.charts)
+            return
         c1, c2, c3 = st.columns([2, 1, 1], vertical_alignment="bottom")
         kind = w_choice(c1, "solve_kind", "Target", ("mass", "tv"), widget="radio",
                         format_func={"mass": "attention mass ≥", "tv": "TV distance ≤"}.get)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import streamlit as st
 
+from kvviz.app.charts import chart
 from kvviz.app.layout import folded
 from kvviz.plots import style
 
@@ -47,7 +48,7 @@ def key_rotation_expander(source, view: View) -> None:
         fig = figures_quant.key_rotation_figure(shown, rotated, trace.tokens[start:n],
                                                 title=f"Layer {layer}, KV head {kv_head}: keys, channel × token",
                                                 first_position=start)
-        st.plotly_chart(fig, key="rotation_heatmap", config=style.CHART_CONFIG)
+        chart(fig, key="rotation_heatmap", config=style.CHART_CONFIG)
         st.markdown(f"**Largest channel's max |k| / the median channel's:** {effect['peak_before']:.1f}× → "
                     f"{effect['peak_after']:.1f}×  \n**2-bit per-token key error ‖K̂ − K‖ / ‖K‖** (groups of 32 "
                     f"channels): {effect['error_before']:.3f} → {effect['error_after']:.3f}")

@@ -7,6 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from kvviz.analysis.ledger import Ledger, budget_ledger
+from kvviz.app.charts import chart
 from kvviz.app.compute import Source
 from kvviz.app.layout import folded
 from kvviz.spec import Spec, SpecError
@@ -41,5 +42,5 @@ def ledger_expander(source: Source, spec: Spec, step: int | None = None) -> None
             st.markdown(f"- {note}")
         from kvviz.plots.style import CHART_CONFIG
         from kvviz.plots.ledger import ledger_figure
-        st.plotly_chart(ledger_figure(ledger), key="ledger_chart", config=CHART_CONFIG)
+        chart(ledger_figure(ledger), key="ledger_chart", config=CHART_CONFIG)
         st.dataframe(pd.DataFrame(list(ledger.rows)), hide_index=True, height=240, key="ledger_table")

@@ -12,6 +12,7 @@ from dataclasses import asdict
 import streamlit as st
 
 from kvviz.analysis.readout import fmt_bytes
+from kvviz.app.charts import deferred
 from kvviz.app.compute import Source
 from kvviz.app.store import settings_dict
 from kvviz.links import LinkedSource
@@ -42,6 +43,8 @@ def lesson_export(source: Source, spec: Spec, view: View, bars: str, file_stem: 
     wanted = (source.key, tuple(sorted(asdict(spec).items())), tuple(sorted(asdict(view).items())), bars)
     with st.expander("Export this as a lesson (one HTML page with live sliders, runs offline)",
                      icon=":material/school:"):
+        if deferred():   # folded at the first paint: drawn with the charts (kvviz.app.charts)
+            return
         st.caption("For a lecture hall without Python or Wi-Fi, or for students at home: this view's charts and "
                    "numbers at a grid of the four sliders (sink tokens, recent window, heavy-hitter budget, bits; "
                    "the grid is listed on the page), computed here once and saved in one HTML file that any current "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import streamlit as st
 
+from kvviz.app.charts import chart
 from kvviz.app.compute import Source, run_head_grid
 from kvviz.app.layout import folded
 from kvviz.app.store import state, w_choice
@@ -47,8 +48,8 @@ def head_overview(source: Source, spec: Spec, view: View) -> None:
             st.error(f"Cannot compute the overview: {e}")
             return
         label = "TV distance" if metric == "tv_distance" else "mass retained"
-        st.plotly_chart(figures.heatmap_figure(grid, f"{label} per layer and query head at this query", label),
-                        key="overview_chart")
+        chart(figures.heatmap_figure(grid, f"{label} per layer and query head at this query", label),
+              key="overview_chart")
         worst = np.unravel_index(np.argmax(grid) if metric == "tv_distance" else np.argmin(grid), grid.shape)
         st.button(f"Jump to the head that loses most: layer {worst[0]}, head {worst[1]}", key="_jump_worst",
                   on_click=_jump, args=(int(worst[0]), int(worst[1])))

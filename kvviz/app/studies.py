@@ -16,6 +16,7 @@ import streamlit as st
 from kvviz.analysis.study import StudyDir, StudyError, cells, load_study, run_study
 from kvviz.analysis.study.frontier import METRICS, X_COLUMN, frontier
 from kvviz.analysis.sweep import split_budget
+from kvviz.app.charts import chart
 from kvviz.app.layout import PAGES
 from kvviz.app.params import PARAMS
 from kvviz.app.store import STORE, notice, state, w_choice
@@ -138,8 +139,8 @@ def frontier_section(path: Path, present: bool = False) -> None:
     fr = frontier(rows, kind, metric)
     fig = frontier_figure(fr, X_COLUMN[kind], title=f"{meta['name']}: {metrics[metric][0]} vs "
                           + ("memory" if X_COLUMN[kind] == "memory_ratio" else "budget"))
-    event = st.plotly_chart(fig, key="study_chart", on_select="rerun" if kind != "needle" else "ignore",
-                            selection_mode="points", config=CHART_CONFIG)
+    event = chart(fig, key="study_chart", on_select="rerun" if kind != "needle" else "ignore",
+                  selection_mode="points", config=CHART_CONFIG)
     points = [p for p in (getattr(getattr(event, "selection", None), "points", None) or [])
               if p.get("customdata")]
     if points:

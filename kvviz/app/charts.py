@@ -1,0 +1,84 @@
+"""What waits for the browser's first paint of a session: every page's plotly charts, and the content of
+folded sections.
+
+A browser draws Streamlit's first chart only after it has fetched and run the plotly code (a 4.7 MB
+script: ~0.8 s of the page's one thread on a two-core machine) and plotly has laid the chart out.
+When a session's first run sent its charts with the rest, the sidebar, the title and the metric cards
+waited for all of that and appeared with the charts, ~3 s after the page was opened; a folded section's
+widgets (Advanced alone is ~450 elements of the page) are drawn whether or not it is open.
+
+So until the browser says it has painted the page once, `chart` draws an empty frame of the chart's
+height, a folded section asks `deferred()` and draws nothing yet, and `report_first_paint` (the end of
+every run) adds a small component that reports when the page is on screen. Its report reruns the
+page, which draws the charts into their frames. From then on everything is drawn at once.
+
+Streamlit has no "the page is painted" event, so the probe is a few lines of our own JavaScript, run by
+Streamlit's own mechanism for that (st.components.v2: no iframe, no unsafe HTML). Tests under AppTest,
+which has no browser, set PAINTED themselves (tests/apptest_util.run_app).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import streamlit as st
+
+PAINTED = "_kvviz_painted"     # session: the browser has painted this session's page once
+WAITING = "kvviz_chart_wait"   # the frames' key prefix (their class: st-key-kvviz_chart_wait_N)
+_WAITING_RUN = "_kvviz_waiting"   # session: this run left something for the run after the paint
+DEFAULT_HEIGHT = 450           # st.plotly_chart's height for a figure that sets none
+
+# After the component is mounted: two animation frames (the first paint is on screen), then report,
+# once; a tab in the background paints no frames, so the timer reports then anyway. (Starting the
+# plotly code's import here as well made the charts later, not sooner: its 0.8 s then ran while the
+# charts' run arrived. Measured with benchmarks/browser.py's fresh visits.)
+PROBE_JS = """
+export default function (component) {
+  let sent = false;
+  const report = () => { if (!sent) { sent = true; component.setTriggerValue("painted", true); } };
+  requestAnimationFrame(() => requestAnimationFrame(() => setTimeout(report, 0)));
+  setTimeout(report, 2000);
+}
+"""
+
+
+def painted() -> bool:
+    """Has the browser painted this session's page once?"""
+    return bool(st.session_state.get(PAINTED))
+
+
+def deferred() -> bool:
+    """True until the browser has painted this session's page: the caller draws a stand-in (or, in a
+    folded section, nothing) and the run after the paint draws the real thing."""
+    if painted():
+        return False
+    st.session_state[_WAITING_RUN] = True
+    return True
+
+
+def chart(fig, key: str, where=None, **kwargs):
+    """st.plotly_chart(fig, key=key, **kwargs) in `where` (default: the page), or, before the first
+    paint, an empty frame of the chart's height that the next run fills. Returns the chart's event
+    (its selection) or None while it is a frame."""
+    where = where or st
+    if not deferred():
+        return where.plotly_chart(fig, key=key, **kwargs)
+    height = int(fig.layout.height or DEFAULT_HEIGHT)
+    where.container(height=height, border=True, key=f"{WAITING}_{key}").caption("Drawing the chart…")
+    return None
+
+
+def _mark_painted() -> None:
+    st.session_state[PAINTED] = True
+
+
+@functools.cache
+def _probe():
+    return st.components.v2.component("kvviz_first_paint", js=PROBE_JS)
+
+
+def report_first_paint() -> None:
+    """The end of every run: if this run left a chart as a frame (or a folded section empty), ask the
+    browser to say when it has painted the page; its answer reruns the page, which draws them."""
+    if st.session_state.pop(_WAITING_RUN, False) and not painted():
+        _probe()(key="_kvviz_first_paint", on_painted_change=_mark_painted)
