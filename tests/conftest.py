@@ -159,11 +159,35 @@ def browser(chromium_path):
 #   what the address bar held when the page first showed a new view.
 PAGE_PROBE_JS = """
 window.__kvviz = {runs: 0, state: null, changed: performance.now(), samples: []};
-// Every state the app passed through, in order: a record's oldValue is the state before it, so a run
-// that started and ended within one batch of mutations (a busy page delivers them together) still counts.
+// Runs are counted from the server's messages, not from the page: a quick run's "running" and
+// "notRunning" can reach React in one batch and never touch the DOM (seen once the server's
+// connections sent each message at once: kvviz.app.serve._no_delay). Every run, full or fragment,
+// ends with a ForwardMsg carrying script_finished (field 6, a varint); read the top-level fields.
+const finishes = (data) => {
+  if (!(data instanceof ArrayBuffer)) return false;
+  const b = new Uint8Array(data);
+  let i = 0;
+  const varint = () => { let x = 0, f = 1, c; do { c = b[i++]; x += (c & 0x7f) * f; f *= 128; } while (c & 0x80 && i < b.length); return x; };
+  while (i < b.length) {
+    const tag = varint(), field = Math.floor(tag / 8), wire = tag % 8;
+    if (field === 6 && wire === 0) return true;
+    if (wire === 0) varint(); else if (wire === 2) { const n = varint(); i += n; } else if (wire === 1) i += 8;
+    else if (wire === 5) i += 4; else return false;
+  }
+  return false;
+};
+const Socket = window.WebSocket;
+window.WebSocket = class extends Socket {
+  constructor(...args) {
+    super(...args);
+    this.addEventListener('message', (e) => {
+      if (finishes(e.data)) { window.__kvviz.runs++; window.__kvviz.changed = performance.now(); }
+    });
+  }
+};
+// Every state the app passed through, in order (what the page shows while it runs).
 const enter = (s) => {
   if (s === window.__kvviz.state) return;
-  if (s !== null && s !== 'notRunning' && s !== 'initial') window.__kvviz.runs++;
   window.__kvviz.state = s;
   window.__kvviz.changed = performance.now();
 };
@@ -244,8 +268,8 @@ def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
     """Wait until the app has run more than `after` times and is idle: its script-run state is
     "notRunning", and neither it nor the page's results nor the address bar has changed for
     `quiet_ms` (a callback's st.rerun or a page switch starts the next run within that), no element
-    is still loading (a skeleton, or a chart's frame before the first paint's report: kvviz.app.charts)
-    and every chart on screen is drawn. Not "a chart exists": a chart from the previous run exists too."""
+    is still loading (a skeleton; a chart's frame or the first-paint probe, whose report is still to
+    come: kvviz.app.charts) and every chart on screen is drawn. Not "a chart exists": a chart from the previous run exists too."""
     from playwright.sync_api import TimeoutError as WaitRanOut
 
     try:
@@ -253,6 +277,7 @@ def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
             """([after, quiet]) => { const k = window.__kvviz, last = k.samples[k.samples.length - 1];
                                    return k.runs > after && k.state === 'notRunning'
                                    && performance.now() - Math.max(k.changed, last ? last[2] : 0) > quiet
+                                   && !document.querySelector('.st-key-_kvviz_first_paint')
                                    && !Array.from(document.querySelectorAll(
                                             '[data-testid="stSkeleton"], [class*="st-key-kvviz_chart_wait"]'))
                                             .some(c => c.offsetParent !== null)
@@ -263,7 +288,7 @@ def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
         state = page.evaluate("""() => ({runs: window.__kvviz.runs, state: window.__kvviz.state,
             sinceChange: performance.now() - window.__kvviz.changed, samples: window.__kvviz.samples.length,
             sinceSample: performance.now() - (window.__kvviz.samples.at(-1) || [0, 0, 0])[2],
-            skeletons: Array.from(document.querySelectorAll('[data-testid="stSkeleton"], [class*="st-key-kvviz_chart_wait"]')).filter(c => c.offsetParent !== null).length,
+            skeletons: Array.from(document.querySelectorAll('[data-testid="stSkeleton"], [class*="st-key-kvviz_chart_wait"], .st-key-_kvviz_first_paint')).filter(c => c.offsetParent !== null).length,
             undrawn: Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]')).filter(c => c.offsetParent !== null && !c.querySelector('.main-svg')).length,
             url: location.href})""")
         raise AssertionError(f"the app did not become idle after run {after}: {state}") from e

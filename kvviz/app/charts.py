@@ -26,6 +26,7 @@ import streamlit as st
 PAINTED = "_kvviz_painted"     # session: the browser has painted this session's page once
 WAITING = "kvviz_chart_wait"   # the frames' key prefix (their class: st-key-kvviz_chart_wait_N)
 _WAITING_RUN = "_kvviz_waiting"   # session: this run left something for the run after the paint
+_RAN = "_kvviz_ran"               # session: a run has finished (report_first_paint, its last act)
 DEFAULT_HEIGHT = 450           # st.plotly_chart's height for a figure that sets none
 
 # After the component is mounted: two animation frames (the first paint is on screen), then report,
@@ -43,8 +44,11 @@ export default function (component) {
 
 
 def painted() -> bool:
-    """Has the browser painted this session's page once?"""
-    return bool(st.session_state.get(PAINTED))
+    """Has the browser painted this session's page once? Said by the probe, or known once a second run
+    starts: every rerun after a finished first run comes from the browser (a widget, a page link, the
+    probe), which has drawn that run by then -- so a report that never arrives costs the charts only
+    until the next click, never for good."""
+    return bool(st.session_state.get(PAINTED) or st.session_state.get(_RAN))
 
 
 def deferred() -> bool:
@@ -82,3 +86,4 @@ def report_first_paint() -> None:
     browser to say when it has painted the page; its answer reruns the page, which draws them."""
     if st.session_state.pop(_WAITING_RUN, False) and not painted():
         _probe()(key="_kvviz_first_paint", on_painted_change=_mark_painted)
+    st.session_state[_RAN] = True
