@@ -269,7 +269,8 @@ def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
     "notRunning", and neither it nor the page's results nor the address bar has changed for
     `quiet_ms` (a callback's st.rerun or a page switch starts the next run within that), no element
     is still loading (a skeleton; a chart's frame or the first-paint probe, whose report is still to
-    come: kvviz.app.charts) and every chart on screen is drawn. Not "a chart exists": a chart from the previous run exists too."""
+    come: kvviz.app.charts) and every chart on screen is drawn. Not "a chart exists": a chart from the
+    previous run exists too."""
     from playwright.sync_api import TimeoutError as WaitRanOut
 
     try:
@@ -288,7 +289,8 @@ def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
         state = page.evaluate("""() => ({runs: window.__kvviz.runs, state: window.__kvviz.state,
             sinceChange: performance.now() - window.__kvviz.changed, samples: window.__kvviz.samples.length,
             sinceSample: performance.now() - (window.__kvviz.samples.at(-1) || [0, 0, 0])[2],
-            skeletons: Array.from(document.querySelectorAll('[data-testid="stSkeleton"], [class*="st-key-kvviz_chart_wait"], .st-key-_kvviz_first_paint')).filter(c => c.offsetParent !== null).length,
+            skeletons: Array.from(document.querySelectorAll('[data-testid="stSkeleton"], [class*="st-key-kvviz_chart_wait"]')).filter(c => c.offsetParent !== null).length,
+            probe: !!document.querySelector('.st-key-_kvviz_first_paint'),
             undrawn: Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]')).filter(c => c.offsetParent !== null && !c.querySelector('.main-svg')).length,
             url: location.href})""")
         raise AssertionError(f"the app did not become idle after run {after}: {state}") from e

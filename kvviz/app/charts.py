@@ -23,10 +23,9 @@ import functools
 
 import streamlit as st
 
-PAINTED = "_kvviz_painted"     # session: the browser has painted this session's page once
+PAINTED = "_kvviz_painted"     # session: a run has finished, so the next one comes after the browser drew it
 WAITING = "kvviz_chart_wait"   # the frames' key prefix (their class: st-key-kvviz_chart_wait_N)
 _WAITING_RUN = "_kvviz_waiting"   # session: this run left something for the run after the paint
-_RAN = "_kvviz_ran"               # session: a run has finished (report_first_paint, its last act)
 DEFAULT_HEIGHT = 450           # st.plotly_chart's height for a figure that sets none
 
 # After the component is mounted: two animation frames (the first paint is on screen), then report,
@@ -44,11 +43,11 @@ export default function (component) {
 
 
 def painted() -> bool:
-    """Has the browser painted this session's page once? Said by the probe, or known once a second run
-    starts: every rerun after a finished first run comes from the browser (a widget, a page link, the
-    probe), which has drawn that run by then -- so a report that never arrives costs the charts only
-    until the next click, never for good."""
-    return bool(st.session_state.get(PAINTED) or st.session_state.get(_RAN))
+    """Has the browser painted this session's page once? Known once a second run starts: every rerun
+    after a finished first run comes from the browser (the probe's report, a widget, a page link),
+    which has drawn that run by then -- so a report that never arrives costs the charts only until the
+    next click, never for good."""
+    return bool(st.session_state.get(PAINTED))
 
 
 def deferred() -> bool:
@@ -72,10 +71,6 @@ def chart(fig, key: str, where=None, **kwargs):
     return None
 
 
-def _mark_painted() -> None:
-    st.session_state[PAINTED] = True
-
-
 @functools.cache
 def _probe():
     return st.components.v2.component("kvviz_first_paint", js=PROBE_JS)
@@ -83,7 +78,8 @@ def _probe():
 
 def report_first_paint() -> None:
     """The end of every run: if this run left a chart as a frame (or a folded section empty), ask the
-    browser to say when it has painted the page; its answer reruns the page, which draws them."""
+    browser to say when it has painted the page; its report reruns the page, which draws them. The
+    report carries nothing to keep: that rerun is the news (PAINTED is set here, as the run ends)."""
     if st.session_state.pop(_WAITING_RUN, False) and not painted():
-        _probe()(key="_kvviz_first_paint", on_painted_change=_mark_painted)
-    st.session_state[_RAN] = True
+        _probe()(key="_kvviz_first_paint", on_painted_change=lambda: None)
+    st.session_state[PAINTED] = True
