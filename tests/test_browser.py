@@ -347,30 +347,100 @@ def number(label: str, value) -> callable:
 
 
 def select(label: str, option: str):
+    """Choose `option` in a select box as a person does: click the box, click the option.
+
+    Streamlit's select box is a react-aria ComboBox whose list closes when anything around the box
+    scrolls (react-aria's close-on-scroll: one pixel of the sidebar is enough). On a busy machine the
+    sidebar can still be settling after the previous run or an unfolded expander, so the list
+    sometimes closes before the option is clicked (CI, once: three opens, no option). Each try waits
+    for the box to stand still first; a list that closes anyway is opened again; after four tries the
+    option is chosen with the keyboard (arrow keys to it, Enter), which needs no open list to stay
+    put under a pointer. The claim under test is the link after the choice, not the pointer."""
     def pick(page):
-        from playwright.sync_api import TimeoutError as WaitRanOut
+        from playwright.sync_api import Error as PlaywrightError
 
         box = labelled(page, "stSelectbox", label).locator("input")
         wanted = page.get_by_role("option", name=option, exact=True)
-        for _ in range(3):     # a click does not always open the list (nor keep it open while the sidebar scrolls)
-            # mid-viewport first: a box at the bottom edge once opened its list below the window, out of reach
-            box.evaluate("e => e.scrollIntoView({block: 'center'})")
+        chosen = "([e, v]) => e.value === v"
+        page.evaluate(SCROLL_COUNTER_JS)
+        for _ in range(4):
+            box.evaluate("e => e.scrollIntoView({block: 'center'})")     # mid-viewport: its list fits below it
+            standing_still(box)
             box.click()
             if box.get_attribute("aria-expanded") != "true":
                 box.press("ArrowDown")
             try:
-                wanted.wait_for(state="visible", timeout=5000)
-                break
-            except WaitRanOut:
-                box.press("Escape")
-        try:
-            wanted.click(timeout=10000)
-        except WaitRanOut:
-            # the open list can sit outside the viewport (a box low in the scrolled sidebar; seen in CI, 1 run
-            # in 4 here) where no pointer reaches it: choose the option by the click event itself, as
-            # assistive technology does (react-aria takes a click without pointer events as a press)
-            wanted.dispatch_event("click")
+                wanted.click(timeout=3000)
+                page.wait_for_function(chosen, arg=[box.element_handle(), option], timeout=5000)
+                return
+            except PlaywrightError:     # the list closed under the pointer (or never opened): once more
+                if box.get_attribute("aria-expanded") == "true":
+                    box.press("Escape")
+        for _ in range(2):              # the keyboard: open, arrow keys to the option (no wrapping), Enter
+            box.focus()
+            if box.get_attribute("aria-expanded") != "true":
+                box.press("ArrowDown")
+            options, active = page.evaluate(LIST_JS, box.element_handle())
+            if option in options and active in options:
+                step = options.index(option) - options.index(active)
+                for _ in range(abs(step)):
+                    box.press("ArrowDown" if step > 0 else "ArrowUp")
+                if page.evaluate(LIST_JS, box.element_handle())[1] == option:
+                    box.press("Enter")
+                    try:
+                        page.wait_for_function(chosen, arg=[box.element_handle(), option], timeout=5000)
+                        return
+                    except PlaywrightError:
+                        pass
+            box.press("Escape")
+        scrolls = page.evaluate("window.__kvvizScrolls")
+        shot(page, f"select-{label}")
+        raise AssertionError(
+            f"could not choose {option!r} in the select box {label!r}: it shows {box.input_value()!r}, its list "
+            f"is {'open' if box.get_attribute('aria-expanded') == 'true' else 'closed'}; scroll events around it "
+            f"while trying: {scrolls}")
     return pick
+
+
+# Counts scroll events by where they happened (a select box's list closes on any of them; for the
+# failure message of select()).
+SCROLL_COUNTER_JS = """() => {
+  window.__kvvizScrolls = {};
+  if (window.__kvvizScrollsOn) return;
+  window.__kvvizScrollsOn = true;
+  document.addEventListener('scroll', (e) => {
+    const t = e.target, name = t === document ? 'document' : (t.dataset?.testid || t.tagName);
+    window.__kvvizScrolls[name] = (window.__kvvizScrolls[name] || 0) + 1;
+  }, true);
+}"""
+
+
+# An open select box's options in order, and the one the keyboard is on (react-aria's virtual focus:
+# aria-activedescendant on the input).
+LIST_JS = """(box) => [
+  Array.from(document.querySelectorAll('[role=listbox] [role=option]')).map((o) => o.textContent),
+  document.getElementById(box.getAttribute('aria-activedescendant'))?.textContent ?? null]"""
+
+
+def standing_still(locator, frames: int = 5) -> None:
+    """Wait until the element has kept its place on screen for `frames` animation frames, with no
+    animation running around it and nothing around it scrolled (a sidebar settling after a run; an
+    expander opening: Streamlit animates its height with overflow hidden, and a box focused meanwhile
+    scrolls the expander, whose scrolling back closes the box's list)."""
+    locator.evaluate("""(e, frames) => new Promise((done) => {
+      let last = '', same = 0, left = 1200;
+      const look = () => {
+        const r = e.getBoundingClientRect(), now = `${r.x},${r.y},${r.width},${r.height}`;
+        const details = [], busy = [];
+        for (let a = e.parentElement; a; a = a.parentElement) {
+          if (a.tagName === 'DETAILS') details.push(a);
+        }
+        const moving = details.some((d) => d.scrollTop !== 0 || d.getAnimations({subtree: false}).length > 0);
+        same = now === last && !moving ? same + 1 : 0; last = now;
+        if (same >= frames || --left <= 0) done(); else requestAnimationFrame(look);
+      };
+      requestAnimationFrame(look);
+    })""", frames)
 
 
 def radio(label: str, option: str):
@@ -391,8 +461,15 @@ def pill(group: str, option: str):
 
 
 def unfold(page, title: str) -> None:
-    """Open an expander (no rerun: not an interaction with the app's state)."""
-    page.locator('[data-testid="stExpander"] summary').filter(has_text=title).first.click()
+    """Open an expander (no rerun: not an interaction with the app's state) and wait until it has
+    finished opening: Streamlit animates its height, and a widget touched meanwhile can be scrolled
+    inside it (see standing_still)."""
+    expander = page.locator('[data-testid="stExpander"]').filter(
+        has=page.locator("summary", has_text=title)).first
+    expander.locator("summary").first.click()
+    page.wait_for_function("(d) => d.open && d.getAnimations({subtree: true}).length === 0",
+                           arg=expander.locator("details").first.element_handle(), polling="raf")
+    standing_still(expander.locator("details > :last-child").first)
 
 
 def test_explorer_link_follows_every_single_interaction(page, app_url):
