@@ -43,10 +43,10 @@ def compression_section(trace: Trace, where=None, budget_only: bool = False) -> 
     with where.expander("Advanced"):
         if not deferred():   # folded at the first paint: its ~20 widgets come with the charts (kvviz.app.charts)
             advanced_controls(n)
+    values = state()
     try:
-        return spec_from_values(state())
+        return spec_from_values(values)
     except SpecError as e:
-        values = state()
         bits_used = (values["key_bits"], values["value_bits"]) if values["split"] else (values["bits"],)
         hint = (" Turn off symmetric quantization or raise the bits to 2 or more."
                 if values["symmetric"] and 1 in bits_used else "")
