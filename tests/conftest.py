@@ -273,26 +273,29 @@ def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
     previous run exists too."""
     from playwright.sync_api import TimeoutError as WaitRanOut
 
+    from kvviz.app.charts import PROBE_KEY, WAITING
+
+    loading = f'[data-testid="stSkeleton"], [class*="st-key-{WAITING}"]'     # still to come: not idle
+    probe = f".st-key-{PROBE_KEY}"
     try:
         page.wait_for_function(
-            """([after, quiet]) => { const k = window.__kvviz, last = k.samples[k.samples.length - 1];
+            """([after, quiet, loading, probe]) => { const k = window.__kvviz, last = k.samples[k.samples.length - 1];
                                    return k.runs > after && k.state === 'notRunning'
                                    && performance.now() - Math.max(k.changed, last ? last[2] : 0) > quiet
-                                   && !document.querySelector('.st-key-_kvviz_first_paint')
-                                   && !Array.from(document.querySelectorAll(
-                                            '[data-testid="stSkeleton"], [class*="st-key-kvviz_chart_wait"]'))
+                                   && !document.querySelector(probe)
+                                   && !Array.from(document.querySelectorAll(loading))
                                             .some(c => c.offsetParent !== null)
                                    && Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]'))
                                            .every(c => c.offsetParent === null || c.querySelector('.main-svg')); }""",
-            arg=[after, quiet_ms], timeout=TIMEOUT, polling=100)
+            arg=[after, quiet_ms, loading, probe], timeout=TIMEOUT, polling=100)
     except WaitRanOut as e:   # say what the app was doing, not only that the wait ran out
-        state = page.evaluate("""() => ({runs: window.__kvviz.runs, state: window.__kvviz.state,
+        state = page.evaluate("""([loading, probe]) => ({runs: window.__kvviz.runs, state: window.__kvviz.state,
             sinceChange: performance.now() - window.__kvviz.changed, samples: window.__kvviz.samples.length,
             sinceSample: performance.now() - (window.__kvviz.samples.at(-1) || [0, 0, 0])[2],
-            skeletons: Array.from(document.querySelectorAll('[data-testid="stSkeleton"], [class*="st-key-kvviz_chart_wait"]')).filter(c => c.offsetParent !== null).length,
-            probe: !!document.querySelector('.st-key-_kvviz_first_paint'),
+            skeletons: Array.from(document.querySelectorAll(loading)).filter(c => c.offsetParent !== null).length,
+            probe: !!document.querySelector(probe),
             undrawn: Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]')).filter(c => c.offsetParent !== null && !c.querySelector('.main-svg')).length,
-            url: location.href})""")
+            url: location.href})""", [loading, probe])
         raise AssertionError(f"the app did not become idle after run {after}: {state}") from e
 
 

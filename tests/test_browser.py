@@ -16,6 +16,7 @@ import pytest
 from kvviz import Spec, View, compare
 from kvviz.sources.handbook import handbook_trace
 from kvviz.app.cards import card_values
+from kvviz.app.charts import WAITING
 from conftest import TIMEOUT, idle, runs, view
 from kvviz.app.studies import studies_root
 
@@ -76,7 +77,7 @@ FIRST_SEEN_JS = """
 window.__firstSeen = {};
 new MutationObserver(() => {
   const seen = window.__firstSeen, now = performance.now();
-  const frames = Array.from(document.querySelectorAll('[class*="st-key-kvviz_chart_wait"]'));
+  const frames = Array.from(document.querySelectorAll('[class*="st-key-WAITING"]'));
   if (!seen.metric && document.querySelector('[data-testid="stMetricValue"]')) seen.metric = now;
   if (!seen.frames && frames.length) {
     seen.frames = now;
@@ -84,7 +85,7 @@ new MutationObserver(() => {
   }
   if (!seen.chart && document.querySelector('.js-plotly-plot .main-svg')) seen.chart = now;
 }).observe(document, {subtree: true, childList: true});
-"""
+""".replace("WAITING", WAITING)
 
 
 def test_the_first_paint_shows_the_cards_and_frames_where_the_charts_come(page, app_url):
@@ -98,7 +99,7 @@ def test_the_first_paint_shows_the_cards_and_frames_where_the_charts_come(page, 
     seen = page.evaluate("window.__firstSeen")
     assert seen["frames"] <= seen["metric"] < seen["chart"], seen
     charts = page.locator('[data-testid="stPlotlyChart"]:visible')
-    assert charts.count() == 2 and page.locator('[class*="st-key-kvviz_chart_wait"]').count() == 0
+    assert charts.count() == 2 and page.locator(f'[class*="st-key-{WAITING}"]').count() == 0
     heights = [round(charts.nth(i).bounding_box()["height"]) for i in range(2)]
     assert all(abs(h - f) <= 0.05 * f for h, f in zip(heights, seen["frameHeights"])), (heights, seen)
     no_console_errors(page)
@@ -431,7 +432,7 @@ def standing_still(locator, frames: int = 5) -> None:
       let last = '', same = 0, left = 1200;
       const look = () => {
         const r = e.getBoundingClientRect(), now = `${r.x},${r.y},${r.width},${r.height}`;
-        const details = [], busy = [];
+        const details = [];
         for (let a = e.parentElement; a; a = a.parentElement) {
           if (a.tagName === 'DETAILS') details.push(a);
         }
