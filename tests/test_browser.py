@@ -16,7 +16,7 @@ import pytest
 from kvviz import Spec, View, compare
 from kvviz.sources.handbook import handbook_trace
 from kvviz.app.cards import card_values
-from kvviz.app.charts import WAITING
+from kvviz.app.charts import PROBE_KEY, WAITING
 from conftest import TIMEOUT, idle, runs, view
 from kvviz.app.studies import studies_root
 
@@ -146,6 +146,50 @@ def test_every_page_loads(page, app_url, name, marker):
     e(page).to_have_url(re.compile(r"[?&]sink=3"))  # the settings travel with the page
     idle(page)
     shot(page, name.lower())
+    no_console_errors(page)
+
+
+CLICK_AT_PROBE_JS = """
+// The server's messages reach the page 400 ms late once the link is clicked (a slow server or network):
+// the page then still shows the old page when the probe's two frames have passed.
+const Socket = window.WebSocket;
+window.WebSocket = class extends Socket {
+  addEventListener(type, handle, ...rest) {
+    if (type !== 'message') return super.addEventListener(type, handle, ...rest);
+    const late = (e) => window.__kvvizLag ? setTimeout(() => handle.call(this, e), window.__kvvizLag) : handle.call(this, e);
+    return super.addEventListener(type, late, ...rest);
+  }
+};
+new MutationObserver((_, watch) => {   // a page link clicked the moment the first-paint probe listens
+  const link = Array.from(document.querySelectorAll('[data-testid="stSidebarNav"] a'))
+    .find((a) => a.textContent.trim() === "Concentration");
+  if (link && document.querySelector('.st-key-PROBE_KEY [data-kvviz-listening]')) {
+    watch.disconnect();
+    window.__kvvizLag = 400;
+    link.click();
+  }
+}).observe(document, {subtree: true, childList: true, attributes: true, attributeFilter: ['data-kvviz-listening']});
+""".replace("PROBE_KEY", PROBE_KEY)
+
+
+def test_a_page_link_clicked_before_the_first_paint_report_is_followed(page, app_url):
+    """A person can click a page link before the first-paint probe has reported (kvviz.app.charts). The
+    report's rerun is for the page the browser still shows, and on the server the newer request's page
+    wins: it sent the reader back (CI, once). Input puts the report off, and the link's run draws the
+    charts itself."""
+    page.add_init_script(CLICK_AT_PROBE_JS)
+    page.set_viewport_size({"width": 1400, "height": 2000})
+    page.goto(f"{app_url}/?sink=3")
+    e = expect()
+    e(page.get_by_role("heading", name=re.compile("Concentration")).first).to_be_visible()
+    idle(page)
+    page.wait_for_timeout(2500)          # past the report's fallback timer: nothing may send the reader back
+    idle(page)
+    assert urlparse(page.evaluate("location.href")).path == "/concentration"
+    e(page.get_by_role("heading", name=re.compile("Concentration")).first).to_be_visible()
+    e(page.locator(".js-plotly-plot").filter(has_text="Top x% of tokens hold").first).to_be_visible()
+    assert page.locator(f'[class*="st-key-{WAITING}"]').count() == 0
+    assert query(page.evaluate("location.href")) == {"sink": "3"}
     no_console_errors(page)
 
 

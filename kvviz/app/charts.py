@@ -33,12 +33,44 @@ PROBE_KEY = "_kvviz_first_paint"   # the probe's key (its class: st-key-_kvviz_f
 # once; a tab in the background paints no frames, so the timer reports then anyway. (Starting the
 # plotly code's import here as well made the charts later, not sooner: its 0.8 s then ran while the
 # charts' run arrived. Measured with benchmarks/browser.py's fresh visits.)
+#
+# A person's input before the report (a page link, a widget) starts a run of its own, and that run
+# draws the charts too (any second run does). The report must not follow it: Streamlit sends a
+# trigger's rerun for the page the browser still shows, and the newer request's page wins on the
+# server, so a page link clicked in the first frames sent the reader back to this page (CI, once).
+# So input puts the report off; if a run starts meanwhile the report is dropped (that run's end
+# unmounts this probe); an input that started no run (a click on empty space) is reported after.
+# Input before this code ran counts too (the browser's sticky user activation). A run is seen in
+# stApp's data-test-script-state, the attribute Streamlit sets for its own tests; without it, the
+# report comes 2 s after the input. The host element says `data-kvviz-listening` once the probe
+# listens (the browser test clicks a link then).
 PROBE_JS = """
 export default function (component) {
-  let sent = false;
+  let sent = false, input = false;
+  const host = component.parentElement.host || component.parentElement;
   const report = () => { if (!sent) { sent = true; component.setTriggerValue("painted", true); } };
-  requestAnimationFrame(() => requestAnimationFrame(() => setTimeout(report, 0)));
-  setTimeout(report, 2000);
+  let timer = setTimeout(report, 2000);
+  const app = document.querySelector('[data-testid="stApp"]');
+  const runs = new MutationObserver(() => {
+    if (input && app.dataset.testScriptState === "running") sent = true;   // that run draws the charts
+  });
+  if (app) runs.observe(app, {attributes: true, attributeFilter: ["data-test-script-state"]});
+  const putOff = () => {
+    input = true;
+    clearTimeout(timer);
+    timer = setTimeout(report, 2000);
+  };
+  const inputs = ["pointerdown", "keydown", "click"];
+  inputs.forEach((name) => document.addEventListener(name, putOff, true));
+  if (navigator.userActivation?.hasBeenActive) putOff();
+  host.setAttribute("data-kvviz-listening", "");
+  requestAnimationFrame(() => requestAnimationFrame(() => setTimeout(() => { if (!input) report(); }, 0)));
+  return () => {
+    sent = true;
+    clearTimeout(timer);
+    runs.disconnect();
+    inputs.forEach((name) => document.removeEventListener(name, putOff, true));
+  };
 }
 """
 
