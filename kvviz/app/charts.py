@@ -40,9 +40,10 @@ PROBE_KEY = "_kvviz_first_paint"   # the probe's key (its class: st-key-_kvviz_f
 # server, so a page link clicked in the first frames sent the reader back to this page (CI, once).
 # So input puts the report off; if a run starts meanwhile the report is dropped (that run's end
 # unmounts this probe); an input that started no run (a click on empty space) is reported after.
-# Input before this code ran counts too (the browser's sticky user activation). A run is seen in
-# stApp's data-test-script-state, the attribute Streamlit sets for its own tests; without it, the
-# report comes 2 s after the input. The host element says `data-kvviz-listening` once the probe
+# (Not the browser's sticky user activation for input before this code ran: headless Chromium reports
+# it on every load, which put every first report off by 2 s.) A run is seen in stApp's
+# data-test-script-state, the attribute Streamlit sets for its own tests; without it, the report
+# comes 2 s after the input. The host element says `data-kvviz-listening` once the probe
 # listens (the browser test clicks a link then).
 PROBE_JS = """
 export default function (component) {
@@ -62,7 +63,6 @@ export default function (component) {
   };
   const inputs = ["pointerdown", "keydown", "click"];
   inputs.forEach((name) => document.addEventListener(name, putOff, true));
-  if (navigator.userActivation?.hasBeenActive) putOff();
   host.setAttribute("data-kvviz-listening", "");
   requestAnimationFrame(() => requestAnimationFrame(() => setTimeout(() => { if (!input) report(); }, 0)));
   return () => {
