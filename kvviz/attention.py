@@ -144,9 +144,10 @@ def context_rows(trace: Trace, layer: int, heads: np.ndarray, rows: np.ndarray,
 
     trim=True leaves out the keys no query of the chunk may see: the attention then covers
     keys 0..m-1 only, m = min(n_keys, the chunk's last position + 1) — the causal triangle,
-    half the work over a whole context. The values are the same, bit for bit: the same
-    products, and the row max and sum run over the keys in order, so the trailing zeros
-    left out added nothing.
+    half the work over a whole context. The values are the same to float32's precision, not
+    bit for bit: the same products, and the trailing zeros left out add nothing to the row's
+    max and sum, but a product of another shape may run another BLAS kernel (OpenBLAS picks
+    it by processor), with another summation order in the last bits.
     """
     chunk = chunk_rows(len(heads), n_keys, chunk)
     q_all = trace.q[layer][heads]                                   # (H, Nq, D)

@@ -11,6 +11,7 @@ from kvviz import SCORERS, Spec, SpecError, View, compare, keep_masks
 from kvviz.engine import REASONS
 from kvviz.quant.rotation import rotate, unrotate
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from floatbounds import logit_error_bound, softmax_rtol
 from test_quant import _reference as reference_quantize   # DESIGN section 4's formulas, a group at a time
 
 SMALL = SyntheticSpec(context=96, steps=12, layers=2, q_heads=4, kv_heads=2, head_dim=48,
@@ -389,7 +390,14 @@ def test_context_attention_chunks_are_causal_softmax_rows():
         assert not attn[0, i, r + 1:].any()
     _, trimmed = next(ctx.context_attention(rows=rows, trim=True))
     assert trimmed.shape == (t.n_q_heads, 3, 41)
-    np.testing.assert_array_equal(trimmed, next(ctx.context_attention(rows=rows))[1][..., :41])
+    whole = next(ctx.context_attention(rows=rows))[1]
+    assert not whole[..., 41:].any()                    # what trimming leaves out is the zeros
+    # the same products, but another shape, so BLAS may take another kernel: equal to float32's precision
+    heads = np.arange(t.n_q_heads)
+    q = t.q[1][heads][:, rows]                                                      # (H, 3, D)
+    k = t.k[1][t.kv_head(heads), :41]                                               # (H, 41, D)
+    bound = max(logit_error_bound(q[h], k[h]).max() for h in heads)
+    np.testing.assert_allclose(trimmed, whole[..., :41], rtol=softmax_rtol(2 * bound, 41), atol=0)
     assert next(ctx.context_attention())[1].shape == (t.n_q_heads, c, c)    # every context row, every key
 
 
