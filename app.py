@@ -1,31 +1,25 @@
 """kvviz Explorer: move the sliders, see what KV-cache compression does to attention.
 
-Run with `streamlit run app.py`. This file is the router and the Explorer page; the
-other pages live in app_pages/. Widgets -> kvviz -> figures.
-
-Why app_pages/ and not pages/: Streamlit (1.67) runs an app that has a folder named `pages` beside its
-entry script as a legacy multipage app -- its own page list from the folder's file names -- until
-st.navigation has run once in the process. The first visitor of a fresh server who opened a link to
-a page (/trade-offs) got a "Page not found" dialog over the right page, and a page file named after
-its URL made the sidebar list file names instead of our titles.
+Run with `streamlit run app.py`. This file is the Explorer page and the app's entry: the other pages
+live in pages/, and kvviz/app/router.py declares them all (titles, URLs) with st.navigation.
+Widgets -> kvviz -> figures.
 """
 
 import streamlit as st
 
 from kvviz.plots import figures, style
 
-from kvviz.app.charts import chart, report_first_paint
+from kvviz.app.charts import chart
 from kvviz.app.cards import metric_cards, metrics_table
 from kvviz.app.compute import run_compare
-from kvviz.app.layout import PAGES, folded, page_setup
+from kvviz.app.layout import folded, page_setup
 from kvviz.app.lesson import lesson_export
 from kvviz.app.notes import budget_warnings, quant_model_note, quant_warning_box, scorer_note
 from kvviz.app.overview import has_text_tokens, head_overview, token_grid
 from kvviz.app.presets import preset_buttons
+from kvviz.app.router import navigate
 from kvviz.app.sidebar import sidebar
-from kvviz.app.store import sync_url
 from kvviz.app import explorer as ux
-from kvviz.app import guard
 from kvviz.app import formats as ui_formats
 from kvviz.app import ledger as ui_ledger
 from kvviz.plots.figures import BAND_TEXT
@@ -140,18 +134,4 @@ def explorer() -> None:
     ui_ledger.ledger_expander(source, spec, vs.view.step)
 
 
-st.set_page_config(page_title="kvviz", layout="wide")
-PAGES.update(
-    explorer=st.Page(explorer, title="Explorer", default=True),
-    tradeoffs=st.Page("app_pages/1_Trade-offs.py", title="Trade-offs", url_path="trade-offs"),
-    concentration=st.Page("app_pages/2_Concentration.py", title="Concentration", url_path="concentration"),
-    model_lab=st.Page("app_pages/3_Model_lab.py", title="Model lab", url_path="model-lab"),
-    timeline=st.Page("app_pages/4_Decode_timeline.py", title="Decode timeline", url_path="decode-timeline"),
-    needle=st.Page("app_pages/5_Needle_test.py", title="Needle test", url_path="needle-test"),
-    studies=st.Page("app_pages/6_Studies.py", title="Studies", url_path="studies"),
-)
-page = st.navigation(list(PAGES.values()))
-sync_url()          # first: this run's interaction callbacks have set the store; link to it before computing
-guard.serve(page)   # in one of the server's run slots, cancelled by a rerun or a closed tab
-report_first_paint()   # charts left as frames before the browser's first paint: drawn when it says so
-sync_url()          # last: the page may have clamped or set values on the way
+navigate(explorer)

@@ -8,9 +8,10 @@ from kvviz.app.charts import chart
 from kvviz.app.compute import run_compare, run_sweep
 from kvviz.app.labels import SCORER_SHORT, bits_label
 from kvviz.app.layout import PAGES, page_setup
+from kvviz.app.router import run_page
 from kvviz.app.params import SCORER_CHOICES
 from kvviz.app.sidebar import sidebar
-from kvviz.app.store import STORE, sync_url, w_check, w_choice, w_pills
+from kvviz.app.store import STORE, w_check, w_choice, w_pills
 from kvviz.spec import View
 from kvviz.analysis.sweep import DEFAULT_FRACTIONS, pareto_front, split_budget, to_csv
 
@@ -106,5 +107,4 @@ def main() -> None:
                        icon=":material/download:")
 
 
-main()
-sync_url()
+run_page(main)

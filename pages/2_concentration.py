@@ -8,8 +8,9 @@ from kvviz.app.charts import chart
 from kvviz.app.cards import fmt_pct
 from kvviz.app.compute import run_concentration
 from kvviz.app.layout import page_setup
+from kvviz.app.router import run_page
 from kvviz.app.sidebar import sidebar
-from kvviz.app.store import sync_url, w_slider
+from kvviz.app.store import w_slider
 
 
 def main() -> None:
@@ -59,5 +60,4 @@ def main() -> None:
                f"be {conc.max_entropy:.2f} nats).")
 
 
-main()
-sync_url()
+run_page(main)

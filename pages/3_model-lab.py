@@ -10,8 +10,9 @@ from kvviz.app.charts import chart
 from kvviz.app.cards import fmt_bytes, fmt_exact, fmt_pct
 from kvviz.app.compression import compression_section
 from kvviz.app.layout import page_setup
+from kvviz.app.router import run_page
 from kvviz.app.presets import preset_buttons
-from kvviz.app.store import show_notices, sync_url, w_check, w_choice, w_number
+from kvviz.app.store import show_notices, w_check, w_choice, w_number
 
 from kvviz.app import sources as ui_sources
 from kvviz.plots.decode import continuation_html, kl_strip, nll_chart
@@ -232,5 +233,4 @@ def show(result: dict) -> None:
                       for k, v in d.items()], hide_index=True, key="lab_numbers")
 
 
-main()
-sync_url()
+run_page(main)

@@ -6,6 +6,7 @@ from kvviz.app.charts import chart
 from kvviz.app.compression import compression_section
 from kvviz.app.labels import ALLOCATION_LABELS
 from kvviz.app.layout import page_setup
+from kvviz.app.router import run_page
 from kvviz.app.sidebar import source_section
 from kvviz.app.store import show_notices, sync_url, w_choice, w_multi, w_number, w_slider
 from kvviz.plots.decode import timeline_animation
@@ -150,5 +151,4 @@ def main() -> None:
                + (" (Demo data: choose a source with decode steps in the sidebar.)" if demo else ""))
 
 
-main()
-sync_url()
+run_page(main)

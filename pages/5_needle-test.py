@@ -6,7 +6,8 @@ from kvviz.analysis import needle
 
 from kvviz.app.charts import chart
 from kvviz.app.layout import page_setup
-from kvviz.app.store import notice, show_notices, state, sync_url
+from kvviz.app.router import run_page
+from kvviz.app.store import notice, show_notices, state
 from kvviz.plots.style import CHART_CONFIG
 from kvviz.plots.needle import LABELS, grid_figure, heads_figure, needle_tokens_html
 from kvviz.spec import SpecError
@@ -201,5 +202,4 @@ def main() -> None:
                            mime="text/csv", on_click="ignore", icon=":material/download:")
 
 
-main()
-sync_url()
+run_page(main)

@@ -5,7 +5,8 @@ import streamlit as st
 from kvviz.analysis.study import StudyError
 
 from kvviz.app.layout import page_setup
-from kvviz.app.store import show_notices, state, sync_url, w_choice
+from kvviz.app.router import run_page
+from kvviz.app.store import show_notices, state, w_choice
 from kvviz.app.studies import example_section, frontier_section, list_studies, resolve_study, studies_root
 
 
@@ -40,5 +41,4 @@ def main() -> None:
             example_section(root)
 
 
-main()
-sync_url()
+run_page(main)

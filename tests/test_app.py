@@ -15,8 +15,8 @@ from kvviz.analysis.frames import concentration
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = str(ROOT / "app.py")
-TRADEOFFS = str(ROOT / "app_pages" / "1_Trade-offs.py")
-CONCENTRATION = str(ROOT / "app_pages" / "2_Concentration.py")
+TRADEOFFS = str(ROOT / "pages" / "1_trade-offs.py")
+CONCENTRATION = str(ROOT / "pages" / "2_concentration.py")
 # a small synthetic pattern keeps these tests quick
 SMALL = {"source": "synthetic", "context": "128", "steps": "4"}
 
@@ -245,9 +245,9 @@ def test_concentration_uses_the_sidebar_sinks_and_no_single_cell_maps():
 
 def test_navigation_keeps_settings():
     at = run(sink=2)
-    at.switch_page("app_pages/1_Trade-offs.py").run()
+    at.switch_page("pages/1_trade-offs.py").run()
     assert at.slider(key="sink").value == 2 and at.query_params["sink"] == "2"
-    at.switch_page("app_pages/2_Concentration.py").run()
+    at.switch_page("pages/2_concentration.py").run()
     assert not at.exception and at.query_params["sink"] == "2"
 
 

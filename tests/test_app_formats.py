@@ -12,8 +12,8 @@ from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = str(ROOT / "app.py")
-TRADEOFFS = str(ROOT / "app_pages" / "1_Trade-offs.py")
-LAB = str(ROOT / "app_pages" / "3_Model_lab.py")
+TRADEOFFS = str(ROOT / "pages" / "1_trade-offs.py")
+LAB = str(ROOT / "pages" / "3_model-lab.py")
 SMALL = {"source": "synthetic", "context": "128", "steps": "4"}
 
 

@@ -15,8 +15,8 @@ from kvviz.spec import Spec
 from kvviz.analysis.timeline import timeline
 
 ROOT = Path(__file__).resolve().parents[1]
-LAB = str(ROOT / "app_pages" / "3_Model_lab.py")
-TIMELINE = str(ROOT / "app_pages" / "4_Decode_timeline.py")
+LAB = str(ROOT / "pages" / "3_model-lab.py")
+TIMELINE = str(ROOT / "pages" / "4_decode-timeline.py")
 SMALL_SHIFT = {"source": "synthetic", "context": "128", "steps": "16", "topic_shift": "8",
                "sink": "4", "recent": "8", "heavy": "8"}
 

@@ -15,9 +15,9 @@ from kvviz.limits import set_max_bytes
 ROOT = Path(__file__).resolve().parents[1]
 HUGE = dict(source="synthetic", context=1_000_000_000, steps=1_000_000_000, layers=100_000, q_heads=100_000,
             kv_heads=100_000)
-PAGES = ["app.py", "app_pages/1_Trade-offs.py", "app_pages/2_Concentration.py", "app_pages/3_Model_lab.py",
-         "app_pages/4_Decode_timeline.py", "app_pages/5_Needle_test.py"]
-USES_THE_SOURCE = {"app.py", "app_pages/1_Trade-offs.py", "app_pages/2_Concentration.py", "app_pages/4_Decode_timeline.py"}
+PAGES = ["app.py", "pages/1_trade-offs.py", "pages/2_concentration.py", "pages/3_model-lab.py",
+         "pages/4_decode-timeline.py", "pages/5_needle-test.py"]
+USES_THE_SOURCE = {"app.py", "pages/1_trade-offs.py", "pages/2_concentration.py", "pages/4_decode-timeline.py"}
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from apptest_util import run_app
 from kvviz.analysis import needle
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGE = str(ROOT / "app_pages" / "5_Needle_test.py")
+PAGE = str(ROOT / "pages" / "5_needle-test.py")
 L, H = 4, 2
 
 

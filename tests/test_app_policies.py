@@ -97,7 +97,7 @@ def test_timeline_with_new_scorers_and_ragged_caches():
         for i, qi in enumerate(t.later_queries):
             p = int(t.query_positions[qi])
             np.testing.assert_array_equal(tl.policies[name].kept[i, : p + 1], kept_at_query(t, s, 1, int(qi))[0])
-    at = run_app(str(ROOT / "app_pages" / "4_Decode_timeline.py"), 120, allocation="adakv",
+    at = run_app(str(ROOT / "pages" / "4_decode-timeline.py"), 120, allocation="adakv",
                  tl_policies="snapkv,h2o,quest", **{"source": "synthetic", "context": "96", "steps": "6"})
     assert any("H2O is not drawn" in i.value for i in at.info)
 
@@ -107,7 +107,7 @@ def test_timeline_with_new_scorers_and_ragged_caches():
 def test_model_lab_runs_adakv_snapkv_with_the_cores_numbers(monkeypatch):
     from kvviz.decode.quality import evaluate, reference, sample_text
     load_once = share_one_model_load(monkeypatch)   # the page and this test share one load
-    at = run_app(str(ROOT / "app_pages" / "3_Model_lab.py"), 300, sink=4, recent=8, heavy=8, scorer="snapkv",
+    at = run_app(str(ROOT / "pages" / "3_model-lab.py"), 300, sink=4, recent=8, heavy=8, scorer="snapkv",
                  allocation="adakv")
     at.number_input(key="lab_prompt").set_value(48)
     at.number_input(key="lab_cont").set_value(10)

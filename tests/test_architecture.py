@@ -3,7 +3,7 @@ the ones inside functions too, so a lazy import cannot hide a circle or a layer 
 
 - no import circle among kvviz's modules (a package re-exporting its own children is not one);
 - a module imports only its own layer or lower ones (LAYERS);
-- Streamlit only in kvviz/app, app.py and app_pages/; plotly only in kvviz/plots and kvviz/app;
+- Streamlit only in kvviz/app, app.py and pages/; plotly only in kvviz/plots and kvviz/app;
   torch / transformers only on the real-model side, and never at import time;
 - no module past MAX_LINES lines, no family of top-level modules sharing a prefix;
 - pages are thin: no numerics (numpy, pandas, torch) and no engine calls of their own;
@@ -203,7 +203,7 @@ def test_charts_are_drawn_through_kvviz_app_charts():
     """Every plotly chart goes through kvviz.app.charts.chart, which leaves it as a frame until the browser's
     first paint: one st.plotly_chart called directly would hold the page's first paint back again."""
     called = []
-    for path in [ROOT / "app.py", *sorted((ROOT / "app_pages").glob("*.py")), *sorted((PKG / "app").glob("*.py"))]:
+    for path in [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py")), *sorted((PKG / "app").glob("*.py"))]:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Attribute) and node.attr == "plotly_chart" and path.name != "charts.py":
                 called.append(f"{path.relative_to(ROOT)}:{node.lineno}")
@@ -212,7 +212,7 @@ def test_charts_are_drawn_through_kvviz_app_charts():
 
 def test_pages_are_thin():
     numeric = {"numpy", "pandas", "torch", "transformers", "scipy"}
-    for page in [ROOT / "app.py", *sorted((ROOT / "app_pages").glob("*.py"))]:
+    for page in [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py"))]:
         names = {t.split(".")[0] for t, _, _ in imports(page)}
         assert not names & numeric, f"{page.name} imports {names & numeric}: numerics belong in kvviz"
         assert "kvviz.engine" not in {t for t, _, _ in imports(page)}, f"{page.name} calls the engine directly"

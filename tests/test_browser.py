@@ -265,14 +265,16 @@ def test_address_bar_follows_a_single_interaction_on_every_page(page, app_url, n
     no_console_errors(page)
 
 
-def test_a_fresh_server_opens_a_page_link_as_that_page(page):
-    """The first visitor of a freshly started server who opens a link to a page sees that page with the
-    app's own navigation, no "Page not found" dialog (Streamlit runs an app with a `pages/` folder as a
-    legacy multipage app until st.navigation has run once: hence app_pages/). Started as `make run`
-    starts it (kvviz.app.serve: the app's modules imported at server start, beside the first visit)."""
+@pytest.mark.parametrize("launcher", [False, True], ids=["streamlit run app.py", "make run"])
+def test_a_fresh_server_opens_a_page_link_as_that_page(page, launcher):
+    """The first request of a freshly started server is a link to a page: it shows that page with the
+    app's own navigation, no "Page not found" dialog. Streamlit runs an app with a `pages/` folder as a
+    legacy multipage app until st.navigation has run once, so this first run goes through its own page
+    list, which hands it over to app.py (kvviz/app/router.py). Both ways of starting the app: the plain
+    `streamlit run app.py` and `make run`'s launcher (kvviz.app.serve)."""
     from conftest import serve_app
 
-    with serve_app(ARTIFACTS / "streamlit-server-fresh.log", launcher=True) as url:
+    with serve_app(ARTIFACTS / f"streamlit-server-fresh-{int(launcher)}.log", launcher=launcher) as url:
         page.goto(f"{url}/trade-offs?sink=3")
         e = expect()
         e(page.get_by_role("heading", name=re.compile("Trade-offs"))).to_be_visible()
@@ -282,6 +284,8 @@ def test_a_fresh_server_opens_a_page_link_as_that_page(page):
         nav = page.locator('[data-testid="stSidebarNav"]').inner_text().split()
         assert [w for w in nav if w] == ["Explorer", "Trade-offs", "Concentration", "Model", "lab", "Decode",
                                          "timeline", "Needle", "test", "Studies"], nav
+        assert urlparse(page.url).path == "/trade-offs"
+        assert page.get_by_role("heading", name=re.compile("Trade-offs")).count() == 1   # drawn once
         assert query(page.url) == {"sink": "3"}
 
 

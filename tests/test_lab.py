@@ -19,7 +19,7 @@ from kvviz.decode import lab  # noqa: E402
 from kvviz.spec import Spec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-LAB_PAGE = str(ROOT / "app_pages" / "3_Model_lab.py")
+LAB_PAGE = str(ROOT / "pages" / "3_model-lab.py")
 
 
 class Tok:

@@ -16,7 +16,7 @@ from kvviz.analysis.study.frontier import frontier
 from tests.test_study import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGE = str(ROOT / "app_pages" / "6_Studies.py")
+PAGE = str(ROOT / "pages" / "6_studies.py")
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The Streamlit app's building blocks: URL-backed parameters, the sidebar, cards, cached compute and the
-page sections. The only package that imports Streamlit (with app.py and app_pages/).
+page sections. The only package that imports Streamlit (with app.py and pages/).
 
-May import: every other layer of kvviz; nothing imports it but app.py and app_pages/.
+May import: every other layer of kvviz; nothing imports it but app.py and pages/.
 
 Modules, lowest first; each imports only modules listed above it:
   labels, params        what the controls are called; their URL names, defaults and ranges (kvviz.links)

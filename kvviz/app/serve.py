@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 APP = Path(__file__).resolve().parents[2] / "app.py"
-PAGES_DIR = APP.parent / "app_pages"
+PAGES_DIR = APP.parent / "pages"
 
 
 def app_modules() -> tuple[str, ...]:

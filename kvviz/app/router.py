@@ -1,0 +1,74 @@
+"""The app's pages and how a request reaches one: app.py's navigation, and the last line of every page script.
+
+The page scripts live in `pages/`, as Streamlit's own multipage layout has them, and app.py declares them
+with `st.navigation` (our titles, our URLs, the Explorer as a function). Streamlit (1.67) treats an app
+with a `pages/` folder beside its entry script as a *legacy* multipage app until `st.navigation` has run
+once in the process: the first request of a fresh server runs through Streamlit's own page list, made
+from the folder's file names. A link to `/` then runs app.py (its main page), which calls st.navigation
+and takes over. A deep link (`/trade-offs`) instead runs the page file directly, outside app.py -- so each
+file is named after its URL (`1_trade-offs.py` -> `/trade-offs`: Streamlit drops the number) to be
+found, and its last line, `run_page(main)`, hands that one run over to app.py, which draws the page
+through our navigation (the same URL, so the same page). Every later request goes straight through
+st.navigation. Streamlit has no option to turn the legacy layout off before the first session, hence
+this hand-over.
+"""
+
+from __future__ import annotations
+
+import runpy
+from collections.abc import Callable
+from pathlib import Path
+
+import streamlit as st
+
+from kvviz.app import guard
+from kvviz.app.charts import report_first_paint
+from kvviz.app.layout import PAGES
+from kvviz.app.store import sync_url
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = ROOT / "app.py"
+PAGES_DIR = ROOT / "pages"
+
+# key -> (file in pages/, title in the sidebar, URL path); a file is named N_<URL path>.py (see above)
+PAGE_FILES = {
+    "tradeoffs": ("1_trade-offs.py", "Trade-offs", "trade-offs"),
+    "concentration": ("2_concentration.py", "Concentration", "concentration"),
+    "model_lab": ("3_model-lab.py", "Model lab", "model-lab"),
+    "timeline": ("4_decode-timeline.py", "Decode timeline", "decode-timeline"),
+    "needle": ("5_needle-test.py", "Needle test", "needle-test"),
+    "studies": ("6_studies.py", "Studies", "studies"),
+}
+
+
+def _legacy_run() -> bool:
+    """Whether Streamlit runs this script through its legacy pages/ list (a fresh server's first run)."""
+    try:
+        from streamlit.runtime.pages_manager import PagesManager
+    except ImportError:      # moved in a later Streamlit: no legacy runs to hand over
+        return False
+    return bool(PagesManager.uses_pages_directory)
+
+
+def navigate(explorer: Callable[[], None]) -> None:
+    """app.py's body: the page registry, st.navigation, then the chosen page in one of the server's run
+    slots, its URL synced before (this run's interactions) and after (values the page clamped or set)."""
+    st.set_page_config(page_title="kvviz", layout="wide")
+    PAGES.update(explorer=st.Page(explorer, title="Explorer", default=True))
+    PAGES.update({key: st.Page(f"pages/{file}", title=title, url_path=url)
+                  for key, (file, title, url) in PAGE_FILES.items()})
+    page = st.navigation(list(PAGES.values()))
+    sync_url()          # first: this run's interaction callbacks have set the store; link to it before computing
+    guard.serve(page)   # in one of the server's run slots, cancelled by a rerun or a closed tab
+    report_first_paint()   # charts left as frames before the browser's first paint: drawn when it says so
+    sync_url()          # last: the page may have clamped or set values on the way
+
+
+def run_page(main: Callable[[], None]) -> None:
+    """The last line of every page script: draw the page, then sync its URL -- or, when Streamlit ran the
+    file itself (a fresh server's first request was a deep link to it), hand the run over to app.py."""
+    if _legacy_run():
+        runpy.run_path(str(APP), run_name="__main__")
+        return
+    main()
+    sync_url()
