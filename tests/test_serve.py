@@ -59,3 +59,28 @@ def test_the_first_element_check_is_done_before_the_first_visit(monkeypatch):
     monkeypatch.setattr(delta_generator, "_use_warning_has_been_displayed", False)
     serve._first_element_check()
     assert delta_generator._use_warning_has_been_displayed is True
+
+
+def test_plain_streamlit_run_finds_the_apps_start_up_hook():
+    """`streamlit run app.py` serves app.py's st.App (Streamlit's own discovery, by the file's syntax), so
+    the app's start-up hook runs at server start, not only under `make run`'s launcher."""
+    from pathlib import Path
+
+    from streamlit.web.server.app_discovery import discover_asgi_app
+
+    found = discover_asgi_app(Path(__file__).resolve().parents[1] / "app.py")
+    assert found.is_asgi_app and found.import_string == "app:app"
+
+
+def test_the_hook_turns_nagle_off_on_a_socket_that_is_already_listening():
+    """Under `streamlit run app.py` the server has bound and listens before the hook runs: the hook finds
+    the listening socket and sets TCP_NODELAY on it, which the connections accepted afterwards inherit."""
+    bind = starlette_server._bind_socket
+    assert _accepted_no_delay(bind) == 0
+
+    def bind_then_hook(address, port, backlog):
+        sock = bind(address, port, backlog)
+        assert serve.no_delay_on_listening() >= 1
+        return sock
+
+    assert _accepted_no_delay(bind_then_hook) != 0

@@ -16,5 +16,6 @@ Modules, lowest first; each imports only modules listed above it:
   layout                every page's head (styles, Presentation mode, title), the page registry and
                         the folded expander (computes nothing while closed)
   overview, explorer, formats, ledger, lesson   the Explorer's sections (lesson: export the view as a page)
-  serve                 `python -m kvviz.app.serve`: streamlit run app.py, the app imported at server start
+  router                the pages (pages/) and st.navigation: app.py's body and every page's last line
+  serve                 the server's start: app.py's st.App start-up hook and `python -m kvviz.app.serve`
 """

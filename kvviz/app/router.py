@@ -32,6 +32,7 @@ PAGES_DIR = ROOT / "pages"
 
 # key -> (file in pages/, title in the sidebar, URL path); a file is named N_<URL path>.py (see above)
 PAGE_FILES = {
+    "explorer": ("0_explorer.py", "Explorer", "explorer"),
     "tradeoffs": ("1_trade-offs.py", "Trade-offs", "trade-offs"),
     "concentration": ("2_concentration.py", "Concentration", "concentration"),
     "model_lab": ("3_model-lab.py", "Model lab", "model-lab"),
@@ -50,12 +51,12 @@ def _legacy_run() -> bool:
     return bool(PagesManager.uses_pages_directory)
 
 
-def navigate(explorer: Callable[[], None]) -> None:
+def navigate() -> None:
     """app.py's body: the page registry, st.navigation, then the chosen page in one of the server's run
-    slots, its URL synced before (this run's interactions) and after (values the page clamped or set)."""
+    slots, its URL synced before (this run's interactions) and after (values the page clamped or set).
+    The Explorer is the default page, at the app's root URL."""
     st.set_page_config(page_title="kvviz", layout="wide")
-    PAGES.update(explorer=st.Page(explorer, title="Explorer", default=True))
-    PAGES.update({key: st.Page(f"pages/{file}", title=title, url_path=url)
+    PAGES.update({key: st.Page(f"pages/{file}", title=title, url_path=url, default=key == "explorer")
                   for key, (file, title, url) in PAGE_FILES.items()})
     page = st.navigation(list(PAGES.values()))
     sync_url()          # first: this run's interaction callbacks have set the store; link to it before computing

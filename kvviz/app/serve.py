@@ -1,18 +1,21 @@
-"""`python -m kvviz.app.serve [streamlit options]`: `streamlit run app.py`, warm from the start.
+"""The app's start: warm from the first second, whether started as `streamlit run app.py` or `make run`.
 
-Streamlit runs no app code before the first browser session, so the first visitor paid for importing
-the app (plotly, scipy, the app's modules: ~2 s on two cores) before anything was drawn. This
-launcher starts Streamlit's own server in this process (its CLI, unchanged options) and, once the
-server's runtime exists, imports what app.py imports and starts the app's background warm-up (the
-quantization kernel, the first move's modules) in a thread -- so the first page view finds them
-ready. The bundled model still starts loading at the first page view (kvviz.app.sources.warm_up): on
-two cores, loading torch at server start would slow the very first paint it is meant to help. Streamlit has no start-up hook for this (its options cover the
-server, not the app), hence our own few lines. `make run` uses it; `streamlit run app.py` still works,
-only with a slower first paint.
+Streamlit runs no page code before the first browser session, so the first visitor paid for importing
+the app (plotly, scipy, the app's modules: ~2 s on two cores) before anything was drawn. Two ways in:
+- `streamlit run app.py`: app.py defines an `st.App` (Streamlit's ASGI server), so Streamlit imports it
+  at start and runs its start-up hook, `lifespan` below, once the runtime exists: it turns Nagle's
+  algorithm off on the listening socket (see `_no_delay`) and starts `_preload` in a thread.
+- `python -m kvviz.app.serve [streamlit options]` (`make run`): the same `streamlit run app.py` in this
+  process, with Streamlit's socket binding patched before the server binds, so even the very first
+  connection is accepted with TCP_NODELAY; the hook then finds it done.
+The bundled model still starts loading at the first page view (kvviz.app.sources.warm_up): on two
+cores, loading torch at server start would slow the very first paint it is meant to help.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import socket
 import sys
 import threading
@@ -104,11 +107,55 @@ def _preload(wait_s: float = 30.0) -> None:
         pass
 
 
+def _listening_sockets() -> list[socket.socket]:
+    """The TCP sockets of this process that listen: the server's. Streamlit's ASGI mode binds its socket
+    before importing the app and hands it to uvicorn, and neither exposes it to the app's hook; the
+    garbage collector's list of live objects does (a few ms once at start)."""
+    found = []
+    for obj in gc.get_objects():
+        if isinstance(obj, socket.socket) and obj.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):          # a closed socket: fileno -1
+                if obj.fileno() >= 0 and obj.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    found.append(obj)
+    return found
+
+
+def start_warm() -> None:
+    """What the start-up hook does, once per process: TCP_NODELAY on the listening sockets (inherited by
+    every connection accepted from now on, Linux) and the preload thread."""
+    with _started_lock:
+        if _started:
+            return
+        _started.append(True)
+    no_delay_on_listening()
+    threading.Thread(target=_preload, name="kvviz-preload", daemon=True).start()
+
+
+def no_delay_on_listening() -> int:
+    """TCP_NODELAY on every listening TCP socket of this process (see `_no_delay` for why); how many."""
+    done = 0
+    for sock in _listening_sockets():
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            done += 1
+    return done
+
+
+_started: list = []
+_started_lock = threading.Lock()
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app):
+    """app.py's st.App start-up hook: runs once the server's runtime exists, before the first request."""
+    start_warm()
+    yield
+
+
 def main(argv: list[str] | None = None) -> None:
     from streamlit.web import cli
 
     _no_delay()
-    threading.Thread(target=_preload, name="kvviz-preload", daemon=True).start()
     sys.argv = ["streamlit", "run", str(APP), *(sys.argv[1:] if argv is None else argv)]
     cli.main()
 

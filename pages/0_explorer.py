@@ -1,0 +1,132 @@
+"""Explorer: move the sliders, see what KV-cache compression does to attention, token by token."""
+
+import streamlit as st
+
+from kvviz.plots import figures, style
+
+from kvviz.app.charts import chart
+from kvviz.app.cards import metric_cards, metrics_table
+from kvviz.app.compute import run_compare
+from kvviz.app.layout import folded, page_setup
+from kvviz.app.lesson import lesson_export
+from kvviz.app.notes import budget_warnings, quant_model_note, quant_warning_box, scorer_note
+from kvviz.app.overview import has_text_tokens, head_overview, token_grid
+from kvviz.app.presets import preset_buttons
+from kvviz.app.router import run_page
+from kvviz.app.sidebar import sidebar
+from kvviz.app import explorer as ux
+from kvviz.app import formats as ui_formats
+from kvviz.app import ledger as ui_ledger
+from kvviz.plots.figures import BAND_TEXT
+from kvviz.analysis.frames import (BIN_THRESHOLD, binned_frame, ensemble_text, error_extent, ranges_text, row_text,
+                           token_frame)
+
+
+def main() -> None:
+    present = page_setup("KV-cache compression explorer",
+                         "Evict tokens (sinks, recent window, heavy hitters) and quantize keys and values; "
+                         "compare the compressed attention with the original, token by token.")
+    settings = sidebar()
+    if settings is None or settings.spec is None:
+        return
+    source, spec, vs = settings.source, settings.spec, settings.view
+    n_tokens = int(source.trace.query_positions[source.trace.evaluated_queries[-1]]) + 1
+    if not present:
+        preset_buttons(n_tokens)
+    comp = run_compare(source, spec, vs.view)
+    if comp is None:
+        return
+    pinned_spec = ux.pinned_spec()
+    pinned = run_compare(source, pinned_spec, vs.view) if pinned_spec is not None else None
+    n_seen = len(comp.tokens)
+    p = comp.primary
+
+    def cards_and_notes() -> None:
+        for w in budget_warnings(spec, n_seen):
+            st.warning(w, icon=":material/warning:")
+        quant_warning_box(spec, comp.memory.kept_tokens)
+        metric_cards(comp, pinned)
+        ux.pin_controls(spec, pinned_spec if pinned is not None else None)
+        st.caption(f"{source.label} · layer {p.layer}, query head {p.head} (KV head {p.kv_head}), query at "
+                   f"position {p.position} · {spec.label()} · {quant_model_note(source, spec)}")
+        typical = st.session_state.get("_typical_note") if st.session_state.get("_typical_for") == source.key else None
+        for note in comp.notes + tuple(filter(None, [scorer_note(spec, source.trace), typical])):
+            st.info(note, icon=":material/info:")
+
+    members = len(comp.members)
+    per_token = token_frame(comp)
+    pinned_tokens = token_frame(pinned) if pinned is not None else None
+    row, ensemble = row_text(comp), ensemble_text(comp)
+    text = has_text_tokens(source.trace)
+    binned = n_seen > BIN_THRESHOLD
+    frame = binned_frame(comp) if binned else per_token
+    if binned:
+        pinned_frame = binned_frame(pinned) if pinned is not None else None
+        fig_att = figures.binned_attention_figure(frame, row=row)
+    else:
+        pinned_frame = pinned_tokens
+        fig_att = figures.attention_figure(per_token, row=row, text_tokens=text, pinned=pinned_tokens)
+    drawn = {}
+
+    def error_chart() -> None:      # the main chart: the handbook's lesson, two kinds of error
+        y_range = ux.y_lock(error_extent(frame))          # the toggle sits on the chart it locks
+        drawn["error"] = figures.error_figure(frame, vs.bars, members, what=ensemble, y_range=y_range,
+                                              text_tokens=text and not binned, pinned=pinned_frame)
+        chart(drawn["error"], key="error_chart", config=style.CHART_CONFIG)
+        if not present:
+            st.caption("What to look for: the two causes of error apart. Eviction (hatched vermillion) loses whole "
+                       "tokens and shifts their mass onto the kept ones; quantization (purple) spreads small errors "
+                       "over every kept token. "
+                       + (f"Bars are the mean over N = {members} rows ({ensemble}); black ticks the total, with "
+                          f"error bars: {BAND_TEXT[vs.bars]}" + (" (assumes independent rows)." if vs.bars == "ci95"
+                                                                   else ".")
+                          if members > 1 else "One row, no ensemble: pick one under View → Error bars over."))
+
+    def attention_chart() -> None:
+        if binned:
+            st.caption(f"{n_seen} tokens: the charts show {len(frame)} bins of up to {int(frame['tokens'].max())} "
+                       "tokens each (the CSV has every token).")
+        elif spec.evicts:
+            st.markdown(f"**Kept tokens:** {ranges_text(per_token.index[per_token['kept']])}")
+        chart(fig_att, key="attention_chart", config=style.CHART_CONFIG)
+        if not present:
+            st.caption("What to look for: grey is the original attention, coloured bars what the compressed cache "
+                       "gives each kept token (renormalised, so kept tokens gain weight); hatched vermillion bars "
+                       "are evicted tokens, whose attention drops to zero.")
+
+    # presentation mode: the lesson (the error chart) first, above the fold on a projector
+    order = (error_chart, cards_and_notes, attention_chart) if present else \
+        (cards_and_notes, attention_chart, error_chart)
+    for draw in order:
+        draw()
+    if present:
+        preset_buttons(n_tokens)
+    ux.solver_panel(source.trace, spec, vs.view)
+    token_grid(comp, source)
+    head_overview(source, spec, vs.view)
+    if present:
+        return
+    ui_formats.key_rotation_expander(source, vs.view)
+
+    stem, link = ux.slug(spec, source.key[0] if source.key[0] != "external" else source.key[1]), ux.page_link()
+    header = ux.settings_header(comp, source.label, link, vs.bars)
+    c1, c2 = st.columns(2)
+    c1.download_button("Download per-token data (CSV)", data=lambda: header + per_token.to_csv(index=False),
+                       file_name=f"{stem}.csv", mime="text/csv", on_click="ignore", icon=":material/download:")
+    c2.download_button("Download charts (standalone HTML)",
+                       data=lambda: figures.figures_html([fig_att, drawn["error"]], f"kvviz: {spec.label()}",
+                                                         metrics=comp.metrics, about=header, link=link),
+                       file_name=f"{stem}.html", mime="text/html", on_click="ignore", icon=":material/download:")
+    st.caption("For slides: every chart's toolbar (top right of the chart, on hover) has a camera button that "
+               "saves it as an SVG image in your browser, offline.")
+    lesson_export(source, spec, vs.view, vs.bars, stem)
+    # folded until opened: its tables would load the data grid's scripts (~1.2 MB) into the first paint
+    numbers = folded("All numbers", key="_numbers_open")
+    with numbers:
+        if numbers.open:
+            st.dataframe(metrics_table(comp), hide_index=True, key="metrics_table")
+            st.dataframe(per_token, hide_index=True, height=240)
+    ui_ledger.ledger_expander(source, spec, vs.view.step)
+
+
+run_page(main)
