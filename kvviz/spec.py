@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 SCORERS = ("h2o", "tova", "snapkv", "streaming", "oracle", "knorm", "random",
            "expected_attention", "keydiff", "chunkkv", "quest")
@@ -26,6 +26,11 @@ FP8_SCALES = ("tensor", "head", "token")          # FP8 scale granularity
 ROTATIONS = ("none", "keys", "keys-values")       # Hadamard rotation before quantization (queries follow keys)
 RESIDUAL_MODES = ("kivi", "hf")                   # sliding full-precision window, or HF QuantizedCache's flush
 MAX_ENSEMBLE = 256
+# The Spec fields that only say how kept keys and values are quantized (never what is kept): the one list
+# Spec.eviction_key leaves out. A field missing here costs a cache miss, never a stale kept set.
+QUANT_FIELDS = frozenset({"key_bits", "value_bits", "key_axis", "value_axis", "group_size", "residual",
+                          "symmetric", "zero_point", "partial", "quant_model", "noise_sigma", "key_format",
+                          "value_format", "fp8_scale", "rotate", "residual_mode"})
 
 
 class SpecError(ValueError):
@@ -88,12 +93,11 @@ class Spec:
 
     @property
     def eviction_key(self) -> tuple:
-        """The fields that decide what is kept (quantization never changes it)."""
-        return (self.sink, self.recent, self.heavy, self.scorer, self.seed, self.observation_window,
-                self.snapkv_kernel, self.h2o_normalized, self.allocation, self.adakv_alpha, self.pyramid_beta,
-                self.ea_horizon, self.ea_covariance, self.chunk_size, self.chunk_scorer,
-                self.page_size, self.adakv_floor, self.pyramid_schedule, self.chunk_rule,
-                self.quest_heads) if self.evicts else ()
+        """What decides what is kept: every field but those that only quantize (eviction comes first, so
+        quantization never changes it). Derived, not listed: a new eviction setting is in it by default."""
+        if not self.evicts:
+            return ()
+        return tuple(getattr(self, f.name) for f in fields(self) if f.name not in QUANT_FIELDS)
 
     @property
     def observation_window(self) -> int:

@@ -113,7 +113,8 @@ def _listening_sockets() -> list[socket.socket]:
     garbage collector's list of live objects does (a few ms once at start)."""
     found = []
     for obj in gc.get_objects():
-        if isinstance(obj, socket.socket) and obj.family in (socket.AF_INET, socket.AF_INET6):
+        # type(), not isinstance(): a proxy object (torch has some) can warn when asked its __class__
+        if issubclass(type(obj), socket.socket) and obj.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):          # a closed socket: fileno -1
                 if obj.fileno() >= 0 and obj.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     found.append(obj)

@@ -28,6 +28,7 @@ import numpy as np
 from kvviz.attention import context_rows, small_blas, softmax
 from kvviz.limits import checkpoint
 from kvviz.policies.allocation import adakv_heavy, allocate, layer_spec, select_heads
+from kvviz.policies.reads import READS, SpecReads
 from kvviz.policies.select import evict_one, select  # noqa: F401  (re-exported: policies import them from here)
 from kvviz.spec import Spec
 from kvviz.trace import Trace
@@ -85,21 +86,32 @@ _SCORE_CACHE_SIZE = 32
 
 
 def cached_on_trace(trace: Trace, layer: int, name: str, key: tuple, compute):
-    """`compute()`, cached in the score cache per (trace, layer, name, key): scores, and statistics
-    a scorer derives from a layer of the trace alone (Expected Attention's query mean and covariance,
-    which every horizon reuses). The entry holds a weak reference to its trace: an id reused by a
-    new trace never hits, and the cache never keeps a trace (often the largest object in the
-    process) alive after its owner lets it go."""
+    """`compute()`, cached in the score cache per (trace, layer, name, key): statistics a scorer derives
+    from a layer of the trace alone (Expected Attention's query mean and covariance, which every horizon
+    reuses), and kept sets. The entry holds a weak reference to its trace: an id reused by a new trace
+    never hits, and the cache never keeps a trace (often the largest object in the process) alive after
+    its owner lets it go."""
+    hit = _cache_get(trace, layer, name, key)
+    if hit is not None:
+        return hit
+    value = compute()
+    _cache_put(trace, layer, name, key, value)
+    return value
+
+
+def _cache_get(trace: Trace, layer: int, name: str, key: tuple):
     full_key = (id(trace), layer, name, key)
     hit = _SCORE_CACHE.get(full_key)
     if hit is not None and hit[0]() is trace:
         _SCORE_CACHE.move_to_end(full_key)
         return hit[1]
-    value = compute()
-    _SCORE_CACHE[full_key] = (weakref.ref(trace), value)
+    return None
+
+
+def _cache_put(trace: Trace, layer: int, name: str, key: tuple, value) -> None:
+    _SCORE_CACHE[(id(trace), layer, name, key)] = (weakref.ref(trace), value)
     while len(_SCORE_CACHE) > _SCORE_CACHE_SIZE:
         _SCORE_CACHE.popitem(last=False)
-    return value
 
 
 class Policy:
@@ -173,18 +185,28 @@ class Policy:
         return True
 
     def score_key(self, spec: Spec) -> tuple:
-        """The spec fields `score` depends on (budgets never change scores)."""
+        """What else the scores depend on, for a plug-in whose scores read something besides the trace and
+        the Spec (an environment variable, a file). The Spec fields a scorer reads need no listing: they
+        are found by watching it read them (kvviz.policies.reads)."""
         return ()
 
     # --- bookkeeping ---------------------------------------------------------------
     def scores_at_compression(self, ctx: ScoreContext) -> np.ndarray:
-        """`score(ctx)`, cached per (trace, layer, scorer settings): a sweep over budgets
-        and bits, or an app rerun, reuses H2O's pass over the whole context."""
-        def compute():
-            scores = np.asarray(self.score(ctx), dtype=np.float64)
-            scores.flags.writeable = False
-            return scores
-        return cached_on_trace(ctx.trace, ctx.layer, self.name, self.score_key(ctx.spec), compute)
+        """`score(ctx)`, cached per (trace, layer, scorer, the values of the Spec fields the scorer reads):
+        a sweep over budgets and bits, or an app rerun, reuses H2O's pass over the whole context. The
+        fields are those this scorer has been seen to read (READS); each computation runs on a view of the
+        Spec that notes them, and is stored under the fields known once it is done."""
+        extra = self.score_key(ctx.spec)
+        hit = _cache_get(ctx.trace, ctx.layer, self.name, (READS.key(self.name, ctx.spec), extra))
+        if hit is not None:
+            return hit
+        read: set[str] = set()
+        scores = np.asarray(self.score(ScoreContext(ctx.trace, ctx.layer, SpecReads(ctx.spec, read))),
+                            dtype=np.float64)
+        scores.flags.writeable = False
+        READS.note(self.name, read)
+        _cache_put(ctx.trace, ctx.layer, self.name, (READS.key(self.name, ctx.spec), extra), scores)
+        return scores
 
     def keep_masks(self, ctx: ScoreContext, positions: np.ndarray) -> np.ndarray:
         """Kept masks at the given evaluated query positions, shape (len, kv_heads, positions)."""

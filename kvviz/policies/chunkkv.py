@@ -56,9 +56,6 @@ class ChunkKV(Policy):
     paper = "Liu et al. 2025, ChunkKV: semantic-preserving KV cache compression for efficient long-context LLM inference"
     kvpress = "ChunkKVPress(press=SnapKVPress(...), chunk_length=20)"
 
-    def score_key(self, spec):
-        return (spec.chunk_size, spec.chunk_scorer) + INNER[spec.chunk_scorer].score_key(spec)
-
     def fills_budget(self, spec) -> bool:
         return spec.chunk_rule == "budget"
 

@@ -82,9 +82,6 @@ class ExpectedAttention(Policy):
     paper = "Devoto et al. 2025, Expected Attention: KV-cache compression by estimating attention from future queries"
     kvpress = "ExpectedAttentionPress"
 
-    def score_key(self, spec):
-        return (spec.ea_horizon, spec.ea_covariance)
-
     def score(self, ctx: ScoreContext) -> np.ndarray:
         trace, layer, c, spec = ctx.trace, ctx.layer, ctx.n_context, ctx.spec
         d, g, Hkv = trace.head_dim, trace.group_size, trace.n_kv_heads

@@ -22,9 +22,6 @@ class H2O(Policy):
                    "sink + recent + heavy tokens, itself among them")
     streaming = True
 
-    def score_key(self, spec):
-        return (spec.h2o_normalized,)
-
     def score(self, ctx: ScoreContext) -> np.ndarray:
         # Sum of the attention each context token received from the context queries,
         # summed over the query heads of each KV group -> (kv_heads, positions).

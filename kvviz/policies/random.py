@@ -9,9 +9,6 @@ class Random(Policy):
     name = "random"
     description = "uniformly random heavy hitters (seeded)"
 
-    def score_key(self, spec):
-        return (spec.seed,)
-
     def score(self, ctx: ScoreContext) -> np.ndarray:
         rng = np.random.default_rng([ctx.spec.seed, ctx.layer])
         return rng.random((ctx.trace.n_kv_heads, ctx.n_positions))

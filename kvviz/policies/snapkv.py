@@ -21,9 +21,6 @@ class SnapKV(Policy):
     description = ("votes of the last context queries (the observation window, kept as part of the recent "
                    "window), average-pooled; heavy slots go to the top-voted tokens before the window")
 
-    def score_key(self, spec):
-        return (spec.observation_window, spec.snapkv_kernel)
-
     def score(self, ctx: ScoreContext) -> np.ndarray:
         c, spec = ctx.n_context, ctx.spec
         window_start = max(0, c - spec.observation_window)

@@ -1,0 +1,111 @@
+"""Cached scores are keyed by what they depend on, derived, never listed by hand (issue #35).
+
+A scorer's cache key is the values of the Spec fields it was seen to read (kvviz.policies.reads); the
+engine's kept-set key is every field but those that only quantize. Before, each scorer listed its
+fields in a `score_key`, and ChunkKV's list left out `chunk_rule`: in one process a "chunks" run after
+a "budget" run on the same trace reused stale scores.
+"""
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+
+from kvviz import SCORERS, Spec, keep_masks
+from kvviz.policies import POLICIES, base
+from kvviz.policies.base import ScoreContext
+from kvviz.policies.reads import READS, SpecReads
+from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from kvviz.spec import CHUNK_INNER, CHUNK_RULES, QUANT_FIELDS
+
+TRACE = make_synthetic(SyntheticSpec(context=128, steps=6, layers=1, q_heads=4, kv_heads=2, head_dim=32,
+                                     n_anchors=4, n_shift_tokens=2, outlier_channels=2))
+POSITIONS = [int(p) for p in TRACE.query_positions[TRACE.evaluated_queries]]
+
+
+def fresh_masks(spec: Spec) -> np.ndarray:
+    base._SCORE_CACHE.clear()
+    return keep_masks(TRACE, spec, 0, POSITIONS)
+
+
+def test_chunkkv_settings_one_after_another_equal_fresh_runs():
+    """Every chunk_rule, chunk_scorer and chunk_size in turn on one trace, in one process (the rule
+    changing fastest, the order that reused stale scores): each kept set equals a run from an empty
+    cache. Fails on the hand-written key, which left chunk_rule out."""
+    settings = list(itertools.product((4, 8, 20), CHUNK_INNER, CHUNK_RULES))
+    base._SCORE_CACHE.clear()
+    warm = [keep_masks(TRACE, Spec(sink=2, recent=8, heavy=24, scorer="chunkkv", chunk_size=size,
+                                   chunk_scorer=inner, chunk_rule=rule), 0, POSITIONS)
+            for size, inner, rule in settings]
+    stale = [s for s, got in zip(settings, warm)
+             if not np.array_equal(got, fresh_masks(Spec(sink=2, recent=8, heavy=24, scorer="chunkkv",
+                                                         chunk_size=s[0], chunk_scorer=s[1], chunk_rule=s[2])))]
+    assert not stale, f"{len(stale)} of {len(settings)} settings reused another setting's scores: {stale[:5]}"
+
+
+# another valid value of every Spec field (a new field needs one here: the property below covers it)
+OTHER = {"sink": 3, "recent": 12, "heavy": 30, "scorer": "tova", "key_bits": 4, "value_bits": 4,
+         "key_axis": "token", "value_axis": "channel", "group_size": 16, "residual": 8, "symmetric": True,
+         "zero_point": "int", "partial": "quantize", "quant_model": "noise", "noise_sigma": 0.5, "seed": 7,
+         "snapkv_window": 4, "snapkv_kernel": 3, "h2o_normalized": True, "positions": "cache",
+         "key_format": "e4m3", "value_format": "e5m2", "fp8_scale": "token", "rotate": "keys",
+         "residual_mode": "hf", "allocation": "pyramid", "adakv_alpha": 0.5, "adakv_floor": "outside-window",
+         "pyramid_beta": 2.0, "pyramid_schedule": "heavy", "ea_horizon": 64, "ea_covariance": False,
+         "chunk_size": 8, "chunk_scorer": "h2o", "chunk_rule": "budget", "page_size": 4, "quest_heads": "kv"}
+ONE_SHOT_SCORERS = [s for s in SCORERS if not POLICIES[s].needs_query]   # the oracle and Quest score per query
+
+
+def test_every_spec_field_has_another_value_to_try():
+    assert set(OTHER) == {f.name for f in dataclasses.fields(Spec)}
+
+
+@pytest.mark.parametrize("scorer", ONE_SHOT_SCORERS)
+def test_changing_any_setting_changes_the_key_or_cannot_change_the_scores(scorer):
+    """For every scorer and every Spec field: after a change of that one field, either the cache key
+    changes (the scorer reads the field) or the scores, computed afresh, are the same numbers."""
+    spec = Spec(sink=2, recent=8, heavy=20, scorer=scorer)
+    policy = POLICIES[scorer]
+    scores = fresh_scores(policy, spec)
+    key = READS.key(scorer, spec)
+    for name, value in OTHER.items():
+        if name == "scorer":
+            continue
+        try:
+            other = spec.with_(**{name: value})
+        except ValueError:           # a combination the spec refuses (checked elsewhere)
+            continue
+        if READS.key(scorer, other) != key:
+            continue
+        assert np.array_equal(fresh_scores(policy, other), scores), \
+            f"{scorer}: changing {name} changed the scores but not the cache key"
+
+
+def fresh_scores(policy, spec):
+    base._SCORE_CACHE.clear()
+    return policy.scores_at_compression(ScoreContext(TRACE, 0, spec))
+
+
+@pytest.mark.parametrize("scorer", SCORERS)
+def test_the_quantization_fields_never_change_what_is_kept(scorer):
+    """Spec.eviction_key leaves out exactly QUANT_FIELDS: changing one of them keeps the same tokens."""
+    spec = Spec(sink=2, recent=8, heavy=20, scorer=scorer)
+    kept = fresh_masks(spec)
+    for name in sorted(QUANT_FIELDS):
+        try:
+            other = spec.with_(**{name: OTHER[name]})
+        except ValueError:
+            continue
+        assert other.eviction_key == spec.eviction_key
+        assert np.array_equal(fresh_masks(other), kept), f"{scorer}: {name} changed the kept set"
+
+
+def test_a_view_of_the_spec_notes_fields_read_through_properties_and_methods():
+    read, outer = set(), set()
+    view = SpecReads(SpecReads(Spec(recent=10), outer), read)
+    assert view.observation_window == 10                     # a property: the fields it reads
+    assert read == outer == {"snapkv_window", "recent"}
+    assert view.with_(sink=1).sink == 1                      # a method may read anything
+    assert read == {f.name for f in dataclasses.fields(Spec)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        view.sink = 3
