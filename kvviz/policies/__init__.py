@@ -1,6 +1,7 @@
 """Eviction policies: one small class a file, each with one `score`; `base` does the bookkeeping.
 
     base        Policy and ScoreContext: scores -> kept masks at the compression point and per step
+    reads       the score cache's key: the Spec fields a scorer is seen to read (never listed by hand)
     select      the budget rule (sinks + recent + top heavy) and its streaming form
     allocation  AdaKV / PyramidKV budgets over heads and layers
     registry    POLICIES by name, get_policy, plug-ins (entry points and files)
