@@ -153,7 +153,9 @@ _PARAMS = [
     Param("residual", "int", 0, 0, MAX_TOKENS),
     Param("symmetric", "bool", False),
     Param("zero_point", "choice", "float", choices=("float", "int")),
-    Param("partial", "choice", "full", choices=("full", "quantize")),
+    # the app quantizes a short trailing group too (KIVI keeps it at 16 bits until it fills): on the handbook
+    # example the 14 kept tokens fill no per-channel key group of 32, and the bits slider would reach nothing
+    Param("partial", "choice", "quantize", choices=("full", "quantize")),
     Param("snap_window", "int", 0, 0, 4096),
     Param("h2o_norm", "bool", False),
     Param("key_fmt", "choice", "int", choices=FORMATS), Param("value_fmt", "choice", "int", choices=FORMATS),
@@ -167,7 +169,10 @@ _PARAMS = [
     Param("ens_size", "int", 8, 2, 32),
     Param("bars", "choice", "std", choices=("std", "ci95", "range")),
     # explorer: a pinned setting A, a locked y-axis, the target solver, presentation mode
-    Param("pin", "text", ""), Param("ylock", "float", 0.0, 0.0, 1.0),
+    Param("pin", "text", ""), Param("ylock", "float", 0.0, -1.0, 1.0),
+    # the attention chart's locked top (0: automatic); ylock: the error chart's ±range, 0 automatic (locked at
+    # the first view in Presentation mode), -1 unlocked by choice
+    Param("alock", "float", 0.0, 0.0, 1.0),
     Param("solve_kind", "choice", "mass", choices=("mass", "tv")), Param("solve_target", "float", 0.95, 0.001, 1.0),
     Param("present", "bool", False), Param("grid_shade", "choice", "reason", choices=("reason", "attention", "error")),
     # trade-offs page

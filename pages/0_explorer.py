@@ -5,11 +5,11 @@ import streamlit as st
 from kvviz.plots import figures, style
 
 from kvviz.app.charts import chart
-from kvviz.app.cards import metric_cards, metrics_table
+from kvviz.app.cards import metric_cards, metrics_table, plain_cards
 from kvviz.app.compute import run_compare
 from kvviz.app.layout import folded, page_setup
 from kvviz.app.lesson import lesson_export
-from kvviz.app.notes import budget_warnings, quant_model_note, quant_warning_box, scorer_note
+from kvviz.app.notes import budget_warnings, quant_model_note, quant_scope_note, quant_warning_box, scorer_note
 from kvviz.app.overview import has_text_tokens, head_overview, token_grid
 from kvviz.app.presets import preset_buttons
 from kvviz.app.router import run_page
@@ -18,15 +18,17 @@ from kvviz.app import explorer as ux
 from kvviz.app import formats as ui_formats
 from kvviz.app import ledger as ui_ledger
 from kvviz.plots.figures import BAND_TEXT
-from kvviz.analysis.frames import (BIN_THRESHOLD, binned_frame, ensemble_text, error_extent, ranges_text, row_text,
-                           token_frame)
+from kvviz.analysis.frames import (BIN_THRESHOLD, attention_extent, binned_frame, ensemble_text, error_extent,
+                                   ranges_text, row_text, token_frame)
 
 
 def main() -> None:
     present = page_setup("KV-cache compression explorer",
                          "Evict tokens (sinks, recent window, heavy hitters) and quantize keys and values; "
                          "compare the compressed attention with the original, token by token.")
-    settings = sidebar()
+    # Presentation mode: the four headline sliders in the main area, above the charts (their only widgets)
+    headline = st.container() if present else None
+    settings = sidebar(headline=headline)
     if settings is None or settings.spec is None:
         return
     source, spec, vs = settings.source, settings.spec, settings.view
@@ -41,6 +43,10 @@ def main() -> None:
     n_seen = len(comp.tokens)
     p = comp.primary
 
+    def notes() -> list[str]:
+        typical = st.session_state.get("_typical_note") if st.session_state.get("_typical_for") == source.key else None
+        return list(comp.notes + tuple(filter(None, [scorer_note(spec, source.trace), typical])))
+
     def cards_and_notes() -> None:
         for w in budget_warnings(spec, n_seen):
             st.warning(w, icon=":material/warning:")
@@ -48,10 +54,24 @@ def main() -> None:
         metric_cards(comp, pinned)
         ux.pin_controls(spec, pinned_spec if pinned is not None else None)
         st.caption(f"{source.label} · layer {p.layer}, query head {p.head} (KV head {p.kv_head}), query at "
-                   f"position {p.position} · {spec.label()} · {quant_model_note(source, spec)}")
-        typical = st.session_state.get("_typical_note") if st.session_state.get("_typical_for") == source.key else None
-        for note in comp.notes + tuple(filter(None, [scorer_note(spec, source.trace), typical])):
+                   f"position {p.position} · {spec.label()} · {quant_model_note(source, spec)} "
+                   + (quant_scope_note(spec) or ""))
+        for note in notes():
             st.info(note, icon=":material/info:")
+
+    def plain_cards_and_folded_notes() -> None:     # Presentation mode: three cards, the explanations folded
+        plain_cards(comp)
+        st.caption(quant_scope_note(spec) or quant_model_note(source, spec))
+        warnings = budget_warnings(spec, n_seen)
+        more = notes()
+        with st.expander(f"Notes ({len(warnings) + len(more) + 1})", icon=":material/info:"):
+            for w in warnings:
+                st.warning(w, icon=":material/warning:")
+            quant_warning_box(spec, comp.memory.kept_tokens)
+            st.caption(f"{source.label} · layer {p.layer}, query head {p.head} (KV head {p.kv_head}), query at "
+                       f"position {p.position} · {spec.label()} · {quant_model_note(source, spec)}")
+            for note in more:
+                st.info(note, icon=":material/info:")
 
     members = len(comp.members)
     per_token = token_frame(comp)
@@ -60,18 +80,18 @@ def main() -> None:
     text = has_text_tokens(source.trace)
     binned = n_seen > BIN_THRESHOLD
     frame = binned_frame(comp) if binned else per_token
-    if binned:
-        pinned_frame = binned_frame(pinned) if pinned is not None else None
-        fig_att = figures.binned_attention_figure(frame, row=row)
-    else:
-        pinned_frame = pinned_tokens
-        fig_att = figures.attention_figure(per_token, row=row, text_tokens=text, pinned=pinned_tokens)
+    pinned_frame = (binned_frame(pinned) if pinned is not None else None) if binned else pinned_tokens
     drawn = {}
+    def look(fig, y_title: str):   # Presentation mode: text >= 18 px, a y title that fits
+        return style.projector(fig, height=470, y_title=y_title) if present else fig
 
-    def error_chart() -> None:      # the main chart: the handbook's lesson, two kinds of error
-        y_range = ux.y_lock(error_extent(frame))          # the toggle sits on the chart it locks
-        drawn["error"] = figures.error_figure(frame, vs.bars, members, what=ensemble, y_range=y_range,
-                                              text_tokens=text and not binned, pinned=pinned_frame)
+    def lock_toggle() -> tuple:     # the toggle sits with the charts it locks
+        return ux.y_lock(error_extent(frame), attention_extent(frame), present)
+
+    def error_chart(y_range: float | None) -> None:   # the handbook's lesson, two kinds of error
+        drawn["error"] = look(figures.error_figure(frame, vs.bars, members, what=ensemble, y_range=y_range,
+                                                   text_tokens=text and not binned, pinned=pinned_frame),
+                              "attention error")
         chart(drawn["error"], key="error_chart", config=style.CHART_CONFIG)
         if not present:
             st.caption("What to look for: the two causes of error apart. Eviction (hatched vermillion) loses whole "
@@ -82,23 +102,43 @@ def main() -> None:
                                                                    else ".")
                           if members > 1 else "One row, no ensemble: pick one under View → Error bars over."))
 
-    def attention_chart() -> None:
+    def attention_chart(y_top: float | None) -> None:
         if binned:
+            drawn["attention"] = look(figures.binned_attention_figure(frame, row=row, y_top=y_top), "attention mass")
+        else:
+            drawn["attention"] = look(figures.attention_figure(per_token, row=row, text_tokens=text,
+                                                               pinned=pinned_tokens, y_top=y_top), "attention")
+        if binned and not present:
             st.caption(f"{n_seen} tokens: the charts show {len(frame)} bins of up to {int(frame['tokens'].max())} "
                        "tokens each (the CSV has every token).")
-        elif spec.evicts:
+        elif spec.evicts and not present:
             st.markdown(f"**Kept tokens:** {ranges_text(per_token.index[per_token['kept']])}")
-        chart(fig_att, key="attention_chart", config=style.CHART_CONFIG)
+        chart(drawn["attention"], key="attention_chart", config=style.CHART_CONFIG)
         if not present:
             st.caption("What to look for: grey is the original attention, coloured bars what the compressed cache "
-                       "gives each kept token (renormalised, so kept tokens gain weight); hatched vermillion bars "
-                       "are evicted tokens, whose attention drops to zero.")
+                       "gives each kept token (renormalised, so kept tokens gain weight: sinks dotted, the recent "
+                       "window lined, heavy hitters crossed); hatched vermillion bars are evicted tokens, whose "
+                       "attention drops to zero.")
 
-    # presentation mode: the lesson (the error chart) first, above the fold on a projector
-    order = (error_chart, cards_and_notes, attention_chart) if present else \
-        (cards_and_notes, attention_chart, error_chart)
-    for draw in order:
-        draw()
+    if present:   # one projector screen: sliders (above), the attention chart, three cards, the error chart
+        first, lock_slot = st.container(), st.container()
+        plain_cards_and_folded_notes()
+        second = st.container()
+        with lock_slot:
+            y_range, y_top = lock_toggle()
+        with first:
+            attention_chart(y_top)
+        with second:
+            error_chart(y_range)
+    else:
+        cards_and_notes()
+        first, lock_slot = st.container(), st.container()
+        with lock_slot:
+            y_range, y_top = lock_toggle()
+        with first:
+            attention_chart(y_top)
+        error_chart(y_range)
+    fig_att = drawn["attention"]
     if present:
         preset_buttons(n_tokens)
     ux.solver_panel(source.trace, spec, vs.view)

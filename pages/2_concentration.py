@@ -5,7 +5,7 @@ import streamlit as st
 from kvviz.plots import figures, tradeoffs
 
 from kvviz.app.charts import chart
-from kvviz.app.cards import fmt_pct
+from kvviz.app.cards import concentration_verdict, fmt_pct
 from kvviz.app.compute import run_concentration
 from kvviz.app.layout import page_setup
 from kvviz.app.router import run_page
@@ -37,6 +37,7 @@ def main() -> None:
     m2.metric(f"Sink share (first {sink_k})", fmt_pct(float(conc.sink_share.mean())), border=True)
     m3.metric(f"Locality (last {window})", fmt_pct(float(conc.locality.mean())), border=True)
     chart(tradeoffs.concentration_figure(conc.fractions, conc.curves), key="concentration_chart")
+    st.markdown(concentration_verdict(conc.fractions, conc.curves))
     st.caption(f"What to look for: curves far above the dotted diagonal mean concentrated attention; the shaded "
                f"band is the handbook's rule of thumb (10–20% of tokens take 80–90% of the mass). Query at position "
                f"{conc.position}, {conc.position + 1} tokens.")

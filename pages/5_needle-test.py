@@ -192,9 +192,10 @@ def main() -> None:
                        selected=(layer, head)), key="needle_heads", config=CHART_CONFIG)
     if not present:
         st.caption("What to look for: a policy can lose the needle in the heads that wanted it while keeping it "
-                   "elsewhere. StreamingLLM's set is the same in every head (position only); H2O, TOVA and SnapKV "
-                   "decide per head from attention; the oracle keeps the top of the answering query's own attention, "
-                   "the bound no real cache can beat.")
+                   "elsewhere. StreamingLLM's set is the same in every head (position only), and so is TOVA's: it "
+                   "makes one decision for all heads, from the last query's attention averaged over every head "
+                   "(hence its identical columns); H2O and SnapKV decide per KV head from attention; the oracle "
+                   "keeps the top of the answering query's own attention, the bound no real cache can beat.")
         with st.expander("All cells"):
             st.dataframe([{k: v for k, v in c.as_dict().items() if not k.endswith("_by_head")} for c in grid.cells],
                          hide_index=True, key="needle_table")

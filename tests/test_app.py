@@ -1,6 +1,7 @@
 """AppTest (streamlit.testing.v1) for every page: labels, directions, exact numbers, URL state, presets, errors."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,9 @@ def test_default_view_is_the_handbook_example():
 
 
 def test_shown_numbers_equal_kvviz_compare():
-    at = run(sink=2, recent=6, heavy=5, bits=4, ensemble="none")
-    expected = compare(handbook_trace(), Spec(sink=2, recent=6, heavy=5, key_bits=4, value_bits=4), View())
+    at = run(sink=2, recent=6, heavy=5, bits=4, ensemble="none")     # the app quantizes short groups (issue 34)
+    expected = compare(handbook_trace(), Spec(sink=2, recent=6, heavy=5, key_bits=4, value_bits=4, partial="quantize"),
+                       View())
     shown = numbers(at)
     for k, v in expected.metrics.items():
         assert shown[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
@@ -124,7 +126,7 @@ def test_out_of_range_link_is_clamped_with_a_notice():
     w = warnings(at)
     assert "`sink=-5` is out of range" in w and "clamped to 0" in w
     assert "`bits=11` is not one of" in w
-    assert "Layer 9 is outside this source's range 0-0" in w
+    assert "Layer 9 is out of range (0-0); clamped to 0." in w
     assert "`heavy=abc` is not a number" in w
     assert "`nonsense` is not a kvviz setting" in w
     assert at.slider(key="sink").value == 0 and at.select_slider(key="bits").value == 16
@@ -367,14 +369,20 @@ def test_cards_split_the_quantizations_own_error():
     assert quant[0] == 0 and quant[1] < quant[2] < quant[3]
 
 
-def test_the_app_says_when_the_bits_cannot_reach_the_keys():
-    """14 kept tokens never fill a per-channel group of 32, which KIVI keeps at 16 bits: the app
-    says so and offers the fix instead of letting the bits slider look broken."""
+def test_the_bits_reach_the_keys_by_default_and_the_app_says_when_they_cannot():
+    """By default the app quantizes a group the kept tokens do not fill (issue 34), so the bits slider
+    changes the handbook example's attention, and the screen says which keys and values it reaches.
+    With KIVI's rule (partial groups at 16 bits) 14 kept tokens never fill a per-channel group of 32:
+    the app says so and offers the fix instead of letting the bits slider look broken."""
     at = run(bits="2", ensemble="none")
+    assert float(cards(at)["TV from quantization"]) > 0 and not at.warning
+    assert any("The bits slider quantizes every kept key (groups of 32 along each channel)" in c.value
+               for c in at.caption)
+    at = run(bits="2", ensemble="none", partial="full")
     assert cards(at)["TV from quantization"] == "0.0000"
     assert any("keys are not quantized" in w.value for w in at.warning)
     at.button(key="_fix_partial").click().run()
-    assert at.query_params["partial"] == "quantize" and float(cards(at)["TV from quantization"]) > 0
+    assert "partial" not in at.query_params and float(cards(at)["TV from quantization"]) > 0   # the default again
 
 
 def test_pin_and_compare_a_against_b():
@@ -417,8 +425,12 @@ def test_solver_applies_the_smallest_budget():
 
 
 def test_presentation_mode_puts_the_main_chart_first_and_folds_the_extras():
-    at = run(present="1")
-    assert at.get("plotly_chart")[0].proto.id.endswith("error_chart")
+    at = run(present="1")     # the attention chart first, then the error chart (issue 34)
+    charts = [c.proto.id for c in at.get("plotly_chart")]
+    assert charts[0].endswith("attention_chart") and charts[1].endswith("error_chart")
+    assert [m.label for m in at.metric] == ["Attention kept", "Memory saved", "Tokens kept"]
+    assert at.toggle(key="_ylock_on").value and float(at.query_params["ylock"]) > 0   # locked by default
+    assert any(e.label.startswith("Notes (") for e in at.expander)           # the explanations folded
     assert not [e for e in at.expander if e.label == "All numbers"]
     assert not at.title and any("explorer" in h.value for h in at.subheader)
 
@@ -561,3 +573,32 @@ def test_before_the_first_paint_charts_are_frames_and_folded_sections_wait():
     assert charts == frames                                    # each chart as tall as its frame was
     assert not [c for c in at.caption if c.value == "Drawing the chart…"] and not at.get("bidi_component")
     assert "scorer" in [b.key for b in at.selectbox] and "solve_kind" in [r.key for r in at.radio]
+
+
+def test_advice_is_never_impossible():
+    """A link with sink=1e9 is clamped to the 64 tokens: the warning names the sliders that can bring
+    eviction back, never "Lower the Heavy-hitter budget below 0" (issue 34)."""
+    from kvviz.analysis.readout import budget_warnings
+    at = run(sink="1e9")
+    text = warnings(at)
+    assert "Lower the Sink tokens or the Recent window" in text and "below 0" not in text
+    for sink in range(0, 70):      # every advice that names a number names one the slider can reach
+        for w in budget_warnings(Spec(sink=sink, recent=8, heavy=60), 64):
+            for n in re.findall(r"below (-?\d+)", w):
+                assert int(n) >= 1, w
+
+
+def test_a_number_typed_out_of_range_is_clamped_with_the_notice_a_link_gets():
+    """The boxes have no browser-side min / max (which kept 99999999 in a red box and sent nothing): the
+    typed number reaches the app, which clamps it and says so, as it does for a link (issue 34)."""
+    at = run()
+    at.number_input(key="_box_sink").set_value(99999999).run()
+    assert at.slider(key="sink").value == 64 and at.query_params["sink"] == "64"
+    assert "Sink tokens 99999999 is out of range (0-64); clamped to 64 tokens." in warnings(at)
+    at.number_input(key="_box_sink").set_value(-5).run()
+    assert at.slider(key="sink").value == 0 and "clamped to 0 tokens" in warnings(at)
+    at = run(path=str(Path(APP).parent / "pages" / "3_model-lab.py"))
+    box = next(n for n in at.number_input if n.label.startswith("Prompt tokens"))
+    box.set_value(99999).run()
+    box = next(n for n in at.number_input if n.label.startswith("Prompt tokens"))
+    assert box.value == 512 and "is out of range (8-512); clamped to 512." in warnings(at)

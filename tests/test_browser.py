@@ -110,7 +110,8 @@ def test_shared_url_reproduces_state(page, app_url):
     page.goto(f"{app_url}/?{params}")
     e = expect()
     expected = card_values(compare(handbook_trace(), Spec(sink=2, recent=6, heavy=5, scorer="tova", key_bits=4,
-                                                          value_bits=4), View(ensemble="seeds")).metrics)
+                                                          value_bits=4, partial="quantize"),
+                                   View(ensemble="seeds")).metrics)
     for label in ("Attention mass retained", "TV distance", "Output error", "Tokens kept", "KV memory"):
         e(metric(page, label)).to_have_text(expected[label])
     e(slider_thumb(page, "Sink tokens")).to_have_value("2")
@@ -226,7 +227,7 @@ def test_address_bar_follows_each_single_interaction_on_the_explorer(page, app_u
         wait_for_address(page, expected)
         shown = compare(handbook_trace(), Spec(sink=int(expected.get("sink", 4)), recent=int(expected.get("recent", 8)),
                                                heavy=int(expected.get("heavy", 2)), key_bits=int(expected.get("bits", 16)),
-                                               value_bits=int(expected.get("bits", 16))),
+                                               value_bits=int(expected.get("bits", 16)), partial="quantize"),
                         View(ensemble="seeds", ensemble_size=8))
         e(metric(page, "Tokens kept")).to_have_text(card_values(shown.metrics)["Tokens kept"])
         e(metric(page, "TV distance")).to_have_text(card_values(shown.metrics)["TV distance"])
@@ -527,7 +528,7 @@ def test_explorer_link_follows_every_single_interaction(page, app_url):
     live.act("heavy-hitter number box", number("Heavy-hitter budget (tokens)", 5))
     live.act("error bars radio", radio("Error bars show", "95% CI of the mean"))
     live.act("error bars select box", select("Error bars over", "none (one row)"))
-    live.act("y-axis lock toggle", tick("Lock the error chart's y-axis"))
+    live.act("y-axis lock toggle", tick("Lock the charts' y-axes"))
     live.act("preset button", press("StreamingLLM"))
     live.act("sink slider, keyboard", key("Sink tokens", "ArrowRight", "ArrowRight"))
     live.act("pin button", press("Pin this setting as A"))
@@ -726,9 +727,9 @@ def test_projector_1024x768_clips_nothing(page, app_url, name, marker):
 
 def test_presentation_mode_puts_the_lesson_above_the_fold(page, app_url):
     page.set_viewport_size({"width": 1024, "height": 768})
-    page.goto(f"{app_url}/?present=1&bits=3&partial=quantize")
+    page.goto(f"{app_url}/?present=1&bits=3")
     e = expect()
-    chart = page.locator(".js-plotly-plot").filter(has_text="Per-token error").first
+    chart = page.locator(".js-plotly-plot").filter(has_text="Attention per token").first
     e(chart).to_be_visible()
     idle(page)
     box = chart.bounding_box()

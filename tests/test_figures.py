@@ -72,12 +72,12 @@ def test_attention_figure_marks_evicted_and_colours_by_reason(handbook_comp):
     fig = figures.attention_figure(f)
     assert isinstance(fig, go.Figure)
     names = [t.name for t in fig.data]
-    assert "original" in names and "original, evicted (compressed = 0)" in names
+    assert "original" in names and "evicted: original (now 0)" in names
     assert {"compressed: sink", "compressed: recent", "compressed: heavy hitter"} <= set(names)
     heavy = next(t for t in fig.data if t.name == "compressed: heavy hitter")
     assert list(heavy.x) == [15, 28]
     assert heavy.marker.color == style.REASON_COLORS["heavy hitter"]
-    evicted = next(t for t in fig.data if t.name.startswith("original, evicted"))
+    evicted = next(t for t in fig.data if t.name.startswith("evicted: original"))
     assert len(evicted.x) == 64 - 14 and evicted.marker.pattern.shape == "/"   # hatched: not colour alone
     assert "attention weight" in fig.layout.yaxis.title.text and "token" in fig.layout.xaxis.title.text
     # token text is in the hover data
@@ -126,8 +126,10 @@ def test_tradeoff_figure_lines_front_and_star():
     fig = tradeoffs.tradeoff_figure(rows, "tv", front, {"memory_ratio": 0.2, "tv": 0.3, "label": "now"})
     names = [t.name for t in fig.data]
     assert "H2O" in names and "StreamingLLM" in names and "Pareto frontier (real policies)" in names
-    assert {t.marker.symbol for t in fig.data if t.name == "H2O"} == {"circle"}       # 16-bit marker
-    assert next(t for t in fig.data if t.name == "no eviction").marker.symbol == "diamond"   # 4-bit marker
+    assert {t.marker.symbol for t in fig.data if t.name == "H2O"} == {"circle"}       # H2O's shape, 16-bit: filled
+    assert {t.marker.symbol for t in fig.data if t.name == "StreamingLLM"} == {"triangle-up"}
+    assert next(t for t in fig.data if t.name == "no eviction").marker.symbol == "hexagon-open"   # 4-bit: open
+    assert {t.line.dash for t in fig.data if t.name in ("H2O", "StreamingLLM")} == {"solid", "longdash"}
     frontier = next(t for t in fig.data if t.name == "Pareto frontier (real policies)")
     assert list(frontier.x) == [0.1, 0.2, 0.3]
     star = next(t for t in fig.data if t.name.startswith("current"))

@@ -390,6 +390,27 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "traces"
 
 
+def test_the_main_area_capture_button_captures_the_chosen_model(tiny_dir, cache):
+    """Issue 34: the step that was missing sits in the main area, where the page would be: its Capture
+    button runs the model chosen in the sidebar (with its progress there) like the sidebar's button."""
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_function(_real_model_page, default_timeout=120).run()
+    at.sidebar.radio(key="rm_kind").set_value("other").run()
+    at.sidebar.text_input(key="rm_name").set_value(str(tiny_dir)).run()
+    at.sidebar.slider(key="rm_new").set_value(4).run()
+    at.sidebar.number_input(key="rm_max").set_value(64).run()
+    button = at.main.button(key="rm_capture_main")
+    assert button.label.startswith(f"Capture {tiny_dir} on this prompt")
+    button.click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert _shown(at) == f"TRACE:2x4x68 ctx 64 {tiny_dir}"
+    assert at.status[0].label.startswith("Captured 68 tokens")
+    at.run()
+    assert not [b for b in at.main.button if b.key == "rm_capture_main"]   # captured: no button any more
+    assert _shown(at) == f"TRACE:2x4x68 ctx 64 {tiny_dir}"
+
+
 def test_app_real_model_capture_is_cached_on_disk(tiny_dir, cache):
     from streamlit.testing.v1 import AppTest
 

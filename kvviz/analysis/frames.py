@@ -113,6 +113,12 @@ def error_extent(frame: pd.DataFrame) -> float:
     return float(np.nanmax(np.abs(np.concatenate([c.to_numpy(dtype=float) for c in cols]))))
 
 
+def attention_extent(frame: pd.DataFrame) -> float:
+    """The largest attention bar of the frame, original or compressed (what a locked attention axis must hold)."""
+    return float(np.nanmax(np.concatenate([frame["original"].to_numpy(dtype=float),
+                                           frame["compressed"].to_numpy(dtype=float)])))
+
+
 def token_frame(comp: Comparison) -> pd.DataFrame:
     """One row per token the evaluated query sees: attention before/after, why kept, error.
 

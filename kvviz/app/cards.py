@@ -6,7 +6,8 @@ import math
 
 import streamlit as st
 
-from kvviz.analysis.readout import card_values, fmt_bytes, fmt_pct  # noqa: F401 (pages read fmt_pct here)
+from kvviz.analysis.readout import (card_values, concentration_verdict, fmt_bytes,  # noqa: F401 (pages read
+                                    fmt_pct)                                           # these two here)
 from kvviz.engine import Comparison
 
 
@@ -68,6 +69,22 @@ def metric_cards(comp: Comparison, pinned: Comparison | None = None) -> None:
             kwargs = dict(delta=card_delta(label, comp.metrics, pinned.metrics), delta_color=CARD_DIRECTION[label][1],
                           delta_description="vs pinned A")
         col.metric(label, value, help=CARD_HELP[label] + extra, border=True, **kwargs)
+
+
+PLAIN_HELP = {
+    "Attention kept": CARD_HELP["Attention mass retained"],
+    "Memory saved": "How much smaller the compressed K and V cache is than a full 16-bit cache of the same tokens.",
+    "Tokens kept": CARD_HELP["Tokens kept"],
+}
+
+
+def plain_cards(comp: Comparison) -> None:
+    """Presentation mode's three cards, in plain words: attention kept, memory saved, tokens kept."""
+    m = comp.metrics
+    values = {"Attention kept": fmt_pct(m["mass_retained"]), "Memory saved": fmt_pct(1.0 - m["memory_ratio"]),
+              "Tokens kept": f"{m['kept_tokens']} / {m['total_tokens']}"}
+    for col, (label, value) in zip(st.columns(3), values.items()):
+        col.metric(label, value, help=PLAIN_HELP[label], border=True)
 
 
 def metrics_table(comp: Comparison):

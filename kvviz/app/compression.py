@@ -13,11 +13,13 @@ from kvviz.spec import FORMATS, FP8_SCALES, RESIDUAL_MODES, ROTATIONS, Spec, Spe
 from kvviz.trace import Trace
 
 
-def compression_section(trace: Trace, where=None, budget_only: bool = False) -> Spec | None:
+def compression_section(trace: Trace, where=None, budget_only: bool = False, headline=None) -> Spec | None:
     """Sidebar: the four headline sliders and the Advanced expander. None if the combination is impossible.
 
     budget_only: only the eviction budget (a page that draws each policy itself and never
-    quantizes); the other controls are hidden and the page says so.
+    quantizes); the other controls are hidden and the page says so. headline: a container in the
+    main area that takes the four headline sliders instead of the sidebar (Presentation mode: one
+    widget a setting, so the sliders there are the ones the store and the link follow).
     """
     where = where or st.sidebar
     where.header("Compression")
@@ -25,18 +27,24 @@ def compression_section(trace: Trace, where=None, budget_only: bool = False) -> 
     unit = w_choice(where, "budget_unit", "Budgets in", ("tokens", "%"), widget="radio",
                     format_func={"tokens": "tokens", "%": f"% of the {n} tokens"}.get,
                     help="Type budgets as token counts or as a share of the tokens; the sliders always show counts.")
-    sink = w_budget(where, "sink", "Sink tokens", n, unit,
+    if headline is not None:
+        where.caption("Presentation mode: the four headline sliders are above the charts.")
+        slots = headline.columns(4, gap="medium")
+    else:
+        slots = [where] * 4
+    box = headline is None     # the number boxes beside the budgets: the sidebar's, not the projector's
+    sink = w_budget(slots[0], "sink", "Sink tokens", n, unit, box=box,
                     help="The first tokens, always kept: attention sinks (StreamingLLM keeps 4).")
-    recent = w_budget(where, "recent", "Recent window", n, unit,
+    recent = w_budget(slots[1], "recent", "Recent window", n, unit, box=box,
                       help="The last tokens the query sees (its own included), always kept.")
-    heavy = w_budget(where, "heavy", "Heavy-hitter budget", n, unit,
+    heavy = w_budget(slots[2], "heavy", "Heavy-hitter budget", n, unit, box=box,
                      help="How many more tokens the scorer may keep among the rest (H2O's heavy hitters).")
     if budget_only:
         where.caption("This page compares eviction policies side by side: the scorer is picked per chart and "
                       "nothing is quantized, so only the budget sliders are shown.")
         return Spec(sink=sink, recent=recent, heavy=heavy)
     split = bool(state()["split"])
-    bits = w_choice(where, "bits", "Quantization bits", BITS_OPTIONS, widget="select_slider",
+    bits = w_choice(slots[3], "bits", "Quantization bits", BITS_OPTIONS, widget="select_slider",
                     format_func=bits_label, disabled=split,
                     help="Bits per cached key and value (16 = not quantized). "
                          + ("Advanced sets keys and values separately now." if split else ""))

@@ -93,21 +93,38 @@ def nice_ceiling(x: float) -> float:
     return float(10 ** (k + 1))
 
 
-def y_lock(extent: float) -> float | None:
-    """A toggle that freezes the error chart's y-axis at ±range (in the URL); None = automatic."""
-    store, ss = settings_dict(), st.session_state
+def y_lock(extent: float, top: float, present: bool = False, where=None) -> tuple[float | None, float | None]:
+    """A toggle that freezes the charts' y-axes (in the URL): the error chart at ±range, the attention
+    chart at [0, top]. Returns (±range, top), None where automatic.
+
+    Presentation mode locks them at its first view (a move then changes the bars, not the scale);
+    turned off there, the link says so (ylock=-1), so it is not locked again on the next run."""
+    store, ss = ss_store(), st.session_state
+    where = where or st
+
+    def lock() -> None:
+        store["ylock"] = ss["ylock"] = min(1.0, nice_ceiling(extent))
+        store["alock"] = min(1.0, nice_ceiling(top))
+
+    if present and store["ylock"] == 0:
+        lock()
 
     def toggled() -> None:
-        ss[STORE]["ylock"] = min(1.0, nice_ceiling(extent)) if ss["_ylock_on"] else 0.0
-        ss["ylock"] = ss[STORE]["ylock"]
+        if ss["_ylock_on"]:
+            lock()
+        else:
+            store["ylock"] = ss["ylock"] = -1.0 if present else 0.0
+            store["alock"] = 0.0
 
     ss["_ylock_on"] = store["ylock"] > 0
-    c1, c2 = st.columns([2, 1], vertical_alignment="center")
-    c1.toggle("Lock the error chart's y-axis", key="_ylock_on", on_change=toggled,
+    c1, c2 = where.columns([2, 1], vertical_alignment="center")
+    c1.toggle("Lock the charts' y-axes", key="_ylock_on", on_change=toggled,
               help="Moving a slider then changes the bars, not the scale: compare settings by eye.")
-    if store["ylock"] > 0:
-        return float(w_number(c2, "ylock", "± range", 0.0001, 1.0, step=0.005, fmt="%.4f"))
-    return None
+    if store["ylock"] <= 0:
+        return None, None
+    y = float(store["ylock"]) if present else float(w_number(c2, "ylock", "± range", 0.0001, 1.0, step=0.005,
+                                                              fmt="%.4f"))
+    return y, (float(store["alock"]) or None)
 
 
 # --- ask for a target ------------------------------------------------------------------------------

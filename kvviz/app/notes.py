@@ -24,6 +24,18 @@ def quant_model_note(source: Source, spec: Spec) -> str:
     return f"Quantization model: {source.quant_note_kv}; now {now}."
 
 
+def quant_scope_note(spec: Spec) -> str | None:
+    """One plain sentence: which keys and values the bits slider reaches, and how they are grouped."""
+    if spec.quant_model != "kv" or spec.key_format != "int" or spec.value_format != "int":
+        return None
+    along = {"channel": "along each channel", "token": "along each token"}
+    short = ("a group the kept tokens do not fill is quantized too" if spec.partial == "quantize" else
+             "a group the kept tokens do not fill stays at 16 bits, as in KIVI")
+    residual = f", except the last {spec.residual} tokens, kept at 16 bits" if spec.residual else ""
+    return (f"The bits slider quantizes every kept key (groups of {spec.group_size} {along[spec.key_axis]}) and "
+            f"value (groups of {spec.group_size} {along[spec.value_axis]}){residual}; {short}.")
+
+
 def _quantize_partial_groups() -> None:
     state()["partial"] = st.session_state["partial"] = "quantize"
 

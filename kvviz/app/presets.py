@@ -14,11 +14,13 @@ PRESETS = ("Handbook example", "StreamingLLM", "H2O 10%+10%", "KIVI 2-bit", "Agg
            "HF QuantizedCache 4-bit")
 _NO_QUANT = dict(bits=FULL_BITS, split=False, key_bits=FULL_BITS, value_bits=FULL_BITS, qmodel="kv",
                  symmetric=False, residual=0, key_axis="channel", value_axis="token", group=32,
-                 zero_point="float", partial="full", key_fmt="int", value_fmt="int", rotate="none", res_mode="kivi")
+                 zero_point="float", partial="quantize", key_fmt="int", value_fmt="int", rotate="none", res_mode="kivi")
 
 
 PRESET_HELP = {
-    "Handbook example": "Sink 4, recent 8, heavy 2 (H2O), no quantization: the handbook's worked example.",
+    "Handbook example": ("Sink 4, recent 8, heavy 2 (H2O), no quantization: the handbook's worked example. Groups of "
+                         "32 that the kept tokens do not fill are quantized too, so the bits slider reaches every "
+                         "kept key and value."),
     "StreamingLLM": "4 attention sinks + a recent window of ~20% of the tokens; position only.",
     "H2O 10%+10%": "H2O: 10% heavy hitters + 10% recent window, as in the H2O paper's experiments.",
     "KIVI 2-bit": ("No eviction; KIVI as published: 2-bit keys per channel, values per token, groups of 32, float "
@@ -42,7 +44,7 @@ def preset_values(name: str, n_tokens: int) -> dict:
     if name == "KIVI 2-bit":  # keys per channel, values per token, G=32; residual 128 (less on short traces)
         from kvviz.quant import kivi_residual
         return dict(_NO_QUANT, sink=0, recent=0, heavy=0, bits=2, key_bits=2, value_bits=2,
-                    residual=kivi_residual(n_tokens))
+                    residual=kivi_residual(n_tokens), partial="full")
     if name == "Aggressive 25% + 2-bit":
         budget = max(3, math.ceil(0.25 * n_tokens))
         sink = min(4, budget // 3)

@@ -82,7 +82,8 @@ def source_section(where=None) -> Source | None:
         st.error(f"The {SOURCE_LABELS[choice]} source failed: {e}")
         return None
     if trace is None:
-        st.info(f"Choose a {SOURCE_LABELS[choice].lower()} in the sidebar to start.")
+        st.info("Press **Capture** above to run the model, or change the model and prompt in the sidebar."
+                if choice == "real" and st.session_state.get("_rm_waiting") else f"Choose a {SOURCE_LABELS[choice].lower()} in the sidebar to start.")
         return None
     return Source(("external", choice, _fingerprint(trace)), trace, SOURCE_LABELS[choice].lower())
 
@@ -245,14 +246,15 @@ class Settings:
     view: ViewSettings
 
 
-def sidebar(compression: bool = True, ensemble: bool = True, head: bool = True) -> Settings | None:
-    """Render the sidebar in the fixed order: Source, its knobs, Compression, Advanced, View."""
+def sidebar(compression: bool = True, ensemble: bool = True, head: bool = True, headline=None) -> Settings | None:
+    """Render the sidebar in the fixed order: Source, its knobs, Compression, Advanced, View.
+    headline: a main-area container for the four headline sliders (Presentation mode)."""
     state()
     source = source_section()
     if source is None:
         show_notices()
         return None
-    spec = compression_section(source.trace) if compression else None
+    spec = compression_section(source.trace, headline=headline) if compression else None
     # without compression controls the page shows every layer and head (Concentration)
     view = view_section(source, ensemble=ensemble, layer_head=compression, head=head)
     show_notices()

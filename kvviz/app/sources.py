@@ -264,6 +264,7 @@ def run_capture(settings: CaptureSettings) -> Trace:
 def real_model_source(container=None) -> Trace | None:
     """Model, prompt, new tokens, prompt cap, a Capture button; the captured Trace (or None)."""
     c = container if container is not None else st.sidebar
+    st.session_state.pop("_rm_waiting", None)     # set below when only the Capture press is missing
     have_bundled = bundled_model_file() is not None
     kinds = ["bundled", "other"]
     kind = c.radio("Model", kinds, key="rm_kind", horizontal=True,
@@ -305,6 +306,12 @@ def real_model_source(container=None) -> Trace | None:
         return None
     settings = CaptureSettings(name, prompt, int(new_tokens), int(max_tokens))
     path = settings.path()
+    if not path.is_file():   # the step that is missing, in the main area where the page would be (issue 34)
+        model = "the bundled SmolLM2-135M" if kind == "bundled" else name
+        clicked = st.button(f"Capture {model} on this prompt ({int(new_tokens)} new tokens)", key="rm_capture_main",
+                            type="primary", icon=":material/play_arrow:",
+                            help="Runs the model over the prompt and records its queries, keys and values; the "
+                                 "progress shows here. The same as the sidebar's Capture button.") or clicked
     trace = None
     if path.is_file():                      # captured before, by anyone on this machine
         try:
@@ -334,6 +341,7 @@ def real_model_source(container=None) -> Trace | None:
         except TraceError:
             return None
     c.info("Press **Capture** to run the model on the prompt (the first load takes ~20 s).")
+    st.session_state["_rm_waiting"] = True
     return None
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import streamlit as st
 
 from kvviz.app.params import PARAMS, read_settings
+from kvviz.links import _num
 
 STORE = "_kvviz_state"
 NOTICES = "_kvviz_notices"
@@ -64,11 +65,17 @@ def settings_dict() -> dict:
     return dict(state())
 
 
+SLOT = "_kvviz_notice_slot"   # this run's place for notices that come after show_notices (a page's own boxes)
+
+
 def notice(text: str) -> None:
-    """Queue a visible notice (shown by `show_notices`)."""
+    """Queue a visible notice (shown by `show_notices`; one that comes later in the run is shown below them)."""
     state()
     if text not in st.session_state[NOTICES]:
         st.session_state[NOTICES].append(text)
+        slot = st.session_state.get(SLOT)
+        if slot is not None:
+            slot.warning(f"**Setting adjusted:** {text}", icon=":material/warning:")
 
 
 def show_notices() -> None:
@@ -76,6 +83,7 @@ def show_notices() -> None:
     if notes:
         st.warning("**Some settings were adjusted:**\n\n" + "\n".join(f"- {n}" for n in notes), icon=":material/warning:")
         st.button("Dismiss", key="_dismiss_notices", on_click=lambda: st.session_state[NOTICES].clear())
+    st.session_state[SLOT] = st.container()
 
 
 def link_params() -> dict[str, str]:
@@ -91,6 +99,7 @@ def sync_url() -> None:
     changed the address bar since; the browser ignores a query it already shows. The last run
     therefore has the last word."""
     st.session_state.pop(MOVED, None)   # this round's callbacks are over (the run's first act)
+    st.session_state.pop(SLOT, None)    # the last run's notice slot is not this run's
     st.query_params.from_dict(link_params())
 
 
@@ -120,7 +129,7 @@ def _bind(name: str, lo=None, hi=None, label: str = "", to_widget=None, from_wid
     v = store[name]
     if lo is not None and hi is not None and not lo <= v <= hi:
         c = min(max(v, lo), hi)
-        notice(f"{label or name} {v} is outside this source's range {lo}-{hi}; set to {c}.")
+        notice(f"{label or name} {_num(v)} is out of range ({_num(lo)}-{_num(hi)}); clamped to {_num(c)}.")
         store[name] = v = c
     # Always re-seed: after a page switch the widget is a new element whose state would
     # otherwise start from its default, not from the value the user chose on another page.
@@ -141,16 +150,31 @@ def w_slider(where, name: str, label: str, lo: int, hi: int, help: str | None = 
     return _after(name, where.slider(label, lo, hi, key=name, help=help, on_change=_take, args=(name,)))
 
 
-def w_budget(where, name: str, label: str, n: int, unit: str, help: str | None = None) -> int:
+def w_budget(where, name: str, label: str, n: int, unit: str, help: str | None = None, box: bool = True) -> int:
     """A token budget: a slider (counts) and a number box beside it (counts or % of the n tokens).
 
     Typing a target beats slider hunting on long traces (a 0-544 slider is 2.4 tokens a
-    pixel); both widgets edit the one stored count.
+    pixel); both widgets edit the one stored count. box=False: the slider alone (Presentation
+    mode's narrow columns).
     """
+    if not box:
+        _bind(name, 0, n, label)
+        if n <= 0:
+            where.caption(f"{label}: 0")
+            return _after(name, 0)
+        return _after(name, where.slider(label, 0, n, key=name, help=help, on_change=_take, args=(name,)))
     _bind(name, 0, n, label)
     ss, box = st.session_state, f"_box_{name}"
     value = state()[name]
     ss[box] = value if unit == "tokens" else round(100.0 * value / max(n, 1), 1)
+
+    def clamped(count, typed_value) -> int:
+        """The typed count within 0..n; out of range: clamped with the notice a link gets (issue 34)."""
+        c = int(min(max(count, 0), n))
+        if c != count:
+            notice(f"{label} {_num(typed_value)}{'' if unit == 'tokens' else '%'} is out of range "
+                   f"({'0-' + str(n) if unit == 'tokens' else '0-100%'}); clamped to {c} tokens.")
+        return c
 
     # Each run sets the box to the slider's count. A run that a quick second key press supersedes can
     # leave that value unseen by the browser, which then sends the box's old value with the slider's
@@ -160,7 +184,7 @@ def w_budget(where, name: str, label: str, n: int, unit: str, help: str | None =
         if ss.get(MOVED) == name:
             return
         count = ss[box] if unit == "tokens" else round(ss[box] * n / 100.0)
-        state()[name] = ss[name] = int(min(max(count, 0), n))
+        state()[name] = ss[name] = clamped(count, ss[box])
 
     def slid() -> None:
         ss[MOVED] = name
@@ -171,19 +195,23 @@ def w_budget(where, name: str, label: str, n: int, unit: str, help: str | None =
         left.slider(label, 0, n, key=name, help=help, on_change=slid)
     else:
         left.caption(f"{label}: 0")
-    right.number_input(f"{label} ({'tokens' if unit == 'tokens' else '%'})", min_value=0 if unit == "tokens" else 0.0,
-                       max_value=n if unit == "tokens" else 100.0, step=1 if unit == "tokens" else 0.5, key=box,
-                       on_change=typed, label_visibility="collapsed",
-                       help=f"Type the {label.lower()} in {'tokens' if unit == 'tokens' else '% of the tokens'}.")
+    # no min / max on the box: the browser would keep an out-of-range number in a red box and send nothing;
+    # typed() clamps it with a notice instead
+    right.number_input(f"{label} ({'tokens' if unit == 'tokens' else '%'})", step=1 if unit == "tokens" else 0.5,
+                       key=box, on_change=typed, label_visibility="collapsed",
+                       help=f"Type the {label.lower()} in {'tokens' if unit == 'tokens' else '% of the tokens'} "
+                            f"({'0-' + str(n) if unit == 'tokens' else '0-100%'}).")
     return _after(name, int(ss.get(name, value)) if n > 0 else 0)
 
 
 def w_number(where, name: str, label: str, lo, hi, step=None, help: str | None = None, fmt: str | None = None,
              disabled: bool = False):
-    _bind(name, lo, hi, label)
-    kwargs = dict(min_value=lo, max_value=hi, key=name, help=help, disabled=disabled, on_change=_take, args=(name,))
-    if step is not None:
-        kwargs["step"] = step
+    _bind(name, lo, hi, label)   # a typed number out of [lo, hi] is clamped here, with a notice (issue 34)
+    # no min / max on the widget: the browser would keep an out-of-range number in a red box, send nothing,
+    # and show the range only on hover; the range goes in the help instead
+    span = f"Range {_num(lo)}-{_num(hi)}; a number outside it is clamped."
+    kwargs = dict(key=name, help=f"{help} {span}" if help else span, disabled=disabled, on_change=_take,
+                  args=(name,), step=step if step is not None else (1 if isinstance(lo, int) else 0.01))
     if fmt:
         kwargs["format"] = fmt
     return _after(name, where.number_input(label, **kwargs))

@@ -12,7 +12,7 @@ import html
 import numpy as np
 import plotly.graph_objects as go
 
-from kvviz.plots.style import METHOD_COLORS, REASON_COLORS
+from kvviz.plots.style import METHOD_COLORS, METHOD_DASH, METHOD_SYMBOLS, REASON_COLORS
 from kvviz.analysis.timeline import EVICTED, FUTURE, KEPT, MISSED, STATE_NAMES, Timeline
 
 # Colours mean what they mean on the Explorer (kvviz.plots.figures): kept = sky blue ("kept"),
@@ -74,7 +74,8 @@ def regret_chart(tl: Timeline, step: int | None = None) -> go.Figure:
     fig = go.Figure()
     for name, pt in tl.policies.items():
         fig.add_trace(go.Scatter(x=np.arange(tl.n_steps), y=pt.regret, mode="lines+markers", name=name,
-                                 line=dict(color=POLICY_COLOURS.get(name)), marker=dict(size=4),
+                                 line=dict(color=POLICY_COLOURS.get(name), dash=METHOD_DASH.get(name, "solid")),
+                                 marker=dict(size=7, symbol=METHOD_SYMBOLS.get(name, "circle")),
                                  hovertemplate=f"{name}<br>step %{{x}}<br>regret %{{y:.4f}}<extra></extra>"))
     if step is not None:
         fig.add_vline(x=step, line=dict(color="#000000", width=1, dash="dot"))
@@ -151,7 +152,8 @@ def timeline_animation(tl: Timeline, step: int = 0, max_tokens: int = 1200, shif
                         + [f"{labels.get(n, n)}: tokens held at each decode step" for n in names])
     for name, pt in tl.policies.items():
         fig.add_trace(go.Scatter(x=np.arange(S), y=pt.regret, mode="lines+markers", name=labels.get(name, name),
-                                 line=dict(color=POLICY_COLOURS.get(name)), marker=dict(size=4), legendgroup="regret",
+                                 line=dict(color=POLICY_COLOURS.get(name), dash=METHOD_DASH.get(name, "solid")),
+                                 marker=dict(size=7, symbol=METHOD_SYMBOLS.get(name, "circle")), legendgroup="regret",
                                  hovertemplate=f"{name}<br>step %{{x}}<br>regret %{{y:.4f}}<extra></extra>"),
                       row=1, col=1)
     P = len(tl.tokens) if tl.policies else 0

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from kvviz.plots.style import CHART_CONFIG, OKABE_ITO, ORIGINAL_COLOR, PART_COLORS, REASON_COLORS, layout
+from kvviz.plots.style import CHART_CONFIG, OKABE_ITO, ORIGINAL_COLOR, PART_COLORS, REASON_COLORS, REASON_PATTERNS, layout
 
 # --- explorer ----------------------------------------------------------------------------
 
@@ -25,14 +25,15 @@ def _token_axis(fig: go.Figure, frame: pd.DataFrame, text_tokens: bool, max_labe
 
 def attention_figure(frame: pd.DataFrame, title: str = "Attention per token: original vs compressed",
                      row: str = "", text_tokens: bool = False, pinned: pd.DataFrame | None = None,
-                     pinned_label: str = "A") -> go.Figure:
-    """Grouped bars per token: original (grey) and compressed coloured by why the token was kept.
+                     pinned_label: str = "A", y_top: float | None = None) -> go.Figure:
+    """Grouped bars per token: original (grey) and compressed coloured by why the token was kept, with
+    a pattern each as well (REASON_PATTERNS: sink dotted, recent lined, heavy hitter crossed).
 
     Evicted tokens have no compressed bar, and their original bar is hatched vermillion
     (shape and colour), so a long run of evictions reads as one band, not a wall of marks.
     `frame` is `kvviz.analysis.frames.token_frame`; `row` names the one row shown; `text_tokens`
     puts the real text on the axis; `pinned` (a token_frame of a pinned setting A) adds A's
-    compressed attention as open diamonds.
+    compressed attention as open diamonds; `y_top` locks the y-axis at [0, y_top].
     """
     fig = go.Figure()
     hover = ("<b>%{customdata[0]}</b> (position %{x})<br>original %{customdata[1]:.4f}"
@@ -42,7 +43,7 @@ def attention_figure(frame: pd.DataFrame, title: str = "Attention per token: ori
     fig.add_bar(x=frame["position"][~ev], y=frame["original"][~ev], name="original", marker_color=ORIGINAL_COLOR,
                 offsetgroup="original", customdata=custom[~ev], hovertemplate=hover)
     if ev.any():
-        fig.add_bar(x=frame["position"][ev], y=frame["original"][ev], name="original, evicted (compressed = 0)",
+        fig.add_bar(x=frame["position"][ev], y=frame["original"][ev], name="evicted: original (now 0)",
                     marker=dict(color="rgba(213, 94, 0, 0.35)", line=dict(color=REASON_COLORS["evicted"], width=0.5),
                                 pattern=dict(shape="/", fgcolor=REASON_COLORS["evicted"], size=5)),
                     offsetgroup="original", customdata=custom[ev], hovertemplate=hover)
@@ -52,8 +53,9 @@ def attention_figure(frame: pd.DataFrame, title: str = "Attention per token: ori
         sel = (frame["reason"] == reason).to_numpy()
         if sel.any():
             fig.add_bar(x=frame["position"][sel], y=frame["compressed"][sel], name=f"compressed: {reason}",
-                        marker_color=color, offsetgroup="compressed", customdata=custom[sel],
-                        hovertemplate=hover)
+                        marker=dict(color=color, pattern=dict(shape=REASON_PATTERNS[reason], fgcolor="#ffffff",
+                                                              size=4, solidity=0.35)),
+                        offsetgroup="compressed", customdata=custom[sel], hovertemplate=hover)
     if pinned is not None:
         fig.add_scatter(x=pinned["position"], y=pinned["compressed"], mode="markers",
                         name=f"pinned {pinned_label}: compressed",
@@ -63,12 +65,14 @@ def attention_figure(frame: pd.DataFrame, title: str = "Attention per token: ori
     layout(fig, title, "token" if text_tokens else "token position (index)", "attention weight (probability)",
             subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)")
     _token_axis(fig, frame, text_tokens)
+    if y_top:
+        fig.update_yaxes(range=[0, y_top], autorange=False)
     return fig
 
 
 def binned_attention_figure(frame: pd.DataFrame,
                             title: str = "Attention mass per bin of tokens: original vs compressed",
-                            row: str = "") -> go.Figure:
+                            row: str = "", y_top: float | None = None) -> go.Figure:
     """Long sequences: one bar pair per bin; the original bar splits into kept (grey) and evicted
     (vermillion, hatched) mass, the compressed bar beside it.
 
@@ -92,8 +96,11 @@ def binned_attention_figure(frame: pd.DataFrame,
     fig.add_bar(x=centers, y=frame["compressed"], width=width * 0.45, offset=0, name="compressed",
                 marker_color=REASON_COLORS["kept (no eviction)"], customdata=custom, hovertemplate=hover)
     fig.update_layout(barmode="overlay")
-    return layout(fig, title, f"token position (bins of {int(width)} tokens)", "attention mass per bin (probability)",
-                   subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)")
+    layout(fig, title, f"token position (bins of {int(width)} tokens)", "attention mass per bin (probability)",
+           subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)")
+    if y_top:
+        fig.update_yaxes(range=[0, y_top], autorange=False)
+    return fig
 
 
 BAND_TEXT = {"std": "± 1 sample std", "ci95": "95% t-interval for the mean", "range": "range (min–max)"}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from kvviz.analysis.study.frontier import METHOD_COLUMN, Frontier
-from kvviz.plots.style import (BITS_DASH, FORMAT_NAMES, METHOD_COLORS, METHOD_LABELS, OKABE_ITO, layout,
-                                 width_symbol)
+from kvviz.plots.style import (FORMAT_NAMES, METHOD_COLORS, METHOD_LABELS, OKABE_ITO, layout,
+                                 METHOD_DASH, point_marker)
 
 X_TITLES = {"memory_ratio": "memory ratio (compressed / 16-bit cache bytes)",
             "budget": "cache budget (share of the prompt's tokens)"}
@@ -48,8 +48,8 @@ def frontier_figure(fr: Frontier, x_column: str = "memory_ratio", log_x: bool = 
                 showlegend=name not in seen,
                 error_y=dict(type="data", array=g["half"], visible=True, thickness=1.2, width=4),
                 line=dict(color=METHOD_COLORS.get(method, OKABE_ITO["grey"]), width=1.5 if bound else 2,
-                          dash="dot" if bound else BITS_DASH.get(bits, "solid") if fmt == "int" else "solid"),
-                marker=dict(symbol=width_symbol(bits, fmt), size=9, color=METHOD_COLORS.get(method, OKABE_ITO["grey"])),
+                          dash=METHOD_DASH.get(method, "solid")),
+                marker=point_marker(method, bits, fmt),
                 customdata=g[["cell", "budget", "n", "half"]].to_numpy(),
                 hovertemplate=(f"<b>{name}</b>, {width}<br>budget %{{customdata[1]:.3g}}<br>x %{{x:.3f}}<br>"
                                f"{fr.label} %{{y:.4f}} ± %{{customdata[3]:.4f}} (95% t, N = %{{customdata[2]}} "
@@ -61,7 +61,7 @@ def frontier_figure(fr: Frontier, x_column: str = "memory_ratio", log_x: bool = 
             bits, fmt = int(w["bits"]), w.get("format", "int")
             fig.add_scatter(x=[None], y=[None], mode="markers", name=_width(bits, fmt), legendgroup="bits",
                             legendgrouptitle_text="bit width",
-                            marker=dict(symbol=width_symbol(bits, fmt), size=9, color=OKABE_ITO["grey"]))
+                            marker=point_marker("", bits, fmt, color=OKABE_ITO["grey"]))
         if fr.front:
             best = pts.loc[fr.front].sort_values("x")
             fig.add_scatter(x=best["x"], y=best["mean"], mode="lines", name="Pareto frontier (real policies, means)",

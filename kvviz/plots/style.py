@@ -5,9 +5,11 @@ One colour means one thing on every page, and colour is never the only cue:
 - what happens to a token (Okabe-Ito): sink blue, recent bluish green, heavy hitter orange,
   kept without eviction sky blue, evicted vermillion (and hatched);
 - the two causes of error: eviction vermillion, quantization reddish purple;
-- eviction methods (Paul Tol's muted palette, none of the hues above, plus a marker shape
-  each): H2O indigo, TOVA wine, SnapKV olive, StreamingLLM rose, K-norm sand, random pale
-  grey, the oracle black, no eviction ("full") dark grey.
+- eviction methods: a colour, a marker shape and a line dash each (METHOD_COLORS, METHOD_SYMBOLS,
+  METHOD_DASH); the colours were chosen so every pair stays apart (CIE76 ΔE ≥ 15) for normal vision
+  and simulated deuteranopia, protanopia and tritanopia (tests/test_colour_vision.py): H2O indigo,
+  TOVA orange, SnapKV green, StreamingLLM rose, the oracle black, no eviction ("full") dark grey, ...;
+- on the attention chart what happens to a token has a bar pattern too (REASON_PATTERNS).
 Legends sit below the charts so they never cover a title at a projector's 1024 px.
 """
 
@@ -30,10 +32,27 @@ REASON_COLORS = {
 }
 PART_COLORS = {"eviction": OKABE_ITO["vermillion"], "quantization": OKABE_ITO["reddish_purple"]}
 ORIGINAL_COLOR = OKABE_ITO["grey"]
-METHOD_COLORS = {  # Paul Tol, muted (colour-blind safe); distinct from the token colours above
-    "h2o": "#332288", "tova": "#882255", "snapkv": "#999933", "streaming": "#CC6677",
-    "knorm": "#DDCC77", "random": "#BBBBBB", "oracle": "#000000", "full": "#555555",
+# every pair >= 15 CIE76 ΔE apart under normal vision and the three simulated dichromacies (Machado et
+# al. 2009, full severity; tests/test_colour_vision.py), none too light to see on white, no yellow (the
+# Trade-offs star is yellow); picked from Okabe-Ito and Paul Tol's palettes by a max-min search
+METHOD_COLORS = {
+    "h2o": "#332288", "tova": "#E69F00", "snapkv": "#117733", "streaming": "#EE6677", "oracle": "#000000",
+    "full": "#555555", "knorm": "#EECC66", "random": "#997700", "expected_attention": "#33BBEE",
+    "keydiff": "#AA4499", "chunkkv": "#CC79A7", "quest": "#1A85FF",
 }
+# and never by colour alone: a marker shape and a line dash each (the star is the Explorer's setting)
+METHOD_SYMBOLS = {
+    "h2o": "circle", "tova": "square", "snapkv": "diamond", "streaming": "triangle-up", "oracle": "cross",
+    "full": "hexagon", "knorm": "pentagon", "random": "triangle-down", "expected_attention": "hexagram",
+    "keydiff": "bowtie", "chunkkv": "hourglass", "quest": "triangle-left",
+}
+METHOD_DASH = {
+    "h2o": "solid", "tova": "dash", "snapkv": "dashdot", "streaming": "longdash", "oracle": "dot",
+    "full": "longdashdot", "knorm": "5px,3px,1px,3px", "random": "1px,3px", "expected_attention": "8px,2px",
+    "keydiff": "2px,2px,8px,2px", "chunkkv": "12px,4px", "quest": "4px,4px,1px,4px,1px,4px",
+}
+# the token's fate on the attention chart, as a bar pattern too (evicted: hatched)
+REASON_PATTERNS = {"sink": ".", "recent": "-", "heavy hitter": "x", "kept (no eviction)": "", "evicted": "/"}
 FONT = dict(family="Source Sans Pro, sans-serif", size=13)
 # plotly's own toolbar: its camera button saves the chart as SVG (vector, for slides), in the browser
 CHART_CONFIG = {"toImageButtonOptions": {"format": "svg", "filename": "kvviz-chart"}, "displaylogo": False}
@@ -51,17 +70,53 @@ def layout(fig: go.Figure, title: str, x_title: str, y_title: str, height: int =
     return fig
 
 
-BITS_SYMBOLS = {16: "circle", 8: "square", 6: "hexagon", 5: "pentagon", 4: "diamond", 3: "triangle-up", 2: "x",
-                1: "cross"}
-BITS_DASH = {16: "solid", 8: "dot", 4: "dash", 3: "longdash", 2: "dashdot"}
-# FP8 / FP4 cache formats on the trade-off chart: open markers, told apart from the integer widths
+# A point's bit width (its method has the shape): filled or open, large or small, explained once in a
+# bit-width legend; FP8 / FP4 cache formats open with a dot
+BITS_MARKS = {16: ("", 11), 8: ("", 7), 6: ("-dot", 11), 5: ("-dot", 7), 4: ("-open", 11), 3: ("-open-dot", 11),
+              2: ("-open", 7), 1: ("-open-dot", 7)}
 FORMAT_NAMES = {"e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2", "nvfp4": "NVFP4", "mxfp4": "MXFP4"}
-FORMAT_SYMBOLS = {"e4m3": "square-open", "e5m2": "square-x-open", "nvfp4": "diamond-open", "mxfp4": "diamond-wide-open"}
+FORMAT_MARKS = {"e4m3": ("-open-dot", 15), "e5m2": ("-open-dot", 13), "nvfp4": ("-open-dot", 9),
+                "mxfp4": ("-dot", 15)}
 
 
-def width_symbol(bits: int, fmt: str) -> str:
-    return BITS_SYMBOLS.get(bits, "circle") if fmt == "int" else FORMAT_SYMBOLS.get(fmt, "circle-open")
+def point_marker(method: str, bits: int, fmt: str = "int", color: str | None = None) -> dict:
+    """A trade-off point's marker: the method's shape, filled / open and sized by its bit width."""
+    variant, size = BITS_MARKS.get(bits, ("", 9)) if fmt == "int" else FORMAT_MARKS.get(fmt, ("-open", 13))
+    return dict(symbol=METHOD_SYMBOLS.get(method, "circle") + variant, size=size,
+                color=color or METHOD_COLORS.get(method, OKABE_ITO["grey"]), line=dict(width=2))
 
 
 METHOD_LABELS = {"h2o": "H2O", "tova": "TOVA", "snapkv": "SnapKV", "streaming": "StreamingLLM",
-                 "oracle": "oracle (the bound)", "knorm": "K-norm", "random": "random", "full": "no eviction"}
+                 "oracle": "oracle (the bound)", "knorm": "K-norm", "random": "random", "full": "no eviction",
+                 "expected_attention": "Expected Attention", "keydiff": "KeyDiff", "chunkkv": "ChunkKV",
+                 "quest": "Quest"}
+
+
+# --- Presentation mode: every text of a chart at 18 px or more ------------------------------------------------
+
+PROJECTOR_FONT = 18
+
+
+def projector(fig: go.Figure, height: int | None = None, y_title: str | None = None) -> go.Figure:
+    """A chart for a projector (Presentation mode): every text at PROJECTOR_FONT px or more (the
+    subtitle too: a plain second title line, not a small <sup>), the legend in two columns below the
+    plot with room for it, and `y_title` (a shorter y-axis title that fits the plot's height)."""
+    title = fig.layout.title.text or ""
+    main, _, sub = title.partition("<br><sup>")
+    sub = sub.removesuffix("</sup>")
+    text = main + (f"<br><span style='font-size:{PROJECTOR_FONT}px'>{sub}</span>" if sub else "")
+    entries = sum(1 for t in fig.data if t.showlegend is not False and t.name)
+    rows = -(-entries // 2)
+    fig.update_layout(font=dict(size=PROJECTOR_FONT), title=dict(text=text, font=dict(size=PROJECTOR_FONT + 4)),
+                      legend=dict(font=dict(size=PROJECTOR_FONT), orientation="h", yref="container", y=0,
+                                  yanchor="bottom", entrywidthmode="fraction", entrywidth=0.5),
+                      margin=dict(l=80, r=20, t=95 if sub else 60, b=70 + 28 * rows))
+    if height:
+        fig.update_layout(height=height + 28 * max(rows - 2, 0))
+    # set on each axis: Streamlit's chart theme sizes unset tick and axis-title fonts in rem (13.5 px here)
+    axis_fonts = dict(tickfont=dict(size=PROJECTOR_FONT), title_font=dict(size=PROJECTOR_FONT))
+    fig.update_xaxes(**axis_fonts)
+    fig.update_yaxes(**axis_fonts)
+    if y_title:
+        fig.update_yaxes(title_text=y_title)
+    return fig

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from kvviz.plots.style import BITS_DASH, FORMAT_NAMES, METHOD_COLORS, METHOD_LABELS, OKABE_ITO, layout, width_symbol
+from kvviz.plots.style import FORMAT_NAMES, METHOD_COLORS, METHOD_LABELS, OKABE_ITO, layout, METHOD_DASH, point_marker
 
 # --- trade-offs -----------------------------------------------------------------------------
 
@@ -21,8 +21,8 @@ METRIC_LABELS = {"tv": "TV distance (0-1)",
 
 def tradeoff_figure(rows: Sequence[dict], metric: str = "tv", front: Sequence[int] = (),
                     current: dict | None = None, log_x: bool = False) -> go.Figure:
-    """Error against memory ratio: one colour and one legend entry per method, one marker
-    shape (and dash) per bit width, explained once in a bit-width legend.
+    """Error against memory ratio: one colour, marker shape, line dash and legend entry per method; the
+    bit width fills or opens and sizes the marker, explained once in a bit-width legend.
 
     `rows` are kvviz.analysis.sweep rows, `metric` the column on the y axis; `front` indexes the
     Pareto-optimal rows (the page leaves the oracle out: no real policy reaches it), drawn
@@ -51,9 +51,8 @@ def tradeoff_figure(rows: Sequence[dict], metric: str = "tv", front: Sequence[in
                                                           if reads else ""),
                 legendgroup=method, showlegend=method not in seen_methods,
                 line=dict(color=METHOD_COLORS.get(method, OKABE_ITO["grey"]), width=1.5 if bound else 2,
-                          dash="dot" if bound else (BITS_DASH.get(int(bits), "solid") if fmt == "int" else "solid")),
-                marker=dict(symbol=width_symbol(int(bits), fmt), size=9,
-                            color=METHOD_COLORS.get(method, OKABE_ITO["grey"])),
+                          dash=METHOD_DASH.get(method, "solid")),
+                marker=point_marker(method, int(bits), fmt),
                 customdata=np.stack([g["method"], g["budget"], g["bits"], g["format"]], axis=1),
                 hovertemplate=("<b>%{customdata[0]}</b> budget %{customdata[1]} tokens, " + width +
                                "<br>memory %{x:.3f} of 16-bit<br>" + label + " %{y:.4f}"
@@ -65,7 +64,7 @@ def tradeoff_figure(rows: Sequence[dict], metric: str = "tv", front: Sequence[in
             name = (f"{int(bits)}-bit" if bits < 16 else "16-bit (off)") if fmt == "int" else FORMAT_NAMES.get(fmt, fmt)
             fig.add_scatter(x=[None], y=[None], mode="markers", name=name,
                             legendgroup="bits", legendgrouptitle_text="bit width",
-                            marker=dict(symbol=width_symbol(int(bits), fmt), size=9, color=OKABE_ITO["grey"]))
+                            marker=point_marker("", int(bits), fmt, color=OKABE_ITO["grey"]))
         rows_list = list(rows)
         if len(front):
             pts = pd.DataFrame([rows_list[i] for i in front]).sort_values("memory_ratio")
