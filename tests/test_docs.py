@@ -69,7 +69,11 @@ class Block:
 
 
 def _marker(line: str, where: str) -> tuple[set, str | None] | None:
-    m = MARK.match(line.strip())
+    """(markers, reason) of a docs-test comment: a line of its own, from its first column (an indented
+    one is an example in the text, not a marker)."""
+    if not line.startswith("<!--"):
+        return None
+    m = MARK.match(line.rstrip())
     if not m:
         if "docs-test" in line:
             raise ValueError(f"{where}: unreadable docs-test comment {line.strip()!r}")
@@ -110,7 +114,7 @@ def parse(path: Path) -> list[Block]:
                     block.skip = reason
         blocks.append(block)
         i = j + 1
-    markers = {k for k, line in enumerate(lines) if "docs-test:" in line}
+    markers = {k for k, line in enumerate(lines) if line.startswith("<!--") and "docs-test" in line}
     loose = markers - used
     if loose:
         raise ValueError(f"{path.name}:{min(loose) + 1}: a docs-test comment next to no fence")
