@@ -13,8 +13,10 @@ How a fenced block is read (docs/development.md, "The docs are tested"):
 
 An HTML comment on the line just before the opening fence (or just after the closing one) changes that:
 `<!-- docs-test: skip (REASON) -->` leaves the block out (the reason is required, and a test keeps the
-skips few); `<!-- docs-test: model -->` (or `slow`, `ray`, comma-separated) runs it under those pytest
-markers, so `make test` runs it and `make test-fast` (`-m core`) does not.
+skips few); `<!-- docs-test: model -->` (or `ray`, comma-separated) runs it under those pytest markers, so
+`make test` runs it and `make test-fast` (`-m core`) does not; `slow` marks a block of minutes (a decode
+loop, a model study, the full handbook lesson), which runs only when KVVIZ_DOCS_SLOW=1 is set, so that
+the suite keeps its 5-minute target: `KVVIZ_DOCS_SLOW=1 pytest tests/test_docs.py` runs every block.
 
 Each block runs in a new empty folder holding links to the repository's files (`examples/...`,
 `kvviz/data/sample.txt` resolve; what a command writes stays out of the checkout), where `kvviz`,
@@ -218,11 +220,17 @@ def run_block(block: Block, tmp: Path) -> None:
             assert wrong is None, f"{block.name}: `{cmd}` did not print the line\n  {wrong}\nit printed:\n{tail}"
 
 
+SLOW = os.environ.get("KVVIZ_DOCS_SLOW") == "1"
+
+
 def _params():
     for b in RUNNABLE:
         if b.skip:
             continue
-        yield pytest.param(b, id=b.name, marks=[getattr(pytest.mark, m) for m in sorted(b.marks)])
+        marks = [getattr(pytest.mark, m) for m in sorted(b.marks)]
+        if "slow" in b.marks and not SLOW:
+            marks.append(pytest.mark.skip(reason="a docs block of minutes: KVVIZ_DOCS_SLOW=1 runs it"))
+        yield pytest.param(b, id=b.name, marks=marks)
 
 
 @pytest.mark.parametrize("block", list(_params()))
