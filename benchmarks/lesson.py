@@ -38,6 +38,18 @@ MOVE = """async ([id, value]) => {
 }"""
 
 
+def wait_ready(page, timeout_s: float = 60.0) -> None:
+    """Poll the page's ready flag with evaluate (run through CDP, outside the page's CSP).
+
+    page.wait_for_function compiles its predicate with eval inside the page, which the lesson's
+    Content-Security-Policy (no 'unsafe-eval') refuses: an EvalError, as tests/test_lesson_browser.py found."""
+    deadline = time.monotonic() + timeout_s
+    while not page.evaluate("Boolean(window.kvvizLesson && window.kvvizLesson.ready)"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the lesson page did not get ready in {timeout_s:g} s")
+        page.wait_for_timeout(10)
+
+
 def measure(page_file: Path, opens_n: int, moves_n: int) -> tuple[list, list, list]:
     """(open times, redraw times, Playwright wall times to ready), in seconds."""
     from playwright.sync_api import sync_playwright
@@ -51,13 +63,13 @@ def measure(page_file: Path, opens_n: int, moves_n: int) -> tuple[list, list, li
             page = context.new_page()
             t = time.perf_counter()
             page.goto(page_file.as_uri())
-            page.wait_for_function("window.kvvizLesson && window.kvvizLesson.ready", timeout=60000)
+            wait_ready(page)
             wall.append(time.perf_counter() - t)
             opens.append(page.evaluate("kvvizLesson.firstChartMs") / 1000)
             page.close()
         page = context.new_page()
         page.goto(page_file.as_uri())
-        page.wait_for_function("window.kvvizLesson && window.kvvizLesson.ready", timeout=60000)
+        wait_ready(page)
         sliders = page.evaluate("kvvizLesson.meta.sliders.map(s => [s.name, s.values.length])")
         rng = random.Random(0)
         for _ in range(moves_n):

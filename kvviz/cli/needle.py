@@ -53,7 +53,8 @@ def register(subparsers) -> None:
                    help="filler (the classic repeated sentences) or sample (kvviz's bundled English text)")
     p.add_argument("--no-cache", action="store_true", help="recompute every cell (and overwrite the cache)")
     out = p.add_mutually_exclusive_group()
-    out.add_argument("--json", action="store_true", help='print {"cells": [...]} instead of the grid')
+    out.add_argument("--json", action="store_true",
+                     help='print {"model": ..., "settings": {...}, "cells": [...]} instead of the grid')
     out.add_argument("--out", help="write one CSV row per cell to this file")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=cmd_needle)
