@@ -102,12 +102,14 @@ def main() -> None:
                                                                    else ".")
                           if members > 1 else "One row, no ensemble: pick one under View → Error bars over."))
 
-    def attention_chart(y_top: float | None) -> None:
+    def attention_figure(y_top: float | None) -> None:
         if binned:
             drawn["attention"] = look(figures.binned_attention_figure(frame, row=row, y_top=y_top), "attention mass")
         else:
             drawn["attention"] = look(figures.attention_figure(per_token, row=row, text_tokens=text,
                                                                pinned=pinned_tokens, y_top=y_top), "attention")
+
+    def attention_chart() -> None:
         if binned and not present:
             st.caption(f"{n_seen} tokens: the charts show {len(frame)} bins of up to {int(frame['tokens'].max())} "
                        "tokens each (the CSV has every token).")
@@ -120,23 +122,24 @@ def main() -> None:
                        "window lined, heavy hitters crossed); hatched vermillion bars are evicted tokens, whose "
                        "attention drops to zero.")
 
+    # The attention figure is built (~0.1 s) before the cards are drawn, so that the cards and the charts'
+    # frames reach the browser together (kvviz.app.charts: the first paint); the lock toggle, drawn into its
+    # place below the cards, decides the figure's y-axis, so it runs first.
     if present:   # one projector screen: sliders (above), the attention chart, three cards, the error chart
-        first, lock_slot = st.container(), st.container()
-        plain_cards_and_folded_notes()
-        second = st.container()
-        with lock_slot:
-            y_range, y_top = lock_toggle()
-        with first:
-            attention_chart(y_top)
-        with second:
-            error_chart(y_range)
+        first, lock_slot, cards, second = st.container(), st.container(), st.container(), st.container()
     else:
-        cards_and_notes()
-        first, lock_slot = st.container(), st.container()
-        with lock_slot:
-            y_range, y_top = lock_toggle()
-        with first:
-            attention_chart(y_top)
+        cards, lock_slot, first, second = st.container(), st.container(), st.container(), st.container()
+    with lock_slot:
+        y_range, y_top = lock_toggle()
+    attention_figure(y_top)
+    with cards:
+        if present:
+            plain_cards_and_folded_notes()
+        else:
+            cards_and_notes()
+    with first:
+        attention_chart()
+    with second:
         error_chart(y_range)
     fig_att = drawn["attention"]
     if present:

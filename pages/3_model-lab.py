@@ -41,13 +41,14 @@ def _slider_trace() -> Trace:
 
 
 @st.cache_resource(show_spinner=False)
-def _results() -> dict:
-    """Finished runs, shared by every session (a run's progress widgets are not replayed)."""
+def _results(folder: str) -> dict:
+    """Finished runs, shared by every session (a run's progress widgets are not replayed), per results
+    folder (lab.lab_cache_dir()): a run stored under another folder is not this server's."""
     return {}
 
 
 def _remember(key: tuple, result: dict) -> None:
-    cache = _results()
+    cache = _results(str(lab.lab_cache_dir()))
     if len(cache) >= 32:
         cache.pop(next(iter(cache)))
     cache[key] = result
@@ -159,7 +160,7 @@ def main() -> None:
 
     settings = lab.LabSettings(model_name, text, prompt_tokens, continuation, greedy_tokens, spec)
     key = settings.key()
-    done = _results()
+    done = _results(str(lab.lab_cache_dir()))
     if key not in done and key == lab.default_settings().key():
         stored = lab.load_result(settings)        # precomputed by `make venv` or the first start
         if stored is not None:

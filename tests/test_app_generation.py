@@ -98,8 +98,12 @@ def test_model_lab_loads_no_model_until_run(monkeypatch, tmp_path):
     assert [b.label for b in at.button] == [*PRESETS, "Run the model"]
     assert any("press **Run the model**" in i.value for i in at.info)
     assert any("capped" in c.value for c in at.caption)
-    assert at.number_input(key="lab_prompt").max == 512
-    assert at.number_input(key="lab_cont").max == 128
+    # the boxes' ranges are in their help, and a number typed outside is clamped with a notice (issue #34)
+    assert "Range 8-512" in at.number_input(key="lab_prompt").help
+    assert "Range 2-128" in at.number_input(key="lab_cont").help
+    at.number_input(key="lab_prompt").set_value(99999).run()
+    assert at.number_input(key="lab_prompt").value == 512
+    assert any("clamped to 512" in w.value for w in [*at.warning, *at.info, *at.markdown, *at.caption])
 
 
 def test_model_lab_refuses_the_noise_model():

@@ -76,7 +76,7 @@ def test_tradeoff_chart_places_quest_by_bytes_read_and_says_so():
     assert quest["saves"] == "memory read" and snap["saves"] == "memory stored"
     assert quest["memory_ratio"] > 1 > quest["memory_read_ratio"]
     fig = tradeoffs.tradeoff_figure(rows, "tv")
-    trace = next(d for d in fig.data if d.name and d.name.startswith("quest"))
+    trace = next(d for d in fig.data if d.legendgroup == "quest" and d.name)
     assert "saves memory read" in trace.name
     np.testing.assert_allclose(trace.x, [quest["memory_read_ratio"]])
     c = compare(t, Spec(sink=4, recent=6, heavy=6, scorer="quest"), View())

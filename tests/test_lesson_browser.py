@@ -51,6 +51,9 @@ SHOWN = """() => {
           point: window.kvvizLesson.point};
 }"""
 
+# the lesson is the app's view, with the app's defaults (kvviz.links): a partial group is quantized there
+APP_PARTIAL = defaults()["partial"]
+
 
 def export(tmp, name, *argv) -> Path:
     out = tmp / f"{name}.html"
@@ -155,7 +158,7 @@ def test_the_page_shows_what_compare_computes_at_every_point_tried(offline_page,
             set_point(pg, **values)
         shown = pg.evaluate(SHOWN)
         spec = Spec(sink=values["sink"], recent=values["recent"], heavy=values["heavy"], key_bits=values["bits"],
-                    value_bits=values["bits"])
+                    value_bits=values["bits"], partial=APP_PARTIAL)
         comp = compare(src.trace, spec, view, trace_for_seed=src.trace_for_seed)
         check_point(shown, comp, with_band(token_frame(comp), "std"))
         seen.add(shown["point"])
@@ -169,7 +172,8 @@ def test_the_page_agrees_with_the_kvviz_compare_command(offline_page, handbook_l
     set_point(pg, sink=0, recent=16, heavy=8, bits=4)
     shown = pg.evaluate(SHOWN)
     out = subprocess.run([sys.executable, "-m", "kvviz", "compare", "--sink", "0", "--recent", "16", "--heavy", "8",
-                          "--bits", "4", "--ensemble", "seeds", "--ensemble-size", "8", "--json"],
+                          "--bits", "4", "--partial-groups", APP_PARTIAL, "--ensemble", "seeds", "--ensemble-size",
+                          "8", "--json"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300, check=True)
     printed = json.loads(out.stdout)
     assert [number(v) for _, v in shown["total"]] == printed["error_mean"]
@@ -234,7 +238,7 @@ def test_a_long_source_is_binned_and_exact(offline_page, tmp_path):
     for recent, bits in ((32, 4), (0, 16)):
         set_point(pg, recent=recent, bits=bits)
         shown = pg.evaluate(SHOWN)
-        comp = compare(trace, Spec(sink=4, recent=recent, heavy=16, key_bits=bits, value_bits=bits),
+        comp = compare(trace, Spec(sink=4, recent=recent, heavy=16, key_bits=bits, value_bits=bits, partial=APP_PARTIAL),
                        View(ensemble="heads", ensemble_size=8))
         frame = with_band(binned_frame(comp), "std")
         check_point(shown, comp, frame, binned=True)

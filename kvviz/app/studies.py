@@ -184,6 +184,8 @@ def cell_values(row: dict) -> tuple[dict, str, list[str]]:
         scorer = row["scorer"]
         evict = dict(sink=0, recent=0, heavy=0) if scorer == "full" else split_budget(scorer, int(row["budget_tokens"]))
         fmt = row.get("format", "int")
+        # every compression control as the study's Spec had it (the app's own defaults differ: partial groups)
+        values.update({k: v for k, v in values_from_spec(Spec()).items() if k != "scorer"})
         values.update(evict, bits=int(row["bits"]) if fmt == "int" else FULL_BITS, split=False, key_fmt=fmt,
                       value_fmt=fmt)
         if scorer != "full":
