@@ -61,11 +61,12 @@ class LabSettings:
 
 
 def default_settings(spec: Spec | None = None) -> LabSettings:
-    """The page's opening settings: the sample text, 206 + 57 tokens, 32 greedy, the sidebar's default spec."""
+    """The page's opening settings: the sample text, 206 + 57 tokens, 32 greedy, the sidebar's default spec
+    (the one a link without a query string describes, so the precomputed result is the one the page opens on)."""
+    from kvviz import links
     from kvviz.decode.quality import sample_text
-    from kvviz.sources import handbook
 
-    spec = spec or Spec(sink=handbook.SINK, recent=handbook.RECENT, heavy=handbook.HEAVY, scorer="h2o")
+    spec = spec or links.spec_from_values(links.defaults())
     return LabSettings(DEFAULT_MODEL, sample_text(), DEFAULT_PROMPT, DEFAULT_CONTINUATION, DEFAULT_GREEDY, spec)
 
 
