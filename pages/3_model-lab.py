@@ -203,7 +203,7 @@ def show(result: dict) -> None:
     d = q.as_dict()
     st.caption(f"{result['model']}: {d['prompt_tokens']}-token prompt, {d['continuation_tokens']} continuation "
                f"tokens scored (teacher-forced; the first is predicted by the prefill, before compression).")
-    m = st.columns(5)
+    m = st.columns(3) + st.columns(3)[:2]   # five cards in one row are cut at a projector's 1024 px
     m[0].metric("Perplexity (compressed)", f"{q.perplexity:.2f}", delta=f"{q.perplexity - q.perplexity_full:+.2f}",
                 delta_color="inverse", border=True, help="exp(mean −log p̂) of the true continuation tokens.")
     m[1].metric("Perplexity (full cache)", f"{q.perplexity_full:.2f}", border=True)
