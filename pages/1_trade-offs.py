@@ -22,8 +22,13 @@ METRICS = {"tv": ("TV distance", "tv", "tv_distance"),
            "mass": ("attention mass retained", "mass_retained", "mass_retained"),
            "output_error": ("output error", "output_error", "output_rel_error")}
 HIGHER_IS_BETTER = {"mass"}
-TABLE_COLUMNS = {"method": "method", "budget": "budget (tokens)", "budget_fraction": "budget (share of tokens)",
-                 "bits": "bits (K and V)", "format": "format", "memory_ratio": "memory (× the 16-bit cache)"}
+# the Pareto table's columns: (short header, what it means); short so the table fits 1024 px without scrolling
+TABLE_COLUMNS = {"method": ("method", "the eviction policy"), "budget": ("budget", "tokens kept"),
+                 "budget_fraction": ("share", "the budget as a share of the tokens the query sees"),
+                 "bits": ("bits", "bits of the kept keys and values (16 = not quantized)"),
+                 "format": ("format", "the number format of the kept keys and values"),
+                 "memory_ratio": ("memory", "memory of the compressed cache, × the 16-bit cache")}
+TABLE_FORMATS = {"budget_fraction": "percent", "memory_ratio": "%.3f×"}
 
 
 def open_in_explorer(point: dict) -> None:
@@ -97,8 +102,12 @@ def main() -> None:
     best = [valid[i] for i in front] if front else []
     if best:
         st.markdown("**Pareto-optimal settings** (real policies)")
-        st.dataframe([{**{TABLE_COLUMNS[k]: r[k] for k in TABLE_COLUMNS}, METRICS[metric][0]: r[column]}
-                      for r in best], hide_index=True, key="pareto_table")
+        config = {k: st.column_config.Column(label, help=about) if k not in TABLE_FORMATS else
+                  st.column_config.NumberColumn(label, help=about, format=TABLE_FORMATS[k])
+                  for k, (label, about) in TABLE_COLUMNS.items()}
+        config[column] = st.column_config.NumberColumn(METRICS[metric][0], format="%.4f")
+        st.dataframe([{**{k: r[k] for k in TABLE_COLUMNS}, column: r[column]} for r in best], hide_index=True,
+                     key="pareto_table", column_config=config)
     d1, d2 = st.columns(2)
     d1.download_button("Download sweep (CSV)", data=lambda: to_csv(rows), file_name=f"kvviz-sweep-{source.key[0]}.csv",
                        mime="text/csv", on_click="ignore", icon=":material/download:")

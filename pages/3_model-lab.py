@@ -9,6 +9,7 @@ from kvviz.decode import lab
 from kvviz.app.charts import chart
 from kvviz.app.cards import fmt_bytes, fmt_exact, fmt_pct
 from kvviz.app.compression import compression_section
+from kvviz.app.guard import other_runs
 from kvviz.app.layout import page_setup
 from kvviz.app.router import run_page
 from kvviz.app.presets import preset_buttons
@@ -60,12 +61,18 @@ def _label(info, name: str) -> str:
 
 
 def _estimate_text(settings: lab.LabSettings) -> str:
-    seconds = lab.estimate(settings, full_cached=_full_cached(settings))
+    median, runs = lab.recent_runs(settings)
+    seconds = median if median is not None else lab.step_estimate(settings, full_cached=_full_cached(settings))
+    others = other_runs()
+    busy = (f" The server is busy ({others} other run{'s' if others > 1 else ''} in progress or waiting), so this "
+            "one may take longer." if others else "")
     if seconds is None:
-        return "The first run also measures how long a step takes here."
-    return (f"About {max(1, round(seconds))} s on this machine (from the step time measured here), "
+        return "The first run also measures how long a step takes here." + busy
+    basis = (f"the median of the last {runs} run{'s' if runs > 1 else ''} of this size on this server" if runs
+             else "from the step time measured here")
+    return (f"About {max(1, round(seconds))} s ({basis}), "
             + ("one masked pass for the scored tokens." if lab.one_pass(settings.spec) else
-               f"step by step for the scored tokens ({settings.spec.scorer} decides at every step)."))
+               f"step by step for the scored tokens ({settings.spec.scorer} decides at every step).") + busy)
 
 
 def _full_cached(settings: lab.LabSettings) -> bool:
@@ -204,7 +211,7 @@ def show(result: dict) -> None:
     d = q.as_dict()
     st.caption(f"{result['model']}: {d['prompt_tokens']}-token prompt, {d['continuation_tokens']} continuation "
                f"tokens scored (teacher-forced; the first is predicted by the prefill, before compression).")
-    m = st.columns(5)
+    m = st.columns(3) + st.columns(3)[:2]   # five cards in one row are cut at a projector's 1024 px
     m[0].metric("Perplexity (compressed)", f"{q.perplexity:.2f}", delta=f"{q.perplexity - q.perplexity_full:+.2f}",
                 delta_color="inverse", border=True, help="exp(mean −log p̂) of the true continuation tokens.")
     m[1].metric("Perplexity (full cache)", f"{q.perplexity_full:.2f}", border=True)

@@ -60,12 +60,19 @@ def _picked(key: str, param: str, loudest: int) -> None:
 
 
 def _head_picker(where, key: str, param: str, label: str, n: int, loudest: int) -> int:
-    """A layer / KV head box whose default is the loudest one (kept in the link only when changed)."""
+    """A layer / KV head box whose default is the loudest one (kept in the link only when changed). A number
+    typed or linked out of 0..n-1 is clamped with the notice a link gets: the box has no browser-side
+    min / max, which would keep it in a red box and send nothing (issue 34)."""
     store, ss = state(), st.session_state
     stored = store[param]
-    if key not in ss:
-        ss[key] = min(stored, n - 1) if stored >= 0 else loudest
-    value = int(where.number_input(label, 0, n - 1, key=key, on_change=_picked, args=(key, param, loudest)))
+    value = ss[key] if key in ss else (stored if stored >= 0 else loudest)
+    if not 0 <= value <= n - 1:
+        clamped = min(max(int(value), 0), n - 1)
+        notice(f"{label} {value} is out of range (0-{n - 1}); clamped to {clamped}.")
+        value = clamped
+    ss[key] = value
+    value = int(where.number_input(label, key=key, step=1, on_change=_picked, args=(key, param, loudest),
+                                   help=f"Range 0-{n - 1}; a number outside it is clamped."))
     store[param] = -1 if value == loudest else value
     return value
 

@@ -149,6 +149,21 @@ def test_the_pool_serves_in_order_and_says_how_many_are_ahead():
     assert got == [c, d]
 
 
+def test_the_pool_counts_the_other_runs():
+    p = guard.Pool(1)
+    assert p.others(holding=False) == 0
+    p.acquire(object(), lambda: None)
+    assert p.others(holding=True) == 0 and p.others(holding=False) == 1     # the caller's own run is not other work
+    waiter = threading.Thread(target=lambda: p.acquire(object(), lambda: None))
+    waiter.start()
+    while not p._queue:
+        pass
+    assert p.others(holding=True) == 1
+    p.release()
+    waiter.join(5)
+    assert p.others(holding=True) == 0
+
+
 def test_a_check_that_raises_leaves_the_line():
     p = guard.Pool(1)
     p.acquire(object(), lambda: None)

@@ -89,6 +89,26 @@ def test_a_link_opens_a_cell_and_head_and_the_pickers_drive_the_token_grid(shipp
     assert at.query_params["nd_layer"] == "0" and at.query_params["nd_cell"] == "h2o:40:0"
 
 
+@pytest.mark.parametrize("key, param, typed, clamped", [("needle_layer", "nd_layer", 99, L - 1),
+                                                         ("needle_head", "nd_head", -5, 0)])
+def test_a_layer_or_head_typed_out_of_range_is_clamped_with_the_notice_a_link_gets(shipped, key, param, typed,
+                                                                                    clamped):
+    label = {"needle_layer": "Layer", "needle_head": "KV head"}[key]
+    at = run_app(PAGE, 120, nd_cell="h2o:40:0")
+    at.number_input(key=key).set_value(typed).run()
+    assert not at.exception
+    assert at.number_input(key=key).value == clamped
+    n = L if key == "needle_layer" else H
+    notice = f"{label} {typed} is out of range (0-{n - 1}); clamped to {clamped}."
+    assert any(notice in w.value for w in at.warning), [w.value for w in at.warning]
+    other = {"needle_layer": "needle_head", "needle_head": "needle_layer"}[key]
+    assert at.query_params.get(param) in (None, str(clamped))         # the link holds the clamped value
+    # a link out of range gets the same notice
+    at = run_app(PAGE, 120, nd_cell="h2o:40:0", **{param: 1000})
+    assert at.number_input(key=key).value == n - 1 and at.number_input(key=other).value >= 0
+    assert any(f"{label} 1000 is out of range (0-{n - 1}); clamped to {n - 1}." in w.value for w in at.warning)
+
+
 def test_classic_failure_button_selects_it_and_a_bad_link_says_so(shipped):
     at = run_app(PAGE, 120, nd_cell="full:60:1")
     assert [s.value for s in at.subheader][0] == "Full cache · 60 tokens · needle at 100%"

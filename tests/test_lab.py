@@ -42,6 +42,7 @@ def tiny():
 def lab_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("KVVIZ_LAB_DIR", str(tmp_path / "lab"))
     lab._FULL.clear()
+    lab._RUNS.clear()
 
 
 @pytest.mark.parametrize("spec", [Spec(sink=2, recent=6, heavy=4, scorer="snapkv"),
@@ -110,3 +111,55 @@ def test_the_page_opens_on_the_stored_default_result(tiny, monkeypatch):
     assert shown["Perplexity (compressed)"] == f"{tiny_result['quality'].perplexity:.2f}"
     assert any("Precomputed for the default settings" in c.value for c in at.caption)
     assert "Run again (live)" in [b.label for b in at.button]
+
+
+def test_the_estimate_is_the_median_of_the_last_runs_of_the_same_size():
+    """Issue 34: "About 5 s" for a run that took 94 s on a busy server. The estimate is what runs of this
+    size took on this server lately: the median of the last five, a different size not mixed in."""
+    settings = lab.default_settings()
+    lab._record("step", 0.01)
+    lab._record("forward_token", 0.001)
+    by_steps = lab.step_estimate(settings)
+    assert lab.estimate(settings) == pytest.approx(by_steps) and lab.recent_runs(settings) == (None, 0)
+    for seconds in (90.0, 6.0, 7.0):
+        lab.record_run(settings, seconds)
+    assert lab.recent_runs(settings) == (7.0, 3) and lab.estimate(settings) == 7.0
+    other = lab.LabSettings(settings.model, settings.text, settings.prompt_tokens * 2, settings.continuation,
+                            settings.greedy_tokens, settings.spec)
+    lab.record_run(other, 500.0)
+    assert lab.estimate(settings) == 7.0 and lab.recent_runs(other) == (500.0, 1)
+    for seconds in (30.0, 31.0, 32.0, 33.0):      # only the last five count: 7, 30, 31, 32, 33
+        lab.record_run(settings, seconds)
+    assert lab.recent_runs(settings) == (31.0, 5)
+    stepwise = lab.LabSettings(settings.model, settings.text, settings.prompt_tokens, settings.continuation,
+                               settings.greedy_tokens, Spec(sink=4, recent=8, heavy=2, scorer="h2o"))
+    assert lab.one_pass(stepwise.spec) != lab.one_pass(Spec())
+    assert lab.recent_runs(lab.LabSettings(settings.model, settings.text, settings.prompt_tokens,
+                                           settings.continuation, settings.greedy_tokens, Spec())) == (None, 0)
+
+
+def test_a_run_records_its_time(tiny):
+    model, text = tiny
+    settings = lab.LabSettings("tiny", text, 24, 20, 4, Spec(sink=2, recent=6))
+    result = lab.run(model, Tok(), "tiny", settings)
+    assert lab.recent_runs(settings) == (pytest.approx(result["seconds"]), 1)
+
+
+def test_the_page_says_where_its_estimate_comes_from_and_when_the_server_is_busy(monkeypatch):
+    from apptest_util import run_app
+
+    from kvviz.app import guard
+
+    def caption(at) -> str:
+        return next(c.value for c in at.caption if c.value.startswith(("About", "The first run")))
+    assert caption(run_app(LAB_PAGE, 120)).startswith("The first run also measures")
+    for seconds in (12.0, 95.0, 14.0):
+        lab.record_run(lab.default_settings(), seconds)
+    text = caption(run_app(LAB_PAGE, 120))
+    assert text.startswith("About 14 s (the median of the last 3 runs of this size on this server)"), text
+    assert "busy" not in text
+    busy = guard.Pool(4)                    # another visitor's run holds a slot of this server
+    busy.acquire(object(), lambda: None)
+    monkeypatch.setattr(guard, "pool", lambda: busy)
+    text = caption(run_app(LAB_PAGE, 120))
+    assert "The server is busy (1 other run in progress or waiting)" in text, text

@@ -94,6 +94,11 @@ class Pool:
         with self._cond:
             return self._running >= self.size or bool(self._queue)
 
+    def others(self, holding: bool) -> int:
+        """How many runs hold a slot or wait for one, besides the caller's own run (`holding`: it holds one)."""
+        with self._cond:
+            return max(0, self._running - int(holding)) + len(self._queue)
+
     def acquire(self, ticket: object, check: Callable[[], None]) -> None:
         """Wait for a slot; `check` runs between waits and may raise to leave the line."""
         with self._cond:
@@ -135,6 +140,12 @@ class Pool:
                 if now >= deadline:
                     return False
                 self._cond.wait(min(POLL_SECONDS * 5, max(0.01, deadline - now)))
+
+
+def other_runs() -> int:
+    """How many other page runs (other visitors' pages, a Model lab or Needle run among them) this server
+    is running or has waiting: the Model lab's estimate says the server is busy when there are any."""
+    return pool().others(holding=bool(_SERVED.get()))
 
 
 # --- a script run ---------------------------------------------------------------------------------

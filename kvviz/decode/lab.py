@@ -12,7 +12,8 @@ A run (LabSettings) is
 Results go to JSON (never pickle) so the default settings' result can be precomputed
 (`python -m kvviz.decode.lab --precompute`, run by `make venv`, or in the background on the
 app's first start) and the page opens on it at once. `estimate` says how long a run will
-take from the per-step times measured on this machine. torch is imported lazily.
+take: the median of the last runs of the same size on this server (`record_run`), else from the per-step
+times measured on this machine. torch is imported lazily.
 """
 
 from __future__ import annotations
@@ -166,8 +167,10 @@ def run(model, tokenizer, label: str, settings: LabSettings, progress: Progress 
         say(0.9, "teacher-forced quality in one masked pass")
         quality = evaluate(model, ref, spec)
     say(1.0, "done")
+    seconds = time.perf_counter() - t0
+    record_run(settings, seconds)
     return {"quality": quality, "pair": pair, "model": label, "n_text_tokens": len(ref.ids),
-            "prompt_text": "".join(ref.tokens[:n]), "seconds": time.perf_counter() - t0}
+            "prompt_text": "".join(ref.tokens[:n]), "seconds": seconds}
 
 
 def _greedy_ids(result) -> tuple[int, ...]:
@@ -215,8 +218,45 @@ def _record(kind: str, seconds: float) -> None:
         pass
 
 
+_RUNS: OrderedDict = OrderedDict()     # run size -> the last few runs' seconds, in this process (this server)
+_RUNS_LOCK = threading.Lock()
+RUNS_KEPT = 5                            # per size: the median of the last five
+
+
+def run_size(settings: LabSettings) -> tuple:
+    """What a run's time depends on: prompt, continuation and greedy tokens, and whether the teacher-forced
+    tokens go in one masked pass or step by step."""
+    return (settings.prompt_tokens, settings.continuation, settings.greedy_tokens, one_pass(settings.spec))
+
+
+def record_run(settings: LabSettings, seconds: float) -> None:
+    """Remember how long a finished run of this size took (kept in memory for this server process)."""
+    size = run_size(settings)
+    with _RUNS_LOCK:
+        last = _RUNS.pop(size, [])
+        _RUNS[size] = (last + [float(seconds)])[-RUNS_KEPT:]
+        while len(_RUNS) > 64:
+            _RUNS.popitem(last=False)
+
+
+def recent_runs(settings: LabSettings) -> tuple[float | None, int]:
+    """(median seconds, how many runs) of the last runs of this size on this server; (None, 0) before any."""
+    with _RUNS_LOCK:
+        last = list(_RUNS.get(run_size(settings), ()))
+    return (float(np.median(last)), len(last)) if last else (None, 0)
+
+
 def estimate(settings: LabSettings, full_cached: bool = False) -> float | None:
-    """Expected seconds of a run from the times measured here before (None before any run)."""
+    """Expected seconds of a run from the times measured here before (None before any run): the median
+    of the last runs of the same size on this server, else the per-step times measured on this machine."""
+    median, _ = recent_runs(settings)
+    if median is not None:
+        return median
+    return step_estimate(settings, full_cached)
+
+
+def step_estimate(settings: LabSettings, full_cached: bool = False) -> float | None:
+    """Expected seconds of a run from the per-token and per-step times measured here (None before any run)."""
     d = _timings()
     step, tok = d.get("step"), d.get("forward_token")
     if step is None or tok is None:

@@ -12,7 +12,7 @@ import html
 import numpy as np
 import plotly.graph_objects as go
 
-from kvviz.plots.style import METHOD_COLORS, METHOD_DASH, METHOD_SYMBOLS, REASON_COLORS
+from kvviz.plots.style import METHOD_COLORS, METHOD_DASH, METHOD_SYMBOLS, REASON_COLORS, wrap
 from kvviz.analysis.timeline import EVICTED, FUTURE, KEPT, MISSED, STATE_NAMES, Timeline
 
 # Colours mean what they mean on the Explorer (kvviz.plots.figures): kept = sky blue ("kept"),
@@ -95,10 +95,13 @@ def kl_strip(tokens, kl: np.ndarray, first_is_prefill: bool = True) -> go.Figure
         z=kl[None, :], x=np.arange(len(kl)), y=["KL"], colorscale="Oranges", zmin=0,
         customdata=np.array(labels, dtype=object)[None, :],
         hovertemplate="token %{x}: %{customdata}<br>KL %{z:.4f} nats<extra></extra>",
-        colorbar=dict(title="nats", thickness=10)))
-    fig.update_layout(title="Per-token KL(full || compressed) of the next-token distribution"
-                            + (" (token 0 comes from the prefill, before compression)" if first_is_prefill else ""),
-                      xaxis_title="continuation token", height=170, margin=dict(l=40, r=10, t=40, b=40))
+        # the bar as tall as the strip (its title beside it, not above) and 3 ticks: the strip is ~100 px tall
+        colorbar=dict(title=dict(text="nats", side="right"), thickness=10, nticks=3)))
+    title = "Per-token KL(full || compressed) of the next-token distribution"
+    if first_is_prefill:   # a second line: one line would run past the chart at a projector's 1024 px
+        title += "<br><sup>token 0 comes from the prefill, before compression</sup>"
+    fig.update_layout(title=title, xaxis_title="continuation token", height=210,
+                      margin=dict(l=40, r=10, t=70 if first_is_prefill else 45, b=40))
     return fig
 
 
@@ -147,7 +150,21 @@ def timeline_animation(tl: Timeline, step: int = 0, max_tokens: int = 1200, shif
     step = min(max(int(step), 0), S - 1)
     rows = 1 + len(names)
     heights = [0.28] + [0.72 / max(len(names), 1)] * len(names)
-    fig = make_subplots(rows=rows, cols=1, row_heights=heights, vertical_spacing=0.06 if rows < 5 else 0.04,
+    # Everything in pixels, then as fractions of the plot area: between two panels the upper one's tick
+    # labels and axis title and the lower one's title; below the last, its axis, then Play / Pause on a row
+    # of their own, the step slider (its "decode step" label above its rail, its ticks below) and the legend.
+    gap, under, buttons, slider, legend = 95, 55, 45, 85, 60
+    height, bottom = 300 + (260 + gap) * len(names), under + buttons + slider + legend
+
+    def title(s: int) -> str:     # wrapped to fit the chart at a projector's 1024 px (about 650 px wide)
+        regrets = ", ".join(f"{labels.get(n, n)} {tl.policies[n].regret[s]:.3f}" for n in names)
+        return (wrap(f"Step {s}: query at position {int(tl.positions[s])} (layer {tl.layer}, KV head {tl.kv_head}, "
+                     f"budget {tl.spec.budget})", 72) + "<br>" + wrap(f"regret: {regrets}", 72, sep=", "))
+
+    top = 55 + 19 * max(title(s).count("<br>") + 1 for s in range(S))    # the title, then the first panel's
+    height += top
+    area = height - top - bottom            # the plot area, which paper coordinates divide
+    fig = make_subplots(rows=rows, cols=1, row_heights=heights, vertical_spacing=gap / area,
                         subplot_titles=["Regret per step: attention the full model put on evicted tokens"]
                         + [f"{labels.get(n, n)}: tokens held at each decode step" for n in names])
     for name, pt in tl.policies.items():
@@ -191,25 +208,19 @@ def timeline_animation(tl: Timeline, step: int = 0, max_tokens: int = 1200, shif
                             line=dict(color="#000000", width=1.5, dash="dot")))
         return fixed + out
 
-    def title(s: int) -> str:
-        regrets = ", ".join(f"{labels.get(n, n)} {tl.policies[n].regret[s]:.3f}" for n in names)
-        return (f"Step {s}: query at position {int(tl.positions[s])} (layer {tl.layer}, KV head {tl.kv_head}, "
-                f"budget {tl.spec.budget}) · regret {regrets}")
-
     fig.frames = [go.Frame(name=str(s), layout=dict(shapes=shapes(s), title=dict(text=title(s)))) for s in range(S)]
     play = dict(frame=dict(duration=150, redraw=True), transition=dict(duration=0), fromcurrent=True, mode="immediate")
-    height, top, bottom = 300 + 260 * len(names), 70, 170
-    below_slider = -0.02 - 100 / (height - top - bottom)      # the legend under Play and the step slider
     fig.update_layout(
-        title=dict(text=title(step), font=dict(size=14)), shapes=shapes(step),
+        title=dict(text=title(step), font=dict(size=14), yref="container", y=1, yanchor="top", pad=dict(t=16)),
+        shapes=shapes(step),
         height=height, margin=dict(l=50, r=10, t=top, b=bottom),
-        legend=dict(orientation="h", yanchor="top", y=below_slider, xanchor="left", x=0.0),
-        updatemenus=[dict(type="buttons", direction="left", x=0.0, y=-0.02, xanchor="left", yanchor="top",
-                          showactive=False, pad=dict(t=30, r=10),
+        legend=dict(orientation="h", yanchor="top", y=-(under + buttons + slider) / area, xanchor="left", x=0.0),
+        updatemenus=[dict(type="buttons", direction="left", x=0.0, y=-under / area, xanchor="left", yanchor="top",
+                          showactive=False, pad=dict(t=0, r=10),
                           buttons=[dict(label="▶ Play", method="animate", args=[None, play]),
                                    dict(label="❚❚ Pause", method="animate",
                                         args=[[None], dict(frame=dict(duration=0, redraw=False), mode="immediate")])])],
-        sliders=[dict(active=step, x=0.12, len=0.88, y=-0.02, yanchor="top", pad=dict(t=30),
+        sliders=[dict(active=step, x=0.0, len=1.0, y=-(under + buttons) / area, yanchor="top", pad=dict(t=0),
                       currentvalue=dict(prefix="decode step "),
                       steps=[dict(label=str(s), method="animate",
                                   args=[[str(s)], dict(frame=dict(duration=0, redraw=True), mode="immediate",

@@ -18,7 +18,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvviz.plots.style import OKABE_ITO
+from kvviz.plots.style import OKABE_ITO, wrap
 
 RIGHT, WRONG = OKABE_ITO["blue"], OKABE_ITO["vermillion"]
 LABELS = {"full": "Full cache", "h2o": "H2O", "tova": "TOVA", "snapkv": "SnapKV", "streaming": "StreamingLLM",
@@ -40,8 +40,10 @@ def grid_figure(cells: Sequence, selected: tuple | None = None, height: int = 33
     lengths = sorted({c.length for c in cells})
     depths = sorted({c.depth for c in cells})
     cols = max(1, len(groups))
-    fig = make_subplots(rows=1, cols=cols, shared_yaxes=True, horizontal_spacing=0.02,
-                        subplot_titles=[_title(*g) for g in groups])
+    # a panel is about 100 px wide at a projector's 1024 px: its title in lines of at most 13 characters
+    titles = [wrap(_title(*g), 13) for g in groups]
+    lines = max((t.count("<br>") + 1 for t in titles), default=1)
+    fig = make_subplots(rows=1, cols=cols, shared_yaxes=True, horizontal_spacing=0.02, subplot_titles=titles)
     shown: set = set()
     for j, g in enumerate(groups, start=1):
         mine = [c for c in cells if (c.scorer, c.budget, c.bits) == g]
@@ -66,7 +68,7 @@ def grid_figure(cells: Sequence, selected: tuple | None = None, height: int = 33
     fig.update_yaxes(type="category", categoryorder="array", categoryarray=[f"{d:.0%}" for d in depths],
                      autorange="reversed")
     fig.update_yaxes(title_text="needle depth", row=1, col=1)
-    fig.update_layout(height=height, margin=dict(l=60, r=10, t=40, b=40),
+    fig.update_layout(height=height + 17 * (lines - 1), margin=dict(l=60, r=10, t=24 + 17 * lines, b=40),
                       legend=dict(orientation="h", yanchor="top", y=-0.22, x=0), plot_bgcolor="#ffffff")
     return fig
 

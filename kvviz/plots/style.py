@@ -58,6 +58,21 @@ FONT = dict(family="Source Sans Pro, sans-serif", size=13)
 CHART_CONFIG = {"toImageButtonOptions": {"format": "svg", "filename": "kvviz-chart"}, "displaylogo": False}
 
 
+def wrap(text: str, width: int, sep: str = " ") -> str:
+    """`text` broken into lines of at most `width` characters at its separators (plotly's <br>), so a
+    title fits a narrow chart or panel; a piece longer than `width` keeps its own line, whole. With
+    sep=", " a list breaks only between its items (the comma ends the line)."""
+    lines: list[str] = []
+    for piece in text.split(sep):
+        if lines and len(lines[-1]) + len(sep) + len(piece) <= width:
+            lines[-1] += sep + piece
+        else:
+            if lines:
+                lines[-1] += sep.rstrip()
+            lines.append(piece)
+    return "<br>".join(lines)
+
+
 def layout(fig: go.Figure, title: str, x_title: str, y_title: str, height: int = 380,
             subtitle: str = "") -> go.Figure:
     text = f"{title}<br><sup>{subtitle}</sup>" if subtitle else title

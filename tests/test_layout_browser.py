@@ -1,0 +1,163 @@
+"""No clipped or overlapping text on any page at a projector's 1024 x 768 and a laptop's 1440 x 900 (issue 34).
+
+One server, one browser page: each page (and the Explorer in Presentation mode) is visited once per size, left to settle, and measured in one
+`page.evaluate` (LAYOUT_JS): the bounding boxes of the page's headings, metric cards and tables, and inside
+every plotly chart its title, axis titles, panel titles (annotations), legend texts, colour-bar ticks and
+its play buttons and step slider. The test fails on
+  - two of those texts overlapping each other (any pair on the page),
+  - a chart's text reaching outside its chart (plotly clips it at the SVG's edge) or any text past the
+    viewport's right edge,
+  - a card's or heading's text cut inside its box (scrollWidth past clientWidth) or a word broken across
+    two lines ("Perplexity (compress / ed)"),
+  - a table whose columns scroll sideways inside the page (its right columns cut).
+The Model lab shows the default settings' result precomputed on this machine (`make venv`), copied into the
+tests' own lab folder; without it only the page before a run is measured. The Studies page opens a small
+study run into the tests' studies folder (as tests/test_study_browser.py does). No model runs here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import TIMEOUT, idle
+
+pytestmark = pytest.mark.browser
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = ((1024, 768), (1440, 900))
+# the sidebar's link, and a text that is on the page once it has drawn (None: the page's heading is enough)
+PAGES = (("Explorer", "Per-token error"), ("Trade-offs", "Error vs memory"), ("Concentration", "Top x% of tokens"),
+         ("Model lab", None), ("Decode timeline", "Regret per step"), ("Needle test", "needle depth"),
+         ("Studies", "quarter-cache"), ("Presentation mode", "Attention per token"))
+
+LAYOUT_JS = r"""() => {
+  const problems = [], items = [];
+  const vw = document.documentElement.clientWidth;
+  const shown = (el) => { const r = el.getBoundingClientRect();
+                          return r.width > 0 && r.height > 0 && getComputedStyle(el).visibility !== 'hidden'
+                                 && el.closest('details:not([open]) > :not(summary)') === null; };
+  const name = (el) => (el.textContent || '').trim().replace(/\s+/g, ' ').slice(0, 50) || el.tagName;
+  const add = (el, kind, bounds) => { if (shown(el)) items.push({el, kind, r: el.getBoundingClientRect(), bounds}); };
+  const main = document.querySelector('[data-testid="stMain"]') || document.body;
+  // the page's own texts: headings and metric cards (cut inside their box, words broken across lines)
+  for (const el of main.querySelectorAll('h1, h2, h3, [data-testid="stMetricLabel"], [data-testid="stMetricValue"], [data-testid="stMetricDelta"]')) {
+    if (!shown(el)) continue;
+    add(el, 'text', null);
+    if (el.scrollWidth > el.clientWidth + 1) problems.push(`cut inside its box: "${name(el)}" (${el.scrollWidth} > ${el.clientWidth} px)`);
+    const walker = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+      for (const m of node.textContent.matchAll(/[^\s\-–—\/]+/g)) {
+        const range = document.createRange();
+        range.setStart(node, m.index); range.setEnd(node, m.index + m[0].length);
+        const tops = new Set(Array.from(range.getClientRects()).filter(x => x.width > 0).map(x => Math.round(x.top)));
+        if (tops.size > 1) problems.push(`a word broken across lines: "${m[0]}" in "${name(el)}"`);
+      }
+    }
+  }
+  // tables: the columns fit the table's box (no sideways scrolling), the box fits the viewport
+  for (const t of main.querySelectorAll('[data-testid="stDataFrame"], [data-testid="stTable"]')) {
+    if (!shown(t)) continue;
+    const scroller = t.querySelector('.dvn-scroller') || t.querySelector('table')?.parentElement || t;
+    if (scroller.scrollWidth > scroller.clientWidth + 1)
+      problems.push(`a table's columns cut on the right (${scroller.scrollWidth} > ${scroller.clientWidth} px): ` +
+                    (Array.from(t.closest('[class*="st-key-"]')?.classList || []).find(c => c.startsWith('st-key-')) || name(t)));
+    add(t, 'table', null);
+  }
+  // inside every plotly chart: the texts a reader reads, bounded by the chart's SVG
+  const PLOT_TEXT = ['.gtitle', '.g-gtitle text', 'text[class$="title"]', '.annotation-text', '.legendtext',
+                     '.legendtitletext', '.colorbar .cbaxis text', '.colorbar text.cbtitle', '.updatemenu-button',
+                     '.slider-group'];
+  for (const plot of document.querySelectorAll('.js-plotly-plot')) {
+    const svg = plot.querySelector('.main-svg');
+    if (!svg || !shown(svg)) continue;
+    const seen = new Set();
+    for (const el of plot.querySelectorAll(PLOT_TEXT.join(','))) {
+      if (seen.has(el) || !(el.textContent || '').trim() && !el.matches('.slider-group')) continue;
+      seen.add(el);
+      add(el, 'chart', svg.getBoundingClientRect());
+    }
+  }
+  for (const it of items) {
+    const r = it.r, b = it.bounds;
+    if (b && (r.left < b.left - 1 || r.right > b.right + 1 || r.top < b.top - 1 || r.bottom > b.bottom + 1))
+      problems.push(`outside its chart: "${name(it.el)}" [${[r.left, r.top, r.right, r.bottom].map(Math.round)}]` +
+                    ` in [${[b.left, b.top, b.right, b.bottom].map(Math.round)}]`);
+    if (r.right > vw + 1 || r.left < -1)
+      problems.push(`past the viewport's edge: "${name(it.el)}" (${Math.round(r.left)}..${Math.round(r.right)} of ${vw} px)`);
+  }
+  const slack = 2;    // px: a glyph box's ascent / descent may touch its neighbour's
+  for (let i = 0; i < items.length; i++) {
+    for (let j = i + 1; j < items.length; j++) {
+      const a = items[i], b = items[j];
+      if (a.el.contains(b.el) || b.el.contains(a.el)) continue;
+      if (a.kind === 'table' && b.kind === 'table') continue;
+      const w = Math.min(a.r.right, b.r.right) - Math.max(a.r.left, b.r.left);
+      const h = Math.min(a.r.bottom, b.r.bottom) - Math.max(a.r.top, b.r.top);
+      if (w > slack && h > slack) problems.push(`overlap: "${name(a.el)}" and "${name(b.el)}" (${Math.round(w)} x ${Math.round(h)} px)`);
+    }
+  }
+  return {problems: Array.from(new Set(problems)), measured: items.length};
+}"""
+
+
+@pytest.fixture(scope="module")
+def study() -> str:
+    """A small study under the server's studies root (the same one tests/test_study_browser.py runs)."""
+    from kvviz.analysis.study import run_study
+
+    out = Path(os.environ["KVVIZ_STUDIES_DIR"]) / "quarter"
+    if not (out / "study.json").exists():
+        run_study(ROOT / "examples" / "studies" / "quarter-cache.toml", out)
+    return "quarter"
+
+
+@pytest.fixture(scope="module")
+def lab_result() -> bool:
+    """The Model lab's default result as precomputed on this machine, copied into the tests' lab folder
+    (conftest points KVVIZ_LAB_DIR at a fresh one); False where there is none."""
+    from kvviz.decode import lab
+
+    name = lab.result_path(lab.default_settings()).name
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvviz" / "lab" / name
+    if not home.is_file():
+        return False
+    lab.lab_cache_dir().mkdir(parents=True, exist_ok=True)
+    shutil.copy(home, lab.lab_cache_dir() / name)
+    return True
+
+
+def measure(page) -> dict:
+    return page.evaluate(LAYOUT_JS)
+
+
+def test_no_text_overlaps_or_is_cut_on_any_page(page, app_url, study, lab_result):
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=TIMEOUT)
+    found: dict[str, list[str]] = {}
+    for width, height in SIZES:
+        page.set_viewport_size({"width": width, "height": height})
+        page.goto(f"{app_url}/?study={study}")
+        for name, marker in PAGES:
+            if name == "Presentation mode":       # the Explorer as a lecture shows it (issue 34)
+                page.goto(f"{app_url}/?present=1")
+            elif name != "Explorer":
+                page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=name).click()
+            if marker:
+                expect(page.locator(".js-plotly-plot").filter(has_text=marker).first).to_be_visible()
+            elif name == "Model lab":
+                expect(page.get_by_role("button", name="Run again (live)" if lab_result else "Run the model")
+                       ).to_be_visible()
+                if lab_result:
+                    expect(page.locator(".js-plotly-plot").first).to_be_visible()
+            idle(page)
+            got = measure(page)
+            assert got["measured"] > 0, f"{name}: nothing measured"
+            if got["problems"]:
+                found[f"{name} at {width}x{height}"] = got["problems"]
+    assert not found, "text overlaps or is cut:\n" + "\n".join(
+        f"{where}:\n  " + "\n  ".join(p) for where, p in found.items())
+    assert page.errors == [], page.errors
