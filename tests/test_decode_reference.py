@@ -2,7 +2,7 @@
 
 `test_generation.py` checks that a run makes the decisions `Policy.keep_masks` makes on the same
 queries; both run the policies' own score and update code, so they show two paths agree, not that
-either is right. Here the references are written from DESIGN.md section 4 in plain Python and numpy,
+either is right. Here the references are written from docs/definitions.md in plain Python and numpy,
 from the run's recorded queries and its full-precision keys only:
 
 - streaming H2O: the prefill's causal attention rows, then every step's attention over what the
@@ -11,7 +11,7 @@ from the run's recorded queries and its full-precision keys only:
   window leaves, never to return;
 - TOVA: the last query's attention averaged over every head, one decision for all heads;
 - the oracle: each step's own full attention, top heavy outside sinks and recent (tokens may return);
-- the quantized cache: the K and V each step reads equal test_quant's plain loop over DESIGN's
+- the quantized cache: the K and V each step reads equal test_quant's plain loop over docs/definitions.md's
   quantization formulas, applied to the kept tokens.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_quant import _reference as reference_quantize   # DESIGN section 4's formulas, a group at a time
+from test_quant import _reference as reference_quantize   # docs/definitions.md's formulas, a group at a time
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -35,7 +35,7 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 
 def _initial_keep(score, c: int, spec: Spec) -> set[int]:
-    """DESIGN's rule at the compression point: the first `sink`, the last `recent` of the c prompt
+    """docs/definitions.md's rule at the compression point: the first `sink`, the last `recent` of the c prompt
     tokens, and the `heavy` best scorers among the rest (ties: the earlier token)."""
     keep = set(range(min(spec.sink, c))) | set(range(max(0, c - spec.recent), c))
     rest = [i for i in range(c) if i not in keep]
@@ -143,7 +143,7 @@ def test_oracle_keeps_the_top_of_the_full_attention(tiny):
 @pytest.mark.parametrize("axes, scorer", [(("channel", "token"), "h2o"), (("token", "channel"), None),
                                           (("channel", "channel"), "snapkv")])
 def test_quantized_decode_reads_the_formulas_of_the_kept_tokens(tiny, monkeypatch, axes, scorer):
-    """The K and V attention reads at every step, layer and KV head equal DESIGN's min-max formulas
+    """The K and V attention reads at every step, layer and KV head equal docs/definitions.md's min-max formulas
     (test_quant._reference, plain numpy loops) applied to the full-precision kept tokens, the last
     `residual` of them exact."""
     spec = Spec(key_bits=2, value_bits=3, key_axis=axes[0], value_axis=axes[1], group_size=4, residual=3,
@@ -175,7 +175,7 @@ def test_quantized_decode_reads_the_formulas_of_the_kept_tokens(tiny, monkeypatc
 
 def test_quest_decode_reads_its_pages_of_the_whole_cache_quantized_as_stored(tiny, monkeypatch):
     """Quest stores the whole cache: at every step each query head's output is the softmax over its own
-    read pages of q . K_hat, times V_hat, where K_hat, V_hat are DESIGN's formulas (test_quant's plain
+    read pages of q . K_hat, times V_hat, where K_hat, V_hat are docs/definitions.md's formulas (test_quant's plain
     loop) applied to every stored token - the same numbers the engine gives a trace
     (test_policies_new.test_quest_reads_its_pages_from_the_whole_cache_quantized_as_stored)."""
     spec = Spec(sink=2, recent=4, heavy=8, scorer="quest", page_size=4, key_bits=3, value_bits=3,

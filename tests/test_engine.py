@@ -12,7 +12,7 @@ from kvviz.engine import REASONS
 from kvviz.quant.rotation import rotate, unrotate
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from floatbounds import logit_error_bound, softmax_rtol
-from test_quant import _reference as reference_quantize   # DESIGN section 4's formulas, a group at a time
+from test_quant import _reference as reference_quantize   # docs/definitions.md's formulas, a group at a time
 
 SMALL = SyntheticSpec(context=96, steps=12, layers=2, q_heads=4, kv_heads=2, head_dim=48,
                       n_anchors=4, n_shift_tokens=2, outlier_channels=2)
@@ -401,13 +401,13 @@ def test_context_attention_chunks_are_causal_softmax_rows():
     assert next(ctx.context_attention())[1].shape == (t.n_q_heads, c, c)    # every context row, every key
 
 
-# --- every row against DESIGN's formulas, recomputed in plain numpy (mutation testing, issue #25) ------
+# --- every row against docs/definitions.md's formulas, recomputed in plain numpy (mutation testing, issue #25) ------
 
 LN2 = np.log(2.0)
 
 
 def _reference_row(t, spec, layer, head, qi, kept, whole=False, stored=None):
-    """One row from DESIGN section 4 alone, in float64: a = softmax(q.K^T / sqrt(d)) over tokens 0..p; the
+    """One row from docs/definitions.md alone, in float64: a = softmax(q.K^T / sqrt(d)) over tokens 0..p; the
     kept tokens' keys / values quantized by the plain-loop quantizer over the compacted kept cache (or,
     whole=True, Quest's: over the whole cache, then read), or logits + sigma eps for the noise model;
     a_hat = softmax over the kept tokens; o = a V, o_hat = a_hat V_hat; the metrics by their definitions.
@@ -470,7 +470,7 @@ def _stored(x, spec, which, residual, rotated=False):
 
 
 def _reason_names(kept, spec):
-    """DESIGN's reasons: the first sink tokens, the last recent ones, heavy hitters, evicted; all kept: no eviction."""
+    """docs/definitions.md's reasons: the first sink tokens, the last recent ones, heavy hitters, evicted; all kept: no eviction."""
     n = len(kept)
     if not spec.evicts:
         return ["kept (no eviction)"] * n
@@ -502,7 +502,7 @@ def _check_row(t, spec, row, kept, whole=False, tol=2e-5, stored=None):
 
 
 def _select_reference(scores, sink, recent, heavy):
-    """DESIGN's budget rule for one row of scores: first sink, last recent, the top heavy of the rest
+    """docs/definitions.md's budget rule for one row of scores: first sink, last recent, the top heavy of the rest
     (ties: the earlier token)."""
     n = len(scores)
     keep = np.zeros(n, bool)
@@ -521,7 +521,7 @@ def _attention(t, layer, head, qi):
 
 
 def _oracle_kept(t, spec, layer, qi):
-    """The oracle's kept mask per KV head: the top of the group's summed attention (DESIGN's `oracle`)."""
+    """The oracle's kept mask per KV head: the top of the group's summed attention (docs/definitions.md's `oracle`)."""
     g = t.group_size
     return np.stack([_select_reference(sum(_attention(t, layer, h, qi) for h in range(kv * g, kv * g + g)),
                                        spec.sink, spec.recent, spec.heavy) for kv in range(t.n_kv_heads)])
@@ -632,7 +632,7 @@ def test_adakv_rows_of_ragged_caches_each_quantize_their_own(trace):
 
 
 def test_noise_model_draws_the_sources_eps_at_seed_0_and_seeded_normals_otherwise():
-    """The handbook's noise draw (DESIGN: legacy seed 42, the 64 normals after the logits') at seed 0;
+    """The handbook's noise draw (docs/definitions.md: legacy seed 42, the 64 normals after the logits') at seed 0;
     at another seed default_rng([seed, layer, head, position])'s normals, on the source's own logits."""
     from kvviz.sources.handbook import handbook_trace
 

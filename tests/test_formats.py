@@ -25,7 +25,7 @@ from kvviz.quant.rotation import hadamard, rotate, unrotate
 from kvviz.sources import SyntheticSpec, make_synthetic
 from kvviz.spec import Spec, SpecError, View
 
-from test_quant import _reference as reference_quantize   # DESIGN section 4's formulas, a group at a time
+from test_quant import _reference as reference_quantize   # docs/definitions.md's formulas, a group at a time
 
 FORMATS = [E4M3, E5M2, E2M1]
 
@@ -334,7 +334,7 @@ def test_rotation_figure_and_effect():
 
 
 def _reference_tensor(x, spec, which, residual, rotated):
-    """K_hat (or V_hat) of x (U, T, D) from DESIGN section 4 alone: per head, the plain-loop integer
+    """K_hat (or V_hat) of x (U, T, D) from docs/definitions.md alone: per head, the plain-loop integer
     quantizer of the first T - residual tokens, in the Hadamard basis when `rotated`."""
     bits = spec.key_bits if which == "k" else spec.value_bits
     axis = spec.key_axis if which == "k" else spec.value_axis
@@ -352,7 +352,7 @@ def _reference_tensor(x, spec, which, residual, rotated):
 @pytest.mark.parametrize("rotate_", ["none", "keys", "keys-values"])
 @pytest.mark.parametrize("which", ["k", "v"])
 def test_integer_tensor_is_the_design_formulas_with_every_setting(rotate_, which):
-    """quantize_tensor on the integer format equals the plain-loop quantizer of DESIGN section 4 for every
+    """quantize_tensor on the integer format equals the plain-loop quantizer of docs/definitions.md for every
     setting the spec carries (bits, axis, group, symmetric, integer zero point, partial groups), for
     any residual (none, all but one token, all of them, more than there are), keys rotated under
     rotate 'keys' / 'keys-values' and values only under 'keys-values'."""
@@ -412,7 +412,7 @@ def test_unknown_format_names_the_choices():
 
 def test_integer_bytes_through_the_formats_path():
     """The integer format's bytes when the spec goes through the formats path (rotation on), by hand from
-    DESIGN section 4: b*G bits a group plus a 16-bit scale and a 16-bit float offset (a b-bit integer
+    docs/definitions.md: b*G bits a group plus a 16-bit scale and a 16-bit float offset (a b-bit integer
     zero point, nothing when symmetric); 100 tokens of 64 channels, 10 residual at 16 bits."""
     n, d = 100, 64
 
@@ -497,7 +497,7 @@ def test_hf_quantized_cache_preset_is_transformers_defaults():
 def test_rotation_effect_values_from_the_formulas():
     """rotation_effect by hand: the largest channel's max |k| over the median channel's, before and after
     the Hadamard rotation, and ||K_hat - K|| / ||K|| of 2-bit per-token keys in groups of 32 channels
-    (DESIGN section 4's quantizer), quantized as they are or rotated first. Keys stored as float32 and
+    (docs/definitions.md's quantizer), quantized as they are or rotated first. Keys stored as float32 and
     small (norm < 1) give the float64 figures of the same keys."""
     from kvviz.quant.formats import rotation_effect
     t = make_synthetic(SyntheticSpec(context=48, steps=2, layers=1, q_heads=2, kv_heads=1, head_dim=64))

@@ -1,4 +1,4 @@
-"""Divergences and error bands mean what their labels say (DESIGN.md section 4)."""
+"""Divergences and error bands mean what their labels say (docs/definitions.md)."""
 
 import math
 

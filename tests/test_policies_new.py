@@ -402,7 +402,7 @@ def test_quest_reads_its_pages_from_the_whole_cache_quantized_as_stored(key_axis
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_quant import _reference as reference_quantize    # DESIGN section 4's formulas, a group at a time
+    from test_quant import _reference as reference_quantize    # docs/definitions.md's formulas, a group at a time
 
     trace = random_trace(8)
     spec = Spec(sink=0, recent=4, heavy=16, scorer="quest", page_size=8, key_bits=3, value_bits=3,

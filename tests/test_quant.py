@@ -62,7 +62,7 @@ def test_memory_by_hand():
     b = tensor_bytes(10, 64, 2, "token", 32, 0, True)
     assert (b.payload, b.overhead, b.residual) == (10 * 64 * 2 / 8, 20 * 2, 0)
     assert tensor_bytes(10, 64, 16, "token", 32, 0, False).total == 10 * 64 * 2
-    # 2 bits with G=32 costs about 3 bits a value (DESIGN: b + 32/G)
+    # 2 bits with G=32 costs about 3 bits a value (docs/definitions.md: b + 32/G)
     b = tensor_bytes(3200, 64, 2, "token", 32, 0, False)
     assert b.total * 8 / (3200 * 64) == pytest.approx(3.0)
 
@@ -82,7 +82,7 @@ def _groups(n_quant, dim, axis, group, partial):
 
 
 def _reference(x, bits, axis, group, residual, symmetric, zero_point="float", partial="full"):
-    """The DESIGN.md formulas, one group at a time with plain loops."""
+    """The docs/definitions.md formulas, one group at a time with plain loops."""
     out = x.copy()
     for where in _groups(max(0, x.shape[0] - residual), x.shape[1], axis, group, partial):
         g = x[where]
@@ -214,7 +214,7 @@ def test_kept_tokens_read_in_place_equal_quantizing_a_gathered_copy(seed, bits, 
        symmetric=st.booleans())
 def test_float32_cache_follows_the_formulas_in_float32(x, bits, axis, group, symmetric):
     """A float32 cache (every real trace) is quantized in float32 arithmetic, step for step
-    as the DESIGN formulas evaluated by numpy on float32 values."""
+    as the formulas of docs/definitions.md evaluated by numpy on float32 values."""
     with np.errstate(divide="ignore", invalid="ignore"):
         expected = _reference(x, bits, axis, group, 0, symmetric)
     assert expected.dtype == np.float32
@@ -237,7 +237,7 @@ def test_kivi_residual_keeps_128_exact_and_leaves_one_group_to_quantize_on_a_sho
 
 
 def _reference_step(x, bits, axis, group, symmetric, partial="full"):
-    """DESIGN.md's scale per element of x (tokens, dim), one group at a time: s = (max - min) / (2^b - 1)
+    """docs/definitions.md's scale per element of x (tokens, dim), one group at a time: s = (max - min) / (2^b - 1)
     (symmetric: max|x| / (2^(b-1) - 1)) of the group the element falls in, 0 where it stays exact."""
     out = np.zeros(x.shape)
     for where in _groups(x.shape[0], x.shape[1], axis, group, partial):
@@ -281,7 +281,7 @@ def test_quant_step_defaults_are_those_of_quantize():
 
 def test_defaults_are_kivis_per_token_groups_of_32_with_a_float_offset():
     """quantize(x, b) and quantize_kept(cache, heads, positions, b) without options: per-token groups of
-    32 channels, no residual, asymmetric with KIVI's float offset (DESIGN §4), as the formulas give."""
+    32 channels, no residual, asymmetric with KIVI's float offset (docs/definitions.md), as the formulas give."""
     rng = np.random.default_rng(7)
     x = rng.standard_normal((40, 64)) * np.linspace(0.5, 3, 64)
     want = _reference(x, 2, "token", 32, 0, False)

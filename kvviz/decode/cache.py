@@ -1,4 +1,4 @@
-"""The compressed KV cache of one decode run (DESIGN.md sections 4 and 6).
+"""The compressed KV cache of one decode run (docs/definitions.md).
 
     prefill   the prompt runs with full attention; every layer's q, k, v are kept.
               At this compression point the policy scores the prompt from its own

@@ -4,7 +4,7 @@ A policy only says how much each cached token matters (`score`). This base turns
 into kept masks under the budget: the first `sink` tokens, the last `recent` tokens the
 query sees (its own included), and the `heavy` highest-scoring tokens among the rest.
 
-When decisions are made (DESIGN.md section 4):
+When decisions are made (docs/definitions.md):
 - at the compression point (right after the context) from what the cache has seen by
   then: the context's own attention rows;
 - streaming policies (`streaming = True`) keep deciding at every later step: the new

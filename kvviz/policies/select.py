@@ -1,4 +1,4 @@
-"""From scores to kept masks: the budget rule every policy shares (DESIGN.md section 4).
+"""From scores to kept masks: the budget rule every policy shares (docs/definitions.md).
 
 `select` keeps the first `sink` tokens, the last `recent`, and the `heavy` highest-scoring
 tokens among the rest; `evict_one` is its streaming form, one eviction per decode step.

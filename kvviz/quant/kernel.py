@@ -5,7 +5,7 @@ forms (kvviz.quant states the formulas): KIVI's float offset x_hat = q * s + min
 integer zero point x_hat = s * (q - z), or symmetric x_hat = s * q.
 The kept tokens are read straight from the (kv_heads, positions, head_dim) cache at their
 positions, so evicting and quantizing never materialise a gathered copy. Arithmetic runs
-in the cache's own dtype, in the order of the DESIGN.md formulas, so the result equals
+in the cache's own dtype, in the order of the formulas of docs/definitions.md, so the result equals
 the same formulas evaluated with numpy.
 
 Loops are written so LLVM vectorises them: the innermost loop runs along contiguous memory.
