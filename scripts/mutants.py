@@ -164,7 +164,7 @@ EQUIVALENT.update({
     **_same(_NEG, _BASE,
             "xǁScoreContextǁper_kv_head__mutmut_10", "x_group_union__mutmut_11",
             *(f"xǁPolicyǁ_simulate__mutmut_{n}" for n in (15, 38, 120, 151))),
-    _BASE + "x_cached_on_trace__mutmut_15": "OrderedDict.popitem(last=None): last is read by truth value, as False",
+    _BASE + "x__cache_put__mutmut_5": "OrderedDict.popitem(last=None): last is read by truth value, as False",
     _POL + "query_kept__mutmut_2": "query_reads(None, ...): the only policy with its own query_reads (Quest) "
                                    "reads the query and keys, never the attention; the base's returns None",
     _POL + "scores_at_compression__mutmut_7": "flags.writeable = None: numpy sets the flag by truth value, False",

@@ -109,3 +109,50 @@ def test_a_view_of_the_spec_notes_fields_read_through_properties_and_methods():
     assert read == {f.name for f in dataclasses.fields(Spec)}
     with pytest.raises(dataclasses.FrozenInstanceError):
         view.sink = 3
+
+
+class Counting(POLICIES["knorm"].__class__):
+    """K-norm with a counter of its passes and an outside setting (as a plug-in might read a file): the
+    setting reaches the key through score_key, which may read the spec too."""
+
+    name = "counting-knorm"
+
+    def __init__(self, outside: float = 1.0):
+        self.outside, self.passes = outside, 0
+
+    def score(self, ctx):
+        self.passes += 1
+        return super().score(ctx) * self.outside
+
+    def score_key(self, spec):
+        return (self.outside, spec.seed)
+
+
+def test_the_cache_answers_a_repeated_call_and_keeps_its_answer_read_only():
+    """The same scorer, trace, layer and settings: one pass over the context, the same array twice, which a
+    caller cannot write into (it is shared); another layer or a changed setting is a pass of its own."""
+    base._SCORE_CACHE.clear()
+    policy, spec = Counting(), Spec(sink=2, recent=8, heavy=20, scorer="knorm")
+    first = policy.scores_at_compression(ScoreContext(TRACE, 0, spec))
+    again = policy.scores_at_compression(ScoreContext(TRACE, 0, spec.with_(heavy=5)))   # budgets: not read
+    assert again is first and policy.passes == 1
+    assert not first.flags.writeable
+    other = make_synthetic(SyntheticSpec(context=128, steps=6, layers=2, q_heads=4, kv_heads=2, head_dim=32,
+                                         n_anchors=4, n_shift_tokens=2, outlier_channels=2))
+    policy.scores_at_compression(ScoreContext(other, 0, spec))
+    policy.scores_at_compression(ScoreContext(other, 1, spec))
+    policy.scores_at_compression(ScoreContext(other, 1, spec))
+    assert policy.passes == 3
+
+
+def test_a_plugins_own_key_keeps_its_scores_apart():
+    """score_key: what a plug-in's scores depend on besides the trace and the Spec (here an outside factor,
+    and the spec's seed): scorers of one name that differ there do not share cached scores."""
+    base._SCORE_CACHE.clear()
+    spec = Spec(sink=2, recent=8, heavy=20, scorer="knorm")
+    one = Counting(1.0).scores_at_compression(ScoreContext(TRACE, 0, spec))
+    two = Counting(2.0).scores_at_compression(ScoreContext(TRACE, 0, spec))
+    np.testing.assert_array_equal(two, 2 * one)
+    reseeded = Counting(2.0)
+    reseeded.scores_at_compression(ScoreContext(TRACE, 0, spec.with_(seed=3)))
+    assert reseeded.passes == 1
