@@ -32,7 +32,8 @@ MUTANTS = ["kvviz/metrics.py", "kvviz/quant/integer.py", "kvviz/policies/select.
            "kvviz/policies/expected_attention.py", "kvviz/policies/registry.py",
            "kvviz/policies/knorm.py", "kvviz/policies/streaming.py", "kvviz/policies/random.py",
            "kvviz/policies/tova.py", "kvviz/policies/oracle.py", "kvviz/policies/keydiff.py",
-           "kvviz/policies/snapkv.py", "kvviz/policies/quest.py", "kvviz/policies/chunkkv.py"]
+           "kvviz/policies/snapkv.py", "kvviz/policies/quest.py", "kvviz/policies/chunkkv.py",
+           "kvviz/policies/reads.py"]
 
 # Reasons several modules share (numpy details no input can tell apart)
 _NEG = "reshape(..., -2): numpy takes any negative size as the unknown one"
@@ -167,7 +168,7 @@ EQUIVALENT.update({
     _BASE + "x__cache_put__mutmut_5": "OrderedDict.popitem(last=None): last is read by truth value, as False",
     _POL + "query_kept__mutmut_2": "query_reads(None, ...): the only policy with its own query_reads (Quest) "
                                    "reads the query and keys, never the attention; the base's returns None",
-    _POL + "scores_at_compression__mutmut_7": "flags.writeable = None: numpy sets the flag by truth value, False",
+    _POL + "scores_at_compression__mutmut_34": "flags.writeable = None: numpy sets the flag by truth value, False",
     **_same("the shared-decision shortcut taken less often (never, or only above 2 KV heads): every row of a "
             "broadcast score is the same, so selecting each row gives the rows the shortcut copies", _POL,
             *(f"keep_masks__mutmut_{n}" for n in (83, 85, 87, 88, 89, 98))),

@@ -111,11 +111,11 @@ def test_a_view_of_the_spec_notes_fields_read_through_properties_and_methods():
         view.sink = 3
 
 
-class Counting(POLICIES["knorm"].__class__):
-    """K-norm with a counter of its passes and an outside setting (as a plug-in might read a file): the
-    setting reaches the key through score_key, which may read the spec too."""
+class Counting(POLICIES["random"].__class__):
+    """The random scorer (it reads the spec's seed) with a counter of its passes and an outside setting (as
+    a plug-in might read a file): the setting reaches the key through score_key, which may read the spec."""
 
-    name = "counting-knorm"
+    name = "counting-random"
 
     def __init__(self, outside: float = 1.0):
         self.outside, self.passes = outside, 0
@@ -125,14 +125,14 @@ class Counting(POLICIES["knorm"].__class__):
         return super().score(ctx) * self.outside
 
     def score_key(self, spec):
-        return (self.outside, spec.seed)
+        return (self.outside, spec.scorer)
 
 
 def test_the_cache_answers_a_repeated_call_and_keeps_its_answer_read_only():
     """The same scorer, trace, layer and settings: one pass over the context, the same array twice, which a
     caller cannot write into (it is shared); another layer or a changed setting is a pass of its own."""
     base._SCORE_CACHE.clear()
-    policy, spec = Counting(), Spec(sink=2, recent=8, heavy=20, scorer="knorm")
+    policy, spec = Counting(), Spec(sink=2, recent=8, heavy=20, scorer="random")
     first = policy.scores_at_compression(ScoreContext(TRACE, 0, spec))
     again = policy.scores_at_compression(ScoreContext(TRACE, 0, spec.with_(heavy=5)))   # budgets: not read
     assert again is first and policy.passes == 1
@@ -146,13 +146,15 @@ def test_the_cache_answers_a_repeated_call_and_keeps_its_answer_read_only():
 
 
 def test_a_plugins_own_key_keeps_its_scores_apart():
-    """score_key: what a plug-in's scores depend on besides the trace and the Spec (here an outside factor,
-    and the spec's seed): scorers of one name that differ there do not share cached scores."""
+    """score_key: what a plug-in's scores depend on besides the trace and the Spec (here an outside factor):
+    scorers of one name that differ there do not share cached scores; a Spec field the scorer reads (the
+    seed) keeps them apart with nothing listed."""
     base._SCORE_CACHE.clear()
-    spec = Spec(sink=2, recent=8, heavy=20, scorer="knorm")
+    spec = Spec(sink=2, recent=8, heavy=20, scorer="random")
     one = Counting(1.0).scores_at_compression(ScoreContext(TRACE, 0, spec))
     two = Counting(2.0).scores_at_compression(ScoreContext(TRACE, 0, spec))
     np.testing.assert_array_equal(two, 2 * one)
-    reseeded = Counting(2.0)
-    reseeded.scores_at_compression(ScoreContext(TRACE, 0, spec.with_(seed=3)))
-    assert reseeded.passes == 1
+    policy = Counting(1.0)
+    policy.scores_at_compression(ScoreContext(TRACE, 0, spec))
+    reseeded = policy.scores_at_compression(ScoreContext(TRACE, 0, spec.with_(seed=3)))
+    assert policy.passes == 1 and not np.array_equal(reseeded, one)
