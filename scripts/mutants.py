@@ -169,6 +169,12 @@ EQUIVALENT.update({
     _POL + "query_kept__mutmut_2": "query_reads(None, ...): the only policy with its own query_reads (Quest) "
                                    "reads the query and keys, never the attention; the base's returns None",
     _POL + "scores_at_compression__mutmut_34": "flags.writeable = None: numpy sets the flag by truth value, False",
+    "kvviz.policies.reads.xǁSpecReadsǁ__init____mutmut_12": "a view of a view kept unwrapped: reads pass through the "
+                                                          "inner view, which notes them too; properties are "
+                                                          "evaluated on the outer view either way",
+    "kvviz.policies.reads.xǁSpecReadsǁ__getattr____mutmut_6": "getattr(Spec, name) without a default: a name Spec "
+                                                            "lacks raises AttributeError either way (every field "
+                                                            "has a class-level default)",
     **_same("the shared-decision shortcut taken less often (never, or only above 2 KV heads): every row of a "
             "broadcast score is the same, so selecting each row gives the rows the shortcut copies", _POL,
             *(f"keep_masks__mutmut_{n}" for n in (83, 85, 87, 88, 89, 98))),

@@ -15,13 +15,20 @@ import pytest
 from kvviz import SCORERS, Spec, keep_masks
 from kvviz.policies import POLICIES, base
 from kvviz.policies.base import ScoreContext
-from kvviz.policies.reads import READS, SpecReads
+from kvviz.policies.reads import ReadLog, SpecReads
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.spec import CHUNK_INNER, CHUNK_RULES, QUANT_FIELDS
 
 TRACE = make_synthetic(SyntheticSpec(context=128, steps=6, layers=1, q_heads=4, kv_heads=2, head_dim=32,
                                      n_anchors=4, n_shift_tokens=2, outlier_channels=2))
 POSITIONS = [int(p) for p in TRACE.query_positions[TRACE.evaluated_queries]]
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(monkeypatch):
+    """Each test starts as a fresh process would: an empty score cache and no fields noted yet."""
+    monkeypatch.setattr(base, "READS", ReadLog())
+    base._SCORE_CACHE.clear()
 
 
 def fresh_masks(spec: Spec) -> np.ndarray:
@@ -67,7 +74,7 @@ def test_changing_any_setting_changes_the_key_or_cannot_change_the_scores(scorer
     spec = Spec(sink=2, recent=8, heavy=20, scorer=scorer)
     policy = POLICIES[scorer]
     scores = fresh_scores(policy, spec)
-    key = READS.key(scorer, spec)
+    key = base.READS.key(scorer, spec)
     for name, value in OTHER.items():
         if name == "scorer":
             continue
@@ -75,7 +82,7 @@ def test_changing_any_setting_changes_the_key_or_cannot_change_the_scores(scorer
             other = spec.with_(**{name: value})
         except ValueError:           # a combination the spec refuses (checked elsewhere)
             continue
-        if READS.key(scorer, other) != key:
+        if base.READS.key(scorer, other) != key:
             continue
         assert np.array_equal(fresh_scores(policy, other), scores), \
             f"{scorer}: changing {name} changed the scores but not the cache key"
@@ -158,3 +165,14 @@ def test_a_plugins_own_key_keeps_its_scores_apart():
     policy.scores_at_compression(ScoreContext(TRACE, 0, spec))
     reseeded = policy.scores_at_compression(ScoreContext(TRACE, 0, spec.with_(seed=3)))
     assert policy.passes == 1 and not np.array_equal(reseeded, one)
+
+
+def test_the_read_log_keys_a_name_by_the_fields_noted_for_it():
+    log = ReadLog()
+    spec = Spec(recent=10, seed=3)
+    assert log.key("x", spec) == ((), ()) and log.fields("x") == frozenset()
+    log.note("x", {"seed"})
+    log.note("y", {"recent"})
+    log.note("x", {"recent"})                     # the fields only grow
+    assert log.key("x", spec) == (("recent", "seed"), (10, 3)) and log.fields("x") == {"recent", "seed"}
+    assert log.key("y", spec) == (("recent",), (10,))
