@@ -43,6 +43,9 @@ def main() -> None:
     n_seen = len(comp.tokens)
     p = comp.primary
 
+    about = (f"{source.label} · layer {p.layer}, query head {p.head} (KV head {p.kv_head}), query at position "
+             f"{p.position} · {spec.label()} · {quant_model_note(source, spec)}")   # what the cards describe
+
     def notes() -> list[str]:
         typical = st.session_state.get("_typical_note") if st.session_state.get("_typical_for") == source.key else None
         return list(comp.notes + tuple(filter(None, [scorer_note(spec, source.trace), typical])))
@@ -53,9 +56,7 @@ def main() -> None:
         quant_warning_box(spec, comp.memory.kept_tokens)
         metric_cards(comp, pinned)
         ux.pin_controls(spec, pinned_spec if pinned is not None else None)
-        st.caption(f"{source.label} · layer {p.layer}, query head {p.head} (KV head {p.kv_head}), query at "
-                   f"position {p.position} · {spec.label()} · {quant_model_note(source, spec)} "
-                   + (quant_scope_note(spec) or ""))
+        st.caption(f"{about} " + (quant_scope_note(spec) or ""))
         for note in notes():
             st.info(note, icon=":material/info:")
 
@@ -68,8 +69,7 @@ def main() -> None:
             for w in warnings:
                 st.warning(w, icon=":material/warning:")
             quant_warning_box(spec, comp.memory.kept_tokens)
-            st.caption(f"{source.label} · layer {p.layer}, query head {p.head} (KV head {p.kv_head}), query at "
-                       f"position {p.position} · {spec.label()} · {quant_model_note(source, spec)}")
+            st.caption(about)
             for note in more:
                 st.info(note, icon=":material/info:")
 

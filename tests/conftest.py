@@ -127,6 +127,18 @@ def serve_app(log: Path, env: dict | None = None, launcher: bool = False):
 
 
 @pytest.fixture(scope="session")
+def quarter_study() -> str:
+    """The small example study (examples/studies/quarter-cache.toml), run once into the server's studies
+    root ($KVVIZ_STUDIES_DIR, above) for the browser tests that open it; its folder name."""
+    from kvviz.analysis.study import run_study
+
+    out = Path(os.environ["KVVIZ_STUDIES_DIR"]) / "quarter"
+    if not (out / "study.json").exists():
+        run_study(ROOT / "examples" / "studies" / "quarter-cache.toml", out)
+    return out.name
+
+
+@pytest.fixture(scope="session")
 def app_url(chromium_path, browser) -> str:
     """Start `streamlit run app.py` on a free port; yield its URL; stop it."""
     try:

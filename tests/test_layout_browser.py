@@ -26,7 +26,6 @@ import pytest
 from conftest import TIMEOUT, idle
 
 pytestmark = pytest.mark.browser
-ROOT = Path(__file__).resolve().parents[1]
 SIZES = ((1024, 768), (1440, 900))
 # the sidebar's link, and a text that is on the page once it has drawn (None: the page's heading is enough)
 PAGES = (("Explorer", "Per-token error"), ("Trade-offs", "Error vs memory"), ("Concentration", "Top x% of tokens"),
@@ -104,17 +103,6 @@ LAYOUT_JS = r"""() => {
 
 
 @pytest.fixture(scope="module")
-def study() -> str:
-    """A small study under the server's studies root (the same one tests/test_study_browser.py runs)."""
-    from kvviz.analysis.study import run_study
-
-    out = Path(os.environ["KVVIZ_STUDIES_DIR"]) / "quarter"
-    if not (out / "study.json").exists():
-        run_study(ROOT / "examples" / "studies" / "quarter-cache.toml", out)
-    return "quarter"
-
-
-@pytest.fixture(scope="module")
 def lab_result() -> bool:
     """The Model lab's default result as precomputed on this machine, copied into the tests' lab folder
     (conftest points KVVIZ_LAB_DIR at a fresh one); False where there is none."""
@@ -133,14 +121,14 @@ def measure(page) -> dict:
     return page.evaluate(LAYOUT_JS)
 
 
-def test_no_text_overlaps_or_is_cut_on_any_page(page, app_url, study, lab_result):
+def test_no_text_overlaps_or_is_cut_on_any_page(page, app_url, quarter_study, lab_result):
     from playwright.sync_api import expect
 
     expect.set_options(timeout=TIMEOUT)
     found: dict[str, list[str]] = {}
     for width, height in SIZES:
         page.set_viewport_size({"width": width, "height": height})
-        page.goto(f"{app_url}/?study={study}")
+        page.goto(f"{app_url}/?study={quarter_study}")
         for name, marker in PAGES:
             if name == "Presentation mode":       # the Explorer as a lecture shows it (issue 34)
                 page.goto(f"{app_url}/?present=1")

@@ -4,31 +4,19 @@ Explorer (the conftest points KVVIZ_STUDIES_DIR at a fresh folder before the ser
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 
 import pytest
 
-from kvviz.analysis.study import run_study
 from conftest import idle
 from tests.test_browser import address, assert_nothing_clipped, expect, metric, no_console_errors, shot
 
 pytestmark = pytest.mark.browser
-ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def quarter() -> str:
-    out = Path(os.environ["KVVIZ_STUDIES_DIR"]) / "quarter"
-    if not (out / "study.json").exists():
-        run_study(ROOT / "examples" / "studies" / "quarter-cache.toml", out)
-    return "quarter"
-
-
-def test_a_study_is_drawn_unclipped_and_a_click_opens_its_cell_in_the_explorer(page, app_url, quarter):
+def test_a_study_is_drawn_unclipped_and_a_click_opens_its_cell_in_the_explorer(page, app_url, quarter_study):
     page.set_viewport_size({"width": 1024, "height": 768})
-    page.goto(f"{app_url}/?study={quarter}")     # a deep link to /studies shows "page not found" first
+    page.goto(f"{app_url}/?study={quarter_study}")   # opened from the Explorer, by its sidebar link
     e = expect()
     e(metric(page, "Tokens kept")).to_have_text("14 / 64")        # the app has started (its page list is set)
     page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name="Studies").click()

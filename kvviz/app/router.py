@@ -26,9 +26,7 @@ from kvviz.app.charts import report_first_paint
 from kvviz.app.layout import PAGES
 from kvviz.app.store import sync_url
 
-ROOT = Path(__file__).resolve().parents[2]
-APP = ROOT / "app.py"
-PAGES_DIR = ROOT / "pages"
+APP = Path(__file__).resolve().parents[2] / "app.py"
 
 # key -> (file in pages/, title in the sidebar, URL path); a file is named N_<URL path>.py (see above)
 PAGE_FILES = {
