@@ -157,13 +157,12 @@ def w_budget(where, name: str, label: str, n: int, unit: str, help: str | None =
     pixel); both widgets edit the one stored count. box=False: the slider alone (Presentation
     mode's narrow columns).
     """
+    _bind(name, 0, n, label)
     if not box:
-        _bind(name, 0, n, label)
         if n <= 0:
             where.caption(f"{label}: 0")
             return _after(name, 0)
         return _after(name, where.slider(label, 0, n, key=name, help=help, on_change=_take, args=(name,)))
-    _bind(name, 0, n, label)
     ss, box = st.session_state, f"_box_{name}"
     value = state()[name]
     ss[box] = value if unit == "tokens" else round(100.0 * value / max(n, 1), 1)
