@@ -16,24 +16,25 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from kvviz.sources import handbook
-from kvviz.spec import FORMATS, FP8_SCALES, FULL_BITS, RESIDUAL_MODES, ROTATIONS, SCORERS, Spec, SpecError, View
+from kvviz.settings import SETTINGS, Setting
+from kvviz.spec import FULL_BITS, SCORERS, Spec, SpecError, View
 from kvviz.trace import Trace
 
 SOURCE_NAMES = ("handbook", "synthetic", "real", "file")   # kvviz.app.labels.SOURCE_LABELS names them
 BITS_OPTIONS = (1, 2, 3, 4, 5, 6, 7, 8, FULL_BITS)
-GROUP_OPTIONS = (8, 16, 32, 64, 128)
 ENSEMBLE_OPTIONS = ("auto", "none", "heads", "layers", "steps", "seeds")
 MAX_TOKENS = 32768 + 512
 
 
-class _ScorerChoices:
-    """The scorer choices, live: built-ins, then installed plug-ins (entry-point group kvviz.policies)."""
+class LiveChoices:
+    """Choices known only when asked (a sequence): the scorers grow when plug-ins load, ChunkKV's inner
+    scorers are the registry's chunkable ones."""
+
+    def __init__(self, names: Callable[[], tuple]):
+        self._fn = names
 
     def _names(self) -> tuple:
-        from kvviz.policies.registry import load_entry_points
-        from kvviz.spec import scorer_names
-        load_entry_points()
-        return scorer_names()
+        return tuple(self._fn())
 
     def __iter__(self):
         return iter(self._names())
@@ -48,7 +49,15 @@ class _ScorerChoices:
         return self._names()[i]
 
 
-SCORER_CHOICES = _ScorerChoices()
+def _scorer_names() -> tuple:
+    """Built-ins, then installed plug-ins (entry-point group kvviz.policies), loaded first."""
+    from kvviz.policies.registry import load_entry_points
+    from kvviz.spec import scorer_names
+    load_entry_points()
+    return scorer_names()
+
+
+SCORER_CHOICES = LiveChoices(_scorer_names)
 
 
 # --- parameters ----------------------------------------------------------------------------
@@ -63,6 +72,7 @@ class Param:
     lo: float | None = None
     hi: float | None = None
     choices: tuple = ()
+    setting: str = ""              # the Spec setting it carries (kvviz.settings), if any
 
     def parse(self, raw: str) -> tuple[Any, str | None]:
         """(value, notice) for a raw query-parameter string; the notice says what was changed."""
@@ -131,38 +141,10 @@ _PARAMS = [
     Param("anchor_strength", "float", 4.0, 0.0, 30.0), Param("sparsity", "float", 2.0, 0.0, 10.0),
     Param("topic_shift", "float", 0.0, 0.0, 30.0), Param("outlier_channels", "int", 4, 0, 16),
     Param("outlier_scale", "float", 12.0, 0.0, 100.0),
-    # compression (defaults: the handbook's example)
-    Param("sink", "int", handbook.SINK, 0, MAX_TOKENS), Param("recent", "int", handbook.RECENT, 0, MAX_TOKENS),
-    Param("heavy", "int", handbook.HEAVY, 0, MAX_TOKENS),
+    # compression: the budget unit and the bits slider (the Spec settings follow, from kvviz.settings)
     Param("budget_unit", "choice", "tokens", choices=("tokens", "%")),
     Param("bits", "choice", FULL_BITS, choices=BITS_OPTIONS),
-    Param("scorer", "choice", "h2o", choices=SCORER_CHOICES),
-    Param("allocation", "choice", "uniform", choices=("uniform", "adakv", "pyramid")),
-    Param("ada_alpha", "float", 0.2, 0.0, 1.0), Param("pyr_beta", "float", 20.0, 1.0, 1000.0),
-    Param("ea_horizon", "int", 512, 1, 100_000), Param("ea_cov", "bool", True),
-    Param("chunk", "int", 20, 1, 4096),
-    Param("chunk_scorer", "choice", "snapkv", choices=("snapkv", "expected_attention", "keydiff", "knorm", "h2o",
-                                                       "random")),
-    Param("page", "int", 16, 1, 4096),
     Param("split", "bool", False),
-    Param("key_bits", "choice", FULL_BITS, choices=BITS_OPTIONS),
-    Param("value_bits", "choice", FULL_BITS, choices=BITS_OPTIONS),
-    Param("key_axis", "choice", "channel", choices=("channel", "token")),
-    Param("value_axis", "choice", "token", choices=("channel", "token")),
-    Param("group", "choice", 32, choices=GROUP_OPTIONS),
-    Param("residual", "int", 0, 0, MAX_TOKENS),
-    Param("symmetric", "bool", False),
-    Param("zero_point", "choice", "float", choices=("float", "int")),
-    # the app quantizes a short trailing group too (KIVI keeps it at 16 bits until it fills): on the handbook
-    # example the 14 kept tokens fill no per-channel key group of 32, and the bits slider would reach nothing
-    Param("partial", "choice", "quantize", choices=("full", "quantize")),
-    Param("snap_window", "int", 0, 0, 4096),
-    Param("h2o_norm", "bool", False),
-    Param("key_fmt", "choice", "int", choices=FORMATS), Param("value_fmt", "choice", "int", choices=FORMATS),
-    Param("fp8_scale", "choice", "head", choices=FP8_SCALES), Param("rotate", "choice", "none", choices=ROTATIONS),
-    Param("res_mode", "choice", "kivi", choices=RESIDUAL_MODES),
-    Param("qmodel", "choice", "kv", choices=("kv", "noise")),
-    Param("sigma", "float", handbook.SIGMA, 0.0, 100.0),
     # view
     Param("layer", "int", 0, 0, 1023), Param("head", "int", 0, 0, 1023), Param("step", "int", -1, -1, 1_000_000),
     Param("ensemble", "choice", "auto", choices=ENSEMBLE_OPTIONS),
@@ -200,31 +182,108 @@ _PARAMS = [
     Param("rm_text", "choice", "bakery", choices=("bakery", "sample", "custom")),
     Param("rm_new", "int", 16, 0, 64), Param("rm_max", "int", 1024, 16, 4096),
 ]
-PARAMS: dict[str, Param] = {p.name: p for p in _PARAMS}
+# Where a link opens differently from Spec(): the handbook's budgets, and short trailing groups quantized (KIVI
+# keeps them at 16 bits until they fill: on the handbook example the 14 kept tokens fill no per-channel key
+# group of 32, and the bits slider would reach nothing)
+LINK_DEFAULTS = {"sink": handbook.SINK, "recent": handbook.RECENT, "heavy": handbook.HEAVY, "partial": "quantize"}
+# Spec settings a link never carries: the random draws' seed (the sources have their own), and the real-model
+# decode's key positions (the Model lab's own `lab_rerotate`)
+NOT_IN_LINKS = frozenset({"seed", "positions"})
 
-# the settings a pinned setting A records (the compression controls)
-COMPRESSION_PARAMS = ("sink", "recent", "heavy", "bits", "scorer", "split", "key_bits", "value_bits", "key_axis",
-                      "value_axis", "group", "residual", "symmetric", "zero_point", "partial", "qmodel", "sigma",
-                      "snap_window", "h2o_norm", "key_fmt", "value_fmt", "fp8_scale", "rotate", "res_mode",
-                      "allocation", "ada_alpha", "pyr_beta", "ea_horizon", "ea_cov", "chunk", "chunk_scorer",
-                      "page")
+
+def setting_param(s: Setting) -> Param:
+    """The link parameter of a Spec setting: its link name, kind, default and range, from its declaration."""
+    default = LINK_DEFAULTS.get(s.name, s.default)
+    if s.options:
+        return Param(s.url_name, "choice", default, choices=s.options, setting=s.name)
+    if s.kind == "choice":
+        choices = SCORER_CHOICES if s.name == "scorer" else (
+            LiveChoices(s.choices) if callable(s.choices) else tuple(s.choices))
+        return Param(s.url_name, "choice", default, choices=choices, setting=s.name)
+    if s.kind == "bool":
+        return Param(s.url_name, "bool", default, setting=s.name)
+    if s.default is None:            # None is written as `none_as` (SnapKV's window: 0 = automatic)
+        return Param(s.url_name, s.kind, s.none_as, s.none_as, s.hi, setting=s.name)
+    return Param(s.url_name, s.kind, default, s.lo, s.hi, setting=s.name)
+
+
+def _setting_params() -> list[Param]:
+    return [setting_param(s) for s in SETTINGS.values() if s.name not in NOT_IN_LINKS]
+
+
+class _Params(dict):
+    """Every link parameter by name: the app's own, then one per Spec setting (a setting declared later, by a
+    plug-in, joins the next time the table is read)."""
+
+    def __init__(self, own: dict):
+        super().__init__(own)
+        self._seen = -1
+
+    def _sync(self) -> None:
+        if self._seen == len(SETTINGS):
+            return
+        for name in [n for n, p in dict.items(self) if p.setting and p.setting not in SETTINGS]:
+            dict.__delitem__(self, name)          # a setting withdrawn (a test's plug-in, unloaded)
+        for p in _setting_params():
+            taken = dict.get(self, p.name)
+            if taken is not None and taken.setting != p.setting:
+                raise ValueError(f"setting {p.setting!r}: link name {p.name!r} is already the app's {taken.name!r}")
+            dict.__setitem__(self, p.name, p)
+        self._seen = len(SETTINGS)
+
+    def __getitem__(self, name):
+        self._sync()
+        return dict.__getitem__(self, name)
+
+    def __contains__(self, name):
+        self._sync()
+        return dict.__contains__(self, name)
+
+    def __iter__(self):
+        self._sync()
+        return dict.__iter__(self)
+
+    def __len__(self):
+        self._sync()
+        return dict.__len__(self)
+
+    def items(self):
+        self._sync()
+        return dict.items(self)
+
+    def values(self):
+        self._sync()
+        return dict.values(self)
+
+    def keys(self):
+        self._sync()
+        return dict.keys(self)
+
+    def get(self, name, default=None):
+        self._sync()
+        return dict.get(self, name, default)
+
+
+PARAMS: dict[str, Param] = _Params({p.name: p for p in _PARAMS})
+
+
+def compression_params() -> tuple[str, ...]:
+    """The settings a pinned setting A records: the bits slider, then every Spec setting a link carries."""
+    return ("bits", "split", *(s.url_name for s in SETTINGS.values() if s.name not in NOT_IN_LINKS))
 
 
 def spec_from_values(v: dict) -> Spec:
-    """The Spec the compression controls describe, from their stored values (URL names)."""
-    key_bits, value_bits = (v["key_bits"], v["value_bits"]) if v["split"] else (v["bits"], v["bits"])
-    return Spec(sink=int(v["sink"]), recent=int(v["recent"]), heavy=int(v["heavy"]), scorer=v["scorer"],
-                key_bits=key_bits, value_bits=value_bits, key_axis=v["key_axis"], value_axis=v["value_axis"],
-                group_size=v["group"], residual=int(v["residual"]), symmetric=bool(v["symmetric"]),
-                quant_model=v["qmodel"], noise_sigma=float(v["sigma"]), zero_point=v["zero_point"],
-                partial=v["partial"], snapkv_window=int(v["snap_window"]) or None, h2o_normalized=bool(v["h2o_norm"]),
-                key_format=v.get("key_fmt", "int"), value_format=v.get("value_fmt", "int"),
-                fp8_scale=v.get("fp8_scale", "head"), rotate=v.get("rotate", "none"),
-                residual_mode=v.get("res_mode", "kivi"),
-                allocation=v.get("allocation", "uniform"), adakv_alpha=float(v.get("ada_alpha", 0.2)),
-                pyramid_beta=float(v.get("pyr_beta", 20.0)), ea_horizon=int(v.get("ea_horizon", 512)),
-                ea_covariance=bool(v.get("ea_cov", True)), chunk_size=int(v.get("chunk", 20)),
-                chunk_scorer=v.get("chunk_scorer", "snapkv"), page_size=int(v.get("page", 16)))
+    """The Spec the compression controls describe, from their stored values (URL names); a setting the values
+    do not name keeps its link default."""
+    values = {}
+    for s in SETTINGS.values():
+        if s.name in NOT_IN_LINKS:
+            continue
+        raw = v.get(s.url_name, PARAMS[s.url_name].default)
+        values[s.name] = None if s.default is None and raw == s.none_as else raw
+    if not v.get("split", False):
+        values["key_bits"] = values["value_bits"] = v.get("bits", FULL_BITS)
+    return Spec(**values)
 
 
 # --- reading a link outside the app ------------------------------------------------------------

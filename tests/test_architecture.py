@@ -27,7 +27,7 @@ MAX_LINES = 600
 # Lower number = lower layer. Data flows up: source -> trace -> policies / quantizers -> engine ->
 # metrics -> analyses -> plots -> app. A module may import its own layer and the ones below.
 LAYERS = {
-    "kvviz.version": 0, "kvviz.trace": 0, "kvviz.spec": 0, "kvviz.metrics": 0, "kvviz.limits": 0,
+    "kvviz.version": 0, "kvviz.trace": 0, "kvviz.spec": 0, "kvviz.settings": 0, "kvviz.metrics": 0, "kvviz.limits": 0,
     "kvviz.attention": 1, "kvviz.models": 1,
     "kvviz.sources": 2, "kvviz.policies": 2, "kvviz.quant": 2,
     "kvviz.engine": 3, "kvviz": 3,          # the root package re-exports the engine's API

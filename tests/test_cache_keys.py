@@ -17,7 +17,13 @@ from kvviz.policies import POLICIES, base
 from kvviz.policies.base import ScoreContext
 from kvviz.policies.reads import ReadLog, SpecReads
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
-from kvviz.spec import CHUNK_INNER, CHUNK_RULES, QUANT_FIELDS
+from kvviz.policies.chunkkv import inner_scorers
+from kvviz.policies.snapkv import observation_window
+from kvviz.settings import SETTINGS
+
+CHUNK_INNER = inner_scorers()
+CHUNK_RULES = SETTINGS["chunk_rule"].values
+QUANT_FIELDS = frozenset(name for name, s in SETTINGS.items() if s.quantizes)
 
 TRACE = make_synthetic(SyntheticSpec(context=128, steps=6, layers=1, q_heads=4, kv_heads=2, head_dim=32,
                                      n_anchors=4, n_shift_tokens=2, outlier_channels=2))
@@ -51,7 +57,7 @@ def test_chunkkv_settings_one_after_another_equal_fresh_runs():
     assert not stale, f"{len(stale)} of {len(settings)} settings reused another setting's scores: {stale[:5]}"
 
 
-# another valid value of every Spec field (a new field needs one here: the property below covers it)
+# another valid value of every Spec setting (a new setting needs one here: the property below covers it)
 OTHER = {"sink": 3, "recent": 12, "heavy": 30, "scorer": "tova", "key_bits": 4, "value_bits": 4,
          "key_axis": "token", "value_axis": "channel", "group_size": 16, "residual": 8, "symmetric": True,
          "zero_point": "int", "partial": "quantize", "quant_model": "noise", "noise_sigma": 0.5, "seed": 7,
@@ -64,7 +70,7 @@ ONE_SHOT_SCORERS = [s for s in SCORERS if not POLICIES[s].needs_query]   # the o
 
 
 def test_every_spec_field_has_another_value_to_try():
-    assert set(OTHER) == {f.name for f in dataclasses.fields(Spec)}
+    assert set(OTHER) == set(SETTINGS)
 
 
 @pytest.mark.parametrize("scorer", ONE_SHOT_SCORERS)
@@ -110,10 +116,13 @@ def test_the_quantization_fields_never_change_what_is_kept(scorer):
 def test_a_view_of_the_spec_notes_fields_read_through_properties_and_methods():
     read, outer = set(), set()
     view = SpecReads(SpecReads(Spec(recent=10), outer), read)
-    assert view.observation_window == 10                     # a property: the fields it reads
-    assert read == outer == {"snapkv_window", "recent"}
+    assert view.budget == 10                                 # a property: the fields it reads
+    assert read == outer == {"sink", "recent", "heavy"}
+    read.clear()
+    assert observation_window(view) == 10                    # a scorer's helper function: what it reads
+    assert read == {"snapkv_window", "recent"}
     assert view.with_(sink=1).sink == 1                      # a method may read anything
-    assert read == {f.name for f in dataclasses.fields(Spec)}
+    assert read == set(SETTINGS)
     with pytest.raises(dataclasses.FrozenInstanceError):
         view.sink = 3
 

@@ -440,7 +440,7 @@ def test_bad_settings_are_refused_with_a_reason():
         Spec(scorer="quest", page_size=0)
     with pytest.raises(SpecError, match="horizon"):
         Spec(ea_horizon=0)
-    with pytest.raises(SpecError, match="chunk scorer"):
+    with pytest.raises(SpecError, match="chunk_scorer must be one of"):
         Spec(scorer="chunkkv", chunk_scorer="quest")
 
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from kvviz import Spec, SpecError, View, compare, keep_masks
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from kvviz.policies.snapkv import observation_window
 
 SMALL = SyntheticSpec(context=120, steps=10, layers=2, q_heads=4, kv_heads=2, head_dim=32, n_anchors=5,
                       n_shift_tokens=2, outlier_channels=2)
@@ -62,7 +63,7 @@ def test_snapkv_heavy_slots_go_to_the_top_voted_tokens_before_the_window(trace, 
             Spec(sink=sink, recent=recent, heavy=heavy, scorer="snapkv", snapkv_window=window)
         return
     spec = Spec(sink=sink, recent=recent, heavy=heavy, scorer="snapkv", snapkv_window=window or None)
-    w = spec.observation_window
+    w = observation_window(spec)
     assert w == (window or min(recent, 64))
     c = trace.context_len
     kept = keep_masks(trace, spec, 1, [c - 1])[0]                    # at the compression point
@@ -106,8 +107,8 @@ def test_snapkv_window_over_the_whole_context_ranks_nothing(trace, window):
 def test_snapkv_needs_a_recent_window_that_holds_its_observation_window():
     with pytest.raises(SpecError, match="recent window of at least 1"):
         Spec(sink=4, heavy=8, scorer="snapkv")
-    assert Spec(sink=4, recent=23, heavy=24, scorer="snapkv").observation_window == 23
-    assert Spec(sink=4, recent=200, heavy=24, scorer="snapkv").observation_window == 64
+    assert observation_window(Spec(sink=4, recent=23, heavy=24, scorer="snapkv")) == 23
+    assert observation_window(Spec(sink=4, recent=200, heavy=24, scorer="snapkv")) == 64
 
 
 def test_snapkv_synthetic_default_keeps_no_block_of_its_window():
@@ -200,7 +201,7 @@ def test_snapkv_sweep_points_spend_heavy_slots_on_voted_tokens_at_every_budget()
         row = compare(t, spec, View(head=1)).primary
         heavy = np.flatnonzero(row.reason == 3)
         assert row.kept.sum() == spec.budget and len(heavy) == spec.heavy
-        assert np.all(heavy < t.context_len - spec.observation_window)
+        assert np.all(heavy < t.context_len - observation_window(spec))
     assert "mean over the queries that saw each token" in Spec(sink=1, recent=2, heavy=3,
                                                                 h2o_normalized=True).label()
 

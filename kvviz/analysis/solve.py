@@ -98,7 +98,8 @@ def solve(trace: Trace, base: Spec = Spec(), view: View = View(), target_mass: f
         b -= 1
     # nested kept sets: one-shot scores that do not depend on the budget (SnapKV's automatic
     # window follows the recent window), and a metric set by the kept set alone
-    nested = (not get_policy(base.scorer).streaming and not (base.scorer == "snapkv" and base.snapkv_window is None)
+    policy = get_policy(base.scorer)
+    nested = (not policy.streaming and not policy.scores_follow_budget(base)
               and (metric == "mass_retained" or not base.quantizes))
     comp = evaluate(b)
     return Solution(budget=b, spec=comp.spec, value=value(b), below=value(b - 1) if b > 1 else None,

@@ -5,11 +5,12 @@ from __future__ import annotations
 import streamlit as st
 
 from kvviz.app.charts import deferred
-from kvviz.app.labels import ALLOCATION_LABELS, FORMAT_LABELS, SCORER_LABELS, SCORER_SHORT, bits_label, scorer_help
-from kvviz.app.params import BITS_OPTIONS, GROUP_OPTIONS, SCORER_CHOICES
+from kvviz.app.labels import SCORER_LABELS, SCORER_SHORT, bits_label, scorer_help
+from kvviz.app.params import BITS_OPTIONS, PARAMS, SCORER_CHOICES
 from kvviz.app.store import state, w_budget, w_check, w_choice, w_number
 from kvviz.links import spec_from_values
-from kvviz.spec import FORMATS, FP8_SCALES, RESIDUAL_MODES, ROTATIONS, Spec, SpecError
+from kvviz.settings import SETTINGS, Setting, shown
+from kvviz.spec import MAX_BUDGET, Spec, SpecError
 from kvviz.trace import Trace
 
 
@@ -62,98 +63,69 @@ def compression_section(trace: Trace, where=None, budget_only: bool = False, hea
         return None
 
 
+def w_setting(where, name: str, n: int | None = None, disabled: bool = False, widget: str | None = None):
+    """The widget of one Spec setting, made from its declaration (kvviz.settings): a checkbox, a choice or a
+    number box with its label, help, range and option labels. `n`: the tokens of the trace, the top of a
+    token count's range."""
+    s: Setting = SETTINGS[name]
+    p = PARAMS[s.url_name]
+    if p.kind == "bool":
+        return w_check(where, p.name, s.label or s.name, help=s.help or None)
+    if p.kind == "choice":
+        options = tuple(p.choices)
+        fmt = (s.option_labels.get if s.option_labels else
+               SCORER_SHORT.get if s.name == "chunk_scorer" else bits_label if options == BITS_OPTIONS else str)
+        kind = widget or ("select_slider" if options == BITS_OPTIONS else "radio" if len(options) <= 3 else "selectbox")
+        return w_choice(where, p.name, s.label or s.name, options, widget=kind, format_func=fmt,
+                        help=s.help or None, disabled=disabled)
+    hi = min(p.hi, n) if n is not None and s.hi == MAX_BUDGET else p.hi     # a token count: at most the trace
+    return w_number(where, p.name, s.label or s.name, p.lo, hi, step=s.step, help=s.help or None, fmt=s.fmt,
+                    disabled=disabled)
+
+
+# the settings Advanced lays out by hand below the scorer's (the quantizer's, in a reading order)
+_LAID_OUT = ("sink", "recent", "heavy", "scorer", "seed", "positions", "allocation", "key_bits", "value_bits",
+             "key_axis", "value_axis", "group_size", "residual", "symmetric", "zero_point", "partial", "key_format",
+             "value_format", "fp8_scale", "rotate", "residual_mode", "quant_model", "noise_sigma")
+
+
 def advanced_controls(n: int) -> None:
     """Advanced: the scorer and its settings, the budget allocation, the quantizer and the cache format."""
     scorer = w_choice(st, "scorer", "Heavy-hitter scorer", tuple(SCORER_CHOICES), format_func=SCORER_LABELS.get,
                       help=scorer_help())
-    allocation_widgets(st, scorer, n)
-    if scorer == "snapkv":
-        w_number(st, "snap_window", "SnapKV observation window (queries; 0 = auto)", 0, 4096,
-                 help="The last context queries that vote. 0 = the recent window, capped at 64 (SnapKV's "
-                      "default). The window is kept, so it must fit inside the recent window.")
-    if scorer == "h2o":
-        w_check(st, "h2o_norm", "H2O: divide by the queries that saw each token",
-                help="Off: accumulated attention (H2O as published). On: accumulated attention / number of "
-                     "queries that could see the token, so early tokens are not favoured for having been seen "
-                     "more often (kvpress's observed-attention press).")
+    allocation = w_setting(st, "allocation", widget="selectbox")
+    owned_settings(st, {"scorer": scorer, "allocation": allocation}, n)
     if w_check(st, "split", "Separate key and value bits"):
-        w_choice(st, "key_bits", "Key bits", BITS_OPTIONS, widget="select_slider", format_func=bits_label)
-        w_choice(st, "value_bits", "Value bits", BITS_OPTIONS, widget="select_slider", format_func=bits_label)
-    w_choice(st, "key_axis", "Key groups run along", ("channel", "token"), widget="radio",
-             help="KIVI quantizes keys per channel (keys have outlier channels).")
-    w_choice(st, "value_axis", "Value groups run along", ("channel", "token"), widget="radio",
-             help="KIVI quantizes values per token.")
-    w_choice(st, "group", "Group size (values per scale)", GROUP_OPTIONS)
-    w_number(st, "residual", "Residual (last tokens kept at 16 bits)", 0, n)
-    symmetric = w_check(st, "symmetric", "Symmetric quantization (no zero point; needs ≥ 2 bits)")
-    w_choice(st, "zero_point", "Asymmetric zero", ("float", "int"), widget="radio",
-             format_func={"float": "float offset (KIVI)", "int": "integer zero point"}.get, disabled=symmetric,
-             help="KIVI dequantizes x̂ = q·s + min with min kept as a 16-bit float. Integer kernels round a zero "
-                  "point z = round(−min/s) and store it in b bits: x̂ = s·(q − z), slightly larger error, and at "
-                  "1 bit x̂ can leave [min, max].")
-    w_choice(st, "partial", "Partial groups (shorter than G)", ("full", "quantize"), widget="radio",
-             format_func={"full": "16-bit (KIVI)", "quantize": "quantize"}.get,
-             help="Tokens after the last full group of G (per-channel keys) or channels after the last full "
-                  "group (per-token): KIVI keeps them at full precision until a group fills; counted as 16-bit "
-                  "in the memory. Or quantize them as a short group.")
+        w_setting(st, "key_bits")
+        w_setting(st, "value_bits")
+    for name in ("key_axis", "value_axis"):
+        w_setting(st, name)
+    w_setting(st, "group_size", widget="selectbox")
+    w_setting(st, "residual", n)
+    symmetric = w_setting(st, "symmetric")
+    w_setting(st, "zero_point", disabled=symmetric)
+    w_setting(st, "partial")
     cache_format_controls()
-    qmodel = w_choice(st, "qmodel", "Quantization model", ("kv", "noise"), widget="radio",
-                      format_func={"kv": "real K/V quantization", "noise": "handbook logit noise"}.get)
-    w_number(st, "sigma", "Noise σ (logit noise model)", 0.0, 100.0, step=0.005, fmt="%.3f",
-             disabled=qmodel != "noise")
+    qmodel = w_setting(st, "quant_model")
+    w_setting(st, "noise_sigma", disabled=qmodel != "noise")
+
+
+def owned_settings(where, chosen: dict, n: int) -> None:
+    """The widgets of the settings that belong to the chosen scorer or allocation (SnapKV's window when the
+    scorer is SnapKV, AdaKV's α under AdaKV): whatever a scorer's file declares, a plug-in's too."""
+    for s in list(SETTINGS.values()):
+        if s.name not in _LAID_OUT and s.owner and s.owner[0] in chosen and shown(s, chosen):
+            w_setting(where, s.name, n)
 
 
 def cache_format_controls() -> None:
     """Advanced: the cache format of keys and values, FP8 scales, rotation, the residual's mode."""
     st.markdown("**Cache format**")
-    key_fmt = w_choice(st, "key_fmt", "Key format", FORMATS, format_func=FORMAT_LABELS.get,
-                       help="Integer min-max groups (KIVI) at the bits above, or a serving format: FP8 (vLLM, "
-                            "SGLang) with FP32 scales, NVFP4 (E2M1 values, E4M3 scale per 16, FP32 per tensor) or "
-                            "MXFP4 (E2M1, power-of-two scale per 32). FP8/FP4 fix their own width.")
-    value_fmt = w_choice(st, "value_fmt", "Value format", FORMATS, format_func=FORMAT_LABELS.get)
-    fp8 = {"e4m3", "e5m2"} & {key_fmt, value_fmt}
-    w_choice(st, "fp8_scale", "FP8 scale per", FP8_SCALES, widget="radio", disabled=not fp8,
-             format_func={"tensor": "tensor (layer)", "head": "KV head", "token": "token"}.get,
-             help="One FP32 scale s = amax / format max for the layer's whole K (or V), for each KV head, or "
-                  "for each token of each head.")
-    w_choice(st, "rotate", "Hadamard rotation before quantizing", ROTATIONS, widget="radio",
-             format_func={"none": "off", "keys": "keys (+ queries)", "keys-values": "keys and values"}.get,
-             help="An orthonormal Hadamard rotation of the head dimension spreads outlier channels over all "
-                  "channels (QuaRot / SpinQuant). Queries get the same rotation, so q·k is unchanged before "
-                  "quantization; rotated values are rotated back on the output. Works with every format and axis.")
-    w_choice(st, "res_mode", "Residual window", RESIDUAL_MODES, widget="radio",
-             format_func={"kivi": "sliding (KIVI)", "hf": "flushed (HF QuantizedCache)"}.get,
-             help="Sliding: the last `Residual` tokens are always exact. Flushed: transformers' QuantizedCache "
-                  "quantizes the prompt whole, then collects new tokens at full precision and quantizes them "
-                  "together once `Residual` of them have arrived.")
+    key_fmt = w_setting(st, "key_format", widget="selectbox")
+    value_fmt = w_setting(st, "value_format", widget="selectbox")
+    w_setting(st, "fp8_scale", disabled=not ({"e4m3", "e5m2"} & {key_fmt, value_fmt}))
+    w_setting(st, "rotate")
+    w_setting(st, "residual_mode")
     if key_fmt != "int" or value_fmt != "int":
         st.caption("The bits slider sets the integer format only: FP8 stores 8 bits a value, NVFP4 / MXFP4 4 "
                    "(plus their scales, all counted in the memory).")
-
-
-def allocation_widgets(where, scorer: str, n: int) -> None:
-    """Advanced: the budget allocation over heads / layers, and the new scorers' own settings."""
-    allocation = w_choice(where, "allocation", "Budget allocation", ("uniform", "adakv", "pyramid"),
-                          format_func=ALLOCATION_LABELS.get,
-                          help="Uniform: every KV head of every layer keeps `heavy` heavy hitters. AdaKV (Feng et "
-                               "al. 2024; kvpress AdaKVPress): one budget per layer, given to the top scores across "
-                               "all its KV heads, each head keeping at least α × heavy — heads end up with different "
-                               "cache lengths. PyramidKV (Cai et al. 2024; kvpress PyramidKVPress): layer budgets "
-                               "falling linearly from the lowest layer to the highest, the same total.")
-    if allocation == "adakv":
-        w_number(where, "ada_alpha", "AdaKV safeguard α (share of heavy each head keeps)", 0.0, 1.0, step=0.05,
-                 fmt="%.2f", help="kvpress alpha_safeguard, 0.2 by default.")
-    if allocation == "pyramid":
-        w_number(where, "pyr_beta", "PyramidKV β (slope; 1 = flat)", 1.0, 1000.0, step=1.0,
-                 help="Top layer heavy/β, bottom layer 2·heavy − heavy/β (kvpress β = 20).")
-    if scorer == "expected_attention":
-        w_number(where, "ea_horizon", "Expected Attention horizon (future positions)", 1, 100_000, step=64,
-                 help="The query statistics are rotated by the RoPE rotation averaged over this many positions "
-                      "after the context (kvpress n_future_positions 512). No effect on traces without RoPE.")
-        w_check(where, "ea_cov", "Use the queries' covariance (not only their mean)")
-    if scorer == "chunkkv":
-        w_number(where, "chunk", "ChunkKV chunk size (tokens)", 1, 4096, help="kvpress chunk_length 20.")
-        w_choice(where, "chunk_scorer", "ChunkKV token scorer", ("snapkv", "expected_attention", "keydiff", "knorm",
-                                                                "h2o", "random"), format_func=SCORER_SHORT.get)
-    if scorer == "quest":
-        w_number(where, "page", "Quest page size (tokens)", 1, 4096, help="Quest's default is 16.")

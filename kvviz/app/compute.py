@@ -29,7 +29,7 @@ class Source:
 
 
 def _items(obj) -> tuple:
-    return tuple(sorted(asdict(obj).items()))
+    return tuple(sorted((obj.as_dict() if isinstance(obj, Spec) else asdict(obj)).items()))
 
 
 @st.cache_data(max_entries=64, show_spinner=False)

@@ -17,7 +17,7 @@ import streamlit as st
 from kvviz.app.cards import fmt_pct
 from kvviz.app.charts import deferred
 from kvviz.app.compression import spec_from_values
-from kvviz.app.params import COMPRESSION_PARAMS, PARAMS, read_settings
+from kvviz.app.params import PARAMS, compression_params, read_settings
 from kvviz.app.store import STORE, link_params, notice, settings_dict, w_choice, w_number
 from kvviz.engine import Comparison
 from kvviz.plots import figures
@@ -30,18 +30,18 @@ PIN_NONE = "default"   # a pin of the all-default compression settings
 
 def pin_encode(values: dict) -> str:
     """The compression settings that differ from their defaults, as 'name:value,...'."""
-    parts = [f"{k}:{PARAMS[k].encode(values[k])}" for k in COMPRESSION_PARAMS
+    parts = [f"{k}:{PARAMS[k].encode(values[k])}" for k in compression_params()
              if values[k] != PARAMS[k].default]
     return ",".join(parts) or PIN_NONE
 
 
 def pin_decode(text: str) -> tuple[dict, list[str]]:
     """(compression values, notices) of a pin; unknown or bad entries are dropped with a notice."""
-    values = {k: PARAMS[k].default for k in COMPRESSION_PARAMS}
+    values = {k: PARAMS[k].default for k in compression_params()}
     if text == PIN_NONE:
         return values, []
     pairs = [item.partition(":")[::2] for item in filter(None, text.split(","))]
-    read, notes = read_settings(pairs, COMPRESSION_PARAMS, prefix="Pinned setting: ",
+    read, notes = read_settings(pairs, compression_params(), prefix="Pinned setting: ",
                                 unknown="The pinned setting's `{name}` is not a compression setting; ignored.")
     return {**values, **read}, notes
 

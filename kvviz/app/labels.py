@@ -5,45 +5,39 @@ Display text only; the values they label are in kvviz.app.params.
 
 from __future__ import annotations
 
+from kvviz.settings import SETTINGS
 from kvviz.spec import FULL_BITS
 
 SOURCE_LABELS = {"handbook": "Handbook example", "synthetic": "Synthetic pattern",
                  "real": "Real model", "file": "Trace file"}
 
 
-class _Labels(dict):
-    """Scorer labels; a plug-in (not listed) is labelled by its name and the start of its description."""
+class _Labels:
+    """Scorer labels, from each scorer's own class (kvviz.policies: `title`, `short`, `menu`); a plug-in that
+    sets none is labelled by its name and the start of its description."""
+
+    def __init__(self, attr: str):
+        self.attr = attr
 
     def get(self, key, default=None):
-        if key in self:
-            return self[key]
         from kvviz.policies import POLICIES
         p = POLICIES.get(key)
         if p is None:
             return default if default is not None else str(key)
-        return f"{key} (plug-in)" if self is SCORER_SHORT else f"{key} (plug-in: {p.description[:60]})"
+        text = getattr(p, self.attr) or (p.title if self.attr != "title" else "") or (
+            p.short if self.attr == "menu" else "")
+        if text:
+            return text
+        return f"{key} (plug-in)" if self.attr == "short" else f"{key} (plug-in: {p.description[:60]})"
 
-    def __missing__(self, key):
+    def __getitem__(self, key):
         return self.get(key)
 
 
-SCORER_SHORT = _Labels({"h2o": "H2O", "tova": "TOVA", "snapkv": "SnapKV", "streaming": "StreamingLLM",
-                        "oracle": "oracle (bound)", "knorm": "K-norm", "random": "random",
-                        "expected_attention": "Expected Attention", "keydiff": "KeyDiff", "chunkkv": "ChunkKV",
-                        "quest": "Quest (reads)"})
-SCORER_LABELS = _Labels({"h2o": "H2O (accumulated attention)", "tova": "TOVA (last query)",
-                         "snapkv": "SnapKV (observation window vote)", "streaming": "StreamingLLM (position only)",
-                         "oracle": "Oracle (this query's attention, per KV head; the bound)",
-                         "knorm": "K-norm (smallest key norm)", "random": "Random (seeded baseline)",
-                         "expected_attention": "Expected Attention (future queries' expected attention × ‖v‖)",
-                         "keydiff": "KeyDiff (least similar to the mean key)",
-                         "chunkkv": "ChunkKV (whole chunks of C tokens)",
-                         "quest": "Quest (reads top pages per query; stores everything)"})
-ALLOCATION_LABELS = {"uniform": "uniform (every head the same)",
-                     "adakv": "AdaKV (per layer, across heads)", "pyramid": "PyramidKV (per layer, linear)"}
-
-FORMAT_LABELS = {"int": "integer groups (bits above)", "e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2",
-                 "nvfp4": "NVFP4 (E2M1, blocks of 16)", "mxfp4": "MXFP4 (E2M1, blocks of 32)"}
+SCORER_SHORT = _Labels("short")
+SCORER_LABELS = _Labels("menu")
+ALLOCATION_LABELS = SETTINGS["allocation"].option_labels
+FORMAT_LABELS = SETTINGS["key_format"].option_labels
 
 
 def bits_label(b: int) -> str:

@@ -40,7 +40,7 @@ def lesson_export(source: Source, spec: Spec, view: View, bars: str, file_stem: 
     from kvviz.plots.lesson import build_lesson, default_title, lesson_page
 
     ss = st.session_state
-    wanted = (source.key, tuple(sorted(asdict(spec).items())), tuple(sorted(asdict(view).items())), bars)
+    wanted = (source.key, tuple(sorted(spec.as_dict().items())), tuple(sorted(asdict(view).items())), bars)
     with st.expander("Export this as a lesson (one HTML page with live sliders, runs offline)",
                      icon=":material/school:"):
         if deferred():   # folded at the first paint: drawn with the charts (kvviz.app.charts)

@@ -18,8 +18,8 @@ def quant_model_note(source: Source, spec: Spec) -> str:
                 "the bits set the memory only.")
     now = "off (16 bits)" if not spec.quantizes else f"K {spec.key_bits}-bit / V {spec.value_bits}-bit"
     if spec.quantizes and (spec.key_format != "int" or spec.value_format != "int" or spec.rotate != "none"):
-        from kvviz.spec import _format_label
-        now = (f"K {_format_label(spec.key_format, spec.key_bits)} / V {_format_label(spec.value_format, spec.value_bits)}"
+        from kvviz.quant.formats import format_label
+        now = (f"K {format_label(spec.key_format, spec.key_bits)} / V {format_label(spec.value_format, spec.value_bits)}"
                + ("" if spec.rotate == "none" else ", Hadamard-rotated " + spec.rotate.replace("-", " and ")))
     return f"Quantization model: {source.quant_note_kv}; now {now}."
 
@@ -52,29 +52,15 @@ def scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:
     """What the chosen scorer keeps and why, where the sliders alone do not say it."""
     if not spec.evicts:
         return None
-    if spec.heavy > 0 and spec.scorer == "streaming":
-        return ("StreamingLLM ranks tokens by position only, so the heavy-hitter budget simply widens the recent "
-                "window; pick another scorer under Advanced to keep heavy hitters.")
-    if spec.scorer == "snapkv" and trace is not None:
-        c, w = trace.context_len, min(spec.observation_window, trace.context_len)
-        return (f"SnapKV: the last {w} context queries (positions {c - w}–{c - 1}) are the observation window; "
-                f"they vote with their attention, averaged and smoothed (pooling kernel {spec.snapkv_kernel}). "
-                f"The window is kept as part of the recent window ({spec.recent} tokens); the {spec.heavy} heavy "
-                f"hitters are the top-voted tokens before position {c - w}.")
-    if spec.scorer == "oracle" and trace is not None and trace.group_size > 1:
-        return (f"The oracle keeps one cache per KV head, chosen by the attention of all {trace.group_size} query "
-                "heads that share it: it is the bound for the group's total attention mass, not for each query "
-                "head on its own, so another policy can keep slightly more of this one head's mass.")
-    if spec.scorer in ("h2o", "tova") and trace is not None and trace.has_later_queries:
-        form = " divided by the queries that saw each token" if spec.h2o_normalized and spec.scorer == "h2o" else ""
-        return (f"{'H2O' if spec.scorer == 'h2o' else 'TOVA'} decides again at every decode step{form}: the new "
-                f"token arrives inside the budget, so each query attends over exactly {spec.budget} tokens "
-                "(sink + recent + heavy), itself among them.")
-    return new_scorer_note(spec, trace)
+    from kvviz.policies import get_policy
+    own = get_policy(spec.scorer).note(spec, trace)
+    alloc = allocation_note(spec)
+    text = " ".join(x for x in (own, alloc) if x)
+    return text or None
 
 
-def new_scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:
-    """Issue #12: what Quest saves, what an allocation does, how the new scorers decide."""
+def allocation_note(spec: Spec) -> str | None:
+    """What an allocation does to the budget (AdaKV, PyramidKV)."""
     floor = (f"each head first keeps its top {int(spec.budget * spec.adakv_alpha)} tokens, sinks and window "
              "first, as kvpress" if spec.adakv_floor == "all" else
              f"each head at least {int(spec.adakv_alpha * spec.heavy)} heavy hitters beside sinks and window")
@@ -89,22 +75,4 @@ def new_scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:
                       "each head.",
              "pyramid": f" PyramidKV: {pyramid} — see the Budget ledger."
              }.get(spec.allocation, "")
-    what = {"quest": f"Quest keeps the whole cache plus each page's min / max keys (pages of {spec.page_size}); "
-                     "this query reads only its top pages by the bound q·k ≤ Σ max(q·min, q·max)" + (
-                         ", each query head its own (a KV head serves the union of its heads' pages)"
-                         if spec.quest_heads == "query" else ", one choice per KV head") +
-                     ", so it saves memory read per step, not memory stored (the memory card counts what is "
-                     "stored).",
-            "expected_attention": f"Expected Attention: the context queries' mean and covariance (before RoPE) "
-                                  f"rotated over the next {spec.ea_horizon} positions give each key its expected "
-                                  "attention, times its value norm; the first 4 tokens always rank first (kvpress).",
-            "keydiff": "KeyDiff: keys least similar (cosine) to the mean of the context's normalised keys are kept; "
-                       "no attention is needed.",
-            "chunkkv": f"ChunkKV: chunks of {spec.chunk_size} tokens, ranked by the mean {spec.chunk_scorer} score "
-                       "of their tokens summed over heads, are kept whole (one decision for every head)" + (
-                           "; as kvpress, it keeps as many whole chunks as the budget's share of the chunks, so "
-                           "the cache can hold fewer tokens than the budget (the memory card counts what it holds)."
-                           if spec.chunk_rule == "chunks" else ", filling the heavy budget.")}.get(
-        spec.scorer, "")
-    text = (what + alloc).strip()
-    return text or None
+    return alloc.strip() or None

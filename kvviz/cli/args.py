@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 from kvviz.sources.synthetic import MAX_CONTEXT, MAX_STEPS
-from kvviz.spec import (ADAKV_FLOORS, ALLOCATIONS, AXES, CHUNK_INNER, CHUNK_RULES, ENSEMBLES, FORMATS, FP8_SCALES, FULL_BITS,
-                         MAX_ENSEMBLE, PARTIAL_GROUPS, PYRAMID_SCHEDULES, QUANT_MODELS, QUEST_HEADS, RESIDUAL_MODES,
-                         ROTATIONS, SCORERS, ZERO_POINTS, Spec)
+from kvviz.settings import SETTINGS, Setting
+from kvviz.spec import ENSEMBLES, FULL_BITS, MAX_ENSEMBLE, SCORERS, Spec
 from kvviz.trace import TraceError
 
 MAX_TOKENS = 1_000_000     # token counts and budgets (the work budget bounds their products)
@@ -130,88 +129,68 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--topic-shift", type=number(0, 1000), default=0.0, help="synthetic: logit boost of late anchors")
 
 
+# The flags that are not one Spec setting each: the scorer's name (with --policy), the bits both K and V take,
+# the Model lab's key positions, and transformers' QuantizedCache preset
+_BY_HAND = frozenset({"scorer", "positions"})
+
+
+def _setting_type(s: Setting):
+    """The argparse type of a setting's flag: its range, from its declaration (one line on a bad value)."""
+    if s.kind == "int":
+        return integer(s.none_as if s.default is None else s.lo, s.hi)
+    if s.kind == "float":
+        return number(s.lo, s.hi)
+    return None
+
+
+def add_setting_arg(g, s: Setting) -> None:
+    """One Spec setting's flag, made from its declaration: name, type, range, default and help."""
+    help_text = s.help or s.label
+    if s.kind == "bool":
+        g.add_argument(s.flag, dest=s.name, action="store_false" if s.default else "store_true",
+                       default=s.default, help=help_text)
+        return
+    if s.name in ("key_bits", "value_bits"):   # no default: they follow --bits unless given
+        g.add_argument(s.flag, dest=s.name, type=_setting_type(s), default=None,
+                       help=f"{help_text} (overrides --bits)")
+        return
+    default = s.none_as if s.default is None else s.default
+    kwargs = dict(choices=s.values) if s.kind == "choice" and not callable(s.choices) else {}
+    if s.kind == "choice" and callable(s.choices):
+        kwargs = dict(metavar=s.name.upper(), type=_choice_of(s))
+    g.add_argument(s.flag, dest=s.name, type=kwargs.pop("type", _setting_type(s)), default=default,
+                   help=f"{help_text} (default {default})" if s.kind != "bool" else help_text, **kwargs)
+
+
+def _choice_of(s: Setting):
+    """A choice whose values are known late (ChunkKV's inner scorers): checked when parsed."""
+    def parse(text: str) -> str:
+        if text not in s.values:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(s.values)}, got {text!r}")
+        return text
+    return parse
+
+
 def add_compression_args(p: argparse.ArgumentParser) -> None:
+    from kvviz.policies.registry import load_entry_points
+    load_entry_points()          # an installed plug-in's settings get flags (and --help lines) too
     g = p.add_argument_group("compression (eviction is off unless --sink, --recent or --heavy is given)")
-    g.add_argument("--sink", type=_nonneg, default=0, help="attention-sink tokens kept")
-    g.add_argument("--recent", type=_nonneg, default=0, help="recent-window tokens kept")
-    g.add_argument("--heavy", type=_nonneg, default=0, help="heavy-hitter budget")
     g.add_argument("--scorer", default=None, metavar="SCORER",
                    help=f"how heavy hitters are ranked: {', '.join(SCORERS)}, or an installed plug-in "
                         "(default h2o; with --policy, the plug-in)")
     g.add_argument("--policy", default=None, metavar="FILE.py:NAME",
                    help="your own scorer: a Policy subclass or score(ctx) function in a Python file "
                         "(docs/plugins.md); it becomes --scorer unless --scorer is given")
-    g.add_argument("--allocation", default="uniform", choices=ALLOCATIONS,
-                   help="heavy budget over heads and layers: uniform; adakv (one budget per layer, top scores "
-                        "across its KV heads, each head first its top alpha x budget); pyramid (layer budgets "
-                        "falling linearly, as kvpress's PyramidKVPress)")
-    g.add_argument("--adakv-alpha", type=number(0, 1), default=0.2, help="AdaKV safeguard alpha (kvpress 0.2)")
-    g.add_argument("--adakv-floor", default="all", choices=ADAKV_FLOORS,
-                   help="AdaKV safeguard: all = each head's top alpha x budget tokens, sinks and window first "
-                        "(kvpress); outside-window = alpha x heavy heavy hitters beside them (kvviz before #24)")
-    g.add_argument("--pyramid-beta", type=number(1, 1e6), default=20.0,
-                   help="PyramidKV steepness (kvpress 20; 1 = flat)")
-    g.add_argument("--pyramid-schedule", default="kvpress", choices=PYRAMID_SCHEDULES,
-                   help="PyramidKV: kvpress = layer totals as PyramidKVPress.get_layer_budget; heavy = the heavy "
-                        "part alone from 2h - h/beta down to h/beta, same total (kvviz before #24)")
-    g.add_argument("--ea-horizon", type=integer(1, 1_000_000), default=512,
-                   help="Expected Attention: future positions the query statistics are rotated over (kvpress 512)")
-    g.add_argument("--ea-no-covariance", action="store_true",
-                   help="Expected Attention: the queries' mean only, no covariance")
-    g.add_argument("--chunk-size", type=integer(1, 4096), default=20, help="ChunkKV: tokens per chunk (kvpress 20)")
-    g.add_argument("--chunk-scorer", default="snapkv", choices=CHUNK_INNER,
-                   help="ChunkKV: the token scorer pooled per chunk")
-    g.add_argument("--chunk-rule", default="chunks", choices=CHUNK_RULES,
-                   help="ChunkKV: chunks = kvpress's count of whole chunks (the cache may hold fewer tokens than the "
-                        "budget); budget = chunks fill the heavy budget beside sinks and window (kvviz before #24)")
-    g.add_argument("--page-size", type=integer(1, 4096), default=16, help="Quest: tokens per page (Quest 16)")
-    g.add_argument("--quest-heads", default="query", choices=QUEST_HEADS,
-                   help="Quest: query = each query head reads its own top pages (the paper); kv = one page choice "
-                        "per KV head by its group's largest bound (kvviz before #24)")
     g.add_argument("--bits", type=integer(1, FULL_BITS), help="key and value bits (1-8; 16 = off)")
-    g.add_argument("--key-bits", type=integer(1, FULL_BITS), help="key bits (overrides --bits)")
-    g.add_argument("--value-bits", type=integer(1, FULL_BITS), help="value bits (overrides --bits)")
-    g.add_argument("--key-axis", default="channel", choices=AXES)
-    g.add_argument("--value-axis", default="token", choices=AXES)
-    g.add_argument("--group-size", type=integer(1, 4096), default=32)
-    g.add_argument("--residual", type=_nonneg, default=0, help="recent tokens kept in full precision")
-    g.add_argument("--symmetric", action="store_true", help="symmetric quantization (no zero point)")
-    g.add_argument("--zero-point", default="float", choices=ZERO_POINTS,
-                   help="asymmetric groups: KIVI's float offset x_hat = q*s + min (float, default) or an "
-                        "integer zero point x_hat = s*(q - z) as integer kernels store it (int)")
-    g.add_argument("--partial-groups", default="full", choices=PARTIAL_GROUPS,
-                   help="a trailing group shorter than --group-size: kept at 16 bits as KIVI does (full, "
-                        "default) or quantized as a short group (quantize)")
-    g.add_argument("--snapkv-window", type=integer(0, 4096), default=0,
-                   help="SnapKV observation window in queries (0 = the recent window, capped at 64); "
-                        "must fit inside --recent, which keeps it")
-    g.add_argument("--h2o-normalized", action="store_true",
-                   help="H2O: divide each token's accumulated attention by the number of queries that saw it "
-                        "(kvpress's observed-attention form)")
     g.add_argument("--rerotate", action="store_true",
                    help="real-model decode (eval): re-rotate kept keys to their cache slots as the original "
                         "StreamingLLM does, instead of keeping their true positions")
-    g.add_argument("--key-format", default="int", choices=FORMATS,
-                   help="key cache format: int = integer groups at --key-bits (KIVI, default); e4m3 / e5m2 = FP8 "
-                        "with FP32 scales (--fp8-scale); nvfp4 = E2M1 blocks of 16 + E4M3 block scale + FP32 tensor "
-                        "scale; mxfp4 = E2M1 blocks of 32 + power-of-two scale")
-    g.add_argument("--value-format", default="int", choices=FORMATS, help="value cache format (as --key-format)")
-    g.add_argument("--fp8-scale", default="head", choices=FP8_SCALES,
-                   help="FP8 scale granularity: one per layer tensor, per KV head (default) or per token")
-    g.add_argument("--rotate", default="none", choices=ROTATIONS,
-                   help="Hadamard-rotate the head dimension before quantizing: keys (and queries, so q.k is "
-                        "unchanged) or keys-values (values rotated back on the output)")
-    g.add_argument("--residual-mode", default="kivi", choices=RESIDUAL_MODES,
-                   help="which tokens --residual keeps exact: kivi = the last N (sliding, default); hf = "
-                        "transformers' QuantizedCache (prompt quantized whole, a window flushed every N tokens)")
     g.add_argument("--quant-preset", choices=("hf-qc-4bit", "hf-qc-2bit"),
                    help="transformers' QuantizedCache defaults (quanto: per-token groups of 64 on K and V, "
                         "residual_length 128, flushed) at 4 or 2 bits; overrides the bits/axis/group/residual options")
-    g.add_argument("--quant-model", default="kv", choices=QUANT_MODELS,
-                   help="kv = real K/V quantization; noise = the handbook's logit-noise model")
-    g.add_argument("--noise-sigma", type=number(0, 100), default=0.01, help="noise model: logit noise std")
-    g.add_argument("--seed", type=integer(0, MAX_SEED), default=0,
-                   help="random draws (noise, random scorer, synthetic source)")
+    for s in SETTINGS.values():
+        if s.name not in _BY_HAND and s.flag:
+            add_setting_arg(g, s)
 
 
 def scorer_from_args(a: argparse.Namespace) -> str:
@@ -227,25 +206,20 @@ def scorer_from_args(a: argparse.Namespace) -> str:
 
 def spec_from_args(a: argparse.Namespace) -> Spec:
     bits = FULL_BITS if a.bits is None else a.bits
-    fields = dict(sink=a.sink, recent=a.recent, heavy=a.heavy, scorer=scorer_from_args(a),
-                  allocation=a.allocation, adakv_alpha=a.adakv_alpha, pyramid_beta=a.pyramid_beta,
-                  ea_horizon=a.ea_horizon, ea_covariance=not a.ea_no_covariance, chunk_size=a.chunk_size,
-                  chunk_scorer=a.chunk_scorer, page_size=a.page_size, adakv_floor=a.adakv_floor,
-                  pyramid_schedule=a.pyramid_schedule, chunk_rule=a.chunk_rule, quest_heads=a.quest_heads,
-                  key_bits=bits if a.key_bits is None else a.key_bits,
-                  value_bits=bits if a.value_bits is None else a.value_bits,
-                  key_axis=a.key_axis, value_axis=a.value_axis, group_size=a.group_size,
-                  residual=a.residual, symmetric=a.symmetric, quant_model=a.quant_model,
-                  noise_sigma=a.noise_sigma, seed=a.seed, zero_point=a.zero_point, partial=a.partial_groups,
-                  snapkv_window=a.snapkv_window or None, h2o_normalized=a.h2o_normalized,
-                  positions="cache" if a.rerotate else "true")
-    return Spec(**(fields | _format_args(a)))
+    values = {s.name: getattr(a, s.name) for s in SETTINGS.values() if s.name not in _BY_HAND and hasattr(a, s.name)}
+    for s in SETTINGS.values():
+        if s.default is None and values.get(s.name) == s.none_as:
+            values[s.name] = None
+    for name in ("key_bits", "value_bits"):
+        if values.get(name) is None:
+            values[name] = bits
+    values.update(scorer=scorer_from_args(a), positions="cache" if a.rerotate else "true")
+    return Spec(**(values | _format_args(a)))
 
 
 def _format_args(a: argparse.Namespace) -> dict:
     """The cache-format options (kvviz.quant.formats); the HF preset replaces the integer settings."""
-    out = dict(key_format=a.key_format, value_format=a.value_format, fp8_scale=a.fp8_scale, rotate=a.rotate,
-               residual_mode=a.residual_mode)
+    out = {}
     if getattr(a, "quant_preset", None):
         from kvviz.quant.formats import hf_quantized_cache
         hf = hf_quantized_cache(4 if a.quant_preset == "hf-qc-4bit" else 2)

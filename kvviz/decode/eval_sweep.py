@@ -10,7 +10,7 @@ from kvviz.decode.cache import Progress
 from kvviz.decode.quality import Reference, evaluate
 from kvviz.quant import kivi_residual
 from kvviz.quant.formats import hf_quantized_cache
-from kvviz.spec import Spec, SpecError
+from kvviz.spec import SCORERS, Spec, SpecError
 
 
 SWEEP_FIELDS = ("method", "budget", "spec", "residual", "perplexity", "perplexity_full", "perplexity_ratio", "kl_mean", "kl_max",
@@ -28,7 +28,7 @@ SWEEP_METHODS: dict[str, Callable[[int], Spec]] = {
 }
 # issue #12: the newer scorers with the same split, and allocations over heads / layers
 SWEEP_METHODS.update({name: (lambda s_: lambda b: SWEEP_METHODS["h2o"](b).with_(scorer=s_))(name)
-                      for name in ("expected_attention", "keydiff", "chunkkv", "quest")})
+                      for name in SCORERS if name not in SWEEP_METHODS and name != "random"})
 SWEEP_METHODS.update({f"{al}-{name}": (lambda a_, s_: lambda b: SWEEP_METHODS["h2o"](b).with_(scorer=s_, allocation=a_))(al, name)
                       for al in ("adakv", "pyramid") for name in ("snapkv", "expected_attention", "knorm", "oracle")})
 # Whole-cache quantizers as a function of the prompt length n. KIVI as published: keys per

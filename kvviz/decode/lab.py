@@ -295,7 +295,7 @@ def result_path(settings: LabSettings) -> Path:
     if settings.model == BUNDLED and bundled_model_file() is not None:
         model_id = file_sha256(bundled_model_file())
     blob = json.dumps([LAB_FORMAT, __version__, model_id, settings.text, settings.prompt_tokens,
-                       settings.continuation, settings.greedy_tokens, dataclasses.asdict(settings.spec)],
+                       settings.continuation, settings.greedy_tokens, settings.spec.as_dict()],
                       sort_keys=True)
     return lab_cache_dir() / f"result-{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
 
@@ -303,7 +303,7 @@ def result_path(settings: LabSettings) -> Path:
 def result_to_json(result: dict) -> dict:
     q, pair = result["quality"], result["pair"]
     qd = {f.name: getattr(q, f.name) for f in dataclasses.fields(q)}
-    qd["spec"] = dataclasses.asdict(q.spec)
+    qd["spec"] = q.spec.as_dict()
     qd["tokens"] = list(q.tokens)
     for k in ("nll", "nll_full", "kl"):
         qd[k] = [float(x) for x in qd[k]]
@@ -312,7 +312,7 @@ def result_to_json(result: dict) -> dict:
     pd = None
     if pair is not None:
         pd = {f.name: getattr(pair, f.name) for f in dataclasses.fields(pair)}
-        pd["spec"] = dataclasses.asdict(pair.spec)
+        pd["spec"] = pair.spec.as_dict()
         for k in ("full_ids", "compressed_ids", "full_tokens", "compressed_tokens"):
             pd[k] = list(pd[k])
     return {"format": LAB_FORMAT, "quality": qd, "pair": pd,

@@ -15,6 +15,8 @@ Legends sit below the charts so they never cover a title at a projector's 1024 p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import plotly.graph_objects as go
 
 # Okabe & Ito (2008)
@@ -32,25 +34,36 @@ REASON_COLORS = {
 }
 PART_COLORS = {"eviction": OKABE_ITO["vermillion"], "quantization": OKABE_ITO["reddish_purple"]}
 ORIGINAL_COLOR = OKABE_ITO["grey"]
-# every pair >= 15 CIE76 ΔE apart under normal vision and the three simulated dichromacies (Machado et
-# al. 2009, full severity; tests/test_colour_vision.py), none too light to see on white, no yellow (the
-# Trade-offs star is yellow); picked from Okabe-Ito and Paul Tol's palettes by a max-min search
-METHOD_COLORS = {
-    "h2o": "#332288", "tova": "#E69F00", "snapkv": "#117733", "streaming": "#EE6677", "oracle": "#000000",
-    "full": "#555555", "knorm": "#EECC66", "random": "#997700", "expected_attention": "#33BBEE",
-    "keydiff": "#AA4499", "chunkkv": "#CC79A7", "quest": "#1A85FF",
-}
-# and never by colour alone: a marker shape and a line dash each (the star is the Explorer's setting)
-METHOD_SYMBOLS = {
-    "h2o": "circle", "tova": "square", "snapkv": "diamond", "streaming": "triangle-up", "oracle": "cross",
-    "full": "hexagon", "knorm": "pentagon", "random": "triangle-down", "expected_attention": "hexagram",
-    "keydiff": "bowtie", "chunkkv": "hourglass", "quest": "triangle-left",
-}
-METHOD_DASH = {
-    "h2o": "solid", "tova": "dash", "snapkv": "dashdot", "streaming": "longdash", "oracle": "dot",
-    "full": "longdashdot", "knorm": "5px,3px,1px,3px", "random": "1px,3px", "expected_attention": "8px,2px",
-    "keydiff": "2px,2px,8px,2px", "chunkkv": "12px,4px", "quest": "4px,4px,1px,4px,1px,4px",
-}
+class _ByPolicy(Mapping):
+    """A method's look, read from its scorer's class (kvviz.policies: `colour`, `symbol`, `dash`, `title`),
+    plus "full" (no eviction). The built-in colours are chosen together: every pair >= 15 CIE76 ΔE apart under
+    normal vision and the three simulated dichromacies (Machado et al. 2009, full severity;
+    tests/test_colour_vision.py), none too light to see on white, no yellow (the Trade-offs star is yellow);
+    picked from Okabe-Ito and Paul Tol's palettes by a max-min search. And never by colour alone: a marker
+    shape and a line dash each (the star is the Explorer's setting)."""
+
+    def __init__(self, attr: str, full: str):
+        self.attr, self.full = attr, full
+
+    def _table(self) -> dict:
+        from kvviz.policies import POLICIES
+        table = {name: getattr(p, self.attr) or (name if self.attr == "title" else "")
+                 for name, p in POLICIES.items()}
+        return {**{k: v for k, v in table.items() if v}, "full": self.full}
+
+    def __getitem__(self, name):
+        return self._table()[name]
+
+    def __iter__(self):
+        return iter(self._table())
+
+    def __len__(self):
+        return len(self._table())
+
+
+METHOD_COLORS = _ByPolicy("colour", "#555555")
+METHOD_SYMBOLS = _ByPolicy("symbol", "hexagon")
+METHOD_DASH = _ByPolicy("dash", "longdashdot")
 # the token's fate on the attention chart, as a bar pattern too (evicted: hatched)
 REASON_PATTERNS = {"sink": ".", "recent": "-", "heavy hitter": "x", "kept (no eviction)": "", "evicted": "/"}
 FONT = dict(family="Source Sans Pro, sans-serif", size=13)
@@ -101,10 +114,7 @@ def point_marker(method: str, bits: int, fmt: str = "int", color: str | None = N
                 color=color or METHOD_COLORS.get(method, OKABE_ITO["grey"]), line=dict(width=2))
 
 
-METHOD_LABELS = {"h2o": "H2O", "tova": "TOVA", "snapkv": "SnapKV", "streaming": "StreamingLLM",
-                 "oracle": "oracle (the bound)", "knorm": "K-norm", "random": "random", "full": "no eviction",
-                 "expected_attention": "Expected Attention", "keydiff": "KeyDiff", "chunkkv": "ChunkKV",
-                 "quest": "Quest"}
+METHOD_LABELS = _ByPolicy("title", "no eviction")
 
 
 # --- Presentation mode: every text of a chart at 18 px or more ------------------------------------------------

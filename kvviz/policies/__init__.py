@@ -7,7 +7,8 @@
     registry    POLICIES by name, get_policy, plug-ins (entry points and files)
     h2o, tova, snapkv, ...   the scorers
 
-May import: the core (trace, spec, attention). Adding a policy = adding a file and a line in registry.
+May import: the core (trace, spec, settings, attention). Adding a policy = adding a file: the registry finds
+every Policy subclass with a name in this package, and the file declares its settings (kvviz.settings).
 """
 
 from kvviz.policies.base import Policy, ScoreContext

@@ -30,7 +30,55 @@ from __future__ import annotations
 import numpy as np
 
 from kvviz.policies.select import select
-from kvviz.spec import Spec
+from kvviz.settings import LABELS, Setting, declare, rule
+from kvviz.spec import SCORERS, STREAMING_SCORERS, Spec, SpecError
+
+declare(
+    Setting("allocation", "choice", "uniform", choices=("uniform", "adakv", "pyramid"), label="Budget allocation",
+            option_labels={"uniform": "uniform (every head the same)", "adakv": "AdaKV (per layer, across heads)",
+                           "pyramid": "PyramidKV (per layer, linear)"},
+            help="Uniform: every KV head of every layer keeps `heavy` heavy hitters. AdaKV (Feng et al. 2024; "
+                 "kvpress AdaKVPress): one budget per layer, given to the top scores across all its KV heads, "
+                 "each head keeping at least α × budget — heads end up with different cache lengths. PyramidKV "
+                 "(Cai et al. 2024; kvpress PyramidKVPress): layer budgets falling linearly from the lowest layer "
+                 "to the highest, the same total."),
+    Setting("adakv_alpha", "float", 0.2, 0.0, 1.0, url="ada_alpha", owner=("allocation", "adakv"), step=0.05,
+            fmt="%.2f", label="AdaKV safeguard α (share of the budget each head keeps)",
+            help="kvpress alpha_safeguard, 0.2 by default: each KV head keeps at least floor(α × budget) tokens."),
+    Setting("adakv_floor", "choice", "all", choices=("all", "outside-window"), owner=("allocation", "adakv"),
+            label="AdaKV safeguard counts",
+            option_labels={"all": "sinks and window first (kvpress)", "outside-window": "heavy hitters only"},
+            help="all = each head's top α × budget tokens, sinks and window first (kvpress); outside-window = "
+                 "α × heavy heavy hitters beside them (kvviz before #24)"),
+    Setting("pyramid_beta", "float", 20.0, 1.0, 1e6, url="pyr_beta", owner=("allocation", "pyramid"), step=1.0,
+            label="PyramidKV β (slope; 1 = flat)",
+            help="Top layer heavy/β, bottom layer 2·heavy − heavy/β (kvpress β = 20; 1 = flat)."),
+    Setting("pyramid_schedule", "choice", "kvpress", choices=("kvpress", "heavy"), owner=("allocation", "pyramid"),
+            label="PyramidKV slopes", option_labels={"kvpress": "layer totals (kvpress)", "heavy": "the heavy part"},
+            help="kvpress = layer totals as PyramidKVPress.get_layer_budget; heavy = the heavy part alone from "
+                 "2h - h/beta down to h/beta, same total (kvviz before #24)"),
+)
+LABELS["allocation:adakv"] = lambda spec, scorer: f"adakv-{scorer} (alpha {spec.adakv_alpha:g})"
+LABELS["allocation:pyramid"] = lambda spec, scorer: f"pyramid-{scorer} (beta {spec.pyramid_beta:g})"
+
+
+@rule
+def _adakv_needs_one_shot_scores(spec) -> None:
+    if spec.allocation != "adakv" or not spec.evicts:
+        return
+    if spec.scorer in STREAMING_SCORERS:
+        one_shot = [n for n in SCORERS if n not in STREAMING_SCORERS and n != "chunkkv"]
+        raise SpecError(f"AdaKV spreads one layer budget over the KV heads once, at the compression point, from "
+                        f"one-shot scores (kvpress: a ScorerPress); {spec.scorer} decides again at every step. Use "
+                        f"{', '.join(one_shot)}, or allocation uniform / pyramid")
+    if spec.scorer == "chunkkv":
+        raise SpecError("ChunkKV keeps the same chunks in every KV head, so there is nothing for AdaKV to spread "
+                        "over heads: use allocation uniform or pyramid")
+    if spec.quantizes and (spec.key_format != "int" or spec.value_format != "int" or spec.rotate != "none"
+                           or spec.residual_mode != "kivi"):
+        raise SpecError("AdaKV's per-head caches have different lengths; the FP8 / FP4 formats, rotation and HF's "
+                        "residual flush quantize a layer's heads together and need equal lengths. Use the integer "
+                        "format with AdaKV, or allocation uniform / pyramid with these formats")
 
 
 def kvpress_kept(budget: int) -> float:

@@ -127,6 +127,24 @@ class Policy:
                                # "read": the cache stays whole, each query reads a part (saves memory read)
     paper: str = ""            # the published method
     kvpress: str = ""          # the corresponding NVIDIA kvpress press, if any
+    # how menus and charts show it (kvviz.plots.style, kvviz.app.labels read these; a plug-in may leave them)
+    order: int = 1000          # place in the scorer menu (built-ins 10, 20, ...; plug-ins after them)
+    title: str = ""            # the method's name on charts and legends (default: `name`)
+    short: str = ""            # a compact name for narrow places (default: `title`)
+    menu: str = ""             # the scorer menu's line (default: `title`)
+    colour: str = ""           # chart colour (tests/test_colour_vision.py keeps the built-ins apart)
+    symbol: str = "circle"     # plotly marker: a method is never told by colour alone
+    dash: str = "solid"        # plotly line dash
+    chunkable: bool = False    # a one-shot token scorer whose scores ChunkKV can pool per chunk
+
+    def note(self, spec: Spec, trace: Trace | None = None) -> str | None:
+        """What this scorer keeps and why, for the Explorer, where the sliders alone do not say it."""
+        return None
+
+    def scores_follow_budget(self, spec: Spec) -> bool:
+        """Whether the scores change with the budget (SnapKV's automatic window follows the recent window):
+        when they do not, kept sets grow with the budget and `solve` can bisect exactly."""
+        return False
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         """Importance of every position, shape (kv_heads, positions); higher = keep.

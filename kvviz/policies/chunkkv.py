@@ -1,6 +1,6 @@
 """ChunkKV (Liu et al. 2025): score chunks of C consecutive tokens and keep them whole.
 
-A token scorer (`Spec.chunk_scorer`, default SnapKV's votes) scores every context token;
+A token scorer (`Spec.chunk_scorer`, default SnapKV's votes; any `chunkable` scorer) scores every context token;
 the context is cut into chunks of `Spec.chunk_size` tokens from position 0 (kvpress
 chunk_length = 20; the last chunk may be shorter), and a chunk's score is the mean over its
 tokens of the token scores summed over the KV heads — one decision shared by every head,
@@ -25,16 +25,27 @@ import numpy as np
 
 from kvviz.policies.allocation import kvpress_kept
 from kvviz.policies.base import Policy, ScoreContext
-from kvviz.policies.expected_attention import ExpectedAttention
-from kvviz.policies.h2o import H2O
-from kvviz.policies.keydiff import KeyDiff
-from kvviz.policies.knorm import KNorm
-from kvviz.policies.random import Random
-from kvviz.policies.snapkv import SnapKV
+from kvviz.settings import LABELS, Setting, declare
 
-# The token scorers a chunk can pool (spec.CHUNK_INNER), named here rather than looked up in the
-# registry, which lists ChunkKV itself (a wrapper that asked the registry would close a circle).
-INNER = {p.name: p for p in (SnapKV(), ExpectedAttention(), KeyDiff(), KNorm(), H2O(), Random())}
+
+def inner_scorers() -> tuple[str, ...]:
+    """The token scorers a chunk can pool: the one-shot scorers that say they can (`Policy.chunkable`).
+    Looked up when asked: the registry that lists them lists ChunkKV too."""
+    from kvviz.policies.registry import POLICIES
+    return tuple(name for name, p in POLICIES.items() if p.chunkable)
+
+
+declare(
+    Setting("chunk_size", "int", 20, 1, 4096, url="chunk", owner=("scorer", "chunkkv"),
+            label="ChunkKV chunk size (tokens)", help="ChunkKV: tokens per chunk (kvpress chunk_length 20)."),
+    Setting("chunk_scorer", "choice", "snapkv", choices=inner_scorers, owner=("scorer", "chunkkv"),
+            label="ChunkKV token scorer", help="ChunkKV: the token scorer whose scores are pooled per chunk."),
+    Setting("chunk_rule", "choice", "chunks", choices=("chunks", "budget"), owner=("scorer", "chunkkv"),
+            label="ChunkKV keeps", option_labels={"chunks": "whole chunks (kvpress)", "budget": "chunks filling the budget"},
+            help="ChunkKV: chunks = kvpress's count of whole chunks (the cache may hold fewer tokens than the "
+                 "budget); budget = chunks fill the heavy budget beside sinks and window (kvviz before #24)"),
+)
+LABELS["chunkkv"] = lambda spec: f"chunkkv ({spec.chunk_scorer}, chunks of {spec.chunk_size})"
 
 
 def chunk_scores(token_scores: np.ndarray, c: int, size: int) -> np.ndarray:
@@ -51,16 +62,30 @@ def chunk_scores(token_scores: np.ndarray, c: int, size: int) -> np.ndarray:
 
 class ChunkKV(Policy):
     name = "chunkkv"
+    order = 100
+    title = 'ChunkKV'
+    menu = 'ChunkKV (whole chunks of C tokens)'
+    colour = '#CC79A7'
+    symbol = 'hourglass'
+    dash = '12px,4px'
     description = ("whole chunks of C tokens, ranked by the mean score of their tokens (an inner scorer, "
                    "SnapKV's votes by default) summed over heads; one decision for every head")
     paper = "Liu et al. 2025, ChunkKV: semantic-preserving KV cache compression for efficient long-context LLM inference"
     kvpress = "ChunkKVPress(press=SnapKVPress(...), chunk_length=20)"
 
+    def note(self, spec, trace=None) -> str | None:
+        return (f"ChunkKV: chunks of {spec.chunk_size} tokens, ranked by the mean {spec.chunk_scorer} score of "
+                "their tokens summed over heads, are kept whole (one decision for every head)" + (
+                    "; as kvpress, it keeps as many whole chunks as the budget's share of the chunks, so the cache "
+                    "can hold fewer tokens than the budget (the memory card counts what it holds)."
+                    if spec.chunk_rule == "chunks" else ", filling the heavy budget."))
+
     def fills_budget(self, spec) -> bool:
         return spec.chunk_rule == "budget"
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
-        inner = INNER[ctx.spec.chunk_scorer]
+        from kvviz.policies.registry import get_policy
+        inner = get_policy(ctx.spec.chunk_scorer)
         c = ctx.n_context
         token = np.broadcast_to(inner.scores_at_compression(ctx), (ctx.trace.n_kv_heads, ctx.n_positions))[:, :c]
         if ctx.spec.chunk_rule == "chunks":   # kvpress pads what the inner press leaves unranked with max + 1

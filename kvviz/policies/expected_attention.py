@@ -24,6 +24,18 @@ rotate: the statistics are used as they are and the horizon has no effect.
 import numpy as np
 
 from kvviz.policies.base import Policy, ScoreContext, cached_on_trace
+from kvviz.settings import Setting, declare
+
+declare(
+    Setting("ea_horizon", "int", 512, 1, 1_000_000, owner=("scorer", "expected_attention"), step=64,
+            label="Expected Attention horizon (future positions)",
+            help="The query statistics are rotated by the RoPE rotation averaged over this many positions after "
+                 "the context (kvpress n_future_positions 512). No effect on traces without RoPE."),
+    Setting("ea_covariance", "bool", True, url="ea_cov", cli="--ea-no-covariance",
+            owner=("scorer", "expected_attention"),
+            label="Use the queries' covariance (not only their mean)",
+            help="Off (--ea-no-covariance): the queries' mean only, no covariance."),
+)
 
 EA_SINK = 4   # kvpress ExpectedAttentionPress n_sink
 
@@ -77,10 +89,22 @@ def mean_rotation(start: int, horizon: int, inv_freq: np.ndarray) -> np.ndarray:
 
 class ExpectedAttention(Policy):
     name = "expected_attention"
+    order = 80
+    title = 'Expected Attention'
+    menu = "Expected Attention (future queries' expected attention × ‖v‖)"
+    colour = '#33BBEE'
+    symbol = 'hexagram'
+    dash = '8px,2px'
+    chunkable = True
     description = ("the attention future queries are expected to pay: mean and covariance of the context's "
                    "(pre-RoPE) queries rotated over the next `horizon` positions, times the value norm")
     paper = "Devoto et al. 2025, Expected Attention: KV-cache compression by estimating attention from future queries"
     kvpress = "ExpectedAttentionPress"
+
+    def note(self, spec, trace=None) -> str | None:
+        return (f"Expected Attention: the context queries' mean and covariance (before RoPE) rotated over the next "
+                f"{spec.ea_horizon} positions give each key its expected attention, times its value norm; the "
+                "first 4 tokens always rank first (kvpress).")
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         trace, layer, c, spec = ctx.trace, ctx.layer, ctx.n_context, ctx.spec

@@ -13,14 +13,36 @@ budget by the current scores, and the step's attention is folded in.
 import numpy as np
 
 from kvviz.policies.base import Policy, ScoreContext
+from kvviz.settings import LABELS, Setting, declare
+
+declare(Setting("h2o_normalized", "bool", False, url="h2o_norm", owner=("scorer", "h2o"),
+                label="H2O: divide by the queries that saw each token",
+                help="Off: accumulated attention (H2O as published). On: accumulated attention / number of queries "
+                     "that could see the token, so early tokens are not favoured for having been seen more often "
+                     "(kvpress's observed-attention press)."))
+LABELS["h2o"] = lambda spec: "h2o (mean over the queries that saw each token)" if spec.h2o_normalized else "h2o"
 
 
 class H2O(Policy):
     name = "h2o"
+    order = 10
+    title = 'H2O'
+    menu = 'H2O (accumulated attention)'
+    colour = '#332288'
+    symbol = 'circle'
+    dash = 'solid'
+    chunkable = True
     description = ("accumulated attention from every query seen so far (optionally divided by how many queries "
                    "saw the token); streaming. The budget includes the arriving token: a query sees exactly "
                    "sink + recent + heavy tokens, itself among them")
     streaming = True
+
+    def note(self, spec, trace=None) -> str | None:
+        if trace is None or not trace.has_later_queries:
+            return None
+        form = " divided by the queries that saw each token" if spec.h2o_normalized else ""
+        return (f"H2O decides again at every decode step{form}: the new token arrives inside the budget, so each "
+                f"query attends over exactly {spec.budget} tokens (sink + recent + heavy), itself among them.")
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         # Sum of the attention each context token received from the context queries,

@@ -14,10 +14,21 @@ from kvviz.policies.base import Policy, ScoreContext
 
 class KeyDiff(Policy):
     name = "keydiff"
+    order = 90
+    title = 'KeyDiff'
+    menu = 'KeyDiff (least similar to the mean key)'
+    colour = '#AA4499'
+    symbol = 'bowtie'
+    dash = '2px,2px,8px,2px'
+    chunkable = True
     description = ("least cosine-similar to the anchor, the mean of the context's normalised keys; "
                    "needs no attention at all")
     paper = "Park et al. 2025, KeyDiff: key similarity-based KV cache eviction for long-context LLM inference"
     kvpress = "KeyDiffPress"
+
+    def note(self, spec, trace=None) -> str | None:
+        return ("KeyDiff: keys least similar (cosine) to the mean of the context's normalised keys are kept; no "
+                "attention is needed.")
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         c = ctx.n_context

@@ -7,6 +7,13 @@ from kvviz.policies.base import Policy, ScoreContext
 
 class KNorm(Policy):
     name = "knorm"
+    order = 60
+    title = 'K-norm'
+    menu = 'K-norm (smallest key norm)'
+    colour = '#EECC66'
+    symbol = 'pentagon'
+    dash = '5px,3px,1px,3px'
+    chunkable = True
     description = "smallest key L2 norm first; needs no attention at all"
 
     def score(self, ctx: ScoreContext) -> np.ndarray:

@@ -21,6 +21,28 @@ import numpy as np
 
 from kvviz.policies.allocation import allocate
 from kvviz.policies.base import Policy, ScoreContext
+from kvviz.settings import LABELS, Setting, declare, rule
+from kvviz.spec import SpecError
+
+declare(
+    Setting("page_size", "int", 16, 1, 4096, url="page", owner=("scorer", "quest"),
+            label="Quest page size (tokens)", help="Quest: tokens per page (Quest's default is 16)."),
+    Setting("quest_heads", "choice", "query", choices=("query", "kv"), owner=("scorer", "quest"),
+            label="Quest reads pages per", option_labels={"query": "query head (the paper)", "kv": "KV head"},
+            help="query = each query head reads its own top pages (the paper); kv = one page choice per KV head "
+                 "by its group's largest bound (kvviz before #24)"),
+)
+LABELS["quest"] = lambda spec: f"quest (pages of {spec.page_size}, cache kept whole)"
+
+
+@rule
+def _equal_lengths(spec) -> None:
+    if spec.scorer == "quest" and spec.quest_heads == "query" and spec.evicts and spec.quantizes and \
+            spec.quant_model == "kv" and (spec.key_format != "int" or spec.value_format != "int"
+                                          or spec.rotate != "none" or spec.residual_mode != "kivi"):
+        raise SpecError("Quest per query head reads a different number of tokens through each KV head; the FP8 / "
+                        "FP4 formats, rotation and HF's residual flush quantize a layer's heads together and need "
+                        "equal lengths. Use the integer format, or Quest per KV head (quest_heads 'kv')")
 
 
 def page_bounds(query: np.ndarray, keys: np.ndarray, page_size: int) -> np.ndarray:
@@ -49,6 +71,13 @@ def page_bounds(query: np.ndarray, keys: np.ndarray, page_size: int) -> np.ndarr
 
 class Quest(Policy):
     name = "quest"
+    order = 110
+    title = 'Quest'
+    short = 'Quest (reads)'
+    menu = 'Quest (reads top pages per query; stores everything)'
+    colour = '#1A85FF'
+    symbol = 'triangle-left'
+    dash = '4px,4px,1px,4px,1px,4px'
     description = ("reads, for each query, its top pages by an upper bound of q·k from per-page min / max keys; "
                    "the cache stays whole — saves memory read per step, not memory stored")
     paper = "Tang et al. 2024, Quest: query-aware sparsity for efficient long-context LLM inference"
@@ -56,6 +85,13 @@ class Quest(Policy):
     needs_query = True
     uses_attention = False     # the page bounds read the query vector and the keys, not the attention
     kind = "read"
+
+    def note(self, spec, trace=None) -> str | None:
+        return (f"Quest keeps the whole cache plus each page's min / max keys (pages of {spec.page_size}); this "
+                "query reads only its top pages by the bound q·k ≤ Σ max(q·min, q·max)" + (
+                    ", each query head its own (a KV head serves the union of its heads' pages)"
+                    if spec.quest_heads == "query" else ", one choice per KV head") +
+                ", so it saves memory read per step, not memory stored (the memory card counts what is stored).")
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         raise TypeError("Quest picks pages per query: use query_scores")

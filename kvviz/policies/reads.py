@@ -3,9 +3,9 @@
 A cache of scores is keyed by the settings the scores depend on. A list of them written by hand beside
 each scorer drifts from what the scorer reads (ChunkKV's list once left out `chunk_rule`, and a "chunks"
 run after a "budget" run reused stale scores). Here nothing is listed: the scorer runs on a `SpecReads`,
-a read-only view of the Spec that notes every field read (through properties too: SnapKV's
-`observation_window` notes `snapkv_window` and `recent`), and the cache key is the values of the fields
-read so far by that scorer (`ReadLog`).
+a read-only view of the Spec that notes every field read (through properties and helper functions too:
+`budget` notes sink, recent and heavy), and the cache key is the values of the fields read so far by that
+scorer (`ReadLog`).
 
 Why this is exact: a scorer is deterministic given its trace, layer and the values it reads. An entry
 computed from spec S was stored under the values of a set F of fields that contains every field that
@@ -20,9 +20,9 @@ import dataclasses
 import threading
 from typing import Any
 
+from kvviz.settings import SETTINGS
 from kvviz.spec import Spec
 
-FIELDS = frozenset(f.name for f in dataclasses.fields(Spec))
 
 
 class SpecReads:
@@ -45,10 +45,10 @@ class SpecReads:
         attr = getattr(Spec, name, None)
         if isinstance(attr, property):
             return attr.fget(self)
-        if name in FIELDS:
+        if name in SETTINGS:
             self._note((name,))
         elif callable(attr):
-            self._note(FIELDS)
+            self._note(SETTINGS)
         return getattr(self._spec, name)
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -21,29 +21,39 @@ the app never accepts code, paths or module names through the browser.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import inspect
+import pkgutil
 import re
 import sys
 from pathlib import Path
 
 from kvviz.policies.base import Policy
-from kvviz.policies.chunkkv import ChunkKV
-from kvviz.policies.expected_attention import ExpectedAttention
-from kvviz.policies.h2o import H2O
-from kvviz.policies.keydiff import KeyDiff
-from kvviz.policies.knorm import KNorm
-from kvviz.policies.oracle import Oracle
-from kvviz.policies.quest import Quest
-from kvviz.policies.random import Random
-from kvviz.policies.snapkv import SnapKV
-from kvviz.policies.streaming import Streaming
-from kvviz.policies.tova import TOVA
-from kvviz.spec import PLUGIN_SCORERS, SCORERS, SpecError
+from kvviz.spec import PLUGIN_SCORERS, SCORERS, STREAMING_SCORERS, SpecError
 
-POLICIES: dict[str, Policy] = {p.name: p for p in
-                               (H2O(), TOVA(), SnapKV(), Streaming(), Oracle(), KNorm(), Random(),
-                                ExpectedAttention(), KeyDiff(), ChunkKV(), Quest())}
+# the modules of this package that are not scorers
+_NOT_SCORERS = frozenset({"base", "reads", "select", "allocation", "registry"})
+
+
+def _builtins() -> dict[str, Policy]:
+    """Every Policy subclass with a name defined in a module of this package: a new scorer is a new file,
+    found here (menu order: each class's `order`)."""
+    import kvviz.policies as package
+
+    found = []
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name in _NOT_SCORERS:
+            continue
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        found += [cls for cls in vars(module).values() if isinstance(cls, type) and issubclass(cls, Policy)
+                  and cls.__module__ == module.__name__ and cls.name]
+    return {cls.name: cls() for cls in sorted(found, key=lambda c: (c.order, c.name))}
+
+
+POLICIES: dict[str, Policy] = _builtins()
+SCORERS[:] = list(POLICIES)
+STREAMING_SCORERS[:] = [n for n, p in POLICIES.items() if p.streaming]
 
 
 def get_policy(name: str) -> Policy:

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvviz.spec import FORMATS, FULL_BITS, Spec
+from kvviz.settings import LABELS, Setting, declare
+from kvviz.spec import FULL_BITS, Spec
 from kvviz.quant import integer
 from kvviz.quant.base import CacheBytes
 from kvviz.quant.fp8 import fp8_bytes, fp8_quantize
@@ -37,8 +38,54 @@ from kvviz.quant.mxfp4 import mxfp4_bytes, mxfp4_quantize
 from kvviz.quant.nvfp4 import nvfp4_bytes, nvfp4_quantize
 from kvviz.quant.rotation import rotate, unrotate
 
+FORMATS = ("int", "e4m3", "e5m2", "nvfp4", "mxfp4")
 FORMAT_LABELS = {"int": "integer groups", "e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2", "nvfp4": "NVFP4",
                  "mxfp4": "MXFP4"}
+RESIDUAL_MODES = ("kivi", "hf")
+_MENU = {"int": "integer groups (bits above)", "e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2",
+         "nvfp4": "NVFP4 (E2M1, blocks of 16)", "mxfp4": "MXFP4 (E2M1, blocks of 32)"}
+
+declare(
+    Setting("key_format", "choice", "int", choices=FORMATS, url="key_fmt", quantizes=True, label="Key format",
+            option_labels=_MENU,
+            help="Integer min-max groups (KIVI) at the bits above, or a serving format: FP8 (vLLM, SGLang) with "
+                 "FP32 scales, NVFP4 (E2M1 values, E4M3 scale per 16, FP32 per tensor) or MXFP4 (E2M1, "
+                 "power-of-two scale per 32). FP8/FP4 fix their own width."),
+    Setting("value_format", "choice", "int", choices=FORMATS, url="value_fmt", quantizes=True,
+            label="Value format", option_labels=_MENU, help="value cache format (as the key format)"),
+    Setting("residual_mode", "choice", "kivi", choices=RESIDUAL_MODES, url="res_mode", quantizes=True,
+            label="Residual window", option_labels={"kivi": "sliding (KIVI)", "hf": "flushed (HF QuantizedCache)"},
+            help="Sliding: the last `Residual` tokens are always exact. Flushed: transformers' QuantizedCache "
+                 "quantizes the prompt whole, then collects new tokens at full precision and quantizes them "
+                 "together once `Residual` of them have arrived."),
+)
+
+
+def format_label(fmt: str, bits: int) -> str:
+    """A key or value format in words: '4-bit int', '16-bit', 'FP8 E4M3'."""
+    if fmt == "int":
+        return "16-bit" if bits >= FULL_BITS else f"{bits}-bit int"
+    return FORMAT_LABELS[fmt]
+
+
+def quantization_label(spec: Spec) -> str:
+    """What Spec.label says about real K/V quantization."""
+    if spec.key_format == "int" and spec.value_format == "int":
+        parts = [f"K{spec.key_bits}/V{spec.value_bits}-bit"]
+    else:
+        parts = [f"K {format_label(spec.key_format, spec.key_bits)} / V {format_label(spec.value_format, spec.value_bits)}"]
+        if {"e4m3", "e5m2"} & {spec.key_format, spec.value_format}:
+            parts.append(f"FP8 scale per {spec.fp8_scale}")
+    if spec.rotate != "none":
+        parts.append("Hadamard-rotated " + ("keys" if spec.rotate == "keys" else "keys and values"))
+    if spec.residual_mode == "hf":
+        parts.append(f"HF QuantizedCache residual {spec.residual}")
+    if spec.zero_point == "int" and not spec.symmetric:
+        parts.append("integer zero point")
+    return ", ".join(parts)
+
+
+LABELS["quantization"] = quantization_label
 
 
 def settings(spec: Spec, which: str) -> tuple[str, int, str, bool]:

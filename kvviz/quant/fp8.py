@@ -14,9 +14,15 @@ import numpy as np
 
 from kvviz.quant.base import CacheBytes
 from kvviz.quant.minifloat import E4M3, E5M2, Minifloat
+from kvviz.settings import Setting, declare
 
 FP8 = {"e4m3": E4M3, "e5m2": E5M2}
 FP8_SCALES = ("tensor", "head", "token")
+
+declare(Setting("fp8_scale", "choice", "head", choices=FP8_SCALES, quantizes=True, label="FP8 scale per",
+                option_labels={"tensor": "tensor (layer)", "head": "KV head", "token": "token"},
+                help="One FP32 scale s = amax / format max for the layer's whole K (or V), for each KV head, or for "
+                     "each token of each head."))
 SCALE_BYTES = 4   # FP32 scales
 
 

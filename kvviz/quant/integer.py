@@ -26,8 +26,53 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvviz.spec import FULL_BITS
 from kvviz.quant.base import CacheBytes
+from kvviz.settings import Setting, declare, rule
+from kvviz.spec import FULL_BITS, MAX_BUDGET, SpecError
+
+BITS_OPTIONS = (1, 2, 3, 4, 5, 6, 7, 8, FULL_BITS)     # what the bits sliders offer
+GROUP_OPTIONS = (8, 16, 32, 64, 128)                   # what the group-size menu offers (any 1-4096 is valid)
+
+declare(
+    Setting("key_bits", "int", FULL_BITS, 1, FULL_BITS, quantizes=True, options=BITS_OPTIONS, label="Key bits",
+            help="key bits (1-8; 16 = not quantized)"),
+    Setting("value_bits", "int", FULL_BITS, 1, FULL_BITS, quantizes=True, options=BITS_OPTIONS,
+            label="Value bits", help="value bits (1-8; 16 = not quantized)"),
+    Setting("key_axis", "choice", "channel", choices=("channel", "token"), quantizes=True,
+            label="Key groups run along", help="KIVI quantizes keys per channel (keys have outlier channels)."),
+    Setting("value_axis", "choice", "token", choices=("channel", "token"), quantizes=True,
+            label="Value groups run along", help="KIVI quantizes values per token."),
+    Setting("group_size", "int", 32, 1, 4096, url="group", quantizes=True, options=GROUP_OPTIONS,
+            label="Group size (values per scale)", help="values that share one scale (and zero point)"),
+    Setting("residual", "int", 0, 0, MAX_BUDGET, quantizes=True, label="Residual (last tokens kept at 16 bits)",
+            help="recent tokens kept in full precision (KIVI: 128)"),
+    Setting("symmetric", "bool", False, quantizes=True,
+            label="Symmetric quantization (no zero point; needs ≥ 2 bits)",
+            help="symmetric quantization (no zero point)"),
+    Setting("zero_point", "choice", "float", choices=("float", "int"), quantizes=True, label="Asymmetric zero",
+            option_labels={"float": "float offset (KIVI)", "int": "integer zero point"},
+            help="KIVI dequantizes x̂ = q·s + min with min kept as a 16-bit float. Integer kernels round a zero "
+                 "point z = round(−min/s) and store it in b bits: x̂ = s·(q − z), slightly larger error, and at "
+                 "1 bit x̂ can leave [min, max]."),
+    Setting("partial", "choice", "full", choices=("full", "quantize"), cli="--partial-groups", quantizes=True,
+            label="Partial groups (shorter than G)", option_labels={"full": "16-bit (KIVI)", "quantize": "quantize"},
+            help="Tokens after the last full group of G (per-channel keys) or channels after the last full group "
+                 "(per-token): KIVI keeps them at full precision until a group fills; counted as 16-bit in the "
+                 "memory. Or quantize them as a short group."),
+)
+
+
+@rule
+def check_bits(spec) -> None:
+    """1-8 bits, or 16 for none; symmetric groups need 2 (one bit has no sign and magnitude)."""
+    for what, bits in (("key", spec.key_bits), ("value", spec.value_bits)):
+        if bits == FULL_BITS:
+            continue
+        low = 2 if spec.symmetric else 1
+        if not low <= bits <= 8:
+            raise SpecError(f"{what} bits must be {low}-8 (or 16 for no quantization), got {bits}"
+                            + (" — symmetric quantization needs at least 2 bits" if spec.symmetric and bits == 1
+                               else ""))
 
 SCALE_BITS = 16
 ZERO_BITS = 16

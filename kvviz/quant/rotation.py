@@ -17,6 +17,17 @@ from functools import lru_cache
 
 import numpy as np
 
+from kvviz.settings import Setting, declare
+
+ROTATIONS = ("none", "keys", "keys-values")
+declare(Setting("rotate", "choice", "none", choices=ROTATIONS, quantizes=True,
+                label="Hadamard rotation before quantizing",
+                option_labels={"none": "off", "keys": "keys (+ queries)", "keys-values": "keys and values"},
+                help="An orthonormal Hadamard rotation of the head dimension spreads outlier channels over all "
+                     "channels (QuaRot / SpinQuant). Queries get the same rotation, so q·k is unchanged before "
+                     "quantization; rotated values are rotated back on the output. Works with every format and "
+                     "axis."))
+
 
 def _largest_power_of_two_dividing(n: int) -> int:
     return n & -n

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kvviz.analysis.study.grid import FULL, model_spec, synthetic_tokens
-from kvviz.analysis.study.schema import Cell, Study
-from kvviz.spec import View
+from kvviz.analysis.study.schema import Cell, Study, setting_axes
+from kvviz.spec import Spec, View
 
 SYNTHETIC_METRICS = ("budget_tokens", "memory_ratio", "compression_ratio", "memory_read_ratio", "saves",
                      "mass_retained", "tv", "kl_compressed_vs_original", "js", "output_error", "output_cosine",
@@ -85,7 +85,8 @@ def run_synthetic(source: dict, settings: dict) -> dict:
     view = View(layer=source["layer"], ensemble=source["ensemble"], ensemble_size=size[source["ensemble"]])
     fmt, bits = settings["format"], settings["bits"]
     scorer = settings["scorer"] if settings["scorer"] != FULL else "h2o"   # budget 1: the sweep's "full" point
-    rows = sweep(trace, [scorer], [settings["budget"]], [bits] if fmt == "int" else [], view,
+    base = Spec(**{k: v for k, v in settings.items() if k in setting_axes()})   # the grid's Spec-setting axes
+    rows = sweep(trace, [scorer], [settings["budget"]], [bits] if fmt == "int" else [], view, base=base,
                  formats=[fmt] if fmt != "int" else [])
     (row,) = rows
     assert row["method"] == settings["scorer"] or row["method"] == FULL, (row["method"], settings)

@@ -122,15 +122,30 @@ def _check_synthetic(study: Study) -> None:
     if not grid["bits"] and not grid["formats"]:
         raise StudyError("[grid] bits: give at least one bit width (or a format)")
     n = synthetic_tokens(src)
-    for scorer in grid["scorers"]:
-        for f in grid["budgets"]:
-            for b, fmt in widths(grid):
-                budget = max(1, int(round(f * n)))
-                try:
-                    point_spec(FULL if budget >= n else scorer, budget, b, fmt)
-                except SpecError as exc:
-                    raise StudyError(f"[grid] the cell scorer={scorer} budget={f:g} bits={b} format={fmt} is "
-                                     f"impossible: {exc}") from None
+    for chosen in setting_points(grid):
+        try:
+            base = Spec(**chosen)
+        except SpecError as exc:
+            raise StudyError(f"[grid] {' / '.join(chosen)}: {exc}") from None
+        for scorer in grid["scorers"]:
+            for f in grid["budgets"]:
+                for b, fmt in widths(grid):
+                    budget = max(1, int(round(f * n)))
+                    try:
+                        point_spec(FULL if budget >= n else scorer, budget, b, fmt, base)
+                    except SpecError as exc:
+                        where = "".join(f" {k}={v}" for k, v in chosen.items())
+                        raise StudyError(f"[grid] the cell scorer={scorer} budget={f:g} bits={b} format={fmt}"
+                                         f"{where} is impossible: {exc}") from None
+
+
+def setting_points(grid: dict) -> list[dict]:
+    """Every combination of the Spec-setting axes a synthetic grid lists ([{}] when it lists none)."""
+    from itertools import product
+
+    from kvviz.analysis.study.schema import setting_axes
+    axes = {k: grid[k] for k in setting_axes() if grid.get(k)}
+    return [dict(zip(axes, values)) for values in product(*axes.values())]
 
 
 def _culprits(knobs: dict) -> str:
@@ -239,12 +254,13 @@ def cells(study: Study) -> list[Cell]:
     if study.kind == "synthetic":
         n = synthetic_tokens(src)
         for seed in src["seeds"]:
-            for scorer in grid["scorers"]:
-                for f in grid["budgets"]:
-                    full = max(1, int(round(f * n))) >= n
-                    for b, fmt in widths(grid):
-                        add({"seed": seed, "scorer": FULL if full else scorer, "budget": 1.0 if full else f,
-                             "bits": b, "format": fmt})
+            for chosen in setting_points(grid):
+                for scorer in grid["scorers"]:
+                    for f in grid["budgets"]:
+                        full = max(1, int(round(f * n))) >= n
+                        for b, fmt in widths(grid):
+                            add({"seed": seed, "scorer": FULL if full else scorer, "budget": 1.0 if full else f,
+                                 "bits": b, "format": fmt, **chosen})
     elif study.kind == "model":
         from kvviz.decode.eval_sweep import SWEEP_METHODS
         for model in src["models"]:

@@ -90,6 +90,28 @@ GRID_KEYS: dict[str, dict[str, Key]] = {
                "budgets": Key("floats", [0.25], axis="budget"),
                "bits": Key("ints", [FULL_BITS], axis="bits")},
 }
+# Spec settings that are not axes of their own here: the grid's scorers / budgets / bits / formats set them, the
+# synthetic source has its own seeds, and the key positions are the real-model decode's
+NOT_SETTING_AXES = frozenset({"sink", "recent", "heavy", "scorer", "seed", "positions", "key_bits", "value_bits",
+                              "key_format", "value_format"})
+_LIST_OF = {"int": "ints", "float": "floats", "bool": "bools", "choice": "strs"}
+
+
+def setting_axes() -> dict[str, Key]:
+    """A synthetic study's axes over Spec settings, one per declared setting (kvviz.settings), named as the
+    Spec keyword: `[grid] chunk_size = [10, 20]`. An empty list (the default) is no axis: the cells keep the
+    setting's default and their ids do not mention it."""
+    from kvviz.settings import SETTINGS
+
+    return {name: Key(_LIST_OF[s.kind], [], axis=name, choices=s.values if s.kind == "choice" else ())
+            for name, s in SETTINGS.items() if name not in NOT_SETTING_AXES}
+
+
+def grid_keys(kind: str) -> dict[str, Key]:
+    """The [grid] keys of a study kind (a synthetic study's include every Spec setting)."""
+    return GRID_KEYS[kind] | (setting_axes() if kind == "synthetic" else {})
+
+
 TOP_KEYS = {"name": Key("str", required=True), "description": Key("str", ""),
             "source": Key("table", required=True), "grid": Key("table", required=True)}
 
@@ -103,6 +125,7 @@ def source_keys(kind: str) -> dict[str, Key]:
 
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
                "ints": "a list of integers", "floats": "a list of numbers", "strs": "a list of strings",
+               "bools": "a list of true / false",
                "table": "a table"}
 
 
@@ -133,7 +156,7 @@ def _check_value(where: str, key: Key, value: Any) -> Any:
             return v
         raise AssertionError(kind)
 
-    if key.type in ("ints", "floats", "strs"):
+    if key.type in ("ints", "floats", "strs", "bools"):
         if not isinstance(value, list):
             raise bad()
         items = [one(key.type[:-1], v) for v in value]
@@ -179,8 +202,9 @@ class Cell:
     settings: dict = field(hash=False)
 
     def label(self) -> str:
+        columns = [*AXIS_COLUMNS, *(k for k in self.settings if k not in AXIS_COLUMNS and k in setting_axes())]
         return " ".join(f"{k}={self.settings[k]:g}" if isinstance(self.settings[k], float) else
-                        f"{k}={self.settings[k]}" for k in AXIS_COLUMNS if k in self.settings)
+                        f"{k}={self.settings[k]}" for k in columns if k in self.settings)
 
 
 # the columns a grid runs over (the singular names of the list keys)
@@ -206,7 +230,7 @@ class Study:
         return {"name": self.name, "kind": self.kind, **{k: v for k, v in self.source.items() if k != "kind" and not keys[k].axis and keys[k].identity}}
 
     def axes(self) -> dict:
-        keys = source_keys(self.kind) | GRID_KEYS[self.kind]
+        keys = source_keys(self.kind) | grid_keys(self.kind)
         return {k: v for k, v in (self.source | self.grid).items() if k in keys and keys[k].axis}
 
 
@@ -225,7 +249,7 @@ def read_study(text: str, base_dir: str | Path = ".", origin: str = "study file"
     if kind not in KINDS:
         raise StudyError(f"[source] kind: expected one of {', '.join(KINDS)}, got {kind!r}")
     source = _table("[source]", top["source"], source_keys(kind))
-    grid = _table("[grid]", top["grid"], GRID_KEYS[kind])
+    grid = _table("[grid]", top["grid"], grid_keys(kind))
     return Study(name=top["name"], kind=kind, description=top["description"], source=source, grid=grid,
                  text=text, base_dir=str(Path(base_dir).resolve()))
 
@@ -237,4 +261,5 @@ def cell_id(kind: str, fixed: dict, settings: dict) -> str:
 
 
 __all__ = ["AXIS_COLUMNS", "Cell", "DEVICES", "DTYPES", "FORMAT", "GRID_KEYS", "KINDS", "Key", "MIN_MODEL_BUDGET",
-           "SAMPLE", "SOURCE_KEYS", "Study", "StudyError", "cell_id", "read_study", "source_keys"]
+           "SAMPLE", "SOURCE_KEYS", "Study", "StudyError", "cell_id", "grid_keys", "read_study", "setting_axes",
+           "source_keys"]
