@@ -113,7 +113,7 @@ class Param:
             x = int(round(x))
         clamped = min(max(x, self.lo), self.hi) if self.lo is not None else x
         if clamped != x:
-            return clamped, f"{label} is out of range ({_num(self.lo)}-{_num(self.hi)}); clamped to {_num(clamped)}."
+            return clamped, f"{label} is out of range ({number_text(self.lo)}-{number_text(self.hi)}); clamped to {number_text(clamped)}."
         return x, None
 
     def encode(self, value: Any) -> str:
@@ -123,10 +123,11 @@ class Param:
             return ",".join(map(str, value))
         if self.kind == "text":
             return str(value)
-        return _num(value) if self.kind == "float" else str(value)
+        return number_text(value) if self.kind == "float" else str(value)
 
 
-def _num(x) -> str:
+def number_text(x) -> str:
+    """A number as a link and a notice write it: 0.35, 1e+06, 42 (the app's notices use it too)."""
     return f"{x:g}" if isinstance(x, float) else str(x)
 
 

@@ -62,6 +62,9 @@ class Spec:
     attribute; the value is checked when the Spec is made (SpecError says what to change).
     """
 
+    # the settings live in __dict__ (so `spec.__dict__` is exactly them); the identity below, in a slot
+    __slots__ = ("_key", "__dict__")
+
     def __init__(self, **values: Any) -> None:
         for name in values:
             if name not in SETTINGS:

@@ -278,19 +278,18 @@ def test_select_on_a_long_context_keeps_exactly_the_top_scores():
 
 def test_evict_one_by_hand():
     """kept (H, m+1) -> (H, m): per head, the lowest score outside the first `sink` positions and the last
-    `recent` (positions > p - recent) goes; on a tie the earlier token goes by default (streaming policies),
-    the later one with ties_evict_later (one-shot policies keep the earlier, as select does); a token no
-    query has scored (+inf) goes before any protected one."""
+    `recent` (positions > p - recent) goes; on a tie the later token goes, for every policy (the token select
+    would rank last); a token no query has scored (+inf) goes before any protected one."""
     from kvviz.policies.select import evict_one
 
     spec = Spec(sink=1, recent=2, heavy=3)
     kept = np.array([[0, 1, 2, 3, 4, 5], [0, 2, 3, 4, 5, 6], [0, 1, 2, 3, 5, 6]])
     scores = np.array([[9, 1.0, 0.5, 1.0, 0.0, -5, 9],       # position 4 lowest (5 is recent: protected)
                        [-9, 9, 2.0, 2.0, 9, -9, -9],         # 2 and 3 tie; 0 is a sink, 5 and 6 recent
-                       [-9, np.inf, np.inf, np.inf, 9, -9, -9]])   # unscored: the earliest goes (the later)
-    assert evict_one(kept, scores, spec, 6).tolist() == [[0, 1, 2, 3, 5], [0, 3, 4, 5, 6], [0, 2, 3, 5, 6]]
-    assert evict_one(kept, scores, spec, 6, ties_evict_later=True).tolist() == [
-        [0, 1, 2, 3, 5], [0, 2, 4, 5, 6], [0, 1, 2, 5, 6]]
+                       [-9, np.inf, np.inf, np.inf, 9, -9, -9]])   # unscored: the latest of them goes
+    assert evict_one(kept, scores, spec, 6).tolist() == [[0, 1, 2, 3, 5], [0, 2, 4, 5, 6], [0, 1, 2, 5, 6]]
+    tied = np.array([[0, 1, 2, 3, 4, 5]])                      # every unprotected score equal: the last goes
+    assert evict_one(tied, np.zeros((1, 6)), spec, 5).tolist() == [[0, 1, 2, 4, 5]]
     one = np.array([[0, 1, 2, 3]])                              # sink 1: position 1 is not protected
     assert evict_one(one, np.array([[-1.0, 5.0, 6.0, 7.0]]), spec, 3).tolist() == [[0, 2, 3]]
 

@@ -34,7 +34,7 @@ from typing import Any
 import streamlit as st
 
 from kvviz.app.params import PARAMS, read_settings
-from kvviz.links import _num
+from kvviz.links import number_text
 
 STORE = "_kvviz_state"
 NOTICES = "_kvviz_notices"
@@ -129,7 +129,7 @@ def _bind(name: str, lo=None, hi=None, label: str = "", to_widget=None, from_wid
     v = store[name]
     if lo is not None and hi is not None and not lo <= v <= hi:
         c = min(max(v, lo), hi)
-        notice(f"{label or name} {_num(v)} is out of range ({_num(lo)}-{_num(hi)}); clamped to {_num(c)}.")
+        notice(f"{label or name} {number_text(v)} is out of range ({number_text(lo)}-{number_text(hi)}); clamped to {number_text(c)}.")
         store[name] = v = c
     # Always re-seed: after a page switch the widget is a new element whose state would
     # otherwise start from its default, not from the value the user chose on another page.
@@ -171,7 +171,7 @@ def w_budget(where, name: str, label: str, n: int, unit: str, help: str | None =
         """The typed count within 0..n; out of range: clamped with the notice a link gets (issue 34)."""
         c = int(min(max(count, 0), n))
         if c != count:
-            notice(f"{label} {_num(typed_value)}{'' if unit == 'tokens' else '%'} is out of range "
+            notice(f"{label} {number_text(typed_value)}{'' if unit == 'tokens' else '%'} is out of range "
                    f"({'0-' + str(n) if unit == 'tokens' else '0-100%'}); clamped to {c} tokens.")
         return c
 
@@ -208,7 +208,7 @@ def w_number(where, name: str, label: str, lo, hi, step=None, help: str | None =
     _bind(name, lo, hi, label)   # a typed number out of [lo, hi] is clamped here, with a notice (issue 34)
     # no min / max on the widget: the browser would keep an out-of-range number in a red box, send nothing,
     # and show the range only on hover; the range goes in the help instead
-    span = f"Range {_num(lo)}-{_num(hi)}; a number outside it is clamped."
+    span = f"Range {number_text(lo)}-{number_text(hi)}; a number outside it is clamped."
     kwargs = dict(key=name, help=f"{help} {span}" if help else span, disabled=disabled, on_change=_take,
                   args=(name,), step=step if step is not None else (1 if isinstance(lo, int) else 0.01))
     if fmt:

@@ -334,7 +334,7 @@ class CompressedCache:
         kept = np.concatenate([self.kept[layer], np.full((self.H, 1), p)], axis=1)   # arrives
         self.scores[layer, :, p] = self.policy.arrival_score(self.k[layer, :, p].numpy(), layer, p, spec)
         if self.evicts and kept.shape[1] > spec.budget:                       # evict one per head
-            kept = evict_one(kept, self.scores[layer], spec, p, ties_evict_later=not self.policy.streaming)
+            kept = evict_one(kept, self.scores[layer], spec, p)
         return kept
 
     # -- teacher forcing in one pass ---------------------------------------------------------

@@ -153,7 +153,7 @@ class RaggedCache(CompressedCache):
             for h, idx in enumerate(self.heads_kept[layer]):
                 idx = np.append(idx, p)
                 if len(idx) > self.head_budget[layer][h]:
-                    idx = evict_one(idx[None], scores[h:h + 1], spec, p, ties_evict_later=True)[0]
+                    idx = evict_one(idx[None], scores[h:h + 1], spec, p)[0]
                 heads.append(idx)
         self.heads_kept[layer] = heads
         if self.record:

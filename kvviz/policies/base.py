@@ -282,7 +282,7 @@ class Policy:
             while p <= target:
                 kept = np.concatenate([kept, np.full((H, 1), p)], axis=1)
                 if kept.shape[1] > spec.budget:
-                    kept = evict_one(kept, scores, spec, p, ties_evict_later=True)
+                    kept = evict_one(kept, scores, spec, p)
                 p += 1
             np.put_along_axis(out[i], kept, True, axis=1)
         return out

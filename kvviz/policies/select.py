@@ -37,23 +37,19 @@ def select(scores: np.ndarray, spec: Spec) -> np.ndarray:
     return keep
 
 
-def evict_one(kept: np.ndarray, scores: np.ndarray, spec: Spec, p: int,
-              ties_evict_later: bool = False) -> np.ndarray:
+def evict_one(kept: np.ndarray, scores: np.ndarray, spec: Spec, p: int) -> np.ndarray:
     """Drop, per KV head, the lowest-scoring token outside the sinks and the recent window.
 
-    kept (H, m+1) -> (H, m). A token no query has scored yet (+inf) goes only before
-    protected ones. Ties follow the policies' own rules: streaming policies evict the
-    earlier token; one-shot policies keep it (`select` keeps the earlier of equal scores,
-    and greedy eviction under fixed scores must give the same kept set).
+    kept (H, m+1) -> (H, m). The one eviction rule of kvviz: the engine's streaming simulation and the
+    decode caches (uniform and ragged) all call it. A token no query has scored yet (+inf) goes only
+    before protected ones. Ties: the later of two equal scores goes, so the token `select` would rank
+    last is the one evicted, and greedy eviction under fixed scores keeps exactly the set `select` keeps.
     """
     H = kept.shape[0]
     protected = (kept < spec.sink) | (kept > p - spec.recent)
     at = scores[np.arange(H)[:, None], kept]            # take_along_axis, without its index building
     key = np.where(protected, np.inf, np.minimum(at, np.finfo(np.float64).max))
-    if ties_evict_later:
-        victim = key.shape[1] - 1 - np.argmin(key[:, ::-1], axis=1)
-    else:
-        victim = np.argmin(key, axis=1)
+    victim = key.shape[1] - 1 - np.argmin(key[:, ::-1], axis=1)     # the last of the lowest
     drop = np.ones(kept.shape, dtype=bool)
     drop[np.arange(H), victim] = False
     return kept[drop].reshape(H, -1)
