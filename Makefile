@@ -37,7 +37,8 @@ TEST_WORKERS ?= auto
 XDIST        := -n $(TEST_WORKERS) --dist loadgroup
 # make mutants: the core modules mutmut mutates, one run per module (see pyproject.toml [tool.mutmut])
 MUTANTS ?= kvviz/metrics.py kvviz/quant/integer.py kvviz/policies/select.py kvviz/policies/h2o.py \
-           kvviz/policies/base.py kvviz/quant/formats.py kvviz/policies/allocation.py kvviz/engine.py
+           kvviz/policies/base.py kvviz/quant/formats.py kvviz/policies/allocation.py kvviz/engine.py \
+           kvviz/rows.py kvviz/policies/reads.py
 
 # Hubs are unreachable here: never let transformers/huggingface_hub try the
 # network. Override from the environment (HF_HUB_OFFLINE=0 make run) where a hub works.

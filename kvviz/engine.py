@@ -1,14 +1,8 @@
 """Apply a compression spec to a trace and compare compressed attention with the original.
 
-For every evaluated (layer, query head, query) the engine computes
-    original    a     = softmax(q . K^T / sqrt(d))               over tokens 0..p
-    compressed  a_hat = softmax over the kept tokens of q . K_hat^T / sqrt(d)
-                        (K_hat: kept keys, quantized; or logits + sigma * eps)
-    outputs     o = a . V,  o_hat = a_hat . V_hat               (where values exist)
-Eviction first decides what is kept (per KV head, at the time the policy would), then
-what is kept is quantized, as a real compressed cache would be. A policy that reads instead
-of evicting (Quest) stores the whole cache, quantized as stored, and each query head reads
-its own pages of it.
+`compare` evaluates the view's row (layer, query head, query) and its ensemble (the rows the error bars
+range over), each row by kvviz.rows (original vs compressed attention and outputs), within the work
+budget, and adds the memory of the compressed cache and the per-token spread of the error.
 """
 
 from __future__ import annotations
@@ -18,44 +12,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvviz.attention import chunk_rows, keep_heap, kv_runs, logit_rows, small_blas, softmax, softmax_and_log
+from kvviz.attention import chunk_rows, keep_heap, small_blas
 from kvviz.limits import Part, Work, checkpoint
-from kvviz.metrics import RowMetrics, Spread, divergences, row_metrics_batch, spread
-from kvviz.policies import ScoreContext, get_policy
-from kvviz.policies.base import cached_on_trace, group_union
 from kvviz.memory import Memory, budget_is_exact, memory_dict, memory_for
-from kvviz.quant import formats as qformats
-from kvviz.quant import quantize_kept
-from kvviz.spec import FULL_BITS, Spec, SpecError, View
+from kvviz.metrics import RowMetrics, Spread, spread
+# one row: what is kept at a query, and its original vs compressed attention (re-exported: the engine's API)
+from kvviz.rows import (ALL, EVICTED, HEAVY, REASONS, RECENT, SINK, RowResult, evaluate_row, evaluate_rows,  # noqa: F401
+                        keep_masks, kept_at_query, read_masks, reasons_for)
+from kvviz.spec import Spec, SpecError, View
 from kvviz.trace import Trace
 
 keep_heap()  # the engine's temporaries reuse freed heap instead of faulting pages in again
 
-# Why each token is in (or out of) the compressed cache, for colouring charts.
-EVICTED, SINK, RECENT, HEAVY, ALL = 0, 1, 2, 3, 4
-REASONS = {EVICTED: "evicted", SINK: "sink", RECENT: "recent", HEAVY: "heavy hitter", ALL: "kept (no eviction)"}
-
 NO_LATER_QUERIES_NOTE = ("This source has no later queries: the evaluated query is the last context "
                          "query, and its own attention is part of the history the policy ranks by.")
-
-
-@dataclass(frozen=True, eq=False, slots=True)   # slots: a configuration builds one per member
-class RowResult:
-    """One evaluated attention row: layer, query head, query position."""
-
-    layer: int
-    head: int
-    kv_head: int
-    query: int        # index into trace.query_positions
-    position: int     # the query's token position p; the row covers tokens 0..p
-    original: np.ndarray
-    compressed: np.ndarray
-    kept: np.ndarray
-    reason: np.ndarray
-    error: np.ndarray  # per-token error: compressed minus original attention
-    out_original: np.ndarray | None
-    out_compressed: np.ndarray | None
-    metrics: RowMetrics
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,260 +112,6 @@ def kept_counts(trace: Trace, spec: Spec, qi: int) -> np.ndarray:
         per_layer = [min(layer_spec(spec, layer, L, trace.context_len).budget, n) if spec.evicts else n for layer in range(L)]
         return np.repeat(np.array(per_layer, dtype=np.int64)[:, None], H, axis=1)
     return np.stack([kept_at_query(trace, spec, layer, qi).sum(axis=1) for layer in range(L)]).astype(np.int64)
-
-
-def reasons_for(kept: np.ndarray, spec: Spec) -> np.ndarray:
-    """Why each token is kept or not, for kept masks (..., n)."""
-    n = kept.shape[-1]
-    if not spec.evicts:
-        return np.full(kept.shape, ALL, dtype=np.int8)
-    reason = kept * np.int8(HEAVY)                  # EVICTED is 0
-    reason[..., max(0, n - spec.recent):] = RECENT
-    reason[..., : min(spec.sink, n)] = SINK
-    return reason
-
-
-def noise_eps(trace: Trace, spec: Spec, layer: int, head: int, position: int) -> np.ndarray:
-    """Standard normals for the noise model; the source's own draw where it has one."""
-    if trace.noise_eps is not None and spec.seed == 0:
-        return trace.noise_eps[: position + 1]
-    return np.random.default_rng([spec.seed, layer, head, position]).standard_normal(position + 1)
-
-
-def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
-                  kept_kv: np.ndarray | None, cache: dict | None = None,
-                  reads: np.ndarray | None = None) -> list[RowResult]:
-    """Original vs compressed attention of one query for several query heads, batched.
-
-    kept_kv (kv_heads, positions) is the policy's kept mask at this query (None for the
-    oracle and Quest, which decide from this query, and without eviction). `cache`
-    shares the quantized kept keys / values between calls. reads (q_heads, positions):
-    Quest's per-query-head reads where already decided (with kept_kv their union).
-    """
-    cache = {} if cache is None else cache
-    heads = np.asarray(heads, dtype=int)
-    H = len(heads)
-    p = int(trace.query_positions[qi])
-    n = p + 1
-    kvh = heads // trace.group_size                                      # (H,)
-    logits = logit_rows(trace, layer, heads, qi)                         # (H, n)
-    original, log_original = softmax_and_log(logits)
-    # reads: Quest per query head, each row reads its own tokens from the whole cache, (Hq, n)
-    if kept_kv is None and spec.evicts:                                  # the oracle / Quest decide at this query
-        reads, kept_kv = _query_kept(trace, spec, layer, qi, heads, original)
-    if kept_kv is None:
-        kept_kv = np.ones((trace.n_kv_heads, n), bool)
-
-    # One cache per KV head: its rows share the kept tokens, the values and the quantized
-    # K / V. Callers order heads by KV head, so each run of rows is one product.
-    kv_list = kvh.tolist()
-    runs = kv_runs(kv_list)
-    # what each row attends over: its KV head's kept tokens (decided once per KV head), or its own reads
-    if reads is None:
-        kept_at = {g: np.flatnonzero(kept_kv[g, :n]) for g in set(kv_list)}
-        rows_at = [kept_at[g] for g in kv_list]
-    else:
-        rows_at = [np.flatnonzero(reads[h, :n]) for h in heads.tolist()]
-    sizes = np.array([len(a) for a in rows_at])
-    if (sizes != sizes[0]).any():                                        # ragged caches (AdaKV): one head at a time
-        if reads is not None:
-            return [row for h in heads.tolist()
-                    for row in evaluate_rows(trace, spec, layer, [h], qi, kept_kv, cache, reads)]
-        return [row for _, rows in runs
-                for row in evaluate_rows(trace, spec, layer, heads[rows], qi, kept_kv, cache)]
-    m = int(sizes[0])                                                    # the same for every row
-    at = np.array(rows_at).reshape(H, m)                                 # (H, m) kept positions, in order
-    flat = (at + (np.arange(H) * n)[:, None]).ravel()                    # into the (H, n) rows
-    if reads is None:         # evict, then quantize what is kept: per KV head, over its compacted cache
-        quantized = _quantized_kept(trace, spec, layer, p, kept_at, cache, kept_kv)
-    else:                     # Quest: the whole cache is stored (quantized as stored); each row reads from it
-        whole = _quantized_kept(trace, spec, layer, p, {g: np.arange(n) for g in set(kv_list)}, cache)
-
-    def kept_part(i: int, g: int, which: int) -> np.ndarray | None:
-        """Row i's (K_hat - K) (which 0) or V_hat (1) at its kept tokens, (m, D); None: not quantized."""
-        if reads is None:
-            return quantized[g][which]
-        part = whole[g][which]
-        return None if part is None else part[at[i]]
-
-    kept_logits = logits.take(flat).reshape(H, m)                       # (H, m)
-    if spec.quant_model == "noise":
-        eps = np.stack([noise_eps(trace, spec, layer, h, p) for h in heads])
-        kept_logits += eps.take(flat).reshape(H, m) * spec.noise_sigma
-    elif spec.quantizes_keys:
-        # q . K_hat = q . K + q . (K_hat - K): exact logits wherever keys did not change
-        q = trace.q[layer, heads, qi] / np.float32(np.sqrt(trace.head_dim))  # (H, D), the trace's dtype
-        if reads is None:
-            for g, rows in runs:   # (K_hat - K).q^T: for a few query rows BLAS is ~2x faster this way round
-                kept_logits[rows] += (quantized[g][0] @ q[rows].T).T
-        else:
-            for i, g in enumerate(kv_list):
-                kept_logits[i] += kept_part(i, g, 0) @ q[i]
-    p_kept, logp_kept = softmax_and_log(kept_logits)                     # over the kept tokens only
-    compressed = np.zeros_like(original)
-    compressed.ravel()[flat] = p_kept.ravel()
-    error = compressed - original
-    original_kept = original.take(flat).reshape(H, m)
-    mass = original_kept.sum(axis=1)
-    kl, kl_forward, js = divergences(original_kept, log_original.take(flat).reshape(H, m), p_kept, logp_kept,
-                                     mass, evicted=m < n)
-
-    out = out_hat = None
-    if trace.v is not None:
-        values = trace.v[layer]                                          # (kv_heads, P, D), the trace's dtype
-        out = np.empty((H, trace.head_dim))
-        out_hat = np.empty_like(out)
-        for g, rows in runs:
-            out[rows] = original[rows].astype(values.dtype) @ values[g, :n]              # o = a . V
-            if m == n and kept_part(rows.start, g, 1) is None:  # nothing evicted or quantized: the same
-                out_hat[rows] = compressed[rows].astype(values.dtype) @ values[g, :n]   # arithmetic, zero error
-            elif reads is None:                                                         # o_hat = a_hat . V_hat
-                v_kept = quantized[g][1] if quantized[g][1] is not None else values[g, at[rows.start]]
-                out_hat[rows] = p_kept[rows].astype(values.dtype) @ v_kept
-            else:
-                for i in range(rows.start, rows.stop):
-                    v_kept = kept_part(i, g, 1)
-                    out_hat[i] = p_kept[i].astype(values.dtype) @ (values[g, at[i]] if v_kept is None else v_kept)
-    tv_quant = None
-    if spec.quantizes:   # what quantization adds: compressed vs eviction alone (a / mass on the kept tokens)
-        tv_quant = 0.5 * np.abs(p_kept - original_kept / mass[:, None]).sum(axis=1)
-    metrics = row_metrics_batch(error, mass, kl, kl_forward, js, out, out_hat, tv_quant)
-    if reads is None:                                                    # per KV head, shared by its rows
-        row_kept, reason = kept_kv[:, :n], reasons_for(kept_kv[:, :n], spec)
-        row_of = kv_list
-    else:
-        row_kept = reads[heads, :n]
-        reason, row_of = reasons_for(row_kept, spec), range(H)
-    return [RowResult(layer=layer, head=int(h), kv_head=g, query=qi, position=p,
-                      original=original[i], compressed=compressed[i], kept=row_kept[r], reason=reason[r],
-                      error=error[i],
-                      out_original=None if out is None else out[i],
-                      out_compressed=None if out_hat is None else out_hat[i], metrics=metrics[i])
-            for i, (h, g, r) in enumerate(zip(heads.tolist(), kv_list, row_of))]
-
-
-def _query_kept(trace: Trace, spec: Spec, layer: int, qi: int, heads: np.ndarray | None = None,
-                attention: np.ndarray | None = None) -> tuple[np.ndarray | None, np.ndarray]:
-    """A needs_query policy (the oracle, Quest) at query qi: (each query head's own read mask (q_heads, n)
-    or None, the kept (read) mask of every KV head (kv_heads, n)).
-
-    The oracle ranks by every query head's attention: `attention` (len(heads), n) holds the rows
-    already computed and the others are computed here. Quest reads only the query and the keys.
-    Decided once per (trace, layer, query, settings): the memory count and the rows reuse it.
-    """
-    policy, ctx = get_policy(spec.scorer), ScoreContext(trace, layer, spec)
-    n = int(trace.query_positions[qi]) + 1
-
-    def decide():
-        rows = None
-        if policy.uses_attention:
-            rows = np.empty((trace.n_q_heads, n))
-            done = np.array([], dtype=int) if heads is None else np.asarray(heads)
-            if len(done):
-                rows[done] = attention
-            missing = np.setdiff1d(np.arange(trace.n_q_heads), done)
-            if len(missing):
-                rows[missing] = softmax(logit_rows(trace, layer, missing, qi))
-        inputs = dict(query=trace.q[layer, :, qi], keys=trace.k[layer, :, :n])
-        reads = policy.query_reads(rows, ctx, **inputs)
-        kept = policy.query_kept(rows, ctx, **inputs) if reads is None else group_union(reads, trace.n_kv_heads)
-        for shared in (reads, kept):             # cached: every caller reads the same arrays
-            if shared is not None:
-                shared.setflags(write=False)
-        return reads, kept
-    return cached_on_trace(trace, layer, f"query-kept/{spec.scorer}", (qi, spec.eviction_key), decide)
-
-
-def evaluate_row(trace: Trace, spec: Spec, layer: int, head: int, qi: int,
-                 kept_kv: np.ndarray | None = None) -> RowResult:
-    """One row; kept_kv (kv_heads, positions) as in evaluate_rows (None: oracle / no eviction)."""
-    if kept_kv is None and spec.evicts and not get_policy(spec.scorer).needs_query:
-        kept_kv = keep_masks(trace, spec, layer, [int(trace.query_positions[qi])])[0]
-    return evaluate_rows(trace, spec, layer, [head], qi, kept_kv)[0]
-
-
-def _quantized_kept(trace: Trace, spec: Spec, layer: int, p: int, kept_at: dict[int, np.ndarray],
-                    cache: dict, kept_kv: np.ndarray | None = None
-                    ) -> dict[int, tuple[np.ndarray | None, np.ndarray | None]]:
-    """KV head -> (K_hat - K, V_hat) of its kept tokens at kept_at[g] (m,); None where not quantized.
-
-    Evict, then quantize what is kept: groups run over the compacted cache, and the last
-    `residual` kept tokens stay at full precision. The caches not yet in `cache` are
-    quantized in one call.
-    """
-    if spec.quant_model != "kv" or not spec.quantizes:
-        return {g: (None, None) for g in kept_at}
-    if qformats.uses_formats(spec):
-        return _quantized_kept_formats(trace, spec, layer, p, kept_at, cache, kept_kv)
-    keys = {g: (layer, g, p, hash(at.tobytes())) for g, at in kept_at.items()}
-    missing = [g for g, key in keys.items() if key not in cache]
-    if missing:
-        heads, where = np.array(missing), np.stack([kept_at[g] for g in missing])   # (U,), (U, m)
-        key_delta = v_hat = [None] * len(missing)
-        settings = dict(group_size=spec.group_size, residual=spec.residual, symmetric=spec.symmetric,
-                        zero_point=spec.zero_point, partial=spec.partial)
-        if spec.key_bits < FULL_BITS:
-            key_delta = quantize_kept(trace.k[layer], heads, where, spec.key_bits, spec.key_axis,
-                                      delta=True, **settings)
-        if trace.v is not None and spec.value_bits < FULL_BITS:
-            v_hat = quantize_kept(trace.v[layer], heads, where, spec.value_bits, spec.value_axis, **settings)
-        for u, g in enumerate(missing):
-            cache[keys[g]] = key_delta[u], v_hat[u]
-    return {g: cache[key] for g, key in keys.items()}
-
-
-def _quantized_kept_formats(trace: Trace, spec: Spec, layer: int, p: int, kept_at: dict[int, np.ndarray],
-                            cache: dict, kept_kv: np.ndarray | None
-                            ) -> dict[int, tuple[np.ndarray | None, np.ndarray | None]]:
-    """_quantized_kept for kvviz.quant.formats: every KV head of the layer at once (a per-tensor
-    scale reads them all), rotated and quantized in the spec's format; residual per its mode."""
-    n = p + 1
-    if kept_kv is None:
-        kept_kv = np.ones((trace.n_kv_heads, n), bool)
-    where = np.stack([np.flatnonzero(kept_kv[g, :n]) for g in range(trace.n_kv_heads)])   # (H, m)
-    key = ("formats", layer, p, hash(where.tobytes()))
-    if key not in cache:
-        residual = qformats.residual_at(spec, where, p, trace.context_len)
-        rows = np.arange(trace.n_kv_heads)[:, None]
-        key_delta = v_hat = None
-        if spec.quantizes_keys:
-            k = trace.k[layer][rows, where]
-            key_delta = qformats.quantize_tensor(k, spec, "k", residual) - k
-        if trace.v is not None and spec.quantizes_values:
-            v_hat = qformats.quantize_tensor(trace.v[layer][rows, where], spec, "v", residual)
-        cache[key] = key_delta, v_hat
-    key_delta, v_hat = cache[key]
-    return {g: (None if key_delta is None else key_delta[g], None if v_hat is None else v_hat[g]) for g in kept_at}
-
-
-def keep_masks(trace: Trace, spec: Spec, layer: int, positions) -> np.ndarray | None:
-    """Kept masks (len(positions), kv_heads, positions) of the spec's policy; None for the oracle."""
-    policy = get_policy(spec.scorer)
-    if policy.needs_query and spec.evicts:
-        return None
-    return policy.keep_masks(ScoreContext(trace, layer, spec), np.asarray(positions))
-
-
-def kept_at_query(trace: Trace, spec: Spec, layer: int, qi: int) -> np.ndarray:
-    """What every KV head of a layer holds (reads, for Quest) at query qi: (kv_heads, p + 1) bool."""
-    p = int(trace.query_positions[qi])
-    if not spec.evicts:
-        return np.ones((trace.n_kv_heads, p + 1), dtype=bool)
-    if get_policy(spec.scorer).needs_query:
-        return _query_kept(trace, spec, layer, qi)[1]
-    return keep_masks(trace, spec, layer, [p])[0, :, : p + 1]
-
-
-def read_masks(trace: Trace, spec: Spec, layer: int, qi: int) -> np.ndarray:
-    """(q_heads, p + 1) bool: what each query head attends over at query qi — its KV head's kept set, or,
-    where query heads choose their own (Quest per query head), its own reads."""
-    if spec.evicts and get_policy(spec.scorer).needs_query:
-        reads, kept = _query_kept(trace, spec, layer, qi)
-        if reads is not None:
-            return reads
-    else:
-        kept = kept_at_query(trace, spec, layer, qi)
-    return np.repeat(kept, trace.group_size, axis=0)
 
 
 # --- the work budget -------------------------------------------------------------------

@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ["kvviz/metrics.py", "kvviz/quant/integer.py", "kvviz/policies/select.py", "kvviz/policies/h2o.py",
            "kvviz/policies/base.py", "kvviz/quant/formats.py", "kvviz/policies/allocation.py", "kvviz/engine.py",
+           "kvviz/rows.py",
            "kvviz/quant/base.py", "kvviz/quant/fp8.py", "kvviz/quant/minifloat.py", "kvviz/quant/mxfp4.py",
            "kvviz/quant/nvfp4.py", "kvviz/quant/rotation.py",
            "kvviz/policies/expected_attention.py", "kvviz/policies/registry.py",
@@ -185,6 +186,7 @@ EQUIVALENT.update({
 })
 
 _ENG = "kvviz.engine.x_"
+_ROW = "kvviz.rows.x_"       # the row functions moved from engine.py to rows.py (#35), bodies unchanged
 _RECOMPUTED = ("the oracle recomputes the attention of heads it was given instead of taking `original`: softmax and "
                "softmax_and_log do the same arithmetic (max, exp, divide by the sum) on logit_rows of the same "
                "queries and keys")
@@ -192,53 +194,53 @@ EQUIVALENT.update({
     **_same("per_layer is a list of Python ints: np.array makes it int64 without the dtype", _ENG,
             "kept_counts__mutmut_30", "kept_counts__mutmut_32"),
     **_same("a fresh quantized-cache dict (on every call, or for the ragged one-head calls): the same K_hat / "
-            "V_hat computed again (the shared dict only saves the work)", _ENG,
+            "V_hat computed again (the shared dict only saves the work)", _ROW,
             *(f"evaluate_rows__mutmut_{n}" for n in (3, 71, 87, 94))),
-    _ENG + "evaluate_rows__mutmut_128": "p None for Quest's whole cache: p enters only the cache key on this path "
+    _ROW + "evaluate_rows__mutmut_128": "p None for Quest's whole cache: p enters only the cache key on this path "
                                         "(formats, which read p, are refused for Quest per query head), and the "
                                         "key's hash of arange(n) already tells the queries apart",
-    _ENG + "evaluate_rows__mutmut_237": "kept_part(None, ...): the row only indexes a stored V_hat (at[None] adds "
+    _ROW + "evaluate_rows__mutmut_237": "kept_part(None, ...): the row only indexes a stored V_hat (at[None] adds "
                                         "an axis), and here only whether it is None is asked",
     **_same("p_kept cast to float64 instead of the trace's float32 before o_hat = p_kept . V: the same product "
-            "to float32 rounding (the cast is a speed choice; no result reads the last bits)", _ENG,
+            "to float32 rounding (the cast is a speed choice; no result reads the last bits)", _ROW,
             "evaluate_rows__mutmut_255", "evaluate_rows__mutmut_269"),
-    _ENG + "_quantized_kept__mutmut_22": "hash(None) for the kept positions: one cache serves one trace and spec "
+    _ROW + "_quantized_kept__mutmut_22": "hash(None) for the kept positions: one cache serves one trace and spec "
                                          "(compare; evaluate_row makes its own), where (layer, KV head, p), all in "
                                          "the key, decide the kept positions (Quest's whole cache: arange(p + 1))",
     **_same("<= for < FULL_BITS: quantize_kept at 16 bits returns a zero K delta / V unchanged (integer.py), what "
-            "skipping it gives", _ENG, "_quantized_kept__mutmut_46", "_quantized_kept__mutmut_64"),
-    _ENG + "evaluate_rows__mutmut_236": "o_hat by the first branch when tokens are evicted and V is stored exact: "
+            "skipping it gives", _ROW, "_quantized_kept__mutmut_46", "_quantized_kept__mutmut_64"),
+    _ROW + "evaluate_rows__mutmut_236": "o_hat by the first branch when tokens are evicted and V is stored exact: "
                                         "compressed is p_kept on the kept tokens and 0 elsewhere, so compressed . V "
                                         "= p_kept . V_kept (the zeros add nothing); with nothing evicted and nothing "
                                         "quantized the elif branch reads V at every position: the same product",
     **_same("heads arrive as a list of Python ints (compare, evaluate_row) or a slice of this int array (the "
-            "ragged recursion): int64 without the dtype", _ENG, "evaluate_rows__mutmut_7", "evaluate_rows__mutmut_9"),
-    **_same(_RECOMPUTED, _ENG, "evaluate_rows__mutmut_36", "_query_kept__mutmut_18", "_query_kept__mutmut_28"),
-    _ENG + "evaluate_rows__mutmut_70": "kept_kv None sends each one-head call back to _query_kept, which returns "
+            "ragged recursion): int64 without the dtype", _ROW, "evaluate_rows__mutmut_7", "evaluate_rows__mutmut_9"),
+    **_same(_RECOMPUTED, _ROW, "evaluate_rows__mutmut_36", "_query_kept__mutmut_18", "_query_kept__mutmut_28"),
+    _ROW + "evaluate_rows__mutmut_70": "kept_kv None sends each one-head call back to _query_kept, which returns "
                                        "this query's cached decision: the same reads and kept mask",
-    _ENG + "_query_kept__mutmut_13": "rows = '': only a policy that uses the attention reads rows, and for it rows "
+    _ROW + "_query_kept__mutmut_13": "rows = '': only a policy that uses the attention reads rows, and for it rows "
                                      "is replaced by the array; Quest (uses_attention False) ignores it",
     **_same("an empty `done` of floats: len 0 skips the assignment, and np.setdiff1d(arange, empty) returns the "
-            "int heads", _ENG, "_query_kept__mutmut_20", "_query_kept__mutmut_22"),
-    _ENG + "_query_kept__mutmut_50": "query_reads(None, ...): Quest, the one policy with its own reads, ranks by "
+            "int heads", _ROW, "_query_kept__mutmut_20", "_query_kept__mutmut_22"),
+    _ROW + "_query_kept__mutmut_50": "query_reads(None, ...): Quest, the one policy with its own reads, ranks by "
                                      "the query and keys and never reads the attention",
-    _ENG + "_query_kept__mutmut_57": "query_kept where query_reads gave reads: Policy.query_kept returns their "
+    _ROW + "_query_kept__mutmut_57": "query_kept where query_reads gave reads: Policy.query_kept returns their "
                                      "group_union itself (base.py), the mask the engine would build",
-    _ENG + "_query_kept__mutmut_73": "name None: the key (query, eviction_key) already names the scorer, and no "
+    _ROW + "_query_kept__mutmut_73": "name None: the key (query, eviction_key) already names the scorer, and no "
                                      "other score-cache entry has a None name",
     **_same("kept masks are False past the query (a token that has not arrived is never kept; checked for every "
             "scorer and allocation on test_engine's trace): flatnonzero over more columns finds the same "
-            "positions", _ENG, "_quantized_kept_formats__mutmut_1", "_quantized_kept_formats__mutmut_3"),
+            "positions", _ROW, "_quantized_kept_formats__mutmut_1", "_quantized_kept_formats__mutmut_3"),
     **_same("the kept_kv-is-None branch: its one caller without a mask is Quest per query head, which Spec refuses "
             "with these formats ('Quest per query head reads a different number of tokens ...'), and with "
-            "eviction off or the noise model _quantized_kept returns before it", _ENG,
+            "eviction off or the noise model _quantized_kept returns before it", _ROW,
             *(f"_quantized_kept_formats__mutmut_{n}" for n in (5, 6, 7, 8, 9))),
     **_same("another tag string: the integer path's keys start with the layer, an int, so a formats key still "
-            "never equals one", _ENG, "_quantized_kept_formats__mutmut_15", "_quantized_kept_formats__mutmut_16"),
-    _ENG + "_quantized_kept_formats__mutmut_17": "hash(None) for the kept positions: one cache serves one trace and "
+            "never equals one", _ROW, "_quantized_kept_formats__mutmut_15", "_quantized_kept_formats__mutmut_16"),
+    _ROW + "_quantized_kept_formats__mutmut_17": "hash(None) for the kept positions: one cache serves one trace and "
                                                  "spec (compare; evaluate_row makes its own), where (layer, p), both "
                                                  "in the key, decide the kept positions",
-    **_same("quantize_tensor reads which == 'k': any other value is the values (formats.settings)", _ENG,
+    **_same("quantize_tensor reads which == 'k': any other value is the values (formats.settings)", _ROW,
             *(f"_quantized_kept_formats__mutmut_{n}" for n in (49, 55, 56))),
     _ENG + "ensemble_members__mutmut_60": "_same_step for every seed member: where the member's trace is the "
                                           "primary's, _same_step(trace, trace, qi) is qi",
@@ -253,7 +255,7 @@ EQUIVALENT.update({
             _ENG, *(f"compare__mutmut_{n}" for n in (122, 124, 165, 167))),
     _ENG + "compare__mutmut_176": "counts passed where the budget is exact: kept_counts gives min(each layer's "
                                   "budget, n) for every head there, what memory_for counts from the budget",
-    _ENG + "reasons_for__mutmut_2": "kept.shape[+1] for shape[-1]: every caller passes (rows, n) masks",
+    _ROW + "reasons_for__mutmut_2": "kept.shape[+1] for shape[-1]: every caller passes (rows, n) masks",
     _ENG + "head_grid__mutmut_15": "head=0 is View's default",
     _ENG + "head_grid__mutmut_19": "an ensemble of all n_q_heads heads from head 1 wraps round to every head once",
 })

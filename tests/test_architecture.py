@@ -31,6 +31,7 @@ LAYERS = {
     "kvviz.attention": 1, "kvviz.models": 1,
     "kvviz.sources": 2, "kvviz.policies": 2, "kvviz.quant": 2,
     "kvviz.engine": 3, "kvviz": 3,          # the root package re-exports the engine's API
+    "kvviz.rows": 3,                        # one row: kept at a query, original vs compressed attention
     "kvviz.memory": 3,                      # bytes of a compressed cache (the memory card; the ledger's counts)
     "kvviz.links": 3,                       # what a link carries: the app's settings table (app and CLI read it)
     "kvviz.decode": 4,
