@@ -5,6 +5,7 @@
 #   make run     start the Streamlit app on http://127.0.0.1:8501
 #   make test    install requirements-dev.txt too, then run pytest on every core (pytest-xdist)
 #   make test-fast  the core tests only (no model, no browser, no AppTest), every core
+#   make lint    ruff: lint and format check of kvviz/ (pyproject.toml [tool.ruff], 100 columns)
 #   make mutants mutation testing of the core (mutmut, niced; MUTANTS="kvviz/metrics.py ..." picks modules)
 #   make bench   run every benchmarks/*.py
 #   make probe   load the bundled SmolLM2 GGUF offline and print what it does
@@ -50,10 +51,10 @@ hash = $(shell cat $(1) 2>/dev/null | sha256sum | cut -c1-16)
 RUNTIME_STAMP := $(VENV)/.stamp-runtime-$(call hash,requirements.txt pyproject.toml)-$(subst ==,-,$(MODEL_PKG))
 DEV_STAMP     := $(VENV)/.stamp-dev-$(call hash,requirements.txt requirements-dev.txt pyproject.toml)
 
-.PHONY: help venv dev run test test-fast mutants bench probe clean distclean
+.PHONY: help venv dev run test test-fast lint mutants bench probe clean distclean
 
 help:
-	@sed -n '1,16p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '1,17p' Makefile | sed 's/^# \{0,1\}//'
 
 # The interpreter: create the venv only when it is missing (an existing .venv,
 # with whatever a teammate already installed, is reused as is).
@@ -91,6 +92,10 @@ test: dev
 
 test-fast: dev
 	$(PY) -m pytest -q $(XDIST) -m core --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
+
+lint: dev
+	$(PY) -m ruff check kvviz
+	$(PY) -m ruff format --check kvviz
 
 # CPU-heavy: niced, one module at a time; each module's score is printed by scripts/mutants.py
 mutants: dev

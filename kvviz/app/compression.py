@@ -45,7 +45,7 @@ def compression_section(trace: Trace, where=None, budget_only: bool = False, hea
                       "nothing is quantized, so only the budget sliders are shown.")
         return Spec(sink=sink, recent=recent, heavy=heavy)
     split = bool(state()["split"])
-    bits = w_choice(slots[3], "bits", "Quantization bits", BITS_OPTIONS, widget="select_slider",
+    w_choice(slots[3], "bits", "Quantization bits", BITS_OPTIONS, widget="select_slider",
                     format_func=bits_label, disabled=split,
                     help="Bits per cached key and value (16 = not quantized). "
                          + ("Advanced sets keys and values separately now." if split else ""))

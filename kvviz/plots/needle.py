@@ -78,10 +78,12 @@ def heads_figure(needle_kept_by_head, wanted_by_head=None, kept_mass_by_head=Non
                  height: int = 420) -> go.Figure:
     z = np.asarray(needle_kept_by_head, dtype=float)                 # (layers, kv_heads)
     L, H = z.shape
-    hover = [[f"layer {l}, KV head {h}<br>needle tokens kept {z[l, h]:.0%}"
-              + (f"<br>attention wanted on the needle {np.asarray(wanted_by_head)[l, h]:.3f}" if wanted_by_head is not None else "")
-              + (f"<br>of it still in the cache {np.asarray(kept_mass_by_head)[l, h]:.3f}" if kept_mass_by_head is not None else "")
-              for h in range(H)] for l in range(L)]
+    hover = [[f"layer {layer}, KV head {h}<br>needle tokens kept {z[layer, h]:.0%}"
+              + (f"<br>attention wanted on the needle {np.asarray(wanted_by_head)[layer, h]:.3f}"
+                 if wanted_by_head is not None else "")
+              + (f"<br>of it still in the cache {np.asarray(kept_mass_by_head)[layer, h]:.3f}"
+                 if kept_mass_by_head is not None else "")
+              for h in range(H)] for layer in range(L)]
     fig = go.Figure(go.Heatmap(z=z, x=[f"KV {h}" for h in range(H)], y=list(range(L)), zmin=0, zmax=1,
                                colorscale="Cividis", colorbar=dict(title="kept", tickformat=".0%"),
                                hovertext=hover, hoverinfo="text"))
