@@ -6,6 +6,12 @@ the full-precision residual); Quest adds its per-page min / max keys and stores 
 `memory_for` sums every cache from its own count (`counts`), so ragged allocations (AdaKV) and
 policies that keep a number of their own (ChunkKV's whole chunks, Quest's reads per query head)
 are exact; where every head holds min(its layer's budget, n) the budget alone gives the counts.
+
+The peak: every method here compresses after a whole-context prefill (as kvpress's presses do, and as
+transformers' QuantizedCache quantizes the prompt), so before the compression point the full 16-bit
+cache of the context exists (kvpress #178). `kv_bytes_peak` is the larger of that prefill cache
+(the context's tokens, or the n_tokens seen when the query is inside the context) and the cache
+after compression. None of kvviz's methods prefills in chunks, so none has a smaller peak.
 """
 
 from __future__ import annotations
@@ -30,11 +36,18 @@ class Memory:
     total_tokens: int
     kv_bytes_read: float | None = None   # what one decode step reads (None: everything stored, as eviction)
     kept_per_layer: tuple[int, ...] = ()  # tokens kept per KV head of each layer (pyramid: differs by layer)
+    kv_bytes_peak: float | None = None   # the cache at its peak: the full 16-bit prefill cache (None: kv_bytes)
+    key_bytes: float | None = None       # the K part of kv_bytes (stored), the rest is V
 
     @property
     def bytes_read(self) -> float:
         """Bytes one query reads: all that is stored, except for read-selection methods (Quest)."""
         return self.kv_bytes if self.kv_bytes_read is None else self.kv_bytes_read
+
+    @property
+    def peak(self) -> float:
+        """Bytes of the cache at its peak: the whole prefill before compression, or after it if larger."""
+        return self.kv_bytes if self.kv_bytes_peak is None else max(self.kv_bytes_peak, self.kv_bytes)
 
     @property
     def ratio(self) -> float:
@@ -50,7 +63,16 @@ class Memory:
 def memory_dict(m: Memory) -> dict:
     return {"kv_bytes": m.kv_bytes, "kv_bytes_full": m.kv_bytes_full,
             "compression_ratio": m.compression_ratio, "memory_ratio": m.ratio,
-            "kept_tokens": m.kept_tokens, "total_tokens": m.total_tokens, "kv_bytes_read": m.bytes_read}
+            "kept_tokens": m.kept_tokens, "total_tokens": m.total_tokens, "kv_bytes_read": m.bytes_read,
+            "kv_bytes_peak": m.peak, "key_bytes": m.key_bytes,
+            "value_bytes": None if m.key_bytes is None else m.kv_bytes - m.key_bytes}
+
+
+def prefill_peak_bytes(n_layers: int, n_kv_heads: int, head_dim: int, n_tokens: int, context_len: int) -> float:
+    """The full 16-bit cache the prefill holds before it is compressed: the context's tokens (or the n_tokens
+    seen, for a query inside the context), K and V, every layer and KV head."""
+    n = min(n_tokens, context_len) if context_len else n_tokens
+    return n * kv_bytes_per_token(n_layers, n_kv_heads, head_dim)
 
 
 def memory_for(trace: Trace, spec: Spec, n_tokens: int, counts: np.ndarray | None = None) -> Memory:
@@ -109,7 +131,11 @@ def _memory(n_layers: int, n_kv_heads: int, head_dim: int, spec: Spec, n_tokens:
     def per_head(k: int) -> float:
         return head_bytes(spec, k, head_dim, n_kv_heads, n_tokens, context_len)
 
+    def key_part(k: int) -> float:
+        return head_parts(spec, k, head_dim, n_kv_heads, n_tokens, context_len)[0].total
+
     full = n_tokens * kv_bytes_per_token(n_layers, n_kv_heads, head_dim)
+    peak = prefill_peak_bytes(n_layers, n_kv_heads, head_dim, n_tokens, context_len)
     if counts is None:
         budgets = [layer_spec(spec, layer, n_layers, context_len).budget for layer in range(n_layers)]
         counts = tuple((min(b, n_tokens) if spec.evicts else n_tokens,) * n_kv_heads for b in budgets)
@@ -121,7 +147,9 @@ def _memory(n_layers: int, n_kv_heads: int, head_dim: int, spec: Spec, n_tokens:
         stored = per_head(n_tokens) + meta
         read = sum(per_head(k) + meta for c in counts for k in c)
         return Memory(kv_bytes=stored * n_layers * n_kv_heads, kv_bytes_full=full, kept_tokens=n_tokens,
-                      total_tokens=n_tokens, kv_bytes_read=read, kept_per_layer=(n_tokens,) * n_layers)
+                      total_tokens=n_tokens, kv_bytes_read=read, kept_per_layer=(n_tokens,) * n_layers,
+                      kv_bytes_peak=peak, key_bytes=(key_part(n_tokens) + meta) * n_layers * n_kv_heads)
     stored = sum(per_head(k) for c in counts for k in c)
     return Memory(kv_bytes=stored, kv_bytes_full=full, kept_tokens=mean_kept, total_tokens=n_tokens,
-                  kept_per_layer=kept_per_layer)
+                  kept_per_layer=kept_per_layer, kv_bytes_peak=peak,
+                  key_bytes=sum(key_part(k) for c in counts for k in c))

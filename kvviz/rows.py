@@ -265,11 +265,14 @@ def _quantized_kept_formats(trace: Trace, spec: Spec, layer: int, p: int, kept_a
         residual = qformats.residual_at(spec, where, p, trace.context_len)
         rows = np.arange(trace.n_kv_heads)[:, None]
         key_delta = v_hat = None
+        c = trace.context_len          # static FP8 scales are calibrated on the context (fp8_calibrate)
         if spec.quantizes_keys:
             k = trace.k[layer][rows, where]
-            key_delta = qformats.quantize_tensor(k, spec, "k", residual) - k
+            sk = qformats.layer_static_scale(spec, "k", trace.k[layer][:, :c])
+            key_delta = qformats.quantize_tensor(k, spec, "k", residual, sk) - k
         if trace.v is not None and spec.quantizes_values:
-            v_hat = qformats.quantize_tensor(trace.v[layer][rows, where], spec, "v", residual)
+            sv = qformats.layer_static_scale(spec, "v", trace.v[layer][:, :c])
+            v_hat = qformats.quantize_tensor(trace.v[layer][rows, where], spec, "v", residual, sv)
         cache[key] = key_delta, v_hat
     key_delta, v_hat = cache[key]
     return {g: (None if key_delta is None else key_delta[g], None if v_hat is None else v_hat[g]) for g in kept_at}

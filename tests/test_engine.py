@@ -717,7 +717,9 @@ def test_to_json_holds_every_field_of_the_comparison(trace):
     assert got["metrics"] == {**c.primary.metrics.as_dict(), "kv_bytes": c.memory.kv_bytes,
                               "kv_bytes_full": c.memory.kv_bytes_full, "compression_ratio":
                               c.memory.compression_ratio, "memory_ratio": c.memory.ratio, "kept_tokens": 18,
-                              "total_tokens": n, "kv_bytes_read": c.memory.bytes_read}
+                              "total_tokens": n, "kv_bytes_read": c.memory.bytes_read,
+                              "kv_bytes_peak": c.memory.peak, "key_bytes": c.memory.key_bytes,
+                              "value_bytes": c.memory.kv_bytes - c.memory.key_bytes}
     for key, value in got["metrics_mean"].items():
         assert value == pytest.approx(np.mean([getattr(m.metrics, key) for m in c.members]), rel=1e-12), key
     assert got["metrics_mean"]["kl_forward"] == np.inf

@@ -27,6 +27,8 @@ FORMATS = {
     "nvfp4": dict(key_format="nvfp4", value_format="nvfp4"),
     "mxfp4-rotated-hf": dict(key_format="mxfp4", value_format="mxfp4", rotate="keys", residual=16,
                              residual_mode="hf"),
+    "q4_0-q8_0": dict(key_format="q4_0", value_format="q8_0"),
+    "e4m3-static-calibrated": dict(key_format="e4m3", value_format="e4m3", fp8_scale="static", fp8_calibrate=True),
 }
 ALLOCATIONS = ("uniform", "adakv", "pyramid")
 # (scorer, extra settings): budget-filling scorers, the oracle, ChunkKV's whole chunks, Quest's reads
@@ -62,6 +64,8 @@ def test_memory_card_equals_ledger(trace, scorer, allocation, fmt, settings):
     assert result.memory.kv_bytes == pytest.approx(totals["stored_bytes"], rel=1e-12, abs=1e-9)
     assert result.memory.bytes_read == pytest.approx(totals["read_bytes"], rel=1e-12, abs=1e-9)
     assert result.memory.kv_bytes_full == pytest.approx(totals["full_bytes"], rel=1e-12)
+    assert result.memory.kv_bytes_peak == pytest.approx(totals["prefill_bytes"], rel=1e-12)   # issue #38 item 5
+    assert result.memory.peak == pytest.approx(totals["peak_bytes"], rel=1e-12)
 
 
 def test_adakv_card_counts_each_head_not_an_even_split(trace):

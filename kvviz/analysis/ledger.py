@@ -9,6 +9,9 @@ evaluated query it lists, for every (layer, KV head) cache:
     bytes      K + V: quantized payload, scale / zero-point overhead, residual tokens kept at
                16 bits, trailing partial groups kept at 16 bits; Quest adds its per-page
                min / max keys and stores every token (it saves bytes *read*, not stored)
+    prefill    the cache at its peak: the whole context at 16 bits, as the prefill holds it before
+               the compression point (kvviz.memory.prefill_peak_bytes); the peak is the larger of its
+               total and what is stored (the memory card's)
 Ratios people quote differ for reasons the totals show: a token ratio (kept / seen) counts
 sinks and the window inside the budget, a byte ratio adds the quantizer's overhead and
 the full-precision residual, and kvpress's compression_ratio is of the context only.
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvviz.engine import ALL, EVICTED, HEAVY, RECENT, SINK, check_view, kept_at_query, reasons_for
-from kvviz.memory import head_parts, page_meta_bytes
+from kvviz.memory import head_parts, page_meta_bytes, prefill_peak_bytes
 from kvviz.policies import get_policy
 from kvviz.policies.allocation import layer_spec
 from kvviz.quant import kv_bytes_per_token
@@ -30,7 +33,7 @@ from kvviz.trace import Trace
 
 COLUMNS = ("layer", "kv_head", "declared_tokens", "kept_tokens", "sink", "recent", "heavy", "payload_bytes",
            "overhead_bytes", "residual_bytes", "partial_bytes", "page_meta_bytes", "stored_bytes", "read_bytes",
-           "full_bytes")
+           "full_bytes", "prefill_bytes")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class Ledger:
         t["token_ratio_kept"] = t["kept_tokens"] / max(len(self.rows) * self.n_tokens, 1)
         t["byte_ratio_stored"] = t["stored_bytes"] / t["full_bytes"] if t["full_bytes"] else 1.0
         t["byte_ratio_read"] = t["read_bytes"] / t["full_bytes"] if t["full_bytes"] else 1.0
+        t["peak_bytes"] = max(t["prefill_bytes"], t["stored_bytes"])
         return t
 
     def notes(self) -> list[str]:
@@ -73,6 +77,10 @@ class Ledger:
             out.append(f"residual tokens kept at 16 bits: {t['residual_bytes']:,.0f} B")
         if t["partial_bytes"]:
             out.append(f"trailing partial groups kept at 16 bits: {t['partial_bytes']:,.0f} B")
+        if t["prefill_bytes"] > t["stored_bytes"]:
+            out.append(f"at its peak the cache holds {t['prefill_bytes']:,.0f} B: the full 16-bit prefill of the "
+                       f"context, before the compression point; after it, {t['stored_bytes']:,.0f} B "
+                       f"({t['stored_bytes'] / t['prefill_bytes']:.1%} of the peak)")
         if t["page_meta_bytes"]:
             out.append(f"Quest keeps every token plus per-page min / max keys ({t['page_meta_bytes']:,.0f} B): it "
                        f"stores {t['byte_ratio_stored']:.2f}x the full cache and reads {t['byte_ratio_read']:.1%} "
@@ -107,6 +115,7 @@ def budget_ledger(trace: Trace, spec: Spec, step: int | None = None) -> Ledger:
     D = trace.head_dim
     reads = spec.evicts and get_policy(spec.scorer).kind == "read"
     full = kv_bytes_per_token(1, 1, D) * n
+    prefill = prefill_peak_bytes(1, 1, D, n, trace.context_len)
     rows = []
     for layer in range(trace.n_layers):
         kept = kept_at_query(trace, spec, layer, qi)                        # (kv_heads, n)
@@ -123,7 +132,8 @@ def budget_ledger(trace: Trace, spec: Spec, step: int | None = None) -> Ledger:
             rows.append(dict(layer=layer, kv_head=g, declared_tokens=declared, kept_tokens=k_tok,
                              sink=int((r == SINK).sum()), recent=int((r == RECENT).sum()),
                              heavy=int(((r == HEAVY) | (r == ALL)).sum()), **parts, page_meta_bytes=meta,
-                             stored_bytes=stored, read_bytes=read, full_bytes=full))
+                             stored_bytes=stored, read_bytes=read, full_bytes=full,
+                             prefill_bytes=prefill))
     return Ledger(spec=spec, position=p, n_tokens=n, rows=tuple(rows))
 
 

@@ -17,7 +17,7 @@ COLUMNS = ("method", "budget", "budget_fraction", "bits", "memory_ratio", "compr
            "mass_retained", "tv", "kl_compressed_vs_original", "js", "output_error", "output_cosine",
            "memory_read_ratio", "saves", "format")
 # Cache formats a sweep can add next to the integer bit widths (kvviz.quant.formats); `bits` is their width.
-SWEEP_FORMATS = {"e4m3": 8, "e5m2": 8, "nvfp4": 4, "mxfp4": 4}
+SWEEP_FORMATS = {"e4m3": 8, "e5m2": 8, "nvfp4": 4, "mxfp4": 4, "q8_0": 8, "q4_0": 4}
 # Which metric of the engine each error column holds (kl: KL(compressed || original), finite).
 METRIC_COLUMNS = {"tv": "tv_distance", "kl_compressed_vs_original": "kl", "js": "js",
                   "output_error": "output_rel_error", "output_cosine": "output_cosine",

@@ -60,6 +60,9 @@ def format_table(result, trace, max_rows: int = 80) -> str:
               f"  output relative L2 error  {out}",
               f"  KV cache                  {m['kv_bytes']:,.0f} B of {m['kv_bytes_full']:,.0f} B (16-bit), "
               f"{m['compression_ratio']:.2f}x smaller; {m['kept_tokens']} of {m['total_tokens']} tokens kept"]
+    if m.get("kv_bytes_peak") is not None and m["kv_bytes_peak"] > m["kv_bytes"]:
+        lines.append(f"  at its peak               {m['kv_bytes_peak']:,.0f} B: the full 16-bit prefill cache, before "
+                     "compression")
     if m.get("kv_bytes_read") is not None and m["kv_bytes_read"] != m["kv_bytes"]:
         lines.append(f"  read per step             {m['kv_bytes_read']:,.0f} B ({m['kv_bytes_read'] / m['kv_bytes_full']:.1%} "
                      "of the 16-bit cache): this method saves memory read, not memory stored")

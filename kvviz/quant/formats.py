@@ -5,6 +5,8 @@
     e5m2    FP8 E5M2, the same scales
     nvfp4   E2M1 in blocks of 16 channels, E4M3 block scale, FP32 tensor scale
     mxfp4   E2M1 in blocks of 32 channels, E8M0 (power-of-two) block scale
+    q8_0    llama.cpp / ollama: int8 in blocks of 32 channels, fp16 block scale (34 bytes per 32 values)
+    q4_0    llama.cpp / ollama: 4-bit in blocks of 32 channels, fp16 block scale (18 bytes per 32 values)
 
 The FP8 / FP4 formats fix their own width, so the bits setting only applies to `int`; their
 blocks always run along the channels of one token (as the hardware formats do), while `int`
@@ -33,24 +35,27 @@ from kvviz.settings import LABELS, Setting, declare
 from kvviz.spec import FULL_BITS, Spec
 from kvviz.quant import integer
 from kvviz.quant.base import CacheBytes
-from kvviz.quant.fp8 import fp8_bytes, fp8_quantize
+from kvviz.quant.fp8 import calibrate, fp8_bytes, fp8_quantize
+from kvviz.quant.ggml import GGML_FORMATS, ggml_bytes, ggml_quantize
 from kvviz.quant.mxfp4 import mxfp4_bytes, mxfp4_quantize
 from kvviz.quant.nvfp4 import nvfp4_bytes, nvfp4_quantize
 from kvviz.quant.rotation import rotate, unrotate
 
-FORMATS = ("int", "e4m3", "e5m2", "nvfp4", "mxfp4")
+FORMATS = ("int", "e4m3", "e5m2", "nvfp4", "mxfp4", *GGML_FORMATS)
 FORMAT_LABELS = {"int": "integer groups", "e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2", "nvfp4": "NVFP4",
-                 "mxfp4": "MXFP4"}
+                 "mxfp4": "MXFP4", "q8_0": "llama.cpp q8_0", "q4_0": "llama.cpp q4_0"}
 RESIDUAL_MODES = ("kivi", "hf")
 _MENU = {"int": "integer groups (bits above)", "e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2",
-         "nvfp4": "NVFP4 (E2M1, blocks of 16)", "mxfp4": "MXFP4 (E2M1, blocks of 32)"}
+         "nvfp4": "NVFP4 (E2M1, blocks of 16)", "mxfp4": "MXFP4 (E2M1, blocks of 32)",
+         "q8_0": "llama.cpp q8_0 (int8, fp16 scale per 32)", "q4_0": "llama.cpp q4_0 (4-bit, fp16 scale per 32)"}
 
 declare(
     Setting("key_format", "choice", "int", choices=FORMATS, url="key_fmt", quantizes=True, label="Key format",
             option_labels=_MENU,
             help="Integer min-max groups (KIVI) at the bits above, or a serving format: FP8 (vLLM, SGLang) with "
                  "FP32 scales, NVFP4 (E2M1 values, E4M3 scale per 16, FP32 per tensor) or MXFP4 (E2M1, "
-                 "power-of-two scale per 32). FP8/FP4 fix their own width."),
+                 "power-of-two scale per 32), or llama.cpp's q8_0 / q4_0 (blocks of 32 channels, fp16 scale: 34 / 18 "
+                 "bytes per block). These fix their own width."),
     Setting("value_format", "choice", "int", choices=FORMATS, url="value_fmt", quantizes=True,
             label="Value format", option_labels=_MENU, help="value cache format (as the key format)"),
     Setting("residual_mode", "choice", "kivi", choices=RESIDUAL_MODES, url="res_mode", quantizes=True,
@@ -75,7 +80,8 @@ def quantization_label(spec: Spec) -> str:
     else:
         parts = [f"K {format_label(spec.key_format, spec.key_bits)} / V {format_label(spec.value_format, spec.value_bits)}"]
         if {"e4m3", "e5m2"} & {spec.key_format, spec.value_format}:
-            parts.append(f"FP8 scale per {spec.fp8_scale}")
+            parts.append(f"FP8 scale per {spec.fp8_scale}" if spec.fp8_scale != "static" else
+                         "FP8 static scales " + ("calibrated on the context" if spec.fp8_calibrate else "1.0"))
     if spec.rotate != "none":
         parts.append("Hadamard-rotated " + ("keys" if spec.rotate == "keys" else "keys and values"))
     if spec.residual_mode == "hf":
@@ -129,22 +135,27 @@ def residual_at(spec: Spec, kept_positions: np.ndarray, p: int, context_len: int
     return int(np.min(counts)) if np.ndim(counts) else int(counts)
 
 
-def quantize_values(x: np.ndarray, fmt: str, fp8_scale: str = "head") -> np.ndarray:
-    """Quantize-dequantize every token of x (U, T, D) in an FP8 / FP4 format (one tensor: U heads)."""
+def quantize_values(x: np.ndarray, fmt: str, fp8_scale: str = "head", static_scale: float | None = None) -> np.ndarray:
+    """Quantize-dequantize every token of x (U, T, D) in an FP8 / FP4 / llama.cpp format (one tensor: U heads);
+    static_scale: FP8's fixed scale under fp8_scale "static" (None: 1.0)."""
     if fmt in ("e4m3", "e5m2"):
-        return fp8_quantize(x, fmt, fp8_scale)
+        return fp8_quantize(x, fmt, fp8_scale, static_scale)
     if fmt == "nvfp4":
         return nvfp4_quantize(x)
     if fmt == "mxfp4":
         return mxfp4_quantize(x)
+    if fmt in GGML_FORMATS:
+        return ggml_quantize(x, fmt)
     raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
-def quantize_tensor(x: np.ndarray, spec: Spec, which: str, residual: int) -> np.ndarray:
+def quantize_tensor(x: np.ndarray, spec: Spec, which: str, residual: int,
+                    static_scale: float | None = None) -> np.ndarray:
     """K_hat (or V_hat) of the kept tokens x (U, T, D) of one layer's U KV heads.
 
     The last `residual` tokens come back unchanged; the others are rotated (if the spec
-    rotates this tensor), quantized in the spec's format and rotated back.
+    rotates this tensor), quantized in the spec's format and rotated back. static_scale: the
+    layer's fixed FP8 scale (`layer_static_scale`); None with fp8_calibrate: calibrated from x itself.
     """
     fmt, bits, axis, rotated = settings(spec, which)
     if not is_quantized(spec, which):
@@ -158,7 +169,9 @@ def quantize_tensor(x: np.ndarray, spec: Spec, which: str, residual: int) -> np.
         q = integer.quantize(xr, bits, axis, spec.group_size, 0, spec.symmetric, zero_point=spec.zero_point,
                              partial=spec.partial)
     else:
-        q = quantize_values(xr, fmt, spec.fp8_scale)
+        if static_scale is None and spec.fp8_calibrate and fmt in ("e4m3", "e5m2"):
+            static_scale = calibrate(xr, fmt)
+        q = quantize_values(xr, fmt, spec.fp8_scale, static_scale)
     out = np.array(x, copy=True)
     out[..., :n_quant, :] = unrotate(q) if rotated else q
     return out
@@ -175,9 +188,21 @@ def tensor_bytes(spec: Spec, which: str, n_tokens: int, dim: int, kv_heads: int,
         payload, scales = fp8_bytes(n_quant, dim, spec.fp8_scale, kv_heads)
     elif fmt == "nvfp4":
         payload, scales = nvfp4_bytes(n_quant, dim, kv_heads)
+    elif fmt in GGML_FORMATS:
+        payload, scales = ggml_bytes(n_quant, dim, fmt)
     else:
         payload, scales = mxfp4_bytes(n_quant, dim)
     return CacheBytes(payload=payload, overhead=scales, residual=(n_tokens - n_quant) * dim * 2.0)
+
+
+def layer_static_scale(spec: Spec, which: str, context: np.ndarray) -> float | None:
+    """The fixed FP8 scale of one layer's K (which="k") or V calibrated on that layer's context K or V
+    (U, C, D), in the rotated basis where the spec rotates it; None where there is none to calibrate
+    (not fp8_calibrate, not FP8: quantize_tensor then uses 1.0 or its own scales)."""
+    fmt, _, _, rotated = settings(spec, which)
+    if not spec.fp8_calibrate or spec.fp8_scale != "static" or fmt not in ("e4m3", "e5m2"):
+        return None
+    return calibrate(rotate(context) if rotated else context, fmt)
 
 
 def spec_residual_for_memory(spec: Spec, kept: int, n_tokens: int, context_len: int) -> int:
