@@ -35,6 +35,19 @@ def card_values(metrics: dict) -> dict[str, str]:
     }
 
 
+def memory_peak_text(metrics: dict) -> str | None:
+    """What the memory card adds under its number: the cache at its peak (the full 16-bit prefill, before
+    compression) where that is more than what is stored, and the bytes one decode step reads where a method
+    reads less than it stores (Quest)."""
+    parts = []
+    peak, stored, read = metrics.get("kv_bytes_peak"), metrics["kv_bytes"], metrics.get("kv_bytes_read")
+    if peak is not None and peak > stored:
+        parts.append(f"peak {fmt_bytes(peak)}")
+    if read is not None and read < stored:
+        parts.append(f"reads {fmt_bytes(read)} a step")
+    return " · ".join(parts) or None
+
+
 def budget_warnings(spec: Spec, n_seen: int) -> list[str]:
     """What to change when the budgets do not mean what the sliders suggest."""
     out = []
@@ -82,3 +95,62 @@ def concentration_verdict(fractions, curves, band=((0.10, 0.20), (0.80, 0.90))) 
     if lo > y1:
         return f"More concentrated than the handbook's band: {held}, so eviction loses even less here."
     return f"Within the handbook's band: {held}."
+
+
+def fp8_clipping(trace, spec: Spec, step: int | None = None) -> dict | None:
+    """What a static FP8 cast does to the cache at one evaluated query (View.step semantics): for keys and
+    values, how many stored values saturate (|x / s| above the format's max, e.g. 448 in E4M3: stored as
+    ±max) and how many non-zero values flush to zero, over every layer and KV head's quantized kept tokens,
+    with the scales the engine uses (1.0, or calibrated on the context). None unless FP8 with static scales."""
+    import numpy as np
+
+    from kvviz.engine import check_view, kept_at_query
+    from kvviz.quant import formats as qformats
+    from kvviz.quant.fp8 import clipped
+    from kvviz.spec import View
+
+    fmts = {w: qformats.settings(spec, w)[0] for w in ("k", "v")}
+    if spec.quant_model != "kv" or spec.fp8_scale != "static" or trace.k is None \
+            or not {"e4m3", "e5m2"} & set(fmts.values()):
+        return None
+    qi = check_view(trace, View(step=step))
+    p = int(trace.query_positions[qi])
+    out = {w: {"format": f, "saturated": 0, "flushed": 0, "values": 0, "scales": []} for w, f in fmts.items()
+           if f in ("e4m3", "e5m2") and (w == "k" or trace.v is not None)}
+    for layer in range(trace.n_layers):
+        kept = kept_at_query(trace, spec, layer, qi)                            # (kv_heads, p + 1)
+        where = np.stack([np.flatnonzero(kept[g]) for g in range(trace.n_kv_heads)])
+        n_quant = where.shape[1] - qformats.residual_at(spec, where, p, trace.context_len)
+        rows = np.arange(trace.n_kv_heads)[:, None]
+        for w, c in out.items():
+            full = trace.k[layer] if w == "k" else trace.v[layer]
+            x = full[rows, where[:, :n_quant]]
+            rotated = qformats.settings(spec, w)[3]
+            x = qformats.rotate(x) if rotated else x
+            s = qformats.layer_static_scale(spec, w, full[:, :trace.context_len])
+            sat, flushed = clipped(x, c["format"], "static", s)
+            c["saturated"] += sat
+            c["flushed"] += flushed
+            c["values"] += int(x.size)
+            c["scales"].append(1.0 if s is None else s)
+    return {"k": out.get("k"), "v": out.get("v"), "position": p}
+
+
+def fp8_clipping_note(counts: dict | None) -> str | None:
+    """fp8_clipping's counts in one sentence."""
+    if counts is None:
+        return None
+    parts = []
+    for w, name in (("k", "keys"), ("v", "values")):
+        c = counts.get(w)
+        if not c or not c["values"]:
+            continue
+        top = {"e4m3": "448", "e5m2": "57,344"}[c["format"]]
+        scales = c["scales"]
+        scale = ("scale 1.0" if all(s == 1.0 for s in scales) else
+                 f"scales {min(scales):.3g}–{max(scales):.3g} per layer")
+        parts.append(f"{c['saturated']:,} of the {c['values']:,} stored {name} saturated (|x / s| above {top}, stored as ±{top} s) and "
+                     f"{c['flushed']:,} flushed to zero ({scale})")
+    if not parts:
+        return None
+    return "Static FP8: " + "; ".join(parts) + "."

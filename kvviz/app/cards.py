@@ -7,7 +7,7 @@ import math
 import streamlit as st
 
 from kvviz.analysis.readout import (card_values, concentration_verdict, fmt_bytes,  # noqa: F401 (pages read
-                                    fmt_pct)                                           # these two here)
+                                    fmt_pct, memory_peak_text)                         # these two here)
 from kvviz.engine import Comparison
 
 
@@ -27,7 +27,10 @@ CARD_HELP = {
                      "from zero (kept values that point elsewhere); the cosine under it, between −1 and 1, says "
                      "whether ô still points the same way (1 = same direction; it shows the difference from A "
                      "instead when a setting is pinned)."),
-    "KV memory": "Bytes of the compressed K and V cache, all layers and KV heads, incl. scales and zero points.",
+    "KV memory": ("Bytes of the compressed K and V cache, all layers and KV heads, incl. scales and zero points. "
+                  "Under it, the cache at its peak: every method here compresses after the whole context is "
+                  "prefilled, so the full 16-bit cache of the context exists first (kvpress compresses after the "
+                  "prefill too); and, for Quest, the bytes one decode step reads."),
     "Memory vs 16-bit": "Compressed bytes as a share of a full 16-bit cache of the same tokens.",
     "Tokens kept": "Tokens in the compressed cache of the tokens this query sees.",
 }
@@ -65,6 +68,9 @@ def metric_cards(comp: Comparison, pinned: Comparison | None = None) -> None:
         cosine = comp.metrics["output_cosine"]
         if label == "Output error" and cosine is not None:   # the bounded measure beside it
             kwargs = dict(delta=f"cos {cosine:.2f}", delta_color="off", delta_arrow="off")
+        peak = memory_peak_text(comp.metrics) if label == "KV memory" else None
+        if peak:                                             # the peak and Quest's reads beside the stored bytes
+            kwargs = dict(delta=peak, delta_color="off", delta_arrow="off")
         if pinned is not None:
             kwargs = dict(delta=card_delta(label, comp.metrics, pinned.metrics), delta_color=CARD_DIRECTION[label][1],
                           delta_description="vs pinned A")

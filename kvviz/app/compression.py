@@ -86,7 +86,7 @@ def w_setting(where, name: str, n: int | None = None, disabled: bool = False, wi
 # the settings Advanced lays out by hand below the scorer's (the quantizer's, in a reading order)
 _LAID_OUT = ("sink", "recent", "heavy", "scorer", "seed", "positions", "allocation", "key_bits", "value_bits",
              "key_axis", "value_axis", "group_size", "residual", "symmetric", "zero_point", "partial", "key_format",
-             "value_format", "fp8_scale", "rotate", "residual_mode", "quant_model", "noise_sigma")
+             "value_format", "fp8_scale", "fp8_calibrate", "rotate", "residual_mode", "quant_model", "noise_sigma")
 
 
 def advanced_controls(n: int) -> None:
@@ -123,9 +123,20 @@ def cache_format_controls() -> None:
     st.markdown("**Cache format**")
     key_fmt = w_setting(st, "key_format", widget="selectbox")
     value_fmt = w_setting(st, "value_format", widget="selectbox")
-    w_setting(st, "fp8_scale", disabled=not ({"e4m3", "e5m2"} & {key_fmt, value_fmt}))
+    fp8 = bool({"e4m3", "e5m2"} & {key_fmt, value_fmt})
+    scale = w_setting(st, "fp8_scale", disabled=not fp8)
+    static_fp8_control(fp8 and scale == "static")
     w_setting(st, "rotate")
     w_setting(st, "residual_mode")
     if key_fmt != "int" or value_fmt != "int":
-        st.caption("The bits slider sets the integer format only: FP8 stores 8 bits a value, NVFP4 / MXFP4 4 "
-                   "(plus their scales, all counted in the memory).")
+        st.caption("The bits slider sets the integer format only: FP8 stores 8 bits a value, NVFP4 / MXFP4 4, "
+                   "llama.cpp's q8_0 / q4_0 8.5 / 4.5 (plus their scales, all counted in the memory).")
+
+
+def static_fp8_control(static: bool) -> None:
+    """vLLM's static FP8 scales: calibrated on the context, or 1.0. Off (and stored off) unless the scale is
+    static, so a calibration left on never makes another scale impossible."""
+    if not static and state()["fp8_cal"]:
+        state()["fp8_cal"] = st.session_state["fp8_cal"] = False
+    if static:
+        w_setting(st, "fp8_calibrate")

@@ -76,3 +76,16 @@ def allocation_note(spec: Spec) -> str | None:
              "pyramid": f" PyramidKV: {pyramid} — see the Budget ledger."
              }.get(spec.allocation, "")
     return alloc.strip() or None
+
+
+@st.cache_resource(max_entries=16, show_spinner=False)
+def _fp8_clipping(source_key: tuple, spec: Spec, step: int | None, _trace: Trace) -> str | None:
+    from kvviz.analysis.readout import fp8_clipping, fp8_clipping_note
+    return fp8_clipping_note(fp8_clipping(_trace, spec, step))
+
+
+def fp8_note(source: Source, spec: Spec, step: int | None = None) -> str | None:
+    """Static FP8 (vLLM's k_scale / v_scale): how many stored values saturated or flushed to zero."""
+    if spec.quant_model != "kv" or spec.fp8_scale != "static":
+        return None
+    return _fp8_clipping(source.key, spec, step, source.trace)

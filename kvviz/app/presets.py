@@ -11,10 +11,11 @@ from kvviz.sources import handbook
 from kvviz.spec import FULL_BITS
 
 PRESETS = ("Handbook example", "StreamingLLM", "H2O 10%+10%", "KIVI 2-bit", "Aggressive 25% + 2-bit",
-           "HF QuantizedCache 4-bit")
+           "HF QuantizedCache 4-bit", "llama.cpp q8_0 / q4_0 K/V", "vLLM FP8 (uncalibrated)")
 _NO_QUANT = dict(bits=FULL_BITS, split=False, key_bits=FULL_BITS, value_bits=FULL_BITS, qmodel="kv",
                  symmetric=False, residual=0, key_axis="channel", value_axis="token", group=32,
-                 zero_point="float", partial="quantize", key_fmt="int", value_fmt="int", rotate="none", res_mode="kivi")
+                 zero_point="float", partial="quantize", key_fmt="int", value_fmt="int", rotate="none", res_mode="kivi",
+                 fp8_scale="head", fp8_cal=False)
 
 
 PRESET_HELP = {
@@ -29,6 +30,13 @@ PRESET_HELP = {
     "HF QuantizedCache 4-bit": ("No eviction; transformers' QuantizedCache defaults (quanto): 4-bit keys AND values per "
                                 "token in groups of 64 channels, float offset, the prompt quantized whole and a "
                                 "full-precision window flushed every 128 tokens. Unlike KIVI, keys are per token."),
+    "llama.cpp q8_0 / q4_0 K/V": ("No eviction; llama.cpp / ollama's quantized cache as `--cache-type-k q8_0 "
+                                  "--cache-type-v q4_0` sets it: keys in q8_0 (int8, 34 bytes per block of 32 "
+                                  "channels), values in q4_0 (4-bit, 18 bytes per block), one fp16 scale per block, "
+                                  "every token quantized (no full-precision window)."),
+    "vLLM FP8 (uncalibrated)": ("No eviction; vLLM's `kv_cache_dtype=fp8` (E4M3) on a checkpoint without k_scale / "
+                                "v_scale: both scales are 1.0, so the cache is a plain cast that saturates |x| above "
+                                "448 and flushes tiny values to zero. The notes count them."),
 }
 
 
@@ -54,6 +62,10 @@ def preset_values(name: str, n_tokens: int) -> dict:
     if name == "HF QuantizedCache 4-bit":   # kvviz.quant.formats.hf_quantized_cache(4)
         return dict(_NO_QUANT, sink=0, recent=0, heavy=0, bits=4, key_bits=4, value_bits=4, key_axis="token",
                     value_axis="token", group=64, residual=min(128, n_tokens), partial="quantize", res_mode="hf")
+    if name == "llama.cpp q8_0 / q4_0 K/V":   # kvviz.quant.ggml
+        return dict(_NO_QUANT, sink=0, recent=0, heavy=0, key_fmt="q8_0", value_fmt="q4_0")
+    if name == "vLLM FP8 (uncalibrated)":     # kvviz.quant.fp8, static scales of 1.0
+        return dict(_NO_QUANT, sink=0, recent=0, heavy=0, key_fmt="e4m3", value_fmt="e4m3", fp8_scale="static")
     raise ValueError(f"unknown preset {name!r}")
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 BLOCK = 32
 GGML_FORMATS = ("q8_0", "q4_0")
-BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2}    # 34 and 18
+BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2}  # 34 and 18
 
 
 def _roundf(x: np.ndarray) -> np.ndarray:
@@ -56,15 +56,17 @@ def quantize_blocks(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
     """x (..., D) -> (fp16 scales (..., nb), integer codes (..., nb, 32)): q8_0 in -127..127, q4_0 in 0..15."""
     b, _ = _blocks(x)
     if fmt == "q8_0":
-        d = (np.abs(b).max(axis=-1) / np.float32(127)).astype(np.float32)           # (..., nb)
+        d = (np.abs(b).max(axis=-1) / np.float32(127)).astype(np.float32)  # (..., nb)
         q = _roundf(b * _reciprocal(d)[..., None]).astype(np.int16)
     elif fmt == "q4_0":
-        i = np.abs(b).argmax(axis=-1)[..., None]                                     # first largest |x|
+        i = np.abs(b).argmax(axis=-1)[..., None]  # first largest |x|
         m = np.take_along_axis(b, i, axis=-1)[..., 0]
         d = (m / np.float32(-8)).astype(np.float32)
         q = np.trunc(b * _reciprocal(d)[..., None] + np.float32(8.5)).astype(np.int16).clip(0, 15)
     else:
-        raise ValueError(f"unknown llama.cpp format {fmt!r}; choose one of {', '.join(GGML_FORMATS)}")
+        raise ValueError(
+            f"unknown llama.cpp format {fmt!r}; choose one of {', '.join(GGML_FORMATS)}"
+        )
     return d.astype(np.float16), q
 
 
@@ -84,12 +86,12 @@ def ggml_quantize(x: np.ndarray, fmt: str) -> np.ndarray:
 def encode(x: np.ndarray, fmt: str) -> np.ndarray:
     """The bytes llama.cpp stores for x (..., D): (..., nb * block bytes) uint8, as gguf lays them out."""
     d, q = quantize_blocks(x, fmt)
-    scale = d.view(np.uint8).reshape(*d.shape, 2)                                   # little-endian fp16
+    scale = d.view(np.uint8).reshape(*d.shape, 2)  # little-endian fp16
     if fmt == "q8_0":
         codes = q.astype(np.int8).view(np.uint8)
     else:
         u = q.astype(np.uint8)
-        codes = u[..., : BLOCK // 2] | (u[..., BLOCK // 2:] << np.uint8(4))
+        codes = u[..., : BLOCK // 2] | (u[..., BLOCK // 2 :] << np.uint8(4))
     out = np.concatenate([scale, codes], axis=-1)
     return out.reshape(*out.shape[:-2], -1)
 
@@ -115,5 +117,13 @@ def ggml_bytes(n_quant: int, dim: int, fmt: str) -> tuple[float, float]:
     return float(blocks * (BLOCK_BYTES[fmt] - 2)), float(blocks * 2)
 
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "GGML_FORMATS", "decode", "encode", "ggml_bytes", "ggml_quantize",
-           "quantize_blocks"]
+__all__ = [
+    "BLOCK",
+    "BLOCK_BYTES",
+    "GGML_FORMATS",
+    "decode",
+    "encode",
+    "ggml_bytes",
+    "ggml_quantize",
+    "quantize_blocks",
+]
