@@ -124,7 +124,7 @@ def cache_format_controls() -> None:
     key_fmt = w_setting(st, "key_format", widget="selectbox")
     value_fmt = w_setting(st, "value_format", widget="selectbox")
     fp8 = bool({"e4m3", "e5m2"} & {key_fmt, value_fmt})
-    scale = w_setting(st, "fp8_scale", disabled=not fp8)
+    scale = w_setting(st, "fp8_scale", disabled=not fp8, widget="radio")
     static_fp8_control(fp8 and scale == "static")
     w_setting(st, "rotate")
     w_setting(st, "residual_mode")
