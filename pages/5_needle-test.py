@@ -9,7 +9,7 @@ from kvviz.app.layout import page_setup
 from kvviz.app.router import run_page
 from kvviz.app.store import notice, show_notices, state
 from kvviz.plots.style import CHART_CONFIG
-from kvviz.plots.needle import LABELS, grid_figure, heads_figure, needle_tokens_html
+from kvviz.plots.needle import LABELS, grid_figure, grids_figure, heads_figure, needle_tokens_html
 from kvviz.spec import SpecError
 
 LIVE = "needle_live_grid"
@@ -17,31 +17,43 @@ LIVE = "needle_live_grid"
 
 @st.cache_resource(show_spinner=False)
 def _shipped(path: str):
-    return needle.load_default(path)
+    return needle.load_grids(path)
 
 
-def _grid():
-    return st.session_state.get(LIVE) or _shipped(str(needle.DEFAULT_FILE))
+def _grids() -> tuple:
+    """This session's live grid alone, else the shipped grids (both compression points, query-agnostic first)."""
+    live = st.session_state.get(LIVE)
+    return (live,) if live is not None else _shipped(str(needle.DEFAULT_FILE))
 
 
-def _encode(cell: tuple) -> str:
-    return f"{cell[0]}:{cell[1]}:{cell[2]:g}"
+def _encode(cell: tuple, grids: tuple) -> str:
+    """scorer:length:depth, and where the compression happened when the page shows more than one grid."""
+    return f"{cell[0]}:{cell[1]}:{cell[2]:g}" + (f":{cell[3]}" if len(grids) > 1 else "")
 
 
-def _decode(text: str, grid) -> tuple | None:
-    """The cell a link names ("scorer:length:depth"), if the grid has it."""
+def _grid_of(grids: tuple, where: str):
+    return next((g for g in grids if needle.protocol(g) == where), None)
+
+
+def _decode(text: str, grids: tuple) -> tuple | None:
+    """The cell a link names ("scorer:length:depth[:agnostic|aware]"), if a grid has it; without the last part,
+    the query-aware grid (the one page links named before both were shipped), else the only one."""
     try:
-        scorer, length, depth = text.split(":")
+        scorer, length, depth, *where = text.split(":")
+        if len(where) > 1:
+            return None
+        aware = _grid_of(grids, "aware")
+        grid = _grid_of(grids, where[0]) if where else (aware if aware is not None else grids[0])
         grid.cell(scorer, int(length), float(depth))
-        return scorer, int(length), float(depth)
-    except (ValueError, KeyError):
+        return scorer, int(length), float(depth), needle.protocol(grid)
+    except (ValueError, KeyError, AttributeError):
         return None
 
 
-def _select(cell: tuple | None) -> None:
+def _select(cell: tuple | None, grids: tuple = ()) -> None:
     """Open a cell (None = the classic failure) on the head that wanted the needle most."""
     store = state()
-    store["nd_cell"] = "" if cell is None else _encode(cell)
+    store["nd_cell"] = "" if cell is None else _encode(cell, grids)
     store["nd_layer"] = store["nd_head"] = -1
     st.session_state.pop("needle_layer", None)
     st.session_state.pop("needle_head", None)
@@ -140,41 +152,58 @@ def main() -> None:
         "needle tokens that cache evicted, in which layer and KV head.")
     if not present:
         live_controls()
-    grid = _grid()
-    if grid is None:
+    grids = _grids()
+    if not grids:
         st.info("No precomputed grid is shipped with this copy: open *Run it live* above.", icon=":material/info:")
         return
+    grid = grids[0]
     s = grid.settings
-    where = ("after the haystack, before the question (query-agnostic)" if s.get("question_after_compression")
-             else "after the question (kvpress's compress_questions=True)")
     source = "this session's live run" if st.session_state.get(LIVE) is not None else "the shipped precomputed grid"
-    st.caption(f"{source}: model {grid.model}, {len(grid.cells)} cells; compressed {where}; greedy "
-               f"{s.get('new_tokens')} tokens; true positions; {s.get('haystack')} haystack.")
+    if len(grids) == 1:
+        where = ("after the haystack, before the question (query-agnostic)" if s.get("question_after_compression")
+                 else "after the question (kvpress's compress_questions=True)")
+        st.caption(f"{source}: model {grid.model}, {len(grid.cells)} cells; compressed {where}; greedy "
+                   f"{s.get('new_tokens')} tokens; true positions; {s.get('haystack')} haystack.")
+    else:
+        st.caption(f"{source}s, one per compression point: model {grid.model}, {len(grid.cells)} cells each; greedy "
+                   f"{s.get('new_tokens')} tokens; true positions; {s.get('haystack')} haystack. Top: the cache is "
+                   "compressed right after the haystack and the question arrives through it (what kvpress's "
+                   "pipeline does by default). Bottom: compressed after the question, so the scorer sees it "
+                   "(kvpress's compress_questions=True; its FAQ warns this favours methods such as SnapKV). Each "
+                   "column is one cache; the full cache is never compressed, so its two rows agree.")
     classic = needle.classic_failure(grid)
-    if classic is not None:
+    classic = classic and (*classic, needle.protocol(grid))
+    if classic:
         st.button("Show the classic failure", icon=":material/bolt:", key="needle_classic", on_click=_select,
-                  args=(None,), help="StreamingLLM keeps the first tokens and a recent window: a needle early in "
+                  args=(None, grids), help="StreamingLLM keeps the first tokens and a recent window: a needle early in "
                                      "the text falls out of the cache.")
     store = state()
-    sel = _decode(store["nd_cell"], grid) if store["nd_cell"] else None
+    sel = _decode(store["nd_cell"], grids) if store["nd_cell"] else None
     if store["nd_cell"] and sel is None:
         notice(f"The link's cell `{store['nd_cell']}` is not in this grid; showing the classic failure.")
         _select(None)
-    sel = sel or classic or (grid.cells[0].scorer, grid.cells[0].length, grid.cells[0].depth)
+    sel = sel or classic or (grid.cells[0].scorer, grid.cells[0].length, grid.cells[0].depth, needle.protocol(grid))
     show_notices()
-    event = chart(grid_figure(grid.cells, selected=sel), key="needle_grid_chart", on_select="rerun",
-                  selection_mode="points", config=CHART_CONFIG)
+    if len(grids) == 1:
+        figure = grid_figure(grid.cells, selected=sel[:3])
+    else:
+        figure = grids_figure([(needle.protocol(g), needle.PROTOCOL_TITLES[needle.protocol(g)], g.cells)
+                               for g in grids], selected=sel)
+    event = chart(figure, key="needle_grid_chart", on_select="rerun", selection_mode="points", config=CHART_CONFIG)
     points = [p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3]
     if points:
-        scorer, length, depth = points[0]["customdata"][:3]
-        picked = (scorer, int(length), float(depth))
+        scorer, length, depth, *where = points[0]["customdata"]
+        picked = (scorer, int(length), float(depth), where[0] if where else needle.protocol(grid))
         if picked != sel:
-            _select(picked)
+            _select(picked, grids)
             st.rerun()
-    cell = grid.cell(*sel)
+    grid = _grid_of(grids, sel[3]) or grid
+    cell = grid.cell(*sel[:3])
     prompt = grid.prompt(cell.length, cell.depth) if grid.prompts else None
 
-    st.subheader(f"{LABELS.get(cell.scorer, cell.scorer)} · {cell.length} tokens · needle at {cell.depth:.0%}")
+    point = {"agnostic": " · compressed before the question", "aware": " · compressed after the question"}
+    st.subheader(f"{LABELS.get(cell.scorer, cell.scorer)} · {cell.length} tokens · needle at {cell.depth:.0%}"
+                 + (point[sel[3]] if len(grids) > 1 and cell.scorer != "full" else ""))
     a, b, c = st.columns(3)
     _answer_card(a, "Answer", cell.answer, cell.correct, f"The key is {cell.key}; {cell.spec}.")
     _answer_card(b, "Full cache's answer", cell.full_answer, cell.full_correct, "No compression.")
@@ -203,10 +232,12 @@ def main() -> None:
                    "makes one decision for all heads, from the last query's attention averaged over every head "
                    "(hence its identical columns); H2O and SnapKV decide per KV head from attention; the oracle "
                    "keeps the top of the answering query's own attention, the bound no real cache can beat.")
+        every = needle.NeedleGrid(model=grid.model, settings=grid.settings, prompts=(),
+                                  cells=tuple(c for g in grids for c in g.cells))
         with st.expander("All cells"):
-            st.dataframe([{k: v for k, v in c.as_dict().items() if not k.endswith("_by_head")} for c in grid.cells],
+            st.dataframe([{k: v for k, v in c.as_dict().items() if not k.endswith("_by_head")} for c in every.cells],
                          hide_index=True, key="needle_table")
-        st.download_button("Download the cells (CSV)", data=needle.to_csv(grid), file_name="needle.csv",
+        st.download_button("Download the cells (CSV)", data=needle.to_csv(every), file_name="needle.csv",
                            mime="text/csv", on_click="ignore", icon=":material/download:")
 
 

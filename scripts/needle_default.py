@@ -1,9 +1,12 @@
-"""Compute the shipped default needle grid (kvviz/data/needle_default.json.gz) on the bundled model.
+"""Compute the shipped default needle grids (kvviz/data/needle_default.json.gz) on the bundled model.
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python scripts/needle_default.py [--lengths 320,640,1024]
 
-Uses the same run (and disk cache) as `kvviz needle`, so afterwards the CLI's default run is instant.
-The page loads the file instantly; its "Run live" button recomputes it.
+Two grids in one file, one per compression point: after the question (query-aware, kvpress's
+compress_questions=True) and before it (query-agnostic, kvpress's pipeline default); the page shows
+both. Uses the same run (and disk cache) as `kvviz needle` and `kvviz needle --question-after-compression`,
+so afterwards both CLI runs are instant. The page loads the file instantly; its "Run live" button recomputes
+a grid.
 """
 
 from __future__ import annotations
@@ -29,15 +32,20 @@ def main() -> int:
     a = ap.parse_args()
     model, tokenizer, _ = load_model("bundled")
     t0 = time.perf_counter()
-    stats: dict = {}
-    grid = needle.run_grid(model, tokenizer, "bundled", lengths=[int(x) for x in a.lengths.split(",")],
-                           depths=[float(x) for x in a.depths.split(",")], scorers=a.scorers.split(","),
-                           budgets=[a.budget], stats=stats,
-                           progress=lambda f, m: print(f"\r[{f:4.0%}] {m:<60}", end="", file=sys.stderr))
-    print(file=sys.stderr)
-    grid.save(a.out)
-    print(needle.format_grid(grid))
-    print(f"{stats['computed']} cells computed, {stats['cached']} from the cache, "
+    grids, computed, cached = [], 0, 0
+    for qac in (False, True):
+        stats: dict = {}
+        grid = needle.run_grid(model, tokenizer, "bundled", lengths=[int(x) for x in a.lengths.split(",")],
+                               depths=[float(x) for x in a.depths.split(",")], scorers=a.scorers.split(","),
+                               budgets=[a.budget], question_after_compression=qac, stats=stats,
+                               progress=lambda f, m: print(f"\r[{f:4.0%}] {m:<60}", end="", file=sys.stderr))
+        print(file=sys.stderr)
+        print(needle.PROTOCOL_TITLES[needle.protocol(grid)])
+        print(needle.format_grid(grid))
+        grids.append(grid)
+        computed, cached = computed + stats["computed"], cached + stats["cached"]
+    needle.save_grids(a.out, grids)
+    print(f"{computed} cells computed, {cached} from the cache, "
           f"{time.perf_counter() - t0:.0f} s; wrote {a.out} ({Path(a.out).stat().st_size / 1e3:.0f} kB)")
     return 0
 

@@ -151,3 +151,64 @@ def test_run_live_runs_the_grid_with_the_forms_settings_and_shows_it(shipped, mo
     assert asked["question_after_compression"] is False and asked["scorers"] == list(needle.DEFAULT_SCORERS)
     assert any("this session's live run: model live" in c.value for c in at.caption)
     assert [s.value for s in at.subheader][0] == "StreamingLLM · 60 tokens · needle at 0%"
+
+
+# --- both compression points (issue #38) ----------------------------------------------------------
+
+def _agnostic(grid: needle.NeedleGrid) -> needle.NeedleGrid:
+    """The same prompts compressed before the question: here H2O also loses the key at 40 tokens, depth 100%."""
+    import dataclasses
+
+    cells = tuple(c if c.scorer == "full" else dataclasses.replace(
+        c, question_after_compression=True, correct=c.correct and not (c.scorer == "h2o" and c.length == 40),
+        answer="777" if (c.scorer, c.length) == ("h2o", 40) else c.answer) for c in grid.cells)
+    return dataclasses.replace(grid, settings={**grid.settings, "question_after_compression": True}, cells=cells)
+
+
+@pytest.fixture
+def shipped_pair(tmp_path, monkeypatch):
+    aware = _fake_grid()
+    aware = needle.NeedleGrid(model=aware.model, settings={**aware.settings, "question_after_compression": False},
+                              prompts=aware.prompts, cells=aware.cells)
+    agnostic = _agnostic(aware)
+    path = tmp_path / "needle_default.json.gz"
+    needle.save_grids(path, [aware, agnostic])
+    monkeypatch.setattr(needle, "DEFAULT_FILE", path)
+    return agnostic, aware
+
+
+def test_the_file_holds_both_grids_and_load_default_picks_one(shipped_pair):
+    agnostic, aware = shipped_pair
+    path = needle.DEFAULT_FILE
+    grids = needle.load_grids(path)
+    assert [needle.protocol(g) for g in grids] == ["agnostic", "aware"]        # agnostic first, whatever the file
+    assert needle.load_default(path).cells == aware.cells
+    assert needle.load_default(path, question_after_compression=True).cells == agnostic.cells
+
+
+def test_the_page_opens_on_both_grids_each_labelled(shipped_pair):
+    import json
+
+    agnostic, aware = shipped_pair
+    at = run_app(PAGE, 120)
+    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    titles = [a["text"] for a in fig["layout"]["annotations"]]
+    assert f"<b>{needle.PROTOCOL_TITLES['agnostic']}</b>" in titles
+    assert f"<b>{needle.PROTOCOL_TITLES['aware']}</b>" in titles
+    squares = [tuple(d) for t in fig["data"] for d in t["customdata"]]
+    assert len(squares) == len(agnostic.cells) + len(aware.cells)
+    assert ("h2o", 40, 1.0, "agnostic") in squares and ("h2o", 40, 1.0, "aware") in squares
+    marks = {tuple(d): m for t in fig["data"] for d, m in zip(t["customdata"], t["text"])}
+    assert marks["h2o", 40, 1.0, "agnostic"] == "✗" and marks["h2o", 40, 1.0, "aware"] == "✓"
+    assert [s.value for s in at.subheader][0] == "StreamingLLM · 40 tokens · needle at 0% · compressed before the question"
+    assert any("one per compression point" in c.value for c in at.caption)
+
+
+def test_a_link_names_the_grid_and_an_old_link_opens_the_query_aware_one(shipped_pair):
+    at = run_app(PAGE, 120, nd_cell="h2o:40:1:agnostic")
+    assert [s.value for s in at.subheader][0] == "H2O · 40 tokens · needle at 100% · compressed before the question"
+    assert any("`777`" in m.value and "wrong" in m.value for m in at.markdown)
+    at = run_app(PAGE, 120, nd_cell="h2o:40:1")
+    assert [s.value for s in at.subheader][0] == "H2O · 40 tokens · needle at 100% · compressed after the question"
+    at = run_app(PAGE, 120, nd_cell="h2o:40:1:sideways")
+    assert any("not in this grid" in w.value for w in at.warning)

@@ -4,6 +4,8 @@
   mark where the key came back exactly, vermillion with a cross where it did not
   (Okabe-Ito, and the marks make it readable without colour); the answer on hover. The
   squares are scatter points so a click selects a cell (customdata = scorer, length, depth).
+- `grids_figure`: several such grids one above the other (the needle page's two compression
+  points), each policy in one column; customdata adds which grid.
 - `heads_figure`: layer x KV head heatmap of the share of needle tokens kept (cividis).
 - `needle_tokens_html`: the prompt as token chips, kept / evicted for one layer and KV head,
   the needle outlined, the question marked.
@@ -36,40 +38,62 @@ def _title(scorer: str, budget: float, bits: int) -> str:
 
 def grid_figure(cells: Sequence, selected: tuple | None = None, height: int = 330) -> go.Figure:
     """cells: NeedleCell-like objects (scorer, length, depth, budget, bits, correct, answer, key, needle_kept)."""
-    groups = list(dict.fromkeys((c.scorer, c.budget, c.bits) for c in cells))
-    lengths = sorted({c.length for c in cells})
-    depths = sorted({c.depth for c in cells})
-    cols = max(1, len(groups))
+    return grids_figure([(None, "", cells)], selected, height)
+
+
+def grids_figure(grids: Sequence[tuple[str | None, str, Sequence]], selected: tuple | None = None,
+                 height: int = 330) -> go.Figure:
+    """Several grids one above the other, each policy's in one column so a column compares them: grids =
+    (key, title, cells) per row. A row with a key adds it to every square's customdata (scorer, length,
+    depth, key) and to `selected`, so a click says which grid it was in."""
+    groups = list(dict.fromkeys((c.scorer, c.budget, c.bits) for _, _, cells in grids for c in cells))
+    lengths = sorted({c.length for _, _, cells in grids for c in cells})
+    depths = sorted({c.depth for _, _, cells in grids for c in cells})
+    cols, n_rows = max(1, len(groups)), max(1, len(grids))
     # a panel is about 100 px wide at a projector's 1024 px: its title in lines of at most 13 characters
     titles = [wrap(_title(*g), 13) for g in groups]
     lines = max((t.count("<br>") + 1 for t in titles), default=1)
-    fig = make_subplots(rows=1, cols=cols, shared_yaxes=True, horizontal_spacing=0.02, subplot_titles=titles)
+    fig = make_subplots(rows=n_rows, cols=cols, shared_yaxes=True, horizontal_spacing=0.02,
+                        vertical_spacing=0.16 if n_rows > 1 else 0.0,
+                        subplot_titles=titles + [""] * (cols * (n_rows - 1)))
     shown: set = set()
-    for j, g in enumerate(groups, start=1):
-        mine = [c for c in cells if (c.scorer, c.budget, c.bits) == g]
-        for ok in (True, False):
-            part = [c for c in mine if c.correct == ok]
-            fig.add_trace(go.Scatter(
-                x=[str(c.length) for c in part], y=[f"{c.depth:.0%}" for c in part], mode="markers+text",
-                marker=dict(symbol="square", size=34, color=RIGHT if ok else WRONG,
-                            line=dict(color="#000000", width=[3 if selected == (c.scorer, c.length, c.depth) else 0
-                                                              for c in part])),
-                text=["✓" if ok else "✗" for _ in part], textfont=dict(color="#ffffff", size=16),
-                customdata=[[c.scorer, c.length, c.depth] for c in part],
-                hovertext=[f"{_title(*g)} · {c.length} tokens · needle at {c.depth:.0%}<br>"
-                           f"key {c.key} · answer “{escape(c.answer.strip())[:40]}”<br>"
-                           f"{'right' if ok else 'wrong'} · needle tokens kept {c.needle_kept:.0%}" for c in part],
-                hoverinfo="text", name="key right" if ok else "key wrong", legendgroup=str(ok),
-                showlegend=bool(part) and ok not in shown), row=1, col=j)
-            if part:
-                shown.add(ok)
-        fig.update_xaxes(type="category", categoryorder="array", categoryarray=[str(n) for n in lengths],
-                         title_text="prompt tokens" if j == (cols + 1) // 2 else None, row=1, col=j)
+    for r, (key, _, cells) in enumerate(grids, start=1):
+        for j, g in enumerate(groups, start=1):
+            mine = [c for c in cells if (c.scorer, c.budget, c.bits) == g]
+            for ok in (True, False):
+                part = [c for c in mine if c.correct == ok]
+                here = [(c.scorer, c.length, c.depth) + ((key,) if key else ()) for c in part]
+                fig.add_trace(go.Scatter(
+                    x=[str(c.length) for c in part], y=[f"{c.depth:.0%}" for c in part], mode="markers+text",
+                    marker=dict(symbol="square", size=34, color=RIGHT if ok else WRONG,
+                                line=dict(color="#000000", width=[3 if selected == h else 0 for h in here])),
+                    text=["✓" if ok else "✗" for _ in part], textfont=dict(color="#ffffff", size=16),
+                    customdata=[list(h) for h in here],
+                    hovertext=[f"{_title(*g)} · {c.length} tokens · needle at {c.depth:.0%}<br>"
+                               f"key {c.key} · answer “{escape(c.answer.strip())[:40]}”<br>"
+                               f"{'right' if ok else 'wrong'} · needle tokens kept {c.needle_kept:.0%}"
+                               for c in part],
+                    hoverinfo="text", name="key right" if ok else "key wrong", legendgroup=str(ok),
+                    showlegend=bool(part) and ok not in shown), row=r, col=j)
+                if part:
+                    shown.add(ok)
+            fig.update_xaxes(type="category", categoryorder="array", categoryarray=[str(n) for n in lengths],
+                             title_text="prompt tokens" if j == (cols + 1) // 2 and r == n_rows else None,
+                             row=r, col=j)
+        fig.update_yaxes(title_text="needle depth", row=r, col=1)
     fig.update_yaxes(type="category", categoryorder="array", categoryarray=[f"{d:.0%}" for d in depths],
                      autorange="reversed")
-    fig.update_yaxes(title_text="needle depth", row=1, col=1)
-    fig.update_layout(height=height + 17 * (lines - 1), margin=dict(l=60, r=10, t=24 + 17 * lines, b=40),
-                      legend=dict(orientation="h", yanchor="top", y=-0.22, x=0), plot_bgcolor="#ffffff")
+    top = 24 + 17 * lines
+    for r, (_, title, _) in enumerate(grids):
+        if title:           # the row's title above its panels (the policies' titles sit on the first row only)
+            domain = fig.get_subplot(r + 1, 1).yaxis.domain
+            fig.add_annotation(text=f"<b>{escape(title, quote=False)}</b>", xref="paper", yref="paper", x=0, xanchor="left",
+                               y=domain[1], yanchor="bottom", yshift=4 + (17 * lines if r == 0 else 0),
+                               showarrow=False, font=dict(size=13))
+    top += 22 if any(t for _, t, _ in grids) else 0
+    fig.update_layout(height=n_rows * height + 17 * (lines - 1) + (n_rows - 1) * 60,
+                      margin=dict(l=60, r=10, t=top, b=40),
+                      legend=dict(orientation="h", yanchor="top", y=-0.22 / n_rows, x=0), plot_bgcolor="#ffffff")
     return fig
 
 

@@ -59,13 +59,14 @@ from kvviz.analysis.needle.cell import NeedleCell, prefill, run_cell, score_answ
 from kvviz.analysis.needle.grid import (CSV_FIELDS, DEFAULT_FILE, MAX_LENGTH, NeedleGrid, cache_dir, cell_key, check_lengths,
                                         classic_failure, format_grid, load_default, loudest_head, max_positions,
                                         prompt_key, run_grid, to_csv)
+from kvviz.analysis.needle.grid import PROTOCOL_TITLES, load_grids, protocol, save_grids
 from kvviz.analysis.needle.prompt import (DEFAULT_BUDGET, DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_NEW_TOKENS,
                                           DEFAULT_SCORERS, DEFAULT_SEED, FILLER, FORMAT_VERSION, FULL, HAYSTACKS,
                                           INSTRUCTION, MIN_BUDGET_TOKENS, NEEDLE_TEMPLATE, PRIMER, QUESTION,
                                           SCORER_NAMES, NeedlePrompt, budget_tokens, build_prompt, haystack_text,
                                           min_length, passkey, spec_for)
 
-__all__ = ["CSV_FIELDS", "DEFAULT_BUDGET", "DEFAULT_DEPTHS", "DEFAULT_FILE", "DEFAULT_LENGTHS", "DEFAULT_NEW_TOKENS",
+__all__ = ["PROTOCOL_TITLES", "load_grids", "protocol", "save_grids", "CSV_FIELDS", "DEFAULT_BUDGET", "DEFAULT_DEPTHS", "DEFAULT_FILE", "DEFAULT_LENGTHS", "DEFAULT_NEW_TOKENS",
            "DEFAULT_SCORERS", "DEFAULT_SEED", "FILLER", "FORMAT_VERSION", "FULL", "HAYSTACKS", "INSTRUCTION", "MAX_LENGTH",
            "MIN_BUDGET_TOKENS", "NEEDLE_TEMPLATE", "NeedleCell", "NeedleGrid", "NeedlePrompt", "PRIMER", "QUESTION",
            "SCORER_NAMES", "budget_tokens", "build_prompt", "cache_dir", "cell_key", "check_lengths",

@@ -127,12 +127,37 @@ class NeedleGrid:
         return cls.from_dict(json.loads(gzip.decompress(Path(path).read_bytes()).decode("utf-8")))
 
 
-def load_default(path: str | Path | None = None) -> NeedleGrid | None:
-    """The shipped precomputed default grid (bundled model), or None if it is missing."""
+def protocol(grid: NeedleGrid) -> str:
+    """Where the grid's caches were compressed: "agnostic" (after the haystack, before the question: kvpress's
+    pipeline default) or "aware" (after the question: kvpress's compress_questions=True)."""
+    return "agnostic" if grid.settings.get("question_after_compression") else "aware"
+
+
+PROTOCOL_TITLES = {"agnostic": "Compressed before the question (query-agnostic, kvpress's pipeline default)",
+                   "aware": "Compressed after the question (query-aware, kvpress's compress_questions=True)"}
+
+
+def save_grids(path: str | Path, grids: Sequence[NeedleGrid]) -> None:
+    """Several grids in one file (the shipped default holds both protocols): {"grids": [...]}."""
+    blob = {"grids": [g.as_dict(kept=True, prompts=True) for g in grids]}
+    Path(path).write_bytes(gzip.compress(json.dumps(blob, separators=(",", ":")).encode("utf-8"), mtime=0))
+
+
+def load_grids(path: str | Path | None = None) -> tuple[NeedleGrid, ...]:
+    """Every grid of a file (one for a file `NeedleGrid.save` wrote), agnostic first; () if it is missing."""
     try:
-        return NeedleGrid.load(path or DEFAULT_FILE)
-    except (OSError, ValueError, KeyError):
-        return None
+        d = json.loads(gzip.decompress(Path(path or DEFAULT_FILE).read_bytes()).decode("utf-8"))
+        grids = tuple(NeedleGrid.from_dict(g) for g in d["grids"]) if "grids" in d else (NeedleGrid.from_dict(d),)
+    except (OSError, ValueError, KeyError, TypeError):
+        return ()
+    return tuple(sorted(grids, key=lambda g: protocol(g) != "agnostic"))
+
+
+def load_default(path: str | Path | None = None, question_after_compression: bool = False) -> NeedleGrid | None:
+    """The shipped precomputed default grid (bundled model) of one protocol (default: compressed after the
+    question), or None if the file is missing or does not hold it."""
+    want = "agnostic" if question_after_compression else "aware"
+    return next((g for g in load_grids(path) if protocol(g) == want), None)
 
 
 def check_lengths(lengths: Sequence[int], max_positions: int | None, new_tokens: int, minimum: int) -> None:
