@@ -102,7 +102,8 @@ def layout(fig: go.Figure, title: str, x_title: str, y_title: str, height: int =
 # bit-width legend; FP8 / FP4 cache formats open with a dot
 BITS_MARKS = {16: ("", 11), 8: ("", 7), 6: ("-dot", 11), 5: ("-dot", 7), 4: ("-open", 11), 3: ("-open-dot", 11),
               2: ("-open", 7), 1: ("-open-dot", 7)}
-FORMAT_NAMES = {"e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2", "nvfp4": "NVFP4", "mxfp4": "MXFP4"}
+FORMAT_NAMES = {"e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2", "nvfp4": "NVFP4", "mxfp4": "MXFP4", "q8_0": "llama.cpp q8_0",
+                "q4_0": "llama.cpp q4_0"}
 FORMAT_MARKS = {"e4m3": ("-open-dot", 15), "e5m2": ("-open-dot", 13), "nvfp4": ("-open-dot", 9),
                 "mxfp4": ("-dot", 15)}
 
