@@ -88,9 +88,9 @@ def grids_figure(grids: Sequence[tuple[str | None, str, Sequence]], selected: tu
         if title:           # the row's title above its panels (the policies' titles sit on the first row only)
             domain = fig.get_subplot(r + 1, 1).yaxis.domain
             fig.add_annotation(text=f"<b>{escape(title, quote=False)}</b>", xref="paper", yref="paper", x=0, xanchor="left",
-                               y=domain[1], yanchor="bottom", yshift=4 + (17 * lines if r == 0 else 0),
+                               y=domain[1], yanchor="bottom", yshift=4 + (22 * lines if r == 0 else 0),
                                showarrow=False, font=dict(size=13))
-    top += 22 if any(t for _, t, _ in grids) else 0
+    top += 5 * lines + 24 if any(t for _, t, _ in grids) else 0     # the row title above the policies' titles
     fig.update_layout(height=n_rows * height + 17 * (lines - 1) + (n_rows - 1) * 60,
                       margin=dict(l=60, r=10, t=top, b=40),
                       legend=dict(orientation="h", yanchor="top", y=-0.22 / n_rows, x=0), plot_bgcolor="#ffffff")
