@@ -406,7 +406,7 @@ def test_fp8_scale_per_token_reaches_the_quantizer():
 
 
 def test_unknown_format_names_the_choices():
-    with pytest.raises(ValueError, match=r"^unknown format 'fp6'; choose one of int, e4m3, e5m2, nvfp4, mxfp4$"):
+    with pytest.raises(ValueError, match=r"^unknown format 'fp6'; choose one of int, e4m3, e5m2, nvfp4, mxfp4, q8_0, q4_0$"):
         quantize_values(np.zeros((1, 2, 16)), "fp6")
 
 
@@ -704,9 +704,10 @@ def test_fp8_is_the_definition_for_every_scale():
 def test_fp8_quantizes_a_head_with_no_tokens_and_names_the_scales():
     """No tokens yet: an empty result (the amax of nothing is 0, scale 1), for the scales over many
     values; an unknown scale is refused with the choices named."""
-    for scale in ("tensor", "head", "token"):
+    for scale in ("tensor", "head", "token", "static"):
         assert fp8_quantize(np.zeros((2, 0, 8)), "e4m3", scale).shape == (2, 0, 8)
-    with pytest.raises(ValueError, match=r"^FP8 scale must be one of \('tensor', 'head', 'token'\), got 'row'$"):
+    with pytest.raises(ValueError,
+                       match=r"^FP8 scale must be one of \('tensor', 'head', 'token', 'static'\), got 'row'$"):
         fp8_scales(np.ones((1, 2, 8)), E4M3, "row")
 
 
