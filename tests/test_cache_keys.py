@@ -62,7 +62,7 @@ OTHER = {"sink": 3, "recent": 12, "heavy": 30, "scorer": "tova", "key_bits": 4, 
          "key_axis": "token", "value_axis": "channel", "group_size": 16, "residual": 8, "symmetric": True,
          "zero_point": "int", "partial": "quantize", "quant_model": "noise", "noise_sigma": 0.5, "seed": 7,
          "snapkv_window": 4, "snapkv_kernel": 3, "h2o_normalized": True, "positions": "cache",
-         "key_format": "e4m3", "value_format": "e5m2", "fp8_scale": "token", "rotate": "keys",
+         "key_format": "e4m3", "value_format": "e5m2", "fp8_scale": "token", "fp8_calibrate": True, "rotate": "keys",
          "residual_mode": "hf", "allocation": "pyramid", "adakv_alpha": 0.5, "adakv_floor": "outside-window",
          "pyramid_beta": 2.0, "pyramid_schedule": "heavy", "ea_horizon": 64, "ea_covariance": False,
          "chunk_size": 8, "chunk_scorer": "h2o", "chunk_rule": "budget", "page_size": 4, "quest_heads": "kv"}
