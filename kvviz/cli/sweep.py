@@ -57,6 +57,6 @@ def register(sub) -> None:
     p.add_argument("--bits-list", type=number_list(int, 1, FULL_BITS, "16,4,2"), default=[16, 8, 4, 2],
                    help="bit widths to sweep, each 1-8 or 16 (default 16,8,4,2)")
     p.add_argument("--formats-list", default="",
-                   help="cache formats to add to the sweep, K and V alike: e4m3,e5m2,nvfp4,mxfp4 (default none)")
+                   help="cache formats to add to the sweep, K and V alike: e4m3,e5m2,nvfp4,mxfp4,q8_0,q4_0 (default none)")
     p.add_argument("--out", help="CSV file (default: standard output)")
     p.set_defaults(func=cmd_sweep)
