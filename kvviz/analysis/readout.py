@@ -147,8 +147,8 @@ def fp8_clipping_note(counts: dict | None) -> str | None:
             continue
         top = {"e4m3": "448", "e5m2": "57,344"}[c["format"]]
         scales = c["scales"]
-        scale = ("scale 1.0" if all(s == 1.0 for s in scales) else
-                 f"scales {min(scales):.3g}–{max(scales):.3g} per layer")
+        scale = ("scale 1.0" if all(s == 1.0 for s in scales) else f"calibrated scale {scales[0]:.3g}"
+                 if min(scales) == max(scales) else f"calibrated scales {min(scales):.3g}–{max(scales):.3g} per layer")
         parts.append(f"{c['saturated']:,} of the {c['values']:,} stored {name} saturated (|x / s| above {top}, stored as ±{top} s) and "
                      f"{c['flushed']:,} flushed to zero ({scale})")
     if not parts:
