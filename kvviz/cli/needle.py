@@ -120,6 +120,9 @@ def cmd_needle(a: argparse.Namespace) -> int:
     from kvviz.cli.evaluate import _progress
 
     args = parse(a)
+    if not a.device_map:
+        from kvviz.cli.device import check_device
+        check_device(a.device)              # before any cell, cached or not
     say = _progress(not a.quiet)
     t0 = time.perf_counter()
     def load():
