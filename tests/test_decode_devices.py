@@ -206,3 +206,30 @@ def test_bundled_half_dtype_perplexity_is_float32s(dtype):
     qx = evaluate(mx, reference(mx, tok, text, 160, 64), spec)
     assert np.isfinite([qx.perplexity, qx.perplexity_full, qx.kl_mean, qx.top1_agreement]).all()
     assert abs(qx.perplexity / q32.perplexity - 1) < 0.10
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("axis", ("token", "channel"))
+@pytest.mark.parametrize("bits, symmetric, zero_point", [(1, False, "float"), (2, False, "float"), (2, False, "int"),
+                                                          (4, False, "float"), (4, True, "float"), (8, False, "int")])
+@pytest.mark.parametrize("partial", ("full", "quantize"))
+def test_device_quantizer_is_the_numpy_reference(device, axis, bits, symmetric, zero_point, partial):
+    """kvviz.decode.devquant.quantize_torch against kvviz.quant.quantize (the numba kernel): bit for bit on
+    a CPU (the same float32 operations in the same order); on a GPU within one quantization step of a
+    group (max - min) / top, the bound a division rounded otherwise could move a value by."""
+    from kvviz.decode.devquant import quantize_torch
+    from kvviz.quant import quantize
+
+    rng = np.random.default_rng(bits * 7 + len(axis))
+    x = (rng.standard_normal((2, 3, 70, 40)) * 3).astype(np.float32)
+    x[0, 0, 4:40] = 1.25                                     # constant groups: s == 0, kept exact
+    for group, residual in ((16, 0), (24, 9)):
+        ref = quantize(x, bits, axis, group, residual, symmetric, zero_point=zero_point, partial=partial)
+        got = host(quantize_torch(torch.from_numpy(x).to(device), bits, axis, group, residual, symmetric,
+                                  zero_point, partial))
+        assert not np.array_equal(ref, x)                    # something was quantized
+        if device == "cpu":
+            assert np.array_equal(ref.view(np.int32), got.view(np.int32))
+        else:
+            top = 2 ** (bits - 1) - 1 if symmetric else 2 ** bits - 1
+            assert np.abs(ref - got).max() <= 2 * np.abs(x).max() / top

@@ -324,6 +324,8 @@ class CompressedCache:
         s = self.spec
         settings = dict(zero_point=s.zero_point, partial=s.partial)
         n_quant = max(0, len(idx) - s.residual)
+        if not self.fast and s.quant_model == "kv":       # on the model's device (kvviz.decode.devquant)
+            return self._on_device(K, "k"), self._on_device(V, "v")
         for which, bits, axis in (("k", s.key_bits, s.key_axis), ("v", s.value_bits, s.value_axis)):
             if s.quant_model != "kv" or bits >= FULL_BITS or n_quant == 0:
                 continue
@@ -435,11 +437,22 @@ class CompressedCache:
         s = self.spec
         if s.quant_model == "kv" and uses_formats(s):
             return self._kept_kv_formats(layer, host(K), host(V), idx)
+        if not self.fast and s.quant_model == "kv":       # on the model's device (kvviz.decode.devquant)
+            return self._on_device(K, "k"), self._on_device(V, "v")
         if s.quant_model == "kv" and s.key_bits < FULL_BITS:
             K = on(self._quantized(layer, "k", host(K), idx), self.device)
         if s.quant_model == "kv" and s.value_bits < FULL_BITS:
             V = on(self._quantized(layer, "v", host(V), idx), self.device)
         return K, V
+
+    def _on_device(self, x, which: str):
+        """x (..., m, D) float32 quantized per the spec's integer K or V settings where it lives: the
+        torch twin of kvviz.quant.quantize (bit for bit on a CPU; kvviz.decode.devquant)."""
+        from kvviz.decode.devquant import quantize_torch
+
+        s = self.spec
+        bits, axis = (s.key_bits, s.key_axis) if which == "k" else (s.value_bits, s.value_axis)
+        return quantize_torch(x, bits, axis, s.group_size, s.residual, s.symmetric, s.zero_point, s.partial)
 
     def _kept_kv_formats(self, layer: int, K: np.ndarray, V: np.ndarray, idx: np.ndarray):
         """FP8 / FP4 formats, rotation, HF's residual flush (kvviz.quant.formats): the whole
