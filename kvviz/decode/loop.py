@@ -24,14 +24,18 @@ from kvviz.models.config import model_dims, rope_inv_freq
 from kvviz.spec import Spec, SpecError
 
 
-def _forward(model, ids: Sequence[int], start: int):
-    """Logits (t, vocab) of tokens ids at positions start.. (explicit position_ids, no HF cache)."""
+def _forward(model, ids: Sequence[int], start: int, last_only: bool = False):
+    """Logits (t, vocab) of tokens ids at positions start.. (explicit position_ids, no HF cache);
+    last_only: the last position's alone (1, vocab), as generate() asks for a prompt's (a 32k prompt's
+    logits over a 128k vocabulary would be 16 GiB in float32)."""
     import torch
 
     device = placement(model)[0]                                  # where the model reads its token ids
     x = torch.tensor([list(ids)], dtype=torch.long, device=device)
     pos = torch.arange(start, start + len(ids), device=device)[None]
-    return model(input_ids=x, position_ids=pos, use_cache=False).logits[0].float()
+    keep = {"logits_to_keep": 1} if last_only else {}
+    logits = model(input_ids=x, position_ids=pos, use_cache=False, **keep).logits[0]
+    return (logits[-1:] if last_only else logits).float()
 
 
 def new_cache(model, spec: Spec, capacity: int, cls=CompressedCache, **kwargs) -> CompressedCache:
@@ -115,7 +119,7 @@ def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
             cache.seed(prefix, n)
             last = prefix.logits[n - 1]
         else:
-            last = _forward(model, prompt_ids, 0)[-1]
+            last = _forward(model, prompt_ids, 0, last_only=True)[-1]
         cache.compress()
         t1 = time.perf_counter()
         rows.append(last)
@@ -201,7 +205,8 @@ def plain_decode(model, prompt_ids: Sequence[int], steps: int, feed: Sequence[in
     device = placement(model)[0]
     with torch.inference_mode():
         t0 = time.perf_counter()
-        out = model(input_ids=torch.tensor([list(prompt_ids)], device=device), past_key_values=cache, use_cache=True)
+        out = model(input_ids=torch.tensor([list(prompt_ids)], device=device), past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)                                # the prompt's last logits, as generate() asks
         last = out.logits[0, -1].float()
         t1 = time.perf_counter()
         rows.append(last)
