@@ -233,3 +233,40 @@ def test_device_quantizer_is_the_numpy_reference(device, axis, bits, symmetric, 
         else:
             top = 2 ** (bits - 1) - 1 if symmetric else 2 ** bits - 1
             assert np.abs(ref - got).max() <= 2 * np.abs(x).max() / top
+
+
+FORMAT_SPECS = {
+    **{f"{f}-{sc}": Spec(key_format=f, value_format=f, fp8_scale=sc) for f in ("e4m3", "e5m2")
+       for sc in ("tensor", "head", "token")},
+    "nvfp4": Spec(key_format="nvfp4", value_format="nvfp4"),
+    "mxfp4": Spec(key_format="mxfp4", value_format="mxfp4"),
+    "nvfp4-rotated": Spec(key_format="nvfp4", value_format="nvfp4", rotate="keys-values"),
+    "int2-rotated": Spec(key_bits=2, value_bits=2, rotate="keys"),
+    "hf-flush": Spec(key_bits=4, value_bits=4, key_axis="token", value_axis="token", group_size=64, residual=16,
+                     residual_mode="hf"),
+}
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "mps"])     # MPS has no float64: host path
+@pytest.mark.parametrize("name", list(FORMAT_SPECS))
+def test_device_formats_are_the_numpy_reference(device, name):
+    """kvviz.decode.devquant.quantize_tensor_torch against kvviz.quant.formats.quantize_tensor: bit for bit
+    on a CPU (the same float64 roundings); on a GPU the rotation's float32 product may differ by its
+    rounding and move a value one quantum of its block (a bound of 2 amax / 6 per value for FP4)."""
+    from kvviz.decode.devquant import quantize_tensor_torch
+    from kvviz.quant.formats import quantize_tensor
+
+    spec = FORMAT_SPECS[name]
+    rng = np.random.default_rng(len(name))
+    x = (rng.standard_normal((3, 50, 64)) * 2).astype(np.float32)
+    x[0, 3, 7] = 40.0                                         # an outlier channel
+    x[1] = 0.0                                                # an all-zero head: scale 1 / zero blocks
+    for which in ("k", "v"):
+        for residual in (0, 7):
+            ref = quantize_tensor(x, spec, which, residual)
+            got = host(quantize_tensor_torch(torch.from_numpy(x).to(device), spec, which, residual))
+            if device == "cpu":
+                assert np.array_equal(ref.view(np.int32), got.view(np.int32)), (which, residual)
+            else:
+                assert np.abs(ref - got).max() <= np.abs(x).max() / 2
+    assert not np.array_equal(quantize_tensor(x, spec, "k", 0), x)     # the format did something

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from kvviz.decode.devquant import float64_ok, quantize_tensor_torch
 from kvviz.decode.place import host, is_cpu, on
 from kvviz.policies import ScoreContext, evict_one, get_policy, select
 from kvviz.policies.base import group_union
@@ -435,6 +436,9 @@ class CompressedCache:
             at = on(idx, self.device)
             K, V = self.k[layer][self._rows, at].float(), self.v[layer][self._rows, at].float()
         s = self.spec
+        if s.quant_model == "kv" and uses_formats(s) and not self.fast and float64_ok(self.device):
+            residual = formats_residual_at(s, idx, self.length[layer] - 1, self.trace.context_len)
+            return quantize_tensor_torch(K, s, "k", residual), quantize_tensor_torch(V, s, "v", residual)
         if s.quant_model == "kv" and uses_formats(s):
             return self._kept_kv_formats(layer, host(K), host(V), idx)
         if not self.fast and s.quant_model == "kv":       # on the model's device (kvviz.decode.devquant)

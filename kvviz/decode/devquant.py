@@ -11,6 +11,7 @@ kernels nor in the numba kernel), so on a CPU the result equals the numpy refere
 division that is not correctly rounded (it is, in torch's default CUDA build) would differ by at most
 one step s of a group, the documented bound the test states.
 
+The serving formats (FP8, NVFP4, MXFP4, the Hadamard rotation) have twins below too.
 The CPU float32 path keeps the numba kernel (kvviz.quant.kernel), which reuses each token's quantized
 value across steps; this one quantizes the kept set afresh at each step (what the reuse equals).
 torch is imported lazily.
@@ -79,3 +80,128 @@ def _round_trip(xb, reduce: int, top: float, symmetric: bool, offset: bool):
         code = torch.clamp(torch.round(xb / s) + z, code_lo, top)
         x_hat = s * (code - z)
     return torch.where(s == 0, xb, x_hat)
+
+
+# --- the serving formats (kvviz.quant.formats): FP8, NVFP4, MXFP4, Hadamard rotation ------------------
+# Their reference rounds in float64 (kvviz.quant.minifloat); these twins do the same float64 operations
+# with torch (frexp / ldexp / round half to even are exact), so they equal it bit for bit wherever the
+# rotation is off. A rotation is one float32 matrix product whose summation order is the BLAS's own:
+# rotated values agree to float32 rounding, and a value on a rounding boundary may then land one
+# quantization step away (the tolerance tests/test_decode_devices.py states). MPS has no float64:
+# callers keep the host path there (float64_ok).
+
+def float64_ok(device) -> bool:
+    import torch
+
+    return torch.device(device).type != "mps"
+
+
+def _minifloat_round(x, fmt):
+    """kvviz.quant.minifloat.Minifloat.round in torch float64: nearest, ties to even, saturating."""
+    import torch
+
+    a = torch.clamp(x.abs(), max=fmt.max_value)
+    _, ex = torch.frexp(a)
+    e = torch.clamp(ex - 1, min=fmt.min_exponent)
+    quantum = torch.ldexp(torch.ones_like(a), (e - fmt.mbits).to(a.dtype))
+    y = torch.clamp(torch.round(a / quantum) * quantum, max=fmt.max_value)
+    return torch.copysign(y, x)
+
+
+def _fp32_at_least(x64):
+    """kvviz.quant.fp8.fp32_at_least: float64 -> float32, rounded up where float32 cannot hold it."""
+    import torch
+
+    s = x64.float()
+    return torch.where(s.double() < x64, torch.nextafter(s, torch.full_like(s, float("inf"))), s)
+
+
+def _fp8(x, fmt_name: str, scale: str):
+    import torch
+
+    from kvviz.quant.fp8 import FP8
+
+    f = FP8[fmt_name]
+    a = x.abs()
+    if scale == "tensor":
+        amax = a.amax().reshape(1, 1, 1)
+    elif scale == "head":
+        amax = a.amax(dim=(1, 2), keepdim=True)
+    else:
+        amax = a.amax(dim=2, keepdim=True)
+    s = torch.where(amax > 0, _fp32_at_least(amax.double() / f.max_value), torch.ones_like(amax)).double()
+    return (_minifloat_round(x.double() / s, f) * s).to(x.dtype)
+
+
+def _blocked(x, block: int):
+    import torch
+
+    pad = -x.shape[-1] % block
+    if pad:
+        x = torch.cat([x, x.new_zeros(*x.shape[:-1], pad)], dim=-1)
+    return x.reshape(*x.shape[:-1], -1, block)
+
+
+def _nvfp4(x, block: int = 16):
+    import torch
+
+    from kvviz.quant.minifloat import E2M1, E4M3
+
+    amax_t = float(x.abs().amax()) if x.numel() else 0.0
+    s_t = float(_fp32_at_least(torch.tensor(amax_t / (E4M3.max_value * E2M1.max_value), dtype=torch.float64))) \
+        if amax_t > 0 else 1.0
+    xb = _blocked(x, block)
+    s = _minifloat_round(xb.abs().amax(dim=-1, keepdim=True).double() / (E2M1.max_value * s_t), E4M3) * s_t
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    out = torch.where(s > 0, _minifloat_round(xb.double() / safe, E2M1) * s, torch.zeros_like(s))
+    return out.reshape(*x.shape[:-1], -1)[..., : x.shape[-1]].to(x.dtype)
+
+
+def _mxfp4(x, block: int = 32):
+    import torch
+
+    from kvviz.quant.minifloat import E2M1, E8M0_MAX_EXP, E8M0_MIN_EXP
+
+    xb = _blocked(x, block)
+    amax = xb.abs().amax(dim=-1, keepdim=True).double()
+    _, ex = torch.frexp(torch.where(amax > 0, amax, torch.ones_like(amax)))
+    e = torch.clamp(torch.where(amax > 0, ex - 1, torch.full_like(ex, E8M0_MIN_EXP)), E8M0_MIN_EXP, E8M0_MAX_EXP)
+    e = torch.clamp(e - 2, E8M0_MIN_EXP, E8M0_MAX_EXP)
+    s = torch.ldexp(torch.ones_like(amax), e.double())
+    out = _minifloat_round(xb.double() / s, E2M1) * s
+    return out.reshape(*x.shape[:-1], -1)[..., : x.shape[-1]].to(x.dtype)
+
+
+def _hadamard(dim: int, like):
+    import torch
+
+    from kvviz.quant.rotation import hadamard
+
+    return torch.tensor(hadamard(dim), dtype=like.dtype, device=like.device)   # a copy: hadamard's is read-only
+
+
+def quantize_tensor_torch(x, spec, which: str, residual: int):
+    """kvviz.quant.formats.quantize_tensor in torch on x's device: x (U, T, D) float32, the last `residual`
+    tokens unchanged, the rest rotated (if the spec says so), quantized in the spec's format, rotated back."""
+    from kvviz.quant.formats import is_quantized, settings
+
+    fmt, bits, axis, rotated = settings(spec, which)
+    if not is_quantized(spec, which):
+        return x
+    n_quant = max(0, x.shape[-2] - residual)
+    if n_quant == 0:
+        return x
+    head = x[..., :n_quant, :]
+    r = _hadamard(x.shape[-1], x) if rotated else None
+    xr = head @ r if rotated else head
+    if fmt == "int":
+        q = quantize_torch(xr, bits, axis, spec.group_size, 0, spec.symmetric, spec.zero_point, spec.partial)
+    elif fmt in ("e4m3", "e5m2"):
+        q = _fp8(xr, fmt, spec.fp8_scale)
+    elif fmt == "nvfp4":
+        q = _nvfp4(xr)
+    else:
+        q = _mxfp4(xr)
+    out = x.clone()
+    out[..., :n_quant, :] = q @ r.T if rotated else q
+    return out
