@@ -299,12 +299,14 @@ def real_model_source(container=None) -> Trace | None:
                           help="Greedy decode steps after the prompt: the queries that read the compressed cache.")
     max_tokens = w_number(c, "rm_max", "Max prompt tokens", 16, PROMPT_CAP_UI, step=64,
                           help="Longer prompts are cut to their first tokens (you will be told).")
+    from kvviz.app.device import device_controls, run_notice
+    device, dtype = device_controls(c, "rm")        # the devices this machine has; the weights' dtype
     clicked = c.button("Capture", key="rm_capture", type="primary")
 
     if not prompt.strip():
         c.error("The prompt is empty: type some text to capture.")
         return None
-    settings = CaptureSettings(name, prompt, int(new_tokens), int(max_tokens))
+    settings = CaptureSettings(name, prompt, int(new_tokens), int(max_tokens), dtype=dtype, device=device)
     path = settings.path()
     if not path.is_file():   # the step that is missing, in the main area where the page would be (issue 34)
         model = "the bundled SmolLM2-135M" if kind == "bundled" else name
@@ -327,6 +329,11 @@ def real_model_source(container=None) -> Trace | None:
         except MemoryError:
             c.error("Out of memory while capturing: lower Max prompt tokens or New tokens, "
                     "or capture on a bigger machine with `kvviz capture` (see docs/big-models.md).")
+            return None
+        except RuntimeError as e:   # out of GPU memory, a device gone: one line, the server keeps serving
+            if run_notice(e) is None:
+                raise
+            c.error(f"Capture failed: {run_notice(e)}.")
             return None
     if trace is not None:
         st.session_state["rm_last"] = str(path)
