@@ -129,6 +129,12 @@ def _model_store() -> dict:
     return {"lock": threading.Lock(), "models": {}}
 
 
+def loaded_model(name: str, device: str = "cpu", dtype: str = "float32"):
+    """(model, tokenizer, info) if this server has already loaded the model on that device in that dtype,
+    else None: a page may ask what is in memory without starting a load."""
+    return _model_store()["models"].get((name, device, dtype))
+
+
 def shared_model(name: str, device: str = "cpu", dtype: str = "float32", progress=None):
     """(model, tokenizer, info), loaded once per server; one model in memory at a time.
 
