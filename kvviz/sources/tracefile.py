@@ -34,12 +34,12 @@ _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 _FLOAT_CODES = ("F16", "BF16", "F32", "F64")
 
 
-def header_fields(trace: Trace) -> dict[str, str]:
+def header_fields(context_len: int, tokens: tuple[str, ...], meta: dict, layers: list[int]) -> dict[str, str]:
     """The `__metadata__` strings of a trace file: format, version, labels, meta and layer numbers."""
-    return {"format": FORMAT, "version": str(VERSION), "context_len": str(int(trace.context_len)),
-            "tokens": json.dumps(list(trace.tokens), ensure_ascii=False),
-            "meta": json.dumps(trace.meta, ensure_ascii=False, default=str),
-            "layers": json.dumps(list(trace.layer_numbers))}
+    return {"format": FORMAT, "version": str(VERSION), "context_len": str(int(context_len)),
+            "tokens": json.dumps(list(tokens), ensure_ascii=False),
+            "meta": json.dumps(meta, ensure_ascii=False, default=str),
+            "layers": json.dumps([int(n) for n in layers])}
 
 
 def save_trace(trace: Trace, path: str | os.PathLike) -> Path:
@@ -47,7 +47,6 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> Path:
     numbers = trace.layer_numbers
     meta = dict(trace.meta)
     meta.pop("query_scale", None)                 # the arrays written below hold the scaled queries
-    trace_out = _Meta(trace, meta)
     kinds = [("q", trace.q), ("k", trace.k), ("v", trace.v), ("logits", trace.logits)]
     first = {kind: np.asarray(a[0]) for kind, a in kinds if a is not None}
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -67,15 +66,7 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> Path:
         w.put("query_positions", qp)
         if trace.noise_eps is not None:
             w.put("noise_eps", trace.noise_eps)
-        return w.finish(header_fields(trace_out))
-
-
-class _Meta:
-    """A trace's labels with other meta (for header_fields)."""
-
-    def __init__(self, trace: Trace, meta: dict):
-        self.context_len, self.tokens, self.meta = trace.context_len, trace.tokens, meta
-        self.layer_numbers = trace.layer_numbers
+        return w.finish(header_fields(trace.context_len, trace.tokens, meta, list(numbers)))
 
 
 def load_trace(path: str | os.PathLike) -> Trace:
