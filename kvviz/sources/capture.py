@@ -527,13 +527,20 @@ def capture_trace(model_name: str = BUNDLED, prompt: str = "", new_tokens: int =
                    progress=lambda f, m: say(0.4 + 0.6 * f, m), attention=attention, out=out)
 
 
-def forward_only(model: Any, ids: Sequence[int]) -> None:
-    """The plain prefill forward pass capture() runs, without recording (for benchmarks)."""
+def forward_only(model: Any, ids: Sequence[int], attention: str | None = "sdpa") -> None:
+    """The plain prefill forward pass capture() runs, with the same attention, without recording (benchmarks)."""
     import torch
 
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([list(ids)], device=_input_device(model)), use_cache=True,
-              logits_to_keep=1)
+    before = _impl(model)
+    with _LOCK, torch.inference_mode():
+        if attention and attention != before:
+            model.set_attn_implementation(attention)
+        try:
+            model(input_ids=torch.tensor([list(ids)], device=_input_device(model)), use_cache=True,
+                  logits_to_keep=1)
+        finally:
+            if attention and attention != before:
+                model.set_attn_implementation(before)
 
 
 def _input_device(model: Any) -> Any:
