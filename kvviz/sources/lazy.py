@@ -73,8 +73,9 @@ class LayerStack:
     lazy = True
 
     def __init__(self, what: str, name: str, read: Reader, starts: Sequence[int], code: str,
-                 shape: tuple[int, int, int, int], layer_numbers: Sequence[int], scale: float = 1.0):
-        self.what, self.name, self.read = what, name, read
+                 shape: tuple[int, int, int, int], layer_numbers: Sequence[int], scale: float = 1.0,
+                 identity: str = ""):
+        self.what, self.name, self.read, self.identity = what, name, read, identity
         self.starts, self.code = list(starts), code
         self.shape = tuple(int(x) for x in shape)
         self.layer_numbers = list(layer_numbers)
@@ -132,8 +133,9 @@ class LayerStack:
         return np.asarray(self).reshape(*shape)
 
     def fingerprint(self) -> str:
-        """Cheap identity for caches: name, shape, dtype, first layer's first head bytes."""
-        return f"{self.name}:{self.what}:{self.shape}:{self.code}:{self.starts[:1]}"
+        """Cheap identity for caches, without reading: the file's (path, size, mtime) or the upload's
+        sha256, and what this stack is within it."""
+        return f"{self.identity or self.name}:{self.what}:{self.shape}:{self.code}:{self.scale}"
 
     # --- reading -------------------------------------------------------------------------------
     def _block(self, layer: int, head: int | None) -> np.ndarray:

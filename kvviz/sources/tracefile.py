@@ -85,7 +85,9 @@ def load_trace(path: str | os.PathLike) -> Trace:
     header = _header_json(head, path.name, size)
     meta = _read_header(head, path.name)
     if meta.get("version") == "2":
-        return _open_v2(header, meta, len(head), size, file_reader(str(path)), path.name)
+        st = path.stat()
+        return _open_v2(header, meta, len(head), size, file_reader(str(path)), path.name,
+                        f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}")
     trace_work(header, path.name, size).check()
     return trace_from_bytes(path.read_bytes(), name=path.name)
 
@@ -101,7 +103,8 @@ def trace_from_bytes(data: bytes, name: str = "upload") -> Trace:
     header = _read_header(data, name)
     if header.get("version") == "2":
         n = int.from_bytes(data[:8], "little")
-        return _open_v2(header_json, header, 8 + n, len(data), bytes_reader(data), name)
+        return _open_v2(header_json, header, 8 + n, len(data), bytes_reader(data), name,
+                        "sha256:" + hashlib.sha256(data).hexdigest())
     try:
         tensors = load(data)
     except (SafetensorError, ValueError, Exception) as exc:  # noqa: BLE001 - any parse failure
@@ -256,7 +259,8 @@ def _layer_list(header: dict[str, str], name: str) -> list[int]:
     return layers
 
 
-def _stack(table: dict, kind: str, layers: list[int], name: str, read: Reader, scale: float = 1.0) -> LayerStack | None:
+def _stack(table: dict, kind: str, layers: list[int], name: str, read: Reader, scale: float = 1.0,
+           identity: str = "") -> LayerStack | None:
     """The lazy (layers, heads, T, D) stack of `kind` ('q', 'k', 'v', 'logits'), or None if absent."""
     present = [f"{kind}.{n}" in table for n in layers]
     if not any(present):
@@ -275,7 +279,7 @@ def _stack(table: dict, kind: str, layers: list[int], name: str, read: Reader, s
         raise TraceError(f"{name}: tensor '{kind}.{layers[0]}' has dtype {code}; expected F16, BF16, F32 or F64")
     what = {"q": "queries", "k": "keys", "v": "values", "logits": "logits"}[kind]
     return LayerStack(what, name, read, [table[f"{kind}.{n}"][2] for n in layers], code,
-                      (len(layers), *shape), layers, scale)
+                      (len(layers), *shape), layers, scale, identity)
 
 
 def _small(table: dict, key: str, read: Reader, name: str) -> np.ndarray | None:
@@ -294,7 +298,7 @@ def _small(table: dict, key: str, read: Reader, name: str) -> np.ndarray | None:
 
 
 def _open_v2(header_json: dict, header: dict[str, str], data_start: int, size: int, read: Reader,
-             name: str) -> Trace:
+             name: str, identity: str) -> Trace:
     table = _tensor_table(header_json, name, data_start, size)
     context_len, tokens, meta = _labels(header, name)
     layers = _layer_list(header, name)
@@ -309,15 +313,15 @@ def _open_v2(header_json: dict, header: dict[str, str], data_start: int, size: i
     scale = meta.get("query_scale", 1.0)
     if not isinstance(scale, (int, float)) or not np.isfinite(scale):
         raise TraceError(f"{name} has a damaged header (query_scale must be a number)")
-    q = _stack(table, "q", layers, name, read, float(scale))
-    k = _stack(table, "k", layers, name, read)
+    q = _stack(table, "q", layers, name, read, float(scale), identity)
+    k = _stack(table, "k", layers, name, read, identity=identity)
     if q is None or k is None:
         raise TraceError(f"{name} has no '{'q' if q is None else 'k'}' tensors")
     if "layers" in meta or layers != list(range(len(layers))):
         meta["layers"] = layers
-    return Trace(q=q, k=k, v=_stack(table, "v", layers, name, read), context_len=context_len, tokens=tokens,
-                 query_positions=_small(table, "query_positions", read, name), meta=meta,
-                 logits=_stack(table, "logits", layers, name, read),
+    return Trace(q=q, k=k, v=_stack(table, "v", layers, name, read, identity=identity), context_len=context_len,
+                 tokens=tokens, query_positions=_small(table, "query_positions", read, name), meta=meta,
+                 logits=_stack(table, "logits", layers, name, read, identity=identity),
                  noise_eps=_small(table, "noise_eps", read, name))
 
 
