@@ -3,7 +3,7 @@
 `LayerStack` stands where a Trace holds a 4-D array (layers, heads, positions, dims). Indexing it the way
 kvviz does - `a[layer]`, `a[layer, heads, rows]`, `a[layer, head, :n]` - reads only that layer's tensor
 (or only that head's run of bytes when the second index is one head), widens it to float32 (bfloat16 and
-float16 exactly), checks it for NaN / inf, and keeps the last few blocks read. Anything else (the whole
+float16 exactly), checks it for NaN / inf, and keeps the last blocks read (up to CACHE_BYTES, at least one). Anything else (the whole
 array) is read in full through `__array__`, against the work budget.
 
 Reads are positional (os.pread) rather than a memory map: what a view read is freed when it leaves the
@@ -24,7 +24,7 @@ from kvviz.limits import Part, Work
 from kvviz.trace import TraceError
 
 Reader = Callable[[int, int], bytes]        # (offset, nbytes) -> bytes, offsets from the file's first byte
-CACHED_BLOCKS = 6
+CACHE_BYTES = 256 * 10**6        # blocks kept per stack: up to this many bytes, and always the last one read
 
 
 def file_reader(path: str) -> Reader:
@@ -100,8 +100,9 @@ class LayerStack:
 
     @property
     def held_bytes(self) -> int:
-        """What reading holds at most: the cache's blocks of one layer each."""
-        return CACHED_BLOCKS * self.nbytes // max(self.shape[0], 1)
+        """What reading holds at most: the cache (CACHE_BYTES, or one layer when a layer is bigger),
+        never more than the whole stack."""
+        return min(self.nbytes, max(CACHE_BYTES, self.nbytes // max(self.shape[0], 1)))
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -150,7 +151,7 @@ class LayerStack:
         block = self._read(layer, head)
         with self._lock:
             self._cache[(layer, head)] = block
-            while len(self._cache) > CACHED_BLOCKS:
+            while len(self._cache) > 1 and sum(b.nbytes for b in self._cache.values()) > CACHE_BYTES:
                 self._cache.popitem(last=False)
         return block
 
