@@ -260,3 +260,22 @@ def test_lazy_trace_saves_again(tiny, tmp_path):
     assert again.layer_numbers == (1, 2)
     np.testing.assert_array_equal(np.asarray(again.k), np.asarray(t.k))
     assert isinstance(Trace, type)
+
+
+def test_the_app_offers_trace_files_from_server_folders(tmp_path, monkeypatch):
+    pytest.importorskip("streamlit")
+    from kvviz.app.sources import _load_cached, saved_traces
+
+    cache, big = tmp_path / "cache", tmp_path / "big"
+    cache.mkdir()
+    big.mkdir()
+    monkeypatch.setenv("KVVIZ_CACHE_DIR", str(cache))
+    monkeypatch.setenv("KVVIZ_TRACE_DIRS", f"{big}{os.pathsep}{tmp_path / 'missing'}")
+    t = make_synthetic(SyntheticSpec(context=32, steps=2, layers=2))
+    save_trace(t, big / "from-the-gpu-box.safetensors")
+    (big / "not-a-trace.safetensors").write_bytes(b"nothing")
+    listed = saved_traces()
+    assert [p.name for p, _ in listed] == ["from-the-gpu-box.safetensors"]
+    assert listed[0][1].endswith("from-the-gpu-box.safetensors")      # a folder's file says its name
+    opened = _load_cached(str(listed[0][0]), listed[0][0].stat().st_mtime)
+    assert isinstance(opened.q, LayerStack) and opened.n_positions == t.n_positions
