@@ -7,7 +7,8 @@ import json
 import math
 import sys
 
-from kvviz.cli.args import (_json_safe, add_compression_args, add_source_args, add_view_args, source_from_args, spec_from_args)
+from kvviz.cli.args import (_json_safe, add_compression_args, add_source_args, add_view_args, source_from_args, spec_from_args,
+                            view_layer)
 from kvviz.metrics import DEFINITIONS as METRIC_DEFINITIONS
 from kvviz.spec import View
 
@@ -18,11 +19,11 @@ def cmd_compare(a: argparse.Namespace) -> int:
     spec = spec_from_args(a)
     trace, for_seed = source_from_args(a)
     # --layer is the model's own layer number (a capture of --layers 0-3,15 holds layer 15 at position 4)
-    view = View(layer=trace.layer_index(a.layer), head=a.head, step=a.step, ensemble=a.ensemble,
+    view = View(layer=view_layer(trace, a), head=a.head, step=a.step, ensemble=a.ensemble,
                 ensemble_size=a.ensemble_size)
     result = compare(trace, spec, view, trace_for_seed=for_seed)
     if a.json:
-        json.dump(_json_safe({**result.to_json(), "layer_number": a.layer, "definitions": METRIC_DEFINITIONS}),
+        json.dump(_json_safe({**result.to_json(), "layer_number": trace.layer_numbers[view.layer], "definitions": METRIC_DEFINITIONS}),
                   sys.stdout)
         sys.stdout.write("\n")
     else:
