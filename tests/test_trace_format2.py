@@ -279,3 +279,31 @@ def test_the_app_offers_trace_files_from_server_folders(tmp_path, monkeypatch):
     assert listed[0][1].endswith("from-the-gpu-box.safetensors")      # a folder's file says its name
     opened = _load_cached(str(listed[0][0]), listed[0][0].stat().st_mtime)
     assert isinstance(opened.q, LayerStack) and opened.n_positions == t.n_positions
+
+
+def test_writer_lays_out_again_when_the_header_outgrows_its_room_or_a_decode_stops_early(tmp_path):
+    """Rows written at their offsets as they arrive (any order); finish() cuts T to the positions used
+    (a decode that met end-of-sequence) and moves everything when the metadata outgrew its reserved room."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 3, 10, 4)).astype(np.float32)        # (layers, heads, T, D)
+    k = rng.standard_normal((2, 1, 10, 4)).astype(np.float32)
+    tensors = {**{f"q.{n}": ("F32", (3, 10, 4)) for n in (4, 9)}, **{f"k.{n}": ("F32", (1, 10, 4)) for n in (4, 9)},
+               "query_positions": ("I64", (10,))}
+    for keep, reserve, note in ((10, 64 * 1024, "x"), (7, 16, "y" * 5000), (6, 64 * 1024, "z")):
+        path = tmp_path / f"w{keep}.safetensors"
+        with TraceWriter(path, tensors, reserve=reserve) as w:
+            for start, n in ((5, 5), (0, 5)):                        # a later block first: offsets, not order
+                for i, layer in enumerate((4, 9)):
+                    w.put(f"q.{layer}", q[i, :, start:start + n], start)
+                    w.put(f"k.{layer}", k[i, :, start:start + n], start)
+            w.put("query_positions", np.arange(10))
+            meta = {"note": note}
+            w.finish({"format": "kvviz-trace", "version": "2", "context_len": str(keep),
+                      "tokens": json.dumps([f"t{i}" for i in range(keep)]), "meta": json.dumps(meta),
+                      "layers": "[4, 9]"}, positions=keep)
+        t = load_trace(path)
+        assert t.layer_numbers == (4, 9) and t.meta["note"] == note
+        np.testing.assert_array_equal(np.asarray(t.q), q[:, :, :keep])
+        np.testing.assert_array_equal(np.asarray(t.k), k[:, :, :keep])
+        assert t.query_positions.tolist() == list(range(keep))                # cut with the rest
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
