@@ -307,3 +307,38 @@ def test_writer_lays_out_again_when_the_header_outgrows_its_room_or_a_decode_sto
         np.testing.assert_array_equal(np.asarray(t.k), k[:, :, :keep])
         assert t.query_positions.tolist() == list(range(keep))                # cut with the rest
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+# --- item 4 (recording only): each layer's kind and window ------------------------------------
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3"])
+def test_sliding_window_layers_are_recorded_with_their_window(tiny_dir, tmp_path, arch):
+    import transformers
+    from transformers import AutoTokenizer
+
+    from kvviz.models import model_info
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  sliding_window=8, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    config_class, model_class, want = {
+        "mistral": ("MistralConfig", "MistralForCausalLM", ["sliding_attention"] * 4),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", ["sliding_attention", "full_attention"] * 2),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", ["sliding_attention"] * 4)}[arch]
+    cfg = getattr(transformers, config_class)(**common)
+    if arch == "gemma3":
+        cfg.layer_types = ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]
+        want = list(cfg.layer_types)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(cfg).eval()
+    info = model_info(arch, "tiny", model, "float32", "cpu")
+    assert list(info.layer_kinds) == want
+    before = model.config._attn_implementation
+    t = capture(model, tok, info, TEXT, out=tmp_path / "w.safetensors")
+    assert t.meta["layer_kinds"] == want
+    # Gemma 2 has no sdpa (its logits are soft-capped): the capture runs the model's own attention instead
+    assert t.meta["attn_implementation"] == ("eager" if arch == "gemma2" else "sdpa")
+    assert model.config._attn_implementation == before                # the model's own, restored
+    assert t.meta["layer_windows"] == [8 if k == "sliding_attention" else None for k in want]
+    assert trace_info(tmp_path / "w.safetensors")["meta"]["layer_kinds"] == want

@@ -48,6 +48,8 @@ class ModelInfo:
     dtype: str = "float32"
     device: str = "cpu"
     config: dict[str, Any] = field(default_factory=dict)  # the small, JSON-able part of the config
+    layer_kinds: tuple[str, ...] = ()            # per layer: "full_attention" or "sliding_attention" (...)
+    layer_windows: tuple[int | None, ...] = ()   # per layer: the sliding window in tokens, None for full
 
     @property
     def label(self) -> str:
@@ -506,11 +508,26 @@ def model_info(name: str, where: str, model: Any, dtype: str, device: str) -> Mo
             "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
             "rope_parameters", "rope_scaling", "sliding_window", "rms_norm_eps", "tie_word_embeddings")
     small = {k: getattr(text, k) for k in keep if getattr(text, k, None) is not None}
+    kinds = layer_kinds(text)
+    window = getattr(text, "sliding_window", None)
     return ModelInfo(name=name, path=where, n_layers=text.num_hidden_layers, n_q_heads=n_q,
                      n_kv_heads=getattr(text, "num_key_value_heads", None) or n_q,
                      head_dim=getattr(text, "head_dim", None) or text.hidden_size // n_q,
                      architecture=type(model).__name__, dtype=dtype, device=str(device),
-                     config=_jsonable(small))
+                     config=_jsonable(small), layer_kinds=kinds,
+                     layer_windows=tuple(int(window) if k == "sliding_attention" and window else None for k in kinds))
+
+
+def layer_kinds(text_config: Any) -> tuple[str, ...]:
+    """Each layer's attention kind: the config's `layer_types` (Gemma 2/3, gpt-oss, Qwen3...), else every
+    layer sliding when the config sets a `sliding_window` (Mistral), else every layer full."""
+    n = int(text_config.num_hidden_layers)
+    types = getattr(text_config, "layer_types", None)
+    if isinstance(types, (list, tuple)) and len(types) == n:
+        return tuple(str(t) for t in types)
+    if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True):
+        return ("sliding_attention",) * n
+    return ("full_attention",) * n
 
 
 def _check_causal_lm(name: str, config: Any) -> None:

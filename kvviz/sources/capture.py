@@ -39,6 +39,7 @@ from kvviz.limits import Part, Work, checkpoint
 from kvviz.models import BUNDLED, ModelError, ModelInfo, load_model
 from kvviz.models.config import PREFILL_SCORE_COPIES, model_dims
 from kvviz.sources.overview import concentration, head_overview  # noqa: F401 - their home before
+from kvviz.sources.tokens import VISIBLE, token_strings, visible  # noqa: F401 - their home before
 from kvviz.trace import Trace
 
 DEFAULT_MAX_TOKENS = 2048
@@ -113,6 +114,7 @@ class _Recorder:
         self.start = 0                      # position of the first token of the current call
         self.calls = 0
         self.q_scale = 1.0                  # the model's query scale relative to 1/sqrt(d)
+        self.attention = ""                 # the implementation that ran (set by _recording)
         self._order: dict[int, int] = {}    # id(module) -> layer, for modules without layer_idx
 
     @property
@@ -188,12 +190,19 @@ class _recording:
         self.impl = self.model.config._attn_implementation or "eager"
         if self.impl.startswith(_IMPL_PREFIX):      # left over from an interrupted capture
             self.impl = self.impl[len(_IMPL_PREFIX):]
+        self.recorder.attention = self.attention or self.impl
         try:
-            self.model.set_attn_implementation(_register(self.attention or self.impl))
+            try:
+                self.model.set_attn_implementation(_register(self.recorder.attention))
+            except Exception:  # noqa: BLE001 - a model without sdpa (Gemma 2): its own attention instead
+                if self.recorder.attention == self.impl:
+                    raise
+                self.recorder.attention = self.impl
+                self.model.set_attn_implementation(_register(self.impl))
         except Exception as exc:  # noqa: BLE001 - say what kvviz cannot do, not a traceback
             _LOCK.release()
             raise CaptureError(f"{type(self.model).__name__} does not let kvviz record its attention "
-                               f"(AttentionInterface): {exc}") from None
+                               f"(AttentionInterface): {_first_line(exc)}") from None
         _ACTIVE = self.recorder
         return self.recorder
 
@@ -205,36 +214,6 @@ class _recording:
         finally:
             _LOCK.release()
         return False
-
-
-# --- tokens ---------------------------------------------------------------------------
-
-VISIBLE = {" ": "▁", "\n": "↵", "\t": "⇥", "\r": "␍"}
-
-
-def visible(text: str) -> str:
-    """Whitespace made visible for token chips: space ▁, newline ↵, tab ⇥."""
-    return "".join(VISIBLE.get(c, c) for c in text)
-
-
-def token_strings(tokenizer: Any, ids: Sequence[int]) -> tuple[str, ...]:
-    """Readable text of each token: what it adds to the decoded text, whitespace visible.
-
-    Decoding a token after a few tokens of left context keeps the leading space that
-    SentencePiece tokenizers drop at the start of a text; byte-level pieces of one
-    character decode to the replacement character.
-    """
-    ids = [int(i) for i in ids]
-    out = []
-    for i, tid in enumerate(ids):
-        ctx = ids[max(0, i - 3):i]
-        whole = tokenizer.decode(ctx + [tid], clean_up_tokenization_spaces=False)
-        head = tokenizer.decode(ctx, clean_up_tokenization_spaces=False) if ctx else ""
-        piece = whole[len(head):] if whole.startswith(head) else tokenizer.decode([tid])
-        if piece == "":
-            piece = str(tokenizer.convert_ids_to_tokens(tid))
-        out.append(visible(piece))
-    return tuple(out)
 
 
 # --- capture ----------------------------------------------------------------------------
@@ -420,12 +399,15 @@ def _run(model: Any, tokenizer: Any, info: ModelInfo, req: _Request, sink: Any, 
                         use_cache=True, **keep)
             cache = _cache_of(out)
         next_token = int(out.logits[0, -1].argmax())
-        impl = attention or _impl(model)
     seconds = time.perf_counter() - t0
     n = len(all_ids)
     return {"n": n, "ids": all_ids, "stopped": stopped, "notes": notes, "next_token": next_token,
-            "seconds": seconds, "q_scale": rec.q_scale, "attention": impl,
+            "seconds": seconds, "q_scale": rec.q_scale, "attention": rec.attention,
             "message": f"captured {n} tokens ({P} prompt + {n - P} new) in {seconds:.1f} s"}
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
 def _impl(model: Any) -> str:
@@ -457,14 +439,13 @@ def _meta(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, req: _Reques
 
     n, P = run["n"], req.P
     cfg = info.config
-    kinds = getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
-                    "layer_types", None)
     meta = {
         "source": "model", "model": info.label, "model_name": info.name, "path": info.path,
         "revision": getattr(model.config, "_commit_hash", None), "architecture": info.architecture,
         "config": cfg, "dtype": str(_model_dtype(model)).split(".")[-1], "device": info.device,
         "attn_implementation": run["attention"],
-        "layer_kinds": [str(kinds[i]) for i in req.layers] if kinds else ["full_attention"] * len(req.layers),
+        "layer_kinds": [info.layer_kinds[i] if info.layer_kinds else "full_attention" for i in req.layers],
+        "layer_windows": [info.layer_windows[i] if info.layer_windows else None for i in req.layers],
         "prompt": prompt, "prompt_sha256": hashlib.sha256(prompt.encode("utf-8")).hexdigest(),
         "prompt_tokens": P, "prompt_tokens_total": req.n_prompt_tokens, "truncated": req.n_prompt_tokens > P,
         "max_tokens": req.max_tokens, "new_tokens": n - P, "new_tokens_requested": req.new_tokens,
