@@ -342,3 +342,8 @@ def test_sliding_window_layers_are_recorded_with_their_window(tiny_dir, tmp_path
     assert model.config._attn_implementation == before                # the model's own, restored
     assert t.meta["layer_windows"] == [8 if k == "sliding_attention" else None for k in want]
     assert trace_info(tmp_path / "w.safetensors")["meta"]["layer_kinds"] == want
+    # Gemma's query scale (query_pre_attn_scalar) is stored beside the raw q and applied as q is read:
+    # the same numbers as the in-memory capture, which folds it into q
+    mem = capture(model, tok, info, TEXT)
+    assert (t.meta.get("query_scale", 1.0) != 1.0) == arch.startswith("gemma") == mem.meta["query_rescaled"]
+    np.testing.assert_array_equal(np.asarray(t.q), mem.q)
