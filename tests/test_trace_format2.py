@@ -347,3 +347,23 @@ def test_sliding_window_layers_are_recorded_with_their_window(tiny_dir, tmp_path
     mem = capture(model, tok, info, TEXT)
     assert (t.meta.get("query_scale", 1.0) != 1.0) == arch.startswith("gemma") == mem.meta["query_rescaled"]
     np.testing.assert_array_equal(np.asarray(t.q), mem.q)
+
+
+def test_the_cli_budget_is_the_free_memory_during_a_capture_only(tiny_dir, tmp_path, monkeypatch):
+    import psutil
+
+    from kvviz import limits
+
+    monkeypatch.delenv("KVVIZ_MAX_BYTES", raising=False)
+    seen = []
+    real = limits.set_max_bytes
+    monkeypatch.setattr(limits, "set_max_bytes", lambda v: (seen.append(v), real(v)))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": 7_000_000_000})())
+    assert main(["capture", "--model", str(tiny_dir), "--prompt", TEXT, "--out", str(tmp_path / "c.safetensors"),
+                 "--quiet"]) == 0
+    assert seen == [7_000_000_000, None] and limits.max_bytes() == limits.DEFAULT_MAX_BYTES
+    monkeypatch.setenv("KVVIZ_MAX_BYTES", "2GB")                          # the environment's word stands
+    seen.clear()
+    assert main(["capture", "--model", str(tiny_dir), "--prompt", TEXT, "--out", str(tmp_path / "d.safetensors"),
+                 "--quiet"]) == 0
+    assert seen == []

@@ -84,9 +84,10 @@ def cmd_capture(a: argparse.Namespace) -> int:
     if not out.parent.exists():
         raise ModelError(f"folder {out.parent} does not exist")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    default_budget_is_free_memory()
     bar = ProgressLine(not a.quiet and sys.stderr is not None)
+    free_budget = False
     try:
+        free_budget = default_budget_is_free_memory()
         model, tokenizer, info = load_model(a.model, device=a.device, dtype=a.dtype, device_map=a.device_map,
                                             progress=lambda f, m: bar(0.3 * f, m))
         trace = capture(model, tokenizer, info, prompt, new_tokens=a.new_tokens, max_tokens=a.max_tokens,
@@ -94,6 +95,9 @@ def cmd_capture(a: argparse.Namespace) -> int:
                         out=out)          # written layer by layer; `out` is replaced only when complete
     finally:
         bar.done()
+        if free_budget:
+            from kvviz.limits import set_max_bytes
+            set_max_bytes(None)              # the process's budget as it was (main() in a test, a notebook)
     for note in trace.meta.get("notes", []):
         print(f"kvviz: note: {note}", file=sys.stderr)
     size = out.stat().st_size
@@ -101,19 +105,20 @@ def cmd_capture(a: argparse.Namespace) -> int:
     return 0
 
 
-def default_budget_is_free_memory() -> None:
-    """The command line's work budget, unless KVVIZ_MAX_BYTES says otherwise: the memory this machine has
-    free now (the app keeps its per-request cap: it serves many)."""
-    from kvviz.limits import ENV, MIN_MAX_BYTES, set_max_bytes
+def default_budget_is_free_memory() -> bool:
+    """The command line's work budget, unless KVVIZ_MAX_BYTES or a program says otherwise: the memory this
+    machine has free now (the app keeps its per-request cap: it serves many). True when it set it."""
+    from kvviz.limits import DEFAULT_MAX_BYTES, ENV, MIN_MAX_BYTES, max_bytes, set_max_bytes
 
-    if os.environ.get(ENV, "").strip():
-        return
+    if os.environ.get(ENV, "").strip() or max_bytes() != DEFAULT_MAX_BYTES:
+        return False
     try:
         import psutil
         free = int(psutil.virtual_memory().available)
     except Exception:  # noqa: BLE001 - no psutil or no /proc: keep the default
-        return
+        return False
     set_max_bytes(max(free, MIN_MAX_BYTES))
+    return True
 
 
 def cmd_models(a: argparse.Namespace) -> int:
