@@ -175,7 +175,7 @@ def test_lazy_reads_touch_only_the_layer_shown(tiny, tmp_path):
     # one head alone: one run of bytes, that head's
     t.q.reads.clear()
     row = t.q[2, 3]
-    assert t.q.reads == [(2, 3)] and row.shape == (t.n_positions, t.head_dim)
+    assert list(t.q.reads) == [(2, 3)] and row.shape == (t.n_positions, t.head_dim)
 
 
 def test_version_1_files_still_open(tmp_path):

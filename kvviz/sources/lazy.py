@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -83,7 +83,7 @@ class LayerStack:
         self.dtype = np.dtype(np.float64 if code == "F64" else np.float32)
         self._cache: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
-        self.reads: list[tuple[int, int | None]] = []     # (layer, head or None) per file read (tests, spies)
+        self.reads: deque[tuple[int, int | None]] = deque(maxlen=1024)   # the last file reads: (layer, head or None)
 
     # --- what numpy code asks of an array --------------------------------------------------
     @property
