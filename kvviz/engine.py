@@ -127,7 +127,9 @@ def n_members(trace: Trace, view: View) -> int:
 
 
 def trace_bytes(trace: Trace) -> int:
-    return sum(a.nbytes for a in (trace.q, trace.k, trace.v, trace.logits) if a is not None)
+    """What the trace holds in memory (a trace read lazily from its file: what its reads keep)."""
+    from kvviz.trace import held_bytes
+    return sum(held_bytes(a) for a in (trace.q, trace.k, trace.v, trace.logits) if a is not None)
 
 
 def compare_work(trace: Trace, evicts: bool, view: View, seeds: bool = False) -> Work:

@@ -48,7 +48,9 @@ def _external_sources() -> dict[str, Callable | None]:
 def _fingerprint(trace: Trace) -> str:
     h = hashlib.blake2b(digest_size=16)
     for a in (trace.q, trace.k, trace.v, trace.logits):
-        if a is not None:
+        if a is not None and getattr(a, "lazy", False):      # read from its file as shown: its identity
+            h.update(a.fingerprint().encode())
+        elif a is not None:
             h.update(str(a.shape).encode())
             h.update(np.ascontiguousarray(a.reshape(-1)[:: max(1, a.size // 65536)]).tobytes())
     h.update(repr(trace.tokens[:64]).encode() + str(trace.context_len).encode())
