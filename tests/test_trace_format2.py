@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,8 @@ from kvviz.sources.synthetic import SyntheticSpec, make_synthetic  # noqa: E402
 from kvviz.sources.tracefile import load_trace, save_trace, trace_from_bytes, trace_info  # noqa: E402
 from kvviz.sources.tracewriter import TraceWriter  # noqa: E402
 from kvviz.trace import Trace, TraceError, trace_with  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -367,3 +370,26 @@ def test_the_cli_budget_is_the_free_memory_during_a_capture_only(tiny_dir, tmp_p
     assert main(["capture", "--model", str(tiny_dir), "--prompt", TEXT, "--out", str(tmp_path / "d.safetensors"),
                  "--quiet"]) == 0
     assert seen == []
+
+
+def test_the_app_names_a_partial_captures_layers_by_the_models_numbers(tmp_path, monkeypatch):
+    """A trace that holds the model's layers 3 and 15: the Explorer's Layer box offers 3 and 15, and the
+    row the page describes is named by the model's number, not the position in the file."""
+    import dataclasses
+
+    from apptest_util import run_app
+
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    monkeypatch.setenv("KVVIZ_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVVIZ_TRACE_DIRS", str(folder))
+    t = make_synthetic(SyntheticSpec(context=32, steps=2, layers=2))
+    save_trace(dataclasses.replace(t, meta={**t.meta, "layers": [3, 15]}), folder / "two-layers.safetensors")
+    at = run_app(str(ROOT / "app.py"), source="file")
+    at.radio(key="tf_how").set_value("saved").run()
+    box = at.selectbox(key="layer")
+    assert box.label == "Layer (the model's number)" and box.options == ["3", "15"]
+    box.set_value(15).run()
+    assert not at.exception
+    text = " ".join(m.value for m in at.markdown) + " ".join(c.value for c in at.caption)
+    assert "layer 15, query head" in text and "layer 1, query head" not in text
