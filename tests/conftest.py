@@ -399,11 +399,12 @@ def _module_fixture(item) -> bool:
 
 
 # The browser tests in two xdist groups of about the same time (one per worker of a 2-core machine, each
-# with its own app server and Chromium; the session fixtures above are per worker). Measured per test
-# with --durations on a quiet 2-core machine; these tests (by name, or their whole module) go to the
-# second group, every other browser test to the first: live-link tests of 100 + 48 + 45 + 34 s, the
-# layout sweep's 36 s, the fresh servers, the hostile links and the lesson, lecture and Studies files
-# against the Trade-offs, Decode timeline and Needle live links, the Model lab's Cancel and the rest.
+# with its own app server and Chromium; the session fixtures above are per worker), by the tests'
+# --durations on a quiet 2-core machine (under load the two groups took 601 s and 538 s). These tests
+# (by name, or their whole module) go to the second group, every other browser test to the first:
+# live-link tests of 100 + 48 + 45 + 34 s, the layout sweep's 36 s, the fresh servers, the hostile
+# links and the lesson, lecture and Studies files, against the Trade-offs, Decode timeline and Needle
+# live links, the Model lab's Cancel and the rest.
 BROWSER_SECOND = {"test_explorer_link_follows_every_single_interaction",
                   "test_concentration_link_follows_every_single_interaction",
                   "test_model_lab_link_follows_every_single_interaction",
@@ -419,7 +420,7 @@ def _browser_group(item) -> str:
 
 
 # tryfirst: xdist's worker reads the xdist_group markers in its own pytest_collection_modifyitems;
-# added after it (as this hook did before) they grouped nothing. See also pytest_collection_modifyitems_group_ids below.
+# added after it (as this hook did before) they grouped nothing. See also the group-id hook below.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """xdist groups (`--dist loadgroup`): the tests of a module with its own module-scoped fixtures stay
