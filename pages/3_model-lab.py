@@ -9,6 +9,7 @@ from kvviz.decode import lab
 from kvviz.app.charts import chart
 from kvviz.app.cards import fmt_bytes, fmt_exact, fmt_pct
 from kvviz.app.compression import compression_section
+from kvviz.app.device import device_controls, run_notice
 from kvviz.app.guard import other_runs
 from kvviz.app.layout import page_setup
 from kvviz.app.router import run_page
@@ -76,11 +77,8 @@ def _estimate_text(settings: lab.LabSettings) -> str:
 
 
 def _full_cached(settings: lab.LabSettings) -> bool:
-    models = ui_sources._model_store()["models"]
-    for (name, _, _), (model, tokenizer, _) in list(models.items()):
-        if name == settings.model:
-            return lab.full_cached(model, tokenizer, settings)
-    return False
+    loaded = ui_sources.loaded_model(settings.model, settings.device, settings.dtype)
+    return loaded is not None and lab.full_cached(loaded[0], loaded[1], settings)
 
 
 def _run_live(settings: lab.LabSettings) -> dict:
@@ -99,7 +97,8 @@ def _run_live(settings: lab.LabSettings) -> dict:
             left = f" · about {max(1, round(expected - took))} s left" if expected and expected > took else ""
             line.caption(f"{msg} · {took:.0f} s{left}")
         progress(0.0, "Loading the model (read from the weights cache after the first conversion)…")
-        model, tokenizer, info = shared_model(settings.model, progress=lambda f, m: progress(0.0, f"Loading the model: {m}"))
+        model, tokenizer, info = shared_model(settings.model, settings.device, settings.dtype,
+                                              progress=lambda f, m: progress(0.0, f"Loading the model: {m}"))
         a, b = st.columns(2)
         full_box, comp_box = a.empty(), b.empty()
         full_toks: list[str] = []
@@ -126,6 +125,7 @@ def main() -> None:
     model_name = st.sidebar.text_input("Model", "bundled", key="lab_model",
                                        help="'bundled' (SmolLM2-135M, offline), a local model folder or .gguf "
                                             "file, or a hub id where a hub is reachable.").strip() or "bundled"
+    device, dtype = device_controls(st.sidebar, "lab")
     spec = compression_section(_slider_trace())
     show_notices()
 
@@ -165,7 +165,7 @@ def main() -> None:
                 + ("" if spec.evicts or spec.quantizes else " — set a budget or bits in the sidebar to compress.")
                 + f"  \n**Positions:** {POSITION_TEXT[spec.positions]}")
 
-    settings = lab.LabSettings(model_name, text, prompt_tokens, continuation, greedy_tokens, spec)
+    settings = lab.LabSettings(model_name, text, prompt_tokens, continuation, greedy_tokens, spec, device, dtype)
     key = settings.key()
     done = _results(str(lab.lab_cache_dir()))
     if key not in done and key == lab.default_settings().key():
@@ -198,6 +198,10 @@ def main() -> None:
         from kvviz.models import ModelError
         if isinstance(e, (ModelError, OSError)):
             st.error(f"The model could not be loaded: {e}")
+            return
+        notice = run_notice(e)        # out of GPU / host memory, a device gone: one line, the server keeps serving
+        if notice is not None:
+            st.error(f"The run stopped: {notice}.")
             return
         raise
     if result.get("precomputed"):

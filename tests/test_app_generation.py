@@ -199,3 +199,53 @@ def test_timeline_tells_a_tokens_history():
     tl = timeline(trace, Spec(sink=4, recent=8, heavy=8), layer=0, kv_head=0)
     token = box.value
     assert any(tl.policies["h2o"].history(token, tl.positions, tl.context_len) in md.value for md in at.markdown)
+
+
+def test_model_lab_offers_this_machines_devices_and_an_out_of_memory_run_is_one_line(monkeypatch, tmp_path):
+    """The device box lists what torch sees here (cpu, then cuda:N / mps); the dtype chosen reaches the
+    model load; a run out of GPU memory is one error line saying what to lower, no traceback (issue #37)."""
+    import torch
+
+    import kvviz.app.sources
+    from kvviz.decode.place import available_devices
+
+    monkeypatch.setenv("KVVIZ_LAB_DIR", str(tmp_path))
+    asked = []
+
+    def out_of_memory(name, device="cpu", dtype="float32", progress=None):
+        asked.append((name, device, dtype))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(kvviz.app.sources, "shared_model", out_of_memory)
+    at = run(LAB)
+    assert list(at.selectbox(key="lab_device").options) == available_devices()
+    at.selectbox(key="lab_dtype").set_value("bfloat16").run()
+    at.button(key="lab_run").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert asked == [("bundled", "cpu", "bfloat16")]
+    (err,) = [e.value for e in at.error]
+    assert err.startswith("The run stopped: out of GPU memory: lower the token counts") and "\n" not in err
+
+
+def _real_model_sidebar():
+    import streamlit as st
+
+    from kvviz.app.sources import real_model_source
+
+    real_model_source(st.sidebar)
+
+
+def test_real_model_source_offers_this_machines_devices(monkeypatch, tmp_path):
+    """The Real model source (the Decode timeline's real-model mode) offers the same device and dtype boxes;
+    the capture it would make is keyed by them (a bfloat16 capture is not the float32 one)."""
+    from kvviz.app.sources import CaptureSettings
+    from kvviz.decode.place import available_devices
+
+    monkeypatch.setenv("KVVIZ_CACHE_DIR", str(tmp_path))
+    at = AppTest.from_function(_real_model_sidebar, default_timeout=60).run()
+    assert not at.exception
+    assert list(at.sidebar.selectbox(key="rm_device").options) == available_devices()
+    assert [o.split()[0] for o in at.sidebar.selectbox(key="rm_dtype").options] == ["float32", "bfloat16", "float16"]
+    plain = CaptureSettings("bundled", "text", 4, 64)
+    assert CaptureSettings("bundled", "text", 4, 64, dtype="bfloat16").key() != plain.key()
+    assert CaptureSettings("bundled", "text", 4, 64, dtype="float32", device="cpu").key() == plain.key()

@@ -151,7 +151,8 @@ def test_first_divergence():
 
 def test_length_caps_say_what_to_change():
     with pytest.raises(SpecError, match="capped at"):
-        gen.check_lengths(5000, 4000, 10)
+        gen.check_lengths(10 ** 6, gen.MAX_PROMPT_TOKENS + 1, 10)
+    assert gen.check_lengths(10 ** 5, 32_768, 8) == (32_768, 8)       # no 2,048 cap: the model and the budget decide
     with pytest.raises(SpecError, match="nothing is left"):
         gen.check_lengths(50, 50, None)
     with pytest.raises(SpecError, match="continuation is capped"):
@@ -286,7 +287,12 @@ def _cli(capsys, *argv):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["eval", "--prompt-tokens", "5000"], "--prompt-tokens: must be 1-2,048, got 5,000"),
+    (["eval", "--prompt-tokens", "200000"], "--prompt-tokens: must be 1-131,072, got 200,000"),
+    (["eval", "--device", "tpu"], "--device: expected cpu, cuda, cuda:N or mps, got 'tpu'"),
+    (["eval", "--device", "cuda:99"], "--device cuda:99: "),
+    (["eval-sweep", "--device", "cuda:99"], "--device cuda:99: "),
+    (["needle", "--device", "cuda:99"], "--device cuda:99: "),
+    (["eval", "--dtype", "float64"], "--dtype: invalid choice: 'float64'"),
     (["eval", "--text-file", "/no/such/file.txt"], "text file not found"),
     (["eval", "--quant-model", "noise"], "noise"),
     (["eval", "--bits", "11"], "bits must be"),

@@ -14,6 +14,8 @@ import math
 import sys
 from pathlib import Path
 
+from kvviz.cli.device import device_errors
+
 DEFAULT_PROMPT_TOKENS = 206
 DEFAULT_METHODS = "streaming,recent-only,h2o,tova,snapkv,knorm,oracle,kv-8bit,kv-4bit,kivi-2bit,2bit-per-token-keys"
 DEFAULT_BUDGETS = "32,64,128"
@@ -21,16 +23,16 @@ DEFAULT_BUDGETS = "32,64,128"
 
 def _add_text_args(p: argparse.ArgumentParser) -> None:
     from kvviz.cli.args import integer
+    from kvviz.cli.device import add_model_args
     from kvviz.decode.quality import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS
 
-    p.add_argument("--model", default="bundled",
-                   help="'bundled' (SmolLM2-135M, offline), a local model folder or .gguf file, or a hub id")
+    add_model_args(p)
     p.add_argument("--text-file", default=None,
                    help="UTF-8 text: the first --prompt-tokens tokens are the prompt, the rest the "
                         "continuation scored (default: kvviz's bundled English sample, ~470 tokens)")
     p.add_argument("--prompt-tokens", type=integer(1, MAX_PROMPT_TOKENS), default=DEFAULT_PROMPT_TOKENS,
-                   help=f"prompt length in tokens: the compression point (1-{MAX_PROMPT_TOKENS}, default "
-                        f"{DEFAULT_PROMPT_TOKENS})")
+                   help=f"prompt length in tokens: the compression point (default {DEFAULT_PROMPT_TOKENS}; at most "
+                        "the model's positions, and what the work budget KVVIZ_MAX_BYTES allows)")
     p.add_argument("--continuation-tokens", type=integer(1, MAX_NEW_TOKENS), default=None,
                    help=f"continuation tokens scored (1-{MAX_NEW_TOKENS}; default: the rest of the text, at most "
                         f"{MAX_NEW_TOKENS})")
@@ -98,8 +100,8 @@ def _progress(enabled: bool):
 
 def _prepare(a: argparse.Namespace):
     """(model, tokenizer, reference) with the lengths checked before the model loads."""
+    from kvviz.cli.device import load_from_args
     from kvviz.decode.quality import check_lengths, reference
-    from kvviz.models import load_model
     from kvviz.spec import SpecError
 
     text = _read_text(a.text_file)
@@ -107,11 +109,12 @@ def _prepare(a: argparse.Namespace):
         raise SpecError("the text is empty")
     check_lengths(10 ** 9, a.prompt_tokens, a.continuation_tokens)   # caps, before the slow load
     say = _progress(not a.quiet)
-    model, tokenizer, _ = load_model(a.model, progress=say)
+    model, tokenizer, _ = load_from_args(a, progress=say)
     ref = reference(model, tokenizer, text, a.prompt_tokens, a.continuation_tokens)
     return model, tokenizer, ref, say
 
 
+@device_errors
 def cmd_eval(a: argparse.Namespace) -> int:
     from kvviz.cli.args import _json_safe, spec_from_args
     from kvviz.decode.quality import evaluate, side_by_side
@@ -168,6 +171,7 @@ def _marked(tokens, at) -> str:
     return text.replace("\n", "\\n")
 
 
+@device_errors
 def cmd_eval_sweep(a: argparse.Namespace) -> int:
     from kvviz.decode.eval_sweep import SWEEP_FIELDS, sweep
     from kvviz.spec import SpecError

@@ -14,12 +14,14 @@ import json
 import sys
 from pathlib import Path
 
+from kvviz.cli.device import device_errors
 from kvviz.spec import SCORERS, Spec
 
 
 def register(subparsers) -> None:
     from kvviz.analysis import needle as nd
     from kvviz.cli.args import MAX_SEED, integer
+    from kvviz.cli.device import add_model_args
 
     p = subparsers.add_parser(
         "needle", help="needle-in-a-haystack grid: does each policy still find the pass key, and where was it lost",
@@ -28,8 +30,7 @@ def register(subparsers) -> None:
                     "positions). Per cell: right or not, the answer, the share of needle tokens kept per "
                     "layer x KV head, and the attention the full model wanted on the needle. Cells are "
                     "cached on disk, so a rerun is instant.")
-    p.add_argument("--model", default="bundled",
-                   help="'bundled' (SmolLM2-135M, offline), a local model folder or .gguf file, or a hub id")
+    add_model_args(p)
     p.add_argument("--lengths", default=",".join(map(str, nd.DEFAULT_LENGTHS)),
                    help="prompt lengths in tokens, chat template included (default %(default)s)")
     p.add_argument("--depths", default=",".join(f"{d:g}" for d in nd.DEFAULT_DEPTHS),
@@ -103,23 +104,33 @@ def parse(a: argparse.Namespace) -> dict:
                 seed=a.seed, haystack=a.haystack, use_cache=not a.no_cache)
 
 
+def model_id(a: argparse.Namespace) -> str:
+    """What the needle cache keys cells by: the model, and its dtype when not float32 (a bfloat16 model
+    answers differently). The device is not part of it: the same dtype gives the same cells, to rounding."""
+    return a.model if a.dtype == "float32" else f"{a.model} ({a.dtype})"
+
+
+@device_errors
 def cmd_needle(a: argparse.Namespace) -> int:
     import time
 
     from kvviz.analysis import needle as nd
     from kvviz.cli.args import _json_safe
-    from kvviz.models import load_model
+    from kvviz.cli.device import load_from_args
     from kvviz.cli.evaluate import _progress
 
     args = parse(a)
+    if not a.device_map:
+        from kvviz.cli.device import check_device
+        check_device(a.device)              # before any cell, cached or not
     say = _progress(not a.quiet)
     t0 = time.perf_counter()
     def load():
-        model, tokenizer, _ = load_model(a.model, progress=say)
+        model, tokenizer, _ = load_from_args(a, progress=say)
         return model, tokenizer
 
     stats: dict = {}
-    grid = nd.run_grid(None, None, a.model, progress=say, stats=stats, load=load, **args)   # loads only if needed
+    grid = nd.run_grid(None, None, model_id(a), progress=say, stats=stats, load=load, **args)   # loads only if needed
     if say:
         sys.stderr.write("\r" + " " * 70 + "\r")
         sys.stderr.write(f"{len(grid.cells)} cells: {stats['computed']} computed, {stats['cached']} from the "

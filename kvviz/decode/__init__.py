@@ -3,6 +3,8 @@ quality against the full-cache reference, and the Model lab's run.
 
     cache       CompressedCache: one run's K/V, kept sets, quantization, attention over what is kept
     ragged      PyramidCache / RaggedCache: budgets that differ by layer or by head (AdaKV, PyramidKV)
+    place       where a cache lives (the model's device and dtype) and what crosses to the host
+    devquant    the integer (KIVI) quantizer in torch, on the cache's device (= kvviz.quant.quantize)
     hook        the attention function that plugs a cache into a transformers model
     loop        prefill, decode, decode_many (one batch, a cache a row), plain_decode
     quality     the teacher-forced reference, perplexity / KL / top-1, greedy text side by side

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from kvviz.decode.devquant import float64_ok, quantize_tensor_torch
+from kvviz.decode.place import host, is_cpu, on
 from kvviz.policies import ScoreContext, evict_one, get_policy, select
 from kvviz.policies.base import group_union
 from kvviz.quant import quantize
@@ -57,7 +59,7 @@ class CompressedCache:
 
     def __init__(self, spec: Spec, n_layers: int, n_q_heads: int, n_kv_heads: int, head_dim: int,
                  capacity: int, mode: str = "delete", tokens: Sequence[str] | None = None,
-                 record: bool = False, inv_freq=None) -> None:
+                 record: bool = False, inv_freq=None, device=None, dtype=None) -> None:
         import torch
 
         if mode not in MODES:
@@ -68,7 +70,11 @@ class CompressedCache:
                                 "(RoPE); this model has none kvviz can find")
             if mode != "delete":
                 raise SpecError("keys re-rotated to cache slots are only simulated with deleted entries")
-        self.inv_freq = None if inv_freq is None else torch.as_tensor(inv_freq, dtype=torch.float32)
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.dtype = torch.float32 if dtype is None else dtype
+        self.fast = is_cpu(self.device) and self.dtype == torch.float32   # numpy views share the storage
+        self.inv_freq = None if inv_freq is None else torch.as_tensor(inv_freq, dtype=torch.float32,
+                                                                      device=self.device)
         if spec.quant_model == "noise" and spec.noise_sigma > 0:
             raise SpecError("the logit-noise model is a stand-in for attention rows only; "
                             "on a real model use real K/V quantization (quant_model 'kv')")
@@ -77,8 +83,9 @@ class CompressedCache:
         self.L, self.Hq, self.H, self.D = n_layers, n_q_heads, n_kv_heads, head_dim
         self.group = n_q_heads // n_kv_heads
         self.capacity = capacity
-        self.k = torch.zeros(n_layers, n_kv_heads, capacity, head_dim)
-        self.v = torch.zeros(n_layers, n_kv_heads, capacity, head_dim)
+        # on the model's device, in its dtype (kvviz.decode.place)
+        self.k = torch.zeros(n_layers, n_kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(n_layers, n_kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device)
         self.kept: list[np.ndarray] = [np.zeros((n_kv_heads, 0), dtype=np.int64)] * n_layers
         self.scores = np.zeros((n_layers, n_kv_heads, capacity))
         self.length = [0] * n_layers
@@ -87,7 +94,7 @@ class CompressedCache:
         self.trace: Trace | None = None
         self.compressed = False
         self._quant_memo: dict[tuple[int, str], Any] = {}   # see _quantized
-        self._rows = torch.arange(n_kv_heads)[:, None]   # (H, 1) for gathers
+        self._rows = torch.arange(n_kv_heads, device=self.device)[:, None]   # (H, 1) for gathers
         self._rows_np = np.arange(n_kv_heads)[:, None]
         self.block = False   # True: teacher-forced steps may arrive as one block (see block_ok)
         # record=True keeps every decode query and kept set, to rebuild the run as a Trace
@@ -131,8 +138,8 @@ class CompressedCache:
         """The compression point: score the prompt from its own attention and select."""
         n = self.n_tokens
         q = np.stack(self.prefill_q)                                      # (L, Hq, n, D)
-        k = self.k[:, :, :n].numpy()
-        v = self.v[:, :, :n].numpy()
+        k = host(self.k[:, :, :n])                                        # the one crossing to the host
+        v = host(self.v[:, :, :n])
         tokens = self.tokens[:n] if self.tokens is not None else tuple(f"t{i}" for i in range(n))
         self.trace = Trace(q=q, k=k, v=v, context_len=n, tokens=tuple(tokens),
                            query_positions=np.arange(n), meta={"source": "model prefill", **(
@@ -162,7 +169,7 @@ class CompressedCache:
         steps = np.stack([np.stack(s_, axis=1) for s_ in self.step_q]) if self.step_q[0] else None
         q = self._context_q if steps is None else np.concatenate([self._context_q, steps], axis=2)
         tokens = self.tokens[:n] if self.tokens is not None and len(self.tokens) >= n else tuple(f"t{i}" for i in range(n))
-        return Trace(q=q.astype(np.float32), k=self.k[:, :, :n].numpy().copy(), v=self.v[:, :, :n].numpy().copy(),
+        return Trace(q=q.astype(np.float32), k=host(self.k[:, :, :n]).copy(), v=host(self.v[:, :, :n]).copy(),
                      context_len=self.trace.context_len, tokens=tuple(tokens), query_positions=np.arange(n),
                      meta={"source": "compressed decode", "spec": self.spec.label()})
 
@@ -209,7 +216,7 @@ class CompressedCache:
                 fresh = self._quantize_block(which, x[:, :n_quant][heads, cols][None])[0]   # (P, D)
                 values[heads, sel[heads, cols]] = fresh
                 done[heads, sel[heads, cols]] = True
-            out[:, :n_quant] = values[self._rows.numpy(), sel]
+            out[:, :n_quant] = values[self._rows_np, sel]
             return out
         # channel axis: a group of G consecutive kept tokens; keep the quantized compacted cache
         if memo is None:
@@ -243,6 +250,7 @@ class CompressedCache:
         self.k[layer, :, start:start + t] = k
         self.v[layer, :, start:start + t] = v
         self.length[layer] = start + t
+        q = q.to(self.device, torch.float32)          # attention runs in float32 (kvviz.decode.place)
         if not self.compressed:
             if start != 0:
                 raise RuntimeError("the prefill must start at position 0")
@@ -257,17 +265,17 @@ class CompressedCache:
         qg = q[:, 0].reshape(self.H, self.group, self.D)                      # (H, g, D)
         if self.policy.needs_query and self.evicts:
             # oracle: top-k by this step's full-precision attention (the policy sums the group)
-            K_all = self.k[layer, :, : p + 1]                                 # (H, p+1, D)
+            K_all = self.k[layer, :, : p + 1].float()                         # (H, p+1, D)
             a_full = torch.softmax(qg @ K_all.transpose(1, 2) * scaling, dim=-1)   # (H, g, p+1)
-            attention = a_full.reshape(self.Hq, -1).numpy().astype(np.float64)     # (Hq, p+1)
-            ctx, inputs = ScoreContext(self.trace, layer, spec), dict(query=q[:, 0].numpy(), keys=K_all.numpy())
+            attention = host(a_full.reshape(self.Hq, -1)).astype(np.float64)       # (Hq, p+1)
+            ctx, inputs = ScoreContext(self.trace, layer, spec), dict(query=host(q[:, 0]), keys=host(K_all))
             reads = self.policy.query_reads(attention, ctx, **inputs)
             if reads is not None:                    # Quest per query head: each head reads its own pages
                 self.kept[layer] = np.tile(np.arange(p + 1), (self.H, 1))    # Quest stores everything
                 served = group_union(reads, self.H)  # per KV head, what it served: its group's union
                 self.read_counts[layer] = served.sum(axis=1)
                 if self.record:
-                    self.step_q[layer].append(q[:, 0].numpy().copy())
+                    self.step_q[layer].append(host(q[:, 0]).copy())
                     self.step_kept[layer].append(served)
                 return self._attend_reads(layer, q, reads, scaling)
             kept = _indices(self.policy.query_kept(attention, ctx, **inputs))
@@ -276,7 +284,7 @@ class CompressedCache:
             kept = self._arrive(layer, p)
         self.kept[layer] = kept
         if self.record:
-            self.step_q[layer].append(q[:, 0].numpy().copy())
+            self.step_q[layer].append(host(q[:, 0]).copy())
             self.step_kept[layer].append(kept.copy())
         if self.mode == "delete":
             a, out = self._attend_deleted(layer, qg, kept, scaling)           # a (H, g, m)
@@ -287,7 +295,7 @@ class CompressedCache:
             seen = scores[at]                                                 # (H, m)
             seen[seen == np.inf] = 0.0            # the new token has now been seen by a query
             # every position has a query here: before this one, p - i queries saw token i
-            self.policy.update(seen, a.reshape(self.Hq, -1).numpy().astype(np.float64),
+            self.policy.update(seen, host(a.reshape(self.Hq, -1)).astype(np.float64),   # its rows, (Hq, m)
                                ScoreContext(self.trace, layer, spec), (p - kept).astype(np.float64))
             scores[at] = seen
         return out.reshape(self.Hq, 1, self.D)
@@ -297,42 +305,43 @@ class CompressedCache:
         the whole stored cache, quantized whole as the engine quantizes it (integer formats)."""
         import torch
 
-        out = torch.empty(self.Hq, self.D)
+        out = torch.empty(self.Hq, self.D, device=self.device)
         stored = {}                                            # KV head -> its whole cache (K, V), quantized
         for j in range(self.Hq):
             h = j // self.group
             if h not in stored:
                 stored[h] = self._kv_head(layer, h, np.arange(reads.shape[1]))
             K, V = stored[h]
-            idx = torch.from_numpy(np.flatnonzero(reads[j]))
+            idx = on(np.flatnonzero(reads[j]), self.device)
             out[j] = torch.softmax(q[j, 0] @ K[idx].T * scaling, dim=-1) @ V[idx]
         return out.reshape(self.Hq, 1, self.D)
 
     def _kv_head(self, layer: int, h: int, idx: np.ndarray):
         """One head's K, V (m, D) at idx, quantized per the spec as a compacted cache (integer formats)."""
-        import torch
 
-        K = self.k[layer, h, torch.from_numpy(idx)]
-        V = self.v[layer, h, torch.from_numpy(idx)]
+        at = on(idx, self.device)
+        K, V = self.k[layer, h, at].float(), self.v[layer, h, at].float()
         s = self.spec
         settings = dict(zero_point=s.zero_point, partial=s.partial)
         n_quant = max(0, len(idx) - s.residual)
+        if not self.fast and s.quant_model == "kv":       # on the model's device (kvviz.decode.devquant)
+            return self._on_device(K, "k"), self._on_device(V, "v")
         for which, bits, axis in (("k", s.key_bits, s.key_axis), ("v", s.value_bits, s.value_axis)):
             if s.quant_model != "kv" or bits >= FULL_BITS or n_quant == 0:
                 continue
-            x = (K if which == "k" else V).numpy().copy()
+            x = host(K if which == "k" else V).copy()
             x[:n_quant] = quantize(x[None, :n_quant], bits, axis, s.group_size, 0, s.symmetric, **settings)[0]
             if which == "k":
-                K = torch.from_numpy(x)
+                K = on(x, self.device)
             else:
-                V = torch.from_numpy(x)
+                V = on(x, self.device)
         return K, V
 
     def _arrive(self, layer: int, p: int) -> np.ndarray:
         """Token p joins layer's cache; the cache is trimmed back to the budget. Returns the kept set."""
         spec = self.spec
         kept = np.concatenate([self.kept[layer], np.full((self.H, 1), p)], axis=1)   # arrives
-        self.scores[layer, :, p] = self.policy.arrival_score(self.k[layer, :, p].numpy(), layer, p, spec)
+        self.scores[layer, :, p] = self.policy.arrival_score(host(self.k[layer, :, p]), layer, p, spec)
         if self.evicts and kept.shape[1] > spec.budget:                       # evict one per head
             kept = evict_one(kept, self.scores[layer], spec, p)
         return kept
@@ -373,15 +382,15 @@ class CompressedCache:
             hole = np.full((t, self.H, n), -np.inf, dtype=np.float32)
             for i, kept in enumerate(kept_steps):
                 np.put_along_axis(hole[i], kept, 0.0, axis=1)
-            bias = torch.from_numpy(hole).permute(1, 0, 2)[:, None]           # (H, 1, t, n)
-            K, V = self.k[layer, :, :n], self.v[layer, :, :n]                 # (H, n, D)
+            bias = on(hole, self.device).permute(1, 0, 2)[:, None]            # (H, 1, t, n)
+            K, V = self.k[layer, :, :n].float(), self.v[layer, :, :n].float()   # (H, n, D)
             a = torch.softmax(qg @ K[:, None].transpose(-1, -2) * scaling + bias, dim=-1)   # (H, g, t, n)
             out = a @ V[:, None]                                              # (H, g, t, D)
         else:
             # every step's own cache, gathered (quantized, re-rotated) and padded to the longest
             M = max(k.shape[1] for k in kept_steps)
-            Ks = torch.zeros(t, self.H, M, self.D)
-            Vs = torch.zeros(t, self.H, M, self.D)
+            Ks = torch.zeros(t, self.H, M, self.D, device=self.device)
+            Vs = torch.zeros(t, self.H, M, self.D, device=self.device)
             hole = np.full((t, self.H, M), -np.inf, dtype=np.float32)
             for i, kept in enumerate(kept_steps):
                 m = kept.shape[1]
@@ -390,7 +399,7 @@ class CompressedCache:
                     K = self._rerotated(K, kept, start + i)
                 Ks[i, :, :m], Vs[i, :, :m] = K, V
                 hole[i, :, :m] = 0.0
-            bias = torch.from_numpy(hole)[:, :, None]                         # (t, H, 1, M)
+            bias = on(hole, self.device)[:, :, None]                          # (t, H, 1, M)
             qt = qg.permute(2, 0, 1, 3)                                       # (t, H, g, D)
             a = torch.softmax(qt @ Ks.transpose(-1, -2) * scaling + bias, dim=-1)   # (t, H, g, M)
             out = (a @ Vs).permute(1, 2, 0, 3)                                # (H, g, t, D)
@@ -401,9 +410,12 @@ class CompressedCache:
         import torch
 
         n = q.shape[1]
-        self.prefill_q[layer] = q.numpy().astype(np.float32, copy=True)
-        K = self.k[layer, :, :n].repeat_interleave(self.group, dim=0)        # (Hq, n, D)
-        V = self.v[layer, :, :n].repeat_interleave(self.group, dim=0)
+        self.prefill_q[layer] = host(q).copy()
+        K = self.k[layer, :, :n].float().repeat_interleave(self.group, dim=0)   # (Hq, n, D)
+        V = self.v[layer, :, :n].float().repeat_interleave(self.group, dim=0)
+        if not self.fast:   # a GPU (or a half-precision model): no (Hq, n, n) matrix; 32k tokens fit
+            return torch.nn.functional.scaled_dot_product_attention(q[None], K[None], V[None], is_causal=True,
+                                                                    scale=scaling)[0]
         logits = q @ K.transpose(1, 2) * scaling                              # (Hq, n, n)
         future = torch.ones(n, n, dtype=torch.bool).triu(1)
         logits = logits.masked_fill(future, float("-inf"))
@@ -415,23 +427,39 @@ class CompressedCache:
 
         m = idx.shape[1]
         if m and (idx[:, -1] == m - 1).all():   # sorted positions ending at m - 1: the whole prefix
-            K, V = self.k[layer, :, :m], self.v[layer, :, :m]                 # views: nothing to gather
-        else:   # numpy's gather on the shared storage: the same values, without torch's indexing overhead
+            K, V = self.k[layer, :, :m].float(), self.v[layer, :, :m].float()   # float32: views, no gather
+        elif self.fast:   # numpy's gather on the shared storage: the same values, without torch's indexing overhead
             K = torch.from_numpy(self.k[layer].numpy()[self._rows_np, idx])   # (H, m, D)
             V = torch.from_numpy(self.v[layer].numpy()[self._rows_np, idx])
+        else:             # on the model's device, then float32
+            at = on(idx, self.device)
+            K, V = self.k[layer][self._rows, at].float(), self.v[layer][self._rows, at].float()
         s = self.spec
+        if s.quant_model == "kv" and uses_formats(s) and not self.fast and float64_ok(self.device):
+            residual = formats_residual_at(s, idx, self.length[layer] - 1, self.trace.context_len)
+            return quantize_tensor_torch(K, s, "k", residual), quantize_tensor_torch(V, s, "v", residual)
         if s.quant_model == "kv" and uses_formats(s):
-            return self._kept_kv_formats(layer, K.numpy(), V.numpy(), idx)
+            return self._kept_kv_formats(layer, host(K), host(V), idx)
+        if not self.fast and s.quant_model == "kv":       # on the model's device (kvviz.decode.devquant)
+            return self._on_device(K, "k"), self._on_device(V, "v")
         if s.quant_model == "kv" and s.key_bits < FULL_BITS:
-            K = torch.from_numpy(self._quantized(layer, "k", K.numpy(), idx))
+            K = on(self._quantized(layer, "k", host(K), idx), self.device)
         if s.quant_model == "kv" and s.value_bits < FULL_BITS:
-            V = torch.from_numpy(self._quantized(layer, "v", V.numpy(), idx))
+            V = on(self._quantized(layer, "v", host(V), idx), self.device)
         return K, V
+
+    def _on_device(self, x, which: str):
+        """x (..., m, D) float32 quantized per the spec's integer K or V settings where it lives: the
+        torch twin of kvviz.quant.quantize (bit for bit on a CPU; kvviz.decode.devquant)."""
+        from kvviz.decode.devquant import quantize_torch
+
+        s = self.spec
+        bits, axis = (s.key_bits, s.key_axis) if which == "k" else (s.value_bits, s.value_axis)
+        return quantize_torch(x, bits, axis, s.group_size, s.residual, s.symmetric, s.zero_point, s.partial)
 
     def _kept_kv_formats(self, layer: int, K: np.ndarray, V: np.ndarray, idx: np.ndarray):
         """FP8 / FP4 formats, rotation, HF's residual flush (kvviz.quant.formats): the whole
         kept set of every KV head is quantized afresh at each step (no reuse across steps)."""
-        import torch
 
         s = self.spec
         residual = formats_residual_at(s, idx, self.length[layer] - 1, self.trace.context_len)
@@ -439,7 +467,7 @@ class CompressedCache:
             K = quantize_tensor(K, s, "k", residual)
         if s.quantizes_values:
             V = quantize_tensor(V, s, "v", residual)
-        return torch.from_numpy(np.ascontiguousarray(K)), torch.from_numpy(np.ascontiguousarray(V))
+        return on(K, self.device), on(V, self.device)
 
     def _attend_deleted(self, layer: int, qg, kept: np.ndarray, scaling: float):
         import torch
@@ -462,7 +490,7 @@ class CompressedCache:
         m = kept.shape[1]
         slot_q = m - 1 if int(kept[0, -1]) == p else m        # the query's own slot (its token is kept)
         delta = (np.arange(m)[None, :] - slot_q) - (kept - p)                 # (H, m)
-        angle = torch.from_numpy(delta.astype(np.float32))[..., None] * self.inv_freq   # (H, m, D/2)
+        angle = on(delta.astype(np.float32), self.device)[..., None] * self.inv_freq   # (H, m, D/2)
         cos, sin = torch.cat([angle.cos()] * 2, dim=-1), torch.cat([angle.sin()] * 2, dim=-1)
         half = K.shape[-1] // 2
         rotated_half = torch.cat([-K[..., half:], K[..., :half]], dim=-1)     # transformers' rotate_half
@@ -473,17 +501,17 @@ class CompressedCache:
         import torch
 
         n = self.length[layer]
-        K = self.k[layer, :, :n].clone()
-        V = self.v[layer, :, :n].clone()
+        K = self.k[layer, :, :n].float().clone()
+        V = self.v[layer, :, :n].float().clone()
         s = self.spec
-        it = torch.from_numpy(kept)
+        it = on(kept, self.device)
         if s.quant_model == "kv" and s.quantizes:
             Kq, Vq = self._kept_kv(layer, kept)
             K[self._rows, it] = Kq
             V[self._rows, it] = Vq
         mask = np.zeros((self.H, n), dtype=bool)
         np.put_along_axis(mask, kept, True, axis=1)
-        hole = torch.from_numpy(np.where(mask, 0.0, -np.inf)).float()[:, None, :]   # (H, 1, n)
+        hole = on(np.where(mask, 0.0, -np.inf).astype(np.float32), self.device)[:, None, :]   # (H, 1, n)
         a = torch.softmax(qg @ K.transpose(1, 2) * scaling + hole, dim=-1)          # (H, g, n)
         a_kept = torch.gather(a, 2, it[:, None, :].expand(-1, self.group, -1))       # (H, g, m)
         return a_kept, a @ V

@@ -50,11 +50,13 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             raise RuntimeError(f"a batch of {query.shape[0]} rows for {len(cache)} caches")
         import torch
         outs = [c.attend(module.layer_idx, query[b], key[b], value[b], scale) for b, c in enumerate(cache)]
-        return torch.stack(outs).transpose(1, 2).contiguous(), None
+        out = torch.stack(outs).transpose(1, 2).contiguous()
+        return out.to(query.device, query.dtype), None
     if query.shape[0] != 1:
         raise RuntimeError("compressed decoding runs one sequence at a time")
-    out = cache.attend(module.layer_idx, query[0], key[0], value[0], scale)    # (Hq, t, D)
-    return out.transpose(0, 1)[None].contiguous(), None
+    out = cache.attend(module.layer_idx, query[0], key[0], value[0], scale)    # (Hq, t, D) float32
+    # back in the model's dtype, on the layer's device (device_map="auto" may spread the layers)
+    return out.transpose(0, 1)[None].to(query.device, query.dtype).contiguous(), None
 
 
 @contextmanager

@@ -55,10 +55,12 @@ class LabSettings:
     continuation: int
     greedy_tokens: int
     spec: Spec
+    device: str = "cpu"          # where the model and its compressed cache run (cpu, cuda:N, mps)
+    dtype: str = "float32"       # the weights' dtype, which the cache keeps (float32, bfloat16, float16)
 
     def key(self) -> tuple:
         return (self.model, self.text, self.prompt_tokens, self.continuation, self.greedy_tokens,
-                tuple(sorted(self.spec.__dict__.items())))
+                tuple(sorted(self.spec.__dict__.items())), self.device, self.dtype)
 
 
 def default_settings(spec: Spec | None = None) -> LabSettings:
@@ -294,8 +296,9 @@ def result_path(settings: LabSettings) -> Path:
     model_id = settings.model
     if settings.model == BUNDLED and bundled_model_file() is not None:
         model_id = file_sha256(bundled_model_file())
+    where = [] if (settings.device, settings.dtype) == ("cpu", "float32") else [settings.device, settings.dtype]
     blob = json.dumps([LAB_FORMAT, __version__, model_id, settings.text, settings.prompt_tokens,
-                       settings.continuation, settings.greedy_tokens, settings.spec.as_dict()],
+                       settings.continuation, settings.greedy_tokens, settings.spec.as_dict(), *where],
                       sort_keys=True)
     return lab_cache_dir() / f"result-{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
 
@@ -371,7 +374,11 @@ def precompute(settings: LabSettings | None = None, progress: Progress | None = 
     settings = settings or default_settings()
     if load_result(settings) is not None:
         return result_path(settings)
-    model, tokenizer, info = (loader or load_model)(settings.model, progress=progress)
+    if loader is None:
+        model, tokenizer, info = load_model(settings.model, device=settings.device, dtype=settings.dtype,
+                                            progress=progress)
+    else:
+        model, tokenizer, info = loader(settings.model, progress=progress)
     label = getattr(info, "label", settings.model)
     return save_result(settings, run(model, tokenizer, label, settings, progress=progress))
 

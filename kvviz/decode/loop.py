@@ -17,19 +17,32 @@ import numpy as np
 
 from kvviz.decode.cache import CompressedCache, Progress
 from kvviz.decode.hook import compressed_cache
+from kvviz.decode.place import placement
 from kvviz.decode.ragged import cache_class   # allocations over heads / layers: ragged caches
 from kvviz.limits import checkpoint
 from kvviz.models.config import model_dims, rope_inv_freq
 from kvviz.spec import Spec, SpecError
 
 
-def _forward(model, ids: Sequence[int], start: int):
-    """Logits (t, vocab) of tokens ids at positions start.. (explicit position_ids, no HF cache)."""
+def _forward(model, ids: Sequence[int], start: int, last_only: bool = False):
+    """Logits (t, vocab) of tokens ids at positions start.. (explicit position_ids, no HF cache);
+    last_only: the last position's alone (1, vocab), as generate() asks for a prompt's (a 32k prompt's
+    logits over a 128k vocabulary would be 16 GiB in float32)."""
     import torch
 
-    x = torch.tensor([list(ids)], dtype=torch.long)
-    pos = torch.arange(start, start + len(ids))[None]
-    return model(input_ids=x, position_ids=pos, use_cache=False).logits[0].float()
+    device = placement(model)[0]                                  # where the model reads its token ids
+    x = torch.tensor([list(ids)], dtype=torch.long, device=device)
+    pos = torch.arange(start, start + len(ids), device=device)[None]
+    keep = {"logits_to_keep": 1} if last_only else {}
+    logits = model(input_ids=x, position_ids=pos, use_cache=False, **keep).logits[0]
+    return (logits[-1:] if last_only else logits).float()
+
+
+def new_cache(model, spec: Spec, capacity: int, cls=CompressedCache, **kwargs) -> CompressedCache:
+    """A cache of class `cls` for this model: its shape, and its device and dtype (kvviz.decode.place)."""
+    L, Hq, Hkv, D = model_dims(model)
+    device, dtype = placement(model)
+    return cls(spec, L, Hq, Hkv, D, capacity=capacity, device=device, dtype=dtype, **kwargs)
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,8 +52,8 @@ class Prefill:
     Attention is full and causal, so the first n positions' q, k, v are exactly what a
     prefill of the first n tokens alone gives: a compressed run (any spec) over a prompt
     of n <= len(ids) tokens starts from here instead of running the prompt again.
-        logits  (N, vocab) float32   the full-cache logits at every position
-        k, v    (L, kv_heads, N, D)  post-RoPE, as a cache holds them
+        logits  (N, vocab) float32   the full-cache logits at every position (on the model's device)
+        k, v    (L, kv_heads, N, D)  post-RoPE, as a cache holds them (the model's device and dtype)
         q       (L, q_heads, N, D)   float32 numpy, for the policies' Trace of the prompt
     """
 
@@ -63,8 +76,7 @@ def prefill(model, ids: Sequence[int]) -> Prefill:
     ids = [int(i) for i in ids]
     if not ids:
         raise SpecError("the prompt is empty")
-    L, Hq, Hkv, D = model_dims(model)
-    cache = CompressedCache(Spec(), L, Hq, Hkv, D, capacity=len(ids))
+    cache = new_cache(model, Spec(), len(ids))
     t0 = time.perf_counter()
     with torch.inference_mode(), compressed_cache(model, cache):
         logits = _forward(model, ids, 0)
@@ -91,12 +103,11 @@ def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
     """
     import torch
 
-    L, Hq, Hkv, D = model_dims(model)
     n = len(prompt_ids)
     if n < 1:
         raise SpecError("the prompt is empty")
-    cache = cache_class(spec)(spec, L, Hq, Hkv, D, capacity=n + steps, mode=mode, tokens=tokens, record=record,
-                              inv_freq=rope_inv_freq(model))   # RoPE: re-rotation, Expected Attention
+    cache = new_cache(model, spec, n + steps, cache_class(spec), mode=mode, tokens=tokens, record=record,
+                      inv_freq=rope_inv_freq(model))   # RoPE: re-rotation, Expected Attention
     say = progress or (lambda f, m: None)
     rows, fed = [], []
     if prefix is not None and not prefix.covers(prompt_ids):
@@ -108,7 +119,7 @@ def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
             cache.seed(prefix, n)
             last = prefix.logits[n - 1]
         else:
-            last = _forward(model, prompt_ids, 0)[-1]
+            last = _forward(model, prompt_ids, 0, last_only=True)[-1]
         cache.compress()
         t1 = time.perf_counter()
         rows.append(last)
@@ -146,15 +157,15 @@ def decode_many(model, prompt_ids: Sequence[int], specs: Sequence[Spec], steps: 
     """
     import torch
 
-    L, Hq, Hkv, D = model_dims(model)
     n = len(prompt_ids)
     if n < 1:
         raise SpecError("the prompt is empty")
     if prefix is None or not prefix.covers(prompt_ids):
         prefix = prefill(model, prompt_ids)
     R = len(specs)
-    caches = [CompressedCache(spec, L, Hq, Hkv, D, capacity=n + st, tokens=tokens,
-                              inv_freq=rope_inv_freq(model) if spec.positions == "cache" else None)
+    device = placement(model)[0]
+    caches = [new_cache(model, spec, n + st, tokens=tokens,
+                        inv_freq=rope_inv_freq(model) if spec.positions == "cache" else None)
               for spec, st in zip(specs, steps)]
     rows = [[prefix.logits[n - 1]] for _ in range(R)]
     fed: list[list[int]] = [[] for _ in range(R)]
@@ -168,8 +179,8 @@ def decode_many(model, prompt_ids: Sequence[int], specs: Sequence[Spec], steps: 
             live = [r for r in range(R) if steps[r] > i]
             toks = [int(feeds[r][i]) if feeds[r] is not None else int(torch.argmax(rows[r][-1])) for r in live]
             active[:] = [caches[r] for r in live]
-            x = torch.tensor([[t] for t in toks], dtype=torch.long)
-            pos = torch.full((len(live), 1), n + i, dtype=torch.long)
+            x = torch.tensor([[t] for t in toks], dtype=torch.long, device=device)
+            pos = torch.full((len(live), 1), n + i, dtype=torch.long, device=device)
             logits = model(input_ids=x, position_ids=pos, use_cache=False).logits[:, -1].float()
             for j, r in enumerate(live):
                 rows[r].append(logits[j])
@@ -191,15 +202,17 @@ def plain_decode(model, prompt_ids: Sequence[int], steps: int, feed: Sequence[in
 
     cache = DynamicCache()
     rows, fed = [], []
+    device = placement(model)[0]
     with torch.inference_mode():
         t0 = time.perf_counter()
-        out = model(input_ids=torch.tensor([list(prompt_ids)]), past_key_values=cache, use_cache=True)
+        out = model(input_ids=torch.tensor([list(prompt_ids)], device=device), past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)                                # the prompt's last logits, as generate() asks
         last = out.logits[0, -1].float()
         t1 = time.perf_counter()
         rows.append(last)
         for i in range(steps):
             tok = int(feed[i]) if feed is not None else int(torch.argmax(last))
-            out = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
+            out = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=cache, use_cache=True)
             last = out.logits[0, -1].float()
             rows.append(last)
             fed.append(tok)
@@ -220,14 +233,15 @@ def masked_reference_logits(model, ids: Sequence[int], prompt_len: int, evicted:
 
     cache = DynamicCache()
     rows = []
+    device = placement(model)[0]
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([list(ids[:prompt_len])]), past_key_values=cache, use_cache=True,
-                    position_ids=torch.arange(prompt_len)[None])
+        out = model(input_ids=torch.tensor([list(ids[:prompt_len])], device=device), past_key_values=cache,
+                    use_cache=True, position_ids=torch.arange(prompt_len, device=device)[None])
         rows.append(out.logits[0, -1].float())
         for p in range(prompt_len, len(ids)):
             mask = torch.ones(1, p + 1, dtype=torch.long)
             mask[0, list(evicted(p))] = 0
-            out = model(input_ids=torch.tensor([[ids[p]]]), past_key_values=cache, use_cache=True,
-                        attention_mask=mask, position_ids=torch.tensor([[p]]))
+            out = model(input_ids=torch.tensor([[ids[p]]], device=device), past_key_values=cache, use_cache=True,
+                        attention_mask=mask.to(device), position_ids=torch.tensor([[p]], device=device))
             rows.append(out.logits[0, -1].float())
     return torch.stack(rows)

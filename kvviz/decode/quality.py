@@ -28,7 +28,7 @@ from kvviz.models.config import model_dims, prefill_work
 from kvviz.engine import memory_for
 from kvviz.spec import Spec, SpecError
 
-MAX_PROMPT_TOKENS = 2048
+MAX_PROMPT_TOKENS = 131072   # the longest prompt asked for at all: the model's positions and the work budget decide
 MAX_NEW_TOKENS = 512
 SAMPLE_TEXT_FILE = str(Path(__file__).resolve().parents[1] / "data" / "sample.txt")   # ~470 tokens of plain English
 
@@ -89,6 +89,21 @@ def check_lengths(n_ids: int, prompt_tokens: int, continuation_tokens: int | Non
     return prompt_tokens, m
 
 
+def max_positions(model) -> int | None:
+    """The positions the model was trained for (max_position_embeddings), or None when it does not say."""
+    cfg = model.config
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return getattr(cfg, "max_position_embeddings", None)
+
+
+def check_positions(model, n_tokens: int) -> None:
+    """One line when prompt + continuation run past the model's positions."""
+    top = max_positions(model)
+    if top is not None and n_tokens > top:
+        raise SpecError(f"prompt + continuation is {n_tokens:,} tokens, past the model's {top:,} positions; "
+                        "use fewer --prompt-tokens or --continuation-tokens")
+
+
 def reference(model, tokenizer, text_or_ids: str | Sequence[int], prompt_tokens: int,
               continuation_tokens: int | None = None) -> Reference:
     """One full-cache forward pass over prompt + continuation (the quality baseline)."""
@@ -97,11 +112,12 @@ def reference(model, tokenizer, text_or_ids: str | Sequence[int], prompt_tokens:
     ids = tokenize(tokenizer, text_or_ids) if isinstance(text_or_ids, str) else [int(i) for i in text_or_ids]
     n, m = check_lengths(len(ids), prompt_tokens, continuation_tokens)
     ids = ids[: n + m]
+    check_positions(model, n + m)
     prefill_work(model_dims(model), n + m, "this text").check()      # before the forward pass allocates
     t0 = time.perf_counter()
     pre = prefill(model, ids)                      # the full-cache logits and every layer's q, k, v
     with torch.inference_mode():
-        logp = torch.log_softmax(pre.logits[n - 1: n + m - 1], dim=-1)                    # (m, V)
+        logp = torch.log_softmax(pre.logits[n - 1: n + m - 1].float(), dim=-1).cpu()      # (m, V) on the host
     return Reference(ids=tuple(ids), prompt_len=n, tokens=token_strings(tokenizer, ids), logp=logp,
                      seconds=time.perf_counter() - t0, prefill=pre)
 
@@ -194,8 +210,8 @@ def quality_from(ref: Reference, spec: Spec, logits, cache: CompressedCache, t0:
     import torch
 
     n = ref.prompt_len
-    logp_hat = torch.log_softmax(logits, dim=-1)                                 # (m, V)
-    logp = ref.logp
+    logp_hat = torch.log_softmax(logits.float().cpu(), dim=-1)                   # (m, V) on the host
+    logp = ref.logp.cpu()
     target = torch.as_tensor(ref.targets)[:, None]
     kl = (logp.exp() * (logp - logp_hat)).sum(dim=-1).clamp_min(0.0)            # (m,)
     mem = memory_for(cache.trace, spec, cache.n_tokens, cache.head_counts())   # each head's own bytes

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvviz.decode.cache import CompressedCache
+from kvviz.decode.place import host
 from kvviz.policies import ScoreContext, evict_one
 from kvviz.policies.allocation import adakv_heavy, layer_spec, select_heads
 from kvviz.policies.base import group_union
@@ -128,27 +129,29 @@ class RaggedCache(CompressedCache):
         self.v[layer, :, start] = v[:, 0]
         p = start
         self.length[layer] = start + 1
+        q = q.to(self.device, torch.float32)          # attention in float32 (kvviz.decode.place)
         spec, scores = self.spec, self.scores[layer]
         qg = q[:, 0].reshape(self.H, self.group, self.D)                      # (H, g, D)
         ctx = ScoreContext(self.trace, layer, spec)
         if self.policy.needs_query:
-            K_all = self.k[layer, :, : p + 1]
+            K_all = self.k[layer, :, : p + 1].float()
             a_full = torch.softmax(qg @ K_all.transpose(1, 2) * scaling, dim=-1)
-            attention = a_full.reshape(self.Hq, -1).numpy().astype(np.float64)
-            reads = self.policy.query_reads(attention, ctx, query=q[:, 0].numpy(), keys=K_all.numpy())
+            attention = host(a_full.reshape(self.Hq, -1)).astype(np.float64)
+            query, keys = host(q[:, 0]), host(K_all)
+            reads = self.policy.query_reads(attention, ctx, query=query, keys=keys)
             if reads is not None:                    # Quest per query head: each head reads its own pages
                 self.heads_kept[layer] = [np.arange(p + 1) for _ in range(self.H)]     # Quest stores all
                 served = group_union(reads, self.H)
                 self.read_counts[layer] = served.sum(axis=1)
                 if self.record:
-                    self.step_q[layer].append(q[:, 0].numpy().copy())
+                    self.step_q[layer].append(query.copy())
                     self.step_masks[layer].append(served)
                 return self._attend_reads(layer, q, reads, scaling)
-            mask = self.policy.query_kept(attention, ctx, query=q[:, 0].numpy(), keys=K_all.numpy())
+            mask = self.policy.query_kept(attention, ctx, query=query, keys=keys)
             heads = [np.flatnonzero(r) for r in mask]
             self.read_counts[layer] = mask.sum(axis=1)
         else:
-            scores[:, p] = self.policy.arrival_score(self.k[layer, :, p].numpy(), layer, p, spec)
+            scores[:, p] = self.policy.arrival_score(host(self.k[layer, :, p]), layer, p, spec)
             heads = []
             for h, idx in enumerate(self.heads_kept[layer]):
                 idx = np.append(idx, p)
@@ -157,12 +160,12 @@ class RaggedCache(CompressedCache):
                 heads.append(idx)
         self.heads_kept[layer] = heads
         if self.record:
-            self.step_q[layer].append(q[:, 0].numpy().copy())
+            self.step_q[layer].append(host(q[:, 0]).copy())
             m = np.zeros((self.H, p + 1), dtype=bool)
             for h, idx in enumerate(heads):
                 m[h, idx] = True
             self.step_masks[layer].append(m)
-        out = torch.empty(self.H, self.group, self.D)
+        out = torch.empty(self.H, self.group, self.D, device=self.device)
         for h, idx in enumerate(heads):
             K, V = self._kv_head(layer, h, idx)
             a = torch.softmax(qg[h] @ K.T * scaling, dim=-1)                  # (g, m_h)

@@ -127,18 +127,20 @@ def prefill(model, ids: Sequence[int], logits_at: Sequence[int] = ()) -> _Prefil
     """
     import torch
 
-    from kvviz.decode.cache import CompressedCache
     from kvviz.decode.hook import compressed_cache
+    from kvviz.decode.loop import new_cache
+    from kvviz.decode.place import placement
     from kvviz.models.config import model_dims
 
     L, Hq, H, D = model_dims(model)
     n = len(ids)
     at = sorted({n - 1, *(int(p) for p in logits_at)})
-    cache = CompressedCache(Spec(), L, Hq, H, D, capacity=n)
+    cache = new_cache(model, Spec(), n)                      # on the model's device, in its dtype
+    device = placement(model)[0]
     with torch.inference_mode(), compressed_cache(model, cache):
-        x = torch.tensor([list(ids)], dtype=torch.long)
-        out = model(input_ids=x, position_ids=torch.arange(n)[None], use_cache=False,
-                    logits_to_keep=torch.tensor(at))
+        x = torch.tensor([list(ids)], dtype=torch.long, device=device)
+        out = model(input_ids=x, position_ids=torch.arange(n, device=device)[None], use_cache=False,
+                    logits_to_keep=torch.tensor(at, device=device))
         rows = out.logits[0].float()
     if rows.shape[0] != len(at):                     # a model without logits_to_keep: every position
         rows = rows[at]
@@ -148,12 +150,14 @@ def prefill(model, ids: Sequence[int], logits_at: Sequence[int] = ()) -> _Prefil
 
 def _first_answer_attention(pre: _Prefill, pos: int) -> np.ndarray:
     """(L, Hq, pos + 1) the full model's attention of the query at `pos` (float64)."""
+    from kvviz.decode.place import host
+
     L, Hq, H, D = pre.dims
     g = Hq // H
     out = np.empty((L, Hq, pos + 1))
     for layer in range(L):
         q = pre.q[layer][:, pos].astype(np.float64)                          # (Hq, D)
-        k = pre.k[layer, :, : pos + 1].numpy().astype(np.float64)            # (H, pos+1, D)
+        k = host(pre.k[layer, :, : pos + 1]).astype(np.float64)              # (H, pos+1, D)
         logits = np.einsum("hgd,hnd->hgn", q.reshape(H, g, D), k).reshape(Hq, -1) * pre.scaling
         logits -= logits.max(axis=1, keepdims=True)
         e = np.exp(logits)
@@ -181,7 +185,8 @@ def run_cell(model, tokenizer, prompt: NeedlePrompt, pre: _Prefill, spec: Spec,
     L, Hq, H, D = pre.dims
     P = prompt.length
     c = prompt.question_start if question_after_compression else P
-    cache = CompressedCache(spec, L, Hq, H, D, capacity=P + new_tokens, tokens=prompt.tokens)
+    cache = CompressedCache(spec, L, Hq, H, D, capacity=P + new_tokens, tokens=prompt.tokens,
+                            device=pre.k.device, dtype=pre.k.dtype)      # where the model and its prefill live
     cache.k[:, :, :c] = pre.k[:, :, :c]
     cache.v[:, :, :c] = pre.v[:, :, :c]
     cache.length = [c] * L

@@ -176,7 +176,8 @@ class ModelWorker:
         self._load(src, s["model"])
         if self.error:
             raise RuntimeError(self.error)
-        grid = run_grid(self.model, self.tokenizer, s["model"], lengths=[s["length"]], depths=[s["depth"]],
+        model_id = s["model"] if src["dtype"] == "float32" else f"{s['model']} ({src['dtype']})"   # as kvviz needle keys it
+        grid = run_grid(self.model, self.tokenizer, model_id, lengths=[s["length"]], depths=[s["depth"]],
                         scorers=[s["scorer"]], budgets=[s["budget"]], bits=[s["bits"]],
                         question_after_compression=src["question_after_compression"], new_tokens=src["new_tokens"],
                         seed=src["seed"], haystack=src["haystack"])

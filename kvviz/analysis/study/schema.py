@@ -25,7 +25,7 @@ from kvviz.spec import FULL_BITS, SpecError
 FORMAT = 1                      # bump when a cell's meaning changes: every cell id changes with it
 KINDS = ("synthetic", "model", "needle")
 DTYPES = ("float32", "bfloat16", "float16")
-DEVICES = ("cpu", "cuda", "auto")
+DEVICES = ("cpu", "cuda", "auto", "mps")
 SAMPLE = "sample"               # the bundled English sample text (kvviz/data/sample.txt)
 MIN_MODEL_BUDGET = 8            # tokens: 4 sinks + a window (as `kvviz eval-sweep --budgets`)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
