@@ -40,7 +40,11 @@ def memory_peak_text(metrics: dict) -> str | None:
     compression) where that is more than what is stored, and the bytes one decode step reads where a method
     reads less than it stores (Quest)."""
     parts = []
-    peak, stored, read = metrics.get("kv_bytes_peak"), metrics["kv_bytes"], metrics.get("kv_bytes_read")
+    peak, stored, read = (
+        metrics.get("kv_bytes_peak"),
+        metrics["kv_bytes"],
+        metrics.get("kv_bytes_read"),
+    )
     if peak is not None and peak > stored:
         parts.append(f"peak {fmt_bytes(peak)}")
     if read is not None and read < stored:
@@ -52,16 +56,22 @@ def budget_warnings(spec: Spec, n_seen: int) -> list[str]:
     """What to change when the budgets do not mean what the sliders suggest."""
     out = []
     left = n_seen - min(n_seen, spec.sink + spec.recent)
-    if spec.evicts and left == 0:    # no heavy budget can help: the advice names the sliders that can
-        out.append(f"Sink {spec.sink} + recent {spec.recent} already cover all {n_seen} tokens this query sees, so "
-                   "nothing is evicted. Lower the Sink tokens or the Recent window to see eviction.")
+    if spec.evicts and left == 0:  # no heavy budget can help: the advice names the sliders that can
+        out.append(
+            f"Sink {spec.sink} + recent {spec.recent} already cover all {n_seen} tokens this query sees, so "
+            "nothing is evicted. Lower the Sink tokens or the Recent window to see eviction."
+        )
     elif spec.evicts and spec.heavy > left:
-        out.append(f"Heavy-hitter budget {spec.heavy} is larger than the {left} tokens left after the sinks and "
-                   f"the recent window, so every token is kept. Lower the Heavy-hitter budget below {left} "
-                   "(or the other sliders).")
+        out.append(
+            f"Heavy-hitter budget {spec.heavy} is larger than the {left} tokens left after the sinks and "
+            f"the recent window, so every token is kept. Lower the Heavy-hitter budget below {left} "
+            "(or the other sliders)."
+        )
     elif spec.evicts and spec.budget >= n_seen:
-        out.append(f"Sink + recent + heavy = {spec.budget} covers all {n_seen} tokens this query sees, so nothing "
-                   "is evicted. Lower the sliders (or pick a later query) to see eviction.")
+        out.append(
+            f"Sink + recent + heavy = {spec.budget} covers all {n_seen} tokens this query sees, so nothing "
+            "is evicted. Lower the sliders (or pick a later query) to see eviction."
+        )
     return out
 
 
@@ -70,14 +80,23 @@ def quant_warnings(spec: Spec, kept: int) -> list[str]:
     if spec.quant_model != "kv" or spec.partial != "full":
         return []
     out = []
-    for what, bits, axis, fmt in (("keys", spec.key_bits, spec.key_axis, spec.key_format),
-                                  ("values", spec.value_bits, spec.value_axis, spec.value_format)):
+    for what, bits, axis, fmt in (
+        ("keys", spec.key_bits, spec.key_axis, spec.key_format),
+        ("values", spec.value_bits, spec.value_axis, spec.value_format),
+    ):
         outside = max(0, kept - spec.residual)
-        if fmt == "int" and spec.residual_mode == "kivi" and bits < FULL_BITS and axis == "channel" \
-                and outside < spec.group_size:
-            out.append(f"The {what} are not quantized: the {outside} kept tokens outside the residual window do not "
-                       f"fill one per-channel group of {spec.group_size}, and KIVI keeps a partial group at 16 bits. "
-                       "Lower the group size under Advanced, or quantize partial groups too.")
+        if (
+            fmt == "int"
+            and spec.residual_mode == "kivi"
+            and bits < FULL_BITS
+            and axis == "channel"
+            and outside < spec.group_size
+        ):
+            out.append(
+                f"The {what} are not quantized: the {outside} kept tokens outside the residual window do not "
+                f"fill one per-channel group of {spec.group_size}, and KIVI keeps a partial group at 16 bits. "
+                "Lower the group size under Advanced, or quantize partial groups too."
+            )
     return out
 
 
@@ -85,15 +104,20 @@ def concentration_verdict(fractions, curves, band=((0.10, 0.20), (0.80, 0.90))) 
     """How the source's mean concentration curve compares with the handbook's band (10-20% of the tokens
     take 80-90% of the mass): within it, below it (less concentrated) or above it (more)."""
     import numpy as np
+
     (x0, x1), (y0, y1) = band
     mean = np.asarray(curves, dtype=float).reshape(-1, len(fractions)).mean(axis=0)
     lo, hi = (float(np.interp(x, fractions, mean)) for x in (x0, x1))
-    held = (f"the top {x0:.0%} of tokens hold {fmt_pct(lo)} of the mass and the top {x1:.0%} hold {fmt_pct(hi)} "
-            f"(the handbook's band: {x0:.0%}–{x1:.0%} of tokens take {y0:.0%}–{y1:.0%})")
+    held = (
+        f"the top {x0:.0%} of tokens hold {fmt_pct(lo)} of the mass and the top {x1:.0%} hold {fmt_pct(hi)} "
+        f"(the handbook's band: {x0:.0%}–{x1:.0%} of tokens take {y0:.0%}–{y1:.0%})"
+    )
     if hi < y0:
         return f"Less concentrated than the handbook's band: {held}, so eviction keeps less of the attention here."
     if lo > y1:
-        return f"More concentrated than the handbook's band: {held}, so eviction loses even less here."
+        return (
+            f"More concentrated than the handbook's band: {held}, so eviction loses even less here."
+        )
     return f"Within the handbook's band: {held}."
 
 
@@ -110,15 +134,22 @@ def fp8_clipping(trace, spec: Spec, step: int | None = None) -> dict | None:
     from kvviz.spec import View
 
     fmts = {w: qformats.settings(spec, w)[0] for w in ("k", "v")}
-    if spec.quant_model != "kv" or spec.fp8_scale != "static" or trace.k is None \
-            or not {"e4m3", "e5m2"} & set(fmts.values()):
+    if (
+        spec.quant_model != "kv"
+        or spec.fp8_scale != "static"
+        or trace.k is None
+        or not {"e4m3", "e5m2"} & set(fmts.values())
+    ):
         return None
     qi = check_view(trace, View(step=step))
     p = int(trace.query_positions[qi])
-    out = {w: {"format": f, "saturated": 0, "flushed": 0, "values": 0, "scales": []} for w, f in fmts.items()
-           if f in ("e4m3", "e5m2") and (w == "k" or trace.v is not None)}
+    out = {
+        w: {"format": f, "saturated": 0, "flushed": 0, "values": 0, "scales": []}
+        for w, f in fmts.items()
+        if f in ("e4m3", "e5m2") and (w == "k" or trace.v is not None)
+    }
     for layer in range(trace.n_layers):
-        kept = kept_at_query(trace, spec, layer, qi)                            # (kv_heads, p + 1)
+        kept = kept_at_query(trace, spec, layer, qi)  # (kv_heads, p + 1)
         where = np.stack([np.flatnonzero(kept[g]) for g in range(trace.n_kv_heads)])
         n_quant = where.shape[1] - qformats.residual_at(spec, where, p, trace.context_len)
         rows = np.arange(trace.n_kv_heads)[:, None]
@@ -127,7 +158,7 @@ def fp8_clipping(trace, spec: Spec, step: int | None = None) -> dict | None:
             x = full[rows, where[:, :n_quant]]
             rotated = qformats.settings(spec, w)[3]
             x = qformats.rotate(x) if rotated else x
-            s = qformats.layer_static_scale(spec, w, full[:, :trace.context_len])
+            s = qformats.layer_static_scale(spec, w, full[:, : trace.context_len])
             sat, flushed = clipped(x, c["format"], "static", s)
             c["saturated"] += sat
             c["flushed"] += flushed
@@ -147,10 +178,17 @@ def fp8_clipping_note(counts: dict | None) -> str | None:
             continue
         top = {"e4m3": "448", "e5m2": "57,344"}[c["format"]]
         scales = c["scales"]
-        scale = ("scale 1.0" if all(s == 1.0 for s in scales) else f"calibrated scale {scales[0]:.3g}"
-                 if min(scales) == max(scales) else f"calibrated scales {min(scales):.3g}–{max(scales):.3g} per layer")
-        parts.append(f"{c['saturated']:,} of the {c['values']:,} stored {name} saturated (|x / s| above {top}, stored as ±{top} s) and "
-                     f"{c['flushed']:,} flushed to zero ({scale})")
+        scale = (
+            "scale 1.0"
+            if all(s == 1.0 for s in scales)
+            else f"calibrated scale {scales[0]:.3g}"
+            if min(scales) == max(scales)
+            else f"calibrated scales {min(scales):.3g}–{max(scales):.3g} per layer"
+        )
+        parts.append(
+            f"{c['saturated']:,} of the {c['values']:,} stored {name} saturated (|x / s| above {top}, stored as ±{top} s) and "
+            f"{c['flushed']:,} flushed to zero ({scale})"
+        )
     if not parts:
         return None
     return "Static FP8: " + "; ".join(parts) + "."

@@ -25,26 +25,51 @@ from kvviz.settings import Setting, declare, rule
 
 FP8 = {"e4m3": E4M3, "e5m2": E5M2}
 FP8_SCALES = ("tensor", "head", "token", "static")
-UNCALIBRATED = 1.0   # vLLM's k_scale / v_scale when the checkpoint has none
+UNCALIBRATED = 1.0  # vLLM's k_scale / v_scale when the checkpoint has none
 
-declare(Setting("fp8_scale", "choice", "head", choices=FP8_SCALES, quantizes=True, label="FP8 scale per",
-                option_labels={"tensor": "tensor (layer)", "head": "KV head", "token": "token",
-                               "static": "static (vLLM k_scale / v_scale)"},
-                help="One FP32 scale s = amax / format max for the layer's whole K (or V), for each KV head, or for "
-                     "each token of each head; or vLLM's static scale per layer, fixed before the request: 1.0 (a "
-                     "checkpoint without scales: a plain cast, saturating at ±448 in E4M3) unless calibrated."),
-        Setting("fp8_calibrate", "bool", False, quantizes=True, url="fp8_cal", label="Calibrate the static scales",
-                help="Static FP8 scales from the context, as a calibration run sets vLLM's k_scale / v_scale: "
-                     "amax / format max per layer over the context's keys (values), kept for the later queries. "
-                     "Off: 1.0, vLLM's default for a checkpoint without scales. Needs FP8 scale per: static."))
+declare(
+    Setting(
+        "fp8_scale",
+        "choice",
+        "head",
+        choices=FP8_SCALES,
+        quantizes=True,
+        label="FP8 scale per",
+        option_labels={
+            "tensor": "tensor (layer)",
+            "head": "KV head",
+            "token": "token",
+            "static": "static (vLLM k_scale / v_scale)",
+        },
+        help="One FP32 scale s = amax / format max for the layer's whole K (or V), for each KV head, or for "
+        "each token of each head; or vLLM's static scale per layer, fixed before the request: 1.0 (a "
+        "checkpoint without scales: a plain cast, saturating at ±448 in E4M3) unless calibrated.",
+    ),
+    Setting(
+        "fp8_calibrate",
+        "bool",
+        False,
+        quantizes=True,
+        url="fp8_cal",
+        label="Calibrate the static scales",
+        help="Static FP8 scales from the context, as a calibration run sets vLLM's k_scale / v_scale: "
+        "amax / format max per layer over the context's keys (values), kept for the later queries. "
+        "Off: 1.0, vLLM's default for a checkpoint without scales. Needs FP8 scale per: static.",
+    ),
+)
 
 
 @rule
 def _calibrate_needs_static(spec) -> None:
     if spec.fp8_calibrate and spec.fp8_scale != "static":
         from kvviz.spec import SpecError
-        raise SpecError("fp8_calibrate sets static FP8 scales: use it with fp8_scale static (--fp8-scale static)")
-SCALE_BYTES = 4   # FP32 scales
+
+        raise SpecError(
+            "fp8_calibrate sets static FP8 scales: use it with fp8_scale static (--fp8-scale static)"
+        )
+
+
+SCALE_BYTES = 4  # FP32 scales
 
 
 def fp8_scales(x: np.ndarray, fmt: Minifloat, scale: str) -> np.ndarray:
@@ -72,7 +97,9 @@ def fp32_at_least(x) -> np.ndarray:
     return np.where(s.astype(np.float64) < x, np.nextafter(s, np.float32(np.inf)), s)
 
 
-def fp8_quantize(x: np.ndarray, fmt: str, scale: str = "head", static_scale: float | None = None) -> np.ndarray:
+def fp8_quantize(
+    x: np.ndarray, fmt: str, scale: str = "head", static_scale: float | None = None
+) -> np.ndarray:
     """Quantize-dequantize x (U, T, D) to FP8 (fmt 'e4m3' or 'e5m2'); same dtype as x. static_scale: the
     fixed scale of scale="static" (None: 1.0)."""
     f = FP8[fmt]
@@ -93,7 +120,9 @@ def calibrate(context: np.ndarray, fmt: str) -> float:
     return float(fp32_at_least(amax / FP8[fmt].max_value)) if amax > 0 else UNCALIBRATED
 
 
-def clipped(x: np.ndarray, fmt: str, scale: str = "static", static_scale: float | None = None) -> tuple[int, int]:
+def clipped(
+    x: np.ndarray, fmt: str, scale: str = "static", static_scale: float | None = None
+) -> tuple[int, int]:
     """(saturated, flushed): how many values of x a cast with these scales saturates (|x / s| above the
     format's max, stored as ±max) and flushes to zero (x != 0 stored as 0)."""
     f = FP8[fmt]
@@ -106,10 +135,24 @@ def clipped(x: np.ndarray, fmt: str, scale: str = "static", static_scale: float 
 def fp8_bytes(n_quant: int, dim: int, scale: str, kv_heads: int) -> tuple[float, float]:
     """(payload, scale bytes) of one KV head's n_quant quantized tokens; a per-tensor scale
     is shared by the layer's kv_heads heads."""
-    n_scales = {"tensor": 1 / kv_heads, "head": 1.0, "token": float(n_quant),
-                "static": 1 / kv_heads}[scale] if n_quant else 0.0
+    n_scales = (
+        {"tensor": 1 / kv_heads, "head": 1.0, "token": float(n_quant), "static": 1 / kv_heads}[
+            scale
+        ]
+        if n_quant
+        else 0.0
+    )
     return float(n_quant * dim), n_scales * SCALE_BYTES
 
 
-__all__ = ["CacheBytes", "FP8", "FP8_SCALES", "UNCALIBRATED", "calibrate", "clipped", "fp8_bytes", "fp8_quantize",
-           "fp8_scales"]
+__all__ = [
+    "CacheBytes",
+    "FP8",
+    "FP8_SCALES",
+    "UNCALIBRATED",
+    "calibrate",
+    "clipped",
+    "fp8_bytes",
+    "fp8_quantize",
+    "fp8_scales",
+]
