@@ -1,0 +1,222 @@
+"""Compression during decoding (#38 item 3, `Spec.compress_every`; kvviz.policies.recompress).
+
+Asserted: compress_every = 0 is today's compressing once; with N the kept count at every step is
+exactly budget + (steps since the last compression) and never more than budget + N; the compression
+after the N-th step keeps exactly `select`'s choice among the held tokens under scores computed from a
+trace cut at that step (built here, independently); streaming scorers, the oracle, Quest, AdaKV and
+ChunkKV's kvpress rule are refused; the real-model cache (a tiny random Llama) makes the engine's own
+decisions on its recorded run, deleting equals masking, and logits differ from compressing once; on the
+bundled model `kvviz eval --compress-every 16` runs and differs from compressing once.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvviz import Spec, SpecError, keep_masks
+from kvviz.policies import ScoreContext, get_policy, select
+from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from kvviz.trace import Trace
+
+C, STEPS = 64, 40
+SPEC = dict(sink=2, recent=8, heavy=8)          # budget 18
+ONE_SHOT = ("snapkv", "knorm", "random", "expected_attention", "keydiff", "streaming")
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return make_synthetic(SyntheticSpec(context=C, steps=STEPS, layers=2, q_heads=4, kv_heads=2, head_dim=64))
+
+
+def _later(trace):
+    return trace.query_positions[trace.later_queries]
+
+
+def test_zero_is_compressing_once(trace):
+    assert Spec(**SPEC, scorer="snapkv", compress_every=0) == Spec(**SPEC, scorer="snapkv")
+    once = keep_masks(trace, Spec(**SPEC, scorer="snapkv"), 1, _later(trace))
+    assert (once.sum(axis=2) == 18).all()                 # compressing once: the budget at every step
+
+
+@pytest.mark.parametrize("scorer", ONE_SHOT)
+@pytest.mark.parametrize("every", [1, 5, 16])
+def test_kept_count_is_budget_plus_steps_since_the_last_compression(trace, scorer, every):
+    spec = Spec(**SPEC, scorer=scorer, compress_every=every)
+    positions = np.arange(C - 3, C + STEPS)
+    for layer in range(trace.n_layers):
+        m = keep_masks(trace, spec, layer, positions)
+        counts = m.sum(axis=2)                                              # (steps, kv_heads)
+        for i, p in enumerate(positions):
+            want = min(p + 1, 18) if p < C else 18 + (p - C) % every + 1
+            assert (counts[i] == want).all(), (p, counts[i], want)
+        assert counts.max() <= 18 + every
+        # before the first compression during decoding: the prompt's kept set, then every arrival
+        once = keep_masks(trace, spec.with_(compress_every=0), layer, [C - 1])[0]
+        first = m[positions.tolist().index(C - 1 + min(every, STEPS))]
+        assert (first[:, :C] == once[:, :C]).all() and first[:, C:C + every].all()
+
+
+def _cut(trace: Trace, end: int) -> Trace:
+    """The trace's first `end` positions as a prompt (every layer, queries at every position)."""
+    return Trace(q=trace.q[:, :, :end], k=trace.k[:, :, :end], v=trace.v[:, :, :end], context_len=end,
+                 tokens=trace.tokens[:end], query_positions=np.arange(end), meta=trace.meta)
+
+
+@pytest.mark.parametrize("scorer", ["snapkv", "knorm", "expected_attention"])
+def test_the_compression_at_step_n_keeps_select_over_the_rescored_held_tokens(trace, scorer):
+    N, layer = 8, 1
+    spec = Spec(**SPEC, scorer=scorer, compress_every=N)
+    p = C - 1 + N                                                   # the N-th decode step's query
+    before, after = keep_masks(trace, spec, layer, [p, p + 1])
+    H = trace.n_kv_heads
+    held = np.stack([np.flatnonzero(r) for r in before])            # (H, 18 + N)
+    assert held.shape == (H, 18 + N)
+    scores = np.broadcast_to(get_policy(scorer).score(ScoreContext(_cut(trace, p + 1), layer, spec)), (H, p + 1))
+    if scorer == "knorm":                                           # and by hand: the smallest key norms
+        assert np.allclose(scores, -np.linalg.norm(trace.k[layer, :, : p + 1].astype(np.float64), axis=-1),
+                           rtol=1e-6)
+    keep = held[select(np.take_along_axis(scores, held, axis=1), spec)].reshape(H, -1)
+    expected = np.zeros_like(after)
+    np.put_along_axis(expected, keep, True, axis=1)
+    expected[:, p + 1] = True                                       # the next token has arrived
+    assert np.array_equal(after, expected)
+    assert (after.sum(axis=1) == 19).all()
+
+
+def test_snapkv_votes_with_the_generated_queries(trace):
+    """The compression during decoding differs from compressing once: the observation window moved on."""
+    spec = Spec(**SPEC, scorer="snapkv")
+    positions = _later(trace)
+    again = keep_masks(trace, spec.with_(compress_every=4), 1, positions)
+    once = keep_masks(trace, spec, 1, positions)
+    old = np.arange(trace.n_positions) < C - 8                    # prompt tokens outside the first window
+    assert (again[-1] & old).sum() != (once[-1] & old).sum() or not np.array_equal(again[-1] & old,
+                                                                                     once[-1] & old)
+
+
+def test_pyramid_layers_stay_within_their_own_budget_plus_n(trace):
+    from kvviz.policies.allocation import layer_spec
+
+    spec = Spec(**SPEC, scorer="knorm", allocation="pyramid", compress_every=6)
+    for layer in range(trace.n_layers):
+        budget = layer_spec(spec, layer, trace.n_layers, C).budget
+        counts = keep_masks(trace, spec, layer, _later(trace)).sum(axis=2)
+        assert counts.max() == budget + 6 and counts.min() == budget + 1
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(scorer="h2o"), "already decides at every decode step"),
+    (dict(scorer="tova"), "already decides at every decode step"),
+    (dict(scorer="oracle"), "chooses at every query"),
+    (dict(scorer="quest"), "chooses at every query"),
+    (dict(scorer="snapkv", allocation="adakv"), "AdaKV's head budgets"),
+    (dict(scorer="chunkkv"), "ChunkKV's whole chunks"),
+])
+def test_refused_where_it_means_nothing(changes, match):
+    with pytest.raises(SpecError, match=match):
+        Spec(**SPEC, compress_every=4, **changes)
+    Spec(**SPEC, **changes)                                         # compressing once is fine
+    Spec(compress_every=4, **changes)                               # without eviction: nothing to compress
+
+
+def test_chunkkv_filling_the_budget_compresses_again(trace):
+    spec = Spec(**SPEC, scorer="chunkkv", chunk_rule="budget", chunk_size=4, compress_every=8)
+    assert keep_masks(trace, spec, 0, _later(trace)).sum(axis=2).max() == 18 + 8
+
+
+def test_link_flag_and_study_axis(tmp_path, capsys):
+    from kvviz import links
+    from kvviz.analysis.study import StudyDir, parse_study, run_study
+    from kvviz.cli import main
+
+    values, notes = links.parse_query("scorer=snapkv&sink=2&recent=8&heavy=8&compress_every=16")
+    assert notes == [] and links.spec_from_values(values).compress_every == 16
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    assert "--compress-every" in capsys.readouterr().out
+    study = parse_study('''
+        name = "every"
+        [source]
+        kind = "synthetic"
+        context = 64
+        steps = 24
+        layers = 1
+        q_heads = 2
+        kv_heads = 1
+        head_dim = 64
+        seeds = [0]
+        [grid]
+        scorers = ["knorm"]
+        budgets = [0.2]
+        compress_every = [0, 8]
+    ''')
+    run_study(study, tmp_path / "s")
+    rows = StudyDir(tmp_path / "s").rows().sort_values("compress_every")
+    assert rows["compress_every"].tolist() == [0, 8]
+    assert rows["mass_retained"].nunique() == 2                     # the axis reached the cache
+
+
+# --- the real-model cache: a tiny random Llama ----------------------------------------------------
+
+@pytest.mark.parametrize("scorer", ["snapkv", "knorm", "keydiff"])
+def test_real_run_compresses_as_the_engine_does(tiny, scorer):
+    """The run's own queries replayed through Policy.keep_masks give the kept set of every step; the
+    cache never holds more than budget + N; the logits differ from compressing once."""
+    from kvviz.decode.loop import decode
+
+    torch = pytest.importorskip("torch")
+    model, ids = tiny
+    N, n, steps = 5, 24, 20
+    spec = Spec(sink=2, recent=5, heavy=7, scorer=scorer, compress_every=N)
+    logits, _, cache = decode(model, ids[:n], spec, steps, feed=ids[n:n + steps], record=True)
+    trace = cache.run_trace()
+    positions = np.arange(n, n + steps)
+    for layer in range(trace.n_layers):
+        got = cache.kept_history(layer)
+        assert np.array_equal(got, get_policy(scorer).keep_masks(ScoreContext(trace, layer, spec), positions))
+        counts = got.sum(axis=2)
+        assert counts.max() == 14 + N and (counts == (14 + (positions - n) % N + 1)[:, None]).all()
+        assert cache.recompressed_at[layer] == [n - 1 + N * k for k in range(1, steps // N + 1)]
+    masked, _, _ = decode(model, ids[:n], spec, steps, feed=ids[n:n + steps], mode="mask")
+    assert torch.allclose(logits, masked, atol=1e-4)
+    once, _, _ = decode(model, ids[:n], spec.with_(compress_every=0), steps, feed=ids[n:n + steps])
+    assert torch.equal(logits[: 1], once[: 1]) and (logits - once).abs().max() > 1e-4
+
+
+def test_real_run_pyramid_and_block_fallback(tiny):
+    """PyramidKV's layers compress again within their own budgets; a block request runs the step loop."""
+    from kvviz.decode.loop import decode
+    from kvviz.policies.allocation import layer_spec
+
+    torch = pytest.importorskip("torch")
+    model, ids = tiny
+    spec = Spec(sink=2, recent=5, heavy=9, scorer="knorm", allocation="pyramid", compress_every=4)
+    stepped, _, cache = decode(model, ids[:24], spec, 12, feed=ids[24:36], record=True)
+    trace = cache.run_trace()
+    for layer in range(2):
+        expected = get_policy("knorm").keep_masks(ScoreContext(trace, layer, spec), np.arange(24, 36))
+        assert np.array_equal(cache.kept_history(layer), expected)
+        assert expected.sum(axis=2).max() == layer_spec(spec, layer, 2, 24).budget + 4
+    block, _, c2 = decode(model, ids[:24], spec, 12, feed=ids[24:36], block=True)
+    assert not c2.block and torch.allclose(block, stepped, atol=1e-5)
+
+
+# --- the bundled model ------------------------------------------------------------------------------
+
+@pytest.mark.model
+def test_kvviz_eval_compress_every_16_differs_from_once(capsys):
+    from kvviz.cli import main
+
+    argv = ["eval", "--scorer", "snapkv", "--sink", "4", "--recent", "16", "--heavy", "32", "--prompt-tokens", "96",
+            "--continuation-tokens", "48", "--quiet", "--json"]
+    assert main(argv) == 0
+    once = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--compress-every", "16"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["spec"]["compress_every"] == 16 and once["spec"]["compress_every"] == 0
+    assert again != once
+    assert main([*argv, "--scorer", "h2o", "--compress-every", "16"]) == 2     # refused: one line
+    assert "already decides at every decode step" in capsys.readouterr().err
