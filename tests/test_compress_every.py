@@ -216,7 +216,10 @@ def test_kvviz_eval_compress_every_16_differs_from_once(capsys):
     once = json.loads(capsys.readouterr().out)
     assert main([*argv, "--compress-every", "16"]) == 0
     again = json.loads(capsys.readouterr().out)
-    assert again["spec"]["compress_every"] == 16 and once["spec"]["compress_every"] == 0
-    assert again != once
+    assert (again["compress_every"], once["compress_every"]) == (16, 0)
+    assert again["spec"] == once["spec"] + ", compressed again every 16 steps"
+    assert again["kl_mean"] != once["kl_mean"] and again["per_token"]["kl"] != once["per_token"]["kl"]
+    # the first continuation token is predicted by the prefill, before any decode step
+    assert again["per_token"]["kl"][:1] == once["per_token"]["kl"][:1]
     assert main([*argv, "--scorer", "h2o", "--compress-every", "16"]) == 2     # refused: one line
     assert "already decides at every decode step" in capsys.readouterr().err

@@ -177,6 +177,7 @@ class Quality:
             "group_size": self.spec.group_size, "residual": self.spec.residual,
             "key_format": self.spec.key_format, "value_format": self.spec.value_format,
             "rotate": self.spec.rotate, "residual_mode": self.spec.residual_mode,
+            "compress_every": self.spec.compress_every,
             "prompt_tokens": self.prompt_len, "continuation_tokens": len(self.tokens),
             "perplexity": self.perplexity, "perplexity_full": self.perplexity_full,
             "perplexity_ratio": self.perplexity / self.perplexity_full,

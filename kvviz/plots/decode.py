@@ -20,6 +20,11 @@ from kvviz.analysis.timeline import EVICTED, FUTURE, KEPT, MISSED, STATE_NAMES, 
 STATE_COLOURS = {FUTURE: "#f7f7f7", EVICTED: "#c8c8c8", KEPT: REASON_COLORS["kept (no eviction)"],
                  MISSED: REASON_COLORS["evicted"]}
 POLICY_COLOURS = METHOD_COLORS
+RECOMPRESS_LINE = dict(color="#AA3377", width=2)     # compressed again (Spec.compress_every): between two steps
+
+
+def _recompress_label(tl: Timeline) -> str:
+    return f"compressed again (every {tl.compress_every} steps)"
 
 
 def _discrete_scale() -> list:
@@ -59,6 +64,10 @@ def timeline_map(tl: Timeline, policy: str, step: int | None = None, max_tokens:
     if lo <= tl.context_len - 0.5 <= P:
         fig.add_vline(x=tl.context_len - 0.5, line=dict(color="#555555", width=1, dash="dash"),
                       annotation_text="compression point", annotation_position="top")
+    for s in pt.compressed_after:         # the cache was scored again after this step's query
+        fig.add_hline(y=s + 0.5, line=RECOMPRESS_LINE)
+    if len(pt.compressed_after):
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=_recompress_label(tl), line=RECOMPRESS_LINE))
     title = (f"{policy}: tokens held at each decode step (layer {tl.layer}, KV head {tl.kv_head}, "
              f"budget {tl.spec.budget})")
     if lo:
@@ -190,6 +199,13 @@ def timeline_animation(tl: Timeline, step: int = 0, max_tokens: int = 1200, shif
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=STATE_NAMES[state],
                                  marker=dict(size=10, symbol="square", color=STATE_COLOURS[state])), row=2, col=1)
     fixed = []
+    for r, name in enumerate(names, start=2):      # after these steps' queries the cache was scored again
+        for s in tl.policies[name].compressed_after:
+            fixed.append(dict(type="line", xref=f"x{r} domain", x0=0, x1=1, yref=f"y{r}", y0=s + 0.5, y1=s + 0.5,
+                              line=RECOMPRESS_LINE))
+    if any(len(pt.compressed_after) for pt in tl.policies.values()):
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=_recompress_label(tl), line=RECOMPRESS_LINE),
+                      row=2, col=1)
     for r in range(2, rows + 1):
         axis = "" if r == 1 else str(r)
         if shift_step is not None and 0 <= shift_step < S:
