@@ -223,3 +223,56 @@ def test_kvviz_eval_compress_every_16_differs_from_once(capsys):
     assert again["per_token"]["kl"][:1] == once["per_token"]["kl"][:1]
     assert main([*argv, "--scorer", "h2o", "--compress-every", "16"]) == 2     # refused: one line
     assert "already decides at every decode step" in capsys.readouterr().err
+
+
+# --- the Decode timeline and the app's widgets ------------------------------------------------------
+
+def test_the_timeline_marks_the_compressions(trace):
+    from kvviz.analysis.timeline import timeline
+    from kvviz.plots.decode import RECOMPRESS_LINE, timeline_animation, timeline_map
+
+    spec = Spec(**SPEC, scorer="oracle")
+    tl = timeline(trace, spec, layer=1, policies=("h2o", "snapkv", "knorm", "oracle"), compress_every=8)
+    assert tl.skipped == {} and tl.decides_every_step == ("h2o", "oracle")
+    for name in ("snapkv", "knorm"):
+        pt = tl.policies[name]
+        assert pt.compressed_after.tolist() == [7, 15, 23, 31]        # after the 8th, 16th, ... step's query
+        assert pt.kept.sum(axis=1).max() == 18 + 8
+        assert np.array_equal(pt.kept, keep_masks(trace, spec.with_(scorer=name, compress_every=8), 1,
+                                                  tl.positions)[:, 0])
+    for name in ("h2o", "oracle"):                                    # they decide at every step: as always
+        assert len(tl.policies[name].compressed_after) == 0
+        assert np.array_equal(tl.policies[name].kept, timeline(trace, spec, layer=1, policies=(name,)).policies[name].kept)
+    lines = [s for s in timeline_animation(tl).layout.shapes if s.line.color == RECOMPRESS_LINE["color"]]
+    assert sorted(s.y0 for s in lines) == sorted([7.5, 15.5, 23.5, 31.5] * 2)
+    assert len([s for s in timeline_map(tl, "knorm").layout.shapes if s.line.color == RECOMPRESS_LINE["color"]]) == 4
+    once = timeline(trace, spec, layer=1, policies=("snapkv",))
+    assert len(once.policies["snapkv"].compressed_after) == 0
+
+
+def test_the_timeline_page_has_the_widget_and_draws_the_compressions():
+    from pathlib import Path
+
+    from apptest_util import run_app
+
+    page = str(Path(__file__).resolve().parents[1] / "pages" / "4_decode-timeline.py")
+    at = run_app(page, 120, sink=2, recent=8, heavy=8, compress_every=8, tl_policies="snapkv,h2o",
+                 **{"source": "synthetic", "context": "96", "steps": "24"})
+    box = at.number_input(key="compress_every")
+    assert box.value == 8 and box.label.startswith("Compress again every N decode steps")
+    assert any("compress again every 8 decode steps" in c.value for c in at.caption)
+    box.set_value(0).run()
+    assert not at.exception and at.session_state["_kvviz_state"]["compress_every"] == 0
+    assert not any("compress again every" in c.value for c in at.caption)
+
+
+def test_advanced_shows_the_widget_for_one_shot_scorers():
+    from pathlib import Path
+
+    from apptest_util import run_app
+
+    app = str(Path(__file__).resolve().parents[1] / "app.py")
+    at = run_app(app, scorer="snapkv", sink=2, recent=8, heavy=8, compress_every=16)
+    assert at.number_input(key="compress_every").value == 16
+    at = run_app(app, scorer="h2o")
+    assert "compress_every" not in [w.key for w in at.number_input]

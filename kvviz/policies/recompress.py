@@ -37,8 +37,10 @@ from kvviz.spec import SpecError
 from kvviz.trace import Trace
 
 MAX_EVERY = 100_000
+# the built-in one-shot scorers, whose Advanced section shows the setting (the rule below decides what runs)
+ONE_SHOT = ("snapkv", "expected_attention", "keydiff", "knorm", "random", "streaming", "chunkkv")
 
-declare(Setting("compress_every", "int", 0, 0, MAX_EVERY, url="compress_every",
+declare(Setting("compress_every", "int", 0, 0, MAX_EVERY, url="compress_every", owner=("scorer", ONE_SHOT),
                 label="Compress again every N decode steps (0 = once)",
                 help="0: the cache is compressed once, at the end of the prompt. N: between compressions the "
                      "cache grows; every N decode steps the scorer scores everything it holds again (with the "
