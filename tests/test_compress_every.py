@@ -276,3 +276,19 @@ def test_advanced_shows_the_widget_for_one_shot_scorers():
     assert at.number_input(key="compress_every").value == 16
     at = run_app(app, scorer="h2o")
     assert "compress_every" not in [w.key for w in at.number_input]
+
+
+@pytest.mark.parametrize("spec", [Spec(sink=2, recent=5, heavy=7, scorer="snapkv", compress_every=4),
+                                  Spec(sink=2, recent=5, heavy=9, scorer="knorm", allocation="pyramid", compress_every=4),
+                                  Spec(sink=2, recent=5, heavy=9, scorer="h2o", allocation="pyramid")])
+def test_decode_many_runs_each_spec_as_decode_does(tiny, spec):
+    """The Model lab's batched loop (decode_many) gives a run what decode gives it alone: compressing again every
+    N steps, and PyramidKV's per-layer budgets (its own cache class)."""
+    from kvviz.decode.loop import decode, decode_many
+
+    torch = pytest.importorskip("torch")
+    model, ids = tiny
+    alone, _, c1 = decode(model, ids[:24], spec, 12, feed=ids[24:36])
+    (batched, _, c2), = decode_many(model, ids[:24], [spec], [12], [ids[24:36]])
+    assert torch.allclose(alone, batched, atol=1e-4)
+    assert [k.shape for k in c1.kept] == [k.shape for k in c2.kept]

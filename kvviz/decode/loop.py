@@ -164,7 +164,7 @@ def decode_many(model, prompt_ids: Sequence[int], specs: Sequence[Spec], steps: 
         prefix = prefill(model, prompt_ids)
     R = len(specs)
     device = placement(model)[0]
-    caches = [new_cache(model, spec, n + st, tokens=tokens,
+    caches = [new_cache(model, spec, n + st, cache_class(spec), tokens=tokens,   # PyramidKV / AdaKV: their own
                         inv_freq=rope_inv_freq(model) if spec.positions == "cache" else None)
               for spec, st in zip(specs, steps)]
     rows = [[prefix.logits[n - 1]] for _ in range(R)]
