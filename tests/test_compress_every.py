@@ -276,6 +276,9 @@ def test_advanced_shows_the_widget_for_one_shot_scorers():
     assert at.number_input(key="compress_every").value == 16
     at = run_app(app, scorer="h2o")
     assert "compress_every" not in [w.key for w in at.number_input]
+    lab = str(Path(__file__).resolve().parents[1] / "pages" / "3_model-lab.py")     # the decode path's page
+    at = run_app(lab, 120, scorer="knorm", sink=4, recent=8, heavy=8, compress_every=4)
+    assert at.number_input(key="compress_every").value == 4
 
 
 @pytest.mark.parametrize("spec", [Spec(sink=2, recent=5, heavy=7, scorer="snapkv", compress_every=4),
@@ -292,3 +295,16 @@ def test_decode_many_runs_each_spec_as_decode_does(tiny, spec):
     (batched, _, c2), = decode_many(model, ids[:24], [spec], [12], [ids[24:36]])
     assert torch.allclose(alone, batched, atol=1e-4)
     assert [k.shape for k in c1.kept] == [k.shape for k in c2.kept]
+
+
+def test_a_layer_trace_is_checked_as_its_one_layer(trace):
+    from kvviz.policies.recompress import layer_trace
+    from kvviz.trace import TraceError
+
+    q, k, v = trace.q[1], trace.k[1], trace.v[1]
+    t = layer_trace(q, k, v, 1, 5, trace.tokens, trace.meta)
+    assert t.n_layers == 5 and t.k.strides[0] == 0 and np.array_equal(t.k[3], k)
+    bad = k.copy()
+    bad[0, 3, 0] = np.nan
+    with pytest.raises(TraceError, match="k contains NaN"):
+        layer_trace(q, bad, v, 1, 5, trace.tokens, trace.meta)

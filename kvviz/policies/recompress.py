@@ -29,12 +29,13 @@ setting and that rule are declared in kvviz.policies.decoding. The engine (Polic
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import numpy as np
 
 from kvviz.policies.select import select
 from kvviz.spec import SpecError
-from kvviz.trace import Trace
+from kvviz.trace import Trace, validate
 
 def is_due(p: int, context_len: int, every: int) -> bool:
     """Whether the cache is compressed again right after the query at position p has read it."""
@@ -48,6 +49,17 @@ def due_positions(context_len: int, every: int, last: int) -> np.ndarray:
     return np.arange(context_len - 1 + every, last + 1, every, dtype=np.int64)
 
 
+class LayerTrace(Trace):
+    """A trace whose layers are all one layer (zero-stride views), checked as that one layer: the check of
+    a Trace reads every value, which here would read the same layer n_layers times."""
+
+    def __post_init__(self) -> None:
+        one = {name: None if a is None else a[:1] for name, a in
+               (("q", self.q), ("k", self.k), ("v", self.v), ("logits", self.logits))}
+        validate(SimpleNamespace(**one, context_len=self.context_len, tokens=self.tokens,
+                                 query_positions=self.query_positions, noise_eps=self.noise_eps))
+
+
 def layer_trace(q: np.ndarray, k: np.ndarray, v: np.ndarray | None, layer: int, n_layers: int,
                 tokens: tuple[str, ...], meta: dict, logits: np.ndarray | None = None) -> Trace:
     """One layer's positions 0..p as a trace whose prompt is all of them (what a scorer reads at a later
@@ -58,8 +70,8 @@ def layer_trace(q: np.ndarray, k: np.ndarray, v: np.ndarray | None, layer: int, 
         return None if a is None else np.broadcast_to(a[None], (n_layers, *a.shape))
 
     n = k.shape[1]
-    return Trace(q=every_layer(q), k=every_layer(k), v=every_layer(v), context_len=n, tokens=tuple(tokens[:n]),
-                 query_positions=np.arange(n), meta=meta, logits=every_layer(logits))
+    return LayerTrace(q=every_layer(q), k=every_layer(k), v=every_layer(v), context_len=n,
+                      tokens=tuple(tokens[:n]), query_positions=np.arange(n), meta=meta, logits=every_layer(logits))
 
 
 def prefix_trace(trace: Trace, layer: int, end: int) -> Trace:
