@@ -71,6 +71,8 @@ def budget_is_exact(spec: Spec) -> bool:
     number of their own (ChunkKV's whole chunks, Quest per query head) need the kept masks."""
     if not spec.evicts:
         return True
+    if spec.compress_every:          # the cache grows to budget + N between compressions (policies.recompress)
+        return False
     return spec.allocation != "adakv" and get_policy(spec.scorer).fills_budget(spec)
 
 

@@ -308,3 +308,18 @@ def test_a_layer_trace_is_checked_as_its_one_layer(trace):
     bad[0, 3, 0] = np.nan
     with pytest.raises(TraceError, match="k contains NaN"):
         layer_trace(q, bad, v, 1, 5, trace.tokens, trace.meta)
+
+
+def test_the_memory_card_counts_what_the_cache_holds(trace):
+    """Between compressions the cache holds more than the budget: the bytes are counted from the kept sets."""
+    from kvviz import View, compare
+    from kvviz.engine import kept_counts
+
+    spec = Spec(**SPEC, scorer="knorm", compress_every=8)
+    for j, qi in enumerate(trace.later_queries[:10]):
+        assert (kept_counts(trace, spec, int(qi)) == 18 + j % 8 + 1).all()
+    view = View(step=4)                                              # 5 tokens since the prompt: 23 held
+    again = compare(trace, spec, view).memory
+    once = compare(trace, spec.with_(compress_every=0), view).memory
+    assert (again.kept_tokens, once.kept_tokens) == (23, 18)
+    assert again.kv_bytes * 18 == once.kv_bytes * 23                # 16-bit: bytes in proportion to tokens
