@@ -14,12 +14,22 @@ MAX_EVERY = 100_000
 # the built-in one-shot scorers, whose Advanced section shows the setting (the rule below decides what runs)
 ONE_SHOT = ("snapkv", "expected_attention", "keydiff", "knorm", "random", "streaming", "chunkkv")
 
-declare(Setting("compress_every", "int", 0, 0, MAX_EVERY, url="compress_every", owner=("scorer", ONE_SHOT),
-                label="Compress again every N decode steps (0 = once)",
-                help="0: the cache is compressed once, at the end of the prompt. N: between compressions the "
-                     "cache grows; every N decode steps the scorer scores everything it holds again (with the "
-                     "queries up to that step, generated ones included) and cuts it back to the budget "
-                     "(kvpress's DecodingPress). One-shot scorers only; a query reads at most budget + N tokens."))
+declare(
+    Setting(
+        "compress_every",
+        "int",
+        0,
+        0,
+        MAX_EVERY,
+        url="compress_every",
+        owner=("scorer", ONE_SHOT),
+        label="Compress again every N decode steps (0 = once)",
+        help="0: the cache is compressed once, at the end of the prompt. N: between compressions the "
+        "cache grows; every N decode steps the scorer scores everything it holds again (with the "
+        "queries up to that step, generated ones included) and cuts it back to the budget "
+        "(kvpress's DecodingPress). One-shot scorers only; a query reads at most budget + N tokens.",
+    )
+)
 
 
 @rule
@@ -30,17 +40,25 @@ def _compress_every_needs_one_shot_scores(spec) -> None:
 
     policy = get_policy(spec.scorer)
     if policy.streaming:
-        raise SpecError(f"{spec.scorer} already decides at every decode step; compressing again every "
-                        f"{spec.compress_every} steps is for one-shot scorers (SnapKV, Expected Attention, KeyDiff, "
-                        "K-norm, ...). Set compress every to 0")
+        raise SpecError(
+            f"{spec.scorer} already decides at every decode step; compressing again every "
+            f"{spec.compress_every} steps is for one-shot scorers (SnapKV, Expected Attention, KeyDiff, "
+            "K-norm, ...). Set compress every to 0"
+        )
     if policy.needs_query:
-        raise SpecError(f"{spec.scorer} chooses at every query from the query itself; compressing again every "
-                        f"{spec.compress_every} steps is for one-shot scorers. Set compress every to 0")
+        raise SpecError(
+            f"{spec.scorer} chooses at every query from the query itself; compressing again every "
+            f"{spec.compress_every} steps is for one-shot scorers. Set compress every to 0"
+        )
     if spec.scorer == "chunkkv" and spec.chunk_rule == "chunks":
-        raise SpecError("ChunkKV's whole chunks are cut from position 0 of the prompt; a compressed cache has no "
-                        "such chunks to cut again. Use ChunkKV's chunk rule 'budget' (chunks filling the heavy "
-                        "budget), or set compress every to 0")
+        raise SpecError(
+            "ChunkKV's whole chunks are cut from position 0 of the prompt; a compressed cache has no "
+            "such chunks to cut again. Use ChunkKV's chunk rule 'budget' (chunks filling the heavy "
+            "budget), or set compress every to 0"
+        )
     if spec.allocation == "adakv":
-        raise SpecError("AdaKV's head budgets are fixed at the prompt's compression point; compressing again "
-                        "during decoding runs with allocation uniform or pyramid. Set compress every to 0 or "
-                        "choose another allocation")
+        raise SpecError(
+            "AdaKV's head budgets are fixed at the prompt's compression point; compressing again "
+            "during decoding runs with allocation uniform or pyramid. Set compress every to 0 or "
+            "choose another allocation"
+        )

@@ -37,16 +37,10 @@ from kvviz.policies.select import select
 from kvviz.spec import SpecError
 from kvviz.trace import Trace, validate
 
+
 def is_due(p: int, context_len: int, every: int) -> bool:
     """Whether the cache is compressed again right after the query at position p has read it."""
     return every > 0 and p >= context_len and (p - context_len + 1) % every == 0
-
-
-def due_positions(context_len: int, every: int, last: int) -> np.ndarray:
-    """The positions p <= last after whose query the cache is compressed again: c - 1 + kN, k >= 1."""
-    if every <= 0:
-        return np.zeros(0, dtype=np.int64)
-    return np.arange(context_len - 1 + every, last + 1, every, dtype=np.int64)
 
 
 class LayerTrace(Trace):
@@ -54,36 +48,71 @@ class LayerTrace(Trace):
     a Trace reads every value, which here would read the same layer n_layers times."""
 
     def __post_init__(self) -> None:
-        one = {name: None if a is None else a[:1] for name, a in
-               (("q", self.q), ("k", self.k), ("v", self.v), ("logits", self.logits))}
-        validate(SimpleNamespace(**one, context_len=self.context_len, tokens=self.tokens,
-                                 query_positions=self.query_positions, noise_eps=self.noise_eps))
+        one = {
+            name: None if a is None else a[:1]
+            for name, a in (("q", self.q), ("k", self.k), ("v", self.v), ("logits", self.logits))
+        }
+        validate(
+            SimpleNamespace(
+                **one,
+                context_len=self.context_len,
+                tokens=self.tokens,
+                query_positions=self.query_positions,
+                noise_eps=self.noise_eps,
+            )
+        )
 
 
-def layer_trace(q: np.ndarray, k: np.ndarray, v: np.ndarray | None, layer: int, n_layers: int,
-                tokens: tuple[str, ...], meta: dict, logits: np.ndarray | None = None) -> Trace:
+def layer_trace(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray | None,
+    layer: int,
+    n_layers: int,
+    tokens: tuple[str, ...],
+    meta: dict,
+    logits: np.ndarray | None = None,
+) -> Trace:
     """One layer's positions 0..p as a trace whose prompt is all of them (what a scorer reads at a later
     compression point). q (Hq, p + 1, D): one query per position; k, v (H, p + 1, D); logits (Hq, p + 1,
     p + 1) or None. The trace has n_layers layers that are all this one (zero-stride views: no copy), so
     a scorer reads it at its own layer index (the random scorer's seed is the layer's)."""
+
     def every_layer(a):
         return None if a is None else np.broadcast_to(a[None], (n_layers, *a.shape))
 
     n = k.shape[1]
-    return LayerTrace(q=every_layer(q), k=every_layer(k), v=every_layer(v), context_len=n,
-                      tokens=tuple(tokens[:n]), query_positions=np.arange(n), meta=meta, logits=every_layer(logits))
+    return LayerTrace(
+        q=every_layer(q),
+        k=every_layer(k),
+        v=every_layer(v),
+        context_len=n,
+        tokens=tuple(tokens[:n]),
+        query_positions=np.arange(n),
+        meta=meta,
+        logits=every_layer(logits),
+    )
 
 
 def prefix_trace(trace: Trace, layer: int, end: int) -> Trace:
     """`layer_trace` of positions 0..end - 1 of a trace with a query at every position (a decoded run)."""
     rows = np.flatnonzero(trace.query_positions < end)
     if len(rows) != end:
-        raise SpecError("compressing again during decoding needs a query at every position (a decoded run's "
-                        "trace); this trace has queries at some positions only")
+        raise SpecError(
+            "compressing again during decoding needs a query at every position (a decoded run's "
+            "trace); this trace has queries at some positions only"
+        )
     logits = None if trace.logits is None else trace.logits[layer][:, rows, :end]
-    return layer_trace(trace.q[layer][:, rows], trace.k[layer][:, :end],
-                       None if trace.v is None else trace.v[layer][:, :end], layer, trace.n_layers,
-                       trace.tokens, trace.meta, logits)
+    return layer_trace(
+        trace.q[layer][:, rows],
+        trace.k[layer][:, :end],
+        None if trace.v is None else trace.v[layer][:, :end],
+        layer,
+        trace.n_layers,
+        trace.tokens,
+        trace.meta,
+        logits,
+    )
 
 
 def recompressed(held: np.ndarray, scores: np.ndarray, spec) -> np.ndarray:
@@ -91,12 +120,18 @@ def recompressed(held: np.ndarray, scores: np.ndarray, spec) -> np.ndarray:
     scores (H, >= held.max() + 1) the scorer's new scores of every position. Each head keeps `select`'s
     choice among its held tokens (sinks: its first `sink`, window: its last `recent`, both positions
     themselves since the held set starts with the sinks and ends with every token since the window)."""
-    mask = select(np.take_along_axis(scores, held, axis=1), spec)          # (H, m)
+    mask = select(np.take_along_axis(scores, held, axis=1), spec)  # (H, m)
     return held[mask].reshape(held.shape[0], -1)
 
 
-def decoding_masks(held: np.ndarray, context_len: int, spec, positions: np.ndarray, out: np.ndarray,
-                   rescore: Callable[[int], np.ndarray]) -> np.ndarray:
+def decoding_masks(
+    held: np.ndarray,
+    context_len: int,
+    spec,
+    positions: np.ndarray,
+    out: np.ndarray,
+    rescore: Callable[[int], np.ndarray],
+) -> np.ndarray:
     """Kept masks at the evaluated positions >= context_len, compressing again every spec.compress_every
     steps. held (H, m): what each KV head keeps after the prompt's compression; rescore(end) -> scores
     (H, end) of positions 0..end - 1 at the compression point after query end - 1; out (len(positions),
@@ -109,7 +144,7 @@ def decoding_masks(held: np.ndarray, context_len: int, spec, positions: np.ndarr
             want.setdefault(int(p), []).append(i)
     last = max(want, default=context_len - 1)
     for p in range(context_len, last + 1):
-        held = np.concatenate([held, np.full((H, 1), p)], axis=1)          # arrives; nothing evicted
+        held = np.concatenate([held, np.full((H, 1), p)], axis=1)  # arrives; nothing evicted
         for i in want.get(p, ()):
             np.put_along_axis(out[i], held, True, axis=1)
         if p < last and is_due(p, context_len, spec.compress_every):
