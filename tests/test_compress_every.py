@@ -223,6 +223,31 @@ def test_kvviz_eval_compress_every_16_differs_from_once(capsys):
     assert again["per_token"]["kl"][:1] == once["per_token"]["kl"][:1]
     assert main([*argv, "--scorer", "h2o", "--compress-every", "16"]) == 2     # refused: one line
     assert "already decides at every decode step" in capsys.readouterr().err
+    # 47 decode steps at positions 96..142, compressed again after 111 and 127: 52 + 15 held at the end
+    assert (once["kept_tokens"], again["kept_tokens"]) == (52, 67)
+
+
+@pytest.mark.model
+def test_bundled_cache_never_holds_more_than_budget_plus_n():
+    from apptest_util import load_shared
+
+    from kvviz.decode.loop import decode
+    from kvviz.decode.quality import sample_text, tokenize
+
+    model, tokenizer, _ = load_shared("bundled")
+    ids = tokenize(tokenizer, sample_text())
+    spec = Spec(sink=4, recent=16, heavy=32, scorer="snapkv", compress_every=16)
+    _, _, cache = decode(model, ids[:96], spec, 47, feed=ids[96:143], record=True)
+    steps = np.arange(47)
+    trace = cache.run_trace()
+    for layer in range(cache.L):
+        counts = cache.kept_history(layer).sum(axis=2)                       # (steps, KV heads)
+        assert counts.max() <= 52 + 16
+        assert (counts == (52 + steps % 16 + 1)[:, None]).all()
+        assert cache.recompressed_at[layer] == [111, 127]
+    for layer in (0, 15, 29):          # the engine, replaying the run's own queries, keeps the same tokens
+        expected = get_policy("snapkv").keep_masks(ScoreContext(trace, layer, spec), np.arange(96, 143))
+        assert np.array_equal(cache.kept_history(layer), expected)
 
 
 # --- the Decode timeline and the app's widgets ------------------------------------------------------
