@@ -376,3 +376,15 @@ def test_quantized_kept_tokens_after_a_compression_are_quantize_of_what_is_kept(
     monkeypatch.setattr(CompressedCache, "_quantized", checking)
     decode(model, ids[:20], spec, 16, feed=ids[20:36])
     assert len(checked) == 2 * 2 * 16 and sorted(set(checked)) == [14, 15, 16, 17]
+
+
+def test_solve_does_not_claim_the_global_smallest_when_compressing_again(trace):
+    """Kept sets of growing budgets are nested when compressing once, not when compressing again (each budget
+    holds its own tokens at each compression): solve's answer then only promises that one token less misses."""
+    from kvviz import View
+    from kvviz.analysis.solve import solve
+
+    once = solve(trace, Spec(scorer="knorm"), View(step=20), target_mass=0.8)
+    again = solve(trace, Spec(scorer="knorm", compress_every=8), View(step=20), target_mass=0.8)
+    assert once.exact and not again.exact
+    assert again.value >= 0.8 and (again.below is None or again.below < 0.8)
