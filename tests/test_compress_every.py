@@ -86,15 +86,15 @@ def test_the_compression_at_step_n_keeps_select_over_the_rescored_held_tokens(tr
     assert (after.sum(axis=1) == 19).all()
 
 
-def test_snapkv_votes_with_the_generated_queries(trace):
-    """The compression during decoding differs from compressing once: the observation window moved on."""
+def test_snapkv_compressed_again_keeps_other_tokens_than_once(trace):
+    """Compressing again changes what is kept: after the first compression during decoding the heavy hitters
+    are SnapKV's votes of the last queries (generated ones), no longer the prompt's last queries'."""
     spec = Spec(**SPEC, scorer="snapkv")
-    positions = _later(trace)
-    again = keep_masks(trace, spec.with_(compress_every=4), 1, positions)
-    once = keep_masks(trace, spec, 1, positions)
-    old = np.arange(trace.n_positions) < C - 8                    # prompt tokens outside the first window
-    assert (again[-1] & old).sum() != (once[-1] & old).sum() or not np.array_equal(again[-1] & old,
-                                                                                     once[-1] & old)
+    p = C - 1 + 4                                                   # the 4th decode step's query
+    again = keep_masks(trace, spec.with_(compress_every=4), 1, [p + 1])[0]
+    once = keep_masks(trace, spec, 1, [p + 1])[0]
+    assert not np.array_equal(again, once)
+    assert (again.sum(axis=1).tolist(), once.sum(axis=1).tolist()) == ([19, 19], [18, 18])   # + the arrival
 
 
 def test_pyramid_layers_stay_within_their_own_budget_plus_n(trace):
