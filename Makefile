@@ -77,6 +77,8 @@ $(RUNTIME_STAMP): | $(PY)
 $(DEV_STAMP): $(RUNTIME_STAMP)
 	@echo "==> installing dev requirements into $(VENV)"
 	$(PIP) install -q -r requirements-dev.txt
+	@echo "==> building optimum-quanto's CPU extension (ninja; else the quanto tests' first use builds it, minutes)"
+	-$(PY) -c "from optimum.quanto.library.extensions import get_extension; get_extension('quanto_cpp').lib"
 	@rm -f $(VENV)/.stamp-dev-*
 	@touch $@
 

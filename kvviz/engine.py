@@ -61,7 +61,7 @@ class Comparison:
         return {
             "source": self.primary_source,
             "spec": self.spec.__dict__,
-            "layer": p.layer, "head": p.head, "kv_head": p.kv_head, "position": p.position,
+            "layer": p.layer, "layer_number": self.model_layer, "head": p.head, "kv_head": p.kv_head, "position": p.position,
             "ensemble": self.ensemble, "ensemble_members": len(self.members),
             "tokens": list(self.tokens),
             "original": p.original.tolist(),
@@ -81,6 +81,12 @@ class Comparison:
         }
 
     primary_source: str = ""
+    layer_number: int | None = None   # the model's own number of the view's layer (a capture may keep some)
+
+    @property
+    def model_layer(self) -> int:
+        """The view's layer as the model numbers it (the position in the trace where it does not say)."""
+        return self.primary.layer if self.layer_number is None else self.layer_number
 
 
 # --- checks ------------------------------------------------------------------------
@@ -127,7 +133,9 @@ def n_members(trace: Trace, view: View) -> int:
 
 
 def trace_bytes(trace: Trace) -> int:
-    return sum(a.nbytes for a in (trace.q, trace.k, trace.v, trace.logits) if a is not None)
+    """What the trace holds in memory (a trace read lazily from its file: what its reads keep)."""
+    from kvviz.trace import held_bytes
+    return sum(held_bytes(a) for a in (trace.q, trace.k, trace.v, trace.logits) if a is not None)
 
 
 def compare_work(trace: Trace, evicts: bool, view: View, seeds: bool = False) -> Work:
@@ -244,7 +252,8 @@ def compare(trace: Trace, spec: Spec, view: View = View(),
                       primary=primary, members=tuple(rows), spread=spread(errors, complete),
                       memory=memory_for(trace, spec, n, None if budget_is_exact(spec) else
                                         kept_counts(trace, spec, qi)), notes=notes,
-                      primary_source=str(trace.meta.get("source", "")))
+                      primary_source=str(trace.meta.get("source", "")),
+                      layer_number=trace.layer_numbers[view.layer])
 
 
 def head_grid(trace: Trace, spec: Spec, step: int | None = None,

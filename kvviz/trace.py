@@ -11,6 +11,12 @@ keys and values the KV cache stores for every position. Shapes:
 attention rows the policies may read; queries at positions >= context_len are the later
 (decode) steps that read the compressed cache. The query at position p sees keys 0..p.
 Query head h reads KV head h // (q_heads // kv_heads) (grouped-query attention).
+
+Layers are indexed by position in these arrays; `layer_numbers` says which layer of the model each
+position is (a capture of `--layers 0-3,15,29` holds 6 layers, numbered 0, 1, 2, 3, 15, 29).
+
+q, k, v may also be lazy stacks read from a file layer by layer (kvviz.sources.lazy: `lazy = True`,
+indexed by layer first like the arrays); they check their own values for NaN / inf as they are read.
 """
 
 from __future__ import annotations
@@ -75,6 +81,22 @@ class Trace:
         """Query heads per KV head."""
         return self.n_q_heads // self.n_kv_heads
 
+    @cached_property
+    def layer_numbers(self) -> tuple[int, ...]:
+        """The model's own number of each layer (meta["layers"] when a capture kept some; else 0..L-1)."""
+        kept = self.meta.get("layers")
+        if isinstance(kept, list) and len(kept) == self.n_layers and all(isinstance(x, int) for x in kept):
+            return tuple(kept)
+        return tuple(range(self.n_layers))
+
+    def layer_index(self, number: int) -> int:
+        """Position in the arrays of the model's layer `number`; TraceError naming the layers there are."""
+        try:
+            return self.layer_numbers.index(int(number))
+        except ValueError:
+            raise TraceError(f"layer {number} is not in this trace: it has layers "
+                             f"{layer_ranges(self.layer_numbers)}") from None
+
     def kv_head(self, q_head: int) -> int:
         return q_head // self.group_size
 
@@ -117,7 +139,7 @@ def validate(t: Trace) -> None:
     """Check shapes, dtypes and finiteness; raise TraceError with a readable reason."""
     for name in ("q", "k"):
         a = getattr(t, name)
-        if not isinstance(a, np.ndarray) or a.ndim != 4:
+        if not (isinstance(a, np.ndarray) or is_lazy(a)) or a.ndim != 4:
             raise TraceError(f"{name} must be a 4-D array (layers, heads, positions, head_dim)")
     arrays = {"q": t.q, "k": t.k}
     if t.v is not None:
@@ -149,8 +171,30 @@ def validate(t: Trace) -> None:
     if t.noise_eps is not None and t.noise_eps.shape != (P,):
         raise TraceError("noise_eps must have one value per position")
     for name, a in {**arrays, "logits": t.logits}.items():
-        if a is not None and not np.isfinite(a).all():
+        if a is not None and not is_lazy(a) and not np.isfinite(a).all():
             raise TraceError(f"{name} contains NaN or infinite values")
+
+
+def is_lazy(a: Any) -> bool:
+    """True for an array read from its file as it is indexed (kvviz.sources.lazy.LayerStack)."""
+    return getattr(a, "lazy", False) is True
+
+
+def held_bytes(a: Any) -> int:
+    """Bytes an array holds in memory: all of it, or for a lazy stack what its reads keep at most."""
+    return int(a.held_bytes) if is_lazy(a) else int(a.nbytes)
+
+
+def layer_ranges(numbers: tuple[int, ...] | list[int]) -> str:
+    """[0, 1, 2, 3, 15, 29] -> '0-3, 15, 29'."""
+    out, run = [], []
+    for n in list(numbers) + [None]:
+        if run and (n is None or n != run[-1] + 1):
+            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+            run = []
+        if n is not None:
+            run.append(n)
+    return ", ".join(out)
 
 
 def trace_with(t: Trace, **changes: Any) -> Trace:

@@ -41,10 +41,8 @@ def main() -> None:
     pinned_spec = ux.pinned_spec()
     pinned = run_compare(source, pinned_spec, vs.view) if pinned_spec is not None else None
     n_seen = len(comp.tokens)
-    p = comp.primary
 
-    about = (f"{source.label} · layer {p.layer}, query head {p.head} (KV head {p.kv_head}), query at position "
-             f"{p.position} · {spec.label()} · {quant_model_note(source, spec)}")   # what the cards describe
+    about = f"{source.label} · {row_text(comp)} · {spec.label()} · {quant_model_note(source, spec)}"  # the cards
 
     def notes() -> list[str]:
         typical = st.session_state.get("_typical_note") if st.session_state.get("_typical_for") == source.key else None

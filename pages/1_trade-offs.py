@@ -71,7 +71,7 @@ def main() -> None:
     n_heads = source.trace.n_q_heads
     view = View(layer=vs.view.layer, head=0, step=vs.view.step, ensemble="heads", ensemble_size=n_heads)
     heads = f"all {n_heads} query heads" if n_heads > 1 else "its one query head"
-    st.caption(f"Each point is the mean over {heads} of layer {view.layer} at the query chosen under View. "
+    st.caption(f"Each point is the mean over {heads} of layer {source.trace.layer_numbers[view.layer]} at the query chosen under View. "
                "Click a point to open that setting in the Explorer.")
     rows = run_sweep(source, tuple(methods), tuple(sorted(bits, reverse=True)), view, spec, formats=tuple(formats))
     if not rows:

@@ -77,11 +77,8 @@ def _estimate_text(settings: lab.LabSettings) -> str:
 
 
 def _full_cached(settings: lab.LabSettings) -> bool:
-    models = ui_sources._model_store()["models"]
-    for (name, device, dtype), (model, tokenizer, _) in list(models.items()):
-        if (name, device, dtype) == (settings.model, settings.device, settings.dtype):
-            return lab.full_cached(model, tokenizer, settings)
-    return False
+    loaded = ui_sources.loaded_model(settings.model, settings.device, settings.dtype)
+    return loaded is not None and lab.full_cached(loaded[0], loaded[1], settings)
 
 
 def _run_live(settings: lab.LabSettings) -> dict:

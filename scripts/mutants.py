@@ -115,9 +115,9 @@ EQUIVALENT.update({
     **_same("the test for too many tied tokens fires as often or more (summed over every row, or compared across "
             "rows, or >= for >); trimming the ties of a row with no excess keeps them all", _SEL,
             *(f"select__mutmut_{n}" for n in (66, 68, 69, 71, 72))),
-    _SEL + "evict_one__mutmut_22": "np.finfo(None) is float64's (deprecated in numpy 1.25, not yet an error)",
-    _SEL + "evict_one__mutmut_46": "None assigned into a bool array is False",
-    _SEL + "evict_one__mutmut_54": "reshape(H, -2): numpy takes any negative size as the unknown one",
+    _SEL + "evict_one__mutmut_21": "np.finfo(None) is float64's (deprecated in numpy 1.25, not yet an error)",
+    _SEL + "evict_one__mutmut_39": "None assigned into a bool array is False",
+    _SEL + "evict_one__mutmut_47": "reshape(H, -2): numpy takes any negative size as the unknown one",
     **_same("context_attention(trim=None / False): the keys no row of the chunk sees come back as zeros, "
             "which add nothing to the sum (trim only skips them)", _H2O, "score__mutmut_3", "score__mutmut_4"),
 })

@@ -398,17 +398,41 @@ def _module_fixture(item) -> bool:
     return False
 
 
+# The browser tests in two xdist groups of about the same time (one per worker of a 2-core machine, each
+# with its own app server and Chromium; the session fixtures above are per worker), by the tests'
+# --durations on a quiet 2-core machine (under load the two groups took 601 s and 538 s). These tests
+# (by name, or their whole module) go to the second group, every other browser test to the first:
+# live-link tests of 100 + 48 + 45 + 34 s, the layout sweep's 36 s, the fresh servers, the hostile
+# links and the lesson, lecture and Studies files, against the Trade-offs, Decode timeline and Needle
+# live links, the Model lab's Cancel and the rest.
+BROWSER_SECOND = {"test_explorer_link_follows_every_single_interaction",
+                  "test_concentration_link_follows_every_single_interaction",
+                  "test_model_lab_link_follows_every_single_interaction",
+                  "test_studies_link_follows_every_single_interaction",
+                  "test_a_fresh_server_opens_a_page_link_as_that_page",
+                  "test_the_huge_link_gives_a_notice_on_every_page_and_the_server_stays_small",
+                  "test_layout_browser", "test_lesson_browser", "test_lecture_browser", "test_study_browser"}
+
+
+def _browser_group(item) -> str:
+    second = getattr(item, "originalname", item.name) in BROWSER_SECOND or item.path.stem in BROWSER_SECOND
+    return "browser-2" if second else "browser-1"
+
+
+# tryfirst: xdist's worker reads the xdist_group markers in its own pytest_collection_modifyitems;
+# added after it (as this hook did before) they grouped nothing. See also the group-id hook below.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """xdist groups (`--dist loadgroup`): the tests of a module with its own module-scoped fixtures stay
-    in one worker, so the fixture is built once; the browser tests share one worker, one app server
-    and one Chromium (spread over both workers, two servers and two Chromiums on 2 cores were slower,
-    1174 s against 883 s, and the first page load of one passed the 60 s expect timeout). Each worker's
-    server would take its own free port (app_url). Browser tests get a timeout of BROWSER_TIMEOUT
-    seconds; the core tests the `core` marker (`make test-fast` runs `-m core`)."""
+    in one worker, so the fixture is built once; the browser tests are two groups of about equal time
+    (BROWSER_SECOND), one per worker, each with its app server and Chromium. A group is one unit of
+    work: xdist hands out the units with the most tests first, so both browser groups start at once.
+    Browser tests get a timeout of BROWSER_TIMEOUT seconds; the core tests the `core` marker
+    (`make test-fast` runs `-m core`)."""
     xdist = config.pluginmanager.hasplugin("xdist")     # -p no:xdist: its marker is not registered
     for item in items:
         if xdist and item.get_closest_marker("browser") is not None:
-            item.add_marker(pytest.mark.xdist_group("browser"))
+            item.add_marker(pytest.mark.xdist_group(_browser_group(item)))
         elif xdist and _module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
         if item.get_closest_marker("browser") is not None:
@@ -416,6 +440,24 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.timeout(BROWSER_TIMEOUT))
         elif _is_core(item):
             item.add_marker(pytest.mark.core)
+
+
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+def pytest_collection_modifyitems_group_ids(config, items):
+    """What pytest-xdist's worker means to do with `--dist loadgroup`: append each test's group to its
+    node id (`path::test@group`), the key by which the controller hands a whole group to one worker.
+    xdist 3.8 writes it to `item._nodeid`, which pytest 9 no longer reads (a node's id is `item._id`),
+    so every xdist_group was ignored: each module fixture was built in both workers and the browser
+    tests were spread at random. Done here after xdist's own hook; a no-op where xdist's took effect."""
+    if not getattr(config.option, "loadgroup", False):     # set in xdist workers under --dist loadgroup
+        return
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid.rpartition("]")[2]:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
 def _save_page(page, name: str) -> list[Path]:

@@ -208,10 +208,17 @@ def test_a_real_model_prefill_and_capture_state_their_size():
     with pytest.raises(BudgetError, match=r"3 × 9 query heads × 8,192 tokens × 8,192 keys × 4 B = 7.2 GB of "
                                           r"attention scores"):
         prefill_work(dims, 8192).check()
-    # a 2048-token SmolLM2 capture: 141 MB of q, 47 MB each of k and v (the capture module's own figures)
-    work = capture_work(dims, 30, 2048, 2048)
-    assert [p.bytes for p in work.parts[1:]] == [30 * 9 * 2048 * 64 * 4, 2 * 30 * 3 * 2048 * 64 * 4]
-    assert round(work.parts[1].bytes / 1e6) == 142 and round(work.parts[2].bytes / 2e6) == 47
+    # a 2048-token SmolLM2 capture in memory: 141 MB of q, 47 MB each of k and v (the capture module's own
+    # figures); eager attention on the CPU adds one layer's scores, sdpa (blocks) and a GPU (not host) none
+    work = capture_work(dims, 30, 2048, 2048, attention="eager")
+    assert [p.bytes for p in work.parts] == [30 * 9 * 2048 * 64 * 4, 2 * 30 * 3 * 2048 * 64 * 4,
+                                             3 * 9 * 2048 * 2048 * 4]
+    assert round(work.parts[0].bytes / 1e6) == 142 and round(work.parts[1].bytes / 2e6) == 47
+    assert capture_work(dims, 30, 2048, 2048, attention="sdpa").parts == work.parts[:2]
+    assert capture_work(dims, 30, 2048, 2048, attention="eager", on_host=False).parts == work.parts[:2]
+    # to a file, in bfloat16: one layer's rows on the host, twice - whatever the length of the whole trace
+    to_file = capture_work((32, 32, 8, 128), 32, 32768, 32768, attention="sdpa", item_bytes=2)
+    assert to_file.bytes == 2 * (32 + 2 * 8) * 32768 * 128 * 2 < 1.5e9
 
 
 def test_a_real_model_text_past_the_limit_is_refused_before_the_forward_pass(tiny, monkeypatch):

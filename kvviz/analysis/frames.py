@@ -66,9 +66,10 @@ def with_band(frame: pd.DataFrame, bars: str) -> pd.DataFrame:
 
 
 def row_text(comp: Comparison) -> str:
-    """The primary row in words: 'layer 1, query head 2 (KV head 1), query at position 543'."""
+    """The primary row in words: 'layer 1, query head 2 (KV head 1), query at position 543' (the layer as the
+    model numbers it)."""
     p = comp.primary
-    return f"layer {p.layer}, query head {p.head} (KV head {p.kv_head}), query at position {p.position}"
+    return f"layer {comp.model_layer}, query head {p.head} (KV head {p.kv_head}), query at position {p.position}"
 
 
 def ensemble_text(comp: Comparison) -> str:

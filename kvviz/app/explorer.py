@@ -14,6 +14,7 @@ from urllib.parse import urlencode
 
 import streamlit as st
 
+from kvviz.analysis.frames import row_text
 from kvviz.app.cards import fmt_pct
 from kvviz.app.charts import deferred
 from kvviz.app.compression import spec_from_values
@@ -191,9 +192,8 @@ def slug(spec: Spec, source_label: str) -> str:
 
 def settings_header(comp: Comparison, source_label: str, link: str, bars: str) -> str:
     """'# key: value' lines that open the CSV: what was computed, and what each band column holds."""
-    p = comp.primary
     lines = [f"kvviz per-token data: {source_label}", f"settings: {comp.spec.label()}",
-             f"row: layer {p.layer}, query head {p.head} (KV head {p.kv_head}), query at position {p.position}",
+             f"row: {row_text(comp)}",
              f"ensemble: {comp.ensemble or 'none'}, N = {len(comp.members)} rows",
              "error = compressed - original attention of that row; error_eviction + error_quantization = error",
              "error_mean: ensemble mean; error_std_sample: sample std (n - 1); error_ci95_lo/hi: 95% t-interval "

@@ -48,7 +48,9 @@ def _external_sources() -> dict[str, Callable | None]:
 def _fingerprint(trace: Trace) -> str:
     h = hashlib.blake2b(digest_size=16)
     for a in (trace.q, trace.k, trace.v, trace.logits):
-        if a is not None:
+        if a is not None and getattr(a, "lazy", False):      # read from its file as shown: its identity
+            h.update(a.fingerprint().encode())
+        elif a is not None:
             h.update(str(a.shape).encode())
             h.update(np.ascontiguousarray(a.reshape(-1)[:: max(1, a.size // 65536)]).tobytes())
     h.update(repr(trace.tokens[:64]).encode() + str(trace.context_len).encode())
@@ -173,7 +175,7 @@ def view_section(source: Source, where=None, ensemble: bool = True, layer_head: 
     layer = head_index = 0
     if layer_head:
         representative_head(source)
-        layer = w_number(where, "layer", "Layer", 0, t.n_layers - 1, disabled=t.n_layers == 1)
+        layer = layer_picker(where, t)
         if head:
             head_index = w_number(where, "head", "Query head", 0, t.n_q_heads - 1, disabled=t.n_q_heads == 1)
     step = w_step(where, n_eval, scope=(source.key, n_eval))
@@ -259,3 +261,14 @@ def sidebar(compression: bool = True, ensemble: bool = True, head: bool = True, 
     view = view_section(source, ensemble=ensemble, layer_head=compression, head=head)
     show_notices()
     return Settings(source, spec, view)
+
+
+def layer_picker(where, t) -> int:
+    """The Layer box: the model's own layer numbers (a capture of `--layers 0-3,15,29` offers those six), the
+    link's `layer` being that number too; returns the layer's position in the trace."""
+    numbers = t.layer_numbers
+    if numbers == tuple(range(t.n_layers)):
+        return int(w_number(where, "layer", "Layer", 0, t.n_layers - 1, disabled=t.n_layers == 1))
+    number = w_choice(where, "layer", "Layer (the model's number)", numbers,
+                      help="This trace holds some of the model's layers; each is named by its number in the model.")
+    return t.layer_index(number)

@@ -94,13 +94,27 @@ def read_header(path: Path) -> dict | None:
         return None
 
 
+TRACE_DIRS_ENV = "KVVIZ_TRACE_DIRS"
+
+
+def trace_dirs() -> list[Path]:
+    """The server folders whose trace files the app offers: the capture cache, and the folders in
+    $KVVIZ_TRACE_DIRS (separated by the path separator, ':' on Linux) - where big traces copied from a
+    GPU machine go, so they open in place (lazily) instead of through an upload."""
+    extra = [Path(p).expanduser() for p in os.environ.get(TRACE_DIRS_ENV, "").split(os.pathsep) if p.strip()]
+    return [cache_dir(), *extra]
+
+
 def saved_traces() -> list[tuple[Path, str]]:
-    """(path, label) of the trace files in the cache folder, newest first."""
-    folder = cache_dir()
-    if not folder.is_dir():
-        return []
+    """(path, label) of the trace files in the server's trace folders, newest first."""
+    files = []
+    for folder in trace_dirs():
+        try:
+            files += [p for p in folder.glob("*.safetensors") if p.is_file()]
+        except OSError:
+            continue
     out = []
-    for p in sorted(folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime, reverse=True):
+    for p in sorted(set(files), key=lambda p: p.stat().st_mtime, reverse=True):
         h = read_header(p)
         if h is None:
             continue
@@ -108,7 +122,8 @@ def saved_traces() -> list[tuple[Path, str]]:
         prompt = " ".join(str(m.get("prompt", "")).split())
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(p.stat().st_mtime))
         label = (f"{m.get('model', m.get('source', 'trace'))} · {h['n_tokens']} tokens · "
-                 f"“{prompt[:40]}{'…' if len(prompt) > 40 else ''}” · {when}")
+                 f"“{prompt[:40]}{'…' if len(prompt) > 40 else ''}” · {when}"
+                 + ("" if p.parent == cache_dir() else f" · {p.name}"))
         out.append((p, label))
     return out
 
@@ -127,6 +142,12 @@ def _model_store() -> dict:
     created outside it fails on the next call.
     """
     return {"lock": threading.Lock(), "models": {}}
+
+
+def loaded_model(name: str, device: str = "cpu", dtype: str = "float32"):
+    """(model, tokenizer, info) if this server has already loaded the model on that device in that dtype,
+    else None: a page may ask what is in memory without starting a load."""
+    return _model_store()["models"].get((name, device, dtype))
 
 
 def shared_model(name: str, device: str = "cpu", dtype: str = "float32", progress=None):
@@ -378,11 +399,12 @@ def trace_file_source(container=None) -> Trace | None:
     saved = saved_traces()
     how = c.radio("Trace", ["upload", "saved"], key="tf_how", horizontal=True,
                   index=1 if saved else 0,
-                  format_func={"upload": "Upload a file", "saved": f"Saved captures ({len(saved)})"}.get)
+                  format_func={"upload": "Upload a file", "saved": f"On the server ({len(saved)})"}.get)
     if how == "saved":
         if not saved:
-            c.info(f"No saved captures yet in {cache_dir()}. Capture one with the Real model source "
-                   "or `kvviz capture`, or upload a file.")
+            c.info(f"No trace files yet in {', '.join(str(d) for d in trace_dirs())}. Capture one with the "
+                   f"Real model source or `kvviz capture`, put big ones in a folder named by ${TRACE_DIRS_ENV} "
+                   "(they open in place, a layer at a time), or upload a small file.")
             return None
         labels = {str(p): label for p, label in saved}
         pick = c.selectbox("Saved capture", list(labels), key="tf_pick", format_func=labels.get)

@@ -260,9 +260,16 @@ def _json_safe(obj):
     return obj
 
 
+def view_layer(trace, a: argparse.Namespace) -> int:
+    """The position in the trace of --layer (a model layer number; TraceError naming the layers there are)."""
+    return 0 if a.layer is None else trace.layer_index(a.layer)
+
+
 def add_view_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("view")
-    g.add_argument("--layer", type=integer(0, MAX_TOKENS), default=0)
+    g.add_argument("--layer", type=integer(0, MAX_TOKENS), default=None,
+                   help="the model's own layer number (a capture of --layers 0-3,15 has layer 15; "
+                        "default: the trace's first layer)")
     g.add_argument("--head", type=integer(0, MAX_TOKENS), default=0, help="query head")
     g.add_argument("--step", type=integer(0, MAX_TOKENS), default=None, help="which evaluated query (default: the last)")
     g.add_argument("--ensemble", choices=ENSEMBLES, default=None, help="what the error bars range over")

@@ -40,7 +40,10 @@ def register(subparsers) -> None:
     p.add_argument("--device-map", default=None,
                    help="e.g. 'auto' to spread a big model over several GPUs (needs accelerate)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
-                   help="model weights' dtype (the trace is stored as float32 either way)")
+                   help="model weights' dtype; the trace stores q, k, v in it (bfloat16 stays bfloat16)")
+    p.add_argument("--attention", default="sdpa", choices=("sdpa", "eager", "model"),
+                   help="the attention the model runs while recorded (default sdpa: no tokens x tokens matrix; "
+                        "'model': whatever it was loaded with)")
     p.add_argument("--out", required=True, help="output trace file (.safetensors)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=cmd_capture)
@@ -70,7 +73,6 @@ def _read_prompt(a: argparse.Namespace) -> str:
 def cmd_capture(a: argparse.Namespace) -> int:
     from kvviz.models import ModelError
     from kvviz.sources.capture import capture
-    from kvviz.sources.tracefile import save_trace
     from kvviz.models import load_model
 
     prompt = _read_prompt(a)
@@ -83,19 +85,40 @@ def cmd_capture(a: argparse.Namespace) -> int:
         raise ModelError(f"folder {out.parent} does not exist")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     bar = ProgressLine(not a.quiet and sys.stderr is not None)
+    free_budget = False
     try:
+        free_budget = default_budget_is_free_memory()
         model, tokenizer, info = load_model(a.model, device=a.device, dtype=a.dtype, device_map=a.device_map,
                                             progress=lambda f, m: bar(0.3 * f, m))
         trace = capture(model, tokenizer, info, prompt, new_tokens=a.new_tokens, max_tokens=a.max_tokens,
-                        layers=a.layers, progress=lambda f, m: bar(0.3 + 0.7 * f, m))
+                        layers=a.layers, progress=lambda f, m: bar(0.3 + 0.7 * f, m), attention=a.attention,
+                        out=out)          # written layer by layer; `out` is replaced only when complete
     finally:
         bar.done()
+        if free_budget:
+            from kvviz.limits import set_max_bytes
+            set_max_bytes(None)              # the process's budget as it was (main() in a test, a notebook)
     for note in trace.meta.get("notes", []):
         print(f"kvviz: note: {note}", file=sys.stderr)
-    save_trace(trace, out)
     size = out.stat().st_size
     print(f"wrote {out} ({size / 1e6:.1f} MB): {trace.describe()}", file=sys.stderr)
     return 0
+
+
+def default_budget_is_free_memory() -> bool:
+    """The command line's work budget, unless KVVIZ_MAX_BYTES or a program says otherwise: the memory this
+    machine has free now (the app keeps its per-request cap: it serves many). True when it set it."""
+    from kvviz.limits import DEFAULT_MAX_BYTES, ENV, MIN_MAX_BYTES, max_bytes, set_max_bytes
+
+    if os.environ.get(ENV, "").strip() or max_bytes() != DEFAULT_MAX_BYTES:
+        return False
+    try:
+        import psutil
+        free = int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - no psutil or no /proc: keep the default
+        return False
+    set_max_bytes(max(free, MIN_MAX_BYTES))
+    return True
 
 
 def cmd_models(a: argparse.Namespace) -> int:

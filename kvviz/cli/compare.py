@@ -7,7 +7,8 @@ import json
 import math
 import sys
 
-from kvviz.cli.args import (_json_safe, add_compression_args, add_source_args, add_view_args, source_from_args, spec_from_args)
+from kvviz.cli.args import (_json_safe, add_compression_args, add_source_args, add_view_args, source_from_args, spec_from_args,
+                            view_layer)
 from kvviz.metrics import DEFINITIONS as METRIC_DEFINITIONS
 from kvviz.spec import View
 
@@ -16,11 +17,14 @@ def cmd_compare(a: argparse.Namespace) -> int:
     from kvviz.engine import compare
 
     spec = spec_from_args(a)
-    view = View(layer=a.layer, head=a.head, step=a.step, ensemble=a.ensemble, ensemble_size=a.ensemble_size)
     trace, for_seed = source_from_args(a)
+    # --layer is the model's own layer number (a capture of --layers 0-3,15 holds layer 15 at position 4)
+    view = View(layer=view_layer(trace, a), head=a.head, step=a.step, ensemble=a.ensemble,
+                ensemble_size=a.ensemble_size)
     result = compare(trace, spec, view, trace_for_seed=for_seed)
     if a.json:
-        json.dump(_json_safe({**result.to_json(), "definitions": METRIC_DEFINITIONS}), sys.stdout)
+        json.dump(_json_safe({**result.to_json(), "layer_number": trace.layer_numbers[view.layer], "definitions": METRIC_DEFINITIONS}),
+                  sys.stdout)
         sys.stdout.write("\n")
     else:
         print(format_table(result, trace))
@@ -32,7 +36,7 @@ def format_table(result, trace, max_rows: int = 80) -> str:
 
     p = result.primary
     lines = [trace.describe(),
-             f"spec: {result.spec.label()}   layer {p.layer}, head {p.head} (KV head {p.kv_head}), "
+             f"spec: {result.spec.label()}   layer {trace.layer_numbers[p.layer]}, head {p.head} (KV head {p.kv_head}), "
              f"query at position {p.position}"
              + (f", error bars over {len(result.members)} {result.ensemble}" if result.ensemble else ""),
              *[f"note: {n}" for n in result.notes], "",

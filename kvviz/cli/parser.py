@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import sys
 
-from kvviz.cli import capture, compare, evaluate, ledger, lesson, needle, solve, study, sweep
+from kvviz.cli import capture, compare, evaluate, ledger, lesson, needle, solve, study, sweep, trace
 from kvviz.cli.args import CliError, OneLineParser
 from kvviz.limits import ENV
 from kvviz.spec import SpecError
 from kvviz.trace import TraceError
 
-COMMANDS = (compare, sweep, solve, ledger, capture, evaluate, needle, lesson, study)   # in the order --help lists them
+COMMANDS = (compare, sweep, solve, ledger, capture, trace, evaluate, needle, lesson, study)   # in the order --help lists them
 
 
 def build_parser() -> OneLineParser:

@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from kvviz.cli.args import (CliError, _json_safe, _nonneg, number, add_compression_args, add_source_args, add_view_args, source_from_args, spec_from_args)
+from kvviz.cli.args import (CliError, _json_safe, _nonneg, number, add_compression_args, add_source_args, add_view_args, source_from_args, spec_from_args,
+                            view_layer)
 from kvviz.spec import View
 
 
@@ -20,7 +21,7 @@ def cmd_solve(a: argparse.Namespace) -> int:
         raise CliError("give one target: --target-mass M (keep at least M of the attention) or --target-tv T")
     base = spec_from_args(a)
     trace, _ = source_from_args(a)
-    view = View(layer=a.layer, head=a.head, step=a.step)
+    view = View(layer=view_layer(trace, a), head=a.head, step=a.step)
     sol = solve(trace, base, view, target_mass=a.target_mass, target_tv=a.target_tv, max_sink=a.max_sink)
     if a.json:
         json.dump(_json_safe(sol.as_dict()), sys.stdout)

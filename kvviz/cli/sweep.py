@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvviz.cli.args import (CliError, add_compression_args, add_source_args, add_view_args, number_list, scorer_from_args, source_from_args, spec_from_args)
+from kvviz.cli.args import (CliError, add_compression_args, add_source_args, add_view_args, number_list, scorer_from_args, source_from_args, spec_from_args,
+                            view_layer)
 from kvviz.spec import FULL_BITS
 from kvviz.spec import SCORERS, SpecError, View, scorer_names
 
@@ -26,7 +27,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     fractions, bits = a.budgets, a.bits_list           # checked by their argparse types
     base = spec_from_args(a)
     trace, _ = source_from_args(a)
-    view = View(layer=a.layer, head=a.head, step=a.step, ensemble=a.ensemble or "heads",
+    view = View(layer=view_layer(trace, a), head=a.head, step=a.step, ensemble=a.ensemble or "heads",
                 ensemble_size=a.ensemble_size)
     from kvviz.analysis.sweep import SWEEP_FORMATS
     formats = [f.strip() for f in a.formats_list.split(",") if f.strip()]

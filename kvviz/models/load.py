@@ -48,6 +48,8 @@ class ModelInfo:
     dtype: str = "float32"
     device: str = "cpu"
     config: dict[str, Any] = field(default_factory=dict)  # the small, JSON-able part of the config
+    layer_kinds: tuple[str, ...] = ()            # per layer: "full_attention" or "sliding_attention" (...)
+    layer_windows: tuple[int | None, ...] = ()   # per layer: the sliding window in tokens, None for full
 
     @property
     def label(self) -> str:
@@ -334,57 +336,111 @@ def _eta(seconds: float) -> str:
     return f"about {max(1, round(seconds))} s" if seconds >= 0.5 else "under a second"
 
 
+ATTENTIONS = ("eager", "sdpa", "flash_attention_2", "flex_attention")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where a load comes from and how: resolved once, read by each phase."""
+
+    name: str
+    where: str
+    common: dict                     # from_pretrained kwargs every call shares (never trust_remote_code)
+    gguf: Path | None
+    dtype: str
+    device: str
+    device_map: str | None
+    attn: str
+
+    @property
+    def use_cache(self) -> bool:
+        return self.gguf is not None and not self.device_map and weights_cache_enabled()
+
+    @property
+    def where_runs(self) -> str:
+        return self.device_map or self.device
+
+
 def load_model(name: str = BUNDLED, device: str = "cpu", dtype: str = "float32",
-               progress: Progress | None = None, device_map: str | None = None) -> tuple[Any, Any, ModelInfo]:
+               progress: Progress | None = None, device_map: str | None = None,
+               attn_implementation: str = "eager") -> tuple[Any, Any, ModelInfo]:
     """(model, tokenizer, info) for `bundled`, a local folder / .gguf file, or a hub id.
 
     Never trust_remote_code. `device_map="auto"` (needs accelerate) spreads a big model
-    over several GPUs; otherwise the model is moved to `device`. A GGUF file is converted
-    once; later loads read the converted weights from the weights cache (see above).
-    Progress messages say which phase runs (reading, converting, moving) and how long
-    it should take, from the times measured on this machine before.
+    over several GPUs; otherwise the model is moved to `device`. `attn_implementation`: the
+    attention it runs (eager by default, so output_attentions is exact; kvviz's capture switches
+    to sdpa while it records). A GGUF file is converted once; later loads read the converted
+    weights from the weights cache (see above). Progress messages say which phase runs (reading,
+    converting, moving) and how long it should take, from the times measured on this machine before.
     """
     say = progress or (lambda f, m: None)
-    name = (name or "").strip()
     t_start = time.perf_counter()
     say(0.0, "loading torch and transformers")
     import torch
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     threads = os.environ.get("KVVIZ_TORCH_THREADS", "").strip()
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))   # 1 is faster on a busy 2-core machine (benchmarks/model_lab.py)
-    dt = torch_dtype(dtype)
+    plan = _plan(name, device, dtype, device_map, attn_implementation, torch)
+    if plan.use_cache:
+        loaded = _from_weights_cache(plan, say, t_start)
+        if loaded is not None:
+            return loaded
+    model, tokenizer = _from_pretrained(plan, say)
+    if plan.use_cache:
+        say(0.88, "saving the converted weights (later loads take about a second)")
+        save_weights_cache(model, tokenizer, plan.gguf, dtype)
+    if not device_map:
+        say(0.95, f"moving the model to {device}")
+        model.to(device)
+    model.eval()
+    say(1.0, "model ready")
+    return model, tokenizer, model_info(plan.name, plan.where, model, dtype, plan.where_runs)
+
+
+def _plan(name: str, device: str, dtype: str, device_map: str | None, attn: str, torch: Any) -> _Plan:
+    """Check the settings and resolve the name (ModelError when impossible)."""
+    name = (name or "").strip()
+    torch_dtype(dtype)
     _check_device(device, torch)
+    if attn not in ATTENTIONS:
+        raise ModelError(f"attention must be one of {', '.join(ATTENTIONS)}, not {attn!r}")
     where, extra = resolve(name)
-    local_only = extra.get("local_files_only", False)
-    common = {**extra, "trust_remote_code": False}
-    hub_msg = f"cannot load {name!r}: {NO_NETWORK}"
     gguf = Path(where) / extra["gguf_file"] if "gguf_file" in extra else None
-    use_cache = gguf is not None and not device_map and weights_cache_enabled()
+    return _Plan(name, where, {**extra, "trust_remote_code": False}, gguf, dtype, device, device_map, attn)
 
-    if use_cache:
-        say(0.02, f"reading {gguf.name} (checking the converted-weights cache)")
-        folder = weights_cache_folder(gguf, dtype)
-        if cached_weights_valid(folder, gguf, dtype):
-            expected = _timings().get("cached", 1.0)
-            say(0.1, f"reading the converted weights from the cache ({_eta(expected)})")
-            try:
-                model, tokenizer = _load_plain(folder, dt, {"local_files_only": True, "trust_remote_code": False})
-            except (OSError, ValueError, KeyError, TypeError, RuntimeError):
-                model = None                                 # unreadable after all: convert again
-            if model is not None:
-                say(0.9, f"moving the model to {device}")
-                model.to(device)
-                model.eval()
-                _record_timing("cached", time.perf_counter() - t_start)
-                say(1.0, "model ready")
-                return model, tokenizer, model_info(name, where, model, dtype, device)
-        if folder.exists():                                  # stale or corrupt: never loaded, rebuilt
-            import shutil
-            shutil.rmtree(folder, ignore_errors=True)
 
+def _from_weights_cache(plan: _Plan, say: Progress, t_start: float) -> tuple[Any, Any, ModelInfo] | None:
+    """The model from the converted-weights cache; None when it is not there (a stale or corrupt folder is
+    deleted: never loaded, rebuilt by the caller)."""
+    say(0.02, f"reading {plan.gguf.name} (checking the converted-weights cache)")
+    folder = weights_cache_folder(plan.gguf, plan.dtype)
+    if cached_weights_valid(folder, plan.gguf, plan.dtype):
+        say(0.1, f"reading the converted weights from the cache ({_eta(_timings().get('cached', 1.0))})")
+        try:
+            model, tokenizer = _load_plain(folder, torch_dtype(plan.dtype),
+                                           {"local_files_only": True, "trust_remote_code": False}, plan.attn)
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError):
+            model = None                                     # unreadable after all: convert again
+        if model is not None:
+            say(0.9, f"moving the model to {plan.device}")
+            model.to(plan.device)
+            model.eval()
+            _record_timing("cached", time.perf_counter() - t_start)
+            say(1.0, "model ready")
+            return model, tokenizer, model_info(plan.name, plan.where, model, plan.dtype, plan.device)
+    if folder.exists():
+        import shutil
+        shutil.rmtree(folder, ignore_errors=True)
+    return None
+
+
+def _from_pretrained(plan: _Plan, say: Progress) -> tuple[Any, Any]:
+    """Config, tokenizer and weights through transformers (converting a GGUF file), progress bars ours."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    name, where, common, gguf = plan.name, plan.where, plan.common, plan.gguf
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()
     t_convert = time.perf_counter()
@@ -399,27 +455,25 @@ def load_model(name: str = BUNDLED, device: str = "cpu", dtype: str = "float32",
     gguf_bar = _silence_gguf_bar(on_tensor) if gguf is not None else None
     try:
         say(0.05, "reading the model config")
-        try:
-            if gguf is None:
-                config = AutoConfig.from_pretrained(where, **common)
-                _check_causal_lm(name, config)
-            say(0.1, "loading the tokenizer")
-            tokenizer = AutoTokenizer.from_pretrained(where, **common)
-            say(0.3, "loading the weights" + (f" (converting the GGUF file, first time only: {_eta(expected)})"
-                                              if gguf is not None else ""))
-            kwargs: dict[str, Any] = dict(common, attn_implementation="eager", dtype=dt)
-            if device_map:
-                kwargs["device_map"] = device_map
-            model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
-        except OSError as exc:
-            if local_only or "connect" in str(exc).lower():
-                raise ModelError(hub_msg) from None
-            raise ModelError(f"cannot load {name!r}: {_first_line(exc)}") from None
-        except (ValueError, KeyError, TypeError) as exc:
-            msg = _first_line(exc)
-            if gguf is not None and ("architecture" in msg.lower() or "not supported" in msg.lower()):
-                raise ModelError(f"cannot load {name!r}: unsupported GGUF architecture ({msg})") from None
-            raise ModelError(f"{name!r} is not a causal language model transformers can load ({msg})") from None
+        if gguf is None:
+            _check_causal_lm(name, AutoConfig.from_pretrained(where, **common))
+        say(0.1, "loading the tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(where, **common)
+        say(0.3, "loading the weights" + (f" (converting the GGUF file, first time only: {_eta(expected)})"
+                                          if gguf is not None else ""))
+        kwargs: dict[str, Any] = dict(common, attn_implementation=plan.attn, dtype=torch_dtype(plan.dtype))
+        if plan.device_map:
+            kwargs["device_map"] = plan.device_map
+        model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+    except OSError as exc:
+        if common.get("local_files_only") or "connect" in str(exc).lower():
+            raise ModelError(f"cannot load {name!r}: {NO_NETWORK}") from None
+        raise ModelError(f"cannot load {name!r}: {_first_line(exc)}") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        msg = _first_line(exc)
+        if gguf is not None and ("architecture" in msg.lower() or "not supported" in msg.lower()):
+            raise ModelError(f"cannot load {name!r}: unsupported GGUF architecture ({msg})") from None
+        raise ModelError(f"{name!r} is not a causal language model transformers can load ({msg})") from None
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
@@ -427,18 +481,10 @@ def load_model(name: str = BUNDLED, device: str = "cpu", dtype: str = "float32",
             gguf_bar()
     if gguf is not None:
         _record_timing("convert", time.perf_counter() - t_convert)
-    if use_cache:
-        say(0.88, "saving the converted weights (later loads take about a second)")
-        save_weights_cache(model, tokenizer, gguf, dtype)
-    if not device_map:
-        say(0.95, f"moving the model to {device}")
-        model.to(device)
-    model.eval()
-    say(1.0, "model ready")
-    return model, tokenizer, model_info(name, where, model, dtype, device if not device_map else device_map)
+    return model, tokenizer
 
 
-def _load_plain(folder: Path, dt: Any, common: dict) -> tuple[Any, Any]:
+def _load_plain(folder: Path, dt: Any, common: dict, attn: str = "eager") -> tuple[Any, Any]:
     """Model and tokenizer from a transformers folder (the weights cache), progress bars off."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -447,7 +493,7 @@ def _load_plain(folder: Path, dt: Any, common: dict) -> tuple[Any, Any]:
     transformers.utils.logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **common)
-        model = AutoModelForCausalLM.from_pretrained(folder, **common, attn_implementation="eager", dtype=dt)
+        model = AutoModelForCausalLM.from_pretrained(folder, **common, attn_implementation=attn, dtype=dt)
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
@@ -462,11 +508,26 @@ def model_info(name: str, where: str, model: Any, dtype: str, device: str) -> Mo
             "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
             "rope_parameters", "rope_scaling", "sliding_window", "rms_norm_eps", "tie_word_embeddings")
     small = {k: getattr(text, k) for k in keep if getattr(text, k, None) is not None}
+    kinds = layer_kinds(text)
+    window = getattr(text, "sliding_window", None)
     return ModelInfo(name=name, path=where, n_layers=text.num_hidden_layers, n_q_heads=n_q,
                      n_kv_heads=getattr(text, "num_key_value_heads", None) or n_q,
                      head_dim=getattr(text, "head_dim", None) or text.hidden_size // n_q,
                      architecture=type(model).__name__, dtype=dtype, device=str(device),
-                     config=_jsonable(small))
+                     config=_jsonable(small), layer_kinds=kinds,
+                     layer_windows=tuple(int(window) if k == "sliding_attention" and window else None for k in kinds))
+
+
+def layer_kinds(text_config: Any) -> tuple[str, ...]:
+    """Each layer's attention kind: the config's `layer_types` (Gemma 2/3, gpt-oss, Qwen3...), else every
+    layer sliding when the config sets a `sliding_window` (Mistral), else every layer full."""
+    n = int(text_config.num_hidden_layers)
+    types = getattr(text_config, "layer_types", None)
+    if isinstance(types, (list, tuple)) and len(types) == n:
+        return tuple(str(t) for t in types)
+    if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True):
+        return ("sliding_attention",) * n
+    return ("full_attention",) * n
 
 
 def _check_causal_lm(name: str, config: Any) -> None:

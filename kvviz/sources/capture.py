@@ -1,32 +1,36 @@
 """Capture a Trace from a real causal language model (torch / transformers imported lazily).
 
-For a prompt of P tokens and N greedy decode steps the model runs once over the prompt
-(prefill) and then once per new token with its KV cache, exactly as generation does.
-While it runs, a thin attention function registered with transformers' AttentionInterface
-sees, per layer and per forward call, what the attention itself sees:
+For a prompt of P tokens and N greedy decode steps the model runs once over the prompt (prefill) and
+then once per new token with its KV cache, exactly as generation does. While it runs, a thin attention
+function registered with transformers' AttentionInterface sees, per layer and per forward call,
 
     query  (1, q_heads,  n, head_dim)   post-RoPE queries of the n new tokens
     key    (1, kv_heads, kv, head_dim)  post-RoPE keys as the cache holds them (new ones last)
     value  (1, kv_heads, kv, head_dim)
 
-and copies the n new rows into preallocated float32 buffers before handing over to the
-model's own attention (eager). So the trace holds, for T = P + N positions,
+hands the n new rows to a sink, then calls the attention the model runs (sdpa unless asked otherwise;
+eager only where the weights themselves are needed, as in `check_attention`). The sink is float32
+buffers in memory, or a format-2 trace file written as the layers arrive, in the model's own dtype
+(capture(out=...); the host holds one layer's rows at a time). So the trace holds, for T = P + N,
 
     q     (layers, q_heads,  T, head_dim)   a query at every position (prompt and decode)
     k, v  (layers, kv_heads, T, head_dim)
 
-and never any tokens x tokens attention matrix of its own; softmax(q . K^T / sqrt(d)) is
-recomputed on demand by kvviz (see `check_attention` for the proof it matches the model).
-A 2048-token SmolLM2 capture holds 30*9*2048*64*4 B = 141 MB of q and 47 MB each of k, v.
+and never a tokens x tokens attention matrix: softmax(q . K^T / sqrt(d)) is recomputed on demand.
+An 8B model of Llama-3.1's shape stores 32 x (32 + 2 x 8) x 128 x 2 B = 393 kB a token in bfloat16.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +38,8 @@ import numpy as np
 from kvviz.limits import Part, Work, checkpoint
 from kvviz.models import BUNDLED, ModelError, ModelInfo, load_model
 from kvviz.models.config import PREFILL_SCORE_COPIES, model_dims
+from kvviz.sources.overview import concentration, head_overview  # noqa: F401 - their home before
+from kvviz.sources.tokens import VISIBLE, token_strings, visible  # noqa: F401 - their home before
 from kvviz.trace import Trace
 
 DEFAULT_MAX_TOKENS = 2048
@@ -52,22 +58,68 @@ class CaptureError(ModelError):
     """A capture that cannot run (empty prompt, bad layers, ...); the message says why."""
 
 
-# --- the recorder ---------------------------------------------------------------------
+# --- the recorder and where its rows go ------------------------------------------------------
+
+class _MemorySink:
+    """The trace's rows in float32 numpy buffers (the app's captures; allocated on the first rows)."""
+
+    def __init__(self, n_layers: int, n_positions: int):
+        self.L, self.T = n_layers, n_positions
+        self.q = self.k = self.v = None
+
+    def put(self, slot: int, start: int, q: Any, k: Any, v: Any, scale: float) -> None:
+        if self.q is None:
+            self.q = np.zeros((self.L, q.shape[0], self.T, q.shape[-1]), np.float32)
+            self.k = np.zeros((self.L, k.shape[0], self.T, k.shape[-1]), np.float32)
+            self.v = np.zeros((self.L, v.shape[0], self.T, v.shape[-1]), np.float32)
+        n = q.shape[1]
+        q = q.float()
+        if scale != 1.0:                          # kvviz scores q . k / sqrt(d): fold the model's scale into q
+            q = q * scale
+        self.q[slot, :, start:start + n] = q.cpu().numpy()
+        self.k[slot, :, start:start + n] = k.float().cpu().numpy()
+        self.v[slot, :, start:start + n] = v.float().cpu().numpy()
+
+
+class _FileSink:
+    """The trace's rows written to a format-2 file as they arrive, in the model's dtype (a TraceWriter);
+    the host holds one layer's new rows at a time. The model's query scale goes in the header."""
+
+    def __init__(self, writer: Any, numbers: list[int], dtype: Any):
+        self.writer, self.numbers, self.dtype = writer, numbers, dtype
+
+    def put(self, slot: int, start: int, q: Any, k: Any, v: Any, scale: float) -> None:
+        n = self.numbers[slot]
+        for kind, x in (("q", q), ("k", k), ("v", v)):
+            self.writer.put(f"{kind}.{n}", _host_array(x.to(self.dtype)), start)
+
+
+def _host_array(x: Any) -> np.ndarray:
+    """A torch tensor's values on the host as numpy, bit for bit (bfloat16 as its uint16 pattern)."""
+    import torch
+
+    x = x.detach().contiguous()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).cpu().numpy().view(np.uint16)
+    return x.cpu().numpy()
+
 
 class _Recorder:
-    """Copies the new tokens' q, k, v of the selected layers into numpy buffers."""
+    """Hands the new tokens' q, k, v of the selected layers to a sink, layer by layer as they run."""
 
-    def __init__(self, slots: dict[int, int], n_positions: int, n_model_layers: int,
-                 on_layer: Callable[[int], None] | None):
+    def __init__(self, slots: dict[int, int], sink: Any, on_layer: Callable[[int], None] | None):
         self.slots = slots                  # model layer index -> trace layer index
-        self.T = n_positions
-        self.n_model_layers = n_model_layers
+        self.sink = sink
         self.on_layer = on_layer            # progress hook, called during the prefill
         self.start = 0                      # position of the first token of the current call
-        self.q = self.k = self.v = None     # allocated on the first call, from real shapes
         self.calls = 0
-        self.q_rescaled = False
+        self.q_scale = 1.0                  # the model's query scale relative to 1/sqrt(d)
+        self.attention = ""                 # the implementation that ran (set by _recording)
         self._order: dict[int, int] = {}    # id(module) -> layer, for modules without layer_idx
+
+    @property
+    def q_rescaled(self) -> bool:
+        return self.q_scale != 1.0
 
     def layer_of(self, module: Any) -> int:
         idx = getattr(module, "layer_idx", None)
@@ -80,22 +132,14 @@ class _Recorder:
         self.calls += 1
         slot = self.slots.get(layer)
         if slot is not None:
-            _, hq, n, d = query.shape
-            hkv = key.shape[1]
-            if self.q is None:
-                L = len(self.slots)
-                self.q = np.zeros((L, hq, self.T, d), np.float32)
-                self.k = np.zeros((L, hkv, self.T, d), np.float32)
-                self.v = np.zeros((L, hkv, self.T, value.shape[-1]), np.float32)
-            s = self.start
-            q = query[0].float()                                   # (Hq, n, D)
+            n, d = query.shape[2], query.shape[3]
+            if d != key.shape[-1]:
+                raise CaptureError(f"queries ({d}) and keys ({key.shape[-1]}) differ in head size; "
+                                   "kvviz cannot score this attention")
             if scaling is not None and abs(scaling * math.sqrt(d) - 1.0) > 1e-6:
-                # kvviz scores q . k / sqrt(d); fold a model's own scale into q so the logits match.
-                q = q * (scaling * math.sqrt(d))
-                self.q_rescaled = True
-            self.q[slot, :, s:s + n] = q.cpu().numpy()
-            self.k[slot, :, s:s + n] = key[0, :, -n:].float().cpu().numpy()    # (Hkv, n, D)
-            self.v[slot, :, s:s + n] = value[0, :, -n:].float().cpu().numpy()
+                self.q_scale = float(scaling * math.sqrt(d))
+            # query (1, Hq, n, D); key, value (1, Hkv, kv, D) with the n new tokens last
+            self.sink.put(slot, self.start, query[0], key[0, :, -n:], value[0, :, -n:], self.q_scale)
         if self.on_layer is not None:
             self.on_layer(layer)
 
@@ -137,8 +181,8 @@ def _register(impl: str) -> str:
 class _recording:
     """Context manager: route the model's attention through the recorder, then restore it."""
 
-    def __init__(self, model: Any, recorder: _Recorder):
-        self.model, self.recorder = model, recorder
+    def __init__(self, model: Any, recorder: _Recorder, attention: str | None = None):
+        self.model, self.recorder, self.attention = model, recorder, attention
 
     def __enter__(self):
         global _ACTIVE
@@ -146,12 +190,19 @@ class _recording:
         self.impl = self.model.config._attn_implementation or "eager"
         if self.impl.startswith(_IMPL_PREFIX):      # left over from an interrupted capture
             self.impl = self.impl[len(_IMPL_PREFIX):]
+        self.recorder.attention = self.attention or self.impl
         try:
-            self.model.set_attn_implementation(_register(self.impl))
+            try:
+                self.model.set_attn_implementation(_register(self.recorder.attention))
+            except Exception:  # noqa: BLE001 - a model without sdpa (Gemma 2): its own attention instead
+                if self.recorder.attention == self.impl:
+                    raise
+                self.recorder.attention = self.impl
+                self.model.set_attn_implementation(_register(self.impl))
         except Exception as exc:  # noqa: BLE001 - say what kvviz cannot do, not a traceback
             _LOCK.release()
             raise CaptureError(f"{type(self.model).__name__} does not let kvviz record its attention "
-                               f"(AttentionInterface): {exc}") from None
+                               f"(AttentionInterface): {_first_line(exc)}") from None
         _ACTIVE = self.recorder
         return self.recorder
 
@@ -163,36 +214,6 @@ class _recording:
         finally:
             _LOCK.release()
         return False
-
-
-# --- tokens ---------------------------------------------------------------------------
-
-VISIBLE = {" ": "▁", "\n": "↵", "\t": "⇥", "\r": "␍"}
-
-
-def visible(text: str) -> str:
-    """Whitespace made visible for token chips: space ▁, newline ↵, tab ⇥."""
-    return "".join(VISIBLE.get(c, c) for c in text)
-
-
-def token_strings(tokenizer: Any, ids: Sequence[int]) -> tuple[str, ...]:
-    """Readable text of each token: what it adds to the decoded text, whitespace visible.
-
-    Decoding a token after a few tokens of left context keeps the leading space that
-    SentencePiece tokenizers drop at the start of a text; byte-level pieces of one
-    character decode to the replacement character.
-    """
-    ids = [int(i) for i in ids]
-    out = []
-    for i, tid in enumerate(ids):
-        ctx = ids[max(0, i - 3):i]
-        whole = tokenizer.decode(ctx + [tid], clean_up_tokenization_spaces=False)
-        head = tokenizer.decode(ctx, clean_up_tokenization_spaces=False) if ctx else ""
-        piece = whole[len(head):] if whole.startswith(head) else tokenizer.decode([tid])
-        if piece == "":
-            piece = str(tokenizer.convert_ids_to_tokens(tid))
-        out.append(visible(piece))
-    return tuple(out)
 
 
 # --- capture ----------------------------------------------------------------------------
@@ -228,17 +249,32 @@ def _cache_of(out: Any) -> Any:
     return out["cache"] if "cache" in fields and out.get("cache") is not None else out.past_key_values
 
 
-def capture(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, new_tokens: int = 0,
-            max_tokens: int = DEFAULT_MAX_TOKENS, layers: str | Sequence[int] | None = None,
-            progress: Progress | None = None, stop_at_eos: bool = True) -> Trace:
-    """Prefill `prompt`, greedy-decode `new_tokens` steps, and return the Trace of q, k, v.
+ATTENTIONS = ("sdpa", "eager", "model")      # "model": whatever the model was loaded with
 
-    context_len = prompt length (after truncation to `max_tokens`); queries at every
-    position. `progress(fraction, message)` is called as the capture advances.
-    """
-    import torch
 
-    say = progress or (lambda f, m: None)
+@dataclass(frozen=True)
+class _Request:
+    """A capture's prompt tokens and sizes, checked, before anything runs."""
+
+    ids: list[int]
+    layers: list[int]               # the model's layer numbers kept
+    new_tokens: int
+    max_tokens: int
+    n_prompt_tokens: int            # before truncation
+    notes: tuple[str, ...]
+
+    @property
+    def P(self) -> int:
+        return len(self.ids)
+
+    @property
+    def T(self) -> int:
+        return len(self.ids) + self.new_tokens
+
+
+def _request(tokenizer: Any, info: ModelInfo, prompt: str, new_tokens: int, max_tokens: int,
+             layers: str | Sequence[int] | None) -> _Request:
+    """Check the settings and tokenize the prompt, cut to max_tokens (and the model's positions)."""
     if prompt is None or not str(prompt).strip():
         raise CaptureError("the prompt is empty: give some text to capture")
     if not 0 <= int(new_tokens) <= MAX_NEW_TOKENS:
@@ -247,55 +283,104 @@ def capture(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, new_tokens
         raise CaptureError(f"max tokens must be at least 1, not {max_tokens}")
     new_tokens, max_tokens = int(new_tokens), int(max_tokens)
     chosen = parse_layers(layers, info.n_layers)
-    layer_ids = chosen if chosen is not None else list(range(info.n_layers))
-
     ids = list(tokenizer(prompt)["input_ids"])
     if not ids:
         raise CaptureError("the prompt is empty after tokenization: give some text to capture")
-    notes = []
-    n_prompt_tokens = len(ids)
-    limit = max_tokens
+    notes, total, limit = [], len(ids), max_tokens
     max_pos = info.config.get("max_position_embeddings")
     if max_pos and max_pos - new_tokens < limit:
         limit = max(1, int(max_pos) - new_tokens)
-    truncated = n_prompt_tokens > limit
-    if truncated:
+    if total > limit:
         ids = ids[:limit]
         why = (f"the max-tokens limit of {max_tokens}" if limit == max_tokens else
                f"the model's {max_pos} positions minus {new_tokens} new tokens")
-        notes.append(f"the prompt has {n_prompt_tokens} tokens; kept the first {limit} ({why})")
-        say(0.0, notes[-1])
-    P, T = len(ids), len(ids) + new_tokens
-    capture_work(model_dims(model), len(layer_ids), P, T).check()     # before any buffer is allocated
+        notes.append(f"the prompt has {total} tokens; kept the first {limit} ({why})")
+    return _Request(ids, chosen if chosen is not None else list(range(info.n_layers)), new_tokens, max_tokens,
+                    total, tuple(notes))
 
-    # progress: the prefill is worth ~P/8 decode steps, at least one
-    prefill_w = max(1.0, P / 8)
+
+def capture(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, new_tokens: int = 0,
+            max_tokens: int = DEFAULT_MAX_TOKENS, layers: str | Sequence[int] | None = None,
+            progress: Progress | None = None, stop_at_eos: bool = True, attention: str | None = "sdpa",
+            out: str | os.PathLike | None = None) -> Trace:
+    """Prefill `prompt`, greedy-decode `new_tokens` steps, and return the Trace of q, k, v.
+
+    context_len = prompt length (after truncation to `max_tokens`); queries at every position.
+    `attention`: the implementation the model runs while recorded ("sdpa", "eager", or None / "model"
+    for the one it was loaded with). `out`: write the trace to this file as the layers arrive, in the
+    model's dtype (format 2), and return it opened lazily from there; else float32 arrays in memory.
+    `progress(fraction, message)` is called as the capture advances.
+    """
+    say = progress or (lambda f, m: None)
+    attention = None if attention in (None, "model") else str(attention)
+    req = _request(tokenizer, info, prompt, new_tokens, max_tokens, layers)
+    for note in req.notes:
+        say(0.0, note)
+    dtype = _model_dtype(model)
+    capture_work(model_dims(model), len(req.layers), req.P, req.T,
+                 attention=attention or model.config._attn_implementation or "eager",
+                 on_host=_input_device(model).type == "cpu",
+                 item_bytes=None if out is None else dtype.itemsize).check()     # before any buffer is allocated
+    if out is None:
+        sink = _MemorySink(len(req.layers), req.T)
+        run = _run(model, tokenizer, info, req, sink, attention, stop_at_eos, say)
+        n = run["n"]
+        meta = _meta(model, tokenizer, info, prompt, req, run, attention)
+        say(1.0, run["message"])
+        return Trace(q=sink.q[:, :, :n], k=sink.k[:, :, :n], v=sink.v[:, :, :n], context_len=req.P,
+                     tokens=token_strings(tokenizer, run["ids"]), query_positions=np.arange(n, dtype=np.int64),
+                     meta=meta)
+    return _capture_to_file(model, tokenizer, info, prompt, req, attention, stop_at_eos, say, dtype, Path(out))
+
+
+def _capture_to_file(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, req: _Request,
+                     attention: str | None, stop_at_eos: bool, say: Progress, dtype: Any, out: Path) -> Trace:
+    """capture(out=...): rows go to a TraceWriter as they arrive; the file appears at `out` only when complete."""
+    from kvviz.sources.tracefile import header_fields, load_trace
+    from kvviz.sources.tracewriter import TraceWriter
+
+    _, Hq, Hkv, D = model_dims(model)
+    code = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}[str(dtype).split(".")[-1]]
+    tensors = {}
+    for n in req.layers:
+        tensors.update({f"q.{n}": (code, (Hq, req.T, D)), f"k.{n}": (code, (Hkv, req.T, D)),
+                        f"v.{n}": (code, (Hkv, req.T, D))})
+    tensors["query_positions"] = ("I64", (req.T,))
+    reserve = 64 * 1024 + 64 * req.T + 4 * len(prompt.encode("utf-8"))
+    with TraceWriter(out, tensors, reserve=reserve) as w:
+        run = _run(model, tokenizer, info, req, _FileSink(w, req.layers, dtype), attention, stop_at_eos, say)
+        n = run["n"]
+        w.put("query_positions", np.arange(req.T, dtype=np.int64))
+        meta = _meta(model, tokenizer, info, prompt, req, run, attention)
+        if run["q_scale"] != 1.0:
+            meta["query_scale"] = run["q_scale"]
+        w.finish(header_fields(req.P, token_strings(tokenizer, run["ids"]), meta, req.layers), positions=n)
+    say(1.0, run["message"] + f", written to {out.name}")
+    return load_trace(out)
+
+
+def _run(model: Any, tokenizer: Any, info: ModelInfo, req: _Request, sink: Any, attention: str | None,
+         stop_at_eos: bool, say: Progress) -> dict[str, Any]:
+    """The prefill and the greedy decode steps with the recorder on; what happened, as a dict."""
+    import torch
+
+    P, new_tokens, n_layers = req.P, req.new_tokens, info.n_layers
+    prefill_w = max(1.0, P / 8)              # progress: the prefill is worth ~P/8 decode steps, at least one
     total_w = prefill_w + new_tokens
-    n_layers = info.n_layers
 
     def on_layer(layer: int) -> None:
         checkpoint()
         if rec.start == 0:
             say(prefill_w / total_w * (layer + 1) / n_layers, f"running prefill: layer {layer + 1}/{n_layers}")
 
-    rec = _Recorder({m: i for i, m in enumerate(layer_ids)}, T, n_layers, on_layer)
+    rec = _Recorder({m: i for i, m in enumerate(req.layers)}, sink, on_layer)
     device = _input_device(model)
     t0 = time.perf_counter()
-    all_ids = list(ids)
-    stopped = None
+    all_ids, stopped, notes = list(req.ids), None, list(req.notes)
     eos = _eos_ids(tokenizer, model)
-    with _recording(model, rec), torch.inference_mode():
+    with _recording(model, rec, attention), torch.inference_mode():
         say(0.0, f"running prefill over {P} tokens")
-        x = torch.tensor([ids], device=device)
-        try:
-            out = model(input_ids=x, use_cache=True, logits_to_keep=1)
-        except TypeError as exc:            # an older model class without logits_to_keep
-            if "logits_to_keep" not in str(exc):
-                raise
-            rec.calls, keep = 0, {}
-            out = model(input_ids=x, use_cache=True)
-        else:
-            keep = {"logits_to_keep": 1}
+        out, keep = _prefill(model, torch.tensor([req.ids], device=device), rec)
         if rec.calls == 0:
             raise CaptureError(f"{info.architecture} did not call its attention through transformers' "
                                "AttentionInterface, so kvviz cannot record it")
@@ -316,50 +401,103 @@ def capture(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, new_tokens
         next_token = int(out.logits[0, -1].argmax())
     seconds = time.perf_counter() - t0
     n = len(all_ids)
-    q, k, v = rec.q[:, :, :n], rec.k[:, :, :n], rec.v[:, :, :n]
-    if q.shape[-1] != k.shape[-1]:
-        raise CaptureError(f"queries ({q.shape[-1]}) and keys ({k.shape[-1]}) differ in head size; "
-                           "kvviz cannot score this attention")
+    return {"n": n, "ids": all_ids, "stopped": stopped, "notes": notes, "next_token": next_token,
+            "seconds": seconds, "q_scale": rec.q_scale, "attention": rec.attention,
+            "message": f"captured {n} tokens ({P} prompt + {n - P} new) in {seconds:.1f} s"}
 
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+def _impl(model: Any) -> str:
+    impl = model.config._attn_implementation or "eager"
+    return impl[len(_IMPL_PREFIX):] if impl.startswith(_IMPL_PREFIX) else impl
+
+
+def _prefill(model: Any, x: Any, rec: _Recorder) -> tuple[Any, dict]:
+    """The prefill forward; (its output, the kwargs later steps pass: logits_to_keep when the model has it)."""
+    try:
+        return model(input_ids=x, use_cache=True, logits_to_keep=1), {"logits_to_keep": 1}
+    except TypeError as exc:            # an older model class without logits_to_keep
+        if "logits_to_keep" not in str(exc):
+            raise
+        rec.calls = 0
+        return model(input_ids=x, use_cache=True), {}
+
+
+def _meta(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, req: _Request, run: dict,
+          attention: str | None) -> dict[str, Any]:
+    """The trace's provenance: the model and where it came from, the versions, the prompt, when."""
+    import datetime
+
+    import torch
+    import transformers
+
+    from kvviz.models.config import rope_inv_freq
     from kvviz.version import __version__
 
+    n, P = run["n"], req.P
+    cfg = info.config
     meta = {
         "source": "model", "model": info.label, "model_name": info.name, "path": info.path,
-        "architecture": info.architecture, "config": info.config, "dtype": info.dtype,
-        "device": info.device, "prompt": prompt, "prompt_tokens": P,
-        "prompt_tokens_total": n_prompt_tokens, "truncated": truncated, "max_tokens": max_tokens,
-        "new_tokens": n - P, "new_tokens_requested": new_tokens, "stopped": stopped,
-        "generated_text": tokenizer.decode(all_ids[P:]) if n > P else "",
-        "next_token": tokenizer.decode([next_token]), "token_ids": all_ids,
-        "layers": layer_ids, "query_rescaled": rec.q_rescaled,
-        "sliding_window": info.config.get("sliding_window"),
-        "capture_seconds": round(seconds, 3), "kvviz_version": __version__, "notes": notes,
+        "revision": getattr(model.config, "_commit_hash", None), "architecture": info.architecture,
+        "config": cfg, "dtype": str(_model_dtype(model)).split(".")[-1], "device": info.device,
+        "attn_implementation": run["attention"],
+        "layer_kinds": [info.layer_kinds[i] if info.layer_kinds else "full_attention" for i in req.layers],
+        "layer_windows": [info.layer_windows[i] if info.layer_windows else None for i in req.layers],
+        "prompt": prompt, "prompt_sha256": hashlib.sha256(prompt.encode("utf-8")).hexdigest(),
+        "prompt_tokens": P, "prompt_tokens_total": req.n_prompt_tokens, "truncated": req.n_prompt_tokens > P,
+        "max_tokens": req.max_tokens, "new_tokens": n - P, "new_tokens_requested": req.new_tokens,
+        "stopped": run["stopped"], "generated_text": tokenizer.decode(run["ids"][P:]) if n > P else "",
+        "next_token": tokenizer.decode([run["next_token"]]), "token_ids": run["ids"],
+        "layers": list(req.layers), "query_rescaled": run["q_scale"] != 1.0,
+        "sliding_window": cfg.get("sliding_window"), "capture_seconds": round(run["seconds"], 3),
+        "captured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "kvviz_version": __version__, "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__, "notes": run["notes"],
     }
-    from kvviz.models.config import rope_inv_freq
     inv_freq = rope_inv_freq(model)
     if inv_freq is not None:
         meta["rope_inv_freq"] = [float(x) for x in inv_freq]
-    say(1.0, f"captured {n} tokens ({P} prompt + {n - P} new) in {seconds:.1f} s")
-    return Trace(q=q, k=k, v=v, context_len=P, tokens=token_strings(tokenizer, all_ids),
-                 query_positions=np.arange(n, dtype=np.int64), meta=meta)
+    return meta
 
 
-def capture_work(dims: tuple[int, int, int, int], n_layers: int, n_prompt: int, n_positions: int) -> Work:
-    """What a capture holds beyond the weights: the trace's float32 buffers for the recorded layers
-    and, during the prefill, one layer's (query heads, prompt, prompt) attention scores."""
+def _model_dtype(model: Any) -> Any:
+    try:
+        return next(model.parameters()).dtype
+    except (StopIteration, AttributeError):
+        import torch
+        return torch.float32
+
+
+def capture_work(dims: tuple[int, int, int, int], n_layers: int, n_prompt: int, n_positions: int,
+                 attention: str = "eager", on_host: bool = True, item_bytes: int | None = None) -> Work:
+    """What a capture allocates in host memory beyond the weights.
+
+    In memory (item_bytes None): the trace's float32 buffers for the recorded layers. To a file
+    (item_bytes = the model dtype's): one layer's new rows at a time, on the host twice (the copy off the
+    device and its contiguous bytes). Eager attention on the CPU also holds one layer's (query heads,
+    prompt, prompt) scores; sdpa works in blocks, and on a GPU the scores are the GPU's memory, not the host's."""
     _, Hq, H, D = dims
     T = (n_positions, "positions")
-    return Work("this capture", (
-        Part("attention scores", ((PREFILL_SCORE_COPIES, ""), (Hq, "query heads"), (n_prompt, "tokens"),
-                                  (n_prompt, "keys"))),
-        Part("queries", ((n_layers, "layers"), (Hq, "query heads"), T, (D, "dims"))),
-        Part("keys and values", ((2, ""), (n_layers, "layers"), (H, "KV heads"), T, (D, "dims"))),
-    ), lower="Max prompt tokens (--max-tokens), the new tokens or the layers kept (--layers)")
+    if item_bytes is None:
+        parts = [Part("queries", ((n_layers, "layers"), (Hq, "query heads"), T, (D, "dims"))),
+                 Part("keys and values", ((2, ""), (n_layers, "layers"), (H, "KV heads"), T, (D, "dims")))]
+    else:
+        parts = [Part("one layer's queries, keys and values on their way to the file",
+                      ((2, "copies"), (Hq + 2 * H, "heads"), (n_prompt, "tokens"), (D, "dims")), item_bytes)]
+    if attention == "eager" and on_host:
+        parts.append(Part("attention scores", ((PREFILL_SCORE_COPIES, ""), (Hq, "query heads"),
+                                               (n_prompt, "tokens"), (n_prompt, "keys"))))
+    return Work("this capture", tuple(parts),
+                lower="Max prompt tokens (--max-tokens), the new tokens or the layers kept (--layers)")
 
 
 def capture_trace(model_name: str = BUNDLED, prompt: str = "", new_tokens: int = 0,
                   max_tokens: int = DEFAULT_MAX_TOKENS, layers: str | Sequence[int] | None = None,
-                  device: str = "cpu", dtype: str = "float32", progress: Progress | None = None) -> Trace:
+                  device: str = "cpu", dtype: str = "float32", progress: Progress | None = None,
+                  attention: str | None = "sdpa", out: str | os.PathLike | None = None) -> Trace:
     """Load `model_name` and capture `prompt`; progress covers loading (first 40%) and capture."""
     say = progress or (lambda f, m: None)
     if prompt is None or not str(prompt).strip():
@@ -367,16 +505,23 @@ def capture_trace(model_name: str = BUNDLED, prompt: str = "", new_tokens: int =
     model, tokenizer, info = load_model(model_name, device=device, dtype=dtype,
                                         progress=lambda f, m: say(0.4 * f, m))
     return capture(model, tokenizer, info, prompt, new_tokens, max_tokens, layers,
-                   progress=lambda f, m: say(0.4 + 0.6 * f, m))
+                   progress=lambda f, m: say(0.4 + 0.6 * f, m), attention=attention, out=out)
 
 
-def forward_only(model: Any, ids: Sequence[int]) -> None:
-    """The plain prefill forward pass capture() runs, without recording (for benchmarks)."""
+def forward_only(model: Any, ids: Sequence[int], attention: str | None = "sdpa") -> None:
+    """The plain prefill forward pass capture() runs, with the same attention, without recording (benchmarks)."""
     import torch
 
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([list(ids)], device=_input_device(model)), use_cache=True,
-              logits_to_keep=1)
+    before = _impl(model)
+    with _LOCK, torch.inference_mode():
+        if attention and attention != before:
+            model.set_attn_implementation(attention)
+        try:
+            model(input_ids=torch.tensor([list(ids)], device=_input_device(model)), use_cache=True,
+                  logits_to_keep=1)
+        finally:
+            if attention and attention != before:
+                model.set_attn_implementation(before)
 
 
 def _input_device(model: Any) -> Any:
@@ -434,49 +579,3 @@ def check_attention(model: Any, trace: Trace) -> np.ndarray:
             diff = np.abs(ours - theirs[:, pos])                             # (Hq, c, T)
             err[i] = np.maximum(err[i], diff.max(axis=(1, 2)))
     return err
-
-
-def _tail_rows(trace: Trace, n_rows: int, which: str) -> np.ndarray:
-    rows = trace.context_queries if which == "context" else np.arange(trace.n_queries)
-    return rows[-n_rows:]
-
-
-def head_overview(trace: Trace, n_rows: int = 32, which: str = "context") -> np.ndarray:
-    """Sink share per (layer, query head): attention on token 0, averaged over the last
-    `n_rows` queries of the context (which="context") or of the whole trace ("all")."""
-    from kvviz.attention import context_rows
-
-    rows = _tail_rows(trace, n_rows, which)
-    heads = np.arange(trace.n_q_heads)
-    out = np.zeros((trace.n_layers, trace.n_q_heads))
-    for layer in range(trace.n_layers):
-        total = np.zeros(trace.n_q_heads)
-        for _, a in context_rows(trace, layer, heads, rows, trace.n_positions):   # (Hq, c, T)
-            total += a[:, :, 0].sum(axis=1)
-        out[layer] = total / len(rows)
-    return out
-
-
-def concentration(trace: Trace, first_layer: int = 2, n_rows: int = 32, top: float = 0.10,
-                  which: str = "context") -> dict[str, float]:
-    """How concentrated attention is, averaged over layers >= first_layer, all heads and the
-    last `n_rows` context queries: the first token's share, and the share held by the top
-    `top` fraction of the keys each query sees (at least one key)."""
-    from kvviz.attention import context_rows
-
-    rows = _tail_rows(trace, n_rows, which)
-    heads = np.arange(trace.n_q_heads)
-    first, topk, count = 0.0, 0.0, 0
-    for layer in range(first_layer, trace.n_layers):
-        for idx, a in context_rows(trace, layer, heads, rows, trace.n_positions):  # (Hq, c, T)
-            seen = trace.query_positions[idx] + 1                                   # keys per row
-            srt = -np.sort(-a, axis=-1)                                             # descending
-            csum = np.cumsum(srt, axis=-1)
-            k = np.maximum(1, np.ceil(top * seen).astype(int))                      # (c,)
-            topk += np.take_along_axis(csum, (k - 1)[None, :, None].repeat(len(heads), 0), -1).sum()
-            first += a[:, :, 0].sum()
-            count += a.shape[0] * a.shape[1]
-    if count == 0:
-        raise CaptureError(f"the trace has no layers from {first_layer} on")
-    return {"first_token": float(first / count), "top_share": float(topk / count), "rows": int(len(rows)),
-            "layers": int(trace.n_layers - first_layer)}
