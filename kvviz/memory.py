@@ -24,12 +24,14 @@ from kvviz.trace import Trace
 
 @dataclass(frozen=True)
 class Memory:
-    kv_bytes: float        # compressed K+V cache, all layers and KV heads, incl. scales/zero points
-    kv_bytes_full: float   # the same tokens in a full 16-bit cache
+    kv_bytes: float  # compressed K+V cache, all layers and KV heads, incl. scales/zero points
+    kv_bytes_full: float  # the same tokens in a full 16-bit cache
     kept_tokens: int
     total_tokens: int
-    kv_bytes_read: float | None = None   # what one decode step reads (None: everything stored, as eviction)
-    kept_per_layer: tuple[int, ...] = ()  # tokens kept per KV head of each layer (pyramid: differs by layer)
+    # what one decode step reads (None: everything stored, as eviction)
+    kv_bytes_read: float | None = None
+    # tokens kept per KV head of each layer (pyramid: differs by layer)
+    kept_per_layer: tuple[int, ...] = ()
 
     @property
     def bytes_read(self) -> float:
@@ -48,9 +50,15 @@ class Memory:
 
 
 def memory_dict(m: Memory) -> dict:
-    return {"kv_bytes": m.kv_bytes, "kv_bytes_full": m.kv_bytes_full,
-            "compression_ratio": m.compression_ratio, "memory_ratio": m.ratio,
-            "kept_tokens": m.kept_tokens, "total_tokens": m.total_tokens, "kv_bytes_read": m.bytes_read}
+    return {
+        "kv_bytes": m.kv_bytes,
+        "kv_bytes_full": m.kv_bytes_full,
+        "compression_ratio": m.compression_ratio,
+        "memory_ratio": m.ratio,
+        "kept_tokens": m.kept_tokens,
+        "total_tokens": m.total_tokens,
+        "kv_bytes_read": m.bytes_read,
+    }
 
 
 def memory_for(trace: Trace, spec: Spec, n_tokens: int, counts: np.ndarray | None = None) -> Memory:
@@ -62,7 +70,9 @@ def memory_for(trace: Trace, spec: Spec, n_tokens: int, counts: np.ndarray | Non
     whichever quantization model simulates the error.
     """
     key = None if counts is None else tuple(map(tuple, np.asarray(counts, dtype=np.int64).tolist()))
-    return _memory(trace.n_layers, trace.n_kv_heads, trace.head_dim, spec, n_tokens, trace.context_len, key)
+    return _memory(
+        trace.n_layers, trace.n_kv_heads, trace.head_dim, spec, n_tokens, trace.context_len, key
+    )
 
 
 def budget_is_exact(spec: Spec) -> bool:
@@ -71,13 +81,20 @@ def budget_is_exact(spec: Spec) -> bool:
     number of their own (ChunkKV's whole chunks, Quest per query head) need the kept masks."""
     if not spec.evicts:
         return True
-    if spec.compress_every:          # the cache grows to budget + N between compressions (policies.recompress)
+    # the cache grows to budget + N between compressions (policies.recompress)
+    if spec.compress_every:
         return False
     return spec.allocation != "adakv" and get_policy(spec.scorer).fills_budget(spec)
 
 
-def head_parts(spec: Spec, n_kept: int, head_dim: int, n_kv_heads: int = 1, n_tokens: int | None = None,
-               context_len: int = 0) -> tuple[CacheBytes, CacheBytes]:
+def head_parts(
+    spec: Spec,
+    n_kept: int,
+    head_dim: int,
+    n_kv_heads: int = 1,
+    n_tokens: int | None = None,
+    context_len: int = 0,
+) -> tuple[CacheBytes, CacheBytes]:
     """K and V bytes of one KV head's cache holding n_kept tokens once n_tokens (default n_kept) have arrived.
 
     Integer groups (KIVI) or, where the spec asks for them, FP8 / FP4 formats, rotation and HF's residual flush
@@ -85,17 +102,38 @@ def head_parts(spec: Spec, n_kept: int, head_dim: int, n_kv_heads: int = 1, n_to
     """
     if qformats.uses_formats(spec):
         residual = qformats.spec_residual_for_memory(spec, n_kept, n_tokens or n_kept, context_len)
-        return tuple(qformats.tensor_bytes(spec, which, n_kept, head_dim, n_kv_heads, residual)
-                     for which in ("k", "v"))
-    return tuple(tensor_bytes(n_kept, head_dim, bits, axis, spec.group_size, spec.residual, spec.symmetric,
-                              spec.zero_point, spec.partial)
-                 for bits, axis in ((spec.key_bits, spec.key_axis), (spec.value_bits, spec.value_axis)))
+        return tuple(
+            qformats.tensor_bytes(spec, which, n_kept, head_dim, n_kv_heads, residual)
+            for which in ("k", "v")
+        )
+    return tuple(
+        tensor_bytes(
+            n_kept,
+            head_dim,
+            bits,
+            axis,
+            spec.group_size,
+            spec.residual,
+            spec.symmetric,
+            spec.zero_point,
+            spec.partial,
+        )
+        for bits, axis in ((spec.key_bits, spec.key_axis), (spec.value_bits, spec.value_axis))
+    )
 
 
-def head_bytes(spec: Spec, n_kept: int, head_dim: int, n_kv_heads: int = 1, n_tokens: int | None = None,
-               context_len: int = 0) -> float:
+def head_bytes(
+    spec: Spec,
+    n_kept: int,
+    head_dim: int,
+    n_kv_heads: int = 1,
+    n_tokens: int | None = None,
+    context_len: int = 0,
+) -> float:
     """Bytes of one KV head's K + V cache holding n_kept tokens under the spec's quantization."""
-    return sum(b.total for b in head_parts(spec, n_kept, head_dim, n_kv_heads, n_tokens, context_len))
+    return sum(
+        b.total for b in head_parts(spec, n_kept, head_dim, n_kv_heads, n_tokens, context_len)
+    )
 
 
 def page_meta_bytes(spec: Spec, n_tokens: int, head_dim: int) -> float:
@@ -104,8 +142,15 @@ def page_meta_bytes(spec: Spec, n_tokens: int, head_dim: int) -> float:
 
 
 @lru_cache(maxsize=256)
-def _memory(n_layers: int, n_kv_heads: int, head_dim: int, spec: Spec, n_tokens: int,
-            context_len: int = 0, counts: tuple[tuple[int, ...], ...] | None = None) -> Memory:
+def _memory(
+    n_layers: int,
+    n_kv_heads: int,
+    head_dim: int,
+    spec: Spec,
+    n_tokens: int,
+    context_len: int = 0,
+    counts: tuple[tuple[int, ...], ...] | None = None,
+) -> Memory:
     from kvviz.policies.allocation import layer_spec
 
     def per_head(k: int) -> float:
@@ -113,17 +158,33 @@ def _memory(n_layers: int, n_kv_heads: int, head_dim: int, spec: Spec, n_tokens:
 
     full = n_tokens * kv_bytes_per_token(n_layers, n_kv_heads, head_dim)
     if counts is None:
-        budgets = [layer_spec(spec, layer, n_layers, context_len).budget for layer in range(n_layers)]
-        counts = tuple((min(b, n_tokens) if spec.evicts else n_tokens,) * n_kv_heads for b in budgets)
+        budgets = [
+            layer_spec(spec, layer, n_layers, context_len).budget for layer in range(n_layers)
+        ]
+        counts = tuple(
+            (min(b, n_tokens) if spec.evicts else n_tokens,) * n_kv_heads for b in budgets
+        )
     # every head's bytes from its own count (AdaKV's heads differ): the budget ledger's sum, exactly
     kept_per_layer = tuple(round(sum(c) / len(c)) for c in counts)
     mean_kept = round(sum(map(sum, counts)) / max(n_layers * n_kv_heads, 1))
-    if spec.evicts and get_policy(spec.scorer).kind == "read":   # Quest: stores all, reads the budget
+    # Quest: stores all, reads the budget
+    if spec.evicts and get_policy(spec.scorer).kind == "read":
         meta = page_meta_bytes(spec, n_tokens, head_dim)
         stored = per_head(n_tokens) + meta
         read = sum(per_head(k) + meta for c in counts for k in c)
-        return Memory(kv_bytes=stored * n_layers * n_kv_heads, kv_bytes_full=full, kept_tokens=n_tokens,
-                      total_tokens=n_tokens, kv_bytes_read=read, kept_per_layer=(n_tokens,) * n_layers)
+        return Memory(
+            kv_bytes=stored * n_layers * n_kv_heads,
+            kv_bytes_full=full,
+            kept_tokens=n_tokens,
+            total_tokens=n_tokens,
+            kv_bytes_read=read,
+            kept_per_layer=(n_tokens,) * n_layers,
+        )
     stored = sum(per_head(k) for c in counts for k in c)
-    return Memory(kv_bytes=stored, kv_bytes_full=full, kept_tokens=mean_kept, total_tokens=n_tokens,
-                  kept_per_layer=kept_per_layer)
+    return Memory(
+        kv_bytes=stored,
+        kv_bytes_full=full,
+        kept_tokens=mean_kept,
+        total_tokens=n_tokens,
+        kept_per_layer=kept_per_layer,
+    )

@@ -29,18 +29,24 @@ from kvviz.trace import Trace
 
 # Why each token is in (or out of) the compressed cache, for colouring charts.
 EVICTED, SINK, RECENT, HEAVY, ALL = 0, 1, 2, 3, 4
-REASONS = {EVICTED: "evicted", SINK: "sink", RECENT: "recent", HEAVY: "heavy hitter", ALL: "kept (no eviction)"}
+REASONS = {
+    EVICTED: "evicted",
+    SINK: "sink",
+    RECENT: "recent",
+    HEAVY: "heavy hitter",
+    ALL: "kept (no eviction)",
+}
 
 
-@dataclass(frozen=True, eq=False, slots=True)   # slots: a configuration builds one per member
+@dataclass(frozen=True, eq=False, slots=True)  # slots: a configuration builds one per member
 class RowResult:
     """One evaluated attention row: layer, query head, query position."""
 
     layer: int
     head: int
     kv_head: int
-    query: int        # index into trace.query_positions
-    position: int     # the query's token position p; the row covers tokens 0..p
+    query: int  # index into trace.query_positions
+    position: int  # the query's token position p; the row covers tokens 0..p
     original: np.ndarray
     compressed: np.ndarray
     kept: np.ndarray
@@ -56,8 +62,8 @@ def reasons_for(kept: np.ndarray, spec: Spec) -> np.ndarray:
     n = kept.shape[-1]
     if not spec.evicts:
         return np.full(kept.shape, ALL, dtype=np.int8)
-    reason = kept * np.int8(HEAVY)                  # EVICTED is 0
-    reason[..., max(0, n - spec.recent):] = RECENT
+    reason = kept * np.int8(HEAVY)  # EVICTED is 0
+    reason[..., max(0, n - spec.recent) :] = RECENT
     reason[..., : min(spec.sink, n)] = SINK
     return reason
 
@@ -69,9 +75,16 @@ def noise_eps(trace: Trace, spec: Spec, layer: int, head: int, position: int) ->
     return np.random.default_rng([spec.seed, layer, head, position]).standard_normal(position + 1)
 
 
-def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
-                  kept_kv: np.ndarray | None, cache: dict | None = None,
-                  reads: np.ndarray | None = None) -> list[RowResult]:
+def evaluate_rows(
+    trace: Trace,
+    spec: Spec,
+    layer: int,
+    heads,
+    qi: int,
+    kept_kv: np.ndarray | None,
+    cache: dict | None = None,
+    reads: np.ndarray | None = None,
+) -> list[RowResult]:
     """Original vs compressed attention of one query for several query heads, batched.
 
     kept_kv (kv_heads, positions) is the policy's kept mask at this query (None for the
@@ -84,11 +97,12 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     H = len(heads)
     p = int(trace.query_positions[qi])
     n = p + 1
-    kvh = heads // trace.group_size                                      # (H,)
-    logits = logit_rows(trace, layer, heads, qi)                         # (H, n)
+    kvh = heads // trace.group_size  # (H,)
+    logits = logit_rows(trace, layer, heads, qi)  # (H, n)
     original, log_original = softmax_and_log(logits)
     # reads: Quest per query head, each row reads its own tokens from the whole cache, (Hq, n)
-    if kept_kv is None and spec.evicts:                                  # the oracle / Quest decide at this query
+    # the oracle / Quest decide at this query
+    if kept_kv is None and spec.evicts:
         reads, kept_kv = _query_kept(trace, spec, layer, qi, heads, original)
     if kept_kv is None:
         kept_kv = np.ones((trace.n_kv_heads, n), bool)
@@ -104,19 +118,31 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
     else:
         rows_at = [np.flatnonzero(reads[h, :n]) for h in heads.tolist()]
     sizes = np.array([len(a) for a in rows_at])
-    if (sizes != sizes[0]).any():                                        # ragged caches (AdaKV): one head at a time
+    # ragged caches (AdaKV): one head at a time
+    if (sizes != sizes[0]).any():
         if reads is not None:
-            return [row for h in heads.tolist()
-                    for row in evaluate_rows(trace, spec, layer, [h], qi, kept_kv, cache, reads)]
-        return [row for _, rows in runs
-                for row in evaluate_rows(trace, spec, layer, heads[rows], qi, kept_kv, cache)]
-    m = int(sizes[0])                                                    # the same for every row
-    at = np.array(rows_at).reshape(H, m)                                 # (H, m) kept positions, in order
-    flat = (at + (np.arange(H) * n)[:, None]).ravel()                    # into the (H, n) rows
-    if reads is None:         # evict, then quantize what is kept: per KV head, over its compacted cache
+            return [
+                row
+                for h in heads.tolist()
+                for row in evaluate_rows(trace, spec, layer, [h], qi, kept_kv, cache, reads)
+            ]
+        return [
+            row
+            for _, rows in runs
+            for row in evaluate_rows(trace, spec, layer, heads[rows], qi, kept_kv, cache)
+        ]
+    m = int(sizes[0])  # the same for every row
+    # (H, m) kept positions, in order
+    at = np.array(rows_at).reshape(H, m)
+    flat = (at + (np.arange(H) * n)[:, None]).ravel()  # into the (H, n) rows
+    # evict, then quantize what is kept: per KV head, over its compacted cache
+    if reads is None:
         quantized = _quantized_kept(trace, spec, layer, p, kept_at, cache, kept_kv)
-    else:                     # Quest: the whole cache is stored (quantized as stored); each row reads from it
-        whole = _quantized_kept(trace, spec, layer, p, {g: np.arange(n) for g in set(kv_list)}, cache)
+    # Quest: the whole cache is stored (quantized as stored); each row reads from it
+    else:
+        whole = _quantized_kept(
+            trace, spec, layer, p, {g: np.arange(n) for g in set(kv_list)}, cache
+        )
 
     def kept_part(i: int, g: int, which: int) -> np.ndarray | None:
         """Row i's (K_hat - K) (which 0) or V_hat (1) at its kept tokens, (m, D); None: not quantized."""
@@ -125,64 +151,95 @@ def evaluate_rows(trace: Trace, spec: Spec, layer: int, heads, qi: int,
         part = whole[g][which]
         return None if part is None else part[at[i]]
 
-    kept_logits = logits.take(flat).reshape(H, m)                       # (H, m)
+    kept_logits = logits.take(flat).reshape(H, m)  # (H, m)
     if spec.quant_model == "noise":
         eps = np.stack([noise_eps(trace, spec, layer, h, p) for h in heads])
         kept_logits += eps.take(flat).reshape(H, m) * spec.noise_sigma
     elif spec.quantizes_keys:
         # q . K_hat = q . K + q . (K_hat - K): exact logits wherever keys did not change
-        q = trace.q[layer, heads, qi] / np.float32(np.sqrt(trace.head_dim))  # (H, D), the trace's dtype
+        # (H, D), the trace's dtype
+        q = trace.q[layer, heads, qi] / np.float32(np.sqrt(trace.head_dim))
         if reads is None:
-            for g, rows in runs:   # (K_hat - K).q^T: for a few query rows BLAS is ~2x faster this way round
+            # (K_hat - K).q^T: for a few query rows BLAS is ~2x faster this way round
+            for g, rows in runs:
                 kept_logits[rows] += (quantized[g][0] @ q[rows].T).T
         else:
             for i, g in enumerate(kv_list):
                 kept_logits[i] += kept_part(i, g, 0) @ q[i]
-    p_kept, logp_kept = softmax_and_log(kept_logits)                     # over the kept tokens only
+    p_kept, logp_kept = softmax_and_log(kept_logits)  # over the kept tokens only
     compressed = np.zeros_like(original)
     compressed.ravel()[flat] = p_kept.ravel()
     error = compressed - original
     original_kept = original.take(flat).reshape(H, m)
     mass = original_kept.sum(axis=1)
-    kl, kl_forward, js = divergences(original_kept, log_original.take(flat).reshape(H, m), p_kept, logp_kept,
-                                     mass, evicted=m < n)
+    kl, kl_forward, js = divergences(
+        original_kept, log_original.take(flat).reshape(H, m), p_kept, logp_kept, mass, evicted=m < n
+    )
 
     out = out_hat = None
     if trace.v is not None:
-        values = trace.v[layer]                                          # (kv_heads, P, D), the trace's dtype
+        # (kv_heads, P, D), the trace's dtype
+        values = trace.v[layer]
         out = np.empty((H, trace.head_dim))
         out_hat = np.empty_like(out)
         for g, rows in runs:
-            out[rows] = original[rows].astype(values.dtype) @ values[g, :n]              # o = a . V
-            if m == n and kept_part(rows.start, g, 1) is None:  # nothing evicted or quantized: the same
-                out_hat[rows] = compressed[rows].astype(values.dtype) @ values[g, :n]   # arithmetic, zero error
-            elif reads is None:                                                         # o_hat = a_hat . V_hat
-                v_kept = quantized[g][1] if quantized[g][1] is not None else values[g, at[rows.start]]
+            out[rows] = original[rows].astype(values.dtype) @ values[g, :n]  # o = a . V
+            # nothing evicted or quantized: the same
+            if m == n and kept_part(rows.start, g, 1) is None:
+                # arithmetic, zero error
+                out_hat[rows] = compressed[rows].astype(values.dtype) @ values[g, :n]
+            # o_hat = a_hat . V_hat
+            elif reads is None:
+                v_kept = (
+                    quantized[g][1] if quantized[g][1] is not None else values[g, at[rows.start]]
+                )
                 out_hat[rows] = p_kept[rows].astype(values.dtype) @ v_kept
             else:
                 for i in range(rows.start, rows.stop):
                     v_kept = kept_part(i, g, 1)
-                    out_hat[i] = p_kept[i].astype(values.dtype) @ (values[g, at[i]] if v_kept is None else v_kept)
+                    out_hat[i] = p_kept[i].astype(values.dtype) @ (
+                        values[g, at[i]] if v_kept is None else v_kept
+                    )
     tv_quant = None
-    if spec.quantizes:   # what quantization adds: compressed vs eviction alone (a / mass on the kept tokens)
+    # what quantization adds: compressed vs eviction alone (a / mass on the kept tokens)
+    if spec.quantizes:
         tv_quant = 0.5 * np.abs(p_kept - original_kept / mass[:, None]).sum(axis=1)
     metrics = row_metrics_batch(error, mass, kl, kl_forward, js, out, out_hat, tv_quant)
-    if reads is None:                                                    # per KV head, shared by its rows
+    # per KV head, shared by its rows
+    if reads is None:
         row_kept, reason = kept_kv[:, :n], reasons_for(kept_kv[:, :n], spec)
         row_of = kv_list
     else:
         row_kept = reads[heads, :n]
         reason, row_of = reasons_for(row_kept, spec), range(H)
-    return [RowResult(layer=layer, head=int(h), kv_head=g, query=qi, position=p,
-                      original=original[i], compressed=compressed[i], kept=row_kept[r], reason=reason[r],
-                      error=error[i],
-                      out_original=None if out is None else out[i],
-                      out_compressed=None if out_hat is None else out_hat[i], metrics=metrics[i])
-            for i, (h, g, r) in enumerate(zip(heads.tolist(), kv_list, row_of))]
+    return [
+        RowResult(
+            layer=layer,
+            head=int(h),
+            kv_head=g,
+            query=qi,
+            position=p,
+            original=original[i],
+            compressed=compressed[i],
+            kept=row_kept[r],
+            reason=reason[r],
+            error=error[i],
+            out_original=None if out is None else out[i],
+            out_compressed=None if out_hat is None else out_hat[i],
+            metrics=metrics[i],
+        )
+        for i, (h, g, r) in enumerate(zip(heads.tolist(), kv_list, row_of))
+    ]
 
 
-def _query_kept(trace: Trace, spec: Spec, layer: int, qi: int, heads: np.ndarray | None = None,
-                attention: np.ndarray | None = None) -> tuple[np.ndarray | None, np.ndarray]:
+def _query_kept(
+    trace: Trace,
+    spec: Spec,
+    layer: int,
+    qi: int,
+    heads: np.ndarray | None = None,
+    attention: np.ndarray | None = None,
+) -> tuple[np.ndarray | None, np.ndarray]:
     """A needs_query policy (the oracle, Quest) at query qi: (each query head's own read mask (q_heads, n)
     or None, the kept (read) mask of every KV head (kv_heads, n)).
 
@@ -205,25 +262,39 @@ def _query_kept(trace: Trace, spec: Spec, layer: int, qi: int, heads: np.ndarray
                 rows[missing] = softmax(logit_rows(trace, layer, missing, qi))
         inputs = dict(query=trace.q[layer, :, qi], keys=trace.k[layer, :, :n])
         reads = policy.query_reads(rows, ctx, **inputs)
-        kept = policy.query_kept(rows, ctx, **inputs) if reads is None else group_union(reads, trace.n_kv_heads)
-        for shared in (reads, kept):             # cached: every caller reads the same arrays
+        kept = (
+            policy.query_kept(rows, ctx, **inputs)
+            if reads is None
+            else group_union(reads, trace.n_kv_heads)
+        )
+        for shared in (reads, kept):  # cached: every caller reads the same arrays
             if shared is not None:
                 shared.setflags(write=False)
         return reads, kept
-    return cached_on_trace(trace, layer, f"query-kept/{spec.scorer}", (qi, spec.eviction_key), decide)
+
+    return cached_on_trace(
+        trace, layer, f"query-kept/{spec.scorer}", (qi, spec.eviction_key), decide
+    )
 
 
-def evaluate_row(trace: Trace, spec: Spec, layer: int, head: int, qi: int,
-                 kept_kv: np.ndarray | None = None) -> RowResult:
+def evaluate_row(
+    trace: Trace, spec: Spec, layer: int, head: int, qi: int, kept_kv: np.ndarray | None = None
+) -> RowResult:
     """One row; kept_kv (kv_heads, positions) as in evaluate_rows (None: oracle / no eviction)."""
     if kept_kv is None and spec.evicts and not get_policy(spec.scorer).needs_query:
         kept_kv = keep_masks(trace, spec, layer, [int(trace.query_positions[qi])])[0]
     return evaluate_rows(trace, spec, layer, [head], qi, kept_kv)[0]
 
 
-def _quantized_kept(trace: Trace, spec: Spec, layer: int, p: int, kept_at: dict[int, np.ndarray],
-                    cache: dict, kept_kv: np.ndarray | None = None
-                    ) -> dict[int, tuple[np.ndarray | None, np.ndarray | None]]:
+def _quantized_kept(
+    trace: Trace,
+    spec: Spec,
+    layer: int,
+    p: int,
+    kept_at: dict[int, np.ndarray],
+    cache: dict,
+    kept_kv: np.ndarray | None = None,
+) -> dict[int, tuple[np.ndarray | None, np.ndarray | None]]:
     """KV head -> (K_hat - K, V_hat) of its kept tokens at kept_at[g] (m,); None where not quantized.
 
     Evict, then quantize what is kept: groups run over the compacted cache, and the last
@@ -237,29 +308,43 @@ def _quantized_kept(trace: Trace, spec: Spec, layer: int, p: int, kept_at: dict[
     keys = {g: (layer, g, p, hash(at.tobytes())) for g, at in kept_at.items()}
     missing = [g for g, key in keys.items() if key not in cache]
     if missing:
-        heads, where = np.array(missing), np.stack([kept_at[g] for g in missing])   # (U,), (U, m)
+        heads, where = np.array(missing), np.stack([kept_at[g] for g in missing])  # (U,), (U, m)
         key_delta = v_hat = [None] * len(missing)
-        settings = dict(group_size=spec.group_size, residual=spec.residual, symmetric=spec.symmetric,
-                        zero_point=spec.zero_point, partial=spec.partial)
+        settings = dict(
+            group_size=spec.group_size,
+            residual=spec.residual,
+            symmetric=spec.symmetric,
+            zero_point=spec.zero_point,
+            partial=spec.partial,
+        )
         if spec.key_bits < FULL_BITS:
-            key_delta = quantize_kept(trace.k[layer], heads, where, spec.key_bits, spec.key_axis,
-                                      delta=True, **settings)
+            key_delta = quantize_kept(
+                trace.k[layer], heads, where, spec.key_bits, spec.key_axis, delta=True, **settings
+            )
         if trace.v is not None and spec.value_bits < FULL_BITS:
-            v_hat = quantize_kept(trace.v[layer], heads, where, spec.value_bits, spec.value_axis, **settings)
+            v_hat = quantize_kept(
+                trace.v[layer], heads, where, spec.value_bits, spec.value_axis, **settings
+            )
         for u, g in enumerate(missing):
             cache[keys[g]] = key_delta[u], v_hat[u]
     return {g: cache[key] for g, key in keys.items()}
 
 
-def _quantized_kept_formats(trace: Trace, spec: Spec, layer: int, p: int, kept_at: dict[int, np.ndarray],
-                            cache: dict, kept_kv: np.ndarray | None
-                            ) -> dict[int, tuple[np.ndarray | None, np.ndarray | None]]:
+def _quantized_kept_formats(
+    trace: Trace,
+    spec: Spec,
+    layer: int,
+    p: int,
+    kept_at: dict[int, np.ndarray],
+    cache: dict,
+    kept_kv: np.ndarray | None,
+) -> dict[int, tuple[np.ndarray | None, np.ndarray | None]]:
     """_quantized_kept for kvviz.quant.formats: every KV head of the layer at once (a per-tensor
     scale reads them all), rotated and quantized in the spec's format; residual per its mode."""
     n = p + 1
     if kept_kv is None:
         kept_kv = np.ones((trace.n_kv_heads, n), bool)
-    where = np.stack([np.flatnonzero(kept_kv[g, :n]) for g in range(trace.n_kv_heads)])   # (H, m)
+    where = np.stack([np.flatnonzero(kept_kv[g, :n]) for g in range(trace.n_kv_heads)])  # (H, m)
     key = ("formats", layer, p, hash(where.tobytes()))
     if key not in cache:
         residual = qformats.residual_at(spec, where, p, trace.context_len)
@@ -272,7 +357,10 @@ def _quantized_kept_formats(trace: Trace, spec: Spec, layer: int, p: int, kept_a
             v_hat = qformats.quantize_tensor(trace.v[layer][rows, where], spec, "v", residual)
         cache[key] = key_delta, v_hat
     key_delta, v_hat = cache[key]
-    return {g: (None if key_delta is None else key_delta[g], None if v_hat is None else v_hat[g]) for g in kept_at}
+    return {
+        g: (None if key_delta is None else key_delta[g], None if v_hat is None else v_hat[g])
+        for g in kept_at
+    }
 
 
 def keep_masks(trace: Trace, spec: Spec, layer: int, positions) -> np.ndarray | None:

@@ -39,16 +39,23 @@ def budget_warnings(spec: Spec, n_seen: int) -> list[str]:
     """What to change when the budgets do not mean what the sliders suggest."""
     out = []
     left = n_seen - min(n_seen, spec.sink + spec.recent)
-    if spec.evicts and left == 0:    # no heavy budget can help: the advice names the sliders that can
-        out.append(f"Sink {spec.sink} + recent {spec.recent} already cover all {n_seen} tokens this query sees, so "
-                   "nothing is evicted. Lower the Sink tokens or the Recent window to see eviction.")
+    # no heavy budget can help: the advice names the sliders that can
+    if spec.evicts and left == 0:
+        out.append(
+            f"Sink {spec.sink} + recent {spec.recent} already cover all {n_seen} tokens this query sees, so "
+            "nothing is evicted. Lower the Sink tokens or the Recent window to see eviction."
+        )
     elif spec.evicts and spec.heavy > left:
-        out.append(f"Heavy-hitter budget {spec.heavy} is larger than the {left} tokens left after the sinks and "
-                   f"the recent window, so every token is kept. Lower the Heavy-hitter budget below {left} "
-                   "(or the other sliders).")
+        out.append(
+            f"Heavy-hitter budget {spec.heavy} is larger than the {left} tokens left after the sinks and "
+            f"the recent window, so every token is kept. Lower the Heavy-hitter budget below {left} "
+            "(or the other sliders)."
+        )
     elif spec.evicts and spec.budget >= n_seen:
-        out.append(f"Sink + recent + heavy = {spec.budget} covers all {n_seen} tokens this query sees, so nothing "
-                   "is evicted. Lower the sliders (or pick a later query) to see eviction.")
+        out.append(
+            f"Sink + recent + heavy = {spec.budget} covers all {n_seen} tokens this query sees, so nothing "
+            "is evicted. Lower the sliders (or pick a later query) to see eviction."
+        )
     return out
 
 
@@ -57,14 +64,23 @@ def quant_warnings(spec: Spec, kept: int) -> list[str]:
     if spec.quant_model != "kv" or spec.partial != "full":
         return []
     out = []
-    for what, bits, axis, fmt in (("keys", spec.key_bits, spec.key_axis, spec.key_format),
-                                  ("values", spec.value_bits, spec.value_axis, spec.value_format)):
+    for what, bits, axis, fmt in (
+        ("keys", spec.key_bits, spec.key_axis, spec.key_format),
+        ("values", spec.value_bits, spec.value_axis, spec.value_format),
+    ):
         outside = max(0, kept - spec.residual)
-        if fmt == "int" and spec.residual_mode == "kivi" and bits < FULL_BITS and axis == "channel" \
-                and outside < spec.group_size:
-            out.append(f"The {what} are not quantized: the {outside} kept tokens outside the residual window do not "
-                       f"fill one per-channel group of {spec.group_size}, and KIVI keeps a partial group at 16 bits. "
-                       "Lower the group size under Advanced, or quantize partial groups too.")
+        if (
+            fmt == "int"
+            and spec.residual_mode == "kivi"
+            and bits < FULL_BITS
+            and axis == "channel"
+            and outside < spec.group_size
+        ):
+            out.append(
+                f"The {what} are not quantized: the {outside} kept tokens outside the residual window do not "
+                f"fill one per-channel group of {spec.group_size}, and KIVI keeps a partial group at 16 bits. "
+                "Lower the group size under Advanced, or quantize partial groups too."
+            )
     return out
 
 
@@ -72,13 +88,18 @@ def concentration_verdict(fractions, curves, band=((0.10, 0.20), (0.80, 0.90))) 
     """How the source's mean concentration curve compares with the handbook's band (10-20% of the tokens
     take 80-90% of the mass): within it, below it (less concentrated) or above it (more)."""
     import numpy as np
+
     (x0, x1), (y0, y1) = band
     mean = np.asarray(curves, dtype=float).reshape(-1, len(fractions)).mean(axis=0)
     lo, hi = (float(np.interp(x, fractions, mean)) for x in (x0, x1))
-    held = (f"the top {x0:.0%} of tokens hold {fmt_pct(lo)} of the mass and the top {x1:.0%} hold {fmt_pct(hi)} "
-            f"(the handbook's band: {x0:.0%}–{x1:.0%} of tokens take {y0:.0%}–{y1:.0%})")
+    held = (
+        f"the top {x0:.0%} of tokens hold {fmt_pct(lo)} of the mass and the top {x1:.0%} hold {fmt_pct(hi)} "
+        f"(the handbook's band: {x0:.0%}–{x1:.0%} of tokens take {y0:.0%}–{y1:.0%})"
+    )
     if hi < y0:
         return f"Less concentrated than the handbook's band: {held}, so eviction keeps less of the attention here."
     if lo > y1:
-        return f"More concentrated than the handbook's band: {held}, so eviction loses even less here."
+        return (
+            f"More concentrated than the handbook's band: {held}, so eviction loses even less here."
+        )
     return f"Within the handbook's band: {held}."

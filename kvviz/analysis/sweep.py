@@ -13,15 +13,34 @@ from kvviz.trace import Trace
 
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
 DEFAULT_BITS = (16, 8, 4, 2)
-COLUMNS = ("method", "budget", "budget_fraction", "bits", "memory_ratio", "compression_ratio",
-           "mass_retained", "tv", "kl_compressed_vs_original", "js", "output_error", "output_cosine",
-           "memory_read_ratio", "saves", "format")
+COLUMNS = (
+    "method",
+    "budget",
+    "budget_fraction",
+    "bits",
+    "memory_ratio",
+    "compression_ratio",
+    "mass_retained",
+    "tv",
+    "kl_compressed_vs_original",
+    "js",
+    "output_error",
+    "output_cosine",
+    "memory_read_ratio",
+    "saves",
+    "format",
+)
 # Cache formats a sweep can add next to the integer bit widths (kvviz.quant.formats); `bits` is their width.
 SWEEP_FORMATS = {"e4m3": 8, "e5m2": 8, "nvfp4": 4, "mxfp4": 4}
 # Which metric of the engine each error column holds (kl: KL(compressed || original), finite).
-METRIC_COLUMNS = {"tv": "tv_distance", "kl_compressed_vs_original": "kl", "js": "js",
-                  "output_error": "output_rel_error", "output_cosine": "output_cosine",
-                  "mass_retained": "mass_retained"}
+METRIC_COLUMNS = {
+    "tv": "tv_distance",
+    "kl_compressed_vs_original": "kl",
+    "js": "js",
+    "output_error": "output_rel_error",
+    "output_cosine": "output_cosine",
+    "mass_retained": "mass_retained",
+}
 
 
 def split_budget(scorer: str, budget: int, sink: int = 4) -> dict:
@@ -40,25 +59,41 @@ def split_budget(scorer: str, budget: int, sink: int = 4) -> dict:
     return dict(sink=sink, recent=recent, heavy=rest - recent)
 
 
-def point_spec(method: str, budget: int, bits: int, fmt: str = "int", base: Spec = Spec()) -> Spec | None:
+def point_spec(
+    method: str, budget: int, bits: int, fmt: str = "int", base: Spec = Spec()
+) -> Spec | None:
     """The spec of one sweep point: `method` ("full" = no eviction) at a token budget, K and V at
     `bits` in format `fmt`, the rest from `base`. None when the base's allocation has no such
     method (e.g. AdaKV with H2O / TOVA); SpecError when the point is impossible."""
     evict = {} if method == "full" else split_budget(method, budget)
-    changes = dict(scorer=base.scorer if method == "full" else method, key_bits=bits, value_bits=bits,
-                   key_format=fmt, value_format=fmt, **({"sink": 0, "recent": 0, "heavy": 0} | evict))
+    changes = dict(
+        scorer=base.scorer if method == "full" else method,
+        key_bits=bits,
+        value_bits=bits,
+        key_format=fmt,
+        value_format=fmt,
+        **({"sink": 0, "recent": 0, "heavy": 0} | evict),
+    )
     try:
         return base.with_(**changes)
     except SpecError:
         if base.allocation == "uniform":
             raise
-        base.with_(allocation="uniform", **changes)      # raises if the allocation is not the reason
+        # raises if the allocation is not the reason
+        base.with_(allocation="uniform", **changes)
         return None
 
 
-def sweep(trace: Trace, scorers: Sequence[str] = SCORERS, fractions: Iterable[float] = DEFAULT_FRACTIONS,
-          bits: Iterable[int] = DEFAULT_BITS, view: View = View(ensemble="heads"), base: Spec = Spec(),
-          progress: Callable[[float, str], None] | None = None, formats: Iterable[str] = ()) -> list[dict]:
+def sweep(
+    trace: Trace,
+    scorers: Sequence[str] = SCORERS,
+    fractions: Iterable[float] = DEFAULT_FRACTIONS,
+    bits: Iterable[int] = DEFAULT_BITS,
+    view: View = View(ensemble="heads"),
+    base: Spec = Spec(),
+    progress: Callable[[float, str], None] | None = None,
+    formats: Iterable[str] = (),
+) -> list[dict]:
     """One row per (method, budget, bits): memory ratio and errors averaged over the view's ensemble.
 
     `formats` (e4m3, e5m2, nvfp4, mxfp4) add points in those cache formats, K and V alike, with the
@@ -68,7 +103,10 @@ def sweep(trace: Trace, scorers: Sequence[str] = SCORERS, fractions: Iterable[fl
     A fraction of 1.0 means no eviction (the method column then reads "full") so the
     quantization-only points sit on the same chart.
     """
-    n_tokens = int(trace.query_positions[trace.evaluated_queries[-1 if view.step is None else view.step]]) + 1
+    n_tokens = (
+        int(trace.query_positions[trace.evaluated_queries[-1 if view.step is None else view.step]])
+        + 1
+    )
     fractions, bits = sorted(set(fractions)), list(bits)
     widths = [(b, "int") for b in bits] + [(SWEEP_FORMATS[f], f) for f in formats]
     jobs = []
@@ -78,27 +116,41 @@ def sweep(trace: Trace, scorers: Sequence[str] = SCORERS, fractions: Iterable[fl
         for method in methods:
             for b, fmt in widths:
                 jobs.append((method, budget, f, b, fmt))
-    compare_work(trace, True, view).check()          # the peak of any job, before the first one runs
+    # the peak of any job, before the first one runs
+    compare_work(trace, True, view).check()
     rows = []
     for i, (method, budget, f, b, fmt) in enumerate(jobs):
         checkpoint()
         if progress:
-            progress(i / len(jobs), f"{method} budget {budget} at {b} bits" if fmt == "int" else
-                     f"{method} budget {budget} in {fmt}")
+            progress(
+                i / len(jobs),
+                f"{method} budget {budget} at {b} bits"
+                if fmt == "int"
+                else f"{method} budget {budget} in {fmt}",
+            )
         spec = point_spec(method, budget, b, fmt, base)
         if spec is None:
             continue
         c = compare(trace, spec, view)
         m = c.metrics_mean
-        rows.append({
-            "method": method, "budget": min(budget, n_tokens), "budget_fraction": f, "bits": b,
-            "memory_ratio": c.memory.ratio, "compression_ratio": c.memory.compression_ratio,
-            # eviction and quantization save memory stored; read-selection methods (Quest) store
-            # everything and save memory read per step
-            "memory_read_ratio": c.memory.bytes_read / c.memory.kv_bytes_full if c.memory.kv_bytes_full else 1.0,
-            "saves": "memory read" if c.memory.kv_bytes_read is not None else "memory stored",
-            **{column: m[key] for column, key in METRIC_COLUMNS.items()}, "format": fmt,
-        })
+        rows.append(
+            {
+                "method": method,
+                "budget": min(budget, n_tokens),
+                "budget_fraction": f,
+                "bits": b,
+                "memory_ratio": c.memory.ratio,
+                "compression_ratio": c.memory.compression_ratio,
+                # eviction and quantization save memory stored; read-selection methods (Quest) store
+                # everything and save memory read per step
+                "memory_read_ratio": c.memory.bytes_read / c.memory.kv_bytes_full
+                if c.memory.kv_bytes_full
+                else 1.0,
+                "saves": "memory read" if c.memory.kv_bytes_read is not None else "memory stored",
+                **{column: m[key] for column, key in METRIC_COLUMNS.items()},
+                "format": fmt,
+            }
+        )
     if progress:
         progress(1.0, "done")
     return rows
@@ -124,5 +176,16 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     return front
 
 
-__all__ = ["COLUMNS", "METRIC_COLUMNS", "DEFAULT_BITS", "DEFAULT_FRACTIONS", "FULL_BITS", "SWEEP_FORMATS", "pareto_front",
-           "point_spec", "split_budget", "sweep", "to_csv"]
+__all__ = [
+    "COLUMNS",
+    "METRIC_COLUMNS",
+    "DEFAULT_BITS",
+    "DEFAULT_FRACTIONS",
+    "FULL_BITS",
+    "SWEEP_FORMATS",
+    "pareto_front",
+    "point_spec",
+    "split_budget",
+    "sweep",
+    "to_csv",
+]

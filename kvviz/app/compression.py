@@ -14,7 +14,9 @@ from kvviz.spec import MAX_BUDGET, Spec, SpecError
 from kvviz.trace import Trace
 
 
-def compression_section(trace: Trace, where=None, budget_only: bool = False, headline=None) -> Spec | None:
+def compression_section(
+    trace: Trace, where=None, budget_only: bool = False, headline=None
+) -> Spec | None:
     """Sidebar: the four headline sliders and the Advanced expander. None if the combination is impossible.
 
     budget_only: only the eviction budget (a page that draws each policy itself and never
@@ -25,45 +27,90 @@ def compression_section(trace: Trace, where=None, budget_only: bool = False, hea
     where = where or st.sidebar
     where.header("Compression")
     n = trace.n_positions
-    unit = w_choice(where, "budget_unit", "Budgets in", ("tokens", "%"), widget="radio",
-                    format_func={"tokens": "tokens", "%": f"% of the {n} tokens"}.get,
-                    help="Type budgets as token counts or as a share of the tokens; the sliders always show counts.")
+    unit = w_choice(
+        where,
+        "budget_unit",
+        "Budgets in",
+        ("tokens", "%"),
+        widget="radio",
+        format_func={"tokens": "tokens", "%": f"% of the {n} tokens"}.get,
+        help="Type budgets as token counts or as a share of the tokens; the sliders always show counts.",
+    )
     if headline is not None:
         where.caption("Presentation mode: the four headline sliders are above the charts.")
         slots = headline.columns(4, gap="medium")
     else:
         slots = [where] * 4
-    box = headline is None     # the number boxes beside the budgets: the sidebar's, not the projector's
-    sink = w_budget(slots[0], "sink", "Sink tokens", n, unit, box=box,
-                    help="The first tokens, always kept: attention sinks (StreamingLLM keeps 4).")
-    recent = w_budget(slots[1], "recent", "Recent window", n, unit, box=box,
-                      help="The last tokens the query sees (its own included), always kept.")
-    heavy = w_budget(slots[2], "heavy", "Heavy-hitter budget", n, unit, box=box,
-                     help="How many more tokens the scorer may keep among the rest (H2O's heavy hitters).")
+    # the number boxes beside the budgets: the sidebar's, not the projector's
+    box = headline is None
+    sink = w_budget(
+        slots[0],
+        "sink",
+        "Sink tokens",
+        n,
+        unit,
+        box=box,
+        help="The first tokens, always kept: attention sinks (StreamingLLM keeps 4).",
+    )
+    recent = w_budget(
+        slots[1],
+        "recent",
+        "Recent window",
+        n,
+        unit,
+        box=box,
+        help="The last tokens the query sees (its own included), always kept.",
+    )
+    heavy = w_budget(
+        slots[2],
+        "heavy",
+        "Heavy-hitter budget",
+        n,
+        unit,
+        box=box,
+        help="How many more tokens the scorer may keep among the rest (H2O's heavy hitters).",
+    )
     if budget_only:
-        where.caption("This page compares eviction policies side by side: the scorer is picked per chart and "
-                      "nothing is quantized, so only the budget sliders are shown.")
+        where.caption(
+            "This page compares eviction policies side by side: the scorer is picked per chart and "
+            "nothing is quantized, so only the budget sliders are shown."
+        )
         return Spec(sink=sink, recent=recent, heavy=heavy)
     split = bool(state()["split"])
-    w_choice(slots[3], "bits", "Quantization bits", BITS_OPTIONS, widget="select_slider",
-                    format_func=bits_label, disabled=split,
-                    help="Bits per cached key and value (16 = not quantized). "
-                         + ("Advanced sets keys and values separately now." if split else ""))
+    w_choice(
+        slots[3],
+        "bits",
+        "Quantization bits",
+        BITS_OPTIONS,
+        widget="select_slider",
+        format_func=bits_label,
+        disabled=split,
+        help="Bits per cached key and value (16 = not quantized). "
+        + ("Advanced sets keys and values separately now." if split else ""),
+    )
     with where.expander("Advanced"):
-        if not deferred():   # folded at the first paint: its ~20 widgets come with the charts (kvviz.app.charts)
+        # folded at the first paint: its ~20 widgets come with the charts (kvviz.app.charts)
+        if not deferred():
             advanced_controls(n)
     values = state()
     try:
         return spec_from_values(values)
     except SpecError as e:
-        bits_used = (values["key_bits"], values["value_bits"]) if values["split"] else (values["bits"],)
-        hint = (" Turn off symmetric quantization or raise the bits to 2 or more."
-                if values["symmetric"] and 1 in bits_used else "")
+        bits_used = (
+            (values["key_bits"], values["value_bits"]) if values["split"] else (values["bits"],)
+        )
+        hint = (
+            " Turn off symmetric quantization or raise the bits to 2 or more."
+            if values["symmetric"] and 1 in bits_used
+            else ""
+        )
         st.error(f"These compression settings are impossible: {e}.{hint}")
         return None
 
 
-def w_setting(where, name: str, n: int | None = None, disabled: bool = False, widget: str | None = None):
+def w_setting(
+    where, name: str, n: int | None = None, disabled: bool = False, widget: str | None = None
+):
     """The widget of one Spec setting, made from its declaration (kvviz.settings): a checkbox, a choice or a
     number box with its label, help, range and option labels. `n`: the tokens of the trace, the top of a
     token count's range."""
@@ -73,26 +120,85 @@ def w_setting(where, name: str, n: int | None = None, disabled: bool = False, wi
         return w_check(where, p.name, s.label or s.name, help=s.help or None)
     if p.kind == "choice":
         options = tuple(p.choices)
-        fmt = (s.option_labels.get if s.option_labels else
-               SCORER_SHORT.get if s.name == "chunk_scorer" else bits_label if options == BITS_OPTIONS else str)
-        kind = widget or ("select_slider" if options == BITS_OPTIONS else "radio" if len(options) <= 3 else "selectbox")
-        return w_choice(where, p.name, s.label or s.name, options, widget=kind, format_func=fmt,
-                        help=s.help or None, disabled=disabled)
-    hi = min(p.hi, n) if n is not None and s.hi == MAX_BUDGET else p.hi     # a token count: at most the trace
-    return w_number(where, p.name, s.label or s.name, p.lo, hi, step=s.step, help=s.help or None, fmt=s.fmt,
-                    disabled=disabled)
+        fmt = (
+            s.option_labels.get
+            if s.option_labels
+            else SCORER_SHORT.get
+            if s.name == "chunk_scorer"
+            else bits_label
+            if options == BITS_OPTIONS
+            else str
+        )
+        kind = widget or (
+            "select_slider"
+            if options == BITS_OPTIONS
+            else "radio"
+            if len(options) <= 3
+            else "selectbox"
+        )
+        return w_choice(
+            where,
+            p.name,
+            s.label or s.name,
+            options,
+            widget=kind,
+            format_func=fmt,
+            help=s.help or None,
+            disabled=disabled,
+        )
+    # a token count: at most the trace
+    hi = min(p.hi, n) if n is not None and s.hi == MAX_BUDGET else p.hi
+    return w_number(
+        where,
+        p.name,
+        s.label or s.name,
+        p.lo,
+        hi,
+        step=s.step,
+        help=s.help or None,
+        fmt=s.fmt,
+        disabled=disabled,
+    )
 
 
 # the settings Advanced lays out by hand below the scorer's (the quantizer's, in a reading order)
-_LAID_OUT = ("sink", "recent", "heavy", "scorer", "seed", "positions", "allocation", "key_bits", "value_bits",
-             "key_axis", "value_axis", "group_size", "residual", "symmetric", "zero_point", "partial", "key_format",
-             "value_format", "fp8_scale", "rotate", "residual_mode", "quant_model", "noise_sigma")
+_LAID_OUT = (
+    "sink",
+    "recent",
+    "heavy",
+    "scorer",
+    "seed",
+    "positions",
+    "allocation",
+    "key_bits",
+    "value_bits",
+    "key_axis",
+    "value_axis",
+    "group_size",
+    "residual",
+    "symmetric",
+    "zero_point",
+    "partial",
+    "key_format",
+    "value_format",
+    "fp8_scale",
+    "rotate",
+    "residual_mode",
+    "quant_model",
+    "noise_sigma",
+)
 
 
 def advanced_controls(n: int) -> None:
     """Advanced: the scorer and its settings, the budget allocation, the quantizer and the cache format."""
-    scorer = w_choice(st, "scorer", "Heavy-hitter scorer", tuple(SCORER_CHOICES), format_func=SCORER_LABELS.get,
-                      help=scorer_help())
+    scorer = w_choice(
+        st,
+        "scorer",
+        "Heavy-hitter scorer",
+        tuple(SCORER_CHOICES),
+        format_func=SCORER_LABELS.get,
+        help=scorer_help(),
+    )
     allocation = w_setting(st, "allocation", widget="selectbox")
     owned_settings(st, {"scorer": scorer, "allocation": allocation}, n)
     if w_check(st, "split", "Separate key and value bits"):
@@ -127,5 +233,7 @@ def cache_format_controls() -> None:
     w_setting(st, "rotate")
     w_setting(st, "residual_mode")
     if key_fmt != "int" or value_fmt != "int":
-        st.caption("The bits slider sets the integer format only: FP8 stores 8 bits a value, NVFP4 / MXFP4 4 "
-                   "(plus their scales, all counted in the memory).")
+        st.caption(
+            "The bits slider sets the integer format only: FP8 stores 8 bits a value, NVFP4 / MXFP4 4 "
+            "(plus their scales, all counted in the memory)."
+        )

@@ -14,13 +14,28 @@ from kvviz.trace import Trace
 
 def quant_model_note(source: Source, spec: Spec) -> str:
     if spec.quant_model == "noise":
-        return (f"Quantization model: the handbook's logit-noise stand-in (logits + σ·ε, σ = {spec.noise_sigma:g}); "
-                "the bits set the memory only.")
-    now = "off (16 bits)" if not spec.quantizes else f"K {spec.key_bits}-bit / V {spec.value_bits}-bit"
-    if spec.quantizes and (spec.key_format != "int" or spec.value_format != "int" or spec.rotate != "none"):
+        return (
+            f"Quantization model: the handbook's logit-noise stand-in (logits + σ·ε, σ = {spec.noise_sigma:g}); "
+            "the bits set the memory only."
+        )
+    now = (
+        "off (16 bits)"
+        if not spec.quantizes
+        else f"K {spec.key_bits}-bit / V {spec.value_bits}-bit"
+    )
+    if spec.quantizes and (
+        spec.key_format != "int" or spec.value_format != "int" or spec.rotate != "none"
+    ):
         from kvviz.quant.formats import format_label
-        now = (f"K {format_label(spec.key_format, spec.key_bits)} / V {format_label(spec.value_format, spec.value_bits)}"
-               + ("" if spec.rotate == "none" else ", Hadamard-rotated " + spec.rotate.replace("-", " and ")))
+
+        now = (
+            f"K {format_label(spec.key_format, spec.key_bits)} / V {format_label(spec.value_format, spec.value_bits)}"
+            + (
+                ""
+                if spec.rotate == "none"
+                else ", Hadamard-rotated " + spec.rotate.replace("-", " and ")
+            )
+        )
     return f"Quantization model: {source.quant_note_kv}; now {now}."
 
 
@@ -29,11 +44,16 @@ def quant_scope_note(spec: Spec) -> str | None:
     if spec.quant_model != "kv" or spec.key_format != "int" or spec.value_format != "int":
         return None
     along = {"channel": "along each channel", "token": "along each token"}
-    short = ("a group the kept tokens do not fill is quantized too" if spec.partial == "quantize" else
-             "a group the kept tokens do not fill stays at 16 bits, as in KIVI")
+    short = (
+        "a group the kept tokens do not fill is quantized too"
+        if spec.partial == "quantize"
+        else "a group the kept tokens do not fill stays at 16 bits, as in KIVI"
+    )
     residual = f", except the last {spec.residual} tokens, kept at 16 bits" if spec.residual else ""
-    return (f"The bits slider quantizes every kept key (groups of {spec.group_size} {along[spec.key_axis]}) and "
-            f"value (groups of {spec.group_size} {along[spec.value_axis]}){residual}; {short}.")
+    return (
+        f"The bits slider quantizes every kept key (groups of {spec.group_size} {along[spec.key_axis]}) and "
+        f"value (groups of {spec.group_size} {along[spec.value_axis]}){residual}; {short}."
+    )
 
 
 def _quantize_partial_groups() -> None:
@@ -45,7 +65,9 @@ def quant_warning_box(spec: Spec, kept: int) -> None:
     for w in quant_warnings(spec, kept):
         st.warning(w, icon=":material/warning:")
     if quant_warnings(spec, kept):
-        st.button("Quantize the partial groups too", key="_fix_partial", on_click=_quantize_partial_groups)
+        st.button(
+            "Quantize the partial groups too", key="_fix_partial", on_click=_quantize_partial_groups
+        )
 
 
 def scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:
@@ -53,6 +75,7 @@ def scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:
     if not spec.evicts:
         return None
     from kvviz.policies import get_policy
+
     own = get_policy(spec.scorer).note(spec, trace)
     alloc = allocation_note(spec)
     text = " ".join(x for x in (own, alloc) if x)
@@ -61,18 +84,24 @@ def scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:
 
 def allocation_note(spec: Spec) -> str | None:
     """What an allocation does to the budget (AdaKV, PyramidKV)."""
-    floor = (f"each head first keeps its top {int(spec.budget * spec.adakv_alpha)} tokens, sinks and window "
-             "first, as kvpress" if spec.adakv_floor == "all" else
-             f"each head at least {int(spec.adakv_alpha * spec.heavy)} heavy hitters beside sinks and window")
-    pyramid = ("each layer keeps its own total, falling linearly with depth as kvpress's PyramidKVPress computes it "
-               f"(β {spec.pyramid_beta:g}; a short prompt's top layer keeps its window alone, and where kvpress's "
-               "schedule does not fit the prompt every layer keeps the uniform budget)"
-               if spec.pyramid_schedule == "kvpress" else
-               f"each layer has its own heavy budget, falling linearly with depth (β {spec.pyramid_beta:g}), the "
-               f"same total as {spec.heavy} per layer")
-    alloc = {"adakv": f" AdaKV: this layer's {spec.budget} × KV-heads token slots go to the top scores across its "
-                      f"heads ({floor}), so heads hold different numbers of tokens — the Budget ledger below lists "
-                      "each head.",
-             "pyramid": f" PyramidKV: {pyramid} — see the Budget ledger."
-             }.get(spec.allocation, "")
+    floor = (
+        f"each head first keeps its top {int(spec.budget * spec.adakv_alpha)} tokens, sinks and window "
+        "first, as kvpress"
+        if spec.adakv_floor == "all"
+        else f"each head at least {int(spec.adakv_alpha * spec.heavy)} heavy hitters beside sinks and window"
+    )
+    pyramid = (
+        "each layer keeps its own total, falling linearly with depth as kvpress's PyramidKVPress computes it "
+        f"(β {spec.pyramid_beta:g}; a short prompt's top layer keeps its window alone, and where kvpress's "
+        "schedule does not fit the prompt every layer keeps the uniform budget)"
+        if spec.pyramid_schedule == "kvpress"
+        else f"each layer has its own heavy budget, falling linearly with depth (β {spec.pyramid_beta:g}), the "
+        f"same total as {spec.heavy} per layer"
+    )
+    alloc = {
+        "adakv": f" AdaKV: this layer's {spec.budget} × KV-heads token slots go to the top scores across its "
+        f"heads ({floor}), so heads hold different numbers of tokens — the Budget ledger below lists "
+        "each head.",
+        "pyramid": f" PyramidKV: {pyramid} — see the Budget ledger.",
+    }.get(spec.allocation, "")
     return alloc.strip() or None

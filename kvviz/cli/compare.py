@@ -7,8 +7,15 @@ import json
 import math
 import sys
 
-from kvviz.cli.args import (_json_safe, add_compression_args, add_source_args, add_view_args, source_from_args, spec_from_args,
-                            view_layer)
+from kvviz.cli.args import (
+    _json_safe,
+    add_compression_args,
+    add_source_args,
+    add_view_args,
+    source_from_args,
+    spec_from_args,
+    view_layer,
+)
 from kvviz.metrics import DEFINITIONS as METRIC_DEFINITIONS
 from kvviz.spec import View
 
@@ -19,12 +26,25 @@ def cmd_compare(a: argparse.Namespace) -> int:
     spec = spec_from_args(a)
     trace, for_seed = source_from_args(a)
     # --layer is the model's own layer number (a capture of --layers 0-3,15 holds layer 15 at position 4)
-    view = View(layer=view_layer(trace, a), head=a.head, step=a.step, ensemble=a.ensemble,
-                ensemble_size=a.ensemble_size)
+    view = View(
+        layer=view_layer(trace, a),
+        head=a.head,
+        step=a.step,
+        ensemble=a.ensemble,
+        ensemble_size=a.ensemble_size,
+    )
     result = compare(trace, spec, view, trace_for_seed=for_seed)
     if a.json:
-        json.dump(_json_safe({**result.to_json(), "layer_number": trace.layer_numbers[view.layer], "definitions": METRIC_DEFINITIONS}),
-                  sys.stdout)
+        json.dump(
+            _json_safe(
+                {
+                    **result.to_json(),
+                    "layer_number": trace.layer_numbers[view.layer],
+                    "definitions": METRIC_DEFINITIONS,
+                }
+            ),
+            sys.stdout,
+        )
         sys.stdout.write("\n")
     else:
         print(format_table(result, trace))
@@ -35,38 +55,55 @@ def format_table(result, trace, max_rows: int = 80) -> str:
     from kvviz.engine import REASONS
 
     p = result.primary
-    lines = [trace.describe(),
-             f"spec: {result.spec.label()}   layer {trace.layer_numbers[p.layer]}, head {p.head} (KV head {p.kv_head}), "
-             f"query at position {p.position}"
-             + (f", error bars over {len(result.members)} {result.ensemble}" if result.ensemble else ""),
-             *[f"note: {n}" for n in result.notes], "",
-             f"{'pos':>6} {'token':<12} {'original':>10} {'compressed':>11} {'error':>10} {'err std':>9}  kept"]
+    lines = [
+        trace.describe(),
+        f"spec: {result.spec.label()}   layer {trace.layer_numbers[p.layer]}, head {p.head} (KV head {p.kv_head}), "
+        f"query at position {p.position}"
+        + (f", error bars over {len(result.members)} {result.ensemble}" if result.ensemble else ""),
+        *[f"note: {n}" for n in result.notes],
+        "",
+        f"{'pos':>6} {'token':<12} {'original':>10} {'compressed':>11} {'error':>10} {'err std':>9}  kept",
+    ]
     n = len(p.original)
-    rows = range(n) if n <= max_rows else list(range(max_rows // 2)) + list(range(n - max_rows // 2, n))
+    rows = (
+        range(n)
+        if n <= max_rows
+        else list(range(max_rows // 2)) + list(range(n - max_rows // 2, n))
+    )
     last = -1
     for i in rows:
         if i != last + 1:
             lines.append(f"{'...':>6}")
         last = i
-        lines.append(f"{i:>6} {result.tokens[i][:12]:<12} {p.original[i]:>10.5f} {p.compressed[i]:>11.5f} "
-                     f"{p.error[i]:>+10.5f} {result.spread.std[i]:>9.5f}  {REASONS[int(p.reason[i])]}")
+        lines.append(
+            f"{i:>6} {result.tokens[i][:12]:<12} {p.original[i]:>10.5f} {p.compressed[i]:>11.5f} "
+            f"{p.error[i]:>+10.5f} {result.spread.std[i]:>9.5f}  {REASONS[int(p.reason[i])]}"
+        )
     m = result.metrics
     out = "n/a" if m["output_rel_error"] is None else f"{m['output_rel_error']:.4f}"
-    forward = "inf (a token the original attends to was evicted)" if math.isinf(m["kl_forward"]) \
+    forward = (
+        "inf (a token the original attends to was evicted)"
+        if math.isinf(m["kl_forward"])
         else f"{m['kl_forward']:.4f} nats"
-    lines += ["", "metrics:",
-              f"  attention mass retained   {m['mass_retained']:.4f}",
-              f"  total-variation distance  {m['tv_distance']:.4f}",
-              f"  KL(compressed || original) {m['kl']:.4f} nats",
-              f"  KL(original || compressed) {forward}",
-              f"  Jensen-Shannon            {m['js']:.4f} nats (at most ln 2 = 0.6931)",
-              f"  max |error|               {m['max_abs_error']:.5f}",
-              f"  output relative L2 error  {out}",
-              f"  KV cache                  {m['kv_bytes']:,.0f} B of {m['kv_bytes_full']:,.0f} B (16-bit), "
-              f"{m['compression_ratio']:.2f}x smaller; {m['kept_tokens']} of {m['total_tokens']} tokens kept"]
+    )
+    lines += [
+        "",
+        "metrics:",
+        f"  attention mass retained   {m['mass_retained']:.4f}",
+        f"  total-variation distance  {m['tv_distance']:.4f}",
+        f"  KL(compressed || original) {m['kl']:.4f} nats",
+        f"  KL(original || compressed) {forward}",
+        f"  Jensen-Shannon            {m['js']:.4f} nats (at most ln 2 = 0.6931)",
+        f"  max |error|               {m['max_abs_error']:.5f}",
+        f"  output relative L2 error  {out}",
+        f"  KV cache                  {m['kv_bytes']:,.0f} B of {m['kv_bytes_full']:,.0f} B (16-bit), "
+        f"{m['compression_ratio']:.2f}x smaller; {m['kept_tokens']} of {m['total_tokens']} tokens kept",
+    ]
     if m.get("kv_bytes_read") is not None and m["kv_bytes_read"] != m["kv_bytes"]:
-        lines.append(f"  read per step             {m['kv_bytes_read']:,.0f} B ({m['kv_bytes_read'] / m['kv_bytes_full']:.1%} "
-                     "of the 16-bit cache): this method saves memory read, not memory stored")
+        lines.append(
+            f"  read per step             {m['kv_bytes_read']:,.0f} B ({m['kv_bytes_read'] / m['kv_bytes_full']:.1%} "
+            "of the 16-bit cache): this method saves memory read, not memory stored"
+        )
     return "\n".join(lines)
 
 

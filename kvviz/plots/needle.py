@@ -21,8 +21,16 @@ from plotly.subplots import make_subplots
 from kvviz.plots.style import OKABE_ITO, wrap
 
 RIGHT, WRONG = OKABE_ITO["blue"], OKABE_ITO["vermillion"]
-LABELS = {"full": "Full cache", "h2o": "H2O", "tova": "TOVA", "snapkv": "SnapKV", "streaming": "StreamingLLM",
-          "oracle": "Oracle (bound)", "knorm": "K-norm", "random": "Random"}
+LABELS = {
+    "full": "Full cache",
+    "h2o": "H2O",
+    "tova": "TOVA",
+    "snapkv": "SnapKV",
+    "streaming": "StreamingLLM",
+    "oracle": "Oracle (bound)",
+    "knorm": "K-norm",
+    "random": "Random",
+}
 
 
 def _title(scorer: str, budget: float, bits: int) -> str:
@@ -43,61 +51,140 @@ def grid_figure(cells: Sequence, selected: tuple | None = None, height: int = 33
     # a panel is about 100 px wide at a projector's 1024 px: its title in lines of at most 13 characters
     titles = [wrap(_title(*g), 13) for g in groups]
     lines = max((t.count("<br>") + 1 for t in titles), default=1)
-    fig = make_subplots(rows=1, cols=cols, shared_yaxes=True, horizontal_spacing=0.02, subplot_titles=titles)
+    fig = make_subplots(
+        rows=1, cols=cols, shared_yaxes=True, horizontal_spacing=0.02, subplot_titles=titles
+    )
     shown: set = set()
     for j, g in enumerate(groups, start=1):
         mine = [c for c in cells if (c.scorer, c.budget, c.bits) == g]
         for ok in (True, False):
             part = [c for c in mine if c.correct == ok]
-            fig.add_trace(go.Scatter(
-                x=[str(c.length) for c in part], y=[f"{c.depth:.0%}" for c in part], mode="markers+text",
-                marker=dict(symbol="square", size=34, color=RIGHT if ok else WRONG,
-                            line=dict(color="#000000", width=[3 if selected == (c.scorer, c.length, c.depth) else 0
-                                                              for c in part])),
-                text=["✓" if ok else "✗" for _ in part], textfont=dict(color="#ffffff", size=16),
-                customdata=[[c.scorer, c.length, c.depth] for c in part],
-                hovertext=[f"{_title(*g)} · {c.length} tokens · needle at {c.depth:.0%}<br>"
-                           f"key {c.key} · answer “{escape(c.answer.strip())[:40]}”<br>"
-                           f"{'right' if ok else 'wrong'} · needle tokens kept {c.needle_kept:.0%}" for c in part],
-                hoverinfo="text", name="key right" if ok else "key wrong", legendgroup=str(ok),
-                showlegend=bool(part) and ok not in shown), row=1, col=j)
+            fig.add_trace(
+                go.Scatter(
+                    x=[str(c.length) for c in part],
+                    y=[f"{c.depth:.0%}" for c in part],
+                    mode="markers+text",
+                    marker=dict(
+                        symbol="square",
+                        size=34,
+                        color=RIGHT if ok else WRONG,
+                        line=dict(
+                            color="#000000",
+                            width=[
+                                3 if selected == (c.scorer, c.length, c.depth) else 0 for c in part
+                            ],
+                        ),
+                    ),
+                    text=["✓" if ok else "✗" for _ in part],
+                    textfont=dict(color="#ffffff", size=16),
+                    customdata=[[c.scorer, c.length, c.depth] for c in part],
+                    hovertext=[
+                        f"{_title(*g)} · {c.length} tokens · needle at {c.depth:.0%}<br>"
+                        f"key {c.key} · answer “{escape(c.answer.strip())[:40]}”<br>"
+                        f"{'right' if ok else 'wrong'} · needle tokens kept {c.needle_kept:.0%}"
+                        for c in part
+                    ],
+                    hoverinfo="text",
+                    name="key right" if ok else "key wrong",
+                    legendgroup=str(ok),
+                    showlegend=bool(part) and ok not in shown,
+                ),
+                row=1,
+                col=j,
+            )
             if part:
                 shown.add(ok)
-        fig.update_xaxes(type="category", categoryorder="array", categoryarray=[str(n) for n in lengths],
-                         title_text="prompt tokens" if j == (cols + 1) // 2 else None, row=1, col=j)
-    fig.update_yaxes(type="category", categoryorder="array", categoryarray=[f"{d:.0%}" for d in depths],
-                     autorange="reversed")
+        fig.update_xaxes(
+            type="category",
+            categoryorder="array",
+            categoryarray=[str(n) for n in lengths],
+            title_text="prompt tokens" if j == (cols + 1) // 2 else None,
+            row=1,
+            col=j,
+        )
+    fig.update_yaxes(
+        type="category",
+        categoryorder="array",
+        categoryarray=[f"{d:.0%}" for d in depths],
+        autorange="reversed",
+    )
     fig.update_yaxes(title_text="needle depth", row=1, col=1)
-    fig.update_layout(height=height + 17 * (lines - 1), margin=dict(l=60, r=10, t=24 + 17 * lines, b=40),
-                      legend=dict(orientation="h", yanchor="top", y=-0.22, x=0), plot_bgcolor="#ffffff")
+    fig.update_layout(
+        height=height + 17 * (lines - 1),
+        margin=dict(l=60, r=10, t=24 + 17 * lines, b=40),
+        legend=dict(orientation="h", yanchor="top", y=-0.22, x=0),
+        plot_bgcolor="#ffffff",
+    )
     return fig
 
 
-def heads_figure(needle_kept_by_head, wanted_by_head=None, kept_mass_by_head=None,
-                 selected: tuple[int, int] | None = None, title: str = "Needle tokens kept, per layer and KV head",
-                 height: int = 420) -> go.Figure:
-    z = np.asarray(needle_kept_by_head, dtype=float)                 # (layers, kv_heads)
+def heads_figure(
+    needle_kept_by_head,
+    wanted_by_head=None,
+    kept_mass_by_head=None,
+    selected: tuple[int, int] | None = None,
+    title: str = "Needle tokens kept, per layer and KV head",
+    height: int = 420,
+) -> go.Figure:
+    z = np.asarray(needle_kept_by_head, dtype=float)  # (layers, kv_heads)
     L, H = z.shape
-    hover = [[f"layer {layer}, KV head {h}<br>needle tokens kept {z[layer, h]:.0%}"
-              + (f"<br>attention wanted on the needle {np.asarray(wanted_by_head)[layer, h]:.3f}"
-                 if wanted_by_head is not None else "")
-              + (f"<br>of it still in the cache {np.asarray(kept_mass_by_head)[layer, h]:.3f}"
-                 if kept_mass_by_head is not None else "")
-              for h in range(H)] for layer in range(L)]
-    fig = go.Figure(go.Heatmap(z=z, x=[f"KV {h}" for h in range(H)], y=list(range(L)), zmin=0, zmax=1,
-                               colorscale="Cividis", colorbar=dict(title="kept", tickformat=".0%"),
-                               hovertext=hover, hoverinfo="text"))
+    hover = [
+        [
+            f"layer {layer}, KV head {h}<br>needle tokens kept {z[layer, h]:.0%}"
+            + (
+                f"<br>attention wanted on the needle {np.asarray(wanted_by_head)[layer, h]:.3f}"
+                if wanted_by_head is not None
+                else ""
+            )
+            + (
+                f"<br>of it still in the cache {np.asarray(kept_mass_by_head)[layer, h]:.3f}"
+                if kept_mass_by_head is not None
+                else ""
+            )
+            for h in range(H)
+        ]
+        for layer in range(L)
+    ]
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=[f"KV {h}" for h in range(H)],
+            y=list(range(L)),
+            zmin=0,
+            zmax=1,
+            colorscale="Cividis",
+            colorbar=dict(title="kept", tickformat=".0%"),
+            hovertext=hover,
+            hoverinfo="text",
+        )
+    )
     if selected is not None:
-        fig.add_shape(type="rect", x0=selected[1] - 0.5, x1=selected[1] + 0.5, y0=selected[0] - 0.5,
-                      y1=selected[0] + 0.5, line=dict(color=OKABE_ITO["orange"], width=3))
-    fig.update_layout(title=title, height=height, margin=dict(l=50, r=10, t=40, b=30),
-                      yaxis=dict(title="layer", autorange="reversed"), xaxis=dict(title="KV head"))
+        fig.add_shape(
+            type="rect",
+            x0=selected[1] - 0.5,
+            x1=selected[1] + 0.5,
+            y0=selected[0] - 0.5,
+            y1=selected[0] + 0.5,
+            line=dict(color=OKABE_ITO["orange"], width=3),
+        )
+    fig.update_layout(
+        title=title,
+        height=height,
+        margin=dict(l=50, r=10, t=40, b=30),
+        yaxis=dict(title="layer", autorange="reversed"),
+        xaxis=dict(title="KV head"),
+    )
     return fig
 
 
-def needle_tokens_html(tokens: Sequence[str], kept: Sequence[bool], needle: tuple[int, int],
-                       question_start: int | None = None, compression_point: int | None = None,
-                       max_tokens: int = 1500) -> str:
+def needle_tokens_html(
+    tokens: Sequence[str],
+    kept: Sequence[bool],
+    needle: tuple[int, int],
+    question_start: int | None = None,
+    compression_point: int | None = None,
+    max_tokens: int = 1500,
+) -> str:
     """The prompt as chips: kept (blue tint) or evicted (vermillion tint, struck through, dashed),
     the needle's tokens outlined in black, a marker where the question starts."""
     ns, ne = needle
@@ -108,23 +195,35 @@ def needle_tokens_html(tokens: Sequence[str], kept: Sequence[bool], needle: tupl
         t = tokens[i]
         shown = escape(t.replace("\n", "⏎")) or "&nbsp;"
         k = bool(kept[i])
-        style = ("background:#d6e9f5;color:#000;border:1px solid #0072B2;" if k else
-                 "background:#f8ddd0;color:#555;border:1px dashed #D55E00;text-decoration:line-through;")
+        style = (
+            "background:#d6e9f5;color:#000;border:1px solid #0072B2;"
+            if k
+            else "background:#f8ddd0;color:#555;border:1px dashed #D55E00;text-decoration:line-through;"
+        )
         if ns <= i < ne:
             style += "outline:3px solid #000;outline-offset:0px;font-weight:600;"
         title = f"{i}: {t!r} · {'kept' if k else 'evicted'}" + (" · needle" if ns <= i < ne else "")
         if i == question_start:
-            chips.append('<span style="display:inline-block;margin:0 4px;padding:0 4px;background:#000;color:#fff;'
-                         'font-size:11px;border-radius:3px">question ▸</span>')
+            chips.append(
+                '<span style="display:inline-block;margin:0 4px;padding:0 4px;background:#000;color:#fff;'
+                'font-size:11px;border-radius:3px">question ▸</span>'
+            )
         if i == compression_point and compression_point != question_start:
-            chips.append('<span style="display:inline-block;margin:0 4px;padding:0 4px;background:#E69F00;'
-                         'font-size:11px;border-radius:3px">compressed here ▸</span>')
-        chips.append(f'<span title="{escape(title)}" style="display:inline-block;margin:1px;padding:0 2px;'
-                     f'border-radius:3px;font-family:monospace;font-size:12px;white-space:pre;{style}">{shown}</span>')
-    legend = ('<div style="font-size:12px;margin-bottom:4px">'
-              '<span style="background:#d6e9f5;border:1px solid #0072B2;padding:0 4px">kept</span> '
-              '<span style="background:#f8ddd0;border:1px dashed #D55E00;text-decoration:line-through;padding:0 4px">'
-              'evicted</span> '
-              '<span style="outline:3px solid #000;padding:0 4px">needle</span>'
-              + (f" · showing the last {max_tokens} of {n} tokens" if start else "") + "</div>")
+            chips.append(
+                '<span style="display:inline-block;margin:0 4px;padding:0 4px;background:#E69F00;'
+                'font-size:11px;border-radius:3px">compressed here ▸</span>'
+            )
+        chips.append(
+            f'<span title="{escape(title)}" style="display:inline-block;margin:1px;padding:0 2px;'
+            f'border-radius:3px;font-family:monospace;font-size:12px;white-space:pre;{style}">{shown}</span>'
+        )
+    legend = (
+        '<div style="font-size:12px;margin-bottom:4px">'
+        '<span style="background:#d6e9f5;border:1px solid #0072B2;padding:0 4px">kept</span> '
+        '<span style="background:#f8ddd0;border:1px dashed #D55E00;text-decoration:line-through;padding:0 4px">'
+        "evicted</span> "
+        '<span style="outline:3px solid #000;padding:0 4px">needle</span>'
+        + (f" · showing the last {max_tokens} of {n} tokens" if start else "")
+        + "</div>"
+    )
     return f'<div class="kvviz-needle-grid" style="line-height:1.9">{legend}{"".join(chips)}</div>'

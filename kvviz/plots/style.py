@@ -21,8 +21,14 @@ import plotly.graph_objects as go
 
 # Okabe & Ito (2008)
 OKABE_ITO = {
-    "black": "#000000", "orange": "#E69F00", "sky_blue": "#56B4E9", "bluish_green": "#009E73",
-    "yellow": "#F0E442", "blue": "#0072B2", "vermillion": "#D55E00", "reddish_purple": "#CC79A7",
+    "black": "#000000",
+    "orange": "#E69F00",
+    "sky_blue": "#56B4E9",
+    "bluish_green": "#009E73",
+    "yellow": "#F0E442",
+    "blue": "#0072B2",
+    "vermillion": "#D55E00",
+    "reddish_purple": "#CC79A7",
     "grey": "#999999",
 }
 REASON_COLORS = {
@@ -34,6 +40,8 @@ REASON_COLORS = {
 }
 PART_COLORS = {"eviction": OKABE_ITO["vermillion"], "quantization": OKABE_ITO["reddish_purple"]}
 ORIGINAL_COLOR = OKABE_ITO["grey"]
+
+
 class _ByPolicy(Mapping):
     """A method's look, read from its scorer's class (kvviz.policies: `colour`, `symbol`, `dash`, `title`),
     plus "full" (no eviction). The built-in colours are chosen together: every pair >= 15 CIE76 ΔE apart under
@@ -47,8 +55,11 @@ class _ByPolicy(Mapping):
 
     def _table(self) -> dict:
         from kvviz.policies import POLICIES
-        table = {name: getattr(p, self.attr) or (name if self.attr == "title" else "")
-                 for name, p in POLICIES.items()}
+
+        table = {
+            name: getattr(p, self.attr) or (name if self.attr == "title" else "")
+            for name, p in POLICIES.items()
+        }
         return {**{k: v for k, v in table.items() if v}, "full": self.full}
 
     def __getitem__(self, name):
@@ -65,10 +76,19 @@ METHOD_COLORS = _ByPolicy("colour", "#555555")
 METHOD_SYMBOLS = _ByPolicy("symbol", "hexagon")
 METHOD_DASH = _ByPolicy("dash", "longdashdot")
 # the token's fate on the attention chart, as a bar pattern too (evicted: hatched)
-REASON_PATTERNS = {"sink": ".", "recent": "-", "heavy hitter": "x", "kept (no eviction)": "", "evicted": "/"}
+REASON_PATTERNS = {
+    "sink": ".",
+    "recent": "-",
+    "heavy hitter": "x",
+    "kept (no eviction)": "",
+    "evicted": "/",
+}
 FONT = dict(family="Source Sans Pro, sans-serif", size=13)
 # plotly's own toolbar: its camera button saves the chart as SVG (vector, for slides), in the browser
-CHART_CONFIG = {"toImageButtonOptions": {"format": "svg", "filename": "kvviz-chart"}, "displaylogo": False}
+CHART_CONFIG = {
+    "toImageButtonOptions": {"format": "svg", "filename": "kvviz-chart"},
+    "displaylogo": False,
+}
 
 
 def wrap(text: str, width: int, sep: str = " ") -> str:
@@ -86,13 +106,19 @@ def wrap(text: str, width: int, sep: str = " ") -> str:
     return "<br>".join(lines)
 
 
-def layout(fig: go.Figure, title: str, x_title: str, y_title: str, height: int = 380,
-            subtitle: str = "") -> go.Figure:
+def layout(
+    fig: go.Figure, title: str, x_title: str, y_title: str, height: int = 380, subtitle: str = ""
+) -> go.Figure:
     text = f"{title}<br><sup>{subtitle}</sup>" if subtitle else title
-    fig.update_layout(title=dict(text=text, x=0.01), height=height, font=FONT, template="plotly_white",
-                      margin=dict(l=60, r=20, t=70 if subtitle else 50, b=50),
-                      legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0.0),
-                      hoverlabel=dict(namelength=-1))
+    fig.update_layout(
+        title=dict(text=text, x=0.01),
+        height=height,
+        font=FONT,
+        template="plotly_white",
+        margin=dict(l=60, r=20, t=70 if subtitle else 50, b=50),
+        legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0.0),
+        hoverlabel=dict(namelength=-1),
+    )
     fig.update_xaxes(title_text=x_title)
     fig.update_yaxes(title_text=y_title)
     return fig
@@ -100,18 +126,36 @@ def layout(fig: go.Figure, title: str, x_title: str, y_title: str, height: int =
 
 # A point's bit width (its method has the shape): filled or open, large or small, explained once in a
 # bit-width legend; FP8 / FP4 cache formats open with a dot
-BITS_MARKS = {16: ("", 11), 8: ("", 7), 6: ("-dot", 11), 5: ("-dot", 7), 4: ("-open", 11), 3: ("-open-dot", 11),
-              2: ("-open", 7), 1: ("-open-dot", 7)}
+BITS_MARKS = {
+    16: ("", 11),
+    8: ("", 7),
+    6: ("-dot", 11),
+    5: ("-dot", 7),
+    4: ("-open", 11),
+    3: ("-open-dot", 11),
+    2: ("-open", 7),
+    1: ("-open-dot", 7),
+}
 FORMAT_NAMES = {"e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2", "nvfp4": "NVFP4", "mxfp4": "MXFP4"}
-FORMAT_MARKS = {"e4m3": ("-open-dot", 15), "e5m2": ("-open-dot", 13), "nvfp4": ("-open-dot", 9),
-                "mxfp4": ("-dot", 15)}
+FORMAT_MARKS = {
+    "e4m3": ("-open-dot", 15),
+    "e5m2": ("-open-dot", 13),
+    "nvfp4": ("-open-dot", 9),
+    "mxfp4": ("-dot", 15),
+}
 
 
 def point_marker(method: str, bits: int, fmt: str = "int", color: str | None = None) -> dict:
     """A trade-off point's marker: the method's shape, filled / open and sized by its bit width."""
-    variant, size = BITS_MARKS.get(bits, ("", 9)) if fmt == "int" else FORMAT_MARKS.get(fmt, ("-open", 13))
-    return dict(symbol=METHOD_SYMBOLS.get(method, "circle") + variant, size=size,
-                color=color or METHOD_COLORS.get(method, OKABE_ITO["grey"]), line=dict(width=2))
+    variant, size = (
+        BITS_MARKS.get(bits, ("", 9)) if fmt == "int" else FORMAT_MARKS.get(fmt, ("-open", 13))
+    )
+    return dict(
+        symbol=METHOD_SYMBOLS.get(method, "circle") + variant,
+        size=size,
+        color=color or METHOD_COLORS.get(method, OKABE_ITO["grey"]),
+        line=dict(width=2),
+    )
 
 
 METHOD_LABELS = _ByPolicy("title", "no eviction")
@@ -132,10 +176,20 @@ def projector(fig: go.Figure, height: int | None = None, y_title: str | None = N
     text = main + (f"<br><span style='font-size:{PROJECTOR_FONT}px'>{sub}</span>" if sub else "")
     entries = sum(1 for t in fig.data if t.showlegend is not False and t.name)
     rows = -(-entries // 2)
-    fig.update_layout(font=dict(size=PROJECTOR_FONT), title=dict(text=text, font=dict(size=PROJECTOR_FONT + 4)),
-                      legend=dict(font=dict(size=PROJECTOR_FONT), orientation="h", yref="container", y=0,
-                                  yanchor="bottom", entrywidthmode="fraction", entrywidth=0.5),
-                      margin=dict(l=80, r=20, t=95 if sub else 60, b=70 + 28 * rows))
+    fig.update_layout(
+        font=dict(size=PROJECTOR_FONT),
+        title=dict(text=text, font=dict(size=PROJECTOR_FONT + 4)),
+        legend=dict(
+            font=dict(size=PROJECTOR_FONT),
+            orientation="h",
+            yref="container",
+            y=0,
+            yanchor="bottom",
+            entrywidthmode="fraction",
+            entrywidth=0.5,
+        ),
+        margin=dict(l=80, r=20, t=95 if sub else 60, b=70 + 28 * rows),
+    )
     if height:
         fig.update_layout(height=height + 28 * max(rows - 2, 0))
     # set on each axis: Streamlit's chart theme sizes unset tick and axis-title fonts in rem (13.5 px here)

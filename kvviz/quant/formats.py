@@ -39,25 +39,60 @@ from kvviz.quant.nvfp4 import nvfp4_bytes, nvfp4_quantize
 from kvviz.quant.rotation import rotate, unrotate
 
 FORMATS = ("int", "e4m3", "e5m2", "nvfp4", "mxfp4")
-FORMAT_LABELS = {"int": "integer groups", "e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2", "nvfp4": "NVFP4",
-                 "mxfp4": "MXFP4"}
+FORMAT_LABELS = {
+    "int": "integer groups",
+    "e4m3": "FP8 E4M3",
+    "e5m2": "FP8 E5M2",
+    "nvfp4": "NVFP4",
+    "mxfp4": "MXFP4",
+}
 RESIDUAL_MODES = ("kivi", "hf")
-_MENU = {"int": "integer groups (bits above)", "e4m3": "FP8 E4M3", "e5m2": "FP8 E5M2",
-         "nvfp4": "NVFP4 (E2M1, blocks of 16)", "mxfp4": "MXFP4 (E2M1, blocks of 32)"}
+_MENU = {
+    "int": "integer groups (bits above)",
+    "e4m3": "FP8 E4M3",
+    "e5m2": "FP8 E5M2",
+    "nvfp4": "NVFP4 (E2M1, blocks of 16)",
+    "mxfp4": "MXFP4 (E2M1, blocks of 32)",
+}
 
 declare(
-    Setting("key_format", "choice", "int", choices=FORMATS, url="key_fmt", quantizes=True, label="Key format",
-            option_labels=_MENU,
-            help="Integer min-max groups (KIVI) at the bits above, or a serving format: FP8 (vLLM, SGLang) with "
-                 "FP32 scales, NVFP4 (E2M1 values, E4M3 scale per 16, FP32 per tensor) or MXFP4 (E2M1, "
-                 "power-of-two scale per 32). FP8/FP4 fix their own width."),
-    Setting("value_format", "choice", "int", choices=FORMATS, url="value_fmt", quantizes=True,
-            label="Value format", option_labels=_MENU, help="value cache format (as the key format)"),
-    Setting("residual_mode", "choice", "kivi", choices=RESIDUAL_MODES, url="res_mode", quantizes=True,
-            label="Residual window", option_labels={"kivi": "sliding (KIVI)", "hf": "flushed (HF QuantizedCache)"},
-            help="Sliding: the last `Residual` tokens are always exact. Flushed: transformers' QuantizedCache "
-                 "quantizes the prompt whole, then collects new tokens at full precision and quantizes them "
-                 "together once `Residual` of them have arrived."),
+    Setting(
+        "key_format",
+        "choice",
+        "int",
+        choices=FORMATS,
+        url="key_fmt",
+        quantizes=True,
+        label="Key format",
+        option_labels=_MENU,
+        help="Integer min-max groups (KIVI) at the bits above, or a serving format: FP8 (vLLM, SGLang) with "
+        "FP32 scales, NVFP4 (E2M1 values, E4M3 scale per 16, FP32 per tensor) or MXFP4 (E2M1, "
+        "power-of-two scale per 32). FP8/FP4 fix their own width.",
+    ),
+    Setting(
+        "value_format",
+        "choice",
+        "int",
+        choices=FORMATS,
+        url="value_fmt",
+        quantizes=True,
+        label="Value format",
+        option_labels=_MENU,
+        help="value cache format (as the key format)",
+    ),
+    Setting(
+        "residual_mode",
+        "choice",
+        "kivi",
+        choices=RESIDUAL_MODES,
+        url="res_mode",
+        quantizes=True,
+        label="Residual window",
+        option_labels={"kivi": "sliding (KIVI)", "hf": "flushed (HF QuantizedCache)"},
+        help="Sliding: the last `Residual` tokens are always exact. Flushed: transformers' QuantizedCache "
+        "quantizes the prompt whole, then collects new tokens at full precision and quantizes them "
+        "together once `Residual` of them have arrived.",
+    ),
 )
 
 
@@ -73,7 +108,9 @@ def quantization_label(spec: Spec) -> str:
     if spec.key_format == "int" and spec.value_format == "int":
         parts = [f"K{spec.key_bits}/V{spec.value_bits}-bit"]
     else:
-        parts = [f"K {format_label(spec.key_format, spec.key_bits)} / V {format_label(spec.value_format, spec.value_bits)}"]
+        parts = [
+            f"K {format_label(spec.key_format, spec.key_bits)} / V {format_label(spec.value_format, spec.value_bits)}"
+        ]
         if {"e4m3", "e5m2"} & {spec.key_format, spec.value_format}:
             parts.append(f"FP8 scale per {spec.fp8_scale}")
     if spec.rotate != "none":
@@ -102,8 +139,12 @@ def is_quantized(spec: Spec, which: str) -> bool:
 
 def uses_formats(spec: Spec) -> bool:
     """Whether the spec needs this module's path (anything beyond the integer kernel's settings)."""
-    return (spec.key_format != "int" or spec.value_format != "int" or spec.rotate != "none"
-            or spec.residual_mode != "kivi")
+    return (
+        spec.key_format != "int"
+        or spec.value_format != "int"
+        or spec.rotate != "none"
+        or spec.residual_mode != "kivi"
+    )
 
 
 def flush_point(spec: Spec, p: int, context_len: int) -> int:
@@ -155,8 +196,16 @@ def quantize_tensor(x: np.ndarray, spec: Spec, which: str, residual: int) -> np.
     head = x[..., :n_quant, :]
     xr = rotate(head) if rotated else head
     if fmt == "int":
-        q = integer.quantize(xr, bits, axis, spec.group_size, 0, spec.symmetric, zero_point=spec.zero_point,
-                             partial=spec.partial)
+        q = integer.quantize(
+            xr,
+            bits,
+            axis,
+            spec.group_size,
+            0,
+            spec.symmetric,
+            zero_point=spec.zero_point,
+            partial=spec.partial,
+        )
     else:
         q = quantize_values(xr, fmt, spec.fp8_scale)
     out = np.array(x, copy=True)
@@ -164,12 +213,23 @@ def quantize_tensor(x: np.ndarray, spec: Spec, which: str, residual: int) -> np.
     return out
 
 
-def tensor_bytes(spec: Spec, which: str, n_tokens: int, dim: int, kv_heads: int, residual: int) -> CacheBytes:
+def tensor_bytes(
+    spec: Spec, which: str, n_tokens: int, dim: int, kv_heads: int, residual: int
+) -> CacheBytes:
     """Bytes of one KV head's K (or V) cache of n_tokens, `residual` of them at 16 bits."""
     fmt, bits, axis, _ = settings(spec, which)
     if fmt == "int":
-        return integer.tensor_bytes(n_tokens, dim, bits, axis, spec.group_size, residual, spec.symmetric,
-                                    spec.zero_point, spec.partial)
+        return integer.tensor_bytes(
+            n_tokens,
+            dim,
+            bits,
+            axis,
+            spec.group_size,
+            residual,
+            spec.symmetric,
+            spec.zero_point,
+            spec.partial,
+        )
     n_quant = max(0, n_tokens - residual)
     if fmt in ("e4m3", "e5m2"):
         payload, scales = fp8_bytes(n_quant, dim, spec.fp8_scale, kv_heads)
@@ -189,12 +249,17 @@ def spec_residual_for_memory(spec: Spec, kept: int, n_tokens: int, context_len: 
 
 # --- presets -----------------------------------------------------------------------------
 
-HF_RESIDUAL_LENGTH = 128   # transformers QuantizedCache defaults: nbits 4, q_group_size 64, residual_length 128
+# transformers QuantizedCache defaults: nbits 4, q_group_size 64, residual_length 128
+HF_RESIDUAL_LENGTH = 128
 HF_GROUP = 64
 
 
-def hf_quantized_cache(nbits: int = 4, residual_length: int = HF_RESIDUAL_LENGTH, q_group_size: int = HF_GROUP,
-                       **changes) -> Spec:
+def hf_quantized_cache(
+    nbits: int = 4,
+    residual_length: int = HF_RESIDUAL_LENGTH,
+    q_group_size: int = HF_GROUP,
+    **changes,
+) -> Spec:
     """transformers' QuantizedCache (quanto backend, its defaults axis_key = axis_value = 0) as a Spec.
 
     quanto's MaxOptimizer + affine quantizer on groups of q_group_size consecutive values of the
@@ -211,11 +276,22 @@ def hf_quantized_cache(nbits: int = 4, residual_length: int = HF_RESIDUAL_LENGTH
     """
     if nbits not in (2, 4):
         raise ValueError(f"QuantizedCache's quanto backend takes nbits 2 or 4, got {nbits}")
-    return Spec(key_bits=nbits, value_bits=nbits, key_axis="token", value_axis="token", group_size=q_group_size,
-                residual=residual_length, residual_mode="hf", zero_point="float", partial="quantize", **changes)
+    return Spec(
+        key_bits=nbits,
+        value_bits=nbits,
+        key_axis="token",
+        value_axis="token",
+        group_size=q_group_size,
+        residual=residual_length,
+        residual_mode="hf",
+        zero_point="float",
+        partial="quantize",
+        **changes,
+    )
 
 
 # --- what rotation does to one head's keys ---------------------------------------------------
+
 
 def rotation_effect(k: np.ndarray, bits: int = 2, group: int = 32) -> dict:
     """One head's keys k (tokens, D) before and after rotation: how outlying the largest channel
@@ -232,6 +308,9 @@ def rotation_effect(k: np.ndarray, bits: int = 2, group: int = 32) -> dict:
     norm = max(float(np.linalg.norm(k)), 1e-30)
     plain = quantize_tensor(k[None], spec, "k", 0)[0]
     rotated = quantize_tensor(k[None], spec.with_(rotate="keys"), "k", 0)[0]
-    return {"peak_before": peak(k), "peak_after": peak(kr),
-            "error_before": float(np.linalg.norm(plain - k)) / norm,
-            "error_after": float(np.linalg.norm(rotated - k)) / norm}
+    return {
+        "peak_before": peak(k),
+        "peak_after": peak(kr),
+        "error_before": float(np.linalg.norm(plain - k)) / norm,
+        "error_after": float(np.linalg.norm(rotated - k)) / norm,
+    }

@@ -19,11 +19,20 @@ from kvviz.settings import Setting, declare
 FP8 = {"e4m3": E4M3, "e5m2": E5M2}
 FP8_SCALES = ("tensor", "head", "token")
 
-declare(Setting("fp8_scale", "choice", "head", choices=FP8_SCALES, quantizes=True, label="FP8 scale per",
-                option_labels={"tensor": "tensor (layer)", "head": "KV head", "token": "token"},
-                help="One FP32 scale s = amax / format max for the layer's whole K (or V), for each KV head, or for "
-                     "each token of each head."))
-SCALE_BYTES = 4   # FP32 scales
+declare(
+    Setting(
+        "fp8_scale",
+        "choice",
+        "head",
+        choices=FP8_SCALES,
+        quantizes=True,
+        label="FP8 scale per",
+        option_labels={"tensor": "tensor (layer)", "head": "KV head", "token": "token"},
+        help="One FP32 scale s = amax / format max for the layer's whole K (or V), for each KV head, or for "
+        "each token of each head.",
+    )
+)
+SCALE_BYTES = 4  # FP32 scales
 
 
 def fp8_scales(x: np.ndarray, fmt: Minifloat, scale: str) -> np.ndarray:
@@ -59,7 +68,9 @@ def fp8_quantize(x: np.ndarray, fmt: str, scale: str = "head") -> np.ndarray:
 def fp8_bytes(n_quant: int, dim: int, scale: str, kv_heads: int) -> tuple[float, float]:
     """(payload, scale bytes) of one KV head's n_quant quantized tokens; a per-tensor scale
     is shared by the layer's kv_heads heads."""
-    n_scales = {"tensor": 1 / kv_heads, "head": 1.0, "token": float(n_quant)}[scale] if n_quant else 0.0
+    n_scales = (
+        {"tensor": 1 / kv_heads, "head": 1.0, "token": float(n_quant)}[scale] if n_quant else 0.0
+    )
     return float(n_quant * dim), n_scales * SCALE_BYTES
 
 

@@ -16,21 +16,42 @@ from typing import Any
 import numpy as np
 
 from kvviz.analysis.needle.cell import NeedleCell, _first_answer_attention, prefill, run_cell
-from kvviz.analysis.needle.prompt import (DEFAULT_BUDGET, DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_NEW_TOKENS,
-                                          DEFAULT_SCORERS, DEFAULT_SEED, FILLER, FORMAT_VERSION, FULL, HAYSTACKS,
-                                          INSTRUCTION, NEEDLE_TEMPLATE, PRIMER, QUESTION, SCORER_NAMES, NeedlePrompt,
-                                          Progress, budget_tokens, build_prompt, min_length, spec_for)
+from kvviz.analysis.needle.prompt import (
+    DEFAULT_BUDGET,
+    DEFAULT_DEPTHS,
+    DEFAULT_LENGTHS,
+    DEFAULT_NEW_TOKENS,
+    DEFAULT_SCORERS,
+    DEFAULT_SEED,
+    FILLER,
+    FORMAT_VERSION,
+    FULL,
+    HAYSTACKS,
+    INSTRUCTION,
+    NEEDLE_TEMPLATE,
+    PRIMER,
+    QUESTION,
+    SCORER_NAMES,
+    NeedlePrompt,
+    Progress,
+    budget_tokens,
+    build_prompt,
+    min_length,
+    spec_for,
+)
 from kvviz.limits import checkpoint
 from kvviz.models.config import model_dims, prefill_work
 from kvviz.spec import FULL_BITS, Spec, SpecError
 
-MAX_LENGTH = 131072     # the longest prompt asked for at all; the model's positions and the work budget decide
+# the longest prompt asked for at all; the model's positions and the work budget decide
+MAX_LENGTH = 131072
 
 
 DEFAULT_FILE = Path(__file__).resolve().parents[2] / "data" / "needle_default.json.gz"
 
 
 # --- the disk cache ---------------------------------------------------------------------------
+
 
 def cache_dir() -> Path:
     """$KVVIZ_CACHE_DIR/needle, else $XDG_CACHE_HOME/kvviz/needle (next to the app's trace cache)."""
@@ -41,15 +62,32 @@ def cache_dir() -> Path:
     return base / "kvviz" / "needle"
 
 
-def cell_key(model_id: str, prompt: NeedlePrompt, spec: Spec, question_after_compression: bool,
-             new_tokens: int) -> str:
+def cell_key(
+    model_id: str,
+    prompt: NeedlePrompt,
+    spec: Spec,
+    question_after_compression: bool,
+    new_tokens: int,
+) -> str:
     """sha256 of everything that changes a cell's numbers."""
     from kvviz.version import __version__
 
-    blob = json.dumps({"model": model_id, "ids": list(prompt.ids), "needle": [prompt.needle_start, prompt.needle_end],
-                       "question_start": prompt.question_start, "key": prompt.key, "spec": spec.__dict__,
-                       "question_after_compression": question_after_compression, "new_tokens": new_tokens,
-                       "format": FORMAT_VERSION, "kvviz": __version__}, sort_keys=True, default=str)
+    blob = json.dumps(
+        {
+            "model": model_id,
+            "ids": list(prompt.ids),
+            "needle": [prompt.needle_start, prompt.needle_end],
+            "question_start": prompt.question_start,
+            "key": prompt.key,
+            "spec": spec.__dict__,
+            "question_after_compression": question_after_compression,
+            "new_tokens": new_tokens,
+            "format": FORMAT_VERSION,
+            "kvviz": __version__,
+        },
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
@@ -67,10 +105,12 @@ def _write(path: Path, d: dict) -> None:
         tmp.write_text(json.dumps(d), encoding="utf-8")
         tmp.replace(path)
     except OSError:
-        pass                                   # a read-only cache folder: results are still returned
+        # a read-only cache folder: results are still returned
+        pass
 
 
 # --- the grid ------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class NeedleGrid:
@@ -106,20 +146,28 @@ class NeedleGrid:
         return sorted({c.depth for c in self.cells})
 
     def as_dict(self, kept: bool = False, prompts: bool = False) -> dict:
-        d: dict[str, Any] = {"model": self.model, "settings": self.settings,
-                             "cells": [c.as_dict(kept=kept) for c in self.cells]}
+        d: dict[str, Any] = {
+            "model": self.model,
+            "settings": self.settings,
+            "cells": [c.as_dict(kept=kept) for c in self.cells],
+        }
         if prompts:
             d["prompts"] = [p.as_dict() for p in self.prompts]
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "NeedleGrid":
-        return cls(model=d["model"], settings=dict(d.get("settings", {})),
-                   prompts=tuple(NeedlePrompt.from_dict(p) for p in d.get("prompts", [])),
-                   cells=tuple(NeedleCell.from_dict(c) for c in d["cells"]))
+        return cls(
+            model=d["model"],
+            settings=dict(d.get("settings", {})),
+            prompts=tuple(NeedlePrompt.from_dict(p) for p in d.get("prompts", [])),
+            cells=tuple(NeedleCell.from_dict(c) for c in d["cells"]),
+        )
 
     def save(self, path: str | Path) -> None:
-        blob = json.dumps(self.as_dict(kept=True, prompts=True), separators=(",", ":")).encode("utf-8")
+        blob = json.dumps(self.as_dict(kept=True, prompts=True), separators=(",", ":")).encode(
+            "utf-8"
+        )
         Path(path).write_bytes(gzip.compress(blob, mtime=0))
 
     @classmethod
@@ -135,14 +183,20 @@ def load_default(path: str | Path | None = None) -> NeedleGrid | None:
         return None
 
 
-def check_lengths(lengths: Sequence[int], max_positions: int | None, new_tokens: int, minimum: int) -> None:
+def check_lengths(
+    lengths: Sequence[int], max_positions: int | None, new_tokens: int, minimum: int
+) -> None:
     for n in lengths:
         if n < minimum:
-            raise SpecError(f"length {n} is too short: a needle prompt needs at least {minimum} tokens for this "
-                            "model (frame, needle and question)")
+            raise SpecError(
+                f"length {n} is too short: a needle prompt needs at least {minimum} tokens for this "
+                "model (frame, needle and question)"
+            )
         if max_positions is not None and n + new_tokens > max_positions:
-            raise SpecError(f"length {n} + {new_tokens} answer tokens is past the model's {max_positions} "
-                            f"positions; use lengths up to {max_positions - new_tokens}")
+            raise SpecError(
+                f"length {n} + {new_tokens} answer tokens is past the model's {max_positions} "
+                f"positions; use lengths up to {max_positions - new_tokens}"
+            )
 
 
 def max_positions(model) -> int | None:
@@ -155,19 +209,40 @@ def prompt_key(model_id: str, length: int, depth: float, seed: int, haystack: st
     """sha256 of what decides a prompt's tokens (the model's tokenizer by its name, and the texts)."""
     from kvviz.version import __version__
 
-    blob = json.dumps({"model": model_id, "length": length, "depth": depth, "seed": seed, "haystack": haystack,
-                       "texts": [NEEDLE_TEMPLATE, QUESTION, PRIMER, INSTRUCTION, FILLER],
-                       "format": FORMAT_VERSION, "kvviz": __version__}, sort_keys=True)
+    blob = json.dumps(
+        {
+            "model": model_id,
+            "length": length,
+            "depth": depth,
+            "seed": seed,
+            "haystack": haystack,
+            "texts": [NEEDLE_TEMPLATE, QUESTION, PRIMER, INSTRUCTION, FILLER],
+            "format": FORMAT_VERSION,
+            "kvviz": __version__,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-def run_grid(model, tokenizer, model_id: str = "bundled", lengths: Sequence[int] = DEFAULT_LENGTHS,
-             depths: Sequence[float] = DEFAULT_DEPTHS, scorers: Sequence[str] = DEFAULT_SCORERS,
-             budgets: Sequence[float] = (DEFAULT_BUDGET,), bits: Sequence[int] = (FULL_BITS,),
-             question_after_compression: bool = False, new_tokens: int = DEFAULT_NEW_TOKENS,
-             seed: int = DEFAULT_SEED, haystack: str = "filler", use_cache: bool = True,
-             progress: Progress | None = None, stats: dict | None = None,
-             load: Callable[[], tuple[Any, Any]] | None = None) -> NeedleGrid:
+def run_grid(
+    model,
+    tokenizer,
+    model_id: str = "bundled",
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    depths: Sequence[float] = DEFAULT_DEPTHS,
+    scorers: Sequence[str] = DEFAULT_SCORERS,
+    budgets: Sequence[float] = (DEFAULT_BUDGET,),
+    bits: Sequence[int] = (FULL_BITS,),
+    question_after_compression: bool = False,
+    new_tokens: int = DEFAULT_NEW_TOKENS,
+    seed: int = DEFAULT_SEED,
+    haystack: str = "filler",
+    use_cache: bool = True,
+    progress: Progress | None = None,
+    stats: dict | None = None,
+    load: Callable[[], tuple[Any, Any]] | None = None,
+) -> NeedleGrid:
     """Every (length, depth) prompt x every (scorer, budget, bits) cell.
 
     One prefill per prompt, only when some cell of it is not on disk yet. With
@@ -205,7 +280,11 @@ def run_grid(model, tokenizer, model_id: str = "bundled", lengths: Sequence[int]
     jobs = [(n, d) for n in lengths for d in depths]
     stored = {}
     for n, d in jobs:
-        hit = _read(folder / "prompts" / f"{prompt_key(model_id, n, d, seed, haystack)}.json") if use_cache else None
+        hit = (
+            _read(folder / "prompts" / f"{prompt_key(model_id, n, d, seed, haystack)}.json")
+            if use_cache
+            else None
+        )
         if hit is not None:
             stored[(n, d)] = hit
     if len(stored) == len(jobs) and held["model"] is None:
@@ -218,7 +297,9 @@ def run_grid(model, tokenizer, model_id: str = "bundled", lengths: Sequence[int]
     prompts, cells = [], []
     computed = cached = 0
     t0 = time.perf_counter()
-    variants = [(s, b, q) for s in scorers for b in (budgets if s != FULL else (1.0,)) for q in bits]
+    variants = [
+        (s, b, q) for s in scorers for b in (budgets if s != FULL else (1.0,)) for q in bits
+    ]
     variants = list(dict.fromkeys(variants))
     total = len(jobs) * (len(variants) + 1)
     done = 0
@@ -229,8 +310,14 @@ def run_grid(model, tokenizer, model_id: str = "bundled", lengths: Sequence[int]
         else:
             m, tok = need_model()
             prompt = build_prompt(tok, n, d, seed=seed, haystack=haystack)
-            _write(folder / "prompts" / f"{prompt_key(model_id, n, d, seed, haystack)}.json",
-                   {"prompt": prompt.as_dict(), "max_positions": max_positions(m), "min_length": min_length(tok)})
+            _write(
+                folder / "prompts" / f"{prompt_key(model_id, n, d, seed, haystack)}.json",
+                {
+                    "prompt": prompt.as_dict(),
+                    "max_positions": max_positions(m),
+                    "min_length": min_length(tok),
+                },
+            )
         prompts.append(prompt)
         pre = attn = None
 
@@ -254,7 +341,7 @@ def run_grid(model, tokenizer, model_id: str = "bundled", lengths: Sequence[int]
             out = run_cell(m, tok, prompt, pre, spec, qac, new_tokens, attention=attn)
             computed += 1
             _write(path, out)
-            return json.loads(json.dumps(out))           # exactly what a later read returns
+            return json.loads(json.dumps(out))  # exactly what a later read returns
 
         full = get(full_spec, False, "full cache")
         done += 1
@@ -263,23 +350,56 @@ def run_grid(model, tokenizer, model_id: str = "bundled", lengths: Sequence[int]
             qac = question_after_compression and spec != full_spec
             out = full if (spec == full_spec) else get(spec, qac, f"{scorer} {frac:g} {b}-bit")
             done += 1
-            cells.append(NeedleCell.from_dict({
-                **out, "scorer": scorer, "length": n, "depth": float(d), "budget": 1.0 if scorer == FULL else frac,
-                "bits": b, "question_after_compression": qac, "full_answer": full["answer"],
-                "full_correct": full["correct"]}))
+            cells.append(
+                NeedleCell.from_dict(
+                    {
+                        **out,
+                        "scorer": scorer,
+                        "length": n,
+                        "depth": float(d),
+                        "budget": 1.0 if scorer == FULL else frac,
+                        "bits": b,
+                        "question_after_compression": qac,
+                        "full_answer": full["answer"],
+                        "full_correct": full["correct"],
+                    }
+                )
+            )
     say(1.0, f"{len(cells)} cells: {computed} computed, {cached} from the cache")
     if stats is not None:
         stats.update(computed=computed, cached=cached, seconds=time.perf_counter() - t0)
-    settings = {"lengths": list(lengths), "depths": [float(x) for x in depths], "scorers": list(scorers),
-                "budgets": [float(b) for b in budgets], "bits": list(bits),
-                "question_after_compression": question_after_compression, "new_tokens": new_tokens,
-                "seed": seed, "haystack": haystack}
+    settings = {
+        "lengths": list(lengths),
+        "depths": [float(x) for x in depths],
+        "scorers": list(scorers),
+        "budgets": [float(b) for b in budgets],
+        "bits": list(bits),
+        "question_after_compression": question_after_compression,
+        "new_tokens": new_tokens,
+        "seed": seed,
+        "haystack": haystack,
+    }
     return NeedleGrid(model=model_id, settings=settings, prompts=tuple(prompts), cells=tuple(cells))
 
 
-CSV_FIELDS = ("scorer", "length", "depth", "budget", "bits", "question_after_compression", "budget_tokens",
-              "key", "correct", "answer", "full_answer", "full_correct", "needle_kept", "wanted_mass",
-              "kept_mass", "spec")
+CSV_FIELDS = (
+    "scorer",
+    "length",
+    "depth",
+    "budget",
+    "bits",
+    "question_after_compression",
+    "budget_tokens",
+    "key",
+    "correct",
+    "answer",
+    "full_answer",
+    "full_correct",
+    "needle_kept",
+    "wanted_mass",
+    "kept_mass",
+    "spec",
+)
 
 
 def to_csv(grid: NeedleGrid) -> str:
@@ -291,7 +411,13 @@ def to_csv(grid: NeedleGrid) -> str:
     w.writeheader()
     for c in grid.cells:
         d = c.as_dict()
-        w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in d.items() if k in CSV_FIELDS})
+        w.writerow(
+            {
+                k: (f"{v:.6g}" if isinstance(v, float) else v)
+                for k, v in d.items()
+                if k in CSV_FIELDS
+            }
+        )
     return buf.getvalue()
 
 
@@ -308,18 +434,32 @@ def format_grid(grid: NeedleGrid) -> str:
         for d in grid.depths:
             row = []
             for n in lengths:
-                c = next((c for c in grid.cells if (c.scorer, c.budget, c.bits, c.length) == (scorer, budget, bits, n)
-                          and abs(c.depth - d) < 1e-9), None)
-                row.append("" if c is None else f"{'ok' if c.correct else 'MISS'} {c.needle_kept:4.0%}")
+                c = next(
+                    (
+                        c
+                        for c in grid.cells
+                        if (c.scorer, c.budget, c.bits, c.length) == (scorer, budget, bits, n)
+                        and abs(c.depth - d) < 1e-9
+                    ),
+                    None,
+                )
+                row.append(
+                    "" if c is None else f"{'ok' if c.correct else 'MISS'} {c.needle_kept:4.0%}"
+                )
             lines.append(f"  depth {d:>4.0%}      " + "".join(f"{r:>14}" for r in row))
-        n_ok = sum(c.correct for c in grid.cells if (c.scorer, c.budget, c.bits) == (scorer, budget, bits))
+        n_ok = sum(
+            c.correct for c in grid.cells if (c.scorer, c.budget, c.bits) == (scorer, budget, bits)
+        )
         n_all = sum(1 for c in grid.cells if (c.scorer, c.budget, c.bits) == (scorer, budget, bits))
         lines.append(f"  correct {n_ok}/{n_all}")
-    lines.append("cells: ok/MISS = the key exactly right or not; % = needle tokens kept over all layers x KV heads")
+    lines.append(
+        "cells: ok/MISS = the key exactly right or not; % = needle tokens kept over all layers x KV heads"
+    )
     return "\n".join(lines)
 
 
 # --- what the page opens on ----------------------------------------------------------------------
+
 
 def classic_failure(grid: NeedleGrid) -> tuple[str, int, float] | None:
     """The classic failure to show in one click: StreamingLLM (else any policy) wrong where the
