@@ -81,6 +81,9 @@ def budget_is_exact(spec: Spec) -> bool:
     number of their own (ChunkKV's whole chunks, Quest per query head) need the kept masks."""
     if not spec.evicts:
         return True
+    # the cache grows to budget + N between compressions (policies.recompress)
+    if spec.compress_every:
+        return False
     return spec.allocation != "adakv" and get_policy(spec.scorer).fills_budget(spec)
 
 

@@ -13,6 +13,10 @@ For a trace with later queries (decode steps), one layer and one KV head:
     missed[s, i] = a[s, i] >= need and not kept[s, i]
                    a token the model needed at step s that was no longer in the cache
 
+With Spec.compress_every = N the one-shot scorers compress again after every N-th decode
+step's query (kvviz.policies.recompress): `compressed_after` lists those steps. H2O, TOVA and
+the oracle decide at every step anyway and run as they always do (the timeline says so).
+
 "Evicted and later needed" are the tokens with any missed step: history-based eviction
 threw them away, and a later query wanted them (the handbook's warning: a token ignored
 for 500 steps can be needed at step 501). Pure numpy; no Streamlit, no torch.
@@ -28,6 +32,7 @@ from kvviz.attention import softmax
 from kvviz.engine import trace_bytes
 from kvviz.limits import Part, Work, checkpoint
 from kvviz.policies import ScoreContext, get_policy, select
+from kvviz.policies.recompress import is_due
 from kvviz.spec import Spec, SpecError
 from kvviz.trace import Trace, TraceError
 
@@ -50,6 +55,8 @@ class PolicyTimeline:
     kept: np.ndarray  # (steps, positions) bool
     regret: np.ndarray  # (steps,) full attention mass on evicted tokens
     missed: np.ndarray  # (steps, positions) bool: needed at that step but evicted
+    compressed_after: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # steps after whose query the cache was compressed again (Spec.compress_every), in order
 
     @property
     def evicted_needed(self) -> np.ndarray:
@@ -122,6 +129,10 @@ class Timeline:
     policies: dict[str, PolicyTimeline]
     # policy -> why it cannot run with this spec
     skipped: dict[str, str] = field(default_factory=dict)
+    # the one-shot scorers compress again every N steps (0: once)
+    compress_every: int = 0
+    # policies run without spec.compress_every (they decide every step)
+    decides_every_step: tuple[str, ...] = ()
 
     @property
     def n_steps(self) -> int:
@@ -235,8 +246,10 @@ def timeline(
     policies: tuple[str, ...] = TIMELINE_POLICIES,
     need: float = DEFAULT_NEED,
     max_steps: int | None = None,
+    compress_every: int = 0,
 ) -> Timeline:
-    """Kept sets, regret and missed tokens of several policies over a trace's decode steps."""
+    """Kept sets, regret and missed tokens of several policies over a trace's decode steps; the one-shot
+    scorers compress again every `compress_every` decode steps (0: once, at the end of the prompt)."""
     if not trace.has_later_queries:
         raise TraceError(
             "the decode timeline needs a trace with decode steps (later queries); "
@@ -263,19 +276,33 @@ def timeline(
     timeline_work(trace, len(steps), len(policies)).check()
     attn = full_attention(trace, layer, kv_head, steps)  # (S, P)
     arrived = np.arange(trace.n_positions)[None, :] <= positions[:, None]  # (S, P)
-    out, skipped = {}, {}
+    out, skipped, once = {}, {}, []
     for name in policies:
         checkpoint()
         try:
-            spec.with_(scorer=name)
+            s = policy_spec(spec, name, compress_every)
+            kept = policy_masks(trace, s, layer, positions, name, kv_head, attn)
         except SpecError as e:  # e.g. AdaKV with a streaming scorer: say why, draw the others
             skipped[name] = str(e)
             continue
-        kept = policy_masks(trace, spec, layer, positions, name, kv_head, attn)
+        if s.compress_every != compress_every:
+            once.append(name)
         evicted = arrived & ~kept
         regret = (attn * evicted).sum(axis=1)
         missed = evicted & (attn >= need)
-        out[name] = PolicyTimeline(name=name, kept=kept, regret=regret, missed=missed)
+        again = np.array(
+            [
+                i
+                for i, p in enumerate(positions)
+                if s.evicts
+                and is_due(int(p), trace.context_len, s.compress_every)
+                and i < len(positions) - 1
+            ],
+            dtype=np.int64,
+        )
+        out[name] = PolicyTimeline(
+            name=name, kept=kept, regret=regret, missed=missed, compressed_after=again
+        )
     return Timeline(
         spec=spec,
         layer=layer,
@@ -287,4 +314,16 @@ def timeline(
         need=need,
         policies=out,
         skipped=skipped,
+        compress_every=compress_every,
+        decides_every_step=tuple(once),
     )
+
+
+def policy_spec(spec: Spec, name: str, every: int = 0) -> Spec:
+    """The spec a policy runs under on the timeline: the shared one with its scorer, compressing again every
+    `every` decode steps; a policy that decides at every step anyway (H2O, TOVA, the oracle, Quest)
+    compresses once."""
+    policy = get_policy(name)
+    if every and (policy.streaming or policy.needs_query):
+        return spec.with_(scorer=name, compress_every=0)
+    return spec.with_(scorer=name, compress_every=every)

@@ -13,6 +13,10 @@
                    K_hat, V_hat = kvviz.quant.quantize of the kept K / V (the last
                    `residual` kept tokens stay at full precision)
                 4. streaming scorers fold a into their scores      H2O: +=, TOVA: =
+              With Spec.compress_every = N (one-shot scorers) step 2 is skipped and,
+              after the query of every N-th decode step, the layer's cache is scored
+              again over what it holds and cut back to the budget
+              (kvviz.policies.recompress, as the engine's simulation does it).
               Only the oracle looks at the full cache: top-k of this step's own
               full-precision attention (the bound, not a real policy).
 
@@ -35,6 +39,7 @@ from kvviz.decode.devquant import float64_ok, quantize_tensor_torch
 from kvviz.decode.place import host, is_cpu, on
 from kvviz.policies import ScoreContext, evict_one, get_policy, select
 from kvviz.policies.base import group_union
+from kvviz.policies.recompress import is_due, layer_trace, recompressed
 from kvviz.quant import quantize
 from kvviz.quant.formats import quantize_tensor, uses_formats
 from kvviz.quant.formats import residual_at as formats_residual_at
@@ -129,6 +134,10 @@ class CompressedCache:
         self.step_kept: list[list[np.ndarray]] = [[] for _ in range(n_layers)]  # (H, m) per step
         # Quest: tokens each KV head read last
         self.read_counts: list[np.ndarray | None] = [None] * n_layers
+        # compress_every: every decode query (Hq, D) per layer, which a later compression point scores with
+        self.decode_q: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
+        # positions p after whose query
+        self.recompressed_at: list[list[int]] = [[] for _ in range(n_layers)]
 
     # -- policy bookkeeping ------------------------------------------------------------
     @property
@@ -373,7 +382,42 @@ class CompressedCache:
                 (p - kept).astype(np.float64),
             )
             scores[at] = seen
+        if spec.compress_every and self.evicts:
+            self._after_query(layer, p, q)
         return out.reshape(self.Hq, 1, self.D)
+
+    def _after_query(self, layer: int, p: int, q) -> None:
+        """compress_every: keep the query for later scoring; after every N-th decode step's query, score the
+        layer's cache again over positions 0..p and keep `select`'s choice among what it holds."""
+        self.decode_q[layer].append(host(q[:, 0]).copy())
+        if not is_due(p, self.trace.context_len, self.spec.compress_every):
+            return
+        n = p + 1
+        # (Hq, n, D)
+        q_all = np.concatenate(
+            [self.trace.q[layer], np.stack(self.decode_q[layer], axis=1)], axis=1
+        )
+        tokens = (
+            self.tokens
+            if self.tokens is not None and len(self.tokens) >= n
+            else tuple(f"t{i}" for i in range(n))
+        )
+        sub = layer_trace(
+            q_all,
+            host(self.k[layer, :, :n]),
+            host(self.v[layer, :, :n]),
+            layer,
+            self.L,
+            tokens,
+            self.trace.meta,
+        )
+        scores = np.broadcast_to(
+            np.asarray(self.policy.score(ScoreContext(sub, layer, self.spec)), dtype=np.float64),
+            (self.H, n),
+        )
+        self.scores[layer, :, :n] = scores
+        self.kept[layer] = recompressed(self.kept[layer], self.scores[layer, :, :n], self.spec)
+        self.recompressed_at[layer].append(p)
 
     def _attend_reads(self, layer: int, q, reads: np.ndarray, scaling: float):
         """Each query head attends over its own reads (Hq, p + 1) (Quest per query head): its read tokens of
@@ -423,7 +467,8 @@ class CompressedCache:
         self.scores[layer, :, p] = self.policy.arrival_score(
             host(self.k[layer, :, p]), layer, p, spec
         )
-        if self.evicts and kept.shape[1] > spec.budget:  # evict one per head
+        # evict one per head
+        if self.evicts and kept.shape[1] > spec.budget and not spec.compress_every:
             kept = evict_one(kept, self.scores[layer], spec, p)
         return kept
 
@@ -442,6 +487,7 @@ class CompressedCache:
         return (
             self.mode == "delete"
             and not self.record
+            and not (self.evicts and self.spec.compress_every)
             and not (self.evicts and (self.policy.streaming or self.policy.needs_query))
             and not (
                 self.spec.quant_model == "kv" and self.spec.quantizes and uses_formats(self.spec)

@@ -251,7 +251,7 @@ def one_pass(spec: Spec) -> bool:
     from kvviz.policies import get_policy
 
     policy = get_policy(spec.scorer)
-    return not (spec.evicts and (policy.streaming or policy.needs_query))
+    return not (spec.evicts and (policy.streaming or policy.needs_query or spec.compress_every))
 
 
 # --- how long a run takes ----------------------------------------------------------------------

@@ -197,11 +197,13 @@ def decode_many(
         prefix = prefill(model, prompt_ids)
     R = len(specs)
     device = placement(model)[0]
+    # PyramidKV / AdaKV: their own
     caches = [
         new_cache(
             model,
             spec,
             n + st,
+            cache_class(spec),
             tokens=tokens,
             inv_freq=rope_inv_freq(model) if spec.positions == "cache" else None,
         )

@@ -217,6 +217,7 @@ class Quality:
             "value_format": self.spec.value_format,
             "rotate": self.spec.rotate,
             "residual_mode": self.spec.residual_mode,
+            "compress_every": self.spec.compress_every,
             "prompt_tokens": self.prompt_len,
             "continuation_tokens": len(self.tokens),
             "perplexity": self.perplexity,

@@ -24,6 +24,12 @@ STATE_COLOURS = {
     MISSED: REASON_COLORS["evicted"],
 }
 POLICY_COLOURS = METHOD_COLORS
+# compressed again (Spec.compress_every): between two steps
+RECOMPRESS_LINE = dict(color="#AA3377", width=2)
+
+
+def _recompress_label(tl: Timeline) -> str:
+    return f"compressed again (every {tl.compress_every} steps)"
 
 
 def _discrete_scale() -> list:
@@ -92,6 +98,14 @@ def timeline_map(
             line=dict(color="#555555", width=1, dash="dash"),
             annotation_text="compression point",
             annotation_position="top",
+        )
+    for s in pt.compressed_after:  # the cache was scored again after this step's query
+        fig.add_hline(y=s + 0.5, line=RECOMPRESS_LINE)
+    if len(pt.compressed_after):
+        fig.add_trace(
+            go.Scatter(
+                x=[None], y=[None], mode="lines", name=_recompress_label(tl), line=RECOMPRESS_LINE
+            )
         )
     title = (
         f"{policy}: tokens held at each decode step (layer {tl.layer}, KV head {tl.kv_head}, "
@@ -333,6 +347,29 @@ def timeline_animation(
             col=1,
         )
     fixed = []
+    # after these steps' queries the cache was scored again
+    for r, name in enumerate(names, start=2):
+        for s in tl.policies[name].compressed_after:
+            fixed.append(
+                dict(
+                    type="line",
+                    xref=f"x{r} domain",
+                    x0=0,
+                    x1=1,
+                    yref=f"y{r}",
+                    y0=s + 0.5,
+                    y1=s + 0.5,
+                    line=RECOMPRESS_LINE,
+                )
+            )
+    if any(len(pt.compressed_after) for pt in tl.policies.values()):
+        fig.add_trace(
+            go.Scatter(
+                x=[None], y=[None], mode="lines", name=_recompress_label(tl), line=RECOMPRESS_LINE
+            ),
+            row=2,
+            col=1,
+        )
     for r in range(2, rows + 1):
         axis = "" if r == 1 else str(r)
         if shift_step is not None and 0 <= shift_step < S:

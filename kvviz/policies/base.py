@@ -29,6 +29,7 @@ from kvviz.attention import context_rows, small_blas, softmax
 from kvviz.limits import checkpoint
 from kvviz.policies.allocation import adakv_heavy, allocate, layer_spec, select_heads
 from kvviz.policies.reads import READS, SpecReads
+from kvviz.policies.recompress import decoding_masks, prefix_trace
 from kvviz.policies.select import evict_one, select  # noqa: F401  (re-exported: policies import them from here)
 from kvviz.spec import Spec
 from kvviz.trace import Trace
@@ -275,6 +276,8 @@ class Policy:
         if scores.shape != (Hkv, P):  # a score shared by every KV head
             scores = np.broadcast_to(scores, (Hkv, P))
         if not self.streaming:
+            if spec.compress_every:  # compressed again every N decode steps
+                return self._decoding(ctx, spec, scores, positions, out)
             if spec.allocation == "adakv":  # head budgets fixed at the compression point
                 c = trace.context_len
                 heavy = adakv_heavy(scores[:, :c], spec)
@@ -298,6 +301,38 @@ class Policy:
             )
         with small_blas():  # one query a step: small products
             return self._simulate(ctx, scores.copy(), positions, out)
+
+    def _decoding(
+        self,
+        ctx: ScoreContext,
+        spec: Spec,
+        scores: np.ndarray,
+        positions: np.ndarray,
+        out: np.ndarray,
+    ) -> np.ndarray:
+        """Kept masks when the cache is compressed again every spec.compress_every decode steps
+        (kvviz.policies.recompress): before the prompt's end as compressing once gives them; after it, the
+        cache grows and is scored again over what it holds every N steps."""
+        c = ctx.trace.context_len
+        own = self.compression_kept(scores[:, :c], spec)
+        for i, p in enumerate(positions):
+            if p < c:
+                out[i, :, : p + 1] = (
+                    own[:, : p + 1] if own is not None else select(scores[:, : p + 1], spec)
+                )
+        kept_c = own if own is not None else select(scores[:, :c], spec)
+        # (H, m): equal per head
+        held = np.stack([np.flatnonzero(r) for r in kept_c])
+        return decoding_masks(
+            held, c, spec, positions, out, lambda end: self.scores_until(ctx, end)
+        )
+
+    def scores_until(self, ctx: ScoreContext, end: int) -> np.ndarray:
+        """Scores (kv_heads, end) at a compression point after the query at end - 1: the scorer reads the
+        queries and keys of positions 0..end - 1 as a prompt (kvviz.policies.recompress)."""
+        sub = ScoreContext(prefix_trace(ctx.trace, ctx.layer, end), ctx.layer, ctx.spec)
+        scores = np.asarray(self.score(sub), dtype=np.float64)
+        return np.broadcast_to(scores, (ctx.trace.n_kv_heads, end))
 
     @staticmethod
     def _grow(
