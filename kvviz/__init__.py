@@ -6,10 +6,33 @@ The core never imports Streamlit; torch and transformers are imported lazily, on
 real-model side (`kvviz.models`, `kvviz.sources.capture`, `kvviz.decode`).
 """
 
-from kvviz.engine import Comparison, Memory, RowResult, compare, evaluate_row, keep_masks, memory_for
+from kvviz.engine import (
+    Comparison,
+    Memory,
+    RowResult,
+    compare,
+    evaluate_row,
+    keep_masks,
+    memory_for,
+)
 from kvviz.spec import ENSEMBLES, SCORERS, Spec, SpecError, View
 from kvviz.trace import Trace, TraceError
 from kvviz.version import __version__
 
-__all__ = ["Comparison", "ENSEMBLES", "Memory", "RowResult", "SCORERS", "Spec", "SpecError",
-           "Trace", "TraceError", "View", "__version__", "compare", "evaluate_row", "keep_masks", "memory_for"]
+__all__ = [
+    "Comparison",
+    "ENSEMBLES",
+    "Memory",
+    "RowResult",
+    "SCORERS",
+    "Spec",
+    "SpecError",
+    "Trace",
+    "TraceError",
+    "View",
+    "__version__",
+    "compare",
+    "evaluate_row",
+    "keep_masks",
+    "memory_for",
+]

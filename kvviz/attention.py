@@ -17,9 +17,9 @@ from kvviz.limits import checkpoint
 from kvviz.trace import Trace
 
 
-M_TOP_PAD = -2          # glibc <malloc.h>
+M_TOP_PAD = -2  # glibc <malloc.h>
 TOP_PAD_BYTES = 64 << 20
-CHUNK_BYTES = 64_000_000    # context_rows: at most this much float32 attention a chunk
+CHUNK_BYTES = 64_000_000  # context_rows: at most this much float32 attention a chunk
 
 
 def keep_heap(top_pad: int = TOP_PAD_BYTES) -> bool:
@@ -87,7 +87,7 @@ def softmax_and_log(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     z = logits - logits.max(axis=-1, keepdims=True)
     p = np.exp(z)
     total = p.sum(axis=-1, keepdims=True)
-    p /= total                                      # in place: no further (rows, n) temporaries
+    p /= total  # in place: no further (rows, n) temporaries
     z -= np.log(total)
     return p, z
 
@@ -115,9 +115,9 @@ def logit_rows(trace: Trace, layer: int, heads: np.ndarray, qi: int) -> np.ndarr
     p = int(trace.query_positions[qi])
     if trace.logits is not None:
         return trace.logits[layer, heads, qi, : p + 1].astype(np.float64)
-    q = trace.q[layer, heads, qi] * np.float32(1 / np.sqrt(trace.head_dim))   # (H, D)
+    q = trace.q[layer, heads, qi] * np.float32(1 / np.sqrt(trace.head_dim))  # (H, D)
     out = np.empty((len(heads), p + 1))
-    for g, rows in kv_runs((heads // trace.group_size).tolist()):       # one matmul per run
+    for g, rows in kv_runs((heads // trace.group_size).tolist()):  # one matmul per run
         # (p+1, D) @ (D, h): BLAS is far faster this way round than q @ K^T
         out[rows] = (trace.k[layer, g, : p + 1] @ q[rows].T).T
     return out
@@ -133,8 +133,15 @@ def chunk_rows(n_heads: int, n_keys: int, chunk: int = 512) -> int:
     return max(1, min(chunk, CHUNK_BYTES // max(1, 4 * n_heads * n_keys)))
 
 
-def context_rows(trace: Trace, layer: int, heads: np.ndarray, rows: np.ndarray,
-                 n_keys: int, chunk: int = 512, trim: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def context_rows(
+    trace: Trace,
+    layer: int,
+    heads: np.ndarray,
+    rows: np.ndarray,
+    n_keys: int,
+    chunk: int = 512,
+    trim: bool = False,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Causal attention of context queries `rows` (indices into query_positions) over keys 0..n_keys-1.
 
     Yields (row_indices, attention) chunks, attention of shape (len(heads), chunk, n_keys),
@@ -150,24 +157,27 @@ def context_rows(trace: Trace, layer: int, heads: np.ndarray, rows: np.ndarray,
     it by processor), with another summation order in the last bits.
     """
     chunk = chunk_rows(len(heads), n_keys, chunk)
-    q_all = trace.q[layer][heads]                                   # (H, Nq, D)
+    q_all = trace.q[layer][heads]  # (H, Nq, D)
     kv = trace.kv_head(np.asarray(heads))
-    k = trace.k[layer][kv, :n_keys].astype(np.float32, copy=False)   # (H, n_keys, D)
+    k = trace.k[layer][kv, :n_keys].astype(np.float32, copy=False)  # (H, n_keys, D)
     scale = np.float32(1.0 / np.sqrt(trace.head_dim))
     key_pos = np.arange(n_keys)
     for start in range(0, len(rows), chunk):
         checkpoint()
-        idx = rows[start:start + chunk]
+        idx = rows[start : start + chunk]
         positions = trace.query_positions[idx]
         m = min(n_keys, int(positions.max()) + 1) if trim and len(idx) else n_keys
         if trace.logits is not None:
             logits = trace.logits[layer][heads][:, idx, :m].astype(np.float32)
         else:
-            q_t = np.swapaxes(q_all[:, idx].astype(np.float32, copy=False), 1, 2)   # (H, D, c)
-            logits = np.swapaxes(np.matmul(k[:, :m], q_t), 1, 2)   # (H, c, m); K.q^T is faster in BLAS
+            q_t = np.swapaxes(q_all[:, idx].astype(np.float32, copy=False), 1, 2)  # (H, D, c)
+            # (H, c, m); K.q^T is faster in BLAS
+            logits = np.swapaxes(np.matmul(k[:, :m], q_t), 1, 2)
             logits *= scale
-        first = min(m, int(positions.min()) + 1) if len(idx) else m   # keys before it: seen by every row
-        future = key_pos[None, first:m] > positions[:, None]                          # (c, m - first)
+        # keys before it: seen by every row
+        first = min(m, int(positions.min()) + 1) if len(idx) else m
+        # (c, m - first)
+        future = key_pos[None, first:m] > positions[:, None]
         np.copyto(logits[..., first:], -np.inf, where=future[None])
         logits -= logits.max(axis=-1, keepdims=True)
         np.exp(logits, out=logits)

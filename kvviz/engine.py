@@ -16,16 +16,19 @@ from kvviz.attention import chunk_rows, keep_heap, small_blas
 from kvviz.limits import Part, Work, checkpoint
 from kvviz.memory import Memory, budget_is_exact, memory_dict, memory_for
 from kvviz.metrics import RowMetrics, Spread, spread
+
 # one row: what is kept at a query, and its original vs compressed attention (re-exported: the engine's API)
-from kvviz.rows import (ALL, EVICTED, HEAVY, REASONS, RECENT, SINK, RowResult, evaluate_row, evaluate_rows,  # noqa: F401
-                        keep_masks, kept_at_query, read_masks, reasons_for)
+from kvviz.rows import REASONS, RowResult, evaluate_rows, keep_masks, kept_at_query
+from kvviz.rows import ALL, EVICTED, HEAVY, RECENT, SINK, evaluate_row, read_masks, reasons_for  # noqa: F401
 from kvviz.spec import Spec, SpecError, View
 from kvviz.trace import Trace
 
 keep_heap()  # the engine's temporaries reuse freed heap instead of faulting pages in again
 
-NO_LATER_QUERIES_NOTE = ("This source has no later queries: the evaluated query is the last context "
-                         "query, and its own attention is part of the history the policy ranks by.")
+NO_LATER_QUERIES_NOTE = (
+    "This source has no later queries: the evaluated query is the last context "
+    "query, and its own attention is part of the history the policy ranks by."
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,10 +38,10 @@ class Comparison:
     spec: Spec
     view: View
     ensemble: str | None
-    tokens: tuple[str, ...]     # labels of tokens 0..p of the primary row
+    tokens: tuple[str, ...]  # labels of tokens 0..p of the primary row
     primary: RowResult
     members: tuple[RowResult, ...]
-    spread: Spread              # per-token error statistics over the members
+    spread: Spread  # per-token error statistics over the members
     memory: Memory
     notes: tuple[str, ...]
 
@@ -61,8 +64,13 @@ class Comparison:
         return {
             "source": self.primary_source,
             "spec": self.spec.__dict__,
-            "layer": p.layer, "layer_number": self.model_layer, "head": p.head, "kv_head": p.kv_head, "position": p.position,
-            "ensemble": self.ensemble, "ensemble_members": len(self.members),
+            "layer": p.layer,
+            "layer_number": self.model_layer,
+            "head": p.head,
+            "kv_head": p.kv_head,
+            "position": p.position,
+            "ensemble": self.ensemble,
+            "ensemble_members": len(self.members),
             "tokens": list(self.tokens),
             "original": p.original.tolist(),
             "compressed": p.compressed.tolist(),
@@ -81,7 +89,8 @@ class Comparison:
         }
 
     primary_source: str = ""
-    layer_number: int | None = None   # the model's own number of the view's layer (a capture may keep some)
+    # the model's own number of the view's layer (a capture may keep some)
+    layer_number: int | None = None
 
     @property
     def model_layer(self) -> int:
@@ -91,21 +100,29 @@ class Comparison:
 
 # --- checks ------------------------------------------------------------------------
 
+
 def check_view(trace: Trace, view: View) -> int:
     """Validate layer / head / step against the trace; return the query index evaluated."""
     if not 0 <= view.layer < trace.n_layers:
-        raise SpecError(f"layer {view.layer} does not exist: this trace has layers 0-{trace.n_layers - 1}")
+        raise SpecError(
+            f"layer {view.layer} does not exist: this trace has layers 0-{trace.n_layers - 1}"
+        )
     if not 0 <= view.head < trace.n_q_heads:
-        raise SpecError(f"head {view.head} does not exist: this trace has query heads 0-{trace.n_q_heads - 1}")
+        raise SpecError(
+            f"head {view.head} does not exist: this trace has query heads 0-{trace.n_q_heads - 1}"
+        )
     evaluated = trace.evaluated_queries
     step = len(evaluated) - 1 if view.step is None else view.step
     if not 0 <= step < len(evaluated):
-        raise SpecError(f"step {view.step} does not exist: this trace has {len(evaluated)} evaluated "
-                        f"quer{'y' if len(evaluated) == 1 else 'ies'} (steps 0-{len(evaluated) - 1})")
+        raise SpecError(
+            f"step {view.step} does not exist: this trace has {len(evaluated)} evaluated "
+            f"quer{'y' if len(evaluated) == 1 else 'ies'} (steps 0-{len(evaluated) - 1})"
+        )
     return int(evaluated[step])
 
 
 # --- one row -------------------------------------------------------------------------
+
 
 def kept_counts(trace: Trace, spec: Spec, qi: int) -> np.ndarray:
     """(layers, kv_heads) int: the tokens each cache holds at query qi (Quest: the tokens it reads),
@@ -115,26 +132,39 @@ def kept_counts(trace: Trace, spec: Spec, qi: int) -> np.ndarray:
     L, H = trace.n_layers, trace.n_kv_heads
     if budget_is_exact(spec):
         from kvviz.policies.allocation import layer_spec
-        per_layer = [min(layer_spec(spec, layer, L, trace.context_len).budget, n) if spec.evicts else n for layer in range(L)]
+
+        per_layer = [
+            min(layer_spec(spec, layer, L, trace.context_len).budget, n) if spec.evicts else n
+            for layer in range(L)
+        ]
         return np.repeat(np.array(per_layer, dtype=np.int64)[:, None], H, axis=1)
-    return np.stack([kept_at_query(trace, spec, layer, qi).sum(axis=1) for layer in range(L)]).astype(np.int64)
+    return np.stack(
+        [kept_at_query(trace, spec, layer, qi).sum(axis=1) for layer in range(L)]
+    ).astype(np.int64)
 
 
 # --- the work budget -------------------------------------------------------------------
 
-ROW_TEMPORARIES = 12   # float64 (tokens,) arrays per evaluated row: logits, softmax, log, compressed, error, ...
+# float64 (tokens,) arrays per evaluated row: logits, softmax, log, compressed, error, ...
+ROW_TEMPORARIES = 12
 
 
 def n_members(trace: Trace, view: View) -> int:
     """How many rows the view's ensemble holds (the primary row included)."""
     size = view.ensemble_size
-    return {None: 1, "heads": min(size, trace.n_q_heads), "layers": min(size, trace.n_layers),
-            "steps": min(size, len(trace.evaluated_queries)), "seeds": size}[view.ensemble]
+    return {
+        None: 1,
+        "heads": min(size, trace.n_q_heads),
+        "layers": min(size, trace.n_layers),
+        "steps": min(size, len(trace.evaluated_queries)),
+        "seeds": size,
+    }[view.ensemble]
 
 
 def trace_bytes(trace: Trace) -> int:
     """What the trace holds in memory (a trace read lazily from its file: what its reads keep)."""
     from kvviz.trace import held_bytes
+
     return sum(held_bytes(a) for a in (trace.q, trace.k, trace.v, trace.logits) if a is not None)
 
 
@@ -144,15 +174,27 @@ def compare_work(trace: Trace, evicts: bool, view: View, seeds: bool = False) ->
     the ensemble's other traces."""
     m, P, D = n_members(trace, view), trace.n_positions, trace.head_dim
     Hq, Hkv = trace.n_q_heads, trace.n_kv_heads
-    parts = [Part("the trace", ((trace_bytes(trace), "bytes"),), item_bytes=1),
-             Part("attention rows", ((m, "rows"), (P, "tokens"), (ROW_TEMPORARIES, "arrays")), item_bytes=8)]
+    parts = [
+        Part("the trace", ((trace_bytes(trace), "bytes"),), item_bytes=1),
+        Part(
+            "attention rows",
+            ((m, "rows"), (P, "tokens"), (ROW_TEMPORARIES, "arrays")),
+            item_bytes=8,
+        ),
+    ]
     if evicts:
         chunk = chunk_rows(Hq, P)
-        parts += [Part("policy inputs", ((2, ""), (Hq, "query heads"), (P, "positions"), (D, "dims"))),
-                  Part("attention chunks", ((2, ""), (Hq, "query heads"), (chunk, "rows"), (P, "keys"))),
-                  Part("kept masks", ((m, "queries"), (Hkv, "KV heads"), (P, "positions")), item_bytes=1)]
+        parts += [
+            Part("policy inputs", ((2, ""), (Hq, "query heads"), (P, "positions"), (D, "dims"))),
+            Part("attention chunks", ((2, ""), (Hq, "query heads"), (chunk, "rows"), (P, "keys"))),
+            Part("kept masks", ((m, "queries"), (Hkv, "KV heads"), (P, "positions")), item_bytes=1),
+        ]
     if seeds and view.ensemble == "seeds" and m > 1:
-        parts.append(Part("seed traces", ((m - 1, "more traces"), (trace_bytes(trace), "bytes")), item_bytes=1))
+        parts.append(
+            Part(
+                "seed traces", ((m - 1, "more traces"), (trace_bytes(trace), "bytes")), item_bytes=1
+            )
+        )
     return Work("this comparison", tuple(parts), lower="the ensemble size or the source's size")
 
 
@@ -161,8 +203,13 @@ def compare_work(trace: Trace, evicts: bool, view: View, seeds: bool = False) ->
 Member = tuple[Trace, Spec, int, int, int]  # trace, spec, layer, head, query index
 
 
-def ensemble_members(trace: Trace, spec: Spec, view: View, qi: int,
-                     trace_for_seed: Callable[[int], Trace] | None = None) -> list[Member]:
+def ensemble_members(
+    trace: Trace,
+    spec: Spec,
+    view: View,
+    qi: int,
+    trace_for_seed: Callable[[int], Trace] | None = None,
+) -> list[Member]:
     """The rows behind the error bars; the primary row comes first."""
     size = view.ensemble_size
     primary = (trace, spec, view.layer, view.head, qi)
@@ -177,13 +224,23 @@ def ensemble_members(trace: Trace, spec: Spec, view: View, qi: int,
     if view.ensemble == "steps":
         evaluated = list(trace.evaluated_queries)
         at = evaluated.index(qi)
-        return [(trace, spec, view.layer, view.head, q) for q in evaluated[max(0, at - size + 1): at + 1][::-1]]
+        return [
+            (trace, spec, view.layer, view.head, q)
+            for q in evaluated[max(0, at - size + 1) : at + 1][::-1]
+        ]
     # seeds: repeated random draws (noise, random scorer, and the source itself if it can)
     members = [primary]
     for r in range(1, size):
         t = trace_for_seed(r) if trace_for_seed is not None else trace
-        members.append((t, spec.with_(seed=spec.seed + r), view.layer, view.head,
-                        qi if t is trace else _same_step(trace, t, qi)))
+        members.append(
+            (
+                t,
+                spec.with_(seed=spec.seed + r),
+                view.layer,
+                view.head,
+                qi if t is trace else _same_step(trace, t, qi),
+            )
+        )
     return members
 
 
@@ -192,12 +249,18 @@ def _same_step(a: Trace, b: Trace, qi: int) -> int:
     return int(evaluated_b[min(evaluated_a.index(qi), len(evaluated_b) - 1)])
 
 
-def compare(trace: Trace, spec: Spec, view: View = View(),
-            trace_for_seed: Callable[[int], Trace] | None = None) -> Comparison:
+def compare(
+    trace: Trace,
+    spec: Spec,
+    view: View = View(),
+    trace_for_seed: Callable[[int], Trace] | None = None,
+) -> Comparison:
     """Compute one configuration: the primary row, its ensemble and the summaries."""
     if spec.positions != "true":
-        raise SpecError("re-rotating keys to their cache slots needs the model's RoPE: it applies to real-model "
-                        "decoding (Model lab, kvviz eval), not to attention traces")
+        raise SpecError(
+            "re-rotating keys to their cache slots needs the model's RoPE: it applies to real-model "
+            "decoding (Model lab, kvviz eval), not to attention traces"
+        )
     qi = check_view(trace, view)
     compare_work(trace, spec.evicts, view, seeds=trace_for_seed is not None).check()
     members = ensemble_members(trace, spec, view, qi, trace_for_seed)
@@ -230,10 +293,13 @@ def compare(trace: Trace, spec: Spec, view: View = View(),
         p = int(t.query_positions[q])
         kept_kv = None if m is None else m[positions.index(p)]
         checkpoint()
-        which.sort(key=lambda i: members[i][3] // t.group_size)          # rows of one KV head together
+        # rows of one KV head together
+        which.sort(key=lambda i: members[i][3] // t.group_size)
         heads = [members[i][3] for i in which]
         with small_blas():
-            evaluated = evaluate_rows(t, s, layer, heads, q, kept_kv, quantized.setdefault((tid, sid), {}))
+            evaluated = evaluate_rows(
+                t, s, layer, heads, q, kept_kv, quantized.setdefault((tid, sid), {})
+            )
         for i, row in zip(which, evaluated):
             rows[i] = row
 
@@ -248,16 +314,26 @@ def compare(trace: Trace, spec: Spec, view: View = View(),
             m = min(n, len(r.error))
             errors[i, :m] = r.error[:m]
     notes = () if trace.has_later_queries else (NO_LATER_QUERIES_NOTE,)
-    return Comparison(spec=spec, view=view, ensemble=view.ensemble, tokens=tuple(trace.tokens[:n]),
-                      primary=primary, members=tuple(rows), spread=spread(errors, complete),
-                      memory=memory_for(trace, spec, n, None if budget_is_exact(spec) else
-                                        kept_counts(trace, spec, qi)), notes=notes,
-                      primary_source=str(trace.meta.get("source", "")),
-                      layer_number=trace.layer_numbers[view.layer])
+    return Comparison(
+        spec=spec,
+        view=view,
+        ensemble=view.ensemble,
+        tokens=tuple(trace.tokens[:n]),
+        primary=primary,
+        members=tuple(rows),
+        spread=spread(errors, complete),
+        memory=memory_for(
+            trace, spec, n, None if budget_is_exact(spec) else kept_counts(trace, spec, qi)
+        ),
+        notes=notes,
+        primary_source=str(trace.meta.get("source", "")),
+        layer_number=trace.layer_numbers[view.layer],
+    )
 
 
-def head_grid(trace: Trace, spec: Spec, step: int | None = None,
-              metric: str = "tv_distance") -> np.ndarray:
+def head_grid(
+    trace: Trace, spec: Spec, step: int | None = None, metric: str = "tv_distance"
+) -> np.ndarray:
     """One row metric for every (layer, query head) at one query: shape (layers, q_heads).
 
     The overview that points at the heads compression hurts most (or, with

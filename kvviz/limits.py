@@ -31,10 +31,25 @@ from kvviz.spec import SpecError
 
 ENV = "KVVIZ_MAX_BYTES"
 DEFAULT_MAX_BYTES = 1_500_000_000
-MIN_MAX_BYTES = 16_000_000         # below this even the built-in examples would be refused
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_override: list[int] = []          # set_max_bytes(): a program's own limit, ahead of the environment
+MIN_MAX_BYTES = 16_000_000  # below this even the built-in examples would be refused
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+# set_max_bytes(): a program's own limit, ahead of the environment
+_override: list[int] = []
 
 
 class BudgetError(SpecError):
@@ -50,6 +65,7 @@ class Cancelled(Exception):
 
 
 # --- sizes ------------------------------------------------------------------------------------
+
 
 def fmt_bytes(n: float) -> str:
     """Bytes in decimal units, two significant figures past the first: 8.7 GB, 512 MB, 3.0 kB."""
@@ -87,7 +103,9 @@ def max_bytes() -> int:
 
 def _at_least_min(limit: int) -> int:
     if limit < MIN_MAX_BYTES:
-        raise SpecError(f"the work budget must be at least {fmt_bytes(MIN_MAX_BYTES)}, got {fmt_bytes(limit)}")
+        raise SpecError(
+            f"the work budget must be at least {fmt_bytes(MIN_MAX_BYTES)}, got {fmt_bytes(limit)}"
+        )
     return limit
 
 
@@ -95,7 +113,9 @@ def set_max_bytes(limit: int | str | None) -> None:
     """A program's own limit (bytes or a size like '3GB'); None returns to the environment / default."""
     _override.clear()
     if limit is not None:
-        _override.append(_at_least_min(parse_bytes(limit) if isinstance(limit, str) else int(limit)))
+        _override.append(
+            _at_least_min(parse_bytes(limit) if isinstance(limit, str) else int(limit))
+        )
 
 
 @dataclass(frozen=True)
@@ -112,16 +132,19 @@ class Part:
 
     def describe(self) -> str:
         terms = [f"{int(n):,} {name}".rstrip() for n, name in self.factors]
-        return " × ".join(terms + [f"{self.item_bytes} B"]) + f" = {fmt_bytes(self.bytes)} of {self.what}"
+        return (
+            " × ".join(terms + [f"{self.item_bytes} B"])
+            + f" = {fmt_bytes(self.bytes)} of {self.what}"
+        )
 
 
 @dataclass(frozen=True)
 class Work:
     """What a request will hold at its peak: its parts, and the knobs that make it smaller."""
 
-    what: str                      # "the synthetic pattern"
+    what: str  # "the synthetic pattern"
     parts: tuple[Part, ...]
-    lower: str                     # "the context, the layers or the heads"
+    lower: str  # "the context, the layers or the heads"
 
     @property
     def bytes(self) -> int:
@@ -134,10 +157,17 @@ class Work:
     def message(self, limit: int) -> str:
         parts = sorted(self.parts, key=lambda p: p.bytes, reverse=True)
         head = parts[0].describe() if parts else self.what
-        rest = "" if len(parts) < 2 else (f", {fmt_bytes(self.bytes)} in all with "
-                                          + " and ".join(p.what for p in parts[1:]))
-        return (f"{self.what} needs {head}{rest}; the limit is {fmt_bytes(limit)} ({ENV}): "
-                f"lower {self.lower}")
+        rest = (
+            ""
+            if len(parts) < 2
+            else (
+                f", {fmt_bytes(self.bytes)} in all with " + " and ".join(p.what for p in parts[1:])
+            )
+        )
+        return (
+            f"{self.what} needs {head}{rest}; the limit is {fmt_bytes(limit)} ({ENV}): "
+            f"lower {self.lower}"
+        )
 
     def check(self, limit: int | None = None) -> "Work":
         """Raise BudgetError if the total is over the limit (default: max_bytes()); else return self."""

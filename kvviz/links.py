@@ -20,7 +20,8 @@ from kvviz.settings import SETTINGS, Setting
 from kvviz.spec import FULL_BITS, SCORERS, Spec, SpecError, View
 from kvviz.trace import Trace
 
-SOURCE_NAMES = ("handbook", "synthetic", "real", "file")   # kvviz.app.labels.SOURCE_LABELS names them
+# kvviz.app.labels.SOURCE_LABELS names them
+SOURCE_NAMES = ("handbook", "synthetic", "real", "file")
 BITS_OPTIONS = (1, 2, 3, 4, 5, 6, 7, 8, FULL_BITS)
 ENSEMBLE_OPTIONS = ("auto", "none", "heads", "layers", "steps", "seeds")
 MAX_TOKENS = 32768 + 512
@@ -53,6 +54,7 @@ def _scorer_names() -> tuple:
     """Built-ins, then installed plug-ins (entry-point group kvviz.policies), loaded first."""
     from kvviz.policies.registry import load_entry_points
     from kvviz.spec import scorer_names
+
     load_entry_points()
     return scorer_names()
 
@@ -62,17 +64,18 @@ SCORER_CHOICES = LiveChoices(_scorer_names)
 
 # --- parameters ----------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Param:
     """One control: its URL name, kind, default and the widest range any source allows."""
 
     name: str
-    kind: str                      # int | float | choice | bool | list | text
+    kind: str  # int | float | choice | bool | list | text
     default: Any
     lo: float | None = None
     hi: float | None = None
     choices: tuple = ()
-    setting: str = ""              # the Spec setting it carries (kvviz.settings), if any
+    setting: str = ""  # the Spec setting it carries (kvviz.settings), if any
 
     def parse(self, raw: str) -> tuple[Any, str | None]:
         """(value, notice) for a raw query-parameter string; the notice says what was changed."""
@@ -93,15 +96,20 @@ class Param:
             for c in self.choices:
                 if str(c) == raw.strip():
                     return c, None
-            return self.default, (f"{label} is not one of {', '.join(map(str, self.choices))}; "
-                                  f"using {self.default}.")
+            return self.default, (
+                f"{label} is not one of {', '.join(map(str, self.choices))}; using {self.default}."
+            )
         if self.kind == "list":
             items = [s for s in raw.split(",") if s.strip()]
             by_text = {str(c): c for c in self.choices}
             # in the link's order, as the widget had them (so the link reads back as it was written)
             known = list(dict.fromkeys(by_text[s.strip()] for s in items if s.strip() in by_text))
             bad = [s for s in items if s.strip() not in by_text]
-            note = f"{label}: ignored {', '.join(bad)} (not one of {', '.join(map(str, self.choices))})." if bad else None
+            note = (
+                f"{label}: ignored {', '.join(bad)} (not one of {', '.join(map(str, self.choices))})."
+                if bad
+                else None
+            )
             return (tuple(known) if known else self.default), note
         try:
             x = float(raw)
@@ -113,7 +121,10 @@ class Param:
             x = int(round(x))
         clamped = min(max(x, self.lo), self.hi) if self.lo is not None else x
         if clamped != x:
-            return clamped, f"{label} is out of range ({number_text(self.lo)}-{number_text(self.hi)}); clamped to {number_text(clamped)}."
+            return (
+                clamped,
+                f"{label} is out of range ({number_text(self.lo)}-{number_text(self.hi)}); clamped to {number_text(clamped)}.",
+            )
         return x, None
 
     def encode(self, value: Any) -> str:
@@ -134,59 +145,87 @@ def number_text(x) -> str:
 _PARAMS = [
     Param("source", "choice", "handbook", choices=SOURCE_NAMES),
     # synthetic pattern knobs (kvviz.sources.synthetic.SyntheticSpec)
-    Param("context", "int", 512, 8, 32768), Param("steps", "int", 32, 0, 512),
-    Param("layers", "int", 2, 1, 32), Param("q_heads", "int", 4, 1, 32), Param("kv_heads", "int", 2, 1, 32),
-    Param("head_dim", "choice", 64, choices=(32, 64, 128)), Param("syn_seed", "int", 0, 0, 1_000_000),
-    Param("sink_strength", "float", 11.0, 0.0, 30.0), Param("local_strength", "float", 5.0, 0.0, 30.0),
-    Param("local_width", "float", 8.0, 0.5, 512.0), Param("n_anchors", "int", 6, 0, 64),
-    Param("anchor_strength", "float", 4.0, 0.0, 30.0), Param("sparsity", "float", 2.0, 0.0, 10.0),
-    Param("topic_shift", "float", 0.0, 0.0, 30.0), Param("outlier_channels", "int", 4, 0, 16),
+    Param("context", "int", 512, 8, 32768),
+    Param("steps", "int", 32, 0, 512),
+    Param("layers", "int", 2, 1, 32),
+    Param("q_heads", "int", 4, 1, 32),
+    Param("kv_heads", "int", 2, 1, 32),
+    Param("head_dim", "choice", 64, choices=(32, 64, 128)),
+    Param("syn_seed", "int", 0, 0, 1_000_000),
+    Param("sink_strength", "float", 11.0, 0.0, 30.0),
+    Param("local_strength", "float", 5.0, 0.0, 30.0),
+    Param("local_width", "float", 8.0, 0.5, 512.0),
+    Param("n_anchors", "int", 6, 0, 64),
+    Param("anchor_strength", "float", 4.0, 0.0, 30.0),
+    Param("sparsity", "float", 2.0, 0.0, 10.0),
+    Param("topic_shift", "float", 0.0, 0.0, 30.0),
+    Param("outlier_channels", "int", 4, 0, 16),
     Param("outlier_scale", "float", 12.0, 0.0, 100.0),
     # compression: the budget unit and the bits slider (the Spec settings follow, from kvviz.settings)
     Param("budget_unit", "choice", "tokens", choices=("tokens", "%")),
     Param("bits", "choice", FULL_BITS, choices=BITS_OPTIONS),
     Param("split", "bool", False),
     # view
-    Param("layer", "int", 0, 0, 1023), Param("head", "int", 0, 0, 1023), Param("step", "int", -1, -1, 1_000_000),
+    Param("layer", "int", 0, 0, 1023),
+    Param("head", "int", 0, 0, 1023),
+    Param("step", "int", -1, -1, 1_000_000),
     Param("ensemble", "choice", "auto", choices=ENSEMBLE_OPTIONS),
     Param("ens_size", "int", 8, 2, 32),
     Param("bars", "choice", "std", choices=("std", "ci95", "range")),
     # explorer: a pinned setting A, a locked y-axis, the target solver, presentation mode
-    Param("pin", "text", ""), Param("ylock", "float", 0.0, -1.0, 1.0),
+    Param("pin", "text", ""),
+    Param("ylock", "float", 0.0, -1.0, 1.0),
     # the attention chart's locked top (0: automatic); ylock: the error chart's ±range, 0 automatic (locked at
     # the first view in Presentation mode), -1 unlocked by choice
     Param("alock", "float", 0.0, 0.0, 1.0),
-    Param("solve_kind", "choice", "mass", choices=("mass", "tv")), Param("solve_target", "float", 0.95, 0.001, 1.0),
-    Param("present", "bool", False), Param("grid_shade", "choice", "reason", choices=("reason", "attention", "error")),
+    Param("solve_kind", "choice", "mass", choices=("mass", "tv")),
+    Param("solve_target", "float", 0.95, 0.001, 1.0),
+    Param("present", "bool", False),
+    Param("grid_shade", "choice", "reason", choices=("reason", "attention", "error")),
     # trade-offs page
     Param("metric", "choice", "tv", choices=("tv", "kl", "js", "mass", "output_error")),
     Param("logx", "bool", False),
-    Param("methods", "list", ("streaming", "h2o", "tova", "snapkv", "oracle"), choices=SCORER_CHOICES),
+    Param(
+        "methods", "list", ("streaming", "h2o", "tova", "snapkv", "oracle"), choices=SCORER_CHOICES
+    ),
     Param("sweep_bits", "list", (16, 4, 2), choices=(16, 8, 4, 3, 2)),
     Param("sweep_formats", "list", (), choices=("e4m3", "e5m2", "nvfp4", "mxfp4")),
     # concentration page
     Param("window", "int", 16, 1, 4096),
     # decode timeline page
-    Param("tl_layer", "int", 0, 0, 1023), Param("tl_kv_head", "int", 0, 0, 1023),
+    Param("tl_layer", "int", 0, 0, 1023),
+    Param("tl_kv_head", "int", 0, 0, 1023),
     Param("tl_policies", "list", ("h2o", "tova", "streaming", "oracle"), choices=SCORERS),
-    Param("tl_need", "float", 0.02, 0.001, 1.0), Param("tl_step", "int", 0, 0, 1_000_000),
+    Param("tl_need", "float", 0.02, 0.001, 1.0),
+    Param("tl_step", "int", 0, 0, 1_000_000),
     # model lab page
     Param("lab_text", "choice", "sample", choices=("sample", "bakery", "custom")),
-    Param("lab_prompt", "int", 206, 8, 512), Param("lab_cont", "int", 57, 2, 128),
-    Param("lab_greedy", "int", 32, 0, 64), Param("lab_rerotate", "bool", False),
+    Param("lab_prompt", "int", 206, 8, 512),
+    Param("lab_cont", "int", 57, 2, 128),
+    Param("lab_greedy", "int", 32, 0, 64),
+    Param("lab_rerotate", "bool", False),
     # needle test page: the open cell ("scorer:length:depth", empty = the classic failure) and
     # its layer / KV head (-1 = where the full model wanted the needle most)
-    Param("nd_cell", "text", ""), Param("nd_layer", "int", -1, -1, 1023), Param("nd_head", "int", -1, -1, 1023),
+    Param("nd_cell", "text", ""),
+    Param("nd_layer", "int", -1, -1, 1023),
+    Param("nd_head", "int", -1, -1, 1023),
     # studies page: the open study (a folder under the studies root) and its measure
-    Param("study", "text", ""), Param("st_metric", "text", ""),
+    Param("study", "text", ""),
+    Param("st_metric", "text", ""),
     # real model source
     Param("rm_text", "choice", "bakery", choices=("bakery", "sample", "custom")),
-    Param("rm_new", "int", 16, 0, 64), Param("rm_max", "int", 1024, 16, 4096),
+    Param("rm_new", "int", 16, 0, 64),
+    Param("rm_max", "int", 1024, 16, 4096),
 ]
 # Where a link opens differently from Spec(): the handbook's budgets, and short trailing groups quantized (KIVI
 # keeps them at 16 bits until they fill: on the handbook example the 14 kept tokens fill no per-channel key
 # group of 32, and the bits slider would reach nothing)
-LINK_DEFAULTS = {"sink": handbook.SINK, "recent": handbook.RECENT, "heavy": handbook.HEAVY, "partial": "quantize"}
+LINK_DEFAULTS = {
+    "sink": handbook.SINK,
+    "recent": handbook.RECENT,
+    "heavy": handbook.HEAVY,
+    "partial": "quantize",
+}
 # Spec settings a link never carries: the random draws' seed (the sources have their own), and the real-model
 # decode's key positions (the Model lab's own `lab_rerotate`)
 NOT_IN_LINKS = frozenset({"seed", "positions"})
@@ -198,12 +237,15 @@ def setting_param(s: Setting) -> Param:
     if s.options:
         return Param(s.url_name, "choice", default, choices=s.options, setting=s.name)
     if s.kind == "choice":
-        choices = SCORER_CHOICES if s.name == "scorer" else (
-            LiveChoices(s.choices) if callable(s.choices) else tuple(s.choices))
+        choices = (
+            SCORER_CHOICES
+            if s.name == "scorer"
+            else (LiveChoices(s.choices) if callable(s.choices) else tuple(s.choices))
+        )
         return Param(s.url_name, "choice", default, choices=choices, setting=s.name)
     if s.kind == "bool":
         return Param(s.url_name, "bool", default, setting=s.name)
-    if s.default is None:            # None is written as `none_as` (SnapKV's window: 0 = automatic)
+    if s.default is None:  # None is written as `none_as` (SnapKV's window: 0 = automatic)
         return Param(s.url_name, s.kind, s.none_as, s.none_as, s.hi, setting=s.name)
     return Param(s.url_name, s.kind, default, s.lo, s.hi, setting=s.name)
 
@@ -224,11 +266,13 @@ class _Params(dict):
         if self._seen == len(SETTINGS):
             return
         for name in [n for n, p in dict.items(self) if p.setting and p.setting not in SETTINGS]:
-            dict.__delitem__(self, name)          # a setting withdrawn (a test's plug-in, unloaded)
+            dict.__delitem__(self, name)  # a setting withdrawn (a test's plug-in, unloaded)
         for p in _setting_params():
             taken = dict.get(self, p.name)
             if taken is not None and taken.setting != p.setting:
-                raise ValueError(f"setting {p.setting!r}: link name {p.name!r} is already the app's {taken.name!r}")
+                raise ValueError(
+                    f"setting {p.setting!r}: link name {p.name!r} is already the app's {taken.name!r}"
+                )
             dict.__setitem__(self, p.name, p)
         self._seen = len(SETTINGS)
 
@@ -289,13 +333,15 @@ def spec_from_values(v: dict) -> Spec:
 
 # --- reading a link outside the app ------------------------------------------------------------
 
+
 def defaults() -> dict:
     """Every setting at its default: what a link without a query string opens."""
     return {name: p.default for name, p in PARAMS.items()}
 
 
-def read_settings(pairs, names=None, unknown: str = "`{name}` is not a kvviz setting",
-                  prefix: str = "") -> tuple[dict, list[str]]:
+def read_settings(
+    pairs, names=None, unknown: str = "`{name}` is not a kvviz setting", prefix: str = ""
+) -> tuple[dict, list[str]]:
     """(values, notices) of (name, raw text) pairs: what a link's query string, the app's address bar and
     a pin all carry. Each known name is parsed by its Param (clamped or replaced with a notice); a name
     outside `names` (default: every setting) gives the `unknown` notice; `prefix` starts each Param
@@ -326,30 +372,53 @@ def parse_query(link: str) -> tuple[dict, list[str]]:
 
 def encode_query(values: dict) -> str:
     """The query string the app writes for these values: the settings that differ from their defaults."""
-    return urlencode({name: PARAMS[name].encode(v) for name, v in values.items()
-                      if name in PARAMS and v != PARAMS[name].default})
+    return urlencode(
+        {
+            name: PARAMS[name].encode(v)
+            for name, v in values.items()
+            if name in PARAMS and v != PARAMS[name].default
+        }
+    )
 
 
 # URL name -> kvviz.sources.synthetic.SyntheticSpec field: the synthetic source's knobs
-SYNTHETIC_PARAMS = {"context": "context", "steps": "steps", "layers": "layers", "q_heads": "q_heads",
-                    "kv_heads": "kv_heads", "head_dim": "head_dim", "syn_seed": "seed",
-                    "sink_strength": "sink_strength", "local_strength": "local_strength",
-                    "local_width": "local_width", "n_anchors": "n_anchors", "anchor_strength": "anchor_strength",
-                    "sparsity": "sparsity", "topic_shift": "topic_shift", "outlier_channels": "outlier_channels",
-                    "outlier_scale": "outlier_scale"}
+SYNTHETIC_PARAMS = {
+    "context": "context",
+    "steps": "steps",
+    "layers": "layers",
+    "q_heads": "q_heads",
+    "kv_heads": "kv_heads",
+    "head_dim": "head_dim",
+    "syn_seed": "seed",
+    "sink_strength": "sink_strength",
+    "local_strength": "local_strength",
+    "local_width": "local_width",
+    "n_anchors": "n_anchors",
+    "anchor_strength": "anchor_strength",
+    "sparsity": "sparsity",
+    "topic_shift": "topic_shift",
+    "outlier_channels": "outlier_channels",
+    "outlier_scale": "outlier_scale",
+}
 
 
 def synthetic_from_values(v: dict):
     """The SyntheticSpec a link's synthetic knobs describe (SpecError if they cannot be built)."""
     from kvviz.sources.synthetic import SyntheticSpec
+
     return SyntheticSpec(**{field: v[name] for name, field in SYNTHETIC_PARAMS.items()})
 
 
 def synthetic_preset_values(name: str) -> dict:
     """The settings a synthetic preset opens with: kvviz.sources.synthetic.PRESETS[name] as link values."""
     from kvviz.sources.synthetic import PRESETS
+
     preset = PRESETS[name].as_dict()
-    return {**defaults(), "source": "synthetic", **{k: preset[field] for k, field in SYNTHETIC_PARAMS.items()}}
+    return {
+        **defaults(),
+        "source": "synthetic",
+        **{k: preset[field] for k, field in SYNTHETIC_PARAMS.items()},
+    }
 
 
 def resolve_ensemble(choice: str, source: str) -> str | None:
@@ -364,22 +433,29 @@ def resolve_ensemble(choice: str, source: str) -> str | None:
 def view_from_values(v: dict) -> View:
     """The View a link's layer, head, step and ensemble settings describe."""
     step = int(v["step"])
-    return View(layer=int(v["layer"]), head=int(v["head"]), step=None if step < 0 else step,
-                ensemble=resolve_ensemble(v["ensemble"], v["source"]), ensemble_size=int(v["ens_size"]))
+    return View(
+        layer=int(v["layer"]),
+        head=int(v["head"]),
+        step=None if step < 0 else step,
+        ensemble=resolve_ensemble(v["ensemble"], v["source"]),
+        ensemble_size=int(v["ens_size"]),
+    )
 
 
 # --- the source a link names ---------------------------------------------------------------------
 
-HANDBOOK_QUANT_NOTE = "real K/V quantization of keys realised from the handbook's logits (exact at 16 bits)"
+HANDBOOK_QUANT_NOTE = (
+    "real K/V quantization of keys realised from the handbook's logits (exact at 16 bits)"
+)
 
 
 @dataclass(frozen=True, eq=False)
 class LinkedSource:
     """The attention source of a link: its trace, the traces of other random seeds, and its names."""
 
-    name: str                                       # one of SOURCE_NAMES
+    name: str  # one of SOURCE_NAMES
     trace: Trace
-    label: str                                      # as the app's caption names it
+    label: str  # as the app's caption names it
     trace_for_seed: Callable[[int], Trace] | None = None
     quant_note: str = "real K/V quantization of the cached keys and values"
 
@@ -391,16 +467,31 @@ def source_from_values(v: dict, trace: Trace | None = None) -> LinkedSource:
 
     name = v["source"]
     if name == "handbook":
-        return LinkedSource(name, handbook.handbook_trace(), "handbook example",
-                            lambda r: handbook.handbook_trace(seed=r), HANDBOOK_QUANT_NOTE)
+        return LinkedSource(
+            name,
+            handbook.handbook_trace(),
+            "handbook example",
+            lambda r: handbook.handbook_trace(seed=r),
+            HANDBOOK_QUANT_NOTE,
+        )
     if name == "synthetic":
         syn = synthetic_from_values(v)
-        return LinkedSource(name, make_synthetic(syn), f"synthetic pattern ({syn.context} tokens)",
-                            lambda r: make_synthetic(syn.with_(seed=syn.seed + r)))
+        return LinkedSource(
+            name,
+            make_synthetic(syn),
+            f"synthetic pattern ({syn.context} tokens)",
+            lambda r: make_synthetic(syn.with_(seed=syn.seed + r)),
+        )
     if trace is None:
-        raise SpecError(f"the link's source is {'a real model' if name == 'real' else 'a trace file'}, whose trace "
-                        "is not in the link: give the trace file")
+        raise SpecError(
+            f"the link's source is {'a real model' if name == 'real' else 'a trace file'}, whose trace "
+            "is not in the link: give the trace file"
+        )
     m = trace.meta
-    label = (f"{m['model']}: {m.get('prompt_tokens', trace.context_len)} prompt tokens + {m.get('new_tokens', 0)} "
-             "generated" if m.get("model") else f"trace ({trace.n_positions} tokens)")
+    label = (
+        f"{m['model']}: {m.get('prompt_tokens', trace.context_len)} prompt tokens + {m.get('new_tokens', 0)} "
+        "generated"
+        if m.get("model")
+        else f"trace ({trace.n_positions} tokens)"
+    )
     return LinkedSource(name, trace, label)

@@ -34,15 +34,12 @@ class Memory:
     kv_bytes_full: float  # the same tokens in a full 16-bit cache
     kept_tokens: int
     total_tokens: int
-    kv_bytes_read: float | None = (
-        None  # what one decode step reads (None: everything stored, as eviction)
-    )
-    kept_per_layer: tuple[
-        int, ...
-    ] = ()  # tokens kept per KV head of each layer (pyramid: differs by layer)
-    kv_bytes_peak: float | None = (
-        None  # the cache at its peak: the full 16-bit prefill cache (None: kv_bytes)
-    )
+    # what one decode step reads (None: everything stored, as eviction)
+    kv_bytes_read: float | None = None
+    # tokens kept per KV head of each layer (pyramid: differs by layer)
+    kept_per_layer: tuple[int, ...] = ()
+    # the cache at its peak: the full 16-bit prefill cache (None: kv_bytes)
+    kv_bytes_peak: float | None = None
     key_bytes: float | None = None  # the K part of kv_bytes (stored), the rest is V
 
     @property
@@ -112,6 +109,9 @@ def budget_is_exact(spec: Spec) -> bool:
     number of their own (ChunkKV's whole chunks, Quest per query head) need the kept masks."""
     if not spec.evicts:
         return True
+    # the cache grows to budget + N between compressions (policies.recompress)
+    if spec.compress_every:
+        return False
     return spec.allocation != "adakv" and get_policy(spec.scorer).fills_budget(spec)
 
 
@@ -199,9 +199,8 @@ def _memory(
     # every head's bytes from its own count (AdaKV's heads differ): the budget ledger's sum, exactly
     kept_per_layer = tuple(round(sum(c) / len(c)) for c in counts)
     mean_kept = round(sum(map(sum, counts)) / max(n_layers * n_kv_heads, 1))
-    if (
-        spec.evicts and get_policy(spec.scorer).kind == "read"
-    ):  # Quest: stores all, reads the budget
+    # Quest: stores all, reads the budget
+    if spec.evicts and get_policy(spec.scorer).kind == "read":
         meta = page_meta_bytes(spec, n_tokens, head_dim)
         stored = per_head(n_tokens) + meta
         read = sum(per_head(k) + meta for c in counts for k in c)

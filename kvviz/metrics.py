@@ -8,7 +8,7 @@ from functools import cached_property
 import numpy as np
 
 LN2 = float(np.log(2.0))
-T_LEVEL = 0.95   # the t-interval's confidence
+T_LEVEL = 0.95  # the t-interval's confidence
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,12 +24,13 @@ class RowMetrics:
                 symmetric, finite, at most ln 2.
     """
 
-    mass_retained: float      # original attention mass on the kept tokens
-    tv_distance: float        # 0.5 * sum |a - a_hat|
-    tv_quantization: float    # 0.5 * sum |a_hat - a_evict|: what quantization adds to eviction alone
-    kl: float                 # KL(compressed || original), nats
-    kl_forward: float         # KL(original || compressed), nats; inf once anything is evicted
-    js: float                 # Jensen-Shannon divergence, nats, <= ln 2
+    mass_retained: float  # original attention mass on the kept tokens
+    tv_distance: float  # 0.5 * sum |a - a_hat|
+    # 0.5 * sum |a_hat - a_evict|: what quantization adds to eviction alone
+    tv_quantization: float
+    kl: float  # KL(compressed || original), nats
+    kl_forward: float  # KL(original || compressed), nats; inf once anything is evicted
+    js: float  # Jensen-Shannon divergence, nats, <= ln 2
     max_abs_error: float
     output_rel_error: float | None  # ||o - o_hat|| / ||o||, o = a . V
     output_cosine: float | None
@@ -38,8 +39,14 @@ class RowMetrics:
         return asdict(self)
 
 
-def divergences(p_kept: np.ndarray, log_p_kept: np.ndarray, q_kept: np.ndarray, log_q_kept: np.ndarray,
-                mass: np.ndarray, evicted: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def divergences(
+    p_kept: np.ndarray,
+    log_p_kept: np.ndarray,
+    q_kept: np.ndarray,
+    log_q_kept: np.ndarray,
+    mass: np.ndarray,
+    evicted: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(kl, kl_forward, js) per row, from the rows over the kept tokens only (H, m).
 
     p is the original attention (its log from the full log-softmax), q the compressed one
@@ -51,17 +58,25 @@ def divergences(p_kept: np.ndarray, log_p_kept: np.ndarray, q_kept: np.ndarray, 
         kl_forward = np.full(len(p_kept), np.inf)
     else:
         kl_forward = np.einsum("ij,ij->i", p_kept, log_p_kept - log_q_kept)
-    mid = p_kept + q_kept                                                     # 2m on the kept tokens
-    np.maximum(mid, 1e-300, out=mid)     # p = q = 0 (underflow): weight 0 either way, keep the log finite
+    # 2m on the kept tokens
+    mid = p_kept + q_kept
+    # p = q = 0 (underflow): weight 0 either way, keep the log finite
+    np.maximum(mid, 1e-300, out=mid)
     log_mid = np.log(mid, out=mid)
-    log_mid -= LN2                                                            # log (p + q) / 2
-    lost = np.maximum(1.0 - mass, 0.0) * LN2                                  # evicted: p log(p / (p/2))
-    js = 0.5 * (np.einsum("ij,ij->i", p_kept, log_p_kept - log_mid)
-                + np.einsum("ij,ij->i", q_kept, log_q_kept - log_mid) + lost)
+    log_mid -= LN2  # log (p + q) / 2
+    # evicted: p log(p / (p/2))
+    lost = np.maximum(1.0 - mass, 0.0) * LN2
+    js = 0.5 * (
+        np.einsum("ij,ij->i", p_kept, log_p_kept - log_mid)
+        + np.einsum("ij,ij->i", q_kept, log_q_kept - log_mid)
+        + lost
+    )
     return np.maximum(kl, 0.0), np.maximum(kl_forward, 0.0), np.minimum(np.maximum(js, 0.0), LN2)
 
 
-def error_split(original: np.ndarray, compressed: np.ndarray, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def error_split(
+    original: np.ndarray, compressed: np.ndarray, kept: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """The per-token error split into its two causes (..., n): (eviction part, quantization part).
 
     Eviction alone gives a_evict = a / mass on the kept tokens and 0 on the evicted ones;
@@ -75,10 +90,16 @@ def error_split(original: np.ndarray, compressed: np.ndarray, kept: np.ndarray) 
     return evict_only - original, compressed - evict_only
 
 
-def row_metrics_batch(error: np.ndarray, mass: np.ndarray, kl: np.ndarray, kl_forward: np.ndarray,
-                      js: np.ndarray, out_original: np.ndarray | None = None,
-                      out_compressed: np.ndarray | None = None,
-                      tv_quantization: np.ndarray | None = None) -> list[RowMetrics]:
+def row_metrics_batch(
+    error: np.ndarray,
+    mass: np.ndarray,
+    kl: np.ndarray,
+    kl_forward: np.ndarray,
+    js: np.ndarray,
+    out_original: np.ndarray | None = None,
+    out_compressed: np.ndarray | None = None,
+    tv_quantization: np.ndarray | None = None,
+) -> list[RowMetrics]:
     """Metrics of rows stacked along axis 0 (H, n), vectorised.
 
     error = compressed - original; mass (H,) = original attention on the kept tokens;
@@ -91,17 +112,38 @@ def row_metrics_batch(error: np.ndarray, mass: np.ndarray, kl: np.ndarray, kl_fo
     if out_original is not None and out_compressed is not None:
         o, o_hat = out_original, out_compressed
         diff = o_hat - o
-        norm = np.sqrt(np.einsum("ij,ij->i", o, o)).tolist()                # a few rows: finish in Python
+        # a few rows: finish in Python
+        norm = np.sqrt(np.einsum("ij,ij->i", o, o)).tolist()
         norm_hat = np.sqrt(np.einsum("ij,ij->i", o_hat, o_hat)).tolist()
         norm_diff = np.sqrt(np.einsum("ij,ij->i", diff, diff)).tolist()
         dot = np.einsum("ij,ij->i", o, o_hat).tolist()
         rel = [d / a if a > 0 else 0.0 for d, a in zip(norm_diff, norm)]
         cos = [x / (a * b) if a * b > 0 else 1.0 for x, a, b in zip(dot, norm, norm_hat)]
     tvq = [0.0] * len(error) if tv_quantization is None else tv_quantization.tolist()
-    return [RowMetrics(mass_retained=m, tv_distance=t, tv_quantization=tq, kl=k, kl_forward=f, js=j,
-                       max_abs_error=x, output_rel_error=r, output_cosine=c)
-            for m, t, tq, k, f, j, x, r, c in zip(mass.tolist(), tv.tolist(), tvq, kl.tolist(),
-                                                  kl_forward.tolist(), js.tolist(), mx.tolist(), rel, cos)]
+    return [
+        RowMetrics(
+            mass_retained=m,
+            tv_distance=t,
+            tv_quantization=tq,
+            kl=k,
+            kl_forward=f,
+            js=j,
+            max_abs_error=x,
+            output_rel_error=r,
+            output_cosine=c,
+        )
+        for m, t, tq, k, f, j, x, r, c in zip(
+            mass.tolist(),
+            tv.tolist(),
+            tvq,
+            kl.tolist(),
+            kl_forward.tolist(),
+            js.tolist(),
+            mx.tolist(),
+            rel,
+            cos,
+        )
+    ]
 
 
 DEFINITIONS = {
@@ -109,7 +151,7 @@ DEFINITIONS = {
     "tv_distance": "0.5 * sum |compressed - original| (0 = identical, 1 = disjoint)",
     "tv_quantization": "0.5 * sum |compressed - eviction only|: what quantization adds to the eviction's error",
     "kl": "KL(compressed || original) = sum over kept tokens of q (log q - log p), nats; finite; "
-          "-log(mass_retained) for pure eviction",
+    "-log(mass_retained) for pure eviction",
     "kl_forward": "KL(original || compressed), nats; infinite (JSON null) once an attended token is evicted",
     "js": "Jensen-Shannon divergence of original and compressed attention, nats, at most ln 2",
     "max_abs_error": "largest |compressed - original| over the tokens",
@@ -143,7 +185,7 @@ class Spread:
     errors: np.ndarray
     mean: np.ndarray
     std: np.ndarray
-    n: np.ndarray    # members that see each token
+    n: np.ndarray  # members that see each token
 
     @cached_property
     def member_min(self) -> np.ndarray:
@@ -158,7 +200,9 @@ class Spread:
         """t(0.975, n - 1) * std / sqrt(n) per token; NaN where n = 1."""
         n = self.n.astype(np.float64)
         with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(n > 1, t_quantile(0.5 + T_LEVEL / 2, n - 1) * self.std / np.sqrt(n), np.nan)
+            return np.where(
+                n > 1, t_quantile(0.5 + T_LEVEL / 2, n - 1) * self.std / np.sqrt(n), np.nan
+            )
 
     @property
     def ci_lo(self) -> np.ndarray:
@@ -203,14 +247,16 @@ def spread(errors: np.ndarray, complete: bool = False) -> Spread:
             mean = np.nanmean(errors, axis=0)
             std = np.sqrt(np.nansum((errors - mean) ** 2, axis=0) / np.maximum(n - 1, 1))
             return Spread(errors=errors, mean=mean, std=std, n=n)
-    mean = errors.sum(axis=0) / members          # every member sees every token: plain reductions
+    mean = errors.sum(axis=0) / members  # every member sees every token: plain reductions
     deviation = errors - mean
     deviation *= deviation
     std = np.sqrt(deviation.sum(axis=0) / max(members - 1, 1))
     return Spread(errors=errors, mean=mean, std=std, n=np.full(errors.shape[1], members))
 
 
-def concentration_curve(attention: np.ndarray, fractions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def concentration_curve(
+    attention: np.ndarray, fractions: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Share of attention mass held by the top x of tokens, for x in `fractions` (0..1].
 
     Fractions are of the tokens the row covers; the share uses ceil(x * n) tokens.

@@ -101,7 +101,8 @@ def evaluate_rows(
     logits = logit_rows(trace, layer, heads, qi)  # (H, n)
     original, log_original = softmax_and_log(logits)
     # reads: Quest per query head, each row reads its own tokens from the whole cache, (Hq, n)
-    if kept_kv is None and spec.evicts:  # the oracle / Quest decide at this query
+    # the oracle / Quest decide at this query
+    if kept_kv is None and spec.evicts:
         reads, kept_kv = _query_kept(trace, spec, layer, qi, heads, original)
     if kept_kv is None:
         kept_kv = np.ones((trace.n_kv_heads, n), bool)
@@ -117,7 +118,8 @@ def evaluate_rows(
     else:
         rows_at = [np.flatnonzero(reads[h, :n]) for h in heads.tolist()]
     sizes = np.array([len(a) for a in rows_at])
-    if (sizes != sizes[0]).any():  # ragged caches (AdaKV): one head at a time
+    # ragged caches (AdaKV): one head at a time
+    if (sizes != sizes[0]).any():
         if reads is not None:
             return [
                 row
@@ -130,11 +132,14 @@ def evaluate_rows(
             for row in evaluate_rows(trace, spec, layer, heads[rows], qi, kept_kv, cache)
         ]
     m = int(sizes[0])  # the same for every row
-    at = np.array(rows_at).reshape(H, m)  # (H, m) kept positions, in order
+    # (H, m) kept positions, in order
+    at = np.array(rows_at).reshape(H, m)
     flat = (at + (np.arange(H) * n)[:, None]).ravel()  # into the (H, n) rows
-    if reads is None:  # evict, then quantize what is kept: per KV head, over its compacted cache
+    # evict, then quantize what is kept: per KV head, over its compacted cache
+    if reads is None:
         quantized = _quantized_kept(trace, spec, layer, p, kept_at, cache, kept_kv)
-    else:  # Quest: the whole cache is stored (quantized as stored); each row reads from it
+    # Quest: the whole cache is stored (quantized as stored); each row reads from it
+    else:
         whole = _quantized_kept(
             trace, spec, layer, p, {g: np.arange(n) for g in set(kv_list)}, cache
         )
@@ -152,14 +157,11 @@ def evaluate_rows(
         kept_logits += eps.take(flat).reshape(H, m) * spec.noise_sigma
     elif spec.quantizes_keys:
         # q . K_hat = q . K + q . (K_hat - K): exact logits wherever keys did not change
-        q = trace.q[layer, heads, qi] / np.float32(
-            np.sqrt(trace.head_dim)
-        )  # (H, D), the trace's dtype
+        # (H, D), the trace's dtype
+        q = trace.q[layer, heads, qi] / np.float32(np.sqrt(trace.head_dim))
         if reads is None:
-            for (
-                g,
-                rows,
-            ) in runs:  # (K_hat - K).q^T: for a few query rows BLAS is ~2x faster this way round
+            # (K_hat - K).q^T: for a few query rows BLAS is ~2x faster this way round
+            for g, rows in runs:
                 kept_logits[rows] += (quantized[g][0] @ q[rows].T).T
         else:
             for i, g in enumerate(kv_list):
@@ -176,18 +178,18 @@ def evaluate_rows(
 
     out = out_hat = None
     if trace.v is not None:
-        values = trace.v[layer]  # (kv_heads, P, D), the trace's dtype
+        # (kv_heads, P, D), the trace's dtype
+        values = trace.v[layer]
         out = np.empty((H, trace.head_dim))
         out_hat = np.empty_like(out)
         for g, rows in runs:
             out[rows] = original[rows].astype(values.dtype) @ values[g, :n]  # o = a . V
-            if (
-                m == n and kept_part(rows.start, g, 1) is None
-            ):  # nothing evicted or quantized: the same
-                out_hat[rows] = (
-                    compressed[rows].astype(values.dtype) @ values[g, :n]
-                )  # arithmetic, zero error
-            elif reads is None:  # o_hat = a_hat . V_hat
+            # nothing evicted or quantized: the same
+            if m == n and kept_part(rows.start, g, 1) is None:
+                # arithmetic, zero error
+                out_hat[rows] = compressed[rows].astype(values.dtype) @ values[g, :n]
+            # o_hat = a_hat . V_hat
+            elif reads is None:
                 v_kept = (
                     quantized[g][1] if quantized[g][1] is not None else values[g, at[rows.start]]
                 )
@@ -199,12 +201,12 @@ def evaluate_rows(
                         values[g, at[i]] if v_kept is None else v_kept
                     )
     tv_quant = None
-    if (
-        spec.quantizes
-    ):  # what quantization adds: compressed vs eviction alone (a / mass on the kept tokens)
+    # what quantization adds: compressed vs eviction alone (a / mass on the kept tokens)
+    if spec.quantizes:
         tv_quant = 0.5 * np.abs(p_kept - original_kept / mass[:, None]).sum(axis=1)
     metrics = row_metrics_batch(error, mass, kl, kl_forward, js, out, out_hat, tv_quant)
-    if reads is None:  # per KV head, shared by its rows
+    # per KV head, shared by its rows
+    if reads is None:
         row_kept, reason = kept_kv[:, :n], reasons_for(kept_kv[:, :n], spec)
         row_of = kv_list
     else:

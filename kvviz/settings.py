@@ -28,24 +28,30 @@ KINDS = ("int", "float", "bool", "choice")
 class Setting:
     """One setting: what it is called where, what values it takes, and how a person sets it."""
 
-    name: str                        # the Spec keyword and attribute (page_size)
-    kind: str                        # int | float | bool | choice
+    name: str  # the Spec keyword and attribute (page_size)
+    kind: str  # int | float | bool | choice
     default: Any
-    lo: float | None = None          # int / float: the valid range, both ends included
+    lo: float | None = None  # int / float: the valid range, both ends included
     hi: float | None = None
-    choices: tuple | Callable[[], tuple] = ()   # choice: the values (a function when they are known later)
-    label: str = ""                  # the widget's label and the CLI's short description
-    help: str = ""                   # the widget's tooltip and the CLI's help
-    url: str = ""                    # the link's name (today's names; default: `name`)
-    cli: str = ""                    # the command line's flag (default: --name-with-dashes); "-" = none
-    owner: tuple = ()                # (setting, value): shown only when e.g. ("scorer", "snapkv") holds
-    quantizes: bool = False          # says only how kept K/V are stored, never what is kept
-    none_as: Any = None              # default None: the value a link / flag / widget writes for None (0 = auto)
-    options: tuple = ()              # widget and link presets, where not every value in range is offered
-    option_labels: dict = field(default_factory=dict)   # choice value -> what the widget says
-    step: float | None = None        # the widget's step
-    fmt: str | None = None           # the widget's number format
-    valid: Callable[[Any], str | None] | None = None    # one more rule on the value: None, or what is wrong
+    # choice: the values (a function when they are known later)
+    choices: tuple | Callable[[], tuple] = ()
+    label: str = ""  # the widget's label and the CLI's short description
+    help: str = ""  # the widget's tooltip and the CLI's help
+    url: str = ""  # the link's name (today's names; default: `name`)
+    # the command line's flag (default: --name-with-dashes); "-" = none
+    cli: str = ""
+    # (setting, value): shown only when e.g. ("scorer", "snapkv") holds
+    owner: tuple = ()
+    quantizes: bool = False  # says only how kept K/V are stored, never what is kept
+    # default None: the value a link / flag / widget writes for None (0 = auto)
+    none_as: Any = None
+    # widget and link presets, where not every value in range is offered
+    options: tuple = ()
+    option_labels: dict = field(default_factory=dict)  # choice value -> what the widget says
+    step: float | None = None  # the widget's step
+    fmt: str | None = None  # the widget's number format
+    # one more rule on the value: None, or what is wrong
+    valid: Callable[[Any], str | None] | None = None
 
     @property
     def url_name(self) -> str:
@@ -80,17 +86,26 @@ class Setting:
         if value is None and self.default is None:
             return None
         if self.kind == "bool":
-            return None if isinstance(value, bool) else f"{self.name} must be true or false, got {value!r}"
+            return (
+                None
+                if isinstance(value, bool)
+                else f"{self.name} must be true or false, got {value!r}"
+            )
         if self.kind == "choice":
             allowed = self.values
             if value not in allowed:
                 return f"{self.name} must be one of {', '.join(map(str, allowed))}, got {value!r}"
         else:
             number = (int,) if self.kind == "int" else (int, float)
-            if isinstance(value, bool) or not isinstance(value, number) or \
-                    (isinstance(value, float) and not math.isfinite(value)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, number)
+                or (isinstance(value, float) and not math.isfinite(value))
+            ):
                 return f"{what} must be {'an integer' if self.kind == 'int' else 'a finite number'}, got {value!r}"
-            if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
+            if (self.lo is not None and value < self.lo) or (
+                self.hi is not None and value > self.hi
+            ):
                 return f"{what} must be {_num(self.lo)}-{_num(self.hi)}, got {_num(value)}"
         return self.valid(value) if self.valid else None
 
@@ -101,8 +116,8 @@ def _num(x) -> str:
     return f"{x:,g}" if isinstance(x, float) else f"{x:,}"
 
 
-SETTINGS: dict[str, Setting] = {}           # Spec keyword -> Setting, in declaration order
-RULES: list[Callable[[Any], None]] = []      # rules over a whole Spec (raise kvviz.spec.SpecError)
+SETTINGS: dict[str, Setting] = {}  # Spec keyword -> Setting, in declaration order
+RULES: list[Callable[[Any], None]] = []  # rules over a whole Spec (raise kvviz.spec.SpecError)
 LABELS: dict[str, Callable[[Any], str]] = {}  # scorer name -> how Spec.label names it
 
 
@@ -110,10 +125,14 @@ def declare(*settings: Setting) -> tuple[Setting, ...]:
     """Add settings to the table; a name or link name already taken is a programming error."""
     for s in settings:
         if s.kind not in KINDS:
-            raise ValueError(f"setting {s.name!r}: kind must be one of {', '.join(KINDS)}, got {s.kind!r}")
+            raise ValueError(
+                f"setting {s.name!r}: kind must be one of {', '.join(KINDS)}, got {s.kind!r}"
+            )
         taken = {t.url_name: t.name for t in SETTINGS.values() if t.name != s.name}
         if s.url_name in taken:
-            raise ValueError(f"setting {s.name!r}: link name {s.url_name!r} is {taken[s.url_name]!r}'s")
+            raise ValueError(
+                f"setting {s.name!r}: link name {s.url_name!r} is {taken[s.url_name]!r}'s"
+            )
         if s.name in SETTINGS and SETTINGS[s.name] != s:
             raise ValueError(f"setting {s.name!r} is declared twice, differently")
         SETTINGS[s.name] = s

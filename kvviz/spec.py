@@ -14,13 +14,17 @@ from typing import Any
 
 from kvviz.settings import LABELS, RULES, SETTINGS, Setting, declare
 
-SCORERS: list[str] = []               # built-in scorers, in menu order (filled by kvviz.policies.registry)
-PLUGIN_SCORERS: list[str] = []        # names registered by plug-ins (kvviz.policies.registry), appended at load time
-STREAMING_SCORERS: list[str] = []     # scorers that decide again at every step (filled by the registry)
+# built-in scorers, in menu order (filled by kvviz.policies.registry)
+SCORERS: list[str] = []
+# names registered by plug-ins (kvviz.policies.registry), appended at load time
+PLUGIN_SCORERS: list[str] = []
+# scorers that decide again at every step (filled by the registry)
+STREAMING_SCORERS: list[str] = []
 ENSEMBLES = ("heads", "layers", "steps", "seeds")
 FULL_BITS = 16  # 16 bits = not quantized (the fp16 baseline)
 MAX_ENSEMBLE = 256
-MAX_BUDGET = 1_000_000                # tokens (the work budget bounds what a request may do with them)
+# tokens (the work budget bounds what a request may do with them)
+MAX_BUDGET = 1_000_000
 
 
 class SpecError(ValueError):
@@ -34,23 +38,77 @@ def _scorer_problem(name: str) -> str | None:
 
 
 declare(
-    Setting("sink", "int", 0, 0, MAX_BUDGET, label="Sink tokens",
-            help="The first tokens, always kept: attention sinks (StreamingLLM keeps 4)."),
-    Setting("recent", "int", 0, 0, MAX_BUDGET, label="Recent window",
-            help="The last tokens the query sees (its own included), always kept."),
-    Setting("heavy", "int", 0, 0, MAX_BUDGET, label="Heavy-hitter budget",
-            help="How many more tokens the scorer may keep among the rest (H2O's heavy hitters)."),
+    Setting(
+        "sink",
+        "int",
+        0,
+        0,
+        MAX_BUDGET,
+        label="Sink tokens",
+        help="The first tokens, always kept: attention sinks (StreamingLLM keeps 4).",
+    ),
+    Setting(
+        "recent",
+        "int",
+        0,
+        0,
+        MAX_BUDGET,
+        label="Recent window",
+        help="The last tokens the query sees (its own included), always kept.",
+    ),
+    Setting(
+        "heavy",
+        "int",
+        0,
+        0,
+        MAX_BUDGET,
+        label="Heavy-hitter budget",
+        help="How many more tokens the scorer may keep among the rest (H2O's heavy hitters).",
+    ),
     # any name: the registry's scorers and plug-ins are checked by _scorer_problem (a plug-in may load later)
-    Setting("scorer", "choice", "h2o", choices=lambda: scorer_names(), label="Heavy-hitter scorer",
-            help="How heavy hitters are ranked."),
-    Setting("seed", "int", 0, 0, 2**32 - 1, label="Seed", help="random draws (noise, random scorer)"),
-    Setting("positions", "choice", "true", choices=("true", "cache"), cli="-",
-            help="real-model decode only: keys at their true positions, or re-rotated to their cache slots"),
-    Setting("quant_model", "choice", "kv", choices=("kv", "noise"), url="qmodel", quantizes=True,
-            label="Quantization model", option_labels={"kv": "real K/V quantization", "noise": "handbook logit noise"},
-            help="kv = real K/V quantization; noise = the handbook's logit-noise model"),
-    Setting("noise_sigma", "float", 0.01, 0.0, 100.0, url="sigma", quantizes=True,
-            label="Noise σ (logit noise model)", help="noise model: logit noise std", step=0.005, fmt="%.3f"),
+    Setting(
+        "scorer",
+        "choice",
+        "h2o",
+        choices=lambda: scorer_names(),
+        label="Heavy-hitter scorer",
+        help="How heavy hitters are ranked.",
+    ),
+    Setting(
+        "seed", "int", 0, 0, 2**32 - 1, label="Seed", help="random draws (noise, random scorer)"
+    ),
+    Setting(
+        "positions",
+        "choice",
+        "true",
+        choices=("true", "cache"),
+        cli="-",
+        help="real-model decode only: keys at their true positions, or re-rotated to their cache slots",
+    ),
+    Setting(
+        "quant_model",
+        "choice",
+        "kv",
+        choices=("kv", "noise"),
+        url="qmodel",
+        quantizes=True,
+        label="Quantization model",
+        option_labels={"kv": "real K/V quantization", "noise": "handbook logit noise"},
+        help="kv = real K/V quantization; noise = the handbook's logit-noise model",
+    ),
+    Setting(
+        "noise_sigma",
+        "float",
+        0.01,
+        0.0,
+        100.0,
+        url="sigma",
+        quantizes=True,
+        label="Noise σ (logit noise model)",
+        help="noise model: logit noise std",
+        step=0.005,
+        fmt="%.3f",
+    ),
 )
 
 
@@ -74,12 +132,15 @@ class Spec:
             object.__setattr__(self, name, values.get(name, setting.default))
         # identity: the settings that differ from their defaults (a setting declared later, by a plug-in,
         # is at its default in every Spec made before it, so equal Specs stay equal)
-        object.__setattr__(self, "_key", tuple(sorted((n, v) for n, v in values.items()
-                                                      if v != SETTINGS[n].default)))
+        object.__setattr__(
+            self,
+            "_key",
+            tuple(sorted((n, v) for n, v in values.items() if v != SETTINGS[n].default)),
+        )
         check_spec(self)
 
     def __getattr__(self, name: str) -> Any:
-        setting = SETTINGS.get(name)           # declared after this Spec was made: at its default
+        setting = SETTINGS.get(name)  # declared after this Spec was made: at its default
         if setting is None:
             raise AttributeError(f"Spec has no setting {name!r}")
         return setting.default
@@ -151,6 +212,8 @@ class Spec:
             if self.allocation != "uniform":
                 scorer = LABELS["allocation:" + self.allocation](self, scorer)
             parts.append(f"{scorer} sink {self.sink} recent {self.recent} heavy {self.heavy}")
+            if self.compress_every:  # kvviz.policies.recompress
+                parts[-1] += f", compressed again every {self.compress_every} steps"
         if self.quant_model == "noise" and self.noise_sigma > 0:
             parts.append(f"logit noise sigma {self.noise_sigma:g}")
         elif self.quant_model == "kv" and self.quantizes:
@@ -185,6 +248,7 @@ def installed_plugin_names() -> frozenset[str]:
     package metadata without loading their code: the registry (kvviz.policies.registry) loads
     them when one is first used, so a spec can name a plug-in kvviz has not loaded yet."""
     from importlib.metadata import entry_points
+
     return frozenset(ep.name for ep in entry_points(group="kvviz.policies"))
 
 
@@ -211,6 +275,8 @@ class View:
 
     def __post_init__(self) -> None:
         if self.ensemble is not None and self.ensemble not in ENSEMBLES:
-            raise SpecError(f"ensemble must be one of {', '.join(ENSEMBLES)}, got {self.ensemble!r}")
+            raise SpecError(
+                f"ensemble must be one of {', '.join(ENSEMBLES)}, got {self.ensemble!r}"
+            )
         if not 1 <= self.ensemble_size <= MAX_ENSEMBLE:
             raise SpecError(f"ensemble size must be 1-{MAX_ENSEMBLE}, got {self.ensemble_size}")

@@ -52,8 +52,15 @@ class Trace:
         """A stand-in with `n_positions` positions and nothing else (one layer, one head, head dim 1,
         all zeros): for widgets that only need a token count before a real trace exists."""
         z = np.zeros((1, 1, n_positions, 1), np.float32)
-        return cls(q=z, k=z, v=None, context_len=n_positions, tokens=("",) * n_positions,
-                   query_positions=np.arange(n_positions), meta={"source": source})
+        return cls(
+            q=z,
+            k=z,
+            v=None,
+            context_len=n_positions,
+            tokens=("",) * n_positions,
+            query_positions=np.arange(n_positions),
+            meta={"source": source},
+        )
 
     # --- shape helpers -------------------------------------------------------------
     @cached_property
@@ -85,7 +92,11 @@ class Trace:
     def layer_numbers(self) -> tuple[int, ...]:
         """The model's own number of each layer (meta["layers"] when a capture kept some; else 0..L-1)."""
         kept = self.meta.get("layers")
-        if isinstance(kept, list) and len(kept) == self.n_layers and all(isinstance(x, int) for x in kept):
+        if (
+            isinstance(kept, list)
+            and len(kept) == self.n_layers
+            and all(isinstance(x, int) for x in kept)
+        ):
             return tuple(kept)
         return tuple(range(self.n_layers))
 
@@ -94,8 +105,10 @@ class Trace:
         try:
             return self.layer_numbers.index(int(number))
         except ValueError:
-            raise TraceError(f"layer {number} is not in this trace: it has layers "
-                             f"{layer_ranges(self.layer_numbers)}") from None
+            raise TraceError(
+                f"layer {number} is not in this trace: it has layers "
+                f"{layer_ranges(self.layer_numbers)}"
+            ) from None
 
     def kv_head(self, q_head: int) -> int:
         return q_head // self.group_size
@@ -129,10 +142,12 @@ class Trace:
         return len(self.later_queries) > 0
 
     def describe(self) -> str:
-        return (f"{self.meta.get('source', 'trace')}: {self.n_layers} layers x "
-                f"{self.n_q_heads} query heads ({self.n_kv_heads} KV) x "
-                f"{self.n_positions} tokens, head dim {self.head_dim}, "
-                f"context {self.context_len}, {len(self.later_queries)} later queries")
+        return (
+            f"{self.meta.get('source', 'trace')}: {self.n_layers} layers x "
+            f"{self.n_q_heads} query heads ({self.n_kv_heads} KV) x "
+            f"{self.n_positions} tokens, head dim {self.head_dim}, "
+            f"context {self.context_len}, {len(self.later_queries)} later queries"
+        )
 
 
 def validate(t: Trace) -> None:
@@ -199,9 +214,17 @@ def layer_ranges(numbers: tuple[int, ...] | list[int]) -> str:
 
 def trace_with(t: Trace, **changes: Any) -> Trace:
     """A copy of `t` with some fields replaced (re-validated)."""
-    fields = dict(q=t.q, k=t.k, v=t.v, context_len=t.context_len, tokens=t.tokens,
-                  query_positions=t.query_positions, meta=t.meta, logits=t.logits,
-                  noise_eps=t.noise_eps)
+    fields = dict(
+        q=t.q,
+        k=t.k,
+        v=t.v,
+        context_len=t.context_len,
+        tokens=t.tokens,
+        query_positions=t.query_positions,
+        meta=t.meta,
+        logits=t.logits,
+        noise_eps=t.noise_eps,
+    )
     fields.update(changes)
     return Trace(**fields)
 

@@ -3,7 +3,7 @@
 import streamlit as st
 
 from kvviz.app.charts import chart
-from kvviz.app.compression import compression_section
+from kvviz.app.compression import compression_section, w_setting
 from kvviz.app.labels import ALLOCATION_LABELS
 from kvviz.app.layout import page_setup
 from kvviz.app.router import run_page
@@ -32,12 +32,12 @@ def _demo_trace() -> Trace:
 
 @st.cache_resource(max_entries=16, show_spinner="Replaying every policy step by step…")
 def _timeline(source_key: tuple, budget: tuple, layer: int, kv_head: int, need: float, policies: tuple,
-              _trace: Trace):
+              _trace: Trace, every: int = 0):
     sink, recent, heavy, allocation = budget
     return timeline(_trace, Spec(sink=sink, recent=recent, heavy=heavy, scorer="oracle", allocation=allocation),
                     layer=layer,
                     kv_head=kv_head,
-                    policies=policies, need=need, max_steps=MAX_STEPS)
+                    policies=policies, need=need, max_steps=MAX_STEPS, compress_every=every)
 
 
 @st.cache_resource(max_entries=16, show_spinner=False)
@@ -102,6 +102,7 @@ def main() -> None:
                           format_func=ALLOCATION_LABELS.get, widget="radio",
                           help="AdaKV: this layer's budget goes to the top scores across its KV heads (heads "
                                "differ in length); PyramidKV: each layer its own budget, falling with depth.")
+    every = int(w_setting(st, "compress_every", trace.n_positions))
     if not policies:
         st.warning("Pick at least one policy.", icon=":material/warning:")
         return
@@ -110,12 +111,18 @@ def main() -> None:
         st.caption(f"Showing the first {MAX_STEPS} of {n_later} decode steps (the cap that keeps this page quick).")
     try:
         tl = _timeline(key, (spec.sink, spec.recent, spec.heavy, allocation), layer, kv_head, need, tuple(policies),
-                       trace)
+                       trace, every)
     except (SpecError, TraceError) as e:
         st.error(f"The timeline cannot be computed: {e}")
         return
     for name, why in tl.skipped.items():
         st.info(f"{POLICY_LABELS.get(name, name)} is not drawn: {why}", icon=":material/info:")
+    if every and any(len(pt.compressed_after) for pt in tl.policies.values()):
+        steady = ", ".join(POLICY_LABELS.get(n, n) for n in tl.decides_every_step)
+        st.caption(f"The one-shot scorers compress again every {every} decode steps (the purple lines "
+                   "between two steps): between those moments their cache grows; then it is scored again over "
+                   "everything it holds and cut back to the budget." + (
+                       f" {steady} decide at every step anyway and run as always." if steady else ""))
     if not tl.policies:
         st.warning("None of the chosen policies runs with this allocation; pick another.", icon=":material/warning:")
         return
@@ -134,7 +141,7 @@ def main() -> None:
                    help="Mean over the decode steps of the attention mass on evicted tokens.")
         col.caption(f"{int(pt.evicted_needed.sum())} tokens evicted, then needed")
 
-    tkey = (key, (spec.sink, spec.recent, spec.heavy), layer, kv_head, need, tuple(policies))
+    tkey = (key, (spec.sink, spec.recent, spec.heavy), layer, kv_head, need, tuple(policies), every)
     _step_view(tl, tkey, shift_step)
     # built once per setting; ▶ Play and the step slider under it run in the browser (no rerun)
     chart(_animation(tkey, shift_step, tl), key="tl_animation")

@@ -45,8 +45,10 @@ NEVER = {("kvviz.cli", "kvviz.app"), ("kvviz.app", "kvviz.cli")}   # same layer,
 ONLY_IN = {
     "streamlit": ("kvviz.app",),
     "plotly": ("kvviz.plots", "kvviz.app"),
-    "torch": ("kvviz.models", "kvviz.sources.capture", "kvviz.decode", "kvviz.analysis.needle"),
-    "transformers": ("kvviz.models", "kvviz.sources.capture", "kvviz.decode", "kvviz.analysis.needle"),
+    "torch": ("kvviz.models", "kvviz.sources.capture", "kvviz.sources.recorder", "kvviz.decode",
+              "kvviz.analysis.needle"),
+    "transformers": ("kvviz.models", "kvviz.sources.capture", "kvviz.sources.recorder", "kvviz.decode",
+                     "kvviz.analysis.needle"),
     "pyarrow": ("kvviz.analysis.study",),          # the study results' part files
     "ray": ("kvviz.analysis.study.engines",),      # the optional engine, one module
 }

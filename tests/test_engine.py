@@ -693,7 +693,7 @@ def test_to_json_holds_every_field_of_the_comparison(trace):
     c = compare(trace, spec, View(layer=1, head=2, step=5, ensemble="heads", ensemble_size=3))
     got = c.to_json()
     assert c.view == View(layer=1, head=2, step=5, ensemble="heads", ensemble_size=3) and c.spec == spec
-    assert sorted(got) == sorted(["source", "spec", "layer", "head", "kv_head", "position", "ensemble",
+    assert sorted(got) == sorted(["source", "spec", "layer", "layer_number", "head", "kv_head", "position", "ensemble",
                                   "ensemble_members", "tokens", "original", "compressed", "kept", "reason", "error",
                                   "error_mean", "error_std_sample", "error_ci95_lo", "error_ci95_hi", "error_min",
                                   "error_max", "metrics", "metrics_mean", "notes"])

@@ -12,8 +12,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvviz.models import load as models  # noqa: E402
-from kvviz.models.load import (META_FILE, WEIGHTS_FILE, bundled_model_file, cached_weights_valid,  # noqa: E402
-                               load_estimate, load_model, weights_cache_folder)
+from kvviz.models import weights  # noqa: E402
+from kvviz.models.load import bundled_model_file, load_estimate, load_model  # noqa: E402
+from kvviz.models.weights import META_FILE, WEIGHTS_FILE, cached_weights_valid, weights_cache_folder  # noqa: E402
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 TEXT = "The lighthouse keeper wrote in his log that the storm"
@@ -74,8 +75,8 @@ def test_stale_cache_records_are_refused(gguf, tmp_path):
     folder.mkdir(parents=True)
     for f in ("config.json", "tokenizer.json", WEIGHTS_FILE):
         (folder / f).write_text("{}")
-    meta = {**models._meta_for(gguf, "float32"), "weights_bytes": 2,
-            "weights_sha256": models.file_sha256(folder / WEIGHTS_FILE)}
+    meta = {**weights._meta_for(gguf, "float32"), "weights_bytes": 2,
+            "weights_sha256": weights.file_sha256(folder / WEIGHTS_FILE)}
     (folder / META_FILE).write_text(json.dumps(meta))
     assert cached_weights_valid(folder, gguf, "float32")                     # the record itself is consistent
     for key, value in (("gguf_sha256", "0" * 64), ("dtype", "float16"), ("format", 0), ("transformers", "0.0")):

@@ -18,7 +18,7 @@ from kvviz.engine import REASONS, Comparison
 from kvviz.metrics import Spread, concentration_curve, entropy, error_split, spread
 from kvviz.trace import Trace
 
-BIN_THRESHOLD = 256   # above this many tokens the charts show bins instead of one bar per token
+BIN_THRESHOLD = 256  # above this many tokens the charts show bins instead of one bar per token
 MAX_BINS = 128
 
 
@@ -46,17 +46,27 @@ def error_band(comp: Comparison, bars: str = "std") -> tuple[np.ndarray, np.ndar
 
 def band_columns(s: Spread) -> dict[str, np.ndarray]:
     """Every error band under a name that says what it holds (the CSV has them all)."""
-    return {"error_mean": s.mean, "error_std_sample": s.std,
-            "error_ci95_lo": s.ci_lo, "error_ci95_hi": s.ci_hi,
-            "error_min": s.member_min, "error_max": s.member_max, "members": s.n}
+    return {
+        "error_mean": s.mean,
+        "error_std_sample": s.std,
+        "error_ci95_lo": s.ci_lo,
+        "error_ci95_hi": s.ci_hi,
+        "error_min": s.member_min,
+        "error_max": s.member_max,
+        "members": s.n,
+    }
 
 
 def band_bounds(columns, bars: str) -> tuple:
     """(band_lo, band_hi): the band the chart draws (one of BANDS), from a frame or a dict of its columns."""
     if bars == "std":
-        return columns["error_mean"] - columns["error_std_sample"], columns["error_mean"] + columns["error_std_sample"]
-    return {"ci95": (columns["error_ci95_lo"], columns["error_ci95_hi"]),
-            "range": (columns["error_min"], columns["error_max"])}[bars]
+        return columns["error_mean"] - columns["error_std_sample"], columns["error_mean"] + columns[
+            "error_std_sample"
+        ]
+    return {
+        "ci95": (columns["error_ci95_lo"], columns["error_ci95_hi"]),
+        "range": (columns["error_min"], columns["error_max"]),
+    }[bars]
 
 
 def with_band(frame: pd.DataFrame, bars: str) -> pd.DataFrame:
@@ -109,15 +119,26 @@ def _split(comp: Comparison, row) -> tuple[np.ndarray, np.ndarray]:
 
 def error_extent(frame: pd.DataFrame) -> float:
     """The largest |error| any band of the frame reaches (what a locked y-axis must hold)."""
-    cols = [frame["error_min"], frame["error_max"], frame["error_ci95_lo"], frame["error_ci95_hi"],
-            frame["error_mean"] - frame["error_std_sample"], frame["error_mean"] + frame["error_std_sample"]]
+    cols = [
+        frame["error_min"],
+        frame["error_max"],
+        frame["error_ci95_lo"],
+        frame["error_ci95_hi"],
+        frame["error_mean"] - frame["error_std_sample"],
+        frame["error_mean"] + frame["error_std_sample"],
+    ]
     return float(np.nanmax(np.abs(np.concatenate([c.to_numpy(dtype=float) for c in cols]))))
 
 
 def attention_extent(frame: pd.DataFrame) -> float:
     """The largest attention bar of the frame, original or compressed (what a locked attention axis must hold)."""
-    return float(np.nanmax(np.concatenate([frame["original"].to_numpy(dtype=float),
-                                           frame["compressed"].to_numpy(dtype=float)])))
+    return float(
+        np.nanmax(
+            np.concatenate(
+                [frame["original"].to_numpy(dtype=float), frame["compressed"].to_numpy(dtype=float)]
+            )
+        )
+    )
 
 
 def token_frame(comp: Comparison) -> pd.DataFrame:
@@ -189,7 +210,10 @@ def binned_columns(comp: Comparison, max_bins: int = MAX_BINS) -> dict:
     s = spread(sums)
     kept = p.kept.astype(bool)
     evict_members, quant_members = member_parts(comp)
-    part_means = [np.nanmean(bin_sums(np.nan_to_num(part), edges), axis=0) for part in (evict_members, quant_members)]
+    part_means = [
+        np.nanmean(bin_sums(np.nan_to_num(part), edges), axis=0)
+        for part in (evict_members, quant_members)
+    ]
     tokens = comp.tokens
     return {
         "start": edges,
@@ -210,22 +234,28 @@ def binned_columns(comp: Comparison, max_bins: int = MAX_BINS) -> dict:
 
 # --- concentration ---------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Concentration:
     """Per (layer, query head) statistics of one evaluated query's attention row."""
 
-    fractions: np.ndarray     # (F,) share of tokens, 0..1
-    curves: np.ndarray        # (layers, heads, F) mass held by the top fraction of tokens
-    sink_share: np.ndarray    # (layers, heads) mass on the first `sink` tokens
-    locality: np.ndarray      # (layers, heads) mass on the last `window` tokens
-    entropy: np.ndarray       # (layers, heads) nats
-    max_entropy: float        # log(tokens seen): the entropy of uniform attention
-    top10: np.ndarray         # (layers, heads) mass on the top 10% of tokens
-    position: int             # the query's position; the row covers tokens 0..position
+    fractions: np.ndarray  # (F,) share of tokens, 0..1
+    curves: np.ndarray  # (layers, heads, F) mass held by the top fraction of tokens
+    sink_share: np.ndarray  # (layers, heads) mass on the first `sink` tokens
+    locality: np.ndarray  # (layers, heads) mass on the last `window` tokens
+    entropy: np.ndarray  # (layers, heads) nats
+    max_entropy: float  # log(tokens seen): the entropy of uniform attention
+    top10: np.ndarray  # (layers, heads) mass on the top 10% of tokens
+    position: int  # the query's position; the row covers tokens 0..position
 
 
-def concentration(trace: Trace, step: int | None = None, sink: int = 1, window: int = 16,
-                  fractions: np.ndarray | None = None) -> Concentration:
+def concentration(
+    trace: Trace,
+    step: int | None = None,
+    sink: int = 1,
+    window: int = 16,
+    fractions: np.ndarray | None = None,
+) -> Concentration:
     """How concentrated the attention of the evaluated query at `step` is, for every layer and head."""
     if fractions is None:
         fractions = np.linspace(0.01, 1.0, 100)
@@ -239,13 +269,20 @@ def concentration(trace: Trace, step: int | None = None, sink: int = 1, window: 
     heads = np.arange(trace.n_q_heads)
     for layer in range(trace.n_layers):
         checkpoint()
-        rows = softmax(logit_rows(trace, layer, heads, qi))             # (q_heads, n), one pass
+        rows = softmax(logit_rows(trace, layer, heads, qi))  # (q_heads, n), one pass
         for head, a in enumerate(rows):
             curves[layer, head] = concentration_curve(a, fractions)[1]
             sink_share[layer, head] = a[: max(0, sink)].sum()
-            locality[layer, head] = a[max(0, n - window):].sum()
+            locality[layer, head] = a[max(0, n - window) :].sum()
             ent[layer, head] = entropy(a)
             top10[layer, head] = concentration_curve(a, np.array([0.1]))[1][0]
-    return Concentration(fractions=np.asarray(fractions), curves=curves, sink_share=sink_share,
-                         locality=locality, entropy=ent, max_entropy=float(np.log(n)), top10=top10,
-                         position=position)
+    return Concentration(
+        fractions=np.asarray(fractions),
+        curves=curves,
+        sink_share=sink_share,
+        locality=locality,
+        entropy=ent,
+        max_entropy=float(np.log(n)),
+        top10=top10,
+        position=position,
+    )

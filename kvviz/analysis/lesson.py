@@ -20,28 +20,44 @@ from functools import lru_cache
 
 import numpy as np
 
-from kvviz.analysis.frames import (BIN_THRESHOLD, band_bounds, bin_edges, binned_columns, ensemble_text, row_text,
-                                   token_columns)
+from kvviz.analysis.frames import (
+    BIN_THRESHOLD,
+    band_bounds,
+    bin_edges,
+    binned_columns,
+    ensemble_text,
+    row_text,
+    token_columns,
+)
 from kvviz.engine import REASONS, compare
 from kvviz.spec import FULL_BITS, Spec, SpecError, View
 from kvviz.trace import Trace
 
 SLIDERS = ("sink", "recent", "heavy", "bits")
-MAX_VALUES = 12                           # per slider: 12^4 = 20,736 points at most
+MAX_VALUES = 12  # per slider: 12^4 = 20,736 points at most
 # The default grids, densest first: (sink values, recent / heavy: 0 and up to this many powers of two, bits;
 # 16 = not quantized). A lesson takes the densest whose values (points x chart columns x arrays per column)
 # stay within MAX_CELLS, ~8 MB of float64 before identical rows are shared and gzip: the handbook (64 tokens,
 # many budgets keep all of them, rows shared) gets the first, 2,688 points in 1.2 MB; a 222-token model trace
 # the third, 720 points in ~4 MB (its rows rarely repeat); a 544-token synthetic pattern (109 bins) the third
 # too (the second made a 5.0 MB page).
-TIERS = (((0, 1, 2, 4, 8, 16), 7, (1, 2, 3, 4, 6, 8, 16)),
-         ((0, 1, 4, 8, 16), 6, (1, 2, 3, 4, 8, 16)),
-         ((0, 1, 4, 16), 5, (2, 3, 4, 8, 16)),
-         ((0, 4, 16), 4, (2, 4, 8, 16)))
+TIERS = (
+    ((0, 1, 2, 4, 8, 16), 7, (1, 2, 3, 4, 6, 8, 16)),
+    ((0, 1, 4, 8, 16), 6, (1, 2, 3, 4, 8, 16)),
+    ((0, 1, 4, 16), 5, (2, 3, 4, 8, 16)),
+    ((0, 4, 16), 4, (2, 4, 8, 16)),
+)
 MAX_CELLS = 1_050_000
 # What each chart row holds, per token (or per bin): the columns of kvviz.analysis.frames the
 # Explorer's attention and error charts draw (band_lo / band_hi: the error bars `bars` asks for).
-TOKEN_COLUMNS = ("compressed", "error_eviction_mean", "error_quantization_mean", "error_mean", "band_lo", "band_hi")
+TOKEN_COLUMNS = (
+    "compressed",
+    "error_eviction_mean",
+    "error_quantization_mean",
+    "error_mean",
+    "band_lo",
+    "band_hi",
+)
 BIN_COLUMNS = ("compressed", "evicted_mass") + TOKEN_COLUMNS[1:]
 
 
@@ -56,26 +72,27 @@ class Lesson:
     """
 
     grid: dict[str, tuple[int, ...]]
-    start: dict[str, int]                  # the base setting's value of each slider
+    start: dict[str, int]  # the base setting's value of each slider
     binned: bool
     columns: tuple[str, ...]
-    x: np.ndarray                          # token positions, or bin starts
-    x_end: np.ndarray                      # = x per token; bin ends (inclusive) per bin
-    labels: tuple[str, ...]                # token text; per bin the first and last token
-    original: np.ndarray                   # the original attention per token (or bin): the same at every point
-    rows: np.ndarray                       # (unique rows, columns, tokens or bins) float64
-    row_of: np.ndarray                     # (points,) uint32
-    marks: np.ndarray                      # (unique marks, tokens or bins)
-    mark_of: np.ndarray                    # (points,) uint32
-    metrics: tuple[dict, ...]              # per point
-    specs: tuple[Spec, ...]                # per point
-    members: int                           # ensemble members behind the error bars
-    bars: str                              # which band band_lo / band_hi hold (kvviz.metrics.BANDS)
-    row: str                               # the primary row in words
-    ensemble: str                          # the ensemble in words
+    x: np.ndarray  # token positions, or bin starts
+    x_end: np.ndarray  # = x per token; bin ends (inclusive) per bin
+    labels: tuple[str, ...]  # token text; per bin the first and last token
+    # the original attention per token (or bin): the same at every point
+    original: np.ndarray
+    rows: np.ndarray  # (unique rows, columns, tokens or bins) float64
+    row_of: np.ndarray  # (points,) uint32
+    marks: np.ndarray  # (unique marks, tokens or bins)
+    mark_of: np.ndarray  # (points,) uint32
+    metrics: tuple[dict, ...]  # per point
+    specs: tuple[Spec, ...]  # per point
+    members: int  # ensemble members behind the error bars
+    bars: str  # which band band_lo / band_hi hold (kvviz.metrics.BANDS)
+    row: str  # the primary row in words
+    ensemble: str  # the ensemble in words
     notes: tuple[str, ...]
-    n_tokens: int                          # tokens the evaluated query sees
-    text_tokens: bool                      # real text (a model's tokens), not t0, t1, ...
+    n_tokens: int  # tokens the evaluated query sees
+    text_tokens: bool  # real text (a model's tokens), not t0, t1, ...
     reasons: dict[int, str] = field(default_factory=lambda: dict(REASONS))
 
     @property
@@ -88,7 +105,9 @@ class Lesson:
         for name in SLIDERS:
             axis = self.grid[name]
             if values[name] not in axis:
-                raise SpecError(f"{name} {values[name]} is not on the lesson's grid ({', '.join(map(str, axis))})")
+                raise SpecError(
+                    f"{name} {values[name]} is not on the lesson's grid ({', '.join(map(str, axis))})"
+                )
             i = i * len(axis) + axis.index(values[name])
         return i
 
@@ -101,26 +120,37 @@ class Lesson:
 
 # --- the grid ----------------------------------------------------------------------------------
 
+
 def _budget_values(n: int, steps: int) -> tuple[int, ...]:
     """0 and the largest `steps` powers of two up to n (64 tokens, 7 steps: 0, 1, 2, 4, ..., 64)."""
-    powers = [2 ** k for k in range(0, max(n, 1).bit_length()) if 2 ** k <= n]
+    powers = [2**k for k in range(0, max(n, 1).bit_length()) if 2**k <= n]
     return (0, *powers[-steps:])
 
 
 def default_grid(n_tokens: int, symmetric: bool = False) -> dict[str, tuple[int, ...]]:
     """The densest of TIERS within MAX_CELLS for a query that sees n_tokens (binned past BIN_THRESHOLD)."""
     binned = n_tokens > BIN_THRESHOLD
-    columns = (len(bin_edges(n_tokens)) if binned else n_tokens) * len(BIN_COLUMNS if binned else TOKEN_COLUMNS)
+    columns = (len(bin_edges(n_tokens)) if binned else n_tokens) * len(
+        BIN_COLUMNS if binned else TOKEN_COLUMNS
+    )
     for sinks, steps, bits in TIERS:
-        grid = {"sink": tuple(s for s in sinks if s <= n_tokens), "recent": _budget_values(n_tokens, steps),
-                "heavy": _budget_values(n_tokens, steps), "bits": tuple(b for b in bits if not (symmetric and b == 1))}
+        grid = {
+            "sink": tuple(s for s in sinks if s <= n_tokens),
+            "recent": _budget_values(n_tokens, steps),
+            "heavy": _budget_values(n_tokens, steps),
+            "bits": tuple(b for b in bits if not (symmetric and b == 1)),
+        }
         if math.prod(map(len, grid.values())) * columns <= MAX_CELLS:
             break
     return grid
 
 
-def lesson_grid(n_tokens: int, base: Spec, given: dict[str, tuple[int, ...]] | None = None,
-                limit: int | None = None) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+def lesson_grid(
+    n_tokens: int,
+    base: Spec,
+    given: dict[str, tuple[int, ...]] | None = None,
+    limit: int | None = None,
+) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
     """(grid, start): each slider's values and the base setting's value of each.
 
     Unless `given`, `default_grid`: sinks 0-16, recent and heavy 0 and powers of two up to the n_tokens
@@ -134,22 +164,30 @@ def lesson_grid(n_tokens: int, base: Spec, given: dict[str, tuple[int, ...]] | N
     for name in SLIDERS:
         values = sorted(set(grid[name]) | {start[name]})
         if name != "bits" and values[-1] > limit:
-            raise SpecError(f"{name} {values[-1]} is more than the {limit} tokens of this source: "
-                            f"{'the setting' if values[-1] == start[name] else 'the grid'} must stay within 0-{limit}")
+            raise SpecError(
+                f"{name} {values[-1]} is more than the {limit} tokens of this source: "
+                f"{'the setting' if values[-1] == start[name] else 'the grid'} must stay within 0-{limit}"
+            )
         if len(values) > MAX_VALUES:
-            raise SpecError(f"{name} has {len(values)} values with the current setting {start[name]} added; "
-                            f"a slider takes at most {MAX_VALUES}")
+            raise SpecError(
+                f"{name} has {len(values)} values with the current setting {start[name]} added; "
+                f"a slider takes at most {MAX_VALUES}"
+            )
         grid[name] = tuple(values)
     return grid, start
 
 
 def _bits_of(spec: Spec) -> int:
     if spec.key_bits != spec.value_bits:
-        raise SpecError(f"the lesson's bits slider sets keys and values together, but this setting has "
-                        f"{spec.key_bits}-bit keys and {spec.value_bits}-bit values: use one bit width for both")
+        raise SpecError(
+            f"the lesson's bits slider sets keys and values together, but this setting has "
+            f"{spec.key_bits}-bit keys and {spec.value_bits}-bit values: use one bit width for both"
+        )
     if spec.quant_model != "kv" or spec.key_format != "int" or spec.value_format != "int":
-        raise SpecError("the lesson's bits slider is the integer K/V quantizer's: use the real K/V quantization "
-                        "model (not the logit noise) and the integer cache format for keys and values")
+        raise SpecError(
+            "the lesson's bits slider is the integer K/V quantizer's: use the real K/V quantization "
+            "model (not the logit noise) and the integer cache format for keys and values"
+        )
     return spec.key_bits
 
 
@@ -160,11 +198,15 @@ def parse_grid(items: list[str] | tuple[str, ...]) -> dict[str, tuple[int, ...]]
         name, sep, raw = item.partition("=")
         name = name.strip()
         if not sep or name not in SLIDERS:
-            raise SpecError(f"--grid {item!r}: write NAME=V1,V2,... with NAME one of {', '.join(SLIDERS)}")
+            raise SpecError(
+                f"--grid {item!r}: write NAME=V1,V2,... with NAME one of {', '.join(SLIDERS)}"
+            )
         try:
             values = tuple(sorted({int(v) for v in raw.split(",") if v.strip()}))
         except ValueError:
-            raise SpecError(f"--grid {item!r}: the values must be whole numbers separated by commas") from None
+            raise SpecError(
+                f"--grid {item!r}: the values must be whole numbers separated by commas"
+            ) from None
         if not values:
             raise SpecError(f"--grid {item!r}: give at least one value")
         if min(values) < 0:
@@ -172,7 +214,9 @@ def parse_grid(items: list[str] | tuple[str, ...]) -> dict[str, tuple[int, ...]]
         if name == "bits" and not set(values) <= set(range(1, 9)) | {FULL_BITS}:
             raise SpecError(f"--grid {item!r}: bits must be 1-8 or {FULL_BITS} (not quantized)")
         if len(values) > MAX_VALUES:
-            raise SpecError(f"--grid {item!r}: at most {MAX_VALUES} values a slider (to keep the file small)")
+            raise SpecError(
+                f"--grid {item!r}: at most {MAX_VALUES} values a slider (to keep the file small)"
+            )
         out[name] = values
     return out
 
@@ -182,21 +226,33 @@ def grid_specs(base: Spec, grid: dict[str, tuple[int, ...]]) -> list[Spec]:
     specs = []
     for sink, recent, heavy, bits in itertools.product(*(grid[name] for name in SLIDERS)):
         try:
-            specs.append(base.with_(sink=sink, recent=recent, heavy=heavy, key_bits=bits, value_bits=bits))
+            specs.append(
+                base.with_(sink=sink, recent=recent, heavy=heavy, key_bits=bits, value_bits=bits)
+            )
         except SpecError as e:
-            raise SpecError(f"the grid point sink {sink}, recent {recent}, heavy {heavy}, bits {bits} is impossible "
-                            f"({e}); leave that value out of the grid") from None
+            raise SpecError(
+                f"the grid point sink {sink}, recent {recent}, heavy {heavy}, bits {bits} is impossible "
+                f"({e}); leave that value out of the grid"
+            ) from None
     return specs
 
 
 # --- computing it --------------------------------------------------------------------------------
 
-def compute_lesson(trace: Trace, base: Spec, view: View, grid: dict[str, tuple[int, ...]], start: dict[str, int],
-                   bars: str = "std", trace_for_seed: Callable[[int], Trace] | None = None,
-                   progress: Callable[[float, str], None] | None = None) -> Lesson:
+
+def compute_lesson(
+    trace: Trace,
+    base: Spec,
+    view: View,
+    grid: dict[str, tuple[int, ...]],
+    start: dict[str, int],
+    bars: str = "std",
+    trace_for_seed: Callable[[int], Trace] | None = None,
+    progress: Callable[[float, str], None] | None = None,
+) -> Lesson:
     """kvviz.compare at every grid point, kept as the Explorer draws it (see Lesson)."""
     specs = grid_specs(base, grid)
-    if trace_for_seed is not None:   # every point asks for the same seeds: make each trace once
+    if trace_for_seed is not None:  # every point asks for the same seeds: make each trace once
         trace_for_seed = lru_cache(maxsize=None)(trace_for_seed)
     rows: dict[bytes, int] = {}
     marks: dict[bytes, int] = {}
@@ -205,12 +261,18 @@ def compute_lesson(trace: Trace, base: Spec, view: View, grid: dict[str, tuple[i
     for i, spec in enumerate(specs):
         comp = compare(trace, spec, view, trace_for_seed=trace_for_seed)
         binned = len(comp.tokens) > BIN_THRESHOLD
-        frame = binned_columns(comp) if binned else token_columns(comp)     # the Explorer's frames, as arrays
+        # the Explorer's frames, as arrays
+        frame = binned_columns(comp) if binned else token_columns(comp)
         frame["band_lo"], frame["band_hi"] = band_bounds(frame, bars)
         columns = BIN_COLUMNS if binned else TOKEN_COLUMNS
-        row = np.ascontiguousarray(np.stack([np.asarray(frame[c], dtype=np.float64) for c in columns]))
-        mark = (np.asarray(frame["kept_tokens"], dtype=np.int32) if binned
-                else np.asarray(comp.primary.reason, dtype=np.uint8))
+        row = np.ascontiguousarray(
+            np.stack([np.asarray(frame[c], dtype=np.float64) for c in columns])
+        )
+        mark = (
+            np.asarray(frame["kept_tokens"], dtype=np.int32)
+            if binned
+            else np.asarray(comp.primary.reason, dtype=np.uint8)
+        )
         row_of.append(rows.setdefault(row.tobytes(), len(rows)))
         if row_of[-1] == len(row_data):
             row_data.append(row)
@@ -229,10 +291,26 @@ def compute_lesson(trace: Trace, base: Spec, view: View, grid: dict[str, tuple[i
     else:
         x = x_end = np.asarray(frame["position"])
         labels = tuple(map(str, comp.tokens))
-    return Lesson(grid=grid, start=start, binned=binned, columns=columns, x=x, x_end=x_end, labels=labels,
-                  original=np.asarray(frame["original"], dtype=np.float64), rows=np.stack(row_data),
-                  row_of=np.asarray(row_of, dtype=np.uint32), marks=np.stack(mark_data),
-                  mark_of=np.asarray(mark_of, dtype=np.uint32), metrics=tuple(metrics), specs=tuple(specs),
-                  members=len(comp.members), bars=bars, row=row_text(comp), ensemble=ensemble_text(comp),
-                  notes=comp.notes, n_tokens=len(comp.tokens),
-                  text_tokens=trace.meta.get("source") not in ("handbook", "synthetic"))
+    return Lesson(
+        grid=grid,
+        start=start,
+        binned=binned,
+        columns=columns,
+        x=x,
+        x_end=x_end,
+        labels=labels,
+        original=np.asarray(frame["original"], dtype=np.float64),
+        rows=np.stack(row_data),
+        row_of=np.asarray(row_of, dtype=np.uint32),
+        marks=np.stack(mark_data),
+        mark_of=np.asarray(mark_of, dtype=np.uint32),
+        metrics=tuple(metrics),
+        specs=tuple(specs),
+        members=len(comp.members),
+        bars=bars,
+        row=row_text(comp),
+        ensemble=ensemble_text(comp),
+        notes=comp.notes,
+        n_tokens=len(comp.tokens),
+        text_tokens=trace.meta.get("source") not in ("handbook", "synthetic"),
+    )

@@ -56,7 +56,8 @@ def budget_warnings(spec: Spec, n_seen: int) -> list[str]:
     """What to change when the budgets do not mean what the sliders suggest."""
     out = []
     left = n_seen - min(n_seen, spec.sink + spec.recent)
-    if spec.evicts and left == 0:  # no heavy budget can help: the advice names the sliders that can
+    # no heavy budget can help: the advice names the sliders that can
+    if spec.evicts and left == 0:
         out.append(
             f"Sink {spec.sink} + recent {spec.recent} already cover all {n_seen} tokens this query sees, so "
             "nothing is evicted. Lower the Sink tokens or the Recent window to see eviction."

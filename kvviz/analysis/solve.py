@@ -10,7 +10,7 @@ puts it all in the window) and the metric is the evaluated row's attention mass 
 For one-shot policies the kept sets of growing budgets are nested (a token enters the
 recent window or one more heavy slot opens), so the mass retained grows with B and the
 binary search finds the exact smallest budget. Streaming policies (H2O, TOVA), SnapKV with
-its window following the recent window, and TV under quantization need not be monotone; the search then walks down from the binary
+its window following the recent window, one-shot scorers compressed again during decoding (`compress_every`) and TV under quantization need not be monotone; the search then walks down from the binary
 search's answer until one token less misses the target, so the answer always satisfies
 "one token less misses", and `exact` says whether it is also the global smallest.
 """
@@ -27,43 +27,70 @@ from kvviz.spec import Spec, SpecError, View
 from kvviz.analysis.sweep import split_budget
 from kvviz.trace import Trace
 
-SPLIT_RULE = ("up to 4 sinks (at least one recent token), then half recent window and half heavy hitters "
-              "(StreamingLLM: all recent window)")
+SPLIT_RULE = (
+    "up to 4 sinks (at least one recent token), then half recent window and half heavy hitters "
+    "(StreamingLLM: all recent window)"
+)
 
 
 @dataclass(frozen=True)
 class Solution:
     budget: int
     spec: Spec
-    value: float          # the metric reached at `budget`
-    below: float | None   # the metric one token less (None at budget 1)
-    metric: str           # "mass_retained" or "tv_distance"
+    value: float  # the metric reached at `budget`
+    below: float | None  # the metric one token less (None at budget 1)
+    metric: str  # "mass_retained" or "tv_distance"
     target: float
-    tokens: int           # tokens the evaluated query sees
-    exact: bool           # the global smallest (monotone case), not only "one less misses"
+    tokens: int  # tokens the evaluated query sees
+    exact: bool  # the global smallest (monotone case), not only "one less misses"
     evaluations: int
     comparison: Comparison
 
     def as_dict(self) -> dict:
         m = self.comparison.metrics
-        return {"budget": self.budget, "sink": self.spec.sink, "recent": self.spec.recent, "heavy": self.spec.heavy,
-                "scorer": self.spec.scorer, "key_bits": self.spec.key_bits, "value_bits": self.spec.value_bits,
-                "metric": self.metric, "target": self.target, "reached": self.value, "one_token_less": self.below,
-                "mass_retained": m["mass_retained"], "tv_distance": m["tv_distance"], "kl": m["kl"],
-                "memory_ratio": m["memory_ratio"], "tokens": self.tokens, "exact": self.exact,
-                "split_rule": SPLIT_RULE}
+        return {
+            "budget": self.budget,
+            "sink": self.spec.sink,
+            "recent": self.spec.recent,
+            "heavy": self.spec.heavy,
+            "scorer": self.spec.scorer,
+            "key_bits": self.spec.key_bits,
+            "value_bits": self.spec.value_bits,
+            "metric": self.metric,
+            "target": self.target,
+            "reached": self.value,
+            "one_token_less": self.below,
+            "mass_retained": m["mass_retained"],
+            "tv_distance": m["tv_distance"],
+            "kl": m["kl"],
+            "memory_ratio": m["memory_ratio"],
+            "tokens": self.tokens,
+            "exact": self.exact,
+            "split_rule": SPLIT_RULE,
+        }
 
 
-def solve(trace: Trace, base: Spec = Spec(), view: View = View(), target_mass: float | None = None,
-          target_tv: float | None = None, max_sink: int = 4,
-          progress: Callable[[float, str], None] | None = None) -> Solution:
+def solve(
+    trace: Trace,
+    base: Spec = Spec(),
+    view: View = View(),
+    target_mass: float | None = None,
+    target_tv: float | None = None,
+    max_sink: int = 4,
+    progress: Callable[[float, str], None] | None = None,
+) -> Solution:
     """The smallest budget meeting the target with base's scorer and quantizer (see the module doc)."""
     if (target_mass is None) == (target_tv is None):
-        raise SpecError("give exactly one target: a mass to keep (0-1) or a TV distance to stay under (0-1)")
-    metric, target = ("mass_retained", target_mass) if target_mass is not None else ("tv_distance", target_tv)
+        raise SpecError(
+            "give exactly one target: a mass to keep (0-1) or a TV distance to stay under (0-1)"
+        )
+    metric, target = (
+        ("mass_retained", target_mass) if target_mass is not None else ("tv_distance", target_tv)
+    )
     if not 0 < target <= 1 or target != target:
         raise SpecError(f"the target is a share between 0 and 1, got {target}")
-    view = View(layer=view.layer, head=view.head, step=view.step)        # one row: what the cards show
+    # one row: what the cards show
+    view = View(layer=view.layer, head=view.head, step=view.step)
     n = int(trace.query_positions[check_view(trace, view)]) + 1
     results: dict[int, Comparison] = {}
 
@@ -73,7 +100,10 @@ def solve(trace: Trace, base: Spec = Spec(), view: View = View(), target_mass: f
             spec = base.with_(**split_budget(base.scorer, b, max_sink))
             results[b] = compare(trace, spec, view)
             if progress is not None:
-                progress(min(0.95, len(results) / (2 * max(n.bit_length(), 1))), f"budget {b} of {n} tokens")
+                progress(
+                    min(0.95, len(results) / (2 * max(n.bit_length(), 1))),
+                    f"budget {b} of {n} tokens",
+                )
         return results[b]
 
     def value(b: int) -> float:
@@ -84,9 +114,11 @@ def solve(trace: Trace, base: Spec = Spec(), view: View = View(), target_mass: f
 
     if not meets(n):
         what = "attention mass" if metric == "mass_retained" else "TV distance"
-        raise SpecError(f"even keeping all {n} tokens the {what} is {value(n):.4f} with "
-                        f"{base.key_bits}/{base.value_bits}-bit keys/values: raise the bits or relax the target")
-    lo, hi = 1, n                              # hi meets the target
+        raise SpecError(
+            f"even keeping all {n} tokens the {what} is {value(n):.4f} with "
+            f"{base.key_bits}/{base.value_bits}-bit keys/values: raise the bits or relax the target"
+        )
+    lo, hi = 1, n  # hi meets the target
     while lo < hi:
         mid = (lo + hi) // 2
         if meets(mid):
@@ -94,14 +126,27 @@ def solve(trace: Trace, base: Spec = Spec(), view: View = View(), target_mass: f
         else:
             lo = mid + 1
     b = hi
-    while b > 1 and meets(b - 1):              # non-monotone cases: one token less must miss
+    while b > 1 and meets(b - 1):  # non-monotone cases: one token less must miss
         b -= 1
     # nested kept sets: one-shot scores that do not depend on the budget (SnapKV's automatic
     # window follows the recent window), and a metric set by the kept set alone
     policy = get_policy(base.scorer)
-    nested = (not policy.streaming and not policy.scores_follow_budget(base)
-              and (metric == "mass_retained" or not base.quantizes))
+    nested = (
+        not policy.streaming
+        and not policy.scores_follow_budget(base)
+        and (metric == "mass_retained" or not base.quantizes)
+        and not base.compress_every
+    )  # compressed again: each budget holds its own sets
     comp = evaluate(b)
-    return Solution(budget=b, spec=comp.spec, value=value(b), below=value(b - 1) if b > 1 else None,
-                    metric=metric, target=target, tokens=n, exact=nested, evaluations=len(results),
-                    comparison=comp)
+    return Solution(
+        budget=b,
+        spec=comp.spec,
+        value=value(b),
+        below=value(b - 1) if b > 1 else None,
+        metric=metric,
+        target=target,
+        tokens=n,
+        exact=nested,
+        evaluations=len(results),
+        comparison=comp,
+    )

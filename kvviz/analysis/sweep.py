@@ -79,7 +79,8 @@ def point_spec(
     except SpecError:
         if base.allocation == "uniform":
             raise
-        base.with_(allocation="uniform", **changes)  # raises if the allocation is not the reason
+        # raises if the allocation is not the reason
+        base.with_(allocation="uniform", **changes)
         return None
 
 
@@ -115,7 +116,8 @@ def sweep(
         for method in methods:
             for b, fmt in widths:
                 jobs.append((method, budget, f, b, fmt))
-    compare_work(trace, True, view).check()  # the peak of any job, before the first one runs
+    # the peak of any job, before the first one runs
+    compare_work(trace, True, view).check()
     rows = []
     for i, (method, budget, f, b, fmt) in enumerate(jobs):
         checkpoint()

@@ -13,6 +13,10 @@ For a trace with later queries (decode steps), one layer and one KV head:
     missed[s, i] = a[s, i] >= need and not kept[s, i]
                    a token the model needed at step s that was no longer in the cache
 
+With Spec.compress_every = N the one-shot scorers compress again after every N-th decode
+step's query (kvviz.policies.recompress): `compressed_after` lists those steps. H2O, TOVA and
+the oracle decide at every step anyway and run as they always do (the timeline says so).
+
 "Evicted and later needed" are the tokens with any missed step: history-based eviction
 threw them away, and a later query wanted them (the handbook's warning: a token ignored
 for 500 steps can be needed at step 501). Pure numpy; no Streamlit, no torch.
@@ -28,23 +32,31 @@ from kvviz.attention import softmax
 from kvviz.engine import trace_bytes
 from kvviz.limits import Part, Work, checkpoint
 from kvviz.policies import ScoreContext, get_policy, select
+from kvviz.policies.recompress import is_due
 from kvviz.spec import Spec, SpecError
 from kvviz.trace import Trace, TraceError
 
 TIMELINE_POLICIES = ("h2o", "tova", "streaming", "oracle")
-DEFAULT_NEED = 0.02   # attention share that counts as "needed" at a step
+DEFAULT_NEED = 0.02  # attention share that counts as "needed" at a step
 
 # Cell states of the steps x tokens map (figures colour by these).
 FUTURE, EVICTED, KEPT, MISSED = 0, 1, 2, 3
-STATE_NAMES = {FUTURE: "not arrived yet", EVICTED: "evicted", KEPT: "kept", MISSED: "evicted but needed now"}
+STATE_NAMES = {
+    FUTURE: "not arrived yet",
+    EVICTED: "evicted",
+    KEPT: "kept",
+    MISSED: "evicted but needed now",
+}
 
 
 @dataclass(frozen=True, eq=False)
 class PolicyTimeline:
     name: str
-    kept: np.ndarray        # (steps, positions) bool
-    regret: np.ndarray      # (steps,) full attention mass on evicted tokens
-    missed: np.ndarray      # (steps, positions) bool: needed at that step but evicted
+    kept: np.ndarray  # (steps, positions) bool
+    regret: np.ndarray  # (steps,) full attention mass on evicted tokens
+    missed: np.ndarray  # (steps, positions) bool: needed at that step but evicted
+    compressed_after: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # steps after whose query the cache was compressed again (Spec.compress_every), in order
 
     @property
     def evicted_needed(self) -> np.ndarray:
@@ -84,30 +96,43 @@ class PolicyTimeline:
             return "not arrived within these steps"
         parts = []
         if not held[steps[0]]:
-            parts.append("evicted at the compression point" if token < context_len else
-                         f"evicted on arrival (step {steps[0]})")
+            parts.append(
+                "evicted at the compression point"
+                if token < context_len
+                else f"evicted on arrival (step {steps[0]})"
+            )
         else:
             gone = steps[~held[steps]]
-            parts.append(f"held until step {gone[0] - 1}, evicted at step {gone[0]}" if len(gone) else
-                         "held at every step")
+            parts.append(
+                f"held until step {gone[0] - 1}, evicted at step {gone[0]}"
+                if len(gone)
+                else "held at every step"
+            )
         needed = np.flatnonzero(self.missed[:, token])
         if len(needed):
-            parts.append(f"needed at step{'s' if len(needed) > 1 else ''} {ranges_text(needed)} while evicted")
+            parts.append(
+                f"needed at step{'s' if len(needed) > 1 else ''} {ranges_text(needed)} while evicted"
+            )
         return "; ".join(parts)
 
 
 @dataclass(frozen=True, eq=False)
 class Timeline:
-    spec: Spec                     # budgets shared by all policies (scorer overridden per policy)
+    spec: Spec  # budgets shared by all policies (scorer overridden per policy)
     layer: int
     kv_head: int
-    positions: np.ndarray          # (steps,) token position of each decode step's query
-    attention: np.ndarray          # (steps, positions) full-cache attention, group mean
+    positions: np.ndarray  # (steps,) token position of each decode step's query
+    attention: np.ndarray  # (steps, positions) full-cache attention, group mean
     tokens: tuple[str, ...]
     context_len: int
     need: float
     policies: dict[str, PolicyTimeline]
-    skipped: dict[str, str] = field(default_factory=dict)   # policy -> why it cannot run with this spec
+    # policy -> why it cannot run with this spec
+    skipped: dict[str, str] = field(default_factory=dict)
+    # the one-shot scorers compress again every N steps (0: once)
+    compress_every: int = 0
+    # policies run without spec.compress_every (they decide every step)
+    decides_every_step: tuple[str, ...] = ()
 
     @property
     def n_steps(self) -> int:
@@ -119,10 +144,17 @@ class Timeline:
         rows = []
         for name, pt in self.policies.items():
             missed = np.flatnonzero(pt.missed[step])
-            rows.append({"policy": labels.get(name, name), "regret at this step": round(float(pt.regret[step]), 4),
-                         "tokens held": int(pt.kept[step].sum()),
-                         "needed now but evicted": ", ".join(f"{i} {self.tokens[i]!r}" for i in missed[:max_tokens])
-                         + (" …" if len(missed) > max_tokens else "")})
+            rows.append(
+                {
+                    "policy": labels.get(name, name),
+                    "regret at this step": round(float(pt.regret[step]), 4),
+                    "tokens held": int(pt.kept[step].sum()),
+                    "needed now but evicted": ", ".join(
+                        f"{i} {self.tokens[i]!r}" for i in missed[:max_tokens]
+                    )
+                    + (" …" if len(missed) > max_tokens else ""),
+                }
+            )
         return rows
 
     def needed_tokens(self) -> list[int]:
@@ -142,28 +174,36 @@ def full_attention(trace: Trace, layer: int, kv_head: int, query_indices: np.nda
     heads = np.arange(kv_head * g, (kv_head + 1) * g)
     P = trace.n_positions
     out = np.zeros((len(query_indices), P))
-    k = trace.k[layer, kv_head].astype(np.float64)                          # (P, D)
+    k = trace.k[layer, kv_head].astype(np.float64)  # (P, D)
     scale = 1.0 / np.sqrt(trace.head_dim)
     for s, qi in enumerate(query_indices):
         checkpoint()
         p = int(trace.query_positions[qi])
         if trace.logits is not None:
-            logits = trace.logits[layer, heads, qi, : p + 1].astype(np.float64)      # (g, p+1)
+            logits = trace.logits[layer, heads, qi, : p + 1].astype(np.float64)  # (g, p+1)
         else:
-            q = trace.q[layer, heads, qi].astype(np.float64)                     # (g, D)
-            logits = q @ k[: p + 1].T * scale                                    # (g, p+1)
+            q = trace.q[layer, heads, qi].astype(np.float64)  # (g, D)
+            logits = q @ k[: p + 1].T * scale  # (g, p+1)
         out[s, : p + 1] = softmax(logits).mean(axis=0)
     return out
 
 
-def policy_masks(trace: Trace, spec: Spec, layer: int, positions: np.ndarray, name: str,
-                 kv_head: int, attention: np.ndarray) -> np.ndarray:
+def policy_masks(
+    trace: Trace,
+    spec: Spec,
+    layer: int,
+    positions: np.ndarray,
+    name: str,
+    kv_head: int,
+    attention: np.ndarray,
+) -> np.ndarray:
     """(steps, positions) kept masks of one policy for one KV head."""
     s = spec.with_(scorer=name)
     policy = get_policy(name)
     if policy.needs_query and (name != "oracle" or s.allocation != "uniform"):
         # Quest's page reads, or an allocation across heads / layers: what the engine evaluates
         from kvviz.engine import kept_at_query
+
         index = {int(p): i for i, p in enumerate(trace.query_positions)}
         kept = np.zeros((len(positions), trace.n_positions), dtype=bool)
         for i, p in enumerate(positions):
@@ -182,27 +222,51 @@ def timeline_work(trace: Trace, n_steps: int, n_policies: int) -> Work:
     """What `timeline` holds: the trace, the steps' attention, every policy's kept / evicted / missed
     masks, and one policy's kept masks over every KV head while they are computed."""
     steps, P = (n_steps, "steps"), (trace.n_positions, "positions")
-    return Work("this timeline", (
-        Part("the trace", ((trace_bytes(trace), "bytes"),), item_bytes=1),
-        Part("attention", (steps, P), item_bytes=8),
-        Part("policy masks", ((n_policies, "policies"), (4, "masks"), steps, P), item_bytes=1),
-        Part("kept masks of every KV head", (steps, (trace.n_kv_heads, "KV heads"), P), item_bytes=1),
-    ), lower="the steps shown, the policies or the source's size")
+    return Work(
+        "this timeline",
+        (
+            Part("the trace", ((trace_bytes(trace), "bytes"),), item_bytes=1),
+            Part("attention", (steps, P), item_bytes=8),
+            Part("policy masks", ((n_policies, "policies"), (4, "masks"), steps, P), item_bytes=1),
+            Part(
+                "kept masks of every KV head",
+                (steps, (trace.n_kv_heads, "KV heads"), P),
+                item_bytes=1,
+            ),
+        ),
+        lower="the steps shown, the policies or the source's size",
+    )
 
 
-def timeline(trace: Trace, spec: Spec, layer: int = 0, kv_head: int = 0,
-             policies: tuple[str, ...] = TIMELINE_POLICIES, need: float = DEFAULT_NEED,
-             max_steps: int | None = None) -> Timeline:
-    """Kept sets, regret and missed tokens of several policies over a trace's decode steps."""
+def timeline(
+    trace: Trace,
+    spec: Spec,
+    layer: int = 0,
+    kv_head: int = 0,
+    policies: tuple[str, ...] = TIMELINE_POLICIES,
+    need: float = DEFAULT_NEED,
+    max_steps: int | None = None,
+    compress_every: int = 0,
+) -> Timeline:
+    """Kept sets, regret and missed tokens of several policies over a trace's decode steps; the one-shot
+    scorers compress again every `compress_every` decode steps (0: once, at the end of the prompt)."""
     if not trace.has_later_queries:
-        raise TraceError("the decode timeline needs a trace with decode steps (later queries); "
-                         "this one only has its prompt")
+        raise TraceError(
+            "the decode timeline needs a trace with decode steps (later queries); "
+            "this one only has its prompt"
+        )
     if not 0 <= layer < trace.n_layers:
-        raise SpecError(f"layer {layer} does not exist: this trace has layers 0-{trace.n_layers - 1}")
+        raise SpecError(
+            f"layer {layer} does not exist: this trace has layers 0-{trace.n_layers - 1}"
+        )
     if not 0 <= kv_head < trace.n_kv_heads:
-        raise SpecError(f"KV head {kv_head} does not exist: this trace has KV heads 0-{trace.n_kv_heads - 1}")
+        raise SpecError(
+            f"KV head {kv_head} does not exist: this trace has KV heads 0-{trace.n_kv_heads - 1}"
+        )
     if not spec.evicts:
-        raise SpecError("set a budget (sink, recent or heavy) - without eviction every policy keeps everything")
+        raise SpecError(
+            "set a budget (sink, recent or heavy) - without eviction every policy keeps everything"
+        )
     if not 0 < need <= 1:
         raise SpecError(f"the 'needed' threshold is an attention share in (0, 1], got {need}")
     steps = trace.later_queries
@@ -210,20 +274,56 @@ def timeline(trace: Trace, spec: Spec, layer: int = 0, kv_head: int = 0,
         steps = steps[:max_steps]
     positions = trace.query_positions[steps].astype(np.int64)
     timeline_work(trace, len(steps), len(policies)).check()
-    attn = full_attention(trace, layer, kv_head, steps)                      # (S, P)
-    arrived = np.arange(trace.n_positions)[None, :] <= positions[:, None]    # (S, P)
-    out, skipped = {}, {}
+    attn = full_attention(trace, layer, kv_head, steps)  # (S, P)
+    arrived = np.arange(trace.n_positions)[None, :] <= positions[:, None]  # (S, P)
+    out, skipped, once = {}, {}, []
     for name in policies:
         checkpoint()
         try:
-            spec.with_(scorer=name)
-        except SpecError as e:     # e.g. AdaKV with a streaming scorer: say why, draw the others
+            s = policy_spec(spec, name, compress_every)
+            kept = policy_masks(trace, s, layer, positions, name, kv_head, attn)
+        except SpecError as e:  # e.g. AdaKV with a streaming scorer: say why, draw the others
             skipped[name] = str(e)
             continue
-        kept = policy_masks(trace, spec, layer, positions, name, kv_head, attn)
+        if s.compress_every != compress_every:
+            once.append(name)
         evicted = arrived & ~kept
         regret = (attn * evicted).sum(axis=1)
         missed = evicted & (attn >= need)
-        out[name] = PolicyTimeline(name=name, kept=kept, regret=regret, missed=missed)
-    return Timeline(spec=spec, layer=layer, kv_head=kv_head, positions=positions, attention=attn,
-                    tokens=trace.tokens, context_len=trace.context_len, need=need, policies=out, skipped=skipped)
+        again = np.array(
+            [
+                i
+                for i, p in enumerate(positions)
+                if s.evicts
+                and is_due(int(p), trace.context_len, s.compress_every)
+                and i < len(positions) - 1
+            ],
+            dtype=np.int64,
+        )
+        out[name] = PolicyTimeline(
+            name=name, kept=kept, regret=regret, missed=missed, compressed_after=again
+        )
+    return Timeline(
+        spec=spec,
+        layer=layer,
+        kv_head=kv_head,
+        positions=positions,
+        attention=attn,
+        tokens=trace.tokens,
+        context_len=trace.context_len,
+        need=need,
+        policies=out,
+        skipped=skipped,
+        compress_every=compress_every,
+        decides_every_step=tuple(once),
+    )
+
+
+def policy_spec(spec: Spec, name: str, every: int = 0) -> Spec:
+    """The spec a policy runs under on the timeline: the shared one with its scorer, compressing again every
+    `every` decode steps; a policy that decides at every step anyway (H2O, TOVA, the oracle, Quest)
+    compresses once."""
+    policy = get_policy(name)
+    if every and (policy.streaming or policy.needs_query):
+        return spec.with_(scorer=name, compress_every=0)
+    return spec.with_(scorer=name, compress_every=every)

@@ -6,13 +6,8 @@ import math
 
 import streamlit as st
 
-from kvviz.analysis.readout import (
-    card_values,
-    concentration_verdict,
-    fmt_bytes,  # noqa: F401 (pages read
-    fmt_pct,
-    memory_peak_text,
-)  # these two here)
+from kvviz.analysis.readout import card_values, fmt_pct, memory_peak_text
+from kvviz.analysis.readout import concentration_verdict, fmt_bytes  # noqa: F401 (pages read these here)
 from kvviz.engine import Comparison
 
 

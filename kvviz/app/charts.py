@@ -23,11 +23,12 @@ import functools
 
 import streamlit as st
 
-PAINTED = "_kvviz_painted"     # session: a run has finished, so the next one comes after the browser drew it
-WAITING = "kvviz_chart_wait"   # the frames' key prefix (their class: st-key-kvviz_chart_wait_N)
-_WAITING_RUN = "_kvviz_waiting"   # session: this run left something for the run after the paint
-DEFAULT_HEIGHT = 450           # st.plotly_chart's height for a figure that sets none
-PROBE_KEY = "_kvviz_first_paint"   # the probe's key (its class: st-key-_kvviz_first_paint)
+# session: a run has finished, so the next one comes after the browser drew it
+PAINTED = "_kvviz_painted"
+WAITING = "kvviz_chart_wait"  # the frames' key prefix (their class: st-key-kvviz_chart_wait_N)
+_WAITING_RUN = "_kvviz_waiting"  # session: this run left something for the run after the paint
+DEFAULT_HEIGHT = 450  # st.plotly_chart's height for a figure that sets none
+PROBE_KEY = "_kvviz_first_paint"  # the probe's key (its class: st-key-_kvviz_first_paint)
 
 # After the component is mounted: two animation frames (the first paint is on screen), then report,
 # once; a tab in the background paints no frames, so the timer reports then anyway. (Starting the
@@ -100,7 +101,9 @@ def chart(fig, key: str, where=None, **kwargs):
     if not deferred():
         return where.plotly_chart(fig, key=key, **kwargs)
     height = int(fig.layout.height or DEFAULT_HEIGHT)
-    where.container(height=height, border=True, key=f"{WAITING}_{key}").caption("Drawing the chart…")
+    where.container(height=height, border=True, key=f"{WAITING}_{key}").caption(
+        "Drawing the chart…"
+    )
     return None
 
 
@@ -113,6 +116,7 @@ def report_first_paint() -> None:
     """The end of every run: if this run left a chart as a frame (or a folded section empty), ask the
     browser to say when it has painted the page; its report reruns the page, which draws them. The
     report carries nothing to keep: that rerun is the news (PAINTED is set here, as the run ends)."""
-    if st.session_state.pop(_WAITING_RUN, False):   # set only by deferred(), so only before the paint
+    # set only by deferred(), so only before the paint
+    if st.session_state.pop(_WAITING_RUN, False):
         _probe()(key=PROBE_KEY, on_painted_change=lambda: None)
     st.session_state[PAINTED] = True

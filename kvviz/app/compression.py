@@ -41,9 +41,8 @@ def compression_section(
         slots = headline.columns(4, gap="medium")
     else:
         slots = [where] * 4
-    box = (
-        headline is None
-    )  # the number boxes beside the budgets: the sidebar's, not the projector's
+    # the number boxes beside the budgets: the sidebar's, not the projector's
+    box = headline is None
     sink = w_budget(
         slots[0],
         "sink",
@@ -90,9 +89,8 @@ def compression_section(
         + ("Advanced sets keys and values separately now." if split else ""),
     )
     with where.expander("Advanced"):
-        if (
-            not deferred()
-        ):  # folded at the first paint: its ~20 widgets come with the charts (kvviz.app.charts)
+        # folded at the first paint: its ~20 widgets come with the charts (kvviz.app.charts)
+        if not deferred():
             advanced_controls(n)
     values = state()
     try:
@@ -148,9 +146,8 @@ def w_setting(
             help=s.help or None,
             disabled=disabled,
         )
-    hi = (
-        min(p.hi, n) if n is not None and s.hi == MAX_BUDGET else p.hi
-    )  # a token count: at most the trace
+    # a token count: at most the trace
+    hi = min(p.hi, n) if n is not None and s.hi == MAX_BUDGET else p.hi
     return w_number(
         where,
         p.name,

@@ -21,7 +21,7 @@ from kvviz.trace import Trace, TraceError
 
 @dataclass(frozen=True, eq=False)
 class Source:
-    key: tuple                   # hashable identity for the caches
+    key: tuple  # hashable identity for the caches
     trace: Trace
     label: str
     seed_fn: Callable[[int], Trace] | None = None
@@ -33,9 +33,12 @@ def _items(obj) -> tuple:
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
-def _compare_cached(source_key: tuple, spec_items: tuple, view_items: tuple,
-                    _trace: Trace, _seed_fn) -> Comparison:
-    return compare(_trace, Spec(**dict(spec_items)), View(**dict(view_items)), trace_for_seed=_seed_fn)
+def _compare_cached(
+    source_key: tuple, spec_items: tuple, view_items: tuple, _trace: Trace, _seed_fn
+) -> Comparison:
+    return compare(
+        _trace, Spec(**dict(spec_items)), View(**dict(view_items)), trace_for_seed=_seed_fn
+    )
 
 
 # --- warm before the first touch ---------------------------------------------------------------
@@ -43,9 +46,19 @@ def _compare_cached(source_key: tuple, spec_items: tuple, view_items: tuple,
 # What a first move needs that the first paint does not: numba and the quantization kernel (compiled
 # once after an install, loaded from numba's disk cache after that: 0.5-1.6 s in a fresh process), the
 # analyses behind the Explorer's buttons and sections, the other pages' figure modules.
-WARM_MODULES = ("kvviz.analysis.solve", "kvviz.analysis.ledger", "kvviz.analysis.sweep", "kvviz.plots.ledger",
-                "kvviz.plots.quant", "kvviz.plots.decode", "kvviz.plots.needle", "kvviz.sources.synthetic",
-                "kvviz.policies.registry", "kvviz.plots.lesson", "scipy.stats")
+WARM_MODULES = (
+    "kvviz.analysis.solve",
+    "kvviz.analysis.ledger",
+    "kvviz.analysis.sweep",
+    "kvviz.plots.ledger",
+    "kvviz.plots.quant",
+    "kvviz.plots.decode",
+    "kvviz.plots.needle",
+    "kvviz.sources.synthetic",
+    "kvviz.policies.registry",
+    "kvviz.plots.lesson",
+    "scipy.stats",
+)
 _warm_lock = threading.Lock()
 _warmed: list[threading.Event] = []
 
@@ -60,7 +73,9 @@ def warm_up() -> threading.Event:
     with _warm_lock:
         if not _warmed:
             _warmed.append(threading.Event())
-            threading.Thread(target=_warm, args=(_warmed[0],), name="kvviz-warm-up", daemon=True).start()
+            threading.Thread(
+                target=_warm, args=(_warmed[0],), name="kvviz-warm-up", daemon=True
+            ).start()
         return _warmed[0]
 
 
@@ -68,6 +83,7 @@ def _warm(done: threading.Event) -> None:
     try:
         from kvviz.quant import compile_kernel
         from kvviz.sources.handbook import handbook_trace
+
         compile_kernel()
         comp = compare(handbook_trace(), Spec(key_bits=4, value_bits=4), View())
         _warm_figures(comp)
@@ -88,18 +104,23 @@ def _warm_figures(comp: Comparison) -> None:
     from kvviz.plots import figures
 
     frame = token_frame(comp)
-    for fig in (figures.attention_figure(frame), figures.error_figure(frame, members=len(comp.members))):
+    for fig in (
+        figures.attention_figure(frame),
+        figures.error_figure(frame, members=len(comp.members)),
+    ):
         plotly.io.to_json(fig, validate=False)
 
 
 def run_compare(source: Source, spec: Spec, view: View) -> Comparison | None:
     """kvviz.compare through the cache; impossible settings show an error and give None."""
     if spec.quantizes and spec.quant_model == "kv":
-        warm_up().wait()    # usually long done; never a "compiling" spinner on a slider move
+        warm_up().wait()  # usually long done; never a "compiling" spinner on a slider move
     try:
         return _compare_cached(source.key, _items(spec), _items(view), source.trace, source.seed_fn)
     except (SpecError, TraceError, ValueError) as e:
-        st.error(f"Cannot compare with these settings: {e}. Change the View or Compression settings in the sidebar.")
+        st.error(
+            f"Cannot compare with these settings: {e}. Change the View or Compression settings in the sidebar."
+        )
         return None
 
 
@@ -110,18 +131,35 @@ def _sweep_results() -> dict:
     return {}
 
 
-def run_sweep(source: Source, scorers: tuple, bits: tuple, view: View, base: Spec,
-              max_entries: int = 16, formats: tuple = ()) -> list[dict] | None:
+def run_sweep(
+    source: Source,
+    scorers: tuple,
+    bits: tuple,
+    view: View,
+    base: Spec,
+    max_entries: int = 16,
+    formats: tuple = (),
+) -> list[dict] | None:
     """kvviz.analysis.sweep with a progress bar, cached by (source, methods, bits, formats, view, base spec)."""
     from kvviz.analysis.sweep import sweep
-    key = (source.key, tuple(scorers), tuple(bits), _items(view), _items(base)) + ((tuple(formats),) if formats else ())
+
+    key = (source.key, tuple(scorers), tuple(bits), _items(view), _items(base)) + (
+        (tuple(formats),) if formats else ()
+    )
     results = _sweep_results()
     if key in results:
         return results[key]
     bar = st.progress(0.0, text="Sweeping budgets and bit widths…")
     try:
-        rows = sweep(source.trace, scorers=scorers, bits=bits, view=view, base=base,
-                     progress=lambda f, text: bar.progress(min(1.0, f), text=f"Sweeping: {text}"), formats=formats)
+        rows = sweep(
+            source.trace,
+            scorers=scorers,
+            bits=bits,
+            view=view,
+            base=base,
+            progress=lambda f, text: bar.progress(min(1.0, f), text=f"Sweeping: {text}"),
+            formats=formats,
+        )
     except (SpecError, TraceError, ValueError) as e:
         st.error(f"The sweep failed: {e}. Change the methods, bits or View settings.")
         return None
@@ -134,8 +172,11 @@ def run_sweep(source: Source, scorers: tuple, bits: tuple, view: View, base: Spe
 
 
 @st.cache_data(max_entries=16, show_spinner=False)
-def _concentration_cached(source_key: tuple, step: int | None, sink: int, window: int, _trace: Trace):
+def _concentration_cached(
+    source_key: tuple, step: int | None, sink: int, window: int, _trace: Trace
+):
     from kvviz.analysis.frames import concentration
+
     return concentration(_trace, step=step, sink=sink, window=window)
 
 
@@ -144,9 +185,11 @@ def run_concentration(source: Source, step: int | None, sink: int, window: int):
 
 
 @st.cache_data(max_entries=32, show_spinner="Computing every layer and head…")
-def _head_grid_cached(source_key: tuple, spec_items: tuple, step: int | None, metric: str,
-                      _trace: Trace) -> np.ndarray:
+def _head_grid_cached(
+    source_key: tuple, spec_items: tuple, step: int | None, metric: str, _trace: Trace
+) -> np.ndarray:
     from kvviz.engine import head_grid
+
     return head_grid(_trace, Spec(**dict(spec_items)), step, metric)
 
 

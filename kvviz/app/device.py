@@ -12,8 +12,11 @@ from __future__ import annotations
 import streamlit as st
 
 DTYPES = ("float32", "bfloat16", "float16")
-DTYPE_LABELS = {"float32": "float32 (exact, 4 bytes a weight)", "bfloat16": "bfloat16 (GPU default, half the memory)",
-                "float16": "float16 (half the memory)"}
+DTYPE_LABELS = {
+    "float32": "float32 (exact, 4 bytes a weight)",
+    "bfloat16": "bfloat16 (GPU default, half the memory)",
+    "float16": "float16 (half the memory)",
+}
 
 
 @st.cache_resource(show_spinner=False)
@@ -28,13 +31,21 @@ def device_controls(container, prefix: str) -> tuple[str, str]:
     """(device, dtype) picked in `container`; keys `{prefix}_device` and `{prefix}_dtype`."""
     found = devices()
     device = container.selectbox(
-        "Device", found, key=f"{prefix}_device",
+        "Device",
+        found,
+        key=f"{prefix}_device",
         help="Where the model and its compressed cache run. Only the devices this server has are listed"
-             + ("" if len(found) > 1 else " (no GPU here: cpu only)") + ".")
+        + ("" if len(found) > 1 else " (no GPU here: cpu only)")
+        + ".",
+    )
     dtype = container.selectbox(
-        "Weights dtype", DTYPES, key=f"{prefix}_dtype", format_func=DTYPE_LABELS.get,
+        "Weights dtype",
+        DTYPES,
+        key=f"{prefix}_dtype",
+        format_func=DTYPE_LABELS.get,
         help="The model's weights, and the K/V cache with them, in this dtype. Attention over the cache "
-             "runs in float32 either way; bfloat16 on a CPU is slower than float32.")
+        "runs in float32 either way; bfloat16 on a CPU is slower than float32.",
+    )
     return str(device), str(dtype)
 
 
@@ -45,5 +56,6 @@ def run_notice(exc: BaseException) -> str | None:
     line = device_error(exc)
     if line is None:
         return None
-    return line.replace("--prompt-tokens / --continuation-tokens (or the lengths)", "the token counts") \
-               .replace("--dtype bfloat16 or float16", "the bfloat16 or float16 dtype")
+    return line.replace(
+        "--prompt-tokens / --continuation-tokens (or the lengths)", "the token counts"
+    ).replace("--dtype bfloat16 or float16", "the bfloat16 or float16 dtype")

@@ -24,15 +24,19 @@ from kvviz.engine import Comparison
 from kvviz.plots import figures
 from kvviz.spec import Spec, SpecError, View
 
-PIN_NONE = "default"   # a pin of the all-default compression settings
+PIN_NONE = "default"  # a pin of the all-default compression settings
 
 
 # --- pin and compare -------------------------------------------------------------------------
 
+
 def pin_encode(values: dict) -> str:
     """The compression settings that differ from their defaults, as 'name:value,...'."""
-    parts = [f"{k}:{PARAMS[k].encode(values[k])}" for k in compression_params()
-             if values[k] != PARAMS[k].default]
+    parts = [
+        f"{k}:{PARAMS[k].encode(values[k])}"
+        for k in compression_params()
+        if values[k] != PARAMS[k].default
+    ]
     return ",".join(parts) or PIN_NONE
 
 
@@ -42,8 +46,12 @@ def pin_decode(text: str) -> tuple[dict, list[str]]:
     if text == PIN_NONE:
         return values, []
     pairs = [item.partition(":")[::2] for item in filter(None, text.split(","))]
-    read, notes = read_settings(pairs, compression_params(), prefix="Pinned setting: ",
-                                unknown="The pinned setting's `{name}` is not a compression setting; ignored.")
+    read, notes = read_settings(
+        pairs,
+        compression_params(),
+        prefix="Pinned setting: ",
+        unknown="The pinned setting's `{name}` is not a compression setting; ignored.",
+    )
     return {**values, **read}, notes
 
 
@@ -73,9 +81,14 @@ def pinned_spec() -> Spec | None:
 
 def pin_controls(spec: Spec, pinned: Spec | None) -> None:
     with st.container(horizontal=True, vertical_alignment="center", gap="small"):
-        st.button("Pin this setting as A", key="_pin", on_click=_pin, icon=":material/push_pin:",
-                  help="Keep the current compression settings as A; change the sliders and see A next to them "
-                       "(open diamonds on the charts, differences on the cards). The pin is in the link.")
+        st.button(
+            "Pin this setting as A",
+            key="_pin",
+            on_click=_pin,
+            icon=":material/push_pin:",
+            help="Keep the current compression settings as A; change the sliders and see A next to them "
+            "(open diamonds on the charts, differences on the cards). The pin is in the link.",
+        )
         if pinned is not None:
             st.button("Unpin A", key="_unpin", on_click=_unpin)
             st.markdown(f"**A:** {pinned.label()} · **now:** {spec.label()}", width="content")
@@ -83,18 +96,21 @@ def pin_controls(spec: Spec, pinned: Spec | None) -> None:
 
 # --- a y-axis that does not jump ------------------------------------------------------------------
 
+
 def nice_ceiling(x: float) -> float:
     """The next 1, 2 or 5 x 10^k at or above x (0.043 -> 0.05)."""
     if not x > 0 or not math.isfinite(x):
         return 0.1
     k = math.floor(math.log10(x))
     for m in (1, 2, 5, 10):
-        if m * 10 ** k >= x * (1 - 1e-12):
-            return float(m * 10 ** k)
+        if m * 10**k >= x * (1 - 1e-12):
+            return float(m * 10**k)
     return float(10 ** (k + 1))
 
 
-def y_lock(extent: float, top: float, present: bool = False, where=None) -> tuple[float | None, float | None]:
+def y_lock(
+    extent: float, top: float, present: bool = False, where=None
+) -> tuple[float | None, float | None]:
     """A toggle that freezes the charts' y-axes (in the URL): the error chart at ±range, the attention
     chart at [0, top]. Returns (±range, top), None where automatic.
 
@@ -119,36 +135,55 @@ def y_lock(extent: float, top: float, present: bool = False, where=None) -> tupl
 
     ss["_ylock_on"] = store["ylock"] > 0
     c1, c2 = where.columns([2, 1], vertical_alignment="center")
-    c1.toggle("Lock the charts' y-axes", key="_ylock_on", on_change=toggled,
-              help="Moving a slider then changes the bars, not the scale: compare settings by eye.")
+    c1.toggle(
+        "Lock the charts' y-axes",
+        key="_ylock_on",
+        on_change=toggled,
+        help="Moving a slider then changes the bars, not the scale: compare settings by eye.",
+    )
     if store["ylock"] <= 0:
         return None, None
-    y = float(store["ylock"]) if present else float(w_number(c2, "ylock", "± range", 0.0001, 1.0, step=0.005,
-                                                              fmt="%.4f"))
+    y = (
+        float(store["ylock"])
+        if present
+        else float(w_number(c2, "ylock", "± range", 0.0001, 1.0, step=0.005, fmt="%.4f"))
+    )
     return y, (float(store["alock"]) or None)
 
 
 # --- ask for a target ------------------------------------------------------------------------------
 
+
 def _solve(trace, base: Spec, view: View) -> None:
     from kvviz.analysis.solve import solve
+
     store, ss = ss_store(), st.session_state
     target = float(store["solve_target"])
     try:
-        sol = solve(trace, base, view, **({"target_mass": target} if store["solve_kind"] == "mass"
-                                           else {"target_tv": target}))
+        sol = solve(
+            trace,
+            base,
+            view,
+            **({"target_mass": target} if store["solve_kind"] == "mass" else {"target_tv": target}),
+        )
     except SpecError as e:
         ss["_solve_msg"] = ("error", f"No cache meets that target: {e}.")
         return
     for name in ("sink", "recent", "heavy"):
         store[name] = ss[name] = getattr(sol.spec, name)
-    what = "keeps ≥ " + fmt_pct(target) + " of the attention" if sol.metric == "mass_retained" \
+    what = (
+        "keeps ≥ " + fmt_pct(target) + " of the attention"
+        if sol.metric == "mass_retained"
         else f"has TV ≤ {target:g}"
+    )
     below = "" if sol.below is None else f"; one token less gives {sol.below:.4f}"
-    ss["_solve_msg"] = ("success", f"Smallest cache that {what} with {base.scorer} at {base.key_bits}/{base.value_bits} "
-                                   f"bits: **{sol.budget} of {sol.tokens} tokens** (sink {sol.spec.sink} + recent "
-                                   f"{sol.spec.recent} + heavy {sol.spec.heavy}), reaching {sol.value:.4f}{below}. "
-                                   "Applied to the sliders.")
+    ss["_solve_msg"] = (
+        "success",
+        f"Smallest cache that {what} with {base.scorer} at {base.key_bits}/{base.value_bits} "
+        f"bits: **{sol.budget} of {sol.tokens} tokens** (sink {sol.spec.sink} + recent "
+        f"{sol.spec.recent} + heavy {sol.spec.heavy}), reaching {sol.value:.4f}{below}. "
+        "Applied to the sliders.",
+    )
 
 
 def ss_store() -> dict:
@@ -157,19 +192,40 @@ def ss_store() -> dict:
 
 def solver_panel(trace, spec: Spec, view: View) -> None:
     from kvviz.analysis.solve import SPLIT_RULE
+
     with st.expander("Find the smallest cache for a target", icon=":material/target:"):
-        if deferred():   # folded at the first paint: drawn with the charts (kvviz.app.charts)
+        if deferred():  # folded at the first paint: drawn with the charts (kvviz.app.charts)
             return
         c1, c2, c3 = st.columns([2, 1, 1], vertical_alignment="bottom")
-        kind = w_choice(c1, "solve_kind", "Target", ("mass", "tv"), widget="radio",
-                        format_func={"mass": "attention mass ≥", "tv": "TV distance ≤"}.get)
+        kind = w_choice(
+            c1,
+            "solve_kind",
+            "Target",
+            ("mass", "tv"),
+            widget="radio",
+            format_func={"mass": "attention mass ≥", "tv": "TV distance ≤"}.get,
+        )
         w_number(c2, "solve_target", "value (0-1)", 0.001, 1.0, step=0.01, fmt="%.3f")
-        c3.button("Find and apply", key="_solve", type="primary", on_click=_solve,
-                  args=(trace, spec.with_(sink=0, recent=0, heavy=0), View(layer=view.layer, head=view.head,
-                                                                         step=view.step)))
-        st.caption(f"For the row shown, with the current scorer and quantizer. Split rule: {SPLIT_RULE}. "
-                   "Smallest means one token less misses the target"
-                   + (" (attention mass: the exact smallest for one-shot policies)." if kind == "mass" else "."))
+        c3.button(
+            "Find and apply",
+            key="_solve",
+            type="primary",
+            on_click=_solve,
+            args=(
+                trace,
+                spec.with_(sink=0, recent=0, heavy=0),
+                View(layer=view.layer, head=view.head, step=view.step),
+            ),
+        )
+        st.caption(
+            f"For the row shown, with the current scorer and quantizer. Split rule: {SPLIT_RULE}. "
+            "Smallest means one token less misses the target"
+            + (
+                " (attention mass: the exact smallest for one-shot policies)."
+                if kind == "mass"
+                else "."
+            )
+        )
         msg = st.session_state.pop("_solve_msg", None)
         if msg:
             (st.success if msg[0] == "success" else st.error)(msg[1])
@@ -177,28 +233,37 @@ def solver_panel(trace, spec: Spec, view: View) -> None:
 
 # --- take-aways ----------------------------------------------------------------------------------
 
+
 def slug(spec: Spec, source_label: str) -> str:
     """A file-name stem naming the settings: 'kvviz-handbook-h2o-s4-r8-h2-16bit'."""
     bits = "16bit" if not spec.quantizes else f"k{spec.key_bits}v{spec.value_bits}bit"
     if spec.quantizes and (spec.key_format != "int" or spec.value_format != "int"):
         name = lambda fmt, b: f"{b}bit" if fmt == "int" else fmt  # noqa: E731
-        bits = f"k-{name(spec.key_format, spec.key_bits)}-v-{name(spec.value_format, spec.value_bits)}"
+        bits = (
+            f"k-{name(spec.key_format, spec.key_bits)}-v-{name(spec.value_format, spec.value_bits)}"
+        )
     if spec.quantizes and spec.rotate != "none":
         bits += "-rotated"
-    evict = f"{spec.scorer}-s{spec.sink}-r{spec.recent}-h{spec.heavy}" if spec.evicts else "no-eviction"
+    evict = (
+        f"{spec.scorer}-s{spec.sink}-r{spec.recent}-h{spec.heavy}" if spec.evicts else "no-eviction"
+    )
     text = f"kvviz-{source_label}-{evict}-{bits}"
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-").lower()
 
 
 def settings_header(comp: Comparison, source_label: str, link: str, bars: str) -> str:
     """'# key: value' lines that open the CSV: what was computed, and what each band column holds."""
-    lines = [f"kvviz per-token data: {source_label}", f"settings: {comp.spec.label()}",
-             f"row: {row_text(comp)}",
-             f"ensemble: {comp.ensemble or 'none'}, N = {len(comp.members)} rows",
-             "error = compressed - original attention of that row; error_eviction + error_quantization = error",
-             "error_mean: ensemble mean; error_std_sample: sample std (n - 1); error_ci95_lo/hi: 95% t-interval "
-             "for the mean; error_min/max: range of the members",
-             f"the chart draws: {figures.BAND_TEXT[bars]}", f"link: {link}"]
+    lines = [
+        f"kvviz per-token data: {source_label}",
+        f"settings: {comp.spec.label()}",
+        f"row: {row_text(comp)}",
+        f"ensemble: {comp.ensemble or 'none'}, N = {len(comp.members)} rows",
+        "error = compressed - original attention of that row; error_eviction + error_quantization = error",
+        "error_mean: ensemble mean; error_std_sample: sample std (n - 1); error_ci95_lo/hi: 95% t-interval "
+        "for the mean; error_min/max: range of the members",
+        f"the chart draws: {figures.BAND_TEXT[bars]}",
+        f"link: {link}",
+    ]
     return "".join(f"# {line}\n" for line in lines)
 
 
@@ -206,7 +271,7 @@ def page_link() -> str:
     """This view's address, query string included (what reproduces it)."""
     try:
         url = st.context.url or ""
-    except AttributeError:   # older Streamlit
+    except AttributeError:  # older Streamlit
         url = ""
     query = urlencode(link_params())
     base = url.split("?")[0]

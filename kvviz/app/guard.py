@@ -40,14 +40,15 @@ from kvviz import limits
 
 T = TypeVar("T")
 WORKERS_ENV = "KVVIZ_WORKERS"
-TICK_SECONDS = 0.5              # how often a queued session's status line is refreshed
-POLL_SECONDS = 0.1              # how often a queued session checks for a rerun or a closed tab
-LAST_GOOD = "_kvviz_guard_last"   # session state: the last source of each kind that fit the budget
+TICK_SECONDS = 0.5  # how often a queued session's status line is refreshed
+POLL_SECONDS = 0.1  # how often a queued session checks for a rerun or a closed tab
+LAST_GOOD = "_kvviz_guard_last"  # session state: the last source of each kind that fit the budget
 _STATUS: ContextVar = ContextVar("kvviz_status_line", default=None)
 _SERVED: ContextVar = ContextVar("kvviz_served", default=False)
 
 
 # --- server options -----------------------------------------------------------------------------
+
 
 def options(argv: list[str] | None = None) -> argparse.Namespace:
     """`--max-bytes` and `--workers` from the script's arguments (after `--` on `streamlit run`)."""
@@ -60,7 +61,7 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
 @st.cache_resource(show_spinner=False)
 def _server() -> dict:
     """Once per server process: apply --max-bytes; the pool of run slots."""
-    atexit.register(gc.freeze)   # see _fast_exit
+    atexit.register(gc.freeze)  # see _fast_exit
     opts = options()
     if opts.max_bytes:
         limits.set_max_bytes(opts.max_bytes)
@@ -74,6 +75,7 @@ def pool() -> "Pool":
 
 # --- the pool -------------------------------------------------------------------------------------
 
+
 class Pool:
     """A few slots, handed out first come, first served."""
 
@@ -82,7 +84,7 @@ class Pool:
         self._cond = threading.Condition()
         self._running = 0
         self._queue: list[object] = []
-        self._last_busy = time.monotonic()   # when a run last held or waited for a slot
+        self._last_busy = time.monotonic()  # when a run last held or waited for a slot
 
     def ahead_of(self, ticket: object) -> int:
         """How many runs hold a slot or wait before this ticket."""
@@ -150,8 +152,10 @@ def other_runs() -> int:
 
 # --- a script run ---------------------------------------------------------------------------------
 
+
 def _run_context():
     from streamlit.runtime.scriptrunner import get_script_run_ctx
+
     return get_script_run_ctx(suppress_warning=True)
 
 
@@ -169,8 +173,10 @@ def start_run() -> None:
 def queued_text(n: int) -> str:
     size = pool().size
     pages = "other visitor's page" if n == 1 else "other visitors' pages"
-    return (f"Queued behind {n} {pages} ({size} run at a time on this server): this page starts when one "
-            "finishes. Changing a setting or closing the tab leaves the line.")
+    return (
+        f"Queued behind {n} {pages} ({size} run at a time on this server): this page starts when one "
+        "finishes. Changing a setting or closing the tab leaves the line."
+    )
 
 
 class _Ticker:
@@ -204,7 +210,9 @@ def serve(page) -> None:
     """app.py's router: run `page` (an st.Page) while holding one of the server's slots."""
     start_run()
     p, ticket, holder = pool(), object(), _STATUS.get()
-    ticker = _Ticker(holder, ticket, p) if p.busy and holder is not None and _run_context() else None
+    ticker = (
+        _Ticker(holder, ticket, p) if p.busy and holder is not None and _run_context() else None
+    )
     try:
         p.acquire(ticket, limits.checkpoint)
     finally:
@@ -220,6 +228,7 @@ def serve(page) -> None:
 
 # --- sources past the budget --------------------------------------------------------------------------
 
+
 def within_budget(kind: str, build: Callable[[], T], default: Callable[[], T]) -> T:
     """build(), or - when it is past the work budget - a notice and the session's previous value of
     this kind (the default if there is none), so the page stays usable."""
@@ -228,9 +237,11 @@ def within_budget(kind: str, build: Callable[[], T], default: Callable[[], T]) -
         value = build()
     except limits.BudgetError as e:
         previous = last.get(kind)
-        st.warning(f"**Too big for this server:** {e}. Showing the "
-                   f"{'previous' if previous is not None else 'default'} setting instead.",
-                   icon=":material/memory:")
+        st.warning(
+            f"**Too big for this server:** {e}. Showing the "
+            f"{'previous' if previous is not None else 'default'} setting instead.",
+            icon=":material/memory:",
+        )
         return previous if previous is not None else default()
     last[kind] = value
     return value

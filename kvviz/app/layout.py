@@ -9,7 +9,7 @@ from kvviz.app import guard
 from kvviz.app.sources import warm_up
 from kvviz.app.store import w_check
 
-PAGES: dict = {}   # app.py registers its st.Page objects here, so a page can switch to another
+PAGES: dict = {}  # app.py registers its st.Page objects here, so a page can switch to another
 
 PRESENT_CSS = """
 <style>
@@ -44,11 +44,18 @@ def page_setup(title: str, intro: str) -> bool:
     """Every page's head: the app-wide layout styles, the Presentation mode switch (sidebar,
     in the URL), the title and its one-line intro (a smaller title and no intro when
     presenting). Returns whether presentation mode is on."""
-    guard.start_run()   # this run's cancel check and status line (issue 26)
-    warm_up()   # the first page view of the process: the kernel, then the bundled model, in the background
-    present = bool(w_check(st.sidebar, "present", "Presentation mode",
-                           help="For a projector: larger text, the main chart first, the extras (tables, downloads, "
-                                "explanations) folded away. Kept in the link."))
+    guard.start_run()  # this run's cancel check and status line (issue 26)
+    # the first page view of the process: the kernel, then the bundled model, in the background
+    warm_up()
+    present = bool(
+        w_check(
+            st.sidebar,
+            "present",
+            "Presentation mode",
+            help="For a projector: larger text, the main chart first, the extras (tables, downloads, "
+            "explanations) folded away. Kept in the link.",
+        )
+    )
     st.html(LAYOUT_CSS + (PRESENT_CSS if present else ""))
     if present:
         st.subheader(title)
@@ -56,4 +63,3 @@ def page_setup(title: str, intro: str) -> bool:
         st.title(title)
         st.caption(intro)
     return present
-

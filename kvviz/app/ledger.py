@@ -21,17 +21,26 @@ def _ledger(source_key: tuple, spec: Spec, step: int | None, _trace: Trace) -> L
 
 def ledger_expander(source: Source, spec: Spec, step: int | None = None) -> None:
     trace = source.trace
-    box = folded("Budget ledger: declared vs kept tokens and bytes, per layer and KV head", key="_ledger_open")
+    box = folded(
+        "Budget ledger: declared vs kept tokens and bytes, per layer and KV head",
+        key="_ledger_open",
+    )
     with box:
         if not box.open:
             return
-        st.caption("Where a compression ratio meets what is stored: the budget each cache was declared, what it "
-                   "holds (sinks, window and heavy hitters are all inside the budget), and its bytes — quantized "
-                   "payload, scale / zero-point overhead, tokens kept at 16 bits. Read-selection methods (Quest) "
-                   "store everything and save bytes read instead.")
-        big = trace.n_layers * trace.n_positions > 20_000   # every layer's policy decisions: seconds on a real trace
-        if big and not st.checkbox(f"Compute the ledger for all {trace.n_layers} layers", key="_ledger_on",
-                                   help="Runs the policy in every layer, which takes a few seconds on a real trace."):
+        st.caption(
+            "Where a compression ratio meets what is stored: the budget each cache was declared, what it "
+            "holds (sinks, window and heavy hitters are all inside the budget), and its bytes — quantized "
+            "payload, scale / zero-point overhead, tokens kept at 16 bits. Read-selection methods (Quest) "
+            "store everything and save bytes read instead."
+        )
+        # every layer's policy decisions: seconds on a real trace
+        big = trace.n_layers * trace.n_positions > 20_000
+        if big and not st.checkbox(
+            f"Compute the ledger for all {trace.n_layers} layers",
+            key="_ledger_on",
+            help="Runs the policy in every layer, which takes a few seconds on a real trace.",
+        ):
             return
         try:
             ledger = _ledger(source.key, spec, step, trace)
@@ -42,5 +51,8 @@ def ledger_expander(source: Source, spec: Spec, step: int | None = None) -> None
             st.markdown(f"- {note}")
         from kvviz.plots.style import CHART_CONFIG
         from kvviz.plots.ledger import ledger_figure
+
         chart(ledger_figure(ledger), key="ledger_chart", config=CHART_CONFIG)
-        st.dataframe(pd.DataFrame(list(ledger.rows)), hide_index=True, height=240, key="ledger_table")
+        st.dataframe(
+            pd.DataFrame(list(ledger.rows)), hide_index=True, height=240, key="ledger_table"
+        )

@@ -19,7 +19,7 @@ from kvviz.links import LinkedSource
 from kvviz.spec import Spec, SpecError, View
 from kvviz.trace import TraceError
 
-KEY = "_kvviz_lesson"   # session: {wanted, lesson, source, values, base, words, page}
+KEY = "_kvviz_lesson"  # session: {wanted, lesson, source, values, base, words, page}
 
 
 def _linked(source: Source) -> LinkedSource:
@@ -30,7 +30,7 @@ def _linked(source: Source) -> LinkedSource:
 def _app_base() -> str:
     try:
         url = st.context.url or ""
-    except AttributeError:   # older Streamlit
+    except AttributeError:  # older Streamlit
         url = ""
     return url.split("?")[0] or "http://localhost:8501/"
 
@@ -40,39 +40,78 @@ def lesson_export(source: Source, spec: Spec, view: View, bars: str, file_stem: 
     from kvviz.plots.lesson import build_lesson, default_title, lesson_page
 
     ss = st.session_state
-    wanted = (source.key, tuple(sorted(spec.as_dict().items())), tuple(sorted(asdict(view).items())), bars)
-    with st.expander("Export this as a lesson (one HTML page with live sliders, runs offline)",
-                     icon=":material/school:"):
-        if deferred():   # folded at the first paint: drawn with the charts (kvviz.app.charts)
+    wanted = (
+        source.key,
+        tuple(sorted(spec.as_dict().items())),
+        tuple(sorted(asdict(view).items())),
+        bars,
+    )
+    with st.expander(
+        "Export this as a lesson (one HTML page with live sliders, runs offline)",
+        icon=":material/school:",
+    ):
+        if deferred():  # folded at the first paint: drawn with the charts (kvviz.app.charts)
             return
-        st.caption("For a lecture hall without Python or Wi-Fi, or for students at home: this view's charts and "
-                   "numbers at a grid of the four sliders (sink tokens, recent window, heavy-hitter budget, bits; "
-                   "the grid is listed on the page), computed here once and saved in one HTML file that any current "
-                   "browser opens from disk. Everything else stays as it is now. Takes about a minute.")
-        title = st.text_input("Title (optional)", key="_lesson_title", placeholder=default_title(source.label))
+        st.caption(
+            "For a lecture hall without Python or Wi-Fi, or for students at home: this view's charts and "
+            "numbers at a grid of the four sliders (sink tokens, recent window, heavy-hitter budget, bits; "
+            "the grid is listed on the page), computed here once and saved in one HTML file that any current "
+            "browser opens from disk. Everything else stays as it is now. Takes about a minute."
+        )
+        title = st.text_input(
+            "Title (optional)", key="_lesson_title", placeholder=default_title(source.label)
+        )
         words = st.text_area("Your words for the class (optional)", key="_lesson_text", height=80)
         if st.button("Build the lesson", key="_lesson_build", icon=":material/build:"):
             bar = st.progress(0.0, text="Computing the lesson…")
             try:
-                lesson = build_lesson(_linked(source), spec, view, bars=bars,
-                                      progress=lambda f, m: bar.progress(min(1.0, f), text=f"Computing: {m}"))
+                lesson = build_lesson(
+                    _linked(source),
+                    spec,
+                    view,
+                    bars=bars,
+                    progress=lambda f, m: bar.progress(min(1.0, f), text=f"Computing: {m}"),
+                )
             except (SpecError, TraceError, ValueError) as e:
                 ss.pop(KEY, None)
                 st.error(f"This view cannot be made into a lesson: {e}.")
             else:
-                ss[KEY] = {"wanted": wanted, "lesson": lesson, "source": _linked(source), "view": view,
-                           "values": settings_dict(), "words": None, "page": b""}
+                ss[KEY] = {
+                    "wanted": wanted,
+                    "lesson": lesson,
+                    "source": _linked(source),
+                    "view": view,
+                    "values": settings_dict(),
+                    "words": None,
+                    "page": b"",
+                }
             finally:
                 bar.empty()
         built = ss.get(KEY)
         if built is not None and built["wanted"] == wanted:
-            if built["words"] != (title, words):       # the numbers stay; only the page is written again
-                built["page"] = lesson_page(built["lesson"], built["source"], built["view"], built["values"],
-                                            title=title, lecturer=words, app_url=_app_base()).encode("utf-8")
+            # the numbers stay; only the page is written again
+            if built["words"] != (title, words):
+                built["page"] = lesson_page(
+                    built["lesson"],
+                    built["source"],
+                    built["view"],
+                    built["values"],
+                    title=title,
+                    lecturer=words,
+                    app_url=_app_base(),
+                ).encode("utf-8")
                 built["words"] = (title, words)
-            st.download_button(f"Download the lesson ({fmt_bytes(len(built['page']))}, "
-                               f"{built['lesson'].points:,} settings)", data=built["page"],
-                               file_name=f"{file_stem}-lesson.html", mime="text/html", on_click="ignore",
-                               icon=":material/download:", key="_lesson_download")
+            st.download_button(
+                f"Download the lesson ({fmt_bytes(len(built['page']))}, "
+                f"{built['lesson'].points:,} settings)",
+                data=built["page"],
+                file_name=f"{file_stem}-lesson.html",
+                mime="text/html",
+                on_click="ignore",
+                icon=":material/download:",
+                key="_lesson_download",
+            )
         elif built is not None:
-            st.caption("The settings changed since the lesson was built: build it again for this view.")
+            st.caption(
+                "The settings changed since the lesson was built: build it again for this view."
+            )

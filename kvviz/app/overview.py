@@ -14,7 +14,7 @@ from kvviz.plots import figures
 from kvviz.spec import Spec, SpecError, View
 from kvviz.trace import Trace, TraceError
 
-OVERVIEW_MAX_CELLS = 1024   # layers x heads
+OVERVIEW_MAX_CELLS = 1024  # layers x heads
 OVERVIEW_MAX_TOKENS = 8192
 GRID_MAX_TOKENS = 1500
 
@@ -32,29 +32,48 @@ def head_overview(source: Source, spec: Spec, view: View) -> None:
         return
     box = folded("Layer × head overview: where does compression hurt most?", key="_overview_open")
     with box:
-        if not box.open:     # folded: compute nothing (every layer and head is the costly part)
+        if not box.open:  # folded: compute nothing (every layer and head is the costly part)
             return
         n = int(t.query_positions[t.evaluated_queries[-1 if view.step is None else view.step]]) + 1
         if t.n_layers * t.n_q_heads > OVERVIEW_MAX_CELLS or n > OVERVIEW_MAX_TOKENS:
-            st.info(f"The overview covers up to {OVERVIEW_MAX_CELLS} layer × head cells and "
-                    f"{OVERVIEW_MAX_TOKENS} tokens; this trace is larger. Pick a layer and head in View.")
+            st.info(
+                f"The overview covers up to {OVERVIEW_MAX_CELLS} layer × head cells and "
+                f"{OVERVIEW_MAX_TOKENS} tokens; this trace is larger. Pick a layer and head in View."
+            )
             return
-        metric = st.radio("Colour by", ("tv_distance", "mass_retained"), horizontal=True, key="_overview_metric",
-                          format_func={"tv_distance": "TV distance (error)",
-                                       "mass_retained": "attention mass retained"}.get)
+        metric = st.radio(
+            "Colour by",
+            ("tv_distance", "mass_retained"),
+            horizontal=True,
+            key="_overview_metric",
+            format_func={
+                "tv_distance": "TV distance (error)",
+                "mass_retained": "attention mass retained",
+            }.get,
+        )
         try:
             grid = run_head_grid(source, spec, view.step, metric)
         except (SpecError, TraceError, ValueError) as e:
             st.error(f"Cannot compute the overview: {e}")
             return
         label = "TV distance" if metric == "tv_distance" else "mass retained"
-        chart(figures.heatmap_figure(grid, f"{label} per layer and query head at this query", label),
-              key="overview_chart")
-        worst = np.unravel_index(np.argmax(grid) if metric == "tv_distance" else np.argmin(grid), grid.shape)
-        st.button(f"Jump to the head that loses most: layer {worst[0]}, head {worst[1]}", key="_jump_worst",
-                  on_click=_jump, args=(int(worst[0]), int(worst[1])))
-        st.caption("What to look for: bright cells (TV) or dark cells (mass) are the heads this setting hurts; "
-                   "early layers and local heads usually suffer most from heavy eviction.")
+        chart(
+            figures.heatmap_figure(grid, f"{label} per layer and query head at this query", label),
+            key="overview_chart",
+        )
+        worst = np.unravel_index(
+            np.argmax(grid) if metric == "tv_distance" else np.argmin(grid), grid.shape
+        )
+        st.button(
+            f"Jump to the head that loses most: layer {worst[0]}, head {worst[1]}",
+            key="_jump_worst",
+            on_click=_jump,
+            args=(int(worst[0]), int(worst[1])),
+        )
+        st.caption(
+            "What to look for: bright cells (TV) or dark cells (mass) are the heads this setting hurts; "
+            "early layers and local heads usually suffer most from heavy eviction."
+        )
 
 
 def has_text_tokens(trace: Trace) -> bool:
@@ -70,16 +89,36 @@ def token_grid(comp: Comparison, source: Source) -> None:
     n = len(comp.tokens)
     c1, c2 = st.columns([2, 3], vertical_alignment="bottom")
     c1.markdown("**The text, as the compressed cache holds it**")
-    shade = w_choice(c2, "grid_shade", "Colour the chips by", ("reason", "attention", "error"), widget="radio",
-                     format_func={"reason": "why kept", "attention": "original attention",
-                                  "error": "attention error"}.get)
+    shade = w_choice(
+        c2,
+        "grid_shade",
+        "Colour the chips by",
+        ("reason", "attention", "error"),
+        widget="radio",
+        format_func={
+            "reason": "why kept",
+            "attention": "original attention",
+            "error": "attention error",
+        }.get,
+    )
     if n > GRID_MAX_TOKENS:
         st.caption(f"Showing the last {GRID_MAX_TOKENS} of {n} tokens.")
     start = max(0, n - GRID_MAX_TOKENS)
     reasons = [REASONS[int(r)] for r in p.reason[start:]]
     context = source.trace.context_len - start if source.trace.context_len < n else None
-    st.html(figures.token_grid_html(comp.tokens[start:], reasons, p.original[start:], newest=n - 1 - start,
-                                    shade=shade, error=p.error[start:], context_len=context))
-    st.caption("What to look for: which words survive. Sinks and the recent window are kept by position; "
-               "heavy hitters by score; struck-through tokens are gone for this query. Hover a token for its "
-               "attention and error.")
+    st.html(
+        figures.token_grid_html(
+            comp.tokens[start:],
+            reasons,
+            p.original[start:],
+            newest=n - 1 - start,
+            shade=shade,
+            error=p.error[start:],
+            context_len=context,
+        )
+    )
+    st.caption(
+        "What to look for: which words survive. Sinks and the recent window are kept by position; "
+        "heavy hitters by score; struck-through tokens are gone for this query. Hover a token for its "
+        "attention and error."
+    )

@@ -6,8 +6,24 @@ app); the app's modules keep importing it from here.
 
 from __future__ import annotations
 
-from kvviz.links import (BITS_OPTIONS, ENSEMBLE_OPTIONS, MAX_TOKENS, PARAMS, SCORER_CHOICES, Param,
-                         compression_params, read_settings)
+from kvviz.links import (
+    BITS_OPTIONS,
+    ENSEMBLE_OPTIONS,
+    MAX_TOKENS,
+    PARAMS,
+    SCORER_CHOICES,
+    Param,
+    compression_params,
+    read_settings,
+)
 
-__all__ = ["BITS_OPTIONS", "ENSEMBLE_OPTIONS", "MAX_TOKENS", "PARAMS", "Param", "SCORER_CHOICES",
-           "compression_params", "read_settings"]
+__all__ = [
+    "BITS_OPTIONS",
+    "ENSEMBLE_OPTIONS",
+    "MAX_TOKENS",
+    "PARAMS",
+    "Param",
+    "SCORER_CHOICES",
+    "compression_params",
+    "read_settings",
+]

@@ -89,9 +89,8 @@ def preset_values(name: str, n_tokens: int) -> dict:
         return dict(_NO_QUANT, sink=4, recent=max(8, 2 * tenth - 4), heavy=0, scorer="streaming")
     if name == "H2O 10%+10%":
         return dict(_NO_QUANT, sink=0, recent=tenth, heavy=tenth, scorer="h2o")
-    if (
-        name == "KIVI 2-bit"
-    ):  # keys per channel, values per token, G=32; residual 128 (less on short traces)
+    # keys per channel, values per token, G=32; residual 128 (less on short traces)
+    if name == "KIVI 2-bit":
         from kvviz.quant import kivi_residual
 
         return dict(

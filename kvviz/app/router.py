@@ -44,7 +44,7 @@ def _legacy_run() -> bool:
     """Whether Streamlit runs this script through its legacy pages/ list (a fresh server's first run)."""
     try:
         from streamlit.runtime.pages_manager import PagesManager
-    except ImportError:      # moved in a later Streamlit: no legacy runs to hand over
+    except ImportError:  # moved in a later Streamlit: no legacy runs to hand over
         return False
     return bool(PagesManager.uses_pages_directory)
 
@@ -54,13 +54,19 @@ def navigate() -> None:
     slots, its URL synced before (this run's interactions) and after (values the page clamped or set).
     The Explorer is the default page, at the app's root URL."""
     st.set_page_config(page_title="kvviz", layout="wide")
-    PAGES.update({key: st.Page(f"pages/{file}", title=title, url_path=url, default=key == "explorer")
-                  for key, (file, title, url) in PAGE_FILES.items()})
+    PAGES.update(
+        {
+            key: st.Page(f"pages/{file}", title=title, url_path=url, default=key == "explorer")
+            for key, (file, title, url) in PAGE_FILES.items()
+        }
+    )
     page = st.navigation(list(PAGES.values()))
-    sync_url()          # first: this run's interaction callbacks have set the store; link to it before computing
-    guard.serve(page)   # in one of the server's run slots, cancelled by a rerun or a closed tab
-    report_first_paint()   # charts left as frames before the browser's first paint: drawn when it says so
-    sync_url()          # last: the page may have clamped or set values on the way
+    # first: this run's interaction callbacks have set the store; link to it before computing
+    sync_url()
+    guard.serve(page)  # in one of the server's run slots, cancelled by a rerun or a closed tab
+    # charts left as frames before the browser's first paint: drawn when it says so
+    report_first_paint()
+    sync_url()  # last: the page may have clamped or set values on the way
 
 
 def run_page(main: Callable[[], None]) -> None:

@@ -31,20 +31,25 @@ def app_modules() -> tuple[str, ...]:
     (app.py first: the Explorer is the usual first page), so the list cannot drift from the pages."""
     import ast
 
-    def is_module(name: str) -> bool:        # by its file, without importing its package
+    def is_module(name: str) -> bool:  # by its file, without importing its package
         path = APP.parent.joinpath(*name.split("."))
         return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
     found: dict[str, None] = {}
     for script in [APP, *sorted(PAGES_DIR.glob("*.py"))]:
         for node in ast.parse(script.read_text(encoding="utf-8")).body:
-            names = ([(a.name, None) for a in node.names] if isinstance(node, ast.Import) else
-                     [(node.module, a.name) for a in node.names] if isinstance(node, ast.ImportFrom) and node.module
-                     else [])
+            names = (
+                [(a.name, None) for a in node.names]
+                if isinstance(node, ast.Import)
+                else [(node.module, a.name) for a in node.names]
+                if isinstance(node, ast.ImportFrom) and node.module
+                else []
+            )
             for module, member in names:
                 if not (module == "kvviz" or module.startswith("kvviz.")):
                     continue
-                sub = f"{module}.{member}" if member else None   # `from kvviz.app import explorer`: a module
+                # `from kvviz.app import explorer`: a module
+                sub = f"{module}.{member}" if member else None
                 found[sub if sub and is_module(sub) else module] = None
     return tuple(found)
 
@@ -102,7 +107,9 @@ def _preload(wait_s: float = 30.0) -> None:
         for name in app_modules():
             importlib.import_module(name)
         from kvviz.app.compute import warm_up
-        warm_up()   # the kernel and the first move's modules; the bundled model waits for the first page view
+
+        # the kernel and the first move's modules; the bundled model waits for the first page view
+        warm_up()
     except Exception:  # noqa: BLE001 - the first page run imports (and reports) the same itself
         pass
 
@@ -115,7 +122,7 @@ def _listening_sockets() -> list[socket.socket]:
     for obj in gc.get_objects():
         # type(), not isinstance(): a proxy object (torch has some) can warn when asked its __class__
         if issubclass(type(obj), socket.socket) and obj.family in (socket.AF_INET, socket.AF_INET6):
-            with contextlib.suppress(OSError):          # a closed socket: fileno -1
+            with contextlib.suppress(OSError):  # a closed socket: fileno -1
                 if obj.fileno() >= 0 and obj.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     found.append(obj)
     return found

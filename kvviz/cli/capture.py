@@ -21,36 +21,67 @@ def register(subparsers) -> None:
     from kvviz.sources.capture import MAX_NEW_TOKENS
 
     p = subparsers.add_parser(
-        "capture", help="capture a real model's queries, keys and values for a prompt -> trace file",
+        "capture",
+        help="capture a real model's queries, keys and values for a prompt -> trace file",
         description="Run a causal language model over a prompt (prefill, then greedy decode steps) "
-                    "and save its post-RoPE queries, keys and values as a kvviz trace "
-                    "(open it with `kvviz compare --source FILE` or the app's Trace file source).")
-    p.add_argument("--model", default="bundled",
-                   help="'bundled' (SmolLM2-135M, offline), a local model folder or .gguf file, or a hub id")
+        "and save its post-RoPE queries, keys and values as a kvviz trace "
+        "(open it with `kvviz compare --source FILE` or the app's Trace file source).",
+    )
+    p.add_argument(
+        "--model",
+        default="bundled",
+        help="'bundled' (SmolLM2-135M, offline), a local model folder or .gguf file, or a hub id",
+    )
     text = p.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="the prompt text")
-    text.add_argument("--prompt-file", help="read the prompt from this UTF-8 text file ('-' = stdin)")
-    p.add_argument("--new-tokens", type=integer(0, MAX_NEW_TOKENS), default=0,
-                   help=f"greedy decode steps after the prompt (0-{MAX_NEW_TOKENS}, default 0)")
-    p.add_argument("--max-tokens", type=integer(1, MAX_CAPTURE_TOKENS), default=DEFAULT_MAX_TOKENS,
-                   help=f"longer prompts are cut to their first N tokens (1-{MAX_CAPTURE_TOKENS:,}, default "
-                        f"{DEFAULT_MAX_TOKENS}); the work budget (KVVIZ_MAX_BYTES) bounds what the model's shape allows")
-    p.add_argument("--layers", default=None, help="layers to keep, e.g. 0,1,5 or 0-3 (default: all)")
+    text.add_argument(
+        "--prompt-file", help="read the prompt from this UTF-8 text file ('-' = stdin)"
+    )
+    p.add_argument(
+        "--new-tokens",
+        type=integer(0, MAX_NEW_TOKENS),
+        default=0,
+        help=f"greedy decode steps after the prompt (0-{MAX_NEW_TOKENS}, default 0)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=integer(1, MAX_CAPTURE_TOKENS),
+        default=DEFAULT_MAX_TOKENS,
+        help=f"longer prompts are cut to their first N tokens (1-{MAX_CAPTURE_TOKENS:,}, default "
+        f"{DEFAULT_MAX_TOKENS}); the work budget (KVVIZ_MAX_BYTES) bounds what the model's shape allows",
+    )
+    p.add_argument(
+        "--layers", default=None, help="layers to keep, e.g. 0,1,5 or 0-3 (default: all)"
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps (default cpu)")
-    p.add_argument("--device-map", default=None,
-                   help="e.g. 'auto' to spread a big model over several GPUs (needs accelerate)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
-                   help="model weights' dtype; the trace stores q, k, v in it (bfloat16 stays bfloat16)")
-    p.add_argument("--attention", default="sdpa", choices=("sdpa", "eager", "model"),
-                   help="the attention the model runs while recorded (default sdpa: no tokens x tokens matrix; "
-                        "'model': whatever it was loaded with)")
+    p.add_argument(
+        "--device-map",
+        default=None,
+        help="e.g. 'auto' to spread a big model over several GPUs (needs accelerate)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "float16", "bfloat16"),
+        help="model weights' dtype; the trace stores q, k, v in it (bfloat16 stays bfloat16)",
+    )
+    p.add_argument(
+        "--attention",
+        default="sdpa",
+        choices=("sdpa", "eager", "model"),
+        help="the attention the model runs while recorded (default sdpa: no tokens x tokens matrix; "
+        "'model': whatever it was loaded with)",
+    )
     p.add_argument("--out", required=True, help="output trace file (.safetensors)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=cmd_capture)
 
-    m = subparsers.add_parser("models", help="list the models available offline",
-                              description="The bundled model (present or not) and models in the "
-                                          "local Hugging Face cache.")
+    m = subparsers.add_parser(
+        "models",
+        help="list the models available offline",
+        description="The bundled model (present or not) and models in the "
+        "local Hugging Face cache.",
+    )
     m.set_defaults(func=cmd_models)
 
 
@@ -88,16 +119,33 @@ def cmd_capture(a: argparse.Namespace) -> int:
     free_budget = False
     try:
         free_budget = default_budget_is_free_memory()
-        model, tokenizer, info = load_model(a.model, device=a.device, dtype=a.dtype, device_map=a.device_map,
-                                            progress=lambda f, m: bar(0.3 * f, m))
-        trace = capture(model, tokenizer, info, prompt, new_tokens=a.new_tokens, max_tokens=a.max_tokens,
-                        layers=a.layers, progress=lambda f, m: bar(0.3 + 0.7 * f, m), attention=a.attention,
-                        out=out)          # written layer by layer; `out` is replaced only when complete
+        model, tokenizer, info = load_model(
+            a.model,
+            device=a.device,
+            dtype=a.dtype,
+            device_map=a.device_map,
+            progress=lambda f, m: bar(0.3 * f, m),
+        )
+        trace = capture(
+            model,
+            tokenizer,
+            info,
+            prompt,
+            new_tokens=a.new_tokens,
+            max_tokens=a.max_tokens,
+            layers=a.layers,
+            progress=lambda f, m: bar(0.3 + 0.7 * f, m),
+            attention=a.attention,
+            # written layer by layer; `out` is replaced only when complete
+            out=out,
+        )
     finally:
         bar.done()
         if free_budget:
             from kvviz.limits import set_max_bytes
-            set_max_bytes(None)              # the process's budget as it was (main() in a test, a notebook)
+
+            # the process's budget as it was (main() in a test, a notebook)
+            set_max_bytes(None)
     for note in trace.meta.get("notes", []):
         print(f"kvviz: note: {note}", file=sys.stderr)
     size = out.stat().st_size
@@ -114,6 +162,7 @@ def default_budget_is_free_memory() -> bool:
         return False
     try:
         import psutil
+
         free = int(psutil.virtual_memory().available)
     except Exception:  # noqa: BLE001 - no psutil or no /proc: keep the default
         return False
@@ -127,5 +176,7 @@ def cmd_models(a: argparse.Namespace) -> int:
     for m in available_models():
         state = "available" if m.present else "missing"
         print(f"{m.name:<40} {m.kind:<9} {state:<10} {m.detail}")
-    print("any local folder or .gguf file also works: kvviz capture --model PATH ...", file=sys.stderr)
+    print(
+        "any local folder or .gguf file also works: kvviz capture --model PATH ...", file=sys.stderr
+    )
     return 0

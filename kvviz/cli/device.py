@@ -16,7 +16,8 @@ import re
 
 from kvviz.cli.args import CliError
 
-DTYPES = ("float32", "bfloat16", "float16")      # kvviz.models.load.DTYPES, without importing it here
+# kvviz.models.load.DTYPES, without importing it here
+DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_RE = re.compile(r"cpu|cuda(:\d{1,3})?|mps")
 MODEL_HELP = "'bundled' (SmolLM2-135M, offline), a local model folder or .gguf file, or a hub id"
 
@@ -32,14 +33,26 @@ def device_name(text: str) -> str:
 def add_model_args(p: argparse.ArgumentParser, model_default: str = "bundled") -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=model_default, help=MODEL_HELP)
-    g.add_argument("--device", type=device_name, default="cpu",
-                   help="where the model and its compressed cache run: cpu (default), cuda, cuda:N or mps")
-    g.add_argument("--device-map", default=None, choices=("auto",),
-                   help="auto: spread a model too big for one GPU over every GPU, then the CPU (needs accelerate); "
-                        "overrides --device")
-    g.add_argument("--dtype", default="float32", choices=DTYPES,
-                   help="the weights' dtype, which the cache keeps too (default float32; bfloat16 or float16 halve "
-                        "the memory; attention over the cache runs in float32 either way)")
+    g.add_argument(
+        "--device",
+        type=device_name,
+        default="cpu",
+        help="where the model and its compressed cache run: cpu (default), cuda, cuda:N or mps",
+    )
+    g.add_argument(
+        "--device-map",
+        default=None,
+        choices=("auto",),
+        help="auto: spread a model too big for one GPU over every GPU, then the CPU (needs accelerate); "
+        "overrides --device",
+    )
+    g.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPES,
+        help="the weights' dtype, which the cache keeps too (default float32; bfloat16 or float16 halve "
+        "the memory; attention over the cache runs in float32 either way)",
+    )
 
 
 def check_device(device: str) -> None:
@@ -57,11 +70,14 @@ def load_from_args(a: argparse.Namespace, progress=None):
 
     if not a.device_map:
         check_device(a.device)
-    return load_model(a.model, device=a.device, dtype=a.dtype, device_map=a.device_map, progress=progress)
+    return load_model(
+        a.model, device=a.device, dtype=a.dtype, device_map=a.device_map, progress=progress
+    )
 
 
 def device_errors(fn):
     """Wrap a command handler: out of memory or a missing device -> one line (CliError, exit 2)."""
+
     @functools.wraps(fn)
     def run(a: argparse.Namespace) -> int:
         try:
@@ -73,4 +89,5 @@ def device_errors(fn):
             if line is None:
                 raise
             raise CliError(line) from None
+
     return run

@@ -27,15 +27,26 @@ def _add_text_args(p: argparse.ArgumentParser) -> None:
     from kvviz.decode.quality import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS
 
     add_model_args(p)
-    p.add_argument("--text-file", default=None,
-                   help="UTF-8 text: the first --prompt-tokens tokens are the prompt, the rest the "
-                        "continuation scored (default: kvviz's bundled English sample, ~470 tokens)")
-    p.add_argument("--prompt-tokens", type=integer(1, MAX_PROMPT_TOKENS), default=DEFAULT_PROMPT_TOKENS,
-                   help=f"prompt length in tokens: the compression point (default {DEFAULT_PROMPT_TOKENS}; at most "
-                        "the model's positions, and what the work budget KVVIZ_MAX_BYTES allows)")
-    p.add_argument("--continuation-tokens", type=integer(1, MAX_NEW_TOKENS), default=None,
-                   help=f"continuation tokens scored (1-{MAX_NEW_TOKENS}; default: the rest of the text, at most "
-                        f"{MAX_NEW_TOKENS})")
+    p.add_argument(
+        "--text-file",
+        default=None,
+        help="UTF-8 text: the first --prompt-tokens tokens are the prompt, the rest the "
+        "continuation scored (default: kvviz's bundled English sample, ~470 tokens)",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=integer(1, MAX_PROMPT_TOKENS),
+        default=DEFAULT_PROMPT_TOKENS,
+        help=f"prompt length in tokens: the compression point (default {DEFAULT_PROMPT_TOKENS}; at most "
+        "the model's positions, and what the work budget KVVIZ_MAX_BYTES allows)",
+    )
+    p.add_argument(
+        "--continuation-tokens",
+        type=integer(1, MAX_NEW_TOKENS),
+        default=None,
+        help=f"continuation tokens scored (1-{MAX_NEW_TOKENS}; default: the rest of the text, at most "
+        f"{MAX_NEW_TOKENS})",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress line")
 
 
@@ -44,31 +55,47 @@ def register(subparsers) -> None:
     from kvviz.decode.quality import MAX_NEW_TOKENS
 
     p = subparsers.add_parser(
-        "eval", help="decode a real model with a compressed KV cache: perplexity, KL, top-1 vs the full cache",
+        "eval",
+        help="decode a real model with a compressed KV cache: perplexity, KL, top-1 vs the full cache",
         description="Teacher-forced decoding of a text's continuation with the compressed cache "
-                    "(eviction applied step by step at the tokens' true positions, K/V quantized "
-                    "with the kvviz quantizer) against the full cache on the same text.")
+        "(eviction applied step by step at the tokens' true positions, K/V quantized "
+        "with the kvviz quantizer) against the full cache on the same text.",
+    )
     _add_text_args(p)
     add_compression_args(p)
-    p.add_argument("--greedy", type=integer(0, MAX_NEW_TOKENS), default=0, metavar="N",
-                   help="also write N greedy tokens after the prompt with both caches, side by side")
+    p.add_argument(
+        "--greedy",
+        type=integer(0, MAX_NEW_TOKENS),
+        default=0,
+        metavar="N",
+        help="also write N greedy tokens after the prompt with both caches, side by side",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
     p.set_defaults(func=cmd_eval)
 
     s = subparsers.add_parser(
-        "eval-sweep", help="quality vs KV memory ratio for several methods and budgets -> CSV",
+        "eval-sweep",
+        help="quality vs KV memory ratio for several methods and budgets -> CSV",
         description="Every eviction method at every token budget, plus whole-cache quantizers, "
-                    "on the same text: perplexity, KL, top-1 and the memory ratio, one CSV row each.")
+        "on the same text: perplexity, KL, top-1 and the memory ratio, one CSV row each.",
+    )
     _add_text_args(s)
-    s.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma-separated: eviction methods (streaming, recent-only, h2o, tova, snapkv, knorm, "
-                        "oracle) run at every budget; quantizers (kv-8bit, kv-4bit, kivi-2bit, "
-                        "2bit-per-token-keys, and the serving formats fp16, fp8-e4m3-tensor / -head / -token, "
-                        "fp8-e5m2-head, nvfp4, mxfp4, nvfp4-rotated, kivi-2bit-rotated, "
-                        "2bit-per-token-keys-rotated, hf-qc-4bit, hf-qc-2bit) once "
-                        f"(default {DEFAULT_METHODS})")
-    s.add_argument("--budgets", type=number_list(int, 8, MAX_TOKENS, "32,64,128"), default=DEFAULT_BUDGETS,
-                   help=f"token budgets, each at least 8 (4 sinks + a window) (default {DEFAULT_BUDGETS})")
+    s.add_argument(
+        "--methods",
+        default=DEFAULT_METHODS,
+        help="comma-separated: eviction methods (streaming, recent-only, h2o, tova, snapkv, knorm, "
+        "oracle) run at every budget; quantizers (kv-8bit, kv-4bit, kivi-2bit, "
+        "2bit-per-token-keys, and the serving formats fp16, fp8-e4m3-tensor / -head / -token, "
+        "fp8-e5m2-head, nvfp4, mxfp4, nvfp4-rotated, kivi-2bit-rotated, "
+        "2bit-per-token-keys-rotated, hf-qc-4bit, hf-qc-2bit) once "
+        f"(default {DEFAULT_METHODS})",
+    )
+    s.add_argument(
+        "--budgets",
+        type=number_list(int, 8, MAX_TOKENS, "32,64,128"),
+        default=DEFAULT_BUDGETS,
+        help=f"token budgets, each at least 8 (4 sinks + a window) (default {DEFAULT_BUDGETS})",
+    )
     s.add_argument("--out", help="CSV file (default: standard output)")
     s.set_defaults(func=cmd_eval_sweep)
 
@@ -95,6 +122,7 @@ def _progress(enabled: bool):
     def say(fraction: float, message: str) -> None:
         sys.stderr.write(f"\r[{fraction:4.0%}] {message:<60}")
         sys.stderr.flush()
+
     return say
 
 
@@ -107,7 +135,7 @@ def _prepare(a: argparse.Namespace):
     text = _read_text(a.text_file)
     if not text.strip():
         raise SpecError("the text is empty")
-    check_lengths(10 ** 9, a.prompt_tokens, a.continuation_tokens)   # caps, before the slow load
+    check_lengths(10**9, a.prompt_tokens, a.continuation_tokens)  # caps, before the slow load
     say = _progress(not a.quiet)
     model, tokenizer, _ = load_from_args(a, progress=say)
     ref = reference(model, tokenizer, text, a.prompt_tokens, a.continuation_tokens)
@@ -122,21 +150,33 @@ def cmd_eval(a: argparse.Namespace) -> int:
     spec = spec_from_args(a)
     if spec.quant_model == "noise":
         from kvviz.spec import SpecError
-        raise SpecError("--quant-model noise is the handbook's attention-row stand-in; "
-                        "on a real model kvviz eval quantizes the real K/V (use --bits)")
+
+        raise SpecError(
+            "--quant-model noise is the handbook's attention-row stand-in; "
+            "on a real model kvviz eval quantizes the real K/V (use --bits)"
+        )
     model, tokenizer, ref, say = _prepare(a)
     q = evaluate(model, ref, spec, progress=say)
     pair = None
     if a.greedy:
-        pair = side_by_side(model, tokenizer, list(ref.ids[: ref.prompt_len]), spec, a.greedy, progress=say)
+        pair = side_by_side(
+            model, tokenizer, list(ref.ids[: ref.prompt_len]), spec, a.greedy, progress=say
+        )
     if say:
         sys.stderr.write("\r" + " " * 70 + "\r")
     out = q.as_dict()
-    out["per_token"] = {"tokens": list(q.tokens), "kl": q.kl.tolist(), "nll": q.nll.tolist(),
-                        "nll_full": q.nll_full.tolist()}
+    out["per_token"] = {
+        "tokens": list(q.tokens),
+        "kl": q.kl.tolist(),
+        "nll": q.nll.tolist(),
+        "nll_full": q.nll_full.tolist(),
+    }
     if pair is not None:
-        out["greedy"] = {"full": pair.full_text, "compressed": pair.compressed_text,
-                         "first_divergence": pair.first_divergence}
+        out["greedy"] = {
+            "full": pair.full_text,
+            "compressed": pair.compressed_text,
+            "first_divergence": pair.first_divergence,
+        }
     if a.json:
         json.dump(_json_safe(out), sys.stdout)
         sys.stdout.write("\n")
@@ -147,22 +187,31 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
 def format_eval(q, pair=None) -> str:
     d = q.as_dict()
-    lines = [f"spec: {q.spec.label()}",
-             f"text: {d['prompt_tokens']}-token prompt (compression point), {d['continuation_tokens']} "
-             "continuation tokens scored (teacher-forced; the first is predicted by the prefill)",
-             "",
-             f"  perplexity              {d['perplexity']:10.3f}   (full cache {d['perplexity_full']:.3f}, "
-             f"ratio {d['perplexity_ratio']:.3f})",
-             f"  next-token KL(full || compressed) {d['kl_mean']:.4f} mean nats/token over the vocabulary (max {d['kl_max']:.4f})",
-             f"  top-1 agreement         {d['top1_agreement']:10.3f}",
-             f"  KV cache                {d['kv_bytes']:10,.0f} B of {d['kv_bytes_full']:,.0f} B (16-bit), "
-             f"{d['compression_ratio']:.2f}x smaller; {d['kept_tokens']} of {d['total_tokens']} tokens kept",
-             f"  time                    {d['seconds']:10.2f} s"]
+    lines = [
+        f"spec: {q.spec.label()}",
+        f"text: {d['prompt_tokens']}-token prompt (compression point), {d['continuation_tokens']} "
+        "continuation tokens scored (teacher-forced; the first is predicted by the prefill)",
+        "",
+        f"  perplexity              {d['perplexity']:10.3f}   (full cache {d['perplexity_full']:.3f}, "
+        f"ratio {d['perplexity_ratio']:.3f})",
+        f"  next-token KL(full || compressed) {d['kl_mean']:.4f} mean nats/token over the vocabulary (max {d['kl_max']:.4f})",
+        f"  top-1 agreement         {d['top1_agreement']:10.3f}",
+        f"  KV cache                {d['kv_bytes']:10,.0f} B of {d['kv_bytes_full']:,.0f} B (16-bit), "
+        f"{d['compression_ratio']:.2f}x smaller; {d['kept_tokens']} of {d['total_tokens']} tokens kept",
+        f"  time                    {d['seconds']:10.2f} s",
+    ]
     if pair is not None:
-        mark = "identical" if pair.first_divergence is None else f"first divergence at token {pair.first_divergence}"
-        lines += ["", f"greedy continuation ({mark}):",
-                  "  full:       " + _marked(pair.full_tokens, pair.first_divergence),
-                  "  compressed: " + _marked(pair.compressed_tokens, pair.first_divergence)]
+        mark = (
+            "identical"
+            if pair.first_divergence is None
+            else f"first divergence at token {pair.first_divergence}"
+        )
+        lines += [
+            "",
+            f"greedy continuation ({mark}):",
+            "  full:       " + _marked(pair.full_tokens, pair.first_divergence),
+            "  compressed: " + _marked(pair.compressed_tokens, pair.first_divergence),
+        ]
     return "\n".join(lines)
 
 
@@ -177,11 +226,14 @@ def cmd_eval_sweep(a: argparse.Namespace) -> int:
     from kvviz.spec import SpecError
 
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    budgets = a.budgets                                # checked by its argparse type
+    budgets = a.budgets  # checked by its argparse type
     from kvviz.decode.eval_sweep import QUANT_METHODS, SWEEP_METHODS
+
     bad = [m for m in methods if m not in SWEEP_METHODS and m not in QUANT_METHODS]
     if bad:
-        raise SpecError(f"unknown method {bad[0]!r}; choose from {', '.join([*SWEEP_METHODS, *QUANT_METHODS])}")
+        raise SpecError(
+            f"unknown method {bad[0]!r}; choose from {', '.join([*SWEEP_METHODS, *QUANT_METHODS])}"
+        )
     model, _, ref, say = _prepare(a)
     rows = sweep(model, ref, methods, budgets, progress=say)
     if say:
@@ -190,7 +242,12 @@ def cmd_eval_sweep(a: argparse.Namespace) -> int:
     w = csv.DictWriter(buf, fieldnames=list(SWEEP_FIELDS), lineterminator="\n")
     w.writeheader()
     for r in rows:
-        w.writerow({k: (f"{v:.6g}" if isinstance(v, float) and math.isfinite(v) else v) for k, v in r.items()})
+        w.writerow(
+            {
+                k: (f"{v:.6g}" if isinstance(v, float) and math.isfinite(v) else v)
+                for k, v in r.items()
+            }
+        )
     if a.out:
         Path(a.out).write_text(buf.getvalue())
         print(f"wrote {len(rows)} rows to {a.out}", file=sys.stderr)

@@ -13,11 +13,14 @@ from kvviz.limits import ENV
 from kvviz.spec import SpecError
 from kvviz.trace import TraceError
 
-COMMANDS = (compare, sweep, solve, ledger, capture, trace, evaluate, needle, lesson, study)   # in the order --help lists them
+# in the order --help lists them
+COMMANDS = (compare, sweep, solve, ledger, capture, trace, evaluate, needle, lesson, study)
 
 
 def build_parser() -> OneLineParser:
-    parser = OneLineParser(prog="kvviz", description="See what KV-cache compression does to attention.")
+    parser = OneLineParser(
+        prog="kvviz", description="See what KV-cache compression does to attention."
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     for command in COMMANDS:
         command.register(sub)
@@ -36,15 +39,20 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, TraceError, CliError) as exc:
         print(f"kvviz: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:    # Ctrl-C in a long computation: one line, the shell's status for SIGINT
+    # Ctrl-C in a long computation: one line, the shell's status for SIGINT
+    except KeyboardInterrupt:
         print("kvviz: interrupted", file=sys.stderr)
         return 130
     except MemoryError:
-        print(f"kvviz: error: out of memory; lower the sizes, or the work budget ({ENV}) so kvviz refuses "
-              "such a request up front", file=sys.stderr)
+        print(
+            f"kvviz: error: out of memory; lower the sizes, or the work budget ({ENV}) so kvviz refuses "
+            "such a request up front",
+            file=sys.stderr,
+        )
         return 2
     except Exception as exc:  # ModelError and friends: one line, no traceback
         from kvviz.models import ModelError
+
         if isinstance(exc, (ModelError, FileNotFoundError, PermissionError)):
             print(f"kvviz: error: {exc}", file=sys.stderr)
             return 2

@@ -9,8 +9,11 @@ import sys
 
 
 def register(sub) -> None:
-    p = sub.add_parser("trace", help="inspect trace files (kvviz trace info FILE)",
-                       description="Inspect kvviz trace files without reading their arrays.")
+    p = sub.add_parser(
+        "trace",
+        help="inspect trace files (kvviz trace info FILE)",
+        description="Inspect kvviz trace files without reading their arrays.",
+    )
     inner = p.add_subparsers(dest="trace_command", required=True)
     i = inner.add_parser("info", help="the manifest and tensor sizes of a trace file (header only)")
     i.add_argument("file", help="a .safetensors trace written by kvviz capture or save_trace")
@@ -30,9 +33,26 @@ def cmd_info(a: argparse.Namespace) -> int:
     return 0
 
 
-MANIFEST = ("model", "path", "revision", "architecture", "dtype", "device", "attn_implementation", "layer_kinds",
-            "sliding_window", "prompt_sha256", "prompt_tokens", "new_tokens", "captured_at", "capture_seconds",
-            "kvviz_version", "transformers_version", "torch_version", "source")
+MANIFEST = (
+    "model",
+    "path",
+    "revision",
+    "architecture",
+    "dtype",
+    "device",
+    "attn_implementation",
+    "layer_kinds",
+    "sliding_window",
+    "prompt_sha256",
+    "prompt_tokens",
+    "new_tokens",
+    "captured_at",
+    "capture_seconds",
+    "kvviz_version",
+    "transformers_version",
+    "torch_version",
+    "source",
+)
 
 
 def format_info(info: dict) -> str:
@@ -40,12 +60,16 @@ def format_info(info: dict) -> str:
     from kvviz.trace import layer_ranges
 
     m = info["meta"]
-    lines = [f"{info['file']}: kvviz trace, format {info['version']}, {fmt_bytes(info['bytes'])}",
-             f"  {info['positions']:,} positions (context {info['context_len']:,}), layers "
-             f"{layer_ranges(info['layers'])} ({len(info['layers'])}), "
-             f"{fmt_bytes(info['bytes_per_token'])} a token"]
+    lines = [
+        f"{info['file']}: kvviz trace, format {info['version']}, {fmt_bytes(info['bytes'])}",
+        f"  {info['positions']:,} positions (context {info['context_len']:,}), layers "
+        f"{layer_ranges(info['layers'])} ({len(info['layers'])}), "
+        f"{fmt_bytes(info['bytes_per_token'])} a token",
+    ]
     for kind, e in info["tensors"].items():
-        lines.append(f"  {kind:<16} {e['dtype']:<5} {e['tensors']:>4} x {e['shape']}  {fmt_bytes(e['bytes'])}")
+        lines.append(
+            f"  {kind:<16} {e['dtype']:<5} {e['tensors']:>4} x {e['shape']}  {fmt_bytes(e['bytes'])}"
+        )
     for key in MANIFEST:
         if m.get(key) is not None:
             value = m[key]

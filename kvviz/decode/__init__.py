@@ -16,13 +16,60 @@ May import: the core, policies, quant, models. torch and transformers only insid
 
 from kvviz.decode.cache import MODES, CompressedCache
 from kvviz.decode.eval_sweep import QUANT_METHODS, SWEEP_FIELDS, SWEEP_METHODS, sweep
-from kvviz.decode.loop import Prefill, decode, decode_many, masked_reference_logits, plain_decode, prefill
-from kvviz.decode.quality import (MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, SAMPLE_TEXT_FILE, Quality, Reference, SideBySide,
-                                  check_lengths, evaluate, first_divergence, greedy, quality_from, reference,
-                                  sample_text, side_by_side, token_strings, tokenize)
+from kvviz.decode.loop import (
+    Prefill,
+    decode,
+    decode_many,
+    masked_reference_logits,
+    plain_decode,
+    prefill,
+)
+from kvviz.decode.quality import (
+    MAX_NEW_TOKENS,
+    MAX_PROMPT_TOKENS,
+    SAMPLE_TEXT_FILE,
+    Quality,
+    Reference,
+    SideBySide,
+    check_lengths,
+    evaluate,
+    first_divergence,
+    greedy,
+    quality_from,
+    reference,
+    sample_text,
+    side_by_side,
+    token_strings,
+    tokenize,
+)
 
-__all__ = ["CompressedCache", "MAX_NEW_TOKENS", "MAX_PROMPT_TOKENS", "MODES", "Prefill", "QUANT_METHODS", "Quality",
-           "Reference", "SAMPLE_TEXT_FILE", "SWEEP_FIELDS", "SWEEP_METHODS", "SideBySide", "check_lengths",
-           "decode", "decode_many", "evaluate", "first_divergence", "greedy", "masked_reference_logits",
-           "plain_decode", "prefill", "quality_from", "reference", "sample_text", "side_by_side", "sweep",
-           "token_strings", "tokenize"]
+__all__ = [
+    "CompressedCache",
+    "MAX_NEW_TOKENS",
+    "MAX_PROMPT_TOKENS",
+    "MODES",
+    "Prefill",
+    "QUANT_METHODS",
+    "Quality",
+    "Reference",
+    "SAMPLE_TEXT_FILE",
+    "SWEEP_FIELDS",
+    "SWEEP_METHODS",
+    "SideBySide",
+    "check_lengths",
+    "decode",
+    "decode_many",
+    "evaluate",
+    "first_divergence",
+    "greedy",
+    "masked_reference_logits",
+    "plain_decode",
+    "prefill",
+    "quality_from",
+    "reference",
+    "sample_text",
+    "side_by_side",
+    "sweep",
+    "token_strings",
+    "tokenize",
+]

@@ -13,6 +13,10 @@
                    K_hat, V_hat = kvviz.quant.quantize of the kept K / V (the last
                    `residual` kept tokens stay at full precision)
                 4. streaming scorers fold a into their scores      H2O: +=, TOVA: =
+              With Spec.compress_every = N (one-shot scorers) step 2 is skipped and,
+              after the query of every N-th decode step, the layer's cache is scored
+              again over what it holds and cut back to the budget
+              (kvviz.policies.recompress, as the engine's simulation does it).
               Only the oracle looks at the full cache: top-k of this step's own
               full-precision attention (the bound, not a real policy).
 
@@ -31,13 +35,12 @@ from typing import Any
 
 import numpy as np
 
-from kvviz.decode.devquant import float64_ok, quantize_tensor_torch
 from kvviz.decode.place import host, is_cpu, on
+from kvviz.decode.stored import StoredKV
 from kvviz.policies import ScoreContext, evict_one, get_policy, select
 from kvviz.policies.base import group_union
-from kvviz.quant import quantize
-from kvviz.quant.formats import quantize_tensor, uses_formats
-from kvviz.quant.formats import residual_at as formats_residual_at
+from kvviz.policies.recompress import is_due, layer_trace, recompressed
+from kvviz.quant.formats import uses_formats
 from kvviz.spec import FULL_BITS, Spec, SpecError
 from kvviz.trace import Trace
 
@@ -46,7 +49,7 @@ MODES = ("delete", "mask")
 Progress = Callable[[float, str], None]
 
 
-class CompressedCache:
+class CompressedCache(StoredKV):
     """The K/V cache of one decode run under a Spec (mutable; one run only).
 
     Full-precision K / V of every position are stored (the oracle and the `mask` mode
@@ -57,35 +60,61 @@ class CompressedCache:
         scores   (kv_heads, capacity) float      the policy's importance of each token
     """
 
-    def __init__(self, spec: Spec, n_layers: int, n_q_heads: int, n_kv_heads: int, head_dim: int,
-                 capacity: int, mode: str = "delete", tokens: Sequence[str] | None = None,
-                 record: bool = False, inv_freq=None, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        spec: Spec,
+        n_layers: int,
+        n_q_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        mode: str = "delete",
+        tokens: Sequence[str] | None = None,
+        record: bool = False,
+        inv_freq=None,
+        device=None,
+        dtype=None,
+    ) -> None:
         import torch
 
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if spec.positions == "cache":
             if inv_freq is None:
-                raise SpecError("re-rotating keys to their cache slots needs the model's rotary embedding "
-                                "(RoPE); this model has none kvviz can find")
+                raise SpecError(
+                    "re-rotating keys to their cache slots needs the model's rotary embedding "
+                    "(RoPE); this model has none kvviz can find"
+                )
             if mode != "delete":
-                raise SpecError("keys re-rotated to cache slots are only simulated with deleted entries")
+                raise SpecError(
+                    "keys re-rotated to cache slots are only simulated with deleted entries"
+                )
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.dtype = torch.float32 if dtype is None else dtype
-        self.fast = is_cpu(self.device) and self.dtype == torch.float32   # numpy views share the storage
-        self.inv_freq = None if inv_freq is None else torch.as_tensor(inv_freq, dtype=torch.float32,
-                                                                      device=self.device)
+        # numpy views share the storage
+        self.fast = is_cpu(self.device) and self.dtype == torch.float32
+        self.inv_freq = (
+            None
+            if inv_freq is None
+            else torch.as_tensor(inv_freq, dtype=torch.float32, device=self.device)
+        )
         if spec.quant_model == "noise" and spec.noise_sigma > 0:
-            raise SpecError("the logit-noise model is a stand-in for attention rows only; "
-                            "on a real model use real K/V quantization (quant_model 'kv')")
+            raise SpecError(
+                "the logit-noise model is a stand-in for attention rows only; "
+                "on a real model use real K/V quantization (quant_model 'kv')"
+            )
         self.spec, self.mode = spec, mode
         self.policy = get_policy(spec.scorer)
         self.L, self.Hq, self.H, self.D = n_layers, n_q_heads, n_kv_heads, head_dim
         self.group = n_q_heads // n_kv_heads
         self.capacity = capacity
         # on the model's device, in its dtype (kvviz.decode.place)
-        self.k = torch.zeros(n_layers, n_kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device)
-        self.v = torch.zeros(n_layers, n_kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device)
+        self.k = torch.zeros(
+            n_layers, n_kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device
+        )
+        self.v = torch.zeros(
+            n_layers, n_kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device
+        )
         self.kept: list[np.ndarray] = [np.zeros((n_kv_heads, 0), dtype=np.int64)] * n_layers
         self.scores = np.zeros((n_layers, n_kv_heads, capacity))
         self.length = [0] * n_layers
@@ -93,15 +122,20 @@ class CompressedCache:
         self.tokens = tuple(tokens) if tokens is not None else None
         self.trace: Trace | None = None
         self.compressed = False
-        self._quant_memo: dict[tuple[int, str], Any] = {}   # see _quantized
-        self._rows = torch.arange(n_kv_heads, device=self.device)[:, None]   # (H, 1) for gathers
+        self._quant_memo: dict[tuple[int, str], Any] = {}  # see _quantized
+        self._rows = torch.arange(n_kv_heads, device=self.device)[:, None]  # (H, 1) for gathers
         self._rows_np = np.arange(n_kv_heads)[:, None]
-        self.block = False   # True: teacher-forced steps may arrive as one block (see block_ok)
+        self.block = False  # True: teacher-forced steps may arrive as one block (see block_ok)
         # record=True keeps every decode query and kept set, to rebuild the run as a Trace
         self.record = record
-        self.step_q: list[list[np.ndarray]] = [[] for _ in range(n_layers)]       # (Hq, D) per step
-        self.step_kept: list[list[np.ndarray]] = [[] for _ in range(n_layers)]    # (H, m) per step
-        self.read_counts: list[np.ndarray | None] = [None] * n_layers   # Quest: tokens each KV head read last
+        self.step_q: list[list[np.ndarray]] = [[] for _ in range(n_layers)]  # (Hq, D) per step
+        self.step_kept: list[list[np.ndarray]] = [[] for _ in range(n_layers)]  # (H, m) per step
+        # Quest: tokens each KV head read last
+        self.read_counts: list[np.ndarray | None] = [None] * n_layers
+        # compress_every: every decode query (Hq, D) per layer, which a later compression point scores with
+        self.decode_q: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
+        # positions p after whose query
+        self.recompressed_at: list[list[int]] = [[] for _ in range(n_layers)]
 
     # -- policy bookkeeping ------------------------------------------------------------
     @property
@@ -125,7 +159,7 @@ class CompressedCache:
             return np.stack(self.read_counts)
         return np.array([[k.shape[-1]] * self.H for k in self.kept], dtype=np.int64)
 
-    def seed(self, prefix, n: int) -> None:   # prefix: a kvviz.decode.loop.Prefill
+    def seed(self, prefix, n: int) -> None:  # prefix: a kvviz.decode.loop.Prefill
         """Fill the cache with the first n positions of a full-cache prefill (instead of running them)."""
         if self.compressed or self.length[0]:
             raise RuntimeError("seed an empty cache only")
@@ -137,13 +171,23 @@ class CompressedCache:
     def compress(self) -> None:
         """The compression point: score the prompt from its own attention and select."""
         n = self.n_tokens
-        q = np.stack(self.prefill_q)                                      # (L, Hq, n, D)
-        k = host(self.k[:, :, :n])                                        # the one crossing to the host
+        q = np.stack(self.prefill_q)  # (L, Hq, n, D)
+        # the one crossing to the host
+        k = host(self.k[:, :, :n])
         v = host(self.v[:, :, :n])
         tokens = self.tokens[:n] if self.tokens is not None else tuple(f"t{i}" for i in range(n))
-        self.trace = Trace(q=q, k=k, v=v, context_len=n, tokens=tuple(tokens),
-                           query_positions=np.arange(n), meta={"source": "model prefill", **(
-                               {} if self.inv_freq is None else {"rope_inv_freq": self.inv_freq.tolist()})})
+        self.trace = Trace(
+            q=q,
+            k=k,
+            v=v,
+            context_len=n,
+            tokens=tuple(tokens),
+            query_positions=np.arange(n),
+            meta={
+                "source": "model prefill",
+                **({} if self.inv_freq is None else {"rope_inv_freq": self.inv_freq.tolist()}),
+            },
+        )
         self._context_q = q if self.record else None
         self.prefill_q = [None] * self.L
         for layer in range(self.L):
@@ -151,10 +195,15 @@ class CompressedCache:
                 self.kept[layer] = np.tile(np.arange(n), (self.H, 1))
                 continue
             ctx = ScoreContext(self.trace, layer, self.spec)
-            scores = np.broadcast_to(np.asarray(self.policy.score(ctx), dtype=np.float64), (self.H, n))
+            scores = np.broadcast_to(
+                np.asarray(self.policy.score(ctx), dtype=np.float64), (self.H, n)
+            )
             self.scores[layer, :, :n] = scores
-            own = self.policy.compression_kept(self.scores[layer, :, :n], self.spec)   # ChunkKV's whole chunks
-            self.kept[layer] = _indices(select(self.scores[layer, :, :n], self.spec) if own is None else own)
+            # ChunkKV's whole chunks
+            own = self.policy.compression_kept(self.scores[layer, :, :n], self.spec)
+            self.kept[layer] = _indices(
+                select(self.scores[layer, :, :n], self.spec) if own is None else own
+            )
         self.compressed = True
 
     def run_trace(self) -> Trace:
@@ -164,81 +213,40 @@ class CompressedCache:
         own simulation can replay the run (the tests check it makes the same decisions).
         """
         if not self.record or self.trace is None:
-            raise RuntimeError("run_trace needs CompressedCache(record=True) and a finished prefill")
+            raise RuntimeError(
+                "run_trace needs CompressedCache(record=True) and a finished prefill"
+            )
         n = self.n_tokens
         steps = np.stack([np.stack(s_, axis=1) for s_ in self.step_q]) if self.step_q[0] else None
         q = self._context_q if steps is None else np.concatenate([self._context_q, steps], axis=2)
-        tokens = self.tokens[:n] if self.tokens is not None and len(self.tokens) >= n else tuple(f"t{i}" for i in range(n))
-        return Trace(q=q.astype(np.float32), k=host(self.k[:, :, :n]).copy(), v=host(self.v[:, :, :n]).copy(),
-                     context_len=self.trace.context_len, tokens=tuple(tokens), query_positions=np.arange(n),
-                     meta={"source": "compressed decode", "spec": self.spec.label()})
+        tokens = (
+            self.tokens[:n]
+            if self.tokens is not None and len(self.tokens) >= n
+            else tuple(f"t{i}" for i in range(n))
+        )
+        return Trace(
+            q=q.astype(np.float32),
+            k=host(self.k[:, :, :n]).copy(),
+            v=host(self.v[:, :, :n]).copy(),
+            context_len=self.trace.context_len,
+            tokens=tuple(tokens),
+            query_positions=np.arange(n),
+            meta={"source": "compressed decode", "spec": self.spec.label()},
+        )
 
     def kept_history(self, layer: int) -> np.ndarray:
         """(steps, kv_heads, n_tokens) bool: what the cache held at each decode step (record=True)."""
         n = self.n_tokens
         out = np.zeros((len(self.step_kept[layer]), self.H, n), dtype=bool)
         for i, kept in enumerate(self.step_kept[layer]):
-            if kept.dtype == bool:                       # a mask (Quest per query head: ragged unions)
+            # a mask (Quest per query head: ragged unions)
+            if kept.dtype == bool:
                 out[i, :, : kept.shape[1]] = kept
             else:
                 np.put_along_axis(out[i], kept, True, axis=1)
         return out
 
     # -- quantization of what is kept ------------------------------------------------------
-    def _quantized(self, layer: int, which: str, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
-        """quantize(x[kept]) with the spec's settings, x (H, m, D) gathered at idx (H, m).
-
-        Identical to calling kvviz.quant.quantize on the kept tokens every step, but each
-        token is quantized once, when it leaves the residual window (token axis: a group
-        is G channels of one token, so its value never changes), and each channel group
-        once when it fills (channel axis; a group whose tokens change by an eviction in
-        the middle of the cache is quantized again, as its members changed).
-        """
-        s = self.spec
-        bits, axis = (s.key_bits, s.key_axis) if which == "k" else (s.value_bits, s.value_axis)
-        m = x.shape[1]
-        n_quant = max(0, m - s.residual)
-        if n_quant == 0:
-            return x
-        sel = idx[:, :n_quant]
-        out = np.empty_like(x)
-        out[:, n_quant:] = x[:, n_quant:]
-        memo = self._quant_memo.get((layer, which))
-        if axis == "token":
-            if memo is None:          # per cache position: its quantized value, and whether it is there yet
-                memo = (np.zeros((self.H, self.capacity, self.D), dtype=x.dtype),
-                        np.zeros((self.H, self.capacity), dtype=bool))
-                self._quant_memo[(layer, which)] = memo
-            values, done = memo
-            todo = ~np.take_along_axis(done, sel, axis=1)                         # (H, n_quant)
-            if todo.any():
-                heads, cols = np.nonzero(todo)
-                fresh = self._quantize_block(which, x[:, :n_quant][heads, cols][None])[0]   # (P, D)
-                values[heads, sel[heads, cols]] = fresh
-                done[heads, sel[heads, cols]] = True
-            out[:, :n_quant] = values[self._rows_np, sel]
-            return out
-        # channel axis: a group of G consecutive kept tokens; keep the quantized compacted cache
-        if memo is None:
-            memo = [np.full((self.H, self.capacity), -1, dtype=np.int64),
-                    np.zeros((self.H, self.capacity, self.D), dtype=x.dtype), 0]
-            self._quant_memo[(layer, which)] = memo
-        kept_idx, values, length = memo
-        same = _common_prefix(kept_idx[:, :length], sel)
-        start = (same // s.group_size) * s.group_size
-        values[:, start:n_quant] = self._quantize_block(which, x[:, start:n_quant])
-        kept_idx[:, start:n_quant] = sel[:, start:]
-        memo[2] = n_quant
-        out[:, :n_quant] = values[:, :n_quant]
-        return out
-
-    def _quantize_block(self, which: str, x: np.ndarray) -> np.ndarray:
-        """kvviz.quant.quantize of x (..., tokens, D) with the spec's K or V settings, no residual."""
-        s = self.spec
-        bits, axis = (s.key_bits, s.key_axis) if which == "k" else (s.value_bits, s.value_axis)
-        return quantize(x, bits, axis, s.group_size, 0, s.symmetric, zero_point=s.zero_point, partial=s.partial)
-
-    # -- attention ------------------------------------------------------------------------
     def attend(self, layer: int, q, k, v, scaling: float):
         """Attention of new queries q (Hq, t, D) given their k, v (H, t, D). Returns (Hq, t, D)."""
         import torch
@@ -247,10 +255,11 @@ class CompressedCache:
         start = self.length[layer]
         if start + t > self.capacity:
             raise RuntimeError(f"compressed cache capacity {self.capacity} exceeded")
-        self.k[layer, :, start:start + t] = k
-        self.v[layer, :, start:start + t] = v
+        self.k[layer, :, start : start + t] = k
+        self.v[layer, :, start : start + t] = v
         self.length[layer] = start + t
-        q = q.to(self.device, torch.float32)          # attention runs in float32 (kvviz.decode.place)
+        # attention runs in float32 (kvviz.decode.place)
+        q = q.to(self.device, torch.float32)
         if not self.compressed:
             if start != 0:
                 raise RuntimeError("the prefill must start at position 0")
@@ -261,18 +270,24 @@ class CompressedCache:
             return self._attend_block(layer, q, start, scaling)
         p = start
         spec = self.spec
-        scores = self.scores[layer]                                           # (H, capacity)
-        qg = q[:, 0].reshape(self.H, self.group, self.D)                      # (H, g, D)
+        scores = self.scores[layer]  # (H, capacity)
+        qg = q[:, 0].reshape(self.H, self.group, self.D)  # (H, g, D)
         if self.policy.needs_query and self.evicts:
             # oracle: top-k by this step's full-precision attention (the policy sums the group)
-            K_all = self.k[layer, :, : p + 1].float()                         # (H, p+1, D)
-            a_full = torch.softmax(qg @ K_all.transpose(1, 2) * scaling, dim=-1)   # (H, g, p+1)
-            attention = host(a_full.reshape(self.Hq, -1)).astype(np.float64)       # (Hq, p+1)
-            ctx, inputs = ScoreContext(self.trace, layer, spec), dict(query=host(q[:, 0]), keys=host(K_all))
+            K_all = self.k[layer, :, : p + 1].float()  # (H, p+1, D)
+            a_full = torch.softmax(qg @ K_all.transpose(1, 2) * scaling, dim=-1)  # (H, g, p+1)
+            attention = host(a_full.reshape(self.Hq, -1)).astype(np.float64)  # (Hq, p+1)
+            ctx, inputs = (
+                ScoreContext(self.trace, layer, spec),
+                dict(query=host(q[:, 0]), keys=host(K_all)),
+            )
             reads = self.policy.query_reads(attention, ctx, **inputs)
-            if reads is not None:                    # Quest per query head: each head reads its own pages
-                self.kept[layer] = np.tile(np.arange(p + 1), (self.H, 1))    # Quest stores everything
-                served = group_union(reads, self.H)  # per KV head, what it served: its group's union
+            # Quest per query head: each head reads its own pages
+            if reads is not None:
+                # Quest stores everything
+                self.kept[layer] = np.tile(np.arange(p + 1), (self.H, 1))
+                # per KV head, what it served: its group's union
+                served = group_union(reads, self.H)
                 self.read_counts[layer] = served.sum(axis=1)
                 if self.record:
                     self.step_q[layer].append(host(q[:, 0]).copy())
@@ -287,18 +302,58 @@ class CompressedCache:
             self.step_q[layer].append(host(q[:, 0]).copy())
             self.step_kept[layer].append(kept.copy())
         if self.mode == "delete":
-            a, out = self._attend_deleted(layer, qg, kept, scaling)           # a (H, g, m)
+            a, out = self._attend_deleted(layer, qg, kept, scaling)  # a (H, g, m)
         else:
             a, out = self._attend_masked(layer, qg, kept, scaling)
         if self.policy.streaming and self.evicts:
-            at = (self._rows_np, kept)                                        # (H, m) fancy index
-            seen = scores[at]                                                 # (H, m)
-            seen[seen == np.inf] = 0.0            # the new token has now been seen by a query
+            at = (self._rows_np, kept)  # (H, m) fancy index
+            seen = scores[at]  # (H, m)
+            seen[seen == np.inf] = 0.0  # the new token has now been seen by a query
             # every position has a query here: before this one, p - i queries saw token i
-            self.policy.update(seen, host(a.reshape(self.Hq, -1)).astype(np.float64),   # its rows, (Hq, m)
-                               ScoreContext(self.trace, layer, spec), (p - kept).astype(np.float64))
+            # its rows, (Hq, m)
+            self.policy.update(
+                seen,
+                host(a.reshape(self.Hq, -1)).astype(np.float64),
+                ScoreContext(self.trace, layer, spec),
+                (p - kept).astype(np.float64),
+            )
             scores[at] = seen
+        if spec.compress_every and self.evicts:
+            self._after_query(layer, p, q)
         return out.reshape(self.Hq, 1, self.D)
+
+    def _after_query(self, layer: int, p: int, q) -> None:
+        """compress_every: keep the query for later scoring; after every N-th decode step's query, score the
+        layer's cache again over positions 0..p and keep `select`'s choice among what it holds."""
+        self.decode_q[layer].append(host(q[:, 0]).copy())
+        if not is_due(p, self.trace.context_len, self.spec.compress_every):
+            return
+        n = p + 1
+        # (Hq, n, D)
+        q_all = np.concatenate(
+            [self.trace.q[layer], np.stack(self.decode_q[layer], axis=1)], axis=1
+        )
+        tokens = (
+            self.tokens
+            if self.tokens is not None and len(self.tokens) >= n
+            else tuple(f"t{i}" for i in range(n))
+        )
+        sub = layer_trace(
+            q_all,
+            host(self.k[layer, :, :n]),
+            host(self.v[layer, :, :n]),
+            layer,
+            self.L,
+            tokens,
+            self.trace.meta,
+        )
+        scores = np.broadcast_to(
+            np.asarray(self.policy.score(ScoreContext(sub, layer, self.spec)), dtype=np.float64),
+            (self.H, n),
+        )
+        self.scores[layer, :, :n] = scores
+        self.kept[layer] = recompressed(self.kept[layer], self.scores[layer, :, :n], self.spec)
+        self.recompressed_at[layer].append(p)
 
     def _attend_reads(self, layer: int, q, reads: np.ndarray, scaling: float):
         """Each query head attends over its own reads (Hq, p + 1) (Quest per query head): its read tokens of
@@ -306,7 +361,8 @@ class CompressedCache:
         import torch
 
         out = torch.empty(self.Hq, self.D, device=self.device)
-        stored = {}                                            # KV head -> its whole cache (K, V), quantized
+        # KV head -> its whole cache (K, V), quantized
+        stored = {}
         for j in range(self.Hq):
             h = j // self.group
             if h not in stored:
@@ -316,33 +372,15 @@ class CompressedCache:
             out[j] = torch.softmax(q[j, 0] @ K[idx].T * scaling, dim=-1) @ V[idx]
         return out.reshape(self.Hq, 1, self.D)
 
-    def _kv_head(self, layer: int, h: int, idx: np.ndarray):
-        """One head's K, V (m, D) at idx, quantized per the spec as a compacted cache (integer formats)."""
-
-        at = on(idx, self.device)
-        K, V = self.k[layer, h, at].float(), self.v[layer, h, at].float()
-        s = self.spec
-        settings = dict(zero_point=s.zero_point, partial=s.partial)
-        n_quant = max(0, len(idx) - s.residual)
-        if not self.fast and s.quant_model == "kv":       # on the model's device (kvviz.decode.devquant)
-            return self._on_device(K, "k"), self._on_device(V, "v")
-        for which, bits, axis in (("k", s.key_bits, s.key_axis), ("v", s.value_bits, s.value_axis)):
-            if s.quant_model != "kv" or bits >= FULL_BITS or n_quant == 0:
-                continue
-            x = host(K if which == "k" else V).copy()
-            x[:n_quant] = quantize(x[None, :n_quant], bits, axis, s.group_size, 0, s.symmetric, **settings)[0]
-            if which == "k":
-                K = on(x, self.device)
-            else:
-                V = on(x, self.device)
-        return K, V
-
     def _arrive(self, layer: int, p: int) -> np.ndarray:
         """Token p joins layer's cache; the cache is trimmed back to the budget. Returns the kept set."""
         spec = self.spec
-        kept = np.concatenate([self.kept[layer], np.full((self.H, 1), p)], axis=1)   # arrives
-        self.scores[layer, :, p] = self.policy.arrival_score(host(self.k[layer, :, p]), layer, p, spec)
-        if self.evicts and kept.shape[1] > spec.budget:                       # evict one per head
+        kept = np.concatenate([self.kept[layer], np.full((self.H, 1), p)], axis=1)  # arrives
+        self.scores[layer, :, p] = self.policy.arrival_score(
+            host(self.k[layer, :, p]), layer, p, spec
+        )
+        # evict one per head
+        if self.evicts and kept.shape[1] > spec.budget and not spec.compress_every:
             kept = evict_one(kept, self.scores[layer], spec, p)
         return kept
 
@@ -358,9 +396,15 @@ class CompressedCache:
         recorded run; nor for the serving formats, rotation or HF's residual flush (kvviz.quant.formats),
         which quantize each step's whole kept set afresh, with scales and a residual of that step.
         """
-        return (self.mode == "delete" and not self.record
-                and not (self.evicts and (self.policy.streaming or self.policy.needs_query))
-                and not (self.spec.quant_model == "kv" and self.spec.quantizes and uses_formats(self.spec)))
+        return (
+            self.mode == "delete"
+            and not self.record
+            and not (self.evicts and self.spec.compress_every)
+            and not (self.evicts and (self.policy.streaming or self.policy.needs_query))
+            and not (
+                self.spec.quant_model == "kv" and self.spec.quantizes and uses_formats(self.spec)
+            )
+        )
 
     def _attend_block(self, layer: int, q, start: int, scaling: float):
         """t teacher-forced tokens at positions start.. in one pass, each query reading exactly
@@ -370,10 +414,11 @@ class CompressedCache:
 
         t = q.shape[1]
         kept_steps = []
-        for i in range(t):                                   # the loop's own bookkeeping, token by token
+        # the loop's own bookkeeping, token by token
+        for i in range(t):
             self.kept[layer] = self._arrive(layer, start + i)
             kept_steps.append(self.kept[layer])
-        qg = q.reshape(self.H, self.group, t, self.D)                         # (H, g, t, D)
+        qg = q.reshape(self.H, self.group, t, self.D)  # (H, g, t, D)
         s = self.spec
         quantized = s.quant_model == "kv" and (s.key_bits < FULL_BITS or s.value_bits < FULL_BITS)
         if not quantized and s.positions == "true":
@@ -382,10 +427,11 @@ class CompressedCache:
             hole = np.full((t, self.H, n), -np.inf, dtype=np.float32)
             for i, kept in enumerate(kept_steps):
                 np.put_along_axis(hole[i], kept, 0.0, axis=1)
-            bias = on(hole, self.device).permute(1, 0, 2)[:, None]            # (H, 1, t, n)
-            K, V = self.k[layer, :, :n].float(), self.v[layer, :, :n].float()   # (H, n, D)
-            a = torch.softmax(qg @ K[:, None].transpose(-1, -2) * scaling + bias, dim=-1)   # (H, g, t, n)
-            out = a @ V[:, None]                                              # (H, g, t, D)
+            bias = on(hole, self.device).permute(1, 0, 2)[:, None]  # (H, 1, t, n)
+            K, V = self.k[layer, :, :n].float(), self.v[layer, :, :n].float()  # (H, n, D)
+            # (H, g, t, n)
+            a = torch.softmax(qg @ K[:, None].transpose(-1, -2) * scaling + bias, dim=-1)
+            out = a @ V[:, None]  # (H, g, t, D)
         else:
             # every step's own cache, gathered (quantized, re-rotated) and padded to the longest
             M = max(k.shape[1] for k in kept_steps)
@@ -399,10 +445,10 @@ class CompressedCache:
                     K = self._rerotated(K, kept, start + i)
                 Ks[i, :, :m], Vs[i, :, :m] = K, V
                 hole[i, :, :m] = 0.0
-            bias = on(hole, self.device)[:, :, None]                          # (t, H, 1, M)
-            qt = qg.permute(2, 0, 1, 3)                                       # (t, H, g, D)
-            a = torch.softmax(qt @ Ks.transpose(-1, -2) * scaling + bias, dim=-1)   # (t, H, g, M)
-            out = (a @ Vs).permute(1, 2, 0, 3)                                # (H, g, t, D)
+            bias = on(hole, self.device)[:, :, None]  # (t, H, 1, M)
+            qt = qg.permute(2, 0, 1, 3)  # (t, H, g, D)
+            a = torch.softmax(qt @ Ks.transpose(-1, -2) * scaling + bias, dim=-1)  # (t, H, g, M)
+            out = (a @ Vs).permute(1, 2, 0, 3)  # (H, g, t, D)
         return out.reshape(self.Hq, t, self.D)
 
     def _prefill(self, layer: int, q, scaling: float):
@@ -411,90 +457,26 @@ class CompressedCache:
 
         n = q.shape[1]
         self.prefill_q[layer] = host(q).copy()
-        K = self.k[layer, :, :n].float().repeat_interleave(self.group, dim=0)   # (Hq, n, D)
+        K = self.k[layer, :, :n].float().repeat_interleave(self.group, dim=0)  # (Hq, n, D)
         V = self.v[layer, :, :n].float().repeat_interleave(self.group, dim=0)
-        if not self.fast:   # a GPU (or a half-precision model): no (Hq, n, n) matrix; 32k tokens fit
-            return torch.nn.functional.scaled_dot_product_attention(q[None], K[None], V[None], is_causal=True,
-                                                                    scale=scaling)[0]
-        logits = q @ K.transpose(1, 2) * scaling                              # (Hq, n, n)
+        # a GPU (or a half-precision model): no (Hq, n, n) matrix; 32k tokens fit
+        if not self.fast:
+            return torch.nn.functional.scaled_dot_product_attention(
+                q[None], K[None], V[None], is_causal=True, scale=scaling
+            )[0]
+        logits = q @ K.transpose(1, 2) * scaling  # (Hq, n, n)
         future = torch.ones(n, n, dtype=torch.bool).triu(1)
         logits = logits.masked_fill(future, float("-inf"))
-        return torch.softmax(logits, dim=-1) @ V                              # (Hq, n, D)
-
-    def _kept_kv(self, layer: int, idx: np.ndarray):
-        """Kept K and V gathered at idx (H, m), quantized per the spec: (H, m, D) each."""
-        import torch
-
-        m = idx.shape[1]
-        if m and (idx[:, -1] == m - 1).all():   # sorted positions ending at m - 1: the whole prefix
-            K, V = self.k[layer, :, :m].float(), self.v[layer, :, :m].float()   # float32: views, no gather
-        elif self.fast:   # numpy's gather on the shared storage: the same values, without torch's indexing overhead
-            K = torch.from_numpy(self.k[layer].numpy()[self._rows_np, idx])   # (H, m, D)
-            V = torch.from_numpy(self.v[layer].numpy()[self._rows_np, idx])
-        else:             # on the model's device, then float32
-            at = on(idx, self.device)
-            K, V = self.k[layer][self._rows, at].float(), self.v[layer][self._rows, at].float()
-        s = self.spec
-        if s.quant_model == "kv" and uses_formats(s) and not self.fast and float64_ok(self.device):
-            residual = formats_residual_at(s, idx, self.length[layer] - 1, self.trace.context_len)
-            return quantize_tensor_torch(K, s, "k", residual), quantize_tensor_torch(V, s, "v", residual)
-        if s.quant_model == "kv" and uses_formats(s):
-            return self._kept_kv_formats(layer, host(K), host(V), idx)
-        if not self.fast and s.quant_model == "kv":       # on the model's device (kvviz.decode.devquant)
-            return self._on_device(K, "k"), self._on_device(V, "v")
-        if s.quant_model == "kv" and s.key_bits < FULL_BITS:
-            K = on(self._quantized(layer, "k", host(K), idx), self.device)
-        if s.quant_model == "kv" and s.value_bits < FULL_BITS:
-            V = on(self._quantized(layer, "v", host(V), idx), self.device)
-        return K, V
-
-    def _on_device(self, x, which: str):
-        """x (..., m, D) float32 quantized per the spec's integer K or V settings where it lives: the
-        torch twin of kvviz.quant.quantize (bit for bit on a CPU; kvviz.decode.devquant)."""
-        from kvviz.decode.devquant import quantize_torch
-
-        s = self.spec
-        bits, axis = (s.key_bits, s.key_axis) if which == "k" else (s.value_bits, s.value_axis)
-        return quantize_torch(x, bits, axis, s.group_size, s.residual, s.symmetric, s.zero_point, s.partial)
-
-    def _kept_kv_formats(self, layer: int, K: np.ndarray, V: np.ndarray, idx: np.ndarray):
-        """FP8 / FP4 formats, rotation, HF's residual flush (kvviz.quant.formats): the whole
-        kept set of every KV head is quantized afresh at each step (no reuse across steps)."""
-
-        s = self.spec
-        residual = formats_residual_at(s, idx, self.length[layer] - 1, self.trace.context_len)
-        if s.quantizes_keys:
-            K = quantize_tensor(K, s, "k", residual)
-        if s.quantizes_values:
-            V = quantize_tensor(V, s, "v", residual)
-        return on(K, self.device), on(V, self.device)
+        return torch.softmax(logits, dim=-1) @ V  # (Hq, n, D)
 
     def _attend_deleted(self, layer: int, qg, kept: np.ndarray, scaling: float):
         import torch
 
-        K, V = self._kept_kv(layer, kept)                                     # (H, m, D)
+        K, V = self._kept_kv(layer, kept)  # (H, m, D)
         if self.spec.positions == "cache":
             K = self._rerotated(K, kept, self.length[layer] - 1)
-        a = torch.softmax(qg @ K.transpose(1, 2) * scaling, dim=-1)            # (H, g, m)
-        return a, a @ V                                                        # out (H, g, D)
-
-    def _rerotated(self, K, kept: np.ndarray, p: int):
-        """Kept keys as if each sat at its cache slot, the query at its own slot (StreamingLLM).
-
-        The cache holds post-RoPE keys at their true positions i; the query is rotated for
-        its true position p. RoPE makes q_p . k_i depend on p - i only, so rotating each key
-        by delta = (slot_k - slot_q) - (i - p) gives the logits of slot positions.
-        """
-        import torch
-
-        m = kept.shape[1]
-        slot_q = m - 1 if int(kept[0, -1]) == p else m        # the query's own slot (its token is kept)
-        delta = (np.arange(m)[None, :] - slot_q) - (kept - p)                 # (H, m)
-        angle = on(delta.astype(np.float32), self.device)[..., None] * self.inv_freq   # (H, m, D/2)
-        cos, sin = torch.cat([angle.cos()] * 2, dim=-1), torch.cat([angle.sin()] * 2, dim=-1)
-        half = K.shape[-1] // 2
-        rotated_half = torch.cat([-K[..., half:], K[..., :half]], dim=-1)     # transformers' rotate_half
-        return K * cos + rotated_half * sin
+        a = torch.softmax(qg @ K.transpose(1, 2) * scaling, dim=-1)  # (H, g, m)
+        return a, a @ V  # out (H, g, D)
 
     def _attend_masked(self, layer: int, qg, kept: np.ndarray, scaling: float):
         """Every entry stays; evicted ones get -inf logits. Returns a over the kept (H, g, m)."""
@@ -511,9 +493,10 @@ class CompressedCache:
             V[self._rows, it] = Vq
         mask = np.zeros((self.H, n), dtype=bool)
         np.put_along_axis(mask, kept, True, axis=1)
-        hole = on(np.where(mask, 0.0, -np.inf).astype(np.float32), self.device)[:, None, :]   # (H, 1, n)
-        a = torch.softmax(qg @ K.transpose(1, 2) * scaling + hole, dim=-1)          # (H, g, n)
-        a_kept = torch.gather(a, 2, it[:, None, :].expand(-1, self.group, -1))       # (H, g, m)
+        # (H, 1, n)
+        hole = on(np.where(mask, 0.0, -np.inf).astype(np.float32), self.device)[:, None, :]
+        a = torch.softmax(qg @ K.transpose(1, 2) * scaling + hole, dim=-1)  # (H, g, n)
+        a_kept = torch.gather(a, 2, it[:, None, :].expand(-1, self.group, -1))  # (H, g, m)
         return a_kept, a @ V
 
 
@@ -523,10 +506,3 @@ def _indices(mask: np.ndarray) -> np.ndarray:
     if not np.all(counts == counts[0]):
         raise RuntimeError("KV heads hold different numbers of tokens")
     return np.nonzero(mask)[1].reshape(mask.shape[0], -1)
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the common prefix of two (H, n) index arrays (all heads agreeing)."""
-    n = min(a.shape[1], b.shape[1])
-    diff = np.flatnonzero((a[:, :n] != b[:, :n]).any(axis=0))
-    return int(diff[0]) if len(diff) else n

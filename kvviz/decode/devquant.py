@@ -23,8 +23,16 @@ from kvviz.quant.integer import quantized_extent
 from kvviz.spec import FULL_BITS
 
 
-def quantize_torch(x, bits: int, axis: str = "token", group_size: int = 32, residual: int = 0,
-                   symmetric: bool = False, zero_point: str = "float", partial: str = "full"):
+def quantize_torch(
+    x,
+    bits: int,
+    axis: str = "token",
+    group_size: int = 32,
+    residual: int = 0,
+    symmetric: bool = False,
+    zero_point: str = "float",
+    partial: str = "full",
+):
     """Quantize then dequantize x (..., tokens, dim), float32 on any device; the last `residual`
     tokens (and a trailing short group with partial="full") unchanged."""
 
@@ -36,25 +44,29 @@ def quantize_torch(x, bits: int, axis: str = "token", group_size: int = 32, resi
     out = x.clone()
     if n_quant == 0 or d_quant == 0:
         return out
-    top = float(2 ** (bits - 1) - 1 if symmetric else 2 ** bits - 1)
+    top = float(2 ** (bits - 1) - 1 if symmetric else 2**bits - 1)
     offset = zero_point == "float" and not symmetric
     lead = x.shape[:-2]
-    if axis == "channel":                        # groups of G consecutive tokens of one channel
+    if axis == "channel":  # groups of G consecutive tokens of one channel
         full = n_quant - n_quant % group
         blocks = [(slice(0, full), (full // group, group, dim), -2)] if full else []
         if full < n_quant:
             blocks.append((slice(full, n_quant), (1, n_quant - full, dim), -2))
         for rows, shape, reduce in blocks:
             xb = x[..., rows, :].reshape(*lead, *shape)
-            out[..., rows, :] = _round_trip(xb, reduce, top, symmetric, offset).reshape(*lead, -1, dim)
+            out[..., rows, :] = _round_trip(xb, reduce, top, symmetric, offset).reshape(
+                *lead, -1, dim
+            )
         return out
-    full = d_quant - d_quant % group           # token axis: G consecutive channels of one token
+    full = d_quant - d_quant % group  # token axis: G consecutive channels of one token
     blocks = [(slice(0, full), (n_quant, full // group, group))] if full else []
     if full < d_quant:
         blocks.append((slice(full, d_quant), (n_quant, 1, d_quant - full)))
     for cols, shape in blocks:
         xb = x[..., :n_quant, cols].reshape(*lead, *shape)
-        out[..., :n_quant, cols] = _round_trip(xb, -1, top, symmetric, offset).reshape(*lead, n_quant, -1)
+        out[..., :n_quant, cols] = _round_trip(xb, -1, top, symmetric, offset).reshape(
+            *lead, n_quant, -1
+        )
     return out
 
 
@@ -88,6 +100,7 @@ def _round_trip(xb, reduce: int, top: float, symmetric: bool, offset: bool):
 # rotated values agree to float32 rounding, and a value on a rounding boundary may then land one
 # quantization step away (the tolerance tests/test_decode_devices.py states). MPS has no float64:
 # callers keep the host path there (float64_ok).
+
 
 def float64_ok(device) -> bool:
     import torch
@@ -128,7 +141,9 @@ def _fp8(x, fmt_name: str, scale: str):
         amax = a.amax(dim=(1, 2), keepdim=True)
     else:
         amax = a.amax(dim=2, keepdim=True)
-    s = torch.where(amax > 0, _fp32_at_least(amax.double() / f.max_value), torch.ones_like(amax)).double()
+    s = torch.where(
+        amax > 0, _fp32_at_least(amax.double() / f.max_value), torch.ones_like(amax)
+    ).double()
     return (_minifloat_round(x.double() / s, f) * s).to(x.dtype)
 
 
@@ -147,10 +162,22 @@ def _nvfp4(x, block: int = 16):
     from kvviz.quant.minifloat import E2M1, E4M3
 
     amax_t = float(x.abs().amax()) if x.numel() else 0.0
-    s_t = float(_fp32_at_least(torch.tensor(amax_t / (E4M3.max_value * E2M1.max_value), dtype=torch.float64))) \
-        if amax_t > 0 else 1.0
+    s_t = (
+        float(
+            _fp32_at_least(
+                torch.tensor(amax_t / (E4M3.max_value * E2M1.max_value), dtype=torch.float64)
+            )
+        )
+        if amax_t > 0
+        else 1.0
+    )
     xb = _blocked(x, block)
-    s = _minifloat_round(xb.abs().amax(dim=-1, keepdim=True).double() / (E2M1.max_value * s_t), E4M3) * s_t
+    s = (
+        _minifloat_round(
+            xb.abs().amax(dim=-1, keepdim=True).double() / (E2M1.max_value * s_t), E4M3
+        )
+        * s_t
+    )
     safe = torch.where(s > 0, s, torch.ones_like(s))
     out = torch.where(s > 0, _minifloat_round(xb.double() / safe, E2M1) * s, torch.zeros_like(s))
     return out.reshape(*x.shape[:-1], -1)[..., : x.shape[-1]].to(x.dtype)
@@ -164,7 +191,9 @@ def _mxfp4(x, block: int = 32):
     xb = _blocked(x, block)
     amax = xb.abs().amax(dim=-1, keepdim=True).double()
     _, ex = torch.frexp(torch.where(amax > 0, amax, torch.ones_like(amax)))
-    e = torch.clamp(torch.where(amax > 0, ex - 1, torch.full_like(ex, E8M0_MIN_EXP)), E8M0_MIN_EXP, E8M0_MAX_EXP)
+    e = torch.clamp(
+        torch.where(amax > 0, ex - 1, torch.full_like(ex, E8M0_MIN_EXP)), E8M0_MIN_EXP, E8M0_MAX_EXP
+    )
     e = torch.clamp(e - 2, E8M0_MIN_EXP, E8M0_MAX_EXP)
     s = torch.ldexp(torch.ones_like(amax), e.double())
     out = _minifloat_round(xb.double() / s, E2M1) * s
@@ -176,7 +205,8 @@ def _hadamard(dim: int, like):
 
     from kvviz.quant.rotation import hadamard
 
-    return torch.tensor(hadamard(dim), dtype=like.dtype, device=like.device)   # a copy: hadamard's is read-only
+    # a copy: hadamard's is read-only
+    return torch.tensor(hadamard(dim), dtype=like.dtype, device=like.device)
 
 
 def quantize_tensor_torch(x, spec, which: str, residual: int):
@@ -194,7 +224,9 @@ def quantize_tensor_torch(x, spec, which: str, residual: int):
     r = _hadamard(x.shape[-1], x) if rotated else None
     xr = head @ r if rotated else head
     if fmt == "int":
-        q = quantize_torch(xr, bits, axis, spec.group_size, 0, spec.symmetric, spec.zero_point, spec.partial)
+        q = quantize_torch(
+            xr, bits, axis, spec.group_size, 0, spec.symmetric, spec.zero_point, spec.partial
+        )
     elif fmt in ("e4m3", "e5m2"):
         q = _fp8(xr, fmt, spec.fp8_scale)
     elif fmt == "nvfp4":

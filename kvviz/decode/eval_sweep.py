@@ -13,55 +13,114 @@ from kvviz.quant.formats import hf_quantized_cache
 from kvviz.spec import SCORERS, Spec, SpecError
 
 
-SWEEP_FIELDS = ("method", "budget", "spec", "residual", "perplexity", "perplexity_full", "perplexity_ratio", "kl_mean", "kl_max",
-                "top1_agreement", "kv_bytes", "kv_bytes_full", "compression_ratio", "memory_ratio",
-                "kept_tokens", "total_tokens")
+SWEEP_FIELDS = (
+    "method",
+    "budget",
+    "spec",
+    "residual",
+    "perplexity",
+    "perplexity_full",
+    "perplexity_ratio",
+    "kl_mean",
+    "kl_max",
+    "top1_agreement",
+    "kv_bytes",
+    "kv_bytes_full",
+    "compression_ratio",
+    "memory_ratio",
+    "kept_tokens",
+    "total_tokens",
+)
 
 SWEEP_METHODS: dict[str, Callable[[int], Spec]] = {
     "streaming": lambda b: Spec(sink=4, recent=max(b - 4, 1), scorer="streaming"),
     "recent-only": lambda b: Spec(sink=0, recent=b, scorer="streaming"),
-    "h2o": lambda b: Spec(sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="h2o"),
-    "tova": lambda b: Spec(sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="tova"),
-    "snapkv": lambda b: Spec(sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="snapkv"),
-    "knorm": lambda b: Spec(sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="knorm"),
-    "oracle": lambda b: Spec(sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="oracle"),
+    "h2o": lambda b: Spec(
+        sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="h2o"
+    ),
+    "tova": lambda b: Spec(
+        sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="tova"
+    ),
+    "snapkv": lambda b: Spec(
+        sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="snapkv"
+    ),
+    "knorm": lambda b: Spec(
+        sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="knorm"
+    ),
+    "oracle": lambda b: Spec(
+        sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="oracle"
+    ),
 }
 # issue #12: the newer scorers with the same split, and allocations over heads / layers
-SWEEP_METHODS.update({name: (lambda s_: lambda b: SWEEP_METHODS["h2o"](b).with_(scorer=s_))(name)
-                      for name in SCORERS if name not in SWEEP_METHODS and name != "random"})
-SWEEP_METHODS.update({f"{al}-{name}": (lambda a_, s_: lambda b: SWEEP_METHODS["h2o"](b).with_(scorer=s_, allocation=a_))(al, name)
-                      for al in ("adakv", "pyramid") for name in ("snapkv", "expected_attention", "knorm", "oracle")})
+SWEEP_METHODS.update(
+    {
+        name: (lambda s_: lambda b: SWEEP_METHODS["h2o"](b).with_(scorer=s_))(name)
+        for name in SCORERS
+        if name not in SWEEP_METHODS and name != "random"
+    }
+)
+SWEEP_METHODS.update(
+    {
+        f"{al}-{name}": (
+            lambda a_, s_: lambda b: SWEEP_METHODS["h2o"](b).with_(scorer=s_, allocation=a_)
+        )(al, name)
+        for al in ("adakv", "pyramid")
+        for name in ("snapkv", "expected_attention", "knorm", "oracle")
+    }
+)
 # Whole-cache quantizers as a function of the prompt length n. KIVI as published: keys per
 # channel, values per token, groups of 32, float offset, the last 128 tokens at full
 # precision (kivi_residual: less on a prompt too short to quantize a group otherwise).
 QUANT_METHODS: dict[str, Callable[[int], Spec]] = {
-    "kivi-2bit": lambda n: Spec(key_bits=2, value_bits=2, key_axis="channel", value_axis="token", group_size=32,
-                                residual=kivi_residual(n)),
-    "kv-4bit": lambda n: Spec(key_bits=4, value_bits=4, key_axis="channel", value_axis="token", group_size=32),
-    "kv-8bit": lambda n: Spec(key_bits=8, value_bits=8, key_axis="channel", value_axis="token", group_size=32),
-    "2bit-per-token-keys": lambda n: Spec(key_bits=2, value_bits=2, key_axis="token", value_axis="token",
-                                          group_size=32),
+    "kivi-2bit": lambda n: Spec(
+        key_bits=2,
+        value_bits=2,
+        key_axis="channel",
+        value_axis="token",
+        group_size=32,
+        residual=kivi_residual(n),
+    ),
+    "kv-4bit": lambda n: Spec(
+        key_bits=4, value_bits=4, key_axis="channel", value_axis="token", group_size=32
+    ),
+    "kv-8bit": lambda n: Spec(
+        key_bits=8, value_bits=8, key_axis="channel", value_axis="token", group_size=32
+    ),
+    "2bit-per-token-keys": lambda n: Spec(
+        key_bits=2, value_bits=2, key_axis="token", value_axis="token", group_size=32
+    ),
 }
 # Serving formats (kvviz.quant.formats): FP8 with FP32 scales, block-scaled FP4, Hadamard rotation
 # before quantizing, and transformers' QuantizedCache (per-token groups, residual flushed every 128).
-QUANT_METHODS.update({
-    "fp16": lambda n: Spec(),   # the full cache: the baseline row
-    "fp8-e4m3-tensor": lambda n: Spec(key_format="e4m3", value_format="e4m3", fp8_scale="tensor"),
-    "fp8-e4m3-head": lambda n: Spec(key_format="e4m3", value_format="e4m3", fp8_scale="head"),
-    "fp8-e4m3-token": lambda n: Spec(key_format="e4m3", value_format="e4m3", fp8_scale="token"),
-    "fp8-e5m2-head": lambda n: Spec(key_format="e5m2", value_format="e5m2", fp8_scale="head"),
-    "nvfp4": lambda n: Spec(key_format="nvfp4", value_format="nvfp4"),
-    "mxfp4": lambda n: Spec(key_format="mxfp4", value_format="mxfp4"),
-    "nvfp4-rotated": lambda n: Spec(key_format="nvfp4", value_format="nvfp4", rotate="keys"),
-    "kivi-2bit-rotated": lambda n: QUANT_METHODS["kivi-2bit"](n).with_(rotate="keys"),
-    "2bit-per-token-keys-rotated": lambda n: QUANT_METHODS["2bit-per-token-keys"](n).with_(rotate="keys"),
-    "hf-qc-4bit": lambda n: hf_quantized_cache(4),
-    "hf-qc-2bit": lambda n: hf_quantized_cache(2),
-})
+QUANT_METHODS.update(
+    {
+        "fp16": lambda n: Spec(),  # the full cache: the baseline row
+        "fp8-e4m3-tensor": lambda n: Spec(
+            key_format="e4m3", value_format="e4m3", fp8_scale="tensor"
+        ),
+        "fp8-e4m3-head": lambda n: Spec(key_format="e4m3", value_format="e4m3", fp8_scale="head"),
+        "fp8-e4m3-token": lambda n: Spec(key_format="e4m3", value_format="e4m3", fp8_scale="token"),
+        "fp8-e5m2-head": lambda n: Spec(key_format="e5m2", value_format="e5m2", fp8_scale="head"),
+        "nvfp4": lambda n: Spec(key_format="nvfp4", value_format="nvfp4"),
+        "mxfp4": lambda n: Spec(key_format="mxfp4", value_format="mxfp4"),
+        "nvfp4-rotated": lambda n: Spec(key_format="nvfp4", value_format="nvfp4", rotate="keys"),
+        "kivi-2bit-rotated": lambda n: QUANT_METHODS["kivi-2bit"](n).with_(rotate="keys"),
+        "2bit-per-token-keys-rotated": lambda n: QUANT_METHODS["2bit-per-token-keys"](n).with_(
+            rotate="keys"
+        ),
+        "hf-qc-4bit": lambda n: hf_quantized_cache(4),
+        "hf-qc-2bit": lambda n: hf_quantized_cache(2),
+    }
+)
 
 
-def sweep(model, ref: Reference, methods: Sequence[str], budgets: Sequence[int],
-          progress: Progress | None = None) -> list[dict]:
+def sweep(
+    model,
+    ref: Reference,
+    methods: Sequence[str],
+    budgets: Sequence[int],
+    progress: Progress | None = None,
+) -> list[dict]:
     """Quality against memory ratio: every eviction method at every budget, plus quantizers."""
     jobs: list[tuple[str, int | str, Spec]] = []
     for name in methods:
@@ -70,8 +129,10 @@ def sweep(model, ref: Reference, methods: Sequence[str], budgets: Sequence[int],
         elif name in QUANT_METHODS:
             jobs.append((name, "", QUANT_METHODS[name](ref.prompt_len)))
         else:
-            raise SpecError(f"unknown sweep method {name!r}; choose from "
-                            f"{', '.join([*SWEEP_METHODS, *QUANT_METHODS])}")
+            raise SpecError(
+                f"unknown sweep method {name!r}; choose from "
+                f"{', '.join([*SWEEP_METHODS, *QUANT_METHODS])}"
+            )
     rows = []
     for j, (name, budget, spec) in enumerate(jobs):
         if progress is not None:

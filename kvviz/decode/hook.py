@@ -15,8 +15,9 @@ from contextlib import contextmanager
 from kvviz.decode.cache import CompressedCache
 
 ATTN_NAME = "kvviz_compressed"
-_LOCK = threading.RLock()        # one compressed run per model at a time (Streamlit threads)
-_ACTIVE: dict[int, tuple] = {}   # id(model config) -> (cache, owning thread, the model's own attention)
+_LOCK = threading.RLock()  # one compressed run per model at a time (Streamlit threads)
+# id(model config) -> (cache, owning thread, the model's own attention)
+_ACTIVE: dict[int, tuple] = {}
 
 
 def _fallback(module, implementation: str | None):
@@ -41,20 +42,26 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     entry = _ACTIVE.get(id(module.config))
     if entry is None or entry[1] != threading.get_ident():
         before = entry[2] if entry is not None else "eager"
-        return _fallback(module, before)(module, query, key, value, attention_mask, scaling=scaling,
-                                         dropout=dropout, **kwargs)
+        return _fallback(module, before)(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     cache = entry[0]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if isinstance(cache, list):          # a batch: row b reads and writes its own cache (decode_many)
+    # a batch: row b reads and writes its own cache (decode_many)
+    if isinstance(cache, list):
         if query.shape[0] != len(cache):
             raise RuntimeError(f"a batch of {query.shape[0]} rows for {len(cache)} caches")
         import torch
-        outs = [c.attend(module.layer_idx, query[b], key[b], value[b], scale) for b, c in enumerate(cache)]
+
+        outs = [
+            c.attend(module.layer_idx, query[b], key[b], value[b], scale)
+            for b, c in enumerate(cache)
+        ]
         out = torch.stack(outs).transpose(1, 2).contiguous()
         return out.to(query.device, query.dtype), None
     if query.shape[0] != 1:
         raise RuntimeError("compressed decoding runs one sequence at a time")
-    out = cache.attend(module.layer_idx, query[0], key[0], value[0], scale)    # (Hq, t, D) float32
+    out = cache.attend(module.layer_idx, query[0], key[0], value[0], scale)  # (Hq, t, D) float32
     # back in the model's dtype, on the layer's device (device_map="auto" may spread the layers)
     return out.transpose(0, 1)[None].to(query.device, query.dtype).contiguous(), None
 
@@ -66,7 +73,8 @@ def compressed_cache(model, cache: CompressedCache):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
     AttentionInterface.register(ATTN_NAME, _attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, eager_mask)   # other threads still get causal masks
+    # other threads still get causal masks
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, eager_mask)
     with _LOCK:
         config = model.config
         before = config._attn_implementation
@@ -77,5 +85,3 @@ def compressed_cache(model, cache: CompressedCache):
         finally:
             config._attn_implementation = before
             _ACTIVE.pop(id(config), None)
-
-

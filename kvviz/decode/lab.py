@@ -38,7 +38,7 @@ Progress = Callable[[float, str], None]
 LAB_FORMAT = 1
 DEFAULT_MODEL = "bundled"
 DEFAULT_PROMPT, DEFAULT_CONTINUATION, DEFAULT_GREEDY = 206, 57, 32
-_FULL: OrderedDict = OrderedDict()      # full-cache side per (model, ids, n, m, greedy)
+_FULL: OrderedDict = OrderedDict()  # full-cache side per (model, ids, n, m, greedy)
 _FULL_LOCK = threading.Lock()
 _FULL_SIZE = 8
 
@@ -55,12 +55,21 @@ class LabSettings:
     continuation: int
     greedy_tokens: int
     spec: Spec
-    device: str = "cpu"          # where the model and its compressed cache run (cpu, cuda:N, mps)
-    dtype: str = "float32"       # the weights' dtype, which the cache keeps (float32, bfloat16, float16)
+    device: str = "cpu"  # where the model and its compressed cache run (cpu, cuda:N, mps)
+    # the weights' dtype, which the cache keeps (float32, bfloat16, float16)
+    dtype: str = "float32"
 
     def key(self) -> tuple:
-        return (self.model, self.text, self.prompt_tokens, self.continuation, self.greedy_tokens,
-                tuple(sorted(self.spec.__dict__.items())), self.device, self.dtype)
+        return (
+            self.model,
+            self.text,
+            self.prompt_tokens,
+            self.continuation,
+            self.greedy_tokens,
+            tuple(sorted(self.spec.__dict__.items())),
+            self.device,
+            self.dtype,
+        )
 
 
 def default_settings(spec: Spec | None = None) -> LabSettings:
@@ -70,23 +79,32 @@ def default_settings(spec: Spec | None = None) -> LabSettings:
     from kvviz.decode.quality import sample_text
 
     spec = spec or links.spec_from_values(links.defaults())
-    return LabSettings(DEFAULT_MODEL, sample_text(), DEFAULT_PROMPT, DEFAULT_CONTINUATION, DEFAULT_GREEDY, spec)
+    return LabSettings(
+        DEFAULT_MODEL, sample_text(), DEFAULT_PROMPT, DEFAULT_CONTINUATION, DEFAULT_GREEDY, spec
+    )
 
 
 # --- the run -------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, eq=False)
 class FullSide:
     """What the full cache does on one text: the reference and its greedy continuation."""
 
-    ref: Any                     # kvviz.decode.quality.Reference (with its Prefill)
+    ref: Any  # kvviz.decode.quality.Reference (with its Prefill)
     greedy_ids: tuple[int, ...]
     seconds: float
 
 
-def run(model, tokenizer, label: str, settings: LabSettings, progress: Progress | None = None,
-        on_full_token: Callable[[int, int], None] | None = None,
-        on_token: Callable[[int, int], None] | None = None) -> dict:
+def run(
+    model,
+    tokenizer,
+    label: str,
+    settings: LabSettings,
+    progress: Progress | None = None,
+    on_full_token: Callable[[int, int], None] | None = None,
+    on_token: Callable[[int, int], None] | None = None,
+) -> dict:
     """One Model lab run: {"quality", "pair", "model", "n_text_tokens", "prompt_text", "seconds"}.
 
     One prefill of prompt + continuation (kept per text); then, in one batched decode
@@ -99,8 +117,15 @@ def run(model, tokenizer, label: str, settings: LabSettings, progress: Progress 
     import torch
 
     from kvviz.decode.loop import decode_many
-    from kvviz.decode.quality import (SideBySide, evaluate, first_divergence, quality_from, reference, token_strings,
-                                      tokenize)
+    from kvviz.decode.quality import (
+        SideBySide,
+        evaluate,
+        first_divergence,
+        quality_from,
+        reference,
+        token_strings,
+        tokenize,
+    )
     from kvviz.spec import Spec as _Spec
 
     say = progress or (lambda f, m: None)
@@ -118,7 +143,7 @@ def run(model, tokenizer, label: str, settings: LabSettings, progress: Progress 
         ref = full.ref
     n, m, g = ref.prompt_len, ref.n_continuation, settings.greedy_tokens
     first = int(torch.argmax(ref.prefill.logits[n - 1]))
-    runs: list[tuple[str, Spec, int, Any]] = []             # (role, spec, steps, feed)
+    runs: list[tuple[str, Spec, int, Any]] = []  # (role, spec, steps, feed)
     if g and full is None:
         runs.append(("full", _Spec(), g - 1, None))
         if on_full_token is not None:
@@ -132,7 +157,7 @@ def run(model, tokenizer, label: str, settings: LabSettings, progress: Progress 
             on_token(0, first)
     stepwise = not one_pass(spec)
     if stepwise:
-        runs.append(("forced", spec, m - 1, list(ref.ids[n:n + m - 1])))
+        runs.append(("forced", spec, m - 1, list(ref.ids[n : n + m - 1])))
     total = max([r[2] for r in runs], default=0)
     t1 = time.perf_counter()
 
@@ -143,15 +168,32 @@ def run(model, tokenizer, label: str, settings: LabSettings, progress: Progress 
         elif role == "greedy" and on_token is not None:
             on_token(i + 1, int(torch.argmax(logits)))
         if r == 0 and (i % 2 == 0 or i == total - 1):
-            say(0.05 + 0.85 * (i + 1) / max(total, 1),
-                f"decode step {i + 1}/{total} ({' + '.join(x[0] for x in runs if x[2] > i)})")
-    out = decode_many(model, ref.ids[:n], [r[1] for r in runs], [r[2] for r in runs], [r[3] for r in runs],
-                      prefix=ref.prefill, on_step=on_step if runs else None, tokens=ref.tokens) if runs else []
+            say(
+                0.05 + 0.85 * (i + 1) / max(total, 1),
+                f"decode step {i + 1}/{total} ({' + '.join(x[0] for x in runs if x[2] > i)})",
+            )
+
+    out = (
+        decode_many(
+            model,
+            ref.ids[:n],
+            [r[1] for r in runs],
+            [r[2] for r in runs],
+            [r[3] for r in runs],
+            prefix=ref.prefill,
+            on_step=on_step if runs else None,
+            tokens=ref.tokens,
+        )
+        if runs
+        else []
+    )
     if total:
         _record("step", (time.perf_counter() - t1) / total)
     got = {role: res for (role, *_), res in zip(runs, out)}
     if full is None:
-        full = FullSide(ref=ref, greedy_ids=_greedy_ids(got["full"]) if "full" in got else (), seconds=0.0)
+        full = FullSide(
+            ref=ref, greedy_ids=_greedy_ids(got["full"]) if "full" in got else (), seconds=0.0
+        )
         with _FULL_LOCK:
             _FULL[key] = full
             while len(_FULL) > _FULL_SIZE:
@@ -159,9 +201,15 @@ def run(model, tokenizer, label: str, settings: LabSettings, progress: Progress 
     pair = None
     if g:
         fids, comp = list(full.greedy_ids), list(_greedy_ids(got["greedy"]))
-        pair = SideBySide(spec=spec, prompt="".join(ref.tokens[:n]), full_ids=tuple(fids), compressed_ids=tuple(comp),
-                          full_tokens=token_strings(tokenizer, fids), compressed_tokens=token_strings(tokenizer, comp),
-                          first_divergence=first_divergence(fids, comp))
+        pair = SideBySide(
+            spec=spec,
+            prompt="".join(ref.tokens[:n]),
+            full_ids=tuple(fids),
+            compressed_ids=tuple(comp),
+            full_tokens=token_strings(tokenizer, fids),
+            compressed_tokens=token_strings(tokenizer, comp),
+            first_divergence=first_divergence(fids, comp),
+        )
     if stepwise:
         logits, _, cache = got["forced"]
         quality = quality_from(ref, spec, logits, cache, t1)
@@ -171,8 +219,14 @@ def run(model, tokenizer, label: str, settings: LabSettings, progress: Progress 
     say(1.0, "done")
     seconds = time.perf_counter() - t0
     record_run(settings, seconds)
-    return {"quality": quality, "pair": pair, "model": label, "n_text_tokens": len(ref.ids),
-            "prompt_text": "".join(ref.tokens[:n]), "seconds": seconds}
+    return {
+        "quality": quality,
+        "pair": pair,
+        "model": label,
+        "n_text_tokens": len(ref.ids),
+        "prompt_text": "".join(ref.tokens[:n]),
+        "seconds": seconds,
+    }
 
 
 def _greedy_ids(result) -> tuple[int, ...]:
@@ -183,7 +237,13 @@ def _greedy_ids(result) -> tuple[int, ...]:
 
 
 def _full_key(model, ids, settings: LabSettings) -> tuple:
-    return (id(model), tuple(ids), settings.prompt_tokens, settings.continuation, settings.greedy_tokens)
+    return (
+        id(model),
+        tuple(ids),
+        settings.prompt_tokens,
+        settings.continuation,
+        settings.greedy_tokens,
+    )
 
 
 def one_pass(spec: Spec) -> bool:
@@ -191,10 +251,11 @@ def one_pass(spec: Spec) -> bool:
     from kvviz.policies import get_policy
 
     policy = get_policy(spec.scorer)
-    return not (spec.evicts and (policy.streaming or policy.needs_query))
+    return not (spec.evicts and (policy.streaming or policy.needs_query or spec.compress_every))
 
 
 # --- how long a run takes ----------------------------------------------------------------------
+
 
 def _timings_path() -> Path:
     return lab_cache_dir() / "timings.json"
@@ -213,22 +274,32 @@ def _record(kind: str, seconds: float) -> None:
     try:
         d = _timings()
         old = d.get(kind)
-        d[kind] = float(seconds) if not isinstance(old, (int, float)) else 0.5 * old + 0.5 * float(seconds)
+        d[kind] = (
+            float(seconds)
+            if not isinstance(old, (int, float))
+            else 0.5 * old + 0.5 * float(seconds)
+        )
         lab_cache_dir().mkdir(parents=True, exist_ok=True)
         _timings_path().write_text(json.dumps(d))
     except OSError:
         pass
 
 
-_RUNS: OrderedDict = OrderedDict()     # run size -> the last few runs' seconds, in this process (this server)
+# run size -> the last few runs' seconds, in this process (this server)
+_RUNS: OrderedDict = OrderedDict()
 _RUNS_LOCK = threading.Lock()
-RUNS_KEPT = 5                            # per size: the median of the last five
+RUNS_KEPT = 5  # per size: the median of the last five
 
 
 def run_size(settings: LabSettings) -> tuple:
     """What a run's time depends on: prompt, continuation and greedy tokens, and whether the teacher-forced
     tokens go in one masked pass or step by step."""
-    return (settings.prompt_tokens, settings.continuation, settings.greedy_tokens, one_pass(settings.spec))
+    return (
+        settings.prompt_tokens,
+        settings.continuation,
+        settings.greedy_tokens,
+        one_pass(settings.spec),
+    )
 
 
 def record_run(settings: LabSettings, seconds: float) -> None:
@@ -280,6 +351,7 @@ def full_cached(model, tokenizer, settings: LabSettings) -> bool:
 
 # --- results on disk (JSON, no pickle) ---------------------------------------------------------
 
+
 def lab_cache_dir() -> Path:
     """$KVVIZ_LAB_DIR, else $XDG_CACHE_HOME/kvviz/lab."""
     env = os.environ.get("KVVIZ_LAB_DIR")
@@ -296,10 +368,25 @@ def result_path(settings: LabSettings) -> Path:
     model_id = settings.model
     if settings.model == BUNDLED and bundled_model_file() is not None:
         model_id = file_sha256(bundled_model_file())
-    where = [] if (settings.device, settings.dtype) == ("cpu", "float32") else [settings.device, settings.dtype]
-    blob = json.dumps([LAB_FORMAT, __version__, model_id, settings.text, settings.prompt_tokens,
-                       settings.continuation, settings.greedy_tokens, settings.spec.as_dict(), *where],
-                      sort_keys=True)
+    where = (
+        []
+        if (settings.device, settings.dtype) == ("cpu", "float32")
+        else [settings.device, settings.dtype]
+    )
+    blob = json.dumps(
+        [
+            LAB_FORMAT,
+            __version__,
+            model_id,
+            settings.text,
+            settings.prompt_tokens,
+            settings.continuation,
+            settings.greedy_tokens,
+            settings.spec.as_dict(),
+            *where,
+        ],
+        sort_keys=True,
+    )
     return lab_cache_dir() / f"result-{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
 
 
@@ -318,8 +405,12 @@ def result_to_json(result: dict) -> dict:
         pd["spec"] = pair.spec.as_dict()
         for k in ("full_ids", "compressed_ids", "full_tokens", "compressed_tokens"):
             pd[k] = list(pd[k])
-    return {"format": LAB_FORMAT, "quality": qd, "pair": pd,
-            **{k: result[k] for k in ("model", "n_text_tokens", "prompt_text", "seconds")}}
+    return {
+        "format": LAB_FORMAT,
+        "quality": qd,
+        "pair": pd,
+        **{k: result[k] for k in ("model", "n_text_tokens", "prompt_text", "seconds")},
+    }
 
 
 def result_from_json(d: dict) -> dict:
@@ -339,8 +430,15 @@ def result_from_json(d: dict) -> dict:
         for k in ("full_ids", "compressed_ids", "full_tokens", "compressed_tokens"):
             p[k] = tuple(p[k])
         pair = SideBySide(**p)
-    return {"quality": Quality(**q), "pair": pair, "model": d["model"], "n_text_tokens": d["n_text_tokens"],
-            "prompt_text": d["prompt_text"], "seconds": d["seconds"], "precomputed": True}
+    return {
+        "quality": Quality(**q),
+        "pair": pair,
+        "model": d["model"],
+        "n_text_tokens": d["n_text_tokens"],
+        "prompt_text": d["prompt_text"],
+        "seconds": d["seconds"],
+        "precomputed": True,
+    }
 
 
 def save_result(settings: LabSettings, result: dict) -> Path | None:
@@ -366,8 +464,11 @@ def load_result(settings: LabSettings) -> dict | None:
         return None
 
 
-def precompute(settings: LabSettings | None = None, progress: Progress | None = None,
-               loader: Callable[..., tuple] | None = None) -> Path | None:
+def precompute(
+    settings: LabSettings | None = None,
+    progress: Progress | None = None,
+    loader: Callable[..., tuple] | None = None,
+) -> Path | None:
     """Compute and store the result of `settings` (default: the page's opening settings)."""
     from kvviz.models import load_model
 
@@ -375,8 +476,9 @@ def precompute(settings: LabSettings | None = None, progress: Progress | None = 
     if load_result(settings) is not None:
         return result_path(settings)
     if loader is None:
-        model, tokenizer, info = load_model(settings.model, device=settings.device, dtype=settings.dtype,
-                                            progress=progress)
+        model, tokenizer, info = load_model(
+            settings.model, device=settings.device, dtype=settings.dtype, progress=progress
+        )
     else:
         model, tokenizer, info = loader(settings.model, progress=progress)
     label = getattr(info, "label", settings.model)
@@ -387,9 +489,13 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    p = argparse.ArgumentParser(prog="python -m kvviz.decode.lab",
-                                description="Precompute the Model lab's default result (and the weights cache).")
-    p.add_argument("--precompute", action="store_true", help="compute and store the default settings' result")
+    p = argparse.ArgumentParser(
+        prog="python -m kvviz.decode.lab",
+        description="Precompute the Model lab's default result (and the weights cache).",
+    )
+    p.add_argument(
+        "--precompute", action="store_true", help="compute and store the default settings' result"
+    )
     a = p.parse_args(argv)
     if not a.precompute:
         p.print_help()

@@ -18,7 +18,7 @@ import numpy as np
 from kvviz.decode.cache import CompressedCache, Progress
 from kvviz.decode.hook import compressed_cache
 from kvviz.decode.place import placement
-from kvviz.decode.ragged import cache_class   # allocations over heads / layers: ragged caches
+from kvviz.decode.ragged import cache_class  # allocations over heads / layers: ragged caches
 from kvviz.limits import checkpoint
 from kvviz.models.config import model_dims, rope_inv_freq
 from kvviz.spec import Spec, SpecError
@@ -30,7 +30,8 @@ def _forward(model, ids: Sequence[int], start: int, last_only: bool = False):
     logits over a 128k vocabulary would be 16 GiB in float32)."""
     import torch
 
-    device = placement(model)[0]                                  # where the model reads its token ids
+    # where the model reads its token ids
+    device = placement(model)[0]
     x = torch.tensor([list(ids)], dtype=torch.long, device=device)
     pos = torch.arange(start, start + len(ids), device=device)[None]
     keep = {"logits_to_keep": 1} if last_only else {}
@@ -80,14 +81,31 @@ def prefill(model, ids: Sequence[int]) -> Prefill:
     t0 = time.perf_counter()
     with torch.inference_mode(), compressed_cache(model, cache):
         logits = _forward(model, ids, 0)
-    return Prefill(ids=tuple(ids), logits=logits, k=cache.k, v=cache.v, q=np.stack(cache.prefill_q),
-                   seconds=time.perf_counter() - t0)
+    return Prefill(
+        ids=tuple(ids),
+        logits=logits,
+        k=cache.k,
+        v=cache.v,
+        q=np.stack(cache.prefill_q),
+        seconds=time.perf_counter() - t0,
+    )
 
 
-def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
-           feed: Sequence[int] | None = None, mode: str = "delete", tokens: Sequence[str] | None = None,
-           record: bool = False, on_step: Callable[[int, Any], None] | None = None, progress: Progress | None = None,
-           timings: dict | None = None, prefix: Prefill | None = None, block: bool = False):
+def decode(
+    model,
+    prompt_ids: Sequence[int],
+    spec: Spec,
+    steps: int,
+    feed: Sequence[int] | None = None,
+    mode: str = "delete",
+    tokens: Sequence[str] | None = None,
+    record: bool = False,
+    on_step: Callable[[int, Any], None] | None = None,
+    progress: Progress | None = None,
+    timings: dict | None = None,
+    prefix: Prefill | None = None,
+    block: bool = False,
+):
     """Prefill the prompt, compress, then run `steps` decode steps.
 
     Step i feeds feed[i] (teacher forcing) or, when feed is None, the greedy choice of
@@ -106,8 +124,16 @@ def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
     n = len(prompt_ids)
     if n < 1:
         raise SpecError("the prompt is empty")
-    cache = new_cache(model, spec, n + steps, cache_class(spec), mode=mode, tokens=tokens, record=record,
-                      inv_freq=rope_inv_freq(model))   # RoPE: re-rotation, Expected Attention
+    cache = new_cache(
+        model,
+        spec,
+        n + steps,
+        cache_class(spec),
+        mode=mode,
+        tokens=tokens,
+        record=record,
+        inv_freq=rope_inv_freq(model),
+    )  # RoPE: re-rotation, Expected Attention
     say = progress or (lambda f, m: None)
     rows, fed = [], []
     if prefix is not None and not prefix.covers(prompt_ids):
@@ -144,9 +170,16 @@ def decode(model, prompt_ids: Sequence[int], spec: Spec, steps: int,
     return torch.stack(rows), fed, cache
 
 
-def decode_many(model, prompt_ids: Sequence[int], specs: Sequence[Spec], steps: Sequence[int],
-                feeds: Sequence[Sequence[int] | None], prefix: Prefill | None = None,
-                on_step: Callable[[int, int, Any], None] | None = None, tokens: Sequence[str] | None = None):
+def decode_many(
+    model,
+    prompt_ids: Sequence[int],
+    specs: Sequence[Spec],
+    steps: Sequence[int],
+    feeds: Sequence[Sequence[int] | None],
+    prefix: Prefill | None = None,
+    on_step: Callable[[int, int, Any], None] | None = None,
+    tokens: Sequence[str] | None = None,
+):
     """Several decode runs of one prompt side by side, one batched forward a step.
 
     Run r has its own spec and cache, runs steps[r] steps and feeds feeds[r][i] (teacher
@@ -164,9 +197,18 @@ def decode_many(model, prompt_ids: Sequence[int], specs: Sequence[Spec], steps: 
         prefix = prefill(model, prompt_ids)
     R = len(specs)
     device = placement(model)[0]
-    caches = [new_cache(model, spec, n + st, tokens=tokens,
-                        inv_freq=rope_inv_freq(model) if spec.positions == "cache" else None)
-              for spec, st in zip(specs, steps)]
+    # PyramidKV / AdaKV: their own
+    caches = [
+        new_cache(
+            model,
+            spec,
+            n + st,
+            cache_class(spec),
+            tokens=tokens,
+            inv_freq=rope_inv_freq(model) if spec.positions == "cache" else None,
+        )
+        for spec, st in zip(specs, steps)
+    ]
     rows = [[prefix.logits[n - 1]] for _ in range(R)]
     fed: list[list[int]] = [[] for _ in range(R)]
     active: list = []
@@ -177,7 +219,10 @@ def decode_many(model, prompt_ids: Sequence[int], specs: Sequence[Spec], steps: 
         for i in range(max(steps, default=0)):
             checkpoint()
             live = [r for r in range(R) if steps[r] > i]
-            toks = [int(feeds[r][i]) if feeds[r] is not None else int(torch.argmax(rows[r][-1])) for r in live]
+            toks = [
+                int(feeds[r][i]) if feeds[r] is not None else int(torch.argmax(rows[r][-1]))
+                for r in live
+            ]
             active[:] = [caches[r] for r in live]
             x = torch.tensor([[t] for t in toks], dtype=torch.long, device=device)
             pos = torch.full((len(live), 1), n + i, dtype=torch.long, device=device)
@@ -190,8 +235,13 @@ def decode_many(model, prompt_ids: Sequence[int], specs: Sequence[Spec], steps: 
     return [(torch.stack(rows[r]), fed[r], caches[r]) for r in range(R)]
 
 
-def plain_decode(model, prompt_ids: Sequence[int], steps: int, feed: Sequence[int] | None = None,
-                 timings: dict | None = None):
+def plain_decode(
+    model,
+    prompt_ids: Sequence[int],
+    steps: int,
+    feed: Sequence[int] | None = None,
+    timings: dict | None = None,
+):
     """The plain full-cache baseline: transformers' DynamicCache, one token a step.
 
     Returns (logits (steps + 1, vocab), fed tokens). Used by the benchmark and as an
@@ -205,14 +255,23 @@ def plain_decode(model, prompt_ids: Sequence[int], steps: int, feed: Sequence[in
     device = placement(model)[0]
     with torch.inference_mode():
         t0 = time.perf_counter()
-        out = model(input_ids=torch.tensor([list(prompt_ids)], device=device), past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)                                # the prompt's last logits, as generate() asks
+        out = model(
+            input_ids=torch.tensor([list(prompt_ids)], device=device),
+            past_key_values=cache,
+            use_cache=True,
+            # the prompt's last logits, as generate() asks
+            logits_to_keep=1,
+        )
         last = out.logits[0, -1].float()
         t1 = time.perf_counter()
         rows.append(last)
         for i in range(steps):
             tok = int(feed[i]) if feed is not None else int(torch.argmax(last))
-            out = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=cache, use_cache=True)
+            out = model(
+                input_ids=torch.tensor([[tok]], device=device),
+                past_key_values=cache,
+                use_cache=True,
+            )
             last = out.logits[0, -1].float()
             rows.append(last)
             fed.append(tok)
@@ -221,7 +280,9 @@ def plain_decode(model, prompt_ids: Sequence[int], steps: int, feed: Sequence[in
     return torch.stack(rows), fed
 
 
-def masked_reference_logits(model, ids: Sequence[int], prompt_len: int, evicted: Callable[[int], Sequence[int]]):
+def masked_reference_logits(
+    model, ids: Sequence[int], prompt_len: int, evicted: Callable[[int], Sequence[int]]
+):
     """transformers' own eager attention with a 2-D mask with holes and explicit position_ids.
 
     The full DynamicCache is kept; at decode position p the mask zeroes `evicted(p)`.
@@ -235,13 +296,22 @@ def masked_reference_logits(model, ids: Sequence[int], prompt_len: int, evicted:
     rows = []
     device = placement(model)[0]
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([list(ids[:prompt_len])], device=device), past_key_values=cache,
-                    use_cache=True, position_ids=torch.arange(prompt_len, device=device)[None])
+        out = model(
+            input_ids=torch.tensor([list(ids[:prompt_len])], device=device),
+            past_key_values=cache,
+            use_cache=True,
+            position_ids=torch.arange(prompt_len, device=device)[None],
+        )
         rows.append(out.logits[0, -1].float())
         for p in range(prompt_len, len(ids)):
             mask = torch.ones(1, p + 1, dtype=torch.long)
             mask[0, list(evicted(p))] = 0
-            out = model(input_ids=torch.tensor([[ids[p]]], device=device), past_key_values=cache, use_cache=True,
-                        attention_mask=mask.to(device), position_ids=torch.tensor([[p]], device=device))
+            out = model(
+                input_ids=torch.tensor([[ids[p]]], device=device),
+                past_key_values=cache,
+                use_cache=True,
+                attention_mask=mask.to(device),
+                position_ids=torch.tensor([[p]], device=device),
+            )
             rows.append(out.logits[0, -1].float())
     return torch.stack(rows)

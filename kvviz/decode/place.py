@@ -49,7 +49,11 @@ def on(a: np.ndarray, device):
     import torch
 
     t = torch.from_numpy(np.ascontiguousarray(a))
-    return t if device is None or torch.device(device).type == "cpu" else t.to(device, non_blocking=True)
+    return (
+        t
+        if device is None or torch.device(device).type == "cpu"
+        else t.to(device, non_blocking=True)
+    )
 
 
 def is_cpu(device) -> bool:
@@ -89,8 +93,10 @@ def missing_device(device: str) -> str | None:
     return None
 
 
-OOM_ADVICE = ("out of {where} memory: lower --prompt-tokens / --continuation-tokens (or the lengths), use "
-              "--dtype bfloat16 or float16, or a smaller model")
+OOM_ADVICE = (
+    "out of {where} memory: lower --prompt-tokens / --continuation-tokens (or the lengths), use "
+    "--dtype bfloat16 or float16, or a smaller model"
+)
 
 
 def device_error(exc: BaseException) -> str | None:
@@ -100,14 +106,24 @@ def device_error(exc: BaseException) -> str | None:
     oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if (oom and isinstance(exc, oom)) or "out of memory" in text.lower():
-        where = "GPU" if "cuda" in text.lower() or "gpu" in text.lower() or (oom and isinstance(exc, oom)) else "device"
+        where = (
+            "GPU"
+            if "cuda" in text.lower() or "gpu" in text.lower() or (oom and isinstance(exc, oom))
+            else "device"
+        )
         if "mps" in text.lower():
             where = "MPS"
         return OOM_ADVICE.format(where=where) + f" ({text[:160]})"
     if isinstance(exc, MemoryError):
         return OOM_ADVICE.format(where="host")
     low = text.lower()
-    if isinstance(exc, RuntimeError) and ("invalid device ordinal" in low or "no cuda gpus are available" in low
-                                          or "torch not compiled with cuda" in low or "mps backend" in low):
-        return f"that device is not available here ({text[:160]}); use --device cpu or another device"
+    if isinstance(exc, RuntimeError) and (
+        "invalid device ordinal" in low
+        or "no cuda gpus are available" in low
+        or "torch not compiled with cuda" in low
+        or "mps backend" in low
+    ):
+        return (
+            f"that device is not available here ({text[:160]}); use --device cpu or another device"
+        )
     return None

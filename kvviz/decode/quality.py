@@ -28,9 +28,11 @@ from kvviz.models.config import model_dims, prefill_work
 from kvviz.engine import memory_for
 from kvviz.spec import Spec, SpecError
 
-MAX_PROMPT_TOKENS = 131072   # the longest prompt asked for at all: the model's positions and the work budget decide
+# the longest prompt asked for at all: the model's positions and the work budget decide
+MAX_PROMPT_TOKENS = 131072
 MAX_NEW_TOKENS = 512
-SAMPLE_TEXT_FILE = str(Path(__file__).resolve().parents[1] / "data" / "sample.txt")   # ~470 tokens of plain English
+# ~470 tokens of plain English
+SAMPLE_TEXT_FILE = str(Path(__file__).resolve().parents[1] / "data" / "sample.txt")
 
 
 def sample_text() -> str:
@@ -45,10 +47,12 @@ class Reference:
 
     ids: tuple[int, ...]
     prompt_len: int
-    tokens: tuple[str, ...]          # display strings of every token
-    logp: Any                        # torch (M, vocab) full-cache log-probs predicting each continuation token
+    tokens: tuple[str, ...]  # display strings of every token
+    # torch (M, vocab) full-cache log-probs predicting each continuation token
+    logp: Any
     seconds: float
-    prefill: Prefill | None = None   # the full-cache pass it came from: compressed runs start from it
+    # the full-cache pass it came from: compressed runs start from it
+    prefill: Prefill | None = None
 
     @property
     def n_continuation(self) -> int:
@@ -56,7 +60,7 @@ class Reference:
 
     @property
     def targets(self) -> np.ndarray:
-        return np.asarray(self.ids[self.prompt_len:])
+        return np.asarray(self.ids[self.prompt_len :])
 
 
 def token_strings(tokenizer, ids: Sequence[int]) -> tuple[str, ...]:
@@ -68,24 +72,33 @@ def tokenize(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text)["input_ids"])
 
 
-def check_lengths(n_ids: int, prompt_tokens: int, continuation_tokens: int | None,
-                  max_prompt: int = MAX_PROMPT_TOKENS, max_new: int = MAX_NEW_TOKENS) -> tuple[int, int]:
+def check_lengths(
+    n_ids: int,
+    prompt_tokens: int,
+    continuation_tokens: int | None,
+    max_prompt: int = MAX_PROMPT_TOKENS,
+    max_new: int = MAX_NEW_TOKENS,
+) -> tuple[int, int]:
     """Validated (prompt length, continuation length) for a text of n_ids tokens."""
     if prompt_tokens < 1:
         raise SpecError(f"the prompt needs at least 1 token, got {prompt_tokens}")
     if prompt_tokens > max_prompt:
         raise SpecError(f"the prompt is capped at {max_prompt} tokens (asked for {prompt_tokens})")
     if n_ids <= prompt_tokens:
-        raise SpecError(f"the text has {n_ids} tokens: nothing is left after a {prompt_tokens}-token prompt; "
-                        "use a longer text or fewer --prompt-tokens")
-    if continuation_tokens is None:          # the rest of the text, up to the cap
+        raise SpecError(
+            f"the text has {n_ids} tokens: nothing is left after a {prompt_tokens}-token prompt; "
+            "use a longer text or fewer --prompt-tokens"
+        )
+    if continuation_tokens is None:  # the rest of the text, up to the cap
         return prompt_tokens, min(n_ids - prompt_tokens, max_new)
     m = min(continuation_tokens, n_ids - prompt_tokens)
     if m < 1:
         raise SpecError(f"the continuation needs at least 1 token, got {continuation_tokens}")
     if m > max_new:
-        raise SpecError(f"the continuation is capped at {max_new} tokens (asked for {m}); "
-                        "use fewer continuation tokens")
+        raise SpecError(
+            f"the continuation is capped at {max_new} tokens (asked for {m}); "
+            "use fewer continuation tokens"
+        )
     return prompt_tokens, m
 
 
@@ -100,26 +113,45 @@ def check_positions(model, n_tokens: int) -> None:
     """One line when prompt + continuation run past the model's positions."""
     top = max_positions(model)
     if top is not None and n_tokens > top:
-        raise SpecError(f"prompt + continuation is {n_tokens:,} tokens, past the model's {top:,} positions; "
-                        "use fewer --prompt-tokens or --continuation-tokens")
+        raise SpecError(
+            f"prompt + continuation is {n_tokens:,} tokens, past the model's {top:,} positions; "
+            "use fewer --prompt-tokens or --continuation-tokens"
+        )
 
 
-def reference(model, tokenizer, text_or_ids: str | Sequence[int], prompt_tokens: int,
-              continuation_tokens: int | None = None) -> Reference:
+def reference(
+    model,
+    tokenizer,
+    text_or_ids: str | Sequence[int],
+    prompt_tokens: int,
+    continuation_tokens: int | None = None,
+) -> Reference:
     """One full-cache forward pass over prompt + continuation (the quality baseline)."""
     import torch
 
-    ids = tokenize(tokenizer, text_or_ids) if isinstance(text_or_ids, str) else [int(i) for i in text_or_ids]
+    ids = (
+        tokenize(tokenizer, text_or_ids)
+        if isinstance(text_or_ids, str)
+        else [int(i) for i in text_or_ids]
+    )
     n, m = check_lengths(len(ids), prompt_tokens, continuation_tokens)
     ids = ids[: n + m]
     check_positions(model, n + m)
-    prefill_work(model_dims(model), n + m, "this text").check()      # before the forward pass allocates
+    # before the forward pass allocates
+    prefill_work(model_dims(model), n + m, "this text").check()
     t0 = time.perf_counter()
-    pre = prefill(model, ids)                      # the full-cache logits and every layer's q, k, v
+    pre = prefill(model, ids)  # the full-cache logits and every layer's q, k, v
     with torch.inference_mode():
-        logp = torch.log_softmax(pre.logits[n - 1: n + m - 1].float(), dim=-1).cpu()      # (m, V) on the host
-    return Reference(ids=tuple(ids), prompt_len=n, tokens=token_strings(tokenizer, ids), logp=logp,
-                     seconds=time.perf_counter() - t0, prefill=pre)
+        # (m, V) on the host
+        logp = torch.log_softmax(pre.logits[n - 1 : n + m - 1].float(), dim=-1).cpu()
+    return Reference(
+        ids=tuple(ids),
+        prompt_len=n,
+        tokens=token_strings(tokenizer, ids),
+        logp=logp,
+        seconds=time.perf_counter() - t0,
+        prefill=pre,
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -128,15 +160,15 @@ class Quality:
 
     spec: Spec
     prompt_len: int
-    tokens: tuple[str, ...]         # the M continuation tokens
-    nll: np.ndarray                 # (M,) -log p_hat of each continuation token (nats)
-    nll_full: np.ndarray            # (M,) -log p of it under the full cache
-    kl: np.ndarray                  # (M,) KL(full || compressed) of the next-token distributions
-    top1: np.ndarray                # (M,) compressed-cache argmax
-    top1_full: np.ndarray           # (M,) full-cache argmax
-    kv_bytes: float                 # compressed K+V at the end, all layers / KV heads
-    kv_bytes_full: float            # the same tokens in a full fp16 cache
-    kept_tokens: int                # tokens per KV head at the end
+    tokens: tuple[str, ...]  # the M continuation tokens
+    nll: np.ndarray  # (M,) -log p_hat of each continuation token (nats)
+    nll_full: np.ndarray  # (M,) -log p of it under the full cache
+    kl: np.ndarray  # (M,) KL(full || compressed) of the next-token distributions
+    top1: np.ndarray  # (M,) compressed-cache argmax
+    top1_full: np.ndarray  # (M,) full-cache argmax
+    kv_bytes: float  # compressed K+V at the end, all layers / KV heads
+    kv_bytes_full: float  # the same tokens in a full fp16 cache
+    kept_tokens: int  # tokens per KV head at the end
     total_tokens: int
     seconds: float
 
@@ -171,25 +203,47 @@ class Quality:
     def as_dict(self) -> dict:
         return {
             "spec": self.spec.label(),
-            "scorer": self.spec.scorer, "sink": self.spec.sink, "recent": self.spec.recent,
-            "heavy": self.spec.heavy, "key_bits": self.spec.key_bits, "value_bits": self.spec.value_bits,
-            "key_axis": self.spec.key_axis, "value_axis": self.spec.value_axis,
-            "group_size": self.spec.group_size, "residual": self.spec.residual,
-            "key_format": self.spec.key_format, "value_format": self.spec.value_format,
-            "rotate": self.spec.rotate, "residual_mode": self.spec.residual_mode,
-            "prompt_tokens": self.prompt_len, "continuation_tokens": len(self.tokens),
-            "perplexity": self.perplexity, "perplexity_full": self.perplexity_full,
+            "scorer": self.spec.scorer,
+            "sink": self.spec.sink,
+            "recent": self.spec.recent,
+            "heavy": self.spec.heavy,
+            "key_bits": self.spec.key_bits,
+            "value_bits": self.spec.value_bits,
+            "key_axis": self.spec.key_axis,
+            "value_axis": self.spec.value_axis,
+            "group_size": self.spec.group_size,
+            "residual": self.spec.residual,
+            "key_format": self.spec.key_format,
+            "value_format": self.spec.value_format,
+            "rotate": self.spec.rotate,
+            "residual_mode": self.spec.residual_mode,
+            "compress_every": self.spec.compress_every,
+            "prompt_tokens": self.prompt_len,
+            "continuation_tokens": len(self.tokens),
+            "perplexity": self.perplexity,
+            "perplexity_full": self.perplexity_full,
             "perplexity_ratio": self.perplexity / self.perplexity_full,
-            "kl_mean": self.kl_mean, "kl_max": self.kl_max, "top1_agreement": self.top1_agreement,
-            "kv_bytes": self.kv_bytes, "kv_bytes_full": self.kv_bytes_full,
-            "compression_ratio": self.compression_ratio, "memory_ratio": self.memory_ratio,
-            "kept_tokens": self.kept_tokens, "total_tokens": self.total_tokens,
+            "kl_mean": self.kl_mean,
+            "kl_max": self.kl_max,
+            "top1_agreement": self.top1_agreement,
+            "kv_bytes": self.kv_bytes,
+            "kv_bytes_full": self.kv_bytes_full,
+            "compression_ratio": self.compression_ratio,
+            "memory_ratio": self.memory_ratio,
+            "kept_tokens": self.kept_tokens,
+            "total_tokens": self.total_tokens,
             "seconds": self.seconds,
         }
 
 
-def evaluate(model, ref: Reference, spec: Spec, mode: str = "delete", progress: Progress | None = None,
-             block: bool = True) -> Quality:
+def evaluate(
+    model,
+    ref: Reference,
+    spec: Spec,
+    mode: str = "delete",
+    progress: Progress | None = None,
+    block: bool = True,
+) -> Quality:
     """Teacher-forced decoding of ref's continuation with the compressed cache vs the full cache.
 
     Starts from ref's prefill (the prompt is not run again). One-shot policies and
@@ -198,10 +252,20 @@ def evaluate(model, ref: Reference, spec: Spec, mode: str = "delete", progress: 
     """
     n, m = ref.prompt_len, ref.n_continuation
     t0 = time.perf_counter()
-    logits, _, cache = decode(model, ref.ids[:n], spec, steps=m - 1, feed=ref.ids[n: n + m - 1],
-                              mode=mode, tokens=ref.tokens, prefix=ref.prefill, block=block,
-                              progress=None if progress is None else
-                              (lambda f, msg: progress(f, f"{spec.label()}: {msg}")))
+    logits, _, cache = decode(
+        model,
+        ref.ids[:n],
+        spec,
+        steps=m - 1,
+        feed=ref.ids[n : n + m - 1],
+        mode=mode,
+        tokens=ref.tokens,
+        prefix=ref.prefill,
+        block=block,
+        progress=None
+        if progress is None
+        else (lambda f, msg: progress(f, f"{spec.label()}: {msg}")),
+    )
     return quality_from(ref, spec, logits, cache, t0)
 
 
@@ -210,20 +274,28 @@ def quality_from(ref: Reference, spec: Spec, logits, cache: CompressedCache, t0:
     import torch
 
     n = ref.prompt_len
-    logp_hat = torch.log_softmax(logits.float().cpu(), dim=-1)                   # (m, V) on the host
+    # (m, V) on the host
+    logp_hat = torch.log_softmax(logits.float().cpu(), dim=-1)
     logp = ref.logp.cpu()
     target = torch.as_tensor(ref.targets)[:, None]
-    kl = (logp.exp() * (logp - logp_hat)).sum(dim=-1).clamp_min(0.0)            # (m,)
-    mem = memory_for(cache.trace, spec, cache.n_tokens, cache.head_counts())   # each head's own bytes
+    kl = (logp.exp() * (logp - logp_hat)).sum(dim=-1).clamp_min(0.0)  # (m,)
+    # each head's own bytes
+    mem = memory_for(cache.trace, spec, cache.n_tokens, cache.head_counts())
     return Quality(
-        spec=spec, prompt_len=n, tokens=ref.tokens[n:],
+        spec=spec,
+        prompt_len=n,
+        tokens=ref.tokens[n:],
         nll=(-logp_hat.gather(1, target)[:, 0]).numpy().astype(np.float64),
         nll_full=(-logp.gather(1, target)[:, 0]).numpy().astype(np.float64),
         kl=kl.numpy().astype(np.float64),
-        top1=logp_hat.argmax(dim=-1).numpy(), top1_full=logp.argmax(dim=-1).numpy(),
-        kv_bytes=mem.kv_bytes, kv_bytes_full=mem.kv_bytes_full,
-        kept_tokens=cache.kept_tokens(), total_tokens=cache.n_tokens,
-        seconds=time.perf_counter() - t0)
+        top1=logp_hat.argmax(dim=-1).numpy(),
+        top1_full=logp.argmax(dim=-1).numpy(),
+        kv_bytes=mem.kv_bytes,
+        kv_bytes_full=mem.kv_bytes_full,
+        kept_tokens=cache.kept_tokens(),
+        total_tokens=cache.n_tokens,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 @dataclass(frozen=True)
@@ -236,7 +308,7 @@ class SideBySide:
     compressed_ids: tuple[int, ...]
     full_tokens: tuple[str, ...]
     compressed_tokens: tuple[str, ...]
-    first_divergence: int | None     # index of the first differing token, None if identical
+    first_divergence: int | None  # index of the first differing token, None if identical
 
     @property
     def full_text(self) -> str:
@@ -254,9 +326,15 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def greedy(model, prompt_ids: Sequence[int], spec: Spec, max_new_tokens: int,
-           progress: Progress | None = None, prefix: Prefill | None = None,
-           on_token: Callable[[int, int], None] | None = None) -> list[int]:
+def greedy(
+    model,
+    prompt_ids: Sequence[int],
+    spec: Spec,
+    max_new_tokens: int,
+    progress: Progress | None = None,
+    prefix: Prefill | None = None,
+    on_token: Callable[[int, int], None] | None = None,
+) -> list[int]:
     """Greedy continuation (max_new_tokens ids) with the compressed cache.
 
     prefix: a Prefill covering the prompt (not run again). on_token(i, id) is called as
@@ -276,15 +354,29 @@ def greedy(model, prompt_ids: Sequence[int], spec: Spec, max_new_tokens: int,
     def step(i: int, last) -> None:
         on_token(i + 1, int(torch.argmax(last)))
 
-    logits, fed, _ = decode(model, prompt_ids, spec, steps=max_new_tokens - 1, progress=progress, prefix=prefix,
-                            on_step=step if on_token is not None else None)
+    logits, fed, _ = decode(
+        model,
+        prompt_ids,
+        spec,
+        steps=max_new_tokens - 1,
+        progress=progress,
+        prefix=prefix,
+        on_step=step if on_token is not None else None,
+    )
     return fed + [int(torch.argmax(logits[-1]))]
 
 
-def side_by_side(model, tokenizer, prompt: str | Sequence[int], spec: Spec, max_new_tokens: int = 48,
-                 progress: Progress | None = None, prefix: Prefill | None = None,
-                 full_ids: Sequence[int] | None = None,
-                 on_token: Callable[[int, int], None] | None = None) -> SideBySide:
+def side_by_side(
+    model,
+    tokenizer,
+    prompt: str | Sequence[int],
+    spec: Spec,
+    max_new_tokens: int = 48,
+    progress: Progress | None = None,
+    prefix: Prefill | None = None,
+    full_ids: Sequence[int] | None = None,
+    on_token: Callable[[int, int], None] | None = None,
+) -> SideBySide:
     """Greedy text of the full cache next to the compressed cache's, first divergence marked.
 
     Both runs start from one prefill of the prompt (`prefix`, or one made here).
@@ -299,11 +391,29 @@ def side_by_side(model, tokenizer, prompt: str | Sequence[int], spec: Spec, max_
     if full_ids is not None and len(full_ids) >= max_new_tokens:
         full = [int(i) for i in full_ids[:max_new_tokens]]
     else:
-        full = greedy(model, ids, Spec(), max_new_tokens, prefix=prefix,
-                      progress=lambda f, m: say(0.5 * f, "full cache: " + m))
-    comp = greedy(model, ids, spec, max_new_tokens, prefix=prefix, on_token=on_token,
-                  progress=lambda f, m: say(0.5 + 0.5 * f, "compressed: " + m))
-    return SideBySide(spec=spec, prompt=prompt if isinstance(prompt, str) else tokenizer.decode(ids),
-                      full_ids=tuple(full), compressed_ids=tuple(comp),
-                      full_tokens=token_strings(tokenizer, full), compressed_tokens=token_strings(tokenizer, comp),
-                      first_divergence=first_divergence(full, comp))
+        full = greedy(
+            model,
+            ids,
+            Spec(),
+            max_new_tokens,
+            prefix=prefix,
+            progress=lambda f, m: say(0.5 * f, "full cache: " + m),
+        )
+    comp = greedy(
+        model,
+        ids,
+        spec,
+        max_new_tokens,
+        prefix=prefix,
+        on_token=on_token,
+        progress=lambda f, m: say(0.5 + 0.5 * f, "compressed: " + m),
+    )
+    return SideBySide(
+        spec=spec,
+        prompt=prompt if isinstance(prompt, str) else tokenizer.decode(ids),
+        full_ids=tuple(full),
+        compressed_ids=tuple(comp),
+        full_tokens=token_strings(tokenizer, full),
+        compressed_tokens=token_strings(tokenizer, comp),
+        first_divergence=first_divergence(full, comp),
+    )

@@ -50,10 +50,11 @@ class PyramidCache(CompressedCache):
             self.spec = base
 
     def compress(self) -> None:
-        super().compress()                                   # the trace and the scores, once
+        super().compress()  # the trace and the scores, once
         if self.policy.needs_query:
             return
         from kvviz.policies import select
+
         n = self.n_tokens
         for layer in range(self.L):
             s = layer_spec(self.spec, layer, self.L, n)
@@ -75,10 +76,14 @@ class RaggedCache(CompressedCache):
     def __init__(self, spec: Spec, *args, **kwargs) -> None:
         super().__init__(spec, *args, **kwargs)
         if spec.positions == "cache":
-            raise SpecError("re-rotating keys to cache slots is not simulated for ragged (AdaKV) caches")
-        self.heads_kept: list[list[np.ndarray]] = [[] for _ in range(self.L)]   # per layer, per head (m_h,)
+            raise SpecError(
+                "re-rotating keys to cache slots is not simulated for ragged (AdaKV) caches"
+            )
+        # per layer, per head (m_h,)
+        self.heads_kept: list[list[np.ndarray]] = [[] for _ in range(self.L)]
         self.head_budget: list[np.ndarray | None] = [None] * self.L
-        self.step_masks: list[list[np.ndarray]] = [[] for _ in range(self.L)]    # record: (H, n) per step
+        # record: (H, n) per step
+        self.step_masks: list[list[np.ndarray]] = [[] for _ in range(self.L)]
 
     def compress(self) -> None:
         super().compress()
@@ -129,9 +134,9 @@ class RaggedCache(CompressedCache):
         self.v[layer, :, start] = v[:, 0]
         p = start
         self.length[layer] = start + 1
-        q = q.to(self.device, torch.float32)          # attention in float32 (kvviz.decode.place)
+        q = q.to(self.device, torch.float32)  # attention in float32 (kvviz.decode.place)
         spec, scores = self.spec, self.scores[layer]
-        qg = q[:, 0].reshape(self.H, self.group, self.D)                      # (H, g, D)
+        qg = q[:, 0].reshape(self.H, self.group, self.D)  # (H, g, D)
         ctx = ScoreContext(self.trace, layer, spec)
         if self.policy.needs_query:
             K_all = self.k[layer, :, : p + 1].float()
@@ -139,8 +144,10 @@ class RaggedCache(CompressedCache):
             attention = host(a_full.reshape(self.Hq, -1)).astype(np.float64)
             query, keys = host(q[:, 0]), host(K_all)
             reads = self.policy.query_reads(attention, ctx, query=query, keys=keys)
-            if reads is not None:                    # Quest per query head: each head reads its own pages
-                self.heads_kept[layer] = [np.arange(p + 1) for _ in range(self.H)]     # Quest stores all
+            # Quest per query head: each head reads its own pages
+            if reads is not None:
+                # Quest stores all
+                self.heads_kept[layer] = [np.arange(p + 1) for _ in range(self.H)]
                 served = group_union(reads, self.H)
                 self.read_counts[layer] = served.sum(axis=1)
                 if self.record:
@@ -156,7 +163,7 @@ class RaggedCache(CompressedCache):
             for h, idx in enumerate(self.heads_kept[layer]):
                 idx = np.append(idx, p)
                 if len(idx) > self.head_budget[layer][h]:
-                    idx = evict_one(idx[None], scores[h:h + 1], spec, p)[0]
+                    idx = evict_one(idx[None], scores[h : h + 1], spec, p)[0]
                 heads.append(idx)
         self.heads_kept[layer] = heads
         if self.record:
@@ -168,6 +175,6 @@ class RaggedCache(CompressedCache):
         out = torch.empty(self.H, self.group, self.D, device=self.device)
         for h, idx in enumerate(heads):
             K, V = self._kv_head(layer, h, idx)
-            a = torch.softmax(qg[h] @ K.T * scaling, dim=-1)                  # (g, m_h)
+            a = torch.softmax(qg[h] @ K.T * scaling, dim=-1)  # (g, m_h)
             out[h] = a @ V
         return out.reshape(self.Hq, 1, self.D)

@@ -4,12 +4,48 @@ May import: nothing else of kvviz. torch and transformers only inside functions,
 naming a model (or failing to) costs nothing until one is loaded.
 """
 
-from kvviz.models.load import (BUNDLED, BUNDLED_FILE, BUNDLED_NAME, BUNDLED_PACKAGE, DTYPES, META_FILE,
-                               WEIGHTS_FILE, Available, ModelError, ModelInfo, available_models,
-                               bundled_model_file, cached_weights_valid, file_sha256, load_estimate, load_model,
-                               model_info, resolve, weights_cache_dir)
+from kvviz.models.load import (
+    BUNDLED,
+    BUNDLED_FILE,
+    BUNDLED_NAME,
+    BUNDLED_PACKAGE,
+    DTYPES,
+    Available,
+    ModelError,
+    ModelInfo,
+    available_models,
+    bundled_model_file,
+    load_estimate,
+    load_model,
+    model_info,
+    resolve,
+)
+from kvviz.models.weights import (
+    META_FILE,
+    WEIGHTS_FILE,
+    cached_weights_valid,
+    file_sha256,
+    weights_cache_dir,
+)
 
-__all__ = ["Available", "BUNDLED", "BUNDLED_FILE", "BUNDLED_NAME", "BUNDLED_PACKAGE", "DTYPES", "META_FILE",
-           "ModelError", "ModelInfo", "WEIGHTS_FILE", "available_models", "bundled_model_file",
-           "cached_weights_valid", "file_sha256", "load_estimate", "load_model", "model_info", "resolve",
-           "weights_cache_dir"]
+__all__ = [
+    "Available",
+    "BUNDLED",
+    "BUNDLED_FILE",
+    "BUNDLED_NAME",
+    "BUNDLED_PACKAGE",
+    "DTYPES",
+    "META_FILE",
+    "ModelError",
+    "ModelInfo",
+    "WEIGHTS_FILE",
+    "available_models",
+    "bundled_model_file",
+    "cached_weights_valid",
+    "file_sha256",
+    "load_estimate",
+    "load_model",
+    "model_info",
+    "resolve",
+    "weights_cache_dir",
+]

@@ -50,7 +50,8 @@ def model_dims(model) -> tuple[int, int, int, int]:
     return cfg.num_hidden_layers, n_q, getattr(cfg, "num_key_value_heads", None) or n_q, head_dim
 
 
-PREFILL_SCORE_COPIES = 3    # logits, the causally masked copy and the softmax, (query heads, n, n) each
+# logits, the causally masked copy and the softmax, (query heads, n, n) each
+PREFILL_SCORE_COPIES = 3
 
 
 def prefill_work(dims: tuple[int, int, int, int], n_tokens: int, what: str = "this run") -> Work:
@@ -60,8 +61,15 @@ def prefill_work(dims: tuple[int, int, int, int], n_tokens: int, what: str = "th
     it is copied)."""
     L, Hq, H, D = dims
     tokens = (n_tokens, "tokens")
-    return Work(what, (
-        Part("attention scores", ((PREFILL_SCORE_COPIES, ""), (Hq, "query heads"), tokens, (n_tokens, "keys"))),
-        Part("queries", ((L, "layers"), (Hq, "query heads"), tokens, (D, "dims"))),
-        Part("keys and values", ((4, ""), (L, "layers"), (H, "KV heads"), tokens, (D, "dims"))),
-    ), lower="the number of tokens")
+    return Work(
+        what,
+        (
+            Part(
+                "attention scores",
+                ((PREFILL_SCORE_COPIES, ""), (Hq, "query heads"), tokens, (n_tokens, "keys")),
+            ),
+            Part("queries", ((L, "layers"), (Hq, "query heads"), tokens, (D, "dims"))),
+            Part("keys and values", ((4, ""), (L, "layers"), (H, "KV heads"), tokens, (D, "dims"))),
+        ),
+        lower="the number of tokens",
+    )

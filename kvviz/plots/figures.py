@@ -9,23 +9,44 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from kvviz.plots.style import CHART_CONFIG, OKABE_ITO, ORIGINAL_COLOR, PART_COLORS, REASON_COLORS, REASON_PATTERNS, layout
+from kvviz.plots.style import (
+    CHART_CONFIG,
+    OKABE_ITO,
+    ORIGINAL_COLOR,
+    PART_COLORS,
+    REASON_COLORS,
+    REASON_PATTERNS,
+    layout,
+)
 
 # --- explorer ----------------------------------------------------------------------------
 
-def _token_axis(fig: go.Figure, frame: pd.DataFrame, text_tokens: bool, max_labels: int = 48) -> None:
+
+def _token_axis(
+    fig: go.Figure, frame: pd.DataFrame, text_tokens: bool, max_labels: int = 48
+) -> None:
     """Real text on the x axis (every k-th token when there are many), positions otherwise."""
     if not text_tokens:
         return
     step = max(1, -(-len(frame) // max_labels))
     at = frame["position"].to_numpy()[::step]
-    labels = [t.replace("\n", "↵").strip() or "␣" for t in frame["token"].astype(str).to_numpy()[::step]]
-    fig.update_xaxes(tickmode="array", tickvals=at, ticktext=[f"{w[:10]}" for w in labels], tickangle=-60)
+    labels = [
+        t.replace("\n", "↵").strip() or "␣" for t in frame["token"].astype(str).to_numpy()[::step]
+    ]
+    fig.update_xaxes(
+        tickmode="array", tickvals=at, ticktext=[f"{w[:10]}" for w in labels], tickangle=-60
+    )
 
 
-def attention_figure(frame: pd.DataFrame, title: str = "Attention per token: original vs compressed",
-                     row: str = "", text_tokens: bool = False, pinned: pd.DataFrame | None = None,
-                     pinned_label: str = "A", y_top: float | None = None) -> go.Figure:
+def attention_figure(
+    frame: pd.DataFrame,
+    title: str = "Attention per token: original vs compressed",
+    row: str = "",
+    text_tokens: bool = False,
+    pinned: pd.DataFrame | None = None,
+    pinned_label: str = "A",
+    y_top: float | None = None,
+) -> go.Figure:
     """Grouped bars per token: original (grey) and compressed coloured by why the token was kept, with
     a pattern each as well (REASON_PATTERNS: sink dotted, recent lined, heavy hitter crossed).
 
@@ -36,43 +57,88 @@ def attention_figure(frame: pd.DataFrame, title: str = "Attention per token: ori
     compressed attention as open diamonds; `y_top` locks the y-axis at [0, y_top].
     """
     fig = go.Figure()
-    hover = ("<b>%{customdata[0]}</b> (position %{x})<br>original %{customdata[1]:.4f}"
-             "<br>compressed %{customdata[2]:.4f}<br>%{customdata[3]}<extra></extra>")
-    custom = np.stack([frame["token"].astype(str), frame["original"], frame["compressed"], frame["reason"]], axis=1)
+    hover = (
+        "<b>%{customdata[0]}</b> (position %{x})<br>original %{customdata[1]:.4f}"
+        "<br>compressed %{customdata[2]:.4f}<br>%{customdata[3]}<extra></extra>"
+    )
+    custom = np.stack(
+        [frame["token"].astype(str), frame["original"], frame["compressed"], frame["reason"]],
+        axis=1,
+    )
     ev = (frame["reason"] == "evicted").to_numpy()
-    fig.add_bar(x=frame["position"][~ev], y=frame["original"][~ev], name="original", marker_color=ORIGINAL_COLOR,
-                offsetgroup="original", customdata=custom[~ev], hovertemplate=hover)
+    fig.add_bar(
+        x=frame["position"][~ev],
+        y=frame["original"][~ev],
+        name="original",
+        marker_color=ORIGINAL_COLOR,
+        offsetgroup="original",
+        customdata=custom[~ev],
+        hovertemplate=hover,
+    )
     if ev.any():
-        fig.add_bar(x=frame["position"][ev], y=frame["original"][ev], name="evicted: original (now 0)",
-                    marker=dict(color="rgba(213, 94, 0, 0.35)", line=dict(color=REASON_COLORS["evicted"], width=0.5),
-                                pattern=dict(shape="/", fgcolor=REASON_COLORS["evicted"], size=5)),
-                    offsetgroup="original", customdata=custom[ev], hovertemplate=hover)
+        fig.add_bar(
+            x=frame["position"][ev],
+            y=frame["original"][ev],
+            name="evicted: original (now 0)",
+            marker=dict(
+                color="rgba(213, 94, 0, 0.35)",
+                line=dict(color=REASON_COLORS["evicted"], width=0.5),
+                pattern=dict(shape="/", fgcolor=REASON_COLORS["evicted"], size=5),
+            ),
+            offsetgroup="original",
+            customdata=custom[ev],
+            hovertemplate=hover,
+        )
     for reason, color in REASON_COLORS.items():
         if reason == "evicted":
             continue
         sel = (frame["reason"] == reason).to_numpy()
         if sel.any():
-            fig.add_bar(x=frame["position"][sel], y=frame["compressed"][sel], name=f"compressed: {reason}",
-                        marker=dict(color=color, pattern=dict(shape=REASON_PATTERNS[reason], fgcolor="#ffffff",
-                                                              size=4, solidity=0.35)),
-                        offsetgroup="compressed", customdata=custom[sel], hovertemplate=hover)
+            fig.add_bar(
+                x=frame["position"][sel],
+                y=frame["compressed"][sel],
+                name=f"compressed: {reason}",
+                marker=dict(
+                    color=color,
+                    pattern=dict(
+                        shape=REASON_PATTERNS[reason], fgcolor="#ffffff", size=4, solidity=0.35
+                    ),
+                ),
+                offsetgroup="compressed",
+                customdata=custom[sel],
+                hovertemplate=hover,
+            )
     if pinned is not None:
-        fig.add_scatter(x=pinned["position"], y=pinned["compressed"], mode="markers",
-                        name=f"pinned {pinned_label}: compressed",
-                        marker=dict(symbol="diamond-open", size=7, color=OKABE_ITO["black"], line=dict(width=1.5)),
-                        hovertemplate="pinned: %{y:.4f}<extra></extra>")
+        fig.add_scatter(
+            x=pinned["position"],
+            y=pinned["compressed"],
+            mode="markers",
+            name=f"pinned {pinned_label}: compressed",
+            marker=dict(
+                symbol="diamond-open", size=7, color=OKABE_ITO["black"], line=dict(width=1.5)
+            ),
+            hovertemplate="pinned: %{y:.4f}<extra></extra>",
+        )
     fig.update_layout(barmode="group", bargap=0.15, bargroupgap=0.0)
-    layout(fig, title, "token" if text_tokens else "token position (index)", "attention weight (probability)",
-            subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)")
+    layout(
+        fig,
+        title,
+        "token" if text_tokens else "token position (index)",
+        "attention weight (probability)",
+        subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)",
+    )
     _token_axis(fig, frame, text_tokens)
     if y_top:
         fig.update_yaxes(range=[0, y_top], autorange=False)
     return fig
 
 
-def binned_attention_figure(frame: pd.DataFrame,
-                            title: str = "Attention mass per bin of tokens: original vs compressed",
-                            row: str = "", y_top: float | None = None) -> go.Figure:
+def binned_attention_figure(
+    frame: pd.DataFrame,
+    title: str = "Attention mass per bin of tokens: original vs compressed",
+    row: str = "",
+    y_top: float | None = None,
+) -> go.Figure:
     """Long sequences: one bar pair per bin; the original bar splits into kept (grey) and evicted
     (vermillion, hatched) mass, the compressed bar beside it.
 
@@ -80,36 +146,90 @@ def binned_attention_figure(frame: pd.DataFrame,
     """
     width = float(frame["tokens"].max())
     centers = frame["start"] + (frame["tokens"] - 1) / 2
-    custom = np.stack([frame["start"], frame["end"], frame["first_token"].astype(str),
-                       frame["last_token"].astype(str), frame["original"], frame["compressed"],
-                       frame["kept_tokens"], frame["tokens"], frame["evicted_mass"]], axis=1)
-    hover = ("<b>tokens %{customdata[0]}-%{customdata[1]}</b> (%{customdata[2]} ... %{customdata[3]})"
-             "<br>original %{customdata[4]:.4f}<br>compressed %{customdata[5]:.4f}"
-             "<br>kept %{customdata[6]} of %{customdata[7]}; evicted mass %{customdata[8]:.4f}<extra></extra>")
+    custom = np.stack(
+        [
+            frame["start"],
+            frame["end"],
+            frame["first_token"].astype(str),
+            frame["last_token"].astype(str),
+            frame["original"],
+            frame["compressed"],
+            frame["kept_tokens"],
+            frame["tokens"],
+            frame["evicted_mass"],
+        ],
+        axis=1,
+    )
+    hover = (
+        "<b>tokens %{customdata[0]}-%{customdata[1]}</b> (%{customdata[2]} ... %{customdata[3]})"
+        "<br>original %{customdata[4]:.4f}<br>compressed %{customdata[5]:.4f}"
+        "<br>kept %{customdata[6]} of %{customdata[7]}; evicted mass %{customdata[8]:.4f}<extra></extra>"
+    )
     fig = go.Figure()
     kept_mass = frame["original"] - frame["evicted_mass"]
-    fig.add_bar(x=centers, y=kept_mass, width=width * 0.45, offset=-width * 0.45, name="original: kept tokens",
-                marker_color=ORIGINAL_COLOR, customdata=custom, hovertemplate=hover)
-    fig.add_bar(x=centers, y=frame["evicted_mass"], base=kept_mass, width=width * 0.45, offset=-width * 0.45,
-                name="original: evicted tokens", marker_color=REASON_COLORS["evicted"],
-                marker_pattern_shape="x", customdata=custom, hovertemplate=hover)
-    fig.add_bar(x=centers, y=frame["compressed"], width=width * 0.45, offset=0, name="compressed",
-                marker_color=REASON_COLORS["kept (no eviction)"], customdata=custom, hovertemplate=hover)
+    fig.add_bar(
+        x=centers,
+        y=kept_mass,
+        width=width * 0.45,
+        offset=-width * 0.45,
+        name="original: kept tokens",
+        marker_color=ORIGINAL_COLOR,
+        customdata=custom,
+        hovertemplate=hover,
+    )
+    fig.add_bar(
+        x=centers,
+        y=frame["evicted_mass"],
+        base=kept_mass,
+        width=width * 0.45,
+        offset=-width * 0.45,
+        name="original: evicted tokens",
+        marker_color=REASON_COLORS["evicted"],
+        marker_pattern_shape="x",
+        customdata=custom,
+        hovertemplate=hover,
+    )
+    fig.add_bar(
+        x=centers,
+        y=frame["compressed"],
+        width=width * 0.45,
+        offset=0,
+        name="compressed",
+        marker_color=REASON_COLORS["kept (no eviction)"],
+        customdata=custom,
+        hovertemplate=hover,
+    )
     fig.update_layout(barmode="overlay")
-    layout(fig, title, f"token position (bins of {int(width)} tokens)", "attention mass per bin (probability)",
-           subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)")
+    layout(
+        fig,
+        title,
+        f"token position (bins of {int(width)} tokens)",
+        "attention mass per bin (probability)",
+        subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)",
+    )
     if y_top:
         fig.update_yaxes(range=[0, y_top], autorange=False)
     return fig
 
 
-BAND_TEXT = {"std": "± 1 sample std", "ci95": "95% t-interval for the mean", "range": "range (min–max)"}
+BAND_TEXT = {
+    "std": "± 1 sample std",
+    "ci95": "95% t-interval for the mean",
+    "range": "range (min–max)",
+}
 
 
-def error_figure(frame: pd.DataFrame, bars: str = "std", members: int = 1,
-                 title: str = "Per-token error: compressed − original attention",
-                 what: str = "", y_range: float | None = None, text_tokens: bool = False,
-                 pinned: pd.DataFrame | None = None, pinned_label: str = "A") -> go.Figure:
+def error_figure(
+    frame: pd.DataFrame,
+    bars: str = "std",
+    members: int = 1,
+    title: str = "Per-token error: compressed − original attention",
+    what: str = "",
+    y_range: float | None = None,
+    text_tokens: bool = False,
+    pinned: pd.DataFrame | None = None,
+    pinned_label: str = "A",
+) -> go.Figure:
     """The per-token error split into its two causes, with error bars on the total.
 
     Stacked bars: the eviction part (whole tokens lost, their mass spread over the kept ones)
@@ -129,12 +249,17 @@ def error_figure(frame: pd.DataFrame, bars: str = "std", members: int = 1,
     up = (frame["band_hi"] - frame["error_mean"]).clip(lower=0).fillna(0)
     down = (frame["error_mean"] - frame["band_lo"]).clip(lower=0).fillna(0)
     if binned:
-        where = ("tokens %{customdata[0]}-%{customdata[1]}", np.stack([frame["start"], frame["end"]], axis=1))
+        where = (
+            "tokens %{customdata[0]}-%{customdata[1]}",
+            np.stack([frame["start"], frame["end"]], axis=1),
+        )
         x_title = f"token position (bins of {int(frame['tokens'].max())} tokens)"
         y_title = "error in attention mass per bin (probability)"
     else:
-        where = ("%{customdata[0]} (position %{customdata[1]})",
-                 np.stack([frame["token"].astype(str), frame["position"]], axis=1))
+        where = (
+            "%{customdata[0]} (position %{customdata[1]})",
+            np.stack([frame["token"].astype(str), frame["position"]], axis=1),
+        )
         x_title = "token" if text_tokens else "token position (index)"
         y_title = "attention error (compressed − original)"
     label, ids = where
@@ -142,27 +267,57 @@ def error_figure(frame: pd.DataFrame, bars: str = "std", members: int = 1,
         values = frame[f"error_{part}_mean"]
         if not np.any(np.abs(values.to_numpy()) > 0):
             continue
-        fig.add_bar(x=x, y=values, name=f"{part} part", marker_color=PART_COLORS[part], customdata=ids,
-                    marker_pattern_shape="/" if part == "eviction" else "",
-                    hovertemplate=f"<b>{label}</b><br>{part} part %{{y:.5f}}<extra></extra>")
+        fig.add_bar(
+            x=x,
+            y=values,
+            name=f"{part} part",
+            marker_color=PART_COLORS[part],
+            customdata=ids,
+            marker_pattern_shape="/" if part == "eviction" else "",
+            hovertemplate=f"<b>{label}</b><br>{part} part %{{y:.5f}}<extra></extra>",
+        )
     custom = np.concatenate([ids, np.stack([frame["band_lo"], frame["band_hi"]], axis=1)], axis=1)
-    fig.add_scatter(x=x, y=frame["error_mean"], mode="markers", name=f"total ({bar_text})" if members > 1 else "total",
-                    marker=dict(symbol="line-ew-open", size=12, color=OKABE_ITO["black"], line=dict(width=2)),
-                    customdata=custom,
-                    error_y=dict(type="data", symmetric=False, array=up, arrayminus=down,
-                                 color=OKABE_ITO["black"], thickness=1.2, width=2, visible=members > 1),
-                    hovertemplate=(f"<b>{label}</b><br>total error %{{y:.5f}}"
-                                   + ("<br>band %{customdata[2]:.5f} to %{customdata[3]:.5f}" if members > 1 else "")
-                                   + "<extra></extra>"))
+    fig.add_scatter(
+        x=x,
+        y=frame["error_mean"],
+        mode="markers",
+        name=f"total ({bar_text})" if members > 1 else "total",
+        marker=dict(symbol="line-ew-open", size=12, color=OKABE_ITO["black"], line=dict(width=2)),
+        customdata=custom,
+        error_y=dict(
+            type="data",
+            symmetric=False,
+            array=up,
+            arrayminus=down,
+            color=OKABE_ITO["black"],
+            thickness=1.2,
+            width=2,
+            visible=members > 1,
+        ),
+        hovertemplate=(
+            f"<b>{label}</b><br>total error %{{y:.5f}}"
+            + ("<br>band %{customdata[2]:.5f} to %{customdata[3]:.5f}" if members > 1 else "")
+            + "<extra></extra>"
+        ),
+    )
     if pinned is not None:
         px = pinned["start"] + (pinned["tokens"] - 1) / 2 if binned else pinned["position"]
-        fig.add_scatter(x=px, y=pinned["error_mean"], mode="markers", name=f"pinned {pinned_label}: total",
-                        marker=dict(symbol="diamond-open", size=7, color=OKABE_ITO["black"], line=dict(width=1.5)),
-                        hovertemplate="pinned: %{y:.5f}<extra></extra>")
+        fig.add_scatter(
+            x=px,
+            y=pinned["error_mean"],
+            mode="markers",
+            name=f"pinned {pinned_label}: total",
+            marker=dict(
+                symbol="diamond-open", size=7, color=OKABE_ITO["black"], line=dict(width=1.5)
+            ),
+            hovertemplate="pinned: %{y:.5f}<extra></extra>",
+        )
     fig.add_hline(y=0, line_width=1, line_color=OKABE_ITO["black"])
     fig.update_layout(barmode="relative", bargap=0.15)
     if members > 1:
-        subtitle = f"ensemble mean of N = {members} rows{f' ({what})' if what else ''}, bars: {bar_text}"
+        subtitle = (
+            f"ensemble mean of N = {members} rows{f' ({what})' if what else ''}, bars: {bar_text}"
+        )
     else:
         subtitle = f"one row{f' ({what})' if what else ''}, no ensemble: no error bars"
     layout(fig, title, x_title, y_title, subtitle=subtitle)
@@ -173,15 +328,35 @@ def error_figure(frame: pd.DataFrame, bars: str = "std", members: int = 1,
     return fig
 
 
-def heatmap_figure(matrix: np.ndarray, title: str, colorbar: str, zmin: float | None = None,
-                   zmax: float | None = None, fmt: str = ".2f") -> go.Figure:
+def heatmap_figure(
+    matrix: np.ndarray,
+    title: str,
+    colorbar: str,
+    zmin: float | None = None,
+    zmax: float | None = None,
+    fmt: str = ".2f",
+) -> go.Figure:
     """A layers x heads heatmap (cividis: perceptually uniform and colour-blind safe)."""
     m = np.asarray(matrix)
-    fig = go.Figure(go.Heatmap(
-        z=m, x=[str(h) for h in range(m.shape[1])], y=[str(layer) for layer in range(m.shape[0])],
-        colorscale="Cividis", zmin=zmin, zmax=zmax, colorbar=dict(title=dict(text=colorbar)),
-        hovertemplate="layer %{y}, head %{x}<br>" + colorbar + " %{z:" + fmt + "}<extra></extra>"))
-    fig = layout(fig, title, "query head (index)", "layer (index)", height=max(260, 120 + 18 * m.shape[0]))
+    fig = go.Figure(
+        go.Heatmap(
+            z=m,
+            x=[str(h) for h in range(m.shape[1])],
+            y=[str(layer) for layer in range(m.shape[0])],
+            colorscale="Cividis",
+            zmin=zmin,
+            zmax=zmax,
+            colorbar=dict(title=dict(text=colorbar)),
+            hovertemplate="layer %{y}, head %{x}<br>"
+            + colorbar
+            + " %{z:"
+            + fmt
+            + "}<extra></extra>",
+        )
+    )
+    fig = layout(
+        fig, title, "query head (index)", "layer (index)", height=max(260, 120 + 18 * m.shape[0])
+    )
     fig.update_yaxes(autorange="reversed", type="category")
     fig.update_xaxes(type="category")
     return fig
@@ -201,14 +376,20 @@ GRID_STYLES = {  # background, text colour, border style: colour is never the on
 
 def _mix(hex_colour: str, weight: float) -> str:
     """hex_colour blended with white: weight 0 = white, 1 = the colour."""
-    r, g, b = (int(hex_colour[i:i + 2], 16) for i in (1, 3, 5))
+    r, g, b = (int(hex_colour[i : i + 2], 16) for i in (1, 3, 5))
     w = min(max(float(weight), 0.0), 1.0)
     return "#{:02x}{:02x}{:02x}".format(*(round(255 + (c - 255) * w) for c in (r, g, b)))
 
 
-def token_grid_html(tokens: Sequence[str], reasons: Sequence[str], original: Sequence[float],
-                    newest: int | None = None, shade: str = "reason", error: Sequence[float] | None = None,
-                    context_len: int | None = None) -> str:
+def token_grid_html(
+    tokens: Sequence[str],
+    reasons: Sequence[str],
+    original: Sequence[float],
+    newest: int | None = None,
+    shade: str = "reason",
+    error: Sequence[float] | None = None,
+    context_len: int | None = None,
+) -> str:
     """The text as chips, each coloured by what the compressed cache does with it.
 
     shade "reason": sink / recent / heavy hitter / evicted / newest colours; "attention": the
@@ -241,48 +422,76 @@ def token_grid_html(tokens: Sequence[str], reasons: Sequence[str], original: Seq
         label = escape(tok) if tok.strip() else "&nbsp;"
         edge = "#8a8a8a" if border == "dashed" else (bg if shade == "reason" else "#555555")
         if context_len is not None and i == context_len:
-            chips.append("<span title='the prompt ends here: later tokens were generated' style='display:inline-block;"
-                         "margin:2px 6px;padding:0 4px;border-left:3px solid #000;font-size:11px;color:#000'>"
-                         "generated →</span>")
+            chips.append(
+                "<span title='the prompt ends here: later tokens were generated' style='display:inline-block;"
+                "margin:2px 6px;padding:0 4px;border-left:3px solid #000;font-size:11px;color:#000'>"
+                "generated →</span>"
+            )
         chips.append(
             f"<span title='{i}: {escape(tok)!s} — {escape(kind)}, attention {a:.4f}, error {err[i]:+.4f}' "
             f"style='display:inline-block;margin:2px;padding:1px 5px;border-radius:4px;"
             f"background:{bg};color:{fg};border:2px {border} {edge};"
-            f"text-decoration:{strike};font-family:monospace;font-size:13px'>{label}</span>")
+            f"text-decoration:{strike};font-family:monospace;font-size:13px'>{label}</span>"
+        )
     if shade == "reason":
         items = [(name, *GRID_STYLES[name]) for name in GRID_STYLES if name in present]
     else:
-        items = [(name, GRID_STYLES[name][0], GRID_STYLES[name][1], GRID_STYLES[name][2])
-                 for name in ("evicted", "newest") if name in present]
-        scale = ("darker = more of the original attention" if shade == "attention" else
-                 "vermillion = attention lowered by compression, blue = raised; deeper = more")
+        items = [
+            (name, GRID_STYLES[name][0], GRID_STYLES[name][1], GRID_STYLES[name][2])
+            for name in ("evicted", "newest")
+            if name in present
+        ]
+        scale = (
+            "darker = more of the original attention"
+            if shade == "attention"
+            else "vermillion = attention lowered by compression, blue = raised; deeper = more"
+        )
         items.insert(0, (scale, "#ffffff", "#000000", "solid"))
     legend = " ".join(
         f"<span style='display:inline-block;margin:2px 6px 6px 0;padding:1px 6px;border-radius:4px;"
         f"background:{bg};color:{fg};border:2px {border} {bg if border != 'dashed' else '#8a8a8a'};"
-        f"font-size:12px'>{escape(name)}</span>" for name, bg, fg, border in items)
+        f"font-size:12px'>{escape(name)}</span>"
+        for name, bg, fg, border in items
+    )
     return f"<div>{legend}</div><div style='line-height:1.9'>{''.join(chips)}</div>"
 
 
 # --- export -------------------------------------------------------------------------------------
 
-def figures_html(figures: Sequence[go.Figure], title: str = "kvviz", metrics: dict | None = None,
-                 about: str = "", link: str = "") -> str:
+
+def figures_html(
+    figures: Sequence[go.Figure],
+    title: str = "kvviz",
+    metrics: dict | None = None,
+    about: str = "",
+    link: str = "",
+) -> str:
     """A standalone HTML page holding the figures (plotly.js inlined once; works offline), with
     what was computed (`about`: '# ' lines), the metrics and a link back to the live view."""
     from html import escape
 
-    parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0), config=CHART_CONFIG)
-             for i, fig in enumerate(figures)]
+    parts = [
+        fig.to_html(full_html=False, include_plotlyjs=(i == 0), config=CHART_CONFIG)
+        for i, fig in enumerate(figures)
+    ]
     body = "\n".join(f"<section>{p}</section>" for p in parts)
-    info = "".join(f"<li>{escape(line[2:])}</li>" for line in about.splitlines() if line.startswith("# "))
-    table = "".join(f"<tr><td>{escape(k)}</td><td>{escape(_fmt_metric(v))}</td></tr>" for k, v in (metrics or {}).items())
-    back = f"<p><a href='{escape(link, quote=True)}'>Open this view in kvviz</a></p>" if link else ""
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(title)}</title></head>"
-            f"<body style='font-family:sans-serif'><h1>{escape(title)}</h1>{back}"
-            + (f"<ul>{info}</ul>" if info else "")
-            + (f"<table><tr><th>metric</th><th>value</th></tr>{table}</table>" if table else "")
-            + f"{body}</body></html>")
+    info = "".join(
+        f"<li>{escape(line[2:])}</li>" for line in about.splitlines() if line.startswith("# ")
+    )
+    table = "".join(
+        f"<tr><td>{escape(k)}</td><td>{escape(_fmt_metric(v))}</td></tr>"
+        for k, v in (metrics or {}).items()
+    )
+    back = (
+        f"<p><a href='{escape(link, quote=True)}'>Open this view in kvviz</a></p>" if link else ""
+    )
+    return (
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(title)}</title></head>"
+        f"<body style='font-family:sans-serif'><h1>{escape(title)}</h1>{back}"
+        + (f"<ul>{info}</ul>" if info else "")
+        + (f"<table><tr><th>metric</th><th>value</th></tr>{table}</table>" if table else "")
+        + f"{body}</body></html>"
+    )
 
 
 def _fmt_metric(v) -> str:

@@ -130,9 +130,8 @@ def grids_figure(
     )
     top = 24 + 17 * lines
     for r, (_, title, _) in enumerate(grids):
-        if (
-            title
-        ):  # the row's title above its panels (the policies' titles sit on the first row only)
+        # the row's title above its panels (the policies' titles sit on the first row only)
+        if title:
             domain = fig.get_subplot(r + 1, 1).yaxis.domain
             fig.add_annotation(
                 text=f"<b>{escape(title, quote=False)}</b>",
@@ -146,9 +145,8 @@ def grids_figure(
                 showarrow=False,
                 font=dict(size=13),
             )
-    top += (
-        5 * lines + 24 if any(t for _, t, _ in grids) else 0
-    )  # the row title above the policies' titles
+    # the row title above the policies' titles
+    top += 5 * lines + 24 if any(t for _, t, _ in grids) else 0
     fig.update_layout(
         height=n_rows * height + 17 * (lines - 1) + (n_rows - 1) * 60,
         margin=dict(l=60, r=10, t=top, b=40),

@@ -6,16 +6,38 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from kvviz.analysis.study.frontier import METHOD_COLUMN, Frontier
-from kvviz.plots.style import (FORMAT_NAMES, METHOD_COLORS, METHOD_LABELS, OKABE_ITO, layout,
-                                 METHOD_DASH, point_marker)
+from kvviz.plots.style import (
+    FORMAT_NAMES,
+    METHOD_COLORS,
+    METHOD_LABELS,
+    OKABE_ITO,
+    layout,
+    METHOD_DASH,
+    point_marker,
+)
 
-X_TITLES = {"memory_ratio": "memory ratio (compressed / 16-bit cache bytes)",
-            "budget": "cache budget (share of the prompt's tokens)"}
+X_TITLES = {
+    "memory_ratio": "memory ratio (compressed / 16-bit cache bytes)",
+    "budget": "cache budget (share of the prompt's tokens)",
+}
 # eval-sweep's quantizers by their published names; the rest as the Trade-offs chart names them
-LABELS = {**METHOD_LABELS, "kivi-2bit": "KIVI 2-bit", "kivi-2bit-rotated": "KIVI 2-bit, rotated keys",
-          "kv-4bit": "K/V 4-bit", "kv-8bit": "K/V 8-bit", "fp16": "fp16 (full cache)", "nvfp4": "NVFP4",
-          "mxfp4": "MXFP4", "hf-qc-4bit": "HF QuantizedCache 4-bit", "hf-qc-2bit": "HF QuantizedCache 2-bit"}
-CLICK = {"synthetic": "click to open in the Explorer", "model": "click to open in the Model lab", "needle": ""}
+LABELS = {
+    **METHOD_LABELS,
+    "kivi-2bit": "KIVI 2-bit",
+    "kivi-2bit-rotated": "KIVI 2-bit, rotated keys",
+    "kv-4bit": "K/V 4-bit",
+    "kv-8bit": "K/V 8-bit",
+    "fp16": "fp16 (full cache)",
+    "nvfp4": "NVFP4",
+    "mxfp4": "MXFP4",
+    "hf-qc-4bit": "HF QuantizedCache 4-bit",
+    "hf-qc-2bit": "HF QuantizedCache 2-bit",
+}
+CLICK = {
+    "synthetic": "click to open in the Explorer",
+    "model": "click to open in the Model lab",
+    "needle": "",
+}
 
 
 def _width(bits: int, fmt: str) -> str:
@@ -24,8 +46,9 @@ def _width(bits: int, fmt: str) -> str:
     return "16-bit (off)" if bits >= 16 else f"{bits}-bit"
 
 
-def frontier_figure(fr: Frontier, x_column: str = "memory_ratio", log_x: bool = False,
-                    title: str = "Study frontier") -> go.Figure:
+def frontier_figure(
+    fr: Frontier, x_column: str = "memory_ratio", log_x: bool = False, title: str = "Study frontier"
+) -> go.Figure:
     """One line per (model,) method and width over the budgets; each point carries its cell id
     (customdata[0]) so a click can open a cell with that setting."""
     fig = go.Figure()
@@ -41,37 +64,71 @@ def frontier_figure(fr: Frontier, x_column: str = "memory_ratio", log_x: bool = 
             method, bits, fmt = g[method_col].iloc[0], int(g["bits"].iloc[0]), fmt_of(g)
             model = g["model"].iloc[0] if "model" in g else None
             bound = method == "oracle"
-            name = LABELS.get(method, method) + (f" · {model}" if model is not None and len(models) > 1 else "")
+            name = LABELS.get(method, method) + (
+                f" · {model}" if model is not None and len(models) > 1 else ""
+            )
             width = _width(bits, fmt)
             fig.add_scatter(
-                x=g["x"], y=g["mean"], mode="lines+markers", name=name, legendgroup=name,
+                x=g["x"],
+                y=g["mean"],
+                mode="lines+markers",
+                name=name,
+                legendgroup=name,
                 showlegend=name not in seen,
                 error_y=dict(type="data", array=g["half"], visible=True, thickness=1.2, width=4),
-                line=dict(color=METHOD_COLORS.get(method, OKABE_ITO["grey"]), width=1.5 if bound else 2,
-                          dash=METHOD_DASH.get(method, "solid")),
+                line=dict(
+                    color=METHOD_COLORS.get(method, OKABE_ITO["grey"]),
+                    width=1.5 if bound else 2,
+                    dash=METHOD_DASH.get(method, "solid"),
+                ),
                 marker=point_marker(method, bits, fmt),
                 customdata=g[["cell", "budget", "n", "half"]].to_numpy(),
-                hovertemplate=(f"<b>{name}</b>, {width}<br>budget %{{customdata[1]:.3g}}<br>x %{{x:.3f}}<br>"
-                               f"{fr.label} %{{y:.4f}} ± %{{customdata[3]:.4f}} (95% t, N = %{{customdata[2]}} "
-                               f"{fr.replicates})" + (f"<br>{CLICK[fr.kind]}" if CLICK[fr.kind] else "")
-                               + "<extra></extra>"))
+                hovertemplate=(
+                    f"<b>{name}</b>, {width}<br>budget %{{customdata[1]:.3g}}<br>x %{{x:.3f}}<br>"
+                    f"{fr.label} %{{y:.4f}} ± %{{customdata[3]:.4f}} (95% t, N = %{{customdata[2]}} "
+                    f"{fr.replicates})"
+                    + (f"<br>{CLICK[fr.kind]}" if CLICK[fr.kind] else "")
+                    + "<extra></extra>"
+                ),
+            )
             seen.add(name)
         widths = pts[[c for c in ("bits", "format") if c in pts]].drop_duplicates()
-        for _, w in widths.iterrows():    # the marker legend, once
+        for _, w in widths.iterrows():  # the marker legend, once
             bits, fmt = int(w["bits"]), w.get("format", "int")
-            fig.add_scatter(x=[None], y=[None], mode="markers", name=_width(bits, fmt), legendgroup="bits",
-                            legendgrouptitle_text="bit width",
-                            marker=point_marker("", bits, fmt, color=OKABE_ITO["grey"]))
+            fig.add_scatter(
+                x=[None],
+                y=[None],
+                mode="markers",
+                name=_width(bits, fmt),
+                legendgroup="bits",
+                legendgrouptitle_text="bit width",
+                marker=point_marker("", bits, fmt, color=OKABE_ITO["grey"]),
+            )
         if fr.front:
             best = pts.loc[fr.front].sort_values("x")
-            fig.add_scatter(x=best["x"], y=best["mean"], mode="lines", name="Pareto frontier (real policies, means)",
-                            line=dict(color=OKABE_ITO["black"], width=4, dash="dash"), opacity=0.5, hoverinfo="skip")
+            fig.add_scatter(
+                x=best["x"],
+                y=best["mean"],
+                mode="lines",
+                name="Pareto frontier (real policies, means)",
+                line=dict(color=OKABE_ITO["black"], width=4, dash="dash"),
+                opacity=0.5,
+                hoverinfo="skip",
+            )
     better = "higher is better" if fr.higher_is_better else "lower is better"
     n = int(pts["n"].max()) if len(pts) else 0
-    fig = layout(fig, title, X_TITLES.get(x_column, x_column) + (", log scale" if log_x else ""),
-                  f"{fr.label} — {better}", height=540,
-                  subtitle=f"mean over {n} {fr.replicates}; error bars: 95% t-interval for the mean")
-    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.16, xanchor="left", x=0.0), margin=dict(b=130))
+    fig = layout(
+        fig,
+        title,
+        X_TITLES.get(x_column, x_column) + (", log scale" if log_x else ""),
+        f"{fr.label} — {better}",
+        height=540,
+        subtitle=f"mean over {n} {fr.replicates}; error bars: 95% t-interval for the mean",
+    )
+    fig.update_layout(
+        legend=dict(orientation="h", yanchor="top", y=-0.16, xanchor="left", x=0.0),
+        margin=dict(b=130),
+    )
     if log_x:
         fig.update_xaxes(type="log")
     return fig

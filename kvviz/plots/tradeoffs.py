@@ -8,19 +8,34 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from kvviz.plots.style import FORMAT_NAMES, METHOD_COLORS, METHOD_LABELS, OKABE_ITO, layout, METHOD_DASH, point_marker
+from kvviz.plots.style import (
+    FORMAT_NAMES,
+    METHOD_COLORS,
+    METHOD_LABELS,
+    OKABE_ITO,
+    layout,
+    METHOD_DASH,
+    point_marker,
+)
 
 # --- trade-offs -----------------------------------------------------------------------------
 
-METRIC_LABELS = {"tv": "TV distance (0-1)",
-                 "kl_compressed_vs_original": "KL(compressed ‖ original), nats",
-                 "js": "Jensen–Shannon divergence, nats (≤ ln 2)",
-                 "output_error": "output relative error (‖ô−o‖/‖o‖)",
-                 "mass_retained": "attention mass retained (0-1)"}
+METRIC_LABELS = {
+    "tv": "TV distance (0-1)",
+    "kl_compressed_vs_original": "KL(compressed ‖ original), nats",
+    "js": "Jensen–Shannon divergence, nats (≤ ln 2)",
+    "output_error": "output relative error (‖ô−o‖/‖o‖)",
+    "mass_retained": "attention mass retained (0-1)",
+}
 
 
-def tradeoff_figure(rows: Sequence[dict], metric: str = "tv", front: Sequence[int] = (),
-                    current: dict | None = None, log_x: bool = False) -> go.Figure:
+def tradeoff_figure(
+    rows: Sequence[dict],
+    metric: str = "tv",
+    front: Sequence[int] = (),
+    current: dict | None = None,
+    log_x: bool = False,
+) -> go.Figure:
     """Error against memory ratio: one colour, marker shape, line dash and legend entry per method; the
     bit width fills or opens and sizes the marker, explained once in a bit-width legend.
 
@@ -43,45 +58,93 @@ def tradeoff_figure(rows: Sequence[dict], metric: str = "tv", front: Sequence[in
             g = g.sort_values("memory_ratio")
             bound = method == "oracle"
             width = f"{int(bits)}-bit" if fmt == "int" else FORMAT_NAMES.get(fmt, fmt)
-            reads = "saves" in g and (g["saves"] == "memory read").all()   # Quest: x = bytes read per step
+            # Quest: x = bytes read per step
+            reads = "saves" in g and (g["saves"] == "memory read").all()
             x = g["memory_read_ratio"] if reads else g["memory_ratio"]
             fig.add_scatter(
-                x=x, y=g[metric], mode="lines+markers",
-                name=METHOD_LABELS.get(method, method) + (" — saves memory read (x: read per step; stores all)"
-                                                          if reads else ""),
-                legendgroup=method, showlegend=method not in seen_methods,
-                line=dict(color=METHOD_COLORS.get(method, OKABE_ITO["grey"]), width=1.5 if bound else 2,
-                          dash=METHOD_DASH.get(method, "solid")),
+                x=x,
+                y=g[metric],
+                mode="lines+markers",
+                name=METHOD_LABELS.get(method, method)
+                + (" — saves memory read (x: read per step; stores all)" if reads else ""),
+                legendgroup=method,
+                showlegend=method not in seen_methods,
+                line=dict(
+                    color=METHOD_COLORS.get(method, OKABE_ITO["grey"]),
+                    width=1.5 if bound else 2,
+                    dash=METHOD_DASH.get(method, "solid"),
+                ),
                 marker=point_marker(method, int(bits), fmt),
                 customdata=np.stack([g["method"], g["budget"], g["bits"], g["format"]], axis=1),
-                hovertemplate=("<b>%{customdata[0]}</b> budget %{customdata[1]} tokens, " + width +
-                               "<br>memory %{x:.3f} of 16-bit<br>" + label + " %{y:.4f}"
-                               "<br>click to open in the Explorer<extra></extra>"))
+                hovertemplate=(
+                    "<b>%{customdata[0]}</b> budget %{customdata[1]} tokens, "
+                    + width
+                    + "<br>memory %{x:.3f} of 16-bit<br>"
+                    + label
+                    + " %{y:.4f}"
+                    "<br>click to open in the Explorer<extra></extra>"
+                ),
+            )
             seen_methods.add(method)
         widths = frame[["bits", "format"]].drop_duplicates()
-        widths = sorted(zip(widths["bits"], widths["format"]), key=lambda w: (w[1] != "int", -w[0], w[1]))
-        for bits, fmt in widths:   # the marker legend, once
-            name = (f"{int(bits)}-bit" if bits < 16 else "16-bit (off)") if fmt == "int" else FORMAT_NAMES.get(fmt, fmt)
-            fig.add_scatter(x=[None], y=[None], mode="markers", name=name,
-                            legendgroup="bits", legendgrouptitle_text="bit width",
-                            marker=point_marker("", int(bits), fmt, color=OKABE_ITO["grey"]))
+        widths = sorted(
+            zip(widths["bits"], widths["format"]), key=lambda w: (w[1] != "int", -w[0], w[1])
+        )
+        for bits, fmt in widths:  # the marker legend, once
+            name = (
+                (f"{int(bits)}-bit" if bits < 16 else "16-bit (off)")
+                if fmt == "int"
+                else FORMAT_NAMES.get(fmt, fmt)
+            )
+            fig.add_scatter(
+                x=[None],
+                y=[None],
+                mode="markers",
+                name=name,
+                legendgroup="bits",
+                legendgrouptitle_text="bit width",
+                marker=point_marker("", int(bits), fmt, color=OKABE_ITO["grey"]),
+            )
         rows_list = list(rows)
         if len(front):
             pts = pd.DataFrame([rows_list[i] for i in front]).sort_values("memory_ratio")
-            fig.add_scatter(x=pts["memory_ratio"], y=pts[metric], mode="lines", name="Pareto frontier (real policies)",
-                            line=dict(color=OKABE_ITO["black"], width=4, dash="dash"), opacity=0.55,
-                            hoverinfo="skip")
+            fig.add_scatter(
+                x=pts["memory_ratio"],
+                y=pts[metric],
+                mode="lines",
+                name="Pareto frontier (real policies)",
+                line=dict(color=OKABE_ITO["black"], width=4, dash="dash"),
+                opacity=0.55,
+                hoverinfo="skip",
+            )
     if current is not None and current.get(metric) is not None:
-        fig.add_scatter(x=[current["memory_ratio"]], y=[current[metric]], mode="markers",
-                        name=f"current: {current.get('label', 'explorer setting')}",
-                        marker=dict(symbol="star", size=20, color=OKABE_ITO["yellow"],
-                                    line=dict(width=2, color=OKABE_ITO["black"])),
-                        hovertemplate="current setting<br>memory %{x:.3f}<br>" + label + " %{y:.4f}<extra></extra>")
+        fig.add_scatter(
+            x=[current["memory_ratio"]],
+            y=[current[metric]],
+            mode="markers",
+            name=f"current: {current.get('label', 'explorer setting')}",
+            marker=dict(
+                symbol="star",
+                size=20,
+                color=OKABE_ITO["yellow"],
+                line=dict(width=2, color=OKABE_ITO["black"]),
+            ),
+            hovertemplate="current setting<br>memory %{x:.3f}<br>"
+            + label
+            + " %{y:.4f}<extra></extra>",
+        )
     better = "higher is better" if metric == "mass_retained" else "lower is better"
-    fig = layout(fig, "Error vs memory for every policy", "memory ratio (compressed / 16-bit cache bytes)"
-                  + (", log scale" if log_x else ""), f"{label} — {better}", height=540)
-    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.16, xanchor="left", x=0.0),
-                      margin=dict(b=130))
+    fig = layout(
+        fig,
+        "Error vs memory for every policy",
+        "memory ratio (compressed / 16-bit cache bytes)" + (", log scale" if log_x else ""),
+        f"{label} — {better}",
+        height=540,
+    )
+    fig.update_layout(
+        legend=dict(orientation="h", yanchor="top", y=-0.16, xanchor="left", x=0.0),
+        margin=dict(b=130),
+    )
     if log_x:
         fig.update_xaxes(type="log")
     return fig
@@ -89,8 +152,13 @@ def tradeoff_figure(rows: Sequence[dict], metric: str = "tv", front: Sequence[in
 
 # --- concentration ----------------------------------------------------------------------------
 
-def concentration_figure(fractions: np.ndarray, curves: np.ndarray, band: tuple = ((0.10, 0.20), (0.80, 0.90)),
-                         labels: Sequence[str] | None = None) -> go.Figure:
+
+def concentration_figure(
+    fractions: np.ndarray,
+    curves: np.ndarray,
+    band: tuple = ((0.10, 0.20), (0.80, 0.90)),
+    labels: Sequence[str] | None = None,
+) -> go.Figure:
     """Share of attention held by the top x% of tokens: one faint line per layer, the mean bold.
 
     `curves` is (layers, heads, F); the shaded band is the handbook's rule of thumb
@@ -99,30 +167,70 @@ def concentration_figure(fractions: np.ndarray, curves: np.ndarray, band: tuple 
     x = 100 * np.asarray(fractions)
     fig = go.Figure()
     (x0, x1), (y0, y1) = band
-    fig.add_shape(type="rect", x0=100 * x0, x1=100 * x1, y0=100 * y0, y1=100 * y1,
-                  fillcolor=OKABE_ITO["yellow"], opacity=0.45, line=dict(color=OKABE_ITO["black"], width=1, dash="dot"),
-                  layer="below")
+    fig.add_shape(
+        type="rect",
+        x0=100 * x0,
+        x1=100 * x1,
+        y0=100 * y0,
+        y1=100 * y1,
+        fillcolor=OKABE_ITO["yellow"],
+        opacity=0.45,
+        line=dict(color=OKABE_ITO["black"], width=1, dash="dot"),
+        layer="below",
+    )
     # the label sits low on the right, under every curve (which rise above 80% long before x = 55%)
     # and right of the uniform diagonal, with an arrow to the band
-    fig.add_annotation(x=100 * (x0 + x1) / 2, y=100 * y0, ax=62, ay=22, axref="x", ayref="y",
-                       text="handbook: 10-20% of tokens<br>take 80-90% of the mass", showarrow=True, arrowhead=2,
-                       xanchor="left", yanchor="middle", align="left", font=dict(size=12),
-                       bgcolor="rgba(255,255,255,0.9)")
+    fig.add_annotation(
+        x=100 * (x0 + x1) / 2,
+        y=100 * y0,
+        ax=62,
+        ay=22,
+        axref="x",
+        ayref="y",
+        text="handbook: 10-20% of tokens<br>take 80-90% of the mass",
+        showarrow=True,
+        arrowhead=2,
+        xanchor="left",
+        yanchor="middle",
+        align="left",
+        font=dict(size=12),
+        bgcolor="rgba(255,255,255,0.9)",
+    )
     per_layer = curves.mean(axis=1)
     for layer, c in enumerate(per_layer):
-        fig.add_scatter(x=x, y=100 * c, mode="lines", line=dict(width=1, color=OKABE_ITO["sky_blue"]),
-                        name=labels[layer] if labels else f"layer {layer}", opacity=0.6,
-                        showlegend=len(per_layer) <= 8,
-                        hovertemplate=f"layer {layer}<br>top %{{x:.0f}}% of tokens hold %{{y:.1f}}%<extra></extra>")
-    fig.add_scatter(x=x, y=100 * curves.mean(axis=(0, 1)), mode="lines", name="mean over layers and heads",
-                    line=dict(width=4, color=OKABE_ITO["blue"]),
-                    hovertemplate="mean<br>top %{x:.0f}% of tokens hold %{y:.1f}%<extra></extra>")
-    fig.add_scatter(x=x, y=x, mode="lines", name="uniform attention", line=dict(dash="dot", color=OKABE_ITO["grey"]),
-                    hoverinfo="skip")
-    fig = layout(fig, "How concentrated is attention? Top x% of tokens hold y% of the mass",
-                  "top tokens (% of tokens the query sees)", "attention mass held (%)", height=460)
+        fig.add_scatter(
+            x=x,
+            y=100 * c,
+            mode="lines",
+            line=dict(width=1, color=OKABE_ITO["sky_blue"]),
+            name=labels[layer] if labels else f"layer {layer}",
+            opacity=0.6,
+            showlegend=len(per_layer) <= 8,
+            hovertemplate=f"layer {layer}<br>top %{{x:.0f}}% of tokens hold %{{y:.1f}}%<extra></extra>",
+        )
+    fig.add_scatter(
+        x=x,
+        y=100 * curves.mean(axis=(0, 1)),
+        mode="lines",
+        name="mean over layers and heads",
+        line=dict(width=4, color=OKABE_ITO["blue"]),
+        hovertemplate="mean<br>top %{x:.0f}% of tokens hold %{y:.1f}%<extra></extra>",
+    )
+    fig.add_scatter(
+        x=x,
+        y=x,
+        mode="lines",
+        name="uniform attention",
+        line=dict(dash="dot", color=OKABE_ITO["grey"]),
+        hoverinfo="skip",
+    )
+    fig = layout(
+        fig,
+        "How concentrated is attention? Top x% of tokens hold y% of the mass",
+        "top tokens (% of tokens the query sees)",
+        "attention mass held (%)",
+        height=460,
+    )
     fig.update_yaxes(range=[0, 101])
     fig.update_xaxes(range=[0, 100])
     return fig
-
-

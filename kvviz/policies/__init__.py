@@ -4,6 +4,7 @@
     reads       the score cache's key: the Spec fields a scorer is seen to read (never listed by hand)
     select      the budget rule (sinks + recent + top heavy) and its streaming form
     allocation  AdaKV / PyramidKV budgets over heads and layers
+    recompress  compression during decoding: scored again every N decode steps (decoding: its setting, rule)
     registry    POLICIES by name, get_policy, plug-ins (entry points and files)
     h2o, tova, snapkv, ...   the scorers
 

@@ -34,29 +34,73 @@ from kvviz.settings import LABELS, Setting, declare, rule
 from kvviz.spec import SCORERS, STREAMING_SCORERS, Spec, SpecError
 
 declare(
-    Setting("allocation", "choice", "uniform", choices=("uniform", "adakv", "pyramid"), label="Budget allocation",
-            option_labels={"uniform": "uniform (every head the same)", "adakv": "AdaKV (per layer, across heads)",
-                           "pyramid": "PyramidKV (per layer, linear)"},
-            help="Uniform: every KV head of every layer keeps `heavy` heavy hitters. AdaKV (Feng et al. 2024; "
-                 "kvpress AdaKVPress): one budget per layer, given to the top scores across all its KV heads, "
-                 "each head keeping at least α × budget — heads end up with different cache lengths. PyramidKV "
-                 "(Cai et al. 2024; kvpress PyramidKVPress): layer budgets falling linearly from the lowest layer "
-                 "to the highest, the same total."),
-    Setting("adakv_alpha", "float", 0.2, 0.0, 1.0, url="ada_alpha", owner=("allocation", "adakv"), step=0.05,
-            fmt="%.2f", label="AdaKV safeguard α (share of the budget each head keeps)",
-            help="kvpress alpha_safeguard, 0.2 by default: each KV head keeps at least floor(α × budget) tokens."),
-    Setting("adakv_floor", "choice", "all", choices=("all", "outside-window"), owner=("allocation", "adakv"),
-            label="AdaKV safeguard counts",
-            option_labels={"all": "sinks and window first (kvpress)", "outside-window": "heavy hitters only"},
-            help="all = each head's top α × budget tokens, sinks and window first (kvpress); outside-window = "
-                 "α × heavy heavy hitters beside them (kvviz before #24)"),
-    Setting("pyramid_beta", "float", 20.0, 1.0, 1e6, url="pyr_beta", owner=("allocation", "pyramid"), step=1.0,
-            label="PyramidKV β (slope; 1 = flat)",
-            help="Top layer heavy/β, bottom layer 2·heavy − heavy/β (kvpress β = 20; 1 = flat)."),
-    Setting("pyramid_schedule", "choice", "kvpress", choices=("kvpress", "heavy"), owner=("allocation", "pyramid"),
-            label="PyramidKV slopes", option_labels={"kvpress": "layer totals (kvpress)", "heavy": "the heavy part"},
-            help="kvpress = layer totals as PyramidKVPress.get_layer_budget; heavy = the heavy part alone from "
-                 "2h - h/beta down to h/beta, same total (kvviz before #24)"),
+    Setting(
+        "allocation",
+        "choice",
+        "uniform",
+        choices=("uniform", "adakv", "pyramid"),
+        label="Budget allocation",
+        option_labels={
+            "uniform": "uniform (every head the same)",
+            "adakv": "AdaKV (per layer, across heads)",
+            "pyramid": "PyramidKV (per layer, linear)",
+        },
+        help="Uniform: every KV head of every layer keeps `heavy` heavy hitters. AdaKV (Feng et al. 2024; "
+        "kvpress AdaKVPress): one budget per layer, given to the top scores across all its KV heads, "
+        "each head keeping at least α × budget — heads end up with different cache lengths. PyramidKV "
+        "(Cai et al. 2024; kvpress PyramidKVPress): layer budgets falling linearly from the lowest layer "
+        "to the highest, the same total.",
+    ),
+    Setting(
+        "adakv_alpha",
+        "float",
+        0.2,
+        0.0,
+        1.0,
+        url="ada_alpha",
+        owner=("allocation", "adakv"),
+        step=0.05,
+        fmt="%.2f",
+        label="AdaKV safeguard α (share of the budget each head keeps)",
+        help="kvpress alpha_safeguard, 0.2 by default: each KV head keeps at least floor(α × budget) tokens.",
+    ),
+    Setting(
+        "adakv_floor",
+        "choice",
+        "all",
+        choices=("all", "outside-window"),
+        owner=("allocation", "adakv"),
+        label="AdaKV safeguard counts",
+        option_labels={
+            "all": "sinks and window first (kvpress)",
+            "outside-window": "heavy hitters only",
+        },
+        help="all = each head's top α × budget tokens, sinks and window first (kvpress); outside-window = "
+        "α × heavy heavy hitters beside them (kvviz before #24)",
+    ),
+    Setting(
+        "pyramid_beta",
+        "float",
+        20.0,
+        1.0,
+        1e6,
+        url="pyr_beta",
+        owner=("allocation", "pyramid"),
+        step=1.0,
+        label="PyramidKV β (slope; 1 = flat)",
+        help="Top layer heavy/β, bottom layer 2·heavy − heavy/β (kvpress β = 20; 1 = flat).",
+    ),
+    Setting(
+        "pyramid_schedule",
+        "choice",
+        "kvpress",
+        choices=("kvpress", "heavy"),
+        owner=("allocation", "pyramid"),
+        label="PyramidKV slopes",
+        option_labels={"kvpress": "layer totals (kvpress)", "heavy": "the heavy part"},
+        help="kvpress = layer totals as PyramidKVPress.get_layer_budget; heavy = the heavy part alone from "
+        "2h - h/beta down to h/beta, same total (kvviz before #24)",
+    ),
 )
 LABELS["allocation:adakv"] = lambda spec, scorer: f"adakv-{scorer} (alpha {spec.adakv_alpha:g})"
 LABELS["allocation:pyramid"] = lambda spec, scorer: f"pyramid-{scorer} (beta {spec.pyramid_beta:g})"
@@ -68,17 +112,27 @@ def _adakv_needs_one_shot_scores(spec) -> None:
         return
     if spec.scorer in STREAMING_SCORERS:
         one_shot = [n for n in SCORERS if n not in STREAMING_SCORERS and n != "chunkkv"]
-        raise SpecError(f"AdaKV spreads one layer budget over the KV heads once, at the compression point, from "
-                        f"one-shot scores (kvpress: a ScorerPress); {spec.scorer} decides again at every step. Use "
-                        f"{', '.join(one_shot)}, or allocation uniform / pyramid")
+        raise SpecError(
+            f"AdaKV spreads one layer budget over the KV heads once, at the compression point, from "
+            f"one-shot scores (kvpress: a ScorerPress); {spec.scorer} decides again at every step. Use "
+            f"{', '.join(one_shot)}, or allocation uniform / pyramid"
+        )
     if spec.scorer == "chunkkv":
-        raise SpecError("ChunkKV keeps the same chunks in every KV head, so there is nothing for AdaKV to spread "
-                        "over heads: use allocation uniform or pyramid")
-    if spec.quantizes and (spec.key_format != "int" or spec.value_format != "int" or spec.rotate != "none"
-                           or spec.residual_mode != "kivi"):
-        raise SpecError("AdaKV's per-head caches have different lengths; the FP8 / FP4 formats, rotation and HF's "
-                        "residual flush quantize a layer's heads together and need equal lengths. Use the integer "
-                        "format with AdaKV, or allocation uniform / pyramid with these formats")
+        raise SpecError(
+            "ChunkKV keeps the same chunks in every KV head, so there is nothing for AdaKV to spread "
+            "over heads: use allocation uniform or pyramid"
+        )
+    if spec.quantizes and (
+        spec.key_format != "int"
+        or spec.value_format != "int"
+        or spec.rotate != "none"
+        or spec.residual_mode != "kivi"
+    ):
+        raise SpecError(
+            "AdaKV's per-head caches have different lengths; the FP8 / FP4 formats, rotation and HF's "
+            "residual flush quantize a layer's heads together and need equal lengths. Use the integer "
+            "format with AdaKV, or allocation uniform / pyramid with these formats"
+        )
 
 
 def kvpress_kept(budget: int) -> float:
@@ -98,7 +152,8 @@ def pyramid_budgets(heavy: int, n_layers: int, beta: float) -> np.ndarray:
     hi = 2.0 * heavy - lo
     real = hi - np.arange(n_layers) * (hi - lo) / (n_layers - 1)
     out = np.floor(real + 1e-9).astype(np.int64)
-    rest = int(n_layers * heavy - out.sum())      # 0 <= rest < n_layers, to the largest fractional parts
+    # 0 <= rest < n_layers, to the largest fractional parts
+    rest = int(n_layers * heavy - out.sum())
     # (largest remainder keeps the budgets non-increasing: of two layers with the same floor the
     # lower one has the larger fraction)
     order = np.lexsort((np.arange(n_layers), -(real - out)))
@@ -106,7 +161,9 @@ def pyramid_budgets(heavy: int, n_layers: int, beta: float) -> np.ndarray:
     return out
 
 
-def pyramid_totals(budget: int, window: int, n_context: int, n_layers: int, beta: float) -> np.ndarray | None:
+def pyramid_totals(
+    budget: int, window: int, n_context: int, n_layers: int, beta: float
+) -> np.ndarray | None:
     """kvpress PyramidKVPress.get_layer_budget: each layer's total kept tokens (n_layers,), or None
     where kvpress falls back to the uniform budget.
 
@@ -162,20 +219,25 @@ def adakv_heavy(scores: np.ndarray, spec: Spec) -> np.ndarray:
     take = min(spec.heavy, n_c)
     if take <= 0:
         return np.zeros(H, dtype=np.int64)
-    if spec.adakv_floor == "all":           # kvpress: int(n_kept * alpha), sinks and window ranked first
+    # kvpress: int(n_kept * alpha), sinks and window ranked first
+    if spec.adakv_floor == "all":
         floor = min(max(0, int(min(spec.budget, n) * spec.adakv_alpha) - (n - n_c)), take)
     else:
         floor = min(int(spec.adakv_alpha * spec.heavy), take)
-    s = np.nan_to_num(np.asarray(scores[:, first:end], dtype=np.float64), nan=-np.inf, posinf=np.finfo(float).max)
-    order = np.argsort(-s, axis=1, kind="stable")                   # per head, best first, earlier on ties
+    s = np.nan_to_num(
+        np.asarray(scores[:, first:end], dtype=np.float64), nan=-np.inf, posinf=np.finfo(float).max
+    )
+    # per head, best first, earlier on ties
+    order = np.argsort(-s, axis=1, kind="stable")
     rank = np.empty_like(order)
     np.put_along_axis(rank, order, np.arange(n_c)[None, :].repeat(H, 0), axis=1)
     counts = np.full(H, floor, dtype=np.int64)
     rest = H * take - H * floor
     if rest > 0:
-        free = rank >= floor                                        # not taken by the safeguard
+        free = rank >= floor  # not taken by the safeguard
         hs, ts = np.nonzero(free)
-        key = np.lexsort((hs, ts, -s[hs, ts]))                       # best score, then earlier token, lower head
+        # best score, then earlier token, lower head
+        key = np.lexsort((hs, ts, -s[hs, ts]))
         chosen = hs[key[:rest]]
         counts += np.bincount(chosen, minlength=H)
     return counts
@@ -194,10 +256,11 @@ def select_heads(scores: np.ndarray, spec: Spec, heavy: np.ndarray) -> np.ndarra
     return out
 
 
-def allocate(scores: np.ndarray, spec: Spec, layer: int, n_layers: int, n_context: int) -> np.ndarray:
+def allocate(
+    scores: np.ndarray, spec: Spec, layer: int, n_layers: int, n_context: int
+) -> np.ndarray:
     """Kept mask (H, n) of one layer from its scores under the spec's allocation."""
 
     if spec.allocation == "adakv" and spec.evicts:
         return select_heads(scores, spec, adakv_heavy(scores, spec))
     return select(scores, layer_spec(spec, layer, n_layers, n_context))
-

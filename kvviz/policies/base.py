@@ -29,6 +29,7 @@ from kvviz.attention import context_rows, small_blas, softmax
 from kvviz.limits import checkpoint
 from kvviz.policies.allocation import adakv_heavy, allocate, layer_spec, select_heads
 from kvviz.policies.reads import READS, SpecReads
+from kvviz.policies.recompress import decoding_masks, prefix_trace
 from kvviz.policies.select import evict_one, select  # noqa: F401  (re-exported: policies import them from here)
 from kvviz.spec import Spec
 from kvviz.trace import Trace
@@ -60,8 +61,9 @@ class ScoreContext:
         qp = self.trace.query_positions[self.history_rows]
         return len(qp) - np.searchsorted(qp, np.arange(self.n_positions), side="left")
 
-    def context_attention(self, rows: np.ndarray | None = None, heads: np.ndarray | None = None,
-                          trim: bool = False):
+    def context_attention(
+        self, rows: np.ndarray | None = None, heads: np.ndarray | None = None, trim: bool = False
+    ):
         """Chunks of (rows, attention (heads, rows, n_context)) of context queries; trim=True: over
         the keys the chunk's rows may see only (heads, rows, m <= n_context), see context_rows."""
         rows = self.history_rows if rows is None else rows
@@ -119,23 +121,27 @@ class Policy:
 
     name: str = ""
     description: str = ""
-    streaming: bool = False    # keeps deciding at every later step
-    needs_query: bool = False  # sees the evaluated query (the oracle bound; Quest reads pages by it)
-    uses_attention: bool = True  # needs_query policies: ranks by the query's attention (the oracle), not
-                                 # by its vector and the keys alone (Quest)
-    kind: str = "evict"        # "evict": the cache holds only what is kept (saves memory stored);
-                               # "read": the cache stays whole, each query reads a part (saves memory read)
-    paper: str = ""            # the published method
-    kvpress: str = ""          # the corresponding NVIDIA kvpress press, if any
+    streaming: bool = False  # keeps deciding at every later step
+    # sees the evaluated query (the oracle bound; Quest reads pages by it)
+    needs_query: bool = False
+    # needs_query policies: ranks by the query's attention (the oracle), not
+    uses_attention: bool = True
+    # by its vector and the keys alone (Quest)
+    kind: str = "evict"  # "evict": the cache holds only what is kept (saves memory stored);
+    # "read": the cache stays whole, each query reads a part (saves memory read)
+    paper: str = ""  # the published method
+    kvpress: str = ""  # the corresponding NVIDIA kvpress press, if any
     # how menus and charts show it (kvviz.plots.style, kvviz.app.labels read these; a plug-in may leave them)
-    order: int = 1000          # place in the scorer menu (built-ins 10, 20, ...; plug-ins after them)
-    title: str = ""            # the method's name on charts and legends (default: `name`)
-    short: str = ""            # a compact name for narrow places (default: `title`)
-    menu: str = ""             # the scorer menu's line (default: `title`)
-    colour: str = ""           # chart colour (tests/test_colour_vision.py keeps the built-ins apart)
-    symbol: str = "circle"     # plotly marker: a method is never told by colour alone
-    dash: str = "solid"        # plotly line dash
-    chunkable: bool = False    # a one-shot token scorer whose scores ChunkKV can pool per chunk
+    # place in the scorer menu (built-ins 10, 20, ...; plug-ins after them)
+    order: int = 1000
+    title: str = ""  # the method's name on charts and legends (default: `name`)
+    short: str = ""  # a compact name for narrow places (default: `title`)
+    menu: str = ""  # the scorer menu's line (default: `title`)
+    # chart colour (tests/test_colour_vision.py keeps the built-ins apart)
+    colour: str = ""
+    symbol: str = "circle"  # plotly marker: a method is never told by colour alone
+    dash: str = "solid"  # plotly line dash
+    chunkable: bool = False  # a one-shot token scorer whose scores ChunkKV can pool per chunk
 
     def note(self, spec: Spec, trace: Trace | None = None) -> str | None:
         """What this scorer keeps and why, for the Explorer, where the sliders alone do not say it."""
@@ -155,30 +161,55 @@ class Policy:
         """
         raise NotImplementedError
 
-    def query_scores(self, attention: np.ndarray, ctx: ScoreContext, query: np.ndarray | None = None,
-                     keys: np.ndarray | None = None) -> np.ndarray:
+    def query_scores(
+        self,
+        attention: np.ndarray,
+        ctx: ScoreContext,
+        query: np.ndarray | None = None,
+        keys: np.ndarray | None = None,
+    ) -> np.ndarray:
         """needs_query policies: scores (kv_heads, n) at one query from its attention (q_heads, n),
         its query vectors (q_heads, head_dim) and the cached keys (kv_heads, n, head_dim)."""
         raise TypeError(f"{self.name} scores at the compression point: use score")
 
-    def query_reads(self, attention: np.ndarray, ctx: ScoreContext, query: np.ndarray | None = None,
-                    keys: np.ndarray | None = None) -> np.ndarray | None:
+    def query_reads(
+        self,
+        attention: np.ndarray,
+        ctx: ScoreContext,
+        query: np.ndarray | None = None,
+        keys: np.ndarray | None = None,
+    ) -> np.ndarray | None:
         """needs_query policies that choose per query head (Quest as the paper): each query head's own
         read mask (q_heads, n) under the allocation; None where one choice serves a KV head's group."""
         return None
 
-    def query_kept(self, attention: np.ndarray, ctx: ScoreContext, query: np.ndarray | None = None,
-                   keys: np.ndarray | None = None) -> np.ndarray:
+    def query_kept(
+        self,
+        attention: np.ndarray,
+        ctx: ScoreContext,
+        query: np.ndarray | None = None,
+        keys: np.ndarray | None = None,
+    ) -> np.ndarray:
         """needs_query policies: the kept (read) mask (kv_heads, n) at one query, under the allocation;
         where query heads choose their own (query_reads), what the KV head's cache serves: their union."""
         reads = self.query_reads(attention, ctx, query=query, keys=keys)
         if reads is not None:
             return group_union(reads, ctx.trace.n_kv_heads)
-        return allocate(self.query_scores(attention, ctx, query=query, keys=keys), ctx.spec, ctx.layer,
-                        ctx.trace.n_layers, ctx.trace.context_len)
+        return allocate(
+            self.query_scores(attention, ctx, query=query, keys=keys),
+            ctx.spec,
+            ctx.layer,
+            ctx.trace.n_layers,
+            ctx.trace.context_len,
+        )
 
-    def update(self, scores: np.ndarray, attention: np.ndarray, ctx: ScoreContext,
-               seen_counts: np.ndarray | None = None) -> None:
+    def update(
+        self,
+        scores: np.ndarray,
+        attention: np.ndarray,
+        ctx: ScoreContext,
+        seen_counts: np.ndarray | None = None,
+    ) -> None:
         """Streaming policies: fold one later query's attention (q_heads, m) over the kept tokens
         into their scores (kv_heads, m) in place. seen_counts (kv_heads, m): how many queries
         had seen each kept token before this one."""
@@ -219,8 +250,10 @@ class Policy:
         if hit is not None:
             return hit
         read: set[str] = set()
-        scores = np.asarray(self.score(ScoreContext(ctx.trace, ctx.layer, SpecReads(ctx.spec, read))),
-                            dtype=np.float64)
+        scores = np.asarray(
+            self.score(ScoreContext(ctx.trace, ctx.layer, SpecReads(ctx.spec, read))),
+            dtype=np.float64,
+        )
         scores.flags.writeable = False
         READS.note(self.name, read)
         _cache_put(ctx.trace, ctx.layer, self.name, (READS.key(self.name, ctx.spec), extra), scores)
@@ -236,35 +269,80 @@ class Policy:
             for i, p in enumerate(positions):
                 out[i, :, : p + 1] = True
             return out
-        if spec.allocation == "pyramid":             # this layer's budget, then as uniform
+        if spec.allocation == "pyramid":  # this layer's budget, then as uniform
             spec = layer_spec(spec, ctx.layer, trace.n_layers, trace.context_len)
             ctx = ScoreContext(trace, ctx.layer, spec)
         scores = self.scores_at_compression(ctx)
-        if scores.shape != (Hkv, P):                # a score shared by every KV head
+        if scores.shape != (Hkv, P):  # a score shared by every KV head
             scores = np.broadcast_to(scores, (Hkv, P))
         if not self.streaming:
-            if spec.allocation == "adakv":           # head budgets fixed at the compression point
+            if spec.compress_every:  # compressed again every N decode steps
+                return self._decoding(ctx, spec, scores, positions, out)
+            if spec.allocation == "adakv":  # head budgets fixed at the compression point
                 c = trace.context_len
                 heavy = adakv_heavy(scores[:, :c], spec)
                 for i, p in enumerate(positions):
                     out[i, :, : p + 1] = select_heads(scores[:, : p + 1], spec, heavy)
                 return out
             own = self.compression_kept(scores[:, : trace.context_len], spec)
-            if own is not None:                      # the policy's own rule at the compression point
+            # the policy's own rule at the compression point
+            if own is not None:
                 return self._grow(own, scores, spec, trace.context_len, positions, out)
-            shared = scores.strides[0] == 0 and Hkv > 1    # one decision for every head: take it once
+            # one decision for every head: take it once
+            shared = scores.strides[0] == 0 and Hkv > 1
             for i, p in enumerate(positions):
-                out[i, :, : p + 1] = select(scores[:1 if shared else Hkv, : p + 1], spec)
+                out[i, :, : p + 1] = select(scores[: 1 if shared else Hkv, : p + 1], spec)
             return out
         if spec.allocation == "adakv":
             from kvviz.spec import SpecError
-            raise SpecError(f"AdaKV allocates once from one-shot scores; {self.name} decides at every step")
+
+            raise SpecError(
+                f"AdaKV allocates once from one-shot scores; {self.name} decides at every step"
+            )
         with small_blas():  # one query a step: small products
             return self._simulate(ctx, scores.copy(), positions, out)
 
+    def _decoding(
+        self,
+        ctx: ScoreContext,
+        spec: Spec,
+        scores: np.ndarray,
+        positions: np.ndarray,
+        out: np.ndarray,
+    ) -> np.ndarray:
+        """Kept masks when the cache is compressed again every spec.compress_every decode steps
+        (kvviz.policies.recompress): before the prompt's end as compressing once gives them; after it, the
+        cache grows and is scored again over what it holds every N steps."""
+        c = ctx.trace.context_len
+        own = self.compression_kept(scores[:, :c], spec)
+        for i, p in enumerate(positions):
+            if p < c:
+                out[i, :, : p + 1] = (
+                    own[:, : p + 1] if own is not None else select(scores[:, : p + 1], spec)
+                )
+        kept_c = own if own is not None else select(scores[:, :c], spec)
+        # (H, m): equal per head
+        held = np.stack([np.flatnonzero(r) for r in kept_c])
+        return decoding_masks(
+            held, c, spec, positions, out, lambda end: self.scores_until(ctx, end)
+        )
+
+    def scores_until(self, ctx: ScoreContext, end: int) -> np.ndarray:
+        """Scores (kv_heads, end) at a compression point after the query at end - 1: the scorer reads the
+        queries and keys of positions 0..end - 1 as a prompt (kvviz.policies.recompress)."""
+        sub = ScoreContext(prefix_trace(ctx.trace, ctx.layer, end), ctx.layer, ctx.spec)
+        scores = np.asarray(self.score(sub), dtype=np.float64)
+        return np.broadcast_to(scores, (ctx.trace.n_kv_heads, end))
+
     @staticmethod
-    def _grow(kept_c: np.ndarray, scores: np.ndarray, spec: Spec, c: int, positions: np.ndarray,
-              out: np.ndarray) -> np.ndarray:
+    def _grow(
+        kept_c: np.ndarray,
+        scores: np.ndarray,
+        spec: Spec,
+        c: int,
+        positions: np.ndarray,
+        out: np.ndarray,
+    ) -> np.ndarray:
         """Kept masks after a compression point whose kept set kept_c (H, c) is the policy's own: a
         query before the point sees the part of it up to itself; later tokens join the cache, which
         past the budget drops its lowest score outside sinks and window (`evict_one`, as the
@@ -276,7 +354,8 @@ class Policy:
         later = sorted((int(p), i) for i, p in enumerate(positions) if p >= c)
         if not later:
             return out
-        kept = np.stack([np.flatnonzero(r) for r in kept_c])                     # (H, m): equal per head
+        # (H, m): equal per head
+        kept = np.stack([np.flatnonzero(r) for r in kept_c])
         p = c
         for target, i in later:
             while p <= target:
@@ -287,8 +366,9 @@ class Policy:
             np.put_along_axis(out[i], kept, True, axis=1)
         return out
 
-    def _simulate(self, ctx: ScoreContext, scores: np.ndarray, positions: np.ndarray,
-                  out: np.ndarray) -> np.ndarray:
+    def _simulate(
+        self, ctx: ScoreContext, scores: np.ndarray, positions: np.ndarray, out: np.ndarray
+    ) -> np.ndarray:
         """Run a streaming policy step by step from the compression point.
 
         The cache is held as kept positions per KV head, `kept` (kv_heads, m): every head
@@ -297,9 +377,10 @@ class Policy:
         """
         trace, spec, layer = ctx.trace, ctx.spec, ctx.layer
         c, Hkv, g = trace.context_len, trace.n_kv_heads, trace.group_size
-        kept = np.nonzero(select(scores[:, :c], spec))[1].reshape(Hkv, -1)   # (Hkv, m)
+        kept = np.nonzero(select(scores[:, :c], spec))[1].reshape(Hkv, -1)  # (Hkv, m)
         scores[:, c:] = np.inf  # nothing has scored a token that has not arrived
-        seen_counts = ctx.history_counts().astype(np.float64)              # queries that saw each token
+        # queries that saw each token
+        seen_counts = ctx.history_counts().astype(np.float64)
         want = {int(p): i for i, p in enumerate(positions)}
         for i, p in enumerate(positions):  # queries evaluated at the compression point
             if p < c:
@@ -308,25 +389,29 @@ class Policy:
         inv_sqrt_d = 1.0 / np.sqrt(trace.head_dim)
         for p in range(c, int(positions.max()) + 1 if len(positions) else c):
             checkpoint()
-            kept = np.concatenate([kept, np.full((Hkv, 1), p)], axis=1)       # the new token arrives
-            if kept.shape[1] > spec.budget:                                   # evict one per head
+            # the new token arrives
+            kept = np.concatenate([kept, np.full((Hkv, 1), p)], axis=1)
+            if kept.shape[1] > spec.budget:  # evict one per head
                 kept = evict_one(kept, scores, spec, p)
             if p in want:
                 np.put_along_axis(out[want[p]], kept, True, axis=1)
             qi = query_at.get(p)
             if qi is None:
                 continue
-            kept_q = np.repeat(kept, g, axis=0)                               # (Hq, m)
+            kept_q = np.repeat(kept, g, axis=0)  # (Hq, m)
             if trace.logits is not None:
-                logits = np.take_along_axis(trace.logits[layer, :, qi].astype(np.float64), kept_q, axis=1)
+                logits = np.take_along_axis(
+                    trace.logits[layer, :, qi].astype(np.float64), kept_q, axis=1
+                )
             else:
-                q = trace.q[layer, :, qi].reshape(Hkv, g, -1)                 # (Hkv, g, D)
-                k = trace.k[layer][np.arange(Hkv)[:, None], kept]              # (Hkv, m, D), row gathers
-                logits = np.swapaxes(np.matmul(k, np.swapaxes(q, 1, 2)), 1, 2)    # (Hkv, g, m)
+                q = trace.q[layer, :, qi].reshape(Hkv, g, -1)  # (Hkv, g, D)
+                # (Hkv, m, D), row gathers
+                k = trace.k[layer][np.arange(Hkv)[:, None], kept]
+                logits = np.swapaxes(np.matmul(k, np.swapaxes(q, 1, 2)), 1, 2)  # (Hkv, g, m)
                 logits = logits.reshape(-1, kept.shape[1]).astype(np.float64)
-                logits *= inv_sqrt_d                                          # (Hq, m)
+                logits *= inv_sqrt_d  # (Hq, m)
             attn = softmax(logits)
-            seen = np.take_along_axis(scores, kept, axis=1)                   # (Hkv, m)
+            seen = np.take_along_axis(scores, kept, axis=1)  # (Hkv, m)
             seen[np.isposinf(seen)] = 0.0  # arrivals have now been seen by a query
             self.update(seen, attn, ctx, seen_counts[kept])
             np.put_along_axis(scores, kept, seen, axis=1)

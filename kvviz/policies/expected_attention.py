@@ -27,17 +27,31 @@ from kvviz.policies.base import Policy, ScoreContext, cached_on_trace
 from kvviz.settings import Setting, declare
 
 declare(
-    Setting("ea_horizon", "int", 512, 1, 1_000_000, owner=("scorer", "expected_attention"), step=64,
-            label="Expected Attention horizon (future positions)",
-            help="The query statistics are rotated by the RoPE rotation averaged over this many positions after "
-                 "the context (kvpress n_future_positions 512). No effect on traces without RoPE."),
-    Setting("ea_covariance", "bool", True, url="ea_cov", cli="--ea-no-covariance",
-            owner=("scorer", "expected_attention"),
-            label="Use the queries' covariance (not only their mean)",
-            help="Off (--ea-no-covariance): the queries' mean only, no covariance."),
+    Setting(
+        "ea_horizon",
+        "int",
+        512,
+        1,
+        1_000_000,
+        owner=("scorer", "expected_attention"),
+        step=64,
+        label="Expected Attention horizon (future positions)",
+        help="The query statistics are rotated by the RoPE rotation averaged over this many positions after "
+        "the context (kvpress n_future_positions 512). No effect on traces without RoPE.",
+    ),
+    Setting(
+        "ea_covariance",
+        "bool",
+        True,
+        url="ea_cov",
+        cli="--ea-no-covariance",
+        owner=("scorer", "expected_attention"),
+        label="Use the queries' covariance (not only their mean)",
+        help="Off (--ea-no-covariance): the queries' mean only, no covariance.",
+    ),
 )
 
-EA_SINK = 4   # kvpress ExpectedAttentionPress n_sink
+EA_SINK = 4  # kvpress ExpectedAttentionPress n_sink
 
 
 def rope_inv_freq(trace) -> np.ndarray | None:
@@ -50,14 +64,21 @@ def rope_inv_freq(trace) -> np.ndarray | None:
     params = config.get("rope_parameters")
     if theta is None and isinstance(params, dict):
         theta = params.get("rope_theta")
-    scaled = config.get("rope_scaling") or (isinstance(params, dict) and params.get("rope_type", "default") != "default")
-    if scaled:                      # scaled RoPE (Llama 3, YaRN, ...): transformers' own init functions
+    scaled = config.get("rope_scaling") or (
+        isinstance(params, dict) and params.get("rope_type", "default") != "default"
+    )
+    # scaled RoPE (Llama 3, YaRN, ...): transformers' own init functions
+    if scaled:
         from kvviz.models.config import inv_freq_from_config
+
         inv_freq = inv_freq_from_config(config, trace.head_dim)
         if inv_freq is None:
             from kvviz.spec import SpecError
-            raise SpecError("this trace's model uses a scaled RoPE and carries no RoPE frequencies; Expected "
-                            "Attention needs transformers installed to compute them from its config")
+
+            raise SpecError(
+                "this trace's model uses a scaled RoPE and carries no RoPE frequencies; Expected "
+                "Attention needs transformers installed to compute them from its config"
+            )
         return inv_freq
     if theta is None:
         return None
@@ -67,7 +88,7 @@ def rope_inv_freq(trace) -> np.ndarray | None:
 
 def rotate(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
     """Rotate-half RoPE of x (..., n, d) at positions (n,): x cos + rotate_half(x) sin."""
-    angle = positions[:, None].astype(np.float64) * inv_freq[None, :]      # (n, d/2)
+    angle = positions[:, None].astype(np.float64) * inv_freq[None, :]  # (n, d/2)
     cos, sin = np.cos(angle), np.sin(angle)
     cos, sin = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
     half = x.shape[-1] // 2
@@ -82,34 +103,39 @@ def mean_rotation(start: int, horizon: int, inv_freq: np.ndarray) -> np.ndarray:
     c, s = np.concatenate([c, c]), np.concatenate([s, s])
     d = len(c)
     P = np.zeros((d, d))
-    P[d // 2:, : d // 2] = np.eye(d // 2)
-    P[: d // 2, d // 2:] = -np.eye(d // 2)
+    P[d // 2 :, : d // 2] = np.eye(d // 2)
+    P[: d // 2, d // 2 :] = -np.eye(d // 2)
     return np.diag(c) + s[:, None] * P
 
 
 class ExpectedAttention(Policy):
     name = "expected_attention"
     order = 80
-    title = 'Expected Attention'
+    title = "Expected Attention"
     menu = "Expected Attention (future queries' expected attention × ‖v‖)"
-    colour = '#33BBEE'
-    symbol = 'hexagram'
-    dash = '8px,2px'
+    colour = "#33BBEE"
+    symbol = "hexagram"
+    dash = "8px,2px"
     chunkable = True
-    description = ("the attention future queries are expected to pay: mean and covariance of the context's "
-                   "(pre-RoPE) queries rotated over the next `horizon` positions, times the value norm")
+    description = (
+        "the attention future queries are expected to pay: mean and covariance of the context's "
+        "(pre-RoPE) queries rotated over the next `horizon` positions, times the value norm"
+    )
     paper = "Devoto et al. 2025, Expected Attention: KV-cache compression by estimating attention from future queries"
     kvpress = "ExpectedAttentionPress"
 
     def note(self, spec, trace=None) -> str | None:
-        return (f"Expected Attention: the context queries' mean and covariance (before RoPE) rotated over the next "
-                f"{spec.ea_horizon} positions give each key its expected attention, times its value norm; the "
-                "first 4 tokens always rank first (kvpress).")
+        return (
+            f"Expected Attention: the context queries' mean and covariance (before RoPE) rotated over the next "
+            f"{spec.ea_horizon} positions give each key its expected attention, times its value norm; the "
+            "first 4 tokens always rank first (kvpress)."
+        )
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         trace, layer, c, spec = ctx.trace, ctx.layer, ctx.n_context, ctx.spec
         d, g, Hkv = trace.head_dim, trace.group_size, trace.n_kv_heads
-        mu, cov = query_statistics(trace, layer, ctx.history_rows)          # pre-RoPE, (Hq, d), (Hq, d, d)
+        # pre-RoPE, (Hq, d), (Hq, d, d)
+        mu, cov = query_statistics(trace, layer, ctx.history_rows)
         inv_freq = rope_inv_freq(trace)
         if inv_freq is not None:
             R = mean_rotation(c, spec.ea_horizon, inv_freq)
@@ -117,12 +143,16 @@ class ExpectedAttention(Policy):
             cov = R @ cov @ R.T
         first = EA_SINK if c > EA_SINK else 0
         expected = np.zeros((Hkv, c))
-        expected[:, first:] = expected_attention(trace.k[layer][:, first:c], mu.reshape(Hkv, g, d),
-                                                 cov.reshape(Hkv, g, d, d) if spec.ea_covariance else None)
+        expected[:, first:] = expected_attention(
+            trace.k[layer][:, first:c],
+            mu.reshape(Hkv, g, d),
+            cov.reshape(Hkv, g, d, d) if spec.ea_covariance else None,
+        )
         scores_c = expected
         if trace.v is not None:
             v = trace.v[layer][:, :c]
-            scores_c *= np.sqrt(np.einsum("hci,hci->hc", v, v, dtype=np.float64))   # ||v_i||, in float64
+            # ||v_i||, in float64
+            scores_c *= np.sqrt(np.einsum("hci,hci->hc", v, v, dtype=np.float64))
         if first:
             scores_c[:, :first] = scores_c[:, first:].max() + 1.0
         scores = np.full((Hkv, ctx.n_positions), -np.inf)
@@ -139,11 +169,11 @@ def query_statistics(trace, layer: int, rows: np.ndarray) -> tuple[np.ndarray, n
         r = rows[EA_SINK:] if len(rows) > EA_SINK + 1 else rows
         q = trace.q[layer]
         if len(r) and np.array_equal(r, np.arange(r[0], r[0] + len(r))):
-            q = q[:, r[0]: r[0] + len(r)]                                   # a view: no gather
+            q = q[:, r[0] : r[0] + len(r)]  # a view: no gather
         else:
             q = q[:, r]
         inv_freq = rope_inv_freq(trace)
-        if inv_freq is not None:                                             # back to pre-RoPE
+        if inv_freq is not None:  # back to pre-RoPE
             q = rotate(q.astype(np.float64), -trace.query_positions[r], inv_freq)
         # Centre on a float32 estimate of the mean (a BLAS sum), then correct by the mean of what is
         # left, which is small: the covariance of centred data is safe in float32 (one syrk per head).
@@ -153,16 +183,20 @@ def query_statistics(trace, layer: int, rows: np.ndarray) -> tuple[np.ndarray, n
         mu = np.empty((H, d))
         cov = np.empty((H, d, d))
         for h in range(H):
-            rough = (ones @ q[h]) / np.float32(N)                            # (d,) float32
+            rough = (ones @ q[h]) / np.float32(N)  # (d,) float32
             centred = q[h] - rough
-            rest = (ones @ centred).astype(np.float64) / N                    # the mean left over, small
+            # the mean left over, small
+            rest = (ones @ centred).astype(np.float64) / N
             mu[h] = rough + rest
             cov[h] = (centred.T @ centred).astype(np.float64) / N - np.outer(rest, rest)
         return mu, cov
+
     return cached_on_trace(trace, layer, "expected_attention/query-statistics", (), compute)
 
 
-def expected_attention(keys: np.ndarray, mu: np.ndarray, cov: np.ndarray | None, chunk: int = 1024) -> np.ndarray:
+def expected_attention(
+    keys: np.ndarray, mu: np.ndarray, cov: np.ndarray | None, chunk: int = 1024
+) -> np.ndarray:
     """softmax_i(mu . k_i / sqrt(d) + k_i^T S k_i / (2 d)) averaged over each KV group's query heads.
 
     keys (Hkv, n, d), mu (Hkv, g, d), cov (Hkv, g, d, d) or None (mean term only) -> (Hkv, n), float64.
@@ -176,20 +210,21 @@ def expected_attention(keys: np.ndarray, mu: np.ndarray, cov: np.ndarray | None,
     """
     Hkv, n, d = keys.shape
     g = mu.shape[1]
-    kbar = keys.mean(axis=1, keepdims=True, dtype=np.float64)               # (Hkv, 1, d)
-    delta = keys - kbar                                                      # (Hkv, n, d) float64
-    w = mu / np.sqrt(d)                                                      # (Hkv, g, d)
+    kbar = keys.mean(axis=1, keepdims=True, dtype=np.float64)  # (Hkv, 1, d)
+    delta = keys - kbar  # (Hkv, n, d) float64
+    w = mu / np.sqrt(d)  # (Hkv, g, d)
     if cov is not None:
-        w = w + np.matmul(cov, kbar[:, None, 0, :, None])[..., 0] / d        # + S kbar / d
-    z = np.matmul(delta, np.swapaxes(w, 1, 2))                               # (Hkv, n, g) float64
+        w = w + np.matmul(cov, kbar[:, None, 0, :, None])[..., 0] / d  # + S kbar / d
+    z = np.matmul(delta, np.swapaxes(w, 1, 2))  # (Hkv, n, g) float64
     if cov is not None:
         delta32 = delta.astype(np.float32)
-        stacked = np.swapaxes(cov, 1, 2).reshape(Hkv, d, g * d).astype(np.float32)   # [S_1 .. S_g]
+        stacked = np.swapaxes(cov, 1, 2).reshape(Hkv, d, g * d).astype(np.float32)  # [S_1 .. S_g]
         for start in range(0, n, chunk):
-            part = delta32[:, start:start + chunk]                           # (Hkv, m, d)
-            y = np.matmul(part, stacked).reshape(Hkv, -1, g, d)              # (Hkv, m, g, d)
-            quad = np.matmul(y, part[..., None])[..., 0]                     # (Hkv, m, g): delta^T S delta
-            z[:, start:start + chunk] += quad * np.float32(0.5 / d)
+            part = delta32[:, start : start + chunk]  # (Hkv, m, d)
+            y = np.matmul(part, stacked).reshape(Hkv, -1, g, d)  # (Hkv, m, g, d)
+            # (Hkv, m, g): delta^T S delta
+            quad = np.matmul(y, part[..., None])[..., 0]
+            z[:, start : start + chunk] += quad * np.float32(0.5 / d)
     z -= z.max(axis=1, keepdims=True)
     np.exp(z, out=z)
     z /= z.sum(axis=1, keepdims=True)

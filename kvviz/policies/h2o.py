@@ -15,40 +15,55 @@ import numpy as np
 from kvviz.policies.base import Policy, ScoreContext
 from kvviz.settings import LABELS, Setting, declare
 
-declare(Setting("h2o_normalized", "bool", False, url="h2o_norm", owner=("scorer", "h2o"),
-                label="H2O: divide by the queries that saw each token",
-                help="Off: accumulated attention (H2O as published). On: accumulated attention / number of queries "
-                     "that could see the token, so early tokens are not favoured for having been seen more often "
-                     "(kvpress's observed-attention press)."))
-LABELS["h2o"] = lambda spec: "h2o (mean over the queries that saw each token)" if spec.h2o_normalized else "h2o"
+declare(
+    Setting(
+        "h2o_normalized",
+        "bool",
+        False,
+        url="h2o_norm",
+        owner=("scorer", "h2o"),
+        label="H2O: divide by the queries that saw each token",
+        help="Off: accumulated attention (H2O as published). On: accumulated attention / number of queries "
+        "that could see the token, so early tokens are not favoured for having been seen more often "
+        "(kvpress's observed-attention press).",
+    )
+)
+LABELS["h2o"] = lambda spec: (
+    "h2o (mean over the queries that saw each token)" if spec.h2o_normalized else "h2o"
+)
 
 
 class H2O(Policy):
     name = "h2o"
     order = 10
-    title = 'H2O'
-    menu = 'H2O (accumulated attention)'
-    colour = '#332288'
-    symbol = 'circle'
-    dash = 'solid'
+    title = "H2O"
+    menu = "H2O (accumulated attention)"
+    colour = "#332288"
+    symbol = "circle"
+    dash = "solid"
     chunkable = True
-    description = ("accumulated attention from every query seen so far (optionally divided by how many queries "
-                   "saw the token); streaming. The budget includes the arriving token: a query sees exactly "
-                   "sink + recent + heavy tokens, itself among them")
+    description = (
+        "accumulated attention from every query seen so far (optionally divided by how many queries "
+        "saw the token); streaming. The budget includes the arriving token: a query sees exactly "
+        "sink + recent + heavy tokens, itself among them"
+    )
     streaming = True
 
     def note(self, spec, trace=None) -> str | None:
         if trace is None or not trace.has_later_queries:
             return None
         form = " divided by the queries that saw each token" if spec.h2o_normalized else ""
-        return (f"H2O decides again at every decode step{form}: the new token arrives inside the budget, so each "
-                f"query attends over exactly {spec.budget} tokens (sink + recent + heavy), itself among them.")
+        return (
+            f"H2O decides again at every decode step{form}: the new token arrives inside the budget, so each "
+            f"query attends over exactly {spec.budget} tokens (sink + recent + heavy), itself among them."
+        )
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         # Sum of the attention each context token received from the context queries,
         # summed over the query heads of each KV group -> (kv_heads, positions).
         received = np.zeros((ctx.trace.n_q_heads, ctx.n_positions))
-        for _, attn in ctx.context_attention(trim=True):  # (q_heads, rows, m): the keys those rows see
+        # (q_heads, rows, m): the keys those rows see
+        for _, attn in ctx.context_attention(trim=True):
             received[:, : attn.shape[-1]] += attn.sum(axis=1, dtype=np.float64)
         scores = ctx.per_kv_head(received)
         if ctx.spec.h2o_normalized:
@@ -58,7 +73,7 @@ class H2O(Policy):
 
     def update(self, scores, attention, ctx, seen_counts=None):
         step = ctx.per_kv_head(attention)
-        if ctx.spec.h2o_normalized:   # running mean: (mean * n + a) / (n + 1)
+        if ctx.spec.h2o_normalized:  # running mean: (mean * n + a) / (n + 1)
             scores *= seen_counts
             scores += step
             scores /= seen_counts + 1

@@ -15,33 +15,44 @@ from kvviz.policies.base import Policy, ScoreContext
 class KeyDiff(Policy):
     name = "keydiff"
     order = 90
-    title = 'KeyDiff'
-    menu = 'KeyDiff (least similar to the mean key)'
-    colour = '#AA4499'
-    symbol = 'bowtie'
-    dash = '2px,2px,8px,2px'
+    title = "KeyDiff"
+    menu = "KeyDiff (least similar to the mean key)"
+    colour = "#AA4499"
+    symbol = "bowtie"
+    dash = "2px,2px,8px,2px"
     chunkable = True
-    description = ("least cosine-similar to the anchor, the mean of the context's normalised keys; "
-                   "needs no attention at all")
+    description = (
+        "least cosine-similar to the anchor, the mean of the context's normalised keys; "
+        "needs no attention at all"
+    )
     paper = "Park et al. 2025, KeyDiff: key similarity-based KV cache eviction for long-context LLM inference"
     kvpress = "KeyDiffPress"
 
     def note(self, spec, trace=None) -> str | None:
-        return ("KeyDiff: keys least similar (cosine) to the mean of the context's normalised keys are kept; no "
-                "attention is needed.")
+        return (
+            "KeyDiff: keys least similar (cosine) to the mean of the context's normalised keys are kept; no "
+            "attention is needed."
+        )
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         c = ctx.n_context
-        keys = ctx.trace.k[ctx.layer][:, :c]                               # (kv_heads, c, d), the trace's dtype
-        if keys.dtype not in (np.float32, np.float64):                     # float16 and friends: float32
+        # (kv_heads, c, d), the trace's dtype
+        keys = ctx.trace.k[ctx.layer][:, :c]
+        # float16 and friends: float32
+        if keys.dtype not in (np.float32, np.float64):
             keys = keys.astype(np.float32)
         # In the keys' own precision, as kvpress computes it (float32 BLAS: a float64 copy of K cost
         # 7x the time and moved no kept set in the kvpress reference test); the cosine in float64.
-        norms = np.maximum(np.sqrt(np.einsum("hcd,hcd->hc", keys, keys)), keys.dtype.type(1e-12))  # (kv_heads, c)
+        # (kv_heads, c)
+        norms = np.maximum(np.sqrt(np.einsum("hcd,hcd->hc", keys, keys)), keys.dtype.type(1e-12))
         # anchor = mean_i k_i / ||k_i||: a BLAS product (1/||k||)^T K a head, no normalised copy of K
-        anchor = np.matmul((1.0 / norms)[:, None, :], keys)[:, 0] / keys.dtype.type(c)   # (kv_heads, d)
-        dots = np.matmul(keys, anchor[..., None])[..., 0]                   # k_i . a, one BLAS product a head
-        anchor_norm = np.maximum(np.linalg.norm(anchor.astype(np.float64), axis=-1, keepdims=True), 1e-12)
+        # (kv_heads, d)
+        anchor = np.matmul((1.0 / norms)[:, None, :], keys)[:, 0] / keys.dtype.type(c)
+        # k_i . a, one BLAS product a head
+        dots = np.matmul(keys, anchor[..., None])[..., 0]
+        anchor_norm = np.maximum(
+            np.linalg.norm(anchor.astype(np.float64), axis=-1, keepdims=True), 1e-12
+        )
         cos = dots.astype(np.float64) / (norms * anchor_norm)
         scores = np.full((ctx.trace.n_kv_heads, ctx.n_positions), -np.inf)
         scores[:, :c] = -cos

@@ -8,17 +8,17 @@ from kvviz.policies.base import Policy, ScoreContext
 class KNorm(Policy):
     name = "knorm"
     order = 60
-    title = 'K-norm'
-    menu = 'K-norm (smallest key norm)'
-    colour = '#EECC66'
-    symbol = 'pentagon'
-    dash = '5px,3px,1px,3px'
+    title = "K-norm"
+    menu = "K-norm (smallest key norm)"
+    colour = "#EECC66"
+    symbol = "pentagon"
+    dash = "5px,3px,1px,3px"
     chunkable = True
     description = "smallest key L2 norm first; needs no attention at all"
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
-        keys = ctx.trace.k[ctx.layer]                       # (kv_heads, positions, head_dim)
+        keys = ctx.trace.k[ctx.layer]  # (kv_heads, positions, head_dim)
         return -np.sqrt(np.vecdot(keys, keys))
 
     def arrival_score(self, key, layer, position, spec):
-        return -np.sqrt(np.vecdot(key, key))                 # as `score` computes it
+        return -np.sqrt(np.vecdot(key, key))  # as `score` computes it

@@ -14,25 +14,29 @@ from kvviz.policies.base import Policy, ScoreContext
 class Oracle(Policy):
     name = "oracle"
     order = 50
-    title = 'oracle (the bound)'
-    short = 'oracle (bound)'
+    title = "oracle (the bound)"
+    short = "oracle (bound)"
     menu = "Oracle (this query's attention, per KV head; the bound)"
-    colour = '#000000'
-    symbol = 'cross'
-    dash = 'dot'
+    colour = "#000000"
+    symbol = "cross"
+    dash = "dot"
     description = "the evaluated query's true attention, summed over the KV group (an upper bound, not a real policy)"
     needs_query = True
 
     def note(self, spec, trace=None) -> str | None:
         if trace is None or trace.group_size <= 1:
             return None
-        return (f"The oracle keeps one cache per KV head, chosen by the attention of all {trace.group_size} query "
-                "heads that share it: it is the bound for the group's total attention mass, not for each query "
-                "head on its own, so another policy can keep slightly more of this one head's mass.")
+        return (
+            f"The oracle keeps one cache per KV head, chosen by the attention of all {trace.group_size} query "
+            "heads that share it: it is the bound for the group's total attention mass, not for each query "
+            "head on its own, so another policy can keep slightly more of this one head's mass."
+        )
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         raise TypeError("the oracle is scored per evaluated query: use query_scores")
 
-    def query_scores(self, attention: np.ndarray, ctx: ScoreContext, query=None, keys=None) -> np.ndarray:
+    def query_scores(
+        self, attention: np.ndarray, ctx: ScoreContext, query=None, keys=None
+    ) -> np.ndarray:
         """Scores (kv_heads, n) from one query's attention of every query head (q_heads, n)."""
         return ctx.per_kv_head(attention)

@@ -8,11 +8,11 @@ from kvviz.policies.base import Policy, ScoreContext
 class Random(Policy):
     name = "random"
     order = 70
-    title = 'random'
-    menu = 'Random (seeded baseline)'
-    colour = '#997700'
-    symbol = 'triangle-down'
-    dash = '1px,3px'
+    title = "random"
+    menu = "Random (seeded baseline)"
+    colour = "#997700"
+    symbol = "triangle-down"
+    dash = "1px,3px"
     chunkable = True
     description = "uniformly random heavy hitters (seeded)"
 

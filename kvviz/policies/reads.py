@@ -24,7 +24,6 @@ from kvviz.settings import SETTINGS
 from kvviz.spec import Spec
 
 
-
 class SpecReads:
     """A read-only Spec that adds the name of every field read to `read`. A property is evaluated on this
     view (so the fields it reads are noted); a method (`with_`, `label`) may read anything: all noted.

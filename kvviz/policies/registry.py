@@ -46,8 +46,14 @@ def _builtins() -> dict[str, Policy]:
         if info.name in _NOT_SCORERS:
             continue
         module = importlib.import_module(f"{package.__name__}.{info.name}")
-        found += [cls for cls in vars(module).values() if isinstance(cls, type) and issubclass(cls, Policy)
-                  and cls.__module__ == module.__name__ and cls.name]
+        found += [
+            cls
+            for cls in vars(module).values()
+            if isinstance(cls, type)
+            and issubclass(cls, Policy)
+            and cls.__module__ == module.__name__
+            and cls.name
+        ]
     return {cls.name: cls() for cls in sorted(found, key=lambda c: (c.order, c.name))}
 
 
@@ -67,7 +73,7 @@ def get_policy(name: str) -> Policy:
 
 GROUP = "kvviz.policies"
 _loaded_entry_points = False
-ERRORS: list[str] = []        # entry points that failed to load, one line each (the app shows them)
+ERRORS: list[str] = []  # entry points that failed to load, one line each (the app shows them)
 
 
 class PluginError(SpecError):
@@ -76,9 +82,15 @@ class PluginError(SpecError):
 
 def _wrap_function(fn, name: str):
     doc = (inspect.getdoc(fn) or "").strip().splitlines()
-    cls = type(f"FunctionPolicy_{name}", (Policy,), {
-        "name": name, "description": doc[0] if doc else f"plug-in function {fn.__module__}.{fn.__qualname__}",
-        "score": lambda self, ctx: fn(ctx)})
+    cls = type(
+        f"FunctionPolicy_{name}",
+        (Policy,),
+        {
+            "name": name,
+            "description": doc[0] if doc else f"plug-in function {fn.__module__}.{fn.__qualname__}",
+            "score": lambda self, ctx: fn(ctx),
+        },
+    )
     return cls()
 
 
@@ -104,9 +116,13 @@ def register(obj, name: str | None = None):
     policy = as_policy(obj, name)
     n = policy.name
     if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_.-]{0,63}", n):
-        raise PluginError(f"plug-in scorer name {n!r} must be a short identifier (letters, digits, _ . -)")
+        raise PluginError(
+            f"plug-in scorer name {n!r} must be a short identifier (letters, digits, _ . -)"
+        )
     if n in SCORERS:
-        raise PluginError(f"plug-in scorer {n!r} would replace kvviz's built-in {n!r}; give it another name")
+        raise PluginError(
+            f"plug-in scorer {n!r} would replace kvviz's built-in {n!r}; give it another name"
+        )
     if type(policy).score is Policy.score and not policy.needs_query:
         raise PluginError(f"plug-in {n!r} does not implement score(ctx)")
     if not getattr(policy, "description", ""):
@@ -129,7 +145,7 @@ def load_entry_points(force: bool = False) -> list[str]:
     for ep in entry_points(group=GROUP):
         try:
             register(ep.load(), ep.name)
-        except Exception as exc:   # a broken plug-in must not take kvviz down
+        except Exception as exc:  # a broken plug-in must not take kvviz down
             msg = f"plug-in {ep.name!r} ({ep.value}) could not be loaded: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             if msg not in ERRORS:
                 ERRORS.append(msg)

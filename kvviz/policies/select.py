@@ -22,16 +22,19 @@ def select(scores: np.ndarray, spec: Spec) -> np.ndarray:
     H, n = scores.shape
     keep = np.zeros((H, n), dtype=bool)
     keep[:, : spec.sink] = True
-    keep[:, max(0, n - spec.recent):] = True
-    first, end = min(spec.sink, n), max(min(spec.sink, n), n - spec.recent)   # candidates: [first, end)
+    keep[:, max(0, n - spec.recent) :] = True
+    # candidates: [first, end)
+    first, end = min(spec.sink, n), max(min(spec.sink, n), n - spec.recent)
     take = min(spec.heavy, end - first)
     if take > 0:
-        key = -scores[:, first:end]                 # best first
-        cut = np.partition(key, take - 1, axis=1)[:, take - 1: take]      # (H, 1): the last one taken
-        above = key < cut                                                 # strictly better
+        key = -scores[:, first:end]  # best first
+        # (H, 1): the last one taken
+        cut = np.partition(key, take - 1, axis=1)[:, take - 1 : take]
+        above = key < cut  # strictly better
         tied = key == cut
         need = take - above.sum(axis=1, keepdims=True)
-        if (tied.sum(axis=1, keepdims=True) > need).any():               # too many tied: earliest first
+        # too many tied: earliest first
+        if (tied.sum(axis=1, keepdims=True) > need).any():
             tied &= np.cumsum(tied, axis=1) <= need
         keep[:, first:end] = above | tied
     return keep
@@ -47,9 +50,10 @@ def evict_one(kept: np.ndarray, scores: np.ndarray, spec: Spec, p: int) -> np.nd
     """
     H = kept.shape[0]
     protected = (kept < spec.sink) | (kept > p - spec.recent)
-    at = scores[np.arange(H)[:, None], kept]            # take_along_axis, without its index building
+    # take_along_axis, without its index building
+    at = scores[np.arange(H)[:, None], kept]
     key = np.where(protected, np.inf, np.minimum(at, np.finfo(np.float64).max))
-    victim = key.shape[1] - 1 - np.argmin(key[:, ::-1], axis=1)     # the last of the lowest
+    victim = key.shape[1] - 1 - np.argmin(key[:, ::-1], axis=1)  # the last of the lowest
     drop = np.ones(kept.shape, dtype=bool)
     drop[np.arange(H), victim] = False
     return kept[drop].reshape(H, -1)

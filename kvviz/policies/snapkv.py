@@ -17,7 +17,7 @@ from kvviz.policies.base import Policy, ScoreContext
 from kvviz.settings import Setting, declare, rule
 from kvviz.spec import SpecError
 
-MAX_WINDOW = 64       # the automatic window's cap (SnapKV's and kvpress's window_size)
+MAX_WINDOW = 64  # the automatic window's cap (SnapKV's and kvpress's window_size)
 
 
 def _odd(k: int) -> str | None:
@@ -25,13 +25,30 @@ def _odd(k: int) -> str | None:
 
 
 declare(
-    Setting("snapkv_window", "int", None, 1, 4096, url="snap_window", none_as=0, owner=("scorer", "snapkv"),
-            label="SnapKV observation window (queries; 0 = auto)",
-            help=f"The last context queries that vote. 0 = the recent window, capped at {MAX_WINDOW} (SnapKV's "
-                 "default). The window is kept, so it must fit inside the recent window."),
-    Setting("snapkv_kernel", "int", 5, 1, 63, owner=("scorer", "snapkv"), valid=_odd,
-            label="SnapKV pooling kernel (odd)", help="The votes are average-pooled over this many tokens "
-                                                      "(kvpress kernel_size 5)."),
+    Setting(
+        "snapkv_window",
+        "int",
+        None,
+        1,
+        4096,
+        url="snap_window",
+        none_as=0,
+        owner=("scorer", "snapkv"),
+        label="SnapKV observation window (queries; 0 = auto)",
+        help=f"The last context queries that vote. 0 = the recent window, capped at {MAX_WINDOW} (SnapKV's "
+        "default). The window is kept, so it must fit inside the recent window.",
+    ),
+    Setting(
+        "snapkv_kernel",
+        "int",
+        5,
+        1,
+        63,
+        owner=("scorer", "snapkv"),
+        valid=_odd,
+        label="SnapKV pooling kernel (odd)",
+        help="The votes are average-pooled over this many tokens (kvpress kernel_size 5).",
+    ),
 )
 
 
@@ -49,41 +66,51 @@ def _window_inside_recent(spec) -> None:
     if not (uses and spec.evicts):
         return
     if spec.recent < 1:
-        raise SpecError("SnapKV needs a recent window of at least 1 token: its observation window (the last "
-                        "context queries, which vote) is always kept, as part of the recent window")
+        raise SpecError(
+            "SnapKV needs a recent window of at least 1 token: its observation window (the last "
+            "context queries, which vote) is always kept, as part of the recent window"
+        )
     w = observation_window(spec)
     if w > spec.recent:
-        raise SpecError(f"the SnapKV observation window ({w}) must fit inside the recent window ({spec.recent}): "
-                        f"the window is always kept. Raise the recent window to {w} or shrink the observation "
-                        "window")
+        raise SpecError(
+            f"the SnapKV observation window ({w}) must fit inside the recent window ({spec.recent}): "
+            f"the window is always kept. Raise the recent window to {w} or shrink the observation "
+            "window"
+        )
 
 
 class SnapKV(Policy):
     name = "snapkv"
     order = 30
-    title = 'SnapKV'
-    menu = 'SnapKV (observation window vote)'
-    colour = '#117733'
-    symbol = 'diamond'
-    dash = 'dashdot'
+    title = "SnapKV"
+    menu = "SnapKV (observation window vote)"
+    colour = "#117733"
+    symbol = "diamond"
+    dash = "dashdot"
     chunkable = True
-    description = ("votes of the last context queries (the observation window, kept as part of the recent "
-                   "window), average-pooled; heavy slots go to the top-voted tokens before the window")
+    description = (
+        "votes of the last context queries (the observation window, kept as part of the recent "
+        "window), average-pooled; heavy slots go to the top-voted tokens before the window"
+    )
 
     def note(self, spec, trace=None) -> str | None:
         if trace is None:
             return None
         c, w = trace.context_len, min(observation_window(spec), trace.context_len)
-        return (f"SnapKV: the last {w} context queries (positions {c - w}–{c - 1}) are the observation window; "
-                f"they vote with their attention, averaged and smoothed (pooling kernel {spec.snapkv_kernel}). "
-                f"The window is kept as part of the recent window ({spec.recent} tokens); the {spec.heavy} heavy "
-                f"hitters are the top-voted tokens before position {c - w}.")
+        return (
+            f"SnapKV: the last {w} context queries (positions {c - w}–{c - 1}) are the observation window; "
+            f"they vote with their attention, averaged and smoothed (pooling kernel {spec.snapkv_kernel}). "
+            f"The window is kept as part of the recent window ({spec.recent} tokens); the {spec.heavy} heavy "
+            f"hitters are the top-voted tokens before position {c - w}."
+        )
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         c, spec = ctx.n_context, ctx.spec
         window_start = max(0, c - observation_window(spec))
-        scores = np.full((ctx.trace.n_kv_heads, ctx.n_positions), -np.inf)   # no vote: never a heavy hitter
-        if window_start == 0:          # the window covers the whole context: nothing before it to rank
+        # no vote: never a heavy hitter
+        scores = np.full((ctx.trace.n_kv_heads, ctx.n_positions), -np.inf)
+        # the window covers the whole context: nothing before it to rank
+        if window_start == 0:
             return scores
         rows = ctx.history_rows[ctx.trace.query_positions[ctx.history_rows] >= window_start]
         votes = np.zeros((ctx.trace.n_q_heads, c))
@@ -99,4 +126,4 @@ class SnapKV(Policy):
         return scores
 
     def scores_follow_budget(self, spec) -> bool:
-        return spec.snapkv_window is None       # the automatic window follows the recent window
+        return spec.snapkv_window is None  # the automatic window follows the recent window

@@ -8,17 +8,19 @@ from kvviz.policies.base import Policy, ScoreContext
 class Streaming(Policy):
     name = "streaming"
     order = 40
-    title = 'StreamingLLM'
-    menu = 'StreamingLLM (position only)'
-    colour = '#EE6677'
-    symbol = 'triangle-up'
-    dash = 'longdash'
+    title = "StreamingLLM"
+    menu = "StreamingLLM (position only)"
+    colour = "#EE6677"
+    symbol = "triangle-up"
+    dash = "longdash"
     description = "position only: sinks + recent window (a heavy budget widens the window)"
 
     def note(self, spec, trace=None) -> str | None:
         if spec.heavy > 0:
-            return ("StreamingLLM ranks tokens by position only, so the heavy-hitter budget simply widens the "
-                    "recent window; pick another scorer under Advanced to keep heavy hitters.")
+            return (
+                "StreamingLLM ranks tokens by position only, so the heavy-hitter budget simply widens the "
+                "recent window; pick another scorer under Advanced to keep heavy hitters."
+            )
         return None
 
     def score(self, ctx: ScoreContext) -> np.ndarray:

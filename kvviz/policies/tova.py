@@ -8,21 +8,25 @@ from kvviz.policies.base import Policy, ScoreContext
 class TOVA(Policy):
     name = "tova"
     order = 20
-    title = 'TOVA'
-    menu = 'TOVA (last query)'
-    colour = '#E69F00'
-    symbol = 'square'
-    dash = 'dash'
-    description = ("attention from the last query seen, averaged over all heads (one decision for every head); "
-                   "streaming. The budget includes the arriving token: a query sees exactly sink + recent + heavy "
-                   "tokens, itself among them")
+    title = "TOVA"
+    menu = "TOVA (last query)"
+    colour = "#E69F00"
+    symbol = "square"
+    dash = "dash"
+    description = (
+        "attention from the last query seen, averaged over all heads (one decision for every head); "
+        "streaming. The budget includes the arriving token: a query sees exactly sink + recent + heavy "
+        "tokens, itself among them"
+    )
     streaming = True
 
     def note(self, spec, trace=None) -> str | None:
         if trace is None or not trace.has_later_queries:
             return None
-        return ("TOVA decides again at every decode step: the new token arrives inside the budget, so each query "
-                f"attends over exactly {spec.budget} tokens (sink + recent + heavy), itself among them.")
+        return (
+            "TOVA decides again at every decode step: the new token arrives inside the budget, so each query "
+            f"attends over exactly {spec.budget} tokens (sink + recent + heavy), itself among them."
+        )
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         last = ctx.history_rows[-1:]

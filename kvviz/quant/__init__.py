@@ -15,9 +15,36 @@ Everything `kvviz.quant` exported before it became a package is still importable
 """
 
 from kvviz.quant.base import CacheBytes, kv_bytes_per_token
-from kvviz.quant.integer import (KIVI_GROUP, KIVI_RESIDUAL, SCALE_BITS, ZERO_BITS, _blocks, _scale, compile_kernel,
-                                 kivi_residual, quant_step, quantize, quantize_kept, quantized_extent, tensor_bytes)
+from kvviz.quant.integer import (
+    KIVI_GROUP,
+    KIVI_RESIDUAL,
+    SCALE_BITS,
+    ZERO_BITS,
+    _blocks,
+    _scale,
+    compile_kernel,
+    kivi_residual,
+    quant_step,
+    quantize,
+    quantize_kept,
+    quantized_extent,
+    tensor_bytes,
+)
 
-__all__ = ["CacheBytes", "KIVI_GROUP", "KIVI_RESIDUAL", "SCALE_BITS", "ZERO_BITS", "_blocks", "_scale",
-           "compile_kernel", "kivi_residual", "kv_bytes_per_token", "quant_step", "quantize", "quantize_kept",
-           "quantized_extent", "tensor_bytes"]
+__all__ = [
+    "CacheBytes",
+    "KIVI_GROUP",
+    "KIVI_RESIDUAL",
+    "SCALE_BITS",
+    "ZERO_BITS",
+    "_blocks",
+    "_scale",
+    "compile_kernel",
+    "kivi_residual",
+    "kv_bytes_per_token",
+    "quant_step",
+    "quantize",
+    "quantize_kept",
+    "quantized_extent",
+    "tensor_bytes",
+]

@@ -284,9 +284,8 @@ def spec_residual_for_memory(spec: Spec, kept: int, n_tokens: int, context_len: 
 
 # --- presets -----------------------------------------------------------------------------
 
-HF_RESIDUAL_LENGTH = (
-    128  # transformers QuantizedCache defaults: nbits 4, q_group_size 64, residual_length 128
-)
+# transformers QuantizedCache defaults: nbits 4, q_group_size 64, residual_length 128
+HF_RESIDUAL_LENGTH = 128
 HF_GROUP = 64
 
 

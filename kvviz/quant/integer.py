@@ -30,35 +30,106 @@ from kvviz.quant.base import CacheBytes
 from kvviz.settings import Setting, declare, rule
 from kvviz.spec import FULL_BITS, MAX_BUDGET, SpecError
 
-BITS_OPTIONS = (1, 2, 3, 4, 5, 6, 7, 8, FULL_BITS)     # what the bits sliders offer
-GROUP_OPTIONS = (8, 16, 32, 64, 128)                   # what the group-size menu offers (any 1-4096 is valid)
+BITS_OPTIONS = (1, 2, 3, 4, 5, 6, 7, 8, FULL_BITS)  # what the bits sliders offer
+# what the group-size menu offers (any 1-4096 is valid)
+GROUP_OPTIONS = (8, 16, 32, 64, 128)
 
 declare(
-    Setting("key_bits", "int", FULL_BITS, 1, FULL_BITS, quantizes=True, options=BITS_OPTIONS, label="Key bits",
-            help="key bits (1-8; 16 = not quantized)"),
-    Setting("value_bits", "int", FULL_BITS, 1, FULL_BITS, quantizes=True, options=BITS_OPTIONS,
-            label="Value bits", help="value bits (1-8; 16 = not quantized)"),
-    Setting("key_axis", "choice", "channel", choices=("channel", "token"), quantizes=True,
-            label="Key groups run along", help="KIVI quantizes keys per channel (keys have outlier channels)."),
-    Setting("value_axis", "choice", "token", choices=("channel", "token"), quantizes=True,
-            label="Value groups run along", help="KIVI quantizes values per token."),
-    Setting("group_size", "int", 32, 1, 4096, url="group", quantizes=True, options=GROUP_OPTIONS,
-            label="Group size (values per scale)", help="values that share one scale (and zero point)"),
-    Setting("residual", "int", 0, 0, MAX_BUDGET, quantizes=True, label="Residual (last tokens kept at 16 bits)",
-            help="recent tokens kept in full precision (KIVI: 128)"),
-    Setting("symmetric", "bool", False, quantizes=True,
-            label="Symmetric quantization (no zero point; needs ≥ 2 bits)",
-            help="symmetric quantization (no zero point)"),
-    Setting("zero_point", "choice", "float", choices=("float", "int"), quantizes=True, label="Asymmetric zero",
-            option_labels={"float": "float offset (KIVI)", "int": "integer zero point"},
-            help="KIVI dequantizes x̂ = q·s + min with min kept as a 16-bit float. Integer kernels round a zero "
-                 "point z = round(−min/s) and store it in b bits: x̂ = s·(q − z), slightly larger error, and at "
-                 "1 bit x̂ can leave [min, max]."),
-    Setting("partial", "choice", "full", choices=("full", "quantize"), cli="--partial-groups", quantizes=True,
-            label="Partial groups (shorter than G)", option_labels={"full": "16-bit (KIVI)", "quantize": "quantize"},
-            help="Tokens after the last full group of G (per-channel keys) or channels after the last full group "
-                 "(per-token): KIVI keeps them at full precision until a group fills; counted as 16-bit in the "
-                 "memory. Or quantize them as a short group."),
+    Setting(
+        "key_bits",
+        "int",
+        FULL_BITS,
+        1,
+        FULL_BITS,
+        quantizes=True,
+        options=BITS_OPTIONS,
+        label="Key bits",
+        help="key bits (1-8; 16 = not quantized)",
+    ),
+    Setting(
+        "value_bits",
+        "int",
+        FULL_BITS,
+        1,
+        FULL_BITS,
+        quantizes=True,
+        options=BITS_OPTIONS,
+        label="Value bits",
+        help="value bits (1-8; 16 = not quantized)",
+    ),
+    Setting(
+        "key_axis",
+        "choice",
+        "channel",
+        choices=("channel", "token"),
+        quantizes=True,
+        label="Key groups run along",
+        help="KIVI quantizes keys per channel (keys have outlier channels).",
+    ),
+    Setting(
+        "value_axis",
+        "choice",
+        "token",
+        choices=("channel", "token"),
+        quantizes=True,
+        label="Value groups run along",
+        help="KIVI quantizes values per token.",
+    ),
+    Setting(
+        "group_size",
+        "int",
+        32,
+        1,
+        4096,
+        url="group",
+        quantizes=True,
+        options=GROUP_OPTIONS,
+        label="Group size (values per scale)",
+        help="values that share one scale (and zero point)",
+    ),
+    Setting(
+        "residual",
+        "int",
+        0,
+        0,
+        MAX_BUDGET,
+        quantizes=True,
+        label="Residual (last tokens kept at 16 bits)",
+        help="recent tokens kept in full precision (KIVI: 128)",
+    ),
+    Setting(
+        "symmetric",
+        "bool",
+        False,
+        quantizes=True,
+        label="Symmetric quantization (no zero point; needs ≥ 2 bits)",
+        help="symmetric quantization (no zero point)",
+    ),
+    Setting(
+        "zero_point",
+        "choice",
+        "float",
+        choices=("float", "int"),
+        quantizes=True,
+        label="Asymmetric zero",
+        option_labels={"float": "float offset (KIVI)", "int": "integer zero point"},
+        help="KIVI dequantizes x̂ = q·s + min with min kept as a 16-bit float. Integer kernels round a zero "
+        "point z = round(−min/s) and store it in b bits: x̂ = s·(q − z), slightly larger error, and at "
+        "1 bit x̂ can leave [min, max].",
+    ),
+    Setting(
+        "partial",
+        "choice",
+        "full",
+        choices=("full", "quantize"),
+        cli="--partial-groups",
+        quantizes=True,
+        label="Partial groups (shorter than G)",
+        option_labels={"full": "16-bit (KIVI)", "quantize": "quantize"},
+        help="Tokens after the last full group of G (per-channel keys) or channels after the last full group "
+        "(per-token): KIVI keeps them at full precision until a group fills; counted as 16-bit in the "
+        "memory. Or quantize them as a short group.",
+    ),
 )
 
 
@@ -70,13 +141,19 @@ def check_bits(spec) -> None:
             continue
         low = 2 if spec.symmetric else 1
         if not low <= bits <= 8:
-            raise SpecError(f"{what} bits must be {low}-8 (or 16 for no quantization), got {bits}"
-                            + (" — symmetric quantization needs at least 2 bits" if spec.symmetric and bits == 1
-                               else ""))
+            raise SpecError(
+                f"{what} bits must be {low}-8 (or 16 for no quantization), got {bits}"
+                + (
+                    " — symmetric quantization needs at least 2 bits"
+                    if spec.symmetric and bits == 1
+                    else ""
+                )
+            )
+
 
 SCALE_BITS = 16
 ZERO_BITS = 16
-KIVI_RESIDUAL = 128   # KIVI keeps the last 128 tokens at full precision
+KIVI_RESIDUAL = 128  # KIVI keeps the last 128 tokens at full precision
 KIVI_GROUP = 32
 
 
@@ -108,7 +185,9 @@ def _blocks(n_tokens: int, dim: int, axis: str, group: int):
             yield slice(None), slice(full, dim), (n_tokens, 1, dim - full), -1
 
 
-def _scale(block: np.ndarray, bits: int, symmetric: bool, reduce: int) -> tuple[np.ndarray, np.ndarray | None]:
+def _scale(
+    block: np.ndarray, bits: int, symmetric: bool, reduce: int
+) -> tuple[np.ndarray, np.ndarray | None]:
     """Per-group scale s and (asymmetric) minimum, shaped to broadcast against `block`."""
     rows, axis = block, reduce
     if reduce == -1:  # numpy reduces a short last axis row by row (slow): put it first
@@ -117,12 +196,13 @@ def _scale(block: np.ndarray, bits: int, symmetric: bool, reduce: int) -> tuple[
         hi = np.abs(rows).max(axis=axis)
         return np.expand_dims(hi / (2 ** (bits - 1) - 1), reduce), None
     lo = rows.min(axis=axis)
-    scale = (rows.max(axis=axis) - lo) / (2 ** bits - 1)
+    scale = (rows.max(axis=axis) - lo) / (2**bits - 1)
     return np.expand_dims(scale, reduce), np.expand_dims(lo, reduce)
 
 
-def quantized_extent(n_tokens: int, dim: int, axis: str, group_size: int, residual: int,
-                     partial: str = "full") -> tuple[int, int, int]:
+def quantized_extent(
+    n_tokens: int, dim: int, axis: str, group_size: int, residual: int, partial: str = "full"
+) -> tuple[int, int, int]:
     """(tokens quantized, channels quantized, group) of an (n_tokens, dim) cache.
 
     Tokens after the residual cut and, with partial="full", the tokens (channel axis) or
@@ -139,9 +219,16 @@ def quantized_extent(n_tokens: int, dim: int, axis: str, group_size: int, residu
     return (n_quant if d_quant else 0), d_quant, group
 
 
-def quantize(x: np.ndarray, bits: int, axis: str = "token", group_size: int = 32,
-             residual: int = 0, symmetric: bool = False, zero_point: str = "float",
-             partial: str = "full") -> np.ndarray:
+def quantize(
+    x: np.ndarray,
+    bits: int,
+    axis: str = "token",
+    group_size: int = 32,
+    residual: int = 0,
+    symmetric: bool = False,
+    zero_point: str = "float",
+    partial: str = "full",
+) -> np.ndarray:
     """Quantize then dequantize x of shape (..., tokens, dim).
 
     The last `residual` tokens are returned unchanged; bits == 16 returns x itself.
@@ -150,17 +237,36 @@ def quantize(x: np.ndarray, bits: int, axis: str = "token", group_size: int = 32
     if bits >= FULL_BITS or x.shape[-2] <= residual:
         return x
     lead, (n_tokens, dim) = x.shape[:-2], x.shape[-2:]
-    rows = np.ascontiguousarray(x).reshape(-1, n_tokens, dim)            # (U, T, D)
+    rows = np.ascontiguousarray(x).reshape(-1, n_tokens, dim)  # (U, T, D)
     positions = np.broadcast_to(np.arange(n_tokens), (len(rows), n_tokens))
-    out = quantize_kept(rows, np.arange(len(rows)), positions, bits, axis, group_size, residual, symmetric,
-                        zero_point=zero_point, partial=partial)
+    out = quantize_kept(
+        rows,
+        np.arange(len(rows)),
+        positions,
+        bits,
+        axis,
+        group_size,
+        residual,
+        symmetric,
+        zero_point=zero_point,
+        partial=partial,
+    )
     return out.reshape(*lead, n_tokens, dim)
 
 
-def quantize_kept(cache: np.ndarray, heads: np.ndarray, positions: np.ndarray, bits: int,
-                  axis: str = "token", group_size: int = 32, residual: int = 0,
-                  symmetric: bool = False, delta: bool = False, zero_point: str = "float",
-                  partial: str = "full") -> np.ndarray:
+def quantize_kept(
+    cache: np.ndarray,
+    heads: np.ndarray,
+    positions: np.ndarray,
+    bits: int,
+    axis: str = "token",
+    group_size: int = 32,
+    residual: int = 0,
+    symmetric: bool = False,
+    delta: bool = False,
+    zero_point: str = "float",
+    partial: str = "full",
+) -> np.ndarray:
     """Quantize-dequantize the kept tokens of a cache, read in place: (U, T, D).
 
     cache (heads, positions, D) is one layer's K or V; result row u holds
@@ -171,9 +277,20 @@ def quantize_kept(cache: np.ndarray, heads: np.ndarray, positions: np.ndarray, b
     """
     from kvviz.quant.kernel import fake_quantize  # numba: compiled on first use, cached on disk
 
-    if cache.dtype not in (np.float32, np.float64):   # float16 and friends: compute in float32
-        return quantize_kept(cache.astype(np.float32), heads, positions, bits, axis, group_size, residual,
-                             symmetric, delta, zero_point, partial).astype(cache.dtype)
+    if cache.dtype not in (np.float32, np.float64):  # float16 and friends: compute in float32
+        return quantize_kept(
+            cache.astype(np.float32),
+            heads,
+            positions,
+            bits,
+            axis,
+            group_size,
+            residual,
+            symmetric,
+            delta,
+            zero_point,
+            partial,
+        ).astype(cache.dtype)
     cache = np.ascontiguousarray(cache)
     positions = np.ascontiguousarray(positions, dtype=np.int64)
     heads = np.ascontiguousarray(heads, dtype=np.int64)
@@ -183,9 +300,21 @@ def quantize_kept(cache: np.ndarray, heads: np.ndarray, positions: np.ndarray, b
         out[...] = 0 if delta else cache[heads[:, None], positions]
         return out
     n_quant, d_quant, group = quantized_extent(n_tokens, dim, axis, group_size, residual, partial)
-    top = cache.dtype.type(2 ** (bits - 1) - 1 if symmetric else 2 ** bits - 1)
-    fake_quantize(cache, heads, positions, n_quant, axis == "channel", group, d_quant, top, symmetric,
-                  zero_point == "float" and not symmetric, delta, out)
+    top = cache.dtype.type(2 ** (bits - 1) - 1 if symmetric else 2**bits - 1)
+    fake_quantize(
+        cache,
+        heads,
+        positions,
+        n_quant,
+        axis == "channel",
+        group,
+        d_quant,
+        top,
+        symmetric,
+        zero_point == "float" and not symmetric,
+        delta,
+        out,
+    )
     return out
 
 
@@ -196,29 +325,55 @@ def compile_kernel() -> None:
     for dtype in (np.float32, np.float64):
         cache = np.zeros((1, KIVI_GROUP, KIVI_GROUP), dtype=dtype)
         for axis in ("channel", "token"):
-            quantize_kept(cache, np.zeros(1, int), np.arange(KIVI_GROUP)[None], 4, axis, KIVI_GROUP, delta=True)
+            quantize_kept(
+                cache,
+                np.zeros(1, int),
+                np.arange(KIVI_GROUP)[None],
+                4,
+                axis,
+                KIVI_GROUP,
+                delta=True,
+            )
 
 
-def quant_step(x: np.ndarray, bits: int, axis: str = "token", group_size: int = 32,
-               symmetric: bool = False, partial: str = "full") -> np.ndarray:
+def quant_step(
+    x: np.ndarray,
+    bits: int,
+    axis: str = "token",
+    group_size: int = 32,
+    symmetric: bool = False,
+    partial: str = "full",
+) -> np.ndarray:
     """The scale s of the group each element of x (..., tokens, dim) falls in (0 where it stays exact).
 
     Every dequantized element is within s/2 of the original, the bound the tests check.
     """
-    n_quant, d_quant, group = quantized_extent(x.shape[-2], x.shape[-1], axis, group_size, 0, partial)
+    n_quant, d_quant, group = quantized_extent(
+        x.shape[-2], x.shape[-1], axis, group_size, 0, partial
+    )
     out = np.zeros(x.shape, dtype=np.float64)
     lead = x.shape[:-2]
     part = x[..., :n_quant, :d_quant]
     for tokens, channels, shape, reduce in _blocks(n_quant, d_quant, axis, group):
         block = part[..., tokens, channels].reshape(*lead, *shape)
         scale, _ = _scale(block, bits, symmetric, reduce)
-        out[..., :n_quant, :d_quant][..., tokens, channels] = (
-            np.broadcast_to(scale, block.shape).reshape(part[..., tokens, channels].shape))
+        out[..., :n_quant, :d_quant][..., tokens, channels] = np.broadcast_to(
+            scale, block.shape
+        ).reshape(part[..., tokens, channels].shape)
     return out
 
 
-def tensor_bytes(n_tokens: int, dim: int, bits: int, axis: str, group_size: int,
-                 residual: int, symmetric: bool, zero_point: str = "float", partial: str = "full") -> CacheBytes:
+def tensor_bytes(
+    n_tokens: int,
+    dim: int,
+    bits: int,
+    axis: str,
+    group_size: int,
+    residual: int,
+    symmetric: bool,
+    zero_point: str = "float",
+    partial: str = "full",
+) -> CacheBytes:
     """Memory of one (kv head's) K or V cache holding n_tokens tokens.
 
     A quantized group costs b*G bits plus a 16-bit scale and, asymmetric, its zero: a
@@ -231,7 +386,13 @@ def tensor_bytes(n_tokens: int, dim: int, bits: int, axis: str, group_size: int,
     n_res = n_tokens - n_before
     n_quant, d_quant, group = quantized_extent(n_tokens, dim, axis, group_size, residual, partial)
     values = n_quant * d_quant
-    n_groups = d_quant * -(-n_quant // group) if axis == "channel" else n_quant * -(-d_quant // group)
+    n_groups = (
+        d_quant * -(-n_quant // group) if axis == "channel" else n_quant * -(-d_quant // group)
+    )
     zero_bits = 0 if symmetric else (ZERO_BITS if zero_point == "float" else bits)
-    return CacheBytes(payload=values * bits / 8, overhead=n_groups * (SCALE_BITS + zero_bits) / 8,
-                      residual=n_res * dim * 2.0, partial=(n_before * dim - values) * 2.0)
+    return CacheBytes(
+        payload=values * bits / 8,
+        overhead=n_groups * (SCALE_BITS + zero_bits) / 8,
+        residual=n_res * dim * 2.0,
+        partial=(n_before * dim - values) * 2.0,
+    )

@@ -90,7 +90,9 @@ def _residual(x, at, n_quant, delta, out):
 
 
 @kernel
-def _quantize_by_channel(cache, heads, positions, n_quant, group, top, symmetric, offset, delta, out):
+def _quantize_by_channel(
+    cache, heads, positions, n_quant, group, top, symmetric, offset, delta, out
+):
     """Per-channel groups (KIVI's keys) of every row u: out[u] from cache[heads[u]] at positions[u]."""
     D = cache.shape[2]
     code_lo = -top if symmetric else top - top
@@ -99,8 +101,10 @@ def _quantize_by_channel(cache, heads, positions, n_quant, group, top, symmetric
     s = np.empty_like(lo)
     z = np.empty_like(lo)
     for u in range(len(heads)):
-        x, at = cache[heads[u]], positions[u]                # (P, D), (T,)
-        _by_channel(x, at, n_quant, group, top, symmetric, offset, code_lo, delta, out[u], lo, hi, s, z)
+        x, at = cache[heads[u]], positions[u]  # (P, D), (T,)
+        _by_channel(
+            x, at, n_quant, group, top, symmetric, offset, code_lo, delta, out[u], lo, hi, s, z
+        )
         _residual(x, at, n_quant, delta, out[u])
 
 
@@ -113,25 +117,30 @@ def _by_token(group: int):
     work runs in two passes over the tokens: every group's step, then every round trip (fused per
     group, the min / max chains of successive groups could not overlap: 3x slower).
     """
+
     @kernel
-    def quantize_by_token(cache, heads, positions, n_quant, d_quant, top, symmetric, offset, delta, out):
+    def quantize_by_token(
+        cache, heads, positions, n_quant, d_quant, top, symmetric, offset, delta, out
+    ):
         D = cache.shape[2]
         code_lo = -top if symmetric else top - top
-        n_full = d_quant // group                            # full groups; then a short one up to d_quant
+        # full groups; then a short one up to d_quant
+        n_full = d_quant // group
         n_groups = n_full + (n_full * group < d_quant)
         s = np.empty((n_quant, n_groups), dtype=cache.dtype)
         z = np.empty_like(s)
         for u in range(len(heads)):
-            x = cache[heads[u]]                              # (P, D)
-            at = positions[u]                                # (T,)
-            for t in range(n_quant):                         # pass 1: the steps
+            x = cache[heads[u]]  # (P, D)
+            at = positions[u]  # (T,)
+            for t in range(n_quant):  # pass 1: the steps
                 row = x[at[t]]
                 for g in range(n_groups):
                     c0 = g * group
                     c1 = c0 + group if g < n_full else d_quant
                     lo = row[c0]
                     hi = row[c0]
-                    if g < n_full:                           # constant trip count: unrolled, vectorised
+                    # constant trip count: unrolled, vectorised
+                    if g < n_full:
                         for d in range(c0 + 1, c0 + group):
                             lo = min(lo, row[d])
                             hi = max(hi, row[d])
@@ -140,7 +149,7 @@ def _by_token(group: int):
                             lo = min(lo, row[d])
                             hi = max(hi, row[d])
                     s[t, g], z[t, g] = _scale(lo, hi, top, symmetric, offset)
-            for t in range(n_quant):                         # pass 2: the round trips
+            for t in range(n_quant):  # pass 2: the round trips
                 row = x[at[t]]
                 o = out[u, t]
                 for g in range(n_full):
@@ -160,11 +169,13 @@ def _by_token(group: int):
                 for d in range(d_quant, D):
                     o[d] = 0 if delta else row[d]
             _residual(x, at, n_quant, delta, out[u])
+
     return quantize_by_token
 
 
-def fake_quantize(cache, heads, positions, n_quant, by_channel, group, d_quant, top, symmetric, offset, delta,
-                  out):
+def fake_quantize(
+    cache, heads, positions, n_quant, by_channel, group, d_quant, top, symmetric, offset, delta, out
+):
     """Write the dequantized kept tokens into out (U, T, D).
 
     cache (S, P, D): K or V of one layer; row u of the result holds cache[heads[u]] at
@@ -176,6 +187,10 @@ def fake_quantize(cache, heads, positions, n_quant, by_channel, group, d_quant, 
     (exactly zero where nothing changed).
     """
     if by_channel:
-        _quantize_by_channel(cache, heads, positions, n_quant, group, top, symmetric, offset, delta, out)
+        _quantize_by_channel(
+            cache, heads, positions, n_quant, group, top, symmetric, offset, delta, out
+        )
     else:
-        _by_token(int(group))(cache, heads, positions, n_quant, d_quant, top, symmetric, offset, delta, out)
+        _by_token(int(group))(
+            cache, heads, positions, n_quant, d_quant, top, symmetric, offset, delta, out
+        )

@@ -42,8 +42,9 @@ class Minifloat:
         """x rounded to the nearest representable value (ties to even), saturating at +-max_value."""
         x = np.asarray(x, dtype=np.float64)
         a = np.minimum(np.abs(x), self.max_value)
-        _, ex = np.frexp(a)                                   # a = f * 2^ex, f in [0.5, 1)
-        e = np.maximum(ex - 1, self.min_exponent)             # floor(log2 a), subnormals share the lowest
+        _, ex = np.frexp(a)  # a = f * 2^ex, f in [0.5, 1)
+        # floor(log2 a), subnormals share the lowest
+        e = np.maximum(ex - 1, self.min_exponent)
         quantum = np.ldexp(1.0, e - self.mbits)
         y = np.minimum(np.rint(a / quantum) * quantum, self.max_value)
         return np.copysign(y, x)
@@ -53,8 +54,11 @@ class Minifloat:
         out = set()
         for code in range(2 ** (self.ebits + self.mbits)):
             e, m = code >> self.mbits, code & ((1 << self.mbits) - 1)
-            v = (m / 2 ** self.mbits) * 2.0 ** self.min_exponent if e == 0 else \
-                (1 + m / 2 ** self.mbits) * 2.0 ** (e - self.bias)
+            v = (
+                (m / 2**self.mbits) * 2.0**self.min_exponent
+                if e == 0
+                else (1 + m / 2**self.mbits) * 2.0 ** (e - self.bias)
+            )
             if v <= self.max_value:
                 out.update((v, -v))
         return np.array(sorted(out))
@@ -68,11 +72,11 @@ class Minifloat:
         return steps % 2 == 0
 
 
-E4M3 = Minifloat("e4m3", ebits=4, mbits=3, bias=7, max_value=448.0)       # OCP FP8, no inf
-E5M2 = Minifloat("e5m2", ebits=5, mbits=2, bias=15, max_value=57344.0)    # OCP FP8, IEEE-like
-E2M1 = Minifloat("e2m1", ebits=2, mbits=1, bias=1, max_value=6.0)         # OCP FP4 element
+E4M3 = Minifloat("e4m3", ebits=4, mbits=3, bias=7, max_value=448.0)  # OCP FP8, no inf
+E5M2 = Minifloat("e5m2", ebits=5, mbits=2, bias=15, max_value=57344.0)  # OCP FP8, IEEE-like
+E2M1 = Minifloat("e2m1", ebits=2, mbits=1, bias=1, max_value=6.0)  # OCP FP4 element
 
-E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127   # E8M0 scale: 2^(code - 127), code 0-254 (255 = NaN)
+E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127  # E8M0 scale: 2^(code - 127), code 0-254 (255 = NaN)
 
 
 def e8m0_exponent(x) -> np.ndarray:

@@ -20,13 +20,21 @@ import numpy as np
 from kvviz.settings import Setting, declare
 
 ROTATIONS = ("none", "keys", "keys-values")
-declare(Setting("rotate", "choice", "none", choices=ROTATIONS, quantizes=True,
-                label="Hadamard rotation before quantizing",
-                option_labels={"none": "off", "keys": "keys (+ queries)", "keys-values": "keys and values"},
-                help="An orthonormal Hadamard rotation of the head dimension spreads outlier channels over all "
-                     "channels (QuaRot / SpinQuant). Queries get the same rotation, so q·k is unchanged before "
-                     "quantization; rotated values are rotated back on the output. Works with every format and "
-                     "axis."))
+declare(
+    Setting(
+        "rotate",
+        "choice",
+        "none",
+        choices=ROTATIONS,
+        quantizes=True,
+        label="Hadamard rotation before quantizing",
+        option_labels={"none": "off", "keys": "keys (+ queries)", "keys-values": "keys and values"},
+        help="An orthonormal Hadamard rotation of the head dimension spreads outlier channels over all "
+        "channels (QuaRot / SpinQuant). Queries get the same rotation, so q·k is unchanged before "
+        "quantization; rotated values are rotated back on the output. Works with every format and "
+        "axis.",
+    )
+)
 
 
 def _largest_power_of_two_dividing(n: int) -> int:
@@ -56,5 +64,7 @@ def rotate(x: np.ndarray) -> np.ndarray:
 
 def unrotate(x: np.ndarray) -> np.ndarray:
     """Back to the original basis: x R^T (R is symmetric, so this is x R)."""
-    r = hadamard(x.shape[-1]).T.astype(x.dtype if x.dtype in (np.float32, np.float64) else np.float64)
+    r = hadamard(x.shape[-1]).T.astype(
+        x.dtype if x.dtype in (np.float32, np.float64) else np.float64
+    )
     return x @ r

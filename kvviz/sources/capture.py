@@ -23,10 +23,7 @@ An 8B model of Llama-3.1's shape stores 32 x (32 + 2 x 8) x 128 x 2 B = 393 kB a
 from __future__ import annotations
 
 import hashlib
-import math
 import os
-import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,187 +33,31 @@ from typing import Any
 import numpy as np
 
 from kvviz.limits import Part, Work, checkpoint
-from kvviz.models import BUNDLED, ModelError, ModelInfo, load_model
+from kvviz.models import BUNDLED, ModelInfo, load_model
 from kvviz.models.config import PREFILL_SCORE_COPIES, model_dims
 from kvviz.sources.overview import concentration, head_overview  # noqa: F401 - their home before
 from kvviz.sources.tokens import VISIBLE, token_strings, visible  # noqa: F401 - their home before
+from kvviz.sources.recorder import (
+    _IMPL_PREFIX,
+    _LOCK,
+    CaptureError,
+    _FileSink,
+    _input_device,
+    _MemorySink,
+    _Recorder,
+    _recording,
+)
+from kvviz.sources.recorder import check_attention  # noqa: F401 - its home before
 from kvviz.trace import Trace
 
 DEFAULT_MAX_TOKENS = 2048
 MAX_NEW_TOKENS = 1024
-_IMPL_PREFIX = "kvviz_capture_"
 
 Progress = Callable[[float, str], None]
 
-# One capture at a time per process: the attention implementation is switched on the
-# (possibly shared, e.g. st.cache_resource) model object for the duration of a capture.
-_LOCK = threading.RLock()
-_ACTIVE: "_Recorder | None" = None
-
-
-class CaptureError(ModelError):
-    """A capture that cannot run (empty prompt, bad layers, ...); the message says why."""
-
-
-# --- the recorder and where its rows go ------------------------------------------------------
-
-class _MemorySink:
-    """The trace's rows in float32 numpy buffers (the app's captures; allocated on the first rows)."""
-
-    def __init__(self, n_layers: int, n_positions: int):
-        self.L, self.T = n_layers, n_positions
-        self.q = self.k = self.v = None
-
-    def put(self, slot: int, start: int, q: Any, k: Any, v: Any, scale: float) -> None:
-        if self.q is None:
-            self.q = np.zeros((self.L, q.shape[0], self.T, q.shape[-1]), np.float32)
-            self.k = np.zeros((self.L, k.shape[0], self.T, k.shape[-1]), np.float32)
-            self.v = np.zeros((self.L, v.shape[0], self.T, v.shape[-1]), np.float32)
-        n = q.shape[1]
-        q = q.float()
-        if scale != 1.0:                          # kvviz scores q . k / sqrt(d): fold the model's scale into q
-            q = q * scale
-        self.q[slot, :, start:start + n] = q.cpu().numpy()
-        self.k[slot, :, start:start + n] = k.float().cpu().numpy()
-        self.v[slot, :, start:start + n] = v.float().cpu().numpy()
-
-
-class _FileSink:
-    """The trace's rows written to a format-2 file as they arrive, in the model's dtype (a TraceWriter);
-    the host holds one layer's new rows at a time. The model's query scale goes in the header."""
-
-    def __init__(self, writer: Any, numbers: list[int], dtype: Any):
-        self.writer, self.numbers, self.dtype = writer, numbers, dtype
-
-    def put(self, slot: int, start: int, q: Any, k: Any, v: Any, scale: float) -> None:
-        n = self.numbers[slot]
-        for kind, x in (("q", q), ("k", k), ("v", v)):
-            self.writer.put(f"{kind}.{n}", _host_array(x.to(self.dtype)), start)
-
-
-def _host_array(x: Any) -> np.ndarray:
-    """A torch tensor's values on the host as numpy, bit for bit (bfloat16 as its uint16 pattern)."""
-    import torch
-
-    x = x.detach().contiguous()
-    if x.dtype == torch.bfloat16:
-        return x.view(torch.int16).cpu().numpy().view(np.uint16)
-    return x.cpu().numpy()
-
-
-class _Recorder:
-    """Hands the new tokens' q, k, v of the selected layers to a sink, layer by layer as they run."""
-
-    def __init__(self, slots: dict[int, int], sink: Any, on_layer: Callable[[int], None] | None):
-        self.slots = slots                  # model layer index -> trace layer index
-        self.sink = sink
-        self.on_layer = on_layer            # progress hook, called during the prefill
-        self.start = 0                      # position of the first token of the current call
-        self.calls = 0
-        self.q_scale = 1.0                  # the model's query scale relative to 1/sqrt(d)
-        self.attention = ""                 # the implementation that ran (set by _recording)
-        self._order: dict[int, int] = {}    # id(module) -> layer, for modules without layer_idx
-
-    @property
-    def q_rescaled(self) -> bool:
-        return self.q_scale != 1.0
-
-    def layer_of(self, module: Any) -> int:
-        idx = getattr(module, "layer_idx", None)
-        if idx is None:
-            idx = self._order.setdefault(id(module), len(self._order))
-        return int(idx)
-
-    def record(self, module: Any, query: Any, key: Any, value: Any, scaling: float | None) -> None:
-        layer = self.layer_of(module)
-        self.calls += 1
-        slot = self.slots.get(layer)
-        if slot is not None:
-            n, d = query.shape[2], query.shape[3]
-            if d != key.shape[-1]:
-                raise CaptureError(f"queries ({d}) and keys ({key.shape[-1]}) differ in head size; "
-                                   "kvviz cannot score this attention")
-            if scaling is not None and abs(scaling * math.sqrt(d) - 1.0) > 1e-6:
-                self.q_scale = float(scaling * math.sqrt(d))
-            # query (1, Hq, n, D); key, value (1, Hkv, kv, D) with the n new tokens last
-            self.sink.put(slot, self.start, query[0], key[0, :, -n:], value[0, :, -n:], self.q_scale)
-        if self.on_layer is not None:
-            self.on_layer(layer)
-
-
-def _inner_attention(module: Any, impl: str) -> Callable:
-    """The model's own attention function for implementation `impl`."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if impl == "eager":
-        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-        if fn is None:
-            raise CaptureError(f"{type(module).__name__} has no eager attention function kvviz can wrap")
-        return fn
-    return ALL_ATTENTION_FUNCTIONS[impl]
-
-
-def _make_capture_attention(impl: str) -> Callable:
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        if _ACTIVE is not None:
-            _ACTIVE.record(module, query, key, value, scaling)
-        return _inner_attention(module, impl)(module, query, key, value, attention_mask,
-                                              scaling=scaling, dropout=dropout, **kwargs)
-    return attention
-
-
-def _register(impl: str) -> str:
-    """Register kvviz's recording wrapper around `impl` (and impl's mask); return its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    name = _IMPL_PREFIX + impl
-    if name not in AttentionInterface._global_mapping:
-        AttentionInterface.register(name, _make_capture_attention(impl))
-        if impl in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[impl])
-    return name
-
-
-class _recording:
-    """Context manager: route the model's attention through the recorder, then restore it."""
-
-    def __init__(self, model: Any, recorder: _Recorder, attention: str | None = None):
-        self.model, self.recorder, self.attention = model, recorder, attention
-
-    def __enter__(self):
-        global _ACTIVE
-        _LOCK.acquire()
-        self.impl = self.model.config._attn_implementation or "eager"
-        if self.impl.startswith(_IMPL_PREFIX):      # left over from an interrupted capture
-            self.impl = self.impl[len(_IMPL_PREFIX):]
-        self.recorder.attention = self.attention or self.impl
-        try:
-            try:
-                self.model.set_attn_implementation(_register(self.recorder.attention))
-            except Exception:  # noqa: BLE001 - a model without sdpa (Gemma 2): its own attention instead
-                if self.recorder.attention == self.impl:
-                    raise
-                self.recorder.attention = self.impl
-                self.model.set_attn_implementation(_register(self.impl))
-        except Exception as exc:  # noqa: BLE001 - say what kvviz cannot do, not a traceback
-            _LOCK.release()
-            raise CaptureError(f"{type(self.model).__name__} does not let kvviz record its attention "
-                               f"(AttentionInterface): {_first_line(exc)}") from None
-        _ACTIVE = self.recorder
-        return self.recorder
-
-    def __exit__(self, *exc):
-        global _ACTIVE
-        _ACTIVE = None
-        try:
-            self.model.set_attn_implementation(self.impl)
-        finally:
-            _LOCK.release()
-        return False
-
 
 # --- capture ----------------------------------------------------------------------------
+
 
 def parse_layers(spec: str | Sequence[int] | None, n_layers: int) -> list[int] | None:
     """'0,1,5' / '0-3' / '2,4-6' / [0, 3] -> sorted layer indices; None = all layers."""
@@ -240,16 +81,20 @@ def parse_layers(spec: str | Sequence[int] | None, n_layers: int) -> list[int] |
         layers = sorted({int(x) for x in spec})
     bad = [x for x in layers if not 0 <= x < n_layers]
     if bad or not layers:
-        raise CaptureError(f"layers {bad or spec} do not exist: this model has layers 0-{n_layers - 1}")
+        raise CaptureError(
+            f"layers {bad or spec} do not exist: this model has layers 0-{n_layers - 1}"
+        )
     return layers
 
 
 def _cache_of(out: Any) -> Any:
     fields = getattr(type(out), "__dataclass_fields__", {})
-    return out["cache"] if "cache" in fields and out.get("cache") is not None else out.past_key_values
+    return (
+        out["cache"] if "cache" in fields and out.get("cache") is not None else out.past_key_values
+    )
 
 
-ATTENTIONS = ("sdpa", "eager", "model")      # "model": whatever the model was loaded with
+ATTENTIONS = ("sdpa", "eager", "model")  # "model": whatever the model was loaded with
 
 
 @dataclass(frozen=True)
@@ -257,10 +102,10 @@ class _Request:
     """A capture's prompt tokens and sizes, checked, before anything runs."""
 
     ids: list[int]
-    layers: list[int]               # the model's layer numbers kept
+    layers: list[int]  # the model's layer numbers kept
     new_tokens: int
     max_tokens: int
-    n_prompt_tokens: int            # before truncation
+    n_prompt_tokens: int  # before truncation
     notes: tuple[str, ...]
 
     @property
@@ -272,8 +117,14 @@ class _Request:
         return len(self.ids) + self.new_tokens
 
 
-def _request(tokenizer: Any, info: ModelInfo, prompt: str, new_tokens: int, max_tokens: int,
-             layers: str | Sequence[int] | None) -> _Request:
+def _request(
+    tokenizer: Any,
+    info: ModelInfo,
+    prompt: str,
+    new_tokens: int,
+    max_tokens: int,
+    layers: str | Sequence[int] | None,
+) -> _Request:
     """Check the settings and tokenize the prompt, cut to max_tokens (and the model's positions)."""
     if prompt is None or not str(prompt).strip():
         raise CaptureError("the prompt is empty: give some text to capture")
@@ -292,17 +143,35 @@ def _request(tokenizer: Any, info: ModelInfo, prompt: str, new_tokens: int, max_
         limit = max(1, int(max_pos) - new_tokens)
     if total > limit:
         ids = ids[:limit]
-        why = (f"the max-tokens limit of {max_tokens}" if limit == max_tokens else
-               f"the model's {max_pos} positions minus {new_tokens} new tokens")
+        why = (
+            f"the max-tokens limit of {max_tokens}"
+            if limit == max_tokens
+            else f"the model's {max_pos} positions minus {new_tokens} new tokens"
+        )
         notes.append(f"the prompt has {total} tokens; kept the first {limit} ({why})")
-    return _Request(ids, chosen if chosen is not None else list(range(info.n_layers)), new_tokens, max_tokens,
-                    total, tuple(notes))
+    return _Request(
+        ids,
+        chosen if chosen is not None else list(range(info.n_layers)),
+        new_tokens,
+        max_tokens,
+        total,
+        tuple(notes),
+    )
 
 
-def capture(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, new_tokens: int = 0,
-            max_tokens: int = DEFAULT_MAX_TOKENS, layers: str | Sequence[int] | None = None,
-            progress: Progress | None = None, stop_at_eos: bool = True, attention: str | None = "sdpa",
-            out: str | os.PathLike | None = None) -> Trace:
+def capture(
+    model: Any,
+    tokenizer: Any,
+    info: ModelInfo,
+    prompt: str,
+    new_tokens: int = 0,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    layers: str | Sequence[int] | None = None,
+    progress: Progress | None = None,
+    stop_at_eos: bool = True,
+    attention: str | None = "sdpa",
+    out: str | os.PathLike | None = None,
+) -> Trace:
     """Prefill `prompt`, greedy-decode `new_tokens` steps, and return the Trace of q, k, v.
 
     context_len = prompt length (after truncation to `max_tokens`); queries at every position.
@@ -317,61 +186,116 @@ def capture(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, new_tokens
     for note in req.notes:
         say(0.0, note)
     dtype = _model_dtype(model)
-    capture_work(model_dims(model), len(req.layers), req.P, req.T,
-                 attention=attention or model.config._attn_implementation or "eager",
-                 on_host=_input_device(model).type == "cpu",
-                 item_bytes=None if out is None else dtype.itemsize).check()     # before any buffer is allocated
+    capture_work(
+        model_dims(model),
+        len(req.layers),
+        req.P,
+        req.T,
+        attention=attention or model.config._attn_implementation or "eager",
+        on_host=_input_device(model).type == "cpu",
+        # before any buffer is allocated
+        item_bytes=None if out is None else dtype.itemsize,
+    ).check()
     if out is None:
         sink = _MemorySink(len(req.layers), req.T)
         run = _run(model, tokenizer, info, req, sink, attention, stop_at_eos, say)
         n = run["n"]
         meta = _meta(model, tokenizer, info, prompt, req, run, attention)
         say(1.0, run["message"])
-        return Trace(q=sink.q[:, :, :n], k=sink.k[:, :, :n], v=sink.v[:, :, :n], context_len=req.P,
-                     tokens=token_strings(tokenizer, run["ids"]), query_positions=np.arange(n, dtype=np.int64),
-                     meta=meta)
-    return _capture_to_file(model, tokenizer, info, prompt, req, attention, stop_at_eos, say, dtype, Path(out))
+        return Trace(
+            q=sink.q[:, :, :n],
+            k=sink.k[:, :, :n],
+            v=sink.v[:, :, :n],
+            context_len=req.P,
+            tokens=token_strings(tokenizer, run["ids"]),
+            query_positions=np.arange(n, dtype=np.int64),
+            meta=meta,
+        )
+    return _capture_to_file(
+        model, tokenizer, info, prompt, req, attention, stop_at_eos, say, dtype, Path(out)
+    )
 
 
-def _capture_to_file(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, req: _Request,
-                     attention: str | None, stop_at_eos: bool, say: Progress, dtype: Any, out: Path) -> Trace:
+def _capture_to_file(
+    model: Any,
+    tokenizer: Any,
+    info: ModelInfo,
+    prompt: str,
+    req: _Request,
+    attention: str | None,
+    stop_at_eos: bool,
+    say: Progress,
+    dtype: Any,
+    out: Path,
+) -> Trace:
     """capture(out=...): rows go to a TraceWriter as they arrive; the file appears at `out` only when complete."""
     from kvviz.sources.tracefile import header_fields, load_trace
     from kvviz.sources.tracewriter import TraceWriter
 
     _, Hq, Hkv, D = model_dims(model)
-    code = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}[str(dtype).split(".")[-1]]
+    code = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}[
+        str(dtype).split(".")[-1]
+    ]
     tensors = {}
     for n in req.layers:
-        tensors.update({f"q.{n}": (code, (Hq, req.T, D)), f"k.{n}": (code, (Hkv, req.T, D)),
-                        f"v.{n}": (code, (Hkv, req.T, D))})
+        tensors.update(
+            {
+                f"q.{n}": (code, (Hq, req.T, D)),
+                f"k.{n}": (code, (Hkv, req.T, D)),
+                f"v.{n}": (code, (Hkv, req.T, D)),
+            }
+        )
     tensors["query_positions"] = ("I64", (req.T,))
     reserve = 64 * 1024 + 64 * req.T + 4 * len(prompt.encode("utf-8"))
     with TraceWriter(out, tensors, reserve=reserve) as w:
-        run = _run(model, tokenizer, info, req, _FileSink(w, req.layers, dtype), attention, stop_at_eos, say)
+        run = _run(
+            model,
+            tokenizer,
+            info,
+            req,
+            _FileSink(w, req.layers, dtype),
+            attention,
+            stop_at_eos,
+            say,
+        )
         n = run["n"]
         w.put("query_positions", np.arange(req.T, dtype=np.int64))
         meta = _meta(model, tokenizer, info, prompt, req, run, attention)
         if run["q_scale"] != 1.0:
             meta["query_scale"] = run["q_scale"]
-        w.finish(header_fields(req.P, token_strings(tokenizer, run["ids"]), meta, req.layers), positions=n)
+        w.finish(
+            header_fields(req.P, token_strings(tokenizer, run["ids"]), meta, req.layers),
+            positions=n,
+        )
     say(1.0, run["message"] + f", written to {out.name}")
     return load_trace(out)
 
 
-def _run(model: Any, tokenizer: Any, info: ModelInfo, req: _Request, sink: Any, attention: str | None,
-         stop_at_eos: bool, say: Progress) -> dict[str, Any]:
+def _run(
+    model: Any,
+    tokenizer: Any,
+    info: ModelInfo,
+    req: _Request,
+    sink: Any,
+    attention: str | None,
+    stop_at_eos: bool,
+    say: Progress,
+) -> dict[str, Any]:
     """The prefill and the greedy decode steps with the recorder on; what happened, as a dict."""
     import torch
 
     P, new_tokens, n_layers = req.P, req.new_tokens, info.n_layers
-    prefill_w = max(1.0, P / 8)              # progress: the prefill is worth ~P/8 decode steps, at least one
+    # progress: the prefill is worth ~P/8 decode steps, at least one
+    prefill_w = max(1.0, P / 8)
     total_w = prefill_w + new_tokens
 
     def on_layer(layer: int) -> None:
         checkpoint()
         if rec.start == 0:
-            say(prefill_w / total_w * (layer + 1) / n_layers, f"running prefill: layer {layer + 1}/{n_layers}")
+            say(
+                prefill_w / total_w * (layer + 1) / n_layers,
+                f"running prefill: layer {layer + 1}/{n_layers}",
+            )
 
     rec = _Recorder({m: i for i, m in enumerate(req.layers)}, sink, on_layer)
     device = _input_device(model)
@@ -382,52 +306,71 @@ def _run(model: Any, tokenizer: Any, info: ModelInfo, req: _Request, sink: Any, 
         say(0.0, f"running prefill over {P} tokens")
         out, keep = _prefill(model, torch.tensor([req.ids], device=device), rec)
         if rec.calls == 0:
-            raise CaptureError(f"{info.architecture} did not call its attention through transformers' "
-                               "AttentionInterface, so kvviz cannot record it")
+            raise CaptureError(
+                f"{info.architecture} did not call its attention through transformers' "
+                "AttentionInterface, so kvviz cannot record it"
+            )
         cache = _cache_of(out)
         for step in range(new_tokens):
             nxt = int(out.logits[0, -1].argmax())
             if stop_at_eos and nxt in eos:
                 stopped = "eos"
-                notes.append(f"the model ended its answer (end-of-sequence) after {step} new tokens")
+                notes.append(
+                    f"the model ended its answer (end-of-sequence) after {step} new tokens"
+                )
                 break
             all_ids.append(nxt)
             rec.start = P + step
             checkpoint()
             say((prefill_w + step) / total_w, f"decoding step {step + 1}/{new_tokens}")
-            out = model(input_ids=torch.tensor([[nxt]], device=device), past_key_values=cache,
-                        use_cache=True, **keep)
+            out = model(
+                input_ids=torch.tensor([[nxt]], device=device),
+                past_key_values=cache,
+                use_cache=True,
+                **keep,
+            )
             cache = _cache_of(out)
         next_token = int(out.logits[0, -1].argmax())
     seconds = time.perf_counter() - t0
     n = len(all_ids)
-    return {"n": n, "ids": all_ids, "stopped": stopped, "notes": notes, "next_token": next_token,
-            "seconds": seconds, "q_scale": rec.q_scale, "attention": rec.attention,
-            "message": f"captured {n} tokens ({P} prompt + {n - P} new) in {seconds:.1f} s"}
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    return {
+        "n": n,
+        "ids": all_ids,
+        "stopped": stopped,
+        "notes": notes,
+        "next_token": next_token,
+        "seconds": seconds,
+        "q_scale": rec.q_scale,
+        "attention": rec.attention,
+        "message": f"captured {n} tokens ({P} prompt + {n - P} new) in {seconds:.1f} s",
+    }
 
 
 def _impl(model: Any) -> str:
     impl = model.config._attn_implementation or "eager"
-    return impl[len(_IMPL_PREFIX):] if impl.startswith(_IMPL_PREFIX) else impl
+    return impl[len(_IMPL_PREFIX) :] if impl.startswith(_IMPL_PREFIX) else impl
 
 
 def _prefill(model: Any, x: Any, rec: _Recorder) -> tuple[Any, dict]:
     """The prefill forward; (its output, the kwargs later steps pass: logits_to_keep when the model has it)."""
     try:
         return model(input_ids=x, use_cache=True, logits_to_keep=1), {"logits_to_keep": 1}
-    except TypeError as exc:            # an older model class without logits_to_keep
+    except TypeError as exc:  # an older model class without logits_to_keep
         if "logits_to_keep" not in str(exc):
             raise
         rec.calls = 0
         return model(input_ids=x, use_cache=True), {}
 
 
-def _meta(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, req: _Request, run: dict,
-          attention: str | None) -> dict[str, Any]:
+def _meta(
+    model: Any,
+    tokenizer: Any,
+    info: ModelInfo,
+    prompt: str,
+    req: _Request,
+    run: dict,
+    attention: str | None,
+) -> dict[str, Any]:
     """The trace's provenance: the model and where it came from, the versions, the prompt, when."""
     import datetime
 
@@ -440,22 +383,43 @@ def _meta(model: Any, tokenizer: Any, info: ModelInfo, prompt: str, req: _Reques
     n, P = run["n"], req.P
     cfg = info.config
     meta = {
-        "source": "model", "model": info.label, "model_name": info.name, "path": info.path,
-        "revision": getattr(model.config, "_commit_hash", None), "architecture": info.architecture,
-        "config": cfg, "dtype": str(_model_dtype(model)).split(".")[-1], "device": info.device,
+        "source": "model",
+        "model": info.label,
+        "model_name": info.name,
+        "path": info.path,
+        "revision": getattr(model.config, "_commit_hash", None),
+        "architecture": info.architecture,
+        "config": cfg,
+        "dtype": str(_model_dtype(model)).split(".")[-1],
+        "device": info.device,
         "attn_implementation": run["attention"],
-        "layer_kinds": [info.layer_kinds[i] if info.layer_kinds else "full_attention" for i in req.layers],
-        "layer_windows": [info.layer_windows[i] if info.layer_windows else None for i in req.layers],
-        "prompt": prompt, "prompt_sha256": hashlib.sha256(prompt.encode("utf-8")).hexdigest(),
-        "prompt_tokens": P, "prompt_tokens_total": req.n_prompt_tokens, "truncated": req.n_prompt_tokens > P,
-        "max_tokens": req.max_tokens, "new_tokens": n - P, "new_tokens_requested": req.new_tokens,
-        "stopped": run["stopped"], "generated_text": tokenizer.decode(run["ids"][P:]) if n > P else "",
-        "next_token": tokenizer.decode([run["next_token"]]), "token_ids": run["ids"],
-        "layers": list(req.layers), "query_rescaled": run["q_scale"] != 1.0,
-        "sliding_window": cfg.get("sliding_window"), "capture_seconds": round(run["seconds"], 3),
+        "layer_kinds": [
+            info.layer_kinds[i] if info.layer_kinds else "full_attention" for i in req.layers
+        ],
+        "layer_windows": [
+            info.layer_windows[i] if info.layer_windows else None for i in req.layers
+        ],
+        "prompt": prompt,
+        "prompt_sha256": hashlib.sha256(prompt.encode("utf-8")).hexdigest(),
+        "prompt_tokens": P,
+        "prompt_tokens_total": req.n_prompt_tokens,
+        "truncated": req.n_prompt_tokens > P,
+        "max_tokens": req.max_tokens,
+        "new_tokens": n - P,
+        "new_tokens_requested": req.new_tokens,
+        "stopped": run["stopped"],
+        "generated_text": tokenizer.decode(run["ids"][P:]) if n > P else "",
+        "next_token": tokenizer.decode([run["next_token"]]),
+        "token_ids": run["ids"],
+        "layers": list(req.layers),
+        "query_rescaled": run["q_scale"] != 1.0,
+        "sliding_window": cfg.get("sliding_window"),
+        "capture_seconds": round(run["seconds"], 3),
         "captured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "kvviz_version": __version__, "transformers_version": transformers.__version__,
-        "torch_version": torch.__version__, "notes": run["notes"],
+        "kvviz_version": __version__,
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "notes": run["notes"],
     }
     inv_freq = rope_inv_freq(model)
     if inv_freq is not None:
@@ -468,11 +432,19 @@ def _model_dtype(model: Any) -> Any:
         return next(model.parameters()).dtype
     except (StopIteration, AttributeError):
         import torch
+
         return torch.float32
 
 
-def capture_work(dims: tuple[int, int, int, int], n_layers: int, n_prompt: int, n_positions: int,
-                 attention: str = "eager", on_host: bool = True, item_bytes: int | None = None) -> Work:
+def capture_work(
+    dims: tuple[int, int, int, int],
+    n_layers: int,
+    n_prompt: int,
+    n_positions: int,
+    attention: str = "eager",
+    on_host: bool = True,
+    item_bytes: int | None = None,
+) -> Work:
     """What a capture allocates in host memory beyond the weights.
 
     In memory (item_bytes None): the trace's float32 buffers for the recorded layers. To a file
@@ -482,30 +454,70 @@ def capture_work(dims: tuple[int, int, int, int], n_layers: int, n_prompt: int, 
     _, Hq, H, D = dims
     T = (n_positions, "positions")
     if item_bytes is None:
-        parts = [Part("queries", ((n_layers, "layers"), (Hq, "query heads"), T, (D, "dims"))),
-                 Part("keys and values", ((2, ""), (n_layers, "layers"), (H, "KV heads"), T, (D, "dims")))]
+        parts = [
+            Part("queries", ((n_layers, "layers"), (Hq, "query heads"), T, (D, "dims"))),
+            Part(
+                "keys and values", ((2, ""), (n_layers, "layers"), (H, "KV heads"), T, (D, "dims"))
+            ),
+        ]
     else:
-        parts = [Part("one layer's queries, keys and values on their way to the file",
-                      ((2, "copies"), (Hq + 2 * H, "heads"), (n_prompt, "tokens"), (D, "dims")), item_bytes)]
+        parts = [
+            Part(
+                "one layer's queries, keys and values on their way to the file",
+                ((2, "copies"), (Hq + 2 * H, "heads"), (n_prompt, "tokens"), (D, "dims")),
+                item_bytes,
+            )
+        ]
     if attention == "eager" and on_host:
-        parts.append(Part("attention scores", ((PREFILL_SCORE_COPIES, ""), (Hq, "query heads"),
-                                               (n_prompt, "tokens"), (n_prompt, "keys"))))
-    return Work("this capture", tuple(parts),
-                lower="Max prompt tokens (--max-tokens), the new tokens or the layers kept (--layers)")
+        parts.append(
+            Part(
+                "attention scores",
+                (
+                    (PREFILL_SCORE_COPIES, ""),
+                    (Hq, "query heads"),
+                    (n_prompt, "tokens"),
+                    (n_prompt, "keys"),
+                ),
+            )
+        )
+    return Work(
+        "this capture",
+        tuple(parts),
+        lower="Max prompt tokens (--max-tokens), the new tokens or the layers kept (--layers)",
+    )
 
 
-def capture_trace(model_name: str = BUNDLED, prompt: str = "", new_tokens: int = 0,
-                  max_tokens: int = DEFAULT_MAX_TOKENS, layers: str | Sequence[int] | None = None,
-                  device: str = "cpu", dtype: str = "float32", progress: Progress | None = None,
-                  attention: str | None = "sdpa", out: str | os.PathLike | None = None) -> Trace:
+def capture_trace(
+    model_name: str = BUNDLED,
+    prompt: str = "",
+    new_tokens: int = 0,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    layers: str | Sequence[int] | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    progress: Progress | None = None,
+    attention: str | None = "sdpa",
+    out: str | os.PathLike | None = None,
+) -> Trace:
     """Load `model_name` and capture `prompt`; progress covers loading (first 40%) and capture."""
     say = progress or (lambda f, m: None)
     if prompt is None or not str(prompt).strip():
         raise CaptureError("the prompt is empty: give some text to capture")
-    model, tokenizer, info = load_model(model_name, device=device, dtype=dtype,
-                                        progress=lambda f, m: say(0.4 * f, m))
-    return capture(model, tokenizer, info, prompt, new_tokens, max_tokens, layers,
-                   progress=lambda f, m: say(0.4 + 0.6 * f, m), attention=attention, out=out)
+    model, tokenizer, info = load_model(
+        model_name, device=device, dtype=dtype, progress=lambda f, m: say(0.4 * f, m)
+    )
+    return capture(
+        model,
+        tokenizer,
+        info,
+        prompt,
+        new_tokens,
+        max_tokens,
+        layers,
+        progress=lambda f, m: say(0.4 + 0.6 * f, m),
+        attention=attention,
+        out=out,
+    )
 
 
 def forward_only(model: Any, ids: Sequence[int], attention: str | None = "sdpa") -> None:
@@ -517,65 +529,24 @@ def forward_only(model: Any, ids: Sequence[int], attention: str | None = "sdpa")
         if attention and attention != before:
             model.set_attn_implementation(attention)
         try:
-            model(input_ids=torch.tensor([list(ids)], device=_input_device(model)), use_cache=True,
-                  logits_to_keep=1)
+            model(
+                input_ids=torch.tensor([list(ids)], device=_input_device(model)),
+                use_cache=True,
+                logits_to_keep=1,
+            )
         finally:
             if attention and attention != before:
                 model.set_attn_implementation(before)
 
 
-def _input_device(model: Any) -> Any:
-    try:
-        return model.get_input_embeddings().weight.device
-    except Exception:  # noqa: BLE001
-        return model.device
-
-
 def _eos_ids(tokenizer: Any, model: Any) -> set[int]:
     ids: set[int] = set()
-    for src in (getattr(tokenizer, "eos_token_id", None),
-                getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+    for src in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
         if isinstance(src, int):
             ids.add(src)
         elif isinstance(src, (list, tuple)):
             ids.update(int(i) for i in src)
     return ids
-
-
-# --- checks and overviews (numpy only) ---------------------------------------------------
-
-def check_attention(model: Any, trace: Trace) -> np.ndarray:
-    """Max |kvviz attention - model attention| per (layer, query head), over all rows and keys.
-
-    Runs the model once more over the trace's tokens with output_attentions (eager), and
-    recomputes every row with kvviz.attention.context_rows from the captured q and k.
-    Meant for short traces (tests): the model returns layers x heads x T x T weights.
-    """
-    import torch
-
-    from kvviz.attention import context_rows
-
-    ids = trace.meta.get("token_ids")
-    if not ids or len(ids) != trace.n_positions:
-        raise CaptureError("this trace has no token ids to replay (not captured from a model)")
-    with _LOCK, torch.inference_mode():
-        impl = model.config._attn_implementation
-        if impl != "eager":
-            model.set_attn_implementation("eager")
-        try:
-            out = model(input_ids=torch.tensor([ids], device=_input_device(model)), output_attentions=True,
-                        use_cache=False, logits_to_keep=1)
-        finally:
-            if impl != "eager":
-                model.set_attn_implementation(impl)
-    layers = trace.meta.get("layers") or list(range(trace.n_layers))
-    heads = np.arange(trace.n_q_heads)
-    rows = np.arange(trace.n_queries)
-    err = np.zeros((trace.n_layers, trace.n_q_heads))
-    for i, layer in enumerate(layers):
-        theirs = out.attentions[layer][0].float().cpu().numpy()              # (Hq, T, T)
-        for idx, ours in context_rows(trace, i, heads, rows, trace.n_positions):
-            pos = trace.query_positions[idx]
-            diff = np.abs(ours - theirs[:, pos])                             # (Hq, c, T)
-            err[i] = np.maximum(err[i], diff.max(axis=(1, 2)))
-    return err

@@ -29,7 +29,7 @@ SINK, RECENT, HEAVY = 4, 8, 2  # the handbook's eviction example
 
 def handbook_logits() -> tuple[np.ndarray, np.ndarray]:
     """(logits (64,), first noise draw eps (64,)) exactly as the handbook makes them."""
-    rng = np.random.RandomState(42)          # same stream as np.random.seed(42)
+    rng = np.random.RandomState(42)  # same stream as np.random.seed(42)
     logits = rng.randn(1, SEQ_LEN) * 0.5
     logits[:, : len(SINKS)] += 2.0
     logits[:, -LOCAL:] += 1.5
@@ -54,8 +54,11 @@ def handbook_trace(head_dim: int = HEAD_DIM, seed: int = 0) -> Trace:
         context_len=SEQ_LEN,
         tokens=tuple(f"t{i}" for i in range(SEQ_LEN)),
         query_positions=np.array([SEQ_LEN - 1]),
-        meta={"source": "handbook", "description": "the handbook's worked example: one query over 64 tokens",
-              "quantization_note": "keys realised from the example's logits (exact without quantization)"},
+        meta={
+            "source": "handbook",
+            "description": "the handbook's worked example: one query over 64 tokens",
+            "quantization_note": "keys realised from the example's logits (exact without quantization)",
+        },
         logits=logits[None, None, None, :],
         noise_eps=eps,
     )

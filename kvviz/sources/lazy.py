@@ -23,8 +23,10 @@ import numpy as np
 from kvviz.limits import Part, Work
 from kvviz.trace import TraceError
 
-Reader = Callable[[int, int], bytes]        # (offset, nbytes) -> bytes, offsets from the file's first byte
-CACHE_BYTES = 256 * 10**6        # blocks kept per stack: up to this many bytes, and always the last one read
+# (offset, nbytes) -> bytes, offsets from the file's first byte
+Reader = Callable[[int, int], bytes]
+# blocks kept per stack: up to this many bytes, and always the last one read
+CACHE_BYTES = 256 * 10**6
 
 
 def file_reader(path: str) -> Reader:
@@ -35,9 +37,12 @@ def file_reader(path: str) -> Reader:
     def read(offset: int, n: int) -> bytes:
         out = os.pread(holder.fd, n, offset)
         if len(out) != n:
-            raise TraceError(f"{os.path.basename(path)} is truncated: wanted {n} bytes at {offset}, got {len(out)}")
+            raise TraceError(
+                f"{os.path.basename(path)} is truncated: wanted {n} bytes at {offset}, got {len(out)}"
+            )
         return out
-    read.holder = holder            # type: ignore[attr-defined] - keeps the descriptor alive with the reader
+
+    read.holder = holder  # type: ignore[attr-defined] - keeps the descriptor alive with the reader
     return read
 
 
@@ -54,7 +59,7 @@ class _Fd:
 
 def bytes_reader(data: bytes) -> Reader:
     view = memoryview(data)
-    return lambda offset, n: view[offset:offset + n]
+    return lambda offset, n: view[offset : offset + n]
 
 
 def widen(raw: bytes, code: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -72,9 +77,18 @@ class LayerStack:
 
     lazy = True
 
-    def __init__(self, what: str, name: str, read: Reader, starts: Sequence[int], code: str,
-                 shape: tuple[int, int, int, int], layer_numbers: Sequence[int], scale: float = 1.0,
-                 identity: str = ""):
+    def __init__(
+        self,
+        what: str,
+        name: str,
+        read: Reader,
+        starts: Sequence[int],
+        code: str,
+        shape: tuple[int, int, int, int],
+        layer_numbers: Sequence[int],
+        scale: float = 1.0,
+        identity: str = "",
+    ):
         self.what, self.name, self.read, self.identity = what, name, read, identity
         self.starts, self.code = list(starts), code
         self.shape = tuple(int(x) for x in shape)
@@ -83,7 +97,8 @@ class LayerStack:
         self.dtype = np.dtype(np.float64 if code == "F64" else np.float32)
         self._cache: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
-        self.reads: deque[tuple[int, int | None]] = deque(maxlen=1024)   # the last file reads: (layer, head or None)
+        # the last file reads: (layer, head or None)
+        self.reads: deque[tuple[int, int | None]] = deque(maxlen=1024)
 
     # --- what numpy code asks of an array --------------------------------------------------
     @property
@@ -120,10 +135,17 @@ class LayerStack:
         return np.asarray(self)[key]
 
     def __array__(self, dtype=None, copy=None):
-        Work(f"reading all of {self.what} from {self.name}",
-             (Part(self.what, tuple(zip(self.shape, ("layers", "heads", "positions", "dims"))),
-                   self.dtype.itemsize),),
-             lower="the layers read: open one layer (kvviz compare --layer N reads only that one)").check()
+        Work(
+            f"reading all of {self.what} from {self.name}",
+            (
+                Part(
+                    self.what,
+                    tuple(zip(self.shape, ("layers", "heads", "positions", "dims"))),
+                    self.dtype.itemsize,
+                ),
+            ),
+            lower="the layers read: open one layer (kvviz compare --layer N reads only that one)",
+        ).check()
         out = np.stack([self._read(i, None) for i in range(self.shape[0])])
         return out if dtype is None else out.astype(dtype, copy=False)
 
@@ -151,7 +173,9 @@ class LayerStack:
         block = self._read(layer, head)
         with self._lock:
             self._cache[(layer, head)] = block
-            while len(self._cache) > 1 and sum(b.nbytes for b in self._cache.values()) > CACHE_BYTES:
+            while (
+                len(self._cache) > 1 and sum(b.nbytes for b in self._cache.values()) > CACHE_BYTES
+            ):
                 self._cache.popitem(last=False)
         return block
 
@@ -161,15 +185,19 @@ class LayerStack:
         per_head = T * D * item
         start = self.starts[layer] + (0 if head is None else head * per_head)
         shape = (H, T, D) if head is None else (T, D)
-        Work(f"reading {self.what} of layer {self.layer_numbers[layer]}",
-             (Part(self.what, tuple(zip(shape, ("heads", "positions", "dims")[-len(shape):])), 4),),
-             lower="the positions captured (kvviz capture --max-tokens)").check()
+        Work(
+            f"reading {self.what} of layer {self.layer_numbers[layer]}",
+            (Part(self.what, tuple(zip(shape, ("heads", "positions", "dims")[-len(shape) :])), 4),),
+            lower="the positions captured (kvviz capture --max-tokens)",
+        ).check()
         self.reads.append((layer, head))
         block = widen(self.read(start, per_head * (H if head is None else 1)), self.code, shape)
         if self.scale != 1.0:
             block = block * np.float32(self.scale)
         if not np.isfinite(block).all():
-            where = f"layer {self.layer_numbers[layer]}" + ("" if head is None else f", head {head}")
+            where = f"layer {self.layer_numbers[layer]}" + (
+                "" if head is None else f", head {head}"
+            )
             raise TraceError(f"{self.name}: {self.what} of {where} contains NaN or infinite values")
         block.flags.writeable = False
         return block

@@ -30,13 +30,14 @@ from kvviz.trace import Trace
 MAX_CONTEXT = 32768
 MAX_STEPS = 512
 N_ROPE_PAIRS = 8
-SCRATCH_ARRAYS = 6          # one head's float64 temporaries in make_synthetic (key, value, query, draws)
+# one head's float64 temporaries in make_synthetic (key, value, query, draws)
+SCRATCH_ARRAYS = 6
 
 
 @dataclass(frozen=True)
 class SyntheticSpec:
-    context: int = 512          # context (prompt) tokens; the compression point
-    steps: int = 32             # later queries (decode steps) that read the compressed cache
+    context: int = 512  # context (prompt) tokens; the compression point
+    steps: int = 32  # later queries (decode steps) that read the compressed cache
     layers: int = 2
     q_heads: int = 4
     kv_heads: int = 2
@@ -45,16 +46,16 @@ class SyntheticSpec:
     # Defaults: "realistic", concentrated like a real model's attention (SmolLM2-135M on a
     # 206-token prompt: the top 10% of keys hold 84% of the mass, the first token 36%);
     # here the top 10% hold ~87% and the first token ~33%. PRESETS["diffuse"] is the hard case.
-    sink_strength: float = 11.0     # logit boost on the first token
-    local_strength: float = 5.0     # logit boost on the newest token, fading with distance
-    local_width: float = 8.0        # tokens over which locality fades
-    n_anchors: int = 6              # heavy-hitter tokens every query attends to
+    sink_strength: float = 11.0  # logit boost on the first token
+    local_strength: float = 5.0  # logit boost on the newest token, fading with distance
+    local_width: float = 8.0  # tokens over which locality fades
+    n_anchors: int = 6  # heavy-hitter tokens every query attends to
     anchor_strength: float = 4.0
-    sparsity: float = 2.0           # std of the background logits (higher = spikier)
-    topic_shift: float = 0.0        # logit boost later queries give late anchors (0 = off)
-    shift_at: float = 0.5           # fraction of the later steps after which the shift happens
+    sparsity: float = 2.0  # std of the background logits (higher = spikier)
+    topic_shift: float = 0.0  # logit boost later queries give late anchors (0 = off)
+    shift_at: float = 0.5  # fraction of the later steps after which the shift happens
     n_shift_tokens: int = 4
-    outlier_channels: int = 4       # key channels with large magnitude
+    outlier_channels: int = 4  # key channels with large magnitude
     outlier_scale: float = 12.0
 
     def __post_init__(self) -> None:
@@ -66,11 +67,27 @@ class SyntheticSpec:
     def work(self) -> Work:
         """What `make_synthetic` holds: q, k, v in float32 and one head's float64 scratch."""
         positions, dims = (self.context + self.steps, "positions"), (self.head_dim, "dims")
-        return Work("the synthetic pattern", (
-            Part("queries", ((self.layers, "layers"), (self.q_heads, "query heads"), positions, dims)),
-            Part("keys and values", ((2, ""), (self.layers, "layers"), (self.kv_heads, "KV heads"), positions, dims)),
-            Part("scratch", ((SCRATCH_ARRAYS, ""), positions, dims), item_bytes=8),
-        ), lower="the context, the later steps, the layers, the heads or the head dim")
+        return Work(
+            "the synthetic pattern",
+            (
+                Part(
+                    "queries",
+                    ((self.layers, "layers"), (self.q_heads, "query heads"), positions, dims),
+                ),
+                Part(
+                    "keys and values",
+                    (
+                        (2, ""),
+                        (self.layers, "layers"),
+                        (self.kv_heads, "KV heads"),
+                        positions,
+                        dims,
+                    ),
+                ),
+                Part("scratch", ((SCRATCH_ARRAYS, ""), positions, dims), item_bytes=8),
+            ),
+            lower="the context, the later steps, the layers, the heads or the head dim",
+        )
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -85,22 +102,32 @@ def check_synthetic(s: SyntheticSpec) -> None:
         raise SpecError("need at least one layer, and query heads a multiple of KV heads")
     reserved = 2 * N_ROPE_PAIRS + 1 + s.n_anchors + s.n_shift_tokens + s.outlier_channels + 4
     if s.head_dim < reserved:
-        raise SpecError(f"head dim {s.head_dim} is too small for these knobs; needs at least {reserved}")
+        raise SpecError(
+            f"head dim {s.head_dim} is too small for these knobs; needs at least {reserved}"
+        )
     if s.n_anchors + s.n_shift_tokens > s.context // 2:
         raise SpecError("too many anchor / topic-shift tokens for this context length")
     if s.local_width <= 0 or not 0 <= s.shift_at <= 1:
         raise SpecError("locality width must be positive and the shift point between 0 and 1")
-    values = (s.sink_strength, s.local_strength, s.anchor_strength, s.sparsity, s.topic_shift, s.outlier_scale)
+    values = (
+        s.sink_strength,
+        s.local_strength,
+        s.anchor_strength,
+        s.sparsity,
+        s.topic_shift,
+        s.outlier_scale,
+    )
     if not all(np.isfinite(values)) or min(values) < 0:
         raise SpecError("strengths, sparsity and scales must be finite and non-negative")
-    s.work().check()        # before anything is allocated: the knobs' product, not each knob alone
+    s.work().check()  # before anything is allocated: the knobs' product, not each knob alone
 
 
 PRESETS = {
-    "realistic": SyntheticSpec(),   # concentrated like a real model's attention (the defaults)
-    "diffuse": SyntheticSpec(sink_strength=8.0, anchor_strength=5.0, sparsity=1.5),   # the hard case:
+    "realistic": SyntheticSpec(),  # concentrated like a real model's attention (the defaults)
+    # the hard case:
+    "diffuse": SyntheticSpec(sink_strength=8.0, anchor_strength=5.0, sparsity=1.5),
     # a weak sink and a flat background; H2O needs ~400 of 513 tokens for 95% of the mass
-    "topic shift": SyntheticSpec(steps=48, topic_shift=12.0),   # late anchors no context query saw
+    "topic shift": SyntheticSpec(steps=48, topic_shift=12.0),  # late anchors no context query saw
 }
 
 
@@ -116,7 +143,7 @@ def _rope_frequencies(width: float) -> tuple[np.ndarray, np.ndarray]:
 
 def _rotate(x: np.ndarray, positions: np.ndarray, theta: np.ndarray) -> np.ndarray:
     """Apply rotary position encoding to channel pairs: x (..., n, pairs, 2)."""
-    angle = positions[:, None] * theta[None, :]                 # (n, pairs)
+    angle = positions[:, None] * theta[None, :]  # (n, pairs)
     cos, sin = np.cos(angle), np.sin(angle)
     x0, x1 = x[..., 0], x[..., 1]
     return np.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
@@ -148,7 +175,7 @@ def make_synthetic(spec: SyntheticSpec = SyntheticSpec()) -> Trace:
     # Token roles, shared by all layers (as real text has): anchors and late anchors.
     middle = rng.permutation(np.arange(4, spec.context))
     anchors = np.sort(middle[: spec.n_anchors])
-    shift_tokens = np.sort(middle[spec.n_anchors: spec.n_anchors + spec.n_shift_tokens])
+    shift_tokens = np.sort(middle[spec.n_anchors : spec.n_anchors + spec.n_shift_tokens])
     shift_step = spec.context + int(round(spec.shift_at * spec.steps))
 
     q = np.zeros((L, Hq, P, D), np.float32)
@@ -160,16 +187,19 @@ def make_synthetic(spec: SyntheticSpec = SyntheticSpec()) -> Trace:
         for h in range(Hkv):
             kk = np.zeros((P, D))
             # rotary part: unit pairs at angle 0, rotated by position
-            kk[:, :n_rot] = _rotate(np.tile([1.0, 0.0], (P, N_ROPE_PAIRS, 1)), pos, theta).reshape(P, n_rot)
-            kk[0, c_sink] = sqrt_d                                   # the sink direction
+            kk[:, :n_rot] = _rotate(np.tile([1.0, 0.0], (P, N_ROPE_PAIRS, 1)), pos, theta).reshape(
+                P, n_rot
+            )
+            kk[0, c_sink] = sqrt_d  # the sink direction
             kk[anchors, c_anchor + np.arange(spec.n_anchors)] = sqrt_d
             kk[shift_tokens, c_shift + np.arange(spec.n_shift_tokens)] = sqrt_d
-            kk[:, c_out:c_rand] = (spec.outlier_scale * rng.choice([-1, 1], spec.outlier_channels)
-                                   + 0.1 * spec.outlier_scale * rng.standard_normal((P, spec.outlier_channels)))
+            kk[:, c_out:c_rand] = spec.outlier_scale * rng.choice(
+                [-1, 1], spec.outlier_channels
+            ) + 0.1 * spec.outlier_scale * rng.standard_normal((P, spec.outlier_channels))
             kk[:, c_rand:] = rng.standard_normal((P, n_rand))
             k[layer, h] = kk
             vv = rng.standard_normal((P, D))
-            vv[0] *= 0.1                                             # sinks carry small values
+            vv[0] *= 0.1  # sinks carry small values
             v[layer, h] = vv
             checkpoint()
         for h in range(Hq):
@@ -181,19 +211,30 @@ def make_synthetic(spec: SyntheticSpec = SyntheticSpec()) -> Trace:
             rot = np.tile([1.0, 0.0], (P, N_ROPE_PAIRS, 1)) * (local * rope_w * sqrt_d)[:, None]
             qq[:, :n_rot] = _rotate(rot, pos, theta).reshape(P, n_rot)
             qq[:, c_sink] = spec.sink_strength * mix[1] * (0.7 + 0.3 * depth)
-            qq[:, c_anchor:c_shift] = spec.anchor_strength * mix[2] * rng.uniform(0.7, 1.3, spec.n_anchors)
+            qq[:, c_anchor:c_shift] = (
+                spec.anchor_strength * mix[2] * rng.uniform(0.7, 1.3, spec.n_anchors)
+            )
             qq[shift_step:, c_shift:c_out] = spec.topic_shift
             # background: logit std = sparsity (random channels of q and k are independent N(0,1))
-            qq[:, c_rand:] = rng.standard_normal((P, n_rand)) * (spec.sparsity * sqrt_d / np.sqrt(n_rand))
+            qq[:, c_rand:] = rng.standard_normal((P, n_rand)) * (
+                spec.sparsity * sqrt_d / np.sqrt(n_rand)
+            )
             qq[:, c_out:c_rand] = 0.02 * rng.standard_normal((P, spec.outlier_channels))
             q[layer, h] = qq
             checkpoint()
 
     return Trace(
-        q=q, k=k, v=v, context_len=spec.context,
+        q=q,
+        k=k,
+        v=v,
+        context_len=spec.context,
         tokens=tuple(f"t{i}" for i in range(P)),
         query_positions=pos,
-        meta={"source": "synthetic", "synthetic": spec.as_dict(),
-              "anchors": anchors.tolist(), "shift_tokens": shift_tokens.tolist(),
-              "shift_position": int(shift_step)},
+        meta={
+            "source": "synthetic",
+            "synthetic": spec.as_dict(),
+            "anchors": anchors.tolist(),
+            "shift_tokens": shift_tokens.tolist(),
+            "shift_position": int(shift_step),
+        },
     )

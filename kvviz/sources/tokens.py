@@ -23,10 +23,10 @@ def token_strings(tokenizer: Any, ids: Sequence[int]) -> tuple[str, ...]:
     ids = [int(i) for i in ids]
     out = []
     for i, tid in enumerate(ids):
-        ctx = ids[max(0, i - 3):i]
+        ctx = ids[max(0, i - 3) : i]
         whole = tokenizer.decode(ctx + [tid], clean_up_tokenization_spaces=False)
         head = tokenizer.decode(ctx, clean_up_tokenization_spaces=False) if ctx else ""
-        piece = whole[len(head):] if whole.startswith(head) else tokenizer.decode([tid])
+        piece = whole[len(head) :] if whole.startswith(head) else tokenizer.decode([tid])
         if piece == "":
             piece = str(tokenizer.convert_ids_to_tokens(tid))
         out.append(visible(piece))

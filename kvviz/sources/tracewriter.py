@@ -32,9 +32,14 @@ import numpy as np
 FORMAT = "kvviz-trace"
 VERSION = 2
 ITEM_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4}
-CODES = {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32", np.dtype(np.float64): "F64",
-         np.dtype(np.int64): "I64", np.dtype(np.int32): "I32"}
-_CHUNK = 64 * 2**20            # bytes moved at a time when a finished file is laid out again
+CODES = {
+    np.dtype(np.float16): "F16",
+    np.dtype(np.float32): "F32",
+    np.dtype(np.float64): "F64",
+    np.dtype(np.int64): "I64",
+    np.dtype(np.int32): "I32",
+}
+_CHUNK = 64 * 2**20  # bytes moved at a time when a finished file is laid out again
 
 
 def code_of(a: np.ndarray) -> str:
@@ -42,7 +47,9 @@ def code_of(a: np.ndarray) -> str:
     try:
         return CODES[a.dtype]
     except KeyError:
-        raise ValueError(f"kvviz traces store float16/32/64 or bfloat16 tensors, not {a.dtype}") from None
+        raise ValueError(
+            f"kvviz traces store float16/32/64 or bfloat16 tensors, not {a.dtype}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -61,8 +68,12 @@ class Slot:
 class TraceWriter:
     """A format-2 trace file written in place; see the module docstring. Use as a context manager."""
 
-    def __init__(self, path: str | os.PathLike, tensors: dict[str, tuple[str, tuple[int, ...]]],
-                 reserve: int = 64 * 1024):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        tensors: dict[str, tuple[str, tuple[int, ...]]],
+        reserve: int = 64 * 1024,
+    ):
         self.path = Path(path)
         self.slots: dict[str, Slot] = {}
         at = 0
@@ -72,10 +83,10 @@ class TraceWriter:
             self.slots[name] = Slot(code, tuple(int(x) for x in shape), at)
             at += self.slots[name].nbytes
         self.data_bytes = at
-        self.base = _round8(8 + len(self._header({})) + int(reserve))      # the data's first byte
+        self.base = _round8(8 + len(self._header({})) + int(reserve))  # the data's first byte
         self.tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{id(self):x}.partial")
         self.fd: int | None = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.ftruncate(self.fd, self.base + self.data_bytes)                 # sparse until written
+        os.ftruncate(self.fd, self.base + self.data_bytes)  # sparse until written
 
     # --- writing ---------------------------------------------------------------------------
     def put(self, name: str, array: np.ndarray, start: int = 0) -> None:
@@ -88,12 +99,19 @@ class TraceWriter:
         if start == 0 and a.shape == slot.shape:
             self._pwrite(a, slot.start)
             return
-        if a.ndim < 2 or a.shape[0] != slot.shape[0] or a.shape[2:] != slot.shape[2:] \
-                or not 0 <= start <= slot.shape[1] - a.shape[1]:
-            raise ValueError(f"tensor {name}: rows {start}..{start + a.shape[1]} of shape {a.shape} "
-                             f"do not fit {slot.shape}")
-        row = math.prod(slot.shape[2:]) * ITEM_BYTES[slot.code]              # bytes of one row
-        for h in range(a.shape[0]):                                          # one run of bytes a head
+        if (
+            a.ndim < 2
+            or a.shape[0] != slot.shape[0]
+            or a.shape[2:] != slot.shape[2:]
+            or not 0 <= start <= slot.shape[1] - a.shape[1]
+        ):
+            raise ValueError(
+                f"tensor {name}: rows {start}..{start + a.shape[1]} of shape {a.shape} "
+                f"do not fit {slot.shape}"
+            )
+        row = math.prod(slot.shape[2:]) * ITEM_BYTES[slot.code]  # bytes of one row
+        # one run of bytes a head
+        for h in range(a.shape[0]):
             self._pwrite(a[h], slot.start + (h * slot.shape[1] + start) * row)
 
     def _pwrite(self, a: np.ndarray, offset: int) -> None:
@@ -111,10 +129,13 @@ class TraceWriter:
         if positions is not None and full is not None and positions < full:
             return self._relayout(metadata, full, positions)
         header = self._header(metadata)
-        if 8 + len(header) > self.base:                  # the metadata outgrew its room: lay out again
+        # the metadata outgrew its room: lay out again
+        if 8 + len(header) > self.base:
             return self._relayout(metadata, full, full)
-        head = (self.base - 8).to_bytes(8, "little")                        # header length, padding included
-        padded = header + b" " * (self.base - 8 - len(header))              # safetensors allows trailing spaces
+        # header length, padding included
+        head = (self.base - 8).to_bytes(8, "little")
+        # safetensors allows trailing spaces
+        padded = header + b" " * (self.base - 8 - len(header))
         os.pwrite(self.fd, head + padded, 0)
         os.close(self.fd)
         self.fd = None
@@ -135,14 +156,20 @@ class TraceWriter:
         return self
 
     def __exit__(self, kind, exc, tb) -> bool:
-        if kind is not None or self.fd is not None:        # an error, or never finished
+        if kind is not None or self.fd is not None:  # an error, or never finished
             self.abort()
         return False
 
     def _header(self, metadata: dict[str, str]) -> bytes:
-        body: dict = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}} if metadata else {}
+        body: dict = (
+            {"__metadata__": {str(k): str(v) for k, v in metadata.items()}} if metadata else {}
+        )
         for name, s in self.slots.items():
-            body[name] = {"dtype": s.code, "shape": list(s.shape), "data_offsets": [s.start, s.start + s.nbytes]}
+            body[name] = {
+                "dtype": s.code,
+                "shape": list(s.shape),
+                "data_offsets": [s.start, s.start + s.nbytes],
+            }
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
     def _positions(self) -> int | None:
@@ -151,6 +178,7 @@ class TraceWriter:
 
     def _relayout(self, metadata: dict[str, str], full: int | None, keep: int | None) -> Path:
         """Copy into a fresh file with room for this header, cutting T to `keep` rows; bounded memory."""
+
         def cut(shape: tuple[int, ...]) -> tuple[int, ...]:
             if keep is None or keep == full:
                 return shape
@@ -159,8 +187,11 @@ class TraceWriter:
             if len(shape) >= 2 and shape[1] == full:
                 return (shape[0], keep, *shape[2:])
             return shape
+
         new = {n: (s.code, cut(s.shape)) for n, s in self.slots.items()}
-        with TraceWriter(self.path, new, reserve=len(json.dumps(metadata, ensure_ascii=False).encode()) + 4096) as w:
+        with TraceWriter(
+            self.path, new, reserve=len(json.dumps(metadata, ensure_ascii=False).encode()) + 4096
+        ) as w:
             for name, s in self.slots.items():
                 shape = new[name][1]
                 if shape == s.shape:
@@ -170,8 +201,12 @@ class TraceWriter:
                 else:
                     row = math.prod(s.shape[2:]) * ITEM_BYTES[s.code]
                     for h in range(s.shape[0]):
-                        self._copy(w, s.start + h * s.shape[1] * row, w.slots[name].start + h * shape[1] * row,
-                                   shape[1] * row)
+                        self._copy(
+                            w,
+                            s.start + h * s.shape[1] * row,
+                            w.slots[name].start + h * shape[1] * row,
+                            shape[1] * row,
+                        )
             path = w.finish(metadata)
         self.abort()
         return path

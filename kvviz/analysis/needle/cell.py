@@ -17,6 +17,7 @@ from kvviz.spec import Spec
 
 # --- cells -----------------------------------------------------------------------------------
 
+
 def _pack(mask: np.ndarray) -> str:
     return base64.b64encode(np.packbits(mask.astype(bool), axis=None).tobytes()).decode("ascii")
 
@@ -33,24 +34,25 @@ class NeedleCell:
     scorer: str
     length: int
     depth: float
-    budget: float                    # fraction of the prompt's tokens (1.0 for the full cache)
+    budget: float  # fraction of the prompt's tokens (1.0 for the full cache)
     bits: int
     question_after_compression: bool
-    spec: str                        # Spec.label()
-    budget_tokens: int               # tokens each KV head holds
+    spec: str  # Spec.label()
+    budget_tokens: int  # tokens each KV head holds
     key: str
     correct: bool
     answer: str
     answer_ids: tuple[int, ...]
     needle_kept: float
-    needle_kept_by_head: tuple[tuple[float, ...], ...]   # (layers, kv_heads)
+    needle_kept_by_head: tuple[tuple[float, ...], ...]  # (layers, kv_heads)
     wanted_mass: float
     wanted_mass_by_head: tuple[tuple[float, ...], ...]
     kept_mass: float
     kept_mass_by_head: tuple[tuple[float, ...], ...]
     full_answer: str
     full_correct: bool
-    kept_packed: str = field(default="", repr=False)      # (layers, kv_heads, length) bool, packed bits
+    # (layers, kv_heads, length) bool, packed bits
+    kept_packed: str = field(default="", repr=False)
 
     @property
     def n_layers(self) -> int:
@@ -65,14 +67,28 @@ class NeedleCell:
         return _unpack(self.kept_packed, (self.n_layers, self.n_kv_heads, self.length))
 
     def as_dict(self, kept: bool = False) -> dict:
-        d = {"scorer": self.scorer, "length": self.length, "depth": self.depth, "budget": self.budget,
-             "bits": self.bits, "question_after_compression": self.question_after_compression,
-             "spec": self.spec, "budget_tokens": self.budget_tokens, "key": self.key, "correct": self.correct,
-             "answer": self.answer, "answer_ids": list(self.answer_ids), "needle_kept": self.needle_kept,
-             "needle_kept_by_head": [list(r) for r in self.needle_kept_by_head],
-             "wanted_mass": self.wanted_mass, "wanted_mass_by_head": [list(r) for r in self.wanted_mass_by_head],
-             "kept_mass": self.kept_mass, "kept_mass_by_head": [list(r) for r in self.kept_mass_by_head],
-             "full_answer": self.full_answer, "full_correct": self.full_correct}
+        d = {
+            "scorer": self.scorer,
+            "length": self.length,
+            "depth": self.depth,
+            "budget": self.budget,
+            "bits": self.bits,
+            "question_after_compression": self.question_after_compression,
+            "spec": self.spec,
+            "budget_tokens": self.budget_tokens,
+            "key": self.key,
+            "correct": self.correct,
+            "answer": self.answer,
+            "answer_ids": list(self.answer_ids),
+            "needle_kept": self.needle_kept,
+            "needle_kept_by_head": [list(r) for r in self.needle_kept_by_head],
+            "wanted_mass": self.wanted_mass,
+            "wanted_mass_by_head": [list(r) for r in self.wanted_mass_by_head],
+            "kept_mass": self.kept_mass,
+            "kept_mass_by_head": [list(r) for r in self.kept_mass_by_head],
+            "full_answer": self.full_answer,
+            "full_correct": self.full_correct,
+        }
         if kept:
             d["kept_packed"] = self.kept_packed
         return d
@@ -80,15 +96,29 @@ class NeedleCell:
     @classmethod
     def from_dict(cls, d: dict) -> "NeedleCell":
         grid = lambda rows: tuple(tuple(float(x) for x in r) for r in rows)  # noqa: E731
-        return cls(scorer=d["scorer"], length=int(d["length"]), depth=float(d["depth"]), budget=float(d["budget"]),
-                   bits=int(d["bits"]), question_after_compression=bool(d["question_after_compression"]),
-                   spec=d["spec"], budget_tokens=int(d["budget_tokens"]), key=str(d["key"]),
-                   correct=bool(d["correct"]), answer=d["answer"], answer_ids=tuple(int(i) for i in d["answer_ids"]),
-                   needle_kept=float(d["needle_kept"]), needle_kept_by_head=grid(d["needle_kept_by_head"]),
-                   wanted_mass=float(d["wanted_mass"]), wanted_mass_by_head=grid(d["wanted_mass_by_head"]),
-                   kept_mass=float(d["kept_mass"]), kept_mass_by_head=grid(d["kept_mass_by_head"]),
-                   full_answer=d["full_answer"], full_correct=bool(d["full_correct"]),
-                   kept_packed=d.get("kept_packed", ""))
+        return cls(
+            scorer=d["scorer"],
+            length=int(d["length"]),
+            depth=float(d["depth"]),
+            budget=float(d["budget"]),
+            bits=int(d["bits"]),
+            question_after_compression=bool(d["question_after_compression"]),
+            spec=d["spec"],
+            budget_tokens=int(d["budget_tokens"]),
+            key=str(d["key"]),
+            correct=bool(d["correct"]),
+            answer=d["answer"],
+            answer_ids=tuple(int(i) for i in d["answer_ids"]),
+            needle_kept=float(d["needle_kept"]),
+            needle_kept_by_head=grid(d["needle_kept_by_head"]),
+            wanted_mass=float(d["wanted_mass"]),
+            wanted_mass_by_head=grid(d["wanted_mass_by_head"]),
+            kept_mass=float(d["kept_mass"]),
+            kept_mass_by_head=grid(d["kept_mass_by_head"]),
+            full_answer=d["full_answer"],
+            full_correct=bool(d["full_correct"]),
+            kept_packed=d.get("kept_packed", ""),
+        )
 
 
 def score_answer(answer: str, key: str) -> bool:
@@ -99,14 +129,16 @@ def score_answer(answer: str, key: str) -> bool:
 
 # --- running the model -------------------------------------------------------------------------
 
+
 @dataclass
 class _Prefill:
     """The full model's prefill of one prompt: every layer's q, k, v, and the last logits."""
 
-    q: list            # per layer (Hq, n, D) float32 numpy
-    k: Any             # torch (L, H, n, D)
+    q: list  # per layer (Hq, n, D) float32 numpy
+    k: Any  # torch (L, H, n, D)
     v: Any
-    logits: dict       # position -> torch (vocab,) logits there (the compression points' last tokens)
+    # position -> torch (vocab,) logits there (the compression points' last tokens)
+    logits: dict
     scaling: float
     dims: tuple[int, int, int, int]
 
@@ -116,7 +148,7 @@ def _scaling(model, head_dim: int) -> float:
         s = getattr(module, "scaling", None)
         if isinstance(s, float) and getattr(module, "layer_idx", None) is not None:
             return s
-    return head_dim ** -0.5
+    return head_dim**-0.5
 
 
 def prefill(model, ids: Sequence[int], logits_at: Sequence[int] = ()) -> _Prefill:
@@ -135,17 +167,28 @@ def prefill(model, ids: Sequence[int], logits_at: Sequence[int] = ()) -> _Prefil
     L, Hq, H, D = model_dims(model)
     n = len(ids)
     at = sorted({n - 1, *(int(p) for p in logits_at)})
-    cache = new_cache(model, Spec(), n)                      # on the model's device, in its dtype
+    cache = new_cache(model, Spec(), n)  # on the model's device, in its dtype
     device = placement(model)[0]
     with torch.inference_mode(), compressed_cache(model, cache):
         x = torch.tensor([list(ids)], dtype=torch.long, device=device)
-        out = model(input_ids=x, position_ids=torch.arange(n, device=device)[None], use_cache=False,
-                    logits_to_keep=torch.tensor(at, device=device))
+        out = model(
+            input_ids=x,
+            position_ids=torch.arange(n, device=device)[None],
+            use_cache=False,
+            logits_to_keep=torch.tensor(at, device=device),
+        )
         rows = out.logits[0].float()
-    if rows.shape[0] != len(at):                     # a model without logits_to_keep: every position
+    # a model without logits_to_keep: every position
+    if rows.shape[0] != len(at):
         rows = rows[at]
-    return _Prefill(q=list(cache.prefill_q), k=cache.k.clone(), v=cache.v.clone(),
-                    logits={p: rows[i] for i, p in enumerate(at)}, scaling=_scaling(model, D), dims=(L, Hq, H, D))
+    return _Prefill(
+        q=list(cache.prefill_q),
+        k=cache.k.clone(),
+        v=cache.v.clone(),
+        logits={p: rows[i] for i, p in enumerate(at)},
+        scaling=_scaling(model, D),
+        dims=(L, Hq, H, D),
+    )
 
 
 def _first_answer_attention(pre: _Prefill, pos: int) -> np.ndarray:
@@ -156,8 +199,8 @@ def _first_answer_attention(pre: _Prefill, pos: int) -> np.ndarray:
     g = Hq // H
     out = np.empty((L, Hq, pos + 1))
     for layer in range(L):
-        q = pre.q[layer][:, pos].astype(np.float64)                          # (Hq, D)
-        k = host(pre.k[layer, :, : pos + 1]).astype(np.float64)              # (H, pos+1, D)
+        q = pre.q[layer][:, pos].astype(np.float64)  # (Hq, D)
+        k = host(pre.k[layer, :, : pos + 1]).astype(np.float64)  # (H, pos+1, D)
         logits = np.einsum("hgd,hnd->hgn", q.reshape(H, g, D), k).reshape(Hq, -1) * pre.scaling
         logits -= logits.max(axis=1, keepdims=True)
         e = np.exp(logits)
@@ -165,9 +208,16 @@ def _first_answer_attention(pre: _Prefill, pos: int) -> np.ndarray:
     return out
 
 
-def run_cell(model, tokenizer, prompt: NeedlePrompt, pre: _Prefill, spec: Spec,
-             question_after_compression: bool = False, new_tokens: int = DEFAULT_NEW_TOKENS,
-             attention: np.ndarray | None = None) -> dict:
+def run_cell(
+    model,
+    tokenizer,
+    prompt: NeedlePrompt,
+    pre: _Prefill,
+    spec: Spec,
+    question_after_compression: bool = False,
+    new_tokens: int = DEFAULT_NEW_TOKENS,
+    attention: np.ndarray | None = None,
+) -> dict:
     """Decode one compressed cache from the shared prefill; the cell's dictionary (no full-cache fields).
 
     The cache is a copy of the prefill's up to the compression point, compressed by the
@@ -185,8 +235,18 @@ def run_cell(model, tokenizer, prompt: NeedlePrompt, pre: _Prefill, spec: Spec,
     L, Hq, H, D = pre.dims
     P = prompt.length
     c = prompt.question_start if question_after_compression else P
-    cache = CompressedCache(spec, L, Hq, H, D, capacity=P + new_tokens, tokens=prompt.tokens,
-                            device=pre.k.device, dtype=pre.k.dtype)      # where the model and its prefill live
+    cache = CompressedCache(
+        spec,
+        L,
+        Hq,
+        H,
+        D,
+        capacity=P + new_tokens,
+        tokens=prompt.tokens,
+        # where the model and its prefill live
+        device=pre.k.device,
+        dtype=pre.k.dtype,
+    )
     cache.k[:, :, :c] = pre.k[:, :, :c]
     cache.v[:, :, :c] = pre.v[:, :, :c]
     cache.length = [c] * L
@@ -195,41 +255,63 @@ def run_cell(model, tokenizer, prompt: NeedlePrompt, pre: _Prefill, spec: Spec,
     with torch.inference_mode(), compressed_cache(model, cache):
         cache.compress()
         last = pre.logits[c - 1]
-        for p in range(c, P):                                    # the question, after compression
+        for p in range(c, P):  # the question, after compression
             last = _forward(model, [prompt.ids[p]], p)[-1]
-        kept_now = [k.copy() for k in cache.kept]                # the cache the first answer step reads
+        # the cache the first answer step reads
+        kept_now = [k.copy() for k in cache.kept]
         for i in range(new_tokens):
             tok = int(torch.argmax(last))
             answer.append(tok)
             if i < new_tokens - 1:
                 last = _forward(model, [tok], P + i)[-1]
-    attn = attention if attention is not None else _first_answer_attention(pre, P - 1)    # (L, Hq, P)
+    # (L, Hq, P)
+    attn = attention if attention is not None else _first_answer_attention(pre, P - 1)
     kept = np.zeros((L, H, P), dtype=bool)
     for layer in range(L):
         idx = kept_now[layer]
         if c == P and cache.policy.needs_query and spec.evicts:
             # default case: the first answer token comes from the prefill; the oracle's set for
             # that query is its top-k of the query's own attention (as its decode steps do)
-            idx = _indices(select(cache.policy.query_scores(attn[layer], ScoreContext(cache.trace, layer, spec)),
-                                  spec))
+            idx = _indices(
+                select(
+                    cache.policy.query_scores(attn[layer], ScoreContext(cache.trace, layer, spec)),
+                    spec,
+                )
+            )
         np.put_along_axis(kept[layer], idx, True, axis=1)
     return _measure(prompt, spec, kept, attn, tokenizer, answer, (Hq // H))
 
 
-def _measure(prompt: NeedlePrompt, spec: Spec, kept: np.ndarray, attn: np.ndarray, tokenizer,
-             answer: list[int], group: int) -> dict:
+def _measure(
+    prompt: NeedlePrompt,
+    spec: Spec,
+    kept: np.ndarray,
+    attn: np.ndarray,
+    tokenizer,
+    answer: list[int],
+    group: int,
+) -> dict:
     L, H, P = kept.shape
     ns, ne = prompt.needle_start, prompt.needle_end
-    needle_kept = kept[:, :, ns:ne].mean(axis=2)                                  # (L, H)
-    on_needle = attn[:, :, ns:ne]                                                 # (L, Hq, k)
-    wanted = on_needle.sum(axis=2).reshape(L, H, group).mean(axis=2)              # (L, H)
-    kept_q = np.repeat(kept[:, :, ns:ne], group, axis=1)                          # (L, Hq, k)
+    needle_kept = kept[:, :, ns:ne].mean(axis=2)  # (L, H)
+    on_needle = attn[:, :, ns:ne]  # (L, Hq, k)
+    wanted = on_needle.sum(axis=2).reshape(L, H, group).mean(axis=2)  # (L, H)
+    kept_q = np.repeat(kept[:, :, ns:ne], group, axis=1)  # (L, Hq, k)
     kept_mass = (on_needle * kept_q).sum(axis=2).reshape(L, H, group).mean(axis=2)
     text = tokenizer.decode(answer, skip_special_tokens=True)
     r = lambda a: [[float(x) for x in row] for row in a]  # noqa: E731
-    return {"spec": spec.label(), "budget_tokens": int(kept[0, 0].sum()), "key": prompt.key,
-            "correct": score_answer(text, prompt.key), "answer": text, "answer_ids": [int(t) for t in answer],
-            "needle_kept": float(needle_kept.mean()), "needle_kept_by_head": r(needle_kept),
-            "wanted_mass": float(wanted.mean()), "wanted_mass_by_head": r(wanted),
-            "kept_mass": float(kept_mass.mean()), "kept_mass_by_head": r(kept_mass),
-            "kept_packed": _pack(kept)}
+    return {
+        "spec": spec.label(),
+        "budget_tokens": int(kept[0, 0].sum()),
+        "key": prompt.key,
+        "correct": score_answer(text, prompt.key),
+        "answer": text,
+        "answer_ids": [int(t) for t in answer],
+        "needle_kept": float(needle_kept.mean()),
+        "needle_kept_by_head": r(needle_kept),
+        "wanted_mass": float(wanted.mean()),
+        "wanted_mass_by_head": r(wanted),
+        "kept_mass": float(kept_mass.mean()),
+        "kept_mass_by_head": r(kept_mass),
+        "kept_packed": _pack(kept),
+    }

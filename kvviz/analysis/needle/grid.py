@@ -43,9 +43,8 @@ from kvviz.limits import checkpoint
 from kvviz.models.config import model_dims, prefill_work
 from kvviz.spec import FULL_BITS, Spec, SpecError
 
-MAX_LENGTH = (
-    131072  # the longest prompt asked for at all; the model's positions and the work budget decide
-)
+# the longest prompt asked for at all; the model's positions and the work budget decide
+MAX_LENGTH = 131072
 
 
 DEFAULT_FILE = Path(__file__).resolve().parents[2] / "data" / "needle_default.json.gz"
@@ -106,7 +105,8 @@ def _write(path: Path, d: dict) -> None:
         tmp.write_text(json.dumps(d), encoding="utf-8")
         tmp.replace(path)
     except OSError:
-        pass  # a read-only cache folder: results are still returned
+        # a read-only cache folder: results are still returned
+        pass
 
 
 # --- the grid ------------------------------------------------------------------------------

@@ -17,12 +17,16 @@ QUESTION = "What is the pass key?"
 # The assistant's turn is primed up to the key's first digit (the trailing space is its own
 # token before the digits, as in " 71432"): the first answer step predicts the first digit.
 PRIMER = "The pass key is "
-INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-               "I will quiz you about the important information there.\n\n")   # before the haystack
+INSTRUCTION = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n\n"
+)  # before the haystack
 # The classic passkey filler (plain, repeated); the other haystack is kvviz's own sample text.
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
 HAYSTACKS = ("filler", "sample")
-FULL = "full"                            # the uncompressed cache's name in `scorers`
+FULL = "full"  # the uncompressed cache's name in `scorers`
 SCORER_NAMES = (FULL, *SCORERS)
 DEFAULT_LENGTHS = (320, 640, 1024)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -30,27 +34,29 @@ DEFAULT_SCORERS = (FULL, "streaming", "h2o", "tova", "snapkv", "oracle")
 DEFAULT_BUDGET = 0.25
 DEFAULT_NEW_TOKENS = 8
 DEFAULT_SEED = 0
-MIN_BUDGET_TOKENS = 8                    # 4 sinks + a window
+MIN_BUDGET_TOKENS = 8  # 4 sinks + a window
 
 Progress = Callable[[float, str], None]
 
 
 # --- prompts -------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class NeedlePrompt:
     """One needle prompt as token ids, with where the needle and the question sit."""
 
-    length: int                      # tokens (the whole prompt)
-    depth: float                     # asked-for share of the haystack before the needle
+    length: int  # tokens (the whole prompt)
+    depth: float  # asked-for share of the haystack before the needle
     key: str
     haystack: str
     ids: tuple[int, ...]
-    tokens: tuple[str, ...]          # display string of every token
-    needle_start: int                # needle tokens: [needle_start, needle_end)
+    tokens: tuple[str, ...]  # display string of every token
+    needle_start: int  # needle tokens: [needle_start, needle_end)
     needle_end: int
-    question_start: int              # first token after the haystack: the query-agnostic compression point
-    hay_start: int = 0               # first haystack token (after the chat template's head)
+    # first token after the haystack: the query-agnostic compression point
+    question_start: int
+    hay_start: int = 0  # first haystack token (after the chat template's head)
 
     @property
     def needle_depth(self) -> float:
@@ -59,17 +65,33 @@ class NeedlePrompt:
         return (self.needle_start - self.hay_start) / hay if hay > 0 else 0.0
 
     def as_dict(self) -> dict:
-        return {"length": self.length, "depth": self.depth, "key": self.key, "haystack": self.haystack,
-                "ids": list(self.ids), "tokens": list(self.tokens), "needle_start": self.needle_start,
-                "needle_end": self.needle_end, "question_start": self.question_start,
-                "hay_start": self.hay_start}
+        return {
+            "length": self.length,
+            "depth": self.depth,
+            "key": self.key,
+            "haystack": self.haystack,
+            "ids": list(self.ids),
+            "tokens": list(self.tokens),
+            "needle_start": self.needle_start,
+            "needle_end": self.needle_end,
+            "question_start": self.question_start,
+            "hay_start": self.hay_start,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "NeedlePrompt":
-        return cls(length=int(d["length"]), depth=float(d["depth"]), key=str(d["key"]), haystack=d["haystack"],
-                   ids=tuple(int(i) for i in d["ids"]), tokens=tuple(d["tokens"]),
-                   needle_start=int(d["needle_start"]), needle_end=int(d["needle_end"]),
-                   question_start=int(d["question_start"]), hay_start=int(d.get("hay_start", 0)))
+        return cls(
+            length=int(d["length"]),
+            depth=float(d["depth"]),
+            key=str(d["key"]),
+            haystack=d["haystack"],
+            ids=tuple(int(i) for i in d["ids"]),
+            tokens=tuple(d["tokens"]),
+            needle_start=int(d["needle_start"]),
+            needle_end=int(d["needle_end"]),
+            question_start=int(d["question_start"]),
+            hay_start=int(d.get("hay_start", 0)),
+        )
 
 
 def passkey(seed: int, length: int, depth: float) -> str:
@@ -83,6 +105,7 @@ def haystack_text(name: str) -> str:
         return FILLER
     if name == "sample":
         from kvviz.decode.quality import sample_text
+
         return " ".join(sample_text().split()) + " "
     raise SpecError(f"unknown haystack {name!r}; choose from {', '.join(HAYSTACKS)}")
 
@@ -98,7 +121,9 @@ def _frame(tokenizer) -> tuple[str, str]:
         try:
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": mark}, {"role": "assistant", "content": PRIMER}],
-                tokenize=False, continue_final_message=True)
+                tokenize=False,
+                continue_final_message=True,
+            )
             if text.count(mark) == 1 and text.rstrip().endswith(PRIMER.rstrip()):
                 head, tail = text.split(mark)
                 return head, tail
@@ -110,12 +135,16 @@ def _frame(tokenizer) -> tuple[str, str]:
 def min_length(tokenizer) -> int:
     """The shortest prompt that holds the frame, the needle and the question (no haystack)."""
     head, tail = _frame(tokenizer)
-    return (len(_encode(tokenizer, head + INSTRUCTION)) + len(_encode(tokenizer, " " + NEEDLE_TEMPLATE.format(key="12345")))
-            + len(_encode(tokenizer, "\n\n" + QUESTION + tail)))
+    return (
+        len(_encode(tokenizer, head + INSTRUCTION))
+        + len(_encode(tokenizer, " " + NEEDLE_TEMPLATE.format(key="12345")))
+        + len(_encode(tokenizer, "\n\n" + QUESTION + tail))
+    )
 
 
-def build_prompt(tokenizer, length: int, depth: float, seed: int = DEFAULT_SEED,
-                 haystack: str = "filler") -> NeedlePrompt:
+def build_prompt(
+    tokenizer, length: int, depth: float, seed: int = DEFAULT_SEED, haystack: str = "filler"
+) -> NeedlePrompt:
     """The needle prompt of exactly `length` tokens with the needle at `depth` of the haystack.
 
     The pieces are tokenized apart and joined as ids, so the needle's tokens are known
@@ -131,12 +160,16 @@ def build_prompt(tokenizer, length: int, depth: float, seed: int = DEFAULT_SEED,
     question_ids = _encode(tokenizer, "\n\n" + QUESTION + tail)
     n_hay = length - len(head_ids) - len(needle_ids) - len(question_ids)
     if n_hay < 0:
-        raise SpecError(f"a needle prompt needs at least {length - n_hay} tokens for this model "
-                        f"(frame, needle and question), got {length}")
+        raise SpecError(
+            f"a needle prompt needs at least {length - n_hay} tokens for this model "
+            f"(frame, needle and question), got {length}"
+        )
     text = haystack_text(haystack)
     unit = _encode(tokenizer, text)
     hay = (unit * (n_hay // max(len(unit), 1) + 2))[:n_hay]
-    ends = [0] + [i + 1 for i, t in enumerate(hay) if tokenizer.decode([t]).rstrip().endswith((".", "!", "?"))]
+    ends = [0] + [
+        i + 1 for i, t in enumerate(hay) if tokenizer.decode([t]).rstrip().endswith((".", "!", "?"))
+    ]
     if n_hay not in ends:
         ends.append(n_hay)
     at = min(ends, key=lambda e: (abs(e - depth * n_hay), e))
@@ -144,19 +177,30 @@ def build_prompt(tokenizer, length: int, depth: float, seed: int = DEFAULT_SEED,
     assert len(ids) == length
     start = len(head_ids) + at
     from kvviz.decode.quality import token_strings
-    return NeedlePrompt(length=length, depth=float(depth), key=key, haystack=haystack, ids=tuple(ids),
-                        tokens=token_strings(tokenizer, ids), needle_start=start,
-                        needle_end=start + len(needle_ids),
-                        question_start=len(head_ids) + n_hay + len(needle_ids),
-                        hay_start=len(head_ids))
+
+    return NeedlePrompt(
+        length=length,
+        depth=float(depth),
+        key=key,
+        haystack=haystack,
+        ids=tuple(ids),
+        tokens=token_strings(tokenizer, ids),
+        needle_start=start,
+        needle_end=start + len(needle_ids),
+        question_start=len(head_ids) + n_hay + len(needle_ids),
+        hay_start=len(head_ids),
+    )
 
 
 # --- specs -----------------------------------------------------------------------------------
 
+
 def budget_tokens(fraction: float, length: int) -> int:
     """The token budget for a fraction of the prompt's tokens (at least MIN_BUDGET_TOKENS)."""
     if not 0.0 < fraction <= 1.0:
-        raise SpecError(f"--budget is a fraction of the prompt's tokens in (0, 1], got {fraction:g}")
+        raise SpecError(
+            f"--budget is a fraction of the prompt's tokens in (0, 1], got {fraction:g}"
+        )
     return min(length, max(MIN_BUDGET_TOKENS, int(round(fraction * length))))
 
 
@@ -171,7 +215,9 @@ def spec_for(scorer: str, fraction: float, bits: int, length: int) -> Spec:
         raise SpecError(f"unknown scorer {scorer!r}; choose from {', '.join(SCORER_NAMES)}")
     quant: dict[str, Any] = {}
     if bits != FULL_BITS:
-        quant = dict(key_bits=bits, value_bits=bits, key_axis="channel", value_axis="token", group_size=32)
+        quant = dict(
+            key_bits=bits, value_bits=bits, key_axis="channel", value_axis="token", group_size=32
+        )
     if scorer == FULL:
         return Spec(**quant)
     b = budget_tokens(fraction, length)

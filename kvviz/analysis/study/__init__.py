@@ -19,5 +19,17 @@ from kvviz.analysis.study.grid import cells, load_study, parse_study
 from kvviz.analysis.study.schema import Cell, Study, StudyError
 from kvviz.analysis.study.store import StudyDir
 
-__all__ = ["Cell", "ENGINES", "cells", "RAY_MISSING", "RunReport", "Study", "StudyDir", "StudyError", "load_study",
-           "parse_study", "plan", "run_study"]
+__all__ = [
+    "Cell",
+    "ENGINES",
+    "cells",
+    "RAY_MISSING",
+    "RunReport",
+    "Study",
+    "StudyDir",
+    "StudyError",
+    "load_study",
+    "parse_study",
+    "plan",
+    "run_study",
+]

@@ -20,21 +20,62 @@ from kvviz.analysis.study.grid import FULL, model_spec, synthetic_tokens
 from kvviz.analysis.study.schema import Cell, Study, setting_axes
 from kvviz.spec import Spec, View
 
-SYNTHETIC_METRICS = ("budget_tokens", "memory_ratio", "compression_ratio", "memory_read_ratio", "saves",
-                     "mass_retained", "tv", "kl_compressed_vs_original", "js", "output_error", "output_cosine",
-                     "members")
-MODEL_METRICS = ("budget_tokens", "spec", "perplexity", "perplexity_full", "perplexity_ratio", "kl_mean", "kl_max",
-                 "top1_agreement", "kv_bytes", "kv_bytes_full", "compression_ratio", "memory_ratio", "kept_tokens",
-                 "total_tokens", "scored_tokens")
-NEEDLE_METRICS = ("budget_tokens", "spec", "key", "correct", "answer", "full_answer", "full_correct", "needle_kept",
-                  "wanted_mass", "kept_mass")
+SYNTHETIC_METRICS = (
+    "budget_tokens",
+    "memory_ratio",
+    "compression_ratio",
+    "memory_read_ratio",
+    "saves",
+    "mass_retained",
+    "tv",
+    "kl_compressed_vs_original",
+    "js",
+    "output_error",
+    "output_cosine",
+    "members",
+)
+MODEL_METRICS = (
+    "budget_tokens",
+    "spec",
+    "perplexity",
+    "perplexity_full",
+    "perplexity_ratio",
+    "kl_mean",
+    "kl_max",
+    "top1_agreement",
+    "kv_bytes",
+    "kv_bytes_full",
+    "compression_ratio",
+    "memory_ratio",
+    "kept_tokens",
+    "total_tokens",
+    "scored_tokens",
+)
+NEEDLE_METRICS = (
+    "budget_tokens",
+    "spec",
+    "key",
+    "correct",
+    "answer",
+    "full_answer",
+    "full_correct",
+    "needle_kept",
+    "wanted_mass",
+    "kept_mass",
+)
 
 
 def job_for(study: Study, cell: Cell) -> dict:
     """What a worker needs to run `cell` (plain data)."""
-    job = {"kind": study.kind, "id": cell.id, "source": dict(study.source), "settings": dict(cell.settings)}
+    job = {
+        "kind": study.kind,
+        "id": cell.id,
+        "source": dict(study.source),
+        "settings": dict(cell.settings),
+    }
     if study.kind == "model":
         from kvviz.analysis.study.grid import text_of
+
         job["text"] = text_of(study, cell.settings["text"])
     return job
 
@@ -54,8 +95,14 @@ def versions(kind: str, model_revision: str = "") -> dict:
             return version(name) if kind != "synthetic" else ""
         except PackageNotFoundError:
             return ""
-    return {"kvviz_version": __version__, "numpy_version": numpy.__version__, "torch_version": installed("torch"),
-            "transformers_version": installed("transformers"), "model_revision": model_revision}
+
+    return {
+        "kvviz_version": __version__,
+        "numpy_version": numpy.__version__,
+        "torch_version": installed("torch"),
+        "transformers_version": installed("transformers"),
+        "model_revision": model_revision,
+    }
 
 
 # --- synthetic ----------------------------------------------------------------------------------
@@ -81,22 +128,41 @@ def run_synthetic(source: dict, settings: dict) -> dict:
     from kvviz.analysis.sweep import sweep
 
     trace = _synthetic_trace(source, settings["seed"])
-    size = {"heads": source["q_heads"], "layers": source["layers"], "steps": max(1, min(source["steps"], 256))}
-    view = View(layer=source["layer"], ensemble=source["ensemble"], ensemble_size=size[source["ensemble"]])
+    size = {
+        "heads": source["q_heads"],
+        "layers": source["layers"],
+        "steps": max(1, min(source["steps"], 256)),
+    }
+    view = View(
+        layer=source["layer"], ensemble=source["ensemble"], ensemble_size=size[source["ensemble"]]
+    )
     fmt, bits = settings["format"], settings["bits"]
-    scorer = settings["scorer"] if settings["scorer"] != FULL else "h2o"   # budget 1: the sweep's "full" point
-    base = Spec(**{k: v for k, v in settings.items() if k in setting_axes()})   # the grid's Spec-setting axes
-    rows = sweep(trace, [scorer], [settings["budget"]], [bits] if fmt == "int" else [], view, base=base,
-                 formats=[fmt] if fmt != "int" else [])
+    # budget 1: the sweep's "full" point
+    scorer = settings["scorer"] if settings["scorer"] != FULL else "h2o"
+    # the grid's Spec-setting axes
+    base = Spec(**{k: v for k, v in settings.items() if k in setting_axes()})
+    rows = sweep(
+        trace,
+        [scorer],
+        [settings["budget"]],
+        [bits] if fmt == "int" else [],
+        view,
+        base=base,
+        formats=[fmt] if fmt != "int" else [],
+    )
     (row,) = rows
     assert row["method"] == settings["scorer"] or row["method"] == FULL, (row["method"], settings)
     n = synthetic_tokens(source)
     assert row["budget"] == min(max(1, int(round(settings["budget"] * n))), n)
-    return {**{k: row[k] for k in SYNTHETIC_METRICS if k in row}, "budget_tokens": row["budget"],
-            "members": size[source["ensemble"]]}
+    return {
+        **{k: row[k] for k in SYNTHETIC_METRICS if k in row},
+        "budget_tokens": row["budget"],
+        "members": size[source["ensemble"]],
+    }
 
 
 # --- real models --------------------------------------------------------------------------------
+
 
 def model_revision(name: str, model: Any) -> str:
     """What pins the weights: the bundled GGUF's sha256, a local file's, or the hub commit."""
@@ -139,11 +205,22 @@ class ModelWorker:
         # busy 2-core machine 2 threads per process ran this study's cells ~10x slower (docs/studies.md);
         # KVVIZ_TORCH_THREADS set by the user wins
         os.environ.setdefault("KVVIZ_TORCH_THREADS", "1")
-        self.name, self.model, self.tokenizer, self.ref, self.ref_key, self.error = key, None, None, None, None, None
+        self.name, self.model, self.tokenizer, self.ref, self.ref_key, self.error = (
+            key,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
         try:
             auto = source["device"] == "auto"
-            self.model, self.tokenizer, _ = load_model(name, device="cpu" if auto else source["device"],
-                                                       dtype=source["dtype"], device_map="auto" if auto else None)
+            self.model, self.tokenizer, _ = load_model(
+                name,
+                device="cpu" if auto else source["device"],
+                dtype=source["dtype"],
+                device_map="auto" if auto else None,
+            )
             self.revision = model_revision(name, self.model)
         except Exception as exc:  # noqa: BLE001 - the load error fails this model's cells, one line each
             self.error = one_line(exc)
@@ -160,13 +237,20 @@ class ModelWorker:
             raise RuntimeError(self.error)
         key = (s["text_sha256"], src["prompt_tokens"], src["continuation_tokens"])
         if self.ref_key != key:
-            self.ref = reference(self.model, self.tokenizer, job["text"], src["prompt_tokens"],
-                                 src["continuation_tokens"])
+            self.ref = reference(
+                self.model,
+                self.tokenizer,
+                job["text"],
+                src["prompt_tokens"],
+                src["continuation_tokens"],
+            )
             self.ref_key = key
         spec = model_spec(s["method"], s["budget"], s["bits"], src["prompt_tokens"])
         d = evaluate(self.model, self.ref, spec).as_dict()
         d["scored_tokens"] = d["continuation_tokens"]
-        d["budget_tokens"] = spec.sink + spec.recent + spec.heavy if spec.evicts else self.ref.prompt_len
+        d["budget_tokens"] = (
+            spec.sink + spec.recent + spec.heavy if spec.evicts else self.ref.prompt_len
+        )
         return {k: d[k] for k in MODEL_METRICS}
 
     def needle_cell(self, job: dict) -> dict:
@@ -176,11 +260,22 @@ class ModelWorker:
         self._load(src, s["model"])
         if self.error:
             raise RuntimeError(self.error)
-        model_id = s["model"] if src["dtype"] == "float32" else f"{s['model']} ({src['dtype']})"   # as kvviz needle keys it
-        grid = run_grid(self.model, self.tokenizer, model_id, lengths=[s["length"]], depths=[s["depth"]],
-                        scorers=[s["scorer"]], budgets=[s["budget"]], bits=[s["bits"]],
-                        question_after_compression=src["question_after_compression"], new_tokens=src["new_tokens"],
-                        seed=src["seed"], haystack=src["haystack"])
+        # as kvviz needle keys it
+        model_id = s["model"] if src["dtype"] == "float32" else f"{s['model']} ({src['dtype']})"
+        grid = run_grid(
+            self.model,
+            self.tokenizer,
+            model_id,
+            lengths=[s["length"]],
+            depths=[s["depth"]],
+            scorers=[s["scorer"]],
+            budgets=[s["budget"]],
+            bits=[s["bits"]],
+            question_after_compression=src["question_after_compression"],
+            new_tokens=src["new_tokens"],
+            seed=src["seed"],
+            haystack=src["haystack"],
+        )
         (c,) = grid.cells
         d = c.as_dict()
         return {k: d[k] for k in NEEDLE_METRICS}
@@ -191,7 +286,7 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
 
 
-_WORKER: ModelWorker | None = None        # this process's model (the local engine and its pool)
+_WORKER: ModelWorker | None = None  # this process's model (the local engine and its pool)
 
 
 def execute(job: dict, worker: ModelWorker | None = None) -> dict:
@@ -206,7 +301,17 @@ def execute(job: dict, worker: ModelWorker | None = None) -> dict:
                 _WORKER = worker = _WORKER or ModelWorker()
             metrics = worker.model_cell(job) if job["kind"] == "model" else worker.needle_cell(job)
             revision = worker.revision
-        return {"id": job["id"], "metrics": metrics, "versions": versions(job["kind"], revision),
-                "seconds": time.perf_counter() - t0, "pid": os.getpid()}
+        return {
+            "id": job["id"],
+            "metrics": metrics,
+            "versions": versions(job["kind"], revision),
+            "seconds": time.perf_counter() - t0,
+            "pid": os.getpid(),
+        }
     except Exception as exc:  # noqa: BLE001 - one cell's failure is reported, the rest go on
-        return {"id": job["id"], "error": one_line(exc), "seconds": time.perf_counter() - t0, "pid": os.getpid()}
+        return {
+            "id": job["id"],
+            "error": one_line(exc),
+            "seconds": time.perf_counter() - t0,
+            "pid": os.getpid(),
+        }

@@ -27,14 +27,22 @@ from kvviz.analysis.study.schema import Cell, Study, StudyError
 
 ENGINES = ("local", "ray")
 RETRIES = 2
-RAY_MISSING = ("the Ray engine needs Ray, an optional extra: pip install 'kvviz[ray]' (or `pip install ray`; "
-               "`make dev` installs it), or run with --engine local")
+RAY_MISSING = (
+    "the Ray engine needs Ray, an optional extra: pip install 'kvviz[ray]' (or `pip install ray`; "
+    "`make dev` installs it), or run with --engine local"
+)
 
 OnResult = Callable[[Cell, dict], None]
 
 
-def run(study: Study, cells: list[Cell], on_result: OnResult, engine: str = "local", workers: int = 1,
-        address: str | None = None) -> None:
+def run(
+    study: Study,
+    cells: list[Cell],
+    on_result: OnResult,
+    engine: str = "local",
+    workers: int = 1,
+    address: str | None = None,
+) -> None:
     """Run `cells` of `study` on an engine, reporting each finished cell through on_result."""
     if engine not in ENGINES:
         raise StudyError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
@@ -57,10 +65,13 @@ def run_pool(study: Study, cells: list[Cell], on_result: OnResult, workers: int)
     from concurrent.futures.process import BrokenProcessPool
 
     todo = list(cells)
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(
+        max_workers=workers, mp_context=multiprocessing.get_context("spawn")
+    ) as pool:
         pending = {}
         while todo or pending:
-            while todo and len(pending) < 2 * workers:          # a bounded window: memory stays flat
+            # a bounded window: memory stays flat
+            while todo and len(pending) < 2 * workers:
                 cell = todo.pop(0)
                 pending[pool.submit(execute, job_for(study, cell))] = cell
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -81,18 +92,30 @@ def start_ray(ray, workers: int, address: str | None = None) -> bool:
         try:
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise StudyError(f"cannot reach the Ray cluster at {address!r}: {str(exc).splitlines()[0]}") from None
+            raise StudyError(
+                f"cannot reach the Ray cluster at {address!r}: {str(exc).splitlines()[0]}"
+            ) from None
         return True
     # workers import kvviz from where this driver does (an editable checkout is not on their path otherwise)
     root = str(Path(__file__).resolve().parents[3])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    ray.init(
+        num_cpus=workers,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
     return True
 
 
-def run_ray(study: Study, cells: list[Cell], on_result: OnResult, workers: int = 1,
-            address: str | None = None) -> None:
+def run_ray(
+    study: Study,
+    cells: list[Cell],
+    on_result: OnResult,
+    workers: int = 1,
+    address: str | None = None,
+) -> None:
     try:
         import ray
     except ImportError:
@@ -110,8 +133,11 @@ def run_ray(study: Study, cells: list[Cell], on_result: OnResult, workers: int =
 
 def _ray_error(cell: Cell, exc: BaseException) -> dict:
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return {"id": cell.id, "error": f"lost on Ray after {RETRIES} retries: {type(exc).__name__}: {first[:300]}",
-            "seconds": 0.0}
+    return {
+        "id": cell.id,
+        "error": f"lost on Ray after {RETRIES} retries: {type(exc).__name__}: {first[:300]}",
+        "seconds": 0.0,
+    }
 
 
 def _ray_tasks(ray, study: Study, cells: list[Cell], on_result: OnResult, workers: int) -> None:
@@ -142,8 +168,12 @@ def gpus_per_actor(source: dict) -> float:
 def _ray_actors(ray, study: Study, cells: list[Cell], on_result: OnResult, workers: int) -> None:
     """Per model: up to `workers` actors, each loading the model once; cells dealt to idle actors;
     a model's actors are released when its cells are done (so the next model's can start)."""
-    actor_cls = ray.remote(num_cpus=1, num_gpus=gpus_per_actor(study.source), max_restarts=RETRIES,
-                           max_task_retries=RETRIES)(ModelWorker)
+    actor_cls = ray.remote(
+        num_cpus=1,
+        num_gpus=gpus_per_actor(study.source),
+        max_restarts=RETRIES,
+        max_task_retries=RETRIES,
+    )(ModelWorker)
     by_model: dict[str, list[Cell]] = {}
     for cell in cells:
         by_model.setdefault(cell.settings["model"], []).append(cell)

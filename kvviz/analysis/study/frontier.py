@@ -15,21 +15,31 @@ from kvviz.analysis.sweep import pareto_front
 # per kind: the replicate columns (the error bars are over them), the series a line joins over
 # budgets, the x column, and the metrics (column -> (label, higher is better))
 REPLICATES = {"synthetic": ("seed",), "model": ("text",), "needle": ("length", "depth")}
-SERIES = {"synthetic": ("scorer", "bits", "format"), "model": ("model", "method", "bits"),
-          "needle": ("model", "scorer", "bits")}
+SERIES = {
+    "synthetic": ("scorer", "bits", "format"),
+    "model": ("model", "method", "bits"),
+    "needle": ("model", "scorer", "bits"),
+}
 X_COLUMN = {"synthetic": "memory_ratio", "model": "memory_ratio", "needle": "budget"}
 METRICS = {
-    "synthetic": {"tv": ("TV distance (0-1)", False),
-                  "kl_compressed_vs_original": ("KL(compressed ‖ original), nats", False),
-                  "js": ("Jensen–Shannon (≤ ln 2)", False), "mass_retained": ("attention mass retained (0-1)", True),
-                  "output_error": ("output error (relative)", False)},
-    "model": {"perplexity_ratio": ("perplexity / full-cache perplexity", False),
-              "kl_mean": ("next-token KL(full ‖ compressed), nats/token", False),
-              "top1_agreement": ("top-1 agreement with the full cache (0-1)", True),
-              "perplexity": ("perplexity", False)},
-    "needle": {"correct": ("share of pass keys found (0-1)", True),
-               "needle_kept": ("share of the needle's tokens kept (0-1)", True),
-               "kept_mass": ("needle attention the cache still holds (0-1)", True)},
+    "synthetic": {
+        "tv": ("TV distance (0-1)", False),
+        "kl_compressed_vs_original": ("KL(compressed ‖ original), nats", False),
+        "js": ("Jensen–Shannon (≤ ln 2)", False),
+        "mass_retained": ("attention mass retained (0-1)", True),
+        "output_error": ("output error (relative)", False),
+    },
+    "model": {
+        "perplexity_ratio": ("perplexity / full-cache perplexity", False),
+        "kl_mean": ("next-token KL(full ‖ compressed), nats/token", False),
+        "top1_agreement": ("top-1 agreement with the full cache (0-1)", True),
+        "perplexity": ("perplexity", False),
+    },
+    "needle": {
+        "correct": ("share of pass keys found (0-1)", True),
+        "needle_kept": ("share of the needle's tokens kept (0-1)", True),
+        "kept_mass": ("needle attention the cache still holds (0-1)", True),
+    },
 }
 METHOD_COLUMN = {"synthetic": "scorer", "model": "method", "needle": "scorer"}
 BOUND = "oracle"
@@ -43,9 +53,10 @@ class Frontier:
     metric: str
     label: str
     higher_is_better: bool
-    replicates: str              # what the error bars are over ("seeds", "texts", "prompts")
-    points: pd.DataFrame         # series columns, budget, x, mean, half, n, lo, hi, plus the first replicate
-    front: list[int]             # indices into points of the Pareto-optimal real policies, by x
+    replicates: str  # what the error bars are over ("seeds", "texts", "prompts")
+    # series columns, budget, x, mean, half, n, lo, hi, plus the first replicate
+    points: pd.DataFrame
+    front: list[int]  # indices into points of the Pareto-optimal real policies, by x
 
 
 def t_half_width(values: pd.Series) -> float:
@@ -54,6 +65,7 @@ def t_half_width(values: pd.Series) -> float:
     if n < 2:
         return 0.0
     from scipy.stats import t
+
     return float(t.ppf(0.975, n - 1) * values.std(ddof=1) / math.sqrt(n))
 
 
@@ -62,7 +74,9 @@ def frontier(rows: pd.DataFrame, kind: str, metric: str | None = None) -> Fronti
     metrics = METRICS[kind]
     metric = metric or next(iter(metrics))
     if metric not in metrics:
-        raise KeyError(f"unknown metric {metric!r} for a {kind} study; choose from {', '.join(metrics)}")
+        raise KeyError(
+            f"unknown metric {metric!r} for a {kind} study; choose from {', '.join(metrics)}"
+        )
     label, higher = metrics[metric]
     reps = {"synthetic": "seeds", "model": "texts", "needle": "prompts (length × depth)"}[kind]
     series, x = list(SERIES[kind]), X_COLUMN[kind]
@@ -73,12 +87,23 @@ def frontier(rows: pd.DataFrame, kind: str, metric: str | None = None) -> Fronti
     groups = []
     for key, g in data.groupby(keys, sort=True, dropna=False):
         first = g.iloc[0]
-        groups.append({**dict(zip(keys, key)), "x": float(g[x].astype(float).mean()), "mean": float(g["_y"].mean()),
-                       "half": t_half_width(g["_y"]), "n": int(g["_y"].count()),
-                       **{c: first[c] for c in REPLICATES[kind]}, "cell": first["cell"]})
+        groups.append(
+            {
+                **dict(zip(keys, key)),
+                "x": float(g[x].astype(float).mean()),
+                "mean": float(g["_y"].mean()),
+                "half": t_half_width(g["_y"]),
+                "n": int(g["_y"].count()),
+                **{c: first[c] for c in REPLICATES[kind]},
+                "cell": first["cell"],
+            }
+        )
     points = pd.DataFrame(groups)
     points["lo"], points["hi"] = points["mean"] - points["half"], points["mean"] + points["half"]
     sign = -1.0 if higher else 1.0
     real = [i for i in range(len(points)) if points.loc[i, METHOD_COLUMN[kind]] != BOUND]
-    front = [real[j] for j in pareto_front([(points.loc[i, "x"], sign * points.loc[i, "mean"]) for i in real])]
+    front = [
+        real[j]
+        for j in pareto_front([(points.loc[i, "x"], sign * points.loc[i, "mean"]) for i in real])
+    ]
     return Frontier(kind, metric, label, higher, reps, points, front)

@@ -11,7 +11,15 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from kvviz.analysis.study.schema import MIN_MODEL_BUDGET, SAMPLE, Cell, Study, StudyError, cell_id, read_study
+from kvviz.analysis.study.schema import (
+    MIN_MODEL_BUDGET,
+    SAMPLE,
+    Cell,
+    Study,
+    StudyError,
+    cell_id,
+    read_study,
+)
 from kvviz.spec import FULL_BITS, Spec, SpecError
 
 FULL = "full"
@@ -40,13 +48,16 @@ def text_of(study: Study, name: str) -> str:
     """A model study's text: the bundled sample, or a UTF-8 file (relative to the study file's folder)."""
     if name == SAMPLE:
         from kvviz.decode.quality import sample_text
+
         return sample_text()
     path = Path(study.base_dir) / name
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise StudyError(f"[source] texts: no such file {name!r} (paths are relative to the study file's folder; "
-                         f"'{SAMPLE}' is the bundled text)") from None
+        raise StudyError(
+            f"[source] texts: no such file {name!r} (paths are relative to the study file's folder; "
+            f"'{SAMPLE}' is the bundled text)"
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise StudyError(f"[source] texts: cannot read {name!r} as UTF-8 text ({exc})") from None
 
@@ -54,6 +65,7 @@ def text_of(study: Study, name: str) -> str:
 def quant_bits(spec: Spec) -> int:
     """The nominal width of a whole-cache quantizer (its key format's)."""
     from kvviz.analysis.sweep import SWEEP_FORMATS
+
     return spec.key_bits if spec.key_format == "int" else SWEEP_FORMATS[spec.key_format]
 
 
@@ -66,7 +78,9 @@ def model_spec(method: str, budget: float, bits: int, prompt_tokens: int) -> Spe
         return QUANT_METHODS[method](prompt_tokens)
     spec = SWEEP_METHODS[method](int(round(budget * prompt_tokens)))
     if bits != FULL_BITS:
-        spec = spec.with_(key_bits=bits, value_bits=bits, key_axis="channel", value_axis="token", group_size=32)
+        spec = spec.with_(
+            key_bits=bits, value_bits=bits, key_axis="channel", value_axis="token", group_size=32
+        )
     return spec
 
 
@@ -90,7 +104,9 @@ def load_study(path: str | Path) -> Study:
 
 def check(study: Study) -> None:
     """Every key's range and every cell's spec, before anything runs (StudyError naming the key)."""
-    {"synthetic": _check_synthetic, "model": _check_model, "needle": _check_needle}[study.kind](study)
+    {"synthetic": _check_synthetic, "model": _check_model, "needle": _check_needle}[study.kind](
+        study
+    )
     cells(study)
 
 
@@ -109,16 +125,22 @@ def _check_synthetic(study: Study) -> None:
     if min(src["seeds"]) < 0:
         raise StudyError(f"[source] seeds: {min(src['seeds'])} is negative")
     if not 0 <= src["layer"] < src["layers"]:
-        raise StudyError(f"[source] layer: {src['layer']} is not a layer of a {src['layers']}-layer trace")
+        raise StudyError(
+            f"[source] layer: {src['layer']} is not a layer of a {src['layers']}-layer trace"
+        )
     load_entry_points()
     bad = [s for s in grid["scorers"] if s not in scorer_names()]
     if bad:
-        raise StudyError(f"[grid] scorers: unknown scorer {bad[0]!r}; choose from {', '.join(scorer_names())}")
+        raise StudyError(
+            f"[grid] scorers: unknown scorer {bad[0]!r}; choose from {', '.join(scorer_names())}"
+        )
     _fractions_ok(grid["budgets"], "the tokens the query sees")
     _bits_ok(grid["bits"])
     bad = [f for f in grid["formats"] if f not in SWEEP_FORMATS]
     if bad:
-        raise StudyError(f"[grid] formats: unknown format {bad[0]!r}; choose from {', '.join(SWEEP_FORMATS)}")
+        raise StudyError(
+            f"[grid] formats: unknown format {bad[0]!r}; choose from {', '.join(SWEEP_FORMATS)}"
+        )
     if not grid["bits"] and not grid["formats"]:
         raise StudyError("[grid] bits: give at least one bit width (or a format)")
     n = synthetic_tokens(src)
@@ -135,8 +157,10 @@ def _check_synthetic(study: Study) -> None:
                         point_spec(FULL if budget >= n else scorer, budget, b, fmt, base)
                     except SpecError as exc:
                         where = "".join(f" {k}={v}" for k, v in chosen.items())
-                        raise StudyError(f"[grid] the cell scorer={scorer} budget={f:g} bits={b} format={fmt}"
-                                         f"{where} is impossible: {exc}") from None
+                        raise StudyError(
+                            f"[grid] the cell scorer={scorer} budget={f:g} bits={b} format={fmt}"
+                            f"{where} is impossible: {exc}"
+                        ) from None
 
 
 def setting_points(grid: dict) -> list[dict]:
@@ -144,6 +168,7 @@ def setting_points(grid: dict) -> list[dict]:
     from itertools import product
 
     from kvviz.analysis.study.schema import setting_axes
+
     axes = {k: grid[k] for k in setting_axes() if grid.get(k)}
     return [dict(zip(axes, values)) for values in product(*axes.values())]
 
@@ -168,6 +193,7 @@ def _culprits(knobs: dict) -> str:
 
 def widths(grid: dict) -> list[tuple[int, str]]:
     from kvviz.analysis.sweep import SWEEP_FORMATS
+
     return [(b, "int") for b in grid["bits"]] + [(SWEEP_FORMATS[f], f) for f in grid["formats"]]
 
 
@@ -187,16 +213,22 @@ def _check_model(study: Study) -> None:
             raise StudyError(f"[source] texts: {t!r} is empty")
     bad = [x for x in grid["methods"] if x not in SWEEP_METHODS and x not in QUANT_METHODS]
     if bad:
-        raise StudyError(f"[grid] methods: unknown method {bad[0]!r}; choose from "
-                         f"{', '.join([*SWEEP_METHODS, *QUANT_METHODS])}")
+        raise StudyError(
+            f"[grid] methods: unknown method {bad[0]!r}; choose from "
+            f"{', '.join([*SWEEP_METHODS, *QUANT_METHODS])}"
+        )
     evictors = [x for x in grid["methods"] if x in SWEEP_METHODS]
     if evictors and not grid["budgets"]:
-        raise StudyError(f"[grid] budgets: {evictors[0]} evicts tokens: give budgets as fractions of the prompt")
+        raise StudyError(
+            f"[grid] budgets: {evictors[0]} evicts tokens: give budgets as fractions of the prompt"
+        )
     _fractions_ok(grid["budgets"], "the prompt")
     for f in grid["budgets"]:
         if evictors and round(f * n) < MIN_MODEL_BUDGET:
-            raise StudyError(f"[grid] budgets: {f:g} of a {n}-token prompt is {round(f * n)} tokens; eviction needs "
-                             f"at least {MIN_MODEL_BUDGET} (4 sinks + a window)")
+            raise StudyError(
+                f"[grid] budgets: {f:g} of a {n}-token prompt is {round(f * n)} tokens; eviction needs "
+                f"at least {MIN_MODEL_BUDGET} (4 sinks + a window)"
+            )
     _bits_ok(grid["bits"])
     for x in evictors:
         for f in grid["budgets"]:
@@ -204,12 +236,16 @@ def _check_model(study: Study) -> None:
                 try:
                     model_spec(x, f, b, n)
                 except SpecError as exc:
-                    raise StudyError(f"[grid] the cell method={x} budget={f:g} bits={b} is impossible: {exc}") from None
+                    raise StudyError(
+                        f"[grid] the cell method={x} budget={f:g} bits={b} is impossible: {exc}"
+                    ) from None
 
 
 def _check_models(src: dict) -> None:
     if any(not m.strip() for m in src["models"]):
-        raise StudyError("[source] models: a model name is empty (use 'bundled', a folder, a .gguf file or a hub id)")
+        raise StudyError(
+            "[source] models: a model name is empty (use 'bundled', a folder, a .gguf file or a hub id)"
+        )
     if src["gpus"] < 0:
         raise StudyError(f"[source] gpus: {src['gpus']} is negative")
 
@@ -229,12 +265,16 @@ def _check_needle(study: Study) -> None:
         raise StudyError(f"[source] haystack: choose from {', '.join(HAYSTACKS)}")
     bad = [s for s in grid["scorers"] if s not in SCORER_NAMES]
     if bad:
-        raise StudyError(f"[grid] scorers: unknown scorer {bad[0]!r}; choose from {', '.join(SCORER_NAMES)}")
+        raise StudyError(
+            f"[grid] scorers: unknown scorer {bad[0]!r}; choose from {', '.join(SCORER_NAMES)}"
+        )
     for f in grid["budgets"]:
         try:
             budget_tokens(f, 1000)
         except SpecError:
-            raise StudyError(f"[grid] budgets: {f:g} is not a fraction in (0, 1] of the prompt") from None
+            raise StudyError(
+                f"[grid] budgets: {f:g} is not a fraction in (0, 1] of the prompt"
+            ) from None
     _bits_ok(grid["bits"])
 
 
@@ -259,29 +299,64 @@ def cells(study: Study) -> list[Cell]:
                     for f in grid["budgets"]:
                         full = max(1, int(round(f * n))) >= n
                         for b, fmt in widths(grid):
-                            add({"seed": seed, "scorer": FULL if full else scorer, "budget": 1.0 if full else f,
-                                 "bits": b, "format": fmt, **chosen})
+                            add(
+                                {
+                                    "seed": seed,
+                                    "scorer": FULL if full else scorer,
+                                    "budget": 1.0 if full else f,
+                                    "bits": b,
+                                    "format": fmt,
+                                    **chosen,
+                                }
+                            )
     elif study.kind == "model":
         from kvviz.decode.eval_sweep import SWEEP_METHODS
+
         for model in src["models"]:
             for text in src["texts"]:
                 sha = hashlib.sha256(text_of(study, text).encode("utf-8")).hexdigest()
                 for method in grid["methods"]:
                     if method not in SWEEP_METHODS:
-                        add({"model": model, "text": text, "text_sha256": sha, "method": method, "budget": 1.0,
-                             "bits": quant_bits(model_spec(method, 1.0, FULL_BITS, src["prompt_tokens"]))})
+                        add(
+                            {
+                                "model": model,
+                                "text": text,
+                                "text_sha256": sha,
+                                "method": method,
+                                "budget": 1.0,
+                                "bits": quant_bits(
+                                    model_spec(method, 1.0, FULL_BITS, src["prompt_tokens"])
+                                ),
+                            }
+                        )
                         continue
                     for f in grid["budgets"]:
                         for b in grid["bits"]:
-                            add({"model": model, "text": text, "text_sha256": sha, "method": method, "budget": f,
-                                 "bits": b})
+                            add(
+                                {
+                                    "model": model,
+                                    "text": text,
+                                    "text_sha256": sha,
+                                    "method": method,
+                                    "budget": f,
+                                    "bits": b,
+                                }
+                            )
     else:
         for model in src["models"]:
             for length in src["lengths"]:
                 for depth in src["depths"]:
                     for scorer in grid["scorers"]:
-                        for f in ((1.0,) if scorer == FULL else grid["budgets"]):
+                        for f in (1.0,) if scorer == FULL else grid["budgets"]:
                             for b in grid["bits"]:
-                                add({"model": model, "length": length, "depth": depth, "scorer": scorer,
-                                     "budget": f, "bits": b})
+                                add(
+                                    {
+                                        "model": model,
+                                        "length": length,
+                                        "depth": depth,
+                                        "scorer": scorer,
+                                        "budget": f,
+                                        "bits": b,
+                                    }
+                                )
     return out

@@ -26,10 +26,14 @@ class RunReport:
     failures: list[dict] = field(default_factory=list)
 
     def start_line(self) -> str:
-        return f"study {self.name}: {self.cells} cells, {self.done_before} done, {self.to_run} to run"
+        return (
+            f"study {self.name}: {self.cells} cells, {self.done_before} done, {self.to_run} to run"
+        )
 
 
-def plan(study: Study | str | Path, out: str | Path) -> tuple[Study, StudyDir, list[Cell], RunReport]:
+def plan(
+    study: Study | str | Path, out: str | Path
+) -> tuple[Study, StudyDir, list[Cell], RunReport]:
     """The checked study, its prepared folder, the cells left to run, and the counts (nothing runs)."""
     study = study if isinstance(study, Study) else load_study(study)
     cells = grid_cells(study)
@@ -40,9 +44,15 @@ def plan(study: Study | str | Path, out: str | Path) -> tuple[Study, StudyDir, l
     return study, folder, todo, RunReport(study.name, len(cells), len(cells) - len(todo), len(todo))
 
 
-def run_study(study: Study | str | Path, out: str | Path, engine: str = "local", workers: int = 1,
-              address: str | None = None, on_start: Callable[[RunReport], None] | None = None,
-              on_cell: Callable[[Cell, dict], None] | None = None) -> RunReport:
+def run_study(
+    study: Study | str | Path,
+    out: str | Path,
+    engine: str = "local",
+    workers: int = 1,
+    address: str | None = None,
+    on_start: Callable[[RunReport], None] | None = None,
+    on_cell: Callable[[Cell, dict], None] | None = None,
+) -> RunReport:
     """Run the cells of `study` not yet in `out`; each finished cell is a part file at once."""
     study, folder, todo, report = plan(study, out)
     if on_start is not None:
@@ -50,7 +60,9 @@ def run_study(study: Study | str | Path, out: str | Path, engine: str = "local",
 
     def finished(cell: Cell, result: dict) -> None:
         if "error" in result:
-            report.failures.append({"cell": cell.id, "settings": cell.settings, "error": result["error"]})
+            report.failures.append(
+                {"cell": cell.id, "settings": cell.settings, "error": result["error"]}
+            )
         else:
             folder.write_part(cell.id, row_for(study, cell, result, engine))
             report.finished += 1

@@ -22,12 +22,12 @@ from typing import Any
 
 from kvviz.spec import FULL_BITS, SpecError
 
-FORMAT = 1                      # bump when a cell's meaning changes: every cell id changes with it
+FORMAT = 1  # bump when a cell's meaning changes: every cell id changes with it
 KINDS = ("synthetic", "model", "needle")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "auto", "mps")
-SAMPLE = "sample"               # the bundled English sample text (kvviz/data/sample.txt)
-MIN_MODEL_BUDGET = 8            # tokens: 4 sinks + a window (as `kvviz eval-sweep --budgets`)
+SAMPLE = "sample"  # the bundled English sample text (kvviz/data/sample.txt)
+MIN_MODEL_BUDGET = 8  # tokens: 4 sinks + a window (as `kvviz eval-sweep --budgets`)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -39,19 +39,23 @@ class StudyError(SpecError):
 class Key:
     """One key of a table: its type, default, and (for a list) the singular column it becomes."""
 
-    type: str                    # int | float | str | bool | ints | floats | strs
-    default: Any = None          # None + required=False: absent means "not set"
+    type: str  # int | float | str | bool | ints | floats | strs
+    default: Any = None  # None + required=False: absent means "not set"
     required: bool = False
-    axis: str | None = None      # a list the grid runs over: the column name of one value
+    axis: str | None = None  # a list the grid runs over: the column name of one value
     choices: tuple = ()
-    identity: bool = True        # changes a cell's numbers (False: scheduling only, e.g. GPUs per actor)
+    # changes a cell's numbers (False: scheduling only, e.g. GPUs per actor)
+    identity: bool = True
 
 
 def _synthetic_keys() -> dict[str, Key]:
     from kvviz.sources.synthetic import SyntheticSpec
 
-    keys = {f.name: Key("float" if isinstance(f.default, float) else "int", f.default)
-            for f in fields(SyntheticSpec) if f.name != "seed"}
+    keys = {
+        f.name: Key("float" if isinstance(f.default, float) else "int", f.default)
+        for f in fields(SyntheticSpec)
+        if f.name != "seed"
+    }
     keys["seeds"] = Key("ints", required=True, axis="seed")
     keys["layer"] = Key("int", 0)
     keys["ensemble"] = Key("str", "heads", choices=("heads", "layers", "steps"))
@@ -65,35 +69,57 @@ _MODEL_COMMON = {
     "gpus": Key("int", 0, identity=False),
 }
 SOURCE_KEYS: dict[str, dict[str, Key]] = {
-    "synthetic": {},            # filled lazily (SyntheticSpec's fields): see source_keys()
-    "model": {**_MODEL_COMMON,
-              "texts": Key("strs", [SAMPLE], axis="text"),
-              "prompt_tokens": Key("int", 206),
-              "continuation_tokens": Key("int", None)},
-    "needle": {**_MODEL_COMMON,
-               "lengths": Key("ints", required=True, axis="length"),
-               "depths": Key("floats", required=True, axis="depth"),
-               "seed": Key("int", 0),
-               "haystack": Key("str", "filler", choices=("filler", "sample")),
-               "question_after_compression": Key("bool", False),
-               "new_tokens": Key("int", 8)},
+    "synthetic": {},  # filled lazily (SyntheticSpec's fields): see source_keys()
+    "model": {
+        **_MODEL_COMMON,
+        "texts": Key("strs", [SAMPLE], axis="text"),
+        "prompt_tokens": Key("int", 206),
+        "continuation_tokens": Key("int", None),
+    },
+    "needle": {
+        **_MODEL_COMMON,
+        "lengths": Key("ints", required=True, axis="length"),
+        "depths": Key("floats", required=True, axis="depth"),
+        "seed": Key("int", 0),
+        "haystack": Key("str", "filler", choices=("filler", "sample")),
+        "question_after_compression": Key("bool", False),
+        "new_tokens": Key("int", 8),
+    },
 }
 GRID_KEYS: dict[str, dict[str, Key]] = {
-    "synthetic": {"scorers": Key("strs", required=True, axis="scorer"),
-                  "budgets": Key("floats", required=True, axis="budget"),
-                  "bits": Key("ints", [FULL_BITS], axis="bits"),
-                  "formats": Key("strs", [], axis="format")},
-    "model": {"methods": Key("strs", required=True, axis="method"),
-              "budgets": Key("floats", [], axis="budget"),
-              "bits": Key("ints", [FULL_BITS], axis="bits")},
-    "needle": {"scorers": Key("strs", required=True, axis="scorer"),
-               "budgets": Key("floats", [0.25], axis="budget"),
-               "bits": Key("ints", [FULL_BITS], axis="bits")},
+    "synthetic": {
+        "scorers": Key("strs", required=True, axis="scorer"),
+        "budgets": Key("floats", required=True, axis="budget"),
+        "bits": Key("ints", [FULL_BITS], axis="bits"),
+        "formats": Key("strs", [], axis="format"),
+    },
+    "model": {
+        "methods": Key("strs", required=True, axis="method"),
+        "budgets": Key("floats", [], axis="budget"),
+        "bits": Key("ints", [FULL_BITS], axis="bits"),
+    },
+    "needle": {
+        "scorers": Key("strs", required=True, axis="scorer"),
+        "budgets": Key("floats", [0.25], axis="budget"),
+        "bits": Key("ints", [FULL_BITS], axis="bits"),
+    },
 }
 # Spec settings that are not axes of their own here: the grid's scorers / budgets / bits / formats set them, the
 # synthetic source has its own seeds, and the key positions are the real-model decode's
-NOT_SETTING_AXES = frozenset({"sink", "recent", "heavy", "scorer", "seed", "positions", "key_bits", "value_bits",
-                              "key_format", "value_format"})
+NOT_SETTING_AXES = frozenset(
+    {
+        "sink",
+        "recent",
+        "heavy",
+        "scorer",
+        "seed",
+        "positions",
+        "key_bits",
+        "value_bits",
+        "key_format",
+        "value_format",
+    }
+)
 _LIST_OF = {"int": "ints", "float": "floats", "bool": "bools", "choice": "strs"}
 
 
@@ -103,8 +129,11 @@ def setting_axes() -> dict[str, Key]:
     setting's default and their ids do not mention it."""
     from kvviz.settings import SETTINGS
 
-    return {name: Key(_LIST_OF[s.kind], [], axis=name, choices=s.values if s.kind == "choice" else ())
-            for name, s in SETTINGS.items() if name not in NOT_SETTING_AXES}
+    return {
+        name: Key(_LIST_OF[s.kind], [], axis=name, choices=s.values if s.kind == "choice" else ())
+        for name, s in SETTINGS.items()
+        if name not in NOT_SETTING_AXES
+    }
 
 
 def grid_keys(kind: str) -> dict[str, Key]:
@@ -112,8 +141,12 @@ def grid_keys(kind: str) -> dict[str, Key]:
     return GRID_KEYS[kind] | (setting_axes() if kind == "synthetic" else {})
 
 
-TOP_KEYS = {"name": Key("str", required=True), "description": Key("str", ""),
-            "source": Key("table", required=True), "grid": Key("table", required=True)}
+TOP_KEYS = {
+    "name": Key("str", required=True),
+    "description": Key("str", ""),
+    "source": Key("table", required=True),
+    "grid": Key("table", required=True),
+}
 
 
 def source_keys(kind: str) -> dict[str, Key]:
@@ -123,10 +156,17 @@ def source_keys(kind: str) -> dict[str, Key]:
 
 # --- reading ----------------------------------------------------------------------------------
 
-_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
-               "ints": "a list of integers", "floats": "a list of numbers", "strs": "a list of strings",
-               "bools": "a list of true / false",
-               "table": "a table"}
+_TYPE_WORDS = {
+    "int": "an integer",
+    "float": "a number",
+    "str": "a string",
+    "bool": "true or false",
+    "ints": "a list of integers",
+    "floats": "a list of numbers",
+    "strs": "a list of strings",
+    "bools": "a list of true / false",
+    "table": "a table",
+}
 
 
 def _check_value(where: str, key: Key, value: Any) -> Any:
@@ -168,7 +208,9 @@ def _check_value(where: str, key: Key, value: Any) -> Any:
         if key.choices:
             wrong = [v for v in items if v not in key.choices]
             if wrong:
-                raise StudyError(f"{where}: {wrong[0]!r} is not one of {', '.join(map(str, key.choices))}")
+                raise StudyError(
+                    f"{where}: {wrong[0]!r} is not one of {', '.join(map(str, key.choices))}"
+                )
         return items
     out = one(key.type, value)
     if key.choices and out not in key.choices:
@@ -179,7 +221,9 @@ def _check_value(where: str, key: Key, value: Any) -> Any:
 def _table(where: str, raw: dict, keys: dict[str, Key]) -> dict[str, Any]:
     unknown = [k for k in raw if k not in keys]
     if unknown:
-        raise StudyError(f"{where}: unknown key {unknown[0]!r}; the keys here are {', '.join(keys)}")
+        raise StudyError(
+            f"{where}: unknown key {unknown[0]!r}; the keys here are {', '.join(keys)}"
+        )
     out = {}
     for name, key in keys.items():
         label = f"{where} {name}" if where else name
@@ -202,13 +246,32 @@ class Cell:
     settings: dict = field(hash=False)
 
     def label(self) -> str:
-        columns = [*AXIS_COLUMNS, *(k for k in self.settings if k not in AXIS_COLUMNS and k in setting_axes())]
-        return " ".join(f"{k}={self.settings[k]:g}" if isinstance(self.settings[k], float) else
-                        f"{k}={self.settings[k]}" for k in columns if k in self.settings)
+        columns = [
+            *AXIS_COLUMNS,
+            *(k for k in self.settings if k not in AXIS_COLUMNS and k in setting_axes()),
+        ]
+        return " ".join(
+            f"{k}={self.settings[k]:g}"
+            if isinstance(self.settings[k], float)
+            else f"{k}={self.settings[k]}"
+            for k in columns
+            if k in self.settings
+        )
 
 
 # the columns a grid runs over (the singular names of the list keys)
-AXIS_COLUMNS = ("model", "text", "seed", "length", "depth", "method", "scorer", "budget", "bits", "format")
+AXIS_COLUMNS = (
+    "model",
+    "text",
+    "seed",
+    "length",
+    "depth",
+    "method",
+    "scorer",
+    "budget",
+    "bits",
+    "format",
+)
 
 
 @dataclass(frozen=True)
@@ -218,16 +281,24 @@ class Study:
     name: str
     kind: str
     description: str
-    source: dict                 # every [source] key, defaults filled in
-    grid: dict                   # every [grid] key, defaults filled in
-    text: str = ""               # the file as written
-    base_dir: str = "."          # where relative text paths are read from
+    source: dict  # every [source] key, defaults filled in
+    grid: dict  # every [grid] key, defaults filled in
+    text: str = ""  # the file as written
+    base_dir: str = "."  # where relative text paths are read from
 
     def fixed(self) -> dict:
         """The settings every cell shares (not a list the grid runs over): a folder's results are
         comparable only under the same fixed settings."""
         keys = source_keys(self.kind)
-        return {"name": self.name, "kind": self.kind, **{k: v for k, v in self.source.items() if k != "kind" and not keys[k].axis and keys[k].identity}}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            **{
+                k: v
+                for k, v in self.source.items()
+                if k != "kind" and not keys[k].axis and keys[k].identity
+            },
+        }
 
     def axes(self) -> dict:
         keys = source_keys(self.kind) | grid_keys(self.kind)
@@ -243,23 +314,51 @@ def read_study(text: str, base_dir: str | Path = ".", origin: str = "study file"
         raise StudyError(f"{origin} is not valid TOML: {exc}") from None
     top = _table("", raw, TOP_KEYS)
     if not NAME_RE.match(top["name"]):
-        raise StudyError("name: use letters, digits, '-', '_' or '.' (up to 64), starting with a letter or digit; "
-                         f"got {top['name']!r}")
+        raise StudyError(
+            "name: use letters, digits, '-', '_' or '.' (up to 64), starting with a letter or digit; "
+            f"got {top['name']!r}"
+        )
     kind = raw["source"].get("kind")
     if kind not in KINDS:
         raise StudyError(f"[source] kind: expected one of {', '.join(KINDS)}, got {kind!r}")
     source = _table("[source]", top["source"], source_keys(kind))
     grid = _table("[grid]", top["grid"], grid_keys(kind))
-    return Study(name=top["name"], kind=kind, description=top["description"], source=source, grid=grid,
-                 text=text, base_dir=str(Path(base_dir).resolve()))
+    return Study(
+        name=top["name"],
+        kind=kind,
+        description=top["description"],
+        source=source,
+        grid=grid,
+        text=text,
+        base_dir=str(Path(base_dir).resolve()),
+    )
 
 
 def cell_id(kind: str, fixed: dict, settings: dict) -> str:
     """16 hex digits of sha256 over everything that decides the cell's numbers."""
-    blob = json.dumps({"format": FORMAT, "kind": kind, "fixed": fixed, "cell": settings}, sort_keys=True)
+    blob = json.dumps(
+        {"format": FORMAT, "kind": kind, "fixed": fixed, "cell": settings}, sort_keys=True
+    )
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 
-__all__ = ["AXIS_COLUMNS", "Cell", "DEVICES", "DTYPES", "FORMAT", "GRID_KEYS", "KINDS", "Key", "MIN_MODEL_BUDGET",
-           "SAMPLE", "SOURCE_KEYS", "Study", "StudyError", "cell_id", "grid_keys", "read_study", "setting_axes",
-           "source_keys"]
+__all__ = [
+    "AXIS_COLUMNS",
+    "Cell",
+    "DEVICES",
+    "DTYPES",
+    "FORMAT",
+    "GRID_KEYS",
+    "KINDS",
+    "Key",
+    "MIN_MODEL_BUDGET",
+    "SAMPLE",
+    "SOURCE_KEYS",
+    "Study",
+    "StudyError",
+    "cell_id",
+    "grid_keys",
+    "read_study",
+    "setting_axes",
+    "source_keys",
+]

@@ -47,12 +47,20 @@ class StudyDir:
         try:
             meta = json.loads((self.path / STUDY_JSON).read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise StudyError(f"{self.path} holds no study (no {STUDY_JSON}): run `kvviz study run FILE --out "
-                             f"{self.path}` first") from None
+            raise StudyError(
+                f"{self.path} holds no study (no {STUDY_JSON}): run `kvviz study run FILE --out "
+                f"{self.path}` first"
+            ) from None
         except (OSError, ValueError) as exc:
             raise StudyError(f"{self.path / STUDY_JSON} is unreadable ({exc})") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("cells"), list):
-            raise StudyError(f"{self.path / STUDY_JSON} is not a kvviz study record (format {FORMAT})")
+        if (
+            not isinstance(meta, dict)
+            or meta.get("format") != FORMAT
+            or not isinstance(meta.get("cells"), list)
+        ):
+            raise StudyError(
+                f"{self.path / STUDY_JSON} is not a kvviz study record (format {FORMAT})"
+            )
         return meta
 
     def exists(self) -> bool:
@@ -70,17 +78,29 @@ class StudyDir:
             if mismatch is not None:
                 key, was, now = mismatch
                 where = key if key in ("name", "kind") else f"[source] {key}"
-                raise StudyError(f"{self.path} holds study {old['fixed'].get('name')!r} run with {where} = "
-                                 f"{_toml(was)}; this study file says {_toml(now)}. Results under other fixed "
-                                 "settings would mix with incomparable ones: use a new --out folder (or move "
-                                 "the old one aside). Lists (seeds, texts, models, scorers, budgets, ...) may "
-                                 "change; other keys may not.")
-        elif self.path.exists() and any(p for p in self.path.iterdir() if not p.name.startswith(".")):
-            raise StudyError(f"--out {self.path} is a folder with other files in it; give a new or empty folder")
+                raise StudyError(
+                    f"{self.path} holds study {old['fixed'].get('name')!r} run with {where} = "
+                    f"{_toml(was)}; this study file says {_toml(now)}. Results under other fixed "
+                    "settings would mix with incomparable ones: use a new --out folder (or move "
+                    "the old one aside). Lists (seeds, texts, models, scorers, budgets, ...) may "
+                    "change; other keys may not."
+                )
+        elif self.path.exists() and any(
+            p for p in self.path.iterdir() if not p.name.startswith(".")
+        ):
+            raise StudyError(
+                f"--out {self.path} is a folder with other files in it; give a new or empty folder"
+            )
         (self.path / PARTS).mkdir(parents=True, exist_ok=True)
-        meta = {"format": FORMAT, "name": study.name, "kind": study.kind, "description": study.description,
-                "fixed": study.fixed(), "axes": study.axes(),
-                "cells": [{"id": c.id, **c.settings} for c in cells]}
+        meta = {
+            "format": FORMAT,
+            "name": study.name,
+            "kind": study.kind,
+            "description": study.description,
+            "fixed": study.fixed(),
+            "axes": study.axes(),
+            "cells": [{"id": c.id, **c.settings} for c in cells],
+        }
         _atomic_write(self.path / STUDY_TOML, study.text.encode("utf-8"))
         _atomic_write(self.path / STUDY_JSON, json.dumps(meta, indent=1).encode("utf-8"))
 
@@ -119,8 +139,13 @@ class StudyDir:
         meta = self.meta()
         ids = {c["id"] for c in meta["cells"]}
         done = self.done_ids()
-        return {"cells": len(ids), "done": len(ids & done), "to_run": len(ids - done), "extra": len(done - ids),
-                "failed": len({f.get("cell") for f in self.failures()} - done)}
+        return {
+            "cells": len(ids),
+            "done": len(ids & done),
+            "to_run": len(ids - done),
+            "extra": len(done - ids),
+            "failed": len({f.get("cell") for f in self.failures()} - done),
+        }
 
     def status_line(self) -> str:
         c = self.counts()
@@ -140,9 +165,11 @@ class StudyDir:
             part = self.path / PARTS / f"{c['id']}.parquet"
             try:
                 frames.append(pq.read_table(part).to_pandas())
-            except (OSError, ValueError) as exc:       # pyarrow's ArrowInvalid is a ValueError
-                raise StudyError(f"{part} is unreadable ({str(exc).splitlines()[0][:200]}); delete it and rerun "
-                                 "the study to compute that cell again") from None
+            except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+                raise StudyError(
+                    f"{part} is unreadable ({str(exc).splitlines()[0][:200]}); delete it and rerun "
+                    "the study to compute that cell again"
+                ) from None
         if not frames:
             return pd.DataFrame()
         return pd.concat(frames, ignore_index=True)
@@ -173,5 +200,13 @@ def row_for(study: Study, cell: Cell, result: dict, engine: str) -> dict:
     """A part file's row: study, cell id, the cell's settings, the fixed settings, metrics, versions,
     wall time."""
     fixed = {k: v for k, v in study.fixed().items() if k != "name"}
-    return {"study": study.name, "cell": cell.id, **cell.settings, **fixed, **result["metrics"],
-            **result["versions"], "wall_time_s": result["seconds"], "engine": engine}
+    return {
+        "study": study.name,
+        "cell": cell.id,
+        **cell.settings,
+        **fixed,
+        **result["metrics"],
+        **result["versions"],
+        "wall_time_s": result["seconds"],
+        "engine": engine,
+    }
