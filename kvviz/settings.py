@@ -40,7 +40,7 @@ class Setting:
     url: str = ""  # the link's name (today's names; default: `name`)
     # the command line's flag (default: --name-with-dashes); "-" = none
     cli: str = ""
-    # (setting, value): shown only when e.g. ("scorer", "snapkv") holds
+    # (setting, a value, a tuple of values or a test): shown only when e.g. ("scorer", "snapkv") holds
     owner: tuple = ()
     quantizes: bool = False  # says only how kept K/V are stored, never what is kept
     # default None: the value a link / flag / widget writes for None (0 = auto)
@@ -148,8 +148,11 @@ def rule(check: Callable[[Any], None]) -> Callable[[Any], None]:
 
 def shown(setting: Setting, values: dict) -> bool:
     """Whether a setting applies under these other settings (its owner's condition), e.g. SnapKV's window
-    only when the scorer is SnapKV. `values` maps setting names (Spec keywords) to values."""
+    only when the scorer is SnapKV. `values` maps setting names (Spec keywords) to values. The wanted value
+    may be one value, a tuple of them, or a test of the value (any one-shot scorer)."""
     if not setting.owner:
         return True
     name, wanted = setting.owner
+    if callable(wanted):
+        return bool(wanted(values.get(name)))
     return values.get(name) == wanted or (isinstance(wanted, tuple) and values.get(name) in wanted)

@@ -11,8 +11,16 @@ from kvviz.settings import Setting, declare, rule
 from kvviz.spec import SpecError
 
 MAX_EVERY = 100_000
-# the built-in one-shot scorers, whose Advanced section shows the setting (the rule below decides what runs)
-ONE_SHOT = ("snapkv", "expected_attention", "keydiff", "knorm", "random", "streaming", "chunkkv")
+
+
+def one_shot(scorer: str) -> bool:
+    """A scorer that decides once from its scores (not every step, not from each query): the ones whose
+    Advanced section shows the setting, plug-ins included (the rule below decides what runs)."""
+    from kvviz.policies.registry import POLICIES
+
+    policy = POLICIES.get(scorer)
+    return policy is not None and not policy.streaming and not policy.needs_query
+
 
 declare(
     Setting(
@@ -22,7 +30,7 @@ declare(
         0,
         MAX_EVERY,
         url="compress_every",
-        owner=("scorer", ONE_SHOT),
+        owner=("scorer", one_shot),
         label="Compress again every N decode steps (0 = once)",
         help="0: the cache is compressed once, at the end of the prompt. N: between compressions the "
         "cache grows; every N decode steps the scorer scores everything it holds again (with the "
