@@ -16,13 +16,13 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from kvviz.sources import handbook
+from kvviz.quant.integer import BITS_OPTIONS  # the bits slider offers what the integer format does
 from kvviz.settings import SETTINGS, Setting
 from kvviz.spec import FULL_BITS, SCORERS, Spec, SpecError, View
 from kvviz.trace import Trace
 
 # kvviz.app.labels.SOURCE_LABELS names them
 SOURCE_NAMES = ("handbook", "synthetic", "real", "file")
-BITS_OPTIONS = (1, 2, 3, 4, 5, 6, 7, 8, FULL_BITS)
 ENSEMBLE_OPTIONS = ("auto", "none", "heads", "layers", "steps", "seeds")
 MAX_TOKENS = 32768 + 512
 

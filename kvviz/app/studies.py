@@ -15,6 +15,7 @@ import streamlit as st
 
 from kvviz.analysis.study import StudyDir, StudyError, cells, load_study, run_study
 from kvviz.analysis.study.frontier import METRICS, X_COLUMN, frontier
+from kvviz import links
 from kvviz.analysis.sweep import split_budget
 from kvviz.app.charts import chart
 from kvviz.app.layout import PAGES
@@ -25,25 +26,10 @@ from kvviz.plots.study import frontier_figure
 from kvviz.spec import FULL_BITS, Spec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "studies"
-# the Explorer's synthetic knobs a link can carry (study key -> URL name)
-SYNTHETIC_PARAMS = {
-    "context": "context",
-    "steps": "steps",
-    "layers": "layers",
-    "q_heads": "q_heads",
-    "kv_heads": "kv_heads",
-    "head_dim": "head_dim",
-    "sink_strength": "sink_strength",
-    "local_strength": "local_strength",
-    "local_width": "local_width",
-    "n_anchors": "n_anchors",
-    "anchor_strength": "anchor_strength",
-    "sparsity": "sparsity",
-    "topic_shift": "topic_shift",
-    "outlier_channels": "outlier_channels",
-    "outlier_scale": "outlier_scale",
-    "seed": "syn_seed",
-    "layer": "layer",
+# the Explorer's synthetic knobs a link can carry (study key -> URL name): the link's own table, read
+# backwards (a study names a knob as SyntheticSpec does), and the layer the study evaluates
+SYNTHETIC_PARAMS = {field: name for name, field in links.SYNTHETIC_PARAMS.items()} | {
+    "layer": "layer"
 }
 
 
