@@ -161,35 +161,6 @@ def w_setting(
     )
 
 
-# the settings Advanced lays out by hand below the scorer's (the quantizer's, in a reading order)
-_LAID_OUT = (
-    "sink",
-    "recent",
-    "heavy",
-    "scorer",
-    "seed",
-    "positions",
-    "allocation",
-    "key_bits",
-    "value_bits",
-    "key_axis",
-    "value_axis",
-    "group_size",
-    "residual",
-    "symmetric",
-    "zero_point",
-    "partial",
-    "key_format",
-    "value_format",
-    "fp8_scale",
-    "fp8_calibrate",
-    "rotate",
-    "residual_mode",
-    "quant_model",
-    "noise_sigma",
-)
-
-
 def advanced_controls(n: int) -> None:
     """Advanced: the scorer and its settings, the budget allocation, the quantizer and the cache format."""
     scorer = w_choice(
@@ -221,7 +192,7 @@ def owned_settings(where, chosen: dict, n: int) -> None:
     """The widgets of the settings that belong to the chosen scorer or allocation (SnapKV's window when the
     scorer is SnapKV, AdaKV's α under AdaKV): whatever a scorer's file declares, a plug-in's too."""
     for s in list(SETTINGS.values()):
-        if s.name not in _LAID_OUT and s.owner and s.owner[0] in chosen and shown(s, chosen):
+        if s.owner and s.owner[0] in chosen and shown(s, chosen):
             w_setting(where, s.name, n)
 
 

@@ -215,16 +215,17 @@ def add_setting_arg(g, s: Setting) -> None:
         )
         return
     default = s.none_as if s.default is None else s.default
-    kwargs = dict(choices=s.values) if s.kind == "choice" and not callable(s.choices) else {}
-    if s.kind == "choice" and callable(s.choices):
+    late = s.kind == "choice" and callable(
+        s.choices
+    )  # values known when parsed: ChunkKV's inner scorers
+    if late:
         kwargs = dict(metavar=s.name.upper(), type=_choice_of(s))
+    elif s.kind == "choice":
+        kwargs = dict(choices=s.values)
+    else:
+        kwargs = dict(type=_setting_type(s))
     g.add_argument(
-        s.flag,
-        dest=s.name,
-        type=kwargs.pop("type", _setting_type(s)),
-        default=default,
-        help=f"{help_text} (default {default})" if s.kind != "bool" else help_text,
-        **kwargs,
+        s.flag, dest=s.name, default=default, help=f"{help_text} (default {default})", **kwargs
     )
 
 
