@@ -19,6 +19,8 @@ from collections.abc import Mapping
 
 import plotly.graph_objects as go
 
+from kvviz.quant.formats import FORMAT_LABELS
+
 # Okabe & Ito (2008)
 OKABE_ITO = {
     "black": "#000000",
@@ -136,14 +138,8 @@ BITS_MARKS = {
     2: ("-open", 7),
     1: ("-open-dot", 7),
 }
-FORMAT_NAMES = {
-    "e4m3": "FP8 E4M3",
-    "e5m2": "FP8 E5M2",
-    "nvfp4": "NVFP4",
-    "mxfp4": "MXFP4",
-    "q8_0": "llama.cpp q8_0",
-    "q4_0": "llama.cpp q4_0",
-}
+# the serving formats' names, as the quantizers name them (the integer format is named by its bits)
+FORMAT_NAMES = {fmt: name for fmt, name in FORMAT_LABELS.items() if fmt != "int"}
 FORMAT_MARKS = {
     "e4m3": ("-open-dot", 15),
     "e5m2": ("-open-dot", 13),
