@@ -270,3 +270,18 @@ def test_device_formats_are_the_numpy_reference(device, name):
             else:
                 assert np.abs(ref - got).max() <= np.abs(x).max() / 2
     assert not np.array_equal(quantize_tensor(x, spec, "k", 0), x)     # the format did something
+
+
+@pytest.mark.parametrize("spec", [Spec(key_format="q4_0", value_format="q8_0"),
+                                  Spec(key_format="e4m3", value_format="e4m3", fp8_scale="static"),
+                                  Spec(key_format="e4m3", value_format="e4m3", fp8_scale="static", fp8_calibrate=True)],
+                         ids=["ggml", "fp8-static", "fp8-calibrated"])
+def test_formats_without_a_device_twin_are_refused_on_the_device_and_run_on_the_host(spec):
+    """llama.cpp's blocks and static FP8 scales have no torch quantizer: the device path says so (it once
+    quantized q4_0 as MXFP4 and a static FP8 scale per token), and a cache sends them to the numpy reference."""
+    from kvviz.decode.devquant import device_quantizes, quantize_tensor_torch
+
+    assert not device_quantizes(spec)
+    with pytest.raises(ValueError, match="no device quantizer"):
+        quantize_tensor_torch(torch.zeros((1, 4, 64)), spec, "k", 0)
+    assert device_quantizes(Spec(key_format="e4m3", value_format="e4m3", fp8_scale="head"))

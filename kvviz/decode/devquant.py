@@ -209,12 +209,28 @@ def _hadamard(dim: int, like):
     return torch.tensor(hadamard(dim), dtype=like.dtype, device=like.device)
 
 
+def device_quantizes(spec) -> bool:
+    """Whether quantize_tensor_torch implements the spec's formats. llama.cpp's q8_0 / q4_0 and FP8 with a
+    static scale (vLLM's uncalibrated 1.0, or a calibrated one) have no torch twin yet: a cache quantizes them
+    on the host with the numpy reference (kvviz.quant.formats.quantize_tensor)."""
+    from kvviz.quant.ggml import GGML_FORMATS
+
+    return (
+        not ({spec.key_format, spec.value_format} & set(GGML_FORMATS))
+        and spec.fp8_scale != "static"
+    )
+
+
 def quantize_tensor_torch(x, spec, which: str, residual: int):
     """kvviz.quant.formats.quantize_tensor in torch on x's device: x (U, T, D) float32, the last `residual`
     tokens unchanged, the rest rotated (if the spec says so), quantized in the spec's format, rotated back."""
     from kvviz.quant.formats import is_quantized, settings
 
     fmt, bits, axis, rotated = settings(spec, which)
+    if not device_quantizes(spec):
+        raise ValueError(
+            f"no device quantizer for {fmt} (FP8 scale {spec.fp8_scale}): use the host's"
+        )
     if not is_quantized(spec, which):
         return x
     n_quant = max(0, x.shape[-2] - residual)
@@ -231,8 +247,10 @@ def quantize_tensor_torch(x, spec, which: str, residual: int):
         q = _fp8(xr, fmt, spec.fp8_scale)
     elif fmt == "nvfp4":
         q = _nvfp4(xr)
-    else:
+    elif fmt == "mxfp4":
         q = _mxfp4(xr)
+    else:
+        raise ValueError(f"no device quantizer for format {fmt!r}")
     out = x.clone()
     out[..., :n_quant, :] = q @ r.T if rotated else q
     return out

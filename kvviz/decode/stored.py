@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvviz.decode.devquant import float64_ok, quantize_tensor_torch
+from kvviz.decode.devquant import device_quantizes, float64_ok, quantize_tensor_torch
 from kvviz.decode.place import host, on
 from kvviz.quant import quantize
 from kvviz.quant.formats import quantize_tensor, uses_formats
@@ -121,7 +121,13 @@ class StoredKV:
             at = on(idx, self.device)
             K, V = self.k[layer][self._rows, at].float(), self.v[layer][self._rows, at].float()
         s = self.spec
-        if s.quant_model == "kv" and uses_formats(s) and not self.fast and float64_ok(self.device):
+        if (
+            s.quant_model == "kv"
+            and uses_formats(s)
+            and not self.fast
+            and float64_ok(self.device)
+            and device_quantizes(s)
+        ):
             residual = formats_residual_at(s, idx, self.length[layer] - 1, self.trace.context_len)
             return quantize_tensor_torch(K, s, "k", residual), quantize_tensor_torch(
                 V, s, "v", residual
