@@ -22,6 +22,7 @@ from functools import lru_cache
 import numpy as np
 
 from kvviz.policies import get_policy
+from kvviz.policies.allocation import allocation_for
 from kvviz.quant import formats as qformats
 from kvviz.quant import CacheBytes, kv_bytes_per_token, tensor_bytes
 from kvviz.spec import Spec
@@ -112,7 +113,7 @@ def budget_is_exact(spec: Spec) -> bool:
     # the cache grows to budget + N between compressions (policies.recompress)
     if spec.compress_every:
         return False
-    return spec.allocation != "adakv" and get_policy(spec.scorer).fills_budget(spec)
+    return not allocation_for(spec).ragged and get_policy(spec.scorer).fills_budget(spec)
 
 
 def head_parts(

@@ -21,6 +21,7 @@ import numpy as np
 from kvviz.attention import kv_runs, logit_rows, softmax, softmax_and_log
 from kvviz.metrics import RowMetrics, divergences, row_metrics_batch
 from kvviz.policies import ScoreContext, get_policy
+from kvviz.policies.allocation import allocation_for
 from kvviz.policies.base import cached_on_trace, group_union
 from kvviz.quant import formats as qformats
 from kvviz.quant import quantize_kept
@@ -367,11 +368,13 @@ def _quantized_kept_formats(
 
 
 def keep_masks(trace: Trace, spec: Spec, layer: int, positions) -> np.ndarray | None:
-    """Kept masks (len(positions), kv_heads, positions) of the spec's policy; None for the oracle."""
+    """Kept masks (len(positions), kv_heads, positions) of the spec's policy under its budget allocation;
+    None for the oracle."""
     policy = get_policy(spec.scorer)
     if policy.needs_query and spec.evicts:
         return None
-    return policy.keep_masks(ScoreContext(trace, layer, spec), np.asarray(positions))
+    ctx = ScoreContext(trace, layer, spec)
+    return allocation_for(spec).keep_masks(policy, ctx, np.asarray(positions))
 
 
 def kept_at_query(trace: Trace, spec: Spec, layer: int, qi: int) -> np.ndarray:

@@ -464,6 +464,7 @@ def test_a_streaming_plugin_under_adakv_and_a_one_shot_policy_asked_per_query_ar
     is refused where its masks are made, with the reason. A policy scored at the compression point has no
     per-query scores."""
     from kvviz.policies import POLICIES, Policy, ScoreContext
+    from kvviz.policies.allocation import allocation_for
 
     class EveryStep(Policy):
         name = "test-every-step"
@@ -475,6 +476,6 @@ def test_a_streaming_plugin_under_adakv_and_a_one_shot_policy_asked_per_query_ar
     t = make_synthetic(SMALL)
     ctx = ScoreContext(t, 0, Spec(sink=1, recent=2, heavy=3, scorer="knorm", allocation="adakv"))
     with pytest.raises(SpecError, match="AdaKV allocates once from one-shot scores; test-every-step decides at"):
-        EveryStep().keep_masks(ctx, [t.n_positions - 1])
+        allocation_for(ctx.spec).keep_masks(EveryStep(), ctx, [t.n_positions - 1])
     with pytest.raises(TypeError, match="h2o scores at the compression point: use score"):
         POLICIES["h2o"].query_scores(np.ones((4, 5)), ctx)
