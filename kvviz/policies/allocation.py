@@ -238,8 +238,9 @@ def allocate(
 
 
 def adakv_heavy(scores: np.ndarray, spec: Spec) -> np.ndarray:
-    """AdaKV's heavy budget per KV head (H,) from scores (H, n) of one layer (`AdaKV.head_budgets`)."""
-    return AdaKV(spec.adakv_alpha, spec.adakv_floor).head_budgets(scores, spec)
+    """AdaKV's heavy budget per KV head (H,) from scores (H, n) of one layer, for an evicting AdaKV spec
+    (`AdaKV.head_budgets`)."""
+    return allocation_for(spec).head_budgets(scores, spec)
 
 
 # --- the allocations, each a wrapper around the scorer ---------------------------------------
@@ -281,8 +282,6 @@ class Pyramid(Uniform):
     schedule: str = "kvpress"
 
     def layer_spec(self, spec: Spec, layer: int, n_layers: int, n_context: int) -> Spec:
-        if not spec.evicts:
-            return spec
         if self.schedule == "heavy":
             heavy = int(pyramid_budgets(spec.heavy, n_layers, self.beta)[layer])
             return spec.with_(heavy=heavy, allocation="uniform")
@@ -349,16 +348,12 @@ class AdaKV(Uniform):
     def select(
         self, scores: np.ndarray, spec: Spec, layer: int, n_layers: int, n_context: int
     ) -> np.ndarray:
-        if not spec.evicts:
-            return super().select(scores, spec, layer, n_layers, n_context)
         return select_heads(scores, spec, self.head_budgets(scores, spec))
 
     def keep_masks(self, policy: Scorer, ctx: Any, positions: np.ndarray) -> np.ndarray:
         """Head budgets fixed at the compression point from the policy's one-shot scores; each head then
         grows its own kept set under fixed scores."""
         trace, spec = ctx.trace, ctx.spec
-        if not spec.evicts:
-            return policy.keep_masks(ctx, positions)
         if policy.streaming:
             raise SpecError(
                 f"AdaKV allocates once from one-shot scores; {policy.name} decides at every step"
@@ -377,7 +372,9 @@ ALLOCATIONS: dict[str, type[Uniform]] = {a.name: a for a in (Uniform, AdaKV, Pyr
 
 
 def allocation_for(spec: Spec) -> Uniform:
-    """The spec's allocation with its settings."""
+    """The spec's allocation with its settings (uniform where nothing is evicted: every head keeps all)."""
+    if not spec.evicts:
+        return Uniform()
     if spec.allocation == "adakv":
         return AdaKV(spec.adakv_alpha, spec.adakv_floor)
     if spec.allocation == "pyramid":
