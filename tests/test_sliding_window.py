@@ -6,6 +6,7 @@ Tiny random-weight models built here; hand-made traces where the maths gives exa
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from kvviz.sources.tracefile import load_trace, save_trace, trace_from_bytes
 from kvviz.trace import Trace, TraceError, trace_with
 
 D, HKV, HQ, P, W = 16, 2, 4, 40, 8
+APP = str(Path(__file__).resolve().parents[1] / "app.py")
 TOKEN16 = 2 * 2 * D  # one KV head's K + V of one token at 16 bits
 
 
@@ -295,3 +297,31 @@ def test_the_compressed_decode_refuses_a_sliding_window_model_in_one_line():
     with pytest.raises(SpecError, match="sliding-window layers") as e:
         gen.prefill(model, ids)
     assert "\n" not in str(e.value) and "MistralForCausalLM has 2 sliding-window layers of 2" in str(e.value)
+
+
+def test_a_gemma3_pattern_saves_what_its_full_layers_save():
+    """Five sliding layers for each full one (docs/big-models.md's example, at small sizes): a budget equal to
+    the window makes the cache (5 W + n) / (6 W) smaller, not n / W."""
+    t = hand_trace(windows=(W,) * 5 + (None,))
+    m = compare(t, Spec(sink=2, recent=2, heavy=W - 4, scorer="snapkv")).memory
+    assert m.kv_bytes == 6 * HKV * W * TOKEN16 and m.kv_bytes_full == (5 * W + 40) * HKV * TOKEN16
+    assert m.compression_ratio == (5 * W + 40) / (6 * W)
+
+
+def test_the_explorer_says_when_the_chosen_layer_is_a_sliding_one(tmp_path, monkeypatch):
+    from apptest_util import run_app
+
+    from kvviz.app.cards import card_values
+
+    monkeypatch.setenv("KVVIZ_CACHE_DIR", str(tmp_path))
+    t = hand_trace()
+    save_trace(trace_with(t, meta={**t.meta, "source": "model"}), tmp_path / "text.safetensors")
+    at = run_app(APP, 120, source="file", sink=2, recent=4, heavy=4, layer=1, head=0)
+    assert not at.exception
+    assert any("Layer 1 is a sliding-window layer" in i.value for i in at.info)
+    spec = Spec(sink=2, recent=4, heavy=4)
+    want = card_values(compare(t, spec, View(layer=1, head=0)).metrics)
+    got = {m.label: m.value for m in at.metric}
+    assert got["KV memory"] == want["KV memory"] and got["TV distance"] == want["TV distance"]
+    full = run_app(APP, 120, source="file", sink=2, recent=4, heavy=4, layer=2, head=0)
+    assert not any("sliding-window layer" in i.value for i in full.info)
