@@ -98,7 +98,8 @@ class Comparison:
 
     @property
     def layer_kind(self) -> str:
-        """ "sliding_attention" (not compressed: the model's own window) or "full_attention"."""
+        """The view's layer's kind: "sliding_attention" (not compressed: the model's own window) or
+        "full_attention"."""
         return "full_attention" if self.layer_window is None else "sliding_attention"
 
     @property

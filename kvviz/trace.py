@@ -112,7 +112,8 @@ class Trace:
         return tuple(None if w is None else int(w) for w in windows)
 
     def layer_kind(self, layer: int) -> str:
-        """ "sliding_attention" or "full_attention" (transformers' names) for the layer at index `layer`."""
+        """The kind of the layer at index `layer`, in transformers' words: "sliding_attention" or
+        "full_attention"."""
         return "full_attention" if self.layer_windows[layer] is None else "sliding_attention"
 
     @property
@@ -204,7 +205,8 @@ def validate(t: Trace) -> None:
         raise TraceError(f"logits must have shape {(L, Hq, Nq, P)}, not {t.logits.shape}")
     if t.noise_eps is not None and t.noise_eps.shape != (P,):
         raise TraceError("noise_eps must have one value per position")
-    windows = t.meta.get("layer_windows")
+    # (a stand-in checked for its arrays alone, as policies.recompress.LayerTrace's, has no meta)
+    windows = getattr(t, "meta", {}).get("layer_windows")
     if windows is not None and (
         not isinstance(windows, (list, tuple))
         or len(windows) != L

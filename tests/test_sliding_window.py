@@ -275,7 +275,9 @@ def test_check_attention_matches_the_model_on_every_layer(arch, tmp_path):
     model = tiny(arch)
     info = model_info(arch, "tiny", model, "float32", "cpu")
     want = (32, 32) if arch == "mistral" else (32, None)
-    for t in (capture(model, Tok(), info, PROMPT), capture(model, Tok(), info, PROMPT, out=tmp_path / "t.st")):
+    # in memory with decode steps (the model's sliding cache), and to a file (format 2, lazy)
+    for t in (capture(model, Tok(), info, PROMPT, new_tokens=4, stop_at_eos=False),
+              capture(model, Tok(), info, PROMPT, out=tmp_path / "t.st")):
         assert t.layer_windows == want
         assert check_attention(model, t).max() <= 1e-5
     # the same trace read as if every layer saw the whole context is far from the model (the test can fail)
@@ -288,7 +290,7 @@ def test_check_attention_matches_the_model_on_every_layer(arch, tmp_path):
         assert compare(t, spec, View(layer=1)).metrics["tv_distance"] > 0
 
 
-def test_the_compressed_decode_refuses_a_sliding_window_model_in_one_line():
+def test_the_compressed_decode_refuses_a_sliding_window_model_in_one_line(tmp_path, monkeypatch):
     from kvviz import decode as gen
     from kvviz.spec import SpecError
 
@@ -297,6 +299,13 @@ def test_the_compressed_decode_refuses_a_sliding_window_model_in_one_line():
     with pytest.raises(SpecError, match="sliding-window layers") as e:
         gen.prefill(model, ids)
     assert "\n" not in str(e.value) and "MistralForCausalLM has 2 sliding-window layers of 2" in str(e.value)
+    # the Model lab's run (the page shows a SpecError as "Cannot run: ...")
+    from kvviz.decode import lab
+
+    monkeypatch.setenv("KVVIZ_LAB_DIR", str(tmp_path / "lab"))
+    settings = lab.LabSettings("tiny", " ".join(map(str, ids)), 12, 6, 4, Spec(sink=2, recent=4, heavy=4))
+    with pytest.raises(SpecError, match="sliding-window layers"):
+        lab.run(model, Tok(), "tiny", settings)
 
 
 def test_a_gemma3_pattern_saves_what_its_full_layers_save():
