@@ -39,8 +39,26 @@ def _forward(model, ids: Sequence[int], start: int, last_only: bool = False):
     return (logits[-1:] if last_only else logits).float()
 
 
+def refuse_sliding(model) -> None:
+    """SpecError for a model with sliding-window layers (Mistral, Gemma 2/3, gpt-oss): the compressed cache
+    attends over every token it keeps, on every layer, so it would give those layers the whole context."""
+    from kvviz.models.load import layer_kinds
+
+    cfg = model.config
+    kinds = layer_kinds(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg)
+    sliding = [i for i, k in enumerate(kinds) if k == "sliding_attention"]
+    if sliding:
+        raise SpecError(
+            f"{type(model).__name__} has {len(sliding)} sliding-window layers of {len(kinds)}: kvviz's "
+            "compressed decode attends over the whole cache on every layer, so it cannot run this model "
+            "yet; capture a trace of it instead (kvviz capture), which the Explorer reads window and all"
+        )
+
+
 def new_cache(model, spec: Spec, capacity: int, cls=CompressedCache, **kwargs) -> CompressedCache:
-    """A cache of class `cls` for this model: its shape, and its device and dtype (kvviz.decode.place)."""
+    """A cache of class `cls` for this model: its shape, and its device and dtype (kvviz.decode.place).
+    A model with sliding-window layers is refused (`refuse_sliding`)."""
+    refuse_sliding(model)
     L, Hq, Hkv, D = model_dims(model)
     device, dtype = placement(model)
     return cls(spec, L, Hq, Hkv, D, capacity=capacity, device=device, dtype=dtype, **kwargs)
