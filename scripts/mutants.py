@@ -178,8 +178,8 @@ EQUIVALENT.update({
                                                             "has a class-level default)",
     **_same("the shared-decision shortcut taken less often (never, or only above 2 KV heads): every row of a "
             "broadcast score is the same, so selecting each row gives the rows the shortcut copies", _POL,
-            # (83, 85, ... before #38: compress_every's branch above the shortcut adds 10 mutants before them)
-            *(f"keep_masks__mutmut_{n}" for n in (93, 95, 97, 98, 99, 108))),
+            # (93, 95, ... before the allocations moved out of keep_masks into kvviz.policies.allocation)
+            *(f"keep_masks__mutmut_{n}" for n in (53, 55, 57, 58, 59, 68))),
     **_same(_AS_F64, _POL,
             *(f"_simulate__mutmut_{n}" for n in (18, 110, 145))),
     **_same("np.take_along_axis's default axis (numpy >= 2.3) is -1, axis 1 of the 2-D arrays", _POL,
