@@ -156,6 +156,12 @@ def context_rows(
     max and sum, but a product of another shape may run another BLAS kernel (OpenBLAS picks
     it by processor), with another summation order in the last bits.
     """
+    on_device = getattr(
+        trace.k, "context_rows", None
+    )  # computed where the arrays live (decode.devtrace)
+    if on_device is not None and trace.logits is None:
+        yield from on_device(trace, layer, heads, rows, n_keys, chunk, trim)
+        return
     chunk = chunk_rows(len(heads), n_keys, chunk)
     q_all = trace.q[layer][heads]  # (H, Nq, D)
     kv = trace.kv_head(np.asarray(heads))
@@ -183,3 +189,28 @@ def context_rows(
         np.exp(logits, out=logits)
         logits /= logits.sum(axis=-1, keepdims=True)
         yield idx, logits
+
+
+def attention_sums(
+    trace: Trace, layer: int, heads: np.ndarray, rows: np.ndarray, n_keys: int, trim: bool = False
+) -> np.ndarray:
+    """(len(heads), n_keys) float64: the attention the context queries `rows` pay each key 0..n_keys-1,
+    summed over the rows (each chunk of context_rows summed in float64). Where the trace's arrays live on
+    a device (kvviz.decode.devtrace) the sums are made there and only they cross to the host."""
+    on_device = getattr(trace.k, "attention_sums", None)
+    if on_device is not None and trace.logits is None:
+        return on_device(trace, layer, heads, rows, n_keys, trim)
+    out = np.zeros((len(heads), n_keys))
+    for _, attn in context_rows(trace, layer, heads, rows, n_keys, trim=trim):
+        out[:, : attn.shape[-1]] += attn.sum(axis=1, dtype=np.float64)
+    return out
+
+
+def row_norms(stack, layer: int, stop: int | None = None) -> np.ndarray:
+    """(heads, positions) L2 norms of the rows (keys or values) of one layer of a trace array, up to
+    `stop`, in the array's precision (float32 for a device's: kvviz.decode.devtrace)."""
+    on_device = getattr(stack, "row_norms", None)
+    if on_device is not None:
+        return on_device(layer, stop)
+    x = stack[layer][:, :stop]
+    return np.sqrt(np.vecdot(x, x))
