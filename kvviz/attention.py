@@ -214,3 +214,23 @@ def row_norms(stack, layer: int, stop: int | None = None) -> np.ndarray:
         return on_device(layer, stop)
     x = stack[layer][:, :stop]
     return np.sqrt(np.vecdot(x, x))
+
+
+def normalised_mean(stack, layer: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows 0..stop-1 of one layer of a trace array (keys): their norms (H, stop), the mean of the
+    normalised rows a = mean_i k_i / ||k_i|| (H, D) and each row's dot with it (H, stop) (KeyDiff's inputs).
+
+    In the keys' own precision, as kvpress computes it (float32 BLAS: a float64 copy of K cost 7x the
+    time and moved no kept set in the kvpress reference test). Where the array lives on a device
+    (kvviz.decode.devtrace) they are computed there and only they cross to the host."""
+    on_device = getattr(stack, "normalised_mean", None)
+    if on_device is not None:
+        return on_device(layer, stop)
+    keys = stack[layer][:, :stop]  # (H, c, d), the trace's dtype
+    if keys.dtype not in (np.float32, np.float64):  # float16 and friends: float32
+        keys = keys.astype(np.float32)
+    norms = np.maximum(np.sqrt(np.einsum("hcd,hcd->hc", keys, keys)), keys.dtype.type(1e-12))
+    # a BLAS product (1/||k||)^T K a head, no normalised copy of K
+    anchor = np.matmul((1.0 / norms)[:, None, :], keys)[:, 0] / keys.dtype.type(stop)
+    dots = np.matmul(keys, anchor[..., None])[..., 0]  # k_i . a, one BLAS product a head
+    return norms, anchor, dots

@@ -4,8 +4,8 @@ kvviz.decode.devtrace's Trace keeps q, k, v as torch tensors (here on each devic
 cuda / mps when there; in float32, bfloat16 and float16) and computes what a scorer reads (attention
 rows, their sums, key norms) there. Checked against the host path, the numpy Trace of the same values:
 the same scores to float32's precision (the bounds of tests/floatbounds.py) and the same kept sets except
-where two scores tie within them; scorers that read the arrays themselves (KeyDiff, Expected Attention)
-get the very same float32 values and give the very same scores. And the bytes that cross are counted:
+where two scores tie within them; a scorer that reads the arrays themselves (Expected Attention) gets the
+very same float32 values and gives the very same scores. And the bytes that cross are counted:
 SnapKV at N tokens receives (q_heads, N) sums per layer, never the layer's q, k, v.
 """
 
@@ -28,8 +28,8 @@ DEVICES = ["cpu"] + [d for d in ("cuda", "mps") if any(x.startswith(d) for x in 
 DTYPES = ("float32", "bfloat16", "float16")
 L, HQ, H, D = 2, 4, 2, 16
 BUDGET = dict(sink=2, recent=8, heavy=8)
-ON_DEVICE = ("snapkv", "h2o", "tova", "knorm")            # computed in torch on the device
-READ_AS_ARRAYS = ("keydiff", "expected_attention", "random", "streaming")   # the host's own code on copies
+ON_DEVICE = ("snapkv", "h2o", "tova", "knorm", "keydiff")            # computed in torch on the device
+READ_AS_ARRAYS = ("expected_attention", "random", "streaming")   # the host's own code on copies
 SPECS = {name: Spec(**BUDGET, scorer=name) for name in ON_DEVICE + READ_AS_ARRAYS}
 SPECS["snapkv-window"] = Spec(sink=2, recent=16, heavy=8, scorer="snapkv", snapkv_window=12)
 SPECS["h2o-mean"] = Spec(**BUDGET, scorer="h2o", h2o_normalized=True)
@@ -112,6 +112,9 @@ def test_what_crosses_is_the_score_inputs_not_q_k_v(device):
                 get_policy(name).score(ScoreContext(dev, layer, SPECS[name]))
             assert crossing.bytes == L * n * per_token, (name, n, crossing)
             assert crossing.bytes * 8 <= qkv                  # 1/8 or less of q, k, v at head_dim 16
+        _, dev, crossing = _traces(n, device, "bfloat16")     # KeyDiff: norms and dots (H, N), the anchor (H, D)
+        get_policy("keydiff").score(ScoreContext(dev, 0, SPECS["keydiff"]))
+        assert crossing.bytes == (2 * H * n + H * D) * 4
     # the window's rows themselves, as a plug-in reading ScoreContext.context_attention gets them
     _, dev, crossing = _traces(96, device, "float32")
     ctx = ScoreContext(dev, 0, SPECS["snapkv"])

@@ -12,7 +12,9 @@ sums), once per decision:
     attention_sums(...)   (Hq, keys) what the rows paid each key, summed on the device (float64 where
                           the device has it): H2O's accumulated attention, SnapKV's votes
     row_norms(layer, ..)  (H, keys) the L2 norm of each key (value): K-norm's scores
-    stack[layer], ...     any other read (KeyDiff, Expected Attention, a plug-in reading trace.k):
+    normalised_mean(..)   the keys' norms, the mean of the normalised keys and each key's dot with
+                          it, (H, keys), (H, D), (H, keys): KeyDiff's cosines
+    stack[layer], ...     any other read (Expected Attention, a plug-in reading trace.k):
                           the indexed part alone, as float32 numpy
 
 kvviz.attention dispatches to these methods where an array has them (a duck-typed hook: the core never
@@ -166,6 +168,14 @@ class DeviceStack:
         """(heads, positions) float32: the L2 norm of each row of `layer` (up to `stop`)."""
         x = self.layers[layer][:, :stop].float()
         return self.crossing.send((x * x).sum(dim=-1).sqrt())
+
+    def normalised_mean(self, layer: int, stop: int):
+        """kvviz.attention.normalised_mean in torch, float32: norms (H, stop), anchor (H, D), dots (H, stop)."""
+        x = self.layers[layer][:, :stop].float()  # (H, c, D)
+        norms = (x * x).sum(dim=-1).sqrt().clamp_min(1e-12)
+        anchor = ((1.0 / norms)[:, None, :] @ x)[:, 0] / stop  # (H, D)
+        dots = (x @ anchor[..., None])[..., 0]
+        return self.crossing.send(norms), self.crossing.send(anchor), self.crossing.send(dots)
 
 
 def _torch_key(key):
