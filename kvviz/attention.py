@@ -206,13 +206,15 @@ def attention_sums(
     return out
 
 
-def row_norms(stack, layer: int, stop: int | None = None) -> np.ndarray:
+def row_norms(stack, layer: int, stop: int | None = None, float64: bool = False) -> np.ndarray:
     """(heads, positions) L2 norms of the rows (keys or values) of one layer of a trace array, up to
-    `stop`, in the array's precision (float32 for a device's: kvviz.decode.devtrace)."""
+    `stop`: in the array's precision (float32 for a device's: kvviz.decode.devtrace), or summed in float64."""
     on_device = getattr(stack, "row_norms", None)
     if on_device is not None:
-        return on_device(layer, stop)
+        return on_device(layer, stop, float64)
     x = stack[layer][:, :stop]
+    if float64:
+        return np.sqrt(np.einsum("hci,hci->hc", x, x, dtype=np.float64))
     return np.sqrt(np.vecdot(x, x))
 
 

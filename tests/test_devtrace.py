@@ -28,8 +28,8 @@ DEVICES = ["cpu"] + [d for d in ("cuda", "mps") if any(x.startswith(d) for x in 
 DTYPES = ("float32", "bfloat16", "float16")
 L, HQ, H, D = 2, 4, 2, 16
 BUDGET = dict(sink=2, recent=8, heavy=8)
-ON_DEVICE = ("snapkv", "h2o", "tova", "knorm", "keydiff")            # computed in torch on the device
-READ_AS_ARRAYS = ("expected_attention", "random", "streaming")   # the host's own code on copies
+ON_DEVICE = ("snapkv", "h2o", "tova", "knorm", "keydiff", "expected_attention")   # computed in torch there
+READ_AS_ARRAYS = ("random", "streaming")                                         # read nothing
 SPECS = {name: Spec(**BUDGET, scorer=name) for name in ON_DEVICE + READ_AS_ARRAYS}
 SPECS["snapkv-window"] = Spec(sink=2, recent=16, heavy=8, scorer="snapkv", snapkv_window=12)
 SPECS["h2o-mean"] = Spec(**BUDGET, scorer="h2o", h2o_normalized=True)
@@ -91,6 +91,8 @@ def test_device_trace_scores_as_the_host_trace(device, dtype, name):
             assert np.array_equal(s_ref, s_dev)
             continue
         fin = np.isfinite(s_ref)
+        # Expected Attention: a softmax too, of logits whose float32 quadratic term and statistics (float64
+        # here, float32 centred on the host) are off by less than q . k's bound at these sizes
         assert np.abs(s_dev[fin] - s_ref[fin]).max() <= rtol * np.abs(s_ref[fin]).max(), name
         scale = float(np.abs(s_ref[fin]).max())
         _same_but_ties(select(s_ref, spec), select(s_dev, spec), s_ref, 2 * rtol * scale)
@@ -115,6 +117,10 @@ def test_what_crosses_is_the_score_inputs_not_q_k_v(device):
         _, dev, crossing = _traces(n, device, "bfloat16")     # KeyDiff: norms and dots (H, N), the anchor (H, D)
         get_policy("keydiff").score(ScoreContext(dev, 0, SPECS["keydiff"]))
         assert crossing.bytes == (2 * H * n + H * D) * 4
+        _, dev, crossing = _traces(n, device, "bfloat16")     # Expected Attention: the queries' mean and
+        get_policy("expected_attention").score(ScoreContext(dev, 0, SPECS["expected_attention"]))
+        # covariance (Hq, D), (Hq, D, D); the expected attention past the 4 sinks and ||v|| (H, N), float64
+        assert crossing.bytes == (HQ * D + HQ * D * D + H * (n - 4) + H * n) * 8
     # the window's rows themselves, as a plug-in reading ScoreContext.context_attention gets them
     _, dev, crossing = _traces(96, device, "float32")
     ctx = ScoreContext(dev, 0, SPECS["snapkv"])

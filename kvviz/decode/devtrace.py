@@ -14,7 +14,9 @@ sums), once per decision:
     row_norms(layer, ..)  (H, keys) the L2 norm of each key (value): K-norm's scores
     normalised_mean(..)   the keys' norms, the mean of the normalised keys and each key's dot with
                           it, (H, keys), (H, D), (H, keys): KeyDiff's cosines
-    stack[layer], ...     any other read (Expected Attention, a plug-in reading trace.k):
+    moments(..), expected_attention(..)   Expected Attention's query statistics (Hq, d), (Hq, d, d)
+                          and its expected attention (H, keys), ||v|| by row_norms
+    stack[layer], ...     any other read (a plug-in reading trace.k):
                           the indexed part alone, as float32 numpy
 
 kvviz.attention dispatches to these methods where an array has them (a duck-typed hook: the core never
@@ -164,10 +166,59 @@ class DeviceStack:
             out[:, : a.shape[-1]] += a.sum(dim=1, dtype=acc)
         return self.crossing.send(out, float64=True)
 
-    def row_norms(self, layer: int, stop: int | None = None) -> np.ndarray:
-        """(heads, positions) float32: the L2 norm of each row of `layer` (up to `stop`)."""
-        x = self.layers[layer][:, :stop].float()
-        return self.crossing.send((x * x).sum(dim=-1).sqrt())
+    def row_norms(self, layer: int, stop: int | None = None, float64: bool = False) -> np.ndarray:
+        """(heads, positions): the L2 norm of each row of `layer` (up to `stop`), float32 or float64."""
+        x = self.layers[layer][:, :stop]
+        x = x.to(_wide(self.device)) if float64 else x.float()
+        return self.crossing.send((x * x).sum(dim=-1).sqrt(), float64=float64)
+
+    def moments(self, layer: int, rows: np.ndarray, positions: np.ndarray, inv_freq):
+        """Expected Attention's query statistics (kvviz.policies.expected_attention.query_statistics) of
+        this stack's queries `rows`: back to pre-RoPE (inv_freq, or None), then the mean (Hq, d) and the
+        covariance / N (Hq, d, d), in float64 where the device has it (else float32, centred first)."""
+        import torch
+
+        wide = _wide(self.device)
+        q = self.layers[layer][:, torch.tensor(np.asarray(rows), device=self.device)].to(wide)
+        if inv_freq is not None:  # x cos + rotate_half(x) sin at -position
+            pos = torch.tensor(-np.asarray(positions, dtype=np.float64), device=self.device)
+            angle = pos[:, None].to(wide) * torch.tensor(inv_freq, device=self.device).to(wide)
+            cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+            half = q.shape[-1] // 2
+            q = q * cos + torch.cat([-q[..., half:], q[..., :half]], -1) * sin
+        n = q.shape[1]
+        mu = q.mean(dim=1)  # (Hq, d)
+        centred = q - mu[:, None]
+        cov = centred.transpose(1, 2) @ centred / n  # (Hq, d, d)
+        return self.crossing.send(mu, float64=True), self.crossing.send(cov, float64=True)
+
+    def expected_attention(self, layer: int, first: int, stop: int, mu: np.ndarray, cov):
+        """kvviz.policies.expected_attention.expected_attention of this stack's keys first..stop-1, on
+        the device: the linear term in float64 (where the device has it), the quadratic one in float32
+        on the keys centred on their mean, as the host computes them. Returns (Hkv, stop - first)."""
+        import torch
+
+        wide = _wide(self.device)
+        keys = self.layers[layer][:, first:stop].to(wide)  # (Hkv, n, d)
+        d = keys.shape[-1]
+        mu_t = torch.tensor(mu, device=self.device).to(wide)  # (Hkv, g, d)
+        kbar = keys.mean(dim=1, keepdim=True)
+        delta = keys - kbar
+        w = mu_t / float(np.sqrt(d))
+        if cov is not None:
+            cov_t = torch.tensor(cov, device=self.device).to(wide)  # (Hkv, g, d, d)
+            w = w + (cov_t @ kbar[:, None, 0, :, None])[..., 0] / d
+        z = delta @ w.transpose(1, 2)  # (Hkv, n, g)
+        if cov is not None:
+            Hkv, g = mu_t.shape[:2]
+            delta32 = delta.float()
+            stacked = cov_t.transpose(1, 2).reshape(Hkv, d, g * d).float()  # [S_1 .. S_g]
+            for start in range(0, delta32.shape[1], 1024):
+                part = delta32[:, start : start + 1024]
+                y = (part @ stacked).reshape(Hkv, -1, g, d)
+                quad = (y @ part[..., None])[..., 0]  # (Hkv, m, g)
+                z[:, start : start + 1024] += (quad * (0.5 / d)).to(wide)
+        return self.crossing.send(torch.softmax(z, dim=1).mean(dim=2), float64=True)
 
     def normalised_mean(self, layer: int, stop: int):
         """kvviz.attention.normalised_mean in torch, float32: norms (H, stop), anchor (H, D), dots (H, stop)."""
@@ -176,6 +227,15 @@ class DeviceStack:
         anchor = ((1.0 / norms)[:, None, :] @ x)[:, 0] / stop  # (H, D)
         dots = (x @ anchor[..., None])[..., 0]
         return self.crossing.send(norms), self.crossing.send(anchor), self.crossing.send(dots)
+
+
+def _wide(device):
+    """float64 where the device has it (not MPS), else float32."""
+    import torch
+
+    from kvviz.decode.devquant import float64_ok
+
+    return torch.float64 if float64_ok(device) else torch.float32
 
 
 def _torch_key(key):
