@@ -182,8 +182,8 @@ class DeviceStack:
         wide = _wide(self.device)
         q = self.layers[layer][:, torch.tensor(np.asarray(rows), device=self.device)].to(wide)
         if inv_freq is not None:  # x cos + rotate_half(x) sin at -position
-            pos = torch.tensor(-np.asarray(positions, dtype=np.float64), device=self.device)
-            angle = pos[:, None].to(wide) * torch.tensor(inv_freq, device=self.device).to(wide)
+            pos = _on(-np.asarray(positions, dtype=np.float64), wide, self.device)
+            angle = pos[:, None] * _on(inv_freq, wide, self.device)
             cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
             half = q.shape[-1] // 2
             q = q * cos + torch.cat([-q[..., half:], q[..., :half]], -1) * sin
@@ -202,12 +202,12 @@ class DeviceStack:
         wide = _wide(self.device)
         keys = self.layers[layer][:, first:stop].to(wide)  # (Hkv, n, d)
         d = keys.shape[-1]
-        mu_t = torch.tensor(mu, device=self.device).to(wide)  # (Hkv, g, d)
+        mu_t = _on(mu, wide, self.device)  # (Hkv, g, d)
         kbar = keys.mean(dim=1, keepdim=True)
         delta = keys - kbar
         w = mu_t / float(np.sqrt(d))
         if cov is not None:
-            cov_t = torch.tensor(cov, device=self.device).to(wide)  # (Hkv, g, d, d)
+            cov_t = _on(cov, wide, self.device)  # (Hkv, g, d, d)
             w = w + (cov_t @ kbar[:, None, 0, :, None])[..., 0] / d
         z = delta @ w.transpose(1, 2)  # (Hkv, n, g)
         if cov is not None:
@@ -228,6 +228,13 @@ class DeviceStack:
         anchor = ((1.0 / norms)[:, None, :] @ x)[:, 0] / stop  # (H, D)
         dots = (x @ anchor[..., None])[..., 0]
         return self.crossing.send(norms), self.crossing.send(anchor), self.crossing.send(dots)
+
+
+def _on(a, dtype, device):
+    """A float64 numpy array as a tensor of `dtype` on `device` (converted on the host: MPS has no float64)."""
+    import torch
+
+    return torch.as_tensor(np.asarray(a, dtype=np.float64)).to(dtype).to(device)
 
 
 def _wide(device):
