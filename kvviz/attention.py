@@ -178,6 +178,12 @@ def context_rows(
     max and sum, but a product of another shape may run another BLAS kernel (OpenBLAS picks
     it by processor), with another summation order in the last bits.
     """
+    on_device = getattr(
+        trace.k, "context_rows", None
+    )  # computed where the arrays live (decode.devtrace)
+    if on_device is not None and trace.logits is None:
+        yield from on_device(trace, layer, heads, rows, n_keys, chunk, trim)
+        return
     chunk = chunk_rows(len(heads), n_keys, chunk)
     q_all = trace.q[layer][heads]  # (H, Nq, D)
     kv = trace.kv_head(np.asarray(heads))
@@ -209,3 +215,50 @@ def context_rows(
         np.exp(logits, out=logits)
         logits /= logits.sum(axis=-1, keepdims=True)
         yield idx, logits
+
+
+def attention_sums(
+    trace: Trace, layer: int, heads: np.ndarray, rows: np.ndarray, n_keys: int, trim: bool = False
+) -> np.ndarray:
+    """(len(heads), n_keys) float64: the attention the context queries `rows` pay each key 0..n_keys-1,
+    summed over the rows (each chunk of context_rows summed in float64). Where the trace's arrays live on
+    a device (kvviz.decode.devtrace) the sums are made there and only they cross to the host."""
+    on_device = getattr(trace.k, "attention_sums", None)
+    if on_device is not None and trace.logits is None:
+        return on_device(trace, layer, heads, rows, n_keys, trim)
+    out = np.zeros((len(heads), n_keys))
+    for _, attn in context_rows(trace, layer, heads, rows, n_keys, trim=trim):
+        out[:, : attn.shape[-1]] += attn.sum(axis=1, dtype=np.float64)
+    return out
+
+
+def row_norms(stack, layer: int, stop: int | None = None, float64: bool = False) -> np.ndarray:
+    """(heads, positions) L2 norms of the rows (keys or values) of one layer of a trace array, up to
+    `stop`: in the array's precision (float32 for a device's: kvviz.decode.devtrace), or summed in float64."""
+    on_device = getattr(stack, "row_norms", None)
+    if on_device is not None:
+        return on_device(layer, stop, float64)
+    x = stack[layer][:, :stop]
+    if float64:
+        return np.sqrt(np.einsum("hci,hci->hc", x, x, dtype=np.float64))
+    return np.sqrt(np.vecdot(x, x))
+
+
+def normalised_mean(stack, layer: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows 0..stop-1 of one layer of a trace array (keys): their norms (H, stop), the mean of the
+    normalised rows a = mean_i k_i / ||k_i|| (H, D) and each row's dot with it (H, stop) (KeyDiff's inputs).
+
+    In the keys' own precision, as kvpress computes it (float32 BLAS: a float64 copy of K cost 7x the
+    time and moved no kept set in the kvpress reference test). Where the array lives on a device
+    (kvviz.decode.devtrace) they are computed there and only they cross to the host."""
+    on_device = getattr(stack, "normalised_mean", None)
+    if on_device is not None:
+        return on_device(layer, stop)
+    keys = stack[layer][:, :stop]  # (H, c, d), the trace's dtype
+    if keys.dtype not in (np.float32, np.float64):  # float16 and friends: float32
+        keys = keys.astype(np.float32)
+    norms = np.maximum(np.sqrt(np.einsum("hcd,hcd->hc", keys, keys)), keys.dtype.type(1e-12))
+    # a BLAS product (1/||k||)^T K a head, no normalised copy of K
+    anchor = np.matmul((1.0 / norms)[:, None, :], keys)[:, 0] / keys.dtype.type(stop)
+    dots = np.matmul(keys, anchor[..., None])[..., 0]  # k_i . a, one BLAS product a head
+    return norms, anchor, dots

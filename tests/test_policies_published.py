@@ -219,7 +219,7 @@ def test_h2o_compression_scores_are_the_attention_each_token_received(normalized
     very float32 chunks H2O was given to 1e-12 (a float32 sum of 512 rows drifts by ~1e-6). Those chunks are
     recorded, not recomputed: a second computation with other shapes runs other BLAS kernels, whose last
     float32 bits differ by processor (OPENBLAS_CORETYPE), and would make this a test of the BLAS."""
-    from kvviz.policies import base
+    import kvviz.attention as attention
     from kvviz.policies.base import ScoreContext
     from kvviz.policies.h2o import H2O
 
@@ -232,14 +232,14 @@ def test_h2o_compression_scores_are_the_attention_each_token_received(normalized
     divide = np.maximum(count, 1) if normalized else 1.0
     chunks = []
 
-    def recording(*args, **kwargs):
-        for idx, attn in base.context_rows(*args, **kwargs):
+    original = attention.context_rows
+
+    def recording(*args, **kwargs):                      # what H2O's attention_sums sums, chunk by chunk
+        for idx, attn in original(*args, **kwargs):
             chunks.append(attn.copy())
             yield idx, attn
 
-    monkeypatch.setattr(ScoreContext, "context_attention",
-                        lambda self, trim=False: recording(self.trace, self.layer, np.arange(self.trace.n_q_heads),
-                                                           self.history_rows, self.n_context, trim=trim))
+    monkeypatch.setattr(attention, "context_rows", recording)
     got = H2O().score(ctx)[0, :c]
     total = sum(causal_attention(t, 0, h, rows, c).sum(axis=0) for h in range(t.n_q_heads))
     np.testing.assert_allclose(got, total / divide, rtol=2e-5)

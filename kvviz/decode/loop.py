@@ -73,14 +73,16 @@ class Prefill:
     of n <= len(ids) tokens starts from here instead of running the prompt again.
         logits  (N, vocab) float32   the full-cache logits at every position (on the model's device)
         k, v    (L, kv_heads, N, D)  post-RoPE, as a cache holds them (the model's device and dtype)
-        q       (L, q_heads, N, D)   float32 numpy, for the policies' Trace of the prompt
+        q       (L, q_heads, N, D)   for the policies' Trace of the prompt: float32 numpy for a float32
+                                     CPU model, else on the model's device in its dtype (never copied
+                                     to the host: kvviz.decode.devtrace)
     """
 
     ids: tuple[int, ...]
     logits: Any
     k: Any
     v: Any
-    q: np.ndarray
+    q: Any
     seconds: float
 
     def covers(self, prompt_ids: Sequence[int]) -> bool:
@@ -104,9 +106,18 @@ def prefill(model, ids: Sequence[int]) -> Prefill:
         logits=logits,
         k=cache.k,
         v=cache.v,
-        q=np.stack(cache.prefill_q),
+        q=_stack(cache.prefill_q),
         seconds=time.perf_counter() - t0,
     )
+
+
+def _stack(layers: list):
+    """Per-layer queries (Hq, N, D) as one (L, Hq, N, D) array: numpy, or a tensor where they live."""
+    if isinstance(layers[0], np.ndarray):
+        return np.stack(layers)
+    import torch
+
+    return torch.stack(layers)
 
 
 def decode(
