@@ -91,6 +91,12 @@ class Comparison:
     primary_source: str = ""
     # the model's own number of the view's layer (a capture may keep some)
     layer_number: int | None = None
+    # the model's own number of every layer of the trace, by position (empty: the positions are the numbers)
+    layer_numbers: tuple[int, ...] = ()
+
+    def layer_name(self, position: int) -> int:
+        """A layer's number in the model from its position in the trace (a member row's `layer`)."""
+        return self.layer_numbers[position] if self.layer_numbers else int(position)
 
     @property
     def model_layer(self) -> int:
@@ -328,6 +334,7 @@ def compare(
         notes=notes,
         primary_source=str(trace.meta.get("source", "")),
         layer_number=trace.layer_numbers[view.layer],
+        layer_numbers=trace.layer_numbers,
     )
 
 

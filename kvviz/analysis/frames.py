@@ -89,11 +89,11 @@ def ensemble_text(comp: Comparison) -> str:
         return row_text(comp)
     kind = comp.ensemble
     if kind == "heads":
-        return f"query heads {ranges_text(r.head for r in rows)} of layer {rows[0].layer}"
+        return f"query heads {ranges_text(r.head for r in rows)} of layer {comp.model_layer}"
     if kind == "layers":
-        return f"query head {rows[0].head} in layers {ranges_text(r.layer for r in rows)}"
+        return f"query head {rows[0].head} in layers {ranges_text(comp.layer_name(r.layer) for r in rows)}"
     if kind == "steps":
-        return f"layer {rows[0].layer}, head {rows[0].head}, queries at positions {ranges_text(r.position for r in rows)}"
+        return f"layer {comp.model_layer}, head {rows[0].head}, queries at positions {ranges_text(r.position for r in rows)}"
     return f"{len(rows)} random seeds"
 
 

@@ -20,6 +20,7 @@ GRID_MAX_TOKENS = 1500
 
 
 def _jump(layer: int, head: int) -> None:
+    """Open (layer, head): `layer` the model's own number, as the Layer box and the link name it."""
     for name, value in (("layer", layer), ("head", head)):
         state()[name] = value
         st.session_state[name] = value
@@ -58,17 +59,23 @@ def head_overview(source: Source, spec: Spec, view: View) -> None:
             return
         label = "TV distance" if metric == "tv_distance" else "mass retained"
         chart(
-            figures.heatmap_figure(grid, f"{label} per layer and query head at this query", label),
+            figures.heatmap_figure(
+                grid,
+                f"{label} per layer and query head at this query",
+                label,
+                layers=t.layer_numbers,
+            ),
             key="overview_chart",
         )
         worst = np.unravel_index(
             np.argmax(grid) if metric == "tv_distance" else np.argmin(grid), grid.shape
         )
+        worst_layer = t.layer_numbers[int(worst[0])]
         st.button(
-            f"Jump to the head that loses most: layer {worst[0]}, head {worst[1]}",
+            f"Jump to the head that loses most: layer {worst_layer}, head {worst[1]}",
             key="_jump_worst",
             on_click=_jump,
-            args=(int(worst[0]), int(worst[1])),
+            args=(int(worst_layer), int(worst[1])),
         )
         st.caption(
             "What to look for: bright cells (TV) or dark cells (mass) are the heads this setting hurts; "

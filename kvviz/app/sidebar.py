@@ -303,7 +303,7 @@ def view_section(
 
 
 def typical_head(trace: Trace) -> tuple[int, int, str]:
-    """(layer, head, why): the head whose attention concentration (top-10% mass at the last
+    """(layer's position in the trace, head, why): the head whose attention concentration (top-10% mass at the last
     query) is the median over every layer and head - typical, neither the best nor the worst."""
     from kvviz.analysis.frames import concentration
 
@@ -311,8 +311,8 @@ def typical_head(trace: Trace) -> tuple[int, int, str]:
     order = np.argsort(top10, axis=None, kind="stable")
     layer, head = np.unravel_index(order[len(order) // 2], top10.shape)
     why = (
-        f"Opened on layer {layer}, head {head}: the head whose attention concentration (top-10% mass "
-        f"{top10[layer, head]:.0%}) is the median of all {top10.size} heads — typical, neither the best nor the "
+        f"Opened on layer {trace.layer_numbers[layer]}, head {head}: the head whose attention concentration "
+        f"(top-10% mass {top10[layer, head]:.0%}) is the median of all {top10.size} heads — typical, neither the best nor the "
         "worst (layer 0, head 0 is often the most diffuse). Change it under View."
     )
     return int(layer), int(head), why
@@ -334,7 +334,10 @@ def representative_head(source: Source) -> None:
     if source.trace.n_layers * source.trace.n_q_heads <= 1:
         return
     layer, head, why = typical_head(source.trace)
-    for name, value in (("layer", layer), ("head", head)):
+    for name, value in (
+        ("layer", source.trace.layer_numbers[layer]),
+        ("head", head),
+    ):  # the link's number
         store[name] = value
         ss.pop(name, None)
     ss["_typical_note"] = why
@@ -372,15 +375,16 @@ def sidebar(
     return Settings(source, spec, view)
 
 
-def layer_picker(where, t) -> int:
+def layer_picker(where, t, name: str = "layer") -> int:
     """The Layer box: the model's own layer numbers (a capture of `--layers 0-3,15,29` offers those six), the
-    link's `layer` being that number too; returns the layer's position in the trace."""
+    link's `name` (`layer`, the timeline's `tl_layer`) being that number too; returns the layer's position
+    in the trace."""
     numbers = t.layer_numbers
     if numbers == tuple(range(t.n_layers)):
-        return int(w_number(where, "layer", "Layer", 0, t.n_layers - 1, disabled=t.n_layers == 1))
+        return int(w_number(where, name, "Layer", 0, t.n_layers - 1, disabled=t.n_layers == 1))
     number = w_choice(
         where,
-        "layer",
+        name,
         "Layer (the model's number)",
         numbers,
         help="This trace holds some of the model's layers; each is named by its number in the model.",

@@ -335,14 +335,22 @@ def heatmap_figure(
     zmin: float | None = None,
     zmax: float | None = None,
     fmt: str = ".2f",
+    layers: Sequence[int] | None = None,
 ) -> go.Figure:
-    """A layers x heads heatmap (cividis: perceptually uniform and colour-blind safe)."""
+    """A layers x heads heatmap (cividis: perceptually uniform and colour-blind safe); one cell a (layer, head),
+    so it sends layers x heads numbers to the browser whatever the trace's length.
+
+    `layers` names the rows by the model's own layer numbers (`Trace.layer_numbers`: a capture may keep
+    some layers); without it the rows are numbered 0..layers-1."""
     m = np.asarray(matrix)
+    numbers = list(range(m.shape[0])) if layers is None else [int(x) for x in layers]
+    if len(numbers) != m.shape[0]:
+        raise ValueError(f"{len(numbers)} layer numbers for {m.shape[0]} rows")
     fig = go.Figure(
         go.Heatmap(
             z=m,
             x=[str(h) for h in range(m.shape[1])],
-            y=[str(layer) for layer in range(m.shape[0])],
+            y=[str(layer) for layer in numbers],
             colorscale="Cividis",
             zmin=zmin,
             zmax=zmax,
@@ -355,7 +363,11 @@ def heatmap_figure(
         )
     )
     fig = layout(
-        fig, title, "query head (index)", "layer (index)", height=max(260, 120 + 18 * m.shape[0])
+        fig,
+        title,
+        "query head (index)",
+        "layer (index)" if layers is None else "layer (the model's number)",
+        height=max(260, 120 + 18 * m.shape[0]),
     )
     fig.update_yaxes(autorange="reversed", type="category")
     fig.update_xaxes(type="category")
