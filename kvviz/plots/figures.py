@@ -140,9 +140,11 @@ def binned_attention_figure(
     y_top: float | None = None,
 ) -> go.Figure:
     """Long sequences: one bar pair per bin; the original bar splits into kept (grey) and evicted
-    (vermillion, hatched) mass, the compressed bar beside it.
+    (vermillion, hatched) mass, the compressed bar beside it, each the sum over the bin's tokens; a black
+    tick marks the largest single token's original attention in the bin (how peaked the bin is).
 
-    `frame` is `kvviz.analysis.frames.binned_frame`.
+    `frame` is `kvviz.analysis.frames.binned_frame` (of the whole row or a range of it): 4 traces of one
+    point per bin, whatever the row's length.
     """
     width = float(frame["tokens"].max())
     centers = frame["start"] + (frame["tokens"] - 1) / 2
@@ -199,17 +201,35 @@ def binned_attention_figure(
         customdata=custom,
         hovertemplate=hover,
     )
+    if "original_max" in frame:
+        fig.add_scatter(
+            x=centers,
+            y=frame["original_max"],
+            mode="markers",
+            name="original: largest single token in the bin",
+            marker=dict(
+                symbol="line-ew-open", size=10, color=OKABE_ITO["black"], line=dict(width=2)
+            ),
+            customdata=custom,
+            hovertemplate="<b>tokens %{customdata[0]}-%{customdata[1]}</b><br>largest single token "
+            "%{y:.4f}<extra></extra>",
+        )
     fig.update_layout(barmode="overlay")
     layout(
         fig,
         title,
-        f"token position (bins of {int(width)} tokens)",
-        "attention mass per bin (probability)",
+        f"token position {_span(frame)} (bins of {int(width)} tokens)",
+        "attention mass per bin (sum over its tokens)",
         subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)",
     )
     if y_top:
         fig.update_yaxes(range=[0, y_top], autorange=False)
     return fig
+
+
+def _span(frame: pd.DataFrame) -> str:
+    """'0-32767': the tokens a binned frame covers."""
+    return f"{int(frame['start'].iloc[0])}-{int(frame['end'].iloc[-1])}"
 
 
 BAND_TEXT = {
@@ -253,8 +273,8 @@ def error_figure(
             "tokens %{customdata[0]}-%{customdata[1]}",
             np.stack([frame["start"], frame["end"]], axis=1),
         )
-        x_title = f"token position (bins of {int(frame['tokens'].max())} tokens)"
-        y_title = "error in attention mass per bin (probability)"
+        x_title = f"token position {_span(frame)} (bins of {int(frame['tokens'].max())} tokens)"
+        y_title = "error in attention mass per bin (sum over its tokens)"
     else:
         where = (
             "%{customdata[0]} (position %{customdata[1]})",
@@ -300,6 +320,16 @@ def error_figure(
             + "<extra></extra>"
         ),
     )
+    if binned and "error_extreme" in frame:
+        fig.add_scatter(
+            x=x,
+            y=frame["error_extreme"],
+            mode="markers",
+            name="largest single-token error in the bin (one row)",
+            marker=dict(symbol="circle-open", size=6, color=OKABE_ITO["blue"]),
+            customdata=ids,
+            hovertemplate=f"<b>{label}</b><br>largest single-token error %{{y:.5f}}<extra></extra>",
+        )
     if pinned is not None:
         px = pinned["start"] + (pinned["tokens"] - 1) / 2 if binned else pinned["position"]
         fig.add_scatter(
