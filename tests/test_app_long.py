@@ -90,3 +90,21 @@ def test_the_token_grid_of_a_long_text_is_paged_from_its_last_page(tmp_path, mon
     assert not at.exception and store(at)["grid_page"] == 0
     page = next(h.proto.body for h in at.get("html") if ">w0<" in h.proto.body)
     assert f">w{GRID_MAX_TOKENS - 1}<" in page and f">w{GRID_MAX_TOKENS}<" not in page
+
+
+def test_a_big_trace_opens_on_the_median_head_of_its_middle_layer(monkeypatch):
+    """Past TYPICAL_ALL_LAYERS_BYTES of keys the typical head is chosen within the middle layer (one layer
+    read, not every layer of a 3 GB file); below it, among every layer and head."""
+    from kvviz.analysis.frames import concentration
+    from kvviz.app import sidebar
+    from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+
+    t = make_synthetic(SyntheticSpec(context=96, steps=0, layers=5, q_heads=4, kv_heads=2))
+    top10 = concentration(t, fractions=np.array([0.1])).top10
+    layer, head, why = sidebar.typical_head(t)
+    flat = np.argsort(top10, axis=None, kind="stable")
+    assert (layer, head) == np.unravel_index(flat[len(flat) // 2], top10.shape) and "all 20 heads" in why
+    monkeypatch.setattr(sidebar, "TYPICAL_ALL_LAYERS_BYTES", t.k.nbytes - 1)
+    layer, head, why = sidebar.typical_head(t)
+    assert layer == 2 and head == np.argsort(top10[2], kind="stable")[2]
+    assert "the 4 heads of layer 2 (a big trace: one layer read)" in why
