@@ -67,7 +67,7 @@ def test_the_whole_row_is_binned_with_the_mass_and_the_largest_token_of_each_bin
     by_bin = p.error.reshape(MAX_BINS, w)
     assert np.array_equal(frame["error_extreme"], by_bin[np.arange(MAX_BINS), np.abs(by_bin).argmax(axis=1)])
     att, err = all_figures(frame, True, len(long_row.members))
-    assert att.layout.yaxis.title.text == "attention mass per bin (sum over its tokens)"
+    assert att.layout.yaxis.title.text == "attention mass per bin (sum)"
     assert "original: largest single token in the bin" in [t.name for t in att.data]
     assert "largest single-token error in the bin (one row)" in [t.name for t in err.data]
     assert att.layout.xaxis.title.text == f"token position 0-{N - 1} (bins of {w} tokens)"

@@ -17,7 +17,7 @@ from kvviz.trace import Trace, TraceError
 OVERVIEW_MAX_CELLS = 1024  # layers x heads
 # a 32k-token row: the heatmap sends layers x heads numbers whatever the length (computing it is the cost)
 OVERVIEW_MAX_TOKENS = 32768
-GRID_MAX_TOKENS = 1500
+GRID_MAX_TOKENS = 1024  # tokens a page of the token grid holds
 
 
 def _jump(layer: int, head: int) -> None:

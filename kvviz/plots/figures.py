@@ -219,7 +219,7 @@ def binned_attention_figure(
         fig,
         title,
         f"token position {_span(frame)} (bins of {int(width)} tokens)",
-        "attention mass per bin (sum over its tokens)",
+        "attention mass per bin (sum)",
         subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)",
     )
     if y_top:
@@ -274,7 +274,7 @@ def error_figure(
             np.stack([frame["start"], frame["end"]], axis=1),
         )
         x_title = f"token position {_span(frame)} (bins of {int(frame['tokens'].max())} tokens)"
-        y_title = "error in attention mass per bin (sum over its tokens)"
+        y_title = "mass error per bin (sum)"
     else:
         where = (
             "%{customdata[0]} (position %{customdata[1]})",
@@ -460,7 +460,7 @@ def token_grid_html(
             e = err[i] / worst if worst > 0 else 0.0
             bg = _mix(OKABE_ITO["vermillion"] if e < 0 else OKABE_ITO["blue"], abs(e) ** 0.5)
             fg = "#ffffff" if abs(e) > 0.35 else "#000000"
-        strike = "line-through" if why == "evicted" else "none"
+        strike = ";text-decoration:line-through" if why == "evicted" else ""
         label = escape(tok) if tok.strip() else "&nbsp;"
         edge = "#8a8a8a" if border == "dashed" else (bg if shade == "reason" else "#555555")
         if context_len is not None and i == context_len:
@@ -472,8 +472,7 @@ def token_grid_html(
         chips.append(
             f"<span title='{i}: {escape(tok)!s} — {escape(kind)}, attention {a:.4f}, error {err[i]:+.4f}' "
             f"style='display:inline-block;margin:2px;padding:1px 5px;border-radius:4px;"
-            f"background:{bg};color:{fg};border:2px {border} {edge};"
-            f"text-decoration:{strike};font-family:monospace;font-size:13px'>{label}</span>"
+            f"background:{bg};color:{fg};border:2px {border} {edge}{strike}'>{label}</span>"
         )
     if shade == "reason":
         items = [(name, *GRID_STYLES[name]) for name in GRID_STYLES if name in present]
@@ -495,7 +494,11 @@ def token_grid_html(
         f"font-size:12px'>{escape(name)}</span>"
         for name, bg, fg, border in items
     )
-    return f"<div>{legend}</div><div style='line-height:1.9'>{''.join(chips)}</div>"
+    # the chips' font on their box, once (a page of a long text is a thousand chips, sent on every rerun)
+    return (
+        f"<div>{legend}</div><div style='line-height:1.9;font-family:monospace;font-size:13px'>"
+        f"{''.join(chips)}</div>"
+    )
 
 
 # --- export -------------------------------------------------------------------------------------
