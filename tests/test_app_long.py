@@ -52,7 +52,8 @@ def test_the_range_boxes_zoom_the_charts_to_single_tokens_and_page_by_its_width(
 
 def test_a_linked_range_opens_zoomed_and_a_range_past_the_row_is_clamped():
     at = run_app(APP, zoom_from="1000", zoom_to="2000", **LONG)
-    assert at.number_input(key="zoom_to").value == 1023
+    assert at.number_input(key="zoom_to").value == 1023 and store(at)["zoom_to"] == -1
+    assert any("to token 2000 is out of range (0-1023); clamped to 1023." in w.value for w in at.warning)
     assert chart_x(at, 0) == list(range(1000, 1024))
     at = run_app(APP, zoom_from="5000", **LONG)
     assert at.number_input(key="zoom_from").value == 1023

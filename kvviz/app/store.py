@@ -384,6 +384,9 @@ def w_last_is_minus_one(
     if name in ss and ss.get(f"_scope_{name}") == scope and int(ss[name]) < 0:
         notice(f"{label} {ss[name]} is out of range (0-{n - 1}); clamped to 0.")
         ss[name] = 0
+    if store[name] > n - 1:  # a linked number past the end: the last, said in the box's own range
+        notice(f"{label} {store[name]} is out of range (0-{n - 1}); clamped to {n - 1}.")
+        store[name] = -1
     _bind(
         name,
         -1,
