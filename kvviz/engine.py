@@ -95,12 +95,18 @@ class Comparison:
     layer_number: int | None = None
     # the view's layer's sliding window in tokens (None: full attention)
     layer_window: int | None = None
+    # the model's own number of every layer of the trace, by position (empty: the positions are the numbers)
+    layer_numbers: tuple[int, ...] = ()
 
     @property
     def layer_kind(self) -> str:
         """The view's layer's kind: "sliding_attention" (not compressed: the model's own window) or
         "full_attention"."""
         return "full_attention" if self.layer_window is None else "sliding_attention"
+
+    def layer_name(self, position: int) -> int:
+        """A layer's number in the model from its position in the trace (a member row's `layer`)."""
+        return self.layer_numbers[position] if self.layer_numbers else int(position)
 
     @property
     def model_layer(self) -> int:
@@ -366,6 +372,7 @@ def compare(
         primary_source=str(trace.meta.get("source", "")),
         layer_number=trace.layer_numbers[view.layer],
         layer_window=trace.layer_windows[view.layer],
+        layer_numbers=trace.layer_numbers,
     )
 
 

@@ -129,10 +129,17 @@ class Timeline:
     policies: dict[str, PolicyTimeline]
     # policy -> why it cannot run with this spec
     skipped: dict[str, str] = field(default_factory=dict)
+    # the model's own number of `layer` (a position in the trace; a capture may keep some layers)
+    layer_number: int | None = None
     # the one-shot scorers compress again every N steps (0: once)
     compress_every: int = 0
     # policies run without spec.compress_every (they decide every step)
     decides_every_step: tuple[str, ...] = ()
+
+    @property
+    def model_layer(self) -> int:
+        """The layer as the model numbers it (the position in the trace where it does not say)."""
+        return self.layer if self.layer_number is None else self.layer_number
 
     @property
     def n_steps(self) -> int:
@@ -318,6 +325,7 @@ def timeline(
         context_len=trace.context_len,
         need=need,
         policies=out,
+        layer_number=trace.layer_numbers[layer],
         skipped=skipped,
         compress_every=compress_every,
         decides_every_step=tuple(once),
