@@ -170,31 +170,44 @@ def browser(chromium_path):
 #   while the page changes and right after every address change (with the time), so a test can ask
 #   what the address bar held when the page first showed a new view.
 PAGE_PROBE_JS = """
-window.__kvviz = {runs: 0, state: null, changed: performance.now(), samples: []};
+window.__kvviz = {runs: 0, state: null, changed: performance.now(), samples: [], order: 0, asked: 0, started: 0,
+                  early: false};
 // Runs are counted from the server's messages, not from the page: a quick run's "running" and
 // "notRunning" can reach React in one batch and never touch the DOM (seen once the server's
 // connections sent each message at once: kvviz.app.serve._no_delay). Every run, full or fragment,
-// ends with a ForwardMsg carrying script_finished (field 6, a varint); read the top-level fields.
-const finishes = (data) => {
-  if (!(data instanceof ArrayBuffer)) return false;
-  const b = new Uint8Array(data);
+// starts with a ForwardMsg carrying new_session (field 4) and ends with one carrying script_finished
+// (field 6, a varint: 2 is FINISHED_EARLY_FOR_RERUN, a run stopped because another one follows at once:
+// st.rerun, st.switch_page, input while it ran). Every run the page asks for is a BackMsg carrying
+// rerun_script (field 11): a widget, a page link, a component's report. So the app has nothing more to
+// do once a run has started after the page last asked for one and has finished, not stopped for the
+// next: idle() reads that instead of waiting for the page to stay quiet a long while.
+const fields = (data) => {     // a protobuf message's top-level fields: {field: varint value or true}
+  const out = {};
+  const b = data instanceof ArrayBuffer ? new Uint8Array(data)
+          : ArrayBuffer.isView(data) ? new Uint8Array(data.buffer, data.byteOffset, data.byteLength) : null;
+  if (!b) return out;
   let i = 0;
   const varint = () => { let x = 0, f = 1, c; do { c = b[i++]; x += (c & 0x7f) * f; f *= 128; } while (c & 0x80 && i < b.length); return x; };
   while (i < b.length) {
     const tag = varint(), field = Math.floor(tag / 8), wire = tag % 8;
-    if (field === 6 && wire === 0) return true;
-    if (wire === 0) varint(); else if (wire === 2) { const n = varint(); i += n; } else if (wire === 1) i += 8;
-    else if (wire === 5) i += 4; else return false;
+    if (wire === 0) out[field] = varint(); else if (wire === 2) { const n = varint(); i += n; out[field] = true; }
+    else if (wire === 1) i += 8; else if (wire === 5) i += 4; else return out;
   }
-  return false;
+  return out;
 };
 const Socket = window.WebSocket;
 window.WebSocket = class extends Socket {
   constructor(...args) {
     super(...args);
     this.addEventListener('message', (e) => {
-      if (finishes(e.data)) { window.__kvviz.runs++; window.__kvviz.changed = performance.now(); }
+      const k = window.__kvviz, f = fields(e.data);
+      if (f[4] === true) { k.started = ++k.order; k.changed = performance.now(); }
+      if (typeof f[6] === 'number') { k.runs++; k.early = f[6] === 2; k.changed = performance.now(); }
     });
+  }
+  send(data) {
+    if (fields(data)[11] === true) { const k = window.__kvviz; k.asked = ++k.order; k.changed = performance.now(); }
+    return super.send(data);
   }
 };
 // Every state the app passed through, in order (what the page shows while it runs).
@@ -276,13 +289,14 @@ def runs(page) -> int:
     return page.evaluate("window.__kvviz.runs")
 
 
-def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
-    """Wait until the app has run more than `after` times and is idle: its script-run state is
-    "notRunning", and neither it nor the page's results nor the address bar has changed for
-    `quiet_ms` (a callback's st.rerun or a page switch starts the next run within that), no element
-    is still loading (a skeleton; a chart's frame or the first-paint probe, whose report is still to
-    come: kvviz.app.charts) and every chart on screen is drawn. Not "a chart exists": a chart from the
-    previous run exists too."""
+def idle(page, after: int = 0, quiet_ms: int = 200) -> None:
+    """Wait until the app has run more than `after` times and is idle: no run is pending (every run the
+    page asked for has started, and the last one finished rather than stopped for a rerun: an st.rerun
+    or a page switch; PAGE_PROBE_JS), its script-run state is "notRunning", neither it nor the page's
+    results nor the address bar has changed for `quiet_ms` (the page has drawn the run's last
+    messages), no element is still loading (a skeleton; a chart's frame or the first-paint probe, whose
+    report is still to come: kvviz.app.charts) and every chart on screen is drawn. Not "a chart
+    exists": a chart from the previous run exists too."""
     from playwright.sync_api import TimeoutError as WaitRanOut
 
     from kvviz.app.charts import PROBE_KEY, WAITING
@@ -293,6 +307,7 @@ def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
         page.wait_for_function(
             """([after, quiet, loading, probe]) => { const k = window.__kvviz, last = k.samples[k.samples.length - 1];
                                    return k.runs > after && k.state === 'notRunning'
+                                   && k.started > k.asked && !k.early
                                    && performance.now() - Math.max(k.changed, last ? last[2] : 0) > quiet
                                    && !document.querySelector(probe)
                                    && !Array.from(document.querySelectorAll(loading))
@@ -302,6 +317,7 @@ def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
             arg=[after, quiet_ms, loading, probe], timeout=TIMEOUT, polling=100)
     except WaitRanOut as e:   # say what the app was doing, not only that the wait ran out
         state = page.evaluate("""([loading, probe]) => ({runs: window.__kvviz.runs, state: window.__kvviz.state,
+            asked: window.__kvviz.asked, started: window.__kvviz.started, early: window.__kvviz.early,
             sinceChange: performance.now() - window.__kvviz.changed, samples: window.__kvviz.samples.length,
             sinceSample: performance.now() - (window.__kvviz.samples.at(-1) || [0, 0, 0])[2],
             skeletons: Array.from(document.querySelectorAll(loading)).filter(c => c.offsetParent !== null).length,
