@@ -414,25 +414,62 @@ def _module_fixture(item) -> bool:
     return False
 
 
-# The browser tests in two xdist groups of about the same time (one per worker of a 2-core machine, each
-# with its own app server and Chromium; the session fixtures above are per worker), by the tests'
-# --durations on a quiet 2-core machine (under load the two groups took 601 s and 538 s). These tests
-# (by name, or their whole module) go to the second group, every other browser test to the first:
-# live-link tests of 100 + 48 + 45 + 34 s, the layout sweep's 36 s, the fresh servers, the hostile
-# links and the lesson, lecture and Studies files, against the Trade-offs, Decode timeline and Needle
-# live links, the Model lab's Cancel and the rest.
-BROWSER_SECOND = {"test_explorer_link_follows_every_single_interaction",
-                  "test_concentration_link_follows_every_single_interaction",
-                  "test_model_lab_link_follows_every_single_interaction",
-                  "test_studies_link_follows_every_single_interaction",
-                  "test_a_fresh_server_opens_a_page_link_as_that_page",
-                  "test_the_huge_link_gives_a_notice_on_every_page_and_the_server_stays_small",
-                  "test_layout_browser", "test_lesson_browser", "test_lecture_browser", "test_study_browser"}
+# The browser tests in one xdist group per worker (each group on its own worker, with its own app server
+# and Chromium; the session fixtures above are per worker), dealt out by weight so the groups take about
+# the same time: the seconds each test took in a measured run (tests/test_browser.py's tests case by case,
+# every other browser module whole, as its module fixtures are built once), heaviest first onto the
+# lightest group. Measured with both workers of a 2-core machine busy (load average 15-20: the
+# proportions count, not the seconds). A browser test not named here weighs BROWSER_UNKNOWN.
+BROWSER_SECONDS = {
+    "test_model_lab_cancel_stops_the_run_and_keeps_the_previous_results": 112,
+    "test_explorer_link_follows_every_single_interaction": 109,
+    "test_decode_timeline_link_follows_every_single_interaction": 82,
+    "test_tradeoffs_link_follows_every_single_interaction": 75,
+    "test_needle_link_follows_every_single_interaction": 68,
+    "test_concentration_link_follows_every_single_interaction": 61,
+    "test_studies_link_follows_every_single_interaction": 60,
+    "test_model_lab_link_follows_every_single_interaction": 53,
+    "test_explorer_slider_moves_metric": 23,
+    "test_address_bar_follows_each_single_interaction_on_the_explorer": 18,
+    "test_address_bar_follows_a_single_interaction_on_every_page": 17,      # each case
+    "test_a_fresh_server_opens_a_page_link_as_that_page": 17,               # each case
+    "test_needle_page_opens_on_the_shipped_grid_and_a_click_opens_a_cell": 16,
+    "test_a_page_link_clicked_before_the_first_paint_report_is_followed": 16,
+    "test_every_page_loads": 13,                                            # each case
+    "test_the_huge_link_gives_a_notice_on_every_page_and_the_server_stays_small": 12,   # each case
+    "test_shared_url_reproduces_state": 10,
+    "test_clicking_a_trade_off_point_opens_it_in_the_explorer": 10,
+    "test_projector_1024x768_clips_nothing": 8,                             # each case
+    "test_the_first_paint_shows_the_cards_and_frames_where_the_charts_come": 8,
+    "test_presentation_mode_puts_the_lesson_above_the_fold": 8,
+    "test_out_of_range_link_shows_notice": 3,
+    "test_layout_browser": 60, "test_lecture_browser": 25, "test_study_browser": 21,    # whole modules
+    "test_needle_browser": 19, "test_lesson_browser": 20,
+}
+BROWSER_UNKNOWN = 15
 
 
-def _browser_group(item) -> str:
-    second = getattr(item, "originalname", item.name) in BROWSER_SECOND or item.path.stem in BROWSER_SECOND
-    return "browser-2" if second else "browser-1"
+def _browser_groups(items, n: int) -> dict[str, str]:
+    """Each browser test's group ("browser-1" .. "browser-n") by node id: the units (a test_browser.py
+    case, a whole other module) by weight, heaviest first (ties by name), each onto the group with the
+    least weight so far (ties: the first). Every worker computes the same from the same collection."""
+    units: dict[str, list] = {}
+    for item in items:
+        units.setdefault(item.nodeid if item.path.stem == "test_browser" else item.path.stem, []).append(item)
+
+    def weight(key: str) -> float:
+        first = units[key][0]
+        if first.path.stem != "test_browser":
+            return BROWSER_SECONDS.get(first.path.stem, BROWSER_UNKNOWN * len(units[key]))
+        return BROWSER_SECONDS.get(getattr(first, "originalname", first.name), BROWSER_UNKNOWN)
+
+    loads, group = [0.0] * max(1, n), {}
+    for key in sorted(units, key=lambda k: (-weight(k), k)):
+        g = loads.index(min(loads))
+        loads[g] += weight(key)
+        for item in units[key]:
+            group[item.nodeid] = f"browser-{g + 1}"
+    return group
 
 
 # tryfirst: xdist's worker reads the xdist_group markers in its own pytest_collection_modifyitems;
@@ -440,15 +477,17 @@ def _browser_group(item) -> str:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """xdist groups (`--dist loadgroup`): the tests of a module with its own module-scoped fixtures stay
-    in one worker, so the fixture is built once; the browser tests are two groups of about equal time
-    (BROWSER_SECOND), one per worker, each with its app server and Chromium. A group is one unit of
-    work: xdist hands out the units with the most tests first, so both browser groups start at once.
+    in one worker, so the fixture is built once; the browser tests are one group per worker, of about
+    equal time (BROWSER_SECONDS), each with its app server and Chromium. A group is one unit of work:
+    xdist hands out the units with the most tests first, so the browser groups start at once.
     Browser tests get a timeout of BROWSER_TIMEOUT seconds; the core tests the `core` marker
     (`make test-fast` runs `-m core`)."""
     xdist = config.pluginmanager.hasplugin("xdist")     # -p no:xdist: its marker is not registered
+    browser = _browser_groups([i for i in items if i.get_closest_marker("browser") is not None],
+                              int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     for item in items:
-        if xdist and item.get_closest_marker("browser") is not None:
-            item.add_marker(pytest.mark.xdist_group(_browser_group(item)))
+        if xdist and item.nodeid in browser:
+            item.add_marker(pytest.mark.xdist_group(browser[item.nodeid]))
         elif xdist and _module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
         if item.get_closest_marker("browser") is not None:
