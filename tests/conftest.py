@@ -170,8 +170,8 @@ def browser(chromium_path):
 #   while the page changes and right after every address change (with the time), so a test can ask
 #   what the address bar held when the page first showed a new view.
 PAGE_PROBE_JS = """
-window.__kvviz = {runs: 0, state: null, changed: performance.now(), samples: [], order: 0, asked: 0, started: 0,
-                  early: false};
+window.__kvviz = {runs: 0, state: null, changed: performance.now(), drawn: 0, samples: [], order: 0, asked: 0,
+                  started: 0, early: false};
 // Runs are counted from the server's messages, not from the page: a quick run's "running" and
 // "notRunning" can reach React in one batch and never touch the DOM (seen once the server's
 // connections sent each message at once: kvviz.app.serve._no_delay). Every run, full or fragment,
@@ -274,6 +274,7 @@ const sample = () => {
 };
 let pending = false;   // one sample a frame while the page changes, one right after each address change
 new MutationObserver(() => {
+  window.__kvviz.drawn = performance.now();      // the page's last change (a chart redrawn after its run)
   if (!pending) { pending = true; requestAnimationFrame(() => { pending = false; sample(); }); }
 }).observe(document, {subtree: true, childList: true, characterData: true});
 for (const name of ['pushState', 'replaceState']) {
@@ -292,11 +293,11 @@ def runs(page) -> int:
 def idle(page, after: int = 0, quiet_ms: int = 200) -> None:
     """Wait until the app has run more than `after` times and is idle: no run is pending (every run the
     page asked for has started, and the last one finished rather than stopped for a rerun: an st.rerun
-    or a page switch; PAGE_PROBE_JS), its script-run state is "notRunning", neither it nor the page's
-    results nor the address bar has changed for `quiet_ms` (the page has drawn the run's last
-    messages), no element is still loading (a skeleton; a chart's frame or the first-paint probe, whose
-    report is still to come: kvviz.app.charts) and every chart on screen is drawn. Not "a chart
-    exists": a chart from the previous run exists too."""
+    or a page switch; PAGE_PROBE_JS), its script-run state is "notRunning", neither it nor the page
+    (its elements, results, address bar) has changed for `quiet_ms` (the page has drawn the run's
+    last messages: a chart is redrawn after its run ends), no element is still loading (a skeleton;
+    a chart's frame or the first-paint probe, whose report is still to come: kvviz.app.charts) and
+    every chart on screen is drawn. Not "a chart exists": a chart from the previous run exists too."""
     from playwright.sync_api import TimeoutError as WaitRanOut
 
     from kvviz.app.charts import PROBE_KEY, WAITING
@@ -308,7 +309,7 @@ def idle(page, after: int = 0, quiet_ms: int = 200) -> None:
             """([after, quiet, loading, probe]) => { const k = window.__kvviz, last = k.samples[k.samples.length - 1];
                                    return k.runs > after && k.state === 'notRunning'
                                    && k.started > k.asked && !k.early
-                                   && performance.now() - Math.max(k.changed, last ? last[2] : 0) > quiet
+                                   && performance.now() - Math.max(k.changed, k.drawn, last ? last[2] : 0) > quiet
                                    && !document.querySelector(probe)
                                    && !Array.from(document.querySelectorAll(loading))
                                             .some(c => c.offsetParent !== null)
@@ -318,7 +319,8 @@ def idle(page, after: int = 0, quiet_ms: int = 200) -> None:
     except WaitRanOut as e:   # say what the app was doing, not only that the wait ran out
         state = page.evaluate("""([loading, probe]) => ({runs: window.__kvviz.runs, state: window.__kvviz.state,
             asked: window.__kvviz.asked, started: window.__kvviz.started, early: window.__kvviz.early,
-            sinceChange: performance.now() - window.__kvviz.changed, samples: window.__kvviz.samples.length,
+            sinceChange: performance.now() - window.__kvviz.changed,
+            sinceDrawn: performance.now() - window.__kvviz.drawn, samples: window.__kvviz.samples.length,
             sinceSample: performance.now() - (window.__kvviz.samples.at(-1) || [0, 0, 0])[2],
             skeletons: Array.from(document.querySelectorAll(loading)).filter(c => c.offsetParent !== null).length,
             probe: !!document.querySelector(probe),
