@@ -170,31 +170,44 @@ def browser(chromium_path):
 #   while the page changes and right after every address change (with the time), so a test can ask
 #   what the address bar held when the page first showed a new view.
 PAGE_PROBE_JS = """
-window.__kvviz = {runs: 0, state: null, changed: performance.now(), samples: []};
+window.__kvviz = {runs: 0, state: null, changed: performance.now(), drawn: 0, samples: [], order: 0, asked: 0,
+                  started: 0, early: false};
 // Runs are counted from the server's messages, not from the page: a quick run's "running" and
 // "notRunning" can reach React in one batch and never touch the DOM (seen once the server's
 // connections sent each message at once: kvviz.app.serve._no_delay). Every run, full or fragment,
-// ends with a ForwardMsg carrying script_finished (field 6, a varint); read the top-level fields.
-const finishes = (data) => {
-  if (!(data instanceof ArrayBuffer)) return false;
-  const b = new Uint8Array(data);
+// starts with a ForwardMsg carrying new_session (field 4) and ends with one carrying script_finished
+// (field 6, a varint: 2 is FINISHED_EARLY_FOR_RERUN, a run stopped because another one follows at once:
+// st.rerun, st.switch_page, input while it ran). Every run the page asks for is a BackMsg carrying
+// rerun_script (field 11): a widget, a page link, a component's report. So the app has nothing more to
+// do once a run has started after the page last asked for one and has finished, not stopped for the
+// next: idle() reads that instead of waiting for the page to stay quiet a long while.
+const fields = (data) => {     // a protobuf message's top-level fields: {field: varint value or true}
+  const out = {};
+  const b = data instanceof ArrayBuffer ? new Uint8Array(data)
+          : ArrayBuffer.isView(data) ? new Uint8Array(data.buffer, data.byteOffset, data.byteLength) : null;
+  if (!b) return out;
   let i = 0;
   const varint = () => { let x = 0, f = 1, c; do { c = b[i++]; x += (c & 0x7f) * f; f *= 128; } while (c & 0x80 && i < b.length); return x; };
   while (i < b.length) {
     const tag = varint(), field = Math.floor(tag / 8), wire = tag % 8;
-    if (field === 6 && wire === 0) return true;
-    if (wire === 0) varint(); else if (wire === 2) { const n = varint(); i += n; } else if (wire === 1) i += 8;
-    else if (wire === 5) i += 4; else return false;
+    if (wire === 0) out[field] = varint(); else if (wire === 2) { const n = varint(); i += n; out[field] = true; }
+    else if (wire === 1) i += 8; else if (wire === 5) i += 4; else return out;
   }
-  return false;
+  return out;
 };
 const Socket = window.WebSocket;
 window.WebSocket = class extends Socket {
   constructor(...args) {
     super(...args);
     this.addEventListener('message', (e) => {
-      if (finishes(e.data)) { window.__kvviz.runs++; window.__kvviz.changed = performance.now(); }
+      const k = window.__kvviz, f = fields(e.data);
+      if (f[4] === true) { k.started = ++k.order; k.changed = performance.now(); }
+      if (typeof f[6] === 'number') { k.runs++; k.early = f[6] === 2; k.changed = performance.now(); }
     });
+  }
+  send(data) {
+    if (fields(data)[11] === true) { const k = window.__kvviz; k.asked = ++k.order; k.changed = performance.now(); }
+    return super.send(data);
   }
 };
 // Every state the app passed through, in order (what the page shows while it runs).
@@ -261,6 +274,7 @@ const sample = () => {
 };
 let pending = false;   // one sample a frame while the page changes, one right after each address change
 new MutationObserver(() => {
+  window.__kvviz.drawn = performance.now();      // the page's last change (a chart redrawn after its run)
   if (!pending) { pending = true; requestAnimationFrame(() => { pending = false; sample(); }); }
 }).observe(document, {subtree: true, childList: true, characterData: true});
 for (const name of ['pushState', 'replaceState']) {
@@ -276,13 +290,14 @@ def runs(page) -> int:
     return page.evaluate("window.__kvviz.runs")
 
 
-def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
-    """Wait until the app has run more than `after` times and is idle: its script-run state is
-    "notRunning", and neither it nor the page's results nor the address bar has changed for
-    `quiet_ms` (a callback's st.rerun or a page switch starts the next run within that), no element
-    is still loading (a skeleton; a chart's frame or the first-paint probe, whose report is still to
-    come: kvviz.app.charts) and every chart on screen is drawn. Not "a chart exists": a chart from the
-    previous run exists too."""
+def idle(page, after: int = 0, quiet_ms: int = 200) -> None:
+    """Wait until the app has run more than `after` times and is idle: no run is pending (every run the
+    page asked for has started, and the last one finished rather than stopped for a rerun: an st.rerun
+    or a page switch; PAGE_PROBE_JS), its script-run state is "notRunning", neither it nor the page
+    (its elements, results, address bar) has changed for `quiet_ms` (the page has drawn the run's
+    last messages: a chart is redrawn after its run ends), no element is still loading (a skeleton;
+    a chart's frame or the first-paint probe, whose report is still to come: kvviz.app.charts) and
+    every chart on screen is drawn. Not "a chart exists": a chart from the previous run exists too."""
     from playwright.sync_api import TimeoutError as WaitRanOut
 
     from kvviz.app.charts import PROBE_KEY, WAITING
@@ -293,7 +308,8 @@ def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
         page.wait_for_function(
             """([after, quiet, loading, probe]) => { const k = window.__kvviz, last = k.samples[k.samples.length - 1];
                                    return k.runs > after && k.state === 'notRunning'
-                                   && performance.now() - Math.max(k.changed, last ? last[2] : 0) > quiet
+                                   && k.started > k.asked && !k.early
+                                   && performance.now() - Math.max(k.changed, k.drawn, last ? last[2] : 0) > quiet
                                    && !document.querySelector(probe)
                                    && !Array.from(document.querySelectorAll(loading))
                                             .some(c => c.offsetParent !== null)
@@ -302,7 +318,9 @@ def idle(page, after: int = 0, quiet_ms: int = 750) -> None:
             arg=[after, quiet_ms, loading, probe], timeout=TIMEOUT, polling=100)
     except WaitRanOut as e:   # say what the app was doing, not only that the wait ran out
         state = page.evaluate("""([loading, probe]) => ({runs: window.__kvviz.runs, state: window.__kvviz.state,
-            sinceChange: performance.now() - window.__kvviz.changed, samples: window.__kvviz.samples.length,
+            asked: window.__kvviz.asked, started: window.__kvviz.started, early: window.__kvviz.early,
+            sinceChange: performance.now() - window.__kvviz.changed,
+            sinceDrawn: performance.now() - window.__kvviz.drawn, samples: window.__kvviz.samples.length,
             sinceSample: performance.now() - (window.__kvviz.samples.at(-1) || [0, 0, 0])[2],
             skeletons: Array.from(document.querySelectorAll(loading)).filter(c => c.offsetParent !== null).length,
             probe: !!document.querySelector(probe),
@@ -398,25 +416,62 @@ def _module_fixture(item) -> bool:
     return False
 
 
-# The browser tests in two xdist groups of about the same time (one per worker of a 2-core machine, each
-# with its own app server and Chromium; the session fixtures above are per worker), by the tests'
-# --durations on a quiet 2-core machine (under load the two groups took 601 s and 538 s). These tests
-# (by name, or their whole module) go to the second group, every other browser test to the first:
-# live-link tests of 100 + 48 + 45 + 34 s, the layout sweep's 36 s, the fresh servers, the hostile
-# links and the lesson, lecture and Studies files, against the Trade-offs, Decode timeline and Needle
-# live links, the Model lab's Cancel and the rest.
-BROWSER_SECOND = {"test_explorer_link_follows_every_single_interaction",
-                  "test_concentration_link_follows_every_single_interaction",
-                  "test_model_lab_link_follows_every_single_interaction",
-                  "test_studies_link_follows_every_single_interaction",
-                  "test_a_fresh_server_opens_a_page_link_as_that_page",
-                  "test_the_huge_link_gives_a_notice_on_every_page_and_the_server_stays_small",
-                  "test_layout_browser", "test_lesson_browser", "test_lecture_browser", "test_study_browser"}
+# The browser tests in one xdist group per worker (each group on its own worker, with its own app server
+# and Chromium; the session fixtures above are per worker), dealt out by weight so the groups take about
+# the same time: the seconds each test took in a measured run (tests/test_browser.py's tests case by case,
+# every other browser module whole, as its module fixtures are built once), heaviest first onto the
+# lightest group. Measured with both workers of a 2-core machine busy (load average 15-20: the
+# proportions count, not the seconds). A browser test not named here weighs BROWSER_UNKNOWN.
+BROWSER_SECONDS = {
+    "test_model_lab_cancel_stops_the_run_and_keeps_the_previous_results": 112,
+    "test_explorer_link_follows_every_single_interaction": 109,
+    "test_decode_timeline_link_follows_every_single_interaction": 82,
+    "test_tradeoffs_link_follows_every_single_interaction": 75,
+    "test_needle_link_follows_every_single_interaction": 68,
+    "test_concentration_link_follows_every_single_interaction": 61,
+    "test_studies_link_follows_every_single_interaction": 60,
+    "test_model_lab_link_follows_every_single_interaction": 53,
+    "test_explorer_slider_moves_metric": 23,
+    "test_address_bar_follows_each_single_interaction_on_the_explorer": 18,
+    "test_address_bar_follows_a_single_interaction_on_every_page": 17,      # each case
+    "test_a_fresh_server_opens_a_page_link_as_that_page": 17,               # each case
+    "test_needle_page_opens_on_the_shipped_grid_and_a_click_opens_a_cell": 16,
+    "test_a_page_link_clicked_before_the_first_paint_report_is_followed": 16,
+    "test_every_page_loads": 13,                                            # each case
+    "test_the_huge_link_gives_a_notice_on_every_page_and_the_server_stays_small": 12,   # each case
+    "test_shared_url_reproduces_state": 10,
+    "test_clicking_a_trade_off_point_opens_it_in_the_explorer": 10,
+    "test_projector_1024x768_clips_nothing": 8,                             # each case
+    "test_the_first_paint_shows_the_cards_and_frames_where_the_charts_come": 8,
+    "test_presentation_mode_puts_the_lesson_above_the_fold": 8,
+    "test_out_of_range_link_shows_notice": 3,
+    "test_layout_browser": 60, "test_lecture_browser": 25, "test_study_browser": 21,    # whole modules
+    "test_needle_browser": 19, "test_lesson_browser": 20,
+}
+BROWSER_UNKNOWN = 15
 
 
-def _browser_group(item) -> str:
-    second = getattr(item, "originalname", item.name) in BROWSER_SECOND or item.path.stem in BROWSER_SECOND
-    return "browser-2" if second else "browser-1"
+def _browser_groups(items, n: int) -> dict[str, str]:
+    """Each browser test's group ("browser-1" .. "browser-n") by node id: the units (a test_browser.py
+    case, a whole other module) by weight, heaviest first (ties by name), each onto the group with the
+    least weight so far (ties: the first). Every worker computes the same from the same collection."""
+    units: dict[str, list] = {}
+    for item in items:
+        units.setdefault(item.nodeid if item.path.stem == "test_browser" else item.path.stem, []).append(item)
+
+    def weight(key: str) -> float:
+        first = units[key][0]
+        if first.path.stem != "test_browser":
+            return BROWSER_SECONDS.get(first.path.stem, BROWSER_UNKNOWN * len(units[key]))
+        return BROWSER_SECONDS.get(getattr(first, "originalname", first.name), BROWSER_UNKNOWN)
+
+    loads, group = [0.0] * max(1, n), {}
+    for key in sorted(units, key=lambda k: (-weight(k), k)):
+        g = loads.index(min(loads))
+        loads[g] += weight(key)
+        for item in units[key]:
+            group[item.nodeid] = f"browser-{g + 1}"
+    return group
 
 
 # tryfirst: xdist's worker reads the xdist_group markers in its own pytest_collection_modifyitems;
@@ -424,15 +479,17 @@ def _browser_group(item) -> str:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """xdist groups (`--dist loadgroup`): the tests of a module with its own module-scoped fixtures stay
-    in one worker, so the fixture is built once; the browser tests are two groups of about equal time
-    (BROWSER_SECOND), one per worker, each with its app server and Chromium. A group is one unit of
-    work: xdist hands out the units with the most tests first, so both browser groups start at once.
+    in one worker, so the fixture is built once; the browser tests are one group per worker, of about
+    equal time (BROWSER_SECONDS), each with its app server and Chromium. A group is one unit of work:
+    xdist hands out the units with the most tests first, so the browser groups start at once.
     Browser tests get a timeout of BROWSER_TIMEOUT seconds; the core tests the `core` marker
     (`make test-fast` runs `-m core`)."""
     xdist = config.pluginmanager.hasplugin("xdist")     # -p no:xdist: its marker is not registered
+    browser = _browser_groups([i for i in items if i.get_closest_marker("browser") is not None],
+                              int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     for item in items:
-        if xdist and item.get_closest_marker("browser") is not None:
-            item.add_marker(pytest.mark.xdist_group(_browser_group(item)))
+        if xdist and item.nodeid in browser:
+            item.add_marker(pytest.mark.xdist_group(browser[item.nodeid]))
         elif xdist and _module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
         if item.get_closest_marker("browser") is not None:

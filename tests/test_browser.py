@@ -296,13 +296,16 @@ class LiveLink:
     """Drives one page through single interactions. After each, once the app is idle: the address bar
     must have held the new link by the time the page first showed the new results (a link written at
     the end of the run lags the screen), and the link opened in a new page must show the same view
-    (widget values, metrics, headings, charts) and stay as it is."""
+    (widget values, metrics, headings, charts) and stay as it is. That second page (one, reused: each
+    link is a fresh session) opens a move's link while the next interaction runs; its check comes before
+    the next link is opened, and done() checks the last one."""
 
     def __init__(self, page, url: str, extra: str | None = None):
         self.page, self.moves = page, 0
         page.set_default_timeout(TIMEOUT)
         page.set_viewport_size({"width": 1400, "height": 1800})
         self.extra = extra
+        self.fresh, self.opened = None, None     # the second page; the move whose link it is opening
         page.goto(url)
         self.mark(page)
         idle(page)
@@ -334,23 +337,36 @@ class LiveLink:
             assert seen == "?" * bool(query(link)) + urlparse(link).query, (
                 f"{where}: the page showed the new results while the address bar still held '{seen}' "
                 f"(it became '?{urlparse(link).query}' later)")
-        fresh = page.context.new_page()
-        fresh.set_default_timeout(TIMEOUT)
-        try:
-            fresh.goto(link)
-            self.mark(fresh)
-            idle(fresh)
-            again, reopened = view(fresh), fresh.url
-            if again != shown:   # for the record: both pages as they were
-                shot(page, f"link-move-{self.moves}-page")
-                shot(fresh, f"link-move-{self.moves}-from-link")
-        finally:
-            fresh.close()
-            page.bring_to_front()
+        self.check()                        # the previous move's link, opened meanwhile
+        if self.fresh is None:
+            self.fresh = page.context.new_page()
+            self.fresh.set_default_timeout(TIMEOUT)
+        self.fresh.goto(link, wait_until="commit")
+        self.opened = (where, link, shown)
+        page.bring_to_front()
+        self.shown = shown
+
+    def check(self) -> None:
+        """The link last opened in the second page shows the view the page showed, and stays as it is."""
+        if self.opened is None:
+            return
+        (where, link, shown), fresh, self.opened = self.opened, self.fresh, None
+        fresh.wait_for_load_state()
+        self.mark(fresh)
+        idle(fresh)
+        again, reopened = view(fresh), fresh.url
+        if again != shown:   # for the record: the page from the link (the page's view is in the message)
+            shot(fresh, f"link-{where.split(' (')[0].replace(' ', '-')}-from-link")
         diff = {k: (shown.get(k), again.get(k)) for k in sorted(set(shown) | set(again)) if shown.get(k) != again.get(k)}
         assert not diff, f"{where}: the link {link} opens another view; (on the page, from the link): {diff}"
         assert query(reopened) == query(link), f"{where}: opening {link} rewrote it to {reopened}"
-        self.shown = shown
+
+    def done(self) -> None:
+        """Check the last move's link and close the second page."""
+        self.check()
+        if self.fresh is not None:
+            self.fresh.close()
+            self.fresh = None
 
 
 def query(url: str) -> dict:
@@ -539,6 +555,7 @@ def test_explorer_link_follows_every_single_interaction(page, app_url):
     live.act("scorer select box", select("Heavy-hitter scorer", "TOVA (last query)"))
     live.act("source radio", radio("Attention source", "Synthetic pattern"))
     live.act("layer number box", number("Layer", 1))
+    live.done()
     no_console_errors(page)
 
 
@@ -556,6 +573,7 @@ def test_tradeoffs_link_follows_every_single_interaction(page, app_url):
              lambda page: plot.locator(".scatterlayer .trace").nth(0).locator(".points path").first.click(force=True),
              ready=lambda page: metric(page, "Tokens kept"))
     expect()(page.get_by_role("heading", name=re.compile("KV-cache compression explorer"))).to_be_visible()
+    live.done()
     no_console_errors(page)
 
 
@@ -570,6 +588,7 @@ def test_concentration_link_follows_every_single_interaction(page, app_url):
     unfold(page, "Pattern knobs")
     live.act("head dim select box", select("Head dim", "32"))
     live.act("presentation mode checkbox", tick("Presentation mode"))
+    live.done()
     no_console_errors(page)
 
 
@@ -584,6 +603,7 @@ def test_decode_timeline_link_follows_every_single_interaction(page, app_url):
     live.act("need number box", number("Needed at ≥ (attention share)", 0.05))
     live.act("fragment step slider again", key("Decode step", "ArrowRight", "ArrowRight"))
     live.act("presentation mode checkbox", tick("Presentation mode"))
+    live.done()
     no_console_errors(page)
 
 
@@ -597,6 +617,7 @@ def test_model_lab_link_follows_every_single_interaction(page, app_url):
     live.act("bits slider, keyboard", key("Quantization bits", "ArrowLeft", "ArrowLeft"))
     unfold(page, "Advanced")
     live.act("scorer select box", select("Heavy-hitter scorer", "TOVA (last query)"))
+    live.done()
     no_console_errors(page)
 
 
@@ -613,6 +634,7 @@ def test_needle_link_follows_every_single_interaction(page, app_url):
     live.act("classic failure button", press("Show the classic failure"))
     live.act("chart click on another cell", lambda page: cells.nth(1).locator(".points path").nth(1).click(force=True))
     live.act("presentation mode checkbox", tick("Presentation mode"))
+    live.done()
     no_console_errors(page)
 
 
@@ -630,6 +652,7 @@ def test_studies_link_follows_every_single_interaction(page, app_url):
     live.act("study select box: none", select(picker, "— choose a study —"))
     live.act("study select box: the example", select(picker, "quarter-cache"), ready=drawn)
     live.act("presentation mode checkbox", tick("Presentation mode"))
+    live.done()
     no_console_errors(page)
 
 

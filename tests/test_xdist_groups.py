@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BROWSER_SECOND
+from conftest import BROWSER_SECONDS, _browser_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,8 +30,30 @@ def test_a_module_with_its_own_fixture_is_one_xdist_group():
                               "tests/test_metrics.py::test_no_compression_gives_zero_divergence@test_metrics"], passed
 
 
-def test_the_second_browser_group_names_browser_tests_that_exist():
-    """A renamed browser test would silently move to the first group and unbalance the two."""
+def test_the_browser_weights_name_browser_tests_that_exist():
+    """A renamed browser test would silently lose its weight and unbalance the groups."""
     source = (ROOT / "tests" / "test_browser.py").read_text()
-    for name in BROWSER_SECOND:
+    for name in BROWSER_SECONDS:
         assert (ROOT / "tests" / f"{name}.py").is_file() or re.search(rf"^def {name}\(", source, re.M), name
+
+
+def test_the_browser_tests_are_dealt_heaviest_first_onto_the_lightest_group():
+    """One group per worker; the weights (a test_browser.py test's own, another module's whole) are dealt
+    heaviest first onto the lightest group; another module's browser tests stay together (its fixtures)."""
+    class Item:
+        def __init__(self, module, name):
+            self.path, self.name, self.originalname = Path(f"tests/{module}.py"), name, name.split("[")[0]
+            self.nodeid = f"tests/{module}.py::{name}"
+
+    items = [Item("test_browser", "test_explorer_link_follows_every_single_interaction"),       # 109
+             Item("test_browser", "test_model_lab_cancel_stops_the_run_and_keeps_the_previous_results"),  # 112
+             Item("test_browser", "test_every_page_loads[a]"), Item("test_browser", "test_every_page_loads[b]"),
+             Item("test_layout_browser", "test_one"), Item("test_layout_browser", "test_two"),    # 60, whole
+             Item("test_browser", "test_not_weighed_yet")]                                       # 15
+    group = _browser_groups(items, 2)
+    assert group == {items[1].nodeid: "browser-1", items[0].nodeid: "browser-2",
+                     items[4].nodeid: "browser-2", items[5].nodeid: "browser-2",     # 109 + 60 onto 112 ...
+                     items[6].nodeid: "browser-1", items[2].nodeid: "browser-1",     # 112 + 15 + 13 = 140
+                     items[3].nodeid: "browser-1"}                                   # + 13 = 153 vs 169
+    assert set(_browser_groups(items, 1).values()) == {"browser-1"}
+    assert len(set(_browser_groups(items, 4).values())) == 4
