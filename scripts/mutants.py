@@ -182,6 +182,9 @@ EQUIVALENT.update({
             *(f"keep_masks__mutmut_{n}" for n in (53, 55, 57, 58, 59, 68))),
     **_same(_AS_F64, _POL,
             *(f"_simulate__mutmut_{n}" for n in (18, 110, 145))),
+    **_same("no float64 cast of the scores a compression during decoding ranks: a cast neither reorders nor "
+            "makes or breaks a tie, and `select` / `recompressed` only rank them", _POL,
+            "scores_until__mutmut_16", "scores_until__mutmut_18"),
     **_same("np.take_along_axis's default axis (numpy >= 2.3) is -1, axis 1 of the 2-D arrays", _POL,
             "_simulate__mutmut_109", "_simulate__mutmut_163"),
 })

@@ -59,6 +59,36 @@ def test_kept_count_is_budget_plus_steps_since_the_last_compression(trace, score
         assert (first[:, :C] == once[:, :C]).all() and first[:, C:C + every].all()
 
 
+def test_a_plugins_own_rule_holds_until_the_first_compression_during_decoding(trace):
+    """A scorer with its own compression rule (a plug-in's `compression_kept`; ChunkKV's whole chunks are
+    refused here) under compress_every: the prompt's queries see that rule's set (not `select`'s top
+    tokens), and the decode steps before the first new compression see it plus every arrival."""
+    from kvviz.policies import Policy
+
+    class FirstTokens(Policy):
+        name = "test-first-tokens"
+
+        def score(self, ctx):                       # later tokens score higher: `select` keeps the last
+            return np.broadcast_to(np.arange(ctx.n_positions, dtype=float), (ctx.trace.n_kv_heads, ctx.n_positions))
+
+        def compression_kept(self, scores, spec):   # its own rule: the first `budget` tokens
+            kept = np.zeros(scores.shape, bool)
+            kept[:, : spec.budget] = True
+            return kept
+
+    spec = Spec(**SPEC, scorer="knorm", compress_every=5)
+    positions = np.arange(C - 6, C + 4)                      # the prompt's last queries, then 4 steps
+    first = np.zeros((trace.n_kv_heads, C), bool)
+    first[:, :18] = True
+    for layer in range(trace.n_layers):
+        m = FirstTokens().keep_masks(ScoreContext(trace, layer, spec), positions)
+        for i, p in enumerate(positions):
+            if p < C:
+                assert np.array_equal(m[i][:, : p + 1], first[:, : p + 1]) and not m[i][:, p + 1:].any(), p
+            else:
+                assert np.array_equal(m[i][:, :C], first) and m[i][:, C:p + 1].all() and not m[i][:, p + 1:].any()
+
+
 def _cut(trace: Trace, end: int) -> Trace:
     """The trace's first `end` positions as a prompt (every layer, queries at every position)."""
     return Trace(q=trace.q[:, :, :end], k=trace.k[:, :, :end], v=trace.v[:, :, :end], context_len=end,
