@@ -184,7 +184,9 @@ def context_rows(
     if on_device is not None and trace.logits is None:
         yield from on_device(trace, layer, heads, rows, n_keys, chunk, trim)
         return
-    chunk = chunk_rows(len(heads), n_keys, chunk)
+    # a trace of some heads of another (kvviz.engine.head_trace) chunks its rows as that trace would
+    full = getattr(trace, "full_q_heads", trace.n_q_heads)
+    chunk = chunk_rows(len(heads) * full // trace.n_q_heads, n_keys, chunk)
     q_all = trace.q[layer][heads]  # (H, Nq, D)
     kv = trace.kv_head(np.asarray(heads))
     k = trace.k[layer][kv, :n_keys].astype(np.float32, copy=False)  # (H, n_keys, D)
