@@ -247,12 +247,16 @@ def test_the_background_model_load_pauses_between_its_steps_while_a_run_computes
     p = guard.Pool(1)
     monkeypatch.setattr(guard, "pool", lambda: p)
     status = {"wanted": threading.Event()}
-    sources.yield_to_runs(status)                             # no run: no wait (returns at once)
+    p._last_busy -= sources.YIELD_QUIET_S
+    t0 = time.monotonic()
+    sources.yield_to_runs(status)                             # no run for a while: no wait
+    assert time.monotonic() - t0 < sources.YIELD_QUIET_S
     p.acquire(object(), lambda: None)
     t0 = time.monotonic()
     threading.Timer(0.4, p.release).start()
     sources.yield_to_runs(status)
-    assert time.monotonic() - t0 >= 0.4                      # waited for the run to give its slot back
+    # waited for the run to give its slot back, then for the page to be drawn
+    assert time.monotonic() - t0 >= 0.4 + sources.YIELD_QUIET_S
     p.acquire(object(), lambda: None)
     t0 = time.monotonic()
     sources.yield_to_runs(status, limit=0.3)                 # a run that goes on: one step waits `limit` at most

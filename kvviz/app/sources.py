@@ -31,7 +31,8 @@ from kvviz.trace import Trace, TraceError
 
 QUIET_BEFORE_MODEL_S = 3.0  # the bundled model's warm-up waits for this long without a page run
 YIELD_MAX_S = 30.0  # ... and between its steps, for a page run to finish (at most this long a step)
-YIELD_POLL_S = 0.05
+YIELD_QUIET_S = 1.0  # ... for this long after the last run (its page drawn)
+YIELD_POLL_S = 0.1
 
 MAX_UPLOAD_MB = 500
 MAX_NEW_TOKENS_UI = 64
@@ -260,15 +261,16 @@ def warm_up(name: str = BUNDLED) -> dict | None:
 
 
 def yield_to_runs(status: dict, limit: float = YIELD_MAX_S) -> None:
-    """Called between the background load's steps: wait while a page run computes (at most `limit`
-    seconds a step), unless a page run waits for this load itself. On two cores the load and the Model
-    lab's precomputed decode took the cores from the page being computed: the Explorer's first view of
-    an 8B trace took 65 s instead of 15 (benchmarks/big_trace_app.py)."""
+    """Called between the background load's steps: wait until no page run has held or waited for a slot for
+    YIELD_QUIET_S (the browser draws what the run sent meanwhile), at most `limit` seconds a step, unless a
+    page run waits for this load itself. On two cores the load and the Model lab's precomputed decode took
+    the cores from the page being computed: the Explorer's first view of an 8B trace took 65-95 s with them
+    against 22 s without (benchmarks/big_trace_app.py)."""
     pool, deadline = guard.pool(), time.monotonic() + limit
-    while (
-        pool.others(holding=False) and not status["wanted"].is_set() and time.monotonic() < deadline
-    ):
-        time.sleep(YIELD_POLL_S)
+    while not status["wanted"].is_set():
+        left = deadline - time.monotonic()
+        if left <= 0 or pool.wait_quiet(YIELD_QUIET_S, timeout=min(YIELD_POLL_S, left)):
+            return
 
 
 def model_status(name: str = BUNDLED) -> str | None:
