@@ -236,3 +236,39 @@ def test_background_work_waits_until_no_run_has_held_a_slot_for_the_quiet_time()
     released = time.monotonic()
     assert p.wait_quiet(0.2, timeout=5.0) is True
     assert time.monotonic() - released >= 0.2                # quiet for the whole `quiet`, counted from the release
+
+
+def test_the_background_model_load_pauses_between_its_steps_while_a_run_computes(monkeypatch):
+    import time
+
+    from kvviz.app import sources
+    from kvviz.models import BUNDLED
+
+    p = guard.Pool(1)
+    monkeypatch.setattr(guard, "pool", lambda: p)
+    status = {"wanted": threading.Event()}
+    p._last_busy -= sources.YIELD_QUIET_S
+    t0 = time.monotonic()
+    sources.yield_to_runs(status)                             # no run for a while: no wait
+    assert time.monotonic() - t0 < sources.YIELD_QUIET_S
+    p.acquire(object(), lambda: None)
+    t0 = time.monotonic()
+    threading.Timer(0.4, p.release).start()
+    sources.yield_to_runs(status)
+    # waited for the run to give its slot back, then for the page to be drawn
+    assert time.monotonic() - t0 >= 0.4 + sources.YIELD_QUIET_S
+    p.acquire(object(), lambda: None)
+    t0 = time.monotonic()
+    sources.yield_to_runs(status, limit=0.3)                 # a run that goes on: one step waits `limit` at most
+    assert 0.3 <= time.monotonic() - t0 < 5
+    # a page run waiting for this very load: the load no longer yields to it (it would wait for itself)
+    store, key = sources._model_store(), (BUNDLED, "cpu", "float32")
+    status.update(done=threading.Event(), f=1.0, msg="", t0=time.time())
+    status["done"].set()
+    monkeypatch.setitem(store, "loading", {key: status})
+    monkeypatch.setitem(store["models"], key, "the model")
+    assert sources.shared_model(BUNDLED) == "the model" and status["wanted"].is_set()
+    t0 = time.monotonic()
+    sources.yield_to_runs(status)
+    assert time.monotonic() - t0 < 5 and p.others(holding=False) == 1
+    p.release()

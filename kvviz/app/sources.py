@@ -30,6 +30,9 @@ from kvviz.sources.tracefile import FORMAT, VERSION, load_trace, save_trace, tra
 from kvviz.trace import Trace, TraceError
 
 QUIET_BEFORE_MODEL_S = 3.0  # the bundled model's warm-up waits for this long without a page run
+YIELD_MAX_S = 30.0  # ... and between its steps, for a page run to finish (at most this long a step)
+YIELD_QUIET_S = 1.0  # ... for this long after the last run (its page drawn)
+YIELD_POLL_S = 0.1
 
 MAX_UPLOAD_MB = 500
 MAX_NEW_TOKENS_UI = 64
@@ -173,6 +176,10 @@ def shared_model(name: str, device: str = "cpu", dtype: str = "float32", progres
     key = (name, device, dtype)
     loading = store.get("loading", {}).get(key)
     if loading is not None:
+        if (
+            "wanted" in loading
+        ):  # the background load stops yielding to page runs: this one waits for it
+            loading["wanted"].set()
         while not loading["done"].wait(0.25):
             if progress is not None:
                 progress(
@@ -214,6 +221,7 @@ def warm_up(name: str = BUNDLED) -> dict | None:
             "t0": time.time(),
             "done": threading.Event(),
             "error": None,
+            "wanted": threading.Event(),  # set when a page run waits for this load
         }
         store["warm"] = status
         store.setdefault("loading", {})[key] = status
@@ -226,7 +234,9 @@ def warm_up(name: str = BUNDLED) -> dict | None:
         # torch's import and the weights competed with it for two cores (benchmarks/browser.py).
         guard.pool().wait_quiet(QUIET_BEFORE_MODEL_S, timeout=60.0)
         try:
-            loaded = load_model(name, progress=lambda f, m: status.update(f=f, msg=m))
+            loaded = load_model(
+                name, progress=lambda f, m: (status.update(f=f, msg=m), yield_to_runs(status))
+            )
             with store["lock"]:
                 if not store["models"]:
                     store["models"][key] = loaded
@@ -239,12 +249,28 @@ def warm_up(name: str = BUNDLED) -> dict | None:
             try:
                 from kvviz.decode import lab
 
-                lab.precompute(loader=lambda n, progress=None: shared_model(n, progress=progress))
+                lab.precompute(
+                    loader=lambda n, progress=None: shared_model(n, progress=progress),
+                    progress=lambda f, m: yield_to_runs(status),
+                )
             except Exception:  # noqa: BLE001 - a precomputed result is a nicety; the page computes live
                 pass
 
     threading.Thread(target=work, name="kvviz-warm-up", daemon=True).start()
     return status
+
+
+def yield_to_runs(status: dict, limit: float = YIELD_MAX_S) -> None:
+    """Called between the background load's steps: wait until no page run has held or waited for a slot for
+    YIELD_QUIET_S (the browser draws what the run sent meanwhile), at most `limit` seconds a step, unless a
+    page run waits for this load itself. On two cores the load and the Model lab's precomputed decode took
+    the cores from the page being computed: the Explorer's first view of an 8B trace took 65-95 s with them
+    against 22 s without (benchmarks/big_trace_app.py)."""
+    pool, deadline = guard.pool(), time.monotonic() + limit
+    while not status["wanted"].is_set():
+        left = deadline - time.monotonic()
+        if left <= 0 or pool.wait_quiet(YIELD_QUIET_S, timeout=min(YIELD_POLL_S, left)):
+            return
 
 
 def model_status(name: str = BUNDLED) -> str | None:
