@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from kvviz.sources import handbook
+from kvviz.quant.formats import SERVING_FORMATS
 from kvviz.quant.integer import BITS_OPTIONS  # the bits slider offers what the integer format does
 from kvviz.settings import SETTINGS, Setting
 from kvviz.spec import FULL_BITS, SCORERS, Spec, SpecError, View
@@ -189,7 +190,8 @@ _PARAMS = [
         "methods", "list", ("streaming", "h2o", "tova", "snapkv", "oracle"), choices=SCORER_CHOICES
     ),
     Param("sweep_bits", "list", (16, 4, 2), choices=(16, 8, 4, 3, 2)),
-    Param("sweep_formats", "list", (), choices=("e4m3", "e5m2", "nvfp4", "mxfp4")),
+    # the quantizers' serving formats (kvviz.quant.formats), a new one included
+    Param("sweep_formats", "list", (), choices=SERVING_FORMATS),
     # concentration page
     Param("window", "int", 16, 1, 4096),
     # decode timeline page
