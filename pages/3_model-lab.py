@@ -49,7 +49,7 @@ def _results(folder: str) -> dict:
     return {}
 
 
-def _remember(key: tuple, result: dict) -> None:
+def _remember(key: tuple, result: lab.LabResult) -> None:
     cache = _results(str(lab.lab_cache_dir()))
     if len(cache) >= 32:
         cache.pop(next(iter(cache)))
@@ -81,7 +81,7 @@ def _full_cached(settings: lab.LabSettings) -> bool:
     return loaded is not None and lab.full_cached(loaded[0], loaded[1], settings)
 
 
-def _run_live(settings: lab.LabSettings) -> dict:
+def _run_live(settings: lab.LabSettings) -> lab.LabResult:
     """Run with progress, the greedy texts streaming in as they are produced, and a cancel button."""
     st.button("Cancel", key="lab_cancel", icon=":material/stop_circle:",
               help="Stops the run at the next token; nothing is kept.")
@@ -112,7 +112,7 @@ def _run_live(settings: lab.LabSettings) -> dict:
         result = lab.run(model, tokenizer, _label(info, settings.model), settings, progress=progress,
                          on_full_token=stream(full_box, full_toks, "Full cache"),
                          on_token=stream(comp_box, comp_toks, f"Compressed: {settings.spec.label()}"))
-        status.update(label=f"Finished in {result['seconds']:.1f} s", state="complete", expanded=False)
+        status.update(label=f"Finished in {result.seconds:.1f} s", state="complete", expanded=False)
     return result
 
 
@@ -204,16 +204,16 @@ def main() -> None:
             st.error(f"The run stopped: {notice}.")
             return
         raise
-    if result.get("precomputed"):
+    if result.precomputed:
         st.caption("Precomputed for the default settings (at install or on the first start); "
                    "**Run again (live)** recomputes it now.")
     show(result)
 
 
-def show(result: dict) -> None:
-    q, pair = result["quality"], result["pair"]
+def show(result: lab.LabResult) -> None:
+    q, pair = result.quality, result.pair
     d = q.as_dict()
-    st.caption(f"{result['model']}: {d['prompt_tokens']}-token prompt, {d['continuation_tokens']} continuation "
+    st.caption(f"{result.model}: {d['prompt_tokens']}-token prompt, {d['continuation_tokens']} continuation "
                f"tokens scored (teacher-forced; the first is predicted by the prefill, before compression).")
     m = st.columns(3) + st.columns(3)[:2]   # five cards in one row are cut at a projector's 1024 px
     m[0].metric("Perplexity (compressed)", f"{q.perplexity:.2f}", delta=f"{q.perplexity - q.perplexity_full:+.2f}",
