@@ -206,6 +206,10 @@ _PARAMS = [
     Param("lab_cont", "int", 57, 2, 128),
     Param("lab_greedy", "int", 32, 0, 64),
     Param("lab_rerotate", "bool", False),
+    # a question after the prompt (empty = none) and where the cache is compressed around it
+    # (kvviz.decode.quality.QUESTION_POINTS; before it is kvpress's pipeline default)
+    Param("lab_question", "text", ""),
+    Param("lab_point", "choice", "before-question", choices=("before-question", "after-question")),
     # needle test page: the open cell ("scorer:length:depth", empty = the classic failure) and
     # its layer / KV head (-1 = where the full model wanted the needle most)
     Param("nd_cell", "text", ""),

@@ -136,9 +136,20 @@ def setting_axes() -> dict[str, Key]:
     }
 
 
+# The Spec-setting axes a needle study takes: what its GridRequest carries (compression during decoding)
+NEEDLE_SETTING_AXES = ("compress_every",)
+
+
+def study_setting_axes(kind: str) -> dict[str, Key]:
+    """The Spec-setting axes of a study kind: every declared setting for synthetic and model studies (a model
+    cell's spec takes a value where the setting applies to its method), NEEDLE_SETTING_AXES for a needle study."""
+    axes = setting_axes()
+    return axes if kind != "needle" else {k: axes[k] for k in NEEDLE_SETTING_AXES}
+
+
 def grid_keys(kind: str) -> dict[str, Key]:
-    """The [grid] keys of a study kind (a synthetic study's include every Spec setting)."""
-    return GRID_KEYS[kind] | (setting_axes() if kind == "synthetic" else {})
+    """The [grid] keys of a study kind, the Spec-setting axes included (study_setting_axes)."""
+    return GRID_KEYS[kind] | study_setting_axes(kind)
 
 
 TOP_KEYS = {
@@ -361,4 +372,5 @@ __all__ = [
     "read_study",
     "setting_axes",
     "source_keys",
+    "study_setting_axes",
 ]
