@@ -112,3 +112,69 @@ def test_the_lab_page_runs_with_a_question_and_shows_the_cores_numbers(monkeypat
     assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"
     assert shown["Next-token KL"] == f"{q.kl_mean:.3f}"
     assert any("compressed at token 64, before the question" in c.value for c in at.caption)
+
+
+STUDY = """
+name = "question"
+[source]
+kind = "model"
+models = ["bundled"]
+prompt_tokens = 64
+continuation_tokens = 8
+{question}
+[grid]
+methods = ["snapkv", "h2o"]
+budgets = [0.5]
+{points}
+"""
+
+
+def test_a_model_study_has_the_question_and_its_compression_points_as_an_axis():
+    from kvviz.analysis.study import parse_study
+    from kvviz.analysis.study.grid import cells
+    from kvviz.analysis.study.schema import StudyError
+    from kvviz.app.studies import cell_values
+
+    plain = parse_study(STUDY.format(question="", points=""))
+    both = parse_study(STUDY.format(question=f'question = "{QUESTION}"',
+                                    points='question_points = ["before-question", "after-question"]'))
+    # a study without a question keeps the ids it had before the key existed; one cell per method
+    assert [c.settings.get("question_point") for c in cells(plain)] == [None, None]
+    assert "question" not in plain.fixed() and both.fixed()["question"] == QUESTION
+    got = sorted((c.settings["method"], c.settings["question_point"]) for c in cells(both))
+    assert got == [(m, p) for m in ("h2o", "snapkv") for p in ("after-question", "before-question")]
+    assert any("question_point=after-question" in c.label() for c in cells(both))
+    with pytest.raises(StudyError, match=r"\[grid\] question_points: .* needs \[source\] question"):
+        parse_study(STUDY.format(question="", points='question_points = ["after-question"]'))
+    with pytest.raises(StudyError, match="'middle' is not one of before-question, after-question"):
+        parse_study(STUDY.format(question=f'question = "{QUESTION}"', points='question_points = ["middle"]'))
+    # a row opens in the Model lab with its question, where it compressed, and its compress_every
+    values, page, _ = cell_values({"kind": "model", "method": "snapkv", "budget": 0.5, "bits": 16,
+                                   "prompt_tokens": 64, "scored_tokens": 8, "text": "sample",
+                                   "question": QUESTION, "question_point": "after-question",
+                                   "compress_every": 16.0, "chunk_size": float("nan")})
+    assert page == "model_lab" and (values["lab_question"], values["lab_point"]) == (QUESTION, "after-question")
+    assert values["compress_every"] == 16
+
+
+@pytest.mark.model
+def test_a_model_study_runs_both_compression_points_as_kvviz_eval_does(monkeypatch, tmp_path):
+    share_one_model_load(monkeypatch)
+    from apptest_util import load_shared
+
+    from kvviz.analysis.study import StudyDir, parse_study, run_study
+    from kvviz.decode.quality import evaluate, reference, sample_text
+
+    study = parse_study(STUDY.format(question=f'question = "{QUESTION}"',
+                                     points='question_points = ["before-question", "after-question"]')
+                        .replace('"snapkv", "h2o"', '"snapkv"'))
+    report = run_study(study, tmp_path / "q")
+    assert (report.cells, report.failures) == (2, [])
+    rows = StudyDir(tmp_path / "q").rows().set_index("question_point")
+    model, tok, _ = load_shared("bundled")
+    ref = reference(model, tok, sample_text(), 64, 8, question=QUESTION)
+    spec = Spec(sink=4, recent=14, heavy=14, scorer="snapkv")
+    for point in ("before-question", "after-question"):
+        q = evaluate(model, ref, spec, question_point=point)
+        assert rows.loc[point, "spec"] == spec.label() and rows.loc[point, "kl_mean"] == pytest.approx(q.kl_mean)
+    assert rows.loc["before-question", "kl_mean"] != rows.loc["after-question", "kl_mean"]

@@ -235,7 +235,8 @@ class ModelWorker:
         self._load(src, s["model"])
         if self.error:
             raise RuntimeError(self.error)
-        key = (s["text_sha256"], src["prompt_tokens"], src["continuation_tokens"])
+        question = src.get("question", "")
+        key = (s["text_sha256"], src["prompt_tokens"], src["continuation_tokens"], question)
         if self.ref_key != key:
             self.ref = reference(
                 self.model,
@@ -243,6 +244,7 @@ class ModelWorker:
                 job["text"],
                 src["prompt_tokens"],
                 src["continuation_tokens"],
+                question or None,
             )
             self.ref_key = key
         spec = model_spec(
@@ -252,7 +254,8 @@ class ModelWorker:
             src["prompt_tokens"],
             {k: v for k, v in s.items() if k in setting_axes()},
         )
-        d = evaluate(self.model, self.ref, spec).as_dict()
+        point = s.get("question_point", "before-question")
+        d = evaluate(self.model, self.ref, spec, question_point=point).as_dict()
         d["scored_tokens"] = d["continuation_tokens"]
         d["budget_tokens"] = (
             spec.sink + spec.recent + spec.heavy if spec.evicts else self.ref.prompt_len

@@ -9,6 +9,7 @@ with scorer / method `full` however many scorers are listed. A model study's qua
 from __future__ import annotations
 
 import hashlib
+from itertools import product
 from pathlib import Path
 
 from kvviz.analysis.study.schema import (
@@ -228,6 +229,10 @@ def _check_model(study: Study) -> None:
     for t in src["texts"]:
         if not text_of(study, t).strip():
             raise StudyError(f"[source] texts: {t!r} is empty")
+    if not src["question"].strip() and grid["question_points"] != ["before-question"]:
+        raise StudyError(
+            "[grid] question_points: where to compress around a question needs [source] question"
+        )
     bad = [x for x in grid["methods"] if x not in SWEEP_METHODS and x not in QUANT_METHODS]
     if bad:
         raise StudyError(
@@ -342,10 +347,16 @@ def cells(study: Study) -> list[Cell]:
         from kvviz.decode.eval_sweep import SWEEP_METHODS
 
         n = src["prompt_tokens"]
+        # with a question, each cell says where it compressed (without one there is one place)
+        points = (
+            [{"question_point": p} for p in grid["question_points"]]
+            if src["question"].strip()
+            else [{}]
+        )
         for model in src["models"]:
             for text in src["texts"]:
                 sha = hashlib.sha256(text_of(study, text).encode("utf-8")).hexdigest()
-                for chosen in setting_points(grid):
+                for chosen, point in product(setting_points(grid), points):
                     for method in grid["methods"]:
                         if method not in SWEEP_METHODS:
                             spec = model_spec(method, 1.0, FULL_BITS, n)
@@ -358,6 +369,7 @@ def cells(study: Study) -> list[Cell]:
                                     "budget": 1.0,
                                     "bits": quant_bits(spec),
                                     **applicable(spec.__dict__, chosen),
+                                    **point,
                                 }
                             )
                             continue
@@ -373,6 +385,7 @@ def cells(study: Study) -> list[Cell]:
                                         "budget": f,
                                         "bits": b,
                                         **applicable(spec.__dict__, chosen),
+                                        **point,
                                     }
                                 )
     else:

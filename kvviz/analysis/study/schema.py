@@ -46,6 +46,8 @@ class Key:
     choices: tuple = ()
     # changes a cell's numbers (False: scheduling only, e.g. GPUs per actor)
     identity: bool = True
+    # left out of the cell ids at its default: a key added later keeps the ids of the studies written before it
+    later: bool = False
 
 
 def _synthetic_keys() -> dict[str, Key]:
@@ -75,6 +77,8 @@ SOURCE_KEYS: dict[str, dict[str, Key]] = {
         "texts": Key("strs", [SAMPLE], axis="text"),
         "prompt_tokens": Key("int", 206),
         "continuation_tokens": Key("int", None),
+        # a question after the context (kvviz eval --question); "" = none
+        "question": Key("str", "", later=True),
     },
     "needle": {
         **_MODEL_COMMON,
@@ -97,6 +101,13 @@ GRID_KEYS: dict[str, dict[str, Key]] = {
         "methods": Key("strs", required=True, axis="method"),
         "budgets": Key("floats", [], axis="budget"),
         "bits": Key("ints", [FULL_BITS], axis="bits"),
+        # with a [source] question: where the cache is compressed (kvviz eval --compression-point)
+        "question_points": Key(
+            "strs",
+            ["before-question"],
+            axis="question_point",
+            choices=("before-question", "after-question"),
+        ),
     },
     "needle": {
         "scorers": Key("strs", required=True, axis="scorer"),
@@ -282,6 +293,7 @@ AXIS_COLUMNS = (
     "budget",
     "bits",
     "format",
+    "question_point",
 )
 
 
@@ -307,7 +319,10 @@ class Study:
             **{
                 k: v
                 for k, v in self.source.items()
-                if k != "kind" and not keys[k].axis and keys[k].identity
+                if k != "kind"
+                and not keys[k].axis
+                and keys[k].identity
+                and not (keys[k].later and v == keys[k].default)
             },
         }
 
