@@ -173,7 +173,9 @@ def test_a_model_study_runs_both_compression_points_as_kvviz_eval_does(monkeypat
     rows = StudyDir(tmp_path / "q").rows().set_index("question_point")
     model, tok, _ = load_shared("bundled")
     ref = reference(model, tok, sample_text(), 64, 8, question=QUESTION)
-    spec = Spec(sink=4, recent=14, heavy=14, scorer="snapkv")
+    from kvviz.analysis.study.grid import model_spec
+
+    spec = model_spec("snapkv", 0.5, 16, 64)                    # 32 tokens: 4 sinks, 12 recent, 16 heavy
     for point in ("before-question", "after-question"):
         q = evaluate(model, ref, spec, question_point=point)
         assert rows.loc[point, "spec"] == spec.label() and rows.loc[point, "kl_mean"] == pytest.approx(q.kl_mean)
