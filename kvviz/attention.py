@@ -2,6 +2,10 @@
 
 Never a full positions x positions matrix for every layer: callers ask for the rows
 they need, one layer at a time, vectorised over heads and rows.
+
+A sliding-window layer (Trace.layer_windows[layer] = W) is attended as the model attends it: the query
+at position p sees keys p-W+1..p only (transformers' rule: key j is seen when p - W < j <= p), the
+keys before get logit -inf and weight exactly zero.
 """
 
 from __future__ import annotations
@@ -105,21 +109,38 @@ def kv_runs(kv_heads: list[int]) -> list[tuple[int, slice]]:
     return runs
 
 
+def window_start(p: int, window: int | None) -> int:
+    """The first key the query at position p sees: p - window + 1 on a sliding layer, else 0."""
+    return 0 if window is None else max(0, p - window + 1)
+
+
+def window_masks(trace: Trace, layer: int, positions) -> np.ndarray:
+    """(len(positions), kv_heads, trace positions) bool: the keys each query at `positions` sees, every KV
+    head alike — on a sliding layer its window (the cache the model keeps there), else keys 0..p."""
+    positions = np.asarray(positions, dtype=int)
+    out = np.zeros((len(positions), trace.n_kv_heads, trace.n_positions), dtype=bool)
+    for i, p in enumerate(positions.tolist()):
+        out[i, :, window_start(p, trace.layer_windows[layer]) : p + 1] = True
+    return out
+
+
 def logit_rows(trace: Trace, layer: int, heads: np.ndarray, qi: int) -> np.ndarray:
     """Logits of query qi (index into query_positions) for several heads over keys 0..p.
 
     Shape (len(heads), p+1), float64; computed in the trace's precision. A logit-only
-    source returns its exact stored logits.
+    source returns its exact stored logits. On a sliding layer the keys before the window are -inf.
     """
     heads = np.asarray(heads, dtype=int)
     p = int(trace.query_positions[qi])
     if trace.logits is not None:
-        return trace.logits[layer, heads, qi, : p + 1].astype(np.float64)
-    q = trace.q[layer, heads, qi] * np.float32(1 / np.sqrt(trace.head_dim))  # (H, D)
-    out = np.empty((len(heads), p + 1))
-    for g, rows in kv_runs((heads // trace.group_size).tolist()):  # one matmul per run
-        # (p+1, D) @ (D, h): BLAS is far faster this way round than q @ K^T
-        out[rows] = (trace.k[layer, g, : p + 1] @ q[rows].T).T
+        out = trace.logits[layer, heads, qi, : p + 1].astype(np.float64)
+    else:
+        q = trace.q[layer, heads, qi] * np.float32(1 / np.sqrt(trace.head_dim))  # (H, D)
+        out = np.empty((len(heads), p + 1))
+        for g, rows in kv_runs((heads // trace.group_size).tolist()):  # one matmul per run
+            # (p+1, D) @ (D, h): BLAS is far faster this way round than q @ K^T
+            out[rows] = (trace.k[layer, g, : p + 1] @ q[rows].T).T
+    out[:, : window_start(p, trace.layer_windows[layer])] = -np.inf
     return out
 
 
@@ -145,7 +166,8 @@ def context_rows(
     """Causal attention of context queries `rows` (indices into query_positions) over keys 0..n_keys-1.
 
     Yields (row_indices, attention) chunks, attention of shape (len(heads), chunk, n_keys),
-    float32, zero where a query may not look (future keys). Used by the history-based
+    float32, zero where a query may not look (future keys, and on a sliding layer the keys before its
+    window). Used by the history-based
     scorers; chunked so a long context never materialises all rows at once (at most
     CHUNK_BYTES a chunk), with a cancel checkpoint (kvviz.limits) before each chunk.
 
@@ -156,6 +178,12 @@ def context_rows(
     max and sum, but a product of another shape may run another BLAS kernel (OpenBLAS picks
     it by processor), with another summation order in the last bits.
     """
+    on_device = getattr(
+        trace.k, "context_rows", None
+    )  # computed where the arrays live (decode.devtrace)
+    if on_device is not None and trace.logits is None:
+        yield from on_device(trace, layer, heads, rows, n_keys, chunk, trim)
+        return
     chunk = chunk_rows(len(heads), n_keys, chunk)
     q_all = trace.q[layer][heads]  # (H, Nq, D)
     kv = trace.kv_head(np.asarray(heads))
@@ -179,7 +207,58 @@ def context_rows(
         # (c, m - first)
         future = key_pos[None, first:m] > positions[:, None]
         np.copyto(logits[..., first:], -np.inf, where=future[None])
+        window = trace.layer_windows[layer]
+        if window is not None:  # a sliding layer: keys before p - window + 1 are out of sight
+            before = key_pos[None, :m] <= positions[:, None] - window  # (c, m)
+            np.copyto(logits, -np.inf, where=before[None])
         logits -= logits.max(axis=-1, keepdims=True)
         np.exp(logits, out=logits)
         logits /= logits.sum(axis=-1, keepdims=True)
         yield idx, logits
+
+
+def attention_sums(
+    trace: Trace, layer: int, heads: np.ndarray, rows: np.ndarray, n_keys: int, trim: bool = False
+) -> np.ndarray:
+    """(len(heads), n_keys) float64: the attention the context queries `rows` pay each key 0..n_keys-1,
+    summed over the rows (each chunk of context_rows summed in float64). Where the trace's arrays live on
+    a device (kvviz.decode.devtrace) the sums are made there and only they cross to the host."""
+    on_device = getattr(trace.k, "attention_sums", None)
+    if on_device is not None and trace.logits is None:
+        return on_device(trace, layer, heads, rows, n_keys, trim)
+    out = np.zeros((len(heads), n_keys))
+    for _, attn in context_rows(trace, layer, heads, rows, n_keys, trim=trim):
+        out[:, : attn.shape[-1]] += attn.sum(axis=1, dtype=np.float64)
+    return out
+
+
+def row_norms(stack, layer: int, stop: int | None = None, float64: bool = False) -> np.ndarray:
+    """(heads, positions) L2 norms of the rows (keys or values) of one layer of a trace array, up to
+    `stop`: in the array's precision (float32 for a device's: kvviz.decode.devtrace), or summed in float64."""
+    on_device = getattr(stack, "row_norms", None)
+    if on_device is not None:
+        return on_device(layer, stop, float64)
+    x = stack[layer][:, :stop]
+    if float64:
+        return np.sqrt(np.einsum("hci,hci->hc", x, x, dtype=np.float64))
+    return np.sqrt(np.vecdot(x, x))
+
+
+def normalised_mean(stack, layer: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows 0..stop-1 of one layer of a trace array (keys): their norms (H, stop), the mean of the
+    normalised rows a = mean_i k_i / ||k_i|| (H, D) and each row's dot with it (H, stop) (KeyDiff's inputs).
+
+    In the keys' own precision, as kvpress computes it (float32 BLAS: a float64 copy of K cost 7x the
+    time and moved no kept set in the kvpress reference test). Where the array lives on a device
+    (kvviz.decode.devtrace) they are computed there and only they cross to the host."""
+    on_device = getattr(stack, "normalised_mean", None)
+    if on_device is not None:
+        return on_device(layer, stop)
+    keys = stack[layer][:, :stop]  # (H, c, d), the trace's dtype
+    if keys.dtype not in (np.float32, np.float64):  # float16 and friends: float32
+        keys = keys.astype(np.float32)
+    norms = np.maximum(np.sqrt(np.einsum("hcd,hcd->hc", keys, keys)), keys.dtype.type(1e-12))
+    # a BLAS product (1/||k||)^T K a head, no normalised copy of K
+    anchor = np.matmul((1.0 / norms)[:, None, :], keys)[:, 0] / keys.dtype.type(stop)
+    dots = np.matmul(keys, anchor[..., None])[..., 0]  # k_i . a, one BLAS product a head
+    return norms, anchor, dots

@@ -14,7 +14,7 @@ import numpy as np
 
 from kvviz.attention import chunk_rows, keep_heap, small_blas
 from kvviz.limits import Part, Work, checkpoint
-from kvviz.memory import Memory, budget_is_exact, memory_dict, memory_for
+from kvviz.memory import Memory, budget_is_exact, memory_dict, memory_for, seen_tokens
 from kvviz.metrics import RowMetrics, Spread, spread
 
 # one row: what is kept at a query, and its original vs compressed attention (re-exported: the engine's API)
@@ -66,6 +66,8 @@ class Comparison:
             "spec": self.spec.__dict__,
             "layer": p.layer,
             "layer_number": self.model_layer,
+            "layer_kind": self.layer_kind,
+            "layer_window": self.layer_window,
             "head": p.head,
             "kv_head": p.kv_head,
             "position": p.position,
@@ -91,6 +93,20 @@ class Comparison:
     primary_source: str = ""
     # the model's own number of the view's layer (a capture may keep some)
     layer_number: int | None = None
+    # the view's layer's sliding window in tokens (None: full attention)
+    layer_window: int | None = None
+    # the model's own number of every layer of the trace, by position (empty: the positions are the numbers)
+    layer_numbers: tuple[int, ...] = ()
+
+    @property
+    def layer_kind(self) -> str:
+        """The view's layer's kind: "sliding_attention" (not compressed: the model's own window) or
+        "full_attention"."""
+        return "full_attention" if self.layer_window is None else "sliding_attention"
+
+    def layer_name(self, position: int) -> int:
+        """A layer's number in the model from its position in the trace (a member row's `layer`)."""
+        return self.layer_numbers[position] if self.layer_numbers else int(position)
 
     @property
     def model_layer(self) -> int:
@@ -121,6 +137,30 @@ def check_view(trace: Trace, view: View) -> int:
     return int(evaluated[step])
 
 
+def sliding_note(trace: Trace, view: View) -> str | None:
+    """What a sliding-window layer means for the view: the model's own window, not the policy's choice."""
+    number, window = trace.layer_numbers[view.layer], trace.layer_windows[view.layer]
+    out = []
+    if window is not None:
+        out.append(
+            f"Layer {number} is a sliding-window layer: the model itself keeps only its last {window} "
+            "tokens there, at full precision. kvviz compresses the full-attention layers only (as "
+            "kvpress skips sliding layers), so here the compressed attention is the model's own."
+        )
+    if view.ensemble == "layers":
+        members = [
+            (view.layer + i) % trace.n_layers
+            for i in range(min(view.ensemble_size, trace.n_layers))
+        ]
+        sliding = sum(trace.layer_windows[i] is not None for i in members)
+        if sliding:
+            out.append(
+                f"{sliding} of the {len(members)} layers in the ensemble are sliding-window layers, "
+                "which compression leaves alone: their error is zero."
+            )
+    return " ".join(out) or None
+
+
 # --- one row -------------------------------------------------------------------------
 
 
@@ -134,8 +174,10 @@ def kept_counts(trace: Trace, spec: Spec, qi: int) -> np.ndarray:
         from kvviz.policies.allocation import layer_spec
 
         per_layer = [
-            min(layer_spec(spec, layer, L, trace.context_len).budget, n) if spec.evicts else n
-            for layer in range(L)
+            seen_tokens(window, n)  # a sliding layer: its window, whatever the spec
+            if window is not None or not spec.evicts
+            else min(layer_spec(spec, layer, L, trace.context_len).budget, n)
+            for layer, window in enumerate(trace.layer_windows)
         ]
         return np.repeat(np.array(per_layer, dtype=np.int64)[:, None], H, axis=1)
     return np.stack(
@@ -314,6 +356,7 @@ def compare(
             m = min(n, len(r.error))
             errors[i, :m] = r.error[:m]
     notes = () if trace.has_later_queries else (NO_LATER_QUERIES_NOTE,)
+    notes += tuple(filter(None, [sliding_note(trace, view)]))
     return Comparison(
         spec=spec,
         view=view,
@@ -328,6 +371,8 @@ def compare(
         notes=notes,
         primary_source=str(trace.meta.get("source", "")),
         layer_number=trace.layer_numbers[view.layer],
+        layer_window=trace.layer_windows[view.layer],
+        layer_numbers=trace.layer_numbers,
     )
 
 

@@ -183,6 +183,10 @@ _PARAMS = [
     Param("solve_target", "float", 0.95, 0.001, 1.0),
     Param("present", "bool", False),
     Param("grid_shade", "choice", "reason", choices=("reason", "attention", "error")),
+    # the charts' token range (zoom_to -1: the row's last token) and the token grid's page (-1: the last)
+    Param("zoom_from", "int", 0, 0, 10_000_000),
+    Param("zoom_to", "int", -1, -1, 10_000_000),
+    Param("grid_page", "int", -1, -1, 10_000_000),
     # trade-offs page
     Param("metric", "choice", "tv", choices=("tv", "kl", "js", "mass", "output_error")),
     Param("logx", "bool", False),

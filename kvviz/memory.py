@@ -12,6 +12,11 @@ transformers' QuantizedCache quantizes the prompt), so before the compression po
 cache of the context exists (kvpress #178). `kv_bytes_peak` is the larger of that prefill cache
 (the context's tokens, or the n_tokens seen when the query is inside the context) and the cache
 after compression. None of kvviz's methods prefills in chunks, so none has a smaller peak.
+
+A sliding-window layer (Trace.layer_windows) is counted as what it is: the model keeps its last W tokens
+there at full precision and no policy or quantizer touches it, so it holds min(W, tokens) tokens at 16
+bits, before and after the compression point. "Full" is the model's own uncompressed cache: its full
+layers hold every token, its sliding layers their window.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from functools import lru_cache
 import numpy as np
 
 from kvviz.policies import get_policy
+from kvviz.policies.allocation import allocation_for
 from kvviz.quant import formats as qformats
 from kvviz.quant import CacheBytes, kv_bytes_per_token, tensor_bytes
 from kvviz.spec import Spec
@@ -80,13 +86,27 @@ def memory_dict(m: Memory) -> dict:
     }
 
 
+def seen_tokens(window: int | None, n_tokens: int) -> int:
+    """Tokens a layer's uncompressed cache holds once n_tokens have arrived: every one, or a sliding
+    layer's window."""
+    return n_tokens if window is None else min(window, n_tokens)
+
+
 def prefill_peak_bytes(
-    n_layers: int, n_kv_heads: int, head_dim: int, n_tokens: int, context_len: int
+    n_layers: int,
+    n_kv_heads: int,
+    head_dim: int,
+    n_tokens: int,
+    context_len: int,
+    windows: tuple[int | None, ...] = (),
 ) -> float:
     """The full 16-bit cache the prefill holds before it is compressed: the context's tokens (or the n_tokens
-    seen, for a query inside the context), K and V, every layer and KV head."""
+    seen, for a query inside the context), K and V, every layer and KV head; `windows` (one per layer):
+    a sliding layer holds its window of them."""
     n = min(n_tokens, context_len) if context_len else n_tokens
-    return n * kv_bytes_per_token(n_layers, n_kv_heads, head_dim)
+    if not windows:
+        return n * kv_bytes_per_token(n_layers, n_kv_heads, head_dim)
+    return sum(seen_tokens(w, n) for w in windows) * kv_bytes_per_token(1, n_kv_heads, head_dim)
 
 
 def memory_for(trace: Trace, spec: Spec, n_tokens: int, counts: np.ndarray | None = None) -> Memory:
@@ -99,7 +119,14 @@ def memory_for(trace: Trace, spec: Spec, n_tokens: int, counts: np.ndarray | Non
     """
     key = None if counts is None else tuple(map(tuple, np.asarray(counts, dtype=np.int64).tolist()))
     return _memory(
-        trace.n_layers, trace.n_kv_heads, trace.head_dim, spec, n_tokens, trace.context_len, key
+        trace.n_layers,
+        trace.n_kv_heads,
+        trace.head_dim,
+        spec,
+        n_tokens,
+        trace.context_len,
+        key,
+        trace.layer_windows if trace.has_sliding_layers else (),
     )
 
 
@@ -112,7 +139,7 @@ def budget_is_exact(spec: Spec) -> bool:
     # the cache grows to budget + N between compressions (policies.recompress)
     if spec.compress_every:
         return False
-    return spec.allocation != "adakv" and get_policy(spec.scorer).fills_budget(spec)
+    return not allocation_for(spec).ragged and get_policy(spec.scorer).fills_budget(spec)
 
 
 def head_parts(
@@ -178,8 +205,12 @@ def _memory(
     n_tokens: int,
     context_len: int = 0,
     counts: tuple[tuple[int, ...], ...] | None = None,
+    windows: tuple[int | None, ...] = (),
 ) -> Memory:
     from kvviz.policies.allocation import layer_spec
+
+    windows = windows or (None,) * n_layers
+    token16 = kv_bytes_per_token(1, 1, head_dim)  # one KV head's K + V of one token at 16 bits
 
     def per_head(k: int) -> float:
         return head_bytes(spec, k, head_dim, n_kv_heads, n_tokens, context_len)
@@ -187,34 +218,41 @@ def _memory(
     def key_part(k: int) -> float:
         return head_parts(spec, k, head_dim, n_kv_heads, n_tokens, context_len)[0].total
 
-    full = n_tokens * kv_bytes_per_token(n_layers, n_kv_heads, head_dim)
-    peak = prefill_peak_bytes(n_layers, n_kv_heads, head_dim, n_tokens, context_len)
+    full = sum(seen_tokens(w, n_tokens) for w in windows) * n_kv_heads * token16
+    peak = prefill_peak_bytes(n_layers, n_kv_heads, head_dim, n_tokens, context_len, windows)
     if counts is None:
         budgets = [
             layer_spec(spec, layer, n_layers, context_len).budget for layer in range(n_layers)
         ]
         counts = tuple(
-            (min(b, n_tokens) if spec.evicts else n_tokens,) * n_kv_heads for b in budgets
+            (seen_tokens(w, n_tokens) if w is not None or not spec.evicts else min(b, n_tokens),)
+            * n_kv_heads
+            for b, w in zip(budgets, windows)
         )
+    # a sliding layer's caches: their window, at 16 bits (K half of it)
+    window_held = sum(k for c, w in zip(counts, windows) if w is not None for k in c)
+    counts_full = [c for c, w in zip(counts, windows) if w is None]
     # every head's bytes from its own count (AdaKV's heads differ): the budget ledger's sum, exactly
     kept_per_layer = tuple(round(sum(c) / len(c)) for c in counts)
     mean_kept = round(sum(map(sum, counts)) / max(n_layers * n_kv_heads, 1))
-    # Quest: stores all, reads the budget
+    # Quest: stores all, reads the budget (its full layers; a sliding layer stores and reads its window)
     if spec.evicts and get_policy(spec.scorer).kind == "read":
         meta = page_meta_bytes(spec, n_tokens, head_dim)
-        stored = per_head(n_tokens) + meta
-        read = sum(per_head(k) + meta for c in counts for k in c)
+        n_full = len(counts_full) * n_kv_heads
+        read = sum(per_head(k) + meta for c in counts_full for k in c) + window_held * token16
         return Memory(
-            kv_bytes=stored * n_layers * n_kv_heads,
+            kv_bytes=(per_head(n_tokens) + meta) * n_full + window_held * token16,
             kv_bytes_full=full,
-            kept_tokens=n_tokens,
+            kept_tokens=round((n_tokens * n_full + window_held) / max(n_layers * n_kv_heads, 1)),
             total_tokens=n_tokens,
             kv_bytes_read=read,
-            kept_per_layer=(n_tokens,) * n_layers,
+            kept_per_layer=tuple(
+                n_tokens if w is None else round(sum(c) / len(c)) for c, w in zip(counts, windows)
+            ),
             kv_bytes_peak=peak,
-            key_bytes=(key_part(n_tokens) + meta) * n_layers * n_kv_heads,
+            key_bytes=(key_part(n_tokens) + meta) * n_full + window_held * token16 / 2,
         )
-    stored = sum(per_head(k) for c in counts for k in c)
+    stored = sum(per_head(k) for c in counts_full for k in c) + window_held * token16
     return Memory(
         kv_bytes=stored,
         kv_bytes_full=full,
@@ -222,5 +260,5 @@ def _memory(
         total_tokens=n_tokens,
         kept_per_layer=kept_per_layer,
         kv_bytes_peak=peak,
-        key_bytes=sum(key_part(k) for c in counts for k in c),
+        key_bytes=sum(key_part(k) for c in counts_full for k in c) + window_held * token16 / 2,
     )

@@ -10,6 +10,10 @@ Eviction decides what is kept (`keep_masks`: per KV head, at the time the policy
 kept is quantized (`_quantized_kept`), as a real compressed cache would be. A policy that reads instead of
 evicting (Quest) stores the whole cache, quantized as stored, and each query head reads its own pages of
 it. kvviz.engine builds a view's rows and their ensemble from these.
+
+A sliding-window layer (Trace.layer_windows) is left as the model runs it, as kvpress's presses skip
+sliding layers: its cache is the window the model keeps (the last W tokens, at full precision), so its
+compressed attention is its original, and what it keeps is the window (`window_masks`).
 """
 
 from __future__ import annotations
@@ -18,9 +22,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvviz.attention import kv_runs, logit_rows, softmax, softmax_and_log
+from kvviz.attention import (
+    kv_runs,
+    logit_rows,
+    softmax,
+    softmax_and_log,
+    window_masks,
+    window_start,
+)
 from kvviz.metrics import RowMetrics, divergences, row_metrics_batch
 from kvviz.policies import ScoreContext, get_policy
+from kvviz.policies.allocation import allocation_for
 from kvviz.policies.base import cached_on_trace, group_union
 from kvviz.quant import formats as qformats
 from kvviz.quant import quantize_kept
@@ -36,6 +48,7 @@ REASONS = {
     HEAVY: "heavy hitter",
     ALL: "kept (no eviction)",
 }
+UNCOMPRESSED = Spec()  # what a sliding-window layer runs under, whatever the spec
 
 
 @dataclass(frozen=True, eq=False, slots=True)  # slots: a configuration builds one per member
@@ -98,7 +111,10 @@ def evaluate_rows(
     p = int(trace.query_positions[qi])
     n = p + 1
     kvh = heads // trace.group_size  # (H,)
-    logits = logit_rows(trace, layer, heads, qi)  # (H, n)
+    sliding = trace.layer_windows[layer] is not None
+    if sliding:  # the model keeps its window there, at full precision: no policy, no quantizer
+        spec, reads, kept_kv = UNCOMPRESSED, None, window_masks(trace, layer, [p])[0]
+    logits = logit_rows(trace, layer, heads, qi)  # (H, n), -inf before a sliding layer's window
     original, log_original = softmax_and_log(logits)
     # reads: Quest per query head, each row reads its own tokens from the whole cache, (Hq, n)
     # the oracle / Quest decide at this query
@@ -172,8 +188,15 @@ def evaluate_rows(
     error = compressed - original
     original_kept = original.take(flat).reshape(H, m)
     mass = original_kept.sum(axis=1)
+    # evicted: a token the query sees (a sliding layer's window) is not kept
+    seen = n - window_start(p, trace.layer_windows[layer])
     kl, kl_forward, js = divergences(
-        original_kept, log_original.take(flat).reshape(H, m), p_kept, logp_kept, mass, evicted=m < n
+        original_kept,
+        log_original.take(flat).reshape(H, m),
+        p_kept,
+        logp_kept,
+        mass,
+        evicted=m < seen,
     )
 
     out = out_hat = None
@@ -212,6 +235,8 @@ def evaluate_rows(
     else:
         row_kept = reads[heads, :n]
         reason, row_of = reasons_for(row_kept, spec), range(H)
+    if sliding:  # the window is the model's recent tokens; what it no longer sees, evicted
+        reason = np.where(row_kept, np.int8(RECENT), np.int8(EVICTED))
     return [
         RowResult(
             layer=layer,
@@ -367,16 +392,22 @@ def _quantized_kept_formats(
 
 
 def keep_masks(trace: Trace, spec: Spec, layer: int, positions) -> np.ndarray | None:
-    """Kept masks (len(positions), kv_heads, positions) of the spec's policy; None for the oracle."""
+    """Kept masks (len(positions), kv_heads, positions) of the spec's policy under its budget allocation;
+    None for the oracle. A sliding layer's: its window, whatever the policy."""
+    if trace.layer_windows[layer] is not None:
+        return window_masks(trace, layer, positions)
     policy = get_policy(spec.scorer)
     if policy.needs_query and spec.evicts:
         return None
-    return policy.keep_masks(ScoreContext(trace, layer, spec), np.asarray(positions))
+    ctx = ScoreContext(trace, layer, spec)
+    return allocation_for(spec).keep_masks(policy, ctx, np.asarray(positions))
 
 
 def kept_at_query(trace: Trace, spec: Spec, layer: int, qi: int) -> np.ndarray:
     """What every KV head of a layer holds (reads, for Quest) at query qi: (kv_heads, p + 1) bool."""
     p = int(trace.query_positions[qi])
+    if trace.layer_windows[layer] is not None:  # a sliding layer: the model's window
+        return window_masks(trace, layer, [p])[0, :, : p + 1]
     if not spec.evicts:
         return np.ones((trace.n_kv_heads, p + 1), dtype=bool)
     if get_policy(spec.scorer).needs_query:
@@ -387,7 +418,8 @@ def kept_at_query(trace: Trace, spec: Spec, layer: int, qi: int) -> np.ndarray:
 def read_masks(trace: Trace, spec: Spec, layer: int, qi: int) -> np.ndarray:
     """(q_heads, p + 1) bool: what each query head attends over at query qi — its KV head's kept set, or,
     where query heads choose their own (Quest per query head), its own reads."""
-    if spec.evicts and get_policy(spec.scorer).needs_query:
+    sliding = trace.layer_windows[layer] is not None
+    if spec.evicts and get_policy(spec.scorer).needs_query and not sliding:
         reads, kept = _query_kept(trace, spec, layer, qi)
         if reads is not None:
             return reads

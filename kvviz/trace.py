@@ -14,6 +14,9 @@ Query head h reads KV head h // (q_heads // kv_heads) (grouped-query attention).
 
 Layers are indexed by position in these arrays; `layer_numbers` says which layer of the model each
 position is (a capture of `--layers 0-3,15,29` holds 6 layers, numbered 0, 1, 2, 3, 15, 29).
+`layer_windows` says how far each layer sees: None for full attention, W for a sliding-window layer
+(Mistral, Gemma 2/3, gpt-oss), whose query at position p sees keys p-W+1..p only (meta["layer_windows"],
+as a capture records them; a trace without them is full attention everywhere).
 
 q, k, v may also be lazy stacks read from a file layer by layer (kvviz.sources.lazy: `lazy = True`,
 indexed by layer first like the arrays); they check their own values for NaN / inf as they are read.
@@ -100,6 +103,23 @@ class Trace:
             return tuple(kept)
         return tuple(range(self.n_layers))
 
+    @cached_property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window in tokens, None for full attention (checked by `validate`)."""
+        windows = self.meta.get("layer_windows")
+        if windows is None:
+            return (None,) * self.n_layers
+        return tuple(None if w is None else int(w) for w in windows)
+
+    def layer_kind(self, layer: int) -> str:
+        """The kind of the layer at index `layer`, in transformers' words: "sliding_attention" or
+        "full_attention"."""
+        return "full_attention" if self.layer_windows[layer] is None else "sliding_attention"
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(w is not None for w in self.layer_windows)
+
     def layer_index(self, number: int) -> int:
         """Position in the arrays of the model's layer `number`; TraceError naming the layers there are."""
         try:
@@ -185,6 +205,17 @@ def validate(t: Trace) -> None:
         raise TraceError(f"logits must have shape {(L, Hq, Nq, P)}, not {t.logits.shape}")
     if t.noise_eps is not None and t.noise_eps.shape != (P,):
         raise TraceError("noise_eps must have one value per position")
+    # (a stand-in checked for its arrays alone, as policies.recompress.LayerTrace's, has no meta)
+    windows = getattr(t, "meta", {}).get("layer_windows")
+    if windows is not None and (
+        not isinstance(windows, (list, tuple))
+        or len(windows) != L
+        or not all(w is None or (type(w) is int and w >= 1) for w in windows)
+    ):
+        raise TraceError(
+            f"meta layer_windows must list a window in tokens (or null: full attention) for each of "
+            f"the {L} layers, not {windows!r}"[:300]
+        )
     for name, a in {**arrays, "logits": t.logits}.items():
         if a is not None and not is_lazy(a) and not np.isfinite(a).all():
             raise TraceError(f"{name} contains NaN or infinite values")

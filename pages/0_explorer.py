@@ -19,8 +19,8 @@ from kvviz.app import explorer as ux
 from kvviz.app import formats as ui_formats
 from kvviz.app import ledger as ui_ledger
 from kvviz.plots.figures import BAND_TEXT
-from kvviz.analysis.frames import (BIN_THRESHOLD, attention_extent, binned_frame, ensemble_text, error_extent,
-                                   ranges_text, row_text, token_frame)
+from kvviz.analysis.frames import (attention_extent, ensemble_text, error_extent, ranges_text, row_text,
+                                   token_frame, zoom_frame, BIN_THRESHOLD)
 
 
 def main() -> None:
@@ -74,14 +74,23 @@ def main() -> None:
                 st.info(note, icon=":material/info:")
 
     members = len(comp.members)
-    per_token = token_frame(comp)
-    pinned_tokens = token_frame(pinned) if pinned is not None else None
+    per_token = token_frame(comp)       # every token: the CSV and the table
     row, ensemble = row_text(comp), ensemble_text(comp)
     text = has_text_tokens(source.trace)
-    binned = n_seen > BIN_THRESHOLD
-    frame = binned_frame(comp) if binned else per_token
-    pinned_frame = (binned_frame(pinned) if pinned is not None else None) if binned else pinned_tokens
+    # the page's places, top to bottom (Presentation mode: one projector screen, the attention chart first)
+    if present:
+        top_chart, lock_slot, cards, bottom_chart = st.container(), st.container(), st.container(), st.container()
+        zoom_slot = None
+    else:
+        cards, lock_slot, zoom_slot = st.container(), st.container(), st.container()
+        top_chart, bottom_chart = st.container(), st.container()
+    # the charts: the tokens first..last of the row (a long row's range boxes sit above the charts), in bins
+    # past BIN_THRESHOLD tokens, so no chart carries more than a few hundred bars whatever the row's length
+    first, last = (0, n_seen - 1) if present else ux.token_range(n_seen, (source.key, n_seen), zoom_slot)
+    frame, binned = zoom_frame(comp, first, last)
+    pinned_frame = zoom_frame(pinned, first, last)[0] if pinned is not None else None
     drawn = {}
+
     def look(fig, y_title: str):   # Presentation mode: text >= 18 px, a y title that fits
         return style.projector(fig, height=470, y_title=y_title) if present else fig
 
@@ -106,15 +115,19 @@ def main() -> None:
         if binned:
             drawn["attention"] = look(figures.binned_attention_figure(frame, row=row, y_top=y_top), "attention mass")
         else:
-            drawn["attention"] = look(figures.attention_figure(per_token, row=row, text_tokens=text,
-                                                               pinned=pinned_tokens, y_top=y_top), "attention")
+            drawn["attention"] = look(figures.attention_figure(frame, row=row, text_tokens=text,
+                                                               pinned=pinned_frame, y_top=y_top), "attention")
 
     def attention_chart() -> None:
         if binned and not present:
-            st.caption(f"{n_seen} tokens: the charts show {len(frame)} bins of up to {int(frame['tokens'].max())} "
-                       "tokens each (the CSV has every token).")
+            st.caption(f"Tokens {first}-{last} of {n_seen}, in {len(frame)} bins of up to "
+                       f"{int(frame['tokens'].max())} tokens: each bar is the sum of its bin's attention (the mass), "
+                       "the black tick its largest single token. Zoom to a range of "
+                       f"{BIN_THRESHOLD} tokens or fewer to see each token (the CSV has every token).")
         elif spec.evicts and not present:
-            st.markdown(f"**Kept tokens:** {ranges_text(per_token.index[per_token['kept']])}")
+            shown = per_token.iloc[first:last + 1]
+            st.markdown(f"**Kept tokens{'' if len(shown) == n_seen else f' ({first}-{last})'}:** "
+                        f"{ranges_text(shown.index[shown['kept']])}")
         chart(drawn["attention"], key="attention_chart", config=style.CHART_CONFIG)
         if not present:
             st.caption("What to look for: grey is the original attention, coloured bars what the compressed cache "
@@ -125,10 +138,6 @@ def main() -> None:
     # The attention figure is built (~0.1 s) before the cards are drawn, so that the cards and the charts'
     # frames reach the browser together (kvviz.app.charts: the first paint); the lock toggle, drawn into its
     # place below the cards, decides the figure's y-axis, so it runs first.
-    if present:   # one projector screen: sliders (above), the attention chart, three cards, the error chart
-        first, lock_slot, cards, second = st.container(), st.container(), st.container(), st.container()
-    else:
-        cards, lock_slot, first, second = st.container(), st.container(), st.container(), st.container()
     with lock_slot:
         y_range, y_top = lock_toggle()
     attention_figure(y_top)
@@ -137,9 +146,9 @@ def main() -> None:
             plain_cards_and_folded_notes()
         else:
             cards_and_notes()
-    with first:
+    with top_chart:
         attention_chart()
-    with second:
+    with bottom_chart:
         error_chart(y_range)
     fig_att = drawn["attention"]
     if present:

@@ -50,11 +50,12 @@ def main() -> None:
                    "they are the cards above.")
         return
     h1, h2, h3 = st.columns(3)
-    chart(figures.heatmap_figure(conc.sink_share, f"Sink share (first {sink_k} tokens)", "mass", 0, 1),
+    numbers = source.trace.layer_numbers   # the rows named by the model's own layer numbers
+    chart(figures.heatmap_figure(conc.sink_share, f"Sink share (first {sink_k} tokens)", "mass", 0, 1, layers=numbers),
           key="sink_heatmap", where=h1)
-    chart(figures.heatmap_figure(conc.locality, f"Locality (last {window} tokens)", "mass", 0, 1),
+    chart(figures.heatmap_figure(conc.locality, f"Locality (last {window} tokens)", "mass", 0, 1, layers=numbers),
           key="locality_heatmap", where=h2)
-    chart(figures.heatmap_figure(conc.entropy, "Entropy", "nats", 0, conc.max_entropy),
+    chart(figures.heatmap_figure(conc.entropy, "Entropy", "nats", 0, conc.max_entropy, layers=numbers),
           key="entropy_heatmap", where=h3)
     st.caption(f"What to look for: sink heads put most mass on the first tokens (bright left map), local heads on "
                f"the last w tokens; low entropy means few tokens matter (uniform attention over these tokens would "

@@ -7,7 +7,7 @@ from kvviz.app.compression import compression_section, w_setting
 from kvviz.app.labels import ALLOCATION_LABELS
 from kvviz.app.layout import page_setup
 from kvviz.app.router import run_page
-from kvviz.app.sidebar import source_section
+from kvviz.app.sidebar import layer_picker, source_section
 from kvviz.app.store import show_notices, sync_url, w_choice, w_multi, w_number, w_slider
 from kvviz.plots.decode import timeline_animation
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
@@ -57,7 +57,7 @@ def _step_view(tl, timeline_key: tuple, shift_step) -> None:
                              "which animate every step in the browser."))
     p = int(tl.positions[step])
     rows = tl.step_rows(step, POLICY_LABELS)
-    st.markdown(f"**Step {step}**: query at position {p}, layer {tl.layer}, KV head {tl.kv_head}")
+    st.markdown(f"**Step {step}**: query at position {p}, layer {tl.model_layer}, KV head {tl.kv_head}")
     st.dataframe(rows, hide_index=True, width="stretch")
     sync_url()
 
@@ -90,7 +90,7 @@ def main() -> None:
         return
 
     c1, c2, c3, c4 = st.columns([1, 1, 2, 1])
-    layer = int(w_number(c1, "tl_layer", "Layer", 0, trace.n_layers - 1, disabled=trace.n_layers == 1))
+    layer = layer_picker(c1, trace, "tl_layer")     # the model's own number in the box and the link; a position
     kv_head = int(w_number(c2, "tl_kv_head", "KV head", 0, trace.n_kv_heads - 1, disabled=trace.n_kv_heads == 1,
                            help="Eviction is decided per KV head; the attention shown is the mean over "
                                 "the query heads that share it."))

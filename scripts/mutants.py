@@ -124,39 +124,39 @@ EQUIVALENT.update({
 
 
 _FMT = "kvviz.quant.formats.x_"
-_ALLOC = "kvviz.policies.allocation.x_"
+_ALLOC = "kvviz.policies.allocation."
 _INT64 = "the fill is a Python int, so the array is int64 without the dtype"
 EQUIVALENT.update({
     _FMT + "residual_at__mutmut_25": "np.min of the 0-d count (one head's positions) is that count",
     _FMT + "quantize_tensor__mutmut_59": "np.array(x) copies by default: copy=True is the default",
     _FMT + "hf_quantized_cache__mutmut_18": "value_axis='token' dropped: Spec's default value_axis is 'token'",
     _FMT + "hf_quantized_cache__mutmut_22": "zero_point='float' dropped: Spec's default zero_point is 'float'",
-    **_same(_INT64, _ALLOC, "pyramid_budgets__mutmut_8", "pyramid_budgets__mutmut_11",
-            "adakv_heavy__mutmut_92", "adakv_heavy__mutmut_95"),
+    **_same(_INT64, _ALLOC, "x_pyramid_budgets__mutmut_8", "x_pyramid_budgets__mutmut_11",
+            "xǁAdaKVǁhead_budgets__mutmut_92", "xǁAdaKVǁhead_budgets__mutmut_95"),
     **_same("the list holds Python ints (round() of a float), so the array is int64 without the dtype", _ALLOC,
-            "pyramid_totals__mutmut_32", "pyramid_totals__mutmut_34"),
-    _ALLOC + "pyramid_budgets__mutmut_16": "np.full(max(n, 2))[:n]: the slice leaves n entries for n = 0 or 1",
-    _ALLOC + "pyramid_budgets__mutmut_34": "floor(real - 1e-9): a layer floored one lower gets a fraction >= "
+            "x_pyramid_totals__mutmut_32", "x_pyramid_totals__mutmut_34"),
+    _ALLOC + "x_pyramid_budgets__mutmut_16": "np.full(max(n, 2))[:n]: the slice leaves n entries for n = 0 or 1",
+    _ALLOC + "x_pyramid_budgets__mutmut_34": "floor(real - 1e-9): a layer floored one lower gets a fraction >= "
                                            "1 - 1e-9, above every other layer's (< 1 - 1e-9), so the unit of `rest` "
                                            "it adds goes straight back to it (0 differences over heavy < 60, "
                                            "L <= 32, 11 betas)",
-    _ALLOC + "pyramid_totals__mutmut_9": "> for >= in the clamp: at hi == n - window the clamp sets hi to itself and "
+    _ALLOC + "x_pyramid_totals__mutmut_9": "> for >= in the clamp: at hi == n - window the clamp sets hi to itself and "
                                          "lo = 2A - hi = A / beta (0 differences over 1070 such cases)",
-    _ALLOC + "pyramid_totals__mutmut_30": "steps 1.0 for one layer: layer * steps = 0 for its only layer 0",
-    _ALLOC + "adakv_heavy__mutmut_14": "take < 0 for <= 0: at take 0 the floor is 0 and rest is 0, so the int64 "
+    _ALLOC + "x_pyramid_totals__mutmut_30": "steps 1.0 for one layer: layer * steps = 0 for its only layer 0",
+    _ALLOC + "xǁAdaKVǁhead_budgets__mutmut_14": "take < 0 for <= 0: at take 0 the floor is 0 and rest is 0, so the int64 "
                                        "zeros come back all the same",
     **_same("np.nan_to_num's default posinf is the largest float64, the value given", _ALLOC,
-            "adakv_heavy__mutmut_51", "adakv_heavy__mutmut_54"),
-    _ALLOC + "adakv_heavy__mutmut_60": "np.finfo(None) is float64's (deprecated in numpy 1.25, not yet an error)",
+            "xǁAdaKVǁhead_budgets__mutmut_51", "xǁAdaKVǁhead_budgets__mutmut_54"),
+    _ALLOC + "xǁAdaKVǁhead_budgets__mutmut_60": "np.finfo(None) is float64's (deprecated in numpy 1.25, not yet an error)",
     **_same("no float64 cast: the callers pass float scores, and ranking float32 ones as they are gives the same "
             "order (+inf cast to float32 stays inf, still first; 0 differences over 3000 random cases)", _ALLOC,
-            "adakv_heavy__mutmut_56", "adakv_heavy__mutmut_58"),
-    _ALLOC + "adakv_heavy__mutmut_66": "np.argsort without axis=1: its default axis -1 is axis 1 of the (H, n) scores",
-    _ALLOC + "adakv_heavy__mutmut_71": "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
-    _ALLOC + "adakv_heavy__mutmut_100": "rest >= 0: at rest 0 nothing is chosen and bincount of nothing adds zeros",
-    _ALLOC + "select_heads__mutmut_3": "every head through the per-budget loop: `select` decides each row on its "
+            "xǁAdaKVǁhead_budgets__mutmut_56", "xǁAdaKVǁhead_budgets__mutmut_58"),
+    _ALLOC + "xǁAdaKVǁhead_budgets__mutmut_66": "np.argsort without axis=1: its default axis -1 is axis 1 of the (H, n) scores",
+    _ALLOC + "xǁAdaKVǁhead_budgets__mutmut_71": "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
+    _ALLOC + "xǁAdaKVǁhead_budgets__mutmut_100": "rest >= 0: at rest 0 nothing is chosen and bincount of nothing adds zeros",
+    _ALLOC + "x_select_heads__mutmut_3": "every head through the per-budget loop: `select` decides each row on its "
                                        "own, so the rows selected apart give the same mask",
-    _ALLOC + "select_heads__mutmut_9": "spec.with_(heavy=heavy[0]) where heavy[0] is spec.heavy already: the same spec",
+    _ALLOC + "x_select_heads__mutmut_9": "spec.with_(heavy=heavy[0]) where heavy[0] is spec.heavy already: the same spec",
 })
 
 _BASE = "kvviz.policies.base."
@@ -178,8 +178,8 @@ EQUIVALENT.update({
                                                             "has a class-level default)",
     **_same("the shared-decision shortcut taken less often (never, or only above 2 KV heads): every row of a "
             "broadcast score is the same, so selecting each row gives the rows the shortcut copies", _POL,
-            # (83, 85, ... before #38: compress_every's branch above the shortcut adds 10 mutants before them)
-            *(f"keep_masks__mutmut_{n}" for n in (93, 95, 97, 98, 99, 108))),
+            # (93, 95, ... before the allocations moved out of keep_masks into kvviz.policies.allocation)
+            *(f"keep_masks__mutmut_{n}" for n in (53, 55, 57, 58, 59, 68))),
     **_same(_AS_F64, _POL,
             *(f"_simulate__mutmut_{n}" for n in (18, 110, 145))),
     **_same("np.take_along_axis's default axis (numpy >= 2.3) is -1, axis 1 of the 2-D arrays", _POL,

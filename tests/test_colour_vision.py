@@ -107,7 +107,7 @@ def test_the_decode_timeline_draws_each_policy_with_its_marker_and_dash():
     from kvviz.plots.decode import regret_chart
 
     policies = {m: SimpleNamespace(regret=np.linspace(0, 0.1, 5)) for m in ("h2o", "tova", "streaming", "oracle")}
-    fig = regret_chart(SimpleNamespace(policies=policies, n_steps=5, layer=0, kv_head=0))
+    fig = regret_chart(SimpleNamespace(policies=policies, n_steps=5, layer=0, model_layer=0, kv_head=0))
     styles = {t.name: (t.line.color, t.marker.symbol, t.line.dash) for t in fig.data}
     assert len({s[1] for s in styles.values()}) == 4 and len({s[2] for s in styles.values()}) == 4, styles
 

@@ -190,6 +190,7 @@ def test_real_run_pyramid_and_block_fallback(tiny):
     """PyramidKV's layers compress again within their own budgets; a block request runs the step loop."""
     from kvviz.decode.loop import decode
     from kvviz.policies.allocation import layer_spec
+    from kvviz.rows import keep_masks
 
     torch = pytest.importorskip("torch")
     model, ids = tiny
@@ -197,7 +198,7 @@ def test_real_run_pyramid_and_block_fallback(tiny):
     stepped, _, cache = decode(model, ids[:24], spec, 12, feed=ids[24:36], record=True)
     trace = cache.run_trace()
     for layer in range(2):
-        expected = get_policy("knorm").keep_masks(ScoreContext(trace, layer, spec), np.arange(24, 36))
+        expected = keep_masks(trace, spec, layer, np.arange(24, 36))   # the engine, allocation included
         assert np.array_equal(cache.kept_history(layer), expected)
         assert expected.sum(axis=2).max() == layer_spec(spec, layer, 2, 24).budget + 4
     block, _, c2 = decode(model, ids[:24], spec, 12, feed=ids[24:36], block=True)

@@ -242,6 +242,11 @@ FORMAT_SPECS = {
     "mxfp4": Spec(key_format="mxfp4", value_format="mxfp4"),
     "nvfp4-rotated": Spec(key_format="nvfp4", value_format="nvfp4", rotate="keys-values"),
     "int2-rotated": Spec(key_bits=2, value_bits=2, rotate="keys"),
+    "q8_0": Spec(key_format="q8_0", value_format="q8_0"),
+    "q4_0": Spec(key_format="q4_0", value_format="q4_0"),
+    "q8_0-rotated": Spec(key_format="q8_0", value_format="q4_0", rotate="keys-values"),
+    "fp8-static": Spec(key_format="e4m3", value_format="e5m2", fp8_scale="static"),
+    "fp8-calibrated": Spec(key_format="e4m3", value_format="e4m3", fp8_scale="static", fp8_calibrate=True),
     "hf-flush": Spec(key_bits=4, value_bits=4, key_axis="token", value_axis="token", group_size=64, residual=16,
                      residual_mode="hf"),
 }
@@ -252,7 +257,8 @@ FORMAT_SPECS = {
 def test_device_formats_are_the_numpy_reference(device, name):
     """kvviz.decode.devquant.quantize_tensor_torch against kvviz.quant.formats.quantize_tensor: bit for bit
     on a CPU (the same float64 roundings); on a GPU the rotation's float32 product may differ by its
-    rounding and move a value one quantum of its block (a bound of 2 amax / 6 per value for FP4)."""
+    rounding and move a value one quantum of its block (a bound of 2 amax / 6 per value for FP4; llama.cpp's
+    blocks, whose own arithmetic is the same float32 operations: one step d of a block, at most amax / 8)."""
     from kvviz.decode.devquant import quantize_tensor_torch
     from kvviz.quant.formats import quantize_tensor
 
@@ -261,6 +267,9 @@ def test_device_formats_are_the_numpy_reference(device, name):
     x = (rng.standard_normal((3, 50, 64)) * 2).astype(np.float32)
     x[0, 3, 7] = 40.0                                         # an outlier channel
     x[1] = 0.0                                                # an all-zero head: scale 1 / zero blocks
+    x[2, 4, :32] = np.round(x[2, 4, :32] * 4) / 4             # halves: roundf takes them away from zero
+    x[2, 5] = -1e-30                                          # flushed to zero (q8_0: +0, not -0)
+    x[2, 6, 40] = 3000.0                                      # saturates an unscaled (static 1.0) E4M3 cast
     for which in ("k", "v"):
         for residual in (0, 7):
             ref = quantize_tensor(x, spec, which, residual)
@@ -272,16 +281,23 @@ def test_device_formats_are_the_numpy_reference(device, name):
     assert not np.array_equal(quantize_tensor(x, spec, "k", 0), x)     # the format did something
 
 
-@pytest.mark.parametrize("spec", [Spec(key_format="q4_0", value_format="q8_0"),
-                                  Spec(key_format="e4m3", value_format="e4m3", fp8_scale="static"),
-                                  Spec(key_format="e4m3", value_format="e4m3", fp8_scale="static", fp8_calibrate=True)],
-                         ids=["ggml", "fp8-static", "fp8-calibrated"])
-def test_formats_without_a_device_twin_are_refused_on_the_device_and_run_on_the_host(spec):
-    """llama.cpp's blocks and static FP8 scales have no torch quantizer: the device path says so (it once
-    quantized q4_0 as MXFP4 and a static FP8 scale per token), and a cache sends them to the numpy reference."""
-    from kvviz.decode.devquant import device_quantizes, quantize_tensor_torch
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name", ["q4_0", "q8_0-rotated", "fp8-static", "fp8-calibrated"])
+def test_device_caches_quantize_on_the_device(models, monkeypatch, device, dtype, name):
+    """llama.cpp's blocks and static FP8 scales on a cache off the float32 CPU path run through the torch
+    twins where the cache lives (they were once sent to the host's numpy reference): the host quantizer is
+    never called, and the run is the float32 one to the half dtype's precision."""
+    import kvviz.decode.stored as stored
 
-    assert not device_quantizes(spec)
-    with pytest.raises(ValueError, match="no device quantizer"):
-        quantize_tensor_torch(torch.zeros((1, 4, 64)), spec, "k", 0)
-    assert device_quantizes(Spec(key_format="e4m3", value_format="e4m3", fp8_scale="head"))
+    by, ids = models
+    spec = FORMAT_SPECS[name]
+
+    def refuse(*a, **k):
+        raise AssertionError("a device cache quantized on the host")
+
+    logits32, _, _ = _run(by[("cpu", "float32")], ids, spec)
+    monkeypatch.setattr(stored, "quantize_tensor", refuse)
+    logits, _, cx = _run(by[(device, dtype)], ids, spec)
+    assert not cx.fast and torch.isfinite(logits).all()
+    assert float((logits.cpu() - logits32).abs().max()) < LOGIT_TOL * EPS[dtype] * float(logits32.abs().max())

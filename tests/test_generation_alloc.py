@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvviz import Spec
-from kvviz.engine import kept_at_query
+from kvviz.engine import kept_at_query, keep_masks
 from kvviz.decode.loop import decode
-from kvviz.policies import ScoreContext, get_policy
+from kvviz.policies import get_policy
 from kvviz.policies.allocation import layer_spec
 
 
@@ -23,7 +23,7 @@ def replay(cache, spec, n, steps):
             expected = np.stack([np.pad(kept_at_query(trace, spec, layer, int(p)), ((0, 0), (0, n + steps - p - 1)))
                                  for p in positions])
         else:
-            expected = get_policy(spec.scorer).keep_masks(ScoreContext(trace, layer, spec), positions)
+            expected = keep_masks(trace, spec, layer, positions)
         got = cache.kept_history(layer)
         assert got.shape == expected.shape
         assert np.array_equal(got, expected), f"layer {layer}: run and engine disagree"

@@ -219,7 +219,7 @@ def test_h2o_compression_scores_are_the_attention_each_token_received(normalized
     very float32 chunks H2O was given to 1e-12 (a float32 sum of 512 rows drifts by ~1e-6). Those chunks are
     recorded, not recomputed: a second computation with other shapes runs other BLAS kernels, whose last
     float32 bits differ by processor (OPENBLAS_CORETYPE), and would make this a test of the BLAS."""
-    from kvviz.policies import base
+    import kvviz.attention as attention
     from kvviz.policies.base import ScoreContext
     from kvviz.policies.h2o import H2O
 
@@ -232,14 +232,14 @@ def test_h2o_compression_scores_are_the_attention_each_token_received(normalized
     divide = np.maximum(count, 1) if normalized else 1.0
     chunks = []
 
-    def recording(*args, **kwargs):
-        for idx, attn in base.context_rows(*args, **kwargs):
+    original = attention.context_rows
+
+    def recording(*args, **kwargs):                      # what H2O's attention_sums sums, chunk by chunk
+        for idx, attn in original(*args, **kwargs):
             chunks.append(attn.copy())
             yield idx, attn
 
-    monkeypatch.setattr(ScoreContext, "context_attention",
-                        lambda self, trim=False: recording(self.trace, self.layer, np.arange(self.trace.n_q_heads),
-                                                           self.history_rows, self.n_context, trim=trim))
+    monkeypatch.setattr(attention, "context_rows", recording)
     got = H2O().score(ctx)[0, :c]
     total = sum(causal_attention(t, 0, h, rows, c).sum(axis=0) for h in range(t.n_q_heads))
     np.testing.assert_allclose(got, total / divide, rtol=2e-5)
@@ -464,6 +464,7 @@ def test_a_streaming_plugin_under_adakv_and_a_one_shot_policy_asked_per_query_ar
     is refused where its masks are made, with the reason. A policy scored at the compression point has no
     per-query scores."""
     from kvviz.policies import POLICIES, Policy, ScoreContext
+    from kvviz.policies.allocation import allocation_for
 
     class EveryStep(Policy):
         name = "test-every-step"
@@ -475,6 +476,6 @@ def test_a_streaming_plugin_under_adakv_and_a_one_shot_policy_asked_per_query_ar
     t = make_synthetic(SMALL)
     ctx = ScoreContext(t, 0, Spec(sink=1, recent=2, heavy=3, scorer="knorm", allocation="adakv"))
     with pytest.raises(SpecError, match="AdaKV allocates once from one-shot scores; test-every-step decides at"):
-        EveryStep().keep_masks(ctx, [t.n_positions - 1])
+        allocation_for(ctx.spec).keep_masks(EveryStep(), ctx, [t.n_positions - 1])
     with pytest.raises(TypeError, match="h2o scores at the compression point: use score"):
         POLICIES["h2o"].query_scores(np.ones((4, 5)), ctx)

@@ -46,6 +46,16 @@ def test_smallest_means_smallest(trace, scorer, bits, metric, target):
     assert sol.evaluations < len(values) / 2                             # a search, not a scan
 
 
+def test_exact_where_kept_sets_nest(trace):
+    """K-norm's scores do not depend on the budget, so its kept sets grow with it and the bisection finds the
+    brute-force smallest (exact); SnapKV's automatic window follows the recent window, so they need not."""
+    view = View(head=1)
+    sol = solve(trace, Spec(scorer="knorm"), view, target_mass=0.9)
+    assert sol.exact and sol.budget == brute_force(trace, Spec(scorer="knorm"), view, "mass_retained", 0.9)[0]
+    assert not solve(trace, Spec(scorer="snapkv"), view, target_mass=0.9).exact
+    assert not solve(trace, Spec(scorer="knorm", compress_every=4), view, target_mass=0.9).exact
+
+
 def test_unreachable_target_says_what_to_change(trace):
     with pytest.raises(SpecError, match="raise the bits"):
         solve(trace, Spec(key_bits=1, value_bits=1, key_axis="token"), target_tv=1e-6)

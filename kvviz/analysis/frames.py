@@ -89,11 +89,11 @@ def ensemble_text(comp: Comparison) -> str:
         return row_text(comp)
     kind = comp.ensemble
     if kind == "heads":
-        return f"query heads {ranges_text(r.head for r in rows)} of layer {rows[0].layer}"
+        return f"query heads {ranges_text(r.head for r in rows)} of layer {comp.model_layer}"
     if kind == "layers":
-        return f"query head {rows[0].head} in layers {ranges_text(r.layer for r in rows)}"
+        return f"query head {rows[0].head} in layers {ranges_text(comp.layer_name(r.layer) for r in rows)}"
     if kind == "steps":
-        return f"layer {rows[0].layer}, head {rows[0].head}, queries at positions {ranges_text(r.position for r in rows)}"
+        return f"layer {comp.model_layer}, head {rows[0].head}, queries at positions {ranges_text(r.position for r in rows)}"
     return f"{len(rows)} random seeds"
 
 
@@ -183,49 +183,86 @@ def bin_sums(values: np.ndarray, edges: np.ndarray) -> np.ndarray:
     return np.add.reduceat(values, edges, axis=-1)
 
 
-def binned_frame(comp: Comparison, max_bins: int = MAX_BINS) -> pd.DataFrame:
-    """Bins of consecutive tokens: attention mass per bin and the error bars of each bin's mass shift.
+def token_range(n: int, first: int = 0, last: int = -1) -> tuple[int, int]:
+    """The tokens [first, last] of a row of n, clamped into 0..n-1 (last -1: the row's last token; a
+    range given backwards is turned round)."""
+    last = n - 1 if last < 0 else last
+    first, last = sorted((min(max(int(first), 0), n - 1), min(max(int(last), 0), n - 1)))
+    return first, last
+
+
+def zoom_frame(
+    comp: Comparison, first: int = 0, last: int = -1, max_bins: int = MAX_BINS
+) -> tuple[pd.DataFrame, bool]:
+    """(frame, binned) of the tokens first..last of the row: one row per token where the range holds
+    at most BIN_THRESHOLD tokens (token_frame's rows), else at most `max_bins` bins of it (binned_frame).
+    What the charts draw, so they never carry more than a few hundred bars whatever the row's length."""
+    first, last = token_range(len(comp.primary.original), first, last)
+    if last - first + 1 <= BIN_THRESHOLD:
+        return token_frame(comp).iloc[first : last + 1], False
+    return binned_frame(comp, max_bins, first, last), True
+
+
+def binned_frame(
+    comp: Comparison, max_bins: int = MAX_BINS, first: int = 0, last: int = -1
+) -> pd.DataFrame:
+    """Bins of consecutive tokens of first..last (the whole row by default): attention mass per bin (the
+    sum over its tokens), the largest single token's attention and error in it, and the error bars of
+    each bin's mass shift.
 
     Each ensemble member's error row is summed per bin first, so the bars are the spread
     of the bin's total error over the members, not a sum of per-token spreads.
     """
-    return pd.DataFrame(binned_columns(comp, max_bins))
+    return pd.DataFrame(binned_columns(comp, max_bins, first, last))
 
 
-def binned_columns(comp: Comparison, max_bins: int = MAX_BINS) -> dict:
-    """binned_frame's columns as arrays."""
+def _extreme(values: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Per bin, the value of largest magnitude (its sign kept): the single token that moves most."""
+    top, bottom = np.maximum.reduceat(values, edges), np.minimum.reduceat(values, edges)
+    return np.where(top >= -bottom, top, bottom)
+
+
+def binned_columns(
+    comp: Comparison, max_bins: int = MAX_BINS, first: int = 0, last: int = -1
+) -> dict:
+    """binned_frame's columns as arrays (start / end are positions in the row)."""
     p = comp.primary
-    n = len(p.original)
-    edges = bin_edges(n, max_bins)
+    first, last = token_range(len(p.original), first, last)
+    full = slice(first, last + 1)
+    n = last - first + 1
+    edges = bin_edges(n, max_bins)  # relative to `first`
     ends = np.append(edges[1:], n) - 1
     errors = np.full((len(comp.members), n), np.nan)
     for i, m in enumerate(comp.members):
-        k = min(n, len(m.error))
-        errors[i, :k] = m.error[:k]
+        row = m.error[full]
+        errors[i, : len(row)] = row
     # a member that cannot see a token contributes nothing to that bin
     member_sums = np.where(np.isnan(errors), 0.0, errors)
     seen = ~np.isnan(errors)
     sums = bin_sums(member_sums, edges)
     sums[bin_sums(seen.astype(int), edges) == 0] = np.nan
     s = spread(sums)
-    kept = p.kept.astype(bool)
+    kept = p.kept.astype(bool)[full]
+    original, compressed, error = p.original[full], p.compressed[full], p.error[full]
     evict_members, quant_members = member_parts(comp)
     part_means = [
-        np.nanmean(bin_sums(np.nan_to_num(part), edges), axis=0)
+        np.nanmean(bin_sums(np.nan_to_num(part[:, full]), edges), axis=0)
         for part in (evict_members, quant_members)
     ]
     tokens = comp.tokens
     return {
-        "start": edges,
-        "end": ends,
-        "first_token": [tokens[i] for i in edges],
-        "last_token": [tokens[i] for i in ends],
+        "start": edges + first,
+        "end": ends + first,
+        "first_token": [tokens[i + first] for i in edges],
+        "last_token": [tokens[i + first] for i in ends],
         "tokens": ends - edges + 1,
         "kept_tokens": bin_sums(kept.astype(int), edges),
-        "original": bin_sums(p.original, edges),
-        "compressed": bin_sums(p.compressed, edges),
-        "evicted_mass": bin_sums(np.where(kept, 0.0, p.original), edges),
-        "error": bin_sums(p.error, edges),
+        "original": bin_sums(original, edges),
+        "compressed": bin_sums(compressed, edges),
+        "evicted_mass": bin_sums(np.where(kept, 0.0, original), edges),
+        "original_max": np.maximum.reduceat(original, edges),
+        "error": bin_sums(error, edges),
+        "error_extreme": _extreme(error, edges),
         "error_eviction_mean": part_means[0],
         "error_quantization_mean": part_means[1],
         **band_columns(s),

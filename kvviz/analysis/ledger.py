@@ -15,6 +15,8 @@ evaluated query it lists, for every (layer, KV head) cache:
 Ratios people quote differ for reasons the totals show: a token ratio (kept / seen) counts
 sinks and the window inside the budget, a byte ratio adds the quantizer's overhead and
 the full-precision residual, and kvpress's compression_ratio is of the context only.
+A sliding-window layer (Trace.layer_windows) is not compressed: its caches hold the model's own window,
+min(W, tokens) at 16 bits, which is also what "full" and the prefill count for it (kvviz.memory).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvviz.engine import ALL, EVICTED, HEAVY, RECENT, SINK, check_view, kept_at_query, reasons_for
-from kvviz.memory import head_parts, page_meta_bytes, prefill_peak_bytes
+from kvviz.memory import head_parts, page_meta_bytes, prefill_peak_bytes, seen_tokens
 from kvviz.policies import get_policy
 from kvviz.policies.allocation import layer_spec
 from kvviz.quant import kv_bytes_per_token
@@ -57,6 +59,8 @@ class Ledger:
     position: int  # the evaluated query's position; the caches hold tokens 0..position
     n_tokens: int
     rows: tuple[dict, ...]  # one per (layer, KV head), keys COLUMNS
+    # the sliding-window layers' windows, by the model's layer number (not compressed)
+    sliding: tuple[tuple[int, int], ...] = ()
 
     def column(self, name: str) -> np.ndarray:
         return np.array([r[name] for r in self.rows])
@@ -114,6 +118,14 @@ class Ledger:
             f"bytes stored / full 16-bit cache: {t['byte_ratio_stored']:.1%} (compression ratio "
             f"{1 / t['byte_ratio_stored'] if t['byte_ratio_stored'] else float('inf'):.2f}x)"
         )
+        if self.sliding:
+            windows = sorted({w for _, w in self.sliding})
+            out.append(
+                f"{len(self.sliding)} sliding-window layer{'s' if len(self.sliding) > 1 else ''} "
+                f"(window {', '.join(map(str, windows))}) "
+                "hold the model's own window at 16 bits, in the full cache too: compression leaves them "
+                "alone, as kvpress does"
+            )
         if s.allocation == "adakv":
             out.append(
                 "AdaKV declares a budget per layer (kv_heads x budget): heads trade slots, so per-head "
@@ -155,7 +167,7 @@ def budget_ledger(trace: Trace, spec: Spec, step: int | None = None) -> Ledger:
     full = kv_bytes_per_token(1, 1, D) * n
     prefill = prefill_peak_bytes(1, 1, D, n, trace.context_len)
     rows = []
-    for layer in range(trace.n_layers):
+    for layer, window in enumerate(trace.layer_windows):
         kept = kept_at_query(trace, spec, layer, qi)  # (kv_heads, n)
         reason = reasons_for(kept, spec)
         declared = (
@@ -163,14 +175,29 @@ def budget_ledger(trace: Trace, spec: Spec, step: int | None = None) -> Ledger:
             if spec.evicts
             else n
         )
+        full_l, prefill_l = full, prefill
+        if (
+            window is not None
+        ):  # the model's window, at 16 bits: what the layer holds, compressed or not
+            reason = np.full(kept.shape, RECENT, np.int8)
+            declared = seen_tokens(window, n)
+            full_l = kv_bytes_per_token(1, 1, D) * declared
+            prefill_l = prefill_peak_bytes(1, 1, D, n, trace.context_len, (window,))
         for g in range(trace.n_kv_heads):
             r = np.where(kept[g], reason[g], EVICTED)
             k_tok = int(kept[g].sum())
             stored_tok = n if reads else k_tok
             parts = _bytes(spec, stored_tok, trace, n)
             meta = page_meta_bytes(spec, n, D) if reads else 0.0
+            if window is not None:
+                parts = dict.fromkeys(parts, 0.0) | {
+                    "payload_bytes": k_tok * kv_bytes_per_token(1, 1, D)
+                }
+                meta = 0.0
             stored = sum(parts.values()) + meta
             read = (sum(_bytes(spec, k_tok, trace, n).values()) + meta) if reads else stored
+            if window is not None:
+                read = stored
             rows.append(
                 dict(
                     layer=layer,
@@ -184,11 +211,21 @@ def budget_ledger(trace: Trace, spec: Spec, step: int | None = None) -> Ledger:
                     page_meta_bytes=meta,
                     stored_bytes=stored,
                     read_bytes=read,
-                    full_bytes=full,
-                    prefill_bytes=prefill,
+                    full_bytes=full_l,
+                    prefill_bytes=prefill_l,
                 )
             )
-    return Ledger(spec=spec, position=p, n_tokens=n, rows=tuple(rows))
+    return Ledger(
+        spec=spec,
+        position=p,
+        n_tokens=n,
+        rows=tuple(rows),
+        sliding=tuple(
+            (number, w)
+            for number, w in zip(trace.layer_numbers, trace.layer_windows)
+            if w is not None
+        ),
+    )
 
 
 def to_csv(ledger: Ledger) -> str:

@@ -150,6 +150,8 @@ def fp8_clipping(trace, spec: Spec, step: int | None = None) -> dict | None:
         if f in ("e4m3", "e5m2") and (w == "k" or trace.v is not None)
     }
     for layer in range(trace.n_layers):
+        if trace.layer_windows[layer] is not None:  # a sliding layer is not quantized
+            continue
         kept = kept_at_query(trace, spec, layer, qi)  # (kv_heads, p + 1)
         where = np.stack([np.flatnonzero(kept[g]) for g in range(trace.n_kv_heads)])
         n_quant = where.shape[1] - qformats.residual_at(spec, where, p, trace.context_len)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvviz.attention import softmax
+from kvviz.attention import softmax, window_masks, window_start
 from kvviz.engine import trace_bytes
 from kvviz.limits import Part, Work, checkpoint
 from kvviz.policies import ScoreContext, get_policy, select
@@ -129,10 +129,17 @@ class Timeline:
     policies: dict[str, PolicyTimeline]
     # policy -> why it cannot run with this spec
     skipped: dict[str, str] = field(default_factory=dict)
+    # the model's own number of `layer` (a position in the trace; a capture may keep some layers)
+    layer_number: int | None = None
     # the one-shot scorers compress again every N steps (0: once)
     compress_every: int = 0
     # policies run without spec.compress_every (they decide every step)
     decides_every_step: tuple[str, ...] = ()
+
+    @property
+    def model_layer(self) -> int:
+        """The layer as the model numbers it (the position in the trace where it does not say)."""
+        return self.layer if self.layer_number is None else self.layer_number
 
     @property
     def n_steps(self) -> int:
@@ -168,7 +175,7 @@ class Timeline:
 def full_attention(trace: Trace, layer: int, kv_head: int, query_indices: np.ndarray) -> np.ndarray:
     """(len(query_indices), positions) attention of each query, mean over the KV group's heads.
 
-    Zero beyond the query's own position (causal).
+    Zero beyond the query's own position (causal), and on a sliding layer before its window.
     """
     g = trace.group_size
     heads = np.arange(kv_head * g, (kv_head + 1) * g)
@@ -184,6 +191,9 @@ def full_attention(trace: Trace, layer: int, kv_head: int, query_indices: np.nda
         else:
             q = trace.q[layer, heads, qi].astype(np.float64)  # (g, D)
             logits = q @ k[: p + 1].T * scale  # (g, p+1)
+        logits[
+            :, : window_start(p, trace.layer_windows[layer])
+        ] = -np.inf  # a sliding layer's window
         out[s, : p + 1] = softmax(logits).mean(axis=0)
     return out
 
@@ -197,7 +207,9 @@ def policy_masks(
     kv_head: int,
     attention: np.ndarray,
 ) -> np.ndarray:
-    """(steps, positions) kept masks of one policy for one KV head."""
+    """(steps, positions) kept masks of one policy for one KV head (a sliding layer's: its window)."""
+    if trace.layer_windows[layer] is not None:
+        return window_masks(trace, layer, positions)[:, kv_head]
     s = spec.with_(scorer=name)
     policy = get_policy(name)
     if policy.needs_query and (name != "oracle" or s.allocation != "uniform"):
@@ -313,6 +325,7 @@ def timeline(
         context_len=trace.context_len,
         need=need,
         policies=out,
+        layer_number=trace.layer_numbers[layer],
         skipped=skipped,
         compress_every=compress_every,
         decides_every_step=tuple(once),

@@ -39,9 +39,13 @@ CARD_HELP = {
         "Bytes of the compressed K and V cache, all layers and KV heads, incl. scales and zero points. "
         "Under it, the cache at its peak: every method here compresses after the whole context is "
         "prefilled, so the full 16-bit cache of the context exists first (kvpress compresses after the "
-        "prefill too); and, for Quest, the bytes one decode step reads."
+        "prefill too); and, for Quest, the bytes one decode step reads. A model's sliding-window layers "
+        "count as the model keeps them: their last W tokens at 16 bits, never compressed."
     ),
-    "Memory vs 16-bit": "Compressed bytes as a share of a full 16-bit cache of the same tokens.",
+    "Memory vs 16-bit": (
+        "Compressed bytes as a share of a full 16-bit cache of the same tokens (for a model with "
+        "sliding-window layers, the model's own cache: those layers hold their window)."
+    ),
     "Tokens kept": "Tokens in the compressed cache of the tokens this query sees.",
 }
 # For comparing against a pinned setting: is a rise good (normal), bad (inverse) or neither (off)?

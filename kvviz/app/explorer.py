@@ -151,6 +151,77 @@ def y_lock(
     return y, (float(store["alock"]) or None)
 
 
+# --- a long row: the charts' token range -----------------------------------------------------------
+
+
+def _set_range(first: int, last: int, n: int) -> None:
+    """A range button's on_click: the boxes' new values (what the next run's boxes read)."""
+    store, ss = ss_store(), st.session_state
+    store["zoom_from"] = ss["zoom_from"] = int(first)
+    ss["zoom_to"] = int(last)
+    store["zoom_to"] = -1 if last >= n - 1 else int(last)
+
+
+def token_range(n: int, scope, where=None) -> tuple[int, int]:
+    """The tokens [first, last] the charts show of a row of n (in the link: zoom_from, zoom_to): two number
+    boxes, buttons that page by the range's width, and one back to the whole row. Drawn only for a row of
+    more than BIN_THRESHOLD tokens (a shorter one shows every token); a range of more than that many tokens
+    is drawn in bins (kvviz.analysis.frames.zoom_frame), so a single token is a range of one."""
+    from kvviz.analysis.frames import BIN_THRESHOLD
+    from kvviz.app.store import w_last_is_minus_one
+
+    if n <= BIN_THRESHOLD:
+        return 0, n - 1
+    where = where or st
+    c1, c2, c3 = where.columns([1, 1, 1.2], vertical_alignment="bottom")
+    first = int(
+        w_number(
+            c1,
+            "zoom_from",
+            "Charts from token",
+            0,
+            n - 1,
+            help="Zoom the charts into a range of the row, down to one token.",
+        )
+    )
+    last = w_last_is_minus_one(
+        c2,
+        "zoom_to",
+        "to token",
+        n,
+        scope,
+        help=f"Ranges of more than {BIN_THRESHOLD} tokens are drawn in bins.",
+    )
+    lo, hi = sorted((first, last))
+    width = hi - lo + 1
+    with c3.container(horizontal=True, gap="small"):
+        back, ahead = max(0, lo - width), min(n - 1, hi + width)
+        st.button(
+            "◀",
+            key="_zoom_back",
+            disabled=lo == 0,
+            help=f"The {width} tokens before",
+            on_click=_set_range,
+            args=(back, back + width - 1, n),
+        )
+        st.button(
+            "▶",
+            key="_zoom_ahead",
+            disabled=hi == n - 1,
+            help=f"The {width} tokens after",
+            on_click=_set_range,
+            args=(ahead - width + 1, ahead, n),
+        )
+        st.button(
+            "Whole row",
+            key="_zoom_all",
+            disabled=(lo, hi) == (0, n - 1),
+            on_click=_set_range,
+            args=(0, n - 1, n),
+        )
+    return lo, hi
+
+
 # --- ask for a target ------------------------------------------------------------------------------
 
 

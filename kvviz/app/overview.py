@@ -8,18 +8,20 @@ import streamlit as st
 from kvviz.app.charts import chart
 from kvviz.app.compute import Source, run_head_grid
 from kvviz.app.layout import folded
-from kvviz.app.store import state, w_choice
+from kvviz.app.store import state, w_choice, w_last_is_minus_one
 from kvviz.engine import REASONS, Comparison
 from kvviz.plots import figures
 from kvviz.spec import Spec, SpecError, View
 from kvviz.trace import Trace, TraceError
 
 OVERVIEW_MAX_CELLS = 1024  # layers x heads
-OVERVIEW_MAX_TOKENS = 8192
-GRID_MAX_TOKENS = 1500
+# a 32k-token row: the heatmap sends layers x heads numbers whatever the length (computing it is the cost)
+OVERVIEW_MAX_TOKENS = 32768
+GRID_MAX_TOKENS = 1024  # tokens a page of the token grid holds
 
 
 def _jump(layer: int, head: int) -> None:
+    """Open (layer, head): `layer` the model's own number, as the Layer box and the link name it."""
     for name, value in (("layer", layer), ("head", head)):
         state()[name] = value
         st.session_state[name] = value
@@ -58,17 +60,23 @@ def head_overview(source: Source, spec: Spec, view: View) -> None:
             return
         label = "TV distance" if metric == "tv_distance" else "mass retained"
         chart(
-            figures.heatmap_figure(grid, f"{label} per layer and query head at this query", label),
+            figures.heatmap_figure(
+                grid,
+                f"{label} per layer and query head at this query",
+                label,
+                layers=t.layer_numbers,
+            ),
             key="overview_chart",
         )
         worst = np.unravel_index(
             np.argmax(grid) if metric == "tv_distance" else np.argmin(grid), grid.shape
         )
+        worst_layer = t.layer_numbers[int(worst[0])]
         st.button(
-            f"Jump to the head that loses most: layer {worst[0]}, head {worst[1]}",
+            f"Jump to the head that loses most: layer {worst_layer}, head {worst[1]}",
             key="_jump_worst",
             on_click=_jump,
-            args=(int(worst[0]), int(worst[1])),
+            args=(int(worst_layer), int(worst[1])),
         )
         st.caption(
             "What to look for: bright cells (TV) or dark cells (mass) are the heads this setting hurts; "
@@ -101,19 +109,30 @@ def token_grid(comp: Comparison, source: Source) -> None:
             "error": "attention error",
         }.get,
     )
-    if n > GRID_MAX_TOKENS:
-        st.caption(f"Showing the last {GRID_MAX_TOKENS} of {n} tokens.")
-    start = max(0, n - GRID_MAX_TOKENS)
-    reasons = [REASONS[int(r)] for r in p.reason[start:]]
-    context = source.trace.context_len - start if source.trace.context_len < n else None
+    start, stop = 0, n
+    if n > GRID_MAX_TOKENS:  # pages of GRID_MAX_TOKENS tokens, the last (the newest tokens) first
+        pages = -(-n // GRID_MAX_TOKENS)
+        c1, c2 = st.columns([1, 3], vertical_alignment="bottom")
+        page = w_last_is_minus_one(
+            c1,
+            "grid_page",
+            f"Page (of {pages})",
+            pages,
+            (source.key, n),
+            help="0 is the first page.",
+        )
+        start, stop = page * GRID_MAX_TOKENS, min(n, (page + 1) * GRID_MAX_TOKENS)
+        c2.caption(f"Tokens {start}-{stop - 1} of {n}, {GRID_MAX_TOKENS} a page.")
+    reasons = [REASONS[int(r)] for r in p.reason[start:stop]]
+    context = source.trace.context_len - start if start <= source.trace.context_len < stop else None
     st.html(
         figures.token_grid_html(
-            comp.tokens[start:],
+            comp.tokens[start:stop],
             reasons,
-            p.original[start:],
-            newest=n - 1 - start,
+            p.original[start:stop],
+            newest=n - 1 - start if stop == n else None,
             shade=shade,
-            error=p.error[start:],
+            error=p.error[start:stop],
             context_len=context,
         )
     )

@@ -302,17 +302,36 @@ def view_section(
     )
 
 
-def typical_head(trace: Trace) -> tuple[int, int, str]:
-    """(layer, head, why): the head whose attention concentration (top-10% mass at the last
-    query) is the median over every layer and head - typical, neither the best nor the worst."""
-    from kvviz.analysis.frames import concentration
+# Past this many bytes of keys (every layer's), the typical head is chosen within one layer: a big trace
+# opens lazily, a layer at a time, and reading all of it to pick where to open would cost more than the view
+TYPICAL_ALL_LAYERS_BYTES = 256 * 10**6
 
-    top10 = concentration(trace, fractions=np.array([0.1])).top10  # (layers, heads)
-    order = np.argsort(top10, axis=None, kind="stable")
+
+def typical_head(trace: Trace) -> tuple[int, int, str]:
+    """(layer's position in the trace, head, why): the head whose attention concentration (top-10% mass at the
+    last query) is the median over every layer and head - typical, neither the best nor the worst. On a
+    trace whose keys pass TYPICAL_ALL_LAYERS_BYTES, the median head of its middle layer (one layer read)."""
+    from kvviz.analysis.frames import concentration
+    from kvviz.attention import logit_rows, softmax
+    from kvviz.metrics import concentration_curve
+
+    if trace.k is not None and trace.k.nbytes > TYPICAL_ALL_LAYERS_BYTES:
+        middle = trace.n_layers // 2
+        rows = softmax(
+            logit_rows(trace, middle, np.arange(trace.n_q_heads), int(trace.evaluated_queries[-1]))
+        )
+        top10 = np.zeros((trace.n_layers, trace.n_q_heads))
+        top10[middle] = [concentration_curve(a, np.array([0.1]))[1][0] for a in rows]
+        order = middle * trace.n_q_heads + np.argsort(top10[middle], kind="stable")
+        among = f"the {trace.n_q_heads} heads of layer {trace.layer_numbers[middle]} (a big trace: one layer read)"
+    else:
+        top10 = concentration(trace, fractions=np.array([0.1])).top10  # (layers, heads)
+        order = np.argsort(top10, axis=None, kind="stable")
+        among = f"all {top10.size} heads"
     layer, head = np.unravel_index(order[len(order) // 2], top10.shape)
     why = (
-        f"Opened on layer {layer}, head {head}: the head whose attention concentration (top-10% mass "
-        f"{top10[layer, head]:.0%}) is the median of all {top10.size} heads — typical, neither the best nor the "
+        f"Opened on layer {trace.layer_numbers[layer]}, head {head}: the head whose attention concentration "
+        f"(top-10% mass {top10[layer, head]:.0%}) is the median of {among} — typical, neither the best nor the "
         "worst (layer 0, head 0 is often the most diffuse). Change it under View."
     )
     return int(layer), int(head), why
@@ -334,7 +353,10 @@ def representative_head(source: Source) -> None:
     if source.trace.n_layers * source.trace.n_q_heads <= 1:
         return
     layer, head, why = typical_head(source.trace)
-    for name, value in (("layer", layer), ("head", head)):
+    for name, value in (
+        ("layer", source.trace.layer_numbers[layer]),
+        ("head", head),
+    ):  # the link's number
         store[name] = value
         ss.pop(name, None)
     ss["_typical_note"] = why
@@ -372,15 +394,16 @@ def sidebar(
     return Settings(source, spec, view)
 
 
-def layer_picker(where, t) -> int:
+def layer_picker(where, t, name: str = "layer") -> int:
     """The Layer box: the model's own layer numbers (a capture of `--layers 0-3,15,29` offers those six), the
-    link's `layer` being that number too; returns the layer's position in the trace."""
+    link's `name` (`layer`, the timeline's `tl_layer`) being that number too; returns the layer's position
+    in the trace."""
     numbers = t.layer_numbers
     if numbers == tuple(range(t.n_layers)):
-        return int(w_number(where, "layer", "Layer", 0, t.n_layers - 1, disabled=t.n_layers == 1))
+        return int(w_number(where, name, "Layer", 0, t.n_layers - 1, disabled=t.n_layers == 1))
     number = w_choice(
         where,
-        "layer",
+        name,
         "Layer (the model's number)",
         numbers,
         help="This trace holds some of the model's layers; each is named by its number in the model.",

@@ -397,6 +397,43 @@ def w_step(where, n_eval: int, scope) -> int:
     )
 
 
+def w_last_is_minus_one(
+    where, name: str, label: str, n: int, scope, help: str | None = None
+) -> int:
+    """A number box of 0..n-1 whose last value is stored as -1 (so it stays the last when the row grows:
+    the charts' last token, the token grid's page). A typed number outside 0..n-1 is clamped, with a
+    notice below 0; the box has no browser-side min / max (issue 34). Returns 0..n-1."""
+    store, ss = state(), st.session_state
+    from_w = functools.partial(_step_from_widget, n)
+    if name in ss and ss.get(f"_scope_{name}") == scope and int(ss[name]) < 0:
+        notice(f"{label} {ss[name]} is out of range (0-{n - 1}); clamped to 0.")
+        ss[name] = 0
+    if store[name] > n - 1:  # a linked number past the end: the last, said in the box's own range
+        notice(f"{label} {store[name]} is out of range (0-{n - 1}); clamped to {n - 1}.")
+        store[name] = -1
+    _bind(
+        name,
+        -1,
+        n - 1,
+        label,
+        to_widget=lambda v: n - 1 if v < 0 else min(v, n - 1),
+        from_widget=from_w,
+        scope=scope,
+    )
+    span = f"Range 0-{n - 1}; a number outside it is clamped."
+    where.number_input(
+        label,
+        key=name,
+        step=1,
+        disabled=n == 1,
+        on_change=_take,
+        args=(name, from_w, scope),
+        help=f"{help} {span}" if help else span,
+    )
+    v = store[name] = from_w(ss[name])
+    return n - 1 if v < 0 else int(v)
+
+
 def _step_from_widget(n_eval: int, v) -> int:
     """The stored query step of a step widget's value: the last of n_eval steps is -1."""
     return -1 if v >= n_eval - 1 else int(v)

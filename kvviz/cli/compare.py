@@ -57,7 +57,9 @@ def format_table(result, trace, max_rows: int = 80) -> str:
     p = result.primary
     lines = [
         trace.describe(),
-        f"spec: {result.spec.label()}   layer {trace.layer_numbers[p.layer]}, head {p.head} (KV head {p.kv_head}), "
+        f"spec: {result.spec.label()}   layer {trace.layer_numbers[p.layer]}"
+        + ("" if result.layer_window is None else f" (sliding window {result.layer_window})")
+        + f", head {p.head} (KV head {p.kv_head}), "
         f"query at position {p.position}"
         + (f", error bars over {len(result.members)} {result.ensemble}" if result.ensemble else ""),
         *[f"note: {n}" for n in result.notes],

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from kvviz.decode.devtrace import Crossing, device_trace
 from kvviz.decode.place import host, is_cpu, on
 from kvviz.decode.stored import StoredKV
 from kvviz.policies import ScoreContext, evict_one, get_policy, select
@@ -118,7 +119,10 @@ class CompressedCache(StoredKV):
         self.kept: list[np.ndarray] = [np.zeros((n_kv_heads, 0), dtype=np.int64)] * n_layers
         self.scores = np.zeros((n_layers, n_kv_heads, capacity))
         self.length = [0] * n_layers
-        self.prefill_q: list[np.ndarray | None] = [None] * n_layers
+        # the prompt's queries (Hq, n, D) per layer until the compression point (numpy or the device's)
+        self.prefill_q: list = [None] * n_layers
+        # bytes the compression points sent to the host (kvviz.decode.devtrace; 0 on the fast path)
+        self.crossed = Crossing()
         self.tokens = tuple(tokens) if tokens is not None else None
         self.trace: Trace | None = None
         self.compressed = False
@@ -166,20 +170,15 @@ class CompressedCache(StoredKV):
         self.k[:, :, :n] = prefix.k[:, :, :n]
         self.v[:, :, :n] = prefix.v[:, :, :n]
         self.length = [n] * self.L
-        self.prefill_q = [np.ascontiguousarray(prefix.q[layer, :, :n]) for layer in range(self.L)]
+        self.prefill_q = [
+            prefix.q[layer, :, :n] for layer in range(self.L)
+        ]  # numpy or the device's
 
     def compress(self) -> None:
         """The compression point: score the prompt from its own attention and select."""
         n = self.n_tokens
-        q = np.stack(self.prefill_q)  # (L, Hq, n, D)
-        # the one crossing to the host
-        k = host(self.k[:, :, :n])
-        v = host(self.v[:, :, :n])
         tokens = self.tokens[:n] if self.tokens is not None else tuple(f"t{i}" for i in range(n))
-        self.trace = Trace(
-            q=q,
-            k=k,
-            v=v,
+        fields = dict(
             context_len=n,
             tokens=tuple(tokens),
             query_positions=np.arange(n),
@@ -188,7 +187,15 @@ class CompressedCache(StoredKV):
                 **({} if self.inv_freq is None else {"rope_inv_freq": self.inv_freq.tolist()}),
             },
         )
-        self._context_q = q if self.record else None
+        if self.fast:  # numpy views of the float32 CPU tensors: nothing is copied
+            q = np.stack([host(x) for x in self.prefill_q])  # (L, Hq, n, D)
+            k, v = host(self.k[:, :, :n]), host(self.v[:, :, :n])
+            self.trace = Trace(q=q, k=k, v=v, **fields)
+        else:  # the tensors stay on the device; what a scorer reads crosses (kvviz.decode.devtrace)
+            qs = [on(x, self.device) if isinstance(x, np.ndarray) else x for x in self.prefill_q]
+            self.trace = device_trace(
+                qs, self.k[:, :, :n].unbind(0), self.v[:, :, :n].unbind(0), self.crossed, **fields
+            )
         self.prefill_q = [None] * self.L
         for layer in range(self.L):
             if not self.evicts or self.policy.needs_query:
@@ -205,6 +212,13 @@ class CompressedCache(StoredKV):
                 select(self.scores[layer, :, :n], self.spec) if own is None else own
             )
         self.compressed = True
+        if not self.fast and not self.record and not (self.spec.compress_every and self.evicts):
+            self.trace.q.release()  # nothing reads the prompt's queries again: the device's memory back
+
+    def _context_q(self, layer: int):
+        """The prompt's queries of one layer (Hq, c, D): numpy on the fast path, else the device's tensor."""
+        q = self.trace.q
+        return q[layer] if isinstance(q, np.ndarray) else q.layers[layer]
 
     def run_trace(self) -> Trace:
         """The run as a Trace (needs record=True): prefill queries, then every decode query.
@@ -218,7 +232,8 @@ class CompressedCache(StoredKV):
             )
         n = self.n_tokens
         steps = np.stack([np.stack(s_, axis=1) for s_ in self.step_q]) if self.step_q[0] else None
-        q = self._context_q if steps is None else np.concatenate([self._context_q, steps], axis=2)
+        context_q = np.stack([host(self._context_q(layer)) for layer in range(self.L)])
+        q = context_q if steps is None else np.concatenate([context_q, steps], axis=2)
         tokens = (
             self.tokens[:n]
             if self.tokens is not None and len(self.tokens) >= n
@@ -325,28 +340,46 @@ class CompressedCache(StoredKV):
     def _after_query(self, layer: int, p: int, q) -> None:
         """compress_every: keep the query for later scoring; after every N-th decode step's query, score the
         layer's cache again over positions 0..p and keep `select`'s choice among what it holds."""
-        self.decode_q[layer].append(host(q[:, 0]).copy())
+        # (Hq, D): numpy on the fast path, else stays on the device
+        self.decode_q[layer].append(host(q[:, 0]).copy() if self.fast else q[:, 0].clone())
         if not is_due(p, self.trace.context_len, self.spec.compress_every):
             return
         n = p + 1
-        # (Hq, n, D)
-        q_all = np.concatenate(
-            [self.trace.q[layer], np.stack(self.decode_q[layer], axis=1)], axis=1
-        )
         tokens = (
             self.tokens
             if self.tokens is not None and len(self.tokens) >= n
             else tuple(f"t{i}" for i in range(n))
         )
-        sub = layer_trace(
-            q_all,
-            host(self.k[layer, :, :n]),
-            host(self.v[layer, :, :n]),
-            layer,
-            self.L,
-            tokens,
-            self.trace.meta,
-        )
+        if self.fast:
+            # (Hq, n, D)
+            q_all = np.concatenate(
+                [self._context_q(layer), np.stack(self.decode_q[layer], axis=1)], axis=1
+            )
+            sub = layer_trace(
+                q_all,
+                host(self.k[layer, :, :n]),
+                host(self.v[layer, :, :n]),
+                layer,
+                self.L,
+                tokens,
+                self.trace.meta,
+            )
+        else:  # the layer's positions 0..p as every layer of a device trace (as layer_trace does)
+            import torch
+
+            q_all = torch.cat(
+                [self._context_q(layer).float(), torch.stack(self.decode_q[layer], dim=1)], dim=1
+            )
+            sub = device_trace(
+                [q_all] * self.L,
+                [self.k[layer, :, :n]] * self.L,
+                [self.v[layer, :, :n]] * self.L,
+                self.crossed,
+                context_len=n,
+                tokens=tuple(tokens[:n]),
+                query_positions=np.arange(n),
+                meta=self.trace.meta,
+            )
         scores = np.broadcast_to(
             np.asarray(self.policy.score(ScoreContext(sub, layer, self.spec)), dtype=np.float64),
             (self.H, n),
@@ -456,7 +489,8 @@ class CompressedCache(StoredKV):
         import torch
 
         n = q.shape[1]
-        self.prefill_q[layer] = host(q).copy()
+        # the policies' Trace: numpy on the fast path; else on the device in the model's dtype (q came so)
+        self.prefill_q[layer] = host(q).copy() if self.fast else q.to(self.dtype)
         K = self.k[layer, :, :n].float().repeat_interleave(self.group, dim=0)  # (Hq, n, D)
         V = self.v[layer, :, :n].float().repeat_interleave(self.group, dim=0)
         # a GPU (or a half-precision model): no (Hq, n, n) matrix; 32k tokens fit

@@ -11,7 +11,8 @@ kernels nor in the numba kernel), so on a CPU the result equals the numpy refere
 division that is not correctly rounded (it is, in torch's default CUDA build) would differ by at most
 one step s of a group, the documented bound the test states.
 
-The serving formats (FP8, NVFP4, MXFP4, the Hadamard rotation) have twins below too.
+The serving formats (FP8 with any scale, static included; NVFP4, MXFP4; llama.cpp's q8_0 / q4_0; the
+Hadamard rotation) have twins below too.
 The CPU float32 path keeps the numba kernel (kvviz.quant.kernel), which reuses each token's quantized
 value across steps; this one quantizes the kept set afresh at each step (what the reuse equals).
 torch is imported lazily.
@@ -128,22 +129,29 @@ def _fp32_at_least(x64):
     return torch.where(s.double() < x64, torch.nextafter(s, torch.full_like(s, float("inf"))), s)
 
 
-def _fp8(x, fmt_name: str, scale: str):
+def _fp8(x, fmt_name: str, scale: str, calibrate: bool = False):
+    """kvviz.quant.fp8.fp8_quantize; scale "static": vLLM's fixed scale, 1.0 or (calibrate) amax / max of x
+    itself, as kvviz.quant.formats.quantize_tensor calibrates it (kvviz.quant.fp8.calibrate)."""
     import torch
 
-    from kvviz.quant.fp8 import FP8
+    from kvviz.quant.fp8 import FP8, UNCALIBRATED
 
     f = FP8[fmt_name]
     a = x.abs()
-    if scale == "tensor":
-        amax = a.amax().reshape(1, 1, 1)
+    if scale == "static" and not calibrate:
+        amax = None
+    elif scale in ("tensor", "static"):
+        amax = a.amax().reshape(1, 1, 1) if x.numel() else a.new_zeros(1, 1, 1)
     elif scale == "head":
         amax = a.amax(dim=(1, 2), keepdim=True)
     else:
         amax = a.amax(dim=2, keepdim=True)
-    s = torch.where(
-        amax > 0, _fp32_at_least(amax.double() / f.max_value), torch.ones_like(amax)
-    ).double()
+    if amax is None:
+        s = torch.full((1, 1, 1), UNCALIBRATED, dtype=torch.float64, device=x.device)
+    else:
+        s = torch.where(
+            amax > 0, _fp32_at_least(amax.double() / f.max_value), torch.ones_like(amax)
+        ).double()
     return (_minifloat_round(x.double() / s, f) * s).to(x.dtype)
 
 
@@ -209,16 +217,55 @@ def _hadamard(dim: int, like):
     return torch.tensor(hadamard(dim), dtype=like.dtype, device=like.device)
 
 
-def device_quantizes(spec) -> bool:
-    """Whether quantize_tensor_torch implements the spec's formats. llama.cpp's q8_0 / q4_0 and FP8 with a
-    static scale (vLLM's uncalibrated 1.0, or a calibrated one) have no torch twin yet: a cache quantizes them
-    on the host with the numpy reference (kvviz.quant.formats.quantize_tensor)."""
-    from kvviz.quant.ggml import GGML_FORMATS
+# --- llama.cpp's q8_0 / q4_0 (kvviz.quant.ggml) --------------------------------------------------------
+# The reference's float32 operations one for one: the block amax (exact), d = amax / 127 (q8_0) or
+# m / -8 (q4_0, exact), the reciprocal 1 / d, x * (1 / d), C's roundf (q8_0) or trunc(. + 8.5) (q4_0), d
+# rounded to fp16 (nearest even) and (q - 8) * fp16(d) (exact: an integer of 8 bits times 11). Every one is
+# a single correctly rounded IEEE operation in torch's eager kernels on a CPU and, in torch's default CUDA
+# build (no fast math: IEEE division and reciprocal), on a GPU; the division and the reciprocal take
+# tensors, never a CPU scalar, which CUDA would turn into a multiplication by its reciprocal. So the result
+# equals the numpy reference bit for bit (tests/test_decode_devices.py checks it on every device present;
+# off the CPU it allows one step d of the block, the bound a differently rounded 1 / d could move a value).
 
-    return (
-        not ({spec.key_format, spec.value_format} & set(GGML_FORMATS))
-        and spec.fp8_scale != "static"
-    )
+
+def _roundf(x):
+    """C's roundf (halves away from zero), as kvviz.quant.ggml._roundf computes it."""
+    import torch
+
+    a = x.abs()
+    floored = torch.floor(a)
+    return torch.sign(x) * (floored + torch.floor(2 * (a - floored)))
+
+
+def _ggml(x, fmt: str):
+    """kvviz.quant.ggml.ggml_quantize in torch: x (..., D) float32 in blocks of 32 channels, each with an
+    fp16 scale; a padded last block (zeros change no scale)."""
+    import torch
+
+    from kvviz.quant.ggml import BLOCK
+
+    b = _blocked(x, BLOCK)  # (..., nb, 32)
+    if fmt == "q8_0":
+        d = b.abs().amax(dim=-1) / torch.tensor(127.0, device=x.device)  # (..., nb)
+    else:
+        i = b.abs().argmax(dim=-1, keepdim=True)  # the first largest |x|
+        d = torch.gather(b, -1, i)[..., 0] / torch.tensor(-8.0, device=x.device)
+    inv = torch.where(d == 0, torch.zeros_like(d), torch.reciprocal(d))[..., None]
+    if fmt == "q8_0":
+        q = _roundf(b * inv).to(torch.int16).float()  # as the reference's int8 codes: no -0.0
+    else:
+        q = torch.clamp(torch.trunc(b * inv + 8.5), 0, 15) - 8
+    out = q * d.half().float()[..., None]
+    return out.reshape(*x.shape[:-1], -1)[..., : x.shape[-1]].to(x.dtype)
+
+
+def device_quantizes(spec) -> bool:
+    """Whether quantize_tensor_torch implements the spec's formats: every format kvviz has (the integer
+    groups, FP8 with any scale, NVFP4, MXFP4, llama.cpp's q8_0 / q4_0, the rotation). A hook for a format
+    added later without a twin: the cache then quantizes it on the host (kvviz.quant.formats)."""
+    from kvviz.quant.formats import FORMATS
+
+    return {spec.key_format, spec.value_format} <= set(FORMATS)
 
 
 def quantize_tensor_torch(x, spec, which: str, residual: int):
@@ -229,7 +276,7 @@ def quantize_tensor_torch(x, spec, which: str, residual: int):
     fmt, bits, axis, rotated = settings(spec, which)
     if not device_quantizes(spec):
         raise ValueError(
-            f"no device quantizer for {fmt} (FP8 scale {spec.fp8_scale}): use the host's"
+            f"no device quantizer for {fmt}: use the host's (kvviz.quant.formats.quantize_tensor)"
         )
     if not is_quantized(spec, which):
         return x
@@ -244,11 +291,13 @@ def quantize_tensor_torch(x, spec, which: str, residual: int):
             xr, bits, axis, spec.group_size, 0, spec.symmetric, spec.zero_point, spec.partial
         )
     elif fmt in ("e4m3", "e5m2"):
-        q = _fp8(xr, fmt, spec.fp8_scale)
+        q = _fp8(xr, fmt, spec.fp8_scale, spec.fp8_calibrate)
     elif fmt == "nvfp4":
         q = _nvfp4(xr)
     elif fmt == "mxfp4":
         q = _mxfp4(xr)
+    elif fmt in ("q8_0", "q4_0"):
+        q = _ggml(xr, fmt)
     else:
         raise ValueError(f"no device quantizer for format {fmt!r}")
     out = x.clone()

@@ -39,8 +39,26 @@ def _forward(model, ids: Sequence[int], start: int, last_only: bool = False):
     return (logits[-1:] if last_only else logits).float()
 
 
+def refuse_sliding(model) -> None:
+    """SpecError for a model with sliding-window layers (Mistral, Gemma 2/3, gpt-oss): the compressed cache
+    attends over every token it keeps, on every layer, so it would give those layers the whole context."""
+    from kvviz.models.load import layer_kinds
+
+    cfg = model.config
+    kinds = layer_kinds(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg)
+    sliding = [i for i, k in enumerate(kinds) if k == "sliding_attention"]
+    if sliding:
+        raise SpecError(
+            f"{type(model).__name__} has {len(sliding)} sliding-window layers of {len(kinds)}: kvviz's "
+            "compressed decode attends over the whole cache on every layer, so it cannot run this model "
+            "yet; capture a trace of it instead (kvviz capture), which the Explorer reads window and all"
+        )
+
+
 def new_cache(model, spec: Spec, capacity: int, cls=CompressedCache, **kwargs) -> CompressedCache:
-    """A cache of class `cls` for this model: its shape, and its device and dtype (kvviz.decode.place)."""
+    """A cache of class `cls` for this model: its shape, and its device and dtype (kvviz.decode.place).
+    A model with sliding-window layers is refused (`refuse_sliding`)."""
+    refuse_sliding(model)
     L, Hq, Hkv, D = model_dims(model)
     device, dtype = placement(model)
     return cls(spec, L, Hq, Hkv, D, capacity=capacity, device=device, dtype=dtype, **kwargs)
@@ -55,14 +73,16 @@ class Prefill:
     of n <= len(ids) tokens starts from here instead of running the prompt again.
         logits  (N, vocab) float32   the full-cache logits at every position (on the model's device)
         k, v    (L, kv_heads, N, D)  post-RoPE, as a cache holds them (the model's device and dtype)
-        q       (L, q_heads, N, D)   float32 numpy, for the policies' Trace of the prompt
+        q       (L, q_heads, N, D)   for the policies' Trace of the prompt: float32 numpy for a float32
+                                     CPU model, else on the model's device in its dtype (never copied
+                                     to the host: kvviz.decode.devtrace)
     """
 
     ids: tuple[int, ...]
     logits: Any
     k: Any
     v: Any
-    q: np.ndarray
+    q: Any
     seconds: float
 
     def covers(self, prompt_ids: Sequence[int]) -> bool:
@@ -86,9 +106,18 @@ def prefill(model, ids: Sequence[int]) -> Prefill:
         logits=logits,
         k=cache.k,
         v=cache.v,
-        q=np.stack(cache.prefill_q),
+        q=_stack(cache.prefill_q),
         seconds=time.perf_counter() - t0,
     )
+
+
+def _stack(layers: list):
+    """Per-layer queries (Hq, N, D) as one (L, Hq, N, D) array: numpy, or a tensor where they live."""
+    if isinstance(layers[0], np.ndarray):
+        return np.stack(layers)
+    import torch
+
+    return torch.stack(layers)
 
 
 def decode(

@@ -20,22 +20,23 @@ import numpy as np
 from kvviz.decode.cache import CompressedCache
 from kvviz.decode.place import host
 from kvviz.policies import ScoreContext, evict_one
-from kvviz.policies.allocation import adakv_heavy, layer_spec, select_heads
+from kvviz.policies.allocation import allocation_for, layer_spec, select_heads
 from kvviz.policies.base import group_union
 from kvviz.spec import Spec, SpecError
 
 
 def cache_class(spec: Spec):
     """The cache class a spec decodes with."""
-    if spec.evicts and spec.allocation == "pyramid":
-        return PyramidCache
-    if spec.evicts and spec.allocation == "adakv":
+    allocation = allocation_for(spec)
+    if spec.evicts and allocation.ragged:
         return RaggedCache
+    if spec.evicts and allocation.per_layer:
+        return PyramidCache
     return CompressedCache
 
 
 class PyramidCache(CompressedCache):
-    """Each layer decodes under its own heavy budget (PyramidKV)."""
+    """Each layer decodes under its own heavy budget (PyramidKV: the allocation's `layer_spec`)."""
 
     def _n_context(self) -> int:
         """The tokens at the compression point (the prompt), which kvpress's schedule depends on."""
@@ -71,7 +72,7 @@ class PyramidCache(CompressedCache):
 
 
 class RaggedCache(CompressedCache):
-    """KV heads of one layer hold different numbers of tokens (AdaKV)."""
+    """KV heads of one layer hold different numbers of tokens (AdaKV: the allocation's `head_budgets`)."""
 
     def __init__(self, spec: Spec, *args, **kwargs) -> None:
         super().__init__(spec, *args, **kwargs)
@@ -93,7 +94,7 @@ class RaggedCache(CompressedCache):
                 self.heads_kept[layer] = [np.arange(n) for _ in range(self.H)]
                 continue
             scores = self.scores[layer, :, :n]
-            heavy = adakv_heavy(scores, self.spec)
+            heavy = allocation_for(self.spec).head_budgets(scores, self.spec)
             self.head_budget[layer] = self.spec.sink + self.spec.recent + heavy
             mask = select_heads(scores, self.spec, heavy)
             self.heads_kept[layer] = [np.flatnonzero(r) for r in mask]

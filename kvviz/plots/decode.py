@@ -108,7 +108,7 @@ def timeline_map(
             )
         )
     title = (
-        f"{policy}: tokens held at each decode step (layer {tl.layer}, KV head {tl.kv_head}, "
+        f"{policy}: tokens held at each decode step (layer {tl.model_layer}, KV head {tl.kv_head}, "
         f"budget {tl.spec.budget})"
     )
     if lo:
@@ -144,7 +144,7 @@ def regret_chart(tl: Timeline, step: int | None = None) -> go.Figure:
         fig.add_vline(x=step, line=dict(color="#000000", width=1, dash="dot"))
     fig.update_layout(
         title=f"Regret per step: attention the full model put on evicted tokens "
-        f"(layer {tl.layer}, KV head {tl.kv_head})",
+        f"(layer {tl.model_layer}, KV head {tl.kv_head})",
         xaxis_title="decode step",
         yaxis_title="attention mass on evicted tokens",
         yaxis=dict(rangemode="tozero"),
@@ -274,7 +274,7 @@ def timeline_animation(
         regrets = ", ".join(f"{labels.get(n, n)} {tl.policies[n].regret[s]:.3f}" for n in names)
         return (
             wrap(
-                f"Step {s}: query at position {int(tl.positions[s])} (layer {tl.layer}, KV head {tl.kv_head}, "
+                f"Step {s}: query at position {int(tl.positions[s])} (layer {tl.model_layer}, KV head {tl.kv_head}, "
                 f"budget {tl.spec.budget})",
                 72,
             )

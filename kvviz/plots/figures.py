@@ -140,9 +140,11 @@ def binned_attention_figure(
     y_top: float | None = None,
 ) -> go.Figure:
     """Long sequences: one bar pair per bin; the original bar splits into kept (grey) and evicted
-    (vermillion, hatched) mass, the compressed bar beside it.
+    (vermillion, hatched) mass, the compressed bar beside it, each the sum over the bin's tokens; a black
+    tick marks the largest single token's original attention in the bin (how peaked the bin is).
 
-    `frame` is `kvviz.analysis.frames.binned_frame`.
+    `frame` is `kvviz.analysis.frames.binned_frame` (of the whole row or a range of it): 4 traces of one
+    point per bin, whatever the row's length.
     """
     width = float(frame["tokens"].max())
     centers = frame["start"] + (frame["tokens"] - 1) / 2
@@ -199,17 +201,35 @@ def binned_attention_figure(
         customdata=custom,
         hovertemplate=hover,
     )
+    if "original_max" in frame:
+        fig.add_scatter(
+            x=centers,
+            y=frame["original_max"],
+            mode="markers",
+            name="original: largest single token in the bin",
+            marker=dict(
+                symbol="line-ew-open", size=10, color=OKABE_ITO["black"], line=dict(width=2)
+            ),
+            customdata=custom,
+            hovertemplate="<b>tokens %{customdata[0]}-%{customdata[1]}</b><br>largest single token "
+            "%{y:.4f}<extra></extra>",
+        )
     fig.update_layout(barmode="overlay")
     layout(
         fig,
         title,
-        f"token position (bins of {int(width)} tokens)",
-        "attention mass per bin (probability)",
+        f"token position {_span(frame)} (bins of {int(width)} tokens)",
+        "attention mass per bin (sum)",
         subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)",
     )
     if y_top:
         fig.update_yaxes(range=[0, y_top], autorange=False)
     return fig
+
+
+def _span(frame: pd.DataFrame) -> str:
+    """'0-32767': the tokens a binned frame covers."""
+    return f"{int(frame['start'].iloc[0])}-{int(frame['end'].iloc[-1])}"
 
 
 BAND_TEXT = {
@@ -253,8 +273,8 @@ def error_figure(
             "tokens %{customdata[0]}-%{customdata[1]}",
             np.stack([frame["start"], frame["end"]], axis=1),
         )
-        x_title = f"token position (bins of {int(frame['tokens'].max())} tokens)"
-        y_title = "error in attention mass per bin (probability)"
+        x_title = f"token position {_span(frame)} (bins of {int(frame['tokens'].max())} tokens)"
+        y_title = "mass error per bin (sum)"
     else:
         where = (
             "%{customdata[0]} (position %{customdata[1]})",
@@ -300,6 +320,16 @@ def error_figure(
             + "<extra></extra>"
         ),
     )
+    if binned and "error_extreme" in frame:
+        fig.add_scatter(
+            x=x,
+            y=frame["error_extreme"],
+            mode="markers",
+            name="largest single-token error in the bin (one row)",
+            marker=dict(symbol="circle-open", size=6, color=OKABE_ITO["blue"]),
+            customdata=ids,
+            hovertemplate=f"<b>{label}</b><br>largest single-token error %{{y:.5f}}<extra></extra>",
+        )
     if pinned is not None:
         px = pinned["start"] + (pinned["tokens"] - 1) / 2 if binned else pinned["position"]
         fig.add_scatter(
@@ -335,14 +365,22 @@ def heatmap_figure(
     zmin: float | None = None,
     zmax: float | None = None,
     fmt: str = ".2f",
+    layers: Sequence[int] | None = None,
 ) -> go.Figure:
-    """A layers x heads heatmap (cividis: perceptually uniform and colour-blind safe)."""
+    """A layers x heads heatmap (cividis: perceptually uniform and colour-blind safe); one cell a (layer, head),
+    so it sends layers x heads numbers to the browser whatever the trace's length.
+
+    `layers` names the rows by the model's own layer numbers (`Trace.layer_numbers`: a capture may keep
+    some layers); without it the rows are numbered 0..layers-1."""
     m = np.asarray(matrix)
+    numbers = list(range(m.shape[0])) if layers is None else [int(x) for x in layers]
+    if len(numbers) != m.shape[0]:
+        raise ValueError(f"{len(numbers)} layer numbers for {m.shape[0]} rows")
     fig = go.Figure(
         go.Heatmap(
             z=m,
             x=[str(h) for h in range(m.shape[1])],
-            y=[str(layer) for layer in range(m.shape[0])],
+            y=[str(layer) for layer in numbers],
             colorscale="Cividis",
             zmin=zmin,
             zmax=zmax,
@@ -355,7 +393,11 @@ def heatmap_figure(
         )
     )
     fig = layout(
-        fig, title, "query head (index)", "layer (index)", height=max(260, 120 + 18 * m.shape[0])
+        fig,
+        title,
+        "query head (index)",
+        "layer (index)" if layers is None else "layer (the model's number)",
+        height=max(260, 120 + 18 * m.shape[0]),
     )
     fig.update_yaxes(autorange="reversed", type="category")
     fig.update_xaxes(type="category")
@@ -418,7 +460,7 @@ def token_grid_html(
             e = err[i] / worst if worst > 0 else 0.0
             bg = _mix(OKABE_ITO["vermillion"] if e < 0 else OKABE_ITO["blue"], abs(e) ** 0.5)
             fg = "#ffffff" if abs(e) > 0.35 else "#000000"
-        strike = "line-through" if why == "evicted" else "none"
+        strike = ";text-decoration:line-through" if why == "evicted" else ""
         label = escape(tok) if tok.strip() else "&nbsp;"
         edge = "#8a8a8a" if border == "dashed" else (bg if shade == "reason" else "#555555")
         if context_len is not None and i == context_len:
@@ -430,8 +472,7 @@ def token_grid_html(
         chips.append(
             f"<span title='{i}: {escape(tok)!s} — {escape(kind)}, attention {a:.4f}, error {err[i]:+.4f}' "
             f"style='display:inline-block;margin:2px;padding:1px 5px;border-radius:4px;"
-            f"background:{bg};color:{fg};border:2px {border} {edge};"
-            f"text-decoration:{strike};font-family:monospace;font-size:13px'>{label}</span>"
+            f"background:{bg};color:{fg};border:2px {border} {edge}{strike}'>{label}</span>"
         )
     if shade == "reason":
         items = [(name, *GRID_STYLES[name]) for name in GRID_STYLES if name in present]
@@ -453,7 +494,11 @@ def token_grid_html(
         f"font-size:12px'>{escape(name)}</span>"
         for name, bg, fg, border in items
     )
-    return f"<div>{legend}</div><div style='line-height:1.9'>{''.join(chips)}</div>"
+    # the chips' font on their box, once (a page of a long text is a thousand chips, sent on every rerun)
+    return (
+        f"<div>{legend}</div><div style='line-height:1.9;font-family:monospace;font-size:13px'>"
+        f"{''.join(chips)}</div>"
+    )
 
 
 # --- export -------------------------------------------------------------------------------------

@@ -23,15 +23,36 @@ window stay per head, as always.
 AdaKV is decided once, at the compression point, from the compression-time scores (the
 oracle: from each evaluated query's own attention); afterwards each head keeps its own
 budget, as a real ragged cache would.
+
+Each allocation is a small frozen dataclass (`Uniform`, `AdaKV`, `Pyramid`) whose fields are its
+settings, built from a Spec by `allocation_for`; like kvpress's `AdaKVPress(press)` it wraps the
+scorer: `keep_masks(policy, ctx, positions)` asks the policy for its scores and spreads the
+budget. The policies never read the allocation themselves.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
 from kvviz.policies.select import select
 from kvviz.settings import LABELS, Setting, declare, rule
 from kvviz.spec import SCORERS, STREAMING_SCORERS, Spec, SpecError
+
+
+class Scorer(Protocol):
+    """What an allocation needs of the policy it wraps (kvviz.policies.base.Policy; the base imports this
+    module, so it is named by its shape here). ctx is a kvviz.policies.base.ScoreContext."""
+
+    name: str
+    streaming: bool
+
+    def keep_masks(self, ctx: Any, positions: np.ndarray) -> np.ndarray: ...
+
+    def scores_at_compression(self, ctx: Any) -> np.ndarray: ...
+
 
 declare(
     Setting(
@@ -185,62 +206,15 @@ def pyramid_totals(
 
 
 def layer_spec(spec: Spec, layer: int, n_layers: int, n_context: int) -> Spec:
-    """The spec one layer runs under: the pyramid's budget for that layer (n_context: the tokens at
-    the compression point, which kvpress's schedule depends on); otherwise `spec`."""
-    if spec.allocation != "pyramid" or not spec.evicts:
-        return spec
-    if spec.pyramid_schedule == "heavy":
-        heavy = int(pyramid_budgets(spec.heavy, n_layers, spec.pyramid_beta)[layer])
-        return spec.with_(heavy=heavy, allocation="uniform")
-    protected = spec.sink + spec.recent
-    totals = pyramid_totals(spec.budget, protected, n_context, n_layers, spec.pyramid_beta)
-    heavy = spec.heavy if totals is None else int(totals[layer]) - protected
-    return spec.with_(heavy=heavy, allocation="uniform")
+    """The spec one layer runs under (n_context: the tokens at the compression point, which kvpress's
+    schedule depends on): the pyramid's budget for that layer, as a uniform spec; otherwise `spec`."""
+    return allocation_for(spec).layer_spec(spec, layer, n_layers, n_context)
 
 
 def candidates(n: int, spec: Spec) -> tuple[int, int]:
     """[first, end): the tokens of a row of n that compete for heavy slots (outside sinks and window)."""
     first = min(spec.sink, n)
     return first, max(first, n - spec.recent)
-
-
-def adakv_heavy(scores: np.ndarray, spec: Spec) -> np.ndarray:
-    """AdaKV's heavy budget per KV head (H,) from scores (H, n) of one layer.
-
-    Safeguard: each head's top floor(alpha * budget) tokens first, of which the sinks and window
-    take the first slots (adakv_floor "all", kvpress), or floor(alpha * heavy) candidates
-    ("outside-window"); then the rest of the layer's H * heavy slots to the best remaining
-    candidates of any head. Ties: the earlier token, then the lower head (as `select` breaks ties
-    within a head).
-    """
-    H, n = scores.shape
-    first, end = candidates(n, spec)
-    n_c = end - first
-    take = min(spec.heavy, n_c)
-    if take <= 0:
-        return np.zeros(H, dtype=np.int64)
-    # kvpress: int(n_kept * alpha), sinks and window ranked first
-    if spec.adakv_floor == "all":
-        floor = min(max(0, int(min(spec.budget, n) * spec.adakv_alpha) - (n - n_c)), take)
-    else:
-        floor = min(int(spec.adakv_alpha * spec.heavy), take)
-    s = np.nan_to_num(
-        np.asarray(scores[:, first:end], dtype=np.float64), nan=-np.inf, posinf=np.finfo(float).max
-    )
-    # per head, best first, earlier on ties
-    order = np.argsort(-s, axis=1, kind="stable")
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(n_c)[None, :].repeat(H, 0), axis=1)
-    counts = np.full(H, floor, dtype=np.int64)
-    rest = H * take - H * floor
-    if rest > 0:
-        free = rank >= floor  # not taken by the safeguard
-        hs, ts = np.nonzero(free)
-        # best score, then earlier token, lower head
-        key = np.lexsort((hs, ts, -s[hs, ts]))
-        chosen = hs[key[:rest]]
-        counts += np.bincount(chosen, minlength=H)
-    return counts
 
 
 def select_heads(scores: np.ndarray, spec: Spec, heavy: np.ndarray) -> np.ndarray:
@@ -260,7 +234,149 @@ def allocate(
     scores: np.ndarray, spec: Spec, layer: int, n_layers: int, n_context: int
 ) -> np.ndarray:
     """Kept mask (H, n) of one layer from its scores under the spec's allocation."""
+    return allocation_for(spec).select(scores, spec, layer, n_layers, n_context)
 
-    if spec.allocation == "adakv" and spec.evicts:
-        return select_heads(scores, spec, adakv_heavy(scores, spec))
-    return select(scores, layer_spec(spec, layer, n_layers, n_context))
+
+def adakv_heavy(scores: np.ndarray, spec: Spec) -> np.ndarray:
+    """AdaKV's heavy budget per KV head (H,) from scores (H, n) of one layer, for an evicting AdaKV spec
+    (`AdaKV.head_budgets`)."""
+    return allocation_for(spec).head_budgets(scores, spec)
+
+
+# --- the allocations, each a wrapper around the scorer ---------------------------------------
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """Every KV head of every layer keeps the spec's `heavy` heavy hitters."""
+
+    name: ClassVar[str] = "uniform"
+    # heads of a layer may hold different numbers of tokens (a ragged cache)
+    ragged: ClassVar[bool] = False
+    # layers may hold different numbers of tokens
+    per_layer: ClassVar[bool] = False
+
+    def layer_spec(self, spec: Spec, layer: int, n_layers: int, n_context: int) -> Spec:
+        """The uniform spec this layer runs under."""
+        return spec
+
+    def select(
+        self, scores: np.ndarray, spec: Spec, layer: int, n_layers: int, n_context: int
+    ) -> np.ndarray:
+        """Kept mask (H, n) of one layer from its scores (H, n), as one decision (the oracle and Quest
+        decide at every query through this)."""
+        return select(scores, self.layer_spec(spec, layer, n_layers, n_context))
+
+    def keep_masks(self, policy: Scorer, ctx: Any, positions: np.ndarray) -> np.ndarray:
+        """Kept masks (len(positions), kv_heads, positions) of the policy under this allocation."""
+        return policy.keep_masks(ctx, positions)
+
+
+@dataclass(frozen=True)
+class Pyramid(Uniform):
+    """PyramidKV: each layer its own total, falling linearly with depth; then each layer as uniform."""
+
+    name: ClassVar[str] = "pyramid"
+    per_layer: ClassVar[bool] = True
+    beta: float = 20.0
+    schedule: str = "kvpress"
+
+    def layer_spec(self, spec: Spec, layer: int, n_layers: int, n_context: int) -> Spec:
+        if self.schedule == "heavy":
+            heavy = int(pyramid_budgets(spec.heavy, n_layers, self.beta)[layer])
+            return spec.with_(heavy=heavy, allocation="uniform")
+        protected = spec.sink + spec.recent
+        totals = pyramid_totals(spec.budget, protected, n_context, n_layers, self.beta)
+        heavy = spec.heavy if totals is None else int(totals[layer]) - protected
+        return spec.with_(heavy=heavy, allocation="uniform")
+
+    def keep_masks(self, policy: Scorer, ctx: Any, positions: np.ndarray) -> np.ndarray:
+        trace = ctx.trace
+        spec = self.layer_spec(ctx.spec, ctx.layer, trace.n_layers, trace.context_len)
+        return policy.keep_masks(type(ctx)(trace, ctx.layer, spec), positions)
+
+
+@dataclass(frozen=True)
+class AdaKV(Uniform):
+    """AdaKV: one budget per layer spread over its KV heads by their scores, after a safeguard."""
+
+    name: ClassVar[str] = "adakv"
+    ragged: ClassVar[bool] = True
+    alpha: float = 0.2
+    floor: str = "all"
+
+    def head_budgets(self, scores: np.ndarray, spec: Spec) -> np.ndarray:
+        """AdaKV's heavy budget per KV head (H,) from scores (H, n) of one layer.
+
+        Safeguard: each head's top floor(alpha * budget) tokens first, of which the sinks and window
+        take the first slots (adakv_floor "all", kvpress), or floor(alpha * heavy) candidates
+        ("outside-window"); then the rest of the layer's H * heavy slots to the best remaining
+        candidates of any head. Ties: the earlier token, then the lower head (as `select` breaks ties
+        within a head).
+        """
+        H, n = scores.shape
+        first, end = candidates(n, spec)
+        n_c = end - first
+        take = min(spec.heavy, n_c)
+        if take <= 0:
+            return np.zeros(H, dtype=np.int64)
+        # kvpress: int(n_kept * alpha), sinks and window ranked first
+        if self.floor == "all":
+            floor = min(max(0, int(min(spec.budget, n) * self.alpha) - (n - n_c)), take)
+        else:
+            floor = min(int(self.alpha * spec.heavy), take)
+        s = np.nan_to_num(
+            np.asarray(scores[:, first:end], dtype=np.float64),
+            nan=-np.inf,
+            posinf=np.finfo(float).max,
+        )
+        # per head, best first, earlier on ties
+        order = np.argsort(-s, axis=1, kind="stable")
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(n_c)[None, :].repeat(H, 0), axis=1)
+        counts = np.full(H, floor, dtype=np.int64)
+        rest = H * take - H * floor
+        if rest > 0:
+            free = rank >= floor  # not taken by the safeguard
+            hs, ts = np.nonzero(free)
+            # best score, then earlier token, lower head
+            key = np.lexsort((hs, ts, -s[hs, ts]))
+            chosen = hs[key[:rest]]
+            counts += np.bincount(chosen, minlength=H)
+        return counts
+
+    def select(
+        self, scores: np.ndarray, spec: Spec, layer: int, n_layers: int, n_context: int
+    ) -> np.ndarray:
+        return select_heads(scores, spec, self.head_budgets(scores, spec))
+
+    def keep_masks(self, policy: Scorer, ctx: Any, positions: np.ndarray) -> np.ndarray:
+        """Head budgets fixed at the compression point from the policy's one-shot scores; each head then
+        grows its own kept set under fixed scores."""
+        trace, spec = ctx.trace, ctx.spec
+        if policy.streaming:
+            raise SpecError(
+                f"AdaKV allocates once from one-shot scores; {policy.name} decides at every step"
+            )
+        positions = np.asarray(positions)
+        P, Hkv = trace.n_positions, trace.n_kv_heads
+        out = np.zeros((len(positions), Hkv, P), dtype=bool)
+        scores = np.broadcast_to(policy.scores_at_compression(ctx), (Hkv, P))
+        heavy = self.head_budgets(scores[:, : trace.context_len], spec)
+        for i, p in enumerate(positions):
+            out[i, :, : p + 1] = select_heads(scores[:, : p + 1], spec, heavy)
+        return out
+
+
+ALLOCATIONS: dict[str, type[Uniform]] = {a.name: a for a in (Uniform, AdaKV, Pyramid)}
+
+
+def allocation_for(spec: Spec) -> Uniform:
+    """The spec's allocation with its settings (uniform where nothing is evicted: every head keeps all)."""
+    if not spec.evicts:
+        return Uniform()
+    if spec.allocation == "adakv":
+        return AdaKV(spec.adakv_alpha, spec.adakv_floor)
+    if spec.allocation == "pyramid":
+        return Pyramid(spec.pyramid_beta, spec.pyramid_schedule)
+    return Uniform()

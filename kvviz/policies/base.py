@@ -27,7 +27,7 @@ import numpy as np
 
 from kvviz.attention import context_rows, small_blas, softmax
 from kvviz.limits import checkpoint
-from kvviz.policies.allocation import adakv_heavy, allocate, layer_spec, select_heads
+from kvviz.policies.allocation import allocate
 from kvviz.policies.reads import READS, SpecReads
 from kvviz.policies.recompress import decoding_masks, prefix_trace
 from kvviz.policies.select import evict_one, select  # noqa: F401  (re-exported: policies import them from here)
@@ -260,7 +260,9 @@ class Policy:
         return scores
 
     def keep_masks(self, ctx: ScoreContext, positions: np.ndarray) -> np.ndarray:
-        """Kept masks at the given evaluated query positions, shape (len, kv_heads, positions)."""
+        """Kept masks at the given evaluated query positions, shape (len, kv_heads, positions), with every
+        KV head under the spec's budget (an allocation over heads or layers wraps this:
+        `kvviz.policies.allocation`, through `kvviz.rows.keep_masks`)."""
         trace, spec = ctx.trace, ctx.spec
         P, Hkv = trace.n_positions, trace.n_kv_heads
         positions = np.asarray(positions)
@@ -269,21 +271,12 @@ class Policy:
             for i, p in enumerate(positions):
                 out[i, :, : p + 1] = True
             return out
-        if spec.allocation == "pyramid":  # this layer's budget, then as uniform
-            spec = layer_spec(spec, ctx.layer, trace.n_layers, trace.context_len)
-            ctx = ScoreContext(trace, ctx.layer, spec)
         scores = self.scores_at_compression(ctx)
         if scores.shape != (Hkv, P):  # a score shared by every KV head
             scores = np.broadcast_to(scores, (Hkv, P))
         if not self.streaming:
             if spec.compress_every:  # compressed again every N decode steps
                 return self._decoding(ctx, spec, scores, positions, out)
-            if spec.allocation == "adakv":  # head budgets fixed at the compression point
-                c = trace.context_len
-                heavy = adakv_heavy(scores[:, :c], spec)
-                for i, p in enumerate(positions):
-                    out[i, :, : p + 1] = select_heads(scores[:, : p + 1], spec, heavy)
-                return out
             own = self.compression_kept(scores[:, : trace.context_len], spec)
             # the policy's own rule at the compression point
             if own is not None:
@@ -293,12 +286,6 @@ class Policy:
             for i, p in enumerate(positions):
                 out[i, :, : p + 1] = select(scores[: 1 if shared else Hkv, : p + 1], spec)
             return out
-        if spec.allocation == "adakv":
-            from kvviz.spec import SpecError
-
-            raise SpecError(
-                f"AdaKV allocates once from one-shot scores; {self.name} decides at every step"
-            )
         with small_blas():  # one query a step: small products
             return self._simulate(ctx, scores.copy(), positions, out)
 

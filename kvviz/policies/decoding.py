@@ -7,6 +7,7 @@ registry imports the policy base, which runs recompress: the registry loads this
 
 from __future__ import annotations
 
+from kvviz.policies.allocation import allocation_for
 from kvviz.settings import Setting, declare, rule
 from kvviz.spec import SpecError
 
@@ -64,7 +65,7 @@ def _compress_every_needs_one_shot_scores(spec) -> None:
             "such chunks to cut again. Use ChunkKV's chunk rule 'budget' (chunks filling the heavy "
             "budget), or set compress every to 0"
         )
-    if spec.allocation == "adakv":
+    if allocation_for(spec).ragged:
         raise SpecError(
             "AdaKV's head budgets are fixed at the prompt's compression point; compressing again "
             "during decoding runs with allocation uniform or pyramid. Set compress every to 0 or "

@@ -23,6 +23,7 @@ rotate: the statistics are used as they are and the horizon has no effect.
 
 import numpy as np
 
+from kvviz.attention import row_norms
 from kvviz.policies.base import Policy, ScoreContext, cached_on_trace
 from kvviz.settings import Setting, declare
 
@@ -143,16 +144,18 @@ class ExpectedAttention(Policy):
             cov = R @ cov @ R.T
         first = EA_SINK if c > EA_SINK else 0
         expected = np.zeros((Hkv, c))
-        expected[:, first:] = expected_attention(
-            trace.k[layer][:, first:c],
-            mu.reshape(Hkv, g, d),
-            cov.reshape(Hkv, g, d, d) if spec.ea_covariance else None,
+        args = (mu.reshape(Hkv, g, d), cov.reshape(Hkv, g, d, d) if spec.ea_covariance else None)
+        # computed where the keys live (kvviz.decode.devtrace); only (Hkv, c) crosses
+        on_device = getattr(trace.k, "expected_attention", None)
+        expected[:, first:] = (
+            on_device(layer, first, c, *args)
+            if on_device is not None
+            else expected_attention(trace.k[layer][:, first:c], *args)
         )
         scores_c = expected
         if trace.v is not None:
-            v = trace.v[layer][:, :c]
             # ||v_i||, in float64
-            scores_c *= np.sqrt(np.einsum("hci,hci->hc", v, v, dtype=np.float64))
+            scores_c *= row_norms(trace.v, layer, c, float64=True)
         if first:
             scores_c[:, :first] = scores_c[:, first:].max() + 1.0
         scores = np.full((Hkv, ctx.n_positions), -np.inf)
@@ -167,6 +170,11 @@ def query_statistics(trace, layer: int, rows: np.ndarray) -> tuple[np.ndarray, n
 
     def compute():
         r = rows[EA_SINK:] if len(rows) > EA_SINK + 1 else rows
+        on_device = getattr(
+            trace.q, "moments", None
+        )  # where the queries live (kvviz.decode.devtrace)
+        if on_device is not None:
+            return on_device(layer, r, trace.query_positions[r], rope_inv_freq(trace))
         q = trace.q[layer]
         if len(r) and np.array_equal(r, np.arange(r[0], r[0] + len(r))):
             q = q[:, r[0] : r[0] + len(r)]  # a view: no gather

@@ -12,6 +12,7 @@ budget by the current scores, and the step's attention is folded in.
 
 import numpy as np
 
+from kvviz.attention import attention_sums
 from kvviz.policies.base import Policy, ScoreContext
 from kvviz.settings import LABELS, Setting, declare
 
@@ -62,9 +63,11 @@ class H2O(Policy):
         # Sum of the attention each context token received from the context queries,
         # summed over the query heads of each KV group -> (kv_heads, positions).
         received = np.zeros((ctx.trace.n_q_heads, ctx.n_positions))
-        # (q_heads, rows, m): the keys those rows see
-        for _, attn in ctx.context_attention(trim=True):
-            received[:, : attn.shape[-1]] += attn.sum(axis=1, dtype=np.float64)
+        # each chunk of rows over the keys it sees, summed (on the cache's device where it lives)
+        heads = np.arange(ctx.trace.n_q_heads)
+        received[:, : ctx.n_context] = attention_sums(
+            ctx.trace, ctx.layer, heads, ctx.history_rows, ctx.n_context, trim=True
+        )
         scores = ctx.per_kv_head(received)
         if ctx.spec.h2o_normalized:
             seen = ctx.history_counts()[: ctx.n_context]

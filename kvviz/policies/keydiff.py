@@ -9,6 +9,7 @@ BlockPress around it.) Tokens after the compression point get no score.
 
 import numpy as np
 
+from kvviz.attention import normalised_mean
 from kvviz.policies.base import Policy, ScoreContext
 
 
@@ -36,20 +37,8 @@ class KeyDiff(Policy):
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         c = ctx.n_context
-        # (kv_heads, c, d), the trace's dtype
-        keys = ctx.trace.k[ctx.layer][:, :c]
-        # float16 and friends: float32
-        if keys.dtype not in (np.float32, np.float64):
-            keys = keys.astype(np.float32)
-        # In the keys' own precision, as kvpress computes it (float32 BLAS: a float64 copy of K cost
-        # 7x the time and moved no kept set in the kvpress reference test); the cosine in float64.
-        # (kv_heads, c)
-        norms = np.maximum(np.sqrt(np.einsum("hcd,hcd->hc", keys, keys)), keys.dtype.type(1e-12))
-        # anchor = mean_i k_i / ||k_i||: a BLAS product (1/||k||)^T K a head, no normalised copy of K
-        # (kv_heads, d)
-        anchor = np.matmul((1.0 / norms)[:, None, :], keys)[:, 0] / keys.dtype.type(c)
-        # k_i . a, one BLAS product a head
-        dots = np.matmul(keys, anchor[..., None])[..., 0]
+        # norms (kv_heads, c), anchor (kv_heads, d), dots (kv_heads, c): on the cache's device where it lives
+        norms, anchor, dots = normalised_mean(ctx.trace.k, ctx.layer, c)
         anchor_norm = np.maximum(
             np.linalg.norm(anchor.astype(np.float64), axis=-1, keepdims=True), 1e-12
         )

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from kvviz.attention import row_norms
 from kvviz.policies.base import Policy, ScoreContext
 
 
@@ -17,8 +18,8 @@ class KNorm(Policy):
     description = "smallest key L2 norm first; needs no attention at all"
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
-        keys = ctx.trace.k[ctx.layer]  # (kv_heads, positions, head_dim)
-        return -np.sqrt(np.vecdot(keys, keys))
+        # (kv_heads, positions): ||k_i|| (on the cache's device where it lives)
+        return -row_norms(ctx.trace.k, ctx.layer)
 
     def arrival_score(self, key, layer, position, spec):
         return -np.sqrt(np.vecdot(key, key))  # as `score` computes it

@@ -13,6 +13,7 @@ window_size=64, kernel_size=5.)
 
 import numpy as np
 
+from kvviz.attention import attention_sums
 from kvviz.policies.base import Policy, ScoreContext
 from kvviz.settings import Setting, declare, rule
 from kvviz.spec import SpecError
@@ -113,9 +114,8 @@ class SnapKV(Policy):
         if window_start == 0:
             return scores
         rows = ctx.history_rows[ctx.trace.query_positions[ctx.history_rows] >= window_start]
-        votes = np.zeros((ctx.trace.n_q_heads, c))
-        for _, attn in ctx.context_attention(rows=rows):  # (q_heads, rows, c)
-            votes += attn.sum(axis=1, dtype=np.float64)
+        # (q_heads, c): the window's attention summed over its rows (on the cache's device where it lives)
+        votes = attention_sums(ctx.trace, ctx.layer, np.arange(ctx.trace.n_q_heads), rows, c)
         votes /= max(len(rows), 1)
         # 1-D average pooling over the tokens before the window, kernel k, stride 1,
         # zero padding of k // 2 on each side counted in the mean.

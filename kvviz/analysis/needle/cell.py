@@ -134,7 +134,7 @@ def score_answer(answer: str, key: str) -> bool:
 class _Prefill:
     """The full model's prefill of one prompt: every layer's q, k, v, and the last logits."""
 
-    q: list  # per layer (Hq, n, D) float32 numpy
+    q: list  # per layer (Hq, n, D): float32 numpy, or on the model's device in its dtype
     k: Any  # torch (L, H, n, D)
     v: Any
     # position -> torch (vocab,) logits there (the compression points' last tokens)
@@ -199,7 +199,9 @@ def _first_answer_attention(pre: _Prefill, pos: int) -> np.ndarray:
     g = Hq // H
     out = np.empty((L, Hq, pos + 1))
     for layer in range(L):
-        q = pre.q[layer][:, pos].astype(np.float64)  # (Hq, D)
+        q = host(pre.q[layer][:, pos]).astype(
+            np.float64
+        )  # (Hq, D), from numpy or the model's device
         k = host(pre.k[layer, :, : pos + 1]).astype(np.float64)  # (H, pos+1, D)
         logits = np.einsum("hgd,hnd->hgn", q.reshape(H, g, D), k).reshape(Hq, -1) * pre.scaling
         logits -= logits.max(axis=1, keepdims=True)
@@ -250,7 +252,7 @@ def run_cell(
     cache.k[:, :, :c] = pre.k[:, :, :c]
     cache.v[:, :, :c] = pre.v[:, :, :c]
     cache.length = [c] * L
-    cache.prefill_q = [q[:, :c].copy() for q in pre.q]
+    cache.prefill_q = [q[:, :c] for q in pre.q]  # views: compress() reads them, never writes
     answer: list[int] = []
     with torch.inference_mode(), compressed_cache(model, cache):
         cache.compress()
