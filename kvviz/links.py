@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from kvviz.sources import handbook
+from kvviz.quant.formats import SERVING_FORMATS
 from kvviz.quant.integer import BITS_OPTIONS  # the bits slider offers what the integer format does
 from kvviz.settings import SETTINGS, Setting
 from kvviz.spec import FULL_BITS, SCORERS, Spec, SpecError, View
@@ -193,7 +194,8 @@ _PARAMS = [
         "methods", "list", ("streaming", "h2o", "tova", "snapkv", "oracle"), choices=SCORER_CHOICES
     ),
     Param("sweep_bits", "list", (16, 4, 2), choices=(16, 8, 4, 3, 2)),
-    Param("sweep_formats", "list", (), choices=("e4m3", "e5m2", "nvfp4", "mxfp4")),
+    # the quantizers' serving formats (kvviz.quant.formats), a new one included
+    Param("sweep_formats", "list", (), choices=SERVING_FORMATS),
     # concentration page
     Param("window", "int", 16, 1, 4096),
     # decode timeline page
@@ -208,6 +210,10 @@ _PARAMS = [
     Param("lab_cont", "int", 57, 2, 128),
     Param("lab_greedy", "int", 32, 0, 64),
     Param("lab_rerotate", "bool", False),
+    # a question after the prompt (empty = none) and where the cache is compressed around it
+    # (kvviz.decode.quality.QUESTION_POINTS; before it is kvpress's pipeline default)
+    Param("lab_question", "text", ""),
+    Param("lab_point", "choice", "before-question", choices=("before-question", "after-question")),
     # needle test page: the open cell ("scorer:length:depth", empty = the classic failure) and
     # its layer / KV head (-1 = where the full model wanted the needle most)
     Param("nd_cell", "text", ""),

@@ -9,7 +9,7 @@ from kvviz.app.compute import run_compare, run_sweep
 from kvviz.app.labels import SCORER_SHORT, bits_label
 from kvviz.app.layout import PAGES, page_setup
 from kvviz.app.router import run_page
-from kvviz.app.params import SCORER_CHOICES
+from kvviz.app.params import PARAMS, SCORER_CHOICES
 from kvviz.app.sidebar import sidebar
 from kvviz.app.store import STORE, w_check, w_choice, w_pills
 from kvviz.spec import View
@@ -59,11 +59,12 @@ def main() -> None:
     log_x = w_check(st, "logx", "Log memory axis", help="Spreads out the small-memory end, where methods differ.")
     methods = w_pills(st, "methods", "Methods", tuple(SCORER_CHOICES), format_func=SCORER_SHORT.get)
     bits = w_pills(st, "sweep_bits", "Bit widths", (16, 8, 4, 3, 2), format_func=bits_label)
-    formats = w_pills(st, "sweep_formats", "Serving formats (FP8 / FP4 points)", ("e4m3", "e5m2", "nvfp4", "mxfp4"),
-                      format_func=style.FORMAT_NAMES.get,
-                      help="Add points in FP8 (8 bits + FP32 scales, per the Advanced FP8 scale) or block-scaled "
-                           "FP4 (NVFP4: 4.5 bits a value, MXFP4: 4.25), keys and values alike, with the Advanced "
-                           "rotation setting.")
+    formats = w_pills(st, "sweep_formats", "Serving formats (FP8 / FP4 / llama.cpp points)",
+                      PARAMS["sweep_formats"].choices, format_func=style.FORMAT_NAMES.get,
+                      help="Add points in FP8 (8 bits + FP32 scales, per the Advanced FP8 scale), block-scaled "
+                           "FP4 (NVFP4: 4.5 bits a value, MXFP4: 4.25) or llama.cpp's q8_0 / q4_0 (8.5 / 4.5 bits "
+                           "a value: an fp16 scale per 32), keys and values alike, with the Advanced rotation "
+                           "setting.")
     if not methods or not (bits or formats):
         st.warning("Pick at least one method and one bit width to sweep.", icon=":material/warning:")
         return

@@ -14,17 +14,19 @@ from kvviz.app.guard import other_runs
 from kvviz.app.layout import page_setup
 from kvviz.app.router import run_page
 from kvviz.app.presets import preset_buttons
-from kvviz.app.store import show_notices, w_check, w_choice, w_number
+from kvviz.app.store import show_notices, w_check, w_choice, w_number, w_text
 
 from kvviz.app import sources as ui_sources
 from kvviz.plots.decode import continuation_html, kl_strip, nll_chart
-from kvviz.decode.quality import sample_text
+from kvviz.decode.quality import QUESTION_POINTS, sample_text
 from kvviz.spec import SpecError
 from kvviz.trace import Trace
 from kvviz.app.sources import EXAMPLE_PROMPT, shared_model
 
 TEXTS = {"sample": sample_text, "bakery": lambda: EXAMPLE_PROMPT, "custom": None}
 TEXT_LABELS = {"sample": "kvviz sample text (built-in)", "bakery": "Bakery story (built-in)", "custom": "Your own text"}
+POINT_LABELS = {"before-question": "Before the question (query-agnostic, kvpress's pipeline default)",
+                "after-question": "After the question (query-aware: the scorer sees it)"}
 POSITION_TEXT = {"true": "every token at its true position (kvpress)",
                  "cache": "kept keys re-rotated to their cache slots (the original StreamingLLM)"}
 
@@ -49,7 +51,7 @@ def _results(folder: str) -> dict:
     return {}
 
 
-def _remember(key: tuple, result: dict) -> None:
+def _remember(key: tuple, result: lab.LabResult) -> None:
     cache = _results(str(lab.lab_cache_dir()))
     if len(cache) >= 32:
         cache.pop(next(iter(cache)))
@@ -81,7 +83,7 @@ def _full_cached(settings: lab.LabSettings) -> bool:
     return loaded is not None and lab.full_cached(loaded[0], loaded[1], settings)
 
 
-def _run_live(settings: lab.LabSettings) -> dict:
+def _run_live(settings: lab.LabSettings) -> lab.LabResult:
     """Run with progress, the greedy texts streaming in as they are produced, and a cancel button."""
     st.button("Cancel", key="lab_cancel", icon=":material/stop_circle:",
               help="Stops the run at the next token; nothing is kept.")
@@ -112,7 +114,7 @@ def _run_live(settings: lab.LabSettings) -> dict:
         result = lab.run(model, tokenizer, _label(info, settings.model), settings, progress=progress,
                          on_full_token=stream(full_box, full_toks, "Full cache"),
                          on_token=stream(comp_box, comp_toks, f"Compressed: {settings.spec.label()}"))
-        status.update(label=f"Finished in {result['seconds']:.1f} s", state="complete", expanded=False)
+        status.update(label=f"Finished in {result.seconds:.1f} s", state="complete", expanded=False)
     return result
 
 
@@ -142,6 +144,17 @@ def main() -> None:
     prompt_tokens = int(w_number(c1, "lab_prompt", "Prompt tokens (compression point)", 8, MAX_PROMPT, step=8))
     continuation = int(w_number(c2, "lab_cont", "Continuation tokens scored", 2, MAX_CONTINUATION))
     greedy_tokens = int(w_number(c3, "lab_greedy", "Greedy tokens side by side (0 = off)", 0, MAX_GREEDY))
+    question = w_text(st, "lab_question", "Question after the prompt (optional)",
+                      placeholder="e.g. Who runs the bakery?",
+                      help="Splits the text into a context and a question: the prompt's tokens are the context, the "
+                           "question follows as a paragraph of its own, and the continuation scored is the text's "
+                           "next tokens; the greedy texts answer it. Empty: no question.").strip()
+    point = w_choice(st, "lab_point", "Compress the cache", QUESTION_POINTS, widget="radio",
+                     format_func=POINT_LABELS.get, disabled=not question,
+                     help="Before the question: the context is compressed without knowing what will be asked, "
+                          "then the question is read through the compressed cache (kvpress's pipeline). After "
+                          "the question: the scorer sees the question's own queries, which favours methods such "
+                          "as SnapKV (kvpress reports such runs separately). Applies when there is a question.")
     rerotate = w_check(st, "lab_rerotate", "Re-rotate kept keys to their cache slots (StreamingLLM's original)",
                        help="Off (default, as kvpress does): every token keeps its true position, so RoPE "
                             "distances stay right however many tokens were evicted. On: as the original "
@@ -163,9 +176,11 @@ def main() -> None:
         spec = spec.with_(positions="cache")
     st.markdown(f"**Compression:** {spec.label()}"
                 + ("" if spec.evicts or spec.quantizes else " — set a budget or bits in the sidebar to compress.")
-                + f"  \n**Positions:** {POSITION_TEXT[spec.positions]}")
+                + f"  \n**Positions:** {POSITION_TEXT[spec.positions]}"
+                + (f"  \n**Compressed:** {POINT_LABELS[point].lower()}" if question else ""))
 
-    settings = lab.LabSettings(model_name, text, prompt_tokens, continuation, greedy_tokens, spec, device, dtype)
+    settings = lab.LabSettings(model_name, text, prompt_tokens, continuation, greedy_tokens, spec, device, dtype,
+                               question=question, question_point=point)
     key = settings.key()
     done = _results(str(lab.lab_cache_dir()))
     if key not in done and key == lab.default_settings().key():
@@ -204,17 +219,21 @@ def main() -> None:
             st.error(f"The run stopped: {notice}.")
             return
         raise
-    if result.get("precomputed"):
+    if result.precomputed:
         st.caption("Precomputed for the default settings (at install or on the first start); "
                    "**Run again (live)** recomputes it now.")
     show(result)
 
 
-def show(result: dict) -> None:
-    q, pair = result["quality"], result["pair"]
+def show(result: lab.LabResult) -> None:
+    q, pair = result.quality, result.pair
     d = q.as_dict()
-    st.caption(f"{result['model']}: {d['prompt_tokens']}-token prompt, {d['continuation_tokens']} continuation "
-               f"tokens scored (teacher-forced; the first is predicted by the prefill, before compression).")
+    where = ("the first is predicted by the prefill, before compression" if d["compressed_at"] == d["prompt_tokens"]
+             else f"the cache was compressed at token {d['compressed_at']}, before the question's "
+                  f"{d['question_tokens']} tokens, which were then read through it")
+    question = (f", the last {d['question_tokens']} of them the question" if d["question_tokens"] else "")
+    st.caption(f"{result.model}: {d['prompt_tokens']}-token prompt{question}, {d['continuation_tokens']} continuation "
+               f"tokens scored (teacher-forced; {where}).")
     m = st.columns(3) + st.columns(3)[:2]   # five cards in one row are cut at a projector's 1024 px
     m[0].metric("Perplexity (compressed)", f"{q.perplexity:.2f}", delta=f"{q.perplexity - q.perplexity_full:+.2f}",
                 delta_color="inverse", border=True, help="exp(mean −log p̂) of the true continuation tokens.")

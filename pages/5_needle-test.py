@@ -10,6 +10,7 @@ from kvviz.app.router import run_page
 from kvviz.app.store import notice, show_notices, state
 from kvviz.plots.style import CHART_CONFIG
 from kvviz.plots.needle import LABELS, grid_figure, grids_figure, heads_figure, needle_tokens_html
+from kvviz.settings import SETTINGS
 from kvviz.spec import SpecError
 
 LIVE = "needle_live_grid"
@@ -89,7 +90,7 @@ def _head_picker(where, key: str, param: str, label: str, n: int, loudest: int) 
     return value
 
 
-def run_live(settings: dict, model_name: str) -> None:
+def run_live(request: needle.GridRequest, model_name: str) -> None:
     from kvviz.app.sources import shared_model
 
     with st.status("Running the needle grid…", expanded=True) as status:
@@ -100,7 +101,7 @@ def run_live(settings: dict, model_name: str) -> None:
             line.caption(msg)
         say(0.0, "Loading the model (the first time takes ~15-40 s: converting the GGUF weights)…")
         model, tokenizer, _ = shared_model(model_name)
-        grid = needle.run_grid(model, tokenizer, model_name, progress=say, **settings)
+        grid = needle.run_grid(model, tokenizer, model_name, request, progress=say)
         status.update(label=f"Finished: {len(grid.cells)} cells", state="complete", expanded=False)
     st.session_state[LIVE] = grid
     _select(None)
@@ -123,7 +124,13 @@ def live_controls() -> None:
                             help="Off: the cache is compressed after the question (kvpress's compress_questions). On: right "
                                  "after the haystack, then the question arrives through the compressed cache (kvpress's "
                                  "pipeline default).")
-            model_name = st.text_input("Model", "bundled").strip() or "bundled"
+            every = SETTINGS["compress_every"]        # its declaration: label, range, help (kvviz.policies.decoding)
+            c7, c8 = st.columns(2)
+            compress_every = int(c7.number_input(
+                every.label, int(every.lo), int(every.hi), int(every.default), step=1, key="needle_compress_every",
+                help=every.help + " Here: the one-shot caches among those picked (SnapKV); the others compress as "
+                                  "they always do."))
+            model_name = c8.text_input("Model", "bundled").strip() or "bundled"
             go = st.form_submit_button("Run live", type="primary")
         st.caption("Every cell is cached on disk, so a rerun of the same settings is instant. On a laptop CPU a "
                    "1024-token prompt takes tens of seconds per policy.")
@@ -132,8 +139,9 @@ def live_controls() -> None:
             st.error("Pick at least one length, one depth and one cache.")
             return
         try:
-            run_live(dict(lengths=sorted(lengths), depths=sorted(depths), scorers=scorers, budgets=[budget],
-                          bits=[bits], question_after_compression=qac), model_name)
+            run_live(needle.GridRequest(lengths=sorted(lengths), depths=sorted(depths), scorers=scorers,
+                                        budgets=[budget], bits=[bits], question_after_compression=qac,
+                                        compress_every=compress_every), model_name)
         except SpecError as e:
             st.error(f"Cannot run: {e}")
         except Exception as e:  # a model that cannot load: one clear line
@@ -162,6 +170,8 @@ def main() -> None:
     if len(grids) == 1:
         where = ("after the haystack, before the question (query-agnostic)" if s.get("question_after_compression")
                  else "after the question (kvpress's compress_questions=True)")
+        if s.get("compress_every"):
+            where += f", and the one-shot caches again every {s['compress_every']} decode steps"
         st.caption(f"{source}: model {grid.model}, {len(grid.cells)} cells; compressed {where}; greedy "
                    f"{s.get('new_tokens')} tokens; true positions; {s.get('haystack')} haystack.")
     else:

@@ -35,9 +35,10 @@ def main() -> int:
     grids, computed, cached = [], 0, 0
     for qac in (False, True):
         stats: dict = {}
-        grid = needle.run_grid(model, tokenizer, "bundled", lengths=[int(x) for x in a.lengths.split(",")],
-                               depths=[float(x) for x in a.depths.split(",")], scorers=a.scorers.split(","),
-                               budgets=[a.budget], question_after_compression=qac, stats=stats,
+        request = needle.GridRequest(lengths=[int(x) for x in a.lengths.split(",")],
+                                     depths=[float(x) for x in a.depths.split(",")], scorers=a.scorers.split(","),
+                                     budgets=[a.budget], question_after_compression=qac)
+        grid = needle.run_grid(model, tokenizer, "bundled", request, stats=stats,
                                progress=lambda f, m: print(f"\r[{f:4.0%}] {m:<60}", end="", file=sys.stderr))
         print(file=sys.stderr)
         print(needle.PROTOCOL_TITLES[needle.protocol(grid)])

@@ -87,3 +87,40 @@ def test_model_lab_runs_a_serving_format(monkeypatch):
     q = evaluate(model, reference(model, tok, sample_text(), 40, 8), spec)
     assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"
     assert "NVFP4" in "".join(m.value for m in at.markdown)
+
+
+def _array(x):
+    """A plotly figure's array, plain or typed ({"dtype", "bdata": base64})."""
+    import base64
+
+    import numpy as np
+
+    return np.frombuffer(base64.b64decode(x["bdata"]), dtype=x["dtype"]) if isinstance(x, dict) else x
+
+
+def test_tradeoffs_and_its_link_offer_every_serving_format_llama_cpp_included():
+    """The page's format pills and the link read the quantizers' own table (kvviz.quant.formats): llama.cpp's
+    q8_0 and q4_0 are offered, survive the link both ways and get points; the full-cache point of each costs
+    exactly its block bytes (q8_0: 34, q4_0: 18 bytes per 32 values, against 64 at 16 bits)."""
+    from kvviz.links import PARAMS, defaults, encode_query, parse_query
+    from kvviz.plots.style import FORMAT_NAMES
+    from kvviz.quant.formats import FORMAT_BITS, FORMATS, SERVING_FORMATS
+
+    assert SERVING_FORMATS == tuple(f for f in FORMATS if f != "int")
+    assert set(FORMAT_BITS) == set(SERVING_FORMATS)      # every format has the width its sweep points show
+    assert {"q8_0", "q4_0"} <= set(PARAMS["sweep_formats"].choices)
+    query = encode_query({**defaults(), "sweep_formats": ("q8_0", "q4_0")})
+    assert query == "sweep_formats=q8_0%2Cq4_0"
+    values, notes = parse_query(query)
+    assert values["sweep_formats"] == ("q8_0", "q4_0") and notes == []
+
+    at = run_app(TRADEOFFS, 180, **SMALL, methods="h2o", sweep_bits="16", sweep_formats="q8_0,q4_0")
+    assert not at.error and not at.warning
+    assert list(at.pills(key="sweep_formats").options) == [FORMAT_NAMES[f] for f in SERVING_FORMATS]
+    assert at.pills(key="sweep_formats").value == ["q8_0", "q4_0"]
+    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    names = [t.get("name") for t in fig["data"]]
+    assert "llama.cpp q8_0" in names and "llama.cpp q4_0" in names
+    full = {row[3]: x for t in fig["data"] if t.get("customdata")
+            for row, x in zip(t["customdata"], _array(t["x"])) if row[0] == "full"}
+    assert full["q8_0"] == 34 / 64 and full["q4_0"] == 18 / 64

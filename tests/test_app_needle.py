@@ -134,8 +134,8 @@ def test_run_live_runs_the_grid_with_the_forms_settings_and_shows_it(shipped, mo
     live = needle.NeedleGrid(model="live", settings=shipped.settings, prompts=shipped.prompts,
                              cells=tuple(c for c in shipped.cells if c.length == 60))
 
-    def fake_run(model, tokenizer, model_id, progress=None, **settings):
-        asked.update(settings, model_id=model_id)
+    def fake_run(model, tokenizer, model_id, request, progress=None):
+        asked.update(request.__dict__, model_id=model_id)
         progress(0.5, "half way")
         return live
 
@@ -146,9 +146,10 @@ def test_run_live_runs_the_grid_with_the_forms_settings_and_shows_it(shipped, mo
     assert submit, "the live form has a submit button"
     submit[0].click().run()
     assert not at.exception
-    assert asked["model_id"] == "bundled" and asked["lengths"] == [320] and asked["depths"] == [0.0, 0.5, 1.0]
-    assert asked["budgets"] == [needle.DEFAULT_BUDGET] and asked["bits"] == [16]
-    assert asked["question_after_compression"] is False and asked["scorers"] == list(needle.DEFAULT_SCORERS)
+    assert asked["model_id"] == "bundled" and asked["lengths"] == (320,) and asked["depths"] == (0.0, 0.5, 1.0)
+    assert asked["budgets"] == (needle.DEFAULT_BUDGET,) and asked["bits"] == (16,)
+    assert asked["question_after_compression"] is False and asked["scorers"] == needle.DEFAULT_SCORERS
+    assert asked["compress_every"] == 0
     assert any("this session's live run: model live" in c.value for c in at.caption)
     assert [s.value for s in at.subheader][0] == "StreamingLLM · 60 tokens · needle at 0%"
 

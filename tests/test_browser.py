@@ -412,6 +412,14 @@ def number(label: str, value) -> callable:
     return type_in
 
 
+def text(label: str, value: str) -> callable:
+    def type_in(page):
+        box = labelled(page, "stTextInput", label).locator("input")
+        box.fill(value)
+        box.press("Enter")
+    return type_in
+
+
 def select(label: str, option: str):
     """Choose `option` in a select box as a person does: click the box, click the option.
 
@@ -612,6 +620,9 @@ def test_model_lab_link_follows_every_single_interaction(page, app_url):
     live.act("text radio (the first move)", radio("Text", "Bakery story (built-in)"))
     live.act("prompt number box", number("Prompt tokens (compression point)", 128))
     live.act("re-rotate checkbox", tick("Re-rotate kept keys to their cache slots (StreamingLLM's original)"))
+    live.act("question box", text("Question after the prompt (optional)", "Who runs the bakery?"))
+    live.act("compression point radio", radio("Compress the cache",
+                                               "After the question (query-aware: the scorer sees it)"))
     live.act("preset button", press("StreamingLLM"))
     live.act("heavy slider, keyboard", key("Heavy-hitter budget", "ArrowRight"))
     live.act("bits slider, keyboard", key("Quantization bits", "ArrowLeft", "ArrowLeft"))

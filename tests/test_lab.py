@@ -3,6 +3,7 @@ on disk, the estimate, and the page opening on a stored result without loading a
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ pytest.importorskip("transformers")
 from kvviz import decode as gen  # noqa: E402
 from kvviz.decode import hook  # noqa: E402
 from kvviz.decode import lab  # noqa: E402
-from kvviz.spec import Spec  # noqa: E402
+from kvviz.spec import Spec, SpecError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB_PAGE = str(ROOT / "pages" / "3_model-lab.py")
@@ -25,7 +26,7 @@ LAB_PAGE = str(ROOT / "pages" / "3_model-lab.py")
 class Tok:
     """A tokenizer for the tiny model: the text is space-separated token ids."""
 
-    def __call__(self, text):
+    def __call__(self, text, **kwargs):
         return {"input_ids": [int(w) for w in text.split()]}
 
     def decode(self, ids):
@@ -54,15 +55,58 @@ def test_a_run_equals_the_separate_functions(tiny, spec):
     result = lab.run(model, Tok(), "tiny", settings, on_token=lambda i, t: streamed.append(t))
     ids = Tok()(text)["input_ids"]
     q = gen.evaluate(model, gen.reference(model, Tok(), ids, 24, 20), spec, block=False)
-    np.testing.assert_allclose(result["quality"].nll, q.nll, atol=1e-5)
-    np.testing.assert_allclose(result["quality"].kl, q.kl, atol=1e-5)
+    np.testing.assert_allclose(result.quality.nll, q.nll, atol=1e-5)
+    np.testing.assert_allclose(result.quality.kl, q.kl, atol=1e-5)
     pair = gen.side_by_side(model, Tok(), ids[:24], spec, 8)
-    assert result["pair"].full_ids == pair.full_ids and result["pair"].compressed_ids == pair.compressed_ids
+    assert result.pair.full_ids == pair.full_ids and result.pair.compressed_ids == pair.compressed_ids
     assert tuple(streamed) == pair.compressed_ids
     assert lab.full_cached(model, Tok(), settings)            # the full-cache side is kept per text
     again = lab.run(model, Tok(), "tiny", settings.__class__(**{**settings.__dict__, "spec": Spec(sink=1, recent=4)}))
-    assert again["pair"].full_ids == pair.full_ids
+    assert again.pair.full_ids == pair.full_ids
     assert lab.estimate(settings) > 0                         # measured step times now exist
+
+
+@pytest.mark.parametrize("point", ["before-question", "after-question"])
+@pytest.mark.parametrize("spec", [Spec(sink=2, recent=6, heavy=4, scorer="snapkv"),
+                                  Spec(sink=2, recent=6, heavy=4, scorer="h2o")], ids=lambda s: s.scorer)
+def test_a_run_with_a_question_equals_the_separate_functions(tiny, spec, point):
+    """A question after the context: the batched lab loop (question fed first when compressing before it) gives
+    what evaluate and side_by_side give alone, and streams the answer from its first token."""
+    model, text = tiny
+    settings = lab.LabSettings("tiny", text, 20, 16, 6, spec, question="3 1 4 1 5", question_point=point)
+    streamed = []
+    result = lab.run(model, Tok(), "tiny", settings, on_token=lambda i, t: streamed.append((i, t)))
+    ids = Tok()(text)["input_ids"]
+    ref = gen.reference(model, Tok(), ids, 20, 16, question="3 1 4 1 5")
+    assert ref.ids[:25] == (*ids[:20], 3, 1, 4, 1, 5) and ref.ids[25:] == tuple(ids[20:36])
+    assert (ref.prompt_len, ref.question_start) == (25, 20)
+    c = ref.compression_point(point)
+    assert c == (20 if point == "before-question" else 25)
+    q = gen.evaluate(model, ref, spec, block=False, question_point=point)
+    np.testing.assert_allclose(result.quality.nll, q.nll, atol=1e-5)
+    np.testing.assert_allclose(result.quality.kl, q.kl, atol=1e-5)
+    assert result.quality.as_dict()["compressed_at"] == c and result.quality.as_dict()["question_tokens"] == 5
+    pair = gen.side_by_side(model, Tok(), list(ref.ids[:25]), spec, 6, compress_at=c)
+    assert result.pair.full_ids == pair.full_ids and result.pair.compressed_ids == pair.compressed_ids
+    assert streamed == list(enumerate(pair.compressed_ids))
+    assert len(pair.compressed_ids) == 6 and result.prompt_text == "".join(ref.tokens[:25])
+
+
+def test_compressing_before_the_question_decodes_it_through_the_compressed_cache(tiny):
+    """Without eviction both compression points are the full cache (the question fed step by step reads every
+    token); with SnapKV the two points keep different tokens, so the scored logits differ."""
+    model, text = tiny
+    ids = Tok()(text)["input_ids"]
+    ref = gen.reference(model, Tok(), ids, 20, 16, question="3 1 4 1 5")
+    for point in ("before-question", "after-question"):
+        q = gen.evaluate(model, ref, Spec(), question_point=point)
+        assert q.kl.max() < 1e-6 and q.kept_tokens == q.total_tokens == 25 + 15
+    spec = Spec(sink=2, recent=4, heavy=4, scorer="snapkv")
+    before = gen.evaluate(model, ref, spec, question_point="before-question")
+    after = gen.evaluate(model, ref, spec, question_point="after-question")
+    assert not np.allclose(before.kl, after.kl)
+    with pytest.raises(SpecError, match="compression point"):
+        ref.compression_point("middle")
 
 
 def test_a_callback_can_cancel_a_run(tiny):
@@ -85,10 +129,10 @@ def test_results_round_trip_through_json(tiny):
     path = lab.save_result(settings, result)
     assert path.is_file() and path.read_text().startswith("{")      # JSON, not a pickle
     back = lab.load_result(settings)
-    q, b = result["quality"], back["quality"]
+    q, b = result.quality, back.quality
     assert b.spec == q.spec and b.tokens == q.tokens and np.array_equal(b.nll, q.nll) and np.array_equal(b.kl, q.kl)
     assert b.as_dict() == q.as_dict()
-    assert back["pair"] == result["pair"] and back["precomputed"]
+    assert back.pair == result.pair and back.precomputed
     other = lab.LabSettings("tiny", text, 24, 20, 6, Spec(sink=2, recent=6, heavy=4, scorer="knorm"))
     assert lab.load_result(other) is None                               # keyed by the settings
     path.write_text("{broken")
@@ -103,12 +147,12 @@ def test_the_page_opens_on_the_stored_default_result(tiny, monkeypatch):
     model, text = tiny
     tiny_result = lab.run(model, Tok(), "tiny", lab.LabSettings("tiny", text, 24, 20, 6, Spec(sink=4, recent=8)))
     default = lab.default_settings()
-    lab.save_result(default, {**tiny_result, "model": "stored model"})
+    lab.save_result(default, dataclasses.replace(tiny_result, model="stored model"))
     monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     at = run_app(LAB_PAGE, 300)
     assert not at.exception
     shown = {m.label: m.value for m in at.metric}
-    assert shown["Perplexity (compressed)"] == f"{tiny_result['quality'].perplexity:.2f}"
+    assert shown["Perplexity (compressed)"] == f"{tiny_result.quality.perplexity:.2f}"
     assert any("Precomputed for the default settings" in c.value for c in at.caption)
     assert "Run again (live)" in [b.label for b in at.button]
 
@@ -142,7 +186,10 @@ def test_a_run_records_its_time(tiny):
     model, text = tiny
     settings = lab.LabSettings("tiny", text, 24, 20, 4, Spec(sink=2, recent=6))
     result = lab.run(model, Tok(), "tiny", settings)
-    assert lab.recent_runs(settings) == (pytest.approx(result["seconds"]), 1)
+    assert isinstance(result, lab.LabResult)                  # a frozen result with named fields
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.seconds = 0.0
+    assert lab.recent_runs(settings) == (pytest.approx(result.seconds), 1)
 
 
 def test_the_page_says_where_its_estimate_comes_from_and_when_the_server_is_busy(monkeypatch):

@@ -117,10 +117,10 @@ def runs(bundled, cache_folder):
     mp = pytest.MonkeyPatch()
     mp.setenv("KVVIZ_CACHE_DIR", str(cache_folder))
     try:
-        args = dict(lengths=[LENGTH], depths=[DEPTH], scorers=["full", *POLICIES], budgets=[BUDGET])
+        request = needle.GridRequest(lengths=[LENGTH], depths=[DEPTH], scorers=["full", *POLICIES], budgets=[BUDGET])
         s1, s2 = {}, {}
-        fresh = needle.run_grid(model, tokenizer, "bundled", stats=s1, **args)
-        again = needle.run_grid(model, tokenizer, "bundled", stats=s2, **args)
+        fresh = needle.run_grid(model, tokenizer, "bundled", request, stats=s1)
+        again = needle.run_grid(model, tokenizer, "bundled", request, stats=s2)
     finally:
         mp.undo()
     return fresh, again, s1, s2
@@ -298,8 +298,9 @@ def test_question_after_compression_and_quantization_run_the_same_path(bundled, 
     model, tokenizer = bundled
     fresh, *_ = runs
     monkeypatch.setenv("KVVIZ_CACHE_DIR", str(cache_folder))
-    grid = needle.run_grid(model, tokenizer, "bundled", lengths=[LENGTH], depths=[DEPTH],
-                           scorers=["full", "streaming"], budgets=[BUDGET], bits=[4], question_after_compression=True)
+    grid = needle.run_grid(model, tokenizer, "bundled", needle.GridRequest(
+        lengths=[LENGTH], depths=[DEPTH], scorers=["full", "streaming"], budgets=[BUDGET], bits=[4],
+        question_after_compression=True))
     p = grid.prompt(LENGTH, DEPTH)
     quant, stream = grid.cell("full", LENGTH, DEPTH), grid.cell("streaming", LENGTH, DEPTH)
     assert quant.question_after_compression and stream.question_after_compression

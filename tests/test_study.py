@@ -274,8 +274,8 @@ def test_a_needle_study_gives_kvviz_needles_cells(tmp_path, monkeypatch):
     assert (report.cells, report.finished, report.failures) == (2, 2, [])
     rows = StudyDir(tmp_path / "n").rows()
     model, tokenizer, _ = load_model("bundled")
-    grid = needle.run_grid(model, tokenizer, "bundled", lengths=[320], depths=[0.0, 1.0],
-                           scorers=["streaming"], budgets=[0.25])
+    grid = needle.run_grid(model, tokenizer, "bundled", needle.GridRequest(
+        lengths=[320], depths=[0.0, 1.0], scorers=["streaming"], budgets=[0.25]))
     for r in rows.to_dict("records"):
         c = grid.cell(r["scorer"], r["length"], r["depth"]).as_dict()
         assert {k: r[k] for k in ("correct", "answer", "needle_kept", "kept_mass", "budget_tokens", "key")} == \

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvviz.engine import compare, compare_work
 from kvviz.limits import checkpoint
+from kvviz.quant.formats import FORMAT_BITS, SERVING_FORMATS
 from kvviz.spec import FULL_BITS, SCORERS, Spec, SpecError, View
 from kvviz.trace import Trace
 
@@ -30,8 +31,9 @@ COLUMNS = (
     "saves",
     "format",
 )
-# Cache formats a sweep can add next to the integer bit widths (kvviz.quant.formats); `bits` is their width.
-SWEEP_FORMATS = {"e4m3": 8, "e5m2": 8, "nvfp4": 4, "mxfp4": 4, "q8_0": 8, "q4_0": 4}
+# Cache formats a sweep can add next to the integer bit widths: the quantizers' serving formats
+# (kvviz.quant.formats), in their order; `bits` is their width.
+SWEEP_FORMATS = {f: FORMAT_BITS[f] for f in SERVING_FORMATS}
 # Which metric of the engine each error column holds (kl: KL(compressed || original), finite).
 METRIC_COLUMNS = {
     "tv": "tv_distance",
@@ -96,7 +98,7 @@ def sweep(
 ) -> list[dict]:
     """One row per (method, budget, bits): memory ratio and errors averaged over the view's ensemble.
 
-    `formats` (e4m3, e5m2, nvfp4, mxfp4) add points in those cache formats, K and V alike, with the
+    `formats` (SWEEP_FORMATS: e4m3, e5m2, nvfp4, mxfp4, q8_0, q4_0, ...) add points in those cache formats, K and V alike, with the
     base spec's FP8 scale and rotation; their rows carry the format's width in `bits` and its name
     in `format` (integer rows: "int").
 

@@ -297,6 +297,30 @@ def w_check(where, name: str, label: str, help: str | None = None) -> bool:
     return _after(name, where.checkbox(label, key=name, help=help, on_change=_take, args=(name,)))
 
 
+def w_text(
+    where,
+    name: str,
+    label: str,
+    help: str | None = None,
+    placeholder: str | None = None,
+    max_chars: int = 600,
+) -> str:
+    """A one-line text box (a link's text parameter, at most `max_chars`, as the link's parse allows)."""
+    _bind(name)
+    return _after(
+        name,
+        where.text_input(
+            label,
+            key=name,
+            help=help,
+            placeholder=placeholder,
+            max_chars=max_chars,
+            on_change=_take,
+            args=(name,),
+        ),
+    )
+
+
 def w_pills(
     where,
     name: str,

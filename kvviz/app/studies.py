@@ -204,31 +204,36 @@ def frontier_section(path: Path, present: bool = False) -> None:
 
 def values_from_spec(spec: Spec) -> dict:
     """The compression controls' stored values (URL names) that describe `spec` (the inverse of
-    kvviz.app.compression.spec_from_values for the settings a study cell uses)."""
+    kvviz.app.compression.spec_from_values): every setting a link carries, from the settings table, and the
+    bits slider."""
+    from kvviz.links import NOT_IN_LINKS
+    from kvviz.settings import SETTINGS
+
     split = spec.key_bits != spec.value_bits
-    return dict(
-        sink=spec.sink,
-        recent=spec.recent,
-        heavy=spec.heavy,
-        scorer=spec.scorer,
-        split=split,
-        bits=spec.key_bits if not split else FULL_BITS,
-        key_bits=spec.key_bits,
-        value_bits=spec.value_bits,
-        key_axis=spec.key_axis,
-        value_axis=spec.value_axis,
-        group=spec.group_size,
-        residual=spec.residual,
-        symmetric=spec.symmetric,
-        zero_point=spec.zero_point,
-        partial=spec.partial,
-        key_fmt=spec.key_format,
-        value_fmt=spec.value_format,
-        fp8_scale=spec.fp8_scale,
-        rotate=spec.rotate,
-        res_mode=spec.residual_mode,
-        allocation=spec.allocation,
-    )
+    values = {
+        s.url_name: s.none_as if getattr(spec, s.name) is None else getattr(spec, s.name)
+        for s in SETTINGS.values()
+        if s.name not in NOT_IN_LINKS
+    }
+    return values | dict(split=split, bits=spec.key_bits if not split else FULL_BITS)
+
+
+def _setting_values(row: dict) -> dict:
+    """The Spec-setting axes a study row names (a column other cells leave empty is not the row's)."""
+    import math
+
+    from kvviz.analysis.study.schema import setting_axes
+    from kvviz.settings import SETTINGS
+
+    out = {}
+    for k in setting_axes():
+        v = row.get(k)
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            continue
+        if SETTINGS[k].kind == "int" and isinstance(v, float) and v.is_integer():
+            v = int(v)
+        out[k] = SETTINGS[k].coerce(v)
+    return out
 
 
 def cell_values(row: dict) -> tuple[dict, str, list[str]]:
@@ -267,11 +272,19 @@ def cell_values(row: dict) -> tuple[dict, str, list[str]]:
     from kvviz.analysis.study.grid import model_spec
 
     spec = model_spec(
-        row["method"], float(row["budget"]), int(row["bits"]), int(row["prompt_tokens"])
+        row["method"],
+        float(row["budget"]),
+        int(row["bits"]),
+        int(row["prompt_tokens"]),
+        _setting_values(row),
     )
     values = values_from_spec(spec)
     cont = row.get("scored_tokens") or 57
     values.update(lab_prompt=int(row["prompt_tokens"]), lab_cont=int(cont), lab_text="sample")
+    if isinstance(row.get("question"), str) and row["question"].strip():
+        values.update(
+            lab_question=row["question"], lab_point=row.get("question_point") or "before-question"
+        )
     if row.get("text") != "sample":
         notes.append(
             f"the Model lab opens on its sample text, not the study's text {row.get('text')!r} "

@@ -70,6 +70,26 @@ def register(subparsers) -> None:
         metavar="N",
         help="also write N greedy tokens after the prompt with both caches, side by side",
     )
+    from kvviz.decode.quality import DEFAULT_QUESTION_POINT, QUESTION_POINTS
+
+    q = p.add_argument_group("question (the context / question split)")
+    q.add_argument(
+        "--question",
+        default=None,
+        metavar="TEXT",
+        help="a question after the context: the text's first --prompt-tokens tokens are the context, the "
+        "question follows as a paragraph of its own, and the continuation scored is the text's next tokens "
+        "(with --greedy, the answer is written side by side)",
+    )
+    q.add_argument(
+        "--compression-point",
+        choices=QUESTION_POINTS,
+        default=DEFAULT_QUESTION_POINT,
+        help="with --question: compress the cache before the question (query-agnostic, kvpress's pipeline "
+        "default: the question's tokens are then decoded through the compressed cache) or after it "
+        "(query-aware: the scorer sees the question's queries, as kvpress's compress_questions=True) "
+        f"(default {DEFAULT_QUESTION_POINT})",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
     p.set_defaults(func=cmd_eval)
 
@@ -135,10 +155,13 @@ def _prepare(a: argparse.Namespace):
     text = _read_text(a.text_file)
     if not text.strip():
         raise SpecError("the text is empty")
+    question = getattr(a, "question", None)
+    if question is not None and not question.strip():
+        raise SpecError("--question is empty; give the question's text, or leave the flag out")
     check_lengths(10**9, a.prompt_tokens, a.continuation_tokens)  # caps, before the slow load
     say = _progress(not a.quiet)
     model, tokenizer, _ = load_from_args(a, progress=say)
-    ref = reference(model, tokenizer, text, a.prompt_tokens, a.continuation_tokens)
+    ref = reference(model, tokenizer, text, a.prompt_tokens, a.continuation_tokens, question)
     return model, tokenizer, ref, say
 
 
@@ -156,11 +179,18 @@ def cmd_eval(a: argparse.Namespace) -> int:
             "on a real model kvviz eval quantizes the real K/V (use --bits)"
         )
     model, tokenizer, ref, say = _prepare(a)
-    q = evaluate(model, ref, spec, progress=say)
+    q = evaluate(model, ref, spec, progress=say, question_point=a.compression_point)
     pair = None
     if a.greedy:
         pair = side_by_side(
-            model, tokenizer, list(ref.ids[: ref.prompt_len]), spec, a.greedy, progress=say
+            model,
+            tokenizer,
+            list(ref.ids[: ref.prompt_len]),
+            spec,
+            a.greedy,
+            progress=say,
+            prefix=ref.prefill,
+            compress_at=ref.compression_point(a.compression_point),
         )
     if say:
         sys.stderr.write("\r" + " " * 70 + "\r")
@@ -189,8 +219,12 @@ def format_eval(q, pair=None) -> str:
     d = q.as_dict()
     lines = [
         f"spec: {q.spec.label()}",
-        f"text: {d['prompt_tokens']}-token prompt (compression point), {d['continuation_tokens']} "
-        "continuation tokens scored (teacher-forced; the first is predicted by the prefill)",
+        f"text: {d['prompt_tokens']}-token prompt, {d['continuation_tokens']} continuation tokens scored "
+        + (
+            "(teacher-forced; the first is predicted by the prefill)"
+            if d["compressed_at"] == d["prompt_tokens"]
+            else "(teacher-forced through the compressed cache)"
+        ),
         "",
         f"  perplexity              {d['perplexity']:10.3f}   (full cache {d['perplexity_full']:.3f}, "
         f"ratio {d['perplexity_ratio']:.3f})",
@@ -200,6 +234,18 @@ def format_eval(q, pair=None) -> str:
         f"{d['compression_ratio']:.2f}x smaller; {d['kept_tokens']} of {d['total_tokens']} tokens kept",
         f"  time                    {d['seconds']:10.2f} s",
     ]
+    if d["question_tokens"]:
+        before = d["compressed_at"] < d["prompt_tokens"]
+        lines.insert(
+            2,
+            f"question: the prompt's last {d['question_tokens']} tokens; the cache is compressed "
+            + (
+                f"before it (at token {d['compressed_at']}: query-agnostic), then the question is decoded "
+                "through it"
+                if before
+                else "after it (at the prompt's end: query-aware, the scorer sees the question)"
+            ),
+        )
     if pair is not None:
         mark = (
             "identical"

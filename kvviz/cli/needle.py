@@ -2,7 +2,7 @@
 
     kvviz needle --model bundled --lengths 320,640,1024 --depths 0,0.25,0.5,0.75,1 \
         --scorers full,streaming,h2o,tova,snapkv,oracle --budget 0.25 [--bits 4] \
-        [--question-after-compression] [--json | --out needle.csv]
+        [--question-after-compression] [--compress-every N] [--json | --out needle.csv]
 
 torch and transformers are imported inside the handler only.
 """
@@ -68,6 +68,10 @@ def register(subparsers) -> None:
         "compressed cache, as kvpress's pipeline does by default (default here: compress after the "
         "question, kvpress's compress_questions=True)",
     )
+    from kvviz.cli.args import add_setting_arg
+    from kvviz.settings import SETTINGS
+
+    add_setting_arg(p, SETTINGS["compress_every"])  # the one-shot scorers' cells (SnapKV, ...)
     p.add_argument(
         "--new-tokens",
         type=integer(1, 64),
@@ -116,8 +120,8 @@ def _depth(text: str) -> float:
     return float(text[:-1]) / 100 if text.endswith("%") else float(text)
 
 
-def parse(a: argparse.Namespace) -> dict:
-    """Checked run arguments, before any model loads."""
+def parse(a: argparse.Namespace):
+    """The checked GridRequest, before any model loads."""
     from kvviz.analysis import needle as nd
     from kvviz.spec import SpecError
 
@@ -143,18 +147,20 @@ def parse(a: argparse.Namespace) -> dict:
         nd.budget_tokens(b, 1000)
     for b in bits:
         Spec(key_bits=b, value_bits=b)
-    return dict(
+    request = nd.GridRequest(
         lengths=lengths,
         depths=depths,
         scorers=scorers,
         budgets=budgets,
         bits=bits,
         question_after_compression=a.question_after_compression,
+        compress_every=a.compress_every,
         new_tokens=a.new_tokens,
         seed=a.seed,
         haystack=a.haystack,
-        use_cache=not a.no_cache,
     )
+    request.check()
+    return request
 
 
 def model_id(a: argparse.Namespace) -> str:
@@ -172,7 +178,7 @@ def cmd_needle(a: argparse.Namespace) -> int:
     from kvviz.cli.device import load_from_args
     from kvviz.cli.evaluate import _progress
 
-    args = parse(a)
+    request = parse(a)
     if not a.device_map:
         from kvviz.cli.device import check_device
 
@@ -186,7 +192,16 @@ def cmd_needle(a: argparse.Namespace) -> int:
 
     stats: dict = {}
     # loads only if needed
-    grid = nd.run_grid(None, None, model_id(a), progress=say, stats=stats, load=load, **args)
+    grid = nd.run_grid(
+        None,
+        None,
+        model_id(a),
+        request,
+        use_cache=not a.no_cache,
+        progress=say,
+        stats=stats,
+        load=load,
+    )
     if say:
         sys.stderr.write("\r" + " " * 70 + "\r")
         sys.stderr.write(

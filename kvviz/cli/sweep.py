@@ -17,6 +17,7 @@ from kvviz.cli.args import (
     spec_from_args,
     view_layer,
 )
+from kvviz.quant.formats import SERVING_FORMATS
 from kvviz.spec import FULL_BITS
 from kvviz.spec import SCORERS, SpecError, View, scorer_names
 
@@ -93,7 +94,8 @@ def register(sub) -> None:
     p.add_argument(
         "--formats-list",
         default="",
-        help="cache formats to add to the sweep, K and V alike: e4m3,e5m2,nvfp4,mxfp4,q8_0,q4_0 (default none)",
+        help="cache formats to add to the sweep, K and V alike: "
+        f"{','.join(SERVING_FORMATS)} (default none)",
     )
     p.add_argument("--out", help="CSV file (default: standard output)")
     p.set_defaults(func=cmd_sweep)

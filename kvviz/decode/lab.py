@@ -28,11 +28,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvviz.spec import Spec
+
+if TYPE_CHECKING:
+    from kvviz.decode.quality import Quality, SideBySide
 
 Progress = Callable[[float, str], None]
 LAB_FORMAT = 1
@@ -58,6 +61,11 @@ class LabSettings:
     device: str = "cpu"  # where the model and its compressed cache run (cpu, cuda:N, mps)
     # the weights' dtype, which the cache keeps (float32, bfloat16, float16)
     dtype: str = "float32"
+    # a question after the prompt's first prompt_tokens tokens (kvviz.decode.quality.reference); "" = none
+    question: str = ""
+    # where the cache is compressed when there is a question: before it (query-agnostic, kvpress's pipeline
+    # default) or after it (query-aware); kvviz.decode.quality.QUESTION_POINTS
+    question_point: str = "before-question"
 
     def key(self) -> tuple:
         return (
@@ -69,6 +77,8 @@ class LabSettings:
             tuple(sorted(self.spec.__dict__.items())),
             self.device,
             self.dtype,
+            self.question,
+            self.question_point if self.question else "",
         )
 
 
@@ -88,6 +98,19 @@ def default_settings(spec: Spec | None = None) -> LabSettings:
 
 
 @dataclass(frozen=True, eq=False)
+class LabResult:
+    """One Model lab run: the teacher-forced quality, the greedy texts side by side, and what they ran on."""
+
+    quality: Quality  # kvviz.decode.quality.Quality
+    pair: SideBySide | None  # the greedy continuations (None when no greedy tokens were asked for)
+    model: str  # the model's label
+    n_text_tokens: int  # tokens of prompt (question included) + continuation
+    prompt_text: str  # the prompt as its tokens read
+    seconds: float
+    precomputed: bool = False  # read back from disk (load_result), not run in this process
+
+
+@dataclass(frozen=True, eq=False)
 class FullSide:
     """What the full cache does on one text: the reference and its greedy continuation."""
 
@@ -104,8 +127,8 @@ def run(
     progress: Progress | None = None,
     on_full_token: Callable[[int, int], None] | None = None,
     on_token: Callable[[int, int], None] | None = None,
-) -> dict:
-    """One Model lab run: {"quality", "pair", "model", "n_text_tokens", "prompt_text", "seconds"}.
+) -> LabResult:
+    """One Model lab run (LabResult).
 
     One prefill of prompt + continuation (kept per text); then, in one batched decode
     loop (kvviz.decode.loop.decode_many), the full cache's greedy text (once per text), the
@@ -137,36 +160,41 @@ def run(
         full = _FULL.get(key)
     if full is None:
         say(0.0, "full cache: one forward pass over prompt + continuation")
-        ref = reference(model, tokenizer, ids, settings.prompt_tokens, settings.continuation)
+        ref = reference(
+            model, tokenizer, ids, settings.prompt_tokens, settings.continuation, settings.question
+        )
         _record("forward_token", ref.seconds / len(ref.ids))
     else:
         ref = full.ref
     n, m, g = ref.prompt_len, ref.n_continuation, settings.greedy_tokens
+    # every run starts at the compression point c; the question's q tokens (before-question) are fed first
+    c = ref.compression_point(settings.question_point)
+    q, question = n - c, list(ref.ids[c:n])
     first = int(torch.argmax(ref.prefill.logits[n - 1]))
     runs: list[tuple[str, Spec, int, Any]] = []  # (role, spec, steps, feed)
     if g and full is None:
-        runs.append(("full", _Spec(), g - 1, None))
+        runs.append(("full", _Spec(), q + g - 1, question))
         if on_full_token is not None:
             on_full_token(0, first)
     elif full is not None and on_full_token is not None:
         for i, t in enumerate(full.greedy_ids):
             on_full_token(i, t)
     if g:
-        runs.append(("greedy", spec, g - 1, None))
-        if on_token is not None:
+        runs.append(("greedy", spec, q + g - 1, question))
+        if on_token is not None and q == 0:
             on_token(0, first)
     stepwise = not one_pass(spec)
     if stepwise:
-        runs.append(("forced", spec, m - 1, list(ref.ids[n : n + m - 1])))
+        runs.append(("forced", spec, q + m - 1, list(ref.ids[c : n + m - 1])))
     total = max([r[2] for r in runs], default=0)
     t1 = time.perf_counter()
 
     def on_step(r: int, i: int, logits) -> None:
-        role = runs[r][0]
-        if role == "full" and on_full_token is not None:
-            on_full_token(i + 1, int(torch.argmax(logits)))
-        elif role == "greedy" and on_token is not None:
-            on_token(i + 1, int(torch.argmax(logits)))
+        role, j = runs[r][0], i + 1 - q  # j: the answer token these logits choose
+        if role == "full" and on_full_token is not None and j >= 1:
+            on_full_token(j, int(torch.argmax(logits)))
+        elif role == "greedy" and on_token is not None and j >= 0:
+            on_token(j, int(torch.argmax(logits)))
         if r == 0 and (i % 2 == 0 or i == total - 1):
             say(
                 0.05 + 0.85 * (i + 1) / max(total, 1),
@@ -176,7 +204,7 @@ def run(
     out = (
         decode_many(
             model,
-            ref.ids[:n],
+            ref.ids[:c],
             [r[1] for r in runs],
             [r[2] for r in runs],
             [r[3] for r in runs],
@@ -192,7 +220,7 @@ def run(
     got = {role: res for (role, *_), res in zip(runs, out)}
     if full is None:
         full = FullSide(
-            ref=ref, greedy_ids=_greedy_ids(got["full"]) if "full" in got else (), seconds=0.0
+            ref=ref, greedy_ids=_greedy_ids(got["full"], q) if "full" in got else (), seconds=0.0
         )
         with _FULL_LOCK:
             _FULL[key] = full
@@ -200,7 +228,7 @@ def run(
                 _FULL.popitem(last=False)
     pair = None
     if g:
-        fids, comp = list(full.greedy_ids), list(_greedy_ids(got["greedy"]))
+        fids, comp = list(full.greedy_ids), list(_greedy_ids(got["greedy"], q))
         pair = SideBySide(
             spec=spec,
             prompt="".join(ref.tokens[:n]),
@@ -212,37 +240,40 @@ def run(
         )
     if stepwise:
         logits, _, cache = got["forced"]
-        quality = quality_from(ref, spec, logits, cache, t1)
+        quality = quality_from(ref, spec, logits[q:], cache, t1, compressed_at=c)
     else:
         say(0.9, "teacher-forced quality in one masked pass")
-        quality = evaluate(model, ref, spec)
+        quality = evaluate(model, ref, spec, question_point=settings.question_point)
     say(1.0, "done")
     seconds = time.perf_counter() - t0
     record_run(settings, seconds)
-    return {
-        "quality": quality,
-        "pair": pair,
-        "model": label,
-        "n_text_tokens": len(ref.ids),
-        "prompt_text": "".join(ref.tokens[:n]),
-        "seconds": seconds,
-    }
+    return LabResult(
+        quality=quality,
+        pair=pair,
+        model=label,
+        n_text_tokens=len(ref.ids),
+        prompt_text="".join(ref.tokens[:n]),
+        seconds=seconds,
+    )
 
 
-def _greedy_ids(result) -> tuple[int, ...]:
+def _greedy_ids(result, fed_first: int = 0) -> tuple[int, ...]:
+    """A greedy run's answer: what it chose after the `fed_first` tokens fed to it (a question)."""
     import torch
 
     logits, fed, _ = result
-    return tuple(fed) + (int(torch.argmax(logits[-1])),)
+    return tuple(fed[fed_first:]) + (int(torch.argmax(logits[-1])),)
 
 
 def _full_key(model, ids, settings: LabSettings) -> tuple:
+    """The full-cache side depends on the text and the question, not on where a compressed run compresses."""
     return (
         id(model),
         tuple(ids),
         settings.prompt_tokens,
         settings.continuation,
         settings.greedy_tokens,
+        settings.question,
     )
 
 
@@ -384,14 +415,15 @@ def result_path(settings: LabSettings) -> Path:
             settings.greedy_tokens,
             settings.spec.as_dict(),
             *where,
+            *([settings.question, settings.question_point] if settings.question else []),
         ],
         sort_keys=True,
     )
     return lab_cache_dir() / f"result-{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
 
 
-def result_to_json(result: dict) -> dict:
-    q, pair = result["quality"], result["pair"]
+def result_to_json(result: LabResult) -> dict:
+    q, pair = result.quality, result.pair
     qd = {f.name: getattr(q, f.name) for f in dataclasses.fields(q)}
     qd["spec"] = q.spec.as_dict()
     qd["tokens"] = list(q.tokens)
@@ -409,11 +441,11 @@ def result_to_json(result: dict) -> dict:
         "format": LAB_FORMAT,
         "quality": qd,
         "pair": pd,
-        **{k: result[k] for k in ("model", "n_text_tokens", "prompt_text", "seconds")},
+        **{k: getattr(result, k) for k in ("model", "n_text_tokens", "prompt_text", "seconds")},
     }
 
 
-def result_from_json(d: dict) -> dict:
+def result_from_json(d: dict) -> LabResult:
     from kvviz.decode.quality import Quality, SideBySide
 
     q = dict(d["quality"])
@@ -430,18 +462,18 @@ def result_from_json(d: dict) -> dict:
         for k in ("full_ids", "compressed_ids", "full_tokens", "compressed_tokens"):
             p[k] = tuple(p[k])
         pair = SideBySide(**p)
-    return {
-        "quality": Quality(**q),
-        "pair": pair,
-        "model": d["model"],
-        "n_text_tokens": d["n_text_tokens"],
-        "prompt_text": d["prompt_text"],
-        "seconds": d["seconds"],
-        "precomputed": True,
-    }
+    return LabResult(
+        quality=Quality(**q),
+        pair=pair,
+        model=d["model"],
+        n_text_tokens=d["n_text_tokens"],
+        prompt_text=d["prompt_text"],
+        seconds=d["seconds"],
+        precomputed=True,
+    )
 
 
-def save_result(settings: LabSettings, result: dict) -> Path | None:
+def save_result(settings: LabSettings, result: LabResult) -> Path | None:
     path = result_path(settings)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -453,7 +485,7 @@ def save_result(settings: LabSettings, result: dict) -> Path | None:
         return None
 
 
-def load_result(settings: LabSettings) -> dict | None:
+def load_result(settings: LabSettings) -> LabResult | None:
     """The stored result of these settings, or None (missing, unreadable, another format)."""
     try:
         d = json.loads(result_path(settings).read_text())

@@ -137,8 +137,8 @@ def decode(
 ):
     """Prefill the prompt, compress, then run `steps` decode steps.
 
-    Step i feeds feed[i] (teacher forcing) or, when feed is None, the greedy choice of
-    the previous logits. Returns (logits (steps + 1, vocab) float32 tensor — row 0 from
+    Step i feeds feed[i] (teacher forcing) or, when feed is None or shorter than i + 1 (a question fed,
+    then the answer), the greedy choice of the previous logits. Returns (logits (steps + 1, vocab) float32 tensor — row 0 from
     the prefill, row i+1 after feeding token i — the fed tokens, the cache). `timings`,
     if given, receives the seconds of the prefill (with the policy's scoring) and of the
     decode steps.
@@ -178,7 +178,13 @@ def decode(
         cache.compress()
         t1 = time.perf_counter()
         rows.append(last)
-        if block and feed is not None and steps > 1 and on_step is None and cache.block_ok():
+        if (
+            block
+            and feed is not None
+            and len(feed) >= steps > 1
+            and on_step is None
+            and cache.block_ok()
+        ):
             cache.block = True
             say(0.0, f"{steps} teacher-forced steps in one masked pass")
             rows.extend(_forward(model, [int(x) for x in feed[:steps]], n))
@@ -186,7 +192,7 @@ def decode(
             steps = 0
         for i in range(steps):
             checkpoint()
-            tok = int(feed[i]) if feed is not None else int(torch.argmax(last))
+            tok = int(feed[i]) if feed is not None and i < len(feed) else int(torch.argmax(last))
             last = _forward(model, [tok], n + i)[-1]
             rows.append(last)
             fed.append(tok)
@@ -212,7 +218,7 @@ def decode_many(
     """Several decode runs of one prompt side by side, one batched forward a step.
 
     Run r has its own spec and cache, runs steps[r] steps and feeds feeds[r][i] (teacher
-    forcing) or, when feeds[r] is None, its own greedy choice. Each batch row attends over
+    forcing) or, when feeds[r] is None or has run out, its own greedy choice. Each batch row attends over
     its own cache only, so every run gives what decode() gives it alone (the weights are
     read once a step for all of them: on a CPU a batch of 2-3 costs about one step).
     on_step(r, i, logits) after run r's step i. Returns [(logits, fed, cache)] per run.
@@ -249,7 +255,9 @@ def decode_many(
             checkpoint()
             live = [r for r in range(R) if steps[r] > i]
             toks = [
-                int(feeds[r][i]) if feeds[r] is not None else int(torch.argmax(rows[r][-1]))
+                int(feeds[r][i])
+                if feeds[r] is not None and i < len(feeds[r])
+                else int(torch.argmax(rows[r][-1]))
                 for r in live
             ]
             active[:] = [caches[r] for r in live]
@@ -295,7 +303,7 @@ def plain_decode(
         t1 = time.perf_counter()
         rows.append(last)
         for i in range(steps):
-            tok = int(feed[i]) if feed is not None else int(torch.argmax(last))
+            tok = int(feed[i]) if feed is not None and i < len(feed) else int(torch.argmax(last))
             out = model(
                 input_ids=torch.tensor([[tok]], device=device),
                 past_key_values=cache,

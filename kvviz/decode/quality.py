@@ -31,6 +31,12 @@ from kvviz.spec import Spec, SpecError
 # the longest prompt asked for at all: the model's positions and the work budget decide
 MAX_PROMPT_TOKENS = 131072
 MAX_NEW_TOKENS = 512
+# Where a run with a question compresses the cache: before the question (query-agnostic: the context is
+# compressed, then the question's tokens are decoded through the compressed cache, as kvpress's pipeline does)
+# or after it (query-aware: the question's own queries are scored too, kvpress's compress_questions=True)
+QUESTION_POINTS = ("before-question", "after-question")
+DEFAULT_QUESTION_POINT = "before-question"
+QUESTION_SEPARATOR = "\n\n"  # the question starts a paragraph of its own after the context
 # ~470 tokens of plain English
 SAMPLE_TEXT_FILE = str(Path(__file__).resolve().parents[1] / "data" / "sample.txt")
 
@@ -53,6 +59,19 @@ class Reference:
     seconds: float
     # the full-cache pass it came from: compressed runs start from it
     prefill: Prefill | None = None
+    # where the question starts (the prompt is ids[:question_start] of context, then the question); None = none
+    question_start: int | None = None
+
+    def compression_point(self, question_point: str = DEFAULT_QUESTION_POINT) -> int:
+        """The position the cache is compressed at (the first token not in it): the prompt's end, or with a
+        question and "before-question" the question's start."""
+        if question_point not in QUESTION_POINTS:
+            raise SpecError(
+                f"the compression point is one of {', '.join(QUESTION_POINTS)}, got {question_point!r}"
+            )
+        if self.question_start is None or question_point == "after-question":
+            return self.prompt_len
+        return self.question_start
 
     @property
     def n_continuation(self) -> int:
@@ -119,14 +138,27 @@ def check_positions(model, n_tokens: int) -> None:
         )
 
 
+def question_ids(tokenizer, question: str) -> list[int]:
+    """The question's tokens as they follow a context: a paragraph of its own, no special tokens."""
+    text = question.strip()
+    if not text:
+        return []
+    return list(tokenizer(QUESTION_SEPARATOR + text, add_special_tokens=False)["input_ids"])
+
+
 def reference(
     model,
     tokenizer,
     text_or_ids: str | Sequence[int],
     prompt_tokens: int,
     continuation_tokens: int | None = None,
+    question: str | None = None,
 ) -> Reference:
-    """One full-cache forward pass over prompt + continuation (the quality baseline)."""
+    """One full-cache forward pass over prompt + continuation (the quality baseline).
+
+    With a question the text is split: its first `prompt_tokens` tokens are the context, the question's
+    tokens follow (a paragraph of its own), and the continuation scored is the text's next tokens. The prompt
+    is context + question; Reference.compression_point says where a run compresses."""
     import torch
 
     ids = (
@@ -135,7 +167,14 @@ def reference(
         else [int(i) for i in text_or_ids]
     )
     n, m = check_lengths(len(ids), prompt_tokens, continuation_tokens)
-    ids = ids[: n + m]
+    q = question_ids(tokenizer, question) if question else []
+    if q and n + len(q) > MAX_PROMPT_TOKENS:
+        raise SpecError(
+            f"context + question is {n + len(q)} tokens, past the prompt cap of {MAX_PROMPT_TOKENS}"
+        )
+    ids = ids[:n] + q + ids[n : n + m]
+    question_start = n if q else None
+    n += len(q)
     check_positions(model, n + m)
     # before the forward pass allocates
     prefill_work(model_dims(model), n + m, "this text").check()
@@ -151,6 +190,7 @@ def reference(
         logp=logp,
         seconds=time.perf_counter() - t0,
         prefill=pre,
+        question_start=question_start,
     )
 
 
@@ -171,6 +211,9 @@ class Quality:
     kept_tokens: int  # tokens per KV head at the end
     total_tokens: int
     seconds: float
+    # the position the cache was compressed at (None: the prompt's end) and the question's tokens in the prompt
+    compressed_at: int | None = None
+    question_tokens: int = 0
 
     @property
     def perplexity(self) -> float:
@@ -219,6 +262,8 @@ class Quality:
             "residual_mode": self.spec.residual_mode,
             "compress_every": self.spec.compress_every,
             "prompt_tokens": self.prompt_len,
+            "question_tokens": self.question_tokens,
+            "compressed_at": self.prompt_len if self.compressed_at is None else self.compressed_at,
             "continuation_tokens": len(self.tokens),
             "perplexity": self.perplexity,
             "perplexity_full": self.perplexity_full,
@@ -243,21 +288,25 @@ def evaluate(
     mode: str = "delete",
     progress: Progress | None = None,
     block: bool = True,
+    question_point: str = DEFAULT_QUESTION_POINT,
 ) -> Quality:
     """Teacher-forced decoding of ref's continuation with the compressed cache vs the full cache.
 
     Starts from ref's prefill (the prompt is not run again). One-shot policies and
     quantization score the whole continuation in one masked pass (block=True, equal to
-    the step loop); streaming policies and the oracle step token by token.
+    the step loop); streaming policies and the oracle step token by token. With a question and
+    question_point "before-question" the cache is compressed at the question's start and the question's
+    tokens are decoded through it before the continuation (their logits are not scored).
     """
     n, m = ref.prompt_len, ref.n_continuation
+    c = ref.compression_point(question_point)
     t0 = time.perf_counter()
     logits, _, cache = decode(
         model,
-        ref.ids[:n],
+        ref.ids[:c],
         spec,
-        steps=m - 1,
-        feed=ref.ids[n : n + m - 1],
+        steps=n - c + m - 1,
+        feed=ref.ids[c : n + m - 1],
         mode=mode,
         tokens=ref.tokens,
         prefix=ref.prefill,
@@ -266,11 +315,19 @@ def evaluate(
         if progress is None
         else (lambda f, msg: progress(f, f"{spec.label()}: {msg}")),
     )
-    return quality_from(ref, spec, logits, cache, t0)
+    return quality_from(ref, spec, logits[n - c :], cache, t0, compressed_at=c)
 
 
-def quality_from(ref: Reference, spec: Spec, logits, cache: CompressedCache, t0: float) -> Quality:
-    """Quality of a teacher-forced run's logits (m, vocab) against the reference (see evaluate)."""
+def quality_from(
+    ref: Reference,
+    spec: Spec,
+    logits,
+    cache: CompressedCache,
+    t0: float,
+    compressed_at: int | None = None,
+) -> Quality:
+    """Quality of a teacher-forced run's logits (m, vocab) against the reference (see evaluate); the logits
+    predict the continuation's tokens (a question decoded before them is cut off by the caller)."""
     import torch
 
     n = ref.prompt_len
@@ -295,6 +352,8 @@ def quality_from(ref: Reference, spec: Spec, logits, cache: CompressedCache, t0:
         kept_tokens=cache.kept_tokens(),
         total_tokens=cache.n_tokens,
         seconds=time.perf_counter() - t0,
+        compressed_at=None if compressed_at is None or compressed_at == n else compressed_at,
+        question_tokens=0 if ref.question_start is None else n - ref.question_start,
     )
 
 
@@ -334,36 +393,44 @@ def greedy(
     progress: Progress | None = None,
     prefix: Prefill | None = None,
     on_token: Callable[[int, int], None] | None = None,
+    compress_at: int | None = None,
 ) -> list[int]:
     """Greedy continuation (max_new_tokens ids) with the compressed cache.
 
     prefix: a Prefill covering the prompt (not run again). on_token(i, id) is called as
     each token is chosen, so a caller can stream the text (and stop the run by raising).
+    compress_at: compress the cache at this position of the prompt (a question's start), then decode the
+    rest of the prompt through it before the answer (default: at the prompt's end).
     """
     import torch
 
     n = len(prompt_ids)
+    c = n if compress_at is None else int(compress_at)
+    if not 1 <= c <= n:
+        raise SpecError(f"the compression point must be in 1-{n}, got {c}")
+    q = n - c  # prompt tokens decoded through the compressed cache
     if prefix is not None and not prefix.covers(prompt_ids):
         prefix = None
     if prefix is None:
         prefix = prefill(model, prompt_ids)
-    first = int(torch.argmax(prefix.logits[n - 1]))
-    if on_token is not None:
-        on_token(0, first)
+    if on_token is not None and q == 0:
+        on_token(0, int(torch.argmax(prefix.logits[n - 1])))
 
     def step(i: int, last) -> None:
-        on_token(i + 1, int(torch.argmax(last)))
+        if i + 1 - q >= 0:  # the logits after the prompt's last token choose answer token 0
+            on_token(i + 1 - q, int(torch.argmax(last)))
 
     logits, fed, _ = decode(
         model,
-        prompt_ids,
+        prompt_ids[:c],
         spec,
-        steps=max_new_tokens - 1,
+        steps=q + max_new_tokens - 1,
+        feed=list(prompt_ids[c:]),
         progress=progress,
         prefix=prefix,
         on_step=step if on_token is not None else None,
     )
-    return fed + [int(torch.argmax(logits[-1]))]
+    return fed[q:] + [int(torch.argmax(logits[-1]))]
 
 
 def side_by_side(
@@ -376,12 +443,14 @@ def side_by_side(
     prefix: Prefill | None = None,
     full_ids: Sequence[int] | None = None,
     on_token: Callable[[int, int], None] | None = None,
+    compress_at: int | None = None,
 ) -> SideBySide:
     """Greedy text of the full cache next to the compressed cache's, first divergence marked.
 
     Both runs start from one prefill of the prompt (`prefix`, or one made here).
     full_ids: the full cache's greedy ids computed before (they do not depend on the spec).
-    on_token streams the compressed run's tokens (see greedy).
+    on_token streams the compressed run's tokens (see greedy); compress_at: where the compressed run
+    compresses (see greedy).
     """
     ids = tokenize(tokenizer, prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
     check_lengths(len(ids) + max_new_tokens, len(ids), max_new_tokens)
@@ -407,6 +476,7 @@ def side_by_side(
         prefix=prefix,
         on_token=on_token,
         progress=lambda f, m: say(0.5 + 0.5 * f, "compressed: " + m),
+        compress_at=compress_at,
     )
     return SideBySide(
         spec=spec,

@@ -145,6 +145,8 @@ FORMAT_MARKS = {
     "e5m2": ("-open-dot", 13),
     "nvfp4": ("-open-dot", 9),
     "mxfp4": ("-dot", 15),
+    "q8_0": ("-dot", 11),
+    "q4_0": ("-open", 9),
 }
 
 

@@ -51,6 +51,11 @@ FORMAT_LABELS = {
     "q8_0": "llama.cpp q8_0",
     "q4_0": "llama.cpp q4_0",
 }
+# The serving formats (all but `int`, whose width is the bits setting) and the width each fixes: its values'
+# bits, scales not counted (a sweep's `bits` column). Every page, link and command that lists formats reads them
+# from here, so a format added above appears there by itself (tests/test_formats.py checks the table is whole).
+SERVING_FORMATS = tuple(f for f in FORMATS if f != "int")
+FORMAT_BITS = {"e4m3": 8, "e5m2": 8, "nvfp4": 4, "mxfp4": 4, "q8_0": 8, "q4_0": 4}
 RESIDUAL_MODES = ("kivi", "hf")
 _MENU = {
     "int": "integer groups (bits above)",

@@ -32,6 +32,10 @@ with kvviz.quant). Two places for the compression point:
                                 tokens are). Harder and realistic: the policy cannot know
                                 what will be asked.
 
+With compress_every = N (GridRequest; kvpress's DecodingPress) the one-shot scorers' caches (SnapKV, ...)
+are compressed again every N decode steps, the question's tokens and the answer's alike; the other caches
+compress as they always do.
+
 Per cell, at the first answer step (the query at the prompt's last position, the one that
 predicts the first digit of the key):
     needle_kept_by_head[l][h]  share of the needle's tokens in KV head h's cache of layer l
@@ -51,7 +55,8 @@ torch is imported lazily (inside functions), so `import kvviz.analysis.needle` s
 
     prompt  the passkey prompt at a length and depth, the budget and spec of a cell
     cell    one cell run: compressed copy of the prefill, greedy answer, what each head kept
-    grid    the grid, its disk cache, the shipped default, CSV / text, the cell the page opens on
+    grid    the grid (GridRequest: what it runs), its disk cache, the shipped default, CSV / text, the
+            cell the page opens on
 """
 
 from kvviz.analysis.needle import cell, grid, prompt
@@ -60,6 +65,7 @@ from kvviz.analysis.needle.grid import (
     CSV_FIELDS,
     DEFAULT_FILE,
     MAX_LENGTH,
+    GridRequest,
     NeedleGrid,
     cache_dir,
     cell_key,
@@ -116,6 +122,7 @@ __all__ = [
     "FILLER",
     "FORMAT_VERSION",
     "FULL",
+    "GridRequest",
     "HAYSTACKS",
     "INSTRUCTION",
     "MAX_LENGTH",

@@ -41,6 +41,7 @@ from kvviz.analysis.needle.prompt import (
 )
 from kvviz.limits import checkpoint
 from kvviz.models.config import model_dims, prefill_work
+from kvviz.settings import SETTINGS, shown
 from kvviz.spec import FULL_BITS, Spec, SpecError
 
 # the longest prompt asked for at all; the model's positions and the work budget decide
@@ -260,25 +261,97 @@ def prompt_key(model_id: str, length: int, depth: float, seed: int, haystack: st
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
+@dataclass(frozen=True)
+class GridRequest:
+    """What a needle grid runs: every (length, depth) prompt x every (scorer, budget, bits) cell, and how each
+    cell's cache is compressed and decoded. Lists become tuples; `check` says what is wrong in one line."""
+
+    lengths: tuple[int, ...] = DEFAULT_LENGTHS
+    depths: tuple[float, ...] = DEFAULT_DEPTHS
+    scorers: tuple[str, ...] = DEFAULT_SCORERS
+    budgets: tuple[float, ...] = (DEFAULT_BUDGET,)
+    bits: tuple[int, ...] = (FULL_BITS,)
+    # query-agnostic: compressed right after the haystack, the question decoded through the compressed cache
+    question_after_compression: bool = False
+    # the one-shot scorers' caches compressed again every N decode steps (kvviz.policies.decoding; 0 = once);
+    # the other caches compress as they always do
+    compress_every: int = 0
+    new_tokens: int = DEFAULT_NEW_TOKENS
+    seed: int = DEFAULT_SEED
+    haystack: str = "filler"
+
+    def __post_init__(self) -> None:
+        for name in ("lengths", "depths", "scorers", "budgets", "bits"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def check(self) -> None:
+        """SpecError naming what is wrong, before any model loads."""
+        lengths = self.lengths
+        if not lengths or not self.depths or not self.scorers:
+            raise SpecError("give at least one length, one depth and one scorer")
+        if not 1 <= min(lengths) <= max(lengths) <= MAX_LENGTH:
+            raise SpecError(f"lengths are token counts of 1-{MAX_LENGTH:,}, got {max(lengths):,}")
+        bad = [s for s in self.scorers if s not in SCORER_NAMES]
+        if bad:
+            raise SpecError(f"unknown scorer {bad[0]!r}; choose from {', '.join(SCORER_NAMES)}")
+        if not 1 <= self.new_tokens <= 64:
+            raise SpecError(f"new tokens must be 1-64, got {self.new_tokens}")
+        for b in self.budgets:
+            budget_tokens(b, 1000)
+        for b in self.bits:
+            Spec(key_bits=b, value_bits=b)
+        problem = SETTINGS["compress_every"].problem(self.compress_every)
+        if problem:
+            raise SpecError(problem)
+        if self.haystack not in HAYSTACKS:
+            raise SpecError(
+                f"unknown haystack {self.haystack!r}; choose from {', '.join(HAYSTACKS)}"
+            )
+        for scorer in (
+            self.scorers
+        ):  # compressing again: refused where its rule refuses it (ChunkKV's chunks)
+            self.spec(scorer, self.budgets[0] if self.budgets else DEFAULT_BUDGET, FULL_BITS, 1000)
+
+    def spec(self, scorer: str, fraction: float, bits: int, length: int) -> Spec:
+        """A cell's Spec: spec_for's, compressed again every `compress_every` steps where the scorer takes the
+        setting (the scorers whose Advanced section shows it: kvviz.settings.shown)."""
+        spec = spec_for(scorer, fraction, bits, length)
+        if not self.compress_every or not shown(SETTINGS["compress_every"], {"scorer": scorer}):
+            return spec
+        try:
+            return spec.with_(compress_every=self.compress_every)
+        except SpecError as exc:
+            raise SpecError(f"{scorer}: {exc}") from None
+
+    def settings(self) -> dict:
+        """The grid's settings as NeedleGrid keeps them (compress_every only when set)."""
+        out = {
+            "lengths": list(self.lengths),
+            "depths": [float(x) for x in self.depths],
+            "scorers": list(self.scorers),
+            "budgets": [float(b) for b in self.budgets],
+            "bits": list(self.bits),
+            "question_after_compression": self.question_after_compression,
+            "new_tokens": self.new_tokens,
+            "seed": self.seed,
+            "haystack": self.haystack,
+        }
+        if self.compress_every:
+            out["compress_every"] = self.compress_every
+        return out
+
+
 def run_grid(
     model,
     tokenizer,
     model_id: str = "bundled",
-    lengths: Sequence[int] = DEFAULT_LENGTHS,
-    depths: Sequence[float] = DEFAULT_DEPTHS,
-    scorers: Sequence[str] = DEFAULT_SCORERS,
-    budgets: Sequence[float] = (DEFAULT_BUDGET,),
-    bits: Sequence[int] = (FULL_BITS,),
-    question_after_compression: bool = False,
-    new_tokens: int = DEFAULT_NEW_TOKENS,
-    seed: int = DEFAULT_SEED,
-    haystack: str = "filler",
+    request: GridRequest | None = None,
     use_cache: bool = True,
     progress: Progress | None = None,
     stats: dict | None = None,
     load: Callable[[], tuple[Any, Any]] | None = None,
 ) -> NeedleGrid:
-    """Every (length, depth) prompt x every (scorer, budget, bits) cell.
+    """Every (length, depth) prompt x every (scorer, budget, bits) cell of `request` (default: GridRequest()).
 
     One prefill per prompt, only when some cell of it is not on disk yet. With
     model = tokenizer = None and a `load` function, the model is loaded only when a
@@ -286,21 +359,16 @@ def run_grid(
     `stats`, if given, receives counts of cells computed and read from the cache, and
     the seconds.
     """
-    if not lengths or not depths or not scorers:
-        raise SpecError("give at least one length, one depth and one scorer")
-    if not 1 <= min(lengths) <= max(lengths) <= MAX_LENGTH:
-        raise SpecError(f"lengths are token counts of 1-{MAX_LENGTH:,}, got {max(lengths):,}")
-    bad = [s for s in scorers if s not in SCORER_NAMES]
-    if bad:
-        raise SpecError(f"unknown scorer {bad[0]!r}; choose from {', '.join(SCORER_NAMES)}")
-    if not 1 <= new_tokens <= 64:
-        raise SpecError(f"new tokens must be 1-64, got {new_tokens}")
-    for b in budgets:
-        budget_tokens(b, 1000)
-    for b in bits:
-        Spec(key_bits=b, value_bits=b)
-    if haystack not in HAYSTACKS:
-        raise SpecError(f"unknown haystack {haystack!r}; choose from {', '.join(HAYSTACKS)}")
+    req = request if request is not None else GridRequest()
+    req.check()
+    lengths, depths, scorers, budgets, bits = (
+        req.lengths,
+        req.depths,
+        req.scorers,
+        req.budgets,
+        req.bits,
+    )
+    new_tokens, seed, haystack = req.new_tokens, req.seed, req.haystack
     if model is None and load is None:
         raise ValueError("run_grid needs a model and tokenizer, or a load function")
     say = progress or (lambda f, m: None)
@@ -381,8 +449,8 @@ def run_grid(
         full = get(full_spec, False, "full cache")
         done += 1
         for scorer, frac, b in variants:
-            spec = spec_for(scorer, frac, b, n)
-            qac = question_after_compression and spec != full_spec
+            spec = req.spec(scorer, frac, b, n)
+            qac = req.question_after_compression and spec != full_spec
             out = full if (spec == full_spec) else get(spec, qac, f"{scorer} {frac:g} {b}-bit")
             done += 1
             cells.append(
@@ -403,17 +471,7 @@ def run_grid(
     say(1.0, f"{len(cells)} cells: {computed} computed, {cached} from the cache")
     if stats is not None:
         stats.update(computed=computed, cached=cached, seconds=time.perf_counter() - t0)
-    settings = {
-        "lengths": list(lengths),
-        "depths": [float(x) for x in depths],
-        "scorers": list(scorers),
-        "budgets": [float(b) for b in budgets],
-        "bits": list(bits),
-        "question_after_compression": question_after_compression,
-        "new_tokens": new_tokens,
-        "seed": seed,
-        "haystack": haystack,
-    }
+    settings = req.settings()
     return NeedleGrid(model=model_id, settings=settings, prompts=tuple(prompts), cells=tuple(cells))
 
 

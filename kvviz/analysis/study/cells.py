@@ -235,7 +235,8 @@ class ModelWorker:
         self._load(src, s["model"])
         if self.error:
             raise RuntimeError(self.error)
-        key = (s["text_sha256"], src["prompt_tokens"], src["continuation_tokens"])
+        question = src.get("question", "")
+        key = (s["text_sha256"], src["prompt_tokens"], src["continuation_tokens"], question)
         if self.ref_key != key:
             self.ref = reference(
                 self.model,
@@ -243,10 +244,18 @@ class ModelWorker:
                 job["text"],
                 src["prompt_tokens"],
                 src["continuation_tokens"],
+                question or None,
             )
             self.ref_key = key
-        spec = model_spec(s["method"], s["budget"], s["bits"], src["prompt_tokens"])
-        d = evaluate(self.model, self.ref, spec).as_dict()
+        spec = model_spec(
+            s["method"],
+            s["budget"],
+            s["bits"],
+            src["prompt_tokens"],
+            {k: v for k, v in s.items() if k in setting_axes()},
+        )
+        point = s.get("question_point", "before-question")
+        d = evaluate(self.model, self.ref, spec, question_point=point).as_dict()
         d["scored_tokens"] = d["continuation_tokens"]
         d["budget_tokens"] = (
             spec.sink + spec.recent + spec.heavy if spec.evicts else self.ref.prompt_len
@@ -254,7 +263,7 @@ class ModelWorker:
         return {k: d[k] for k in MODEL_METRICS}
 
     def needle_cell(self, job: dict) -> dict:
-        from kvviz.analysis.needle import run_grid
+        from kvviz.analysis.needle import GridRequest, run_grid
 
         src, s = job["source"], job["settings"]
         self._load(src, s["model"])
@@ -262,20 +271,19 @@ class ModelWorker:
             raise RuntimeError(self.error)
         # as kvviz needle keys it
         model_id = s["model"] if src["dtype"] == "float32" else f"{s['model']} ({src['dtype']})"
-        grid = run_grid(
-            self.model,
-            self.tokenizer,
-            model_id,
+        request = GridRequest(
             lengths=[s["length"]],
             depths=[s["depth"]],
             scorers=[s["scorer"]],
             budgets=[s["budget"]],
             bits=[s["bits"]],
             question_after_compression=src["question_after_compression"],
+            compress_every=s.get("compress_every", 0),
             new_tokens=src["new_tokens"],
             seed=src["seed"],
             haystack=src["haystack"],
         )
+        grid = run_grid(self.model, self.tokenizer, model_id, request)
         (c,) = grid.cells
         d = c.as_dict()
         return {k: d[k] for k in NEEDLE_METRICS}

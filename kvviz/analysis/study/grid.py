@@ -9,6 +9,7 @@ with scorer / method `full` however many scorers are listed. A model study's qua
 from __future__ import annotations
 
 import hashlib
+from itertools import product
 from pathlib import Path
 
 from kvviz.analysis.study.schema import (
@@ -69,19 +70,36 @@ def quant_bits(spec: Spec) -> int:
     return spec.key_bits if spec.key_format == "int" else SWEEP_FORMATS[spec.key_format]
 
 
-def model_spec(method: str, budget: float, bits: int, prompt_tokens: int) -> Spec:
+def applicable(values: dict, chosen: dict) -> dict:
+    """The chosen Spec-setting values that apply under `values` (setting name -> value: a cell's spec, or its
+    scorer), as the app shows a setting (kvviz.settings.shown): compress_every for SnapKV, not for H2O."""
+    from kvviz.settings import SETTINGS, shown
+
+    return {k: v for k, v in chosen.items() if shown(SETTINGS[k], values)}
+
+
+def model_spec(
+    method: str, budget: float, bits: int, prompt_tokens: int, settings: dict | None = None
+) -> Spec:
     """A model cell's spec: `kvviz eval-sweep`'s method at round(budget x prompt) tokens, K/V at `bits`
-    (keys per channel, values per token, groups of 32, as the kv-Nbit methods); a quantizer as is."""
+    (keys per channel, values per token, groups of 32, as the kv-Nbit methods); a quantizer as is; then the
+    grid's Spec-setting values that apply to it (`applicable`)."""
     from kvviz.decode.eval_sweep import QUANT_METHODS, SWEEP_METHODS
 
     if method in QUANT_METHODS:
-        return QUANT_METHODS[method](prompt_tokens)
-    spec = SWEEP_METHODS[method](int(round(budget * prompt_tokens)))
-    if bits != FULL_BITS:
-        spec = spec.with_(
-            key_bits=bits, value_bits=bits, key_axis="channel", value_axis="token", group_size=32
-        )
-    return spec
+        spec = QUANT_METHODS[method](prompt_tokens)
+    else:
+        spec = SWEEP_METHODS[method](int(round(budget * prompt_tokens)))
+        if bits != FULL_BITS:
+            spec = spec.with_(
+                key_bits=bits,
+                value_bits=bits,
+                key_axis="channel",
+                value_axis="token",
+                group_size=32,
+            )
+    extra = applicable(spec.__dict__, settings or {})
+    return spec.with_(**extra) if extra else spec
 
 
 def parse_study(text: str, base_dir: str | Path = ".", origin: str = "study file") -> Study:
@@ -211,6 +229,10 @@ def _check_model(study: Study) -> None:
     for t in src["texts"]:
         if not text_of(study, t).strip():
             raise StudyError(f"[source] texts: {t!r} is empty")
+    if not src["question"].strip() and grid["question_points"] != ["before-question"]:
+        raise StudyError(
+            "[grid] question_points: where to compress around a question needs [source] question"
+        )
     bad = [x for x in grid["methods"] if x not in SWEEP_METHODS and x not in QUANT_METHODS]
     if bad:
         raise StudyError(
@@ -230,15 +252,17 @@ def _check_model(study: Study) -> None:
                 f"at least {MIN_MODEL_BUDGET} (4 sinks + a window)"
             )
     _bits_ok(grid["bits"])
-    for x in evictors:
-        for f in grid["budgets"]:
-            for b in grid["bits"]:
-                try:
-                    model_spec(x, f, b, n)
-                except SpecError as exc:
-                    raise StudyError(
-                        f"[grid] the cell method={x} budget={f:g} bits={b} is impossible: {exc}"
-                    ) from None
+    for chosen in setting_points(grid):
+        where = "".join(f" {k}={v}" for k, v in chosen.items())
+        for x in grid["methods"]:
+            for f in grid["budgets"] if x in SWEEP_METHODS else [1.0]:
+                for b in grid["bits"] if x in SWEEP_METHODS else [FULL_BITS]:
+                    try:
+                        model_spec(x, f, b, n, chosen)
+                    except SpecError as exc:
+                        raise StudyError(
+                            f"[grid] the cell method={x} budget={f:g} bits={b}{where} is impossible: {exc}"
+                        ) from None
 
 
 def _check_models(src: dict) -> None:
@@ -251,7 +275,7 @@ def _check_models(src: dict) -> None:
 
 
 def _check_needle(study: Study) -> None:
-    from kvviz.analysis.needle import HAYSTACKS, SCORER_NAMES, budget_tokens
+    from kvviz.analysis.needle import HAYSTACKS, SCORER_NAMES, budget_tokens, spec_for
 
     src, grid = study.source, study.grid
     _check_models(src)
@@ -276,6 +300,16 @@ def _check_needle(study: Study) -> None:
                 f"[grid] budgets: {f:g} is not a fraction in (0, 1] of the prompt"
             ) from None
     _bits_ok(grid["bits"])
+    for chosen in setting_points(grid):
+        for scorer in grid["scorers"]:
+            extra = applicable({"scorer": scorer}, chosen)
+            try:
+                spec_for(scorer, grid["budgets"][0], FULL_BITS, 1000).with_(**extra)
+            except SpecError as exc:
+                where = "".join(f" {k}={v}" for k, v in extra.items())
+                raise StudyError(
+                    f"[grid] the cell scorer={scorer}{where} is impossible: {exc}"
+                ) from None
 
 
 def cells(study: Study) -> list[Cell]:
@@ -312,51 +346,66 @@ def cells(study: Study) -> list[Cell]:
     elif study.kind == "model":
         from kvviz.decode.eval_sweep import SWEEP_METHODS
 
+        n = src["prompt_tokens"]
+        # with a question, each cell says where it compressed (without one there is one place)
+        points = (
+            [{"question_point": p} for p in grid["question_points"]]
+            if src["question"].strip()
+            else [{}]
+        )
         for model in src["models"]:
             for text in src["texts"]:
                 sha = hashlib.sha256(text_of(study, text).encode("utf-8")).hexdigest()
-                for method in grid["methods"]:
-                    if method not in SWEEP_METHODS:
-                        add(
-                            {
-                                "model": model,
-                                "text": text,
-                                "text_sha256": sha,
-                                "method": method,
-                                "budget": 1.0,
-                                "bits": quant_bits(
-                                    model_spec(method, 1.0, FULL_BITS, src["prompt_tokens"])
-                                ),
-                            }
-                        )
-                        continue
-                    for f in grid["budgets"]:
-                        for b in grid["bits"]:
+                for chosen, point in product(setting_points(grid), points):
+                    for method in grid["methods"]:
+                        if method not in SWEEP_METHODS:
+                            spec = model_spec(method, 1.0, FULL_BITS, n)
                             add(
                                 {
                                     "model": model,
                                     "text": text,
                                     "text_sha256": sha,
                                     "method": method,
-                                    "budget": f,
-                                    "bits": b,
+                                    "budget": 1.0,
+                                    "bits": quant_bits(spec),
+                                    **applicable(spec.__dict__, chosen),
+                                    **point,
                                 }
                             )
+                            continue
+                        for f in grid["budgets"]:
+                            for b in grid["bits"]:
+                                spec = model_spec(method, f, b, n)
+                                add(
+                                    {
+                                        "model": model,
+                                        "text": text,
+                                        "text_sha256": sha,
+                                        "method": method,
+                                        "budget": f,
+                                        "bits": b,
+                                        **applicable(spec.__dict__, chosen),
+                                        **point,
+                                    }
+                                )
     else:
         for model in src["models"]:
             for length in src["lengths"]:
                 for depth in src["depths"]:
-                    for scorer in grid["scorers"]:
-                        for f in (1.0,) if scorer == FULL else grid["budgets"]:
-                            for b in grid["bits"]:
-                                add(
-                                    {
-                                        "model": model,
-                                        "length": length,
-                                        "depth": depth,
-                                        "scorer": scorer,
-                                        "budget": f,
-                                        "bits": b,
-                                    }
-                                )
+                    for chosen in setting_points(grid):
+                        for scorer in grid["scorers"]:
+                            extra = applicable({"scorer": scorer}, chosen)
+                            for f in (1.0,) if scorer == FULL else grid["budgets"]:
+                                for b in grid["bits"]:
+                                    add(
+                                        {
+                                            "model": model,
+                                            "length": length,
+                                            "depth": depth,
+                                            "scorer": scorer,
+                                            "budget": f,
+                                            "bits": b,
+                                            **extra,
+                                        }
+                                    )
     return out

@@ -46,6 +46,8 @@ class Key:
     choices: tuple = ()
     # changes a cell's numbers (False: scheduling only, e.g. GPUs per actor)
     identity: bool = True
+    # left out of the cell ids at its default: a key added later keeps the ids of the studies written before it
+    later: bool = False
 
 
 def _synthetic_keys() -> dict[str, Key]:
@@ -75,6 +77,8 @@ SOURCE_KEYS: dict[str, dict[str, Key]] = {
         "texts": Key("strs", [SAMPLE], axis="text"),
         "prompt_tokens": Key("int", 206),
         "continuation_tokens": Key("int", None),
+        # a question after the context (kvviz eval --question); "" = none
+        "question": Key("str", "", later=True),
     },
     "needle": {
         **_MODEL_COMMON,
@@ -97,6 +101,13 @@ GRID_KEYS: dict[str, dict[str, Key]] = {
         "methods": Key("strs", required=True, axis="method"),
         "budgets": Key("floats", [], axis="budget"),
         "bits": Key("ints", [FULL_BITS], axis="bits"),
+        # with a [source] question: where the cache is compressed (kvviz eval --compression-point)
+        "question_points": Key(
+            "strs",
+            ["before-question"],
+            axis="question_point",
+            choices=("before-question", "after-question"),
+        ),
     },
     "needle": {
         "scorers": Key("strs", required=True, axis="scorer"),
@@ -136,9 +147,20 @@ def setting_axes() -> dict[str, Key]:
     }
 
 
+# The Spec-setting axes a needle study takes: what its GridRequest carries (compression during decoding)
+NEEDLE_SETTING_AXES = ("compress_every",)
+
+
+def study_setting_axes(kind: str) -> dict[str, Key]:
+    """The Spec-setting axes of a study kind: every declared setting for synthetic and model studies (a model
+    cell's spec takes a value where the setting applies to its method), NEEDLE_SETTING_AXES for a needle study."""
+    axes = setting_axes()
+    return axes if kind != "needle" else {k: axes[k] for k in NEEDLE_SETTING_AXES}
+
+
 def grid_keys(kind: str) -> dict[str, Key]:
-    """The [grid] keys of a study kind (a synthetic study's include every Spec setting)."""
-    return GRID_KEYS[kind] | (setting_axes() if kind == "synthetic" else {})
+    """The [grid] keys of a study kind, the Spec-setting axes included (study_setting_axes)."""
+    return GRID_KEYS[kind] | study_setting_axes(kind)
 
 
 TOP_KEYS = {
@@ -271,6 +293,7 @@ AXIS_COLUMNS = (
     "budget",
     "bits",
     "format",
+    "question_point",
 )
 
 
@@ -296,7 +319,10 @@ class Study:
             **{
                 k: v
                 for k, v in self.source.items()
-                if k != "kind" and not keys[k].axis and keys[k].identity
+                if k != "kind"
+                and not keys[k].axis
+                and keys[k].identity
+                and not (keys[k].later and v == keys[k].default)
             },
         }
 
@@ -361,4 +387,5 @@ __all__ = [
     "read_study",
     "setting_axes",
     "source_keys",
+    "study_setting_axes",
 ]
