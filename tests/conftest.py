@@ -26,6 +26,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+# pandas imported whole before any test starts a thread: an AppTest's page run and the app's warm-up
+# thread importing it at the same moment could meet CPython's import-deadlock guard, which hands one of
+# them the half-initialised module ("partially initialized module 'pandas'"), seen in Model lab AppTests.
+import pandas  # noqa: F401
 import pytest
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
