@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvviz.attention import softmax, window_masks, window_start
-from kvviz.engine import trace_bytes
+from kvviz.engine import keep_masks, trace_bytes
 from kvviz.limits import Part, Work, checkpoint
-from kvviz.policies import ScoreContext, get_policy, select
+from kvviz.policies import get_policy, select
 from kvviz.policies.recompress import is_due
 from kvviz.spec import Spec, SpecError
 from kvviz.trace import Trace, TraceError
@@ -227,7 +227,8 @@ def policy_masks(
         for i, p in enumerate(positions):
             kept[i, : p + 1] = select(attention[i, None, : p + 1], s)[0] if s.evicts else True
         return kept
-    return policy.keep_masks(ScoreContext(trace, layer, s), positions)[:, kv_head]
+    # the engine's masks: the policy under the spec's allocation
+    return keep_masks(trace, s, layer, positions)[:, kv_head]
 
 
 def timeline_work(trace: Trace, n_steps: int, n_policies: int) -> Work:
