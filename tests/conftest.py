@@ -294,7 +294,7 @@ def runs(page) -> int:
     return page.evaluate("window.__kvviz.runs")
 
 
-def idle(page, after: int = 0, quiet_ms: int = 200) -> None:
+def idle(page, after: int = 0, quiet_ms: int = 400) -> None:
     """Wait until the app has run more than `after` times and is idle: no run is pending (every run the
     page asked for has started, and the last one finished rather than stopped for a rerun: an st.rerun
     or a page switch; PAGE_PROBE_JS), its script-run state is "notRunning", neither it nor the page
