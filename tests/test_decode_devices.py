@@ -256,8 +256,10 @@ FORMAT_SPECS = {
 @pytest.mark.parametrize("name", list(FORMAT_SPECS))
 def test_device_formats_are_the_numpy_reference(device, name):
     """kvviz.decode.devquant.quantize_tensor_torch against kvviz.quant.formats.quantize_tensor: bit for bit
-    on a CPU (the same float64 roundings); on a GPU the rotation's float32 product may differ by its
-    rounding and move a value one quantum of its block (a bound of 2 amax / 6 per value for FP4; llama.cpp's
+    on a CPU where nothing is rotated (the same float64 roundings); a rotation is a float32 product that
+    torch's and numpy's BLAS each sum in their own order (a processor's kernel picks it), so a rotated
+    value may differ by its rounding and move one quantum of its block, on a CPU (in at most 2% of the
+    tokens) as on a GPU (a bound of 2 amax / 6 per value for FP4; llama.cpp's
     blocks, whose own arithmetic is the same float32 operations: one step d of a block, at most amax / 8)."""
     from kvviz.decode.devquant import quantize_tensor_torch
     from kvviz.quant.formats import quantize_tensor
@@ -274,10 +276,16 @@ def test_device_formats_are_the_numpy_reference(device, name):
         for residual in (0, 7):
             ref = quantize_tensor(x, spec, which, residual)
             got = host(quantize_tensor_torch(torch.from_numpy(x).to(device), spec, which, residual))
-            if device == "cpu":
+            if device == "cpu" and spec.rotate == "none":
                 assert np.array_equal(ref.view(np.int32), got.view(np.int32)), (which, residual)
-            else:
-                assert np.abs(ref - got).max() <= np.abs(x).max() / 2
+                continue
+            # torch's and numpy's float32 rotation products sum in their own BLAS's order
+            assert np.abs(ref - got).max() <= np.abs(x).max() / 2, (which, residual)
+            if device == "cpu":
+                # a token's values agree to the float32 rounding of two 64-term products (64 eps of its
+                # largest value) except where one landed across a rounding boundary: rare, a few tokens
+                row = np.abs(ref - got).max(-1) / np.maximum(np.abs(x).max(-1), 1e-6)
+                assert (row > 64 * np.finfo(np.float32).eps).mean() <= 0.02, (which, residual, row.max())
     assert not np.array_equal(quantize_tensor(x, spec, "k", 0), x)     # the format did something
 
 
