@@ -89,11 +89,14 @@ dev: $(DEV_STAMP)
 run: venv
 	$(PY) -m kvviz.app.serve --server.address 127.0.0.1 --server.headless true --browser.gatherUsageStats false
 
+# PYTHONDONTWRITEBYTECODE (set on some machines, CI's among them) also stops pytest from caching its
+# assertion-rewritten test modules: every worker of every run then rewrites all of them again (~7 s of CPU
+# each on a 2-core machine). The caches go to the git-ignored __pycache__/ folders.
 test: dev
-	$(PY) -m pytest -q $(XDIST) --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q $(XDIST) --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
 
 test-fast: dev
-	$(PY) -m pytest -q $(XDIST) -m core --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q $(XDIST) -m core --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
 
 lint: dev
 	$(PY) -m ruff check kvviz
