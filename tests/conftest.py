@@ -235,13 +235,25 @@ const digest = (a) => { let s = 0, n = 0;
                         else if (x && typeof x !== 'string' && x.length !== undefined) for (const v of x) walk(v); };
   walk(a); return n ? `${n}:${Math.abs(s) < 1e-9 ? 0 : s.toPrecision(6)}` : ''; };
 
+// A chart's digest walks all its data (a heatmap's z: thousands of numbers), and sample() asks for it every
+// 100 ms and every frame the page changes: it is kept per drawn figure. Plotly builds a new _fullData array
+// on every draw (Plotly.react, restyle, an animation step: plots.supplyDefaults), so the same array is
+// the same drawn data; a chart not drawn yet (data only) is walked each time.
+const drawnDigests = new WeakMap();
+const chartDigest = (p) => {
+  const full = p._fullData, known = full && drawnDigests.get(full);
+  if (known !== undefined) return known;
+  const d = (full || p.data || []).map(t =>
+    `${t.name || ''}|${t.type || ''}|${digest(t.x)}|${digest(t.y)}|${digest(t.z)}`).join(' ; ');
+  if (full) drawnDigests.set(full, d);
+  return d;
+};
+
 function results(put) {
   document.querySelectorAll('[data-testid="stMetric"]').forEach(m =>
     put(`metric: ${txt(m.querySelector('[data-testid="stMetricLabel"]'))}`, txt(m.querySelector('[data-testid="stMetricValue"]'))));
   put('headings', Array.from(document.querySelectorAll('h1, h2, h3')).filter(outside).map(txt).join(' | '));
-  Array.from(document.querySelectorAll('.js-plotly-plot')).filter(outside).forEach((p, i) =>
-    put(`chart ${i}`, (p._fullData || p.data || []).map(t =>
-      `${t.name || ''}|${t.type || ''}|${digest(t.x)}|${digest(t.y)}|${digest(t.z)}`).join(' ; ')));
+  Array.from(document.querySelectorAll('.js-plotly-plot')).filter(outside).forEach((p, i) => put(`chart ${i}`, chartDigest(p)));
   if (window.__kvvizExtra) put('extra', Array.from(document.querySelectorAll(window.__kvvizExtra)).map(txt).join(' | '));
 }
 
