@@ -5,7 +5,7 @@ import io
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvviz import Spec, SpecError, View, compare, memory_for
@@ -21,6 +21,11 @@ def layer_mass(trace, spec, layer):
     return sum(r.metrics.mass_retained for r in c.members), c
 
 
+# Each example sweeps every budget of its trace (18 to 26 of them, two compares each), so a third of the
+# profile's examples (dev 50, ci 20) still checks 400 to 1,000 (trace, budget) pairs across the alphas,
+# sinks, windows and temperatures; the profile's full count took 13 s (issue #33). Both a cross-head
+# choice of the worst candidates and a safeguard one token short still fail it under `ci`.
+@settings(max_examples=max(10, settings.default.max_examples // 3))
 @given(seed=st.integers(0, 100_000), alpha=st.sampled_from([0.0, 0.2, 0.5, 1.0]), sink=st.integers(0, 3),
        recent=st.integers(1, 6), temp=st.floats(0.5, 4.0))
 def test_adakv_over_the_oracle_keeps_at_least_the_uniform_mass_at_every_budget(seed, alpha, sink, recent, temp):

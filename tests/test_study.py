@@ -264,8 +264,10 @@ budgets = [0.25]
 
 @pytest.mark.model
 def test_a_needle_study_gives_kvviz_needles_cells(tmp_path, monkeypatch):
+    from apptest_util import load_shared
+
     from kvviz.analysis import needle
-    from kvviz.models import bundled_model_file, load_model
+    from kvviz.models import bundled_model_file
 
     if bundled_model_file() is None:
         pytest.skip("the bundled model is not installed")
@@ -273,7 +275,7 @@ def test_a_needle_study_gives_kvviz_needles_cells(tmp_path, monkeypatch):
     report = run_study(parse_study(NEEDLE), tmp_path / "n")
     assert (report.cells, report.finished, report.failures) == (2, 2, [])
     rows = StudyDir(tmp_path / "n").rows()
-    model, tokenizer, _ = load_model("bundled")
+    model, tokenizer, _ = load_shared()          # the bundled model as this process's other tests loaded it
     grid = needle.run_grid(model, tokenizer, "bundled", needle.GridRequest(
         lengths=[320], depths=[0.0, 1.0], scorers=["streaming"], budgets=[0.25]))
     for r in rows.to_dict("records"):

@@ -19,8 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_a_module_with_its_own_fixture_is_one_xdist_group():
     pytest.importorskip("xdist")
+    # One worker is enough: the group suffix is written by each worker's collection under `--dist loadgroup`,
+    # whatever the number of workers; a second worker (a third Python importing the suite) cost 2 s of CPU.
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rA", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-n", "1", "--dist", "loadgroup", "-p", "no:cacheprovider",
          "tests/test_metrics.py", "-k", "no_compression_gives_zero_divergence or handbook_kl_is_minus_log"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
