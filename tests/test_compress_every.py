@@ -238,8 +238,12 @@ def test_real_run_pyramid_and_block_fallback(tiny):
 # --- the bundled model ------------------------------------------------------------------------------
 
 @pytest.mark.model
-def test_kvviz_eval_compress_every_16_differs_from_once(capsys):
+def test_kvviz_eval_compress_every_16_differs_from_once(capsys, monkeypatch):
+    from apptest_util import share_one_model_load
+
     from kvviz.cli import main
+
+    share_one_model_load(monkeypatch)      # both runs read the model this process loaded once
 
     argv = ["eval", "--scorer", "snapkv", "--sink", "4", "--recent", "16", "--heavy", "32", "--prompt-tokens", "96",
             "--continuation-tokens", "48", "--quiet", "--json"]

@@ -187,23 +187,32 @@ def test_missing_devices_and_out_of_memory_are_one_line():
     assert device_error(RuntimeError("shape mismatch")) is None
 
 
-@pytest.mark.model
-@pytest.mark.parametrize("dtype", HALF)
-def test_bundled_half_dtype_perplexity_is_float32s(dtype):
-    """The issue's target on the bundled model: a half-dtype run exits with finite metrics, and its
-    perplexity under the same spec is within 10% of float32's (measured: 0.1% for bfloat16)."""
+BUNDLED_SPEC = Spec(sink=4, recent=28, heavy=32, scorer="snapkv")
+
+
+@pytest.fixture(scope="module")
+def bundled_float32():
+    """The bundled model's float32 run under BUNDLED_SPEC, once for both half dtypes' tests."""
     from apptest_util import load_shared
 
     from kvviz.decode.quality import evaluate, reference, sample_text
+
+    m32, tok, _ = load_shared("bundled")
+    return tok, evaluate(m32, reference(m32, tok, sample_text(), 160, 64), BUNDLED_SPEC)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("dtype", HALF)
+def test_bundled_half_dtype_perplexity_is_float32s(bundled_float32, dtype):
+    """The issue's target on the bundled model: a half-dtype run exits with finite metrics, and its
+    perplexity under the same spec is within 10% of float32's (measured: 0.1% for bfloat16)."""
+    from kvviz.decode.quality import evaluate, reference, sample_text
     from kvviz.models import load_model
 
-    spec = Spec(sink=4, recent=28, heavy=32, scorer="snapkv")
-    text = sample_text()
-    m32, tok, _ = load_shared("bundled")
+    tok, q32 = bundled_float32
     mx, _, info = load_model("bundled", dtype=dtype)
     assert info.dtype == dtype and placement(mx)[1] == getattr(torch, dtype)
-    q32 = evaluate(m32, reference(m32, tok, text, 160, 64), spec)
-    qx = evaluate(mx, reference(mx, tok, text, 160, 64), spec)
+    qx = evaluate(mx, reference(mx, tok, sample_text(), 160, 64), BUNDLED_SPEC)
     assert np.isfinite([qx.perplexity, qx.perplexity_full, qx.kl_mean, qx.top1_agreement]).all()
     assert abs(qx.perplexity / q32.perplexity - 1) < 0.10
 

@@ -4,6 +4,7 @@ cache folder is detected, deleted and rebuilt, never loaded."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -29,14 +30,36 @@ def gguf(tmp_path, monkeypatch):
     return path
 
 
+@pytest.fixture
+def one_gguf_parse(monkeypatch):
+    """transformers parses the GGUF file anew for the tokenizer, the config and the weights (gguf's reader
+    walks the 49k-token vocabulary field by field in Python: seconds each on a slow CPU), and builds gguf's
+    tensor-name table again for each of the model's ~400 modules. Both are pure reads of the same file and
+    the same architecture: here they are made once (per test) and handed back, the conversion unchanged."""
+    gguf = pytest.importorskip("gguf")
+    readers = {}
+    reader = gguf.GGUFReader
+
+    def read_once(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = reader(path, *args, **kwargs)
+        return readers[key]
+
+    monkeypatch.setattr(gguf, "GGUFReader", read_once)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+    return readers
+
+
 def _logits(model, tokenizer):
     with torch.inference_mode():
         return model(input_ids=torch.tensor([tokenizer(TEXT)["input_ids"]])).logits
 
 
-def test_cached_weights_give_bit_identical_logits_and_corruption_is_rebuilt(gguf, monkeypatch):
+def test_cached_weights_give_bit_identical_logits_and_corruption_is_rebuilt(gguf, one_gguf_parse, monkeypatch):
     phases = []
     model, tokenizer, info = load_model("bundled", progress=lambda f, m: phases.append(m))
+    assert list(one_gguf_parse) and all(k[0] == str(gguf) for k in one_gguf_parse)    # converted from the file
     folder = weights_cache_folder(gguf, "float32")
     assert cached_weights_valid(folder, gguf, "float32")
     assert any("converting the GGUF weights" in m for m in phases)
@@ -58,10 +81,12 @@ def test_cached_weights_give_bit_identical_logits_and_corruption_is_rebuilt(gguf
     weights.write_bytes(bytes(data))
     assert not cached_weights_valid(folder, gguf, "float32")
     monkeypatch.setattr(models, "_load_plain", lambda *a, **k: pytest.fail("loaded a corrupt cache"))
-    # the conversion itself was timed above; here it hands back the model converted then
+    # the conversion itself was timed above; here it hands back the model and tokenizer converted then
     import transformers
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **k: model if "gguf_file" in k else pytest.fail("not a GGUF load"))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: tokenizer if "gguf_file" in k else pytest.fail("not a GGUF load"))
     phases.clear()
     rebuilt, rebuilt_tok, _ = load_model("bundled", progress=lambda f, m: phases.append(m))
     assert any("converting" in m for m in phases)
