@@ -22,9 +22,9 @@ transformers = pytest.importorskip("transformers")
 
 from kvviz.spec import Spec  # noqa: E402
 from kvviz import decode as gen  # noqa: E402
-from kvviz.decode.cache import CompressedCache
-from kvviz.decode.loop import decode, masked_reference_logits, plain_decode
-from kvviz.decode.quality import evaluate, first_divergence, reference, side_by_side
+from kvviz.decode.cache import CompressedCache  # noqa: E402
+from kvviz.decode.loop import decode, masked_reference_logits, plain_decode  # noqa: E402
+from kvviz.decode.quality import evaluate, first_divergence, reference, side_by_side  # noqa: E402
 from kvviz.policies import ScoreContext, get_policy  # noqa: E402
 from kvviz.quant import quantize  # noqa: E402
 from kvviz.spec import SpecError  # noqa: E402
