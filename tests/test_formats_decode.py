@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvviz.spec import Spec  # noqa: E402
-from kvviz.decode.cache import CompressedCache
-from kvviz.decode.loop import decode
+from kvviz.decode.cache import CompressedCache  # noqa: E402
+from kvviz.decode.loop import decode  # noqa: E402
 from kvviz.decode.quality import evaluate, reference  # noqa: E402
 from kvviz.quant.formats import quantize_tensor, residual_at  # noqa: E402
 

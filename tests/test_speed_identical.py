@@ -73,7 +73,6 @@ def scorer_settings(scorer: str) -> list[dict]:
 
 def cases():
     """(label, trace name, spec) for every scorer x setting x budget x allocation the spec allows."""
-    from kvviz.spec import SpecError
     out = []
     for name in ("gqa4", "gqa2", "rope", "handbook"):
         for scorer in SCORERS:
