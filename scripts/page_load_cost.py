@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""What one page load costs, page by page, as the browser tests open a page (issue 33, item 6).
+
+Starts the app as the browser tests do (`streamlit run app.py` on a free port, tests/conftest.py) and opens
+each of the seven pages in a new page of one Chromium context (Debian's /usr/bin/chromium through
+Playwright), with the tests' page probe, waiting as they wait (tests/conftest.py's `idle`). The first load
+of each page warms the server's caches and is not counted; the median of the next `--loads` is printed:
+
+- wall: seconds from `goto` until the app is idle;
+- CPU: seconds of processor time spent meanwhile by Chromium's processes (the renderer alone beside it)
+  and by the app server;
+- script: the renderer's JavaScript time (CDP Performance.getMetrics ScriptDuration, Streamlit's
+  frontend and plotly.js).
+
+Then the cost of the live-link tests' fresh pages (tests/test_browser.py: after every single move the
+address bar's link is opened in a new page, issue 21): the number of moves per page counted from the
+test source times that page's CPU per load (a lower bound: the pages as first opened, before the moves
+add results to them), and what that is on this machine's cores.
+
+    .venv/bin/python scripts/page_load_cost.py            # --loads 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from conftest import CHROMIUM, CHROMIUM_ARGS, PAGE_PROBE_JS, TIMEOUT, idle, serve_app  # noqa: E402
+
+# (page path, the live-link test that starts there)
+PAGES = [("", "test_explorer_link_follows_every_single_interaction"),
+         ("trade-offs", "test_tradeoffs_link_follows_every_single_interaction"),
+         ("concentration", "test_concentration_link_follows_every_single_interaction"),
+         ("decode-timeline", "test_decode_timeline_link_follows_every_single_interaction"),
+         ("model-lab", "test_model_lab_link_follows_every_single_interaction"),
+         ("needle-test", "test_needle_link_follows_every_single_interaction"),
+         ("studies", "test_studies_link_follows_every_single_interaction")]
+
+
+def moves_per_test() -> dict[str, int]:
+    """`live.act(...)` calls per live-link test in tests/test_browser.py: each opens its link in a new page."""
+    tree = ast.parse((ROOT / "tests" / "test_browser.py").read_text())
+    return {f.name: sum(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "act"
+                        for n in ast.walk(f))
+            for f in tree.body if isinstance(f, ast.FunctionDef)}
+
+
+def cpu_seconds(procs) -> dict[str, float]:
+    """Processor seconds so far of the Chromium processes (all, and the renderers) and of the server."""
+    out = {"chromium": 0.0, "renderer": 0.0, "server": 0.0}
+    for kind, proc in procs:
+        try:
+            t = proc.cpu_times()
+            out[kind] += t.user + t.system
+            if kind == "chromium" and "--type=renderer" in proc.cmdline():
+                out["renderer"] += t.user + t.system
+        except psutil.Error:       # a renderer that exited meanwhile
+            pass
+    return out
+
+
+def processes(server_port: int):
+    me = psutil.Process()
+    found = []
+    for proc in me.children(recursive=True):
+        try:
+            line = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        if f"--server.port {server_port}" in line:
+            found.append(("server", proc))
+        elif "chrom" in proc.name() or "chromium" in line.split(" ", 1)[0]:
+            found.append(("chromium", proc))
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--loads", type=int, default=3, help="loads counted per page (after one warm-up load)")
+    args = parser.parse_args()
+    from playwright.sync_api import sync_playwright
+
+    os.environ.setdefault("KVVIZ_WARMUP", "0")
+    rows = {}
+    with serve_app(ROOT / "test-artifacts" / "page-load-cost-server.log") as url, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        context.add_init_script(PAGE_PROBE_JS)
+        port = int(url.rsplit(":", 1)[1])
+        for path, _ in PAGES:
+            found = []
+            for i in range(args.loads + 1):
+                page = context.new_page()
+                page.set_default_timeout(TIMEOUT)
+                cdp = context.new_cdp_session(page)
+                cdp.send("Performance.enable")
+                procs = processes(port)
+                before, start = cpu_seconds(procs), time.perf_counter()
+                page.goto(f"{url}/{path}")
+                idle(page)
+                wall = time.perf_counter() - start
+                seen = {proc.pid for _, proc in procs}     # and the renderer the new page started
+                after = cpu_seconds(procs + [(k, q) for k, q in processes(port) if q.pid not in seen])
+                metrics = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
+                page.close()
+                if i:
+                    found.append((wall, after["chromium"] - before["chromium"], after["renderer"] - before["renderer"],
+                                  after["server"] - before["server"], metrics.get("ScriptDuration", 0.0)))
+            rows[path] = [statistics.median(c) for c in zip(*found)]
+        browser.close()
+
+    print(f"{'page':16} {'wall s':>7} {'Chromium CPU s':>15} {'renderer':>9} {'server CPU s':>13} {'script s':>9}")
+    for path, (wall, chromium, renderer, server, script) in rows.items():
+        print(f"{path or 'explorer':16} {wall:7.2f} {chromium:15.2f} {renderer:9.2f} {server:13.2f} {script:9.2f}")
+
+    moves, total, loads = moves_per_test(), 0.0, 0
+    for path, test in PAGES:
+        n = moves.get(test, 0) + 1                 # the moves' links and the page's own first load
+        total += n * (rows[path][1] + rows[path][3])
+        loads += n
+    cores = os.cpu_count() or 1
+    print(f"live-link tests: {loads} page loads, at least {total:.0f} CPU-s of Chromium and server = "
+          f"{total / cores:.0f} s of this machine's {cores} cores fully busy")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
