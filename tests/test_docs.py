@@ -16,7 +16,7 @@ An HTML comment on the line just before the opening fence (or just after the clo
 skips few); `<!-- docs-test: model -->` (or `ray`, comma-separated) runs it under those pytest markers, so
 `make test` runs it and `make test-fast` (`-m core`) does not; `slow` marks a block of minutes (a decode
 loop, a model study, the full handbook lesson), which runs only when KVVIZ_DOCS_SLOW=1 is set, so that
-the suite keeps its 5-minute target: `KVVIZ_DOCS_SLOW=1 pytest tests/test_docs.py` runs every block.
+the suite does not grow by minutes: `KVVIZ_DOCS_SLOW=1 pytest tests/test_docs.py` runs every block.
 
 Each block runs in a new empty folder holding links to the repository's files (`examples/...`,
 `kvviz/data/sample.txt` resolve; what a command writes stays out of the checkout), where `kvviz`,
