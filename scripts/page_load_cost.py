@@ -2,8 +2,8 @@
 """What one page load costs, page by page, as the browser tests open a page (issue 33, item 6).
 
 Starts the app as the browser tests do (`streamlit run app.py` on a free port, tests/conftest.py) and opens
-each of the seven pages in a new page of one Chromium context (Debian's /usr/bin/chromium through
-Playwright), with the tests' page probe, waiting as they wait (tests/conftest.py's `idle`). The first load
+each page a live-link test starts on (all seven) in a new page of one Chromium context (Debian's
+/usr/bin/chromium through Playwright), with the tests' page probe, waiting as they wait (tests/conftest.py's `idle`). The first load
 of each page warms the server's caches and is not counted; the median of the next `--loads` is printed:
 
 - wall: seconds from `goto` until the app is idle;
@@ -36,22 +36,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from conftest import CHROMIUM, CHROMIUM_ARGS, PAGE_PROBE_JS, TIMEOUT, idle, serve_app  # noqa: E402
 
-# (page path, the live-link test that starts there)
-PAGES = [("", "test_explorer_link_follows_every_single_interaction"),
-         ("trade-offs", "test_tradeoffs_link_follows_every_single_interaction"),
-         ("concentration", "test_concentration_link_follows_every_single_interaction"),
-         ("decode-timeline", "test_decode_timeline_link_follows_every_single_interaction"),
-         ("model-lab", "test_model_lab_link_follows_every_single_interaction"),
-         ("needle-test", "test_needle_link_follows_every_single_interaction"),
-         ("studies", "test_studies_link_follows_every_single_interaction")]
-
-
-def moves_per_test() -> dict[str, int]:
-    """`live.act(...)` calls per live-link test in tests/test_browser.py: each opens its link in a new page."""
-    tree = ast.parse((ROOT / "tests" / "test_browser.py").read_text())
-    return {f.name: sum(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "act"
-                        for n in ast.walk(f))
-            for f in tree.body if isinstance(f, ast.FunctionDef)}
+def live_link_moves() -> dict[str, int]:
+    """Page path -> `live.act(...)` calls of the live-link test that starts there, read from
+    tests/test_browser.py: each test opens `LiveLink(page, f"{app_url}/PATH")` and each move opens its link
+    in a new page. Read from the source so a renamed or added test cannot be left out."""
+    found = {}
+    for f in ast.parse((ROOT / "tests" / "test_browser.py").read_text()).body:
+        if not isinstance(f, ast.FunctionDef):
+            continue
+        calls = [n for n in ast.walk(f) if isinstance(n, ast.Call)]
+        start = next((c for c in calls if isinstance(c.func, ast.Name) and c.func.id == "LiveLink"), None)
+        if start is None:
+            continue
+        url = start.args[1]     # app_url, or f"{app_url}/PATH"
+        path = url.values[-1].value.lstrip("/") if isinstance(url, ast.JoinedStr) and len(url.values) > 1 else ""
+        found[path] = sum(isinstance(c.func, ast.Attribute) and c.func.attr == "act" for c in calls)
+    return found
 
 
 def cpu_seconds(procs) -> dict[str, float]:
@@ -96,7 +96,8 @@ def main() -> int:
         context = browser.new_context(viewport={"width": 1400, "height": 1000})
         context.add_init_script(PAGE_PROBE_JS)
         port = int(url.rsplit(":", 1)[1])
-        for path, _ in PAGES:
+        moves = live_link_moves()
+        for path in moves:
             found = []
             for i in range(args.loads + 1):
                 page = context.new_page()
@@ -122,9 +123,9 @@ def main() -> int:
     for path, (wall, chromium, renderer, server, script) in rows.items():
         print(f"{path or 'explorer':16} {wall:7.2f} {chromium:15.2f} {renderer:9.2f} {server:13.2f} {script:9.2f}")
 
-    moves, total, loads = moves_per_test(), 0.0, 0
-    for path, test in PAGES:
-        n = moves.get(test, 0) + 1                 # the moves' links and the page's own first load
+    total, loads = 0.0, 0
+    for path, n_moves in moves.items():
+        n = n_moves + 1                            # the moves' links and the page's own first load
         total += n * (rows[path][1] + rows[path][3])
         loads += n
     cores = os.cpu_count() or 1
