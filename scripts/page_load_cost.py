@@ -3,8 +3,9 @@
 
 Starts the app as the browser tests do (`streamlit run app.py` on a free port, tests/conftest.py) and opens
 each page a live-link test starts on (all seven) in a new page of one Chromium context (Debian's
-/usr/bin/chromium through Playwright), with the tests' page probe, waiting as they wait (tests/conftest.py's `idle`). The first load
-of each page warms the server's caches and is not counted; the median of the next `--loads` is printed:
+/usr/bin/chromium through Playwright), with the tests' page probe, waiting as they wait (tests/conftest.py's
+`idle`). The first load of each page warms the server's caches and is not counted; the median of the next
+`--loads` is printed:
 
 - wall: seconds from `goto` until the app is idle;
 - CPU: seconds of processor time spent meanwhile by Chromium's processes (the renderer alone beside it)
