@@ -30,12 +30,24 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from conftest import CHROMIUM, CHROMIUM_ARGS, PAGE_PROBE_JS, TIMEOUT, idle, serve_app  # noqa: E402
+
+
+class Load(NamedTuple):
+    """One page load: wall seconds, processor seconds (Chromium, its renderers among them, the server) and
+    the renderer's script seconds."""
+    wall: float
+    chromium: float
+    renderer: float
+    server: float
+    script: float
+
 
 def live_link_moves() -> dict[str, int]:
     """Page path -> `live.act(...)` calls of the live-link test that starts there, read from
@@ -61,15 +73,17 @@ def cpu_seconds(procs) -> dict[str, float]:
     for kind, proc in procs:
         try:
             t = proc.cpu_times()
-            out[kind] += t.user + t.system
-            if kind == "chromium" and "--type=renderer" in proc.cmdline():
-                out["renderer"] += t.user + t.system
         except psutil.Error:       # a renderer that exited meanwhile
-            pass
+            continue
+        out[kind] += t.user + t.system
+        if kind == "renderer":     # a Chromium process too
+            out["chromium"] += t.user + t.system
     return out
 
 
-def processes(server_port: int):
+def processes(server_port: int) -> list[tuple[str, psutil.Process]]:
+    """This process's descendants by kind: the app server on `server_port`, Chromium's renderers, and
+    Chromium's other processes (each command line read once, here)."""
     me = psutil.Process()
     found = []
     for proc in me.children(recursive=True):
@@ -80,7 +94,7 @@ def processes(server_port: int):
         if f"--server.port {server_port}" in line:
             found.append(("server", proc))
         elif "chrom" in proc.name() or "chromium" in line.split(" ", 1)[0]:
-            found.append(("chromium", proc))
+            found.append(("renderer" if "--type=renderer" in line else "chromium", proc))
     return found
 
 
@@ -115,9 +129,9 @@ def main() -> int:
                 metrics = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
                 page.close()
                 if i:
-                    found.append((wall, after["chromium"] - before["chromium"], after["renderer"] - before["renderer"],
-                                  after["server"] - before["server"], metrics.get("ScriptDuration", 0.0)))
-            rows[path] = [statistics.median(c) for c in zip(*found)]
+                    found.append(Load(wall, after["chromium"] - before["chromium"], after["renderer"] - before["renderer"],
+                                      after["server"] - before["server"], metrics.get("ScriptDuration", 0.0)))
+            rows[path] = Load(*(statistics.median(c) for c in zip(*found)))
         browser.close()
 
     print(f"{'page':16} {'wall s':>7} {'Chromium CPU s':>15} {'renderer':>9} {'server CPU s':>13} {'script s':>9}")
@@ -127,7 +141,7 @@ def main() -> int:
     total, loads = 0.0, 0
     for path, n_moves in moves.items():
         n = n_moves + 1                            # the moves' links and the page's own first load
-        total += n * (rows[path][1] + rows[path][3])
+        total += n * (rows[path].chromium + rows[path].server)
         loads += n
     cores = os.cpu_count() or 1
     print(f"live-link tests: {loads} page loads, at least {total:.0f} CPU-s of Chromium and server = "
