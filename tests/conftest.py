@@ -439,30 +439,24 @@ def _module_fixture(item) -> bool:
 # lightest group. Measured with both workers of a 2-core machine busy (load average 15-20: the
 # proportions count, not the seconds). A browser test not named here weighs BROWSER_UNKNOWN.
 BROWSER_SECONDS = {
-    "test_model_lab_cancel_stops_the_run_and_keeps_the_previous_results": 112,
-    "test_explorer_link_follows_every_single_interaction": 109,
-    "test_decode_timeline_link_follows_every_single_interaction": 82,
-    "test_tradeoffs_link_follows_every_single_interaction": 75,
-    "test_needle_link_follows_every_single_interaction": 68,
-    "test_concentration_link_follows_every_single_interaction": 61,
-    "test_studies_link_follows_every_single_interaction": 60,
-    "test_model_lab_link_follows_every_single_interaction": 53,
-    "test_explorer_slider_moves_metric": 23,
-    "test_address_bar_follows_each_single_interaction_on_the_explorer": 18,
-    "test_address_bar_follows_a_single_interaction_on_every_page": 17,      # each case
-    "test_a_fresh_server_opens_a_page_link_as_that_page": 17,               # each case
-    "test_needle_page_opens_on_the_shipped_grid_and_a_click_opens_a_cell": 16,
-    "test_a_page_link_clicked_before_the_first_paint_report_is_followed": 16,
-    "test_every_page_loads": 13,                                            # each case
-    "test_the_huge_link_gives_a_notice_on_every_page_and_the_server_stays_small": 12,   # each case
-    "test_shared_url_reproduces_state": 10,
-    "test_clicking_a_trade_off_point_opens_it_in_the_explorer": 10,
-    "test_projector_1024x768_clips_nothing": 8,                             # each case
-    "test_the_first_paint_shows_the_cards_and_frames_where_the_charts_come": 8,
-    "test_presentation_mode_puts_the_lesson_above_the_fold": 8,
+    "test_model_lab_cancel_stops_the_run_and_keeps_the_previous_results": 37,
+    "test_explorer_link_follows_every_single_interaction": 32,
+    "test_decode_timeline_link_follows_every_single_interaction": 25,
+    "test_needle_link_follows_every_single_interaction": 23,
+    "test_tradeoffs_link_follows_every_single_interaction": 22,
+    "test_model_lab_link_follows_every_single_interaction": 18,
+    "test_concentration_link_follows_every_single_interaction": 17,
+    "test_studies_link_follows_every_single_interaction": 17,
+    "test_the_explorer_paints_fits_a_projector_and_follows_each_slider_move": 12,
+    "test_a_fresh_server_opens_a_page_link_as_that_page": 10,               # each case
+    "test_shared_url_reproduces_state": 9,
+    "test_a_page_link_clicked_before_the_first_paint_report_is_followed": 9,
+    "test_every_page_opens_from_the_explorer_fits_a_projector_and_links_its_first_move": 8,   # each case
+    "test_the_huge_link_gives_a_notice_on_every_page_and_the_server_stays_small": 5,   # each case
+    "test_presentation_mode_puts_the_lesson_above_the_fold": 5,
     "test_out_of_range_link_shows_notice": 3,
-    "test_layout_browser": 60, "test_lecture_browser": 25, "test_study_browser": 21,    # whole modules
-    "test_needle_browser": 19, "test_lesson_browser": 20,
+    "test_layout_browser": 30, "test_study_browser": 12, "test_lecture_browser": 10,    # whole modules
+    "test_zoom_browser": 10, "test_needle_browser": 9, "test_lesson_browser": 8,
 }
 BROWSER_UNKNOWN = 15
 

@@ -48,31 +48,6 @@ def no_console_errors(page):
     assert page.errors == [], "browser console errors:\n" + "\n".join(page.errors)
 
 
-def test_explorer_slider_moves_metric(page, app_url):
-    page.set_viewport_size({"width": 1400, "height": 2200})
-    page.goto(app_url)
-    e = expect()
-    e(metric(page, "Attention mass retained")).to_have_text("62.9%")
-    e(page.get_by_text("0-3, 15, 28, 56-63")).to_be_visible()
-    e(page.locator(".js-plotly-plot:visible")).to_have_count(2)   # the expanders' charts stay folded
-    idle(page)
-    shot(page, "explorer")
-    if os.environ.get("KVVIZ_UPDATE_SCREENSHOT") == "1":
-        page.screenshot(path=str(ROOT / "docs" / "explorer.png"), clip={"x": 0, "y": 0, "width": 1400, "height": 1720})
-
-    thumb = slider_thumb(page, "Heavy-hitter budget")
-    e(thumb).to_have_value("2")
-    thumb.focus()
-    for heavy in (3, 4, 5):  # one key at a time: each press reruns the app and the card follows
-        thumb.press("ArrowRight")
-        e(thumb).to_have_value(str(heavy))
-        e(metric(page, "Tokens kept")).to_have_text(f"{12 + heavy} / 64")
-    expected = compare(handbook_trace(), Spec(sink=4, recent=8, heavy=5), View(ensemble="seeds", ensemble_size=8))
-    e(metric(page, "Attention mass retained")).to_have_text(card_values(expected.metrics)["Attention mass retained"])
-    e(page).to_have_url(re.compile(r"[?&]heavy=5"))
-    no_console_errors(page)
-
-
 FIRST_SEEN_JS = """
 window.__firstSeen = {};
 new MutationObserver(() => {
@@ -86,23 +61,6 @@ new MutationObserver(() => {
   if (!seen.chart && document.querySelector('.js-plotly-plot .main-svg')) seen.chart = now;
 }).observe(document, {subtree: true, childList: true});
 """.replace("WAITING", WAITING)
-
-
-def test_the_first_paint_shows_the_cards_and_frames_where_the_charts_come(page, app_url):
-    """A fresh session's page is painted before its charts (kvviz.app.charts): the metric cards come with
-    a frame in each chart's place and no chart; the charts replace the frames after the browser's report,
-    each as tall as its frame, so nothing below them jumps."""
-    page.add_init_script(FIRST_SEEN_JS)
-    page.set_viewport_size({"width": 1400, "height": 2200})
-    page.goto(app_url)
-    idle(page)
-    seen = page.evaluate("window.__firstSeen")
-    assert seen["frames"] <= seen["metric"] < seen["chart"], seen
-    charts = page.locator('[data-testid="stPlotlyChart"]:visible')
-    assert charts.count() == 2 and page.locator(f'[class*="st-key-{WAITING}"]').count() == 0
-    heights = [round(charts.nth(i).bounding_box()["height"]) for i in range(2)]
-    assert all(abs(h - f) <= 0.05 * f for h, f in zip(heights, seen["frameHeights"])), (heights, seen)
-    no_console_errors(page)
 
 
 def test_shared_url_reproduces_state(page, app_url):
@@ -127,26 +85,6 @@ def test_out_of_range_link_shows_notice(page, app_url):
     e = expect()
     e(page.get_by_text("Some settings were adjusted")).to_be_visible()
     e(slider_thumb(page, "Sink tokens")).to_have_value("64")
-    no_console_errors(page)
-
-
-@pytest.mark.parametrize("name, marker", [("Trade-offs", "Error vs memory for every policy"),
-                                          ("Concentration", "Top x% of tokens hold"),
-                                          ("Model lab", None),
-                                          ("Decode timeline", "Regret per step"),
-                                          ("Needle test", "needle depth")])
-def test_every_page_loads(page, app_url, name, marker):
-    page.set_viewport_size({"width": 1400, "height": 2000})
-    page.goto(f"{app_url}/?sink=3")
-    e = expect()
-    e(metric(page, "Tokens kept")).to_have_text("13 / 64")
-    page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=name).click()
-    e(page.get_by_role("heading", name=re.compile(name)).first).to_be_visible()
-    if marker:  # the Model lab waits for a click before it loads a model
-        e(page.locator(".js-plotly-plot").filter(has_text=marker).first).to_be_visible()
-    e(page).to_have_url(re.compile(r"[?&]sink=3"))  # the settings travel with the page
-    idle(page)
-    shot(page, name.lower())
     no_console_errors(page)
 
 
@@ -210,62 +148,6 @@ def wait_for_address(page, expected: dict) -> None:
     assert address(page) == expected
 
 
-def test_address_bar_follows_each_single_interaction_on_the_explorer(page, app_url):
-    """A copied link must reproduce the view on screen after every move, not the previous one."""
-    page.set_viewport_size({"width": 1400, "height": 1600})
-    page.goto(app_url)
-    e = expect()
-    e(metric(page, "Tokens kept")).to_have_text("14 / 64")
-    expected = {}
-    moves = [("Heavy-hitter budget", "ArrowRight", "heavy", "3"), ("Quantization bits", "ArrowLeft", "bits", "8"),
-             ("Sink tokens", "ArrowRight", "sink", "5"), ("Recent window", "ArrowLeft", "recent", "7")]
-    for label, key, name, value in moves:
-        thumb = slider_thumb(page, label)
-        thumb.focus()
-        thumb.press(key)
-        expected[name] = value
-        wait_for_address(page, expected)
-        shown = compare(handbook_trace(), Spec(sink=int(expected.get("sink", 4)), recent=int(expected.get("recent", 8)),
-                                               heavy=int(expected.get("heavy", 2)), key_bits=int(expected.get("bits", 16)),
-                                               value_bits=int(expected.get("bits", 16)), partial="quantize"),
-                        View(ensemble="seeds", ensemble_size=8))
-        e(metric(page, "Tokens kept")).to_have_text(card_values(shown.metrics)["Tokens kept"])
-        e(metric(page, "TV distance")).to_have_text(card_values(shown.metrics)["TV distance"])
-    # switching the source writes the source, never a stray step=0 (one rule for defaults)
-    page.locator('[data-testid="stSidebar"]').get_by_text("Synthetic pattern", exact=True).click()
-    wait_for_address(page, {**expected, "source": "synthetic"})
-    no_console_errors(page)
-
-
-@pytest.mark.parametrize("name, start, act, expected", [
-    ("Trade-offs", "Error vs memory for every policy",
-     lambda page: page.get_by_text("Jensen–Shannon", exact=True).click(), {"metric": "js"}),
-    ("Concentration", "Top x% of tokens hold",
-     lambda page: (slider_thumb(page, "Locality").focus(), slider_thumb(page, "Locality").press("ArrowRight")),
-     {"window": "17"}),
-    ("Decode timeline", "Regret per step",
-     lambda page: (slider_thumb(page, "Decode step").focus(), slider_thumb(page, "Decode step").press("ArrowRight")),
-     {"tl_step": "1"}),
-    ("Model lab", None,
-     lambda page: page.get_by_text("Bakery story (built-in)", exact=True).click(), {"lab_text": "bakery"}),
-])
-def test_address_bar_follows_a_single_interaction_on_every_page(page, app_url, name, start, act, expected):
-    page.set_viewport_size({"width": 1400, "height": 1600})
-    page.goto(app_url)
-    e = expect()
-    e(metric(page, "Tokens kept")).to_have_text("14 / 64")
-    page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=name).click()
-    if start:
-        e(page.locator(".js-plotly-plot").first).to_contain_text(start)
-    else:
-        e(page.get_by_role("button", name="Run the model")).to_be_visible()
-    idle(page)
-    assert address(page) == {}
-    act(page)
-    wait_for_address(page, expected)
-    no_console_errors(page)
-
-
 @pytest.mark.parametrize("launcher", [False, True], ids=["streamlit run app.py", "make run"])
 def test_a_fresh_server_opens_a_page_link_as_that_page(page, launcher):
     """The first request of a freshly started server is a link to a page: it shows that page with the
@@ -293,32 +175,38 @@ def test_a_fresh_server_opens_a_page_link_as_that_page(page, launcher):
 # --- a live link after every single interaction, on every page (issue 21) ---------------------------
 
 class LiveLink:
-    """Drives one page through single interactions. After each, once the app is idle: the address bar
-    must have held the new link by the time the page first showed the new results (a link written at
-    the end of the run lags the screen), and the link opened in a new page must show the same view
-    (widget values, metrics, headings, charts) and stay as it is. That second page (one, reused: each
-    link is a fresh session) opens a move's link while the next interaction runs; its check comes before
-    the next link is opened, and done() checks the last one."""
+    """Drives one page through single interactions, checking the address bar after each in the same page,
+    and the last link in a fresh page once.
+
+    After each move, once the app is idle: the page shows something new; the address bar holds exactly the
+    link the move should leave (`link`: the parameters the move sets, and None for one it removes;
+    every other parameter as it was); and it held that link by the time the page first showed the
+    move's new results (a link written at the end of the run lags the screen). Reading the address bar
+    costs nothing; opening a link costs a page load (a fresh session: Streamlit's frontend and plotly.js,
+    2-5 CPU-s on a 2-core machine). So done() opens only the link the last move left, in a new page, which
+    must show the same view (widget values, metrics, headings, charts) and keep the link as it is; that
+    every parameter a link can carry restores its view is checked without a browser, page by page
+    (tests/test_app_links.py)."""
 
     def __init__(self, page, url: str, extra: str | None = None):
         self.page, self.moves = page, 0
         page.set_default_timeout(TIMEOUT)
         page.set_viewport_size({"width": 1400, "height": 1800})
         self.extra = extra
-        self.fresh, self.opened = None, None     # the second page; the move whose link it is opening
         page.goto(url)
         self.mark(page)
         idle(page)
         assert address(page) == query(url), "a link must open unchanged (defaults stay out of the URL)"
-        self.shown = view(page)
+        self.shown, self.link = view(page), query(url)
 
     def mark(self, page) -> None:
         if self.extra:
             page.evaluate("(selector) => { window.__kvvizExtra = selector; }", self.extra)
 
-    def act(self, what: str, interaction, ready=None) -> None:
-        """One interaction; `ready(page)`: a locator that is visible once the view it leads to is drawn
-        (a page switch: the new page's results), waited for before the app counts as idle."""
+    def act(self, what: str, interaction, link: dict, ready=None) -> None:
+        """One interaction and the link it must leave (see the class); `ready(page)`: a locator that is
+        visible once the view it leads to is drawn (a page switch: the new page's results), waited for
+        before the app counts as idle."""
         page, before = self.page, runs(self.page)
         first_sample = page.evaluate("window.__kvviz.samples.length")
         headline_before = page.evaluate("window.__kvvizHeadline()")
@@ -328,45 +216,40 @@ class LiveLink:
         idle(page, after=before)
         self.moves += 1
         where = f"move {self.moves} ({what})"
-        shown, link = view(page), page.url
+        shown, url = view(page), page.url
         assert shown != self.shown, f"{where} changed nothing on the page"
-        assert page.evaluate("location.href") == link
+        assert page.evaluate("location.href") == url
+        got = query(url)
+        want = {k: v for k, v in {**self.link, **link}.items() if v is not None}
+        assert got == want, f"{where}: the address bar holds {got}, the move should leave {want}"
         headline, samples = page.evaluate("[window.__kvvizHeadline(), window.__kvviz.samples]")
         if headline != headline_before:     # the results changed: when did the address bar follow?
             seen = next(q for h, q, _ in samples[first_sample:] if h == headline)
-            assert seen == "?" * bool(query(link)) + urlparse(link).query, (
+            assert seen == "?" * bool(got) + urlparse(url).query, (
                 f"{where}: the page showed the new results while the address bar still held '{seen}' "
-                f"(it became '?{urlparse(link).query}' later)")
-        self.check()                        # the previous move's link, opened meanwhile
-        if self.fresh is None:
-            self.fresh = page.context.new_page()
-            self.fresh.set_default_timeout(TIMEOUT)
-        self.fresh.goto(link, wait_until="commit")
-        self.opened = (where, link, shown)
-        page.bring_to_front()
-        self.shown = shown
-
-    def check(self) -> None:
-        """The link last opened in the second page shows the view the page showed, and stays as it is."""
-        if self.opened is None:
-            return
-        (where, link, shown), fresh, self.opened = self.opened, self.fresh, None
-        fresh.wait_for_load_state()
-        self.mark(fresh)
-        idle(fresh)
-        again, reopened = view(fresh), fresh.url
-        if again != shown:   # for the record: the page from the link (the page's view is in the message)
-            shot(fresh, f"link-{where.split(' (')[0].replace(' ', '-')}-from-link")
-        diff = {k: (shown.get(k), again.get(k)) for k in sorted(set(shown) | set(again)) if shown.get(k) != again.get(k)}
-        assert not diff, f"{where}: the link {link} opens another view; (on the page, from the link): {diff}"
-        assert query(reopened) == query(link), f"{where}: opening {link} rewrote it to {reopened}"
+                f"(it became '?{urlparse(url).query}' later)")
+        self.shown, self.link = shown, got
 
     def done(self) -> None:
-        """Check the last move's link and close the second page."""
-        self.check()
-        if self.fresh is not None:
-            self.fresh.close()
-            self.fresh = None
+        """The last move's link, opened in a new page, shows the view the page shows and stays as it is."""
+        page, link, shown = self.page, self.page.url, self.shown
+        fresh = page.context.new_page()
+        try:
+            fresh.set_default_timeout(TIMEOUT)
+            fresh.goto(link)
+            self.mark(fresh)
+            idle(fresh)
+            again, reopened = view(fresh), fresh.url
+            if again != shown:   # for the record: the page from the link (the page's view is in the message)
+                shot(fresh, "link-after-the-last-move-from-link")
+            diff = {k: (shown.get(k), again.get(k)) for k in sorted(set(shown) | set(again))
+                    if shown.get(k) != again.get(k)}
+            assert not diff, f"after {self.moves} moves, the link {link} opens another view; (on the page, " \
+                             f"from the link): {diff}"
+            assert query(reopened) == query(link), f"opening {link} rewrote it to {reopened}"
+        finally:
+            fresh.close()
+            page.bring_to_front()
 
 
 def query(url: str) -> dict:
@@ -552,37 +435,40 @@ def unfold(page, title: str) -> None:
 
 def test_explorer_link_follows_every_single_interaction(page, app_url):
     live = LiveLink(page, app_url)
-    live.act("bits slider, keyboard (the first move)", key("Quantization bits", "ArrowLeft"))
-    live.act("heavy-hitter number box", number("Heavy-hitter budget (tokens)", 5))
-    live.act("error bars radio", radio("Error bars show", "95% CI of the mean"))
-    live.act("error bars select box", select("Error bars over", "none (one row)"))
-    live.act("y-axis lock toggle", tick("Lock the charts' y-axes"))
-    live.act("preset button", press("StreamingLLM"))
-    live.act("sink slider, keyboard", key("Sink tokens", "ArrowRight", "ArrowRight"))
-    live.act("pin button", press("Pin this setting as A"))
+    live.act("bits slider, keyboard (the first move)", key("Quantization bits", "ArrowLeft"), {"bits": "8"})
+    live.act("heavy-hitter number box", number("Heavy-hitter budget (tokens)", 5), {"heavy": "5"})
+    live.act("error bars radio", radio("Error bars show", "95% CI of the mean"), {"bars": "ci95"})
+    live.act("error bars select box", select("Error bars over", "none (one row)"), {"ensemble": "none"})
+    live.act("y-axis lock toggle", tick("Lock the charts' y-axes"), {"ylock": "0.1", "alock": "0.2"})
+    live.act("preset button", press("StreamingLLM"),
+             {"recent": "10", "heavy": "0", "bits": None, "scorer": "streaming"})
+    live.act("sink slider, keyboard", key("Sink tokens", "ArrowRight", "ArrowRight"), {"sink": "6"})
+    live.act("pin button", press("Pin this setting as A"), {"pin": "sink:6,recent:10,heavy:0,scorer:streaming"})
     unfold(page, "Find the smallest cache for a target")
-    live.act("Find and apply", press("Find and apply"))
+    live.act("Find and apply", press("Find and apply"), {"recent": "55", "sink": None})
     unfold(page, "Advanced")
-    live.act("checkbox", tick("Separate key and value bits"))
-    live.act("scorer select box", select("Heavy-hitter scorer", "TOVA (last query)"))
-    live.act("source radio", radio("Attention source", "Synthetic pattern"))
-    live.act("layer number box", number("Layer", 1))
+    live.act("checkbox", tick("Separate key and value bits"), {"split": "1"})
+    live.act("scorer select box", select("Heavy-hitter scorer", "TOVA (last query)"), {"scorer": "tova"})
+    live.act("source radio", radio("Attention source", "Synthetic pattern"), {"source": "synthetic"})
+    live.act("layer number box", number("Layer", 1), {"layer": "1"})
     live.done()
     no_console_errors(page)
 
 
 def test_tradeoffs_link_follows_every_single_interaction(page, app_url):
     live = LiveLink(page, f"{app_url}/trade-offs")
-    live.act("measure radio (the first move)", radio("Measure", "Jensen–Shannon"))
-    live.act("log axis checkbox", tick("Log memory axis"))
-    live.act("bit-width pills", pill("Bit widths", "8"))
-    live.act("sink slider, keyboard", key("Sink tokens", "ArrowRight"))
-    live.act("recent number box", number("Recent window (tokens)", 6))
+    live.act("measure radio (the first move)", radio("Measure", "Jensen–Shannon"), {"metric": "js"})
+    live.act("log axis checkbox", tick("Log memory axis"), {"logx": "1"})
+    live.act("bit-width pills", pill("Bit widths", "8"), {"sweep_bits": "16,4,2,8"})
+    live.act("sink slider, keyboard", key("Sink tokens", "ArrowRight"), {"sink": "5"})
+    live.act("recent number box", number("Recent window (tokens)", 6), {"recent": "6"})
     unfold(page, "Advanced")
-    live.act("allocation select box", select("Budget allocation", "PyramidKV (per layer, linear)"))
+    live.act("allocation select box", select("Budget allocation", "PyramidKV (per layer, linear)"),
+             {"allocation": "pyramid"})
     plot = page.locator(".js-plotly-plot").filter(has_text="Error vs memory").first
     live.act("chart click: open a point in the Explorer",
              lambda page: plot.locator(".scatterlayer .trace").nth(0).locator(".points path").first.click(force=True),
+             {"sink": "0", "recent": "0", "heavy": "0", "bits": "2"},
              ready=lambda page: metric(page, "Tokens kept"))
     expect()(page.get_by_role("heading", name=re.compile("KV-cache compression explorer"))).to_be_visible()
     live.done()
@@ -591,47 +477,53 @@ def test_tradeoffs_link_follows_every_single_interaction(page, app_url):
 
 def test_concentration_link_follows_every_single_interaction(page, app_url):
     live = LiveLink(page, f"{app_url}/concentration")
-    live.act("locality slider, keyboard (the first move)", key("Locality: mass in the last … tokens (w)", "ArrowRight"))
-    live.act("sink slider, keyboard", key("Sink share counts the first … tokens (the sink tokens)", "ArrowLeft"))
-    live.act("source radio", radio("Attention source", "Synthetic pattern"))
-    live.act("context number box", number("Context tokens", 256))
-    live.act("query step number box", number("Query step", 3))
-    live.act("pattern preset button", press("Topic shift"))
+    live.act("locality slider, keyboard (the first move)", key("Locality: mass in the last … tokens (w)", "ArrowRight"),
+             {"window": "17"})
+    live.act("sink slider, keyboard", key("Sink share counts the first … tokens (the sink tokens)", "ArrowLeft"),
+             {"sink": "3"})
+    live.act("source radio", radio("Attention source", "Synthetic pattern"), {"source": "synthetic"})
+    live.act("context number box", number("Context tokens", 256), {"context": "256"})
+    live.act("query step number box", number("Query step", 3), {"step": "3"})
+    live.act("pattern preset button", press("Topic shift"), {"steps": "48", "topic_shift": "12"})
     unfold(page, "Pattern knobs")
-    live.act("head dim select box", select("Head dim", "32"))
-    live.act("presentation mode checkbox", tick("Presentation mode"))
+    live.act("head dim select box", select("Head dim", "32"), {"head_dim": "32"})
+    live.act("presentation mode checkbox", tick("Presentation mode"), {"present": "1"})
     live.done()
     no_console_errors(page)
 
 
 def test_decode_timeline_link_follows_every_single_interaction(page, app_url):
     live = LiveLink(page, f"{app_url}/decode-timeline")
-    live.act("fragment step slider, keyboard (the first move)", key("Decode step", "ArrowRight"))
-    live.act("layer number box", number("Layer", 1))
+    live.act("fragment step slider, keyboard (the first move)", key("Decode step", "ArrowRight"), {"tl_step": "1"})
+    live.act("layer number box", number("Layer", 1), {"tl_layer": "1"})
     live.act("policies multiselect",
-             lambda page: page.get_by_role("button", name=re.compile(r"Remove TOVA|Delete TOVA")).click())
-    live.act("allocation radio", radio("Budget allocation", "AdaKV (per layer, across heads)"))
-    live.act("recent slider, keyboard", key("Recent window", "ArrowRight"))
-    live.act("need number box", number("Needed at ≥ (attention share)", 0.05))
-    live.act("fragment step slider again", key("Decode step", "ArrowRight", "ArrowRight"))
-    live.act("presentation mode checkbox", tick("Presentation mode"))
+             lambda page: page.get_by_role("button", name=re.compile(r"Remove TOVA|Delete TOVA")).click(),
+             {"tl_policies": "h2o,streaming,oracle"})
+    live.act("allocation radio", radio("Budget allocation", "AdaKV (per layer, across heads)"), {"allocation": "adakv"})
+    live.act("recent slider, keyboard", key("Recent window", "ArrowRight"), {"recent": "9"})
+    live.act("need number box", number("Needed at ≥ (attention share)", 0.05), {"tl_need": "0.05"})
+    live.act("fragment step slider again", key("Decode step", "ArrowRight", "ArrowRight"), {"tl_step": "3"})
+    live.act("presentation mode checkbox", tick("Presentation mode"), {"present": "1"})
     live.done()
     no_console_errors(page)
 
 
 def test_model_lab_link_follows_every_single_interaction(page, app_url):
     live = LiveLink(page, f"{app_url}/model-lab", extra='[data-testid="stMarkdownContainer"] p:has(strong)')
-    live.act("text radio (the first move)", radio("Text", "Bakery story (built-in)"))
-    live.act("prompt number box", number("Prompt tokens (compression point)", 128))
-    live.act("re-rotate checkbox", tick("Re-rotate kept keys to their cache slots (StreamingLLM's original)"))
-    live.act("question box", text("Question after the prompt (optional)", "Who runs the bakery?"))
+    live.act("text radio (the first move)", radio("Text", "Bakery story (built-in)"), {"lab_text": "bakery"})
+    live.act("prompt number box", number("Prompt tokens (compression point)", 128), {"lab_prompt": "128"})
+    live.act("re-rotate checkbox", tick("Re-rotate kept keys to their cache slots (StreamingLLM's original)"),
+             {"lab_rerotate": "1"})
+    live.act("question box", text("Question after the prompt (optional)", "Who runs the bakery?"),
+             {"lab_question": "Who runs the bakery?"})
     live.act("compression point radio", radio("Compress the cache",
-                                               "After the question (query-aware: the scorer sees it)"))
-    live.act("preset button", press("StreamingLLM"))
-    live.act("heavy slider, keyboard", key("Heavy-hitter budget", "ArrowRight"))
-    live.act("bits slider, keyboard", key("Quantization bits", "ArrowLeft", "ArrowLeft"))
+                                               "After the question (query-aware: the scorer sees it)"),
+             {"lab_point": "after-question"})
+    live.act("preset button", press("StreamingLLM"), {"scorer": "streaming", "heavy": "0", "recent": "22"})
+    live.act("heavy slider, keyboard", key("Heavy-hitter budget", "ArrowRight"), {"heavy": "1"})
+    live.act("bits slider, keyboard", key("Quantization bits", "ArrowLeft", "ArrowLeft"), {"bits": "7"})
     unfold(page, "Advanced")
-    live.act("scorer select box", select("Heavy-hitter scorer", "TOVA (last query)"))
+    live.act("scorer select box", select("Heavy-hitter scorer", "TOVA (last query)"), {"scorer": "tova"})
     live.done()
     no_console_errors(page)
 
@@ -643,12 +535,15 @@ def test_needle_link_follows_every_single_interaction(page, app_url):
         pytest.skip("no shipped needle grid (scripts/needle_default.py writes it)")
     live = LiveLink(page, f"{app_url}/needle-test")
     cells = page.locator(".js-plotly-plot").filter(has_text="needle depth").first.locator(".scatterlayer .trace")
-    live.act("chart click (the first move)", lambda page: cells.nth(0).locator(".points path").first.click(force=True))
-    live.act("layer number box", number("Layer", 3))
-    live.act("KV head number box", number("KV head", 1))
-    live.act("classic failure button", press("Show the classic failure"))
-    live.act("chart click on another cell", lambda page: cells.nth(1).locator(".points path").nth(1).click(force=True))
-    live.act("presentation mode checkbox", tick("Presentation mode"))
+    live.act("chart click (the first move)", lambda page: cells.nth(0).locator(".points path").first.click(force=True),
+             {"nd_cell": "full:320:0:agnostic"})
+    live.act("layer number box", number("Layer", 3), {"nd_layer": "3"})
+    live.act("KV head number box", number("KV head", 1), {"nd_head": "1"})
+    live.act("classic failure button", press("Show the classic failure"),
+             {"nd_head": None, "nd_layer": None, "nd_cell": None})
+    live.act("chart click on another cell", lambda page: cells.nth(1).locator(".points path").nth(1).click(force=True),
+             {"nd_cell": "streaming:640:1:agnostic"})
+    live.act("presentation mode checkbox", tick("Presentation mode"), {"present": "1"})
     live.done()
     no_console_errors(page)
 
@@ -661,12 +556,13 @@ def test_studies_link_follows_every_single_interaction(page, app_url):
     picker = f"Study (folders under {studies_root()})"
     drawn = lambda page: page.locator(".js-plotly-plot").filter(has_text="quarter-cache").first  # noqa: E731
     live = LiveLink(page, f"{app_url}/studies")
-    live.act("run the shipped example (the first move)", press("Run quarter-cache here (seconds)"), ready=drawn)
-    live.act("measure radio", radio("Measure", "Jensen–Shannon (≤ ln 2)"))
-    live.act("measure radio again", radio("Measure", "attention mass retained (0-1)"))
-    live.act("study select box: none", select(picker, "— choose a study —"))
-    live.act("study select box: the example", select(picker, "quarter-cache"), ready=drawn)
-    live.act("presentation mode checkbox", tick("Presentation mode"))
+    live.act("run the shipped example (the first move)", press("Run quarter-cache here (seconds)"),
+             {"st_metric": "tv", "study": "quarter-cache"}, ready=drawn)
+    live.act("measure radio", radio("Measure", "Jensen–Shannon (≤ ln 2)"), {"st_metric": "js"})
+    live.act("measure radio again", radio("Measure", "attention mass retained (0-1)"), {"st_metric": "mass_retained"})
+    live.act("study select box: none", select(picker, "— choose a study —"), {"study": None})
+    live.act("study select box: the example", select(picker, "quarter-cache"), {"study": "quarter-cache"}, ready=drawn)
+    live.act("presentation mode checkbox", tick("Presentation mode"), {"present": "1"})
     live.done()
     no_console_errors(page)
 
@@ -742,24 +638,131 @@ def assert_nothing_clipped(page, where: str) -> None:
         assert legend["below"] and not legend["overTitle"], f"{where}: a legend covers its chart: {legend}"
 
 
-@pytest.mark.parametrize("name, marker", [("Explorer", "Per-token error"), ("Trade-offs", "Error vs memory"),
-                                          ("Concentration", "Top x% of tokens hold"),
-                                          ("Decode timeline", "Regret per step"),
-                                          ("Needle test", "needle depth")])
-def test_projector_1024x768_clips_nothing(page, app_url, name, marker):
-    page.set_viewport_size({"width": 1024, "height": 768})
+def test_the_explorer_paints_fits_a_projector_and_follows_each_slider_move(page, app_url):
+    """One page load of the Explorer carries its first-paint, projector and slider checks.
+
+    The first paint: a fresh session's page is painted before its charts (kvviz.app.charts): the metric cards
+    come with a frame in each chart's place and no chart; the charts replace the frames after the browser's
+    report, each as tall as its frame, so nothing below them jumps. At a projector's 1024 x 768 nothing is
+    clipped. Then each single slider move (one key press) updates the cards to what kvviz.compare computes
+    and the address bar to the new link, not the previous one; switching the source writes the source, never
+    a stray step=0 (one rule for defaults)."""
+    page.add_init_script(FIRST_SEEN_JS)
+    page.set_viewport_size({"width": 1400, "height": 2200})
     page.goto(app_url)
     e = expect()
-    e(metric(page, "Tokens kept")).to_have_text("14 / 64")
-    if name != "Explorer":
-        page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=name).click()
-    e(page.locator(".js-plotly-plot").filter(has_text=marker).first).to_be_visible()
+    e(metric(page, "Attention mass retained")).to_have_text("62.9%")
+    e(page.get_by_text("0-3, 15, 28, 56-63")).to_be_visible()
+    e(page.locator(".js-plotly-plot:visible")).to_have_count(2)   # the expanders' charts stay folded
     idle(page)
+    seen = page.evaluate("window.__firstSeen")
+    assert seen["frames"] <= seen["metric"] < seen["chart"], seen
+    charts = page.locator('[data-testid="stPlotlyChart"]:visible')
+    assert charts.count() == 2 and page.locator(f'[class*="st-key-{WAITING}"]').count() == 0
+    heights = [round(charts.nth(i).bounding_box()["height"]) for i in range(2)]
+    assert all(abs(h - f) <= 0.05 * f for h, f in zip(heights, seen["frameHeights"])), (heights, seen)
+    shot(page, "explorer")
+    if os.environ.get("KVVIZ_UPDATE_SCREENSHOT") == "1":
+        page.screenshot(path=str(ROOT / "docs" / "explorer.png"), clip={"x": 0, "y": 0, "width": 1400, "height": 1720})
+
+    page.set_viewport_size({"width": 1024, "height": 768})
+    e(page.locator(".js-plotly-plot").filter(has_text="Per-token error").first).to_be_visible()
+    idle(page)
+    assert_nothing_clipped(page, "Explorer")
+    shot(page, "after-explorer-1024x768")
+
+    page.set_viewport_size({"width": 1400, "height": 1600})
+    e(slider_thumb(page, "Heavy-hitter budget")).to_have_value("2")
+    expected = {}
+    moves = [("Heavy-hitter budget", "ArrowRight", "heavy", "3"), ("Heavy-hitter budget", "ArrowRight", "heavy", "4"),
+             ("Heavy-hitter budget", "ArrowRight", "heavy", "5"), ("Quantization bits", "ArrowLeft", "bits", "8"),
+             ("Sink tokens", "ArrowRight", "sink", "5"), ("Recent window", "ArrowLeft", "recent", "7")]
+    for label, key, name, value in moves:     # one key at a time: each press reruns the app and the cards follow
+        thumb = slider_thumb(page, label)
+        thumb.focus()
+        thumb.press(key)
+        e(thumb).to_have_attribute("aria-valuetext", value)
+        expected[name] = value
+        wait_for_address(page, expected)
+        bits = int(expected.get("bits", 16))
+        shown = card_values(compare(handbook_trace(), Spec(sink=int(expected.get("sink", 4)),
+                                                           recent=int(expected.get("recent", 8)),
+                                                           heavy=int(expected["heavy"]), key_bits=bits,
+                                                           value_bits=bits, partial="quantize"),
+                                    View(ensemble="seeds", ensemble_size=8)).metrics)
+        for card in ("Tokens kept", "TV distance", "Attention mass retained"):
+            e(metric(page, card)).to_have_text(shown[card])
+    page.locator('[data-testid="stSidebar"]').get_by_text("Synthetic pattern", exact=True).click()
+    wait_for_address(page, {**expected, "source": "synthetic"})
+    no_console_errors(page)
+
+
+def concentration_locality(page):
+    slider_thumb(page, "Locality").focus()
+    slider_thumb(page, "Locality").press("ArrowRight")
+
+
+def timeline_step(page):
+    slider_thumb(page, "Decode step").focus()
+    slider_thumb(page, "Decode step").press("ArrowRight")
+
+
+def needle_full_cache_cell(page):
+    """The full cache's panel comes first: click its first square."""
+    plot = page.locator(".js-plotly-plot").filter(has_text="needle depth").first
+    plot.locator(".scatterlayer .trace").nth(0).locator(".points path").first.click(force=True)
+
+
+@pytest.mark.parametrize("name, marker, act, moved", [
+    ("Trade-offs", "Error vs memory for every policy",
+     lambda page: page.get_by_text("Jensen–Shannon", exact=True).click(), {"metric": "js"}),
+    ("Concentration", "Top x% of tokens hold", concentration_locality, {"window": "17"}),
+    ("Model lab", None, lambda page: page.get_by_text("Bakery story (built-in)", exact=True).click(),
+     {"lab_text": "bakery"}),
+    ("Decode timeline", "Regret per step", timeline_step, {"tl_step": "1"}),
+    ("Needle test", "needle depth", needle_full_cache_cell, {"nd_cell": "full:320:0:agnostic"}),
+])
+def test_every_page_opens_from_the_explorer_fits_a_projector_and_links_its_first_move(page, app_url, name, marker,
+                                                                                      act, moved):
+    """One page load a page: it opens from the Explorer's navigation with the settings the Explorer had
+    (they travel with the page), clips nothing at a projector's 1024 x 768 (legends below their charts), and
+    its first move is in the address bar at once."""
+    grid = None
+    if name == "Needle test":
+        from kvviz.analysis import needle
+
+        grid = needle.load_default()
+        if grid is None:
+            pytest.skip("no shipped needle grid (scripts/needle_default.py writes it)")
+    page.set_viewport_size({"width": 1024, "height": 768})
+    page.goto(f"{app_url}/?sink=3")
+    e = expect()
+    e(metric(page, "Tokens kept")).to_have_text("13 / 64")
+    page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=name).click()
+    e(page.get_by_role("heading", name=re.compile(name)).first).to_be_visible()
+    if marker:
+        e(page.locator(".js-plotly-plot").filter(has_text=marker).first).to_be_visible()
+    else:       # the Model lab waits for a click before it loads a model
+        e(page.get_by_role("button", name="Run the model")).to_be_visible()
+    if grid is not None and (classic := needle.classic_failure(grid)) is not None:
+        e(page.get_by_role("heading", name=re.compile(f"StreamingLLM · {classic[1]} tokens"))).to_be_visible()
+    idle(page)
+    assert address(page) == {"sink": "3"}      # the settings travel with the page
     assert_nothing_clipped(page, name)
     if name == "Trade-offs":   # the plot keeps its width (it was ~200 px beside a scrolling legend)
         widths = [x["plotWidth"] for x in page.evaluate(LEGEND_JS)]
         assert widths and min(widths) >= 450, widths
     shot(page, f"after-{name.lower().replace(' ', '-')}-1024x768")
+    page.set_viewport_size({"width": 1400, "height": 1900})
+    shot(page, name.lower())
+    if grid is not None and os.environ.get("KVVIZ_UPDATE_SCREENSHOT") == "1":
+        page.screenshot(path=str(ROOT / "docs" / "needle.png"), full_page=False)
+    act(page)
+    wait_for_address(page, {"sink": "3", **moved})
+    if grid is not None:
+        e(page.get_by_role("heading", name=re.compile(r"^Full cache · "))).to_be_visible()
+        e(page.locator(".kvviz-needle-grid")).to_be_visible()
+        shot(page, "needle")
     no_console_errors(page)
 
 
@@ -774,58 +777,6 @@ def test_presentation_mode_puts_the_lesson_above_the_fold(page, app_url):
     assert box["y"] < 768 - 150, f"the main chart starts at y = {box['y']:.0f}, below the fold"
     assert_nothing_clipped(page, "presentation mode")
     shot(page, "after-presentation-1024x768")
-    no_console_errors(page)
-
-
-def test_clicking_a_trade_off_point_opens_it_in_the_explorer(page, app_url):
-    page.set_viewport_size({"width": 1400, "height": 1400})
-    page.goto(app_url)
-    e = expect()
-    e(metric(page, "Tokens kept")).to_have_text("14 / 64")
-    page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name="Trade-offs").click()
-    plot = page.locator(".js-plotly-plot").filter(has_text="Error vs memory").first
-    e(plot).to_be_visible()
-    idle(page)
-    # the H2O trace's points (the first legend entry's line); click its smallest-budget point
-    points = plot.locator(".scatterlayer .trace").nth(0).locator(".points path")
-    e(points.first).to_be_visible()
-    points.first.click(force=True)
-    e(page.get_by_role("heading", name=re.compile("KV-cache compression explorer"))).to_be_visible()
-    e(metric(page, "Tokens kept")).not_to_have_text("14 / 64")
-    kept = metric(page, "Tokens kept").inner_text()
-    wait_for_address(page, {**address(page)})
-    assert "scorer" in address(page) or "heavy" in address(page) or "recent" in address(page), address(page)
-    assert kept.endswith("/ 64")
-    no_console_errors(page)
-
-
-def test_needle_page_opens_on_the_shipped_grid_and_a_click_opens_a_cell(page, app_url):
-    from kvviz.analysis import needle
-
-    grid = needle.load_default()
-    if grid is None:
-        pytest.skip("no shipped needle grid (scripts/needle_default.py writes it)")
-    page.set_viewport_size({"width": 1400, "height": 1900})
-    page.goto(app_url)
-    e = expect()
-    e(metric(page, "Tokens kept")).to_have_text("14 / 64")
-    page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name="Needle test").click()
-    e(page.get_by_role("heading", name=re.compile("Needle test"))).to_be_visible()
-    classic = needle.classic_failure(grid)
-    plot = page.locator(".js-plotly-plot").filter(has_text="needle depth").first
-    e(plot).to_be_visible()
-    if classic is not None:
-        e(page.get_by_role("heading", name=re.compile(f"StreamingLLM · {classic[1]} tokens"))).to_be_visible()
-    idle(page)
-    if os.environ.get("KVVIZ_UPDATE_SCREENSHOT") == "1":
-        page.screenshot(path=str(ROOT / "docs" / "needle.png"), full_page=False)
-    # the full cache's panel comes first: click its first square
-    plot.locator(".scatterlayer .trace").nth(0).locator(".points path").first.click(force=True)
-    e(page.get_by_role("heading", name=re.compile(r"^Full cache · "))).to_be_visible()
-    e(page.locator(".kvviz-needle-grid")).to_be_visible()
-    page.wait_for_function("() => new URLSearchParams(location.search).get('nd_cell') !== null", timeout=TIMEOUT)
-    assert address(page)["nd_cell"].startswith("full:"), address(page)      # the open cell is in the link
-    shot(page, "needle")
     no_console_errors(page)
 
 

@@ -47,15 +47,16 @@ def test_the_browser_tests_are_dealt_heaviest_first_onto_the_lightest_group():
             self.path, self.name, self.originalname = Path(f"tests/{module}.py"), name, name.split("[")[0]
             self.nodeid = f"tests/{module}.py::{name}"
 
-    items = [Item("test_browser", "test_explorer_link_follows_every_single_interaction"),       # 109
-             Item("test_browser", "test_model_lab_cancel_stops_the_run_and_keeps_the_previous_results"),  # 112
-             Item("test_browser", "test_every_page_loads[a]"), Item("test_browser", "test_every_page_loads[b]"),
-             Item("test_layout_browser", "test_one"), Item("test_layout_browser", "test_two"),    # 60, whole
+    every_page = "test_every_page_opens_from_the_explorer_fits_a_projector_and_links_its_first_move"
+    items = [Item("test_browser", "test_explorer_link_follows_every_single_interaction"),       # 32
+             Item("test_browser", "test_model_lab_cancel_stops_the_run_and_keeps_the_previous_results"),  # 37
+             Item("test_browser", f"{every_page}[a]"), Item("test_browser", f"{every_page}[b]"),    # 8 each
+             Item("test_layout_browser", "test_one"), Item("test_layout_browser", "test_two"),    # 30, whole
              Item("test_browser", "test_not_weighed_yet")]                                       # 15
     group = _browser_groups(items, 2)
     assert group == {items[1].nodeid: "browser-1", items[0].nodeid: "browser-2",
-                     items[4].nodeid: "browser-2", items[5].nodeid: "browser-2",     # 109 + 60 onto 112 ...
-                     items[6].nodeid: "browser-1", items[2].nodeid: "browser-1",     # 112 + 15 + 13 = 140
-                     items[3].nodeid: "browser-1"}                                   # + 13 = 153 vs 169
+                     items[4].nodeid: "browser-2", items[5].nodeid: "browser-2",     # 32 + 30 onto 37 ...
+                     items[6].nodeid: "browser-1", items[2].nodeid: "browser-1",     # 37 + 15 + 8 = 60
+                     items[3].nodeid: "browser-1"}                                   # + 8 = 68 vs 62
     assert set(_browser_groups(items, 1).values()) == {"browser-1"}
     assert len(set(_browser_groups(items, 4).values())) == 4

@@ -1,0 +1,119 @@
+"""Every parameter a link can carry, restored on every page: through AppTest, where a restore costs a
+fraction of a second, not a browser's page load of several CPU-seconds.
+
+The browser tests read the address bar after every single move and open one link a page in a fresh page
+(tests/test_browser.py, LiveLink); these check the other direction for every parameter of the settings
+table (kvviz.links.PARAMS): a link that sets it is read into the session's settings, shown by its widget
+where the page has one, and kept in the address bar; a bad value of it gives its notice and the default.
+"""
+
+from pathlib import Path
+
+import pytest
+from apptest_util import run_app
+
+from kvviz.app.store import STORE
+from kvviz.links import PARAMS, Param
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = {"explorer": "app.py", "trade-offs": "pages/1_trade-offs.py", "concentration": "pages/2_concentration.py",
+         "model-lab": "pages/3_model-lab.py", "decode-timeline": "pages/4_decode-timeline.py",
+         "needle-test": "pages/5_needle-test.py", "studies": "pages/6_studies.py"}
+
+# Values that the first value other than the default (other_value) would make impossible together, and
+# the valid ones used instead: a synthetic pattern whose heads divide and whose head dim fits the knobs;
+# SnapKV (its own settings apply) with PyramidKV (AdaKV needs a one-shot scorer and the integer format);
+# an odd pooling kernel; bits a symmetric quantizer takes; static FP8 scales (calibration needs them);
+# one-shot methods on the Trade-offs page (compressing again is for them); a cell of the shipped needle
+# grid; the real K/V quantizer (the Model lab quantizes a real cache: the logit-noise model is refused).
+VALID_TOGETHER = {
+    "q_heads": 6, "kv_heads": 3, "context": 128, "steps": 8, "head_dim": 128, "scorer": "snapkv",
+    "allocation": "pyramid", "pyr_beta": 21.0, "snapkv_kernel": 7, "bits": 4, "key_bits": 4, "value_bits": 3,
+    "fp8_scale": "static", "methods": ("snapkv", "knorm"), "nd_cell": "full:320:0:agnostic", "nd_head": 1,
+    "pin": "sink:6,recent:10,heavy:0,scorer:streaming", "lab_question": "Who runs the bakery?",
+}
+# kept at their defaults: the studies page opens only a folder that exists under its root (its own tests
+# make one), and its measure is one of that study's
+AT_DEFAULT = {"study", "st_metric", "qmodel"}
+# ... and the Spec's quantization model: the handbook's logit-noise model stands in for attention rows
+# only, so a real model's page refuses it (test_app_generation covers the message); it gets its own run.
+
+
+def other_value(p: Param):
+    """The first value of the parameter's kind other than its default."""
+    if p.kind == "bool":
+        return not p.default
+    if p.kind == "choice":
+        return next(c for c in p.choices if c != p.default)
+    if p.kind == "list":
+        first = tuple(list(p.choices)[:2])
+        return first if first != tuple(p.default) else tuple(list(p.choices)[1:3])
+    if p.kind == "int":
+        return p.default + 1 if p.default + 1 <= p.hi else p.default - 1
+    if p.kind == "float":
+        return round((p.default + p.hi) / 2, 3)
+    raise AssertionError(f"{p.name}: a text parameter needs its value in VALID_TOGETHER")
+
+
+def every_setting() -> dict:
+    """Every parameter (but AT_DEFAULT) at a value other than its default, all valid together."""
+    values = {name: VALID_TOGETHER.get(name, None) for name in PARAMS if name not in AT_DEFAULT}
+    values = {name: other_value(PARAMS[name]) if v is None else v for name, v in values.items()}
+    assert all(v != PARAMS[name].default for name, v in values.items())
+    return values
+
+
+def widgets(at) -> dict:
+    """Each keyed widget's shown value by key (multi-choices as tuples)."""
+    kinds = ("slider", "select_slider", "selectbox", "number_input", "checkbox", "toggle", "radio",
+             "text_input", "multiselect")
+    shown = {}
+    for kind in kinds:
+        for w in getattr(at, kind):
+            if w.key:
+                shown[w.key] = tuple(w.value) if isinstance(w.value, list) else w.value
+    return shown
+
+
+def notices(at) -> str:
+    return "\n".join(w.value for w in at.warning)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_a_link_with_every_setting_restores_each_one_on_every_page(page):
+    values = every_setting()
+    link = {name: PARAMS[name].encode(v) for name, v in values.items()}
+    at = run_app(str(ROOT / PAGES[page]), 300, **link)
+    assert not notices(at), notices(at)
+    assert [e.value for e in at.error] == []
+    store = at.session_state[STORE]
+    assert {name: store[name] for name in values} == values
+    shown = widgets(at)
+    on_screen = {name: shown[name] for name in values if name in shown}
+    assert on_screen == {name: values[name] for name in on_screen}
+    assert dict(at.query_params) == link
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p != "model-lab"])
+def test_the_logit_noise_model_is_restored_where_it_applies(page):
+    link = {"qmodel": "noise", "sigma": "0.5"}
+    at = run_app(str(ROOT / PAGES[page]), 300, **link)
+    assert not notices(at), notices(at)
+    assert at.session_state[STORE]["qmodel"] == "noise" and dict(at.query_params) == link
+
+
+BAD = {"int": "abc", "float": "nan", "choice": "zzz", "bool": "maybe", "list": "zzz", "text": "x" * 601}
+SAYS = {"int": "is not a number", "float": "is not a finite number", "choice": "is not one of",
+        "bool": "is not true/false", "list": "ignored zzz", "text": "is longer than 600 characters"}
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_a_bad_value_of_every_setting_gives_its_notice_and_the_default(page):
+    at = run_app(str(ROOT / PAGES[page]), 300, **{name: BAD[p.kind] for name, p in PARAMS.items()})
+    said = notices(at)
+    for name, p in PARAMS.items():
+        quoted = f"`{name}`" if p.kind == "text" else f"`{name}={BAD[p.kind]}`"
+        assert f"{quoted} {SAYS[p.kind]}" in said or f"{quoted}: {SAYS[p.kind]}" in said, (name, said)
+    store = at.session_state[STORE]
+    assert {name: store[name] for name in PARAMS} == {name: p.default for name, p in PARAMS.items()}
+    assert dict(at.query_params) == {}
