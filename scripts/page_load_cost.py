@@ -13,10 +13,10 @@ each page a live-link test starts on (all seven) in a new page of one Chromium c
 - script: the renderer's JavaScript time (CDP Performance.getMetrics ScriptDuration, Streamlit's
   frontend and plotly.js).
 
-Then the cost of the live-link tests' fresh pages (tests/test_browser.py: after every single move the
-address bar's link is opened in a new page, issue 21): the number of moves per page counted from the
-test source times that page's CPU per load (a lower bound: the pages as first opened, before the moves
-add results to them), and what that is on this machine's cores.
+Then what the live-link tests' page loads cost (tests/test_browser.py): each opens its page once, reads the
+address bar after every move in that page (no load), and opens the link its last move left in a new page
+once: two loads a page, times that page's CPU per load (a lower bound: the pages as first opened, before
+the moves add results to them), and what that is on this machine's cores.
 
     .venv/bin/python scripts/page_load_cost.py            # --loads 3
 """
@@ -51,8 +51,8 @@ class Load(NamedTuple):
 
 def live_link_moves() -> dict[str, int]:
     """Page path -> `live.act(...)` calls of the live-link test that starts there, read from
-    tests/test_browser.py: each test opens `LiveLink(page, f"{app_url}/PATH")` and each move opens its link
-    in a new page. Read from the source so a renamed or added test cannot be left out."""
+    tests/test_browser.py: each test opens `LiveLink(page, f"{app_url}/PATH")`. Read from the source so a
+    renamed or added test cannot be left out."""
     found = {}
     for f in ast.parse((ROOT / "tests" / "test_browser.py").read_text()).body:
         if not isinstance(f, ast.FunctionDef):
@@ -139,13 +139,12 @@ def main() -> int:
         print(f"{path or 'explorer':16} {wall:7.2f} {chromium:15.2f} {renderer:9.2f} {server:13.2f} {script:9.2f}")
 
     total, loads = 0.0, 0
-    for path, n_moves in moves.items():
-        n = n_moves + 1                            # the moves' links and the page's own first load
-        total += n * (rows[path].chromium + rows[path].server)
-        loads += n
+    for path in moves:
+        total += 2 * (rows[path].chromium + rows[path].server)     # the page's first load, the last link's
+        loads += 2
     cores = os.cpu_count() or 1
-    print(f"live-link tests: {loads} page loads, at least {total:.0f} CPU-s of Chromium and server = "
-          f"{total / cores:.0f} s of this machine's {cores} cores fully busy")
+    print(f"live-link tests: {sum(moves.values())} moves read in place, {loads} page loads, at least {total:.0f} "
+          f"CPU-s of Chromium and server = {total / cores:.0f} s of this machine's {cores} cores fully busy")
     return 0
 
 

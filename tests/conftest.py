@@ -52,10 +52,22 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 
 # no background model load in test app runs (tests that need the model load it themselves)
 os.environ.setdefault("KVVIZ_WARMUP", "0")
+
+
+def _own_folder(variable: str, prefix: str) -> None:
+    """A fresh temporary folder in `variable` unless one was given, one per pytest-xdist worker: the workers
+    inherit the controlling process's environment, and two workers writing the same study or lab result into
+    one folder raced (the Studies live-link test found the example already run by another worker)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    given = Path(os.environ.get(variable) or "").name
+    if not given or (worker and given.startswith(prefix) and not given.startswith(f"{prefix}{worker}-")):
+        os.environ[variable] = tempfile.mkdtemp(prefix=f"{prefix}{worker}-" if worker else prefix)
+
+
 # Model lab results precomputed on this machine must not change what the app tests see
-os.environ.setdefault("KVVIZ_LAB_DIR", tempfile.mkdtemp(prefix="kvviz-lab-test-"))
-# the Studies page opens folders under this root only (an empty one per test session)
-os.environ.setdefault("KVVIZ_STUDIES_DIR", tempfile.mkdtemp(prefix="kvviz-studies-test-"))
+_own_folder("KVVIZ_LAB_DIR", "kvviz-lab-test-")
+# the Studies page opens folders under this root only (an empty one per test session and worker)
+_own_folder("KVVIZ_STUDIES_DIR", "kvviz-studies-test-")
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -419,6 +431,19 @@ def _is_core(item) -> bool:
     return not (MODEL_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
+def _part(item) -> str:
+    """Which part of the suite a test is, for the time-by-part summary: browser, core, AppTest (a page run
+    without a browser), or model (a real or tiny model, torch, Ray)."""
+    if item.get_closest_marker("browser") is not None:
+        return "browser"
+    if item.get_closest_marker("core") is not None:
+        return "core"
+    module = getattr(item, "module", None)
+    code = getattr(getattr(item, "function", None), "__code__", None)
+    names = set(vars(module) if module is not None else ()) | set(code.co_names if code is not None else ())
+    return "AppTest" if names & {"AppTest", "run_app", "app_test"} else "model"
+
+
 def _module_fixture(item) -> bool:
     """Whether the item uses a module-scoped fixture its own module defines (a model run, a grid, a
     capture: built once per module only while the module's tests share one worker)."""
@@ -452,7 +477,7 @@ BROWSER_SECONDS = {
     "test_shared_url_reproduces_state": 9,
     "test_a_page_link_clicked_before_the_first_paint_report_is_followed": 9,
     "test_every_page_opens_from_the_explorer_fits_a_projector_and_links_its_first_move": 8,   # each case
-    "test_the_huge_link_gives_a_notice_on_every_page_and_the_server_stays_small": 5,   # each case
+    "test_the_huge_link_gives_a_notice_and_the_server_stays_small": 7,                 # each case
     "test_presentation_mode_puts_the_lesson_above_the_fold": 5,
     "test_out_of_range_link_shows_notice": 3,
     "test_layout_browser": 30, "test_study_browser": 12, "test_lecture_browser": 10,    # whole modules
@@ -507,6 +532,7 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.timeout(BROWSER_TIMEOUT))
         elif _is_core(item):
             item.add_marker(pytest.mark.core)
+        item.user_properties.append(("part", _part(item)))     # travels with each report (xdist too)
 
 
 @pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
@@ -557,3 +583,30 @@ def pytest_runtest_makereport(item, call):
         except Exception as e:  # never turn a test failure into an internal error
             files = [f"(could not save the page: {e})"]
         report.sections.append(("browser page saved", "\n".join(str(f) for f in files)))
+
+
+# --- where the suite's time goes ---------------------------------------------------------------------
+
+PARTS = ("browser", "AppTest", "model", "core")
+_PART_SECONDS: dict[str, list] = {}     # part -> [seconds of setup + call + teardown, tests]
+
+
+def pytest_runtest_logreport(report):
+    """Add each test's time to its part (in the controlling process, every worker's reports included)."""
+    part = dict(report.user_properties).get("part")
+    if part is None:
+        return
+    seconds_tests = _PART_SECONDS.setdefault(part, [0.0, 0])
+    seconds_tests[0] += report.duration
+    seconds_tests[1] += report.when == "call"
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The suite's time by part, after the test summary: seconds of test time summed over the workers (the
+    wall time is about this over the number of workers, plus start-up), and the tests of each part."""
+    if hasattr(config, "workerinput") or not _PART_SECONDS:
+        return
+    parts = ", ".join(f"{part} {_PART_SECONDS[part][0]:.0f} s ({_PART_SECONDS[part][1]} tests)"
+                      for part in PARTS if part in _PART_SECONDS)
+    total = sum(seconds for seconds, _ in _PART_SECONDS.values())
+    terminalreporter.write_line(f"test time by part, summed over workers: {parts}; {total:.0f} s in all")

@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 from apptest_util import run_app
 
+from kvviz.app.router import PAGE_FILES
 from kvviz.app.store import STORE
 from kvviz.links import PARAMS, Param
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = {"explorer": "app.py", "trade-offs": "pages/1_trade-offs.py", "concentration": "pages/2_concentration.py",
-         "model-lab": "pages/3_model-lab.py", "decode-timeline": "pages/4_decode-timeline.py",
-         "needle-test": "pages/5_needle-test.py", "studies": "pages/6_studies.py"}
+PAGES = {url: f"pages/{file}" for file, _, url in PAGE_FILES.values()}     # every page, by its address
 
 # Values that the first value other than the default (other_value) would make impossible together, and
 # the valid ones used instead: a synthetic pattern whose heads divide and whose head dim fits the knobs;
