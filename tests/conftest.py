@@ -419,14 +419,18 @@ def tiny():
 MODEL_FIXTURES = {"tiny", "tiny_dir", "tiny_trace", "bundled", "bundled_trace"}
 
 
+def _names(item) -> set[str]:
+    """The names a test can reach: its module's globals and the names its function's code uses."""
+    module = getattr(item, "module", None)
+    code = getattr(getattr(item, "function", None), "__code__", None)
+    return set(vars(module) if module is not None else ()) | set(code.co_names if code is not None else ())
+
+
 def _is_core(item) -> bool:
     """Core: no browser, no real or tiny model, no torch, no Streamlit AppTest (`make test-fast`)."""
     if any(item.get_closest_marker(m) for m in ("browser", "model", "slow", "ray")):
         return False
-    module = getattr(item, "module", None)
-    code = getattr(getattr(item, "function", None), "__code__", None)
-    names = set(vars(module) if module is not None else ()) | set(code.co_names if code is not None else ())
-    if names & {"torch", "AppTest", "run_app", "share_one_model_load", "load_shared"}:
+    if _names(item) & {"torch", "AppTest", "run_app", "share_one_model_load", "load_shared"}:
         return False
     return not (MODEL_FIXTURES & set(getattr(item, "fixturenames", ())))
 
@@ -438,10 +442,7 @@ def _part(item) -> str:
         return "browser"
     if item.get_closest_marker("core") is not None:
         return "core"
-    module = getattr(item, "module", None)
-    code = getattr(getattr(item, "function", None), "__code__", None)
-    names = set(vars(module) if module is not None else ()) | set(code.co_names if code is not None else ())
-    return "AppTest" if names & {"AppTest", "run_app", "app_test"} else "model"
+    return "AppTest" if _names(item) & {"AppTest", "run_app", "app_test"} else "model"
 
 
 def _module_fixture(item) -> bool:

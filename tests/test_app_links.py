@@ -24,7 +24,7 @@ PAGES = {url: f"pages/{file}" for file, _, url in PAGE_FILES.values()}     # eve
 # SnapKV (its own settings apply) with PyramidKV (AdaKV needs a one-shot scorer and the integer format);
 # an odd pooling kernel; bits a symmetric quantizer takes; static FP8 scales (calibration needs them);
 # one-shot methods on the Trade-offs page (compressing again is for them); a cell of the shipped needle
-# grid; the real K/V quantizer (the Model lab quantizes a real cache: the logit-noise model is refused).
+# grid and a KV head the needle page keeps; a pin and a question.
 VALID_TOGETHER = {
     "q_heads": 6, "kv_heads": 3, "context": 128, "steps": 8, "head_dim": 128, "scorer": "snapkv",
     "allocation": "pyramid", "pyr_beta": 21.0, "snapkv_kernel": 7, "bits": 4, "key_bits": 4, "value_bits": 3,
@@ -32,10 +32,9 @@ VALID_TOGETHER = {
     "pin": "sink:6,recent:10,heavy:0,scorer:streaming", "lab_question": "Who runs the bakery?",
 }
 # kept at their defaults: the studies page opens only a folder that exists under its root (its own tests
-# make one), and its measure is one of that study's
+# make one), and its measure is one of that study's; the quantization model, whose logit-noise stand-in a
+# real model's page refuses, has a test of its own
 AT_DEFAULT = {"study", "st_metric", "qmodel"}
-# ... and the Spec's quantization model: the handbook's logit-noise model stands in for attention rows
-# only, so a real model's page refuses it (test_app_generation covers the message); it gets its own run.
 
 
 def other_value(p: Param):
@@ -56,8 +55,8 @@ def other_value(p: Param):
 
 def every_setting() -> dict:
     """Every parameter (but AT_DEFAULT) at a value other than its default, all valid together."""
-    values = {name: VALID_TOGETHER.get(name, None) for name in PARAMS if name not in AT_DEFAULT}
-    values = {name: other_value(PARAMS[name]) if v is None else v for name, v in values.items()}
+    values = {name: VALID_TOGETHER[name] if name in VALID_TOGETHER else other_value(PARAMS[name])
+              for name in PARAMS if name not in AT_DEFAULT}
     assert all(v != PARAMS[name].default for name, v in values.items())
     return values
 
@@ -93,12 +92,14 @@ def test_a_link_with_every_setting_restores_each_one_on_every_page(page):
     assert dict(at.query_params) == link
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if p != "model-lab"])
-def test_the_logit_noise_model_is_restored_where_it_applies(page):
+@pytest.mark.parametrize("page", PAGES)
+def test_the_logit_noise_model_is_restored_and_a_real_models_page_says_it_cannot_use_it(page):
     link = {"qmodel": "noise", "sigma": "0.5"}
     at = run_app(str(ROOT / PAGES[page]), 300, **link)
     assert not notices(at), notices(at)
     assert at.session_state[STORE]["qmodel"] == "noise" and dict(at.query_params) == link
+    refused = [e.value for e in at.error if "logit-noise model only stands in for attention rows" in e.value]
+    assert bool(refused) == (page == "model-lab"), [e.value for e in at.error]
 
 
 BAD = {"int": "abc", "float": "nan", "choice": "zzz", "bool": "maybe", "list": "zzz", "text": "x" * 601}

@@ -697,16 +697,6 @@ def test_the_explorer_paints_fits_a_projector_and_follows_each_slider_move(page,
     no_console_errors(page)
 
 
-def concentration_locality(page):
-    slider_thumb(page, "Locality").focus()
-    slider_thumb(page, "Locality").press("ArrowRight")
-
-
-def timeline_step(page):
-    slider_thumb(page, "Decode step").focus()
-    slider_thumb(page, "Decode step").press("ArrowRight")
-
-
 def needle_full_cache_cell(page):
     """The full cache's panel comes first: click its first square."""
     plot = page.locator(".js-plotly-plot").filter(has_text="needle depth").first
@@ -716,10 +706,11 @@ def needle_full_cache_cell(page):
 @pytest.mark.parametrize("name, marker, act, moved", [
     ("Trade-offs", "Error vs memory for every policy",
      lambda page: page.get_by_text("Jensen–Shannon", exact=True).click(), {"metric": "js"}),
-    ("Concentration", "Top x% of tokens hold", concentration_locality, {"window": "17"}),
+    ("Concentration", "Top x% of tokens hold", key("Locality: mass in the last … tokens (w)", "ArrowRight"),
+     {"window": "17"}),
     ("Model lab", None, lambda page: page.get_by_text("Bakery story (built-in)", exact=True).click(),
      {"lab_text": "bakery"}),
-    ("Decode timeline", "Regret per step", timeline_step, {"tl_step": "1"}),
+    ("Decode timeline", "Regret per step", key("Decode step", "ArrowRight"), {"tl_step": "1"}),
     ("Needle test", "needle depth", needle_full_cache_cell, {"nd_cell": "full:320:0:agnostic"}),
 ])
 def test_every_page_opens_from_the_explorer_fits_a_projector_and_links_its_first_move(page, app_url, name, marker,
