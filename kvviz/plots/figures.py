@@ -16,26 +16,38 @@ from kvviz.plots.style import (
     PART_COLORS,
     REASON_COLORS,
     REASON_PATTERNS,
+    base_layout,
     layout,
 )
 
 # --- explorer ----------------------------------------------------------------------------
 
 
-def _token_axis(
-    fig: go.Figure, frame: pd.DataFrame, text_tokens: bool, max_labels: int = 48
-) -> None:
-    """Real text on the x axis (every k-th token when there are many), positions otherwise."""
+def _token_axis(frame: pd.DataFrame, text_tokens: bool, max_labels: int = 48) -> dict:
+    """The x axis's real-text ticks (every k-th token when there are many); none without text tokens."""
     if not text_tokens:
-        return
+        return {}
     step = max(1, -(-len(frame) // max_labels))
     at = frame["position"].to_numpy()[::step]
     labels = [
         t.replace("\n", "↵").strip() or "␣" for t in frame["token"].astype(str).to_numpy()[::step]
     ]
-    fig.update_xaxes(
-        tickmode="array", tickvals=at, ticktext=[f"{w[:10]}" for w in labels], tickangle=-60
-    )
+    return dict(tickmode="array", tickvals=at, ticktext=[w[:10] for w in labels], tickangle=-60)
+
+
+def _figure(traces: list[dict], look: dict, x_axis: dict, y_axis: dict) -> go.Figure:
+    """One figure from plain dicts: `look` is style.base_layout(...) plus the chart's own settings, and
+    the axis dicts are merged into its axes (plotly validates the whole figure once, here)."""
+    look["xaxis"] = {**look["xaxis"], **x_axis}
+    look["yaxis"] = {**look["yaxis"], **y_axis}
+    return go.Figure(data=traces, layout=look)
+
+
+def _locked(top: float | None, bottom: float | None = 0) -> dict:
+    """A y axis locked at [bottom, top] (bottom None: ±top); unlocked without `top`."""
+    if not top:
+        return {}
+    return dict(range=[-top if bottom is None else bottom, top], autorange=False)
 
 
 def attention_figure(
@@ -56,7 +68,6 @@ def attention_figure(
     puts the real text on the axis; `pinned` (a token_frame of a pinned setting A) adds A's
     compressed attention as open diamonds; `y_top` locks the y-axis at [0, y_top].
     """
-    fig = go.Figure()
     hover = (
         "<b>%{customdata[0]}</b> (position %{x})<br>original %{customdata[1]:.4f}"
         "<br>compressed %{customdata[2]:.4f}<br>%{customdata[3]}<extra></extra>"
@@ -65,72 +76,52 @@ def attention_figure(
         [frame["token"].astype(str), frame["original"], frame["compressed"], frame["reason"]],
         axis=1,
     )
-    ev = (frame["reason"] == "evicted").to_numpy()
-    fig.add_bar(
-        x=frame["position"][~ev],
-        y=frame["original"][~ev],
-        name="original",
-        marker_color=ORIGINAL_COLOR,
-        offsetgroup="original",
-        customdata=custom[~ev],
-        hovertemplate=hover,
-    )
+    position, original, compressed = (frame[c].to_numpy() for c in ("position", "original", "compressed"))
+    reason = frame["reason"].to_numpy()
+
+    def bars(sel: np.ndarray, values: np.ndarray, name: str, group: str, marker: dict) -> dict:
+        return dict(type="bar", x=position[sel], y=values[sel], name=name, marker=marker,
+                    offsetgroup=group, customdata=custom[sel], hovertemplate=hover)
+
+    ev = reason == "evicted"
+    traces = [bars(~ev, original, "original", "original", dict(color=ORIGINAL_COLOR))]
     if ev.any():
-        fig.add_bar(
-            x=frame["position"][ev],
-            y=frame["original"][ev],
-            name="evicted: original (now 0)",
-            marker=dict(
-                color="rgba(213, 94, 0, 0.35)",
-                line=dict(color=REASON_COLORS["evicted"], width=0.5),
-                pattern=dict(shape="/", fgcolor=REASON_COLORS["evicted"], size=5),
-            ),
-            offsetgroup="original",
-            customdata=custom[ev],
-            hovertemplate=hover,
+        evicted = dict(
+            color="rgba(213, 94, 0, 0.35)",
+            line=dict(color=REASON_COLORS["evicted"], width=0.5),
+            pattern=dict(shape="/", fgcolor=REASON_COLORS["evicted"], size=5),
         )
-    for reason, color in REASON_COLORS.items():
-        if reason == "evicted":
-            continue
-        sel = (frame["reason"] == reason).to_numpy()
-        if sel.any():
-            fig.add_bar(
-                x=frame["position"][sel],
-                y=frame["compressed"][sel],
-                name=f"compressed: {reason}",
-                marker=dict(
-                    color=color,
-                    pattern=dict(
-                        shape=REASON_PATTERNS[reason], fgcolor="#ffffff", size=4, solidity=0.35
-                    ),
-                ),
-                offsetgroup="compressed",
-                customdata=custom[sel],
-                hovertemplate=hover,
+        traces.append(bars(ev, original, "evicted: original (now 0)", "original", evicted))
+    for why, color in REASON_COLORS.items():
+        sel = reason == why
+        if why != "evicted" and sel.any():
+            kept = dict(
+                color=color,
+                pattern=dict(shape=REASON_PATTERNS[why], fgcolor="#ffffff", size=4, solidity=0.35),
             )
+            traces.append(bars(sel, compressed, f"compressed: {why}", "compressed", kept))
     if pinned is not None:
-        fig.add_scatter(
-            x=pinned["position"],
-            y=pinned["compressed"],
-            mode="markers",
-            name=f"pinned {pinned_label}: compressed",
-            marker=dict(
-                symbol="diamond-open", size=7, color=OKABE_ITO["black"], line=dict(width=1.5)
-            ),
-            hovertemplate="pinned: %{y:.4f}<extra></extra>",
+        traces.append(
+            dict(
+                type="scatter",
+                x=pinned["position"].to_numpy(),
+                y=pinned["compressed"].to_numpy(),
+                mode="markers",
+                name=f"pinned {pinned_label}: compressed",
+                marker=dict(
+                    symbol="diamond-open", size=7, color=OKABE_ITO["black"], line=dict(width=1.5)
+                ),
+                hovertemplate="pinned: %{y:.4f}<extra></extra>",
+            )
         )
-    fig.update_layout(barmode="group", bargap=0.15, bargroupgap=0.0)
-    layout(
-        fig,
+    look = base_layout(
         title,
         "token" if text_tokens else "token position (index)",
         "attention weight (probability)",
         subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)",
     )
-    _token_axis(fig, frame, text_tokens)
-    if y_top:
-        fig.update_yaxes(range=[0, y_top], autorange=False)
-    return fig
+    look.update(barmode="group", bargap=0.15, bargroupgap=0.0)
+    return _figure(traces, look, _token_axis(frame, text_tokens), _locked(y_top))
 
 
 def binned_attention_figure(
@@ -147,7 +138,7 @@ def binned_attention_figure(
     point per bin, whatever the row's length.
     """
     width = float(frame["tokens"].max())
-    centers = frame["start"] + (frame["tokens"] - 1) / 2
+    centers = (frame["start"] + (frame["tokens"] - 1) / 2).to_numpy()
     custom = np.stack(
         [
             frame["start"],
@@ -167,64 +158,43 @@ def binned_attention_figure(
         "<br>original %{customdata[4]:.4f}<br>compressed %{customdata[5]:.4f}"
         "<br>kept %{customdata[6]} of %{customdata[7]}; evicted mass %{customdata[8]:.4f}<extra></extra>"
     )
-    fig = go.Figure()
-    kept_mass = frame["original"] - frame["evicted_mass"]
-    fig.add_bar(
-        x=centers,
-        y=kept_mass,
-        width=width * 0.45,
-        offset=-width * 0.45,
-        name="original: kept tokens",
-        marker_color=ORIGINAL_COLOR,
-        customdata=custom,
-        hovertemplate=hover,
-    )
-    fig.add_bar(
-        x=centers,
-        y=frame["evicted_mass"],
-        base=kept_mass,
-        width=width * 0.45,
-        offset=-width * 0.45,
-        name="original: evicted tokens",
-        marker_color=REASON_COLORS["evicted"],
-        marker_pattern_shape="x",
-        customdata=custom,
-        hovertemplate=hover,
-    )
-    fig.add_bar(
-        x=centers,
-        y=frame["compressed"],
-        width=width * 0.45,
-        offset=0,
-        name="compressed",
-        marker_color=REASON_COLORS["kept (no eviction)"],
-        customdata=custom,
-        hovertemplate=hover,
-    )
+    kept_mass = (frame["original"] - frame["evicted_mass"]).to_numpy()
+
+    def bars(y: np.ndarray, name: str, offset: float, marker: dict, **more) -> dict:
+        return dict(type="bar", x=centers, y=y, width=width * 0.45, offset=offset, name=name,
+                    marker=marker, customdata=custom, hovertemplate=hover, **more)
+
+    traces = [
+        bars(kept_mass, "original: kept tokens", -width * 0.45, dict(color=ORIGINAL_COLOR)),
+        bars(frame["evicted_mass"].to_numpy(), "original: evicted tokens", -width * 0.45,
+             dict(color=REASON_COLORS["evicted"], pattern=dict(shape="x")), base=kept_mass),
+        bars(frame["compressed"].to_numpy(), "compressed", 0,
+             dict(color=REASON_COLORS["kept (no eviction)"])),
+    ]
     if "original_max" in frame:
-        fig.add_scatter(
-            x=centers,
-            y=frame["original_max"],
-            mode="markers",
-            name="original: largest single token in the bin",
-            marker=dict(
-                symbol="line-ew-open", size=10, color=OKABE_ITO["black"], line=dict(width=2)
-            ),
-            customdata=custom,
-            hovertemplate="<b>tokens %{customdata[0]}-%{customdata[1]}</b><br>largest single token "
-            "%{y:.4f}<extra></extra>",
+        traces.append(
+            dict(
+                type="scatter",
+                x=centers,
+                y=frame["original_max"].to_numpy(),
+                mode="markers",
+                name="original: largest single token in the bin",
+                marker=dict(
+                    symbol="line-ew-open", size=10, color=OKABE_ITO["black"], line=dict(width=2)
+                ),
+                customdata=custom,
+                hovertemplate="<b>tokens %{customdata[0]}-%{customdata[1]}</b><br>largest single token "
+                "%{y:.4f}<extra></extra>",
+            )
         )
-    fig.update_layout(barmode="overlay")
-    layout(
-        fig,
+    look = base_layout(
         title,
         f"token position {_span(frame)} (bins of {int(width)} tokens)",
         "attention mass per bin (sum)",
         subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)",
     )
-    if y_top:
-        fig.update_yaxes(range=[0, y_top], autorange=False)
-    return fig
+    look.update(barmode="overlay")
+    return _figure(traces, look, {}, _locked(y_top))
 
 
 def _span(frame: pd.DataFrame) -> str:
@@ -263,99 +233,106 @@ def error_figure(
 
     frame = with_band(frame, bars)
     binned = "start" in frame.columns
-    x = frame["start"] + (frame["tokens"] - 1) / 2 if binned else frame["position"]
+    x = (frame["start"] + (frame["tokens"] - 1) / 2 if binned else frame["position"]).to_numpy()
     bar_text = BAND_TEXT[bars]
-    fig = go.Figure()
-    up = (frame["band_hi"] - frame["error_mean"]).clip(lower=0).fillna(0)
-    down = (frame["error_mean"] - frame["band_lo"]).clip(lower=0).fillna(0)
+    up = (frame["band_hi"] - frame["error_mean"]).clip(lower=0).fillna(0).to_numpy()
+    down = (frame["error_mean"] - frame["band_lo"]).clip(lower=0).fillna(0).to_numpy()
     if binned:
-        where = (
-            "tokens %{customdata[0]}-%{customdata[1]}",
-            np.stack([frame["start"], frame["end"]], axis=1),
-        )
+        label = "tokens %{customdata[0]}-%{customdata[1]}"
+        ids = np.stack([frame["start"], frame["end"]], axis=1)
         x_title = f"token position {_span(frame)} (bins of {int(frame['tokens'].max())} tokens)"
         y_title = "mass error per bin (sum)"
     else:
-        where = (
-            "%{customdata[0]} (position %{customdata[1]})",
-            np.stack([frame["token"].astype(str), frame["position"]], axis=1),
-        )
+        label = "%{customdata[0]} (position %{customdata[1]})"
+        ids = np.stack([frame["token"].astype(str), frame["position"]], axis=1)
         x_title = "token" if text_tokens else "token position (index)"
         y_title = "attention error (compressed − original)"
-    label, ids = where
+    traces = []
     for part in ("eviction", "quantization"):
-        values = frame[f"error_{part}_mean"]
-        if not np.any(np.abs(values.to_numpy()) > 0):
-            continue
-        fig.add_bar(
+        values = frame[f"error_{part}_mean"].to_numpy()
+        if np.any(np.abs(values) > 0):
+            traces.append(
+                dict(
+                    type="bar",
+                    x=x,
+                    y=values,
+                    name=f"{part} part",
+                    marker=dict(
+                        color=PART_COLORS[part], pattern=dict(shape="/" if part == "eviction" else "")
+                    ),
+                    customdata=ids,
+                    hovertemplate=f"<b>{label}</b><br>{part} part %{{y:.5f}}<extra></extra>",
+                )
+            )
+    traces.append(
+        dict(
+            type="scatter",
             x=x,
-            y=values,
-            name=f"{part} part",
-            marker_color=PART_COLORS[part],
-            customdata=ids,
-            marker_pattern_shape="/" if part == "eviction" else "",
-            hovertemplate=f"<b>{label}</b><br>{part} part %{{y:.5f}}<extra></extra>",
+            y=frame["error_mean"].to_numpy(),
+            mode="markers",
+            name=f"total ({bar_text})" if members > 1 else "total",
+            marker=dict(symbol="line-ew-open", size=12, color=OKABE_ITO["black"], line=dict(width=2)),
+            customdata=np.concatenate([ids, np.stack([frame["band_lo"], frame["band_hi"]], axis=1)], axis=1),
+            error_y=dict(
+                type="data",
+                symmetric=False,
+                array=up,
+                arrayminus=down,
+                color=OKABE_ITO["black"],
+                thickness=1.2,
+                width=2,
+                visible=members > 1,
+            ),
+            hovertemplate=(
+                f"<b>{label}</b><br>total error %{{y:.5f}}"
+                + ("<br>band %{customdata[2]:.5f} to %{customdata[3]:.5f}" if members > 1 else "")
+                + "<extra></extra>"
+            ),
         )
-    custom = np.concatenate([ids, np.stack([frame["band_lo"], frame["band_hi"]], axis=1)], axis=1)
-    fig.add_scatter(
-        x=x,
-        y=frame["error_mean"],
-        mode="markers",
-        name=f"total ({bar_text})" if members > 1 else "total",
-        marker=dict(symbol="line-ew-open", size=12, color=OKABE_ITO["black"], line=dict(width=2)),
-        customdata=custom,
-        error_y=dict(
-            type="data",
-            symmetric=False,
-            array=up,
-            arrayminus=down,
-            color=OKABE_ITO["black"],
-            thickness=1.2,
-            width=2,
-            visible=members > 1,
-        ),
-        hovertemplate=(
-            f"<b>{label}</b><br>total error %{{y:.5f}}"
-            + ("<br>band %{customdata[2]:.5f} to %{customdata[3]:.5f}" if members > 1 else "")
-            + "<extra></extra>"
-        ),
     )
     if binned and "error_extreme" in frame:
-        fig.add_scatter(
-            x=x,
-            y=frame["error_extreme"],
-            mode="markers",
-            name="largest single-token error in the bin (one row)",
-            marker=dict(symbol="circle-open", size=6, color=OKABE_ITO["blue"]),
-            customdata=ids,
-            hovertemplate=f"<b>{label}</b><br>largest single-token error %{{y:.5f}}<extra></extra>",
+        traces.append(
+            dict(
+                type="scatter",
+                x=x,
+                y=frame["error_extreme"].to_numpy(),
+                mode="markers",
+                name="largest single-token error in the bin (one row)",
+                marker=dict(symbol="circle-open", size=6, color=OKABE_ITO["blue"]),
+                customdata=ids,
+                hovertemplate=f"<b>{label}</b><br>largest single-token error %{{y:.5f}}<extra></extra>",
+            )
         )
     if pinned is not None:
         px = pinned["start"] + (pinned["tokens"] - 1) / 2 if binned else pinned["position"]
-        fig.add_scatter(
-            x=px,
-            y=pinned["error_mean"],
-            mode="markers",
-            name=f"pinned {pinned_label}: total",
-            marker=dict(
-                symbol="diamond-open", size=7, color=OKABE_ITO["black"], line=dict(width=1.5)
-            ),
-            hovertemplate="pinned: %{y:.5f}<extra></extra>",
+        traces.append(
+            dict(
+                type="scatter",
+                x=px.to_numpy(),
+                y=pinned["error_mean"].to_numpy(),
+                mode="markers",
+                name=f"pinned {pinned_label}: total",
+                marker=dict(
+                    symbol="diamond-open", size=7, color=OKABE_ITO["black"], line=dict(width=1.5)
+                ),
+                hovertemplate="pinned: %{y:.5f}<extra></extra>",
+            )
         )
-    fig.add_hline(y=0, line_width=1, line_color=OKABE_ITO["black"])
-    fig.update_layout(barmode="relative", bargap=0.15)
     if members > 1:
         subtitle = (
             f"ensemble mean of N = {members} rows{f' ({what})' if what else ''}, bars: {bar_text}"
         )
     else:
         subtitle = f"one row{f' ({what})' if what else ''}, no ensemble: no error bars"
-    layout(fig, title, x_title, y_title, subtitle=subtitle)
-    if y_range:
-        fig.update_yaxes(range=[-y_range, y_range], autorange=False)
-    if not binned:
-        _token_axis(fig, frame, text_tokens)
-    return fig
+    look = base_layout(title, x_title, y_title, subtitle=subtitle)
+    look.update(barmode="relative", bargap=0.15)
+    # the zero line: add_hline's shape, drawn across the plot whatever the x range
+    look["shapes"] = [
+        dict(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=0, y1=0,
+             line=dict(width=1, color=OKABE_ITO["black"]))
+    ]
+    x_axis = {} if binned else _token_axis(frame, text_tokens)
+    return _figure(traces, look, x_axis, _locked(y_range, bottom=None))
 
 
 def heatmap_figure(
