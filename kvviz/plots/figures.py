@@ -76,12 +76,22 @@ def attention_figure(
         [frame["token"].astype(str), frame["original"], frame["compressed"], frame["reason"]],
         axis=1,
     )
-    position, original, compressed = (frame[c].to_numpy() for c in ("position", "original", "compressed"))
+    position, original, compressed = (
+        frame[c].to_numpy() for c in ("position", "original", "compressed")
+    )
     reason = frame["reason"].to_numpy()
 
     def bars(sel: np.ndarray, values: np.ndarray, name: str, group: str, marker: dict) -> dict:
-        return dict(type="bar", x=position[sel], y=values[sel], name=name, marker=marker,
-                    offsetgroup=group, customdata=custom[sel], hovertemplate=hover)
+        return dict(
+            type="bar",
+            x=position[sel],
+            y=values[sel],
+            name=name,
+            marker=marker,
+            offsetgroup=group,
+            customdata=custom[sel],
+            hovertemplate=hover,
+        )
 
     ev = reason == "evicted"
     traces = [bars(~ev, original, "original", "original", dict(color=ORIGINAL_COLOR))]
@@ -161,15 +171,34 @@ def binned_attention_figure(
     kept_mass = (frame["original"] - frame["evicted_mass"]).to_numpy()
 
     def bars(y: np.ndarray, name: str, offset: float, marker: dict, **more) -> dict:
-        return dict(type="bar", x=centers, y=y, width=width * 0.45, offset=offset, name=name,
-                    marker=marker, customdata=custom, hovertemplate=hover, **more)
+        return dict(
+            type="bar",
+            x=centers,
+            y=y,
+            width=width * 0.45,
+            offset=offset,
+            name=name,
+            marker=marker,
+            customdata=custom,
+            hovertemplate=hover,
+            **more,
+        )
 
     traces = [
         bars(kept_mass, "original: kept tokens", -width * 0.45, dict(color=ORIGINAL_COLOR)),
-        bars(frame["evicted_mass"].to_numpy(), "original: evicted tokens", -width * 0.45,
-             dict(color=REASON_COLORS["evicted"], pattern=dict(shape="x")), base=kept_mass),
-        bars(frame["compressed"].to_numpy(), "compressed", 0,
-             dict(color=REASON_COLORS["kept (no eviction)"])),
+        bars(
+            frame["evicted_mass"].to_numpy(),
+            "original: evicted tokens",
+            -width * 0.45,
+            dict(color=REASON_COLORS["evicted"], pattern=dict(shape="x")),
+            base=kept_mass,
+        ),
+        bars(
+            frame["compressed"].to_numpy(),
+            "compressed",
+            0,
+            dict(color=REASON_COLORS["kept (no eviction)"]),
+        ),
     ]
     if "original_max" in frame:
         traces.append(
@@ -258,7 +287,8 @@ def error_figure(
                     y=values,
                     name=f"{part} part",
                     marker=dict(
-                        color=PART_COLORS[part], pattern=dict(shape="/" if part == "eviction" else "")
+                        color=PART_COLORS[part],
+                        pattern=dict(shape="/" if part == "eviction" else ""),
                     ),
                     customdata=ids,
                     hovertemplate=f"<b>{label}</b><br>{part} part %{{y:.5f}}<extra></extra>",
@@ -271,8 +301,12 @@ def error_figure(
             y=frame["error_mean"].to_numpy(),
             mode="markers",
             name=f"total ({bar_text})" if members > 1 else "total",
-            marker=dict(symbol="line-ew-open", size=12, color=OKABE_ITO["black"], line=dict(width=2)),
-            customdata=np.concatenate([ids, np.stack([frame["band_lo"], frame["band_hi"]], axis=1)], axis=1),
+            marker=dict(
+                symbol="line-ew-open", size=12, color=OKABE_ITO["black"], line=dict(width=2)
+            ),
+            customdata=np.concatenate(
+                [ids, np.stack([frame["band_lo"], frame["band_hi"]], axis=1)], axis=1
+            ),
             error_y=dict(
                 type="data",
                 symmetric=False,
@@ -328,8 +362,16 @@ def error_figure(
     look.update(barmode="relative", bargap=0.15)
     # the zero line: add_hline's shape, drawn across the plot whatever the x range
     look["shapes"] = [
-        dict(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=0, y1=0,
-             line=dict(width=1, color=OKABE_ITO["black"]))
+        dict(
+            type="line",
+            xref="x domain",
+            x0=0,
+            x1=1,
+            yref="y",
+            y0=0,
+            y1=0,
+            line=dict(width=1, color=OKABE_ITO["black"]),
+        )
     ]
     x_axis = {} if binned else _token_axis(frame, text_tokens)
     return _figure(traces, look, x_axis, _locked(y_range, bottom=None))

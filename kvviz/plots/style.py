@@ -203,7 +203,9 @@ def _merged(base: dict, changes: dict) -> dict:
     out = dict(base)
     for key, value in changes.items():
         old = out.get(key)
-        out[key] = _merged(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
+        out[key] = (
+            _merged(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
+        )
     return out
 
 
@@ -223,9 +225,17 @@ def projector(fig: go.Figure, height: int | None = None, y_title: str | None = N
     rows = -(-entries // 2)
     # set on each axis: Streamlit's chart theme sizes unset tick and axis-title fonts in rem (13.5 px here)
     fonts = dict(tickfont=dict(size=PROJECTOR_FONT), title=dict(font=dict(size=PROJECTOR_FONT)))
-    axes = {name: fonts for name in ("xaxis", "yaxis", *look) if name.startswith(("xaxis", "yaxis"))}
+    axes = {
+        name: fonts for name in ("xaxis", "yaxis", *look) if name.startswith(("xaxis", "yaxis"))
+    }
     if y_title:
-        axes.update({name: _merged(fonts, dict(title=dict(text=y_title))) for name in axes if name[0] == "y"})
+        axes.update(
+            {
+                name: _merged(fonts, dict(title=dict(text=y_title)))
+                for name in axes
+                if name[0] == "y"
+            }
+        )
     changes = dict(
         font=dict(size=PROJECTOR_FONT),
         title=dict(text=text, font=dict(size=PROJECTOR_FONT + 4)),
