@@ -6,6 +6,7 @@ the arrays. Impossible settings show an error and give None; numerics stay in th
 
 from __future__ import annotations
 
+import gc
 import importlib
 import threading
 from collections.abc import Callable
@@ -89,6 +90,9 @@ def _warm(done: threading.Event) -> None:
         _warm_figures(comp)
         for name in WARM_MODULES:
             importlib.import_module(name)
+        # What is imported and built by now lives as long as the server: out of the garbage collector's
+        # sight (Python's documented gc.freeze), each later collection walks only what runs create.
+        gc.freeze()
     except Exception:  # noqa: BLE001 - a failed warm-up only means the first move does this work itself
         pass
     finally:

@@ -25,7 +25,9 @@ from kvviz.trace import Trace, TraceError
 # --- sources ---------------------------------------------------------------------------------
 
 
-@st.cache_resource(max_entries=4, show_spinner=False)
+# room for every seed of the largest ensemble (32, the Ensemble size slider's top) and a few more: an
+# LRU smaller than the ensemble rebuilt every seed's trace on every move
+@st.cache_resource(max_entries=40, show_spinner=False)
 def _handbook(seed: int = 0) -> Trace:
     return handbook.handbook_trace(seed=seed)
 
