@@ -12,6 +12,7 @@ same capture is instant on a second visit, in a new session or after a restart.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -255,6 +256,7 @@ def warm_up(name: str = BUNDLED) -> dict | None:
                 )
             except Exception:  # noqa: BLE001 - a precomputed result is a nicety; the page computes live
                 pass
+            gc.freeze()  # torch and the model live as long as the server: out of the collector's walks
 
     threading.Thread(target=work, name="kvviz-warm-up", daemon=True).start()
     return status
