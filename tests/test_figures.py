@@ -195,3 +195,37 @@ def test_pinned_setting_and_real_text_on_the_charts(handbook_comp):
     assert list(fig.layout.xaxis.ticktext)[:3] == ["t0", "t2", "t4"]          # 64 tokens: every 2nd labelled
     err = figures.error_figure(f, pinned=f)
     assert any(t.name == "pinned A: total" for t in err.data)
+
+
+def test_every_figure_starts_from_kvviz_template_plotly_white_cut_to_what_kvviz_draws(handbook_comp):
+    import plotly.io as pio
+
+    white = pio.templates["plotly_white"]
+    ours = figures.attention_figure(token_frame(handbook_comp)).layout.template
+    assert ours == pio.templates["kvviz"]
+    assert set(ours.to_plotly_json()["data"]) == {"bar", "scatter", "heatmap"}
+    for kind in ("bar", "scatter", "heatmap"):
+        assert ours.data[kind] == white.data[kind]
+    for part in ("paper_bgcolor", "plot_bgcolor", "colorway", "font", "xaxis", "yaxis", "hoverlabel"):
+        assert ours.layout[part] == white.layout[part], part
+
+
+def test_projector_sets_every_text_of_every_axis_and_keeps_the_data(handbook_comp):
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2)
+    fig.add_bar(x=[0, 1], y=[1, 2], name="a", row=1, col=1)
+    fig.add_bar(x=[0, 1], y=[3, 4], name="b", row=1, col=2)
+    style.layout(fig, "Title", "x", "y", subtitle="a subtitle")
+    big = style.projector(fig, height=400, y_title="short")
+    size = style.PROJECTOR_FONT
+    for axis in (big.layout.xaxis, big.layout.xaxis2, big.layout.yaxis, big.layout.yaxis2):
+        assert axis.tickfont.size == size and axis.title.font.size == size
+    assert big.layout.yaxis.title.text == big.layout.yaxis2.title.text == "short"
+    assert big.layout.xaxis.title.text == "x"
+    assert big.layout.title.text == f"Title<br><span style='font-size:{size}px'>a subtitle</span>"
+    assert big.layout.font.size == size and big.layout.legend.font.size == size
+    assert big.layout.height == 400 and big.layout.margin.b == 70 + 28 * 1   # two legend entries: one row
+    assert [t.to_plotly_json() for t in big.data] == [t.to_plotly_json() for t in fig.data]
+    att = figures.attention_figure(token_frame(handbook_comp))
+    assert style.projector(att).layout.height == att.layout.height           # no height given: kept
