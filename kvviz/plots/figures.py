@@ -50,6 +50,24 @@ def _locked(top: float | None, bottom: float | None = 0) -> dict:
     return dict(range=[-top if bottom is None else bottom, top], autorange=False)
 
 
+def _points(x, y, name: str, marker: dict, hovertemplate: str, **more) -> dict:
+    """A trace of markers, in plotly's dict form."""
+    return dict(
+        type="scatter",
+        x=x,
+        y=y,
+        mode="markers",
+        name=name,
+        marker=marker,
+        hovertemplate=hovertemplate,
+        **more,
+    )
+
+
+# a pinned setting A's values: open diamonds on either chart
+PINNED_MARKER = dict(symbol="diamond-open", size=7, color=OKABE_ITO["black"], line=dict(width=1.5))
+
+
 def attention_figure(
     frame: pd.DataFrame,
     title: str = "Attention per token: original vs compressed",
@@ -112,16 +130,12 @@ def attention_figure(
             traces.append(bars(sel, compressed, f"compressed: {why}", "compressed", kept))
     if pinned is not None:
         traces.append(
-            dict(
-                type="scatter",
-                x=pinned["position"].to_numpy(),
-                y=pinned["compressed"].to_numpy(),
-                mode="markers",
-                name=f"pinned {pinned_label}: compressed",
-                marker=dict(
-                    symbol="diamond-open", size=7, color=OKABE_ITO["black"], line=dict(width=1.5)
-                ),
-                hovertemplate="pinned: %{y:.4f}<extra></extra>",
+            _points(
+                pinned["position"].to_numpy(),
+                pinned["compressed"].to_numpy(),
+                f"pinned {pinned_label}: compressed",
+                PINNED_MARKER,
+                "pinned: %{y:.4f}<extra></extra>",
             )
         )
     look = base_layout(
@@ -202,18 +216,14 @@ def binned_attention_figure(
     ]
     if "original_max" in frame:
         traces.append(
-            dict(
-                type="scatter",
-                x=centers,
-                y=frame["original_max"].to_numpy(),
-                mode="markers",
-                name="original: largest single token in the bin",
-                marker=dict(
-                    symbol="line-ew-open", size=10, color=OKABE_ITO["black"], line=dict(width=2)
-                ),
-                customdata=custom,
-                hovertemplate="<b>tokens %{customdata[0]}-%{customdata[1]}</b><br>largest single token "
+            _points(
+                centers,
+                frame["original_max"].to_numpy(),
+                "original: largest single token in the bin",
+                dict(symbol="line-ew-open", size=10, color=OKABE_ITO["black"], line=dict(width=2)),
+                "<b>tokens %{customdata[0]}-%{customdata[1]}</b><br>largest single token "
                 "%{y:.4f}<extra></extra>",
+                customdata=custom,
             )
         )
     look = base_layout(
@@ -326,30 +336,24 @@ def error_figure(
     )
     if binned and "error_extreme" in frame:
         traces.append(
-            dict(
-                type="scatter",
-                x=x,
-                y=frame["error_extreme"].to_numpy(),
-                mode="markers",
-                name="largest single-token error in the bin (one row)",
-                marker=dict(symbol="circle-open", size=6, color=OKABE_ITO["blue"]),
+            _points(
+                x,
+                frame["error_extreme"].to_numpy(),
+                "largest single-token error in the bin (one row)",
+                dict(symbol="circle-open", size=6, color=OKABE_ITO["blue"]),
+                f"<b>{label}</b><br>largest single-token error %{{y:.5f}}<extra></extra>",
                 customdata=ids,
-                hovertemplate=f"<b>{label}</b><br>largest single-token error %{{y:.5f}}<extra></extra>",
             )
         )
     if pinned is not None:
         px = pinned["start"] + (pinned["tokens"] - 1) / 2 if binned else pinned["position"]
         traces.append(
-            dict(
-                type="scatter",
-                x=px.to_numpy(),
-                y=pinned["error_mean"].to_numpy(),
-                mode="markers",
-                name=f"pinned {pinned_label}: total",
-                marker=dict(
-                    symbol="diamond-open", size=7, color=OKABE_ITO["black"], line=dict(width=1.5)
-                ),
-                hovertemplate="pinned: %{y:.5f}<extra></extra>",
+            _points(
+                px.to_numpy(),
+                pinned["error_mean"].to_numpy(),
+                f"pinned {pinned_label}: total",
+                PINNED_MARKER,
+                "pinned: %{y:.5f}<extra></extra>",
             )
         )
     if members > 1:
