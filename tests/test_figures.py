@@ -1,7 +1,10 @@
 """Figure builders and the app's data tables: what a chart says is what was computed."""
 
+import json
+
 import numpy as np
 import plotly.graph_objects as go
+import plotly.io as pio
 import pytest
 
 from kvviz import Spec, View, compare
@@ -198,8 +201,6 @@ def test_pinned_setting_and_real_text_on_the_charts(handbook_comp):
 
 
 def test_every_figure_starts_from_kvviz_template_plotly_white_cut_to_what_kvviz_draws(handbook_comp):
-    import plotly.io as pio
-
     white = pio.templates["plotly_white"]
     ours = figures.attention_figure(token_frame(handbook_comp)).layout.template
     assert ours == pio.templates["kvviz"]
@@ -229,3 +230,19 @@ def test_projector_sets_every_text_of_every_axis_and_keeps_the_data(handbook_com
     assert [t.to_plotly_json() for t in big.data] == [t.to_plotly_json() for t in fig.data]
     att = figures.attention_figure(token_frame(handbook_comp))
     assert style.projector(att).layout.height == att.layout.height           # no height given: kept
+    for fig in (big, style.projector(att, 470, "attention")):                # valid, though built unvalidated
+        assert json.loads(pio.to_json(go.Figure(fig.to_dict()))) == json.loads(pio.to_json(fig))
+
+
+def test_the_explorer_figures_built_without_validation_pass_plotly_validation(handbook_comp, long_comp):
+    """The builders skip plotly's validation for speed; every property they set must still be valid."""
+    one, long = token_frame(handbook_comp), binned_frame(long_comp)
+    built = [figures.attention_figure(one, text_tokens=True, pinned=one, y_top=0.5),
+             figures.binned_attention_figure(long, y_top=0.5),
+             figures.error_figure(one, "ci95", 4, y_range=0.1, text_tokens=True, pinned=one),
+             figures.error_figure(long, "range", 4, pinned=long)]
+    for fig in built:
+        validated = go.Figure(fig.to_dict())                          # raises on any invalid property
+        assert json.loads(pio.to_json(validated)) == json.loads(pio.to_json(fig))   # and changes none
+    with pytest.raises(ValueError):
+        go.Figure({**built[0].to_dict(), "layout": {"no_such_property": 1}})   # the check can fail

@@ -252,4 +252,5 @@ def projector(fig: go.Figure, height: int | None = None, y_title: str | None = N
         **({"height": height + 28 * max(rows - 2, 0)} if height else {}),
         **axes,
     )
-    return go.Figure(data=spec["data"], layout=_merged(look, changes))
+    # unvalidated, as kvviz.plots.figures builds: tests/test_figures.py validates the result
+    return go.Figure(data=spec["data"], layout=_merged(look, changes), _validate=False)
