@@ -4,6 +4,7 @@
     python benchmarks/load.py 10 50            # 10 sessions, 50 moves each
     python benchmarks/load.py 3 5 --timeout 300
     python benchmarks/load.py 10 50 --root ../main          # the same probe against another checkout
+    python benchmarks/load.py 1 60                          # one student: the server's CPU per move
 
 Each session is a websocket client that speaks Streamlit's own protocol (the BackMsg / ForwardMsg
 protobufs from the streamlit package), as the browser does: it opens the Explorer, waits until every
@@ -13,7 +14,7 @@ server, where ten Chromium tabs would compete with it. Meanwhile one thread asks
 (/_stcore/health) and a static file (the page's index.html) every 0.1 s and records how long each
 answer took.
 
-Printed: each student's wait per move (from sending the moved value until that run has finished;
+Printed: the server process's CPU time per move, each student's wait per move (from sending the moved value until that run has finished;
 `wait per move  mean X s, p95 Y s`), exceptions (shown in a page, and tracebacks in the server's log),
 missing sliders, the server's resident memory (VmRSS of its process, /proc/<pid>/status) before and
 after, and the latency percentiles. Exits 1 when a target is missed: wait per move mean <= 1 s and
@@ -49,6 +50,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far (s), from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mb(pid: int) -> float:
@@ -287,12 +294,12 @@ def main(argv: list[str] | None = None) -> int:
         results = [{} for _ in range(a.sessions)]
         threads = [threading.Thread(target=run_session, args=(url, i, a.moves, deadline, results[i]), daemon=True)
                    for i in range(a.sessions)]
-        t0 = time.time()
+        t0, cpu0 = time.time(), cpu_seconds(proc.pid)
         for t in threads:
             t.start()
         for t in threads:
             t.join(max(1, deadline - time.time()))
-        load_seconds = time.time() - t0
+        load_seconds, load_cpu = time.time() - t0, cpu_seconds(proc.pid) - cpu0
         stop.set()
         poller.join(15)
         time.sleep(3)
@@ -313,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load: {a.sessions} sessions x {a.moves} moves of {', '.join(SLIDERS)} (websocket clients, loopback)")
     print(f"  moves done             {moves} of {a.sessions * a.moves} in {load_seconds:.1f} s"
           + (f"; {timed_out} session(s) out of time" if timed_out else ""))
+    print(f"  server CPU per move    {load_cpu / max(moves, 1) * 1e3:.0f} ms (the server process, over the load)")
     print(f"  wait per move  mean {wait_mean:.2f} s, p95 {wait_p95:.2f} s, max {max(waits, default=float('nan')):.2f} s "
           f"(a move's rerun, sent until finished, over {len(waits)} moves)")
     print(f"  exceptions             {exceptions} (in pages {len(page_exceptions)}, server log {len(server)}, "
