@@ -46,11 +46,26 @@ PROBE_KEY = "_kvviz_first_paint"  # the probe's key (its class: st-key-_kvviz_fi
 # data-test-script-state, the attribute Streamlit sets for its own tests; without it, the report
 # comes 2 s after the input. The host element says `data-kvviz-listening` once the probe
 # listens (the browser test clicks a link then).
+#
+# With its report the probe asks the browser to fetch and compile Streamlit's plotly chunk
+# (`<link rel="modulepreload">`: no evaluation, so nothing waits on the page's one thread) while the
+# server runs the charts' run; the browser otherwise starts that 4.7 MB fetch only once the first chart
+# arrives. Charts drawn 3.75 -> 3.48 s after the page opens (1024x768, a fresh server each visit, median
+# of four each, interleaved). Preloading at the probe's mount competed with the first paint (no gain);
+# importing the chunk at the report (evaluating it) was no faster either.
 PROBE_JS = """
 export default function (component) {
   let sent = false, input = false;
   const host = component.parentElement.host || component.parentElement;
-  const report = () => { if (!sent) { sent = true; component.setTriggerValue("painted", true); } };
+  const preload = () => {   // the chunk sits beside Streamlit's own main script
+    const chunk = component.data && component.data.plotly, main = document.querySelector(
+      'script[type="module"][src*="/static/js/"]');
+    if (!chunk || !main || document.querySelector("link[data-kvviz-plotly]")) return;
+    const link = Object.assign(document.createElement("link"), {rel: "modulepreload", href: new URL(chunk, main.src).href});
+    link.dataset.kvvizPlotly = "";
+    document.head.appendChild(link);
+  };
+  const report = () => { if (!sent) { sent = true; preload(); component.setTriggerValue("painted", true); } };
   let timer = setTimeout(report, 2000);
   const app = document.querySelector('[data-testid="stApp"]');
   const runs = new MutationObserver(() => {
@@ -108,6 +123,17 @@ def chart(fig, key: str, where=None, **kwargs):
 
 
 @functools.cache
+def _plotly_chunk() -> str | None:
+    """The file name of Streamlit's plotly chunk (PlotlyChart.<hash>.js), or None where this Streamlit
+    names it otherwise (then nothing is preloaded)."""
+    from pathlib import Path
+
+    folder = Path(st.__file__).parent / "static" / "static" / "js"
+    found = sorted(folder.glob("PlotlyChart.*.js"))
+    return found[0].name if len(found) == 1 else None
+
+
+@functools.cache
 def _probe():
     return st.components.v2.component("kvviz_first_paint", js=PROBE_JS)
 
@@ -118,5 +144,5 @@ def report_first_paint() -> None:
     report carries nothing to keep: that rerun is the news (PAINTED is set here, as the run ends)."""
     # set only by deferred(), so only before the paint
     if st.session_state.pop(_WAITING_RUN, False):
-        _probe()(key=PROBE_KEY, on_painted_change=lambda: None)
+        _probe()(key=PROBE_KEY, data={"plotly": _plotly_chunk()}, on_painted_change=lambda: None)
     st.session_state[PAINTED] = True
