@@ -46,7 +46,7 @@ except ImportError as missing:
     MISSING = f"{missing} (pip install -r requirements-dev.txt)"
 
 TARGET_RATIO = 2.0
-TARGET_PLAIN = 1.2   # the plain `streamlit run app.py`'s first paint / make run's (issue 33)
+TARGET_PLAIN = 1.2   # the plain `streamlit run app.py`'s first paint / make run's
 TARGET_PAINT = 2.0   # s, the first paint on a quiet machine
 TARGET_CHARTS = 2.5  # s, both Explorer charts drawn after the page opens
 TARGET_MOVE, TARGET_WORST = 0.3, 0.8  # s, move -> charts redrawn: median and worst over the moves

@@ -75,7 +75,7 @@ def _picked(key: str, param: str, loudest: int) -> None:
 def _head_picker(where, key: str, param: str, label: str, n: int, loudest: int) -> int:
     """A layer / KV head box whose default is the loudest one (kept in the link only when changed). A number
     typed or linked out of 0..n-1 is clamped with the notice a link gets: the box has no browser-side
-    min / max, which would keep it in a red box and send nothing (issue 34)."""
+    min / max, which would keep it in a red box and send nothing."""
     store, ss = state(), st.session_state
     stored = store[param]
     value = ss[key] if key in ss else (stored if stored >= 0 else loudest)

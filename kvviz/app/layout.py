@@ -44,7 +44,7 @@ def page_setup(title: str, intro: str) -> bool:
     """Every page's head: the app-wide layout styles, the Presentation mode switch (sidebar,
     in the URL), the title and its one-line intro (a smaller title and no intro when
     presenting). Returns whether presentation mode is on."""
-    guard.start_run()  # this run's cancel check and status line (issue 26)
+    guard.start_run()  # this run's cancel check and status line
     # the first page view of the process: the kernel, then the bundled model, in the background
     warm_up()
     present = bool(

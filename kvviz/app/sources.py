@@ -431,7 +431,7 @@ def real_model_source(container=None) -> Trace | None:
         name, prompt, int(new_tokens), int(max_tokens), dtype=dtype, device=device
     )
     path = settings.path()
-    # the step that is missing, in the main area where the page would be (issue 34)
+    # the step that is missing, in the main area where the page would be
     if not path.is_file():
         model = "the bundled SmolLM2-135M" if kind == "bundled" else name
         clicked = (

@@ -189,7 +189,7 @@ def w_budget(
     ss[box] = value if unit == "tokens" else round(100.0 * value / max(n, 1), 1)
 
     def clamped(count, typed_value) -> int:
-        """The typed count within 0..n; out of range: clamped with the notice a link gets (issue 34)."""
+        """The typed count within 0..n; out of range: clamped with the notice a link gets."""
         c = int(min(max(count, 0), n))
         if c != count:
             notice(
@@ -242,7 +242,7 @@ def w_number(
     fmt: str | None = None,
     disabled: bool = False,
 ):
-    # a typed number out of [lo, hi] is clamped here, with a notice (issue 34)
+    # a typed number out of [lo, hi] is clamped here, with a notice
     _bind(name, lo, hi, label)
     # no min / max on the widget: the browser would keep an out-of-range number in a red box, send nothing,
     # and show the range only on hover; the range goes in the help instead
@@ -402,7 +402,7 @@ def w_last_is_minus_one(
 ) -> int:
     """A number box of 0..n-1 whose last value is stored as -1 (so it stays the last when the row grows:
     the charts' last token, the token grid's page). A typed number outside 0..n-1 is clamped, with a
-    notice below 0; the box has no browser-side min / max (issue 34). Returns 0..n-1."""
+    notice below 0; the box has no browser-side min / max. Returns 0..n-1."""
     store, ss = state(), st.session_state
     from_w = functools.partial(_step_from_widget, n)
     if name in ss and ss.get(f"_scope_{name}") == scope and int(ss[name]) < 0:

@@ -51,7 +51,7 @@ SWEEP_METHODS: dict[str, Callable[[int], Spec]] = {
         sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="oracle"
     ),
 }
-# issue #12: the newer scorers with the same split, and allocations over heads / layers
+# the newer scorers with the same split, and allocations over heads / layers
 SWEEP_METHODS.update(
     {
         name: (lambda s_: lambda b: SWEEP_METHODS["h2o"](b).with_(scorer=s_))(name)

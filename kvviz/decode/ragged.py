@@ -1,4 +1,4 @@
-"""Real-model decoding under a budget allocation over heads and layers (issue #12).
+"""Real-model decoding under a budget allocation over heads and layers.
 
 `CompressedCache` keeps every KV head of a layer at the same length. The allocations
 change that:

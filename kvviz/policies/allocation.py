@@ -13,11 +13,11 @@ window stay per head, as always.
              As in kvpress, the safeguard ranks all of a head's tokens, and the sinks and the
              window rank first (kvpress pads SnapKV's window with max + 1), so it is spent on
              them before any heavy hitter: floor(alpha * budget) - (sinks + window) heavy
-             hitters, if that is positive. `adakv_floor="outside-window"` (kvviz before #24):
+             hitters, if that is positive. `adakv_floor="outside-window"` (not kvpress's):
              floor(alpha * heavy) heavy hitters on top of sinks and window. Heads then hold
              different numbers of tokens: the caches are ragged.
     pyramid  PyramidKV (Cai et al. 2024; kvpress PyramidKVPress): per-layer totals falling
-             linearly (`pyramid_budgets`). `pyramid_schedule="heavy"` (kvviz before #24): the
+             linearly (`pyramid_budgets`). `pyramid_schedule="heavy"` (not kvpress's): the
              heavy part alone sloped from 2h - h/beta to h/beta, summing to n_layers * h.
 
 AdaKV is decided once, at the compression point, from the compression-time scores (the
@@ -97,7 +97,7 @@ declare(
             "outside-window": "heavy hitters only",
         },
         help="all = each head's top α × budget tokens, sinks and window first (kvpress); outside-window = "
-        "α × heavy heavy hitters beside them (kvviz before #24)",
+        "α × heavy heavy hitters beside them (a larger floor than kvpress's)",
     ),
     Setting(
         "pyramid_beta",
@@ -120,7 +120,7 @@ declare(
         label="PyramidKV slopes",
         option_labels={"kvpress": "layer totals (kvpress)", "heavy": "the heavy part"},
         help="kvpress = layer totals as PyramidKVPress.get_layer_budget; heavy = the heavy part alone from "
-        "2h - h/beta down to h/beta, same total (kvviz before #24)",
+        "2h - h/beta down to h/beta, same total (sinks and window equal in every layer)",
     ),
 )
 LABELS["allocation:adakv"] = lambda spec, scorer: f"adakv-{scorer} (alpha {spec.adakv_alpha:g})"
@@ -165,7 +165,7 @@ def kvpress_kept(budget: int) -> float:
 
 
 def pyramid_budgets(heavy: int, n_layers: int, beta: float) -> np.ndarray:
-    """The "heavy" schedule (kvviz before #24): heavy budget of each layer (n_layers,) int, linear from
+    """The "heavy" schedule (not kvpress's): heavy budget of each layer (n_layers,) int, linear from
     the bottom, non-increasing, sum n_layers * heavy. Sinks and window stay as in the uniform spec."""
     if n_layers <= 1 or heavy == 0:
         return np.full(max(n_layers, 1), heavy, dtype=np.int64)[:n_layers]

@@ -16,9 +16,9 @@ Which chunks are kept (`Spec.chunk_rule`):
             memory card and ledger count what it holds. Tokens that arrive later join the cache
             until it reaches the budget; past it, the lowest-scored token outside the sinks and
             window goes (an arrival has no chunk score: it stays while in the window).
-    budget  (kvviz before #24) every token carries its chunk's score and the heavy budget fills
-            whole chunks, best first, beside the sinks and window (a budget that is not a
-            multiple of C ends with the first tokens of one more chunk).
+    budget  (a budget-exact variant, not kvpress's) every token carries its chunk's score and the
+            heavy budget fills whole chunks, best first, beside the sinks and window (a budget that
+            is not a multiple of C ends with the first tokens of one more chunk).
 """
 
 import numpy as np
@@ -66,7 +66,7 @@ declare(
         label="ChunkKV keeps",
         option_labels={"chunks": "whole chunks (kvpress)", "budget": "chunks filling the budget"},
         help="ChunkKV: chunks = kvpress's count of whole chunks (the cache may hold fewer tokens than the "
-        "budget); budget = chunks fill the heavy budget beside sinks and window (kvviz before #24)",
+        "budget); budget = chunks fill the heavy budget exactly, beside sinks and window (not kvpress's rule)",
     ),
 )
 LABELS["chunkkv"] = lambda spec: f"chunkkv ({spec.chunk_scorer}, chunks of {spec.chunk_size})"

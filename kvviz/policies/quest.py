@@ -9,8 +9,8 @@ and reads only its top pages by U (plus the sinks and the recent window). As the
 each query head ranks the pages by its own bound and reads its own top pages
 (`Spec.quest_heads="query"`); with GQA, a KV head's cache serves the union of what its query
 heads read, and that union is what the ledger and memory card count as bytes read (a page is
-read once per step however many of the group's heads chose it). `quest_heads="kv"` (kvviz
-before #24): one choice per KV head by the largest bound among its query heads. Every token of
+read once per step however many of the group's heads chose it). `quest_heads="kv"` (coarser than
+the paper): one choice per KV head by the largest bound among its query heads. Every token of
 a page carries the page's bound, so the heavy budget reads whole pages, best first. What it
 saves is memory *read* per step, not memory stored: the whole cache plus the per-page min / max
 keys stay in memory. Reading every page is exact.
@@ -45,7 +45,8 @@ declare(
         label="Quest reads pages per",
         option_labels={"query": "query head (the paper)", "kv": "KV head"},
         help="query = each query head reads its own top pages (the paper); kv = one page choice per KV head "
-        "by its group's largest bound (kvviz before #24)",
+        "by its group's largest bound (coarser than the paper: the whole group reads the same "
+        "pages)",
     ),
 )
 LABELS["quest"] = lambda spec: f"quest (pages of {spec.page_size}, cache kept whole)"
