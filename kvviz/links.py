@@ -26,6 +26,8 @@ from kvviz.trace import Trace
 SOURCE_NAMES = ("handbook", "synthetic", "real", "file")
 ENSEMBLE_OPTIONS = ("auto", "none", "heads", "layers", "steps", "seeds")
 MAX_TOKENS = 32768 + 512
+# an upper bound this large only keeps absurd links out: a notice gives no such range, only "at least"
+OPEN_ENDED = 1_000_000
 
 
 class LiveChoices:
@@ -122,9 +124,14 @@ class Param:
             x = int(round(x))
         clamped = min(max(x, self.lo), self.hi) if self.lo is not None else x
         if clamped != x:
+            allowed = (
+                f"at least {number_text(self.lo)}"
+                if x < self.lo and self.hi >= OPEN_ENDED
+                else f"{number_text(self.lo)}-{number_text(self.hi)}"
+            )
             return (
                 clamped,
-                f"{label} is out of range ({number_text(self.lo)}-{number_text(self.hi)}); clamped to {number_text(clamped)}.",
+                f"{label} is out of range ({allowed}); clamped to {number_text(clamped)}.",
             )
         return x, None
 
