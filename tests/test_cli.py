@@ -149,3 +149,27 @@ def test_an_oversized_trace_file_is_refused_from_its_header(capsys, tmp_path, mo
     lazy = save_trace(traces[2048], tmp_path / "big2.safetensors")
     code, err = run_or_exit(capsys, "compare", "--source", str(lazy), "--layer", "1")
     assert code == 0, err
+
+
+def test_compare_help_opens_with_examples_that_run_as_shown(capsys):
+    import shlex
+
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    shown = capsys.readouterr().out
+    assert shown.index("examples:") < shown.index("options:") and shown.startswith("usage: kvviz compare [options]")
+    commands, line = [], ""
+    for text in shown.split("options:")[0].splitlines():          # a command, continued after a backslash
+        text = text.strip()
+        if line or text.startswith("kvviz compare"):
+            line += " " + text.removesuffix("\\")
+            if not text.endswith("\\"):
+                commands.append(line.strip())
+                line = ""
+    assert len(commands) == 3
+    for command in commands:
+        argv = shlex.split(command)[1:]
+        code = main(argv)
+        out, err = capsys.readouterr()
+        assert code == 0 and not err, (command, err)
+        assert "spec:" in out and "pos token" in out, command             # the table, token by token

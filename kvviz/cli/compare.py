@@ -114,8 +114,28 @@ def format_table(result, trace, max_rows: int = 80) -> str:
     return "\n".join(lines)
 
 
+# what `kvviz compare --help` opens with, before its ~60 options (as git and pip do)
+EXAMPLES = """\
+examples:
+  kvviz compare --sink 4 --recent 8 --heavy 2
+      the handbook's worked example: 4 sinks, a window of 8, 2 heavy hitters (H2O), token by token
+  kvviz compare --sink 4 --recent 8 --heavy 2 --bits 4
+      the same cache with its keys and values quantized to 4 bits
+  kvviz compare --source synthetic --context 1024 --scorer snapkv --sink 4 --recent 64 --heavy 100 \\
+      --ensemble heads
+      a 1,024-token synthetic pattern under SnapKV, with error bars over the query heads
+
+Every option below has a default; `--json` prints the numbers for a script."""
+
+
 def register(sub) -> None:
-    p = sub.add_parser("compare", help="original vs compressed attention for one configuration")
+    p = sub.add_parser(
+        "compare",
+        help="original vs compressed attention for one configuration",
+        usage="kvviz compare [options]",
+        description=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_source_args(p)
     add_compression_args(p)
     add_view_args(p)
