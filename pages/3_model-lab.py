@@ -85,36 +85,49 @@ def _full_cached(settings: lab.LabSettings) -> bool:
 
 def _run_live(settings: lab.LabSettings) -> lab.LabResult:
     """Run with progress, the greedy texts streaming in as they are produced, and a cancel button."""
-    st.button("Cancel", key="lab_cancel", icon=":material/stop_circle:",
-              help="Stops the run at the next token; nothing is kept.")
+    cancel = st.empty()   # gone with the run, whether it finishes or fails
+    cancel.button("Cancel", key="lab_cancel", icon=":material/stop_circle:",
+                  help="Stops the run at the next token; nothing is kept.")
     with st.status("Running the model…", expanded=True) as status:
-        bar = st.progress(0.0)
-        line = st.empty()
-        t0 = time.perf_counter()
-        expected = lab.estimate(settings, full_cached=_full_cached(settings))
-
-        def progress(f: float, msg: str) -> None:
-            bar.progress(min(max(float(f), 0.0), 1.0))
-            took = time.perf_counter() - t0
-            left = f" · about {max(1, round(expected - took))} s left" if expected and expected > took else ""
-            line.caption(f"{msg} · {took:.0f} s{left}")
-        progress(0.0, "Loading the model (read from the weights cache after the first conversion)…")
-        model, tokenizer, info = shared_model(settings.model, settings.device, settings.dtype,
-                                              progress=lambda f, m: progress(0.0, f"Loading the model: {m}"))
-        a, b = st.columns(2)
-        full_box, comp_box = a.empty(), b.empty()
-        full_toks: list[str] = []
-        comp_toks: list[str] = []
-
-        def stream(box, toks, title):
-            def on_token(i: int, tok: int) -> None:
-                toks.append(tokenizer.decode([tok]))
-                box.html(continuation_html(toks, None, title))
-            return on_token
-        result = lab.run(model, tokenizer, _label(info, settings.model), settings, progress=progress,
-                         on_full_token=stream(full_box, full_toks, "Full cache"),
-                         on_token=stream(comp_box, comp_toks, f"Compressed: {settings.spec.label()}"))
+        try:
+            result = _decode(settings)
+        except Exception:
+            status.update(label="The run stopped", state="error", expanded=False)
+            cancel.empty()
+            raise
         status.update(label=f"Finished in {result.seconds:.1f} s", state="complete", expanded=False)
+    cancel.empty()
+    return result
+
+
+def _decode(settings: lab.LabSettings) -> lab.LabResult:
+    """The run inside _run_live's status box: its progress bar and line, the two texts side by side."""
+    bar = st.progress(0.0)
+    line = st.empty()
+    t0 = time.perf_counter()
+    expected = lab.estimate(settings, full_cached=_full_cached(settings))
+
+    def progress(f: float, msg: str) -> None:
+        bar.progress(min(max(float(f), 0.0), 1.0))
+        took = time.perf_counter() - t0
+        left = f" · about {max(1, round(expected - took))} s left" if expected and expected > took else ""
+        line.caption(f"{msg} · {took:.0f} s{left}")
+    progress(0.0, "Loading the model (read from the weights cache after the first conversion)…")
+    model, tokenizer, info = shared_model(settings.model, settings.device, settings.dtype,
+                                          progress=lambda f, m: progress(0.0, f"Loading the model: {m}"))
+    a, b = st.columns(2)
+    full_box, comp_box = a.empty(), b.empty()
+    full_toks: list[str] = []
+    comp_toks: list[str] = []
+
+    def stream(box, toks, title):
+        def on_token(i: int, tok: int) -> None:
+            toks.append(tokenizer.decode([tok]))
+            box.html(continuation_html(toks, None, title))
+        return on_token
+    result = lab.run(model, tokenizer, _label(info, settings.model), settings, progress=progress,
+                     on_full_token=stream(full_box, full_toks, "Full cache"),
+                     on_token=stream(comp_box, comp_toks, f"Compressed: {settings.spec.label()}"))
     return result
 
 

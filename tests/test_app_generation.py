@@ -225,6 +225,20 @@ def test_model_lab_offers_this_machines_devices_and_an_out_of_memory_run_is_one_
     assert asked == [("bundled", "cpu", "bfloat16")]
     (err,) = [e.value for e in at.error]
     assert err.startswith("The run stopped: out of GPU memory: lower the token counts") and "\n" not in err
+    # the run's box says it stopped, and its Cancel button went with it
+    assert [b.label for b in at.button if b.key == "lab_cancel"] == []
+    assert [b.label for b in at.main if b.type == "status"] == ["The run stopped"]
+
+
+def test_model_lab_built_in_text_shorter_than_the_prompt_says_so_in_the_pages_words(monkeypatch):
+    share_one_model_load(monkeypatch)
+    at = run(LAB, lab_text="bakery", lab_prompt=512)
+    at.button(key="lab_run").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    (err,) = [e.value for e in at.error]
+    assert err.startswith("Cannot run: the text has ") and "a shorter prompt (fewer prompt tokens)" in err
+    assert "--" not in err                                           # no command-line flag in the browser
+    assert [b.label for b in at.button if b.key == "lab_cancel"] == []
 
 
 def _real_model_sidebar():

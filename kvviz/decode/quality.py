@@ -106,7 +106,7 @@ def check_lengths(
     if n_ids <= prompt_tokens:
         raise SpecError(
             f"the text has {n_ids} tokens: nothing is left after a {prompt_tokens}-token prompt; "
-            "use a longer text or fewer --prompt-tokens"
+            "use a longer text or a shorter prompt (fewer prompt tokens)"
         )
     if continuation_tokens is None:  # the rest of the text, up to the cap
         return prompt_tokens, min(n_ids - prompt_tokens, max_new)
@@ -134,7 +134,7 @@ def check_positions(model, n_tokens: int) -> None:
     if top is not None and n_tokens > top:
         raise SpecError(
             f"prompt + continuation is {n_tokens:,} tokens, past the model's {top:,} positions; "
-            "use fewer --prompt-tokens or --continuation-tokens"
+            "use fewer prompt or continuation tokens"
         )
 
 
