@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WARMUP = os.environ.get("KVVIZ_WARMUP", "1")          # the app's default; tests/conftest sets 0 on import
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import big_trace  # noqa: E402  (the model, the prompt and the CLI runner)
-from browser import CHROMIUM, settled_at, slider  # noqa: E402  (tests/conftest's server and page probe)
+from browser import CHROMIUM, server_pid, settled_at, slider  # noqa: E402  (tests/conftest's server, page probe)
+from load import cpu_seconds  # noqa: E402  (all the server's threads: what a step costs whatever shares the cores)
 
 TARGET_FIRST_METRICS = 5.0   # s
 TARGET_MOVE = 1.5            # s
@@ -67,32 +68,12 @@ def make_trace(folder: Path, layers: int, tokens: int) -> Path:
     return trace
 
 
-def server_pid(port: int) -> int:
-    """The pid of the Streamlit server listening on `port` (its command line names the port)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"--server.port" in argv and argv[argv.index(b"--server.port") + 1] == str(port).encode():
-            return int(proc.name)
-    raise RuntimeError(f"no server process on port {port}")
-
-
 def peak_rss_mib(pid: int) -> float:
     """The process's peak resident memory so far (Linux: VmHWM)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU time the process (all its threads) has used so far: what a step costs whatever else shares the cores."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def headline_metric(page) -> str | None:

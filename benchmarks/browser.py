@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+from load import cpu_seconds  # noqa: E402  (the server's CPU time, from /proc)
 WARMUP = os.environ.get("KVVIZ_WARMUP", "1")          # the app's default; tests/conftest sets 0 on import
 sys.path.insert(0, str(ROOT / "tests"))
 try:   # the browser tests' server and page probe (tests/conftest.py needs pytest: requirements-dev.txt)
@@ -106,23 +107,18 @@ window.WebSocket = class extends Wired {
 """
 
 
-def server_pid(url: str) -> int | None:
-    """The process serving `url` (its command line names the port), for its CPU time."""
-    port = url.rsplit(":", 1)[1].encode()
+def server_pid(port: int) -> int:
+    """The pid of the Streamlit server listening on `port` (its command line names the port)."""
     for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
         try:
-            args = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if port in args and b"--server.port" in args:
+        if b"--server.port" in argv and argv[argv.index(b"--server.port") + 1] == str(port).encode():
             return int(proc.name)
-    return None
-
-
-def cpu_ms(pid: int) -> float:
-    """The process's user + system CPU time so far (ms), from /proc/<pid>/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
+    raise RuntimeError(f"no server process on port {port}")
 
 
 def move(page, label: str, key: str, pid: int) -> dict:
@@ -130,10 +126,10 @@ def move(page, label: str, key: str, pid: int) -> dict:
     thumb = slider(page, label)
     thumb.focus()
     page.evaluate("window.__wire.messages = 0; window.__wire.bytes = 0")
-    before, cpu0, t0 = runs(page), cpu_ms(pid), page.evaluate("performance.now()")
+    before, cpu0, t0 = runs(page), cpu_seconds(pid), page.evaluate("performance.now()")
     thumb.press(key)
     idle(page, after=before)
-    cpu = cpu_ms(pid) - cpu0
+    cpu = (cpu_seconds(pid) - cpu0) * 1000
     wire = page.evaluate("window.__wire")
     sent = min((t for t in wire["sent"] if t >= t0), default=t0)
     settled = settled_at(page, t0)
@@ -198,7 +194,7 @@ def main() -> int:
         # the same first visit of a plain `streamlit run app.py`, in this run: what the launcher saves
         plain, _, _ = fresh_visits(browser, PLAIN_VISITS, launcher=False)
         visits, page, url = fresh_visits(browser, FRESH_VISITS, launcher=True, keep=last_server)
-        pid = server_pid(url)
+        pid = server_pid(int(url.rsplit(":", 1)[1]))
         parts, linked = [], 0
         for label, key in MOVES:
             parts.append(move(page, label, key, pid))
