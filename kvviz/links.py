@@ -19,15 +19,16 @@ from kvviz.sources import handbook
 from kvviz.quant.formats import SERVING_FORMATS
 from kvviz.quant.integer import BITS_OPTIONS  # the bits slider offers what the integer format does
 from kvviz.settings import SETTINGS, Setting
-from kvviz.spec import FULL_BITS, SCORERS, Spec, SpecError, View
+from kvviz.spec import FULL_BITS, MAX_BUDGET, SCORERS, Spec, SpecError, View
 from kvviz.trace import Trace
 
 # kvviz.app.labels.SOURCE_LABELS names them
 SOURCE_NAMES = ("handbook", "synthetic", "real", "file")
 ENSEMBLE_OPTIONS = ("auto", "none", "heads", "layers", "steps", "seeds")
 MAX_TOKENS = 32768 + 512
-# an upper bound this large only keeps absurd links out: a notice gives no such range, only "at least"
-OPEN_ENDED = 1_000_000
+# an upper bound this large (the budgets' own, and the seeds' and steps') only keeps absurd links out:
+# a notice gives no such range, only "at least"
+OPEN_ENDED = MAX_BUDGET
 
 
 class LiveChoices:
@@ -159,7 +160,7 @@ _PARAMS = [
     Param("q_heads", "int", 4, 1, 32),
     Param("kv_heads", "int", 2, 1, 32),
     Param("head_dim", "choice", 64, choices=(32, 64, 128)),
-    Param("syn_seed", "int", 0, 0, 1_000_000),
+    Param("syn_seed", "int", 0, 0, OPEN_ENDED),
     Param("sink_strength", "float", 11.0, 0.0, 30.0),
     Param("local_strength", "float", 5.0, 0.0, 30.0),
     Param("local_width", "float", 8.0, 0.5, 512.0),
@@ -176,7 +177,7 @@ _PARAMS = [
     # view
     Param("layer", "int", 0, 0, 1023),
     Param("head", "int", 0, 0, 1023),
-    Param("step", "int", -1, -1, 1_000_000),
+    Param("step", "int", -1, -1, OPEN_ENDED),
     Param("ensemble", "choice", "auto", choices=ENSEMBLE_OPTIONS),
     Param("ens_size", "int", 8, 2, 32),
     Param("bars", "choice", "std", choices=("std", "ci95", "range")),
@@ -210,7 +211,7 @@ _PARAMS = [
     Param("tl_kv_head", "int", 0, 0, 1023),
     Param("tl_policies", "list", ("h2o", "tova", "streaming", "oracle"), choices=SCORERS),
     Param("tl_need", "float", 0.02, 0.001, 1.0),
-    Param("tl_step", "int", 0, 0, 1_000_000),
+    Param("tl_step", "int", 0, 0, OPEN_ENDED),
     # model lab page
     Param("lab_text", "choice", "sample", choices=("sample", "bakery", "custom")),
     Param("lab_prompt", "int", 206, 8, 512),
