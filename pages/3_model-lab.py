@@ -247,6 +247,12 @@ def show(result: lab.LabResult) -> None:
     question = (f", the last {d['question_tokens']} of them the question" if d["question_tokens"] else "")
     st.caption(f"{result.model}: {d['prompt_tokens']}-token prompt{question}, {d['continuation_tokens']} continuation "
                f"tokens scored (teacher-forced; {where}).")
+    if result.asked is not None:        # the text was shorter than the prompt asked for (lab.fit_to_text)
+        context = d["prompt_tokens"] - d["question_tokens"]
+        st.info(f"This text has {context + d['continuation_tokens']} tokens, too few for a "
+                f"{result.asked.prompt_tokens}-token prompt: its first {context} were the prompt and the next "
+                f"{d['continuation_tokens']} were scored. Set **Prompt tokens** to {context} or fewer to choose "
+                "the split yourself, or pick a longer text.", icon=":material/content_cut:")
     m = st.columns(3) + st.columns(3)[:2]   # five cards in one row are cut at a projector's 1024 px
     m[0].metric("Perplexity (compressed)", f"{q.perplexity:.2f}", delta=f"{q.perplexity - q.perplexity_full:+.2f}",
                 delta_color="inverse", border=True, help="exp(mean −log p̂) of the true continuation tokens.")

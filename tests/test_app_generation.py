@@ -230,14 +230,24 @@ def test_model_lab_offers_this_machines_devices_and_an_out_of_memory_run_is_one_
     assert [b.label for b in at.main if b.type == "status"] == ["The run stopped"]
 
 
-def test_model_lab_built_in_text_shorter_than_the_prompt_says_so_in_the_pages_words(monkeypatch):
+@pytest.mark.parametrize("prompt", [None, 512], ids=["the default prompt", "a longer prompt"])
+def test_model_lab_bakery_story_runs_where_its_text_is_shorter_than_the_prompt(monkeypatch, prompt):
+    """The Bakery story (177 tokens) against the page's default 206-token prompt, or a link's 512: the run
+    shortens the prompt to what the text holds (lab.fit_to_text) and says so in the page's words."""
+    from kvviz.decode import lab
+
     share_one_model_load(monkeypatch)
-    at = run(LAB, lab_text="bakery", lab_prompt=512)
+    params = {"lab_text": "bakery", "lab_cont": 8, "lab_greedy": 4} | ({"lab_prompt": prompt} if prompt else {})
+    at = run(LAB, **params)
+    asked = prompt or lab.DEFAULT_PROMPT
     at.button(key="lab_run").click().run()
     assert not at.exception, [e.value for e in at.exception]
-    (err,) = [e.value for e in at.error]
-    assert err.startswith("Cannot run: the text has ") and "a shorter prompt (fewer prompt tokens)" in err
-    assert "--" not in err                                           # no command-line flag in the browser
+    assert [e.value for e in at.error] == []
+    assert at.metric[0].label == "Perplexity (compressed)"
+    (note,) = [i.value for i in at.info if "too few for a" in i.value]
+    n = int(note.split("This text has ")[1].split(" tokens")[0])
+    assert f"too few for a {asked}-token prompt: its first {n - 8} were the prompt and the next 8 were scored" in note
+    assert "--" not in note                                          # no command-line flag in the browser
     assert [b.label for b in at.button if b.key == "lab_cancel"] == []
 
 

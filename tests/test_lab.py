@@ -66,6 +66,35 @@ def test_a_run_equals_the_separate_functions(tiny, spec):
     assert lab.estimate(settings) > 0                         # measured step times now exist
 
 
+@pytest.mark.parametrize("n_ids, asked, fitted", [
+    (177, (206, 57), (120, 57)),      # the Bakery story at the page's defaults: the continuation kept
+    (300, (206, 57), (206, 57)),      # a longer text: unchanged
+    (207, (206, 57), (206, 57)),      # one token left to score is enough: unchanged
+    (206, (206, 57), (149, 57)),
+    (40, (206, 57), (20, 20)),        # at most half the text is scored
+    (3, (8, 2), (2, 1)),
+    (1, (8, 2), (8, 2)),              # cannot be split: left to the run's own error
+])
+def test_fit_to_text_shortens_only_a_prompt_the_text_cannot_hold(n_ids, asked, fitted):
+    settings = lab.LabSettings("tiny", "", *asked, 0, Spec())
+    got = lab.fit_to_text(settings, n_ids)
+    assert (got.prompt_tokens, got.continuation) == fitted
+    assert (got is settings) == (fitted == asked)
+    if got is not settings:                                     # the whole text: prompt, then what is scored
+        assert got.prompt_tokens + got.continuation == n_ids
+
+
+def test_a_text_shorter_than_the_prompt_runs_on_the_fitted_settings_and_says_what_was_asked(tiny):
+    model, text = tiny                                           # 60 tokens
+    asked = lab.LabSettings("tiny", text, 64, 20, 0, Spec(sink=2, recent=6))
+    result = lab.run(model, Tok(), "tiny", asked)
+    fitted = lab.fit_to_text(asked, 60)
+    assert result.asked == asked and (fitted.prompt_tokens, fitted.continuation) == (40, 20)
+    same = lab.run(model, Tok(), "tiny", fitted)
+    assert same.asked is None
+    np.testing.assert_array_equal(result.quality.nll, same.quality.nll)
+
+
 @pytest.mark.parametrize("point", ["before-question", "after-question"])
 @pytest.mark.parametrize("spec", [Spec(sink=2, recent=6, heavy=4, scorer="snapkv"),
                                   Spec(sink=2, recent=6, heavy=4, scorer="h2o")], ids=lambda s: s.scorer)

@@ -94,6 +94,19 @@ def default_settings(spec: Spec | None = None) -> LabSettings:
     )
 
 
+def fit_to_text(settings: LabSettings, n_ids: int) -> LabSettings:
+    """The settings a text of n_ids tokens can run. Unchanged where the text is longer than the prompt;
+    otherwise the prompt is shortened so that the asked continuation, at most half the text, is left to
+    score (a 177-token story against the page's 206-token default prompt: 120 + 57). A text of fewer than
+    two tokens cannot be split and is left to the run's own error."""
+    if n_ids > settings.prompt_tokens or n_ids < 2:
+        return settings
+    continuation = max(1, min(settings.continuation, n_ids // 2))
+    return dataclasses.replace(
+        settings, prompt_tokens=n_ids - continuation, continuation=continuation
+    )
+
+
 # --- the run -------------------------------------------------------------------------------
 
 
@@ -108,6 +121,8 @@ class LabResult:
     prompt_text: str  # the prompt as its tokens read
     seconds: float
     precomputed: bool = False  # read back from disk (load_result), not run in this process
+    # the settings asked for, where the text was too short for them and the run used fit_to_text's instead
+    asked: LabSettings | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -153,8 +168,9 @@ def run(
 
     say = progress or (lambda f, m: None)
     t0 = time.perf_counter()
-    spec = settings.spec
     ids = tokenize(tokenizer, settings.text)
+    asked, settings = settings, fit_to_text(settings, len(ids))
+    spec = settings.spec
     key = _full_key(model, ids, settings)
     with _FULL_LOCK:
         full = _FULL.get(key)
@@ -254,6 +270,7 @@ def run(
         n_text_tokens=len(ref.ids),
         prompt_text="".join(ref.tokens[:n]),
         seconds=seconds,
+        asked=None if asked is settings else asked,
     )
 
 
