@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
-from apptest_util import numbers, run_app, unfold
+from apptest_util import numbers, plotly_values, run_app, unfold
 from streamlit.testing.v1 import AppTest
 
 from kvviz import Spec, View, compare
@@ -412,6 +412,24 @@ def test_locked_y_axis_survives_slider_moves():
     at.slider(key="heavy").set_value(20).run()
     layout = json.loads(at.get("plotly_chart")[1].proto.spec)["layout"]
     assert layout["yaxis"]["range"] == [-locked, locked]
+
+
+def test_a_locked_axis_never_hides_a_bar():
+    """Locked at the default view, then sink 1, recent 0, heavy 0: the one kept token's attention (1.0)
+    and its error (~0.9) pass both locks; each chart widens to them and says so."""
+    at = run(ensemble="none")
+    at.toggle(key="_ylock_on").set_value(True).run()
+    ylock, alock = float(at.query_params["ylock"]), float(at.query_params["alock"])
+    for name, value in (("sink", 1), ("recent", 0), ("heavy", 0)):
+        at.slider(key=name).set_value(value).run()
+    assert not at.exception and (float(at.query_params["ylock"]), float(at.query_params["alock"])) == (ylock, alock)
+    attention, error = (json.loads(c.proto.spec) for c in at.get("plotly_chart"))
+    tallest = max(max(plotly_values(t["y"])) for t in attention["data"] if t["type"] == "bar")
+    assert tallest > alock and attention["layout"]["yaxis"]["range"][1] >= tallest
+    assert f"lock {alock:.3g} widened" in attention["layout"]["title"]["text"]
+    lowest = min(min(plotly_values(t["y"])) for t in error["data"] if t["type"] == "bar")
+    assert -lowest > ylock and error["layout"]["yaxis"]["range"][0] <= lowest
+    assert f"lock ±{ylock:.3g} widened" in error["layout"]["title"]["text"]
 
 
 def test_solver_applies_the_smallest_budget():

@@ -191,6 +191,34 @@ def test_error_parts_add_up_and_each_cause_vanishes_without_it(handbook_comp):
     assert "quantization part" not in {tr.name for tr in figures.error_figure(evict_only).data}
 
 
+def test_a_locked_axis_widens_to_every_bar_and_says_so():
+    """A y-axis lock never hides data: sink 1 alone (the one kept token takes all the attention, 1.0, and
+    its error is ~0.9) under the locks a default view gives (0.2 and ±0.1) widens each chart to its tallest
+    bar and names both numbers; a lock above the data stays as it is, without a word."""
+    from kvviz import Spec, View, compare
+    from kvviz.analysis.frames import binned_frame
+    from kvviz.sources.handbook import handbook_trace
+    from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+
+    one = token_frame(compare(handbook_trace(), Spec(sink=1), View()))
+    top_bar = max(one["original"].max(), one["compressed"].max())
+    assert top_bar == pytest.approx(1.0)
+    att = figures.attention_figure(one, y_top=0.2)
+    assert att.layout.yaxis.range[1] >= top_bar and att.layout.yaxis.range[0] == 0
+    assert "y-axis lock 0.2 widened to 1: a bar reaches past it" in att.layout.title.text
+    worst = np.abs(one["error"]).max()
+    err = figures.error_figure(one, "std", 1, y_range=0.1)
+    assert err.layout.yaxis.range[1] >= worst and err.layout.yaxis.range[0] == -err.layout.yaxis.range[1]
+    assert f"y-axis lock ±0.1 widened to ±{worst:.3g}" in err.layout.title.text
+    long = make_synthetic(SyntheticSpec(context=600, steps=0, layers=1, q_heads=1, kv_heads=1))
+    binned = binned_frame(compare(long, Spec(sink=1), View()))
+    mass = figures.binned_attention_figure(binned, y_top=0.05)
+    assert mass.layout.yaxis.range[1] >= binned["original"].max() > 0.05 and "widened" in mass.layout.title.text
+    for fig, locked in ((figures.attention_figure(one, y_top=1.5), (0, 1.5)),
+                        (figures.error_figure(one, y_range=1.0), (-1.0, 1.0))):
+        assert tuple(fig.layout.yaxis.range) == locked and "widened" not in fig.layout.title.text
+
+
 def test_pinned_setting_and_real_text_on_the_charts(handbook_comp):
     f = token_frame(handbook_comp)
     fig = figures.attention_figure(f, pinned=f, pinned_label="A: h2o 4/8/2", text_tokens=True)

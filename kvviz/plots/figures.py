@@ -44,11 +44,25 @@ def _figure(traces: list[dict], look: dict, x_axis: dict, y_axis: dict) -> go.Fi
     return go.Figure(data=traces, layout=look, _validate=False)
 
 
-def _locked(top: float | None, bottom: float | None = 0) -> dict:
-    """A y axis locked at [bottom, top] (bottom None: ±top); unlocked without `top`."""
+def _locked(top: float | None, reach: float, bottom: float | None = 0) -> tuple[dict, str]:
+    """A y axis locked at [bottom, top] (bottom None: ±top), unlocked without `top`, and what to add to
+    the chart's subtitle. A lock never hides data: where the chart reaches past it (`reach`, the largest
+    |value| it draws: stacked bars, error bars and markers included) the axis widens to fit, and the
+    subtitle says from what to what."""
     if not top:
-        return {}
-    return dict(range=[-top if bottom is None else bottom, top], autorange=False)
+        return {}, ""
+    note = ""
+    if reach > top:
+        sign = "±" if bottom is None else ""
+        note = f" · y-axis lock {sign}{top:.3g} widened to {sign}{reach:.3g}: a bar reaches past it"
+        top = reach * 1.04
+    return dict(range=[-top if bottom is None else bottom, top], autorange=False), note
+
+
+def _reach(*values) -> float:
+    """The largest |value| among the arrays (NaN ignored), 0 where there is none."""
+    finite = [np.abs(v[np.isfinite(v)]) for v in (np.asarray(x, dtype=float) for x in values)]
+    return max((float(v.max()) for v in finite if v.size), default=0.0)
 
 
 def _points(x, y, name: str, marker: dict, hovertemplate: str, **more) -> dict:
@@ -139,14 +153,18 @@ def attention_figure(
                 "pinned: %{y:.4f}<extra></extra>",
             )
         )
+    y_axis, lock_note = _locked(
+        y_top, _reach(original, compressed, [] if pinned is None else pinned["compressed"])
+    )
     look = base_layout(
         title,
         "token" if text_tokens else "token position (index)",
         "attention weight (probability)",
-        subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)",
+        subtitle=(f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)")
+        + lock_note,
     )
     look.update(barmode="group", bargap=0.15, bargroupgap=0.0)
-    return _figure(traces, look, _token_axis(frame, text_tokens), _locked(y_top))
+    return _figure(traces, look, _token_axis(frame, text_tokens), y_axis)
 
 
 def binned_attention_figure(
@@ -227,14 +245,18 @@ def binned_attention_figure(
                 customdata=custom,
             )
         )
+    y_axis, lock_note = _locked(
+        y_top, _reach(frame["original"], frame["compressed"], frame.get("original_max", []))
+    )
     look = base_layout(
         title,
         f"token position {_span(frame)} (bins of {int(width)} tokens)",
         "attention mass per bin (sum)",
-        subtitle=f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)",
+        subtitle=(f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)")
+        + lock_note,
     )
     look.update(barmode="overlay")
-    return _figure(traces, look, {}, _locked(y_top))
+    return _figure(traces, look, {}, y_axis)
 
 
 def _span(frame: pd.DataFrame) -> str:
@@ -363,7 +385,20 @@ def error_figure(
         )
     else:
         subtitle = f"one row{f' ({what})' if what else ''}, no ensemble: no error bars"
-    look = base_layout(title, x_title, y_title, subtitle=subtitle)
+    # what the chart reaches: the stacked parts (positive and negative stacks apart), the totals with
+    # their bands where drawn, a bin's largest single error, the pinned totals
+    parts = np.stack(
+        [frame[f"error_{p}_mean"].fillna(0).to_numpy() for p in ("eviction", "quantization")]
+    )
+    drawn = [parts.clip(min=0).sum(axis=0), parts.clip(max=0).sum(axis=0), frame["error_mean"]]
+    if members > 1:
+        drawn += [frame["error_mean"] + up, frame["error_mean"] - down]
+    if binned and "error_extreme" in frame:
+        drawn.append(frame["error_extreme"])
+    if pinned is not None:
+        drawn.append(pinned["error_mean"])
+    y_axis, lock_note = _locked(y_range, _reach(*drawn), bottom=None)
+    look = base_layout(title, x_title, y_title, subtitle=subtitle + lock_note)
     look.update(barmode="relative", bargap=0.15)
     # the zero line: add_hline's shape, drawn across the plot whatever the x range
     look["shapes"] = [
@@ -379,7 +414,7 @@ def error_figure(
         )
     ]
     x_axis = {} if binned else _token_axis(frame, text_tokens)
-    return _figure(traces, look, x_axis, _locked(y_range, bottom=None))
+    return _figure(traces, look, x_axis, y_axis)
 
 
 def heatmap_figure(
