@@ -77,3 +77,15 @@ def share_one_model_load(monkeypatch):
 
     monkeypatch.setattr(kvviz.models, "load_model", load_once)
     return load_once
+
+
+def plotly_values(v) -> list:
+    """A plotly figure's array as the browser reads it from the chart's JSON: a list, or plotly's typed
+    array {"dtype", "bdata": base64} (how plotly sends a numpy array)."""
+    import base64
+
+    import numpy as np
+
+    if isinstance(v, dict):
+        return np.frombuffer(base64.b64decode(v["bdata"]), dtype=np.dtype(v["dtype"])).tolist()
+    return list(v)

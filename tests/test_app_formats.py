@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from apptest_util import numbers, run_app, unfold, share_one_model_load
+from apptest_util import numbers, plotly_values, run_app, share_one_model_load, unfold
 
 from kvviz import Spec, View, compare
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
@@ -89,15 +89,6 @@ def test_model_lab_runs_a_serving_format(monkeypatch):
     assert "NVFP4" in "".join(m.value for m in at.markdown)
 
 
-def _array(x):
-    """A plotly figure's array, plain or typed ({"dtype", "bdata": base64})."""
-    import base64
-
-    import numpy as np
-
-    return np.frombuffer(base64.b64decode(x["bdata"]), dtype=x["dtype"]) if isinstance(x, dict) else x
-
-
 def test_tradeoffs_and_its_link_offer_every_serving_format_llama_cpp_included():
     """The page's format pills and the link read the quantizers' own table (kvviz.quant.formats): llama.cpp's
     q8_0 and q4_0 are offered, survive the link both ways and get points; the full-cache point of each costs
@@ -122,5 +113,5 @@ def test_tradeoffs_and_its_link_offer_every_serving_format_llama_cpp_included():
     names = [t.get("name") for t in fig["data"]]
     assert "llama.cpp q8_0" in names and "llama.cpp q4_0" in names
     full = {row[3]: x for t in fig["data"] if t.get("customdata")
-            for row, x in zip(t["customdata"], _array(t["x"])) if row[0] == "full"}
+            for row, x in zip(t["customdata"], plotly_values(t["x"])) if row[0] == "full"}
     assert full["q8_0"] == 34 / 64 and full["q4_0"] == 18 / 64

@@ -1,12 +1,11 @@
 """A long row in the Explorer (issue 36 item 5): the charts' token range (boxes, paging buttons, the whole
 row again), in the link; and the token grid's pages."""
 
-import base64
 import json
 from pathlib import Path
 
 import numpy as np
-from apptest_util import run_app
+from apptest_util import plotly_values, run_app
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = str(ROOT / "app.py")
@@ -16,13 +15,7 @@ LONG = dict(source="synthetic", context="1024", steps="0", layers="1", q_heads="
 def chart_x(at, i: int) -> list:
     """The x values of the page's i-th chart, as the browser gets them (plotly's binary arrays decoded)."""
     fig = json.loads(at.get("plotly_chart")[i].proto.spec)
-    return sorted({int(x) for t in fig["data"] for x in _values(t.get("x", []))})
-
-
-def _values(v) -> list:
-    if isinstance(v, dict):     # {"bdata": base64, "dtype": ...}: a numpy array as plotly sends it
-        return np.frombuffer(base64.b64decode(v["bdata"]), dtype=v["dtype"]).tolist()
-    return list(v)
+    return sorted({int(x) for t in fig["data"] for x in plotly_values(t.get("x", []))})
 
 
 def store(at) -> dict:

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from apptest_util import app_test, run_app
+from apptest_util import app_test, plotly_values, run_app
 
 from kvviz.analysis.study import StudyDir, parse_study, run_study
 from kvviz.analysis.study.frontier import frontier
@@ -44,16 +44,6 @@ def chart_spec(at) -> dict:
     return json.loads(at.get("plotly_chart")[0].proto.spec)
 
 
-def values(v) -> list[float]:
-    """A plotly array as drawn: a list, or plotly's typed array {"dtype", "bdata"} (base64)."""
-    import base64
-
-    import numpy as np
-    if isinstance(v, dict):
-        return np.frombuffer(base64.b64decode(v["bdata"]), dtype=np.dtype(v["dtype"])).tolist()
-    return list(v)
-
-
 def test_the_page_draws_a_study_with_its_own_means_and_error_bars(root, small_study):
     _copy(small_study, root / "small")
     at = run_app(PAGE, study="small", st_metric="tv")
@@ -61,7 +51,7 @@ def test_the_page_draws_a_study_with_its_own_means_and_error_bars(root, small_st
     assert any("small: 12 cells, 12 done, 0 to run" in c.value for c in at.caption)
     spec = chart_spec(at)
     fr = frontier(StudyDir(root / "small").rows(), "synthetic", "tv")
-    drawn = {(t["name"], tuple(round(x, 12) for x in values(t["x"]))): (values(t["y"]), values(t["error_y"]["array"]))
+    drawn = {(t["name"], tuple(round(x, 12) for x in plotly_values(t["x"]))): (plotly_values(t["y"]), plotly_values(t["error_y"]["array"]))
              for t in spec["data"] if t.get("error_y")}
     assert len(drawn) == 6                                       # (h2o, streaming, full) x (16, 4 bits)
     for (name, xs), (ys, half) in drawn.items():
