@@ -117,3 +117,17 @@ def test_a_bad_value_of_every_setting_gives_its_notice_and_the_default(page):
     store = at.session_state[STORE]
     assert {name: store[name] for name in PARAMS} == {name: p.default for name, p in PARAMS.items()}
     assert dict(at.query_params) == {}
+
+
+@pytest.mark.parametrize("address, page", [
+    ("trade-offs", "trade-offs"), ("Trade-offs", "trade-offs"), ("/Model-lab", "model-lab"),
+    ("MODEL_LAB", "model-lab"), ("Decode-Timeline", "decode-timeline"), ("timeline", "decode-timeline"),
+    ("Needle test", "needle-test"), ("tradeoffs", "trade-offs"), ("explorer", "explorer"),
+    ("nosuch", None), ("", None),
+])
+def test_an_old_or_retyped_address_names_its_page(address, page):
+    """Links from before the pages moved to pages/ named a page by its title, and people retype them in any
+    case (kvviz.app.router.page_for_address; the browser test opens one)."""
+    from kvviz.app.router import page_for_address
+
+    assert page_for_address(address) == page

@@ -85,6 +85,13 @@ def test_out_of_range_link_shows_notice(page, app_url):
     e = expect()
     e(page.get_by_text("Some settings were adjusted")).to_be_visible()
     e(slider_thumb(page, "Sink tokens")).to_have_value("64")
+    # an address from before the pages moved to pages/ (a page's title, any case) opens that page, under
+    # its own address, with its settings (the server has run its navigation by now: see kvviz.app.router)
+    page.goto(f"{app_url}/Model-Lab?heavy=3")
+    e(page.get_by_role("heading", name=re.compile("Model lab"))).to_be_visible()
+    idle(page)
+    assert urlparse(page.url).path == "/model-lab" and query(page.url) == {"heavy": "3"}
+    e(page.get_by_text("Page not found")).to_have_count(0)
     no_console_errors(page)
 
 

@@ -40,6 +40,33 @@ PAGE_FILES = {
 }
 
 
+def page_for_address(name: str) -> str | None:
+    """The URL path of the page an address names, or None. Streamlit matches a page's URL path exactly;
+    links shared before the pages moved to pages/ named them by their titles (`/Trade-offs`,
+    `/Model-lab`), and people retype an address in any case: each such name opens its page."""
+    wanted = name.strip("/").lower().replace("_", "-").replace(" ", "-")
+    for key, (_, title, url) in PAGE_FILES.items():
+        if wanted in (url, key.replace("_", "-"), title.lower().replace(" ", "-")):
+            return url
+    return None
+
+
+def _open_old_address() -> None:
+    """Before st.navigation resolves this run's page: an address that names a page by another spelling
+    (page_for_address) is pointed at that page. Streamlit keeps the address a request asked for in the
+    run context's page manager, and offers no hook to map it, hence its set_script_intent here."""
+    from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_run_ctx
+
+    ctx = get_script_run_ctx()
+    manager = getattr(ctx, "pages_manager", None)
+    asked = getattr(manager, "intended_page_name", None)
+    if not asked or manager.intended_page_script_hash:
+        return
+    url = page_for_address(asked)
+    if url is not None and url != asked:
+        manager.set_script_intent("", url)
+
+
 def _legacy_run() -> bool:
     """Whether Streamlit runs this script through its legacy pages/ list (a fresh server's first run)."""
     try:
@@ -60,6 +87,7 @@ def navigate() -> None:
             for key, (file, title, url) in PAGE_FILES.items()
         }
     )
+    _open_old_address()
     page = st.navigation(list(PAGES.values()))
     # first: this run's interaction callbacks have set the store; link to it before computing
     sync_url()
