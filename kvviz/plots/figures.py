@@ -17,7 +17,9 @@ from kvviz.plots.style import (
     REASON_COLORS,
     REASON_PATTERNS,
     base_layout,
+    data_reach,
     layout,
+    locked_axis,
 )
 
 # --- explorer ----------------------------------------------------------------------------
@@ -42,27 +44,6 @@ def _figure(traces: list[dict], look: dict, x_axis: dict, y_axis: dict) -> go.Fi
     look["xaxis"] = {**look["xaxis"], **x_axis}
     look["yaxis"] = {**look["yaxis"], **y_axis}
     return go.Figure(data=traces, layout=look, _validate=False)
-
-
-def _locked(top: float | None, reach: float, bottom: float | None = 0) -> tuple[dict, str]:
-    """A y axis locked at [bottom, top] (bottom None: ±top), unlocked without `top`, and what to add to
-    the chart's subtitle. A lock never hides data: where the chart reaches past it (`reach`, the largest
-    |value| it draws: stacked bars, error bars and markers included) the axis widens to fit, and the
-    subtitle says from what to what."""
-    if not top:
-        return {}, ""
-    note = ""
-    if reach > top:
-        sign = "±" if bottom is None else ""
-        note = f" · y-axis lock {sign}{top:.3g} widened to {sign}{reach:.3g}: a bar reaches past it"
-        top = reach * 1.04
-    return dict(range=[-top if bottom is None else bottom, top], autorange=False), note
-
-
-def _reach(*values) -> float:
-    """The largest |value| among the arrays (NaN ignored), 0 where there is none."""
-    finite = [np.abs(v[np.isfinite(v)]) for v in (np.asarray(x, dtype=float) for x in values)]
-    return max((float(v.max()) for v in finite if v.size), default=0.0)
 
 
 def _points(x, y, name: str, marker: dict, hovertemplate: str, **more) -> dict:
@@ -153,8 +134,8 @@ def attention_figure(
                 "pinned: %{y:.4f}<extra></extra>",
             )
         )
-    y_axis, lock_note = _locked(
-        y_top, _reach(original, compressed, [] if pinned is None else pinned["compressed"])
+    y_axis, lock_note = locked_axis(
+        y_top, data_reach(original, compressed, [] if pinned is None else pinned["compressed"])
     )
     look = base_layout(
         title,
@@ -245,8 +226,8 @@ def binned_attention_figure(
                 customdata=custom,
             )
         )
-    y_axis, lock_note = _locked(
-        y_top, _reach(frame["original"], frame["compressed"], frame.get("original_max", []))
+    y_axis, lock_note = locked_axis(
+        y_top, data_reach(frame["original"], frame["compressed"], frame.get("original_max", []))
     )
     look = base_layout(
         title,
@@ -397,7 +378,7 @@ def error_figure(
         drawn.append(frame["error_extreme"])
     if pinned is not None:
         drawn.append(pinned["error_mean"])
-    y_axis, lock_note = _locked(y_range, _reach(*drawn), bottom=None)
+    y_axis, lock_note = locked_axis(y_range, data_reach(*drawn), bottom=None)
     look = base_layout(title, x_title, y_title, subtitle=subtitle + lock_note)
     look.update(barmode="relative", bargap=0.15)
     # the zero line: add_hline's shape, drawn across the plot whatever the x range

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import plotly.graph_objects as go
 import plotly.io as pio
 
@@ -254,3 +255,24 @@ def projector(fig: go.Figure, height: int | None = None, y_title: str | None = N
     )
     # unvalidated, as kvviz.plots.figures builds: tests/test_figures.py validates the result
     return go.Figure(data=spec["data"], layout=_merged(look, changes), _validate=False)
+
+
+def locked_axis(top: float | None, reach: float, bottom: float | None = 0) -> tuple[dict, str]:
+    """A y axis locked at [bottom, top] (bottom None: ±top), unlocked without `top`, and what to add to
+    the chart's subtitle. A lock never hides data: where the chart reaches past it (`reach`: data_reach, the largest
+    |value| it draws: stacked bars, error bars and markers included) the axis widens to fit, and the
+    subtitle says from what to what."""
+    if not top:
+        return {}, ""
+    note = ""
+    if reach > top:
+        sign = "±" if bottom is None else ""
+        note = f" · y-axis lock {sign}{top:.3g} widened to {sign}{reach:.3g}: a bar reaches past it"
+        top = reach * 1.04
+    return dict(range=[-top if bottom is None else bottom, top], autorange=False), note
+
+
+def data_reach(*values) -> float:
+    """The largest |value| among the arrays (NaN ignored), 0 where there is none."""
+    finite = [np.abs(v[np.isfinite(v)]) for v in (np.asarray(x, dtype=float) for x in values)]
+    return max((float(v.max()) for v in finite if v.size), default=0.0)
