@@ -9,8 +9,8 @@ from kvviz.app.cards import metric_cards, metrics_table, plain_cards
 from kvviz.app.compute import run_compare
 from kvviz.app.layout import folded, page_setup
 from kvviz.app.lesson import lesson_export
-from kvviz.app.notes import (budget_warnings, fp8_note, quant_model_note, quant_scope_note, quant_warning_box,
-                             scorer_note)
+from kvviz.app.notes import (budget_warnings, fp8_note, no_eviction_note, quant_model_note, quant_scope_note,
+                             quant_warning_box, scorer_note)
 from kvviz.app.overview import has_text_tokens, head_overview, token_grid
 from kvviz.app.presets import preset_buttons
 from kvviz.app.router import run_page
@@ -47,7 +47,7 @@ def main() -> None:
 
     def notes() -> list[str]:
         typical = st.session_state.get("_typical_note") if st.session_state.get("_typical_for") == source.key else None
-        return list(comp.notes + tuple(filter(None, [scorer_note(spec, source.trace), typical,
+        return list(comp.notes + tuple(filter(None, [no_eviction_note(spec), scorer_note(spec, source.trace), typical,
                                                      fp8_note(source, spec, vs.view.step)])))
 
     def cards_and_notes() -> None:

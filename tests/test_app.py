@@ -606,6 +606,21 @@ def test_advice_is_never_impossible():
                 assert int(n) >= 1, w
 
 
+def test_all_budgets_at_zero_say_that_they_turn_eviction_off():
+    """Every slider at 0 keeps every token while sink 1 alone keeps one: the page says why, beside the
+    numbers, and says nothing of it once any budget is set."""
+    at = run(sink="0", recent="0", heavy="0", bits="16", ensemble="none")
+    (note,) = [i.value for i in at.info if "turns eviction off" in i.value]
+    assert "every token is kept" in note and "nothing is compressed" in note
+    assert cards(at)["Tokens kept"].startswith("64")
+    at = run(sink="0", recent="0", heavy="0", bits="4", ensemble="none")
+    (note,) = [i.value for i in at.info if "turns eviction off" in i.value]
+    assert "nothing is compressed" not in note
+    at = run(sink="1", recent="0", heavy="0", bits="16", ensemble="none")
+    assert not [i for i in at.info if "turns eviction off" in i.value]
+    assert cards(at)["Tokens kept"].startswith("1")
+
+
 def test_a_number_typed_out_of_range_is_clamped_with_the_notice_a_link_gets():
     """The boxes have no browser-side min / max (which kept 99999999 in a red box and sent nothing): the
     typed number reaches the app, which clamps it and says so, as it does for a link (issue 34)."""

@@ -76,6 +76,23 @@ def budget_warnings(spec: Spec, n_seen: int) -> list[str]:
     return out
 
 
+def no_eviction_note(spec: Spec) -> str | None:
+    """Why every token is kept when the three budgets are 0 (while sink 1 alone keeps one token): a budget
+    of 0 everywhere turns eviction off, it does not empty the cache."""
+    if spec.evicts:
+        return None
+    rest = (
+        ""
+        if spec.quantizes
+        else " With 16 bits as well, nothing is compressed: the two bars of every "
+        "token are the same and the error is zero."
+    )
+    return (
+        "Sink, recent window and heavy-hitter budget are all 0, which turns eviction off: every token is "
+        "kept (0 everywhere means no limit, not an empty cache). Raise any of them to evict." + rest
+    )
+
+
 def quant_warnings(spec: Spec, kept: int) -> list[str]:
     """Where the bits slider cannot change anything: the kept tokens do not fill one group."""
     if spec.quant_model != "kv" or spec.partial != "full":

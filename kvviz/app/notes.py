@@ -6,7 +6,11 @@ from __future__ import annotations
 import streamlit as st
 
 from kvviz.app.compute import Source
-from kvviz.analysis.readout import budget_warnings, quant_warnings  # noqa: F401 (app.py reads budget_warnings here)
+from kvviz.analysis.readout import (  # noqa: F401 (the pages read these here)
+    budget_warnings,
+    no_eviction_note,
+    quant_warnings,
+)
 from kvviz.app.store import state
 from kvviz.spec import Spec
 from kvviz.trace import Trace
