@@ -36,7 +36,7 @@ def main() -> None:
                 frontier_section(path, present)
             except StudyError as e:
                 st.error(f"Cannot read this study: {e}", icon=":material/error:")
-    if not present:
+    if not present or not pick:     # presenting, the example stays for as long as no study is open
         with st.expander("Shipped example study", expanded=not found):
             example_section(root)
 

@@ -88,6 +88,18 @@ def test_the_shipped_example_is_listed_and_runs_into_the_root(root):
     assert at.get("plotly_chart") and at.query_params["study"] in ("quarter-cache", ["quarter-cache"])
 
 
+def test_presenting_with_no_study_open_offers_the_example_the_page_points_to(root, small_study):
+    """'Run the shipped example below': in presentation mode as well, until a study is open."""
+    at = run_app(PAGE, present="1")
+    assert any("run the shipped example below" in i.value for i in at.info)
+    assert [e.label for e in at.expander] == ["Shipped example study"]
+    assert "run_example_quarter-cache" in [b.key for b in at.button]
+    _copy(small_study, root / "small")
+    at = run_app(PAGE, present="1", study="small")
+    assert not at.exception and len(at.get("plotly_chart")) == 1
+    assert "run_example_quarter-cache" not in [b.key for b in at.button]       # a lecture shows the study
+
+
 def test_a_clicked_cell_maps_to_the_explorer_and_the_model_lab_exactly(small_study):
     from kvviz.analysis.study.grid import model_spec
     from kvviz.analysis.sweep import point_spec
