@@ -218,6 +218,8 @@ _PARAMS = [
     Param("lab_cont", "int", 57, 2, 128),
     Param("lab_greedy", "int", 32, 0, 64),
     Param("lab_rerotate", "bool", False),
+    # the weights' dtype, which the cache keeps (the device is not in a link: another machine may lack it)
+    Param("lab_dtype", "choice", "float32", choices=("float32", "bfloat16", "float16")),
     # a question after the prompt (empty = none) and where the cache is compressed around it
     # (kvviz.decode.quality.QUESTION_POINTS; before it is kvpress's pipeline default)
     Param("lab_question", "text", ""),

@@ -203,7 +203,8 @@ def test_timeline_tells_a_tokens_history():
 
 def test_model_lab_offers_this_machines_devices_and_an_out_of_memory_run_is_one_line(monkeypatch, tmp_path):
     """The device box lists what torch sees here (cpu, then cuda:N / mps); the dtype chosen reaches the
-    model load; a run out of GPU memory is one error line saying what to lower, no traceback (issue #37)."""
+    model load and the link (the device does not: another machine may lack it); a run out of GPU memory is
+    one error line saying what to lower, no traceback."""
     import torch
 
     import kvviz.app.sources
@@ -220,6 +221,7 @@ def test_model_lab_offers_this_machines_devices_and_an_out_of_memory_run_is_one_
     at = run(LAB)
     assert list(at.selectbox(key="lab_device").options) == available_devices()
     at.selectbox(key="lab_dtype").set_value("bfloat16").run()
+    assert at.query_params["lab_dtype"] == "bfloat16" and "lab_device" not in at.query_params   # dtype linked
     at.button(key="lab_run").click().run()
     assert not at.exception, [e.value for e in at.exception]
     assert asked == [("bundled", "cpu", "bfloat16")]

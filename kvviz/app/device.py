@@ -2,8 +2,8 @@
 
 `device_controls(container, prefix)` draws two select boxes (the Model lab's sidebar, the Real model
 source) and returns (device, dtype). Only the devices torch sees here are offered (cpu, then cuda:N
-and mps); the choice is not put in the page's link (a link opened on another machine would name a
-device it may not have). `run_notice(exc)` is the one line an out-of-memory run or a device that went
+and mps); the device is not put in the page's link (a link opened on another machine would name a
+device it may not have), the dtype is where the settings table has it (the Model lab's `lab_dtype`). `run_notice(exc)` is the one line an out-of-memory run or a device that went
 away shows instead of a traceback; the server keeps serving.
 """
 
@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import streamlit as st
 
-DTYPES = ("float32", "bfloat16", "float16")
+from kvviz.app.store import w_choice
+from kvviz.links import PARAMS
+
+DTYPES = PARAMS["lab_dtype"].choices
 DTYPE_LABELS = {
     "float32": "float32 (exact, 4 bytes a weight)",
     "bfloat16": "bfloat16 (GPU default, half the memory)",
@@ -38,14 +41,24 @@ def device_controls(container, prefix: str) -> tuple[str, str]:
         + ("" if len(found) > 1 else " (no GPU here: cpu only)")
         + ".",
     )
-    dtype = container.selectbox(
+    label, help_text = (
         "Weights dtype",
-        DTYPES,
-        key=f"{prefix}_dtype",
-        format_func=DTYPE_LABELS.get,
-        help="The model's weights, and the K/V cache with them, in this dtype. Attention over the cache "
+        "The model's weights, and the K/V cache with them, in this dtype. Attention over the cache "
         "runs in float32 either way; bfloat16 on a CPU is slower than float32.",
     )
+    if f"{prefix}_dtype" in PARAMS:  # a setting of the page's link
+        dtype = w_choice(
+            container,
+            f"{prefix}_dtype",
+            label,
+            DTYPES,
+            format_func=DTYPE_LABELS.get,
+            help=help_text,
+        )
+    else:
+        dtype = container.selectbox(
+            label, DTYPES, key=f"{prefix}_dtype", format_func=DTYPE_LABELS.get, help=help_text
+        )
     return str(device), str(dtype)
 
 
