@@ -9,7 +9,7 @@ from kvviz.app.layout import page_setup
 from kvviz.app.router import run_page
 from kvviz.app.store import notice, show_notices, state
 from kvviz.plots.style import CHART_CONFIG
-from kvviz.plots.needle import LABELS, grid_figure, grids_figure, heads_figure, needle_tokens_html
+from kvviz.plots.needle import grid_figure, grids_figure, heads_figure, needle_tokens_html, scorer_label
 from kvviz.settings import SETTINGS
 from kvviz.spec import SpecError
 
@@ -116,7 +116,7 @@ def live_controls() -> None:
             depths = st.pills("Needle depths", [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0], selection_mode="multi",
                               default=[0.0, 0.5, 1.0], format_func=lambda d: f"{d:.0%}") or []
             scorers = st.pills("Caches", list(needle.SCORER_NAMES), selection_mode="multi",
-                               default=list(needle.DEFAULT_SCORERS), format_func=lambda s: LABELS.get(s, s)) or []
+                               default=list(needle.DEFAULT_SCORERS), format_func=scorer_label) or []
             c4, c5, c6 = st.columns(3)
             budget = c4.slider("Budget (share of the prompt's tokens)", 0.05, 1.0, needle.DEFAULT_BUDGET, 0.05)
             bits = c5.selectbox("K/V bits", [16, 8, 4, 3, 2], format_func=lambda b: "16 (off)" if b == 16 else str(b))
@@ -212,7 +212,7 @@ def main() -> None:
     prompt = grid.prompt(cell.length, cell.depth) if grid.prompts else None
 
     point = {"agnostic": " · compressed before the question", "aware": " · compressed after the question"}
-    st.subheader(f"{LABELS.get(cell.scorer, cell.scorer)} · {cell.length} tokens · needle at {cell.depth:.0%}"
+    st.subheader(f"{scorer_label(cell.scorer)} · {cell.length} tokens · needle at {cell.depth:.0%}"
                  + (point[sel[3]] if len(grids) > 1 and cell.scorer != "full" else ""))
     a, b, c = st.columns(3)
     _answer_card(a, "Answer", cell.answer, cell.correct, f"The key is {cell.key}; {cell.spec}.")

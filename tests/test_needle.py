@@ -69,6 +69,16 @@ def test_kept_masks_round_trip_through_packed_bits():
     assert np.array_equal(needle.cell._unpack(needle.cell._pack(mask), mask.shape), mask)
 
 
+def test_every_cache_the_page_offers_is_named_for_a_reader():
+    """The Caches pills and the cell titles: a name ('Expected Attention', 'SnapKV'), never the raw id."""
+    from kvviz.plots.needle import scorer_label
+
+    names = [scorer_label(s) for s in needle.SCORER_NAMES]
+    assert names[:2] == ["Full cache", "H2O"] and len(set(names)) == len(names)
+    for scorer, name in zip(needle.SCORER_NAMES, names):
+        assert name != scorer and "_" not in name, (scorer, name)
+
+
 def test_the_shipped_default_grid_is_complete_and_consistent():
     grid = needle.load_default()
     if grid is None:

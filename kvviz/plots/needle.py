@@ -23,20 +23,20 @@ from plotly.subplots import make_subplots
 from kvviz.plots.style import OKABE_ITO, wrap
 
 RIGHT, WRONG = OKABE_ITO["blue"], OKABE_ITO["vermillion"]
-LABELS = {
-    "full": "Full cache",
-    "h2o": "H2O",
-    "tova": "TOVA",
-    "snapkv": "SnapKV",
-    "streaming": "StreamingLLM",
-    "oracle": "Oracle (bound)",
-    "knorm": "K-norm",
-    "random": "Random",
-}
+# the needle grid's own names; every other cache is a scorer, named by its class's title (kvviz.policies)
+OWN_LABELS = {"full": "Full cache", "oracle": "Oracle (bound)", "random": "Random"}
+
+
+def scorer_label(scorer: str) -> str:
+    """A needle cache's name for a reader: 'Full cache', 'SnapKV', 'Expected Attention', never a raw id."""
+    from kvviz.policies import POLICIES
+
+    policy = POLICIES.get(scorer)
+    return OWN_LABELS.get(scorer) or (policy.title if policy is not None else scorer)
 
 
 def _title(scorer: str, budget: float, bits: int) -> str:
-    t = LABELS.get(scorer, scorer)
+    t = scorer_label(scorer)
     if scorer != "full":
         t += f" {budget:.0%}"
     if bits != 16:
