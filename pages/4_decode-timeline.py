@@ -4,12 +4,13 @@ import streamlit as st
 
 from kvviz.app.charts import chart
 from kvviz.app.compression import compression_section, w_setting
-from kvviz.app.labels import ALLOCATION_LABELS
+from kvviz.app.labels import ALLOCATION_LABELS, SCORER_SHORT
 from kvviz.app.layout import page_setup
 from kvviz.app.router import run_page
 from kvviz.app.sidebar import layer_picker, source_section
 from kvviz.app.store import show_notices, sync_url, w_choice, w_multi, w_number, w_slider
 from kvviz.plots.decode import timeline_animation
+from kvviz.policies import POLICIES
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.spec import Spec, SpecError
 from kvviz.analysis.timeline import timeline
@@ -18,10 +19,8 @@ from kvviz.trace import Trace, TraceError
 # Shown while the chosen source has no decode steps (the handbook example): a topic shift
 # halfway through the decode steps, where history-based eviction visibly fails.
 DEMO = SyntheticSpec(context=256, steps=48, topic_shift=12.0)
-POLICY_LABELS = {"h2o": "H2O", "tova": "TOVA", "streaming": "StreamingLLM", "oracle": "Oracle (bound)",
-                 "snapkv": "SnapKV", "knorm": "K-norm", "random": "Random",
-                 "expected_attention": "Expected Attention", "keydiff": "KeyDiff", "chunkkv": "ChunkKV",
-                 "quest": "Quest (pages read)"}
+# every scorer, named as each names itself (kvviz.policies), the history-based ones first
+POLICY_LABELS = {name: SCORER_SHORT[name] for name in ("h2o", "tova", "streaming", "oracle", *POLICIES)}
 MAX_STEPS = 256
 
 

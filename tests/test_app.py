@@ -197,7 +197,7 @@ def test_tradeoffs_page():
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
     legend = [t["name"] for t in fig["data"] if t.get("showlegend", True) and t.get("name")]
     # one legend entry per method, the bit widths once as markers, not one entry per (method, bits)
-    assert {"H2O", "StreamingLLM", "oracle (the bound)", "16-bit (off)", "2-bit",
+    assert {"H2O", "StreamingLLM", "Oracle (the bound)", "16-bit (off)", "2-bit",
             "Pareto frontier (real policies)"} <= set(legend)
     assert legend.count("H2O") == 1 and not any("·" in n for n in legend)
     oracle = [t for t in fig["data"] if t.get("legendgroup") == "oracle"]

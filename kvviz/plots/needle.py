@@ -24,7 +24,7 @@ from kvviz.plots.style import OKABE_ITO, wrap
 
 RIGHT, WRONG = OKABE_ITO["blue"], OKABE_ITO["vermillion"]
 # the needle grid's own names; every other cache is a scorer, named by its class's title (kvviz.policies)
-OWN_LABELS = {"full": "Full cache", "oracle": "Oracle (bound)", "random": "Random"}
+OWN_LABELS = {"full": "Full cache", "oracle": "Oracle (bound)"}
 
 
 def scorer_label(scorer: str) -> str:

@@ -14,8 +14,8 @@ from kvviz.policies.base import Policy, ScoreContext
 class Oracle(Policy):
     name = "oracle"
     order = 50
-    title = "oracle (the bound)"
-    short = "oracle (bound)"
+    title = "Oracle (the bound)"
+    short = "Oracle (bound)"
     menu = "Oracle (this query's attention, per KV head; the bound)"
     colour = "#000000"
     symbol = "cross"

@@ -8,7 +8,7 @@ from kvviz.policies.base import Policy, ScoreContext
 class Random(Policy):
     name = "random"
     order = 70
-    title = "random"
+    title = "Random"
     menu = "Random (seeded baseline)"
     colour = "#997700"
     symbol = "triangle-down"
