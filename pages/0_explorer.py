@@ -47,15 +47,19 @@ def main() -> None:
 
     def notes() -> list[str]:
         typical = st.session_state.get("_typical_note") if st.session_state.get("_typical_for") == source.key else None
-        return list(comp.notes + tuple(filter(None, [no_eviction_note(spec), scorer_note(spec, source.trace), typical,
+        return list(comp.notes + tuple(filter(None, [scorer_note(spec, source.trace), typical,
                                                      fp8_note(source, spec, vs.view.step)])))
 
-    def cards_and_notes() -> None:
+    def cards() -> None:       # what the numbers mean when the sliders do not, above them
         for w in budget_warnings(spec, n_seen):
             st.warning(w, icon=":material/warning:")
+        if no_eviction_note(spec):
+            st.info(no_eviction_note(spec), icon=":material/info:")
         quant_warning_box(spec, comp.memory.kept_tokens)
         metric_cards(comp, pinned)
         ux.pin_controls(spec, pinned_spec if pinned is not None else None)
+
+    def about_and_notes() -> None:     # below the charts, so that the first chart starts on the first screen
         st.caption(f"{about} " + (quant_scope_note(spec) or ""))
         for note in notes():
             st.info(note, icon=":material/info:")
@@ -64,7 +68,7 @@ def main() -> None:
         plain_cards(comp)
         st.caption(quant_scope_note(spec) or quant_model_note(source, spec))
         warnings = budget_warnings(spec, n_seen)
-        more = notes()
+        more = list(filter(None, [no_eviction_note(spec)])) + notes()
         with st.expander(f"Notes ({len(warnings) + len(more) + 1})", icon=":material/info:"):
             for w in warnings:
                 st.warning(w, icon=":material/warning:")
@@ -79,10 +83,10 @@ def main() -> None:
     text = has_text_tokens(source.trace)
     # the page's places, top to bottom (Presentation mode: one projector screen, the attention chart first)
     if present:
-        top_chart, lock_slot, cards, bottom_chart = st.container(), st.container(), st.container(), st.container()
+        top_chart, lock_slot, cards_slot, bottom_chart = st.container(), st.container(), st.container(), st.container()
         zoom_slot = None
     else:
-        cards, lock_slot, zoom_slot = st.container(), st.container(), st.container()
+        cards_slot, lock_slot, zoom_slot = st.container(), st.container(), st.container()
         top_chart, bottom_chart = st.container(), st.container()
     # the charts: the tokens first..last of the row (a long row's range boxes sit above the charts), in bins
     # past BIN_THRESHOLD tokens, so no chart carries more than a few hundred bars whatever the row's length
@@ -141,15 +145,17 @@ def main() -> None:
     with lock_slot:
         y_range, y_top = lock_toggle()
     attention_figure(y_top)
-    with cards:
+    with cards_slot:
         if present:
             plain_cards_and_folded_notes()
         else:
-            cards_and_notes()
+            cards()
     with top_chart:
         attention_chart()
     with bottom_chart:
         error_chart(y_range)
+    if not present:
+        about_and_notes()
     fig_att = drawn["attention"]
     if present:
         preset_buttons(n_tokens)

@@ -142,6 +142,9 @@ def test_no_text_overlaps_or_is_cut_on_any_page(page, app_url, quarter_study, la
                 if lab_result:
                     expect(page.locator(".js-plotly-plot").first).to_be_visible()
             idle(page)
+            if (name, width) == ("Explorer", 1440):     # a laptop screen: the first chart starts on it
+                box = page.locator('[data-testid="stPlotlyChart"]').first.bounding_box()
+                assert box["y"] + box["height"] / 3 < height, f"the Explorer's first chart starts at y={box['y']:.0f}"
             got = measure(page)
             assert got["measured"] > 0, f"{name}: nothing measured"
             if got["problems"]:
