@@ -101,6 +101,19 @@ def test_every_method_has_its_own_marker_and_dash():
     assert len(set(dashes)) == len(dashes), dashes
 
 
+def test_every_bit_width_and_serving_format_has_its_own_mark():
+    """On the Trade-offs chart a point's mark (filled / open / dotted, and its size) says its bit width or
+    its serving format: no two share one, and every format is drawn larger than any integer width (q4_0
+    looked like KIVI's 4 bits when they were the same size)."""
+    from kvviz.plots.style import BITS_MARKS, FORMAT_MARKS, point_marker
+    from kvviz.quant.formats import SERVING_FORMATS
+
+    marks = [(b, "int") for b in BITS_MARKS] + [(16, f) for f in SERVING_FORMATS]
+    drawn = {(b, f): (point_marker("h2o", b, f)["symbol"], point_marker("h2o", b, f)["size"]) for b, f in marks}
+    assert len(set(drawn.values())) == len(drawn), drawn
+    assert min(size for (_, f), (_, size) in drawn.items() if f != "int") > max(size for _, size in BITS_MARKS.values())
+
+
 def test_the_decode_timeline_draws_each_policy_with_its_marker_and_dash():
     from types import SimpleNamespace
 

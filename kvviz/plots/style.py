@@ -154,7 +154,8 @@ pio.templates.default = "kvviz"
 
 
 # A point's bit width (its method has the shape): filled or open, large or small, explained once in a
-# bit-width legend; FP8 / FP4 cache formats open with a dot
+# bit-width legend. The serving formats (FP8 / FP4, llama.cpp's blocks) are drawn larger than any integer
+# width, so q4_0 never passes for KIVI's 4 bits, and no two of them share a mark.
 BITS_MARKS = {
     16: ("", 11),
     8: ("", 7),
@@ -168,12 +169,12 @@ BITS_MARKS = {
 # the serving formats' names, as the quantizers name them (the integer format is named by its bits)
 FORMAT_NAMES = {fmt: name for fmt, name in FORMAT_LABELS.items() if fmt != "int"}
 FORMAT_MARKS = {
-    "e4m3": ("-open-dot", 15),
-    "e5m2": ("-open-dot", 13),
-    "nvfp4": ("-open-dot", 9),
-    "mxfp4": ("-dot", 15),
-    "q8_0": ("-dot", 11),
-    "q4_0": ("-open", 9),
+    "e4m3": ("-open-dot", 14),
+    "e5m2": ("-open-dot", 18),
+    "nvfp4": ("-open", 18),
+    "mxfp4": ("-dot", 18),
+    "q8_0": ("-dot", 14),
+    "q4_0": ("-open", 14),
 }
 
 
