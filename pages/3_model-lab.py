@@ -14,7 +14,7 @@ from kvviz.app.guard import other_runs
 from kvviz.app.layout import page_setup
 from kvviz.app.router import run_page
 from kvviz.app.presets import preset_buttons
-from kvviz.app.store import show_notices, w_check, w_choice, w_number, w_text
+from kvviz.app.store import show_notices, state, w_check, w_choice, w_number, w_text
 
 from kvviz.app import sources as ui_sources
 from kvviz.plots.decode import continuation_html, kl_strip, nll_chart
@@ -141,7 +141,8 @@ def main() -> None:
                                        help="'bundled' (SmolLM2-135M, offline), a local model folder or .gguf "
                                             "file, or a hub id where a hub is reachable.").strip() or "bundled"
     device, dtype = device_controls(st.sidebar, "lab")
-    spec = compression_section(_slider_trace())
+    # budgets typed in % are shares of the prompt (the cache at the compression point), not of the sliders' range
+    spec = compression_section(_slider_trace(), percent_of=(int(state()["lab_prompt"]), "prompt tokens"))
     show_notices()
 
     choice = w_choice(st, "lab_text", "Text", tuple(TEXTS), widget="radio", format_func=TEXT_LABELS.get,

@@ -275,3 +275,16 @@ def test_real_model_source_offers_this_machines_devices(monkeypatch, tmp_path):
     plain = CaptureSettings("bundled", "text", 4, 64)
     assert CaptureSettings("bundled", "text", 4, 64, dtype="bfloat16").key() != plain.key()
     assert CaptureSettings("bundled", "text", 4, 64, dtype="float32", device="cpu").key() == plain.key()
+
+
+def test_model_lab_budgets_in_percent_are_shares_of_the_prompt():
+    """The Model lab's sliders range over its longest run (640 tokens), but a budget typed in % is a share
+    of the prompt, the cache at the compression point: 50% of a 206-token prompt is 103 tokens."""
+    at = run(LAB, budget_unit="%")
+    assert "% of the 206 prompt tokens" in at.radio(key="budget_unit").options      # as the radio reads
+    at.number_input(key="_box_heavy").set_value(50.0).run()
+    assert at.slider(key="heavy").value == 103 and at.query_params["heavy"] == "103"
+    at = run(LAB, budget_unit="%", lab_prompt="128")
+    assert "% of the 128 prompt tokens" in at.radio(key="budget_unit").options
+    at.number_input(key="_box_heavy").set_value(25.0).run()
+    assert at.slider(key="heavy").value == 32

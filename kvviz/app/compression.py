@@ -15,25 +15,33 @@ from kvviz.trace import Trace
 
 
 def compression_section(
-    trace: Trace, where=None, budget_only: bool = False, headline=None
+    trace: Trace,
+    where=None,
+    budget_only: bool = False,
+    headline=None,
+    percent_of: tuple[int, str] | None = None,
 ) -> Spec | None:
     """Sidebar: the four headline sliders and the Advanced expander. None if the combination is impossible.
 
     budget_only: only the eviction budget (a page that draws each policy itself and never
     quantizes); the other controls are hidden and the page says so. headline: a container in the
     main area that takes the four headline sliders instead of the sidebar (Presentation mode: one
-    widget a setting, so the sliders there are the ones the store and the link follow).
+    widget a setting, so the sliders there are the ones the store and the link follow). percent_of:
+    (count, what) a budget typed in % is a share of, where that is not the trace's tokens (the Model
+    lab's prompt).
     """
     where = where or st.sidebar
     where.header("Compression")
     n = trace.n_positions
+    # what a budget in % is a share of: the trace's tokens, or (percent_of) the page's own count
+    base, of_what = percent_of or (n, "tokens")
     unit = w_choice(
         where,
         "budget_unit",
         "Budgets in",
         ("tokens", "%"),
         widget="radio",
-        format_func={"tokens": "tokens", "%": f"% of the {n} tokens"}.get,
+        format_func={"tokens": "tokens", "%": f"% of the {base} {of_what}"}.get,
         help="Type budgets as token counts or as a share of the tokens; the sliders always show counts.",
     )
     if headline is not None:
@@ -50,6 +58,7 @@ def compression_section(
         n,
         unit,
         box=box,
+        base=base,
         help="The first tokens, always kept: attention sinks (StreamingLLM keeps 4).",
     )
     recent = w_budget(
@@ -59,6 +68,7 @@ def compression_section(
         n,
         unit,
         box=box,
+        base=base,
         help="The last tokens the query sees (its own included), always kept.",
     )
     heavy = w_budget(
@@ -68,6 +78,7 @@ def compression_section(
         n,
         unit,
         box=box,
+        base=base,
         help="How many more tokens the scorer may keep among the rest (H2O's heavy hitters).",
     )
     if budget_only:

@@ -168,15 +168,25 @@ def w_slider(where, name: str, label: str, lo: int, hi: int, help: str | None = 
 
 
 def w_budget(
-    where, name: str, label: str, n: int, unit: str, help: str | None = None, box: bool = True
+    where,
+    name: str,
+    label: str,
+    n: int,
+    unit: str,
+    help: str | None = None,
+    box: bool = True,
+    base: int | None = None,
 ) -> int:
-    """A token budget: a slider (counts) and a number box beside it (counts or % of the n tokens).
+    """A token budget: a slider (counts, 0..n) and a number box beside it (counts or % of `base`
+    tokens, n by default: the Model lab's budgets are shares of its prompt, not of its slider's range).
 
     Typing a target beats slider hunting on long traces (a 0-544 slider is 2.4 tokens a
     pixel); both widgets edit the one stored count. box=False: the slider alone (Presentation
     mode's narrow columns).
     """
     _bind(name, 0, n, label)
+    base = max(base or n, 1)
+    percent_range = f"0-{number_text(round(100.0 * n / base, 1))}%"
     if not box:
         if n <= 0:
             where.caption(f"{label}: 0")
@@ -186,7 +196,7 @@ def w_budget(
         )
     ss, box = st.session_state, f"_box_{name}"
     value = state()[name]
-    ss[box] = value if unit == "tokens" else round(100.0 * value / max(n, 1), 1)
+    ss[box] = value if unit == "tokens" else round(100.0 * value / base, 1)
 
     def clamped(count, typed_value) -> int:
         """The typed count within 0..n; out of range: clamped with the notice a link gets."""
@@ -194,7 +204,7 @@ def w_budget(
         if c != count:
             notice(
                 f"{label} {number_text(typed_value)}{'' if unit == 'tokens' else '%'} is out of range "
-                f"({'0-' + str(n) if unit == 'tokens' else '0-100%'}); clamped to {c} tokens."
+                f"({'0-' + str(n) if unit == 'tokens' else percent_range}); clamped to {c} tokens."
             )
         return c
 
@@ -205,7 +215,7 @@ def w_budget(
     def typed() -> None:
         if ss.get(MOVED) == name:
             return
-        count = ss[box] if unit == "tokens" else round(ss[box] * n / 100.0)
+        count = ss[box] if unit == "tokens" else round(ss[box] * base / 100.0)
         state()[name] = ss[name] = clamped(count, ss[box])
 
     def slid() -> None:
@@ -225,8 +235,8 @@ def w_budget(
         key=box,
         on_change=typed,
         label_visibility="collapsed",
-        help=f"Type the {label.lower()} in {'tokens' if unit == 'tokens' else '% of the tokens'} "
-        f"({'0-' + str(n) if unit == 'tokens' else '0-100%'}).",
+        help=f"Type the {label.lower()} in {'tokens' if unit == 'tokens' else f'% of {base} tokens'} "
+        f"({'0-' + str(n) if unit == 'tokens' else percent_range}).",
     )
     return _after(name, int(ss.get(name, value)) if n > 0 else 0)
 
