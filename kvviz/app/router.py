@@ -67,6 +67,20 @@ def _open_old_address() -> None:
         manager.set_script_intent("", url)
 
 
+def no_legacy_pages() -> None:
+    """At the server's start (kvviz.app.serve.lifespan): the app is a st.navigation app from its first
+    request. Streamlit takes an app with a pages/ folder for a legacy one until st.navigation first runs,
+    and its legacy first run resolves the address against the folder's file names, so an old address
+    (`/Trade-offs`) got its 'Page not found' before navigate() could point it at its page. The flag is
+    the one st.navigation sets on its first call; set here, before any session, the first request takes
+    navigate()'s path like every later one."""
+    try:
+        from streamlit.runtime.pages_manager import PagesManager
+    except ImportError:  # moved in a later Streamlit: nothing legacy to switch off
+        return
+    PagesManager.uses_pages_directory = False
+
+
 def _legacy_run() -> bool:
     """Whether Streamlit runs this script through its legacy pages/ list (a fresh server's first run)."""
     try:

@@ -156,6 +156,9 @@ _started_lock = threading.Lock()
 @contextlib.asynccontextmanager
 async def lifespan(app):
     """app.py's st.App start-up hook: runs once the server's runtime exists, before the first request."""
+    from kvviz.app.router import no_legacy_pages
+
+    no_legacy_pages()
     start_warm()
     yield
 
