@@ -272,14 +272,17 @@ def error_figure(
     the ensemble; `y_range` locks the axis to ±y_range; `pinned` adds a pinned setting's
     total error as open diamonds. With one member the chart says it shows that one row.
     """
-    from kvviz.analysis.frames import with_band
+    from kvviz.analysis.frames import band_bounds
 
-    frame = with_band(frame, bars)
+    # the columns as arrays, once: pandas' per-operation overhead was most of this builder's time
+    col = {c: frame[c].to_numpy() for c in frame.columns if c.startswith("error_")}
+    mean = col["error_mean"]
+    band_lo, band_hi = band_bounds(col, bars)
     binned = "start" in frame.columns
     x = (frame["start"] + (frame["tokens"] - 1) / 2 if binned else frame["position"]).to_numpy()
     bar_text = BAND_TEXT[bars]
-    up = (frame["band_hi"] - frame["error_mean"]).clip(lower=0).fillna(0).to_numpy()
-    down = (frame["error_mean"] - frame["band_lo"]).clip(lower=0).fillna(0).to_numpy()
+    up = np.nan_to_num(np.clip(band_hi - mean, 0, None), nan=0.0)
+    down = np.nan_to_num(np.clip(mean - band_lo, 0, None), nan=0.0)
     if binned:
         label = "tokens %{customdata[0]}-%{customdata[1]}"
         ids = np.stack([frame["start"], frame["end"]], axis=1)
@@ -292,7 +295,7 @@ def error_figure(
         y_title = "attention error (compressed − original)"
     traces = []
     for part in ("eviction", "quantization"):
-        values = frame[f"error_{part}_mean"].to_numpy()
+        values = col[f"error_{part}_mean"]
         if np.any(np.abs(values) > 0):
             traces.append(
                 dict(
@@ -312,15 +315,13 @@ def error_figure(
         dict(
             type="scatter",
             x=x,
-            y=frame["error_mean"].to_numpy(),
+            y=mean,
             mode="markers",
             name=f"total ({bar_text})" if members > 1 else "total",
             marker=dict(
                 symbol="line-ew-open", size=12, color=OKABE_ITO["black"], line=dict(width=2)
             ),
-            customdata=np.concatenate(
-                [ids, np.stack([frame["band_lo"], frame["band_hi"]], axis=1)], axis=1
-            ),
+            customdata=np.concatenate([ids, np.stack([band_lo, band_hi], axis=1)], axis=1),
             error_y=dict(
                 type="data",
                 symmetric=False,
@@ -342,7 +343,7 @@ def error_figure(
         traces.append(
             _points(
                 x,
-                frame["error_extreme"].to_numpy(),
+                col["error_extreme"],
                 "largest single-token error in the bin (one row)",
                 dict(symbol="circle-open", size=6, color=OKABE_ITO["blue"]),
                 f"<b>{label}</b><br>largest single-token error %{{y:.5f}}<extra></extra>",
@@ -368,14 +369,12 @@ def error_figure(
         subtitle = f"one row{f' ({what})' if what else ''}, no ensemble: no error bars"
     # what the chart reaches: the stacked parts (positive and negative stacks apart), the totals with
     # their bands where drawn, a bin's largest single error, the pinned totals
-    parts = np.stack(
-        [frame[f"error_{p}_mean"].fillna(0).to_numpy() for p in ("eviction", "quantization")]
-    )
-    drawn = [parts.clip(min=0).sum(axis=0), parts.clip(max=0).sum(axis=0), frame["error_mean"]]
+    parts = np.nan_to_num(np.stack([col[f"error_{p}_mean"] for p in ("eviction", "quantization")]))
+    drawn = [parts.clip(min=0).sum(axis=0), parts.clip(max=0).sum(axis=0), mean]
     if members > 1:
-        drawn += [frame["error_mean"] + up, frame["error_mean"] - down]
-    if binned and "error_extreme" in frame:
-        drawn.append(frame["error_extreme"])
+        drawn += [mean + up, mean - down]
+    if binned and "error_extreme" in col:
+        drawn.append(col["error_extreme"])
     if pinned is not None:
         drawn.append(pinned["error_mean"])
     y_axis, lock_note = locked_axis(y_range, data_reach(*drawn), bottom=None)
