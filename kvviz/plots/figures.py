@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+import plotly.io as pio
 
 from kvviz.plots.style import (
     CHART_CONFIG,
@@ -40,9 +41,12 @@ def _token_axis(frame: pd.DataFrame, text_tokens: bool, max_labels: int = 48) ->
 def _figure(traces: list[dict], look: dict, x_axis: dict, y_axis: dict) -> go.Figure:
     """One figure from plain dicts: `look` is style.base_layout(...) plus the chart's own settings, and
     the axis dicts are merged into its axes. Built without plotly's validation (its own `_validate`
-    switch, 3x faster on every slider move); tests/test_figures.py validates every builder's output."""
+    switch, 3x faster on every slider move); tests/test_figures.py validates every builder's output.
+    The kvviz template as an object, not plotly's default: Streamlit makes its own theme the
+    default where its plotly module is first imported, which can come after kvviz.plots.style."""
     look["xaxis"] = {**look["xaxis"], **x_axis}
     look["yaxis"] = {**look["yaxis"], **y_axis}
+    look["template"] = pio.templates["kvviz"]
     return go.Figure(data=traces, layout=look, _validate=False)
 
 
