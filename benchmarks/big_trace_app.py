@@ -1,4 +1,4 @@
-"""The app's Explorer on an 8B model's 3.2 GB trace, in a real browser at 1024x768 (issue 36 targets).
+"""The app's Explorer on an 8B model's 3.2 GB trace, in a real browser at 1024x768.
 
 benchmarks/big_trace.py's random-weight Llama with Llama-3.1-8B's attention shape (32 layers x 32 query
 heads x 8 KV heads x 128) captures 4,096 tokens in float32 through the CLI (`kvviz capture`, a 3.2 GB

@@ -1,6 +1,6 @@
 """Decode-step cost of kvviz's attention on the bundled model: compressed step / plain step.
 
-The Model lab's shape (issue #22): the bundled SmolLM2-135M, the sample text's first 206 tokens
+The Model lab's shape: the bundled SmolLM2-135M, the sample text's first 206 tokens
 as the prompt and its next 57 as the continuation, teacher-forced (56 decode steps), one torch
 thread, CPU, float32. "plain" is transformers' eager attention with its own DynamicCache;
 "compressed" is kvviz's decode loop (kvviz's attention function over a CompressedCache, the
@@ -13,11 +13,11 @@ policy deciding at every step), for
 Decode steps only (the compression point is printed apart). Each time is the median of
 several runs, plain and compressed interleaved so that background load hits both alike.
 Prints `NAME: compressed X ms/step, plain Y ms/step, ratio R`, then the worst ratio of the
-first two (the Model lab's step and kvviz's attention alone, what issue #22 targets) with
+first two (the Model lab's step and kvviz's attention alone, the two that set a step's speed) with
 its target (<= 1.1), and exits 1 when it is missed. The 4-bit line is printed for
 information: it also pays for quantizing the kept K/V at every step.
 
-Then, at 2,048 tokens (issue #37; `--long 0` skips it): the sample text repeated to a 2,048-token
+Then, at 2,048 tokens: the sample text repeated to a 2,048-token
 prompt, the compressed decode step for snapkv, h2o, streaming (each keeping 256 tokens) and 4-bit
 KIVI (keys per channel, values per token, groups of 32, 128 recent tokens exact) against transformers'
 own decode step with its DynamicCache at the same length (the full 2,048-token cache). Target: each

@@ -22,7 +22,7 @@ ratio to the evaluated rows' attention alone is printed too, for information.
 Ratios, not seconds, because the machine is shared.
 
 Prints one line per scorer, `NAME: full X ms, bare Y ms, ratio R`, then the worst ratio and
-its target, and exits 1 when a scorer misses the target (issue #22), so a regression
+its target, and exits 1 when a scorer misses the target, so a regression
 cannot pass unnoticed.
 
     python benchmarks/engine.py
@@ -41,7 +41,7 @@ from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.spec import SCORERS
 
 CONTEXT, STEPS, LAYER = 4096, 32, 1
-TARGET = 3.0   # every scorer: full configuration <= 3x the bare attention work (issue #22; aim 1.5)
+TARGET = 3.0   # every scorer: full configuration <= 3x the bare attention work
 
 
 def benchmark_trace():

@@ -1,4 +1,4 @@
-"""The compressed cache on a GPU: a random-weight model of Llama-3.1-8B's shape, no download (issue #37).
+"""The compressed cache on a GPU: a random-weight model of Llama-3.1-8B's shape, no download.
 
 Built on the GPU from a transformers LlamaConfig (32 layers, 32 query / 8 KV heads of 128, hidden
 4096, MLP 14336, vocabulary 128256, RoPE theta 500000 with Llama 3's scaling), bfloat16, random

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Mean attention mass retained per scorer x allocation on the bundled model's trace of the
-sample text (issue #12).
+sample text.
 
 The trace: SmolLM2-135M (bundled, offline) reads kvviz's sample text teacher-forced, prompt
 206 tokens (the compression point), then 57 decode steps whose queries read the compressed

@@ -2,7 +2,7 @@
 
     python scripts/comments_above.py [--width 100] PATH...
 
-Run once, before `ruff format`, when the project went from 120 to 100 columns (issue #35): the formatter
+Run once, before `ruff format`, when the project went from 120 to 100 columns: the formatter
 wraps code but never moves a comment, and a comment at the end of a long line is better read above it.
 Comments that speak to tools about their own line (`# noqa`, `# type:`, `# pragma`) stay where they are.
 A comment is found with Python's own tokenizer, so a '#' inside a string is never touched.

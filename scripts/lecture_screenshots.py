@@ -1,4 +1,4 @@
-"""Screenshots for issue #34 (a lecture on one screen): the Explorer in Presentation mode and the
+"""Screenshots of a lecture on one screen: the Explorer in Presentation mode and the
 Trade-offs page at a projector's 1024x768, saved as docs/screenshots/lecture-<tag>-*.png.
 
 Run: python scripts/lecture_screenshots.py before|after  (starts its own `streamlit run app.py`)."""

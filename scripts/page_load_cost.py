@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What one page load costs, page by page, as the browser tests open a page (issue 33, item 6).
+"""What one page load costs, page by page, as the browser tests open a page.
 
 Starts the app as the browser tests do (`streamlit run app.py` on a free port, tests/conftest.py) and opens
 each page a live-link test starts on (all seven) in a new page of one Chromium context (Debian's

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Why Quest keeps less attention mass than the one-shot scorers (issue #24), in numbers.
+"""Why Quest keeps less attention mass than the one-shot scorers, in numbers.
 
 Notebook-style: each section prints one table. The trace is scripts/allocation_table.py's: the
 bundled SmolLM2-135M reads kvviz's sample text teacher-forced, prompt 206 tokens, 57 decode

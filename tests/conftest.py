@@ -5,7 +5,7 @@ afterwards. Chromium is Debian's /usr/bin/chromium driven by Playwright's sync A
 `executable_path` (never `playwright install`). Without Chromium or Playwright the browser
 tests skip with the reason, unless KVVIZ_REQUIRE_BROWSER=1 (CI), where they fail instead.
 
-Also here (issue 25): the hypothesis profiles (`ci`: derandomized, a fixed example budget; `dev`:
+Also here: the hypothesis profiles (`ci`: derandomized, a fixed example budget; `dev`:
 more examples; HYPOTHESIS_PROFILE picks one, dev by default, `.ci/run` sets ci); the pytest-xdist
 grouping (a module's tests stay in one worker where the module builds its own module-scoped
 fixtures; the browser tests share one worker, server and Chromium); a shorter
@@ -435,7 +435,7 @@ def tiny():
     return tiny_llama()
 
 
-# --- pytest-xdist, timeouts, and what a failed browser test leaves behind (issue 25) ---------------
+# --- pytest-xdist, timeouts, and what a failed browser test leaves behind ---------------
 
 MODEL_FIXTURES = {"tiny", "tiny_dir", "tiny_trace", "bundled", "bundled_trace"}
 

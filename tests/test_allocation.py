@@ -1,4 +1,4 @@
-"""Budget allocation over heads and layers (AdaKV, PyramidKV) and the budget ledger (issue #12)."""
+"""Budget allocation over heads and layers (AdaKV, PyramidKV) and the budget ledger."""
 
 import csv
 import io
@@ -23,7 +23,7 @@ def layer_mass(trace, spec, layer):
 
 # Each example sweeps every budget of its trace (18 to 26 of them, two compares each), so a third of the
 # profile's examples (dev 50, ci 20) still checks 400 to 1,000 (trace, budget) pairs across the alphas,
-# sinks, windows and temperatures; the profile's full count took 13 s (issue #33). Both a cross-head
+# sinks, windows and temperatures; the profile's full count took 13 s. Both a cross-head
 # choice of the worst candidates and a safeguard one token short still fail it under `ci`.
 @settings(max_examples=max(10, settings.default.max_examples // 3))
 @given(seed=st.integers(0, 100_000), alpha=st.sampled_from([0.0, 0.2, 0.5, 1.0]), sink=st.integers(0, 3),
@@ -195,7 +195,7 @@ def test_quest_per_query_head_reads_its_own_pages_and_the_ledger_counts_the_unio
     assert all(int(r.kept.sum()) == spec.budget for r in per_kv.members)
 
 
-# --- by hand and against plain references (mutation testing, issue #25) ---------------------------
+# --- by hand and against plain references (mutation testing) ---------------------------
 
 
 def test_pyramid_budgets_by_hand():

@@ -65,7 +65,7 @@ def test_default_view_is_the_handbook_example():
 
 
 def test_shown_numbers_equal_kvviz_compare():
-    at = run(sink=2, recent=6, heavy=5, bits=4, ensemble="none")     # the app quantizes short groups (issue 34)
+    at = run(sink=2, recent=6, heavy=5, bits=4, ensemble="none")     # the app quantizes short groups
     expected = compare(handbook_trace(), Spec(sink=2, recent=6, heavy=5, key_bits=4, value_bits=4, partial="quantize"),
                        View())
     shown = numbers(at)
@@ -279,7 +279,7 @@ def test_trace_file_shows_token_grid_and_overview_jump(tmp_path, monkeypatch):
     assert grid[layer, head] == grid.max()
 
 
-# --- issue 9: one rule for defaults, notes that say what a scorer keeps ----------------------------
+# --- one rule for defaults, notes that say what a scorer keeps ----------------------------
 
 def test_switching_the_source_keeps_the_last_step_as_a_fresh_link_does():
     """handbook -> synthetic used to land on step 0 (and write step=0); a fresh ?source=synthetic
@@ -323,7 +323,7 @@ def test_synthetic_presets_set_the_pattern():
     assert "sink_strength" not in at.query_params and "topic_shift" not in at.query_params
 
 
-# --- issue 11: targets instead of slider hunting --------------------------------------------------
+# --- targets instead of slider hunting --------------------------------------------------
 
 def test_budget_number_boxes_set_counts_or_percentages():
     at = run(source="synthetic", context="512", steps="32")
@@ -352,7 +352,7 @@ def test_a_budget_slider_move_wins_over_its_boxs_stale_echo():
     assert at.slider(key="sink").value == 9 and at.query_params["sink"] == "9"
 
 
-# --- issue 11: the lesson at a glance ----------------------------------------------------------------
+# --- the lesson at a glance ----------------------------------------------------------------
 
 def test_cards_split_the_quantizations_own_error():
     """With eviction on, TV is the evicted mass whatever the bits; the card beside it shows what
@@ -370,7 +370,7 @@ def test_cards_split_the_quantizations_own_error():
 
 
 def test_the_bits_reach_the_keys_by_default_and_the_app_says_when_they_cannot():
-    """By default the app quantizes a group the kept tokens do not fill (issue 34), so the bits slider
+    """By default the app quantizes a group the kept tokens do not fill, so the bits slider
     changes the handbook example's attention, and the screen says which keys and values it reaches.
     With KIVI's rule (partial groups at 16 bits) 14 kept tokens never fill a per-channel group of 32:
     the app says so and offers the fix instead of letting the bits slider look broken."""
@@ -443,7 +443,7 @@ def test_solver_applies_the_smallest_budget():
 
 
 def test_presentation_mode_puts_the_main_chart_first_and_folds_the_extras():
-    at = run(present="1")     # the attention chart first, then the error chart (issue 34)
+    at = run(present="1")     # the attention chart first, then the error chart
     charts = [c.proto.id for c in at.get("plotly_chart")]
     assert charts[0].endswith("attention_chart") and charts[1].endswith("error_chart")
     assert [m.label for m in at.metric] == ["Attention kept", "Memory saved", "Tokens kept"]
@@ -500,7 +500,7 @@ def test_real_text_opens_on_a_typical_head_and_the_grid_shades_and_separates(tmp
     assert again.number_input(key="head").value == 0 and not any("median of all" in i.value for i in again.info)
 
 
-# --- issue 21: folded means idle ------------------------------------------------------------------
+# --- folded means idle ------------------------------------------------------------------
 
 def test_folded_sections_compute_nothing_until_opened_then_once(monkeypatch):
     """The budget ledger, the rotation heatmap and the layer x head overview compute nothing while their
@@ -595,7 +595,7 @@ def test_before_the_first_paint_charts_are_frames_and_folded_sections_wait():
 
 def test_advice_is_never_impossible():
     """A link with sink=1e9 is clamped to the 64 tokens: the warning names the sliders that can bring
-    eviction back, never "Lower the Heavy-hitter budget below 0" (issue 34)."""
+    eviction back, never "Lower the Heavy-hitter budget below 0"."""
     from kvviz.analysis.readout import budget_warnings
     at = run(sink="1e9")
     text = warnings(at)
@@ -623,7 +623,7 @@ def test_all_budgets_at_zero_say_that_they_turn_eviction_off():
 
 def test_a_number_typed_out_of_range_is_clamped_with_the_notice_a_link_gets():
     """The boxes have no browser-side min / max (which kept 99999999 in a red box and sent nothing): the
-    typed number reaches the app, which clamps it and says so, as it does for a link (issue 34)."""
+    typed number reaches the app, which clamps it and says so, as it does for a link."""
     at = run()
     at.number_input(key="_box_sink").set_value(99999999).run()
     assert at.slider(key="sink").value == 64 and at.query_params["sink"] == "64"

@@ -1,4 +1,4 @@
-"""AppTest (issue #38): the serving-engine presets, the static FP8 controls and their note, the peak on the
+"""AppTest: the serving-engine presets, the static FP8 controls and their note, the peak on the
 memory card."""
 
 from pathlib import Path

@@ -98,7 +98,7 @@ def test_model_lab_loads_no_model_until_run(monkeypatch, tmp_path):
     assert [b.label for b in at.button] == [*PRESETS, "Run the model"]
     assert any("press **Run the model**" in i.value for i in at.info)
     assert any("capped" in c.value for c in at.caption)
-    # the boxes' ranges are in their help, and a number typed outside is clamped with a notice (issue #34)
+    # the boxes' ranges are in their help, and a number typed outside is clamped with a notice
     assert "Range 8-512" in at.number_input(key="lab_prompt").help
     assert "Range 2-128" in at.number_input(key="lab_cont").help
     at.number_input(key="lab_prompt").set_value(99999).run()
@@ -151,7 +151,7 @@ def test_model_lab_presets_size_budgets_to_the_prompt():
     assert "streaming sink 4 recent 36 heavy 0" in "".join(m.value for m in at.markdown)
 
 
-# --- issue 9: every control shown is used, and page settings live in the URL -----------------------
+# --- every control shown is used, and page settings live in the URL -----------------------
 
 def test_timeline_on_the_handbook_uses_the_sidebar_budget_and_hides_what_it_does_not_use():
     """The handbook has no decode steps: the demo runs with the sidebar's 4 + 8 + 2, not a

@@ -1,4 +1,4 @@
-"""The app under a hostile or careless link (issue 26): the work budget's notice on every page, a rerun or a
+"""The app under a hostile or careless link: the work budget's notice on every page, a rerun or a
 closed session stopping a long build at its next chunk, and the pool that makes heavy sessions queue."""
 
 import threading

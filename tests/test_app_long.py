@@ -1,4 +1,4 @@
-"""A long row in the Explorer (issue 36 item 5): the charts' token range (boxes, paging buttons, the whole
+"""A long row in the Explorer: the charts' token range (boxes, paging buttons, the whole
 row again), in the link; and the token grid's pages."""
 
 import json

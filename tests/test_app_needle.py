@@ -154,7 +154,7 @@ def test_run_live_runs_the_grid_with_the_forms_settings_and_shows_it(shipped, mo
     assert [s.value for s in at.subheader][0] == "StreamingLLM · 60 tokens · needle at 0%"
 
 
-# --- both compression points (issue #38) ----------------------------------------------------------
+# --- both compression points ----------------------------------------------------------
 
 def _agnostic(grid: needle.NeedleGrid) -> needle.NeedleGrid:
     """The same prompts compressed before the question: here H2O also loses the key at 40 tokens, depth 100%."""

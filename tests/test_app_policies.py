@@ -1,4 +1,4 @@
-"""AppTest for issue #12 in the app: the allocation and the new scorers' settings in Advanced and
+"""AppTest for the allocation and the new scorers' settings in Advanced and
 the URL, the budget ledger expander, and the trade-off chart saying what Quest saves."""
 
 from pathlib import Path

@@ -132,7 +132,7 @@ def test_a_page_link_clicked_before_the_first_paint_report_is_followed(page, app
     no_console_errors(page)
 
 
-# --- the address bar after every single interaction (issue 9) ---------------------------------------
+# --- the address bar after every single interaction ---------------------------------------
 
 def address(page) -> dict:
     """The query string of the real address bar (location.href, not Playwright's cached page.url)."""
@@ -175,7 +175,7 @@ def test_a_fresh_server_opens_a_page_link_as_that_page(page, launcher, path):
         assert query(page.url) == {"sink": "3"}
 
 
-# --- a live link after every single interaction, on every page (issue 21) ---------------------------
+# --- a live link after every single interaction, on every page ---------------------------
 
 class LiveLink:
     """Drives one page through single interactions, checking the address bar after each in the same page,
@@ -570,7 +570,7 @@ def test_studies_link_follows_every_single_interaction(page, app_url):
     no_console_errors(page)
 
 
-# --- the Model lab's Cancel (issue 21) ----------------------------------------------------------------
+# --- the Model lab's Cancel ----------------------------------------------------------------
 
 @pytest.mark.model
 def test_model_lab_cancel_stops_the_run_and_keeps_the_previous_results(page, app_url):
@@ -617,7 +617,7 @@ def test_model_lab_cancel_stops_the_run_and_keeps_the_previous_results(page, app
     no_console_errors(page)
 
 
-# --- a projector's 1024 x 768 (issue 11): nothing clipped, legends below, the main chart first ----------
+# --- a projector's 1024 x 768: nothing clipped, legends below, the main chart first ----------
 
 CLIPPED_JS = """(selector) => Array.from(document.querySelectorAll(selector))
     .filter(el => el.offsetParent !== null && el.scrollWidth > el.clientWidth + 1)
@@ -776,7 +776,7 @@ def test_presentation_mode_puts_the_lesson_above_the_fold(page, app_url):
     no_console_errors(page)
 
 
-# --- a hostile link (issue 26): the work budget's notice on every page, the server's memory bounded -------
+# --- a hostile link: the work budget's notice on every page, the server's memory bounded -------
 
 HUGE_LINK = "source=synthetic&context=1000000000&steps=1000000000&layers=100000&q_heads=100000&kv_heads=100000"
 

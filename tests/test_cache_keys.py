@@ -1,4 +1,4 @@
-"""Cached scores are keyed by what they depend on, derived, never listed by hand (issue #35).
+"""Cached scores are keyed by what they depend on, derived, never listed by hand.
 
 A scorer's cache key is the values of the Spec fields it was seen to read (kvviz.policies.reads); the
 engine's kept-set key is every field but those that only quantize. Before, each scorer listed its

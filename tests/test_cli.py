@@ -92,7 +92,7 @@ def test_sweep_csv(capsys, tmp_path):
     assert quarter == pytest.approx(0.25, abs=0.02)
 
 
-# --- the work budget and argument ranges (issue 26): exit 2, one line, before anything is built ----------
+# --- the work budget and argument ranges: exit 2, one line, before anything is built ----------
 
 @pytest.mark.parametrize("argv, words", [
     (["compare", "--source", "synthetic", "--layers", "100000", "--heads", "100000"],

@@ -1,4 +1,4 @@
-"""The command line for issue #12: allocation and the new scorers' settings; bad values in one line."""
+"""The command line for allocation and the new scorers' settings; bad values in one line."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""Colour is never the only cue, and the colours themselves survive colour-vision deficiency (issue 34).
+"""Colour is never the only cue, and the colours themselves survive colour-vision deficiency.
 
 Each method's colour on the Trade-offs, Decode timeline and Studies charts is simulated under
 deuteranopia, protanopia and tritanopia with the matrices of Machado, Oliveira & Fernandes (2009) at

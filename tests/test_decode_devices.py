@@ -1,4 +1,4 @@
-"""Decoding with the compressed cache in the model's dtype, on every device torch sees here (issue #37).
+"""Decoding with the compressed cache in the model's dtype, on every device torch sees here.
 
 Every decode path (uniform eviction, streaming H2O / TOVA, ragged AdaKV, PyramidKV, Quest, the oracle,
 every quantizer) runs a bfloat16 and a float16 copy of the tiny Llama on each device present (cpu always;

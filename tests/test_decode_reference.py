@@ -1,4 +1,4 @@
-"""The real-model decode against independent references (issue 25), on the tiny random Llama.
+"""The real-model decode against independent references, on the tiny random Llama.
 
 `test_generation.py` checks that a run makes the decisions `Policy.keep_masks` makes on the same
 queries; both run the policies' own score and update code, so they show two paths agree, not that

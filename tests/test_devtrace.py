@@ -1,4 +1,4 @@
-"""The policies score a device cache where it lives: only their inputs cross to the host (issue #37 item 2).
+"""The policies score a device cache where it lives: only their inputs cross to the host.
 
 kvviz.decode.devtrace's Trace keeps q, k, v as torch tensors (here on each device torch sees: cpu always,
 cuda / mps when there; in float32, bfloat16 and float16) and computes what a scorer reads (attention

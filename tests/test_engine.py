@@ -302,7 +302,7 @@ def test_sweep_split_rule_keeps_a_recent_token_and_the_budget():
             Spec(scorer=scorer, **s)                    # every sweep point is a valid spec (SnapKV included)
 
 
-# --- policies/base.py by hand and against plain references (mutation testing, issue #25) ----------
+# --- policies/base.py by hand and against plain references (mutation testing) ----------
 
 def test_score_cache_hits_per_trace_and_keeps_the_32_most_recent():
     """cached_on_trace computes once per (trace, layer, name, key): a second ask is a hit, two traces
@@ -400,7 +400,7 @@ def test_context_attention_chunks_are_causal_softmax_rows():
     assert next(ctx.context_attention())[1].shape == (t.n_q_heads, c, c)    # every context row, every key
 
 
-# --- every row against docs/definitions.md's formulas, recomputed in plain numpy (mutation testing, issue #25) ------
+# --- every row against docs/definitions.md's formulas, recomputed in plain numpy (mutation testing) ------
 
 LN2 = np.log(2.0)
 

@@ -1,4 +1,4 @@
-"""What serving engines do (issue #38): llama.cpp's q8_0 / q4_0 K/V formats bit for bit against gguf's
+"""What serving engines do: llama.cpp's q8_0 / q4_0 K/V formats bit for bit against gguf's
 reference, vLLM's static FP8 scales (1.0 or calibrated) and what they saturate, and the cache at its peak."""
 
 import dataclasses

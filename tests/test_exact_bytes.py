@@ -1,4 +1,4 @@
-"""Exact bytes (issue #24): the Explorer's memory card and the budget ledger count the same bytes.
+"""Exact bytes: the Explorer's memory card and the budget ledger count the same bytes.
 
 Both count every (layer, KV head) cache from its own kept tokens (`engine.kept_counts`): AdaKV's
 heads hold different numbers, ChunkKV keeps whole chunks, Quest reads per query head. The card
@@ -64,7 +64,7 @@ def test_memory_card_equals_ledger(trace, scorer, allocation, fmt, settings):
     assert result.memory.kv_bytes == pytest.approx(totals["stored_bytes"], rel=1e-12, abs=1e-9)
     assert result.memory.bytes_read == pytest.approx(totals["read_bytes"], rel=1e-12, abs=1e-9)
     assert result.memory.kv_bytes_full == pytest.approx(totals["full_bytes"], rel=1e-12)
-    assert result.memory.kv_bytes_peak == pytest.approx(totals["prefill_bytes"], rel=1e-12)   # issue #38 item 5
+    assert result.memory.kv_bytes_peak == pytest.approx(totals["prefill_bytes"], rel=1e-12)
     assert result.memory.peak == pytest.approx(totals["peak_bytes"], rel=1e-12)
 
 

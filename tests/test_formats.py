@@ -330,7 +330,7 @@ def test_rotation_figure_and_effect():
     assert np.allclose(after.z, rotate(k[10:]).T) and before.zmin == -before.zmax == after.zmin
 
 
-# --- the quantizer a spec routes to, checked against the formulas (mutation testing, issue #25) ----
+# --- the quantizer a spec routes to, checked against the formulas (mutation testing) ----
 
 
 def _reference_tensor(x, spec, which, residual, rotated):
@@ -529,7 +529,7 @@ def test_rotation_effect_values_from_the_formulas():
         np.linalg.norm(part - k48) / np.linalg.norm(k48), rel=1e-12)
 
 
-# --- the codecs' own functions, checked against the specs (mutation testing, issue #25) -------------
+# --- the codecs' own functions, checked against the specs (mutation testing) -------------
 
 def _sylvester(n: int) -> np.ndarray:
     """The n x n Sylvester Hadamard matrix (n a power of two), entries +-1, from its definition entry by

@@ -1,4 +1,4 @@
-"""Scoring only the KV heads a view reads (kvviz.engine.view_masks, issue #36's Explorer on a big trace):
+"""Scoring only the KV heads a view reads (kvviz.engine.view_masks: the Explorer on a big trace):
 the same kept sets and the same numbers, bit for bit, as scoring every head and taking those."""
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""kvviz's kept sets against NVIDIA kvpress 0.5.5's own, on the bundled SmolLM2-135M (issue #24).
+"""kvviz's kept sets against NVIDIA kvpress 0.5.5's own, on the bundled SmolLM2-135M.
 
 tests/data/kvpress_reference.json holds what kvpress kept — per layer and KV head, for the eleven
 methods both share — on the first 261 tokens of kvviz/data/sample.txt at compression ratio 0.5,

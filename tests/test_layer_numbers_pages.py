@@ -1,4 +1,4 @@
-"""Every page names a layer by the model's own number (issue 36 item 3): a trace that holds the model's
+"""Every page names a layer by the model's own number: a trace that holds the model's
 layers 3 and 15 offers 3 and 15 on the decode timeline and names the Concentration page's heatmap rows
 and the Explorer's overview by them, never by the position in the file (0 and 1)."""
 

@@ -1,4 +1,4 @@
-"""No clipped or overlapping text on any page at a projector's 1024 x 768 and a laptop's 1440 x 900 (issue 34).
+"""No clipped or overlapping text on any page at a projector's 1024 x 768 and a laptop's 1440 x 900.
 
 One server, one browser page: each page (and the Explorer in Presentation mode) is visited once per size, left to settle, and measured in one
 `page.evaluate` (LAYOUT_JS): the bounding boxes of the page's headings, metric cards and tables, and inside
@@ -130,7 +130,7 @@ def test_no_text_overlaps_or_is_cut_on_any_page(page, app_url, quarter_study, la
         page.set_viewport_size({"width": width, "height": height})
         page.goto(f"{app_url}/?study={quarter_study}")
         for name, marker in PAGES:
-            if name == "Presentation mode":       # the Explorer as a lecture shows it (issue 34)
+            if name == "Presentation mode":       # the Explorer as a lecture shows it
                 page.goto(f"{app_url}/?present=1")
             elif name != "Explorer":
                 page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=name).click()

@@ -1,4 +1,4 @@
-"""A lecture on one screen (issue 34), in headless Chromium against the live app (fixtures in conftest.py).
+"""A lecture on one screen, in headless Chromium against the live app (fixtures in conftest.py).
 
 At a projector's 1024 x 768 with `?present=1`: the four headline sliders and the original-vs-compressed
 attention chart are inside the first screen without scrolling; each slider, moved by keyboard, changes

@@ -1,4 +1,4 @@
-"""Lessons (issue 23): the app's link table outside the app, the grid, the packed page and `kvviz lesson export`.
+"""Lessons: the app's link table outside the app, the grid, the packed page and `kvviz lesson export`.
 
 The browser side (sliders, what the page shows at grid points, no network, escaping) is in
 tests/test_lesson_browser.py.
@@ -189,7 +189,7 @@ def test_the_page_holds_the_lesson_exactly(handbook_page):
         shown = {f: strings[arrays["text_of"][i, j]] for j, f in enumerate(FIELDS)}
         assert shown == point_texts(lesson, i)
     i = lesson.index(sink=0, recent=8, heavy=2, bits=2)
-    # the app quantizes a group the kept tokens do not fill (partial=quantize, issue #34): 10 kept keys, 2 bits,
+    # the app quantizes a group the kept tokens do not fill (partial=quantize): 10 kept keys, 2 bits,
     # and no "keys are not quantized" warning
     assert "not quantized" not in strings[arrays["text_of"][i, FIELDS.index("warnings")]]
     start = lesson.index(sink=4, recent=8, heavy=2, bits=4)

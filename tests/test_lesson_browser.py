@@ -1,4 +1,4 @@
-"""An exported lesson in headless Chromium, opened from disk with the network blocked (issue 23).
+"""An exported lesson in headless Chromium, opened from disk with the network blocked.
 
 At several grid points the sliders are set and what the page shows - the metrics line, the memory
 card, the setting's caption, the kept tokens and every bar, tick and error bar of both charts (each

@@ -1,4 +1,4 @@
-"""Long contexts on screen (issue 36 item 5): the Explorer's figure builders on a 32,768-token row send a
+"""Long contexts on screen: the Explorer's figure builders on a 32,768-token row send a
 few hundred points to the browser, whatever range of the row they show, and a zoom reaches single tokens.
 
 Points are counted as the browser gets them: per trace, its x / y values (a heatmap its z cells), summed

@@ -189,7 +189,7 @@ def test_spread_of_members_that_do_not_all_see_every_token():
         spread(np.array([[1.0, np.nan], [2.0, np.nan]]))
 
 
-# --- the error split, the concentration curve, entropy (issue 25: mutants these must kill) ---------
+# --- the error split, the concentration curve, entropy ---------
 
 def test_error_split_by_hand_row_by_row():
     """Two rows (..., n) with their own kept sets: a_evict = a / mass on the kept tokens, 0 elsewhere;

@@ -1,4 +1,4 @@
-"""The Needle test page in headless Chromium (issue #38): it opens on both compression points' grids from
+"""The Needle test page in headless Chromium: it opens on both compression points' grids from
 the shipped file — query-agnostic (kvpress's pipeline default) above query-aware — each labelled, without
 a live run; a click on a square of the second grid opens that grid's cell."""
 

@@ -1,4 +1,4 @@
-"""Compression during decoding in the needle test and as a real-model study axis (issue #38): `kvviz needle
+"""Compression during decoding in the needle test and as a real-model study axis: `kvviz needle
 --compress-every N`, the GridRequest that carries it, the needle and model studies' `compress_every` axis."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Your own policy as a plug-in (issue #12): the example package under tests/plugin_example is
+"""Your own policy as a plug-in: the example package under tests/plugin_example is
 "installed" through a temporary dist-info on sys.path (importlib.metadata finds its entry points;
 the shared venv is not touched) and runs through compare, sweep, the app and the decode path."""
 

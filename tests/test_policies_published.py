@@ -1,4 +1,4 @@
-"""Policies against small independent re-computations of their published rules (issue #9):
+"""Policies against small independent re-computations of their published rules:
 SnapKV never spends heavy slots on its own window, H2O's normalised form, the budget a query sees."""
 
 import numpy as np
@@ -266,7 +266,7 @@ def test_h2o_decode_steps_drive_the_decision_when_the_context_is_short(normalize
     np.testing.assert_array_equal(keep_masks(t, spec, 0, positions), h2o_reference(t, spec, 0, positions, normalized))
 
 
-# --- policies/base.py against plain references (mutation testing, issue #25) -----------------------
+# --- policies/base.py against plain references (mutation testing) -----------------------
 
 def logit_only_trace(seed=3, c=20, steps=8, gap=(23,)):
     """A logit-only source (its own logits, unrelated to q . k) with later queries, some decode positions

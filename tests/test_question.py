@@ -1,4 +1,4 @@
-"""A context and a question (issue #38): `kvviz eval --question` and the Model lab compress before the question
+"""A context and a question: `kvviz eval --question` and the Model lab compress before the question
 (query-agnostic, kvpress's pipeline default) or after it (query-aware), and on the bundled model the two differ
 for SnapKV; the lab's question box and its choice are in the page's link."""
 

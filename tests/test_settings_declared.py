@@ -1,4 +1,4 @@
-"""One setting, one place (issue #35): a scorer declares its settings in its own file, and the link, the
+"""One setting, one place: a scorer declares its settings in its own file, and the link, the
 command line, the app's widgets and the study grid are made from the declarations.
 
 The proof: a scorer defined here, with one setting declared here, and no other file touched, gets a flag in

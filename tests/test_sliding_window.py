@@ -1,4 +1,4 @@
-"""Models whose layers differ (issue #36 item 4): sliding-window layers (Mistral, Gemma 2/3) are recorded with
+"""Models whose layers differ: sliding-window layers (Mistral, Gemma 2/3) are recorded with
 their window, recomputed as the model computes them, left uncompressed by the policies (as kvpress skips
 them), and counted by the memory card and the ledger as what they hold. Hand-made traces, where the maths
 gives exact numbers; tiny random-weight models in tests/test_sliding_window_models.py."""

@@ -1,5 +1,4 @@
-"""Sliding-window layers on tiny random-weight Mistral, Gemma 2 and Gemma 3 models built here (issue #36
-item 4): kvviz's recomputed attention is the model's own on every layer (check_attention), a policy leaves the
+"""Sliding-window layers on tiny random-weight Mistral, Gemma 2 and Gemma 3 models built here: kvviz's recomputed attention is the model's own on every layer (check_attention), a policy leaves the
 sliding layers alone, and the compressed decode (Model lab, eval, needle test) refuses such a model in one line.
 The hand-made traces' exact numbers are in tests/test_sliding_window.py."""
 

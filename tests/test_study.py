@@ -1,4 +1,4 @@
-"""Studies (issue 27): the study file's checks, the local engine's rows, the resume rule after a kill,
+"""Studies: the study file's checks, the local engine's rows, the resume rule after a kill,
 the CLI, the frontier's numbers. The Ray engine: tests/test_study_ray.py; the page: test_study_app.py."""
 
 from __future__ import annotations

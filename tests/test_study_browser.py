@@ -1,4 +1,4 @@
-"""The Studies page in headless Chromium (issue 27): a study under the server's studies root is drawn,
+"""The Studies page in headless Chromium: a study under the server's studies root is drawn,
 nothing is clipped at a projector's 1024 x 768, and clicking a point opens that cell's setting in the
 Explorer (the conftest points KVVIZ_STUDIES_DIR at a fresh folder before the server starts)."""
 

@@ -1,4 +1,4 @@
-"""The Ray engine (issue 27): a local Ray with 2 CPUs, started once for this module; the same rows as
+"""The Ray engine: a local Ray with 2 CPUs, started once for this module; the same rows as
 the local engine for a synthetic study, model cells on actors that load the model once, and a bad
 model path that fails its own cells while the rest complete. Selected with `-m ray`; part of `make test`."""
 

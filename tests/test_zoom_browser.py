@@ -1,4 +1,4 @@
-"""The charts' token range on a projector's 1024 x 768 (issue 36 item 5): the range boxes and buttons are on
+"""The charts' token range on a projector's 1024 x 768: the range boxes and buttons are on
 screen at a usable size with their labels whole, and typing a range redraws the charts on those tokens."""
 
 from __future__ import annotations
