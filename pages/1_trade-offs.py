@@ -46,7 +46,7 @@ def open_in_explorer(point: dict) -> None:
 
 
 def main() -> None:
-    page_setup("Trade-offs: error vs memory",
+    present = page_setup("Trade-offs: error vs memory",
                "Every policy over a sweep of budgets (5%–100% of the tokens) and bit widths; the explorer's "
                "current setting is the star, the Pareto frontier of the real policies the thick dashed line, "
                "the oracle the dotted bound.")
@@ -54,6 +54,8 @@ def main() -> None:
     if settings is None or settings.spec is None:
         return
     source, spec, vs = settings.source, settings.spec, settings.view
+    # Presentation mode: the chart first, on the projector's first screen, its controls under it
+    chart_slot = st.container() if present else None
     metric = w_choice(st, "metric", "Measure", tuple(METRICS), widget="radio",
                       format_func=lambda m: METRICS[m][0])
     log_x = w_check(st, "logx", "Log memory axis", help="Spreads out the small-memory end, where methods differ.")
@@ -72,8 +74,9 @@ def main() -> None:
     n_heads = source.trace.n_q_heads
     view = View(layer=vs.view.layer, head=0, step=vs.view.step, ensemble="heads", ensemble_size=n_heads)
     heads = f"all {n_heads} query heads" if n_heads > 1 else "its one query head"
-    st.caption(f"Each point is the mean over {heads} of layer {source.trace.layer_numbers[view.layer]} at the query chosen under View. "
-               "Click a point to open that setting in the Explorer.")
+    if not present:
+        st.caption(f"Each point is the mean over {heads} of layer {source.trace.layer_numbers[view.layer]} at the "
+                   "query chosen under View. Click a point to open that setting in the Explorer.")
     rows = run_sweep(source, tuple(methods), tuple(sorted(bits, reverse=True)), view, spec, formats=tuple(formats))
     if not rows:
         return
@@ -90,11 +93,16 @@ def main() -> None:
         mean = comp.metrics_mean
         current = {"memory_ratio": comp.memory.ratio, column: mean[METRICS[metric][2]], "label": spec.label()}
     fig = tradeoffs.tradeoff_figure(valid, column, front, current, log_x=bool(log_x))
-    event = chart(fig, key="tradeoff_chart", on_select="rerun", selection_mode="points",
-                  config=style.CHART_CONFIG)
+    if present:     # text >= 18 px, the chart as tall as the first screen allows
+        fig = style.projector(fig, height=520, y_title=METRICS[metric][0], legend_right=True)
+    with chart_slot or st.container():
+        event = chart(fig, key="tradeoff_chart", on_select="rerun", selection_mode="points",
+                      config=style.CHART_CONFIG)
     points = [p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3]
     if points:
         open_in_explorer(points[0])
+    if present:
+        return
     st.caption(("What to look for: upper-left is better." if metric in HIGHER_IS_BETTER else
                 "What to look for: lower-left is better.")
                + " Where the dashed frontier is made of quantized points, quantization beats eviction at that "

@@ -191,6 +191,24 @@ def test_long_sequences_are_binned():
 
 # --- pages ---------------------------------------------------------------------------------------
 
+def test_tradeoffs_presenting_draws_the_chart_first_in_projector_type():
+    """Presentation mode on the Trade-offs page: the chart above its controls, every text of it at 18 px,
+    its legend beside the plot; the table, downloads and explanations are left out."""
+    at = run(TRADEOFFS, present="1")
+    def walk(node):         # the page's elements top to bottom, containers opened
+        yield node
+        for child in (getattr(node, "children", None) or {}).values():
+            yield from walk(child)
+
+    order = [e.type if e.type == "plotly_chart" else e.key
+             for e in walk(at.main) if e.type in ("plotly_chart", "radio")]
+    assert order.index("plotly_chart") < order.index("metric"), order
+    fig = json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]
+    assert fig["font"]["size"] == 18 and fig["xaxis"]["tickfont"]["size"] == fig["yaxis"]["tickfont"]["size"] == 18
+    assert fig["legend"]["orientation"] == "v" and fig["legend"]["x"] > 1
+    assert not at.dataframe and not at.get("download_button") and not at.main.caption
+
+
 def test_tradeoffs_page():
     at = run(TRADEOFFS, methods="h2o,streaming,oracle", sweep_bits="16,2")
     assert not at.error

@@ -30,7 +30,10 @@ SIZES = ((1024, 768), (1440, 900))
 # the sidebar's link, and a text that is on the page once it has drawn (None: the page's heading is enough)
 PAGES = (("Explorer", "Per-token error"), ("Trade-offs", "Error vs memory"), ("Concentration", "Top x% of tokens"),
          ("Model lab", None), ("Decode timeline", "Regret per step"), ("Needle test", "needle depth"),
-         ("Studies", "quarter-cache"), ("Presentation mode", "Attention per token"))
+         ("Studies", "quarter-cache"), ("Presentation mode", "Attention per token"),
+         ("Trade-offs, presenting", "Error vs memory"))
+# presenting, at a projector's 1024 x 768: the page's main chart starts on the first screen, at least half of it
+PRESENTED = {"Presentation mode": "Attention per token", "Trade-offs, presenting": "Error vs memory"}
 
 LAYOUT_JS = r"""() => {
   const problems = [], items = [];
@@ -132,6 +135,8 @@ def test_no_text_overlaps_or_is_cut_on_any_page(page, app_url, quarter_study, la
         for name, marker in PAGES:
             if name == "Presentation mode":       # the Explorer as a lecture shows it
                 page.goto(f"{app_url}/?present=1")
+            elif name == "Trade-offs, presenting":   # presentation mode is kept across pages
+                page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name="Trade-offs").click()
             elif name != "Explorer":
                 page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=name).click()
             if marker:
@@ -145,6 +150,9 @@ def test_no_text_overlaps_or_is_cut_on_any_page(page, app_url, quarter_study, la
             if (name, width) == ("Explorer", 1440):     # a laptop screen: the first chart starts on it
                 box = page.locator('[data-testid="stPlotlyChart"]').first.bounding_box()
                 assert box["y"] + box["height"] / 3 < height, f"the Explorer's first chart starts at y={box['y']:.0f}"
+            if name in PRESENTED and width == 1024:
+                box = page.locator(".js-plotly-plot").filter(has_text=PRESENTED[name]).first.bounding_box()
+                assert 0 <= box["y"] and box["y"] + box["height"] / 2 <= height, f"{name}: the chart is at {box}"
             got = measure(page)
             assert got["measured"] > 0, f"{name}: nothing measured"
             if got["problems"]:
