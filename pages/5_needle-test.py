@@ -8,7 +8,7 @@ from kvviz.app.charts import chart
 from kvviz.app.layout import page_setup
 from kvviz.app.router import run_page
 from kvviz.app.store import notice, show_notices, state
-from kvviz.plots.style import CHART_CONFIG
+from kvviz.plots.style import CHART_CONFIG, projector
 from kvviz.plots.needle import grid_figure, grids_figure, heads_figure, needle_tokens_html, scorer_label
 from kvviz.settings import SETTINGS
 from kvviz.spec import SpecError
@@ -167,7 +167,9 @@ def main() -> None:
     grid = grids[0]
     s = grid.settings
     source = "this session's live run" if st.session_state.get(LIVE) is not None else "the shipped precomputed grid"
-    if len(grids) == 1:
+    if present:       # a projector's first screen is the grid's: the explanations are in the intro it leaves out
+        pass
+    elif len(grids) == 1:
         where = ("after the haystack, before the question (query-agnostic)" if s.get("question_after_compression")
                  else "after the question (kvpress's compress_questions=True)")
         if s.get("compress_every"):
@@ -197,8 +199,13 @@ def main() -> None:
     if len(grids) == 1:
         figure = grid_figure(grid.cells, selected=sel[:3])
     else:
-        figure = grids_figure([(needle.protocol(g), needle.PROTOCOL_TITLES[needle.protocol(g)], g.cells)
-                               for g in grids], selected=sel)
+        def title(g) -> str:   # presenting, the short half of the title: it has to fit at 18 px
+            full = needle.PROTOCOL_TITLES[needle.protocol(g)]
+            return full.split(" (")[0] if present else full
+
+        figure = grids_figure([(needle.protocol(g), title(g), g.cells) for g in grids], selected=sel)
+    if present:
+        figure = projector(figure)
     event = chart(figure, key="needle_grid_chart", on_select="rerun", selection_mode="points", config=CHART_CONFIG)
     points = [p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3]
     if points:

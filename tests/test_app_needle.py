@@ -76,6 +76,21 @@ def _needle_chips(at) -> str:
     return next(h.proto.body for h in at.get("html") if "kvviz-needle-grid" in h.proto.body)
 
 
+def test_presenting_shows_the_grid_in_projector_type_without_the_long_caption(shipped):
+    """Presentation mode: the grid right under the title, every text of it at 16 px or more (tick labels
+    18, subplot titles 16, short enough to fit), the paragraph about the grids left out."""
+    import json
+
+    at = run_app(PAGE, present="1")
+    assert not [c for c in at.main.caption if "precomputed" in c.value]
+    layout = json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]
+    ticks = [v["tickfont"]["size"] for k, v in layout.items() if k.startswith(("xaxis", "yaxis"))]
+    assert ticks and min(ticks) >= 18
+    titles = layout.get("annotations", [])
+    assert titles and min(a["font"]["size"] for a in titles) >= 16
+    assert not [a["text"] for a in titles if "(" in a["text"] and "question" in a["text"]]    # the short titles
+
+
 def test_a_link_opens_a_cell_and_head_and_the_pickers_drive_the_token_grid(shipped):
     # the h2o cell and its one head that keeps half the needle, from the link
     at = run_app(PAGE, 120, nd_cell="h2o:40:0", nd_layer=1, nd_head=1)

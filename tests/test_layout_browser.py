@@ -31,9 +31,10 @@ SIZES = ((1024, 768), (1440, 900))
 PAGES = (("Explorer", "Per-token error"), ("Trade-offs", "Error vs memory"), ("Concentration", "Top x% of tokens"),
          ("Model lab", None), ("Decode timeline", "Regret per step"), ("Needle test", "needle depth"),
          ("Studies", "quarter-cache"), ("Presentation mode", "Attention per token"),
-         ("Trade-offs, presenting", "Error vs memory"))
+         ("Trade-offs, presenting", "Error vs memory"), ("Needle test, presenting", "needle depth"))
 # presenting, at a projector's 1024 x 768: the page's main chart starts on the first screen, at least half of it
-PRESENTED = {"Presentation mode": "Attention per token", "Trade-offs, presenting": "Error vs memory"}
+PRESENTED = {"Presentation mode": "Attention per token", "Trade-offs, presenting": "Error vs memory",
+             "Needle test, presenting": "needle depth"}
 
 LAYOUT_JS = r"""() => {
   const problems = [], items = [];
@@ -135,8 +136,8 @@ def test_no_text_overlaps_or_is_cut_on_any_page(page, app_url, quarter_study, la
         for name, marker in PAGES:
             if name == "Presentation mode":       # the Explorer as a lecture shows it
                 page.goto(f"{app_url}/?present=1")
-            elif name == "Trade-offs, presenting":   # presentation mode is kept across pages
-                page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name="Trade-offs").click()
+            elif name.endswith(", presenting"):   # presentation mode is kept across pages
+                page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=name.split(",")[0]).click()
             elif name != "Explorer":
                 page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=name).click()
             if marker:

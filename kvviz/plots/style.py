@@ -264,11 +264,21 @@ def projector(
             entrywidthmode="fraction",
             entrywidth=0.5,
         )
+    # a figure's own annotations (subplot titles, notes) at 16 px or more, with the top margin the figure
+    # asked for where it asked for more (its subplot titles sit in it); 16, not 18: a subplot title is laid
+    # out for its panel's width (the needle grid's ~100 px columns), and at 18 px two neighbours overlapped
+    least = PROJECTOR_FONT - 2
+    annotations = [
+        _merged(a, dict(font=dict(size=max((a.get("font") or {}).get("size") or 0, least))))
+        for a in look.get("annotations", ())
+    ]
+    top = max((look.get("margin") or {}).get("t") or 0, 95 if sub else 60)
     changes = dict(
         font=dict(size=PROJECTOR_FONT),
         title=dict(text=text, font=dict(size=PROJECTOR_FONT + 4)),
         legend=legend,
-        margin=dict(l=80, r=20, t=95 if sub else 60, b=70 + 28 * rows),
+        **({"annotations": annotations} if annotations else {}),
+        margin=dict(l=80, r=20, t=top, b=70 + 28 * rows),
         **({"height": height + 28 * max(rows - 2, 0)} if height else {}),
         **axes,
     )
