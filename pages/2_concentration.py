@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from kvviz.plots import figures, tradeoffs
+from kvviz.plots import figures, style, tradeoffs
 
 from kvviz.app.charts import chart
 from kvviz.app.cards import concentration_verdict, fmt_pct
@@ -14,7 +14,7 @@ from kvviz.app.store import w_slider
 
 
 def main() -> None:
-    page_setup("Concentration: how few tokens take the attention",
+    present = page_setup("Concentration: how few tokens take the attention",
                "Eviction works because attention is concentrated. The curve shows what share of the mass the "
                "top x% of tokens hold; the heatmaps show sinks, locality and entropy per layer and head.")
     settings = sidebar(compression=False, ensemble=False)
@@ -31,12 +31,18 @@ def main() -> None:
                       min(4096, source.trace.n_positions))
     conc = run_concentration(source, vs.view.step, sink_k, window)
     top10 = float(conc.top10.mean())
-    m1, m2, m3 = st.columns(3)
+    # Presentation mode: the curve right under its two sliders (a projector's first screen), the cards after
+    first, second = st.container(), st.container()
+    m1, m2, m3 = (second if present else first).columns(3)
     m1.metric("Top 10% of tokens hold", fmt_pct(top10), border=True,
               help="Mean over layers and heads of the attention mass on the 10% most attended tokens.")
     m2.metric(f"Sink share (first {sink_k})", fmt_pct(float(conc.sink_share.mean())), border=True)
     m3.metric(f"Locality (last {window})", fmt_pct(float(conc.locality.mean())), border=True)
-    chart(tradeoffs.concentration_figure(conc.fractions, conc.curves), key="concentration_chart")
+    curve = tradeoffs.concentration_figure(conc.fractions, conc.curves)
+    chart(style.projector(curve, height=440) if present else curve, key="concentration_chart",
+          where=first if present else second)
+    if present:
+        return
     st.markdown(concentration_verdict(conc.fractions, conc.curves))
     st.caption(f"What to look for: curves far above the dotted diagonal mean concentrated attention; the shaded "
                f"band is the handbook's rule of thumb (10–20% of tokens take 80–90% of the mass). Query at position "

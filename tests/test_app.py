@@ -209,6 +209,14 @@ def test_tradeoffs_presenting_draws_the_chart_first_in_projector_type():
     assert not at.dataframe and not at.get("download_button") and not at.main.caption
 
 
+def test_concentration_presenting_puts_the_curve_under_its_sliders_in_projector_type():
+    at = run(str(Path(APP).parent / "pages" / "2_concentration.py"), present="1")
+    layout = json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]
+    assert layout["font"]["size"] == 18 and layout["xaxis"]["tickfont"]["size"] == 18
+    assert layout["title"]["text"].startswith("How concentrated is attention?")
+    assert [m.label for m in at.metric][0] == "Top 10% of tokens hold" and not at.main.caption
+
+
 def test_tradeoffs_page():
     at = run(TRADEOFFS, methods="h2o,streaming,oracle", sweep_bits="16,2")
     assert not at.error

@@ -31,10 +31,11 @@ SIZES = ((1024, 768), (1440, 900))
 PAGES = (("Explorer", "Per-token error"), ("Trade-offs", "Error vs memory"), ("Concentration", "Top x% of tokens"),
          ("Model lab", None), ("Decode timeline", "Regret per step"), ("Needle test", "needle depth"),
          ("Studies", "quarter-cache"), ("Presentation mode", "Attention per token"),
-         ("Trade-offs, presenting", "Error vs memory"), ("Needle test, presenting", "needle depth"))
+         ("Trade-offs, presenting", "Error vs memory"), ("Needle test, presenting", "needle depth"),
+         ("Concentration, presenting", "Top x% of tokens"))
 # presenting, at a projector's 1024 x 768: the page's main chart starts on the first screen, at least half of it
 PRESENTED = {"Presentation mode": "Attention per token", "Trade-offs, presenting": "Error vs memory",
-             "Needle test, presenting": "needle depth"}
+             "Needle test, presenting": "needle depth", "Concentration, presenting": "Top x% of tokens"}
 
 LAYOUT_JS = r"""() => {
   const problems = [], items = [];

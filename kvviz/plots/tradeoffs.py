@@ -226,10 +226,11 @@ def concentration_figure(
     )
     fig = layout(
         fig,
-        "How concentrated is attention? Top x% of tokens hold y% of the mass",
+        "How concentrated is attention?",
         "top tokens (% of tokens the query sees)",
         "attention mass held (%)",
         height=460,
+        subtitle="Top x% of tokens hold y% of the mass",
     )
     fig.update_yaxes(range=[0, 101])
     fig.update_xaxes(range=[0, 100])
