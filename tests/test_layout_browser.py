@@ -135,6 +135,8 @@ def test_no_text_overlaps_or_is_cut_on_any_page(page, app_url, quarter_study, la
         page.set_viewport_size({"width": width, "height": height})
         page.goto(f"{app_url}/?study={quarter_study}")
         for name, marker in PAGES:
+            if name.endswith(", presenting") and width != 1024:    # a projector's size; the Explorer's at both
+                continue
             if name == "Presentation mode":       # the Explorer as a lecture shows it
                 page.goto(f"{app_url}/?present=1")
             elif name.endswith(", presenting"):   # presentation mode is kept across pages
