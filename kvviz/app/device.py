@@ -3,8 +3,9 @@
 `device_controls(container, prefix)` draws two select boxes (the Model lab's sidebar, the Real model
 source) and returns (device, dtype). Only the devices torch sees here are offered (cpu, then cuda:N
 and mps); the device is not put in the page's link (a link opened on another machine would name a
-device it may not have), the dtype is where the settings table has it (the Model lab's `lab_dtype`). `run_notice(exc)` is the one line an out-of-memory run or a device that went
-away shows instead of a traceback; the server keeps serving.
+device it may not have), the dtype is where the settings table has it (the Model lab's `lab_dtype`).
+`run_notice(exc)` is the one line an out-of-memory run or a device that went away shows instead of a
+traceback; the server keeps serving.
 """
 
 from __future__ import annotations
