@@ -44,6 +44,7 @@ def main() -> None:
     n_seen = len(comp.tokens)
 
     about = f"{source.label} · {row_text(comp)} · {spec.label()} · {quant_model_note(source, spec)}"  # the cards
+    eviction_off = no_eviction_note(spec)     # all three budgets at 0: said beside the numbers
 
     def notes() -> list[str]:
         typical = st.session_state.get("_typical_note") if st.session_state.get("_typical_for") == source.key else None
@@ -53,8 +54,8 @@ def main() -> None:
     def cards() -> None:       # what the numbers mean when the sliders do not, above them
         for w in budget_warnings(spec, n_seen):
             st.warning(w, icon=":material/warning:")
-        if no_eviction_note(spec):
-            st.info(no_eviction_note(spec), icon=":material/info:")
+        if eviction_off:
+            st.info(eviction_off, icon=":material/info:")
         quant_warning_box(spec, comp.memory.kept_tokens)
         metric_cards(comp, pinned)
         ux.pin_controls(spec, pinned_spec if pinned is not None else None)
@@ -68,7 +69,7 @@ def main() -> None:
         plain_cards(comp)
         st.caption(quant_scope_note(spec) or quant_model_note(source, spec))
         warnings = budget_warnings(spec, n_seen)
-        more = list(filter(None, [no_eviction_note(spec)])) + notes()
+        more = ([eviction_off] if eviction_off else []) + notes()
         with st.expander(f"Notes ({len(warnings) + len(more) + 1})", icon=":material/info:"):
             for w in warnings:
                 st.warning(w, icon=":material/warning:")

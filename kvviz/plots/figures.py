@@ -343,7 +343,7 @@ def error_figure(
             ),
         )
     )
-    if binned and "error_extreme" in frame:
+    if binned and "error_extreme" in col:
         traces.append(
             _points(
                 x,

@@ -23,16 +23,17 @@ from plotly.subplots import make_subplots
 from kvviz.plots.style import OKABE_ITO, wrap
 
 RIGHT, WRONG = OKABE_ITO["blue"], OKABE_ITO["vermillion"]
-# the needle grid's own names; every other cache is a scorer, named by its class's title (kvviz.policies)
-OWN_LABELS = {"full": "Full cache", "oracle": "Oracle (bound)"}
 
 
 def scorer_label(scorer: str) -> str:
-    """A needle cache's name for a reader: 'Full cache', 'SnapKV', 'Expected Attention', never a raw id."""
+    """A needle cache's name for a reader: 'Full cache', or the scorer's own short name (its `short`,
+    else its `title`: 'SnapKV', 'Oracle (bound)', as the app's other pages name it), never a raw id."""
     from kvviz.policies import POLICIES
 
     policy = POLICIES.get(scorer)
-    return OWN_LABELS.get(scorer) or (policy.title if policy is not None else scorer)
+    if scorer == "full" or policy is None:
+        return "Full cache" if scorer == "full" else scorer
+    return policy.short or policy.title
 
 
 def _title(scorer: str, budget: float, bits: int) -> str:

@@ -288,9 +288,9 @@ def projector(
 
 def locked_axis(top: float | None, reach: float, bottom: float | None = 0) -> tuple[dict, str]:
     """A y axis locked at [bottom, top] (bottom None: ±top), unlocked without `top`, and what to add to
-    the chart's subtitle. A lock never hides data: where the chart reaches past it (`reach`: data_reach, the largest
-    |value| it draws: stacked bars, error bars and markers included) the axis widens to fit, and the
-    subtitle says from what to what."""
+    the chart's subtitle. A lock never hides data: where the chart reaches past it (`reach`, data_reach
+    of every value it draws: stacked bars, error bars and markers included) the axis widens to fit, and
+    the subtitle says from what to what."""
     if not top:
         return {}, ""
     note = ""
