@@ -4,10 +4,10 @@ import streamlit as st
 
 from kvviz.plots import figures, style
 
-from kvviz.app.charts import chart
+from kvviz.app.charts import chart, folded
 from kvviz.app.cards import metric_cards, metrics_table, plain_cards
 from kvviz.app.compute import run_compare
-from kvviz.app.layout import folded, page_setup
+from kvviz.app.layout import page_setup
 from kvviz.app.lesson import lesson_export
 from kvviz.app.notes import (budget_warnings, fp8_note, no_eviction_note, quant_model_note, quant_scope_note,
                              quant_warning_box, scorer_note)
@@ -79,7 +79,6 @@ def main() -> None:
                 st.info(note, icon=":material/info:")
 
     members = len(comp.members)
-    per_token = token_frame(comp)       # every token: the CSV and the table
     row, ensemble = row_text(comp), ensemble_text(comp)
     text = has_text_tokens(source.trace)
     # the page's places, top to bottom (Presentation mode: one projector screen, the attention chart first)
@@ -130,7 +129,7 @@ def main() -> None:
                        "the black tick its largest single token. Zoom to a range of "
                        f"{BIN_THRESHOLD} tokens or fewer to see each token (the CSV has every token).")
         elif spec.evicts and not present:
-            shown = per_token.iloc[first:last + 1]
+            shown = frame       # the tokens first..last, one row each
             st.markdown(f"**Kept tokens{'' if len(shown) == n_seen else f' ({first}-{last})'}:** "
                         f"{ranges_text(shown.index[shown['kept']])}")
         chart(drawn["attention"], key="attention_chart", config=style.CHART_CONFIG)
@@ -170,7 +169,7 @@ def main() -> None:
     stem, link = ux.slug(spec, source.key[0] if source.key[0] != "external" else source.key[1]), ux.page_link()
     header = ux.settings_header(comp, source.label, link, vs.bars)
     c1, c2 = st.columns(2)
-    c1.download_button("Download per-token data (CSV)", data=lambda: header + per_token.to_csv(index=False),
+    c1.download_button("Download per-token data (CSV)", data=lambda: header + token_frame(comp).to_csv(index=False),
                        file_name=f"{stem}.csv", mime="text/csv", on_click="ignore", icon=":material/download:")
     c2.download_button("Download charts (standalone HTML)",
                        data=lambda: figures.figures_html([fig_att, drawn["error"]], f"kvviz: {spec.label()}",
@@ -184,7 +183,7 @@ def main() -> None:
     with numbers:
         if numbers.open:
             st.dataframe(metrics_table(comp), hide_index=True, key="metrics_table")
-            st.dataframe(per_token, hide_index=True, height=240)
+            st.dataframe(token_frame(comp), hide_index=True, height=240)   # every token
     ui_ledger.ledger_expander(source, spec, vs.view.step)
 
 

@@ -34,9 +34,12 @@ def app_test(path: str, timeout: float = 120) -> AppTest:
     return at
 
 
-def run_app(path: str, timeout: float = 120, **params) -> AppTest:
-    """Run a page with the given URL query parameters; fail on any exception in the page."""
+def run_app(path: str, timeout: float = 120, opened: tuple[str, ...] = (), **params) -> AppTest:
+    """Run a page with the given URL query parameters and the folded sections `opened` (their keys:
+    kvviz.app.charts.folded) open, as a reader who opened them sees it; fail on any exception."""
     at = app_test(path, timeout)
+    for key in opened:
+        at.session_state[key] = True
     for k, v in params.items():
         at.query_params[k] = str(v)
     at.run()

@@ -11,6 +11,8 @@ from streamlit.testing.v1 import AppTest
 from kvviz import Spec, View, compare
 from kvviz.sources.handbook import handbook_trace
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from kvviz.app.compression import ADVANCED
+from kvviz.app.store import STORE
 from kvviz.app.cards import card_values
 from kvviz.analysis.frames import concentration
 
@@ -110,7 +112,7 @@ def test_larger_budget_retains_more_mass():
 def test_query_params_round_trip():
     params = {"source": "synthetic", "context": "128", "steps": "4", "sink": "3", "recent": "30",
               "heavy": "7", "bits": "4", "scorer": "tova", "layer": "1", "bars": "ci95", "ensemble": "steps"}
-    at = run(**params)
+    at = run(opened=(ADVANCED,), **params)
     assert dict(at.query_params) == params
     assert at.slider(key="recent").value == 30 and at.selectbox(key="scorer").value == "tova"
     assert not warnings(at)
@@ -134,11 +136,31 @@ def test_out_of_range_link_is_clamped_with_a_notice():
     assert at.query_params.get("layer") is None  # the URL now holds the clamped state
 
 
+def test_advanced_folded_draws_nothing_and_keeps_its_settings():
+    """Advanced is folded until opened (its widgets cost every move while drawn): folded, a link's Advanced
+    settings still reach the numbers exactly, and its token counts are still clamped to the trace; a value
+    chosen while it was open survives folding it and a move."""
+    at = run(scorer="tova", bits="4", key_axis="token", residual="9999", ensemble="none")
+    assert "scorer" not in [b.key for b in at.selectbox] and not at.sidebar.expander[0].children
+    assert "Residual (last tokens kept at 16 bits) 9999 is out of range (0-64); clamped to 64." in warnings(at)
+    spec = Spec(sink=4, recent=8, heavy=2, scorer="tova", key_bits=4, value_bits=4, key_axis="token", residual=64)
+    want = compare(handbook_trace(), spec, View()).metrics
+    assert numbers(at)["tv_distance"] == want["tv_distance"]
+    unfold(at, ADVANCED)
+    assert at.selectbox(key="scorer").value == "tova" and at.number_input(key="residual").value == 64
+    at.selectbox(key="scorer").set_value("snapkv").run()
+    at.session_state[ADVANCED] = False
+    set_and_run(at, "heavy", 5)
+    assert "scorer" not in [b.key for b in at.selectbox] and at.query_params["scorer"] == "snapkv"
+    assert unfold(at, ADVANCED).selectbox(key="scorer").value == "snapkv"
+
+
 def test_presets_apply():
     at = run()
     at.button(key="preset_StreamingLLM").click().run()
     assert at.slider(key="sink").value == 4 and at.slider(key="heavy").value == 0
-    assert at.selectbox(key="scorer").value == "streaming"
+    assert at.session_state[STORE]["scorer"] == "streaming"     # set while Advanced is folded ...
+    assert unfold(at, ADVANCED).selectbox(key="scorer").value == "streaming"   # ... and shown once opened
     at.button(key="preset_KIVI 2-bit").click().run()
     assert at.select_slider(key="bits").value == 2
     assert cards(at)["Attention mass retained"] == "100.0%" and numbers(at)["tv_distance"] > 0
@@ -460,7 +482,7 @@ def test_a_locked_axis_never_hides_a_bar():
 
 def test_solver_applies_the_smallest_budget():
     from kvviz.analysis.solve import solve
-    at = run(bits="4", solve_target="0.95", ensemble="none")
+    at = run(bits="4", solve_target="0.95", ensemble="none", opened=("_solver_open",))
     at.button(key="_solve").click().run()
     sol = solve(handbook_trace(), Spec(key_bits=4, value_bits=4), target_mass=0.95)
     assert at.slider(key="recent").value == sol.spec.recent and at.slider(key="heavy").value == sol.spec.heavy
@@ -593,7 +615,7 @@ def test_before_the_first_paint_charts_are_frames_and_folded_sections_wait():
     """A session's first run, before its browser has said it painted the page (kvviz.app.charts): the cards
     are drawn, each chart is a frame as tall as the chart, the folded sections (Advanced, the solver) hold no
     widget, and a probe asks the browser for its report. The report's rerun draws the charts into the frames'
-    places and the sections' widgets, and asks no more."""
+    places and asks no more; a folded section draws its widgets once it is opened, not before."""
     from kvviz.app.charts import WAITING
 
     def blocks(node):
@@ -616,6 +638,8 @@ def test_before_the_first_paint_charts_are_frames_and_folded_sections_wait():
     charts = {c.key: json.loads(c.proto.spec)["layout"]["height"] for c in at.get("plotly_chart")}
     assert charts == frames                                    # each chart as tall as its frame was
     assert not [c for c in at.caption if c.value == "Drawing the chart…"] and not at.get("bidi_component")
+    assert "scorer" not in [b.key for b in at.selectbox] and "solve_kind" not in [r.key for r in at.radio]
+    unfold(unfold(at, ADVANCED), "_solver_open")
     assert "scorer" in [b.key for b in at.selectbox] and "solve_kind" in [r.key for r in at.radio]
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 from apptest_util import numbers, run_app
 
+from kvviz.app.compression import ADVANCED
 from kvviz import Spec, View, compare
 from kvviz.analysis.readout import fmt_bytes, fp8_clipping, fp8_clipping_note
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
@@ -21,7 +22,7 @@ def memory_card(at):
 
 
 def test_llama_cpp_preset_sets_q8_0_keys_and_q4_0_values():
-    at = run_app(APP, 120, **SMALL)
+    at = run_app(APP, 120, opened=(ADVANCED,), **SMALL)
     at.button(key="preset_llama.cpp q8_0 / q4_0 K/V").click().run()
     assert not at.exception
     assert at.selectbox(key="key_fmt").value == "q8_0" and at.selectbox(key="value_fmt").value == "q4_0"
@@ -36,7 +37,7 @@ def test_llama_cpp_preset_sets_q8_0_keys_and_q4_0_values():
 
 
 def test_vllm_preset_says_what_saturated_and_calibration_is_a_box():
-    at = run_app(APP, 120, **SMALL)
+    at = run_app(APP, 120, opened=(ADVANCED,), **SMALL)
     at.button(key="preset_vLLM FP8 (uncalibrated)").click().run()
     assert not at.exception
     assert at.radio(key="fp8_scale").value == "static"
@@ -56,7 +57,7 @@ def test_vllm_preset_says_what_saturated_and_calibration_is_a_box():
 
 
 def test_link_with_static_scales_opens_on_them():
-    at = run_app(APP, 120, **SMALL, key_fmt="e4m3", value_fmt="e4m3", fp8_scale="static", fp8_cal="1")
+    at = run_app(APP, 120, opened=(ADVANCED,), **SMALL, key_fmt="e4m3", value_fmt="e4m3", fp8_scale="static", fp8_cal="1")
     assert at.checkbox(key="fp8_cal").value is True
     spec = Spec(sink=4, recent=8, heavy=2, key_format="e4m3", value_format="e4m3", fp8_scale="static",
                 fp8_calibrate=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from apptest_util import numbers, plotly_values, run_app, share_one_model_load, unfold
 
+from kvviz.app.compression import ADVANCED
 from kvviz import Spec, View, compare
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 
@@ -18,7 +19,7 @@ SMALL = {"source": "synthetic", "context": "128", "steps": "4"}
 
 
 def test_url_formats_reach_the_engine_exactly():
-    at = run_app(APP, 120, **SMALL, key_fmt="nvfp4", value_fmt="e4m3", fp8_scale="token", rotate="keys")
+    at = run_app(APP, 120, opened=(ADVANCED,), **SMALL, key_fmt="nvfp4", value_fmt="e4m3", fp8_scale="token", rotate="keys")
     assert at.selectbox(key="key_fmt").value == "nvfp4" and at.selectbox(key="value_fmt").value == "e4m3"
     assert at.radio(key="fp8_scale").value == "token" and at.radio(key="rotate").value == "keys"
     spec = Spec(sink=4, recent=8, heavy=2, key_format="nvfp4", value_format="e4m3", fp8_scale="token", rotate="keys")
@@ -29,7 +30,7 @@ def test_url_formats_reach_the_engine_exactly():
 
 
 def test_format_controls_and_bad_url_values():
-    at = run_app(APP, 120, **SMALL, key_fmt="fp6")
+    at = run_app(APP, 120, opened=(ADVANCED,), **SMALL, key_fmt="fp6")
     assert at.selectbox(key="key_fmt").value == "int"
     assert any("key_fmt=fp6" in w.value for w in at.warning)
     at.selectbox(key="key_fmt").set_value("e4m3").run()
@@ -39,7 +40,7 @@ def test_format_controls_and_bad_url_values():
 
 
 def test_hf_preset_sets_per_token_groups_and_the_flush():
-    at = run_app(APP, 120, **SMALL, sink="0", recent="0", heavy="0")
+    at = run_app(APP, 120, opened=(ADVANCED,), **SMALL, sink="0", recent="0", heavy="0")
     at.button(key="preset_HF QuantizedCache 4-bit").click().run()
     assert not at.exception
     assert at.radio(key="key_axis").value == "token" and at.radio(key="res_mode").value == "hf"
@@ -52,7 +53,7 @@ def test_hf_preset_sets_per_token_groups_and_the_flush():
 
 
 def test_rotation_heatmap_expander():
-    at = unfold(run_app(APP, 120, **SMALL), "_rotation_open")
+    at = unfold(run_app(APP, 120, opened=(ADVANCED,), **SMALL), "_rotation_open")
     fig = json.loads(next(c for c in at.get("plotly_chart") if "after the Hadamard rotation" in c.proto.spec).proto.spec)
     heatmaps = [t for t in fig["data"] if t["type"] == "heatmap"]
     assert len(heatmaps) == 2 and heatmaps[0]["z"]["shape"] == "64, 132"   # channels down, tokens 0..131 across

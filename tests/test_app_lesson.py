@@ -15,7 +15,7 @@ TINY = {"source": "synthetic", "context": "8", "steps": "0", "layers": "1", "q_h
 
 
 def test_the_explorer_exports_the_lesson_the_cli_writes(tmp_path):
-    at = run_app(str(ROOT / "app.py"), 300, **TINY)
+    at = run_app(str(ROOT / "app.py"), 300, opened=("_lesson_open",), **TINY)
     assert [e for e in at.expander if e.label.startswith("Export this as a lesson")]
     assert "_kvviz_lesson" not in at.session_state                       # folded: nothing computed
     at.button(key="_lesson_build").click().run(timeout=600)

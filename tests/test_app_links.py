@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from apptest_util import run_app
 
+from kvviz.app.compression import ADVANCED
 from kvviz.app.router import PAGE_FILES
 from kvviz.app.store import STORE
 from kvviz.links import PARAMS, Param
@@ -35,6 +36,8 @@ VALID_TOGETHER = {
 # make one), and its measure is one of that study's; the quantization model, whose logit-noise stand-in a
 # real model's page refuses, has a test of its own
 AT_DEFAULT = {"study", "st_metric", "qmodel"}
+# the folded sections that hold settings' widgets, opened so that their widgets are checked too
+FOLDED = (ADVANCED, "_solver_open")
 
 
 def other_value(p: Param):
@@ -81,7 +84,7 @@ def notices(at) -> str:
 def test_a_link_with_every_setting_restores_each_one_on_every_page(page):
     values = every_setting()
     link = {name: PARAMS[name].encode(v) for name, v in values.items()}
-    at = run_app(str(ROOT / PAGES[page]), 300, **link)
+    at = run_app(str(ROOT / PAGES[page]), 300, opened=FOLDED, **link)
     assert not notices(at), notices(at)
     assert [e.value for e in at.error] == []
     store = at.session_state[STORE]
@@ -89,6 +92,8 @@ def test_a_link_with_every_setting_restores_each_one_on_every_page(page):
     shown = widgets(at)
     on_screen = {name: shown[name] for name in values if name in shown}
     assert on_screen == {name: values[name] for name in on_screen}
+    if page == "explorer":    # the folded sections' widgets were among them
+        assert {"scorer", "residual", "solve_kind"} <= set(on_screen)
     assert dict(at.query_params) == link
 
 

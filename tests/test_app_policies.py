@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from apptest_util import run_app, unfold, share_one_model_load
 
+from kvviz.app.compression import ADVANCED
 from kvviz import Spec, View, compare
 
 from kvviz.plots import tradeoffs
@@ -23,27 +24,27 @@ def store(at) -> dict:
 
 
 def test_allocation_and_scorer_settings_round_trip_through_the_url():
-    at = run_app(APP, 120, scorer="snapkv", recent=8, allocation="adakv", ada_alpha=0.35, **SMALL)
+    at = run_app(APP, 120, opened=(ADVANCED,), scorer="snapkv", recent=8, allocation="adakv", ada_alpha=0.35, **SMALL)
     s = store(at)
     assert (s["scorer"], s["allocation"], s["ada_alpha"]) == ("snapkv", "adakv", 0.35)
     assert at.selectbox(key="allocation").value == "adakv"
     assert at.number_input(key="ada_alpha").value == 0.35
     assert "adakv-snapkv (alpha 0.35)" in " ".join(c.value for c in at.caption)
-    at = run_app(APP, 120, scorer="expected_attention", allocation="pyramid", pyr_beta=4, ea_horizon=64,
+    at = run_app(APP, 120, opened=(ADVANCED,), scorer="expected_attention", allocation="pyramid", pyr_beta=4, ea_horizon=64,
                  ea_cov="0", **SMALL)
     s = store(at)
     assert (s["allocation"], s["pyr_beta"], s["ea_horizon"], s["ea_cov"]) == ("pyramid", 4.0, 64, False)
     assert at.number_input(key="pyr_beta").value == 4.0 and at.checkbox(key="ea_cov").value is False
-    at = run_app(APP, 120, scorer="chunkkv", chunk=6, chunk_scorer="keydiff", recent=8, **SMALL)
+    at = run_app(APP, 120, opened=(ADVANCED,), scorer="chunkkv", chunk=6, chunk_scorer="keydiff", recent=8, **SMALL)
     assert (store(at)["chunk"], store(at)["chunk_scorer"]) == (6, "keydiff")
-    at = run_app(APP, 120, scorer="quest", page=8, **SMALL)
+    at = run_app(APP, 120, opened=(ADVANCED,), scorer="quest", page=8, **SMALL)
     assert store(at)["page"] == 8 and at.number_input(key="page").value == 8
 
 
 def test_impossible_allocation_says_why_and_changes_nothing():
     """The error says why; nothing is computed or drawn from some other setting, the settings stay as
     the link gave them (not silently replaced), and a rerun shows the same."""
-    at = run_app(APP, 120, scorer="h2o", allocation="adakv")
+    at = run_app(APP, 120, opened=(ADVANCED,), scorer="h2o", allocation="adakv")
     for _ in range(2):
         assert [e.value for e in at.error if "AdaKV" in e.value and "h2o decides again at every step" in e.value]
         assert not at.metric and not at.get("plotly_chart")
@@ -53,7 +54,7 @@ def test_impossible_allocation_says_why_and_changes_nothing():
 
 
 def test_the_ledger_on_the_explorer_shows_the_cores_numbers():
-    at = unfold(run_app(APP, 120, scorer="quest", sink=4, recent=8, heavy=16, page=4), "_ledger_open")
+    at = unfold(run_app(APP, 120, opened=(ADVANCED,), scorer="quest", sink=4, recent=8, heavy=16, page=4), "_ledger_open")
     exp = [e for e in at.expander if e.label.startswith("Budget ledger")]
     assert len(exp) == 1
     ledger = budget_ledger(handbook_trace(), Spec(sink=4, recent=8, heavy=16, scorer="quest", page_size=4))

@@ -192,7 +192,7 @@ class LiveLink:
     (tests/test_app_links.py)."""
 
     def __init__(self, page, url: str, extra: str | None = None):
-        self.page, self.moves = page, 0
+        self.page, self.moves, self.folded = page, 0, []
         page.set_default_timeout(TIMEOUT)
         page.set_viewport_size({"width": 1400, "height": 1800})
         self.extra = extra
@@ -233,8 +233,15 @@ class LiveLink:
                 f"(it became '?{urlparse(url).query}' later)")
         self.shown, self.link = shown, got
 
+    def unfold(self, title: str) -> None:
+        """Open a folded section (its content is drawn once it is open); done() opens it in the new page too:
+        which sections a reader opened is not part of the link."""
+        unfold(self.page, title, folded=True)
+        self.folded.append(title)
+
     def done(self) -> None:
-        """The last move's link, opened in a new page, shows the view the page shows and stays as it is."""
+        """The last move's link, opened in a new page, shows the view the page shows (with the folded
+        sections this page opened opened there too) and stays as it is."""
         page, link, shown = self.page, self.page.url, self.shown
         fresh = page.context.new_page()
         try:
@@ -242,6 +249,9 @@ class LiveLink:
             fresh.goto(link)
             self.mark(fresh)
             idle(fresh)
+            for title in self.folded:    # still open here (a page switch folds them again)
+                if is_open(page, title):
+                    unfold(fresh, title, folded=True)
             again, reopened = view(fresh), fresh.url
             if again != shown:   # for the record: the page from the link (the page's view is in the message)
                 shot(fresh, "link-after-the-last-move-from-link")
@@ -424,16 +434,28 @@ def pill(group: str, option: str):
                          .get_by_role("button", name=option, exact=True).click())
 
 
-def unfold(page, title: str) -> None:
-    """Open an expander (no rerun: not an interaction with the app's state) and wait until it has
-    finished opening: Streamlit animates its height, and a widget touched meanwhile can be scrolled
-    inside it (see standing_still)."""
-    expander = page.locator('[data-testid="stExpander"]').filter(
-        has=page.locator("summary", has_text=title)).first
-    expander.locator("summary").first.click()
+def expander(page, title: str):
+    return page.locator('[data-testid="stExpander"]').filter(has=page.locator("summary", has_text=title)).first
+
+
+def is_open(page, title: str) -> bool:
+    section = expander(page, title)
+    return section.count() > 0 and section.locator("details").first.evaluate("(d) => d.open")
+
+
+def unfold(page, title: str, folded: bool = False) -> None:
+    """Open an expander and wait until it has finished opening: Streamlit animates its height, and a
+    widget touched meanwhile can be scrolled inside it (see standing_still). A plain expander's click is
+    no interaction with the app's state; a folded section's (kvviz.app.charts.folded: Advanced, the
+    solver) reruns the page, which draws its content: `folded` waits for that run."""
+    section = expander(page, title)
+    before = runs(page)
+    section.locator("summary").first.click()
+    if folded:
+        idle(page, after=before)
     page.wait_for_function("(d) => d.open && d.getAnimations({subtree: true}).length === 0",
-                           arg=expander.locator("details").first.element_handle(), polling="raf")
-    standing_still(expander.locator("details > :last-child").first)
+                           arg=section.locator("details").first.element_handle(), polling="raf")
+    standing_still(section.locator("details > :last-child").first)
 
 
 def test_explorer_link_follows_every_single_interaction(page, app_url):
@@ -447,9 +469,9 @@ def test_explorer_link_follows_every_single_interaction(page, app_url):
              {"recent": "10", "heavy": "0", "bits": None, "scorer": "streaming"})
     live.act("sink slider, keyboard", key("Sink tokens", "ArrowRight", "ArrowRight"), {"sink": "6"})
     live.act("pin button", press("Pin this setting as A"), {"pin": "sink:6,recent:10,heavy:0,scorer:streaming"})
-    unfold(page, "Find the smallest cache for a target")
+    live.unfold("Find the smallest cache for a target")
     live.act("Find and apply", press("Find and apply"), {"recent": "55", "sink": None})
-    unfold(page, "Advanced")
+    live.unfold("Advanced")
     live.act("checkbox", tick("Separate key and value bits"), {"split": "1"})
     live.act("scorer select box", select("Heavy-hitter scorer", "TOVA (last query)"), {"scorer": "tova"})
     live.act("source radio", radio("Attention source", "Synthetic pattern"), {"source": "synthetic"})
@@ -465,7 +487,7 @@ def test_tradeoffs_link_follows_every_single_interaction(page, app_url):
     live.act("bit-width pills", pill("Bit widths", "8"), {"sweep_bits": "16,4,2,8"})
     live.act("sink slider, keyboard", key("Sink tokens", "ArrowRight"), {"sink": "5"})
     live.act("recent number box", number("Recent window (tokens)", 6), {"recent": "6"})
-    unfold(page, "Advanced")
+    live.unfold("Advanced")
     live.act("allocation select box", select("Budget allocation", "PyramidKV (per layer, linear)"),
              {"allocation": "pyramid"})
     plot = page.locator(".js-plotly-plot").filter(has_text="Error vs memory").first
@@ -525,7 +547,7 @@ def test_model_lab_link_follows_every_single_interaction(page, app_url):
     live.act("preset button", press("StreamingLLM"), {"scorer": "streaming", "heavy": "0", "recent": "22"})
     live.act("heavy slider, keyboard", key("Heavy-hitter budget", "ArrowRight"), {"heavy": "1"})
     live.act("bits slider, keyboard", key("Quantization bits", "ArrowLeft", "ArrowLeft"), {"bits": "7"})
-    unfold(page, "Advanced")
+    live.unfold("Advanced")
     live.act("scorer select box", select("Heavy-hitter scorer", "TOVA (last query)"), {"scorer": "tova"})
     live.done()
     no_console_errors(page)

@@ -331,13 +331,15 @@ def test_advanced_shows_the_widget_for_one_shot_scorers():
 
     from apptest_util import run_app
 
+    from kvviz.app.compression import ADVANCED
+
     app = str(Path(__file__).resolve().parents[1] / "app.py")
-    at = run_app(app, scorer="snapkv", sink=2, recent=8, heavy=8, compress_every=16)
+    at = run_app(app, opened=(ADVANCED,), scorer="snapkv", sink=2, recent=8, heavy=8, compress_every=16)
     assert at.number_input(key="compress_every").value == 16
-    at = run_app(app, scorer="h2o")
+    at = run_app(app, opened=(ADVANCED,), scorer="h2o")
     assert "compress_every" not in [w.key for w in at.number_input]
     lab = str(Path(__file__).resolve().parents[1] / "pages" / "3_model-lab.py")     # the decode path's page
-    at = run_app(lab, 120, scorer="knorm", sink=4, recent=8, heavy=8, compress_every=4)
+    at = run_app(lab, 120, opened=(ADVANCED,), scorer="knorm", sink=4, recent=8, heavy=8, compress_every=4)
     assert at.number_input(key="compress_every").value == 4
 
 

@@ -122,7 +122,7 @@ def test_plugins_cannot_replace_built_ins():
 def test_plugin_in_the_app(installed):
     from apptest_util import run_app
 
-    at = run_app(str(ROOT / "app.py"), scorer="last8", sink=4, recent=8, heavy=4)
+    at = run_app(str(ROOT / "app.py"), opened=("_advanced_open",), scorer="last8", sink=4, recent=8, heavy=4)
     box = next(b for b in at.selectbox if b.label == "Heavy-hitter scorer")
     assert box.value == "last8"
     assert any("last8 (plug-in: attention from the last 8" in o for o in box.options)

@@ -97,12 +97,14 @@ def test_the_setting_is_read_from_a_link(pivot):
 def test_the_setting_gets_a_widget_in_the_app(pivot):
     from apptest_util import run_app
 
-    at = run_app(str(ROOT / "app.py"), scorer="pivot", sink=0, recent=1, heavy=5, pivot=40)
+    from kvviz.app.compression import ADVANCED
+
+    at = run_app(str(ROOT / "app.py"), opened=(ADVANCED,), scorer="pivot", sink=0, recent=1, heavy=5, pivot=40)
     box = at.number_input(key="pivot")
     assert box.label == "Pivot position (tokens)" and box.value == 40
     box.set_value(41).run()
     assert at.session_state["_kvviz_state"]["pivot"] == 41
-    at = run_app(str(ROOT / "app.py"), scorer="h2o")     # another scorer's settings are not shown
+    at = run_app(str(ROOT / "app.py"), opened=(ADVANCED,), scorer="h2o")     # another scorer's settings are not shown
     assert "pivot" not in [w.key for w in at.number_input]
 
 

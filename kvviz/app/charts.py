@@ -1,16 +1,18 @@
-"""What waits for the browser's first paint of a session: every page's plotly charts, and the content of
-folded sections.
+"""What waits: every page's plotly charts for the browser's first paint of a session, and the content of
+a folded section until it is opened.
 
 A browser draws Streamlit's first chart only after it has fetched and run the plotly code (a 4.7 MB
 script: ~0.8 s of the page's one thread on a two-core machine) and plotly has laid the chart out.
 When a session's first run sent its charts with the rest, the sidebar, the title and the metric cards
-waited for all of that and appeared with the charts, ~3 s after the page was opened; a folded section's
-widgets (Advanced alone is ~450 elements of the page) are drawn whether or not it is open.
+waited for all of that and appeared with the charts, ~3 s after the page was opened.
 
 So until the browser says it has painted the page once, `chart` draws an empty frame of the chart's
-height, a folded section asks `deferred()` and draws nothing yet, and `report_first_paint` (the end of
-every run) adds a small component that reports when the page is on screen. Its report reruns the
-page, which draws the charts into their frames. From then on everything is drawn at once.
+height, and `report_first_paint` (the end of every run) adds a small component that reports when the
+page is on screen. Its report reruns the page, which draws the charts into their frames. From then on
+everything is drawn at once.
+
+A section that is folded (`folded`: Advanced, the solver, the lesson, the tables) draws its content only
+once it is opened, on the first paint and on every slider move after it.
 
 Streamlit has no "the page is painted" event, so the probe is a few lines of our own JavaScript, run by
 Streamlit's own mechanism for that (st.components.v2: no iframe, no unsafe HTML). Tests under AppTest,
@@ -91,6 +93,17 @@ export default function (component) {
 """
 
 
+def folded(label: str, key: str, icon: str | None = None, where=None):
+    """An expander whose content is drawn only while it is open: Streamlit's state-tracking expander
+    (opening or closing it reruns the page; `.open` says which). The section checks `.open` first and
+    draws nothing when it is closed, so a folded section costs a slider move nothing: no widgets built,
+    nothing computed, no messages sent (Advanced alone is 19 of a move's 132 messages, and sending a
+    message costs the server's script thread and its event loop both). Settings whose widgets are
+    folded away keep their values in the store (kvviz.app.store); what a section computes when open
+    is cached, so the next move recomputes only what that move changed."""
+    return (where or st).expander(label, key=key, icon=icon, on_change="rerun")
+
+
 def painted() -> bool:
     """Has the browser painted this session's page once? Known once a second run starts: every rerun
     after a finished first run comes from the browser (the probe's report, a widget, a page link),
@@ -100,8 +113,8 @@ def painted() -> bool:
 
 
 def deferred() -> bool:
-    """True until the browser has painted this session's page: the caller draws a stand-in (or, in a
-    folded section, nothing) and the run after the paint draws the real thing."""
+    """True until the browser has painted this session's page: the caller draws a stand-in and the run
+    after the paint draws the real thing."""
     if painted():
         return False
     st.session_state[_WAITING_RUN] = True
@@ -139,9 +152,9 @@ def _probe():
 
 
 def report_first_paint() -> None:
-    """The end of every run: if this run left a chart as a frame (or a folded section empty), ask the
-    browser to say when it has painted the page; its report reruns the page, which draws them. The
-    report carries nothing to keep: that rerun is the news (PAINTED is set here, as the run ends)."""
+    """The end of every run: if this run left a chart as a frame, ask the browser to say when it has
+    painted the page; its report reruns the page, which draws the charts. The report carries nothing
+    to keep: that rerun is the news (PAINTED is set here, as the run ends)."""
     # set only by deferred(), so only before the paint
     if st.session_state.pop(_WAITING_RUN, False):
         _probe()(key=PROBE_KEY, data={"plotly": _plotly_chunk()}, on_painted_change=lambda: None)

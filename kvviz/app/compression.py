@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import streamlit as st
 
-from kvviz.app.charts import deferred
+from kvviz.app.charts import folded
 from kvviz.app.labels import SCORER_LABELS, SCORER_SHORT, bits_label, scorer_help
 from kvviz.app.params import BITS_OPTIONS, PARAMS, SCORER_CHOICES
-from kvviz.app.store import state, w_budget, w_check, w_choice, w_number
+from kvviz.app.store import clamp, state, w_budget, w_check, w_choice, w_number
 from kvviz.links import spec_from_values
 from kvviz.settings import SETTINGS, Setting, shown
 from kvviz.spec import MAX_BUDGET, Spec, SpecError
 from kvviz.trace import Trace
+
+ADVANCED = "_advanced_open"  # the Advanced expander's state (open or folded)
 
 
 def compression_section(
@@ -99,10 +101,12 @@ def compression_section(
         help="Bits per cached key and value (16 = not quantized). "
         + ("Advanced sets keys and values separately now." if split else ""),
     )
-    with where.expander("Advanced"):
-        # folded at the first paint: its ~20 widgets come with the charts (kvviz.app.charts)
-        if not deferred():
+    advanced = folded("Advanced", key=ADVANCED, where=where)
+    with advanced:
+        if advanced.open:
             advanced_controls(n)
+        else:  # its settings keep their stored values (a link's, a preset's), within this trace's range
+            clamp_to_trace(n)
     values = state()
     try:
         return spec_from_values(values)
@@ -117,6 +121,28 @@ def compression_section(
         )
         st.error(f"These compression settings are impossible: {e}.{hint}")
         return None
+
+
+def _trace_range(s: Setting, n: int | None) -> tuple:
+    """(lo, hi) of a setting's widget: a token count's range ends at the trace's `n` tokens."""
+    p = PARAMS[s.url_name]
+    return p.lo, (min(p.hi, n) if n is not None and s.hi == MAX_BUDGET else p.hi)
+
+
+def clamp_to_trace(n: int) -> None:
+    """Advanced folded: its token counts (the residual, the chosen scorer's horizon) are still clamped to
+    the trace's n tokens, with the notice their widget gives, so a link reads the same whether or not
+    Advanced is open."""
+    values = state()
+    chosen = {"scorer": values["scorer"], "allocation": values["allocation"]}
+    for s in SETTINGS.values():
+        in_advanced = s.name not in (
+            "sink",
+            "recent",
+            "heavy",
+        )  # the budgets' sliders are always drawn
+        if s.hi == MAX_BUDGET and in_advanced and (not s.owner or shown(s, chosen)):
+            clamp(PARAMS[s.url_name].name, *_trace_range(s, n), s.label or s.name)
 
 
 def w_setting(
@@ -157,13 +183,12 @@ def w_setting(
             help=s.help or None,
             disabled=disabled,
         )
-    # a token count: at most the trace
-    hi = min(p.hi, n) if n is not None and s.hi == MAX_BUDGET else p.hi
+    lo, hi = _trace_range(s, n)  # a token count: at most the trace
     return w_number(
         where,
         p.name,
         s.label or s.name,
-        p.lo,
+        lo,
         hi,
         step=s.step,
         help=s.help or None,

@@ -16,7 +16,7 @@ import streamlit as st
 
 from kvviz.analysis.frames import row_text
 from kvviz.app.cards import fmt_pct
-from kvviz.app.charts import deferred
+from kvviz.app.charts import folded
 from kvviz.app.compression import spec_from_values
 from kvviz.app.params import PARAMS, compression_params, read_settings
 from kvviz.app.store import STORE, link_params, notice, settings_dict, w_choice, w_number
@@ -264,8 +264,11 @@ def ss_store() -> dict:
 def solver_panel(trace, spec: Spec, view: View) -> None:
     from kvviz.analysis.solve import SPLIT_RULE
 
-    with st.expander("Find the smallest cache for a target", icon=":material/target:"):
-        if deferred():  # folded at the first paint: drawn with the charts (kvviz.app.charts)
+    box = folded(
+        "Find the smallest cache for a target", key="_solver_open", icon=":material/target:"
+    )
+    with box:
+        if not box.open:
             return
         c1, c2, c3 = st.columns([2, 1, 1], vertical_alignment="bottom")
         kind = w_choice(

@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import streamlit as st
 
-from kvviz.app.charts import chart
-from kvviz.app.layout import folded
+from kvviz.app.charts import chart, folded
 from kvviz.plots import style
 
 from kvviz.plots import quant as figures_quant

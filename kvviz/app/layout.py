@@ -1,5 +1,4 @@
-"""Every page's frame: the app-wide styles, the Presentation mode switch, the title, the page registry, and
-the folded (lazy) expander the pages' extra sections use."""
+"""Every page's frame: the app-wide styles, the Presentation mode switch, the title and the page registry."""
 
 from __future__ import annotations
 
@@ -30,14 +29,6 @@ LAYOUT_CSS = """
       text-overflow: clip !important; }
 </style>
 """
-
-
-def folded(label: str, key: str, icon: str | None = None):
-    """An expander whose content computes nothing while it is closed: Streamlit's state-tracking expander
-    (opening or closing it reruns the page; `.open` says which). The section checks `.open` first and
-    returns when it is False, so a folded ledger or heatmap costs a move nothing; what it computes
-    when open is cached, so the next move recomputes only what that move changed."""
-    return st.expander(label, key=key, icon=icon, on_change="rerun")
 
 
 def page_setup(title: str, intro: str) -> bool:

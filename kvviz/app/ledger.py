@@ -7,9 +7,8 @@ import pandas as pd
 import streamlit as st
 
 from kvviz.analysis.ledger import Ledger, budget_ledger
-from kvviz.app.charts import chart
+from kvviz.app.charts import chart, folded
 from kvviz.app.compute import Source
-from kvviz.app.layout import folded
 from kvviz.spec import Spec, SpecError
 from kvviz.trace import Trace
 

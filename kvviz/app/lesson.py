@@ -12,7 +12,7 @@ from dataclasses import asdict
 import streamlit as st
 
 from kvviz.analysis.readout import fmt_bytes
-from kvviz.app.charts import deferred
+from kvviz.app.charts import folded
 from kvviz.app.compute import Source
 from kvviz.app.store import settings_dict
 from kvviz.links import LinkedSource
@@ -46,11 +46,13 @@ def lesson_export(source: Source, spec: Spec, view: View, bars: str, file_stem: 
         tuple(sorted(asdict(view).items())),
         bars,
     )
-    with st.expander(
+    box = folded(
         "Export this as a lesson (one HTML page with live sliders, runs offline)",
+        key="_lesson_open",
         icon=":material/school:",
-    ):
-        if deferred():  # folded at the first paint: drawn with the charts (kvviz.app.charts)
+    )
+    with box:
+        if not box.open:
             return
         st.caption(
             "For a lecture hall without Python or Wi-Fi, or for students at home: this view's charts and "

@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import streamlit as st
 
-from kvviz.app.charts import chart
+from kvviz.app.charts import chart, folded
 from kvviz.app.compute import Source, run_head_grid
-from kvviz.app.layout import folded
 from kvviz.app.store import state, w_choice, w_last_is_minus_one
 from kvviz.engine import REASONS, Comparison
 from kvviz.plots import figures

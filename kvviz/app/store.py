@@ -139,6 +139,17 @@ def _bind(
         store[name] = from_widget(ss[name]) if from_widget else ss[name]
     if scope is not None:
         ss[scope_key] = scope
+    v = clamp(name, lo, hi, label)
+    # Always re-seed: after a page switch the widget is a new element whose state would
+    # otherwise start from its default, not from the value the user chose on another page.
+    ss[name] = to_widget(v) if to_widget else v
+
+
+def clamp(name: str, lo=None, hi=None, label: str = ""):
+    """The stored setting clamped to [lo, hi], with a notice when it was outside; returns it. What a
+    widget does before it renders, and what a setting whose widget is folded away still needs (a
+    range that depends on the source)."""
+    store = state()
     v = store[name]
     if lo is not None and hi is not None and not lo <= v <= hi:
         c = min(max(v, lo), hi)
@@ -146,9 +157,7 @@ def _bind(
             f"{label or name} {number_text(v)} is out of range ({number_text(lo)}-{number_text(hi)}); clamped to {number_text(c)}."
         )
         store[name] = v = c
-    # Always re-seed: after a page switch the widget is a new element whose state would
-    # otherwise start from its default, not from the value the user chose on another page.
-    ss[name] = to_widget(v) if to_widget else v
+    return v
 
 
 def _after(name: str, value, from_widget=None) -> Any:
