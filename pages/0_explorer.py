@@ -86,7 +86,8 @@ def main() -> None:
         top_chart, lock_slot, cards_slot, bottom_chart = st.container(), st.container(), st.container(), st.container()
         zoom_slot = None
     else:
-        cards_slot, lock_slot, zoom_slot = st.container(), st.container(), st.container()
+        cards_slot, lock_slot = st.container(), st.container()
+        zoom_slot = st.container() if n_seen > BIN_THRESHOLD else None   # a long row's range boxes
         top_chart, bottom_chart = st.container(), st.container()
     # the charts: the tokens first..last of the row (a long row's range boxes sit above the charts), in bins
     # past BIN_THRESHOLD tokens, so no chart carries more than a few hundred bars whatever the row's length
@@ -168,10 +169,10 @@ def main() -> None:
 
     stem, link = ux.slug(spec, source.key[0] if source.key[0] != "external" else source.key[1]), ux.page_link()
     header = ux.settings_header(comp, source.label, link, vs.bars)
-    c1, c2 = st.columns(2)
-    c1.download_button("Download per-token data (CSV)", data=lambda: header + token_frame(comp).to_csv(index=False),
+    downloads = st.container(horizontal=True, gap="small")
+    downloads.download_button("Download per-token data (CSV)", data=lambda: header + token_frame(comp).to_csv(index=False),
                        file_name=f"{stem}.csv", mime="text/csv", on_click="ignore", icon=":material/download:")
-    c2.download_button("Download charts (standalone HTML)",
+    downloads.download_button("Download charts (standalone HTML)",
                        data=lambda: figures.figures_html([fig_att, drawn["error"]], f"kvviz: {spec.label()}",
                                                          metrics=comp.metrics, about=header, link=link),
                        file_name=f"{stem}.html", mime="text/html", on_click="ignore", icon=":material/download:")

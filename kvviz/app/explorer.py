@@ -133,15 +133,16 @@ def y_lock(
             store["ylock"] = ss["ylock"] = -1.0 if present else 0.0
             store["alock"] = 0.0
 
-    ss["_ylock_on"] = store["ylock"] > 0
-    c1, c2 = where.columns([2, 1], vertical_alignment="center")
+    ss["_ylock_on"] = locked = store["ylock"] > 0
+    # the range box beside the toggle only while locked (unlocked, the toggle alone: fewer elements a run)
+    c1, c2 = where.columns([2, 1], vertical_alignment="center") if locked else (where, None)
     c1.toggle(
         "Lock the charts' y-axes",
         key="_ylock_on",
         on_change=toggled,
         help="Moving a slider then changes the bars, not the scale: compare settings by eye.",
     )
-    if store["ylock"] <= 0:
+    if not locked:
         return None, None
     y = (
         float(store["ylock"])
