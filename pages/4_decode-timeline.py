@@ -2,13 +2,13 @@
 
 import streamlit as st
 
-from kvviz.app.charts import chart
+from kvviz.app.charts import chart, chart_step
 from kvviz.app.compression import compression_section, w_setting
 from kvviz.app.labels import ALLOCATION_LABELS, SCORER_SHORT
 from kvviz.app.layout import page_setup
 from kvviz.app.router import run_page
 from kvviz.app.sidebar import layer_picker, source_section
-from kvviz.app.store import show_notices, sync_url, w_choice, w_multi, w_number, w_slider
+from kvviz.app.store import clamp, show_notices, state, sync_url, w_choice, w_multi, w_number
 from kvviz.plots.decode import timeline_animation
 from kvviz.policies import POLICIES
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
@@ -39,21 +39,33 @@ def _timeline(source_key: tuple, budget: tuple, layer: int, kv_head: int, need: 
                     policies=policies, need=need, max_steps=MAX_STEPS, compress_every=every)
 
 
+STEP_REPORT = "_tl_step_report"  # the chart's step slider, as the browser reports it
+
+
 @st.cache_resource(max_entries=16, show_spinner=False)
-def _animation(timeline_key: tuple, shift_step, _tl):
-    """The whole timeline as one figure with a frame per step (built once per setting)."""
-    return timeline_animation(_tl, 0, shift_step=shift_step, labels=POLICY_LABELS)
+def _animation(timeline_key: tuple, shift_step, step: int, _tl):
+    """The whole timeline as one figure with a frame per step, drawn at `step` (built once per setting)."""
+    return timeline_animation(_tl, step, shift_step=shift_step, labels=POLICY_LABELS)
+
+
+def _chart_stepped() -> None:
+    """The chart's step slider came to rest on another step (or ▶ Play paused there): the table and the
+    link follow it."""
+    report = st.session_state.get(STEP_REPORT) or {}
+    step = report.get("step") if hasattr(report, "get") else getattr(report, "step", None)
+    if step is not None:
+        state()["tl_step"] = int(step)
 
 
 @st.fragment
-def _step_view(tl, timeline_key: tuple, shift_step) -> None:
-    """The step slider and that step's table: a step move reruns only this fragment (the charts below
-    have their own step slider and ▶ Play, animated in the browser). A fragment rerun skips app.py, so
-    the fragment links to the step itself: first thing (its slider's callback has stored it) and last."""
+def _step_view(tl, timeline_key: tuple) -> None:
+    """That step's table, below the chart whose step slider and ▶ Play choose the step: the browser reports
+    where the slider rests (kvviz.app.charts.chart_step), which reruns only this fragment. A fragment rerun
+    skips app.py, so the fragment links to the step itself: first thing (the report's callback has stored
+    it) and last."""
     sync_url()
-    step = int(w_slider(st, "tl_step", "Decode step", 0, tl.n_steps - 1,
-                        help="The step in the table; the charts below have their own step slider and ▶ Play, "
-                             "which animate every step in the browser."))
+    step = int(clamp("tl_step", 0, tl.n_steps - 1, "Decode step"))
+    chart_step("tl_animation", step, STEP_REPORT, _chart_stepped)
     p = int(tl.positions[step])
     rows = tl.step_rows(step, POLICY_LABELS)
     st.markdown(f"**Step {step}**: query at position {p}, layer {tl.model_layer}, KV head {tl.kv_head}")
@@ -141,9 +153,10 @@ def main() -> None:
         col.caption(f"{int(pt.evicted_needed.sum())} tokens evicted, then needed")
 
     tkey = (key, (spec.sink, spec.recent, spec.heavy), layer, kv_head, need, tuple(policies), every)
-    _step_view(tl, tkey, shift_step)
-    # built once per setting; ▶ Play and the step slider under it run in the browser (no rerun)
-    chart(_animation(tkey, shift_step, tl), key="tl_animation")
+    # built once per setting, at the linked step; ▶ Play and the step slider under it run in the browser
+    step = int(clamp("tl_step", 0, tl.n_steps - 1, "Decode step"))
+    chart(_animation(tkey, shift_step, step, tl), key="tl_animation")
+    _step_view(tl, tkey)
 
     needed = tl.needed_tokens()
     if needed:

@@ -179,8 +179,9 @@ def browser(chromium_path):
 # Installed in every page before its scripts run (see tests/test_browser.py):
 # - counts the app's script runs: stApp's data-test-script-state leaves "notRunning" once per run (full or
 #   fragment); `changed` is when it last changed;
-# - __kvvizView(): every widget's shown value by kind and label, every metric, the headings, and a digest
-#   of every chart outside an expander (trace names, point counts, sums) -- what "the same view" means;
+# - __kvvizView(): every widget's shown value by kind and label (a chart's animation slider among them), every
+#   metric, the headings, and a digest of every chart outside an expander (trace names, point counts, sums) --
+#   what "the same view" means;
 # - __kvvizHeadline(): the part of the view only a script run can change (metrics, headings, charts, and
 #   the text of `window.__kvvizExtra`, a selector), sampled with the address bar's query once a frame
 #   while the page changes and right after every address change (with the time), so a test can ask
@@ -286,6 +287,11 @@ window.__kvvizView = () => {
   each('[data-testid="stButtonGroup"]', 'pills', w => Array.from(w.querySelectorAll('button'))
        .filter(b => (b.getAttribute('kind') || '').endsWith('Active')).map(txt).join(', '));
   each('[data-testid="stTextInput"], [data-testid="stTextArea"]', 'text', w => w.querySelector('input, textarea')?.value);
+  // a chart's own animation slider (the Decode timeline's step) is a control: moved in the browser, reported after
+  Array.from(document.querySelectorAll('.js-plotly-plot')).filter(outside).forEach((p, i) => {
+    const slider = ((p._fullLayout || {}).sliders || [])[0];
+    if (slider) put(`chart ${i} step`, slider.active);
+  });
   results(put);
   return out;
 };

@@ -304,6 +304,18 @@ def key(label: str, *keys: str):
     return press
 
 
+def chart_step(chart_key: str, step: int, steps: int) -> callable:
+    """A click on a plotly animation's step slider (the chart keyed `chart_key`), on step `step` of
+    `steps`: the chart moves there in the browser, and the page hears of it once the slider rests."""
+    def click(page):
+        rail = page.locator(f".st-key-{chart_key} .slider-rail-touch-rect").first
+        rail.scroll_into_view_if_needed()
+        standing_still(rail)
+        box = rail.bounding_box()
+        page.mouse.click(box["x"] + box["width"] * step / (steps - 1), box["y"] + box["height"] / 2)
+    return click
+
+
 def number(label: str, value) -> callable:
     def type_in(page):
         box = labelled(page, "stNumberInput", label).locator("input")
@@ -519,7 +531,8 @@ def test_concentration_link_follows_every_single_interaction(page, app_url):
 
 def test_decode_timeline_link_follows_every_single_interaction(page, app_url):
     live = LiveLink(page, f"{app_url}/decode-timeline")
-    live.act("fragment step slider, keyboard (the first move)", key("Decode step", "ArrowRight"), {"tl_step": "1"})
+    # one step control, the chart's own slider: the per-step table and the link follow it
+    live.act("chart's step slider (the first move)", chart_step("tl_animation", 1, 48), {"tl_step": "1"})
     live.act("layer number box", number("Layer", 1), {"tl_layer": "1"})
     live.act("policies multiselect",
              lambda page: page.get_by_role("button", name=re.compile(r"Remove TOVA|Delete TOVA")).click(),
@@ -527,7 +540,7 @@ def test_decode_timeline_link_follows_every_single_interaction(page, app_url):
     live.act("allocation radio", radio("Budget allocation", "AdaKV (per layer, across heads)"), {"allocation": "adakv"})
     live.act("recent slider, keyboard", key("Recent window", "ArrowRight"), {"recent": "9"})
     live.act("need number box", number("Needed at ≥ (attention share)", 0.05), {"tl_need": "0.05"})
-    live.act("fragment step slider again", key("Decode step", "ArrowRight", "ArrowRight"), {"tl_step": "3"})
+    live.act("chart's step slider again", chart_step("tl_animation", 30, 48), {"tl_step": "30"})
     live.act("presentation mode checkbox", tick("Presentation mode"), {"present": "1"})
     live.done()
     no_console_errors(page)
@@ -737,7 +750,7 @@ def needle_full_cache_cell(page):
      {"window": "17"}),
     ("Model lab", None, lambda page: page.get_by_text("Bakery story (built-in)", exact=True).click(),
      {"lab_text": "bakery"}),
-    ("Decode timeline", "Regret per step", key("Decode step", "ArrowRight"), {"tl_step": "1"}),
+    ("Decode timeline", "Regret per step", chart_step("tl_animation", 1, 48), {"tl_step": "1"}),
     ("Needle test", "needle depth", needle_full_cache_cell, {"nd_cell": "full:320:0:agnostic"}),
 ])
 def test_every_page_opens_from_the_explorer_fits_a_projector_and_links_its_first_move(page, app_url, name, marker,

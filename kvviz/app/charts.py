@@ -159,3 +159,48 @@ def report_first_paint() -> None:
     if st.session_state.pop(_WAITING_RUN, False):
         _probe()(key=PROBE_KEY, data={"plotly": _plotly_chunk()}, on_painted_change=lambda: None)
     st.session_state[PAINTED] = True
+
+
+# A plotly animation's own step slider and Play run in the browser, with no rerun; this reports the
+# step it rests on back to the app (after the slider has been still for a moment, so a Play reports
+# where it paused, not every frame), so one control -- the chart's -- drives the chart, the page's
+# per-step table and the link. It finds the chart by its key's class (st-key-<key>, Streamlit's class
+# for a keyed element) and follows it when a rerun draws it anew.
+STEP_JS = """
+export default function (component) {
+  const { setStateValue, data } = component;
+  let chart = null, timer = null, last = data.step;
+  const report = () => {
+    const slider = chart && chart._fullLayout && (chart._fullLayout.sliders || [])[0];
+    if (slider && slider.active !== last) { last = slider.active; setStateValue("step", last); }
+  };
+  const moved = () => { clearTimeout(timer); timer = setTimeout(report, data.still_ms); };
+  const follow = () => {
+    const found = document.querySelector(`.st-key-${data.chart} .js-plotly-plot`);
+    if (found && found !== chart && typeof found.on === "function") {
+      chart = found;
+      chart.on("plotly_sliderchange", moved);
+      chart.on("plotly_animated", moved);
+    }
+  };
+  follow();
+  const poll = setInterval(follow, 300);
+  return () => { clearInterval(poll); clearTimeout(timer); };
+}
+"""
+
+
+@functools.cache
+def _step_reporter():
+    return st.components.v2.component("kvviz_chart_step", js=STEP_JS)
+
+
+def chart_step(chart_key: str, step: int, key: str, on_change) -> int | None:
+    """The step the chart `chart_key`'s animation slider rests on, as the browser last reported it (None
+    before any report); `on_change` runs (before the rerun, as a widget's callback) when it moves.
+    `step` is the step the chart was drawn at."""
+    result = _step_reporter()(
+        key=key, data={"chart": chart_key, "step": int(step), "still_ms": 600}, on_step_change=on_change
+    )
+    value = getattr(result, "step", None) if result is not None else None
+    return None if value is None else int(value)
