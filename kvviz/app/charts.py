@@ -200,7 +200,9 @@ def chart_step(chart_key: str, step: int, key: str, on_change) -> int | None:
     before any report); `on_change` runs (before the rerun, as a widget's callback) when it moves.
     `step` is the step the chart was drawn at."""
     result = _step_reporter()(
-        key=key, data={"chart": chart_key, "step": int(step), "still_ms": 600}, on_step_change=on_change
+        key=key,
+        data={"chart": chart_key, "step": int(step), "still_ms": 600},
+        on_step_change=on_change,
     )
     value = getattr(result, "step", None) if result is not None else None
     return None if value is None else int(value)
