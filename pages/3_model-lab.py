@@ -1,6 +1,7 @@
 """Model lab: run a real model with the compressed KV cache and compare its text with the full cache's."""
 
 import time
+from contextlib import nullcontext
 
 import streamlit as st
 
@@ -17,6 +18,7 @@ from kvviz.app.presets import preset_buttons
 from kvviz.app.store import show_notices, state, w_check, w_choice, w_number, w_text
 
 from kvviz.app import sources as ui_sources
+from kvviz.plots import style
 from kvviz.plots.decode import continuation_html, kl_strip, nll_chart
 from kvviz.decode.quality import QUESTION_POINTS, sample_text
 from kvviz.spec import SpecError
@@ -132,7 +134,7 @@ def _decode(settings: lab.LabSettings) -> lab.LabResult:
 
 
 def main() -> None:
-    page_setup("Model lab: what compression does to the text",
+    present = page_setup("Model lab: what compression does to the text",
                "A real model (SmolLM2-135M, bundled) reads the prompt, the cache is compressed at the end of it, "
                "and every later token is decoded from the compressed cache at its true position. Quality is "
                "measured against the full cache on the same text.")
@@ -144,7 +146,19 @@ def main() -> None:
     # budgets typed in % are shares of the prompt (the cache at the compression point), not of the sliders' range
     spec = compression_section(_slider_trace(), percent_of=(int(state()["lab_prompt"]), "prompt tokens"))
     show_notices()
+    # Presentation mode: the run and its result first, on the projector's first screen; the text and the
+    # run's settings folded below it
+    results = st.container() if present else nullcontext()
+    with st.expander("Text and run settings", icon=":material/tune:") if present else nullcontext():
+        run_settings = _run_settings(present)
+    text, prompt_tokens, continuation, greedy_tokens, question, point, rerotate = run_settings
+    with results:
+        _run_and_show(model_name, device, dtype, spec, text, prompt_tokens, continuation, greedy_tokens, question,
+                      point, rerotate, present)
 
+
+def _run_settings(present: bool) -> tuple | None:
+    """The text and the run's lengths, question and positions (widgets; in the link but your own text)."""
     choice = w_choice(st, "lab_text", "Text", tuple(TEXTS), widget="radio", format_func=TEXT_LABELS.get,
                       help="A built-in text (kept in the page's link) or your own (not put in the link).")
     if choice == "custom":
@@ -152,7 +166,7 @@ def main() -> None:
                             sample_text(), height=160, key="lab_custom_text")
     else:
         text = TEXTS[choice]()
-        with st.expander("The text"):
+        with st.container(height=120) if present else st.expander("The text"):   # expanders do not nest
             st.write(text)
     c1, c2, c3 = st.columns(3)
     prompt_tokens = int(w_number(c1, "lab_prompt", "Prompt tokens (compression point)", 8, MAX_PROMPT, step=8))
@@ -176,6 +190,12 @@ def main() -> None:
                             "and the query to its own slot, so distances shrink to the cache's.")
     st.caption(CAP_MESSAGE)
     preset_buttons(prompt_tokens)  # budgets sized to this prompt (the sidebar keeps the explorer's values)
+    return text, prompt_tokens, continuation, greedy_tokens, question, point, rerotate
+
+
+def _run_and_show(model_name, device, dtype, spec, text, prompt_tokens, continuation, greedy_tokens, question,
+                  point, rerotate, present: bool) -> None:
+    """What the settings compress, the Run button, and the result (the stored one where it exists)."""
     if spec is None:
         return
     if spec.quant_model == "noise":
@@ -236,12 +256,32 @@ def main() -> None:
     if result.precomputed:
         st.caption("Precomputed for the default settings (at install or on the first start); "
                    "**Run again (live)** recomputes it now.")
-    show(result)
+    show(result, present)
 
 
-def show(result: lab.LabResult) -> None:
+def show(result: lab.LabResult, present: bool = False) -> None:
+    """The result: how it was scored, the cards, the per-token KL, the greedy texts side by side, the
+    per-token log-loss and every number. Presentation mode: the KL strip and the texts first, larger."""
     q, pair = result.quality, result.pair
-    d = q.as_dict()
+    if present:
+        chart(style.projector(kl_strip(q.tokens, q.kl), height=260), key="lab_kl_strip")
+        greedy(pair, q)
+        about(result)
+        cards(q)
+    else:
+        about(result)
+        cards(q)
+        chart(kl_strip(q.tokens, q.kl), key="lab_kl_strip")
+        greedy(pair, q)
+    chart(nll_chart(q.tokens, q.nll, q.nll_full), key="lab_nll")
+    with st.expander("All numbers"):
+        st.dataframe([{"metric": k, "value": fmt_exact(v) if isinstance(v, float) else str(v)}
+                      for k, v in q.as_dict().items()], hide_index=True, key="lab_numbers")
+
+
+def about(result: lab.LabResult) -> None:
+    """What was scored: the model, the prompt and the continuation (and a text too short for the prompt)."""
+    d = result.quality.as_dict()
     where = ("the first is predicted by the prefill, before compression" if d["compressed_at"] == d["prompt_tokens"]
              else f"the cache was compressed at token {d['compressed_at']}, before the question's "
                   f"{d['question_tokens']} tokens, which were then read through it")
@@ -254,6 +294,10 @@ def show(result: lab.LabResult) -> None:
                 f"{result.asked.prompt_tokens}-token prompt: its first {context} were the prompt and the next "
                 f"{d['continuation_tokens']} were scored. Set **Prompt tokens** to {context} or fewer to choose "
                 "the split yourself, or pick a longer text.", icon=":material/content_cut:")
+
+
+def cards(q) -> None:
+    """Perplexity with and without compression, next-token KL, top-1 agreement and the cache's bytes."""
     m = st.columns(3) + st.columns(3)[:2]   # five cards in one row are cut at a projector's 1024 px
     m[0].metric("Perplexity (compressed)", f"{q.perplexity:.2f}", delta=f"{q.perplexity - q.perplexity_full:+.2f}",
                 delta_color="inverse", border=True, help="exp(mean −log p̂) of the true continuation tokens.")
@@ -267,7 +311,10 @@ def show(result: lab.LabResult) -> None:
     m[4].metric("KV cache", fmt_bytes(q.kv_bytes), border=True,
                 help=f"{q.compression_ratio:.2f}× smaller than the full 16-bit cache "
                      f"({fmt_bytes(q.kv_bytes_full)}); {q.kept_tokens} of {q.total_tokens} tokens kept.")
-    chart(kl_strip(q.tokens, q.kl), key="lab_kl_strip")
+
+
+def greedy(pair, q) -> None:
+    """The two caches' greedy continuations side by side, from their first divergence on shaded."""
     if pair is not None:
         st.subheader("Greedy continuation, side by side")
         if pair.first_divergence is None:
@@ -278,10 +325,6 @@ def show(result: lab.LabResult) -> None:
         a, b = st.columns(2)
         a.html(continuation_html(pair.full_tokens, pair.first_divergence, "Full cache"))
         b.html(continuation_html(pair.compressed_tokens, pair.first_divergence, f"Compressed: {q.spec.label()}"))
-    chart(nll_chart(q.tokens, q.nll, q.nll_full), key="lab_nll")
-    with st.expander("All numbers"):
-        st.dataframe([{"metric": k, "value": fmt_exact(v) if isinstance(v, float) else str(v)}
-                      for k, v in d.items()], hide_index=True, key="lab_numbers")
 
 
 run_page(main)

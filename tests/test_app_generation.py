@@ -141,6 +141,14 @@ def test_model_lab_run_shows_the_cores_numbers(monkeypatch):
     assert len(runs) == 1                                      # the model did not run again
     assert at.button(key="lab_run").label == "Run again (live)"
     assert np.isfinite(q.kl_max)
+    # Presentation mode: the same result, its KL strip first and larger, the run's settings folded below it
+    at.checkbox(key="present").check().run()
+    assert not at.exception and len(runs) == 1 and {m.label: m.value for m in at.metric} == shown
+    charts = at.get("plotly_chart")
+    assert charts[0].proto.id.endswith("lab_kl_strip") and charts[1].proto.id.endswith("lab_nll")
+    assert json.loads(charts[0].proto.spec)["layout"]["xaxis"]["tickfont"]["size"] >= 16
+    folded = next(e for e in at.expander if e.label == "Text and run settings")
+    assert folded.number_input(key="lab_prompt").value == 48
 
 
 def test_model_lab_presets_size_budgets_to_the_prompt():
