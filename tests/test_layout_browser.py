@@ -32,11 +32,12 @@ PAGES = (("Explorer", "Per-token error"), ("Trade-offs", "Error vs memory"), ("C
          ("Model lab", None), ("Decode timeline", "Regret per step"), ("Needle test", "needle depth"),
          ("Studies", "quarter-cache"), ("Presentation mode", "Attention per token"),
          ("Trade-offs, presenting", "Error vs memory"), ("Needle test, presenting", "needle depth"),
-         ("Concentration, presenting", "Top x% of tokens"), ("Model lab, presenting", "Per-token KL"))
+         ("Concentration, presenting", "Top x% of tokens"), ("Model lab, presenting", "Per-token KL"),
+         ("Studies, presenting", "quarter-cache"))
 # presenting, at a projector's 1024 x 768: the page's main chart starts on the first screen, at least half of it
 PRESENTED = {"Presentation mode": "Attention per token", "Trade-offs, presenting": "Error vs memory",
              "Needle test, presenting": "needle depth", "Concentration, presenting": "Top x% of tokens",
-             "Model lab, presenting": "Per-token KL"}
+             "Model lab, presenting": "Per-token KL", "Studies, presenting": "quarter-cache"}
 
 LAYOUT_JS = r"""() => {
   const problems = [], items = [];
@@ -141,7 +142,7 @@ def test_no_text_overlaps_or_is_cut_on_any_page(page, app_url, quarter_study, la
             if name == "Model lab, presenting" and not lab_result:   # its result first: nothing to draw without one
                 continue
             if name == "Presentation mode":       # the Explorer as a lecture shows it
-                page.goto(f"{app_url}/?present=1")
+                page.goto(f"{app_url}/?present=1&study={quarter_study}")
             elif name.endswith(", presenting"):   # presentation mode is kept across pages
                 page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=name.split(",")[0]).click()
             elif name != "Explorer":

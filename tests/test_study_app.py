@@ -98,6 +98,8 @@ def test_presenting_with_no_study_open_offers_the_example_the_page_points_to(roo
     at = run_app(PAGE, present="1", study="small")
     assert not at.exception and len(at.get("plotly_chart")) == 1
     assert "run_example_quarter-cache" not in [b.key for b in at.button]       # a lecture shows the study
+    layout = json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]      # at a projector's sizes
+    assert layout["xaxis"]["tickfont"]["size"] >= 16 and layout["legend"]["font"]["size"] >= 16
 
 
 def test_a_clicked_cell_maps_to_the_explorer_and_the_model_lab_exactly(small_study):

@@ -21,7 +21,7 @@ from kvviz.app.charts import chart
 from kvviz.app.layout import PAGES
 from kvviz.app.params import PARAMS
 from kvviz.app.store import STORE, notice, state, w_choice
-from kvviz.plots.style import CHART_CONFIG
+from kvviz.plots.style import CHART_CONFIG, projector
 from kvviz.plots.study import frontier_figure
 from kvviz.spec import FULL_BITS, Spec
 
@@ -171,6 +171,8 @@ def frontier_section(path: Path, present: bool = False) -> None:
         title=f"{meta['name']}: {metrics[metric][0]} vs "
         + ("memory" if X_COLUMN[kind] == "memory_ratio" else "budget"),
     )
+    if present:  # a projector's text sizes, the methods' legend beside the plot
+        fig = projector(fig, height=470, legend_right=True)
     event = chart(
         fig,
         key="study_chart",
