@@ -100,15 +100,16 @@ def main() -> None:
                    "Set a budget in the sidebar.", icon=":material/warning:")
         return
 
-    c1, c2, c3, c4 = st.columns([1, 1, 2, 1])
+    c1, c2, c4 = st.columns(3)
     layer = layer_picker(c1, trace, "tl_layer")     # the model's own number in the box and the link; a position
     kv_head = int(w_number(c2, "tl_kv_head", "KV head", 0, trace.n_kv_heads - 1, disabled=trace.n_kv_heads == 1,
                            help="Eviction is decided per KV head; the attention shown is the mean over "
                                 "the query heads that share it."))
-    policies = w_multi(c3, "tl_policies", "Policies", tuple(POLICY_LABELS), format_func=POLICY_LABELS.get)
     need = float(w_number(c4, "tl_need", "Needed at ≥ (attention share)", 0.001, 1.0, step=0.005, fmt="%.3f",
                           help="A token counts as needed at a step when the full model gives it at "
                                "least this share of that step's attention."))
+    # a row of its own: every chosen policy's chip whole (in a column they were cut to "Str…" at 1024 px)
+    policies = w_multi(st, "tl_policies", "Policies", tuple(POLICY_LABELS), format_func=POLICY_LABELS.get)
     allocation = w_choice(st, "allocation", "Budget allocation", ("uniform", "adakv", "pyramid"),
                           format_func=ALLOCATION_LABELS.get, widget="radio",
                           help="AdaKV: this layer's budget goes to the top scores across its KV heads (heads "

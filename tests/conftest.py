@@ -283,7 +283,7 @@ window.__kvvizView = () => {
   each('[data-testid="stCheckbox"]', 'checkbox', w => w.querySelector('input')?.checked);
   each('[data-testid="stRadio"]', 'radio', w => txt(w.querySelector('input:checked')?.closest('label')));
   each('[data-testid="stMultiSelect"]', 'multiselect',
-       w => Array.from(w.querySelectorAll('[data-baseweb="tag"]')).map(txt).join(', '));
+       w => Array.from(w.querySelectorAll('[data-tag] [title], [data-baseweb="tag"]')).map(txt).join(', '));
   each('[data-testid="stButtonGroup"]', 'pills', w => Array.from(w.querySelectorAll('button'))
        .filter(b => (b.getAttribute('kind') || '').endsWith('Active')).map(txt).join(', '));
   each('[data-testid="stTextInput"], [data-testid="stTextArea"]', 'text', w => w.querySelector('input, textarea')?.value);

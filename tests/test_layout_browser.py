@@ -9,7 +9,8 @@ its play buttons and step slider. The test fails on
     viewport's right edge,
   - a card's or heading's text cut inside its box (scrollWidth past clientWidth) or a word broken across
     two lines ("Perplexity (compress / ed)"),
-  - a table whose columns scroll sideways inside the page (its right columns cut).
+  - a table whose columns scroll sideways inside the page (its right columns cut),
+  - a multi-choice's chip cut short ("Str…").
 The Model lab shows the default settings' result precomputed on this machine (`make venv`), copied into the
 tests' own lab folder; without it only the page before a run is measured. The Studies page opens a small
 study run into the tests' studies folder (as tests/test_study_browser.py does). No model runs here.
@@ -62,6 +63,10 @@ LAYOUT_JS = r"""() => {
         if (tops.size > 1) problems.push(`a word broken across lines: "${m[0]}" in "${name(el)}"`);
       }
     }
+  }
+  // a multi-choice's chips: each chosen name whole (a narrow column cut them to "Str…")
+  for (const tags of main.querySelectorAll('[data-testid="stMultiSelectTagsContainer"]')) {
+    if (shown(tags) && tags.scrollWidth > tags.clientWidth + 1) problems.push(`chips cut: "${name(tags)}" (${tags.scrollWidth} > ${tags.clientWidth} px)`);
   }
   // tables: the columns fit the table's box (no sideways scrolling), the box fits the viewport
   for (const t of main.querySelectorAll('[data-testid="stDataFrame"], [data-testid="stTable"]')) {
