@@ -8,7 +8,7 @@ from kvviz.app.labels import ALLOCATION_LABELS, SCORER_SHORT
 from kvviz.app.layout import page_setup
 from kvviz.app.router import run_page
 from kvviz.app.sidebar import layer_picker, source_section
-from kvviz.app.store import clamp, show_notices, state, sync_url, w_choice, w_multi, w_number
+from kvviz.app.store import clamp, show_notices, state, w_choice, w_multi, w_number
 from kvviz.plots.decode import timeline_animation
 from kvviz.policies import POLICIES
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
@@ -57,20 +57,26 @@ def _chart_stepped() -> None:
         state()["tl_step"] = int(step)
 
 
-@st.fragment
-def _step_view(tl, timeline_key: tuple) -> None:
+def _chart_start(timeline_key: tuple, step: int) -> int:
+    """The step the chart is drawn at: the linked step when its settings first appear, then kept, so that
+    the run its own slider's report starts sends the same chart (Streamlit keeps it on screen, where the
+    slider rests) instead of a new one."""
+    ss = st.session_state
+    if ss.get("_tl_chart_for") != timeline_key:
+        ss["_tl_chart_for"], ss["_tl_chart_step"] = timeline_key, step
+    return ss["_tl_chart_step"]
+
+
+def _step_view(tl, step: int) -> None:
     """That step's table, below the chart whose step slider and ▶ Play choose the step: the browser reports
-    where the slider rests (kvviz.app.charts.chart_step), which reruns only this fragment. A fragment rerun
-    skips app.py, so the fragment links to the step itself: first thing (the report's callback has stored
-    it) and last."""
-    sync_url()
-    step = int(clamp("tl_step", 0, tl.n_steps - 1, "Decode step"))
+    where the slider rests (kvviz.app.charts.chart_step), and the run that starts writes it in the link.
+    (Not a fragment: a fragment's id is its place on the page, which the notes above it move, and a report
+    sent for a fragment a full run has since renamed is dropped.)"""
     chart_step("tl_animation", step, STEP_REPORT, _chart_stepped)
     p = int(tl.positions[step])
     rows = tl.step_rows(step, POLICY_LABELS)
     st.markdown(f"**Step {step}**: query at position {p}, layer {tl.model_layer}, KV head {tl.kv_head}")
     st.dataframe(rows, hide_index=True, width="stretch")
-    sync_url()
 
 
 def main() -> None:
@@ -156,8 +162,8 @@ def main() -> None:
     tkey = (key, (spec.sink, spec.recent, spec.heavy), layer, kv_head, need, tuple(policies), every)
     # built once per setting, at the linked step; ▶ Play and the step slider under it run in the browser
     step = int(clamp("tl_step", 0, tl.n_steps - 1, "Decode step"))
-    chart(_animation(tkey, shift_step, step, tl), key="tl_animation")
-    _step_view(tl, tkey)
+    chart(_animation(tkey, shift_step, _chart_start(tkey, step), tl), key="tl_animation")
+    _step_view(tl, step)
 
     needed = tl.needed_tokens()
     if needed:
