@@ -8,7 +8,7 @@ from kvviz.app.labels import ALLOCATION_LABELS, SCORER_SHORT
 from kvviz.app.layout import page_setup
 from kvviz.app.router import run_page
 from kvviz.app.sidebar import layer_picker, source_section
-from kvviz.app.store import clamp, show_notices, state, w_choice, w_multi, w_number
+from kvviz.app.store import clamp, show_notices, state, w_choice, w_number, w_pills
 from kvviz.plots.decode import timeline_animation
 from kvviz.policies import POLICIES
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
@@ -43,9 +43,9 @@ STEP_REPORT = "_tl_step_report"  # the chart's step slider, as the browser repor
 
 
 @st.cache_resource(max_entries=16, show_spinner=False)
-def _animation(timeline_key: tuple, shift_step, step: int, _tl):
+def _animation(timeline_key: tuple, shift_step, step: int, present: bool, _tl):
     """The whole timeline as one figure with a frame per step, drawn at `step` (built once per setting)."""
-    return timeline_animation(_tl, step, shift_step=shift_step, labels=POLICY_LABELS)
+    return timeline_animation(_tl, step, shift_step=shift_step, labels=POLICY_LABELS, present=present)
 
 
 def _chart_stepped() -> None:
@@ -57,13 +57,13 @@ def _chart_stepped() -> None:
         state()["tl_step"] = int(step)
 
 
-def _chart_start(timeline_key: tuple, step: int) -> int:
+def _chart_start(chart_key: tuple, step: int) -> int:
     """The step the chart is drawn at: the linked step when its settings first appear, then kept, so that
     the run its own slider's report starts sends the same chart (Streamlit keeps it on screen, where the
     slider rests) instead of a new one."""
     ss = st.session_state
-    if ss.get("_tl_chart_for") != timeline_key:
-        ss["_tl_chart_for"], ss["_tl_chart_step"] = timeline_key, step
+    if ss.get("_tl_chart_for") != chart_key:
+        ss["_tl_chart_for"], ss["_tl_chart_step"] = chart_key, step
     return ss["_tl_chart_step"]
 
 
@@ -80,7 +80,7 @@ def _step_view(tl, step: int) -> None:
 
 
 def main() -> None:
-    page_setup("Decode timeline: what eviction throws away too early",
+    present = page_setup("Decode timeline: what eviction throws away too early",
                "Each row is a decode step, each column a token. H2O and TOVA decide step by step from the "
                "attention they have seen; StreamingLLM by position; the oracle sees the step's own attention "
                "(the bound). Regret is the attention the full model put on tokens a policy had already evicted.")
@@ -95,7 +95,7 @@ def main() -> None:
     show_notices()
     if spec is None:
         return
-    if demo:
+    if demo and not present:     # presenting, one line under the chart says it
         st.info(f"The {source.label} has no decode steps, so this page runs the sidebar's budget on a built-in "
                 f"demo: a synthetic pattern of {DEMO.context} context tokens and {DEMO.steps} decode steps whose "
                 "topic shifts halfway (the sliders now range over its tokens). Choose **Synthetic pattern** in the "
@@ -106,7 +106,11 @@ def main() -> None:
                    "Set a budget in the sidebar.", icon=":material/warning:")
         return
 
-    c1, c2, c4 = st.columns(3)
+    # the page's controls: above the chart, or presenting, in the sidebar (the chart first on the screen)
+    where = st.sidebar if present else st
+    if present:
+        where.header("Timeline")
+    c1, c2, c4 = (where,) * 3 if present else st.columns(3)
     layer = layer_picker(c1, trace, "tl_layer")     # the model's own number in the box and the link; a position
     kv_head = int(w_number(c2, "tl_kv_head", "KV head", 0, trace.n_kv_heads - 1, disabled=trace.n_kv_heads == 1,
                            help="Eviction is decided per KV head; the attention shown is the mean over "
@@ -114,13 +118,13 @@ def main() -> None:
     need = float(w_number(c4, "tl_need", "Needed at ≥ (attention share)", 0.001, 1.0, step=0.005, fmt="%.3f",
                           help="A token counts as needed at a step when the full model gives it at "
                                "least this share of that step's attention."))
-    # a row of its own: every chosen policy's chip whole (in a column they were cut to "Str…" at 1024 px)
-    policies = w_multi(st, "tl_policies", "Policies", tuple(POLICY_LABELS), format_func=POLICY_LABELS.get)
-    allocation = w_choice(st, "allocation", "Budget allocation", ("uniform", "adakv", "pyramid"),
+    # pills, a row of their own: every policy's name whole (a select box's chips were cut to "Str…" at 1024 px)
+    policies = w_pills(where, "tl_policies", "Policies", tuple(POLICY_LABELS), format_func=POLICY_LABELS.get)
+    allocation = w_choice(where, "allocation", "Budget allocation", ("uniform", "adakv", "pyramid"),
                           format_func=ALLOCATION_LABELS.get, widget="radio",
                           help="AdaKV: this layer's budget goes to the top scores across its KV heads (heads "
                                "differ in length); PyramidKV: each layer its own budget, falling with depth.")
-    every = int(w_setting(st, "compress_every", trace.n_positions))
+    every = int(w_setting(where, "compress_every", trace.n_positions))
     if not policies:
         st.warning("Pick at least one policy.", icon=":material/warning:")
         return
@@ -133,6 +137,7 @@ def main() -> None:
     except (SpecError, TraceError) as e:
         st.error(f"The timeline cannot be computed: {e}")
         return
+    chart_slot = st.container() if present else None     # presenting, the chart first: the notes below it
     for name, why in tl.skipped.items():
         st.info(f"{POLICY_LABELS.get(name, name)} is not drawn: {why}", icon=":material/info:")
     if every and any(len(pt.compressed_after) for pt in tl.policies.values()):
@@ -153,7 +158,8 @@ def main() -> None:
                    f"anchor tokens {trace.meta.get('shift_tokens')} are what the queries after it need.")
 
     # summary cards: one per policy
-    cols = st.columns(len(tl.policies))
+    per_row = 2 if present else len(tl.policies)    # presenting, wider cards: the larger text wraps by words
+    cols = [c for _ in range(0, len(tl.policies), per_row) for c in st.columns(per_row)]
     for col, (name, pt) in zip(cols, tl.policies.items()):
         col.metric(f"{POLICY_LABELS[name]} mean regret", f"{pt.regret_mean:.3f}", border=True,
                    help="Mean over the decode steps of the attention mass on evicted tokens.")
@@ -162,7 +168,8 @@ def main() -> None:
     tkey = (key, (spec.sink, spec.recent, spec.heavy), layer, kv_head, need, tuple(policies), every)
     # built once per setting, at the linked step; ▶ Play and the step slider under it run in the browser
     step = int(clamp("tl_step", 0, tl.n_steps - 1, "Decode step"))
-    chart(_animation(tkey, shift_step, _chart_start(tkey, step), tl), key="tl_animation")
+    start = _chart_start((tkey, shift_step, present), step)    # a new chart (any setting of it) opens at the step
+    chart(_animation(tkey, shift_step, start, present, tl), key="tl_animation", where=chart_slot)
     _step_view(tl, step)
 
     needed = tl.needed_tokens()

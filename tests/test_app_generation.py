@@ -83,6 +83,23 @@ def test_timeline_plays_in_the_browser_and_no_budget():
     assert any("Eviction is off" in w.value for w in at.warning)
 
 
+def test_timeline_presents_its_maps_first_with_the_step_controls_above_them():
+    """Presentation mode: the page's controls in the sidebar, the chart first; the chart is the policies' maps
+    (each step's regrets in its title), Play and the step slider above them, its text at 16 px or more."""
+    at = run(TIMELINE, **SMALL_SHIFT, present="1")
+    assert {"tl_layer", "tl_kv_head", "tl_need"} <= {w.key for w in at.sidebar.number_input}
+    assert "tl_policies" in {w.key for w in at.sidebar.button_group}
+    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    layout = fig["layout"]
+    assert [t["type"] for t in fig["data"][:4]] == ["heatmap"] * 4          # no regret line chart
+    assert layout["updatemenus"][0]["y"] > 1 and layout["sliders"][0]["y"] > 1     # above the maps
+    assert min(layout[a]["tickfont"]["size"] for a in layout if a.startswith(("xaxis", "yaxis"))) >= 16
+    assert fig["frames"][3]["layout"]["title"]["text"].startswith("Step 3<br>regret: H2O")
+    at = run(TIMELINE, **SMALL_SHIFT)                                           # not presenting: as before
+    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert fig["data"][0]["type"] == "scatter" and fig["layout"]["updatemenus"][0]["y"] < 0
+
+
 # --- Model lab ---------------------------------------------------------------------------------------
 
 def test_model_lab_loads_no_model_until_run(monkeypatch, tmp_path):

@@ -534,9 +534,7 @@ def test_decode_timeline_link_follows_every_single_interaction(page, app_url):
     # one step control, the chart's own slider: the per-step table and the link follow it
     live.act("chart's step slider (the first move)", chart_step("tl_animation", 1, 48), {"tl_step": "1"})
     live.act("layer number box", number("Layer", 1), {"tl_layer": "1"})
-    live.act("policies multiselect",
-             lambda page: page.get_by_role("button", name=re.compile(r"Remove TOVA|Delete TOVA")).click(),
-             {"tl_policies": "h2o,streaming,oracle"})
+    live.act("policies pills", pill("Policies", "TOVA"), {"tl_policies": "h2o,streaming,oracle"})
     live.act("allocation radio", radio("Budget allocation", "AdaKV (per layer, across heads)"), {"allocation": "adakv"})
     live.act("recent slider, keyboard", key("Recent window", "ArrowRight"), {"recent": "9"})
     live.act("need number box", number("Needed at ≥ (attention share)", 0.05), {"tl_need": "0.05"})

@@ -34,11 +34,12 @@ PAGES = (("Explorer", "Per-token error"), ("Trade-offs", "Error vs memory"), ("C
          ("Studies", "quarter-cache"), ("Presentation mode", "Attention per token"),
          ("Trade-offs, presenting", "Error vs memory"), ("Needle test, presenting", "needle depth"),
          ("Concentration, presenting", "Top x% of tokens"), ("Model lab, presenting", "Per-token KL"),
-         ("Studies, presenting", "quarter-cache"))
+         ("Studies, presenting", "quarter-cache"), ("Decode timeline, presenting", "tokens held at each decode step"))
 # presenting, at a projector's 1024 x 768: the page's main chart starts on the first screen, at least half of it
 PRESENTED = {"Presentation mode": "Attention per token", "Trade-offs, presenting": "Error vs memory",
              "Needle test, presenting": "needle depth", "Concentration, presenting": "Top x% of tokens",
-             "Model lab, presenting": "Per-token KL", "Studies, presenting": "quarter-cache"}
+             "Model lab, presenting": "Per-token KL", "Studies, presenting": "quarter-cache",
+             "Decode timeline, presenting": "tokens held at each decode step"}
 
 LAYOUT_JS = r"""() => {
   const problems = [], items = [];

@@ -363,30 +363,6 @@ def w_pills(
     return _after(name, tuple(chosen or ()), from_widget=tuple)
 
 
-def w_multi(
-    where,
-    name: str,
-    label: str,
-    options: Sequence,
-    format_func: Callable = str,
-    help: str | None = None,
-) -> tuple:
-    _bind(name, to_widget=list, from_widget=tuple)
-    return _after(
-        name,
-        where.multiselect(
-            label,
-            list(options),
-            key=name,
-            format_func=format_func,
-            help=help,
-            on_change=_take,
-            args=(name, _as_tuple),
-        ),
-        from_widget=tuple,
-    )
-
-
 def _as_tuple(value) -> tuple:
     return tuple(value or ())
 

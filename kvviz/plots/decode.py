@@ -247,6 +247,7 @@ def timeline_animation(
     max_tokens: int = 1200,
     shift_step: int | None = None,
     labels: dict | None = None,
+    present: bool = False,
 ) -> go.Figure:
     """Every chart of the Decode timeline in one figure that plays in the browser.
 
@@ -254,6 +255,10 @@ def timeline_animation(
     A dotted line marks the current step on every chart. The figure carries one frame
     per decode step (only the step lines and the title change), a Play / Pause button and
     a step slider, so playing needs no server round trip. `step` is the frame shown first.
+
+    present: for a projector (Presentation mode): the maps alone (each step's regrets are in
+    the title), text at 16 px or more, and Play / Pause and the step slider above the maps, so
+    the lesson's move -- play, or drag the slider, and watch the maps -- fits one screen.
     """
     from plotly.subplots import make_subplots
 
@@ -261,17 +266,36 @@ def timeline_animation(
     names = list(tl.policies)
     S = tl.n_steps
     step = min(max(int(step), 0), S - 1)
-    rows = 1 + len(names)
-    heights = [0.28] + [0.72 / max(len(names), 1)] * len(names)
-    # Everything in pixels, then as fractions of the plot area: between two panels the upper one's tick
-    # labels and axis title and the lower one's title; below the last, its axis, then Play / Pause on a row
-    # of their own, the step slider (its "decode step" label above its rail, its ticks below) and the legend.
-    gap, under, buttons, slider, legend = 95, 55, 45, 85, 60
-    height, bottom = 300 + (260 + gap) * len(names), under + buttons + slider + legend
+    first_map = 1 if present else 2  # the row of the first policy's map
+    rows = first_map - 1 + len(names)
+    if present:
+        # the maps share one token axis (its ticks under the last); between two maps only a panel title
+        gap, under, buttons, slider, legend, font = 40, 60, 0, 0, 45, 16
+        panel = min(200, max(60, (480 - gap * (len(names) - 1)) // max(len(names), 1)))
+        heights = [1 / max(len(names), 1)] * len(names)
+        controls = (
+            160  # above the maps: Play / Pause, then the step slider, then the first map's title
+        )
+        bottom = under + legend
+        height = panel * len(names) + gap * (len(names) - 1) + bottom
+    else:
+        heights = [0.28] + [0.72 / max(len(names), 1)] * len(names)
+        # Everything in pixels, then as fractions of the plot area: between two panels the upper one's tick
+        # labels and axis title and the lower one's title; below the last, its axis, then Play / Pause on a
+        # row of their own, the step slider (its "decode step" label above its rail, its ticks below) and the
+        # legend.
+        gap, under, buttons, slider, legend, font = 95, 55, 45, 85, 60, 14
+        controls = 0
+        height, bottom = 300 + (260 + gap) * len(names), under + buttons + slider + legend
+
+    def axis(r: int) -> str:  # plotly's name of row r's axes: x, x2, x3, ...
+        return "" if r == 1 else str(r)
 
     # wrapped to fit the chart at a projector's 1024 px (about 650 px wide)
     def title(s: int) -> str:
         regrets = ", ".join(f"{labels.get(n, n)} {tl.policies[n].regret[s]:.3f}" for n in names)
+        if present:
+            return f"Step {s}<br>" + wrap(f"regret: {regrets}", 52, sep=", ")
         return (
             wrap(
                 f"Step {s}: query at position {int(tl.positions[s])} (layer {tl.model_layer}, KV head {tl.kv_head}, "
@@ -282,8 +306,13 @@ def timeline_animation(
             + wrap(f"regret: {regrets}", 72, sep=", ")
         )
 
-    # the title, then the first panel's
-    top = 55 + 19 * max(title(s).count("<br>") + 1 for s in range(S))
+    # the title, then (presenting) the controls, then the first panel's title
+    line = 24 if present else 19
+    top = (
+        (35 if present else 55)
+        + line * max(title(s).count("<br>") + 1 for s in range(S))
+        + controls
+    )
     height += top
     area = height - top - bottom  # the plot area, which paper coordinates divide
     fig = make_subplots(
@@ -291,10 +320,13 @@ def timeline_animation(
         cols=1,
         row_heights=heights,
         vertical_spacing=gap / area,
-        subplot_titles=["Regret per step: attention the full model put on evicted tokens"]
+        shared_xaxes=present,
+        subplot_titles=(
+            [] if present else ["Regret per step: attention the full model put on evicted tokens"]
+        )
         + [f"{labels.get(n, n)}: tokens held at each decode step" for n in names],
     )
-    for name, pt in tl.policies.items():
+    for name, pt in tl.policies.items() if not present else ():
         fig.add_trace(
             go.Scatter(
                 x=np.arange(S),
@@ -310,7 +342,7 @@ def timeline_animation(
             col=1,
         )
     P = len(tl.tokens) if tl.policies else 0
-    for r, name in enumerate(names, start=2):
+    for r, name in enumerate(names, start=first_map):
         states = tl.policies[name].states(tl.positions)
         P = states.shape[1]
         lo = max(0, P - max_tokens)
@@ -343,20 +375,20 @@ def timeline_animation(
                 name=STATE_NAMES[state],
                 marker=dict(size=10, symbol="square", color=STATE_COLOURS[state]),
             ),
-            row=2,
+            row=first_map,
             col=1,
         )
     fixed = []
     # after these steps' queries the cache was scored again
-    for r, name in enumerate(names, start=2):
+    for r, name in enumerate(names, start=first_map):
         for s in tl.policies[name].compressed_after:
             fixed.append(
                 dict(
                     type="line",
-                    xref=f"x{r} domain",
+                    xref=f"x{axis(r)} domain",
                     x0=0,
                     x1=1,
-                    yref=f"y{r}",
+                    yref=f"y{axis(r)}",
                     y0=s + 0.5,
                     y1=s + 0.5,
                     line=RECOMPRESS_LINE,
@@ -370,16 +402,15 @@ def timeline_animation(
             row=2,
             col=1,
         )
-    for r in range(2, rows + 1):
-        axis = "" if r == 1 else str(r)
+    for r in range(first_map, rows + 1):
         if shift_step is not None and 0 <= shift_step < S:
             fixed.append(
                 dict(
                     type="line",
-                    xref=f"x{axis} domain",
+                    xref=f"x{axis(r)} domain",
                     x0=0,
                     x1=1,
-                    yref=f"y{axis}",
+                    yref=f"y{axis(r)}",
                     y0=shift_step - 0.5,
                     y1=shift_step - 0.5,
                     line=dict(color="#000000", width=2, dash="dash"),
@@ -389,10 +420,10 @@ def timeline_animation(
             fixed.append(
                 dict(
                     type="line",
-                    yref=f"y{axis} domain",
+                    yref=f"y{axis(r)} domain",
                     y0=0,
                     y1=1,
-                    xref=f"x{axis}",
+                    xref=f"x{axis(r)}",
                     x0=tl.context_len - 0.5,
                     x1=tl.context_len - 0.5,
                     line=dict(color="#555555", width=1, dash="dash"),
@@ -400,7 +431,7 @@ def timeline_animation(
             )
 
     def shapes(s: int) -> list:
-        out = [
+        out = [  # the regret chart's step line
             dict(
                 type="line",
                 xref="x",
@@ -411,13 +442,13 @@ def timeline_animation(
                 y1=1,
                 line=dict(color="#000000", width=1, dash="dot"),
             )
-        ]
-        for r in range(2, rows + 1):
+        ][: first_map - 1]
+        for r in range(first_map, rows + 1):
             out.append(
                 dict(
                     type="line",
-                    xref=f"x{r} domain",
-                    yref=f"y{r}",
+                    xref=f"x{axis(r)} domain",
+                    yref=f"y{axis(r)}",
                     x0=0,
                     x1=1,
                     y0=s,
@@ -437,14 +468,17 @@ def timeline_animation(
         fromcurrent=True,
         mode="immediate",
     )
+    # the controls: below the last chart (Play / Pause, then the slider), or presenting, above the first
+    buttons_y = (controls / area + 1) if present else -under / area
+    slider_y = ((controls - 45) / area + 1) if present else -(under + buttons) / area
     fig.update_layout(
         title=dict(
             text=title(step),
-            font=dict(size=14),
+            font=dict(size=18 if present else font),
             yref="container",
             y=1,
             yanchor="top",
-            pad=dict(t=16),
+            pad=dict(t=24 if present else 16),
         ),
         shapes=shapes(step),
         height=height,
@@ -455,16 +489,18 @@ def timeline_animation(
             y=-(under + buttons + slider) / area,
             xanchor="left",
             x=0.0,
+            font=dict(size=font),
         ),
         updatemenus=[
             dict(
                 type="buttons",
                 direction="left",
                 x=0.0,
-                y=-under / area,
+                y=buttons_y,
                 xanchor="left",
                 yanchor="top",
                 showactive=False,
+                font=dict(size=font),
                 pad=dict(t=0, r=10),
                 buttons=[
                     dict(label="▶ Play", method="animate", args=[None, play]),
@@ -481,10 +517,10 @@ def timeline_animation(
                 active=step,
                 x=0.0,
                 len=1.0,
-                y=-(under + buttons) / area,
+                y=slider_y,
                 yanchor="top",
                 pad=dict(t=0),
-                currentvalue=dict(prefix="decode step "),
+                currentvalue=dict(prefix="decode step ", font=dict(size=font + 2)),
                 steps=[
                     dict(
                         label=str(s),
@@ -503,7 +539,12 @@ def timeline_animation(
             )
         ],
     )
-    fig.update_xaxes(title_text="decode step", row=1, col=1)
+    if not present:
+        fig.update_xaxes(title_text="decode step", row=1, col=1)
+        fig.update_yaxes(title_text="regret", rangemode="tozero", row=1, col=1)
     fig.update_xaxes(title_text="token position", row=rows, col=1)
-    fig.update_yaxes(title_text="regret", rangemode="tozero", row=1, col=1)
+    # every axis's text set (Streamlit's chart theme sizes unset tick fonts at 13.5 px), the panels' titles too
+    fig.update_xaxes(tickfont=dict(size=font), title_font=dict(size=font))
+    fig.update_yaxes(tickfont=dict(size=font), title_font=dict(size=font))
+    fig.update_annotations(font=dict(size=font + 2 if not present else font))
     return fig
