@@ -804,6 +804,10 @@ def test_presentation_mode_puts_the_lesson_above_the_fold(page, app_url):
     idle(page)
     box = chart.bounding_box()
     assert box["y"] < 768 - 150, f"the main chart starts at y = {box['y']:.0f}, below the fold"
+    # the four headline sliders side by side in one line: no label wraps and pushes its slider down
+    rails = [round(b["y"]) for b in (s.bounding_box() for s in page.locator(
+        '[data-testid="stMain"] [data-testid="stSlider"] input[type="range"]').all())]
+    assert len(rails) == 4 and max(rails) - min(rails) <= 2, rails
     assert_nothing_clipped(page, "presentation mode")
     shot(page, "after-presentation-1024x768")
     no_console_errors(page)

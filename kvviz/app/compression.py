@@ -76,7 +76,8 @@ def compression_section(
     heavy = w_budget(
         slots[2],
         "heavy",
-        "Heavy-hitter budget",
+        # a projector's quarter-width column: the long label wrapped and pushed its slider below the others
+        "Heavy hitters" if headline is not None else "Heavy-hitter budget",
         n,
         unit,
         box=box,
