@@ -19,8 +19,8 @@ from kvviz.analysis.sweep import DEFAULT_FRACTIONS, pareto_front, split_budget, 
 METRICS = {"tv": ("TV distance", "tv", "tv_distance"),
            "kl": ("KL(compressed ‖ original)", "kl_compressed_vs_original", "kl"),
            "js": ("Jensen–Shannon", "js", "js"),
-           "mass": ("attention mass retained", "mass_retained", "mass_retained"),
-           "output_error": ("output error", "output_error", "output_rel_error")}
+           "mass": ("Attention mass retained", "mass_retained", "mass_retained"),
+           "output_error": ("Output error", "output_error", "output_rel_error")}
 HIGHER_IS_BETTER = {"mass"}
 # the Pareto table's columns: (short header, what it means); short so the table fits 1024 px without scrolling
 TABLE_COLUMNS = {"method": ("method", "the eviction policy"), "budget": ("budget", "tokens kept"),
