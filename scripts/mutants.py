@@ -190,7 +190,7 @@ EQUIVALENT.update({
 })
 
 _ENG = "kvviz.engine.x_"
-_ROW = "kvviz.rows.x_"       # the row functions moved from engine.py to rows.py (#35), bodies unchanged
+_ROW = "kvviz.rows.x_"       # the row functions moved from engine.py to rows.py, bodies unchanged
 _RECOMPUTED = ("the oracle recomputes the attention of heads it was given instead of taking `original`: softmax and "
                "softmax_and_log do the same arithmetic (max, exp, divide by the sum) on logit_rows of the same "
                "queries and keys")

@@ -67,7 +67,7 @@ def test_adakv_safeguard_and_cross_head_top():
     # kvpress: the safeguard is each head's top int(0.5 * 5) = 2 of all its tokens, the window (1) first:
     # 1 heavy hitter each, then the 6 best left are head 0's
     assert adakv_heavy(scores, spec).tolist() == [7, 1]
-    old = spec.with_(adakv_floor="outside-window")                  # kvviz before #24: 2 heavy each on top
+    old = spec.with_(adakv_floor="outside-window")                  # the old AdaKV rule: 2 heavy each on top
     assert adakv_heavy(scores, old).tolist() == [6, 2]
 
 

@@ -1,4 +1,4 @@
-"""Compression during decoding (#38 item 3, `Spec.compress_every`; kvviz.policies.recompress).
+"""Compression during decoding (`Spec.compress_every`; kvviz.policies.recompress).
 
 Asserted: compress_every = 0 is today's compressing once; with N the kept count at every step is
 exactly budget + (steps since the last compression) and never more than budget + N; the compression

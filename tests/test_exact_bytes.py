@@ -81,7 +81,7 @@ def test_adakv_card_counts_each_head_not_an_even_split(trace):
         assert counts[layer].sum() == trace.n_kv_heads * spec.budget
         assert counts[layer].tolist() == kept_at_query(trace, spec, layer, qi).sum(axis=1).tolist()
     exact = memory_for(trace, spec, n, counts).kv_bytes
-    even = memory_for(trace, spec, n).kv_bytes                        # what the card showed before #24
+    even = memory_for(trace, spec, n).kv_bytes                        # what the card showed under the old AdaKV rule
     assert exact != even
     assert exact == pytest.approx(budget_ledger(trace, spec).totals["stored_bytes"], rel=1e-12)
 

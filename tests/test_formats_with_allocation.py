@@ -1,4 +1,4 @@
-"""Where the serving formats (#14) meet the budget allocations and the ledger (#12)."""
+"""Where the serving formats (FP8, FP4, llama.cpp's blocks) meet the budget allocations and the ledger."""
 
 import pytest
 

@@ -1,4 +1,5 @@
-"""The real-model decode path with the issue-#12 scorers and allocations: ragged (AdaKV) and
+"""The real-model decode path with the later scorers (Expected Attention, KeyDiff, ChunkKV, Quest) and the
+budget allocations: ragged (AdaKV) and
 per-layer (PyramidKV) caches make the same decisions as the engine's simulation of the run."""
 
 import numpy as np

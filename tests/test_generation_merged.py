@@ -1,5 +1,5 @@
-"""The fast masked pass (#10) against the step loop for the serving formats (#14) and the budget
-allocations (#12): the pass must give exactly what the loop gives, or the loop must be taken."""
+"""The fast masked pass against the step loop for the serving formats and the budget
+allocations: the pass must give exactly what the loop gives, or the loop must be taken."""
 
 from __future__ import annotations
 

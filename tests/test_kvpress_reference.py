@@ -8,7 +8,7 @@ method's entry names the kvviz settings that correspond; kvviz's kept set at the
 in layer 0, KV head 2, where two keys have the same float32 norm (8.000801; in float64 token 256's
 is the smaller) and the two libraries break the tie differently.
 
-The rules #24 changed fail it in their old form (the last test), so the comparison can fail.
+The four rules changed to kvpress's fail it in their old form (the last test), so the comparison can fail.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_kvpress_kept_counts_are_what_the_cache_holds(trace):
     ("chunkkv_snapkv", dict(chunk_rule="budget"), 0, 0.72),               # chunks filling the budget
 ])
 def test_the_old_rules_fail_the_reference(trace, name, old_rule, exact_heads, mean_below):
-    """The mutations: each rule as kvviz had it before #24 (kept as named options) misses kvpress."""
+    """The mutations: each changed rule in its old form (kept as a named option) misses kvpress."""
     j = jaccard(trace, name, **old_rule)
     assert int((j == 1.0).sum()) == exact_heads
     assert j.mean() < mean_below

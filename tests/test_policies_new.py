@@ -1,4 +1,4 @@
-"""The issue-#12 scorers against small independent re-computations of their published rules:
+"""The later scorers against small independent re-computations of their published rules:
 Expected Attention, KeyDiff, ChunkKV (whole chunks) and Quest (page reads; all pages = exact)."""
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Issue #22: making the scorers fast must not move a single kept set.
+"""Making the scorers fast must not move a single kept set.
 
 `tests/data/kept_masks_reference.npz` holds the kept masks of every scorer, under several
 settings and allocations, on four small traces (GQA 4, GQA 2, RoPE, logit-only), recorded
@@ -10,11 +10,11 @@ Each entry is the packed bits (np.packbits) of the kept (read, for the oracle an
 masks of every layer at three evaluated queries (first, middle, last), concatenated; no
 pickle. The test recomputes them with today's code and asks for exact equality.
 
-Issue #24 changed four default rules on purpose, to kvpress's / the paper's (AdaKV's safeguard,
+Four default rules were later changed on purpose, to kvpress's / the paper's (AdaKV's safeguard,
 PyramidKV's schedule, ChunkKV's chunk count, Quest per query head). Only the entries those rules
-decide were re-recorded (`--record-changed RULE`); each one's pre-#24 value is kept as
+decide were re-recorded (`--record-changed RULE`); each one's value under the old rule is kept as
 "pre24|<label>", and the options that name the old rules (`PRE24`) must still reproduce it bit
-for bit. Every other entry is the pre-#22 recording, untouched.
+for bit. Every other entry is the recording from before the speed work, untouched.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def cases():
     return out
 
 
-# the rules #24 changed: which cases each decides, and the option that restores the rule before #24
+# the four changed rules: which cases each decides, and the option that restores the old rule
 PRE24 = {
     "adakv": (lambda scorer, allocation: allocation == "adakv", dict(adakv_floor="outside-window")),
     "pyramid": (lambda scorer, allocation: allocation == "pyramid", dict(pyramid_schedule="heavy")),
@@ -94,7 +94,7 @@ PRE24 = {
 
 
 def pre24_options(scorer: str, allocation: str) -> dict:
-    """The options under which a case runs as it did before #24 ({} where no rule of #24 applies)."""
+    """The options under which a case runs under the old rules ({} where no changed rule applies)."""
     out = {}
     for applies, options in PRE24.values():
         if applies(scorer, allocation):
@@ -171,7 +171,7 @@ def test_kept_masks_match_the_code_before_the_speed_work(scorer, reference, trac
 @pytest.mark.parametrize("rule", sorted(PRE24))
 def test_the_options_named_after_the_old_rules_reproduce_them(rule, reference, trace_set):
     """adakv_floor="outside-window", pyramid_schedule="heavy", chunk_rule="budget", quest_heads="kv":
-    the kept sets before #24, bit for bit, wherever #24's rules changed the default."""
+    the kept sets under the old rules, bit for bit, wherever the changed rules moved the default."""
     from kvviz.spec import SpecError
     applies, _ = PRE24[rule]
     checked = 0
@@ -197,7 +197,7 @@ if __name__ == "__main__" and "--record" in sys.argv:
     print(f"recorded {len(recorded)} kept-mask sets to {REFERENCE} ({REFERENCE.stat().st_size} bytes)")
 
 if __name__ == "__main__" and "--record-changed" in sys.argv:
-    # re-record only the entries a rule of #24 decides, keeping each old value as "pre24|<label>"
+    # re-record only the entries a changed rule decides, keeping each old value as "pre24|<label>"
     rule = sys.argv[sys.argv.index("--record-changed") + 1]
     applies, _ = PRE24[rule]
     with np.load(REFERENCE, allow_pickle=False) as data:
@@ -217,7 +217,7 @@ if __name__ == "__main__" and "--record-changed" in sys.argv:
 
 
 def expected_attention_float64(trace: Trace, layer: int, horizon: int) -> np.ndarray:
-    """The published rule written out plainly in float64 (the pre-#22 code's arithmetic): (kv_heads, c)."""
+    """The published rule written out plainly in float64 (the arithmetic of the code before the speed work): (kv_heads, c)."""
     from kvviz.policies.expected_attention import mean_rotation, rope_inv_freq, rotate
     c, d, g = trace.context_len, trace.head_dim, trace.group_size
     rows = trace.context_queries[4:]
