@@ -58,7 +58,9 @@ def main() -> None:
     chart_slot = st.container() if present else None
     metric = w_choice(st, "metric", "Measure", tuple(METRICS), widget="radio",
                       format_func=lambda m: METRICS[m][0])
-    log_x = w_check(st, "logx", "Log memory axis", help="Spreads out the small-memory end, where methods differ.")
+    log_x = w_check(st, "logx", "Log memory axis",
+                    help="Spreads out the small-memory end, where methods and bit widths differ; off, the 2- and "
+                         "4-bit curves crowd together at the left.")
     methods = w_pills(st, "methods", "Methods", tuple(SCORER_CHOICES), format_func=SCORER_SHORT.get)
     bits = w_pills(st, "sweep_bits", "Bit widths", (16, 8, 4, 3, 2), format_func=bits_label)
     formats = w_pills(st, "sweep_formats", "Serving formats (FP8 / FP4 / llama.cpp points)",

@@ -258,10 +258,12 @@ def test_tradeoffs_page():
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert fig["layout"]["yaxis"]["title"]["text"].startswith("Jensen–Shannon")
     at.radio(key="metric").set_value("mass").run()
-    at.checkbox(key="logx").check().run()
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert fig["layout"]["yaxis"]["title"]["text"].endswith("higher is better")
-    assert fig["layout"]["xaxis"]["type"] == "log" and at.query_params["logx"] == "1"
+    assert fig["layout"]["xaxis"]["type"] == "log" and "logx" not in at.query_params    # log by default
+    at.checkbox(key="logx").uncheck().run()
+    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert fig["layout"]["xaxis"].get("type", "linear") == "linear" and at.query_params["logx"] == "0"
     table = at.dataframe[0].value
     assert "budget" in table.columns and "oracle" not in set(table["method"])   # the bound is not a frontier point
     # the sweep uses the explorer's sliders too

@@ -495,7 +495,7 @@ def test_explorer_link_follows_every_single_interaction(page, app_url):
 def test_tradeoffs_link_follows_every_single_interaction(page, app_url):
     live = LiveLink(page, f"{app_url}/trade-offs")
     live.act("measure radio (the first move)", radio("Measure", "Jensen–Shannon"), {"metric": "js"})
-    live.act("log axis checkbox", tick("Log memory axis"), {"logx": "1"})
+    live.act("log axis checkbox", tick("Log memory axis"), {"logx": "0"})
     live.act("bit-width pills", pill("Bit widths", "8"), {"sweep_bits": "16,4,2,8"})
     live.act("sink slider, keyboard", key("Sink tokens", "ArrowRight"), {"sink": "5"})
     live.act("recent number box", number("Recent window (tokens)", 6), {"recent": "6"})

@@ -137,7 +137,7 @@ def tradeoff_figure(
     fig = layout(
         fig,
         "Error vs memory for every policy",
-        "memory ratio (compressed / 16-bit cache bytes)" + (", log scale" if log_x else ""),
+        "memory ratio vs a 16-bit cache" + (" (log scale)" if log_x else ""),
         f"{label} — {better}",
         height=540,
     )
