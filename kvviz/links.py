@@ -197,7 +197,9 @@ _PARAMS = [
     Param("grid_page", "int", -1, -1, 10_000_000),
     # trade-offs page
     Param("metric", "choice", "tv", choices=("tv", "kl", "js", "mass", "output_error")),
-    Param("logx", "bool", True),  # a log memory axis: the bit widths' curves apart, not tangled at the left
+    Param(
+        "logx", "bool", True
+    ),  # a log memory axis: the bit widths' curves apart, not tangled at the left
     Param(
         "methods", "list", ("streaming", "h2o", "tova", "snapkv", "oracle"), choices=SCORER_CHOICES
     ),
