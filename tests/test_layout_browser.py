@@ -134,6 +134,17 @@ def measure(page) -> dict:
     return page.evaluate(LAYOUT_JS)
 
 
+# the texts of the chart that holds `marker` (ticks, axis and panel titles, legend) set under `least` px
+SMALL_TEXT_JS = r"""([marker, least]) => {
+  const chart = Array.from(document.querySelectorAll('.js-plotly-plot')).find(p => p.textContent.includes(marker));
+  if (!chart) return ['no chart'];
+  const texts = chart.querySelectorAll('.xtick text, .ytick text, .g-xtitle text, .g-ytitle text, .legendtext, '
+                                       + '.annotation-text, .gtitle, .slider-label, .updatemenu-item-text');
+  return Array.from(texts).filter(t => t.textContent.trim() && parseFloat(getComputedStyle(t).fontSize) < least)
+              .map(t => `"${t.textContent.trim().slice(0, 30)}" ${getComputedStyle(t).fontSize}`);
+}"""
+
+
 def test_no_text_overlaps_or_is_cut_on_any_page(page, app_url, quarter_study, lab_result):
     from playwright.sync_api import expect
 
@@ -164,9 +175,15 @@ def test_no_text_overlaps_or_is_cut_on_any_page(page, app_url, quarter_study, la
             if (name, width) == ("Explorer", 1440):     # a laptop screen: the first chart starts on it
                 box = page.locator('[data-testid="stPlotlyChart"]').first.bounding_box()
                 assert box["y"] + box["height"] / 3 < height, f"the Explorer's first chart starts at y={box['y']:.0f}"
+            errors = page.locator('[data-testid="stAlertContentError"], [data-testid="stException"]')
+            if errors.count():                     # every page at its defaults runs without an error
+                found[f"{name} at {width}x{height}"] = [f"an error box: {errors.first.inner_text()[:200]}"]
             if name in PRESENTED and width == 1024:
                 box = page.locator(".js-plotly-plot").filter(has_text=PRESENTED[name]).first.bounding_box()
                 assert 0 <= box["y"] and box["y"] + box["height"] / 2 <= height, f"{name}: the chart is at {box}"
+                small = page.evaluate(SMALL_TEXT_JS, [PRESENTED[name], 15.5])   # a projector's chart text
+                if small:
+                    found[f"{name}: chart text under 16 px"] = small
             got = measure(page)
             assert got["measured"] > 0, f"{name}: nothing measured"
             if got["problems"]:

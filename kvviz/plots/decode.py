@@ -521,6 +521,7 @@ def timeline_animation(
                 yanchor="top",
                 pad=dict(t=0),
                 currentvalue=dict(prefix="decode step ", font=dict(size=font + 2)),
+                font=dict(size=font),
                 steps=[
                     dict(
                         label=str(s),

@@ -233,8 +233,14 @@ def projector(
     rows = -(-entries // 2)
     # set on each axis: Streamlit's chart theme sizes unset tick and axis-title fonts in rem (13.5 px here)
     fonts = dict(tickfont=dict(size=PROJECTOR_FONT), title=dict(font=dict(size=PROJECTOR_FONT)))
+    # a log axis's in-between labels (the 2 and 5 of each decade) are drawn smaller than its ticks: off
     axes = {
-        name: fonts for name in ("xaxis", "yaxis", *look) if name.startswith(("xaxis", "yaxis"))
+        name: {
+            **fonts,
+            **({"minorloglabels": "none"} if look.get(name, {}).get("type") == "log" else {}),
+        }
+        for name in ("xaxis", "yaxis", *look)
+        if name.startswith(("xaxis", "yaxis"))
     }
     if y_title:
         axes.update(
