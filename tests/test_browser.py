@@ -795,6 +795,30 @@ def test_every_page_opens_from_the_explorer_fits_a_projector_and_links_its_first
     no_console_errors(page)
 
 
+def test_a_locked_axis_shows_every_bar_on_screen(page, app_url):
+    """Axes locked at the default view's scale (0.1 error, 0.2 attention), then sink 1, recent 0, heavy 0: the
+    kept token's attention 1.0 and its error ~0.9 are drawn whole inside each chart's plot area (the lock
+    widens to them and the title says so), in the browser as the class sees it."""
+    page.set_viewport_size({"width": 1024, "height": 768})
+    page.goto(f"{app_url}/?ylock=0.1&alock=0.2&sink=1&recent=0&heavy=0&ensemble=none")
+    e = expect()
+    e(metric(page, "Tokens kept")).to_have_text("1 / 64")
+    idle(page)
+    for marker in ("Attention per token", "Per-token error"):
+        chart = page.locator(".js-plotly-plot").filter(has_text=marker).first
+        reach = chart.evaluate("""(p) => {
+          const area = p.querySelector('.bglayer rect, .plot .bg') || p.querySelector('.draglayer .nsewdrag');
+          const a = area.getBoundingClientRect();
+          const bars = Array.from(p.querySelectorAll('.barlayer .point path')).map(b => b.getBoundingClientRect())
+                            .filter(r => r.height > 0);
+          return {top: a.top, bottom: a.bottom, highest: Math.min(...bars.map(r => r.top)),
+                  lowest: Math.max(...bars.map(r => r.bottom)), title: p.querySelector('.gtitle').textContent};
+        }""")
+        assert reach["top"] - 1 <= reach["highest"] and reach["lowest"] <= reach["bottom"] + 1, (marker, reach)
+        assert "widened" in reach["title"], (marker, reach["title"])
+    no_console_errors(page)
+
+
 def test_presentation_mode_puts_the_lesson_above_the_fold(page, app_url):
     page.set_viewport_size({"width": 1024, "height": 768})
     page.goto(f"{app_url}/?present=1&bits=3")
