@@ -7,6 +7,7 @@ table (kvviz.links.PARAMS): a link that sets it is read into the session's setti
 where the page has one, and kept in the address bar; a bad value of it gives its notice and the default.
 """
 
+import re
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,25 @@ def test_an_old_or_retyped_address_names_its_page(address, page):
     from kvviz.app.router import page_for_address
 
     assert page_for_address(address) == page
+
+
+ISSUE_NUMBER = re.compile(r"#\d{1,2}\b|\bissues? #?\d")   # two digits: "#000" is a colour
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_issue_number_in_what_a_reader_sees(page):
+    """Labels, help texts, captions and notes say what a setting or a method does, never which issue brought
+    it ("(kvviz before #24)"): every element of every page, its folded sections open, as its protobuf holds it
+    (help texts included)."""
+    at = run_app(str(ROOT / PAGES[page]), 300, opened=(*FOLDED, "_lesson_open"))
+
+    def texts(node):
+        proto = getattr(node, "proto", None)
+        if proto is not None and getattr(node, "type", "") != "plotly_chart":
+            yield str(proto)
+        for child in (node.children.values() if isinstance(getattr(node, "children", None), dict) else ()):
+            yield from texts(child)
+
+    found = [m.group(0) + ": " + t[max(0, m.start() - 60):m.end() + 20] for t in texts(at._tree)
+             for m in ISSUE_NUMBER.finditer(t)]
+    assert not found, found
