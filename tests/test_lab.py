@@ -187,7 +187,7 @@ def test_the_page_opens_on_the_stored_default_result(tiny, monkeypatch):
 
 
 def test_the_estimate_is_the_median_of_the_last_runs_of_the_same_size():
-    """Issue 34: "About 5 s" for a run that took 94 s on a busy server. The estimate is what runs of this
+    """Not "About 5 s" for a run that took 94 s on a busy server. The estimate is what runs of this
     size took on this server lately: the median of the last five, a different size not mixed in."""
     settings = lab.default_settings()
     lab._record("step", 0.01)

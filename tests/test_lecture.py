@@ -1,4 +1,4 @@
-"""Issue 34's statements a class would believe: the Concentration page's comparison with the handbook's band."""
+"""Statements a class would believe: the Concentration page's comparison with the handbook's band."""
 
 import numpy as np
 

@@ -391,7 +391,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_the_main_area_capture_button_captures_the_chosen_model(tiny_dir, cache):
-    """Issue 34: the step that was missing sits in the main area, where the page would be: its Capture
+    """The step that was missing sits in the main area, where the page would be: its Capture
     button runs the model chosen in the sidebar (with its progress there) like the sidebar's button."""
     from streamlit.testing.v1 import AppTest
 
