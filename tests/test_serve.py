@@ -6,7 +6,7 @@ import socket
 import pytest
 from streamlit.web.server.starlette import starlette_server
 
-from kvviz.app import serve
+from kvviz.app import internals, serve
 
 
 def _accepted_no_delay(bind) -> int:
@@ -57,7 +57,7 @@ def test_the_first_element_check_is_done_before_the_first_visit(monkeypatch):
     from streamlit import delta_generator
 
     monkeypatch.setattr(delta_generator, "_use_warning_has_been_displayed", False)
-    serve._first_element_check()
+    internals.ask_first_element_check()
     assert delta_generator._use_warning_has_been_displayed is True
 
 

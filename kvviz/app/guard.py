@@ -37,6 +37,7 @@ from typing import TypeVar
 import streamlit as st
 
 from kvviz import limits
+from kvviz.app import internals
 
 T = TypeVar("T")
 WORKERS_ENV = "KVVIZ_WORKERS"
@@ -153,20 +154,12 @@ def other_runs() -> int:
 # --- a script run ---------------------------------------------------------------------------------
 
 
-def _run_context():
-    from streamlit.runtime.scriptrunner import get_script_run_ctx
-
-    return get_script_run_ctx(suppress_warning=True)
-
-
 def start_run() -> None:
     """At the top of every page: this run's cancel check and an empty status line (once a run)."""
     if _SERVED.get():
         return
     _server()
-    from streamlit.runtime.scriptrunner_utils.script_run_context import get_run_yield_check
-
-    limits.install_check(get_run_yield_check())
+    limits.install_check(internals.run_yield_check())
     _STATUS.set(st.empty())
 
 
@@ -184,12 +177,10 @@ class _Ticker:
     Streamlit's own spinner is shown), while the script thread waits for its slot."""
 
     def __init__(self, holder, ticket: object, queue: Pool):
-        from streamlit.runtime.scriptrunner import add_script_run_ctx
-
         self.holder, self.ticket, self.queue = holder, ticket, queue
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name="kvviz-queue-status", daemon=True)
-        add_script_run_ctx(self.thread, _run_context())
+        internals.attach_run_context(self.thread, internals.run_context())
         self.thread.start()
 
     def _run(self) -> None:
@@ -211,7 +202,9 @@ def serve(page) -> None:
     start_run()
     p, ticket, holder = pool(), object(), _STATUS.get()
     ticker = (
-        _Ticker(holder, ticket, p) if p.busy and holder is not None and _run_context() else None
+        _Ticker(holder, ticket, p)
+        if p.busy and holder is not None and internals.run_context()
+        else None
     )
     try:
         p.acquire(ticket, limits.checkpoint)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvviz.app import guard
+from kvviz.app import guard, internals
 from kvviz.app.charts import report_first_paint
 from kvviz.app.layout import PAGES
 from kvviz.app.store import sync_url
@@ -55,10 +55,7 @@ def _open_old_address() -> None:
     """Before st.navigation resolves this run's page: an address that names a page by another spelling
     (page_for_address) is pointed at that page. Streamlit keeps the address a request asked for in the
     run context's page manager, and offers no hook to map it, hence its set_script_intent here."""
-    from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_run_ctx
-
-    ctx = get_script_run_ctx()
-    manager = getattr(ctx, "pages_manager", None)
+    manager = internals.pages_manager()
     asked = getattr(manager, "intended_page_name", None)
     if not asked or manager.intended_page_script_hash:
         return
@@ -74,20 +71,12 @@ def no_legacy_pages() -> None:
     (`/Trade-offs`) got its 'Page not found' before navigate() could point it at its page. The flag is
     the one st.navigation sets on its first call; set here, before any session, the first request takes
     navigate()'s path like every later one."""
-    try:
-        from streamlit.runtime.pages_manager import PagesManager
-    except ImportError:  # moved in a later Streamlit: nothing legacy to switch off
-        return
-    PagesManager.uses_pages_directory = False
+    internals.set_legacy_pages(False)
 
 
 def _legacy_run() -> bool:
     """Whether Streamlit runs this script through its legacy pages/ list (a fresh server's first run)."""
-    try:
-        from streamlit.runtime.pages_manager import PagesManager
-    except ImportError:  # moved in a later Streamlit: no legacy runs to hand over
-        return False
-    return bool(PagesManager.uses_pages_directory)
+    return internals.legacy_pages()
 
 
 def navigate() -> None:

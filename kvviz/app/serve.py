@@ -22,6 +22,8 @@ import threading
 import time
 from pathlib import Path
 
+from kvviz.app import internals
+
 APP = Path(__file__).resolve().parents[2] / "app.py"
 PAGES_DIR = APP.parent / "pages"
 
@@ -62,32 +64,8 @@ def _no_delay() -> None:
     on for every accepted connection. Each response written as headers then body, and each websocket
     message after an unacknowledged one, then waits for the browser's delayed ACK: 40 ms per static
     file on a reused connection (the page's 60 scripts took 0.4 s over six connections instead of
-    0.06 s). Set on the listening socket, the option is inherited by the sockets it accepts (Linux).
-    A private function: if it moves, the server starts as before."""
-    from streamlit.web.server.starlette import starlette_server
-
-    bind = getattr(starlette_server, "_bind_socket", None)
-    if bind is None or getattr(bind, "no_delay", False):
-        return
-
-    def bind_no_delay(address: str, port: int, backlog: int) -> socket.socket:
-        sock = bind(address, port, backlog)
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
-
-    bind_no_delay.no_delay = True
-    starlette_server._bind_socket = bind_no_delay
-
-
-def _first_element_check() -> None:
-    """Streamlit asks once per process, when a script draws its first element, whether it runs in a
-    REPL: env_util.is_repl walks the whole stack with inspect.stack(), which looks up every frame's
-    source file (~0.1 s from inside a page run on two cores). Asked here, the first visitor's run skips
-    it. A private function: if it moves, the first run pays again, nothing breaks (the caller's try)."""
-    from streamlit import delta_generator
-
-    delta_generator._maybe_print_use_warning()
+    0.06 s). Set on the listening socket, the option is inherited by the sockets it accepts (Linux)."""
+    internals.bind_no_delay()
 
 
 def _preload(wait_s: float = 30.0) -> None:
@@ -95,15 +73,13 @@ def _preload(wait_s: float = 30.0) -> None:
     import the app's modules and start its warm-up. Any failure only leaves the work to the first run."""
     import importlib
 
-    from streamlit.runtime import Runtime
-
     deadline = time.monotonic() + wait_s
-    while not Runtime.exists() and time.monotonic() < deadline:
+    while not internals.runtime_exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    if not Runtime.exists():
+    if not internals.runtime_exists():
         return
     try:
-        _first_element_check()
+        internals.ask_first_element_check()
         for name in app_modules():
             importlib.import_module(name)
         from kvviz.app.compute import warm_up
@@ -164,11 +140,8 @@ async def lifespan(app):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from streamlit.web import cli
-
     _no_delay()
-    sys.argv = ["streamlit", "run", str(APP), *(sys.argv[1:] if argv is None else argv)]
-    cli.main()
+    internals.streamlit_run([str(APP), *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

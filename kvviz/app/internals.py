@@ -1,0 +1,130 @@
+"""Streamlit's private parts that kvviz leans on, all in this one module (verified on the pinned 1.67.0).
+
+Each has no public form, and each buys something measured; tests/test_streamlit_internals.py checks
+that every one is still where and what this module expects, so a Streamlit upgrade that moves one fails
+there, loudly, not somewhere in a page. Where one is gone, the caller falls back to Streamlit's own
+behaviour (said at each function).
+
+- `streamlit_run`: `streamlit run` in this process (`make run`: the binding below is wrapped first).
+- `bind_no_delay`: Streamlit's socket binding (`starlette_server._bind_socket`), wrapped to set
+  TCP_NODELAY: 40 ms per static file and per websocket message after an unacknowledged one otherwise
+  (kvviz.app.serve).
+- `ask_first_element_check`: Streamlit's once-per-process REPL check, asked at start (~0.1 s of the
+  first visitor's run on two cores otherwise).
+- `runtime_exists`: whether the server's runtime is up (the start-up preload waits for it).
+- `run_context`, `run_yield_check`, `attach_run_context`: the script run's context, its cancel check (a
+  long computation stops when the page reruns: kvviz.limits), and a helper thread's share of it (the
+  queue's status line: kvviz.app.guard).
+- `pages_manager`, `set_legacy_pages`, `legacy_pages`: the address a request asked for (an old page
+  address pointed at its page) and the legacy pages/ flag st.navigation sets on its first run (set at
+  start, a fresh server's first request takes the app's own navigation: kvviz.app.router).
+
+The app's JavaScript and CSS also read a few of Streamlit's DOM hooks: `data-testid` and the
+`data-test-script-state` attribute (kvviz.app.layout's styles, kvviz.app.charts' first-paint probe),
+and the `st-key-<key>` class of a keyed element (charts' step reporter). The browser tests that use
+them fail when one goes (tests/test_browser.py, tests/test_layout_browser.py).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+VERIFIED = "1.67.0"  # the Streamlit these were read from (requirements.txt pins it)
+
+
+def streamlit_run(args: list[str]) -> None:
+    """`streamlit run ARGS` in this process, as the `streamlit` command runs it."""
+    import sys
+
+    from streamlit.web import cli
+
+    sys.argv = ["streamlit", "run", *args]
+    cli.main()
+
+
+def bind_no_delay() -> bool:
+    """Wrap Streamlit's socket binding so the listening socket (and every connection it accepts, Linux)
+    sends small writes at once. Returns whether it is wrapped; where the function moved, the server
+    starts as Streamlit binds it."""
+    from streamlit.web.server.starlette import starlette_server
+
+    bind = getattr(starlette_server, "_bind_socket", None)
+    if bind is None:
+        return False
+    if getattr(bind, "no_delay", False):
+        return True
+
+    def bound(address: str, port: int, backlog: int) -> socket.socket:
+        sock = bind(address, port, backlog)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    bound.no_delay = True
+    starlette_server._bind_socket = bound
+    return True
+
+
+def ask_first_element_check() -> None:
+    """Streamlit's check, made when a script draws its first element, of whether it runs in a REPL
+    (inspect.stack() over the whole stack): asked now, the first visitor's run skips it. Where it moved,
+    the first run pays for it as before."""
+    from streamlit import delta_generator
+
+    check = getattr(delta_generator, "_maybe_print_use_warning", None)
+    if check is not None:
+        check()
+
+
+def runtime_exists() -> bool:
+    from streamlit.runtime import Runtime
+
+    return Runtime.exists()
+
+
+def run_context():
+    """This thread's script-run context (None outside a run)."""
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+    return get_script_run_ctx(suppress_warning=True)
+
+
+def run_yield_check() -> Callable[[], None]:
+    """The run's own check that raises when the page has asked for a rerun (what st.* calls do)."""
+    from streamlit.runtime.scriptrunner_utils.script_run_context import get_run_yield_check
+
+    return get_run_yield_check()
+
+
+def attach_run_context(thread, ctx) -> None:
+    """Let a helper thread draw into the run `ctx` (as Streamlit's own spinner does)."""
+    from streamlit.runtime.scriptrunner import add_script_run_ctx
+
+    add_script_run_ctx(thread, ctx)
+
+
+def pages_manager():
+    """The run's page manager: the page a request asked for (None outside a run)."""
+    return getattr(run_context(), "pages_manager", None)
+
+
+def _pages_manager_class():
+    try:
+        from streamlit.runtime.pages_manager import PagesManager
+    except ImportError:  # moved in a later Streamlit: nothing legacy to switch off
+        return None
+    return PagesManager
+
+
+def set_legacy_pages(on: bool) -> None:
+    """Streamlit's flag for an app run through its legacy pages/ list (st.navigation clears it on its
+    first run)."""
+    manager = _pages_manager_class()
+    if manager is not None:
+        manager.uses_pages_directory = on
+
+
+def legacy_pages() -> bool:
+    manager = _pages_manager_class()
+    return bool(manager is not None and manager.uses_pages_directory)
