@@ -13,7 +13,7 @@ from conftest import TIMEOUT, idle
 
 pytestmark = pytest.mark.browser
 
-SLIDERS = (("Sink tokens", "ArrowRight"), ("Recent window", "ArrowRight"), ("Heavy-hitter budget", "ArrowRight"),
+SLIDERS = (("Sink tokens", "ArrowRight"), ("Recent window", "ArrowRight"), ("Heavy hitters", "ArrowRight"),
            ("Quantization bits", "ArrowLeft"))
 ATTENTION = "Attention per token"
 
