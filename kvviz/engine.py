@@ -189,11 +189,9 @@ def kept_counts(trace: Trace, spec: Spec, qi: int) -> np.ndarray:
 
 # --- scoring only the KV heads a view reads -------------------------------------------
 
-# Scorers whose scores of one KV head read only that head's keys and its query group's queries, in
-# the same operations whatever the other heads hold (tests/test_head_view.py checks each against
-# scoring every head). Not TOVA or ChunkKV (one decision shared by every head, from all of them), not
-# the random scorer (one draw over every head), not a plug-in; the oracle and Quest decide per query.
-HEAD_SEPARABLE = frozenset({"h2o", "snapkv", "knorm", "keydiff", "streaming", "expected_attention"})
+# Which scorers score one KV head from that head alone is each scorer's own `head_separable` (not TOVA
+# or ChunkKV: one decision shared by every head, from all of them; not the random scorer: one draw over
+# every head; the oracle and Quest decide per query).
 _HEAD_TRACES: OrderedDict = OrderedDict()  # (id(trace), layer, kv heads) -> (weak ref, head trace)
 _HEAD_TRACES_SIZE = 4
 
@@ -202,12 +200,13 @@ def head_separable(trace: Trace, spec: Spec, layer: int) -> bool:
     """Whether the kept sets of some KV heads of this layer can be computed from those heads alone: a
     separable scorer, an allocation within each head (not AdaKV's across heads), no compression during
     decoding, no per-tensor quantization format reading every head, arrays on the host."""
+    from kvviz.policies.registry import get_policy
     from kvviz.quant.formats import uses_formats
     from kvviz.trace import is_lazy
 
     return (
         spec.evicts
-        and spec.scorer in HEAD_SEPARABLE
+        and get_policy(spec.scorer).head_separable
         and spec.allocation in ("uniform", "pyramid")
         and not spec.compress_every
         and not (spec.quantizes and uses_formats(spec))

@@ -13,14 +13,14 @@ from kvviz.plots.decode import timeline_animation
 from kvviz.policies import POLICIES
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.spec import Spec, SpecError
-from kvviz.analysis.timeline import timeline
+from kvviz.analysis.timeline import TIMELINE_POLICIES, timeline
 from kvviz.trace import Trace, TraceError
 
 # Shown while the chosen source has no decode steps (the handbook example): a topic shift
 # halfway through the decode steps, where history-based eviction visibly fails.
 DEMO = SyntheticSpec(context=256, steps=48, topic_shift=12.0)
 # every scorer, named as each names itself (kvviz.policies), the history-based ones first
-POLICY_LABELS = {name: SCORER_SHORT[name] for name in ("h2o", "tova", "streaming", "oracle", *POLICIES)}
+POLICY_LABELS = {name: SCORER_SHORT[name] for name in (*TIMELINE_POLICIES, *POLICIES)}
 MAX_STEPS = 256
 
 

@@ -142,6 +142,10 @@ class Policy:
     symbol: str = "circle"  # plotly marker: a method is never told by colour alone
     dash: str = "solid"  # plotly line dash
     chunkable: bool = False  # a one-shot token scorer whose scores ChunkKV can pool per chunk
+    # one KV head's scores read only that head's keys and its query group's queries, in the same operations
+    # whatever the other heads hold: the engine may score only the heads a view shows
+    # (tests/test_head_view.py checks each such scorer against scoring every head)
+    head_separable: bool = False
 
     def note(self, spec: Spec, trace: Trace | None = None) -> str | None:
         """What this scorer keeps and why, for the Explorer, where the sliders alone do not say it."""

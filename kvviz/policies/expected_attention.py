@@ -111,6 +111,7 @@ def mean_rotation(start: int, horizon: int, inv_freq: np.ndarray) -> np.ndarray:
 
 class ExpectedAttention(Policy):
     name = "expected_attention"
+    head_separable = True
     order = 80
     title = "Expected Attention"
     menu = "Expected Attention (future queries' expected attention × ‖v‖)"

@@ -36,6 +36,7 @@ LABELS["h2o"] = lambda spec: (
 
 class H2O(Policy):
     name = "h2o"
+    head_separable = True
     order = 10
     title = "H2O"
     menu = "H2O (accumulated attention)"

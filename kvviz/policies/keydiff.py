@@ -15,6 +15,7 @@ from kvviz.policies.base import Policy, ScoreContext
 
 class KeyDiff(Policy):
     name = "keydiff"
+    head_separable = True
     order = 90
     title = "KeyDiff"
     menu = "KeyDiff (least similar to the mean key)"

@@ -8,6 +8,7 @@ from kvviz.policies.base import Policy, ScoreContext
 
 class KNorm(Policy):
     name = "knorm"
+    head_separable = True
     order = 60
     title = "K-norm"
     menu = "K-norm (smallest key norm)"

@@ -82,6 +82,7 @@ def _window_inside_recent(spec) -> None:
 
 class SnapKV(Policy):
     name = "snapkv"
+    head_separable = True
     order = 30
     title = "SnapKV"
     menu = "SnapKV (observation window vote)"

@@ -7,6 +7,7 @@ from kvviz.policies.base import Policy, ScoreContext
 
 class Streaming(Policy):
     name = "streaming"
+    head_separable = True
     order = 40
     title = "StreamingLLM"
     menu = "StreamingLLM (position only)"
