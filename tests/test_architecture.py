@@ -13,6 +13,7 @@ the ones inside functions too, so a lazy import cannot hide a circle or a layer 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -25,20 +26,30 @@ PKG = ROOT / "kvviz"
 MAX_LINES = 600
 
 # Lower number = lower layer. Data flows up: source -> trace -> policies / quantizers -> engine ->
-# metrics -> analyses -> plots -> app. A module may import its own layer and the ones below.
-LAYERS = {
-    "kvviz.version": 0, "kvviz.trace": 0, "kvviz.spec": 0, "kvviz.settings": 0, "kvviz.metrics": 0, "kvviz.limits": 0,
-    "kvviz.attention": 1, "kvviz.models": 1,
-    "kvviz.sources": 2, "kvviz.policies": 2, "kvviz.quant": 2,
-    "kvviz.engine": 3, "kvviz": 3,          # the root package re-exports the engine's API
-    "kvviz.rows": 3,                        # one row: kept at a query, original vs compressed attention
-    "kvviz.memory": 3,                      # bytes of a compressed cache (the memory card; the ledger's counts)
-    "kvviz.links": 3,                       # what a link carries: the app's settings table (app and CLI read it)
-    "kvviz.decode": 4,
-    "kvviz.analysis": 5,
-    "kvviz.plots": 6,
-    "kvviz.cli": 7, "kvviz.app": 7, "kvviz.__main__": 7,
-}
+# metrics -> analyses -> plots -> app. A module may import its own layer and the ones below. The layers
+# are read from docs/architecture.md's table, so the document and what this test enforces are one.
+def doc_layers(text: str | None = None) -> dict[str, int]:
+    """docs/architecture.md's layer table (its first code block) as {module or package: layer}: a row
+    starts with its layer's number or continues the layer above; its first words name the modules
+    (`app/`, `engine.py`, `kvviz/__init__`) until a word that is not one."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8") if text is None else text
+    layers, layer = {}, None
+    for line in text.split("```")[1].splitlines():
+        m = re.match(r"^ ?(\d)? {1,3}(?=\S)(.*)$", line)     # a row of names (deeper: a description goes on)
+        if not m:
+            continue
+        layer = int(m.group(1)) if m.group(1) else layer
+        for word in m.group(2).split(" "):
+            if word == "kvviz/__init__":
+                layers["kvviz"] = layer
+            elif re.fullmatch(r"[a-z_]+(\.py|/)", word):
+                layers["kvviz." + word.removesuffix(".py").removesuffix("/")] = layer
+            elif word:
+                break
+    return layers
+
+
+LAYERS = doc_layers()
 NEVER = {("kvviz.cli", "kvviz.app"), ("kvviz.app", "kvviz.cli")}   # same layer, no business with each other
 
 # Third-party packages that only some layers may import.
@@ -284,3 +295,20 @@ def test_the_launcher_preloads_what_the_pages_import_and_nothing_heavy():
             "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_layers_are_read_from_the_documents_table():
+    """A row's number starts a layer, a row without one continues it, its first words are the modules until
+    a word that is not one, and a description's continuation (indented deeper) names none."""
+    table = """
+```
+ 2  sources/  handbook, synthetic              core
+    quant/    one format a file                core
+              registry (built-ins)
+ 1  attention.py   attention rows             trace
+ 0  trace.py spec.py settings.py             nothing
+    kvviz/__init__   the library API
+```"""
+    assert doc_layers(table) == {"kvviz.sources": 2, "kvviz.quant": 2, "kvviz.attention": 1, "kvviz.trace": 0,
+                                 "kvviz.spec": 0, "kvviz.settings": 0, "kvviz": 0}
+    assert {"kvviz.app", "kvviz.cli", "kvviz.engine", "kvviz.trace"} <= set(LAYERS)   # the real table, read
