@@ -9,7 +9,7 @@ from kvviz.app.layout import page_setup
 from kvviz.app.router import run_page
 from kvviz.app.sidebar import layer_picker, source_section
 from kvviz.app.store import clamp, show_notices, state, w_choice, w_number, w_pills
-from kvviz.plots.decode import timeline_animation
+from kvviz.plots.timeline import timeline_animation
 from kvviz.policies import POLICIES
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.spec import Spec, SpecError

@@ -289,7 +289,8 @@ def test_bundled_cache_never_holds_more_than_budget_plus_n():
 
 def test_the_timeline_marks_the_compressions(trace):
     from kvviz.analysis.timeline import timeline
-    from kvviz.plots.decode import RECOMPRESS_LINE, timeline_animation, timeline_map
+    from kvviz.plots.decode import RECOMPRESS_LINE, timeline_map
+    from kvviz.plots.timeline import timeline_animation
 
     spec = Spec(**SPEC, scorer="oracle")
     tl = timeline(trace, spec, layer=1, policies=("h2o", "snapkv", "knorm", "oracle"), compress_every=8)

@@ -1,10 +1,10 @@
-"""The Decode timeline as one animated figure (kvviz.plots.decode.timeline_animation)."""
+"""The Decode timeline as one animated figure (kvviz.plots.timeline.timeline_animation)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvviz.plots.decode import timeline_animation
+from kvviz.plots.timeline import timeline_animation
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.spec import Spec
 from kvviz.analysis.timeline import timeline
@@ -28,3 +28,19 @@ def test_one_frame_per_step_with_the_step_line_and_the_regrets():
     assert np.array_equal(np.asarray(heat[0].z), tl.policies["h2o"].states(tl.positions))
     regret = [t for t in fig.data if t.type == "scatter" and t.legendgroup == "regret"]
     assert np.allclose(regret[1].y, tl.policies["streaming"].regret)
+
+
+def test_presenting_the_maps_alone_with_one_policy_and_compression_during_decoding():
+    """Presentation mode: a map per policy and no regret chart, the step's lines on the maps only, the
+    controls above the maps; with one policy whose cache is scored again every 4 steps too (its legend's
+    line belongs to the first map, the only one)."""
+    trace = make_synthetic(SyntheticSpec(context=64, steps=10, topic_shift=6.0))
+    tl = timeline(trace, Spec(sink=2, recent=6, heavy=4), policies=("snapkv",), compress_every=4)
+    fig = timeline_animation(tl, step=2, present=True)
+    assert [t.type for t in fig.data if t.type == "heatmap"] == ["heatmap"] and not any(
+        t.legendgroup == "regret" for t in fig.data)
+    dots = [sh for sh in fig.frames[5].layout.shapes if sh.line.dash == "dot"]
+    assert len(dots) == 1 and dots[0].y0 == 5 and dots[0].yref == "y"        # the one map's step line
+    assert fig.layout.updatemenus[0].y > 1 and fig.layout.sliders[0].y > 1
+    assert fig.frames[5].layout.title.text.startswith("Step 5<br>regret: snapkv")
+    assert any(sh.line.color == "#AA3377" for sh in fig.layout.shapes)      # scored again: its lines are drawn
