@@ -40,6 +40,42 @@ def _discrete_scale() -> list:
     return scale
 
 
+def state_heatmap(tl: Timeline, policy: str, max_tokens: int = 1200, hover: str = "") -> go.Heatmap:
+    """What `policy` holds at each decode step (steps x the last `max_tokens` positions), one colour a
+    state (kept, evicted, evicted and needed, not yet seen); `hover` opens each cell's hover text."""
+    states = tl.policies[policy].states(tl.positions)  # (S, P)
+    lo = max(0, states.shape[1] - max_tokens)
+    x = np.arange(lo, states.shape[1])
+    return go.Heatmap(
+        z=states[:, lo:],
+        x=x,
+        y=np.arange(tl.n_steps),
+        zmin=-0.5,
+        zmax=3.5,
+        colorscale=_discrete_scale(),
+        showscale=False,
+        customdata=np.broadcast_to(
+            np.array([tl.tokens[i] for i in x], dtype=object), states[:, lo:].shape
+        ),
+        text=np.vectorize(STATE_NAMES.get)(states[:, lo:]),
+        hovertemplate=hover + "step %{y}<br>token %{x} %{customdata}<br>%{text}<extra></extra>",
+    )
+
+
+def state_legend() -> list[go.Scatter]:
+    """Legend entries for the maps' discrete colours (kept, evicted, needed but evicted)."""
+    return [
+        go.Scatter(
+            x=[None],
+            y=[None],
+            mode="markers",
+            name=STATE_NAMES[state],
+            marker=dict(size=10, symbol="square", color=STATE_COLOURS[state]),
+        )
+        for state in (KEPT, EVICTED, MISSED)
+    ]
+
+
 def timeline_map(
     tl: Timeline,
     policy: str,
@@ -52,36 +88,9 @@ def timeline_map(
     Very long traces show their last `max_tokens` positions (the axis says which).
     """
     pt = tl.policies[policy]
-    states = pt.states(tl.positions)  # (S, P)
-    P = states.shape[1]
-    lo = max(0, P - max_tokens)
-    x = np.arange(lo, P)
-    fig = go.Figure(
-        go.Heatmap(
-            z=states[:, lo:],
-            x=x,
-            y=np.arange(tl.n_steps),
-            zmin=-0.5,
-            zmax=3.5,
-            colorscale=_discrete_scale(),
-            showscale=False,
-            customdata=np.broadcast_to(
-                np.array([tl.tokens[i] for i in x], dtype=object), states[:, lo:].shape
-            ),
-            text=np.vectorize(STATE_NAMES.get)(states[:, lo:]),
-            hovertemplate="step %{y}<br>token %{x} %{customdata}<br>%{text}<extra></extra>",
-        )
-    )
-    for state in (KEPT, EVICTED, MISSED):  # legend entries for the discrete colours
-        fig.add_trace(
-            go.Scatter(
-                x=[None],
-                y=[None],
-                mode="markers",
-                name=STATE_NAMES[state],
-                marker=dict(size=10, symbol="square", color=STATE_COLOURS[state]),
-            )
-        )
+    heat = state_heatmap(tl, policy, max_tokens)
+    lo, P = int(heat.x[0]), int(heat.x[-1]) + 1  # the positions shown, and all of them
+    fig = go.Figure([heat, *state_legend()])
     if step is not None and 0 <= step < tl.n_steps:
         fig.add_hline(y=step, line=dict(color="#000000", width=1, dash="dot"))
     if shift_step is not None and 0 <= shift_step < tl.n_steps:
@@ -125,21 +134,28 @@ def timeline_map(
     return fig
 
 
+def regret_lines(tl: Timeline, labels: dict | None = None, **more) -> list[go.Scatter]:
+    """Every policy's regret per decode step, a line each (named by `labels`; `more`: the lines' other
+    settings)."""
+    labels = labels or {}
+    return [
+        go.Scatter(
+            x=np.arange(tl.n_steps),
+            y=pt.regret,
+            mode="lines+markers",
+            name=labels.get(name, name),
+            line=dict(color=POLICY_COLOURS.get(name), dash=METHOD_DASH.get(name, "solid")),
+            marker=dict(size=7, symbol=METHOD_SYMBOLS.get(name, "circle")),
+            **more,
+            hovertemplate=f"{name}<br>step %{{x}}<br>regret %{{y:.4f}}<extra></extra>",
+        )
+        for name, pt in tl.policies.items()
+    ]
+
+
 def regret_chart(tl: Timeline, step: int | None = None) -> go.Figure:
     """Per-step regret of every policy: full attention mass on tokens it had evicted."""
-    fig = go.Figure()
-    for name, pt in tl.policies.items():
-        fig.add_trace(
-            go.Scatter(
-                x=np.arange(tl.n_steps),
-                y=pt.regret,
-                mode="lines+markers",
-                name=name,
-                line=dict(color=POLICY_COLOURS.get(name), dash=METHOD_DASH.get(name, "solid")),
-                marker=dict(size=7, symbol=METHOD_SYMBOLS.get(name, "circle")),
-                hovertemplate=f"{name}<br>step %{{x}}<br>regret %{{y:.4f}}<extra></extra>",
-            )
-        )
+    fig = go.Figure(regret_lines(tl))
     if step is not None:
         fig.add_vline(x=step, line=dict(color="#000000", width=1, dash="dot"))
     fig.update_layout(

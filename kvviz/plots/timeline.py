@@ -6,19 +6,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvviz.analysis.timeline import EVICTED, KEPT, MISSED, STATE_NAMES, Timeline
+from kvviz.analysis.timeline import Timeline
 from kvviz.plots.decode import (
-    POLICY_COLOURS,
     RECOMPRESS_LINE,
-    STATE_COLOURS,
-    _discrete_scale,
     _recompress_label,
+    regret_lines,
+    state_heatmap,
+    state_legend,
 )
-from kvviz.plots.style import METHOD_DASH, METHOD_SYMBOLS, wrap
+from kvviz.plots.style import wrap
 
 PLAY = dict(
     frame=dict(duration=150, redraw=True),
@@ -109,64 +108,17 @@ def step_title(tl: Timeline, labels: dict, present: bool) -> Callable[[int], str
     return title
 
 
-def _regret_lines(fig: go.Figure, tl: Timeline, labels: dict) -> None:
-    for name, pt in tl.policies.items():
-        fig.add_trace(
-            go.Scatter(
-                x=np.arange(tl.n_steps),
-                y=pt.regret,
-                mode="lines+markers",
-                name=labels.get(name, name),
-                line=dict(color=POLICY_COLOURS.get(name), dash=METHOD_DASH.get(name, "solid")),
-                marker=dict(size=7, symbol=METHOD_SYMBOLS.get(name, "circle")),
-                legendgroup="regret",
-                hovertemplate=f"{name}<br>step %{{x}}<br>regret %{{y:.4f}}<extra></extra>",
-            ),
-            row=1,
-            col=1,
-        )
-
-
 def _state_maps(fig: go.Figure, tl: Timeline, first: int, max_tokens: int) -> int:
     """One steps x tokens map per policy, from row `first` on (the last `max_tokens` tokens); then the
     states' legend. Returns the number of positions."""
     positions = len(tl.tokens)
-    for row, (name, pt) in enumerate(tl.policies.items(), start=first):
-        states = pt.states(tl.positions)
-        positions = states.shape[1]
-        lo = max(0, positions - max_tokens)
-        x = np.arange(lo, positions)
-        fig.add_trace(
-            go.Heatmap(
-                z=states[:, lo:],
-                x=x,
-                y=np.arange(tl.n_steps),
-                zmin=-0.5,
-                zmax=3.5,
-                colorscale=_discrete_scale(),
-                showscale=False,
-                customdata=np.broadcast_to(
-                    np.array([tl.tokens[i] for i in x], dtype=object), states[:, lo:].shape
-                ),
-                text=np.vectorize(STATE_NAMES.get)(states[:, lo:]),
-                hovertemplate=f"{name}<br>step %{{y}}<br>token %{{x}} %{{customdata}}<br>%{{text}}<extra></extra>",
-            ),
-            row=row,
-            col=1,
-        )
+    for row, name in enumerate(tl.policies, start=first):
+        heat = state_heatmap(tl, name, max_tokens, hover=f"{name}<br>")
+        positions = int(heat.x[-1]) + 1
+        fig.add_trace(heat, row=row, col=1)
         fig.update_yaxes(autorange="reversed", title_text="step", row=row, col=1)
-    for state in (KEPT, EVICTED, MISSED):
-        fig.add_trace(
-            go.Scatter(
-                x=[None],
-                y=[None],
-                mode="markers",
-                name=STATE_NAMES[state],
-                marker=dict(size=10, symbol="square", color=STATE_COLOURS[state]),
-            ),
-            row=first,
-            col=1,
-        )
+    for entry in state_legend():
+        fig.add_trace(entry, row=first, col=1)
     if any(len(pt.compressed_after) for pt in tl.policies.values()):
         fig.add_trace(
             go.Scatter(
@@ -325,7 +277,7 @@ def timeline_animation(
         + [f"{labels.get(n, n)}: tokens held at each decode step" for n in tl.policies],
     )
     if not present:
-        _regret_lines(fig, tl, labels)
+        fig.add_traces(regret_lines(tl, labels, legendgroup="regret"), rows=1, cols=1)
     fixed = _fixed_lines(tl, first, shift_step, _state_maps(fig, tl, first, max_tokens))
     fig.frames = [
         go.Frame(
