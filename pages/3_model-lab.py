@@ -135,9 +135,9 @@ def _decode(settings: lab.LabSettings) -> lab.LabResult:
 
 def main() -> None:
     present = page_setup("Model lab: what compression does to the text",
-               "A real model (SmolLM2-135M, bundled) reads the prompt, the cache is compressed at the end of it, "
-               "and every later token is decoded from the compressed cache at its true position. Quality is "
-               "measured against the full cache on the same text.")
+                         "A real model (SmolLM2-135M, bundled) reads the prompt, the cache is compressed at the end "
+                         "of it, and every later token is decoded from the compressed cache at its true position. "
+                         "Quality is measured against the full cache on the same text.")
     st.sidebar.header("Model")
     model_name = st.sidebar.text_input("Model", "bundled", key="lab_model",
                                        help="'bundled' (SmolLM2-135M, offline), a local model folder or .gguf "

@@ -22,6 +22,7 @@ DEMO = SyntheticSpec(context=256, steps=48, topic_shift=12.0)
 # every scorer, named as each names itself (kvviz.policies), the history-based ones first
 POLICY_LABELS = {name: SCORER_SHORT[name] for name in (*TIMELINE_POLICIES, *POLICIES)}
 MAX_STEPS = 256
+STEP_REPORT = "_tl_step_report"  # the chart's step slider, as the browser reports it
 
 
 @st.cache_resource(max_entries=2, show_spinner=False)
@@ -37,9 +38,6 @@ def _timeline(source_key: tuple, budget: tuple, layer: int, kv_head: int, need: 
                     layer=layer,
                     kv_head=kv_head,
                     policies=policies, need=need, max_steps=MAX_STEPS, compress_every=every)
-
-
-STEP_REPORT = "_tl_step_report"  # the chart's step slider, as the browser reports it
 
 
 @st.cache_resource(max_entries=16, show_spinner=False)
@@ -81,9 +79,10 @@ def _step_view(tl, step: int) -> None:
 
 def main() -> None:
     present = page_setup("Decode timeline: what eviction throws away too early",
-               "Each row is a decode step, each column a token. H2O and TOVA decide step by step from the "
-               "attention they have seen; StreamingLLM by position; the oracle sees the step's own attention "
-               "(the bound). Regret is the attention the full model put on tokens a policy had already evicted.")
+                         "Each row is a decode step, each column a token. H2O and TOVA decide step by step from "
+                         "the attention they have seen; StreamingLLM by position; the oracle sees the step's own "
+                         "attention (the bound). Regret is the attention the full model put on tokens a policy "
+                         "had already evicted.")
     source = source_section()
     if source is None:
         show_notices()
