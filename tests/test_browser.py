@@ -767,6 +767,9 @@ def test_every_page_opens_from_the_explorer_fits_a_projector_and_links_its_first
     page.goto(f"{app_url}/?sink=3")
     e = expect()
     e(metric(page, "Tokens kept")).to_have_text("13 / 64")
+    # the Explorer drawn (its charts too) before the click: a click before the first-paint probe listens
+    # is test_a_page_link_clicked_before_the_first_paint_report_is_followed's
+    idle(page)
     page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=name).click()
     e(page.get_by_role("heading", name=re.compile(name)).first).to_be_visible()
     if marker:
