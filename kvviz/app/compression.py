@@ -14,6 +14,7 @@ from kvviz.spec import MAX_BUDGET, Spec, SpecError
 from kvviz.trace import Trace
 
 ADVANCED = "_advanced_open"  # the Advanced expander's state (open or folded)
+HEADLINE_BUDGETS = ("sink", "recent", "heavy")  # token counts whose sliders are always drawn
 
 
 def compression_section(
@@ -137,11 +138,7 @@ def clamp_to_trace(n: int) -> None:
     values = state()
     chosen = {"scorer": values["scorer"], "allocation": values["allocation"]}
     for s in SETTINGS.values():
-        in_advanced = s.name not in (
-            "sink",
-            "recent",
-            "heavy",
-        )  # the budgets' sliders are always drawn
+        in_advanced = s.name not in HEADLINE_BUDGETS
         if s.hi == MAX_BUDGET and in_advanced and (not s.owner or shown(s, chosen)):
             clamp(PARAMS[s.url_name].name, *_trace_range(s, n), s.label or s.name)
 
