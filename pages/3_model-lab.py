@@ -151,14 +151,13 @@ def main() -> None:
     results = st.container() if present else nullcontext()
     with st.expander("Text and run settings", icon=":material/tune:") if present else nullcontext():
         run_settings = _run_settings(present)
-    text, prompt_tokens, continuation, greedy_tokens, question, point, rerotate = run_settings
     with results:
-        _run_and_show(model_name, device, dtype, spec, text, prompt_tokens, continuation, greedy_tokens, question,
-                      point, rerotate, present)
+        _run_and_show(model_name, device, dtype, spec, *run_settings, present)
 
 
-def _run_settings(present: bool) -> tuple | None:
-    """The text and the run's lengths, question and positions (widgets; in the link but your own text)."""
+def _run_settings(present: bool) -> tuple:
+    """The text and the run's lengths, question and positions (widgets; in the link but your own text):
+    (text, prompt_tokens, continuation, greedy_tokens, question, point, rerotate), as _run_and_show takes them."""
     choice = w_choice(st, "lab_text", "Text", tuple(TEXTS), widget="radio", format_func=TEXT_LABELS.get,
                       help="A built-in text (kept in the page's link) or your own (not put in the link).")
     if choice == "custom":

@@ -195,14 +195,12 @@ def _step_reporter():
     return st.components.v2.component("kvviz_chart_step", js=STEP_JS)
 
 
-def chart_step(chart_key: str, step: int, key: str, on_change) -> int | None:
-    """The step the chart `chart_key`'s animation slider rests on, as the browser last reported it (None
-    before any report); `on_change` runs (before the rerun, as a widget's callback) when it moves.
-    `step` is the step the chart was drawn at."""
-    result = _step_reporter()(
+def chart_step(chart_key: str, step: int, key: str, on_change) -> None:
+    """Report where the chart `chart_key`'s animation slider comes to rest: `on_change` runs (before the
+    rerun, as a widget's callback) with the step in st.session_state[key]. `step` is the step the page
+    shows now (the browser reports only another one)."""
+    _step_reporter()(
         key=key,
         data={"chart": chart_key, "step": int(step), "still_ms": 600},
         on_step_change=on_change,
     )
-    value = getattr(result, "step", None) if result is not None else None
-    return None if value is None else int(value)
