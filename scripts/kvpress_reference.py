@@ -52,6 +52,21 @@ METHODS = {
     "chunkkv_snapkv": ("ChunkKVPress(SnapKVPress(), chunk_length=20)",
                        dict(sink=0, recent=64, heavy=66, scorer="chunkkv", chunk_size=20, chunk_scorer="snapkv")),
 }
+# Presses that keep their own number of tokens per head: no compression ratio; the kvviz settings say the rest.
+# DMS: tokens outside the sliding window (64) whose SnapKV / K-norm score is below the threshold are masked.
+# DuoAttention: kvpress's on-the-fly head scores, computed on the same 261 tokens (not BookSum), and
+# kvviz's sinks and window (4 + 64) for the streaming heads in place of kvpress's 128 + 256.
+THRESHOLD_SNAPKV, THRESHOLD_KNORM = 0.004, -8.0
+OWN_BUDGETS = {
+    "threshold_snapkv": (f"DMSPress(SnapKVPress(), threshold={THRESHOLD_SNAPKV}, sliding_window_size=64)",
+                         dict(sink=0, recent=64, heavy=0, scorer="threshold", threshold=THRESHOLD_SNAPKV,
+                              threshold_scorer="snapkv")),
+    "threshold_knorm": (f"DMSPress(KnormPress(), threshold={THRESHOLD_KNORM}, sliding_window_size=64)",
+                        dict(sink=0, recent=64, heavy=0, scorer="threshold", threshold=THRESHOLD_KNORM,
+                             threshold_scorer="knorm")),
+    "duo_attention": ("DuoAttentionPress(head_compression_ratio=0.5, on_the_fly_scoring=True), sink 4, recent 64",
+                      dict(sink=4, recent=64, heavy=0, scorer="duo_attention", duo_streaming=0.5)),
+}
 
 
 def default_model_dir() -> str:
@@ -112,6 +127,60 @@ def record(model, ids, name: str, ratio: float) -> list:
     return [kept[layer] for layer in sorted(kept)]
 
 
+def own_budget_press(name: str, ids: list[int]):
+    """The press of OWN_BUDGETS[name]; DuoAttention's head scores from kvpress's own on-the-fly function, fed
+    the prompt's token ids instead of 50 BookSum chapters (no hub)."""
+    import kvpress as kp
+
+    if name == "threshold_snapkv":
+        return kp.DMSPress(kp.SnapKVPress(), threshold=THRESHOLD_SNAPKV, sliding_window_size=64)
+    if name == "threshold_knorm":
+        return kp.DMSPress(kp.KnormPress(), threshold=THRESHOLD_KNORM, sliding_window_size=64)
+    import pandas as pd
+    import torch
+    from transformers import BatchEncoding
+
+    import kvpress.presses.duo_attention_press as duo
+
+    class Prompt:                                # stands in for the tokenizer: the very ids kvviz traces
+        def __call__(self, text, return_tensors=None):
+            return BatchEncoding({"input_ids": torch.tensor([ids])})
+
+    duo.load_dataset = lambda *a, **k: type("D", (), {"to_pandas": lambda self: pd.DataFrame({"chapter": ["-"]})})()
+    duo.AutoTokenizer = type("T", (), {"from_pretrained": staticmethod(lambda *a, **k: Prompt())})
+    on_the_fly = duo.duo_attention_on_the_fly.__wrapped__ if hasattr(duo.duo_attention_on_the_fly, "__wrapped__") \
+        else duo.duo_attention_on_the_fly
+    press = kp.DuoAttentionPress(head_compression_ratio=0.5, on_the_fly_scoring=True)
+    post_init = press.post_init_from_model
+
+    def post_init_from_model(model):
+        duo.duo_attention_on_the_fly = lambda m: on_the_fly(m, num_samples=1)
+        post_init(model)
+        press.sink_size, press.recent_size = 4, 64
+    press.post_init_from_model = post_init_from_model
+    return press
+
+
+def record_masked(model, ids, name: str) -> list:
+    """Kept positions per layer and KV head of a press that masks (reads module.masked_key_indices after the
+    prefill: the keys the attention patch hides from every later query)."""
+    import torch
+
+    press = own_budget_press(name, ids)
+    with torch.inference_mode(), press(model):
+        model(input_ids=torch.tensor([ids]), use_cache=True)
+    kept = []
+    for layer in model.model.layers:
+        H, n = model.config.num_key_value_heads, len(ids)
+        drop = torch.zeros(H, n, dtype=torch.bool)
+        masked = getattr(layer.self_attn, "masked_key_indices", None)
+        if masked is not None:
+            drop[masked[1], masked[2]] = True
+            layer.self_attn.masked_key_indices = None
+        kept.append([torch.nonzero(~drop[h]).flatten().tolist() for h in range(H)])
+    return kept
+
+
 def to_hex(positions: list[int], n: int) -> str:
     """A kept set as a hex bit mask, bit i (little-endian, int(h, 16) >> i & 1) = position i kept."""
     return format(sum(1 << i for i in positions), "x").zfill(-(-n // 4))
@@ -149,6 +218,13 @@ def main() -> None:
                                                                         for layer in kept]}
         sizes = sorted({len(h) for layer in kept for h in layer})
         print(f"{name:26s} {expr:48s} layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}")
+    out["own_budgets"] = {}
+    for name, (expr, settings) in OWN_BUDGETS.items():
+        kept = record_masked(models["sdpa"], ids, name)
+        out["own_budgets"][name] = {"press": expr, "kvviz": settings, "kept": [[to_hex(h, len(ids)) for h in layer]
+                                                                              for layer in kept]}
+        sizes = sorted({len(h) for layer in kept for h in layer})
+        print(f"{name:26s} {expr[:48]:48s} layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}")
     Path(args.out).write_text(json.dumps(out, separators=(",", ":")) + "\n", encoding="utf-8")
     print(f"wrote {args.out} ({Path(args.out).stat().st_size / 1e3:.0f} kB)")
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from kvviz import SCORERS, Spec, SpecError, View, compare, keep_masks
 from kvviz.engine import REASONS
+from kvviz.policies.registry import POLICIES
 from kvviz.quant.rotation import rotate, unrotate
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from floatbounds import logit_error_bound, softmax_rtol
@@ -36,8 +37,9 @@ def test_no_compression_is_exact(trace):
        scorer=st.sampled_from(SCORERS), head=st.integers(0, 3), step=st.integers(0, 11))
 @example(sink=0, recent=36, heavy=0, scorer="chunkkv", head=0, step=0)   # a layer keeps more whole chunks than the mean
 def test_budget_and_renormalisation(trace, sink, recent, heavy, scorer, head, step):
-    if scorer in ("snapkv", "chunkkv") and recent == 0 and sink + heavy > 0:   # chunkkv pools SnapKV's votes
-        with pytest.raises(SpecError, match="recent window"):   # its observation window lives there
+    ragged = POLICIES[scorer].ragged   # threshold, DuoAttention: the window holds at least the query's token
+    if (scorer in ("snapkv", "chunkkv") or ragged) and recent == 0 and sink + heavy > 0:
+        with pytest.raises(SpecError, match="recent window"):   # SnapKV's observation window lives there
             Spec(sink=sink, recent=recent, heavy=heavy, scorer=scorer)
         return
     spec = Spec(sink=sink, recent=recent, heavy=heavy, scorer=scorer)
@@ -46,6 +48,10 @@ def test_budget_and_renormalisation(trace, sink, recent, heavy, scorer, head, st
     n = row.position + 1
     assert np.all(row.compressed[~row.kept] == 0)
     assert row.compressed.sum() == pytest.approx(1.0, abs=1e-12)
+    if ragged and spec.evicts:   # its own count: sinks and window at least, the memory card counts what it holds
+        assert np.all(row.kept[:min(sink, n)]) and np.all(row.kept[n - min(recent, n):])
+        assert row.kept.sum() >= min(sink + recent, n)
+        return
     if scorer == "chunkkv" and spec.evicts:   # kvpress's whole chunks: their own count, no separate sinks / window
         # each layer keeps its own number of whole chunks (the card's mean can differ from this row's layer)
         assert row.kept.sum() == c.memory.kept_per_layer[row.layer]
@@ -103,7 +109,7 @@ def test_oracle_is_the_bound_for_every_kv_cache(trace, step):
     """One cache per KV head: no policy keeps more of a GQA group's attention mass."""
     view = View(layer=1, step=step, ensemble="heads")
     best = _group_mass(compare(trace, Spec(sink=4, recent=8, heavy=16, scorer="oracle"), view), trace.group_size)
-    for scorer in SCORERS:
+    for scorer in [s for s in SCORERS if not POLICIES[s].ragged]:  # a ragged policy keeps its own count
         got = _group_mass(compare(trace, Spec(sink=4, recent=8, heavy=16, scorer=scorer), view), trace.group_size)
         assert all(got[g] <= best[g] + 1e-12 for g in best), scorer
 

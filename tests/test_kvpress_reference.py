@@ -1,7 +1,9 @@
 """kvviz's kept sets against NVIDIA kvpress 0.5.5's own, on the bundled SmolLM2-135M.
 
 tests/data/kvpress_reference.json holds what kvpress kept — per layer and KV head, for the eleven
-methods both share — on the first 261 tokens of kvviz/data/sample.txt at compression ratio 0.5,
+methods both share at compression ratio 0.5, and for three that keep their own number of tokens per head
+(`own_budgets`: DMS's threshold over SnapKV and K-norm scores, DuoAttention's split) — on the first 261
+tokens of kvviz/data/sample.txt,
 recorded by scripts/kvpress_reference.py in kvpress's own venv (kvpress is not needed here). Each
 method's entry names the kvviz settings that correspond; kvviz's kept set at the compression point
 (the last prompt token) must be kvpress's, head by head. The one documented difference: KnormPress
@@ -47,16 +49,20 @@ def trace():
     return out
 
 
+def entry(name: str) -> dict:
+    return REFERENCE["methods"].get(name) or REFERENCE["own_budgets"][name]
+
+
 def kvpress_kept(name: str) -> np.ndarray:
     """(layers, kv_heads, N) bool from the JSON's hex bit masks."""
-    rows = REFERENCE["methods"][name]["kept"]
+    rows = entry(name)["kept"]
     bits = [[[(int(h, 16) >> i) & 1 for i in range(N)] for h in layer] for layer in rows]
     return np.array(bits, dtype=bool)
 
 
 def jaccard(trace, name: str, **change) -> np.ndarray:
     """(layers, kv_heads) Jaccard of kvviz's kept sets (the method's settings, changed by `change`)."""
-    spec = Spec(**{**REFERENCE["methods"][name]["kvviz"], **change})
+    spec = Spec(**{**entry(name)["kvviz"], **change})
     want = kvpress_kept(name)
     out = np.empty(want.shape[:2])
     for layer in range(trace.n_layers):
@@ -113,3 +119,29 @@ def test_the_old_rules_fail_the_reference(trace, name, old_rule, exact_heads, me
     j = jaccard(trace, name, **old_rule)
     assert int((j == 1.0).sum()) == exact_heads
     assert j.mean() < mean_below
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", sorted(REFERENCE["own_budgets"]))
+def test_own_budget_kept_sets_match_kvpress(trace, name):
+    """Threshold eviction and DuoAttention: every head's kept set is kvpress's, and the heads keep different
+    numbers of tokens, which is what the memory card counts (kept_counts)."""
+    from kvviz.engine import kept_counts
+
+    j = jaccard(trace, name)
+    assert int((j == 1.0).sum()) == 90
+    want = kvpress_kept(name).sum(axis=2)  # (layers, kv_heads)
+    assert want.min() < want.max()
+    spec = Spec(**entry(name)["kvviz"])
+    assert kept_counts(trace, spec, N - 1).tolist() == want.tolist()
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name,change", [
+    ("threshold_snapkv", dict(threshold=0.005)),
+    ("threshold_knorm", dict(threshold=-7.5)),
+    ("duo_attention", dict(duo_streaming=0.3)),  # 18 heads fewer stream
+])
+def test_own_budgets_moved_miss_the_reference(trace, name, change):
+    """A threshold or a split moved a little no longer gives kvpress's sets: the comparison can fail."""
+    assert int((jaccard(trace, name, **change) < 1.0).sum()) >= 10  # of 90 heads

@@ -89,6 +89,12 @@ def solve(
     )
     if not 0 < target <= 1 or target != target:
         raise SpecError(f"the target is a share between 0 and 1, got {target}")
+    policy = get_policy(base.scorer)
+    if policy.ragged:
+        raise SpecError(
+            f"{policy.title or base.scorer} keeps each head's own number of tokens by its own rule, not a budget: "
+            "the solver searches budgets. Move the method's own setting (under Advanced) and read the memory card"
+        )
     # one row: what the cards show
     view = View(layer=view.layer, head=view.head, step=view.step)
     n = int(trace.query_positions[check_view(trace, view)]) + 1

@@ -208,9 +208,10 @@ class CompressedCache(StoredKV):
             self.scores[layer, :, :n] = scores
             # ChunkKV's whole chunks
             own = self.policy.compression_kept(self.scores[layer, :, :n], self.spec)
-            self.kept[layer] = _indices(
-                select(self.scores[layer, :, :n], self.spec) if own is None else own
-            )
+            if not self.policy.ragged:  # a ragged policy's heads are kept by RaggedCache
+                self.kept[layer] = _indices(
+                    select(self.scores[layer, :, :n], self.spec) if own is None else own
+                )
         self.compressed = True
         if not self.fast and not self.record and not (self.spec.compress_every and self.evicts):
             self.trace.q.release()  # nothing reads the prompt's queries again: the device's memory back

@@ -4,7 +4,8 @@
 change that:
     pyramid  each layer has its own heavy budget (still one length per layer): the layer
              runs under its own spec (`allocation.layer_spec`), everything else unchanged.
-    adakv    the heads of a layer hold different numbers of tokens (ragged): at the
+    adakv    the heads of a layer hold different numbers of tokens (ragged; so do policies that keep by
+             their own rule, `Policy.ragged`: a threshold, DuoAttention's two kinds of head): at the
              compression point AdaKV gives each head its heavy budget from the scores of the
              whole layer; afterwards each head evicts within its own budget (one-shot
              scorers: the lowest score outside sinks and window, as `evict_one` does). The
@@ -22,13 +23,14 @@ from kvviz.decode.place import host
 from kvviz.policies import ScoreContext, evict_one
 from kvviz.policies.allocation import allocation_for, layer_spec, select_heads
 from kvviz.policies.base import group_union
+from kvviz.policies.registry import get_policy
 from kvviz.spec import Spec, SpecError
 
 
 def cache_class(spec: Spec):
     """The cache class a spec decodes with."""
     allocation = allocation_for(spec)
-    if spec.evicts and allocation.ragged:
+    if spec.evicts and (allocation.ragged or get_policy(spec.scorer).ragged):
         return RaggedCache
     if spec.evicts and allocation.per_layer:
         return PyramidCache
@@ -94,9 +96,15 @@ class RaggedCache(CompressedCache):
                 self.heads_kept[layer] = [np.arange(n) for _ in range(self.H)]
                 continue
             scores = self.scores[layer, :, :n]
-            heavy = allocation_for(self.spec).head_budgets(scores, self.spec)
-            self.head_budget[layer] = self.spec.sink + self.spec.recent + heavy
-            mask = select_heads(scores, self.spec, heavy)
+            if (
+                self.policy.ragged
+            ):  # the policy's own kept sets and caps (a threshold, DuoAttention)
+                mask = self.policy.compression_kept(scores, self.spec)
+                self.head_budget[layer] = self.policy.head_caps(scores, self.spec)
+            else:
+                heavy = allocation_for(self.spec).head_budgets(scores, self.spec)
+                self.head_budget[layer] = self.spec.sink + self.spec.recent + heavy
+                mask = select_heads(scores, self.spec, heavy)
             self.heads_kept[layer] = [np.flatnonzero(r) for r in mask]
 
     def kept_tokens(self) -> int:

@@ -146,6 +146,9 @@ class Policy:
     # whatever the other heads hold: the engine may score only the heads a view shows
     # (tests/test_head_view.py checks each such scorer against scoring every head)
     head_separable: bool = False
+    # heads keep different numbers of tokens by the policy's own rule (a threshold, a per-head kind of budget):
+    # the kept sets at the compression point are `compression_kept`'s, and each head's cap after it `head_caps`
+    ragged: bool = False
 
     def note(self, spec: Spec, trace: Trace | None = None) -> str | None:
         """What this scorer keeps and why, for the Explorer, where the sliders alone do not say it."""
@@ -232,6 +235,12 @@ class Policy:
         from its scores (kv_heads, c); None = the shared rule, `select` under the budget."""
         return None
 
+    def head_caps(self, scores: np.ndarray, spec: Spec) -> np.ndarray:
+        """Ragged policies: (kv_heads,) the most tokens each head holds after the compression point, from the
+        context's scores (kv_heads, c); past its cap a head drops its lowest score outside the sinks and the
+        window (`evict_one`), and np.inf keeps every arrival."""
+        raise NotImplementedError(f"{self.name} is not ragged")
+
     def fills_budget(self, spec: Spec) -> bool:
         """True when every KV head keeps (reads) exactly min(budget, tokens seen), as `select` does;
         a policy that keeps a number of its own says False, and memory is counted from its masks."""
@@ -281,10 +290,16 @@ class Policy:
         if not self.streaming:
             if spec.compress_every:  # compressed again every N decode steps
                 return self._decoding(ctx, spec, scores, positions, out)
-            own = self.compression_kept(scores[:, : trace.context_len], spec)
-            # the policy's own rule at the compression point
+            c = trace.context_len
+            own = self.compression_kept(scores[:, :c], spec)
+            # the policy's own rule at the compression point; each head its own count if ragged
             if own is not None:
-                return self._grow(own, scores, spec, trace.context_len, positions, out)
+                caps = (
+                    self.head_caps(scores[:, :c], spec)
+                    if self.ragged
+                    else np.full(Hkv, spec.budget)
+                )
+                return self._grow(own, caps, scores, spec, c, positions, out)
             # one decision for every head: take it once
             shared = scores.strides[0] == 0 and Hkv > 1
             for i, p in enumerate(positions):
@@ -328,6 +343,7 @@ class Policy:
     @staticmethod
     def _grow(
         kept_c: np.ndarray,
+        caps: np.ndarray,
         scores: np.ndarray,
         spec: Spec,
         c: int,
@@ -336,25 +352,22 @@ class Policy:
     ) -> np.ndarray:
         """Kept masks after a compression point whose kept set kept_c (H, c) is the policy's own: a
         query before the point sees the part of it up to itself; later tokens join the cache, which
-        past the budget drops its lowest score outside sinks and window (`evict_one`, as the
-        real-model cache's arrivals do)."""
-        H = kept_c.shape[0]
+        past a head's cap (H,) drops that head's lowest score outside sinks and window (`evict_one`,
+        as the real-model cache's arrivals do)."""
         for i, p in enumerate(positions):
             if p < c:
                 out[i, :, : p + 1] = kept_c[:, : p + 1]
         later = sorted((int(p), i) for i, p in enumerate(positions) if p >= c)
-        if not later:
-            return out
-        # (H, m): equal per head
-        kept = np.stack([np.flatnonzero(r) for r in kept_c])
-        p = c
-        for target, i in later:
-            while p <= target:
-                kept = np.concatenate([kept, np.full((H, 1), p)], axis=1)
-                if kept.shape[1] > spec.budget:
-                    kept = evict_one(kept, scores, spec, p)
-                p += 1
-            np.put_along_axis(out[i], kept, True, axis=1)
+        for h in range(kept_c.shape[0]):
+            kept = np.flatnonzero(kept_c[h])[None, :]  # (1, m_h)
+            p = c
+            for target, i in later:
+                while p <= target:
+                    kept = np.append(kept, [[p]], axis=1)
+                    if kept.shape[1] > caps[h]:
+                        kept = evict_one(kept, scores[h : h + 1], spec, p)
+                    p += 1
+                out[i, h, kept[0]] = True
         return out
 
     def _simulate(

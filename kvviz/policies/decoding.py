@@ -20,7 +20,9 @@ def one_shot(scorer: str) -> bool:
     from kvviz.policies.registry import POLICIES
 
     policy = POLICIES.get(scorer)
-    return policy is not None and not policy.streaming and not policy.needs_query
+    return (
+        policy is not None and not policy.streaming and not policy.needs_query and not policy.ragged
+    )
 
 
 declare(
@@ -58,6 +60,11 @@ def _compress_every_needs_one_shot_scores(spec) -> None:
         raise SpecError(
             f"{spec.scorer} chooses at every query from the query itself; compressing again every "
             f"{spec.compress_every} steps is for one-shot scorers. Set compress every to 0"
+        )
+    if policy.ragged:
+        raise SpecError(
+            f"{policy.title or spec.scorer} sets each head's kept tokens once, at the end of the prompt, by its "
+            "own rule; compressing again during decoding is for scorers cut to a budget. Set compress every to 0"
         )
     if spec.scorer == "chunkkv" and spec.chunk_rule == "chunks":
         raise SpecError(

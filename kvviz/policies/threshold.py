@@ -1,0 +1,110 @@
+"""Threshold eviction (kvpress's DMSPress, the rule of DMS and KVzap): keep each token whose score passes a
+threshold, so that the budget is whatever the scores leave.
+
+An inner token scorer (`Spec.threshold_scorer`: SnapKV's votes by default, any one-shot token scorer) scores
+the context. At the compression point each KV head keeps
+    the tokens scoring at least `Spec.threshold` (in the inner scorer's own units: SnapKV's are the
+    attention the observation window pays a token, averaged over the window and the query group),
+    the recent window (kvpress's `sliding_window_size`, protected from eviction) and the sinks.
+Nothing caps the count: each head of each layer keeps its own number of tokens, and the memory card counts
+what the heads hold. The heavy-hitter budget is not used.
+
+After the compression point every arriving token joins the cache, as kvpress's DMSPress(decoding=False)
+compresses the prompt only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvviz.policies.base import Policy, ScoreContext
+from kvviz.settings import LABELS, Setting, declare
+
+
+def inner_scorers() -> tuple[str, ...]:
+    """The one-shot token scorers a threshold can cut (those that say `chunkable`)."""
+    from kvviz.policies.registry import POLICIES
+
+    return tuple(name for name, p in POLICIES.items() if p.chunkable)
+
+
+declare(
+    Setting(
+        "threshold",
+        "float",
+        0.01,
+        -1000.0,
+        1000.0,
+        url="thr",
+        owner=("scorer", "threshold"),
+        step=0.001,
+        label="Threshold (keep scores at least this)",
+        help="Threshold eviction: a token outside the sinks and the recent window stays if its inner score is "
+        "at least this (in the inner scorer's units; SnapKV's: the attention the observation window pays "
+        "it, 0.01 = one percent).",
+    ),
+    Setting(
+        "threshold_scorer",
+        "choice",
+        "snapkv",
+        choices=inner_scorers,
+        url="thr_scorer",
+        owner=("scorer", "threshold"),
+        label="Threshold: token scorer",
+        help="Threshold eviction: the token scorer whose scores the threshold cuts.",
+    ),
+)
+LABELS["threshold"] = lambda spec: f"threshold ({spec.threshold_scorer} ≥ {spec.threshold:g})"
+
+
+class Threshold(Policy):
+    name = "threshold"
+    order = 110
+    title = "Threshold (DMS)"
+    short = "Threshold"
+    menu = "Threshold (keep what scores above a threshold)"
+    colour = "#1C2FFD"
+    symbol = "star-triangle-up"
+    dash = "2px,2px"
+    ragged = True
+    description = (
+        "keeps every token whose score (an inner scorer, SnapKV's votes by default) passes a threshold, beside "
+        "the sinks and the recent window: the budget varies by head, layer and prompt"
+    )
+    paper = "Łańcucki et al. 2025, Inference-time hyper-scaling with KV cache compression (DMS)"
+    kvpress = "DMSPress(press=SnapKVPress(), threshold=..., sliding_window_size=...)"
+
+    def note(self, spec, trace=None) -> str | None:
+        return (
+            f"Threshold: each KV head keeps the tokens whose {spec.threshold_scorer} score is at least "
+            f"{spec.threshold:g}, beside the sinks and the recent window; the heavy-hitter budget is not used, "
+            "and every head ends up with its own count (the memory card counts what they hold)."
+        )
+
+    def fills_budget(self, spec) -> bool:
+        return False
+
+    def score(self, ctx: ScoreContext) -> np.ndarray:
+        from kvviz.policies.registry import get_policy
+
+        inner = get_policy(ctx.spec.threshold_scorer)
+        token = np.broadcast_to(
+            inner.scores_at_compression(ctx), (ctx.trace.n_kv_heads, ctx.n_positions)
+        )
+        scores = np.full((ctx.trace.n_kv_heads, ctx.n_positions), np.inf)  # arrivals: kept
+        scores[:, : ctx.n_context] = token[:, : ctx.n_context]
+        return scores
+
+    def arrival_score(self, key, layer, position, spec):
+        return np.full(key.shape[0], np.inf)
+
+    def compression_kept(self, scores: np.ndarray, spec) -> np.ndarray:
+        """(H, c): the tokens that pass, the sinks and the recent window."""
+        c = scores.shape[1]
+        kept = scores >= spec.threshold
+        kept[:, : spec.sink] = True
+        kept[:, max(0, c - spec.recent) :] = True
+        return kept
+
+    def head_caps(self, scores: np.ndarray, spec) -> np.ndarray:
+        return np.full(scores.shape[0], np.inf)  # every arrival stays
