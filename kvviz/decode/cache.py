@@ -154,6 +154,10 @@ class CompressedCache(StoredKV):
         """Tokens each KV head holds now (the same for every head and layer)."""
         return int(self.kept[0].shape[1])
 
+    def kept_positions(self, layer: int) -> list[np.ndarray]:
+        """Per KV head, the positions its cache of `layer` holds now."""
+        return list(self.kept[layer])
+
     def head_counts(self) -> np.ndarray | None:
         """(layers, KV heads): the tokens each cache holds now (Quest: read at the last step), which the
         memory line counts; None before any step where that is what the budget says."""

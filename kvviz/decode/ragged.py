@@ -111,6 +111,9 @@ class RaggedCache(CompressedCache):
         """Tokens per KV head, averaged over heads and layers (the heads of a layer differ)."""
         return round(float(np.mean([len(k) for heads in self.heads_kept for k in heads])))
 
+    def kept_positions(self, layer: int) -> list[np.ndarray]:
+        return list(self.heads_kept[layer])
+
     def head_counts(self) -> np.ndarray | None:
         """(layers, KV heads): the tokens each head's cache holds now (Quest: read at the last step)."""
         if self.evicts and self.policy.needs_query:

@@ -229,15 +229,16 @@ def run_cell(
     """
     import torch
 
-    from kvviz.decode.cache import CompressedCache, _indices
+    from kvviz.decode.cache import _indices
     from kvviz.decode.hook import compressed_cache
     from kvviz.decode.loop import _forward
+    from kvviz.decode.ragged import cache_class
     from kvviz.policies import ScoreContext, select
 
     L, Hq, H, D = pre.dims
     P = prompt.length
     c = prompt.question_start if question_after_compression else P
-    cache = CompressedCache(
+    cache = cache_class(spec)(
         spec,
         L,
         Hq,
@@ -260,7 +261,7 @@ def run_cell(
         for p in range(c, P):  # the question, after compression
             last = _forward(model, [prompt.ids[p]], p)[-1]
         # the cache the first answer step reads
-        kept_now = [k.copy() for k in cache.kept]
+        kept_now = [[k.copy() for k in cache.kept_positions(layer)] for layer in range(L)]
         for i in range(new_tokens):
             tok = int(torch.argmax(last))
             answer.append(tok)
@@ -280,7 +281,8 @@ def run_cell(
                     spec,
                 )
             )
-        np.put_along_axis(kept[layer], idx, True, axis=1)
+        for h, positions in enumerate(idx):
+            kept[layer, h, positions] = True
     return _measure(prompt, spec, kept, attn, tokenizer, answer, (Hq // H))
 
 
