@@ -6,6 +6,7 @@ from kvviz.plots import figures, style, tradeoffs
 
 from kvviz.app.charts import chart
 from kvviz.app.compute import run_compare, run_sweep
+from kvviz.app.leaderboard import leaderboard_section
 from kvviz.app.labels import SCORER_SHORT, bits_label
 from kvviz.app.layout import PAGES, page_setup
 from kvviz.app.router import run_page
@@ -125,6 +126,7 @@ def main() -> None:
     d2.download_button("Download chart (standalone HTML)", data=lambda: figures.figures_html([fig], "kvviz trade-offs"),
                        file_name=f"kvviz-tradeoffs-{source.key[0]}.html", mime="text/html", on_click="ignore",
                        icon=":material/download:")
+    leaderboard_section()
 
 
 run_page(main)

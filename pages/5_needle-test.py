@@ -5,7 +5,7 @@ import streamlit as st
 from kvviz.analysis import needle
 
 from kvviz.app.charts import chart
-from kvviz.app.layout import page_setup
+from kvviz.app.layout import page_setup, progress_status
 from kvviz.app.router import run_page
 from kvviz.app.store import notice, show_notices, state
 from kvviz.plots.style import CHART_CONFIG, projector
@@ -93,16 +93,11 @@ def _head_picker(where, key: str, param: str, label: str, n: int, loudest: int) 
 def run_live(request: needle.GridRequest, model_name: str) -> None:
     from kvviz.app.sources import shared_model
 
-    with st.status("Running the needle grid…", expanded=True) as status:
-        bar, line = st.progress(0.0), st.empty()
-
-        def say(f: float, msg: str) -> None:
-            bar.progress(min(max(float(f), 0.0), 1.0))
-            line.caption(msg)
+    with progress_status("Running the needle grid…") as say:
         say(0.0, "Loading the model (the first time takes ~15-40 s: converting the GGUF weights)…")
         model, tokenizer, _ = shared_model(model_name)
         grid = needle.run_grid(model, tokenizer, model_name, request, progress=say)
-        status.update(label=f"Finished: {len(grid.cells)} cells", state="complete", expanded=False)
+        say(1.0, f"Finished: {len(grid.cells)} cells")
     st.session_state[LIVE] = grid
     _select(None)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import streamlit as st
 
 from kvviz.app import guard
@@ -54,3 +56,18 @@ def page_setup(title: str, intro: str) -> bool:
         st.title(title)
         st.caption(intro)
     return present
+
+
+@contextmanager
+def progress_status(label: str):
+    """A long run's status box with a progress bar and a line of what it is doing; yields
+    say(fraction, message) for the run's progress callback, and closes the box as finished."""
+    with st.status(label, expanded=True) as status:
+        bar, line = st.progress(0.0), st.empty()
+
+        def say(fraction: float, message: str) -> None:
+            bar.progress(min(max(float(fraction), 0.0), 1.0))
+            line.caption(message)
+
+        yield say
+        status.update(state="complete", expanded=False)

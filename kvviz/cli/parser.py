@@ -7,14 +7,38 @@ from __future__ import annotations
 
 import sys
 
-from kvviz.cli import capture, compare, evaluate, ledger, lesson, needle, solve, study, sweep, trace
+from kvviz.cli import (
+    capture,
+    compare,
+    evaluate,
+    leaderboard,
+    ledger,
+    lesson,
+    needle,
+    solve,
+    study,
+    sweep,
+    trace,
+)
 from kvviz.cli.args import CliError, OneLineParser
 from kvviz.limits import ENV
 from kvviz.spec import SpecError
 from kvviz.trace import TraceError
 
 # in the order --help lists them
-COMMANDS = (compare, sweep, solve, ledger, capture, trace, evaluate, needle, lesson, study)
+COMMANDS = (
+    compare,
+    sweep,
+    solve,
+    ledger,
+    capture,
+    trace,
+    evaluate,
+    needle,
+    leaderboard,
+    lesson,
+    study,
+)
 
 
 def build_parser() -> OneLineParser:

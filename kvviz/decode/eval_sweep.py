@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 from kvviz.decode.cache import Progress
 from kvviz.decode.quality import Reference, evaluate
+from kvviz.policies import get_policy
 from kvviz.quant import kivi_residual
 from kvviz.quant.formats import hf_quantized_cache
 from kvviz.spec import SCORERS, Spec, SpecError
@@ -114,6 +115,13 @@ QUANT_METHODS.update(
 )
 
 
+def sweep_spec(name: str, budget: int, n: int) -> Spec:
+    """SWEEP_METHODS[name] at a budget of `budget` of the `n` prompt tokens; a method that keeps its own count
+    per head (a threshold, DuoAttention) gets its own setting for that budget (`Policy.fit_budget`)."""
+    spec = SWEEP_METHODS[name](budget)
+    return get_policy(spec.scorer).fit_budget(spec, budget, n)
+
+
 def sweep(
     model,
     ref: Reference,
@@ -125,7 +133,7 @@ def sweep(
     jobs: list[tuple[str, int | str, Spec]] = []
     for name in methods:
         if name in SWEEP_METHODS:
-            jobs += [(name, b, SWEEP_METHODS[name](b)) for b in budgets]
+            jobs += [(name, b, sweep_spec(name, b, ref.prompt_len)) for b in budgets]
         elif name in QUANT_METHODS:
             jobs.append((name, "", QUANT_METHODS[name](ref.prompt_len)))
         else:

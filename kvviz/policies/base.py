@@ -241,6 +241,12 @@ class Policy:
         window (`evict_one`), and np.inf keeps every arrival."""
         raise NotImplementedError(f"{self.name} is not ragged")
 
+    def fit_budget(self, spec: Spec, budget: int, n: int) -> Spec:
+        """Ragged policies: the spec with the policy's own setting chosen to keep about `budget` of `n`
+        prompt tokens per head (a sweep's, a needle grid's or a leaderboard's budget axis); others keep
+        their budget as the spec says."""
+        return spec
+
     def fills_budget(self, spec: Spec) -> bool:
         """True when every KV head keeps (reads) exactly min(budget, tokens seen), as `select` does;
         a policy that keeps a number of its own says False, and memory is counted from its masks."""

@@ -128,6 +128,13 @@ class DuoAttention(Policy):
     def fills_budget(self, spec) -> bool:
         return False
 
+    def fit_budget(self, spec, budget: int, n: int):
+        """The streaming share that keeps `budget` of `n` tokens on average: a retrieval head keeps n, a
+        streaming head sinks + window, so n - share * (n - sinks - window) = budget."""
+        protected = min(n, spec.sink + spec.recent)
+        share = 1.0 if n <= protected else (n - budget) / (n - protected)
+        return spec.with_(duo_streaming=float(np.clip(share, 0.0, 1.0)))
+
     def score(self, ctx: ScoreContext) -> np.ndarray:
         """(kv_heads, positions): +inf on every position for a retrieval head; the position for a
         streaming head (StreamingLLM's order: sinks, then the most recent)."""

@@ -54,6 +54,10 @@ declare(
         help="Threshold eviction: the token scorer whose scores the threshold cuts.",
     ),
 )
+# (kept share, threshold x n): SnapKV-vote thresholds measured on the bundled model's 256-token needle prompts
+# (4 sinks, the sweep's window of half the budget) to keep about that share of the prompt; a run reports the
+# share it reached
+LEVELS = ((0.125, 1.0), (0.25, 0.75), (0.5, 0.5), (0.75, 0.25))
 LABELS["threshold"] = lambda spec: f"threshold ({spec.threshold_scorer} ≥ {spec.threshold:g})"
 
 
@@ -83,6 +87,14 @@ class Threshold(Policy):
 
     def fills_budget(self, spec) -> bool:
         return False
+
+    def fit_budget(self, spec, budget: int, n: int):
+        """For SnapKV's votes: the threshold LEVELS / n (n = the prompt's tokens; 1 / n is what a token gets
+        under even attention) at the kept share budget / n, interpolated. Other inner scorers: as set."""
+        if spec.threshold_scorer != "snapkv" or n <= 0:
+            return spec
+        kept, level = zip(*LEVELS)
+        return spec.with_(threshold=float(np.interp(budget / n, kept, level)) / n)
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         from kvviz.policies.registry import get_policy

@@ -60,6 +60,7 @@ torch is imported lazily (inside functions), so `import kvviz.analysis.needle` s
 """
 
 from kvviz.analysis.needle import cell, grid, prompt
+from kvviz.analysis.needle.tasks import NEEDLE_TEMPLATE, PRIMER, QUESTION, TASK_NAMES, TASKS, Task
 from kvviz.analysis.needle.cell import NeedleCell, prefill, run_cell, score_answer
 from kvviz.analysis.needle.grid import (
     CSV_FIELDS,
@@ -93,9 +94,6 @@ from kvviz.analysis.needle.prompt import (
     HAYSTACKS,
     INSTRUCTION,
     MIN_BUDGET_TOKENS,
-    NEEDLE_TEMPLATE,
-    PRIMER,
-    QUESTION,
     SCORER_NAMES,
     NeedlePrompt,
     budget_tokens,
@@ -107,6 +105,9 @@ from kvviz.analysis.needle.prompt import (
 )
 
 __all__ = [
+    "TASK_NAMES",
+    "TASKS",
+    "Task",
     "PROTOCOL_TITLES",
     "load_grids",
     "protocol",

@@ -4,7 +4,6 @@ head kept of the needle and of the attention the full model wanted on it. torch 
 from __future__ import annotations
 
 import base64
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvviz.analysis.needle.prompt import DEFAULT_NEW_TOKENS, NeedlePrompt
+from kvviz.analysis.needle.tasks import TASKS
 from kvviz.spec import Spec
 
 
@@ -122,9 +122,8 @@ class NeedleCell:
 
 
 def score_answer(answer: str, key: str) -> bool:
-    """Exact match: the first run of digits in the answer is the key."""
-    m = re.search(r"\d+", answer)
-    return m is not None and m.group(0) == key
+    """Exact match: the first run of digits in the answer is the key (the pass key task's scoring)."""
+    return TASKS["passkey"].score(answer, key)
 
 
 # --- running the model -------------------------------------------------------------------------
@@ -229,11 +228,11 @@ def run_cell(
     """
     import torch
 
-    from kvviz.decode.cache import _indices
     from kvviz.decode.hook import compressed_cache
     from kvviz.decode.loop import _forward
     from kvviz.decode.ragged import cache_class
-    from kvviz.policies import ScoreContext, select
+    from kvviz.decode.place import host
+    from kvviz.policies import ScoreContext
 
     L, Hq, H, D = pre.dims
     P = prompt.length
@@ -273,14 +272,15 @@ def run_cell(
     for layer in range(L):
         idx = kept_now[layer]
         if c == P and cache.policy.needs_query and spec.evicts:
-            # default case: the first answer token comes from the prefill; the oracle's set for
-            # that query is its top-k of the query's own attention (as its decode steps do)
-            idx = _indices(
-                select(
-                    cache.policy.query_scores(attn[layer], ScoreContext(cache.trace, layer, spec)),
-                    spec,
-                )
+            # default case: the first answer token comes from the prefill; the oracle's (Quest's) set
+            # for that query is chosen from the query itself, as its decode steps choose
+            mask = cache.policy.query_kept(
+                attn[layer],
+                ScoreContext(cache.trace, layer, spec),
+                query=host(pre.q[layer][:, P - 1]).astype(np.float64),
+                keys=host(pre.k[layer, :, :P]).astype(np.float64),
             )
+            idx = [np.flatnonzero(r) for r in mask]
         for h, positions in enumerate(idx):
             kept[layer, h, positions] = True
     return _measure(prompt, spec, kept, attn, tokenizer, answer, (Hq // H))
@@ -308,7 +308,7 @@ def _measure(
         "spec": spec.label(),
         "budget_tokens": int(kept[0, 0].sum()),
         "key": prompt.key,
-        "correct": score_answer(text, prompt.key),
+        "correct": TASKS[prompt.task].score(text, prompt.key),
         "answer": text,
         "answer_ids": [int(t) for t in answer],
         "needle_kept": float(needle_kept.mean()),

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvviz.analysis.needle.cell import NeedleCell, _first_answer_attention, prefill, run_cell
+from kvviz.analysis.needle.tasks import NEEDLE_TEMPLATE, PRIMER, QUESTION, TASKS
 from kvviz.analysis.needle.prompt import (
     DEFAULT_BUDGET,
     DEFAULT_DEPTHS,
@@ -28,9 +29,6 @@ from kvviz.analysis.needle.prompt import (
     FULL,
     HAYSTACKS,
     INSTRUCTION,
-    NEEDLE_TEMPLATE,
-    PRIMER,
-    QUESTION,
     SCORER_NAMES,
     NeedlePrompt,
     Progress,
@@ -241,12 +239,20 @@ def max_positions(model) -> int | None:
     return getattr(cfg, "max_position_embeddings", None)
 
 
-def prompt_key(model_id: str, length: int, depth: float, seed: int, haystack: str) -> str:
-    """sha256 of what decides a prompt's tokens (the model's tokenizer by its name, and the texts)."""
+def prompt_key(
+    model_id: str, length: int, depth: float, seed: int, haystack: str, task: str = "passkey"
+) -> str:
+    """sha256 of what decides a prompt's tokens (the model's tokenizer by its name, the task, and the texts)."""
     from kvviz.version import __version__
 
+    shown = (
+        {}
+        if task == "passkey"
+        else {"task": task, "instance": TASKS[task].instance(seed, length, depth).__dict__}
+    )
     blob = json.dumps(
         {
+            **shown,
             "model": model_id,
             "length": length,
             "depth": depth,
@@ -279,6 +285,7 @@ class GridRequest:
     new_tokens: int = DEFAULT_NEW_TOKENS
     seed: int = DEFAULT_SEED
     haystack: str = "filler"
+    task: str = "passkey"  # what is hidden and asked (kvviz.analysis.needle.tasks)
 
     def __post_init__(self) -> None:
         for name in ("lengths", "depths", "scorers", "budgets", "bits"):
@@ -291,7 +298,9 @@ class GridRequest:
             raise SpecError("give at least one length, one depth and one scorer")
         if not 1 <= min(lengths) <= max(lengths) <= MAX_LENGTH:
             raise SpecError(f"lengths are token counts of 1-{MAX_LENGTH:,}, got {max(lengths):,}")
-        bad = [s for s in self.scorers if s not in SCORER_NAMES]
+        from kvviz.decode.eval_sweep import SWEEP_METHODS
+
+        bad = [s for s in self.scorers if s not in SCORER_NAMES and s not in SWEEP_METHODS]
         if bad:
             raise SpecError(f"unknown scorer {bad[0]!r}; choose from {', '.join(SCORER_NAMES)}")
         if not 1 <= self.new_tokens <= 64:
@@ -303,6 +312,8 @@ class GridRequest:
         problem = SETTINGS["compress_every"].problem(self.compress_every)
         if problem:
             raise SpecError(problem)
+        if self.task not in TASKS:
+            raise SpecError(f"unknown task {self.task!r}; choose from {', '.join(TASKS)}")
         if self.haystack not in HAYSTACKS:
             raise SpecError(
                 f"unknown haystack {self.haystack!r}; choose from {', '.join(HAYSTACKS)}"
@@ -338,6 +349,8 @@ class GridRequest:
         }
         if self.compress_every:
             out["compress_every"] = self.compress_every
+        if self.task != "passkey":
+            out["task"] = self.task
         return out
 
 
@@ -368,7 +381,7 @@ def run_grid(
         req.budgets,
         req.bits,
     )
-    new_tokens, seed, haystack = req.new_tokens, req.seed, req.haystack
+    new_tokens, seed, haystack, task = req.new_tokens, req.seed, req.haystack, req.task
     if model is None and load is None:
         raise ValueError("run_grid needs a model and tokenizer, or a load function")
     say = progress or (lambda f, m: None)
@@ -384,7 +397,7 @@ def run_grid(
     stored = {}
     for n, d in jobs:
         hit = (
-            _read(folder / "prompts" / f"{prompt_key(model_id, n, d, seed, haystack)}.json")
+            _read(folder / "prompts" / f"{prompt_key(model_id, n, d, seed, haystack, task)}.json")
             if use_cache
             else None
         )
@@ -395,7 +408,7 @@ def run_grid(
         check_lengths(lengths, limits["max_positions"], new_tokens, limits["min_length"])
     else:
         m, tok = need_model()
-        check_lengths(lengths, max_positions(m), new_tokens, min_length(tok))
+        check_lengths(lengths, max_positions(m), new_tokens, min_length(tok, task))
         prefill_work(model_dims(m), max(lengths), "the longest needle prompt").check()
     prompts, cells = [], []
     computed = cached = 0
@@ -412,13 +425,13 @@ def run_grid(
             prompt = NeedlePrompt.from_dict(stored[(n, d)]["prompt"])
         else:
             m, tok = need_model()
-            prompt = build_prompt(tok, n, d, seed=seed, haystack=haystack)
+            prompt = build_prompt(tok, n, d, seed=seed, haystack=haystack, task=task)
             _write(
-                folder / "prompts" / f"{prompt_key(model_id, n, d, seed, haystack)}.json",
+                folder / "prompts" / f"{prompt_key(model_id, n, d, seed, haystack, task)}.json",
                 {
                     "prompt": prompt.as_dict(),
                     "max_positions": max_positions(m),
-                    "min_length": min_length(tok),
+                    "min_length": min_length(tok, task),
                 },
             )
         prompts.append(prompt)

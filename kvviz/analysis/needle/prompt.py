@@ -7,16 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 
+from kvviz.analysis.needle.tasks import PRIMER, TASKS
 from kvviz.spec import FULL_BITS, SCORERS, Spec, SpecError
 
 FORMAT_VERSION = 1
-NEEDLE_TEMPLATE = "The pass key is {key}. Remember it."
-QUESTION = "What is the pass key?"
-# The assistant's turn is primed up to the key's first digit (the trailing space is its own
-# token before the digits, as in " 71432"): the first answer step predicts the first digit.
-PRIMER = "The pass key is "
 INSTRUCTION = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
     "I will quiz you about the important information there.\n\n"
@@ -57,6 +52,7 @@ class NeedlePrompt:
     # first token after the haystack: the query-agnostic compression point
     question_start: int
     hay_start: int = 0  # first haystack token (after the chat template's head)
+    task: str = "passkey"  # what is hidden and asked (kvviz.analysis.needle.tasks)
 
     @property
     def needle_depth(self) -> float:
@@ -76,6 +72,7 @@ class NeedlePrompt:
             "needle_end": self.needle_end,
             "question_start": self.question_start,
             "hay_start": self.hay_start,
+            "task": self.task,
         }
 
     @classmethod
@@ -91,13 +88,13 @@ class NeedlePrompt:
             needle_end=int(d["needle_end"]),
             question_start=int(d["question_start"]),
             hay_start=int(d.get("hay_start", 0)),
+            task=str(d.get("task", "passkey")),
         )
 
 
 def passkey(seed: int, length: int, depth: float) -> str:
     """A 5-digit key, the same for the same (seed, length, depth), different across cells."""
-    rng = np.random.default_rng([int(seed), int(length), int(round(depth * 1000))])
-    return str(int(rng.integers(10000, 100000)))
+    return TASKS["passkey"].instance(seed, length, depth).key
 
 
 def haystack_text(name: str) -> str:
@@ -114,36 +111,42 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _frame(tokenizer) -> tuple[str, str]:
+def _frame(tokenizer, primer: str = PRIMER) -> tuple[str, str]:
     """(text before the user's content, text after it up to the primed answer)."""
     mark = "\u0000USER\u0000"
     if getattr(tokenizer, "chat_template", None):
         try:
             text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": mark}, {"role": "assistant", "content": PRIMER}],
+                [{"role": "user", "content": mark}, {"role": "assistant", "content": primer}],
                 tokenize=False,
                 continue_final_message=True,
             )
-            if text.count(mark) == 1 and text.rstrip().endswith(PRIMER.rstrip()):
+            if text.count(mark) == 1 and text.rstrip().endswith(primer.rstrip()):
                 head, tail = text.split(mark)
                 return head, tail
         except Exception:  # noqa: BLE001 - a template that cannot do this: plain text below
             pass
-    return "", f"\n\nAnswer: {PRIMER}"
+    return "", f"\n\nAnswer: {primer}"
 
 
-def min_length(tokenizer) -> int:
+def min_length(tokenizer, task: str = "passkey") -> int:
     """The shortest prompt that holds the frame, the needle and the question (no haystack)."""
-    head, tail = _frame(tokenizer)
+    shown = TASKS[task].instance(DEFAULT_SEED, 1000, 0.5)
+    head, tail = _frame(tokenizer, shown.primer)
     return (
         len(_encode(tokenizer, head + INSTRUCTION))
-        + len(_encode(tokenizer, " " + NEEDLE_TEMPLATE.format(key="12345")))
-        + len(_encode(tokenizer, "\n\n" + QUESTION + tail))
+        + len(_encode(tokenizer, " " + shown.needle))
+        + len(_encode(tokenizer, "\n\n" + shown.question + tail))
     )
 
 
 def build_prompt(
-    tokenizer, length: int, depth: float, seed: int = DEFAULT_SEED, haystack: str = "filler"
+    tokenizer,
+    length: int,
+    depth: float,
+    seed: int = DEFAULT_SEED,
+    haystack: str = "filler",
+    task: str = "passkey",
 ) -> NeedlePrompt:
     """The needle prompt of exactly `length` tokens with the needle at `depth` of the haystack.
 
@@ -153,11 +156,13 @@ def build_prompt(
     """
     if not 0.0 <= depth <= 1.0:
         raise SpecError(f"depths are fractions of the haystack in [0, 1], got {depth:g}")
-    key = passkey(seed, length, depth)
-    head, tail = _frame(tokenizer)
+    if task not in TASKS:
+        raise SpecError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    shown = TASKS[task].instance(seed, length, depth)
+    head, tail = _frame(tokenizer, shown.primer)
     head_ids = _encode(tokenizer, head + INSTRUCTION)
-    needle_ids = _encode(tokenizer, " " + NEEDLE_TEMPLATE.format(key=key))
-    question_ids = _encode(tokenizer, "\n\n" + QUESTION + tail)
+    needle_ids = _encode(tokenizer, " " + shown.needle)
+    question_ids = _encode(tokenizer, "\n\n" + shown.question + tail)
     n_hay = length - len(head_ids) - len(needle_ids) - len(question_ids)
     if n_hay < 0:
         raise SpecError(
@@ -181,7 +186,7 @@ def build_prompt(
     return NeedlePrompt(
         length=length,
         depth=float(depth),
-        key=key,
+        key=shown.key,
         haystack=haystack,
         ids=tuple(ids),
         tokens=token_strings(tokenizer, ids),
@@ -189,6 +194,7 @@ def build_prompt(
         needle_end=start + len(needle_ids),
         question_start=len(head_ids) + n_hay + len(needle_ids),
         hay_start=len(head_ids),
+        task=task,
     )
 
 
@@ -210,8 +216,9 @@ def spec_for(scorer: str, fraction: float, bits: int, length: int) -> Spec:
     recent window, the rest heavy), then K/V at `bits` (keys per channel, values per
     token, groups of 32, as kvviz eval's kv-Nbit methods)."""
     from kvviz.decode.eval_sweep import SWEEP_METHODS
+    from kvviz.policies import get_policy
 
-    if scorer not in SCORER_NAMES:
+    if scorer not in SCORER_NAMES and scorer not in SWEEP_METHODS:
         raise SpecError(f"unknown scorer {scorer!r}; choose from {', '.join(SCORER_NAMES)}")
     quant: dict[str, Any] = {}
     if bits != FULL_BITS:
@@ -221,5 +228,7 @@ def spec_for(scorer: str, fraction: float, bits: int, length: int) -> Spec:
     if scorer == FULL:
         return Spec(**quant)
     b = budget_tokens(fraction, length)
-    make = SWEEP_METHODS.get(scorer, SWEEP_METHODS["h2o"])
-    return make(b).with_(scorer=scorer, **quant)
+    # a sweep method by its name (an allocation over a scorer: adakv-snapkv), else the sweep's split
+    make = SWEEP_METHODS.get(scorer) or (lambda b_: SWEEP_METHODS["h2o"](b_).with_(scorer=scorer))
+    spec = make(b).with_(**quant)
+    return get_policy(spec.scorer).fit_budget(spec, b, length)  # a method that keeps its own count

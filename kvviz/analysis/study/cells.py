@@ -62,6 +62,7 @@ NEEDLE_METRICS = (
     "needle_kept",
     "wanted_mass",
     "kept_mass",
+    "ratio_reached",  # 1 - the share of the prompt the caches hold at the first answer step
 )
 
 
@@ -277,15 +278,20 @@ class ModelWorker:
             scorers=[s["scorer"]],
             budgets=[s["budget"]],
             bits=[s["bits"]],
-            question_after_compression=src["question_after_compression"],
+            question_after_compression=(
+                s["protocol"] == "query-agnostic"
+                if "protocol" in s
+                else src["question_after_compression"]
+            ),
             compress_every=s.get("compress_every", 0),
             new_tokens=src["new_tokens"],
             seed=src["seed"],
             haystack=src["haystack"],
+            task=s.get("task", "passkey"),
         )
         grid = run_grid(self.model, self.tokenizer, model_id, request)
         (c,) = grid.cells
-        d = c.as_dict()
+        d = {**c.as_dict(), "ratio_reached": float(1.0 - c.kept().mean())}
         return {k: d[k] for k in NEEDLE_METRICS}
 
 

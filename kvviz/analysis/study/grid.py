@@ -275,7 +275,8 @@ def _check_models(src: dict) -> None:
 
 
 def _check_needle(study: Study) -> None:
-    from kvviz.analysis.needle import HAYSTACKS, SCORER_NAMES, budget_tokens, spec_for
+    from kvviz.analysis.needle import HAYSTACKS, SCORER_NAMES, TASKS, budget_tokens, spec_for
+    from kvviz.decode.eval_sweep import SWEEP_METHODS
 
     src, grid = study.source, study.grid
     _check_models(src)
@@ -287,11 +288,15 @@ def _check_needle(study: Study) -> None:
         raise StudyError(f"[source] new_tokens: {src['new_tokens']} is not in 1-64")
     if src["haystack"] not in HAYSTACKS:
         raise StudyError(f"[source] haystack: choose from {', '.join(HAYSTACKS)}")
-    bad = [s for s in grid["scorers"] if s not in SCORER_NAMES]
+    bad = [s for s in grid["scorers"] if s not in SCORER_NAMES and s not in SWEEP_METHODS]
     if bad:
         raise StudyError(
-            f"[grid] scorers: unknown scorer {bad[0]!r}; choose from {', '.join(SCORER_NAMES)}"
+            f"[grid] scorers: unknown scorer {bad[0]!r}; choose from {', '.join(SCORER_NAMES)} (or an "
+            "allocation over one: adakv-snapkv, pyramid-snapkv, ...)"
         )
+    bad = [t for t in src["tasks"] if t not in TASKS]
+    if bad:
+        raise StudyError(f"[source] tasks: unknown task {bad[0]!r}; choose from {', '.join(TASKS)}")
     for f in grid["budgets"]:
         try:
             budget_tokens(f, 1000)
@@ -389,7 +394,11 @@ def cells(study: Study) -> list[Cell]:
                                     }
                                 )
     else:
-        for model in src["models"]:
+        # the task and the protocol are columns only where the study lists them (the ids of a plain
+        # pass-key study stay as they were)
+        tasks = [{} if t == "passkey" else {"task": t} for t in src["tasks"]]
+        protocols = [{"protocol": p} for p in grid["protocols"]] or [{}]
+        for model, task, protocol in product(src["models"], tasks, protocols):
             for length in src["lengths"]:
                 for depth in src["depths"]:
                     for chosen in setting_points(grid):
@@ -400,6 +409,8 @@ def cells(study: Study) -> list[Cell]:
                                     add(
                                         {
                                             "model": model,
+                                            **task,
+                                            **protocol,
                                             "length": length,
                                             "depth": depth,
                                             "scorer": scorer,

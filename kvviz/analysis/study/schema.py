@@ -88,6 +88,8 @@ SOURCE_KEYS: dict[str, dict[str, Key]] = {
         "haystack": Key("str", "filler", choices=("filler", "sample")),
         "question_after_compression": Key("bool", False),
         "new_tokens": Key("int", 8),
+        # what is hidden and asked (kvviz.analysis.needle.tasks); a leaderboard runs several
+        "tasks": Key("strs", ["passkey"], axis="task", later=True),
     },
 }
 GRID_KEYS: dict[str, dict[str, Key]] = {
@@ -113,6 +115,10 @@ GRID_KEYS: dict[str, dict[str, Key]] = {
         "scorers": Key("strs", required=True, axis="scorer"),
         "budgets": Key("floats", [0.25], axis="budget"),
         "bits": Key("ints", [FULL_BITS], axis="bits"),
+        # both question protocols as an axis (a leaderboard); empty: [source] question_after_compression decides
+        "protocols": Key(
+            "strs", [], axis="protocol", choices=("question-aware", "query-agnostic"), later=True
+        ),
     },
 }
 # Spec settings that are not axes of their own here: the grid's scorers / budgets / bits / formats set them, the
