@@ -16,7 +16,10 @@ and the kept positions are the rows of the keys it returns found in the keys it 
 which masks instead of pruning: the complement of the `masked_key_indices` it sets). kvpress
 compresses a layer's cache after that layer's attention, so every layer's decision is made on
 the full prefill, as kvviz's trace of the same prompt has it. Only the kept sets are stored (per layer and KV head, a hex bit mask
-of the 261 positions).
+of the 261 positions). Presses that mask instead (DMS's threshold, DuoAttention: `own_budgets`) are read from
+each layer's masked_key_indices after the prefill; compression during decoding (`decoding`: kvpress's
+DecodingPress every 8 steps over 24 teacher-forced tokens) by following each cache position through every
+compression.
 tests/test_kvpress_reference.py compares kvviz's kept sets with them, per layer and KV head.
 """
 
@@ -66,6 +69,18 @@ OWN_BUDGETS = {
                              threshold_scorer="knorm")),
     "duo_attention": ("DuoAttentionPress(head_compression_ratio=0.5, on_the_fly_scoring=True), sink 4, recent 64",
                       dict(sink=4, recent=64, heavy=0, scorer="duo_attention", duo_streaming=0.5)),
+}
+
+
+# Compression during decoding: kvpress's PrefillDecodingPress(press at ratio 0.5, DecodingPress(press,
+# compression_interval=8, target_size=130)) against kvviz's compress_every=8, teacher-forced over the next
+# DECODE_STEPS tokens of the sample text; kept sets read after the last step (the third compression).
+DECODE_STEPS, DECODE_EVERY = 24, 8
+DECODING = {
+    "decoding_knorm": ("KnormPress()", dict(sink=0, recent=0, heavy=130, scorer="knorm", compress_every=DECODE_EVERY)),
+    # kvpress's SnapKV needs more buffered decode states than its window: a window of 4 (of the 8)
+    "decoding_snapkv": ("SnapKVPress(window_size=4)", dict(sink=0, recent=4, heavy=126, scorer="snapkv",
+                                                           compress_every=DECODE_EVERY)),
 }
 
 
@@ -181,6 +196,51 @@ def record_masked(model, ids, name: str) -> list:
     return kept
 
 
+def record_decoding(model, ids: list[int], more: list[int], name: str) -> list:
+    """Kept positions per layer and KV head after teacher-forcing `more` through kvpress's decoding press.
+    Each layer's cache positions are followed through the run: every step appends its position, and each
+    compression (the prefill's and the decoding press's, both wrapped) keeps the rows of the keys it returns
+    found among the keys it was given."""
+    import torch
+    from transformers import DynamicCache
+
+    import kvpress as kp
+
+    inner = {"decoding_knorm": kp.KnormPress, "decoding_snapkv": lambda **k: kp.SnapKVPress(window_size=4, **k)}[name]
+    press = kp.PrefillDecodingPress(
+        prefilling_press=inner(compression_ratio=RATIO),
+        decoding_press=kp.DecodingPress(base_press=inner(), compression_interval=DECODE_EVERY, target_size=130),
+    )
+    L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
+    held = {layer: [list(range(len(ids))) for _ in range(H)] for layer in range(L)}  # positions, per head
+
+    def follow(compress):
+        def wrapped(module, hidden_states, keys, values, attentions, kwargs):
+            new_keys, new_values = compress(module, hidden_states, keys, values, attentions, kwargs)
+            layer = module.layer_idx
+            for h in range(H):
+                assert len(held[layer][h]) == keys.shape[2]
+                same = (new_keys[0, h][:, None, :] == keys[0, h][None, :, :]).all(dim=-1)   # (m, n)
+                assert bool((same.sum(dim=1) == 1).all()), "a kept key matches no single cached key"
+                held[layer][h] = [held[layer][h][i] for i in same.float().argmax(dim=1).tolist()]
+            return new_keys, new_values
+        return wrapped
+
+    press.prefilling_press.compress = follow(press.prefilling_press.compress)
+    press.decoding_press.compress = follow(press.decoding_press.compress)
+    with torch.inference_mode(), press(model):
+        cache = DynamicCache()
+        model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        for i, t in enumerate(more):        # true positions, however many tokens the cache holds
+            p = len(ids) + i
+            for layer in held:
+                for h in range(H):
+                    held[layer][h].append(p)
+            model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True,
+                  position_ids=torch.tensor([[p]]), cache_position=torch.tensor([p]))
+    return [[sorted(held[layer][h]) for h in range(H)] for layer in range(L)]
+
+
 def to_hex(positions: list[int], n: int) -> str:
     """A kept set as a hex bit mask, bit i (little-endian, int(h, 16) >> i & 1) = position i kept."""
     return format(sum(1 << i for i in positions), "x").zfill(-(-n // 4))
@@ -225,6 +285,17 @@ def main() -> None:
                                                                               for layer in kept]}
         sizes = sorted({len(h) for layer in kept for h in layer})
         print(f"{name:26s} {expr[:48]:48s} layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}")
+    more = list(tok(text)["input_ids"])[N_TOKENS : N_TOKENS + DECODE_STEPS]
+    out["decoding"] = {"steps": DECODE_STEPS, "every": DECODE_EVERY, "continuation_ids": more, "methods": {}}
+    for name, (expr, settings) in DECODING.items():
+        kept = record_decoding(models["sdpa"], ids, more, name)
+        n = len(ids) + len(more)
+        out["decoding"]["methods"][name] = {"press": f"PrefillDecodingPress({expr} at 0.5, DecodingPress({expr}, "
+                                            f"compression_interval={DECODE_EVERY}, target_size=130))",
+                                            "kvviz": settings,
+                                            "kept": [[to_hex(h, n) for h in layer] for layer in kept]}
+        sizes = sorted({len(h) for layer in kept for h in layer})
+        print(f"{name:26s} after {len(more)} decode steps: layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}")
     Path(args.out).write_text(json.dumps(out, separators=(",", ":")) + "\n", encoding="utf-8")
     print(f"wrote {args.out} ({Path(args.out).stat().st_size / 1e3:.0f} kB)")
 
