@@ -69,6 +69,8 @@ OWN_BUDGETS = {
                              threshold_scorer="knorm")),
     "duo_attention": ("DuoAttentionPress(head_compression_ratio=0.5, on_the_fly_scoring=True), sink 4, recent 64",
                       dict(sink=4, recent=64, heavy=0, scorer="duo_attention", duo_streaming=0.5)),
+    # one budget over every layer and head: 130 tokens a head on average (int(90 * 261 * 0.5) dropped)
+    "kvzip": ("KVzipPress(compression_ratio=0.5)", dict(sink=4, recent=0, heavy=126, scorer="kvzip")),
 }
 
 
@@ -151,6 +153,8 @@ def own_budget_press(name: str, ids: list[int]):
         return kp.DMSPress(kp.SnapKVPress(), threshold=THRESHOLD_SNAPKV, sliding_window_size=64)
     if name == "threshold_knorm":
         return kp.DMSPress(kp.KnormPress(), threshold=THRESHOLD_KNORM, sliding_window_size=64)
+    if name == "kvzip":
+        return kp.KVzipPress(compression_ratio=RATIO)
     import pandas as pd
     import torch
     from transformers import BatchEncoding
@@ -181,9 +185,11 @@ def record_masked(model, ids, name: str) -> list:
     prefill: the keys the attention patch hides from every later query)."""
     import torch
 
+    from transformers import DynamicCache
+
     press = own_budget_press(name, ids)
-    with torch.inference_mode(), press(model):
-        model(input_ids=torch.tensor([ids]), use_cache=True)
+    with torch.inference_mode(), press(model):   # KVzip scores and masks when the block ends
+        model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache(), use_cache=True)
     kept = []
     for layer in model.model.layers:
         H, n = model.config.num_key_value_heads, len(ids)

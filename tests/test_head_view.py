@@ -20,7 +20,8 @@ def gqa_trace(seed=0, L=2, Hq=8, Hkv=4, D=16, c=90, steps=6):
     k = rng.standard_normal((L, Hkv, P, D)).astype(np.float32)
     k[..., 3] += 2.0 * rng.standard_normal((L, Hkv, 1))
     v = rng.standard_normal((L, Hkv, P, D)).astype(np.float32)
-    meta = {"source": "test", "rope_inv_freq": (1.0 / 100.0 ** (np.arange(0, D, 2) / D)).tolist()}
+    meta = {"source": "test", "rope_inv_freq": (1.0 / 100.0 ** (np.arange(0, D, 2) / D)).tolist(),
+            "kvzip_scores": rng.random((L, Hkv, c)).tolist()}        # as a model's reconstruction pass gives
     return Trace(q=q, k=k, v=v, context_len=c, tokens=tuple(f"t{i}" for i in range(P)),
                  query_positions=np.arange(P), meta=meta)
 

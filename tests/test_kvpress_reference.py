@@ -1,8 +1,9 @@
 """kvviz's kept sets against NVIDIA kvpress 0.5.5's own, on the bundled SmolLM2-135M.
 
 tests/data/kvpress_reference.json holds what kvpress kept — per layer and KV head, for the eleven
-methods both share at compression ratio 0.5, and for three that keep their own number of tokens per head
-(`own_budgets`: DMS's threshold over SnapKV and K-norm scores, DuoAttention's split) — on the first 261
+methods both share at compression ratio 0.5, and for four that keep their own number of tokens per head
+(`own_budgets`: DMS's threshold over SnapKV and K-norm scores, DuoAttention's split, KVzip's one budget over
+every layer and head from the model's reconstruction pass) — on the first 261
 tokens of kvviz/data/sample.txt,
 recorded by scripts/kvpress_reference.py in kvpress's own venv (kvpress is not needed here). Each
 method's entry names the kvviz settings that correspond; kvviz's kept set at the compression point
@@ -46,6 +47,10 @@ def trace():
     model, tok, info = load_model("bundled")
     out = capture(model, tok, info, sample_text(), max_tokens=N)
     assert list(out.meta["token_ids"]) == REFERENCE["token_ids"]     # the very tokens kvpress compressed
+    from kvviz.decode.reconstruct import kvzip_scores, repeat_prompt
+    from kvviz.policies.kvzip import META
+
+    out.meta[META] = kvzip_scores(model, repeat_prompt(tok), REFERENCE["token_ids"])  # KVzip's pass, as the decode side runs it
     return out
 
 

@@ -57,6 +57,7 @@ METHODS = (
     "random",
     "threshold",
     "duo_attention",
+    "kvzip",
     "adakv-snapkv",
     "adakv-expected_attention",
     "pyramid-snapkv",

@@ -117,6 +117,8 @@ class CompressedCache(StoredKV):
             n_layers, n_kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device
         )
         self.kept: list[np.ndarray] = [np.zeros((n_kv_heads, 0), dtype=np.int64)] * n_layers
+        # what a scorer reads beyond the prefill, put in the prompt's trace (KVzip's reconstruction scores)
+        self.extra_meta: dict = {}
         self.scores = np.zeros((n_layers, n_kv_heads, capacity))
         self.length = [0] * n_layers
         # the prompt's queries (Hq, n, D) per layer until the compression point (numpy or the device's)
@@ -189,6 +191,7 @@ class CompressedCache(StoredKV):
             meta={
                 "source": "model prefill",
                 **({} if self.inv_freq is None else {"rope_inv_freq": self.inv_freq.tolist()}),
+                **self.extra_meta,
             },
         )
         if self.fast:  # numpy views of the float32 CPU tensors: nothing is copied

@@ -227,6 +227,7 @@ def run(
             prefix=ref.prefill,
             on_step=on_step if runs else None,
             tokens=ref.tokens,
+            repeat=ref.repeat,
         )
         if runs
         else []

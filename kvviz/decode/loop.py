@@ -15,53 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from kvviz.decode.cache import CompressedCache, Progress
+from kvviz.decode.cache import Progress
 from kvviz.decode.hook import compressed_cache
 from kvviz.decode.place import placement
 from kvviz.decode.ragged import cache_class  # allocations over heads / layers: ragged caches
+from kvviz.decode.forward import _forward, new_cache, refuse_sliding  # noqa: F401 (callers import them here)
+from kvviz.decode.reconstruct import prepare
 from kvviz.limits import checkpoint
-from kvviz.models.config import model_dims, rope_inv_freq
+from kvviz.models.config import rope_inv_freq
 from kvviz.spec import Spec, SpecError
-
-
-def _forward(model, ids: Sequence[int], start: int, last_only: bool = False):
-    """Logits (t, vocab) of tokens ids at positions start.. (explicit position_ids, no HF cache);
-    last_only: the last position's alone (1, vocab), as generate() asks for a prompt's (a 32k prompt's
-    logits over a 128k vocabulary would be 16 GiB in float32)."""
-    import torch
-
-    # where the model reads its token ids
-    device = placement(model)[0]
-    x = torch.tensor([list(ids)], dtype=torch.long, device=device)
-    pos = torch.arange(start, start + len(ids), device=device)[None]
-    keep = {"logits_to_keep": 1} if last_only else {}
-    logits = model(input_ids=x, position_ids=pos, use_cache=False, **keep).logits[0]
-    return (logits[-1:] if last_only else logits).float()
-
-
-def refuse_sliding(model) -> None:
-    """SpecError for a model with sliding-window layers (Mistral, Gemma 2/3, gpt-oss): the compressed cache
-    attends over every token it keeps, on every layer, so it would give those layers the whole context."""
-    from kvviz.models.load import layer_kinds
-
-    cfg = model.config
-    kinds = layer_kinds(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg)
-    sliding = [i for i, k in enumerate(kinds) if k == "sliding_attention"]
-    if sliding:
-        raise SpecError(
-            f"{type(model).__name__} has {len(sliding)} sliding-window layers of {len(kinds)}: kvviz's "
-            "compressed decode attends over the whole cache on every layer, so it cannot run this model "
-            "yet; capture a trace of it instead (kvviz capture), which the Explorer reads window and all"
-        )
-
-
-def new_cache(model, spec: Spec, capacity: int, cls=CompressedCache, **kwargs) -> CompressedCache:
-    """A cache of class `cls` for this model: its shape, and its device and dtype (kvviz.decode.place).
-    A model with sliding-window layers is refused (`refuse_sliding`)."""
-    refuse_sliding(model)
-    L, Hq, Hkv, D = model_dims(model)
-    device, dtype = placement(model)
-    return cls(spec, L, Hq, Hkv, D, capacity=capacity, device=device, dtype=dtype, **kwargs)
 
 
 @dataclass(frozen=True, eq=False)
@@ -134,6 +96,7 @@ def decode(
     timings: dict | None = None,
     prefix: Prefill | None = None,
     block: bool = False,
+    repeat=None,
 ):
     """Prefill the prompt, compress, then run `steps` decode steps.
 
@@ -144,7 +107,8 @@ def decode(
     decode steps.
 
     `prefix`: a Prefill whose ids start with prompt_ids; the prompt is not run again.
-    `block=True` with teacher forcing: when the spec allows it (CompressedCache.block_ok,
+    `repeat`: KVzip's reconstruction prompt (kvviz.decode.reconstruct.repeat_prompt), for a scorer that reads
+    the model's pass over it. `block=True` with teacher forcing: when the spec allows it (CompressedCache.block_ok,
     one-shot policies and quantization), all steps run as one masked pass, equal to the
     step loop; otherwise the steps run one by one as usual.
     """
@@ -167,6 +131,9 @@ def decode(
     rows, fed = [], []
     if prefix is not None and not prefix.covers(prompt_ids):
         prefix = None
+    prepare(
+        cache, model, repeat, prompt_ids
+    )  # KVzip's reconstruction pass, where the scorer reads one
     with torch.inference_mode(), compressed_cache(model, cache):
         say(0.0, f"prefill of {n} prompt tokens")
         t0 = time.perf_counter()
@@ -214,6 +181,7 @@ def decode_many(
     prefix: Prefill | None = None,
     on_step: Callable[[int, int, Any], None] | None = None,
     tokens: Sequence[str] | None = None,
+    repeat=None,
 ):
     """Several decode runs of one prompt side by side, one batched forward a step.
 
@@ -244,6 +212,8 @@ def decode_many(
         )
         for spec, st in zip(specs, steps)
     ]
+    for c in caches:
+        prepare(c, model, repeat, prompt_ids)
     rows = [[prefix.logits[n - 1]] for _ in range(R)]
     fed: list[list[int]] = [[] for _ in range(R)]
     active: list = []

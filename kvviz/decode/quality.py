@@ -17,12 +17,14 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvviz.decode.cache import CompressedCache, Progress
+from kvviz.decode.reconstruct import repeat_prompt
 from kvviz.decode.loop import Prefill, decode, prefill
 from kvviz.models.config import model_dims, prefill_work
 from kvviz.engine import memory_for
@@ -61,6 +63,8 @@ class Reference:
     prefill: Prefill | None = None
     # where the question starts (the prompt is ids[:question_start] of context, then the question); None = none
     question_start: int | None = None
+    # KVzip's reconstruction prompt (kvviz.decode.reconstruct.RepeatPrompt), or a function giving it
+    repeat: Any = None
 
     def compression_point(self, question_point: str = DEFAULT_QUESTION_POINT) -> int:
         """The position the cache is compressed at (the first token not in it): the prompt's end, or with a
@@ -191,6 +195,7 @@ def reference(
         seconds=time.perf_counter() - t0,
         prefill=pre,
         question_start=question_start,
+        repeat=partial(repeat_prompt, tokenizer),  # read from the tokenizer only if a run needs it
     )
 
 
@@ -310,6 +315,7 @@ def evaluate(
         mode=mode,
         tokens=ref.tokens,
         prefix=ref.prefill,
+        repeat=ref.repeat,
         block=block,
         progress=None
         if progress is None

@@ -149,6 +149,9 @@ class Policy:
     # heads keep different numbers of tokens by the policy's own rule (a threshold, a per-head kind of budget):
     # the kept sets at the compression point are `compression_kept`'s, and each head's cap after it `head_caps`
     ragged: bool = False
+    # scores from a forward pass of the model beyond the prompt's (KVzip's reconstruction): the real-model
+    # side runs it and puts the scores in the prompt's trace (kvviz.decode.reconstruct)
+    reconstructs: bool = False
 
     def note(self, spec: Spec, trace: Trace | None = None) -> str | None:
         """What this scorer keeps and why, for the Explorer, where the sliders alone do not say it."""

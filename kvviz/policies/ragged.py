@@ -1,6 +1,6 @@
 """The rules for policies that keep their own number of tokens per head (`Policy.ragged`: a threshold,
-DuoAttention): no allocation spreads a budget they do not have, and the recent window they always keep
-holds at least the query's own token (a head is never left with nothing to attend to).
+DuoAttention, KVzip): no allocation spreads a budget they do not have, and the sinks and window they always
+keep hold at least one token (a head is never left with nothing to attend to).
 
 Its own module because the rule asks the registry about a scorer, and the registry imports the policy
 base, which imports the allocations: the registry loads this module with the scorers.
@@ -24,10 +24,10 @@ def _ragged(spec):
 @rule
 def _own_head_budgets_keep_a_window(spec) -> None:
     policy = _ragged(spec)
-    if policy is not None and spec.recent < 1:
+    if policy is not None and spec.sink + spec.recent < 1:
         raise SpecError(
-            f"{policy.title or spec.scorer} keeps the recent window in every head, and it must hold at least the "
-            "query's own token: set the recent window to 1 or more"
+            f"{policy.title or spec.scorer} keeps the sinks and the recent window in every head whatever its rule "
+            "drops, so that no head is left with nothing to attend to: set a sink or a recent window of 1 or more"
         )
 
 

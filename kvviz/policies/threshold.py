@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvviz.policies.base import Policy, ScoreContext
-from kvviz.settings import LABELS, Setting, declare
+from kvviz.settings import LABELS, Setting, declare, rule
+from kvviz.spec import SpecError
 
 
 def inner_scorers() -> tuple[str, ...]:
@@ -59,6 +60,20 @@ declare(
 # share it reached
 LEVELS = ((0.125, 1.0), (0.25, 0.75), (0.5, 0.5), (0.75, 0.25))
 LABELS["threshold"] = lambda spec: f"threshold ({spec.threshold_scorer} ≥ {spec.threshold:g})"
+
+
+@rule
+def _snapkv_votes_need_a_window(spec) -> None:
+    if (
+        spec.scorer == "threshold"
+        and spec.threshold_scorer == "snapkv"
+        and spec.evicts
+        and spec.recent < 1
+    ):
+        raise SpecError(
+            "Threshold eviction over SnapKV's votes needs a recent window of at least 1 token: the observation "
+            "window (the last context queries, which vote) is kept as part of it"
+        )
 
 
 class Threshold(Policy):

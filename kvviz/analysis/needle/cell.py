@@ -140,6 +140,8 @@ class _Prefill:
     logits: dict
     scaling: float
     dims: tuple[int, int, int, int]
+    # compression point -> KVzip's reconstruction scores: one pass a prompt, whatever the budget
+    reconstructed: dict = field(default_factory=dict)
 
 
 def _scaling(model, head_dim: int) -> float:
@@ -231,6 +233,8 @@ def run_cell(
     from kvviz.decode.hook import compressed_cache
     from kvviz.decode.loop import _forward
     from kvviz.decode.ragged import cache_class
+    from kvviz.decode.reconstruct import kvzip_scores, repeat_prompt
+    from kvviz.policies.kvzip import META
     from kvviz.decode.place import host
     from kvviz.policies import ScoreContext
 
@@ -253,12 +257,24 @@ def run_cell(
     cache.v[:, :, :c] = pre.v[:, :, :c]
     cache.length = [c] * L
     cache.prefill_q = [q[:, :c] for q in pre.q]  # views: compress() reads them, never writes
+    if (
+        cache.policy.reconstructs and spec.evicts
+    ):  # KVzip: the model repeats the context, once per prompt
+        if c not in pre.reconstructed:
+            pre.reconstructed[c] = kvzip_scores(model, repeat_prompt(tokenizer), prompt.ids[:c])
+        cache.extra_meta[META] = pre.reconstructed[c]
     answer: list[int] = []
     with torch.inference_mode(), compressed_cache(model, cache):
         cache.compress()
         last = pre.logits[c - 1]
-        for p in range(c, P):  # the question, after compression
-            last = _forward(model, [prompt.ids[p]], p)[-1]
+        if (
+            P - c > 1 and cache.block_ok()
+        ):  # the question in one masked pass, equal to the step loop
+            cache.block = True
+            last = _forward(model, list(prompt.ids[c:P]), c)[-1]
+        else:
+            for p in range(c, P):  # the question, after compression, a token at a time
+                last = _forward(model, [prompt.ids[p]], p)[-1]
         # the cache the first answer step reads
         kept_now = [[k.copy() for k in cache.kept_positions(layer)] for layer in range(L)]
         for i in range(new_tokens):
