@@ -213,12 +213,13 @@ class CompressedCache(StoredKV):
                 np.asarray(self.policy.score(ctx), dtype=np.float64), (self.H, n)
             )
             self.scores[layer, :, :n] = scores
+            if self.policy.ragged:  # heads of different lengths: RaggedCache keeps them
+                continue
             # ChunkKV's whole chunks
             own = self.policy.compression_kept(self.scores[layer, :, :n], self.spec)
-            if not self.policy.ragged:  # a ragged policy's heads are kept by RaggedCache
-                self.kept[layer] = _indices(
-                    select(self.scores[layer, :, :n], self.spec) if own is None else own
-                )
+            self.kept[layer] = _indices(
+                select(self.scores[layer, :, :n], self.spec) if own is None else own
+            )
         self.compressed = True
         if not self.fast and not self.record and not (self.spec.compress_every and self.evicts):
             self.trace.q.release()  # nothing reads the prompt's queries again: the device's memory back

@@ -5,7 +5,7 @@ change that:
     pyramid  each layer has its own heavy budget (still one length per layer): the layer
              runs under its own spec (`allocation.layer_spec`), everything else unchanged.
     adakv    the heads of a layer hold different numbers of tokens (ragged; so do policies that keep by
-             their own rule, `Policy.ragged`: a threshold, DuoAttention's two kinds of head): at the
+             their own rule, `Policy.ragged`: a threshold, DuoAttention, KVzip): at the
              compression point AdaKV gives each head its heavy budget from the scores of the
              whole layer; afterwards each head evicts within its own budget (one-shot
              scorers: the lowest score outside sinks and window, as `evict_one` does). The
@@ -96,9 +96,8 @@ class RaggedCache(CompressedCache):
                 self.heads_kept[layer] = [np.arange(n) for _ in range(self.H)]
                 continue
             scores = self.scores[layer, :, :n]
-            if (
-                self.policy.ragged
-            ):  # the policy's own kept sets and caps (a threshold, DuoAttention)
+            # a policy that keeps by its own rule gives the kept sets and caps (threshold, DuoAttention, KVzip)
+            if self.policy.ragged:
                 mask = self.policy.compression_kept(scores, self.spec)
                 self.head_budget[layer] = self.policy.head_caps(scores, self.spec)
             else:

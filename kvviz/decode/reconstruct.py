@@ -10,7 +10,9 @@ and the repeat's own tokens, as kvpress computes it. The context's first `prefix
 template's head) are not scored (0); the caller gives the first n_sink tokens the top score.
 
 One forward over context + repeat per chunk, which kvviz runs from the start (the context's keys are those
-of the prefill: attention is causal): about twice the plain prefill for one chunk, as kvpress's 2-3 times.
+of the prefill: attention is causal): for one chunk, 3.6 times the plain prefill's time measured on the
+bundled model (2.32 s against 0.65 s for 261 tokens; kvpress says 2-3 times), and the queries, keys and values
+of context and repeat, about twice the prefill's memory.
 torch is imported inside the functions.
 """
 
@@ -48,11 +50,17 @@ def repeat_prompt(tokenizer) -> RepeatPrompt:
     )
 
 
-def prepare(cache, model, repeat, ids: Sequence[int]) -> None:
+def prepare(cache, model, repeat, ids: Sequence[int], memo: dict | None = None) -> None:
     """Before the cache's compression point: where its scorer reads a reconstruction pass (KVzip), run it on
     the prompt `ids` and put the scores in the prompt's trace. `repeat`: a RepeatPrompt, or a function giving
-    one (read from the tokenizer only when a run needs it)."""
+    one (read from the tokenizer only when a run needs it). `memo`: scores kept per prompt length, so that the
+    runs of one prompt (a needle grid's budgets) make the pass once."""
     if not (cache.policy.reconstructs and cache.evicts):
+        return
+    if memo is not None and len(ids) in memo:
+        from kvviz.policies.kvzip import META
+
+        cache.extra_meta[META] = memo[len(ids)]
         return
     if callable(repeat):
         repeat = repeat()
@@ -64,6 +72,8 @@ def prepare(cache, model, repeat, ids: Sequence[int]) -> None:
     from kvviz.policies.kvzip import META
 
     cache.extra_meta[META] = kvzip_scores(model, repeat, ids)
+    if memo is not None:
+        memo[len(ids)] = cache.extra_meta[META]
 
 
 def template_parts(tokenizer) -> tuple[int, list[int]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -140,7 +141,7 @@ class _Prefill:
     logits: dict
     scaling: float
     dims: tuple[int, int, int, int]
-    # compression point -> KVzip's reconstruction scores: one pass a prompt, whatever the budget
+    # prompt length -> KVzip's reconstruction scores: one pass a prompt, whatever the budget
     reconstructed: dict = field(default_factory=dict)
 
 
@@ -233,8 +234,7 @@ def run_cell(
     from kvviz.decode.hook import compressed_cache
     from kvviz.decode.loop import _forward
     from kvviz.decode.ragged import cache_class
-    from kvviz.decode.reconstruct import kvzip_scores, repeat_prompt
-    from kvviz.policies.kvzip import META
+    from kvviz.decode.reconstruct import prepare, repeat_prompt
     from kvviz.decode.place import host
     from kvviz.policies import ScoreContext
 
@@ -257,19 +257,14 @@ def run_cell(
     cache.v[:, :, :c] = pre.v[:, :, :c]
     cache.length = [c] * L
     cache.prefill_q = [q[:, :c] for q in pre.q]  # views: compress() reads them, never writes
-    if (
-        cache.policy.reconstructs and spec.evicts
-    ):  # KVzip: the model repeats the context, once per prompt
-        if c not in pre.reconstructed:
-            pre.reconstructed[c] = kvzip_scores(model, repeat_prompt(tokenizer), prompt.ids[:c])
-        cache.extra_meta[META] = pre.reconstructed[c]
+    # KVzip: the model repeats the context, once per prompt whatever the budget
+    prepare(cache, model, partial(repeat_prompt, tokenizer), prompt.ids[:c], memo=pre.reconstructed)
     answer: list[int] = []
     with torch.inference_mode(), compressed_cache(model, cache):
         cache.compress()
         last = pre.logits[c - 1]
-        if (
-            P - c > 1 and cache.block_ok()
-        ):  # the question in one masked pass, equal to the step loop
+        # the question in one masked pass where the cache allows it (equal to the step loop)
+        if P - c > 1 and cache.block_ok():
             cache.block = True
             last = _forward(model, list(prompt.ids[c:P]), c)[-1]
         else:
