@@ -19,7 +19,7 @@ from kvviz.decode.cache import Progress
 from kvviz.decode.hook import compressed_cache
 from kvviz.decode.place import placement
 from kvviz.decode.ragged import cache_class  # allocations over heads / layers: ragged caches
-from kvviz.decode.forward import _forward, new_cache, refuse_sliding  # noqa: F401 (callers import them here)
+from kvviz.decode.forward import _forward, new_cache
 from kvviz.decode.reconstruct import prepare
 from kvviz.limits import checkpoint
 from kvviz.models.config import rope_inv_freq

@@ -252,8 +252,9 @@ class Policy:
 
     def fills_budget(self, spec: Spec) -> bool:
         """True when every KV head keeps (reads) exactly min(budget, tokens seen), as `select` does;
-        a policy that keeps a number of its own says False, and memory is counted from its masks."""
-        return True
+        a policy that keeps a number of its own says False (a ragged one always), and memory is counted
+        from its masks."""
+        return not self.ragged
 
     def score_key(self, spec: Spec) -> tuple:
         """What else the scores depend on, for a plug-in whose scores read something besides the trace and

@@ -125,9 +125,6 @@ class DuoAttention(Policy):
             "others keep every token. The heavy-hitter budget is not used."
         )
 
-    def fills_budget(self, spec) -> bool:
-        return False
-
     def fit_budget(self, spec, budget: int, n: int):
         """The streaming share that keeps `budget` of `n` tokens on average: a retrieval head keeps n, a
         streaming head sinks + window, so n - share * (n - sinks - window) = budget."""

@@ -81,9 +81,6 @@ class KVzip(Policy):
             f"its own count), the {spec.sink} sinks and the last {spec.recent} prompt tokens always kept."
         )
 
-    def fills_budget(self, spec) -> bool:
-        return False
-
     def score(self, ctx: ScoreContext) -> np.ndarray:
         """(kv_heads, positions): +inf where the global cut keeps a prompt token (and for every later token),
         the reconstruction score where it drops one."""

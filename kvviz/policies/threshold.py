@@ -18,15 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from kvviz.policies.base import Policy, ScoreContext
+from kvviz.policies.chunkkv import inner_scorers  # the one-shot token scorers (`chunkable`)
 from kvviz.settings import LABELS, Setting, declare, rule
 from kvviz.spec import SpecError
-
-
-def inner_scorers() -> tuple[str, ...]:
-    """The one-shot token scorers a threshold can cut (those that say `chunkable`)."""
-    from kvviz.policies.registry import POLICIES
-
-    return tuple(name for name, p in POLICIES.items() if p.chunkable)
 
 
 declare(
@@ -99,9 +93,6 @@ class Threshold(Policy):
             f"{spec.threshold:g}, beside the sinks and the recent window; the heavy-hitter budget is not used, "
             "and every head ends up with its own count (the memory card counts what they hold)."
         )
-
-    def fills_budget(self, spec) -> bool:
-        return False
 
     def fit_budget(self, spec, budget: int, n: int):
         """For SnapKV's votes: the threshold LEVELS / n (n = the prompt's tokens; 1 / n is what a token gets

@@ -162,7 +162,7 @@ def prefill(model, ids: Sequence[int], logits_at: Sequence[int] = ()) -> _Prefil
     import torch
 
     from kvviz.decode.hook import compressed_cache
-    from kvviz.decode.loop import new_cache
+    from kvviz.decode.forward import new_cache
     from kvviz.decode.place import placement
     from kvviz.models.config import model_dims
 
@@ -232,7 +232,7 @@ def run_cell(
     import torch
 
     from kvviz.decode.hook import compressed_cache
-    from kvviz.decode.loop import _forward
+    from kvviz.decode.forward import _forward
     from kvviz.decode.ragged import cache_class
     from kvviz.decode.reconstruct import prepare, repeat_prompt
     from kvviz.decode.place import host
