@@ -18,6 +18,7 @@ from kvviz.attention import chunk_rows, keep_heap, small_blas
 from kvviz.limits import Part, Work, checkpoint
 from kvviz.memory import Memory, budget_is_exact, memory_dict, memory_for, seen_tokens
 from kvviz.metrics import RowMetrics, Spread, spread
+from kvviz.policies.merging import merge_note
 
 # one row: what is kept at a query, and its original vs compressed attention (re-exported: the engine's API)
 from kvviz.rows import REASONS, RowResult, evaluate_rows, keep_masks, kept_at_query
@@ -445,7 +446,7 @@ def compare(
             m = min(n, len(r.error))
             errors[i, :m] = r.error[:m]
     notes = () if trace.has_later_queries else (NO_LATER_QUERIES_NOTE,)
-    notes += tuple(filter(None, [sliding_note(trace, view)]))
+    notes += tuple(filter(None, [sliding_note(trace, view), merge_note(trace, spec)]))
     return Comparison(
         spec=spec,
         view=view,

@@ -34,6 +34,7 @@ from kvviz.metrics import RowMetrics, divergences, row_metrics_batch
 from kvviz.policies import ScoreContext, get_policy
 from kvviz.policies.allocation import allocation_for
 from kvviz.policies.base import cached_on_trace, group_union
+from kvviz.policies.merging import merged_values
 from kvviz.quant import formats as qformats
 from kvviz.quant import quantize_kept
 from kvviz.spec import FULL_BITS, Spec
@@ -148,16 +149,18 @@ def evaluate_rows(
             for row in evaluate_rows(trace, spec, layer, heads[rows], qi, kept_kv, cache)
         ]
     m = int(sizes[0])  # the same for every row
+    # (kv_heads, P, D), the trace's dtype: the model's values, and those the cache holds (merged: Spec.merge)
+    own_values, values = held_values(trace, spec, layer, p, kept_kv, cache)
     # (H, m) kept positions, in order
     at = np.array(rows_at).reshape(H, m)
     flat = (at + (np.arange(H) * n)[:, None]).ravel()  # into the (H, n) rows
     # evict, then quantize what is kept: per KV head, over its compacted cache
     if reads is None:
-        quantized = _quantized_kept(trace, spec, layer, p, kept_at, cache, kept_kv)
+        quantized = _quantized_kept(trace, spec, layer, p, kept_at, cache, values, kept_kv)
     # Quest: the whole cache is stored (quantized as stored); each row reads from it
     else:
         whole = _quantized_kept(
-            trace, spec, layer, p, {g: np.arange(n) for g in set(kv_list)}, cache
+            trace, spec, layer, p, {g: np.arange(n) for g in set(kv_list)}, cache, values
         )
 
     def kept_part(i: int, g: int, which: int) -> np.ndarray | None:
@@ -200,13 +203,11 @@ def evaluate_rows(
     )
 
     out = out_hat = None
-    if trace.v is not None:
-        # (kv_heads, P, D), the trace's dtype
-        values = trace.v[layer]
+    if values is not None:
         out = np.empty((H, trace.head_dim))
         out_hat = np.empty_like(out)
         for g, rows in runs:
-            out[rows] = original[rows].astype(values.dtype) @ values[g, :n]  # o = a . V
+            out[rows] = original[rows].astype(values.dtype) @ own_values[g, :n]  # o = a . V
             # nothing evicted or quantized: the same
             if m == n and kept_part(rows.start, g, 1) is None:
                 # arithmetic, zero error
@@ -318,9 +319,11 @@ def _quantized_kept(
     p: int,
     kept_at: dict[int, np.ndarray],
     cache: dict,
+    values: np.ndarray | None,
     kept_kv: np.ndarray | None = None,
 ) -> dict[int, tuple[np.ndarray | None, np.ndarray | None]]:
     """KV head -> (K_hat - K, V_hat) of its kept tokens at kept_at[g] (m,); None where not quantized.
+    values: the layer's values the cache holds (held_values).
 
     Evict, then quantize what is kept: groups run over the compacted cache, and the last
     `residual` kept tokens stay at full precision. The caches not yet in `cache` are
@@ -329,7 +332,7 @@ def _quantized_kept(
     if spec.quant_model != "kv" or not spec.quantizes:
         return {g: (None, None) for g in kept_at}
     if qformats.uses_formats(spec):
-        return _quantized_kept_formats(trace, spec, layer, p, kept_at, cache, kept_kv)
+        return _quantized_kept_formats(trace, spec, layer, p, kept_at, cache, values, kept_kv)
     keys = {g: (layer, g, p, hash(at.tobytes())) for g, at in kept_at.items()}
     missing = [g for g, key in keys.items() if key not in cache]
     if missing:
@@ -346,9 +349,9 @@ def _quantized_kept(
             key_delta = quantize_kept(
                 trace.k[layer], heads, where, spec.key_bits, spec.key_axis, delta=True, **settings
             )
-        if trace.v is not None and spec.value_bits < FULL_BITS:
+        if values is not None and spec.value_bits < FULL_BITS:
             v_hat = quantize_kept(
-                trace.v[layer], heads, where, spec.value_bits, spec.value_axis, **settings
+                values, heads, where, spec.value_bits, spec.value_axis, **settings
             )
         for u, g in enumerate(missing):
             cache[keys[g]] = key_delta[u], v_hat[u]
@@ -362,6 +365,7 @@ def _quantized_kept_formats(
     p: int,
     kept_at: dict[int, np.ndarray],
     cache: dict,
+    values: np.ndarray | None,
     kept_kv: np.ndarray | None,
 ) -> dict[int, tuple[np.ndarray | None, np.ndarray | None]]:
     """_quantized_kept for kvviz.quant.formats: every KV head of the layer at once (a per-tensor
@@ -380,15 +384,35 @@ def _quantized_kept_formats(
             k = trace.k[layer][rows, where]
             sk = qformats.layer_static_scale(spec, "k", trace.k[layer][:, :c])
             key_delta = qformats.quantize_tensor(k, spec, "k", residual, sk) - k
-        if trace.v is not None and spec.quantizes_values:
+        if values is not None and spec.quantizes_values:
             sv = qformats.layer_static_scale(spec, "v", trace.v[layer][:, :c])
-            v_hat = qformats.quantize_tensor(trace.v[layer][rows, where], spec, "v", residual, sv)
+            v_hat = qformats.quantize_tensor(values[rows, where], spec, "v", residual, sv)
         cache[key] = key_delta, v_hat
     key_delta, v_hat = cache[key]
     return {
         g: (None if key_delta is None else key_delta[g], None if v_hat is None else v_hat[g])
         for g in kept_at
     }
+
+
+def held_values(
+    trace: Trace, spec: Spec, layer: int, p: int, kept_kv: np.ndarray, cache: dict
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The layer's values (kv_heads, P, D): the model's own, and those the cache holds for a query at p:
+    the same, or with Spec.merge the evicted values folded into the kept ones at the compression point
+    (kvviz.policies.merging): the prompt's for a later query, a compression at the query itself inside
+    the prompt. (None, None): the trace has no values."""
+    if trace.v is None:
+        return None, None
+    own = trace.v[layer]
+    if not (spec.merge and spec.evicts):
+        return own, own
+    point = min(p, trace.context_len - 1)
+    key = ("merged", layer, point)
+    if key not in cache:
+        kept = kept_kv if point == p else keep_masks(trace, spec, layer, [point])[0]
+        cache[key] = merged_values(trace.k[layer], own, kept[:, : point + 1])
+    return own, cache[key]
 
 
 def keep_masks(trace: Trace, spec: Spec, layer: int, positions) -> np.ndarray | None:

@@ -118,7 +118,8 @@ def _num(x) -> str:
 
 SETTINGS: dict[str, Setting] = {}  # Spec keyword -> Setting, in declaration order
 RULES: list[Callable[[Any], None]] = []  # rules over a whole Spec (raise kvviz.spec.SpecError)
-LABELS: dict[str, Callable[[Any], str]] = {}  # scorer name -> how Spec.label names it
+# scorer name -> how Spec.label names it; "+setting" -> what a setting adds to the eviction's label ("" when off)
+LABELS: dict[str, Callable[[Any], str]] = {}
 
 
 def declare(*settings: Setting) -> tuple[Setting, ...]:

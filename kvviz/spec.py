@@ -212,8 +212,8 @@ class Spec:
             if self.allocation != "uniform":
                 scorer = LABELS["allocation:" + self.allocation](self, scorer)
             parts.append(f"{scorer} sink {self.sink} recent {self.recent} heavy {self.heavy}")
-            if self.compress_every:  # kvviz.policies.recompress
-                parts[-1] += f", compressed again every {self.compress_every} steps"
+            # what a setting adds to the eviction's label, declared with it (LABELS["+name"])
+            parts[-1] += "".join(f(self) for key, f in LABELS.items() if key.startswith("+"))
         if self.quant_model == "noise" and self.noise_sigma > 0:
             parts.append(f"logit noise sigma {self.noise_sigma:g}")
         elif self.quant_model == "kv" and self.quantizes:

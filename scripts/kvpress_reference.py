@@ -16,7 +16,7 @@ and the kept positions are the rows of the keys it returns found in the keys it 
 which masks instead of pruning: the complement of the `masked_key_indices` it sets). kvpress
 compresses a layer's cache after that layer's attention, so every layer's decision is made on
 the full prefill, as kvviz's trace of the same prompt has it. Only the kept sets are stored (per layer and KV head, a hex bit mask
-of the 261 positions). Presses that mask instead (DMS's threshold, DuoAttention: `own_budgets`) are read from
+of the 261 positions; for MergingPress also how far each kept value moved). Presses that mask instead (DMS's threshold, DuoAttention: `own_budgets`) are read from
 each layer's masked_key_indices after the prefill; compression during decoding (`decoding`: kvpress's
 DecodingPress every 8 steps over 24 teacher-forced tokens) by following each cache position through every
 compression.
@@ -83,6 +83,12 @@ DECODING = {
     # kvpress's SnapKV needs more buffered decode states than its window: a window of 4 (of the 8)
     "decoding_snapkv": ("SnapKVPress(window_size=4)", dict(sink=0, recent=4, heavy=126, scorer="snapkv",
                                                            compress_every=DECODE_EVERY)),
+}
+
+# Merging instead of dropping: kvpress's MergingPress around SnapKV at ratio 0.5 (the kept sets are SnapKV's);
+# recorded per kept token is how far merging moved its value, |v' - v| (5 significant digits).
+MERGING = {
+    "merging_snapkv": ("MergingPress(SnapKVPress())", dict(sink=0, recent=64, heavy=66, scorer="snapkv", merge=True)),
 }
 
 
@@ -202,6 +208,36 @@ def record_masked(model, ids, name: str) -> list:
     return kept
 
 
+def record_merging(model, ids) -> tuple[list, list]:
+    """MergingPress(SnapKVPress()) at RATIO: per layer and KV head, the kept positions and |v' - v| of each kept
+    value (what merging moved it by), read from what its compress returns against the cache it was given."""
+    import kvpress as kp
+    import torch
+
+    press = kp.MergingPress(press=kp.SnapKVPress(compression_ratio=RATIO))
+    kept: dict[int, list] = {}
+    moved: dict[int, list] = {}
+    inner_compress = press.compress
+
+    def compress(module, hidden_states, keys, values, attentions, kwargs):
+        new_keys, new_values = inner_compress(module, hidden_states, keys, values, attentions, kwargs)
+        kept[module.layer_idx], moved[module.layer_idx] = [], []
+        for h in range(keys.shape[1]):
+            same = (new_keys[0, h][:, None, :] == keys[0, h][None, :, :]).all(dim=-1)   # (m, n)
+            assert bool((same.sum(dim=1) == 1).all()), "a kept key matches no single cached key"
+            at = same.float().argmax(dim=1)
+            order = torch.argsort(at)                                               # in position order
+            shift = (new_values[0, h][order] - values[0, h][at[order]]).norm(dim=-1)
+            kept[module.layer_idx].append(at[order].tolist())
+            moved[module.layer_idx].append([float(f"{x:.5g}") for x in shift.tolist()])
+        return new_keys, new_values
+
+    press.compress = compress
+    with torch.inference_mode(), press(model):
+        model(input_ids=torch.tensor([ids]), use_cache=True)
+    return [kept[layer] for layer in sorted(kept)], [moved[layer] for layer in sorted(moved)]
+
+
 def record_decoding(model, ids: list[int], more: list[int], name: str) -> list:
     """Kept positions per layer and KV head after teacher-forcing `more` through kvpress's decoding press.
     Each layer's cache positions are followed through the run: every step appends its position, and each
@@ -291,6 +327,13 @@ def main() -> None:
                                                                               for layer in kept]}
         sizes = sorted({len(h) for layer in kept for h in layer})
         print(f"{name:26s} {expr[:48]:48s} layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}")
+    out["merging"] = {}
+    for name, (expr, settings) in MERGING.items():
+        kept, moved = record_merging(models["sdpa"], ids)
+        out["merging"][name] = {"press": expr, "kvviz": settings, "kept": [[to_hex(h, len(ids)) for h in layer]
+                                                                        for layer in kept], "moved": moved}
+        print(f"{name:26s} {expr:48s} layers {len(kept)}  values moved in "
+              f"{sum(x > 0 for layer in moved for h in layer for x in h)} of {sum(len(h) for layer in kept for h in layer)}")
     more = list(tok(text)["input_ids"])[N_TOKENS : N_TOKENS + DECODE_STEPS]
     out["decoding"] = {"steps": DECODE_STEPS, "every": DECODE_EVERY, "continuation_ids": more, "methods": {}}
     for name, (expr, settings) in DECODING.items():

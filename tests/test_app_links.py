@@ -36,7 +36,7 @@ VALID_TOGETHER = {
 # kept at their defaults: the studies page opens only a folder that exists under its root (its own tests
 # make one), and its measure is one of that study's; the quantization model, whose logit-noise stand-in a
 # real model's page refuses, has a test of its own
-AT_DEFAULT = {"study", "st_metric", "qmodel"}
+AT_DEFAULT = {"study", "st_metric", "qmodel", "merge"}  # merging excludes compressing again: its own test below
 # the folded sections that hold settings' widgets, opened so that their widgets are checked too
 FOLDED = (ADVANCED, "_solver_open")
 
@@ -95,6 +95,19 @@ def test_a_link_with_every_setting_restores_each_one_on_every_page(page):
     assert on_screen == {name: values[name] for name in on_screen}
     if page == "explorer":    # the folded sections' widgets were among them
         assert {"scorer", "residual", "solve_kind"} <= set(on_screen)
+    assert dict(at.query_params) == link
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_a_link_that_merges_restores_it_on_every_page(page):
+    """Merging (kept out of the link above: it and compressing again exclude each other)."""
+    link = {"scorer": "knorm", "sink": "2", "recent": "6", "heavy": "8", "merge": "1"}
+    at = run_app(str(ROOT / PAGES[page]), 300, opened=FOLDED, **link)
+    assert not notices(at), notices(at)
+    assert [e.value for e in at.error] == []
+    assert at.session_state[STORE]["merge"] is True
+    if page == "explorer":
+        assert widgets(at)["merge"] is True
     assert dict(at.query_params) == link
 
 

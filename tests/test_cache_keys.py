@@ -66,7 +66,8 @@ OTHER = {"sink": 3, "recent": 12, "heavy": 30, "scorer": "tova", "key_bits": 4, 
          "residual_mode": "hf", "allocation": "pyramid", "adakv_alpha": 0.5, "adakv_floor": "outside-window",
          "pyramid_beta": 2.0, "pyramid_schedule": "heavy", "ea_horizon": 64, "ea_covariance": False,
          "chunk_size": 8, "chunk_scorer": "h2o", "chunk_rule": "budget", "page_size": 4, "quest_heads": "kv",
-         "compress_every": 8, "threshold": 0.02, "threshold_scorer": "knorm", "duo_streaming": 0.25}
+         "compress_every": 8, "threshold": 0.02, "threshold_scorer": "knorm", "duo_streaming": 0.25,
+         "merge": True}
 ONE_SHOT_SCORERS = [s for s in SCORERS if not (POLICIES[s].needs_query or POLICIES[s].reconstructs)]   # per query; the model
 
 

@@ -197,3 +197,54 @@ def test_snapkv_compressed_again_while_decoding_differs_from_kvpress_by_its_vote
     kept sets overlap by about four fifths, no head exactly (docs/kvpress.md)."""
     j = decoding_jaccard("decoding_snapkv")
     assert int((j == 1.0).sum()) == 0 and 0.75 < j.mean() < 0.82
+
+
+# --- merging instead of dropping: kvpress's MergingPress ---------------------------------------
+
+MERGING = REFERENCE["merging"]
+
+
+def moved_as_kvpress(trace, name: str) -> tuple[int, int, int]:
+    """(kept values moved as kvpress's MergingPress moved them, kept values, kept values kvpress moved at all):
+    kvviz's fold of the prompt's evicted values (kvviz.policies.merging) on the trace's own keys and values at
+    kvviz's kept sets, |v' - v| per kept token against kvpress's, head by head."""
+    from kvviz.policies import merging
+
+    entry_ = MERGING[name]
+    spec = Spec(**entry_["kvviz"])
+    want_kept = np.array([[[(int(h, 16) >> i) & 1 for i in range(N)] for h in layer] for layer in entry_["kept"]],
+                         dtype=bool)
+    agree = total = moved = 0
+    for layer in range(trace.n_layers):
+        kept = keep_masks(trace, spec, layer, [N - 1])[0, :, :N]
+        assert np.array_equal(kept, want_kept[layer])
+        values = trace.v[layer][:, :N].astype(np.float32)
+        merged = merging.merged_values(trace.k[layer][:, :N], values, kept)
+        for g in range(trace.n_kv_heads):
+            got = np.linalg.norm(merged[g, kept[g]] - values[g, kept[g]], axis=-1)
+            want = np.array(entry_["moved"][layer][g])
+            agree += int(np.isclose(got, want, rtol=1e-3, atol=1e-5).sum())
+            total += len(want)
+            moved += int((want > 0).sum())
+    return agree, total, moved
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", sorted(MERGING))
+def test_merged_values_move_as_kvpress_moves_them(trace, name):
+    """The same survivors received the same evicted values with the same weights: every kept value of every
+    head moved by what kvpress moved it (the kept sets are SnapKV's, equal to kvpress's)."""
+    agree, total, moved = moved_as_kvpress(trace, name)
+    assert moved > total / 4                 # merging really moved values: about a third of the kept ones
+    assert agree == total, f"{agree}/{total} kept values moved as kvpress moved them"
+
+
+@pytest.mark.model
+def test_merging_by_similarity_alone_misses_the_reference(trace, monkeypatch):
+    """The comparison can fail: Token Merging's weight (the similarity alone, without the values' norm shares)
+    moves the kept values by other amounts; only those nothing was merged into still agree."""
+    from kvviz.policies import merging
+
+    monkeypatch.setattr(merging, "merge_weight", lambda similarity, *_: np.maximum(similarity, 0.0))
+    agree, total, moved = moved_as_kvpress(trace, "merging_snapkv")
+    assert agree < total - moved / 2

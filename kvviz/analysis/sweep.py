@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from kvviz.engine import compare, compare_work
 from kvviz.limits import checkpoint
 from kvviz.quant.formats import FORMAT_BITS, SERVING_FORMATS
+from kvviz.settings import SETTINGS, shown
 from kvviz.spec import FULL_BITS, SCORERS, Spec, SpecError, View
 from kvviz.trace import Trace
 
@@ -76,6 +77,13 @@ def point_spec(
         value_format=fmt,
         **({"sink": 0, "recent": 0, "heavy": 0} | evict),
     )
+    # a setting of the base's scorer that this method does not take (merging, compress-every under H2O) is off
+    values = {**base.__dict__, **changes}
+    changes |= {
+        name: s.default
+        for name, s in SETTINGS.items()
+        if s.owner and s.owner[0] == "scorer" and not shown(s, values) and values[name] != s.default
+    }
     try:
         return base.with_(**changes)
     except SpecError:

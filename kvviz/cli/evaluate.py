@@ -104,7 +104,8 @@ def register(subparsers) -> None:
         "--methods",
         default=DEFAULT_METHODS,
         help="comma-separated: eviction methods (streaming, recent-only, h2o, tova, snapkv, knorm, "
-        "oracle) run at every budget; quantizers (kv-8bit, kv-4bit, kivi-2bit, "
+        "oracle, every other scorer by its name, an allocation over one as adakv-snapkv or pyramid-knorm, "
+        "merged evicted values as merge-snapkv) run at every budget; quantizers (kv-8bit, kv-4bit, kivi-2bit, "
         "2bit-per-token-keys, and the serving formats fp16, fp8-e4m3-tensor / -head / -token, "
         "fp8-e5m2-head, nvfp4, mxfp4, nvfp4-rotated, kivi-2bit-rotated, "
         "2bit-per-token-keys-rotated, hf-qc-4bit, hf-qc-2bit) once "

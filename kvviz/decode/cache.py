@@ -40,6 +40,7 @@ from kvviz.decode.place import host, is_cpu, on
 from kvviz.decode.stored import StoredKV
 from kvviz.policies import ScoreContext, evict_one, get_policy, select
 from kvviz.policies.base import group_union
+from kvviz.policies.merging import fold_evicted
 from kvviz.policies.recompress import is_due, layer_trace, recompressed
 from kvviz.quant.formats import uses_formats
 from kvviz.spec import FULL_BITS, Spec, SpecError
@@ -181,7 +182,27 @@ class CompressedCache(StoredKV):
         ]  # numpy or the device's
 
     def compress(self) -> None:
-        """The compression point: score the prompt from its own attention and select."""
+        """The compression point: score the prompt from its own attention, keep what the policy keeps, and
+        with Spec.merge fold what it evicts into what it keeps."""
+        self._score_and_keep()
+        if self.spec.merge and self.evicts:
+            self._merge_evicted()
+
+    def _merge_evicted(self) -> None:
+        """Each KV head's evicted prompt values folded into its nearest kept tokens (kvviz.policies.merging),
+        in the cache's own values: the kept rows change, keys stay. On the fast path the prompt's trace views
+        the same storage, so its values are the merged ones from here on (the scores were taken before)."""
+        n = self.n_tokens
+        for layer in range(self.L):
+            keys, values = host(self.k[layer, :, :n]), host(self.v[layer, :, :n])  # (H, n, D)
+            for g, at in enumerate(self.kept_positions(layer)):
+                kept = np.zeros(n, dtype=bool)
+                kept[at] = True
+                merged = fold_evicted(keys[g], values[g], kept)[at]  # (m_g, D)
+                self.v[layer, g, on(at, self.device)] = on(merged, self.device).to(self.dtype)
+
+    def _score_and_keep(self) -> None:
+        """The policy scores the prompt from its own attention and selects (per layer `kept`)."""
         n = self.n_tokens
         tokens = self.tokens[:n] if self.tokens is not None else tuple(f"t{i}" for i in range(n))
         fields = dict(

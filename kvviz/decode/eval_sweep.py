@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from kvviz.decode.cache import Progress
 from kvviz.decode.quality import Reference, evaluate
 from kvviz.policies import get_policy
+from kvviz.policies.merging import merges
 from kvviz.quant import kivi_residual
 from kvviz.quant.formats import hf_quantized_cache
 from kvviz.spec import SCORERS, Spec, SpecError
@@ -67,6 +68,14 @@ SWEEP_METHODS.update(
         )(al, name)
         for al in ("adakv", "pyramid")
         for name in ("snapkv", "expected_attention", "knorm", "oracle")
+    }
+)
+# evicted values merged into the kept ones instead of dropped (kvviz.policies.merging), beside each plain scorer
+SWEEP_METHODS.update(
+    {
+        f"merge-{name}": (lambda s_: lambda b: SWEEP_METHODS[s_](b).with_(merge=True))(name)
+        for name in SCORERS
+        if name in SWEEP_METHODS and merges(name)
     }
 )
 # Whole-cache quantizers as a function of the prompt length n. KIVI as published: keys per

@@ -52,8 +52,8 @@ class PyramidCache(CompressedCache):
         finally:
             self.spec = base
 
-    def compress(self) -> None:
-        super().compress()  # the trace and the scores, once
+    def _score_and_keep(self) -> None:
+        super()._score_and_keep()  # the trace and the scores, once
         if self.policy.needs_query:
             return
         from kvviz.policies import select
@@ -88,8 +88,8 @@ class RaggedCache(CompressedCache):
         # record: (H, n) per step
         self.step_masks: list[list[np.ndarray]] = [[] for _ in range(self.L)]
 
-    def compress(self) -> None:
-        super().compress()
+    def _score_and_keep(self) -> None:
+        super()._score_and_keep()
         n = self.n_tokens
         for layer in range(self.L):
             if self.policy.needs_query:

@@ -8,23 +8,24 @@ from plotly.subplots import make_subplots
 
 from kvviz.plots.style import FONT, METHOD_COLORS, METHOD_DASH, METHOD_LABELS, METHOD_SYMBOLS
 
-ALLOCATION_DASH = {"adakv": "dot", "pyramid": "dash"}
+# a wrapper over a scorer in a method's name (adakv-snapkv): what the legend adds, and the line's dash
+WRAPPERS = {
+    "adakv": ("AdaKV", "dot"),
+    "pyramid": ("PyramidKV", "dash"),
+    "merge": ("merged", "dashdot"),
+}
 
 
 def method_look(method: str) -> tuple[str, str, str, str]:
-    """(label, colour, symbol, dash) of a leaderboard method: a scorer's own look, or an allocation over one
-    (adakv-snapkv: SnapKV's colour, open markers and the allocation's dash)."""
-    allocation, _, scorer = (
-        method.partition("-") if method.split("-")[0] in ALLOCATION_DASH else ("", "", method)
+    """(label, colour, symbol, dash) of a leaderboard method: a scorer's own look, or a wrapper over one
+    (adakv-snapkv, merge-snapkv: SnapKV's colour, open markers and the wrapper's dash)."""
+    wrapper, _, scorer = (
+        method.partition("-") if method.split("-")[0] in WRAPPERS else ("", "", method)
     )
     label = METHOD_LABELS[scorer] if scorer in METHOD_LABELS else scorer
-    if allocation:
-        return (
-            f"{label} ({'AdaKV' if allocation == 'adakv' else 'PyramidKV'})",
-            METHOD_COLORS[scorer],
-            f"{METHOD_SYMBOLS[scorer]}-open",
-            ALLOCATION_DASH[allocation],
-        )
+    if wrapper:
+        name, dash = WRAPPERS[wrapper]
+        return f"{label} ({name})", METHOD_COLORS[scorer], f"{METHOD_SYMBOLS[scorer]}-open", dash
     return label, METHOD_COLORS[scorer], METHOD_SYMBOLS[scorer], METHOD_DASH[scorer]
 
 

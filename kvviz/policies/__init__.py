@@ -5,6 +5,7 @@
     select      the budget rule (sinks + recent + top heavy) and its streaming form
     allocation  AdaKV / PyramidKV budgets over heads and layers
     recompress  compression during decoding: scored again every N decode steps (decoding: its setting, rule)
+    merging     evicted values merged into the kept ones instead of dropped (kvpress MergingPress): setting, fold
     registry    POLICIES by name, get_policy, plug-ins (entry points and files)
     h2o, tova, snapkv, ...   the scorers
 

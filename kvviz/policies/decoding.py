@@ -8,7 +8,7 @@ registry imports the policy base, which runs recompress: the registry loads this
 from __future__ import annotations
 
 from kvviz.policies.allocation import allocation_for
-from kvviz.settings import Setting, declare, rule
+from kvviz.settings import LABELS, Setting, declare, rule
 from kvviz.spec import SpecError
 
 MAX_EVERY = 100_000
@@ -40,6 +40,10 @@ declare(
         "queries up to that step, generated ones included) and cuts it back to the budget "
         "(kvpress's DecodingPress). One-shot scorers only; a query reads at most budget + N tokens.",
     )
+)
+
+LABELS["+compress_every"] = lambda spec: (
+    f", compressed again every {spec.compress_every} steps" if spec.compress_every else ""
 )
 
 
