@@ -345,3 +345,28 @@ def test_duo_attention_retrieval_heads_hold_the_needle_and_streaming_heads_do_no
     counts = c.kept().sum(axis=2)
     assert set(np.unique(counts)) == {spec.sink + spec.recent, LENGTH}
     assert np.array_equal(counts == LENGTH, by_head == 1.0)
+
+
+@pytest.mark.model
+def test_merging_keeps_the_same_tokens_and_bytes_and_has_its_own_cell(bundled, cache_folder):
+    """merge-snapkv is SnapKV's cache with the evicted values merged in: the same kept tokens in every head and
+    the same bytes, and a cell of its own in the disk cache (the setting is in the key)."""
+    from kvviz.analysis.needle.grid import cell_key
+
+    model, tokenizer = bundled
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KVVIZ_CACHE_DIR", str(cache_folder))
+    try:
+        request = needle.GridRequest(lengths=[LENGTH], depths=[DEPTH], scorers=["snapkv", "merge-snapkv"],
+                                     budgets=[BUDGET])
+        grid = needle.run_grid(model, tokenizer, "bundled", request)
+    finally:
+        mp.undo()
+    drop, merge = grid.cell("snapkv", LENGTH, DEPTH), grid.cell("merge-snapkv", LENGTH, DEPTH)
+    assert np.array_equal(drop.kept(), merge.kept())
+    assert drop.needle_kept_by_head == merge.needle_kept_by_head
+    assert drop.budget_tokens == merge.budget_tokens
+    p = grid.prompt(LENGTH, DEPTH)
+    specs = [needle.spec_for(name, BUDGET, 16, LENGTH) for name in ("snapkv", "merge-snapkv")]
+    assert specs[1] == specs[0].with_(merge=True)
+    assert len({cell_key("bundled", p, s, False, 8) for s in specs}) == 2

@@ -62,6 +62,8 @@ METHODS = (
     "adakv-expected_attention",
     "pyramid-snapkv",
     "pyramid-expected_attention",
+    "merge-streaming",
+    "merge-snapkv",
     "oracle",
 )
 LENGTHS = (256,)

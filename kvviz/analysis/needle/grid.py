@@ -78,7 +78,8 @@ def cell_key(
             "needle": [prompt.needle_start, prompt.needle_end],
             "question_start": prompt.question_start,
             "key": prompt.key,
-            "spec": spec.__dict__,
+            # the settings away from their defaults: a setting added later leaves every older key as it was
+            "spec": {k: v for k, v in spec.__dict__.items() if v != SETTINGS[k].default},
             "question_after_compression": question_after_compression,
             "new_tokens": new_tokens,
             "format": FORMAT_VERSION,
