@@ -238,6 +238,7 @@ _PARAMS = [
     Param("rm_text", "choice", "bakery", choices=("bakery", "sample", "custom")),
     Param("rm_new", "int", 16, 0, 64),
     Param("rm_max", "int", 1024, 16, 4096),
+    Param("rm_kvzip", "bool", False),  # KVzip's reconstruction pass with the capture
 ]
 # Where a link opens differently from Spec(): the handbook's budgets, and short trailing groups quantized (KIVI
 # keeps them at 16 bits until they fill: on the handbook example the 14 kept tokens fill no per-channel key

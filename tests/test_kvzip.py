@@ -55,7 +55,7 @@ def test_a_source_without_the_reconstruction_pass_says_where_to_get_one():
     t = scored_trace()
     bare = Trace(q=t.q, k=t.k, v=t.v, context_len=t.context_len, tokens=t.tokens,
                  query_positions=t.query_positions, meta={"source": "test"})
-    with pytest.raises(SpecError, match="the Model lab, kvviz eval, the needle test and the leaderboard"):
+    with pytest.raises(SpecError, match="the needle test, the leaderboard, and a capture with KVzip.s pass"):
         compare(bare, Spec(sink=2, recent=3, heavy=10, scorer="kvzip"), View())
     with pytest.raises(SpecError, match="sink or a recent window"):
         Spec(sink=0, recent=0, heavy=10, scorer="kvzip")
@@ -93,3 +93,37 @@ def test_the_explorer_on_the_handbook_says_why_kvzip_cannot_run_there():
     at = run_app(str(Path(__file__).resolve().parents[1] / "pages" / "0_explorer.py"), 120, scorer="kvzip")
     errors = [e.value for e in at.error]
     assert len(errors) == 1 and "repeating the context" in errors[0] and "the Model lab" in errors[0]
+
+
+@pytest.mark.model
+def test_a_capture_with_kvzips_pass_keeps_its_scores_in_memory_in_a_file_and_for_some_layers(tmp_path):
+    """`kvviz capture --kvzip` and the Real model source's box: the scores of every layer ride in the trace's
+    meta (6 significant digits), through a trace file too; a capture of some layers keeps what the whole
+    model's cut keeps there, as the decode side's pass does."""
+    from apptest_util import load_shared
+
+    from kvviz.decode.reconstruct import kvzip_meta, kvzip_scores, repeat_prompt
+    from kvviz.decode.quality import sample_text
+    from kvviz.sources.capture import capture
+    from kvviz.sources.tracefile import load_trace
+
+    model, tok, info = load_shared("bundled")
+    text = " ".join(sample_text().split()[:60])
+    spec = Spec(sink=4, recent=4, heavy=24, scorer="kvzip")
+    whole = capture(model, tok, info, text, new_tokens=2, more_meta=kvzip_meta(model, tok))
+    c = whole.context_len
+    direct = kvzip_scores(model, repeat_prompt(tok), list(whole.meta["token_ids"])[:c])
+    np.testing.assert_allclose(np.asarray(whole.meta[META]), direct, rtol=1e-5)
+    want = kept_everywhere(direct, spec)
+    for layer in range(whole.n_layers):
+        assert np.array_equal(keep_masks(whole, spec, layer, [c - 1])[0, :, :c], want[layer])
+    some = capture(model, tok, info, text, new_tokens=2, layers="0,7,29", out=tmp_path / "some.safetensors",
+                   more_meta=kvzip_meta(model, tok))
+    opened = load_trace(tmp_path / "some.safetensors")
+    for trace in (some, opened):
+        assert trace.layer_numbers == (0, 7, 29) and np.asarray(trace.meta[META]).shape[0] == 30
+        for i, number in enumerate(trace.layer_numbers):
+            assert np.array_equal(keep_masks(trace, spec, i, [c - 1])[0, :, :c], want[number])
+    plain = capture(model, tok, info, text, new_tokens=0)
+    with pytest.raises(SpecError, match="kvviz capture --kvzip"):
+        keep_masks(plain, spec, 0, [c - 1])

@@ -282,6 +282,17 @@ def test_cli_capture_then_compare(tiny_dir, tmp_path, capsys):
     assert t.tokens[0] in table
 
 
+def test_cli_capture_with_kvzips_pass_then_compare_with_kvzip(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "kvzip.safetensors"
+    code, _, err = run(capsys, "capture", "--model", tiny_dir, "--prompt", TINY_TEXT, "--new-tokens", "2",
+                       "--kvzip", "--quiet", "--out", out)
+    assert code == 0, err
+    code, table, err = run(capsys, "compare", "--source", out, "--scorer", "kvzip", "--sink", "2", "--recent", "2",
+                           "--heavy", "8")
+    assert code == 0, err
+    assert "KVzip" in table or "kvzip" in table
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "/no/such/folder", "--prompt", "hi"], "no such model folder or file"),
     (["--model", "someone/not-cached", "--prompt", "hi"], "no network and not in the local cache"),
@@ -371,6 +382,17 @@ def _real_model_page():
                          f" ctx {t.context_len} {t.meta['model_name']}"))
 
 
+def _kvzip_page():
+    import numpy as np
+    import streamlit as st
+
+    from kvviz.app.sources import real_model_source
+    from kvviz.policies.kvzip import META
+
+    t = real_model_source(st.sidebar)
+    st.write("KVZIP:" + ("none" if t is None or META not in t.meta else str(np.asarray(t.meta[META]).shape)))
+
+
 def _trace_file_page():
     import streamlit as st
 
@@ -409,6 +431,27 @@ def test_the_main_area_capture_button_captures_the_chosen_model(tiny_dir, cache)
     at.run()
     assert not [b for b in at.main.button if b.key == "rm_capture_main"]   # captured: no button any more
     assert _shown(at) == f"TRACE:2x4x68 ctx 64 {tiny_dir}"
+
+
+def test_kvzips_pass_with_the_capture_is_a_capture_of_its_own(tiny_dir, cache):
+    """The Real model source's KVzip box: the capture carries the scores of every layer (a file of its own,
+    the plain capture's stays)."""
+    from streamlit.testing.v1 import AppTest
+
+    def shown(at):
+        return next(m.value for m in at.main.markdown if m.value.startswith("KVZIP:"))
+
+    at = AppTest.from_function(_kvzip_page, default_timeout=120).run()
+    at.sidebar.radio(key="rm_kind").set_value("other").run()
+    at.sidebar.text_input(key="rm_name").set_value(str(tiny_dir)).run()
+    at.sidebar.number_input(key="rm_max").set_value(64).run()
+    at.sidebar.button(key="rm_capture").click().run()
+    assert shown(at) == "KVZIP:none"
+    at.sidebar.checkbox(key="rm_kvzip").check().run()
+    at.sidebar.button(key="rm_capture").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert shown(at) == "KVZIP:(2, 2, 64)"            # layers, KV heads, prompt tokens
+    assert len(list(cache.glob("*.safetensors"))) == 2
 
 
 def test_app_real_model_capture_is_cached_on_disk(tiny_dir, cache):

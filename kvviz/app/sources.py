@@ -18,14 +18,14 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import streamlit as st
 
 from kvviz.app import guard
 from kvviz.app.compute import warm_up as compute_warm_up
-from kvviz.app.store import w_choice, w_number, w_slider
+from kvviz.app.store import w_check, w_choice, w_number, w_slider
 from kvviz.models import BUNDLED, BUNDLED_NAME, ModelError, bundled_model_file
 from kvviz.sources.tracefile import FORMAT, VERSION, load_trace, save_trace, trace_from_bytes
 from kvviz.trace import Trace, TraceError
@@ -71,14 +71,19 @@ class CaptureSettings:
     max_tokens: int
     dtype: str = "float32"
     device: str = "cpu"
+    kvzip: bool = False  # KVzip's reconstruction pass too (its scores in the trace's meta)
 
     def key(self) -> str:
         """sha256 of everything that changes the captured numbers, plus the trace format version."""
         from kvviz.version import __version__
 
-        blob = json.dumps(
-            {**self.__dict__, "format": VERSION, "kvviz": __version__}, sort_keys=True
-        )
+        # the fields away from their defaults: a field added later leaves every older capture's key as it was
+        settings = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if getattr(self, f.name) != f.default
+        }
+        blob = json.dumps({**settings, "format": VERSION, "kvviz": __version__}, sort_keys=True)
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
     def path(self) -> Path:
@@ -335,6 +340,7 @@ def run_capture(settings: CaptureSettings) -> Trace:
             new_tokens=settings.new_tokens,
             max_tokens=settings.max_tokens,
             progress=progress(0.3, 1.0),
+            more_meta=_kvzip_pass(model, tok, status) if settings.kvzip else None,
         )
         path = settings.path()
         try:
@@ -349,6 +355,19 @@ def run_capture(settings: CaptureSettings) -> Trace:
             expanded=False,
         )
     return trace
+
+
+def _kvzip_pass(model, tokenizer, status):
+    """The capture's KVzip scores, with the status box saying what runs."""
+    from kvviz.decode.reconstruct import kvzip_meta
+
+    scores_of = kvzip_meta(model, tokenizer)
+
+    def run(prompt_ids: list[int]) -> dict:
+        status.update(label="KVzip's pass: the model repeats the prompt …")
+        return scores_of(prompt_ids)
+
+    return run
 
 
 def real_model_source(container=None) -> Trace | None:
@@ -422,13 +441,20 @@ def real_model_source(container=None) -> Trace | None:
 
     # the devices this machine has; the weights' dtype
     device, dtype = device_controls(c, "rm")
+    kvzip = w_check(
+        c,
+        "rm_kvzip",
+        "KVzip's pass",
+        help="Also let the model repeat the prompt once (KVzip's reconstruction pass, 3-4 times the "
+        "prefill's time), so that the KVzip scorer can be chosen on this capture.",
+    )
     clicked = c.button("Capture", key="rm_capture", type="primary")
 
     if not prompt.strip():
         c.error("The prompt is empty: type some text to capture.")
         return None
     settings = CaptureSettings(
-        name, prompt, int(new_tokens), int(max_tokens), dtype=dtype, device=device
+        name, prompt, int(new_tokens), int(max_tokens), dtype=dtype, device=device, kvzip=kvzip
     )
     path = settings.path()
     # the step that is missing, in the main area where the page would be

@@ -72,6 +72,12 @@ def register(subparsers) -> None:
         help="the attention the model runs while recorded (default sdpa: no tokens x tokens matrix; "
         "'model': whatever it was loaded with)",
     )
+    p.add_argument(
+        "--kvzip",
+        action="store_true",
+        help="also run KVzip's reconstruction pass over the prompt (3-4 times the prefill's time) and keep "
+        "its scores in the trace, so that the KVzip scorer can be chosen on it",
+    )
     p.add_argument("--out", required=True, help="output trace file (.safetensors)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=cmd_capture)
@@ -103,8 +109,9 @@ def _read_prompt(a: argparse.Namespace) -> str:
 
 def cmd_capture(a: argparse.Namespace) -> int:
     from kvviz.models import ModelError
-    from kvviz.sources.capture import capture
+    from kvviz.decode.reconstruct import kvzip_meta
     from kvviz.models import load_model
+    from kvviz.sources.capture import capture
 
     prompt = _read_prompt(a)
     if not prompt.strip():
@@ -138,6 +145,7 @@ def cmd_capture(a: argparse.Namespace) -> int:
             attention=a.attention,
             # written layer by layer; `out` is replaced only when complete
             out=out,
+            more_meta=kvzip_meta(model, tokenizer) if a.kvzip else None,
         )
     finally:
         bar.done()

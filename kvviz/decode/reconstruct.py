@@ -76,6 +76,21 @@ def prepare(cache, model, repeat, ids: Sequence[int], memo: dict | None = None) 
         memo[len(ids)] = cache.extra_meta[META]
 
 
+def kvzip_meta(model, tokenizer):
+    """A capture's `more_meta` (kvviz.sources.capture): KVzip's reconstruction scores of the prompt, every
+    layer of the model, kept in the trace's meta to 6 significant digits (a trace file's header is JSON), so
+    that KVzip can be chosen on the trace, a file of it included."""
+    repeat = repeat_prompt(tokenizer)
+
+    def scores_of(prompt_ids: list[int]) -> dict:
+        from kvviz.policies.kvzip import META
+
+        scores = kvzip_scores(model, repeat, prompt_ids)  # (model layers, kv_heads, prompt tokens)
+        return {META: np.vectorize(lambda x: float(f"{x:.6g}"), otypes=[float])(scores).tolist()}
+
+    return scores_of
+
+
 def template_parts(tokenizer) -> tuple[int, list[int]]:
     """(prefix_length, suffix ids): the chat template's head before a user message, in tokens, and its text
     after it up to the assistant's turn, as kvpress reads them from a dummy message (none: 0 and "\\n")."""

@@ -9,8 +9,9 @@ cache holds `budget` tokens a head on average, so each head of each layer keeps 
 the heavy split of the budget does not matter, only its total. Tokens generated after the prompt all stay
 (kvpress compresses the prompt only).
 
-A source without the model (the handbook example, a synthetic pattern, a captured trace file) cannot give
-KVzip's scores: choosing KVzip there says so.
+A source without the model (the handbook example, a synthetic pattern, a trace captured without the pass)
+cannot give KVzip's scores: choosing KVzip there says so. A capture with KVzip's pass (`kvviz capture
+--kvzip`, the Real model source's box) keeps the scores of every layer in the trace's meta.
 """
 
 from __future__ import annotations
@@ -25,19 +26,38 @@ META = "kvzip_scores"
 
 
 def reconstruction_scores(trace) -> np.ndarray:
-    """(layers, kv_heads, context) the trace's KVzip scores, or a SpecError saying how to get them."""
+    """(layers, kv_heads, context) the KVzip scores of every layer of the model, or a SpecError saying how to
+    get them. A trace of some of the model's layers carries the scores of all of them (the global cut is over
+    the whole cache); `layer_rows` says which row is which of the trace's layers."""
     scores = trace.meta.get(META) if trace.meta else None
     if scores is None:
         raise SpecError(
             "KVzip scores each token by the attention the model pays it while repeating the context, a forward "
             "pass of the model itself, which this source has not run. The real-model runs make it: the Model "
-            "lab, kvviz eval, the needle test and the leaderboard"
+            "lab, kvviz eval, the needle test, the leaderboard, and a capture with KVzip's pass (the Real model "
+            "source's 'KVzip's pass' box, kvviz capture --kvzip)"
         )
     scores = np.asarray(scores, dtype=np.float64)
-    want = (trace.n_layers, trace.n_kv_heads, trace.context_len)
-    if scores.shape != want:
-        raise SpecError(f"the trace's KVzip scores have shape {scores.shape}, not {want}")
+    rows = layer_rows(trace, scores)
+    if (
+        scores.ndim != 3
+        or rows is None
+        or scores.shape[1:] != (trace.n_kv_heads, trace.context_len)
+    ):
+        raise SpecError(
+            f"the trace's KVzip scores have shape {scores.shape}, not (layers, {trace.n_kv_heads}, "
+            f"{trace.context_len})"
+        )
     return scores
+
+
+def layer_rows(trace, scores: np.ndarray) -> list[int] | None:
+    """The row of `scores` each of the trace's layers reads: the same index where there is a row per layer,
+    the layer's number in the model where the scores are the whole model's; None where neither fits."""
+    if scores.shape[0] == trace.n_layers:
+        return list(range(trace.n_layers))
+    numbers = list(trace.layer_numbers)
+    return numbers if max(numbers) < scores.shape[0] else None
 
 
 def kept_everywhere(scores: np.ndarray, spec) -> np.ndarray:
@@ -86,15 +106,16 @@ class KVzip(Policy):
         the reconstruction score where it drops one."""
         trace, c = ctx.trace, ctx.n_context
         scores = reconstruction_scores(trace)
+        row = layer_rows(trace, scores)[ctx.layer]
         keep = cached_on_trace(
             trace,
             -1,
             "kvzip/kept",
             (ctx.spec.sink, ctx.spec.recent, ctx.spec.budget),
             lambda: kept_everywhere(scores, ctx.spec),
-        )[ctx.layer]
+        )[row]
         out = np.full((trace.n_kv_heads, ctx.n_positions), np.inf)
-        out[:, :c] = np.where(keep, np.inf, scores[ctx.layer])
+        out[:, :c] = np.where(keep, np.inf, scores[row])
         return out
 
     def arrival_score(self, key, layer, position, spec):

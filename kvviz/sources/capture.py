@@ -171,6 +171,7 @@ def capture(
     stop_at_eos: bool = True,
     attention: str | None = "sdpa",
     out: str | os.PathLike | None = None,
+    more_meta: Callable[[list[int]], dict] | None = None,
 ) -> Trace:
     """Prefill `prompt`, greedy-decode `new_tokens` steps, and return the Trace of q, k, v.
 
@@ -178,7 +179,9 @@ def capture(
     `attention`: the implementation the model runs while recorded ("sdpa", "eager", or None / "model"
     for the one it was loaded with). `out`: write the trace to this file as the layers arrive, in the
     model's dtype (format 2), and return it opened lazily from there; else float32 arrays in memory.
-    `progress(fraction, message)` is called as the capture advances.
+    `progress(fraction, message)` is called as the capture advances. `more_meta(prompt_ids)`: what else the
+    trace's meta holds, computed from the prompt's token ids after the run (KVzip's reconstruction scores:
+    kvviz.decode.reconstruct.kvzip_meta).
     """
     say = progress or (lambda f, m: None)
     attention = None if attention in (None, "model") else str(attention)
@@ -201,6 +204,7 @@ def capture(
         run = _run(model, tokenizer, info, req, sink, attention, stop_at_eos, say)
         n = run["n"]
         meta = _meta(model, tokenizer, info, prompt, req, run, attention)
+        meta.update(more_meta(list(req.ids)) if more_meta else {})
         say(1.0, run["message"])
         return Trace(
             q=sink.q[:, :, :n],
@@ -212,7 +216,17 @@ def capture(
             meta=meta,
         )
     return _capture_to_file(
-        model, tokenizer, info, prompt, req, attention, stop_at_eos, say, dtype, Path(out)
+        model,
+        tokenizer,
+        info,
+        prompt,
+        req,
+        attention,
+        stop_at_eos,
+        say,
+        dtype,
+        Path(out),
+        more_meta,
     )
 
 
@@ -227,6 +241,7 @@ def _capture_to_file(
     say: Progress,
     dtype: Any,
     out: Path,
+    more_meta: Callable[[list[int]], dict] | None = None,
 ) -> Trace:
     """capture(out=...): rows go to a TraceWriter as they arrive; the file appears at `out` only when complete."""
     from kvviz.sources.tracefile import header_fields, load_trace
@@ -247,6 +262,8 @@ def _capture_to_file(
         )
     tensors["query_positions"] = ("I64", (req.T,))
     reserve = 64 * 1024 + 64 * req.T + 4 * len(prompt.encode("utf-8"))
+    if more_meta:  # room for a value per (layer, KV head, prompt token), as KVzip's scores take
+        reserve += 12 * model_dims(model)[0] * Hkv * req.P
     with TraceWriter(out, tensors, reserve=reserve) as w:
         run = _run(
             model,
@@ -261,6 +278,7 @@ def _capture_to_file(
         n = run["n"]
         w.put("query_positions", np.arange(req.T, dtype=np.int64))
         meta = _meta(model, tokenizer, info, prompt, req, run, attention)
+        meta.update(more_meta(list(req.ids)) if more_meta else {})
         if run["q_scale"] != 1.0:
             meta["query_scale"] = run["q_scale"]
         w.finish(
