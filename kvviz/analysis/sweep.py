@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvviz.engine import compare, compare_work
 from kvviz.limits import checkpoint
+from kvviz.policies import get_policy
 from kvviz.quant.formats import FORMAT_BITS, SERVING_FORMATS
 from kvviz.settings import SETTINGS, shown
 from kvviz.spec import FULL_BITS, SCORERS, Spec, SpecError, View
@@ -56,7 +57,7 @@ def split_budget(scorer: str, budget: int, sink: int = 4) -> dict:
     """
     sink = min(sink, max(0, budget - 1))
     rest = budget - sink
-    if scorer == "streaming":
+    if get_policy(scorer).window_only:
         return dict(sink=sink, recent=rest, heavy=0)
     recent = max(1, rest // 2) if rest else 0
     return dict(sink=sink, recent=recent, heavy=rest - recent)

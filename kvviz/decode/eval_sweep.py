@@ -4,6 +4,7 @@ each scored against the full cache (perplexity, next-token KL, top-1, bytes)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 
 from kvviz.decode.cache import Progress
@@ -34,38 +35,31 @@ SWEEP_FIELDS = (
     "total_tokens",
 )
 
-SWEEP_METHODS: dict[str, Callable[[int], Spec]] = {
-    "streaming": lambda b: Spec(sink=4, recent=max(b - 4, 1), scorer="streaming"),
-    "recent-only": lambda b: Spec(sink=0, recent=b, scorer="streaming"),
-    "h2o": lambda b: Spec(
-        sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="h2o"
-    ),
-    "tova": lambda b: Spec(
-        sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="tova"
-    ),
-    "snapkv": lambda b: Spec(
-        sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="snapkv"
-    ),
-    "knorm": lambda b: Spec(
-        sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="knorm"
-    ),
-    "oracle": lambda b: Spec(
-        sink=4, recent=max(b // 2 - 4, 1), heavy=b - max(b // 2 - 4, 1) - 4, scorer="oracle"
-    ),
-}
-# the newer scorers with the same split, and allocations over heads / layers
+SINKS = 4  # a sweep's attention sinks, StreamingLLM's
+
+
+def split_spec(scorer: str, budget: int) -> Spec:
+    """A scorer's spec at a token budget, the sweep's split: 4 sinks; a scorer that ranks by position alone
+    (StreamingLLM) spends the rest on the recent window, the others give half the budget less the sinks to the
+    window (at least one token) and the rest to heavy hitters (H2O's 10% + 10%)."""
+    if get_policy(scorer).window_only:
+        return Spec(sink=SINKS, recent=max(budget - SINKS, 1), scorer=scorer)
+    recent = max(budget // 2 - SINKS, 1)
+    return Spec(sink=SINKS, recent=recent, heavy=budget - recent - SINKS, scorer=scorer)
+
+
+# every scorer by its name, and the window alone (no sinks) beside the position-only scorers
+SWEEP_METHODS: dict[str, Callable[[int], Spec]] = {}
+for _name in SCORERS:
+    SWEEP_METHODS[_name] = partial(split_spec, _name)
+    if get_policy(_name).window_only:
+        SWEEP_METHODS["recent-only"] = partial(
+            lambda s_, b: Spec(sink=0, recent=b, scorer=s_), _name
+        )
+# allocations over heads / layers around the one-shot scorers they suit
 SWEEP_METHODS.update(
     {
-        name: (lambda s_: lambda b: SWEEP_METHODS["h2o"](b).with_(scorer=s_))(name)
-        for name in SCORERS
-        if name not in SWEEP_METHODS and name != "random"
-    }
-)
-SWEEP_METHODS.update(
-    {
-        f"{al}-{name}": (
-            lambda a_, s_: lambda b: SWEEP_METHODS["h2o"](b).with_(scorer=s_, allocation=a_)
-        )(al, name)
+        f"{al}-{name}": partial(lambda a_, s_, b: split_spec(s_, b).with_(allocation=a_), al, name)
         for al in ("adakv", "pyramid")
         for name in ("snapkv", "expected_attention", "knorm", "oracle")
     }
@@ -73,9 +67,9 @@ SWEEP_METHODS.update(
 # evicted values merged into the kept ones instead of dropped (kvviz.policies.merging), beside each plain scorer
 SWEEP_METHODS.update(
     {
-        f"merge-{name}": (lambda s_: lambda b: SWEEP_METHODS[s_](b).with_(merge=True))(name)
+        f"merge-{name}": partial(lambda s_, b: split_spec(s_, b).with_(merge=True), name)
         for name in SCORERS
-        if name in SWEEP_METHODS and merges(name)
+        if merges(name)
     }
 )
 # Whole-cache quantizers as a function of the prompt length n. KIVI as published: keys per

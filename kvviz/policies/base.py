@@ -152,6 +152,8 @@ class Policy:
     # scores from a forward pass of the model beyond the prompt's (KVzip's reconstruction): the real-model
     # side runs it and puts the scores in the prompt's trace (kvviz.decode.reconstruct)
     reconstructs: bool = False
+    # ranks by position alone (StreamingLLM): a sweep spends its budget on sinks and the recent window, no heavy part
+    window_only: bool = False
 
     def note(self, spec: Spec, trace: Trace | None = None) -> str | None:
         """What this scorer keeps and why, for the Explorer, where the sliders alone do not say it."""

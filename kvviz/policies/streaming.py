@@ -8,6 +8,7 @@ from kvviz.policies.base import Policy, ScoreContext
 class Streaming(Policy):
     name = "streaming"
     head_separable = True
+    window_only = True
     order = 40
     title = "StreamingLLM"
     menu = "StreamingLLM (position only)"

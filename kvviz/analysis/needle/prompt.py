@@ -4,6 +4,7 @@ policy gets at a length. See kvviz.analysis.needle for the test as a whole."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,7 +216,7 @@ def spec_for(scorer: str, fraction: float, bits: int, length: int) -> Spec:
     StreamingLLM = 4 sinks + the rest as window; the others 4 sinks, half the budget as
     recent window, the rest heavy), then K/V at `bits` (keys per channel, values per
     token, groups of 32, as kvviz eval's kv-Nbit methods)."""
-    from kvviz.decode.eval_sweep import SWEEP_METHODS
+    from kvviz.decode.eval_sweep import SWEEP_METHODS, split_spec
     from kvviz.policies import get_policy
 
     if scorer not in SCORER_NAMES and scorer not in SWEEP_METHODS:
@@ -229,6 +230,6 @@ def spec_for(scorer: str, fraction: float, bits: int, length: int) -> Spec:
         return Spec(**quant)
     b = budget_tokens(fraction, length)
     # a sweep method by its name (an allocation over a scorer: adakv-snapkv), else the sweep's split
-    make = SWEEP_METHODS.get(scorer) or (lambda b_: SWEEP_METHODS["h2o"](b_).with_(scorer=scorer))
+    make = SWEEP_METHODS.get(scorer) or partial(split_spec, scorer)
     spec = make(b).with_(**quant)
     return get_policy(spec.scorer).fit_budget(spec, b, length)  # a method that keeps its own count
