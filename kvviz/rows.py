@@ -35,9 +35,8 @@ from kvviz.policies import ScoreContext, get_policy
 from kvviz.policies.allocation import allocation_for
 from kvviz.policies.base import cached_on_trace, group_union
 from kvviz.policies.merging import merged_values
-from kvviz.quant import formats as qformats
-from kvviz.quant import quantize_kept
-from kvviz.spec import FULL_BITS, Spec
+from kvviz.quant.kept import stored_kept
+from kvviz.spec import Spec
 from kvviz.trace import Trace
 
 # Why each token is in (or out of) the compressed cache, for colouring charts.
@@ -89,6 +88,46 @@ def noise_eps(trace: Trace, spec: Spec, layer: int, head: int, position: int) ->
     return np.random.default_rng([spec.seed, layer, head, position]).standard_normal(position + 1)
 
 
+@dataclass(frozen=True)
+class _Batch:
+    """One batch of rows: query heads `heads` (H,) of one layer at query qi (position p, n = p + 1 tokens),
+    each attending over its m kept tokens `at` (H, m); `flat` indexes those into the (H, n) rows."""
+
+    trace: Trace
+    spec: Spec
+    layer: int
+    qi: int
+    p: int
+    heads: np.ndarray  # (H,)
+    kv_list: list[int]  # each row's KV head
+    runs: list  # (KV head, slice of rows) for the runs of rows sharing a KV head
+    at: np.ndarray  # (H, m)
+    reads: np.ndarray | None  # Quest: each query head's own reads (q_heads, positions)
+
+    @property
+    def n(self) -> int:
+        return self.p + 1
+
+    @property
+    def flat(self) -> np.ndarray:
+        H, m = self.at.shape
+        return (self.at + (np.arange(H) * self.n)[:, None]).ravel()
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """What the cache stores of the kept tokens: per KV head (K_hat - K, V_hat), None where not quantized;
+    for Quest the whole cache, each row reading its own tokens of it."""
+
+    by_kv: dict
+    whole: bool
+
+    def part(self, batch: _Batch, i: int, g: int, which: int) -> np.ndarray | None:
+        """Row i's (K_hat - K) (which 0) or V_hat (1) at its kept tokens, (m, D); None: not quantized."""
+        part = self.by_kv[g][which]
+        return part if not self.whole or part is None else part[batch.at[i]]
+
+
 def evaluate_rows(
     trace: Trace,
     spec: Spec,
@@ -108,17 +147,14 @@ def evaluate_rows(
     """
     cache = {} if cache is None else cache
     heads = np.asarray(heads, dtype=int)
-    H = len(heads)
     p = int(trace.query_positions[qi])
     n = p + 1
-    kvh = heads // trace.group_size  # (H,)
     sliding = trace.layer_windows[layer] is not None
     if sliding:  # the model keeps its window there, at full precision: no policy, no quantizer
         spec, reads, kept_kv = UNCOMPRESSED, None, window_masks(trace, layer, [p])[0]
     logits = logit_rows(trace, layer, heads, qi)  # (H, n), -inf before a sliding layer's window
     original, log_original = softmax_and_log(logits)
-    # reads: Quest per query head, each row reads its own tokens from the whole cache, (Hq, n)
-    # the oracle / Quest decide at this query
+    # the oracle / Quest decide at this query (reads: Quest per query head, each row its own tokens, (Hq, n))
     if kept_kv is None and spec.evicts:
         reads, kept_kv = _query_kept(trace, spec, layer, qi, heads, original)
     if kept_kv is None:
@@ -126,125 +162,133 @@ def evaluate_rows(
 
     # One cache per KV head: its rows share the kept tokens, the values and the quantized
     # K / V. Callers order heads by KV head, so each run of rows is one product.
-    kv_list = kvh.tolist()
+    kv_list = (heads // trace.group_size).tolist()
     runs = kv_runs(kv_list)
     # what each row attends over: its KV head's kept tokens (decided once per KV head), or its own reads
     if reads is None:
         kept_at = {g: np.flatnonzero(kept_kv[g, :n]) for g in set(kv_list)}
         rows_at = [kept_at[g] for g in kv_list]
     else:
+        kept_at = {g: np.arange(n) for g in set(kv_list)}  # Quest stores the whole cache
         rows_at = [np.flatnonzero(reads[h, :n]) for h in heads.tolist()]
-    sizes = np.array([len(a) for a in rows_at])
-    # ragged caches (AdaKV): one head at a time
-    if (sizes != sizes[0]).any():
-        if reads is not None:
-            return [
-                row
-                for h in heads.tolist()
-                for row in evaluate_rows(trace, spec, layer, [h], qi, kept_kv, cache, reads)
-            ]
+    if len({len(a) for a in rows_at}) > 1:  # ragged caches (AdaKV): one head at a time
+        groups = (
+            [[h] for h in heads.tolist()]
+            if reads is not None
+            else [heads[rows] for _, rows in runs]
+        )
         return [
             row
-            for _, rows in runs
-            for row in evaluate_rows(trace, spec, layer, heads[rows], qi, kept_kv, cache)
+            for group in groups
+            for row in evaluate_rows(trace, spec, layer, group, qi, kept_kv, cache, reads)
         ]
-    m = int(sizes[0])  # the same for every row
+    batch = _Batch(trace, spec, layer, qi, p, heads, kv_list, runs, np.array(rows_at), reads)
     # (kv_heads, P, D), the trace's dtype: the model's values, and those the cache holds (merged: Spec.merge)
     own_values, values = held_values(trace, spec, layer, p, kept_kv, cache)
-    # (H, m) kept positions, in order
-    at = np.array(rows_at).reshape(H, m)
-    flat = (at + (np.arange(H) * n)[:, None]).ravel()  # into the (H, n) rows
-    # evict, then quantize what is kept: per KV head, over its compacted cache
-    if reads is None:
-        quantized = _quantized_kept(trace, spec, layer, p, kept_at, cache, values, kept_kv)
-    # Quest: the whole cache is stored (quantized as stored); each row reads from it
-    else:
-        whole = _quantized_kept(
-            trace, spec, layer, p, {g: np.arange(n) for g in set(kv_list)}, cache, values
-        )
-
-    def kept_part(i: int, g: int, which: int) -> np.ndarray | None:
-        """Row i's (K_hat - K) (which 0) or V_hat (1) at its kept tokens, (m, D); None: not quantized."""
-        if reads is None:
-            return quantized[g][which]
-        part = whole[g][which]
-        return None if part is None else part[at[i]]
-
-    kept_logits = logits.take(flat).reshape(H, m)  # (H, m)
-    if spec.quant_model == "noise":
-        eps = np.stack([noise_eps(trace, spec, layer, h, p) for h in heads])
-        kept_logits += eps.take(flat).reshape(H, m) * spec.noise_sigma
-    elif spec.quantizes_keys:
-        # q . K_hat = q . K + q . (K_hat - K): exact logits wherever keys did not change
-        # (H, D), the trace's dtype
-        q = trace.q[layer, heads, qi] / np.float32(np.sqrt(trace.head_dim))
-        if reads is None:
-            # (K_hat - K).q^T: for a few query rows BLAS is ~2x faster this way round
-            for g, rows in runs:
-                kept_logits[rows] += (quantized[g][0] @ q[rows].T).T
-        else:
-            for i, g in enumerate(kv_list):
-                kept_logits[i] += kept_part(i, g, 0) @ q[i]
-    p_kept, logp_kept = softmax_and_log(kept_logits)  # over the kept tokens only
+    # evict, then quantize what is kept: per KV head, over its compacted cache (Quest: the whole cache)
+    stored = _Stored(
+        stored_kept(
+            trace, spec, layer, p, kept_at, cache, values, kept_kv if reads is None else None
+        ),
+        reads is not None,
+    )
+    p_kept, logp_kept = softmax_and_log(
+        _kept_logits(batch, logits, stored)
+    )  # over the kept tokens only
+    flat, m = batch.flat, batch.at.shape[1]
     compressed = np.zeros_like(original)
     compressed.ravel()[flat] = p_kept.ravel()
     error = compressed - original
-    original_kept = original.take(flat).reshape(H, m)
+    original_kept = original.take(flat).reshape(-1, m)
     mass = original_kept.sum(axis=1)
     # evicted: a token the query sees (a sliding layer's window) is not kept
     seen = n - window_start(p, trace.layer_windows[layer])
-    kl, kl_forward, js = divergences(
+    divergence = divergences(
         original_kept,
-        log_original.take(flat).reshape(H, m),
+        log_original.take(flat).reshape(-1, m),
         p_kept,
         logp_kept,
         mass,
         evicted=m < seen,
     )
-
-    out = out_hat = None
-    if values is not None:
-        out = np.empty((H, trace.head_dim))
-        out_hat = np.empty_like(out)
-        for g, rows in runs:
-            out[rows] = original[rows].astype(values.dtype) @ own_values[g, :n]  # o = a . V
-            # nothing evicted or quantized: the same
-            if m == n and kept_part(rows.start, g, 1) is None:
-                # arithmetic, zero error
-                out_hat[rows] = compressed[rows].astype(values.dtype) @ values[g, :n]
-            # o_hat = a_hat . V_hat
-            elif reads is None:
-                v_kept = (
-                    quantized[g][1] if quantized[g][1] is not None else values[g, at[rows.start]]
-                )
-                out_hat[rows] = p_kept[rows].astype(values.dtype) @ v_kept
-            else:
-                for i in range(rows.start, rows.stop):
-                    v_kept = kept_part(i, g, 1)
-                    out_hat[i] = p_kept[i].astype(values.dtype) @ (
-                        values[g, at[i]] if v_kept is None else v_kept
-                    )
+    out, out_hat = _outputs(batch, original, compressed, p_kept, own_values, values, stored)
     tv_quant = None
     # what quantization adds: compressed vs eviction alone (a / mass on the kept tokens)
     if spec.quantizes:
         tv_quant = 0.5 * np.abs(p_kept - original_kept / mass[:, None]).sum(axis=1)
-    metrics = row_metrics_batch(error, mass, kl, kl_forward, js, out, out_hat, tv_quant)
-    # per KV head, shared by its rows
-    if reads is None:
-        row_kept, reason = kept_kv[:, :n], reasons_for(kept_kv[:, :n], spec)
-        row_of = kv_list
+    metrics = row_metrics_batch(error, mass, *divergence, out, out_hat, tv_quant)
+    return _results(batch, kept_kv, sliding, original, compressed, error, out, out_hat, metrics)
+
+
+def _kept_logits(batch: _Batch, logits: np.ndarray, stored: _Stored) -> np.ndarray:
+    """(H, m) the compressed logits at the kept tokens: q . K_hat / sqrt(d), or the logits plus the noise
+    model's sigma * eps."""
+    trace, spec, H, m = batch.trace, batch.spec, *batch.at.shape
+    kept_logits = logits.take(batch.flat).reshape(H, m)
+    if spec.quant_model == "noise":
+        eps = np.stack([noise_eps(trace, spec, batch.layer, h, batch.p) for h in batch.heads])
+        kept_logits += eps.take(batch.flat).reshape(H, m) * spec.noise_sigma
+    elif spec.quantizes_keys:
+        # q . K_hat = q . K + q . (K_hat - K): exact logits wherever keys did not change
+        # (H, D), the trace's dtype
+        q = trace.q[batch.layer, batch.heads, batch.qi] / np.float32(np.sqrt(trace.head_dim))
+        if not stored.whole:
+            # (K_hat - K).q^T: for a few query rows BLAS is ~2x faster this way round
+            for g, rows in batch.runs:
+                kept_logits[rows] += (stored.by_kv[g][0] @ q[rows].T).T
+        else:
+            for i, g in enumerate(batch.kv_list):
+                kept_logits[i] += stored.part(batch, i, g, 0) @ q[i]
+    return kept_logits
+
+
+def _outputs(batch, original, compressed, p_kept, own_values, values, stored):
+    """(o, o_hat), each (H, D): o = a . V with the model's values, o_hat = a_hat . V_hat with the values
+    the cache holds at the kept tokens (quantized, merged); (None, None) without values."""
+    if values is None:
+        return None, None
+    n, m = batch.n, batch.at.shape[1]
+    out = np.empty((len(batch.heads), batch.trace.head_dim))
+    out_hat = np.empty_like(out)
+    for g, rows in batch.runs:
+        out[rows] = original[rows].astype(values.dtype) @ own_values[g, :n]  # o = a . V
+        # nothing evicted or quantized: the same arithmetic, zero error
+        if m == n and stored.part(batch, rows.start, g, 1) is None:
+            out_hat[rows] = compressed[rows].astype(values.dtype) @ values[g, :n]
+        # o_hat = a_hat . V_hat
+        elif not stored.whole:
+            v_hat = stored.by_kv[g][1]
+            v_kept = v_hat if v_hat is not None else values[g, batch.at[rows.start]]
+            out_hat[rows] = p_kept[rows].astype(values.dtype) @ v_kept
+        else:
+            for i in range(rows.start, rows.stop):
+                v_kept = stored.part(batch, i, g, 1)
+                out_hat[i] = p_kept[i].astype(values.dtype) @ (
+                    values[g, batch.at[i]] if v_kept is None else v_kept
+                )
+    return out, out_hat
+
+
+def _results(
+    batch, kept_kv, sliding, original, compressed, error, out, out_hat, metrics
+) -> list[RowResult]:
+    """The batch's RowResults: what each row's cache keeps (its KV head's, shared by its rows; Quest: its
+    own reads) and why."""
+    n = batch.n
+    if batch.reads is None:
+        row_kept, row_of = kept_kv[:, :n], batch.kv_list
     else:
-        row_kept = reads[heads, :n]
-        reason, row_of = reasons_for(row_kept, spec), range(H)
+        row_kept, row_of = batch.reads[batch.heads, :n], range(len(batch.heads))
+    reason = reasons_for(row_kept, batch.spec)
     if sliding:  # the window is the model's recent tokens; what it no longer sees, evicted
         reason = np.where(row_kept, np.int8(RECENT), np.int8(EVICTED))
     return [
         RowResult(
-            layer=layer,
+            layer=batch.layer,
             head=int(h),
             kv_head=g,
-            query=qi,
-            position=p,
+            query=batch.qi,
+            position=batch.p,
             original=original[i],
             compressed=compressed[i],
             kept=row_kept[r],
@@ -254,7 +298,7 @@ def evaluate_rows(
             out_compressed=None if out_hat is None else out_hat[i],
             metrics=metrics[i],
         )
-        for i, (h, g, r) in enumerate(zip(heads.tolist(), kv_list, row_of))
+        for i, (h, g, r) in enumerate(zip(batch.heads.tolist(), batch.kv_list, row_of))
     ]
 
 
@@ -310,89 +354,6 @@ def evaluate_row(
     if kept_kv is None and spec.evicts and not get_policy(spec.scorer).needs_query:
         kept_kv = keep_masks(trace, spec, layer, [int(trace.query_positions[qi])])[0]
     return evaluate_rows(trace, spec, layer, [head], qi, kept_kv)[0]
-
-
-def _quantized_kept(
-    trace: Trace,
-    spec: Spec,
-    layer: int,
-    p: int,
-    kept_at: dict[int, np.ndarray],
-    cache: dict,
-    values: np.ndarray | None,
-    kept_kv: np.ndarray | None = None,
-) -> dict[int, tuple[np.ndarray | None, np.ndarray | None]]:
-    """KV head -> (K_hat - K, V_hat) of its kept tokens at kept_at[g] (m,); None where not quantized.
-    values: the layer's values the cache holds (held_values).
-
-    Evict, then quantize what is kept: groups run over the compacted cache, and the last
-    `residual` kept tokens stay at full precision. The caches not yet in `cache` are
-    quantized in one call.
-    """
-    if spec.quant_model != "kv" or not spec.quantizes:
-        return {g: (None, None) for g in kept_at}
-    if qformats.uses_formats(spec):
-        return _quantized_kept_formats(trace, spec, layer, p, kept_at, cache, values, kept_kv)
-    keys = {g: (layer, g, p, hash(at.tobytes())) for g, at in kept_at.items()}
-    missing = [g for g, key in keys.items() if key not in cache]
-    if missing:
-        heads, where = np.array(missing), np.stack([kept_at[g] for g in missing])  # (U,), (U, m)
-        key_delta = v_hat = [None] * len(missing)
-        settings = dict(
-            group_size=spec.group_size,
-            residual=spec.residual,
-            symmetric=spec.symmetric,
-            zero_point=spec.zero_point,
-            partial=spec.partial,
-        )
-        if spec.key_bits < FULL_BITS:
-            key_delta = quantize_kept(
-                trace.k[layer], heads, where, spec.key_bits, spec.key_axis, delta=True, **settings
-            )
-        if values is not None and spec.value_bits < FULL_BITS:
-            v_hat = quantize_kept(
-                values, heads, where, spec.value_bits, spec.value_axis, **settings
-            )
-        for u, g in enumerate(missing):
-            cache[keys[g]] = key_delta[u], v_hat[u]
-    return {g: cache[key] for g, key in keys.items()}
-
-
-def _quantized_kept_formats(
-    trace: Trace,
-    spec: Spec,
-    layer: int,
-    p: int,
-    kept_at: dict[int, np.ndarray],
-    cache: dict,
-    values: np.ndarray | None,
-    kept_kv: np.ndarray | None,
-) -> dict[int, tuple[np.ndarray | None, np.ndarray | None]]:
-    """_quantized_kept for kvviz.quant.formats: every KV head of the layer at once (a per-tensor
-    scale reads them all), rotated and quantized in the spec's format; residual per its mode."""
-    n = p + 1
-    if kept_kv is None:
-        kept_kv = np.ones((trace.n_kv_heads, n), bool)
-    where = np.stack([np.flatnonzero(kept_kv[g, :n]) for g in range(trace.n_kv_heads)])  # (H, m)
-    key = ("formats", layer, p, hash(where.tobytes()))
-    if key not in cache:
-        residual = qformats.residual_at(spec, where, p, trace.context_len)
-        rows = np.arange(trace.n_kv_heads)[:, None]
-        key_delta = v_hat = None
-        c = trace.context_len  # static FP8 scales are calibrated on the context (fp8_calibrate)
-        if spec.quantizes_keys:
-            k = trace.k[layer][rows, where]
-            sk = qformats.layer_static_scale(spec, "k", trace.k[layer][:, :c])
-            key_delta = qformats.quantize_tensor(k, spec, "k", residual, sk) - k
-        if values is not None and spec.quantizes_values:
-            sv = qformats.layer_static_scale(spec, "v", trace.v[layer][:, :c])
-            v_hat = qformats.quantize_tensor(values[rows, where], spec, "v", residual, sv)
-        cache[key] = key_delta, v_hat
-    key_delta, v_hat = cache[key]
-    return {
-        g: (None if key_delta is None else key_delta[g], None if v_hat is None else v_hat[g])
-        for g in kept_at
-    }
 
 
 def held_values(

@@ -8,9 +8,10 @@ One format a module:
     mxfp4      E2M1 blocks of 32, E8M0 block scale (OCP MX)
     rotation   the orthonormal Hadamard rotation of the head dimension
     formats    the registry and a Spec's quantizer / byte count (rotation, residual modes)
+    kept       what a compressed cache stores of its kept tokens (evict, then quantize), for kvviz.rows
     kernel     the fused numba quantize-dequantize kernel behind `integer`
 
-May import: the core (spec); numba only in `kernel`, compiled on first use.
+May import: the core (spec, trace); numba only in `kernel`, compiled on first use.
 Everything `kvviz.quant` exported before it became a package is still importable from here.
 """
 
