@@ -100,9 +100,10 @@ test: dev
 test-fast: dev
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q $(XDIST) -m core --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
 
+LINTED := kvviz pages app.py tests benchmarks scripts
 lint: dev
-	$(PY) -m ruff check kvviz
-	$(PY) -m ruff format --check kvviz
+	$(PY) -m ruff check $(LINTED)
+	$(PY) -m ruff format --check $(LINTED)
 
 # CPU-heavy: niced, one module at a time; each module's score is printed by scripts/mutants.py
 mutants: dev

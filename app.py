@@ -8,11 +8,11 @@ app's start-up hook (kvviz.app.serve.lifespan) then warms the app before the fir
 
 import streamlit as st
 
-if __name__ == "__main__":          # a page view: Streamlit runs this file as its script
+if __name__ == "__main__":  # a page view: Streamlit runs this file as its script
     from kvviz.app.router import navigate
 
     navigate()
-else:                               # the server's start: `streamlit run app.py` imports this file
+else:  # the server's start: `streamlit run app.py` imports this file
     from kvviz.app.serve import lifespan
 
     app = st.App(__file__, lifespan=lifespan)

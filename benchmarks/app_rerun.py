@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from streamlit.testing.v1 import AppTest
 
-os.environ.setdefault("KVVIZ_WARMUP", "0")   # no background model load while the Explorer is timed
+os.environ.setdefault("KVVIZ_WARMUP", "0")  # no background model load while the Explorer is timed
 
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 
@@ -45,9 +45,11 @@ def main() -> None:
     t0 = time.perf_counter()
     at.run()
     cached = time.perf_counter() - t0
-    print(f"explorer rerun after a slider move: handbook {handbook * 1e3:.0f} ms, "
-          f"4k-token synthetic {synthetic * 1e3:.0f} ms (h2o, heads ensemble); "
-          f"rerun with nothing changed {cached * 1e3:.0f} ms")
+    print(
+        f"explorer rerun after a slider move: handbook {handbook * 1e3:.0f} ms, "
+        f"4k-token synthetic {synthetic * 1e3:.0f} ms (h2o, heads ensemble); "
+        f"rerun with nothing changed {cached * 1e3:.0f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -32,9 +32,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 
-TEXT = ("The river that runs through the old town is slow and brown in summer and fast and grey "
-        "in winter. People have built mills, bridges, markets and schools along its banks for "
-        "centuries, and each generation has told its own stories about the water. ")
+TEXT = (
+    "The river that runs through the old town is slow and brown in summer and fast and grey "
+    "in winter. People have built mills, bridges, markets and schools along its banks for "
+    "centuries, and each generation has told its own stories about the water. "
+)
 
 
 def build_model(folder: Path, layers: int) -> None:
@@ -46,9 +48,18 @@ def build_model(folder: Path, layers: int) -> None:
 
     _, tok, _ = load_model("bundled")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
-                      rope_theta=500000.0, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(cfg).eval().save_pretrained(folder)
     tok.save_pretrained(folder)
 
@@ -58,19 +69,30 @@ def child(argv: list[str]) -> int:
     from kvviz.cli import main
 
     rc = main(argv)
-    print(f"PEAK_RSS_MIB {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}", file=sys.stderr)
+    print(
+        f"PEAK_RSS_MIB {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}",
+        file=sys.stderr,
+    )
     return rc
 
 
 def kvviz(*argv: str) -> tuple[int, float, float, str]:
     """(exit status, peak RSS MiB, wall seconds, stderr tail) of `kvviz ARGV` in a fresh process."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("KVVIZ_MAX_BYTES", None)                                  # the default budget
+    env.pop("KVVIZ_MAX_BYTES", None)  # the default budget
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, __file__, "--child", *argv], capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", *argv], capture_output=True, text=True, env=env
+    )
     wall = time.perf_counter() - t0
-    peak = next((float(line.split()[1]) for line in reversed(out.stderr.splitlines())
-                 if line.startswith("PEAK_RSS_MIB")), float("nan"))
+    peak = next(
+        (
+            float(line.split()[1])
+            for line in reversed(out.stderr.splitlines())
+            if line.startswith("PEAK_RSS_MIB")
+        ),
+        float("nan"),
+    )
     return out.returncode, peak, wall, (out.stderr + out.stdout)[-600:]
 
 
@@ -83,7 +105,7 @@ def main() -> int:
     a = ap.parse_args()
     layers = 8 if a.small else 32
     tokens = a.tokens or (512 if a.small else 4096)
-    bf16_tokens = min(tokens, 1024)                      # the size ratio does not depend on the length
+    bf16_tokens = min(tokens, 1024)  # the size ratio does not depend on the length
     ok = True
     with tempfile.TemporaryDirectory(prefix="kvviz-big-") as tmp:
         tmp = Path(tmp)
@@ -91,37 +113,68 @@ def main() -> int:
         prompt = tmp / "prompt.txt"
         prompt.write_text(TEXT * (tokens // 40 + 8))
         f32 = tmp / "f32.safetensors"
-        print(f"random-weight Llama: {layers} layers x 32 query heads x 8 KV heads x 128, hidden 256; "
-              f"{tokens} tokens; CPU, {os.cpu_count()} cores")
-        rc, peak, wall, tail = kvviz("capture", "--model", str(tmp / "model"), "--prompt-file", str(prompt),
-                                     "--max-tokens", str(tokens), "--out", str(f32), "--quiet")
+        print(
+            f"random-weight Llama: {layers} layers x 32 query heads x 8 KV heads x 128, hidden 256; "
+            f"{tokens} tokens; CPU, {os.cpu_count()} cores"
+        )
+        rc, peak, wall, tail = kvviz(
+            "capture",
+            "--model",
+            str(tmp / "model"),
+            "--prompt-file",
+            str(prompt),
+            "--max-tokens",
+            str(tokens),
+            "--out",
+            str(f32),
+            "--quiet",
+        )
         size = f32.stat().st_size if f32.exists() else 0
         good = rc == 0 and peak <= 2560
         ok &= good
-        print(f"capture float32, default budget: exit {rc}, {wall:.1f} s, file {size / 1e9:.2f} GB, "
-              f"peak RSS {peak:.0f} MiB (target exit 0, <= 2560 MiB) {'ok' if good else 'MISS'}")
+        print(
+            f"capture float32, default budget: exit {rc}, {wall:.1f} s, file {size / 1e9:.2f} GB, "
+            f"peak RSS {peak:.0f} MiB (target exit 0, <= 2560 MiB) {'ok' if good else 'MISS'}"
+        )
         if rc != 0:
             print(tail, file=sys.stderr)
             return 1
         rc, peak, wall, tail = kvviz("trace", "info", str(f32))
         good = rc == 0 and wall <= 5.0
         ok &= good
-        print(f"kvviz trace info: exit {rc}, {wall:.2f} s wall, process start included (target <= 5 s) "
-              f"{'ok' if good else 'MISS'}")
+        print(
+            f"kvviz trace info: exit {rc}, {wall:.2f} s wall, process start included (target <= 5 s) "
+            f"{'ok' if good else 'MISS'}"
+        )
         layer = min(17, layers - 1)
-        rc, peak, wall, tail = kvviz("compare", "--source", str(f32), "--layer", str(layer), "--head", "5")
+        rc, peak, wall, tail = kvviz(
+            "compare", "--source", str(f32), "--layer", str(layer), "--head", "5"
+        )
         good = rc == 0 and peak <= 1229
         ok &= good
-        print(f"kvviz compare --layer {layer} --head 5: exit {rc}, {wall:.1f} s, peak RSS {peak:.0f} MiB "
-              f"of a {size / 1e9:.2f} GB trace (target <= 1229 MiB) {'ok' if good else 'MISS'}")
+        print(
+            f"kvviz compare --layer {layer} --head 5: exit {rc}, {wall:.1f} s, peak RSS {peak:.0f} MiB "
+            f"of a {size / 1e9:.2f} GB trace (target <= 1229 MiB) {'ok' if good else 'MISS'}"
+        )
         if rc != 0:
             print(tail, file=sys.stderr)
         sizes = {}
         for dtype in ("float32", "bfloat16"):
             out = tmp / f"{dtype}-short.safetensors"
-            rc, _, wall, tail = kvviz("capture", "--model", str(tmp / "model"), "--prompt-file", str(prompt),
-                                      "--max-tokens", str(bf16_tokens), "--dtype", dtype, "--out", str(out),
-                                      "--quiet")
+            rc, _, wall, tail = kvviz(
+                "capture",
+                "--model",
+                str(tmp / "model"),
+                "--prompt-file",
+                str(prompt),
+                "--max-tokens",
+                str(bf16_tokens),
+                "--dtype",
+                dtype,
+                "--out",
+                str(out),
+                "--quiet",
+            )
             if rc != 0:
                 print(tail, file=sys.stderr)
                 return 1
@@ -129,8 +182,10 @@ def main() -> int:
         ratio = sizes["bfloat16"] / sizes["float32"]
         good = ratio <= 0.55
         ok &= good
-        print(f"{bf16_tokens} tokens: bfloat16 file {sizes['bfloat16'] / 1e6:.1f} MB / float32 file "
-              f"{sizes['float32'] / 1e6:.1f} MB = ratio {ratio:.3f} (target <= 0.55) {'ok' if good else 'MISS'}")
+        print(
+            f"{bf16_tokens} tokens: bfloat16 file {sizes['bfloat16'] / 1e6:.1f} MB / float32 file "
+            f"{sizes['float32'] / 1e6:.1f} MB = ratio {ratio:.3f} (target <= 0.55) {'ok' if good else 'MISS'}"
+        )
     print("OK" if ok else "OVER TARGET")
     return 0 if ok else 1
 

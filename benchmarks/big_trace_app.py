@@ -31,21 +31,24 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WARMUP = os.environ.get("KVVIZ_WARMUP", "1")          # the app's default; tests/conftest sets 0 on import
+WARMUP = os.environ.get("KVVIZ_WARMUP", "1")  # the app's default; tests/conftest sets 0 on import
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import big_trace  # noqa: E402  (the model, the prompt and the CLI runner)
 from browser import CHROMIUM, server_pid, settled_at, slider  # noqa: E402  (tests/conftest's server, page probe)
 from load import cpu_seconds  # noqa: E402  (all the server's threads: what a step costs whatever shares the cores)
 
-TARGET_FIRST_METRICS = 5.0   # s
-TARGET_MOVE = 1.5            # s
+TARGET_FIRST_METRICS = 5.0  # s
+TARGET_MOVE = 1.5  # s
 TARGET_RSS_MIB = 2048
 VIEWPORT = {"width": 1024, "height": 768}
-MOVES = [("Heavy-hitter budget", "ArrowRight"), ("Recent window", "ArrowLeft"), ("Sink tokens", "ArrowRight")]
+MOVES = [
+    ("Heavy-hitter budget", "ArrowRight"),
+    ("Recent window", "ArrowLeft"),
+    ("Sink tokens", "ArrowRight"),
+]
 METRIC = "Attention mass retained"
 
 
@@ -60,11 +63,23 @@ def make_trace(folder: Path, layers: int, tokens: int) -> Path:
         big_trace.build_model(folder / "model", layers)
     prompt = folder / "prompt.txt"
     prompt.write_text(big_trace.TEXT * (tokens // 40 + 8))
-    rc, peak, wall, tail = big_trace.kvviz("capture", "--model", str(folder / "model"), "--prompt-file", str(prompt),
-                                           "--max-tokens", str(tokens), "--out", str(trace), "--quiet")
+    rc, peak, wall, tail = big_trace.kvviz(
+        "capture",
+        "--model",
+        str(folder / "model"),
+        "--prompt-file",
+        str(prompt),
+        "--max-tokens",
+        str(tokens),
+        "--out",
+        str(trace),
+        "--quiet",
+    )
     if rc != 0:
         raise SystemExit(f"capture failed ({rc}):\n{tail}")
-    print(f"captured {trace.name}: {trace.stat().st_size / 1e9:.2f} GB in {wall:.0f} s (peak RSS {peak:.0f} MiB)")
+    print(
+        f"captured {trace.name}: {trace.stat().st_size / 1e9:.2f} GB in {wall:.0f} s (peak RSS {peak:.0f} MiB)"
+    )
     return trace
 
 
@@ -77,9 +92,12 @@ def peak_rss_mib(pid: int) -> float:
 
 
 def headline_metric(page) -> str | None:
-    return page.evaluate("""(label) => { const m = Array.from(document.querySelectorAll('[data-testid="stMetric"]'))
+    return page.evaluate(
+        """(label) => { const m = Array.from(document.querySelectorAll('[data-testid="stMetric"]'))
         .find(m => m.textContent.includes(label));
-        return m ? m.querySelector('[data-testid="stMetricValue"]').textContent.trim() : null; }""", METRIC)
+        return m ? m.querySelector('[data-testid="stMetricValue"]').textContent.trim() : null; }""",
+        METRIC,
+    )
 
 
 def first_metrics(page, described: str) -> float:
@@ -88,20 +106,28 @@ def first_metrics(page, described: str) -> float:
     from conftest import idle, runs
 
     before, shown = runs(page), headline_metric(page)
-    radio = page.locator('[data-testid="stSidebar"] [data-testid="stRadio"] label').filter(has_text="Trace file")
+    radio = page.locator('[data-testid="stSidebar"] [data-testid="stRadio"] label').filter(
+        has_text="Trace file"
+    )
     t0 = page.evaluate("performance.now()")
     radio.click()
     # the Trace file source in the link, its trace described in the sidebar, and metric cards that are not
     # the handbook's any more, the run done
-    page.wait_for_function("""([name, label, shown]) => {
+    page.wait_for_function(
+        """([name, label, shown]) => {
         const side = document.querySelector('[data-testid="stSidebar"]');
-        const m = Array.from(document.querySelectorAll('[data-testid="stMetric"]')).find(m => m.textContent.includes(label));
+        const m = Array.from(document.querySelectorAll('[data-testid="stMetric"]'))
+          .find(m => m.textContent.includes(label));
         const app = document.querySelector('[data-testid="stApp"]');
         if (!location.search.includes('source=file') || !side || !side.textContent.includes(name) || !m) return false;
         const v = m.querySelector('[data-testid="stMetricValue"]').textContent.trim();
         if (v === shown || app.getAttribute('data-test-script-state') === 'running') return false;
         window.__firstMetrics = window.__firstMetrics || performance.now();
-        return true; }""", arg=[described, METRIC, shown], timeout=300_000, polling=50)
+        return true; }""",
+        arg=[described, METRIC, shown],
+        timeout=300_000,
+        polling=50,
+    )
     done = page.evaluate("window.__firstMetrics")
     idle(page, after=before)
     return (done - t0) / 1000
@@ -124,9 +150,15 @@ def measure(trace: Path, tokens: int, log: Path) -> tuple:
     from conftest import CHROMIUM_ARGS, PAGE_PROBE_JS, TIMEOUT, idle, serve_app
     from playwright.sync_api import sync_playwright
 
-    with tempfile.TemporaryDirectory(prefix="kvviz-app-cache-") as cache, contextlib.ExitStack() as stack:
-        env = {"KVVIZ_TRACE_DIRS": str(trace.parent), "KVVIZ_CACHE_DIR": cache,
-               "KVVIZ_WARMUP": WARMUP}
+    with (
+        tempfile.TemporaryDirectory(prefix="kvviz-app-cache-") as cache,
+        contextlib.ExitStack() as stack,
+    ):
+        env = {
+            "KVVIZ_TRACE_DIRS": str(trace.parent),
+            "KVVIZ_CACHE_DIR": cache,
+            "KVVIZ_WARMUP": WARMUP,
+        }
         url = stack.enter_context(serve_app(log, env=env, launcher=True))
         pid = server_pid(int(url.rsplit(":", 1)[1]))
         p = stack.enter_context(sync_playwright())
@@ -154,7 +186,8 @@ def measure(trace: Path, tokens: int, log: Path) -> tuple:
 def clipped(page) -> list[str]:
     """Widget labels and buttons on screen whose text does not fit their box (what a 1024x768 user misses)."""
     return page.evaluate("""() => Array.from(document.querySelectorAll(
-            '[data-testid="stWidgetLabel"] p, [data-testid="stBaseButton-secondary"] p, [data-testid="stMetricLabel"] p'))
+            '[data-testid="stWidgetLabel"] p, [data-testid="stBaseButton-secondary"] p, '
+            + '[data-testid="stMetricLabel"] p'))
         .filter(e => e.offsetParent !== null && (e.scrollWidth > e.clientWidth + 1))
         .map(e => e.textContent.trim())""")
 
@@ -162,33 +195,58 @@ def clipped(page) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="8 layers, 512 tokens (CI)")
-    ap.add_argument("--dir", type=Path, default=None, help="keep (and reuse) the model and trace here")
+    ap.add_argument(
+        "--dir", type=Path, default=None, help="keep (and reuse) the model and trace here"
+    )
     a = ap.parse_args()
     if CHROMIUM is None or not Path(CHROMIUM).is_file():
-        print(f"app benchmark not run: no Chromium at {CHROMIUM} or no Playwright (requirements-dev.txt)")
+        print(
+            f"app benchmark not run: no Chromium at {CHROMIUM} or no Playwright (requirements-dev.txt)"
+        )
         return 0
     layers, tokens = (8, 512) if a.small else (32, 4096)
     with contextlib.ExitStack() as stack:
-        folder = a.dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvviz-big-app-")))
+        folder = a.dir or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="kvviz-big-app-"))
+        )
         trace = make_trace(folder, layers, tokens)
-        print(f"random-weight Llama: {layers} layers x 32 query heads x 8 KV heads x 128; {tokens} tokens; "
-              f"trace {trace.stat().st_size / 1e9:.2f} GB; CPU, {os.cpu_count()} cores; Chromium at "
-              f"{VIEWPORT['width']}x{VIEWPORT['height']}; model warm-up "
-              f"{'off' if WARMUP == '0' else 'on'} (KVVIZ_WARMUP); load average {os.getloadavg()[0]:.1f}")
+        print(
+            f"random-weight Llama: {layers} layers x 32 query heads x 8 KV heads x 128; {tokens} tokens; "
+            f"trace {trace.stat().st_size / 1e9:.2f} GB; CPU, {os.cpu_count()} cores; Chromium at "
+            f"{VIEWPORT['width']}x{VIEWPORT['height']}; model warm-up "
+            f"{'off' if WARMUP == '0' else 'on'} (KVVIZ_WARMUP); load average {os.getloadavg()[0]:.1f}"
+        )
         log = ROOT / "test-artifacts" / "benchmark-big-trace-app.log"
         first, moves, reference, rss, amiss, cpu = measure(trace, tokens, log)
     print(f"load average after the run {os.getloadavg()[0]:.1f} (on {os.cpu_count()} cores)")
     move_s = statistics.median(moves)
-    checks = [(first <= TARGET_FIRST_METRICS, f"first metrics {first:.2f} s after choosing the file "
-               f"(target <= {TARGET_FIRST_METRICS:g} s)"),
-              (move_s <= TARGET_MOVE, f"slider move {move_s:.2f} s, median of " + ", ".join(
-                  f"{label} {m:.2f} s" for (label, _), m in zip(MOVES, moves)) + f" (target <= {TARGET_MOVE:g} s)"),
-              (None, f"for reference, the same moves on the handbook source (64 tokens) before: median "
-                     f"{statistics.median(reference):.2f} s (" + ", ".join(f"{m:.2f}" for m in reference) + ")"),
-              (None, f"server CPU time (all its threads, the background warm-up included): {cpu[0]:.2f} s from "
-                     f"the click to the first metrics, {cpu[1]:.2f} s a slider move (to the next move's key press)"),
-              (rss <= TARGET_RSS_MIB, f"server peak RSS {rss:.0f} MiB (target <= {TARGET_RSS_MIB} MiB)"),
-              (not amiss, "labels clipped at 1024x768: " + (", ".join(amiss) or "none"))]
+    checks = [
+        (
+            first <= TARGET_FIRST_METRICS,
+            f"first metrics {first:.2f} s after choosing the file "
+            f"(target <= {TARGET_FIRST_METRICS:g} s)",
+        ),
+        (
+            move_s <= TARGET_MOVE,
+            f"slider move {move_s:.2f} s, median of "
+            + ", ".join(f"{label} {m:.2f} s" for (label, _), m in zip(MOVES, moves))
+            + f" (target <= {TARGET_MOVE:g} s)",
+        ),
+        (
+            None,
+            f"for reference, the same moves on the handbook source (64 tokens) before: median "
+            f"{statistics.median(reference):.2f} s ("
+            + ", ".join(f"{m:.2f}" for m in reference)
+            + ")",
+        ),
+        (
+            None,
+            f"server CPU time (all its threads, the background warm-up included): {cpu[0]:.2f} s from "
+            f"the click to the first metrics, {cpu[1]:.2f} s a slider move (to the next move's key press)",
+        ),
+        (rss <= TARGET_RSS_MIB, f"server peak RSS {rss:.0f} MiB (target <= {TARGET_RSS_MIB} MiB)"),
+        (not amiss, "labels clipped at 1024x768: " + (", ".join(amiss) or "none")),
+    ]
     for good, text in checks:
         print(text if good is None else f"{text} {'ok' if good else 'MISS'}")
     ok = all(good is not False for good, _ in checks)

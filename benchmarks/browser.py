@@ -38,41 +38,66 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 from load import cpu_seconds  # noqa: E402  (the server's CPU time, from /proc)
-WARMUP = os.environ.get("KVVIZ_WARMUP", "1")          # the app's default; tests/conftest sets 0 on import
+
+WARMUP = os.environ.get("KVVIZ_WARMUP", "1")  # the app's default; tests/conftest sets 0 on import
 sys.path.insert(0, str(ROOT / "tests"))
-try:   # the browser tests' server and page probe (tests/conftest.py needs pytest: requirements-dev.txt)
-    from conftest import (CHROMIUM, CHROMIUM_ARGS, PAGE_PROBE_JS, TIMEOUT, idle, runs,  # noqa: E402
-                          serve_app, view)
+try:  # the browser tests' server and page probe (tests/conftest.py needs pytest: requirements-dev.txt)
+    from conftest import (
+        CHROMIUM,
+        CHROMIUM_ARGS,
+        PAGE_PROBE_JS,
+        TIMEOUT,
+        idle,
+        runs,  # noqa: E402
+        serve_app,
+        view,
+    )
     import playwright.sync_api  # noqa: E402, F401
 except ImportError as missing:
     CHROMIUM = None
     MISSING = f"{missing} (pip install -r requirements-dev.txt)"
 
 TARGET_RATIO = 2.0
-TARGET_PLAIN = 1.2   # the plain `streamlit run app.py`'s first paint / make run's
-TARGET_PAINT = 2.0   # s, the first paint on a quiet machine
+TARGET_PLAIN = 1.2  # the plain `streamlit run app.py`'s first paint / make run's
+TARGET_PAINT = 2.0  # s, the first paint on a quiet machine
 TARGET_CHARTS = 2.5  # s, both Explorer charts drawn after the page opens
 TARGET_MOVE, TARGET_WORST = 0.3, 0.8  # s, move -> charts redrawn: median and worst over the moves
-TARGET_CPU = 40.0    # ms, the server's CPU time per move (median)
+TARGET_CPU = 40.0  # ms, the server's CPU time per move (median)
 FRESH_VISITS, PLAIN_VISITS = 5, 5
-OPENED_AFTER = 5.0   # s: the lecturer opens the page a few seconds after `make run` says it is up (both servers)
-VIEWPORT = {"width": 1024, "height": 768}   # a classroom projector
+OPENED_AFTER = 5.0  # s: the lecturer opens the page a few seconds after `make run` says it is up (both servers)
+VIEWPORT = {"width": 1024, "height": 768}  # a classroom projector
 # (slider label, key) -- twelve single moves of the four headline sliders, none of them cached yet
-MOVES = [("Quantization bits", "ArrowLeft"), ("Heavy-hitter budget", "ArrowRight"), ("Sink tokens", "ArrowRight"),
-         ("Recent window", "ArrowLeft"), ("Quantization bits", "ArrowLeft"), ("Heavy-hitter budget", "ArrowRight"),
-         ("Sink tokens", "ArrowRight"), ("Recent window", "ArrowLeft"), ("Quantization bits", "ArrowRight"),
-         ("Heavy-hitter budget", "ArrowLeft"), ("Sink tokens", "ArrowLeft"), ("Recent window", "ArrowRight")]
+MOVES = [
+    ("Quantization bits", "ArrowLeft"),
+    ("Heavy-hitter budget", "ArrowRight"),
+    ("Sink tokens", "ArrowRight"),
+    ("Recent window", "ArrowLeft"),
+    ("Quantization bits", "ArrowLeft"),
+    ("Heavy-hitter budget", "ArrowRight"),
+    ("Sink tokens", "ArrowRight"),
+    ("Recent window", "ArrowLeft"),
+    ("Quantization bits", "ArrowRight"),
+    ("Heavy-hitter budget", "ArrowLeft"),
+    ("Sink tokens", "ArrowLeft"),
+    ("Recent window", "ArrowRight"),
+]
 
 
 def slider(page, label: str):
-    return page.locator('[data-testid="stSlider"]').filter(
-        has=page.locator('[data-testid="stWidgetLabel"]', has_text=label)).get_by_role("slider")
+    return (
+        page.locator('[data-testid="stSlider"]')
+        .filter(has=page.locator('[data-testid="stWidgetLabel"]', has_text=label))
+        .get_by_role("slider")
+    )
 
 
 def settled_at(page, since: float) -> float:
     """In-page time (ms) the app became idle after `since`: its run ended and the results stopped changing."""
-    return page.evaluate("""(since) => Math.max(window.__kvviz.changed,
-        ...window.__kvviz.samples.filter(s => s[2] >= since).map(s => s[2]))""", since)
+    return page.evaluate(
+        """(since) => Math.max(window.__kvviz.changed,
+        ...window.__kvviz.samples.filter(s => s[2] >= since).map(s => s[2]))""",
+        since,
+    )
 
 
 def reproduces(page) -> bool:
@@ -88,7 +113,11 @@ def reproduces(page) -> bool:
         fresh.close()
         page.bring_to_front()
     if again != shown:
-        diff = {k: (shown.get(k), again.get(k)) for k in set(shown) | set(again) if shown.get(k) != again.get(k)}
+        diff = {
+            k: (shown.get(k), again.get(k))
+            for k in set(shown) | set(again)
+            if shown.get(k) != again.get(k)
+        }
         print(f"  the link {link} opens another view: {diff}")
     return again == shown
 
@@ -118,7 +147,10 @@ def server_pid(port: int) -> int:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"--server.port" in argv and argv[argv.index(b"--server.port") + 1] == str(port).encode():
+        if (
+            b"--server.port" in argv
+            and argv[argv.index(b"--server.port") + 1] == str(port).encode()
+        ):
             return int(proc.name)
     raise RuntimeError(f"no server process on port {port}")
 
@@ -149,9 +181,15 @@ def move(page, label: str, key: str, pid: int) -> dict:
     wire = page.evaluate("window.__wire")
     sent = min((t for t in wire["sent"] if t >= t0), default=t0)
     settled = settled_at(page, t0)
-    return {"total": (settled - t0) / 1000, "press -> sent": (sent - t0) / 1000,
-            "sent -> last message": (wire["last"] - sent) / 1000, "last message -> drawn": (settled - wire["last"]) / 1000,
-            "server CPU ms": cpu, "messages": wire["messages"], "kB": wire["bytes"] / 1024}
+    return {
+        "total": (settled - t0) / 1000,
+        "press -> sent": (sent - t0) / 1000,
+        "sent -> last message": (wire["last"] - sent) / 1000,
+        "last message -> drawn": (settled - wire["last"]) / 1000,
+        "server CPU ms": cpu,
+        "messages": wire["messages"],
+        "kB": wire["bytes"] / 1024,
+    }
 
 
 CHARTS_JS = """
@@ -172,10 +210,15 @@ def first_visit(browser, url: str):
     page = context.new_page()
     page.set_default_timeout(TIMEOUT)
     page.goto(url)
-    page.locator('[data-testid="stMetric"]').filter(has_text="Attention mass retained").first.wait_for()
+    page.locator('[data-testid="stMetric"]').filter(
+        has_text="Attention mass retained"
+    ).first.wait_for()
     idle(page)
-    paint = page.evaluate("""() => window.__kvviz.samples.find(
-        s => s[0].includes('metric: Attention mass retained='))[2]""") / 1000
+    paint = (
+        page.evaluate("""() => window.__kvviz.samples.find(
+        s => s[0].includes('metric: Attention mass retained='))[2]""")
+        / 1000
+    )
     return paint, page.evaluate("window.__chartsDrawn") / 1000, page
 
 
@@ -186,8 +229,13 @@ def fresh_visits(browser, times: int, launcher: bool, keep: contextlib.ExitStack
     found, page, url = [], None, None
     for i in range(times):
         with contextlib.ExitStack() as stack:
-            url = stack.enter_context(serve_app(ROOT / "test-artifacts" / f"{name}.log",
-                                                env={"KVVIZ_WARMUP": WARMUP}, launcher=launcher))
+            url = stack.enter_context(
+                serve_app(
+                    ROOT / "test-artifacts" / f"{name}.log",
+                    env={"KVVIZ_WARMUP": WARMUP},
+                    launcher=launcher,
+                )
+            )
             time.sleep(OPENED_AFTER)
             paint, charts, page = first_visit(browser, url)
             found.append((paint, charts))
@@ -200,7 +248,9 @@ def fresh_visits(browser, times: int, launcher: bool, keep: contextlib.ExitStack
 
 def main() -> int:
     if CHROMIUM is None or not Path(CHROMIUM).is_file():
-        print(f"browser benchmark not run: {MISSING if CHROMIUM is None else f'no Chromium at {CHROMIUM}'}")
+        print(
+            f"browser benchmark not run: {MISSING if CHROMIUM is None else f'no Chromium at {CHROMIUM}'}"
+        )
         return 0
     from playwright.sync_api import sync_playwright
 
@@ -212,8 +262,9 @@ def main() -> int:
         visits, page, url = fresh_visits(browser, FRESH_VISITS, launcher=True, keep=last_server)
         pid = server_pid(int(url.rsplit(":", 1)[1]))
         parts, linked, waited = [], 0, []
-        if WARMUP != "0":   # the model's load starts once the server has had no page run for a while
+        if WARMUP != "0":  # the model's load starts once the server has had no page run for a while
             from kvviz.app.sources import QUIET_BEFORE_MODEL_S
+
             time.sleep(QUIET_BEFORE_MODEL_S + 1.0)
         for label, key in MOVES:
             waited.append(quiet(pid))
@@ -227,33 +278,55 @@ def main() -> int:
     cpu = statistics.median(p["server CPU ms"] for p in parts)
     ratio = moves[0] / median
     print(f"model warm-up in the background: {'off' if WARMUP == '0' else 'on'} (KVVIZ_WARMUP)")
-    print("first visits of a fresh server: " + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in visits)
-          + " s (first paint / charts drawn)")
-    print("first visits of a plain `streamlit run app.py`: " + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in plain)
-          + " s")
-    print(f"first paint {paint:.2f} s (make run, median of {len(visits)}; target <= {TARGET_PAINT:g} s on a quiet "
-          f"machine) | plain `streamlit run app.py`: {plain_paint:.2f} s (median of {len(plain)})")
+    print(
+        "first visits of a fresh server: "
+        + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in visits)
+        + " s (first paint / charts drawn)"
+    )
+    print(
+        "first visits of a plain `streamlit run app.py`: "
+        + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in plain)
+        + " s"
+    )
+    print(
+        f"first paint {paint:.2f} s (make run, median of {len(visits)}; target <= {TARGET_PAINT:g} s on a quiet "
+        f"machine) | plain `streamlit run app.py`: {plain_paint:.2f} s (median of {len(plain)})"
+    )
     print(f"plain / make run first paint {plain_paint / paint:.2f} (target <= {TARGET_PLAIN:g})")
-    print(f"charts drawn {charts:.2f} s (median; target <= {TARGET_CHARTS:g} s; plain `streamlit run app.py`: "
-          f"{statistics.median(v[1] for v in plain):.2f} s)")
-    print(f"{len(MOVES)} moves at {VIEWPORT['width']}x{VIEWPORT['height']}, each from a quiet server (waited "
-          f"{waited[0]:.1f} s before the first: the background warm-up; {statistics.median(waited[1:]):.1f} s "
-          "median before the others), each part's median (worst):")
+    print(
+        f"charts drawn {charts:.2f} s (median; target <= {TARGET_CHARTS:g} s; plain `streamlit run app.py`: "
+        f"{statistics.median(v[1] for v in plain):.2f} s)"
+    )
+    print(
+        f"{len(MOVES)} moves at {VIEWPORT['width']}x{VIEWPORT['height']}, each from a quiet server (waited "
+        f"{waited[0]:.1f} s before the first: the background warm-up; {statistics.median(waited[1:]):.1f} s "
+        "median before the others), each part's median (worst):"
+    )
     for name in parts[0]:
         values = [p[name] for p in parts]
         unit = "" if name in ("server CPU ms", "messages", "kB") else " s"
         print(f"  {name:22s} {statistics.median(values):8.2f}{unit} ({max(values):.2f})")
     print("moves: " + ", ".join(f"{m:.2f}" for m in moves) + " s")
     print(f"first move {moves[0]:.2f} s")
-    print(f"move -> charts redrawn: median {median:.2f} s, worst {worst:.2f} s (targets <= {TARGET_MOVE:g} s and "
-          f"<= {TARGET_WORST:g} s)")
-    print(f"server CPU per move: median {cpu:.0f} ms (target <= {TARGET_CPU:g} ms; /proc counts in 10 ms ticks)")
+    print(
+        f"move -> charts redrawn: median {median:.2f} s, worst {worst:.2f} s (targets <= {TARGET_MOVE:g} s and "
+        f"<= {TARGET_WORST:g} s)"
+    )
+    print(
+        f"server CPU per move: median {cpu:.0f} ms (target <= {TARGET_CPU:g} ms; /proc counts in 10 ms ticks)"
+    )
     print(f"first move / median move ratio {ratio:.2f} (target <= {TARGET_RATIO:g})")
     print(f"URL reproduces the view after {linked} of {len(MOVES)} moves")
-    met = {"first paint": paint <= TARGET_PAINT, "plain / make run": plain_paint / paint <= TARGET_PLAIN,
-           "charts drawn": charts <= TARGET_CHARTS, "median move": median <= TARGET_MOVE,
-           "worst move": worst <= TARGET_WORST, "server CPU": round(cpu, 1) <= TARGET_CPU,
-           "first / median move": ratio <= TARGET_RATIO, "URL": linked == len(MOVES)}
+    met = {
+        "first paint": paint <= TARGET_PAINT,
+        "plain / make run": plain_paint / paint <= TARGET_PLAIN,
+        "charts drawn": charts <= TARGET_CHARTS,
+        "median move": median <= TARGET_MOVE,
+        "worst move": worst <= TARGET_WORST,
+        "server CPU": round(cpu, 1) <= TARGET_CPU,
+        "first / median move": ratio <= TARGET_RATIO,
+        "URL": linked == len(MOVES),
+    }
     missed = [name for name, ok in met.items() if not ok]
     print("targets: " + ("met" if not missed else "MISSED: " + ", ".join(missed)))
     return 1 if missed else 0

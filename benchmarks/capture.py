@@ -32,9 +32,11 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-TEXT = ("The river that runs through the old town is slow and brown in summer and fast and grey "
-        "in winter. People have built mills, bridges, markets and schools along its banks for "
-        "centuries, and each generation has told its own stories about the water. ")
+TEXT = (
+    "The river that runs through the old town is slow and brown in summer and fast and grey "
+    "in winter. People have built mills, bridges, markets and schools along its banks for "
+    "centuries, and each generation has told its own stories about the water. "
+)
 
 
 def prompt_of(tokenizer, n: int) -> str:
@@ -67,11 +69,13 @@ def child(n: int) -> None:
 
     model, tok, info = load_model("bundled")
     prompt = prompt_of(tok, n)
-    loaded = psutil.Process().memory_info().rss / 2**20          # resident now, model in memory
-    reset_peak()                                                  # so the capture's own peak shows
+    loaded = psutil.Process().memory_info().rss / 2**20  # resident now, model in memory
+    reset_peak()  # so the capture's own peak shows
     trace = capture(model, tok, info, prompt, new_tokens=16, max_tokens=n)
     nbytes = sum(a.nbytes for a in (trace.q, trace.k, trace.v))
-    print(f"{loaded:.0f} {capture_peak_mb():.0f} {rss_mb():.0f} {trace.n_positions} {nbytes / 2**20:.0f}")
+    print(
+        f"{loaded:.0f} {capture_peak_mb():.0f} {rss_mb():.0f} {trace.n_positions} {nbytes / 2**20:.0f}"
+    )
 
 
 def reset_peak() -> None:
@@ -97,9 +101,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (default 1: on a shared 2-core machine, 2 OpenMP threads "
-                         "competing with other processes make single timings swing 10x)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a shared 2-core machine, 2 OpenMP threads "
+        "competing with other processes make single timings swing 10x)",
+    )
     a = ap.parse_args()
     import torch
 
@@ -111,15 +119,17 @@ def main() -> int:
     from kvviz.models import load_model
     from kvviz.sources.capture import capture, forward_only
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bundled SmolLM2-135M, "
-          "sdpa attention, float32, CPU")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, bundled SmolLM2-135M, "
+        "sdpa attention, float32, CPU"
+    )
     model, tok, info = load_model("bundled")
     worst = 0.0
     for n in (256, 1024, 2048):
         prompt = prompt_of(tok, n)
         ids = tok(prompt)["input_ids"][:n]
         repeats = a.repeats if n <= 256 else max(3, a.repeats - 2)
-        forward_only(model, ids)                                      # warm-up
+        forward_only(model, ids)  # warm-up
         capture(model, tok, info, prompt, max_tokens=n)
         # interleave so load from other processes hits both alike
         t_fwd, t_cap = [], []
@@ -129,18 +139,26 @@ def main() -> int:
         fwd, cap = statistics.median(t_fwd), statistics.median(t_cap)
         ratio = cap / fwd
         worst = max(worst, ratio)
-        print(f"{n:5d} tokens: capture {cap * 1000:7.1f} ms / plain forward {fwd * 1000:7.1f} ms = "
-              f"ratio {ratio:.2f} (target <= 1.3)")
+        print(
+            f"{n:5d} tokens: capture {cap * 1000:7.1f} ms / plain forward {fwd * 1000:7.1f} ms = "
+            f"ratio {ratio:.2f} (target <= 1.3)"
+        )
 
-    out = subprocess.run([sys.executable, __file__, "--child", "2048", "--threads", str(a.threads)], capture_output=True, text=True,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", "2048", "--threads", str(a.threads)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     if out.returncode != 0:
         print(out.stderr[-2000:], file=sys.stderr)
         return 1
     loaded, cap_peak, peak, positions, trace_mb = out.stdout.split()[-5:]
-    print(f" 2048 tokens (+16 decode steps, {positions} positions): peak RSS of the whole process "
-          f"{peak} MiB (limit 4096 MiB); during the capture {cap_peak} MiB, from {loaded} MiB with the "
-          f"model loaded; the trace's q/k/v: {trace_mb} MiB")
+    print(
+        f" 2048 tokens (+16 decode steps, {positions} positions): peak RSS of the whole process "
+        f"{peak} MiB (limit 4096 MiB); during the capture {cap_peak} MiB, from {loaded} MiB with the "
+        f"model loaded; the trace's q/k/v: {trace_mb} MiB"
+    )
     ok = worst <= 1.3 and float(peak) <= 4096
     print("OK" if ok else "OVER TARGET")
     return 0 if ok else 1

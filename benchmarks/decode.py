@@ -32,7 +32,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -46,16 +45,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--profile", action="store_true", help="cProfile the lab default's decode steps")
-    ap.add_argument("--long", type=int, default=2048, help="prompt tokens of the long-context check (0 = skip)")
+    ap.add_argument(
+        "--profile", action="store_true", help="cProfile the lab default's decode steps"
+    )
+    ap.add_argument(
+        "--long", type=int, default=2048, help="prompt tokens of the long-context check (0 = skip)"
+    )
     ap.add_argument("--long-steps", type=int, default=16, help="decode steps timed at that length")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    ap.add_argument("--short", type=int, default=1, help="1 = also the Model lab's short check (0 = skip)")
+    ap.add_argument(
+        "--short", type=int, default=1, help="1 = also the Model lab's short check (0 = skip)"
+    )
     a = ap.parse_args()
 
     import torch
 
-    try:                                    # the decode side is moving into a package (kvviz.decode)
+    try:  # the decode side is moving into a package (kvviz.decode)
         from kvviz.decode import decode, plain_decode, sample_text, tokenize
     except ImportError:
         from kvviz.generation import decode, plain_decode, sample_text, tokenize
@@ -65,36 +70,47 @@ def main() -> int:
 
     torch.set_num_threads(a.threads)
     from threadpoolctl import threadpool_limits
-    threadpool_limits(a.threads)            # numpy's BLAS too: one thread on both sides
+
+    threadpool_limits(a.threads)  # numpy's BLAS too: one thread on both sides
     model, tokenizer, info = load_model("bundled", dtype=a.dtype)
-    print(f"model: {info.name} ({info.n_layers} layers, {info.n_q_heads} q / {info.n_kv_heads} kv heads); "
-          f"torch threads {torch.get_num_threads()}, attention {model.config._attn_implementation}")
+    print(
+        f"model: {info.name} ({info.n_layers} layers, {info.n_q_heads} q / {info.n_kv_heads} kv heads); "
+        f"torch threads {torch.get_num_threads()}, attention {model.config._attn_implementation}"
+    )
     ids = tokenize(tokenizer, sample_text())
-    prompt, feed = ids[:PROMPT], ids[PROMPT:PROMPT + CONTINUATION]
+    prompt, feed = ids[:PROMPT], ids[PROMPT : PROMPT + CONTINUATION]
     steps = CONTINUATION - 1
-    print(f"prompt {len(prompt)} tokens + continuation {len(feed)} tokens: {steps} teacher-forced decode steps")
+    print(
+        f"prompt {len(prompt)} tokens + continuation {len(feed)} tokens: {steps} teacher-forced decode steps"
+    )
     specs = {
-        "lab default (h2o 4+8+2)": Spec(sink=handbook.SINK, recent=handbook.RECENT, heavy=handbook.HEAVY,
-                                        scorer="h2o"),
+        "lab default (h2o 4+8+2)": Spec(
+            sink=handbook.SINK, recent=handbook.RECENT, heavy=handbook.HEAVY, scorer="h2o"
+        ),
         "no compression": Spec(),
-        "h2o 4+28+32, 4-bit K/V": Spec(sink=4, recent=28, heavy=32, scorer="h2o", key_bits=4, value_bits=4),
+        "h2o 4+28+32, 4-bit K/V": Spec(
+            sink=4, recent=28, heavy=32, scorer="h2o", key_bits=4, value_bits=4
+        ),
     }
     if not a.short:
         return long_check(model, tokenizer, a)
-    plain_decode(model, prompt, 4, feed=feed)                 # warm-up (numba kernels, torch)
+    plain_decode(model, prompt, 4, feed=feed)  # warm-up (numba kernels, torch)
     for spec in specs.values():
         decode(model, prompt, spec, 4, feed=feed)
 
     if a.profile:
         import cProfile
         import pstats
+
         spec = next(iter(specs.values()))
         pr = cProfile.Profile()
         t: dict = {}
         pr.enable()
         decode(model, prompt, spec, steps, feed=feed, timings=t)
         pr.disable()
-        print(f"profile of the lab default, {steps} steps ({t['decode'] * 1e3 / steps:.1f} ms/step incl. profiling):")
+        print(
+            f"profile of the lab default, {steps} steps ({t['decode'] * 1e3 / steps:.1f} ms/step incl. profiling):"
+        )
         pstats.Stats(pr, stream=sys.stdout).sort_stats("tottime").print_stats(25)
 
     plain: list[float] = []
@@ -113,10 +129,12 @@ def main() -> int:
     worst = 0.0
     for i, name in enumerate(specs):
         c = statistics.median(comp[name])
-        if i < 2:                                # the lab's step and kvviz's attention alone
+        if i < 2:  # the lab's step and kvviz's attention alone
             worst = max(worst, c / base)
-        print(f"{name}: compressed {c * 1e3:.1f} ms/step, plain {base * 1e3:.1f} ms/step, ratio {c / base:.2f} "
-              f"(+{(c - base) * 1e3:.1f} ms/step; prefill + compression point {statistics.median(point[name]):.2f} s)")
+        print(
+            f"{name}: compressed {c * 1e3:.1f} ms/step, plain {base * 1e3:.1f} ms/step, ratio {c / base:.2f} "
+            f"(+{(c - base) * 1e3:.1f} ms/step; prefill + compression point {statistics.median(point[name]):.2f} s)"
+        )
     print(f"worst ratio {worst:.2f} (target <= {TARGET:g}; lab default and no compression)")
     ok = worst <= TARGET
     if a.long:
@@ -128,10 +146,19 @@ def long_specs(n: int) -> dict:
     from kvviz.spec import Spec
 
     keep = dict(sink=4, recent=124, heavy=128)
-    return {"snapkv 256": Spec(**keep, scorer="snapkv"), "h2o 256": Spec(**keep, scorer="h2o"),
-            "streaming 256": Spec(sink=4, recent=252, scorer="streaming"),
-            "kivi 4-bit": Spec(key_bits=4, value_bits=4, key_axis="channel", value_axis="token", group_size=32,
-                               residual=128)}
+    return {
+        "snapkv 256": Spec(**keep, scorer="snapkv"),
+        "h2o 256": Spec(**keep, scorer="h2o"),
+        "streaming 256": Spec(sink=4, recent=252, scorer="streaming"),
+        "kivi 4-bit": Spec(
+            key_bits=4,
+            value_bits=4,
+            key_axis="channel",
+            value_axis="token",
+            group_size=32,
+            residual=128,
+        ),
+    }
 
 
 def long_check(model, tokenizer, a) -> int:
@@ -142,12 +169,12 @@ def long_check(model, tokenizer, a) -> int:
     ids: list[int] = []
     while len(ids) < a.long + a.long_steps:
         ids += tokenize(tokenizer, text)
-    prompt, feed = ids[:a.long], ids[a.long:a.long + a.long_steps]
+    prompt, feed = ids[: a.long], ids[a.long : a.long + a.long_steps]
     steps = a.long_steps
     print(f"\n{a.long}-token prompt, {steps} teacher-forced decode steps, {a.dtype}:")
-    pre = prefill(model, prompt)                              # the compressed runs start from one prefill
+    pre = prefill(model, prompt)  # the compressed runs start from one prefill
     specs = long_specs(a.long)
-    plain_decode(model, prompt[:64], 2, feed=feed)            # warm-up
+    plain_decode(model, prompt[:64], 2, feed=feed)  # warm-up
     for spec in specs.values():
         decode(model, prompt, spec, 2, feed=feed, prefix=pre)
     plain: list[float] = []
@@ -165,8 +192,10 @@ def long_check(model, tokenizer, a) -> int:
     for name in specs:
         c = statistics.median(comp[name])
         worst = max(worst, c / base)
-        print(f"{name}: compressed {c * 1e3:.1f} ms/step, transformers DynamicCache {base * 1e3:.1f} ms/step, "
-              f"ratio {c / base:.2f}")
+        print(
+            f"{name}: compressed {c * 1e3:.1f} ms/step, transformers DynamicCache {base * 1e3:.1f} ms/step, "
+            f"ratio {c / base:.2f}"
+        )
     print(f"worst ratio at {a.long} tokens {worst:.2f} (target <= {LONG_TARGET:g})")
     return 0 if worst <= LONG_TARGET else 1
 

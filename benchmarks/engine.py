@@ -41,12 +41,14 @@ from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.spec import SCORERS
 
 CONTEXT, STEPS, LAYER = 4096, 32, 1
-TARGET = 3.0   # every scorer: full configuration <= 3x the bare attention work
+TARGET = 3.0  # every scorer: full configuration <= 3x the bare attention work
 
 
 def benchmark_trace():
     """The 4k synthetic trace every engine-side benchmark measures (4 layers, 8 query / 2 KV heads, dim 64)."""
-    return make_synthetic(SyntheticSpec(context=CONTEXT, steps=STEPS, layers=4, q_heads=8, kv_heads=2, head_dim=64))
+    return make_synthetic(
+        SyntheticSpec(context=CONTEXT, steps=STEPS, layers=4, q_heads=8, kv_heads=2, head_dim=64)
+    )
 
 
 def best_of(fn, repeat=3):
@@ -81,7 +83,7 @@ def bare_attention(trace, rows_by_head_chunks, layer=LAYER):
         for h in range(trace.n_q_heads):
             kv = h // group
             for start in range(0, len(rows), 512):
-                idx = rows[start:start + 512]
+                idx = rows[start : start + 512]
                 # causal: only the keys some row of the chunk may see (the query at p sees 0..p)
                 n = min(n_keys, int(trace.query_positions[idx].max()) + 1)
                 # q.K^T computed as (K.q^T)^T: the orientation BLAS runs fastest for few rows
@@ -142,14 +144,16 @@ def bare_expected_attention(trace, layer=LAYER, sink=4):
     q, k, v = trace.q[layer], trace.k[layer], trace.v[layer]
     c, d, g = trace.context_len, trace.head_dim, trace.group_size
     for kv in range(trace.n_kv_heads):
-        keys = k[kv, sink:c]                                                 # (n, d)
+        keys = k[kv, sink:c]  # (n, d)
         scores = 0.0
         for h in range(kv * g, (kv + 1) * g):
-            queries = q[h, sink:c]                                           # (N, d)
+            queries = q[h, sink:c]  # (N, d)
             mu = queries.mean(axis=0)
             centred = queries - mu
-            S = centred.T @ centred / np.float32(len(queries))               # (d, d)
-            z = keys @ mu / np.float32(np.sqrt(d)) + ((keys @ S) * keys).sum(axis=1) / np.float32(2 * d)
+            S = centred.T @ centred / np.float32(len(queries))  # (d, d)
+            z = keys @ mu / np.float32(np.sqrt(d)) + ((keys @ S) * keys).sum(axis=1) / np.float32(
+                2 * d
+            )
             z = np.exp(z - z.max())
             scores = scores + z / z.sum()
         scores / g * np.linalg.norm(v[kv, sink:c], axis=1)
@@ -157,10 +161,12 @@ def bare_expected_attention(trace, layer=LAYER, sink=4):
 
 def bare_keydiff(trace, layer=LAYER):
     """KeyDiff's formula in plain numpy: -cos(k_i, a), a the mean of the context's normalised keys."""
-    keys = trace.k[layer][:, :trace.context_len]                               # (kv_heads, c, d) float32
-    norms = np.sqrt(np.vecdot(keys, keys))                                      # (kv_heads, c)
+    keys = trace.k[layer][:, : trace.context_len]  # (kv_heads, c, d) float32
+    norms = np.sqrt(np.vecdot(keys, keys))  # (kv_heads, c)
     anchor = np.matmul((1 / norms)[:, None, :], keys)[:, 0] / np.float32(keys.shape[1])
-    -np.matmul(keys, anchor[..., None])[..., 0] / (norms * np.linalg.norm(anchor, axis=-1, keepdims=True))
+    -np.matmul(keys, anchor[..., None])[..., 0] / (
+        norms * np.linalg.norm(anchor, axis=-1, keepdims=True)
+    )
 
 
 def bare_knorm(trace, layer=LAYER):
@@ -169,13 +175,18 @@ def bare_knorm(trace, layer=LAYER):
     -np.sqrt(np.vecdot(keys, keys))
 
 
-SCORE_FORMULAS = {"expected_attention": bare_expected_attention, "keydiff": bare_keydiff, "knorm": bare_knorm}
+SCORE_FORMULAS = {
+    "expected_attention": bare_expected_attention,
+    "keydiff": bare_keydiff,
+    "knorm": bare_knorm,
+}
 
 
 def main() -> None:
     # Both sides run with single-threaded BLAS: on a shared 2-core machine, waking a second
     # BLAS thread can stall for a scheduler slice, which would swamp either side at random.
     from threadpoolctl import threadpool_limits
+
     threadpool_limits(1, user_api="blas")
     print("BLAS: 1 thread for both the full configuration and the bare attention work")
     trace = benchmark_trace()
@@ -183,29 +194,46 @@ def main() -> None:
     budget = dict(sink=4, recent=n // 10, heavy=n // 10)
     view = View(layer=LAYER, ensemble="heads", ensemble_size=8)
     print(f"trace: {trace.describe()}")
-    print(f"config: sink 4 + recent {budget['recent']} + heavy {budget['heavy']}, 4-bit K/V, error bars over 8 heads")
+    print(
+        f"config: sink 4 + recent {budget['recent']} + heavy {budget['heavy']}, 4-bit K/V, error bars over 8 heads"
+    )
     worst = 0.0
     for scorer in SCORERS:
         spec = Spec(scorer=scorer, key_bits=4, value_bits=4, **budget)
         # for a scorer with a formula, the evaluated rows' attention alone too (for information), in the same rounds
-        rows_alone = [lambda: bare_attention(trace, rows_needed(trace, scorer))] if scorer in SCORE_FORMULAS else []
-        full, bare, *rows_only = ratio_of(lambda: compare(trace, spec, view),
-                                          lambda: bare_work(trace, scorer, spec), *rows_alone)
+        rows_alone = (
+            [lambda: bare_attention(trace, rows_needed(trace, scorer))]
+            if scorer in SCORE_FORMULAS
+            else []
+        )
+        full, bare, *rows_only = ratio_of(
+            lambda: compare(trace, spec, view), lambda: bare_work(trace, scorer, spec), *rows_alone
+        )
         worst = max(worst, full / bare)
-        info = "".join(f" (to the rows' attention alone, {t * 1e3:.2f} ms: {full / t:.2f})" for t in rows_only)
-        print(f"{scorer}: full {full * 1e3:.1f} ms, bare {bare * 1e3:.1f} ms, ratio {full / bare:.2f}{info}"
-              + ("" if full / bare <= TARGET else f"  MISSES the target <= {TARGET:g}"), flush=True)
+        info = "".join(
+            f" (to the rows' attention alone, {t * 1e3:.2f} ms: {full / t:.2f})" for t in rows_only
+        )
+        print(
+            f"{scorer}: full {full * 1e3:.1f} ms, bare {bare * 1e3:.1f} ms, ratio {full / bare:.2f}{info}"
+            + ("" if full / bare <= TARGET else f"  MISSES the target <= {TARGET:g}"),
+            flush=True,
+        )
     print(f"worst ratio {worst:.2f} (target <= {TARGET:g})", flush=True)
 
     from kvviz.sources.handbook import handbook_trace
+
     hb = handbook_trace()
-    t = best_of(lambda: compare(hb, Spec(sink=4, recent=8, heavy=2, key_bits=4, value_bits=4)), repeat=20)
+    t = best_of(
+        lambda: compare(hb, Spec(sink=4, recent=8, heavy=2, key_bits=4, value_bits=4)), repeat=20
+    )
     print(f"handbook: one configuration in {t * 1e3:.2f} ms")
     long = make_synthetic(SyntheticSpec(context=32768, steps=1, layers=1, q_heads=1, kv_heads=1))
     spec = Spec(sink=4, recent=3277, heavy=3277, scorer="snapkv", key_bits=4, value_bits=4)
     t, bare = ratio_of(lambda: compare(long, spec), lambda: bare_attention_long(long))
-    print(f"32k tokens, single query (snapkv, 4-bit): {t * 1e3:.1f} ms; bare attention {bare * 1e3:.1f} ms; "
-          f"ratio {t / bare:.2f}")
+    print(
+        f"32k tokens, single query (snapkv, 4-bit): {t * 1e3:.1f} ms; bare attention {bare * 1e3:.1f} ms; "
+        f"ratio {t / bare:.2f}"
+    )
     if worst > TARGET:
         sys.exit(1)
 

@@ -45,18 +45,22 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     t = time.perf_counter()
     model, tokenizer, info = load_model("bundled")
-    print(f"model: {info.name} ({info.n_layers} layers, {info.n_q_heads} q / {info.n_kv_heads} kv heads), "
-          f"loaded in {time.perf_counter() - t:.1f} s; torch threads {torch.get_num_threads()}")
+    print(
+        f"model: {info.name} ({info.n_layers} layers, {info.n_q_heads} q / {info.n_kv_heads} kv heads), "
+        f"loaded in {time.perf_counter() - t:.1f} s; torch threads {torch.get_num_threads()}"
+    )
     ids = tokenize(tokenizer, sample_text())
     n, m = a.prompt_tokens, a.steps
     if len(ids) < n + m:
         ids = (ids * (1 + (n + m) // len(ids)))[: n + m]
-    prompt, feed = ids[:n], ids[n:n + m]
+    prompt, feed = ids[:n], ids[n : n + m]
     specs = {
         "h2o sink 4 + recent 28 + heavy 32": Spec(sink=4, recent=28, heavy=32, scorer="h2o"),
         "streaming sink 4 + recent 60": Spec(sink=4, recent=60, scorer="streaming"),
         "kivi 2-bit K/V (residual 32)": Spec(key_bits=2, value_bits=2, residual=32),
-        "h2o 64 + 4-bit K/V": Spec(sink=4, recent=28, heavy=32, scorer="h2o", key_bits=4, value_bits=4),
+        "h2o 64 + 4-bit K/V": Spec(
+            sink=4, recent=28, heavy=32, scorer="h2o", key_bits=4, value_bits=4
+        ),
         "oracle 64 (full attention each step)": Spec(sink=4, recent=28, heavy=32, scorer="oracle"),
     }
     # warm-up
@@ -76,15 +80,19 @@ def main() -> int:
             comp[name].append(tc["decode"])
             prefill[name].append(tc["prefill"])
     base = statistics.median(plain)
-    print(f"prompt {n} tokens, {m} decode steps; plain full-cache decode: {base:.3f} s "
-          f"({1000 * base / m:.1f} ms/token, median of {len(plain)})")
+    print(
+        f"prompt {n} tokens, {m} decode steps; plain full-cache decode: {base:.3f} s "
+        f"({1000 * base / m:.1f} ms/token, median of {len(plain)})"
+    )
     worst = 0.0
     for name in specs:
         c = statistics.median(comp[name])
         ratio = c / base
         worst = max(worst, ratio)
-        print(f"{name}: compressed decode / plain full-cache decode = {ratio:.2f} "
-              f"({1000 * c / m:.1f} ms/token; compression point incl. prefill {statistics.median(prefill[name]):.2f} s)")
+        print(
+            f"{name}: compressed decode / plain full-cache decode = {ratio:.2f} "
+            f"({1000 * c / m:.1f} ms/token; compression point incl. prefill {statistics.median(prefill[name]):.2f} s)"
+        )
     print(f"worst ratio {worst:.2f} (target <= 1.5): {'OK' if worst <= 1.5 else 'OVER'}")
     return 0
 

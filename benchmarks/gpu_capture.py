@@ -32,17 +32,23 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-TEXT = ("The river that runs through the old town is slow and brown in summer and fast and grey "
-        "in winter. People have built mills, bridges, markets and schools along its banks for "
-        "centuries, and each generation has told its own stories about the water. ")
+TEXT = (
+    "The river that runs through the old town is slow and brown in summer and fast and grey "
+    "in winter. People have built mills, bridges, markets and schools along its banks for "
+    "centuries, and each generation has told its own stories about the water. "
+)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--small-mlp", action="store_true", help="hidden 1024, MLP 2048 (same attention shape)")
-    ap.add_argument("--dir", default=None, help="folder for the files (default: a temporary folder)")
+    ap.add_argument(
+        "--small-mlp", action="store_true", help="hidden 1024, MLP 2048 (same attention shape)"
+    )
+    ap.add_argument(
+        "--dir", default=None, help="folder for the files (default: a temporary folder)"
+    )
     a = ap.parse_args()
     try:
         import torch
@@ -59,11 +65,19 @@ def main() -> int:
     from kvviz.models import load_model, model_info
     from kvviz.sources.capture import capture, forward_only
 
-    _, tok, _ = load_model("bundled")                        # its tokenizer; ids < the vocabulary below
+    _, tok, _ = load_model("bundled")  # its tokenizer; ids < the vocabulary below
     hidden, mlp = (1024, 2048) if a.small_mlp else (4096, 14336)
-    cfg = LlamaConfig(vocab_size=128256, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                      max_position_embeddings=max(131072, a.tokens + 8), rope_theta=500000.0)
+    cfg = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=max(131072, a.tokens + 8),
+        rope_theta=500000.0,
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
@@ -72,12 +86,14 @@ def main() -> int:
     prompt = TEXT
     while len(tok(prompt)["input_ids"]) < a.tokens:
         prompt += TEXT * 64
-    ids = tok(prompt)["input_ids"][:a.tokens]
+    ids = tok(prompt)["input_ids"][: a.tokens]
     folder = Path(a.dir or tempfile.mkdtemp(prefix="kvviz-gpu-"))
     out = folder / "trace.safetensors"
     dev = torch.cuda.get_device_name(0)
-    print(f"{dev}; torch {torch.__version__}; Llama-3.1-8B attention shape, hidden {hidden}, MLP {mlp}, "
-          f"bfloat16, sdpa; {a.tokens:,} tokens, all 32 layers; files in {folder}")
+    print(
+        f"{dev}; torch {torch.__version__}; Llama-3.1-8B attention shape, hidden {hidden}, MLP {mlp}, "
+        f"bfloat16, sdpa; {a.tokens:,} tokens, all 32 layers; files in {folder}"
+    )
 
     def timed(fn) -> float:
         torch.cuda.synchronize()
@@ -95,7 +111,7 @@ def main() -> int:
         host[f"v.{n}"] = torch.empty((8, T, 128), dtype=torch.bfloat16)
     plain = folder / "plain.safetensors"
 
-    forward_only(model, ids[:256])                                             # warm-up
+    forward_only(model, ids[:256])  # warm-up
     capture(model, tok, info, prompt, max_tokens=256, out=out)
     t_fwd, t_write, t_cap, peaks = [], [], [], {}
     for _ in range(a.repeats):
@@ -110,11 +126,17 @@ def main() -> int:
     fwd, write, cap = (statistics.median(x) for x in (t_fwd, t_write, t_cap))
     size = out.stat().st_size
     ratio = cap / (fwd + write)
-    print(f"plain sdpa prefill {fwd:.2f} s (GPU peak {peaks['forward']:.1f} GB) + safetensors write of "
-          f"{size / 1e9:.2f} GB {write:.2f} s = bare {fwd + write:.2f} s")
-    print(f"kvviz capture to a file {cap:.2f} s (GPU peak {peaks['capture']:.1f} GB); file {size / 1e9:.2f} GB, "
-          f"{size / T / 1e3:.0f} kB a token")
-    print(f"capture / bare = ratio {ratio:.2f} (target <= 2) {'OK' if ratio <= 2 else 'OVER TARGET'}")
+    print(
+        f"plain sdpa prefill {fwd:.2f} s (GPU peak {peaks['forward']:.1f} GB) + safetensors write of "
+        f"{size / 1e9:.2f} GB {write:.2f} s = bare {fwd + write:.2f} s"
+    )
+    print(
+        f"kvviz capture to a file {cap:.2f} s (GPU peak {peaks['capture']:.1f} GB); file {size / 1e9:.2f} GB, "
+        f"{size / T / 1e3:.0f} kB a token"
+    )
+    print(
+        f"capture / bare = ratio {ratio:.2f} (target <= 2) {'OK' if ratio <= 2 else 'OVER TARGET'}"
+    )
     if a.dir is None:
         out.unlink(missing_ok=True)
     return 0 if ratio <= 2 else 1

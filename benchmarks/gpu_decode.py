@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -42,20 +41,43 @@ TARGET = 2.0
 def llama_8b_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-                       rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
 
 
 def small_config():
     """The same architecture at a size a CPU runs in seconds (the --device cpu check)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-                       rope_theta=500000.0)
+    return LlamaConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+    )
 
 
 def build(device: str, attn: str):
@@ -66,7 +88,7 @@ def build(device: str, attn: str):
     cfg._attn_implementation = attn
     torch.manual_seed(0)
     old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)           # built in bfloat16 on the GPU: 16 GB, never 32
+    torch.set_default_dtype(torch.bfloat16)  # built in bfloat16 on the GPU: 16 GB, never 32
     try:
         with torch.device(device):
             model = LlamaForCausalLM(cfg).eval()
@@ -79,10 +101,19 @@ def methods(kept: int = 1024):
     from kvviz.spec import Spec
 
     keep = dict(sink=4, recent=kept // 2 - 4, heavy=kept // 2)
-    return {"snapkv": Spec(**keep, scorer="snapkv"), "h2o": Spec(**keep, scorer="h2o"),
-            "streaming": Spec(sink=4, recent=kept - 4, scorer="streaming"),
-            "kivi-4bit": Spec(key_bits=4, value_bits=4, key_axis="channel", value_axis="token", group_size=32,
-                              residual=128)}
+    return {
+        "snapkv": Spec(**keep, scorer="snapkv"),
+        "h2o": Spec(**keep, scorer="h2o"),
+        "streaming": Spec(sink=4, recent=kept - 4, scorer="streaming"),
+        "kivi-4bit": Spec(
+            key_bits=4,
+            value_bits=4,
+            key_axis="channel",
+            value_axis="token",
+            group_size=32,
+            residual=128,
+        ),
+    }
 
 
 def main() -> int:
@@ -95,17 +126,25 @@ def main() -> int:
 
     cpu = a.device == "cpu"
     if not cpu and not (a.device.startswith("cuda") and torch.cuda.is_available()):
-        print(f"gpu_decode: skipped: no CUDA GPU here (torch {torch.__version__} sees none); run it on a GPU machine")
+        print(
+            f"gpu_decode: skipped: no CUDA GPU here (torch {torch.__version__} sees none); run it on a GPU machine"
+        )
         return 0
     from kvviz import limits
     from kvviz.decode import decode, plain_decode
 
-    limits.set_max_bytes(10 ** 12)                 # this run sizes itself; the GPU's memory is the limit
+    limits.set_max_bytes(10**12)  # this run sizes itself; the GPU's memory is the limit
     lengths = [int(x) for x in a.lengths.split(",") if x.strip()]
     t0 = time.perf_counter()
     model = build(a.device, "sdpa")
-    where = "a CPU: a small model of the same architecture" if cpu else torch.cuda.get_device_name(a.device)
-    print(f"model: Llama-3.1-8B shape, random bfloat16 weights on {where}; built in {time.perf_counter() - t0:.1f} s")
+    where = (
+        "a CPU: a small model of the same architecture"
+        if cpu
+        else torch.cuda.get_device_name(a.device)
+    )
+    print(
+        f"model: Llama-3.1-8B shape, random bfloat16 weights on {where}; built in {time.perf_counter() - t0:.1f} s"
+    )
     gpu = _GpuMemory(not cpu)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
@@ -115,11 +154,15 @@ def main() -> int:
         prompt, feed = ids[:n], ids[n:]
         base_mem = gpu.reset()
         tp: dict = {}
-        plain_decode(model, prompt, a.steps, feed=feed, timings=tp)      # transformers' DynamicCache, sdpa
+        plain_decode(
+            model, prompt, a.steps, feed=feed, timings=tp
+        )  # transformers' DynamicCache, sdpa
         full_peak = gpu.peak() - base_mem
         plain_step = tp["decode"] / a.steps
-        print(f"\n{n} tokens: transformers DynamicCache step {plain_step * 1e3:.1f} ms, prefill {tp['prefill']:.2f} s"
-              + ("" if cpu else f", peak {full_peak / 2**30:.1f} GiB above the weights"))
+        print(
+            f"\n{n} tokens: transformers DynamicCache step {plain_step * 1e3:.1f} ms, prefill {tp['prefill']:.2f} s"
+            + ("" if cpu else f", peak {full_peak / 2**30:.1f} GiB above the weights")
+        )
         for name, spec in methods(1024 if not cpu else max(16, n // 4)).items():
             gpu.reset()
             tc: dict = {}
@@ -135,11 +178,19 @@ def main() -> int:
             worst = max(worst, ratio)
             if ratio > TARGET and not cpu:
                 failed.append(f"{name}@{n}")
-            print(f"  {name}: prefill + compression {tc['prefill']:.2f} s; step {step * 1e3:.1f} ms, ratio "
-                  f"{ratio:.2f} (target <= {TARGET:g}); "
-                  + ("" if cpu else f"peak {peak / 2**30:.1f} GiB vs full cache {full_peak / 2**30:.1f} GiB; ")
-                  + f"{cache.crossed.bytes / 2**20:.2f} MiB to the host at compression")
-    print(f"\nworst step ratio {worst:.2f} (target <= {TARGET:g}); {time.perf_counter() - t0:.0f} s in all")
+            print(
+                f"  {name}: prefill + compression {tc['prefill']:.2f} s; step {step * 1e3:.1f} ms, ratio "
+                f"{ratio:.2f} (target <= {TARGET:g}); "
+                + (
+                    ""
+                    if cpu
+                    else f"peak {peak / 2**30:.1f} GiB vs full cache {full_peak / 2**30:.1f} GiB; "
+                )
+                + f"{cache.crossed.bytes / 2**20:.2f} MiB to the host at compression"
+            )
+    print(
+        f"\nworst step ratio {worst:.2f} (target <= {TARGET:g}); {time.perf_counter() - t0:.0f} s in all"
+    )
     if failed:
         print(f"missed: {', '.join(failed)}")
         return 1

@@ -30,9 +30,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load import ROOT, Session, rss_mb, served  # noqa: E402
 
-HUGE = ("source=synthetic&context=1000000000&steps=1000000000&layers=100000&q_heads=100000&kv_heads=100000")
-PAGES = {"": "Explorer", "trade-offs": "Trade-offs", "concentration": "Concentration", "model-lab": "Model lab",
-         "decode-timeline": "Decode timeline", "needle-test": "Needle test"}
+HUGE = "source=synthetic&context=1000000000&steps=1000000000&layers=100000&q_heads=100000&kv_heads=100000"
+PAGES = {
+    "": "Explorer",
+    "trade-offs": "Trade-offs",
+    "concentration": "Concentration",
+    "model-lab": "Model lab",
+    "decode-timeline": "Decode timeline",
+    "needle-test": "Needle test",
+}
 USES_THE_SOURCE = {"", "trade-offs", "concentration", "decode-timeline"}
 LONG = "source=synthetic&context=32768&steps=512&sink=4&recent=2000&heavy=2000&scorer=h2o"
 NOTICE_S, RSS_MB, STOP_S = 5.0, 2048.0, 5.0
@@ -58,9 +64,16 @@ def huge_link(url: str) -> list[str]:
         notices = [t - t0 for t, text in s.alerts if "Too big for this server" in text]
         s.close()
         shown = f"notice after {notices[0]:.1f} s, " if notices else ""
-        print(f"  {name:<16} {shown}page finished after {done:.1f} s"
-              + ("" if finished else " (did not finish)") + (f"; exceptions: {s.exceptions}" if s.exceptions else ""))
-        if s.exceptions or not finished or (path in USES_THE_SOURCE and (not notices or notices[0] >= NOTICE_S)):
+        print(
+            f"  {name:<16} {shown}page finished after {done:.1f} s"
+            + ("" if finished else " (did not finish)")
+            + (f"; exceptions: {s.exceptions}" if s.exceptions else "")
+        )
+        if (
+            s.exceptions
+            or not finished
+            or (path in USES_THE_SOURCE and (not notices or notices[0] >= NOTICE_S))
+        ):
             missed.append(f"huge link on {name}")
     return missed
 
@@ -75,7 +88,7 @@ def rerun_during(url: str) -> float:
     msg = BackMsg()
     msg.rerun_script.query_string = LONG
     s.ws.send(msg.SerializeToString())
-    s.read_until_finished(timeout=3)           # the sidebar's widgets arrive; the computation runs on
+    s.read_until_finished(timeout=3)  # the sidebar's widgets arrive; the computation runs on
     source = s.radios["Attention source"]
     s.values[source.id] = WidgetState(id=source.id, string_value="Handbook example")
     t0 = time.perf_counter()
@@ -83,7 +96,7 @@ def rerun_during(url: str) -> float:
     seconds = time.perf_counter() - t0 if finished else float("inf")
     shown = s.metrics.get("Tokens kept")
     s.close()
-    if not (shown or "").endswith("/ 64"):         # the handbook example has 64 tokens
+    if not (shown or "").endswith("/ 64"):  # the handbook example has 64 tokens
         raise SystemExit(f"the rerun did not show the handbook example (Tokens kept: {shown})")
     return seconds
 
@@ -104,7 +117,7 @@ def sigterm(url: str, proc) -> float:
         proc.wait(timeout=600)
         return time.perf_counter() - t0
     finally:
-        s.close()             # after the clock: closing waits out the dead server's close handshake
+        s.close()  # after the clock: closing waits out the dead server's close handshake
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     log = Path(tempfile.mkdtemp(prefix="kvviz-hostile-")) / "server.log"
     missed, peak, stop = [], [0.0], threading.Event()
     with served(log, root=a.root.resolve()) as (url, proc):
-        warm = Session(url, seed=2)            # a server that has served a page: imports done, as in use
+        warm = Session(url, seed=2)  # a server that has served a page: imports done, as in use
         warm.rerun(timeout=180)
         warm.close()
         threading.Thread(target=sample_rss, args=(proc.pid, stop, peak), daemon=True).start()
@@ -127,19 +140,25 @@ def main(argv: list[str] | None = None) -> int:
                 missed.append("RSS")
         if a.only is None:
             seconds = rerun_during(url)
-            print(f"a rerun 3 s into that long computation (/?{LONG}) finished after {seconds:.1f} s")
+            print(
+                f"a rerun 3 s into that long computation (/?{LONG}) finished after {seconds:.1f} s"
+            )
             if seconds >= STOP_S:
                 missed.append("rerun")
         if a.only != "huge":
             seconds = sigterm(url, proc)
-            print(f"SIGTERM 3 s into a long computation (/?{LONG}): the server exited after {seconds:.1f} s "
-                  f"(status {proc.returncode})")
+            print(
+                f"SIGTERM 3 s into a long computation (/?{LONG}): the server exited after {seconds:.1f} s "
+                f"(status {proc.returncode})"
+            )
             if seconds >= STOP_S:
                 missed.append("SIGTERM")
         stop.set()
-    print("targets (notice < 5 s, peak RSS < 2 GB, rerun < 5 s, stop < 5 s): " + ("met" if not missed else
-                                                                    "MISSED: " + ", ".join(missed))
-          + f"; server log {log}")
+    print(
+        "targets (notice < 5 s, peak RSS < 2 GB, rerun < 5 s, stop < 5 s): "
+        + ("met" if not missed else "MISSED: " + ", ".join(missed))
+        + f"; server log {log}"
+    )
     return 1 if missed else 0
 
 

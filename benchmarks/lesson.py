@@ -56,8 +56,11 @@ def measure(page_file: Path, opens_n: int, moves_n: int) -> tuple[list, list, li
 
     opens, moves, wall = [], [], []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
         context = browser.new_context(viewport={"width": 1024, "height": 768}, offline=True)
         for _ in range(opens_n):
             page = context.new_page()
@@ -83,7 +86,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--opens", type=int, default=5)
     ap.add_argument("--moves", type=int, default=40)
-    ap.add_argument("--keep", help="write the exported lesson here and keep it (default: a temporary folder)")
+    ap.add_argument(
+        "--keep", help="write the exported lesson here and keep it (default: a temporary folder)"
+    )
     a = ap.parse_args()
 
     from kvviz.cli import main as kvviz
@@ -98,13 +103,22 @@ def main() -> int:
         opens, moves, wall = measure(page_file, a.opens, a.moves)
 
     open_s, move_s = statistics.median(opens), statistics.median(moves)
-    checks = [("file size", size / 1e6, 5.0, "MB"), ("open -> first chart", open_s, 1.0, "s"),
-              ("median redraw", move_s * 1000, 100.0, "ms")]
-    print(f"handbook lesson: exported in {export_s:.1f} s; opened {a.opens} times "
-          f"(Playwright wall time to ready, median {statistics.median(wall):.3f} s), {a.moves} slider moves")
+    checks = [
+        ("file size", size / 1e6, 5.0, "MB"),
+        ("open -> first chart", open_s, 1.0, "s"),
+        ("median redraw", move_s * 1000, 100.0, "ms"),
+    ]
+    print(
+        f"handbook lesson: exported in {export_s:.1f} s; opened {a.opens} times "
+        f"(Playwright wall time to ready, median {statistics.median(wall):.3f} s), {a.moves} slider moves"
+    )
     for label, value, target, unit in checks:
-        print(f"{label:<22} {value:8.3f} {unit:<2} (target <= {target:g} {unit}): {'OK' if value <= target else 'OVER'}")
-    print(f"open times (s): {', '.join(f'{x:.3f}' for x in opens)}; slowest move {1000 * max(moves):.1f} ms")
+        print(
+            f"{label:<22} {value:8.3f} {unit:<2} (target <= {target:g} {unit}): {'OK' if value <= target else 'OVER'}"
+        )
+    print(
+        f"open times (s): {', '.join(f'{x:.3f}' for x in opens)}; slowest move {1000 * max(moves):.1f} ms"
+    )
     return 0 if all(value <= target for _, value, target, _ in checks) else 1
 
 

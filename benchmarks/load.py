@@ -14,7 +14,8 @@ server, where ten Chromium tabs would compete with it. Meanwhile one thread asks
 (/_stcore/health) and a static file (the page's index.html) every 0.1 s and records how long each
 answer took.
 
-Printed: the server process's CPU time per move, each student's wait per move (from sending the moved value until that run has finished;
+Printed: the server process's CPU time per move, each student's wait per move (from sending the moved value
+until that run has finished;
 `wait per move  mean X s, p95 Y s`), exceptions (shown in a page, and tracebacks in the server's log),
 missing sliders, the server's resident memory (VmRSS of its process, /proc/<pid>/status) before and
 after, and the latency percentiles. Exits 1 when a target is missed: wait per move mean <= 1 s and
@@ -41,9 +42,21 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SLIDERS = ("Sink tokens", "Recent window", "Heavy-hitter budget", "Quantization bits", "Ensemble size")
-TARGETS = {"exceptions": 0, "missing": 0, "rss_growth_mb": 100.0, "health_p99_s": 1.0,
-           "wait_mean_s": 1.0, "wait_p95_s": 2.0}
+SLIDERS = (
+    "Sink tokens",
+    "Recent window",
+    "Heavy-hitter budget",
+    "Quantization bits",
+    "Ensemble size",
+)
+TARGETS = {
+    "exceptions": 0,
+    "missing": 0,
+    "rss_growth_mb": 100.0,
+    "health_p99_s": 1.0,
+    "wait_mean_s": 1.0,
+    "wait_p95_s": 2.0,
+}
 
 
 def free_port() -> int:
@@ -67,17 +80,38 @@ def rss_mb(pid: int) -> float:
 
 
 @contextmanager
-def served(log: Path, root: Path = ROOT, env: dict | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+def served(
+    log: Path, root: Path = ROOT, env: dict | None = None
+) -> Iterator[tuple[str, subprocess.Popen]]:
     """`streamlit run app.py` of `root` on a free loopback port: yield (url, process) once it is healthy
     (the body may stop it itself); stop it afterwards."""
     port = free_port()
     streamlit = shutil.which("streamlit", path=str(Path(sys.executable).parent)) or "streamlit"
-    cmd = [streamlit, "run", str(root / "app.py"), "--server.headless", "true", "--server.port", str(port),
-           "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
-           "--server.fileWatcherType", "none", "--server.runOnSave", "false"]
+    cmd = [
+        streamlit,
+        "run",
+        str(root / "app.py"),
+        "--server.headless",
+        "true",
+        "--server.port",
+        str(port),
+        "--server.address",
+        "127.0.0.1",
+        "--browser.gatherUsageStats",
+        "false",
+        "--server.fileWatcherType",
+        "none",
+        "--server.runOnSave",
+        "false",
+    ]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=root, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "KVVIZ_WARMUP": "0", **(env or {})})
+        proc = subprocess.Popen(
+            cmd,
+            cwd=root,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "KVVIZ_WARMUP": "0", **(env or {})},
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
@@ -120,15 +154,24 @@ class Session:
 
         host = url.split("//", 1)[1]
         self.stack = ExitStack()
-        self.ws = self.stack.enter_context(connect(f"ws://{host}/_stcore/stream", subprotocols=["streamlit"],
-                                                   origin=url, max_size=None, open_timeout=60))
+        self.ws = self.stack.enter_context(
+            connect(
+                f"ws://{host}/_stcore/stream",
+                subprotocols=["streamlit"],
+                origin=url,
+                max_size=None,
+                open_timeout=60,
+            )
+        )
         self.rng = random.Random(seed)
-        self.sliders: dict[str, object] = {}      # label -> the latest Slider proto
-        self.values: dict[str, object] = {}       # widget id -> WidgetState the client holds
+        self.sliders: dict[str, object] = {}  # label -> the latest Slider proto
+        self.values: dict[str, object] = {}  # widget id -> WidgetState the client holds
         self.exceptions: list[str] = []
-        self.metrics: dict[str, str] = {}          # card label -> the value shown (the moves change them)
-        self.alerts: list[tuple[float, str]] = []  # (perf_counter, text) of warnings, errors and notes shown
-        self.radios: dict[str, object] = {}        # label -> the latest Radio proto
+        self.metrics: dict[str, str] = {}  # card label -> the value shown (the moves change them)
+        self.alerts: list[
+            tuple[float, str]
+        ] = []  # (perf_counter, text) of warnings, errors and notes shown
+        self.radios: dict[str, object] = {}  # label -> the latest Radio proto
         self.moves = 0
 
     def close(self) -> None:
@@ -179,18 +222,22 @@ class Session:
                     self.exceptions.append(f"{el.exception.type}: {el.exception.message}")
                 elif what == "alert":
                     self.alerts.append((time.perf_counter(), el.alert.body))
-            elif kind == "script_finished" and fm.script_finished == ForwardMsg.FINISHED_SUCCESSFULLY:
+            elif (
+                kind == "script_finished" and fm.script_finished == ForwardMsg.FINISHED_SUCCESSFULLY
+            ):
                 return True
 
     def keep_reading(self) -> None:
         """Read (and drop) whatever arrives, in a helper thread, as a browser tab does while it waits:
         a client that stops reading stalls the server's sends and its shutdown's close handshake."""
+
         def drain():
             try:
                 while True:
                     self.ws.recv()
             except Exception:  # noqa: BLE001 - closed: done
                 pass
+
         threading.Thread(target=drain, daemon=True).start()
 
     def missing(self) -> list[str]:
@@ -203,15 +250,21 @@ class Session:
         label = self.rng.choice([s for s in SLIDERS if s in self.sliders])
         sl = self.sliders[label]
         state = WidgetState(id=sl.id)
-        if sl.options:                                             # select_slider: the option's text
-            current = list(self.values[sl.id].string_array_value.data) if sl.id in self.values else \
-                [sl.options[int(sl.value[0] if sl.value else sl.default[0])]]
+        if sl.options:  # select_slider: the option's text
+            current = (
+                list(self.values[sl.id].string_array_value.data)
+                if sl.id in self.values
+                else [sl.options[int(sl.value[0] if sl.value else sl.default[0])]]
+            )
             i = list(sl.options).index(current[0])
             i = min(max(i + self.rng.choice((-1, 1)), 0), len(sl.options) - 1)
             state.string_array_value.data.append(sl.options[i])
         else:
-            current = self.values[sl.id].double_array_value.data[0] if sl.id in self.values else \
-                (sl.value[0] if sl.value else sl.default[0])
+            current = (
+                self.values[sl.id].double_array_value.data[0]
+                if sl.id in self.values
+                else (sl.value[0] if sl.value else sl.default[0])
+            )
             step = sl.step or 1
             v = min(max(current + self.rng.choice((-1, 1)) * step, sl.min), sl.max)
             state.double_array_value.data.append(v)
@@ -239,7 +292,9 @@ def run_session(url: str, i: int, moves: int, deadline: float, out: dict) -> Non
     try:
         s = Session(url, seed=i)
         s.rerun(timeout=120)
-        while s.missing() and time.time() < deadline - 1:      # every named slider before the first move
+        while (
+            s.missing() and time.time() < deadline - 1
+        ):  # every named slider before the first move
             s.read_until_finished(timeout=min(5, deadline - time.time()))
             if s.missing():
                 s.rerun(timeout=min(60, deadline - time.time()))
@@ -255,7 +310,7 @@ def run_session(url: str, i: int, moves: int, deadline: float, out: dict) -> Non
             if not s.rerun(timeout=min(120, max(1, deadline - time.time()))):
                 out["timed_out"] = True
                 break
-            out.setdefault("waits", []).append(time.perf_counter() - asked)   # the student's wait
+            out.setdefault("waits", []).append(time.perf_counter() - asked)  # the student's wait
         out["moves"] = s.moves
     except Exception as e:  # noqa: BLE001 - reported as a failed session
         out["error"] = f"{type(e).__name__}: {e}"
@@ -274,26 +329,39 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("sessions", type=int, nargs="?", default=10)
     p.add_argument("moves", type=int, nargs="?", default=50)
-    p.add_argument("--timeout", type=float, default=900, help="seconds for the whole run (default 900)")
-    p.add_argument("--root", type=Path, default=ROOT, help="the checkout whose app.py is served (to compare)")
+    p.add_argument(
+        "--timeout", type=float, default=900, help="seconds for the whole run (default 900)"
+    )
+    p.add_argument(
+        "--root", type=Path, default=ROOT, help="the checkout whose app.py is served (to compare)"
+    )
     a = p.parse_args(argv)
     if not (1 <= a.sessions <= 50 and 1 <= a.moves <= 1000 and 10 <= a.timeout <= 3600):
         p.error("sessions 1-50, moves 1-1000, timeout 10-3600 s")
 
     log = Path(tempfile.mkdtemp(prefix="kvviz-load-")) / "server.log"
-    with served(log, root=a.root.resolve()) as (url, proc):       # no background model load (KVVIZ_WARMUP=0): the probe is the Explorer
+    with served(log, root=a.root.resolve()) as (
+        url,
+        proc,
+    ):  # no background model load (KVVIZ_WARMUP=0): the probe is the Explorer
         started = time.time()
         warm: dict = {}
-        run_session(url, 999, 5, time.time() + 180, warm)          # imports, kernels, caches: warm
+        run_session(url, 999, 5, time.time() + 180, warm)  # imports, kernels, caches: warm
         time.sleep(2)
         rss_before = rss_mb(proc.pid)
         stop, health, static = threading.Event(), [], []
-        poller = threading.Thread(target=poll_latency, args=(url, stop, health, static), daemon=True)
+        poller = threading.Thread(
+            target=poll_latency, args=(url, stop, health, static), daemon=True
+        )
         poller.start()
         deadline = started + a.timeout
         results = [{} for _ in range(a.sessions)]
-        threads = [threading.Thread(target=run_session, args=(url, i, a.moves, deadline, results[i]), daemon=True)
-                   for i in range(a.sessions)]
+        threads = [
+            threading.Thread(
+                target=run_session, args=(url, i, a.moves, deadline, results[i]), daemon=True
+            )
+            for i in range(a.sessions)
+        ]
         t0, cpu0 = time.time(), cpu_seconds(proc.pid)
         for t in threads:
             t.start()
@@ -317,32 +385,57 @@ def main(argv: list[str] | None = None) -> int:
     waits = [w for r in results for w in r.get("waits", [])]
     wait_mean = sum(waits) / len(waits) if waits else float("nan")
     wait_p95 = percentile(waits, 95)
-    print(f"load: {a.sessions} sessions x {a.moves} moves of {', '.join(SLIDERS)} (websocket clients, loopback)")
-    print(f"  moves done             {moves} of {a.sessions * a.moves} in {load_seconds:.1f} s"
-          + (f"; {timed_out} session(s) out of time" if timed_out else ""))
-    print(f"  server CPU per move    {load_cpu / max(moves, 1) * 1e3:.0f} ms (the server process, over the load)")
-    print(f"  wait per move  mean {wait_mean:.2f} s, p95 {wait_p95:.2f} s, max {max(waits, default=float('nan')):.2f} s "
-          f"(a move's rerun, sent until finished, over {len(waits)} moves)")
-    print(f"  exceptions             {exceptions} (in pages {len(page_exceptions)}, server log {len(server)}, "
-          f"clients {len(errors)})")
+    print(
+        f"load: {a.sessions} sessions x {a.moves} moves of {', '.join(SLIDERS)} (websocket clients, loopback)"
+    )
+    print(
+        f"  moves done             {moves} of {a.sessions * a.moves} in {load_seconds:.1f} s"
+        + (f"; {timed_out} session(s) out of time" if timed_out else "")
+    )
+    print(
+        f"  server CPU per move    {load_cpu / max(moves, 1) * 1e3:.0f} ms (the server process, over the load)"
+    )
+    print(
+        f"  wait per move  mean {wait_mean:.2f} s, p95 {wait_p95:.2f} s, max {max(waits, default=float('nan')):.2f} s "
+        f"(a move's rerun, sent until finished, over {len(waits)} moves)"
+    )
+    print(
+        f"  exceptions             {exceptions} (in pages {len(page_exceptions)}, server log {len(server)}, "
+        f"clients {len(errors)})"
+    )
     for e in (page_exceptions + server + errors)[:5]:
         print(f"    {e[:160]}")
     print(f"  missing sliders        {missing}")
-    print(f"  server RSS             {rss_before:.0f} MB before, {rss_after:.0f} MB after ({growth:+.0f} MB)")
-    print(f"  health latency         p50 {percentile(health, 50) * 1e3:.0f} ms, p99 {h99 * 1e3:.0f} ms, "
-          f"max {max(health, default=float('nan')) * 1e3:.0f} ms over {len(health)} requests")
-    print(f"  static file latency    p50 {percentile(static, 50) * 1e3:.0f} ms, p99 {percentile(static, 99) * 1e3:.0f} "
-          f"ms, max {max(static, default=float('nan')) * 1e3:.0f} ms over {len(static)} requests")
-    missed = [name for name, bad in (("exceptions", exceptions > TARGETS["exceptions"]),
-                                     ("missing sliders", missing > TARGETS["missing"]),
-                                     ("RSS growth", growth >= TARGETS["rss_growth_mb"]),
-                                     ("health p99", not h99 < TARGETS["health_p99_s"]),
-                                     ("moves", moves < a.sessions * a.moves),
-                                     ("wait per move mean", not wait_mean <= TARGETS["wait_mean_s"]),
-                                     ("wait per move p95", not wait_p95 <= TARGETS["wait_p95_s"])) if bad]
-    print("  targets (0 exceptions, 0 missing, RSS growth < 100 MB, health p99 < 1 s, every move done, wait per move "
-          "mean <= 1 s and p95 <= 2 s): "
-          + ("met" if not missed else "MISSED: " + ", ".join(missed)) + f"; server log {log}")
+    print(
+        f"  server RSS             {rss_before:.0f} MB before, {rss_after:.0f} MB after ({growth:+.0f} MB)"
+    )
+    print(
+        f"  health latency         p50 {percentile(health, 50) * 1e3:.0f} ms, p99 {h99 * 1e3:.0f} ms, "
+        f"max {max(health, default=float('nan')) * 1e3:.0f} ms over {len(health)} requests"
+    )
+    print(
+        f"  static file latency    p50 {percentile(static, 50) * 1e3:.0f} ms, p99 {percentile(static, 99) * 1e3:.0f} "
+        f"ms, max {max(static, default=float('nan')) * 1e3:.0f} ms over {len(static)} requests"
+    )
+    missed = [
+        name
+        for name, bad in (
+            ("exceptions", exceptions > TARGETS["exceptions"]),
+            ("missing sliders", missing > TARGETS["missing"]),
+            ("RSS growth", growth >= TARGETS["rss_growth_mb"]),
+            ("health p99", not h99 < TARGETS["health_p99_s"]),
+            ("moves", moves < a.sessions * a.moves),
+            ("wait per move mean", not wait_mean <= TARGETS["wait_mean_s"]),
+            ("wait per move p95", not wait_p95 <= TARGETS["wait_p95_s"]),
+        )
+        if bad
+    ]
+    print(
+        "  targets (0 exceptions, 0 missing, RSS growth < 100 MB, health p99 < 1 s, every move done, wait per move "
+        "mean <= 1 s and p95 <= 2 s): "
+        + ("met" if not missed else "MISSED: " + ", ".join(missed))
+        + f"; server log {log}"
+    )
     return 1 if missed else 0
 
 

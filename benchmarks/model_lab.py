@@ -44,18 +44,24 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     t = time.perf_counter()
     model, tokenizer, info = load_model("bundled")
-    print(f"model: {info.label}, loaded in {time.perf_counter() - t:.1f} s; torch threads {torch.get_num_threads()}")
+    print(
+        f"model: {info.label}, loaded in {time.perf_counter() - t:.1f} s; torch threads {torch.get_num_threads()}"
+    )
     default = lab.default_settings()
     n, m, g = default.prompt_tokens, default.continuation, default.greedy_tokens
     ids = tokenize(tokenizer, default.text)[: n + m]
     budget = dict(sink=default.spec.sink, recent=default.spec.recent, heavy=default.spec.heavy)
     runs = {
         f"h2o {default.spec.label()} (the page's default)": default,
-        "snapkv, same budget (one-shot)": lab.LabSettings(**{**default.__dict__, "spec": Spec(**budget, scorer="snapkv")}),
+        "snapkv, same budget (one-shot)": lab.LabSettings(
+            **{**default.__dict__, "spec": Spec(**budget, scorer="snapkv")}
+        ),
         "streaming sink 4 + recent 10 (one-shot)": lab.LabSettings(
-            **{**default.__dict__, "spec": Spec(sink=4, recent=10, scorer="streaming")}),
+            **{**default.__dict__, "spec": Spec(sink=4, recent=10, scorer="streaming")}
+        ),
         "kivi-2bit alone (one-shot)": lab.LabSettings(
-            **{**default.__dict__, "spec": Spec(key_bits=2, value_bits=2, residual=32)}),
+            **{**default.__dict__, "spec": Spec(key_bits=2, value_bits=2, residual=32)}
+        ),
     }
 
     def plain() -> float:
@@ -72,7 +78,7 @@ def main() -> int:
         lab.run(model, tokenizer, info.label, settings)
         return time.perf_counter() - t0
 
-    plain()                                   # warm-up
+    plain()  # warm-up
     lab_run(lab.LabSettings(**{**default.__dict__, "continuation": 8, "greedy_tokens": 4}))
     base: list[float] = []
     took: dict[str, list[float]] = {k: [] for k in runs}
@@ -81,14 +87,18 @@ def main() -> int:
             base.append(plain())
             took[name].append(lab_run(settings))
     b = statistics.median(base)
-    print(f"{n} prompt + {m} scored tokens, {g} greedy tokens; plain transformers work: {b:.2f} s "
-          f"(median of {len(base)})")
+    print(
+        f"{n} prompt + {m} scored tokens, {g} greedy tokens; plain transformers work: {b:.2f} s "
+        f"(median of {len(base)})"
+    )
     ok = True
     for name, settings in runs.items():
         c = statistics.median(took[name])
         target = 1.0 if lab.one_pass(settings.spec) else 1.5
         ok &= c / b <= target
-        print(f"{name}: Model lab run / plain transformers work = {c / b:.2f} ({c:.2f} s; target <= {target})")
+        print(
+            f"{name}: Model lab run / plain transformers work = {c / b:.2f} ({c:.2f} s; target <= {target})"
+        )
     print("all within target" if ok else "some OVER target")
     return 0
 

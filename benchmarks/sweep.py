@@ -21,23 +21,22 @@ misses its target.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine import LAYER, bare_attention, benchmark_trace, best_of   # noqa: E402  (benchmarks/engine.py)
+from engine import LAYER, bare_attention, benchmark_trace, best_of  # noqa: E402  (benchmarks/engine.py)
 
-try:                                         # the package layout in flux: kvviz.analysis.sweep, else kvviz.sweep
+try:  # the package layout in flux: kvviz.analysis.sweep, else kvviz.sweep
     from kvviz.analysis.sweep import sweep
 except ImportError:
     from kvviz.sweep import sweep
-from kvviz import View                       # noqa: E402
-from kvviz.spec import SCORERS               # noqa: E402
+from kvviz import View  # noqa: E402
+from kvviz.spec import SCORERS  # noqa: E402
 
 FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75)
 BITS = (16, 8, 4, 2)
-TARGET = 3.0      # the sweep at most 3x the bare attention work it needs, as every single configuration
+TARGET = 3.0  # the sweep at most 3x the bare attention work it needs, as every single configuration
 
 
 def compression_rows(trace, scorer, window=64):
@@ -47,7 +46,7 @@ def compression_rows(trace, scorer, window=64):
         return [(trace.context_queries, c)]
     if scorer == "tova":
         return [(trace.context_queries[-1:], c)]
-    if scorer in ("snapkv", "chunkkv"):            # chunkkv: SnapKV's votes, its default token scorer
+    if scorer in ("snapkv", "chunkkv"):  # chunkkv: SnapKV's votes, its default token scorer
         return [(trace.context_queries[-window:], c)]
     return []
 
@@ -62,14 +61,17 @@ def configuration_rows(trace, scorer):
 
 def main() -> int:
     from threadpoolctl import threadpool_limits
+
     threadpool_limits(1, user_api="blas")
     print("BLAS: 1 thread for both the sweep and the bare attention work")
     trace = benchmark_trace()
     view = View(layer=LAYER, ensemble="heads", ensemble_size=8)
     n_configs = len(SCORERS) * len(FRACTIONS) * len(BITS)
     print(f"trace: {trace.describe()}")
-    print(f"sweep: {len(SCORERS)} scorers x {len(FRACTIONS)} budgets x {len(BITS)} bit widths = {n_configs} "
-          f"configurations, error bars over 8 heads")
+    print(
+        f"sweep: {len(SCORERS)} scorers x {len(FRACTIONS)} budgets x {len(BITS)} bit widths = {n_configs} "
+        f"configurations, error bars over 8 heads"
+    )
 
     def run():
         rows = sweep(trace, SCORERS, FRACTIONS, BITS, view)
@@ -85,15 +87,17 @@ def main() -> int:
         bare_attention(trace, [(trace.evaluated_queries[-1:], trace.n_positions)])
 
     total, base, row = float("inf"), float("inf"), float("inf")
-    for _ in range(3):        # pairs back to back, so load on a shared machine hits both alike
+    for _ in range(3):  # pairs back to back, so load on a shared machine hits both alike
         total = min(total, best_of(run, 1))
         base = min(base, best_of(bare, 1))
     for _ in range(200):
         row = min(row, best_of(one_row_set, 1))
     ratio = total / base
     print(f"sweep: total {total * 1e3:.0f} ms, bare {base * 1e3:.0f} ms, ratio {ratio:.2f}")
-    print(f"per configuration: {total / n_configs * 1e3:.2f} ms = {total / (n_configs * row):.2f} x one evaluated "
-          f"row set ({row * 1e3:.2f} ms: the 8 heads' attention of the last query)")
+    print(
+        f"per configuration: {total / n_configs * 1e3:.2f} ms = {total / (n_configs * row):.2f} x one evaluated "
+        f"row set ({row * 1e3:.2f} ms: the 8 heads' attention of the last query)"
+    )
     print(f"worst ratio {ratio:.2f} (target <= {TARGET:g})")
     return 0 if ratio <= TARGET else 1
 

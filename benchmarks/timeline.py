@@ -37,7 +37,9 @@ def main() -> int:
 
     trace = make_synthetic(SyntheticSpec(context=256, steps=48, topic_shift=12.0))
     spec = Spec(sink=4, recent=8, heavy=2)
-    timeline_animation(timeline(make_synthetic(SyntheticSpec(context=32, steps=4)), spec), 0)   # warm-up imports
+    timeline_animation(
+        timeline(make_synthetic(SyntheticSpec(context=32, steps=4)), spec), 0
+    )  # warm-up imports
 
     def first() -> tuple[float, object, go.Figure]:
         t0 = time.perf_counter()
@@ -48,8 +50,15 @@ def main() -> int:
 
     def move(tl, cached: go.Figure, step: int) -> float:
         t0 = time.perf_counter()
-        rows = [{"policy": name, "regret": round(float(pt.regret[step]), 4), "held": int(pt.kept[step].sum()),
-                 "missed": np.flatnonzero(pt.missed[step])[:12].tolist()} for name, pt in tl.policies.items()]
+        rows = [
+            {
+                "policy": name,
+                "regret": round(float(pt.regret[step]), 4),
+                "held": int(pt.kept[step].sum()),
+                "missed": np.flatnonzero(pt.missed[step])[:12].tolist(),
+            }
+            for name, pt in tl.policies.items()
+        ]
         json.dumps(rows)
         del cached
         return time.perf_counter() - t0
@@ -60,9 +69,13 @@ def main() -> int:
         firsts.append(t)
         moves += [move(tl, fig, s) for s in (5 + r, 20 + r, 40 + r)]
     f, m = statistics.median(firsts), statistics.median(moves)
-    print(f"first computation (4 policies x 48 steps + the animated figure): {f:.3f} s (median of {len(firsts)}); "
-          f"step move: {1000 * m:.1f} ms (median of {len(moves)})")
-    print(f"step move / first computation = {m / f:.5f} (target <= 0.05): {'OK' if m / f <= 0.05 else 'OVER'}")
+    print(
+        f"first computation (4 policies x 48 steps + the animated figure): {f:.3f} s (median of {len(firsts)}); "
+        f"step move: {1000 * m:.1f} ms (median of {len(moves)})"
+    )
+    print(
+        f"step move / first computation = {m / f:.5f} (target <= 0.05): {'OK' if m / f <= 0.05 else 'OVER'}"
+    )
     return 0
 
 

@@ -9,8 +9,15 @@ from kvviz.app.cards import metric_cards, metrics_table, plain_cards
 from kvviz.app.compute import run_compare
 from kvviz.app.layout import page_setup
 from kvviz.app.lesson import lesson_export
-from kvviz.app.notes import (budget_warnings, fp8_note, no_eviction_note, quant_model_note, quant_scope_note,
-                             quant_warning_box, scorer_note)
+from kvviz.app.notes import (
+    budget_warnings,
+    fp8_note,
+    no_eviction_note,
+    quant_model_note,
+    quant_scope_note,
+    quant_warning_box,
+    scorer_note,
+)
 from kvviz.app.overview import has_text_tokens, head_overview, token_grid
 from kvviz.app.presets import preset_buttons
 from kvviz.app.router import run_page
@@ -19,14 +26,24 @@ from kvviz.app import explorer as ux
 from kvviz.app import formats as ui_formats
 from kvviz.app import ledger as ui_ledger
 from kvviz.plots.figures import BAND_TEXT
-from kvviz.analysis.frames import (attention_extent, ensemble_text, error_extent, ranges_text, row_text,
-                                   token_frame, zoom_frame, BIN_THRESHOLD)
+from kvviz.analysis.frames import (
+    attention_extent,
+    ensemble_text,
+    error_extent,
+    ranges_text,
+    row_text,
+    token_frame,
+    zoom_frame,
+    BIN_THRESHOLD,
+)
 
 
 def main() -> None:
-    present = page_setup("KV-cache compression explorer",
-                         "Evict tokens (sinks, recent window, heavy hitters) and quantize keys and values; "
-                         "compare the compressed attention with the original, token by token.")
+    present = page_setup(
+        "KV-cache compression explorer",
+        "Evict tokens (sinks, recent window, heavy hitters) and quantize keys and values; "
+        "compare the compressed attention with the original, token by token.",
+    )
     # Presentation mode: the four headline sliders in the main area, above the charts (their only widgets)
     headline = st.container() if present else None
     settings = sidebar(headline=headline)
@@ -44,14 +61,29 @@ def main() -> None:
     n_seen = len(comp.tokens)
 
     about = f"{source.label} · {row_text(comp)} · {spec.label()} · {quant_model_note(source, spec)}"  # the cards
-    eviction_off = no_eviction_note(spec)     # all three budgets at 0: said beside the numbers
+    eviction_off = no_eviction_note(spec)  # all three budgets at 0: said beside the numbers
 
     def notes() -> list[str]:
-        typical = st.session_state.get("_typical_note") if st.session_state.get("_typical_for") == source.key else None
-        return list(comp.notes + tuple(filter(None, [scorer_note(spec, source.trace), typical,
-                                                     fp8_note(source, spec, vs.view.step)])))
+        typical = (
+            st.session_state.get("_typical_note")
+            if st.session_state.get("_typical_for") == source.key
+            else None
+        )
+        return list(
+            comp.notes
+            + tuple(
+                filter(
+                    None,
+                    [
+                        scorer_note(spec, source.trace),
+                        typical,
+                        fp8_note(source, spec, vs.view.step),
+                    ],
+                )
+            )
+        )
 
-    def cards() -> None:       # what the numbers mean when the sliders do not, above them
+    def cards() -> None:  # what the numbers mean when the sliders do not, above them
         for w in budget_warnings(spec, n_seen):
             st.warning(w, icon=":material/warning:")
         if eviction_off:
@@ -60,12 +92,16 @@ def main() -> None:
         metric_cards(comp, pinned)
         ux.pin_controls(spec, pinned_spec if pinned is not None else None)
 
-    def about_and_notes() -> None:     # below the charts, so that the first chart starts on the first screen
+    def about_and_notes() -> (
+        None
+    ):  # below the charts, so that the first chart starts on the first screen
         st.caption(f"{about} " + (quant_scope_note(spec) or ""))
         for note in notes():
             st.info(note, icon=":material/info:")
 
-    def plain_cards_and_folded_notes() -> None:     # Presentation mode: three cards, the explanations folded
+    def plain_cards_and_folded_notes() -> (
+        None
+    ):  # Presentation mode: three cards, the explanations folded
         plain_cards(comp)
         st.caption(quant_scope_note(spec) or quant_model_note(source, spec))
         warnings = budget_warnings(spec, n_seen)
@@ -83,62 +119,95 @@ def main() -> None:
     text = has_text_tokens(source.trace)
     # the page's places, top to bottom (Presentation mode: one projector screen, the attention chart first)
     if present:
-        top_chart, lock_slot, cards_slot, bottom_chart = st.container(), st.container(), st.container(), st.container()
+        top_chart, lock_slot, cards_slot, bottom_chart = (
+            st.container(),
+            st.container(),
+            st.container(),
+            st.container(),
+        )
         zoom_slot = None
     else:
         cards_slot, lock_slot = st.container(), st.container()
-        zoom_slot = st.container() if n_seen > BIN_THRESHOLD else None   # a long row's range boxes
+        zoom_slot = st.container() if n_seen > BIN_THRESHOLD else None  # a long row's range boxes
         top_chart, bottom_chart = st.container(), st.container()
     # the charts: the tokens first..last of the row (a long row's range boxes sit above the charts), in bins
     # past BIN_THRESHOLD tokens, so no chart carries more than a few hundred bars whatever the row's length
-    first, last = (0, n_seen - 1) if present else ux.token_range(n_seen, (source.key, n_seen), zoom_slot)
+    first, last = (
+        (0, n_seen - 1) if present else ux.token_range(n_seen, (source.key, n_seen), zoom_slot)
+    )
     frame, binned = zoom_frame(comp, first, last)
     pinned_frame = zoom_frame(pinned, first, last)[0] if pinned is not None else None
     drawn = {}
 
-    def look(fig, y_title: str):   # Presentation mode: text >= 18 px, a y title that fits
+    def look(fig, y_title: str):  # Presentation mode: text >= 18 px, a y title that fits
         return style.projector(fig, height=470, y_title=y_title) if present else fig
 
-    def lock_toggle() -> tuple:     # the toggle sits with the charts it locks
+    def lock_toggle() -> tuple:  # the toggle sits with the charts it locks
         return ux.y_lock(error_extent(frame), attention_extent(frame), present)
 
-    def error_chart(y_range: float | None) -> None:   # the handbook's lesson, two kinds of error
-        drawn["error"] = look(figures.error_figure(frame, vs.bars, members, what=ensemble, y_range=y_range,
-                                                   text_tokens=text and not binned, pinned=pinned_frame),
-                              "attention error")
+    def error_chart(y_range: float | None) -> None:  # the handbook's lesson, two kinds of error
+        drawn["error"] = look(
+            figures.error_figure(
+                frame,
+                vs.bars,
+                members,
+                what=ensemble,
+                y_range=y_range,
+                text_tokens=text and not binned,
+                pinned=pinned_frame,
+            ),
+            "attention error",
+        )
         chart(drawn["error"], key="error_chart", config=style.CHART_CONFIG)
         if not present:
-            st.caption("What to look for: the two causes of error apart. Eviction (hatched vermillion) loses whole "
-                       "tokens and shifts their mass onto the kept ones; quantization (purple) spreads small errors "
-                       "over every kept token. "
-                       + (f"Bars are the mean over N = {members} rows ({ensemble}); black ticks the total, with "
-                          f"error bars: {BAND_TEXT[vs.bars]}" + (" (assumes independent rows)." if vs.bars == "ci95"
-                                                                   else ".")
-                          if members > 1 else "One row, no ensemble: pick one under View → Error bars over."))
+            st.caption(
+                "What to look for: the two causes of error apart. Eviction (hatched vermillion) loses whole "
+                "tokens and shifts their mass onto the kept ones; quantization (purple) spreads small errors "
+                "over every kept token. "
+                + (
+                    f"Bars are the mean over N = {members} rows ({ensemble}); black ticks the total, with "
+                    f"error bars: {BAND_TEXT[vs.bars]}"
+                    + (" (assumes independent rows)." if vs.bars == "ci95" else ".")
+                    if members > 1
+                    else "One row, no ensemble: pick one under View → Error bars over."
+                )
+            )
 
     def attention_figure(y_top: float | None) -> None:
         if binned:
-            drawn["attention"] = look(figures.binned_attention_figure(frame, row=row, y_top=y_top), "attention mass")
+            drawn["attention"] = look(
+                figures.binned_attention_figure(frame, row=row, y_top=y_top), "attention mass"
+            )
         else:
-            drawn["attention"] = look(figures.attention_figure(frame, row=row, text_tokens=text,
-                                                               pinned=pinned_frame, y_top=y_top), "attention")
+            drawn["attention"] = look(
+                figures.attention_figure(
+                    frame, row=row, text_tokens=text, pinned=pinned_frame, y_top=y_top
+                ),
+                "attention",
+            )
 
     def attention_chart() -> None:
         if binned and not present:
-            st.caption(f"Tokens {first}-{last} of {n_seen}, in {len(frame)} bins of up to "
-                       f"{int(frame['tokens'].max())} tokens: each bar is the sum of its bin's attention (the mass), "
-                       "the black tick its largest single token. Zoom to a range of "
-                       f"{BIN_THRESHOLD} tokens or fewer to see each token (the CSV has every token).")
+            st.caption(
+                f"Tokens {first}-{last} of {n_seen}, in {len(frame)} bins of up to "
+                f"{int(frame['tokens'].max())} tokens: each bar is the sum of its bin's attention (the mass), "
+                "the black tick its largest single token. Zoom to a range of "
+                f"{BIN_THRESHOLD} tokens or fewer to see each token (the CSV has every token)."
+            )
         elif spec.evicts and not present:
-            shown = frame       # the tokens first..last, one row each
-            st.markdown(f"**Kept tokens{'' if len(shown) == n_seen else f' ({first}-{last})'}:** "
-                        f"{ranges_text(shown.index[shown['kept']])}")
+            shown = frame  # the tokens first..last, one row each
+            st.markdown(
+                f"**Kept tokens{'' if len(shown) == n_seen else f' ({first}-{last})'}:** "
+                f"{ranges_text(shown.index[shown['kept']])}"
+            )
         chart(drawn["attention"], key="attention_chart", config=style.CHART_CONFIG)
         if not present:
-            st.caption("What to look for: grey is the original attention, coloured bars what the compressed cache "
-                       "gives each kept token (renormalised, so kept tokens gain weight: sinks dotted, the recent "
-                       "window lined, heavy hitters crossed); hatched vermillion bars are evicted tokens, whose "
-                       "attention drops to zero.")
+            st.caption(
+                "What to look for: grey is the original attention, coloured bars what the compressed cache "
+                "gives each kept token (renormalised, so kept tokens gain weight: sinks dotted, the recent "
+                "window lined, heavy hitters crossed); hatched vermillion bars are evicted tokens, whose "
+                "attention drops to zero."
+            )
 
     # The attention figure is built (~0.1 s) before the cards are drawn, so that the cards and the charts'
     # frames reach the browser together (kvviz.app.charts: the first paint); the lock toggle, drawn into its
@@ -167,24 +236,45 @@ def main() -> None:
         return
     ui_formats.key_rotation_expander(source, vs.view)
 
-    stem, link = ux.slug(spec, source.key[0] if source.key[0] != "external" else source.key[1]), ux.page_link()
+    stem, link = (
+        ux.slug(spec, source.key[0] if source.key[0] != "external" else source.key[1]),
+        ux.page_link(),
+    )
     header = ux.settings_header(comp, source.label, link, vs.bars)
     downloads = st.container(horizontal=True, gap="small")
-    downloads.download_button("Download per-token data (CSV)", data=lambda: header + token_frame(comp).to_csv(index=False),
-                       file_name=f"{stem}.csv", mime="text/csv", on_click="ignore", icon=":material/download:")
-    downloads.download_button("Download charts (standalone HTML)",
-                       data=lambda: figures.figures_html([fig_att, drawn["error"]], f"kvviz: {spec.label()}",
-                                                         metrics=comp.metrics, about=header, link=link),
-                       file_name=f"{stem}.html", mime="text/html", on_click="ignore", icon=":material/download:")
-    st.caption("For slides: every chart's toolbar (top right of the chart, on hover) has a camera button that "
-               "saves it as an SVG image in your browser, offline.")
+    downloads.download_button(
+        "Download per-token data (CSV)",
+        data=lambda: header + token_frame(comp).to_csv(index=False),
+        file_name=f"{stem}.csv",
+        mime="text/csv",
+        on_click="ignore",
+        icon=":material/download:",
+    )
+    downloads.download_button(
+        "Download charts (standalone HTML)",
+        data=lambda: figures.figures_html(
+            [fig_att, drawn["error"]],
+            f"kvviz: {spec.label()}",
+            metrics=comp.metrics,
+            about=header,
+            link=link,
+        ),
+        file_name=f"{stem}.html",
+        mime="text/html",
+        on_click="ignore",
+        icon=":material/download:",
+    )
+    st.caption(
+        "For slides: every chart's toolbar (top right of the chart, on hover) has a camera button that "
+        "saves it as an SVG image in your browser, offline."
+    )
     lesson_export(source, spec, vs.view, vs.bars, stem)
     # folded until opened: its tables would load the data grid's scripts (~1.2 MB) into the first paint
     numbers = folded("All numbers", key="_numbers_open")
     with numbers:
         if numbers.open:
             st.dataframe(metrics_table(comp), hide_index=True, key="metrics_table")
-            st.dataframe(token_frame(comp), hide_index=True, height=240)   # every token
+            st.dataframe(token_frame(comp), hide_index=True, height=240)  # every token
     ui_ledger.ledger_expander(source, spec, vs.view.step)
 
 

@@ -17,18 +17,23 @@ from kvviz.spec import View
 from kvviz.analysis.sweep import DEFAULT_FRACTIONS, pareto_front, split_budget, to_csv
 
 # URL value -> (label, sweep column, engine metric)
-METRICS = {"tv": ("TV distance", "tv", "tv_distance"),
-           "kl": ("KL(compressed ‖ original)", "kl_compressed_vs_original", "kl"),
-           "js": ("Jensen–Shannon", "js", "js"),
-           "mass": ("Attention mass retained", "mass_retained", "mass_retained"),
-           "output_error": ("Output error", "output_error", "output_rel_error")}
+METRICS = {
+    "tv": ("TV distance", "tv", "tv_distance"),
+    "kl": ("KL(compressed ‖ original)", "kl_compressed_vs_original", "kl"),
+    "js": ("Jensen–Shannon", "js", "js"),
+    "mass": ("Attention mass retained", "mass_retained", "mass_retained"),
+    "output_error": ("Output error", "output_error", "output_rel_error"),
+}
 HIGHER_IS_BETTER = {"mass"}
 # the Pareto table's columns: (short header, what it means); short so the table fits 1024 px without scrolling
-TABLE_COLUMNS = {"method": ("method", "the eviction policy"), "budget": ("budget", "tokens kept"),
-                 "budget_fraction": ("share", "the budget as a share of the tokens the query sees"),
-                 "bits": ("bits", "bits of the kept keys and values (16 = not quantized)"),
-                 "format": ("format", "the number format of the kept keys and values"),
-                 "memory_ratio": ("memory", "memory of the compressed cache, × the 16-bit cache")}
+TABLE_COLUMNS = {
+    "method": ("method", "the eviction policy"),
+    "budget": ("budget", "tokens kept"),
+    "budget_fraction": ("share", "the budget as a share of the tokens the query sees"),
+    "bits": ("bits", "bits of the kept keys and values (16 = not quantized)"),
+    "format": ("format", "the number format of the kept keys and values"),
+    "memory_ratio": ("memory", "memory of the compressed cache, × the 16-bit cache"),
+}
 TABLE_FORMATS = {"budget_fraction": "percent", "memory_ratio": "%.3f×"}
 
 
@@ -36,96 +41,169 @@ def open_in_explorer(point: dict) -> None:
     """Set the sliders to a clicked sweep point and go to the Explorer."""
     method, budget, bits = point["customdata"][:3]
     fmt = point["customdata"][3] if len(point["customdata"]) > 3 else "int"
-    values = dict(sink=0, recent=0, heavy=0) if method == "full" else split_budget(method, int(budget))
+    values = (
+        dict(sink=0, recent=0, heavy=0) if method == "full" else split_budget(method, int(budget))
+    )
     values.update(bits=int(bits), split=False, key_fmt=fmt, value_fmt=fmt)
     if method != "full":
         values["scorer"] = method
     for name, value in values.items():
         st.session_state[STORE][name] = value
-        st.session_state.pop(name, None)          # the widget takes the store's value when it renders
+        st.session_state.pop(name, None)  # the widget takes the store's value when it renders
     st.switch_page(PAGES["explorer"])
 
 
 def main() -> None:
-    present = page_setup("Trade-offs: error vs memory",
-               "Every policy over a sweep of budgets (5%–100% of the tokens) and bit widths; the explorer's "
-               "current setting is the star, the Pareto frontier of the real policies the thick dashed line, "
-               "the oracle the dotted bound.")
-    settings = sidebar(ensemble=False, head=False)   # the sweep averages over every query head of the layer
+    present = page_setup(
+        "Trade-offs: error vs memory",
+        "Every policy over a sweep of budgets (5%–100% of the tokens) and bit widths; the explorer's "
+        "current setting is the star, the Pareto frontier of the real policies the thick dashed line, "
+        "the oracle the dotted bound.",
+    )
+    settings = sidebar(
+        ensemble=False, head=False
+    )  # the sweep averages over every query head of the layer
     if settings is None or settings.spec is None:
         return
     source, spec, vs = settings.source, settings.spec, settings.view
     # Presentation mode: the chart first, on the projector's first screen, its controls under it
     chart_slot = st.container() if present else None
-    metric = w_choice(st, "metric", "Measure", tuple(METRICS), widget="radio",
-                      format_func=lambda m: METRICS[m][0])
-    log_x = w_check(st, "logx", "Log memory axis",
-                    help="Spreads out the small-memory end, where methods and bit widths differ; off, the 2- and "
-                         "4-bit curves crowd together at the left.")
+    metric = w_choice(
+        st, "metric", "Measure", tuple(METRICS), widget="radio", format_func=lambda m: METRICS[m][0]
+    )
+    log_x = w_check(
+        st,
+        "logx",
+        "Log memory axis",
+        help="Spreads out the small-memory end, where methods and bit widths differ; off, the 2- and "
+        "4-bit curves crowd together at the left.",
+    )
     methods = w_pills(st, "methods", "Methods", tuple(SCORER_CHOICES), format_func=SCORER_SHORT.get)
     bits = w_pills(st, "sweep_bits", "Bit widths", (16, 8, 4, 3, 2), format_func=bits_label)
-    formats = w_pills(st, "sweep_formats", "Serving formats (FP8 / FP4 / llama.cpp points)",
-                      PARAMS["sweep_formats"].choices, format_func=style.FORMAT_NAMES.get,
-                      help="Add points in FP8 (8 bits + FP32 scales, per the Advanced FP8 scale), block-scaled "
-                           "FP4 (NVFP4: 4.5 bits a value, MXFP4: 4.25) or llama.cpp's q8_0 / q4_0 (8.5 / 4.5 bits "
-                           "a value: an fp16 scale per 32), keys and values alike, with the Advanced rotation "
-                           "setting.")
+    formats = w_pills(
+        st,
+        "sweep_formats",
+        "Serving formats (FP8 / FP4 / llama.cpp points)",
+        PARAMS["sweep_formats"].choices,
+        format_func=style.FORMAT_NAMES.get,
+        help="Add points in FP8 (8 bits + FP32 scales, per the Advanced FP8 scale), block-scaled "
+        "FP4 (NVFP4: 4.5 bits a value, MXFP4: 4.25) or llama.cpp's q8_0 / q4_0 (8.5 / 4.5 bits "
+        "a value: an fp16 scale per 32), keys and values alike, with the Advanced rotation "
+        "setting.",
+    )
     if not methods or not (bits or formats):
-        st.warning("Pick at least one method and one bit width to sweep.", icon=":material/warning:")
+        st.warning(
+            "Pick at least one method and one bit width to sweep.", icon=":material/warning:"
+        )
         return
     # the sweep and the star average over every query head of the chosen layer
     n_heads = source.trace.n_q_heads
-    view = View(layer=vs.view.layer, head=0, step=vs.view.step, ensemble="heads", ensemble_size=n_heads)
+    view = View(
+        layer=vs.view.layer, head=0, step=vs.view.step, ensemble="heads", ensemble_size=n_heads
+    )
     heads = f"all {n_heads} query heads" if n_heads > 1 else "its one query head"
     if not present:
-        st.caption(f"Each point is the mean over {heads} of layer {source.trace.layer_numbers[view.layer]} at the "
-                   "query chosen under View. Click a point to open that setting in the Explorer.")
-    rows = run_sweep(source, tuple(methods), tuple(sorted(bits, reverse=True)), view, spec, formats=tuple(formats))
+        st.caption(
+            f"Each point is the mean over {heads} of layer {source.trace.layer_numbers[view.layer]} at the "
+            "query chosen under View. Click a point to open that setting in the Explorer."
+        )
+    rows = run_sweep(
+        source,
+        tuple(methods),
+        tuple(sorted(bits, reverse=True)),
+        view,
+        spec,
+        formats=tuple(formats),
+    )
     if not rows:
         return
     column = METRICS[metric][1]
     sign = -1.0 if metric in HIGHER_IS_BETTER else 1.0
     valid = [r for r in rows if r[column] is not None]
-    real = [i for i, r in enumerate(valid) if r["method"] != "oracle"]       # no real policy reaches the oracle
-    front = [real[j] for j in pareto_front([(valid[i]["memory_ratio"], sign * valid[i][column]) for i in real])]
+    real = [
+        i for i, r in enumerate(valid) if r["method"] != "oracle"
+    ]  # no real policy reaches the oracle
+    front = [
+        real[j]
+        for j in pareto_front([(valid[i]["memory_ratio"], sign * valid[i][column]) for i in real])
+    ]
     if len(valid) < len(rows):
-        st.info("This source has no values, so output error is not available; showing the rest.", icon=":material/info:")
+        st.info(
+            "This source has no values, so output error is not available; showing the rest.",
+            icon=":material/info:",
+        )
     comp = run_compare(source, spec, view)
     current = None
     if comp is not None:
         mean = comp.metrics_mean
-        current = {"memory_ratio": comp.memory.ratio, column: mean[METRICS[metric][2]], "label": spec.label()}
+        current = {
+            "memory_ratio": comp.memory.ratio,
+            column: mean[METRICS[metric][2]],
+            "label": spec.label(),
+        }
     fig = tradeoffs.tradeoff_figure(valid, column, front, current, log_x=bool(log_x))
-    if present:     # text >= 18 px, the chart as tall as the first screen allows
+    if present:  # text >= 18 px, the chart as tall as the first screen allows
         fig = style.projector(fig, height=520, y_title=METRICS[metric][0], legend_right=True)
     with chart_slot or st.container():
-        event = chart(fig, key="tradeoff_chart", on_select="rerun", selection_mode="points",
-                      config=style.CHART_CONFIG)
-    points = [p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3]
+        event = chart(
+            fig,
+            key="tradeoff_chart",
+            on_select="rerun",
+            selection_mode="points",
+            config=style.CHART_CONFIG,
+        )
+    points = [
+        p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3
+    ]
     if points:
         open_in_explorer(points[0])
     if present:
         return
-    st.caption(("What to look for: upper-left is better." if metric in HIGHER_IS_BETTER else
-                "What to look for: lower-left is better.")
-               + " Where the dashed frontier is made of quantized points, quantization beats eviction at that "
-                 "memory; eviction curves bend sharply once the budget drops below the tokens that hold the mass. "
-                 "Budgets: " + ", ".join(f"{f:.0%}" for f in DEFAULT_FRACTIONS) + " of the tokens the query sees.")
+    st.caption(
+        (
+            "What to look for: upper-left is better."
+            if metric in HIGHER_IS_BETTER
+            else "What to look for: lower-left is better."
+        )
+        + " Where the dashed frontier is made of quantized points, quantization beats eviction at that "
+        "memory; eviction curves bend sharply once the budget drops below the tokens that hold the mass. "
+        "Budgets: "
+        + ", ".join(f"{f:.0%}" for f in DEFAULT_FRACTIONS)
+        + " of the tokens the query sees."
+    )
     best = [valid[i] for i in front] if front else []
     if best:
         st.markdown("**Pareto-optimal settings** (real policies)")
-        config = {k: st.column_config.Column(label, help=about) if k not in TABLE_FORMATS else
-                  st.column_config.NumberColumn(label, help=about, format=TABLE_FORMATS[k])
-                  for k, (label, about) in TABLE_COLUMNS.items()}
+        config = {
+            k: st.column_config.Column(label, help=about)
+            if k not in TABLE_FORMATS
+            else st.column_config.NumberColumn(label, help=about, format=TABLE_FORMATS[k])
+            for k, (label, about) in TABLE_COLUMNS.items()
+        }
         config[column] = st.column_config.NumberColumn(METRICS[metric][0], format="%.4f")
-        st.dataframe([{**{k: r[k] for k in TABLE_COLUMNS}, column: r[column]} for r in best], hide_index=True,
-                     key="pareto_table", column_config=config)
+        st.dataframe(
+            [{**{k: r[k] for k in TABLE_COLUMNS}, column: r[column]} for r in best],
+            hide_index=True,
+            key="pareto_table",
+            column_config=config,
+        )
     d1, d2 = st.columns(2)
-    d1.download_button("Download sweep (CSV)", data=lambda: to_csv(rows), file_name=f"kvviz-sweep-{source.key[0]}.csv",
-                       mime="text/csv", on_click="ignore", icon=":material/download:")
-    d2.download_button("Download chart (standalone HTML)", data=lambda: figures.figures_html([fig], "kvviz trade-offs"),
-                       file_name=f"kvviz-tradeoffs-{source.key[0]}.html", mime="text/html", on_click="ignore",
-                       icon=":material/download:")
+    d1.download_button(
+        "Download sweep (CSV)",
+        data=lambda: to_csv(rows),
+        file_name=f"kvviz-sweep-{source.key[0]}.csv",
+        mime="text/csv",
+        on_click="ignore",
+        icon=":material/download:",
+    )
+    d2.download_button(
+        "Download chart (standalone HTML)",
+        data=lambda: figures.figures_html([fig], "kvviz trade-offs"),
+        file_name=f"kvviz-tradeoffs-{source.key[0]}.html",
+        mime="text/html",
+        on_click="ignore",
+        icon=":material/download:",
+    )
     leaderboard_section()
 
 

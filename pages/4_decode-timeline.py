@@ -31,19 +31,35 @@ def _demo_trace() -> Trace:
 
 
 @st.cache_resource(max_entries=16, show_spinner="Replaying every policy step by step…")
-def _timeline(source_key: tuple, budget: tuple, layer: int, kv_head: int, need: float, policies: tuple,
-              _trace: Trace, every: int = 0):
+def _timeline(
+    source_key: tuple,
+    budget: tuple,
+    layer: int,
+    kv_head: int,
+    need: float,
+    policies: tuple,
+    _trace: Trace,
+    every: int = 0,
+):
     sink, recent, heavy, allocation = budget
-    return timeline(_trace, Spec(sink=sink, recent=recent, heavy=heavy, scorer="oracle", allocation=allocation),
-                    layer=layer,
-                    kv_head=kv_head,
-                    policies=policies, need=need, max_steps=MAX_STEPS, compress_every=every)
+    return timeline(
+        _trace,
+        Spec(sink=sink, recent=recent, heavy=heavy, scorer="oracle", allocation=allocation),
+        layer=layer,
+        kv_head=kv_head,
+        policies=policies,
+        need=need,
+        max_steps=MAX_STEPS,
+        compress_every=every,
+    )
 
 
 @st.cache_resource(max_entries=16, show_spinner=False)
 def _animation(timeline_key: tuple, shift_step, step: int, present: bool, _tl):
     """The whole timeline as one figure with a frame per step, drawn at `step` (built once per setting)."""
-    return timeline_animation(_tl, step, shift_step=shift_step, labels=POLICY_LABELS, present=present)
+    return timeline_animation(
+        _tl, step, shift_step=shift_step, labels=POLICY_LABELS, present=present
+    )
 
 
 def _chart_stepped() -> None:
@@ -73,16 +89,20 @@ def _step_view(tl, step: int) -> None:
     chart_step("tl_animation", step, STEP_REPORT, _chart_stepped)
     p = int(tl.positions[step])
     rows = tl.step_rows(step, POLICY_LABELS)
-    st.markdown(f"**Step {step}**: query at position {p}, layer {tl.model_layer}, KV head {tl.kv_head}")
+    st.markdown(
+        f"**Step {step}**: query at position {p}, layer {tl.model_layer}, KV head {tl.kv_head}"
+    )
     st.dataframe(rows, hide_index=True, width="stretch")
 
 
 def main() -> None:
-    present = page_setup("Decode timeline: what eviction throws away too early",
-                         "Each row is a decode step, each column a token. H2O and TOVA decide step by step from "
-                         "the attention they have seen; StreamingLLM by position; the oracle sees the step's own "
-                         "attention (the bound). Regret is the attention the full model put on tokens a policy "
-                         "had already evicted.")
+    present = page_setup(
+        "Decode timeline: what eviction throws away too early",
+        "Each row is a decode step, each column a token. H2O and TOVA decide step by step from "
+        "the attention they have seen; StreamingLLM by position; the oracle sees the step's own "
+        "attention (the bound). Regret is the attention the full model put on tokens a policy "
+        "had already evicted.",
+    )
     source = source_section()
     if source is None:
         show_notices()
@@ -94,15 +114,21 @@ def main() -> None:
     show_notices()
     if spec is None:
         return
-    if demo and not present:     # presenting, one line under the chart says it
-        st.info(f"The {source.label} has no decode steps, so this page runs the sidebar's budget on a built-in "
-                f"demo: a synthetic pattern of {DEMO.context} context tokens and {DEMO.steps} decode steps whose "
-                "topic shifts halfway (the sliders now range over its tokens). Choose **Synthetic pattern** in the "
-                "sidebar (its *Topic shift* knob is under Pattern knobs), or a real trace with decode steps, to "
-                "explore your own.", icon=":material/info:")
+    if demo and not present:  # presenting, one line under the chart says it
+        st.info(
+            f"The {source.label} has no decode steps, so this page runs the sidebar's budget on a built-in "
+            f"demo: a synthetic pattern of {DEMO.context} context tokens and {DEMO.steps} decode steps whose "
+            "topic shifts halfway (the sliders now range over its tokens). Choose **Synthetic pattern** in the "
+            "sidebar (its *Topic shift* knob is under Pattern knobs), or a real trace with decode steps, to "
+            "explore your own.",
+            icon=":material/info:",
+        )
     if not spec.evicts:
-        st.warning("Eviction is off (sink, recent and heavy are all 0): every policy keeps everything. "
-                   "Set a budget in the sidebar.", icon=":material/warning:")
+        st.warning(
+            "Eviction is off (sink, recent and heavy are all 0): every policy keeps everything. "
+            "Set a budget in the sidebar.",
+            icon=":material/warning:",
+        )
         return
 
     # the page's controls: above the chart, or presenting, in the sidebar (the chart first on the screen)
@@ -110,77 +136,146 @@ def main() -> None:
     if present:
         where.header("Timeline")
     c1, c2, c4 = (where,) * 3 if present else st.columns(3)
-    layer = layer_picker(c1, trace, "tl_layer")     # the model's own number in the box and the link; a position
-    kv_head = int(w_number(c2, "tl_kv_head", "KV head", 0, trace.n_kv_heads - 1, disabled=trace.n_kv_heads == 1,
-                           help="Eviction is decided per KV head; the attention shown is the mean over "
-                                "the query heads that share it."))
-    need = float(w_number(c4, "tl_need", "Needed at ≥ (attention share)", 0.001, 1.0, step=0.005, fmt="%.3f",
-                          help="A token counts as needed at a step when the full model gives it at "
-                               "least this share of that step's attention."))
+    layer = layer_picker(
+        c1, trace, "tl_layer"
+    )  # the model's own number in the box and the link; a position
+    kv_head = int(
+        w_number(
+            c2,
+            "tl_kv_head",
+            "KV head",
+            0,
+            trace.n_kv_heads - 1,
+            disabled=trace.n_kv_heads == 1,
+            help="Eviction is decided per KV head; the attention shown is the mean over "
+            "the query heads that share it.",
+        )
+    )
+    need = float(
+        w_number(
+            c4,
+            "tl_need",
+            "Needed at ≥ (attention share)",
+            0.001,
+            1.0,
+            step=0.005,
+            fmt="%.3f",
+            help="A token counts as needed at a step when the full model gives it at "
+            "least this share of that step's attention.",
+        )
+    )
     # pills, a row of their own: every policy's name whole (a select box's chips were cut to "Str…" at 1024 px)
-    policies = w_pills(where, "tl_policies", "Policies", tuple(POLICY_LABELS), format_func=POLICY_LABELS.get)
-    allocation = w_choice(where, "allocation", "Budget allocation", ("uniform", "adakv", "pyramid"),
-                          format_func=ALLOCATION_LABELS.get, widget="radio",
-                          help="AdaKV: this layer's budget goes to the top scores across its KV heads (heads "
-                               "differ in length); PyramidKV: each layer its own budget, falling with depth.")
+    policies = w_pills(
+        where, "tl_policies", "Policies", tuple(POLICY_LABELS), format_func=POLICY_LABELS.get
+    )
+    allocation = w_choice(
+        where,
+        "allocation",
+        "Budget allocation",
+        ("uniform", "adakv", "pyramid"),
+        format_func=ALLOCATION_LABELS.get,
+        widget="radio",
+        help="AdaKV: this layer's budget goes to the top scores across its KV heads (heads "
+        "differ in length); PyramidKV: each layer its own budget, falling with depth.",
+    )
     every = int(w_setting(where, "compress_every", trace.n_positions))
     if not policies:
         st.warning("Pick at least one policy.", icon=":material/warning:")
         return
     n_later = len(trace.later_queries)
     if n_later > MAX_STEPS:
-        st.caption(f"Showing the first {MAX_STEPS} of {n_later} decode steps (the cap that keeps this page quick).")
+        st.caption(
+            f"Showing the first {MAX_STEPS} of {n_later} decode steps (the cap that keeps this page quick)."
+        )
     try:
-        tl = _timeline(key, (spec.sink, spec.recent, spec.heavy, allocation), layer, kv_head, need, tuple(policies),
-                       trace, every)
+        tl = _timeline(
+            key,
+            (spec.sink, spec.recent, spec.heavy, allocation),
+            layer,
+            kv_head,
+            need,
+            tuple(policies),
+            trace,
+            every,
+        )
     except (SpecError, TraceError) as e:
         st.error(f"The timeline cannot be computed: {e}")
         return
-    chart_slot = st.container() if present else None     # presenting, the chart first: the notes below it
+    chart_slot = (
+        st.container() if present else None
+    )  # presenting, the chart first: the notes below it
     for name, why in tl.skipped.items():
         st.info(f"{POLICY_LABELS.get(name, name)} is not drawn: {why}", icon=":material/info:")
     if every and any(len(pt.compressed_after) for pt in tl.policies.values()):
         steady = ", ".join(POLICY_LABELS.get(n, n) for n in tl.decides_every_step)
-        st.caption(f"The one-shot scorers compress again every {every} decode steps (the purple lines "
-                   "between two steps): between those moments their cache grows; then it is scored again over "
-                   "everything it holds and cut back to the budget." + (
-                       f" {steady} decide at every step anyway and run as always." if steady else ""))
+        st.caption(
+            f"The one-shot scorers compress again every {every} decode steps (the purple lines "
+            "between two steps): between those moments their cache grows; then it is scored again over "
+            "everything it holds and cut back to the budget."
+            + (f" {steady} decide at every step anyway and run as always." if steady else "")
+        )
     if not tl.policies:
-        st.warning("None of the chosen policies runs with this allocation; pick another.", icon=":material/warning:")
+        st.warning(
+            "None of the chosen policies runs with this allocation; pick another.",
+            icon=":material/warning:",
+        )
         return
 
     shift = trace.meta.get("shift_position")
     shift_step = None
-    if trace.meta.get("source") == "synthetic" and trace.meta.get("synthetic", {}).get("topic_shift", 0) > 0:
+    if (
+        trace.meta.get("source") == "synthetic"
+        and trace.meta.get("synthetic", {}).get("topic_shift", 0) > 0
+    ):
         shift_step = int(shift) - trace.context_len
-        st.caption(f"Topic shift at position {shift} (decode step {shift - trace.context_len}); the late "
-                   f"anchor tokens {trace.meta.get('shift_tokens')} are what the queries after it need.")
+        st.caption(
+            f"Topic shift at position {shift} (decode step {shift - trace.context_len}); the late "
+            f"anchor tokens {trace.meta.get('shift_tokens')} are what the queries after it need."
+        )
 
     # summary cards: one per policy
-    per_row = 2 if present else len(tl.policies)    # presenting, wider cards: the larger text wraps by words
+    per_row = (
+        2 if present else len(tl.policies)
+    )  # presenting, wider cards: the larger text wraps by words
     cols = [c for _ in range(0, len(tl.policies), per_row) for c in st.columns(per_row)]
     for col, (name, pt) in zip(cols, tl.policies.items()):
-        col.metric(f"{POLICY_LABELS[name]} mean regret", f"{pt.regret_mean:.3f}", border=True,
-                   help="Mean over the decode steps of the attention mass on evicted tokens.")
+        col.metric(
+            f"{POLICY_LABELS[name]} mean regret",
+            f"{pt.regret_mean:.3f}",
+            border=True,
+            help="Mean over the decode steps of the attention mass on evicted tokens.",
+        )
         col.caption(f"{int(pt.evicted_needed.sum())} tokens evicted, then needed")
 
     tkey = (key, (spec.sink, spec.recent, spec.heavy), layer, kv_head, need, tuple(policies), every)
     # built once per setting, at the linked step; ▶ Play and the step slider under it run in the browser
     step = int(clamp("tl_step", 0, tl.n_steps - 1, "Decode step"))
-    start = _chart_start((tkey, shift_step, present), step)    # a new chart (any setting of it) opens at the step
+    start = _chart_start(
+        (tkey, shift_step, present), step
+    )  # a new chart (any setting of it) opens at the step
     chart(_animation(tkey, shift_step, start, present, tl), key="tl_animation", where=chart_slot)
     _step_view(tl, step)
 
     needed = tl.needed_tokens()
     if needed:
-        pick = st.selectbox("A token's history (tokens some policy evicted and a later step needed)", needed,
-                            format_func=lambda i: f"{i}: {tl.tokens[i]!r}", key="tl_token")
-        st.markdown("\n".join(f"- **{POLICY_LABELS[name]}**: {pt.history(int(pick), tl.positions, tl.context_len)}"
-                              for name, pt in tl.policies.items()))
-    st.caption("What to look for: orange cells are tokens the full model needed at that step (attention ≥ "
-               f"{tl.need:g}) that the policy had already evicted. The oracle has none by construction; after a "
-               "topic shift H2O and TOVA have many, because nothing before the shift had looked at those tokens."
-               + (" (Demo data: choose a source with decode steps in the sidebar.)" if demo else ""))
+        pick = st.selectbox(
+            "A token's history (tokens some policy evicted and a later step needed)",
+            needed,
+            format_func=lambda i: f"{i}: {tl.tokens[i]!r}",
+            key="tl_token",
+        )
+        st.markdown(
+            "\n".join(
+                f"- **{POLICY_LABELS[name]}**: {pt.history(int(pick), tl.positions, tl.context_len)}"
+                for name, pt in tl.policies.items()
+            )
+        )
+    st.caption(
+        "What to look for: orange cells are tokens the full model needed at that step (attention ≥ "
+        f"{tl.need:g}) that the policy had already evicted. The oracle has none by construction; after a "
+        "topic shift H2O and TOVA have many, because nothing before the shift had looked at those tokens."
+        + (" (Demo data: choose a source with decode steps in the sidebar.)" if demo else "")
+    )
 
 
 run_page(main)

@@ -9,7 +9,13 @@ from kvviz.app.layout import page_setup, progress_status
 from kvviz.app.router import run_page
 from kvviz.app.store import notice, show_notices, state
 from kvviz.plots.style import CHART_CONFIG, projector
-from kvviz.plots.needle import grid_figure, grids_figure, heads_figure, needle_tokens_html, scorer_label
+from kvviz.plots.needle import (
+    grid_figure,
+    grids_figure,
+    heads_figure,
+    needle_tokens_html,
+    scorer_label,
+)
 from kvviz.settings import SETTINGS
 from kvviz.spec import SpecError
 
@@ -84,8 +90,16 @@ def _head_picker(where, key: str, param: str, label: str, n: int, loudest: int) 
         notice(f"{label} {value} is out of range (0-{n - 1}); clamped to {clamped}.")
         value = clamped
     ss[key] = value
-    value = int(where.number_input(label, key=key, step=1, on_change=_picked, args=(key, param, loudest),
-                                   help=f"Range 0-{n - 1}; a number outside it is clamped."))
+    value = int(
+        where.number_input(
+            label,
+            key=key,
+            step=1,
+            on_change=_picked,
+            args=(key, param, loudest),
+            help=f"Range 0-{n - 1}; a number outside it is clamped.",
+        )
+    )
     store[param] = -1 if value == loudest else value
     return value
 
@@ -106,41 +120,95 @@ def live_controls() -> None:
     with st.expander("Run it live (your own lengths, depths, policies, budget, bits)"):
         with st.form("needle_form"):
             # pills, not multiselects: every choice stays visible on a 1024 px projector
-            lengths = st.pills("Prompt lengths (tokens)", [192, 320, 640, 1024, 2048], selection_mode="multi",
-                               default=[320]) or []
-            depths = st.pills("Needle depths", [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0], selection_mode="multi",
-                              default=[0.0, 0.5, 1.0], format_func=lambda d: f"{d:.0%}") or []
-            scorers = st.pills("Caches", list(needle.SCORER_NAMES), selection_mode="multi",
-                               default=list(needle.DEFAULT_SCORERS), format_func=scorer_label) or []
+            lengths = (
+                st.pills(
+                    "Prompt lengths (tokens)",
+                    [192, 320, 640, 1024, 2048],
+                    selection_mode="multi",
+                    default=[320],
+                )
+                or []
+            )
+            depths = (
+                st.pills(
+                    "Needle depths",
+                    [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0],
+                    selection_mode="multi",
+                    default=[0.0, 0.5, 1.0],
+                    format_func=lambda d: f"{d:.0%}",
+                )
+                or []
+            )
+            scorers = (
+                st.pills(
+                    "Caches",
+                    list(needle.SCORER_NAMES),
+                    selection_mode="multi",
+                    default=list(needle.DEFAULT_SCORERS),
+                    format_func=scorer_label,
+                )
+                or []
+            )
             c4, c5, c6 = st.columns(3)
-            budget = c4.slider("Budget (share of the prompt's tokens)", 0.05, 1.0, needle.DEFAULT_BUDGET, 0.05)
-            bits = c5.selectbox("K/V bits", [16, 8, 4, 3, 2], format_func=lambda b: "16 (off)" if b == 16 else str(b))
-            qac = c6.toggle("Question after compression (query-agnostic)",
-                            help="Off: the cache is compressed after the question (kvpress's compress_questions). On: right "
-                                 "after the haystack, then the question arrives through the compressed cache (kvpress's "
-                                 "pipeline default).")
-            every = SETTINGS["compress_every"]        # its declaration: label, range, help (kvviz.policies.decoding)
+            budget = c4.slider(
+                "Budget (share of the prompt's tokens)", 0.05, 1.0, needle.DEFAULT_BUDGET, 0.05
+            )
+            bits = c5.selectbox(
+                "K/V bits",
+                [16, 8, 4, 3, 2],
+                format_func=lambda b: "16 (off)" if b == 16 else str(b),
+            )
+            qac = c6.toggle(
+                "Question after compression (query-agnostic)",
+                help="Off: the cache is compressed after the question (kvpress's compress_questions). On: right "
+                "after the haystack, then the question arrives through the compressed cache (kvpress's "
+                "pipeline default).",
+            )
+            every = SETTINGS[
+                "compress_every"
+            ]  # its declaration: label, range, help (kvviz.policies.decoding)
             c7, c8 = st.columns(2)
-            compress_every = int(c7.number_input(
-                every.label, int(every.lo), int(every.hi), int(every.default), step=1, key="needle_compress_every",
-                help=every.help + " Here: the one-shot caches among those picked (SnapKV); the others compress as "
-                                  "they always do."))
+            compress_every = int(
+                c7.number_input(
+                    every.label,
+                    int(every.lo),
+                    int(every.hi),
+                    int(every.default),
+                    step=1,
+                    key="needle_compress_every",
+                    help=every.help
+                    + " Here: the one-shot caches among those picked (SnapKV); the others compress as "
+                    "they always do.",
+                )
+            )
             model_name = c8.text_input("Model", "bundled").strip() or "bundled"
             go = st.form_submit_button("Run live", type="primary")
-        st.caption("Every cell is cached on disk, so a rerun of the same settings is instant. On a laptop CPU a "
-                   "1024-token prompt takes tens of seconds per policy.")
+        st.caption(
+            "Every cell is cached on disk, so a rerun of the same settings is instant. On a laptop CPU a "
+            "1024-token prompt takes tens of seconds per policy."
+        )
     if go:
         if not lengths or not depths or not scorers:
             st.error("Pick at least one length, one depth and one cache.")
             return
         try:
-            run_live(needle.GridRequest(lengths=sorted(lengths), depths=sorted(depths), scorers=scorers,
-                                        budgets=[budget], bits=[bits], question_after_compression=qac,
-                                        compress_every=compress_every), model_name)
+            run_live(
+                needle.GridRequest(
+                    lengths=sorted(lengths),
+                    depths=sorted(depths),
+                    scorers=scorers,
+                    budgets=[budget],
+                    bits=[bits],
+                    question_after_compression=qac,
+                    compress_every=compress_every,
+                ),
+                model_name,
+            )
         except SpecError as e:
             st.error(f"Cannot run: {e}")
         except Exception as e:  # a model that cannot load: one clear line
             from kvviz.models import ModelError
+
             if isinstance(e, (ModelError, OSError)):
                 st.error(f"The model could not be loaded: {e}")
             else:
@@ -152,57 +220,97 @@ def main() -> None:
         "Needle test: does the compressed cache still find the pass key?",
         "A pass key hides at a depth of a filler text; the model is asked for it. Each square is one prompt: "
         "blue ✓ when the greedy answer is exactly the key, vermillion ✗ when not. Click a square to see which "
-        "needle tokens that cache evicted, in which layer and KV head.")
+        "needle tokens that cache evicted, in which layer and KV head.",
+    )
     if not present:
         live_controls()
     grids = _grids()
     if not grids:
-        st.info("No precomputed grid is shipped with this copy: open *Run it live* above.", icon=":material/info:")
+        st.info(
+            "No precomputed grid is shipped with this copy: open *Run it live* above.",
+            icon=":material/info:",
+        )
         return
     grid = grids[0]
     s = grid.settings
-    source = "this session's live run" if st.session_state.get(LIVE) is not None else "the shipped precomputed grid"
-    if present:       # a projector's first screen is the grid's: the explanations are in the intro it leaves out
+    source = (
+        "this session's live run"
+        if st.session_state.get(LIVE) is not None
+        else "the shipped precomputed grid"
+    )
+    if (
+        present
+    ):  # a projector's first screen is the grid's: the explanations are in the intro it leaves out
         pass
     elif len(grids) == 1:
-        where = ("after the haystack, before the question (query-agnostic)" if s.get("question_after_compression")
-                 else "after the question (kvpress's compress_questions=True)")
+        where = (
+            "after the haystack, before the question (query-agnostic)"
+            if s.get("question_after_compression")
+            else "after the question (kvpress's compress_questions=True)"
+        )
         if s.get("compress_every"):
             where += f", and the one-shot caches again every {s['compress_every']} decode steps"
-        st.caption(f"{source}: model {grid.model}, {len(grid.cells)} cells; compressed {where}; greedy "
-                   f"{s.get('new_tokens')} tokens; true positions; {s.get('haystack')} haystack.")
+        st.caption(
+            f"{source}: model {grid.model}, {len(grid.cells)} cells; compressed {where}; greedy "
+            f"{s.get('new_tokens')} tokens; true positions; {s.get('haystack')} haystack."
+        )
     else:
-        st.caption(f"{source}s, one per compression point: model {grid.model}, {len(grid.cells)} cells each; greedy "
-                   f"{s.get('new_tokens')} tokens; true positions; {s.get('haystack')} haystack. Top: the cache is "
-                   "compressed right after the haystack and the question arrives through it (what kvpress's "
-                   "pipeline does by default). Bottom: compressed after the question, so the scorer sees it "
-                   "(kvpress's compress_questions=True; its FAQ warns this favours methods such as SnapKV). Each "
-                   "column is one cache; the full cache is never compressed, so its two rows agree.")
+        st.caption(
+            f"{source}s, one per compression point: model {grid.model}, {len(grid.cells)} cells each; greedy "
+            f"{s.get('new_tokens')} tokens; true positions; {s.get('haystack')} haystack. Top: the cache is "
+            "compressed right after the haystack and the question arrives through it (what kvpress's "
+            "pipeline does by default). Bottom: compressed after the question, so the scorer sees it "
+            "(kvpress's compress_questions=True; its FAQ warns this favours methods such as SnapKV). Each "
+            "column is one cache; the full cache is never compressed, so its two rows agree."
+        )
     classic = needle.classic_failure(grid)
     classic = classic and (*classic, needle.protocol(grid))
     if classic:
-        st.button("Show the classic failure", icon=":material/bolt:", key="needle_classic", on_click=_select,
-                  args=(None, grids), help="StreamingLLM keeps the first tokens and a recent window: a needle early in "
-                                     "the text falls out of the cache.")
+        st.button(
+            "Show the classic failure",
+            icon=":material/bolt:",
+            key="needle_classic",
+            on_click=_select,
+            args=(None, grids),
+            help="StreamingLLM keeps the first tokens and a recent window: a needle early in "
+            "the text falls out of the cache.",
+        )
     store = state()
     sel = _decode(store["nd_cell"], grids) if store["nd_cell"] else None
     if store["nd_cell"] and sel is None:
-        notice(f"The link's cell `{store['nd_cell']}` is not in this grid; showing the classic failure.")
+        notice(
+            f"The link's cell `{store['nd_cell']}` is not in this grid; showing the classic failure."
+        )
         _select(None)
-    sel = sel or classic or (grid.cells[0].scorer, grid.cells[0].length, grid.cells[0].depth, needle.protocol(grid))
+    sel = (
+        sel
+        or classic
+        or (grid.cells[0].scorer, grid.cells[0].length, grid.cells[0].depth, needle.protocol(grid))
+    )
     show_notices()
     if len(grids) == 1:
         figure = grid_figure(grid.cells, selected=sel[:3])
     else:
-        def title(g) -> str:   # presenting, the short half of the title: it has to fit at 18 px
+
+        def title(g) -> str:  # presenting, the short half of the title: it has to fit at 18 px
             full = needle.PROTOCOL_TITLES[needle.protocol(g)]
             return full.split(" (")[0] if present else full
 
-        figure = grids_figure([(needle.protocol(g), title(g), g.cells) for g in grids], selected=sel)
+        figure = grids_figure(
+            [(needle.protocol(g), title(g), g.cells) for g in grids], selected=sel
+        )
     if present:
         figure = projector(figure)
-    event = chart(figure, key="needle_grid_chart", on_select="rerun", selection_mode="points", config=CHART_CONFIG)
-    points = [p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3]
+    event = chart(
+        figure,
+        key="needle_grid_chart",
+        on_select="rerun",
+        selection_mode="points",
+        config=CHART_CONFIG,
+    )
+    points = [
+        p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3
+    ]
     if points:
         scorer, length, depth, *where = points[0]["customdata"]
         picked = (scorer, int(length), float(depth), where[0] if where else needle.protocol(grid))
@@ -213,16 +321,25 @@ def main() -> None:
     cell = grid.cell(*sel[:3])
     prompt = grid.prompt(cell.length, cell.depth) if grid.prompts else None
 
-    point = {"agnostic": " · compressed before the question", "aware": " · compressed after the question"}
-    st.subheader(f"{scorer_label(cell.scorer)} · {cell.length} tokens · needle at {cell.depth:.0%}"
-                 + (point[sel[3]] if len(grids) > 1 and cell.scorer != "full" else ""))
+    point = {
+        "agnostic": " · compressed before the question",
+        "aware": " · compressed after the question",
+    }
+    st.subheader(
+        f"{scorer_label(cell.scorer)} · {cell.length} tokens · needle at {cell.depth:.0%}"
+        + (point[sel[3]] if len(grids) > 1 and cell.scorer != "full" else "")
+    )
     a, b, c = st.columns(3)
     _answer_card(a, "Answer", cell.answer, cell.correct, f"The key is {cell.key}; {cell.spec}.")
     _answer_card(b, "Full cache's answer", cell.full_answer, cell.full_correct, "No compression.")
-    c.metric("Needle tokens kept", f"{cell.needle_kept:.0%}", border=True,
-             help=f"Mean over all layers × KV heads. The full model puts {cell.wanted_mass:.3f} of its attention "
-                  f"on the needle at the first answer step (mean per head); {cell.kept_mass:.3f} of it is on "
-                  "needle tokens this cache still holds.")
+    c.metric(
+        "Needle tokens kept",
+        f"{cell.needle_kept:.0%}",
+        border=True,
+        help=f"Mean over all layers × KV heads. The full model puts {cell.wanted_mass:.3f} of its attention "
+        f"on the needle at the first answer step (mean per head); {cell.kept_mass:.3f} of it is on "
+        "needle tokens this cache still holds.",
+    )
     L, H = cell.n_layers, cell.n_kv_heads
     loud = needle.loudest_head(cell)
     c1, c2 = st.columns(2)
@@ -231,26 +348,61 @@ def main() -> None:
     if prompt is not None and cell.kept_packed:
         kept = cell.kept()[layer, head]
         point = prompt.question_start if cell.question_after_compression else None
-        st.html(needle_tokens_html(prompt.tokens, kept, (prompt.needle_start, prompt.needle_end),
-                                   question_start=prompt.question_start, compression_point=point))
-        st.caption(f"The cache layer {layer}, KV head {head} holds when the model starts answering "
-                   f"({cell.budget_tokens} of {cell.length} tokens). The page opens on the head where the full model "
-                   "wanted the needle most; pick another above or in the heatmap's hover.")
-    chart(heads_figure(cell.needle_kept_by_head, cell.wanted_mass_by_head, cell.kept_mass_by_head,
-                       selected=(layer, head)), key="needle_heads", config=CHART_CONFIG)
+        st.html(
+            needle_tokens_html(
+                prompt.tokens,
+                kept,
+                (prompt.needle_start, prompt.needle_end),
+                question_start=prompt.question_start,
+                compression_point=point,
+            )
+        )
+        st.caption(
+            f"The cache layer {layer}, KV head {head} holds when the model starts answering "
+            f"({cell.budget_tokens} of {cell.length} tokens). The page opens on the head where the full model "
+            "wanted the needle most; pick another above or in the heatmap's hover."
+        )
+    chart(
+        heads_figure(
+            cell.needle_kept_by_head,
+            cell.wanted_mass_by_head,
+            cell.kept_mass_by_head,
+            selected=(layer, head),
+        ),
+        key="needle_heads",
+        config=CHART_CONFIG,
+    )
     if not present:
-        st.caption("What to look for: a policy can lose the needle in the heads that wanted it while keeping it "
-                   "elsewhere. StreamingLLM's set is the same in every head (position only), and so is TOVA's: it "
-                   "makes one decision for all heads, from the last query's attention averaged over every head "
-                   "(hence its identical columns); H2O and SnapKV decide per KV head from attention; the oracle "
-                   "keeps the top of the answering query's own attention, the bound no real cache can beat.")
-        every = needle.NeedleGrid(model=grid.model, settings=grid.settings, prompts=(),
-                                  cells=tuple(c for g in grids for c in g.cells))
+        st.caption(
+            "What to look for: a policy can lose the needle in the heads that wanted it while keeping it "
+            "elsewhere. StreamingLLM's set is the same in every head (position only), and so is TOVA's: it "
+            "makes one decision for all heads, from the last query's attention averaged over every head "
+            "(hence its identical columns); H2O and SnapKV decide per KV head from attention; the oracle "
+            "keeps the top of the answering query's own attention, the bound no real cache can beat."
+        )
+        every = needle.NeedleGrid(
+            model=grid.model,
+            settings=grid.settings,
+            prompts=(),
+            cells=tuple(c for g in grids for c in g.cells),
+        )
         with st.expander("All cells"):
-            st.dataframe([{k: v for k, v in c.as_dict().items() if not k.endswith("_by_head")} for c in every.cells],
-                         hide_index=True, key="needle_table")
-        st.download_button("Download the cells (CSV)", data=needle.to_csv(every), file_name="needle.csv",
-                           mime="text/csv", on_click="ignore", icon=":material/download:")
+            st.dataframe(
+                [
+                    {k: v for k, v in c.as_dict().items() if not k.endswith("_by_head")}
+                    for c in every.cells
+                ],
+                hide_index=True,
+                key="needle_table",
+            )
+        st.download_button(
+            "Download the cells (CSV)",
+            data=needle.to_csv(every),
+            file_name="needle.csv",
+            mime="text/csv",
+            on_click="ignore",
+            icon=":material/download:",
+        )
 
 
 run_page(main)

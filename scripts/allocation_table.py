@@ -22,15 +22,28 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's kvviz, not an installed one
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # this checkout's kvviz, not an installed one
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import numpy as np
 
-SCORERS = ("oracle", "snapkv", "expected_attention", "keydiff", "knorm", "chunkkv", "quest", "h2o", "tova",
-           "streaming", "random")
+SCORERS = (
+    "oracle",
+    "snapkv",
+    "expected_attention",
+    "keydiff",
+    "knorm",
+    "chunkkv",
+    "quest",
+    "h2o",
+    "tova",
+    "streaming",
+    "random",
+)
 ALLOCATIONS = ("uniform", "adakv", "pyramid")
 
 
@@ -43,11 +56,21 @@ def bundled_trace(prompt_tokens: int, steps: int):
     model, tokenizer, _ = load_model("bundled")
     ids = tokenize(tokenizer, sample_text())
     if len(ids) < prompt_tokens + steps:
-        raise SystemExit(f"the sample text has {len(ids)} tokens, fewer than {prompt_tokens} + {steps}")
-    _, _, cache = decode(model, ids[:prompt_tokens], Spec(), steps, feed=ids[prompt_tokens:prompt_tokens + steps],
-                         record=True)
+        raise SystemExit(
+            f"the sample text has {len(ids)} tokens, fewer than {prompt_tokens} + {steps}"
+        )
+    _, _, cache = decode(
+        model,
+        ids[:prompt_tokens],
+        Spec(),
+        steps,
+        feed=ids[prompt_tokens : prompt_tokens + steps],
+        record=True,
+    )
     trace = cache.run_trace()
-    trace.meta["rope_inv_freq"] = cache.trace.meta.get("rope_inv_freq")   # RoPE, for Expected Attention
+    trace.meta["rope_inv_freq"] = cache.trace.meta.get(
+        "rope_inv_freq"
+    )  # RoPE, for Expected Attention
     trace.meta["source"] = "bundled SmolLM2-135M on the sample text (teacher-forced)"
     return trace
 
@@ -66,8 +89,11 @@ def mass_table(trace, budget_fraction: float, scorers, allocations, progress=Non
     budget = max(1, int(round(budget_fraction * n_last)))
     heads = np.arange(trace.n_q_heads)
     g = trace.group_size
-    attention = {(layer, int(qi)): softmax(logit_rows(trace, layer, heads, int(qi)))
-                 for layer in range(trace.n_layers) for qi in steps}
+    attention = {
+        (layer, int(qi)): softmax(logit_rows(trace, layer, heads, int(qi)))
+        for layer in range(trace.n_layers)
+        for qi in steps
+    }
     out, splits = {}, {}
     for scorer in scorers:
         split = split_budget(scorer, budget)
@@ -82,13 +108,16 @@ def mass_table(trace, budget_fraction: float, scorers, allocations, progress=Non
                 progress(f"{scorer} {allocation}")
             masses = []
             for layer in range(trace.n_layers):
-                if get_policy(scorer).needs_query:     # per query head (Quest reads its own pages)
+                if get_policy(scorer).needs_query:  # per query head (Quest reads its own pages)
                     masks = [read_masks(trace, spec, layer, int(qi)) for qi in steps]
                 else:
                     all_masks = keep_masks(trace, spec, layer, positions)
-                    masks = [np.repeat(all_masks[i, :, : int(p) + 1], g, axis=0) for i, p in enumerate(positions)]
+                    masks = [
+                        np.repeat(all_masks[i, :, : int(p) + 1], g, axis=0)
+                        for i, p in enumerate(positions)
+                    ]
                 for qi, kept in zip(steps, masks):
-                    a = attention[(layer, int(qi))]                                  # (Hq, n)
+                    a = attention[(layer, int(qi))]  # (Hq, n)
                     masses.append((a * kept).sum(axis=1))
             out[(scorer, allocation)] = float(np.mean(masses))
     return out, splits, budget, n_last
@@ -96,7 +125,12 @@ def mass_table(trace, budget_fraction: float, scorers, allocations, progress=Non
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--budget", type=float, default=0.25, help="budget fraction of the tokens the last step sees")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=0.25,
+        help="budget fraction of the tokens the last step sees",
+    )
     ap.add_argument("--prompt-tokens", type=int, default=206)
     ap.add_argument("--steps", type=int, default=57)
     ap.add_argument("--scorers", default=",".join(SCORERS))
@@ -105,26 +139,39 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     trace = bundled_trace(a.prompt_tokens, a.steps)
     scorers = [s for s in a.scorers.split(",") if s]
-    table, splits, budget, n = mass_table(trace, a.budget, scorers, ALLOCATIONS,
-                                          progress=lambda m: print(f"  {m}", file=sys.stderr))
+    table, splits, budget, n = mass_table(
+        trace, a.budget, scorers, ALLOCATIONS, progress=lambda m: print(f"  {m}", file=sys.stderr)
+    )
     if a.csv:
         print("scorer,sink,recent,heavy," + ",".join(ALLOCATIONS))
         for s in scorers:
-            cells = [f"{table[(s, al)]:.4f}" if isinstance(table[(s, al)], float) else "" for al in ALLOCATIONS]
-            print(f"{s},{splits[s]['sink']},{splits[s]['recent']},{splits[s]['heavy']}," + ",".join(cells))
+            cells = [
+                f"{table[(s, al)]:.4f}" if isinstance(table[(s, al)], float) else ""
+                for al in ALLOCATIONS
+            ]
+            print(
+                f"{s},{splits[s]['sink']},{splits[s]['recent']},{splits[s]['heavy']},"
+                + ",".join(cells)
+            )
         return 0
     print(f"{trace.describe()}")
-    print(f"budget {a.budget:.0%} of {n} tokens = {budget} per KV head (split: 4 sinks, the rest half recent / "
-          f"half heavy; streaming: all recent); mean mass retained over {trace.n_layers} layers x "
-          f"{trace.n_q_heads} query heads x {len(trace.later_queries)} decode steps")
+    print(
+        f"budget {a.budget:.0%} of {n} tokens = {budget} per KV head (split: 4 sinks, the rest half recent / "
+        f"half heavy; streaming: all recent); mean mass retained over {trace.n_layers} layers x "
+        f"{trace.n_q_heads} query heads x {len(trace.later_queries)} decode steps"
+    )
     print(f"{'scorer':<20} {'sink/recent/heavy':<18}" + "".join(f"{al:>10}" for al in ALLOCATIONS))
     for s in scorers:
         sp = splits[s]
-        cells = "".join(f"{table[(s, al)]:>10.4f}" if isinstance(table[(s, al)], float) else f"{'n/a':>10}"
-                        for al in ALLOCATIONS)
+        cells = "".join(
+            f"{table[(s, al)]:>10.4f}" if isinstance(table[(s, al)], float) else f"{'n/a':>10}"
+            for al in ALLOCATIONS
+        )
         print(f"{s:<20} {sp['sink']}/{sp['recent']}/{sp['heavy']:<13}{cells}")
-    print("n/a: AdaKV allocates once from one-shot scores (h2o / tova decide every step); ChunkKV keeps the same "
-          "chunks in every head")
+    print(
+        "n/a: AdaKV allocates once from one-shot scores (h2o / tova decide every step); ChunkKV keeps the same "
+        "chunks in every head"
+    )
     print(f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     return 0
 

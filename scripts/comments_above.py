@@ -21,14 +21,14 @@ KEEP = ("# noqa", "# type:", "# pragma", "# fmt:")
 
 def move_comments(text: str, width: int) -> str:
     lines = text.splitlines(keepends=True)
-    moves: dict[int, tuple[int, str]] = {}            # line index -> (column of the comment, comment)
+    moves: dict[int, tuple[int, str]] = {}  # line index -> (column of the comment, comment)
     for tok in tokenize.generate_tokens(io.StringIO(text).readline):
         if tok.type != tokenize.COMMENT:
             continue
         row, col = tok.start
         line = lines[row - 1]
         if not line[:col].strip() or len(line.rstrip("\n")) <= width:
-            continue                                   # a comment line already, or short enough
+            continue  # a comment line already, or short enough
         if tok.string.lower().startswith(KEEP):
             continue
         moves[row - 1] = (col, tok.string)
@@ -47,13 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=100)
     p.add_argument("paths", nargs="+", type=Path)
     a = p.parse_args(argv)
-    files = [f for path in a.paths for f in (sorted(path.rglob("*.py")) if path.is_dir() else [path])]
+    files = [
+        f for path in a.paths for f in (sorted(path.rglob("*.py")) if path.is_dir() else [path])
+    ]
     changed = 0
     for f in files:
         text = f.read_text(encoding="utf-8")
         new = move_comments(text, a.width)
         if new != text:
-            compile(new, str(f), "exec")               # the moved comments change no code
+            compile(new, str(f), "exec")  # the moved comments change no code
             f.write_text(new, encoding="utf-8")
             changed += 1
     print(f"{changed} of {len(files)} files changed", file=sys.stderr)

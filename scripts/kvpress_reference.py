@@ -15,8 +15,10 @@ What is recorded is read from kvpress itself, not re-derived: each press's `comp
 and the kept positions are the rows of the keys it returns found in the keys it was given (AdaKV,
 which masks instead of pruning: the complement of the `masked_key_indices` it sets). kvpress
 compresses a layer's cache after that layer's attention, so every layer's decision is made on
-the full prefill, as kvviz's trace of the same prompt has it. Only the kept sets are stored (per layer and KV head, a hex bit mask
-of the 261 positions; for MergingPress also how far each kept value moved). Presses that mask instead (DMS's threshold, DuoAttention: `own_budgets`) are read from
+the full prefill, as kvviz's trace of the same prompt has it. Only the kept sets are stored (per layer and KV
+head, a hex bit mask
+of the 261 positions; for MergingPress also how far each kept value moved). Presses that mask instead (DMS's
+threshold, DuoAttention: `own_budgets`) are read from
 each layer's masked_key_indices after the prefill; compression during decoding (`decoding`: kvpress's
 DecodingPress every 8 steps over 24 teacher-forced tokens) by following each cache position through every
 compression.
@@ -41,19 +43,32 @@ METHODS = {
     "snapkv": ("SnapKVPress()", dict(sink=0, recent=64, heavy=66, scorer="snapkv")),
     "tova": ("TOVAPress()", dict(sink=0, recent=1, heavy=129, scorer="tova")),
     "streaming": ("StreamingLLMPress()", dict(sink=4, recent=126, heavy=0, scorer="streaming")),
-    "expected_attention": ("ExpectedAttentionPress()", dict(sink=0, recent=0, heavy=130, scorer="expected_attention")),
+    "expected_attention": (
+        "ExpectedAttentionPress()",
+        dict(sink=0, recent=0, heavy=130, scorer="expected_attention"),
+    ),
     "keydiff": ("KeyDiffPress()", dict(sink=0, recent=0, heavy=130, scorer="keydiff")),
     "knorm": ("KnormPress()", dict(sink=0, recent=0, heavy=130, scorer="knorm")),
-    "observed_attention": ("ObservedAttentionPress()",
-                           dict(sink=0, recent=0, heavy=130, scorer="h2o", h2o_normalized=True)),
-    "adakv_snapkv": ("AdaKVPress(SnapKVPress())",
-                     dict(sink=0, recent=64, heavy=66, scorer="snapkv", allocation="adakv")),
-    "adakv_expected_attention": ("AdaKVPress(ExpectedAttentionPress())",
-                                 dict(sink=0, recent=0, heavy=130, scorer="expected_attention", allocation="adakv")),
-    "pyramidkv": ("PyramidKVPress()", dict(sink=0, recent=64, heavy=66, scorer="snapkv", allocation="pyramid",
-                                          pyramid_beta=20.0)),
-    "chunkkv_snapkv": ("ChunkKVPress(SnapKVPress(), chunk_length=20)",
-                       dict(sink=0, recent=64, heavy=66, scorer="chunkkv", chunk_size=20, chunk_scorer="snapkv")),
+    "observed_attention": (
+        "ObservedAttentionPress()",
+        dict(sink=0, recent=0, heavy=130, scorer="h2o", h2o_normalized=True),
+    ),
+    "adakv_snapkv": (
+        "AdaKVPress(SnapKVPress())",
+        dict(sink=0, recent=64, heavy=66, scorer="snapkv", allocation="adakv"),
+    ),
+    "adakv_expected_attention": (
+        "AdaKVPress(ExpectedAttentionPress())",
+        dict(sink=0, recent=0, heavy=130, scorer="expected_attention", allocation="adakv"),
+    ),
+    "pyramidkv": (
+        "PyramidKVPress()",
+        dict(sink=0, recent=64, heavy=66, scorer="snapkv", allocation="pyramid", pyramid_beta=20.0),
+    ),
+    "chunkkv_snapkv": (
+        "ChunkKVPress(SnapKVPress(), chunk_length=20)",
+        dict(sink=0, recent=64, heavy=66, scorer="chunkkv", chunk_size=20, chunk_scorer="snapkv"),
+    ),
 }
 # Presses that keep their own number of tokens per head: no compression ratio; the kvviz settings say the rest.
 # DMS: tokens outside the sliding window (64) whose SnapKV / K-norm score is below the threshold are masked.
@@ -61,16 +76,37 @@ METHODS = {
 # kvviz's sinks and window (4 + 64) for the streaming heads in place of kvpress's 128 + 256.
 THRESHOLD_SNAPKV, THRESHOLD_KNORM = 0.004, -8.0
 OWN_BUDGETS = {
-    "threshold_snapkv": (f"DMSPress(SnapKVPress(), threshold={THRESHOLD_SNAPKV}, sliding_window_size=64)",
-                         dict(sink=0, recent=64, heavy=0, scorer="threshold", threshold=THRESHOLD_SNAPKV,
-                              threshold_scorer="snapkv")),
-    "threshold_knorm": (f"DMSPress(KnormPress(), threshold={THRESHOLD_KNORM}, sliding_window_size=64)",
-                        dict(sink=0, recent=64, heavy=0, scorer="threshold", threshold=THRESHOLD_KNORM,
-                             threshold_scorer="knorm")),
-    "duo_attention": ("DuoAttentionPress(head_compression_ratio=0.5, on_the_fly_scoring=True), sink 4, recent 64",
-                      dict(sink=4, recent=64, heavy=0, scorer="duo_attention", duo_streaming=0.5)),
+    "threshold_snapkv": (
+        f"DMSPress(SnapKVPress(), threshold={THRESHOLD_SNAPKV}, sliding_window_size=64)",
+        dict(
+            sink=0,
+            recent=64,
+            heavy=0,
+            scorer="threshold",
+            threshold=THRESHOLD_SNAPKV,
+            threshold_scorer="snapkv",
+        ),
+    ),
+    "threshold_knorm": (
+        f"DMSPress(KnormPress(), threshold={THRESHOLD_KNORM}, sliding_window_size=64)",
+        dict(
+            sink=0,
+            recent=64,
+            heavy=0,
+            scorer="threshold",
+            threshold=THRESHOLD_KNORM,
+            threshold_scorer="knorm",
+        ),
+    ),
+    "duo_attention": (
+        "DuoAttentionPress(head_compression_ratio=0.5, on_the_fly_scoring=True), sink 4, recent 64",
+        dict(sink=4, recent=64, heavy=0, scorer="duo_attention", duo_streaming=0.5),
+    ),
     # one budget over every layer and head: 130 tokens a head on average (int(90 * 261 * 0.5) dropped)
-    "kvzip": ("KVzipPress(compression_ratio=0.5)", dict(sink=4, recent=0, heavy=126, scorer="kvzip")),
+    "kvzip": (
+        "KVzipPress(compression_ratio=0.5)",
+        dict(sink=4, recent=0, heavy=126, scorer="kvzip"),
+    ),
 }
 
 
@@ -79,16 +115,24 @@ OWN_BUDGETS = {
 # DECODE_STEPS tokens of the sample text; kept sets read after the last step (the third compression).
 DECODE_STEPS, DECODE_EVERY = 24, 8
 DECODING = {
-    "decoding_knorm": ("KnormPress()", dict(sink=0, recent=0, heavy=130, scorer="knorm", compress_every=DECODE_EVERY)),
+    "decoding_knorm": (
+        "KnormPress()",
+        dict(sink=0, recent=0, heavy=130, scorer="knorm", compress_every=DECODE_EVERY),
+    ),
     # kvpress's SnapKV needs more buffered decode states than its window: a window of 4 (of the 8)
-    "decoding_snapkv": ("SnapKVPress(window_size=4)", dict(sink=0, recent=4, heavy=126, scorer="snapkv",
-                                                           compress_every=DECODE_EVERY)),
+    "decoding_snapkv": (
+        "SnapKVPress(window_size=4)",
+        dict(sink=0, recent=4, heavy=126, scorer="snapkv", compress_every=DECODE_EVERY),
+    ),
 }
 
 # Merging instead of dropping: kvpress's MergingPress around SnapKV at ratio 0.5 (the kept sets are SnapKV's);
 # recorded per kept token is how far merging moved its value, |v' - v| (5 significant digits).
 MERGING = {
-    "merging_snapkv": ("MergingPress(SnapKVPress())", dict(sink=0, recent=64, heavy=66, scorer="snapkv", merge=True)),
+    "merging_snapkv": (
+        "MergingPress(SnapKVPress())",
+        dict(sink=0, recent=64, heavy=66, scorer="snapkv", merge=True),
+    ),
 }
 
 
@@ -96,8 +140,10 @@ def default_model_dir() -> str:
     base = os.environ.get("KVVIZ_WEIGHTS_DIR") or os.path.expanduser("~/.cache/kvviz/weights")
     found = sorted(glob.glob(os.path.join(base, "*-float32", "config.json")))
     if not found:
-        raise SystemExit(f"no converted bundled model under {base}: load it once with kvviz "
-                         "(kvviz compare --model bundled ...) or pass --model DIR")
+        raise SystemExit(
+            f"no converted bundled model under {base}: load it once with kvviz "
+            "(kvviz compare --model bundled ...) or pass --model DIR"
+        )
     return str(Path(found[0]).parent)
 
 
@@ -106,9 +152,14 @@ def make_press(name: str, ratio: float):
     import kvpress as kp
 
     build = {
-        "snapkv": kp.SnapKVPress, "tova": kp.TOVAPress, "streaming": kp.StreamingLLMPress,
-        "expected_attention": kp.ExpectedAttentionPress, "keydiff": kp.KeyDiffPress, "knorm": kp.KnormPress,
-        "observed_attention": kp.ObservedAttentionPress, "pyramidkv": kp.PyramidKVPress,
+        "snapkv": kp.SnapKVPress,
+        "tova": kp.TOVAPress,
+        "streaming": kp.StreamingLLMPress,
+        "expected_attention": kp.ExpectedAttentionPress,
+        "keydiff": kp.KeyDiffPress,
+        "knorm": kp.KnormPress,
+        "observed_attention": kp.ObservedAttentionPress,
+        "pyramidkv": kp.PyramidKVPress,
         "adakv_snapkv": lambda: kp.AdaKVPress(kp.SnapKVPress()),
         "adakv_expected_attention": lambda: kp.AdaKVPress(kp.ExpectedAttentionPress()),
         "chunkkv_snapkv": lambda: kp.ChunkKVPress(kp.SnapKVPress(), chunk_length=20),
@@ -127,10 +178,12 @@ def record(model, ids, name: str, ratio: float) -> list:
     inner_compress = press.compress
 
     def compress(module, hidden_states, keys, values, attentions, kwargs):
-        new_keys, new_values = inner_compress(module, hidden_states, keys, values, attentions, kwargs)
+        new_keys, new_values = inner_compress(
+            module, hidden_states, keys, values, attentions, kwargs
+        )
         H, n = keys.shape[1], keys.shape[2]
         masked = getattr(module, "masked_key_indices", None)
-        if masked is not None:                           # AdaKV: keeps the keys, masks the pruned ones
+        if masked is not None:  # AdaKV: keeps the keys, masks the pruned ones
             drop = torch.zeros(H, n, dtype=torch.bool)
             drop[masked[1], masked[2]] = True
             kept[module.layer_idx] = [torch.nonzero(~drop[h]).flatten().tolist() for h in range(H)]
@@ -138,7 +191,7 @@ def record(model, ids, name: str, ratio: float) -> list:
         else:
             per_head = []
             for h in range(H):
-                same = (new_keys[0, h][:, None, :] == keys[0, h][None, :, :]).all(dim=-1)   # (m, n)
+                same = (new_keys[0, h][:, None, :] == keys[0, h][None, :, :]).all(dim=-1)  # (m, n)
                 assert bool((same.sum(dim=1) == 1).all()), "a kept key matches no single cached key"
                 per_head.append(sorted(same.float().argmax(dim=1).tolist()))
             kept[module.layer_idx] = per_head
@@ -167,14 +220,19 @@ def own_budget_press(name: str, ids: list[int]):
 
     import kvpress.presses.duo_attention_press as duo
 
-    class Prompt:                                # stands in for the tokenizer: the very ids kvviz traces
+    class Prompt:  # stands in for the tokenizer: the very ids kvviz traces
         def __call__(self, text, return_tensors=None):
             return BatchEncoding({"input_ids": torch.tensor([ids])})
 
-    duo.load_dataset = lambda *a, **k: type("D", (), {"to_pandas": lambda self: pd.DataFrame({"chapter": ["-"]})})()
+    duo.load_dataset = lambda *a, **k: type(
+        "D", (), {"to_pandas": lambda self: pd.DataFrame({"chapter": ["-"]})}
+    )()
     duo.AutoTokenizer = type("T", (), {"from_pretrained": staticmethod(lambda *a, **k: Prompt())})
-    on_the_fly = duo.duo_attention_on_the_fly.__wrapped__ if hasattr(duo.duo_attention_on_the_fly, "__wrapped__") \
+    on_the_fly = (
+        duo.duo_attention_on_the_fly.__wrapped__
+        if hasattr(duo.duo_attention_on_the_fly, "__wrapped__")
         else duo.duo_attention_on_the_fly
+    )
     press = kp.DuoAttentionPress(head_compression_ratio=0.5, on_the_fly_scoring=True)
     post_init = press.post_init_from_model
 
@@ -182,6 +240,7 @@ def own_budget_press(name: str, ids: list[int]):
         duo.duo_attention_on_the_fly = lambda m: on_the_fly(m, num_samples=1)
         post_init(model)
         press.sink_size, press.recent_size = 4, 64
+
     press.post_init_from_model = post_init_from_model
     return press
 
@@ -194,7 +253,7 @@ def record_masked(model, ids, name: str) -> list:
     from transformers import DynamicCache
 
     press = own_budget_press(name, ids)
-    with torch.inference_mode(), press(model):   # KVzip scores and masks when the block ends
+    with torch.inference_mode(), press(model):  # KVzip scores and masks when the block ends
         model(input_ids=torch.tensor([ids]), past_key_values=DynamicCache(), use_cache=True)
     kept = []
     for layer in model.model.layers:
@@ -220,13 +279,15 @@ def record_merging(model, ids) -> tuple[list, list]:
     inner_compress = press.compress
 
     def compress(module, hidden_states, keys, values, attentions, kwargs):
-        new_keys, new_values = inner_compress(module, hidden_states, keys, values, attentions, kwargs)
+        new_keys, new_values = inner_compress(
+            module, hidden_states, keys, values, attentions, kwargs
+        )
         kept[module.layer_idx], moved[module.layer_idx] = [], []
         for h in range(keys.shape[1]):
-            same = (new_keys[0, h][:, None, :] == keys[0, h][None, :, :]).all(dim=-1)   # (m, n)
+            same = (new_keys[0, h][:, None, :] == keys[0, h][None, :, :]).all(dim=-1)  # (m, n)
             assert bool((same.sum(dim=1) == 1).all()), "a kept key matches no single cached key"
             at = same.float().argmax(dim=1)
-            order = torch.argsort(at)                                               # in position order
+            order = torch.argsort(at)  # in position order
             shift = (new_values[0, h][order] - values[0, h][at[order]]).norm(dim=-1)
             kept[module.layer_idx].append(at[order].tolist())
             moved[module.layer_idx].append([float(f"{x:.5g}") for x in shift.tolist()])
@@ -248,13 +309,20 @@ def record_decoding(model, ids: list[int], more: list[int], name: str) -> list:
 
     import kvpress as kp
 
-    inner = {"decoding_knorm": kp.KnormPress, "decoding_snapkv": lambda **k: kp.SnapKVPress(window_size=4, **k)}[name]
+    inner = {
+        "decoding_knorm": kp.KnormPress,
+        "decoding_snapkv": lambda **k: kp.SnapKVPress(window_size=4, **k),
+    }[name]
     press = kp.PrefillDecodingPress(
         prefilling_press=inner(compression_ratio=RATIO),
-        decoding_press=kp.DecodingPress(base_press=inner(), compression_interval=DECODE_EVERY, target_size=130),
+        decoding_press=kp.DecodingPress(
+            base_press=inner(), compression_interval=DECODE_EVERY, target_size=130
+        ),
     )
     L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
-    held = {layer: [list(range(len(ids))) for _ in range(H)] for layer in range(L)}  # positions, per head
+    held = {
+        layer: [list(range(len(ids))) for _ in range(H)] for layer in range(L)
+    }  # positions, per head
 
     def follow(compress):
         def wrapped(module, hidden_states, keys, values, attentions, kwargs):
@@ -262,10 +330,11 @@ def record_decoding(model, ids: list[int], more: list[int], name: str) -> list:
             layer = module.layer_idx
             for h in range(H):
                 assert len(held[layer][h]) == keys.shape[2]
-                same = (new_keys[0, h][:, None, :] == keys[0, h][None, :, :]).all(dim=-1)   # (m, n)
+                same = (new_keys[0, h][:, None, :] == keys[0, h][None, :, :]).all(dim=-1)  # (m, n)
                 assert bool((same.sum(dim=1) == 1).all()), "a kept key matches no single cached key"
                 held[layer][h] = [held[layer][h][i] for i in same.float().argmax(dim=1).tolist()]
             return new_keys, new_values
+
         return wrapped
 
     press.prefilling_press.compress = follow(press.prefilling_press.compress)
@@ -273,13 +342,18 @@ def record_decoding(model, ids: list[int], more: list[int], name: str) -> list:
     with torch.inference_mode(), press(model):
         cache = DynamicCache()
         model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
-        for i, t in enumerate(more):        # true positions, however many tokens the cache holds
+        for i, t in enumerate(more):  # true positions, however many tokens the cache holds
             p = len(ids) + i
             for layer in held:
                 for h in range(H):
                     held[layer][h].append(p)
-            model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True,
-                  position_ids=torch.tensor([[p]]), cache_position=torch.tensor([p]))
+            model(
+                input_ids=torch.tensor([[t]]),
+                past_key_values=cache,
+                use_cache=True,
+                position_ids=torch.tensor([[p]]),
+                cache_position=torch.tensor([p]),
+            )
     return [[sorted(held[layer][h]) for h in range(H)] for layer in range(L)]
 
 
@@ -290,7 +364,11 @@ def to_hex(positions: list[int], n: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="a transformers folder of the bundled model (default: kvviz's cache)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a transformers folder of the bundled model (default: kvviz's cache)",
+    )
     ap.add_argument("--out", default=str(ROOT / "tests" / "data" / "kvpress_reference.json"))
     args = ap.parse_args()
 
@@ -306,45 +384,78 @@ def main() -> None:
     text = (ROOT / "kvviz" / "data" / "sample.txt").read_text(encoding="utf-8")
     ids = list(tok(text)["input_ids"])[:N_TOKENS]
     models = {}
-    out = {"kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
-           "transformers": transformers.__version__, "torch": torch.__version__,
-           "model": "SmolLM2-135M-Instruct (bundled GGUF Q4_1, float32)", "prompt": "kvviz/data/sample.txt",
-           "token_ids": ids, "compression_ratio": RATIO, "methods": {}}
+    out = {
+        "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "model": "SmolLM2-135M-Instruct (bundled GGUF Q4_1, float32)",
+        "prompt": "kvviz/data/sample.txt",
+        "token_ids": ids,
+        "compression_ratio": RATIO,
+        "methods": {},
+    }
     for name, (expr, settings) in METHODS.items():
-        impl = "eager" if name == "observed_attention" else "sdpa"    # ObservedAttention reads the weights
+        impl = (
+            "eager" if name == "observed_attention" else "sdpa"
+        )  # ObservedAttention reads the weights
         if impl not in models:
-            models[impl] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                                attn_implementation=impl).eval()
+            models[impl] = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.float32, attn_implementation=impl
+            ).eval()
         kept = record(models[impl], ids, name, RATIO)
-        out["methods"][name] = {"press": expr, "kvviz": settings, "kept": [[to_hex(h, len(ids)) for h in layer]
-                                                                        for layer in kept]}
+        out["methods"][name] = {
+            "press": expr,
+            "kvviz": settings,
+            "kept": [[to_hex(h, len(ids)) for h in layer] for layer in kept],
+        }
         sizes = sorted({len(h) for layer in kept for h in layer})
         print(f"{name:26s} {expr:48s} layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}")
     out["own_budgets"] = {}
     for name, (expr, settings) in OWN_BUDGETS.items():
         kept = record_masked(models["sdpa"], ids, name)
-        out["own_budgets"][name] = {"press": expr, "kvviz": settings, "kept": [[to_hex(h, len(ids)) for h in layer]
-                                                                              for layer in kept]}
+        out["own_budgets"][name] = {
+            "press": expr,
+            "kvviz": settings,
+            "kept": [[to_hex(h, len(ids)) for h in layer] for layer in kept],
+        }
         sizes = sorted({len(h) for layer in kept for h in layer})
-        print(f"{name:26s} {expr[:48]:48s} layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}")
+        print(
+            f"{name:26s} {expr[:48]:48s} layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}"
+        )
     out["merging"] = {}
     for name, (expr, settings) in MERGING.items():
         kept, moved = record_merging(models["sdpa"], ids)
-        out["merging"][name] = {"press": expr, "kvviz": settings, "kept": [[to_hex(h, len(ids)) for h in layer]
-                                                                        for layer in kept], "moved": moved}
-        print(f"{name:26s} {expr:48s} layers {len(kept)}  values moved in "
-              f"{sum(x > 0 for layer in moved for h in layer for x in h)} of {sum(len(h) for layer in kept for h in layer)}")
+        out["merging"][name] = {
+            "press": expr,
+            "kvviz": settings,
+            "kept": [[to_hex(h, len(ids)) for h in layer] for layer in kept],
+            "moved": moved,
+        }
+        print(
+            f"{name:26s} {expr:48s} layers {len(kept)}  values moved in "
+            f"{sum(x > 0 for layer in moved for h in layer for x in h)} of "
+            f"{sum(len(h) for layer in kept for h in layer)}"
+        )
     more = list(tok(text)["input_ids"])[N_TOKENS : N_TOKENS + DECODE_STEPS]
-    out["decoding"] = {"steps": DECODE_STEPS, "every": DECODE_EVERY, "continuation_ids": more, "methods": {}}
+    out["decoding"] = {
+        "steps": DECODE_STEPS,
+        "every": DECODE_EVERY,
+        "continuation_ids": more,
+        "methods": {},
+    }
     for name, (expr, settings) in DECODING.items():
         kept = record_decoding(models["sdpa"], ids, more, name)
         n = len(ids) + len(more)
-        out["decoding"]["methods"][name] = {"press": f"PrefillDecodingPress({expr} at 0.5, DecodingPress({expr}, "
-                                            f"compression_interval={DECODE_EVERY}, target_size=130))",
-                                            "kvviz": settings,
-                                            "kept": [[to_hex(h, n) for h in layer] for layer in kept]}
+        out["decoding"]["methods"][name] = {
+            "press": f"PrefillDecodingPress({expr} at 0.5, DecodingPress({expr}, "
+            f"compression_interval={DECODE_EVERY}, target_size=130))",
+            "kvviz": settings,
+            "kept": [[to_hex(h, n) for h in layer] for layer in kept],
+        }
         sizes = sorted({len(h) for layer in kept for h in layer})
-        print(f"{name:26s} after {len(more)} decode steps: layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}")
+        print(
+            f"{name:26s} after {len(more)} decode steps: layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}"
+        )
     Path(args.out).write_text(json.dumps(out, separators=(",", ":")) + "\n", encoding="utf-8")
     print(f"wrote {args.out} ({Path(args.out).stat().st_size / 1e3:.0f} kB)")
 

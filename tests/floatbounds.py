@@ -12,7 +12,7 @@ gamma_n = n u / (1 - n u), u = 2^-24 the unit roundoff.
 
 import numpy as np
 
-U32 = float(np.finfo(np.float32).eps) / 2          # unit roundoff of float32, 2^-24
+U32 = float(np.finfo(np.float32).eps) / 2  # unit roundoff of float32, 2^-24
 
 
 def gamma(n: int, u: float = U32) -> float:

@@ -46,6 +46,7 @@ def set_and_run(at, key, value) -> AppTest:
 
 # --- explorer -------------------------------------------------------------------------------
 
+
 def test_four_sliders_with_exact_labels_in_sidebar():
     at = run()
     sliders = {s.label for s in at.sidebar.slider} | {s.label for s in at.sidebar.select_slider}
@@ -67,9 +68,12 @@ def test_default_view_is_the_handbook_example():
 
 
 def test_shown_numbers_equal_kvviz_compare():
-    at = run(sink=2, recent=6, heavy=5, bits=4, ensemble="none")     # the app quantizes short groups
-    expected = compare(handbook_trace(), Spec(sink=2, recent=6, heavy=5, key_bits=4, value_bits=4, partial="quantize"),
-                       View())
+    at = run(sink=2, recent=6, heavy=5, bits=4, ensemble="none")  # the app quantizes short groups
+    expected = compare(
+        handbook_trace(),
+        Spec(sink=2, recent=6, heavy=5, key_bits=4, value_bits=4, partial="quantize"),
+        View(),
+    )
     shown = numbers(at)
     for k, v in expected.metrics.items():
         assert shown[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
@@ -110,8 +114,19 @@ def test_larger_budget_retains_more_mass():
 
 
 def test_query_params_round_trip():
-    params = {"source": "synthetic", "context": "128", "steps": "4", "sink": "3", "recent": "30",
-              "heavy": "7", "bits": "4", "scorer": "tova", "layer": "1", "bars": "ci95", "ensemble": "steps"}
+    params = {
+        "source": "synthetic",
+        "context": "128",
+        "steps": "4",
+        "sink": "3",
+        "recent": "30",
+        "heavy": "7",
+        "bits": "4",
+        "scorer": "tova",
+        "layer": "1",
+        "bars": "ci95",
+        "ensemble": "steps",
+    }
     at = run(opened=(ADVANCED,), **params)
     assert dict(at.query_params) == params
     assert at.slider(key="recent").value == 30 and at.selectbox(key="scorer").value == "tova"
@@ -126,7 +141,9 @@ def test_query_params_round_trip():
 def test_out_of_range_link_is_clamped_with_a_notice():
     at = run(sink="-5", bits="11", layer="9", heavy="abc", nonsense="1")
     w = warnings(at)
-    assert "`sink=-5` is out of range (at least 0); clamped to 0." in w   # no made-up top of the range
+    assert (
+        "`sink=-5` is out of range (at least 0); clamped to 0." in w
+    )  # no made-up top of the range
     assert "`bits=11` is not one of" in w
     assert "Layer 9 is out of range (0-0); clamped to 0." in w
     assert "`heavy=abc` is not a number" in w
@@ -142,12 +159,26 @@ def test_advanced_folded_draws_nothing_and_keeps_its_settings():
     chosen while it was open survives folding it and a move."""
     at = run(scorer="tova", bits="4", key_axis="token", residual="9999", ensemble="none")
     assert "scorer" not in [b.key for b in at.selectbox] and not at.sidebar.expander[0].children
-    assert "Residual (last tokens kept at 16 bits) 9999 is out of range (0-64); clamped to 64." in warnings(at)
-    spec = Spec(sink=4, recent=8, heavy=2, scorer="tova", key_bits=4, value_bits=4, key_axis="token", residual=64)
+    assert (
+        "Residual (last tokens kept at 16 bits) 9999 is out of range (0-64); clamped to 64."
+        in warnings(at)
+    )
+    spec = Spec(
+        sink=4,
+        recent=8,
+        heavy=2,
+        scorer="tova",
+        key_bits=4,
+        value_bits=4,
+        key_axis="token",
+        residual=64,
+    )
     want = compare(handbook_trace(), spec, View()).metrics
     assert numbers(at)["tv_distance"] == want["tv_distance"]
     unfold(at, ADVANCED)
-    assert at.selectbox(key="scorer").value == "tova" and at.number_input(key="residual").value == 64
+    assert (
+        at.selectbox(key="scorer").value == "tova" and at.number_input(key="residual").value == 64
+    )
     at.selectbox(key="scorer").set_value("snapkv").run()
     at.session_state[ADVANCED] = False
     set_and_run(at, "heavy", 5)
@@ -159,8 +190,10 @@ def test_presets_apply():
     at = run()
     at.button(key="preset_StreamingLLM").click().run()
     assert at.slider(key="sink").value == 4 and at.slider(key="heavy").value == 0
-    assert at.session_state[STORE]["scorer"] == "streaming"     # set while Advanced is folded ...
-    assert unfold(at, ADVANCED).selectbox(key="scorer").value == "streaming"   # ... and shown once opened
+    assert at.session_state[STORE]["scorer"] == "streaming"  # set while Advanced is folded ...
+    assert (
+        unfold(at, ADVANCED).selectbox(key="scorer").value == "streaming"
+    )  # ... and shown once opened
     at.button(key="preset_KIVI 2-bit").click().run()
     assert at.select_slider(key="bits").value == 2
     assert cards(at)["Attention mass retained"] == "100.0%" and numbers(at)["tv_distance"] > 0
@@ -176,7 +209,9 @@ def test_presets_apply():
 
 def test_impossible_combinations_show_messages_not_tracebacks():
     at = run(symmetric="1", bits="1")
-    assert at.error and "symmetric" in at.error[0].value.lower() and "2 or more" in at.error[0].value
+    assert (
+        at.error and "symmetric" in at.error[0].value.lower() and "2 or more" in at.error[0].value
+    )
     at = run(source="synthetic", context="128", q_heads="3", kv_heads="2")
     assert at.error and "multiple of KV heads" in at.error[0].value
     at = run(sink="4", recent="8", heavy="60")
@@ -213,20 +248,28 @@ def test_long_sequences_are_binned():
 
 # --- pages ---------------------------------------------------------------------------------------
 
+
 def test_tradeoffs_presenting_draws_the_chart_first_in_projector_type():
     """Presentation mode on the Trade-offs page: the chart above its controls, every text of it at 18 px,
     its legend beside the plot; the table, downloads and explanations are left out."""
     at = run(TRADEOFFS, present="1")
-    def walk(node):         # the page's elements top to bottom, containers opened
+
+    def walk(node):  # the page's elements top to bottom, containers opened
         yield node
         for child in (getattr(node, "children", None) or {}).values():
             yield from walk(child)
 
-    order = [e.type if e.type == "plotly_chart" else e.key
-             for e in walk(at.main) if e.type in ("plotly_chart", "radio")]
+    order = [
+        e.type if e.type == "plotly_chart" else e.key
+        for e in walk(at.main)
+        if e.type in ("plotly_chart", "radio")
+    ]
     assert order.index("plotly_chart") < order.index("metric"), order
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]
-    assert fig["font"]["size"] == 18 and fig["xaxis"]["tickfont"]["size"] == fig["yaxis"]["tickfont"]["size"] == 18
+    assert (
+        fig["font"]["size"] == 18
+        and fig["xaxis"]["tickfont"]["size"] == fig["yaxis"]["tickfont"]["size"] == 18
+    )
     assert fig["legend"]["orientation"] == "v" and fig["legend"]["x"] > 1
     assert not at.dataframe and not at.get("download_button") and not at.main.caption
 
@@ -245,29 +288,46 @@ def test_tradeoffs_page():
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
     legend = [t["name"] for t in fig["data"] if t.get("showlegend", True) and t.get("name")]
     # one legend entry per method, the bit widths once as markers, not one entry per (method, bits)
-    assert {"H2O", "StreamingLLM", "Oracle (the bound)", "16-bit (off)", "2-bit",
-            "Pareto frontier (real policies)"} <= set(legend)
+    assert {
+        "H2O",
+        "StreamingLLM",
+        "Oracle (the bound)",
+        "16-bit (off)",
+        "2-bit",
+        "Pareto frontier (real policies)",
+    } <= set(legend)
     assert legend.count("H2O") == 1 and not any("·" in n for n in legend)
     oracle = [t for t in fig["data"] if t.get("legendgroup") == "oracle"]
     assert all(t["line"]["dash"] == "dot" for t in oracle)
     assert any(n.startswith("current:") for n in legend) and not any("TOVA" in n for n in legend)
     at.radio(key="metric").set_value("kl").run()
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
-    assert fig["layout"]["yaxis"]["title"]["text"] == "KL(compressed ‖ original), nats — lower is better"
+    assert (
+        fig["layout"]["yaxis"]["title"]["text"]
+        == "KL(compressed ‖ original), nats — lower is better"
+    )
     at.radio(key="metric").set_value("js").run()
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert fig["layout"]["yaxis"]["title"]["text"].startswith("Jensen–Shannon")
     at.radio(key="metric").set_value("mass").run()
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert fig["layout"]["yaxis"]["title"]["text"].endswith("higher is better")
-    assert fig["layout"]["xaxis"]["type"] == "log" and "logx" not in at.query_params    # log by default
+    assert (
+        fig["layout"]["xaxis"]["type"] == "log" and "logx" not in at.query_params
+    )  # log by default
     at.checkbox(key="logx").uncheck().run()
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
-    assert fig["layout"]["xaxis"].get("type", "linear") == "linear" and at.query_params["logx"] == "0"
+    assert (
+        fig["layout"]["xaxis"].get("type", "linear") == "linear" and at.query_params["logx"] == "0"
+    )
     table = at.dataframe[0].value
-    assert "budget" in table.columns and "oracle" not in set(table["method"])   # the bound is not a frontier point
+    assert "budget" in table.columns and "oracle" not in set(
+        table["method"]
+    )  # the bound is not a frontier point
     # the sweep uses the explorer's sliders too
-    assert {"Sink tokens", "Recent window", "Heavy-hitter budget"} <= {s.label for s in at.sidebar.slider}
+    assert {"Sink tokens", "Recent window", "Heavy-hitter budget"} <= {
+        s.label for s in at.sidebar.slider
+    }
 
 
 def test_tradeoffs_needs_a_method():
@@ -305,6 +365,7 @@ def test_navigation_keeps_settings():
 
 # --- real-text traces: token grid and the layer x head overview ----------------------------------
 
+
 def test_trace_file_shows_token_grid_and_overview_jump(tmp_path, monkeypatch):
     from kvviz.sources import save_trace
     from kvviz.trace import trace_with
@@ -312,11 +373,17 @@ def test_trace_file_shows_token_grid_and_overview_jump(tmp_path, monkeypatch):
     monkeypatch.setenv("KVVIZ_CACHE_DIR", str(tmp_path))
     syn = make_synthetic(SyntheticSpec(context=48, steps=4, layers=2, q_heads=4, kv_heads=2))
     words = [f"w{i}" if i % 5 else "<the>" for i in range(syn.n_positions)]
-    save_trace(trace_with(syn, tokens=tuple(words), meta={"source": "model", "model": "test"}),
-               tmp_path / "text.safetensors")
+    save_trace(
+        trace_with(syn, tokens=tuple(words), meta={"source": "model", "model": "test"}),
+        tmp_path / "text.safetensors",
+    )
     at = run(source="file", sink=2, recent=4, heavy=4)
     grid = [h.proto.body for h in at.get("html") if "<style>" not in h.proto.body]
-    assert len(grid) == 1 and "&lt;the&gt;" in grid[0] and grid[0].count("line-through") == syn.n_positions - 10
+    assert (
+        len(grid) == 1
+        and "&lt;the&gt;" in grid[0]
+        and grid[0].count("line-through") == syn.n_positions - 10
+    )
     # the overview knows which head loses most, and one click takes the View there
     unfold(at, "_overview_open")
     button = next(b for b in at.button if b.label.startswith("Jump to the head"))
@@ -325,11 +392,13 @@ def test_trace_file_shows_token_grid_and_overview_jump(tmp_path, monkeypatch):
     layer, head = (int(x) for x in button.label.rsplit("layer ", 1)[1].split(", head "))
     assert at.number_input(key="layer").value == layer and at.number_input(key="head").value == head
     from kvviz.engine import head_grid
+
     grid = head_grid(syn, Spec(sink=2, recent=4, heavy=4))
     assert grid[layer, head] == grid.max()
 
 
 # --- one rule for defaults, notes that say what a scorer keeps ----------------------------
+
 
 def test_switching_the_source_keeps_the_last_step_as_a_fresh_link_does():
     """handbook -> synthetic used to land on step 0 (and write step=0); a fresh ?source=synthetic
@@ -338,50 +407,97 @@ def test_switching_the_source_keeps_the_last_step_as_a_fresh_link_does():
     at.radio(key="source").set_value("synthetic").run()
     assert not at.exception
     fresh = run(source="synthetic")
-    assert at.number_input(key="step").value == fresh.number_input(key="step").value == 31   # 32 steps: 0-31
+    assert (
+        at.number_input(key="step").value == fresh.number_input(key="step").value == 31
+    )  # 32 steps: 0-31
     assert "step" not in at.query_params
     assert cards(at) == cards(fresh)
 
 
 def test_scorer_notes_say_what_is_kept():
-    at = run(source="synthetic", context="128", steps="4", scorer="snapkv", sink="4", recent="23", heavy="24")
+    at = run(
+        source="synthetic",
+        context="128",
+        steps="4",
+        scorer="snapkv",
+        sink="4",
+        recent="23",
+        heavy="24",
+    )
     info = " ".join(i.value for i in at.info)
-    assert "the last 23 context queries (positions 105–127)" in info and "before position 105" in info
-    at = run(source="synthetic", context="128", steps="4", scorer="oracle", sink="4", recent="8", heavy="8")
+    assert (
+        "the last 23 context queries (positions 105–127)" in info and "before position 105" in info
+    )
+    at = run(
+        source="synthetic",
+        context="128",
+        steps="4",
+        scorer="oracle",
+        sink="4",
+        recent="8",
+        heavy="8",
+    )
     assert "not for each query head" in " ".join(i.value for i in at.info)
-    at = run(source="synthetic", context="128", steps="4", scorer="snapkv", sink="4", recent="8", heavy="8",
-             snap_window="16")
+    at = run(
+        source="synthetic",
+        context="128",
+        steps="4",
+        scorer="snapkv",
+        sink="4",
+        recent="8",
+        heavy="8",
+        snap_window="16",
+    )
     assert any("must fit inside the recent window" in e.value for e in at.error)
 
 
 def test_new_quantizer_options_reach_the_numbers():
-    at = run(bits="2", zero_point="int", partial="quantize", ensemble="none", sink="0", recent="0", heavy="0")
-    expected = compare(handbook_trace(), Spec(key_bits=2, value_bits=2, zero_point="int", partial="quantize"), View())
+    at = run(
+        bits="2",
+        zero_point="int",
+        partial="quantize",
+        ensemble="none",
+        sink="0",
+        recent="0",
+        heavy="0",
+    )
+    expected = compare(
+        handbook_trace(),
+        Spec(key_bits=2, value_bits=2, zero_point="int", partial="quantize"),
+        View(),
+    )
     assert numbers(at)["kl"] == pytest.approx(expected.metrics["kl"], rel=1e-12)
     assert numbers(at)["kv_bytes"] == expected.metrics["kv_bytes"]
 
 
 def test_synthetic_presets_set_the_pattern():
     from kvviz.sources.synthetic import PRESETS
+
     at = run(source="synthetic", context="128")
     at.button(key="synthetic_diffuse").click().run()
     assert at.number_input(key="sink_strength").value == PRESETS["diffuse"].sink_strength
     assert at.query_params["sparsity"] == "1.5"
     at.button(key="synthetic_topic shift").click().run()
-    assert at.number_input(key="topic_shift").value == 12.0 and at.number_input(key="steps").value == 48
+    assert (
+        at.number_input(key="topic_shift").value == 12.0
+        and at.number_input(key="steps").value == 48
+    )
     at.button(key="synthetic_realistic").click().run()
     assert "sink_strength" not in at.query_params and "topic_shift" not in at.query_params
 
 
 # --- targets instead of slider hunting --------------------------------------------------
 
+
 def test_budget_number_boxes_set_counts_or_percentages():
     at = run(source="synthetic", context="512", steps="32")
-    at.number_input(key="_box_recent").set_value(240).run()          # one keystroke-free step, not 232 presses
+    at.number_input(key="_box_recent").set_value(
+        240
+    ).run()  # one keystroke-free step, not 232 presses
     assert at.slider(key="recent").value == 240 and at.query_params["recent"] == "240"
     at.radio(key="budget_unit").set_value("%").run()
     assert at.number_input(key="_box_recent").value == pytest.approx(100 * 240 / 544, abs=0.05)
-    at.number_input(key="_box_heavy").set_value(25.0).run()           # 25% of 544 tokens
+    at.number_input(key="_box_heavy").set_value(25.0).run()  # 25% of 544 tokens
     assert at.slider(key="heavy").value == 136
     assert cards(at)["Tokens kept"] == f"{min(544, 4 + 240 + 136)} / 544"
 
@@ -394,15 +510,16 @@ def test_a_budget_slider_move_wins_over_its_boxs_stale_echo():
     at.slider(key="sink").set_value(5).run()
     assert at.number_input(key="_box_sink").value == 5
     at.slider(key="sink").set_value(6)
-    at.number_input(key="_box_sink").set_value(4)      # the browser's stale copy, sent with the move
+    at.number_input(key="_box_sink").set_value(4)  # the browser's stale copy, sent with the move
     at.run()
     assert at.slider(key="sink").value == 6 and at.number_input(key="_box_sink").value == 6
     assert at.query_params["sink"] == "6"
-    at.number_input(key="_box_sink").set_value(9).run()   # typed alone: the box sets the count
+    at.number_input(key="_box_sink").set_value(9).run()  # typed alone: the box sets the count
     assert at.slider(key="sink").value == 9 and at.query_params["sink"] == "9"
 
 
 # --- the lesson at a glance ----------------------------------------------------------------
+
 
 def test_cards_split_the_quantizations_own_error():
     """With eviction on, TV is the evicted mass whatever the bits; the card beside it shows what
@@ -413,8 +530,10 @@ def test_cards_split_the_quantizations_own_error():
         c = cards(at)
         tvs.append(c["TV distance"])
         quant.append(float(c["TV from quantization"]))
-        expected = compare(handbook_trace(), Spec(sink=4, recent=8, heavy=2, key_bits=bits, value_bits=bits,
-                                                  partial="quantize"))
+        expected = compare(
+            handbook_trace(),
+            Spec(sink=4, recent=8, heavy=2, key_bits=bits, value_bits=bits, partial="quantize"),
+        )
         assert c == card_values(expected.metrics)
     assert quant[0] == 0 and quant[1] < quant[2] < quant[3]
 
@@ -426,13 +545,17 @@ def test_the_bits_reach_the_keys_by_default_and_the_app_says_when_they_cannot():
     the app says so and offers the fix instead of letting the bits slider look broken."""
     at = run(bits="2", ensemble="none")
     assert float(cards(at)["TV from quantization"]) > 0 and not at.warning
-    assert any("The bits slider quantizes every kept key (groups of 32 along each channel)" in c.value
-               for c in at.caption)
+    assert any(
+        "The bits slider quantizes every kept key (groups of 32 along each channel)" in c.value
+        for c in at.caption
+    )
     at = run(bits="2", ensemble="none", partial="full")
     assert cards(at)["TV from quantization"] == "0.0000"
     assert any("keys are not quantized" in w.value for w in at.warning)
     at.button(key="_fix_partial").click().run()
-    assert "partial" not in at.query_params and float(cards(at)["TV from quantization"]) > 0   # the default again
+    assert (
+        "partial" not in at.query_params and float(cards(at)["TV from quantization"]) > 0
+    )  # the default again
 
 
 def test_pin_and_compare_a_against_b():
@@ -449,7 +572,10 @@ def test_pin_and_compare_a_against_b():
     assert any("**A:** h2o sink 4 recent 8 heavy 2" in m.value for m in at.markdown)
     # a link with the pin reproduces the comparison
     again = run(heavy="10", pin="default", ensemble="none")
-    assert next(m for m in again.metric if m.label == "Attention mass retained").proto.delta == mass.proto.delta
+    assert (
+        next(m for m in again.metric if m.label == "Attention mass retained").proto.delta
+        == mass.proto.delta
+    )
     at.button(key="_unpin").click().run()
     assert "pin" not in at.query_params
 
@@ -472,7 +598,10 @@ def test_a_locked_axis_never_hides_a_bar():
     ylock, alock = float(at.query_params["ylock"]), float(at.query_params["alock"])
     for name, value in (("sink", 1), ("recent", 0), ("heavy", 0)):
         at.slider(key=name).set_value(value).run()
-    assert not at.exception and (float(at.query_params["ylock"]), float(at.query_params["alock"])) == (ylock, alock)
+    assert not at.exception and (
+        float(at.query_params["ylock"]),
+        float(at.query_params["alock"]),
+    ) == (ylock, alock)
     attention, error = (json.loads(c.proto.spec) for c in at.get("plotly_chart"))
     tallest = max(max(plotly_values(t["y"])) for t in attention["data"] if t["type"] == "bar")
     assert tallest > alock and attention["layout"]["yaxis"]["range"][1] >= tallest
@@ -484,46 +613,66 @@ def test_a_locked_axis_never_hides_a_bar():
 
 def test_solver_applies_the_smallest_budget():
     from kvviz.analysis.solve import solve
+
     at = run(bits="4", solve_target="0.95", ensemble="none", opened=("_solver_open",))
     at.button(key="_solve").click().run()
     sol = solve(handbook_trace(), Spec(key_bits=4, value_bits=4), target_mass=0.95)
-    assert at.slider(key="recent").value == sol.spec.recent and at.slider(key="heavy").value == sol.spec.heavy
+    assert (
+        at.slider(key="recent").value == sol.spec.recent
+        and at.slider(key="heavy").value == sol.spec.heavy
+    )
     assert any(f"{sol.budget} of 64 tokens" in s.value for s in at.success)
     assert float(cards(at)["Attention mass retained"].rstrip("%")) >= 95.0
 
 
 def test_presentation_mode_puts_the_main_chart_first_and_folds_the_extras():
-    at = run(present="1")     # the attention chart first, then the error chart
+    at = run(present="1")  # the attention chart first, then the error chart
     charts = [c.proto.id for c in at.get("plotly_chart")]
     assert charts[0].endswith("attention_chart") and charts[1].endswith("error_chart")
     assert [m.label for m in at.metric] == ["Attention kept", "Memory saved", "Tokens kept"]
-    assert at.toggle(key="_ylock_on").value and float(at.query_params["ylock"]) > 0   # locked by default
-    assert any(e.label.startswith("Notes (") for e in at.expander)           # the explanations folded
+    assert (
+        at.toggle(key="_ylock_on").value and float(at.query_params["ylock"]) > 0
+    )  # locked by default
+    assert any(e.label.startswith("Notes (") for e in at.expander)  # the explanations folded
     assert not [e for e in at.expander if e.label == "All numbers"]
     assert not at.title and any("explorer" in h.value for h in at.subheader)
 
 
 def test_downloads_are_named_by_their_settings_and_say_what_they_hold():
     from kvviz.app import explorer as ux
-    comp = compare(handbook_trace(), Spec(sink=4, recent=8, heavy=2, key_bits=4, value_bits=4),
-                   View(ensemble="seeds", ensemble_size=8))
+
+    comp = compare(
+        handbook_trace(),
+        Spec(sink=4, recent=8, heavy=2, key_bits=4, value_bits=4),
+        View(ensemble="seeds", ensemble_size=8),
+    )
     assert ux.slug(comp.spec, "handbook") == "kvviz-handbook-h2o-s4-r8-h2-k4v4bit"
     assert ux.slug(Spec(), "synthetic") == "kvviz-synthetic-no-eviction-16bit"
     header = ux.settings_header(comp, "handbook example", "http://x/?bits=4", "ci95")
     lines = header.splitlines()
     assert all(line.startswith("# ") for line in lines)
     assert "settings: h2o sink 4 recent 8 heavy 2, K4/V4-bit" in header and "N = 8 rows" in header
-    assert "error_ci95_lo/hi: 95% t-interval" in header and "the chart draws: 95% t-interval" in header
+    assert (
+        "error_ci95_lo/hi: 95% t-interval" in header and "the chart draws: 95% t-interval" in header
+    )
     import io
 
     import pandas as pd
     from kvviz.analysis.frames import token_frame
+
     csv_text = header + token_frame(comp).to_csv(index=False)
     back = pd.read_csv(io.StringIO(csv_text), comment="#")
     assert len(back) == 64 and "error_ci95_lo" in back.columns
     from kvviz.plots import figures
-    html = figures.figures_html([], "t", metrics=comp.metrics, about=header, link="http://x/?bits=4")
-    assert "Open this view in kvviz" in html and "mass_retained" in html and "layer 0, query head 0" in html
+
+    html = figures.figures_html(
+        [], "t", metrics=comp.metrics, about=header, link="http://x/?bits=4"
+    )
+    assert (
+        "Open this view in kvviz" in html
+        and "mass_retained" in html
+        and "layer 0, query head 0" in html
+    )
 
 
 def test_real_text_opens_on_a_typical_head_and_the_grid_shades_and_separates(tmp_path, monkeypatch):
@@ -533,24 +682,29 @@ def test_real_text_opens_on_a_typical_head_and_the_grid_shades_and_separates(tmp
 
     monkeypatch.setenv("KVVIZ_CACHE_DIR", str(tmp_path))
     syn = make_synthetic(SyntheticSpec(context=48, steps=4, layers=3, q_heads=4, kv_heads=2))
-    text = trace_with(syn, tokens=tuple(f"w{i}" for i in range(syn.n_positions)), meta={"source": "model"})
+    text = trace_with(
+        syn, tokens=tuple(f"w{i}" for i in range(syn.n_positions)), meta={"source": "model"}
+    )
     save_trace(text, tmp_path / "text.safetensors")
     at = run(source="file", sink=2, recent=4, heavy=4)
     layer, head, why = typical_head(text)
     assert (at.number_input(key="layer").value, at.number_input(key="head").value) == (layer, head)
     assert any("median of all 12 heads" in i.value for i in at.info)
     grid = next(h.proto.body for h in at.get("html") if "generated →" in h.proto.body)
-    assert grid.index("generated →") < grid.index(">w48<")             # the separator sits before token 48
+    assert grid.index("generated →") < grid.index(">w48<")  # the separator sits before token 48
     assert "heavy hitter" in grid and "kept (no eviction)" not in grid  # only classes that occur
     at.radio(key="grid_shade").set_value("error").run()
     grid = next(h.proto.body for h in at.get("html") if "generated →" in h.proto.body)
     assert "attention lowered by compression" in grid
     # a link that names the head keeps it
     again = run(source="file", sink=2, recent=4, heavy=4, layer=0, head=0)
-    assert again.number_input(key="head").value == 0 and not any("median of all" in i.value for i in again.info)
+    assert again.number_input(key="head").value == 0 and not any(
+        "median of all" in i.value for i in again.info
+    )
 
 
 # --- folded means idle ------------------------------------------------------------------
+
 
 def test_folded_sections_compute_nothing_until_opened_then_once(monkeypatch):
     """The budget ledger, the rotation heatmap and the layer x head overview compute nothing while their
@@ -565,6 +719,7 @@ def test_folded_sections_compute_nothing_until_opened_then_once(monkeypatch):
         def wrapper(*args, **kwargs):
             calls[name] += 1
             return fn(*args, **kwargs)
+
         return wrapper
 
     monkeypatch.setattr(ledger, "budget_ledger", counted("ledger", ledger.budget_ledger))
@@ -572,23 +727,30 @@ def test_folded_sections_compute_nothing_until_opened_then_once(monkeypatch):
     monkeypatch.setattr(overview, "run_head_grid", counted("overview", overview.run_head_grid))
     st.cache_resource.clear()
     at = run(**SMALL, sink=5, heavy=7)
-    at.slider(key="heavy").set_value(9).run()                  # a move with everything folded
+    at.slider(key="heavy").set_value(9).run()  # a move with everything folded
     assert calls == {"ledger": 0, "rotation": 0, "overview": 0}
     assert not [c for c in at.get("plotly_chart") if "after the Hadamard rotation" in c.proto.spec]
-    assert not at.dataframe            # "All numbers" folded: no table (nor the data grid's scripts) on the page
+    assert (
+        not at.dataframe
+    )  # "All numbers" folded: no table (nor the data grid's scripts) on the page
     assert len(unfold(at, "_numbers_open").dataframe) == 2
-    for key, name in (("_ledger_open", "ledger"), ("_rotation_open", "rotation"), ("_overview_open", "overview")):
+    for key, name in (
+        ("_ledger_open", "ledger"),
+        ("_rotation_open", "rotation"),
+        ("_overview_open", "overview"),
+    ):
         unfold(at, key)
         assert calls[name] == 1, (name, calls)
     opened = dict(calls)
-    at.run()                                                     # open, nothing changed: cached
+    at.run()  # open, nothing changed: cached
     assert calls["ledger"] == opened["ledger"] and calls["rotation"] == opened["rotation"]
-    at.slider(key="heavy").set_value(10).run()                  # open and a budget move: the ledger follows
+    at.slider(key="heavy").set_value(10).run()  # open and a budget move: the ledger follows
     assert calls["ledger"] == opened["ledger"] + 1 and calls["rotation"] == opened["rotation"]
 
 
 def test_warm_up_runs_once_in_the_background_and_not_at_import():
-    """Importing the app starts nothing; warm_up() (every page's head, on the first page view) loads numba, the kernel, the
+    """Importing the app starts nothing; warm_up() (every page's head, on the first page view) loads numba, the
+    kernel, the
     first move's modules and the Explorer's charts' plotly classes (~700 modules that building the first figure imported
     in the first page run) in one background thread, once per process."""
     import subprocess
@@ -609,7 +771,9 @@ assert 'plotly.graph_objs._bar' in sys.modules and 'plotly.graph_objs.bar._error
 assert 'kvviz.plots.lesson' in sys.modules
 print('ok')
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
@@ -622,25 +786,38 @@ def test_before_the_first_paint_charts_are_frames_and_folded_sections_wait():
 
     def blocks(node):
         yield node
-        for child in (node.children.values() if isinstance(getattr(node, "children", None), dict) else ()):
+        for child in (
+            node.children.values() if isinstance(getattr(node, "children", None), dict) else ()
+        ):
             yield from blocks(child)
 
     at = AppTest.from_file(APP, default_timeout=120).run()
     assert not at.exception, [e.value for e in at.exception]
     assert len(at.metric) == 8 and not at.get("plotly_chart")
-    frames = {b.proto.id.rsplit(f"{WAITING}_", 1)[1]: b.proto.height_config.pixel_height
-              for b in blocks(at._tree) if getattr(b, "type", None) == "flex_container" and WAITING in b.proto.id}
+    frames = {
+        b.proto.id.rsplit(f"{WAITING}_", 1)[1]: b.proto.height_config.pixel_height
+        for b in blocks(at._tree)
+        if getattr(b, "type", None) == "flex_container" and WAITING in b.proto.id
+    }
     assert set(frames) == {"attention_chart", "error_chart"}
-    assert [c.value for c in at.caption if c.value == "Drawing the chart…"] == ["Drawing the chart…"] * 2
-    assert "scorer" not in [b.key for b in at.selectbox] and "solve_kind" not in [r.key for r in at.radio]
-    assert len(at.get("bidi_component")) == 1                  # the probe
+    assert [c.value for c in at.caption if c.value == "Drawing the chart…"] == [
+        "Drawing the chart…"
+    ] * 2
+    assert "scorer" not in [b.key for b in at.selectbox] and "solve_kind" not in [
+        r.key for r in at.radio
+    ]
+    assert len(at.get("bidi_component")) == 1  # the probe
 
-    at.run()          # the next run -- the probe's report, or any click -- comes after the browser drew this one
+    at.run()  # the next run -- the probe's report, or any click -- comes after the browser drew this one
     assert not at.exception, [e.value for e in at.exception]
     charts = {c.key: json.loads(c.proto.spec)["layout"]["height"] for c in at.get("plotly_chart")}
-    assert charts == frames                                    # each chart as tall as its frame was
-    assert not [c for c in at.caption if c.value == "Drawing the chart…"] and not at.get("bidi_component")
-    assert "scorer" not in [b.key for b in at.selectbox] and "solve_kind" not in [r.key for r in at.radio]
+    assert charts == frames  # each chart as tall as its frame was
+    assert not [c for c in at.caption if c.value == "Drawing the chart…"] and not at.get(
+        "bidi_component"
+    )
+    assert "scorer" not in [b.key for b in at.selectbox] and "solve_kind" not in [
+        r.key for r in at.radio
+    ]
     unfold(unfold(at, ADVANCED), "_solver_open")
     assert "scorer" in [b.key for b in at.selectbox] and "solve_kind" in [r.key for r in at.radio]
 
@@ -649,10 +826,11 @@ def test_advice_is_never_impossible():
     """A link with sink=1e9 is clamped to the 64 tokens: the warning names the sliders that can bring
     eviction back, never "Lower the Heavy-hitter budget below 0"."""
     from kvviz.analysis.readout import budget_warnings
+
     at = run(sink="1e9")
     text = warnings(at)
     assert "Lower the Sink tokens or the Recent window" in text and "below 0" not in text
-    for sink in range(0, 70):      # every advice that names a number names one the slider can reach
+    for sink in range(0, 70):  # every advice that names a number names one the slider can reach
         for w in budget_warnings(Spec(sink=sink, recent=8, heavy=60), 64):
             for n in re.findall(r"below (-?\d+)", w):
                 assert int(n) >= 1, w

@@ -13,11 +13,28 @@ from kvviz.app import guard
 from kvviz.limits import set_max_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
-HUGE = dict(source="synthetic", context=1_000_000_000, steps=1_000_000_000, layers=100_000, q_heads=100_000,
-            kv_heads=100_000)
-PAGES = ["app.py", "pages/1_trade-offs.py", "pages/2_concentration.py", "pages/3_model-lab.py",
-         "pages/4_decode-timeline.py", "pages/5_needle-test.py"]
-USES_THE_SOURCE = {"app.py", "pages/1_trade-offs.py", "pages/2_concentration.py", "pages/4_decode-timeline.py"}
+HUGE = dict(
+    source="synthetic",
+    context=1_000_000_000,
+    steps=1_000_000_000,
+    layers=100_000,
+    q_heads=100_000,
+    kv_heads=100_000,
+)
+PAGES = [
+    "app.py",
+    "pages/1_trade-offs.py",
+    "pages/2_concentration.py",
+    "pages/3_model-lab.py",
+    "pages/4_decode-timeline.py",
+    "pages/5_needle-test.py",
+]
+USES_THE_SOURCE = {
+    "app.py",
+    "pages/1_trade-offs.py",
+    "pages/2_concentration.py",
+    "pages/4_decode-timeline.py",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -37,8 +54,11 @@ def page(path: str, timeout: float = 120, **params) -> AppTest:
 def test_the_huge_link_gives_a_notice_and_a_usable_page(path, monkeypatch):
     made = []
     real = synthetic.make_synthetic
-    monkeypatch.setattr(synthetic, "make_synthetic", lambda spec=synthetic.SyntheticSpec(): made.append(spec)
-                        or real(spec))
+    monkeypatch.setattr(
+        synthetic,
+        "make_synthetic",
+        lambda spec=synthetic.SyntheticSpec(): made.append(spec) or real(spec),
+    )
     at = page(path, **HUGE)
     at.run()
     assert not at.exception, [e.value for e in at.exception]
@@ -46,8 +66,10 @@ def test_the_huge_link_gives_a_notice_and_a_usable_page(path, monkeypatch):
     if path not in USES_THE_SOURCE:
         assert "Too big" not in warnings
         return
-    assert "Too big for this server:** the synthetic pattern needs 2 × 32 layers × 32 KV heads × 33,280 " \
-           "positions × 64 dims × 4 B = 17.4 GB of keys and values, 26.3 GB in all" in warnings
+    assert (
+        "Too big for this server:** the synthetic pattern needs 2 × 32 layers × 32 KV heads × 33,280 "
+        "positions × 64 dims × 4 B = 17.4 GB of keys and values, 26.3 GB in all" in warnings
+    )
     assert "the limit is 1.5 GB (KVVIZ_MAX_BYTES): lower the context" in warnings
     assert "Showing the default setting instead" in warnings
     # what was built (if not cached already) is the default pattern, and the page drew its charts
@@ -55,7 +77,7 @@ def test_the_huge_link_gives_a_notice_and_a_usable_page(path, monkeypatch):
     assert at.get("plotly_chart")
     if path == "app.py":
         cards = {m.label: m.value for m in at.metric}
-        assert cards["Tokens kept"].endswith("/ 544")          # the default pattern's 512 + 32 tokens
+        assert cards["Tokens kept"].endswith("/ 544")  # the default pattern's 512 + 32 tokens
 
 
 def test_after_a_refusal_the_previous_pattern_stays():
@@ -69,7 +91,9 @@ def test_after_a_refusal_the_previous_pattern_stays():
     assert not at.exception
     text = " ".join(w.value for w in at.warning)
     assert "Too big for this server" in text and "Showing the previous setting instead" in text
-    assert {m.label: m.value for m in at.metric}["Tokens kept"].endswith("/ 1056")   # still 1024 + 32
+    assert {m.label: m.value for m in at.metric}["Tokens kept"].endswith(
+        "/ 1056"
+    )  # still 1024 + 32
 
 
 def _counting_checkpoints(monkeypatch, on_call):
@@ -85,6 +109,7 @@ def _counting_checkpoints(monkeypatch, on_call):
         except BaseException as e:
             raised.append(type(e).__name__)
             raise
+
     monkeypatch.setattr(synthetic, "checkpoint", counted)
     return calls, raised
 
@@ -96,16 +121,18 @@ def test_a_rerun_stops_a_long_synthetic_build_at_its_next_chunk(monkeypatch):
     from streamlit.runtime.scriptrunner_utils.script_requests import RerunData
 
     def rerun_at_third(n):
-        if n == 3:            # a visitor moves a slider: Streamlit queues a rerun for this session
-            get_script_run_ctx().script_requests.request_rerun(RerunData(query_string="source=synthetic"))
+        if n == 3:  # a visitor moves a slider: Streamlit queues a rerun for this session
+            get_script_run_ctx().script_requests.request_rerun(
+                RerunData(query_string="source=synthetic")
+            )
 
     calls, raised = _counting_checkpoints(monkeypatch, rerun_at_third)
     at = page("app.py", source="synthetic", syn_seed=7)
     at.run()
     assert not at.exception
-    per_build = 2 * (2 + 4)                    # a checkpoint after every KV head and query head of 2 layers
+    per_build = 2 * (2 + 4)  # a checkpoint after every KV head and query head of 2 layers
     assert raised == ["RerunException"]
-    assert len(calls) == 3 + per_build         # 3 before the rerun stopped it, then one whole build
+    assert len(calls) == 3 + per_build  # 3 before the rerun stopped it, then one whole build
 
 
 def test_a_closed_session_stops_a_long_synthetic_build(monkeypatch):
@@ -114,17 +141,19 @@ def test_a_closed_session_stops_a_long_synthetic_build(monkeypatch):
     hold = threading.Event()
 
     def slow(n):
-        hold.wait(0.5)                         # each head takes a while
-    page("app.py").run()                       # imports done, so the timeout falls inside the build
+        hold.wait(0.5)  # each head takes a while
+
+    page("app.py").run()  # imports done, so the timeout falls inside the build
     calls, raised = _counting_checkpoints(monkeypatch, slow)
     at = page("app.py", source="synthetic", syn_seed=8, layers=8)
     with pytest.raises(RuntimeError, match="timed out"):
         at.run(timeout=2.0)
     assert raised == ["StopException"]
-    assert len(calls) < 8 * (2 + 4)            # stopped long before the 48th head
+    assert len(calls) < 8 * (2 + 4)  # stopped long before the 48th head
 
 
 # --- the pool of run slots -----------------------------------------------------------------------------
+
 
 def test_the_pool_serves_in_order_and_says_how_many_are_ahead():
     p = guard.Pool(2)
@@ -133,14 +162,17 @@ def test_the_pool_serves_in_order_and_says_how_many_are_ahead():
     p.acquire(b, lambda: None)
     assert p.busy
     got = []
-    waiters = [threading.Thread(target=lambda t=t: (p.acquire(t, lambda: None), got.append(t))) for t in (c, d)]
+    waiters = [
+        threading.Thread(target=lambda t=t: (p.acquire(t, lambda: None), got.append(t)))
+        for t in (c, d)
+    ]
     waiters[0].start()
     while c not in p._queue:
         pass
     waiters[1].start()
     while d not in p._queue:
         pass
-    assert p.ahead_of(c) == 2 and p.ahead_of(d) == 3       # two running, and c before d
+    assert p.ahead_of(c) == 2 and p.ahead_of(d) == 3  # two running, and c before d
     p.release()
     waiters[0].join(5)
     assert got == [c] and p.ahead_of(d) == 2
@@ -153,7 +185,9 @@ def test_the_pool_counts_the_other_runs():
     p = guard.Pool(1)
     assert p.others(holding=False) == 0
     p.acquire(object(), lambda: None)
-    assert p.others(holding=True) == 0 and p.others(holding=False) == 1     # the caller's own run is not other work
+    assert (
+        p.others(holding=True) == 0 and p.others(holding=False) == 1
+    )  # the caller's own run is not other work
     waiter = threading.Thread(target=lambda: p.acquire(object(), lambda: None))
     waiter.start()
     while not p._queue:
@@ -173,6 +207,7 @@ def test_a_check_that_raises_leaves_the_line():
 
     def check():
         raise Rerun
+
     with pytest.raises(Rerun):
         p.acquire(object(), check)
     assert p._queue == [] and p._running == 1
@@ -181,28 +216,32 @@ def test_a_check_that_raises_leaves_the_line():
 def test_a_queued_page_says_so_and_runs_when_a_slot_frees(monkeypatch):
     p = guard.Pool(1)
     monkeypatch.setattr(guard, "pool", lambda: p)
-    p.acquire(object(), lambda: None)              # another visitor's page holds the only slot
+    p.acquire(object(), lambda: None)  # another visitor's page holds the only slot
     shown = []
     real = guard.queued_text
     monkeypatch.setattr(guard, "queued_text", lambda n: shown.append(n) or real(n))
+
     def release_once_queued():
         while not p._queue:
             threading.Event().wait(0.05)
-        threading.Event().wait(0.6)                # a tick of the status line
+        threading.Event().wait(0.6)  # a tick of the status line
         p.release()
+
     threading.Thread(target=release_once_queued, daemon=True).start()
     at = page("app.py", source="synthetic", syn_seed=9)
     at.run()
     assert not at.exception and at.metric
     assert shown[0] == 1
-    assert real(1).startswith("Queued behind 1 other visitor's page (1 run at a time on this server): this page "
-                              "starts when one finishes.")
+    assert real(1).startswith(
+        "Queued behind 1 other visitor's page (1 run at a time on this server): this page "
+        "starts when one finishes."
+    )
     assert real(3).startswith("Queued behind 3 other visitors' pages")
-    assert p._running == 0 and p._queue == []      # the page gave its slot back
+    assert p._running == 0 and p._queue == []  # the page gave its slot back
 
 
 def test_a_queued_page_leaves_the_line_when_its_session_closes(monkeypatch):
-    page("app.py").run()                           # imports done, so the run reaches the line in time
+    page("app.py").run()  # imports done, so the run reaches the line in time
     p = guard.Pool(1)
     monkeypatch.setattr(guard, "pool", lambda: p)
     p.acquire(object(), lambda: None)
@@ -212,11 +251,12 @@ def test_a_queued_page_leaves_the_line_when_its_session_closes(monkeypatch):
         while not p._queue:
             threading.Event().wait(0.01)
         queued.set()
+
     threading.Thread(target=watch, daemon=True).start()
-    with pytest.raises(RuntimeError, match="timed out"):      # AppTest then asks the run to stop
+    with pytest.raises(RuntimeError, match="timed out"):  # AppTest then asks the run to stop
         page("app.py").run(timeout=3.0)
-    assert queued.is_set()                         # it waited in line...
-    assert p._queue == [] and p._running == 1      # ...and left it; the holder still runs
+    assert queued.is_set()  # it waited in line...
+    assert p._queue == [] and p._running == 1  # ...and left it; the holder still runs
     p.release()
 
 
@@ -231,11 +271,13 @@ def test_background_work_waits_until_no_run_has_held_a_slot_for_the_quiet_time()
 
     p = guard.Pool(1)
     p.acquire(object(), lambda: None)
-    assert p.wait_quiet(0.05, timeout=0.3) is False          # a run holds the slot the whole time
+    assert p.wait_quiet(0.05, timeout=0.3) is False  # a run holds the slot the whole time
     p.release()
     released = time.monotonic()
     assert p.wait_quiet(0.2, timeout=5.0) is True
-    assert time.monotonic() - released >= 0.2                # quiet for the whole `quiet`, counted from the release
+    assert (
+        time.monotonic() - released >= 0.2
+    )  # quiet for the whole `quiet`, counted from the release
 
 
 def test_the_background_model_load_pauses_between_its_steps_while_a_run_computes(monkeypatch):
@@ -249,7 +291,7 @@ def test_the_background_model_load_pauses_between_its_steps_while_a_run_computes
     status = {"wanted": threading.Event()}
     p._last_busy -= sources.YIELD_QUIET_S
     t0 = time.monotonic()
-    sources.yield_to_runs(status)                             # no run for a while: no wait
+    sources.yield_to_runs(status)  # no run for a while: no wait
     assert time.monotonic() - t0 < sources.YIELD_QUIET_S
     p.acquire(object(), lambda: None)
     t0 = time.monotonic()
@@ -259,7 +301,7 @@ def test_the_background_model_load_pauses_between_its_steps_while_a_run_computes
     assert time.monotonic() - t0 >= 0.4 + sources.YIELD_QUIET_S
     p.acquire(object(), lambda: None)
     t0 = time.monotonic()
-    sources.yield_to_runs(status, limit=0.3)                 # a run that goes on: one step waits `limit` at most
+    sources.yield_to_runs(status, limit=0.3)  # a run that goes on: one step waits `limit` at most
     assert 0.3 <= time.monotonic() - t0 < 5
     # a page run waiting for this very load: the load no longer yields to it (it would wait for itself)
     store, key = sources._model_store(), (BUNDLED, "cpu", "float32")

@@ -19,7 +19,7 @@ from kvviz.app.store import STORE
 from kvviz.links import PARAMS, Param
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = {url: f"pages/{file}" for file, _, url in PAGE_FILES.values()}     # every page, by its address
+PAGES = {url: f"pages/{file}" for file, _, url in PAGE_FILES.values()}  # every page, by its address
 
 # Values that the first value other than the default (other_value) would make impossible together, and
 # the valid ones used instead: a synthetic pattern whose heads divide and whose head dim fits the knobs;
@@ -28,15 +28,34 @@ PAGES = {url: f"pages/{file}" for file, _, url in PAGE_FILES.values()}     # eve
 # one-shot methods on the Trade-offs page (compressing again is for them); a cell of the shipped needle
 # grid and a KV head the needle page keeps; a pin and a question.
 VALID_TOGETHER = {
-    "q_heads": 6, "kv_heads": 3, "context": 128, "steps": 8, "head_dim": 128, "scorer": "snapkv",
-    "allocation": "pyramid", "pyr_beta": 21.0, "snapkv_kernel": 7, "bits": 4, "key_bits": 4, "value_bits": 3,
-    "fp8_scale": "static", "methods": ("snapkv", "knorm"), "nd_cell": "full:320:0:agnostic", "nd_head": 1,
-    "pin": "sink:6,recent:10,heavy:0,scorer:streaming", "lab_question": "Who runs the bakery?",
+    "q_heads": 6,
+    "kv_heads": 3,
+    "context": 128,
+    "steps": 8,
+    "head_dim": 128,
+    "scorer": "snapkv",
+    "allocation": "pyramid",
+    "pyr_beta": 21.0,
+    "snapkv_kernel": 7,
+    "bits": 4,
+    "key_bits": 4,
+    "value_bits": 3,
+    "fp8_scale": "static",
+    "methods": ("snapkv", "knorm"),
+    "nd_cell": "full:320:0:agnostic",
+    "nd_head": 1,
+    "pin": "sink:6,recent:10,heavy:0,scorer:streaming",
+    "lab_question": "Who runs the bakery?",
 }
 # kept at their defaults: the studies page opens only a folder that exists under its root (its own tests
 # make one), and its measure is one of that study's; the quantization model, whose logit-noise stand-in a
 # real model's page refuses, has a test of its own
-AT_DEFAULT = {"study", "st_metric", "qmodel", "merge"}  # merging excludes compressing again: its own test below
+AT_DEFAULT = {
+    "study",
+    "st_metric",
+    "qmodel",
+    "merge",
+}  # merging excludes compressing again: its own test below
 # the folded sections that hold settings' widgets, opened so that their widgets are checked too
 FOLDED = (ADVANCED, "_solver_open")
 
@@ -59,16 +78,28 @@ def other_value(p: Param):
 
 def every_setting() -> dict:
     """Every parameter (but AT_DEFAULT) at a value other than its default, all valid together."""
-    values = {name: VALID_TOGETHER[name] if name in VALID_TOGETHER else other_value(PARAMS[name])
-              for name in PARAMS if name not in AT_DEFAULT}
+    values = {
+        name: VALID_TOGETHER[name] if name in VALID_TOGETHER else other_value(PARAMS[name])
+        for name in PARAMS
+        if name not in AT_DEFAULT
+    }
     assert all(v != PARAMS[name].default for name, v in values.items())
     return values
 
 
 def widgets(at) -> dict:
     """Each keyed widget's shown value by key (multi-choices as tuples)."""
-    kinds = ("slider", "select_slider", "selectbox", "number_input", "checkbox", "toggle", "radio",
-             "text_input", "multiselect")
+    kinds = (
+        "slider",
+        "select_slider",
+        "selectbox",
+        "number_input",
+        "checkbox",
+        "toggle",
+        "radio",
+        "text_input",
+        "multiselect",
+    )
     shown = {}
     for kind in kinds:
         for w in getattr(at, kind):
@@ -93,7 +124,7 @@ def test_a_link_with_every_setting_restores_each_one_on_every_page(page):
     shown = widgets(at)
     on_screen = {name: shown[name] for name in values if name in shown}
     assert on_screen == {name: values[name] for name in on_screen}
-    if page == "explorer":    # the folded sections' widgets were among them
+    if page == "explorer":  # the folded sections' widgets were among them
         assert {"scorer", "residual", "solve_kind"} <= set(on_screen)
     assert dict(at.query_params) == link
 
@@ -117,13 +148,30 @@ def test_the_logit_noise_model_is_restored_and_a_real_models_page_says_it_cannot
     at = run_app(str(ROOT / PAGES[page]), 300, **link)
     assert not notices(at), notices(at)
     assert at.session_state[STORE]["qmodel"] == "noise" and dict(at.query_params) == link
-    refused = [e.value for e in at.error if "logit-noise model only stands in for attention rows" in e.value]
+    refused = [
+        e.value
+        for e in at.error
+        if "logit-noise model only stands in for attention rows" in e.value
+    ]
     assert bool(refused) == (page == "model-lab"), [e.value for e in at.error]
 
 
-BAD = {"int": "abc", "float": "nan", "choice": "zzz", "bool": "maybe", "list": "zzz", "text": "x" * 601}
-SAYS = {"int": "is not a number", "float": "is not a finite number", "choice": "is not one of",
-        "bool": "is not true/false", "list": "ignored zzz", "text": "is longer than 600 characters"}
+BAD = {
+    "int": "abc",
+    "float": "nan",
+    "choice": "zzz",
+    "bool": "maybe",
+    "list": "zzz",
+    "text": "x" * 601,
+}
+SAYS = {
+    "int": "is not a number",
+    "float": "is not a finite number",
+    "choice": "is not one of",
+    "bool": "is not true/false",
+    "list": "ignored zzz",
+    "text": "is longer than 600 characters",
+}
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -132,18 +180,31 @@ def test_a_bad_value_of_every_setting_gives_its_notice_and_the_default(page):
     said = notices(at)
     for name, p in PARAMS.items():
         quoted = f"`{name}`" if p.kind == "text" else f"`{name}={BAD[p.kind]}`"
-        assert f"{quoted} {SAYS[p.kind]}" in said or f"{quoted}: {SAYS[p.kind]}" in said, (name, said)
+        assert f"{quoted} {SAYS[p.kind]}" in said or f"{quoted}: {SAYS[p.kind]}" in said, (
+            name,
+            said,
+        )
     store = at.session_state[STORE]
     assert {name: store[name] for name in PARAMS} == {name: p.default for name, p in PARAMS.items()}
     assert dict(at.query_params) == {}
 
 
-@pytest.mark.parametrize("address, page", [
-    ("trade-offs", "trade-offs"), ("Trade-offs", "trade-offs"), ("/Model-lab", "model-lab"),
-    ("MODEL_LAB", "model-lab"), ("Decode-Timeline", "decode-timeline"), ("timeline", "decode-timeline"),
-    ("Needle test", "needle-test"), ("tradeoffs", "trade-offs"), ("explorer", "explorer"),
-    ("nosuch", None), ("", None),
-])
+@pytest.mark.parametrize(
+    "address, page",
+    [
+        ("trade-offs", "trade-offs"),
+        ("Trade-offs", "trade-offs"),
+        ("/Model-lab", "model-lab"),
+        ("MODEL_LAB", "model-lab"),
+        ("Decode-Timeline", "decode-timeline"),
+        ("timeline", "decode-timeline"),
+        ("Needle test", "needle-test"),
+        ("tradeoffs", "trade-offs"),
+        ("explorer", "explorer"),
+        ("nosuch", None),
+        ("", None),
+    ],
+)
 def test_an_old_or_retyped_address_names_its_page(address, page):
     """Links from before the pages moved to pages/ named a page by its title, and people retype them in any
     case (kvviz.app.router.page_for_address; the browser test opens one)."""
@@ -152,7 +213,7 @@ def test_an_old_or_retyped_address_names_its_page(address, page):
     assert page_for_address(address) == page
 
 
-ISSUE_NUMBER = re.compile(r"#\d{1,2}\b|\bissues? #?\d")   # two digits: "#000" is a colour
+ISSUE_NUMBER = re.compile(r"#\d{1,2}\b|\bissues? #?\d")  # two digits: "#000" is a colour
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -166,9 +227,14 @@ def test_no_issue_number_in_what_a_reader_sees(page):
         proto = getattr(node, "proto", None)
         if proto is not None and getattr(node, "type", "") != "plotly_chart":
             yield str(proto)
-        for child in (node.children.values() if isinstance(getattr(node, "children", None), dict) else ()):
+        for child in (
+            node.children.values() if isinstance(getattr(node, "children", None), dict) else ()
+        ):
             yield from texts(child)
 
-    found = [m.group(0) + ": " + t[max(0, m.start() - 60):m.end() + 20] for t in texts(at._tree)
-             for m in ISSUE_NUMBER.finditer(t)]
+    found = [
+        m.group(0) + ": " + t[max(0, m.start() - 60) : m.end() + 20]
+        for t in texts(at._tree)
+        for m in ISSUE_NUMBER.finditer(t)
+    ]
     assert not found, found

@@ -25,8 +25,19 @@ CHUNK_INNER = inner_scorers()
 CHUNK_RULES = SETTINGS["chunk_rule"].values
 QUANT_FIELDS = frozenset(name for name, s in SETTINGS.items() if s.quantizes)
 
-TRACE = make_synthetic(SyntheticSpec(context=128, steps=6, layers=1, q_heads=4, kv_heads=2, head_dim=32,
-                                     n_anchors=4, n_shift_tokens=2, outlier_channels=2))
+TRACE = make_synthetic(
+    SyntheticSpec(
+        context=128,
+        steps=6,
+        layers=1,
+        q_heads=4,
+        kv_heads=2,
+        head_dim=32,
+        n_anchors=4,
+        n_shift_tokens=2,
+        outlier_channels=2,
+    )
+)
 POSITIONS = [int(p) for p in TRACE.query_positions[TRACE.evaluated_queries]]
 
 
@@ -48,27 +59,95 @@ def test_chunkkv_settings_one_after_another_equal_fresh_runs():
     cache. Fails on the hand-written key, which left chunk_rule out."""
     settings = list(itertools.product((4, 8, 20), CHUNK_INNER, CHUNK_RULES))
     base._SCORE_CACHE.clear()
-    warm = [keep_masks(TRACE, Spec(sink=2, recent=8, heavy=24, scorer="chunkkv", chunk_size=size,
-                                   chunk_scorer=inner, chunk_rule=rule), 0, POSITIONS)
-            for size, inner, rule in settings]
-    stale = [s for s, got in zip(settings, warm)
-             if not np.array_equal(got, fresh_masks(Spec(sink=2, recent=8, heavy=24, scorer="chunkkv",
-                                                         chunk_size=s[0], chunk_scorer=s[1], chunk_rule=s[2])))]
-    assert not stale, f"{len(stale)} of {len(settings)} settings reused another setting's scores: {stale[:5]}"
+    warm = [
+        keep_masks(
+            TRACE,
+            Spec(
+                sink=2,
+                recent=8,
+                heavy=24,
+                scorer="chunkkv",
+                chunk_size=size,
+                chunk_scorer=inner,
+                chunk_rule=rule,
+            ),
+            0,
+            POSITIONS,
+        )
+        for size, inner, rule in settings
+    ]
+    stale = [
+        s
+        for s, got in zip(settings, warm)
+        if not np.array_equal(
+            got,
+            fresh_masks(
+                Spec(
+                    sink=2,
+                    recent=8,
+                    heavy=24,
+                    scorer="chunkkv",
+                    chunk_size=s[0],
+                    chunk_scorer=s[1],
+                    chunk_rule=s[2],
+                )
+            ),
+        )
+    ]
+    assert not stale, (
+        f"{len(stale)} of {len(settings)} settings reused another setting's scores: {stale[:5]}"
+    )
 
 
 # another valid value of every Spec setting (a new setting needs one here: the property below covers it)
-OTHER = {"sink": 3, "recent": 12, "heavy": 30, "scorer": "tova", "key_bits": 4, "value_bits": 4,
-         "key_axis": "token", "value_axis": "channel", "group_size": 16, "residual": 8, "symmetric": True,
-         "zero_point": "int", "partial": "quantize", "quant_model": "noise", "noise_sigma": 0.5, "seed": 7,
-         "snapkv_window": 4, "snapkv_kernel": 3, "h2o_normalized": True, "positions": "cache",
-         "key_format": "e4m3", "value_format": "e5m2", "fp8_scale": "token", "fp8_calibrate": True, "rotate": "keys",
-         "residual_mode": "hf", "allocation": "pyramid", "adakv_alpha": 0.5, "adakv_floor": "outside-window",
-         "pyramid_beta": 2.0, "pyramid_schedule": "heavy", "ea_horizon": 64, "ea_covariance": False,
-         "chunk_size": 8, "chunk_scorer": "h2o", "chunk_rule": "budget", "page_size": 4, "quest_heads": "kv",
-         "compress_every": 8, "threshold": 0.02, "threshold_scorer": "knorm", "duo_streaming": 0.25,
-         "merge": True}
-ONE_SHOT_SCORERS = [s for s in SCORERS if not (POLICIES[s].needs_query or POLICIES[s].reconstructs)]   # per query; the model
+OTHER = {
+    "sink": 3,
+    "recent": 12,
+    "heavy": 30,
+    "scorer": "tova",
+    "key_bits": 4,
+    "value_bits": 4,
+    "key_axis": "token",
+    "value_axis": "channel",
+    "group_size": 16,
+    "residual": 8,
+    "symmetric": True,
+    "zero_point": "int",
+    "partial": "quantize",
+    "quant_model": "noise",
+    "noise_sigma": 0.5,
+    "seed": 7,
+    "snapkv_window": 4,
+    "snapkv_kernel": 3,
+    "h2o_normalized": True,
+    "positions": "cache",
+    "key_format": "e4m3",
+    "value_format": "e5m2",
+    "fp8_scale": "token",
+    "fp8_calibrate": True,
+    "rotate": "keys",
+    "residual_mode": "hf",
+    "allocation": "pyramid",
+    "adakv_alpha": 0.5,
+    "adakv_floor": "outside-window",
+    "pyramid_beta": 2.0,
+    "pyramid_schedule": "heavy",
+    "ea_horizon": 64,
+    "ea_covariance": False,
+    "chunk_size": 8,
+    "chunk_scorer": "h2o",
+    "chunk_rule": "budget",
+    "page_size": 4,
+    "quest_heads": "kv",
+    "compress_every": 8,
+    "threshold": 0.02,
+    "threshold_scorer": "knorm",
+    "duo_streaming": 0.25,
+    "merge": True,
+}
+ONE_SHOT_SCORERS = [
+    s for s in SCORERS if not (POLICIES[s].needs_query or POLICIES[s].reconstructs)
+]  # per query; the model
 
 
 def test_every_spec_field_has_another_value_to_try():
@@ -88,12 +167,13 @@ def test_changing_any_setting_changes_the_key_or_cannot_change_the_scores(scorer
             continue
         try:
             other = spec.with_(**{name: value})
-        except ValueError:           # a combination the spec refuses (checked elsewhere)
+        except ValueError:  # a combination the spec refuses (checked elsewhere)
             continue
         if base.READS.key(scorer, other) != key:
             continue
-        assert np.array_equal(fresh_scores(policy, other), scores), \
+        assert np.array_equal(fresh_scores(policy, other), scores), (
             f"{scorer}: changing {name} changed the scores but not the cache key"
+        )
 
 
 def fresh_scores(policy, spec):
@@ -101,7 +181,9 @@ def fresh_scores(policy, spec):
     return policy.scores_at_compression(ScoreContext(TRACE, 0, spec))
 
 
-@pytest.mark.parametrize("scorer", ONE_SHOT_SCORERS + [s for s in SCORERS if POLICIES[s].needs_query])
+@pytest.mark.parametrize(
+    "scorer", ONE_SHOT_SCORERS + [s for s in SCORERS if POLICIES[s].needs_query]
+)
 def test_the_quantization_fields_never_change_what_is_kept(scorer):
     """Spec.eviction_key leaves out exactly QUANT_FIELDS: changing one of them keeps the same tokens."""
     spec = Spec(sink=2, recent=8, heavy=20, scorer=scorer)
@@ -118,12 +200,12 @@ def test_the_quantization_fields_never_change_what_is_kept(scorer):
 def test_a_view_of_the_spec_notes_fields_read_through_properties_and_methods():
     read, outer = set(), set()
     view = SpecReads(SpecReads(Spec(recent=10), outer), read)
-    assert view.budget == 10                                 # a property: the fields it reads
+    assert view.budget == 10  # a property: the fields it reads
     assert read == outer == {"sink", "recent", "heavy"}
     read.clear()
-    assert observation_window(view) == 10                    # a scorer's helper function: what it reads
+    assert observation_window(view) == 10  # a scorer's helper function: what it reads
     assert read == {"snapkv_window", "recent"}
-    assert view.with_(sink=1).sink == 1                      # a method may read anything
+    assert view.with_(sink=1).sink == 1  # a method may read anything
     assert read == set(SETTINGS)
     with pytest.raises(dataclasses.FrozenInstanceError):
         view.sink = 3
@@ -152,11 +234,24 @@ def test_the_cache_answers_a_repeated_call_and_keeps_its_answer_read_only():
     base._SCORE_CACHE.clear()
     policy, spec = Counting(), Spec(sink=2, recent=8, heavy=20, scorer="random")
     first = policy.scores_at_compression(ScoreContext(TRACE, 0, spec))
-    again = policy.scores_at_compression(ScoreContext(TRACE, 0, spec.with_(heavy=5)))   # budgets: not read
+    again = policy.scores_at_compression(
+        ScoreContext(TRACE, 0, spec.with_(heavy=5))
+    )  # budgets: not read
     assert again is first and policy.passes == 1
     assert not first.flags.writeable
-    other = make_synthetic(SyntheticSpec(context=128, steps=6, layers=2, q_heads=4, kv_heads=2, head_dim=32,
-                                         n_anchors=4, n_shift_tokens=2, outlier_channels=2))
+    other = make_synthetic(
+        SyntheticSpec(
+            context=128,
+            steps=6,
+            layers=2,
+            q_heads=4,
+            kv_heads=2,
+            head_dim=32,
+            n_anchors=4,
+            n_shift_tokens=2,
+            outlier_channels=2,
+        )
+    )
     policy.scores_at_compression(ScoreContext(other, 0, spec))
     policy.scores_at_compression(ScoreContext(other, 1, spec))
     policy.scores_at_compression(ScoreContext(other, 1, spec))
@@ -184,6 +279,9 @@ def test_the_read_log_keys_a_name_by_the_fields_noted_for_it():
     assert log.key("x", spec) == ((), ()) and log.fields("x") == frozenset()
     log.note("x", {"seed"})
     log.note("y", {"recent"})
-    log.note("x", {"recent"})                     # the fields only grow
-    assert log.key("x", spec) == (("recent", "seed"), (10, 3)) and log.fields("x") == {"recent", "seed"}
+    log.note("x", {"recent"})  # the fields only grow
+    assert log.key("x", spec) == (("recent", "seed"), (10, 3)) and log.fields("x") == {
+        "recent",
+        "seed",
+    }
     assert log.key("y", spec) == (("recent",), (10,))

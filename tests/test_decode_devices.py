@@ -17,20 +17,22 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvviz.decode import decode, plain_decode                      # noqa: E402
-from kvviz.decode.place import available_devices, device_error, host, missing_device, placement   # noqa: E402
-from kvviz.spec import Spec                                        # noqa: E402
+from kvviz.decode import decode, plain_decode  # noqa: E402
+from kvviz.decode.place import available_devices, device_error, host, missing_device, placement  # noqa: E402
+from kvviz.spec import Spec  # noqa: E402
 
-DEVICES = ["cpu"] + [d for d in ("cuda", "mps") if any(x.startswith(d) for x in available_devices())]
+DEVICES = ["cpu"] + [
+    d for d in ("cuda", "mps") if any(x.startswith(d) for x in available_devices())
+]
 HALF = ("bfloat16", "float16")
-EPS = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}     # unit roundoff of each half dtype
+EPS = {"bfloat16": 2.0**-8, "float16": 2.0**-11}  # unit roundoff of each half dtype
 PROMPT, STEPS = 40, 10
 # Logits of a half-dtype model against float32's, in units of the dtype's roundoff x the largest logit:
 # measured 1-10 here (a kept set or a quantization bin flipped by a near-tie gives the larger ones).
 LOGIT_TOL = 32
 
 BUDGET = dict(sink=2, recent=8, heavy=8)
-SCORED = {                                                   # paths whose float32 scores say what a tie is
+SCORED = {  # paths whose float32 scores say what a tie is
     "snapkv": Spec(**BUDGET, scorer="snapkv"),
     "h2o": Spec(**BUDGET, scorer="h2o"),
     "tova": Spec(**BUDGET, scorer="tova"),
@@ -40,18 +42,28 @@ SCORED = {                                                   # paths whose float
     "adakv": Spec(**BUDGET, scorer="snapkv", allocation="adakv"),
     "pyramid": Spec(**BUDGET, scorer="snapkv", allocation="pyramid"),
 }
-PER_STEP = {                                                 # re-decided from each step's own attention
+PER_STEP = {  # re-decided from each step's own attention
     "quest": Spec(**BUDGET, scorer="quest"),
     "oracle": Spec(**BUDGET, scorer="oracle"),
 }
 QUANTIZERS = {
-    "kivi-2bit": Spec(key_bits=2, value_bits=2, key_axis="channel", value_axis="token", group_size=16, residual=8),
-    "4bit-token": Spec(key_bits=4, value_bits=4, key_axis="token", value_axis="token", group_size=16),
+    "kivi-2bit": Spec(
+        key_bits=2, value_bits=2, key_axis="channel", value_axis="token", group_size=16, residual=8
+    ),
+    "4bit-token": Spec(
+        key_bits=4, value_bits=4, key_axis="token", value_axis="token", group_size=16
+    ),
     "fp8-e4m3": Spec(key_format="e4m3", value_format="e4m3", fp8_scale="head"),
     "nvfp4": Spec(key_format="nvfp4", value_format="nvfp4"),
     "mxfp4": Spec(key_format="mxfp4", value_format="mxfp4"),
-    "kivi-2bit-rotated": Spec(key_bits=2, value_bits=2, key_axis="channel", value_axis="token", group_size=16,
-                              rotate="keys"),
+    "kivi-2bit-rotated": Spec(
+        key_bits=2,
+        value_bits=2,
+        key_axis="channel",
+        value_axis="token",
+        group_size=16,
+        rotate="keys",
+    ),
     "h2o+4bit": Spec(**BUDGET, scorer="h2o", key_bits=4, value_bits=4, group_size=16),
 }
 
@@ -64,12 +76,14 @@ def models(tiny):
     for device in DEVICES:
         for dtype in ("float32", *HALF):
             if (device, dtype) != ("cpu", "float32"):
-                out[(device, dtype)] = copy.deepcopy(model).to(device=device, dtype=getattr(torch, dtype))
+                out[(device, dtype)] = copy.deepcopy(model).to(
+                    device=device, dtype=getattr(torch, dtype)
+                )
     return out, ids
 
 
 def _run(model, ids, spec):
-    return decode(model, ids[:PROMPT], spec, STEPS, feed=ids[PROMPT:PROMPT + STEPS], record=True)
+    return decode(model, ids[:PROMPT], spec, STEPS, feed=ids[PROMPT : PROMPT + STEPS], record=True)
 
 
 def _kept_sets(cache) -> list[list[np.ndarray]]:
@@ -92,7 +106,7 @@ def _assert_same_but_ties(c32, cx, dtype: str) -> int:
             s = c32.scores[layer, h, : c32.n_tokens]
             finite = s[np.isfinite(s)]
             scale = float(np.abs(finite).max()) if finite.size else 1.0
-            gap = float(s[only32].max() - s[onlyx].min())           # float32 kept the higher: gap >= 0
+            gap = float(s[only32].max() - s[onlyx].min())  # float32 kept the higher: gap >= 0
             # the scores come through two half-precision layers and a softmax: a few dozen roundings
             assert gap <= 64 * EPS[dtype] * scale, (layer, h, only32, onlyx, gap, scale)
             ties += len(only32)
@@ -108,11 +122,15 @@ def test_half_dtype_keeps_what_float32_keeps(models, device, dtype, name):
     logits32, fed32, c32 = _run(by[("cpu", "float32")], ids, spec)
     logits, fed, cx = _run(by[(device, dtype)], ids, spec)
     assert fed == fed32
-    assert cx.k.dtype == getattr(torch, dtype) and cx.k.device.type == device     # the cache lives with the model
+    assert (
+        cx.k.dtype == getattr(torch, dtype) and cx.k.device.type == device
+    )  # the cache lives with the model
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     _assert_same_but_ties(c32, cx, dtype)
     # the same next-token distributions, to the half dtype's precision through the model
-    assert float((logits.cpu() - logits32).abs().max()) < LOGIT_TOL * EPS[dtype] * float(logits32.abs().max())
+    assert float((logits.cpu() - logits32).abs().max()) < LOGIT_TOL * EPS[dtype] * float(
+        logits32.abs().max()
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -146,7 +164,9 @@ def test_half_dtype_quantizers(models, device, dtype, name):
     assert torch.isfinite(logits).all()
     if spec.evicts:
         _assert_same_but_ties(c32, cx, dtype)
-    assert float((logits.cpu() - logits32).abs().max()) < LOGIT_TOL * EPS[dtype] * float(logits32.abs().max())
+    assert float((logits.cpu() - logits32).abs().max()) < LOGIT_TOL * EPS[dtype] * float(
+        logits32.abs().max()
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -156,11 +176,13 @@ def test_no_compression_is_transformers_own_decode(models, device, dtype):
     cache's attention runs in float32, the model's eager attention in its dtype: the dtype's precision)."""
     by, ids = models
     model = by[(device, dtype)]
-    ours, fed, _ = decode(model, ids[:PROMPT], Spec(), STEPS, feed=ids[PROMPT:PROMPT + STEPS])
-    theirs, fed2 = plain_decode(model, ids[:PROMPT], STEPS, feed=ids[PROMPT:PROMPT + STEPS])
+    ours, fed, _ = decode(model, ids[:PROMPT], Spec(), STEPS, feed=ids[PROMPT : PROMPT + STEPS])
+    theirs, fed2 = plain_decode(model, ids[:PROMPT], STEPS, feed=ids[PROMPT : PROMPT + STEPS])
     assert fed == fed2
-    eps = EPS.get(dtype, 2.0 ** -24)
-    assert float((ours.cpu() - theirs.cpu()).abs().max()) < LOGIT_TOL * eps * float(theirs.abs().max())
+    eps = EPS.get(dtype, 2.0**-24)
+    assert float((ours.cpu() - theirs.cpu()).abs().max()) < LOGIT_TOL * eps * float(
+        theirs.abs().max()
+    )
 
 
 def test_placement_and_host(models):
@@ -168,7 +190,7 @@ def test_placement_and_host(models):
     device, dtype = placement(by[("cpu", "bfloat16")])
     assert device.type == "cpu" and dtype == torch.bfloat16
     x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    assert np.shares_memory(host(x), x.numpy())              # a float32 CPU tensor is not copied
+    assert np.shares_memory(host(x), x.numpy())  # a float32 CPU tensor is not copied
     h = host(x.to(torch.bfloat16))
     assert h.dtype == np.float32 and (h == x.numpy()).all()  # small integers are exact in bfloat16
 
@@ -180,7 +202,9 @@ def test_missing_devices_and_out_of_memory_are_one_line():
     else:
         assert "CUDA GPU" in missing_device(f"cuda:{torch.cuda.device_count()}")
     assert "use cpu" in missing_device("tpu")
-    oom = getattr(torch, "OutOfMemoryError", RuntimeError)("CUDA out of memory. Tried to allocate 2.00 GiB")
+    oom = getattr(torch, "OutOfMemoryError", RuntimeError)(
+        "CUDA out of memory. Tried to allocate 2.00 GiB"
+    )
     line = device_error(oom)
     assert line.startswith("out of GPU memory: lower --prompt-tokens") and "\n" not in line
     assert "host memory" in device_error(MemoryError())
@@ -219,10 +243,21 @@ def test_bundled_half_dtype_perplexity_is_float32s(bundled_float32, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("axis", ("token", "channel"))
-@pytest.mark.parametrize("bits, symmetric, zero_point", [(1, False, "float"), (2, False, "float"), (2, False, "int"),
-                                                          (4, False, "float"), (4, True, "float"), (8, False, "int")])
+@pytest.mark.parametrize(
+    "bits, symmetric, zero_point",
+    [
+        (1, False, "float"),
+        (2, False, "float"),
+        (2, False, "int"),
+        (4, False, "float"),
+        (4, True, "float"),
+        (8, False, "int"),
+    ],
+)
 @pytest.mark.parametrize("partial", ("full", "quantize"))
-def test_device_quantizer_is_the_numpy_reference(device, axis, bits, symmetric, zero_point, partial):
+def test_device_quantizer_is_the_numpy_reference(
+    device, axis, bits, symmetric, zero_point, partial
+):
     """kvviz.decode.devquant.quantize_torch against kvviz.quant.quantize (the numba kernel): bit for bit on
     a CPU (the same float32 operations in the same order); on a GPU within one quantization step of a
     group (max - min) / top, the bound a division rounded otherwise could move a value by."""
@@ -231,22 +266,37 @@ def test_device_quantizer_is_the_numpy_reference(device, axis, bits, symmetric, 
 
     rng = np.random.default_rng(bits * 7 + len(axis))
     x = (rng.standard_normal((2, 3, 70, 40)) * 3).astype(np.float32)
-    x[0, 0, 4:40] = 1.25                                     # constant groups: s == 0, kept exact
+    x[0, 0, 4:40] = 1.25  # constant groups: s == 0, kept exact
     for group, residual in ((16, 0), (24, 9)):
-        ref = quantize(x, bits, axis, group, residual, symmetric, zero_point=zero_point, partial=partial)
-        got = host(quantize_torch(torch.from_numpy(x).to(device), bits, axis, group, residual, symmetric,
-                                  zero_point, partial))
-        assert not np.array_equal(ref, x)                    # something was quantized
+        ref = quantize(
+            x, bits, axis, group, residual, symmetric, zero_point=zero_point, partial=partial
+        )
+        got = host(
+            quantize_torch(
+                torch.from_numpy(x).to(device),
+                bits,
+                axis,
+                group,
+                residual,
+                symmetric,
+                zero_point,
+                partial,
+            )
+        )
+        assert not np.array_equal(ref, x)  # something was quantized
         if device == "cpu":
             assert np.array_equal(ref.view(np.int32), got.view(np.int32))
         else:
-            top = 2 ** (bits - 1) - 1 if symmetric else 2 ** bits - 1
+            top = 2 ** (bits - 1) - 1 if symmetric else 2**bits - 1
             assert np.abs(ref - got).max() <= 2 * np.abs(x).max() / top
 
 
 FORMAT_SPECS = {
-    **{f"{f}-{sc}": Spec(key_format=f, value_format=f, fp8_scale=sc) for f in ("e4m3", "e5m2")
-       for sc in ("tensor", "head", "token")},
+    **{
+        f"{f}-{sc}": Spec(key_format=f, value_format=f, fp8_scale=sc)
+        for f in ("e4m3", "e5m2")
+        for sc in ("tensor", "head", "token")
+    },
     "nvfp4": Spec(key_format="nvfp4", value_format="nvfp4"),
     "mxfp4": Spec(key_format="mxfp4", value_format="mxfp4"),
     "nvfp4-rotated": Spec(key_format="nvfp4", value_format="nvfp4", rotate="keys-values"),
@@ -255,13 +305,24 @@ FORMAT_SPECS = {
     "q4_0": Spec(key_format="q4_0", value_format="q4_0"),
     "q8_0-rotated": Spec(key_format="q8_0", value_format="q4_0", rotate="keys-values"),
     "fp8-static": Spec(key_format="e4m3", value_format="e5m2", fp8_scale="static"),
-    "fp8-calibrated": Spec(key_format="e4m3", value_format="e4m3", fp8_scale="static", fp8_calibrate=True),
-    "hf-flush": Spec(key_bits=4, value_bits=4, key_axis="token", value_axis="token", group_size=64, residual=16,
-                     residual_mode="hf"),
+    "fp8-calibrated": Spec(
+        key_format="e4m3", value_format="e4m3", fp8_scale="static", fp8_calibrate=True
+    ),
+    "hf-flush": Spec(
+        key_bits=4,
+        value_bits=4,
+        key_axis="token",
+        value_axis="token",
+        group_size=64,
+        residual=16,
+        residual_mode="hf",
+    ),
 }
 
 
-@pytest.mark.parametrize("device", [d for d in DEVICES if d != "mps"])     # MPS has no float64: host path
+@pytest.mark.parametrize(
+    "device", [d for d in DEVICES if d != "mps"]
+)  # MPS has no float64: host path
 @pytest.mark.parametrize("name", list(FORMAT_SPECS))
 def test_device_formats_are_the_numpy_reference(device, name):
     """kvviz.decode.devquant.quantize_tensor_torch against kvviz.quant.formats.quantize_tensor: bit for bit
@@ -276,16 +337,16 @@ def test_device_formats_are_the_numpy_reference(device, name):
     spec = FORMAT_SPECS[name]
     rng = np.random.default_rng(len(name))
     x = (rng.standard_normal((3, 50, 64)) * 2).astype(np.float32)
-    x[0, 3, 7] = 40.0                                         # an outlier channel
-    x[1] = 0.0                                                # an all-zero head: scale 1 / zero blocks
-    x[2, 4, :32] = np.round(x[2, 4, :32] * 4) / 4             # halves: roundf takes them away from zero
-    x[2, 5] = -1e-30                                          # flushed to zero (q8_0: +0, not -0)
-    x[2, 6, 40] = 3000.0                                      # saturates an unscaled (static 1.0) E4M3 cast
+    x[0, 3, 7] = 40.0  # an outlier channel
+    x[1] = 0.0  # an all-zero head: scale 1 / zero blocks
+    x[2, 4, :32] = np.round(x[2, 4, :32] * 4) / 4  # halves: roundf takes them away from zero
+    x[2, 5] = -1e-30  # flushed to zero (q8_0: +0, not -0)
+    x[2, 6, 40] = 3000.0  # saturates an unscaled (static 1.0) E4M3 cast
     for which in ("k", "v"):
         for residual in (0, 7):
             ref = quantize_tensor(x, spec, which, residual)
             got = host(quantize_tensor_torch(torch.from_numpy(x).to(device), spec, which, residual))
-            rotated = settings(spec, which)[3]     # a keys-only rotation leaves the values as they are
+            rotated = settings(spec, which)[3]  # a keys-only rotation leaves the values as they are
             if device == "cpu" and not rotated:
                 assert np.array_equal(ref.view(np.int32), got.view(np.int32)), (which, residual)
                 continue
@@ -295,8 +356,12 @@ def test_device_formats_are_the_numpy_reference(device, name):
                 # a token's values agree to the float32 rounding of two 64-term products (64 eps of its
                 # largest value) except where one landed across a rounding boundary: rare, a few tokens
                 row = np.abs(ref - got).max(-1) / np.maximum(np.abs(x).max(-1), 1e-6)
-                assert (row > 64 * np.finfo(np.float32).eps).mean() <= 0.02, (which, residual, row.max())
-    assert not np.array_equal(quantize_tensor(x, spec, "k", 0), x)     # the format did something
+                assert (row > 64 * np.finfo(np.float32).eps).mean() <= 0.02, (
+                    which,
+                    residual,
+                    row.max(),
+                )
+    assert not np.array_equal(quantize_tensor(x, spec, "k", 0), x)  # the format did something
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -318,4 +383,6 @@ def test_device_caches_quantize_on_the_device(models, monkeypatch, device, dtype
     monkeypatch.setattr(stored, "quantize_tensor", refuse)
     logits, _, cx = _run(by[(device, dtype)], ids, spec)
     assert not cx.fast and torch.isfinite(logits).all()
-    assert float((logits.cpu() - logits32).abs().max()) < LOGIT_TOL * EPS[dtype] * float(logits32.abs().max())
+    assert float((logits.cpu() - logits32).abs().max()) < LOGIT_TOL * EPS[dtype] * float(
+        logits32.abs().max()
+    )

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_quant import _reference as reference_quantize   # docs/definitions.md's formulas, a group at a time
+from test_quant import (
+    _reference as reference_quantize,
+)  # docs/definitions.md's formulas, a group at a time
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -47,24 +49,24 @@ def streaming_reference(trace, layer: int, spec: Spec, scorer: str) -> np.ndarra
     c, n = trace.context_len, trace.n_positions
     Hq, H, D = trace.n_q_heads, trace.n_kv_heads, trace.head_dim
     g = Hq // H
-    Q = trace.q[layer].astype(np.float64)                       # (Hq, n, D): prompt rows, then the steps
-    K = trace.k[layer].astype(np.float64)                       # (H, n, D), full precision
+    Q = trace.q[layer].astype(np.float64)  # (Hq, n, D): prompt rows, then the steps
+    K = trace.k[layer].astype(np.float64)  # (H, n, D), full precision
     scale = 1.0 / np.sqrt(D)
-    received = np.zeros((H, n))                                 # H2O: attention received, summed over the group
-    seen_by = np.zeros(n)                                       # queries that could see each token
-    for t in range(c):                                          # the prefill: full causal attention
+    received = np.zeros((H, n))  # H2O: attention received, summed over the group
+    seen_by = np.zeros(n)  # queries that could see each token
+    for t in range(c):  # the prefill: full causal attention
         for h in range(Hq):
             received[h // g, : t + 1] += _softmax(K[h // g, : t + 1] @ Q[h, t] * scale)
         seen_by[: t + 1] += 1
     last = np.mean([_softmax(K[h // g, :c] @ Q[h, c - 1] * scale) for h in range(Hq)], axis=0)
-    tova = dict(enumerate(last))                                # TOVA: the last query, averaged over heads
+    tova = dict(enumerate(last))  # TOVA: the last query, averaged over heads
 
     def score(kv: int, i: int) -> float:
         if scorer == "tova":
             return tova[i]
         return received[kv, i] / seen_by[i] if spec.h2o_normalized else received[kv, i]
 
-    if scorer == "tova":                                        # one decision for every head
+    if scorer == "tova":  # one decision for every head
         kept = [_initial_keep(lambda i: score(0, i), c, spec)] * H
     else:
         kept = [_initial_keep(lambda i, kv=kv: score(kv, i), c, spec) for kv in range(H)]
@@ -73,10 +75,12 @@ def streaming_reference(trace, layer: int, spec: Spec, scorer: str) -> np.ndarra
     for p in range(c, n):
         new = []
         for kv in range(H):
-            held = set(kept[kv]) | {p}                          # the new token arrives, unscored
+            held = set(kept[kv]) | {p}  # the new token arrives, unscored
             if len(held) > spec.budget:
                 outside = [i for i in held if spec.sink <= i <= p - spec.recent]
-                victim = min(outside, key=lambda i: (score(kv, i), i))   # lowest scorer; ties: the earlier
+                victim = min(
+                    outside, key=lambda i: (score(kv, i), i)
+                )  # lowest scorer; ties: the earlier
                 held.remove(victim)
                 ever_left[kv].add(victim)
             assert not held & ever_left[kv], "an evicted token came back"
@@ -85,7 +89,7 @@ def streaming_reference(trace, layer: int, spec: Spec, scorer: str) -> np.ndarra
         for kv in range(H):
             history[p - c, kv, sorted(kept[kv])] = True
         step = {}
-        for h in range(Hq):                                      # this step's query reads what is kept
+        for h in range(Hq):  # this step's query reads what is kept
             idx = sorted(kept[h // g])
             step[h] = (idx, _softmax(K[h // g, idx] @ Q[h, p] * scale))
             received[h // g, idx] += step[h][1]
@@ -98,7 +102,7 @@ def streaming_reference(trace, layer: int, spec: Spec, scorer: str) -> np.ndarra
 
 def _run(tiny, spec: Spec, n: int = 24, steps: int = 16):
     model, ids = tiny
-    _, _, cache = decode(model, ids[:n], spec, steps, feed=ids[n:n + steps], record=True)
+    _, _, cache = decode(model, ids[:n], spec, steps, feed=ids[n : n + steps], record=True)
     return cache, cache.run_trace()
 
 
@@ -115,8 +119,9 @@ def test_streaming_decode_keeps_what_a_brute_force_recomputation_keeps(tiny, sco
         for s in range(len(got)):
             assert np.array_equal(got[s], want[s]), (
                 f"layer {layer}, step {s}: run keeps {[np.flatnonzero(r).tolist() for r in got[s]]}, "
-                f"the recomputation {[np.flatnonzero(r).tolist() for r in want[s]]}")
-        assert (got.sum(axis=2) == spec.budget).all()          # over budget from the first step on
+                f"the recomputation {[np.flatnonzero(r).tolist() for r in want[s]]}"
+            )
+        assert (got.sum(axis=2) == spec.budget).all()  # over budget from the first step on
 
 
 def test_oracle_keeps_the_top_of_the_full_attention(tiny):
@@ -131,30 +136,56 @@ def test_oracle_keeps_the_top_of_the_full_attention(tiny):
         got = cache.kept_history(layer)
         for s, p in enumerate(range(c, trace.n_positions)):
             for kv in range(H):
-                a = sum(_softmax(K[kv, : p + 1] @ Q[h, p] / np.sqrt(D)) for h in range(kv * g, (kv + 1) * g))
+                a = sum(
+                    _softmax(K[kv, : p + 1] @ Q[h, p] / np.sqrt(D))
+                    for h in range(kv * g, (kv + 1) * g)
+                )
                 want = _initial_keep(lambda i: a[i], p + 1, spec)
                 assert np.flatnonzero(got[s, kv]).tolist() == sorted(want), (layer, s, kv)
-        held = got.astype(int)                                   # (steps, kv_heads, positions)
+        held = got.astype(int)  # (steps, kv_heads, positions)
         was_held = np.maximum.accumulate(held, axis=0)
-        returned += int(((np.diff(held, axis=0) == 1) & (was_held[:-1] == 1)).sum())   # held, dropped, back
-    assert returned > 0       # unlike H2O, a token the oracle dropped comes back when a query needs it
+        returned += int(
+            ((np.diff(held, axis=0) == 1) & (was_held[:-1] == 1)).sum()
+        )  # held, dropped, back
+    assert returned > 0  # unlike H2O, a token the oracle dropped comes back when a query needs it
 
 
-@pytest.mark.parametrize("axes, scorer", [(("channel", "token"), "h2o"), (("token", "channel"), None),
-                                          (("channel", "channel"), "snapkv")])
+@pytest.mark.parametrize(
+    "axes, scorer",
+    [
+        (("channel", "token"), "h2o"),
+        (("token", "channel"), None),
+        (("channel", "channel"), "snapkv"),
+    ],
+)
 def test_quantized_decode_reads_the_formulas_of_the_kept_tokens(tiny, monkeypatch, axes, scorer):
     """The K and V attention reads at every step, layer and KV head equal docs/definitions.md's min-max formulas
     (test_quant._reference, plain numpy loops) applied to the full-precision kept tokens, the last
     `residual` of them exact."""
-    spec = Spec(key_bits=2, value_bits=3, key_axis=axes[0], value_axis=axes[1], group_size=4, residual=3,
-                **(dict(sink=2, recent=5, heavy=6, scorer=scorer) if scorer else {}))
+    spec = Spec(
+        key_bits=2,
+        value_bits=3,
+        key_axis=axes[0],
+        value_axis=axes[1],
+        group_size=4,
+        residual=3,
+        **(dict(sink=2, recent=5, heavy=6, scorer=scorer) if scorer else {}),
+    )
     read = []
     original = CompressedCache._kept_kv
 
     def recording(self, layer, idx):
         K, V = original(self, layer, idx)
-        read.append((layer, idx.copy(), K.numpy().copy(), V.numpy().copy(),
-                     self.k[layer].numpy().copy(), self.v[layer].numpy().copy()))
+        read.append(
+            (
+                layer,
+                idx.copy(),
+                K.numpy().copy(),
+                V.numpy().copy(),
+                self.k[layer].numpy().copy(),
+                self.v[layer].numpy().copy(),
+            )
+        )
         return K, V
 
     monkeypatch.setattr(CompressedCache, "_kept_kv", recording)
@@ -164,13 +195,15 @@ def test_quantized_decode_reads_the_formulas_of_the_kept_tokens(tiny, monkeypatc
     quantized = 0
     for layer, idx, K, V, k_full, v_full in read:
         for kv in range(idx.shape[0]):
-            for got, full, bits, axis in ((K, k_full, spec.key_bits, spec.key_axis),
-                                          (V, v_full, spec.value_bits, spec.value_axis)):
+            for got, full, bits, axis in (
+                (K, k_full, spec.key_bits, spec.key_axis),
+                (V, v_full, spec.value_bits, spec.value_axis),
+            ):
                 x = full[kv, idx[kv]]
                 want = reference_quantize(x, bits, axis, spec.group_size, spec.residual, False)
                 np.testing.assert_allclose(got[kv], want, rtol=0, atol=1e-6)
                 quantized += int(np.any(want != x))
-    assert quantized > len(read)          # most steps' caches were really quantized
+    assert quantized > len(read)  # most steps' caches were really quantized
 
 
 def test_quest_decode_reads_its_pages_of_the_whole_cache_quantized_as_stored(tiny, monkeypatch):
@@ -178,17 +211,36 @@ def test_quest_decode_reads_its_pages_of_the_whole_cache_quantized_as_stored(tin
     read pages of q . K_hat, times V_hat, where K_hat, V_hat are docs/definitions.md's formulas (test_quant's plain
     loop) applied to every stored token - the same numbers the engine gives a trace
     (test_policies_new.test_quest_reads_its_pages_from_the_whole_cache_quantized_as_stored)."""
-    spec = Spec(sink=2, recent=4, heavy=8, scorer="quest", page_size=4, key_bits=3, value_bits=3,
-                key_axis="channel", value_axis="token", group_size=4, residual=0)
+    spec = Spec(
+        sink=2,
+        recent=4,
+        heavy=8,
+        scorer="quest",
+        page_size=4,
+        key_bits=3,
+        value_bits=3,
+        key_axis="channel",
+        value_axis="token",
+        group_size=4,
+        residual=0,
+    )
     seen = []
     original = CompressedCache._attend_reads
 
     def recording(self, layer, q, reads, scaling):
         out = original(self, layer, q, reads, scaling)
         p = reads.shape[1] - 1
-        seen.append((q[:, 0].numpy().copy(), reads.copy(), self.k[layer, :, : p + 1].numpy().copy(),
-                     self.v[layer, :, : p + 1].numpy().copy(), float(scaling), out[:, 0].numpy().copy(),
-                     self.group))
+        seen.append(
+            (
+                q[:, 0].numpy().copy(),
+                reads.copy(),
+                self.k[layer, :, : p + 1].numpy().copy(),
+                self.v[layer, :, : p + 1].numpy().copy(),
+                float(scaling),
+                out[:, 0].numpy().copy(),
+                self.group,
+            )
+        )
         return out
 
     monkeypatch.setattr(CompressedCache, "_attend_reads", recording)
@@ -206,4 +258,4 @@ def test_quest_decode_reads_its_pages_of_the_whole_cache_quantized_as_stored(tin
             np.testing.assert_allclose(out[j], a @ v_hat[at], rtol=1e-4, atol=1e-5)
             compacted = reference_quantize(k[h, at].astype(np.float64), 3, "channel", 4, 0, False)
             differ += int(not np.allclose(compacted, k_hat[at], atol=1e-6))
-    assert differ > 0      # the reads are not whole groups: quantizing them compacted would differ
+    assert differ > 0  # the reads are not whole groups: quantizing them compacted would differ

@@ -29,26 +29,30 @@ def awkward(shape, seed=0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal(shape) * rng.lognormal(0, 2, shape)).astype(np.float32)
     x[0, 0, :32] = 0
-    x[0, 1, :32] = np.arange(32) - 15.5                  # q8_0: d = 16.5 / 127 ... and halves for q4_0
+    x[0, 1, :32] = np.arange(32) - 15.5  # q8_0: d = 16.5 / 127 ... and halves for q4_0
     x[0, 2, :32] = np.float32(127) * np.float32(0.5) / np.float32(127)
-    x[0, 2, 0] = 127                                    # d = 1: every 0.5 is a tie
+    x[0, 2, 0] = 127  # d = 1: every 0.5 is a tie
     x[0, 3, :32] = 0.0
-    x[0, 3, 4], x[0, 3, 9] = 7.0, -7.0                  # a tie for the largest |x|
-    x[1, 0, :32] *= 1e-7                                # scales below fp16's normal range
+    x[0, 3, 4], x[0, 3, 9] = 7.0, -7.0  # a tie for the largest |x|
+    x[1, 0, :32] *= 1e-7  # scales below fp16's normal range
     return x
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_round_trip_is_gguf_bit_for_bit(fmt):
     x = awkward((3, 40, 64))
-    assert np.array_equal(ggml.encode(x, fmt), quantize(x, GGUF[fmt]))                       # the bytes
+    assert np.array_equal(ggml.encode(x, fmt), quantize(x, GGUF[fmt]))  # the bytes
     want = dequantize(quantize(x, GGUF[fmt]), GGUF[fmt])
     got = ggml.ggml_quantize(x, fmt)
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    assert np.array_equal(ggml.decode(ggml.encode(x, fmt), fmt).view(np.uint32), want.view(np.uint32))
-    half = x.astype(np.float16)                                   # an fp16 cache: cast to float32 first, as gguf
-    assert np.array_equal(ggml.ggml_quantize(half, fmt).astype(np.float32),
-                          dequantize(quantize(half, GGUF[fmt]), GGUF[fmt]).astype(np.float16).astype(np.float32))
+    assert np.array_equal(
+        ggml.decode(ggml.encode(x, fmt), fmt).view(np.uint32), want.view(np.uint32)
+    )
+    half = x.astype(np.float16)  # an fp16 cache: cast to float32 first, as gguf
+    assert np.array_equal(
+        ggml.ggml_quantize(half, fmt).astype(np.float32),
+        dequantize(quantize(half, GGUF[fmt]), GGUF[fmt]).astype(np.float16).astype(np.float32),
+    )
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
@@ -57,7 +61,7 @@ def test_a_head_dim_off_the_block_is_padded_with_zeros(fmt):
     padded = np.concatenate([x, np.zeros((2, 5, 16), np.float32)], axis=-1)
     want = dequantize(quantize(padded, GGUF[fmt]), GGUF[fmt])[..., :48]
     assert np.array_equal(ggml.ggml_quantize(x, fmt).view(np.uint32), want.view(np.uint32))
-    assert ggml.ggml_bytes(5, 48, fmt) == ggml.ggml_bytes(5, 64, fmt)     # two whole blocks a token
+    assert ggml.ggml_bytes(5, 48, fmt) == ggml.ggml_bytes(5, 64, fmt)  # two whole blocks a token
 
 
 def test_block_bytes_are_llama_cpps():
@@ -75,7 +79,7 @@ def test_compare_reports_llama_cpp_bytes_and_q8_loses_less(capsys):
         return json.loads(capsys.readouterr().out)["metrics"]
 
     m = run("q4_0", "q8_0")
-    values = m["kv_bytes_full"] / 4                      # K (or V) values: 2 bytes each, half the full cache
+    values = m["kv_bytes_full"] / 4  # K (or V) values: 2 bytes each, half the full cache
     assert m["key_bytes"] == values / 32 * 18 and m["value_bytes"] == values / 32 * 34
     assert m["kv_bytes"] == values / 32 * (18 + 34)
     q8, q4 = run("q8_0", "q8_0"), run("q4_0", "q4_0")
@@ -85,7 +89,9 @@ def test_compare_reports_llama_cpp_bytes_and_q8_loses_less(capsys):
 
 # --- static FP8 --------------------------------------------------------------------------------
 
-SMALL = SyntheticSpec(context=96, steps=4, layers=2, q_heads=4, kv_heads=2, head_dim=64, outlier_channels=2)
+SMALL = SyntheticSpec(
+    context=96, steps=4, layers=2, q_heads=4, kv_heads=2, head_dim=64, outlier_channels=2
+)
 STATIC = Spec(key_format="e4m3", value_format="e4m3", fp8_scale="static")
 
 
@@ -102,18 +108,26 @@ def outlier_trace():
 def test_the_uncalibrated_preset_saturates_above_448_and_says_how_many(outlier_trace):
     from kvviz.app.presets import preset_values
 
-    spec = links.spec_from_values(preset_values("vLLM FP8 (uncalibrated)", outlier_trace.n_positions))
-    assert spec == STATIC.with_(partial="quantize")        # (partial groups: integer formats only)
+    spec = links.spec_from_values(
+        preset_values("vLLM FP8 (uncalibrated)", outlier_trace.n_positions)
+    )
+    assert spec == STATIC.with_(partial="quantize")  # (partial groups: integer formats only)
     t = outlier_trace
     p = int(t.query_positions[t.evaluated_queries[-1]])
     want = int((np.abs(t.k[:, :, : p + 1]) > 448).sum())
-    assert want == t.n_kv_heads * len(range(0, p + 1, 3))               # the outlier channel, nothing else
+    assert want == t.n_kv_heads * len(range(0, p + 1, 3))  # the outlier channel, nothing else
     counts = fp8_clipping(t, spec)
     assert counts["k"]["saturated"] == want and counts["k"]["values"] == t.k[:, :, : p + 1].size
     assert counts["v"]["saturated"] == 0
     k_hat = qformats.quantize_tensor(t.k[0, :, : p + 1], spec, "k", 0)
-    assert set(np.unique(k_hat[:, ::3, 5]).tolist()) <= {-448.0, 448.0}  # stored as the format's max
-    assert f"{want:,} of the {t.k[:, :, : p + 1].size:,} stored keys saturated" in fp8_clipping_note(counts)
+    assert set(np.unique(k_hat[:, ::3, 5]).tolist()) <= {
+        -448.0,
+        448.0,
+    }  # stored as the format's max
+    assert (
+        f"{want:,} of the {t.k[:, :, : p + 1].size:,} stored keys saturated"
+        in fp8_clipping_note(counts)
+    )
 
 
 def test_calibrated_scales_are_the_contexts_amax_and_fix_later_tokens(outlier_trace):
@@ -126,11 +140,15 @@ def test_calibrated_scales_are_the_contexts_amax_and_fix_later_tokens(outlier_tr
     counts = fp8_clipping(t, spec)
     assert counts["k"]["saturated"] == 0 and counts["k"]["scales"][0] == s
     # a later token past the context's amax saturates: the scale was fixed at the context
-    late = np.array(t.k[0, :, c:c + 2], copy=True)
+    late = np.array(t.k[0, :, c : c + 2], copy=True)
     late[..., 5] = 900.0
     assert clipped(late, "e4m3", "static", s)[0] == late.shape[0] * late.shape[1]
-    fresh = qformats.quantize_tensor(late, spec.with_(fp8_scale="head", fp8_calibrate=False), "k", 0)
-    assert np.abs(fresh[..., 5]).max() == pytest.approx(900.0, rel=0.07)   # a per-head amax scale does not
+    fresh = qformats.quantize_tensor(
+        late, spec.with_(fp8_scale="head", fp8_calibrate=False), "k", 0
+    )
+    assert np.abs(fresh[..., 5]).max() == pytest.approx(
+        900.0, rel=0.07
+    )  # a per-head amax scale does not
 
 
 def test_uncalibrated_fp8_flushes_small_values_and_saturation_costs_attention(outlier_trace):
@@ -140,13 +158,13 @@ def test_uncalibrated_fp8_flushes_small_values_and_saturation_costs_attention(ou
     loose, tight = fp8_clipping(t, STATIC), fp8_clipping(t, STATIC.with_(fp8_calibrate=True))
     assert max(tight["v"]["scales"]) < 1 and tight["v"]["flushed"] <= loose["v"]["flushed"]
     assert loose["v"]["flushed"] > 0
-    k = outlier_trace.k[0, :, : outlier_trace.context_len]                 # the outlier channel's keys: ±600
+    k = outlier_trace.k[0, :, : outlier_trace.context_len]  # the outlier channel's keys: ±600
     s = qformats.layer_static_scale(STATIC.with_(fp8_calibrate=True), "k", k)
     cast = qformats.quantize_tensor(k, STATIC, "k", 0)[:, ::3, 5]
     calibrated = qformats.quantize_tensor(k, STATIC.with_(fp8_calibrate=True), "k", 0, s)[:, ::3, 5]
-    assert np.all(np.abs(cast - k[:, ::3, 5]) == 152)                        # 600 -> 448
-    assert np.all(np.abs(calibrated - k[:, ::3, 5]) <= 16 * s)               # half E4M3's step near 448, x s
-    assert fp8_clipping(t, Spec(key_format="e4m3")) is None          # fresh amax scales: nothing to count
+    assert np.all(np.abs(cast - k[:, ::3, 5]) == 152)  # 600 -> 448
+    assert np.all(np.abs(calibrated - k[:, ::3, 5]) <= 16 * s)  # half E4M3's step near 448, x s
+    assert fp8_clipping(t, Spec(key_format="e4m3")) is None  # fresh amax scales: nothing to count
 
 
 def test_static_scales_cost_one_fp32_per_layer():
@@ -164,15 +182,19 @@ def test_new_options_are_link_parameters_and_flags():
     values, notes = links.parse_query("key_fmt=q4_0&value_fmt=q8_0&fp8_scale=static&fp8_cal=1")
     assert notes == []
     spec = links.spec_from_values(values)
-    assert (spec.key_format, spec.value_format, spec.fp8_scale, spec.fp8_calibrate) == ("q4_0", "q8_0", "static",
-                                                                                          True)
+    assert (spec.key_format, spec.value_format, spec.fp8_scale, spec.fp8_calibrate) == (
+        "q4_0",
+        "q8_0",
+        "static",
+        True,
+    )
     assert "fp8_cal" in links.compression_params()
 
 
 def test_formats_and_static_scales_are_study_axes(tmp_path):
     from kvviz.analysis.study import StudyDir, parse_study, run_study
 
-    study = parse_study('''
+    study = parse_study("""
         name = "engines"
         [source]
         kind = "synthetic"
@@ -190,17 +212,20 @@ def test_formats_and_static_scales_are_study_axes(tmp_path):
         formats = ["q8_0", "q4_0", "e4m3"]
         fp8_scale = ["static"]
         fp8_calibrate = [false, true]
-    ''')
+    """)
     run_study(study, tmp_path / "s")
     rows = StudyDir(tmp_path / "s").rows()
     assert len(rows) == 6 and set(rows["format"]) == {"q8_0", "q4_0", "e4m3"}
     assert set(rows["fp8_calibrate"]) == {False, True}
     err = rows.groupby(["format", "fp8_calibrate"])["output_error"].mean()
-    assert err["q8_0", False] < err["q4_0", False] and err["q8_0", False] == err["q8_0", True]   # (FP8 only)
-    assert err["e4m3", True] != err["e4m3", False]               # the axis reached the FP8 scales
+    assert (
+        err["q8_0", False] < err["q4_0", False] and err["q8_0", False] == err["q8_0", True]
+    )  # (FP8 only)
+    assert err["e4m3", True] != err["e4m3", False]  # the axis reached the FP8 scales
 
 
 # --- the peak ----------------------------------------------------------------------------------
+
 
 def test_peak_is_the_full_prefill_beside_the_compressed_cache():
     t = make_synthetic(SMALL)
@@ -212,9 +237,11 @@ def test_peak_is_the_full_prefill_beside_the_compressed_cache():
     ledger = budget_ledger(t, spec)
     assert ledger.totals["prefill_bytes"] == m.kv_bytes_peak
     assert any("at its peak the cache holds" in note for note in ledger.notes())
-    full = memory_for(t, Spec(), n)                       # nothing compressed: the peak is the cache itself
+    full = memory_for(t, Spec(), n)  # nothing compressed: the peak is the cache itself
     assert full.peak == full.kv_bytes == n * per_token
-    text = memory_peak_text({"kv_bytes": m.kv_bytes, "kv_bytes_peak": m.peak, "kv_bytes_read": m.bytes_read})
+    text = memory_peak_text(
+        {"kv_bytes": m.kv_bytes, "kv_bytes_peak": m.peak, "kv_bytes_read": m.bytes_read}
+    )
     assert text.startswith("peak ") and "reads" not in text
 
 

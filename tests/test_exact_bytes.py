@@ -13,27 +13,47 @@ from kvviz.analysis.ledger import budget_ledger
 from kvviz.engine import budget_is_exact, kept_at_query, kept_counts, memory_for
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 
-SMALL = SyntheticSpec(context=150, steps=6, layers=3, q_heads=4, kv_heads=2, head_dim=32, n_anchors=5,
-                      n_shift_tokens=2, outlier_channels=2)
+SMALL = SyntheticSpec(
+    context=150,
+    steps=6,
+    layers=3,
+    q_heads=4,
+    kv_heads=2,
+    head_dim=32,
+    n_anchors=5,
+    n_shift_tokens=2,
+    outlier_channels=2,
+)
 
 # every cache format the spec offers, at settings that exercise its overhead and residual
 FORMATS = {
     "16-bit": dict(),
     "kivi-2": dict(key_bits=2, value_bits=2, group_size=32, residual=16),
-    "int-4-zp-partial": dict(key_bits=4, value_bits=4, group_size=16, zero_point="int", partial="quantize"),
+    "int-4-zp-partial": dict(
+        key_bits=4, value_bits=4, group_size=16, zero_point="int", partial="quantize"
+    ),
     "int-3-sym": dict(key_bits=3, value_bits=8, symmetric=True, key_axis="token"),
     "e4m3-tensor": dict(key_format="e4m3", value_format="e4m3", fp8_scale="tensor"),
     "e5m2-token": dict(key_format="e5m2", value_format="e4m3", fp8_scale="token", residual=8),
     "nvfp4": dict(key_format="nvfp4", value_format="nvfp4"),
-    "mxfp4-rotated-hf": dict(key_format="mxfp4", value_format="mxfp4", rotate="keys", residual=16,
-                             residual_mode="hf"),
+    "mxfp4-rotated-hf": dict(
+        key_format="mxfp4", value_format="mxfp4", rotate="keys", residual=16, residual_mode="hf"
+    ),
     "q4_0-q8_0": dict(key_format="q4_0", value_format="q8_0"),
-    "e4m3-static-calibrated": dict(key_format="e4m3", value_format="e4m3", fp8_scale="static", fp8_calibrate=True),
+    "e4m3-static-calibrated": dict(
+        key_format="e4m3", value_format="e4m3", fp8_scale="static", fp8_calibrate=True
+    ),
 }
 ALLOCATIONS = ("uniform", "adakv", "pyramid")
 # (scorer, extra settings): budget-filling scorers, the oracle, ChunkKV's whole chunks, Quest's reads
-SCORERS = (("snapkv", {}), ("expected_attention", {}), ("oracle", {}), ("chunkkv", {"chunk_size": 12}),
-           ("quest", {"page_size": 8}), ("h2o", {}))
+SCORERS = (
+    ("snapkv", {}),
+    ("expected_attention", {}),
+    ("oracle", {}),
+    ("chunkkv", {"chunk_size": 12}),
+    ("quest", {"page_size": 8}),
+    ("h2o", {}),
+)
 # the integer formats: the others need equal lengths per KV head, refused with AdaKV and Quest per query head
 ADAKV_FORMATS = ("16-bit", "kivi-2", "int-4-zp-partial", "int-3-sym")
 
@@ -47,13 +67,17 @@ def cases():
     for scorer, extra in SCORERS:
         for allocation in ALLOCATIONS:
             if allocation == "adakv" and scorer in ("h2o", "chunkkv"):
-                continue                                        # refused by the spec (streaming; chunks)
+                continue  # refused by the spec (streaming; chunks)
             for fmt, quant in FORMATS.items():
                 if allocation == "adakv" and fmt not in ADAKV_FORMATS:
                     continue
-                if scorer == "quest" and fmt not in ADAKV_FORMATS:       # (refused per query head: equal lengths)
+                if (
+                    scorer == "quest" and fmt not in ADAKV_FORMATS
+                ):  # (refused per query head: equal lengths)
                     quant = {**quant, "quest_heads": "kv"}
-                yield pytest.param(scorer, allocation, fmt, {**extra, **quant}, id=f"{scorer}-{allocation}-{fmt}")
+                yield pytest.param(
+                    scorer, allocation, fmt, {**extra, **quant}, id=f"{scorer}-{allocation}-{fmt}"
+                )
 
 
 @pytest.mark.parametrize("scorer,allocation,fmt,settings", list(cases()))
@@ -70,18 +94,26 @@ def test_memory_card_equals_ledger(trace, scorer, allocation, fmt, settings):
 
 def test_adakv_card_counts_each_head_not_an_even_split(trace):
     """The mutation the test above guards: an even split of AdaKV's layer budget gives other bytes."""
-    spec = Spec(sink=2, recent=20, heavy=24, scorer="snapkv", allocation="adakv", key_bits=2, value_bits=2,
-                group_size=32)
+    spec = Spec(
+        sink=2,
+        recent=20,
+        heavy=24,
+        scorer="snapkv",
+        allocation="adakv",
+        key_bits=2,
+        value_bits=2,
+        group_size=32,
+    )
     qi = int(trace.evaluated_queries[-1])
     n = int(trace.query_positions[qi]) + 1
     counts = kept_counts(trace, spec, qi)
     assert not budget_is_exact(spec)
-    assert len(set(counts.ravel().tolist())) > 1                      # the heads really are ragged here
-    for layer in range(trace.n_layers):                               # each layer's total is the declared one
+    assert len(set(counts.ravel().tolist())) > 1  # the heads really are ragged here
+    for layer in range(trace.n_layers):  # each layer's total is the declared one
         assert counts[layer].sum() == trace.n_kv_heads * spec.budget
         assert counts[layer].tolist() == kept_at_query(trace, spec, layer, qi).sum(axis=1).tolist()
     exact = memory_for(trace, spec, n, counts).kv_bytes
-    even = memory_for(trace, spec, n).kv_bytes                        # what the card showed under the old AdaKV rule
+    even = memory_for(trace, spec, n).kv_bytes  # what the card showed under the old AdaKV rule
     assert exact != even
     assert exact == pytest.approx(budget_ledger(trace, spec).totals["stored_bytes"], rel=1e-12)
 
@@ -95,7 +127,9 @@ def test_counts_follow_the_budget_where_it_is_exact(trace, allocation, heavy, st
     spec = Spec(sink=2, recent=20, heavy=heavy, scorer=scorer, allocation=allocation)
     qi = int(trace.evaluated_queries[step])
     counts = kept_counts(trace, spec, qi)
-    masks = np.stack([kept_at_query(trace, spec, layer, qi).sum(axis=1) for layer in range(trace.n_layers)])
+    masks = np.stack(
+        [kept_at_query(trace, spec, layer, qi).sum(axis=1) for layer in range(trace.n_layers)]
+    )
     assert budget_is_exact(spec)
     assert counts.dtype == np.int64 and counts.tolist() == masks.tolist()
     if heavy == 60:

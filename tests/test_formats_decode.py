@@ -25,12 +25,29 @@ def tiny():
 
 
 SPECS = {
-    "fp8-head+h2o": Spec(key_format="e4m3", value_format="e5m2", sink=2, recent=6, heavy=6, scorer="h2o"),
-    "nvfp4-rotated": Spec(key_format="nvfp4", value_format="mxfp4", rotate="keys-values", residual=3),
-    "int2-rotated-hf": Spec(key_bits=2, value_bits=4, key_axis="token", group_size=16, rotate="keys",
-                            residual=5, residual_mode="hf"),
-    "fp8-tensor+streaming": Spec(key_format="e4m3", value_format="e4m3", fp8_scale="tensor", sink=4, recent=10,
-                                 scorer="streaming"),
+    "fp8-head+h2o": Spec(
+        key_format="e4m3", value_format="e5m2", sink=2, recent=6, heavy=6, scorer="h2o"
+    ),
+    "nvfp4-rotated": Spec(
+        key_format="nvfp4", value_format="mxfp4", rotate="keys-values", residual=3
+    ),
+    "int2-rotated-hf": Spec(
+        key_bits=2,
+        value_bits=4,
+        key_axis="token",
+        group_size=16,
+        rotate="keys",
+        residual=5,
+        residual_mode="hf",
+    ),
+    "fp8-tensor+streaming": Spec(
+        key_format="e4m3",
+        value_format="e4m3",
+        fp8_scale="tensor",
+        sink=4,
+        recent=10,
+        scorer="streaming",
+    ),
 }
 
 
@@ -57,17 +74,22 @@ def test_decode_reads_quantize_tensor_of_the_kept_set(tiny, monkeypatch, name):
     assert torch.allclose(deleted, masked, atol=1e-4)
     assert (deleted - full).abs().max() > 1e-4
     if spec.residual_mode == "hf":
-        assert checked[:2 * 5] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]       # the window grows, then flushes
-        assert checked[2 * 5:2 * 6] == [1, 1]
+        assert checked[: 2 * 5] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]  # the window grows, then flushes
+        assert checked[2 * 5 : 2 * 6] == [1, 1]
 
 
 def test_memory_follows_the_format_bytes(tiny):
     model, ids = tiny
-    class Chars:   # a stand-in tokenizer: token strings only
+
+    class Chars:  # a stand-in tokenizer: token strings only
         def decode(self, ids):
             return f"<{ids[0]}>"
 
     ref = reference(model, Chars(), ids[:40], 20, 20)
     q = evaluate(model, ref, Spec(key_format="e4m3", value_format="e4m3"))
-    assert q.memory_ratio == pytest.approx(0.5 + 2 * 4 / (q.total_tokens * 32 * 2 * 2))   # + one FP32 scale a head
-    assert evaluate(model, ref, Spec(key_format="mxfp4", value_format="mxfp4")).memory_ratio == pytest.approx(4.25 / 16)
+    assert q.memory_ratio == pytest.approx(
+        0.5 + 2 * 4 / (q.total_tokens * 32 * 2 * 2)
+    )  # + one FP32 scale a head
+    assert evaluate(
+        model, ref, Spec(key_format="mxfp4", value_format="mxfp4")
+    ).memory_ratio == pytest.approx(4.25 / 16)

@@ -36,6 +36,7 @@ ALL_SCORERS = ("h2o", "tova", "snapkv", "streaming", "oracle", "knorm", "random"
 
 # --- a tiny random Llama (the `tiny` fixture, conftest.tiny_llama) ---------------------------------
 
+
 def test_no_compression_matches_transformers_decoding(tiny):
     model, ids = tiny
     full, _ = plain_decode(model, ids[:30], 20, feed=ids[30:50])
@@ -60,13 +61,13 @@ def test_deleting_equals_masking_equals_transformers_2d_mask(tiny, window):
     model, ids = tiny
     spec = Spec(sink=4, recent=window, scorer="streaming")
     n, steps = 24, 30
-    deleted, _, _ = decode(model, ids[:n], spec, steps, feed=ids[n:n + steps])
-    masked, _, _ = decode(model, ids[:n], spec, steps, feed=ids[n:n + steps], mode="mask")
-    hf = masked_reference_logits(model, ids[:n + steps], n, lambda p: range(4, p + 1 - window))
-    full, _ = plain_decode(model, ids[:n], steps, feed=ids[n:n + steps])
+    deleted, _, _ = decode(model, ids[:n], spec, steps, feed=ids[n : n + steps])
+    masked, _, _ = decode(model, ids[:n], spec, steps, feed=ids[n : n + steps], mode="mask")
+    hf = masked_reference_logits(model, ids[: n + steps], n, lambda p: range(4, p + 1 - window))
+    full, _ = plain_decode(model, ids[:n], steps, feed=ids[n : n + steps])
     assert torch.allclose(deleted, masked, atol=1e-4)
     assert torch.allclose(deleted, hf, atol=1e-4)
-    assert (deleted - full).abs().max() > 1e-2   # eviction really changed something
+    assert (deleted - full).abs().max() > 1e-2  # eviction really changed something
 
 
 @pytest.mark.parametrize("scorer", ALL_SCORERS)
@@ -81,14 +82,23 @@ def test_every_scorer_deleting_equals_masking(tiny, scorer):
         assert np.array_equal(a, b)
 
 
-@pytest.mark.parametrize("scorer, normalized", [("h2o", False), ("h2o", True), ("tova", False),
-                                                ("snapkv", False), ("streaming", False), ("knorm", False)])
+@pytest.mark.parametrize(
+    "scorer, normalized",
+    [
+        ("h2o", False),
+        ("h2o", True),
+        ("tova", False),
+        ("snapkv", False),
+        ("streaming", False),
+        ("knorm", False),
+    ],
+)
 def test_real_run_makes_the_policies_own_decisions(tiny, scorer, normalized):
     """Replay the run's own queries through Policy.keep_masks: same kept set at every step."""
     model, ids = tiny
     spec = Spec(sink=2, recent=5, heavy=7, scorer=scorer, h2o_normalized=normalized)
     n, steps = 24, 16
-    _, _, cache = decode(model, ids[:n], spec, steps, feed=ids[n:n + steps], record=True)
+    _, _, cache = decode(model, ids[:n], spec, steps, feed=ids[n : n + steps], record=True)
     trace = cache.run_trace()
     positions = np.arange(n, n + steps)
     for layer in range(trace.n_layers):
@@ -107,8 +117,15 @@ def test_real_run_makes_the_policies_own_decisions(tiny, scorer, normalized):
 def test_quantized_cache_is_quantize_of_what_is_kept(tiny, monkeypatch, axes, scorer):
     """The incremental quantizer equals kvviz.quant.quantize of the kept K/V at every step."""
     model, ids = tiny
-    spec = Spec(key_bits=2, value_bits=3, key_axis=axes[0], value_axis=axes[1], group_size=4, residual=3,
-                **(dict(sink=2, recent=5, heavy=6, scorer=scorer) if scorer else {}))
+    spec = Spec(
+        key_bits=2,
+        value_bits=3,
+        key_axis=axes[0],
+        value_axis=axes[1],
+        group_size=4,
+        residual=3,
+        **(dict(sink=2, recent=5, heavy=6, scorer=scorer) if scorer else {}),
+    )
     checked = []
     original = CompressedCache._quantized
 
@@ -126,7 +143,7 @@ def test_quantized_cache_is_quantize_of_what_is_kept(tiny, monkeypatch, axes, sc
     assert len(checked) == 2 * 2 * 25 and max(checked) > spec.group_size + spec.residual
     checked.clear()
     full, _ = plain_decode(model, ids[:20], 25, feed=ids[20:45])
-    assert (logits - full).abs().max() > 1e-3        # 2-bit keys change the logits
+    assert (logits - full).abs().max() > 1e-3  # 2-bit keys change the logits
     # residual covers everything while the cache is short: no quantization at all
     short = Spec(key_bits=2, value_bits=2, residual=64)
     same, _, _ = decode(model, ids[:20], short, 10, feed=ids[20:30])
@@ -151,8 +168,11 @@ def test_first_divergence():
 
 def test_length_caps_say_what_to_change():
     with pytest.raises(SpecError, match="capped at"):
-        gen.check_lengths(10 ** 6, gen.MAX_PROMPT_TOKENS + 1, 10)
-    assert gen.check_lengths(10 ** 5, 32_768, 8) == (32_768, 8)       # no 2,048 cap: the model and the budget decide
+        gen.check_lengths(10**6, gen.MAX_PROMPT_TOKENS + 1, 10)
+    assert gen.check_lengths(10**5, 32_768, 8) == (
+        32_768,
+        8,
+    )  # no 2,048 cap: the model and the budget decide
     with pytest.raises(SpecError, match="nothing is left"):
         gen.check_lengths(50, 50, None)
     with pytest.raises(SpecError, match="continuation is capped"):
@@ -174,11 +194,12 @@ def test_model_config_restored_after_a_run(tiny):
 
 # --- the bundled model ------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def bundled():
     from apptest_util import load_shared
 
-    model, tokenizer, _ = load_shared("bundled")     # one load per test process
+    model, tokenizer, _ = load_shared("bundled")  # one load per test process
     text = open(SAMPLE).read()
     return model, tokenizer, reference(model, tokenizer, text, 300, 150)
 
@@ -222,8 +243,15 @@ def test_bundled_no_compression_is_the_full_cache(bundled):
     assert q.perplexity == pytest.approx(q.perplexity_full, rel=1e-4)
     assert q.kl_max < 1e-4 and q.top1_agreement == 1.0 and q.compression_ratio == pytest.approx(1.0)
     d = q.as_dict()
-    for key in ("perplexity", "perplexity_full", "kl_mean", "kl_max", "top1_agreement", "kv_bytes",
-                "compression_ratio"):
+    for key in (
+        "perplexity",
+        "perplexity_full",
+        "kl_mean",
+        "kl_max",
+        "top1_agreement",
+        "kv_bytes",
+        "compression_ratio",
+    ):
         assert np.isfinite(d[key])
     # 30 layers x 3 KV heads x 64 dims x K and V x 2 bytes per token
     assert q.kv_bytes_full == 71 * 2 * 2 * 30 * 3 * 64
@@ -245,7 +273,9 @@ def test_bundled_side_by_side(bundled):
     prompt = "The lighthouse keeper wrote in his log that"
     same = side_by_side(model, tokenizer, prompt, Spec(), max_new_tokens=10)
     assert same.first_divergence is None and same.full_ids == same.compressed_ids
-    tiny = side_by_side(model, tokenizer, prompt, Spec(sink=0, recent=2, scorer="streaming"), max_new_tokens=10)
+    tiny = side_by_side(
+        model, tokenizer, prompt, Spec(sink=0, recent=2, scorer="streaming"), max_new_tokens=10
+    )
     assert tiny.full_ids == same.full_ids
     # the first token comes from the prefill, before compression: always the same
     assert tiny.compressed_ids[0] == tiny.full_ids[0]
@@ -274,13 +304,16 @@ def test_other_threads_sharing_the_model_get_the_plain_model(tiny):
             t.start()
             t.join()
 
-    compressed, _, _ = decode(model, ids[:20], Spec(sink=2, recent=4), 5, feed=ids[20:25], on_step=on_step)
+    compressed, _, _ = decode(
+        model, ids[:20], Spec(sink=2, recent=4), 5, feed=ids[20:25], on_step=on_step
+    )
     assert len(seen) == 1 and torch.allclose(seen[0], expected, atol=1e-5)
     reference_run, _, _ = decode(model, ids[:20], Spec(sink=2, recent=4), 5, feed=ids[20:25])
     assert torch.allclose(compressed, reference_run, atol=1e-6)
 
 
 # --- the command line ------------------------------------------------------------------------
+
 
 def _cli(capsys, *argv):
     from kvviz.cli import main
@@ -290,25 +323,28 @@ def _cli(capsys, *argv):
     return code, out, err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["eval", "--prompt-tokens", "200000"], "--prompt-tokens: must be 1-131,072, got 200,000"),
-    (["eval", "--device", "tpu"], "--device: expected cpu, cuda, cuda:N or mps, got 'tpu'"),
-    (["eval", "--device", "cuda:99"], "--device cuda:99: "),
-    (["eval-sweep", "--device", "cuda:99"], "--device cuda:99: "),
-    (["needle", "--device", "cuda:99"], "--device cuda:99: "),
-    (["eval", "--dtype", "float64"], "--dtype: invalid choice: 'float64'"),
-    (["eval", "--text-file", "/no/such/file.txt"], "text file not found"),
-    (["eval", "--quant-model", "noise"], "noise"),
-    (["eval", "--bits", "11"], "bits must be"),
-    (["eval-sweep", "--methods", "h2o,bogus"], "unknown method 'bogus'"),
-    (["eval-sweep", "--budgets", "4"], "--budgets: '4' in '4': must be 8-1,000,000, got 4"),
-    (["eval-sweep", "--budgets", "a,b"], "--budgets: 'a' in 'a,b': expected an integer"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["eval", "--prompt-tokens", "200000"], "--prompt-tokens: must be 1-131,072, got 200,000"),
+        (["eval", "--device", "tpu"], "--device: expected cpu, cuda, cuda:N or mps, got 'tpu'"),
+        (["eval", "--device", "cuda:99"], "--device cuda:99: "),
+        (["eval-sweep", "--device", "cuda:99"], "--device cuda:99: "),
+        (["needle", "--device", "cuda:99"], "--device cuda:99: "),
+        (["eval", "--dtype", "float64"], "--dtype: invalid choice: 'float64'"),
+        (["eval", "--text-file", "/no/such/file.txt"], "text file not found"),
+        (["eval", "--quant-model", "noise"], "noise"),
+        (["eval", "--bits", "11"], "bits must be"),
+        (["eval-sweep", "--methods", "h2o,bogus"], "unknown method 'bogus'"),
+        (["eval-sweep", "--budgets", "4"], "--budgets: '4' in '4': must be 8-1,000,000, got 4"),
+        (["eval-sweep", "--budgets", "a,b"], "--budgets: 'a' in 'a,b': expected an integer"),
+    ],
+)
 def test_cli_errors_are_one_line_before_any_model_loads(capsys, monkeypatch, argv, message):
     import kvviz.models
 
     monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
-    try:           # ranges the parser checks exit through argparse, the rest return 2
+    try:  # ranges the parser checks exit through argparse, the rest return 2
         code, out, err = _cli(capsys, *argv, "--quiet")
     except SystemExit as exc:
         (out, err), code = capsys.readouterr(), exc.code
@@ -324,29 +360,80 @@ def test_cli_eval_json_and_sweep_csv(bundled, capsys, monkeypatch, tmp_path):
 
     model, tokenizer, _ = bundled
     monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: (model, tokenizer, None))
-    code, out, _ = _cli(capsys, "eval", "--model", "bundled", "--text-file", SAMPLE, "--prompt-tokens", 64,
-                        "--continuation-tokens", 12, "--sink", 4, "--recent", 16, "--scorer", "streaming",
-                        "--bits", 4, "--greedy", 4, "--json", "--quiet")
+    code, out, _ = _cli(
+        capsys,
+        "eval",
+        "--model",
+        "bundled",
+        "--text-file",
+        SAMPLE,
+        "--prompt-tokens",
+        64,
+        "--continuation-tokens",
+        12,
+        "--sink",
+        4,
+        "--recent",
+        16,
+        "--scorer",
+        "streaming",
+        "--bits",
+        4,
+        "--greedy",
+        4,
+        "--json",
+        "--quiet",
+    )
     assert code == 0
     d = json.loads(out)
-    for key in ("perplexity", "perplexity_full", "kl_mean", "kl_max", "top1_agreement", "kv_bytes",
-                "compression_ratio"):
+    for key in (
+        "perplexity",
+        "perplexity_full",
+        "kl_mean",
+        "kl_max",
+        "top1_agreement",
+        "kv_bytes",
+        "compression_ratio",
+    ):
         assert isinstance(d[key], float), key
     assert d["prompt_tokens"] == 64 and d["continuation_tokens"] == 12 and d["kept_tokens"] == 20
-    assert len(d["per_token"]["kl"]) == 12 and d["per_token"]["kl"][0] < 1e-6   # token 0: the prefill
+    assert (
+        len(d["per_token"]["kl"]) == 12 and d["per_token"]["kl"][0] < 1e-6
+    )  # token 0: the prefill
     # 75 -> 20 tokens; 4-bit plus a 16-bit scale and 16-bit float offset per group: keys per
     # channel (20 kept tokens < one group of 32: KIVI keeps the partial group at 16 bits), values
     # per token (groups of 32 channels: 4 + 32 / 32 = 5 bits a value)
     assert d["compression_ratio"] == pytest.approx(75 / 20 * 16 / ((16 + 5.0) / 2), rel=1e-6)
     assert set(d["greedy"]) == {"full", "compressed", "first_divergence"}
     csv_path = tmp_path / "sweep.csv"
-    code, _, err = _cli(capsys, "eval-sweep", "--text-file", SAMPLE, "--prompt-tokens", 64,
-                        "--continuation-tokens", 8, "--methods", "streaming,recent-only,kv-4bit",
-                        "--budgets", "16,32", "--out", csv_path, "--quiet")
+    code, _, err = _cli(
+        capsys,
+        "eval-sweep",
+        "--text-file",
+        SAMPLE,
+        "--prompt-tokens",
+        64,
+        "--continuation-tokens",
+        8,
+        "--methods",
+        "streaming,recent-only,kv-4bit",
+        "--budgets",
+        "16,32",
+        "--out",
+        csv_path,
+        "--quiet",
+    )
     assert code == 0 and "wrote 5 rows" in err
     import csv
+
     rows = list(csv.DictReader(open(csv_path)))
-    assert [r["method"] for r in rows] == ["streaming", "streaming", "recent-only", "recent-only", "kv-4bit"]
+    assert [r["method"] for r in rows] == [
+        "streaming",
+        "streaming",
+        "recent-only",
+        "recent-only",
+        "kv-4bit",
+    ]
     assert float(rows[0]["memory_ratio"]) < float(rows[1]["memory_ratio"]) < 1.0
 
 
@@ -367,14 +454,21 @@ def test_rerotated_keys_give_the_logits_of_cache_slot_positions(tiny):
     g = torch.Generator().manual_seed(3)
     k_raw, q_raw = torch.randn(H, m, D, generator=g), torch.randn(H, D, generator=g)
 
-    def at(x, positions):                      # RoPE of x (H, n, D) at positions (H, n)
+    def at(x, positions):  # RoPE of x (H, n, D) at positions (H, n)
         cos, sin = rope(x, torch.as_tensor(positions))
         return x * cos + rotate_half(x) * sin
 
     k_true = at(k_raw, kept)
     q_true = at(q_raw[:, None], np.full((H, 1), p))[:, 0]
-    cache = CompressedCache(Spec(sink=1, recent=4, heavy=2, positions="cache"), 1, H, H, D, capacity=16,
-                            inv_freq=rope_inv_freq(model))
+    cache = CompressedCache(
+        Spec(sink=1, recent=4, heavy=2, positions="cache"),
+        1,
+        H,
+        H,
+        D,
+        capacity=16,
+        inv_freq=rope_inv_freq(model),
+    )
     ours = (q_true[:, None] * cache._rerotated(k_true, kept, p)).sum(-1)
     k_slot = at(k_raw, np.tile(np.arange(m), (H, 1)))
     q_slot = at(q_raw[:, None], np.full((H, 1), m - 1))[:, 0]
@@ -385,7 +479,7 @@ def test_rerotation_changes_nothing_without_eviction_and_something_with_it(tiny)
     model, ids = tiny
     true, _, _ = decode(model, ids[:20], Spec(), 10, feed=ids[20:30])
     slots, _, _ = decode(model, ids[:20], Spec(positions="cache"), 10, feed=ids[20:30])
-    assert torch.allclose(true, slots, atol=1e-5)              # every slot is the true position
+    assert torch.allclose(true, slots, atol=1e-5)  # every slot is the true position
     spec = Spec(sink=2, recent=6, scorer="streaming")
     a, _, _ = decode(model, ids[:20], spec, 10, feed=ids[20:30])
     b, _, _ = decode(model, ids[:20], spec.with_(positions="cache"), 10, feed=ids[20:30])
@@ -394,4 +488,5 @@ def test_rerotation_changes_nothing_without_eviction_and_something_with_it(tiny)
     with pytest.raises(SpecError, match="real-model"):
         from kvviz import compare
         from kvviz.sources.handbook import handbook_trace
+
         compare(handbook_trace(), Spec(positions="cache"))

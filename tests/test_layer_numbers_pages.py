@@ -49,7 +49,10 @@ def test_a_timeline_and_an_ensemble_over_layers_say_the_models_numbers(two_layer
 def test_the_heatmap_names_its_rows_by_the_numbers_it_is_given():
     grid = np.arange(6.0).reshape(2, 3)
     fig = figures.heatmap_figure(grid, "t", "v", layers=(3, 15))
-    assert list(fig.data[0].y) == ["3", "15"] and fig.layout.yaxis.title.text == "layer (the model's number)"
+    assert (
+        list(fig.data[0].y) == ["3", "15"]
+        and fig.layout.yaxis.title.text == "layer (the model's number)"
+    )
     assert list(figures.heatmap_figure(grid, "t", "v").data[0].y) == ["0", "1"]
     with pytest.raises(ValueError, match="2 rows"):
         figures.heatmap_figure(grid, "t", "v", layers=(3,))
@@ -58,8 +61,15 @@ def test_the_heatmap_names_its_rows_by_the_numbers_it_is_given():
 def test_the_timeline_page_offers_the_models_layer_numbers(saved):
     from apptest_util import run_app
 
-    at = run_app(str(ROOT / "pages" / "4_decode-timeline.py"), source="file", tf_how="saved",
-                 sink=2, recent=4, heavy=4, tl_policies="h2o")
+    at = run_app(
+        str(ROOT / "pages" / "4_decode-timeline.py"),
+        source="file",
+        tf_how="saved",
+        sink=2,
+        recent=4,
+        heavy=4,
+        tl_policies="h2o",
+    )
     box = at.selectbox(key="tl_layer")
     assert box.label == "Layer (the model's number)" and box.options == ["3", "15"]
     box.set_value(15).run()
@@ -74,5 +84,5 @@ def test_the_concentration_heatmaps_name_rows_by_the_models_numbers(saved):
 
     at = run_app(str(ROOT / "pages" / "2_concentration.py"), source="file", tf_how="saved")
     figs = [c.proto.spec for c in at.get("plotly_chart")]
-    assert len(figs) == 4                             # the curves and three layer x head maps
+    assert len(figs) == 4  # the curves and three layer x head maps
     assert sum('"y":["3","15"]' in f.replace(" ", "") for f in figs) == 3

@@ -1,6 +1,7 @@
 """No clipped or overlapping text on any page at a projector's 1024 x 768 and a laptop's 1440 x 900.
 
-One server, one browser page: each page (and the Explorer in Presentation mode) is visited once per size, left to settle, and measured in one
+One server, one browser page: each page (and the Explorer in Presentation mode) is visited once per size, left
+to settle, and measured in one
 `page.evaluate` (LAYOUT_JS): the bounding boxes of the page's headings, metric cards and tables, and inside
 every plotly chart its title, axis titles, panel titles (annotations), legend texts, colour-bar ticks and
 its play buttons and step slider. The test fails on
@@ -29,17 +30,32 @@ from conftest import TIMEOUT, idle
 pytestmark = pytest.mark.browser
 SIZES = ((1024, 768), (1440, 900))
 # the sidebar's link, and a text that is on the page once it has drawn (None: the page's heading is enough)
-PAGES = (("Explorer", "Per-token error"), ("Trade-offs", "Error vs memory"), ("Concentration", "Top x% of tokens"),
-         ("Model lab", None), ("Decode timeline", "Regret per step"), ("Needle test", "needle depth"),
-         ("Studies", "quarter-cache"), ("Presentation mode", "Attention per token"),
-         ("Trade-offs, presenting", "Error vs memory"), ("Needle test, presenting", "needle depth"),
-         ("Concentration, presenting", "Top x% of tokens"), ("Model lab, presenting", "Per-token KL"),
-         ("Studies, presenting", "quarter-cache"), ("Decode timeline, presenting", "tokens held at each decode step"))
+PAGES = (
+    ("Explorer", "Per-token error"),
+    ("Trade-offs", "Error vs memory"),
+    ("Concentration", "Top x% of tokens"),
+    ("Model lab", None),
+    ("Decode timeline", "Regret per step"),
+    ("Needle test", "needle depth"),
+    ("Studies", "quarter-cache"),
+    ("Presentation mode", "Attention per token"),
+    ("Trade-offs, presenting", "Error vs memory"),
+    ("Needle test, presenting", "needle depth"),
+    ("Concentration, presenting", "Top x% of tokens"),
+    ("Model lab, presenting", "Per-token KL"),
+    ("Studies, presenting", "quarter-cache"),
+    ("Decode timeline, presenting", "tokens held at each decode step"),
+)
 # presenting, at a projector's 1024 x 768: the page's main chart starts on the first screen, at least half of it
-PRESENTED = {"Presentation mode": "Attention per token", "Trade-offs, presenting": "Error vs memory",
-             "Needle test, presenting": "needle depth", "Concentration, presenting": "Top x% of tokens",
-             "Model lab, presenting": "Per-token KL", "Studies, presenting": "quarter-cache",
-             "Decode timeline, presenting": "tokens held at each decode step"}
+PRESENTED = {
+    "Presentation mode": "Attention per token",
+    "Trade-offs, presenting": "Error vs memory",
+    "Needle test, presenting": "needle depth",
+    "Concentration, presenting": "Top x% of tokens",
+    "Model lab, presenting": "Per-token KL",
+    "Studies, presenting": "quarter-cache",
+    "Decode timeline, presenting": "tokens held at each decode step",
+}
 
 LAYOUT_JS = r"""() => {
   const problems = [], items = [];
@@ -51,10 +67,12 @@ LAYOUT_JS = r"""() => {
   const add = (el, kind, bounds) => { if (shown(el)) items.push({el, kind, r: el.getBoundingClientRect(), bounds}); };
   const main = document.querySelector('[data-testid="stMain"]') || document.body;
   // the page's own texts: headings and metric cards (cut inside their box, words broken across lines)
-  for (const el of main.querySelectorAll('h1, h2, h3, [data-testid="stMetricLabel"], [data-testid="stMetricValue"], [data-testid="stMetricDelta"]')) {
+  for (const el of main.querySelectorAll('h1, h2, h3, [data-testid="stMetricLabel"], '
+                                         + '[data-testid="stMetricValue"], [data-testid="stMetricDelta"]')) {
     if (!shown(el)) continue;
     add(el, 'text', null);
-    if (el.scrollWidth > el.clientWidth + 1) problems.push(`cut inside its box: "${name(el)}" (${el.scrollWidth} > ${el.clientWidth} px)`);
+    if (el.scrollWidth > el.clientWidth + 1)
+      problems.push(`cut inside its box: "${name(el)}" (${el.scrollWidth} > ${el.clientWidth} px)`);
     const walker = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
     for (let node = walker.nextNode(); node; node = walker.nextNode()) {
       for (const m of node.textContent.matchAll(/[^\s\-–—\/]+/g)) {
@@ -67,7 +85,8 @@ LAYOUT_JS = r"""() => {
   }
   // a multi-choice's chips: each chosen name whole (a narrow column cut them to "Str…")
   for (const tags of main.querySelectorAll('[data-testid="stMultiSelectTagsContainer"]')) {
-    if (shown(tags) && tags.scrollWidth > tags.clientWidth + 1) problems.push(`chips cut: "${name(tags)}" (${tags.scrollWidth} > ${tags.clientWidth} px)`);
+    if (shown(tags) && tags.scrollWidth > tags.clientWidth + 1)
+      problems.push(`chips cut: "${name(tags)}" (${tags.scrollWidth} > ${tags.clientWidth} px)`);
   }
   // tables: the columns fit the table's box (no sideways scrolling), the box fits the viewport
   for (const t of main.querySelectorAll('[data-testid="stDataFrame"], [data-testid="stTable"]')) {
@@ -75,7 +94,8 @@ LAYOUT_JS = r"""() => {
     const scroller = t.querySelector('.dvn-scroller') || t.querySelector('table')?.parentElement || t;
     if (scroller.scrollWidth > scroller.clientWidth + 1)
       problems.push(`a table's columns cut on the right (${scroller.scrollWidth} > ${scroller.clientWidth} px): ` +
-                    (Array.from(t.closest('[class*="st-key-"]')?.classList || []).find(c => c.startsWith('st-key-')) || name(t)));
+                    (Array.from(t.closest('[class*="st-key-"]')?.classList || [])
+                       .find(c => c.startsWith('st-key-')) || name(t)));
     add(t, 'table', null);
   }
   // inside every plotly chart: the texts a reader reads, bounded by the chart's SVG
@@ -98,7 +118,8 @@ LAYOUT_JS = r"""() => {
       problems.push(`outside its chart: "${name(it.el)}" [${[r.left, r.top, r.right, r.bottom].map(Math.round)}]` +
                     ` in [${[b.left, b.top, b.right, b.bottom].map(Math.round)}]`);
     if (r.right > vw + 1 || r.left < -1)
-      problems.push(`past the viewport's edge: "${name(it.el)}" (${Math.round(r.left)}..${Math.round(r.right)} of ${vw} px)`);
+      problems.push(`past the viewport's edge: "${name(it.el)}" `
+                    + `(${Math.round(r.left)}..${Math.round(r.right)} of ${vw} px)`);
   }
   const slack = 2;    // px: a glyph box's ascent / descent may touch its neighbour's
   for (let i = 0; i < items.length; i++) {
@@ -108,7 +129,8 @@ LAYOUT_JS = r"""() => {
       if (a.kind === 'table' && b.kind === 'table') continue;
       const w = Math.min(a.r.right, b.r.right) - Math.max(a.r.left, b.r.left);
       const h = Math.min(a.r.bottom, b.r.bottom) - Math.max(a.r.top, b.r.top);
-      if (w > slack && h > slack) problems.push(`overlap: "${name(a.el)}" and "${name(b.el)}" (${Math.round(w)} x ${Math.round(h)} px)`);
+      if (w > slack && h > slack)
+        problems.push(`overlap: "${name(a.el)}" and "${name(b.el)}" (${Math.round(w)} x ${Math.round(h)} px)`);
     }
   }
   return {problems: Array.from(new Set(problems)), measured: items.length};
@@ -154,34 +176,59 @@ def test_no_text_overlaps_or_is_cut_on_any_page(page, app_url, quarter_study, la
         page.set_viewport_size({"width": width, "height": height})
         page.goto(f"{app_url}/?study={quarter_study}")
         for name, marker in PAGES:
-            if name.endswith(", presenting") and width != 1024:    # a projector's size; the Explorer's at both
+            if (
+                name.endswith(", presenting") and width != 1024
+            ):  # a projector's size; the Explorer's at both
                 continue
-            if name == "Model lab, presenting" and not lab_result:   # its result first: nothing to draw without one
+            if (
+                name == "Model lab, presenting" and not lab_result
+            ):  # its result first: nothing to draw without one
                 continue
-            if name == "Presentation mode":       # the Explorer as a lecture shows it
+            if name == "Presentation mode":  # the Explorer as a lecture shows it
                 page.goto(f"{app_url}/?present=1&study={quarter_study}")
-            elif name.endswith(", presenting"):   # presentation mode is kept across pages
-                page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=name.split(",")[0]).click()
+            elif name.endswith(", presenting"):  # presentation mode is kept across pages
+                page.locator('[data-testid="stSidebarNav"]').get_by_role(
+                    "link", name=name.split(",")[0]
+                ).click()
             elif name != "Explorer":
                 page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=name).click()
             if marker:
-                expect(page.locator(".js-plotly-plot").filter(has_text=marker).first).to_be_visible()
+                expect(
+                    page.locator(".js-plotly-plot").filter(has_text=marker).first
+                ).to_be_visible()
             elif name == "Model lab":
-                expect(page.get_by_role("button", name="Run again (live)" if lab_result else "Run the model")
-                       ).to_be_visible()
+                expect(
+                    page.get_by_role(
+                        "button", name="Run again (live)" if lab_result else "Run the model"
+                    )
+                ).to_be_visible()
                 if lab_result:
                     expect(page.locator(".js-plotly-plot").first).to_be_visible()
             idle(page)
-            if (name, width) == ("Explorer", 1440):     # a laptop screen: the first chart starts on it
+            if (name, width) == ("Explorer", 1440):  # a laptop screen: the first chart starts on it
                 box = page.locator('[data-testid="stPlotlyChart"]').first.bounding_box()
-                assert box["y"] + box["height"] / 3 < height, f"the Explorer's first chart starts at y={box['y']:.0f}"
-            errors = page.locator('[data-testid="stAlertContentError"], [data-testid="stException"]')
-            if errors.count():                     # every page at its defaults runs without an error
-                found[f"{name} at {width}x{height}"] = [f"an error box: {errors.first.inner_text()[:200]}"]
+                assert box["y"] + box["height"] / 3 < height, (
+                    f"the Explorer's first chart starts at y={box['y']:.0f}"
+                )
+            errors = page.locator(
+                '[data-testid="stAlertContentError"], [data-testid="stException"]'
+            )
+            if errors.count():  # every page at its defaults runs without an error
+                found[f"{name} at {width}x{height}"] = [
+                    f"an error box: {errors.first.inner_text()[:200]}"
+                ]
             if name in PRESENTED and width == 1024:
-                box = page.locator(".js-plotly-plot").filter(has_text=PRESENTED[name]).first.bounding_box()
-                assert 0 <= box["y"] and box["y"] + box["height"] / 2 <= height, f"{name}: the chart is at {box}"
-                small = page.evaluate(SMALL_TEXT_JS, [PRESENTED[name], 15.5])   # a projector's chart text
+                box = (
+                    page.locator(".js-plotly-plot")
+                    .filter(has_text=PRESENTED[name])
+                    .first.bounding_box()
+                )
+                assert 0 <= box["y"] and box["y"] + box["height"] / 2 <= height, (
+                    f"{name}: the chart is at {box}"
+                )
+                small = page.evaluate(
+                    SMALL_TEXT_JS, [PRESENTED[name], 15.5]
+                )  # a projector's chart text
                 if small:
                     found[f"{name}: chart text under 16 px"] = small
             got = measure(page)
@@ -189,5 +236,6 @@ def test_no_text_overlaps_or_is_cut_on_any_page(page, app_url, quarter_study, la
             if got["problems"]:
                 found[f"{name} at {width}x{height}"] = got["problems"]
     assert not found, "text overlaps or is cut:\n" + "\n".join(
-        f"{where}:\n  " + "\n  ".join(p) for where, p in found.items())
+        f"{where}:\n  " + "\n  ".join(p) for where, p in found.items()
+    )
     assert page.errors == [], page.errors

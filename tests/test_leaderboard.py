@@ -21,7 +21,11 @@ def test_each_task_scores_exactly_its_key():
     digits, word = TASKS["multikey"], TASKS["qa"]
     assert digits.score(" 48213. Remember", "48213") and not digits.score(" 4821 3", "48213")
     assert not digits.score("The key is 48212", "48213")
-    assert word.score(" Mango.", "Mango") and word.score("mango", "Mango") and not word.score(" a mango", "Mango")
+    assert (
+        word.score(" Mango.", "Mango")
+        and word.score("mango", "Mango")
+        and not word.score(" a mango", "Mango")
+    )
 
 
 def test_instances_are_seeded_and_the_pass_key_is_the_needle_tests_own():
@@ -44,7 +48,10 @@ def test_the_request_is_checked_before_any_model():
         lb.BoardRequest(ratios=[1.0]).check()
     with pytest.raises(SpecError, match="unknown scorer 'bogus'"):
         lb.BoardRequest(methods=["bogus"]).check()
-    assert len(lb.METHODS) >= 15 and lb.BoardRequest().n_cells == 2 * 6 * (1 + 4 * len(lb.METHODS)) == 924
+    assert (
+        len(lb.METHODS) >= 15
+        and lb.BoardRequest().n_cells == 2 * 6 * (1 + 4 * len(lb.METHODS)) == 924
+    )
 
 
 def test_a_method_that_keeps_its_own_count_is_set_for_the_budget():
@@ -57,8 +64,9 @@ def test_a_method_that_keeps_its_own_count_is_set_for_the_budget():
     thresholds = [spec_for("threshold", f, 16, 256).threshold for f in (0.125, 0.25, 0.5, 0.75)]
     assert all(a > b for a, b in zip(thresholds, thresholds[1:]))
     # a budget method's spec is not changed
-    assert get_policy("snapkv").fit_budget(Spec(sink=4, recent=8, heavy=8, scorer="snapkv"), 20, 100) == Spec(
-        sink=4, recent=8, heavy=8, scorer="snapkv")
+    assert get_policy("snapkv").fit_budget(
+        Spec(sink=4, recent=8, heavy=8, scorer="snapkv"), 20, 100
+    ) == Spec(sink=4, recent=8, heavy=8, scorer="snapkv")
 
 
 def test_the_study_file_runs_the_leaderboards_cells():
@@ -74,7 +82,8 @@ def test_the_study_file_runs_the_leaderboards_cells():
     assert {c.settings.get("task", "passkey") for c in got} == set(req.tasks)
     assert {c.settings["protocol"] for c in got} == set(req.protocols)
     assert {c.settings["budget"] for c in got if c.settings["scorer"] != "full"} == {
-        round(1 - r, 6) for r in req.ratios}
+        round(1 - r, 6) for r in req.ratios
+    }
 
 
 def test_cli_errors_are_one_line_before_any_model_loads(capsys, monkeypatch):
@@ -89,7 +98,9 @@ def test_cli_errors_are_one_line_before_any_model_loads(capsys, monkeypatch):
 
 # --- the bundled model ---------------------------------------------------------------------
 
-SMALL = lb.BoardRequest(methods=["snapkv", "duo_attention"], ratios=[0.5], tasks=["passkey", "qa"], depths=[0.5])
+SMALL = lb.BoardRequest(
+    methods=["snapkv", "duo_attention"], ratios=[0.5], tasks=["passkey", "qa"], depths=[0.5]
+)
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +112,16 @@ def board(tmp_path_factory):
     mp.setenv("KVVIZ_CACHE_DIR", str(tmp_path_factory.mktemp("leaderboard-cache")))
     heard = []
     try:
-        fresh = lb.run(model, tokenizer, "bundled", SMALL, progress=lambda f, m: heard.append((f, m)))
-        again = lb.run(None, None, "bundled", SMALL, load=lambda: pytest.fail("a cached rerun loaded the model"))
+        fresh = lb.run(
+            model, tokenizer, "bundled", SMALL, progress=lambda f, m: heard.append((f, m))
+        )
+        again = lb.run(
+            None,
+            None,
+            "bundled",
+            SMALL,
+            load=lambda: pytest.fail("a cached rerun loaded the model"),
+        )
     finally:
         mp.undo()
     return fresh, again, heard
@@ -114,10 +133,10 @@ def test_the_uncompressed_model_solves_the_task_set(board):
     fresh, again, heard = board
     assert len(fresh.cells) == SMALL.n_cells == 2 * 2 * (1 + 2)
     assert fresh.full_accuracy() == {"passkey": 1.0, "qa": 1.0}
-    assert again.cells == fresh.cells                           # from the disk cache, identical
+    assert again.cells == fresh.cells  # from the disk cache, identical
     fractions = [f for f, _ in heard]
     assert fractions == sorted(fractions) and 0.9 < fractions[-1] <= 1.0
-    assert any("min left" in m for _, m in heard)               # an estimate of the time left
+    assert any("min left" in m for _, m in heard)  # an estimate of the time left
 
 
 @pytest.mark.model
@@ -129,7 +148,9 @@ def test_the_ratio_reached_is_what_the_caches_hold(board):
         assert rows[(protocol, "full")]["ratio_reached"] == 0.0
     # question-aware: the budget is the prompt's half, to rounding; DuoAttention about it (whole heads)
     assert rows[("question-aware", "snapkv")]["ratio_reached"] == pytest.approx(0.5, abs=0.01)
-    assert rows[("question-aware", "duo_attention")]["ratio_reached"] == pytest.approx(0.5, abs=0.05)
+    assert rows[("question-aware", "duo_attention")]["ratio_reached"] == pytest.approx(
+        0.5, abs=0.05
+    )
     table = lb.format_board(fresh)
     assert "question-aware" in table and "query-agnostic" in table and "snapkv" in table
     rows_csv = list(csv.DictReader(io.StringIO(fresh.to_csv())))
@@ -163,10 +184,15 @@ def test_the_shipped_board_is_the_default_request_complete():
     scores = board.scores()
     assert {(s["protocol"], s["method"], s["ratio"]) for s in scores} == {
         *((p, m, round(r, 6)) for p in req.protocols for m in req.methods for r in req.ratios),
-        *((p, "full", 0.0) for p in req.protocols)}
+        *((p, "full", 0.0) for p in req.protocols),
+    }
     assert all(s["cells"] == len(req.tasks) * len(req.depths) for s in scores)
     budgeted = [s for s in scores if s["method"] in ("snapkv", "streaming", "adakv-snapkv")]
-    assert all(abs(s["ratio_reached"] - s["ratio"]) < 0.02 for s in budgeted if s["protocol"] == "question-aware")
+    assert all(
+        abs(s["ratio_reached"] - s["ratio"]) < 0.02
+        for s in budgeted
+        if s["protocol"] == "question-aware"
+    )
 
 
 def test_the_trade_offs_page_shows_the_board_when_opened():
@@ -174,11 +200,14 @@ def test_the_trade_offs_page_shows_the_board_when_opened():
 
     page = str(ROOT / "pages" / "1_trade-offs.py")
     closed = run_app(page, 120)
-    heading = lambda at: [m.value for m in at.markdown if "% right at each compression ratio" in m.value]  # noqa: E731
-    assert heading(closed) == []                                  # folded: nothing drawn
+
+    def heading(at):
+        return [m.value for m in at.markdown if "% right at each compression ratio" in m.value]
+
+    assert heading(closed) == []  # folded: nothing drawn
     at = run_app(page, 120, opened=("_leaderboard_open",))
     assert len(heading(at)) == 2 and not at.error
-    tables = [d.value for d in at.dataframe[-2:]]                 # one per protocol, after the Pareto table
+    tables = [d.value for d in at.dataframe[-2:]]  # one per protocol, after the Pareto table
     for table in tables:
         assert len(table) == len(lb.METHODS) and "Oracle (the bound)" in list(table["method"])
         assert list(table.columns) == ["method", "0.25", "0.5", "0.75", "0.875"]

@@ -15,7 +15,7 @@ def curve(top10: float, top20: float) -> tuple[np.ndarray, np.ndarray]:
 def test_the_verdict_places_the_curve_against_the_band():
     assert concentration_verdict(*curve(0.50, 0.70)).startswith("Less concentrated")
     assert concentration_verdict(*curve(0.70, 0.85)).startswith("Within")
-    assert concentration_verdict(*curve(0.85, 0.95)).startswith("Within")      # crosses the band's top
+    assert concentration_verdict(*curve(0.85, 0.95)).startswith("Within")  # crosses the band's top
     assert concentration_verdict(*curve(0.93, 0.97)).startswith("More concentrated")
     assert "top 10% of tokens hold 50.0%" in concentration_verdict(*curve(0.50, 0.70))
 

@@ -13,8 +13,12 @@ from conftest import TIMEOUT, idle
 
 pytestmark = pytest.mark.browser
 
-SLIDERS = (("Sink tokens", "ArrowRight"), ("Recent window", "ArrowRight"), ("Heavy hitters", "ArrowRight"),
-           ("Quantization bits", "ArrowLeft"))
+SLIDERS = (
+    ("Sink tokens", "ArrowRight"),
+    ("Recent window", "ArrowRight"),
+    ("Heavy hitters", "ArrowRight"),
+    ("Quantization bits", "ArrowLeft"),
+)
 ATTENTION = "Attention per token"
 
 # the attention chart's data (every trace's y values) and its y-axis range, as plotly drew them
@@ -32,7 +36,10 @@ CHART_JS = """(title) => {
 
 def main_slider(page, label):
     return page.locator('[data-testid="stMain"] [data-testid="stSlider"]').filter(
-        has=page.locator('[data-testid="stWidgetLabel"]', has_text=re.compile(f"^{re.escape(label)}$")))
+        has=page.locator(
+            '[data-testid="stWidgetLabel"]', has_text=re.compile(f"^{re.escape(label)}$")
+        )
+    )
 
 
 def test_presentation_mode_is_one_lecture_screen(page, app_url):
@@ -43,14 +50,22 @@ def test_presentation_mode_is_one_lecture_screen(page, app_url):
     chart = page.locator(".js-plotly-plot").filter(has_text=ATTENTION).first
     expect(chart).to_be_visible(timeout=TIMEOUT)
     idle(page)
-    scrolled = page.evaluate("() => [window.scrollY, document.querySelector('[data-testid=\"stMain\"]')?.scrollTop || 0]")
+    scrolled = page.evaluate(
+        "() => [window.scrollY, document.querySelector('[data-testid=\"stMain\"]')?.scrollTop || 0]"
+    )
     assert scrolled == [0, 0], scrolled
-    for label, _ in SLIDERS:     # in the main area, inside the first screen
+    for label, _ in SLIDERS:  # in the main area, inside the first screen
         box = main_slider(page, label).bounding_box()
         assert box is not None and 0 <= box["y"] and box["y"] + box["height"] <= 768, (label, box)
     box = chart.bounding_box()
-    assert box["y"] >= 0 and box["y"] + box["height"] <= 768, f"the attention chart is not in the first screen: {box}"
-    lock = page.locator('[data-testid="stMain"] label').filter(has_text="Lock the charts' y-axes").locator("input")
+    assert box["y"] >= 0 and box["y"] + box["height"] <= 768, (
+        f"the attention chart is not in the first screen: {box}"
+    )
+    lock = (
+        page.locator('[data-testid="stMain"] label')
+        .filter(has_text="Lock the charts' y-axes")
+        .locator("input")
+    )
     assert lock.is_checked(), "the y-axes are locked by default in Presentation mode"
 
     before = page.evaluate(CHART_JS, ATTENTION)
@@ -61,12 +76,22 @@ def test_presentation_mode_is_one_lecture_screen(page, app_url):
         was = thumb.evaluate("e => e.value")
         thumb.focus()
         thumb.press(key)
-        page.wait_for_function("([title, data]) => { const p = (" + CHART_JS + ")(title); return p && p.data !== data; }",
-                               arg=[ATTENTION, before["data"]], timeout=TIMEOUT, polling=100)
+        page.wait_for_function(
+            "([title, data]) => { const p = ("
+            + CHART_JS
+            + ")(title); return p && p.data !== data; }",
+            arg=[ATTENTION, before["data"]],
+            timeout=TIMEOUT,
+            polling=100,
+        )
         idle(page)
         assert thumb.evaluate("e => e.value") != was, f"{label} did not move"
         now = page.evaluate(CHART_JS, ATTENTION)
-        assert now["data"] != before["data"], f"moving {label} did not change the attention chart's data"
-        assert now["range"] == before["range"], f"the locked y-axis moved with {label}: {before['range']} -> {now['range']}"
+        assert now["data"] != before["data"], (
+            f"moving {label} did not change the attention chart's data"
+        )
+        assert now["range"] == before["range"], (
+            f"the locked y-axis moved with {label}: {before['range']} -> {now['range']}"
+        )
         before = now
     assert page.errors == [], page.errors

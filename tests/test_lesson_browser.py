@@ -27,10 +27,19 @@ from kvviz.sources import SyntheticSpec, make_synthetic, save_trace
 
 pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parents[1]
-HANDBOOK_GRID = {"sink": (0, 2, 4), "recent": (0, 4, 8, 16), "heavy": (0, 2, 8, 32), "bits": (2, 4, 16)}
-POINTS = [dict(sink=4, recent=8, heavy=2, bits=16), dict(sink=0, recent=16, heavy=8, bits=4),
-          dict(sink=2, recent=0, heavy=32, bits=2), dict(sink=0, recent=0, heavy=0, bits=16),
-          dict(sink=4, recent=4, heavy=0, bits=2)]
+HANDBOOK_GRID = {
+    "sink": (0, 2, 4),
+    "recent": (0, 4, 8, 16),
+    "heavy": (0, 2, 8, 32),
+    "bits": (2, 4, 16),
+}
+POINTS = [
+    dict(sink=4, recent=8, heavy=2, bits=16),
+    dict(sink=0, recent=16, heavy=8, bits=4),
+    dict(sink=2, recent=0, heavy=32, bits=2),
+    dict(sink=0, recent=0, heavy=0, bits=16),
+    dict(sink=4, recent=4, heavy=0, bits=2),
+]
 
 SHOWN = """() => {
   const cards = {};
@@ -82,6 +91,7 @@ def offline_page(browser):
             r.continue_()
         else:
             r.abort()
+
     context.route("**/*", route)
     pg.on("request", lambda req: pg.requests.append(req.url))
     pg.on("console", lambda m: pg.errors.append(m.text) if m.type in ("error", "warning") else None)
@@ -117,9 +127,18 @@ def check_point(shown, comp, frame, binned=False):
     """Everything the page shows at one point == what kvviz.compare gives there (values bit for bit)."""
     cards = card_values(comp.metrics)
     assert shown["cards"]["mass"][0] == cards["Attention mass retained"]
-    assert shown["cards"]["tv"][0] == cards["TV distance"] and shown["cards"]["tvq"][0] == cards["TV from quantization"]
-    assert shown["cards"]["kl"][0] == cards["KL divergence"] and shown["cards"]["out"][0] == cards["Output error"]
-    assert shown["cards"]["kv"][0] == cards["KV memory"] and shown["cards"]["ratio"][0] == cards["Memory vs 16-bit"]
+    assert (
+        shown["cards"]["tv"][0] == cards["TV distance"]
+        and shown["cards"]["tvq"][0] == cards["TV from quantization"]
+    )
+    assert (
+        shown["cards"]["kl"][0] == cards["KL divergence"]
+        and shown["cards"]["out"][0] == cards["Output error"]
+    )
+    assert (
+        shown["cards"]["kv"][0] == cards["KV memory"]
+        and shown["cards"]["ratio"][0] == cards["Memory vs 16-bit"]
+    )
     assert shown["cards"]["kept"][0] == cards["Tokens kept"]
     assert shown["cards"]["ratio"][1] == f"({comp.metrics['compression_ratio']:.1f}× smaller)"
     assert shown["setting"].endswith(comp.spec.label() or "no compression")
@@ -128,7 +147,9 @@ def check_point(shown, comp, frame, binned=False):
     assert all(drawn[i] == compressed[i] for i in drawn)
     if not binned:
         p = comp.primary
-        assert sorted(drawn) == [i for i in range(len(p.kept)) if p.kept[i]]        # evicted: no compressed bar
+        assert sorted(drawn) == [
+            i for i in range(len(p.kept)) if p.kept[i]
+        ]  # evicted: no compressed bar
         assert all(compressed[i] == 0 for i in range(len(p.kept)) if i not in drawn)
         assert sorted(i for i, _ in shown["original"]) == list(range(len(p.kept)))
         assert all(number(v) == p.original[i] for i, v in shown["original"])
@@ -142,7 +163,9 @@ def check_point(shown, comp, frame, binned=False):
     assert [(i, number(v)) for i, v in shown["total"]] == list(enumerate(mean))
     lo, hi = frame["band_lo"].to_numpy(), frame["band_hi"].to_numpy()
     if len(comp.members) > 1:
-        assert [(i, number(a), number(b)) for i, a, b in shown["band"]] == [(i, lo[i], hi[i]) for i in range(len(lo))]
+        assert [(i, number(a), number(b)) for i, a, b in shown["band"]] == [
+            (i, lo[i], hi[i]) for i in range(len(lo))
+        ]
     else:
         assert shown["band"] == []
 
@@ -154,11 +177,17 @@ def test_the_page_shows_what_compare_computes_at_every_point_tried(offline_page,
     view = View(ensemble="seeds", ensemble_size=8)
     seen = set()
     for k, values in enumerate(POINTS):
-        if k:            # the first is where the page opens: drawn from its JSON before the grid is unpacked
+        if k:  # the first is where the page opens: drawn from its JSON before the grid is unpacked
             set_point(pg, **values)
         shown = pg.evaluate(SHOWN)
-        spec = Spec(sink=values["sink"], recent=values["recent"], heavy=values["heavy"], key_bits=values["bits"],
-                    value_bits=values["bits"], partial=APP_PARTIAL)
+        spec = Spec(
+            sink=values["sink"],
+            recent=values["recent"],
+            heavy=values["heavy"],
+            key_bits=values["bits"],
+            value_bits=values["bits"],
+            partial=APP_PARTIAL,
+        )
         comp = compare(src.trace, spec, view, trace_for_seed=src.trace_for_seed)
         check_point(shown, comp, with_band(token_frame(comp), "std"))
         seen.add(shown["point"])
@@ -171,19 +200,52 @@ def test_the_page_agrees_with_the_kvviz_compare_command(offline_page, handbook_l
     open_lesson(pg, handbook_lesson)
     set_point(pg, sink=0, recent=16, heavy=8, bits=4)
     shown = pg.evaluate(SHOWN)
-    out = subprocess.run([sys.executable, "-m", "kvviz", "compare", "--sink", "0", "--recent", "16", "--heavy", "8",
-                          "--bits", "4", "--partial-groups", APP_PARTIAL, "--ensemble", "seeds", "--ensemble-size",
-                          "8", "--json"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvviz",
+            "compare",
+            "--sink",
+            "0",
+            "--recent",
+            "16",
+            "--heavy",
+            "8",
+            "--bits",
+            "4",
+            "--partial-groups",
+            APP_PARTIAL,
+            "--ensemble",
+            "seeds",
+            "--ensemble-size",
+            "8",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        check=True,
+    )
     printed = json.loads(out.stdout)
     assert [number(v) for _, v in shown["total"]] == printed["error_mean"]
-    assert {i: number(v) for i, v in shown["compressed"]} == {i: c for i, c in enumerate(printed["compressed"]) if c}
-    assert [number(lo) for _, lo, _ in shown["band"]] == [m - s for m, s in zip(printed["error_mean"],
-                                                                                  printed["error_std_sample"])]
+    assert {i: number(v) for i, v in shown["compressed"]} == {
+        i: c for i, c in enumerate(printed["compressed"]) if c
+    }
+    assert [number(lo) for _, lo, _ in shown["band"]] == [
+        m - s for m, s in zip(printed["error_mean"], printed["error_std_sample"])
+    ]
     metrics = {**printed["metrics"], "output_rel_error": printed["metrics"]["output_rel_error"]}
     cards = card_values(metrics)
-    assert shown["cards"]["mass"][0] == cards["Attention mass retained"] and shown["cards"]["kv"][0] == cards["KV memory"]
-    assert shown["cards"]["tv"][0] == cards["TV distance"] and shown["cards"]["kept"][0] == cards["Tokens kept"]
+    assert (
+        shown["cards"]["mass"][0] == cards["Attention mass retained"]
+        and shown["cards"]["kv"][0] == cards["KV memory"]
+    )
+    assert (
+        shown["cards"]["tv"][0] == cards["TV distance"]
+        and shown["cards"]["kept"][0] == cards["Tokens kept"]
+    )
 
 
 def test_keyboard_moves_a_slider_along_its_grid(offline_page, handbook_lesson):
@@ -195,7 +257,7 @@ def test_keyboard_moves_a_slider_along_its_grid(offline_page, handbook_lesson):
     before = pg.evaluate("kvvizLesson.point")
     heavy.press("ArrowRight")
     assert pg.locator("#s-heavy-value").text_content() == "8"
-    assert pg.evaluate("kvvizLesson.point") == before + 3                     # bits is the fastest axis (3 values)
+    assert pg.evaluate("kvvizLesson.point") == before + 3  # bits is the fastest axis (3 values)
     assert pg.locator('[data-card="kept"] dd').text_content() == "20 / 64"
     heavy.press("End")
     assert pg.locator("#s-heavy-value").text_content() == "32"
@@ -208,43 +270,86 @@ def test_token_text_is_shown_as_text(offline_page, tmp_path):
     tokens = ("<script>alert(1)</script>",) + tuple(f" w{i}" for i in range(1, trace.n_positions))
     trace = replace(trace, tokens=tokens, meta={"source": "model", "model": "<b>bold</b> model"})
     path = save_trace(trace, tmp_path / "t.safetensors")
-    page = export(tmp_path, "xss", "--trace", str(path), "--grid", "sink=0,1", "--grid", "recent=4", "--grid",
-                  "heavy=0", "--grid", "bits=16", "--text", "<img src=x onerror=alert(2)>",
-                  "--title", "</title><script>alert(3)</script>")
+    page = export(
+        tmp_path,
+        "xss",
+        "--trace",
+        str(path),
+        "--grid",
+        "sink=0,1",
+        "--grid",
+        "recent=4",
+        "--grid",
+        "heavy=0",
+        "--grid",
+        "bits=16",
+        "--text",
+        "<img src=x onerror=alert(2)>",
+        "--title",
+        "</title><script>alert(3)</script>",
+    )
     pg = offline_page
     open_lesson(pg, page)
     assert pg.dialogs == [] and pg.evaluate("document.querySelectorAll('img').length") == 0
-    assert pg.evaluate("Array.from(document.querySelectorAll('b')).map(b => b.textContent)") == ["Kept tokens: "]
+    assert pg.evaluate("Array.from(document.querySelectorAll('b')).map(b => b.textContent)") == [
+        "Kept tokens: "
+    ]
     assert pg.evaluate("document.scripts.length") == 3
     assert pg.locator("#lecturer").text_content() == "<img src=x onerror=alert(2)>"
     assert pg.locator("h1").text_content() == "</title><script>alert(3)</script>"
     pg.locator('#attention rect[data-i="0"]').first.hover()
     tip = pg.locator("#attention .tip")
-    assert tip.is_visible() and tip.text_content().startswith("<script>alert(1)</script> (position 0)")
-    labels = pg.evaluate("Array.from(document.querySelectorAll('#attention .xaxis text')).map(t => t.textContent)")
-    assert labels[0] == "<script>al"                                   # the axis shows its first 10 characters
+    assert tip.is_visible() and tip.text_content().startswith(
+        "<script>alert(1)</script> (position 0)"
+    )
+    labels = pg.evaluate(
+        "Array.from(document.querySelectorAll('#attention .xaxis text')).map(t => t.textContent)"
+    )
+    assert labels[0] == "<script>al"  # the axis shows its first 10 characters
     assert pg.locator("#source").text_content().startswith("<b>bold</b> model: ")
     assert pg.requests == [page.as_uri()] and pg.errors == []
 
 
 def test_a_long_source_is_binned_and_exact(offline_page, tmp_path):
     values = {"context": 300, "steps": 2, "layers": 1, "q_heads": 2, "kv_heads": 1}
-    link = "source=synthetic&" + "&".join(f"{k}={v}" for k, v in values.items()) + "&sink=4&recent=32&heavy=16&bits=4"
-    page = export(tmp_path, "binned", "--from-url", link, "--grid", "sink=4", "--grid", "recent=0,32",
-                  "--grid", "heavy=16", "--grid", "bits=4,16")
+    link = (
+        "source=synthetic&"
+        + "&".join(f"{k}={v}" for k, v in values.items())
+        + "&sink=4&recent=32&heavy=16&bits=4"
+    )
+    page = export(
+        tmp_path,
+        "binned",
+        "--from-url",
+        link,
+        "--grid",
+        "sink=4",
+        "--grid",
+        "recent=0,32",
+        "--grid",
+        "heavy=16",
+        "--grid",
+        "bits=4,16",
+    )
     pg = offline_page
     open_lesson(pg, page)
     trace = make_synthetic(SyntheticSpec(**values))
     for recent, bits in ((32, 4), (0, 16)):
         set_point(pg, recent=recent, bits=bits)
         shown = pg.evaluate(SHOWN)
-        comp = compare(trace, Spec(sink=4, recent=recent, heavy=16, key_bits=bits, value_bits=bits, partial=APP_PARTIAL),
-                       View(ensemble="heads", ensemble_size=8))
+        comp = compare(
+            trace,
+            Spec(
+                sink=4, recent=recent, heavy=16, key_bits=bits, value_bits=bits, partial=APP_PARTIAL
+            ),
+            View(ensemble="heads", ensemble_size=8),
+        )
         frame = with_band(binned_frame(comp), "std")
         check_point(shown, comp, frame, binned=True)
         evicted = frame["evicted_mass"].to_numpy()
-        assert {i: number(v) for i, v in shown["evicted_mass"]} == {i: evicted[i] for i in range(len(evicted))
-                                                                     if evicted[i] > 0}
+        assert {i: number(v) for i, v in shown["evicted_mass"]} == {
+            i: evicted[i] for i in range(len(evicted)) if evicted[i] > 0
+        }
         assert shown["kept"] == "302 tokens: the charts show 101 bins of up to 3 tokens each."
     assert pg.errors == []
 
@@ -260,13 +365,20 @@ def test_fits_a_projector(offline_page, handbook_lesson):
     artifacts = ROOT / "test-artifacts"
     artifacts.mkdir(exist_ok=True)
     pg.screenshot(path=str(artifacts / "lesson.png"), full_page=True)
-    if os.environ.get("KVVIZ_UPDATE_SCREENSHOT") == "1":     # docs/lesson.md: the default handbook lesson
+    if (
+        os.environ.get("KVVIZ_UPDATE_SCREENSHOT") == "1"
+    ):  # docs/lesson.md: the default handbook lesson
         full = export(handbook_lesson.parent, "full")
         open_lesson(pg, full)
-        set_point(pg, sink=4, recent=16, heavy=16, bits=2)      # 36 kept tokens: keys fill a group, both errors
+        set_point(
+            pg, sink=4, recent=16, heavy=16, bits=2
+        )  # 36 kept tokens: keys fill a group, both errors
         pg.evaluate("document.activeElement.blur()")
-        pg.screenshot(path=str(ROOT / "docs" / "lesson.png"), clip={"x": 0, "y": 0, "width": 1024, "height": 1380},
-                      full_page=True)
+        pg.screenshot(
+            path=str(ROOT / "docs" / "lesson.png"),
+            clip={"x": 0, "y": 0, "width": 1024, "height": 1380},
+            full_page=True,
+        )
 
 
 def test_the_request_recorder_sees_what_a_page_loads(offline_page):

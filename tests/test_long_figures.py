@@ -14,7 +14,7 @@ from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.spec import Spec, View
 
 N = 32_768
-FEW_THOUSAND = 2_000   # points a chart may carry
+FEW_THOUSAND = 2_000  # points a chart may carry
 
 
 def points(fig) -> int:
@@ -31,7 +31,9 @@ def points(fig) -> int:
 def long_row():
     """A 32k-token row: eviction (sinks, a recent window, K-norm's scattered heavy hitters) and 4-bit
     quantization, error bars over 2 query heads."""
-    t = make_synthetic(SyntheticSpec(context=N, steps=0, layers=1, q_heads=2, kv_heads=1, head_dim=64))
+    t = make_synthetic(
+        SyntheticSpec(context=N, steps=0, layers=1, q_heads=2, kv_heads=1, head_dim=64)
+    )
     spec = Spec(sink=4, recent=512, heavy=512, scorer="knorm", key_bits=4, value_bits=4)
     comp = compare(t, spec, View(layer=0, head=0, ensemble="heads", ensemble_size=2))
     assert len(comp.tokens) == N and 0 < comp.primary.kept.sum() < N
@@ -39,13 +41,17 @@ def long_row():
 
 
 def all_figures(frame, binned: bool, members: int, pinned=None):
-    att = (figures.binned_attention_figure(frame) if binned
-           else figures.attention_figure(frame, text_tokens=True, pinned=pinned))
+    att = (
+        figures.binned_attention_figure(frame)
+        if binned
+        else figures.attention_figure(frame, text_tokens=True, pinned=pinned)
+    )
     return att, figures.error_figure(frame, "std", members, text_tokens=not binned, pinned=pinned)
 
 
-@pytest.mark.parametrize("first, last", [(0, -1), (1000, 9999), (30_000, 30_000 + BIN_THRESHOLD - 1),
-                                         (12_345, 12_345)])
+@pytest.mark.parametrize(
+    "first, last", [(0, -1), (1000, 9999), (30_000, 30_000 + BIN_THRESHOLD - 1), (12_345, 12_345)]
+)
 def test_every_chart_of_a_32k_row_carries_a_few_hundred_points(long_row, first, last):
     frame, binned = zoom_frame(long_row, first, last)
     assert binned == ((last if last >= 0 else N - 1) - first + 1 > BIN_THRESHOLD)
@@ -60,12 +66,14 @@ def test_the_whole_row_is_binned_with_the_mass_and_the_largest_token_of_each_bin
     frame, binned = zoom_frame(long_row)
     assert binned and len(frame) == MAX_BINS and (frame["tokens"] == N // MAX_BINS).all()
     assert frame["start"].iloc[0] == 0 and frame["end"].iloc[-1] == N - 1
-    assert frame["kept_tokens"].sum() == p.kept.sum()                    # integers: exact
-    np.testing.assert_allclose(frame["original"].sum(), 1.0, rtol=1e-9)   # the row's mass, in bins
+    assert frame["kept_tokens"].sum() == p.kept.sum()  # integers: exact
+    np.testing.assert_allclose(frame["original"].sum(), 1.0, rtol=1e-9)  # the row's mass, in bins
     w = N // MAX_BINS
     assert np.array_equal(frame["original_max"], p.original.reshape(MAX_BINS, w).max(axis=1))
     by_bin = p.error.reshape(MAX_BINS, w)
-    assert np.array_equal(frame["error_extreme"], by_bin[np.arange(MAX_BINS), np.abs(by_bin).argmax(axis=1)])
+    assert np.array_equal(
+        frame["error_extreme"], by_bin[np.arange(MAX_BINS), np.abs(by_bin).argmax(axis=1)]
+    )
     att, err = all_figures(frame, True, len(long_row.members))
     assert att.layout.yaxis.title.text == "attention mass per bin (sum)"
     assert "original: largest single token in the bin" in [t.name for t in att.data]
@@ -89,12 +97,14 @@ def test_a_zoom_reaches_single_tokens(long_row):
     p = long_row.primary
     frame, binned = zoom_frame(long_row, 30_000, 30_000 + BIN_THRESHOLD - 1)
     assert not binned and list(frame["position"]) == list(range(30_000, 30_000 + BIN_THRESHOLD))
-    assert np.array_equal(frame["original"], p.original[30_000:30_000 + BIN_THRESHOLD])
+    assert np.array_equal(frame["original"], p.original[30_000 : 30_000 + BIN_THRESHOLD])
     one, binned = zoom_frame(long_row, 12_345, 12_345)
     assert not binned and list(one["position"]) == [12_345]
     att = figures.attention_figure(one, text_tokens=True)
     xs = [x for t in att.data for x in t.x]
-    assert set(xs) == {12_345} and len(xs) == (2 if p.kept[12_345] else 1)   # original (+ compressed if kept)
+    assert set(xs) == {12_345} and len(xs) == (
+        2 if p.kept[12_345] else 1
+    )  # original (+ compressed if kept)
     assert one.equals(token_frame(long_row).iloc[[12_345]])
 
 

@@ -21,16 +21,25 @@ from kvviz import Spec, View, compare  # noqa: E402
 from kvviz.attention import logit_row, softmax  # noqa: E402
 from kvviz.cli import main  # noqa: E402
 from kvviz.models import ModelError, bundled_model_file, load_model  # noqa: E402
-from kvviz.sources.capture import (CaptureError, capture, check_attention, concentration,  # noqa: E402
-                                   head_overview, parse_layers, visible)
+from kvviz.sources.capture import (  # noqa: E402
+    CaptureError,
+    capture,
+    check_attention,
+    concentration,  # noqa: E402
+    head_overview,
+    parse_layers,
+    visible,
+)
 from kvviz.sources.tracefile import load_trace, save_trace  # noqa: E402
 from kvviz.trace import Trace, TraceError  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-TINY_TEXT = ("The quick brown fox jumps over the lazy dog. A small cat sat on the warm mat by the "
-             "window.\nBirds sing in the morning, and the old dog sleeps in the sun.")
+TINY_TEXT = (
+    "The quick brown fox jumps over the lazy dog. A small cat sat on the warm mat by the "
+    "window.\nBirds sing in the morning, and the old dog sleeps in the sun."
+)
 
 # ~190 tokens of plain English for the bundled model (written for this test).
 ENGLISH = (
@@ -44,7 +53,8 @@ ENGLISH = (
     "stored on a shelf next to the great lamp. Reading them again, side by side, they realised "
     "that the letters told the story of the island better than any history book could, because "
     "they were written by someone who had watched it change slowly, season after season, for "
-    "most of his life.")
+    "most of his life."
+)
 
 
 def run(capsys, *argv):
@@ -54,6 +64,7 @@ def run(capsys, *argv):
 
 
 # --- the tiny random Llama ---------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
@@ -66,13 +77,27 @@ def tiny_dir(tmp_path_factory):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator([TINY_TEXT] * 3, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(
+        [TINY_TEXT] * 3,
+        trainers.BpeTrainer(
+            vocab_size=320,
+            special_tokens=["<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
     tok.save_pretrained(d)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=0, eos_token_id=1)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # larger q/k weights: peaked attention, so a wrong row would show
@@ -109,7 +134,11 @@ def test_tiny_trace_shapes_tokens_and_meta(tiny, tiny_trace):
     assert "▁" in "".join(t.tokens[:P]) and "↵" in "".join(t.tokens[:P])
     m = t.meta
     assert m["source"] == "model" and m["prompt"] == TINY_TEXT and m["new_tokens"] == 6
-    assert m["truncated"] is False and m["layers"] == [0, 1] and m["config"]["num_key_value_heads"] == 2
+    assert (
+        m["truncated"] is False
+        and m["layers"] == [0, 1]
+        and m["config"]["num_key_value_heads"] == 2
+    )
     assert m["kvviz_version"] and m["architecture"] == "LlamaForCausalLM"
 
 
@@ -124,7 +153,7 @@ def test_tiny_recomputed_attention_matches_the_model(tiny, tiny_trace):
     qi = tiny_trace.n_queries - 2
     for layer, head in ((0, 3), (1, 1)):
         theirs = att[layer][0, head, qi, : qi + 1].numpy()
-        assert theirs.max() > 5 / len(theirs)                      # far from uniform: a mismatch would show
+        assert theirs.max() > 5 / len(theirs)  # far from uniform: a mismatch would show
         ours = softmax(logit_row(tiny_trace, layer, head, qi))
         np.testing.assert_allclose(ours, theirs, atol=1e-5)
         step = int(np.flatnonzero(tiny_trace.evaluated_queries == qi)[0])
@@ -138,14 +167,23 @@ def test_tiny_keys_values_are_the_cache_and_decode_is_greedy(tiny, tiny_trace):
     P = tiny_trace.context_len
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True)
-        gen = model.generate(torch.tensor([ids[:P]]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                             pad_token_id=1)
-    assert gen[0].tolist() == ids                                  # our decode loop == generate()
+        gen = model.generate(
+            torch.tensor([ids[:P]]),
+            max_new_tokens=6,
+            min_new_tokens=6,
+            do_sample=False,
+            pad_token_id=1,
+        )
+    assert gen[0].tolist() == ids  # our decode loop == generate()
     cache = out.past_key_values
     for layer in range(2):
-        np.testing.assert_allclose(tiny_trace.k[layer], cache.layers[layer].keys[0].numpy(), atol=1e-5)
-        np.testing.assert_allclose(tiny_trace.v[layer], cache.layers[layer].values[0].numpy(), atol=1e-5)
-    assert model.config._attn_implementation == "eager"           # restored after the capture
+        np.testing.assert_allclose(
+            tiny_trace.k[layer], cache.layers[layer].keys[0].numpy(), atol=1e-5
+        )
+        np.testing.assert_allclose(
+            tiny_trace.v[layer], cache.layers[layer].values[0].numpy(), atol=1e-5
+        )
+    assert model.config._attn_implementation == "eager"  # restored after the capture
 
 
 def test_capture_wraps_whatever_attention_the_model_uses(tiny_dir, tiny_trace):
@@ -156,8 +194,14 @@ def test_capture_wraps_whatever_attention_the_model_uses(tiny_dir, tiny_trace):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="sdpa").eval()
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    t = capture(model, tok, model_info("tiny", str(tiny_dir), model, "float32", "cpu"), TINY_TEXT,
-                new_tokens=6, stop_at_eos=False)
+    t = capture(
+        model,
+        tok,
+        model_info("tiny", str(tiny_dir), model, "float32", "cpu"),
+        TINY_TEXT,
+        new_tokens=6,
+        stop_at_eos=False,
+    )
     assert model.config._attn_implementation == "sdpa"
     assert t.meta["token_ids"] == tiny_trace.meta["token_ids"]
     np.testing.assert_allclose(t.q, tiny_trace.q, atol=1e-5)
@@ -194,8 +238,15 @@ def test_tiny_save_load_round_trip(tiny_trace, tmp_path):
 def test_progress_is_reported_and_monotonic(tiny):
     model, tok, info = tiny
     seen = []
-    capture(model, tok, info, TINY_TEXT, new_tokens=3, stop_at_eos=False,
-            progress=lambda f, m: seen.append((f, m)))
+    capture(
+        model,
+        tok,
+        info,
+        TINY_TEXT,
+        new_tokens=3,
+        stop_at_eos=False,
+        progress=lambda f, m: seen.append((f, m)),
+    )
     fractions = [f for f, _ in seen]
     assert fractions == sorted(fractions) and fractions[-1] == 1.0
     text = " | ".join(m for _, m in seen)
@@ -206,9 +257,18 @@ def test_capture_trace_loads_then_captures(tiny_dir, tiny_trace):
     from kvviz.sources.capture import capture_trace
 
     seen = []
-    t = capture_trace(str(tiny_dir), TINY_TEXT, new_tokens=0, layers=[0],
-                      progress=lambda f, m: seen.append((f, m)))
-    assert t.context_len == tiny_trace.context_len and t.n_positions == t.context_len and t.n_layers == 1
+    t = capture_trace(
+        str(tiny_dir),
+        TINY_TEXT,
+        new_tokens=0,
+        layers=[0],
+        progress=lambda f, m: seen.append((f, m)),
+    )
+    assert (
+        t.context_len == tiny_trace.context_len
+        and t.n_positions == t.context_len
+        and t.n_layers == 1
+    )
     np.testing.assert_allclose(t.q[0], tiny_trace.q[0, :, : t.n_positions], atol=1e-6)
     loading = [f for f, m in seen if "load" in m]
     assert loading and max(loading) <= 0.4 and seen[-1][0] == 1.0
@@ -218,15 +278,23 @@ def test_head_overview_and_concentration_match_brute_force():
     rng = np.random.default_rng(1)
     L, H, Hkv, T, D = 3, 4, 2, 40, 8
     k = rng.standard_normal((L, Hkv, T, D)).astype(np.float32)
-    k[:, :, 0] *= 6                                                # a strong first key
-    t = Trace(q=rng.standard_normal((L, H, T, D)).astype(np.float32), k=k, v=None, context_len=30,
-              tokens=tuple(f"t{i}" for i in range(T)), query_positions=np.arange(T))
+    k[:, :, 0] *= 6  # a strong first key
+    t = Trace(
+        q=rng.standard_normal((L, H, T, D)).astype(np.float32),
+        k=k,
+        v=None,
+        context_len=30,
+        tokens=tuple(f"t{i}" for i in range(T)),
+        query_positions=np.arange(T),
+    )
     want_first = np.zeros((L, H))
     tops = []
     for layer in range(L):
         for h in range(H):
-            for p in range(22, 30):                                 # the last 8 context rows
-                a = softmax(t.k[layer, h // 2, : p + 1].astype(np.float64) @ t.q[layer, h, p] / np.sqrt(D))
+            for p in range(22, 30):  # the last 8 context rows
+                a = softmax(
+                    t.k[layer, h // 2, : p + 1].astype(np.float64) @ t.q[layer, h, p] / np.sqrt(D)
+                )
                 want_first[layer, h] += a[0] / 8
                 if layer >= 1:
                     tops.append(np.sort(a)[::-1][: int(np.ceil(0.1 * (p + 1)))].sum())
@@ -237,6 +305,7 @@ def test_head_overview_and_concentration_match_brute_force():
 
 
 # --- loading errors -----------------------------------------------------------------------
+
 
 def test_load_errors_say_what_to_do(tmp_path, monkeypatch):
     with pytest.raises(ModelError, match="no such model folder or file"):
@@ -249,7 +318,7 @@ def test_load_errors_say_what_to_do(tmp_path, monkeypatch):
     with pytest.raises(ModelError, match="not a causal language model"):
         load_model(str(vit))
     gguf = pytest.importorskip("gguf")
-    w = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "mamba9")     # an architecture transformers lacks
+    w = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "mamba9")  # an architecture transformers lacks
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file()
@@ -259,7 +328,9 @@ def test_load_errors_say_what_to_do(tmp_path, monkeypatch):
     with pytest.raises(ModelError, match="unsupported GGUF architecture"):
         load_model(str(tmp_path / "odd.gguf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelError, match="no network and not in the local cache; try --model bundled"):
+    with pytest.raises(
+        ModelError, match="no network and not in the local cache; try --model bundled"
+    ):
         load_model("someone/not-a-cached-model")
     with pytest.raises(ModelError, match="dtype must be one of"):
         load_model("bundled", dtype="int3")
@@ -267,37 +338,82 @@ def test_load_errors_say_what_to_do(tmp_path, monkeypatch):
 
 # --- the command line -------------------------------------------------------------------
 
+
 def test_cli_capture_then_compare(tiny_dir, tmp_path, capsys):
     out = tmp_path / "cli.safetensors"
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(TINY_TEXT, encoding="utf-8")
-    code, _, err = run(capsys, "capture", "--model", tiny_dir, "--prompt-file", prompt, "--new-tokens", "3",
-                       "--layers", "0-1", "--out", out)
+    code, _, err = run(
+        capsys,
+        "capture",
+        "--model",
+        tiny_dir,
+        "--prompt-file",
+        prompt,
+        "--new-tokens",
+        "3",
+        "--layers",
+        "0-1",
+        "--out",
+        out,
+    )
     assert code == 0, err
     assert "loading" in err and "[100%] captured" in err and "wrote" in err
     t = load_trace(out)
     assert t.n_layers == 2 and t.meta["new_tokens"] + t.context_len == t.n_positions
-    code, table, err = run(capsys, "compare", "--source", out, "--sink", "2", "--recent", "4", "--layer", "1")
+    code, table, err = run(
+        capsys, "compare", "--source", out, "--sink", "2", "--recent", "4", "--layer", "1"
+    )
     assert code == 0, err
     assert t.tokens[0] in table
 
 
 def test_cli_capture_with_kvzips_pass_then_compare_with_kvzip(tiny_dir, tmp_path, capsys):
     out = tmp_path / "kvzip.safetensors"
-    code, _, err = run(capsys, "capture", "--model", tiny_dir, "--prompt", TINY_TEXT, "--new-tokens", "2",
-                       "--kvzip", "--quiet", "--out", out)
+    code, _, err = run(
+        capsys,
+        "capture",
+        "--model",
+        tiny_dir,
+        "--prompt",
+        TINY_TEXT,
+        "--new-tokens",
+        "2",
+        "--kvzip",
+        "--quiet",
+        "--out",
+        out,
+    )
     assert code == 0, err
-    code, table, err = run(capsys, "compare", "--source", out, "--scorer", "kvzip", "--sink", "2", "--recent", "2",
-                           "--heavy", "8")
+    code, table, err = run(
+        capsys,
+        "compare",
+        "--source",
+        out,
+        "--scorer",
+        "kvzip",
+        "--sink",
+        "2",
+        "--recent",
+        "2",
+        "--heavy",
+        "8",
+    )
     assert code == 0, err
     assert "KVzip" in table or "kvzip" in table
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "/no/such/folder", "--prompt", "hi"], "no such model folder or file"),
-    (["--model", "someone/not-cached", "--prompt", "hi"], "no network and not in the local cache"),
-    (["--model", "bundled", "--prompt", "   "], "the prompt is empty"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "/no/such/folder", "--prompt", "hi"], "no such model folder or file"),
+        (
+            ["--model", "someone/not-cached", "--prompt", "hi"],
+            "no network and not in the local cache",
+        ),
+        (["--model", "bundled", "--prompt", "   "], "the prompt is empty"),
+    ],
+)
 def test_cli_capture_errors_are_one_line(argv, message, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code, _, err = run(capsys, "capture", *argv, "--quiet", "--out", tmp_path / "x.safetensors")
@@ -324,11 +440,12 @@ def test_cli_models_lists_the_bundled_model(capsys):
 
 # --- the bundled SmolLM2-135M ---------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def bundled():
     from apptest_util import load_shared
 
-    return load_shared("bundled")     # one load per test process
+    return load_shared("bundled")  # one load per test process
 
 
 @pytest.fixture(scope="module")
@@ -345,10 +462,12 @@ def test_bundled_trace_is_real_attention(bundled, bundled_trace):
     assert t.tokens[:3] == ("Every", "▁autumn", "▁the")
     # Averaged over layers 2-29, all 9 heads and the last 32 prompt queries:
     c = concentration(t, first_layer=2, n_rows=32)
-    assert c["first_token"] >= 0.20, c      # an attention sink (random weights give ~0.01)
-    assert c["top_share"] >= 0.70, c        # the top 10% of the keys hold most of the mass
+    assert c["first_token"] >= 0.20, c  # an attention sink (random weights give ~0.01)
+    assert c["top_share"] >= 0.70, c  # the top 10% of the keys hold most of the mass
     overview = head_overview(t)
-    assert overview.shape == (30, 9) and overview[2:].mean() == pytest.approx(c["first_token"], abs=0.05)
+    assert overview.shape == (30, 9) and overview[2:].mean() == pytest.approx(
+        c["first_token"], abs=0.05
+    )
 
 
 @pytest.mark.model
@@ -372,14 +491,22 @@ def test_bundled_round_trip_and_errors(bundled, bundled_trace, tmp_path):
 
 # --- the app's Real model and Trace file sources (AppTest) ----------------------------------
 
+
 def _real_model_page():
     import streamlit as st
 
     from kvviz.app.sources import real_model_source
 
     t = real_model_source(st.sidebar)
-    st.write("TRACE:" + ("none" if t is None else f"{t.n_layers}x{t.n_q_heads}x{t.n_positions}"
-                         f" ctx {t.context_len} {t.meta['model_name']}"))
+    st.write(
+        "TRACE:"
+        + (
+            "none"
+            if t is None
+            else f"{t.n_layers}x{t.n_q_heads}x{t.n_positions}"
+            f" ctx {t.context_len} {t.meta['model_name']}"
+        )
+    )
 
 
 def _kvzip_page():
@@ -390,7 +517,10 @@ def _kvzip_page():
     from kvviz.policies.kvzip import META
 
     t = real_model_source(st.sidebar)
-    st.write("KVZIP:" + ("none" if t is None or META not in t.meta else str(np.asarray(t.meta[META]).shape)))
+    st.write(
+        "KVZIP:"
+        + ("none" if t is None or META not in t.meta else str(np.asarray(t.meta[META]).shape))
+    )
 
 
 def _trace_file_page():
@@ -429,7 +559,9 @@ def test_the_main_area_capture_button_captures_the_chosen_model(tiny_dir, cache)
     assert _shown(at) == f"TRACE:2x4x68 ctx 64 {tiny_dir}"
     assert at.status[0].label.startswith("Captured 68 tokens")
     at.run()
-    assert not [b for b in at.main.button if b.key == "rm_capture_main"]   # captured: no button any more
+    assert not [
+        b for b in at.main.button if b.key == "rm_capture_main"
+    ]  # captured: no button any more
     assert _shown(at) == f"TRACE:2x4x68 ctx 64 {tiny_dir}"
 
 
@@ -450,7 +582,7 @@ def test_kvzips_pass_with_the_capture_is_a_capture_of_its_own(tiny_dir, cache):
     at.sidebar.checkbox(key="rm_kvzip").check().run()
     at.sidebar.button(key="rm_capture").click().run()
     assert not at.exception, [e.value for e in at.exception]
-    assert shown(at) == "KVZIP:(2, 2, 64)"            # layers, KV heads, prompt tokens
+    assert shown(at) == "KVZIP:(2, 2, 64)"  # layers, KV heads, prompt tokens
     assert len(list(cache.glob("*.safetensors"))) == 2
 
 
@@ -467,7 +599,7 @@ def test_app_real_model_capture_is_cached_on_disk(tiny_dir, cache):
     assert not at.exception
     assert _shown(at) == f"TRACE:2x4x68 ctx 64 {tiny_dir}"
     assert at.status[0].label.startswith("Captured 68 tokens")
-    assert any("kept the first 64" in w.value for w in at.sidebar.warning)     # the prompt cap, said
+    assert any("kept the first 64" in w.value for w in at.sidebar.warning)  # the prompt cap, said
     assert len(list(cache.glob("*.safetensors"))) == 1
     # A second capture in the same session reuses the loaded model (no cache replay of the
     # first capture's progress bar, which Streamlit cannot do).
@@ -497,11 +629,15 @@ def test_app_trace_file_upload_and_saved(tiny_trace, cache):
     good = save_trace(tiny_trace, cache / "good.safetensors").read_bytes()
     at = AppTest.from_function(_trace_file_page, default_timeout=60).run()
     assert not at.exception
-    assert _shown(at) == f"TRACE:{tiny_trace.n_positions} tokens {tiny_trace.tokens[0]}"   # saved, newest
+    assert (
+        _shown(at) == f"TRACE:{tiny_trace.n_positions} tokens {tiny_trace.tokens[0]}"
+    )  # saved, newest
     assert "(1)" in at.sidebar.radio(key="tf_how").options[1]
     at.sidebar.radio(key="tf_how").set_value("upload").run()
     assert _shown(at) == "TRACE:none"
-    at.get("file_uploader")[0].upload("bad.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!").run()
+    at.get("file_uploader")[0].upload(
+        "bad.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!"
+    ).run()
     assert not at.exception and _shown(at) == "TRACE:none"
     err = at.sidebar.error[0].value
     assert "bad.safetensors" in err and "cannot be used" in err and "kvviz capture" in err
@@ -517,7 +653,11 @@ def test_app_real_model_default_flow_on_the_bundled_model(bundled, cache, monkey
 
     import kvviz.models
 
-    monkeypatch.setattr(kvviz.models, "load_model", lambda name, device="cpu", dtype="float32", progress=None: bundled)
+    monkeypatch.setattr(
+        kvviz.models,
+        "load_model",
+        lambda name, device="cpu", dtype="float32", progress=None: bundled,
+    )
     at = AppTest.from_function(_real_model_page, default_timeout=180).run()
     at.sidebar.button(key="rm_capture").click().run()
     assert not at.exception
@@ -536,7 +676,7 @@ def test_hub_id_without_network_fails_fast(monkeypatch):
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")          # nothing listens on port 9
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on port 9
     t0 = time.perf_counter()
     assert models._hub_reachable(timeout=2.0) is False
     with pytest.raises(ModelError, match="no network and not in the local cache"):

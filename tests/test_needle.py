@@ -24,11 +24,12 @@ POLICIES = ("streaming", "h2o", "tova", "snapkv", "oracle")
 
 # --- no model ------------------------------------------------------------------------------
 
+
 def test_exact_match_scoring():
     assert needle.score_answer("71432. Remember it", "71432")
     assert needle.score_answer(" 71432.\n", "71432")
     assert not needle.score_answer("7143", "71432")
-    assert not needle.score_answer("714321", "71432")          # the first run of digits must be the key
+    assert not needle.score_answer("714321", "71432")  # the first run of digits must be the key
     assert not needle.score_answer("the key is 12 or 71432", "71432")
     assert not needle.score_answer("no digits at all", "71432")
 
@@ -50,7 +51,10 @@ def test_budget_is_a_fraction_of_the_prompt_and_specs_follow_the_model_lab_split
     h = needle.spec_for("h2o", 0.25, 4, 320)
     assert (h.sink, h.recent, h.heavy, h.budget, h.key_bits, h.value_bits) == (4, 36, 40, 80, 4, 4)
     assert needle.spec_for("full", 0.25, 16, 320) == Spec()
-    assert needle.spec_for("full", 0.25, 4, 320).quantizes and not needle.spec_for("full", 0.25, 4, 320).evicts
+    assert (
+        needle.spec_for("full", 0.25, 4, 320).quantizes
+        and not needle.spec_for("full", 0.25, 4, 320).evicts
+    )
     with pytest.raises(SpecError, match="unknown scorer"):
         needle.spec_for("nope", 0.25, 16, 320)
 
@@ -89,29 +93,34 @@ def test_the_shipped_default_grid_is_complete_and_consistent():
     assert len(grid.cells) == len(grid.scorers) * len(s["lengths"]) * len(s["depths"])
     for p in grid.prompts:
         assert len(p.ids) == len(p.tokens) == p.length
-        assert p.key in "".join(p.tokens[p.needle_start:p.needle_end])
+        assert p.key in "".join(p.tokens[p.needle_start : p.needle_end])
         full = grid.cell("full", p.length, p.depth)
         stream = grid.cell("streaming", p.length, p.depth)
         spec = needle.spec_for("streaming", needle.DEFAULT_BUDGET, 16, p.length)
         if spec.sink <= p.needle_start and p.needle_end <= p.length - spec.recent:
-            assert stream.needle_kept == 0.0                     # out of the window: gone, by definition
+            assert stream.needle_kept == 0.0  # out of the window: gone, by definition
         if p.needle_start >= p.length - spec.recent:
             assert stream.needle_kept == 1.0
         for name in grid.scorers:
             c = grid.cell(name, p.length, p.depth)
             kept = c.kept()
             assert np.all(kept.sum(axis=2) == c.budget_tokens)
-            assert np.allclose(kept[:, :, p.needle_start:p.needle_end].mean(axis=2), c.needle_kept_by_head)
-            assert c.full_answer == full.answer and c.correct == needle.score_answer(c.answer, c.key)
+            assert np.allclose(
+                kept[:, :, p.needle_start : p.needle_end].mean(axis=2), c.needle_kept_by_head
+            )
+            assert c.full_answer == full.answer and c.correct == needle.score_answer(
+                c.answer, c.key
+            )
 
 
 # --- the bundled model ---------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def bundled():
     from apptest_util import load_shared
 
-    model, tokenizer, _ = load_shared("bundled")     # one load per test process
+    model, tokenizer, _ = load_shared("bundled")  # one load per test process
     return model, tokenizer
 
 
@@ -127,7 +136,9 @@ def runs(bundled, cache_folder):
     mp = pytest.MonkeyPatch()
     mp.setenv("KVVIZ_CACHE_DIR", str(cache_folder))
     try:
-        request = needle.GridRequest(lengths=[LENGTH], depths=[DEPTH], scorers=["full", *POLICIES], budgets=[BUDGET])
+        request = needle.GridRequest(
+            lengths=[LENGTH], depths=[DEPTH], scorers=["full", *POLICIES], budgets=[BUDGET]
+        )
         s1, s2 = {}, {}
         fresh = needle.run_grid(model, tokenizer, "bundled", request, stats=s1)
         again = needle.run_grid(model, tokenizer, "bundled", request, stats=s2)
@@ -141,10 +152,12 @@ def test_prompt_has_the_asked_length_and_the_needle_where_it_says(bundled):
     _, tokenizer = bundled
     p = needle.build_prompt(tokenizer, LENGTH, DEPTH)
     assert len(p.ids) == len(p.tokens) == LENGTH
-    assert "".join(p.tokens[p.needle_start:p.needle_end]).strip() == needle.NEEDLE_TEMPLATE.format(key=p.key)
-    assert "".join(p.tokens[p.question_start:]).lstrip().startswith(needle.QUESTION)
+    assert "".join(
+        p.tokens[p.needle_start : p.needle_end]
+    ).strip() == needle.NEEDLE_TEMPLATE.format(key=p.key)
+    assert "".join(p.tokens[p.question_start :]).lstrip().startswith(needle.QUESTION)
     assert "".join(p.tokens).rstrip().endswith(needle.PRIMER.rstrip())
-    assert abs(p.needle_depth - DEPTH) < 0.06                     # snapped to the nearest sentence end
+    assert abs(p.needle_depth - DEPTH) < 0.06  # snapped to the nearest sentence end
     with pytest.raises(SpecError, match="at least"):
         needle.build_prompt(tokenizer, 20, 0.5)
 
@@ -168,14 +181,16 @@ def test_streaming_window_that_cannot_reach_the_needle_evicts_it_everywhere(runs
     p = fresh.prompt(LENGTH, DEPTH)
     c = fresh.cell("streaming", LENGTH, DEPTH)
     spec = needle.spec_for("streaming", BUDGET, 16, LENGTH)
-    assert spec.sink <= p.needle_start and p.needle_end <= LENGTH - spec.recent    # out of reach, by position
+    assert (
+        spec.sink <= p.needle_start and p.needle_end <= LENGTH - spec.recent
+    )  # out of reach, by position
     by_head = np.array(c.needle_kept_by_head)
     assert by_head.shape == (30, 3) and np.all(by_head == 0.0) and c.needle_kept == 0.0
     assert c.kept_mass == 0.0 and c.wanted_mass > 0.0
     kept = c.kept()
-    assert not kept[:, :, p.needle_start:p.needle_end].any()
+    assert not kept[:, :, p.needle_start : p.needle_end].any()
     assert np.all(kept.sum(axis=2) == spec.budget)
-    assert c.correct == needle.score_answer(c.answer, c.key)      # scored as the model answered
+    assert c.correct == needle.score_answer(c.answer, c.key)  # scored as the model answered
 
 
 @pytest.mark.model
@@ -189,7 +204,7 @@ def test_oracle_keeps_the_most_needle_mass_at_the_same_budget(runs):
         assert oracle.kept_mass >= c.kept_mass, name
         assert np.all(np.array(c.kept_mass_by_head) <= np.array(c.wanted_mass_by_head) + 1e-12)
         assert 0.0 <= c.needle_kept <= 1.0
-        assert c.wanted_mass == pytest.approx(oracle.wanted_mass)   # the same full-model query
+        assert c.wanted_mass == pytest.approx(oracle.wanted_mass)  # the same full-model query
 
 
 @pytest.mark.model
@@ -200,8 +215,8 @@ def test_oracle_keeps_the_most_total_mass_of_the_first_answer_query(bundled, run
     fresh, *_ = runs
     p = fresh.prompt(LENGTH, DEPTH)
     pre = needle.prefill(model, p.ids)
-    attn = needle.cell._first_answer_attention(pre, LENGTH - 1)                   # (L, Hq, P)
-    per_kv = attn.reshape(attn.shape[0], 3, 3, -1).sum(axis=2)              # (L, H, P) group sums
+    attn = needle.cell._first_answer_attention(pre, LENGTH - 1)  # (L, Hq, P)
+    per_kv = attn.reshape(attn.shape[0], 3, 3, -1).sum(axis=2)  # (L, H, P) group sums
     best = (per_kv * fresh.cell("oracle", LENGTH, DEPTH).kept()).sum(axis=2)
     for name in ("h2o", "tova", "snapkv", "streaming"):
         other = (per_kv * fresh.cell(name, LENGTH, DEPTH).kept()).sum(axis=2)
@@ -214,11 +229,14 @@ def test_results_are_identical_from_the_cache_and_fresh(runs):
     fresh, again, s1, s2 = runs
     assert s1["computed"] == 1 + len(POLICIES) and s1["cached"] == 0
     assert s2["computed"] == 0 and s2["cached"] == 1 + len(POLICIES)
-    assert [c.as_dict(kept=True) for c in fresh.cells] == [c.as_dict(kept=True) for c in again.cells]
+    assert [c.as_dict(kept=True) for c in fresh.cells] == [
+        c.as_dict(kept=True) for c in again.cells
+    ]
     assert fresh == again
 
 
 # --- the command line ----------------------------------------------------------------------
+
 
 def _cli(capsys, *argv):
     from kvviz.cli import main
@@ -228,22 +246,28 @@ def _cli(capsys, *argv):
     return code, out, err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--scorers", "full,bogus"], "unknown scorer 'bogus'"),
-    (["--depths", "1.5"], "depths are fractions"),
-    (["--depths", "a,b"], "--depths takes"),
-    (["--budget", "2"], "fraction of the prompt's tokens"),
-    (["--bits", "11"], "bits must be"),
-    (["--lengths", "x"], "--lengths takes"),
-    (["--lengths", "1000000000"], "--lengths are token counts of 1-131,072 (and at most the model's positions), "
-                                  "got 1,000,000,000"),
-    (["--new-tokens", "0"], "--new-tokens: must be 1-64, got 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--scorers", "full,bogus"], "unknown scorer 'bogus'"),
+        (["--depths", "1.5"], "depths are fractions"),
+        (["--depths", "a,b"], "--depths takes"),
+        (["--budget", "2"], "fraction of the prompt's tokens"),
+        (["--bits", "11"], "bits must be"),
+        (["--lengths", "x"], "--lengths takes"),
+        (
+            ["--lengths", "1000000000"],
+            "--lengths are token counts of 1-131,072 (and at most the model's positions), "
+            "got 1,000,000,000",
+        ),
+        (["--new-tokens", "0"], "--new-tokens: must be 1-64, got 0"),
+    ],
+)
 def test_cli_errors_are_one_line_before_any_model_loads(capsys, monkeypatch, argv, message):
     import kvviz.models
 
     monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
-    try:           # ranges the parser checks exit through argparse, the rest return 2
+    try:  # ranges the parser checks exit through argparse, the rest return 2
         code, out, err = _cli(capsys, "needle", *argv, "--quiet")
     except SystemExit as exc:
         (out, err), code = capsys.readouterr(), exc.code
@@ -270,7 +294,9 @@ def test_cli_lengths_past_the_model_positions(bundled, capsys, monkeypatch):
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_cli_json_csv_and_progress_from_the_cache(runs, cache_folder, capsys, monkeypatch, tmp_path):
+def test_cli_json_csv_and_progress_from_the_cache(
+    runs, cache_folder, capsys, monkeypatch, tmp_path
+):
     import csv
     import json
 
@@ -280,21 +306,47 @@ def test_cli_json_csv_and_progress_from_the_cache(runs, cache_folder, capsys, mo
     # every prompt and cell is on disk: the rerun needs no model at all
     monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     monkeypatch.setenv("KVVIZ_CACHE_DIR", str(cache_folder))
-    args = ["needle", "--model", "bundled", "--lengths", LENGTH, "--depths", DEPTH,
-            "--scorers", ",".join(["full", *POLICIES]), "--budget", BUDGET]
+    args = [
+        "needle",
+        "--model",
+        "bundled",
+        "--lengths",
+        LENGTH,
+        "--depths",
+        DEPTH,
+        "--scorers",
+        ",".join(["full", *POLICIES]),
+        "--budget",
+        BUDGET,
+    ]
     code, out, err = _cli(capsys, *args, "--json")
     assert code == 0
     cells = json.loads(out)["cells"]
-    assert cells == [c.as_dict() for c in fresh.cells]              # the same numbers, from the cache
-    keys = {"scorer", "length", "depth", "budget", "bits", "correct", "answer", "needle_kept",
-            "needle_kept_by_head", "wanted_mass"}
+    assert cells == [c.as_dict() for c in fresh.cells]  # the same numbers, from the cache
+    keys = {
+        "scorer",
+        "length",
+        "depth",
+        "budget",
+        "bits",
+        "correct",
+        "answer",
+        "needle_kept",
+        "needle_kept_by_head",
+        "wanted_mass",
+    }
     assert all(keys <= set(c) for c in cells)
     assert [c["scorer"] for c in cells] == ["full", *POLICIES]
     assert cells[0]["budget"] == 1.0 and all(c["budget"] == BUDGET for c in cells[1:])
-    assert "6 cells: 0 computed, 6 from the cache" in err and "[" in err     # the progress line
+    assert "6 cells: 0 computed, 6 from the cache" in err and "[" in err  # the progress line
     code, out, err = _cli(capsys, *args, "--out", tmp_path / "needle.csv", "--quiet")
     rows = list(csv.DictReader(open(tmp_path / "needle.csv")))
-    assert code == 0 and len(rows) == 6 and rows[1]["scorer"] == "streaming" and rows[1]["needle_kept"] == "0"
+    assert (
+        code == 0
+        and len(rows) == 6
+        and rows[1]["scorer"] == "streaming"
+        and rows[1]["needle_kept"] == "0"
+    )
     assert rows[0]["correct"] == "True"
     code, out, err = _cli(capsys, *args, "--quiet")
     assert code == 0 and "streaming 0.25" in out and "correct 1/1" in out
@@ -302,37 +354,59 @@ def test_cli_json_csv_and_progress_from_the_cache(runs, cache_folder, capsys, mo
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_question_after_compression_and_quantization_run_the_same_path(bundled, runs, cache_folder, monkeypatch):
+def test_question_after_compression_and_quantization_run_the_same_path(
+    bundled, runs, cache_folder, monkeypatch
+):
     """Query-agnostic: compressed right after the haystack, the question decoded through the
     compressed cache. 4-bit K/V on every cell; `full` is then quantization alone."""
     model, tokenizer = bundled
     fresh, *_ = runs
     monkeypatch.setenv("KVVIZ_CACHE_DIR", str(cache_folder))
-    grid = needle.run_grid(model, tokenizer, "bundled", needle.GridRequest(
-        lengths=[LENGTH], depths=[DEPTH], scorers=["full", "streaming"], budgets=[BUDGET], bits=[4],
-        question_after_compression=True))
+    grid = needle.run_grid(
+        model,
+        tokenizer,
+        "bundled",
+        needle.GridRequest(
+            lengths=[LENGTH],
+            depths=[DEPTH],
+            scorers=["full", "streaming"],
+            budgets=[BUDGET],
+            bits=[4],
+            question_after_compression=True,
+        ),
+    )
     p = grid.prompt(LENGTH, DEPTH)
     quant, stream = grid.cell("full", LENGTH, DEPTH), grid.cell("streaming", LENGTH, DEPTH)
     assert quant.question_after_compression and stream.question_after_compression
     assert quant.spec == "K4/V4-bit" and quant.needle_kept == 1.0 and quant.budget_tokens == LENGTH
-    assert stream.spec.startswith("streaming sink 4 recent 76") and stream.spec.endswith("K4/V4-bit")
+    assert stream.spec.startswith("streaming sink 4 recent 76") and stream.spec.endswith(
+        "K4/V4-bit"
+    )
     assert stream.needle_kept == 0.0 and stream.budget_tokens == 80
     kept = stream.kept()
-    assert np.all(kept[:, :, LENGTH - 76:]) and not kept[:, :, 4:LENGTH - 76].any()   # sinks + window, nothing else
+    assert (
+        np.all(kept[:, :, LENGTH - 76 :]) and not kept[:, :, 4 : LENGTH - 76].any()
+    )  # sinks + window, nothing else
     # the reference is still the uncompressed cache's answer
-    assert quant.full_answer == fresh.cell("full", LENGTH, DEPTH).answer and p.question_start < LENGTH
+    assert (
+        quant.full_answer == fresh.cell("full", LENGTH, DEPTH).answer and p.question_start < LENGTH
+    )
 
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_duo_attention_retrieval_heads_hold_the_needle_and_streaming_heads_do_not(bundled, cache_folder):
+def test_duo_attention_retrieval_heads_hold_the_needle_and_streaming_heads_do_not(
+    bundled, cache_folder
+):
     """A cache whose heads hold different numbers of tokens is measured head by head: the retrieval heads keep
     the whole prompt (the needle with it), the streaming heads sinks and window only (the needle out of reach)."""
     model, tokenizer = bundled
     mp = pytest.MonkeyPatch()
     mp.setenv("KVVIZ_CACHE_DIR", str(cache_folder))
     try:
-        request = needle.GridRequest(lengths=[LENGTH], depths=[DEPTH], scorers=["duo_attention"], budgets=[BUDGET])
+        request = needle.GridRequest(
+            lengths=[LENGTH], depths=[DEPTH], scorers=["duo_attention"], budgets=[BUDGET]
+        )
         grid = needle.run_grid(model, tokenizer, "bundled", request)
     finally:
         mp.undo()
@@ -340,8 +414,12 @@ def test_duo_attention_retrieval_heads_hold_the_needle_and_streaming_heads_do_no
     spec = needle.spec_for("duo_attention", BUDGET, 16, LENGTH)
     assert spec.sink <= p.needle_start and p.needle_end <= LENGTH - spec.recent
     by_head = np.array(c.needle_kept_by_head)
-    streaming = round(90 * spec.duo_streaming)     # of 30 x 3 heads: the share set for the budget
-    assert 0 < streaming < 90 and set(np.unique(by_head)) == {0.0, 1.0} and int(by_head.sum()) == 90 - streaming
+    streaming = round(90 * spec.duo_streaming)  # of 30 x 3 heads: the share set for the budget
+    assert (
+        0 < streaming < 90
+        and set(np.unique(by_head)) == {0.0, 1.0}
+        and int(by_head.sum()) == 90 - streaming
+    )
     counts = c.kept().sum(axis=2)
     assert set(np.unique(counts)) == {spec.sink + spec.recent, LENGTH}
     assert np.array_equal(counts == LENGTH, by_head == 1.0)
@@ -357,8 +435,9 @@ def test_merging_keeps_the_same_tokens_and_bytes_and_has_its_own_cell(bundled, c
     mp = pytest.MonkeyPatch()
     mp.setenv("KVVIZ_CACHE_DIR", str(cache_folder))
     try:
-        request = needle.GridRequest(lengths=[LENGTH], depths=[DEPTH], scorers=["snapkv", "merge-snapkv"],
-                                     budgets=[BUDGET])
+        request = needle.GridRequest(
+            lengths=[LENGTH], depths=[DEPTH], scorers=["snapkv", "merge-snapkv"], budgets=[BUDGET]
+        )
         grid = needle.run_grid(model, tokenizer, "bundled", request)
     finally:
         mp.undo()

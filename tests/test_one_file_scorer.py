@@ -90,21 +90,34 @@ def test_a_scorer_is_one_file_and_then_everywhere(tmp_path):
     copy.mkdir()
     for name in ("kvviz", "pages", "tests", ".streamlit"):
         if (ROOT / name).exists():
-            shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__", "data"))
+            shutil.copytree(
+                ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__", "data")
+            )
     shutil.copytree(ROOT / "kvviz" / "data", copy / "kvviz" / "data")
     shutil.copy(ROOT / "app.py", copy / "app.py")
     (copy / "kvviz" / "policies" / "oldest.py").write_text(SCORER, encoding="utf-8")
-    run = subprocess.run([sys.executable, "-c", CHECK], cwd=copy, capture_output=True, text=True, timeout=600,
-                         env={"PYTHONPATH": str(copy), "HF_HUB_OFFLINE": "1", "KVVIZ_WARMUP": "0",
-                              "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    run = subprocess.run(
+        [sys.executable, "-c", CHECK],
+        cwd=copy,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={
+            "PYTHONPATH": str(copy),
+            "HF_HUB_OFFLINE": "1",
+            "KVVIZ_WARMUP": "0",
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(tmp_path),
+        },
+    )
     line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT")), None)
     assert line is not None, run.stderr[-3000:]
-    got = json.loads(line[len("RESULT"):])
+    got = json.loads(line[len("RESULT") :])
     assert got["registry"] and got["sweep"] == [True, True] and got["link"] == [True, True]
     assert got["cli"] == [0, "oldest", 0.5, 8]
     assert ["oldest", 0.0] in got["study"] and ["oldest", 0.5] in got["study"]
     assert len(got["pages"]) == 8
     for page, (menu, scorer, errors) in got["pages"].items():
         assert scorer == "oldest" and errors == [], (page, scorer, errors)
-        if page.endswith("app.py"):                   # the Explorer's Advanced menu offers it by its title
+        if page.endswith("app.py"):  # the Explorer's Advanced menu offers it by its title
             assert menu, page

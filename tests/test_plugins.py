@@ -29,7 +29,11 @@ def _forget():
             PLUGIN_SCORERS.remove(name)
     plugins._loaded_entry_points = False
     plugins.ERRORS.clear()
-    for m in [m for m in sys.modules if m.startswith("kvviz_example_plugin") or m.startswith("kvviz_plugin_")]:
+    for m in [
+        m
+        for m in sys.modules
+        if m.startswith("kvviz_example_plugin") or m.startswith("kvviz_plugin_")
+    ]:
         sys.modules.pop(m)
 
 
@@ -39,9 +43,13 @@ def installed(tmp_path, monkeypatch):
     shutil.copytree(EXAMPLE / "kvviz_example_plugin", tmp_path / "kvviz_example_plugin")
     info = tmp_path / "kvviz_example_plugin-0.1.0.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvviz-example-plugin\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text("[kvviz.policies]\nlast8 = kvviz_example_plugin:LastQueries\n"
-                                           "keep_early = kvviz_example_plugin:keep_early\n")
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: kvviz-example-plugin\nVersion: 0.1.0\n"
+    )
+    (info / "entry_points.txt").write_text(
+        "[kvviz.policies]\nlast8 = kvviz_example_plugin:LastQueries\n"
+        "keep_early = kvviz_example_plugin:keep_early\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
     _forget()
@@ -55,7 +63,11 @@ def last8_reference(trace, layer):
     votes = np.zeros((trace.n_kv_heads, c))
     for qi in range(c - 8, c):
         for h in range(trace.n_q_heads):
-            logits = trace.k[layer, h // g, : qi + 1].astype(np.float64) @ trace.q[layer, h, qi] / np.sqrt(d)
+            logits = (
+                trace.k[layer, h // g, : qi + 1].astype(np.float64)
+                @ trace.q[layer, h, qi]
+                / np.sqrt(d)
+            )
             a = np.exp(logits - logits.max())
             votes[h // g, : qi + 1] += a / a.sum()
     return votes
@@ -65,11 +77,13 @@ def test_installed_plugin_is_found_by_entry_point_and_matches_its_rule(installed
     from test_policies_new import random_trace
 
     assert "last8" not in POLICIES
-    spec = Spec(sink=2, recent=4, heavy=6, scorer="last8")   # the name is known from the installed metadata ...
-    assert "last8" not in POLICIES                                  # ... its code is not loaded for a spec
+    spec = Spec(
+        sink=2, recent=4, heavy=6, scorer="last8"
+    )  # the name is known from the installed metadata ...
+    assert "last8" not in POLICIES  # ... its code is not loaded for a spec
     with pytest.raises(SpecError, match="unknown scorer 'nope'"):
-        Spec(scorer="nope")                                         # a name no plug-in declares is refused
-    assert get_policy("last8").name == "last8"                      # the registry loads the entry points
+        Spec(scorer="nope")  # a name no plug-in declares is refused
+    assert get_policy("last8").name == "last8"  # the registry loads the entry points
     assert "last8" in POLICIES and "keep_early" in POLICIES
     assert POLICIES["keep_early"].description == "earliest tokens first (a position-only baseline)"
     trace = random_trace(11)
@@ -84,28 +98,97 @@ def test_installed_plugin_is_found_by_entry_point_and_matches_its_rule(installed
 
 
 def test_plugin_through_compare_and_sweep_on_the_cli(installed, capsys):
-    assert main(["compare", "--scorer", "last8", "--sink", "4", "--recent", "8", "--heavy", "4", "--json"]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--scorer",
+                "last8",
+                "--sink",
+                "4",
+                "--recent",
+                "8",
+                "--heavy",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["spec"]["scorer"] == "last8" and sum(out["kept"]) == 16
-    assert main(["sweep", "--source", "synthetic", "--context", "64", "--steps", "4", "--scorers", "last8,h2o",
-                 "--budgets", "0.25,0.5", "--bits-list", "16"]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                "--source",
+                "synthetic",
+                "--context",
+                "64",
+                "--steps",
+                "4",
+                "--scorers",
+                "last8,h2o",
+                "--budgets",
+                "0.25,0.5",
+                "--bits-list",
+                "16",
+            ]
+        )
+        == 0
+    )
     csv = capsys.readouterr().out.splitlines()
-    assert sum(line.startswith("last8,") for line in csv) == 2 and sum(line.startswith("h2o,") for line in csv) == 2
+    assert (
+        sum(line.startswith("last8,") for line in csv) == 2
+        and sum(line.startswith("h2o,") for line in csv) == 2
+    )
 
 
 def test_policy_file_on_the_cli(capsys):
     _forget()
     try:
-        assert main(["compare", "--policy", f"{PLUGIN_FILE}:keep_early", "--sink", "0", "--recent", "1",
-                     "--heavy", "3", "--json"]) == 0
+        assert (
+            main(
+                [
+                    "compare",
+                    "--policy",
+                    f"{PLUGIN_FILE}:keep_early",
+                    "--sink",
+                    "0",
+                    "--recent",
+                    "1",
+                    "--heavy",
+                    "3",
+                    "--json",
+                ]
+            )
+            == 0
+        )
         out = json.loads(capsys.readouterr().out)
         assert out["spec"]["scorer"] == "keep_early"
         assert [i for i, k in enumerate(out["kept"]) if k] == [0, 1, 2, len(out["kept"]) - 1]
-        assert main(["sweep", "--policy", f"{PLUGIN_FILE}:LastQueries", "--scorers", "h2o", "--budgets", "0.5",
-                     "--bits-list", "16"]) == 0
+        assert (
+            main(
+                [
+                    "sweep",
+                    "--policy",
+                    f"{PLUGIN_FILE}:LastQueries",
+                    "--scorers",
+                    "h2o",
+                    "--budgets",
+                    "0.5",
+                    "--bits-list",
+                    "16",
+                ]
+            )
+            == 0
+        )
         assert any(line.startswith("last8,") for line in capsys.readouterr().out.splitlines())
-        for bad, msg in ((f"{PLUGIN_FILE}:Nope", "has no 'Nope'"), ("nowhere.py:X", "no Python file"),
-                         (str(PLUGIN_FILE), "path/to/file.py:ClassName")):
+        for bad, msg in (
+            (f"{PLUGIN_FILE}:Nope", "has no 'Nope'"),
+            ("nowhere.py:X", "no Python file"),
+            (str(PLUGIN_FILE), "path/to/file.py:ClassName"),
+        ):
             assert main(["compare", "--policy", bad]) == 2
             assert msg in capsys.readouterr().err
     finally:
@@ -115,6 +198,7 @@ def test_policy_file_on_the_cli(capsys):
 def test_plugins_cannot_replace_built_ins():
     class Fake(POLICIES["h2o"].__class__):
         name = "h2o"
+
     with pytest.raises(SpecError, match="built-in"):
         plugins.register(Fake)
 
@@ -122,7 +206,9 @@ def test_plugins_cannot_replace_built_ins():
 def test_plugin_in_the_app(installed):
     from apptest_util import run_app
 
-    at = run_app(str(ROOT / "app.py"), opened=("_advanced_open",), scorer="last8", sink=4, recent=8, heavy=4)
+    at = run_app(
+        str(ROOT / "app.py"), opened=("_advanced_open",), scorer="last8", sink=4, recent=8, heavy=4
+    )
     box = next(b for b in at.selectbox if b.label == "Heavy-hitter scorer")
     assert box.value == "last8"
     assert any("last8 (plug-in: attention from the last 8" in o for o in box.options)
@@ -141,9 +227,16 @@ def test_plugin_in_the_decode_path(installed):
     from kvviz.decode.loop import decode
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      attn_implementation="eager")
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation="eager",
+    )
     model = LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     spec = Spec(sink=2, recent=4, heavy=6, scorer="last8")
@@ -156,6 +249,7 @@ def test_plugin_in_the_decode_path(installed):
 
 
 # --- the registry's own rules (register, as_policy, load_entry_points, load_file) ----------------
+
 
 @pytest.fixture
 def registry():
@@ -185,10 +279,12 @@ def test_register_names_and_describes_what_it_is_given(registry):
     def anonymous(ctx):
         return np.zeros(ctx.n_positions)
 
-    assert registry.register(newest, "newest-first").name == "newest-first"        # the given name wins
-    assert get_policy("newest-first").description == "newest tokens first"         # the docstring's first line
+    assert registry.register(newest, "newest-first").name == "newest-first"  # the given name wins
+    assert (
+        get_policy("newest-first").description == "newest tokens first"
+    )  # the docstring's first line
     assert "newest-first" in PLUGIN_SCORERS
-    plain = registry.register(anonymous)                                            # no name: the function's
+    plain = registry.register(anonymous)  # no name: the function's
     assert plain.name == "anonymous"
     assert plain.description == f"plug-in function {__name__}.{anonymous.__qualname__}"
 
@@ -196,8 +292,12 @@ def test_register_names_and_describes_what_it_is_given(registry):
         def score(self, ctx):
             return np.zeros(ctx.n_positions)
 
-    named = registry.register(Nameless, "My.Scorer_2-b")                            # capitals, digits, _ . -
-    assert isinstance(named, Nameless) and named.name == "My.Scorer_2-b" and get_policy("My.Scorer_2-b") is named
+    named = registry.register(Nameless, "My.Scorer_2-b")  # capitals, digits, _ . -
+    assert (
+        isinstance(named, Nameless)
+        and named.name == "My.Scorer_2-b"
+        and get_policy("My.Scorer_2-b") is named
+    )
     assert named.description == f"plug-in {__name__}.{Nameless.__qualname__}"
     instance = Nameless()
     assert registry.as_policy(instance, "given") is instance and instance.name == "given"
@@ -206,11 +306,27 @@ def test_register_names_and_describes_what_it_is_given(registry):
     assert str(refused.value) == "plug-in Nameless has no `name`"
 
 
-@pytest.mark.parametrize("obj, name, message", [
-    (42, None, "42 is not a kvviz Policy subclass or a score(ctx) function"),
-    (newest, "9lives", "plug-in scorer name '9lives' must be a short identifier (letters, digits, _ . -)"),
-    (newest, "h2o", "plug-in scorer 'h2o' would replace kvviz's built-in 'h2o'; give it another name"),
-    (type("Unscored", (plugins.Policy,), {}), "unscored", "plug-in 'unscored' does not implement score(ctx)")])
+@pytest.mark.parametrize(
+    "obj, name, message",
+    [
+        (42, None, "42 is not a kvviz Policy subclass or a score(ctx) function"),
+        (
+            newest,
+            "9lives",
+            "plug-in scorer name '9lives' must be a short identifier (letters, digits, _ . -)",
+        ),
+        (
+            newest,
+            "h2o",
+            "plug-in scorer 'h2o' would replace kvviz's built-in 'h2o'; give it another name",
+        ),
+        (
+            type("Unscored", (plugins.Policy,), {}),
+            "unscored",
+            "plug-in 'unscored' does not implement score(ctx)",
+        ),
+    ],
+)
 def test_register_refuses_with_a_reason(registry, obj, name, message):
     with pytest.raises(plugins.PluginError) as refused:
         registry.register(obj, name)
@@ -223,7 +339,9 @@ class FakeEntryPoint:
         self.name, self.value, self.load = name, value, load
 
 
-def test_entry_points_load_once_under_their_own_names_and_failures_are_reported_once(registry, monkeypatch):
+def test_entry_points_load_once_under_their_own_names_and_failures_are_reported_once(
+    registry, monkeypatch
+):
     """An entry point registers under its entry-point name; one that fails to load is skipped with one line
     (its message's first line, or the exception's type when it has no message); the group is read once
     unless forced, and a failure read twice is reported once."""
@@ -239,22 +357,27 @@ def test_entry_points_load_once_under_their_own_names_and_failures_are_reported_
 
     def entry_points(group):
         reads.append(group)
-        return [FakeEntryPoint("fresh", "pkg:newest", lambda: newest),
-                FakeEntryPoint("broken", "pkg:Broken", multi_line), FakeEntryPoint("quiet", "pkg:quiet", silent)]
+        return [
+            FakeEntryPoint("fresh", "pkg:newest", lambda: newest),
+            FakeEntryPoint("broken", "pkg:Broken", multi_line),
+            FakeEntryPoint("quiet", "pkg:quiet", silent),
+        ]
 
     monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
     registry._loaded_entry_points = False
     registry.ERRORS.clear()
     assert "fresh" in registry.load_entry_points() and reads == ["kvviz.policies"]
     assert POLICIES["fresh"].name == "fresh" and "newest" not in POLICIES
-    want = ["plug-in 'broken' (pkg:Broken) could not be loaded: bad thing",
-            "plug-in 'quiet' (pkg:quiet) could not be loaded: RuntimeError"]
+    want = [
+        "plug-in 'broken' (pkg:Broken) could not be loaded: bad thing",
+        "plug-in 'quiet' (pkg:quiet) could not be loaded: RuntimeError",
+    ]
     assert registry.ERRORS == want
     registry.load_entry_points()
     get_policy("fresh")
-    assert len(reads) == 1                                          # read once ...
+    assert len(reads) == 1  # read once ...
     registry.load_entry_points(force=True)
-    assert len(reads) == 2 and registry.ERRORS == want             # ... unless forced; no line twice
+    assert len(reads) == 2 and registry.ERRORS == want  # ... unless forced; no line twice
 
 
 PLUGIN_SOURCE = '''
@@ -281,16 +404,18 @@ class Newest(Policy):
 def test_load_file_imports_a_plugin_file_as_its_own_module(registry, tmp_path):
     import re
 
-    folder = tmp_path / "a:b"                                         # a colon in the path, not only before Name
+    folder = tmp_path / "a:b"  # a colon in the path, not only before Name
     folder.mkdir()
     first, second = folder / "plug.py", tmp_path / "plug.py"
     first.write_text(PLUGIN_SOURCE)
     second.write_text(PLUGIN_SOURCE.replace("newest_file", "newest_other"))
     try:
         a, b = registry.load_file(f"{first}:Newest"), registry.load_file(f"{second}:Newest")
-        module = "kvviz_plugin_" + re.sub(r"\W", "_", str(first.resolve()))   # the path, every non-word char _
+        module = "kvviz_plugin_" + re.sub(
+            r"\W", "_", str(first.resolve())
+        )  # the path, every non-word char _
         assert type(a).__module__ == module and module.isidentifier()
-        assert sys.modules[module].Newest is type(a)                   # each file its own module (pickle finds it)
+        assert sys.modules[module].Newest is type(a)  # each file its own module (pickle finds it)
         assert sys.modules[type(b).__module__].Newest is type(b) and type(b) is not type(a)
         assert get_policy("newest_file") is a and a.description == f"plug-in {module}.Newest"
     finally:
@@ -310,5 +435,8 @@ def test_load_file_that_fails_to_import_leaves_no_module_behind(registry, tmp_pa
     before = set(sys.modules)
     with pytest.raises(plugins.PluginError) as refused:
         registry.load_file(f"{broken}:X")
-    assert str(refused.value) == f"--policy: {broken} failed to import: ZeroDivisionError: division by zero"
+    assert (
+        str(refused.value)
+        == f"--policy: {broken} failed to import: ZeroDivisionError: division by zero"
+    )
     assert set(sys.modules) == before

@@ -11,16 +11,22 @@ from kvviz.quant import kv_bytes_per_token, quant_step, quantize, quantize_kept,
 finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False, width=64)
 
 
-@given(x=arrays(np.float64, st.tuples(st.integers(1, 40), st.integers(1, 16)), elements=finite),
-       bits=st.integers(1, 8), axis=st.sampled_from(["channel", "token"]), group=st.integers(1, 40))
+@given(
+    x=arrays(np.float64, st.tuples(st.integers(1, 40), st.integers(1, 16)), elements=finite),
+    bits=st.integers(1, 8),
+    axis=st.sampled_from(["channel", "token"]),
+    group=st.integers(1, 40),
+)
 def test_error_at_most_half_a_step(x, bits, axis, group):
     x_hat = quantize(x, bits, axis, group)
     s = quant_step(x, bits, axis, group)
     assert np.all(np.abs(x - x_hat) <= s / 2 + 1e-9 * (1 + np.abs(x)))
 
 
-@given(x=arrays(np.float64, st.tuples(st.integers(2, 40), st.integers(2, 16)), elements=finite),
-       bits=st.integers(2, 8))
+@given(
+    x=arrays(np.float64, st.tuples(st.integers(2, 40), st.integers(2, 16)), elements=finite),
+    bits=st.integers(2, 8),
+)
 def test_symmetric_error_bound(x, bits):
     x_hat = quantize(x, bits, "token", 8, symmetric=True)
     s = quant_step(x, bits, "token", 8, symmetric=True)
@@ -45,8 +51,11 @@ def test_per_channel_beats_per_token_on_outlier_keys():
     rng = np.random.default_rng(2)
     keys = rng.standard_normal((512, 64))
     keys[:, [3, 17]] = 20 + rng.standard_normal((512, 2))  # outlier channels, as real keys have
-    err = {(b, axis): np.abs(quantize(keys, b, axis, 32) - keys).mean()
-           for b in (2, 4) for axis in ("channel", "token")}
+    err = {
+        (b, axis): np.abs(quantize(keys, b, axis, 32) - keys).mean()
+        for b in (2, 4)
+        for axis in ("channel", "token")
+    }
     assert err[2, "channel"] < 0.7 * err[2, "token"]
     assert err[4, "channel"] < 0.5 * err[4, "token"]
 
@@ -75,10 +84,14 @@ def _groups(n_quant, dim, axis, group, partial):
     """The index of every quantization group among the first n_quant tokens of a (tokens, dim) matrix."""
     if axis == "channel":
         end = n_quant - n_quant % group if partial == "full" else n_quant
-        return [(slice(t, min(t + group, end)), c) for c in range(dim) for t in range(0, end, group)]
+        return [
+            (slice(t, min(t + group, end)), c) for c in range(dim) for t in range(0, end, group)
+        ]
     group = min(group, dim)
     end = dim - dim % group if partial == "full" else dim
-    return [(t, slice(c, min(c + group, end))) for t in range(n_quant) for c in range(0, end, group)]
+    return [
+        (t, slice(c, min(c + group, end))) for t in range(n_quant) for c in range(0, end, group)
+    ]
 
 
 def _reference(x, bits, axis, group, residual, symmetric, zero_point="float", partial="full"):
@@ -88,16 +101,20 @@ def _reference(x, bits, axis, group, residual, symmetric, zero_point="float", pa
         g = x[where]
         if symmetric:
             s = np.abs(g).max() / (2 ** (bits - 1) - 1)
-            out[where] = s * np.clip(np.round(g / s), -(2 ** (bits - 1) - 1), 2 ** (bits - 1) - 1) if s else g
+            out[where] = (
+                s * np.clip(np.round(g / s), -(2 ** (bits - 1) - 1), 2 ** (bits - 1) - 1)
+                if s
+                else g
+            )
             continue
-        s = (g.max() - g.min()) / (2 ** bits - 1)
+        s = (g.max() - g.min()) / (2**bits - 1)
         if s == 0:
             continue
-        if zero_point == "float":       # KIVI: x_hat = q * s + min
-            out[where] = np.clip(np.round((g - g.min()) / s), 0, 2 ** bits - 1) * s + g.min()
-        else:                           # integer zero point: x_hat = s * (q - z)
+        if zero_point == "float":  # KIVI: x_hat = q * s + min
+            out[where] = np.clip(np.round((g - g.min()) / s), 0, 2**bits - 1) * s + g.min()
+        else:  # integer zero point: x_hat = s * (q - z)
             z = np.round(-g.min() / s)
-            out[where] = s * (np.clip(np.round(g / s) + z, 0, 2 ** bits - 1) - z)
+            out[where] = s * (np.clip(np.round(g / s) + z, 0, 2**bits - 1) - z)
     return out
 
 
@@ -106,18 +123,50 @@ def _reference(x, bits, axis, group, residual, symmetric, zero_point="float", pa
 KIVI_OFFSET_CASE = np.array([[-2.55, 0.7], [1.34, -0.3], [0.2, 0.11], [-1.0, 2.9], [0.5, -1.7]])
 
 
-@given(x=arrays(np.float64, st.tuples(st.integers(1, 37), st.integers(1, 20)), elements=finite),
-       bits=st.integers(2, 8), axis=st.sampled_from(["channel", "token"]), group=st.integers(1, 12),
-       residual=st.integers(0, 5), symmetric=st.booleans(), zero_point=st.sampled_from(["float", "int"]),
-       partial=st.sampled_from(["full", "quantize"]))
-@example(x=KIVI_OFFSET_CASE, bits=2, axis="channel", group=2, residual=0, symmetric=False, zero_point="float",
-         partial="full")
-@example(x=KIVI_OFFSET_CASE, bits=3, axis="token", group=2, residual=1, symmetric=False, zero_point="float",
-         partial="quantize")
-@example(x=KIVI_OFFSET_CASE, bits=2, axis="token", group=2, residual=0, symmetric=False, zero_point="int",
-         partial="full")
+@given(
+    x=arrays(np.float64, st.tuples(st.integers(1, 37), st.integers(1, 20)), elements=finite),
+    bits=st.integers(2, 8),
+    axis=st.sampled_from(["channel", "token"]),
+    group=st.integers(1, 12),
+    residual=st.integers(0, 5),
+    symmetric=st.booleans(),
+    zero_point=st.sampled_from(["float", "int"]),
+    partial=st.sampled_from(["full", "quantize"]),
+)
+@example(
+    x=KIVI_OFFSET_CASE,
+    bits=2,
+    axis="channel",
+    group=2,
+    residual=0,
+    symmetric=False,
+    zero_point="float",
+    partial="full",
+)
+@example(
+    x=KIVI_OFFSET_CASE,
+    bits=3,
+    axis="token",
+    group=2,
+    residual=1,
+    symmetric=False,
+    zero_point="float",
+    partial="quantize",
+)
+@example(
+    x=KIVI_OFFSET_CASE,
+    bits=2,
+    axis="token",
+    group=2,
+    residual=0,
+    symmetric=False,
+    zero_point="int",
+    partial="full",
+)
 def test_matches_reference_formulas(x, bits, axis, group, residual, symmetric, zero_point, partial):
-    got = quantize(x, bits, axis, group, residual, symmetric, zero_point=zero_point, partial=partial)
+    got = quantize(
+        x, bits, axis, group, residual, symmetric, zero_point=zero_point, partial=partial
+    )
     want = _reference(x, bits, axis, group, residual, symmetric, zero_point, partial)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-9)
 
@@ -132,8 +181,12 @@ def test_kivi_float_offset_stays_inside_the_data_where_an_integer_zero_point_doe
     np.testing.assert_allclose(np.unique(integer), [-3.89, 0.0])
 
 
-@given(x=arrays(np.float64, st.tuples(st.integers(1, 40), st.integers(1, 16)), elements=finite),
-       bits=st.integers(1, 8), axis=st.sampled_from(["channel", "token"]), group=st.integers(1, 40))
+@given(
+    x=arrays(np.float64, st.tuples(st.integers(1, 40), st.integers(1, 16)), elements=finite),
+    bits=st.integers(1, 8),
+    axis=st.sampled_from(["channel", "token"]),
+    group=st.integers(1, 40),
+)
 def test_float_offset_reconstructs_inside_each_group(x, bits, axis, group):
     """x_hat in [min, max] of its group (KIVI's form), checked through the step bound and the range."""
     x_hat = quantize(x, bits, axis, group, partial="quantize")
@@ -154,11 +207,13 @@ def test_float_offset_error_is_below_the_integer_zero_point_error():
 
 def test_partial_trailing_groups_stay_in_full_precision_and_cost_16_bits():
     x = np.random.default_rng(6).standard_normal((70, 64))
-    x_hat = quantize(x, 2, "channel", 32)                 # 2 full groups of 32 tokens, then 6 tokens
+    x_hat = quantize(x, 2, "channel", 32)  # 2 full groups of 32 tokens, then 6 tokens
     np.testing.assert_array_equal(x_hat[64:], x[64:])
     # the two full groups are quantized: every element moves by at most half its group's step s,
     # s = (max - min) / 3 of its 32 tokens of one channel, and a 2-bit grid moves most of them
-    s = (x[:64].reshape(2, 32, 64).max(axis=1) - x[:64].reshape(2, 32, 64).min(axis=1)) / 3     # (2, 64)
+    s = (
+        x[:64].reshape(2, 32, 64).max(axis=1) - x[:64].reshape(2, 32, 64).min(axis=1)
+    ) / 3  # (2, 64)
     err = np.abs(x_hat[:64] - x[:64]).reshape(2, 32, 64)
     assert np.all(err <= s[:, None, :] / 2 + 1e-12)
     assert np.mean(err > 1e-12) > 0.9
@@ -185,33 +240,49 @@ def test_each_zero_point_form_reports_its_own_bytes():
     assert symmetric.overhead == groups * 16 / 8
 
 
-@given(seed=st.integers(0, 10_000), bits=st.integers(1, 8), axis=st.sampled_from(["channel", "token"]),
-       group=st.integers(1, 40), residual=st.integers(0, 12), symmetric=st.booleans(),
-       n_kept=st.integers(1, 60))
-def test_kept_tokens_read_in_place_equal_quantizing_a_gathered_copy(seed, bits, axis, group, residual,
-                                                                    symmetric, n_kept):
+@given(
+    seed=st.integers(0, 10_000),
+    bits=st.integers(1, 8),
+    axis=st.sampled_from(["channel", "token"]),
+    group=st.integers(1, 40),
+    residual=st.integers(0, 12),
+    symmetric=st.booleans(),
+    n_kept=st.integers(1, 60),
+)
+def test_kept_tokens_read_in_place_equal_quantizing_a_gathered_copy(
+    seed, bits, axis, group, residual, symmetric, n_kept
+):
     """quantize_kept reads the cache at the kept positions; the result must be what
     quantizing the compacted (gathered) cache gives, and delta=True must give x_hat - x."""
     if symmetric and bits < 2:
         bits = 2
     rng = np.random.default_rng(seed)
     cache = rng.standard_normal((3, 80, 16)).astype(np.float32)
-    cache[:, :, 5] *= 30                                        # an outlier channel
+    cache[:, :, 5] *= 30  # an outlier channel
     heads = rng.integers(0, 3, size=4)
     positions = np.sort(np.stack([rng.choice(80, n_kept, replace=False) for _ in heads]), axis=1)
-    gathered = cache[heads[:, None], positions]                 # (4, n_kept, 16)
+    gathered = cache[heads[:, None], positions]  # (4, n_kept, 16)
     x_hat = quantize_kept(cache, heads, positions, bits, axis, group, residual, symmetric)
     np.testing.assert_array_equal(x_hat, quantize(gathered, bits, axis, group, residual, symmetric))
-    delta = quantize_kept(cache, heads, positions, bits, axis, group, residual, symmetric, delta=True)
+    delta = quantize_kept(
+        cache, heads, positions, bits, axis, group, residual, symmetric, delta=True
+    )
     np.testing.assert_array_equal(delta, x_hat - gathered)
     if residual:
-        assert np.all(delta[:, max(0, n_kept - residual):] == 0)  # the residual window is exact
+        assert np.all(delta[:, max(0, n_kept - residual) :] == 0)  # the residual window is exact
 
 
-@given(x=arrays(np.float32, st.tuples(st.integers(1, 37), st.integers(1, 20)),
-                elements=st.floats(-1e3, 1e3, allow_nan=False, width=32)),
-       bits=st.integers(2, 8), axis=st.sampled_from(["channel", "token"]), group=st.integers(1, 12),
-       symmetric=st.booleans())
+@given(
+    x=arrays(
+        np.float32,
+        st.tuples(st.integers(1, 37), st.integers(1, 20)),
+        elements=st.floats(-1e3, 1e3, allow_nan=False, width=32),
+    ),
+    bits=st.integers(2, 8),
+    axis=st.sampled_from(["channel", "token"]),
+    group=st.integers(1, 12),
+    symmetric=st.booleans(),
+)
 def test_float32_cache_follows_the_formulas_in_float32(x, bits, axis, group, symmetric):
     """A float32 cache (every real trace) is quantized in float32 arithmetic, step for step
     as the formulas of docs/definitions.md evaluated by numpy on float32 values."""
@@ -221,19 +292,30 @@ def test_float32_cache_follows_the_formulas_in_float32(x, bits, axis, group, sym
     np.testing.assert_array_equal(quantize(x, bits, axis, group, 0, symmetric), expected)
 
 
-
 def test_half_precision_cache_is_quantized_in_float32():
     x = np.random.default_rng(3).standard_normal((2, 40, 8)).astype(np.float16)
     got = quantize(x, 3, "channel", 8)
     assert got.dtype == np.float16
-    np.testing.assert_array_equal(got, quantize(x.astype(np.float32), 3, "channel", 8).astype(np.float16))
+    np.testing.assert_array_equal(
+        got, quantize(x.astype(np.float32), 3, "channel", 8).astype(np.float16)
+    )
 
 
 def test_kivi_residual_keeps_128_exact_and_leaves_one_group_to_quantize_on_a_short_cache():
     from kvviz.quant import KIVI_GROUP, KIVI_RESIDUAL, kivi_residual
 
     assert (KIVI_RESIDUAL, KIVI_GROUP) == (128, 32)
-    assert [kivi_residual(n) for n in (0, 20, 32, 33, 64, 159, 160, 161, 4096)] == [0, 0, 0, 1, 32, 127, 128, 128, 128]
+    assert [kivi_residual(n) for n in (0, 20, 32, 33, 64, 159, 160, 161, 4096)] == [
+        0,
+        0,
+        0,
+        1,
+        32,
+        127,
+        128,
+        128,
+        128,
+    ]
 
 
 def _reference_step(x, bits, axis, group, symmetric, partial="full"):
@@ -242,24 +324,68 @@ def _reference_step(x, bits, axis, group, symmetric, partial="full"):
     out = np.zeros(x.shape)
     for where in _groups(x.shape[0], x.shape[1], axis, group, partial):
         g = x[where]
-        out[where] = np.abs(g).max() / (2 ** (bits - 1) - 1) if symmetric else (g.max() - g.min()) / (2 ** bits - 1)
+        out[where] = (
+            np.abs(g).max() / (2 ** (bits - 1) - 1)
+            if symmetric
+            else (g.max() - g.min()) / (2**bits - 1)
+        )
     return out
 
 
-@given(x=arrays(np.float64, st.lists(st.integers(1, 2), max_size=2).flatmap(
-           lambda lead: st.tuples(*map(st.just, lead), st.integers(1, 37), st.integers(1, 20))), elements=finite),
-       bits=st.integers(2, 8), axis=st.sampled_from(["channel", "token"]), group=st.integers(1, 12),
-       symmetric=st.booleans(), partial=st.sampled_from(["full", "quantize"]))
-@example(x=np.arange(2 * 7 * 5, dtype=np.float64).reshape(2, 7, 5) ** 1.5, bits=2, axis="channel", group=3,
-         symmetric=False, partial="quantize")
-@example(x=np.arange(2 * 7 * 5, dtype=np.float64).reshape(2, 7, 5) ** 1.5, bits=3, axis="token", group=2,
-         symmetric=True, partial="quantize")
-@example(x=np.arange(7 * 5, dtype=np.float64).reshape(7, 5) ** 1.5, bits=2, axis="channel", group=3,
-         symmetric=False, partial="quantize")
-@example(x=np.arange(2 * 2 * 7 * 5, dtype=np.float64).reshape(2, 2, 7, 5) ** 1.5, bits=2, axis="channel", group=3,
-         symmetric=False, partial="quantize")
-@example(x=np.arange(8 * 5, dtype=np.float64).reshape(8, 5) ** 1.5, bits=2, axis="channel", group=3,
-         symmetric=False, partial="quantize")   # a short last group of two tokens: its min and max run over both
+@given(
+    x=arrays(
+        np.float64,
+        st.lists(st.integers(1, 2), max_size=2).flatmap(
+            lambda lead: st.tuples(*map(st.just, lead), st.integers(1, 37), st.integers(1, 20))
+        ),
+        elements=finite,
+    ),
+    bits=st.integers(2, 8),
+    axis=st.sampled_from(["channel", "token"]),
+    group=st.integers(1, 12),
+    symmetric=st.booleans(),
+    partial=st.sampled_from(["full", "quantize"]),
+)
+@example(
+    x=np.arange(2 * 7 * 5, dtype=np.float64).reshape(2, 7, 5) ** 1.5,
+    bits=2,
+    axis="channel",
+    group=3,
+    symmetric=False,
+    partial="quantize",
+)
+@example(
+    x=np.arange(2 * 7 * 5, dtype=np.float64).reshape(2, 7, 5) ** 1.5,
+    bits=3,
+    axis="token",
+    group=2,
+    symmetric=True,
+    partial="quantize",
+)
+@example(
+    x=np.arange(7 * 5, dtype=np.float64).reshape(7, 5) ** 1.5,
+    bits=2,
+    axis="channel",
+    group=3,
+    symmetric=False,
+    partial="quantize",
+)
+@example(
+    x=np.arange(2 * 2 * 7 * 5, dtype=np.float64).reshape(2, 2, 7, 5) ** 1.5,
+    bits=2,
+    axis="channel",
+    group=3,
+    symmetric=False,
+    partial="quantize",
+)
+@example(
+    x=np.arange(8 * 5, dtype=np.float64).reshape(8, 5) ** 1.5,
+    bits=2,
+    axis="channel",
+    group=3,
+    symmetric=False,
+    partial="quantize",
+)  # a short last group of two tokens: its min and max run over both
 def test_quant_step_is_each_groups_scale(x, bits, axis, group, symmetric, partial):
     """quant_step gives, per element, exactly the scale s of its group (the bound |x - x_hat| <= s/2 is
     only as strong as s is exact), for a single (tokens, dim) matrix and for every leading (layer / head)
@@ -267,15 +393,18 @@ def test_quant_step_is_each_groups_scale(x, bits, axis, group, symmetric, partia
     got = quant_step(x, bits, axis, group, symmetric, partial)
     assert got.shape == x.shape
     for i in np.ndindex(x.shape[:-2]):
-        np.testing.assert_allclose(got[i], _reference_step(x[i], bits, axis, group, symmetric, partial),
-                                   rtol=1e-14, atol=0)
+        np.testing.assert_allclose(
+            got[i], _reference_step(x[i], bits, axis, group, symmetric, partial), rtol=1e-14, atol=0
+        )
 
 
 def test_quant_step_defaults_are_those_of_quantize():
     """quant_step(x, b) describes quantize(x, b): per-token groups of 32, asymmetric, a trailing
     group shorter than 32 channels exact (here channels 32..39)."""
     x = np.random.default_rng(10).standard_normal((6, 40))
-    np.testing.assert_allclose(quant_step(x, 3), _reference_step(x, 3, "token", 32, False), rtol=1e-14, atol=0)
+    np.testing.assert_allclose(
+        quant_step(x, 3), _reference_step(x, 3, "token", 32, False), rtol=1e-14, atol=0
+    )
     assert not quant_step(x, 3)[:, 32:].any()
 
 
@@ -294,20 +423,31 @@ def test_sixteen_bits_reads_the_kept_tokens_exactly():
     """bits = 16 is 'off': quantize_kept returns the kept rows unchanged, and delta=True exact zeros."""
     cache = np.random.default_rng(8).standard_normal((2, 10, 4))
     heads, positions = np.array([1, 0]), np.array([[0, 3, 9], [2, 5, 6]])
-    np.testing.assert_array_equal(quantize_kept(cache, heads, positions, 16), cache[heads[:, None], positions])
+    np.testing.assert_array_equal(
+        quantize_kept(cache, heads, positions, 16), cache[heads[:, None], positions]
+    )
     assert not quantize_kept(cache, heads, positions, 16, delta=True).any()
 
 
-@pytest.mark.parametrize("options", [dict(symmetric=True), dict(delta=True), dict(partial="quantize"),
-                                     dict(symmetric=True, delta=True, partial="quantize")])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(symmetric=True),
+        dict(delta=True),
+        dict(partial="quantize"),
+        dict(symmetric=True, delta=True, partial="quantize"),
+    ],
+)
 def test_half_precision_cache_keeps_every_option(options):
     """A float16 cache is computed in float32 with the caller's options, not the defaults."""
     cache = np.random.default_rng(9).standard_normal((2, 23, 8)).astype(np.float16)
     heads, positions = np.array([0, 1]), np.tile(np.arange(0, 23, 2), (2, 1))
-    args = (heads, positions, 3, "channel", 5)          # 12 kept tokens: 2 groups of 5, then 2 (partial)
+    args = (heads, positions, 3, "channel", 5)  # 12 kept tokens: 2 groups of 5, then 2 (partial)
     got = quantize_kept(cache, *args, **options)
     assert got.dtype == np.float16
-    np.testing.assert_array_equal(got, quantize_kept(cache.astype(np.float32), *args, **options).astype(np.float16))
+    np.testing.assert_array_equal(
+        got, quantize_kept(cache.astype(np.float32), *args, **options).astype(np.float16)
+    )
 
 
 def test_memory_when_everything_is_residual_and_of_short_per_token_groups():
@@ -338,8 +478,11 @@ def _kernel_signatures() -> set[str]:
     """'axis dtype heads positions delta' of every compiled quantization kernel (per-token: KIVI's group)."""
     from kvviz.quant.kernel import _by_token, _quantize_by_channel
 
-    return {f"{axis} {sig[0].dtype} {sig[1].dtype} {sig[2].dtype} {sig[8]}"
-            for axis, k in (("channel", _quantize_by_channel), ("token", _by_token(32))) for sig in k.signatures}
+    return {
+        f"{axis} {sig[0].dtype} {sig[1].dtype} {sig[2].dtype} {sig[8]}"
+        for axis, k in (("channel", _quantize_by_channel), ("token", _by_token(32)))
+        for sig in k.signatures
+    }
 
 
 def test_compile_kernel_compiles_for_float32_and_float64_caches():
@@ -355,19 +498,28 @@ def test_compile_kernel_compiles_for_float32_and_float64_caches():
 
     compile_kernel()
     for axis in ("channel", "token"):
-        assert {f"{axis} float32 int64 int64 bool", f"{axis} float64 int64 int64 bool"} <= _kernel_signatures()
+        assert {
+            f"{axis} float32 int64 int64 bool",
+            f"{axis} float64 int64 int64 bool",
+        } <= _kernel_signatures()
     root = Path(__file__).resolve().parents[1]
-    probe = ("from kvviz.quant import compile_kernel\n"
-             "from kvviz.quant.kernel import _by_token, _quantize_by_channel\n"
-             "compile_kernel()\n"
-             "for name, k in (('channel', _quantize_by_channel), ('token', _by_token(32))):\n"
-             "    for sig in k.signatures:\n"
-             "        print(name, sig[0].dtype, sig[1].dtype, sig[2].dtype, sig[8])\n"
-             "print('token groups compiled', sorted(g for g in (8, 16, 32, 64) if _by_token(g).signatures))\n")
+    probe = (
+        "from kvviz.quant import compile_kernel\n"
+        "from kvviz.quant.kernel import _by_token, _quantize_by_channel\n"
+        "compile_kernel()\n"
+        "for name, k in (('channel', _quantize_by_channel), ('token', _by_token(32))):\n"
+        "    for sig in k.signatures:\n"
+        "        print(name, sig[0].dtype, sig[1].dtype, sig[2].dtype, sig[8])\n"
+        "print('token groups compiled', sorted(g for g in (8, 16, 32, 64) if _by_token(g).signatures))\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(root)}
-    out = subprocess.run([sys.executable, "-c", probe], cwd=root, env=env, capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=root, env=env, capture_output=True, text=True, check=True
+    ).stdout
     lines = set(out.splitlines())
-    for axis in ("channel", "token"):   # the per-token kernel in KIVI's group size, the one the defaults use
+    for axis in (
+        "channel",
+        "token",
+    ):  # the per-token kernel in KIVI's group size, the one the defaults use
         assert {f"{axis} float32 int64 int64 bool", f"{axis} float64 int64 int64 bool"} <= lines
     assert "token groups compiled [32]" in lines

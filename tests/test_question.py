@@ -23,15 +23,18 @@ def test_the_lab_question_and_its_compression_point_are_in_the_link(monkeypatch)
     monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     at = run_app(LAB, 300)
     assert at.text_input(key="lab_question").value == ""
-    assert at.radio(key="lab_point").value == "before-question"           # kvpress's pipeline default
-    assert at.radio(key="lab_point").disabled                              # no question: nothing to choose
+    assert at.radio(key="lab_point").value == "before-question"  # kvpress's pipeline default
+    assert at.radio(key="lab_point").disabled  # no question: nothing to choose
     params = {"lab_question": QUESTION, "lab_point": "after-question"}
     at = run_app(LAB, 300, **params)
     assert dict(at.query_params) == params
-    assert at.text_input(key="lab_question").value == QUESTION and not at.radio(key="lab_point").disabled
+    assert (
+        at.text_input(key="lab_question").value == QUESTION
+        and not at.radio(key="lab_point").disabled
+    )
     assert any("Compressed:** after the question" in md.value for md in at.markdown)
     at.radio(key="lab_point").set_value("before-question").run()
-    assert "lab_point" not in at.query_params                              # back to the default
+    assert "lab_point" not in at.query_params  # back to the default
     at = run_app(LAB, 300, lab_point="middle")
     assert any("lab_point=middle" in w.value for w in at.warning)
 
@@ -52,23 +55,48 @@ def test_kvviz_eval_compresses_before_or_after_the_question_and_snapkv_differs(m
     share_one_model_load(monkeypatch)
     from kvviz.cli import main
 
-    argv = ["eval", "--scorer", "snapkv", "--sink", "4", "--recent", "8", "--heavy", "24", "--prompt-tokens", "120",
-            "--continuation-tokens", "16", "--question", QUESTION, "--quiet", "--json"]
+    argv = [
+        "eval",
+        "--scorer",
+        "snapkv",
+        "--sink",
+        "4",
+        "--recent",
+        "8",
+        "--heavy",
+        "24",
+        "--prompt-tokens",
+        "120",
+        "--continuation-tokens",
+        "16",
+        "--question",
+        QUESTION,
+        "--quiet",
+        "--json",
+    ]
     out = {}
     for point in ("before-question", "after-question"):
         assert main([*argv, "--compression-point", point]) == 0
         out[point] = json.loads(capsys.readouterr().out)
     before, after = out["before-question"], out["after-question"]
     n = before["prompt_tokens"]
-    assert n == after["prompt_tokens"] == 120 + before["question_tokens"] and before["question_tokens"] > 3
+    assert (
+        n == after["prompt_tokens"] == 120 + before["question_tokens"]
+        and before["question_tokens"] > 3
+    )
     assert (before["compressed_at"], after["compressed_at"]) == (120, n)
     assert before["per_token"]["tokens"] == after["per_token"]["tokens"]
-    assert before["per_token"]["nll_full"] == after["per_token"]["nll_full"]    # one full-cache reference
-    assert before["kl_mean"] != after["kl_mean"] and before["per_token"]["kl"] != after["per_token"]["kl"]
+    assert (
+        before["per_token"]["nll_full"] == after["per_token"]["nll_full"]
+    )  # one full-cache reference
+    assert (
+        before["kl_mean"] != after["kl_mean"]
+        and before["per_token"]["kl"] != after["per_token"]["kl"]
+    )
     # the first scored token: predicted by the prefill after compressing after the question (as without one),
     # by a decode step through the compressed cache before it
     assert after["per_token"]["kl"][0] == 0.0 and before["per_token"]["kl"][0] > 0.0
-    assert before["kept_tokens"] == after["kept_tokens"] == 36                    # the budget, both ways
+    assert before["kept_tokens"] == after["kept_tokens"] == 36  # the budget, both ways
 
 
 @pytest.mark.model
@@ -89,18 +117,32 @@ def test_snapkv_keeps_other_context_tokens_before_the_question_than_after():
         kept[point] = [set(map(int, k[h])) for k in cache.kept for h in range(k.shape[0])]
         # the cache at the prompt's end: the budget, the question's tokens the newest of the window
         assert all(len(s) == 36 and set(range(n - 8, n)) <= s for s in kept[point])
-    context = [(b & set(range(120)), a & set(range(120))) for b, a in zip(kept["before-question"],
-                                                                          kept["after-question"])]
-    assert sum(b != a for b, a in context) > len(context) // 2   # most heads keep other context tokens
-    for point in ("before-question", "after-question"):             # no eviction: the full cache both ways
+    context = [
+        (b & set(range(120)), a & set(range(120)))
+        for b, a in zip(kept["before-question"], kept["after-question"])
+    ]
+    assert (
+        sum(b != a for b, a in context) > len(context) // 2
+    )  # most heads keep other context tokens
+    for point in ("before-question", "after-question"):  # no eviction: the full cache both ways
         assert evaluate(model, ref, Spec(), question_point=point).kl.max() < 1e-3
 
 
 @pytest.mark.model
 def test_the_lab_page_runs_with_a_question_and_shows_the_cores_numbers(monkeypatch):
     load_once = share_one_model_load(monkeypatch)
-    at = run_app(LAB, 300, sink="4", recent="8", heavy="24", scorer="snapkv", lab_prompt="64", lab_cont="8",
-                 lab_greedy="4", lab_question=QUESTION)
+    at = run_app(
+        LAB,
+        300,
+        sink="4",
+        recent="8",
+        heavy="24",
+        scorer="snapkv",
+        lab_prompt="64",
+        lab_cont="8",
+        lab_greedy="4",
+        lab_question=QUESTION,
+    )
     at.button(key="lab_run").click().run()
     assert not at.exception, [e.value for e in at.exception]
     shown = {m.label: m.value for m in at.metric}
@@ -108,7 +150,12 @@ def test_the_lab_page_runs_with_a_question_and_shows_the_cores_numbers(monkeypat
 
     model, tok, _ = load_once("bundled")
     ref = reference(model, tok, sample_text(), 64, 8, question=QUESTION)
-    q = evaluate(model, ref, Spec(sink=4, recent=8, heavy=24, scorer="snapkv"), question_point="before-question")
+    q = evaluate(
+        model,
+        ref,
+        Spec(sink=4, recent=8, heavy=24, scorer="snapkv"),
+        question_point="before-question",
+    )
     assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"
     assert shown["Next-token KL"] == f"{q.kl_mean:.3f}"
     assert any("compressed at token 64, before the question" in c.value for c in at.caption)
@@ -136,8 +183,12 @@ def test_a_model_study_has_the_question_and_its_compression_points_as_an_axis():
     from kvviz.app.studies import cell_values
 
     plain = parse_study(STUDY.format(question="", points=""))
-    both = parse_study(STUDY.format(question=f'question = "{QUESTION}"',
-                                    points='question_points = ["before-question", "after-question"]'))
+    both = parse_study(
+        STUDY.format(
+            question=f'question = "{QUESTION}"',
+            points='question_points = ["before-question", "after-question"]',
+        )
+    )
     # a study without a question keeps the ids it had before the key existed; one cell per method
     assert [c.settings.get("question_point") for c in cells(plain)] == [None, None]
     assert "question" not in plain.fixed() and both.fixed()["question"] == QUESTION
@@ -147,13 +198,29 @@ def test_a_model_study_has_the_question_and_its_compression_points_as_an_axis():
     with pytest.raises(StudyError, match=r"\[grid\] question_points: .* needs \[source\] question"):
         parse_study(STUDY.format(question="", points='question_points = ["after-question"]'))
     with pytest.raises(StudyError, match="'middle' is not one of before-question, after-question"):
-        parse_study(STUDY.format(question=f'question = "{QUESTION}"', points='question_points = ["middle"]'))
+        parse_study(
+            STUDY.format(question=f'question = "{QUESTION}"', points='question_points = ["middle"]')
+        )
     # a row opens in the Model lab with its question, where it compressed, and its compress_every
-    values, page, _ = cell_values({"kind": "model", "method": "snapkv", "budget": 0.5, "bits": 16,
-                                   "prompt_tokens": 64, "scored_tokens": 8, "text": "sample",
-                                   "question": QUESTION, "question_point": "after-question",
-                                   "compress_every": 16.0, "chunk_size": float("nan")})
-    assert page == "model_lab" and (values["lab_question"], values["lab_point"]) == (QUESTION, "after-question")
+    values, page, _ = cell_values(
+        {
+            "kind": "model",
+            "method": "snapkv",
+            "budget": 0.5,
+            "bits": 16,
+            "prompt_tokens": 64,
+            "scored_tokens": 8,
+            "text": "sample",
+            "question": QUESTION,
+            "question_point": "after-question",
+            "compress_every": 16.0,
+            "chunk_size": float("nan"),
+        }
+    )
+    assert page == "model_lab" and (values["lab_question"], values["lab_point"]) == (
+        QUESTION,
+        "after-question",
+    )
     assert values["compress_every"] == 16
 
 
@@ -165,9 +232,12 @@ def test_a_model_study_runs_both_compression_points_as_kvviz_eval_does(monkeypat
     from kvviz.analysis.study import StudyDir, parse_study, run_study
     from kvviz.decode.quality import evaluate, reference, sample_text
 
-    study = parse_study(STUDY.format(question=f'question = "{QUESTION}"',
-                                     points='question_points = ["before-question", "after-question"]')
-                        .replace('"snapkv", "h2o"', '"snapkv"'))
+    study = parse_study(
+        STUDY.format(
+            question=f'question = "{QUESTION}"',
+            points='question_points = ["before-question", "after-question"]',
+        ).replace('"snapkv", "h2o"', '"snapkv"')
+    )
     report = run_study(study, tmp_path / "q")
     assert (report.cells, report.failures) == (2, [])
     rows = StudyDir(tmp_path / "q").rows().set_index("question_point")
@@ -175,8 +245,10 @@ def test_a_model_study_runs_both_compression_points_as_kvviz_eval_does(monkeypat
     ref = reference(model, tok, sample_text(), 64, 8, question=QUESTION)
     from kvviz.analysis.study.grid import model_spec
 
-    spec = model_spec("snapkv", 0.5, 16, 64)                    # 32 tokens: 4 sinks, 12 recent, 16 heavy
+    spec = model_spec("snapkv", 0.5, 16, 64)  # 32 tokens: 4 sinks, 12 recent, 16 heavy
     for point in ("before-question", "after-question"):
         q = evaluate(model, ref, spec, question_point=point)
-        assert rows.loc[point, "spec"] == spec.label() and rows.loc[point, "kl_mean"] == pytest.approx(q.kl_mean)
+        assert rows.loc[point, "spec"] == spec.label() and rows.loc[
+            point, "kl_mean"
+        ] == pytest.approx(q.kl_mean)
     assert rows.loc["before-question", "kl_mean"] != rows.loc["after-question", "kl_mean"]

@@ -20,8 +20,17 @@ from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.spec import PLUGIN_SCORERS
 
 ROOT = Path(__file__).resolve().parents[1]
-PIVOT = Setting("pivot_at", "int", 10, 0, 100_000, url="pivot", owner=("scorer", "pivot"),
-                label="Pivot position (tokens)", help="The heavy hitters are the context tokens nearest this one.")
+PIVOT = Setting(
+    "pivot_at",
+    "int",
+    10,
+    0,
+    100_000,
+    url="pivot",
+    owner=("scorer", "pivot"),
+    label="Pivot position (tokens)",
+    help="The heavy hitters are the context tokens nearest this one.",
+)
 
 
 class Pivot(Policy):
@@ -33,7 +42,7 @@ class Pivot(Policy):
     def score(self, ctx):
         positions = np.arange(ctx.n_positions, dtype=np.float64)
         scores = -np.abs(positions - ctx.spec.pivot_at)
-        scores[ctx.n_context:] = -np.inf
+        scores[ctx.n_context :] = -np.inf
         return np.broadcast_to(scores, (ctx.trace.n_kv_heads, ctx.n_positions))
 
 
@@ -72,15 +81,37 @@ def test_the_setting_is_a_flag_in_compare_help_and_reaches_the_spec(pivot, capsy
         main(["compare", "--help"])
     assert exit_.value.code == 0
     assert "--pivot-at" in capsys.readouterr().out
-    argv = ["compare", "--source", "synthetic", "--context", "96", "--steps", "0", "--layers", "1", "--heads", "2",
-            "--kv-heads", "1", "--head-dim", "64", "--scorer", "pivot", "--recent", "1", "--heavy", "5", "--json"]
+    argv = [
+        "compare",
+        "--source",
+        "synthetic",
+        "--context",
+        "96",
+        "--steps",
+        "0",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "64",
+        "--scorer",
+        "pivot",
+        "--recent",
+        "1",
+        "--heavy",
+        "5",
+        "--json",
+    ]
     assert main([*argv, "--pivot-at", "40"]) == 0
     at40 = json.loads(capsys.readouterr().out)
     assert main(argv) == 0
     at10 = json.loads(capsys.readouterr().out)
     assert (at40["spec"]["pivot_at"], at10["spec"]["pivot_at"]) == (40, 10)
     assert at40["metrics"] != at10["metrics"]
-    with pytest.raises(SystemExit) as exit_:                # the declared range: one line, exit 2
+    with pytest.raises(SystemExit) as exit_:  # the declared range: one line, exit 2
         main([*argv, "--pivot-at=-3"])
     assert exit_.value.code == 2
     assert "argument --pivot-at: must be 0-100,000, got -3" in capsys.readouterr().err
@@ -91,7 +122,7 @@ def test_the_setting_is_read_from_a_link(pivot):
     assert notes == [] and links.spec_from_values(values).pivot_at == 40
     values, notes = links.parse_query("scorer=pivot&pivot=200000")
     assert values["pivot"] == 100_000 and "clamped to 100000" in notes[0]
-    assert "pivot" in links.compression_params()          # a pinned setting A records it too
+    assert "pivot" in links.compression_params()  # a pinned setting A records it too
 
 
 def test_the_setting_gets_a_widget_in_the_app(pivot):
@@ -99,19 +130,29 @@ def test_the_setting_gets_a_widget_in_the_app(pivot):
 
     from kvviz.app.compression import ADVANCED
 
-    at = run_app(str(ROOT / "app.py"), opened=(ADVANCED,), scorer="pivot", sink=0, recent=1, heavy=5, pivot=40)
+    at = run_app(
+        str(ROOT / "app.py"),
+        opened=(ADVANCED,),
+        scorer="pivot",
+        sink=0,
+        recent=1,
+        heavy=5,
+        pivot=40,
+    )
     box = at.number_input(key="pivot")
     assert box.label == "Pivot position (tokens)" and box.value == 40
     box.set_value(41).run()
     assert at.session_state["_kvviz_state"]["pivot"] == 41
-    at = run_app(str(ROOT / "app.py"), opened=(ADVANCED,), scorer="h2o")     # another scorer's settings are not shown
+    at = run_app(
+        str(ROOT / "app.py"), opened=(ADVANCED,), scorer="h2o"
+    )  # another scorer's settings are not shown
     assert "pivot" not in [w.key for w in at.number_input]
 
 
 def test_the_setting_is_a_study_axis(pivot, tmp_path):
     from kvviz.analysis.study import StudyDir, parse_study, run_study
 
-    study = parse_study('''
+    study = parse_study("""
         name = "pivots"
         [source]
         kind = "synthetic"
@@ -126,11 +167,11 @@ def test_the_setting_is_a_study_axis(pivot, tmp_path):
         scorers = ["pivot"]
         budgets = [0.1]
         pivot_at = [10, 40]
-    ''')
+    """)
     run_study(study, tmp_path / "s")
     rows = StudyDir(tmp_path / "s").rows().sort_values("pivot_at")
     assert rows["pivot_at"].tolist() == [10, 40]
-    assert rows["mass_retained"].nunique() == 2          # the axis reached the scorer
+    assert rows["mass_retained"].nunique() == 2  # the axis reached the scorer
     with pytest.raises(SpecError, match="pivot_at"):
         parse_study(study.text.replace("pivot_at = [10, 40]", "pivot_at = [10, -1]"))
 
@@ -141,7 +182,9 @@ def test_every_declared_setting_has_a_link_name_a_flag_and_a_valid_default():
     positions, set by --rerotate)."""
     from kvviz.cli.parser import build_parser
 
-    flags = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["compare"]._actions}
+    flags = {
+        a.dest for a in build_parser()._subparsers._group_actions[0].choices["compare"]._actions
+    }
     for name, s in SETTINGS.items():
         assert s.problem(s.default) is None, name
         assert name in flags or name == "positions", name

@@ -36,29 +36,52 @@ def hand_trace(windows=(None, W, None), context=30, q_zero=False, seed=0) -> Tra
     k = rng.standard_normal((L, HKV, P, D)).astype(np.float32)
     v = rng.standard_normal((L, HKV, P, D)).astype(np.float32)
     meta = {"source": "test", "layer_windows": list(windows)}
-    return Trace(q=q, k=k, v=v, context_len=context, tokens=tuple(f"t{i}" for i in range(P)),
-                 query_positions=np.arange(P), meta=meta)
+    return Trace(
+        q=q,
+        k=k,
+        v=v,
+        context_len=context,
+        tokens=tuple(f"t{i}" for i in range(P)),
+        query_positions=np.arange(P),
+        meta=meta,
+    )
 
 
 # --- 1. the trace says each layer's kind and window --------------------------------------------
 
+
 def test_the_trace_names_each_layers_window_and_kind():
     t = hand_trace()
     assert t.layer_windows == (None, W, None) and t.has_sliding_layers
-    assert [t.layer_kind(i) for i in range(3)] == ["full_attention", "sliding_attention", "full_attention"]
-    plain = trace_with(t, meta={"source": "older file"})  # a trace without windows: full attention everywhere
+    assert [t.layer_kind(i) for i in range(3)] == [
+        "full_attention",
+        "sliding_attention",
+        "full_attention",
+    ]
+    plain = trace_with(
+        t, meta={"source": "older file"}
+    )  # a trace without windows: full attention everywhere
     assert plain.layer_windows == (None,) * 3 and not plain.has_sliding_layers
 
 
-@pytest.mark.parametrize("bad", [[None, 8], [None, 0, None], [None, "8", None], [None, 8.5, None], 8])
+@pytest.mark.parametrize(
+    "bad", [[None, 8], [None, 0, None], [None, "8", None], [None, 8.5, None], 8]
+)
 def test_a_damaged_window_list_is_refused_in_one_line(bad):
     with pytest.raises(TraceError, match="layer_windows"):
         hand_trace().__class__(**{**_fields(hand_trace()), "meta": {"layer_windows": bad}})
 
 
 def _fields(t: Trace) -> dict:
-    return dict(q=t.q, k=t.k, v=t.v, context_len=t.context_len, tokens=t.tokens,
-                query_positions=t.query_positions, meta=t.meta)
+    return dict(
+        q=t.q,
+        k=t.k,
+        v=t.v,
+        context_len=t.context_len,
+        tokens=t.tokens,
+        query_positions=t.query_positions,
+        meta=t.meta,
+    )
 
 
 def test_both_file_formats_keep_the_windows(tmp_path):
@@ -68,8 +91,13 @@ def test_both_file_formats_keep_the_windows(tmp_path):
     save_trace(t, tmp_path / "two.safetensors")  # format 2: lazy
     lazy = load_trace(tmp_path / "two.safetensors")
     assert lazy.q.lazy and lazy.layer_windows == (None, W, None)
-    header = {"format": "kvviz-trace", "version": "1", "context_len": str(t.context_len),
-              "tokens": json.dumps(list(t.tokens)), "meta": json.dumps(t.meta)}
+    header = {
+        "format": "kvviz-trace",
+        "version": "1",
+        "context_len": str(t.context_len),
+        "tokens": json.dumps(list(t.tokens)),
+        "meta": json.dumps(t.meta),
+    }
     tensors = {"q": t.q, "k": t.k, "v": t.v, "query_positions": t.query_positions.astype(np.int64)}
     save_file(tensors, str(tmp_path / "one.safetensors"), metadata=header)
     assert load_trace(tmp_path / "one.safetensors").layer_windows == (None, W, None)
@@ -84,21 +112,24 @@ def test_both_file_formats_keep_the_windows(tmp_path):
 
 # --- 2. the original attention is the model's: the window applied -------------------------------
 
+
 def test_a_sliding_layer_sees_its_last_w_keys_exactly():
     t = hand_trace(q_zero=True)  # logits all 0: uniform over what each query sees
     for layer, seen in ((0, 40), (1, W)):
         a = softmax(logit_rows(t, layer, np.arange(HQ), 39))  # the query at position 39
         want = np.zeros(40)
-        want[40 - seen:] = 1 / seen
+        want[40 - seen :] = 1 / seen
         np.testing.assert_allclose(a, np.broadcast_to(want, a.shape), rtol=1e-12, atol=0)
     # a query younger than the window sees every key before it
-    np.testing.assert_allclose(softmax(logit_rows(t, 1, [0], 5)), np.full((1, 6), 1 / 6), rtol=1e-12)
+    np.testing.assert_allclose(
+        softmax(logit_rows(t, 1, [0], 5)), np.full((1, 6), 1 / 6), rtol=1e-12
+    )
     # context_rows (the scorers', the overview's and check_attention's rows): the same window
     for idx, a in context_rows(t, 1, np.arange(HQ), np.arange(P), P):
         for i, p in enumerate(t.query_positions[idx]):
             lo = max(0, p - W + 1)
-            np.testing.assert_allclose(a[:, i, lo:p + 1], 1 / (p + 1 - lo), rtol=1e-6)
-            assert not a[:, i, :lo].any() and not a[:, i, p + 1:].any()
+            np.testing.assert_allclose(a[:, i, lo : p + 1], 1 / (p + 1 - lo), rtol=1e-6)
+            assert not a[:, i, :lo].any() and not a[:, i, p + 1 :].any()
     masks = window_masks(t, 1, [3, 39])
     assert masks[0, :, :4].all() and not masks[0, :, 4:].any()
     assert masks[1, :, 32:].all() and not masks[1, :, :32].any()
@@ -116,9 +147,14 @@ def test_the_timeline_sees_the_window_too():
 
 # --- 3. policies compress the full-attention layers only ---------------------------------------
 
-SPECS = [Spec(sink=2, recent=4, heavy=4, scorer="snapkv"), Spec(sink=2, recent=4, heavy=4, scorer="oracle"),
-         Spec(sink=2, recent=4, heavy=4, scorer="quest", page_size=4), Spec(key_bits=2, value_bits=2),
-         Spec(quant_model="noise", noise_sigma=0.5), Spec()]
+SPECS = [
+    Spec(sink=2, recent=4, heavy=4, scorer="snapkv"),
+    Spec(sink=2, recent=4, heavy=4, scorer="oracle"),
+    Spec(sink=2, recent=4, heavy=4, scorer="quest", page_size=4),
+    Spec(key_bits=2, value_bits=2),
+    Spec(quant_model="noise", noise_sigma=0.5),
+    Spec(),
+]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.label())
@@ -127,14 +163,18 @@ def test_a_sliding_layer_is_left_as_the_model_runs_it(spec):
     c = compare(t, spec, View(layer=1, head=3, ensemble="heads", ensemble_size=4))
     assert c.layer_kind == "sliding_attention" and c.layer_window == W
     for row in c.members:
-        assert np.array_equal(row.compressed, row.original)  # the model's own attention, bit for bit
+        assert np.array_equal(
+            row.compressed, row.original
+        )  # the model's own attention, bit for bit
         assert np.array_equal(row.kept, np.arange(40) >= 32)
         assert np.array_equal(row.reason, np.where(np.arange(40) >= 32, RECENT, EVICTED))
         np.testing.assert_allclose(row.out_compressed, row.out_original, rtol=0, atol=0)
         m = row.metrics
         assert m.tv_distance == 0 and m.kl == 0 and m.kl_forward == 0 and m.max_abs_error == 0
         # sums over the window's 8 float64 weights: 1 and 0 to the sum's rounding
-        assert m.mass_retained == pytest.approx(1, abs=1e-12) and m.js == pytest.approx(0, abs=1e-12)
+        assert m.mass_retained == pytest.approx(1, abs=1e-12) and m.js == pytest.approx(
+            0, abs=1e-12
+        )
     assert any("Layer 1 is a sliding-window layer" in n for n in c.notes)
     j = c.to_json()
     assert j["layer_kind"] == "sliding_attention" and j["layer_window"] == W
@@ -148,7 +188,10 @@ def test_the_full_layers_are_compressed_as_on_a_trace_without_windows():
     plain = trace_with(t, meta={"source": "test"})
     spec = Spec(sink=2, recent=4, heavy=4, scorer="snapkv", key_bits=4, value_bits=4)
     for layer in (0, 2):
-        a, b = compare(t, spec, View(layer=layer, head=1)), compare(plain, spec, View(layer=layer, head=1))
+        a, b = (
+            compare(t, spec, View(layer=layer, head=1)),
+            compare(plain, spec, View(layer=layer, head=1)),
+        )
         assert a.layer_kind == "full_attention" and a.to_json()["layer_window"] is None
         assert np.array_equal(a.primary.compressed, b.primary.compressed)
         assert a.primary.metrics.tv_distance > 0.01 and a.primary.kept.sum() == 10
@@ -162,16 +205,53 @@ def test_the_full_layers_are_compressed_as_on_a_trace_without_windows():
 def test_the_cli_says_the_layers_kind(tmp_path, capsys):
     save_trace(hand_trace(), tmp_path / "t.safetensors")
     src = str(tmp_path / "t.safetensors")
-    assert main(["compare", "--source", src, "--layer", "1", "--sink", "2", "--recent", "4", "--heavy", "4"]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--source",
+                src,
+                "--layer",
+                "1",
+                "--sink",
+                "2",
+                "--recent",
+                "4",
+                "--heavy",
+                "4",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "layer 1 (sliding window 8)" in out and "note: Layer 1 is a sliding-window layer" in out
-    assert main(["compare", "--source", src, "--layer", "2", "--sink", "2", "--recent", "4", "--heavy", "4",
-                 "--json"]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--source",
+                src,
+                "--layer",
+                "2",
+                "--sink",
+                "2",
+                "--recent",
+                "4",
+                "--heavy",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     j = json.loads(capsys.readouterr().out)
-    assert j["layer_kind"] == "full_attention" and j["layer_window"] is None and j["layer_number"] == 2
+    assert (
+        j["layer_kind"] == "full_attention" and j["layer_window"] is None and j["layer_number"] == 2
+    )
 
 
 # --- 4. the memory card and the ledger count each layer as what it is --------------------------
+
 
 def test_memory_counts_a_sliding_layer_as_its_window_at_16_bits():
     t = hand_trace()  # context 30; the last query sees 40 tokens
@@ -213,9 +293,16 @@ def test_quest_stores_the_whole_full_layers_and_the_window_of_the_sliding_one():
     assert m.bytes_read == sum(int(k) * TOKEN16 + meta for r in read for k in r) + HKV * 8 * TOKEN16
 
 
-@pytest.mark.parametrize("spec", [Spec(sink=2, recent=4, heavy=4, scorer="snapkv"),
-                                  Spec(sink=2, recent=4, heavy=4, scorer="quest", page_size=4),
-                                  Spec(key_bits=4, value_bits=4, group_size=8), Spec()], ids=lambda s: s.label())
+@pytest.mark.parametrize(
+    "spec",
+    [
+        Spec(sink=2, recent=4, heavy=4, scorer="snapkv"),
+        Spec(sink=2, recent=4, heavy=4, scorer="quest", page_size=4),
+        Spec(key_bits=4, value_bits=4, group_size=8),
+        Spec(),
+    ],
+    ids=lambda s: s.label(),
+)
 def test_the_ledger_adds_up_to_the_memory_card(spec):
     t = hand_trace()
     ledger, m = budget_ledger(t, spec), compare(t, spec).memory

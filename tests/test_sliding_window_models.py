@@ -1,4 +1,5 @@
-"""Sliding-window layers on tiny random-weight Mistral, Gemma 2 and Gemma 3 models built here: kvviz's recomputed attention is the model's own on every layer (check_attention), a policy leaves the
+"""Sliding-window layers on tiny random-weight Mistral, Gemma 2 and Gemma 3 models built here: kvviz's
+recomputed attention is the model's own on every layer (check_attention), a policy leaves the
 sliding layers alone, and the compressed decode (Model lab, eval, needle test) refuses such a model in one line.
 The hand-made traces' exact numbers are in tests/test_sliding_window.py."""
 
@@ -28,12 +29,25 @@ class Tok:
 
 
 def tiny(arch: str, window: int = 32):
-    common = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                  sliding_window=window, bos_token_id=0, eos_token_id=1, pad_token_id=1)
-    config, model = {"mistral": ("MistralConfig", "MistralForCausalLM"),
-                     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-                     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}[arch]
+    common = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=window,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+    config, model = {
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    }[arch]
     cfg = getattr(transformers, config)(**common)
     if arch != "mistral":
         cfg.layer_types = ["sliding_attention", "full_attention"]
@@ -58,8 +72,10 @@ def test_check_attention_matches_the_model_on_every_layer(arch, tmp_path):
     info = model_info(arch, "tiny", model, "float32", "cpu")
     want = (32, 32) if arch == "mistral" else (32, None)
     # in memory with decode steps (the model's sliding cache), and to a file (format 2, lazy)
-    for t in (capture(model, Tok(), info, PROMPT, new_tokens=4, stop_at_eos=False),
-              capture(model, Tok(), info, PROMPT, out=tmp_path / "t.st")):
+    for t in (
+        capture(model, Tok(), info, PROMPT, new_tokens=4, stop_at_eos=False),
+        capture(model, Tok(), info, PROMPT, out=tmp_path / "t.st"),
+    ):
         assert t.layer_windows == want
         assert check_attention(model, t).max() <= 1e-5
     # the same trace read as if every layer saw the whole context is far from the model (the test can fail)
@@ -80,11 +96,15 @@ def test_the_compressed_decode_refuses_a_sliding_window_model_in_one_line(tmp_pa
     ids = [int(w) for w in PROMPT.split()][:20]
     with pytest.raises(SpecError, match="sliding-window layers") as e:
         gen.prefill(model, ids)
-    assert "\n" not in str(e.value) and "MistralForCausalLM has 2 sliding-window layers of 2" in str(e.value)
+    assert "\n" not in str(
+        e.value
+    ) and "MistralForCausalLM has 2 sliding-window layers of 2" in str(e.value)
     # the Model lab's run (the page shows a SpecError as "Cannot run: ...")
     from kvviz.decode import lab
 
     monkeypatch.setenv("KVVIZ_LAB_DIR", str(tmp_path / "lab"))
-    settings = lab.LabSettings("tiny", " ".join(map(str, ids)), 12, 6, 4, Spec(sink=2, recent=4, heavy=4))
+    settings = lab.LabSettings(
+        "tiny", " ".join(map(str, ids)), 12, 6, 4, Spec(sink=2, recent=4, heavy=4)
+    )
     with pytest.raises(SpecError, match="sliding-window layers"):
         lab.run(model, Tok(), "tiny", settings)

@@ -45,18 +45,33 @@ def rope_trace(seed=5, L=2, Hq=8, Hkv=2, D=32, c=250, steps=6) -> Trace:
     q = rng.standard_normal((L, Hq, P, D)).astype(np.float32)
     k = rng.standard_normal((L, Hkv, P, D)).astype(np.float32)
     k[..., 3] += 2.0 * rng.standard_normal((L, Hkv, 1)).astype(np.float32)
-    v = (rng.standard_normal((L, Hkv, P, D)) * rng.uniform(0.5, 2, (L, Hkv, P, 1))).astype(np.float32)
+    v = (rng.standard_normal((L, Hkv, P, D)) * rng.uniform(0.5, 2, (L, Hkv, P, 1))).astype(
+        np.float32
+    )
     meta = {"source": "test", "rope_inv_freq": (1.0 / 100.0 ** (np.arange(0, D, 2) / D)).tolist()}
-    return Trace(q=q, k=k, v=v, context_len=c, tokens=tuple(f"t{i}" for i in range(P)),
-                 query_positions=np.arange(P), meta=meta)
+    return Trace(
+        q=q,
+        k=k,
+        v=v,
+        context_len=c,
+        tokens=tuple(f"t{i}" for i in range(P)),
+        query_positions=np.arange(P),
+        meta=meta,
+    )
 
 
 def traces() -> dict[str, Trace]:
     return {
-        "gqa4": make_synthetic(SyntheticSpec(context=600, steps=8, layers=2, q_heads=8, kv_heads=2,
-                                             head_dim=64, seed=1)),
-        "gqa2": make_synthetic(PRESETS["diffuse"].with_(context=333, steps=5, layers=2, q_heads=6, kv_heads=3,
-                                                       head_dim=48, seed=2)),
+        "gqa4": make_synthetic(
+            SyntheticSpec(
+                context=600, steps=8, layers=2, q_heads=8, kv_heads=2, head_dim=64, seed=1
+            )
+        ),
+        "gqa2": make_synthetic(
+            PRESETS["diffuse"].with_(
+                context=333, steps=5, layers=2, q_heads=6, kv_heads=3, head_dim=48, seed=2
+            )
+        ),
         "rope": rope_trace(),
         "handbook": handbook_trace(),
     }
@@ -68,8 +83,13 @@ def scorer_settings(scorer: str) -> list[dict]:
         "snapkv": [dict(), dict(snapkv_window=8), dict(snapkv_kernel=3)],
         "random": [dict(seed=0), dict(seed=3)],
         "expected_attention": [dict(), dict(ea_horizon=7, ea_covariance=False), dict(ea_horizon=1)],
-        "chunkkv": [dict(), dict(chunk_size=7), dict(chunk_size=16, chunk_scorer="h2o"),
-                    dict(chunk_size=5, chunk_scorer="expected_attention"), dict(chunk_size=9, chunk_scorer="keydiff")],
+        "chunkkv": [
+            dict(),
+            dict(chunk_size=7),
+            dict(chunk_size=16, chunk_scorer="h2o"),
+            dict(chunk_size=5, chunk_scorer="expected_attention"),
+            dict(chunk_size=9, chunk_scorer="keydiff"),
+        ],
         "quest": [dict(), dict(page_size=5)],
     }.get(scorer, [dict()])
 
@@ -118,12 +138,17 @@ def masks(trace: Trace, spec: Spec) -> np.ndarray:
     """Packed bits of the kept masks of every layer at the first, middle and last evaluated query."""
     evaluated = trace.evaluated_queries
     picks = sorted({int(evaluated[0]), int(evaluated[len(evaluated) // 2]), int(evaluated[-1])})
-    bits = [kept_at_query(trace, spec, layer, qi).ravel() for layer in range(trace.n_layers) for qi in picks]
+    bits = [
+        kept_at_query(trace, spec, layer, qi).ravel()
+        for layer in range(trace.n_layers)
+        for qi in picks
+    ]
     return np.packbits(np.concatenate(bits))
 
 
 def compute_all() -> dict[str, np.ndarray]:
     from kvviz.spec import SpecError
+
     ts = traces()
     out = {}
     for label, name, scorer, settings, budget, allocation in cases():
@@ -132,7 +157,7 @@ def compute_all() -> dict[str, np.ndarray]:
             spec = make_spec(trace, scorer, settings, budget, allocation)
             out[label] = masks(trace, spec)
         except SpecError:
-            continue               # a combination the spec refuses (AdaKV with a streaming scorer, ...)
+            continue  # a combination the spec refuses (AdaKV with a streaming scorer, ...)
     return out
 
 
@@ -154,6 +179,7 @@ def test_every_recorded_scorer_is_still_there():
 @pytest.mark.parametrize("scorer", RECORDED)
 def test_kept_masks_match_the_code_before_the_speed_work(scorer, reference, trace_set):
     from kvviz.spec import SpecError
+
     checked = 0
     for label, name, s, settings, budget, allocation in cases():
         if s != scorer:
@@ -168,9 +194,11 @@ def test_kept_masks_match_the_code_before_the_speed_work(scorer, reference, trac
         got = masks(trace, spec)
         assert label in reference, f"no reference for {label}"
         assert np.array_equal(got, reference[label]), f"kept set changed: {label}"
-        _SCORE_CACHE.clear()                       # and through a warm cache (a sweep's second budget)
+        _SCORE_CACHE.clear()  # and through a warm cache (a sweep's second budget)
         masks(trace, spec.with_(heavy=spec.heavy + 1))
-        assert np.array_equal(masks(trace, spec), reference[label]), f"kept set changed (cached): {label}"
+        assert np.array_equal(masks(trace, spec), reference[label]), (
+            f"kept set changed (cached): {label}"
+        )
         checked += 1
     assert checked >= 8
 
@@ -180,6 +208,7 @@ def test_the_options_named_after_the_old_rules_reproduce_them(rule, reference, t
     """adakv_floor="outside-window", pyramid_schedule="heavy", chunk_rule="budget", quest_heads="kv":
     the kept sets under the old rules, bit for bit, wherever the changed rules moved the default."""
     from kvviz.spec import SpecError
+
     applies, _ = PRE24[rule]
     checked = 0
     for label, name, scorer, settings, budget, allocation in cases():
@@ -201,7 +230,9 @@ if __name__ == "__main__" and "--record" in sys.argv:
     REFERENCE.parent.mkdir(exist_ok=True)
     recorded = compute_all()
     np.savez_compressed(REFERENCE, **recorded)
-    print(f"recorded {len(recorded)} kept-mask sets to {REFERENCE} ({REFERENCE.stat().st_size} bytes)")
+    print(
+        f"recorded {len(recorded)} kept-mask sets to {REFERENCE} ({REFERENCE.stat().st_size} bytes)"
+    )
 
 if __name__ == "__main__" and "--record-changed" in sys.argv:
     # re-record only the entries a changed rule decides, keeping each old value as "pre24|<label>"
@@ -219,13 +250,17 @@ if __name__ == "__main__" and "--record-changed" in sys.argv:
         changed += not np.array_equal(stored[label], stored[f"pre24|{label}"])
         same += np.array_equal(stored[label], stored[f"pre24|{label}"])
     np.savez_compressed(REFERENCE, **stored)
-    print(f"{rule}: re-recorded {changed + same} entries ({changed} changed, {same} the same); "
-          f"{REFERENCE.stat().st_size} bytes")
+    print(
+        f"{rule}: re-recorded {changed + same} entries ({changed} changed, {same} the same); "
+        f"{REFERENCE.stat().st_size} bytes"
+    )
 
 
 def expected_attention_float64(trace: Trace, layer: int, horizon: int) -> np.ndarray:
-    """The published rule written out plainly in float64 (the arithmetic of the code before the speed work): (kv_heads, c)."""
+    """The published rule written out plainly in float64 (the arithmetic of the code before the speed work):
+    (kv_heads, c)."""
     from kvviz.policies.expected_attention import mean_rotation, rope_inv_freq, rotate
+
     c, d, g = trace.context_len, trace.head_dim, trace.group_size
     rows = trace.context_queries[4:]
     q = trace.q[layer][:, rows].astype(np.float64)
@@ -255,11 +290,21 @@ def test_expected_attention_float32_products_keep_the_float64_ranking(which):
     1k-token GQA trace with outlier key channels and on a RoPE trace."""
     from kvviz.policies import POLICIES, ScoreContext
     from kvviz.policies.base import select
-    trace = (make_synthetic(SyntheticSpec(context=1024, steps=2, layers=1, q_heads=8, kv_heads=2, head_dim=64, seed=3))
-             if which == "synthetic" else rope_trace(c=1024, D=64, L=1))
+
+    trace = (
+        make_synthetic(
+            SyntheticSpec(
+                context=1024, steps=2, layers=1, q_heads=8, kv_heads=2, head_dim=64, seed=3
+            )
+        )
+        if which == "synthetic"
+        else rope_trace(c=1024, D=64, L=1)
+    )
     c = trace.context_len
     _SCORE_CACHE.clear()
-    got = POLICIES["expected_attention"].score(ScoreContext(trace, 0, Spec(scorer="expected_attention")))[:, :c]
+    got = POLICIES["expected_attention"].score(
+        ScoreContext(trace, 0, Spec(scorer="expected_attention"))
+    )[:, :c]
     ref = expected_attention_float64(trace, 0, 512)
     np.testing.assert_allclose(got, ref, rtol=2e-6, atol=0)
     for fraction in (0.02, 0.05, 0.1, 0.2, 0.3, 0.5):

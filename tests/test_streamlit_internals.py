@@ -13,13 +13,18 @@ from kvviz.app import internals
 def test_the_pinned_streamlit_is_the_one_the_internals_were_read_from():
     assert streamlit.__version__ == internals.VERIFIED, (
         f"Streamlit {streamlit.__version__}: re-read each part in kvviz/app/internals.py against it (this "
-        "file says which), then set VERIFIED")
+        "file says which), then set VERIFIED"
+    )
 
 
 def test_the_socket_binding_takes_an_address_a_port_and_a_backlog():
     from streamlit.web.server.starlette import starlette_server
 
-    assert list(inspect.signature(starlette_server._bind_socket).parameters)[:3] == ["address", "port", "backlog"]
+    assert list(inspect.signature(starlette_server._bind_socket).parameters)[:3] == [
+        "address",
+        "port",
+        "backlog",
+    ]
 
 
 def test_the_first_element_check_and_its_flag_are_there():
@@ -34,7 +39,7 @@ def test_the_run_context_its_cancel_check_and_a_threads_share_of_it():
     from streamlit.runtime.scriptrunner_utils.script_run_context import get_run_yield_check
 
     assert "suppress_warning" in inspect.signature(get_script_run_ctx).parameters
-    assert internals.run_context() is None                  # outside a run
+    assert internals.run_context() is None  # outside a run
     assert callable(get_run_yield_check) and callable(add_script_run_ctx)
 
 
@@ -47,8 +52,11 @@ def test_the_page_manager_names_the_page_asked_for_and_the_legacy_flag():
 
 
 def test_the_module_says_what_each_part_buys():
-    names = [name for name, f in inspect.getmembers(internals, inspect.isfunction)
-             if f.__module__ == internals.__name__ and not name.startswith("_")]
+    names = [
+        name
+        for name, f in inspect.getmembers(internals, inspect.isfunction)
+        if f.__module__ == internals.__name__ and not name.startswith("_")
+    ]
     assert names and [name for name in names if f"`{name}`" not in internals.__doc__] == []
 
 
@@ -59,6 +67,9 @@ def test_no_other_module_reaches_into_streamlit():
 
     root = Path(__file__).resolve().parents[1]
     private = re.compile(r"^\s*(from|import) streamlit\.", re.M)
-    found = [str(p.relative_to(root)) for p in [root / "app.py", *root.glob("kvviz/**/*.py"), *root.glob("pages/*.py")]
-             if p.name != "internals.py" and private.search(p.read_text(encoding="utf-8"))]
+    found = [
+        str(p.relative_to(root))
+        for p in [root / "app.py", *root.glob("kvviz/**/*.py"), *root.glob("pages/*.py")]
+        if p.name != "internals.py" and private.search(p.read_text(encoding="utf-8"))
+    ]
     assert found == []

@@ -62,13 +62,22 @@ def test_long_context_single_query_is_cheap():
         tracemalloc.stop()
     assert t.n_positions == 32769 and row.shape == (32769,) and abs(row.sum() - 1) < 1e-9
     own = t.q.nbytes + t.k.nbytes + t.v.nbytes
-    square = t.n_positions ** 2 * 4
+    square = t.n_positions**2 * 4
     assert peak_make < 8 * own < square / 20
     assert peak_row < 4 * own
 
 
-@pytest.mark.parametrize("bad", [dict(context=4), dict(context=40000), dict(q_heads=3, kv_heads=2),
-                                 dict(head_dim=8), dict(sparsity=-1), dict(steps=-1)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(context=4),
+        dict(context=40000),
+        dict(q_heads=3, kv_heads=2),
+        dict(head_dim=8),
+        dict(sparsity=-1),
+        dict(steps=-1),
+    ],
+)
 def test_bad_knobs(bad):
     with pytest.raises(SpecError):
         SyntheticSpec(**bad)

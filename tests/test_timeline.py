@@ -32,16 +32,22 @@ def test_regret_is_the_full_attention_on_evicted_tokens(shifted):
         qi = int(shifted.later_queries[s])
         p = int(shifted.query_positions[qi])
         heads = range(g, 2 * g)
-        logits = np.stack([shifted.q[1, h, qi].astype(np.float64) @ shifted.k[1, 1, : p + 1].astype(np.float64).T
-                           / np.sqrt(shifted.head_dim) for h in heads])
+        logits = np.stack(
+            [
+                shifted.q[1, h, qi].astype(np.float64)
+                @ shifted.k[1, 1, : p + 1].astype(np.float64).T
+                / np.sqrt(shifted.head_dim)
+                for h in heads
+            ]
+        )
         a = softmax(logits).mean(axis=0)
         assert np.allclose(tl.attention[s, : p + 1], a)
-        assert tl.attention[s, p + 1:].sum() == 0
+        assert tl.attention[s, p + 1 :].sum() == 0
         for name, pt in tl.policies.items():
             evicted = ~pt.kept[s, : p + 1]
             assert pt.regret[s] == pytest.approx(a[evicted].sum(), abs=1e-12), name
             assert np.array_equal(pt.missed[s, : p + 1], evicted & (a >= tl.need))
-            assert not pt.missed[s, p + 1:].any()
+            assert not pt.missed[s, p + 1 :].any()
 
 
 def test_every_policy_holds_the_budget(shifted):
@@ -58,7 +64,7 @@ def test_streamingllm_holds_sinks_and_the_window(shifted):
     for s, p in enumerate(tl.positions):
         expected = np.zeros(shifted.n_positions, dtype=bool)
         expected[:4] = True
-        expected[p + 1 - 32: p + 1] = True     # the heavy budget widens the window
+        expected[p + 1 - 32 : p + 1] = True  # the heavy budget widens the window
         assert np.array_equal(tl.policies["streaming"].kept[s], expected)
 
 
@@ -97,7 +103,7 @@ def test_states_map(shifted):
     st = pt.states(tl.positions)
     assert st.shape == (48, shifted.n_positions)
     for s, p in enumerate(tl.positions):
-        assert (st[s, p + 1:] == FUTURE).all()
+        assert (st[s, p + 1 :] == FUTURE).all()
         assert ((st[s, : p + 1] == KEPT) == pt.kept[s, : p + 1]).all()
         assert ((st[s, : p + 1] == MISSED) == pt.missed[s, : p + 1]).all()
         assert set(np.unique(st[s, : p + 1])) <= {EVICTED, KEPT, MISSED}
@@ -144,7 +150,11 @@ def test_token_history_tells_when_a_token_was_evicted_and_needed(shifted):
     text = h2o.history(token, tl.positions, tl.context_len)
     needed = np.flatnonzero(h2o.missed[:, token])
     from kvviz.analysis.frames import ranges_text
-    assert f"needed at step{'s' if len(needed) > 1 else ''} {ranges_text(needed)} while evicted" in text
+
+    assert (
+        f"needed at step{'s' if len(needed) > 1 else ''} {ranges_text(needed)} while evicted"
+        in text
+    )
     if token < tl.context_len and not h2o.kept[0, token]:
         assert text.startswith("evicted at the compression point")
     assert tl.policies["oracle"].history(token, tl.positions, tl.context_len).count("needed") == 0

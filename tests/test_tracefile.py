@@ -18,7 +18,11 @@ def test_round_trip(tmp_path):
         for name in ("q", "k", "v", "logits", "noise_eps", "query_positions"):
             a, b = getattr(t, name), getattr(u, name)
             assert (a is None and b is None) or np.array_equal(a, b)
-        assert u.tokens == t.tokens and u.context_len == t.context_len and u.meta == json.loads(json.dumps(t.meta))
+        assert (
+            u.tokens == t.tokens
+            and u.context_len == t.context_len
+            and u.meta == json.loads(json.dumps(t.meta))
+        )
 
 
 def test_rejects_garbage(tmp_path):
@@ -38,18 +42,44 @@ def test_rejects_plain_safetensors_and_bad_shapes(tmp_path):
     save_file({"x": np.zeros(3, np.float32)}, str(p))
     with pytest.raises(TraceError, match="not a kvviz trace"):
         load_trace(p)
-    header = {"format": "kvviz-trace", "version": "1", "context_len": "4", "tokens": json.dumps(["a"] * 4),
-              "meta": "{}"}
-    save_file({"q": np.zeros((1, 1, 4, 8), np.float32), "k": np.zeros((1, 1, 5, 8), np.float32),
-               "query_positions": np.arange(4)}, str(p), metadata=header)
+    header = {
+        "format": "kvviz-trace",
+        "version": "1",
+        "context_len": "4",
+        "tokens": json.dumps(["a"] * 4),
+        "meta": "{}",
+    }
+    save_file(
+        {
+            "q": np.zeros((1, 1, 4, 8), np.float32),
+            "k": np.zeros((1, 1, 5, 8), np.float32),
+            "query_positions": np.arange(4),
+        },
+        str(p),
+        metadata=header,
+    )
     with pytest.raises(TraceError, match="token labels"):
         load_trace(p)
-    save_file({"q": np.full((1, 1, 4, 8), np.nan, np.float32), "k": np.zeros((1, 1, 4, 8), np.float32),
-               "query_positions": np.arange(4)}, str(p), metadata=header)
+    save_file(
+        {
+            "q": np.full((1, 1, 4, 8), np.nan, np.float32),
+            "k": np.zeros((1, 1, 4, 8), np.float32),
+            "query_positions": np.arange(4),
+        },
+        str(p),
+        metadata=header,
+    )
     with pytest.raises(TraceError, match="NaN"):
         load_trace(p)
-    save_file({"q": np.zeros((1, 1, 4, 8), np.float32), "k": np.zeros((1, 1, 4, 8), np.float32),
-               "query_positions": np.arange(4)}, str(p), metadata={**header, "version": "99"})
+    save_file(
+        {
+            "q": np.zeros((1, 1, 4, 8), np.float32),
+            "k": np.zeros((1, 1, 4, 8), np.float32),
+            "query_positions": np.arange(4),
+        },
+        str(p),
+        metadata={**header, "version": "99"},
+    )
     with pytest.raises(TraceError, match="version 99"):
         load_trace(p)
 

@@ -13,7 +13,10 @@ LONG = "source=synthetic&context=1024&steps=0&layers=1&q_heads=2&kv_heads=1"
 
 BOXES_JS = r"""() => {
   const vw = document.documentElement.clientWidth;
-  const box = (el) => { const r = el.getBoundingClientRect(); return {w: r.width, h: r.height, left: r.left, right: r.right}; };
+  const box = (el) => {
+    const r = el.getBoundingClientRect();
+    return {w: r.width, h: r.height, left: r.left, right: r.right};
+  };
   const out = {};
   for (const w of document.querySelectorAll('[data-testid="stNumberInput"]')) {
     const label = w.querySelector('[data-testid="stWidgetLabel"]');
@@ -35,8 +38,11 @@ BOXES_JS = r"""() => {
 
 
 def chart_x(page, i: int) -> list[int]:
-    return page.evaluate("""(i) => Array.from(new Set(document.querySelectorAll('.js-plotly-plot')[i]._fullData
-        .flatMap(t => Array.from(t.x || [])))).map(Math.round).sort((a, b) => a - b)""", i)
+    return page.evaluate(
+        """(i) => Array.from(new Set(document.querySelectorAll('.js-plotly-plot')[i]._fullData
+        .flatMap(t => Array.from(t.x || [])))).map(Math.round).sort((a, b) => a - b)""",
+        i,
+    )
 
 
 def test_the_range_controls_fit_a_1024_screen_and_zoom_the_charts(page, app_url):
@@ -47,15 +53,20 @@ def test_the_range_controls_fit_a_1024_screen_and_zoom_the_charts(page, app_url)
     assert set(found) == {"Charts from token", "to token", "◀", "▶", "Whole row"}, found
     for name, b in found.items():
         assert not b["cut"], f"{name}: its label is cut"
-        assert b["right"] <= b["vw"] + 1 and b["left"] >= 0, f"{name} is past the screen's edge: {b}"
+        assert b["right"] <= b["vw"] + 1 and b["left"] >= 0, (
+            f"{name} is past the screen's edge: {b}"
+        )
         assert b["h"] >= 28, f"{name} is too small to click: {b}"
-    assert found["Charts from token"]["w"] >= 90 and found["to token"]["w"] >= 90   # '32767' fits
+    assert found["Charts from token"]["w"] >= 90 and found["to token"]["w"] >= 90  # '32767' fits
     assert found["Whole row"]["w"] >= 60
-    problems = page.evaluate(LAYOUT_JS)["problems"]       # the binned charts' titles and axes fit too
+    problems = page.evaluate(LAYOUT_JS)["problems"]  # the binned charts' titles and axes fit too
     assert not problems, problems
     for label, value in (("Charts from token", "500"), ("to token", "520")):
-        box = page.locator('[data-testid="stNumberInput"]').filter(
-            has=page.locator('[data-testid="stWidgetLabel"]', has_text=label)).locator("input")
+        box = (
+            page.locator('[data-testid="stNumberInput"]')
+            .filter(has=page.locator('[data-testid="stWidgetLabel"]', has_text=label))
+            .locator("input")
+        )
         before = runs(page)
         box.fill(value)
         box.press("Enter")
@@ -66,6 +77,6 @@ def test_the_range_controls_fit_a_1024_screen_and_zoom_the_charts(page, app_url)
     idle(page, after=before)
     assert chart_x(page, 0) == list(range(521, 542))
     assert "zoom_from=521" in page.url and "zoom_to=541" in page.url
-    problems = page.evaluate(LAYOUT_JS)["problems"]       # and the per-token charts of the range
+    problems = page.evaluate(LAYOUT_JS)["problems"]  # and the per-token charts of the range
     assert not problems, problems
     assert page.errors == [], page.errors

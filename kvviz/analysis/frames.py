@@ -93,7 +93,8 @@ def ensemble_text(comp: Comparison) -> str:
     if kind == "layers":
         return f"query head {rows[0].head} in layers {ranges_text(comp.layer_name(r.layer) for r in rows)}"
     if kind == "steps":
-        return f"layer {comp.model_layer}, head {rows[0].head}, queries at positions {ranges_text(r.position for r in rows)}"
+        positions = ranges_text(r.position for r in rows)
+        return f"layer {comp.model_layer}, head {rows[0].head}, queries at positions {positions}"
     return f"{len(rows)} random seeds"
 
 

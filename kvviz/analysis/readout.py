@@ -206,7 +206,8 @@ def fp8_clipping_note(counts: dict | None) -> str | None:
             else f"calibrated scales {min(scales):.3g}–{max(scales):.3g} per layer"
         )
         parts.append(
-            f"{c['saturated']:,} of the {c['values']:,} stored {name} saturated (|x / s| above {top}, stored as ±{top} s) and "
+            f"{c['saturated']:,} of the {c['values']:,} stored {name} saturated "
+            f"(|x / s| above {top}, stored as ±{top} s) and "
             f"{c['flushed']:,} flushed to zero ({scale})"
         )
     if not parts:

@@ -10,7 +10,8 @@ puts it all in the window) and the metric is the evaluated row's attention mass 
 For one-shot policies the kept sets of growing budgets are nested (a token enters the
 recent window or one more heavy slot opens), so the mass retained grows with B and the
 binary search finds the exact smallest budget. Streaming policies (H2O, TOVA), SnapKV with
-its window following the recent window, one-shot scorers compressed again during decoding (`compress_every`) and TV under quantization need not be monotone; the search then walks down from the binary
+its window following the recent window, one-shot scorers compressed again during decoding (`compress_every`)
+and TV under quantization need not be monotone; the search then walks down from the binary
 search's answer until one token less misses the target, so the answer always satisfies
 "one token less misses", and `exact` says whether it is also the global smallest.
 """

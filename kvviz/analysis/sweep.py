@@ -107,7 +107,8 @@ def sweep(
 ) -> list[dict]:
     """One row per (method, budget, bits): memory ratio and errors averaged over the view's ensemble.
 
-    `formats` (SWEEP_FORMATS: e4m3, e5m2, nvfp4, mxfp4, q8_0, q4_0, ...) add points in those cache formats, K and V alike, with the
+    `formats` (SWEEP_FORMATS: e4m3, e5m2, nvfp4, mxfp4, q8_0, q4_0, ...) add points in those cache formats, K
+    and V alike, with the
     base spec's FP8 scale and rotation; their rows carry the format's width in `bits` and its name
     in `format` (integer rows: "int").
 

@@ -63,7 +63,8 @@ export default function (component) {
     const chunk = component.data && component.data.plotly, main = document.querySelector(
       'script[type="module"][src*="/static/js/"]');
     if (!chunk || !main || document.querySelector("link[data-kvviz-plotly]")) return;
-    const link = Object.assign(document.createElement("link"), {rel: "modulepreload", href: new URL(chunk, main.src).href});
+    const link = Object.assign(document.createElement("link"),
+                               {rel: "modulepreload", href: new URL(chunk, main.src).href});
     link.dataset.kvvizPlotly = "";
     document.head.appendChild(link);
   };

@@ -116,7 +116,8 @@ def source_section(where=None) -> Source | None:
 SYNTHETIC_PRESET_HELP = {
     "realistic": "Concentrated like a real model (the default): a strong first-token sink and a few heavy hitters; "
     "the top 10% of tokens hold ~87% of the attention (SmolLM2-135M measured: 84%).",
-    "diffuse": "The hard case: a weak sink and a flat background, so eviction must keep most tokens for 95% of the mass.",
+    "diffuse": "The hard case: a weak sink and a flat background, so eviction must keep most tokens for 95% "
+    "of the mass.",
     "topic shift": "Late anchor tokens that no context query looked at, needed after the shift halfway through 48 "
     "decode steps: where history-based eviction (H2O, TOVA) fails.",
 }

@@ -154,7 +154,8 @@ def clamp(name: str, lo=None, hi=None, label: str = ""):
     if lo is not None and hi is not None and not lo <= v <= hi:
         c = min(max(v, lo), hi)
         notice(
-            f"{label or name} {number_text(v)} is out of range ({number_text(lo)}-{number_text(hi)}); clamped to {number_text(c)}."
+            f"{label or name} {number_text(v)} is out of range ({number_text(lo)}-{number_text(hi)}); "
+            f"clamped to {number_text(c)}."
         )
         store[name] = v = c
     return v

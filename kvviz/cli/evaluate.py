@@ -229,7 +229,8 @@ def format_eval(q, pair=None) -> str:
         "",
         f"  perplexity              {d['perplexity']:10.3f}   (full cache {d['perplexity_full']:.3f}, "
         f"ratio {d['perplexity_ratio']:.3f})",
-        f"  next-token KL(full || compressed) {d['kl_mean']:.4f} mean nats/token over the vocabulary (max {d['kl_max']:.4f})",
+        f"  next-token KL(full || compressed) {d['kl_mean']:.4f} mean nats/token over the vocabulary "
+        f"(max {d['kl_max']:.4f})",
         f"  top-1 agreement         {d['top1_agreement']:10.3f}",
         f"  KV cache                {d['kv_bytes']:10,.0f} B of {d['kv_bytes_full']:,.0f} B (16-bit), "
         f"{d['compression_ratio']:.2f}x smaller; {d['kept_tokens']} of {d['total_tokens']} tokens kept",

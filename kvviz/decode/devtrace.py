@@ -21,7 +21,8 @@ sums), once per decision:
 
 kvviz.attention (and Expected Attention for its two steps) call these methods where an array has them
 (a duck-typed hook: the core and the policies never import torch). A cache that will not score again
-(no compress_every, no record) releases the prompt's queries after its compression point. Each call adds the bytes it sends to the host to `Crossing.bytes` (the cache's
+(no compress_every, no record) releases the prompt's queries after its compression point. Each call adds the
+bytes it sends to the host to `Crossing.bytes` (the cache's
 `crossed`), which the tests count: SnapKV at N tokens receives (Hq, N) sums per layer, not the (L, Hq +
 2 H, N, D) q, k, v the host path copied. The attention is float32 (torch's softmax; the host's numpy
 BLAS sums in another order): scores agree to float32's precision, so kept sets agree except where two

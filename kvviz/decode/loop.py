@@ -101,7 +101,8 @@ def decode(
     """Prefill the prompt, compress, then run `steps` decode steps.
 
     Step i feeds feed[i] (teacher forcing) or, when feed is None or shorter than i + 1 (a question fed,
-    then the answer), the greedy choice of the previous logits. Returns (logits (steps + 1, vocab) float32 tensor — row 0 from
+    then the answer), the greedy choice of the previous logits. Returns (logits (steps + 1, vocab) float32
+    tensor — row 0 from
     the prefill, row i+1 after feeding token i — the fed tokens, the cache). `timings`,
     if given, receives the seconds of the prefill (with the policy's scoring) and of the
     decode steps.

@@ -85,7 +85,8 @@ def missing_device(device: str) -> str | None:
         index = int(device.split(":")[1]) if ":" in device else 0
         if index >= torch.cuda.device_count():
             n = torch.cuda.device_count()
-            return f"device {device}: there {'is' if n == 1 else 'are'} {n} CUDA GPU{'s' * (n != 1)} here (cuda:0-cuda:{n - 1})"
+            verb, plural = ("is", "") if n == 1 else ("are", "s")
+            return f"device {device}: there {verb} {n} CUDA GPU{plural} here (cuda:0-cuda:{n - 1})"
     elif device == "mps" and "mps" not in available_devices():
         return "device mps: this machine has no MPS device that torch can see; use cpu"
     elif device != "cpu" and not device.startswith("cuda") and device != "mps":

@@ -98,7 +98,10 @@ class ChunkKV(Policy):
         "whole chunks of C tokens, ranked by the mean score of their tokens (an inner scorer, "
         "SnapKV's votes by default) summed over heads; one decision for every head"
     )
-    paper = "Liu et al. 2025, ChunkKV: semantic-preserving KV cache compression for efficient long-context LLM inference"
+    paper = (
+        "Liu et al. 2025, ChunkKV: semantic-preserving KV cache compression for efficient long-context LLM "
+        "inference"
+    )
     kvpress = "ChunkKVPress(press=SnapKVPress(...), chunk_length=20)"
 
     def note(self, spec, trace=None) -> str | None:

@@ -2,7 +2,8 @@
 
 Each token's score is the most attention the model pays it while repeating the context after "Repeat the
 previous context exactly." (kvviz.decode.reconstruct: a forward pass of its own, which the real-model runs
-make before the compression point and hand over in the prompt's trace as `meta["kvzip_scores"]`). One budget for the whole cache, as kvpress's
+make before the compression point and hand over in the prompt's trace as `meta["kvzip_scores"]`). One budget
+for the whole cache, as kvpress's
 KVzipPress spends it: the lowest-scored tokens of every layer and KV head together are dropped until the
 cache holds `budget` tokens a head on average, so each head of each layer keeps its own number. The first
 `sink` tokens (kvpress's n_sink 4) always stay, and the last `recent` tokens of the prompt with them;

@@ -146,7 +146,8 @@ def load_entry_points(force: bool = False) -> list[str]:
         try:
             register(ep.load(), ep.name)
         except Exception as exc:  # a broken plug-in must not take kvviz down
-            msg = f"plug-in {ep.name!r} ({ep.value}) could not be loaded: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            msg = f"plug-in {ep.name!r} ({ep.value}) could not be loaded: {reason}"
             if msg not in ERRORS:
                 ERRORS.append(msg)
     return list(PLUGIN_SCORERS)

@@ -3,7 +3,8 @@
 `LayerStack` stands where a Trace holds a 4-D array (layers, heads, positions, dims). Indexing it the way
 kvviz does - `a[layer]`, `a[layer, heads, rows]`, `a[layer, head, :n]` - reads only that layer's tensor
 (or only that head's run of bytes when the second index is one head), widens it to float32 (bfloat16 and
-float16 exactly), checks it for NaN / inf, and keeps the last blocks read (up to CACHE_BYTES, at least one). Anything else (the whole
+float16 exactly), checks it for NaN / inf, and keeps the last blocks read (up to CACHE_BYTES, at least one).
+Anything else (the whole
 array) is read in full through `__array__`, against the work budget.
 
 Reads are positional (os.pread) rather than a memory map: what a view read is freed when it leaves the
@@ -63,7 +64,8 @@ def bytes_reader(data: bytes) -> Reader:
 
 
 def widen(raw: bytes, code: str, shape: tuple[int, ...]) -> np.ndarray:
-    """float32 (float64 stays float64) from a tensor's raw little-endian bytes; bfloat16 is the top half of a float32."""
+    """float32 (float64 stays float64) from a tensor's raw little-endian bytes; bfloat16 is the top half of a
+    float32."""
     if code == "BF16":
         bits = np.frombuffer(raw, "<u2").astype(np.uint32) << 16
         return bits.view(np.float32).reshape(shape)
