@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import streamlit as st
 
-from kvviz.plots import figures, style
+from kvviz.plots import export, figures, style
 
 from kvviz.app.charts import chart, folded
 from kvviz.app.cards import metric_cards, metrics_table, plain_cards
@@ -288,7 +288,7 @@ def downloads(page: Shown, figs: list) -> str:
     )
     row.download_button(
         "Download charts (standalone HTML)",
-        data=lambda: figures.figures_html(
+        data=lambda: export.figures_html(
             figs, f"kvviz: {spec.label()}", metrics=comp.metrics, about=header, link=link
         ),
         file_name=f"{stem}.html",

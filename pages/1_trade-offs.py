@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from kvviz.plots import figures, style, tradeoffs
+from kvviz.plots import export, style, tradeoffs
 
 from kvviz.app.charts import chart
 from kvviz.app.compute import run_compare, run_sweep
@@ -198,7 +198,7 @@ def main() -> None:
     )
     d2.download_button(
         "Download chart (standalone HTML)",
-        data=lambda: figures.figures_html([fig], "kvviz trade-offs"),
+        data=lambda: export.figures_html([fig], "kvviz trade-offs"),
         file_name=f"kvviz-tradeoffs-{source.key[0]}.html",
         mime="text/html",
         on_click="ignore",

@@ -663,11 +663,9 @@ def test_downloads_are_named_by_their_settings_and_say_what_they_hold():
     csv_text = header + token_frame(comp).to_csv(index=False)
     back = pd.read_csv(io.StringIO(csv_text), comment="#")
     assert len(back) == 64 and "error_ci95_lo" in back.columns
-    from kvviz.plots import figures
+    from kvviz.plots import export
 
-    html = figures.figures_html(
-        [], "t", metrics=comp.metrics, about=header, link="http://x/?bits=4"
-    )
+    html = export.figures_html([], "t", metrics=comp.metrics, about=header, link="http://x/?bits=4")
     assert (
         "Open this view in kvviz" in html
         and "mass_retained" in html

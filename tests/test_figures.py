@@ -8,7 +8,7 @@ import plotly.io as pio
 import pytest
 
 from kvviz import Spec, View, compare
-from kvviz.plots import figures, style, tradeoffs
+from kvviz.plots import export, figures, style, tradeoffs
 from kvviz.sources.handbook import HEAVY, RECENT, SINK, handbook_trace
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.analysis.sweep import pareto_front
@@ -196,7 +196,7 @@ def test_handbook_attention_is_concentrated_single_row():
 
 
 def test_figures_html_is_standalone(handbook_comp):
-    html = figures.figures_html([figures.attention_figure(token_frame(handbook_comp))], "t")
+    html = export.figures_html([figures.attention_figure(token_frame(handbook_comp))], "t")
     assert html.startswith("<!DOCTYPE html>")
     assert (
         'src="https://cdn.plot.ly' not in html and len(html) > 1_000_000

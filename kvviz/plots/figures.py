@@ -4,6 +4,7 @@ Colours, fonts and the shared layout are kvviz.plots.style's."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -11,7 +12,6 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from kvviz.plots.style import (
-    CHART_CONFIG,
     OKABE_ITO,
     ORIGINAL_COLOR,
     PART_COLORS,
@@ -281,22 +281,82 @@ def error_figure(
     # the columns as arrays, once: pandas' per-operation overhead was most of this builder's time
     col = {c: frame[c].to_numpy() for c in frame.columns if c.startswith("error_")}
     mean = col["error_mean"]
-    band_lo, band_hi = band_bounds(col, bars)
+    band = band_bounds(col, bars)
     binned = "start" in frame.columns
     x = (frame["start"] + (frame["tokens"] - 1) / 2 if binned else frame["position"]).to_numpy()
-    bar_text = BAND_TEXT[bars]
-    up = np.nan_to_num(np.clip(band_hi - mean, 0, None), nan=0.0)
-    down = np.nan_to_num(np.clip(mean - band_lo, 0, None), nan=0.0)
     if binned:
-        label = "tokens %{customdata[0]}-%{customdata[1]}"
-        ids = np.stack([frame["start"], frame["end"]], axis=1)
+        hover = _Hover(
+            "tokens %{customdata[0]}-%{customdata[1]}",
+            np.stack([frame["start"], frame["end"]], axis=1),
+        )
         x_title = f"token position {_span(frame)} (bins of {int(frame['tokens'].max())} tokens)"
         y_title = "mass error per bin (sum)"
     else:
-        label = "%{customdata[0]} (position %{customdata[1]})"
         ids = np.stack([frame["token"].astype(str), frame["position"]], axis=1)
+        hover = _Hover("%{customdata[0]} (position %{customdata[1]})", ids)
         x_title = "token" if text_tokens else "token position (index)"
         y_title = "attention error (compressed − original)"
+    traces = _part_bars(x, col, hover) + [_total_ticks(x, mean, band, hover, bars, members)]
+    extreme = col.get("error_extreme") if binned else None
+    if extreme is not None:
+        traces.append(
+            _points(
+                x,
+                extreme,
+                "largest single-token error in the bin (one row)",
+                dict(symbol="circle-open", size=6, color=OKABE_ITO["blue"]),
+                f"<b>{hover.label}</b><br>largest single-token error %{{y:.5f}}<extra></extra>",
+                customdata=hover.ids,
+            )
+        )
+    if pinned is not None:
+        px = pinned["start"] + (pinned["tokens"] - 1) / 2 if binned else pinned["position"]
+        traces.append(
+            _points(
+                px.to_numpy(),
+                pinned["error_mean"].to_numpy(),
+                f"pinned {pinned_label}: total",
+                PINNED_MARKER,
+                "pinned: %{y:.5f}<extra></extra>",
+            )
+        )
+    of = f" ({what})" if what else ""
+    if members > 1:
+        subtitle = f"ensemble mean of N = {members} rows{of}, bars: {BAND_TEXT[bars]}"
+    else:
+        subtitle = f"one row{of}, no ensemble: no error bars"
+    reach = _error_reach(col, band if members > 1 else None, extreme, pinned)
+    y_axis, lock_note = locked_axis(y_range, reach, bottom=None)
+    look = base_layout(title, x_title, y_title, subtitle=subtitle + lock_note)
+    look.update(barmode="relative", bargap=0.15, shapes=[_zero_line()])
+    x_axis = {} if binned else _token_axis(frame, text_tokens)
+    return _figure(traces, look, x_axis, y_axis)
+
+
+@dataclass(frozen=True)
+class _Hover:
+    """How a bar or tick names its token (or bin) on hover, from its customdata columns `ids`."""
+
+    label: str
+    ids: np.ndarray
+
+
+def _zero_line() -> dict:
+    """The zero line: add_hline's shape, drawn across the plot whatever the x range."""
+    return dict(
+        type="line",
+        xref="x domain",
+        x0=0,
+        x1=1,
+        yref="y",
+        y0=0,
+        y1=0,
+        line=dict(width=1, color=OKABE_ITO["black"]),
+    )
+
+
+def _part_bars(x: np.ndarray, col: dict, hover: _Hover) -> list[dict]:
+    """The eviction and the quantization part of the error, stacked (a part that is all zero is left out)."""
     traces = []
     for part in ("eviction", "quantization"):
         values = col[f"error_{part}_mean"]
@@ -311,94 +371,61 @@ def error_figure(
                         color=PART_COLORS[part],
                         pattern=dict(shape="/" if part == "eviction" else ""),
                     ),
-                    customdata=ids,
-                    hovertemplate=f"<b>{label}</b><br>{part} part %{{y:.5f}}<extra></extra>",
+                    customdata=hover.ids,
+                    hovertemplate=f"<b>{hover.label}</b><br>{part} part %{{y:.5f}}<extra></extra>",
                 )
             )
-    traces.append(
-        dict(
-            type="scatter",
-            x=x,
-            y=mean,
-            mode="markers",
-            name=f"total ({bar_text})" if members > 1 else "total",
-            marker=dict(
-                symbol="line-ew-open", size=12, color=OKABE_ITO["black"], line=dict(width=2)
-            ),
-            customdata=np.concatenate([ids, np.stack([band_lo, band_hi], axis=1)], axis=1),
-            error_y=dict(
-                type="data",
-                symmetric=False,
-                array=up,
-                arrayminus=down,
-                color=OKABE_ITO["black"],
-                thickness=1.2,
-                width=2,
-                visible=members > 1,
-            ),
-            hovertemplate=(
-                f"<b>{label}</b><br>total error %{{y:.5f}}"
-                + ("<br>band %{customdata[2]:.5f} to %{customdata[3]:.5f}" if members > 1 else "")
-                + "<extra></extra>"
-            ),
-        )
+    return traces
+
+
+def _total_ticks(x, mean, band, hover: _Hover, bars: str, members: int) -> dict:
+    """Black ticks at the mean total error, with the band's error bars when there is an ensemble."""
+    band_lo, band_hi = band
+    up = np.nan_to_num(np.clip(band_hi - mean, 0, None), nan=0.0)
+    down = np.nan_to_num(np.clip(mean - band_lo, 0, None), nan=0.0)
+    return dict(
+        type="scatter",
+        x=x,
+        y=mean,
+        mode="markers",
+        name=f"total ({BAND_TEXT[bars]})" if members > 1 else "total",
+        marker=dict(symbol="line-ew-open", size=12, color=OKABE_ITO["black"], line=dict(width=2)),
+        customdata=np.concatenate([hover.ids, np.stack([band_lo, band_hi], axis=1)], axis=1),
+        error_y=dict(
+            type="data",
+            symmetric=False,
+            array=up,
+            arrayminus=down,
+            color=OKABE_ITO["black"],
+            thickness=1.2,
+            width=2,
+            visible=members > 1,
+        ),
+        hovertemplate=(
+            f"<b>{hover.label}</b><br>total error %{{y:.5f}}"
+            + ("<br>band %{customdata[2]:.5f} to %{customdata[3]:.5f}" if members > 1 else "")
+            + "<extra></extra>"
+        ),
     )
-    if binned and "error_extreme" in col:
-        traces.append(
-            _points(
-                x,
-                col["error_extreme"],
-                "largest single-token error in the bin (one row)",
-                dict(symbol="circle-open", size=6, color=OKABE_ITO["blue"]),
-                f"<b>{label}</b><br>largest single-token error %{{y:.5f}}<extra></extra>",
-                customdata=ids,
-            )
-        )
-    if pinned is not None:
-        px = pinned["start"] + (pinned["tokens"] - 1) / 2 if binned else pinned["position"]
-        traces.append(
-            _points(
-                px.to_numpy(),
-                pinned["error_mean"].to_numpy(),
-                f"pinned {pinned_label}: total",
-                PINNED_MARKER,
-                "pinned: %{y:.5f}<extra></extra>",
-            )
-        )
-    if members > 1:
-        subtitle = (
-            f"ensemble mean of N = {members} rows{f' ({what})' if what else ''}, bars: {bar_text}"
-        )
-    else:
-        subtitle = f"one row{f' ({what})' if what else ''}, no ensemble: no error bars"
-    # what the chart reaches: the stacked parts (positive and negative stacks apart), the totals with
-    # their bands where drawn, a bin's largest single error, the pinned totals
+
+
+def _error_reach(col: dict, band, extreme, pinned) -> float:
+    """How far the error chart reaches: the stacked parts (positive and negative stacks apart), the totals
+    with their bands where drawn (band None: no bars), a bin's largest single error, the pinned totals."""
+    mean = col["error_mean"]
     parts = np.nan_to_num(np.stack([col[f"error_{p}_mean"] for p in ("eviction", "quantization")]))
     drawn = [parts.clip(min=0).sum(axis=0), parts.clip(max=0).sum(axis=0), mean]
-    if members > 1:
-        drawn += [mean + up, mean - down]
-    if binned and "error_extreme" in col:
-        drawn.append(col["error_extreme"])
+    if band is not None:
+        band_lo, band_hi = band
+        drawn += [
+            mean + np.nan_to_num(np.clip(band_hi - mean, 0, None), nan=0.0),
+            mean - np.nan_to_num(np.clip(mean - band_lo, 0, None), nan=0.0),
+        ]
+    if extreme is not None:
+        drawn.append(extreme)
     if pinned is not None:
         drawn.append(pinned["error_mean"])
-    y_axis, lock_note = locked_axis(y_range, data_reach(*drawn), bottom=None)
-    look = base_layout(title, x_title, y_title, subtitle=subtitle + lock_note)
-    look.update(barmode="relative", bargap=0.15)
-    # the zero line: add_hline's shape, drawn across the plot whatever the x range
-    look["shapes"] = [
-        dict(
-            type="line",
-            xref="x domain",
-            x0=0,
-            x1=1,
-            yref="y",
-            y0=0,
-            y1=0,
-            line=dict(width=1, color=OKABE_ITO["black"]),
-        )
-    ]
-    x_axis = {} if binned else _token_axis(frame, text_tokens)
-    return _figure(traces, look, x_axis, y_axis)
+    return data_reach(*drawn)
 
 
 def heatmap_figure(
@@ -542,47 +569,3 @@ def token_grid_html(
         f"<div>{legend}</div><div style='line-height:1.9;font-family:monospace;font-size:13px'>"
         f"{''.join(chips)}</div>"
     )
-
-
-# --- export -------------------------------------------------------------------------------------
-
-
-def figures_html(
-    figures: Sequence[go.Figure],
-    title: str = "kvviz",
-    metrics: dict | None = None,
-    about: str = "",
-    link: str = "",
-) -> str:
-    """A standalone HTML page holding the figures (plotly.js inlined once; works offline), with
-    what was computed (`about`: '# ' lines), the metrics and a link back to the live view."""
-    from html import escape
-
-    parts = [
-        fig.to_html(full_html=False, include_plotlyjs=(i == 0), config=CHART_CONFIG)
-        for i, fig in enumerate(figures)
-    ]
-    body = "\n".join(f"<section>{p}</section>" for p in parts)
-    info = "".join(
-        f"<li>{escape(line[2:])}</li>" for line in about.splitlines() if line.startswith("# ")
-    )
-    table = "".join(
-        f"<tr><td>{escape(k)}</td><td>{escape(_fmt_metric(v))}</td></tr>"
-        for k, v in (metrics or {}).items()
-    )
-    back = (
-        f"<p><a href='{escape(link, quote=True)}'>Open this view in kvviz</a></p>" if link else ""
-    )
-    return (
-        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{escape(title)}</title></head>"
-        f"<body style='font-family:sans-serif'><h1>{escape(title)}</h1>{back}"
-        + (f"<ul>{info}</ul>" if info else "")
-        + (f"<table><tr><th>metric</th><th>value</th></tr>{table}</table>" if table else "")
-        + f"{body}</body></html>"
-    )
-
-
-def _fmt_metric(v) -> str:
-    if isinstance(v, float):
-        return "∞" if v == float("inf") else f"{v:.6g}"
-    return "" if v is None else str(v)
