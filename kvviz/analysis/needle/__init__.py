@@ -55,15 +55,14 @@ torch is imported lazily (inside functions), so `import kvviz.analysis.needle` s
 
     prompt  the passkey prompt at a length and depth, the budget and spec of a cell
     cell    one cell run: compressed copy of the prefill, greedy answer, what each head kept
-    grid    the grid (GridRequest: what it runs), its disk cache, the shipped default, CSV / text, the
-            cell the page opens on
+    grid    the grid (GridRequest: what it runs), its disk cache, the shipped default
+    readout its CSV and text table, the cell the page opens on
 """
 
-from kvviz.analysis.needle import cell, grid, prompt
+from kvviz.analysis.needle import cell, grid, prompt, readout
 from kvviz.analysis.needle.tasks import NEEDLE_TEMPLATE, PRIMER, QUESTION, TASK_NAMES, TASKS, Task
 from kvviz.analysis.needle.cell import NeedleCell, prefill, run_cell, score_answer
 from kvviz.analysis.needle.grid import (
-    CSV_FIELDS,
     DEFAULT_FILE,
     MAX_LENGTH,
     GridRequest,
@@ -71,13 +70,16 @@ from kvviz.analysis.needle.grid import (
     cache_dir,
     cell_key,
     check_lengths,
-    classic_failure,
-    format_grid,
     load_default,
-    loudest_head,
     max_positions,
     prompt_key,
     run_grid,
+)
+from kvviz.analysis.needle.readout import (
+    CSV_FIELDS,
+    classic_failure,
+    format_grid,
+    loudest_head,
     to_csv,
 )
 from kvviz.analysis.needle.grid import PROTOCOL_TITLES, load_grids, protocol, save_grids
@@ -152,6 +154,7 @@ __all__ = [
     "passkey",
     "prefill",
     "prompt",
+    "readout",
     "prompt_key",
     "run_cell",
     "run_grid",

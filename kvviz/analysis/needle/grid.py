@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from kvviz.analysis.needle.cell import NeedleCell, _first_answer_attention, prefill, run_cell
 from kvviz.analysis.needle.tasks import NEEDLE_TEMPLATE, PRIMER, QUESTION, TASKS
@@ -375,212 +374,151 @@ def run_grid(
     """
     req = request if request is not None else GridRequest()
     req.check()
-    lengths, depths, scorers, budgets, bits = (
-        req.lengths,
-        req.depths,
-        req.scorers,
-        req.budgets,
-        req.bits,
-    )
-    new_tokens, seed, haystack, task = req.new_tokens, req.seed, req.haystack, req.task
     if model is None and load is None:
         raise ValueError("run_grid needs a model and tokenizer, or a load function")
-    say = progress or (lambda f, m: None)
-    folder = cache_dir()
-    held = {"model": model, "tokenizer": tokenizer}
-
-    def need_model():
-        if held["model"] is None:
-            held["model"], held["tokenizer"] = load()
-        return held["model"], held["tokenizer"]
-
-    jobs = [(n, d) for n in lengths for d in depths]
-    stored = {}
-    for n, d in jobs:
-        hit = (
-            _read(folder / "prompts" / f"{prompt_key(model_id, n, d, seed, haystack, task)}.json")
-            if use_cache
-            else None
-        )
-        if hit is not None:
-            stored[(n, d)] = hit
-    if len(stored) == len(jobs) and held["model"] is None:
-        limits = stored[jobs[0]]
-        check_lengths(lengths, limits["max_positions"], new_tokens, limits["min_length"])
-    else:
-        m, tok = need_model()
-        check_lengths(lengths, max_positions(m), new_tokens, min_length(tok, task))
-        prefill_work(model_dims(m), max(lengths), "the longest needle prompt").check()
-    prompts, cells = [], []
-    computed = cached = 0
-    t0 = time.perf_counter()
-    variants = [
-        (s, b, q) for s in scorers for b in (budgets if s != FULL else (1.0,)) for q in bits
-    ]
-    variants = list(dict.fromkeys(variants))
-    total = len(jobs) * (len(variants) + 1)
-    done = 0
-    full_spec = Spec()
-    for n, d in jobs:
-        if (n, d) in stored:
-            prompt = NeedlePrompt.from_dict(stored[(n, d)]["prompt"])
-        else:
-            m, tok = need_model()
-            prompt = build_prompt(tok, n, d, seed=seed, haystack=haystack, task=task)
-            _write(
-                folder / "prompts" / f"{prompt_key(model_id, n, d, seed, haystack, task)}.json",
-                {
-                    "prompt": prompt.as_dict(),
-                    "max_positions": max_positions(m),
-                    "min_length": min_length(tok, task),
-                },
-            )
-        prompts.append(prompt)
-        pre = attn = None
-
-        def get(spec: Spec, qac: bool, what: str) -> dict:
-            nonlocal pre, attn, computed, cached
-            checkpoint()
-            path = folder / f"{cell_key(model_id, prompt, spec, qac, new_tokens)}.json"
-            hit = _read(path) if use_cache else None
-            if hit is not None:
-                cached += 1
-                return hit
-            if pre is None:
-                if held["model"] is None:
-                    say(done / total, "loading the model")
-                m, _ = need_model()
-                say(done / total, f"length {n}, depth {d:.0%}: prefill")
-                pre = prefill(m, prompt.ids, logits_at=[prompt.question_start - 1])
-                attn = _first_answer_attention(pre, n - 1)
-            say(done / total, f"length {n}, depth {d:.0%}: {what}")
-            m, tok = need_model()
-            out = run_cell(m, tok, prompt, pre, spec, qac, new_tokens, attention=attn)
-            computed += 1
-            _write(path, out)
-            return json.loads(json.dumps(out))  # exactly what a later read returns
-
-        full = get(full_spec, False, "full cache")
-        done += 1
-        for scorer, frac, b in variants:
-            spec = req.spec(scorer, frac, b, n)
-            qac = req.question_after_compression and spec != full_spec
-            out = full if (spec == full_spec) else get(spec, qac, f"{scorer} {frac:g} {b}-bit")
-            done += 1
-            cells.append(
-                NeedleCell.from_dict(
-                    {
-                        **out,
-                        "scorer": scorer,
-                        "length": n,
-                        "depth": float(d),
-                        "budget": 1.0 if scorer == FULL else frac,
-                        "bits": b,
-                        "question_after_compression": qac,
-                        "full_answer": full["answer"],
-                        "full_correct": full["correct"],
-                    }
-                )
-            )
-    say(1.0, f"{len(cells)} cells: {computed} computed, {cached} from the cache")
-    if stats is not None:
-        stats.update(computed=computed, cached=cached, seconds=time.perf_counter() - t0)
-    settings = req.settings()
-    return NeedleGrid(model=model_id, settings=settings, prompts=tuple(prompts), cells=tuple(cells))
-
-
-CSV_FIELDS = (
-    "scorer",
-    "length",
-    "depth",
-    "budget",
-    "bits",
-    "question_after_compression",
-    "budget_tokens",
-    "key",
-    "correct",
-    "answer",
-    "full_answer",
-    "full_correct",
-    "needle_kept",
-    "wanted_mass",
-    "kept_mass",
-    "spec",
-)
-
-
-def to_csv(grid: NeedleGrid) -> str:
-    import csv
-    import io
-
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(CSV_FIELDS), lineterminator="\n", extrasaction="ignore")
-    w.writeheader()
-    for c in grid.cells:
-        d = c.as_dict()
-        w.writerow(
-            {
-                k: (f"{v:.6g}" if isinstance(v, float) else v)
-                for k, v in d.items()
-                if k in CSV_FIELDS
-            }
-        )
-    return buf.getvalue()
-
-
-def format_grid(grid: NeedleGrid) -> str:
-    """Plain-text grid: one block per scorer (and budget/bits), rows = depth, columns = length."""
-    lines = []
-    groups = list(dict.fromkeys((c.scorer, c.budget, c.bits) for c in grid.cells))
-    lengths = grid.lengths
-    for scorer, budget, bits in groups:
-        title = scorer if scorer == FULL else f"{scorer} {budget:g}"
-        if bits != FULL_BITS:
-            title += f" {bits}-bit"
-        lines.append(f"{title:<18}" + "".join(f"{n:>14}" for n in lengths))
-        for d in grid.depths:
-            row = []
-            for n in lengths:
-                c = next(
-                    (
-                        c
-                        for c in grid.cells
-                        if (c.scorer, c.budget, c.bits, c.length) == (scorer, budget, bits, n)
-                        and abs(c.depth - d) < 1e-9
-                    ),
-                    None,
-                )
-                row.append(
-                    "" if c is None else f"{'ok' if c.correct else 'MISS'} {c.needle_kept:4.0%}"
-                )
-            lines.append(f"  depth {d:>4.0%}      " + "".join(f"{r:>14}" for r in row))
-        n_ok = sum(
-            c.correct for c in grid.cells if (c.scorer, c.budget, c.bits) == (scorer, budget, bits)
-        )
-        n_all = sum(1 for c in grid.cells if (c.scorer, c.budget, c.bits) == (scorer, budget, bits))
-        lines.append(f"  correct {n_ok}/{n_all}")
-    lines.append(
-        "cells: ok/MISS = the key exactly right or not; % = needle tokens kept over all layers x KV heads"
+    run = _GridRun(
+        req, model_id, use_cache, progress or (lambda f, m: None), model, tokenizer, load
     )
-    return "\n".join(lines)
+    run.check_lengths()
+    prompts, cells = [], []
+    for n, d in run.jobs:
+        prompt = run.prompt(n, d)
+        prompts.append(prompt)
+        cells += run.cells_of(prompt, n, d)
+    run.say(1.0, f"{len(cells)} cells: {run.computed} computed, {run.cached} from the cache")
+    if stats is not None:
+        stats.update(computed=run.computed, cached=run.cached, seconds=time.perf_counter() - run.t0)
+    return NeedleGrid(
+        model=model_id, settings=req.settings(), prompts=tuple(prompts), cells=tuple(cells)
+    )
 
 
-# --- what the page opens on ----------------------------------------------------------------------
+class _GridRun:
+    """One run of a grid: the model (loaded on first need), the prompts on disk, the progress and counts."""
 
+    def __init__(self, req: GridRequest, model_id, use_cache, say, model, tokenizer, load) -> None:
+        self.req, self.model_id, self.use_cache, self.say = req, model_id, use_cache, say
+        self._model, self._tokenizer, self._load = model, tokenizer, load
+        self.folder = cache_dir()
+        self.jobs = [(n, d) for n in req.lengths for d in req.depths]
+        variants = [
+            (s, b, q)
+            for s in req.scorers
+            for b in (req.budgets if s != FULL else (1.0,))
+            for q in req.bits
+        ]
+        self.variants = list(dict.fromkeys(variants))
+        self.total, self.done = len(self.jobs) * (len(self.variants) + 1), 0
+        self.computed = self.cached = 0
+        self.t0 = time.perf_counter()
+        self.stored = {}  # (length, depth) -> the prompt's record on disk
+        for n, d in self.jobs:
+            hit = _read(self._prompt_path(n, d)) if use_cache else None
+            if hit is not None:
+                self.stored[(n, d)] = hit
 
-def classic_failure(grid: NeedleGrid) -> tuple[str, int, float] | None:
-    """The classic failure to show in one click: StreamingLLM (else any policy) wrong where the
-    full cache is right, the needle nearest the start, at the shortest such length."""
-    for scorer in ("streaming", *[s for s in grid.scorers if s not in ("streaming", FULL)]):
-        bad = [c for c in grid.cells if c.scorer == scorer and not c.correct and c.full_correct]
-        if bad:
-            c = min(bad, key=lambda c: (c.depth, c.length))
-            return c.scorer, c.length, c.depth
-    return None
+    def model(self):
+        if self._model is None:
+            self._model, self._tokenizer = self._load()
+        return self._model, self._tokenizer
 
+    def _prompt_path(self, n: int, d: float) -> Path:
+        req = self.req
+        return (
+            self.folder
+            / "prompts"
+            / f"{prompt_key(self.model_id, n, d, req.seed, req.haystack, req.task)}.json"
+        )
 
-def loudest_head(cell: NeedleCell) -> tuple[int, int]:
-    """(layer, KV head) where the full model wanted the needle most (where a loss hurts most)."""
-    w = np.asarray(cell.wanted_mass_by_head)
-    layer, head = np.unravel_index(int(np.argmax(w)), w.shape)
-    return int(layer), int(head)
+    def check_lengths(self) -> None:
+        """The lengths against the model's positions: from the prompts on disk if all are, else the model."""
+        req = self.req
+        if len(self.stored) == len(self.jobs) and self._model is None:
+            limits = self.stored[self.jobs[0]]
+            check_lengths(
+                req.lengths, limits["max_positions"], req.new_tokens, limits["min_length"]
+            )
+            return
+        m, tok = self.model()
+        check_lengths(req.lengths, max_positions(m), req.new_tokens, min_length(tok, req.task))
+        prefill_work(model_dims(m), max(req.lengths), "the longest needle prompt").check()
+
+    def prompt(self, n: int, d: float) -> NeedlePrompt:
+        """The prompt of a length and depth: from disk, else built (and kept)."""
+        if (n, d) in self.stored:
+            return NeedlePrompt.from_dict(self.stored[(n, d)]["prompt"])
+        req = self.req
+        m, tok = self.model()
+        prompt = build_prompt(tok, n, d, seed=req.seed, haystack=req.haystack, task=req.task)
+        record = {
+            "prompt": prompt.as_dict(),
+            "max_positions": max_positions(m),
+            "min_length": min_length(tok, req.task),
+        }
+        _write(self._prompt_path(n, d), record)
+        return prompt
+
+    def cells_of(self, prompt: NeedlePrompt, n: int, d: float) -> list[NeedleCell]:
+        """The full cache's cell and every variant's of one prompt; one prefill, only if some cell is not on
+        disk."""
+        req, full_spec, shared = self.req, Spec(), {}
+        full = self._cell(
+            prompt, full_spec, False, f"length {n}, depth {d:.0%}: full cache", shared
+        )
+        self.done += 1
+        cells = []
+        for scorer, frac, bits in self.variants:
+            spec = req.spec(scorer, frac, bits, n)
+            qac = req.question_after_compression and spec != full_spec
+            if spec == full_spec:
+                out = full
+            else:
+                what = f"length {n}, depth {d:.0%}: {scorer} {frac:g} {bits}-bit"
+                out = self._cell(prompt, spec, qac, what, shared)
+            self.done += 1
+            fields = {
+                "scorer": scorer,
+                "length": n,
+                "depth": float(d),
+                "budget": 1.0 if scorer == FULL else frac,
+                "bits": bits,
+                "question_after_compression": qac,
+                "full_answer": full["answer"],
+                "full_correct": full["correct"],
+            }
+            cells.append(NeedleCell.from_dict({**out, **fields}))
+        return cells
+
+    def _cell(self, prompt: NeedlePrompt, spec: Spec, qac: bool, what: str, shared: dict) -> dict:
+        """One cell's record: from disk, else run on the prompt's prefill (made once, kept in `shared`)."""
+        checkpoint()
+        path = (
+            self.folder / f"{cell_key(self.model_id, prompt, spec, qac, self.req.new_tokens)}.json"
+        )
+        hit = _read(path) if self.use_cache else None
+        if hit is not None:
+            self.cached += 1
+            return hit
+        fraction = self.done / self.total
+        if "prefill" not in shared:
+            if self._model is None:
+                self.say(fraction, "loading the model")
+            m, _ = self.model()
+            self.say(fraction, what.split(":")[0] + ": prefill")
+            shared["prefill"] = prefill(m, prompt.ids, logits_at=[prompt.question_start - 1])
+            shared["attention"] = _first_answer_attention(shared["prefill"], len(prompt.ids) - 1)
+        self.say(fraction, what)
+        m, tok = self.model()
+        out = run_cell(
+            m,
+            tok,
+            prompt,
+            shared["prefill"],
+            spec,
+            qac,
+            self.req.new_tokens,
+            attention=shared["attention"],
+        )
+        self.computed += 1
+        _write(path, out)
+        return json.loads(json.dumps(out))  # exactly what a later read returns
