@@ -152,19 +152,7 @@ def run(
     on_full_token / on_token(i, id) stream the full and the compressed greedy text; any
     callback may raise (Cancelled) to stop the run, leaving the model as it was.
     """
-    import torch
-
-    from kvviz.decode.loop import decode_many
-    from kvviz.decode.quality import (
-        SideBySide,
-        evaluate,
-        first_divergence,
-        quality_from,
-        reference,
-        token_strings,
-        tokenize,
-    )
-    from kvviz.spec import Spec as _Spec
+    from kvviz.decode.quality import evaluate, quality_from, tokenize
 
     say = progress or (lambda f, m: None)
     t0 = time.perf_counter()
@@ -174,67 +162,14 @@ def run(
     key = _full_key(model, ids, settings)
     with _FULL_LOCK:
         full = _FULL.get(key)
-    if full is None:
-        say(0.0, "full cache: one forward pass over prompt + continuation")
-        ref = reference(
-            model, tokenizer, ids, settings.prompt_tokens, settings.continuation, settings.question
-        )
-        _record("forward_token", ref.seconds / len(ref.ids))
-    else:
-        ref = full.ref
-    n, m, g = ref.prompt_len, ref.n_continuation, settings.greedy_tokens
+    ref = full.ref if full is not None else _reference(model, tokenizer, ids, settings, say)
+    n = ref.prompt_len
     # every run starts at the compression point c; the question's q tokens (before-question) are fed first
     c = ref.compression_point(settings.question_point)
-    q, question = n - c, list(ref.ids[c:n])
-    first = int(torch.argmax(ref.prefill.logits[n - 1]))
-    runs: list[tuple[str, Spec, int, Any]] = []  # (role, spec, steps, feed)
-    if g and full is None:
-        runs.append(("full", _Spec(), q + g - 1, question))
-        if on_full_token is not None:
-            on_full_token(0, first)
-    elif full is not None and on_full_token is not None:
-        for i, t in enumerate(full.greedy_ids):
-            on_full_token(i, t)
-    if g:
-        runs.append(("greedy", spec, q + g - 1, question))
-        if on_token is not None and q == 0:
-            on_token(0, first)
-    stepwise = not one_pass(spec)
-    if stepwise:
-        runs.append(("forced", spec, q + m - 1, list(ref.ids[c : n + m - 1])))
-    total = max([r[2] for r in runs], default=0)
+    q = n - c
+    runs = _runs(ref, settings, full, c, on_full_token, on_token)
     t1 = time.perf_counter()
-
-    def on_step(r: int, i: int, logits) -> None:
-        role, j = runs[r][0], i + 1 - q  # j: the answer token these logits choose
-        if role == "full" and on_full_token is not None and j >= 1:
-            on_full_token(j, int(torch.argmax(logits)))
-        elif role == "greedy" and on_token is not None and j >= 0:
-            on_token(j, int(torch.argmax(logits)))
-        if r == 0 and (i % 2 == 0 or i == total - 1):
-            say(
-                0.05 + 0.85 * (i + 1) / max(total, 1),
-                f"decode step {i + 1}/{total} ({' + '.join(x[0] for x in runs if x[2] > i)})",
-            )
-
-    out = (
-        decode_many(
-            model,
-            ref.ids[:c],
-            [r[1] for r in runs],
-            [r[2] for r in runs],
-            [r[3] for r in runs],
-            prefix=ref.prefill,
-            on_step=on_step if runs else None,
-            tokens=ref.tokens,
-            repeat=ref.repeat,
-        )
-        if runs
-        else []
-    )
-    if total:
-        _record("step", (time.perf_counter() - t1) / total)
-    got = {role: res for (role, *_), res in zip(runs, out)}
+    got = _decode_runs(model, ref, runs, c, q, on_full_token, on_token, say)
     if full is None:
         full = FullSide(
             ref=ref, greedy_ids=_greedy_ids(got["full"], q) if "full" in got else (), seconds=0.0
@@ -243,19 +178,8 @@ def run(
             _FULL[key] = full
             while len(_FULL) > _FULL_SIZE:
                 _FULL.popitem(last=False)
-    pair = None
-    if g:
-        fids, comp = list(full.greedy_ids), list(_greedy_ids(got["greedy"], q))
-        pair = SideBySide(
-            spec=spec,
-            prompt="".join(ref.tokens[:n]),
-            full_ids=tuple(fids),
-            compressed_ids=tuple(comp),
-            full_tokens=token_strings(tokenizer, fids),
-            compressed_tokens=token_strings(tokenizer, comp),
-            first_divergence=first_divergence(fids, comp),
-        )
-    if stepwise:
+    pair = _side_by_side(tokenizer, ref, spec, full, got, q) if settings.greedy_tokens else None
+    if "forced" in got:
         logits, _, cache = got["forced"]
         quality = quality_from(ref, spec, logits[q:], cache, t1, compressed_at=c)
     else:
@@ -272,6 +196,104 @@ def run(
         prompt_text="".join(ref.tokens[:n]),
         seconds=seconds,
         asked=None if asked is settings else asked,
+    )
+
+
+def _reference(model, tokenizer, ids, settings: LabSettings, say):
+    """The full cache's side of a text: one forward pass over prompt + continuation."""
+    from kvviz.decode.quality import reference
+
+    say(0.0, "full cache: one forward pass over prompt + continuation")
+    ref = reference(
+        model, tokenizer, ids, settings.prompt_tokens, settings.continuation, settings.question
+    )
+    _record("forward_token", ref.seconds / len(ref.ids))
+    return ref
+
+
+def _runs(
+    ref, settings: LabSettings, full, c: int, on_full_token, on_token
+) -> list[tuple[str, Spec, int, Any]]:
+    """The decode runs, (role, spec, steps, tokens fed): the full cache's greedy text (once per text), the
+    compressed greedy text, and for a policy that cannot score the continuation in one pass its
+    teacher-forced steps. The first greedy token (the prefill's) is streamed here."""
+    import torch
+
+    from kvviz.spec import Spec as _Spec
+
+    n, m, g = ref.prompt_len, ref.n_continuation, settings.greedy_tokens
+    q, question = n - c, list(ref.ids[c:n])
+    first = int(torch.argmax(ref.prefill.logits[n - 1]))
+    runs = []
+    if g and full is None:
+        runs.append(("full", _Spec(), q + g - 1, question))
+        if on_full_token is not None:
+            on_full_token(0, first)
+    elif full is not None and on_full_token is not None:
+        for i, t in enumerate(full.greedy_ids):
+            on_full_token(i, t)
+    if g:
+        runs.append(("greedy", settings.spec, q + g - 1, question))
+        if on_token is not None and q == 0:
+            on_token(0, first)
+    if not one_pass(settings.spec):
+        runs.append(("forced", settings.spec, q + m - 1, list(ref.ids[c : n + m - 1])))
+    return runs
+
+
+def _decode_runs(model, ref, runs, c: int, q: int, on_full_token, on_token, say) -> dict:
+    """The runs in one batched decode loop from the compression point c, streaming the greedy texts and the
+    progress; role -> (logits, fed, cache)."""
+    if not runs:
+        return {}
+    import torch
+
+    from kvviz.decode.loop import decode_many
+
+    total = max(r[2] for r in runs)
+    t1 = time.perf_counter()
+
+    def on_step(r: int, i: int, logits) -> None:
+        role, j = runs[r][0], i + 1 - q  # j: the answer token these logits choose
+        if role == "full" and on_full_token is not None and j >= 1:
+            on_full_token(j, int(torch.argmax(logits)))
+        elif role == "greedy" and on_token is not None and j >= 0:
+            on_token(j, int(torch.argmax(logits)))
+        if r == 0 and (i % 2 == 0 or i == total - 1):
+            say(
+                0.05 + 0.85 * (i + 1) / max(total, 1),
+                f"decode step {i + 1}/{total} ({' + '.join(x[0] for x in runs if x[2] > i)})",
+            )
+
+    out = decode_many(
+        model,
+        ref.ids[:c],
+        [r[1] for r in runs],
+        [r[2] for r in runs],
+        [r[3] for r in runs],
+        prefix=ref.prefill,
+        on_step=on_step,
+        tokens=ref.tokens,
+        repeat=ref.repeat,
+    )
+    if total:
+        _record("step", (time.perf_counter() - t1) / total)
+    return {role: res for (role, *_), res in zip(runs, out)}
+
+
+def _side_by_side(tokenizer, ref, spec: Spec, full, got: dict, q: int):
+    """The full cache's and the compressed cache's greedy answers side by side, and where they part."""
+    from kvviz.decode.quality import SideBySide, first_divergence, token_strings
+
+    fids, comp = list(full.greedy_ids), list(_greedy_ids(got["greedy"], q))
+    return SideBySide(
+        spec=spec,
+        prompt="".join(ref.tokens[: ref.prompt_len]),
+        full_ids=tuple(fids),
+        compressed_ids=tuple(comp),
+        full_tokens=token_strings(tokenizer, fids),
+        compressed_tokens=token_strings(tokenizer, comp),
+        first_divergence=first_divergence(fids, comp),
     )
 
 
