@@ -60,14 +60,64 @@ def main() -> None:
         "current setting is the star, the Pareto frontier of the real policies the thick dashed line, "
         "the oracle the dotted bound.",
     )
-    settings = sidebar(
-        ensemble=False, head=False
-    )  # the sweep averages over every query head of the layer
+    # the sweep averages over every query head of the layer
+    settings = sidebar(ensemble=False, head=False)
     if settings is None or settings.spec is None:
         return
     source, spec, vs = settings.source, settings.spec, settings.view
     # Presentation mode: the chart first, on the projector's first screen, its controls under it
     chart_slot = st.container() if present else None
+    metric, log_x, methods, bits, formats = controls()
+    if not methods or not (bits or formats):
+        st.warning(
+            "Pick at least one method and one bit width to sweep.", icon=":material/warning:"
+        )
+        return
+    view = heads_view(source, vs.view, present)
+    rows = run_sweep(
+        source,
+        tuple(methods),
+        tuple(sorted(bits, reverse=True)),
+        view,
+        spec,
+        formats=tuple(formats),
+    )
+    if not rows:
+        return
+    valid, front = frontier(rows, metric)
+    if len(valid) < len(rows):
+        st.info(
+            "This source has no values, so output error is not available; showing the rest.",
+            icon=":material/info:",
+        )
+    fig = tradeoffs.tradeoff_figure(
+        valid, METRICS[metric][1], front, star(source, spec, view, metric), log_x=bool(log_x)
+    )
+    if present:  # text >= 18 px, the chart as tall as the first screen allows
+        fig = style.projector(fig, height=520, y_title=METRICS[metric][0], legend_right=True)
+    with chart_slot or st.container():
+        event = chart(
+            fig,
+            key="tradeoff_chart",
+            on_select="rerun",
+            selection_mode="points",
+            config=style.CHART_CONFIG,
+        )
+    points = [
+        p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3
+    ]
+    if points:
+        open_in_explorer(points[0])
+    if present:
+        return
+    what_to_look_for(metric)
+    pareto_table([valid[i] for i in front], metric)
+    downloads(rows, fig, source)
+    leaderboard_section()
+
+
+def controls() -> tuple:
+    """The measure, the memory axis, the methods, the bit widths and the serving formats to sweep."""
     metric = w_choice(
         st, "metric", "Measure", tuple(METRICS), widget="radio", format_func=lambda m: METRICS[m][0]
     )
@@ -91,74 +141,48 @@ def main() -> None:
         "a value: an fp16 scale per 32), keys and values alike, with the Advanced rotation "
         "setting.",
     )
-    if not methods or not (bits or formats):
-        st.warning(
-            "Pick at least one method and one bit width to sweep.", icon=":material/warning:"
-        )
-        return
-    # the sweep and the star average over every query head of the chosen layer
+    return metric, log_x, methods, bits, formats
+
+
+def heads_view(source, chosen: View, present: bool) -> View:
+    """The sweep and the star average over every query head of the chosen layer, at the chosen query."""
     n_heads = source.trace.n_q_heads
     view = View(
-        layer=vs.view.layer, head=0, step=vs.view.step, ensemble="heads", ensemble_size=n_heads
+        layer=chosen.layer, head=0, step=chosen.step, ensemble="heads", ensemble_size=n_heads
     )
-    heads = f"all {n_heads} query heads" if n_heads > 1 else "its one query head"
     if not present:
+        heads = f"all {n_heads} query heads" if n_heads > 1 else "its one query head"
         st.caption(
             f"Each point is the mean over {heads} of layer {source.trace.layer_numbers[view.layer]} at the "
             "query chosen under View. Click a point to open that setting in the Explorer."
         )
-    rows = run_sweep(
-        source,
-        tuple(methods),
-        tuple(sorted(bits, reverse=True)),
-        view,
-        spec,
-        formats=tuple(formats),
-    )
-    if not rows:
-        return
+    return view
+
+
+def frontier(rows: list[dict], metric: str) -> tuple[list[dict], list[int]]:
+    """The rows that have the measure, and the Pareto frontier of the real policies among them (indices;
+    no real policy reaches the oracle)."""
     column = METRICS[metric][1]
     sign = -1.0 if metric in HIGHER_IS_BETTER else 1.0
     valid = [r for r in rows if r[column] is not None]
-    real = [
-        i for i, r in enumerate(valid) if r["method"] != "oracle"
-    ]  # no real policy reaches the oracle
-    front = [
-        real[j]
-        for j in pareto_front([(valid[i]["memory_ratio"], sign * valid[i][column]) for i in real])
-    ]
-    if len(valid) < len(rows):
-        st.info(
-            "This source has no values, so output error is not available; showing the rest.",
-            icon=":material/info:",
-        )
+    real = [i for i, r in enumerate(valid) if r["method"] != "oracle"]
+    front = pareto_front([(valid[i]["memory_ratio"], sign * valid[i][column]) for i in real])
+    return valid, [real[j] for j in front]
+
+
+def star(source, spec, view: View, metric: str) -> dict | None:
+    """The Explorer's current setting on the chart: its memory and its measure over the same heads."""
     comp = run_compare(source, spec, view)
-    current = None
-    if comp is not None:
-        mean = comp.metrics_mean
-        current = {
-            "memory_ratio": comp.memory.ratio,
-            column: mean[METRICS[metric][2]],
-            "label": spec.label(),
-        }
-    fig = tradeoffs.tradeoff_figure(valid, column, front, current, log_x=bool(log_x))
-    if present:  # text >= 18 px, the chart as tall as the first screen allows
-        fig = style.projector(fig, height=520, y_title=METRICS[metric][0], legend_right=True)
-    with chart_slot or st.container():
-        event = chart(
-            fig,
-            key="tradeoff_chart",
-            on_select="rerun",
-            selection_mode="points",
-            config=style.CHART_CONFIG,
-        )
-    points = [
-        p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3
-    ]
-    if points:
-        open_in_explorer(points[0])
-    if present:
-        return
+    if comp is None:
+        return None
+    return {
+        "memory_ratio": comp.memory.ratio,
+        METRICS[metric][1]: comp.metrics_mean[METRICS[metric][2]],
+        "label": spec.label(),
+    }
+
+
+def what_to_look_for(metric: str) -> None:
     st.caption(
         (
             "What to look for: upper-left is better."
@@ -171,22 +195,30 @@ def main() -> None:
         + ", ".join(f"{f:.0%}" for f in DEFAULT_FRACTIONS)
         + " of the tokens the query sees."
     )
-    best = [valid[i] for i in front] if front else []
-    if best:
-        st.markdown("**Pareto-optimal settings** (real policies)")
-        config = {
-            k: st.column_config.Column(label, help=about)
-            if k not in TABLE_FORMATS
-            else st.column_config.NumberColumn(label, help=about, format=TABLE_FORMATS[k])
-            for k, (label, about) in TABLE_COLUMNS.items()
-        }
-        config[column] = st.column_config.NumberColumn(METRICS[metric][0], format="%.4f")
-        st.dataframe(
-            [{**{k: r[k] for k in TABLE_COLUMNS}, column: r[column]} for r in best],
-            hide_index=True,
-            key="pareto_table",
-            column_config=config,
-        )
+
+
+def pareto_table(best: list[dict], metric: str) -> None:
+    """The frontier's settings, one row each, in columns short enough for a 1024 px screen."""
+    if not best:
+        return
+    column, label = METRICS[metric][1], METRICS[metric][0]
+    st.markdown("**Pareto-optimal settings** (real policies)")
+    config = {
+        k: st.column_config.Column(name, help=about)
+        if k not in TABLE_FORMATS
+        else st.column_config.NumberColumn(name, help=about, format=TABLE_FORMATS[k])
+        for k, (name, about) in TABLE_COLUMNS.items()
+    }
+    config[column] = st.column_config.NumberColumn(label, format="%.4f")
+    st.dataframe(
+        [{**{k: r[k] for k in TABLE_COLUMNS}, column: r[column]} for r in best],
+        hide_index=True,
+        key="pareto_table",
+        column_config=config,
+    )
+
+
+def downloads(rows: list[dict], fig, source) -> None:
     d1, d2 = st.columns(2)
     d1.download_button(
         "Download sweep (CSV)",
@@ -204,7 +236,6 @@ def main() -> None:
         on_click="ignore",
         icon=":material/download:",
     )
-    leaderboard_section()
 
 
 run_page(main)
