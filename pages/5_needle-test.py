@@ -231,18 +231,29 @@ def main() -> None:
             icon=":material/info:",
         )
         return
-    grid = grids[0]
-    s = grid.settings
+    if (
+        not present
+    ):  # a projector's first screen is the grid's: the explanations are in the intro it leaves out
+        about_grids(grids)
+    sel = selected(grids)
+    grid_chart(grids, sel, present)
+    grid = _grid_of(grids, sel[3]) or grids[0]
+    cell = grid.cell(*sel[:3])
+    cell_cards(cell, sel, len(grids))
+    head_view(cell, grid.prompt(cell.length, cell.depth) if grid.prompts else None)
+    if not present:
+        all_cells(grids)
+
+
+def about_grids(grids: list) -> None:
+    """Where the grid comes from and where its caches were compressed."""
+    grid, s = grids[0], grids[0].settings
     source = (
         "this session's live run"
         if st.session_state.get(LIVE) is not None
         else "the shipped precomputed grid"
     )
-    if (
-        present
-    ):  # a projector's first screen is the grid's: the explanations are in the intro it leaves out
-        pass
-    elif len(grids) == 1:
+    if len(grids) == 1:
         where = (
             "after the haystack, before the question (query-agnostic)"
             if s.get("question_after_compression")
@@ -254,15 +265,21 @@ def main() -> None:
             f"{source}: model {grid.model}, {len(grid.cells)} cells; compressed {where}; greedy "
             f"{s.get('new_tokens')} tokens; true positions; {s.get('haystack')} haystack."
         )
-    else:
-        st.caption(
-            f"{source}s, one per compression point: model {grid.model}, {len(grid.cells)} cells each; greedy "
-            f"{s.get('new_tokens')} tokens; true positions; {s.get('haystack')} haystack. Top: the cache is "
-            "compressed right after the haystack and the question arrives through it (what kvpress's "
-            "pipeline does by default). Bottom: compressed after the question, so the scorer sees it "
-            "(kvpress's compress_questions=True; its FAQ warns this favours methods such as SnapKV). Each "
-            "column is one cache; the full cache is never compressed, so its two rows agree."
-        )
+        return
+    st.caption(
+        f"{source}s, one per compression point: model {grid.model}, {len(grid.cells)} cells each; greedy "
+        f"{s.get('new_tokens')} tokens; true positions; {s.get('haystack')} haystack. Top: the cache is "
+        "compressed right after the haystack and the question arrives through it (what kvpress's "
+        "pipeline does by default). Bottom: compressed after the question, so the scorer sees it "
+        "(kvpress's compress_questions=True; its FAQ warns this favours methods such as SnapKV). Each "
+        "column is one cache; the full cache is never compressed, so its two rows agree."
+    )
+
+
+def selected(grids: list) -> tuple:
+    """The open cell (scorer, length, depth, protocol): the link's, else the classic failure (with its
+    button), else the first."""
+    grid = grids[0]
     classic = needle.classic_failure(grid)
     classic = classic and (*classic, needle.protocol(grid))
     if classic:
@@ -282,14 +299,15 @@ def main() -> None:
             f"The link's cell `{store['nd_cell']}` is not in this grid; showing the classic failure."
         )
         _select(None)
-    sel = (
-        sel
-        or classic
-        or (grid.cells[0].scorer, grid.cells[0].length, grid.cells[0].depth, needle.protocol(grid))
-    )
     show_notices()
+    first = grid.cells[0]
+    return sel or classic or (first.scorer, first.length, first.depth, needle.protocol(grid))
+
+
+def grid_chart(grids: list, sel: tuple, present: bool) -> None:
+    """The grid (one per protocol), the open cell outlined; a click opens another cell."""
     if len(grids) == 1:
-        figure = grid_figure(grid.cells, selected=sel[:3])
+        figure = grid_figure(grids[0].cells, selected=sel[:3])
     else:
 
         def title(g) -> str:  # presenting, the short half of the title: it has to fit at 18 px
@@ -313,21 +331,26 @@ def main() -> None:
     ]
     if points:
         scorer, length, depth, *where = points[0]["customdata"]
-        picked = (scorer, int(length), float(depth), where[0] if where else needle.protocol(grid))
+        picked = (
+            scorer,
+            int(length),
+            float(depth),
+            where[0] if where else needle.protocol(grids[0]),
+        )
         if picked != sel:
             _select(picked, grids)
             st.rerun()
-    grid = _grid_of(grids, sel[3]) or grid
-    cell = grid.cell(*sel[:3])
-    prompt = grid.prompt(cell.length, cell.depth) if grid.prompts else None
 
+
+def cell_cards(cell, sel: tuple, n_grids: int) -> None:
+    """The open cell: its title, both answers and the share of the needle its cache kept."""
     point = {
         "agnostic": " · compressed before the question",
         "aware": " · compressed after the question",
     }
     st.subheader(
         f"{scorer_label(cell.scorer)} · {cell.length} tokens · needle at {cell.depth:.0%}"
-        + (point[sel[3]] if len(grids) > 1 and cell.scorer != "full" else "")
+        + (point[sel[3]] if n_grids > 1 and cell.scorer != "full" else "")
     )
     a, b, c = st.columns(3)
     _answer_card(a, "Answer", cell.answer, cell.correct, f"The key is {cell.key}; {cell.spec}.")
@@ -340,21 +363,24 @@ def main() -> None:
         f"on the needle at the first answer step (mean per head); {cell.kept_mass:.3f} of it is on "
         "needle tokens this cache still holds.",
     )
-    L, H = cell.n_layers, cell.n_kv_heads
+
+
+def head_view(cell, prompt) -> None:
+    """One layer and KV head's cache over the prompt's tokens, and every head's share of the needle."""
     loud = needle.loudest_head(cell)
     c1, c2 = st.columns(2)
-    layer = _head_picker(c1, "needle_layer", "nd_layer", "Layer", L, loud[0])
-    head = _head_picker(c2, "needle_head", "nd_head", "KV head", H, loud[1])
+    layer = _head_picker(c1, "needle_layer", "nd_layer", "Layer", cell.n_layers, loud[0])
+    head = _head_picker(c2, "needle_head", "nd_head", "KV head", cell.n_kv_heads, loud[1])
     if prompt is not None and cell.kept_packed:
-        kept = cell.kept()[layer, head]
-        point = prompt.question_start if cell.question_after_compression else None
         st.html(
             needle_tokens_html(
                 prompt.tokens,
-                kept,
+                cell.kept()[layer, head],
                 (prompt.needle_start, prompt.needle_end),
                 question_start=prompt.question_start,
-                compression_point=point,
+                compression_point=prompt.question_start
+                if cell.question_after_compression
+                else None,
             )
         )
         st.caption(
@@ -372,37 +398,41 @@ def main() -> None:
         key="needle_heads",
         config=CHART_CONFIG,
     )
-    if not present:
-        st.caption(
-            "What to look for: a policy can lose the needle in the heads that wanted it while keeping it "
-            "elsewhere. StreamingLLM's set is the same in every head (position only), and so is TOVA's: it "
-            "makes one decision for all heads, from the last query's attention averaged over every head "
-            "(hence its identical columns); H2O and SnapKV decide per KV head from attention; the oracle "
-            "keeps the top of the answering query's own attention, the bound no real cache can beat."
+
+
+def all_cells(grids: list) -> None:
+    """What to look for, and every cell of every grid as a table and a CSV."""
+    st.caption(
+        "What to look for: a policy can lose the needle in the heads that wanted it while keeping it "
+        "elsewhere. StreamingLLM's set is the same in every head (position only), and so is TOVA's: it "
+        "makes one decision for all heads, from the last query's attention averaged over every head "
+        "(hence its identical columns); H2O and SnapKV decide per KV head from attention; the oracle "
+        "keeps the top of the answering query's own attention, the bound no real cache can beat."
+    )
+    grid = grids[0]
+    every = needle.NeedleGrid(
+        model=grid.model,
+        settings=grid.settings,
+        prompts=(),
+        cells=tuple(c for g in grids for c in g.cells),
+    )
+    with st.expander("All cells"):
+        st.dataframe(
+            [
+                {k: v for k, v in c.as_dict().items() if not k.endswith("_by_head")}
+                for c in every.cells
+            ],
+            hide_index=True,
+            key="needle_table",
         )
-        every = needle.NeedleGrid(
-            model=grid.model,
-            settings=grid.settings,
-            prompts=(),
-            cells=tuple(c for g in grids for c in g.cells),
-        )
-        with st.expander("All cells"):
-            st.dataframe(
-                [
-                    {k: v for k, v in c.as_dict().items() if not k.endswith("_by_head")}
-                    for c in every.cells
-                ],
-                hide_index=True,
-                key="needle_table",
-            )
-        st.download_button(
-            "Download the cells (CSV)",
-            data=needle.to_csv(every),
-            file_name="needle.csv",
-            mime="text/csv",
-            on_click="ignore",
-            icon=":material/download:",
-        )
+    st.download_button(
+        "Download the cells (CSV)",
+        data=needle.to_csv(every),
+        file_name="needle.csv",
+        mime="text/csv",
+        on_click="ignore",
+        icon=":material/download:",
+    )
 
 
 run_page(main)
