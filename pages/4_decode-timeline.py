@@ -115,14 +115,7 @@ def main() -> None:
     if spec is None:
         return
     if demo and not present:  # presenting, one line under the chart says it
-        st.info(
-            f"The {source.label} has no decode steps, so this page runs the sidebar's budget on a built-in "
-            f"demo: a synthetic pattern of {DEMO.context} context tokens and {DEMO.steps} decode steps whose "
-            "topic shifts halfway (the sliders now range over its tokens). Choose **Synthetic pattern** in the "
-            "sidebar (its *Topic shift* knob is under Pattern knobs), or a real trace with decode steps, to "
-            "explore your own.",
-            icon=":material/info:",
-        )
+        demo_note(source)
     if not spec.evicts:
         st.warning(
             "Eviction is off (sink, recent and heavy are all 0): every policy keeps everything. "
@@ -130,8 +123,61 @@ def main() -> None:
             icon=":material/warning:",
         )
         return
+    layer, kv_head, need, policies, allocation, every = controls(trace, present)
+    if not policies:
+        st.warning("Pick at least one policy.", icon=":material/warning:")
+        return
+    n_later = len(trace.later_queries)
+    if n_later > MAX_STEPS:
+        st.caption(
+            f"Showing the first {MAX_STEPS} of {n_later} decode steps (the cap that keeps this page quick)."
+        )
+    budget = (spec.sink, spec.recent, spec.heavy)
+    try:
+        tl = _timeline(
+            key, (*budget, allocation), layer, kv_head, need, tuple(policies), trace, every
+        )
+    except (SpecError, TraceError) as e:
+        st.error(f"The timeline cannot be computed: {e}")
+        return
+    chart_slot = (
+        st.container() if present else None
+    )  # presenting, the chart first: the notes below it
+    if not timeline_notes(tl, every):
+        return
+    shift_step = topic_shift(trace)
+    regret_cards(tl, present)
+    tkey = (key, budget, layer, kv_head, need, tuple(policies), every)
+    # built once per setting, at the linked step; ▶ Play and the step slider under it run in the browser
+    step = int(clamp("tl_step", 0, tl.n_steps - 1, "Decode step"))
+    start = _chart_start(
+        (tkey, shift_step, present), step
+    )  # a new chart (any setting of it) opens at the step
+    chart(_animation(tkey, shift_step, start, present, tl), key="tl_animation", where=chart_slot)
+    _step_view(tl, step)
+    token_history(tl)
+    st.caption(
+        "What to look for: orange cells are tokens the full model needed at that step (attention ≥ "
+        f"{tl.need:g}) that the policy had already evicted. The oracle has none by construction; after a "
+        "topic shift H2O and TOVA have many, because nothing before the shift had looked at those tokens."
+        + (" (Demo data: choose a source with decode steps in the sidebar.)" if demo else "")
+    )
 
-    # the page's controls: above the chart, or presenting, in the sidebar (the chart first on the screen)
+
+def demo_note(source) -> None:
+    st.info(
+        f"The {source.label} has no decode steps, so this page runs the sidebar's budget on a built-in "
+        f"demo: a synthetic pattern of {DEMO.context} context tokens and {DEMO.steps} decode steps whose "
+        "topic shifts halfway (the sliders now range over its tokens). Choose **Synthetic pattern** in the "
+        "sidebar (its *Topic shift* knob is under Pattern knobs), or a real trace with decode steps, to "
+        "explore your own.",
+        icon=":material/info:",
+    )
+
+
+def controls(trace, present: bool) -> tuple:
+    """The layer, KV head, the 'needed' share, the policies, the allocation and compress-every: above the
+    chart, or presenting, in the sidebar (the chart first on the screen)."""
     where = st.sidebar if present else st
     if present:
         where.header("Timeline")
@@ -139,30 +185,26 @@ def main() -> None:
     layer = layer_picker(
         c1, trace, "tl_layer"
     )  # the model's own number in the box and the link; a position
-    kv_head = int(
-        w_number(
-            c2,
-            "tl_kv_head",
-            "KV head",
-            0,
-            trace.n_kv_heads - 1,
-            disabled=trace.n_kv_heads == 1,
-            help="Eviction is decided per KV head; the attention shown is the mean over "
-            "the query heads that share it.",
-        )
+    kv_head = w_number(
+        c2,
+        "tl_kv_head",
+        "KV head",
+        0,
+        trace.n_kv_heads - 1,
+        disabled=trace.n_kv_heads == 1,
+        help="Eviction is decided per KV head; the attention shown is the mean over "
+        "the query heads that share it.",
     )
-    need = float(
-        w_number(
-            c4,
-            "tl_need",
-            "Needed at ≥ (attention share)",
-            0.001,
-            1.0,
-            step=0.005,
-            fmt="%.3f",
-            help="A token counts as needed at a step when the full model gives it at "
-            "least this share of that step's attention.",
-        )
+    need = w_number(
+        c4,
+        "tl_need",
+        "Needed at ≥ (attention share)",
+        0.001,
+        1.0,
+        step=0.005,
+        fmt="%.3f",
+        help="A token counts as needed at a step when the full model gives it at "
+        "least this share of that step's attention.",
     )
     # pills, a row of their own: every policy's name whole (a select box's chips were cut to "Str…" at 1024 px)
     policies = w_pills(
@@ -179,31 +221,12 @@ def main() -> None:
         "differ in length); PyramidKV: each layer its own budget, falling with depth.",
     )
     every = int(w_setting(where, "compress_every", trace.n_positions))
-    if not policies:
-        st.warning("Pick at least one policy.", icon=":material/warning:")
-        return
-    n_later = len(trace.later_queries)
-    if n_later > MAX_STEPS:
-        st.caption(
-            f"Showing the first {MAX_STEPS} of {n_later} decode steps (the cap that keeps this page quick)."
-        )
-    try:
-        tl = _timeline(
-            key,
-            (spec.sink, spec.recent, spec.heavy, allocation),
-            layer,
-            kv_head,
-            need,
-            tuple(policies),
-            trace,
-            every,
-        )
-    except (SpecError, TraceError) as e:
-        st.error(f"The timeline cannot be computed: {e}")
-        return
-    chart_slot = (
-        st.container() if present else None
-    )  # presenting, the chart first: the notes below it
+    return layer, int(kv_head), float(need), policies, allocation, every
+
+
+def timeline_notes(tl, every: int) -> bool:
+    """Which policies are not drawn and why, and when the one-shot ones compressed again; False when no
+    chosen policy runs."""
     for name, why in tl.skipped.items():
         st.info(f"{POLICY_LABELS.get(name, name)} is not drawn: {why}", icon=":material/info:")
     if every and any(len(pt.compressed_after) for pt in tl.policies.values()):
@@ -219,21 +242,27 @@ def main() -> None:
             "None of the chosen policies runs with this allocation; pick another.",
             icon=":material/warning:",
         )
-        return
+        return False
+    return True
 
-    shift = trace.meta.get("shift_position")
-    shift_step = None
+
+def topic_shift(trace) -> int | None:
+    """The synthetic pattern's topic shift, said under the controls: its decode step (None: no shift)."""
     if (
-        trace.meta.get("source") == "synthetic"
-        and trace.meta.get("synthetic", {}).get("topic_shift", 0) > 0
+        trace.meta.get("source") != "synthetic"
+        or trace.meta.get("synthetic", {}).get("topic_shift", 0) <= 0
     ):
-        shift_step = int(shift) - trace.context_len
-        st.caption(
-            f"Topic shift at position {shift} (decode step {shift - trace.context_len}); the late "
-            f"anchor tokens {trace.meta.get('shift_tokens')} are what the queries after it need."
-        )
+        return None
+    shift = trace.meta.get("shift_position")
+    st.caption(
+        f"Topic shift at position {shift} (decode step {shift - trace.context_len}); the late "
+        f"anchor tokens {trace.meta.get('shift_tokens')} are what the queries after it need."
+    )
+    return int(shift) - trace.context_len
 
-    # summary cards: one per policy
+
+def regret_cards(tl, present: bool) -> None:
+    """One card per policy: its mean regret, and how many tokens it evicted that a later step needed."""
     per_row = (
         2 if present else len(tl.policies)
     )  # presenting, wider cards: the larger text wraps by words
@@ -247,34 +276,23 @@ def main() -> None:
         )
         col.caption(f"{int(pt.evicted_needed.sum())} tokens evicted, then needed")
 
-    tkey = (key, (spec.sink, spec.recent, spec.heavy), layer, kv_head, need, tuple(policies), every)
-    # built once per setting, at the linked step; ▶ Play and the step slider under it run in the browser
-    step = int(clamp("tl_step", 0, tl.n_steps - 1, "Decode step"))
-    start = _chart_start(
-        (tkey, shift_step, present), step
-    )  # a new chart (any setting of it) opens at the step
-    chart(_animation(tkey, shift_step, start, present, tl), key="tl_animation", where=chart_slot)
-    _step_view(tl, step)
 
+def token_history(tl) -> None:
+    """A token some policy evicted and a later step needed: what each policy did with it, step by step."""
     needed = tl.needed_tokens()
-    if needed:
-        pick = st.selectbox(
-            "A token's history (tokens some policy evicted and a later step needed)",
-            needed,
-            format_func=lambda i: f"{i}: {tl.tokens[i]!r}",
-            key="tl_token",
+    if not needed:
+        return
+    pick = st.selectbox(
+        "A token's history (tokens some policy evicted and a later step needed)",
+        needed,
+        format_func=lambda i: f"{i}: {tl.tokens[i]!r}",
+        key="tl_token",
+    )
+    st.markdown(
+        "\n".join(
+            f"- **{POLICY_LABELS[name]}**: {pt.history(int(pick), tl.positions, tl.context_len)}"
+            for name, pt in tl.policies.items()
         )
-        st.markdown(
-            "\n".join(
-                f"- **{POLICY_LABELS[name]}**: {pt.history(int(pick), tl.positions, tl.context_len)}"
-                for name, pt in tl.policies.items()
-            )
-        )
-    st.caption(
-        "What to look for: orange cells are tokens the full model needed at that step (attention ≥ "
-        f"{tl.need:g}) that the policy had already evicted. The oracle has none by construction; after a "
-        "topic shift H2O and TOVA have many, because nothing before the shift had looked at those tokens."
-        + (" (Demo data: choose a source with decode steps in the sidebar.)" if demo else "")
     )
 
 
