@@ -50,89 +50,15 @@ def tradeoff_figure(
     label = METRIC_LABELS.get(metric, metric)
     if len(frame):
         frame = frame.dropna(subset=[metric])
-        seen_methods = set()
         if "format" not in frame:
             frame["format"] = "int"
         frame["format"] = frame["format"].fillna("int")
-        for (method, bits, fmt), g in frame.groupby(["method", "bits", "format"], sort=True):
-            g = g.sort_values("memory_ratio")
-            bound = method == "oracle"
-            width = f"{int(bits)}-bit" if fmt == "int" else FORMAT_NAMES.get(fmt, fmt)
-            # Quest: x = bytes read per step
-            reads = "saves" in g and (g["saves"] == "memory read").all()
-            x = g["memory_read_ratio"] if reads else g["memory_ratio"]
-            fig.add_scatter(
-                x=x,
-                y=g[metric],
-                mode="lines+markers",
-                name=METHOD_LABELS.get(method, method)
-                + (" — saves memory read (x: read per step; stores all)" if reads else ""),
-                legendgroup=method,
-                showlegend=method not in seen_methods,
-                line=dict(
-                    color=METHOD_COLORS.get(method, OKABE_ITO["grey"]),
-                    width=1.5 if bound else 2,
-                    dash=METHOD_DASH.get(method, "solid"),
-                ),
-                marker=point_marker(method, int(bits), fmt),
-                customdata=np.stack([g["method"], g["budget"], g["bits"], g["format"]], axis=1),
-                hovertemplate=(
-                    "<b>%{customdata[0]}</b> budget %{customdata[1]} tokens, "
-                    + width
-                    + "<br>memory %{x:.3f} of 16-bit<br>"
-                    + label
-                    + " %{y:.4f}"
-                    "<br>click to open in the Explorer<extra></extra>"
-                ),
-            )
-            seen_methods.add(method)
-        widths = frame[["bits", "format"]].drop_duplicates()
-        widths = sorted(
-            zip(widths["bits"], widths["format"]), key=lambda w: (w[1] != "int", -w[0], w[1])
-        )
-        for bits, fmt in widths:  # the marker legend, once
-            name = (
-                (f"{int(bits)}-bit" if bits < 16 else "16-bit (off)")
-                if fmt == "int"
-                else FORMAT_NAMES.get(fmt, fmt)
-            )
-            fig.add_scatter(
-                x=[None],
-                y=[None],
-                mode="markers",
-                name=name,
-                legendgroup="bits",
-                legendgrouptitle_text="bit width",
-                marker=point_marker("", int(bits), fmt, color=OKABE_ITO["grey"]),
-            )
-        rows_list = list(rows)
+        _method_lines(fig, frame, metric, label)
+        _width_legend(fig, frame)
         if len(front):
-            pts = pd.DataFrame([rows_list[i] for i in front]).sort_values("memory_ratio")
-            fig.add_scatter(
-                x=pts["memory_ratio"],
-                y=pts[metric],
-                mode="lines",
-                name="Pareto frontier (real policies)",
-                line=dict(color=OKABE_ITO["black"], width=4, dash="dash"),
-                opacity=0.55,
-                hoverinfo="skip",
-            )
+            _frontier(fig, [list(rows)[i] for i in front], metric)
     if current is not None and current.get(metric) is not None:
-        fig.add_scatter(
-            x=[current["memory_ratio"]],
-            y=[current[metric]],
-            mode="markers",
-            name=f"current: {current.get('label', 'explorer setting')}",
-            marker=dict(
-                symbol="star",
-                size=20,
-                color=OKABE_ITO["yellow"],
-                line=dict(width=2, color=OKABE_ITO["black"]),
-            ),
-            hovertemplate="current setting<br>memory %{x:.3f}<br>"
-            + label
-            + " %{y:.4f}<extra></extra>",
-        )
+        _star(fig, current, metric, label)
     better = "higher is better" if metric == "mass_retained" else "lower is better"
     fig = layout(
         fig,
@@ -148,6 +74,95 @@ def tradeoff_figure(
     if log_x:
         fig.update_xaxes(type="log")
     return fig
+
+
+def _method_lines(fig: go.Figure, frame: pd.DataFrame, metric: str, label: str) -> None:
+    """A line per (method, bit width, format) over the budgets, one legend entry per method."""
+    seen_methods = set()
+    for (method, bits, fmt), g in frame.groupby(["method", "bits", "format"], sort=True):
+        g = g.sort_values("memory_ratio")
+        width = f"{int(bits)}-bit" if fmt == "int" else FORMAT_NAMES.get(fmt, fmt)
+        # Quest: x = bytes read per step
+        reads = "saves" in g and (g["saves"] == "memory read").all()
+        fig.add_scatter(
+            x=g["memory_read_ratio"] if reads else g["memory_ratio"],
+            y=g[metric],
+            mode="lines+markers",
+            name=METHOD_LABELS.get(method, method)
+            + (" — saves memory read (x: read per step; stores all)" if reads else ""),
+            legendgroup=method,
+            showlegend=method not in seen_methods,
+            line=dict(
+                color=METHOD_COLORS.get(method, OKABE_ITO["grey"]),
+                width=1.5 if method == "oracle" else 2,  # the bound: thin
+                dash=METHOD_DASH.get(method, "solid"),
+            ),
+            marker=point_marker(method, int(bits), fmt),
+            customdata=np.stack([g["method"], g["budget"], g["bits"], g["format"]], axis=1),
+            hovertemplate=(
+                "<b>%{customdata[0]}</b> budget %{customdata[1]} tokens, "
+                + width
+                + "<br>memory %{x:.3f} of 16-bit<br>"
+                + label
+                + " %{y:.4f}"
+                "<br>click to open in the Explorer<extra></extra>"
+            ),
+        )
+        seen_methods.add(method)
+
+
+def _width_legend(fig: go.Figure, frame: pd.DataFrame) -> None:
+    """The marker legend, once: what each bit width's (or format's) marker looks like."""
+    widths = frame[["bits", "format"]].drop_duplicates()
+    widths = sorted(
+        zip(widths["bits"], widths["format"]), key=lambda w: (w[1] != "int", -w[0], w[1])
+    )
+    for bits, fmt in widths:
+        name = (
+            (f"{int(bits)}-bit" if bits < 16 else "16-bit (off)")
+            if fmt == "int"
+            else FORMAT_NAMES.get(fmt, fmt)
+        )
+        fig.add_scatter(
+            x=[None],
+            y=[None],
+            mode="markers",
+            name=name,
+            legendgroup="bits",
+            legendgrouptitle_text="bit width",
+            marker=point_marker("", int(bits), fmt, color=OKABE_ITO["grey"]),
+        )
+
+
+def _frontier(fig: go.Figure, best: list[dict], metric: str) -> None:
+    """The Pareto frontier of the real policies: a thick dashed line."""
+    pts = pd.DataFrame(best).sort_values("memory_ratio")
+    fig.add_scatter(
+        x=pts["memory_ratio"],
+        y=pts[metric],
+        mode="lines",
+        name="Pareto frontier (real policies)",
+        line=dict(color=OKABE_ITO["black"], width=4, dash="dash"),
+        opacity=0.55,
+        hoverinfo="skip",
+    )
+
+
+def _star(fig: go.Figure, current: dict, metric: str, label: str) -> None:
+    """The Explorer's current setting: a large star."""
+    fig.add_scatter(
+        x=[current["memory_ratio"]],
+        y=[current[metric]],
+        mode="markers",
+        name=f"current: {current.get('label', 'explorer setting')}",
+        marker=dict(
+            symbol="star",
+            size=20,
+            color=OKABE_ITO["yellow"],
+            line=dict(width=2, color=OKABE_ITO["black"]),
+        ),
+        hovertemplate="current setting<br>memory %{x:.3f}<br>" + label + " %{y:.4f}<extra></extra>",
+    )
 
 
 # --- concentration ----------------------------------------------------------------------------
