@@ -81,37 +81,7 @@ def grids_figure(
             mine = [c for c in cells if (c.scorer, c.budget, c.bits) == g]
             for ok in (True, False):
                 part = [c for c in mine if c.correct == ok]
-                here = [(c.scorer, c.length, c.depth) + ((key,) if key else ()) for c in part]
-                fig.add_trace(
-                    go.Scatter(
-                        x=[str(c.length) for c in part],
-                        y=[f"{c.depth:.0%}" for c in part],
-                        mode="markers+text",
-                        marker=dict(
-                            symbol="square",
-                            size=34,
-                            color=RIGHT if ok else WRONG,
-                            line=dict(
-                                color="#000000", width=[3 if selected == h else 0 for h in here]
-                            ),
-                        ),
-                        text=["✓" if ok else "✗" for _ in part],
-                        textfont=dict(color="#ffffff", size=16),
-                        customdata=[list(h) for h in here],
-                        hovertext=[
-                            f"{_title(*g)} · {c.length} tokens · needle at {c.depth:.0%}<br>"
-                            f"key {c.key} · answer “{escape(c.answer.strip())[:40]}”<br>"
-                            f"{'right' if ok else 'wrong'} · needle tokens kept {c.needle_kept:.0%}"
-                            for c in part
-                        ],
-                        hoverinfo="text",
-                        name="key right" if ok else "key wrong",
-                        legendgroup=str(ok),
-                        showlegend=bool(part) and ok not in shown,
-                    ),
-                    row=r,
-                    col=j,
-                )
+                fig.add_trace(_squares(part, ok, g, key, selected, ok not in shown), row=r, col=j)
                 if part:
                     shown.add(ok)
             fig.update_xaxes(
@@ -129,9 +99,52 @@ def grids_figure(
         categoryarray=[f"{d:.0%}" for d in depths],
         autorange="reversed",
     )
+    _row_titles(fig, [title for _, title, _ in grids], lines)
     top = 24 + 17 * lines
-    for r, (_, title, _) in enumerate(grids):
-        # the row's title above its panels (the policies' titles sit on the first row only)
+    # the row title above the policies' titles
+    top += 5 * lines + 24 if any(t for _, t, _ in grids) else 0
+    fig.update_layout(
+        height=n_rows * height + 17 * (lines - 1) + (n_rows - 1) * 60,
+        margin=dict(l=60, r=10, t=top, b=40),
+        legend=dict(orientation="h", yanchor="top", y=-0.22 / n_rows, x=0),
+        plot_bgcolor="#ffffff",
+    )
+    return fig
+
+
+def _squares(part: Sequence, ok: bool, group: tuple, key, selected, legend: bool) -> go.Scatter:
+    """The cells of one policy's panel that are right (or wrong): a square each, outlined when selected; its
+    customdata (scorer, length, depth[, grid key]) says which cell a click opened."""
+    here = [(c.scorer, c.length, c.depth) + ((key,) if key else ()) for c in part]
+    return go.Scatter(
+        x=[str(c.length) for c in part],
+        y=[f"{c.depth:.0%}" for c in part],
+        mode="markers+text",
+        marker=dict(
+            symbol="square",
+            size=34,
+            color=RIGHT if ok else WRONG,
+            line=dict(color="#000000", width=[3 if selected == h else 0 for h in here]),
+        ),
+        text=["✓" if ok else "✗" for _ in part],
+        textfont=dict(color="#ffffff", size=16),
+        customdata=[list(h) for h in here],
+        hovertext=[
+            f"{_title(*group)} · {c.length} tokens · needle at {c.depth:.0%}<br>"
+            f"key {c.key} · answer “{escape(c.answer.strip())[:40]}”<br>"
+            f"{'right' if ok else 'wrong'} · needle tokens kept {c.needle_kept:.0%}"
+            for c in part
+        ],
+        hoverinfo="text",
+        name="key right" if ok else "key wrong",
+        legendgroup=str(ok),
+        showlegend=bool(part) and legend,
+    )
+
+
+def _row_titles(fig: go.Figure, titles: list[str], lines: int) -> None:
+    """Each row's title above its panels (the policies' titles, `lines` lines, sit on the first row only)."""
+    for r, title in enumerate(titles):
         if title:
             domain = fig.get_subplot(r + 1, 1).yaxis.domain
             fig.add_annotation(
@@ -146,15 +159,6 @@ def grids_figure(
                 showarrow=False,
                 font=dict(size=13),
             )
-    # the row title above the policies' titles
-    top += 5 * lines + 24 if any(t for _, t, _ in grids) else 0
-    fig.update_layout(
-        height=n_rows * height + 17 * (lines - 1) + (n_rows - 1) * 60,
-        margin=dict(l=60, r=10, t=top, b=40),
-        legend=dict(orientation="h", yanchor="top", y=-0.22 / n_rows, x=0),
-        plot_bgcolor="#ffffff",
-    )
-    return fig
 
 
 def heads_figure(
