@@ -320,103 +320,93 @@ def _check_needle(study: Study) -> None:
 def cells(study: Study) -> list[Cell]:
     """Every cell, in run order (a model's cells together, a text's / prompt's cells together)."""
     fixed = {k: v for k, v in study.fixed().items() if k != "name"}
-    out: list[Cell] = []
-    seen: set[str] = set()
-
-    def add(settings: dict) -> None:
+    kind_cells = {"synthetic": _synthetic_cells, "model": _model_cells}.get(
+        study.kind, _needle_cells
+    )
+    out: dict[str, Cell] = {}  # by id: a cell the grid names twice runs once
+    for settings in kind_cells(study):
         cid = cell_id(study.kind, fixed, settings)
-        if cid not in seen:
-            seen.add(cid)
-            out.append(Cell(cid, study.kind, settings))
+        out.setdefault(cid, Cell(cid, study.kind, settings))
+    return list(out.values())
+
+
+def _synthetic_cells(study: Study):
+    src, grid = study.source, study.grid
+    n = synthetic_tokens(src)
+    for seed in src["seeds"]:
+        for chosen in setting_points(grid):
+            for scorer in grid["scorers"]:
+                for f in grid["budgets"]:
+                    full = max(1, int(round(f * n))) >= n
+                    for b, fmt in widths(grid):
+                        yield {
+                            "seed": seed,
+                            "scorer": FULL if full else scorer,
+                            "budget": 1.0 if full else f,
+                            "bits": b,
+                            "format": fmt,
+                            **chosen,
+                        }
+
+
+def _model_cells(study: Study):
+    """A quantizer runs once per text (its budget 1.0, its own bits); an eviction method at every budget and
+    bit width; with a question, each cell says where it compressed (without one there is one place)."""
+    from kvviz.decode.eval_sweep import SWEEP_METHODS
 
     src, grid = study.source, study.grid
-    if study.kind == "synthetic":
-        n = synthetic_tokens(src)
-        for seed in src["seeds"]:
+    n = src["prompt_tokens"]
+    points = (
+        [{"question_point": p} for p in grid["question_points"]]
+        if src["question"].strip()
+        else [{}]
+    )
+    for model in src["models"]:
+        for text in src["texts"]:
+            sha = hashlib.sha256(text_of(study, text).encode("utf-8")).hexdigest()
+            for chosen, point in product(setting_points(grid), points):
+                for method in grid["methods"]:
+                    runs = (
+                        [(f, b) for f in grid["budgets"] for b in grid["bits"]]
+                        if method in SWEEP_METHODS
+                        else [(1.0, None)]
+                    )
+                    for f, b in runs:
+                        spec = model_spec(method, f, FULL_BITS if b is None else b, n)
+                        yield {
+                            "model": model,
+                            "text": text,
+                            "text_sha256": sha,
+                            "method": method,
+                            "budget": f,
+                            "bits": quant_bits(spec) if b is None else b,
+                            **applicable(spec.__dict__, chosen),
+                            **point,
+                        }
+
+
+def _needle_cells(study: Study):
+    """The task and the protocol are columns only where the study lists them (the ids of a plain pass-key
+    study stay as they were)."""
+    src, grid = study.source, study.grid
+    tasks = [{} if t == "passkey" else {"task": t} for t in src["tasks"]]
+    protocols = [{"protocol": p} for p in grid["protocols"]] or [{}]
+    for model, task, protocol in product(src["models"], tasks, protocols):
+        for length, depth in product(src["lengths"], src["depths"]):
             for chosen in setting_points(grid):
                 for scorer in grid["scorers"]:
-                    for f in grid["budgets"]:
-                        full = max(1, int(round(f * n))) >= n
-                        for b, fmt in widths(grid):
-                            add(
-                                {
-                                    "seed": seed,
-                                    "scorer": FULL if full else scorer,
-                                    "budget": 1.0 if full else f,
-                                    "bits": b,
-                                    "format": fmt,
-                                    **chosen,
-                                }
-                            )
-    elif study.kind == "model":
-        from kvviz.decode.eval_sweep import SWEEP_METHODS
-
-        n = src["prompt_tokens"]
-        # with a question, each cell says where it compressed (without one there is one place)
-        points = (
-            [{"question_point": p} for p in grid["question_points"]]
-            if src["question"].strip()
-            else [{}]
-        )
-        for model in src["models"]:
-            for text in src["texts"]:
-                sha = hashlib.sha256(text_of(study, text).encode("utf-8")).hexdigest()
-                for chosen, point in product(setting_points(grid), points):
-                    for method in grid["methods"]:
-                        if method not in SWEEP_METHODS:
-                            spec = model_spec(method, 1.0, FULL_BITS, n)
-                            add(
-                                {
-                                    "model": model,
-                                    "text": text,
-                                    "text_sha256": sha,
-                                    "method": method,
-                                    "budget": 1.0,
-                                    "bits": quant_bits(spec),
-                                    **applicable(spec.__dict__, chosen),
-                                    **point,
-                                }
-                            )
-                            continue
-                        for f in grid["budgets"]:
-                            for b in grid["bits"]:
-                                spec = model_spec(method, f, b, n)
-                                add(
-                                    {
-                                        "model": model,
-                                        "text": text,
-                                        "text_sha256": sha,
-                                        "method": method,
-                                        "budget": f,
-                                        "bits": b,
-                                        **applicable(spec.__dict__, chosen),
-                                        **point,
-                                    }
-                                )
-    else:
-        # the task and the protocol are columns only where the study lists them (the ids of a plain
-        # pass-key study stay as they were)
-        tasks = [{} if t == "passkey" else {"task": t} for t in src["tasks"]]
-        protocols = [{"protocol": p} for p in grid["protocols"]] or [{}]
-        for model, task, protocol in product(src["models"], tasks, protocols):
-            for length in src["lengths"]:
-                for depth in src["depths"]:
-                    for chosen in setting_points(grid):
-                        for scorer in grid["scorers"]:
-                            extra = applicable({"scorer": scorer}, chosen)
-                            for f in (1.0,) if scorer == FULL else grid["budgets"]:
-                                for b in grid["bits"]:
-                                    add(
-                                        {
-                                            "model": model,
-                                            **task,
-                                            **protocol,
-                                            "length": length,
-                                            "depth": depth,
-                                            "scorer": scorer,
-                                            "budget": f,
-                                            "bits": b,
-                                            **extra,
-                                        }
-                                    )
-    return out
+                    extra = applicable({"scorer": scorer}, chosen)
+                    for f, b in product(
+                        (1.0,) if scorer == FULL else grid["budgets"], grid["bits"]
+                    ):
+                        yield {
+                            "model": model,
+                            **task,
+                            **protocol,
+                            "length": length,
+                            "depth": depth,
+                            "scorer": scorer,
+                            "budget": f,
+                            "bits": b,
+                            **extra,
+                        }
