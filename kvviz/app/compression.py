@@ -36,55 +36,7 @@ def compression_section(
     where = where or st.sidebar
     where.header("Compression")
     n = trace.n_positions
-    # what a budget in % is a share of: the trace's tokens, or (percent_of) the page's own count
-    base, of_what = percent_of or (n, "tokens")
-    unit = w_choice(
-        where,
-        "budget_unit",
-        "Budgets in",
-        ("tokens", "%"),
-        widget="radio",
-        format_func={"tokens": "tokens", "%": f"% of the {base} {of_what}"}.get,
-        help="Type budgets as token counts or as a share of the tokens; the sliders always show counts.",
-    )
-    if headline is not None:
-        where.caption("Presentation mode: the four headline sliders are above the charts.")
-        slots = headline.columns(4, gap="medium")
-    else:
-        slots = [where] * 4
-    # the number boxes beside the budgets: the sidebar's, not the projector's
-    box = headline is None
-    sink = w_budget(
-        slots[0],
-        "sink",
-        "Sink tokens",
-        n,
-        unit,
-        box=box,
-        base=base,
-        help="The first tokens, always kept: attention sinks (StreamingLLM keeps 4).",
-    )
-    recent = w_budget(
-        slots[1],
-        "recent",
-        "Recent window",
-        n,
-        unit,
-        box=box,
-        base=base,
-        help="The last tokens the query sees (its own included), always kept.",
-    )
-    heavy = w_budget(
-        slots[2],
-        "heavy",
-        # a projector's quarter-width column: the long label wrapped and pushed its slider below the others
-        "Heavy hitters" if headline is not None else "Heavy-hitter budget",
-        n,
-        unit,
-        box=box,
-        base=base,
-        help="How many more tokens the scorer may keep among the rest (H2O's heavy hitters).",
-    )
+    sink, recent, heavy, bits_slot = budget_sliders(where, headline, n, percent_of)
     if budget_only:
         where.caption(
             "This page compares eviction policies side by side: the scorer is picked per chart and "
@@ -93,7 +45,7 @@ def compression_section(
         return Spec(sink=sink, recent=recent, heavy=heavy)
     split = bool(state()["split"])
     w_choice(
-        slots[3],
+        bits_slot,
         "bits",
         "Quantization bits",
         BITS_OPTIONS,
@@ -109,7 +61,55 @@ def compression_section(
             advanced_controls(n)
         else:  # its settings keep their stored values (a link's, a preset's), within this trace's range
             clamp_to_trace(n)
-    values = state()
+    return _spec_or_error(state())
+
+
+def budget_sliders(where, headline, n: int, percent_of) -> tuple:
+    """The sink, recent and heavy-hitter sliders, each with a number box in the sidebar that takes a count or
+    a % of the tokens (percent_of: (count, what) a % is a share of, default the trace's n); in the sidebar,
+    or in Presentation mode in the `headline` container's first three of four columns. Returns the three
+    budgets and the place of the fourth slider (the bits)."""
+    projector = headline is not None
+    base, of_what = percent_of or (n, "tokens")
+    unit = w_choice(
+        where,
+        "budget_unit",
+        "Budgets in",
+        ("tokens", "%"),
+        widget="radio",
+        format_func={"tokens": "tokens", "%": f"% of the {base} {of_what}"}.get,
+        help="Type budgets as token counts or as a share of the tokens; the sliders always show counts.",
+    )
+    if projector:
+        where.caption("Presentation mode: the four headline sliders are above the charts.")
+    slots = headline.columns(4, gap="medium") if projector else [where] * 4
+    budgets = (
+        (
+            "sink",
+            "Sink tokens",
+            "The first tokens, always kept: attention sinks (StreamingLLM keeps 4).",
+        ),
+        (
+            "recent",
+            "Recent window",
+            "The last tokens the query sees (its own included), always kept.",
+        ),
+        # a projector's quarter-width column: the long label wrapped and pushed its slider below the others
+        (
+            "heavy",
+            "Heavy hitters" if projector else "Heavy-hitter budget",
+            "How many more tokens the scorer may keep among the rest (H2O's heavy hitters).",
+        ),
+    )
+    sink, recent, heavy = (
+        w_budget(slot, name, label, n, unit, box=not projector, base=base, help=about)
+        for slot, (name, label, about) in zip(slots, budgets)
+    )
+    return sink, recent, heavy, slots[3]
+
+
+def _spec_or_error(values: dict) -> Spec | None:
+    """The Spec of the stored values, or None with one line that says why the combination is impossible."""
     try:
         return spec_from_values(values)
     except SpecError as e:
