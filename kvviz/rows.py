@@ -165,12 +165,7 @@ def evaluate_rows(
     kv_list = (heads // trace.group_size).tolist()
     runs = kv_runs(kv_list)
     # what each row attends over: its KV head's kept tokens (decided once per KV head), or its own reads
-    if reads is None:
-        kept_at = {g: np.flatnonzero(kept_kv[g, :n]) for g in set(kv_list)}
-        rows_at = [kept_at[g] for g in kv_list]
-    else:
-        kept_at = {g: np.arange(n) for g in set(kv_list)}  # Quest stores the whole cache
-        rows_at = [np.flatnonzero(reads[h, :n]) for h in heads.tolist()]
+    kept_at, rows_at = _row_tokens(heads, kv_list, kept_kv, reads, n)
     if len({len(a) for a in rows_at}) > 1:  # ragged caches (AdaKV): one head at a time
         groups = (
             [[h] for h in heads.tolist()]
@@ -192,32 +187,40 @@ def evaluate_rows(
         ),
         reads is not None,
     )
-    p_kept, logp_kept = softmax_and_log(
-        _kept_logits(batch, logits, stored)
-    )  # over the kept tokens only
-    flat, m = batch.flat, batch.at.shape[1]
+    # over the kept tokens only
+    p_kept, logp_kept = softmax_and_log(_kept_logits(batch, logits, stored))
     compressed = np.zeros_like(original)
-    compressed.ravel()[flat] = p_kept.ravel()
+    compressed.ravel()[batch.flat] = p_kept.ravel()
+    out, out_hat = _outputs(batch, original, compressed, p_kept, own_values, values, stored)
     error = compressed - original
+    metrics = _metrics(batch, original, log_original, error, p_kept, logp_kept, out, out_hat)
+    return _results(batch, kept_kv, sliding, original, compressed, error, out, out_hat, metrics)
+
+
+def _metrics(batch: _Batch, original, log_original, error, p_kept, logp_kept, out, out_hat) -> list:
+    """Each row's metrics (kvviz.metrics): the error, the mass kept, the divergences, the outputs' error and
+    what quantization adds (compressed vs eviction alone: a / mass on the kept tokens)."""
+    flat, m = batch.flat, batch.at.shape[1]
     original_kept = original.take(flat).reshape(-1, m)
     mass = original_kept.sum(axis=1)
     # evicted: a token the query sees (a sliding layer's window) is not kept
-    seen = n - window_start(p, trace.layer_windows[layer])
-    divergence = divergences(
-        original_kept,
-        log_original.take(flat).reshape(-1, m),
-        p_kept,
-        logp_kept,
-        mass,
-        evicted=m < seen,
-    )
-    out, out_hat = _outputs(batch, original, compressed, p_kept, own_values, values, stored)
+    seen = batch.n - window_start(batch.p, batch.trace.layer_windows[batch.layer])
+    log_kept = log_original.take(flat).reshape(-1, m)
+    divergence = divergences(original_kept, log_kept, p_kept, logp_kept, mass, evicted=m < seen)
     tv_quant = None
-    # what quantization adds: compressed vs eviction alone (a / mass on the kept tokens)
-    if spec.quantizes:
+    if batch.spec.quantizes:
         tv_quant = 0.5 * np.abs(p_kept - original_kept / mass[:, None]).sum(axis=1)
-    metrics = row_metrics_batch(error, mass, *divergence, out, out_hat, tv_quant)
-    return _results(batch, kept_kv, sliding, original, compressed, error, out, out_hat, metrics)
+    return row_metrics_batch(error, mass, *divergence, out, out_hat, tv_quant)
+
+
+def _row_tokens(heads, kv_list: list[int], kept_kv: np.ndarray, reads, n: int) -> tuple[dict, list]:
+    """(KV head -> the tokens its cache stores, each row's tokens it attends over): a KV head's kept tokens,
+    shared by its rows; Quest stores the whole cache and each row reads its own."""
+    if reads is None:
+        kept_at = {g: np.flatnonzero(kept_kv[g, :n]) for g in set(kv_list)}
+        return kept_at, [kept_at[g] for g in kv_list]
+    kept_at = {g: np.arange(n) for g in set(kv_list)}
+    return kept_at, [np.flatnonzero(reads[h, :n]) for h in heads.tolist()]
 
 
 def _kept_logits(batch: _Batch, logits: np.ndarray, stored: _Stored) -> np.ndarray:
