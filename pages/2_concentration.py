@@ -23,37 +23,11 @@ def main() -> None:
     if settings is None:
         return
     source, vs = settings.source, settings.view
-    c1, c2 = st.columns(2)
-    # the same sink count as the Compression sliders (4 for the handbook example), so the share
-    # shown is the share those sinks keep
-    sink_k = w_slider(
-        c1,
-        "sink",
-        "Sink share counts the first … tokens (the sink tokens)",
-        0,
-        min(64, source.trace.n_positions),
-        help="The Compression section's Sink tokens: change it here or there.",
-    )
-    window = w_slider(
-        c2,
-        "window",
-        "Locality: mass in the last … tokens (w)",
-        1,
-        min(4096, source.trace.n_positions),
-    )
+    sink_k, window = controls(source.trace.n_positions)
     conc = run_concentration(source, vs.view.step, sink_k, window)
-    top10 = float(conc.top10.mean())
     # Presentation mode: the curve right under its two sliders (a projector's first screen), the cards after
     first, second = st.container(), st.container()
-    m1, m2, m3 = (second if present else first).columns(3)
-    m1.metric(
-        "Top 10% of tokens hold",
-        fmt_pct(top10),
-        border=True,
-        help="Mean over layers and heads of the attention mass on the 10% most attended tokens.",
-    )
-    m2.metric(f"Sink share (first {sink_k})", fmt_pct(float(conc.sink_share.mean())), border=True)
-    m3.metric(f"Locality (last {window})", fmt_pct(float(conc.locality.mean())), border=True)
+    cards(second if present else first, conc, sink_k, window)
     curve = tradeoffs.concentration_figure(conc.fractions, conc.curves)
     chart(
         style.projector(curve, height=440) if present else curve,
@@ -69,42 +43,69 @@ def main() -> None:
         f"{conc.position}, {conc.position + 1} tokens."
     )
     if conc.sink_share.size == 1:  # one layer and one head (the handbook): numbers, not 1 x 1 maps
-        e1, e2 = st.columns(2)
-        e1.metric(
-            "Entropy",
-            f"{float(conc.entropy[0, 0]):.2f} nats",
-            border=True,
-            help=f"Uniform attention over these tokens would be {conc.max_entropy:.2f} nats.",
+        one_head(conc)
+    else:
+        heatmaps(conc, sink_k, window, source.trace.layer_numbers)
+
+
+def controls(n: int) -> tuple[int, int]:
+    """How many first tokens count as sinks, and how many last ones as local."""
+    c1, c2 = st.columns(2)
+    # the same sink count as the Compression sliders (4 for the handbook example), so the share
+    # shown is the share those sinks keep
+    sink_k = w_slider(
+        c1,
+        "sink",
+        "Sink share counts the first … tokens (the sink tokens)",
+        0,
+        min(64, n),
+        help="The Compression section's Sink tokens: change it here or there.",
+    )
+    window = w_slider(c2, "window", "Locality: mass in the last … tokens (w)", 1, min(4096, n))
+    return sink_k, window
+
+
+def cards(where, conc, sink_k: int, window: int) -> None:
+    """The top 10%'s mass, the sinks' share and the locality, each the mean over layers and heads."""
+    m1, m2, m3 = where.columns(3)
+    m1.metric(
+        "Top 10% of tokens hold",
+        fmt_pct(float(conc.top10.mean())),
+        border=True,
+        help="Mean over layers and heads of the attention mass on the 10% most attended tokens.",
+    )
+    m2.metric(f"Sink share (first {sink_k})", fmt_pct(float(conc.sink_share.mean())), border=True)
+    m3.metric(f"Locality (last {window})", fmt_pct(float(conc.locality.mean())), border=True)
+
+
+def one_head(conc) -> None:
+    e1, e2 = st.columns(2)
+    e1.metric(
+        "Entropy",
+        f"{float(conc.entropy[0, 0]):.2f} nats",
+        border=True,
+        help=f"Uniform attention over these tokens would be {conc.max_entropy:.2f} nats.",
+    )
+    e2.metric("Uniform attention would be", f"{conc.max_entropy:.2f} nats", border=True)
+    st.caption(
+        "This source has one layer and one head, so the per-layer × head maps are single numbers: "
+        "they are the cards above."
+    )
+
+
+def heatmaps(conc, sink_k: int, window: int, numbers) -> None:
+    """Sink share, locality and entropy per layer (the model's own numbers) and head."""
+    maps = (
+        ("sink_heatmap", conc.sink_share, f"Sink share (first {sink_k} tokens)", "mass", 1),
+        ("locality_heatmap", conc.locality, f"Locality (last {window} tokens)", "mass", 1),
+        ("entropy_heatmap", conc.entropy, "Entropy", "nats", conc.max_entropy),
+    )
+    for where, (key, values, title, unit, top) in zip(st.columns(3), maps):
+        chart(
+            figures.heatmap_figure(values, title, unit, 0, top, layers=numbers),
+            key=key,
+            where=where,
         )
-        e2.metric("Uniform attention would be", f"{conc.max_entropy:.2f} nats", border=True)
-        st.caption(
-            "This source has one layer and one head, so the per-layer × head maps are single numbers: "
-            "they are the cards above."
-        )
-        return
-    h1, h2, h3 = st.columns(3)
-    numbers = source.trace.layer_numbers  # the rows named by the model's own layer numbers
-    chart(
-        figures.heatmap_figure(
-            conc.sink_share, f"Sink share (first {sink_k} tokens)", "mass", 0, 1, layers=numbers
-        ),
-        key="sink_heatmap",
-        where=h1,
-    )
-    chart(
-        figures.heatmap_figure(
-            conc.locality, f"Locality (last {window} tokens)", "mass", 0, 1, layers=numbers
-        ),
-        key="locality_heatmap",
-        where=h2,
-    )
-    chart(
-        figures.heatmap_figure(
-            conc.entropy, "Entropy", "nats", 0, conc.max_entropy, layers=numbers
-        ),
-        key="entropy_heatmap",
-        where=h3,
-    )
     st.caption(
         f"What to look for: sink heads put most mass on the first tokens (bright left map), local heads on "
         f"the last w tokens; low entropy means few tokens matter (uniform attention over these tokens would "
