@@ -526,7 +526,7 @@ def _kvzip_page():
 def _trace_file_page():
     import streamlit as st
 
-    from kvviz.app.sources import trace_file_source
+    from kvviz.app.tracefiles import trace_file_source
 
     t = trace_file_source(st.sidebar)
     st.write("TRACE:" + ("none" if t is None else f"{t.n_positions} tokens {t.tokens[0]}"))

@@ -342,7 +342,7 @@ def test_lazy_trace_saves_again(tiny, tmp_path):
 
 def test_the_app_offers_trace_files_from_server_folders(tmp_path, monkeypatch):
     pytest.importorskip("streamlit")
-    from kvviz.app.sources import _load_cached, saved_traces
+    from kvviz.app.tracefiles import _load_cached, saved_traces
 
     cache, big = tmp_path / "cache", tmp_path / "big"
     cache.mkdir()

@@ -40,15 +40,19 @@ def _synthetic(items: tuple) -> Trace:
 
 
 def _external_sources() -> dict[str, Callable | None]:
-    """The Real model / Trace file pickers, if kvviz.app.sources provides them."""
+    """The Real model and Trace file pickers (kvviz.app.sources, kvviz.app.tracefiles); None for one whose
+    module cannot be imported here (torch missing, say): the app keeps the other sources."""
+    found: dict[str, Callable | None] = {"real": None, "file": None}
     try:
-        from kvviz.app import sources as ui_sources  # noqa: PLC0415 (optional: another issue builds it)
-    except Exception:  # missing module or a broken import must not take the app down
-        return {"real": None, "file": None}
-    return {
-        "real": getattr(ui_sources, "real_model_source", None),
-        "file": getattr(ui_sources, "trace_file_source", None),
-    }
+        from kvviz.app.tracefiles import trace_file_source  # noqa: PLC0415
+
+        found["file"] = trace_file_source
+        from kvviz.app.sources import real_model_source  # noqa: PLC0415
+
+        found["real"] = real_model_source
+    except Exception:  # a broken import must not take the app down
+        pass
+    return found
 
 
 def _fingerprint(trace: Trace) -> str:
