@@ -114,20 +114,15 @@ def attention_figure(
     ev = reason == "evicted"
     traces = [bars(~ev, original, "original", "original", dict(color=ORIGINAL_COLOR))]
     if ev.any():
-        evicted = dict(
-            color="rgba(213, 94, 0, 0.35)",
-            line=dict(color=REASON_COLORS["evicted"], width=0.5),
-            pattern=dict(shape="/", fgcolor=REASON_COLORS["evicted"], size=5),
+        traces.append(
+            bars(ev, original, "evicted: original (now 0)", "original", _evicted_marker())
         )
-        traces.append(bars(ev, original, "evicted: original (now 0)", "original", evicted))
-    for why, color in REASON_COLORS.items():
+    for why in REASON_COLORS:
         sel = reason == why
         if why != "evicted" and sel.any():
-            kept = dict(
-                color=color,
-                pattern=dict(shape=REASON_PATTERNS[why], fgcolor="#ffffff", size=4, solidity=0.35),
+            traces.append(
+                bars(sel, compressed, f"compressed: {why}", "compressed", _kept_marker(why))
             )
-            traces.append(bars(sel, compressed, f"compressed: {why}", "compressed", kept))
     if pinned is not None:
         traces.append(
             _points(
@@ -145,11 +140,29 @@ def attention_figure(
         title,
         "token" if text_tokens else "token position (index)",
         "attention weight (probability)",
-        subtitle=(f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)")
-        + lock_note,
+        subtitle=_one_row(row) + lock_note,
     )
     look.update(barmode="group", bargap=0.15, bargroupgap=0.0)
     return _figure(traces, look, _token_axis(frame, text_tokens), y_axis)
+
+
+def _evicted_marker() -> dict:
+    """An evicted token's original bar: hatched vermillion, light, so a long run of evictions reads as a band."""
+    return dict(
+        color="rgba(213, 94, 0, 0.35)",
+        line=dict(color=REASON_COLORS["evicted"], width=0.5),
+        pattern=dict(shape="/", fgcolor=REASON_COLORS["evicted"], size=5),
+    )
+
+
+def _kept_marker(why: str) -> dict:
+    """A kept token's compressed bar: the colour and the pattern of why it was kept."""
+    pattern = dict(shape=REASON_PATTERNS[why], fgcolor="#ffffff", size=4, solidity=0.35)
+    return dict(color=REASON_COLORS[why], pattern=pattern)
+
+
+def _one_row(row: str) -> str:
+    return f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)"
 
 
 def binned_attention_figure(
@@ -167,18 +180,10 @@ def binned_attention_figure(
     """
     width = float(frame["tokens"].max())
     centers = (frame["start"] + (frame["tokens"] - 1) / 2).to_numpy()
+    columns = ("start", "end", "first_token", "last_token", "original", "compressed", "kept_tokens")
     custom = np.stack(
-        [
-            frame["start"],
-            frame["end"],
-            frame["first_token"].astype(str),
-            frame["last_token"].astype(str),
-            frame["original"],
-            frame["compressed"],
-            frame["kept_tokens"],
-            frame["tokens"],
-            frame["evicted_mass"],
-        ],
+        [frame[c].astype(str) if c.endswith("_token") else frame[c] for c in columns]
+        + [frame["tokens"], frame["evicted_mass"]],
         axis=1,
     )
     hover = (
@@ -237,8 +242,7 @@ def binned_attention_figure(
         title,
         f"token position {_span(frame)} (bins of {int(width)} tokens)",
         "attention mass per bin (sum)",
-        subtitle=(f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)")
-        + lock_note,
+        subtitle=_one_row(row) + lock_note,
     )
     look.update(barmode="overlay")
     return _figure(traces, look, {}, y_axis)
