@@ -168,19 +168,10 @@ def _star(fig: go.Figure, current: dict, metric: str, label: str) -> None:
 # --- concentration ----------------------------------------------------------------------------
 
 
-def concentration_figure(
-    fractions: np.ndarray,
-    curves: np.ndarray,
-    band: tuple = ((0.10, 0.20), (0.80, 0.90)),
-    labels: Sequence[str] | None = None,
-) -> go.Figure:
-    """Share of attention held by the top x% of tokens: one faint line per layer, the mean bold.
-
-    `curves` is (layers, heads, F); the shaded band is the handbook's rule of thumb
-    (10-20% of tokens take 80-90% of the mass).
-    """
-    x = 100 * np.asarray(fractions)
-    fig = go.Figure()
+def _rule_of_thumb(fig: go.Figure, band: tuple) -> None:
+    """The handbook's band (a share of the tokens holding a share of the mass), shaded, and its label: low on
+    the right, under every curve (which rise above 80% long before x = 55%) and right of the uniform
+    diagonal, with an arrow to the band."""
     (x0, x1), (y0, y1) = band
     fig.add_shape(
         type="rect",
@@ -193,8 +184,6 @@ def concentration_figure(
         line=dict(color=OKABE_ITO["black"], width=1, dash="dot"),
         layer="below",
     )
-    # the label sits low on the right, under every curve (which rise above 80% long before x = 55%)
-    # and right of the uniform diagonal, with an arrow to the band
     fig.add_annotation(
         x=100 * (x0 + x1) / 2,
         y=100 * y0,
@@ -211,6 +200,22 @@ def concentration_figure(
         font=dict(size=12),
         bgcolor="rgba(255,255,255,0.9)",
     )
+
+
+def concentration_figure(
+    fractions: np.ndarray,
+    curves: np.ndarray,
+    band: tuple = ((0.10, 0.20), (0.80, 0.90)),
+    labels: Sequence[str] | None = None,
+) -> go.Figure:
+    """Share of attention held by the top x% of tokens: one faint line per layer, the mean bold.
+
+    `curves` is (layers, heads, F); the shaded band is the handbook's rule of thumb
+    (10-20% of tokens take 80-90% of the mass).
+    """
+    x = 100 * np.asarray(fractions)
+    fig = go.Figure()
+    _rule_of_thumb(fig, band)
     per_layer = curves.mean(axis=1)
     for layer, c in enumerate(per_layer):
         fig.add_scatter(
