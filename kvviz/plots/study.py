@@ -46,6 +46,63 @@ def _width(bits: int, fmt: str) -> str:
     return "16-bit (off)" if bits >= 16 else f"{bits}-bit"
 
 
+def _study_lines(fig: go.Figure, fr: Frontier) -> None:
+    """A line per (model,) method and width over the budgets, its means with their 95% error bars; a point's
+    customdata (cell, budget, N, half-width) says which cell a click opens."""
+    pts, method_col = fr.points, METHOD_COLUMN[fr.kind]
+    models = sorted(pts["model"].unique()) if "model" in pts else [None]
+    seen = set()
+    fmt_of = (lambda g: g["format"].iloc[0]) if "format" in pts else (lambda g: "int")
+    series = [c for c in ("model", method_col, "bits", "format") if c in pts]
+    for _, g in pts.groupby(series, sort=True):
+        g = g.sort_values("x")
+        method, bits, fmt = g[method_col].iloc[0], int(g["bits"].iloc[0]), fmt_of(g)
+        model = g["model"].iloc[0] if "model" in g else None
+        name = LABELS.get(method, method) + (
+            f" · {model}" if model is not None and len(models) > 1 else ""
+        )
+        fig.add_scatter(
+            x=g["x"],
+            y=g["mean"],
+            mode="lines+markers",
+            name=name,
+            legendgroup=name,
+            showlegend=name not in seen,
+            error_y=dict(type="data", array=g["half"], visible=True, thickness=1.2, width=4),
+            line=dict(
+                color=METHOD_COLORS.get(method, OKABE_ITO["grey"]),
+                width=1.5 if method == "oracle" else 2,  # the bound: thin
+                dash=METHOD_DASH.get(method, "solid"),
+            ),
+            marker=point_marker(method, bits, fmt),
+            customdata=g[["cell", "budget", "n", "half"]].to_numpy(),
+            hovertemplate=(
+                f"<b>{name}</b>, {_width(bits, fmt)}<br>budget %{{customdata[1]:.3g}}<br>x %{{x:.3f}}<br>"
+                f"{fr.label} %{{y:.4f}} ± %{{customdata[3]:.4f}} (95% t, N = %{{customdata[2]}} "
+                f"{fr.replicates})"
+                + (f"<br>{CLICK[fr.kind]}" if CLICK[fr.kind] else "")
+                + "<extra></extra>"
+            ),
+        )
+        seen.add(name)
+
+
+def _width_legend(fig: go.Figure, pts) -> None:
+    """The marker legend, once: what each bit width's (or format's) marker looks like."""
+    widths = pts[[c for c in ("bits", "format") if c in pts]].drop_duplicates()
+    for _, w in widths.iterrows():
+        bits, fmt = int(w["bits"]), w.get("format", "int")
+        fig.add_scatter(
+            x=[None],
+            y=[None],
+            mode="markers",
+            name=_width(bits, fmt),
+            legendgroup="bits",
+            legendgrouptitle_text="bit width",
+            marker=point_marker("", bits, fmt, color=OKABE_ITO["grey"]),
+        )
+
+
 def frontier_figure(
     fr: Frontier, x_column: str = "memory_ratio", log_x: bool = False, title: str = "Study frontier"
 ) -> go.Figure:
@@ -53,57 +110,9 @@ def frontier_figure(
     (customdata[0]) so a click can open a cell with that setting."""
     fig = go.Figure()
     pts = fr.points
-    method_col = METHOD_COLUMN[fr.kind]
     if len(pts):
-        models = sorted(pts["model"].unique()) if "model" in pts else [None]
-        seen = set()
-        fmt_of = (lambda g: g["format"].iloc[0]) if "format" in pts else (lambda g: "int")
-        series = [c for c in ("model", method_col, "bits", "format") if c in pts]
-        for key, g in pts.groupby(series, sort=True):
-            g = g.sort_values("x")
-            method, bits, fmt = g[method_col].iloc[0], int(g["bits"].iloc[0]), fmt_of(g)
-            model = g["model"].iloc[0] if "model" in g else None
-            bound = method == "oracle"
-            name = LABELS.get(method, method) + (
-                f" · {model}" if model is not None and len(models) > 1 else ""
-            )
-            width = _width(bits, fmt)
-            fig.add_scatter(
-                x=g["x"],
-                y=g["mean"],
-                mode="lines+markers",
-                name=name,
-                legendgroup=name,
-                showlegend=name not in seen,
-                error_y=dict(type="data", array=g["half"], visible=True, thickness=1.2, width=4),
-                line=dict(
-                    color=METHOD_COLORS.get(method, OKABE_ITO["grey"]),
-                    width=1.5 if bound else 2,
-                    dash=METHOD_DASH.get(method, "solid"),
-                ),
-                marker=point_marker(method, bits, fmt),
-                customdata=g[["cell", "budget", "n", "half"]].to_numpy(),
-                hovertemplate=(
-                    f"<b>{name}</b>, {width}<br>budget %{{customdata[1]:.3g}}<br>x %{{x:.3f}}<br>"
-                    f"{fr.label} %{{y:.4f}} ± %{{customdata[3]:.4f}} (95% t, N = %{{customdata[2]}} "
-                    f"{fr.replicates})"
-                    + (f"<br>{CLICK[fr.kind]}" if CLICK[fr.kind] else "")
-                    + "<extra></extra>"
-                ),
-            )
-            seen.add(name)
-        widths = pts[[c for c in ("bits", "format") if c in pts]].drop_duplicates()
-        for _, w in widths.iterrows():  # the marker legend, once
-            bits, fmt = int(w["bits"]), w.get("format", "int")
-            fig.add_scatter(
-                x=[None],
-                y=[None],
-                mode="markers",
-                name=_width(bits, fmt),
-                legendgroup="bits",
-                legendgrouptitle_text="bit width",
-                marker=point_marker("", bits, fmt, color=OKABE_ITO["grey"]),
-            )
+        _study_lines(fig, fr)
+        _width_legend(fig, pts)
         if fr.front:
             best = pts.loc[fr.front].sort_values("x")
             fig.add_scatter(
