@@ -379,29 +379,16 @@ def _same_step(a: Trace, b: Trace, qi: int) -> int:
     return int(evaluated_b[min(evaluated_a.index(qi), len(evaluated_b) - 1)])
 
 
-def compare(
-    trace: Trace,
-    spec: Spec,
-    view: View = View(),
-    trace_for_seed: Callable[[int], Trace] | None = None,
-) -> Comparison:
-    """Compute one configuration: the primary row, its ensemble and the summaries."""
-    if spec.positions != "true":
-        raise SpecError(
-            "re-rotating keys to their cache slots needs the model's RoPE: it applies to real-model "
-            "decoding (Model lab, kvviz eval), not to attention traces"
-        )
-    qi = check_view(trace, view)
-    compare_work(trace, spec.evicts, view, seeds=trace_for_seed is not None).check()
-    members = ensemble_members(trace, spec, view, qi, trace_for_seed)
+def evaluate_members(members: list) -> list[RowResult]:
+    """The rows of an ensemble's members (trace, spec, layer, query head, query), in their order.
 
-    # Members mostly share one trace and one spec object: group by identity.
+    Members mostly share one trace and one spec object: they are grouped by identity. The policy decides
+    once per (trace, eviction settings, layer), for all the positions needed there (and the KV heads the
+    rows read there: a scorer that scores each KV head alone scores only those); rows sharing (trace, spec,
+    layer, query) are evaluated together across heads."""
     traces = {id(t): t for t, *_ in members}
     specs = {id(s): s for _, s, *_ in members}
     eviction = {sid: s.eviction_key for sid, s in specs.items()}
-
-    # Policy decisions once per (trace, eviction settings, layer), for all positions needed there.
-    # (and the KV heads the rows read there: a scorer that scores each KV head alone scores only those)
     wanted: dict[tuple, tuple[Spec, set[int], set[int]]] = {}
     for t, s, layer, head, q in members:
         _, positions, kv = wanted.setdefault((id(t), eviction[id(s)], layer), (s, set(), set()))
@@ -412,8 +399,6 @@ def compare(
         checkpoint()
         positions = sorted(positions)
         masks[key] = positions, view_masks(traces[key[0]], s, key[2], positions, sorted(kv))
-
-    # Rows sharing (trace, spec, layer, query) are evaluated together across heads.
     batches: dict[tuple[int, int, int, int], list[int]] = {}
     for i, (t, s, layer, head, q) in enumerate(members):
         batches.setdefault((id(t), id(s), layer, q), []).append(i)
@@ -434,17 +419,41 @@ def compare(
             )
         for i, row in zip(which, evaluated):
             rows[i] = row
+    return rows
 
+
+def _error_rows(rows: list[RowResult], n: int, complete: bool) -> np.ndarray:
+    """(members, n) the members' per-token errors; earlier steps see fewer tokens: NaN marks what a member
+    cannot see."""
+    if complete:
+        return np.stack([r.error for r in rows])
+    errors = np.full((len(rows), n), np.nan)
+    for i, r in enumerate(rows):
+        m = min(n, len(r.error))
+        errors[i, :m] = r.error[:m]
+    return errors
+
+
+def compare(
+    trace: Trace,
+    spec: Spec,
+    view: View = View(),
+    trace_for_seed: Callable[[int], Trace] | None = None,
+) -> Comparison:
+    """Compute one configuration: the primary row, its ensemble and the summaries."""
+    if spec.positions != "true":
+        raise SpecError(
+            "re-rotating keys to their cache slots needs the model's RoPE: it applies to real-model "
+            "decoding (Model lab, kvviz eval), not to attention traces"
+        )
+    qi = check_view(trace, view)
+    compare_work(trace, spec.evicts, view, seeds=trace_for_seed is not None).check()
+    members = ensemble_members(trace, spec, view, qi, trace_for_seed)
+    rows = evaluate_members(members)
     primary = rows[0]
     n = primary.position + 1
     complete = all(len(r.error) == n for r in rows)
-    if complete:
-        errors = np.stack([r.error for r in rows])
-    else:  # earlier steps see fewer tokens: NaN marks what a member cannot see
-        errors = np.full((len(rows), n), np.nan)
-        for i, r in enumerate(rows):
-            m = min(n, len(r.error))
-            errors[i, :m] = r.error[:m]
+    errors = _error_rows(rows, n, complete)
     notes = () if trace.has_later_queries else (NO_LATER_QUERIES_NOTE,)
     notes += tuple(filter(None, [sliding_note(trace, view), merge_note(trace, spec)]))
     return Comparison(
