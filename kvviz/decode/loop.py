@@ -118,6 +118,7 @@ def decode(
     n = len(prompt_ids)
     if n < 1:
         raise SpecError("the prompt is empty")
+    inv_freq = rope_inv_freq(model)  # RoPE: re-rotation, Expected Attention
     cache = new_cache(
         model,
         spec,
@@ -126,10 +127,9 @@ def decode(
         mode=mode,
         tokens=tokens,
         record=record,
-        inv_freq=rope_inv_freq(model),
-    )  # RoPE: re-rotation, Expected Attention
+        inv_freq=inv_freq,
+    )
     say = progress or (lambda f, m: None)
-    rows, fed = [], []
     if prefix is not None and not prefix.covers(prompt_ids):
         prefix = None
     prepare(
@@ -145,32 +145,36 @@ def decode(
             last = _forward(model, prompt_ids, 0, last_only=True)[-1]
         cache.compress()
         t1 = time.perf_counter()
-        rows.append(last)
-        if (
-            block
-            and feed is not None
-            and len(feed) >= steps > 1
-            and on_step is None
-            and cache.block_ok()
-        ):
+        teacher_forced = feed is not None and len(feed) >= steps > 1 and on_step is None
+        if block and teacher_forced and cache.block_ok():
             cache.block = True
             say(0.0, f"{steps} teacher-forced steps in one masked pass")
-            rows.extend(_forward(model, [int(x) for x in feed[:steps]], n))
             fed = [int(x) for x in feed[:steps]]
-            steps = 0
-        for i in range(steps):
-            checkpoint()
-            tok = int(feed[i]) if feed is not None and i < len(feed) else int(torch.argmax(last))
-            last = _forward(model, [tok], n + i)[-1]
-            rows.append(last)
-            fed.append(tok)
-            if on_step is not None:
-                on_step(i, last)
-            if progress is not None and (i % 4 == 0 or i == steps - 1):
-                say((i + 1) / max(steps, 1), f"decode step {i + 1}/{steps}")
+            rows = [last, *_forward(model, fed, n)]
+        else:
+            rows, fed = _step_loop(model, n, last, steps, feed, on_step, progress)
         if timings is not None:
             timings.update(prefill=t1 - t0, decode=time.perf_counter() - t1)
     return torch.stack(rows), fed, cache
+
+
+def _step_loop(model, n: int, last, steps: int, feed, on_step, progress) -> tuple[list, list[int]]:
+    """`steps` decode steps one by one after the prompt's n tokens: step i feeds feed[i], or the greedy choice
+    of the previous logits. Returns (the logits rows, the prefill's `last` first; the tokens fed)."""
+    import torch
+
+    rows, fed = [last], []
+    for i in range(steps):
+        checkpoint()
+        tok = int(feed[i]) if feed is not None and i < len(feed) else int(torch.argmax(last))
+        last = _forward(model, [tok], n + i)[-1]
+        rows.append(last)
+        fed.append(tok)
+        if on_step is not None:
+            on_step(i, last)
+        if progress is not None and (i % 4 == 0 or i == steps - 1):
+            progress((i + 1) / max(steps, 1), f"decode step {i + 1}/{steps}")
+    return rows, fed
 
 
 def decode_many(
