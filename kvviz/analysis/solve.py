@@ -71,6 +71,34 @@ class Solution:
         }
 
 
+def _smallest(meets: Callable[[int], bool], n: int) -> int:
+    """The smallest budget in 1..n that meets the target (n does): bisection, then down one token at a time
+    while one token less still meets it (the non-monotone cases: one token less must miss)."""
+    lo, hi = 1, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if meets(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    b = hi
+    while b > 1 and meets(b - 1):
+        b -= 1
+    return b
+
+
+def _nested(policy, base: Spec, metric: str) -> bool:
+    """Are the kept sets nested in the budget, so that the bisection is exact? One-shot scores that do not
+    depend on the budget (SnapKV's automatic window follows the recent window), a metric set by the kept set
+    alone, and no compression during decoding (each budget would hold its own sets)."""
+    return (
+        not policy.streaming
+        and not policy.scores_follow_budget(base)
+        and (metric == "mass_retained" or not base.quantizes)
+        and not base.compress_every
+    )
+
+
 def solve(
     trace: Trace,
     base: Spec = Spec(),
@@ -125,25 +153,7 @@ def solve(
             f"even keeping all {n} tokens the {what} is {value(n):.4f} with "
             f"{base.key_bits}/{base.value_bits}-bit keys/values: raise the bits or relax the target"
         )
-    lo, hi = 1, n  # hi meets the target
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if meets(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    b = hi
-    while b > 1 and meets(b - 1):  # non-monotone cases: one token less must miss
-        b -= 1
-    # nested kept sets: one-shot scores that do not depend on the budget (SnapKV's automatic
-    # window follows the recent window), and a metric set by the kept set alone
-    policy = get_policy(base.scorer)
-    nested = (
-        not policy.streaming
-        and not policy.scores_follow_budget(base)
-        and (metric == "mass_retained" or not base.quantizes)
-        and not base.compress_every
-    )  # compressed again: each budget holds its own sets
+    b = _smallest(meets, n)
     comp = evaluate(b)
     return Solution(
         budget=b,
@@ -153,7 +163,7 @@ def solve(
         metric=metric,
         target=target,
         tokens=n,
-        exact=nested,
+        exact=_nested(policy, base, metric),
         evaluations=len(results),
         comparison=comp,
     )
