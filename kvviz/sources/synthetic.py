@@ -149,6 +149,87 @@ def _rotate(x: np.ndarray, positions: np.ndarray, theta: np.ndarray) -> np.ndarr
     return np.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """The head dimension's channels, [rotary pairs | sink | anchors | shift anchors | outliers | random],
+    and the token roles every layer shares (as real text has): anchors and late anchors."""
+
+    spec: SyntheticSpec
+    theta: np.ndarray
+    rope_w: np.ndarray
+    anchors: np.ndarray
+    shift_tokens: np.ndarray
+    shift_step: int
+
+    @property
+    def n_rot(self) -> int:
+        return 2 * N_ROPE_PAIRS
+
+    @property
+    def c_sink(self) -> int:
+        return self.n_rot
+
+    @property
+    def c_anchor(self) -> int:
+        return self.c_sink + 1
+
+    @property
+    def c_shift(self) -> int:
+        return self.c_anchor + self.spec.n_anchors
+
+    @property
+    def c_out(self) -> int:
+        return self.c_shift + self.spec.n_shift_tokens
+
+    @property
+    def c_rand(self) -> int:
+        return self.c_out + self.spec.outlier_channels
+
+
+def _key_value_head(rng, spec: SyntheticSpec, at: _Layout) -> tuple[np.ndarray, np.ndarray]:
+    """One KV head's keys and values (P, D): rotary pairs at angle 0 rotated by position, the sink direction
+    on token 0, each anchor its own channel, outlier channels, random channels; small values on the sink."""
+    P, D = spec.context + spec.steps, spec.head_dim
+    sqrt_d, pos = np.sqrt(D), np.arange(P)
+    kk = np.zeros((P, D))
+    unit_pairs = np.tile([1.0, 0.0], (P, N_ROPE_PAIRS, 1))
+    kk[:, : at.n_rot] = _rotate(unit_pairs, pos, at.theta).reshape(P, at.n_rot)
+    kk[0, at.c_sink] = sqrt_d  # the sink direction
+    kk[at.anchors, at.c_anchor + np.arange(spec.n_anchors)] = sqrt_d
+    kk[at.shift_tokens, at.c_shift + np.arange(spec.n_shift_tokens)] = sqrt_d
+    kk[:, at.c_out : at.c_rand] = spec.outlier_scale * rng.choice(
+        [-1, 1], spec.outlier_channels
+    ) + 0.1 * spec.outlier_scale * rng.standard_normal((P, spec.outlier_channels))
+    kk[:, at.c_rand :] = rng.standard_normal((P, D - at.c_rand))
+    vv = rng.standard_normal((P, D))
+    vv[0] *= 0.1  # sinks carry small values
+    return kk, vv
+
+
+def _query_head(rng, spec: SyntheticSpec, at: _Layout, depth: float) -> np.ndarray:
+    """One query head (P, D), with a character of its own: some heads local, some anchor readers, all see
+    the sink; after the shift step the late anchors; a random background of logit std `sparsity`."""
+    P, D = spec.context + spec.steps, spec.head_dim
+    sqrt_d, pos, n_rand = np.sqrt(D), np.arange(P), D - at.c_rand
+    mix = rng.uniform(0.6, 1.4, size=3)
+    qq = np.zeros((P, D))
+    local = spec.local_strength * mix[0] * (1.2 - 0.4 * depth)
+    # q . k over the rotary pairs = local * sum_j w_j cos((p - i) theta_j) * sqrt_d / sqrt_d
+    rot = np.tile([1.0, 0.0], (P, N_ROPE_PAIRS, 1)) * (local * at.rope_w * sqrt_d)[:, None]
+    qq[:, : at.n_rot] = _rotate(rot, pos, at.theta).reshape(P, at.n_rot)
+    qq[:, at.c_sink] = spec.sink_strength * mix[1] * (0.7 + 0.3 * depth)
+    qq[:, at.c_anchor : at.c_shift] = (
+        spec.anchor_strength * mix[2] * rng.uniform(0.7, 1.3, spec.n_anchors)
+    )
+    qq[at.shift_step :, at.c_shift : at.c_out] = spec.topic_shift
+    # background: logit std = sparsity (random channels of q and k are independent N(0,1))
+    qq[:, at.c_rand :] = rng.standard_normal((P, n_rand)) * (
+        spec.sparsity * sqrt_d / np.sqrt(n_rand)
+    )
+    qq[:, at.c_out : at.c_rand] = 0.02 * rng.standard_normal((P, spec.outlier_channels))
+    return qq
+
+
 def make_synthetic(spec: SyntheticSpec = SyntheticSpec()) -> Trace:
     """Generate a trace: context + later steps, every position has a query.
 
@@ -160,16 +241,6 @@ def make_synthetic(spec: SyntheticSpec = SyntheticSpec()) -> Trace:
     L, Hq, Hkv, D = spec.layers, spec.q_heads, spec.kv_heads, spec.head_dim
     P = spec.context + spec.steps
     pos = np.arange(P)
-    sqrt_d = np.sqrt(D)
-
-    # Channel layout: [rotary pairs | sink | anchors | shift anchors | outliers | random]
-    n_rot = 2 * N_ROPE_PAIRS
-    c_sink = n_rot
-    c_anchor = c_sink + 1
-    c_shift = c_anchor + spec.n_anchors
-    c_out = c_shift + spec.n_shift_tokens
-    c_rand = c_out + spec.outlier_channels
-    n_rand = D - c_rand
     theta, rope_w = _rope_frequencies(spec.local_width)
 
     # Token roles, shared by all layers (as real text has): anchors and late anchors.
@@ -181,46 +252,15 @@ def make_synthetic(spec: SyntheticSpec = SyntheticSpec()) -> Trace:
     q = np.zeros((L, Hq, P, D), np.float32)
     k = np.zeros((L, Hkv, P, D), np.float32)
     v = np.zeros((L, Hkv, P, D), np.float32)
+    at = _Layout(spec, theta, rope_w, anchors, shift_tokens, shift_step)
     for layer in range(L):
         # Deeper layers lean on the sink more, the first layer more on locality.
         depth = (layer + 1) / L
         for h in range(Hkv):
-            kk = np.zeros((P, D))
-            # rotary part: unit pairs at angle 0, rotated by position
-            kk[:, :n_rot] = _rotate(np.tile([1.0, 0.0], (P, N_ROPE_PAIRS, 1)), pos, theta).reshape(
-                P, n_rot
-            )
-            kk[0, c_sink] = sqrt_d  # the sink direction
-            kk[anchors, c_anchor + np.arange(spec.n_anchors)] = sqrt_d
-            kk[shift_tokens, c_shift + np.arange(spec.n_shift_tokens)] = sqrt_d
-            kk[:, c_out:c_rand] = spec.outlier_scale * rng.choice(
-                [-1, 1], spec.outlier_channels
-            ) + 0.1 * spec.outlier_scale * rng.standard_normal((P, spec.outlier_channels))
-            kk[:, c_rand:] = rng.standard_normal((P, n_rand))
-            k[layer, h] = kk
-            vv = rng.standard_normal((P, D))
-            vv[0] *= 0.1  # sinks carry small values
-            v[layer, h] = vv
+            k[layer, h], v[layer, h] = _key_value_head(rng, spec, at)
             checkpoint()
         for h in range(Hq):
-            # Per-head character: some heads local, some anchor readers, all see the sink.
-            mix = rng.uniform(0.6, 1.4, size=3)
-            qq = np.zeros((P, D))
-            local = spec.local_strength * mix[0] * (1.2 - 0.4 * depth)
-            # q . k over the rotary pairs = local * sum_j w_j cos((p - i) theta_j) * sqrt_d / sqrt_d
-            rot = np.tile([1.0, 0.0], (P, N_ROPE_PAIRS, 1)) * (local * rope_w * sqrt_d)[:, None]
-            qq[:, :n_rot] = _rotate(rot, pos, theta).reshape(P, n_rot)
-            qq[:, c_sink] = spec.sink_strength * mix[1] * (0.7 + 0.3 * depth)
-            qq[:, c_anchor:c_shift] = (
-                spec.anchor_strength * mix[2] * rng.uniform(0.7, 1.3, spec.n_anchors)
-            )
-            qq[shift_step:, c_shift:c_out] = spec.topic_shift
-            # background: logit std = sparsity (random channels of q and k are independent N(0,1))
-            qq[:, c_rand:] = rng.standard_normal((P, n_rand)) * (
-                spec.sparsity * sqrt_d / np.sqrt(n_rand)
-            )
-            qq[:, c_out:c_rand] = 0.02 * rng.standard_normal((P, spec.outlier_channels))
-            q[layer, h] = qq
+            q[layer, h] = _query_head(rng, spec, at, depth)
             checkpoint()
 
     return Trace(
