@@ -235,8 +235,6 @@ def run_cell(
     from kvviz.decode.forward import _forward
     from kvviz.decode.ragged import cache_class
     from kvviz.decode.reconstruct import prepare, repeat_prompt
-    from kvviz.decode.place import host
-    from kvviz.policies import ScoreContext
 
     L, Hq, H, D = pre.dims
     P = prompt.length
@@ -279,22 +277,29 @@ def run_cell(
                 last = _forward(model, [tok], P + i)[-1]
     # (L, Hq, P)
     attn = attention if attention is not None else _first_answer_attention(pre, P - 1)
+    # default case (compressed after the question): the first answer token comes from the prefill; the
+    # oracle's (Quest's) set for that query is chosen from the query itself, as its decode steps choose
+    if c == P and cache.policy.needs_query and spec.evicts:
+        kept_now = [_query_kept_at(cache, pre, attn, layer, P) for layer in range(L)]
     kept = np.zeros((L, H, P), dtype=bool)
     for layer in range(L):
-        idx = kept_now[layer]
-        if c == P and cache.policy.needs_query and spec.evicts:
-            # default case: the first answer token comes from the prefill; the oracle's (Quest's) set
-            # for that query is chosen from the query itself, as its decode steps choose
-            mask = cache.policy.query_kept(
-                attn[layer],
-                ScoreContext(cache.trace, layer, spec),
-                query=host(pre.q[layer][:, P - 1]).astype(np.float64),
-                keys=host(pre.k[layer, :, :P]).astype(np.float64),
-            )
-            idx = [np.flatnonzero(r) for r in mask]
-        for h, positions in enumerate(idx):
+        for h, positions in enumerate(kept_now[layer]):
             kept[layer, h, positions] = True
     return _measure(prompt, spec, kept, attn, tokenizer, answer, (Hq // H))
+
+
+def _query_kept_at(cache, pre: _Prefill, attn: np.ndarray, layer: int, P: int) -> list[np.ndarray]:
+    """Per KV head, the tokens a policy that decides from the query keeps for the prompt's last query."""
+    from kvviz.decode.place import host
+    from kvviz.policies import ScoreContext
+
+    mask = cache.policy.query_kept(
+        attn[layer],
+        ScoreContext(cache.trace, layer, cache.spec),
+        query=host(pre.q[layer][:, P - 1]).astype(np.float64),
+        keys=host(pre.k[layer, :, :P]).astype(np.float64),
+    )
+    return [np.flatnonzero(r) for r in mask]
 
 
 def _measure(
