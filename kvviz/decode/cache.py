@@ -51,6 +51,28 @@ MODES = ("delete", "mask")
 Progress = Callable[[float, str], None]
 
 
+def _check_run(spec: Spec, mode: str, inv_freq) -> None:
+    """What a real-model run refuses: an unknown mode, re-rotation without RoPE or with masked entries, and
+    the logit-noise model (a stand-in for attention rows only)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    if spec.positions == "cache":
+        if inv_freq is None:
+            raise SpecError(
+                "re-rotating keys to their cache slots needs the model's rotary embedding "
+                "(RoPE); this model has none kvviz can find"
+            )
+        if mode != "delete":
+            raise SpecError(
+                "keys re-rotated to cache slots are only simulated with deleted entries"
+            )
+    if spec.quant_model == "noise" and spec.noise_sigma > 0:
+        raise SpecError(
+            "the logit-noise model is a stand-in for attention rows only; "
+            "on a real model use real K/V quantization (quant_model 'kv')"
+        )
+
+
 class CompressedCache(StoredKV):
     """The K/V cache of one decode run under a Spec (mutable; one run only).
 
@@ -79,18 +101,7 @@ class CompressedCache(StoredKV):
     ) -> None:
         import torch
 
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-        if spec.positions == "cache":
-            if inv_freq is None:
-                raise SpecError(
-                    "re-rotating keys to their cache slots needs the model's rotary embedding "
-                    "(RoPE); this model has none kvviz can find"
-                )
-            if mode != "delete":
-                raise SpecError(
-                    "keys re-rotated to cache slots are only simulated with deleted entries"
-                )
+        _check_run(spec, mode, inv_freq)
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.dtype = torch.float32 if dtype is None else dtype
         # numpy views share the storage
@@ -100,11 +111,6 @@ class CompressedCache(StoredKV):
             if inv_freq is None
             else torch.as_tensor(inv_freq, dtype=torch.float32, device=self.device)
         )
-        if spec.quant_model == "noise" and spec.noise_sigma > 0:
-            raise SpecError(
-                "the logit-noise model is a stand-in for attention rows only; "
-                "on a real model use real K/V quantization (quant_model 'kv')"
-            )
         self.spec, self.mode = spec, mode
         self.policy = get_policy(spec.scorer)
         self.L, self.Hq, self.H, self.D = n_layers, n_q_heads, n_kv_heads, head_dim

@@ -165,6 +165,14 @@ def _one_row(row: str) -> str:
     return f"one row: {row}" if row else "one row (the primary row, not an ensemble mean)"
 
 
+# a bin's bars on hover: its tokens, both masses, what it kept (customdata of binned_attention_figure)
+BIN_HOVER = (
+    "<b>tokens %{customdata[0]}-%{customdata[1]}</b> (%{customdata[2]} ... %{customdata[3]})"
+    "<br>original %{customdata[4]:.4f}<br>compressed %{customdata[5]:.4f}"
+    "<br>kept %{customdata[6]} of %{customdata[7]}; evicted mass %{customdata[8]:.4f}<extra></extra>"
+)
+
+
 def binned_attention_figure(
     frame: pd.DataFrame,
     title: str = "Attention mass per bin of tokens: original vs compressed",
@@ -186,11 +194,7 @@ def binned_attention_figure(
         + [frame["tokens"], frame["evicted_mass"]],
         axis=1,
     )
-    hover = (
-        "<b>tokens %{customdata[0]}-%{customdata[1]}</b> (%{customdata[2]} ... %{customdata[3]})"
-        "<br>original %{customdata[4]:.4f}<br>compressed %{customdata[5]:.4f}"
-        "<br>kept %{customdata[6]} of %{customdata[7]}; evicted mass %{customdata[8]:.4f}<extra></extra>"
-    )
+    hover = BIN_HOVER
     kept_mass = (frame["original"] - frame["evicted_mass"]).to_numpy()
 
     def bars(y: np.ndarray, name: str, offset: float, marker: dict, **more) -> dict:
