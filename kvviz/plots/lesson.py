@@ -177,16 +177,7 @@ def lesson_html(
         "members": lesson.members,
         "bars_text": BANDS[lesson.bars],
         "notes": list(lesson.notes),
-        "sliders": [
-            {
-                "name": s,
-                "label": SLIDER_LABELS[s],
-                "values": list(lesson.grid[s]),
-                "display": [slider_display(s, v) for v in lesson.grid[s]],
-                "start": lesson.grid[s].index(lesson.start[s]),
-            }
-            for s in SLIDERS
-        ],
+        "sliders": _sliders(lesson),
         "grid_note": (
             f"Every slider moves over the values listed under it: {lesson.points:,} precomputed settings. "
             "Values between them are not in this lesson; the live app has them all."
@@ -214,6 +205,26 @@ def lesson_html(
             "note": link_note,
         },
     }
+    return _page(title, meta, data)
+
+
+def _sliders(lesson: Lesson) -> list[dict]:
+    """Each slider's name, label, values (and how they read) and where it starts."""
+    return [
+        {
+            "name": s,
+            "label": SLIDER_LABELS[s],
+            "values": list(lesson.grid[s]),
+            "display": [slider_display(s, v) for v in lesson.grid[s]],
+            "start": lesson.grid[s].index(lesson.start[s]),
+        }
+        for s in SLIDERS
+    ]
+
+
+def _page(title: str, meta: dict, data: str) -> str:
+    """The page template with the title, the lesson's meta and data and the script (its hash in the page's
+    Content-Security-Policy) put in."""
     script = (HERE / "lesson_page.js").read_text(encoding="utf-8")
     assert "</script" not in script.lower(), "the page's script must not close its own block"
     digest = base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii")
