@@ -35,9 +35,40 @@ def _app_base() -> str:
     return url.split("?")[0] or "http://localhost:8501/"
 
 
+def _build(source: Source, spec: Spec, view: View, bars: str, wanted: tuple) -> None:
+    """Compute the lesson with a progress bar and keep it in the session (its page is written after);
+    a view that cannot be one says why."""
+    from kvviz.plots.lesson import build_lesson
+
+    bar = st.progress(0.0, text="Computing the lesson…")
+    try:
+        lesson = build_lesson(
+            _linked(source),
+            spec,
+            view,
+            bars=bars,
+            progress=lambda f, m: bar.progress(min(1.0, f), text=f"Computing: {m}"),
+        )
+    except (SpecError, TraceError, ValueError) as e:
+        st.session_state.pop(KEY, None)
+        st.error(f"This view cannot be made into a lesson: {e}.")
+    else:
+        st.session_state[KEY] = {
+            "wanted": wanted,
+            "lesson": lesson,
+            "source": _linked(source),
+            "view": view,
+            "values": settings_dict(),
+            "words": None,
+            "page": b"",
+        }
+    finally:
+        bar.empty()
+
+
 def lesson_export(source: Source, spec: Spec, view: View, bars: str, file_stem: str) -> None:
     """An expander: what a lesson holds, its words, a Build button (with progress), then the download."""
-    from kvviz.plots.lesson import build_lesson, default_title, lesson_page
+    from kvviz.plots.lesson import default_title, lesson_page
 
     ss = st.session_state
     wanted = (
@@ -65,30 +96,7 @@ def lesson_export(source: Source, spec: Spec, view: View, bars: str, file_stem: 
         )
         words = st.text_area("Your words for the class (optional)", key="_lesson_text", height=80)
         if st.button("Build the lesson", key="_lesson_build", icon=":material/build:"):
-            bar = st.progress(0.0, text="Computing the lesson…")
-            try:
-                lesson = build_lesson(
-                    _linked(source),
-                    spec,
-                    view,
-                    bars=bars,
-                    progress=lambda f, m: bar.progress(min(1.0, f), text=f"Computing: {m}"),
-                )
-            except (SpecError, TraceError, ValueError) as e:
-                ss.pop(KEY, None)
-                st.error(f"This view cannot be made into a lesson: {e}.")
-            else:
-                ss[KEY] = {
-                    "wanted": wanted,
-                    "lesson": lesson,
-                    "source": _linked(source),
-                    "view": view,
-                    "values": settings_dict(),
-                    "words": None,
-                    "page": b"",
-                }
-            finally:
-                bar.empty()
+            _build(source, spec, view, bars, wanted)
         built = ss.get(KEY)
         if built is not None and built["wanted"] == wanted:
             # the numbers stay; only the page is written again
