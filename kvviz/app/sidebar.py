@@ -148,6 +148,35 @@ def _apply_synthetic_preset(name: str) -> None:
         st.session_state[knob] = preset[knob]
 
 
+def _pattern_knobs() -> dict:
+    """The synthetic pattern's shape: sink, locality, anchors, background, topic shift, outliers, head dim."""
+    return dict(
+        sink_strength=w_number(st, "sink_strength", "Sink strength (logit)", 0.0, 30.0, step=0.5),
+        local_strength=w_number(
+            st, "local_strength", "Locality strength (logit)", 0.0, 30.0, step=0.5
+        ),
+        local_width=w_number(st, "local_width", "Locality width (tokens)", 0.5, 512.0, step=1.0),
+        n_anchors=w_number(st, "n_anchors", "Anchor tokens (heavy hitters)", 0, 64),
+        anchor_strength=w_number(
+            st, "anchor_strength", "Anchor strength (logit)", 0.0, 30.0, step=0.5
+        ),
+        sparsity=w_number(st, "sparsity", "Background sparsity (logit std)", 0.0, 10.0, step=0.1),
+        topic_shift=w_number(
+            st,
+            "topic_shift",
+            "Topic shift (logit; 0 = off)",
+            0.0,
+            30.0,
+            step=0.5,
+            help="Late anchors that only the later queries need: where history-based eviction fails.",
+        ),
+        outlier_channels=w_number(st, "outlier_channels", "Key outlier channels", 0, 16),
+        outlier_scale=w_number(st, "outlier_scale", "Outlier scale", 0.0, 100.0, step=1.0),
+        head_dim=w_choice(st, "head_dim", "Head dim", (32, 64, 128)),
+        seed=w_number(st, "syn_seed", "Pattern seed", 0, 1_000_000),
+    )
+
+
 def _synthetic_section(where) -> Source | None:
     from kvviz.sources.synthetic import PRESETS, SyntheticSpec
 
@@ -183,37 +212,7 @@ def _synthetic_section(where) -> Source | None:
         ),
     )
     with where.expander("Pattern knobs"):
-        knobs.update(
-            sink_strength=w_number(
-                st, "sink_strength", "Sink strength (logit)", 0.0, 30.0, step=0.5
-            ),
-            local_strength=w_number(
-                st, "local_strength", "Locality strength (logit)", 0.0, 30.0, step=0.5
-            ),
-            local_width=w_number(
-                st, "local_width", "Locality width (tokens)", 0.5, 512.0, step=1.0
-            ),
-            n_anchors=w_number(st, "n_anchors", "Anchor tokens (heavy hitters)", 0, 64),
-            anchor_strength=w_number(
-                st, "anchor_strength", "Anchor strength (logit)", 0.0, 30.0, step=0.5
-            ),
-            sparsity=w_number(
-                st, "sparsity", "Background sparsity (logit std)", 0.0, 10.0, step=0.1
-            ),
-            topic_shift=w_number(
-                st,
-                "topic_shift",
-                "Topic shift (logit; 0 = off)",
-                0.0,
-                30.0,
-                step=0.5,
-                help="Late anchors that only the later queries need: where history-based eviction fails.",
-            ),
-            outlier_channels=w_number(st, "outlier_channels", "Key outlier channels", 0, 16),
-            outlier_scale=w_number(st, "outlier_scale", "Outlier scale", 0.0, 100.0, step=1.0),
-            head_dim=w_choice(st, "head_dim", "Head dim", (32, 64, 128)),
-            seed=w_number(st, "syn_seed", "Pattern seed", 0, 1_000_000),
-        )
+        knobs.update(_pattern_knobs())
     try:  # past the work budget: a notice, and the previous (or default) pattern
         spec = guard.within_budget("synthetic", lambda: SyntheticSpec(**knobs), SyntheticSpec)
     except SpecError as e:
