@@ -18,6 +18,40 @@ from kvviz.cli.device import device_errors
 from kvviz.spec import SCORERS, Spec
 
 
+def _grid_args(p) -> None:
+    """The grid's axes: lengths, depths, scorers, budgets and bits."""
+    from kvviz.analysis import needle as nd
+
+    p.add_argument(
+        "--lengths",
+        default=",".join(map(str, nd.DEFAULT_LENGTHS)),
+        help="prompt lengths in tokens, chat template included (default %(default)s)",
+    )
+    p.add_argument(
+        "--depths",
+        default=",".join(f"{d:g}" for d in nd.DEFAULT_DEPTHS),
+        help="needle depths: fractions of the haystack before it, 0 = start, 1 = just before the "
+        "question (or percentages like 50%%) (default %(default)s)",
+    )
+    p.add_argument(
+        "--scorers",
+        default=",".join(nd.DEFAULT_SCORERS),
+        help=f"comma-separated: full (the uncompressed cache) and any of {', '.join(SCORERS)}, or a "
+        "wrapped one as adakv-snapkv, pyramid-knorm, merge-snapkv (default %(default)s)",
+    )
+    p.add_argument(
+        "--budget",
+        default=str(nd.DEFAULT_BUDGET),
+        help="cache budget as a fraction of the prompt's tokens, or several comma-separated "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--bits",
+        default="16",
+        help="K/V bits for every cell, 1-8 or 16 = off, or several (default 16)",
+    )
+
+
 def register(subparsers) -> None:
     from kvviz.analysis import needle as nd
     from kvviz.cli.args import MAX_SEED, integer
@@ -33,34 +67,7 @@ def register(subparsers) -> None:
         "cached on disk, so a rerun is instant.",
     )
     add_model_args(p)
-    p.add_argument(
-        "--lengths",
-        default=",".join(map(str, nd.DEFAULT_LENGTHS)),
-        help="prompt lengths in tokens, chat template included (default %(default)s)",
-    )
-    p.add_argument(
-        "--depths",
-        default=",".join(f"{d:g}" for d in nd.DEFAULT_DEPTHS),
-        help="needle depths: fractions of the haystack before it, 0 = start, 1 = just before the "
-        "question (or percentages like 50%%) (default %(default)s)",
-    )
-    p.add_argument(
-        "--scorers",
-        default=",".join(nd.DEFAULT_SCORERS),
-        help=f"comma-separated: full (the uncompressed cache) and any of {', '.join(SCORERS)} "
-        "(default %(default)s)",
-    )
-    p.add_argument(
-        "--budget",
-        default=str(nd.DEFAULT_BUDGET),
-        help="cache budget as a fraction of the prompt's tokens, or several comma-separated "
-        "(default %(default)s)",
-    )
-    p.add_argument(
-        "--bits",
-        default="16",
-        help="K/V bits for every cell, 1-8 or 16 = off, or several (default 16)",
-    )
+    _grid_args(p)
     p.add_argument(
         "--question-after-compression",
         action="store_true",
