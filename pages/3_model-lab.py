@@ -285,6 +285,41 @@ def _run_settings(present: bool) -> tuple:
     return text, prompt_tokens, continuation, greedy_tokens, question, point, rerotate
 
 
+def _done(settings) -> dict:
+    """The results this server holds (key -> LabResult), the default settings' precomputed one among them
+    (by `make venv` or the first start) where it is on disk."""
+    done = _results(str(lab.lab_cache_dir()))
+    key = settings.key()
+    if key not in done and key == lab.default_settings().key():
+        stored = lab.load_result(settings)
+        if stored is not None:
+            done[key] = stored
+    return done
+
+
+def _run_or_say(settings):
+    """The run, kept for this server; or None with one line that says why it did not run (the settings, a
+    model that does not load, out of GPU or host memory, a device gone): the server keeps serving."""
+    from kvviz.models import ModelError
+
+    try:
+        result = _run_live(settings)
+    except SpecError as e:
+        st.error(f"Cannot run: {e}")
+        return None
+    except (ModelError, OSError) as e:
+        st.error(f"The model could not be loaded: {e}")
+        return None
+    except Exception as e:
+        notice = run_notice(e)
+        if notice is None:
+            raise
+        st.error(f"The run stopped: {notice}.")
+        return None
+    _remember(settings.key(), result)
+    return result
+
+
 def _run_and_show(
     model_name,
     device,
@@ -338,11 +373,7 @@ def _run_and_show(
         question_point=point,
     )
     key = settings.key()
-    done = _results(str(lab.lab_cache_dir()))
-    if key not in done and key == lab.default_settings().key():
-        stored = lab.load_result(settings)  # precomputed by `make venv` or the first start
-        if stored is not None:
-            done[key] = stored
+    done = _done(settings)
     c_run, c_est = st.columns([1, 3])
     clicked = c_run.button(
         "Run the model" if key not in done else "Run again (live)",
@@ -365,28 +396,9 @@ def _run_and_show(
             icon=":material/play_circle:",
         )
         return
-    try:
-        if clicked:
-            result = _run_live(settings)
-            _remember(key, result)
-        else:
-            result = done[key]
-    except SpecError as e:
-        st.error(f"Cannot run: {e}")
+    result = _run_or_say(settings) if clicked else done[key]
+    if result is None:
         return
-    except Exception as e:  # ModelError (missing model, bad path) and friends: one clear line
-        from kvviz.models import ModelError
-
-        if isinstance(e, (ModelError, OSError)):
-            st.error(f"The model could not be loaded: {e}")
-            return
-        notice = run_notice(
-            e
-        )  # out of GPU / host memory, a device gone: one line, the server keeps serving
-        if notice is not None:
-            st.error(f"The run stopped: {notice}.")
-            return
-        raise
     if result.precomputed:
         st.caption(
             "Precomputed for the default settings (at install or on the first start); "
