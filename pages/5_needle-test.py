@@ -117,38 +117,10 @@ def run_live(request: needle.GridRequest, model_name: str) -> None:
 
 
 def live_controls() -> None:
+    """A form for a grid of your own, run live with progress; its cells join the disk cache."""
     with st.expander("Run it live (your own lengths, depths, policies, budget, bits)"):
         with st.form("needle_form"):
-            # pills, not multiselects: every choice stays visible on a 1024 px projector
-            lengths = (
-                st.pills(
-                    "Prompt lengths (tokens)",
-                    [192, 320, 640, 1024, 2048],
-                    selection_mode="multi",
-                    default=[320],
-                )
-                or []
-            )
-            depths = (
-                st.pills(
-                    "Needle depths",
-                    [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0],
-                    selection_mode="multi",
-                    default=[0.0, 0.5, 1.0],
-                    format_func=lambda d: f"{d:.0%}",
-                )
-                or []
-            )
-            scorers = (
-                st.pills(
-                    "Caches",
-                    list(needle.SCORER_NAMES),
-                    selection_mode="multi",
-                    default=list(needle.DEFAULT_SCORERS),
-                    format_func=scorer_label,
-                )
-                or []
-            )
+            lengths, depths, scorers = _grid_choices()
             c4, c5, c6 = st.columns(3)
             budget = c4.slider(
                 "Budget (share of the prompt's tokens)", 0.05, 1.0, needle.DEFAULT_BUDGET, 0.05
@@ -168,18 +140,16 @@ def live_controls() -> None:
                 "compress_every"
             ]  # its declaration: label, range, help (kvviz.policies.decoding)
             c7, c8 = st.columns(2)
-            compress_every = int(
-                c7.number_input(
-                    every.label,
-                    int(every.lo),
-                    int(every.hi),
-                    int(every.default),
-                    step=1,
-                    key="needle_compress_every",
-                    help=every.help
-                    + " Here: the one-shot caches among those picked (SnapKV); the others compress as "
-                    "they always do.",
-                )
+            compress_every = c7.number_input(
+                every.label,
+                int(every.lo),
+                int(every.hi),
+                int(every.default),
+                step=1,
+                key="needle_compress_every",
+                help=every.help
+                + " Here: the one-shot caches among those picked (SnapKV); the others compress as "
+                "they always do.",
             )
             model_name = c8.text_input("Model", "bundled").strip() or "bundled"
             go = st.form_submit_button("Run live", type="primary")
@@ -187,32 +157,54 @@ def live_controls() -> None:
             "Every cell is cached on disk, so a rerun of the same settings is instant. On a laptop CPU a "
             "1024-token prompt takes tens of seconds per policy."
         )
-    if go:
-        if not lengths or not depths or not scorers:
-            st.error("Pick at least one length, one depth and one cache.")
-            return
-        try:
-            run_live(
-                needle.GridRequest(
-                    lengths=sorted(lengths),
-                    depths=sorted(depths),
-                    scorers=scorers,
-                    budgets=[budget],
-                    bits=[bits],
-                    question_after_compression=qac,
-                    compress_every=compress_every,
-                ),
-                model_name,
-            )
-        except SpecError as e:
-            st.error(f"Cannot run: {e}")
-        except Exception as e:  # a model that cannot load: one clear line
-            from kvviz.models import ModelError
+    if not go:
+        return
+    if not lengths or not depths or not scorers:
+        st.error("Pick at least one length, one depth and one cache.")
+        return
+    request = needle.GridRequest(
+        lengths=sorted(lengths),
+        depths=sorted(depths),
+        scorers=scorers,
+        budgets=[budget],
+        bits=[bits],
+        question_after_compression=qac,
+        compress_every=int(compress_every),
+    )
+    from kvviz.models import ModelError
 
-            if isinstance(e, (ModelError, OSError)):
-                st.error(f"The model could not be loaded: {e}")
-            else:
-                raise
+    try:
+        run_live(request, model_name)
+    except SpecError as e:
+        st.error(f"Cannot run: {e}")
+    except (ModelError, OSError) as e:  # a model that cannot load: one clear line
+        st.error(f"The model could not be loaded: {e}")
+
+
+def _grid_choices() -> tuple[list, list, list]:
+    """The lengths, depths and caches: pills, not multiselects, so every choice stays visible on a 1024 px
+    projector."""
+    lengths = st.pills(
+        "Prompt lengths (tokens)",
+        [192, 320, 640, 1024, 2048],
+        selection_mode="multi",
+        default=[320],
+    )
+    depths = st.pills(
+        "Needle depths",
+        [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0],
+        selection_mode="multi",
+        default=[0.0, 0.5, 1.0],
+        format_func=lambda d: f"{d:.0%}",
+    )
+    scorers = st.pills(
+        "Caches",
+        list(needle.SCORER_NAMES),
+        selection_mode="multi",
+        default=list(needle.DEFAULT_SCORERS),
+        format_func=scorer_label,
+    )
+    return lengths or [], depths or [], scorers or []
 
 
 def main() -> None:
