@@ -320,6 +320,21 @@ def _run_or_say(settings):
     return result
 
 
+def _runnable(spec, text: str) -> bool:
+    """False, with what to change, for the logit-noise model (attention rows only) or an empty text."""
+    if spec.quant_model == "noise":
+        st.error(
+            "The handbook's logit-noise model only stands in for attention rows; on a real model the "
+            "cached keys and values are quantized for real. Switch *Quantization model* to real K/V "
+            "quantization under Advanced."
+        )
+        return False
+    if not text.strip():
+        st.warning("Enter some text first.", icon=":material/warning:")
+        return False
+    return True
+
+
 def _run_and_show(
     model_name,
     device,
@@ -335,17 +350,7 @@ def _run_and_show(
     present: bool,
 ) -> None:
     """What the settings compress, the Run button, and the result (the stored one where it exists)."""
-    if spec is None:
-        return
-    if spec.quant_model == "noise":
-        st.error(
-            "The handbook's logit-noise model only stands in for attention rows; on a real model the "
-            "cached keys and values are quantized for real. Switch *Quantization model* to real K/V "
-            "quantization under Advanced."
-        )
-        return
-    if not text.strip():
-        st.warning("Enter some text first.", icon=":material/warning:")
+    if spec is None or not _runnable(spec, text):
         return
     if rerotate:
         spec = spec.with_(positions="cache")
