@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from kvviz.plots import figures, style, tradeoffs
+from kvviz.plots import grids, style, tradeoffs
 
 from kvviz.app.charts import chart
 from kvviz.app.cards import concentration_verdict, fmt_pct
@@ -102,7 +102,7 @@ def heatmaps(conc, sink_k: int, window: int, numbers) -> None:
     )
     for where, (key, values, title, unit, top) in zip(st.columns(3), maps):
         chart(
-            figures.heatmap_figure(values, title, unit, 0, top, layers=numbers),
+            grids.heatmap_figure(values, title, unit, 0, top, layers=numbers),
             key=key,
             where=where,
         )

@@ -8,7 +8,7 @@ import plotly.io as pio
 import pytest
 
 from kvviz import Spec, View, compare
-from kvviz.plots import export, figures, style, tradeoffs
+from kvviz.plots import export, figures, grids, style, tradeoffs
 from kvviz.sources.handbook import HEAVY, RECENT, SINK, handbook_trace
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.analysis.sweep import pareto_front
@@ -186,7 +186,7 @@ def test_concentration_stats_and_figure():
     )
     fig = tradeoffs.concentration_figure(c.fractions, c.curves)
     assert fig.layout.shapes[0].x0 == 10 and fig.layout.shapes[0].y1 == 90
-    h = figures.heatmap_figure(c.entropy, "Entropy", "nats")
+    h = grids.heatmap_figure(c.entropy, "Entropy", "nats")
     assert h.data[0].z.shape == (2, 2) and "layer" in h.layout.yaxis.title.text
 
 
@@ -204,7 +204,7 @@ def test_figures_html_is_standalone(handbook_comp):
 
 
 def test_token_grid_marks_every_token():
-    from kvviz.plots.figures import token_grid_html
+    from kvviz.plots.grids import token_grid_html
 
     html = token_grid_html(
         ["The", "▁cat", "<b>", "▁sat"],

@@ -11,7 +11,7 @@ import pytest
 from kvviz.analysis.frames import ensemble_text
 from kvviz.analysis.timeline import timeline
 from kvviz.engine import compare
-from kvviz.plots import figures
+from kvviz.plots import grids
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.spec import Spec, View
 from kvviz.sources.tracefile import save_trace
@@ -48,14 +48,14 @@ def test_a_timeline_and_an_ensemble_over_layers_say_the_models_numbers(two_layer
 
 def test_the_heatmap_names_its_rows_by_the_numbers_it_is_given():
     grid = np.arange(6.0).reshape(2, 3)
-    fig = figures.heatmap_figure(grid, "t", "v", layers=(3, 15))
+    fig = grids.heatmap_figure(grid, "t", "v", layers=(3, 15))
     assert (
         list(fig.data[0].y) == ["3", "15"]
         and fig.layout.yaxis.title.text == "layer (the model's number)"
     )
-    assert list(figures.heatmap_figure(grid, "t", "v").data[0].y) == ["0", "1"]
+    assert list(grids.heatmap_figure(grid, "t", "v").data[0].y) == ["0", "1"]
     with pytest.raises(ValueError, match="2 rows"):
-        figures.heatmap_figure(grid, "t", "v", layers=(3,))
+        grids.heatmap_figure(grid, "t", "v", layers=(3,))
 
 
 def test_the_timeline_page_offers_the_models_layer_numbers(saved):

@@ -9,7 +9,7 @@ import pytest
 
 from kvviz.analysis.frames import BIN_THRESHOLD, MAX_BINS, token_frame, token_range, zoom_frame
 from kvviz.engine import compare
-from kvviz.plots import figures
+from kvviz.plots import figures, grids
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.spec import Spec, View
 
@@ -117,5 +117,5 @@ def test_a_range_is_clamped_into_the_row_and_turned_round():
 
 def test_the_overview_of_an_8b_model_is_its_layers_times_heads():
     grid = np.random.default_rng(0).random((32, 32))
-    fig = figures.heatmap_figure(grid, "tv", "TV", layers=range(32))
+    fig = grids.heatmap_figure(grid, "tv", "TV", layers=range(32))
     assert points(fig) == 32 * 32

@@ -9,7 +9,7 @@ from kvviz.app.charts import chart, folded
 from kvviz.app.compute import Source, run_head_grid
 from kvviz.app.store import state, w_choice, w_last_is_minus_one
 from kvviz.engine import REASONS, Comparison
-from kvviz.plots import figures
+from kvviz.plots import grids
 from kvviz.spec import Spec, SpecError, View
 from kvviz.trace import Trace, TraceError
 
@@ -59,7 +59,7 @@ def head_overview(source: Source, spec: Spec, view: View) -> None:
             return
         label = "TV distance" if metric == "tv_distance" else "mass retained"
         chart(
-            figures.heatmap_figure(
+            grids.heatmap_figure(
                 grid,
                 f"{label} per layer and query head at this query",
                 label,
@@ -125,7 +125,7 @@ def token_grid(comp: Comparison, source: Source) -> None:
     reasons = [REASONS[int(r)] for r in p.reason[start:stop]]
     context = source.trace.context_len - start if start <= source.trace.context_len < stop else None
     st.html(
-        figures.token_grid_html(
+        grids.token_grid_html(
             comp.tokens[start:stop],
             reasons,
             p.original[start:stop],
