@@ -184,7 +184,7 @@ def context_rows(
     if on_device is not None and trace.logits is None:
         yield from on_device(trace, layer, heads, rows, n_keys, chunk, trim)
         return
-    # a trace of some heads of another (kvviz.engine.head_trace) chunks its rows as that trace would
+    # a trace of some heads of another (kvviz.heads.head_trace) chunks its rows as that trace would
     full = getattr(trace, "full_q_heads", trace.n_q_heads)
     chunk = chunk_rows(len(heads) * full // trace.n_q_heads, n_keys, chunk)
     q_all = trace.q[layer][heads]  # (H, Nq, D)

@@ -1,12 +1,13 @@
-"""Scoring only the KV heads a view reads (kvviz.engine.view_masks: the Explorer on a big trace):
+"""Scoring only the KV heads a view reads (kvviz.heads.view_masks: the Explorer on a big trace):
 the same kept sets and the same numbers, bit for bit, as scoring every head and taking those."""
 
 import numpy as np
 import pytest
 
 import kvviz.attention as attention
-import kvviz.engine as engine
-from kvviz.engine import compare, head_separable, head_trace, view_masks
+import kvviz.heads as heads
+from kvviz.engine import compare
+from kvviz.heads import head_separable, head_trace, view_masks
 from kvviz.rows import keep_masks
 from kvviz.sources.tracefile import load_trace, save_trace
 from kvviz.spec import Spec, SpecError, View, scorer_names
@@ -40,7 +41,7 @@ def gqa_trace(seed=0, L=2, Hq=8, Hkv=4, D=16, c=90, steps=6):
 def small_chunks(monkeypatch):
     # chunks of a few rows: every head's pass and one KV group's would chunk differently without full_q_heads
     monkeypatch.setattr(attention, "CHUNK_BYTES", 4 * 8 * 96 * 7)
-    engine._HEAD_TRACES.clear()
+    heads._HEAD_TRACES.clear()
 
 
 def specs():
@@ -75,7 +76,7 @@ def test_compare_equals_scoring_every_head(spec, monkeypatch):
     )  # query heads 3-5: KV heads 1 and 2
     fast = compare(t, spec, view)
     monkeypatch.setattr(
-        engine, "head_separable", lambda trace, spec, layer: False
+        heads, "head_separable", lambda trace, spec, layer: False
     )  # every head scored
     slow = compare(t, spec, view)
     for a, b in zip(fast.members, slow.members, strict=True):
