@@ -461,10 +461,10 @@ class _GridRun:
     def cells_of(self, prompt: NeedlePrompt, n: int, d: float) -> list[NeedleCell]:
         """The full cache's cell and every variant's of one prompt; one prefill, only if some cell is not on
         disk."""
-        req, full_spec, shared = self.req, Spec(), {}
-        full = self._cell(
-            prompt, full_spec, False, f"length {n}, depth {d:.0%}: full cache", shared
-        )
+        req, full_spec = self.req, Spec()
+        # the prompt's prefill, made for the first cell not on disk; the progress says where it is
+        shared = {"where": f"length {n}, depth {d:.0%}"}
+        full = self._cell(prompt, full_spec, False, "full cache", shared)
         self.done += 1
         cells = []
         for scorer, frac, bits in self.variants:
@@ -473,8 +473,7 @@ class _GridRun:
             if spec == full_spec:
                 out = full
             else:
-                what = f"length {n}, depth {d:.0%}: {scorer} {frac:g} {bits}-bit"
-                out = self._cell(prompt, spec, qac, what, shared)
+                out = self._cell(prompt, spec, qac, f"{scorer} {frac:g} {bits}-bit", shared)
             self.done += 1
             fields = {
                 "scorer": scorer,
@@ -490,7 +489,8 @@ class _GridRun:
         return cells
 
     def _cell(self, prompt: NeedlePrompt, spec: Spec, qac: bool, what: str, shared: dict) -> dict:
-        """One cell's record: from disk, else run on the prompt's prefill (made once, kept in `shared`)."""
+        """One cell's record: from disk, else run on the prompt's prefill (made once, kept in `shared` beside
+        where the prompt is in the grid); `what` names the cell in the progress."""
         checkpoint()
         path = (
             self.folder / f"{cell_key(self.model_id, prompt, spec, qac, self.req.new_tokens)}.json"
@@ -504,10 +504,10 @@ class _GridRun:
             if self._model is None:
                 self.say(fraction, "loading the model")
             m, _ = self.model()
-            self.say(fraction, what.split(":")[0] + ": prefill")
+            self.say(fraction, f"{shared['where']}: prefill")
             shared["prefill"] = prefill(m, prompt.ids, logits_at=[prompt.question_start - 1])
             shared["attention"] = _first_answer_attention(shared["prefill"], len(prompt.ids) - 1)
-        self.say(fraction, what)
+        self.say(fraction, f"{shared['where']}: {what}")
         m, tok = self.model()
         out = run_cell(
             m,
