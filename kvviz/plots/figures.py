@@ -302,7 +302,10 @@ def error_figure(
         hover = _Hover("%{customdata[0]} (position %{customdata[1]})", ids)
         x_title = "token" if text_tokens else "token position (index)"
         y_title = "attention error (compressed − original)"
-    traces = _part_bars(x, col, hover) + [_total_ticks(x, mean, band, hover, bars, members)]
+    bar_span = _bar_span(mean, band)
+    traces = _part_bars(x, col, hover) + [
+        _total_ticks(x, mean, band, bar_span, hover, bars, members)
+    ]
     extreme = col.get("error_extreme") if binned else None
     if extreme is not None:
         traces.append(
@@ -331,7 +334,7 @@ def error_figure(
         subtitle = f"ensemble mean of N = {members} rows{of}, bars: {BAND_TEXT[bars]}"
     else:
         subtitle = f"one row{of}, no ensemble: no error bars"
-    reach = _error_reach(col, band if members > 1 else None, extreme, pinned)
+    reach = _error_reach(col, bar_span if members > 1 else None, extreme, pinned)
     y_axis, lock_note = locked_axis(y_range, reach, bottom=None)
     look = base_layout(title, x_title, y_title, subtitle=subtitle + lock_note)
     look.update(barmode="relative", bargap=0.15, shapes=[_zero_line()])
@@ -384,11 +387,19 @@ def _part_bars(x: np.ndarray, col: dict, hover: _Hover) -> list[dict]:
     return traces
 
 
-def _total_ticks(x, mean, band, hover: _Hover, bars: str, members: int) -> dict:
-    """Black ticks at the mean total error, with the band's error bars when there is an ensemble."""
+def _bar_span(mean: np.ndarray, band) -> tuple[np.ndarray, np.ndarray]:
+    """(up, down): how far the band reaches above and below the mean, never negative, 0 where undefined."""
     band_lo, band_hi = band
     up = np.nan_to_num(np.clip(band_hi - mean, 0, None), nan=0.0)
     down = np.nan_to_num(np.clip(mean - band_lo, 0, None), nan=0.0)
+    return up, down
+
+
+def _total_ticks(x, mean, band, bar_span, hover: _Hover, bars: str, members: int) -> dict:
+    """Black ticks at the mean total error, with the band's error bars (`bar_span`) when there is an
+    ensemble."""
+    band_lo, band_hi = band
+    up, down = bar_span
     return dict(
         type="scatter",
         x=x,
@@ -415,18 +426,16 @@ def _total_ticks(x, mean, band, hover: _Hover, bars: str, members: int) -> dict:
     )
 
 
-def _error_reach(col: dict, band, extreme, pinned) -> float:
+def _error_reach(col: dict, bar_span, extreme, pinned) -> float:
     """How far the error chart reaches: the stacked parts (positive and negative stacks apart), the totals
-    with their bands where drawn (band None: no bars), a bin's largest single error, the pinned totals."""
+    with their error bars where drawn (bar_span None: no bars), a bin's largest single error, the pinned
+    totals."""
     mean = col["error_mean"]
     parts = np.nan_to_num(np.stack([col[f"error_{p}_mean"] for p in ("eviction", "quantization")]))
     drawn = [parts.clip(min=0).sum(axis=0), parts.clip(max=0).sum(axis=0), mean]
-    if band is not None:
-        band_lo, band_hi = band
-        drawn += [
-            mean + np.nan_to_num(np.clip(band_hi - mean, 0, None), nan=0.0),
-            mean - np.nan_to_num(np.clip(mean - band_lo, 0, None), nan=0.0),
-        ]
+    if bar_span is not None:
+        up, down = bar_span
+        drawn += [mean + up, mean - down]
     if extreme is not None:
         drawn.append(extreme)
     if pinned is not None:

@@ -7,13 +7,14 @@ import plotly.graph_objects as go
 
 from kvviz.analysis.study.frontier import METHOD_COLUMN, Frontier
 from kvviz.plots.style import (
-    FORMAT_NAMES,
     METHOD_COLORS,
     METHOD_LABELS,
     OKABE_ITO,
     layout,
     METHOD_DASH,
     point_marker,
+    width_legend,
+    width_name,
 )
 
 X_TITLES = {
@@ -38,12 +39,6 @@ CLICK = {
     "model": "click to open in the Model lab",
     "needle": "",
 }
-
-
-def _width(bits: int, fmt: str) -> str:
-    if fmt != "int":
-        return FORMAT_NAMES.get(fmt, fmt)
-    return "16-bit (off)" if bits >= 16 else f"{bits}-bit"
 
 
 def _study_lines(fig: go.Figure, fr: Frontier) -> None:
@@ -77,7 +72,7 @@ def _study_lines(fig: go.Figure, fr: Frontier) -> None:
             marker=point_marker(method, bits, fmt),
             customdata=g[["cell", "budget", "n", "half"]].to_numpy(),
             hovertemplate=(
-                f"<b>{name}</b>, {_width(bits, fmt)}<br>budget %{{customdata[1]:.3g}}<br>x %{{x:.3f}}<br>"
+                f"<b>{name}</b>, {width_name(bits, fmt)}<br>budget %{{customdata[1]:.3g}}<br>x %{{x:.3f}}<br>"
                 f"{fr.label} %{{y:.4f}} ± %{{customdata[3]:.4f}} (95% t, N = %{{customdata[2]}} "
                 f"{fr.replicates})"
                 + (f"<br>{CLICK[fr.kind]}" if CLICK[fr.kind] else "")
@@ -85,22 +80,6 @@ def _study_lines(fig: go.Figure, fr: Frontier) -> None:
             ),
         )
         seen.add(name)
-
-
-def _width_legend(fig: go.Figure, pts) -> None:
-    """The marker legend, once: what each bit width's (or format's) marker looks like."""
-    widths = pts[[c for c in ("bits", "format") if c in pts]].drop_duplicates()
-    for _, w in widths.iterrows():
-        bits, fmt = int(w["bits"]), w.get("format", "int")
-        fig.add_scatter(
-            x=[None],
-            y=[None],
-            mode="markers",
-            name=_width(bits, fmt),
-            legendgroup="bits",
-            legendgrouptitle_text="bit width",
-            marker=point_marker("", bits, fmt, color=OKABE_ITO["grey"]),
-        )
 
 
 def frontier_figure(
@@ -112,7 +91,8 @@ def frontier_figure(
     pts = fr.points
     if len(pts):
         _study_lines(fig, fr)
-        _width_legend(fig, pts)
+        widths = pts[[c for c in ("bits", "format") if c in pts]].drop_duplicates()
+        width_legend(fig, [(w["bits"], w.get("format", "int")) for _, w in widths.iterrows()])
         if fr.front:
             best = pts.loc[fr.front].sort_values("x")
             fig.add_scatter(

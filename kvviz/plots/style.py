@@ -191,6 +191,28 @@ def point_marker(method: str, bits: int, fmt: str = "int", color: str | None = N
     )
 
 
+def width_name(bits: int, fmt: str = "int") -> str:
+    """A bit width's (or a serving format's) name on a legend: '4-bit', '16-bit (off)', 'NVFP4'."""
+    if fmt != "int":
+        return FORMAT_NAMES.get(fmt, fmt)
+    return "16-bit (off)" if bits >= 16 else f"{bits}-bit"
+
+
+def width_legend(fig, widths) -> None:
+    """The marker legend of a trade-off chart, once: what each (bits, format) in `widths`, in that order,
+    looks like (the method's shape is the method's; a grey marker of each width)."""
+    for bits, fmt in widths:
+        fig.add_scatter(
+            x=[None],
+            y=[None],
+            mode="markers",
+            name=width_name(int(bits), fmt),
+            legendgroup="bits",
+            legendgrouptitle_text="bit width",
+            marker=point_marker("", int(bits), fmt, color=OKABE_ITO["grey"]),
+        )
+
+
 METHOD_LABELS = _ByPolicy("title", "no eviction")
 
 

@@ -16,6 +16,7 @@ from kvviz.plots.style import (
     layout,
     METHOD_DASH,
     point_marker,
+    width_legend,
 )
 
 # --- trade-offs -----------------------------------------------------------------------------
@@ -54,7 +55,13 @@ def tradeoff_figure(
             frame["format"] = "int"
         frame["format"] = frame["format"].fillna("int")
         _method_lines(fig, frame, metric, label)
-        _width_legend(fig, frame)
+        widths = frame[["bits", "format"]].drop_duplicates()
+        width_legend(
+            fig,
+            sorted(
+                zip(widths["bits"], widths["format"]), key=lambda w: (w[1] != "int", -w[0], w[1])
+            ),
+        )
         if len(front):
             _frontier(fig, [list(rows)[i] for i in front], metric)
     if current is not None and current.get(metric) is not None:
@@ -109,29 +116,6 @@ def _method_lines(fig: go.Figure, frame: pd.DataFrame, metric: str, label: str) 
             ),
         )
         seen_methods.add(method)
-
-
-def _width_legend(fig: go.Figure, frame: pd.DataFrame) -> None:
-    """The marker legend, once: what each bit width's (or format's) marker looks like."""
-    widths = frame[["bits", "format"]].drop_duplicates()
-    widths = sorted(
-        zip(widths["bits"], widths["format"]), key=lambda w: (w[1] != "int", -w[0], w[1])
-    )
-    for bits, fmt in widths:
-        name = (
-            (f"{int(bits)}-bit" if bits < 16 else "16-bit (off)")
-            if fmt == "int"
-            else FORMAT_NAMES.get(fmt, fmt)
-        )
-        fig.add_scatter(
-            x=[None],
-            y=[None],
-            mode="markers",
-            name=name,
-            legendgroup="bits",
-            legendgrouptitle_text="bit width",
-            marker=point_marker("", int(bits), fmt, color=OKABE_ITO["grey"]),
-        )
 
 
 def _frontier(fig: go.Figure, best: list[dict], metric: str) -> None:
