@@ -5,7 +5,7 @@
 #   make run     start the Streamlit app on http://127.0.0.1:8501
 #   make test    install requirements-dev.txt too, then run pytest on every core (pytest-xdist, cores + 1)
 #   make test-fast  the core tests only (no model, no browser, no AppTest), every core
-#   make lint    ruff: lint and format check of kvviz/ (pyproject.toml [tool.ruff], 100 columns)
+#   make lint    ruff check + format check of kvviz pages app.py tests benchmarks scripts (pyproject.toml [tool.ruff])
 #   make mutants mutation testing of the core (mutmut, niced; MUTANTS="kvviz/metrics.py ..." picks modules)
 #   make bench   run every benchmarks/*.py
 #   make probe   load the bundled SmolLM2 GGUF offline and print what it does

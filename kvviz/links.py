@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
+from kvviz.policies.registry import decides_while_decoding, featured
 from kvviz.sources import handbook
 from kvviz.quant.formats import SERVING_FORMATS
 from kvviz.quant.integer import BITS_OPTIONS  # the bits slider offers what the integer format does
@@ -200,9 +201,7 @@ _PARAMS = [
     Param(
         "logx", "bool", True
     ),  # a log memory axis: the bit widths' curves apart, not tangled at the left
-    Param(
-        "methods", "list", ("streaming", "h2o", "tova", "snapkv", "oracle"), choices=SCORER_CHOICES
-    ),
+    Param("methods", "list", featured(), choices=SCORER_CHOICES),
     Param("sweep_bits", "list", (16, 4, 2), choices=(16, 8, 4, 3, 2)),
     # the quantizers' serving formats (kvviz.quant.formats), a new one included
     Param("sweep_formats", "list", (), choices=SERVING_FORMATS),
@@ -211,7 +210,7 @@ _PARAMS = [
     # decode timeline page
     Param("tl_layer", "int", 0, 0, 1023),
     Param("tl_kv_head", "int", 0, 0, 1023),
-    Param("tl_policies", "list", ("h2o", "tova", "streaming", "oracle"), choices=SCORERS),
+    Param("tl_policies", "list", featured(decides_while_decoding), choices=SCORERS),
     Param("tl_need", "float", 0.02, 0.001, 1.0),
     Param("tl_step", "int", 0, 0, OPEN_ENDED),
     # model lab page

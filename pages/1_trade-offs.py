@@ -13,6 +13,7 @@ from kvviz.app.router import run_page
 from kvviz.app.params import PARAMS, SCORER_CHOICES
 from kvviz.app.sidebar import sidebar
 from kvviz.app.store import STORE, w_check, w_choice, w_pills
+from kvviz.policies.registry import is_bound
 from kvviz.spec import View
 from kvviz.analysis.sweep import DEFAULT_FRACTIONS, pareto_front, split_budget, to_csv
 
@@ -165,7 +166,7 @@ def frontier(rows: list[dict], metric: str) -> tuple[list[dict], list[int]]:
     column = METRICS[metric][1]
     sign = -1.0 if metric in HIGHER_IS_BETTER else 1.0
     valid = [r for r in rows if r[column] is not None]
-    real = [i for i, r in enumerate(valid) if r["method"] != "oracle"]
+    real = [i for i, r in enumerate(valid) if not is_bound(r["method"])]
     front = pareto_front([(valid[i]["memory_ratio"], sign * valid[i][column]) for i in real])
     return valid, [real[j] for j in front]
 

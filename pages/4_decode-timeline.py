@@ -11,6 +11,7 @@ from kvviz.app.sidebar import layer_picker, source_section
 from kvviz.app.store import clamp, show_notices, state, w_choice, w_number, w_pills
 from kvviz.plots.timeline import timeline_animation
 from kvviz.policies import POLICIES
+from kvviz.policies.registry import BOUND
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.spec import Spec, SpecError
 from kvviz.analysis.timeline import TIMELINE_POLICIES, timeline
@@ -44,7 +45,7 @@ def _timeline(
     sink, recent, heavy, allocation = budget
     return timeline(
         _trace,
-        Spec(sink=sink, recent=recent, heavy=heavy, scorer="oracle", allocation=allocation),
+        Spec(sink=sink, recent=recent, heavy=heavy, scorer=BOUND, allocation=allocation),
         layer=layer,
         kv_head=kv_head,
         policies=policies,

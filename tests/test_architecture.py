@@ -247,6 +247,41 @@ def test_rooms_are_small_and_families_are_packages():
     )
 
 
+# Where a built-in scorer may be named outside its own file: the default setting (spec.py) and the presets,
+# whose content is a named method. Everything else asks the scorer (Policy.featured, .bound, .window_only,
+# .allocated_in_sweeps, ...) or the registry, so that a new scorer needs no edit outside kvviz/policies/.
+SCORER_NAMED_IN = {"kvviz/spec.py", "kvviz/app/presets.py"}
+
+
+def scorer_literals(paths, names) -> list[str]:
+    """`path:line 'name'` for each string constant that is a scorer's name, or a comma list holding one."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+                continue
+            words = node.value.split(",") if " " not in node.value else [node.value]
+            if any(w in names for w in words):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}")
+    return found
+
+
+def test_scorers_are_named_only_in_their_own_files():
+    from kvviz.spec import SCORERS
+
+    import kvviz.policies  # noqa: F401  (fills SCORERS)
+
+    paths = [
+        p
+        for p in [*PKG.rglob("*.py"), *(ROOT / "pages").glob("*.py"), ROOT / "app.py"]
+        if "policies" not in p.relative_to(PKG if p.is_relative_to(PKG) else ROOT).parts
+        and str(p.relative_to(ROOT)) not in SCORER_NAMED_IN
+    ]
+    assert scorer_literals(paths, set(SCORERS)) == []
+    # and the check sees them where they are allowed: the presets name their methods
+    assert scorer_literals([PKG / "app" / "presets.py"], set(SCORERS)), "the check finds nothing"
+
+
 def test_charts_are_drawn_through_kvviz_app_charts():
     """Every plotly chart goes through kvviz.app.charts.chart, which leaves it as a frame until the browser's
     first paint: one st.plotly_chart called directly would hold the page's first paint back again."""

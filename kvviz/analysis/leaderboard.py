@@ -36,7 +36,8 @@ import numpy as np
 
 from kvviz.analysis.needle import FULL, GridRequest, run_grid
 from kvviz.analysis.needle.tasks import TASKS
-from kvviz.spec import SpecError
+from kvviz.policies.registry import BOUND, get_policy, is_bound
+from kvviz.spec import SCORERS, SpecError
 
 RATIOS = (0.25, 0.5, 0.75, 0.875)  # kvpress's leaderboard columns
 PROTOCOLS = ("question-aware", "query-agnostic")
@@ -45,26 +46,17 @@ TASK_SET = (
     "multikey",
     "qa",
 )  # the variable-tracking task is left out: SmolLM2-135M fails it uncompressed
+# every built-in scorer that evicts (the registry's order), then what two wrappers buy on two scorers, then
+# the bound
 METHODS = (
-    "streaming",
-    "h2o",
-    "tova",
-    "snapkv",
-    "expected_attention",
-    "keydiff",
-    "knorm",
-    "chunkkv",
-    "random",
-    "threshold",
-    "duo_attention",
-    "kvzip",
+    *(n for n in SCORERS if get_policy(n).kind == "evict" and not is_bound(n)),
     "adakv-snapkv",
     "adakv-expected_attention",
     "pyramid-snapkv",
     "pyramid-expected_attention",
     "merge-streaming",
     "merge-snapkv",
-    "oracle",
+    BOUND,
 )
 LENGTHS = (256,)
 DEPTHS = (0.25, 0.75)

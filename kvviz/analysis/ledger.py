@@ -131,17 +131,10 @@ class Ledger:
                 "AdaKV declares a budget per layer (kv_heads x budget): heads trade slots, so per-head "
                 "counts differ while each layer's total matches"
             )
-        if (
-            s.evicts
-            and s.scorer == "chunkkv"
-            and s.chunk_rule == "chunks"
-            and t["kept_tokens"] < t["declared_tokens"]
-        ):
-            out.append(
-                f"ChunkKV keeps whole chunks of {s.chunk_size}, as many as kvpress's ChunkKVPress does at "
-                f"this budget: {t['kept_tokens']:.0f} of the {t['declared_tokens']:.0f} declared token slots "
-                "hold tokens; bytes count what is held"
-            )
+        if s.evicts and t["kept_tokens"] < t["declared_tokens"]:
+            why = get_policy(s.scorer).underfill_note(s, t["kept_tokens"], t["declared_tokens"])
+            if why:
+                out.append(why)
         return out
 
 

@@ -33,10 +33,11 @@ from kvviz.engine import keep_masks, trace_bytes
 from kvviz.limits import Part, Work, checkpoint
 from kvviz.policies import get_policy, select
 from kvviz.policies.recompress import is_due
+from kvviz.policies.registry import decides_while_decoding, featured
 from kvviz.spec import Spec, SpecError
 from kvviz.trace import Trace, TraceError
 
-TIMELINE_POLICIES = ("h2o", "tova", "streaming", "oracle")
+TIMELINE_POLICIES = featured(decides_while_decoding)
 DEFAULT_NEED = 0.02  # attention share that counts as "needed" at a step
 
 # Cell states of the steps x tokens map (figures colour by these).
@@ -212,7 +213,7 @@ def policy_masks(
         return window_masks(trace, layer, positions)[:, kv_head]
     s = spec.with_(scorer=name)
     policy = get_policy(name)
-    if policy.needs_query and (name != "oracle" or s.allocation != "uniform"):
+    if policy.needs_query and (not policy.uses_attention or s.allocation != "uniform"):
         # Quest's page reads, or an allocation across heads / layers: what the engine evaluates
         from kvviz.engine import kept_at_query
 
@@ -222,7 +223,7 @@ def policy_masks(
             kept[i, : p + 1] = kept_at_query(trace, s, layer, index[int(p)])[kv_head]
         return kept
     if policy.needs_query:
-        # the oracle: top-k of this very step's attention (summed over the group = the mean here)
+        # the bound (the oracle): top-k of this very step's attention (summed over the group = the mean here)
         kept = np.zeros((len(positions), trace.n_positions), dtype=bool)
         for i, p in enumerate(positions):
             kept[i, : p + 1] = select(attention[i, None, : p + 1], s)[0] if s.evicts else True

@@ -114,6 +114,13 @@ def sync_url() -> None:
     st.query_params.from_dict(link_params())
 
 
+def relink() -> None:
+    """Write the store into the address bar now, mid-run: for a section that chose a setting on the way (a
+    default the data decides, a clamp) before it draws, so that no chart reaches the browser ahead of the
+    link that describes it (the run's last `sync_url` would come after the chart)."""
+    st.query_params.from_dict(link_params())
+
+
 def _take(name: str, from_widget: Callable | None = None, scope=None) -> None:
     """A settings widget's on_change: its new value into the store before the script runs (so the
     run's first `sync_url` links to it). `scope`: what the raw value counts in (see `_bind`)."""
@@ -158,6 +165,7 @@ def clamp(name: str, lo=None, hi=None, label: str = ""):
             f"clamped to {number_text(c)}."
         )
         store[name] = v = c
+        relink()
     return v
 
 

@@ -20,7 +20,7 @@ from kvviz.analysis.sweep import split_budget
 from kvviz.app.charts import chart
 from kvviz.app.layout import PAGES
 from kvviz.app.params import PARAMS
-from kvviz.app.store import STORE, notice, state, w_choice
+from kvviz.app.store import STORE, notice, relink, state, w_choice
 from kvviz.plots.style import CHART_CONFIG, projector
 from kvviz.plots.study import frontier_figure
 from kvviz.spec import FULL_BITS, Spec
@@ -156,6 +156,7 @@ def frontier_section(path: Path, present: bool = False) -> None:
     if state()["st_metric"] not in metrics:
         state()["st_metric"] = next(iter(metrics))
         st.session_state.pop("st_metric", None)
+        relink()
     metric = w_choice(
         st,
         "st_metric",

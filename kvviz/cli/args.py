@@ -280,7 +280,7 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
 
 
 def scorer_from_args(a: argparse.Namespace) -> str:
-    """--scorer, else the --policy plug-in's name, else h2o; loads the --policy file once."""
+    """--scorer, else the --policy plug-in's name, else the default scorer; loads the --policy file once."""
     plugin = None
     if getattr(a, "policy", None):
         from kvviz.policies.registry import load_file
@@ -288,7 +288,7 @@ def scorer_from_args(a: argparse.Namespace) -> str:
         if getattr(a, "_plugin", None) is None:
             a._plugin = load_file(a.policy)
         plugin = a._plugin.name
-    return a.scorer or plugin or "h2o"
+    return a.scorer or plugin or SETTINGS["scorer"].default
 
 
 def spec_from_args(a: argparse.Namespace) -> Spec:

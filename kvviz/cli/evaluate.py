@@ -15,9 +15,13 @@ import sys
 from pathlib import Path
 
 from kvviz.cli.device import device_errors
+from kvviz.policies.registry import featured
 
 DEFAULT_PROMPT_TOKENS = 206
-DEFAULT_METHODS = "streaming,recent-only,h2o,tova,snapkv,knorm,oracle,kv-8bit,kv-4bit,kivi-2bit,2bit-per-token-keys"
+# the featured scorers (Policy.featured), the recent window alone, and the whole-cache quantizers
+DEFAULT_METHODS = ",".join(
+    (*featured(), "recent-only", "kv-8bit", "kv-4bit", "kivi-2bit", "2bit-per-token-keys")
+)
 DEFAULT_BUDGETS = "32,64,128"
 
 

@@ -56,12 +56,13 @@ for _name in SCORERS:
         SWEEP_METHODS["recent-only"] = partial(
             lambda s_, b: Spec(sink=0, recent=b, scorer=s_), _name
         )
-# allocations over heads / layers around the one-shot scorers they suit
+# allocations over heads / layers around the one-shot scorers they suit (Policy.allocated_in_sweeps)
 SWEEP_METHODS.update(
     {
         f"{al}-{name}": partial(lambda a_, s_, b: split_spec(s_, b).with_(allocation=a_), al, name)
         for al in ("adakv", "pyramid")
-        for name in ("snapkv", "expected_attention", "knorm", "oracle")
+        for name in SCORERS
+        if get_policy(name).allocated_in_sweeps
     }
 )
 # evicted values merged into the kept ones instead of dropped (kvviz.policies.merging), beside each plain scorer

@@ -6,6 +6,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from kvviz.analysis.study.frontier import METHOD_COLUMN, Frontier
+from kvviz.policies.registry import is_bound
 from kvviz.plots.style import (
     METHOD_COLORS,
     METHOD_LABELS,
@@ -66,7 +67,7 @@ def _study_lines(fig: go.Figure, fr: Frontier) -> None:
             error_y=dict(type="data", array=g["half"], visible=True, thickness=1.2, width=4),
             line=dict(
                 color=METHOD_COLORS.get(method, OKABE_ITO["grey"]),
-                width=1.5 if method == "oracle" else 2,  # the bound: thin
+                width=1.5 if is_bound(method) else 2,  # the bound: thin
                 dash=METHOD_DASH.get(method, "solid"),
             ),
             marker=point_marker(method, bits, fmt),

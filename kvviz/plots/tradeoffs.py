@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from kvviz.policies.registry import is_bound
 from kvviz.plots.style import (
     FORMAT_NAMES,
     METHOD_COLORS,
@@ -101,7 +102,7 @@ def _method_lines(fig: go.Figure, frame: pd.DataFrame, metric: str, label: str) 
             showlegend=method not in seen_methods,
             line=dict(
                 color=METHOD_COLORS.get(method, OKABE_ITO["grey"]),
-                width=1.5 if method == "oracle" else 2,  # the bound: thin
+                width=1.5 if is_bound(method) else 2,  # the bound: thin
                 dash=METHOD_DASH.get(method, "solid"),
             ),
             marker=point_marker(method, int(bits), fmt),

@@ -154,6 +154,14 @@ class Policy:
     reconstructs: bool = False
     # ranks by position alone (StreamingLLM): a sweep spends its budget on sinks and the recent window, no heavy part
     window_only: bool = False
+    # > 0: one of the few methods a comparison opens on (the Trade-offs methods, the needle test, the decode
+    # timeline, the eval sweep), in this rank; 0: offered everywhere, shown by default nowhere
+    featured: int = 0
+    # reads what no cache can know (the query being evaluated): the bound the real methods are measured
+    # against, drawn as a thin reference line and left out of Pareto frontiers (the oracle)
+    bound: bool = False
+    # the eval sweep also offers it under AdaKV's and PyramidKV's allocations (adakv-<name>, pyramid-<name>)
+    allocated_in_sweeps: bool = False
 
     def note(self, spec: Spec, trace: Trace | None = None) -> str | None:
         """What this scorer keeps and why, for the Explorer, where the sliders alone do not say it."""
@@ -163,6 +171,11 @@ class Policy:
         """Whether the scores change with the budget (SnapKV's automatic window follows the recent window):
         when they do not, kept sets grow with the budget and `solve` can bisect exactly."""
         return False
+
+    def underfill_note(self, spec: Spec, kept: float, declared: float) -> str | None:
+        """Why the cache holds fewer tokens (`kept`) than the budget declares, for the memory ledger; None
+        when this scorer has nothing to say."""
+        return None
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         """Importance of every position, shape (kv_heads, positions); higher = keep.

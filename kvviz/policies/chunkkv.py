@@ -119,6 +119,15 @@ class ChunkKV(Policy):
     def fills_budget(self, spec) -> bool:
         return spec.chunk_rule == "budget"
 
+    def underfill_note(self, spec, kept: float, declared: float) -> str | None:
+        if spec.chunk_rule != "chunks":
+            return None
+        return (
+            f"ChunkKV keeps whole chunks of {spec.chunk_size}, as many as kvpress's ChunkKVPress does at "
+            f"this budget: {kept:.0f} of the {declared:.0f} declared token slots hold tokens; bytes count "
+            "what is held"
+        )
+
     def score(self, ctx: ScoreContext) -> np.ndarray:
         from kvviz.policies.registry import get_policy
 

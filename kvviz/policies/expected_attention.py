@@ -113,6 +113,7 @@ class ExpectedAttention(Policy):
     name = "expected_attention"
     head_separable = True
     order = 80
+    allocated_in_sweeps = True
     title = "Expected Attention"
     menu = "Expected Attention (future queries' expected attention × ‖v‖)"
     colour = "#33BBEE"

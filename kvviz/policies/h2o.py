@@ -38,6 +38,7 @@ class H2O(Policy):
     name = "h2o"
     head_separable = True
     order = 10
+    featured = 2
     title = "H2O"
     menu = "H2O (accumulated attention)"
     colour = "#332288"

@@ -10,6 +10,7 @@ class KNorm(Policy):
     name = "knorm"
     head_separable = True
     order = 60
+    allocated_in_sweeps = True
     title = "K-norm"
     menu = "K-norm (smallest key norm)"
     colour = "#EECC66"

@@ -14,6 +14,9 @@ from kvviz.policies.base import Policy, ScoreContext
 class Oracle(Policy):
     name = "oracle"
     order = 50
+    featured = 5
+    bound = True
+    allocated_in_sweeps = True
     title = "Oracle (the bound)"
     short = "Oracle (bound)"
     menu = "Oracle (this query's attention, per KV head; the bound)"

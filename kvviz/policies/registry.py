@@ -62,6 +62,27 @@ SCORERS[:] = list(POLICIES)
 STREAMING_SCORERS[:] = [n for n, p in POLICIES.items() if p.streaming]
 
 
+def featured(keep=lambda policy: True) -> tuple[str, ...]:
+    """The built-in scorers a comparison opens on (`Policy.featured`), in their rank, those `keep` accepts."""
+    ranked = sorted((p.featured, n) for n, p in POLICIES.items() if p.featured and keep(p))
+    return tuple(n for _, n in ranked)
+
+
+def decides_while_decoding(policy: Policy) -> bool:
+    """Its kept set can change at every decode step (H2O, TOVA, StreamingLLM's window), or it is the bound
+    that re-selects at each step: what the decode timeline follows."""
+    return policy.streaming or policy.window_only or policy.bound
+
+
+def is_bound(name: str) -> bool:
+    """Whether `name` (a scorer, or any other method name a chart shows) is the bound, not a method."""
+    return name in POLICIES and POLICIES[name].bound
+
+
+# the reference bound's scorer name (the oracle)
+BOUND = next(n for n, p in POLICIES.items() if p.bound)
+
+
 def get_policy(name: str) -> Policy:
     if name not in POLICIES:
         load_entry_points()

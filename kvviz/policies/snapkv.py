@@ -84,6 +84,8 @@ class SnapKV(Policy):
     name = "snapkv"
     head_separable = True
     order = 30
+    featured = 4
+    allocated_in_sweeps = True
     title = "SnapKV"
     menu = "SnapKV (observation window vote)"
     colour = "#117733"

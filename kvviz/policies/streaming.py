@@ -10,6 +10,7 @@ class Streaming(Policy):
     head_separable = True
     window_only = True
     order = 40
+    featured = 1
     title = "StreamingLLM"
     menu = "StreamingLLM (position only)"
     colour = "#EE6677"

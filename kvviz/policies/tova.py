@@ -8,6 +8,7 @@ from kvviz.policies.base import Policy, ScoreContext
 class TOVA(Policy):
     name = "tova"
     order = 20
+    featured = 3
     title = "TOVA"
     menu = "TOVA (last query)"
     colour = "#E69F00"

@@ -10,6 +10,7 @@ from typing import Any
 
 
 from kvviz.analysis.needle.tasks import PRIMER, TASKS
+from kvviz.policies.registry import featured
 from kvviz.spec import FULL_BITS, SCORERS, Spec, SpecError
 
 FORMAT_VERSION = 1
@@ -26,7 +27,7 @@ FULL = "full"  # the uncompressed cache's name in `scorers`
 SCORER_NAMES = (FULL, *SCORERS)
 DEFAULT_LENGTHS = (320, 640, 1024)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-DEFAULT_SCORERS = (FULL, "streaming", "h2o", "tova", "snapkv", "oracle")
+DEFAULT_SCORERS = (FULL, *featured())
 DEFAULT_BUDGET = 0.25
 DEFAULT_NEW_TOKENS = 8
 DEFAULT_SEED = 0

@@ -7,6 +7,7 @@ import numpy as np
 from kvviz.analysis.needle.cell import NeedleCell
 from kvviz.analysis.needle.grid import NeedleGrid
 from kvviz.analysis.needle.prompt import FULL
+from kvviz.policies import POLICIES
 from kvviz.spec import FULL_BITS
 
 
@@ -90,9 +91,10 @@ def format_grid(grid: NeedleGrid) -> str:
 
 
 def classic_failure(grid: NeedleGrid) -> tuple[str, int, float] | None:
-    """The classic failure to show in one click: StreamingLLM (else any policy) wrong where the
-    full cache is right, the needle nearest the start, at the shortest such length."""
-    for scorer in ("streaming", *[s for s in grid.scorers if s not in ("streaming", FULL)]):
+    """The classic failure to show in one click: a window-only policy such as StreamingLLM (else any policy)
+    wrong where the full cache is right, the needle nearest the start, at the shortest such length."""
+    methods = [s for s in grid.scorers if s != FULL]
+    for scorer in sorted(methods, key=lambda s: not (s in POLICIES and POLICIES[s].window_only)):
         bad = [c for c in grid.cells if c.scorer == scorer and not c.correct and c.full_correct]
         if bad:
             c = min(bad, key=lambda c: (c.depth, c.length))

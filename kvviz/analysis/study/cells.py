@@ -138,8 +138,8 @@ def run_synthetic(source: dict, settings: dict) -> dict:
         layer=source["layer"], ensemble=source["ensemble"], ensemble_size=size[source["ensemble"]]
     )
     fmt, bits = settings["format"], settings["bits"]
-    # budget 1: the sweep's "full" point
-    scorer = settings["scorer"] if settings["scorer"] != FULL else "h2o"
+    # budget 1: the sweep's "full" point (any scorer: it keeps everything)
+    scorer = settings["scorer"] if settings["scorer"] != FULL else Spec().scorer
     # the grid's Spec-setting axes
     base = Spec(**{k: v for k, v in settings.items() if k in setting_axes()})
     rows = sweep(

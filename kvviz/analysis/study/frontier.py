@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from kvviz.analysis.sweep import pareto_front
+from kvviz.policies.registry import is_bound
 
 # per kind: the replicate columns (the error bars are over them), the series a line joins over
 # budgets, the x column, and the metrics (column -> (label, higher is better))
@@ -42,7 +43,6 @@ METRICS = {
     },
 }
 METHOD_COLUMN = {"synthetic": "scorer", "model": "method", "needle": "scorer"}
-BOUND = "oracle"
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def frontier(rows: pd.DataFrame, kind: str, metric: str | None = None) -> Fronti
     points = pd.DataFrame(groups)
     points["lo"], points["hi"] = points["mean"] - points["half"], points["mean"] + points["half"]
     sign = -1.0 if higher else 1.0
-    real = [i for i in range(len(points)) if points.loc[i, METHOD_COLUMN[kind]] != BOUND]
+    real = [i for i in range(len(points)) if not is_bound(points.loc[i, METHOD_COLUMN[kind]])]
     front = [
         real[j]
         for j in pareto_front([(points.loc[i, "x"], sign * points.loc[i, "mean"]) for i in real])
