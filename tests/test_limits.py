@@ -262,7 +262,7 @@ def test_a_timeline_states_its_masks_and_is_refused_past_the_limit(monkeypatch):
 
 def test_a_real_model_prefill_and_capture_state_their_size():
     from kvviz.models.config import prefill_work
-    from kvviz.sources.capture import capture_work
+    from kvviz.sources.request import capture_work
 
     dims = (30, 9, 3, 64)  # SmolLM2-135M
     assert prefill_work(dims, 4096).bytes == (

@@ -27,9 +27,9 @@ from kvviz.sources.capture import (  # noqa: E402
     check_attention,
     concentration,  # noqa: E402
     head_overview,
-    parse_layers,
     visible,
 )
+from kvviz.sources.request import parse_layers  # noqa: E402
 from kvviz.sources.tracefile import load_trace, save_trace  # noqa: E402
 from kvviz.trace import Trace, TraceError  # noqa: E402
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 from kvviz.cli.args import ProgressLine
 
-DEFAULT_MAX_TOKENS = 2048  # mirrors kvviz.sources.capture.DEFAULT_MAX_TOKENS (no torch import here)
+DEFAULT_MAX_TOKENS = 2048  # mirrors kvviz.sources.request.DEFAULT_MAX_TOKENS (no torch import here)
 MAX_CAPTURE_TOKENS = 131072
 
 
 def register(subparsers) -> None:
     from kvviz.cli.args import integer
-    from kvviz.sources.capture import MAX_NEW_TOKENS
+    from kvviz.sources.request import MAX_NEW_TOKENS
 
     p = subparsers.add_parser(
         "capture",

@@ -1,8 +1,8 @@
 """Where attention comes from: the handbook example, a synthetic pattern, trace files, and captures
 of a real model (`capture`). Each produces a `Trace`.
 
-May import: the core (trace, spec, attention); `capture` also `kvviz.models` and, inside functions,
-torch and transformers.
+May import: the core (trace, spec, attention); `capture` (and its recorder and request) also
+`kvviz.models`, and capture and recorder, inside functions, torch and transformers.
 """
 
 from __future__ import annotations
