@@ -20,7 +20,8 @@ from kvviz.models import load_model  # noqa: E402
 from kvviz.sources.capture import capture  # noqa: E402
 from kvviz.sources.lazy import LayerStack  # noqa: E402
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic  # noqa: E402
-from kvviz.sources.tracefile import load_trace, save_trace, trace_from_bytes, trace_info  # noqa: E402
+from kvviz.sources.tracefile import load_trace, save_trace, trace_from_bytes  # noqa: E402
+from kvviz.sources.traceheader import trace_info  # noqa: E402
 from kvviz.sources.tracewriter import TraceWriter  # noqa: E402
 from kvviz.trace import Trace, TraceError, trace_with  # noqa: E402
 

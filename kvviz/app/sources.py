@@ -29,7 +29,8 @@ from kvviz.app.compute import warm_up as compute_warm_up
 from kvviz.app.store import w_check, w_choice, w_number, w_slider
 from kvviz.models import BUNDLED, BUNDLED_NAME, ModelError, bundled_model_file
 from kvviz.app.tracefiles import _describe, _load_cached, _notes, cache_dir
-from kvviz.sources.tracefile import VERSION, save_trace
+from kvviz.sources.tracefile import save_trace
+from kvviz.sources.tracewriter import VERSION
 from kvviz.trace import Trace, TraceError
 
 QUIET_BEFORE_MODEL_S = 3.0  # the bundled model's warm-up waits for this long without a page run

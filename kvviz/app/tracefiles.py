@@ -16,7 +16,8 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvviz.sources.tracefile import FORMAT, load_trace, trace_from_bytes
+from kvviz.sources.tracefile import load_trace, trace_from_bytes
+from kvviz.sources.tracewriter import FORMAT
 from kvviz.trace import Trace, TraceError
 
 MAX_UPLOAD_MB = 500

@@ -22,7 +22,7 @@ def register(sub) -> None:
 
 
 def cmd_info(a: argparse.Namespace) -> int:
-    from kvviz.sources.tracefile import trace_info
+    from kvviz.sources.traceheader import trace_info
 
     info = trace_info(a.file)
     if a.json:

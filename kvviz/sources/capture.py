@@ -151,7 +151,8 @@ def _capture_to_file(
     more_meta: Callable[[list[int]], dict] | None = None,
 ) -> Trace:
     """capture(out=...): rows go to a TraceWriter as they arrive; the file appears at `out` only when complete."""
-    from kvviz.sources.tracefile import header_fields, load_trace
+    from kvviz.sources.traceheader import header_fields
+    from kvviz.sources.tracefile import load_trace
     from kvviz.sources.tracewriter import TraceWriter
 
     _, Hq, Hkv, D = model_dims(model)
