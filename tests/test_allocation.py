@@ -184,26 +184,12 @@ def test_pyramid_rounding_is_kvpress_rounding_where_that_sums_exactly():
 
 
 def test_ledger_on_the_cli(capsys):
+    from cli_util import WINDOW_4_8_8
+
     from kvviz.cli import main
 
     assert (
-        main(
-            [
-                "ledger",
-                "--sink",
-                "4",
-                "--recent",
-                "8",
-                "--heavy",
-                "8",
-                "--scorer",
-                "snapkv",
-                "--allocation",
-                "adakv",
-                "--csv",
-            ]
-        )
-        == 0
+        main(["ledger", *WINDOW_4_8_8, "--scorer", "snapkv", "--allocation", "adakv", "--csv"]) == 0
     )
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     from kvviz.sources.handbook import handbook_trace
@@ -217,7 +203,7 @@ def test_ledger_on_the_cli(capsys):
         "read_bytes",
     ):  # every row is the core's ledger row
         assert [float(r[column]) for r in rows] == [float(v) for v in ledger.column(column)], column
-    assert main(["ledger", "--sink", "4", "--recent", "8", "--heavy", "8", "--bits", "4"]) == 0
+    assert main(["ledger", *WINDOW_4_8_8, "--bits", "4"]) == 0
     assert "scale / zero-point overhead" in capsys.readouterr().out
 
 

@@ -11,6 +11,8 @@ from kvviz import Spec, View, compare
 from kvviz.cli import main
 from kvviz.sources import handbook_trace, save_trace
 
+from cli_util import SYNTHETIC_64, run_cli, run_or_exit
+
 KEYS = (
     "mass_retained",
     "tv_distance",
@@ -26,14 +28,8 @@ KEYS = (
 )
 
 
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_compare_json_matches_engine(capsys):
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys, "compare", "--sink", "4", "--recent", "8", "--heavy", "2", "--bits", "4", "--json"
     )
     assert code == 0
@@ -65,13 +61,10 @@ def test_compare_json_matches_engine(capsys):
 
 
 def test_compare_table_and_synthetic_ensemble(capsys):
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys,
         "compare",
-        "--source",
-        "synthetic",
-        "--context",
-        "64",
+        *SYNTHETIC_64,
         "--steps",
         "4",
         "--heavy",
@@ -88,7 +81,7 @@ def test_compare_table_and_synthetic_ensemble(capsys):
 
 def test_compare_trace_file(capsys, tmp_path):
     path = save_trace(handbook_trace(), tmp_path / "h.safetensors")
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys,
         "compare",
         "--source",
@@ -121,15 +114,6 @@ def test_compare_trace_file(capsys, tmp_path):
     assert 0 < data["metrics"]["output_cosine"] < 1  # noise moved the output
 
 
-def run_or_exit(capsys, *argv):
-    """(exit status, stderr) whether the parser exits (SystemExit) or main returns."""
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
-
-
 @pytest.mark.parametrize(
     "argv, words",
     [
@@ -148,13 +132,10 @@ def test_bad_arguments_one_line(capsys, argv, words):
 
 def test_sweep_csv(capsys, tmp_path):
     out_file = tmp_path / "s.csv"
-    code, _, _ = run(
+    code, _, _ = run_cli(
         capsys,
         "sweep",
-        "--source",
-        "synthetic",
-        "--context",
-        "64",
+        *SYNTHETIC_64,
         "--steps",
         "4",
         "--scorers",

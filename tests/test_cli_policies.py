@@ -4,45 +4,29 @@ import json
 
 import pytest
 
-from kvviz.cli import main
+from cli_util import SYNTHETIC_64, WINDOW_4_8_8, run_cli, run_or_exit
 
-
-def run(capsys, *argv):
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
+# three layers under expected attention with a pyramid allocation of beta 4
+PYRAMID = (
+    "compare",
+    *SYNTHETIC_64,
+    "--steps",
+    "2",
+    "--layers",
+    "3",
+    *WINDOW_4_8_8,
+    "--scorer",
+    "expected_attention",
+    "--allocation",
+    "pyramid",
+    "--pyramid-beta",
+    "4",
+)
 
 
 def test_allocation_and_scorer_flags_reach_the_spec(capsys):
-    code, out, _ = run(
-        capsys,
-        "compare",
-        "--source",
-        "synthetic",
-        "--context",
-        "64",
-        "--steps",
-        "2",
-        "--layers",
-        "3",
-        "--sink",
-        "4",
-        "--recent",
-        "8",
-        "--heavy",
-        "8",
-        "--scorer",
-        "expected_attention",
-        "--allocation",
-        "pyramid",
-        "--pyramid-beta",
-        "4",
-        "--ea-horizon",
-        "32",
-        "--ea-no-covariance",
-        "--layer",
-        "2",
-        "--json",
+    code, out, _ = run_cli(
+        capsys, *PYRAMID, "--ea-horizon", "32", "--ea-no-covariance", "--layer", "2", "--json"
     )
     assert code == 0
     d = json.loads(out)
@@ -57,93 +41,30 @@ def test_allocation_and_scorer_flags_reach_the_spec(capsys):
 
     assert pyramid_totals(20, 12, 64, 3, 4.0) is None  # kvpress: min 20.5 / 4 < the window
     assert sum(d["kept"]) == 20  # so every layer keeps the uniform budget
-    code, out, _ = run(
-        capsys,
-        "compare",
-        "--source",
-        "synthetic",
-        "--context",
-        "64",
-        "--steps",
-        "2",
-        "--layers",
-        "3",
-        "--sink",
-        "4",
-        "--recent",
-        "8",
-        "--heavy",
-        "8",
-        "--scorer",
-        "expected_attention",
-        "--allocation",
-        "pyramid",
-        "--pyramid-beta",
-        "4",
-        "--pyramid-schedule",
-        "heavy",
-        "--layer",
-        "2",
-        "--json",
+    code, out, _ = run_cli(
+        capsys, *PYRAMID, "--pyramid-schedule", "heavy", "--layer", "2", "--json"
     )
     assert code == 0 and json.loads(out)["spec"]["pyramid_schedule"] == "heavy"
     assert (
         sum(json.loads(out)["kept"]) == 4 + 8 + pyramid_budgets(8, 3, 4.0)[2]
     )  # the top layer's budget
-    code, out, _ = run(
-        capsys,
-        "compare",
-        "--scorer",
-        "chunkkv",
-        "--chunk-size",
-        "4",
-        "--chunk-scorer",
-        "keydiff",
-        "--sink",
-        "4",
-        "--recent",
-        "8",
-        "--heavy",
-        "8",
-        "--json",
-    )
+    chunks = ("--scorer", "chunkkv", "--chunk-size", "4", "--chunk-scorer", "keydiff")
+    code, out, _ = run_cli(capsys, "compare", *chunks, *WINDOW_4_8_8, "--json")
     assert code == 0 and json.loads(out)["spec"]["chunk_size"] == 4
-    code, out, _ = run(
-        capsys,
-        "compare",
-        "--scorer",
-        "quest",
-        "--page-size",
-        "8",
-        "--sink",
-        "0",
-        "--recent",
-        "8",
-        "--heavy",
-        "16",
+    quest = ("--scorer", "quest", "--page-size", "8")
+    code, out, _ = run_cli(
+        capsys, "compare", *quest, "--sink", "0", "--recent", "8", "--heavy", "16"
     )
     assert code == 0 and "saves memory read, not memory stored" in out
-    code, out, _ = run(
+    adakv = ("--scorer", "snapkv", "--allocation", "adakv", "--adakv-alpha", "0.5")
+    code, out, _ = run_cli(
         capsys,
         "compare",
-        "--source",
-        "synthetic",
-        "--context",
-        "64",
+        *SYNTHETIC_64,
         "--steps",
         "2",
-        "--scorer",
-        "snapkv",
-        "--allocation",
-        "adakv",
-        "--adakv-alpha",
-        "0.5",
-        "--sink",
-        "4",
-        "--recent",
-        "8",
-        "--heavy",
-        "8",
+        *adakv,
+        *WINDOW_4_8_8,
         "--ensemble",
         "heads",
         "--json",
@@ -165,9 +86,8 @@ def test_allocation_and_scorer_flags_reach_the_spec(capsys):
     ],
 )
 def test_bad_values_are_one_line(capsys, argv, message):
-    try:  # a range the parser checks exits through argparse; the spec's own checks return 2
-        code = main(["compare", "--sink", "4", "--recent", "8", "--heavy", "4", *argv])
-    except SystemExit as exc:
-        code = exc.code
-    err = capsys.readouterr().err
+    # a range the parser checks exits through argparse; the spec's own checks return 2
+    code, err = run_or_exit(
+        capsys, "compare", "--sink", "4", "--recent", "8", "--heavy", "4", *argv
+    )
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1

@@ -365,20 +365,11 @@ def test_fp8_beats_fp4_beats_2bit_per_token_on_attention():
 def test_cli_formats(capsys):
     import json
 
+    from cli_util import SYNTHETIC_64
+
     from kvviz.cli import main
 
-    base = [
-        "compare",
-        "--source",
-        "synthetic",
-        "--context",
-        "64",
-        "--steps",
-        "2",
-        "--layers",
-        "1",
-        "--json",
-    ]
+    base = ["compare", *SYNTHETIC_64, "--steps", "2", "--layers", "1", "--json"]
     assert (
         main(
             base

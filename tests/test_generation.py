@@ -24,10 +24,13 @@ from kvviz.spec import Spec  # noqa: E402
 from kvviz import decode as gen  # noqa: E402
 from kvviz.decode.cache import CompressedCache  # noqa: E402
 from kvviz.decode.loop import decode, masked_reference_logits, plain_decode  # noqa: E402
-from kvviz.decode.quality import evaluate, first_divergence, reference, side_by_side  # noqa: E402
+from kvviz.decode.quality import evaluate, reference  # noqa: E402
+from kvviz.decode.sidebyside import first_divergence, side_by_side  # noqa: E402
 from kvviz.policies import ScoreContext, get_policy  # noqa: E402
 from kvviz.quant import quantize  # noqa: E402
 from kvviz.spec import SpecError  # noqa: E402
+
+from cli_util import run_cli  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SAMPLE = gen.SAMPLE_TEXT_FILE
@@ -315,14 +318,6 @@ def test_other_threads_sharing_the_model_get_the_plain_model(tiny):
 # --- the command line ------------------------------------------------------------------------
 
 
-def _cli(capsys, *argv):
-    from kvviz.cli import main
-
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -345,7 +340,7 @@ def test_cli_errors_are_one_line_before_any_model_loads(capsys, monkeypatch, arg
 
     monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     try:  # ranges the parser checks exit through argparse, the rest return 2
-        code, out, err = _cli(capsys, *argv, "--quiet")
+        code, out, err = run_cli(capsys, *argv, "--quiet")
     except SystemExit as exc:
         (out, err), code = capsys.readouterr(), exc.code
     assert code == 2 and out == ""
@@ -360,7 +355,7 @@ def test_cli_eval_json_and_sweep_csv(bundled, capsys, monkeypatch, tmp_path):
 
     model, tokenizer, _ = bundled
     monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: (model, tokenizer, None))
-    code, out, _ = _cli(
+    code, out, _ = run_cli(
         capsys,
         "eval",
         "--model",
@@ -406,7 +401,7 @@ def test_cli_eval_json_and_sweep_csv(bundled, capsys, monkeypatch, tmp_path):
     assert d["compression_ratio"] == pytest.approx(75 / 20 * 16 / ((16 + 5.0) / 2), rel=1e-6)
     assert set(d["greedy"]) == {"full", "compressed", "first_divergence"}
     csv_path = tmp_path / "sweep.csv"
-    code, _, err = _cli(
+    code, _, err = run_cli(
         capsys,
         "eval-sweep",
         "--text-file",

@@ -43,6 +43,8 @@ from kvviz.plots.lesson import FIELDS, export_lesson, page_data, point_texts
 from kvviz.sources import SyntheticSpec, handbook_trace, make_synthetic, save_trace
 from kvviz.spec import SpecError
 
+from cli_util import run_cli
+
 SMALL_GRID = {"sink": (0, 4), "recent": (0, 8), "heavy": (0, 2, 8), "bits": (2, 4, 16)}
 
 
@@ -332,12 +334,6 @@ def test_one_lesson_is_always_the_same_bytes(handbook_page):
 # --- the command ------------------------------------------------------------------------------------
 
 
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def small_grid_args():
     return [
         arg
@@ -349,7 +345,7 @@ def small_grid_args():
 def test_export_from_a_link(capsys, tmp_path):
     out = tmp_path / "lesson.html"
     link = "http://hall:8501/?sink=0&recent=8&heavy=8&bits=2&scorer=tova&ensemble=none"
-    code, _, err = run(
+    code, _, err = run_cli(
         capsys,
         "lesson",
         "export",
@@ -396,7 +392,7 @@ def test_export_a_real_models_trace(capsys, tmp_path):
     )
     path = save_trace(trace, tmp_path / "t.safetensors")
     out = tmp_path / "real.html"
-    code, _, err = run(
+    code, _, err = run_cli(
         capsys,
         "lesson",
         "export",
@@ -444,7 +440,7 @@ def test_export_a_real_models_trace(capsys, tmp_path):
 
 def test_cli_compare_and_the_lesson_agree_on_the_handbooks_seeds(capsys):
     """`kvviz compare` draws the handbook's other seeds as the app and the lesson do."""
-    code, out, _ = run(
+    code, out, _ = run_cli(
         capsys,
         "compare",
         "--sink",
@@ -494,7 +490,7 @@ def test_cli_compare_and_the_lesson_agree_on_the_handbooks_seeds(capsys):
 )
 def test_bad_exports_say_why_in_one_line_and_write_nothing(capsys, tmp_path, argv, words):
     out = tmp_path / "never.html"
-    code, _, err = run(capsys, "lesson", "export", "--out", str(out), "--quiet", *argv)
+    code, _, err = run_cli(capsys, "lesson", "export", "--out", str(out), "--quiet", *argv)
     assert (
         code == 2 and words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     )
@@ -502,9 +498,9 @@ def test_bad_exports_say_why_in_one_line_and_write_nothing(capsys, tmp_path, arg
 
 
 def test_export_refuses_a_wrong_target(capsys, tmp_path):
-    code, _, err = run(capsys, "lesson", "export", "--out", str(tmp_path / "x.txt"))
+    code, _, err = run_cli(capsys, "lesson", "export", "--out", str(tmp_path / "x.txt"))
     assert code == 2 and "must end in .html" in err
-    code, _, err = run(capsys, "lesson", "export", "--out", str(tmp_path / "no" / "x.html"))
+    code, _, err = run_cli(capsys, "lesson", "export", "--out", str(tmp_path / "no" / "x.html"))
     assert code == 2 and "does not exist" in err
     with pytest.raises(SystemExit):
         main(

@@ -19,7 +19,6 @@ transformers = pytest.importorskip("transformers")
 
 from kvviz import Spec, View, compare  # noqa: E402
 from kvviz.attention import logit_row, softmax  # noqa: E402
-from kvviz.cli import main  # noqa: E402
 from kvviz.models import ModelError, bundled_model_file, load_model  # noqa: E402
 from kvviz.sources.capture import (  # noqa: E402
     CaptureError,
@@ -32,6 +31,8 @@ from kvviz.sources.capture import (  # noqa: E402
 from kvviz.sources.request import parse_layers  # noqa: E402
 from kvviz.sources.tracefile import load_trace, save_trace  # noqa: E402
 from kvviz.trace import Trace, TraceError  # noqa: E402
+
+from cli_util import run_cli  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -55,12 +56,6 @@ ENGLISH = (
     "they were written by someone who had watched it change slowly, season after season, for "
     "most of his life."
 )
-
-
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # --- the tiny random Llama ---------------------------------------------------------------
@@ -343,7 +338,7 @@ def test_cli_capture_then_compare(tiny_dir, tmp_path, capsys):
     out = tmp_path / "cli.safetensors"
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(TINY_TEXT, encoding="utf-8")
-    code, _, err = run(
+    code, _, err = run_cli(
         capsys,
         "capture",
         "--model",
@@ -361,7 +356,7 @@ def test_cli_capture_then_compare(tiny_dir, tmp_path, capsys):
     assert "loading" in err and "[100%] captured" in err and "wrote" in err
     t = load_trace(out)
     assert t.n_layers == 2 and t.meta["new_tokens"] + t.context_len == t.n_positions
-    code, table, err = run(
+    code, table, err = run_cli(
         capsys, "compare", "--source", out, "--sink", "2", "--recent", "4", "--layer", "1"
     )
     assert code == 0, err
@@ -370,7 +365,7 @@ def test_cli_capture_then_compare(tiny_dir, tmp_path, capsys):
 
 def test_cli_capture_with_kvzips_pass_then_compare_with_kvzip(tiny_dir, tmp_path, capsys):
     out = tmp_path / "kvzip.safetensors"
-    code, _, err = run(
+    code, _, err = run_cli(
         capsys,
         "capture",
         "--model",
@@ -385,7 +380,7 @@ def test_cli_capture_with_kvzips_pass_then_compare_with_kvzip(tiny_dir, tmp_path
         out,
     )
     assert code == 0, err
-    code, table, err = run(
+    code, table, err = run_cli(
         capsys,
         "compare",
         "--source",
@@ -416,7 +411,7 @@ def test_cli_capture_with_kvzips_pass_then_compare_with_kvzip(tiny_dir, tmp_path
 )
 def test_cli_capture_errors_are_one_line(argv, message, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    code, _, err = run(capsys, "capture", *argv, "--quiet", "--out", tmp_path / "x.safetensors")
+    code, _, err = run_cli(capsys, "capture", *argv, "--quiet", "--out", tmp_path / "x.safetensors")
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and message in lines[-1] and lines[-1].startswith("kvviz: error:")
     assert "Traceback" not in err
@@ -427,12 +422,12 @@ def test_cli_compare_on_a_corrupt_trace_file(tmp_path, capsys):
     bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + bytes(64))
     with pytest.raises(TraceError):
         load_trace(bad)
-    code, _, err = run(capsys, "compare", "--source", bad)
+    code, _, err = run_cli(capsys, "compare", "--source", bad)
     assert code == 2 and err.startswith("kvviz: error:") and "Traceback" not in err
 
 
 def test_cli_models_lists_the_bundled_model(capsys):
-    code, out, _ = run(capsys, "models")
+    code, out, _ = run_cli(capsys, "models")
     assert code == 0
     line = next(line for line in out.splitlines() if line.startswith("bundled"))
     assert ("available" in line) == (bundled_model_file() is not None)

@@ -18,6 +18,8 @@ import pytest
 from kvviz.analysis import needle
 from kvviz.spec import Spec, SpecError
 
+from cli_util import run_cli
+
 LENGTH, DEPTH, BUDGET = 320, 0.1, 0.25
 POLICIES = ("streaming", "h2o", "tova", "snapkv", "oracle")
 
@@ -238,14 +240,6 @@ def test_results_are_identical_from_the_cache_and_fresh(runs):
 # --- the command line ----------------------------------------------------------------------
 
 
-def _cli(capsys, *argv):
-    from kvviz.cli import main
-
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -268,7 +262,7 @@ def test_cli_errors_are_one_line_before_any_model_loads(capsys, monkeypatch, arg
 
     monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     try:  # ranges the parser checks exit through argparse, the rest return 2
-        code, out, err = _cli(capsys, "needle", *argv, "--quiet")
+        code, out, err = run_cli(capsys, "needle", *argv, "--quiet")
     except SystemExit as exc:
         (out, err), code = capsys.readouterr(), exc.code
     assert code == 2 and out == ""
@@ -277,7 +271,7 @@ def test_cli_errors_are_one_line_before_any_model_loads(capsys, monkeypatch, arg
 
 def test_cli_json_and_out_are_exclusive(capsys):
     with pytest.raises(SystemExit) as exc:
-        _cli(capsys, "needle", "--json", "--out", "x.csv")
+        run_cli(capsys, "needle", "--json", "--out", "x.csv")
     assert exc.value.code == 2
 
 
@@ -287,7 +281,7 @@ def test_cli_lengths_past_the_model_positions(bundled, capsys, monkeypatch):
 
     model, tokenizer = bundled
     monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: (model, tokenizer, None))
-    code, out, err = _cli(capsys, "needle", "--lengths", "320,9000", "--quiet")
+    code, out, err = run_cli(capsys, "needle", "--lengths", "320,9000", "--quiet")
     assert code == 2 and out == ""
     assert "past the model's 8192 positions; use lengths up to 8184" in err and err.count("\n") == 1
 
@@ -319,7 +313,7 @@ def test_cli_json_csv_and_progress_from_the_cache(
         "--budget",
         BUDGET,
     ]
-    code, out, err = _cli(capsys, *args, "--json")
+    code, out, err = run_cli(capsys, *args, "--json")
     assert code == 0
     cells = json.loads(out)["cells"]
     assert cells == [c.as_dict() for c in fresh.cells]  # the same numbers, from the cache
@@ -339,7 +333,7 @@ def test_cli_json_csv_and_progress_from_the_cache(
     assert [c["scorer"] for c in cells] == ["full", *POLICIES]
     assert cells[0]["budget"] == 1.0 and all(c["budget"] == BUDGET for c in cells[1:])
     assert "6 cells: 0 computed, 6 from the cache" in err and "[" in err  # the progress line
-    code, out, err = _cli(capsys, *args, "--out", tmp_path / "needle.csv", "--quiet")
+    code, out, err = run_cli(capsys, *args, "--out", tmp_path / "needle.csv", "--quiet")
     rows = list(csv.DictReader(open(tmp_path / "needle.csv")))
     assert (
         code == 0
@@ -348,7 +342,7 @@ def test_cli_json_csv_and_progress_from_the_cache(
         and rows[1]["needle_kept"] == "0"
     )
     assert rows[0]["correct"] == "True"
-    code, out, err = _cli(capsys, *args, "--quiet")
+    code, out, err = run_cli(capsys, *args, "--quiet")
     assert code == 0 and "streaming 0.25" in out and "correct 1/1" in out
 
 

@@ -17,6 +17,8 @@ from kvviz.cli import main
 from kvviz.policies import POLICIES, ScoreContext, get_policy
 from kvviz.spec import PLUGIN_SCORERS
 
+from cli_util import SYNTHETIC_64
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "tests" / "plugin_example"
 PLUGIN_FILE = EXAMPLE / "kvviz_example_plugin" / "__init__.py"
@@ -121,10 +123,7 @@ def test_plugin_through_compare_and_sweep_on_the_cli(installed, capsys):
         main(
             [
                 "sweep",
-                "--source",
-                "synthetic",
-                "--context",
-                "64",
+                *SYNTHETIC_64,
                 "--steps",
                 "4",
                 "--scorers",
