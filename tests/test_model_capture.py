@@ -667,13 +667,13 @@ def test_hub_id_without_network_fails_fast(monkeypatch):
     """Even when the environment does not say offline, a dead hub must not mean 25 s of retries."""
     import time
 
-    from kvviz.models import load as models
+    from kvviz.models import names
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on port 9
     t0 = time.perf_counter()
-    assert models._hub_reachable(timeout=2.0) is False
+    assert names._hub_reachable(timeout=2.0) is False
     with pytest.raises(ModelError, match="no network and not in the local cache"):
         load_model("someone/not-a-cached-model")
     assert time.perf_counter() - t0 < 15

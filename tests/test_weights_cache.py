@@ -14,7 +14,8 @@ pytest.importorskip("transformers")
 
 from kvviz.models import load as models  # noqa: E402
 from kvviz.models import weights  # noqa: E402
-from kvviz.models.load import bundled_model_file, load_estimate, load_model  # noqa: E402
+from kvviz.models.load import load_estimate, load_model  # noqa: E402
+from kvviz.models.names import bundled_model_file  # noqa: E402
 from kvviz.models.weights import META_FILE, WEIGHTS_FILE, cached_weights_valid, weights_cache_folder  # noqa: E402
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]

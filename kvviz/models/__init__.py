@@ -4,20 +4,16 @@ May import: nothing else of kvviz. torch and transformers only inside functions,
 naming a model (or failing to) costs nothing until one is loaded.
 """
 
-from kvviz.models.load import (
+from kvviz.models.load import DTYPES, ModelInfo, load_estimate, load_model, model_info
+from kvviz.models.names import (
     BUNDLED,
     BUNDLED_FILE,
     BUNDLED_NAME,
     BUNDLED_PACKAGE,
-    DTYPES,
     Available,
     ModelError,
-    ModelInfo,
     available_models,
     bundled_model_file,
-    load_estimate,
-    load_model,
-    model_info,
     resolve,
 )
 from kvviz.models.weights import (
