@@ -65,42 +65,10 @@ ENGLISH = (
 def tiny_dir(tmp_path_factory):
     """A 2-layer Llama (4 query heads, 2 KV heads, head_dim 16) with a byte-level BPE
     tokenizer trained on the spot, saved like any hub model folder."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tiny_llama_folder import save_tiny_llama
 
-    d = tmp_path_factory.mktemp("tiny-llama")
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(
-        [TINY_TEXT] * 3,
-        trainers.BpeTrainer(
-            vocab_size=320,
-            special_tokens=["<s>", "</s>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        ),
-    )
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
-    tok.save_pretrained(d)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # larger q/k weights: peaked attention, so a wrong row would show
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8)
-            layer.self_attn.k_proj.weight.mul_(8)
-    model.save_pretrained(d)
-    return d
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    return save_tiny_llama(folder, TINY_TEXT, vocab_size=320, layers=2, seed=0)
 
 
 @pytest.fixture(scope="module")
