@@ -188,7 +188,8 @@ def test_chunkkv_filling_the_budget_compresses_again(trace):
 
 def test_link_flag_and_study_axis(tmp_path, capsys):
     from kvviz import links
-    from kvviz.analysis.study import StudyDir, parse_study, run_study
+    from study_util import one_layer_study, study_rows
+
     from kvviz.cli import main
 
     values, notes = links.parse_query("scorer=snapkv&sink=2&recent=8&heavy=8&compress_every=16")
@@ -196,24 +197,15 @@ def test_link_flag_and_study_axis(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["compare", "--help"])
     assert "--compress-every" in capsys.readouterr().out
-    study = parse_study("""
-        name = "every"
-        [source]
-        kind = "synthetic"
-        context = 64
-        steps = 24
-        layers = 1
-        q_heads = 2
-        kv_heads = 1
-        head_dim = 64
-        seeds = [0]
-        [grid]
-        scorers = ["knorm"]
+    study = one_layer_study(
+        "every",
+        context=64,
+        steps=24,
+        grid="""scorers = ["knorm"]
         budgets = [0.2]
-        compress_every = [0, 8]
-    """)
-    run_study(study, tmp_path / "s")
-    rows = StudyDir(tmp_path / "s").rows().sort_values("compress_every")
+        compress_every = [0, 8]""",
+    )
+    rows = study_rows(study, tmp_path / "s").sort_values("compress_every")
     assert rows["compress_every"].tolist() == [0, 8]
     assert rows["mass_retained"].nunique() == 2  # the axis reached the cache
 

@@ -192,29 +192,20 @@ def test_new_options_are_link_parameters_and_flags():
 
 
 def test_formats_and_static_scales_are_study_axes(tmp_path):
-    from kvviz.analysis.study import StudyDir, parse_study, run_study
+    from study_util import one_layer_study, study_rows
 
-    study = parse_study("""
-        name = "engines"
-        [source]
-        kind = "synthetic"
-        context = 64
-        steps = 0
-        layers = 1
-        q_heads = 2
-        kv_heads = 1
-        head_dim = 64
-        seeds = [0]
-        [grid]
-        scorers = ["h2o"]
+    study = one_layer_study(
+        "engines",
+        context=64,
+        steps=0,
+        grid="""scorers = ["h2o"]
         budgets = [1.0]
         bits = []
         formats = ["q8_0", "q4_0", "e4m3"]
         fp8_scale = ["static"]
-        fp8_calibrate = [false, true]
-    """)
-    run_study(study, tmp_path / "s")
-    rows = StudyDir(tmp_path / "s").rows()
+        fp8_calibrate = [false, true]""",
+    )
+    rows = study_rows(study, tmp_path / "s")
     assert len(rows) == 6 and set(rows["format"]) == {"q8_0", "q4_0", "e4m3"}
     assert set(rows["fp8_calibrate"]) == {False, True}
     err = rows.groupby(["format", "fp8_calibrate"])["output_error"].mean()

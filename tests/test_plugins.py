@@ -221,23 +221,11 @@ def test_plugin_in_the_app(installed):
 
 def test_plugin_in_the_decode_path(installed):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import tiny_llama
 
     from kvviz.decode.loop import decode
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        attn_implementation="eager",
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    model, ids = tiny_llama()  # 2 layers, eager attention, token ids drawn from a fixed seed
     spec = Spec(sink=2, recent=4, heavy=6, scorer="last8")
     logits, _, cache = decode(model, ids[:24], spec, 8, feed=ids[24:32], record=True)
     assert torch.isfinite(logits).all()

@@ -150,26 +150,19 @@ def test_the_setting_gets_a_widget_in_the_app(pivot):
 
 
 def test_the_setting_is_a_study_axis(pivot, tmp_path):
-    from kvviz.analysis.study import StudyDir, parse_study, run_study
+    from study_util import one_layer_study, study_rows
 
-    study = parse_study("""
-        name = "pivots"
-        [source]
-        kind = "synthetic"
-        context = 96
-        steps = 0
-        layers = 1
-        q_heads = 2
-        kv_heads = 1
-        head_dim = 64
-        seeds = [0]
-        [grid]
-        scorers = ["pivot"]
+    from kvviz.analysis.study import parse_study
+
+    study = one_layer_study(
+        "pivots",
+        context=96,
+        steps=0,
+        grid="""scorers = ["pivot"]
         budgets = [0.1]
-        pivot_at = [10, 40]
-    """)
-    run_study(study, tmp_path / "s")
-    rows = StudyDir(tmp_path / "s").rows().sort_values("pivot_at")
+        pivot_at = [10, 40]""",
+    )
+    rows = study_rows(study, tmp_path / "s").sort_values("pivot_at")
     assert rows["pivot_at"].tolist() == [10, 40]
     assert rows["mass_retained"].nunique() == 2  # the axis reached the scorer
     with pytest.raises(SpecError, match="pivot_at"):
