@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvviz.sources.synthetic import MAX_CONTEXT, MAX_STEPS
 from kvviz.settings import SETTINGS, Setting
-from kvviz.spec import ENSEMBLES, FULL_BITS, MAX_ENSEMBLE, SCORERS, Spec
+from kvviz.spec import ENSEMBLES, FULL_BITS, MAX_ENSEMBLE, SCORERS, Spec, View
 from kvviz.trace import TraceError
 
 MAX_TOKENS = 1_000_000  # token counts and budgets (the work budget bounds their products)
@@ -130,47 +130,29 @@ _nonneg = integer(0, MAX_TOKENS)
 MAX_LAYERS, MAX_HEADS, MAX_HEAD_DIM = 128, 256, 1024
 
 
+# the synthetic source's sizes: flag, smallest, largest, default, what it counts
+_SYNTHETIC_SIZES = (
+    ("--context", 8, MAX_CONTEXT, 512, "context tokens"),
+    ("--steps", 0, MAX_STEPS, 32, "later query steps"),
+    ("--layers", 1, MAX_LAYERS, 2, "layers"),
+    ("--heads", 1, MAX_HEADS, 4, "query heads"),
+    ("--kv-heads", 1, MAX_HEADS, 2, "KV heads"),
+    ("--head-dim", 8, MAX_HEAD_DIM, 64, "head dimension"),
+)
+
+
 def add_source_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("source")
     g.add_argument(
         "--source", default="handbook", help="handbook, synthetic, or a trace file (.safetensors)"
     )
-    g.add_argument(
-        "--context",
-        type=integer(8, MAX_CONTEXT),
-        default=512,
-        help=f"synthetic: context tokens (8-{MAX_CONTEXT})",
-    )
-    g.add_argument(
-        "--steps",
-        type=integer(0, MAX_STEPS),
-        default=32,
-        help=f"synthetic: later query steps (0-{MAX_STEPS})",
-    )
-    g.add_argument(
-        "--layers",
-        type=integer(1, MAX_LAYERS),
-        default=2,
-        help=f"synthetic: layers (1-{MAX_LAYERS})",
-    )
-    g.add_argument(
-        "--heads",
-        type=integer(1, MAX_HEADS),
-        default=4,
-        help=f"synthetic: query heads (1-{MAX_HEADS})",
-    )
-    g.add_argument(
-        "--kv-heads",
-        type=integer(1, MAX_HEADS),
-        default=2,
-        help=f"synthetic: KV heads (1-{MAX_HEADS})",
-    )
-    g.add_argument(
-        "--head-dim",
-        type=integer(8, MAX_HEAD_DIM),
-        default=64,
-        help=f"synthetic: head dimension (8-{MAX_HEAD_DIM})",
-    )
+    for flag, low, high, default, what in _SYNTHETIC_SIZES:
+        g.add_argument(
+            flag,
+            type=integer(low, high),
+            default=default,
+            help=f"synthetic: {what} ({low}-{high})",
+        )
     g.add_argument(
         "--topic-shift",
         type=number(0, 1000),
@@ -381,6 +363,12 @@ def _json_safe(obj):
 def view_layer(trace, a: argparse.Namespace) -> int:
     """The position in the trace of --layer (a model layer number; TraceError naming the layers there are)."""
     return 0 if a.layer is None else trace.layer_index(a.layer)
+
+
+def view_from_args(trace, a: argparse.Namespace, **more) -> View:
+    """The View that --layer (the model's own layer number), --head and --step pick in `trace`; `more`
+    sets its other fields (the error bars' ensemble)."""
+    return View(layer=view_layer(trace, a), head=a.head, step=a.step, **more)
 
 
 def add_view_args(p: argparse.ArgumentParser) -> None:

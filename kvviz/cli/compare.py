@@ -14,10 +14,9 @@ from kvviz.cli.args import (
     add_view_args,
     source_from_args,
     spec_from_args,
-    view_layer,
+    view_from_args,
 )
 from kvviz.metrics import DEFINITIONS as METRIC_DEFINITIONS
-from kvviz.spec import View
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
@@ -26,13 +25,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
     spec = spec_from_args(a)
     trace, for_seed = source_from_args(a)
     # --layer is the model's own layer number (a capture of --layers 0-3,15 holds layer 15 at position 4)
-    view = View(
-        layer=view_layer(trace, a),
-        head=a.head,
-        step=a.step,
-        ensemble=a.ensemble,
-        ensemble_size=a.ensemble_size,
-    )
+    view = view_from_args(trace, a, ensemble=a.ensemble, ensemble_size=a.ensemble_size)
     result = compare(trace, spec, view, trace_for_seed=for_seed)
     if a.json:
         json.dump(

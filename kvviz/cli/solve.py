@@ -16,9 +16,8 @@ from kvviz.cli.args import (
     add_view_args,
     source_from_args,
     spec_from_args,
-    view_layer,
+    view_from_args,
 )
-from kvviz.spec import View
 
 
 def cmd_solve(a: argparse.Namespace) -> int:
@@ -36,7 +35,7 @@ def cmd_solve(a: argparse.Namespace) -> int:
         )
     base = spec_from_args(a)
     trace, _ = source_from_args(a)
-    view = View(layer=view_layer(trace, a), head=a.head, step=a.step)
+    view = view_from_args(trace, a)
     sol = solve(
         trace, base, view, target_mass=a.target_mass, target_tv=a.target_tv, max_sink=a.max_sink
     )

@@ -15,11 +15,11 @@ from kvviz.cli.args import (
     scorer_from_args,
     source_from_args,
     spec_from_args,
-    view_layer,
+    view_from_args,
 )
 from kvviz.quant.formats import SERVING_FORMATS
 from kvviz.spec import FULL_BITS
-from kvviz.spec import SCORERS, SpecError, View, scorer_names
+from kvviz.spec import SCORERS, SpecError, scorer_names
 
 
 def cmd_sweep(a: argparse.Namespace) -> int:
@@ -38,13 +38,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     fractions, bits = a.budgets, a.bits_list  # checked by their argparse types
     base = spec_from_args(a)
     trace, _ = source_from_args(a)
-    view = View(
-        layer=view_layer(trace, a),
-        head=a.head,
-        step=a.step,
-        ensemble=a.ensemble or "heads",
-        ensemble_size=a.ensemble_size,
-    )
+    view = view_from_args(trace, a, ensemble=a.ensemble or "heads", ensemble_size=a.ensemble_size)
     from kvviz.analysis.sweep import SWEEP_FORMATS
 
     formats = [f.strip() for f in a.formats_list.split(",") if f.strip()]
