@@ -423,7 +423,7 @@ def test_duo_attention_retrieval_heads_hold_the_needle_and_streaming_heads_do_no
 def test_merging_keeps_the_same_tokens_and_bytes_and_has_its_own_cell(bundled, cache_folder):
     """merge-snapkv is SnapKV's cache with the evicted values merged in: the same kept tokens in every head and
     the same bytes, and a cell of its own in the disk cache (the setting is in the key)."""
-    from kvviz.analysis.needle.grid import cell_key
+    from kvviz.analysis.needle.store import cell_key
 
     model, tokenizer = bundled
     mp = pytest.MonkeyPatch()

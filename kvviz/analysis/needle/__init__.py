@@ -55,24 +55,20 @@ torch is imported lazily (inside functions), so `import kvviz.analysis.needle` s
 
     prompt  the passkey prompt at a length and depth, the budget and spec of a cell
     cell    one cell run: compressed copy of the prefill, greedy answer, what each head kept
-    grid    the grid (GridRequest: what it runs), its disk cache, the shipped default
+    grid    the grid run (GridRequest: what it runs)
+    store   its cache on disk: where, and the keys of a prompt and a cell
+    results the NeedleGrid a run returns, its file, the two protocols, the shipped default
     readout its CSV and text table, the cell the page opens on
 """
 
-from kvviz.analysis.needle import cell, grid, prompt, readout
+from kvviz.analysis.needle import cell, grid, prompt, readout, results, store
 from kvviz.analysis.needle.tasks import NEEDLE_TEMPLATE, PRIMER, QUESTION, TASK_NAMES, TASKS, Task
 from kvviz.analysis.needle.cell import NeedleCell, prefill, run_cell, score_answer
 from kvviz.analysis.needle.grid import (
-    DEFAULT_FILE,
     MAX_LENGTH,
     GridRequest,
-    NeedleGrid,
-    cache_dir,
-    cell_key,
     check_lengths,
-    load_default,
     max_positions,
-    prompt_key,
     run_grid,
 )
 from kvviz.analysis.needle.readout import (
@@ -82,7 +78,16 @@ from kvviz.analysis.needle.readout import (
     loudest_head,
     to_csv,
 )
-from kvviz.analysis.needle.grid import PROTOCOL_TITLES, load_grids, protocol, save_grids
+from kvviz.analysis.needle.results import (
+    DEFAULT_FILE,
+    PROTOCOL_TITLES,
+    NeedleGrid,
+    load_default,
+    load_grids,
+    protocol,
+    save_grids,
+)
+from kvviz.analysis.needle.store import cache_dir, cell_key, prompt_key
 from kvviz.analysis.needle.prompt import (
     DEFAULT_BUDGET,
     DEFAULT_DEPTHS,
@@ -155,6 +160,8 @@ __all__ = [
     "prefill",
     "prompt",
     "readout",
+    "results",
+    "store",
     "prompt_key",
     "run_cell",
     "run_grid",

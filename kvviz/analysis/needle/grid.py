@@ -1,12 +1,10 @@
-"""The needle grid: lengths x depths x policies, cells cached on disk as JSON, the shipped default
-grid, CSV and text tables, and the cell the page opens on."""
+"""The needle grid run: what it runs (`GridRequest`: lengths x depths x policies, checked before any
+model loads) and `run_grid`, one prefill a prompt, reading and keeping prompts and cells in the disk
+cache (kvviz.analysis.needle.store); what it returns is a `NeedleGrid` (kvviz.analysis.needle.results)."""
 
 from __future__ import annotations
 
-import gzip
-import hashlib
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,7 +13,7 @@ from typing import Any
 
 
 from kvviz.analysis.needle.cell import NeedleCell, _first_answer_attention, prefill, run_cell
-from kvviz.analysis.needle.tasks import NEEDLE_TEMPLATE, PRIMER, QUESTION, TASKS
+from kvviz.analysis.needle.tasks import TASKS
 from kvviz.analysis.needle.prompt import (
     DEFAULT_BUDGET,
     DEFAULT_DEPTHS,
@@ -23,11 +21,8 @@ from kvviz.analysis.needle.prompt import (
     DEFAULT_NEW_TOKENS,
     DEFAULT_SCORERS,
     DEFAULT_SEED,
-    FILLER,
-    FORMAT_VERSION,
     FULL,
     HAYSTACKS,
-    INSTRUCTION,
     SCORER_NAMES,
     NeedlePrompt,
     Progress,
@@ -36,6 +31,8 @@ from kvviz.analysis.needle.prompt import (
     min_length,
     spec_for,
 )
+from kvviz.analysis.needle.results import NeedleGrid
+from kvviz.analysis.needle.store import _read, _write, cache_dir, cell_key, prompt_key
 from kvviz.limits import checkpoint
 from kvviz.models.config import model_dims, prefill_work
 from kvviz.settings import SETTINGS, shown
@@ -45,176 +42,7 @@ from kvviz.spec import FULL_BITS, Spec, SpecError
 MAX_LENGTH = 131072
 
 
-DEFAULT_FILE = Path(__file__).resolve().parents[2] / "data" / "needle_default.json.gz"
-
-
-# --- the disk cache ---------------------------------------------------------------------------
-
-
-def cache_dir() -> Path:
-    """$KVVIZ_CACHE_DIR/needle, else $XDG_CACHE_HOME/kvviz/needle (next to the app's trace cache)."""
-    env = os.environ.get("KVVIZ_CACHE_DIR")
-    if env:
-        return Path(env).expanduser() / "needle"
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "kvviz" / "needle"
-
-
-def cell_key(
-    model_id: str,
-    prompt: NeedlePrompt,
-    spec: Spec,
-    question_after_compression: bool,
-    new_tokens: int,
-) -> str:
-    """sha256 of everything that changes a cell's numbers."""
-    from kvviz.version import __version__
-
-    blob = json.dumps(
-        {
-            "model": model_id,
-            "ids": list(prompt.ids),
-            "needle": [prompt.needle_start, prompt.needle_end],
-            "question_start": prompt.question_start,
-            "key": prompt.key,
-            # the settings away from their defaults: a setting added later leaves every older key as it was
-            "spec": {k: v for k, v in spec.__dict__.items() if v != SETTINGS[k].default},
-            "question_after_compression": question_after_compression,
-            "new_tokens": new_tokens,
-            "format": FORMAT_VERSION,
-            "kvviz": __version__,
-        },
-        sort_keys=True,
-        default=str,
-    )
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
-
-
-def _read(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _write(path: Path, d: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(d), encoding="utf-8")
-        tmp.replace(path)
-    except OSError:
-        # a read-only cache folder: results are still returned
-        pass
-
-
 # --- the grid ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class NeedleGrid:
-    """Every cell of a needle run, with the prompts they were run on."""
-
-    model: str
-    settings: dict
-    prompts: tuple[NeedlePrompt, ...]
-    cells: tuple[NeedleCell, ...]
-
-    def prompt(self, length: int, depth: float) -> NeedlePrompt:
-        for p in self.prompts:
-            if p.length == length and abs(p.depth - depth) < 1e-9:
-                return p
-        raise KeyError((length, depth))
-
-    def cell(self, scorer: str, length: int, depth: float) -> NeedleCell:
-        for c in self.cells:
-            if c.scorer == scorer and c.length == length and abs(c.depth - depth) < 1e-9:
-                return c
-        raise KeyError((scorer, length, depth))
-
-    @property
-    def scorers(self) -> list[str]:
-        return list(dict.fromkeys(c.scorer for c in self.cells))
-
-    @property
-    def lengths(self) -> list[int]:
-        return sorted({c.length for c in self.cells})
-
-    @property
-    def depths(self) -> list[float]:
-        return sorted({c.depth for c in self.cells})
-
-    def as_dict(self, kept: bool = False, prompts: bool = False) -> dict:
-        d: dict[str, Any] = {
-            "model": self.model,
-            "settings": self.settings,
-            "cells": [c.as_dict(kept=kept) for c in self.cells],
-        }
-        if prompts:
-            d["prompts"] = [p.as_dict() for p in self.prompts]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "NeedleGrid":
-        return cls(
-            model=d["model"],
-            settings=dict(d.get("settings", {})),
-            prompts=tuple(NeedlePrompt.from_dict(p) for p in d.get("prompts", [])),
-            cells=tuple(NeedleCell.from_dict(c) for c in d["cells"]),
-        )
-
-    def save(self, path: str | Path) -> None:
-        blob = json.dumps(self.as_dict(kept=True, prompts=True), separators=(",", ":")).encode(
-            "utf-8"
-        )
-        Path(path).write_bytes(gzip.compress(blob, mtime=0))
-
-    @classmethod
-    def load(cls, path: str | Path) -> "NeedleGrid":
-        return cls.from_dict(json.loads(gzip.decompress(Path(path).read_bytes()).decode("utf-8")))
-
-
-def protocol(grid: NeedleGrid) -> str:
-    """Where the grid's caches were compressed: "agnostic" (after the haystack, before the question: kvpress's
-    pipeline default) or "aware" (after the question: kvpress's compress_questions=True)."""
-    return "agnostic" if grid.settings.get("question_after_compression") else "aware"
-
-
-PROTOCOL_TITLES = {
-    "agnostic": "Compressed before the question (query-agnostic, kvpress's pipeline default)",
-    "aware": "Compressed after the question (query-aware, kvpress's compress_questions=True)",
-}
-
-
-def save_grids(path: str | Path, grids: Sequence[NeedleGrid]) -> None:
-    """Several grids in one file (the shipped default holds both protocols): {"grids": [...]}."""
-    blob = {"grids": [g.as_dict(kept=True, prompts=True) for g in grids]}
-    Path(path).write_bytes(
-        gzip.compress(json.dumps(blob, separators=(",", ":")).encode("utf-8"), mtime=0)
-    )
-
-
-def load_grids(path: str | Path | None = None) -> tuple[NeedleGrid, ...]:
-    """Every grid of a file (one for a file `NeedleGrid.save` wrote), agnostic first; () if it is missing."""
-    try:
-        d = json.loads(gzip.decompress(Path(path or DEFAULT_FILE).read_bytes()).decode("utf-8"))
-        grids = (
-            tuple(NeedleGrid.from_dict(g) for g in d["grids"])
-            if "grids" in d
-            else (NeedleGrid.from_dict(d),)
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return ()
-    return tuple(sorted(grids, key=lambda g: protocol(g) != "agnostic"))
-
-
-def load_default(
-    path: str | Path | None = None, question_after_compression: bool = False
-) -> NeedleGrid | None:
-    """The shipped precomputed default grid (bundled model) of one protocol (default: compressed after the
-    question), or None if the file is missing or does not hold it."""
-    want = "agnostic" if question_after_compression else "aware"
-    return next((g for g in load_grids(path) if protocol(g) == want), None)
 
 
 def check_lengths(
@@ -237,34 +65,6 @@ def max_positions(model) -> int | None:
     cfg = model.config
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     return getattr(cfg, "max_position_embeddings", None)
-
-
-def prompt_key(
-    model_id: str, length: int, depth: float, seed: int, haystack: str, task: str = "passkey"
-) -> str:
-    """sha256 of what decides a prompt's tokens (the model's tokenizer by its name, the task, and the texts)."""
-    from kvviz.version import __version__
-
-    shown = (
-        {}
-        if task == "passkey"
-        else {"task": task, "instance": TASKS[task].instance(seed, length, depth).__dict__}
-    )
-    blob = json.dumps(
-        {
-            **shown,
-            "model": model_id,
-            "length": length,
-            "depth": depth,
-            "seed": seed,
-            "haystack": haystack,
-            "texts": [NEEDLE_TEMPLATE, QUESTION, PRIMER, INSTRUCTION, FILLER],
-            "format": FORMAT_VERSION,
-            "kvviz": __version__,
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvviz.analysis.needle.cell import NeedleCell
-from kvviz.analysis.needle.grid import NeedleGrid
+from kvviz.analysis.needle.results import NeedleGrid
 from kvviz.analysis.needle.prompt import FULL
 from kvviz.policies import POLICIES
 from kvviz.spec import FULL_BITS
