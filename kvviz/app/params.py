@@ -7,7 +7,6 @@ app); the app's modules keep importing it from here.
 from __future__ import annotations
 
 from kvviz.links import (
-    BITS_OPTIONS,
     ENSEMBLE_OPTIONS,
     MAX_TOKENS,
     PARAMS,
@@ -16,6 +15,7 @@ from kvviz.links import (
     compression_params,
     read_settings,
 )
+from kvviz.quant.integer import BITS_OPTIONS
 
 __all__ = [
     "BITS_OPTIONS",
