@@ -16,7 +16,8 @@ from kvviz import SCORERS, Spec, keep_masks
 from kvviz.policies import POLICIES, base
 from kvviz.policies.base import ScoreContext
 from kvviz.policies.reads import ReadLog, SpecReads
-from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from kvviz.sources.synthetic import make_synthetic
+from synthetic_util import small_synthetic
 from kvviz.policies.chunkkv import inner_scorers
 from kvviz.policies.snapkv import observation_window
 from kvviz.settings import SETTINGS
@@ -25,19 +26,7 @@ CHUNK_INNER = inner_scorers()
 CHUNK_RULES = SETTINGS["chunk_rule"].values
 QUANT_FIELDS = frozenset(name for name, s in SETTINGS.items() if s.quantizes)
 
-TRACE = make_synthetic(
-    SyntheticSpec(
-        context=128,
-        steps=6,
-        layers=1,
-        q_heads=4,
-        kv_heads=2,
-        head_dim=32,
-        n_anchors=4,
-        n_shift_tokens=2,
-        outlier_channels=2,
-    )
-)
+TRACE = make_synthetic(small_synthetic(context=128, steps=6, layers=1))
 POSITIONS = [int(p) for p in TRACE.query_positions[TRACE.evaluated_queries]]
 
 
@@ -239,19 +228,7 @@ def test_the_cache_answers_a_repeated_call_and_keeps_its_answer_read_only():
     )  # budgets: not read
     assert again is first and policy.passes == 1
     assert not first.flags.writeable
-    other = make_synthetic(
-        SyntheticSpec(
-            context=128,
-            steps=6,
-            layers=2,
-            q_heads=4,
-            kv_heads=2,
-            head_dim=32,
-            n_anchors=4,
-            n_shift_tokens=2,
-            outlier_channels=2,
-        )
-    )
+    other = make_synthetic(small_synthetic(context=128, steps=6, layers=2))
     policy.scores_at_compression(ScoreContext(other, 0, spec))
     policy.scores_at_compression(ScoreContext(other, 1, spec))
     policy.scores_at_compression(ScoreContext(other, 1, spec))

@@ -12,22 +12,13 @@ from kvviz.engine import REASONS
 from kvviz.policies.registry import POLICIES
 from kvviz.quant.rotation import rotate, unrotate
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from synthetic_util import small_synthetic
 from floatbounds import logit_error_bound, softmax_rtol
 from test_quant import (
     _reference as reference_quantize,
 )  # docs/definitions.md's formulas, a group at a time
 
-SMALL = SyntheticSpec(
-    context=96,
-    steps=12,
-    layers=2,
-    q_heads=4,
-    kv_heads=2,
-    head_dim=48,
-    n_anchors=4,
-    n_shift_tokens=2,
-    outlier_channels=2,
-)
+SMALL = small_synthetic(context=96, steps=12, layers=2, head_dim=48)
 
 
 @pytest.fixture(scope="module")
@@ -725,15 +716,14 @@ def _quest_reads(t, spec, layer, qi):
 
 
 KIVI = dict(key_bits=2, value_bits=3, group_size=8, residual=5)
+ORACLE = dict(sink=3, recent=6, heavy=9, scorer="oracle")  # the oracle's budget in the tests below
 
 
 @pytest.mark.parametrize(
     "settings",
     [
-        dict(
-            sink=3, recent=6, heavy=9, scorer="oracle", **KIVI
-        ),  # evict, then quantize the kept cache
-        dict(sink=3, recent=6, heavy=9, scorer="oracle"),  # eviction alone: V read as stored
+        dict(**ORACLE, **KIVI),  # evict, then quantize the kept cache
+        dict(**ORACLE),  # eviction alone: V read as stored
         dict(
             key_bits=3, value_bits=16, group_size=6, key_axis="token"
         ),  # keys only, nothing evicted
@@ -753,10 +743,7 @@ KIVI = dict(key_bits=2, value_bits=3, group_size=8, residual=5)
             quant_model="noise", noise_sigma=0.2, key_bits=3, value_bits=3
         ),  # bits count memory only
         dict(
-            sink=3,
-            recent=6,
-            heavy=9,
-            scorer="oracle",
+            **ORACLE,
             key_bits=3,
             value_bits=4,
             group_size=6,
@@ -766,10 +753,7 @@ KIVI = dict(key_bits=2, value_bits=3, group_size=8, residual=5)
             value_axis="channel",
         ),
         dict(
-            sink=3,
-            recent=6,
-            heavy=9,
-            scorer="oracle",
+            **ORACLE,
             key_bits=2,
             value_bits=3,
             group_size=5,
@@ -952,7 +936,7 @@ def test_evaluate_row_decides_as_compare_does(trace):
 def test_to_json_holds_every_field_of_the_comparison(trace):
     from scipy import stats
 
-    spec = Spec(sink=3, recent=6, heavy=9, scorer="oracle", **KIVI)
+    spec = Spec(**ORACLE, **KIVI)
     c = compare(trace, spec, View(layer=1, head=2, step=5, ensemble="heads", ensemble_size=3))
     got = c.to_json()
     assert (
@@ -1057,8 +1041,8 @@ def test_rows_of_other_layers_and_steps_quantize_their_own_caches(trace, ensembl
     """One quantized-cache store serves a comparison's batches: each (layer, query) still gets its own
     kept keys quantized (integer path: per KV head; formats path: the layer's heads together)."""
     for spec in (
-        Spec(sink=3, recent=6, heavy=9, scorer="oracle", **KIVI),
-        Spec(sink=3, recent=6, heavy=9, scorer="oracle", rotate="keys", **KIVI),
+        Spec(**ORACLE, **KIVI),
+        Spec(**ORACLE, rotate="keys", **KIVI),
     ):
         c = compare(trace, spec, View(layer=1, head=3, step=10, ensemble=ensemble, ensemble_size=4))
         assert len({(m.layer, m.query) for m in c.members}) == len(c.members) > 1
@@ -1082,10 +1066,7 @@ def test_hf_residual_keeps_the_tokens_since_the_last_flush_exact(trace, step):
     """residual_mode 'hf' through the formats path: at decode step s past the prompt the tokens since the
     last flush, (s mod r) + 1 of them, stay exact; every earlier kept token is quantized (HF QuantizedCache)."""
     spec = Spec(
-        sink=3,
-        recent=6,
-        heavy=9,
-        scorer="oracle",
+        **ORACLE,
         key_bits=3,
         value_bits=2,
         group_size=8,
@@ -1153,10 +1134,7 @@ def test_formats_path_quantizes_only_the_tensors_the_spec_and_the_source_have(tr
     import dataclasses
 
     spec = Spec(
-        sink=3,
-        recent=6,
-        heavy=9,
-        scorer="oracle",
+        **ORACLE,
         key_bits=3,
         value_bits=16,
         group_size=8,
@@ -1164,7 +1142,7 @@ def test_formats_path_quantizes_only_the_tensors_the_spec_and_the_source_have(tr
         rotate="keys-values",
     )
     no_values = dataclasses.replace(trace, v=None)
-    kivi = Spec(sink=3, recent=6, heavy=9, scorer="oracle", **KIVI)  # the integer path, no values
+    kivi = Spec(**ORACLE, **KIVI)  # the integer path, no values
     for row in compare(no_values, kivi, View(layer=1, head=2, step=8, ensemble="heads")).members:
         _check_row(no_values, kivi, row, _oracle_kept(no_values, kivi, 1, row.query)[row.kv_head])
     for t, s in ((trace, spec), (no_values, spec.with_(value_bits=2))):

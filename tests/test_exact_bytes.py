@@ -11,19 +11,10 @@ import pytest
 from kvviz import Spec, View, compare
 from kvviz.analysis.ledger import budget_ledger
 from kvviz.engine import budget_is_exact, kept_at_query, kept_counts, memory_for
-from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from kvviz.sources.synthetic import make_synthetic
+from synthetic_util import small_synthetic
 
-SMALL = SyntheticSpec(
-    context=150,
-    steps=6,
-    layers=3,
-    q_heads=4,
-    kv_heads=2,
-    head_dim=32,
-    n_anchors=5,
-    n_shift_tokens=2,
-    outlier_channels=2,
-)
+SMALL = small_synthetic(context=150, steps=6, layers=3, n_anchors=5)
 
 # every cache format the spec offers, at settings that exercise its overhead and residual
 FORMATS = {

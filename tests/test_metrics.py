@@ -10,19 +10,10 @@ from hypothesis import strategies as st
 from kvviz import Spec, Trace, View, compare
 from kvviz.metrics import LN2, spread, t_quantile
 from kvviz.sources.handbook import handbook_trace
-from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from kvviz.sources.synthetic import make_synthetic
+from synthetic_util import small_synthetic
 
-SMALL = SyntheticSpec(
-    context=96,
-    steps=8,
-    layers=2,
-    q_heads=4,
-    kv_heads=2,
-    head_dim=32,
-    n_anchors=4,
-    n_shift_tokens=2,
-    outlier_channels=2,
-)
+SMALL = small_synthetic(context=96, steps=8, layers=2)
 
 
 @pytest.fixture(scope="module")

@@ -8,19 +8,10 @@ from hypothesis import strategies as st
 
 from kvviz import Spec, SpecError, View, compare, keep_masks
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from synthetic_util import small_synthetic
 from kvviz.policies.snapkv import observation_window
 
-SMALL = SyntheticSpec(
-    context=120,
-    steps=10,
-    layers=2,
-    q_heads=4,
-    kv_heads=2,
-    head_dim=32,
-    n_anchors=5,
-    n_shift_tokens=2,
-    outlier_channels=2,
-)
+SMALL = small_synthetic(context=120, steps=10, layers=2, n_anchors=5)
 
 
 @pytest.fixture(scope="module")

@@ -8,25 +8,14 @@ from kvviz import Spec, SpecError, View, compare
 from kvviz.cli import main
 from kvviz.analysis.solve import solve
 from kvviz.sources.handbook import handbook_trace
-from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
+from kvviz.sources.synthetic import make_synthetic
+from synthetic_util import small_synthetic
 from kvviz.analysis.sweep import split_budget
 
 
 @pytest.fixture(scope="module")
 def trace():
-    return make_synthetic(
-        SyntheticSpec(
-            context=96,
-            steps=6,
-            layers=1,
-            q_heads=4,
-            kv_heads=2,
-            head_dim=32,
-            n_anchors=4,
-            n_shift_tokens=2,
-            outlier_channels=2,
-        )
-    )
+    return make_synthetic(small_synthetic(context=96, steps=6, layers=1))
 
 
 def brute_force(trace, base, view, metric, target):
