@@ -11,7 +11,8 @@ from kvviz.heads import head_separable, head_trace, view_masks
 from kvviz.rows import keep_masks
 from kvviz.sources.tracefile import load_trace, save_trace
 from kvviz.spec import Spec, SpecError, View, scorer_names
-from kvviz.trace import Trace
+
+from trace_util import every_query_trace
 
 
 def gqa_trace(seed=0, L=2, Hq=8, Hkv=4, D=16, c=90, steps=6):
@@ -26,15 +27,7 @@ def gqa_trace(seed=0, L=2, Hq=8, Hkv=4, D=16, c=90, steps=6):
         "rope_inv_freq": (1.0 / 100.0 ** (np.arange(0, D, 2) / D)).tolist(),
         "kvzip_scores": rng.random((L, Hkv, c)).tolist(),
     }  # as a model's reconstruction pass gives
-    return Trace(
-        q=q,
-        k=k,
-        v=v,
-        context_len=c,
-        tokens=tuple(f"t{i}" for i in range(P)),
-        query_positions=np.arange(P),
-        meta=meta,
-    )
+    return every_query_trace(q, k, v, c, meta)
 
 
 @pytest.fixture(autouse=True)

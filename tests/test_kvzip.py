@@ -9,7 +9,7 @@ import pytest
 from kvviz import Spec, SpecError, View, compare, keep_masks
 from kvviz.policies.allocation import kvpress_kept
 from kvviz.policies.kvzip import META, kept_everywhere
-from kvviz.trace import Trace
+from kvviz.trace import Trace, trace_with
 
 
 def scored_trace(seed=0, L=3, H=2, g=2, c=40, steps=4, D=8) -> Trace:
@@ -55,15 +55,7 @@ def test_the_trace_path_keeps_the_cut_then_every_later_token():
 
 def test_a_source_without_the_reconstruction_pass_says_where_to_get_one():
     t = scored_trace()
-    bare = Trace(
-        q=t.q,
-        k=t.k,
-        v=t.v,
-        context_len=t.context_len,
-        tokens=t.tokens,
-        query_positions=t.query_positions,
-        meta={"source": "test"},
-    )
+    bare = trace_with(t, meta={"source": "test"})
     with pytest.raises(
         SpecError, match="the needle test, the leaderboard, and a capture with KVzip.s pass"
     ):

@@ -6,9 +6,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvviz import Spec, SpecError, Trace, View, compare, keep_masks
+from kvviz import Spec, SpecError, View, compare, keep_masks
 from kvviz.policies import POLICIES
 from kvviz.policies.quest import page_bounds
+from kvviz.trace import trace_with
+
+from trace_util import every_query_trace
 
 
 def random_trace(seed=0, L=2, Hq=4, Hkv=2, D=16, c=48, steps=6, rope=True):
@@ -23,15 +26,7 @@ def random_trace(seed=0, L=2, Hq=4, Hkv=2, D=16, c=48, steps=6, rope=True):
     meta = {"source": "test"}
     if rope:
         meta["rope_inv_freq"] = (1.0 / 100.0 ** (np.arange(0, D, 2) / D)).tolist()
-    return Trace(
-        q=q,
-        k=k,
-        v=v,
-        context_len=c,
-        tokens=tuple(f"t{i}" for i in range(P)),
-        query_positions=np.arange(P),
-        meta=meta,
-    )
+    return every_query_trace(q, k, v, c, meta)
 
 
 def heavy_set(kept_row, spec, n):
@@ -137,14 +132,11 @@ def test_expected_attention_of_a_float16_trace_is_that_of_its_values():
     """A trace file may hold float16 tensors: the key mean and the value norms are taken in float64, so
     the scores are those of the same values in float64."""
     base = random_trace(1)
-    half = Trace(
+    half = trace_with(
+        base,
         q=base.q.astype(np.float16),
         k=(3 * base.k).astype(np.float16),
         v=(40 * base.v).astype(np.float16),
-        context_len=base.context_len,
-        tokens=base.tokens,
-        query_positions=base.query_positions,
-        meta=base.meta,
     )
     c = half.context_len
     for covariance in (False, True):
@@ -196,15 +188,7 @@ def test_query_statistics_of_queries_with_a_large_offset_keep_the_mean_and_the_c
     q[..., :8] = 3000.0 + 0.05 * rng.standard_normal(
         q[..., :8].shape
     )  # half the channels: a big offset
-    trace = Trace(
-        q=q,
-        k=base.k,
-        v=base.v,
-        context_len=200,
-        tokens=base.tokens,
-        query_positions=base.query_positions,
-        meta=base.meta,
-    )
+    trace = trace_with(base, q=q, context_len=200)
     mu, cov = query_statistics(trace, 0, np.arange(200))
     pre = q[0, :, 4:200].astype(np.float64)  # (4, 196, 16)
     want_mu = pre.mean(1)
@@ -280,15 +264,7 @@ def test_keydiff_scores_are_the_negated_cosine_to_the_anchor(dtype, scale, rtol)
 
     trace = random_trace(4)
     k = (trace.k * scale).astype(dtype)  # (L, kv_heads, P, d)
-    trace = Trace(
-        q=trace.q,
-        k=k,
-        v=trace.v,
-        context_len=trace.context_len,
-        tokens=trace.tokens,
-        query_positions=trace.query_positions,
-        meta=trace.meta,
-    )
+    trace = trace_with(trace, k=k)
     c = trace.context_len
     got = POLICIES["keydiff"].score(
         ScoreContext(trace, 1, Spec(sink=2, recent=6, heavy=10, scorer="keydiff"))
@@ -613,27 +589,13 @@ def test_expected_attention_on_a_config_only_trace_with_llama3_scaled_rope():
         LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})
     ).inv_freq
     base = random_trace(6, D=16, rope=False)
-    only_config = Trace(
-        q=base.q,
-        k=base.k,
-        v=base.v,
-        context_len=base.context_len,
-        tokens=base.tokens,
-        query_positions=base.query_positions,
-        meta={"source": "test", "config": config},
-    )
+    only_config = trace_with(base, meta={"source": "test", "config": config})
     got = rope_inv_freq(only_config)
     np.testing.assert_allclose(got, model_freq.double().numpy(), rtol=1e-6)
     unscaled = 1.0 / 500000.0 ** (np.arange(0, 16, 2) / 16)
     assert not np.allclose(got, unscaled)  # llama3 really rescales the low ones
-    carried = Trace(
-        q=base.q,
-        k=base.k,
-        v=base.v,
-        context_len=base.context_len,
-        tokens=base.tokens,
-        query_positions=base.query_positions,
-        meta={"source": "test", "rope_inv_freq": model_freq.double().numpy().tolist()},
+    carried = trace_with(
+        base, meta={"source": "test", "rope_inv_freq": model_freq.double().numpy().tolist()}
     )
     spec = Spec(heavy=8, scorer="expected_attention")
     a = ExpectedAttention().score(ScoreContext(only_config, 0, spec))
@@ -644,15 +606,7 @@ def test_expected_attention_on_a_config_only_trace_with_llama3_scaled_rope():
 def config_trace(config):
     """random_trace(6)'s tensors (head_dim 16) with only a model config in the meta, no RoPE frequencies."""
     base = random_trace(6, D=16, rope=False)
-    return Trace(
-        q=base.q,
-        k=base.k,
-        v=base.v,
-        context_len=base.context_len,
-        tokens=base.tokens,
-        query_positions=base.query_positions,
-        meta={"config": config},
-    )
+    return trace_with(base, meta={"config": config})
 
 
 @pytest.mark.parametrize(

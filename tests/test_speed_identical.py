@@ -32,6 +32,8 @@ from kvviz.sources.handbook import handbook_trace
 from kvviz.sources.synthetic import PRESETS, SyntheticSpec, make_synthetic
 from kvviz.spec import SCORERS
 
+from trace_util import every_query_trace
+
 REFERENCE = Path(__file__).parent / "data" / "kept_masks_reference.npz"
 # the scorers that existed before the speed work (a scorer added since has no older code to match)
 with np.load(REFERENCE, allow_pickle=False) as _data:
@@ -49,15 +51,7 @@ def rope_trace(seed=5, L=2, Hq=8, Hkv=2, D=32, c=250, steps=6) -> Trace:
         np.float32
     )
     meta = {"source": "test", "rope_inv_freq": (1.0 / 100.0 ** (np.arange(0, D, 2) / D)).tolist()}
-    return Trace(
-        q=q,
-        k=k,
-        v=v,
-        context_len=c,
-        tokens=tuple(f"t{i}" for i in range(P)),
-        query_positions=np.arange(P),
-        meta=meta,
-    )
+    return every_query_trace(q, k, v, c, meta)
 
 
 def traces() -> dict[str, Trace]:
