@@ -1,7 +1,8 @@
 """The real-model side: a compressed KV cache inside a transformers model, the decode loops,
 quality against the full-cache reference, and the Model lab's run.
 
-    cache       CompressedCache: one run's K/V, kept sets, quantization, attention over what is kept
+    cache       CompressedCache: one run's K/V, kept sets, quantization, the policy's decisions
+    attend      its attention over what is kept (delete / mask modes), teacher forcing in one pass
     ragged      PyramidCache / RaggedCache: budgets that differ by layer or by head (AdaKV, PyramidKV)
     place       where a cache lives (the model's device and dtype) and what crosses to the host
     devquant    the integer (KIVI) quantizer in torch, on the cache's device (= kvviz.quant.quantize)
@@ -14,7 +15,8 @@ quality against the full-cache reference, and the Model lab's run.
 May import: the core, policies, quant, models. torch and transformers only inside functions.
 """
 
-from kvviz.decode.cache import MODES, CompressedCache
+from kvviz.decode.attend import MODES
+from kvviz.decode.cache import CompressedCache
 from kvviz.decode.eval_sweep import QUANT_METHODS, SWEEP_FIELDS, SWEEP_METHODS, sweep
 from kvviz.decode.loop import (
     Prefill,
