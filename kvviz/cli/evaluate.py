@@ -173,7 +173,8 @@ def _prepare(a: argparse.Namespace):
 @device_errors
 def cmd_eval(a: argparse.Namespace) -> int:
     from kvviz.cli.args import _json_safe, spec_from_args
-    from kvviz.decode.quality import evaluate, side_by_side
+    from kvviz.decode.quality import evaluate
+    from kvviz.decode.sidebyside import side_by_side
 
     spec = spec_from_args(a)
     if spec.quant_model == "noise":

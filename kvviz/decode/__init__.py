@@ -8,7 +8,8 @@ quality against the full-cache reference, and the Model lab's run.
     devquant    the integer (KIVI) quantizer in torch, on the cache's device (= kvviz.quant.quantize)
     hook        the attention function that plugs a cache into a transformers model
     loop        prefill, decode, decode_many (one batch, a cache a row), plain_decode
-    quality     the teacher-forced reference, perplexity / KL / top-1, greedy text side by side
+    quality     the teacher-forced reference, perplexity / KL / top-1
+    sidebyside  greedy text of the full and the compressed cache side by side, where they part
     eval_sweep  `kvviz eval-sweep`: named methods x budgets
     lab         the Model lab's run, its cached results and timings
 
@@ -32,18 +33,15 @@ from kvviz.decode.quality import (
     SAMPLE_TEXT_FILE,
     Quality,
     Reference,
-    SideBySide,
     check_lengths,
     evaluate,
-    first_divergence,
-    greedy,
     quality_from,
     reference,
     sample_text,
-    side_by_side,
     token_strings,
     tokenize,
 )
+from kvviz.decode.sidebyside import SideBySide, first_divergence, greedy, side_by_side
 
 __all__ = [
     "CompressedCache",

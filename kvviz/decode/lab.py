@@ -35,7 +35,8 @@ import numpy as np
 from kvviz.spec import Spec
 
 if TYPE_CHECKING:
-    from kvviz.decode.quality import Quality, SideBySide
+    from kvviz.decode.quality import Quality
+    from kvviz.decode.sidebyside import SideBySide
 
 Progress = Callable[[float, str], None]
 LAB_FORMAT = 1
@@ -283,7 +284,8 @@ def _decode_runs(model, ref, runs, c: int, q: int, on_full_token, on_token, say)
 
 def _side_by_side(tokenizer, ref, spec: Spec, full, got: dict, q: int):
     """The full cache's and the compressed cache's greedy answers side by side, and where they part."""
-    from kvviz.decode.quality import SideBySide, first_divergence, token_strings
+    from kvviz.decode.quality import token_strings
+    from kvviz.decode.sidebyside import SideBySide, first_divergence
 
     fids, comp = list(full.greedy_ids), list(_greedy_ids(got["greedy"], q))
     return SideBySide(
@@ -486,7 +488,8 @@ def result_to_json(result: LabResult) -> dict:
 
 
 def result_from_json(d: dict) -> LabResult:
-    from kvviz.decode.quality import Quality, SideBySide
+    from kvviz.decode.quality import Quality
+    from kvviz.decode.sidebyside import SideBySide
 
     q = dict(d["quality"])
     q["spec"] = Spec(**q["spec"])
