@@ -28,15 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-ROOT = Path(__file__).resolve().parents[1]
+from _common import LLAMA_8B_ATTENTION, TEXT, offline
 
-TEXT = (
-    "The river that runs through the old town is slow and brown in summer and fast and grey "
-    "in winter. People have built mills, bridges, markets and schools along its banks for "
-    "centuries, and each generation has told its own stories about the water. "
-)
+offline()
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def build_model(folder: Path, layers: int) -> None:
@@ -53,11 +48,8 @@ def build_model(folder: Path, layers: int) -> None:
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
+        **LLAMA_8B_ATTENTION,
         max_position_embeddings=8192,
-        rope_theta=500000.0,
         tie_word_embeddings=True,
     )
     LlamaForCausalLM(cfg).eval().save_pretrained(folder)

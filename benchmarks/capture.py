@@ -29,14 +29,9 @@ import subprocess
 import sys
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from _common import TEXT, offline
 
-TEXT = (
-    "The river that runs through the old town is slow and brown in summer and fast and grey "
-    "in winter. People have built mills, bridges, markets and schools along its banks for "
-    "centuries, and each generation has told its own stories about the water. "
-)
+offline()
 
 
 def prompt_of(tokenizer, n: int) -> str:

@@ -29,12 +29,12 @@ own decode step with its DynamicCache at the same length (the full 2,048-token c
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from _common import kivi_4bit, offline
+
+offline()
 
 TARGET = 1.1
 LONG_TARGET = 1.3
@@ -150,14 +150,7 @@ def long_specs(n: int) -> dict:
         "snapkv 256": Spec(**keep, scorer="snapkv"),
         "h2o 256": Spec(**keep, scorer="h2o"),
         "streaming 256": Spec(sink=4, recent=252, scorer="streaming"),
-        "kivi 4-bit": Spec(
-            key_bits=4,
-            value_bits=4,
-            key_axis="channel",
-            value_axis="token",
-            group_size=32,
-            residual=128,
-        ),
+        "kivi 4-bit": kivi_4bit(),
     }
 
 

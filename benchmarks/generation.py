@@ -18,13 +18,13 @@ load hits both alike, with 1 torch thread (--threads).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from _common import offline
+
+offline()
 
 
 def main() -> int:

@@ -22,21 +22,15 @@ any machine); the result then is "not run".
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from _common import LLAMA_8B_ATTENTION, TEXT, offline
 
-TEXT = (
-    "The river that runs through the old town is slow and brown in summer and fast and grey "
-    "in winter. People have built mills, bridges, markets and schools along its banks for "
-    "centuries, and each generation has told its own stories about the water. "
-)
+offline()
 
 
 def main() -> int:
@@ -72,11 +66,8 @@ def main() -> int:
         hidden_size=hidden,
         intermediate_size=mlp,
         num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
+        **LLAMA_8B_ATTENTION,
         max_position_embeddings=max(131072, a.tokens + 8),
-        rope_theta=500000.0,
     )
     torch.manual_seed(0)
     with torch.device("cuda"):

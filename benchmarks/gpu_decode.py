@@ -34,6 +34,8 @@ import os
 import sys
 import time
 
+from _common import LLAMA_8B_ATTENTION, kivi_4bit
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TARGET = 2.0
 
@@ -46,11 +48,8 @@ def llama_8b_config():
         hidden_size=4096,
         intermediate_size=14336,
         num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
+        **LLAMA_8B_ATTENTION,
         max_position_embeddings=131072,
-        rope_theta=500000.0,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         rope_scaling={
@@ -105,14 +104,7 @@ def methods(kept: int = 1024):
         "snapkv": Spec(**keep, scorer="snapkv"),
         "h2o": Spec(**keep, scorer="h2o"),
         "streaming": Spec(sink=4, recent=kept - 4, scorer="streaming"),
-        "kivi-4bit": Spec(
-            key_bits=4,
-            value_bits=4,
-            key_axis="channel",
-            value_axis="token",
-            group_size=32,
-            residual=128,
-        ),
+        "kivi-4bit": kivi_4bit(),
     }
 
 

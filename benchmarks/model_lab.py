@@ -18,13 +18,13 @@ so background load hits both alike (the lab's full-cache side is recomputed ever
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from _common import offline
+
+offline()
 
 
 def main() -> int:

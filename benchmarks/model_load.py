@@ -19,8 +19,9 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from _common import offline
+
+offline()
 
 
 def main() -> int:
