@@ -5,7 +5,7 @@ from contextlib import nullcontext
 
 import streamlit as st
 
-from kvviz.decode import lab
+from kvviz.decode import lab, labsettings, labstore
 
 from kvviz.app.charts import chart
 from kvviz.app.cards import fmt_bytes, fmt_exact, fmt_pct
@@ -59,12 +59,12 @@ def _slider_trace() -> Trace:
 @st.cache_resource(show_spinner=False)
 def _results(folder: str) -> dict:
     """Finished runs, shared by every session (a run's progress widgets are not replayed), per results
-    folder (lab.lab_cache_dir()): a run stored under another folder is not this server's."""
+    folder (labstore.lab_cache_dir()): a run stored under another folder is not this server's."""
     return {}
 
 
-def _remember(key: tuple, result: lab.LabResult) -> None:
-    cache = _results(str(lab.lab_cache_dir()))
+def _remember(key: tuple, result: labstore.LabResult) -> None:
+    cache = _results(str(labstore.lab_cache_dir()))
     if len(cache) >= 32:
         cache.pop(next(iter(cache)))
     cache[key] = result
@@ -75,12 +75,12 @@ def _label(info, name: str) -> str:
     return label() if callable(label) else label
 
 
-def _estimate_text(settings: lab.LabSettings) -> str:
-    median, runs = lab.recent_runs(settings)
+def _estimate_text(settings: labsettings.LabSettings) -> str:
+    median, runs = labstore.recent_runs(settings)
     seconds = (
         median
         if median is not None
-        else lab.step_estimate(settings, full_cached=_full_cached(settings))
+        else labstore.step_estimate(settings, full_cached=_full_cached(settings))
     )
     others = other_runs()
     busy = (
@@ -100,19 +100,19 @@ def _estimate_text(settings: lab.LabSettings) -> str:
         f"About {max(1, round(seconds))} s ({basis}), "
         + (
             "one masked pass for the scored tokens."
-            if lab.one_pass(settings.spec)
+            if labsettings.one_pass(settings.spec)
             else f"step by step for the scored tokens ({settings.spec.scorer} decides at every step)."
         )
         + busy
     )
 
 
-def _full_cached(settings: lab.LabSettings) -> bool:
+def _full_cached(settings: labsettings.LabSettings) -> bool:
     loaded = ui_sources.loaded_model(settings.model, settings.device, settings.dtype)
     return loaded is not None and lab.full_cached(loaded[0], loaded[1], settings)
 
 
-def _run_live(settings: lab.LabSettings) -> lab.LabResult:
+def _run_live(settings: labsettings.LabSettings) -> labstore.LabResult:
     """Run with progress, the greedy texts streaming in as they are produced, and a cancel button."""
     cancel = st.empty()  # gone with the run, whether it finishes or fails
     cancel.button(
@@ -133,12 +133,12 @@ def _run_live(settings: lab.LabSettings) -> lab.LabResult:
     return result
 
 
-def _decode(settings: lab.LabSettings) -> lab.LabResult:
+def _decode(settings: labsettings.LabSettings) -> labstore.LabResult:
     """The run inside _run_live's status box: its progress bar and line, the two texts side by side."""
     bar = st.progress(0.0)
     line = st.empty()
     t0 = time.perf_counter()
-    expected = lab.estimate(settings, full_cached=_full_cached(settings))
+    expected = labstore.estimate(settings, full_cached=_full_cached(settings))
 
     def progress(f: float, msg: str) -> None:
         bar.progress(min(max(float(f), 0.0), 1.0))
@@ -288,10 +288,10 @@ def _run_settings(present: bool) -> tuple:
 def _done(settings) -> dict:
     """The results this server holds (key -> LabResult), the default settings' precomputed one among them
     (by `make venv` or the first start) where it is on disk."""
-    done = _results(str(lab.lab_cache_dir()))
+    done = _results(str(labstore.lab_cache_dir()))
     key = settings.key()
-    if key not in done and key == lab.default_settings().key():
-        stored = lab.load_result(settings)
+    if key not in done and key == labsettings.default_settings().key():
+        stored = labstore.load_result(settings)
         if stored is not None:
             done[key] = stored
     return done
@@ -365,7 +365,7 @@ def _run_and_show(
         + (f"  \n**Compressed:** {POINT_LABELS[point].lower()}" if question else "")
     )
 
-    settings = lab.LabSettings(
+    settings = labsettings.LabSettings(
         model_name,
         text,
         prompt_tokens,
@@ -412,7 +412,7 @@ def _run_and_show(
     show(result, present)
 
 
-def show(result: lab.LabResult, present: bool = False) -> None:
+def show(result: labstore.LabResult, present: bool = False) -> None:
     """The result: how it was scored, the cards, the per-token KL, the greedy texts side by side, the
     per-token log-loss and every number. Presentation mode: the KL strip and the texts first, larger."""
     q, pair = result.quality, result.pair
@@ -438,7 +438,7 @@ def show(result: lab.LabResult, present: bool = False) -> None:
         )
 
 
-def about(result: lab.LabResult) -> None:
+def about(result: labstore.LabResult) -> None:
     """What was scored: the model, the prompt and the continuation (and a text too short for the prompt)."""
     d = result.quality.as_dict()
     where = (
@@ -454,7 +454,7 @@ def about(result: lab.LabResult) -> None:
         f"{result.model}: {d['prompt_tokens']}-token prompt{question}, {d['continuation_tokens']} continuation "
         f"tokens scored (teacher-forced; {where})."
     )
-    if result.asked is not None:  # the text was shorter than the prompt asked for (lab.fit_to_text)
+    if result.asked is not None:  # the text was shorter than the prompt asked for (fit_to_text)
         context = d["prompt_tokens"] - d["question_tokens"]
         st.info(
             f"This text has {context + d['continuation_tokens']} tokens, too few for a "

@@ -341,15 +341,15 @@ def test_model_lab_offers_this_machines_devices_and_an_out_of_memory_run_is_one_
 @pytest.mark.parametrize("prompt", [None, 512], ids=["the default prompt", "a longer prompt"])
 def test_model_lab_bakery_story_runs_where_its_text_is_shorter_than_the_prompt(monkeypatch, prompt):
     """The Bakery story (177 tokens) against the page's default 206-token prompt, or a link's 512: the run
-    shortens the prompt to what the text holds (lab.fit_to_text) and says so in the page's words."""
-    from kvviz.decode import lab
+    shortens the prompt to what the text holds (labsettings.fit_to_text) and says so in the page's words."""
+    from kvviz.decode import labsettings
 
     share_one_model_load(monkeypatch)
     params = {"lab_text": "bakery", "lab_cont": 8, "lab_greedy": 4} | (
         {"lab_prompt": prompt} if prompt else {}
     )
     at = run(LAB, **params)
-    asked = prompt or lab.DEFAULT_PROMPT
+    asked = prompt or labsettings.DEFAULT_PROMPT
     at.button(key="lab_run").click().run()
     assert not at.exception, [e.value for e in at.exception]
     assert [e.value for e in at.error] == []

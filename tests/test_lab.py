@@ -1,5 +1,6 @@
-"""kvviz.decode.lab: the Model lab's compute outside Streamlit (tiny random Llama), its JSON results
-on disk, the estimate, and the page opening on a stored result without loading a model."""
+"""kvviz.decode.lab, labsettings and labstore: the Model lab's compute outside Streamlit (tiny random
+Llama), its JSON results on disk, the estimate, and the page opening on a stored result without loading a
+model."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytest.importorskip("transformers")
 
 from kvviz import decode as gen  # noqa: E402
 from kvviz.decode import hook  # noqa: E402
-from kvviz.decode import lab  # noqa: E402
+from kvviz.decode import lab, labsettings, labstore  # noqa: E402
 from kvviz.spec import Spec, SpecError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +44,7 @@ def tiny():
 def lab_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("KVVIZ_LAB_DIR", str(tmp_path / "lab"))
     lab._FULL.clear()
-    lab._RUNS.clear()
+    labstore._RUNS.clear()
 
 
 @pytest.mark.parametrize(
@@ -56,7 +57,7 @@ def lab_dir(tmp_path, monkeypatch):
 )
 def test_a_run_equals_the_separate_functions(tiny, spec):
     model, text = tiny
-    settings = lab.LabSettings("tiny", text, 24, 20, 8, spec)
+    settings = labsettings.LabSettings("tiny", text, 24, 20, 8, spec)
     streamed = []
     result = lab.run(model, Tok(), "tiny", settings, on_token=lambda i, t: streamed.append(t))
     ids = Tok()(text)["input_ids"]
@@ -76,7 +77,7 @@ def test_a_run_equals_the_separate_functions(tiny, spec):
         settings.__class__(**{**settings.__dict__, "spec": Spec(sink=1, recent=4)}),
     )
     assert again.pair.full_ids == pair.full_ids
-    assert lab.estimate(settings) > 0  # measured step times now exist
+    assert labstore.estimate(settings) > 0  # measured step times now exist
 
 
 @pytest.mark.parametrize(
@@ -96,8 +97,8 @@ def test_a_run_equals_the_separate_functions(tiny, spec):
     ],
 )
 def test_fit_to_text_shortens_only_a_prompt_the_text_cannot_hold(n_ids, asked, fitted):
-    settings = lab.LabSettings("tiny", "", *asked, 0, Spec())
-    got = lab.fit_to_text(settings, n_ids)
+    settings = labsettings.LabSettings("tiny", "", *asked, 0, Spec())
+    got = labsettings.fit_to_text(settings, n_ids)
     assert (got.prompt_tokens, got.continuation) == fitted
     assert (got is settings) == (fitted == asked)
     if got is not settings:  # the whole text: prompt, then what is scored
@@ -106,9 +107,9 @@ def test_fit_to_text_shortens_only_a_prompt_the_text_cannot_hold(n_ids, asked, f
 
 def test_a_text_shorter_than_the_prompt_runs_on_the_fitted_settings_and_says_what_was_asked(tiny):
     model, text = tiny  # 60 tokens
-    asked = lab.LabSettings("tiny", text, 64, 20, 0, Spec(sink=2, recent=6))
+    asked = labsettings.LabSettings("tiny", text, 64, 20, 0, Spec(sink=2, recent=6))
     result = lab.run(model, Tok(), "tiny", asked)
-    fitted = lab.fit_to_text(asked, 60)
+    fitted = labsettings.fit_to_text(asked, 60)
     assert result.asked == asked and (fitted.prompt_tokens, fitted.continuation) == (40, 20)
     same = lab.run(model, Tok(), "tiny", fitted)
     assert same.asked is None
@@ -128,7 +129,7 @@ def test_a_run_with_a_question_equals_the_separate_functions(tiny, spec, point):
     """A question after the context: the batched lab loop (question fed first when compressing before it) gives
     what evaluate and side_by_side give alone, and streams the answer from its first token."""
     model, text = tiny
-    settings = lab.LabSettings(
+    settings = labsettings.LabSettings(
         "tiny", text, 20, 16, 6, spec, question="3 1 4 1 5", question_point=point
     )
     streamed = []
@@ -173,7 +174,9 @@ def test_compressing_before_the_question_decodes_it_through_the_compressed_cache
 
 def test_a_callback_can_cancel_a_run(tiny):
     model, text = tiny
-    settings = lab.LabSettings("tiny", text, 24, 20, 12, Spec(sink=2, recent=4, scorer="h2o"))
+    settings = labsettings.LabSettings(
+        "tiny", text, 24, 20, 12, Spec(sink=2, recent=4, scorer="h2o")
+    )
 
     def stop(i, t):
         if i == 4:
@@ -186,14 +189,14 @@ def test_a_callback_can_cancel_a_run(tiny):
 
 def test_results_round_trip_through_json(tiny):
     model, text = tiny
-    settings = lab.LabSettings(
+    settings = labsettings.LabSettings(
         "tiny", text, 24, 20, 6, Spec(sink=2, recent=6, heavy=4, scorer="knorm", key_bits=4)
     )
     result = lab.run(model, Tok(), "tiny", settings)
-    assert lab.load_result(settings) is None
-    path = lab.save_result(settings, result)
+    assert labstore.load_result(settings) is None
+    path = labstore.save_result(settings, result)
     assert path.is_file() and path.read_text().startswith("{")  # JSON, not a pickle
-    back = lab.load_result(settings)
+    back = labstore.load_result(settings)
     q, b = result.quality, back.quality
     assert (
         b.spec == q.spec
@@ -203,12 +206,12 @@ def test_results_round_trip_through_json(tiny):
     )
     assert b.as_dict() == q.as_dict()
     assert back.pair == result.pair and back.precomputed
-    other = lab.LabSettings(
+    other = labsettings.LabSettings(
         "tiny", text, 24, 20, 6, Spec(sink=2, recent=6, heavy=4, scorer="knorm")
     )
-    assert lab.load_result(other) is None  # keyed by the settings
+    assert labstore.load_result(other) is None  # keyed by the settings
     path.write_text("{broken")
-    assert lab.load_result(settings) is None
+    assert labstore.load_result(settings) is None
 
 
 def test_the_page_opens_on_the_stored_default_result(tiny, monkeypatch):
@@ -218,10 +221,13 @@ def test_the_page_opens_on_the_stored_default_result(tiny, monkeypatch):
 
     model, text = tiny
     tiny_result = lab.run(
-        model, Tok(), "tiny", lab.LabSettings("tiny", text, 24, 20, 6, Spec(sink=4, recent=8))
+        model,
+        Tok(),
+        "tiny",
+        labsettings.LabSettings("tiny", text, 24, 20, 6, Spec(sink=4, recent=8)),
     )
-    default = lab.default_settings()
-    lab.save_result(default, dataclasses.replace(tiny_result, model="stored model"))
+    default = labsettings.default_settings()
+    labstore.save_result(default, dataclasses.replace(tiny_result, model="stored model"))
     monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     at = run_app(LAB_PAGE, 300)
     assert not at.exception
@@ -234,18 +240,20 @@ def test_the_page_opens_on_the_stored_default_result(tiny, monkeypatch):
 def test_the_estimate_is_the_median_of_the_last_runs_of_the_same_size():
     """Not "About 5 s" for a run that took 94 s on a busy server. The estimate is what runs of this
     size took on this server lately: the median of the last five, a different size not mixed in."""
-    settings = lab.default_settings()
-    lab._record("step", 0.01)
-    lab._record("forward_token", 0.001)
-    by_steps = lab.step_estimate(settings)
-    assert lab.estimate(settings) == pytest.approx(by_steps) and lab.recent_runs(settings) == (
+    settings = labsettings.default_settings()
+    labstore._record("step", 0.01)
+    labstore._record("forward_token", 0.001)
+    by_steps = labstore.step_estimate(settings)
+    assert labstore.estimate(settings) == pytest.approx(by_steps) and labstore.recent_runs(
+        settings
+    ) == (
         None,
         0,
     )
     for seconds in (90.0, 6.0, 7.0):
-        lab.record_run(settings, seconds)
-    assert lab.recent_runs(settings) == (7.0, 3) and lab.estimate(settings) == 7.0
-    other = lab.LabSettings(
+        labstore.record_run(settings, seconds)
+    assert labstore.recent_runs(settings) == (7.0, 3) and labstore.estimate(settings) == 7.0
+    other = labsettings.LabSettings(
         settings.model,
         settings.text,
         settings.prompt_tokens * 2,
@@ -253,12 +261,12 @@ def test_the_estimate_is_the_median_of_the_last_runs_of_the_same_size():
         settings.greedy_tokens,
         settings.spec,
     )
-    lab.record_run(other, 500.0)
-    assert lab.estimate(settings) == 7.0 and lab.recent_runs(other) == (500.0, 1)
+    labstore.record_run(other, 500.0)
+    assert labstore.estimate(settings) == 7.0 and labstore.recent_runs(other) == (500.0, 1)
     for seconds in (30.0, 31.0, 32.0, 33.0):  # only the last five count: 7, 30, 31, 32, 33
-        lab.record_run(settings, seconds)
-    assert lab.recent_runs(settings) == (31.0, 5)
-    stepwise = lab.LabSettings(
+        labstore.record_run(settings, seconds)
+    assert labstore.recent_runs(settings) == (31.0, 5)
+    stepwise = labsettings.LabSettings(
         settings.model,
         settings.text,
         settings.prompt_tokens,
@@ -266,9 +274,9 @@ def test_the_estimate_is_the_median_of_the_last_runs_of_the_same_size():
         settings.greedy_tokens,
         Spec(sink=4, recent=8, heavy=2, scorer="h2o"),
     )
-    assert lab.one_pass(stepwise.spec) != lab.one_pass(Spec())
-    assert lab.recent_runs(
-        lab.LabSettings(
+    assert labsettings.one_pass(stepwise.spec) != labsettings.one_pass(Spec())
+    assert labstore.recent_runs(
+        labsettings.LabSettings(
             settings.model,
             settings.text,
             settings.prompt_tokens,
@@ -281,12 +289,12 @@ def test_the_estimate_is_the_median_of_the_last_runs_of_the_same_size():
 
 def test_a_run_records_its_time(tiny):
     model, text = tiny
-    settings = lab.LabSettings("tiny", text, 24, 20, 4, Spec(sink=2, recent=6))
+    settings = labsettings.LabSettings("tiny", text, 24, 20, 4, Spec(sink=2, recent=6))
     result = lab.run(model, Tok(), "tiny", settings)
-    assert isinstance(result, lab.LabResult)  # a frozen result with named fields
+    assert isinstance(result, labstore.LabResult)  # a frozen result with named fields
     with pytest.raises(dataclasses.FrozenInstanceError):
         result.seconds = 0.0
-    assert lab.recent_runs(settings) == (pytest.approx(result.seconds), 1)
+    assert labstore.recent_runs(settings) == (pytest.approx(result.seconds), 1)
 
 
 def test_the_page_says_where_its_estimate_comes_from_and_when_the_server_is_busy(monkeypatch):
@@ -299,7 +307,7 @@ def test_the_page_says_where_its_estimate_comes_from_and_when_the_server_is_busy
 
     assert caption(run_app(LAB_PAGE, 120)).startswith("The first run also measures")
     for seconds in (12.0, 95.0, 14.0):
-        lab.record_run(lab.default_settings(), seconds)
+        labstore.record_run(labsettings.default_settings(), seconds)
     text = caption(run_app(LAB_PAGE, 120))
     assert text.startswith(
         "About 14 s (the median of the last 3 runs of this size on this server)"

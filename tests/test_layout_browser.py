@@ -141,14 +141,14 @@ LAYOUT_JS = r"""() => {
 def lab_result() -> bool:
     """The Model lab's default result as precomputed on this machine, copied into the tests' lab folder
     (conftest points KVVIZ_LAB_DIR at a fresh one); False where there is none."""
-    from kvviz.decode import lab
+    from kvviz.decode import labsettings, labstore
 
-    name = lab.result_path(lab.default_settings()).name
+    name = labstore.result_path(labsettings.default_settings()).name
     home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvviz" / "lab" / name
     if not home.is_file():
         return False
-    lab.lab_cache_dir().mkdir(parents=True, exist_ok=True)
-    shutil.copy(home, lab.lab_cache_dir() / name)
+    labstore.lab_cache_dir().mkdir(parents=True, exist_ok=True)
+    shutil.copy(home, labstore.lab_cache_dir() / name)
     return True
 
 

@@ -11,7 +11,9 @@ quality against the full-cache reference, and the Model lab's run.
     quality     the teacher-forced reference, perplexity / KL / top-1
     sidebyside  greedy text of the full and the compressed cache side by side, where they part
     eval_sweep  `kvviz eval-sweep`: named methods x budgets
-    lab         the Model lab's run, its cached results and timings
+    labsettings what a Model lab run is asked (LabSettings, the page's defaults), one pass or steps
+    labstore    what Model lab runs leave: results as JSON on disk, the times runs took (the estimate)
+    lab         the Model lab's run (the full-cache side kept per text) and the precomputed default
 
 May import: the core, policies, quant, models. torch and transformers only inside functions.
 """

@@ -1,6 +1,6 @@
 """The Model lab's compute, without Streamlit: one run of a real model with a compressed cache.
 
-A run (LabSettings) is
+A run (kvviz.decode.labsettings.LabSettings) is
     the full-cache side, once per text (it does not depend on the spec):
         one forward over prompt + continuation: the reference logits and every layer's
         q, k, v (kvviz.decode.loop.Prefill), then the full cache's greedy continuation
@@ -9,39 +9,34 @@ A run (LabSettings) is
         H2O / TOVA / the oracle) and the compressed greedy continuation, token by token
         (on_token streams it; a callback that raises stops the run).
 
-Results go to JSON (never pickle) so the default settings' result can be precomputed
+Its result (kvviz.decode.labstore.LabResult) goes to JSON so the default settings' result can be precomputed
 (`python -m kvviz.decode.lab --precompute`, run by `make venv`, or in the background on the
-app's first start) and the page opens on it at once. `estimate` says how long a run will
-take: the median of the last runs of the same size on this server (`record_run`), else from the per-step
-times measured on this machine. torch is imported lazily.
+app's first start) and the page opens on it at once; labstore also keeps the times runs take, from which
+the page says how long the next one will. torch is imported lazily.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
-
+from kvviz.decode.labsettings import LabSettings, default_settings, fit_to_text, one_pass
+from kvviz.decode.labstore import (
+    LabResult,
+    _record,
+    load_result,
+    record_run,
+    result_path,
+    save_result,
+)
 from kvviz.spec import Spec
 
-if TYPE_CHECKING:
-    from kvviz.decode.quality import Quality
-    from kvviz.decode.sidebyside import SideBySide
-
 Progress = Callable[[float, str], None]
-LAB_FORMAT = 1
-DEFAULT_MODEL = "bundled"
-DEFAULT_PROMPT, DEFAULT_CONTINUATION, DEFAULT_GREEDY = 206, 57, 32
 _FULL: OrderedDict = OrderedDict()  # full-cache side per (model, ids, n, m, greedy)
 _FULL_LOCK = threading.Lock()
 _FULL_SIZE = 8
@@ -51,79 +46,7 @@ class Cancelled(Exception):
     """Raised by a progress / token callback to stop a run."""
 
 
-@dataclass(frozen=True)
-class LabSettings:
-    model: str
-    text: str
-    prompt_tokens: int
-    continuation: int
-    greedy_tokens: int
-    spec: Spec
-    device: str = "cpu"  # where the model and its compressed cache run (cpu, cuda:N, mps)
-    # the weights' dtype, which the cache keeps (float32, bfloat16, float16)
-    dtype: str = "float32"
-    # a question after the prompt's first prompt_tokens tokens (kvviz.decode.quality.reference); "" = none
-    question: str = ""
-    # where the cache is compressed when there is a question: before it (query-agnostic, kvpress's pipeline
-    # default) or after it (query-aware); kvviz.decode.quality.QUESTION_POINTS
-    question_point: str = "before-question"
-
-    def key(self) -> tuple:
-        return (
-            self.model,
-            self.text,
-            self.prompt_tokens,
-            self.continuation,
-            self.greedy_tokens,
-            tuple(sorted(self.spec.__dict__.items())),
-            self.device,
-            self.dtype,
-            self.question,
-            self.question_point if self.question else "",
-        )
-
-
-def default_settings(spec: Spec | None = None) -> LabSettings:
-    """The page's opening settings: the sample text, 206 + 57 tokens, 32 greedy, the sidebar's default spec
-    (what a link without settings describes, kvviz.links: the app's defaults, not Spec()'s)."""
-    from kvviz import links
-    from kvviz.decode.quality import sample_text
-
-    spec = spec or links.spec_from_values(links.defaults())
-    return LabSettings(
-        DEFAULT_MODEL, sample_text(), DEFAULT_PROMPT, DEFAULT_CONTINUATION, DEFAULT_GREEDY, spec
-    )
-
-
-def fit_to_text(settings: LabSettings, n_ids: int) -> LabSettings:
-    """The settings a text of n_ids tokens can run. Unchanged where the text is longer than the prompt;
-    otherwise the prompt is shortened so that the asked continuation, at most half the text, is left to
-    score (a 177-token story against the page's 206-token default prompt: 120 + 57). A text of fewer than
-    two tokens cannot be split and is left to the run's own error."""
-    if n_ids > settings.prompt_tokens or n_ids < 2:
-        return settings
-    continuation = max(1, min(settings.continuation, n_ids // 2))
-    return dataclasses.replace(
-        settings, prompt_tokens=n_ids - continuation, continuation=continuation
-    )
-
-
 # --- the run -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, eq=False)
-class LabResult:
-    """One Model lab run: the teacher-forced quality, the greedy texts side by side, and what they ran on."""
-
-    quality: Quality  # kvviz.decode.quality.Quality
-    pair: SideBySide | None  # the greedy continuations (None when no greedy tokens were asked for)
-    model: str  # the model's label
-    n_text_tokens: int  # tokens of prompt (question included) + continuation
-    prompt_text: str  # the prompt as its tokens read
-    seconds: float
-    precomputed: bool = False  # read back from disk (load_result), not run in this process
-    # the settings asked for, where the text was too short for them and the run used fit_to_text's instead
-    asked: LabSettings | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -319,224 +242,13 @@ def _full_key(model, ids, settings: LabSettings) -> tuple:
     )
 
 
-def one_pass(spec: Spec) -> bool:
-    """Does teacher forcing under this spec run as one masked pass (see CompressedCache.block_ok)?"""
-    from kvviz.policies import get_policy
-
-    policy = get_policy(spec.scorer)
-    return not (spec.evicts and (policy.streaming or policy.needs_query or spec.compress_every))
-
-
-# --- how long a run takes ----------------------------------------------------------------------
-
-
-def _timings_path() -> Path:
-    return lab_cache_dir() / "timings.json"
-
-
-def _timings() -> dict:
-    try:
-        d = json.loads(_timings_path().read_text())
-        return d if isinstance(d, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _record(kind: str, seconds: float) -> None:
-    """Remember a measured time (exponential average with the previous ones)."""
-    try:
-        d = _timings()
-        old = d.get(kind)
-        d[kind] = (
-            float(seconds)
-            if not isinstance(old, (int, float))
-            else 0.5 * old + 0.5 * float(seconds)
-        )
-        lab_cache_dir().mkdir(parents=True, exist_ok=True)
-        _timings_path().write_text(json.dumps(d))
-    except OSError:
-        pass
-
-
-# run size -> the last few runs' seconds, in this process (this server)
-_RUNS: OrderedDict = OrderedDict()
-_RUNS_LOCK = threading.Lock()
-RUNS_KEPT = 5  # per size: the median of the last five
-
-
-def run_size(settings: LabSettings) -> tuple:
-    """What a run's time depends on: prompt, continuation and greedy tokens, and whether the teacher-forced
-    tokens go in one masked pass or step by step."""
-    return (
-        settings.prompt_tokens,
-        settings.continuation,
-        settings.greedy_tokens,
-        one_pass(settings.spec),
-    )
-
-
-def record_run(settings: LabSettings, seconds: float) -> None:
-    """Remember how long a finished run of this size took (kept in memory for this server process)."""
-    size = run_size(settings)
-    with _RUNS_LOCK:
-        last = _RUNS.pop(size, [])
-        _RUNS[size] = (last + [float(seconds)])[-RUNS_KEPT:]
-        while len(_RUNS) > 64:
-            _RUNS.popitem(last=False)
-
-
-def recent_runs(settings: LabSettings) -> tuple[float | None, int]:
-    """(median seconds, how many runs) of the last runs of this size on this server; (None, 0) before any."""
-    with _RUNS_LOCK:
-        last = list(_RUNS.get(run_size(settings), ()))
-    return (float(np.median(last)), len(last)) if last else (None, 0)
-
-
-def estimate(settings: LabSettings, full_cached: bool = False) -> float | None:
-    """Expected seconds of a run from the times measured here before (None before any run): the median
-    of the last runs of the same size on this server, else the per-step times measured on this machine."""
-    median, _ = recent_runs(settings)
-    if median is not None:
-        return median
-    return step_estimate(settings, full_cached)
-
-
-def step_estimate(settings: LabSettings, full_cached: bool = False) -> float | None:
-    """Expected seconds of a run from the per-token and per-step times measured here (None before any run)."""
-    d = _timings()
-    step, tok = d.get("step"), d.get("forward_token")
-    if step is None or tok is None:
-        return None
-    n, m, g = settings.prompt_tokens, settings.continuation, settings.greedy_tokens
-    # one batched decode loop as long as its longest run, plus the prefill and the masked pass
-    seconds = 0.0 if full_cached else tok * (n + m)
-    seconds += step * max(g - 1, 0 if one_pass(settings.spec) else m - 1, 0)
-    if one_pass(settings.spec):
-        seconds += tok * 1.5 * m
-    return seconds
-
-
 def full_cached(model, tokenizer, settings: LabSettings) -> bool:
     from kvviz.decode.quality import tokenize
 
     return _full_key(model, tokenize(tokenizer, settings.text), settings) in _FULL
 
 
-# --- results on disk (JSON, no pickle) ---------------------------------------------------------
-
-
-def lab_cache_dir() -> Path:
-    """$KVVIZ_LAB_DIR, else $XDG_CACHE_HOME/kvviz/lab."""
-    env = os.environ.get("KVVIZ_LAB_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvviz" / "lab"
-
-
-def result_path(settings: LabSettings) -> Path:
-    """Where the result of these settings is stored: keyed by the settings, the model file and the code."""
-    from kvviz.version import __version__
-    from kvviz.models import BUNDLED, bundled_model_file, file_sha256
-
-    model_id = settings.model
-    if settings.model == BUNDLED and bundled_model_file() is not None:
-        model_id = file_sha256(bundled_model_file())
-    where = (
-        []
-        if (settings.device, settings.dtype) == ("cpu", "float32")
-        else [settings.device, settings.dtype]
-    )
-    blob = json.dumps(
-        [
-            LAB_FORMAT,
-            __version__,
-            model_id,
-            settings.text,
-            settings.prompt_tokens,
-            settings.continuation,
-            settings.greedy_tokens,
-            settings.spec.as_dict(),
-            *where,
-            *([settings.question, settings.question_point] if settings.question else []),
-        ],
-        sort_keys=True,
-    )
-    return lab_cache_dir() / f"result-{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
-
-
-def result_to_json(result: LabResult) -> dict:
-    q, pair = result.quality, result.pair
-    qd = {f.name: getattr(q, f.name) for f in dataclasses.fields(q)}
-    qd["spec"] = q.spec.as_dict()
-    qd["tokens"] = list(q.tokens)
-    for k in ("nll", "nll_full", "kl"):
-        qd[k] = [float(x) for x in qd[k]]
-    for k in ("top1", "top1_full"):
-        qd[k] = [int(x) for x in qd[k]]
-    pd = None
-    if pair is not None:
-        pd = {f.name: getattr(pair, f.name) for f in dataclasses.fields(pair)}
-        pd["spec"] = pair.spec.as_dict()
-        for k in ("full_ids", "compressed_ids", "full_tokens", "compressed_tokens"):
-            pd[k] = list(pd[k])
-    return {
-        "format": LAB_FORMAT,
-        "quality": qd,
-        "pair": pd,
-        **{k: getattr(result, k) for k in ("model", "n_text_tokens", "prompt_text", "seconds")},
-    }
-
-
-def result_from_json(d: dict) -> LabResult:
-    from kvviz.decode.quality import Quality
-    from kvviz.decode.sidebyside import SideBySide
-
-    q = dict(d["quality"])
-    q["spec"] = Spec(**q["spec"])
-    q["tokens"] = tuple(q["tokens"])
-    for k in ("nll", "nll_full", "kl"):
-        q[k] = np.asarray(q[k], dtype=np.float64)
-    for k in ("top1", "top1_full"):
-        q[k] = np.asarray(q[k], dtype=np.int64)
-    pair = None
-    if d.get("pair") is not None:
-        p = dict(d["pair"])
-        p["spec"] = Spec(**p["spec"])
-        for k in ("full_ids", "compressed_ids", "full_tokens", "compressed_tokens"):
-            p[k] = tuple(p[k])
-        pair = SideBySide(**p)
-    return LabResult(
-        quality=Quality(**q),
-        pair=pair,
-        model=d["model"],
-        n_text_tokens=d["n_text_tokens"],
-        prompt_text=d["prompt_text"],
-        seconds=d["seconds"],
-        precomputed=True,
-    )
-
-
-def save_result(settings: LabSettings, result: LabResult) -> Path | None:
-    path = result_path(settings)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(result_to_json(result)))
-        tmp.replace(path)
-        return path
-    except OSError:
-        return None
-
-
-def load_result(settings: LabSettings) -> LabResult | None:
-    """The stored result of these settings, or None (missing, unreadable, another format)."""
-    try:
-        d = json.loads(result_path(settings).read_text())
-        if not isinstance(d, dict) or d.get("format") != LAB_FORMAT:
-            return None
-        return result_from_json(d)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+# --- the default result, precomputed ---------------------------------------------------------------
 
 
 def precompute(
