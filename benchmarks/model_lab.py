@@ -35,7 +35,7 @@ def main() -> int:
 
     import torch
 
-    from kvviz.decode import lab
+    from kvviz.decode import lab, labsettings
     from kvviz.decode.loop import plain_decode
     from kvviz.decode.quality import tokenize
     from kvviz.models import load_model
@@ -47,19 +47,19 @@ def main() -> int:
     print(
         f"model: {info.label}, loaded in {time.perf_counter() - t:.1f} s; torch threads {torch.get_num_threads()}"
     )
-    default = lab.default_settings()
+    default = labsettings.default_settings()
     n, m, g = default.prompt_tokens, default.continuation, default.greedy_tokens
     ids = tokenize(tokenizer, default.text)[: n + m]
     budget = dict(sink=default.spec.sink, recent=default.spec.recent, heavy=default.spec.heavy)
     runs = {
         f"h2o {default.spec.label()} (the page's default)": default,
-        "snapkv, same budget (one-shot)": lab.LabSettings(
+        "snapkv, same budget (one-shot)": labsettings.LabSettings(
             **{**default.__dict__, "spec": Spec(**budget, scorer="snapkv")}
         ),
-        "streaming sink 4 + recent 10 (one-shot)": lab.LabSettings(
+        "streaming sink 4 + recent 10 (one-shot)": labsettings.LabSettings(
             **{**default.__dict__, "spec": Spec(sink=4, recent=10, scorer="streaming")}
         ),
-        "kivi-2bit alone (one-shot)": lab.LabSettings(
+        "kivi-2bit alone (one-shot)": labsettings.LabSettings(
             **{**default.__dict__, "spec": Spec(key_bits=2, value_bits=2, residual=32)}
         ),
     }
@@ -79,7 +79,7 @@ def main() -> int:
         return time.perf_counter() - t0
 
     plain()  # warm-up
-    lab_run(lab.LabSettings(**{**default.__dict__, "continuation": 8, "greedy_tokens": 4}))
+    lab_run(labsettings.LabSettings(**{**default.__dict__, "continuation": 8, "greedy_tokens": 4}))
     base: list[float] = []
     took: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(a.repeats):
@@ -94,7 +94,7 @@ def main() -> int:
     ok = True
     for name, settings in runs.items():
         c = statistics.median(took[name])
-        target = 1.0 if lab.one_pass(settings.spec) else 1.5
+        target = 1.0 if labsettings.one_pass(settings.spec) else 1.5
         ok &= c / b <= target
         print(
             f"{name}: Model lab run / plain transformers work = {c / b:.2f} ({c:.2f} s; target <= {target})"
