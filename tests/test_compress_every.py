@@ -485,38 +485,13 @@ def test_quantized_kept_tokens_after_a_compression_are_quantize_of_what_is_kept(
 ):
     """The incremental quantizer reuses groups across steps; a compression during decoding removes tokens from
     the middle of the cache, and what is attended is still kvviz.quant.quantize of the kept K/V at every step."""
-    from kvviz.decode.cache import CompressedCache
+    from decode_util import check_every_quantization, two_and_three_bit_spec
+
     from kvviz.decode.loop import decode
-    from kvviz.quant import quantize
 
     model, ids = tiny
-    spec = Spec(
-        sink=2,
-        recent=5,
-        heavy=6,
-        scorer="knorm",
-        compress_every=4,
-        key_bits=2,
-        value_bits=3,
-        key_axis=axes[0],
-        value_axis=axes[1],
-        group_size=4,
-        residual=3,
-    )
-    checked = []
-    original = CompressedCache._quantized
-
-    def checking(self, layer, which, x, idx):
-        out = original(self, layer, which, x, idx)
-        s = self.spec
-        bits, axis = (s.key_bits, s.key_axis) if which == "k" else (s.value_bits, s.value_axis)
-        np.testing.assert_allclose(
-            out, quantize(x, bits, axis, s.group_size, s.residual, s.symmetric), rtol=0, atol=1e-6
-        )
-        checked.append(x.shape[1])
-        return out
-
-    monkeypatch.setattr(CompressedCache, "_quantized", checking)
+    spec = two_and_three_bit_spec(axes, sink=2, recent=5, heavy=6, scorer="knorm", compress_every=4)
+    checked = check_every_quantization(monkeypatch)
     decode(model, ids[:20], spec, 16, feed=ids[20:36])
     assert len(checked) == 2 * 2 * 16 and sorted(set(checked)) == [14, 15, 16, 17]
 

@@ -30,6 +30,8 @@ from kvviz.decode.cache import CompressedCache  # noqa: E402
 from kvviz.decode.loop import decode  # noqa: E402
 from kvviz.spec import Spec  # noqa: E402
 
+from decode_util import two_and_three_bit_spec  # noqa: E402
+
 
 def _softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max())
@@ -162,14 +164,8 @@ def test_quantized_decode_reads_the_formulas_of_the_kept_tokens(tiny, monkeypatc
     """The K and V attention reads at every step, layer and KV head equal docs/definitions.md's min-max formulas
     (test_quant._reference, plain numpy loops) applied to the full-precision kept tokens, the last
     `residual` of them exact."""
-    spec = Spec(
-        key_bits=2,
-        value_bits=3,
-        key_axis=axes[0],
-        value_axis=axes[1],
-        group_size=4,
-        residual=3,
-        **(dict(sink=2, recent=5, heavy=6, scorer=scorer) if scorer else {}),
+    spec = two_and_three_bit_spec(
+        axes, **(dict(sink=2, recent=5, heavy=6, scorer=scorer) if scorer else {})
     )
     read = []
     original = CompressedCache._kept_kv

@@ -22,19 +22,28 @@ transformers = pytest.importorskip("transformers")
 
 from kvviz.spec import Spec  # noqa: E402
 from kvviz import decode as gen  # noqa: E402
-from kvviz.decode.cache import CompressedCache  # noqa: E402
 from kvviz.decode.loop import decode, masked_reference_logits, plain_decode  # noqa: E402
 from kvviz.decode.quality import evaluate, reference  # noqa: E402
 from kvviz.decode.sidebyside import first_divergence, side_by_side  # noqa: E402
 from kvviz.policies import ScoreContext, get_policy  # noqa: E402
-from kvviz.quant import quantize  # noqa: E402
 from kvviz.spec import SpecError  # noqa: E402
 
 from cli_util import run_cli  # noqa: E402
+from decode_util import check_every_quantization, two_and_three_bit_spec  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SAMPLE = gen.SAMPLE_TEXT_FILE
 ALL_SCORERS = ("h2o", "tova", "snapkv", "streaming", "oracle", "knorm", "random")
+# the numbers of a quality evaluation (Quality.as_dict and `kvviz eval --json`)
+QUALITY_KEYS = (
+    "perplexity",
+    "perplexity_full",
+    "kl_mean",
+    "kl_max",
+    "top1_agreement",
+    "kv_bytes",
+    "compression_ratio",
+)
 
 
 # --- a tiny random Llama (the `tiny` fixture, conftest.tiny_llama) ---------------------------------
@@ -120,28 +129,10 @@ def test_real_run_makes_the_policies_own_decisions(tiny, scorer, normalized):
 def test_quantized_cache_is_quantize_of_what_is_kept(tiny, monkeypatch, axes, scorer):
     """The incremental quantizer equals kvviz.quant.quantize of the kept K/V at every step."""
     model, ids = tiny
-    spec = Spec(
-        key_bits=2,
-        value_bits=3,
-        key_axis=axes[0],
-        value_axis=axes[1],
-        group_size=4,
-        residual=3,
-        **(dict(sink=2, recent=5, heavy=6, scorer=scorer) if scorer else {}),
+    spec = two_and_three_bit_spec(
+        axes, **(dict(sink=2, recent=5, heavy=6, scorer=scorer) if scorer else {})
     )
-    checked = []
-    original = CompressedCache._quantized
-
-    def checking(self, layer, which, x, idx):
-        out = original(self, layer, which, x, idx)
-        s = self.spec
-        bits, axis = (s.key_bits, s.key_axis) if which == "k" else (s.value_bits, s.value_axis)
-        direct = quantize(x, bits, axis, s.group_size, s.residual, s.symmetric)
-        np.testing.assert_allclose(out, direct, rtol=0, atol=1e-6)
-        checked.append(x.shape[1])
-        return out
-
-    monkeypatch.setattr(CompressedCache, "_quantized", checking)
+    checked = check_every_quantization(monkeypatch)
     logits, _, _ = decode(model, ids[:20], spec, 25, feed=ids[20:45])
     assert len(checked) == 2 * 2 * 25 and max(checked) > spec.group_size + spec.residual
     checked.clear()
@@ -246,15 +237,7 @@ def test_bundled_no_compression_is_the_full_cache(bundled):
     assert q.perplexity == pytest.approx(q.perplexity_full, rel=1e-4)
     assert q.kl_max < 1e-4 and q.top1_agreement == 1.0 and q.compression_ratio == pytest.approx(1.0)
     d = q.as_dict()
-    for key in (
-        "perplexity",
-        "perplexity_full",
-        "kl_mean",
-        "kl_max",
-        "top1_agreement",
-        "kv_bytes",
-        "compression_ratio",
-    ):
+    for key in QUALITY_KEYS:
         assert np.isfinite(d[key])
     # 30 layers x 3 KV heads x 64 dims x K and V x 2 bytes per token
     assert q.kv_bytes_full == 71 * 2 * 2 * 30 * 3 * 64
@@ -381,15 +364,7 @@ def test_cli_eval_json_and_sweep_csv(bundled, capsys, monkeypatch, tmp_path):
     )
     assert code == 0
     d = json.loads(out)
-    for key in (
-        "perplexity",
-        "perplexity_full",
-        "kl_mean",
-        "kl_max",
-        "top1_agreement",
-        "kv_bytes",
-        "compression_ratio",
-    ):
+    for key in QUALITY_KEYS:
         assert isinstance(d[key], float), key
     assert d["prompt_tokens"] == 64 and d["continuation_tokens"] == 12 and d["kept_tokens"] == 20
     assert (
