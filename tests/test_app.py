@@ -415,39 +415,14 @@ def test_switching_the_source_keeps_the_last_step_as_a_fresh_link_does():
 
 
 def test_scorer_notes_say_what_is_kept():
-    at = run(
-        source="synthetic",
-        context="128",
-        steps="4",
-        scorer="snapkv",
-        sink="4",
-        recent="23",
-        heavy="24",
-    )
+    at = run(**SMALL, scorer="snapkv", sink="4", recent="23", heavy="24")
     info = " ".join(i.value for i in at.info)
     assert (
         "the last 23 context queries (positions 105–127)" in info and "before position 105" in info
     )
-    at = run(
-        source="synthetic",
-        context="128",
-        steps="4",
-        scorer="oracle",
-        sink="4",
-        recent="8",
-        heavy="8",
-    )
+    at = run(**SMALL, scorer="oracle", sink="4", recent="8", heavy="8")
     assert "not for each query head" in " ".join(i.value for i in at.info)
-    at = run(
-        source="synthetic",
-        context="128",
-        steps="4",
-        scorer="snapkv",
-        sink="4",
-        recent="8",
-        heavy="8",
-        snap_window="16",
-    )
+    at = run(**SMALL, scorer="snapkv", sink="4", recent="8", heavy="8", snap_window="16")
     assert any("must fit inside the recent window" in e.value for e in at.error)
 
 

@@ -250,8 +250,9 @@ def test_long_sources_are_binned_as_in_the_explorer():
 # --- the page ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def handbook_page():
+def export_handbook_page():
+    """The handbook's lesson at 4 bits over SMALL_GRID, with a lecturer's text that tries to end the
+    page's script: (page, lesson)."""
     values = {**defaults(), "bits": 4}
     return export_lesson(
         source_from_values(values),
@@ -262,6 +263,11 @@ def handbook_page():
         bars="std",
         lecturer="Week 3: </script><script>alert(1)</script>",
     )
+
+
+@pytest.fixture(scope="module")
+def handbook_page():
+    return export_handbook_page()
 
 
 def test_the_page_holds_the_lesson_exactly(handbook_page):
@@ -318,16 +324,7 @@ def test_the_page_runs_only_its_own_script(handbook_page):
 
 def test_one_lesson_is_always_the_same_bytes(handbook_page):
     page, _ = handbook_page
-    values = {**defaults(), "bits": 4}
-    again, _ = export_lesson(
-        source_from_values(values),
-        spec_from_values(values),
-        view_from_values(values),
-        values,
-        SMALL_GRID,
-        bars="std",
-        lecturer="Week 3: </script><script>alert(1)</script>",
-    )
+    again, _ = export_handbook_page()
     assert again == page
 
 

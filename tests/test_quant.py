@@ -121,6 +121,7 @@ def _reference(x, bits, axis, group, residual, symmetric, zero_point="float", pa
 # A wrong KIVI offset (an integer zero point where the float offset belongs) once failed one random
 # run of this test and passed the next: these groups tell the two forms apart at 2 and 3 bits.
 KIVI_OFFSET_CASE = np.array([[-2.55, 0.7], [1.34, -0.3], [0.2, 0.11], [-1.0, 2.9], [0.5, -1.7]])
+KIVI_OFFSET_GROUPS = dict(x=KIVI_OFFSET_CASE, group=2, symmetric=False)  # asymmetric groups of 2
 
 
 @given(
@@ -134,35 +135,12 @@ KIVI_OFFSET_CASE = np.array([[-2.55, 0.7], [1.34, -0.3], [0.2, 0.11], [-1.0, 2.9
     partial=st.sampled_from(["full", "quantize"]),
 )
 @example(
-    x=KIVI_OFFSET_CASE,
-    bits=2,
-    axis="channel",
-    group=2,
-    residual=0,
-    symmetric=False,
-    zero_point="float",
-    partial="full",
+    **KIVI_OFFSET_GROUPS, bits=2, axis="channel", residual=0, zero_point="float", partial="full"
 )
 @example(
-    x=KIVI_OFFSET_CASE,
-    bits=3,
-    axis="token",
-    group=2,
-    residual=1,
-    symmetric=False,
-    zero_point="float",
-    partial="quantize",
+    **KIVI_OFFSET_GROUPS, bits=3, axis="token", residual=1, zero_point="float", partial="quantize"
 )
-@example(
-    x=KIVI_OFFSET_CASE,
-    bits=2,
-    axis="token",
-    group=2,
-    residual=0,
-    symmetric=False,
-    zero_point="int",
-    partial="full",
-)
+@example(**KIVI_OFFSET_GROUPS, bits=2, axis="token", residual=0, zero_point="int", partial="full")
 def test_matches_reference_formulas(x, bits, axis, group, residual, symmetric, zero_point, partial):
     got = quantize(
         x, bits, axis, group, residual, symmetric, zero_point=zero_point, partial=partial
@@ -332,6 +310,15 @@ def _reference_step(x, bits, axis, group, symmetric, partial="full"):
     return out
 
 
+def _ramp(*shape: int) -> np.ndarray:
+    """0, 1, 2, ... to the power 1.5 in `shape`: every group of it has its own min, max and scale."""
+    return np.arange(np.prod(shape), dtype=np.float64).reshape(shape) ** 1.5
+
+
+# groups of 3 channels at 2 bits, asymmetric, a short last group quantized too
+CHANNELS_3_AT_2_BITS = dict(bits=2, axis="channel", group=3, symmetric=False, partial="quantize")
+
+
 @given(
     x=arrays(
         np.float64,
@@ -346,46 +333,12 @@ def _reference_step(x, bits, axis, group, symmetric, partial="full"):
     symmetric=st.booleans(),
     partial=st.sampled_from(["full", "quantize"]),
 )
-@example(
-    x=np.arange(2 * 7 * 5, dtype=np.float64).reshape(2, 7, 5) ** 1.5,
-    bits=2,
-    axis="channel",
-    group=3,
-    symmetric=False,
-    partial="quantize",
-)
-@example(
-    x=np.arange(2 * 7 * 5, dtype=np.float64).reshape(2, 7, 5) ** 1.5,
-    bits=3,
-    axis="token",
-    group=2,
-    symmetric=True,
-    partial="quantize",
-)
-@example(
-    x=np.arange(7 * 5, dtype=np.float64).reshape(7, 5) ** 1.5,
-    bits=2,
-    axis="channel",
-    group=3,
-    symmetric=False,
-    partial="quantize",
-)
-@example(
-    x=np.arange(2 * 2 * 7 * 5, dtype=np.float64).reshape(2, 2, 7, 5) ** 1.5,
-    bits=2,
-    axis="channel",
-    group=3,
-    symmetric=False,
-    partial="quantize",
-)
-@example(
-    x=np.arange(8 * 5, dtype=np.float64).reshape(8, 5) ** 1.5,
-    bits=2,
-    axis="channel",
-    group=3,
-    symmetric=False,
-    partial="quantize",
-)  # a short last group of two tokens: its min and max run over both
+@example(x=_ramp(2, 7, 5), **CHANNELS_3_AT_2_BITS)
+@example(x=_ramp(2, 7, 5), bits=3, axis="token", group=2, symmetric=True, partial="quantize")
+@example(x=_ramp(7, 5), **CHANNELS_3_AT_2_BITS)
+@example(x=_ramp(2, 2, 7, 5), **CHANNELS_3_AT_2_BITS)
+# a short last group of two tokens: its min and max run over both
+@example(x=_ramp(8, 5), **CHANNELS_3_AT_2_BITS)
 def test_quant_step_is_each_groups_scale(x, bits, axis, group, symmetric, partial):
     """quant_step gives, per element, exactly the scale s of its group (the bound |x - x_hat| <= s/2 is
     only as strong as s is exact), for a single (tokens, dim) matrix and for every leading (layer / head)
