@@ -21,6 +21,8 @@ from kvviz.memory import head_bytes, memory_for
 from kvviz.sources.tracefile import load_trace, save_trace, trace_from_bytes
 from kvviz.trace import Trace, TraceError, trace_with
 
+from trace_util import every_query_trace
+
 D, HKV, HQ, P, W = 16, 2, 4, 40, 8
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
 TOKEN16 = 2 * 2 * D  # one KV head's K + V of one token at 16 bits
@@ -36,15 +38,7 @@ def hand_trace(windows=(None, W, None), context=30, q_zero=False, seed=0) -> Tra
     k = rng.standard_normal((L, HKV, P, D)).astype(np.float32)
     v = rng.standard_normal((L, HKV, P, D)).astype(np.float32)
     meta = {"source": "test", "layer_windows": list(windows)}
-    return Trace(
-        q=q,
-        k=k,
-        v=v,
-        context_len=context,
-        tokens=tuple(f"t{i}" for i in range(P)),
-        query_positions=np.arange(P),
-        meta=meta,
-    )
+    return every_query_trace(q, k, v, context, meta)
 
 
 # --- 1. the trace says each layer's kind and window --------------------------------------------
@@ -69,19 +63,7 @@ def test_the_trace_names_each_layers_window_and_kind():
 )
 def test_a_damaged_window_list_is_refused_in_one_line(bad):
     with pytest.raises(TraceError, match="layer_windows"):
-        hand_trace().__class__(**{**_fields(hand_trace()), "meta": {"layer_windows": bad}})
-
-
-def _fields(t: Trace) -> dict:
-    return dict(
-        q=t.q,
-        k=t.k,
-        v=t.v,
-        context_len=t.context_len,
-        tokens=t.tokens,
-        query_positions=t.query_positions,
-        meta=t.meta,
-    )
+        trace_with(hand_trace(), meta={"layer_windows": bad})
 
 
 def test_both_file_formats_keep_the_windows(tmp_path):
@@ -204,46 +186,12 @@ def test_the_full_layers_are_compressed_as_on_a_trace_without_windows():
 
 def test_the_cli_says_the_layers_kind(tmp_path, capsys):
     save_trace(hand_trace(), tmp_path / "t.safetensors")
+    window = ["--sink", "2", "--recent", "4", "--heavy", "4"]
     src = str(tmp_path / "t.safetensors")
-    assert (
-        main(
-            [
-                "compare",
-                "--source",
-                src,
-                "--layer",
-                "1",
-                "--sink",
-                "2",
-                "--recent",
-                "4",
-                "--heavy",
-                "4",
-            ]
-        )
-        == 0
-    )
+    assert main(["compare", "--source", src, "--layer", "1", *window]) == 0
     out = capsys.readouterr().out
     assert "layer 1 (sliding window 8)" in out and "note: Layer 1 is a sliding-window layer" in out
-    assert (
-        main(
-            [
-                "compare",
-                "--source",
-                src,
-                "--layer",
-                "2",
-                "--sink",
-                "2",
-                "--recent",
-                "4",
-                "--heavy",
-                "4",
-                "--json",
-            ]
-        )
-        == 0
-    )
+    assert main(["compare", "--source", src, "--layer", "2", *window, "--json"]) == 0
     j = json.loads(capsys.readouterr().out)
     assert (
         j["layer_kind"] == "full_attention" and j["layer_window"] is None and j["layer_number"] == 2

@@ -445,39 +445,12 @@ def test_the_cli_budget_is_the_free_memory_during_a_capture_only(tiny_dir, tmp_p
     monkeypatch.setattr(
         psutil, "virtual_memory", lambda: type("VM", (), {"available": 7_000_000_000})()
     )
-    assert (
-        main(
-            [
-                "capture",
-                "--model",
-                str(tiny_dir),
-                "--prompt",
-                TEXT,
-                "--out",
-                str(tmp_path / "c.safetensors"),
-                "--quiet",
-            ]
-        )
-        == 0
-    )
+    capture = ["capture", "--model", str(tiny_dir), "--prompt", TEXT]
+    assert main([*capture, "--out", str(tmp_path / "c.safetensors"), "--quiet"]) == 0
     assert seen == [7_000_000_000, None] and limits.max_bytes() == limits.DEFAULT_MAX_BYTES
     monkeypatch.setenv("KVVIZ_MAX_BYTES", "2GB")  # the environment's word stands
     seen.clear()
-    assert (
-        main(
-            [
-                "capture",
-                "--model",
-                str(tiny_dir),
-                "--prompt",
-                TEXT,
-                "--out",
-                str(tmp_path / "d.safetensors"),
-                "--quiet",
-            ]
-        )
-        == 0
-    )
+    assert main([*capture, "--out", str(tmp_path / "d.safetensors"), "--quiet"]) == 0
     assert seen == []
 
 
