@@ -396,7 +396,7 @@ def test_the_launcher_preloads_what_the_pages_import_and_nothing_heavy():
         "kvviz.app.studies",
         "kvviz.plots.figures",
         "kvviz.analysis.frames",
-        "kvviz.decode.lab",
+        "kvviz.app.modellab",
     } <= set(modules)
     code = (
         "import sys, importlib; import streamlit; from kvviz.app.serve import app_modules\n"

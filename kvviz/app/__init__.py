@@ -16,6 +16,7 @@ Modules, lowest first; each imports only modules listed above it:
   layout                every page's head (styles, Presentation mode, title), the page registry and
                         the folded expander (computes nothing while closed)
   overview, explorer, formats, ledger, lesson   the Explorer's sections (lesson: export the view as a page)
+  modellab              the Model lab's parts: a live run, the runs this server keeps, the estimate, a result
   router                the pages (pages/) and st.navigation: app.py's body and every page's last line
   serve                 the server's start: app.py's st.App start-up hook and `python -m kvviz.app.serve`
 """
