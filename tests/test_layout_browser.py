@@ -167,7 +167,36 @@ SMALL_TEXT_JS = r"""([marker, least]) => {
 }"""
 
 
+def check_page(page, name: str, width: int, height: int, found: dict) -> None:
+    """The page as it is on screen at width x height: the Explorer's first chart on a laptop's first screen,
+    no error box, a presented chart on a projector's first screen in a projector's text sizes, and nothing
+    cut or overlapping (LAYOUT_JS); what is wrong goes into `found`."""
+    where = f"{name} at {width}x{height}"
+    if (name, width) == ("Explorer", 1440):  # a laptop screen: the first chart starts on it
+        box = page.locator('[data-testid="stPlotlyChart"]').first.bounding_box()
+        assert box["y"] + box["height"] / 3 < height, (
+            f"the Explorer's first chart starts at y={box['y']:.0f}"
+        )
+    errors = page.locator('[data-testid="stAlertContentError"], [data-testid="stException"]')
+    if errors.count():  # every page at its defaults runs without an error
+        found[where] = [f"an error box: {errors.first.inner_text()[:200]}"]
+    if name in PRESENTED and width == 1024:
+        box = page.locator(".js-plotly-plot").filter(has_text=PRESENTED[name]).first.bounding_box()
+        assert 0 <= box["y"] and box["y"] + box["height"] / 2 <= height, (
+            f"{name}: the chart is at {box}"
+        )
+        small = page.evaluate(SMALL_TEXT_JS, [PRESENTED[name], 15.5])  # a projector's chart text
+        if small:
+            found[f"{name}: chart text under 16 px"] = small
+    got = measure(page)
+    assert got["measured"] > 0, f"{where}: nothing measured"
+    if got["problems"]:
+        found[where] = got["problems"]
+
+
 def test_no_text_overlaps_or_is_cut_on_any_page(page, app_url, quarter_study, lab_result):
+    """Each page opened afresh at each size (not resized: plotly keeps a horizontal legend where the
+    previous width's margins put it until the next full draw, so a resize is not what a fresh load shows)."""
     from playwright.sync_api import expect
 
     expect.set_options(timeout=TIMEOUT)
@@ -205,36 +234,7 @@ def test_no_text_overlaps_or_is_cut_on_any_page(page, app_url, quarter_study, la
                 if lab_result:
                     expect(page.locator(".js-plotly-plot").first).to_be_visible()
             idle(page)
-            if (name, width) == ("Explorer", 1440):  # a laptop screen: the first chart starts on it
-                box = page.locator('[data-testid="stPlotlyChart"]').first.bounding_box()
-                assert box["y"] + box["height"] / 3 < height, (
-                    f"the Explorer's first chart starts at y={box['y']:.0f}"
-                )
-            errors = page.locator(
-                '[data-testid="stAlertContentError"], [data-testid="stException"]'
-            )
-            if errors.count():  # every page at its defaults runs without an error
-                found[f"{name} at {width}x{height}"] = [
-                    f"an error box: {errors.first.inner_text()[:200]}"
-                ]
-            if name in PRESENTED and width == 1024:
-                box = (
-                    page.locator(".js-plotly-plot")
-                    .filter(has_text=PRESENTED[name])
-                    .first.bounding_box()
-                )
-                assert 0 <= box["y"] and box["y"] + box["height"] / 2 <= height, (
-                    f"{name}: the chart is at {box}"
-                )
-                small = page.evaluate(
-                    SMALL_TEXT_JS, [PRESENTED[name], 15.5]
-                )  # a projector's chart text
-                if small:
-                    found[f"{name}: chart text under 16 px"] = small
-            got = measure(page)
-            assert got["measured"] > 0, f"{name}: nothing measured"
-            if got["problems"]:
-                found[f"{name} at {width}x{height}"] = got["problems"]
+            check_page(page, name, width, height, found)
     assert not found, "text overlaps or is cut:\n" + "\n".join(
         f"{where}:\n  " + "\n  ".join(p) for where, p in found.items()
     )

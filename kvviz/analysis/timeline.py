@@ -33,11 +33,11 @@ from kvviz.engine import keep_masks, trace_bytes
 from kvviz.limits import Part, Work, checkpoint
 from kvviz.policies import get_policy, select
 from kvviz.policies.recompress import is_due
-from kvviz.policies.registry import decides_while_decoding, featured
+from kvviz.policies.registry import followed_while_decoding
 from kvviz.spec import Spec, SpecError
 from kvviz.trace import Trace, TraceError
 
-TIMELINE_POLICIES = featured(decides_while_decoding)
+TIMELINE_POLICIES = followed_while_decoding()
 DEFAULT_NEED = 0.02  # attention share that counts as "needed" at a step
 
 # Cell states of the steps x tokens map (figures colour by these).

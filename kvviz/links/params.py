@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvviz.policies.registry import decides_while_decoding, featured
+from kvviz.policies.registry import featured, followed_while_decoding
 from kvviz.sources import handbook
 from kvviz.quant.formats import SERVING_FORMATS
 from kvviz.quant.integer import BITS_OPTIONS  # the bits slider offers what the integer format does
@@ -205,7 +205,7 @@ _PARAMS = [
     # decode timeline page
     Param("tl_layer", "int", 0, 0, 1023),
     Param("tl_kv_head", "int", 0, 0, 1023),
-    Param("tl_policies", "list", featured(decides_while_decoding), choices=SCORERS),
+    Param("tl_policies", "list", followed_while_decoding(), choices=SCORERS),
     Param("tl_need", "float", 0.02, 0.001, 1.0),
     Param("tl_step", "int", 0, 0, OPEN_ENDED),
     # model lab page

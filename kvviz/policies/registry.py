@@ -68,10 +68,12 @@ def featured(keep=lambda policy: True) -> tuple[str, ...]:
     return tuple(n for _, n in ranked)
 
 
-def decides_while_decoding(policy: Policy) -> bool:
-    """Its kept set can change at every decode step (H2O, TOVA, StreamingLLM's window), or it is the bound
-    that re-selects at each step: what the decode timeline follows."""
-    return policy.streaming or policy.window_only or policy.bound
+def followed_while_decoding() -> tuple[str, ...]:
+    """What the decode timeline opens on: the featured scorers whose kept set changes at every decode step
+    (H2O, TOVA by their history, StreamingLLM's window) and the bound that re-selects at each step, in the
+    menu's order (history-based eviction first: the page's story)."""
+    changing = featured(lambda p: p.streaming or p.window_only or p.bound)
+    return tuple(sorted(changing, key=lambda n: POLICIES[n].order))
 
 
 def is_bound(name: str) -> bool:
