@@ -23,10 +23,10 @@ import numpy as np
 
 from kvviz.sources.lazy import LayerStack, Reader, bytes_reader, file_reader, widen
 from kvviz.sources.traceheader import (
-    MAX_HEADER_BYTES,
     _header_json,
     _labels,
     _layer_list,
+    _read_head,
     _read_header,
     _tensor_table,
     _tensors_header,
@@ -74,17 +74,8 @@ def load_trace(path: str | os.PathLike) -> Trace:
     Format 2: reads the header and the small tensors now, q / k / v layer by layer as views ask.
     Format 1: reads the file whole, after checking its declared sizes against the work budget."""
     path = Path(path)
-    if not path.is_file():
-        raise TraceError(f"trace file not found: {path}")
-    size = path.stat().st_size
     # the header alone first: its shapes say the size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        head += (
-            f.read(int.from_bytes(head, "little"))
-            if len(head) == 8 and 0 < int.from_bytes(head, "little") <= MAX_HEADER_BYTES
-            else b""
-        )
+    head, size = _read_head(path)
     header = _header_json(head, path.name, size)
     meta = _read_header(head, path.name)
     if meta.get("version") == "2":

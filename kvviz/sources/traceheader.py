@@ -205,9 +205,9 @@ def _layer_list(header: dict[str, str], name: str) -> list[int]:
     return layers
 
 
-def trace_info(path: str | os.PathLike) -> dict[str, Any]:
-    """What a trace file holds, from its header alone (no array is read): the manifest and the sizes."""
-    path = Path(path)
+def _read_head(path: Path) -> tuple[bytes, int]:
+    """A trace file's first bytes, its length prefix and (when that length is plausible) its JSON header,
+    and the file's size: what the header checks need, without reading any array."""
     if not path.is_file():
         raise TraceError(f"trace file not found: {path}")
     size = path.stat().st_size
@@ -215,6 +215,13 @@ def trace_info(path: str | os.PathLike) -> dict[str, Any]:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else 0
         head += f.read(n) if 0 < n <= MAX_HEADER_BYTES else b""
+    return head, size
+
+
+def trace_info(path: str | os.PathLike) -> dict[str, Any]:
+    """What a trace file holds, from its header alone (no array is read): the manifest and the sizes."""
+    path = Path(path)
+    head, size = _read_head(path)
     header_json = _header_json(head, path.name, size)
     header = _read_header(head, path.name)
     context_len, tokens, meta = _labels(header, path.name)
