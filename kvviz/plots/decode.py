@@ -205,26 +205,23 @@ def nll_chart(tokens, nll: np.ndarray, nll_full: np.ndarray) -> go.Figure:
     """Per-token negative log-likelihood with the full and the compressed cache."""
     x = np.arange(len(nll))
     labels = [t.replace("\n", "\\n") for t in tokens]
+    # (values, legend name, hover tag, colour): the full cache first, so the compressed line draws on top
+    lines = (
+        (nll_full, "full cache", "full", "#000000"),
+        (nll, "compressed", "compressed", "#D55E00"),
+    )
     fig = go.Figure(
         [
             go.Scatter(
                 x=x,
-                y=nll_full,
-                name="full cache",
+                y=y,
+                name=name,
                 mode="lines",
-                line=dict(color="#000000"),
+                line=dict(color=colour),
                 customdata=labels,
-                hovertemplate="%{customdata}<br>%{y:.3f} nats<extra>full</extra>",
-            ),
-            go.Scatter(
-                x=x,
-                y=nll,
-                name="compressed",
-                mode="lines",
-                line=dict(color="#D55E00"),
-                customdata=labels,
-                hovertemplate="%{customdata}<br>%{y:.3f} nats<extra>compressed</extra>",
-            ),
+                hovertemplate=f"%{{customdata}}<br>%{{y:.3f}} nats<extra>{tag}</extra>",
+            )
+            for y, name, tag, colour in lines
         ]
     )
     fig.update_layout(
