@@ -12,7 +12,13 @@ import html
 import numpy as np
 import plotly.graph_objects as go
 
-from kvviz.plots.style import METHOD_COLORS, METHOD_DASH, METHOD_SYMBOLS, REASON_COLORS
+from kvviz.plots.style import (
+    LEGEND_BELOW,
+    METHOD_COLORS,
+    METHOD_DASH,
+    METHOD_SYMBOLS,
+    REASON_COLORS,
+)
 from kvviz.analysis.timeline import EVICTED, FUTURE, KEPT, MISSED, STATE_NAMES, Timeline
 
 # Colours mean what they mean on the Explorer (kvviz.plots.figures): kept = sky blue ("kept"),
@@ -129,7 +135,7 @@ def timeline_map(
         yaxis=dict(autorange="reversed"),
         height=320,
         margin=dict(l=50, r=10, t=50, b=40),
-        legend=dict(orientation="h", y=-0.25),
+        legend=LEGEND_BELOW,
     )
     return fig
 
@@ -166,7 +172,7 @@ def regret_chart(tl: Timeline, step: int | None = None) -> go.Figure:
         yaxis=dict(rangemode="tozero"),
         height=340,
         margin=dict(l=50, r=10, t=50, b=40),
-        legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0.0),
+        legend=LEGEND_BELOW,
     )
     return fig
 

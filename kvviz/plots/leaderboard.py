@@ -6,7 +6,14 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvviz.plots.style import FONT, METHOD_COLORS, METHOD_DASH, METHOD_LABELS, METHOD_SYMBOLS
+from kvviz.plots.style import (
+    FONT,
+    LEGEND_BELOW,
+    METHOD_COLORS,
+    METHOD_DASH,
+    METHOD_LABELS,
+    METHOD_SYMBOLS,
+)
 
 # a wrapper over a scorer in a method's name (adakv-snapkv): what the legend adds, and the line's dash
 WRAPPERS = {
@@ -84,7 +91,7 @@ def leaderboard_figure(board, height: int = 460) -> go.Figure:
         height=height,
         font=FONT,
         margin=dict(l=60, r=20, t=90, b=50),
-        legend=dict(orientation="h", yanchor="top", y=-0.2, xanchor="left", x=0.0),
+        legend=LEGEND_BELOW,
         template="kvviz",
     )
     return fig

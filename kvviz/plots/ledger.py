@@ -6,6 +6,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvviz.analysis.ledger import Ledger
+from kvviz.plots.style import LEGEND_BELOW
 
 # Okabe-Ito colours (colour-blind safe), as the other figures use
 SINK, RECENT, HEAVY, DECLARED = "#0072B2", "#56B4E9", "#009E73", "#000000"
@@ -81,7 +82,7 @@ def ledger_figure(ledger: Ledger) -> go.Figure:
         barmode="stack",
         height=560,
         margin=dict(t=40, b=40, l=60, r=20),
-        legend=dict(orientation="h", y=-0.12),
+        legend=LEGEND_BELOW,
     )
     fig.update_xaxes(title_text="layer", row=2, col=1)
     fig.update_yaxes(title_text="tokens", row=1, col=1)

@@ -20,7 +20,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvviz.plots.style import OKABE_ITO, wrap
+from kvviz.plots.style import LEGEND_BELOW, OKABE_ITO, wrap
 
 RIGHT, WRONG = OKABE_ITO["blue"], OKABE_ITO["vermillion"]
 
@@ -106,7 +106,7 @@ def grids_figure(
     fig.update_layout(
         height=n_rows * height + 17 * (lines - 1) + (n_rows - 1) * 60,
         margin=dict(l=60, r=10, t=top, b=40),
-        legend=dict(orientation="h", yanchor="top", y=-0.22 / n_rows, x=0),
+        legend=LEGEND_BELOW,
         plot_bgcolor="#ffffff",
     )
     return fig

@@ -8,6 +8,7 @@ import plotly.graph_objects as go
 from kvviz.analysis.study.frontier import METHOD_COLUMN, Frontier
 from kvviz.policies.registry import is_bound
 from kvviz.plots.style import (
+    LEGEND_BELOW,
     METHOD_COLORS,
     METHOD_LABELS,
     OKABE_ITO,
@@ -116,7 +117,7 @@ def frontier_figure(
         subtitle=f"mean over {n} {fr.replicates}; error bars: 95% t-interval for the mean",
     )
     fig.update_layout(
-        legend=dict(orientation="h", yanchor="top", y=-0.16, xanchor="left", x=0.0),
+        legend=LEGEND_BELOW,
         margin=dict(b=130),
     )
     if log_x:

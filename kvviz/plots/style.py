@@ -110,6 +110,14 @@ def wrap(text: str, width: int, sep: str = " ") -> str:
     return "<br>".join(lines)
 
 
+# A legend below the plot, anchored to the figure's bottom edge (plotly reserves the margin it needs). Not to
+# the plot area (y < 0 in paper units): after the window's width changes, plotly keeps such a legend where the
+# previous width's margins put it, on top of the x axis's title, until the chart is drawn afresh.
+LEGEND_BELOW = dict(
+    orientation="h", yref="container", yanchor="bottom", y=0.0, xanchor="left", x=0.0
+)
+
+
 def base_layout(
     title: str, x_title: str, y_title: str, height: int = 380, subtitle: str = ""
 ) -> dict:
@@ -121,7 +129,7 @@ def base_layout(
         height=height,
         font=FONT,
         margin=dict(l=60, r=20, t=70 if subtitle else 50, b=50),
-        legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0.0),
+        legend=LEGEND_BELOW,
         hoverlabel=dict(namelength=-1),
         xaxis=dict(title=dict(text=x_title)),
         yaxis=dict(title=dict(text=y_title)),
@@ -279,6 +287,7 @@ def projector(
             orientation="v",
             x=1.02,
             xanchor="left",
+            yref="paper",  # beside the plot area, whatever the figure's own legend was anchored to
             y=1,
             yanchor="top",
         )

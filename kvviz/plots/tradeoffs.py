@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 
 from kvviz.policies.registry import is_bound
 from kvviz.plots.style import (
+    LEGEND_BELOW,
     FORMAT_NAMES,
     METHOD_COLORS,
     METHOD_LABELS,
@@ -76,7 +77,7 @@ def tradeoff_figure(
         height=540,
     )
     fig.update_layout(
-        legend=dict(orientation="h", yanchor="top", y=-0.16, xanchor="left", x=0.0),
+        legend=LEGEND_BELOW,
         margin=dict(b=130),
     )
     if log_x:
