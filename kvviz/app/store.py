@@ -111,7 +111,7 @@ def sync_url() -> None:
     therefore has the last word."""
     st.session_state.pop(MOVED, None)  # this round's callbacks are over (the run's first act)
     st.session_state.pop(SLOT, None)  # the last run's notice slot is not this run's
-    st.query_params.from_dict(link_params())
+    relink()
 
 
 def relink() -> None:

@@ -129,7 +129,7 @@ def base_layout(
         height=height,
         font=FONT,
         margin=dict(l=60, r=20, t=70 if subtitle else 50, b=50),
-        legend=LEGEND_BELOW,
+        legend=dict(LEGEND_BELOW),  # a copy: a caller may add to the layout it is given
         hoverlabel=dict(namelength=-1),
         xaxis=dict(title=dict(text=x_title)),
         yaxis=dict(title=dict(text=y_title)),

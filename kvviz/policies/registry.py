@@ -63,7 +63,8 @@ STREAMING_SCORERS[:] = [n for n, p in POLICIES.items() if p.streaming]
 
 
 def featured(keep=lambda policy: True) -> tuple[str, ...]:
-    """The built-in scorers a comparison opens on (`Policy.featured`), in their rank, those `keep` accepts."""
+    """The scorers a comparison opens on (`Policy.featured`; the built-ins, and plug-ins registered by then), in
+    their rank, those `keep` accepts."""
     ranked = sorted((p.featured, n) for n, p in POLICIES.items() if p.featured and keep(p))
     return tuple(n for _, n in ranked)
 
