@@ -9,7 +9,7 @@ from kvviz.decode import labsettings
 from kvviz.app.compression import compression_section
 from kvviz.app.device import device_controls
 from kvviz.app.layout import page_setup
-from kvviz.app.modellab import _done, _estimate_text, _run_or_say, show
+from kvviz.app.modellab import results_held, estimate_text, run_or_say, show
 from kvviz.app.router import run_page
 from kvviz.app.presets import preset_buttons
 from kvviz.app.store import show_notices, state, w_check, w_choice, w_number, w_text
@@ -212,7 +212,7 @@ def _run_and_show(
         question_point=point,
     )
     key = settings.key()
-    done = _done(settings)
+    done = results_held(settings)
     c_run, c_est = st.columns([1, 3])
     clicked = c_run.button(
         "Run the model" if key not in done else "Run again (live)",
@@ -220,7 +220,7 @@ def _run_and_show(
         key="lab_run",
         help="Loads the model on first use, then decodes with the full and the compressed cache.",
     )
-    c_est.caption(_estimate_text(settings))
+    c_est.caption(estimate_text(settings))
     status_line = ui_sources.model_status(model_name)
     if status_line and not clicked:
         st.caption(status_line)
@@ -235,7 +235,7 @@ def _run_and_show(
             icon=":material/play_circle:",
         )
         return
-    result = _run_or_say(settings) if clicked else done[key]
+    result = run_or_say(settings) if clicked else done[key]
     if result is None:
         return
     if result.precomputed:

@@ -241,8 +241,8 @@ def test_the_estimate_is_the_median_of_the_last_runs_of_the_same_size():
     """Not "About 5 s" for a run that took 94 s on a busy server. The estimate is what runs of this
     size took on this server lately: the median of the last five, a different size not mixed in."""
     settings = labsettings.default_settings()
-    labstore._record("step", 0.01)
-    labstore._record("forward_token", 0.001)
+    labstore.record_time("step", 0.01)
+    labstore.record_time("forward_token", 0.001)
     by_steps = labstore.step_estimate(settings)
     assert labstore.estimate(settings) == pytest.approx(by_steps) and labstore.recent_runs(
         settings

@@ -45,7 +45,7 @@ def _label(info, name: str) -> str:
     return label() if callable(label) else label
 
 
-def _estimate_text(settings: labsettings.LabSettings) -> str:
+def estimate_text(settings: labsettings.LabSettings) -> str:
     median, runs = labstore.recent_runs(settings)
     seconds = (
         median
@@ -151,7 +151,7 @@ def _decode(settings: labsettings.LabSettings) -> labstore.LabResult:
     return result
 
 
-def _done(settings) -> dict:
+def results_held(settings) -> dict:
     """The results this server holds (key -> LabResult), the default settings' precomputed one among them
     (by `make venv` or the first start) where it is on disk."""
     done = _results(str(labstore.lab_cache_dir()))
@@ -163,7 +163,7 @@ def _done(settings) -> dict:
     return done
 
 
-def _run_or_say(settings):
+def run_or_say(settings):
     """The run, kept for this server; or None with one line that says why it did not run (the settings, a
     model that does not load, out of GPU or host memory, a device gone): the server keeps serving."""
     from kvviz.models import ModelError

@@ -17,7 +17,7 @@ from kvviz.spec import FULL_BITS, Spec, SpecError
 MODES = ("delete", "mask")
 
 
-def _check_run(spec: Spec, mode: str, inv_freq) -> None:
+def check_run(spec: Spec, mode: str, inv_freq) -> None:
     """What a real-model run refuses: an unknown mode, re-rotation without RoPE or with masked entries, and
     the logit-noise model (a stand-in for attention rows only)."""
     if mode not in MODES:

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from kvviz.decode.attend import KeptAttention, _check_run
+from kvviz.decode.attend import KeptAttention, check_run
 from kvviz.decode.devtrace import Crossing, device_trace
 from kvviz.decode.place import host, is_cpu, on
 from kvviz.policies import ScoreContext, evict_one, get_policy, select
@@ -77,7 +77,7 @@ class CompressedCache(KeptAttention):
     ) -> None:
         import torch
 
-        _check_run(spec, mode, inv_freq)
+        check_run(spec, mode, inv_freq)
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.dtype = torch.float32 if dtype is None else dtype
         # numpy views share the storage

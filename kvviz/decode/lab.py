@@ -28,7 +28,7 @@ from typing import Any
 from kvviz.decode.labsettings import LabSettings, default_settings, fit_to_text, one_pass
 from kvviz.decode.labstore import (
     LabResult,
-    _record,
+    record_time,
     load_result,
     record_run,
     result_path,
@@ -131,7 +131,7 @@ def _reference(model, tokenizer, ids, settings: LabSettings, say):
     ref = reference(
         model, tokenizer, ids, settings.prompt_tokens, settings.continuation, settings.question
     )
-    _record("forward_token", ref.seconds / len(ref.ids))
+    record_time("forward_token", ref.seconds / len(ref.ids))
     return ref
 
 
@@ -201,7 +201,7 @@ def _decode_runs(model, ref, runs, c: int, q: int, on_full_token, on_token, say)
         repeat=ref.repeat,
     )
     if total:
-        _record("step", (time.perf_counter() - t1) / total)
+        record_time("step", (time.perf_counter() - t1) / total)
     return {role: res for (role, *_), res in zip(runs, out)}
 
 

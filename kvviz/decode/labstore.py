@@ -60,7 +60,7 @@ def _timings() -> dict:
         return {}
 
 
-def _record(kind: str, seconds: float) -> None:
+def record_time(kind: str, seconds: float) -> None:
     """Remember a measured time (exponential average with the previous ones)."""
     try:
         d = _timings()
