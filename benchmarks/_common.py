@@ -15,9 +15,7 @@ TEXT = (
 )
 
 # Llama 3 8B's attention: 32 query heads over 8 KV heads of 128 dimensions, RoPE base 500,000
-LLAMA_8B_ATTENTION = dict(
-    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0
-)
+LLAMA_8B_ATTENTION = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0)
 
 
 def offline() -> None:
@@ -32,11 +30,4 @@ def kivi_4bit():
     tokens kept in full precision."""
     from kvviz.spec import Spec
 
-    return Spec(
-        key_bits=4,
-        value_bits=4,
-        key_axis="channel",
-        value_axis="token",
-        group_size=32,
-        residual=128,
-    )
+    return Spec(key_bits=4, value_bits=4, key_axis="channel", value_axis="token", group_size=32, residual=128)

@@ -61,10 +61,7 @@ def child(argv: list[str]) -> int:
     from kvviz.cli import main
 
     rc = main(argv)
-    print(
-        f"PEAK_RSS_MIB {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}",
-        file=sys.stderr,
-    )
+    print(f"PEAK_RSS_MIB {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}", file=sys.stderr)
     return rc
 
 
@@ -73,16 +70,10 @@ def kvviz(*argv: str) -> tuple[int, float, float, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("KVVIZ_MAX_BYTES", None)  # the default budget
     t0 = time.perf_counter()
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", *argv], capture_output=True, text=True, env=env
-    )
+    out = subprocess.run([sys.executable, __file__, "--child", *argv], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     peak = next(
-        (
-            float(line.split()[1])
-            for line in reversed(out.stderr.splitlines())
-            if line.startswith("PEAK_RSS_MIB")
-        ),
+        (float(line.split()[1]) for line in reversed(out.stderr.splitlines()) if line.startswith("PEAK_RSS_MIB")),
         float("nan"),
     )
     return out.returncode, peak, wall, (out.stderr + out.stdout)[-600:]
@@ -139,9 +130,7 @@ def main() -> int:
             f"{'ok' if good else 'MISS'}"
         )
         layer = min(17, layers - 1)
-        rc, peak, wall, tail = kvviz(
-            "compare", "--source", str(f32), "--layer", str(layer), "--head", "5"
-        )
+        rc, peak, wall, tail = kvviz("compare", "--source", str(f32), "--layer", str(layer), "--head", "5")
         good = rc == 0 and peak <= 1229
         ok &= good
         print(

@@ -44,11 +44,7 @@ TARGET_FIRST_METRICS = 5.0  # s
 TARGET_MOVE = 1.5  # s
 TARGET_RSS_MIB = 2048
 VIEWPORT = {"width": 1024, "height": 768}
-MOVES = [
-    ("Heavy-hitter budget", "ArrowRight"),
-    ("Recent window", "ArrowLeft"),
-    ("Sink tokens", "ArrowRight"),
-]
+MOVES = [("Heavy-hitter budget", "ArrowRight"), ("Recent window", "ArrowLeft"), ("Sink tokens", "ArrowRight")]
 METRIC = "Attention mass retained"
 
 
@@ -77,9 +73,7 @@ def make_trace(folder: Path, layers: int, tokens: int) -> Path:
     )
     if rc != 0:
         raise SystemExit(f"capture failed ({rc}):\n{tail}")
-    print(
-        f"captured {trace.name}: {trace.stat().st_size / 1e9:.2f} GB in {wall:.0f} s (peak RSS {peak:.0f} MiB)"
-    )
+    print(f"captured {trace.name}: {trace.stat().st_size / 1e9:.2f} GB in {wall:.0f} s (peak RSS {peak:.0f} MiB)")
     return trace
 
 
@@ -106,9 +100,7 @@ def first_metrics(page, described: str) -> float:
     from conftest import idle, runs
 
     before, shown = runs(page), headline_metric(page)
-    radio = page.locator('[data-testid="stSidebar"] [data-testid="stRadio"] label').filter(
-        has_text="Trace file"
-    )
+    radio = page.locator('[data-testid="stSidebar"] [data-testid="stRadio"] label').filter(has_text="Trace file")
     t0 = page.evaluate("performance.now()")
     radio.click()
     # the Trace file source in the link, its trace described in the sidebar, and metric cards that are not
@@ -150,15 +142,8 @@ def measure(trace: Path, tokens: int, log: Path) -> tuple:
     from conftest import CHROMIUM_ARGS, PAGE_PROBE_JS, TIMEOUT, idle, serve_app
     from playwright.sync_api import sync_playwright
 
-    with (
-        tempfile.TemporaryDirectory(prefix="kvviz-app-cache-") as cache,
-        contextlib.ExitStack() as stack,
-    ):
-        env = {
-            "KVVIZ_TRACE_DIRS": str(trace.parent),
-            "KVVIZ_CACHE_DIR": cache,
-            "KVVIZ_WARMUP": WARMUP,
-        }
+    with tempfile.TemporaryDirectory(prefix="kvviz-app-cache-") as cache, contextlib.ExitStack() as stack:
+        env = {"KVVIZ_TRACE_DIRS": str(trace.parent), "KVVIZ_CACHE_DIR": cache, "KVVIZ_WARMUP": WARMUP}
         url = stack.enter_context(serve_app(log, env=env, launcher=True))
         pid = server_pid(int(url.rsplit(":", 1)[1]))
         p = stack.enter_context(sync_playwright())
@@ -195,20 +180,14 @@ def clipped(page) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="8 layers, 512 tokens (CI)")
-    ap.add_argument(
-        "--dir", type=Path, default=None, help="keep (and reuse) the model and trace here"
-    )
+    ap.add_argument("--dir", type=Path, default=None, help="keep (and reuse) the model and trace here")
     a = ap.parse_args()
     if CHROMIUM is None or not Path(CHROMIUM).is_file():
-        print(
-            f"app benchmark not run: no Chromium at {CHROMIUM} or no Playwright (requirements-dev.txt)"
-        )
+        print(f"app benchmark not run: no Chromium at {CHROMIUM} or no Playwright (requirements-dev.txt)")
         return 0
     layers, tokens = (8, 512) if a.small else (32, 4096)
     with contextlib.ExitStack() as stack:
-        folder = a.dir or Path(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix="kvviz-big-app-"))
-        )
+        folder = a.dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvviz-big-app-")))
         trace = make_trace(folder, layers, tokens)
         print(
             f"random-weight Llama: {layers} layers x 32 query heads x 8 KV heads x 128; {tokens} tokens; "
@@ -223,8 +202,7 @@ def main() -> int:
     checks = [
         (
             first <= TARGET_FIRST_METRICS,
-            f"first metrics {first:.2f} s after choosing the file "
-            f"(target <= {TARGET_FIRST_METRICS:g} s)",
+            f"first metrics {first:.2f} s after choosing the file (target <= {TARGET_FIRST_METRICS:g} s)",
         ),
         (
             move_s <= TARGET_MOVE,
@@ -235,9 +213,7 @@ def main() -> int:
         (
             None,
             f"for reference, the same moves on the handbook source (64 tokens) before: median "
-            f"{statistics.median(reference):.2f} s ("
-            + ", ".join(f"{m:.2f}" for m in reference)
-            + ")",
+            f"{statistics.median(reference):.2f} s (" + ", ".join(f"{m:.2f}" for m in reference) + ")",
         ),
         (
             None,

@@ -113,11 +113,7 @@ def reproduces(page) -> bool:
         fresh.close()
         page.bring_to_front()
     if again != shown:
-        diff = {
-            k: (shown.get(k), again.get(k))
-            for k in set(shown) | set(again)
-            if shown.get(k) != again.get(k)
-        }
+        diff = {k: (shown.get(k), again.get(k)) for k in set(shown) | set(again) if shown.get(k) != again.get(k)}
         print(f"  the link {link} opens another view: {diff}")
     return again == shown
 
@@ -147,10 +143,7 @@ def server_pid(port: int) -> int:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if (
-            b"--server.port" in argv
-            and argv[argv.index(b"--server.port") + 1] == str(port).encode()
-        ):
+        if b"--server.port" in argv and argv[argv.index(b"--server.port") + 1] == str(port).encode():
             return int(proc.name)
     raise RuntimeError(f"no server process on port {port}")
 
@@ -210,9 +203,7 @@ def first_visit(browser, url: str):
     page = context.new_page()
     page.set_default_timeout(TIMEOUT)
     page.goto(url)
-    page.locator('[data-testid="stMetric"]').filter(
-        has_text="Attention mass retained"
-    ).first.wait_for()
+    page.locator('[data-testid="stMetric"]').filter(has_text="Attention mass retained").first.wait_for()
     idle(page)
     paint = (
         page.evaluate("""() => window.__kvviz.samples.find(
@@ -230,11 +221,7 @@ def fresh_visits(browser, times: int, launcher: bool, keep: contextlib.ExitStack
     for i in range(times):
         with contextlib.ExitStack() as stack:
             url = stack.enter_context(
-                serve_app(
-                    ROOT / "test-artifacts" / f"{name}.log",
-                    env={"KVVIZ_WARMUP": WARMUP},
-                    launcher=launcher,
-                )
+                serve_app(ROOT / "test-artifacts" / f"{name}.log", env={"KVVIZ_WARMUP": WARMUP}, launcher=launcher)
             )
             time.sleep(OPENED_AFTER)
             paint, charts, page = first_visit(browser, url)
@@ -248,9 +235,7 @@ def fresh_visits(browser, times: int, launcher: bool, keep: contextlib.ExitStack
 
 def main() -> int:
     if CHROMIUM is None or not Path(CHROMIUM).is_file():
-        print(
-            f"browser benchmark not run: {MISSING if CHROMIUM is None else f'no Chromium at {CHROMIUM}'}"
-        )
+        print(f"browser benchmark not run: {MISSING if CHROMIUM is None else f'no Chromium at {CHROMIUM}'}")
         return 0
     from playwright.sync_api import sync_playwright
 
@@ -283,11 +268,7 @@ def main() -> int:
         + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in visits)
         + " s (first paint / charts drawn)"
     )
-    print(
-        "first visits of a plain `streamlit run app.py`: "
-        + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in plain)
-        + " s"
-    )
+    print("first visits of a plain `streamlit run app.py`: " + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in plain) + " s")
     print(
         f"first paint {paint:.2f} s (make run, median of {len(visits)}; target <= {TARGET_PAINT:g} s on a quiet "
         f"machine) | plain `streamlit run app.py`: {plain_paint:.2f} s (median of {len(plain)})"
@@ -312,9 +293,7 @@ def main() -> int:
         f"move -> charts redrawn: median {median:.2f} s, worst {worst:.2f} s (targets <= {TARGET_MOVE:g} s and "
         f"<= {TARGET_WORST:g} s)"
     )
-    print(
-        f"server CPU per move: median {cpu:.0f} ms (target <= {TARGET_CPU:g} ms; /proc counts in 10 ms ticks)"
-    )
+    print(f"server CPU per move: median {cpu:.0f} ms (target <= {TARGET_CPU:g} ms; /proc counts in 10 ms ticks)")
     print(f"first move / median move ratio {ratio:.2f} (target <= {TARGET_RATIO:g})")
     print(f"URL reproduces the view after {linked} of {len(MOVES)} moves")
     met = {

@@ -68,9 +68,7 @@ def child(n: int) -> None:
     reset_peak()  # so the capture's own peak shows
     trace = capture(model, tok, info, prompt, new_tokens=16, max_tokens=n)
     nbytes = sum(a.nbytes for a in (trace.q, trace.k, trace.v))
-    print(
-        f"{loaded:.0f} {capture_peak_mb():.0f} {rss_mb():.0f} {trace.n_positions} {nbytes / 2**20:.0f}"
-    )
+    print(f"{loaded:.0f} {capture_peak_mb():.0f} {rss_mb():.0f} {trace.n_positions} {nbytes / 2**20:.0f}")
 
 
 def reset_peak() -> None:

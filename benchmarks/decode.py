@@ -45,17 +45,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument(
-        "--profile", action="store_true", help="cProfile the lab default's decode steps"
-    )
-    ap.add_argument(
-        "--long", type=int, default=2048, help="prompt tokens of the long-context check (0 = skip)"
-    )
+    ap.add_argument("--profile", action="store_true", help="cProfile the lab default's decode steps")
+    ap.add_argument("--long", type=int, default=2048, help="prompt tokens of the long-context check (0 = skip)")
     ap.add_argument("--long-steps", type=int, default=16, help="decode steps timed at that length")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    ap.add_argument(
-        "--short", type=int, default=1, help="1 = also the Model lab's short check (0 = skip)"
-    )
+    ap.add_argument("--short", type=int, default=1, help="1 = also the Model lab's short check (0 = skip)")
     a = ap.parse_args()
 
     import torch
@@ -80,17 +74,11 @@ def main() -> int:
     ids = tokenize(tokenizer, sample_text())
     prompt, feed = ids[:PROMPT], ids[PROMPT : PROMPT + CONTINUATION]
     steps = CONTINUATION - 1
-    print(
-        f"prompt {len(prompt)} tokens + continuation {len(feed)} tokens: {steps} teacher-forced decode steps"
-    )
+    print(f"prompt {len(prompt)} tokens + continuation {len(feed)} tokens: {steps} teacher-forced decode steps")
     specs = {
-        "lab default (h2o 4+8+2)": Spec(
-            sink=handbook.SINK, recent=handbook.RECENT, heavy=handbook.HEAVY, scorer="h2o"
-        ),
+        "lab default (h2o 4+8+2)": Spec(sink=handbook.SINK, recent=handbook.RECENT, heavy=handbook.HEAVY, scorer="h2o"),
         "no compression": Spec(),
-        "h2o 4+28+32, 4-bit K/V": Spec(
-            sink=4, recent=28, heavy=32, scorer="h2o", key_bits=4, value_bits=4
-        ),
+        "h2o 4+28+32, 4-bit K/V": Spec(sink=4, recent=28, heavy=32, scorer="h2o", key_bits=4, value_bits=4),
     }
     if not a.short:
         return long_check(model, tokenizer, a)
@@ -108,9 +96,7 @@ def main() -> int:
         pr.enable()
         decode(model, prompt, spec, steps, feed=feed, timings=t)
         pr.disable()
-        print(
-            f"profile of the lab default, {steps} steps ({t['decode'] * 1e3 / steps:.1f} ms/step incl. profiling):"
-        )
+        print(f"profile of the lab default, {steps} steps ({t['decode'] * 1e3 / steps:.1f} ms/step incl. profiling):")
         pstats.Stats(pr, stream=sys.stdout).sort_stats("tottime").print_stats(25)
 
     plain: list[float] = []

@@ -46,9 +46,7 @@ TARGET = 3.0  # every scorer: full configuration <= 3x the bare attention work
 
 def benchmark_trace():
     """The 4k synthetic trace every engine-side benchmark measures (4 layers, 8 query / 2 KV heads, dim 64)."""
-    return make_synthetic(
-        SyntheticSpec(context=CONTEXT, steps=STEPS, layers=4, q_heads=8, kv_heads=2, head_dim=64)
-    )
+    return make_synthetic(SyntheticSpec(context=CONTEXT, steps=STEPS, layers=4, q_heads=8, kv_heads=2, head_dim=64))
 
 
 def best_of(fn, repeat=3):
@@ -151,9 +149,7 @@ def bare_expected_attention(trace, layer=LAYER, sink=4):
             mu = queries.mean(axis=0)
             centred = queries - mu
             S = centred.T @ centred / np.float32(len(queries))  # (d, d)
-            z = keys @ mu / np.float32(np.sqrt(d)) + ((keys @ S) * keys).sum(axis=1) / np.float32(
-                2 * d
-            )
+            z = keys @ mu / np.float32(np.sqrt(d)) + ((keys @ S) * keys).sum(axis=1) / np.float32(2 * d)
             z = np.exp(z - z.max())
             scores = scores + z / z.sum()
         scores / g * np.linalg.norm(v[kv, sink:c], axis=1)
@@ -164,9 +160,7 @@ def bare_keydiff(trace, layer=LAYER):
     keys = trace.k[layer][:, : trace.context_len]  # (kv_heads, c, d) float32
     norms = np.sqrt(np.vecdot(keys, keys))  # (kv_heads, c)
     anchor = np.matmul((1 / norms)[:, None, :], keys)[:, 0] / np.float32(keys.shape[1])
-    -np.matmul(keys, anchor[..., None])[..., 0] / (
-        norms * np.linalg.norm(anchor, axis=-1, keepdims=True)
-    )
+    -np.matmul(keys, anchor[..., None])[..., 0] / (norms * np.linalg.norm(anchor, axis=-1, keepdims=True))
 
 
 def bare_knorm(trace, layer=LAYER):
@@ -175,11 +169,7 @@ def bare_knorm(trace, layer=LAYER):
     -np.sqrt(np.vecdot(keys, keys))
 
 
-SCORE_FORMULAS = {
-    "expected_attention": bare_expected_attention,
-    "keydiff": bare_keydiff,
-    "knorm": bare_knorm,
-}
+SCORE_FORMULAS = {"expected_attention": bare_expected_attention, "keydiff": bare_keydiff, "knorm": bare_knorm}
 
 
 def main() -> None:
@@ -194,25 +184,17 @@ def main() -> None:
     budget = dict(sink=4, recent=n // 10, heavy=n // 10)
     view = View(layer=LAYER, ensemble="heads", ensemble_size=8)
     print(f"trace: {trace.describe()}")
-    print(
-        f"config: sink 4 + recent {budget['recent']} + heavy {budget['heavy']}, 4-bit K/V, error bars over 8 heads"
-    )
+    print(f"config: sink 4 + recent {budget['recent']} + heavy {budget['heavy']}, 4-bit K/V, error bars over 8 heads")
     worst = 0.0
     for scorer in SCORERS:
         spec = Spec(scorer=scorer, key_bits=4, value_bits=4, **budget)
         # for a scorer with a formula, the evaluated rows' attention alone too (for information), in the same rounds
-        rows_alone = (
-            [lambda: bare_attention(trace, rows_needed(trace, scorer))]
-            if scorer in SCORE_FORMULAS
-            else []
-        )
+        rows_alone = [lambda: bare_attention(trace, rows_needed(trace, scorer))] if scorer in SCORE_FORMULAS else []
         full, bare, *rows_only = ratio_of(
             lambda: compare(trace, spec, view), lambda: bare_work(trace, scorer, spec), *rows_alone
         )
         worst = max(worst, full / bare)
-        info = "".join(
-            f" (to the rows' attention alone, {t * 1e3:.2f} ms: {full / t:.2f})" for t in rows_only
-        )
+        info = "".join(f" (to the rows' attention alone, {t * 1e3:.2f} ms: {full / t:.2f})" for t in rows_only)
         print(
             f"{scorer}: full {full * 1e3:.1f} ms, bare {bare * 1e3:.1f} ms, ratio {full / bare:.2f}{info}"
             + ("" if full / bare <= TARGET else f"  MISSES the target <= {TARGET:g}"),
@@ -223,9 +205,7 @@ def main() -> None:
     from kvviz.sources.handbook import handbook_trace
 
     hb = handbook_trace()
-    t = best_of(
-        lambda: compare(hb, Spec(sink=4, recent=8, heavy=2, key_bits=4, value_bits=4)), repeat=20
-    )
+    t = best_of(lambda: compare(hb, Spec(sink=4, recent=8, heavy=2, key_bits=4, value_bits=4)), repeat=20)
     print(f"handbook: one configuration in {t * 1e3:.2f} ms")
     long = make_synthetic(SyntheticSpec(context=32768, steps=1, layers=1, q_heads=1, kv_heads=1))
     spec = Spec(sink=4, recent=3277, heavy=3277, scorer="snapkv", key_bits=4, value_bits=4)

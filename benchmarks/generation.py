@@ -58,9 +58,7 @@ def main() -> int:
         "h2o sink 4 + recent 28 + heavy 32": Spec(sink=4, recent=28, heavy=32, scorer="h2o"),
         "streaming sink 4 + recent 60": Spec(sink=4, recent=60, scorer="streaming"),
         "kivi 2-bit K/V (residual 32)": Spec(key_bits=2, value_bits=2, residual=32),
-        "h2o 64 + 4-bit K/V": Spec(
-            sink=4, recent=28, heavy=32, scorer="h2o", key_bits=4, value_bits=4
-        ),
+        "h2o 64 + 4-bit K/V": Spec(sink=4, recent=28, heavy=32, scorer="h2o", key_bits=4, value_bits=4),
         "oracle 64 (full attention each step)": Spec(sink=4, recent=28, heavy=32, scorer="oracle"),
     }
     # warm-up

@@ -37,12 +37,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument(
-        "--small-mlp", action="store_true", help="hidden 1024, MLP 2048 (same attention shape)"
-    )
-    ap.add_argument(
-        "--dir", default=None, help="folder for the files (default: a temporary folder)"
-    )
+    ap.add_argument("--small-mlp", action="store_true", help="hidden 1024, MLP 2048 (same attention shape)")
+    ap.add_argument("--dir", default=None, help="folder for the files (default: a temporary folder)")
     a = ap.parse_args()
     try:
         import torch
@@ -125,9 +121,7 @@ def main() -> int:
         f"kvviz capture to a file {cap:.2f} s (GPU peak {peaks['capture']:.1f} GB); file {size / 1e9:.2f} GB, "
         f"{size / T / 1e3:.0f} kB a token"
     )
-    print(
-        f"capture / bare = ratio {ratio:.2f} (target <= 2) {'OK' if ratio <= 2 else 'OVER TARGET'}"
-    )
+    print(f"capture / bare = ratio {ratio:.2f} (target <= 2) {'OK' if ratio <= 2 else 'OVER TARGET'}")
     if a.dir is None:
         out.unlink(missing_ok=True)
     return 0 if ratio <= 2 else 1

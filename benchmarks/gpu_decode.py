@@ -118,9 +118,7 @@ def main() -> int:
 
     cpu = a.device == "cpu"
     if not cpu and not (a.device.startswith("cuda") and torch.cuda.is_available()):
-        print(
-            f"gpu_decode: skipped: no CUDA GPU here (torch {torch.__version__} sees none); run it on a GPU machine"
-        )
+        print(f"gpu_decode: skipped: no CUDA GPU here (torch {torch.__version__} sees none); run it on a GPU machine")
         return 0
     from kvviz import limits
     from kvviz.decode import decode, plain_decode
@@ -129,14 +127,8 @@ def main() -> int:
     lengths = [int(x) for x in a.lengths.split(",") if x.strip()]
     t0 = time.perf_counter()
     model = build(a.device, "sdpa")
-    where = (
-        "a CPU: a small model of the same architecture"
-        if cpu
-        else torch.cuda.get_device_name(a.device)
-    )
-    print(
-        f"model: Llama-3.1-8B shape, random bfloat16 weights on {where}; built in {time.perf_counter() - t0:.1f} s"
-    )
+    where = "a CPU: a small model of the same architecture" if cpu else torch.cuda.get_device_name(a.device)
+    print(f"model: Llama-3.1-8B shape, random bfloat16 weights on {where}; built in {time.perf_counter() - t0:.1f} s")
     gpu = _GpuMemory(not cpu)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
@@ -146,9 +138,7 @@ def main() -> int:
         prompt, feed = ids[:n], ids[n:]
         base_mem = gpu.reset()
         tp: dict = {}
-        plain_decode(
-            model, prompt, a.steps, feed=feed, timings=tp
-        )  # transformers' DynamicCache, sdpa
+        plain_decode(model, prompt, a.steps, feed=feed, timings=tp)  # transformers' DynamicCache, sdpa
         full_peak = gpu.peak() - base_mem
         plain_step = tp["decode"] / a.steps
         print(
@@ -173,16 +163,10 @@ def main() -> int:
             print(
                 f"  {name}: prefill + compression {tc['prefill']:.2f} s; step {step * 1e3:.1f} ms, ratio "
                 f"{ratio:.2f} (target <= {TARGET:g}); "
-                + (
-                    ""
-                    if cpu
-                    else f"peak {peak / 2**30:.1f} GiB vs full cache {full_peak / 2**30:.1f} GiB; "
-                )
+                + ("" if cpu else f"peak {peak / 2**30:.1f} GiB vs full cache {full_peak / 2**30:.1f} GiB; ")
                 + f"{cache.crossed.bytes / 2**20:.2f} MiB to the host at compression"
             )
-    print(
-        f"\nworst step ratio {worst:.2f} (target <= {TARGET:g}); {time.perf_counter() - t0:.0f} s in all"
-    )
+    print(f"\nworst step ratio {worst:.2f} (target <= {TARGET:g}); {time.perf_counter() - t0:.0f} s in all")
     if failed:
         print(f"missed: {', '.join(failed)}")
         return 1

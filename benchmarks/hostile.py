@@ -69,11 +69,7 @@ def huge_link(url: str) -> list[str]:
             + ("" if finished else " (did not finish)")
             + (f"; exceptions: {s.exceptions}" if s.exceptions else "")
         )
-        if (
-            s.exceptions
-            or not finished
-            or (path in USES_THE_SOURCE and (not notices or notices[0] >= NOTICE_S))
-        ):
+        if s.exceptions or not finished or (path in USES_THE_SOURCE and (not notices or notices[0] >= NOTICE_S)):
             missed.append(f"huge link on {name}")
     return missed
 
@@ -140,9 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 missed.append("RSS")
         if a.only is None:
             seconds = rerun_during(url)
-            print(
-                f"a rerun 3 s into that long computation (/?{LONG}) finished after {seconds:.1f} s"
-            )
+            print(f"a rerun 3 s into that long computation (/?{LONG}) finished after {seconds:.1f} s")
             if seconds >= STOP_S:
                 missed.append("rerun")
         if a.only != "huge":

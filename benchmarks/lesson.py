@@ -86,9 +86,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--opens", type=int, default=5)
     ap.add_argument("--moves", type=int, default=40)
-    ap.add_argument(
-        "--keep", help="write the exported lesson here and keep it (default: a temporary folder)"
-    )
+    ap.add_argument("--keep", help="write the exported lesson here and keep it (default: a temporary folder)")
     a = ap.parse_args()
 
     from kvviz.cli import main as kvviz
@@ -116,9 +114,7 @@ def main() -> int:
         print(
             f"{label:<22} {value:8.3f} {unit:<2} (target <= {target:g} {unit}): {'OK' if value <= target else 'OVER'}"
         )
-    print(
-        f"open times (s): {', '.join(f'{x:.3f}' for x in opens)}; slowest move {1000 * max(moves):.1f} ms"
-    )
+    print(f"open times (s): {', '.join(f'{x:.3f}' for x in opens)}; slowest move {1000 * max(moves):.1f} ms")
     return 0 if all(value <= target for _, value, target, _ in checks) else 1
 
 

@@ -42,13 +42,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SLIDERS = (
-    "Sink tokens",
-    "Recent window",
-    "Heavy-hitter budget",
-    "Quantization bits",
-    "Ensemble size",
-)
+SLIDERS = ("Sink tokens", "Recent window", "Heavy-hitter budget", "Quantization bits", "Ensemble size")
 TARGETS = {
     "exceptions": 0,
     "missing": 0,
@@ -80,9 +74,7 @@ def rss_mb(pid: int) -> float:
 
 
 @contextmanager
-def served(
-    log: Path, root: Path = ROOT, env: dict | None = None
-) -> Iterator[tuple[str, subprocess.Popen]]:
+def served(log: Path, root: Path = ROOT, env: dict | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """`streamlit run app.py` of `root` on a free loopback port: yield (url, process) once it is healthy
     (the body may stop it itself); stop it afterwards."""
     port = free_port()
@@ -106,11 +98,7 @@ def served(
     ]
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            cmd,
-            cwd=root,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "KVVIZ_WARMUP": "0", **(env or {})},
+            cmd, cwd=root, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "KVVIZ_WARMUP": "0", **(env or {})}
         )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -156,11 +144,7 @@ class Session:
         self.stack = ExitStack()
         self.ws = self.stack.enter_context(
             connect(
-                f"ws://{host}/_stcore/stream",
-                subprotocols=["streamlit"],
-                origin=url,
-                max_size=None,
-                open_timeout=60,
+                f"ws://{host}/_stcore/stream", subprotocols=["streamlit"], origin=url, max_size=None, open_timeout=60
             )
         )
         self.rng = random.Random(seed)
@@ -168,9 +152,7 @@ class Session:
         self.values: dict[str, object] = {}  # widget id -> WidgetState the client holds
         self.exceptions: list[str] = []
         self.metrics: dict[str, str] = {}  # card label -> the value shown (the moves change them)
-        self.alerts: list[
-            tuple[float, str]
-        ] = []  # (perf_counter, text) of warnings, errors and notes shown
+        self.alerts: list[tuple[float, str]] = []  # (perf_counter, text) of warnings, errors and notes shown
         self.radios: dict[str, object] = {}  # label -> the latest Radio proto
         self.moves = 0
 
@@ -222,9 +204,7 @@ class Session:
                     self.exceptions.append(f"{el.exception.type}: {el.exception.message}")
                 elif what == "alert":
                     self.alerts.append((time.perf_counter(), el.alert.body))
-            elif (
-                kind == "script_finished" and fm.script_finished == ForwardMsg.FINISHED_SUCCESSFULLY
-            ):
+            elif kind == "script_finished" and fm.script_finished == ForwardMsg.FINISHED_SUCCESSFULLY:
                 return True
 
     def keep_reading(self) -> None:
@@ -292,9 +272,7 @@ def run_session(url: str, i: int, moves: int, deadline: float, out: dict) -> Non
     try:
         s = Session(url, seed=i)
         s.rerun(timeout=120)
-        while (
-            s.missing() and time.time() < deadline - 1
-        ):  # every named slider before the first move
+        while s.missing() and time.time() < deadline - 1:  # every named slider before the first move
             s.read_until_finished(timeout=min(5, deadline - time.time()))
             if s.missing():
                 s.rerun(timeout=min(60, deadline - time.time()))
@@ -329,12 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("sessions", type=int, nargs="?", default=10)
     p.add_argument("moves", type=int, nargs="?", default=50)
-    p.add_argument(
-        "--timeout", type=float, default=900, help="seconds for the whole run (default 900)"
-    )
-    p.add_argument(
-        "--root", type=Path, default=ROOT, help="the checkout whose app.py is served (to compare)"
-    )
+    p.add_argument("--timeout", type=float, default=900, help="seconds for the whole run (default 900)")
+    p.add_argument("--root", type=Path, default=ROOT, help="the checkout whose app.py is served (to compare)")
     a = p.parse_args(argv)
     if not (1 <= a.sessions <= 50 and 1 <= a.moves <= 1000 and 10 <= a.timeout <= 3600):
         p.error("sessions 1-50, moves 1-1000, timeout 10-3600 s")
@@ -350,16 +324,12 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(2)
         rss_before = rss_mb(proc.pid)
         stop, health, static = threading.Event(), [], []
-        poller = threading.Thread(
-            target=poll_latency, args=(url, stop, health, static), daemon=True
-        )
+        poller = threading.Thread(target=poll_latency, args=(url, stop, health, static), daemon=True)
         poller.start()
         deadline = started + a.timeout
         results = [{} for _ in range(a.sessions)]
         threads = [
-            threading.Thread(
-                target=run_session, args=(url, i, a.moves, deadline, results[i]), daemon=True
-            )
+            threading.Thread(target=run_session, args=(url, i, a.moves, deadline, results[i]), daemon=True)
             for i in range(a.sessions)
         ]
         t0, cpu0 = time.time(), cpu_seconds(proc.pid)
@@ -385,16 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     waits = [w for r in results for w in r.get("waits", [])]
     wait_mean = sum(waits) / len(waits) if waits else float("nan")
     wait_p95 = percentile(waits, 95)
-    print(
-        f"load: {a.sessions} sessions x {a.moves} moves of {', '.join(SLIDERS)} (websocket clients, loopback)"
-    )
+    print(f"load: {a.sessions} sessions x {a.moves} moves of {', '.join(SLIDERS)} (websocket clients, loopback)")
     print(
         f"  moves done             {moves} of {a.sessions * a.moves} in {load_seconds:.1f} s"
         + (f"; {timed_out} session(s) out of time" if timed_out else "")
     )
-    print(
-        f"  server CPU per move    {load_cpu / max(moves, 1) * 1e3:.0f} ms (the server process, over the load)"
-    )
+    print(f"  server CPU per move    {load_cpu / max(moves, 1) * 1e3:.0f} ms (the server process, over the load)")
     print(
         f"  wait per move  mean {wait_mean:.2f} s, p95 {wait_p95:.2f} s, max {max(waits, default=float('nan')):.2f} s "
         f"(a move's rerun, sent until finished, over {len(waits)} moves)"
@@ -406,9 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     for e in (page_exceptions + server + errors)[:5]:
         print(f"    {e[:160]}")
     print(f"  missing sliders        {missing}")
-    print(
-        f"  server RSS             {rss_before:.0f} MB before, {rss_after:.0f} MB after ({growth:+.0f} MB)"
-    )
+    print(f"  server RSS             {rss_before:.0f} MB before, {rss_after:.0f} MB after ({growth:+.0f} MB)")
     print(
         f"  health latency         p50 {percentile(health, 50) * 1e3:.0f} ms, p99 {h99 * 1e3:.0f} ms, "
         f"max {max(health, default=float('nan')) * 1e3:.0f} ms over {len(health)} requests"

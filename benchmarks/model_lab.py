@@ -44,9 +44,7 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     t = time.perf_counter()
     model, tokenizer, info = load_model("bundled")
-    print(
-        f"model: {info.label}, loaded in {time.perf_counter() - t:.1f} s; torch threads {torch.get_num_threads()}"
-    )
+    print(f"model: {info.label}, loaded in {time.perf_counter() - t:.1f} s; torch threads {torch.get_num_threads()}")
     default = labsettings.default_settings()
     n, m, g = default.prompt_tokens, default.continuation, default.greedy_tokens
     ids = tokenize(tokenizer, default.text)[: n + m]
@@ -88,17 +86,14 @@ def main() -> int:
             took[name].append(lab_run(settings))
     b = statistics.median(base)
     print(
-        f"{n} prompt + {m} scored tokens, {g} greedy tokens; plain transformers work: {b:.2f} s "
-        f"(median of {len(base)})"
+        f"{n} prompt + {m} scored tokens, {g} greedy tokens; plain transformers work: {b:.2f} s (median of {len(base)})"
     )
     ok = True
     for name, settings in runs.items():
         c = statistics.median(took[name])
         target = 1.0 if labsettings.one_pass(settings.spec) else 1.5
         ok &= c / b <= target
-        print(
-            f"{name}: Model lab run / plain transformers work = {c / b:.2f} ({c:.2f} s; target <= {target})"
-        )
+        print(f"{name}: Model lab run / plain transformers work = {c / b:.2f} ({c:.2f} s; target <= {target})")
     print("all within target" if ok else "some OVER target")
     return 0
 

@@ -37,9 +37,7 @@ def main() -> int:
 
     trace = make_synthetic(SyntheticSpec(context=256, steps=48, topic_shift=12.0))
     spec = Spec(sink=4, recent=8, heavy=2)
-    timeline_animation(
-        timeline(make_synthetic(SyntheticSpec(context=32, steps=4)), spec), 0
-    )  # warm-up imports
+    timeline_animation(timeline(make_synthetic(SyntheticSpec(context=32, steps=4)), spec), 0)  # warm-up imports
 
     def first() -> tuple[float, object, go.Figure]:
         t0 = time.perf_counter()
@@ -73,9 +71,7 @@ def main() -> int:
         f"first computation (4 policies x 48 steps + the animated figure): {f:.3f} s (median of {len(firsts)}); "
         f"step move: {1000 * m:.1f} ms (median of {len(moves)})"
     )
-    print(
-        f"step move / first computation = {m / f:.5f} (target <= 0.05): {'OK' if m / f <= 0.05 else 'OVER'}"
-    )
+    print(f"step move / first computation = {m / f:.5f} (target <= 0.05): {'OK' if m / f <= 0.05 else 'OVER'}")
     return 0
 
 

@@ -6,15 +6,7 @@ The core never imports Streamlit; torch and transformers are imported lazily, on
 real-model side (`kvviz.models`, `kvviz.sources.capture`, `kvviz.decode`).
 """
 
-from kvviz.engine import (
-    Comparison,
-    Memory,
-    RowResult,
-    compare,
-    evaluate_row,
-    keep_masks,
-    memory_for,
-)
+from kvviz.engine import Comparison, Memory, RowResult, compare, evaluate_row, keep_masks, memory_for
 from kvviz.spec import ENSEMBLES, SCORERS, Spec, SpecError, View
 from kvviz.trace import Trace, TraceError
 from kvviz.version import __version__

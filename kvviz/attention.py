@@ -155,13 +155,7 @@ def chunk_rows(n_heads: int, n_keys: int, chunk: int = 512) -> int:
 
 
 def context_rows(
-    trace: Trace,
-    layer: int,
-    heads: np.ndarray,
-    rows: np.ndarray,
-    n_keys: int,
-    chunk: int = 512,
-    trim: bool = False,
+    trace: Trace, layer: int, heads: np.ndarray, rows: np.ndarray, n_keys: int, chunk: int = 512, trim: bool = False
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Causal attention of context queries `rows` (indices into query_positions) over keys 0..n_keys-1.
 
@@ -178,9 +172,7 @@ def context_rows(
     max and sum, but a product of another shape may run another BLAS kernel (OpenBLAS picks
     it by processor), with another summation order in the last bits.
     """
-    on_device = getattr(
-        trace.k, "context_rows", None
-    )  # computed where the arrays live (decode.devtrace)
+    on_device = getattr(trace.k, "context_rows", None)  # computed where the arrays live (decode.devtrace)
     if on_device is not None and trace.logits is None:
         yield from on_device(trace, layer, heads, rows, n_keys, chunk, trim)
         return

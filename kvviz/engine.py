@@ -122,13 +122,9 @@ class Comparison:
 def check_view(trace: Trace, view: View) -> int:
     """Validate layer / head / step against the trace; return the query index evaluated."""
     if not 0 <= view.layer < trace.n_layers:
-        raise SpecError(
-            f"layer {view.layer} does not exist: this trace has layers 0-{trace.n_layers - 1}"
-        )
+        raise SpecError(f"layer {view.layer} does not exist: this trace has layers 0-{trace.n_layers - 1}")
     if not 0 <= view.head < trace.n_q_heads:
-        raise SpecError(
-            f"head {view.head} does not exist: this trace has query heads 0-{trace.n_q_heads - 1}"
-        )
+        raise SpecError(f"head {view.head} does not exist: this trace has query heads 0-{trace.n_q_heads - 1}")
     evaluated = trace.evaluated_queries
     step = len(evaluated) - 1 if view.step is None else view.step
     if not 0 <= step < len(evaluated):
@@ -150,10 +146,7 @@ def sliding_note(trace: Trace, view: View) -> str | None:
             "kvpress skips sliding layers), so here the compressed attention is the model's own."
         )
     if view.ensemble == "layers":
-        members = [
-            (view.layer + i) % trace.n_layers
-            for i in range(min(view.ensemble_size, trace.n_layers))
-        ]
+        members = [(view.layer + i) % trace.n_layers for i in range(min(view.ensemble_size, trace.n_layers))]
         sliding = sum(trace.layer_windows[i] is not None for i in members)
         if sliding:
             out.append(
@@ -182,9 +175,7 @@ def kept_counts(trace: Trace, spec: Spec, qi: int) -> np.ndarray:
             for layer, window in enumerate(trace.layer_windows)
         ]
         return np.repeat(np.array(per_layer, dtype=np.int64)[:, None], H, axis=1)
-    return np.stack(
-        [kept_at_query(trace, spec, layer, qi).sum(axis=1) for layer in range(L)]
-    ).astype(np.int64)
+    return np.stack([kept_at_query(trace, spec, layer, qi).sum(axis=1) for layer in range(L)]).astype(np.int64)
 
 
 # --- the work budget -------------------------------------------------------------------
@@ -220,11 +211,7 @@ def compare_work(trace: Trace, evicts: bool, view: View, seeds: bool = False) ->
     Hq, Hkv = trace.n_q_heads, trace.n_kv_heads
     parts = [
         Part("the trace", ((trace_bytes(trace), "bytes"),), item_bytes=1),
-        Part(
-            "attention rows",
-            ((m, "rows"), (P, "tokens"), (ROW_TEMPORARIES, "arrays")),
-            item_bytes=8,
-        ),
+        Part("attention rows", ((m, "rows"), (P, "tokens"), (ROW_TEMPORARIES, "arrays")), item_bytes=8),
     ]
     if evicts:
         chunk = chunk_rows(Hq, P)
@@ -234,11 +221,7 @@ def compare_work(trace: Trace, evicts: bool, view: View, seeds: bool = False) ->
             Part("kept masks", ((m, "queries"), (Hkv, "KV heads"), (P, "positions")), item_bytes=1),
         ]
     if seeds and view.ensemble == "seeds" and m > 1:
-        parts.append(
-            Part(
-                "seed traces", ((m - 1, "more traces"), (trace_bytes(trace), "bytes")), item_bytes=1
-            )
-        )
+        parts.append(Part("seed traces", ((m - 1, "more traces"), (trace_bytes(trace), "bytes")), item_bytes=1))
     return Work("this comparison", tuple(parts), lower="the ensemble size or the source's size")
 
 
@@ -248,11 +231,7 @@ Member = tuple[Trace, Spec, int, int, int]  # trace, spec, layer, head, query in
 
 
 def ensemble_members(
-    trace: Trace,
-    spec: Spec,
-    view: View,
-    qi: int,
-    trace_for_seed: Callable[[int], Trace] | None = None,
+    trace: Trace, spec: Spec, view: View, qi: int, trace_for_seed: Callable[[int], Trace] | None = None
 ) -> list[Member]:
     """The rows behind the error bars; the primary row comes first."""
     size = view.ensemble_size
@@ -268,22 +247,13 @@ def ensemble_members(
     if view.ensemble == "steps":
         evaluated = list(trace.evaluated_queries)
         at = evaluated.index(qi)
-        return [
-            (trace, spec, view.layer, view.head, q)
-            for q in evaluated[max(0, at - size + 1) : at + 1][::-1]
-        ]
+        return [(trace, spec, view.layer, view.head, q) for q in evaluated[max(0, at - size + 1) : at + 1][::-1]]
     # seeds: repeated random draws (noise, random scorer, and the source itself if it can)
     members = [primary]
     for r in range(1, size):
         t = trace_for_seed(r) if trace_for_seed is not None else trace
         members.append(
-            (
-                t,
-                spec.with_(seed=spec.seed + r),
-                view.layer,
-                view.head,
-                qi if t is trace else _same_step(trace, t, qi),
-            )
+            (t, spec.with_(seed=spec.seed + r), view.layer, view.head, qi if t is trace else _same_step(trace, t, qi))
         )
     return members
 
@@ -328,9 +298,7 @@ def evaluate_members(members: list) -> list[RowResult]:
         which.sort(key=lambda i: members[i][3] // t.group_size)
         heads = [members[i][3] for i in which]
         with small_blas():
-            evaluated = evaluate_rows(
-                t, s, layer, heads, q, kept_kv, quantized.setdefault((tid, sid), {})
-            )
+            evaluated = evaluate_rows(t, s, layer, heads, q, kept_kv, quantized.setdefault((tid, sid), {}))
         for i, row in zip(which, evaluated):
             rows[i] = row
     return rows
@@ -349,10 +317,7 @@ def _error_rows(rows: list[RowResult], n: int, complete: bool) -> np.ndarray:
 
 
 def compare(
-    trace: Trace,
-    spec: Spec,
-    view: View = View(),
-    trace_for_seed: Callable[[int], Trace] | None = None,
+    trace: Trace, spec: Spec, view: View = View(), trace_for_seed: Callable[[int], Trace] | None = None
 ) -> Comparison:
     """Compute one configuration: the primary row, its ensemble and the summaries."""
     if spec.positions != "true":
@@ -378,9 +343,7 @@ def compare(
         primary=primary,
         members=tuple(rows),
         spread=spread(errors, complete),
-        memory=memory_for(
-            trace, spec, n, None if budget_is_exact(spec) else kept_counts(trace, spec, qi)
-        ),
+        memory=memory_for(trace, spec, n, None if budget_is_exact(spec) else kept_counts(trace, spec, qi)),
         notes=notes,
         primary_source=str(trace.meta.get("source", "")),
         layer_number=trace.layer_numbers[view.layer],
@@ -389,9 +352,7 @@ def compare(
     )
 
 
-def head_grid(
-    trace: Trace, spec: Spec, step: int | None = None, metric: str = "tv_distance"
-) -> np.ndarray:
+def head_grid(trace: Trace, spec: Spec, step: int | None = None, metric: str = "tv_distance") -> np.ndarray:
     """One row metric for every (layer, query head) at one query: shape (layers, q_heads).
 
     The overview that points at the heads compression hurts most (or, with

@@ -59,11 +59,7 @@ def head_trace(trace: Trace, layer: int, kv_heads: list[int]) -> Trace:
     q_heads = [h for kv in kv_heads for h in range(kv * g, (kv + 1) * g)]
 
     def one(a, heads):  # (L, len(heads), ...) views of one layer's heads
-        return (
-            None
-            if a is None
-            else np.broadcast_to((part := a[layer][heads])[None], (L, *part.shape))
-        )
+        return None if a is None else np.broadcast_to((part := a[layer][heads])[None], (L, *part.shape))
 
     sub = LayerTrace(
         q=one(trace.q, q_heads),
@@ -83,9 +79,7 @@ def head_trace(trace: Trace, layer: int, kv_heads: list[int]) -> Trace:
     return sub
 
 
-def view_masks(
-    trace: Trace, spec: Spec, layer: int, positions: list[int], kv_heads: list[int]
-) -> np.ndarray | None:
+def view_masks(trace: Trace, spec: Spec, layer: int, positions: list[int], kv_heads: list[int]) -> np.ndarray | None:
     """kvviz.rows.keep_masks where only `kv_heads` are read: (len(positions), kv_heads, positions), those
     heads' masks as keep_masks gives them, the other heads' all False (not computed). A separable scorer
     (head_separable) scores those heads alone; any other scores every head."""

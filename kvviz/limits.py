@@ -103,9 +103,7 @@ def max_bytes() -> int:
 
 def _at_least_min(limit: int) -> int:
     if limit < MIN_MAX_BYTES:
-        raise SpecError(
-            f"the work budget must be at least {fmt_bytes(MIN_MAX_BYTES)}, got {fmt_bytes(limit)}"
-        )
+        raise SpecError(f"the work budget must be at least {fmt_bytes(MIN_MAX_BYTES)}, got {fmt_bytes(limit)}")
     return limit
 
 
@@ -113,9 +111,7 @@ def set_max_bytes(limit: int | str | None) -> None:
     """A program's own limit (bytes or a size like '3GB'); None returns to the environment / default."""
     _override.clear()
     if limit is not None:
-        _override.append(
-            _at_least_min(parse_bytes(limit) if isinstance(limit, str) else int(limit))
-        )
+        _override.append(_at_least_min(parse_bytes(limit) if isinstance(limit, str) else int(limit)))
 
 
 @dataclass(frozen=True)
@@ -132,10 +128,7 @@ class Part:
 
     def describe(self) -> str:
         terms = [f"{int(n):,} {name}".rstrip() for n, name in self.factors]
-        return (
-            " × ".join(terms + [f"{self.item_bytes} B"])
-            + f" = {fmt_bytes(self.bytes)} of {self.what}"
-        )
+        return " × ".join(terms + [f"{self.item_bytes} B"]) + f" = {fmt_bytes(self.bytes)} of {self.what}"
 
 
 @dataclass(frozen=True)
@@ -160,14 +153,9 @@ class Work:
         rest = (
             ""
             if len(parts) < 2
-            else (
-                f", {fmt_bytes(self.bytes)} in all with " + " and ".join(p.what for p in parts[1:])
-            )
+            else (f", {fmt_bytes(self.bytes)} in all with " + " and ".join(p.what for p in parts[1:]))
         )
-        return (
-            f"{self.what} needs {head}{rest}; the limit is {fmt_bytes(limit)} ({ENV}): "
-            f"lower {self.lower}"
-        )
+        return f"{self.what} needs {head}{rest}; the limit is {fmt_bytes(limit)} ({ENV}): lower {self.lower}"
 
     def check(self, limit: int | None = None) -> "Work":
         """Raise BudgetError if the total is over the limit (default: max_bytes()); else return self."""

@@ -56,9 +56,7 @@ class Memory:
     @property
     def peak(self) -> float:
         """Bytes of the cache at its peak: the whole prefill before compression, or after it if larger."""
-        return (
-            self.kv_bytes if self.kv_bytes_peak is None else max(self.kv_bytes_peak, self.kv_bytes)
-        )
+        return self.kv_bytes if self.kv_bytes_peak is None else max(self.kv_bytes_peak, self.kv_bytes)
 
     @property
     def ratio(self) -> float:
@@ -93,12 +91,7 @@ def seen_tokens(window: int | None, n_tokens: int) -> int:
 
 
 def prefill_peak_bytes(
-    n_layers: int,
-    n_kv_heads: int,
-    head_dim: int,
-    n_tokens: int,
-    context_len: int,
-    windows: tuple[int | None, ...] = (),
+    n_layers: int, n_kv_heads: int, head_dim: int, n_tokens: int, context_len: int, windows: tuple[int | None, ...] = ()
 ) -> float:
     """The full 16-bit cache the prefill holds before it is compressed: the context's tokens (or the n_tokens
     seen, for a query inside the context), K and V, every layer and KV head; `windows` (one per layer):
@@ -143,12 +136,7 @@ def budget_is_exact(spec: Spec) -> bool:
 
 
 def head_parts(
-    spec: Spec,
-    n_kept: int,
-    head_dim: int,
-    n_kv_heads: int = 1,
-    n_tokens: int | None = None,
-    context_len: int = 0,
+    spec: Spec, n_kept: int, head_dim: int, n_kv_heads: int = 1, n_tokens: int | None = None, context_len: int = 0
 ) -> tuple[CacheBytes, CacheBytes]:
     """K and V bytes of one KV head's cache holding n_kept tokens once n_tokens (default n_kept) have arrived.
 
@@ -157,38 +145,20 @@ def head_parts(
     """
     if qformats.uses_formats(spec):
         residual = qformats.spec_residual_for_memory(spec, n_kept, n_tokens or n_kept, context_len)
-        return tuple(
-            qformats.tensor_bytes(spec, which, n_kept, head_dim, n_kv_heads, residual)
-            for which in ("k", "v")
-        )
+        return tuple(qformats.tensor_bytes(spec, which, n_kept, head_dim, n_kv_heads, residual) for which in ("k", "v"))
     return tuple(
         tensor_bytes(
-            n_kept,
-            head_dim,
-            bits,
-            axis,
-            spec.group_size,
-            spec.residual,
-            spec.symmetric,
-            spec.zero_point,
-            spec.partial,
+            n_kept, head_dim, bits, axis, spec.group_size, spec.residual, spec.symmetric, spec.zero_point, spec.partial
         )
         for bits, axis in ((spec.key_bits, spec.key_axis), (spec.value_bits, spec.value_axis))
     )
 
 
 def head_bytes(
-    spec: Spec,
-    n_kept: int,
-    head_dim: int,
-    n_kv_heads: int = 1,
-    n_tokens: int | None = None,
-    context_len: int = 0,
+    spec: Spec, n_kept: int, head_dim: int, n_kv_heads: int = 1, n_tokens: int | None = None, context_len: int = 0
 ) -> float:
     """Bytes of one KV head's K + V cache holding n_kept tokens under the spec's quantization."""
-    return sum(
-        b.total for b in head_parts(spec, n_kept, head_dim, n_kv_heads, n_tokens, context_len)
-    )
+    return sum(b.total for b in head_parts(spec, n_kept, head_dim, n_kv_heads, n_tokens, context_len))
 
 
 def page_meta_bytes(spec: Spec, n_tokens: int, head_dim: int) -> float:
@@ -221,12 +191,9 @@ def _memory(
     full = sum(seen_tokens(w, n_tokens) for w in windows) * n_kv_heads * token16
     peak = prefill_peak_bytes(n_layers, n_kv_heads, head_dim, n_tokens, context_len, windows)
     if counts is None:
-        budgets = [
-            layer_spec(spec, layer, n_layers, context_len).budget for layer in range(n_layers)
-        ]
+        budgets = [layer_spec(spec, layer, n_layers, context_len).budget for layer in range(n_layers)]
         counts = tuple(
-            (seen_tokens(w, n_tokens) if w is not None or not spec.evicts else min(b, n_tokens),)
-            * n_kv_heads
+            (seen_tokens(w, n_tokens) if w is not None or not spec.evicts else min(b, n_tokens),) * n_kv_heads
             for b, w in zip(budgets, windows)
         )
     # a sliding layer's caches: their window, at 16 bits (K half of it)
@@ -246,9 +213,7 @@ def _memory(
             kept_tokens=round((n_tokens * n_full + window_held) / max(n_layers * n_kv_heads, 1)),
             total_tokens=n_tokens,
             kv_bytes_read=read,
-            kept_per_layer=tuple(
-                n_tokens if w is None else round(sum(c) / len(c)) for c, w in zip(counts, windows)
-            ),
+            kept_per_layer=tuple(n_tokens if w is None else round(sum(c) / len(c)) for c, w in zip(counts, windows)),
             kv_bytes_peak=peak,
             key_bytes=(key_part(n_tokens) + meta) * n_full + window_held * token16 / 2,
         )

@@ -67,16 +67,12 @@ def divergences(
     # evicted: p log(p / (p/2))
     lost = np.maximum(1.0 - mass, 0.0) * LN2
     js = 0.5 * (
-        np.einsum("ij,ij->i", p_kept, log_p_kept - log_mid)
-        + np.einsum("ij,ij->i", q_kept, log_q_kept - log_mid)
-        + lost
+        np.einsum("ij,ij->i", p_kept, log_p_kept - log_mid) + np.einsum("ij,ij->i", q_kept, log_q_kept - log_mid) + lost
     )
     return np.maximum(kl, 0.0), np.maximum(kl_forward, 0.0), np.minimum(np.maximum(js, 0.0), LN2)
 
 
-def error_split(
-    original: np.ndarray, compressed: np.ndarray, kept: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+def error_split(original: np.ndarray, compressed: np.ndarray, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The per-token error split into its two causes (..., n): (eviction part, quantization part).
 
     Eviction alone gives a_evict = a / mass on the kept tokens and 0 on the evicted ones;
@@ -133,15 +129,7 @@ def row_metrics_batch(
             output_cosine=c,
         )
         for m, t, tq, k, f, j, x, r, c in zip(
-            mass.tolist(),
-            tv.tolist(),
-            tvq,
-            kl.tolist(),
-            kl_forward.tolist(),
-            js.tolist(),
-            mx.tolist(),
-            rel,
-            cos,
+            mass.tolist(), tv.tolist(), tvq, kl.tolist(), kl_forward.tolist(), js.tolist(), mx.tolist(), rel, cos
         )
     ]
 
@@ -162,11 +150,7 @@ DEFINITIONS = {
     "error_min": "smallest error among the ensemble members (error_max: largest)",
 }
 
-BANDS = {
-    "std": "mean ± 1 sample std",
-    "ci95": "95% t-interval for the mean",
-    "range": "range (min–max) of the members",
-}
+BANDS = {"std": "mean ± 1 sample std", "ci95": "95% t-interval for the mean", "range": "range (min–max) of the members"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -200,9 +184,7 @@ class Spread:
         """t(0.975, n - 1) * std / sqrt(n) per token; NaN where n = 1."""
         n = self.n.astype(np.float64)
         with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(
-                n > 1, t_quantile(0.5 + T_LEVEL / 2, n - 1) * self.std / np.sqrt(n), np.nan
-            )
+            return np.where(n > 1, t_quantile(0.5 + T_LEVEL / 2, n - 1) * self.std / np.sqrt(n), np.nan)
 
     @property
     def ci_lo(self) -> np.ndarray:
@@ -254,9 +236,7 @@ def spread(errors: np.ndarray, complete: bool = False) -> Spread:
     return Spread(errors=errors, mean=mean, std=std, n=np.full(errors.shape[1], members))
 
 
-def concentration_curve(
-    attention: np.ndarray, fractions: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray]:
+def concentration_curve(attention: np.ndarray, fractions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Share of attention mass held by the top x of tokens, for x in `fractions` (0..1].
 
     Fractions are of the tokens the row covers; the share uses ceil(x * n) tokens.

@@ -22,14 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvviz.attention import (
-    kv_runs,
-    logit_rows,
-    softmax,
-    softmax_and_log,
-    window_masks,
-    window_start,
-)
+from kvviz.attention import kv_runs, logit_rows, softmax, softmax_and_log, window_masks, window_start
 from kvviz.metrics import RowMetrics, divergences, row_metrics_batch
 from kvviz.policies import ScoreContext, get_policy
 from kvviz.policies.allocation import allocation_for
@@ -41,13 +34,7 @@ from kvviz.trace import Trace
 
 # Why each token is in (or out of) the compressed cache, for colouring charts.
 EVICTED, SINK, RECENT, HEAVY, ALL = 0, 1, 2, 3, 4
-REASONS = {
-    EVICTED: "evicted",
-    SINK: "sink",
-    RECENT: "recent",
-    HEAVY: "heavy hitter",
-    ALL: "kept (no eviction)",
-}
+REASONS = {EVICTED: "evicted", SINK: "sink", RECENT: "recent", HEAVY: "heavy hitter", ALL: "kept (no eviction)"}
 UNCOMPRESSED = Spec()  # what a sliding-window layer runs under, whatever the spec
 
 
@@ -167,24 +154,14 @@ def evaluate_rows(
     # what each row attends over: its KV head's kept tokens (decided once per KV head), or its own reads
     kept_at, rows_at = _row_tokens(heads, kv_list, kept_kv, reads, n)
     if len({len(a) for a in rows_at}) > 1:  # ragged caches (AdaKV): one head at a time
-        groups = (
-            [[h] for h in heads.tolist()]
-            if reads is not None
-            else [heads[rows] for _, rows in runs]
-        )
-        return [
-            row
-            for group in groups
-            for row in evaluate_rows(trace, spec, layer, group, qi, kept_kv, cache, reads)
-        ]
+        groups = [[h] for h in heads.tolist()] if reads is not None else [heads[rows] for _, rows in runs]
+        return [row for group in groups for row in evaluate_rows(trace, spec, layer, group, qi, kept_kv, cache, reads)]
     batch = _Batch(trace, spec, layer, qi, p, heads, kv_list, runs, np.array(rows_at), reads)
     # (kv_heads, P, D), the trace's dtype: the model's values, and those the cache holds (merged: Spec.merge)
     own_values, values = held_values(trace, spec, layer, p, kept_kv, cache)
     # evict, then quantize what is kept: per KV head, over its compacted cache (Quest: the whole cache)
     stored = _Stored(
-        stored_kept(
-            trace, spec, layer, p, kept_at, cache, values, kept_kv if reads is None else None
-        ),
+        stored_kept(trace, spec, layer, p, kept_at, cache, values, kept_kv if reads is None else None),
         reads is not None,
     )
     # over the kept tokens only
@@ -266,15 +243,11 @@ def _outputs(batch, original, compressed, p_kept, own_values, values, stored):
         else:
             for i in range(rows.start, rows.stop):
                 v_kept = stored.part(batch, i, g, 1)
-                out_hat[i] = p_kept[i].astype(values.dtype) @ (
-                    values[g, batch.at[i]] if v_kept is None else v_kept
-                )
+                out_hat[i] = p_kept[i].astype(values.dtype) @ (values[g, batch.at[i]] if v_kept is None else v_kept)
     return out, out_hat
 
 
-def _results(
-    batch, kept_kv, sliding, original, compressed, error, out, out_hat, metrics
-) -> list[RowResult]:
+def _results(batch, kept_kv, sliding, original, compressed, error, out, out_hat, metrics) -> list[RowResult]:
     """The batch's RowResults: what each row's cache keeps (its KV head's, shared by its rows; Quest: its
     own reads) and why."""
     n = batch.n
@@ -306,12 +279,7 @@ def _results(
 
 
 def _query_kept(
-    trace: Trace,
-    spec: Spec,
-    layer: int,
-    qi: int,
-    heads: np.ndarray | None = None,
-    attention: np.ndarray | None = None,
+    trace: Trace, spec: Spec, layer: int, qi: int, heads: np.ndarray | None = None, attention: np.ndarray | None = None
 ) -> tuple[np.ndarray | None, np.ndarray]:
     """A needs_query policy (the oracle, Quest) at query qi: (each query head's own read mask (q_heads, n)
     or None, the kept (read) mask of every KV head (kv_heads, n)).
@@ -335,19 +303,13 @@ def _query_kept(
                 rows[missing] = softmax(logit_rows(trace, layer, missing, qi))
         inputs = dict(query=trace.q[layer, :, qi], keys=trace.k[layer, :, :n])
         reads = policy.query_reads(rows, ctx, **inputs)
-        kept = (
-            policy.query_kept(rows, ctx, **inputs)
-            if reads is None
-            else group_union(reads, trace.n_kv_heads)
-        )
+        kept = policy.query_kept(rows, ctx, **inputs) if reads is None else group_union(reads, trace.n_kv_heads)
         for shared in (reads, kept):  # cached: every caller reads the same arrays
             if shared is not None:
                 shared.setflags(write=False)
         return reads, kept
 
-    return cached_on_trace(
-        trace, layer, f"query-kept/{spec.scorer}", (qi, spec.eviction_key), decide
-    )
+    return cached_on_trace(trace, layer, f"query-kept/{spec.scorer}", (qi, spec.eviction_key), decide)
 
 
 def evaluate_row(

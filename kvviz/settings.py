@@ -86,11 +86,7 @@ class Setting:
         if value is None and self.default is None:
             return None
         if self.kind == "bool":
-            return (
-                None
-                if isinstance(value, bool)
-                else f"{self.name} must be true or false, got {value!r}"
-            )
+            return None if isinstance(value, bool) else f"{self.name} must be true or false, got {value!r}"
         if self.kind == "choice":
             allowed = self.values
             if value not in allowed:
@@ -103,9 +99,7 @@ class Setting:
                 or (isinstance(value, float) and not math.isfinite(value))
             ):
                 return f"{what} must be {'an integer' if self.kind == 'int' else 'a finite number'}, got {value!r}"
-            if (self.lo is not None and value < self.lo) or (
-                self.hi is not None and value > self.hi
-            ):
+            if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
                 return f"{what} must be {_num(self.lo)}-{_num(self.hi)}, got {_num(value)}"
         return self.valid(value) if self.valid else None
 
@@ -126,14 +120,10 @@ def declare(*settings: Setting) -> tuple[Setting, ...]:
     """Add settings to the table; a name or link name already taken is a programming error."""
     for s in settings:
         if s.kind not in KINDS:
-            raise ValueError(
-                f"setting {s.name!r}: kind must be one of {', '.join(KINDS)}, got {s.kind!r}"
-            )
+            raise ValueError(f"setting {s.name!r}: kind must be one of {', '.join(KINDS)}, got {s.kind!r}")
         taken = {t.url_name: t.name for t in SETTINGS.values() if t.name != s.name}
         if s.url_name in taken:
-            raise ValueError(
-                f"setting {s.name!r}: link name {s.url_name!r} is {taken[s.url_name]!r}'s"
-            )
+            raise ValueError(f"setting {s.name!r}: link name {s.url_name!r} is {taken[s.url_name]!r}'s")
         if s.name in SETTINGS and SETTINGS[s.name] != s:
             raise ValueError(f"setting {s.name!r} is declared twice, differently")
         SETTINGS[s.name] = s

@@ -74,9 +74,7 @@ declare(
         label="Heavy-hitter scorer",
         help="How heavy hitters are ranked.",
     ),
-    Setting(
-        "seed", "int", 0, 0, 2**32 - 1, label="Seed", help="random draws (noise, random scorer)"
-    ),
+    Setting("seed", "int", 0, 0, 2**32 - 1, label="Seed", help="random draws (noise, random scorer)"),
     Setting(
         "positions",
         "choice",
@@ -132,11 +130,7 @@ class Spec:
             object.__setattr__(self, name, values.get(name, setting.default))
         # identity: the settings that differ from their defaults (a setting declared later, by a plug-in,
         # is at its default in every Spec made before it, so equal Specs stay equal)
-        object.__setattr__(
-            self,
-            "_key",
-            tuple(sorted((n, v) for n, v in values.items() if v != SETTINGS[n].default)),
-        )
+        object.__setattr__(self, "_key", tuple(sorted((n, v) for n, v in values.items() if v != SETTINGS[n].default)))
         check_spec(self)
 
     def __getattr__(self, name: str) -> Any:
@@ -275,8 +269,6 @@ class View:
 
     def __post_init__(self) -> None:
         if self.ensemble is not None and self.ensemble not in ENSEMBLES:
-            raise SpecError(
-                f"ensemble must be one of {', '.join(ENSEMBLES)}, got {self.ensemble!r}"
-            )
+            raise SpecError(f"ensemble must be one of {', '.join(ENSEMBLES)}, got {self.ensemble!r}")
         if not 1 <= self.ensemble_size <= MAX_ENSEMBLE:
             raise SpecError(f"ensemble size must be 1-{MAX_ENSEMBLE}, got {self.ensemble_size}")

@@ -95,11 +95,7 @@ class Trace:
     def layer_numbers(self) -> tuple[int, ...]:
         """The model's own number of each layer (meta["layers"] when a capture kept some; else 0..L-1)."""
         kept = self.meta.get("layers")
-        if (
-            isinstance(kept, list)
-            and len(kept) == self.n_layers
-            and all(isinstance(x, int) for x in kept)
-        ):
+        if isinstance(kept, list) and len(kept) == self.n_layers and all(isinstance(x, int) for x in kept):
             return tuple(kept)
         return tuple(range(self.n_layers))
 
@@ -126,8 +122,7 @@ class Trace:
             return self.layer_numbers.index(int(number))
         except ValueError:
             raise TraceError(
-                f"layer {number} is not in this trace: it has layers "
-                f"{layer_ranges(self.layer_numbers)}"
+                f"layer {number} is not in this trace: it has layers {layer_ranges(self.layer_numbers)}"
             ) from None
 
     def kv_head(self, q_head: int) -> int:

@@ -136,13 +136,9 @@ def places(page: Shown) -> tuple:
         page.first, page.last = 0, page.n_seen - 1
     else:
         cards_slot, lock_slot = st.container(), st.container()
-        zoom_slot = (
-            st.container() if page.n_seen > BIN_THRESHOLD else None
-        )  # a long row's range boxes
+        zoom_slot = st.container() if page.n_seen > BIN_THRESHOLD else None  # a long row's range boxes
         top_chart, bottom_chart = st.container(), st.container()
-        page.first, page.last = ux.token_range(
-            page.n_seen, (page.source.key, page.n_seen), zoom_slot
-        )
+        page.first, page.last = ux.token_range(page.n_seen, (page.source.key, page.n_seen), zoom_slot)
     page.frame, page.binned = zoom_frame(page.comp, page.first, page.last)
     if page.pinned is not None:
         page.pinned_frame = zoom_frame(page.pinned, page.first, page.last)[0]
@@ -152,11 +148,7 @@ def places(page: Shown) -> tuple:
 def notes(page: Shown) -> list[str]:
     """The comparison's notes, the scorer's, the typical-pattern note and FP8's."""
     source, spec = page.source, page.spec
-    typical = (
-        st.session_state.get("_typical_note")
-        if st.session_state.get("_typical_for") == source.key
-        else None
-    )
+    typical = st.session_state.get("_typical_note") if st.session_state.get("_typical_for") == source.key else None
     extra = [scorer_note(spec, source.trace), typical, fp8_note(source, spec, page.vs.view.step)]
     return list(page.comp.notes) + [note for note in extra if note]
 
@@ -205,11 +197,7 @@ def attention_figure(page: Shown, y_top: float | None):
         fig = figures.binned_attention_figure(page.frame, row=row, y_top=y_top)
         return page.look(fig, "attention mass")
     fig = figures.attention_figure(
-        page.frame,
-        row=row,
-        text_tokens=has_text_tokens(page.source.trace),
-        pinned=page.pinned_frame,
-        y_top=y_top,
+        page.frame, row=row, text_tokens=has_text_tokens(page.source.trace), pinned=page.pinned_frame, y_top=y_top
     )
     return page.look(fig, "attention")
 
@@ -261,8 +249,7 @@ def error_chart(page: Shown, y_range: float | None):
             "over every kept token. "
             + (
                 f"Bars are the mean over N = {members} rows ({ensemble}); black ticks the total, with "
-                f"error bars: {BAND_TEXT[bars]}"
-                + (" (assumes independent rows)." if bars == "ci95" else ".")
+                f"error bars: {BAND_TEXT[bars]}" + (" (assumes independent rows)." if bars == "ci95" else ".")
                 if members > 1
                 else "One row, no ensemble: pick one under View → Error bars over."
             )
@@ -288,9 +275,7 @@ def downloads(page: Shown, figs: list) -> str:
     )
     row.download_button(
         "Download charts (standalone HTML)",
-        data=lambda: export.figures_html(
-            figs, f"kvviz: {spec.label()}", metrics=comp.metrics, about=header, link=link
-        ),
+        data=lambda: export.figures_html(figs, f"kvviz: {spec.label()}", metrics=comp.metrics, about=header, link=link),
         file_name=f"{stem}.html",
         mime="text/html",
         on_click="ignore",

@@ -42,9 +42,7 @@ def open_in_explorer(point: dict) -> None:
     """Set the sliders to a clicked sweep point and go to the Explorer."""
     method, budget, bits = point["customdata"][:3]
     fmt = point["customdata"][3] if len(point["customdata"]) > 3 else "int"
-    values = (
-        dict(sink=0, recent=0, heavy=0) if method == "full" else split_budget(method, int(budget))
-    )
+    values = dict(sink=0, recent=0, heavy=0) if method == "full" else split_budget(method, int(budget))
     values.update(bits=int(bits), split=False, key_fmt=fmt, value_fmt=fmt)
     if method != "full":
         values["scorer"] = method
@@ -70,26 +68,16 @@ def main() -> None:
     chart_slot = st.container() if present else None
     metric, log_x, methods, bits, formats = controls()
     if not methods or not (bits or formats):
-        st.warning(
-            "Pick at least one method and one bit width to sweep.", icon=":material/warning:"
-        )
+        st.warning("Pick at least one method and one bit width to sweep.", icon=":material/warning:")
         return
     view = heads_view(source, vs.view, present)
-    rows = run_sweep(
-        source,
-        tuple(methods),
-        tuple(sorted(bits, reverse=True)),
-        view,
-        spec,
-        formats=tuple(formats),
-    )
+    rows = run_sweep(source, tuple(methods), tuple(sorted(bits, reverse=True)), view, spec, formats=tuple(formats))
     if not rows:
         return
     valid, front = frontier(rows, metric)
     if len(valid) < len(rows):
         st.info(
-            "This source has no values, so output error is not available; showing the rest.",
-            icon=":material/info:",
+            "This source has no values, so output error is not available; showing the rest.", icon=":material/info:"
         )
     fig = tradeoffs.tradeoff_figure(
         valid, METRICS[metric][1], front, star(source, spec, view, metric), log_x=bool(log_x)
@@ -97,16 +85,8 @@ def main() -> None:
     if present:  # text >= 18 px, the chart as tall as the first screen allows
         fig = style.projector(fig, height=520, y_title=METRICS[metric][0], legend_right=True)
     with chart_slot or st.container():
-        event = chart(
-            fig,
-            key="tradeoff_chart",
-            on_select="rerun",
-            selection_mode="points",
-            config=style.CHART_CONFIG,
-        )
-    points = [
-        p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3
-    ]
+        event = chart(fig, key="tradeoff_chart", on_select="rerun", selection_mode="points", config=style.CHART_CONFIG)
+    points = [p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3]
     if points:
         open_in_explorer(points[0])
     if present:
@@ -119,9 +99,7 @@ def main() -> None:
 
 def controls() -> tuple:
     """The measure, the memory axis, the methods, the bit widths and the serving formats to sweep."""
-    metric = w_choice(
-        st, "metric", "Measure", tuple(METRICS), widget="radio", format_func=lambda m: METRICS[m][0]
-    )
+    metric = w_choice(st, "metric", "Measure", tuple(METRICS), widget="radio", format_func=lambda m: METRICS[m][0])
     log_x = w_check(
         st,
         "logx",
@@ -148,9 +126,7 @@ def controls() -> tuple:
 def heads_view(source, chosen: View, present: bool) -> View:
     """The sweep and the star average over every query head of the chosen layer, at the chosen query."""
     n_heads = source.trace.n_q_heads
-    view = View(
-        layer=chosen.layer, head=0, step=chosen.step, ensemble="heads", ensemble_size=n_heads
-    )
+    view = View(layer=chosen.layer, head=0, step=chosen.step, ensemble="heads", ensemble_size=n_heads)
     if not present:
         heads = f"all {n_heads} query heads" if n_heads > 1 else "its one query head"
         st.caption(
@@ -192,9 +168,7 @@ def what_to_look_for(metric: str) -> None:
         )
         + " Where the dashed frontier is made of quantized points, quantization beats eviction at that "
         "memory; eviction curves bend sharply once the budget drops below the tokens that hold the mass. "
-        "Budgets: "
-        + ", ".join(f"{f:.0%}" for f in DEFAULT_FRACTIONS)
-        + " of the tokens the query sees."
+        "Budgets: " + ", ".join(f"{f:.0%}" for f in DEFAULT_FRACTIONS) + " of the tokens the query sees."
     )
 
 

@@ -101,11 +101,7 @@ def heatmaps(conc, sink_k: int, window: int, numbers) -> None:
         ("entropy_heatmap", conc.entropy, "Entropy", "nats", conc.max_entropy),
     )
     for where, (key, values, title, unit, top) in zip(st.columns(3), maps):
-        chart(
-            grids.heatmap_figure(values, title, unit, 0, top, layers=numbers),
-            key=key,
-            where=where,
-        )
+        chart(grids.heatmap_figure(values, title, unit, 0, top, layers=numbers), key=key, where=where)
     st.caption(
         f"What to look for: sink heads put most mass on the first tokens (bright left map), local heads on "
         f"the last w tokens; low entropy means few tokens matter (uniform attention over these tokens would "

@@ -20,11 +20,7 @@ from kvviz.trace import Trace
 from kvviz.app.sources import EXAMPLE_PROMPT
 
 TEXTS = {"sample": sample_text, "bakery": lambda: EXAMPLE_PROMPT, "custom": None}
-TEXT_LABELS = {
-    "sample": "kvviz sample text (built-in)",
-    "bakery": "Bakery story (built-in)",
-    "custom": "Your own text",
-}
+TEXT_LABELS = {"sample": "kvviz sample text (built-in)", "bakery": "Bakery story (built-in)", "custom": "Your own text"}
 POINT_LABELS = {
     "before-question": "Before the question (query-agnostic, kvpress's pipeline default)",
     "after-question": "After the question (query-aware: the scorer sees it)",
@@ -70,9 +66,7 @@ def main() -> None:
     )
     device, dtype = device_controls(st.sidebar, "lab")
     # budgets typed in % are shares of the prompt (the cache at the compression point), not of the sliders' range
-    spec = compression_section(
-        _slider_trace(), percent_of=(int(state()["lab_prompt"]), "prompt tokens")
-    )
+    spec = compression_section(_slider_trace(), percent_of=(int(state()["lab_prompt"]), "prompt tokens"))
     show_notices()
     # Presentation mode: the run and its result first, on the projector's first screen; the text and the
     # run's settings folded below it
@@ -104,18 +98,12 @@ def _run_settings(present: bool) -> tuple:
         )
     else:
         text = TEXTS[choice]()
-        with (
-            st.container(height=120) if present else st.expander("The text")
-        ):  # expanders do not nest
+        with st.container(height=120) if present else st.expander("The text"):  # expanders do not nest
             st.write(text)
     c1, c2, c3 = st.columns(3)
-    prompt_tokens = int(
-        w_number(c1, "lab_prompt", "Prompt tokens (compression point)", 8, MAX_PROMPT, step=8)
-    )
+    prompt_tokens = int(w_number(c1, "lab_prompt", "Prompt tokens (compression point)", 8, MAX_PROMPT, step=8))
     continuation = int(w_number(c2, "lab_cont", "Continuation tokens scored", 2, MAX_CONTINUATION))
-    greedy_tokens = int(
-        w_number(c3, "lab_greedy", "Greedy tokens side by side (0 = off)", 0, MAX_GREEDY)
-    )
+    greedy_tokens = int(w_number(c3, "lab_greedy", "Greedy tokens side by side (0 = off)", 0, MAX_GREEDY))
     question = w_text(
         st,
         "lab_question",
@@ -148,9 +136,7 @@ def _run_settings(present: bool) -> tuple:
         "and the query to its own slot, so distances shrink to the cache's.",
     )
     st.caption(CAP_MESSAGE)
-    preset_buttons(
-        prompt_tokens
-    )  # budgets sized to this prompt (the sidebar keeps the explorer's values)
+    preset_buttons(prompt_tokens)  # budgets sized to this prompt (the sidebar keeps the explorer's values)
     return text, prompt_tokens, continuation, greedy_tokens, question, point, rerotate
 
 
@@ -190,11 +176,7 @@ def _run_and_show(
         spec = spec.with_(positions="cache")
     st.markdown(
         f"**Compression:** {spec.label()}"
-        + (
-            ""
-            if spec.evicts or spec.quantizes
-            else " — set a budget or bits in the sidebar to compress."
-        )
+        + ("" if spec.evicts or spec.quantizes else " — set a budget or bits in the sidebar to compress.")
         + f"  \n**Positions:** {POSITION_TEXT[spec.positions]}"
         + (f"  \n**Compressed:** {POINT_LABELS[point].lower()}" if question else "")
     )
@@ -226,8 +208,7 @@ def _run_and_show(
         st.caption(status_line)
     if st.session_state.get("lab_cancel"):
         st.warning(
-            "Run cancelled: nothing was kept. Press **Run the model** to start again.",
-            icon=":material/stop_circle:",
+            "Run cancelled: nothing was kept. Press **Run the model** to start again.", icon=":material/stop_circle:"
         )
     if not clicked and key not in done:
         st.info(

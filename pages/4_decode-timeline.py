@@ -58,9 +58,7 @@ def _timeline(
 @st.cache_resource(max_entries=16, show_spinner=False)
 def _animation(timeline_key: tuple, shift_step, step: int, present: bool, _tl):
     """The whole timeline as one figure with a frame per step, drawn at `step` (built once per setting)."""
-    return timeline_animation(
-        _tl, step, shift_step=shift_step, labels=POLICY_LABELS, present=present
-    )
+    return timeline_animation(_tl, step, shift_step=shift_step, labels=POLICY_LABELS, present=present)
 
 
 def _chart_stepped() -> None:
@@ -90,9 +88,7 @@ def _step_view(tl, step: int) -> None:
     chart_step("tl_animation", step, STEP_REPORT, _chart_stepped)
     p = int(tl.positions[step])
     rows = tl.step_rows(step, POLICY_LABELS)
-    st.markdown(
-        f"**Step {step}**: query at position {p}, layer {tl.model_layer}, KV head {tl.kv_head}"
-    )
+    st.markdown(f"**Step {step}**: query at position {p}, layer {tl.model_layer}, KV head {tl.kv_head}")
     st.dataframe(rows, hide_index=True, width="stretch")
 
 
@@ -130,20 +126,14 @@ def main() -> None:
         return
     n_later = len(trace.later_queries)
     if n_later > MAX_STEPS:
-        st.caption(
-            f"Showing the first {MAX_STEPS} of {n_later} decode steps (the cap that keeps this page quick)."
-        )
+        st.caption(f"Showing the first {MAX_STEPS} of {n_later} decode steps (the cap that keeps this page quick).")
     budget = (spec.sink, spec.recent, spec.heavy)
     try:
-        tl = _timeline(
-            key, (*budget, allocation), layer, kv_head, need, tuple(policies), trace, every
-        )
+        tl = _timeline(key, (*budget, allocation), layer, kv_head, need, tuple(policies), trace, every)
     except (SpecError, TraceError) as e:
         st.error(f"The timeline cannot be computed: {e}")
         return
-    chart_slot = (
-        st.container() if present else None
-    )  # presenting, the chart first: the notes below it
+    chart_slot = st.container() if present else None  # presenting, the chart first: the notes below it
     if not timeline_notes(tl, every):
         return
     shift_step = topic_shift(trace)
@@ -151,9 +141,7 @@ def main() -> None:
     tkey = (key, budget, layer, kv_head, need, tuple(policies), every)
     # built once per setting, at the linked step; ▶ Play and the step slider under it run in the browser
     step = int(clamp("tl_step", 0, tl.n_steps - 1, "Decode step"))
-    start = _chart_start(
-        (tkey, shift_step, present), step
-    )  # a new chart (any setting of it) opens at the step
+    start = _chart_start((tkey, shift_step, present), step)  # a new chart (any setting of it) opens at the step
     chart(_animation(tkey, shift_step, start, present, tl), key="tl_animation", where=chart_slot)
     _step_view(tl, step)
     token_history(tl)
@@ -183,9 +171,7 @@ def controls(trace, present: bool) -> tuple:
     if present:
         where.header("Timeline")
     c1, c2, c4 = (where,) * 3 if present else st.columns(3)
-    layer = layer_picker(
-        c1, trace, "tl_layer"
-    )  # the model's own number in the box and the link; a position
+    layer = layer_picker(c1, trace, "tl_layer")  # the model's own number in the box and the link; a position
     kv_head = w_number(
         c2,
         "tl_kv_head",
@@ -193,8 +179,7 @@ def controls(trace, present: bool) -> tuple:
         0,
         trace.n_kv_heads - 1,
         disabled=trace.n_kv_heads == 1,
-        help="Eviction is decided per KV head; the attention shown is the mean over "
-        "the query heads that share it.",
+        help="Eviction is decided per KV head; the attention shown is the mean over the query heads that share it.",
     )
     need = w_number(
         c4,
@@ -208,9 +193,7 @@ def controls(trace, present: bool) -> tuple:
         "least this share of that step's attention.",
     )
     # pills, a row of their own: every policy's name whole (a select box's chips were cut to "Str…" at 1024 px)
-    policies = w_pills(
-        where, "tl_policies", "Policies", tuple(POLICY_LABELS), format_func=POLICY_LABELS.get
-    )
+    policies = w_pills(where, "tl_policies", "Policies", tuple(POLICY_LABELS), format_func=POLICY_LABELS.get)
     allocation = w_choice(
         where,
         "allocation",
@@ -239,20 +222,14 @@ def timeline_notes(tl, every: int) -> bool:
             + (f" {steady} decide at every step anyway and run as always." if steady else "")
         )
     if not tl.policies:
-        st.warning(
-            "None of the chosen policies runs with this allocation; pick another.",
-            icon=":material/warning:",
-        )
+        st.warning("None of the chosen policies runs with this allocation; pick another.", icon=":material/warning:")
         return False
     return True
 
 
 def topic_shift(trace) -> int | None:
     """The synthetic pattern's topic shift, said under the controls: its decode step (None: no shift)."""
-    if (
-        trace.meta.get("source") != "synthetic"
-        or trace.meta.get("synthetic", {}).get("topic_shift", 0) <= 0
-    ):
+    if trace.meta.get("source") != "synthetic" or trace.meta.get("synthetic", {}).get("topic_shift", 0) <= 0:
         return None
     shift = trace.meta.get("shift_position")
     st.caption(
@@ -264,9 +241,7 @@ def topic_shift(trace) -> int | None:
 
 def regret_cards(tl, present: bool) -> None:
     """One card per policy: its mean regret, and how many tokens it evicted that a later step needed."""
-    per_row = (
-        2 if present else len(tl.policies)
-    )  # presenting, wider cards: the larger text wraps by words
+    per_row = 2 if present else len(tl.policies)  # presenting, wider cards: the larger text wraps by words
     cols = [c for _ in range(0, len(tl.policies), per_row) for c in st.columns(per_row)]
     for col, (name, pt) in zip(cols, tl.policies.items()):
         col.metric(

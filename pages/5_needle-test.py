@@ -9,13 +9,7 @@ from kvviz.app.layout import page_setup, progress_status
 from kvviz.app.router import run_page
 from kvviz.app.store import notice, show_notices, state
 from kvviz.plots.style import CHART_CONFIG, projector
-from kvviz.plots.needle import (
-    grid_figure,
-    grids_figure,
-    heads_figure,
-    needle_tokens_html,
-    scorer_label,
-)
+from kvviz.plots.needle import grid_figure, grids_figure, heads_figure, needle_tokens_html, scorer_label
 from kvviz.settings import SETTINGS
 from kvviz.spec import SpecError
 
@@ -122,23 +116,15 @@ def live_controls() -> None:
         with st.form("needle_form"):
             lengths, depths, scorers = _grid_choices()
             c4, c5, c6 = st.columns(3)
-            budget = c4.slider(
-                "Budget (share of the prompt's tokens)", 0.05, 1.0, needle.DEFAULT_BUDGET, 0.05
-            )
-            bits = c5.selectbox(
-                "K/V bits",
-                [16, 8, 4, 3, 2],
-                format_func=lambda b: "16 (off)" if b == 16 else str(b),
-            )
+            budget = c4.slider("Budget (share of the prompt's tokens)", 0.05, 1.0, needle.DEFAULT_BUDGET, 0.05)
+            bits = c5.selectbox("K/V bits", [16, 8, 4, 3, 2], format_func=lambda b: "16 (off)" if b == 16 else str(b))
             qac = c6.toggle(
                 "Question after compression (query-agnostic)",
                 help="Off: the cache is compressed after the question (kvpress's compress_questions). On: right "
                 "after the haystack, then the question arrives through the compressed cache (kvpress's "
                 "pipeline default).",
             )
-            every = SETTINGS[
-                "compress_every"
-            ]  # its declaration: label, range, help (kvviz.policies.decoding)
+            every = SETTINGS["compress_every"]  # its declaration: label, range, help (kvviz.policies.decoding)
             c7, c8 = st.columns(2)
             compress_every = c7.number_input(
                 every.label,
@@ -147,8 +133,7 @@ def live_controls() -> None:
                 int(every.default),
                 step=1,
                 key="needle_compress_every",
-                help=every.help
-                + " Here: the one-shot caches among those picked (SnapKV); the others compress as "
+                help=every.help + " Here: the one-shot caches among those picked (SnapKV); the others compress as "
                 "they always do.",
             )
             model_name = c8.text_input("Model", "bundled").strip() or "bundled"
@@ -184,12 +169,7 @@ def live_controls() -> None:
 def _grid_choices() -> tuple[list, list, list]:
     """The lengths, depths and caches: pills, not multiselects, so every choice stays visible on a 1024 px
     projector."""
-    lengths = st.pills(
-        "Prompt lengths (tokens)",
-        [192, 320, 640, 1024, 2048],
-        selection_mode="multi",
-        default=[320],
-    )
+    lengths = st.pills("Prompt lengths (tokens)", [192, 320, 640, 1024, 2048], selection_mode="multi", default=[320])
     depths = st.pills(
         "Needle depths",
         [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0],
@@ -218,14 +198,9 @@ def main() -> None:
         live_controls()
     grids = _grids()
     if not grids:
-        st.info(
-            "No precomputed grid is shipped with this copy: open *Run it live* above.",
-            icon=":material/info:",
-        )
+        st.info("No precomputed grid is shipped with this copy: open *Run it live* above.", icon=":material/info:")
         return
-    if (
-        not present
-    ):  # a projector's first screen is the grid's: the explanations are in the intro it leaves out
+    if not present:  # a projector's first screen is the grid's: the explanations are in the intro it leaves out
         about_grids(grids)
     sel = selected(grids)
     grid_chart(grids, sel, present)
@@ -240,11 +215,7 @@ def main() -> None:
 def about_grids(grids: list) -> None:
     """Where the grid comes from and where its caches were compressed."""
     grid, s = grids[0], grids[0].settings
-    source = (
-        "this session's live run"
-        if st.session_state.get(LIVE) is not None
-        else "the shipped precomputed grid"
-    )
+    source = "this session's live run" if st.session_state.get(LIVE) is not None else "the shipped precomputed grid"
     if len(grids) == 1:
         where = (
             "after the haystack, before the question (query-agnostic)"
@@ -287,9 +258,7 @@ def selected(grids: list) -> tuple:
     store = state()
     sel = _decode(store["nd_cell"], grids) if store["nd_cell"] else None
     if store["nd_cell"] and sel is None:
-        notice(
-            f"The link's cell `{store['nd_cell']}` is not in this grid; showing the classic failure."
-        )
+        notice(f"The link's cell `{store['nd_cell']}` is not in this grid; showing the classic failure.")
         _select(None)
     show_notices()
     first = grid.cells[0]
@@ -306,29 +275,14 @@ def grid_chart(grids: list, sel: tuple, present: bool) -> None:
             full = needle.PROTOCOL_TITLES[needle.protocol(g)]
             return full.split(" (")[0] if present else full
 
-        figure = grids_figure(
-            [(needle.protocol(g), title(g), g.cells) for g in grids], selected=sel
-        )
+        figure = grids_figure([(needle.protocol(g), title(g), g.cells) for g in grids], selected=sel)
     if present:
         figure = projector(figure)
-    event = chart(
-        figure,
-        key="needle_grid_chart",
-        on_select="rerun",
-        selection_mode="points",
-        config=CHART_CONFIG,
-    )
-    points = [
-        p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3
-    ]
+    event = chart(figure, key="needle_grid_chart", on_select="rerun", selection_mode="points", config=CHART_CONFIG)
+    points = [p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3]
     if points:
         scorer, length, depth, *where = points[0]["customdata"]
-        picked = (
-            scorer,
-            int(length),
-            float(depth),
-            where[0] if where else needle.protocol(grids[0]),
-        )
+        picked = (scorer, int(length), float(depth), where[0] if where else needle.protocol(grids[0]))
         if picked != sel:
             _select(picked, grids)
             st.rerun()
@@ -336,10 +290,7 @@ def grid_chart(grids: list, sel: tuple, present: bool) -> None:
 
 def cell_cards(cell, sel: tuple, n_grids: int) -> None:
     """The open cell: its title, both answers and the share of the needle its cache kept."""
-    point = {
-        "agnostic": " · compressed before the question",
-        "aware": " · compressed after the question",
-    }
+    point = {"agnostic": " · compressed before the question", "aware": " · compressed after the question"}
     st.subheader(
         f"{scorer_label(cell.scorer)} · {cell.length} tokens · needle at {cell.depth:.0%}"
         + (point[sel[3]] if n_grids > 1 and cell.scorer != "full" else "")
@@ -370,9 +321,7 @@ def head_view(cell, prompt) -> None:
                 cell.kept()[layer, head],
                 (prompt.needle_start, prompt.needle_end),
                 question_start=prompt.question_start,
-                compression_point=prompt.question_start
-                if cell.question_after_compression
-                else None,
+                compression_point=prompt.question_start if cell.question_after_compression else None,
             )
         )
         st.caption(
@@ -382,10 +331,7 @@ def head_view(cell, prompt) -> None:
         )
     chart(
         heads_figure(
-            cell.needle_kept_by_head,
-            cell.wanted_mass_by_head,
-            cell.kept_mass_by_head,
-            selected=(layer, head),
+            cell.needle_kept_by_head, cell.wanted_mass_by_head, cell.kept_mass_by_head, selected=(layer, head)
         ),
         key="needle_heads",
         config=CHART_CONFIG,
@@ -403,17 +349,11 @@ def all_cells(grids: list) -> None:
     )
     grid = grids[0]
     every = needle.NeedleGrid(
-        model=grid.model,
-        settings=grid.settings,
-        prompts=(),
-        cells=tuple(c for g in grids for c in g.cells),
+        model=grid.model, settings=grid.settings, prompts=(), cells=tuple(c for g in grids for c in g.cells)
     )
     with st.expander("All cells"):
         st.dataframe(
-            [
-                {k: v for k, v in c.as_dict().items() if not k.endswith("_by_head")}
-                for c in every.cells
-            ],
+            [{k: v for k, v in c.as_dict().items() if not k.endswith("_by_head")} for c in every.cells],
             hide_index=True,
             key="needle_table",
         )

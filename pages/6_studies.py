@@ -7,13 +7,7 @@ from kvviz.analysis.study import StudyError
 from kvviz.app.layout import page_setup
 from kvviz.app.router import run_page
 from kvviz.app.store import show_notices, state, w_choice
-from kvviz.app.studies import (
-    example_section,
-    frontier_section,
-    list_studies,
-    resolve_study,
-    studies_root,
-)
+from kvviz.app.studies import example_section, frontier_section, list_studies, resolve_study, studies_root
 
 
 def main() -> None:
@@ -27,9 +21,7 @@ def main() -> None:
     root = studies_root()
     found = list_studies(root)
     chosen = st.session_state.get("study", state()["study"])
-    options = (
-        ["", *found] if chosen in found or not chosen else ["", chosen, *found]
-    )  # a bad link: refused below
+    options = ["", *found] if chosen in found or not chosen else ["", chosen, *found]  # a bad link: refused below
     pick = w_choice(
         st,
         "study",
@@ -40,10 +32,7 @@ def main() -> None:
         "(KVVIZ_STUDIES_DIR, default ./runs). The chosen study is kept in the link.",
     )
     if not pick:
-        st.info(
-            "No study open. Pick one above, or run the shipped example below.",
-            icon=":material/info:",
-        )
+        st.info("No study open. Pick one above, or run the shipped example below.", icon=":material/info:")
     else:
         try:
             path = resolve_study(pick, root)

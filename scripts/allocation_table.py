@@ -22,9 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[1])
-)  # this checkout's kvviz, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kvviz, not an installed one
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -56,21 +54,12 @@ def bundled_trace(prompt_tokens: int, steps: int):
     model, tokenizer, _ = load_model("bundled")
     ids = tokenize(tokenizer, sample_text())
     if len(ids) < prompt_tokens + steps:
-        raise SystemExit(
-            f"the sample text has {len(ids)} tokens, fewer than {prompt_tokens} + {steps}"
-        )
+        raise SystemExit(f"the sample text has {len(ids)} tokens, fewer than {prompt_tokens} + {steps}")
     _, _, cache = decode(
-        model,
-        ids[:prompt_tokens],
-        Spec(),
-        steps,
-        feed=ids[prompt_tokens : prompt_tokens + steps],
-        record=True,
+        model, ids[:prompt_tokens], Spec(), steps, feed=ids[prompt_tokens : prompt_tokens + steps], record=True
     )
     trace = cache.run_trace()
-    trace.meta["rope_inv_freq"] = cache.trace.meta.get(
-        "rope_inv_freq"
-    )  # RoPE, for Expected Attention
+    trace.meta["rope_inv_freq"] = cache.trace.meta.get("rope_inv_freq")  # RoPE, for Expected Attention
     trace.meta["source"] = "bundled SmolLM2-135M on the sample text (teacher-forced)"
     return trace
 
@@ -112,10 +101,7 @@ def mass_table(trace, budget_fraction: float, scorers, allocations, progress=Non
                     masks = [read_masks(trace, spec, layer, int(qi)) for qi in steps]
                 else:
                     all_masks = keep_masks(trace, spec, layer, positions)
-                    masks = [
-                        np.repeat(all_masks[i, :, : int(p) + 1], g, axis=0)
-                        for i, p in enumerate(positions)
-                    ]
+                    masks = [np.repeat(all_masks[i, :, : int(p) + 1], g, axis=0) for i, p in enumerate(positions)]
                 for qi, kept in zip(steps, masks):
                     a = attention[(layer, int(qi))]  # (Hq, n)
                     masses.append((a * kept).sum(axis=1))
@@ -125,12 +111,7 @@ def mass_table(trace, budget_fraction: float, scorers, allocations, progress=Non
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument(
-        "--budget",
-        type=float,
-        default=0.25,
-        help="budget fraction of the tokens the last step sees",
-    )
+    ap.add_argument("--budget", type=float, default=0.25, help="budget fraction of the tokens the last step sees")
     ap.add_argument("--prompt-tokens", type=int, default=206)
     ap.add_argument("--steps", type=int, default=57)
     ap.add_argument("--scorers", default=",".join(SCORERS))
@@ -145,14 +126,8 @@ def main(argv=None) -> int:
     if a.csv:
         print("scorer,sink,recent,heavy," + ",".join(ALLOCATIONS))
         for s in scorers:
-            cells = [
-                f"{table[(s, al)]:.4f}" if isinstance(table[(s, al)], float) else ""
-                for al in ALLOCATIONS
-            ]
-            print(
-                f"{s},{splits[s]['sink']},{splits[s]['recent']},{splits[s]['heavy']},"
-                + ",".join(cells)
-            )
+            cells = [f"{table[(s, al)]:.4f}" if isinstance(table[(s, al)], float) else "" for al in ALLOCATIONS]
+            print(f"{s},{splits[s]['sink']},{splits[s]['recent']},{splits[s]['heavy']}," + ",".join(cells))
         return 0
     print(f"{trace.describe()}")
     print(
@@ -164,8 +139,7 @@ def main(argv=None) -> int:
     for s in scorers:
         sp = splits[s]
         cells = "".join(
-            f"{table[(s, al)]:>10.4f}" if isinstance(table[(s, al)], float) else f"{'n/a':>10}"
-            for al in ALLOCATIONS
+            f"{table[(s, al)]:>10.4f}" if isinstance(table[(s, al)], float) else f"{'n/a':>10}" for al in ALLOCATIONS
         )
         print(f"{s:<20} {sp['sink']}/{sp['recent']}/{sp['heavy']:<13}{cells}")
     print(

@@ -47,9 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=100)
     p.add_argument("paths", nargs="+", type=Path)
     a = p.parse_args(argv)
-    files = [
-        f for path in a.paths for f in (sorted(path.rglob("*.py")) if path.is_dir() else [path])
-    ]
+    files = [f for path in a.paths for f in (sorted(path.rglob("*.py")) if path.is_dir() else [path])]
     changed = 0
     for f in files:
         text = f.read_text(encoding="utf-8")

@@ -43,10 +43,7 @@ METHODS = {
     "snapkv": ("SnapKVPress()", dict(sink=0, recent=64, heavy=66, scorer="snapkv")),
     "tova": ("TOVAPress()", dict(sink=0, recent=1, heavy=129, scorer="tova")),
     "streaming": ("StreamingLLMPress()", dict(sink=4, recent=126, heavy=0, scorer="streaming")),
-    "expected_attention": (
-        "ExpectedAttentionPress()",
-        dict(sink=0, recent=0, heavy=130, scorer="expected_attention"),
-    ),
+    "expected_attention": ("ExpectedAttentionPress()", dict(sink=0, recent=0, heavy=130, scorer="expected_attention")),
     "keydiff": ("KeyDiffPress()", dict(sink=0, recent=0, heavy=130, scorer="keydiff")),
     "knorm": ("KnormPress()", dict(sink=0, recent=0, heavy=130, scorer="knorm")),
     "observed_attention": (
@@ -78,35 +75,18 @@ THRESHOLD_SNAPKV, THRESHOLD_KNORM = 0.004, -8.0
 OWN_BUDGETS = {
     "threshold_snapkv": (
         f"DMSPress(SnapKVPress(), threshold={THRESHOLD_SNAPKV}, sliding_window_size=64)",
-        dict(
-            sink=0,
-            recent=64,
-            heavy=0,
-            scorer="threshold",
-            threshold=THRESHOLD_SNAPKV,
-            threshold_scorer="snapkv",
-        ),
+        dict(sink=0, recent=64, heavy=0, scorer="threshold", threshold=THRESHOLD_SNAPKV, threshold_scorer="snapkv"),
     ),
     "threshold_knorm": (
         f"DMSPress(KnormPress(), threshold={THRESHOLD_KNORM}, sliding_window_size=64)",
-        dict(
-            sink=0,
-            recent=64,
-            heavy=0,
-            scorer="threshold",
-            threshold=THRESHOLD_KNORM,
-            threshold_scorer="knorm",
-        ),
+        dict(sink=0, recent=64, heavy=0, scorer="threshold", threshold=THRESHOLD_KNORM, threshold_scorer="knorm"),
     ),
     "duo_attention": (
         "DuoAttentionPress(head_compression_ratio=0.5, on_the_fly_scoring=True), sink 4, recent 64",
         dict(sink=4, recent=64, heavy=0, scorer="duo_attention", duo_streaming=0.5),
     ),
     # one budget over every layer and head: 130 tokens a head on average (int(90 * 261 * 0.5) dropped)
-    "kvzip": (
-        "KVzipPress(compression_ratio=0.5)",
-        dict(sink=4, recent=0, heavy=126, scorer="kvzip"),
-    ),
+    "kvzip": ("KVzipPress(compression_ratio=0.5)", dict(sink=4, recent=0, heavy=126, scorer="kvzip")),
 }
 
 
@@ -115,10 +95,7 @@ OWN_BUDGETS = {
 # DECODE_STEPS tokens of the sample text; kept sets read after the last step (the third compression).
 DECODE_STEPS, DECODE_EVERY = 24, 8
 DECODING = {
-    "decoding_knorm": (
-        "KnormPress()",
-        dict(sink=0, recent=0, heavy=130, scorer="knorm", compress_every=DECODE_EVERY),
-    ),
+    "decoding_knorm": ("KnormPress()", dict(sink=0, recent=0, heavy=130, scorer="knorm", compress_every=DECODE_EVERY)),
     # kvpress's SnapKV needs more buffered decode states than its window: a window of 4 (of the 8)
     "decoding_snapkv": (
         "SnapKVPress(window_size=4)",
@@ -129,10 +106,7 @@ DECODING = {
 # Merging instead of dropping: kvpress's MergingPress around SnapKV at ratio 0.5 (the kept sets are SnapKV's);
 # recorded per kept token is how far merging moved its value, |v' - v| (5 significant digits).
 MERGING = {
-    "merging_snapkv": (
-        "MergingPress(SnapKVPress())",
-        dict(sink=0, recent=64, heavy=66, scorer="snapkv", merge=True),
-    ),
+    "merging_snapkv": ("MergingPress(SnapKVPress())", dict(sink=0, recent=64, heavy=66, scorer="snapkv", merge=True))
 }
 
 
@@ -178,9 +152,7 @@ def record(model, ids, name: str, ratio: float) -> list:
     inner_compress = press.compress
 
     def compress(module, hidden_states, keys, values, attentions, kwargs):
-        new_keys, new_values = inner_compress(
-            module, hidden_states, keys, values, attentions, kwargs
-        )
+        new_keys, new_values = inner_compress(module, hidden_states, keys, values, attentions, kwargs)
         H, n = keys.shape[1], keys.shape[2]
         masked = getattr(module, "masked_key_indices", None)
         if masked is not None:  # AdaKV: keeps the keys, masks the pruned ones
@@ -224,9 +196,7 @@ def own_budget_press(name: str, ids: list[int]):
         def __call__(self, text, return_tensors=None):
             return BatchEncoding({"input_ids": torch.tensor([ids])})
 
-    duo.load_dataset = lambda *a, **k: type(
-        "D", (), {"to_pandas": lambda self: pd.DataFrame({"chapter": ["-"]})}
-    )()
+    duo.load_dataset = lambda *a, **k: type("D", (), {"to_pandas": lambda self: pd.DataFrame({"chapter": ["-"]})})()
     duo.AutoTokenizer = type("T", (), {"from_pretrained": staticmethod(lambda *a, **k: Prompt())})
     on_the_fly = (
         duo.duo_attention_on_the_fly.__wrapped__
@@ -279,9 +249,7 @@ def record_merging(model, ids) -> tuple[list, list]:
     inner_compress = press.compress
 
     def compress(module, hidden_states, keys, values, attentions, kwargs):
-        new_keys, new_values = inner_compress(
-            module, hidden_states, keys, values, attentions, kwargs
-        )
+        new_keys, new_values = inner_compress(module, hidden_states, keys, values, attentions, kwargs)
         kept[module.layer_idx], moved[module.layer_idx] = [], []
         for h in range(keys.shape[1]):
             same = (new_keys[0, h][:, None, :] == keys[0, h][None, :, :]).all(dim=-1)  # (m, n)
@@ -309,20 +277,13 @@ def record_decoding(model, ids: list[int], more: list[int], name: str) -> list:
 
     import kvpress as kp
 
-    inner = {
-        "decoding_knorm": kp.KnormPress,
-        "decoding_snapkv": lambda **k: kp.SnapKVPress(window_size=4, **k),
-    }[name]
+    inner = {"decoding_knorm": kp.KnormPress, "decoding_snapkv": lambda **k: kp.SnapKVPress(window_size=4, **k)}[name]
     press = kp.PrefillDecodingPress(
         prefilling_press=inner(compression_ratio=RATIO),
-        decoding_press=kp.DecodingPress(
-            base_press=inner(), compression_interval=DECODE_EVERY, target_size=130
-        ),
+        decoding_press=kp.DecodingPress(base_press=inner(), compression_interval=DECODE_EVERY, target_size=130),
     )
     L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
-    held = {
-        layer: [list(range(len(ids))) for _ in range(H)] for layer in range(L)
-    }  # positions, per head
+    held = {layer: [list(range(len(ids))) for _ in range(H)] for layer in range(L)}  # positions, per head
 
     def follow(compress):
         def wrapped(module, hidden_states, keys, values, attentions, kwargs):
@@ -364,11 +325,7 @@ def to_hex(positions: list[int], n: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--model",
-        default=None,
-        help="a transformers folder of the bundled model (default: kvviz's cache)",
-    )
+    ap.add_argument("--model", default=None, help="a transformers folder of the bundled model (default: kvviz's cache)")
     ap.add_argument("--out", default=str(ROOT / "tests" / "data" / "kvpress_reference.json"))
     args = ap.parse_args()
 
@@ -395,9 +352,7 @@ def main() -> None:
         "methods": {},
     }
     for name, (expr, settings) in METHODS.items():
-        impl = (
-            "eager" if name == "observed_attention" else "sdpa"
-        )  # ObservedAttention reads the weights
+        impl = "eager" if name == "observed_attention" else "sdpa"  # ObservedAttention reads the weights
         if impl not in models:
             models[impl] = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=torch.float32, attn_implementation=impl
@@ -419,9 +374,7 @@ def main() -> None:
             "kept": [[to_hex(h, len(ids)) for h in layer] for layer in kept],
         }
         sizes = sorted({len(h) for layer in kept for h in layer})
-        print(
-            f"{name:26s} {expr[:48]:48s} layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}"
-        )
+        print(f"{name:26s} {expr[:48]:48s} layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}")
     out["merging"] = {}
     for name, (expr, settings) in MERGING.items():
         kept, moved = record_merging(models["sdpa"], ids)
@@ -437,12 +390,7 @@ def main() -> None:
             f"{sum(len(h) for layer in kept for h in layer)}"
         )
     more = list(tok(text)["input_ids"])[N_TOKENS : N_TOKENS + DECODE_STEPS]
-    out["decoding"] = {
-        "steps": DECODE_STEPS,
-        "every": DECODE_EVERY,
-        "continuation_ids": more,
-        "methods": {},
-    }
+    out["decoding"] = {"steps": DECODE_STEPS, "every": DECODE_EVERY, "continuation_ids": more, "methods": {}}
     for name, (expr, settings) in DECODING.items():
         kept = record_decoding(models["sdpa"], ids, more, name)
         n = len(ids) + len(more)
@@ -453,9 +401,7 @@ def main() -> None:
             "kept": [[to_hex(h, n) for h in layer] for layer in kept],
         }
         sizes = sorted({len(h) for layer in kept for h in layer})
-        print(
-            f"{name:26s} after {len(more)} decode steps: layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}"
-        )
+        print(f"{name:26s} after {len(more)} decode steps: layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}")
     Path(args.out).write_text(json.dumps(out, separators=(",", ":")) + "\n", encoding="utf-8")
     print(f"wrote {args.out} ({Path(args.out).stat().st_size / 1e3:.0f} kB)")
 

@@ -19,10 +19,7 @@ def main(tag: str) -> None:
 
     out = ROOT / "docs" / "screenshots"
     out.mkdir(parents=True, exist_ok=True)
-    with (
-        serve_app(ROOT / "test-artifacts" / "screenshots-server.log") as url,
-        sync_playwright() as p,
-    ):
+    with serve_app(ROOT / "test-artifacts" / "screenshots-server.log") as url, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         context = browser.new_context(viewport={"width": 1024, "height": 768})
         context.add_init_script(PAGE_PROBE_JS)

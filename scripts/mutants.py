@@ -112,8 +112,7 @@ EQUIVALENT.update(
             "_blocks__mutmut_17",
             "_blocks__mutmut_37",
         ),
-        _INT
-        + "_scale__mutmut_3": "reduce == +1 never holds: the short last axis is reduced where it is, "
+        _INT + "_scale__mutmut_3": "reduce == +1 never holds: the short last axis is reduced where it is, "
         "the same values (slower)",
         **_same(
             "the branch for d_quant = 0, which needs a head of 0 channels",
@@ -124,32 +123,20 @@ EQUIVALENT.update(
         **_same(
             "another default axis name: every axis but 'channel' is 'token'",
             _INT,
-            *(
-                f"{f}__mutmut_{n}"
-                for f in ("quantize", "quantize_kept", "quant_step")
-                for n in (1, 2)
-            ),
+            *(f"{f}__mutmut_{n}" for f in ("quantize", "quantize_kept", "quant_step") for n in (1, 2)),
         ),
-        _INT
-        + "quantize__mutmut_14": "< for <= residual: with tokens == residual the kernel copies x "
+        _INT + "quantize__mutmut_14": "< for <= residual: with tokens == residual the kernel copies x "
         "unquantized, the same values as returning x",
-        _INT
-        + "quantize__mutmut_29": "reshape(-2, ...): numpy takes any negative size as the unknown one",
+        _INT + "quantize__mutmut_29": "reshape(-2, ...): numpy takes any negative size as the unknown one",
         **_same(
             "no int64 cast of the indices: integer indices of any width index the same rows (numba "
             "compiles one more specialisation)",
             _INT,
             *(f"quantize_kept__mutmut_{n}" for n in (40, 42, 45, 47)),
         ),
+        **_same("np.zeros(dtype=None) is float64 already", _INT, "quant_step__mutmut_27", "quant_step__mutmut_29"),
         **_same(
-            "np.zeros(dtype=None) is float64 already",
-            _INT,
-            "quant_step__mutmut_27",
-            "quant_step__mutmut_29",
-        ),
-        **_same(
-            _SIGNATURES
-            + "another shape or bit width, or the group size quantize_kept defaults to (KIVI's 32), "
+            _SIGNATURES + "another shape or bit width, or the group size quantize_kept defaults to (KIVI's 32), "
             "the same argument types",
             _INT,
             *(f"compile_kernel__mutmut_{n}" for n in (6, 23, 31)),
@@ -180,19 +167,16 @@ _SEL = "kvviz.policies.select.x_"
 _H2O = "kvviz.policies.h2o.xǁH2Oǁ"
 EQUIVALENT.update(
     {
-        _SEL
-        + "select__mutmut_47": "np.partition without axis=1: its default axis -1 is axis 1 of the (H, n) key",
+        _SEL + "select__mutmut_47": "np.partition without axis=1: its default axis -1 is axis 1 of the (H, n) key",
         **_same(
             "the test for too many tied tokens fires as often or more (summed over every row, or compared across "
             "rows, or >= for >); trimming the ties of a row with no excess keeps them all",
             _SEL,
             *(f"select__mutmut_{n}" for n in (66, 68, 69, 71, 72)),
         ),
-        _SEL
-        + "evict_one__mutmut_21": "np.finfo(None) is float64's (deprecated in numpy 1.25, not yet an error)",
+        _SEL + "evict_one__mutmut_21": "np.finfo(None) is float64's (deprecated in numpy 1.25, not yet an error)",
         _SEL + "evict_one__mutmut_39": "None assigned into a bool array is False",
-        _SEL
-        + "evict_one__mutmut_47": "reshape(H, -2): numpy takes any negative size as the unknown one",
+        _SEL + "evict_one__mutmut_47": "reshape(H, -2): numpy takes any negative size as the unknown one",
         **_same(
             "context_attention(trim=None / False): the keys no row of the chunk sees come back as zeros, "
             "which add nothing to the sum (trim only skips them)",
@@ -209,14 +193,10 @@ _ALLOC = "kvviz.policies.allocation."
 _INT64 = "the fill is a Python int, so the array is int64 without the dtype"
 EQUIVALENT.update(
     {
-        _FMT
-        + "residual_at__mutmut_25": "np.min of the 0-d count (one head's positions) is that count",
-        _FMT
-        + "quantize_tensor__mutmut_59": "np.array(x) copies by default: copy=True is the default",
-        _FMT
-        + "hf_quantized_cache__mutmut_18": "value_axis='token' dropped: Spec's default value_axis is 'token'",
-        _FMT
-        + "hf_quantized_cache__mutmut_22": "zero_point='float' dropped: Spec's default zero_point is 'float'",
+        _FMT + "residual_at__mutmut_25": "np.min of the 0-d count (one head's positions) is that count",
+        _FMT + "quantize_tensor__mutmut_59": "np.array(x) copies by default: copy=True is the default",
+        _FMT + "hf_quantized_cache__mutmut_18": "value_axis='token' dropped: Spec's default value_axis is 'token'",
+        _FMT + "hf_quantized_cache__mutmut_22": "zero_point='float' dropped: Spec's default zero_point is 'float'",
         **_same(
             _INT64,
             _ALLOC,
@@ -231,18 +211,15 @@ EQUIVALENT.update(
             "x_pyramid_totals__mutmut_32",
             "x_pyramid_totals__mutmut_34",
         ),
-        _ALLOC
-        + "x_pyramid_budgets__mutmut_16": "np.full(max(n, 2))[:n]: the slice leaves n entries for n = 0 or 1",
-        _ALLOC
-        + "x_pyramid_budgets__mutmut_34": "floor(real - 1e-9): a layer floored one lower gets a fraction >= "
+        _ALLOC + "x_pyramid_budgets__mutmut_16": "np.full(max(n, 2))[:n]: the slice leaves n entries for n = 0 or 1",
+        _ALLOC + "x_pyramid_budgets__mutmut_34": "floor(real - 1e-9): a layer floored one lower gets a fraction >= "
         "1 - 1e-9, above every other layer's (< 1 - 1e-9), so the unit of `rest` "
         "it adds goes straight back to it (0 differences over heavy < 60, "
         "L <= 32, 11 betas)",
         _ALLOC
         + "x_pyramid_totals__mutmut_9": "> for >= in the clamp: at hi == n - window the clamp sets hi to itself and "
         "lo = 2A - hi = A / beta (0 differences over 1070 such cases)",
-        _ALLOC
-        + "x_pyramid_totals__mutmut_30": "steps 1.0 for one layer: layer * steps = 0 for its only layer 0",
+        _ALLOC + "x_pyramid_totals__mutmut_30": "steps 1.0 for one layer: layer * steps = 0 for its only layer 0",
         _ALLOC
         + "xǁAdaKVǁhead_budgets__mutmut_14": "take < 0 for <= 0: at take 0 the floor is 0 and rest is 0, so the int64 "
         "zeros come back all the same",
@@ -261,16 +238,13 @@ EQUIVALENT.update(
             "xǁAdaKVǁhead_budgets__mutmut_56",
             "xǁAdaKVǁhead_budgets__mutmut_58",
         ),
-        _ALLOC
-        + "xǁAdaKVǁhead_budgets__mutmut_66": "np.argsort without axis=1: its default axis -1 is axis 1 "
+        _ALLOC + "xǁAdaKVǁhead_budgets__mutmut_66": "np.argsort without axis=1: its default axis -1 is axis 1 "
         "of the (H, n) scores",
         _ALLOC
         + "xǁAdaKVǁhead_budgets__mutmut_71": "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
-        _ALLOC
-        + "xǁAdaKVǁhead_budgets__mutmut_100": "rest >= 0: at rest 0 nothing is chosen and bincount of "
+        _ALLOC + "xǁAdaKVǁhead_budgets__mutmut_100": "rest >= 0: at rest 0 nothing is chosen and bincount of "
         "nothing adds zeros",
-        _ALLOC
-        + "x_select_heads__mutmut_3": "every head through the per-budget loop: `select` decides each row on its "
+        _ALLOC + "x_select_heads__mutmut_3": "every head through the per-budget loop: `select` decides each row on its "
         "own, so the rows selected apart give the same mask",
         _ALLOC
         + "x_select_heads__mutmut_9": "spec.with_(heavy=heavy[0]) where heavy[0] is spec.heavy already: the same spec",
@@ -281,8 +255,7 @@ _BASE = "kvviz.policies.base."
 _POL = _BASE + "xǁPolicyǁ"
 EQUIVALENT.update(
     {
-        _BASE
-        + "xǁScoreContextǁhistory_counts__mutmut_8": "np.searchsorted's default side is 'left', the side given",
+        _BASE + "xǁScoreContextǁhistory_counts__mutmut_8": "np.searchsorted's default side is 'left', the side given",
         **_same(
             _NEG,
             _BASE,
@@ -290,13 +263,10 @@ EQUIVALENT.update(
             "x_group_union__mutmut_11",
             *(f"xǁPolicyǁ_simulate__mutmut_{n}" for n in (15, 38, 120, 151)),
         ),
-        _BASE
-        + "x__cache_put__mutmut_5": "OrderedDict.popitem(last=None): last is read by truth value, as False",
-        _POL
-        + "query_kept__mutmut_2": "query_reads(None, ...): the only policy with its own query_reads (Quest) "
+        _BASE + "x__cache_put__mutmut_5": "OrderedDict.popitem(last=None): last is read by truth value, as False",
+        _POL + "query_kept__mutmut_2": "query_reads(None, ...): the only policy with its own query_reads (Quest) "
         "reads the query and keys, never the attention; the base's returns None",
-        _POL
-        + "scores_at_compression__mutmut_34": "flags.writeable = None: numpy sets the flag by truth value, False",
+        _POL + "scores_at_compression__mutmut_34": "flags.writeable = None: numpy sets the flag by truth value, False",
         "kvviz.policies.reads.xǁSpecReadsǁ__init____mutmut_12": "a view of a view kept unwrapped: reads pass "
         "through the "
         "inner view, which notes them too; properties are "
@@ -349,12 +319,10 @@ EQUIVALENT.update(
             _ROW,
             *(f"evaluate_rows__mutmut_{n}" for n in (3, 71, 87, 94)),
         ),
-        _ROW
-        + "evaluate_rows__mutmut_128": "p None for Quest's whole cache: p enters only the cache key on this path "
+        _ROW + "evaluate_rows__mutmut_128": "p None for Quest's whole cache: p enters only the cache key on this path "
         "(formats, which read p, are refused for Quest per query head), and the "
         "key's hash of arange(n) already tells the queries apart",
-        _ROW
-        + "evaluate_rows__mutmut_237": "kept_part(None, ...): the row only indexes a stored V_hat (at[None] adds "
+        _ROW + "evaluate_rows__mutmut_237": "kept_part(None, ...): the row only indexes a stored V_hat (at[None] adds "
         "an axis), and here only whether it is None is asked",
         **_same(
             "p_kept cast to float64 instead of the trace's float32 before o_hat = p_kept . V: the same product "
@@ -363,8 +331,7 @@ EQUIVALENT.update(
             "evaluate_rows__mutmut_255",
             "evaluate_rows__mutmut_269",
         ),
-        _ROW
-        + "_quantized_kept__mutmut_22": "hash(None) for the kept positions: one cache serves one trace and spec "
+        _ROW + "_quantized_kept__mutmut_22": "hash(None) for the kept positions: one cache serves one trace and spec "
         "(compare; evaluate_row makes its own), where (layer, KV head, p), all in "
         "the key, decide the kept positions (Quest's whole cache: arange(p + 1))",
         **_same(
@@ -374,8 +341,7 @@ EQUIVALENT.update(
             "_quantized_kept__mutmut_46",
             "_quantized_kept__mutmut_64",
         ),
-        _ROW
-        + "evaluate_rows__mutmut_236": "o_hat by the first branch when tokens are evicted and V is stored exact: "
+        _ROW + "evaluate_rows__mutmut_236": "o_hat by the first branch when tokens are evicted and V is stored exact: "
         "compressed is p_kept on the kept tokens and 0 elsewhere, so compressed . V "
         "= p_kept . V_kept (the zeros add nothing); with nothing evicted and nothing "
         "quantized the elif branch reads V at every position: the same product",
@@ -386,18 +352,10 @@ EQUIVALENT.update(
             "evaluate_rows__mutmut_7",
             "evaluate_rows__mutmut_9",
         ),
-        **_same(
-            _RECOMPUTED,
-            _ROW,
-            "evaluate_rows__mutmut_36",
-            "_query_kept__mutmut_18",
-            "_query_kept__mutmut_28",
-        ),
-        _ROW
-        + "evaluate_rows__mutmut_70": "kept_kv None sends each one-head call back to _query_kept, which returns "
+        **_same(_RECOMPUTED, _ROW, "evaluate_rows__mutmut_36", "_query_kept__mutmut_18", "_query_kept__mutmut_28"),
+        _ROW + "evaluate_rows__mutmut_70": "kept_kv None sends each one-head call back to _query_kept, which returns "
         "this query's cached decision: the same reads and kept mask",
-        _ROW
-        + "_query_kept__mutmut_13": "rows = '': only a policy that uses the attention reads rows, and for it rows "
+        _ROW + "_query_kept__mutmut_13": "rows = '': only a policy that uses the attention reads rows, and for it rows "
         "is replaced by the array; Quest (uses_attention False) ignores it",
         **_same(
             "an empty `done` of floats: len 0 skips the assignment, and np.setdiff1d(arange, empty) returns the "
@@ -406,14 +364,11 @@ EQUIVALENT.update(
             "_query_kept__mutmut_20",
             "_query_kept__mutmut_22",
         ),
-        _ROW
-        + "_query_kept__mutmut_50": "query_reads(None, ...): Quest, the one policy with its own reads, ranks by "
+        _ROW + "_query_kept__mutmut_50": "query_reads(None, ...): Quest, the one policy with its own reads, ranks by "
         "the query and keys and never reads the attention",
-        _ROW
-        + "_query_kept__mutmut_57": "query_kept where query_reads gave reads: Policy.query_kept returns their "
+        _ROW + "_query_kept__mutmut_57": "query_kept where query_reads gave reads: Policy.query_kept returns their "
         "group_union itself (base.py), the mask the engine would build",
-        _ROW
-        + "_query_kept__mutmut_73": "name None: the key (query, eviction_key) already names the scorer, and no "
+        _ROW + "_query_kept__mutmut_73": "name None: the key (query, eviction_key) already names the scorer, and no "
         "other score-cache entry has a None name",
         **_same(
             "kept masks are False past the query (a token that has not arrived is never kept; checked for every "
@@ -446,8 +401,7 @@ EQUIVALENT.update(
             _ROW,
             *(f"_quantized_kept_formats__mutmut_{n}" for n in (49, 55, 56)),
         ),
-        _ENG
-        + "ensemble_members__mutmut_60": "_same_step for every seed member: where the member's trace is the "
+        _ENG + "ensemble_members__mutmut_60": "_same_step for every seed member: where the member's trace is the "
         "primary's, _same_step(trace, trace, qi) is qi",
         **_same(
             "another order of a batch's rows (by member, by head / group size, by query: all one within a "
@@ -470,14 +424,11 @@ EQUIVALENT.update(
             _ENG,
             *(f"compare__mutmut_{n}" for n in (122, 124, 165, 167)),
         ),
-        _ENG
-        + "compare__mutmut_176": "counts passed where the budget is exact: kept_counts gives min(each layer's "
+        _ENG + "compare__mutmut_176": "counts passed where the budget is exact: kept_counts gives min(each layer's "
         "budget, n) for every head there, what memory_for counts from the budget",
-        _ROW
-        + "reasons_for__mutmut_2": "kept.shape[+1] for shape[-1]: every caller passes (rows, n) masks",
+        _ROW + "reasons_for__mutmut_2": "kept.shape[+1] for shape[-1]: every caller passes (rows, n) masks",
         _ENG + "head_grid__mutmut_15": "head=0 is View's default",
-        _ENG
-        + "head_grid__mutmut_19": "an ensemble of all n_q_heads heads from head 1 wraps round to every head once",
+        _ENG + "head_grid__mutmut_19": "an ensemble of all n_q_heads heads from head 1 wraps round to every head once",
     }
 )
 
@@ -527,21 +478,12 @@ EQUIVALENT.update(
         ),
         **_same(_AS_F64, _QS, "35", "61", "67"),
         **_same(_FLOAT64, _QS, "38", "46", "48"),
-        **_same(
-            "astype(float32) copying or not (copy=None / True / default): the same values",
-            _QS,
-            "39",
-            "41",
-            "42",
-        ),
-        _QS
-        + "74": "the cache's name None: no other entry has it (scores use the policy's name, the engine "
+        **_same("astype(float32) copying or not (copy=None / True / default): the same values", _QS, "39", "41", "42"),
+        _QS + "74": "the cache's name None: no other entry has it (scores use the policy's name, the engine "
         "'query-kept/...'), so the key stays distinct",
-        _QS
-        + "75": "the cache's key None for (): no other entry has this name, so the key stays distinct",
+        _QS + "75": "the cache's key None for (): no other entry has this name, so the key stays distinct",
         **_same("another name for the cached statistics: no other entry uses it", _QS, "82", "83"),
-        _EA
-        + "expected_attention__mutmut_1": "chunk 1025 for 1024: the chunks only split the keys, each key's "
+        _EA + "expected_attention__mutmut_1": "chunk 1025 for 1024: the chunks only split the keys, each key's "
         "quadratic term is its own row of the products",
         **_same(_FLOAT64, _EA, "expected_attention__mutmut_44", "expected_attention__mutmut_46"),
         _EA
@@ -567,8 +509,7 @@ EQUIVALENT.update(
             "register__mutmut_29",
             "register__mutmut_32",
         ),
-        _REG
-        + "load_file__mutmut_43": "sys.modules.pop(mod_name) without a default: the entry was set just before "
+        _REG + "load_file__mutmut_43": "sys.modules.pop(mod_name) without a default: the entry was set just before "
         "exec_module, so it is there unless the plug-in deleted its own entry",
     }
 )
@@ -583,8 +524,7 @@ _DIV1 = "/ 1.0 for * 1.0: the same float"
 EQUIVALENT.update(
     {
         # mxfp4.py
-        _MX
-        + "mxfp4_exponents__mutmut_16": "clip with no upper bound: e8m0_exponent is at most 127, so X = it - 2 is "
+        _MX + "mxfp4_exponents__mutmut_16": "clip with no upper bound: e8m0_exponent is at most 127, so X = it - 2 is "
         "at most 125",
         _MX + "mxfp4_quantize__mutmut_15": _AS_F64,
         _MX + "mxfp4_quantize__mutmut_27": _NEG,
@@ -604,13 +544,7 @@ EQUIVALENT.update(
             "fp32_at_least__mutmut_3",
             "fp32_at_least__mutmut_5",
         ),
-        **_same(
-            _AS_F64,
-            _FP8,
-            "fp8_scales__mutmut_49",
-            "fp32_at_least__mutmut_14",
-            "fp8_quantize__mutmut_5",
-        ),
+        **_same(_AS_F64, _FP8, "fp8_scales__mutmut_49", "fp32_at_least__mutmut_14", "fp8_quantize__mutmut_5"),
         # nvfp4.py
         **_same(
             "padding zeros as float64 (the array becomes float64): every caller reads the blocks as float64 next "
@@ -622,17 +556,14 @@ EQUIVALENT.update(
         _NV
         + "nvfp4_scales__mutmut_3": "the tensor amax with no initial value: differs only for an empty tensor, which "
         "blocked() then cannot reshape (size 0 with an unknown axis) either way",
-        _NV
-        + "nvfp4_quantize__mutmut_24": "2.0 for the divisor where s == 0: `out` takes 0 there, not the quotient",
-        _NV
-        + "nvfp4_quantize__mutmut_32": "s >= 0 in `out`: where s == 0 the rounded value times 0 is +-0, equal to "
+        _NV + "nvfp4_quantize__mutmut_24": "2.0 for the divisor where s == 0: `out` takes 0 there, not the quotient",
+        _NV + "nvfp4_quantize__mutmut_32": "s >= 0 in `out`: where s == 0 the rounded value times 0 is +-0, equal to "
         "the 0 given (safe is 1 there, so nothing divides by 0)",
         **_same(_AS_F64, _NV, "nvfp4_scales__mutmut_17", "nvfp4_quantize__mutmut_10"),
         **_same(_NEG, _NV, "blocked__mutmut_28", "nvfp4_quantize__mutmut_45"),
         _NV + "nvfp4_bytes__mutmut_8": _DIV1,
         # minifloat.py
-        _MF
-        + "xǁMinifloatǁvalues__mutmut_4": "3^n codes for 2^n: the extra codes have exponent fields past the "
+        _MF + "xǁMinifloatǁvalues__mutmut_4": "3^n codes for 2^n: the extra codes have exponent fields past the "
         "format's, above max_value, and are dropped (the same set, slower)",
         **_same(
             "np.asarray without float64: on representable values (the method's domain) float16 / 32 / 64 and "
@@ -641,13 +572,10 @@ EQUIVALENT.update(
             "xǁMinifloatǁmantissa_is_even__mutmut_4",
             "xǁMinifloatǁmantissa_is_even__mutmut_6",
         ),
-        _MF + "xǁMinifloatǁmantissa_is_even__mutmut_17": _AS_F64
-        + ": rint gives whole numbers, whose parity % 2 reads",
-        _MF
-        + "x_e8m0_exponent__mutmut_14": "x >= 0 inside: frexp(0) is read only where x > 0 (the outer where gives "
+        _MF + "xǁMinifloatǁmantissa_is_even__mutmut_17": _AS_F64 + ": rint gives whole numbers, whose parity % 2 reads",
+        _MF + "x_e8m0_exponent__mutmut_14": "x >= 0 inside: frexp(0) is read only where x > 0 (the outer where gives "
         "-127 for x <= 0)",
-        _MF
-        + "x_e8m0_exponent__mutmut_16": "2.0 for x <= 0 inside: the outer where gives -127 there",
+        _MF + "x_e8m0_exponent__mutmut_16": "2.0 for x <= 0 inside: the outer where gives -127 there",
     }
 )
 
@@ -699,15 +627,8 @@ EQUIVALENT.update(
             "score__mutmut_25",
             "score__mutmut_27",
         ),
-        **_same(
-            _NEG,
-            _QUEST,
-            "_page_bounds__mutmut_18",
-            "_page_bounds__mutmut_126",
-            "ǁQuestǁquery_scores__mutmut_19",
-        ),
-        _QUEST
-        + "_page_bounds__mutmut_24": "the min / max loop from j = 0: lo and hi start as page row 0, and "
+        **_same(_NEG, _QUEST, "_page_bounds__mutmut_18", "_page_bounds__mutmut_126", "ǁQuestǁquery_scores__mutmut_19"),
+        _QUEST + "_page_bounds__mutmut_24": "the min / max loop from j = 0: lo and hi start as page row 0, and "
         "min(x, x) = x",
         **_same(_AS_F64, _QUEST, *(f"_page_bounds__mutmut_{n}" for n in (71, 88, 103))),
         **_same(
@@ -718,12 +639,10 @@ EQUIVALENT.update(
             "_chunk_scores__mutmut_6",
         ),
         _CHUNK + "_chunk_scores__mutmut_18": _NEG,
-        _CHUNK
-        + "ǁChunkKVǁscore__mutmut_25": "pad 1 + 1 for 0 + 1 where the inner scorer ranks nothing: every token "
+        _CHUNK + "ǁChunkKVǁscore__mutmut_25": "pad 1 + 1 for 0 + 1 where the inner scorer ranks nothing: every token "
         "gets the same pad either way, all chunks tie, and only the order is read "
         "(0 differences in the masks of 384 cases)",
-        _CHUNK
-        + "ǁChunkKVǁcompression_kept__mutmut_31": "numpy reads the sort kind case-insensitively: 'STABLE' is "
+        _CHUNK + "ǁChunkKVǁcompression_kept__mutmut_31": "numpy reads the sort kind case-insensitively: 'STABLE' is "
         "'stable'",
     }
 )
@@ -733,9 +652,7 @@ def _mutmut(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HYPOTHESIS_PROFILE": "ci", "KVVIZ_WARMUP": "0"}
     if args[:1] == ("run",) and os.environ.get("MUTMUT_CHILDREN"):  # e.g. 1 on a shared machine
         args = ("run", "--max-children", os.environ["MUTMUT_CHILDREN"], *args[1:])
-    return subprocess.run(
-        [sys.executable, "-m", "mutmut", *args], cwd=ROOT, env=env, text=True, capture_output=True
-    )
+    return subprocess.run([sys.executable, "-m", "mutmut", *args], cwd=ROOT, env=env, text=True, capture_output=True)
 
 
 def _module(path: str) -> str:
@@ -757,17 +674,11 @@ def report(path: str, status: dict[str, str], seconds: float | None = None) -> f
     prefix = _module(path) + "."
     mine = {k: v for k, v in status.items() if k.startswith(prefix)}
     count = lambda s: sum(v == s for v in mine.values())  # noqa: E731
-    killed_ = (
-        "killed",
-        "timeout",
-        "segfault",
-    )  # a test run that crashed has noticed the mutant too
+    killed_ = ("killed", "timeout", "segfault")  # a test run that crashed has noticed the mutant too
     # a mutant listed as equivalent that a test kills is not equivalent: it counts as killed (and is flagged)
     equivalent = [k for k in mine if k in EQUIVALENT and mine[k] not in killed_]
     wrongly_listed = [k for k in mine if k in EQUIVALENT and mine[k] in killed_]
-    survivors = [
-        k for k, v in mine.items() if v in ("survived", "no tests") and k not in EQUIVALENT
-    ]
+    survivors = [k for k, v in mine.items() if v in ("survived", "no tests") and k not in EQUIVALENT]
     judged = len(mine) - len(equivalent)  # a mutant no test reaches counts as not killed
     killed = sum(count(s) for s in killed_)
     score = killed / judged if judged else None
@@ -777,11 +688,7 @@ def report(path: str, status: dict[str, str], seconds: float | None = None) -> f
         + (f"{count('segfault')} crashed the tests, " if count("segfault") else "")
         + f"{count('survived')} survived, {count('no tests')} reached by no test ({len(equivalent)} of these "
         f"equivalent)"
-        + (
-            f"; score {100 * score:.1f}% of the non-equivalent mutants killed"
-            if score is not None
-            else ""
-        )
+        + (f"; score {100 * score:.1f}% of the non-equivalent mutants killed" if score is not None else "")
     )
     for k in survivors:
         print(f"    {mine[k]}: {k}")

@@ -59,17 +59,11 @@ def live_link_moves() -> dict[str, int]:
         if not isinstance(f, ast.FunctionDef):
             continue
         calls = [n for n in ast.walk(f) if isinstance(n, ast.Call)]
-        start = next(
-            (c for c in calls if isinstance(c.func, ast.Name) and c.func.id == "LiveLink"), None
-        )
+        start = next((c for c in calls if isinstance(c.func, ast.Name) and c.func.id == "LiveLink"), None)
         if start is None:
             continue
         url = start.args[1]  # app_url, or f"{app_url}/PATH"
-        path = (
-            url.values[-1].value.lstrip("/")
-            if isinstance(url, ast.JoinedStr) and len(url.values) > 1
-            else ""
-        )
+        path = url.values[-1].value.lstrip("/") if isinstance(url, ast.JoinedStr) and len(url.values) > 1 else ""
         found[path] = sum(isinstance(c.func, ast.Attribute) and c.func.attr == "act" for c in calls)
     return found
 
@@ -107,18 +101,13 @@ def processes(server_port: int) -> list[tuple[str, psutil.Process]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--loads", type=int, default=3, help="loads counted per page (after one warm-up load)"
-    )
+    parser.add_argument("--loads", type=int, default=3, help="loads counted per page (after one warm-up load)")
     args = parser.parse_args()
     from playwright.sync_api import sync_playwright
 
     os.environ.setdefault("KVVIZ_WARMUP", "0")
     rows = {}
-    with (
-        serve_app(ROOT / "test-artifacts" / "page-load-cost-server.log") as url,
-        sync_playwright() as pw,
-    ):
+    with serve_app(ROOT / "test-artifacts" / "page-load-cost-server.log") as url, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         context = browser.new_context(viewport={"width": 1400, "height": 1000})
         context.add_init_script(PAGE_PROBE_JS)
@@ -137,12 +126,8 @@ def main() -> int:
                 idle(page)
                 wall = time.perf_counter() - start
                 seen = {proc.pid for _, proc in procs}  # and the renderer the new page started
-                after = cpu_seconds(
-                    procs + [(k, q) for k, q in processes(port) if q.pid not in seen]
-                )
-                metrics = {
-                    m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]
-                }
+                after = cpu_seconds(procs + [(k, q) for k, q in processes(port) if q.pid not in seen])
+                metrics = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
                 page.close()
                 if i:
                     found.append(
@@ -157,19 +142,13 @@ def main() -> int:
             rows[path] = Load(*(statistics.median(c) for c in zip(*found)))
         browser.close()
 
-    print(
-        f"{'page':16} {'wall s':>7} {'Chromium CPU s':>15} {'renderer':>9} {'server CPU s':>13} {'script s':>9}"
-    )
+    print(f"{'page':16} {'wall s':>7} {'Chromium CPU s':>15} {'renderer':>9} {'server CPU s':>13} {'script s':>9}")
     for path, (wall, chromium, renderer, server, script) in rows.items():
-        print(
-            f"{path or 'explorer':16} {wall:7.2f} {chromium:15.2f} {renderer:9.2f} {server:13.2f} {script:9.2f}"
-        )
+        print(f"{path or 'explorer':16} {wall:7.2f} {chromium:15.2f} {renderer:9.2f} {server:13.2f} {script:9.2f}")
 
     total, loads = 0.0, 0
     for path in moves:
-        total += 2 * (
-            rows[path].chromium + rows[path].server
-        )  # the page's first load, the last link's
+        total += 2 * (rows[path].chromium + rows[path].server)  # the page's first load, the last link's
         loads += 2
     cores = os.cpu_count() or 1
     print(

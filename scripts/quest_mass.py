@@ -62,18 +62,14 @@ def measure(trace, budget_fraction: float, page_size: int) -> dict:
     tok = quest.with_(scorer="oracle")
     heads = np.arange(trace.n_q_heads)
     g = trace.group_size
-    out = {
-        k: [] for k in ("quest", "page-oracle", "token-oracle", "read", "oracle@read", "quest-kv")
-    }
+    out = {k: [] for k in ("quest", "page-oracle", "token-oracle", "read", "oracle@read", "quest-kv")}
     for layer in range(trace.n_layers):
         for qi in steps:
             qi = int(qi)
             a = softmax(logit_rows(trace, layer, heads, qi))  # (Hq, n)
             reads = read_masks(trace, quest, layer, qi)
             out["quest"].append((a * reads).sum(axis=1))
-            out["quest-kv"].append(
-                (a * read_masks(trace, quest.with_(quest_heads="kv"), layer, qi)).sum(axis=1)
-            )
+            out["quest-kv"].append((a * read_masks(trace, quest.with_(quest_heads="kv"), layer, qi)).sum(axis=1))
             out["page-oracle"].append((a * page_oracle(a, quest)).sum(axis=1))
             out["token-oracle"].append((a * select(a, tok)).sum(axis=1))
             union = reads.reshape(trace.n_kv_heads, g, -1).any(axis=1)  # what each KV head serves
@@ -82,10 +78,7 @@ def measure(trace, budget_fraction: float, page_size: int) -> dict:
             for h in range(trace.n_kv_heads):  # the oracle at that many
                 r = int(union[h].sum())
                 spec = Spec(
-                    scorer="oracle",
-                    sink=quest.sink,
-                    recent=quest.recent,
-                    heavy=max(0, r - quest.sink - quest.recent),
+                    scorer="oracle", sink=quest.sink, recent=quest.recent, heavy=max(0, r - quest.sink - quest.recent)
                 )
                 kept[h] = select(a[h * g : (h + 1) * g].sum(axis=0, keepdims=True), spec)[0]
             out["oracle@read"].append((a * np.repeat(kept, g, axis=0)).sum(axis=1))
@@ -102,13 +95,9 @@ def main() -> int:
     head = f"{'':24}" + "".join(f"{c:>14}" for c in cols)
 
     def row(label, m):
-        return f"{label:24}" + "".join(
-            f"{m[c]:>14.1f}" if c == "read" else f"{m[c]:>14.4f}" for c in cols
-        )
+        return f"{label:24}" + "".join(f"{m[c]:>14.1f}" if c == "read" else f"{m[c]:>14.4f}" for c in cols)
 
-    print(
-        "\n1. page size, at the 25% budget (tokens per query head; quest-kv = one choice per KV head)"
-    )
+    print("\n1. page size, at the 25% budget (tokens per query head; quest-kv = one choice per KV head)")
     print(head)
     for size in PAGE_SIZES:
         m = measure(trace, 0.25, size)

@@ -40,9 +40,7 @@ def main() -> int:
         html = Path(tmp) / "chart.html"
         html.write_text(fig.to_html(include_plotlyjs=True, full_html=True), encoding="utf-8")
         with sync_playwright() as p:
-            browser = p.chromium.launch(
-                executable_path=a.chromium, headless=True, args=["--no-sandbox"]
-            )
+            browser = p.chromium.launch(executable_path=a.chromium, headless=True, args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": a.width + 40, "height": 800})
             page.goto(html.as_uri())
             page.wait_for_selector(".js-plotly-plot .scatterlayer")

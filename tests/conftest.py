@@ -49,11 +49,7 @@ hypothesis_settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 hypothesis_settings.register_profile(
-    "dev",
-    max_examples=150,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
+    "dev", max_examples=150, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
 )
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
@@ -72,9 +68,7 @@ def _own_folder(variable: str, prefix: str) -> None:
     one folder raced (the Studies live-link test found the example already run by another worker)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     given = Path(os.environ.get(variable) or "").name
-    if not given or (
-        worker and given.startswith(prefix) and not given.startswith(f"{prefix}{worker}-")
-    ):
+    if not given or (worker and given.startswith(prefix) and not given.startswith(f"{prefix}{worker}-")):
         os.environ[variable] = tempfile.mkdtemp(prefix=f"{prefix}{worker}-" if worker else prefix)
 
 
@@ -86,9 +80,7 @@ _own_folder("KVVIZ_STUDIES_DIR", "kvviz-studies-test-")
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
 RESULTS = ROOT / "test-results"  # a failed or timed-out browser test's screenshot and console
-BROWSER_TIMEOUT = int(
-    os.environ.get("KVVIZ_BROWSER_TEST_TIMEOUT", "300")
-)  # seconds a browser test may take
+BROWSER_TIMEOUT = int(os.environ.get("KVVIZ_BROWSER_TEST_TIMEOUT", "300"))  # seconds a browser test may take
 CHROMIUM = os.environ.get("KVVIZ_CHROMIUM", "/usr/bin/chromium")
 TIMEOUT = int(os.environ.get("KVVIZ_BROWSER_TIMEOUT_MS", "60000"))  # a busy 2-core machine needs it
 CHROMIUM_ARGS = [
@@ -132,11 +124,7 @@ def serve_app(log: Path, env: dict | None = None, launcher: bool = False):
     launcher=True starts it as `make run` does (`python -m kvviz.app.serve`: the app warm from the start)."""
     port = _free_port()
     streamlit = shutil.which("streamlit", path=str(Path(sys.executable).parent)) or "streamlit"
-    start = (
-        [sys.executable, "-m", "kvviz.app.serve"]
-        if launcher
-        else [streamlit, "run", str(ROOT / "app.py")]
-    )
+    start = [sys.executable, "-m", "kvviz.app.serve"] if launcher else [streamlit, "run", str(ROOT / "app.py")]
     cmd = [
         *start,
         "--server.headless",
@@ -155,11 +143,7 @@ def serve_app(log: Path, env: dict | None = None, launcher: bool = False):
     log.parent.mkdir(exist_ok=True)
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=None if env is None else {**os.environ, **env},
+            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=None if env is None else {**os.environ, **env}
         )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -432,11 +416,7 @@ def streamlit_probe(msg) -> bool:
     """Streamlit's own 404s when a page's address is opened directly: the frontend first tries the page's
     path as the server's base path (/trade-offs/_stcore/health, .../host-config), then the root."""
     url = msg.location.get("url") or ""
-    return (
-        "status of 404" in msg.text
-        and url.rsplit("/", 1)[-1] in ("health", "host-config")
-        and "/_stcore/" in url
-    )
+    return "status of 404" in msg.text and url.rsplit("/", 1)[-1] in ("health", "host-config") and "/_stcore/" in url
 
 
 @pytest.fixture(scope="session")
@@ -527,9 +507,7 @@ def _names(item) -> set[str]:
     """The names a test can reach: its module's globals and the names its function's code uses."""
     module = getattr(item, "module", None)
     code = getattr(getattr(item, "function", None), "__code__", None)
-    return set(vars(module) if module is not None else ()) | set(
-        code.co_names if code is not None else ()
-    )
+    return set(vars(module) if module is not None else ()) | set(code.co_names if code is not None else ())
 
 
 def _is_core(item) -> bool:
@@ -606,9 +584,7 @@ def _browser_groups(items, n: int) -> dict[str, str]:
     least weight so far (ties: the first). Every worker computes the same from the same collection."""
     units: dict[str, list] = {}
     for item in items:
-        units.setdefault(
-            item.nodeid if item.path.stem == "test_browser" else item.path.stem, []
-        ).append(item)
+        units.setdefault(item.nodeid if item.path.stem == "test_browser" else item.path.stem, []).append(item)
 
     def weight(key: str) -> float:
         first = units[key][0]
@@ -660,18 +636,13 @@ def pytest_collection_modifyitems_group_ids(config, items):
     xdist 3.8 writes it to `item._nodeid`, which pytest 9 no longer reads (a node's id is `item._id`),
     so every xdist_group was ignored: each module fixture was built in both workers and the browser
     tests were spread at random. Done here after xdist's own hook; a no-op where xdist's took effect."""
-    if not getattr(
-        config.option, "loadgroup", False
-    ):  # set in xdist workers under --dist loadgroup
+    if not getattr(config.option, "loadgroup", False):  # set in xdist workers under --dist loadgroup
         return
     from _pytest.nodeid import NodeId
 
     for item in items:
         names = sorted(
-            {
-                str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                for m in item.iter_markers("xdist_group")
-            }
+            {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
         )
         if names and "@" not in item.nodeid.rpartition("]")[2]:
             item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
@@ -682,10 +653,7 @@ def _save_page(page, name: str) -> list[Path]:
     RESULTS.mkdir(exist_ok=True)
     written = []
     log = RESULTS / f"{name}.console.txt"
-    lines = [
-        f"url: {getattr(page, 'url', '?')}",
-        *getattr(page, "console", getattr(page, "errors", [])),
-    ]
+    lines = [f"url: {getattr(page, 'url', '?')}", *getattr(page, "console", getattr(page, "errors", []))]
     log.write_text("\n".join(lines) + "\n")
     written.append(log)
     try:
@@ -739,6 +707,4 @@ def pytest_terminal_summary(terminalreporter, config):
         if part in _PART_SECONDS
     )
     total = sum(seconds for seconds, _ in _PART_SECONDS.values())
-    terminalreporter.write_line(
-        f"test time by part, summed over workers: {parts}; {total:.0f} s in all"
-    )
+    terminalreporter.write_line(f"test time by part, summed over workers: {parts}; {total:.0f} s in all")

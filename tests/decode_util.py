@@ -7,15 +7,7 @@ def two_and_three_bit_spec(axes: tuple[str, str], **eviction):
     3 tokens exact, with the `eviction` settings (none: nothing evicted)."""
     from kvviz.spec import Spec
 
-    return Spec(
-        key_bits=2,
-        value_bits=3,
-        key_axis=axes[0],
-        value_axis=axes[1],
-        group_size=4,
-        residual=3,
-        **eviction,
-    )
+    return Spec(key_bits=2, value_bits=3, key_axis=axes[0], value_axis=axes[1], group_size=4, residual=3, **eviction)
 
 
 def check_every_quantization(monkeypatch) -> list[int]:

@@ -3,9 +3,7 @@
 from kvviz.sources.synthetic import SyntheticSpec
 
 
-def small_synthetic(
-    *, context: int, steps: int, layers: int, head_dim: int = 32, n_anchors: int = 4
-) -> SyntheticSpec:
+def small_synthetic(*, context: int, steps: int, layers: int, head_dim: int = 32, n_anchors: int = 4) -> SyntheticSpec:
     """A synthetic source of 4 query heads over 2 KV heads, with `n_anchors` heavy hitters and 2 shift
     tokens and 2 outlier key channels (fewer than the defaults): small and quick, with every feature."""
     return SyntheticSpec(

@@ -10,14 +10,7 @@ from hypothesis import strategies as st
 
 from kvviz import Spec, SpecError, View, compare, memory_for
 from kvviz.analysis.ledger import budget_ledger
-from kvviz.policies.allocation import (
-    adakv_heavy,
-    allocate,
-    layer_spec,
-    pyramid_budgets,
-    pyramid_totals,
-    select_heads,
-)
+from kvviz.policies.allocation import adakv_heavy, allocate, layer_spec, pyramid_budgets, pyramid_totals, select_heads
 
 from test_policies_new import random_trace
 
@@ -40,9 +33,7 @@ def layer_mass(trace, spec, layer):
     recent=st.integers(1, 6),
     temp=st.floats(0.5, 4.0),
 )
-def test_adakv_over_the_oracle_keeps_at_least_the_uniform_mass_at_every_budget(
-    seed, alpha, sink, recent, temp
-):
+def test_adakv_over_the_oracle_keeps_at_least_the_uniform_mass_at_every_budget(seed, alpha, sink, recent, temp):
     trace = random_trace(seed, L=1, c=24, steps=2, D=8)
     trace.q[...] *= np.float32(temp)  # sharper or flatter attention
     n = trace.n_positions
@@ -52,15 +43,9 @@ def test_adakv_over_the_oracle_keeps_at_least_the_uniform_mass_at_every_budget(
         ada, c = layer_mass(trace, Spec(**base, allocation="adakv", adakv_alpha=alpha), 0)
         assert ada >= uni - 1e-9, (heavy, ada, uni)
         kept = {r.kv_head: int(r.kept.sum()) for r in c.members}
-        assert sum(kept.values()) == trace.n_kv_heads * min(
-            sink + recent + heavy, n
-        )  # the layer's budget
+        assert sum(kept.values()) == trace.n_kv_heads * min(sink + recent + heavy, n)  # the layer's budget
         # the safeguard (kvpress): each head's top int(alpha * budget) tokens, sinks and window first
-        floor = min(
-            max(0, int(min(sink + recent + heavy, n) * alpha) - (sink + recent)),
-            n - sink - recent,
-            heavy,
-        )
+        floor = min(max(0, int(min(sink + recent + heavy, n) * alpha) - (sink + recent)), n - sink - recent, heavy)
         assert min(kept.values()) >= sink + recent + floor
 
 
@@ -100,9 +85,7 @@ def test_ragged_caches_in_the_engine_and_memory():
         assert r.compressed.sum() == pytest.approx(1.0, abs=1e-12)
         assert np.all(r.compressed[~r.kept] == 0)
     pyr = memory_for(
-        trace,
-        Spec(sink=2, recent=4, heavy=10, allocation="pyramid", pyramid_schedule="heavy"),
-        trace.n_positions,
+        trace, Spec(sink=2, recent=4, heavy=10, allocation="pyramid", pyramid_schedule="heavy"), trace.n_positions
     )
     uni = memory_for(trace, Spec(sink=2, recent=4, heavy=10), trace.n_positions)
     assert pyr.kv_bytes == uni.kv_bytes and sum(pyr.kept_per_layer) == sum(uni.kept_per_layer)
@@ -115,15 +98,7 @@ def test_streaming_scorers_refuse_adakv_but_take_the_pyramid():
     trace = random_trace(8)
     c = compare(
         trace,
-        Spec(
-            sink=2,
-            recent=4,
-            heavy=8,
-            scorer="h2o",
-            allocation="pyramid",
-            pyramid_beta=4,
-            pyramid_schedule="heavy",
-        ),
+        Spec(sink=2, recent=4, heavy=8, scorer="h2o", allocation="pyramid", pyramid_beta=4, pyramid_schedule="heavy"),
         View(layer=1),
     )
     assert c.primary.kept.sum() == 2 + 4 + pyramid_budgets(8, 2, 4)[1]
@@ -159,13 +134,9 @@ def test_ledger_kept_tokens_equal_the_declared_budget_per_layer(scorer, allocati
         quest_heads="kv",
     )  # Quest per query head: below)
     ledger = budget_ledger(trace, spec)
-    np.testing.assert_array_equal(
-        ledger.per_layer("kept_tokens"), ledger.per_layer("declared_tokens")
-    )
+    np.testing.assert_array_equal(ledger.per_layer("kept_tokens"), ledger.per_layer("declared_tokens"))
     kept = ledger.column("kept_tokens")
-    np.testing.assert_array_equal(
-        kept, ledger.column("sink") + ledger.column("recent") + ledger.column("heavy")
-    )
+    np.testing.assert_array_equal(kept, ledger.column("sink") + ledger.column("recent") + ledger.column("heavy"))
     assert ledger.column("overhead_bytes").sum() > 0 and ledger.column("residual_bytes").sum() > 0
     t = ledger.totals
     if scorer == "quest":
@@ -173,9 +144,7 @@ def test_ledger_kept_tokens_equal_the_declared_budget_per_layer(scorer, allocati
     else:
         assert t["stored_bytes"] == t["read_bytes"]
         if allocation != "adakv":  # the engine's memory counts the same bytes
-            assert t["stored_bytes"] == pytest.approx(
-                memory_for(trace, spec, ledger.n_tokens).kv_bytes
-            )
+            assert t["stored_bytes"] == pytest.approx(memory_for(trace, spec, ledger.n_tokens).kv_bytes)
     assert any("overhead" in n for n in ledger.notes())
 
 
@@ -188,20 +157,12 @@ def test_ledger_on_the_cli(capsys):
 
     from kvviz.cli import main
 
-    assert (
-        main(["ledger", *WINDOW_4_8_8, "--scorer", "snapkv", "--allocation", "adakv", "--csv"]) == 0
-    )
+    assert main(["ledger", *WINDOW_4_8_8, "--scorer", "snapkv", "--allocation", "adakv", "--csv"]) == 0
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     from kvviz.sources.handbook import handbook_trace
 
-    ledger = budget_ledger(
-        handbook_trace(), Spec(sink=4, recent=8, heavy=8, scorer="snapkv", allocation="adakv")
-    )
-    for column in (
-        "kept_tokens",
-        "stored_bytes",
-        "read_bytes",
-    ):  # every row is the core's ledger row
+    ledger = budget_ledger(handbook_trace(), Spec(sink=4, recent=8, heavy=8, scorer="snapkv", allocation="adakv"))
+    for column in ("kept_tokens", "stored_bytes", "read_bytes"):  # every row is the core's ledger row
         assert [float(r[column]) for r in rows] == [float(v) for v in ledger.column(column)], column
     assert main(["ledger", *WINDOW_4_8_8, "--bits", "4"]) == 0
     assert "scale / zero-point overhead" in capsys.readouterr().out
@@ -213,12 +174,7 @@ def test_sweep_under_adakv_leaves_out_the_methods_it_cannot_wrap():
 
     t = make_synthetic(SyntheticSpec(context=64, steps=2))
     rows = sweep(
-        t,
-        ["h2o", "snapkv", "oracle"],
-        [0.25],
-        [16],
-        View(ensemble="heads"),
-        Spec(scorer="oracle", allocation="adakv"),
+        t, ["h2o", "snapkv", "oracle"], [0.25], [16], View(ensemble="heads"), Spec(scorer="oracle", allocation="adakv")
     )
     assert sorted(r["method"] for r in rows) == ["oracle", "snapkv"]
 
@@ -231,9 +187,7 @@ def test_pyramid_totals_are_kvpress_get_layer_budget():
     got = pyramid_totals(130, 64, 261, 30, 20.0)
     assert got.tolist() == [round(197 - layer * 133 / 29) for layer in range(30)]
     assert got[0] == 197 and got[-1] == 64
-    assert (
-        pyramid_totals(130, 64, 1000, 30, 20.0) is None
-    )  # min 6.5 < the window: kvpress falls back
+    assert pyramid_totals(130, 64, 1000, 30, 20.0) is None  # min 6.5 < the window: kvpress falls back
     spec = Spec(sink=0, recent=64, heavy=66, scorer="snapkv", allocation="pyramid")
     from kvviz.policies.allocation import layer_spec
 
@@ -268,16 +222,10 @@ def test_quest_per_query_head_reads_its_own_pages_and_the_ledger_counts_the_unio
     served = kept_at_query(trace, spec, 1, qi)
     for g in range(2):
         assert np.array_equal(served[g], reads[2 * g] | reads[2 * g + 1])
-    assert any(
-        not np.array_equal(reads[2 * g], reads[2 * g + 1]) for g in range(2)
-    )  # heads choose apart
+    assert any(not np.array_equal(reads[2 * g], reads[2 * g + 1]) for g in range(2))  # heads choose apart
     ledger = budget_ledger(trace, spec)
     kept = ledger.column("kept_tokens")
-    assert (
-        (kept >= spec.budget).all()
-        and (kept <= 2 * spec.budget).all()
-        and (kept > spec.budget).any()
-    )
+    assert (kept >= spec.budget).all() and (kept <= 2 * spec.budget).all() and (kept > spec.budget).any()
     assert result.memory.bytes_read == pytest.approx(ledger.totals["read_bytes"], rel=1e-12)
     per_kv = compare(trace, spec.with_(quest_heads="kv"), View(layer=1, ensemble="heads"))
     assert all(int(r.kept.sum()) == spec.budget for r in per_kv.members)
@@ -292,9 +240,7 @@ def test_pyramid_budgets_by_hand():
     b = pyramid_budgets(1, 2, 20.0)
     assert b.tolist() == [2, 0] and b.dtype == np.int64
     assert pyramid_budgets(6, 3, 2.0).tolist() == [9, 6, 3]  # 9 - l * 3, exact
-    assert pyramid_budgets(0, 3, 20.0).tolist() == [0, 0, 0] and pyramid_budgets(
-        5, 1, 20.0
-    ).tolist() == [5]
+    assert pyramid_budgets(0, 3, 20.0).tolist() == [0, 0, 0] and pyramid_budgets(5, 1, 20.0).tolist() == [5]
 
 
 def test_pyramid_totals_by_hand_where_kvpress_does_not_clamp():
@@ -324,16 +270,10 @@ def test_allocate_under_the_pyramid_keeps_each_layers_total_once():
     for sched, totals in (("kvpress", [16, 10, 5]), ("heavy", [13, 10, 7])):
         s = spec.with_(pyramid_schedule=sched)
         for layer, total in enumerate(totals):
-            assert allocate(scores, s, layer, 3, 40).sum(axis=1).tolist() == [total, total], (
-                sched,
-                layer,
-            )
+            assert allocate(scores, s, layer, 3, 40).sum(axis=1).tolist() == [total, total], (sched, layer)
             own = layer_spec(s, layer, 3, 40)
             assert own.budget == total
-            assert allocate(scores, own, layer, 3, 40).sum(axis=1).tolist() == [total, total], (
-                sched,
-                layer,
-            )
+            assert allocate(scores, own, layer, 3, 40).sum(axis=1).tolist() == [total, total], (sched, layer)
 
 
 SCORES = np.array([[9, 8, 7, 6, 5, 4, 3, 2, 0.0], [1, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.0]])
@@ -379,11 +319,7 @@ def test_adakv_on_one_kv_head_is_the_uniform_budget():
                     adakv_floor=floor,
                 )
                 got = adakv_heavy(scores, spec)
-                assert got.tolist() == [min(heavy, 7)] and got.dtype == np.int64, (
-                    floor,
-                    heavy,
-                    alpha,
-                )
+                assert got.tolist() == [min(heavy, 7)] and got.dtype == np.int64, (floor, heavy, alpha)
 
 
 def adakv_reference(scores, spec):
@@ -424,11 +360,7 @@ def test_adakv_matches_the_plain_rule_with_many_ties():
                 adakv_alpha=alpha,
                 adakv_floor=floor,
             )
-            assert adakv_heavy(scores, spec).tolist() == adakv_reference(scores, spec), (
-                seed,
-                floor,
-                alpha,
-            )
+            assert adakv_heavy(scores, spec).tolist() == adakv_reference(scores, spec), (seed, floor, alpha)
 
 
 def test_select_heads_with_a_budget_per_head():

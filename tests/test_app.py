@@ -70,9 +70,7 @@ def test_default_view_is_the_handbook_example():
 def test_shown_numbers_equal_kvviz_compare():
     at = run(sink=2, recent=6, heavy=5, bits=4, ensemble="none")  # the app quantizes short groups
     expected = compare(
-        handbook_trace(),
-        Spec(sink=2, recent=6, heavy=5, key_bits=4, value_bits=4, partial="quantize"),
-        View(),
+        handbook_trace(), Spec(sink=2, recent=6, heavy=5, key_bits=4, value_bits=4, partial="quantize"), View()
     )
     shown = numbers(at)
     for k, v in expected.metrics.items():
@@ -141,9 +139,7 @@ def test_query_params_round_trip():
 def test_out_of_range_link_is_clamped_with_a_notice():
     at = run(sink="-5", bits="11", layer="9", heavy="abc", nonsense="1")
     w = warnings(at)
-    assert (
-        "`sink=-5` is out of range (at least 0); clamped to 0." in w
-    )  # no made-up top of the range
+    assert "`sink=-5` is out of range (at least 0); clamped to 0." in w  # no made-up top of the range
     assert "`bits=11` is not one of" in w
     assert "Layer 9 is out of range (0-0); clamped to 0." in w
     assert "`heavy=abc` is not a number" in w
@@ -159,26 +155,12 @@ def test_advanced_folded_draws_nothing_and_keeps_its_settings():
     chosen while it was open survives folding it and a move."""
     at = run(scorer="tova", bits="4", key_axis="token", residual="9999", ensemble="none")
     assert "scorer" not in [b.key for b in at.selectbox] and not at.sidebar.expander[0].children
-    assert (
-        "Residual (last tokens kept at 16 bits) 9999 is out of range (0-64); clamped to 64."
-        in warnings(at)
-    )
-    spec = Spec(
-        sink=4,
-        recent=8,
-        heavy=2,
-        scorer="tova",
-        key_bits=4,
-        value_bits=4,
-        key_axis="token",
-        residual=64,
-    )
+    assert "Residual (last tokens kept at 16 bits) 9999 is out of range (0-64); clamped to 64." in warnings(at)
+    spec = Spec(sink=4, recent=8, heavy=2, scorer="tova", key_bits=4, value_bits=4, key_axis="token", residual=64)
     want = compare(handbook_trace(), spec, View()).metrics
     assert numbers(at)["tv_distance"] == want["tv_distance"]
     unfold(at, ADVANCED)
-    assert (
-        at.selectbox(key="scorer").value == "tova" and at.number_input(key="residual").value == 64
-    )
+    assert at.selectbox(key="scorer").value == "tova" and at.number_input(key="residual").value == 64
     at.selectbox(key="scorer").set_value("snapkv").run()
     at.session_state[ADVANCED] = False
     set_and_run(at, "heavy", 5)
@@ -191,9 +173,7 @@ def test_presets_apply():
     at.button(key="preset_StreamingLLM").click().run()
     assert at.slider(key="sink").value == 4 and at.slider(key="heavy").value == 0
     assert at.session_state[STORE]["scorer"] == "streaming"  # set while Advanced is folded ...
-    assert (
-        unfold(at, ADVANCED).selectbox(key="scorer").value == "streaming"
-    )  # ... and shown once opened
+    assert unfold(at, ADVANCED).selectbox(key="scorer").value == "streaming"  # ... and shown once opened
     at.button(key="preset_KIVI 2-bit").click().run()
     assert at.select_slider(key="bits").value == 2
     assert cards(at)["Attention mass retained"] == "100.0%" and numbers(at)["tv_distance"] > 0
@@ -209,9 +189,7 @@ def test_presets_apply():
 
 def test_impossible_combinations_show_messages_not_tracebacks():
     at = run(symmetric="1", bits="1")
-    assert (
-        at.error and "symmetric" in at.error[0].value.lower() and "2 or more" in at.error[0].value
-    )
+    assert at.error and "symmetric" in at.error[0].value.lower() and "2 or more" in at.error[0].value
     at = run(source="synthetic", context="128", q_heads="3", kv_heads="2")
     assert at.error and "multiple of KV heads" in at.error[0].value
     at = run(sink="4", recent="8", heavy="60")
@@ -260,16 +238,11 @@ def test_tradeoffs_presenting_draws_the_chart_first_in_projector_type():
             yield from walk(child)
 
     order = [
-        e.type if e.type == "plotly_chart" else e.key
-        for e in walk(at.main)
-        if e.type in ("plotly_chart", "radio")
+        e.type if e.type == "plotly_chart" else e.key for e in walk(at.main) if e.type in ("plotly_chart", "radio")
     ]
     assert order.index("plotly_chart") < order.index("metric"), order
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]
-    assert (
-        fig["font"]["size"] == 18
-        and fig["xaxis"]["tickfont"]["size"] == fig["yaxis"]["tickfont"]["size"] == 18
-    )
+    assert fig["font"]["size"] == 18 and fig["xaxis"]["tickfont"]["size"] == fig["yaxis"]["tickfont"]["size"] == 18
     assert fig["legend"]["orientation"] == "v" and fig["legend"]["x"] > 1
     assert not at.dataframe and not at.get("download_button") and not at.main.caption
 
@@ -302,32 +275,21 @@ def test_tradeoffs_page():
     assert any(n.startswith("current:") for n in legend) and not any("TOVA" in n for n in legend)
     at.radio(key="metric").set_value("kl").run()
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
-    assert (
-        fig["layout"]["yaxis"]["title"]["text"]
-        == "KL(compressed ‖ original), nats — lower is better"
-    )
+    assert fig["layout"]["yaxis"]["title"]["text"] == "KL(compressed ‖ original), nats — lower is better"
     at.radio(key="metric").set_value("js").run()
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert fig["layout"]["yaxis"]["title"]["text"].startswith("Jensen–Shannon")
     at.radio(key="metric").set_value("mass").run()
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert fig["layout"]["yaxis"]["title"]["text"].endswith("higher is better")
-    assert (
-        fig["layout"]["xaxis"]["type"] == "log" and "logx" not in at.query_params
-    )  # log by default
+    assert fig["layout"]["xaxis"]["type"] == "log" and "logx" not in at.query_params  # log by default
     at.checkbox(key="logx").uncheck().run()
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
-    assert (
-        fig["layout"]["xaxis"].get("type", "linear") == "linear" and at.query_params["logx"] == "0"
-    )
+    assert fig["layout"]["xaxis"].get("type", "linear") == "linear" and at.query_params["logx"] == "0"
     table = at.dataframe[0].value
-    assert "budget" in table.columns and "oracle" not in set(
-        table["method"]
-    )  # the bound is not a frontier point
+    assert "budget" in table.columns and "oracle" not in set(table["method"])  # the bound is not a frontier point
     # the sweep uses the explorer's sliders too
-    assert {"Sink tokens", "Recent window", "Heavy-hitter budget"} <= {
-        s.label for s in at.sidebar.slider
-    }
+    assert {"Sink tokens", "Recent window", "Heavy-hitter budget"} <= {s.label for s in at.sidebar.slider}
 
 
 def test_tradeoffs_needs_a_method():
@@ -374,16 +336,11 @@ def test_trace_file_shows_token_grid_and_overview_jump(tmp_path, monkeypatch):
     syn = make_synthetic(SyntheticSpec(context=48, steps=4, layers=2, q_heads=4, kv_heads=2))
     words = [f"w{i}" if i % 5 else "<the>" for i in range(syn.n_positions)]
     save_trace(
-        trace_with(syn, tokens=tuple(words), meta={"source": "model", "model": "test"}),
-        tmp_path / "text.safetensors",
+        trace_with(syn, tokens=tuple(words), meta={"source": "model", "model": "test"}), tmp_path / "text.safetensors"
     )
     at = run(source="file", sink=2, recent=4, heavy=4)
     grid = [h.proto.body for h in at.get("html") if "<style>" not in h.proto.body]
-    assert (
-        len(grid) == 1
-        and "&lt;the&gt;" in grid[0]
-        and grid[0].count("line-through") == syn.n_positions - 10
-    )
+    assert len(grid) == 1 and "&lt;the&gt;" in grid[0] and grid[0].count("line-through") == syn.n_positions - 10
     # the overview knows which head loses most, and one click takes the View there
     unfold(at, "_overview_open")
     button = next(b for b in at.button if b.label.startswith("Jump to the head"))
@@ -407,9 +364,7 @@ def test_switching_the_source_keeps_the_last_step_as_a_fresh_link_does():
     at.radio(key="source").set_value("synthetic").run()
     assert not at.exception
     fresh = run(source="synthetic")
-    assert (
-        at.number_input(key="step").value == fresh.number_input(key="step").value == 31
-    )  # 32 steps: 0-31
+    assert at.number_input(key="step").value == fresh.number_input(key="step").value == 31  # 32 steps: 0-31
     assert "step" not in at.query_params
     assert cards(at) == cards(fresh)
 
@@ -417,9 +372,7 @@ def test_switching_the_source_keeps_the_last_step_as_a_fresh_link_does():
 def test_scorer_notes_say_what_is_kept():
     at = run(**SMALL, scorer="snapkv", sink="4", recent="23", heavy="24")
     info = " ".join(i.value for i in at.info)
-    assert (
-        "the last 23 context queries (positions 105–127)" in info and "before position 105" in info
-    )
+    assert "the last 23 context queries (positions 105–127)" in info and "before position 105" in info
     at = run(**SMALL, scorer="oracle", sink="4", recent="8", heavy="8")
     assert "not for each query head" in " ".join(i.value for i in at.info)
     at = run(**SMALL, scorer="snapkv", sink="4", recent="8", heavy="8", snap_window="16")
@@ -427,20 +380,8 @@ def test_scorer_notes_say_what_is_kept():
 
 
 def test_new_quantizer_options_reach_the_numbers():
-    at = run(
-        bits="2",
-        zero_point="int",
-        partial="quantize",
-        ensemble="none",
-        sink="0",
-        recent="0",
-        heavy="0",
-    )
-    expected = compare(
-        handbook_trace(),
-        Spec(key_bits=2, value_bits=2, zero_point="int", partial="quantize"),
-        View(),
-    )
+    at = run(bits="2", zero_point="int", partial="quantize", ensemble="none", sink="0", recent="0", heavy="0")
+    expected = compare(handbook_trace(), Spec(key_bits=2, value_bits=2, zero_point="int", partial="quantize"), View())
     assert numbers(at)["kl"] == pytest.approx(expected.metrics["kl"], rel=1e-12)
     assert numbers(at)["kv_bytes"] == expected.metrics["kv_bytes"]
 
@@ -453,10 +394,7 @@ def test_synthetic_presets_set_the_pattern():
     assert at.number_input(key="sink_strength").value == PRESETS["diffuse"].sink_strength
     assert at.query_params["sparsity"] == "1.5"
     at.button(key="synthetic_topic shift").click().run()
-    assert (
-        at.number_input(key="topic_shift").value == 12.0
-        and at.number_input(key="steps").value == 48
-    )
+    assert at.number_input(key="topic_shift").value == 12.0 and at.number_input(key="steps").value == 48
     at.button(key="synthetic_realistic").click().run()
     assert "sink_strength" not in at.query_params and "topic_shift" not in at.query_params
 
@@ -466,9 +404,7 @@ def test_synthetic_presets_set_the_pattern():
 
 def test_budget_number_boxes_set_counts_or_percentages():
     at = run(source="synthetic", context="512", steps="32")
-    at.number_input(key="_box_recent").set_value(
-        240
-    ).run()  # one keystroke-free step, not 232 presses
+    at.number_input(key="_box_recent").set_value(240).run()  # one keystroke-free step, not 232 presses
     assert at.slider(key="recent").value == 240 and at.query_params["recent"] == "240"
     at.radio(key="budget_unit").set_value("%").run()
     assert at.number_input(key="_box_recent").value == pytest.approx(100 * 240 / 544, abs=0.05)
@@ -506,8 +442,7 @@ def test_cards_split_the_quantizations_own_error():
         tvs.append(c["TV distance"])
         quant.append(float(c["TV from quantization"]))
         expected = compare(
-            handbook_trace(),
-            Spec(sink=4, recent=8, heavy=2, key_bits=bits, value_bits=bits, partial="quantize"),
+            handbook_trace(), Spec(sink=4, recent=8, heavy=2, key_bits=bits, value_bits=bits, partial="quantize")
         )
         assert c == card_values(expected.metrics)
     assert quant[0] == 0 and quant[1] < quant[2] < quant[3]
@@ -521,16 +456,13 @@ def test_the_bits_reach_the_keys_by_default_and_the_app_says_when_they_cannot():
     at = run(bits="2", ensemble="none")
     assert float(cards(at)["TV from quantization"]) > 0 and not at.warning
     assert any(
-        "The bits slider quantizes every kept key (groups of 32 along each channel)" in c.value
-        for c in at.caption
+        "The bits slider quantizes every kept key (groups of 32 along each channel)" in c.value for c in at.caption
     )
     at = run(bits="2", ensemble="none", partial="full")
     assert cards(at)["TV from quantization"] == "0.0000"
     assert any("keys are not quantized" in w.value for w in at.warning)
     at.button(key="_fix_partial").click().run()
-    assert (
-        "partial" not in at.query_params and float(cards(at)["TV from quantization"]) > 0
-    )  # the default again
+    assert "partial" not in at.query_params and float(cards(at)["TV from quantization"]) > 0  # the default again
 
 
 def test_pin_and_compare_a_against_b():
@@ -547,10 +479,7 @@ def test_pin_and_compare_a_against_b():
     assert any("**A:** h2o sink 4 recent 8 heavy 2" in m.value for m in at.markdown)
     # a link with the pin reproduces the comparison
     again = run(heavy="10", pin="default", ensemble="none")
-    assert (
-        next(m for m in again.metric if m.label == "Attention mass retained").proto.delta
-        == mass.proto.delta
-    )
+    assert next(m for m in again.metric if m.label == "Attention mass retained").proto.delta == mass.proto.delta
     at.button(key="_unpin").click().run()
     assert "pin" not in at.query_params
 
@@ -573,10 +502,7 @@ def test_a_locked_axis_never_hides_a_bar():
     ylock, alock = float(at.query_params["ylock"]), float(at.query_params["alock"])
     for name, value in (("sink", 1), ("recent", 0), ("heavy", 0)):
         at.slider(key=name).set_value(value).run()
-    assert not at.exception and (
-        float(at.query_params["ylock"]),
-        float(at.query_params["alock"]),
-    ) == (ylock, alock)
+    assert not at.exception and (float(at.query_params["ylock"]), float(at.query_params["alock"])) == (ylock, alock)
     attention, error = (json.loads(c.proto.spec) for c in at.get("plotly_chart"))
     tallest = max(max(plotly_values(t["y"])) for t in attention["data"] if t["type"] == "bar")
     assert tallest > alock and attention["layout"]["yaxis"]["range"][1] >= tallest
@@ -592,10 +518,7 @@ def test_solver_applies_the_smallest_budget():
     at = run(bits="4", solve_target="0.95", ensemble="none", opened=("_solver_open",))
     at.button(key="_solve").click().run()
     sol = solve(handbook_trace(), Spec(key_bits=4, value_bits=4), target_mass=0.95)
-    assert (
-        at.slider(key="recent").value == sol.spec.recent
-        and at.slider(key="heavy").value == sol.spec.heavy
-    )
+    assert at.slider(key="recent").value == sol.spec.recent and at.slider(key="heavy").value == sol.spec.heavy
     assert any(f"{sol.budget} of 64 tokens" in s.value for s in at.success)
     assert float(cards(at)["Attention mass retained"].rstrip("%")) >= 95.0
 
@@ -605,9 +528,7 @@ def test_presentation_mode_puts_the_main_chart_first_and_folds_the_extras():
     charts = [c.proto.id for c in at.get("plotly_chart")]
     assert charts[0].endswith("attention_chart") and charts[1].endswith("error_chart")
     assert [m.label for m in at.metric] == ["Attention kept", "Memory saved", "Tokens kept"]
-    assert (
-        at.toggle(key="_ylock_on").value and float(at.query_params["ylock"]) > 0
-    )  # locked by default
+    assert at.toggle(key="_ylock_on").value and float(at.query_params["ylock"]) > 0  # locked by default
     assert any(e.label.startswith("Notes (") for e in at.expander)  # the explanations folded
     assert not [e for e in at.expander if e.label == "All numbers"]
     assert not at.title and any("explorer" in h.value for h in at.subheader)
@@ -627,9 +548,7 @@ def test_downloads_are_named_by_their_settings_and_say_what_they_hold():
     lines = header.splitlines()
     assert all(line.startswith("# ") for line in lines)
     assert "settings: h2o sink 4 recent 8 heavy 2, K4/V4-bit" in header and "N = 8 rows" in header
-    assert (
-        "error_ci95_lo/hi: 95% t-interval" in header and "the chart draws: 95% t-interval" in header
-    )
+    assert "error_ci95_lo/hi: 95% t-interval" in header and "the chart draws: 95% t-interval" in header
     import io
 
     import pandas as pd
@@ -641,11 +560,7 @@ def test_downloads_are_named_by_their_settings_and_say_what_they_hold():
     from kvviz.plots import export
 
     html = export.figures_html([], "t", metrics=comp.metrics, about=header, link="http://x/?bits=4")
-    assert (
-        "Open this view in kvviz" in html
-        and "mass_retained" in html
-        and "layer 0, query head 0" in html
-    )
+    assert "Open this view in kvviz" in html and "mass_retained" in html and "layer 0, query head 0" in html
 
 
 def test_real_text_opens_on_a_typical_head_and_the_grid_shades_and_separates(tmp_path, monkeypatch):
@@ -655,9 +570,7 @@ def test_real_text_opens_on_a_typical_head_and_the_grid_shades_and_separates(tmp
 
     monkeypatch.setenv("KVVIZ_CACHE_DIR", str(tmp_path))
     syn = make_synthetic(SyntheticSpec(context=48, steps=4, layers=3, q_heads=4, kv_heads=2))
-    text = trace_with(
-        syn, tokens=tuple(f"w{i}" for i in range(syn.n_positions)), meta={"source": "model"}
-    )
+    text = trace_with(syn, tokens=tuple(f"w{i}" for i in range(syn.n_positions)), meta={"source": "model"})
     save_trace(text, tmp_path / "text.safetensors")
     at = run(source="file", sink=2, recent=4, heavy=4)
     layer, head, why = typical_head(text)
@@ -671,9 +584,7 @@ def test_real_text_opens_on_a_typical_head_and_the_grid_shades_and_separates(tmp
     assert "attention lowered by compression" in grid
     # a link that names the head keeps it
     again = run(source="file", sink=2, recent=4, heavy=4, layer=0, head=0)
-    assert again.number_input(key="head").value == 0 and not any(
-        "median of all" in i.value for i in again.info
-    )
+    assert again.number_input(key="head").value == 0 and not any("median of all" in i.value for i in again.info)
 
 
 # --- folded means idle ------------------------------------------------------------------
@@ -703,15 +614,9 @@ def test_folded_sections_compute_nothing_until_opened_then_once(monkeypatch):
     at.slider(key="heavy").set_value(9).run()  # a move with everything folded
     assert calls == {"ledger": 0, "rotation": 0, "overview": 0}
     assert not [c for c in at.get("plotly_chart") if "after the Hadamard rotation" in c.proto.spec]
-    assert (
-        not at.dataframe
-    )  # "All numbers" folded: no table (nor the data grid's scripts) on the page
+    assert not at.dataframe  # "All numbers" folded: no table (nor the data grid's scripts) on the page
     assert len(unfold(at, "_numbers_open").dataframe) == 2
-    for key, name in (
-        ("_ledger_open", "ledger"),
-        ("_rotation_open", "rotation"),
-        ("_overview_open", "overview"),
-    ):
+    for key, name in (("_ledger_open", "ledger"), ("_rotation_open", "rotation"), ("_overview_open", "overview")):
         unfold(at, key)
         assert calls[name] == 1, (name, calls)
     opened = dict(calls)
@@ -744,9 +649,7 @@ assert 'plotly.graph_objs._bar' in sys.modules and 'plotly.graph_objs.bar._error
 assert 'kvviz.plots.lesson' in sys.modules
 print('ok')
 """
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600
-    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
@@ -759,9 +662,7 @@ def test_before_the_first_paint_charts_are_frames_and_folded_sections_wait():
 
     def blocks(node):
         yield node
-        for child in (
-            node.children.values() if isinstance(getattr(node, "children", None), dict) else ()
-        ):
+        for child in node.children.values() if isinstance(getattr(node, "children", None), dict) else ():
             yield from blocks(child)
 
     at = AppTest.from_file(APP, default_timeout=120).run()
@@ -773,24 +674,16 @@ def test_before_the_first_paint_charts_are_frames_and_folded_sections_wait():
         if getattr(b, "type", None) == "flex_container" and WAITING in b.proto.id
     }
     assert set(frames) == {"attention_chart", "error_chart"}
-    assert [c.value for c in at.caption if c.value == "Drawing the chart…"] == [
-        "Drawing the chart…"
-    ] * 2
-    assert "scorer" not in [b.key for b in at.selectbox] and "solve_kind" not in [
-        r.key for r in at.radio
-    ]
+    assert [c.value for c in at.caption if c.value == "Drawing the chart…"] == ["Drawing the chart…"] * 2
+    assert "scorer" not in [b.key for b in at.selectbox] and "solve_kind" not in [r.key for r in at.radio]
     assert len(at.get("bidi_component")) == 1  # the probe
 
     at.run()  # the next run -- the probe's report, or any click -- comes after the browser drew this one
     assert not at.exception, [e.value for e in at.exception]
     charts = {c.key: json.loads(c.proto.spec)["layout"]["height"] for c in at.get("plotly_chart")}
     assert charts == frames  # each chart as tall as its frame was
-    assert not [c for c in at.caption if c.value == "Drawing the chart…"] and not at.get(
-        "bidi_component"
-    )
-    assert "scorer" not in [b.key for b in at.selectbox] and "solve_kind" not in [
-        r.key for r in at.radio
-    ]
+    assert not [c for c in at.caption if c.value == "Drawing the chart…"] and not at.get("bidi_component")
+    assert "scorer" not in [b.key for b in at.selectbox] and "solve_kind" not in [r.key for r in at.radio]
     unfold(unfold(at, ADVANCED), "_solver_open")
     assert "scorer" in [b.key for b in at.selectbox] and "solve_kind" in [r.key for r in at.radio]
 

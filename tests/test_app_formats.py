@@ -20,32 +20,12 @@ SMALL = {"source": "synthetic", "context": "128", "steps": "4"}
 
 def test_url_formats_reach_the_engine_exactly():
     at = run_app(
-        APP,
-        120,
-        opened=(ADVANCED,),
-        **SMALL,
-        key_fmt="nvfp4",
-        value_fmt="e4m3",
-        fp8_scale="token",
-        rotate="keys",
+        APP, 120, opened=(ADVANCED,), **SMALL, key_fmt="nvfp4", value_fmt="e4m3", fp8_scale="token", rotate="keys"
     )
-    assert (
-        at.selectbox(key="key_fmt").value == "nvfp4"
-        and at.selectbox(key="value_fmt").value == "e4m3"
-    )
+    assert at.selectbox(key="key_fmt").value == "nvfp4" and at.selectbox(key="value_fmt").value == "e4m3"
     assert at.radio(key="fp8_scale").value == "token" and at.radio(key="rotate").value == "keys"
-    spec = Spec(
-        sink=4,
-        recent=8,
-        heavy=2,
-        key_format="nvfp4",
-        value_format="e4m3",
-        fp8_scale="token",
-        rotate="keys",
-    )
-    want = compare(
-        make_synthetic(SyntheticSpec(context=128, steps=4)), spec, View(ensemble="heads")
-    ).metrics
+    spec = Spec(sink=4, recent=8, heavy=2, key_format="nvfp4", value_format="e4m3", fp8_scale="token", rotate="keys")
+    want = compare(make_synthetic(SyntheticSpec(context=128, steps=4)), spec, View(ensemble="heads")).metrics
     got = numbers(at)
     assert got["tv_distance"] == want["tv_distance"] and got["kv_bytes"] == want["kv_bytes"]
     assert any("NVFP4" in c.value and "Hadamard" in c.value for c in at.caption)
@@ -85,23 +65,17 @@ def test_hf_preset_sets_per_token_groups_and_the_flush():
 def test_rotation_heatmap_expander():
     at = unfold(run_app(APP, 120, opened=(ADVANCED,), **SMALL), "_rotation_open")
     fig = json.loads(
-        next(
-            c for c in at.get("plotly_chart") if "after the Hadamard rotation" in c.proto.spec
-        ).proto.spec
+        next(c for c in at.get("plotly_chart") if "after the Hadamard rotation" in c.proto.spec).proto.spec
     )
     heatmaps = [t for t in fig["data"] if t["type"] == "heatmap"]
-    assert (
-        len(heatmaps) == 2 and heatmaps[0]["z"]["shape"] == "64, 132"
-    )  # channels down, tokens 0..131 across
+    assert len(heatmaps) == 2 and heatmaps[0]["z"]["shape"] == "64, 132"  # channels down, tokens 0..131 across
     text = next(m.value for m in at.markdown if "2-bit per-token key error" in m.value)
     before, after = (float(x) for x in text.rsplit(": ", 1)[1].split(" → "))
     assert after < before  # the synthetic keys have outlier channels
 
 
 def test_tradeoffs_gets_fp8_and_fp4_points():
-    at = run_app(
-        TRADEOFFS, 180, **SMALL, methods="h2o", sweep_bits="16", sweep_formats="e4m3,nvfp4"
-    )
+    at = run_app(TRADEOFFS, 180, **SMALL, methods="h2o", sweep_bits="16", sweep_formats="e4m3,nvfp4")
     assert not at.error and not at.exception
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
     names = [t.get("name") for t in fig["data"]]
@@ -149,9 +123,7 @@ def test_tradeoffs_and_its_link_offer_every_serving_format_llama_cpp_included():
     from kvviz.quant.formats import FORMAT_BITS, FORMATS, SERVING_FORMATS
 
     assert SERVING_FORMATS == tuple(f for f in FORMATS if f != "int")
-    assert set(FORMAT_BITS) == set(
-        SERVING_FORMATS
-    )  # every format has the width its sweep points show
+    assert set(FORMAT_BITS) == set(SERVING_FORMATS)  # every format has the width its sweep points show
     assert {"q8_0", "q4_0"} <= set(PARAMS["sweep_formats"].choices)
     query = encode_query({**defaults(), "sweep_formats": ("q8_0", "q4_0")})
     assert query == "sweep_formats=q8_0%2Cq4_0"

@@ -40,12 +40,7 @@ def test_timeline_default_shows_the_demo_and_says_so():
     at = run(TIMELINE)
     assert any("no decode steps" in i.value for i in at.info)
     labels = [m.label for m in at.metric]
-    assert labels == [
-        "H2O mean regret",
-        "TOVA mean regret",
-        "StreamingLLM mean regret",
-        "Oracle (bound) mean regret",
-    ]
+    assert labels == ["H2O mean regret", "TOVA mean regret", "StreamingLLM mean regret", "Oracle (bound) mean regret"]
     values = [float(m.value) for m in at.metric]
     assert values[3] == min(values)  # the oracle is the bound
 
@@ -62,13 +57,9 @@ def test_timeline_numbers_are_the_cores():
     at = run(TIMELINE, **SMALL_SHIFT, tl_step="12")
     assert any("**Step 12**: query at position 140" in md.value for md in at.markdown)
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
-    assert fig["layout"]["sliders"][0]["active"] == 12 and fig["layout"]["title"][
-        "text"
-    ].startswith("Step 12:")
+    assert fig["layout"]["sliders"][0]["active"] == 12 and fig["layout"]["title"]["text"].startswith("Step 12:")
     table = at.dataframe[0].value
-    assert list(table["regret at this step"]) == [
-        round(float(tl.policies[n].regret[12]), 4) for n in tl.policies
-    ]
+    assert list(table["regret at this step"]) == [round(float(tl.policies[n].regret[12]), 4) for n in tl.policies]
     assert list(table["tokens held"]) == [20] * 4
 
 
@@ -79,9 +70,7 @@ def test_timeline_layer_and_head_are_used():
     assert not at.exception
     trace = make_synthetic(SyntheticSpec(context=128, steps=16, topic_shift=8.0))
     tl = timeline(trace, Spec(sink=4, recent=8, heavy=8), layer=1, kv_head=1)
-    assert {m.label: m.value for m in at.metric}[
-        "TOVA mean regret"
-    ] == f"{tl.policies['tova'].regret_mean:.3f}"
+    assert {m.label: m.value for m in at.metric}["TOVA mean regret"] == f"{tl.policies['tova'].regret_mean:.3f}"
     assert any("layer 1, KV head 1" in md.value for md in at.markdown)
 
 
@@ -93,17 +82,13 @@ def test_timeline_plays_in_the_browser_and_no_budget():
     charts = at.get("plotly_chart")
     assert len(charts) == 1
     fig = json.loads(charts[0].proto.spec)
-    assert len(fig["frames"]) == 16 and [f["name"] for f in fig["frames"]] == [
-        str(s) for s in range(16)
-    ]
+    assert len(fig["frames"]) == 16 and [f["name"] for f in fig["frames"]] == [str(s) for s in range(16)]
     assert fig["layout"]["updatemenus"][0]["buttons"][0]["method"] == "animate"
     assert len(fig["layout"]["sliders"][0]["steps"]) == 16
-    assert json.loads(at.get("plotly_chart")[0].proto.spec)["frames"][5]["layout"]["title"][
-        "text"
-    ].startswith("Step 5:")
-    assert (
-        len(at.get("bidi_component")) == 1
-    )  # what reports the slider's step back (a browser test moves it)
+    assert json.loads(at.get("plotly_chart")[0].proto.spec)["frames"][5]["layout"]["title"]["text"].startswith(
+        "Step 5:"
+    )
+    assert len(at.get("bidi_component")) == 1  # what reports the slider's step back (a browser test moves it)
     at = run(TIMELINE, **{**SMALL_SHIFT, "sink": 0, "recent": 0, "heavy": 0})
     assert any("Eviction is off" in w.value for w in at.warning)
 
@@ -118,9 +103,7 @@ def test_timeline_presents_its_maps_first_with_the_step_controls_above_them():
     layout = fig["layout"]
     assert [t["type"] for t in fig["data"][:4]] == ["heatmap"] * 4  # no regret line chart
     assert layout["updatemenus"][0]["y"] > 1 and layout["sliders"][0]["y"] > 1  # above the maps
-    assert (
-        min(layout[a]["tickfont"]["size"] for a in layout if a.startswith(("xaxis", "yaxis"))) >= 16
-    )
+    assert min(layout[a]["tickfont"]["size"] for a in layout if a.startswith(("xaxis", "yaxis"))) >= 16
     assert fig["frames"][3]["layout"]["title"]["text"].startswith("Step 3<br>regret: H2O")
     at = run(TIMELINE, **SMALL_SHIFT)  # not presenting: as before
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
@@ -133,9 +116,7 @@ def test_timeline_presents_its_maps_first_with_the_step_controls_above_them():
 def test_model_lab_loads_no_model_until_run(monkeypatch, tmp_path):
     import kvviz.models
 
-    monkeypatch.setenv(
-        "KVVIZ_LAB_DIR", str(tmp_path)
-    )  # no stored default run (another test may have made one)
+    monkeypatch.setenv("KVVIZ_LAB_DIR", str(tmp_path))  # no stored default run (another test may have made one)
 
     def refuse(*a, **k):
         raise AssertionError("the Model lab loaded a model without a click")
@@ -152,9 +133,7 @@ def test_model_lab_loads_no_model_until_run(monkeypatch, tmp_path):
     assert "Range 2-128" in at.number_input(key="lab_cont").help
     at.number_input(key="lab_prompt").set_value(99999).run()
     assert at.number_input(key="lab_prompt").value == 512
-    assert any(
-        "clamped to 512" in w.value for w in [*at.warning, *at.info, *at.markdown, *at.caption]
-    )
+    assert any("clamped to 512" in w.value for w in [*at.warning, *at.info, *at.markdown, *at.caption])
 
 
 def test_model_lab_refuses_the_noise_model():
@@ -181,11 +160,7 @@ def test_model_lab_run_shows_the_cores_numbers(monkeypatch):
     from kvviz.decode.quality import evaluate, reference, sample_text
 
     model, tok, _ = load_once("bundled")
-    q = evaluate(
-        model,
-        reference(model, tok, sample_text(), 48, 10),
-        Spec(sink=4, recent=12, scorer="streaming"),
-    )
+    q = evaluate(model, reference(model, tok, sample_text(), 48, 10), Spec(sink=4, recent=12, scorer="streaming"))
     assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"
     assert shown["Perplexity (full cache)"] == f"{q.perplexity_full:.2f}"
     assert shown["Next-token KL"] == f"{q.kl_mean:.3f}"
@@ -212,11 +187,7 @@ def test_model_lab_presets_size_budgets_to_the_prompt():
     at.number_input(key="lab_prompt").set_value(200).run()
     at.button(key="preset_StreamingLLM").click().run()
     assert not at.exception
-    assert (
-        at.slider(key="sink").value,
-        at.slider(key="recent").value,
-        at.slider(key="heavy").value,
-    ) == (4, 36, 0)
+    assert (at.slider(key="sink").value, at.slider(key="recent").value, at.slider(key="heavy").value) == (4, 36, 0)
     assert "streaming sink 4 recent 36 heavy 0" in "".join(m.value for m in at.markdown)
 
 
@@ -250,23 +221,15 @@ def test_timeline_settings_round_trip_through_the_url():
     assert dict(at.query_params) == {k: v for k, v in params.items() if k not in defaults}
     assert [m.label for m in at.metric] == ["H2O mean regret", "Oracle (bound) mean regret"]
     assert any("**Step 7**" in md.value for md in at.markdown)
-    at = run(
-        TIMELINE, **{**params, "tl_step": "99"}
-    )  # past the last step: clamped, with the notice
-    assert any(
-        "Decode step 99 is out of range (0-15); clamped to 15." in w.value for w in at.warning
-    )
-    assert (
-        any("**Step 15**" in md.value for md in at.markdown) and at.query_params["tl_step"] == "15"
-    )
+    at = run(TIMELINE, **{**params, "tl_step": "99"})  # past the last step: clamped, with the notice
+    assert any("Decode step 99 is out of range (0-15); clamped to 15." in w.value for w in at.warning)
+    assert any("**Step 15**" in md.value for md in at.markdown) and at.query_params["tl_step"] == "15"
 
 
 def test_model_lab_settings_round_trip_through_the_url(monkeypatch):
     import kvviz.models
 
-    monkeypatch.setattr(
-        kvviz.models, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError)
-    )
+    monkeypatch.setattr(kvviz.models, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     params = {
         "lab_text": "bakery",
         "lab_prompt": "64",
@@ -279,9 +242,7 @@ def test_model_lab_settings_round_trip_through_the_url(monkeypatch):
         "heavy": "0",
     }
     at = run(LAB, **params)
-    assert dict(at.query_params) == {
-        k: v for k, v in params.items() if k != "sink"
-    }  # 4 is the default
+    assert dict(at.query_params) == {k: v for k, v in params.items() if k != "sink"}  # 4 is the default
     assert at.number_input(key="lab_prompt").value == 64 and at.checkbox(key="lab_rerotate").value
     assert any("re-rotated to their cache slots" in md.value for md in at.markdown)
     at.number_input(key="lab_cont").set_value(30).run()
@@ -294,15 +255,10 @@ def test_timeline_tells_a_tokens_history():
     trace = make_synthetic(SyntheticSpec(context=128, steps=16, topic_shift=12.0))
     tl = timeline(trace, Spec(sink=4, recent=8, heavy=8), layer=0, kv_head=0)
     token = box.value
-    assert any(
-        tl.policies["h2o"].history(token, tl.positions, tl.context_len) in md.value
-        for md in at.markdown
-    )
+    assert any(tl.policies["h2o"].history(token, tl.positions, tl.context_len) in md.value for md in at.markdown)
 
 
-def test_model_lab_offers_this_machines_devices_and_an_out_of_memory_run_is_one_line(
-    monkeypatch, tmp_path
-):
+def test_model_lab_offers_this_machines_devices_and_an_out_of_memory_run_is_one_line(monkeypatch, tmp_path):
     """The device box lists what torch sees here (cpu, then cuda:N / mps); the dtype chosen reaches the
     model load and the link (the device does not: another machine may lack it); a run out of GPU memory is
     one error line saying what to lower, no traceback."""
@@ -322,17 +278,12 @@ def test_model_lab_offers_this_machines_devices_and_an_out_of_memory_run_is_one_
     at = run(LAB)
     assert list(at.selectbox(key="lab_device").options) == available_devices()
     at.selectbox(key="lab_dtype").set_value("bfloat16").run()
-    assert (
-        at.query_params["lab_dtype"] == "bfloat16" and "lab_device" not in at.query_params
-    )  # dtype linked
+    assert at.query_params["lab_dtype"] == "bfloat16" and "lab_device" not in at.query_params  # dtype linked
     at.button(key="lab_run").click().run()
     assert not at.exception, [e.value for e in at.exception]
     assert asked == [("bundled", "cpu", "bfloat16")]
     (err,) = [e.value for e in at.error]
-    assert (
-        err.startswith("The run stopped: out of GPU memory: lower the token counts")
-        and "\n" not in err
-    )
+    assert err.startswith("The run stopped: out of GPU memory: lower the token counts") and "\n" not in err
     # the run's box says it stopped, and its Cancel button went with it
     assert [b.label for b in at.button if b.key == "lab_cancel"] == []
     assert [b.label for b in at.main if b.type == "status"] == ["The run stopped"]
@@ -345,9 +296,7 @@ def test_model_lab_bakery_story_runs_where_its_text_is_shorter_than_the_prompt(m
     from kvviz.decode import labsettings
 
     share_one_model_load(monkeypatch)
-    params = {"lab_text": "bakery", "lab_cont": 8, "lab_greedy": 4} | (
-        {"lab_prompt": prompt} if prompt else {}
-    )
+    params = {"lab_text": "bakery", "lab_cont": 8, "lab_greedy": 4} | ({"lab_prompt": prompt} if prompt else {})
     at = run(LAB, **params)
     asked = prompt or labsettings.DEFAULT_PROMPT
     at.button(key="lab_run").click().run()
@@ -356,10 +305,7 @@ def test_model_lab_bakery_story_runs_where_its_text_is_shorter_than_the_prompt(m
     assert at.metric[0].label == "Perplexity (compressed)"
     (note,) = [i.value for i in at.info if "too few for a" in i.value]
     n = int(note.split("This text has ")[1].split(" tokens")[0])
-    assert (
-        f"too few for a {asked}-token prompt: its first {n - 8} were the prompt and the next 8 were scored"
-        in note
-    )
+    assert f"too few for a {asked}-token prompt: its first {n - 8} were the prompt and the next 8 were scored" in note
     assert "--" not in note  # no command-line flag in the browser
     assert [b.label for b in at.button if b.key == "lab_cancel"] == []
 
@@ -382,17 +328,10 @@ def test_real_model_source_offers_this_machines_devices(monkeypatch, tmp_path):
     at = AppTest.from_function(_real_model_sidebar, default_timeout=60).run()
     assert not at.exception
     assert list(at.sidebar.selectbox(key="rm_device").options) == available_devices()
-    assert [o.split()[0] for o in at.sidebar.selectbox(key="rm_dtype").options] == [
-        "float32",
-        "bfloat16",
-        "float16",
-    ]
+    assert [o.split()[0] for o in at.sidebar.selectbox(key="rm_dtype").options] == ["float32", "bfloat16", "float16"]
     plain = CaptureSettings("bundled", "text", 4, 64)
     assert CaptureSettings("bundled", "text", 4, 64, dtype="bfloat16").key() != plain.key()
-    assert (
-        CaptureSettings("bundled", "text", 4, 64, dtype="float32", device="cpu").key()
-        == plain.key()
-    )
+    assert CaptureSettings("bundled", "text", 4, 64, dtype="float32", device="cpu").key() == plain.key()
 
 
 def test_model_lab_budgets_in_percent_are_shares_of_the_prompt():

@@ -14,12 +14,7 @@ from kvviz.limits import set_max_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 HUGE = dict(
-    source="synthetic",
-    context=1_000_000_000,
-    steps=1_000_000_000,
-    layers=100_000,
-    q_heads=100_000,
-    kv_heads=100_000,
+    source="synthetic", context=1_000_000_000, steps=1_000_000_000, layers=100_000, q_heads=100_000, kv_heads=100_000
 )
 PAGES = [
     "app.py",
@@ -29,12 +24,7 @@ PAGES = [
     "pages/4_decode-timeline.py",
     "pages/5_needle-test.py",
 ]
-USES_THE_SOURCE = {
-    "app.py",
-    "pages/1_trade-offs.py",
-    "pages/2_concentration.py",
-    "pages/4_decode-timeline.py",
-}
+USES_THE_SOURCE = {"app.py", "pages/1_trade-offs.py", "pages/2_concentration.py", "pages/4_decode-timeline.py"}
 
 
 @pytest.fixture(autouse=True)
@@ -55,9 +45,7 @@ def test_the_huge_link_gives_a_notice_and_a_usable_page(path, monkeypatch):
     made = []
     real = synthetic.make_synthetic
     monkeypatch.setattr(
-        synthetic,
-        "make_synthetic",
-        lambda spec=synthetic.SyntheticSpec(): made.append(spec) or real(spec),
+        synthetic, "make_synthetic", lambda spec=synthetic.SyntheticSpec(): made.append(spec) or real(spec)
     )
     at = page(path, **HUGE)
     at.run()
@@ -91,9 +79,7 @@ def test_after_a_refusal_the_previous_pattern_stays():
     assert not at.exception
     text = " ".join(w.value for w in at.warning)
     assert "Too big for this server" in text and "Showing the previous setting instead" in text
-    assert {m.label: m.value for m in at.metric}["Tokens kept"].endswith(
-        "/ 1056"
-    )  # still 1024 + 32
+    assert {m.label: m.value for m in at.metric}["Tokens kept"].endswith("/ 1056")  # still 1024 + 32
 
 
 def _counting_checkpoints(monkeypatch, on_call):
@@ -122,9 +108,7 @@ def test_a_rerun_stops_a_long_synthetic_build_at_its_next_chunk(monkeypatch):
 
     def rerun_at_third(n):
         if n == 3:  # a visitor moves a slider: Streamlit queues a rerun for this session
-            get_script_run_ctx().script_requests.request_rerun(
-                RerunData(query_string="source=synthetic")
-            )
+            get_script_run_ctx().script_requests.request_rerun(RerunData(query_string="source=synthetic"))
 
     calls, raised = _counting_checkpoints(monkeypatch, rerun_at_third)
     at = page("app.py", source="synthetic", syn_seed=7)
@@ -162,10 +146,7 @@ def test_the_pool_serves_in_order_and_says_how_many_are_ahead():
     p.acquire(b, lambda: None)
     assert p.busy
     got = []
-    waiters = [
-        threading.Thread(target=lambda t=t: (p.acquire(t, lambda: None), got.append(t)))
-        for t in (c, d)
-    ]
+    waiters = [threading.Thread(target=lambda t=t: (p.acquire(t, lambda: None), got.append(t))) for t in (c, d)]
     waiters[0].start()
     while c not in p._queue:
         pass
@@ -185,9 +166,7 @@ def test_the_pool_counts_the_other_runs():
     p = guard.Pool(1)
     assert p.others(holding=False) == 0
     p.acquire(object(), lambda: None)
-    assert (
-        p.others(holding=True) == 0 and p.others(holding=False) == 1
-    )  # the caller's own run is not other work
+    assert p.others(holding=True) == 0 and p.others(holding=False) == 1  # the caller's own run is not other work
     waiter = threading.Thread(target=lambda: p.acquire(object(), lambda: None))
     waiter.start()
     while not p._queue:
@@ -233,8 +212,7 @@ def test_a_queued_page_says_so_and_runs_when_a_slot_frees(monkeypatch):
     assert not at.exception and at.metric
     assert shown[0] == 1
     assert real(1).startswith(
-        "Queued behind 1 other visitor's page (1 run at a time on this server): this page "
-        "starts when one finishes."
+        "Queued behind 1 other visitor's page (1 run at a time on this server): this page starts when one finishes."
     )
     assert real(3).startswith("Queued behind 3 other visitors' pages")
     assert p._running == 0 and p._queue == []  # the page gave its slot back
@@ -275,9 +253,7 @@ def test_background_work_waits_until_no_run_has_held_a_slot_for_the_quiet_time()
     p.release()
     released = time.monotonic()
     assert p.wait_quiet(0.2, timeout=5.0) is True
-    assert (
-        time.monotonic() - released >= 0.2
-    )  # quiet for the whole `quiet`, counted from the release
+    assert time.monotonic() - released >= 0.2  # quiet for the whole `quiet`, counted from the release
 
 
 def test_the_background_model_load_pauses_between_its_steps_while_a_run_computes(monkeypatch):

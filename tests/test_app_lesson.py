@@ -37,9 +37,7 @@ def test_the_explorer_exports_the_lesson_the_cli_writes(tmp_path):
     assert points == 5 * 5 * 5 * 7
     button = [b for b in at.get("download_button") if b.proto.id.endswith("_lesson_download")]
     assert (
-        button
-        and button[0].proto.label.startswith("Download the lesson (")
-        and "875 settings" in button[0].proto.label
+        button and button[0].proto.label.startswith("Download the lesson (") and "875 settings" in button[0].proto.label
     )
     out = tmp_path / "cli.html"
     link = "&".join(f"{k}={v}" for k, v in TINY.items())
@@ -53,11 +51,6 @@ def test_the_explorer_exports_the_lesson_the_cli_writes(tmp_path):
     cli_meta["link"].pop("base")
     assert app_meta == cli_meta
 
-    at.text_area(key="_lesson_text").set_value("Week 3: <b>sinks</b>").run(
-        timeout=120
-    )  # words: no recompute
+    at.text_area(key="_lesson_text").set_value("Week 3: <b>sinks</b>").run(timeout=120)  # words: no recompute
     built = at.session_state["_kvviz_lesson"]
-    assert (
-        built["lesson"] is lesson
-        and page_data(built["page"].decode())[0]["lecturer"] == "Week 3: <b>sinks</b>"
-    )
+    assert built["lesson"] is lesson and page_data(built["page"].decode())[0]["lecturer"] == "Week 3: <b>sinks</b>"

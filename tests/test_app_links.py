@@ -50,12 +50,7 @@ VALID_TOGETHER = {
 # kept at their defaults: the studies page opens only a folder that exists under its root (its own tests
 # make one), and its measure is one of that study's; the quantization model, whose logit-noise stand-in a
 # real model's page refuses, has a test of its own
-AT_DEFAULT = {
-    "study",
-    "st_metric",
-    "qmodel",
-    "merge",
-}  # merging excludes compressing again: its own test below
+AT_DEFAULT = {"study", "st_metric", "qmodel", "merge"}  # merging excludes compressing again: its own test below
 # the folded sections that hold settings' widgets, opened so that their widgets are checked too
 FOLDED = (ADVANCED, "_solver_open")
 
@@ -148,22 +143,11 @@ def test_the_logit_noise_model_is_restored_and_a_real_models_page_says_it_cannot
     at = run_app(str(ROOT / PAGES[page]), 300, **link)
     assert not notices(at), notices(at)
     assert at.session_state[STORE]["qmodel"] == "noise" and dict(at.query_params) == link
-    refused = [
-        e.value
-        for e in at.error
-        if "logit-noise model only stands in for attention rows" in e.value
-    ]
+    refused = [e.value for e in at.error if "logit-noise model only stands in for attention rows" in e.value]
     assert bool(refused) == (page == "model-lab"), [e.value for e in at.error]
 
 
-BAD = {
-    "int": "abc",
-    "float": "nan",
-    "choice": "zzz",
-    "bool": "maybe",
-    "list": "zzz",
-    "text": "x" * 601,
-}
+BAD = {"int": "abc", "float": "nan", "choice": "zzz", "bool": "maybe", "list": "zzz", "text": "x" * 601}
 SAYS = {
     "int": "is not a number",
     "float": "is not a finite number",
@@ -180,10 +164,7 @@ def test_a_bad_value_of_every_setting_gives_its_notice_and_the_default(page):
     said = notices(at)
     for name, p in PARAMS.items():
         quoted = f"`{name}`" if p.kind == "text" else f"`{name}={BAD[p.kind]}`"
-        assert f"{quoted} {SAYS[p.kind]}" in said or f"{quoted}: {SAYS[p.kind]}" in said, (
-            name,
-            said,
-        )
+        assert f"{quoted} {SAYS[p.kind]}" in said or f"{quoted}: {SAYS[p.kind]}" in said, (name, said)
     store = at.session_state[STORE]
     assert {name: store[name] for name in PARAMS} == {name: p.default for name, p in PARAMS.items()}
     assert dict(at.query_params) == {}
@@ -227,9 +208,7 @@ def test_no_issue_number_in_what_a_reader_sees(page):
         proto = getattr(node, "proto", None)
         if proto is not None and getattr(node, "type", "") != "plotly_chart":
             yield str(proto)
-        for child in (
-            node.children.values() if isinstance(getattr(node, "children", None), dict) else ()
-        ):
+        for child in node.children.values() if isinstance(getattr(node, "children", None), dict) else ():
             yield from texts(child)
 
     found = [

@@ -24,9 +24,7 @@ def store(at) -> dict:
 
 def test_the_range_boxes_zoom_the_charts_to_single_tokens_and_page_by_its_width():
     at = run_app(APP, **LONG)
-    assert (
-        at.number_input(key="zoom_from").value == 0 and at.number_input(key="zoom_to").value == 1023
-    )
+    assert at.number_input(key="zoom_from").value == 0 and at.number_input(key="zoom_to").value == 1023
     assert any("bins of up to 8 tokens" in c.value for c in at.caption)
     at.number_input(key="zoom_from").set_value(100).run()
     at.number_input(key="zoom_to").set_value(149).run()
@@ -34,10 +32,7 @@ def test_the_range_boxes_zoom_the_charts_to_single_tokens_and_page_by_its_width(
     assert (store(at)["zoom_from"], store(at)["zoom_to"]) == (100, 149)
     assert chart_x(at, 0) == list(range(100, 150)) and chart_x(at, 1) == list(range(100, 150))
     at.button(key="_zoom_ahead").click().run()  # the next 50 tokens
-    assert (at.number_input(key="zoom_from").value, at.number_input(key="zoom_to").value) == (
-        150,
-        199,
-    )
+    assert (at.number_input(key="zoom_from").value, at.number_input(key="zoom_to").value) == (150, 199)
     assert chart_x(at, 0) == list(range(150, 200))
     at.button(key="_zoom_back").click().run()
     assert chart_x(at, 0) == list(range(100, 150))
@@ -51,9 +46,7 @@ def test_the_range_boxes_zoom_the_charts_to_single_tokens_and_page_by_its_width(
 def test_a_linked_range_opens_zoomed_and_a_range_past_the_row_is_clamped():
     at = run_app(APP, zoom_from="1000", zoom_to="2000", **LONG)
     assert at.number_input(key="zoom_to").value == 1023 and store(at)["zoom_to"] == -1
-    assert any(
-        "to token 2000 is out of range (0-1023); clamped to 1023." in w.value for w in at.warning
-    )
+    assert any("to token 2000 is out of range (0-1023); clamped to 1023." in w.value for w in at.warning)
     assert chart_x(at, 0) == list(range(1000, 1024))
     at = run_app(APP, zoom_from="5000", **LONG)
     assert at.number_input(key="zoom_from").value == 1023
@@ -79,13 +72,8 @@ def test_the_token_grid_of_a_long_text_is_paged_from_its_last_page(tmp_path, mon
     monkeypatch.setenv("KVVIZ_TRACE_DIRS", str(folder))
     n = GRID_MAX_TOKENS + 500
     t = make_synthetic(SyntheticSpec(context=n, steps=0, layers=1, q_heads=2, kv_heads=1))
-    words = tuple(
-        f"w{i}" for i in range(n)
-    )  # a real text's tokens (a capture's source), not t0, t1, ...
-    save_trace(
-        dataclasses.replace(t, tokens=words, meta={**t.meta, "source": "model"}),
-        folder / "long.safetensors",
-    )
+    words = tuple(f"w{i}" for i in range(n))  # a real text's tokens (a capture's source), not t0, t1, ...
+    save_trace(dataclasses.replace(t, tokens=words, meta={**t.meta, "source": "model"}), folder / "long.safetensors")
     at = run_app(APP, source="file", tf_how="saved")
     box = at.number_input(key="grid_page")
     assert box.label == "Page (of 2)" and box.value == 1 and store(at)["grid_page"] == -1
@@ -109,9 +97,7 @@ def test_a_big_trace_opens_on_the_median_head_of_its_middle_layer(monkeypatch):
     top10 = concentration(t, fractions=np.array([0.1])).top10
     layer, head, why = sidebar.typical_head(t)
     flat = np.argsort(top10, axis=None, kind="stable")
-    assert (layer, head) == np.unravel_index(
-        flat[len(flat) // 2], top10.shape
-    ) and "all 20 heads" in why
+    assert (layer, head) == np.unravel_index(flat[len(flat) // 2], top10.shape) and "all 20 heads" in why
     monkeypatch.setattr(sidebar, "TYPICAL_ALL_LAYERS_BYTES", t.k.nbytes - 1)
     layer, head, why = sidebar.typical_head(t)
     assert layer == 2 and head == np.argsort(top10[2], kind="stable")[2]

@@ -41,9 +41,7 @@ def _fake_grid() -> needle.NeedleGrid:
                 kept = np.ones((L, H, n), bool)
                 if scorer != "full":
                     kept[:, :, 4 : n - 20] = False  # sinks 4 + a 20-token window
-                    kept[1, 1, ns : ns + 2] = (
-                        scorer == "h2o"
-                    )  # h2o keeps half the needle in one head
+                    kept[1, 1, ns : ns + 2] = scorer == "h2o"  # h2o keeps half the needle in one head
                 nk = kept[:, :, ns : ns + 4].mean(axis=2)
                 wanted = np.full((L, H), 0.1)
                 wanted[2, 1] = 0.5  # the loudest head
@@ -74,10 +72,7 @@ def _fake_grid() -> needle.NeedleGrid:
                     )
                 )
     return needle.NeedleGrid(
-        model="fake",
-        settings={"new_tokens": 8, "haystack": "filler"},
-        prompts=tuple(prompts),
-        cells=tuple(cells),
+        model="fake", settings={"new_tokens": 8, "haystack": "filler"}, prompts=tuple(prompts), cells=tuple(cells)
     )
 
 
@@ -99,20 +94,11 @@ def test_opens_on_the_classic_failure_with_the_cells_numbers(shipped):
     cards = [m.value for m in at.markdown if "answer" in m.value.lower()]
     assert f"Answer  \n`{cell.answer}`  \n:orange[**✗ wrong**]" in cards
     assert f"Full cache's answer  \n`{cell.full_answer}`  \n:blue[**✓ right**]" in cards
-    assert (
-        {m.label: m.value for m in at.metric}["Needle tokens kept"]
-        == f"{cell.needle_kept:.0%}"
-        == "0%"
-    )
+    assert {m.label: m.value for m in at.metric}["Needle tokens kept"] == f"{cell.needle_kept:.0%}" == "0%"
     # the token grid opens on the head that wanted the needle most
-    assert (
-        at.number_input(key="needle_layer").value == 2
-        and at.number_input(key="needle_head").value == 1
-    )
+    assert at.number_input(key="needle_layer").value == 2 and at.number_input(key="needle_head").value == 1
     chips = [h for h in at.get("html") if "kvviz-needle-grid" in h.proto.body]
-    assert (
-        len(chips) == 1 and chips[0].proto.body.count("line-through;outline") == 4
-    )  # needle, all evicted
+    assert len(chips) == 1 and chips[0].proto.body.count("line-through;outline") == 4  # needle, all evicted
 
 
 def _needle_chips(at) -> str:
@@ -131,18 +117,14 @@ def test_presenting_shows_the_grid_in_projector_type_without_the_long_caption(sh
     assert ticks and min(ticks) >= 18
     titles = layout.get("annotations", [])
     assert titles and min(a["font"]["size"] for a in titles) >= 16
-    assert not [
-        a["text"] for a in titles if "(" in a["text"] and "question" in a["text"]
-    ]  # the short titles
+    assert not [a["text"] for a in titles if "(" in a["text"] and "question" in a["text"]]  # the short titles
 
 
 def test_a_link_opens_a_cell_and_head_and_the_pickers_drive_the_token_grid(shipped):
     # the h2o cell and its one head that keeps half the needle, from the link
     at = run_app(PAGE, 120, nd_cell="h2o:40:0", nd_layer=1, nd_head=1)
     assert [s.value for s in at.subheader][0] == "H2O · 40 tokens · needle at 0%"
-    assert (
-        _needle_chips(at).count("line-through;outline") == 2
-    )  # half the needle evicted in layer 1 head 1
+    assert _needle_chips(at).count("line-through;outline") == 2  # half the needle evicted in layer 1 head 1
     assert {m.label: m.value for m in at.metric}[
         "Needle tokens kept"
     ] == f"{shipped.cell('h2o', 40, 0.0).needle_kept:.0%}"
@@ -153,12 +135,9 @@ def test_a_link_opens_a_cell_and_head_and_the_pickers_drive_the_token_grid(shipp
 
 
 @pytest.mark.parametrize(
-    "key, param, typed, clamped",
-    [("needle_layer", "nd_layer", 99, L - 1), ("needle_head", "nd_head", -5, 0)],
+    "key, param, typed, clamped", [("needle_layer", "nd_layer", 99, L - 1), ("needle_head", "nd_head", -5, 0)]
 )
-def test_a_layer_or_head_typed_out_of_range_is_clamped_with_the_notice_a_link_gets(
-    shipped, key, param, typed, clamped
-):
+def test_a_layer_or_head_typed_out_of_range_is_clamped_with_the_notice_a_link_gets(shipped, key, param, typed, clamped):
     label = {"needle_layer": "Layer", "needle_head": "KV head"}[key]
     at = run_app(PAGE, 120, nd_cell="h2o:40:0")
     at.number_input(key=key).set_value(typed).run()
@@ -172,10 +151,7 @@ def test_a_layer_or_head_typed_out_of_range_is_clamped_with_the_notice_a_link_ge
     # a link out of range gets the same notice
     at = run_app(PAGE, 120, nd_cell="h2o:40:0", **{param: 1000})
     assert at.number_input(key=key).value == n - 1 and at.number_input(key=other).value >= 0
-    assert any(
-        f"{label} 1000 is out of range (0-{n - 1}); clamped to {n - 1}." in w.value
-        for w in at.warning
-    )
+    assert any(f"{label} 1000 is out of range (0-{n - 1}); clamped to {n - 1}." in w.value for w in at.warning)
 
 
 def test_classic_failure_button_selects_it_and_a_bad_link_says_so(shipped):
@@ -219,15 +195,9 @@ def test_run_live_runs_the_grid_with_the_forms_settings_and_shows_it(shipped, mo
     assert submit, "the live form has a submit button"
     submit[0].click().run()
     assert not at.exception
-    assert (
-        asked["model_id"] == "bundled"
-        and asked["lengths"] == (320,)
-        and asked["depths"] == (0.0, 0.5, 1.0)
-    )
+    assert asked["model_id"] == "bundled" and asked["lengths"] == (320,) and asked["depths"] == (0.0, 0.5, 1.0)
     assert asked["budgets"] == (needle.DEFAULT_BUDGET,) and asked["bits"] == (16,)
-    assert (
-        asked["question_after_compression"] is False and asked["scorers"] == needle.DEFAULT_SCORERS
-    )
+    assert asked["question_after_compression"] is False and asked["scorers"] == needle.DEFAULT_SCORERS
     assert asked["compress_every"] == 0
     assert any("this session's live run: model live" in c.value for c in at.caption)
     assert [s.value for s in at.subheader][0] == "StreamingLLM · 60 tokens · needle at 0%"
@@ -251,9 +221,7 @@ def _agnostic(grid: needle.NeedleGrid) -> needle.NeedleGrid:
         )
         for c in grid.cells
     )
-    return dataclasses.replace(
-        grid, settings={**grid.settings, "question_after_compression": True}, cells=cells
-    )
+    return dataclasses.replace(grid, settings={**grid.settings, "question_after_compression": True}, cells=cells)
 
 
 @pytest.fixture
@@ -276,10 +244,7 @@ def test_the_file_holds_both_grids_and_load_default_picks_one(shipped_pair):
     agnostic, aware = shipped_pair
     path = needle.DEFAULT_FILE
     grids = needle.load_grids(path)
-    assert [needle.protocol(g) for g in grids] == [
-        "agnostic",
-        "aware",
-    ]  # agnostic first, whatever the file
+    assert [needle.protocol(g) for g in grids] == ["agnostic", "aware"]  # agnostic first, whatever the file
     assert needle.load_default(path).cells == aware.cells
     assert needle.load_default(path, question_after_compression=True).cells == agnostic.cells
 
@@ -306,13 +271,9 @@ def test_the_page_opens_on_both_grids_each_labelled(shipped_pair):
 
 def test_a_link_names_the_grid_and_an_old_link_opens_the_query_aware_one(shipped_pair):
     at = run_app(PAGE, 120, nd_cell="h2o:40:1:agnostic")
-    assert [s.value for s in at.subheader][
-        0
-    ] == "H2O · 40 tokens · needle at 100% · compressed before the question"
+    assert [s.value for s in at.subheader][0] == "H2O · 40 tokens · needle at 100% · compressed before the question"
     assert any("`777`" in m.value and "wrong" in m.value for m in at.markdown)
     at = run_app(PAGE, 120, nd_cell="h2o:40:1")
-    assert [s.value for s in at.subheader][
-        0
-    ] == "H2O · 40 tokens · needle at 100% · compressed after the question"
+    assert [s.value for s in at.subheader][0] == "H2O · 40 tokens · needle at 100% · compressed after the question"
     at = run_app(PAGE, 120, nd_cell="h2o:40:1:sideways")
     assert any("not in this grid" in w.value for w in at.warning)

@@ -24,16 +24,7 @@ def store(at) -> dict:
 
 
 def test_allocation_and_scorer_settings_round_trip_through_the_url():
-    at = run_app(
-        APP,
-        120,
-        opened=(ADVANCED,),
-        scorer="snapkv",
-        recent=8,
-        allocation="adakv",
-        ada_alpha=0.35,
-        **SMALL,
-    )
+    at = run_app(APP, 120, opened=(ADVANCED,), scorer="snapkv", recent=8, allocation="adakv", ada_alpha=0.35, **SMALL)
     s = store(at)
     assert (s["scorer"], s["allocation"], s["ada_alpha"]) == ("snapkv", "adakv", 0.35)
     assert at.selectbox(key="allocation").value == "adakv"
@@ -51,23 +42,9 @@ def test_allocation_and_scorer_settings_round_trip_through_the_url():
         **SMALL,
     )
     s = store(at)
-    assert (s["allocation"], s["pyr_beta"], s["ea_horizon"], s["ea_cov"]) == (
-        "pyramid",
-        4.0,
-        64,
-        False,
-    )
+    assert (s["allocation"], s["pyr_beta"], s["ea_horizon"], s["ea_cov"]) == ("pyramid", 4.0, 64, False)
     assert at.number_input(key="pyr_beta").value == 4.0 and at.checkbox(key="ea_cov").value is False
-    at = run_app(
-        APP,
-        120,
-        opened=(ADVANCED,),
-        scorer="chunkkv",
-        chunk=6,
-        chunk_scorer="keydiff",
-        recent=8,
-        **SMALL,
-    )
+    at = run_app(APP, 120, opened=(ADVANCED,), scorer="chunkkv", chunk=6, chunk_scorer="keydiff", recent=8, **SMALL)
     assert (store(at)["chunk"], store(at)["chunk_scorer"]) == (6, "keydiff")
     at = run_app(APP, 120, opened=(ADVANCED,), scorer="quest", page=8, **SMALL)
     assert store(at)["page"] == 8 and at.number_input(key="page").value == 8
@@ -78,11 +55,7 @@ def test_impossible_allocation_says_why_and_changes_nothing():
     the link gave them (not silently replaced), and a rerun shows the same."""
     at = run_app(APP, 120, opened=(ADVANCED,), scorer="h2o", allocation="adakv")
     for _ in range(2):
-        assert [
-            e.value
-            for e in at.error
-            if "AdaKV" in e.value and "h2o decides again at every step" in e.value
-        ]
+        assert [e.value for e in at.error if "AdaKV" in e.value and "h2o decides again at every step" in e.value]
         assert not at.metric and not at.get("plotly_chart")
         assert (store(at)["scorer"], store(at)["allocation"]) == ("h2o", "adakv")
         assert dict(at.query_params) == {"allocation": "adakv"}  # h2o is the default: not written
@@ -91,14 +64,11 @@ def test_impossible_allocation_says_why_and_changes_nothing():
 
 def test_the_ledger_on_the_explorer_shows_the_cores_numbers():
     at = unfold(
-        run_app(APP, 120, opened=(ADVANCED,), scorer="quest", sink=4, recent=8, heavy=16, page=4),
-        "_ledger_open",
+        run_app(APP, 120, opened=(ADVANCED,), scorer="quest", sink=4, recent=8, heavy=16, page=4), "_ledger_open"
     )
     exp = [e for e in at.expander if e.label.startswith("Budget ledger")]
     assert len(exp) == 1
-    ledger = budget_ledger(
-        handbook_trace(), Spec(sink=4, recent=8, heavy=16, scorer="quest", page_size=4)
-    )
+    ledger = budget_ledger(handbook_trace(), Spec(sink=4, recent=8, heavy=16, scorer="quest", page_size=4))
     table = exp[0].dataframe[0].value
     assert list(table["kept_tokens"]) == list(ledger.column("kept_tokens"))
     assert list(table["stored_bytes"]) == list(ledger.column("stored_bytes"))
@@ -130,16 +100,8 @@ def test_timeline_with_new_scorers_and_ragged_caches():
     from kvviz.analysis.timeline import timeline
 
     t = make_synthetic(SyntheticSpec(context=96, steps=6))
-    spec = Spec(
-        sink=4, recent=8, heavy=12, scorer="oracle", allocation="adakv"
-    )  # scorer: set per policy
-    tl = timeline(
-        t,
-        spec,
-        layer=1,
-        kv_head=0,
-        policies=("snapkv", "oracle", "quest", "expected_attention", "h2o"),
-    )
+    spec = Spec(sink=4, recent=8, heavy=12, scorer="oracle", allocation="adakv")  # scorer: set per policy
+    tl = timeline(t, spec, layer=1, kv_head=0, policies=("snapkv", "oracle", "quest", "expected_attention", "h2o"))
     assert "AdaKV" in tl.skipped["h2o"] and "h2o" not in tl.policies
     from kvviz.engine import kept_at_query
 
@@ -147,9 +109,7 @@ def test_timeline_with_new_scorers_and_ragged_caches():
         s = spec.with_(scorer=name)
         for i, qi in enumerate(t.later_queries):
             p = int(t.query_positions[qi])
-            np.testing.assert_array_equal(
-                tl.policies[name].kept[i, : p + 1], kept_at_query(t, s, 1, int(qi))[0]
-            )
+            np.testing.assert_array_equal(tl.policies[name].kept[i, : p + 1], kept_at_query(t, s, 1, int(qi))[0])
     at = run_app(
         str(ROOT / "pages" / "4_decode-timeline.py"),
         120,
@@ -167,13 +127,7 @@ def test_model_lab_runs_adakv_snapkv_with_the_cores_numbers(monkeypatch):
 
     load_once = share_one_model_load(monkeypatch)  # the page and this test share one load
     at = run_app(
-        str(ROOT / "pages" / "3_model-lab.py"),
-        300,
-        sink=4,
-        recent=8,
-        heavy=8,
-        scorer="snapkv",
-        allocation="adakv",
+        str(ROOT / "pages" / "3_model-lab.py"), 300, sink=4, recent=8, heavy=8, scorer="snapkv", allocation="adakv"
     )
     at.number_input(key="lab_prompt").set_value(48)
     at.number_input(key="lab_cont").set_value(10)

@@ -36,9 +36,7 @@ def doc_layers(text: str | None = None) -> dict[str, int]:
     text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8") if text is None else text
     layers, layer = {}, None
     for line in text.split("```")[1].splitlines():
-        m = re.match(
-            r"^ ?(\d)? {1,3}(?=\S)(.*)$", line
-        )  # a row of names (deeper: a description goes on)
+        m = re.match(r"^ ?(\d)? {1,3}(?=\S)(.*)$", line)  # a row of names (deeper: a description goes on)
         if not m:
             continue
         layer = int(m.group(1)) if m.group(1) else layer
@@ -53,10 +51,7 @@ def doc_layers(text: str | None = None) -> dict[str, int]:
 
 
 LAYERS = doc_layers()
-NEVER = {
-    ("kvviz.cli", "kvviz.app"),
-    ("kvviz.app", "kvviz.cli"),
-}  # same layer, no business with each other
+NEVER = {("kvviz.cli", "kvviz.app"), ("kvviz.app", "kvviz.cli")}  # same layer, no business with each other
 
 # Third-party packages that only some layers may import.
 ONLY_IN = {
@@ -79,11 +74,7 @@ ONLY_IN = {
     "pyarrow": ("kvviz.analysis.study",),  # the study results' part files
     "ray": ("kvviz.analysis.study.engines",),  # the optional engine, one module
 }
-HEAVY = (
-    "torch",
-    "transformers",
-    "ray",
-)  # never imported at module level: `import kvviz` must stay fast
+HEAVY = ("torch", "transformers", "ray")  # never imported at module level: `import kvviz` must stay fast
 
 
 def module_name(path: Path) -> str:
@@ -114,9 +105,7 @@ def imports(path: Path, mod: str | None = None, modules=MODULES):
                 yield a.name, id(node) in top, node.lineno
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                target = ".".join(
-                    base[: len(base) - node.level + 1] + ([node.module] if node.module else [])
-                )
+                target = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
             yield target, id(node) in top, node.lineno
@@ -149,9 +138,7 @@ def test_every_module_has_a_layer():
         name = mod
         while name and name not in LAYERS:
             name = name.rpartition(".")[0]
-        assert name, (
-            f"{mod} is in no layer: add its package to LAYERS (and to docs/architecture.md)"
-        )
+        assert name, f"{mod} is in no layer: add its package to LAYERS (and to docs/architecture.md)"
 
 
 def find_circle(g: dict[str, set[str]]) -> list[str] | None:
@@ -195,9 +182,7 @@ def layer_breaks(modules=MODULES) -> list[str]:
                 continue
             theirs, their_rank = layer_of(r)
             if their_rank > rank or (mine, theirs) in NEVER:
-                wrong.append(
-                    f"{path.name}:{line} ({mine}, layer {rank}) imports {r} ({theirs}, layer {their_rank})"
-                )
+                wrong.append(f"{path.name}:{line} ({mine}, layer {rank}) imports {r} ({theirs}, layer {their_rank})")
     return wrong
 
 
@@ -211,14 +196,10 @@ def test_third_party_packages_stay_in_their_layers():
     for mod, path in MODULES.items():
         for target, top, line in imports(path):
             root = target.split(".")[0]
-            if root in ONLY_IN and not any(
-                mod == p or mod.startswith(p + ".") for p in ONLY_IN[root]
-            ):
+            if root in ONLY_IN and not any(mod == p or mod.startswith(p + ".") for p in ONLY_IN[root]):
                 wrong.append(f"{path.relative_to(ROOT)}:{line} imports {root}")
             if root in HEAVY and top:
-                wrong.append(
-                    f"{path.relative_to(ROOT)}:{line} imports {root} at module level (import it lazily)"
-                )
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {root} at module level (import it lazily)")
     assert not wrong, "\n".join(wrong)
 
 
@@ -232,9 +213,7 @@ def test_streamlit_only_in_the_app_and_pages():
 
 def test_rooms_are_small_and_families_are_packages():
     long = {m: len(p.read_text().splitlines()) for m, p in MODULES.items()}
-    assert not [m for m, n in long.items() if n > MAX_LINES], {
-        m: n for m, n in long.items() if n > MAX_LINES
-    }
+    assert not [m for m, n in long.items() if n > MAX_LINES], {m: n for m, n in long.items() if n > MAX_LINES}
     top = [p.stem for p in PKG.glob("*.py") if p.stem not in ("__init__", "__main__")]
     packages = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     prefixes = defaultdict(list)
@@ -242,9 +221,7 @@ def test_rooms_are_small_and_families_are_packages():
         prefixes[name.split("_")[0]].append(name)
     families = {k: v for k, v in prefixes.items() if len(v) > 1 or (k in packages and v != [k])}
     assert not families, f"top-level modules sharing a prefix (make them a package): {families}"
-    assert not set(top) & packages, (
-        f"a module beside a package of the same name: {set(top) & packages}"
-    )
+    assert not set(top) & packages, f"a module beside a package of the same name: {set(top) & packages}"
 
 
 # Where a built-in scorer may be named outside its own file: the default setting (spec.py) and the presets,
@@ -286,17 +263,9 @@ def test_charts_are_drawn_through_kvviz_app_charts():
     """Every plotly chart goes through kvviz.app.charts.chart, which leaves it as a frame until the browser's
     first paint: one st.plotly_chart called directly would hold the page's first paint back again."""
     called = []
-    for path in [
-        ROOT / "app.py",
-        *sorted((ROOT / "pages").glob("*.py")),
-        *sorted((PKG / "app").glob("*.py")),
-    ]:
+    for path in [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py")), *sorted((PKG / "app").glob("*.py"))]:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if (
-                isinstance(node, ast.Attribute)
-                and node.attr == "plotly_chart"
-                and path.name != "charts.py"
-            ):
+            if isinstance(node, ast.Attribute) and node.attr == "plotly_chart" and path.name != "charts.py":
                 called.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not called, f"st.plotly_chart called directly (use kvviz.app.charts.chart): {called}"
 
@@ -305,20 +274,14 @@ def test_pages_are_thin():
     numeric = {"numpy", "pandas", "torch", "transformers", "scipy"}
     for page in [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py"))]:
         names = {t.split(".")[0] for t, _, _ in imports(page)}
-        assert not names & numeric, (
-            f"{page.name} imports {names & numeric}: numerics belong in kvviz"
-        )
-        assert "kvviz.engine" not in {t for t, _, _ in imports(page)}, (
-            f"{page.name} calls the engine directly"
-        )
+        assert not names & numeric, f"{page.name} imports {names & numeric}: numerics belong in kvviz"
+        assert "kvviz.engine" not in {t for t, _, _ in imports(page)}, f"{page.name} calls the engine directly"
 
 
 def test_every_package_says_what_it_is_for():
     for init in PKG.rglob("__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-        assert len(doc.split()) >= 8, (
-            f"{init.relative_to(ROOT)} needs a docstring: what the package is for"
-        )
+        assert len(doc.split()) >= 8, f"{init.relative_to(ROOT)} needs a docstring: what the package is for"
         if init.parent != PKG:
             assert "import" in doc, f"{init.relative_to(ROOT)}: say what the package may import"
 
@@ -342,13 +305,9 @@ def test_every_package_says_what_it_is_for():
 )
 def test_the_handbook_path_starts_without_torch(module):
     code = f"import sys, {module}; print(any(m in sys.modules for m in ('torch', 'transformers', 'streamlit', 'ray')))"
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
-    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False", (
-        f"importing {module} loads torch, transformers, Streamlit or Ray"
-    )
+    assert out.stdout.strip() == "False", f"importing {module} loads torch, transformers, Streamlit or Ray"
 
 
 def test_the_rules_catch_what_they_claim(tmp_path):
@@ -373,8 +332,7 @@ def test_the_rules_catch_what_they_claim(tmp_path):
     assert set(find_circle(g)) == {"kvviz.plots.figures", "kvviz.plots.style"}
     assert "kvviz.policies.h2o" not in g["kvviz.policies"]  # a package's own children
     assert layer_breaks(modules) == [
-        "kvviz.engine.py:1 (kvviz.engine, layer 3) imports kvviz.plots.figures "
-        "(kvviz.plots, layer 6)"
+        "kvviz.engine.py:1 (kvviz.engine, layer 3) imports kvviz.plots.figures (kvviz.plots, layer 6)"
     ]
     del sources["kvviz.plots.style"], modules["kvviz.plots.style"]
     assert find_circle(graph(modules)) is None
@@ -403,9 +361,7 @@ def test_the_launcher_preloads_what_the_pages_import_and_nothing_heavy():
         "for m in app_modules(): importlib.import_module(m)\n"
         "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
-    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
@@ -430,6 +386,4 @@ def test_the_layers_are_read_from_the_documents_table():
         "kvviz.settings": 0,
         "kvviz": 0,
     }
-    assert {"kvviz.app", "kvviz.cli", "kvviz.engine", "kvviz.trace"} <= set(
-        LAYERS
-    )  # the real table, read
+    assert {"kvviz.app", "kvviz.cli", "kvviz.engine", "kvviz.trace"} <= set(LAYERS)  # the real table, read

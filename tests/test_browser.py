@@ -33,11 +33,7 @@ def expect():
 
 
 def metric(page, label):
-    return (
-        page.locator('[data-testid="stMetric"]')
-        .filter(has_text=label)
-        .locator('[data-testid="stMetricValue"]')
-    )
+    return page.locator('[data-testid="stMetric"]').filter(has_text=label).locator('[data-testid="stMetricValue"]')
 
 
 def slider_thumb(page, label):
@@ -75,25 +71,11 @@ def test_shared_url_reproduces_state(page, app_url):
     expected = card_values(
         compare(
             handbook_trace(),
-            Spec(
-                sink=2,
-                recent=6,
-                heavy=5,
-                scorer="tova",
-                key_bits=4,
-                value_bits=4,
-                partial="quantize",
-            ),
+            Spec(sink=2, recent=6, heavy=5, scorer="tova", key_bits=4, value_bits=4, partial="quantize"),
             View(ensemble="seeds"),
         ).metrics
     )
-    for label in (
-        "Attention mass retained",
-        "TV distance",
-        "Output error",
-        "Tokens kept",
-        "KV memory",
-    ):
+    for label in ("Attention mass retained", "TV distance", "Output error", "Tokens kept", "KV memory"):
         e(metric(page, label)).to_have_text(expected[label])
     e(slider_thumb(page, "Sink tokens")).to_have_value("2")
     e(slider_thumb(page, "Recent window")).to_have_value("6")
@@ -146,15 +128,11 @@ def test_a_page_link_clicked_before_the_first_paint_report_is_followed(page, app
     e = expect()
     e(page.get_by_role("heading", name=re.compile("Concentration")).first).to_be_visible()
     idle(page)
-    page.wait_for_timeout(
-        2500
-    )  # past the report's fallback timer: nothing may send the reader back
+    page.wait_for_timeout(2500)  # past the report's fallback timer: nothing may send the reader back
     idle(page)
     assert urlparse(page.evaluate("location.href")).path == "/concentration"
     e(page.get_by_role("heading", name=re.compile("Concentration")).first).to_be_visible()
-    e(
-        page.locator(".js-plotly-plot").filter(has_text="Top x% of tokens hold").first
-    ).to_be_visible()
+    e(page.locator(".js-plotly-plot").filter(has_text="Top x% of tokens hold").first).to_be_visible()
     assert page.locator(f'[class*="st-key-{WAITING}"]').count() == 0
     assert query(page.evaluate("location.href")) == {"sink": "3"}
     no_console_errors(page)
@@ -195,9 +173,7 @@ def test_a_fresh_server_opens_a_page_link_as_that_page(page, launcher, path):
     page's title: router.page_for_address)."""
     from conftest import serve_app
 
-    with serve_app(
-        ARTIFACTS / f"streamlit-server-fresh-{int(launcher)}.log", launcher=launcher
-    ) as url:
+    with serve_app(ARTIFACTS / f"streamlit-server-fresh-{int(launcher)}.log", launcher=launcher) as url:
         page.goto(f"{url}/{path}?sink=3")
         e = expect()
         e(page.get_by_role("heading", name=re.compile("Trade-offs"))).to_be_visible()
@@ -247,9 +223,7 @@ class LiveLink:
         page.goto(url)
         self.mark(page)
         idle(page)
-        assert address(page) == query(url), (
-            "a link must open unchanged (defaults stay out of the URL)"
-        )
+        assert address(page) == query(url), "a link must open unchanged (defaults stay out of the URL)"
         self.shown, self.link = view(page), query(url)
 
     def mark(self, page) -> None:
@@ -304,18 +278,13 @@ class LiveLink:
                 if is_open(page, title):
                     unfold(fresh, title, folded=True)
             again, reopened = view(fresh), fresh.url
-            if (
-                again != shown
-            ):  # for the record: the page from the link (the page's view is in the message)
+            if again != shown:  # for the record: the page from the link (the page's view is in the message)
                 shot(fresh, "link-after-the-last-move-from-link")
             diff = {
-                k: (shown.get(k), again.get(k))
-                for k in sorted(set(shown) | set(again))
-                if shown.get(k) != again.get(k)
+                k: (shown.get(k), again.get(k)) for k in sorted(set(shown) | set(again)) if shown.get(k) != again.get(k)
             }
             assert not diff, (
-                f"after {self.moves} moves, the link {link} opens another view; (on the page, "
-                f"from the link): {diff}"
+                f"after {self.moves} moves, the link {link} opens another view; (on the page, from the link): {diff}"
             )
             assert query(reopened) == query(link), f"opening {link} rewrote it to {reopened}"
         finally:
@@ -330,9 +299,7 @@ def query(url: str) -> dict:
 def labelled(page, testid: str, label: str):
     """The widget of this kind whose label is exactly `label`."""
     return page.locator(f'[data-testid="{testid}"]').filter(
-        has=page.locator(
-            '[data-testid="stWidgetLabel"]', has_text=re.compile(f"^{re.escape(label)}$")
-        )
+        has=page.locator('[data-testid="stWidgetLabel"]', has_text=re.compile(f"^{re.escape(label)}$"))
     )
 
 
@@ -346,9 +313,7 @@ def key(label: str, *keys: str):
         thumb = slider.get_by_role("slider")
         # the thumbs' values only: a slider drawn again can change its text (tick labels) without moving,
         # which once passed for a move while the keys had been dropped
-        value = (
-            "(w) => Array.from(w.querySelectorAll('input[type=range]')).map(e => e.value).join(',')"
-        )
+        value = "(w) => Array.from(w.querySelectorAll('input[type=range]')).map(e => e.value).join(',')"
         before = slider.evaluate(value)
         for attempt in range(3):
             thumb.focus()
@@ -356,10 +321,7 @@ def key(label: str, *keys: str):
                 thumb.press(k)
             try:
                 page.wait_for_function(
-                    f"([w, v]) => ({value})(w) !== v",
-                    arg=[slider.element_handle(), before],
-                    timeout=2000,
-                    polling=100,
+                    f"([w, v]) => ({value})(w) !== v", arg=[slider.element_handle(), before], timeout=2000, polling=100
                 )
                 # a re-mount can also come just after the keys moved the thumb and put the old value back
                 # (seen once in CI after a preset): moved means still moved a moment later
@@ -424,9 +386,7 @@ def select(label: str, option: str):
         chosen = "([e, v]) => e.value === v"
         page.evaluate(SCROLL_COUNTER_JS)
         for _ in range(4):
-            box.evaluate(
-                "e => e.scrollIntoView({block: 'center'})"
-            )  # mid-viewport: its list fits below it
+            box.evaluate("e => e.scrollIntoView({block: 'center'})")  # mid-viewport: its list fits below it
             standing_still(box)
             box.click()
             if box.get_attribute("aria-expanded") != "true":
@@ -435,9 +395,7 @@ def select(label: str, option: str):
                 wanted.click(timeout=3000)
                 page.wait_for_function(chosen, arg=[box.element_handle(), option], timeout=5000)
                 return
-            except (
-                PlaywrightError
-            ):  # the list closed under the pointer (or never opened): once more
+            except PlaywrightError:  # the list closed under the pointer (or never opened): once more
                 if box.get_attribute("aria-expanded") == "true":
                     box.press("Escape")
         for _ in range(2):  # the keyboard: open, arrow keys to the option (no wrapping), Enter
@@ -452,9 +410,7 @@ def select(label: str, option: str):
                 if page.evaluate(LIST_JS, box.element_handle())[1] == option:
                     box.press("Enter")
                     try:
-                        page.wait_for_function(
-                            chosen, arg=[box.element_handle(), option], timeout=5000
-                        )
+                        page.wait_for_function(chosen, arg=[box.element_handle(), option], timeout=5000)
                         return
                     except PlaywrightError:
                         pass
@@ -536,11 +492,7 @@ def pill(group: str, option: str):
 
 
 def expander(page, title: str):
-    return (
-        page.locator('[data-testid="stExpander"]')
-        .filter(has=page.locator("summary", has_text=title))
-        .first
-    )
+    return page.locator('[data-testid="stExpander"]').filter(has=page.locator("summary", has_text=title)).first
 
 
 def is_open(page, title: str) -> bool:
@@ -568,40 +520,22 @@ def unfold(page, title: str, folded: bool = False) -> None:
 
 def test_explorer_link_follows_every_single_interaction(page, app_url):
     live = LiveLink(page, app_url)
-    live.act(
-        "bits slider, keyboard (the first move)",
-        key("Quantization bits", "ArrowLeft"),
-        {"bits": "8"},
-    )
+    live.act("bits slider, keyboard (the first move)", key("Quantization bits", "ArrowLeft"), {"bits": "8"})
     live.act("heavy-hitter number box", number("Heavy-hitter budget (tokens)", 5), {"heavy": "5"})
     live.act("error bars radio", radio("Error bars show", "95% CI of the mean"), {"bars": "ci95"})
+    live.act("error bars select box", select("Error bars over", "none (one row)"), {"ensemble": "none"})
+    live.act("y-axis lock toggle", tick("Lock the charts' y-axes"), {"ylock": "0.1", "alock": "0.2"})
     live.act(
-        "error bars select box", select("Error bars over", "none (one row)"), {"ensemble": "none"}
-    )
-    live.act(
-        "y-axis lock toggle", tick("Lock the charts' y-axes"), {"ylock": "0.1", "alock": "0.2"}
-    )
-    live.act(
-        "preset button",
-        press("StreamingLLM"),
-        {"recent": "10", "heavy": "0", "bits": None, "scorer": "streaming"},
+        "preset button", press("StreamingLLM"), {"recent": "10", "heavy": "0", "bits": None, "scorer": "streaming"}
     )
     live.act("sink slider, keyboard", key("Sink tokens", "ArrowRight", "ArrowRight"), {"sink": "6"})
-    live.act(
-        "pin button",
-        press("Pin this setting as A"),
-        {"pin": "sink:6,recent:10,heavy:0,scorer:streaming"},
-    )
+    live.act("pin button", press("Pin this setting as A"), {"pin": "sink:6,recent:10,heavy:0,scorer:streaming"})
     live.unfold("Find the smallest cache for a target")
     live.act("Find and apply", press("Find and apply"), {"recent": "55", "sink": None})
     live.unfold("Advanced")
     live.act("checkbox", tick("Separate key and value bits"), {"split": "1"})
-    live.act(
-        "scorer select box", select("Heavy-hitter scorer", "TOVA (last query)"), {"scorer": "tova"}
-    )
-    live.act(
-        "source radio", radio("Attention source", "Synthetic pattern"), {"source": "synthetic"}
-    )
+    live.act("scorer select box", select("Heavy-hitter scorer", "TOVA (last query)"), {"scorer": "tova"})
+    live.act("source radio", radio("Attention source", "Synthetic pattern"), {"source": "synthetic"})
     live.act("layer number box", number("Layer", 1), {"layer": "1"})
     live.done()
     no_console_errors(page)
@@ -616,25 +550,16 @@ def test_tradeoffs_link_follows_every_single_interaction(page, app_url):
     live.act("recent number box", number("Recent window (tokens)", 6), {"recent": "6"})
     live.unfold("Advanced")
     live.act(
-        "allocation select box",
-        select("Budget allocation", "PyramidKV (per layer, linear)"),
-        {"allocation": "pyramid"},
+        "allocation select box", select("Budget allocation", "PyramidKV (per layer, linear)"), {"allocation": "pyramid"}
     )
     plot = page.locator(".js-plotly-plot").filter(has_text="Error vs memory").first
     live.act(
         "chart click: open a point in the Explorer",
-        lambda page: (
-            plot.locator(".scatterlayer .trace")
-            .nth(0)
-            .locator(".points path")
-            .first.click(force=True)
-        ),
+        lambda page: plot.locator(".scatterlayer .trace").nth(0).locator(".points path").first.click(force=True),
         {"sink": "0", "recent": "0", "heavy": "0", "bits": "2"},
         ready=lambda page: metric(page, "Tokens kept"),
     )
-    expect()(
-        page.get_by_role("heading", name=re.compile("KV-cache compression explorer"))
-    ).to_be_visible()
+    expect()(page.get_by_role("heading", name=re.compile("KV-cache compression explorer"))).to_be_visible()
     live.done()
     no_console_errors(page)
 
@@ -651,9 +576,7 @@ def test_concentration_link_follows_every_single_interaction(page, app_url):
         key("Sink share counts the first … tokens (the sink tokens)", "ArrowLeft"),
         {"sink": "3"},
     )
-    live.act(
-        "source radio", radio("Attention source", "Synthetic pattern"), {"source": "synthetic"}
-    )
+    live.act("source radio", radio("Attention source", "Synthetic pattern"), {"source": "synthetic"})
     live.act("context number box", number("Context tokens", 256), {"context": "256"})
     live.act("query step number box", number("Query step", 3), {"step": "3"})
     live.act("pattern preset button", press("Topic shift"), {"steps": "48", "topic_shift": "12"})
@@ -667,16 +590,10 @@ def test_concentration_link_follows_every_single_interaction(page, app_url):
 def test_decode_timeline_link_follows_every_single_interaction(page, app_url):
     live = LiveLink(page, f"{app_url}/decode-timeline")
     # one step control, the chart's own slider: the per-step table and the link follow it
-    live.act(
-        "chart's step slider (the first move)", chart_step("tl_animation", 1, 48), {"tl_step": "1"}
-    )
+    live.act("chart's step slider (the first move)", chart_step("tl_animation", 1, 48), {"tl_step": "1"})
     live.act("layer number box", number("Layer", 1), {"tl_layer": "1"})
     live.act("policies pills", pill("Policies", "TOVA"), {"tl_policies": "h2o,streaming,oracle"})
-    live.act(
-        "allocation radio",
-        radio("Budget allocation", "AdaKV (per layer, across heads)"),
-        {"allocation": "adakv"},
-    )
+    live.act("allocation radio", radio("Budget allocation", "AdaKV (per layer, across heads)"), {"allocation": "adakv"})
     live.act("recent slider, keyboard", key("Recent window", "ArrowRight"), {"recent": "9"})
     live.act("need number box", number("Needed at ≥ (attention share)", 0.05), {"tl_need": "0.05"})
     live.act("chart's step slider again", chart_step("tl_animation", 30, 48), {"tl_step": "30"})
@@ -686,17 +603,9 @@ def test_decode_timeline_link_follows_every_single_interaction(page, app_url):
 
 
 def test_model_lab_link_follows_every_single_interaction(page, app_url):
-    live = LiveLink(
-        page, f"{app_url}/model-lab", extra='[data-testid="stMarkdownContainer"] p:has(strong)'
-    )
-    live.act(
-        "text radio (the first move)",
-        radio("Text", "Bakery story (built-in)"),
-        {"lab_text": "bakery"},
-    )
-    live.act(
-        "prompt number box", number("Prompt tokens (compression point)", 128), {"lab_prompt": "128"}
-    )
+    live = LiveLink(page, f"{app_url}/model-lab", extra='[data-testid="stMarkdownContainer"] p:has(strong)')
+    live.act("text radio (the first move)", radio("Text", "Bakery story (built-in)"), {"lab_text": "bakery"})
+    live.act("prompt number box", number("Prompt tokens (compression point)", 128), {"lab_prompt": "128"})
     live.act(
         "re-rotate checkbox",
         tick("Re-rotate kept keys to their cache slots (StreamingLLM's original)"),
@@ -712,19 +621,11 @@ def test_model_lab_link_follows_every_single_interaction(page, app_url):
         radio("Compress the cache", "After the question (query-aware: the scorer sees it)"),
         {"lab_point": "after-question"},
     )
-    live.act(
-        "preset button",
-        press("StreamingLLM"),
-        {"scorer": "streaming", "heavy": "0", "recent": "22"},
-    )
+    live.act("preset button", press("StreamingLLM"), {"scorer": "streaming", "heavy": "0", "recent": "22"})
     live.act("heavy slider, keyboard", key("Heavy-hitter budget", "ArrowRight"), {"heavy": "1"})
-    live.act(
-        "bits slider, keyboard", key("Quantization bits", "ArrowLeft", "ArrowLeft"), {"bits": "7"}
-    )
+    live.act("bits slider, keyboard", key("Quantization bits", "ArrowLeft", "ArrowLeft"), {"bits": "7"})
     live.unfold("Advanced")
-    live.act(
-        "scorer select box", select("Heavy-hitter scorer", "TOVA (last query)"), {"scorer": "tova"}
-    )
+    live.act("scorer select box", select("Heavy-hitter scorer", "TOVA (last query)"), {"scorer": "tova"})
     live.done()
     no_console_errors(page)
 
@@ -735,11 +636,7 @@ def test_needle_link_follows_every_single_interaction(page, app_url):
     if needle.load_default() is None:
         pytest.skip("no shipped needle grid (scripts/needle_default.py writes it)")
     live = LiveLink(page, f"{app_url}/needle-test")
-    cells = (
-        page.locator(".js-plotly-plot")
-        .filter(has_text="needle depth")
-        .first.locator(".scatterlayer .trace")
-    )
+    cells = page.locator(".js-plotly-plot").filter(has_text="needle depth").first.locator(".scatterlayer .trace")
     live.act(
         "chart click (the first move)",
         lambda page: cells.nth(0).locator(".points path").first.click(force=True),
@@ -767,9 +664,7 @@ def test_studies_link_follows_every_single_interaction(page, app_url):
     runs the shipped synthetic example into it and opens it."""
     import shutil
 
-    shutil.rmtree(
-        studies_root() / "quarter-cache", ignore_errors=True
-    )  # another test may have run it
+    shutil.rmtree(studies_root() / "quarter-cache", ignore_errors=True)  # another test may have run it
     picker = f"Study (folders under {studies_root()})"
     drawn = lambda page: page.locator(".js-plotly-plot").filter(has_text="quarter-cache").first  # noqa: E731
     live = LiveLink(page, f"{app_url}/studies")
@@ -780,18 +675,9 @@ def test_studies_link_follows_every_single_interaction(page, app_url):
         ready=drawn,
     )
     live.act("measure radio", radio("Measure", "Jensen–Shannon (≤ ln 2)"), {"st_metric": "js"})
-    live.act(
-        "measure radio again",
-        radio("Measure", "attention mass retained (0-1)"),
-        {"st_metric": "mass_retained"},
-    )
+    live.act("measure radio again", radio("Measure", "attention mass retained (0-1)"), {"st_metric": "mass_retained"})
     live.act("study select box: none", select(picker, "— choose a study —"), {"study": None})
-    live.act(
-        "study select box: the example",
-        select(picker, "quarter-cache"),
-        {"study": "quarter-cache"},
-        ready=drawn,
-    )
+    live.act("study select box: the example", select(picker, "quarter-cache"), {"study": "quarter-cache"}, ready=drawn)
     live.act("presentation mode checkbox", tick("Presentation mode"), {"present": "1"})
     live.done()
     no_console_errors(page)
@@ -815,9 +701,7 @@ def test_model_lab_cancel_stops_the_run_and_keeps_the_previous_results(page, app
     # is told apart from one that finished, and short enough that the test's two runs stay a small part of
     # the suite. (How fast Cancel acts depends on the machine's load: a speed figure, not a pass mark; the
     # full run, timed in the same session under the same load, is the yardstick.)
-    page.goto(
-        f"{app_url}/model-lab?lab_prompt=64&lab_cont=48&lab_greedy=16&sink=4&recent=16&heavy=8"
-    )
+    page.goto(f"{app_url}/model-lab?lab_prompt=64&lab_cont=48&lab_greedy=16&sink=4&recent=16&heavy=8")
     idle(page)
     e = expect()
     e(page.get_by_role("button", name="Run the model")).to_be_visible()
@@ -826,14 +710,10 @@ def test_model_lab_cancel_stops_the_run_and_keeps_the_previous_results(page, app
     e(perplexity).to_be_visible(timeout=max(TIMEOUT, 300_000))  # the first run also loads the model
     idle(page)
     before = perplexity.inner_text()
-    finished = page.locator('[data-testid="stExpander"] summary').filter(
-        has_text=re.compile(r"Finished in")
-    )
+    finished = page.locator('[data-testid="stExpander"] summary').filter(has_text=re.compile(r"Finished in"))
     e(finished).to_have_count(1)
     full_run = float(re.search(r"Finished in ([0-9.]+) s", finished.inner_text()).group(1))
-    page.get_by_role(
-        "button", name=re.compile(r"^(Run the model|Run again \(live\))$")
-    ).first.click()  # run again
+    page.get_by_role("button", name=re.compile(r"^(Run the model|Run again \(live\))$")).first.click()  # run again
     streamed = page.locator('[data-testid="stStatusWidget"], [data-testid="stExpander"]').filter(
         has_text="Running the model"
     )
@@ -844,15 +724,11 @@ def test_model_lab_cancel_stops_the_run_and_keeps_the_previous_results(page, app
     e(page.get_by_text("Run cancelled")).to_be_visible()
     stopped = time.monotonic() - clicked
     # the run was cut short: it stopped in well under the time the same run took to the end a moment ago
-    assert stopped < full_run / 2, (
-        f"Cancel took {stopped:.1f} s; the whole run took {full_run:.1f} s"
-    )
+    assert stopped < full_run / 2, f"Cancel took {stopped:.1f} s; the whole run took {full_run:.1f} s"
     idle(page)
     assert page.locator('[data-testid="stException"]').count() == 0
     e(perplexity).to_have_text(before)  # the previous results are still shown
-    e(
-        page.get_by_role("button", name="Run again (live)")
-    ).to_be_enabled()  # the stored result is known
+    e(page.get_by_role("button", name="Run again (live)")).to_be_enabled()  # the stored result is known
     e(page.get_by_role("button", name="Cancel")).to_have_count(0)
     no_console_errors(page)
 
@@ -884,9 +760,7 @@ def assert_nothing_clipped(page, where: str) -> None:
         clipped = page.evaluate(CLIPPED_JS, selector)
         assert clipped == [], f"{where}: clipped {selector}: {clipped}"
     for legend in page.evaluate(LEGEND_JS):
-        assert legend["below"] and not legend["overTitle"], (
-            f"{where}: a legend covers its chart: {legend}"
-        )
+        assert legend["below"] and not legend["overTitle"], f"{where}: a legend covers its chart: {legend}"
 
 
 def test_the_explorer_paints_fits_a_projector_and_follows_each_slider_move(page, app_url):
@@ -911,16 +785,10 @@ def test_the_explorer_paints_fits_a_projector_and_follows_each_slider_move(page,
     charts = page.locator('[data-testid="stPlotlyChart"]:visible')
     assert charts.count() == 2 and page.locator(f'[class*="st-key-{WAITING}"]').count() == 0
     heights = [round(charts.nth(i).bounding_box()["height"]) for i in range(2)]
-    assert all(abs(h - f) <= 0.05 * f for h, f in zip(heights, seen["frameHeights"])), (
-        heights,
-        seen,
-    )
+    assert all(abs(h - f) <= 0.05 * f for h, f in zip(heights, seen["frameHeights"])), (heights, seen)
     shot(page, "explorer")
     if os.environ.get("KVVIZ_UPDATE_SCREENSHOT") == "1":
-        page.screenshot(
-            path=str(ROOT / "docs" / "explorer.png"),
-            clip={"x": 0, "y": 0, "width": 1400, "height": 1720},
-        )
+        page.screenshot(path=str(ROOT / "docs" / "explorer.png"), clip={"x": 0, "y": 0, "width": 1400, "height": 1720})
 
     page.set_viewport_size({"width": 1024, "height": 768})
     e(page.locator(".js-plotly-plot").filter(has_text="Per-token error").first).to_be_visible()
@@ -939,12 +807,7 @@ def test_the_explorer_paints_fits_a_projector_and_follows_each_slider_move(page,
         ("Sink tokens", "ArrowRight", "sink", "5"),
         ("Recent window", "ArrowLeft", "recent", "7"),
     ]
-    for (
-        label,
-        key,
-        name,
-        value,
-    ) in moves:  # one key at a time: each press reruns the app and the cards follow
+    for label, key, name, value in moves:  # one key at a time: each press reruns the app and the cards follow
         thumb = slider_thumb(page, label)
         thumb.focus()
         thumb.press(key)
@@ -1031,9 +894,7 @@ def test_every_page_opens_from_the_explorer_fits_a_projector_and_links_its_first
     else:  # the Model lab waits for a click before it loads a model
         e(page.get_by_role("button", name="Run the model")).to_be_visible()
     if grid is not None and (classic := needle.classic_failure(grid)) is not None:
-        e(
-            page.get_by_role("heading", name=re.compile(f"StreamingLLM · {classic[1]} tokens"))
-        ).to_be_visible()
+        e(page.get_by_role("heading", name=re.compile(f"StreamingLLM · {classic[1]} tokens"))).to_be_visible()
     idle(page)
     assert address(page) == {"sink": "3"}  # the settings travel with the page
     assert_nothing_clipped(page, name)
@@ -1073,10 +934,7 @@ def test_a_locked_axis_shows_every_bar_on_screen(page, app_url):
           return {top: a.top, bottom: a.bottom, highest: Math.min(...bars.map(r => r.top)),
                   lowest: Math.max(...bars.map(r => r.bottom)), title: p.querySelector('.gtitle').textContent};
         }""")
-        assert reach["top"] - 1 <= reach["highest"] and reach["lowest"] <= reach["bottom"] + 1, (
-            marker,
-            reach,
-        )
+        assert reach["top"] - 1 <= reach["highest"] and reach["lowest"] <= reach["bottom"] + 1, (marker, reach)
         assert "widened" in reach["title"], (marker, reach["title"])
     no_console_errors(page)
 
@@ -1095,9 +953,7 @@ def test_presentation_mode_puts_the_lesson_above_the_fold(page, app_url):
         round(b["y"])
         for b in (
             s.bounding_box()
-            for s in page.locator(
-                '[data-testid="stMain"] [data-testid="stSlider"] input[type="range"]'
-            ).all()
+            for s in page.locator('[data-testid="stMain"] [data-testid="stSlider"] input[type="range"]').all()
         )
     ]
     assert len(rails) == 4 and max(rails) - min(rails) <= 2, rails
@@ -1141,11 +997,7 @@ def server_rss_mb(pid: int) -> float:
 # page load); here the browser sees it on the Explorer (the root path) and on a page of its own path (whose
 # address the frontend first takes for the server's), and the server's memory after both.
 @pytest.mark.parametrize(
-    "path, name, marker",
-    [
-        ("", "compression explorer", "Tokens kept"),
-        ("decode-timeline", "Decode timeline", None),
-    ],
+    "path, name, marker", [("", "compression explorer", "Tokens kept"), ("decode-timeline", "Decode timeline", None)]
 )
 def test_the_huge_link_gives_a_notice_and_the_server_stays_small(page, app_url, path, name, marker):
     page.set_viewport_size({"width": 1400, "height": 1600})
@@ -1165,11 +1017,7 @@ def test_the_huge_link_gives_a_notice_and_the_server_stays_small(page, app_url, 
     assert server_rss_mb(server_pid(app_url)) < 2048
     # Streamlit's frontend, opened on a page's own path, first looks for the server under that path
     # (/<page>/_stcore/health, /host-config) and then at the root: those two 404s are expected.
-    probes = (
-        [u for u in missing if re.search(rf"/{path}/_stcore/(health|host-config)$", u)]
-        if path
-        else []
-    )
+    probes = [u for u in missing if re.search(rf"/{path}/_stcore/(health|host-config)$", u)] if path else []
     assert len(missing) == len(probes), missing
     page.errors[:] = [x for x in page.errors if "status of 404" not in x] if probes else page.errors
     no_console_errors(page)

@@ -51,15 +51,7 @@ def test_chunkkv_settings_one_after_another_equal_fresh_runs():
     warm = [
         keep_masks(
             TRACE,
-            Spec(
-                sink=2,
-                recent=8,
-                heavy=24,
-                scorer="chunkkv",
-                chunk_size=size,
-                chunk_scorer=inner,
-                chunk_rule=rule,
-            ),
+            Spec(sink=2, recent=8, heavy=24, scorer="chunkkv", chunk_size=size, chunk_scorer=inner, chunk_rule=rule),
             0,
             POSITIONS,
         )
@@ -71,21 +63,11 @@ def test_chunkkv_settings_one_after_another_equal_fresh_runs():
         if not np.array_equal(
             got,
             fresh_masks(
-                Spec(
-                    sink=2,
-                    recent=8,
-                    heavy=24,
-                    scorer="chunkkv",
-                    chunk_size=s[0],
-                    chunk_scorer=s[1],
-                    chunk_rule=s[2],
-                )
+                Spec(sink=2, recent=8, heavy=24, scorer="chunkkv", chunk_size=s[0], chunk_scorer=s[1], chunk_rule=s[2])
             ),
         )
     ]
-    assert not stale, (
-        f"{len(stale)} of {len(settings)} settings reused another setting's scores: {stale[:5]}"
-    )
+    assert not stale, f"{len(stale)} of {len(settings)} settings reused another setting's scores: {stale[:5]}"
 
 
 # another valid value of every Spec setting (a new setting needs one here: the property below covers it)
@@ -170,9 +152,7 @@ def fresh_scores(policy, spec):
     return policy.scores_at_compression(ScoreContext(TRACE, 0, spec))
 
 
-@pytest.mark.parametrize(
-    "scorer", ONE_SHOT_SCORERS + [s for s in SCORERS if POLICIES[s].needs_query]
-)
+@pytest.mark.parametrize("scorer", ONE_SHOT_SCORERS + [s for s in SCORERS if POLICIES[s].needs_query])
 def test_the_quantization_fields_never_change_what_is_kept(scorer):
     """Spec.eviction_key leaves out exactly QUANT_FIELDS: changing one of them keeps the same tokens."""
     spec = Spec(sink=2, recent=8, heavy=20, scorer=scorer)
@@ -223,9 +203,7 @@ def test_the_cache_answers_a_repeated_call_and_keeps_its_answer_read_only():
     base._SCORE_CACHE.clear()
     policy, spec = Counting(), Spec(sink=2, recent=8, heavy=20, scorer="random")
     first = policy.scores_at_compression(ScoreContext(TRACE, 0, spec))
-    again = policy.scores_at_compression(
-        ScoreContext(TRACE, 0, spec.with_(heavy=5))
-    )  # budgets: not read
+    again = policy.scores_at_compression(ScoreContext(TRACE, 0, spec.with_(heavy=5)))  # budgets: not read
     assert again is first and policy.passes == 1
     assert not first.flags.writeable
     other = make_synthetic(small_synthetic(context=128, steps=6, layers=2))
@@ -257,8 +235,5 @@ def test_the_read_log_keys_a_name_by_the_fields_noted_for_it():
     log.note("x", {"seed"})
     log.note("y", {"recent"})
     log.note("x", {"recent"})  # the fields only grow
-    assert log.key("x", spec) == (("recent", "seed"), (10, 3)) and log.fields("x") == {
-        "recent",
-        "seed",
-    }
+    assert log.key("x", spec) == (("recent", "seed"), (10, 3)) and log.fields("x") == {"recent", "seed"}
     assert log.key("y", spec) == (("recent",), (10,))

@@ -26,25 +26,13 @@ MIN_DELTA_E = 15.0
 # Machado, Oliveira & Fernandes (2009), severity 1.0, on linear RGB
 MACHADO = {
     "deuteranopia": np.array(
-        [
-            [0.367322, 0.860646, -0.227968],
-            [0.280085, 0.672501, 0.047413],
-            [-0.011820, 0.042940, 0.968881],
-        ]
+        [[0.367322, 0.860646, -0.227968], [0.280085, 0.672501, 0.047413], [-0.011820, 0.042940, 0.968881]]
     ),
     "protanopia": np.array(
-        [
-            [0.152286, 1.052583, -0.204868],
-            [0.114503, 0.786281, 0.099216],
-            [-0.003882, -0.048116, 1.051998],
-        ]
+        [[0.152286, 1.052583, -0.204868], [0.114503, 0.786281, 0.099216], [-0.003882, -0.048116, 1.051998]]
     ),
     "tritanopia": np.array(
-        [
-            [1.255528, -0.076749, -0.178779],
-            [-0.078411, 0.930809, 0.147602],
-            [0.004733, 0.691367, 0.303900],
-        ]
+        [[1.255528, -0.076749, -0.178779], [-0.078411, 0.930809, 0.147602], [0.004733, 0.691367, 0.303900]]
     ),
 }
 VISIONS = ("normal", *MACHADO)
@@ -58,11 +46,7 @@ def linear_rgb(colour: str) -> np.ndarray:
 def lab(linear: np.ndarray) -> np.ndarray:
     """CIELAB (D65 white) of a linear sRGB colour."""
     xyz = np.array(
-        [
-            [0.4124564, 0.3575761, 0.1804375],
-            [0.2126729, 0.7151522, 0.0721750],
-            [0.0193339, 0.1191920, 0.9503041],
-        ]
+        [[0.4124564, 0.3575761, 0.1804375], [0.2126729, 0.7151522, 0.0721750], [0.0193339, 0.1191920, 0.9503041]]
     ) @ np.clip(linear, 0.0, 1.0)
     t = xyz / np.array([0.95047, 1.0, 1.08883])
     f = np.where(t > (6 / 29) ** 3, np.cbrt(t), t / (3 * (6 / 29) ** 2) + 4 / 29)
@@ -86,12 +70,8 @@ def test_the_simulation_is_the_published_one():
         assert np.allclose(MACHADO[vision].sum(axis=1), 1.0, atol=1e-3)  # grey stays grey
     assert delta_e("#FF0000", "#00FF00", "normal") > 150
     assert delta_e("#D55E00", "#009E73", "normal") > 60
-    assert delta_e("#FF0000", "#00C000", "deuteranopia") < 0.4 * delta_e(
-        "#FF0000", "#00C000", "normal"
-    )
-    assert delta_e("#FF0000", "#00C000", "tritanopia") > 0.7 * delta_e(
-        "#FF0000", "#00C000", "normal"
-    )
+    assert delta_e("#FF0000", "#00C000", "deuteranopia") < 0.4 * delta_e("#FF0000", "#00C000", "normal")
+    assert delta_e("#FF0000", "#00C000", "tritanopia") > 0.7 * delta_e("#FF0000", "#00C000", "normal")
 
 
 def figure_method_styles():
@@ -99,11 +79,7 @@ def figure_method_styles():
     from kvviz.plots.tradeoffs import tradeoff_figure
 
     methods = list(style.METHOD_COLORS)
-    rows = [
-        dict(method=m, budget=b, bits=16, memory_ratio=b / 64, tv=1 - b / 64)
-        for m in methods
-        for b in (8, 16)
-    ]
+    rows = [dict(method=m, budget=b, bits=16, memory_ratio=b / 64, tv=1 - b / 64) for m in methods for b in (8, 16)]
     fig = tradeoff_figure(rows)
     drawn = {}
     for trace in fig.data:
@@ -121,9 +97,7 @@ def test_every_two_methods_stay_apart_in_colour(vision):
         for a, b in itertools.combinations(drawn, 2)
         if delta_e(drawn[a][0], drawn[b][0], vision) < MIN_DELTA_E
     ]
-    assert not close, (
-        f"under {vision} these method colours are closer than ΔE {MIN_DELTA_E}: {close}"
-    )
+    assert not close, f"under {vision} these method colours are closer than ΔE {MIN_DELTA_E}: {close}"
 
 
 def test_every_method_has_its_own_marker_and_dash():
@@ -142,14 +116,9 @@ def test_every_bit_width_and_serving_format_has_its_own_mark():
     from kvviz.quant.formats import SERVING_FORMATS
 
     marks = [(b, "int") for b in BITS_MARKS] + [(16, f) for f in SERVING_FORMATS]
-    drawn = {
-        (b, f): (point_marker("h2o", b, f)["symbol"], point_marker("h2o", b, f)["size"])
-        for b, f in marks
-    }
+    drawn = {(b, f): (point_marker("h2o", b, f)["symbol"], point_marker("h2o", b, f)["size"]) for b, f in marks}
     assert len(set(drawn.values())) == len(drawn), drawn
-    assert min(size for (_, f), (_, size) in drawn.items() if f != "int") > max(
-        size for _, size in BITS_MARKS.values()
-    )
+    assert min(size for (_, f), (_, size) in drawn.items() if f != "int") > max(size for _, size in BITS_MARKS.values())
 
 
 def test_the_decode_timeline_draws_each_policy_with_its_marker_and_dash():
@@ -157,17 +126,10 @@ def test_the_decode_timeline_draws_each_policy_with_its_marker_and_dash():
 
     from kvviz.plots.decode import regret_chart
 
-    policies = {
-        m: SimpleNamespace(regret=np.linspace(0, 0.1, 5))
-        for m in ("h2o", "tova", "streaming", "oracle")
-    }
-    fig = regret_chart(
-        SimpleNamespace(policies=policies, n_steps=5, layer=0, model_layer=0, kv_head=0)
-    )
+    policies = {m: SimpleNamespace(regret=np.linspace(0, 0.1, 5)) for m in ("h2o", "tova", "streaming", "oracle")}
+    fig = regret_chart(SimpleNamespace(policies=policies, n_steps=5, layer=0, model_layer=0, kv_head=0))
     styles = {t.name: (t.line.color, t.marker.symbol, t.line.dash) for t in fig.data}
-    assert (
-        len({s[1] for s in styles.values()}) == 4 and len({s[2] for s in styles.values()}) == 4
-    ), styles
+    assert len({s[1] for s in styles.values()}) == 4 and len({s[2] for s in styles.values()}) == 4, styles
 
 
 @pytest.mark.parametrize("vision", VISIONS)
@@ -202,6 +164,4 @@ def test_the_attention_chart_tells_tokens_apart_by_pattern_where_colour_fails(vi
     assert {looks[n][1] for n in looks if n.startswith("compressed: ")} >= {".", "-", "x"}
     for a, b in itertools.combinations(looks, 2):
         if delta_e(looks[a][0], looks[b][0], vision) < MIN_DELTA_E:
-            assert looks[a][1] != looks[b][1], (
-                f"under {vision}, {a} and {b} share colour and pattern"
-            )
+            assert looks[a][1] != looks[b][1], f"under {vision}, {a} and {b} share colour and pattern"

@@ -28,9 +28,7 @@ ONE_SHOT = ("snapkv", "knorm", "random", "expected_attention", "keydiff", "strea
 
 @pytest.fixture(scope="module")
 def trace():
-    return make_synthetic(
-        SyntheticSpec(context=C, steps=STEPS, layers=2, q_heads=4, kv_heads=2, head_dim=64)
-    )
+    return make_synthetic(SyntheticSpec(context=C, steps=STEPS, layers=2, q_heads=4, kv_heads=2, head_dim=64))
 
 
 def _later(trace):
@@ -71,9 +69,7 @@ def test_a_plugins_own_rule_holds_until_the_first_compression_during_decoding(tr
         name = "test-first-tokens"
 
         def score(self, ctx):  # later tokens score higher: `select` keeps the last
-            return np.broadcast_to(
-                np.arange(ctx.n_positions, dtype=float), (ctx.trace.n_kv_heads, ctx.n_positions)
-            )
+            return np.broadcast_to(np.arange(ctx.n_positions, dtype=float), (ctx.trace.n_kv_heads, ctx.n_positions))
 
         def compression_kept(self, scores, spec):  # its own rule: the first `budget` tokens
             kept = np.zeros(scores.shape, bool)
@@ -88,16 +84,9 @@ def test_a_plugins_own_rule_holds_until_the_first_compression_during_decoding(tr
         m = FirstTokens().keep_masks(ScoreContext(trace, layer, spec), positions)
         for i, p in enumerate(positions):
             if p < C:
-                assert (
-                    np.array_equal(m[i][:, : p + 1], first[:, : p + 1])
-                    and not m[i][:, p + 1 :].any()
-                ), p
+                assert np.array_equal(m[i][:, : p + 1], first[:, : p + 1]) and not m[i][:, p + 1 :].any(), p
             else:
-                assert (
-                    np.array_equal(m[i][:, :C], first)
-                    and m[i][:, C : p + 1].all()
-                    and not m[i][:, p + 1 :].any()
-                )
+                assert np.array_equal(m[i][:, :C], first) and m[i][:, C : p + 1].all() and not m[i][:, p + 1 :].any()
 
 
 def _cut(trace: Trace, end: int) -> Trace:
@@ -122,15 +111,9 @@ def test_the_compression_at_step_n_keeps_select_over_the_rescored_held_tokens(tr
     H = trace.n_kv_heads
     held = np.stack([np.flatnonzero(r) for r in before])  # (H, 18 + N)
     assert held.shape == (H, 18 + N)
-    scores = np.broadcast_to(
-        get_policy(scorer).score(ScoreContext(_cut(trace, p + 1), layer, spec)), (H, p + 1)
-    )
+    scores = np.broadcast_to(get_policy(scorer).score(ScoreContext(_cut(trace, p + 1), layer, spec)), (H, p + 1))
     if scorer == "knorm":  # and by hand: the smallest key norms
-        assert np.allclose(
-            scores,
-            -np.linalg.norm(trace.k[layer, :, : p + 1].astype(np.float64), axis=-1),
-            rtol=1e-6,
-        )
+        assert np.allclose(scores, -np.linalg.norm(trace.k[layer, :, : p + 1].astype(np.float64), axis=-1), rtol=1e-6)
     keep = held[select(np.take_along_axis(scores, held, axis=1), spec)].reshape(H, -1)
     expected = np.zeros_like(after)
     np.put_along_axis(expected, keep, True, axis=1)
@@ -147,10 +130,7 @@ def test_snapkv_compressed_again_keeps_other_tokens_than_once(trace):
     again = keep_masks(trace, spec.with_(compress_every=4), 1, [p + 1])[0]
     once = keep_masks(trace, spec, 1, [p + 1])[0]
     assert not np.array_equal(again, once)
-    assert (again.sum(axis=1).tolist(), once.sum(axis=1).tolist()) == (
-        [19, 19],
-        [18, 18],
-    )  # + the arrival
+    assert (again.sum(axis=1).tolist(), once.sum(axis=1).tolist()) == ([19, 19], [18, 18])  # + the arrival
 
 
 def test_pyramid_layers_stay_within_their_own_budget_plus_n(trace):
@@ -228,17 +208,13 @@ def test_real_run_compresses_as_the_engine_does(tiny, scorer):
     positions = np.arange(n, n + steps)
     for layer in range(trace.n_layers):
         got = cache.kept_history(layer)
-        assert np.array_equal(
-            got, get_policy(scorer).keep_masks(ScoreContext(trace, layer, spec), positions)
-        )
+        assert np.array_equal(got, get_policy(scorer).keep_masks(ScoreContext(trace, layer, spec), positions))
         counts = got.sum(axis=2)
         assert counts.max() == 14 + N and (counts == (14 + (positions - n) % N + 1)[:, None]).all()
         assert cache.recompressed_at[layer] == [n - 1 + N * k for k in range(1, steps // N + 1)]
     masked, _, _ = decode(model, ids[:n], spec, steps, feed=ids[n : n + steps], mode="mask")
     assert torch.allclose(logits, masked, atol=1e-4)
-    once, _, _ = decode(
-        model, ids[:n], spec.with_(compress_every=0), steps, feed=ids[n : n + steps]
-    )
+    once, _, _ = decode(model, ids[:n], spec.with_(compress_every=0), steps, feed=ids[n : n + steps])
     assert torch.equal(logits[:1], once[:1]) and (logits - once).abs().max() > 1e-4
 
 
@@ -254,9 +230,7 @@ def test_real_run_pyramid_and_block_fallback(tiny):
     stepped, _, cache = decode(model, ids[:24], spec, 12, feed=ids[24:36], record=True)
     trace = cache.run_trace()
     for layer in range(2):
-        expected = keep_masks(
-            trace, spec, layer, np.arange(24, 36)
-        )  # the engine, allocation included
+        expected = keep_masks(trace, spec, layer, np.arange(24, 36))  # the engine, allocation included
         assert np.array_equal(cache.kept_history(layer), expected)
         assert expected.sum(axis=2).max() == layer_spec(spec, layer, 2, 24).budget + 4
     block, _, c2 = decode(model, ids[:24], spec, 12, feed=ids[24:36], block=True)
@@ -297,9 +271,7 @@ def test_kvviz_eval_compress_every_16_differs_from_once(capsys, monkeypatch):
     again = json.loads(capsys.readouterr().out)
     assert (again["compress_every"], once["compress_every"]) == (16, 0)
     assert again["spec"] == once["spec"] + ", compressed again every 16 steps"
-    assert (
-        again["kl_mean"] != once["kl_mean"] and again["per_token"]["kl"] != once["per_token"]["kl"]
-    )
+    assert again["kl_mean"] != once["kl_mean"] and again["per_token"]["kl"] != once["per_token"]["kl"]
     # the first continuation token is predicted by the prefill, before any decode step
     assert again["per_token"]["kl"][:1] == once["per_token"]["kl"][:1]
     assert main([*argv, "--scorer", "h2o", "--compress-every", "16"]) == 2  # refused: one line
@@ -327,9 +299,7 @@ def test_bundled_cache_never_holds_more_than_budget_plus_n():
         assert (counts == (52 + steps % 16 + 1)[:, None]).all()
         assert cache.recompressed_at[layer] == [111, 127]
     for layer in (0, 15, 29):  # the engine, replaying the run's own queries, keeps the same tokens
-        expected = get_policy("snapkv").keep_masks(
-            ScoreContext(trace, layer, spec), np.arange(96, 143)
-        )
+        expected = get_policy("snapkv").keep_masks(ScoreContext(trace, layer, spec), np.arange(96, 143))
         assert np.array_equal(cache.kept_history(layer), expected)
 
 
@@ -342,43 +312,23 @@ def test_the_timeline_marks_the_compressions(trace):
     from kvviz.plots.timeline import timeline_animation
 
     spec = Spec(**SPEC, scorer="oracle")
-    tl = timeline(
-        trace, spec, layer=1, policies=("h2o", "snapkv", "knorm", "oracle"), compress_every=8
-    )
+    tl = timeline(trace, spec, layer=1, policies=("h2o", "snapkv", "knorm", "oracle"), compress_every=8)
     assert tl.skipped == {} and tl.decides_every_step == ("h2o", "oracle")
     for name in ("snapkv", "knorm"):
         pt = tl.policies[name]
-        assert pt.compressed_after.tolist() == [
-            7,
-            15,
-            23,
-            31,
-        ]  # after the 8th, 16th, ... step's query
+        assert pt.compressed_after.tolist() == [7, 15, 23, 31]  # after the 8th, 16th, ... step's query
         assert pt.kept.sum(axis=1).max() == 18 + 8
         assert np.array_equal(
-            pt.kept,
-            keep_masks(trace, spec.with_(scorer=name, compress_every=8), 1, tl.positions)[:, 0],
+            pt.kept, keep_masks(trace, spec.with_(scorer=name, compress_every=8), 1, tl.positions)[:, 0]
         )
     for name in ("h2o", "oracle"):  # they decide at every step: as always
         assert len(tl.policies[name].compressed_after) == 0
         assert np.array_equal(
-            tl.policies[name].kept,
-            timeline(trace, spec, layer=1, policies=(name,)).policies[name].kept,
+            tl.policies[name].kept, timeline(trace, spec, layer=1, policies=(name,)).policies[name].kept
         )
-    lines = [
-        s for s in timeline_animation(tl).layout.shapes if s.line.color == RECOMPRESS_LINE["color"]
-    ]
+    lines = [s for s in timeline_animation(tl).layout.shapes if s.line.color == RECOMPRESS_LINE["color"]]
     assert sorted(s.y0 for s in lines) == sorted([7.5, 15.5, 23.5, 31.5] * 2)
-    assert (
-        len(
-            [
-                s
-                for s in timeline_map(tl, "knorm").layout.shapes
-                if s.line.color == RECOMPRESS_LINE["color"]
-            ]
-        )
-        == 4
-    )
+    assert len([s for s in timeline_map(tl, "knorm").layout.shapes if s.line.color == RECOMPRESS_LINE["color"]]) == 4
     once = timeline(trace, spec, layer=1, policies=("snapkv",))
     assert len(once.policies["snapkv"].compressed_after) == 0
 
@@ -415,18 +365,12 @@ def test_advanced_shows_the_widget_for_one_shot_scorers():
     from kvviz.app.compression import ADVANCED
 
     app = str(Path(__file__).resolve().parents[1] / "app.py")
-    at = run_app(
-        app, opened=(ADVANCED,), scorer="snapkv", sink=2, recent=8, heavy=8, compress_every=16
-    )
+    at = run_app(app, opened=(ADVANCED,), scorer="snapkv", sink=2, recent=8, heavy=8, compress_every=16)
     assert at.number_input(key="compress_every").value == 16
     at = run_app(app, opened=(ADVANCED,), scorer="h2o")
     assert "compress_every" not in [w.key for w in at.number_input]
-    lab = str(
-        Path(__file__).resolve().parents[1] / "pages" / "3_model-lab.py"
-    )  # the decode path's page
-    at = run_app(
-        lab, 120, opened=(ADVANCED,), scorer="knorm", sink=4, recent=8, heavy=8, compress_every=4
-    )
+    lab = str(Path(__file__).resolve().parents[1] / "pages" / "3_model-lab.py")  # the decode path's page
+    at = run_app(lab, 120, opened=(ADVANCED,), scorer="knorm", sink=4, recent=8, heavy=8, compress_every=4)
     assert at.number_input(key="compress_every").value == 4
 
 
@@ -480,9 +424,7 @@ def test_the_memory_card_counts_what_the_cache_holds(trace):
 
 
 @pytest.mark.parametrize("axes", [("channel", "token"), ("token", "channel")])
-def test_quantized_kept_tokens_after_a_compression_are_quantize_of_what_is_kept(
-    tiny, monkeypatch, axes
-):
+def test_quantized_kept_tokens_after_a_compression_are_quantize_of_what_is_kept(tiny, monkeypatch, axes):
     """The incremental quantizer reuses groups across steps; a compression during decoding removes tokens from
     the middle of the cache, and what is attended is still kvviz.quant.quantize of the kept K/V at every step."""
     from decode_util import check_every_quantization, two_and_three_bit_spec

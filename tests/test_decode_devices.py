@@ -21,9 +21,7 @@ from kvviz.decode import decode, plain_decode  # noqa: E402
 from kvviz.decode.place import available_devices, device_error, host, missing_device, placement  # noqa: E402
 from kvviz.spec import Spec  # noqa: E402
 
-DEVICES = ["cpu"] + [
-    d for d in ("cuda", "mps") if any(x.startswith(d) for x in available_devices())
-]
+DEVICES = ["cpu"] + [d for d in ("cuda", "mps") if any(x.startswith(d) for x in available_devices())]
 HALF = ("bfloat16", "float16")
 EPS = {"bfloat16": 2.0**-8, "float16": 2.0**-11}  # unit roundoff of each half dtype
 PROMPT, STEPS = 40, 10
@@ -47,22 +45,13 @@ PER_STEP = {  # re-decided from each step's own attention
     "oracle": Spec(**BUDGET, scorer="oracle"),
 }
 QUANTIZERS = {
-    "kivi-2bit": Spec(
-        key_bits=2, value_bits=2, key_axis="channel", value_axis="token", group_size=16, residual=8
-    ),
-    "4bit-token": Spec(
-        key_bits=4, value_bits=4, key_axis="token", value_axis="token", group_size=16
-    ),
+    "kivi-2bit": Spec(key_bits=2, value_bits=2, key_axis="channel", value_axis="token", group_size=16, residual=8),
+    "4bit-token": Spec(key_bits=4, value_bits=4, key_axis="token", value_axis="token", group_size=16),
     "fp8-e4m3": Spec(key_format="e4m3", value_format="e4m3", fp8_scale="head"),
     "nvfp4": Spec(key_format="nvfp4", value_format="nvfp4"),
     "mxfp4": Spec(key_format="mxfp4", value_format="mxfp4"),
     "kivi-2bit-rotated": Spec(
-        key_bits=2,
-        value_bits=2,
-        key_axis="channel",
-        value_axis="token",
-        group_size=16,
-        rotate="keys",
+        key_bits=2, value_bits=2, key_axis="channel", value_axis="token", group_size=16, rotate="keys"
     ),
     "h2o+4bit": Spec(**BUDGET, scorer="h2o", key_bits=4, value_bits=4, group_size=16),
 }
@@ -76,9 +65,7 @@ def models(tiny):
     for device in DEVICES:
         for dtype in ("float32", *HALF):
             if (device, dtype) != ("cpu", "float32"):
-                out[(device, dtype)] = copy.deepcopy(model).to(
-                    device=device, dtype=getattr(torch, dtype)
-                )
+                out[(device, dtype)] = copy.deepcopy(model).to(device=device, dtype=getattr(torch, dtype))
     return out, ids
 
 
@@ -122,15 +109,11 @@ def test_half_dtype_keeps_what_float32_keeps(models, device, dtype, name):
     logits32, fed32, c32 = _run(by[("cpu", "float32")], ids, spec)
     logits, fed, cx = _run(by[(device, dtype)], ids, spec)
     assert fed == fed32
-    assert (
-        cx.k.dtype == getattr(torch, dtype) and cx.k.device.type == device
-    )  # the cache lives with the model
+    assert cx.k.dtype == getattr(torch, dtype) and cx.k.device.type == device  # the cache lives with the model
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     _assert_same_but_ties(c32, cx, dtype)
     # the same next-token distributions, to the half dtype's precision through the model
-    assert float((logits.cpu() - logits32).abs().max()) < LOGIT_TOL * EPS[dtype] * float(
-        logits32.abs().max()
-    )
+    assert float((logits.cpu() - logits32).abs().max()) < LOGIT_TOL * EPS[dtype] * float(logits32.abs().max())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -164,9 +147,7 @@ def test_half_dtype_quantizers(models, device, dtype, name):
     assert torch.isfinite(logits).all()
     if spec.evicts:
         _assert_same_but_ties(c32, cx, dtype)
-    assert float((logits.cpu() - logits32).abs().max()) < LOGIT_TOL * EPS[dtype] * float(
-        logits32.abs().max()
-    )
+    assert float((logits.cpu() - logits32).abs().max()) < LOGIT_TOL * EPS[dtype] * float(logits32.abs().max())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -180,9 +161,7 @@ def test_no_compression_is_transformers_own_decode(models, device, dtype):
     theirs, fed2 = plain_decode(model, ids[:PROMPT], STEPS, feed=ids[PROMPT : PROMPT + STEPS])
     assert fed == fed2
     eps = EPS.get(dtype, 2.0**-24)
-    assert float((ours.cpu() - theirs.cpu()).abs().max()) < LOGIT_TOL * eps * float(
-        theirs.abs().max()
-    )
+    assert float((ours.cpu() - theirs.cpu()).abs().max()) < LOGIT_TOL * eps * float(theirs.abs().max())
 
 
 def test_placement_and_host(models):
@@ -202,9 +181,7 @@ def test_missing_devices_and_out_of_memory_are_one_line():
     else:
         assert "CUDA GPU" in missing_device(f"cuda:{torch.cuda.device_count()}")
     assert "use cpu" in missing_device("tpu")
-    oom = getattr(torch, "OutOfMemoryError", RuntimeError)(
-        "CUDA out of memory. Tried to allocate 2.00 GiB"
-    )
+    oom = getattr(torch, "OutOfMemoryError", RuntimeError)("CUDA out of memory. Tried to allocate 2.00 GiB")
     line = device_error(oom)
     assert line.startswith("out of GPU memory: lower --prompt-tokens") and "\n" not in line
     assert "host memory" in device_error(MemoryError())
@@ -255,9 +232,7 @@ def test_bundled_half_dtype_perplexity_is_float32s(bundled_float32, dtype):
     ],
 )
 @pytest.mark.parametrize("partial", ("full", "quantize"))
-def test_device_quantizer_is_the_numpy_reference(
-    device, axis, bits, symmetric, zero_point, partial
-):
+def test_device_quantizer_is_the_numpy_reference(device, axis, bits, symmetric, zero_point, partial):
     """kvviz.decode.devquant.quantize_torch against kvviz.quant.quantize (the numba kernel): bit for bit on
     a CPU (the same float32 operations in the same order); on a GPU within one quantization step of a
     group (max - min) / top, the bound a division rounded otherwise could move a value by."""
@@ -268,20 +243,9 @@ def test_device_quantizer_is_the_numpy_reference(
     x = (rng.standard_normal((2, 3, 70, 40)) * 3).astype(np.float32)
     x[0, 0, 4:40] = 1.25  # constant groups: s == 0, kept exact
     for group, residual in ((16, 0), (24, 9)):
-        ref = quantize(
-            x, bits, axis, group, residual, symmetric, zero_point=zero_point, partial=partial
-        )
+        ref = quantize(x, bits, axis, group, residual, symmetric, zero_point=zero_point, partial=partial)
         got = host(
-            quantize_torch(
-                torch.from_numpy(x).to(device),
-                bits,
-                axis,
-                group,
-                residual,
-                symmetric,
-                zero_point,
-                partial,
-            )
+            quantize_torch(torch.from_numpy(x).to(device), bits, axis, group, residual, symmetric, zero_point, partial)
         )
         assert not np.array_equal(ref, x)  # something was quantized
         if device == "cpu":
@@ -305,24 +269,14 @@ FORMAT_SPECS = {
     "q4_0": Spec(key_format="q4_0", value_format="q4_0"),
     "q8_0-rotated": Spec(key_format="q8_0", value_format="q4_0", rotate="keys-values"),
     "fp8-static": Spec(key_format="e4m3", value_format="e5m2", fp8_scale="static"),
-    "fp8-calibrated": Spec(
-        key_format="e4m3", value_format="e4m3", fp8_scale="static", fp8_calibrate=True
-    ),
+    "fp8-calibrated": Spec(key_format="e4m3", value_format="e4m3", fp8_scale="static", fp8_calibrate=True),
     "hf-flush": Spec(
-        key_bits=4,
-        value_bits=4,
-        key_axis="token",
-        value_axis="token",
-        group_size=64,
-        residual=16,
-        residual_mode="hf",
+        key_bits=4, value_bits=4, key_axis="token", value_axis="token", group_size=64, residual=16, residual_mode="hf"
     ),
 }
 
 
-@pytest.mark.parametrize(
-    "device", [d for d in DEVICES if d != "mps"]
-)  # MPS has no float64: host path
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "mps"])  # MPS has no float64: host path
 @pytest.mark.parametrize("name", list(FORMAT_SPECS))
 def test_device_formats_are_the_numpy_reference(device, name):
     """kvviz.decode.devquant.quantize_tensor_torch against kvviz.quant.formats.quantize_tensor: bit for bit
@@ -356,11 +310,7 @@ def test_device_formats_are_the_numpy_reference(device, name):
                 # a token's values agree to the float32 rounding of two 64-term products (64 eps of its
                 # largest value) except where one landed across a rounding boundary: rare, a few tokens
                 row = np.abs(ref - got).max(-1) / np.maximum(np.abs(x).max(-1), 1e-6)
-                assert (row > 64 * np.finfo(np.float32).eps).mean() <= 0.02, (
-                    which,
-                    residual,
-                    row.max(),
-                )
+                assert (row > 64 * np.finfo(np.float32).eps).mean() <= 0.02, (which, residual, row.max())
     assert not np.array_equal(quantize_tensor(x, spec, "k", 0), x)  # the format did something
 
 
@@ -383,6 +333,4 @@ def test_device_caches_quantize_on_the_device(models, monkeypatch, device, dtype
     monkeypatch.setattr(stored, "quantize_tensor", refuse)
     logits, _, cx = _run(by[(device, dtype)], ids, spec)
     assert not cx.fast and torch.isfinite(logits).all()
-    assert float((logits.cpu() - logits32).abs().max()) < LOGIT_TOL * EPS[dtype] * float(
-        logits32.abs().max()
-    )
+    assert float((logits.cpu() - logits32).abs().max()) < LOGIT_TOL * EPS[dtype] * float(logits32.abs().max())

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_quant import (
-    _reference as reference_quantize,
-)  # docs/definitions.md's formulas, a group at a time
+from test_quant import _reference as reference_quantize  # docs/definitions.md's formulas, a group at a time
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -80,9 +78,7 @@ def streaming_reference(trace, layer: int, spec: Spec, scorer: str) -> np.ndarra
             held = set(kept[kv]) | {p}  # the new token arrives, unscored
             if len(held) > spec.budget:
                 outside = [i for i in held if spec.sink <= i <= p - spec.recent]
-                victim = min(
-                    outside, key=lambda i: (score(kv, i), i)
-                )  # lowest scorer; ties: the earlier
+                victim = min(outside, key=lambda i: (score(kv, i), i))  # lowest scorer; ties: the earlier
                 held.remove(victim)
                 ever_left[kv].add(victim)
             assert not held & ever_left[kv], "an evicted token came back"
@@ -138,35 +134,23 @@ def test_oracle_keeps_the_top_of_the_full_attention(tiny):
         got = cache.kept_history(layer)
         for s, p in enumerate(range(c, trace.n_positions)):
             for kv in range(H):
-                a = sum(
-                    _softmax(K[kv, : p + 1] @ Q[h, p] / np.sqrt(D))
-                    for h in range(kv * g, (kv + 1) * g)
-                )
+                a = sum(_softmax(K[kv, : p + 1] @ Q[h, p] / np.sqrt(D)) for h in range(kv * g, (kv + 1) * g))
                 want = _initial_keep(lambda i: a[i], p + 1, spec)
                 assert np.flatnonzero(got[s, kv]).tolist() == sorted(want), (layer, s, kv)
         held = got.astype(int)  # (steps, kv_heads, positions)
         was_held = np.maximum.accumulate(held, axis=0)
-        returned += int(
-            ((np.diff(held, axis=0) == 1) & (was_held[:-1] == 1)).sum()
-        )  # held, dropped, back
+        returned += int(((np.diff(held, axis=0) == 1) & (was_held[:-1] == 1)).sum())  # held, dropped, back
     assert returned > 0  # unlike H2O, a token the oracle dropped comes back when a query needs it
 
 
 @pytest.mark.parametrize(
-    "axes, scorer",
-    [
-        (("channel", "token"), "h2o"),
-        (("token", "channel"), None),
-        (("channel", "channel"), "snapkv"),
-    ],
+    "axes, scorer", [(("channel", "token"), "h2o"), (("token", "channel"), None), (("channel", "channel"), "snapkv")]
 )
 def test_quantized_decode_reads_the_formulas_of_the_kept_tokens(tiny, monkeypatch, axes, scorer):
     """The K and V attention reads at every step, layer and KV head equal docs/definitions.md's min-max formulas
     (test_quant._reference, plain numpy loops) applied to the full-precision kept tokens, the last
     `residual` of them exact."""
-    spec = two_and_three_bit_spec(
-        axes, **(dict(sink=2, recent=5, heavy=6, scorer=scorer) if scorer else {})
-    )
+    spec = two_and_three_bit_spec(axes, **(dict(sink=2, recent=5, heavy=6, scorer=scorer) if scorer else {}))
     read = []
     original = CompressedCache._kept_kv
 

@@ -24,20 +24,11 @@ from kvviz.policies import ScoreContext, get_policy, select  # noqa: E402
 from kvviz.spec import Spec  # noqa: E402
 from kvviz.trace import Trace  # noqa: E402
 
-DEVICES = ["cpu"] + [
-    d for d in ("cuda", "mps") if any(x.startswith(d) for x in available_devices())
-]
+DEVICES = ["cpu"] + [d for d in ("cuda", "mps") if any(x.startswith(d) for x in available_devices())]
 DTYPES = ("float32", "bfloat16", "float16")
 L, HQ, H, D = 2, 4, 2, 16
 BUDGET = dict(sink=2, recent=8, heavy=8)
-ON_DEVICE = (
-    "snapkv",
-    "h2o",
-    "tova",
-    "knorm",
-    "keydiff",
-    "expected_attention",
-)  # computed in torch there
+ON_DEVICE = ("snapkv", "h2o", "tova", "knorm", "keydiff", "expected_attention")  # computed in torch there
 READ_AS_ARRAYS = ("random", "streaming")  # read nothing
 SPECS = {name: Spec(**BUDGET, scorer=name) for name in ON_DEVICE + READ_AS_ARRAYS}
 SPECS["snapkv-window"] = Spec(sink=2, recent=16, heavy=8, scorer="snapkv", snapkv_window=12)
@@ -59,10 +50,7 @@ def _traces(n: int, device: str, dtype: str):
     """(host Trace of the values, device Trace of the same tensors, its Crossing)."""
     q, k, v = _tensors(n, device, dtype)
     fields = dict(
-        context_len=n,
-        tokens=tuple(f"t{i}" for i in range(n)),
-        query_positions=np.arange(n),
-        meta={"source": "test"},
+        context_len=n, tokens=tuple(f"t{i}" for i in range(n)), query_positions=np.arange(n), meta={"source": "test"}
     )
     crossing = Crossing()
     dev = device_trace(list(q.unbind(0)), list(k.unbind(0)), list(v.unbind(0)), crossing, **fields)
@@ -87,11 +75,7 @@ def _same_but_ties(a: np.ndarray, b: np.ndarray, scores: np.ndarray, tol: float)
         only_a, only_b = np.flatnonzero(a[h] & ~b[h]), np.flatnonzero(b[h] & ~a[h])
         assert len(only_a) == len(only_b)
         if len(only_a):
-            assert float(scores[h, only_a].max() - scores[h, only_b].min()) <= tol, (
-                h,
-                only_a,
-                only_b,
-            )
+            assert float(scores[h, only_a].max() - scores[h, only_b].min()) <= tol, (h, only_a, only_b)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -125,12 +109,7 @@ def test_what_crosses_is_the_score_inputs_not_q_k_v(device):
     """Bytes sent to the host per compression, exactly: SnapKV and H2O (q_heads, N) float64 sums a layer,
     TOVA the last query's row (q_heads, 1, N) float32, K-norm (kv_heads, N) float32; linear in N where the
     host path's q, k, v were (L, q_heads + 2 kv_heads, N, head_dim) float32."""
-    expected = {
-        "snapkv": HQ * 8,
-        "h2o": HQ * 8,
-        "tova": HQ * 4,
-        "knorm": H * 4,
-    }  # bytes per layer per token
+    expected = {"snapkv": HQ * 8, "h2o": HQ * 8, "tova": HQ * 4, "knorm": H * 4}  # bytes per layer per token
     for n in (48, 96):
         qkv = L * (HQ + 2 * H) * n * D * 4
         for name, per_token in expected.items():
@@ -139,14 +118,10 @@ def test_what_crosses_is_the_score_inputs_not_q_k_v(device):
                 get_policy(name).score(ScoreContext(dev, layer, SPECS[name]))
             assert crossing.bytes == L * n * per_token, (name, n, crossing)
             assert crossing.bytes * 8 <= qkv  # 1/8 or less of q, k, v at head_dim 16
-        _, dev, crossing = _traces(
-            n, device, "bfloat16"
-        )  # KeyDiff: norms and dots (H, N), the anchor (H, D)
+        _, dev, crossing = _traces(n, device, "bfloat16")  # KeyDiff: norms and dots (H, N), the anchor (H, D)
         get_policy("keydiff").score(ScoreContext(dev, 0, SPECS["keydiff"]))
         assert crossing.bytes == (2 * H * n + H * D) * 4
-        _, dev, crossing = _traces(
-            n, device, "bfloat16"
-        )  # Expected Attention: the queries' mean and
+        _, dev, crossing = _traces(n, device, "bfloat16")  # Expected Attention: the queries' mean and
         get_policy("expected_attention").score(ScoreContext(dev, 0, SPECS["expected_attention"]))
         # covariance (Hq, D), (Hq, D, D); the expected attention past the 4 sinks and ||v|| (H, N), float64
         assert crossing.bytes == (HQ * D + HQ * D * D + H * (n - 4) + H * n) * 8
@@ -175,9 +150,7 @@ def half_models(tiny):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
-@pytest.mark.parametrize(
-    "name", ["snapkv", "h2o", "tova", "knorm", "keydiff", "expected_attention"]
-)
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "tova", "knorm", "keydiff", "expected_attention"])
 def test_compression_point_keeps_the_host_paths_choice(half_models, device, dtype, name):
     """A cache off the float32 CPU path scores on its device; its kept sets at the compression point are
     those the host path (a numpy Trace of the cache's own q, k, v) chooses, except float32 ties."""
@@ -240,9 +213,7 @@ def test_streaming_rows_cross_per_step_without_the_cache(half_models, monkeypatc
     monkeypatch.setattr(cache_mod, "host", counting)
     monkeypatch.setattr(stored_mod, "host", counting)
     steps = 8
-    _, _, cache = decode(
-        models[(device, "bfloat16")], ids[:40], spec, steps, feed=ids[40 : 40 + steps]
-    )
+    _, _, cache = decode(models[(device, "bfloat16")], ids[:40], spec, steps, feed=ids[40 : 40 + steps])
     layer_cache = cache.H * cache.n_tokens * cache.D
     assert sizes and max(sizes) < layer_cache / 8
     assert max(sizes) <= max(cache.Hq * spec.budget, cache.H * cache.D)

@@ -42,17 +42,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUN = {"bash", "console", "python"}
-MARKERS = {
-    "model",
-    "slow",
-    "ray",
-}  # pytest markers a block may carry (pyproject.toml registers them)
+MARKERS = {"model", "slow", "ray"}  # pytest markers a block may carry (pyproject.toml registers them)
 MAX_SKIPS = 13  # of 30 runnable blocks: what cannot run here at all
-TIMEOUT = {
-    "model": 900,
-    "slow": 900,
-    "ray": 600,
-}  # seconds a command may take, by its block's marker
+TIMEOUT = {"model": 900, "slow": 900, "ray": 600}  # seconds a command may take, by its block's marker
 DEFAULT_TIMEOUT = 180
 MARK = re.compile(r"^<!--\s*docs-test:\s*(?P<what>[a-z, ]+?)\s*(?:\((?P<reason>.*)\))?\s*-->$")
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)")
@@ -95,14 +87,10 @@ def _marker(line: str, where: str) -> tuple[set, str | None] | None:
     words = {w for w in re.split(r"[,\s]+", m.group("what")) if w}
     unknown = words - MARKERS - {"skip"}
     if unknown:
-        raise ValueError(
-            f"{where}: unknown docs-test word(s) {sorted(unknown)} (skip, {', '.join(sorted(MARKERS))})"
-        )
+        raise ValueError(f"{where}: unknown docs-test word(s) {sorted(unknown)} (skip, {', '.join(sorted(MARKERS))})")
     reason = (m.group("reason") or "").strip()
     if "skip" in words and not reason:
-        raise ValueError(
-            f"{where}: a docs-test skip needs its reason: <!-- docs-test: skip (why) -->"
-        )
+        raise ValueError(f"{where}: a docs-test skip needs its reason: <!-- docs-test: skip (why) -->")
     return words, reason or None
 
 
@@ -121,15 +109,10 @@ def parse(path: Path) -> list[Block]:
         if j == len(lines):
             raise ValueError(f"{path.name}:{i + 1}: a fence that never closes")
         block = Block(path, i + 1, m.group("lang"), textwrap.dedent("\n".join(lines[i + 1 : j])))
-        for k in (
-            i - 1,
-            j + 1,
-        ):  # the line before the opening fence, the line after the closing one
+        for k in (i - 1, j + 1):  # the line before the opening fence, the line after the closing one
             if 0 <= k < len(lines) and (found := _marker(lines[k], f"{path.name}:{k + 1}")):
                 if k in used:
-                    raise ValueError(
-                        f"{path.name}:{k + 1}: this docs-test comment touches two blocks"
-                    )
+                    raise ValueError(f"{path.name}:{k + 1}: this docs-test comment touches two blocks")
                 used.add(k)
                 words, reason = found
                 block.marks |= words & MARKERS
@@ -210,12 +193,7 @@ def workdir(tmp: Path) -> tuple[Path, dict]:
         (tmp / entry.name).symlink_to(entry)
     bin_dir = tmp / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
-    for name, args in (
-        ("python", ""),
-        ("python3", ""),
-        ("kvviz", " -m kvviz"),
-        ("streamlit", " -m streamlit"),
-    ):
+    for name, args in (("python", ""), ("python3", ""), ("kvviz", " -m kvviz"), ("streamlit", " -m streamlit")):
         shim = bin_dir / name
         shim.write_text(f'#!/bin/sh\nexec "{sys.executable}"{args} "$@"\n')
         shim.chmod(0o755)
@@ -263,9 +241,7 @@ def run_block(block: Block, tmp: Path) -> None:
         assert r.returncode == 0, f"{block.name}: `{cmd}` exited {r.returncode}:\n{tail}"
         if expected:
             wrong = missing_output(expected, output)
-            assert wrong is None, (
-                f"{block.name}: `{cmd}` did not print the line\n  {wrong}\nit printed:\n{tail}"
-            )
+            assert wrong is None, f"{block.name}: `{cmd}` did not print the line\n  {wrong}\nit printed:\n{tail}"
 
 
 SLOW = os.environ.get("KVVIZ_DOCS_SLOW") == "1"
@@ -277,9 +253,7 @@ def _params():
             continue
         marks = [getattr(pytest.mark, m) for m in sorted(b.marks)]
         if "slow" in b.marks and not SLOW:
-            marks.append(
-                pytest.mark.skip(reason="a docs block of minutes: KVVIZ_DOCS_SLOW=1 runs it")
-            )
+            marks.append(pytest.mark.skip(reason="a docs block of minutes: KVVIZ_DOCS_SLOW=1 runs it"))
         yield pytest.param(b, id=b.name, marks=marks)
 
 
@@ -290,13 +264,7 @@ def test_doc_block_runs_as_written(block: Block, tmp_path: Path) -> None:
 
 def test_the_docs_have_blocks_to_run() -> None:
     """The parser reads the docs (a broken fence or marker raises while collecting, above)."""
-    assert {b.path.name for b in RUNNABLE} >= {
-        "README.md",
-        "cli.md",
-        "studies.md",
-        "lesson.md",
-        "plugins.md",
-    }
+    assert {b.path.name for b in RUNNABLE} >= {"README.md", "cli.md", "studies.md", "lesson.md", "plugins.md"}
     assert sum(1 for b in RUNNABLE if not b.skip and not b.marks) >= 8
 
 
@@ -304,9 +272,7 @@ def test_skips_are_few_and_each_says_why() -> None:
     skipped = [b for b in BLOCKS if b.skip is not None]
     assert all(b.lang in RUN for b in skipped), [b.name for b in skipped if b.lang not in RUN]
     assert all(len(b.skip) >= 10 for b in skipped), [b.name for b in skipped if len(b.skip) < 10]
-    assert len(skipped) <= MAX_SKIPS, f"{len(skipped)} skipped blocks: " + ", ".join(
-        b.name for b in skipped
-    )
+    assert len(skipped) <= MAX_SKIPS, f"{len(skipped)} skipped blocks: " + ", ".join(b.name for b in skipped)
     assert 2 * len(skipped) < len(RUNNABLE), "half of the runnable blocks are skipped"
 
 
@@ -325,14 +291,10 @@ def test_kvviz_imports_in_python_blocks_resolve(block: Block) -> None:
             assert hasattr(module, name), f"{block.name}: {module.__name__} has no {name}"
 
 
-REPO_PATH = re.compile(
-    r"(?<![\w/.~:-])((?:benchmarks|scripts|examples|tests|kvviz|docs|pages)/[\w./-]*\w)"
-)
+REPO_PATH = re.compile(r"(?<![\w/.~:-])((?:benchmarks|scripts|examples|tests|kvviz|docs|pages)/[\w./-]*\w)")
 
 
-@pytest.mark.parametrize(
-    "block", [b for b in BLOCKS if b.lang in RUN and b.lang != "python"], ids=lambda b: b.name
-)
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang in RUN and b.lang != "python"], ids=lambda b: b.name)
 def test_repository_paths_in_commands_exist(block: Block) -> None:
     """Each repository file a command names is there, in skipped blocks too (a moved script shows here)."""
     for cmd, _ in commands(block):
@@ -364,9 +326,7 @@ def test_links_between_the_docs_resolve(path: Path) -> None:
         dest = (path.parent / file).resolve() if file else path
         assert dest.exists(), f"{path.name}: link to {target}: no such file"
         if anchor:
-            assert anchor in _anchors(dest), (
-                f"{path.name}: link to {target}: no such heading in {dest.name}"
-            )
+            assert anchor in _anchors(dest), f"{path.name}: link to {target}: no such heading in {dest.name}"
 
 
 def test_the_needle_grid_in_the_docs_is_the_shipped_one() -> None:
@@ -376,9 +336,7 @@ def test_the_needle_grid_in_the_docs_is_the_shipped_one() -> None:
     # the shipped file's two grids: after and before the question (a grid compressed again while decoding is
     # another run, which its own block runs under KVVIZ_DOCS_SLOW=1)
     blocks = [
-        b
-        for b in BLOCKS
-        if b.lang == "console" and "kvviz needle" in b.text and "--compress-every" not in b.text
+        b for b in BLOCKS if b.lang == "console" and "kvviz needle" in b.text and "--compress-every" not in b.text
     ]
     assert len(blocks) == 2
     for block in blocks:
@@ -388,9 +346,7 @@ def test_the_needle_grid_in_the_docs_is_the_shipped_one() -> None:
         assert [_norm(x) for x in expected if x.strip()] == [_norm(x) for x in shown if x.strip()]
         s = grid.settings  # the command line names the shipped grid's settings
         assert f"--lengths {','.join(map(str, s['lengths']))}" in cmd
-        assert (
-            f"--scorers {','.join(s['scorers'])}" in cmd and f"--budget {s['budgets'][0]:g}" in cmd
-        )
+        assert f"--scorers {','.join(s['scorers'])}" in cmd and f"--budget {s['budgets'][0]:g}" in cmd
 
 
 def test_the_checker_fails_on_a_wrong_line_or_a_failing_command(tmp_path: Path) -> None:

@@ -14,9 +14,7 @@ from kvviz.quant.rotation import rotate, unrotate
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from synthetic_util import small_synthetic
 from floatbounds import logit_error_bound, softmax_rtol
-from test_quant import (
-    _reference as reference_quantize,
-)  # docs/definitions.md's formulas, a group at a time
+from test_quant import _reference as reference_quantize  # docs/definitions.md's formulas, a group at a time
 
 SMALL = small_synthetic(context=96, steps=12, layers=2, head_dim=48)
 
@@ -43,32 +41,16 @@ def test_no_compression_is_exact(trace):
     head=st.integers(0, 3),
     step=st.integers(0, 11),
 )
-@example(
-    sink=0, recent=36, heavy=0, scorer="chunkkv", head=0, step=0
-)  # a layer keeps more whole chunks than the mean
+@example(sink=0, recent=36, heavy=0, scorer="chunkkv", head=0, step=0)  # a layer keeps more whole chunks than the mean
 def test_budget_and_renormalisation(trace, sink, recent, heavy, scorer, head, step):
-    ragged = POLICIES[
-        scorer
-    ].ragged  # threshold, DuoAttention, KVzip: sinks and window hold a token at least
-    if POLICIES[
-        scorer
-    ].reconstructs:  # KVzip's scores come from the model's own pass: a synthetic trace has none
+    ragged = POLICIES[scorer].ragged  # threshold, DuoAttention, KVzip: sinks and window hold a token at least
+    if POLICIES[scorer].reconstructs:  # KVzip's scores come from the model's own pass: a synthetic trace has none
         with pytest.raises(SpecError, match="forward pass of the model"):
-            compare(
-                trace,
-                Spec(sink=max(sink, 1), recent=recent, heavy=heavy, scorer=scorer),
-                View(head=head),
-            )
+            compare(trace, Spec(sink=max(sink, 1), recent=recent, heavy=heavy, scorer=scorer), View(head=head))
         return
-    snapkv_votes = scorer in (
-        "snapkv",
-        "chunkkv",
-        "threshold",
-    )  # chunkkv, threshold: SnapKV's votes inside
+    snapkv_votes = scorer in ("snapkv", "chunkkv", "threshold")  # chunkkv, threshold: SnapKV's votes inside
     if (snapkv_votes or (ragged and sink == 0)) and recent == 0 and sink + heavy > 0:
-        with pytest.raises(
-            SpecError, match="recent window"
-        ):  # SnapKV's observation window lives there
+        with pytest.raises(SpecError, match="recent window"):  # SnapKV's observation window lives there
             Spec(sink=sink, recent=recent, heavy=heavy, scorer=scorer)
         return
     spec = Spec(sink=sink, recent=recent, heavy=heavy, scorer=scorer)
@@ -77,15 +59,11 @@ def test_budget_and_renormalisation(trace, sink, recent, heavy, scorer, head, st
     n = row.position + 1
     assert np.all(row.compressed[~row.kept] == 0)
     assert row.compressed.sum() == pytest.approx(1.0, abs=1e-12)
-    if (
-        ragged and spec.evicts
-    ):  # its own count: sinks and window at least, the memory card counts what it holds
+    if ragged and spec.evicts:  # its own count: sinks and window at least, the memory card counts what it holds
         assert np.all(row.kept[: min(sink, n)]) and np.all(row.kept[n - min(recent, n) :])
         assert row.kept.sum() >= min(sink + recent, n)
         return
-    if (
-        scorer == "chunkkv" and spec.evicts
-    ):  # kvpress's whole chunks: their own count, no separate sinks / window
+    if scorer == "chunkkv" and spec.evicts:  # kvpress's whole chunks: their own count, no separate sinks / window
         # each layer keeps its own number of whole chunks (the card's mean can differ from this row's layer)
         assert row.kept.sum() == c.memory.kept_per_layer[row.layer]
         return
@@ -107,9 +85,7 @@ def test_evicted_mass_is_the_error(trace):
 
 def test_more_budget_more_mass(trace):
     masses = [
-        compare(trace, Spec(sink=4, recent=b, heavy=b), View(ensemble="heads")).metrics_mean[
-            "mass_retained"
-        ]
+        compare(trace, Spec(sink=4, recent=b, heavy=b), View(ensemble="heads")).metrics_mean["mass_retained"]
         for b in (2, 8, 24, 48)
     ]
     assert all(a < b for a, b in zip(masses, masses[1:]))
@@ -117,9 +93,7 @@ def test_more_budget_more_mass(trace):
 
 def test_more_bits_less_error(trace):
     errs = [
-        compare(trace, Spec(key_bits=b, value_bits=b), View(ensemble="heads")).metrics_mean[
-            "tv_distance"
-        ]
+        compare(trace, Spec(key_bits=b, value_bits=b), View(ensemble="heads")).metrics_mean["tv_distance"]
         for b in (2, 3, 4, 8)
     ]
     assert all(a > b for a, b in zip(errs, errs[1:]))
@@ -149,15 +123,9 @@ def _group_mass(c, group_size):
 def test_oracle_is_the_bound_for_every_kv_cache(trace, step):
     """One cache per KV head: no policy keeps more of a GQA group's attention mass."""
     view = View(layer=1, step=step, ensemble="heads")
-    best = _group_mass(
-        compare(trace, Spec(sink=4, recent=8, heavy=16, scorer="oracle"), view), trace.group_size
-    )
-    for scorer in [
-        s for s in SCORERS if not POLICIES[s].ragged
-    ]:  # a ragged policy keeps its own count (KVzip too)
-        got = _group_mass(
-            compare(trace, Spec(sink=4, recent=8, heavy=16, scorer=scorer), view), trace.group_size
-        )
+    best = _group_mass(compare(trace, Spec(sink=4, recent=8, heavy=16, scorer="oracle"), view), trace.group_size)
+    for scorer in [s for s in SCORERS if not POLICIES[s].ragged]:  # a ragged policy keeps its own count (KVzip too)
+        got = _group_mass(compare(trace, Spec(sink=4, recent=8, heavy=16, scorer=scorer), view), trace.group_size)
         assert all(got[g] <= best[g] + 1e-12 for g in best), scorer
 
 
@@ -166,17 +134,13 @@ def test_oracle_keeps_one_cache_per_kv_head(trace):
     whole group would (it reads the group's attention, not only its own)."""
     spec = Spec(sink=2, recent=4, heavy=6, scorer="oracle")
     g = trace.group_size
-    rows = {
-        r.head: r for r in compare(trace, spec, View(layer=1, head=1, ensemble="heads")).members
-    }
+    rows = {r.head: r for r in compare(trace, spec, View(layer=1, head=1, ensemble="heads")).members}
     assert g > 1 and len(rows) == trace.n_q_heads
     for h, r in rows.items():
         np.testing.assert_array_equal(r.kept, rows[h // g * g].kept)
         single = compare(trace, spec, View(layer=1, head=h)).primary
         np.testing.assert_array_equal(single.kept, r.kept)
-        np.testing.assert_allclose(
-            single.compressed, r.compressed, rtol=1e-5, atol=1e-9
-        )  # fp32 logits
+        np.testing.assert_allclose(single.compressed, r.compressed, rtol=1e-5, atol=1e-9)  # fp32 logits
     group = np.stack([rows[h].original for h in range(g)]).sum(axis=0)
     heavy = np.flatnonzero(rows[0].kept[2:-4]) + 2
     outside = np.setdiff1d(np.arange(2, len(group) - 4), heavy)
@@ -189,19 +153,13 @@ def test_topic_shift_hurts_history_based_eviction():
     view = View(ensemble="steps", ensemble_size=16)
     h2o = compare(t, Spec(scorer="h2o", **spec), view).metrics_mean["mass_retained"]
     oracle = compare(t, Spec(scorer="oracle", **spec), view).metrics_mean["mass_retained"]
-    assert oracle - h2o > 0.2, (
-        "late anchors were never attended in the context, so H2O dropped them"
-    )
+    assert oracle - h2o > 0.2, "late anchors were never attended in the context, so H2O dropped them"
 
 
 def test_gqa_decisions_are_per_kv_head(trace):
-    masks = keep_masks(
-        trace, Spec(sink=1, recent=2, heavy=6, scorer="h2o"), 0, [trace.n_positions - 1]
-    )
+    masks = keep_masks(trace, Spec(sink=1, recent=2, heavy=6, scorer="h2o"), 0, [trace.n_positions - 1])
     assert masks.shape == (1, trace.n_kv_heads, trace.n_positions)
-    shared = keep_masks(
-        trace, Spec(sink=1, recent=2, heavy=6, scorer="tova"), 0, [trace.n_positions - 1]
-    )
+    shared = keep_masks(trace, Spec(sink=1, recent=2, heavy=6, scorer="tova"), 0, [trace.n_positions - 1])
     assert (shared[0, 0] == shared[0, 1]).all()
 
 
@@ -216,13 +174,9 @@ def test_ensembles_give_error_bars(trace):
             errors[i, : min(n, len(m.error))] = m.error[:n]
         np.testing.assert_allclose(c.spread.mean, np.nanmean(errors, axis=0), atol=1e-12)
         seen = (~np.isnan(errors)).sum(axis=0)
-        with (
-            warnings.catch_warnings()
-        ):  # columns with one member: nanstd warns, np.where drops them
+        with warnings.catch_warnings():  # columns with one member: nanstd warns, np.where drops them
             warnings.simplefilter("ignore", RuntimeWarning)
-            sample_std = np.where(
-                seen > 1, np.nanstd(errors, axis=0, ddof=1), 0.0
-            )  # one member: no spread
+            sample_std = np.where(seen > 1, np.nanstd(errors, axis=0, ddof=1), 0.0)  # one member: no spread
         np.testing.assert_allclose(c.spread.std, sample_std, atol=1e-12)
         assert c.spread.std.max() > 0
         np.testing.assert_array_equal(c.spread.member_min, np.nanmin(errors, axis=0))
@@ -237,9 +191,7 @@ def test_seed_ensemble_of_noise_has_spread_and_deterministic_has_none():
     from kvviz.sources.handbook import handbook_trace
 
     t = handbook_trace()
-    noisy = compare(
-        t, Spec(quant_model="noise", noise_sigma=0.05), View(ensemble="seeds", ensemble_size=10)
-    )
+    noisy = compare(t, Spec(quant_model="noise", noise_sigma=0.05), View(ensemble="seeds", ensemble_size=10))
     assert noisy.spread.std.max() > 0
     fixed = compare(t, Spec(key_bits=4, value_bits=4), View(ensemble="seeds", ensemble_size=10))
     assert np.all(fixed.spread.std == 0)
@@ -288,9 +240,7 @@ def test_score_cache_is_per_trace_and_ignores_budgets():
     wider = compare(a, spec.with_(heavy=30, key_bits=4)).primary
     base._SCORE_CACHE.clear()
     fresh = compare(a, spec.with_(heavy=30, key_bits=4)).primary
-    assert np.array_equal(wider.kept, fresh.kept) and np.array_equal(
-        wider.compressed, fresh.compressed
-    )
+    assert np.array_equal(wider.kept, fresh.kept) and np.array_equal(wider.compressed, fresh.compressed)
 
 
 def test_head_grid_matches_single_rows(trace):
@@ -301,16 +251,12 @@ def test_head_grid_matches_single_rows(trace):
     assert grid.shape == (trace.n_layers, trace.n_q_heads)
     for layer, head in ((0, 0), (1, 3)):
         one = compare(trace, spec, View(layer=layer, head=head, step=3)).metrics["tv_distance"]
-        assert grid[layer, head] == pytest.approx(
-            one, abs=1e-6
-        )  # float32 logits, batched vs one row
+        assert grid[layer, head] == pytest.approx(one, abs=1e-6)  # float32 logits, batched vs one row
     np.testing.assert_allclose(head_grid(trace, Spec(), metric="mass_retained"), 1, atol=1e-12)
 
 
 @given(
-    scores=st.lists(
-        st.sampled_from([0.0, 1.0, 2.0, -np.inf, np.inf, 0.5]), min_size=1, max_size=40
-    ),
+    scores=st.lists(st.sampled_from([0.0, 1.0, 2.0, -np.inf, np.inf, 0.5]), min_size=1, max_size=40),
     sink=st.integers(0, 5),
     recent=st.integers(0, 8),
     heavy=st.integers(0, 40),
@@ -333,9 +279,7 @@ def test_select_is_top_k_with_earliest_ties(scores, sink, recent, heavy):
 
 @given(
     scores=st.lists(
-        st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, 0.5, -np.inf]), min_size=12, max_size=12),
-        min_size=2,
-        max_size=4,
+        st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, 0.5, -np.inf]), min_size=12, max_size=12), min_size=2, max_size=4
     ),
     sink=st.integers(0, 3),
     recent=st.integers(0, 4),
@@ -384,11 +328,7 @@ def test_evict_one_by_hand():
             [-9, np.inf, np.inf, np.inf, 9, -9, -9],
         ]
     )  # unscored: the latest of them goes
-    assert evict_one(kept, scores, spec, 6).tolist() == [
-        [0, 1, 2, 3, 5],
-        [0, 2, 4, 5, 6],
-        [0, 1, 2, 5, 6],
-    ]
+    assert evict_one(kept, scores, spec, 6).tolist() == [[0, 1, 2, 3, 5], [0, 2, 4, 5, 6], [0, 1, 2, 5, 6]]
     tied = np.array([[0, 1, 2, 3, 4, 5]])  # every unprotected score equal: the last goes
     assert evict_one(tied, np.zeros((1, 6)), spec, 5).tolist() == [[0, 1, 2, 4, 5]]
     one = np.array([[0, 1, 2, 3]])  # sink 1: position 1 is not protected
@@ -401,11 +341,7 @@ def test_sweep_split_rule_keeps_a_recent_token_and_the_budget():
     for budget in range(1, 40):
         for scorer in ("h2o", "streaming", "snapkv"):
             s = split_budget(scorer, budget)
-            assert (
-                s["sink"] + s["recent"] + s["heavy"] == budget
-                and s["recent"] >= 1
-                and s["sink"] <= 4
-            )
+            assert s["sink"] + s["recent"] + s["heavy"] == budget and s["recent"] >= 1 and s["sink"] <= 4
             Spec(scorer=scorer, **s)  # every sweep point is a valid spec (SnapKV included)
 
 
@@ -422,9 +358,7 @@ def test_score_cache_hits_per_trace_and_keeps_the_32_most_recent():
     calls = []
 
     def ask(trace, key):
-        return base.cached_on_trace(
-            trace, 0, "test-cache", (key,), lambda: calls.append(key) or f"v{key}"
-        )
+        return base.cached_on_trace(trace, 0, "test-cache", (key,), lambda: calls.append(key) or f"v{key}")
 
     base._SCORE_CACHE.clear()
     assert ask(a, 0) == "v0" and ask(b, 0) == "v0" and ask(a, 0) == "v0" and ask(b, 0) == "v0"
@@ -471,13 +405,9 @@ def test_cached_scores_are_float64_read_only_and_per_layer_and_policy():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9)
     tova = POLICIES["tova"].scores_at_compression(ScoreContext(t, 1, Spec(scorer="tova")))
     last = np.mean([attention(1, h, rows[-1]) for h in range(t.n_q_heads)], axis=0)
-    np.testing.assert_allclose(
-        tova[:, :c], np.broadcast_to(last, (t.n_kv_heads, c)), rtol=1e-5, atol=1e-9
-    )
+    np.testing.assert_allclose(tova[:, :c], np.broadcast_to(last, (t.n_kv_heads, c)), rtol=1e-5, atol=1e-9)
     knorm = POLICIES["knorm"].scores_at_compression(ScoreContext(t, 1, Spec(scorer="knorm")))
-    np.testing.assert_allclose(
-        knorm, -np.linalg.norm(t.k[1].astype(np.float64), axis=-1), rtol=1e-6
-    )
+    np.testing.assert_allclose(knorm, -np.linalg.norm(t.k[1].astype(np.float64), axis=-1), rtol=1e-6)
     for scores in (tova, knorm):
         assert scores.dtype == np.float64 and not scores.flags.writeable
         with pytest.raises(ValueError):
@@ -499,9 +429,7 @@ def test_context_attention_chunks_are_causal_softmax_rows():
     for i, r in enumerate(rows):
         k = t.k[1, 3 // g, : r + 1].astype(np.float64)
         x = k @ t.q[1, 3, r].astype(np.float64) / np.sqrt(t.head_dim)
-        np.testing.assert_allclose(
-            attn[0, i, : r + 1], np.exp(x - x.max()) / np.exp(x - x.max()).sum(), rtol=2e-5
-        )
+        np.testing.assert_allclose(attn[0, i, : r + 1], np.exp(x - x.max()) / np.exp(x - x.max()).sum(), rtol=2e-5)
         assert not attn[0, i, r + 1 :].any()
     _, trimmed = next(ctx.context_attention(rows=rows, trim=True))
     assert trimmed.shape == (t.n_q_heads, 3, 41)
@@ -513,11 +441,7 @@ def test_context_attention_chunks_are_causal_softmax_rows():
     k = t.k[1][t.kv_head(heads), :41]  # (H, 41, D)
     bound = max(logit_error_bound(q[h], k[h]).max() for h in heads)
     np.testing.assert_allclose(trimmed, whole[..., :41], rtol=softmax_rtol(2 * bound, 41), atol=0)
-    assert next(ctx.context_attention())[1].shape == (
-        t.n_q_heads,
-        c,
-        c,
-    )  # every context row, every key
+    assert next(ctx.context_attention())[1].shape == (t.n_q_heads, c, c)  # every context row, every key
 
 
 # --- every row against docs/definitions.md's formulas, recomputed in plain numpy (mutation testing) ------
@@ -542,21 +466,12 @@ def _reference_row(t, spec, layer, head, qi, kept, whole=False, stored=None):
     def hat(x, which):  # the stored (quantized) rows of the kept tokens
         if stored is not None:
             return stored[which].astype(np.float64)
-        bits, axis = (
-            (spec.key_bits, spec.key_axis) if which == 0 else (spec.value_bits, spec.value_axis)
-        )
+        bits, axis = (spec.key_bits, spec.key_axis) if which == 0 else (spec.value_bits, spec.value_axis)
         if spec.quant_model != "kv" or bits >= 16:
             return x[idx].astype(np.float64)
         part = x if whole else x[idx]
         return reference_quantize(
-            part,
-            bits,
-            axis,
-            spec.group_size,
-            spec.residual,
-            spec.symmetric,
-            spec.zero_point,
-            spec.partial,
+            part, bits, axis, spec.group_size, spec.residual, spec.symmetric, spec.zero_point, spec.partial
         )[idx if whole else slice(None)].astype(np.float64)
 
     kept_logits = hat(t.k[layer, g, :n], 0) @ q / np.sqrt(d)
@@ -572,9 +487,7 @@ def _reference_row(t, spec, layer, head, qi, kept, whole=False, stored=None):
     mass = a[idx].sum()
     kl = float(np.sum(a_hat[idx] * np.log(a_hat[idx] / a[idx])))
     mid = (a + a_hat) / 2
-    js = 0.5 * np.sum(a * np.log(a / mid)) + 0.5 * np.sum(
-        a_hat[idx] * np.log(a_hat[idx] / mid[idx])
-    )
+    js = 0.5 * np.sum(a * np.log(a / mid)) + 0.5 * np.sum(a_hat[idx] * np.log(a_hat[idx] / mid[idx]))
     metrics = dict(
         mass_retained=mass,
         tv_distance=0.5 * np.abs(a_hat - a).sum(),
@@ -599,16 +512,12 @@ def _stored(x, spec, which, residual, rotated=False):
     """A layer's kept keys (which 0) or values (1), x (kv_heads, m, D), as the formats path stores them:
     the plain-loop quantizer per head on all but the last `residual` tokens, in the Hadamard basis when
     rotated; in the trace's float32, as the engine quantizes (a float64 copy rounds a few ties otherwise)."""
-    bits, axis = (
-        (spec.key_bits, spec.key_axis) if which == 0 else (spec.value_bits, spec.value_axis)
-    )
+    bits, axis = (spec.key_bits, spec.key_axis) if which == 0 else (spec.value_bits, spec.value_axis)
     n = x.shape[1] - residual
     y = rotate(x[:, :n]) if rotated else x[:, :n]
     q = np.stack(
         [
-            reference_quantize(
-                h, bits, axis, spec.group_size, 0, spec.symmetric, spec.zero_point, spec.partial
-            )
+            reference_quantize(h, bits, axis, spec.group_size, 0, spec.symmetric, spec.zero_point, spec.partial)
             for h in y
         ]
     )
@@ -622,30 +531,20 @@ def _reason_names(kept, spec):
     if not spec.evicts:
         return ["kept (no eviction)"] * n
     return [
-        "sink"
-        if i < spec.sink
-        else "recent"
-        if i >= n - spec.recent
-        else "heavy hitter"
-        if kept[i]
-        else "evicted"
+        "sink" if i < spec.sink else "recent" if i >= n - spec.recent else "heavy hitter" if kept[i] else "evicted"
         for i in range(n)
     ]
 
 
 def _check_row(t, spec, row, kept, whole=False, tol=2e-5, stored=None):
-    a, a_hat, out, out_hat, metrics = _reference_row(
-        t, spec, row.layer, row.head, row.query, kept, whole, stored
-    )
+    a, a_hat, out, out_hat, metrics = _reference_row(t, spec, row.layer, row.head, row.query, kept, whole, stored)
     assert row.kv_head == row.head // t.group_size and row.position == t.query_positions[row.query]
     assert row.kept.dtype == bool and row.reason.dtype == np.int8
     np.testing.assert_array_equal(row.kept, kept)
     assert [REASONS[int(r)] for r in row.reason] == _reason_names(kept, spec)
     np.testing.assert_allclose(row.original, a, rtol=tol, atol=1e-9)
     np.testing.assert_allclose(row.compressed, a_hat, rtol=tol, atol=1e-9)
-    np.testing.assert_allclose(
-        row.error, a_hat - a, rtol=0, atol=tol * max(a.max(), a_hat.max())
-    )  # a difference
+    np.testing.assert_allclose(row.error, a_hat - a, rtol=0, atol=tol * max(a.max(), a_hat.max()))  # a difference
     if out is None:
         assert row.out_original is None and row.out_compressed is None
     else:
@@ -674,9 +573,7 @@ def _select_reference(scores, sink, recent, heavy):
 
 def _attention(t, layer, head, qi):
     p = int(t.query_positions[qi])
-    x = t.k[layer, head // t.group_size, : p + 1].astype(np.float64) @ t.q[layer, head, qi].astype(
-        np.float64
-    )
+    x = t.k[layer, head // t.group_size, : p + 1].astype(np.float64) @ t.q[layer, head, qi].astype(np.float64)
     x /= np.sqrt(t.head_dim)
     return np.exp(x - x.max()) / np.exp(x - x.max()).sum()
 
@@ -687,10 +584,7 @@ def _oracle_kept(t, spec, layer, qi):
     return np.stack(
         [
             _select_reference(
-                sum(_attention(t, layer, h, qi) for h in range(kv * g, kv * g + g)),
-                spec.sink,
-                spec.recent,
-                spec.heavy,
+                sum(_attention(t, layer, h, qi) for h in range(kv * g, kv * g + g)), spec.sink, spec.recent, spec.heavy
             )
             for kv in range(t.n_kv_heads)
         ]
@@ -708,9 +602,7 @@ def _quest_reads(t, spec, layer, qi):
         score = np.empty(p + 1)
         for start in range(0, p + 1, spec.page_size):
             page = k[start : start + spec.page_size]
-            score[start : start + spec.page_size] = np.maximum(
-                q * page.min(axis=0), q * page.max(axis=0)
-            ).sum()
+            score[start : start + spec.page_size] = np.maximum(q * page.min(axis=0), q * page.max(axis=0)).sum()
         reads.append(_select_reference(score, spec.sink, spec.recent, spec.heavy))
     return np.stack(reads)
 
@@ -724,24 +616,11 @@ ORACLE = dict(sink=3, recent=6, heavy=9, scorer="oracle")  # the oracle's budget
     [
         dict(**ORACLE, **KIVI),  # evict, then quantize the kept cache
         dict(**ORACLE),  # eviction alone: V read as stored
-        dict(
-            key_bits=3, value_bits=16, group_size=6, key_axis="token"
-        ),  # keys only, nothing evicted
-        dict(
-            key_bits=16,
-            value_bits=2,
-            group_size=4,
-            symmetric=False,
-            zero_point="int",
-            partial="quantize",
-        ),
-        dict(
-            sink=2, recent=4, heavy=7, scorer="oracle", quant_model="noise", noise_sigma=0.3, seed=4
-        ),
+        dict(key_bits=3, value_bits=16, group_size=6, key_axis="token"),  # keys only, nothing evicted
+        dict(key_bits=16, value_bits=2, group_size=4, symmetric=False, zero_point="int", partial="quantize"),
+        dict(sink=2, recent=4, heavy=7, scorer="oracle", quant_model="noise", noise_sigma=0.3, seed=4),
         dict(quant_model="noise", noise_sigma=0.5),  # seed 0, a source with no draw
-        dict(
-            quant_model="noise", noise_sigma=0.2, key_bits=3, value_bits=3
-        ),  # bits count memory only
+        dict(quant_model="noise", noise_sigma=0.2, key_bits=3, value_bits=3),  # bits count memory only
         dict(
             **ORACLE,
             key_bits=3,
@@ -752,14 +631,7 @@ ORACLE = dict(sink=3, recent=6, heavy=9, scorer="oracle")  # the oracle's budget
             key_axis="token",
             value_axis="channel",
         ),
-        dict(
-            **ORACLE,
-            key_bits=2,
-            value_bits=3,
-            group_size=5,
-            zero_point="int",
-            partial="quantize",
-        ),
+        dict(**ORACLE, key_bits=2, value_bits=3, group_size=5, zero_point="int", partial="quantize"),
     ],
     ids=[
         "oracle-kivi",
@@ -790,15 +662,10 @@ def test_every_row_is_the_design_formulas(trace, settings, step):
     held = kept_at_query(trace, spec, 1, qi)
     assert held.dtype == bool and held.shape == (trace.n_kv_heads, n)
     np.testing.assert_array_equal(held, kept)
-    np.testing.assert_array_equal(
-        read_masks(trace, spec, 1, qi), np.repeat(kept, trace.group_size, axis=0)
-    )
+    np.testing.assert_array_equal(read_masks(trace, spec, 1, qi), np.repeat(kept, trace.group_size, axis=0))
     counts = kept_counts(trace, spec, qi)
     assert counts.dtype == np.int64 and counts.shape == (trace.n_layers, trace.n_kv_heads)
-    assert (
-        counts.tolist()
-        == [[int(min(spec.budget, n)) if spec.evicts else n] * trace.n_kv_heads] * trace.n_layers
-    )
+    assert counts.tolist() == [[int(min(spec.budget, n)) if spec.evicts else n] * trace.n_kv_heads] * trace.n_layers
 
 
 @pytest.mark.parametrize("bits", [16, 3])
@@ -821,9 +688,7 @@ def test_quest_rows_read_their_own_pages_of_the_whole_cache(trace, bits):
     qi = int(trace.evaluated_queries[4])
     reads = _quest_reads(trace, spec, 0, qi)
     c = compare(trace, spec, View(layer=0, head=2, step=4, ensemble="heads"))
-    assert not np.array_equal(reads[0], reads[1]) and not np.array_equal(
-        reads[2], reads[3]
-    )  # own pages
+    assert not np.array_equal(reads[0], reads[1]) and not np.array_equal(reads[2], reads[3])  # own pages
     for row in c.members:
         _check_row(trace, spec, row, reads[row.head], whole=True)
     np.testing.assert_array_equal(read_masks(trace, spec, 0, qi), reads)
@@ -869,15 +734,10 @@ def test_noise_model_draws_the_sources_eps_at_seed_0_and_seeded_normals_otherwis
     t = handbook_trace()
     legacy = np.random.RandomState(42)
     legacy.randn(1, 64)
-    for seed, eps in (
-        (0, legacy.randn(64)),
-        (3, np.random.default_rng([3, 0, 0, 63]).standard_normal(64)),
-    ):
+    for seed, eps in ((0, legacy.randn(64)), (3, np.random.default_rng([3, 0, 0, 63]).standard_normal(64))):
         row = compare(t, Spec(quant_model="noise", noise_sigma=0.7, seed=seed)).primary
         x = t.logits[0, 0, 0].astype(np.float64) + 0.7 * eps
-        np.testing.assert_allclose(
-            row.compressed, np.exp(x - x.max()) / np.exp(x - x.max()).sum(), rtol=1e-12
-        )
+        np.testing.assert_allclose(row.compressed, np.exp(x - x.max()) / np.exp(x - x.max()).sum(), rtol=1e-12)
 
 
 def test_seed_members_from_another_trace_take_its_step_at_the_same_index(trace):
@@ -886,12 +746,7 @@ def test_seed_members_from_another_trace_take_its_step_at_the_same_index(trace):
     others = {r: make_synthetic(SMALL.with_(seed=r, steps=6)) for r in (1, 2)}
     spec = Spec(key_bits=3, value_bits=3, group_size=8)
     for step, want in ((3, 3), (9, 5)):
-        c = compare(
-            trace,
-            spec,
-            View(step=step, ensemble="seeds", ensemble_size=3),
-            trace_for_seed=others.get,
-        )
+        c = compare(trace, spec, View(step=step, ensemble="seeds", ensemble_size=3), trace_for_seed=others.get)
         assert [m.query for m in c.members] == [int(trace.evaluated_queries[step])] + [
             int(others[r].evaluated_queries[want]) for r in (1, 2)
         ]
@@ -925,9 +780,7 @@ def test_evaluate_row_decides_as_compare_does(trace):
             assert kept.sum() == spec.budget
             held = kept_at_query(trace, spec, 1, qi)
             assert held.shape == (trace.n_kv_heads, p + 1) and held[1].tolist() == kept.tolist()
-            np.testing.assert_array_equal(
-                read_masks(trace, spec, 1, qi), np.repeat(held, trace.group_size, axis=0)
-            )
+            np.testing.assert_array_equal(read_masks(trace, spec, 1, qi), np.repeat(held, trace.group_size, axis=0))
         else:
             kept = np.ones(p + 1, bool)
         _check_row(trace, spec, row, kept)
@@ -939,10 +792,7 @@ def test_to_json_holds_every_field_of_the_comparison(trace):
     spec = Spec(**ORACLE, **KIVI)
     c = compare(trace, spec, View(layer=1, head=2, step=5, ensemble="heads", ensemble_size=3))
     got = c.to_json()
-    assert (
-        c.view == View(layer=1, head=2, step=5, ensemble="heads", ensemble_size=3)
-        and c.spec == spec
-    )
+    assert c.view == View(layer=1, head=2, step=5, ensemble="heads", ensemble_size=3) and c.spec == spec
     assert sorted(got) == sorted(
         [
             "source",
@@ -1013,9 +863,7 @@ def test_to_json_holds_every_field_of_the_comparison(trace):
         "value_bytes": c.memory.kv_bytes - c.memory.key_bytes,
     }
     for key, value in got["metrics_mean"].items():
-        assert value == pytest.approx(
-            np.mean([getattr(m.metrics, key) for m in c.members]), rel=1e-12
-        ), key
+        assert value == pytest.approx(np.mean([getattr(m.metrics, key) for m in c.members]), rel=1e-12), key
     assert got["metrics_mean"]["kl_forward"] == np.inf
 
 
@@ -1028,9 +876,7 @@ def test_head_grid_is_each_rows_metric(trace):
     for layer in range(trace.n_layers):
         kept = _oracle_kept(trace, spec, layer, qi)
         for head in range(trace.n_q_heads):
-            want = _reference_row(trace, spec, layer, head, qi, kept[head // trace.group_size])[4][
-                "js"
-            ]
+            want = _reference_row(trace, spec, layer, head, qi, kept[head // trace.group_size])[4]["js"]
             assert grid[layer, head] == pytest.approx(want, rel=1e-3), (layer, head)
     with pytest.raises(SpecError, match="unknown metric 'nope'"):
         head_grid(trace, spec, metric="nope")
@@ -1040,10 +886,7 @@ def test_head_grid_is_each_rows_metric(trace):
 def test_rows_of_other_layers_and_steps_quantize_their_own_caches(trace, ensemble):
     """One quantized-cache store serves a comparison's batches: each (layer, query) still gets its own
     kept keys quantized (integer path: per KV head; formats path: the layer's heads together)."""
-    for spec in (
-        Spec(**ORACLE, **KIVI),
-        Spec(**ORACLE, rotate="keys", **KIVI),
-    ):
+    for spec in (Spec(**ORACLE, **KIVI), Spec(**ORACLE, rotate="keys", **KIVI)):
         c = compare(trace, spec, View(layer=1, head=3, step=10, ensemble=ensemble, ensemble_size=4))
         assert len({(m.layer, m.query) for m in c.members}) == len(c.members) > 1
         for row in c.members:
@@ -1056,23 +899,14 @@ def test_rows_of_other_layers_and_steps_quantize_their_own_caches(trace, ensembl
             residual = min(spec.residual, len(at[0]))
             k_hat = _stored(trace.k[row.layer][rows, np.stack(at)], spec, 0, residual, rotated=True)
             v_hat = _stored(trace.v[row.layer][rows, np.stack(at)], spec, 1, residual)
-            _check_row(
-                trace, spec, row, kept[row.kv_head], stored=(k_hat[row.kv_head], v_hat[row.kv_head])
-            )
+            _check_row(trace, spec, row, kept[row.kv_head], stored=(k_hat[row.kv_head], v_hat[row.kv_head]))
 
 
 @pytest.mark.parametrize("step", [4, 6])
 def test_hf_residual_keeps_the_tokens_since_the_last_flush_exact(trace, step):
     """residual_mode 'hf' through the formats path: at decode step s past the prompt the tokens since the
     last flush, (s mod r) + 1 of them, stay exact; every earlier kept token is quantized (HF QuantizedCache)."""
-    spec = Spec(
-        **ORACLE,
-        key_bits=3,
-        value_bits=2,
-        group_size=8,
-        residual=4,
-        residual_mode="hf",
-    )
+    spec = Spec(**ORACLE, key_bits=3, value_bits=2, group_size=8, residual=4, residual_mode="hf")
     c = compare(trace, spec, View(layer=0, head=0, step=step, ensemble="heads"))
     qi = int(trace.evaluated_queries[step])
     assert int(trace.query_positions[qi]) == trace.context_len + step
@@ -1082,9 +916,7 @@ def test_hf_residual_keeps_the_tokens_since_the_last_flush_exact(trace, step):
     k_hat = _stored(trace.k[0][rows, where], spec, 0, step % 4 + 1)
     v_hat = _stored(trace.v[0][rows, where], spec, 1, step % 4 + 1)
     for row in c.members:
-        _check_row(
-            trace, spec, row, kept[row.kv_head], stored=(k_hat[row.kv_head], v_hat[row.kv_head])
-        )
+        _check_row(trace, spec, row, kept[row.kv_head], stored=(k_hat[row.kv_head], v_hat[row.kv_head]))
 
 
 def test_a_sources_own_noise_draw_is_cut_to_the_tokens_each_query_sees(trace):
@@ -1092,19 +924,9 @@ def test_a_sources_own_noise_draw_is_cut_to_the_tokens_each_query_sees(trace):
     values, at an earlier step too; at another seed the seeded normals."""
     import dataclasses
 
-    drawn = dataclasses.replace(
-        trace, noise_eps=np.random.default_rng(7).standard_normal(trace.n_positions)
-    )
+    drawn = dataclasses.replace(trace, noise_eps=np.random.default_rng(7).standard_normal(trace.n_positions))
     for seed in (0, 2):
-        spec = Spec(
-            sink=2,
-            recent=4,
-            heavy=7,
-            scorer="oracle",
-            quant_model="noise",
-            noise_sigma=0.4,
-            seed=seed,
-        )
+        spec = Spec(sink=2, recent=4, heavy=7, scorer="oracle", quant_model="noise", noise_sigma=0.4, seed=seed)
         c = compare(drawn, spec, View(layer=0, head=0, step=3, ensemble="heads"))
         kept = _oracle_kept(drawn, spec, 0, c.primary.query)
         for row in c.members:
@@ -1122,9 +944,7 @@ def test_oracle_asked_for_its_masks_first_computes_every_heads_attention():
     held = kept_at_query(t, spec, 1, qi)
     np.testing.assert_array_equal(held, _oracle_kept(t, spec, 1, qi))
     assert not held.flags.writeable
-    np.testing.assert_array_equal(
-        read_masks(t, spec, 0, qi), np.repeat(_oracle_kept(t, spec, 0, qi), 2, axis=0)
-    )
+    np.testing.assert_array_equal(read_masks(t, spec, 0, qi), np.repeat(_oracle_kept(t, spec, 0, qi), 2, axis=0))
     everything = read_masks(t, Spec(scorer="oracle"), 0, qi)  # no budget: nothing evicted
     assert everything.shape == (t.n_q_heads, int(t.query_positions[qi]) + 1) and everything.all()
 
@@ -1133,14 +953,7 @@ def test_formats_path_quantizes_only_the_tensors_the_spec_and_the_source_have(tr
     """Rotated keys with values at 16 bits, and a source with no values: keys quantized, nothing else."""
     import dataclasses
 
-    spec = Spec(
-        **ORACLE,
-        key_bits=3,
-        value_bits=16,
-        group_size=8,
-        residual=2,
-        rotate="keys-values",
-    )
+    spec = Spec(**ORACLE, key_bits=3, value_bits=16, group_size=8, residual=2, rotate="keys-values")
     no_values = dataclasses.replace(trace, v=None)
     kivi = Spec(**ORACLE, **KIVI)  # the integer path, no values
     for row in compare(no_values, kivi, View(layer=1, head=2, step=8, ensemble="heads")).members:
@@ -1153,15 +966,11 @@ def test_formats_path_quantizes_only_the_tensors_the_spec_and_the_source_have(tr
         for row in c.members:
             v_kept = None if t.v is None else t.v[1, row.kv_head, where[row.kv_head]]
             _check_row(t, s, row, kept[row.kv_head], stored=(k_hat[row.kv_head], v_kept))
-    fp8_values = spec.with_(
-        key_bits=16, rotate="none", value_format="e4m3"
-    )  # keys exact, values FP8
+    fp8_values = spec.with_(key_bits=16, rotate="none", value_format="e4m3")  # keys exact, values FP8
     c = compare(trace, fp8_values, View(layer=1, head=2, step=8, ensemble="heads"))
     kept = _oracle_kept(trace, spec, 1, c.primary.query)
     for row in c.members:
-        a_hat = _reference_row(
-            trace, Spec(sink=3, recent=6, heavy=9), 1, row.head, row.query, kept[row.kv_head]
-        )[1]
+        a_hat = _reference_row(trace, Spec(sink=3, recent=6, heavy=9), 1, row.head, row.query, kept[row.kv_head])[1]
         np.testing.assert_allclose(row.compressed, a_hat, rtol=2e-5, atol=1e-9)
         assert row.metrics.output_rel_error > 0  # the values were quantized
 
@@ -1174,10 +983,7 @@ def test_head_grid_covers_more_heads_than_the_default_ensemble():
     grid = head_grid(t, spec, step=0, metric="tv_distance")
     qi = int(t.evaluated_queries[0])
     kept = np.ones(int(t.query_positions[qi]) + 1, bool)
-    want = [
-        [_reference_row(t, spec, layer, h, qi, kept)[4]["tv_distance"] for h in range(10)]
-        for layer in (0, 1)
-    ]
+    want = [[_reference_row(t, spec, layer, h, qi, kept)[4]["tv_distance"] for h in range(10)] for layer in (0, 1)]
     np.testing.assert_allclose(grid, want, rtol=1e-3)
 
 
@@ -1185,13 +991,13 @@ def test_ensemble_sizes_for_the_work_budget(trace):
     from kvviz.engine import n_members
 
     assert n_members(trace, View()) == 1
-    assert [
-        n_members(trace, View(ensemble=e, ensemble_size=3))
-        for e in ("heads", "layers", "steps", "seeds")
-    ] == [3, 2, 3, 3]  # 2 layers: no more than there are
-    assert [
-        n_members(trace, View(ensemble=e, ensemble_size=20)) for e in ("heads", "steps", "seeds")
-    ] == [4, 12, 20]
+    assert [n_members(trace, View(ensemble=e, ensemble_size=3)) for e in ("heads", "layers", "steps", "seeds")] == [
+        3,
+        2,
+        3,
+        3,
+    ]  # 2 layers: no more than there are
+    assert [n_members(trace, View(ensemble=e, ensemble_size=20)) for e in ("heads", "steps", "seeds")] == [4, 12, 20]
 
 
 def test_compare_work_counts_what_a_comparison_holds_at_its_peak(trace):
@@ -1208,41 +1014,22 @@ def test_compare_work_counts_what_a_comparison_holds_at_its_peak(trace):
     assert work.parts == (
         Part("the trace", ((size, "bytes"),), item_bytes=1),
         Part("attention rows", ((3, "rows"), (P, "tokens"), (12, "arrays")), item_bytes=8),
-        Part(
-            "policy inputs",
-            ((2, ""), (4, "query heads"), (P, "positions"), (48, "dims")),
-            item_bytes=4,
-        ),
-        Part(
-            "attention chunks",
-            ((2, ""), (4, "query heads"), (chunk_rows(4, P), "rows"), (P, "keys")),
-            item_bytes=4,
-        ),
+        Part("policy inputs", ((2, ""), (4, "query heads"), (P, "positions"), (48, "dims")), item_bytes=4),
+        Part("attention chunks", ((2, ""), (4, "query heads"), (chunk_rows(4, P), "rows"), (P, "keys")), item_bytes=4),
         Part("kept masks", ((3, "queries"), (2, "KV heads"), (P, "positions")), item_bytes=1),
         Part("seed traces", ((2, "more traces"), (size, "bytes")), item_bytes=1),
     )
-    assert (
-        work.bytes
-        == size * 3
-        + 3 * P * 12 * 8
-        + 2 * 4 * P * 48 * 4
-        + 2 * 4 * chunk_rows(4, P) * P * 4
-        + 3 * 2 * P
-    )
+    assert work.bytes == size * 3 + 3 * P * 12 * 8 + 2 * 4 * P * 48 * 4 + 2 * 4 * chunk_rows(4, P) * P * 4 + 3 * 2 * P
     assert compare_work(trace, False, View()).parts == (
         work.parts[0],
         Part("attention rows", ((1, "rows"), (P, "tokens"), (12, "arrays")), item_bytes=8),
     )
-    same_trace = compare_work(
-        trace, True, View(ensemble="seeds", ensemble_size=3)
-    )  # seeds of one trace
+    same_trace = compare_work(trace, True, View(ensemble="seeds", ensemble_size=3))  # seeds of one trace
     assert same_trace.parts == work.parts[:-1]
     two = compare_work(trace, True, View(ensemble="seeds", ensemble_size=2), seeds=True).parts
     assert two[-1] == Part("seed traces", ((1, "more traces"), (size, "bytes")), item_bytes=1)
     for view in (View(ensemble="seeds", ensemble_size=1), View(ensemble="heads", ensemble_size=3)):
-        assert [p.what for p in compare_work(trace, True, view, seeds=True).parts][
-            -1
-        ] == "kept masks"
+        assert [p.what for p in compare_work(trace, True, view, seeds=True).parts][-1] == "kept masks"
 
 
 def test_ensemble_members_in_order_primary_first():
@@ -1255,10 +1042,7 @@ def test_ensemble_members_in_order_primary_first():
     q = [int(x) for x in t.evaluated_queries]
 
     def members(**view):
-        return [
-            (layer, head, qi)
-            for _, _, layer, head, qi in ensemble_members(t, spec, View(**view), q[view["step"]])
-        ]
+        return [(layer, head, qi) for _, _, layer, head, qi in ensemble_members(t, spec, View(**view), q[view["step"]])]
 
     assert members(layer=1, head=3, step=2, ensemble="heads", ensemble_size=3) == [
         (1, 3, q[2]),
@@ -1275,10 +1059,7 @@ def test_ensemble_members_in_order_primary_first():
         (0, 0, q[2]),
         (0, 0, q[1]),
     ]
-    assert members(layer=0, head=0, step=1, ensemble="steps", ensemble_size=4) == [
-        (0, 0, q[1]),
-        (0, 0, q[0]),
-    ]
+    assert members(layer=0, head=0, step=1, ensemble="steps", ensemble_size=4) == [(0, 0, q[1]), (0, 0, q[0])]
     with pytest.raises(
         SpecError,
         match=r"^re-rotating keys to their cache slots needs the model's RoPE: it applies "
@@ -1292,9 +1073,7 @@ def test_compare_checks_its_work_budget_counting_eviction_and_seed_traces():
     65 MB with a policy's inputs, 37 MB with three more traces drawn per seed."""
     from kvviz.limits import BudgetError, set_max_bytes
 
-    t = make_synthetic(
-        SyntheticSpec(context=1500, steps=2, layers=2, q_heads=8, kv_heads=2, head_dim=64)
-    )
+    t = make_synthetic(SyntheticSpec(context=1500, steps=2, layers=2, q_heads=8, kv_heads=2, head_dim=64))
     view = View(ensemble="seeds", ensemble_size=4)
     try:
         set_max_bytes(50_000_000)
@@ -1325,9 +1104,5 @@ def test_views_outside_the_trace_are_refused_word_for_word(trace):
         compare(handbook_trace(), Spec(), View(step=1))
     assert str(info.value) == "step 1 does not exist: this trace has 1 evaluated query (steps 0-0)"
     assert compare(dataclasses.replace(trace, meta={}), Spec()).to_json()["source"] == ""
-    everything_recent = compare(
-        trace, Spec(recent=200), View(step=0)
-    ).primary  # a window past the start
-    assert [REASONS[int(r)] for r in everything_recent.reason] == ["recent"] * (
-        trace.context_len + 1
-    )
+    everything_recent = compare(trace, Spec(recent=200), View(step=0)).primary  # a window past the start
+    assert [REASONS[int(r)] for r in everything_recent.reason] == ["recent"] * (trace.context_len + 1)

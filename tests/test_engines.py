@@ -45,9 +45,7 @@ def test_round_trip_is_gguf_bit_for_bit(fmt):
     want = dequantize(quantize(x, GGUF[fmt]), GGUF[fmt])
     got = ggml.ggml_quantize(x, fmt)
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    assert np.array_equal(
-        ggml.decode(ggml.encode(x, fmt), fmt).view(np.uint32), want.view(np.uint32)
-    )
+    assert np.array_equal(ggml.decode(ggml.encode(x, fmt), fmt).view(np.uint32), want.view(np.uint32))
     half = x.astype(np.float16)  # an fp16 cache: cast to float32 first, as gguf
     assert np.array_equal(
         ggml.ggml_quantize(half, fmt).astype(np.float32),
@@ -89,9 +87,7 @@ def test_compare_reports_llama_cpp_bytes_and_q8_loses_less(capsys):
 
 # --- static FP8 --------------------------------------------------------------------------------
 
-SMALL = SyntheticSpec(
-    context=96, steps=4, layers=2, q_heads=4, kv_heads=2, head_dim=64, outlier_channels=2
-)
+SMALL = SyntheticSpec(context=96, steps=4, layers=2, q_heads=4, kv_heads=2, head_dim=64, outlier_channels=2)
 STATIC = Spec(key_format="e4m3", value_format="e4m3", fp8_scale="static")
 
 
@@ -108,9 +104,7 @@ def outlier_trace():
 def test_the_uncalibrated_preset_saturates_above_448_and_says_how_many(outlier_trace):
     from kvviz.app.presets import preset_values
 
-    spec = links.spec_from_values(
-        preset_values("vLLM FP8 (uncalibrated)", outlier_trace.n_positions)
-    )
+    spec = links.spec_from_values(preset_values("vLLM FP8 (uncalibrated)", outlier_trace.n_positions))
     assert spec == STATIC.with_(partial="quantize")  # (partial groups: integer formats only)
     t = outlier_trace
     p = int(t.query_positions[t.evaluated_queries[-1]])
@@ -120,14 +114,8 @@ def test_the_uncalibrated_preset_saturates_above_448_and_says_how_many(outlier_t
     assert counts["k"]["saturated"] == want and counts["k"]["values"] == t.k[:, :, : p + 1].size
     assert counts["v"]["saturated"] == 0
     k_hat = qformats.quantize_tensor(t.k[0, :, : p + 1], spec, "k", 0)
-    assert set(np.unique(k_hat[:, ::3, 5]).tolist()) <= {
-        -448.0,
-        448.0,
-    }  # stored as the format's max
-    assert (
-        f"{want:,} of the {t.k[:, :, : p + 1].size:,} stored keys saturated"
-        in fp8_clipping_note(counts)
-    )
+    assert set(np.unique(k_hat[:, ::3, 5]).tolist()) <= {-448.0, 448.0}  # stored as the format's max
+    assert f"{want:,} of the {t.k[:, :, : p + 1].size:,} stored keys saturated" in fp8_clipping_note(counts)
 
 
 def test_calibrated_scales_are_the_contexts_amax_and_fix_later_tokens(outlier_trace):
@@ -143,12 +131,8 @@ def test_calibrated_scales_are_the_contexts_amax_and_fix_later_tokens(outlier_tr
     late = np.array(t.k[0, :, c : c + 2], copy=True)
     late[..., 5] = 900.0
     assert clipped(late, "e4m3", "static", s)[0] == late.shape[0] * late.shape[1]
-    fresh = qformats.quantize_tensor(
-        late, spec.with_(fp8_scale="head", fp8_calibrate=False), "k", 0
-    )
-    assert np.abs(fresh[..., 5]).max() == pytest.approx(
-        900.0, rel=0.07
-    )  # a per-head amax scale does not
+    fresh = qformats.quantize_tensor(late, spec.with_(fp8_scale="head", fp8_calibrate=False), "k", 0)
+    assert np.abs(fresh[..., 5]).max() == pytest.approx(900.0, rel=0.07)  # a per-head amax scale does not
 
 
 def test_uncalibrated_fp8_flushes_small_values_and_saturation_costs_attention(outlier_trace):
@@ -182,12 +166,7 @@ def test_new_options_are_link_parameters_and_flags():
     values, notes = links.parse_query("key_fmt=q4_0&value_fmt=q8_0&fp8_scale=static&fp8_cal=1")
     assert notes == []
     spec = links.spec_from_values(values)
-    assert (spec.key_format, spec.value_format, spec.fp8_scale, spec.fp8_calibrate) == (
-        "q4_0",
-        "q8_0",
-        "static",
-        True,
-    )
+    assert (spec.key_format, spec.value_format, spec.fp8_scale, spec.fp8_calibrate) == ("q4_0", "q8_0", "static", True)
     assert "fp8_cal" in links.compression_params()
 
 
@@ -209,9 +188,7 @@ def test_formats_and_static_scales_are_study_axes(tmp_path):
     assert len(rows) == 6 and set(rows["format"]) == {"q8_0", "q4_0", "e4m3"}
     assert set(rows["fp8_calibrate"]) == {False, True}
     err = rows.groupby(["format", "fp8_calibrate"])["output_error"].mean()
-    assert (
-        err["q8_0", False] < err["q4_0", False] and err["q8_0", False] == err["q8_0", True]
-    )  # (FP8 only)
+    assert err["q8_0", False] < err["q4_0", False] and err["q8_0", False] == err["q8_0", True]  # (FP8 only)
     assert err["e4m3", True] != err["e4m3", False]  # the axis reached the FP8 scales
 
 
@@ -230,9 +207,7 @@ def test_peak_is_the_full_prefill_beside_the_compressed_cache():
     assert any("at its peak the cache holds" in note for note in ledger.notes())
     full = memory_for(t, Spec(), n)  # nothing compressed: the peak is the cache itself
     assert full.peak == full.kv_bytes == n * per_token
-    text = memory_peak_text(
-        {"kv_bytes": m.kv_bytes, "kv_bytes_peak": m.peak, "kv_bytes_read": m.bytes_read}
-    )
+    text = memory_peak_text({"kv_bytes": m.kv_bytes, "kv_bytes_peak": m.peak, "kv_bytes_read": m.bytes_read})
     assert text.startswith("peak ") and "reads" not in text
 
 

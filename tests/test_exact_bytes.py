@@ -20,20 +20,14 @@ SMALL = small_synthetic(context=150, steps=6, layers=3, n_anchors=5)
 FORMATS = {
     "16-bit": dict(),
     "kivi-2": dict(key_bits=2, value_bits=2, group_size=32, residual=16),
-    "int-4-zp-partial": dict(
-        key_bits=4, value_bits=4, group_size=16, zero_point="int", partial="quantize"
-    ),
+    "int-4-zp-partial": dict(key_bits=4, value_bits=4, group_size=16, zero_point="int", partial="quantize"),
     "int-3-sym": dict(key_bits=3, value_bits=8, symmetric=True, key_axis="token"),
     "e4m3-tensor": dict(key_format="e4m3", value_format="e4m3", fp8_scale="tensor"),
     "e5m2-token": dict(key_format="e5m2", value_format="e4m3", fp8_scale="token", residual=8),
     "nvfp4": dict(key_format="nvfp4", value_format="nvfp4"),
-    "mxfp4-rotated-hf": dict(
-        key_format="mxfp4", value_format="mxfp4", rotate="keys", residual=16, residual_mode="hf"
-    ),
+    "mxfp4-rotated-hf": dict(key_format="mxfp4", value_format="mxfp4", rotate="keys", residual=16, residual_mode="hf"),
     "q4_0-q8_0": dict(key_format="q4_0", value_format="q8_0"),
-    "e4m3-static-calibrated": dict(
-        key_format="e4m3", value_format="e4m3", fp8_scale="static", fp8_calibrate=True
-    ),
+    "e4m3-static-calibrated": dict(key_format="e4m3", value_format="e4m3", fp8_scale="static", fp8_calibrate=True),
 }
 ALLOCATIONS = ("uniform", "adakv", "pyramid")
 # (scorer, extra settings): budget-filling scorers, the oracle, ChunkKV's whole chunks, Quest's reads
@@ -62,13 +56,9 @@ def cases():
             for fmt, quant in FORMATS.items():
                 if allocation == "adakv" and fmt not in ADAKV_FORMATS:
                     continue
-                if (
-                    scorer == "quest" and fmt not in ADAKV_FORMATS
-                ):  # (refused per query head: equal lengths)
+                if scorer == "quest" and fmt not in ADAKV_FORMATS:  # (refused per query head: equal lengths)
                     quant = {**quant, "quest_heads": "kv"}
-                yield pytest.param(
-                    scorer, allocation, fmt, {**extra, **quant}, id=f"{scorer}-{allocation}-{fmt}"
-                )
+                yield pytest.param(scorer, allocation, fmt, {**extra, **quant}, id=f"{scorer}-{allocation}-{fmt}")
 
 
 @pytest.mark.parametrize("scorer,allocation,fmt,settings", list(cases()))
@@ -86,14 +76,7 @@ def test_memory_card_equals_ledger(trace, scorer, allocation, fmt, settings):
 def test_adakv_card_counts_each_head_not_an_even_split(trace):
     """The mutation the test above guards: an even split of AdaKV's layer budget gives other bytes."""
     spec = Spec(
-        sink=2,
-        recent=20,
-        heavy=24,
-        scorer="snapkv",
-        allocation="adakv",
-        key_bits=2,
-        value_bits=2,
-        group_size=32,
+        sink=2, recent=20, heavy=24, scorer="snapkv", allocation="adakv", key_bits=2, value_bits=2, group_size=32
     )
     qi = int(trace.evaluated_queries[-1])
     n = int(trace.query_positions[qi]) + 1
@@ -118,9 +101,7 @@ def test_counts_follow_the_budget_where_it_is_exact(trace, allocation, heavy, st
     spec = Spec(sink=2, recent=20, heavy=heavy, scorer=scorer, allocation=allocation)
     qi = int(trace.evaluated_queries[step])
     counts = kept_counts(trace, spec, qi)
-    masks = np.stack(
-        [kept_at_query(trace, spec, layer, qi).sum(axis=1) for layer in range(trace.n_layers)]
-    )
+    masks = np.stack([kept_at_query(trace, spec, layer, qi).sum(axis=1) for layer in range(trace.n_layers)])
     assert budget_is_exact(spec)
     assert counts.dtype == np.int64 and counts.tolist() == masks.tolist()
     if heavy == 60:

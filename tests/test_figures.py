@@ -31,9 +31,7 @@ def handbook_comp():
 @pytest.fixture(scope="module")
 def long_comp():
     t = make_synthetic(SyntheticSpec(context=1024, steps=4))
-    return compare(
-        t, Spec(sink=4, recent=100, heavy=100, key_bits=4, value_bits=4), View(ensemble="heads")
-    )
+    return compare(t, Spec(sink=4, recent=100, heavy=100, key_bits=4, value_bits=4), View(ensemble="heads"))
 
 
 def test_ranges_text():
@@ -90,12 +88,8 @@ def test_attention_figure_marks_evicted_and_colours_by_reason(handbook_comp):
     assert list(heavy.x) == [15, 28]
     assert heavy.marker.color == style.REASON_COLORS["heavy hitter"]
     evicted = next(t for t in fig.data if t.name.startswith("evicted: original"))
-    assert (
-        len(evicted.x) == 64 - 14 and evicted.marker.pattern.shape == "/"
-    )  # hatched: not colour alone
-    assert (
-        "attention weight" in fig.layout.yaxis.title.text and "token" in fig.layout.xaxis.title.text
-    )
+    assert len(evicted.x) == 64 - 14 and evicted.marker.pattern.shape == "/"  # hatched: not colour alone
+    assert "attention weight" in fig.layout.yaxis.title.text and "token" in fig.layout.xaxis.title.text
     # token text is in the hover data
     assert any("t15" in str(row[0]) for row in heavy.customdata)
 
@@ -107,24 +101,13 @@ def test_error_figure_bars(handbook_comp, long_comp):
     mean, lo, hi = error_band(long_comp, "std")  # the bars are the frame's own band
     np.testing.assert_allclose(total.y, mean[:200], atol=1e-15)
     np.testing.assert_allclose(total.error_y.array, np.clip(hi - mean, 0, None)[:200], atol=1e-15)
-    np.testing.assert_allclose(
-        total.error_y.arrayminus, np.clip(mean - lo, 0, None)[:200], atol=1e-15
-    )
+    np.testing.assert_allclose(total.error_y.arrayminus, np.clip(mean - lo, 0, None)[:200], atol=1e-15)
     assert total.error_y.visible and np.max(total.error_y.array) > 0
-    assert (
-        "N = 4 rows (query heads 0-3)" in fig.layout.title.text
-        and "sample std" in fig.layout.title.text
-    )
+    assert "N = 4 rows (query heads 0-3)" in fig.layout.title.text and "sample std" in fig.layout.title.text
     b = figures.error_figure(binned_frame(long_comp), "ci95", 4)
-    assert (
-        "bins of" in b.layout.xaxis.title.text
-        and "95% t-interval for the mean" in b.layout.title.text
-    )
+    assert "bins of" in b.layout.xaxis.title.text and "95% t-interval for the mean" in b.layout.title.text
     one = figures.error_figure(token_frame(handbook_comp), "std", 1, what="layer 0, query head 0")
-    assert (
-        "one row (layer 0, query head 0)" in one.layout.title.text
-        and "no error bars" in one.layout.title.text
-    )
+    assert "one row (layer 0, query head 0)" in one.layout.title.text and "no error bars" in one.layout.title.text
     assert len(b.data[0].x) <= 128
 
 
@@ -134,13 +117,9 @@ def test_binned_attention_figure_sends_few_bars(long_comp):
     assert all(len(t.x) <= 128 for t in fig.data)
     bars = {t.name: t for t in fig.data}  # each bar is its bin's mass
     drawn = lambda name, attr="y": np.asarray(getattr(bars[name], attr), dtype=float)  # noqa: E731
-    np.testing.assert_allclose(
-        drawn("original: kept tokens"), b["original"] - b["evicted_mass"], atol=1e-15
-    )
+    np.testing.assert_allclose(drawn("original: kept tokens"), b["original"] - b["evicted_mass"], atol=1e-15)
     np.testing.assert_allclose(drawn("original: evicted tokens"), b["evicted_mass"], atol=1e-15)
-    np.testing.assert_allclose(
-        drawn("original: evicted tokens", "base"), b["original"] - b["evicted_mass"], atol=1e-15
-    )
+    np.testing.assert_allclose(drawn("original: evicted tokens", "base"), b["original"] - b["evicted_mass"], atol=1e-15)
     np.testing.assert_allclose(drawn("compressed"), b["compressed"], atol=1e-15)
     np.testing.assert_allclose(drawn("compressed", "x"), b["start"] + (b["tokens"] - 1) / 2)
 
@@ -153,22 +132,13 @@ def test_tradeoff_figure_lines_front_and_star():
         {"method": "full", "budget": 64, "bits": 4, "memory_ratio": 0.3, "tv": 0.01},
     ]
     front = pareto_front([(r["memory_ratio"], r["tv"]) for r in rows])
-    fig = tradeoffs.tradeoff_figure(
-        rows, "tv", front, {"memory_ratio": 0.2, "tv": 0.3, "label": "now"}
-    )
+    fig = tradeoffs.tradeoff_figure(rows, "tv", front, {"memory_ratio": 0.2, "tv": 0.3, "label": "now"})
     names = [t.name for t in fig.data]
     assert "H2O" in names and "StreamingLLM" in names and "Pareto frontier (real policies)" in names
-    assert {t.marker.symbol for t in fig.data if t.name == "H2O"} == {
-        "circle"
-    }  # H2O's shape, 16-bit: filled
+    assert {t.marker.symbol for t in fig.data if t.name == "H2O"} == {"circle"}  # H2O's shape, 16-bit: filled
     assert {t.marker.symbol for t in fig.data if t.name == "StreamingLLM"} == {"triangle-up"}
-    assert (
-        next(t for t in fig.data if t.name == "no eviction").marker.symbol == "hexagon-open"
-    )  # 4-bit: open
-    assert {t.line.dash for t in fig.data if t.name in ("H2O", "StreamingLLM")} == {
-        "solid",
-        "longdash",
-    }
+    assert next(t for t in fig.data if t.name == "no eviction").marker.symbol == "hexagon-open"  # 4-bit: open
+    assert {t.line.dash for t in fig.data if t.name in ("H2O", "StreamingLLM")} == {"solid", "longdash"}
     frontier = next(t for t in fig.data if t.name == "Pareto frontier (real policies)")
     assert list(frontier.x) == [0.1, 0.2, 0.3]
     star = next(t for t in fig.data if t.name.startswith("current"))
@@ -181,9 +151,7 @@ def test_concentration_stats_and_figure():
     c = concentration(t, sink=1, window=16)
     assert c.curves.shape[:2] == (2, 2)
     assert np.all(np.diff(c.curves, axis=-1) >= -1e-12) and np.allclose(c.curves[..., -1], 1.0)
-    assert np.all((c.sink_share >= 0) & (c.sink_share <= 1)) and np.all(
-        c.entropy <= c.max_entropy + 1e-9
-    )
+    assert np.all((c.sink_share >= 0) & (c.sink_share <= 1)) and np.all(c.entropy <= c.max_entropy + 1e-9)
     fig = tradeoffs.concentration_figure(c.fractions, c.curves)
     assert fig.layout.shapes[0].x0 == 10 and fig.layout.shapes[0].y1 == 90
     h = grids.heatmap_figure(c.entropy, "Entropy", "nats")
@@ -198,19 +166,14 @@ def test_handbook_attention_is_concentrated_single_row():
 def test_figures_html_is_standalone(handbook_comp):
     html = export.figures_html([figures.attention_figure(token_frame(handbook_comp))], "t")
     assert html.startswith("<!DOCTYPE html>")
-    assert (
-        'src="https://cdn.plot.ly' not in html and len(html) > 1_000_000
-    )  # plotly.js inlined: works offline
+    assert 'src="https://cdn.plot.ly' not in html and len(html) > 1_000_000  # plotly.js inlined: works offline
 
 
 def test_token_grid_marks_every_token():
     from kvviz.plots.grids import token_grid_html
 
     html = token_grid_html(
-        ["The", "▁cat", "<b>", "▁sat"],
-        ["sink", "evicted", "heavy hitter", "recent"],
-        [0.5, 0.1, 0.3, 0.1],
-        newest=3,
+        ["The", "▁cat", "<b>", "▁sat"], ["sink", "evicted", "heavy hitter", "recent"], [0.5, 0.1, 0.3, 0.1], newest=3
     )
     assert html.count("line-through") == 1  # only the evicted token is struck through
     assert "&lt;b&gt;" in html and "<b>" not in html  # token text is escaped
@@ -223,12 +186,8 @@ def test_error_parts_add_up_and_each_cause_vanishes_without_it(handbook_comp):
     from kvviz.sources.handbook import handbook_trace
 
     t = handbook_trace()
-    both = token_frame(
-        compare(t, Spec(sink=4, recent=8, heavy=2, key_bits=3, value_bits=3), View())
-    )
-    np.testing.assert_allclose(
-        both["error_eviction"] + both["error_quantization"], both["error"], atol=1e-15
-    )
+    both = token_frame(compare(t, Spec(sink=4, recent=8, heavy=2, key_bits=3, value_bits=3), View()))
+    np.testing.assert_allclose(both["error_eviction"] + both["error_quantization"], both["error"], atol=1e-15)
     assert np.abs(both["error_quantization"]).max() > 0 and np.abs(both["error_eviction"]).max() > 0
     evict_only = token_frame(handbook_comp)
     assert np.abs(evict_only["error_quantization"]).max() < 1e-15
@@ -257,18 +216,12 @@ def test_a_locked_axis_widens_to_every_bar_and_says_so():
     assert "y-axis lock 0.2 widened to 1: a bar reaches past it" in att.layout.title.text
     worst = np.abs(one["error"]).max()
     err = figures.error_figure(one, "std", 1, y_range=0.1)
-    assert (
-        err.layout.yaxis.range[1] >= worst
-        and err.layout.yaxis.range[0] == -err.layout.yaxis.range[1]
-    )
+    assert err.layout.yaxis.range[1] >= worst and err.layout.yaxis.range[0] == -err.layout.yaxis.range[1]
     assert f"y-axis lock ±0.1 widened to ±{worst:.3g}" in err.layout.title.text
     long = make_synthetic(SyntheticSpec(context=600, steps=0, layers=1, q_heads=1, kv_heads=1))
     binned = binned_frame(compare(long, Spec(sink=1), View()))
     mass = figures.binned_attention_figure(binned, y_top=0.05)
-    assert (
-        mass.layout.yaxis.range[1] >= binned["original"].max() > 0.05
-        and "widened" in mass.layout.title.text
-    )
+    assert mass.layout.yaxis.range[1] >= binned["original"].max() > 0.05 and "widened" in mass.layout.title.text
     for fig, locked in (
         (figures.attention_figure(one, y_top=1.5), (0, 1.5)),
         (figures.error_figure(one, y_range=1.0), (-1.0, 1.0)),
@@ -280,33 +233,19 @@ def test_pinned_setting_and_real_text_on_the_charts(handbook_comp):
     f = token_frame(handbook_comp)
     fig = figures.attention_figure(f, pinned=f, pinned_label="A: h2o 4/8/2", text_tokens=True)
     assert any(t.name == "pinned A: h2o 4/8/2: compressed" for t in fig.data)
-    assert list(fig.layout.xaxis.ticktext)[:3] == [
-        "t0",
-        "t2",
-        "t4",
-    ]  # 64 tokens: every 2nd labelled
+    assert list(fig.layout.xaxis.ticktext)[:3] == ["t0", "t2", "t4"]  # 64 tokens: every 2nd labelled
     err = figures.error_figure(f, pinned=f)
     assert any(t.name == "pinned A: total" for t in err.data)
 
 
-def test_every_figure_starts_from_kvviz_template_plotly_white_cut_to_what_kvviz_draws(
-    handbook_comp,
-):
+def test_every_figure_starts_from_kvviz_template_plotly_white_cut_to_what_kvviz_draws(handbook_comp):
     white = pio.templates["plotly_white"]
     ours = figures.attention_figure(token_frame(handbook_comp)).layout.template
     assert ours == pio.templates["kvviz"]
     assert set(ours.to_plotly_json()["data"]) == {"bar", "scatter", "heatmap"}
     for kind in ("bar", "scatter", "heatmap"):
         assert ours.data[kind] == white.data[kind]
-    for part in (
-        "paper_bgcolor",
-        "plot_bgcolor",
-        "colorway",
-        "font",
-        "xaxis",
-        "yaxis",
-        "hoverlabel",
-    ):
+    for part in ("paper_bgcolor", "plot_bgcolor", "colorway", "font", "xaxis", "yaxis", "hoverlabel"):
         assert ours.layout[part] == white.layout[part], part
 
 
@@ -325,9 +264,7 @@ def test_projector_sets_every_text_of_every_axis_and_keeps_the_data(handbook_com
     assert big.layout.xaxis.title.text == "x"
     assert big.layout.title.text == f"Title<br><span style='font-size:{size}px'>a subtitle</span>"
     assert big.layout.font.size == size and big.layout.legend.font.size == size
-    assert (
-        big.layout.height == 400 and big.layout.margin.b == 70 + 28 * 1
-    )  # two legend entries: one row
+    assert big.layout.height == 400 and big.layout.margin.b == 70 + 28 * 1  # two legend entries: one row
     assert [t.to_plotly_json() for t in big.data] == [t.to_plotly_json() for t in fig.data]
     att = figures.attention_figure(token_frame(handbook_comp))
     assert style.projector(att).layout.height == att.layout.height  # no height given: kept
@@ -335,9 +272,7 @@ def test_projector_sets_every_text_of_every_axis_and_keeps_the_data(handbook_com
         assert json.loads(pio.to_json(go.Figure(fig.to_dict()))) == json.loads(pio.to_json(fig))
 
 
-def test_the_explorer_figures_built_without_validation_pass_plotly_validation(
-    handbook_comp, long_comp
-):
+def test_the_explorer_figures_built_without_validation_pass_plotly_validation(handbook_comp, long_comp):
     """The builders skip plotly's validation for speed; every property they set must still be valid."""
     one, long = token_frame(handbook_comp), binned_frame(long_comp)
     built = [
@@ -348,8 +283,6 @@ def test_the_explorer_figures_built_without_validation_pass_plotly_validation(
     ]
     for fig in built:
         validated = go.Figure(fig.to_dict())  # raises on any invalid property
-        assert json.loads(pio.to_json(validated)) == json.loads(
-            pio.to_json(fig)
-        )  # and changes none
+        assert json.loads(pio.to_json(validated)) == json.loads(pio.to_json(fig))  # and changes none
     with pytest.raises(ValueError):
         go.Figure({**built[0].to_dict(), "layout": {"no_such_property": 1}})  # the check can fail

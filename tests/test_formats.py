@@ -15,14 +15,7 @@ from hypothesis import strategies as st
 from kvviz.attention import softmax
 from kvviz.engine import compare, memory_for
 from kvviz.quant.base import CacheBytes
-from kvviz.quant.formats import (
-    flush_point,
-    quantize_tensor,
-    quantize_values,
-    residual_at,
-    tensor_bytes,
-    uses_formats,
-)
+from kvviz.quant.formats import flush_point, quantize_tensor, quantize_values, residual_at, tensor_bytes, uses_formats
 from kvviz.quant.fp8 import fp8_quantize, fp8_scales
 from kvviz.quant.minifloat import E2M1, E4M3, E5M2, e8m0_exponent
 from kvviz.quant.mxfp4 import mxfp4_exponents, mxfp4_quantize
@@ -31,9 +24,7 @@ from kvviz.quant.rotation import hadamard, rotate, unrotate
 from kvviz.sources import SyntheticSpec, make_synthetic
 from kvviz.spec import Spec, SpecError, View
 
-from test_quant import (
-    _reference as reference_quantize,
-)  # docs/definitions.md's formulas, a group at a time
+from test_quant import _reference as reference_quantize  # docs/definitions.md's formulas, a group at a time
 
 FORMATS = [E4M3, E5M2, E2M1]
 
@@ -45,9 +36,7 @@ def test_value_tables_match_the_specs():
     """Counts, largest and smallest magnitudes as the OCP specs give them."""
     e4, e5, e2 = (f.values() for f in FORMATS)
     assert len(e4) == 253 and e4.max() == 448 and e4[e4 > 0].min() == 2.0**-9  # 256 - 2 NaN - (-0)
-    assert (
-        len(e5) == 247 and e5.max() == 57344 and e5[e5 > 0].min() == 2.0**-16
-    )  # 256 - 2 inf - 6 NaN - (-0)
+    assert len(e5) == 247 and e5.max() == 57344 and e5[e5 > 0].min() == 2.0**-16  # 256 - 2 inf - 6 NaN - (-0)
     assert list(e2[e2 >= 0]) == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
 
 
@@ -71,10 +60,7 @@ def test_ties_go_to_the_even_mantissa(fmt):
     assert np.array_equal(fmt.round(mid - eps), lo) and np.array_equal(fmt.round(mid + eps), hi)
 
 
-@given(
-    x=st.lists(st.floats(-1e5, 1e5, allow_nan=False), min_size=1, max_size=50),
-    which=st.sampled_from(range(3)),
-)
+@given(x=st.lists(st.floats(-1e5, 1e5, allow_nan=False), min_size=1, max_size=50), which=st.sampled_from(range(3)))
 def test_rounding_is_to_the_nearest_value(x, which):
     fmt = FORMATS[which]
     x = np.array(x)
@@ -86,10 +72,7 @@ def test_rounding_is_to_the_nearest_value(x, which):
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_saturates_never_inf(fmt):
     big = np.array([fmt.max_value * 1.01, 1e300, np.inf, -np.inf, -1e300])
-    assert np.array_equal(
-        fmt.round(big),
-        [fmt.max_value, fmt.max_value, fmt.max_value, -fmt.max_value, -fmt.max_value],
-    )
+    assert np.array_equal(fmt.round(big), [fmt.max_value, fmt.max_value, fmt.max_value, -fmt.max_value, -fmt.max_value])
 
 
 # --- the formats with their scales -------------------------------------------------------------
@@ -105,9 +88,7 @@ def test_nvfp4_round_trips_every_block_scale_and_value():
     e2 = E2M1.values()
     scales = E4M3.values()[E4M3.values() > 0]
     block = np.concatenate([e2, [6.0]])  # 16 values, amax 6
-    x = np.stack([448 * block] + [s * block for s in scales])[
-        None
-    ]  # s_t = 1; block i has s_b = s_i
+    x = np.stack([448 * block] + [s * block for s in scales])[None]  # s_t = 1; block i has s_b = s_i
     s_t, s_b = nvfp4_scales(x)
     assert s_t == 1 and np.array_equal(s_b[0, 1:, 0, 0], scales)
     assert np.array_equal(nvfp4_quantize(x.reshape(1, 1, -1)), x.reshape(1, 1, -1))
@@ -122,11 +103,7 @@ def test_mxfp4_round_trips_every_value_at_power_of_two_scales():
     assert np.array_equal(mxfp4_quantize(x.reshape(1, 1, -1)), x.reshape(1, 1, -1))
 
 
-@given(
-    log_amax=st.floats(-40, 37),
-    seed=st.integers(0, 2**16),
-    scale=st.sampled_from(["tensor", "head", "token"]),
-)
+@given(log_amax=st.floats(-40, 37), seed=st.integers(0, 2**16), scale=st.sampled_from(["tensor", "head", "token"]))
 def test_scales_never_overflow(log_amax, seed, scale):
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((2, 5, 64)) * 10.0**log_amax).astype(np.float32)
@@ -153,9 +130,7 @@ def test_all_zero_groups_stay_zero():
 
 def test_fp8_scale_granularity():
     rng = np.random.default_rng(0)
-    x = (
-        rng.standard_normal((2, 6, 8)) * np.array([1.0, 100.0])[:, None, None]
-    )  # head 1 is 100x larger
+    x = rng.standard_normal((2, 6, 8)) * np.array([1.0, 100.0])[:, None, None]  # head 1 is 100x larger
     err_tensor = np.abs(fp8_quantize(x, "e4m3", "tensor") - x)[0].max()
     err_head = np.abs(fp8_quantize(x, "e4m3", "head") - x)[0].max()
     assert err_head < err_tensor  # head 0's own scale resolves it better than the shared one
@@ -172,29 +147,21 @@ def test_bytes_per_format():
     n, d = 100, 64
     fp8 = tensor_bytes(Spec(key_format="e4m3"), "k", n, d, kv_heads=3, residual=0)
     assert fp8.payload == n * d and fp8.overhead == 4  # one FP32 scale for the head
-    assert (
-        tensor_bytes(Spec(key_format="e4m3", fp8_scale="token"), "k", n, d, 3, 0).overhead == 4 * n
-    )
+    assert tensor_bytes(Spec(key_format="e4m3", fp8_scale="token"), "k", n, d, 3, 0).overhead == 4 * n
     assert tensor_bytes(Spec(key_format="e4m3", fp8_scale="tensor"), "k", n, d, 4, 0).overhead == 1
     nv = tensor_bytes(Spec(key_format="nvfp4"), "k", n, d, kv_heads=2, residual=10)
     assert nv.payload == 90 * d / 2 and nv.overhead == 90 * 4 + 2 and nv.residual == 10 * d * 2
     mx = tensor_bytes(Spec(key_format="mxfp4"), "k", n, d, kv_heads=2, residual=0)
     assert mx.payload == n * d / 2 and mx.overhead == n * 2
-    assert (
-        tensor_bytes(Spec(key_format="e4m3", rotate="keys-values"), "k", n, d, 3, 0) == fp8
-    )  # rotation is free
+    assert tensor_bytes(Spec(key_format="e4m3", rotate="keys-values"), "k", n, d, 3, 0) == fp8  # rotation is free
 
 
 def test_memory_ratios_on_a_trace():
-    t = make_synthetic(
-        SyntheticSpec(context=128, steps=2, layers=1, q_heads=2, kv_heads=1, head_dim=64)
-    )
+    t = make_synthetic(SyntheticSpec(context=128, steps=2, layers=1, q_heads=2, kv_heads=1, head_dim=64))
     n = t.n_positions
     ratio = lambda **kw: memory_for(t, Spec(**kw), n).ratio  # noqa: E731
     assert ratio(key_format="e4m3", value_format="e4m3") == pytest.approx(0.5 + 8 / (n * 64 * 4))
-    assert ratio(key_format="nvfp4", value_format="nvfp4") == pytest.approx(
-        4.5 / 16 + 8 / (n * 64 * 4)
-    )
+    assert ratio(key_format="nvfp4", value_format="nvfp4") == pytest.approx(4.5 / 16 + 8 / (n * 64 * 4))
     assert ratio(key_format="mxfp4", value_format="mxfp4") == pytest.approx(4.25 / 16)
 
 
@@ -203,12 +170,7 @@ def test_memory_ratios_on_a_trace():
 
 def test_defaults_take_the_integer_path():
     s = Spec()
-    assert (s.key_format, s.value_format, s.rotate, s.residual_mode) == (
-        "int",
-        "int",
-        "none",
-        "kivi",
-    )
+    assert (s.key_format, s.value_format, s.rotate, s.residual_mode) == ("int", "int", "none", "kivi")
     assert not uses_formats(s) and not s.quantizes
     assert Spec(key_format="nvfp4").quantizes and Spec(key_format="nvfp4").quantizes_keys
     assert not Spec(key_format="nvfp4").quantizes_values
@@ -240,9 +202,7 @@ def test_hadamard_is_orthonormal(d):
 
 
 def test_rotation_leaves_unquantized_attention_unchanged():
-    t = make_synthetic(
-        SyntheticSpec(context=96, steps=4, layers=1, q_heads=4, kv_heads=2, head_dim=64)
-    )
+    t = make_synthetic(SyntheticSpec(context=96, steps=4, layers=1, q_heads=4, kv_heads=2, head_dim=64))
     q, k = t.q[0].astype(np.float64), t.k[0].astype(np.float64)  # keys with outlier channels
     kk = np.repeat(k, 2, axis=0)
     a = softmax(q @ kk.transpose(0, 2, 1) / 8.0)
@@ -274,16 +234,12 @@ def _rounding_bound(y: np.ndarray, spec: Spec, which: str) -> np.ndarray:
     if fmt in ("e4m3", "e5m2"):
         f = {"e4m3": E4M3, "e5m2": E5M2}[fmt]
         s = fp8_scales(y, f, spec.fp8_scale).astype(np.float64)
-        return s * np.maximum(
-            np.abs(y) / s * 2.0 ** -(f.mbits + 1), 2.0 ** (f.min_exponent - f.mbits - 1)
-        )
+        return s * np.maximum(np.abs(y) / s * 2.0 ** -(f.mbits + 1), 2.0 ** (f.min_exponent - f.mbits - 1))
     if fmt == "nvfp4":
         s_t, s_b = nvfp4_scales(y)
         per_block = np.broadcast_to(s_b * float(s_t), blocked(y, NVFP4_BLOCK).shape)
     else:
-        per_block = np.broadcast_to(
-            2 * np.ldexp(1.0, mxfp4_exponents(y)), blocked(y, MXFP4_BLOCK).shape
-        )
+        per_block = np.broadcast_to(2 * np.ldexp(1.0, mxfp4_exponents(y)), blocked(y, MXFP4_BLOCK).shape)
     return per_block.reshape(*y.shape[:-1], -1)[..., :d]
 
 
@@ -306,10 +262,7 @@ def test_rotation_composes_with_every_format_and_axis():
             rounding = q.astype(np.float64) - y  # the error where it is made
             err = out[:, :-8].astype(np.float64) - x[:, :-8]
             np.testing.assert_allclose(
-                np.linalg.norm(err, axis=-1),
-                np.linalg.norm(rounding, axis=-1),
-                rtol=1e-4,
-                atol=1e-4,
+                np.linalg.norm(err, axis=-1), np.linalg.norm(rounding, axis=-1), rtol=1e-4, atol=1e-4
             )  # orthonormal: norms kept
             bound = _rounding_bound(y.astype(np.float64), spec, "k")
             assert np.all(np.abs(rounding) <= bound * (1 + 1e-5) + 1e-5), (fmt, axis)
@@ -321,18 +274,16 @@ def test_rotation_helps_per_token_keys_with_outlier_channels():
     group with ordinary channels, whose values then round to the group minimum. Rotated first, the
     outliers are spread over all channels and per-token keys lose less (mean TV over heads, both
     layers, two steps): at 2 bits (0.87 -> 0.72 here) and far more at 3 bits (0.82 -> 0.29)."""
-    t = make_synthetic(
-        SyntheticSpec(context=256, steps=4, layers=2, q_heads=4, kv_heads=2, head_dim=64)
-    )
+    t = make_synthetic(SyntheticSpec(context=256, steps=4, layers=2, q_heads=4, kv_heads=2, head_dim=64))
 
     def tv(bits, rot):
         spec = Spec(key_bits=bits, key_axis="token", group_size=32, rotate=rot)
         return float(
             np.mean(
                 [
-                    compare(
-                        t, spec, View(layer=layer, step=step, ensemble="heads", ensemble_size=4)
-                    ).metrics_mean["tv_distance"]
+                    compare(t, spec, View(layer=layer, step=step, ensemble="heads", ensemble_size=4)).metrics_mean[
+                        "tv_distance"
+                    ]
                     for layer in (0, 1)
                     for step in (0, 3)
                 ]
@@ -344,9 +295,7 @@ def test_rotation_helps_per_token_keys_with_outlier_channels():
 
 
 def test_fp8_beats_fp4_beats_2bit_per_token_on_attention():
-    t = make_synthetic(
-        SyntheticSpec(context=128, steps=2, layers=1, q_heads=2, kv_heads=1, head_dim=64)
-    )
+    t = make_synthetic(SyntheticSpec(context=128, steps=2, layers=1, q_heads=2, kv_heads=1, head_dim=64))
     view = View(ensemble="heads", ensemble_size=2)
     tv = {
         name: compare(t, spec, view).metrics_mean["tv_distance"]
@@ -371,19 +320,7 @@ def test_cli_formats(capsys):
 
     base = ["compare", *SYNTHETIC_64, "--steps", "2", "--layers", "1", "--json"]
     assert (
-        main(
-            base
-            + [
-                "--key-format",
-                "e4m3",
-                "--value-format",
-                "nvfp4",
-                "--fp8-scale",
-                "token",
-                "--rotate",
-                "keys",
-            ]
-        )
+        main(base + ["--key-format", "e4m3", "--value-format", "nvfp4", "--fp8-scale", "token", "--rotate", "keys"])
         == 0
     )
     out = json.loads(capsys.readouterr().out)
@@ -396,23 +333,12 @@ def test_cli_formats(capsys):
     assert 0 < out["metrics"]["tv_distance"] and out["metrics"]["memory_ratio"] < 0.5
     assert main(base + ["--quant-preset", "hf-qc-4bit"]) == 0
     spec = json.loads(capsys.readouterr().out)["spec"]
-    assert (spec["key_axis"], spec["group_size"], spec["residual"], spec["residual_mode"]) == (
-        "token",
-        64,
-        128,
-        "hf",
-    )
+    assert (spec["key_axis"], spec["group_size"], spec["residual"], spec["residual_mode"]) == ("token", 64, 128, "hf")
     assert main(base + ["--residual-mode", "hf", "--residual", "4", "--bits", "4"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert (out["spec"]["residual_mode"], out["spec"]["residual"], out["spec"]["key_bits"]) == (
-        "hf",
-        4,
-        4,
-    )
+    assert (out["spec"]["residual_mode"], out["spec"]["residual"], out["spec"]["key_bits"]) == ("hf", 4, 4)
     t = make_synthetic(SyntheticSpec(context=64, steps=2, layers=1))
-    want = compare(t, Spec(residual_mode="hf", residual=4, key_bits=4, value_bits=4)).metrics[
-        "tv_distance"
-    ]
+    want = compare(t, Spec(residual_mode="hf", residual=4, key_bits=4, value_bits=4)).metrics["tv_distance"]
     assert out["metrics"]["tv_distance"] == pytest.approx(want, rel=1e-12) and want > 0
 
 
@@ -420,15 +346,10 @@ def test_rotation_figure_and_effect():
     from kvviz.plots.quant import key_rotation_figure
     from kvviz.quant.formats import rotation_effect
 
-    t = make_synthetic(
-        SyntheticSpec(context=64, steps=2, layers=1, q_heads=2, kv_heads=1, head_dim=64)
-    )
+    t = make_synthetic(SyntheticSpec(context=64, steps=2, layers=1, q_heads=2, kv_heads=1, head_dim=64))
     k = t.k[0, 0].astype(np.float64)
     effect = rotation_effect(k)
-    assert (
-        effect["peak_after"] < effect["peak_before"]
-        and effect["error_after"] < effect["error_before"]
-    )
+    assert effect["peak_after"] < effect["peak_before"] and effect["error_after"] < effect["error_before"]
     fig = key_rotation_figure(k[10:], rotate(k[10:]), t.tokens[10:], first_position=10)
     before, after = fig.data
     assert before.z.shape == (64, len(k) - 10) and before.x[0] == 10
@@ -447,16 +368,7 @@ def _reference_tensor(x, spec, which, residual, rotated):
     y = rotate(x) if rotated else x
     q = np.stack(
         [
-            reference_quantize(
-                h,
-                bits,
-                axis,
-                spec.group_size,
-                residual,
-                spec.symmetric,
-                spec.zero_point,
-                spec.partial,
-            )
+            reference_quantize(h, bits, axis, spec.group_size, residual, spec.symmetric, spec.zero_point, spec.partial)
             for h in y
         ]
     )
@@ -489,22 +401,15 @@ def test_integer_tensor_is_the_design_formulas_with_every_setting(rotate_, which
     for s in settings_:
         bits, axis, rest = s.pop("bits"), s.pop("axis"), s
         spec = Spec(
-            **{
-                f"{'key' if which == 'k' else 'value'}_bits": bits,
-                f"{'key' if which == 'k' else 'value'}_axis": axis,
-            },
+            **{f"{'key' if which == 'k' else 'value'}_bits": bits, f"{'key' if which == 'k' else 'value'}_axis": axis},
             rotate=rotate_,
             **rest,
         )
         for residual in (0, 2, 12, 13, 20):
             got = quantize_tensor(x, spec, which, residual)
             want = _reference_tensor(x, spec, which, residual, rotated)
-            np.testing.assert_allclose(
-                got, want, rtol=0, atol=1e-12, err_msg=f"{s} {bits} {axis} r={residual}"
-            )
-            assert np.array_equal(
-                got[:, 13 - min(residual, 13) :], x[:, 13 - min(residual, 13) :]
-            )  # residual exact
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-12, err_msg=f"{s} {bits} {axis} r={residual}")
+            assert np.array_equal(got[:, 13 - min(residual, 13) :], x[:, 13 - min(residual, 13) :])  # residual exact
             if residual == 0:
                 assert not np.array_equal(got[:, 0], x[:, 0])  # the first token is quantized
 
@@ -529,9 +434,7 @@ def test_fp8_scale_per_token_reaches_the_quantizer():
     x *= np.where(np.arange(16) % 2, -1, 1)
 
     def rel(scale):
-        return np.abs(
-            quantize_tensor(x, Spec(key_format="e4m3", fp8_scale=scale), "k", 0) - x
-        ) / np.abs(x)
+        return np.abs(quantize_tensor(x, Spec(key_format="e4m3", fp8_scale=scale), "k", 0) - x) / np.abs(x)
 
     assert rel("token").max() <= 2.0**-4 + 1e-12
     assert rel("head").max() > 2.0**-4
@@ -539,8 +442,7 @@ def test_fp8_scale_per_token_reaches_the_quantizer():
 
 def test_unknown_format_names_the_choices():
     with pytest.raises(
-        ValueError,
-        match=r"^unknown format 'fp6'; choose one of int, e4m3, e5m2, nvfp4, mxfp4, q8_0, q4_0$",
+        ValueError, match=r"^unknown format 'fp6'; choose one of int, e4m3, e5m2, nvfp4, mxfp4, q8_0, q4_0$"
     ):
         quantize_values(np.zeros((1, 2, 16)), "fp6")
 
@@ -556,18 +458,11 @@ def test_integer_bytes_through_the_formats_path():
 
     # per channel, groups of 32 tokens: 90 quantized tokens = 2 whole groups (64 tokens) + 26 kept at 16 bits
     got = b(key_bits=2, key_axis="channel", group_size=32)
-    assert got == CacheBytes(
-        payload=64 * 64 * 2 / 8, overhead=2 * 64 * 4, residual=10 * 64 * 2, partial=26 * 64 * 2
-    )
-    got = b(
-        key_bits=2, key_axis="channel", group_size=32, partial="quantize"
-    )  # 3 groups, the last of 26
+    assert got == CacheBytes(payload=64 * 64 * 2 / 8, overhead=2 * 64 * 4, residual=10 * 64 * 2, partial=26 * 64 * 2)
+    got = b(key_bits=2, key_axis="channel", group_size=32, partial="quantize")  # 3 groups, the last of 26
     assert got == CacheBytes(payload=90 * 64 * 2 / 8, overhead=3 * 64 * 4, residual=10 * 64 * 2)
     assert b(key_bits=2, key_axis="channel", group_size=32, symmetric=True).overhead == 2 * 64 * 2
-    assert (
-        b(key_bits=2, key_axis="channel", group_size=32, zero_point="int").overhead
-        == 2 * 64 * (16 + 2) / 8
-    )
+    assert b(key_bits=2, key_axis="channel", group_size=32, zero_point="int").overhead == 2 * 64 * (16 + 2) / 8
     # per token, groups of 16 channels: 4 groups a token
     assert b(key_bits=4, key_axis="token", group_size=16) == CacheBytes(
         payload=90 * 64 * 4 / 8, overhead=90 * 4 * 4, residual=10 * 64 * 2
@@ -628,27 +523,23 @@ def test_hf_quantized_cache_preset_is_transformers_defaults():
     from kvviz.quant.formats import hf_quantized_cache
 
     s = hf_quantized_cache()
-    assert (
-        s.key_bits,
-        s.value_bits,
-        s.key_axis,
-        s.value_axis,
-        s.group_size,
-        s.residual,
-        s.residual_mode,
-    ) == (4, 4, "token", "token", 64, 128, "hf")
+    assert (s.key_bits, s.value_bits, s.key_axis, s.value_axis, s.group_size, s.residual, s.residual_mode) == (
+        4,
+        4,
+        "token",
+        "token",
+        64,
+        128,
+        "hf",
+    )
     for which in ("k", "v"):
         assert tensor_bytes(s, which, 200, 64, 3, residual=0) == CacheBytes(
             payload=200 * 32, overhead=200 * 4, residual=0
         )
-        assert tensor_bytes(s, which, 10, 96, 3, residual=0) == CacheBytes(
-            payload=10 * 48, overhead=10 * 8, residual=0
-        )
+        assert tensor_bytes(s, which, 10, 96, 3, residual=0) == CacheBytes(payload=10 * 48, overhead=10 * 8, residual=0)
     two = hf_quantized_cache(2, residual_length=16, sink=4)
     assert (two.key_bits, two.value_bits, two.residual, two.sink) == (2, 2, 16, 4)
-    with pytest.raises(
-        ValueError, match=r"^QuantizedCache's quanto backend takes nbits 2 or 4, got 3$"
-    ):
+    with pytest.raises(ValueError, match=r"^QuantizedCache's quanto backend takes nbits 2 or 4, got 3$"):
         hf_quantized_cache(3)
 
 
@@ -659,9 +550,7 @@ def test_rotation_effect_values_from_the_formulas():
     small (norm < 1) give the float64 figures of the same keys."""
     from kvviz.quant.formats import rotation_effect
 
-    t = make_synthetic(
-        SyntheticSpec(context=48, steps=2, layers=1, q_heads=2, kv_heads=1, head_dim=64)
-    )
+    t = make_synthetic(SyntheticSpec(context=48, steps=2, layers=1, q_heads=2, kv_heads=1, head_dim=64))
     k = t.k[0, 0] * np.float32(1e-3)  # float32, ||k|| < 1
     k64 = k.astype(np.float64)
     assert np.linalg.norm(k64) < 1 and np.median(np.abs(k64).max(axis=0)) < 1
@@ -685,9 +574,7 @@ def test_rotation_effect_values_from_the_formulas():
     # 3 bits, groups of 16: other settings, other figures
     got3 = rotation_effect(k, bits=3, group=16)
     plain3 = reference_quantize(k64, 3, "token", 16, 0, False)
-    assert got3["error_before"] == pytest.approx(
-        np.linalg.norm(plain3 - k64) / np.linalg.norm(k64), rel=1e-12
-    )
+    assert got3["error_before"] == pytest.approx(np.linalg.norm(plain3 - k64) / np.linalg.norm(k64), rel=1e-12)
     # a 48-channel head: the last 16-channel group of a 32-channel grouping is quantized too (partial)
     k48 = k64[:, :48]
     part = reference_quantize(k48, 2, "token", 32, 0, False, partial="quantize")
@@ -732,17 +619,13 @@ def test_rotate_and_unrotate_keep_float_dtypes_and_read_integers_as_float64():
         np.testing.assert_allclose(fn(keys_f64), keys_f64 @ matrix, rtol=0, atol=1e-12)
         keys_f32 = keys_f64.astype(np.float32)
         assert fn(keys_f32).dtype == np.float32
-        np.testing.assert_allclose(
-            fn(keys_f32), keys_f32.astype(np.float64) @ matrix, rtol=0, atol=1e-5
-        )
+        np.testing.assert_allclose(fn(keys_f32), keys_f32.astype(np.float64) @ matrix, rtol=0, atol=1e-5)
         keys_int = np.arange(2 * 5 * 12).reshape(2, 5, 12) - 50
         assert fn(keys_int).dtype == np.float64
         np.testing.assert_allclose(fn(keys_int), keys_int @ matrix, rtol=0, atol=1e-12)
         keys_f16 = keys_f64.astype(np.float16)
         assert fn(keys_f16).dtype == np.float64  # not float32 / 64: read as float64
-        np.testing.assert_allclose(
-            fn(keys_f16), keys_f16.astype(np.float64) @ matrix, rtol=0, atol=1e-12
-        )
+        np.testing.assert_allclose(fn(keys_f16), keys_f16.astype(np.float64) @ matrix, rtol=0, atol=1e-12)
 
 
 # A plain reference of the OCP formats, from their definitions alone: every finite value of a format with
@@ -757,11 +640,7 @@ def _spec_table(name: str) -> tuple[np.ndarray, np.ndarray]:
     table = {}
     for e in range(2**ebits):
         for m in range(2**mbits):
-            v = (
-                m / 2**mbits * 2.0 ** (1 - bias)
-                if e == 0
-                else (1 + m / 2**mbits) * 2.0 ** (e - bias)
-            )
+            v = m / 2**mbits * 2.0 ** (1 - bias) if e == 0 else (1 + m / 2**mbits) * 2.0 ** (e - bias)
             if v <= top:
                 table[v] = m % 2 == 0
     mags = np.array(sorted(table))
@@ -825,22 +704,7 @@ def test_mxfp4_is_the_ocp_definition_block_by_block():
 
 def test_e8m0_exponent_is_floor_log2_clamped_to_the_8_bit_field():
     """floor(log2 x) for x > 0, -127 (the smallest code) for x <= 0, and clamped to [-127, 127]."""
-    x = np.array(
-        [
-            1.0,
-            1.5,
-            2.0,
-            0.75,
-            2.0**-126,
-            2.0**-127,
-            2.0**-200,
-            5e-324,
-            2.0**127,
-            2.0**200,
-            0.0,
-            -3.0,
-        ]
-    )
+    x = np.array([1.0, 1.5, 2.0, 0.75, 2.0**-126, 2.0**-127, 2.0**-200, 5e-324, 2.0**127, 2.0**200, 0.0, -3.0])
     want = [0, 0, 1, -1, -126, -127, -127, -127, 127, 127, -127, -127]
     np.testing.assert_array_equal(e8m0_exponent(x), want)
 
@@ -886,23 +750,13 @@ def test_fp8_is_the_definition_for_every_scale():
             want, want_s = _reference_fp8(x, name, scale)
             s = fp8_scales(x, {"e4m3": E4M3, "e5m2": E5M2}[name], scale)
             assert s.dtype == np.float32 and s.shape == shapes[scale], (name, scale)
-            np.testing.assert_array_equal(
-                np.broadcast_to(s, x.shape), want_s, err_msg=f"{name} {scale}"
-            )
-            np.testing.assert_array_equal(
-                fp8_quantize(x, name, scale), want, err_msg=f"{name} {scale}"
-            )
+            np.testing.assert_array_equal(np.broadcast_to(s, x.shape), want_s, err_msg=f"{name} {scale}")
+            np.testing.assert_array_equal(fp8_quantize(x, name, scale), want, err_msg=f"{name} {scale}")
         got32 = fp8_quantize(x.astype(np.float32), name, "head")
         assert got32.dtype == np.float32
-        np.testing.assert_array_equal(
-            got32, _reference_fp8(x.astype(np.float32), name, "head")[0].astype(np.float32)
-        )
-        np.testing.assert_array_equal(
-            fp8_quantize(x, name), fp8_quantize(x, name, "head")
-        )  # the default: per head
-    assert np.all(fp8_scales(x, E4M3, "head")[2] == 1) and np.all(
-        fp8_scales(x, E4M3, "token")[0, 2] == 1
-    )
+        np.testing.assert_array_equal(got32, _reference_fp8(x.astype(np.float32), name, "head")[0].astype(np.float32))
+        np.testing.assert_array_equal(fp8_quantize(x, name), fp8_quantize(x, name, "head"))  # the default: per head
+    assert np.all(fp8_scales(x, E4M3, "head")[2] == 1) and np.all(fp8_scales(x, E4M3, "token")[0, 2] == 1)
 
 
 def test_fp8_quantizes_a_head_with_no_tokens_and_names_the_scales():
@@ -911,8 +765,7 @@ def test_fp8_quantizes_a_head_with_no_tokens_and_names_the_scales():
     for scale in ("tensor", "head", "token", "static"):
         assert fp8_quantize(np.zeros((2, 0, 8)), "e4m3", scale).shape == (2, 0, 8)
     with pytest.raises(
-        ValueError,
-        match=r"^FP8 scale must be one of \('tensor', 'head', 'token', 'static'\), got 'row'$",
+        ValueError, match=r"^FP8 scale must be one of \('tensor', 'head', 'token', 'static'\), got 'row'$"
     ):
         fp8_scales(np.ones((1, 2, 8)), E4M3, "row")
 
@@ -938,9 +791,7 @@ def test_nvfp4_is_the_two_level_definition():
     scale underflows to 0 (zeros, and no division by that 0 is attempted); float32 stays float32; the block
     scales are shaped (U, T, blocks, 1)."""
     rng = np.random.default_rng(9)
-    x = rng.standard_normal((2, 4, 40)) * 2.0 ** rng.integers(
-        -12, -2, (2, 4, 1)
-    )  # (U, T, D), amax < 1
+    x = rng.standard_normal((2, 4, 40)) * 2.0 ** rng.integers(-12, -2, (2, 4, 1))  # (U, T, D), amax < 1
     x[1, 3, :16] = 1e-9  # s_b underflows to 0
     with np.errstate(divide="raise", invalid="raise"):
         for block in (16, 8):
@@ -951,9 +802,7 @@ def test_nvfp4_is_the_two_level_definition():
         np.testing.assert_array_equal(nvfp4_quantize(x), _reference_nvfp4(x, 16)[1])
         got32 = nvfp4_quantize(x.astype(np.float32))
         assert got32.dtype == np.float32
-        np.testing.assert_array_equal(
-            got32, _reference_nvfp4(x.astype(np.float32), 16)[1].astype(np.float32)
-        )
+        np.testing.assert_array_equal(got32, _reference_nvfp4(x.astype(np.float32), 16)[1].astype(np.float32))
         s_t, s_b = nvfp4_scales(np.zeros((2, 3, 16)))  # a tensor of zeros: s_t 1, every s_b 0
         assert s_t == 1 and s_t.dtype == np.float32 and np.array_equal(s_b, np.zeros((2, 3, 1, 1)))
 

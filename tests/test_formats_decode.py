@@ -25,28 +25,13 @@ def tiny():
 
 
 SPECS = {
-    "fp8-head+h2o": Spec(
-        key_format="e4m3", value_format="e5m2", sink=2, recent=6, heavy=6, scorer="h2o"
-    ),
-    "nvfp4-rotated": Spec(
-        key_format="nvfp4", value_format="mxfp4", rotate="keys-values", residual=3
-    ),
+    "fp8-head+h2o": Spec(key_format="e4m3", value_format="e5m2", sink=2, recent=6, heavy=6, scorer="h2o"),
+    "nvfp4-rotated": Spec(key_format="nvfp4", value_format="mxfp4", rotate="keys-values", residual=3),
     "int2-rotated-hf": Spec(
-        key_bits=2,
-        value_bits=4,
-        key_axis="token",
-        group_size=16,
-        rotate="keys",
-        residual=5,
-        residual_mode="hf",
+        key_bits=2, value_bits=4, key_axis="token", group_size=16, rotate="keys", residual=5, residual_mode="hf"
     ),
     "fp8-tensor+streaming": Spec(
-        key_format="e4m3",
-        value_format="e4m3",
-        fp8_scale="tensor",
-        sink=4,
-        recent=10,
-        scorer="streaming",
+        key_format="e4m3", value_format="e4m3", fp8_scale="tensor", sink=4, recent=10, scorer="streaming"
     ),
 }
 
@@ -87,9 +72,5 @@ def test_memory_follows_the_format_bytes(tiny):
 
     ref = reference(model, Chars(), ids[:40], 20, 20)
     q = evaluate(model, ref, Spec(key_format="e4m3", value_format="e4m3"))
-    assert q.memory_ratio == pytest.approx(
-        0.5 + 2 * 4 / (q.total_tokens * 32 * 2 * 2)
-    )  # + one FP32 scale a head
-    assert evaluate(
-        model, ref, Spec(key_format="mxfp4", value_format="mxfp4")
-    ).memory_ratio == pytest.approx(4.25 / 16)
+    assert q.memory_ratio == pytest.approx(0.5 + 2 * 4 / (q.total_tokens * 32 * 2 * 2))  # + one FP32 scale a head
+    assert evaluate(model, ref, Spec(key_format="mxfp4", value_format="mxfp4")).memory_ratio == pytest.approx(4.25 / 16)

@@ -48,20 +48,12 @@ def test_fp8_costs_a_byte_a_value_plus_its_scales_in_the_ledger():
 def test_adakv_refuses_formats_that_quantize_heads_together():
     with pytest.raises(SpecError, match="AdaKV"):
         Spec(sink=2, recent=6, heavy=10, scorer="snapkv", allocation="adakv", key_format="e4m3")
-    Spec(
-        sink=2, recent=6, heavy=10, scorer="snapkv", allocation="adakv", key_bits=4, value_bits=4
-    )  # integer: fine
+    Spec(sink=2, recent=6, heavy=10, scorer="snapkv", allocation="adakv", key_bits=4, value_bits=4)  # integer: fine
     trace = random_trace(5)
     c = compare(
         trace,
         Spec(
-            sink=2,
-            recent=6,
-            heavy=10,
-            scorer="snapkv",
-            allocation="pyramid",
-            key_format="nvfp4",
-            value_format="nvfp4",
+            sink=2, recent=6, heavy=10, scorer="snapkv", allocation="pyramid", key_format="nvfp4", value_format="nvfp4"
         ),
         View(layer=1),
     )

@@ -35,15 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SAMPLE = gen.SAMPLE_TEXT_FILE
 ALL_SCORERS = ("h2o", "tova", "snapkv", "streaming", "oracle", "knorm", "random")
 # the numbers of a quality evaluation (Quality.as_dict and `kvviz eval --json`)
-QUALITY_KEYS = (
-    "perplexity",
-    "perplexity_full",
-    "kl_mean",
-    "kl_max",
-    "top1_agreement",
-    "kv_bytes",
-    "compression_ratio",
-)
+QUALITY_KEYS = ("perplexity", "perplexity_full", "kl_mean", "kl_max", "top1_agreement", "kv_bytes", "compression_ratio")
 
 
 # --- a tiny random Llama (the `tiny` fixture, conftest.tiny_llama) ---------------------------------
@@ -96,14 +88,7 @@ def test_every_scorer_deleting_equals_masking(tiny, scorer):
 
 @pytest.mark.parametrize(
     "scorer, normalized",
-    [
-        ("h2o", False),
-        ("h2o", True),
-        ("tova", False),
-        ("snapkv", False),
-        ("streaming", False),
-        ("knorm", False),
-    ],
+    [("h2o", False), ("h2o", True), ("tova", False), ("snapkv", False), ("streaming", False), ("knorm", False)],
 )
 def test_real_run_makes_the_policies_own_decisions(tiny, scorer, normalized):
     """Replay the run's own queries through Policy.keep_masks: same kept set at every step."""
@@ -129,9 +114,7 @@ def test_real_run_makes_the_policies_own_decisions(tiny, scorer, normalized):
 def test_quantized_cache_is_quantize_of_what_is_kept(tiny, monkeypatch, axes, scorer):
     """The incremental quantizer equals kvviz.quant.quantize of the kept K/V at every step."""
     model, ids = tiny
-    spec = two_and_three_bit_spec(
-        axes, **(dict(sink=2, recent=5, heavy=6, scorer=scorer) if scorer else {})
-    )
+    spec = two_and_three_bit_spec(axes, **(dict(sink=2, recent=5, heavy=6, scorer=scorer) if scorer else {}))
     checked = check_every_quantization(monkeypatch)
     logits, _, _ = decode(model, ids[:20], spec, 25, feed=ids[20:45])
     assert len(checked) == 2 * 2 * 25 and max(checked) > spec.group_size + spec.residual
@@ -163,10 +146,7 @@ def test_first_divergence():
 def test_length_caps_say_what_to_change():
     with pytest.raises(SpecError, match="capped at"):
         gen.check_lengths(10**6, gen.MAX_PROMPT_TOKENS + 1, 10)
-    assert gen.check_lengths(10**5, 32_768, 8) == (
-        32_768,
-        8,
-    )  # no 2,048 cap: the model and the budget decide
+    assert gen.check_lengths(10**5, 32_768, 8) == (32_768, 8)  # no 2,048 cap: the model and the budget decide
     with pytest.raises(SpecError, match="nothing is left"):
         gen.check_lengths(50, 50, None)
     with pytest.raises(SpecError, match="continuation is capped"):
@@ -259,9 +239,7 @@ def test_bundled_side_by_side(bundled):
     prompt = "The lighthouse keeper wrote in his log that"
     same = side_by_side(model, tokenizer, prompt, Spec(), max_new_tokens=10)
     assert same.first_divergence is None and same.full_ids == same.compressed_ids
-    tiny = side_by_side(
-        model, tokenizer, prompt, Spec(sink=0, recent=2, scorer="streaming"), max_new_tokens=10
-    )
+    tiny = side_by_side(model, tokenizer, prompt, Spec(sink=0, recent=2, scorer="streaming"), max_new_tokens=10)
     assert tiny.full_ids == same.full_ids
     # the first token comes from the prefill, before compression: always the same
     assert tiny.compressed_ids[0] == tiny.full_ids[0]
@@ -290,9 +268,7 @@ def test_other_threads_sharing_the_model_get_the_plain_model(tiny):
             t.start()
             t.join()
 
-    compressed, _, _ = decode(
-        model, ids[:20], Spec(sink=2, recent=4), 5, feed=ids[20:25], on_step=on_step
-    )
+    compressed, _, _ = decode(model, ids[:20], Spec(sink=2, recent=4), 5, feed=ids[20:25], on_step=on_step)
     assert len(seen) == 1 and torch.allclose(seen[0], expected, atol=1e-5)
     reference_run, _, _ = decode(model, ids[:20], Spec(sink=2, recent=4), 5, feed=ids[20:25])
     assert torch.allclose(compressed, reference_run, atol=1e-6)
@@ -367,9 +343,7 @@ def test_cli_eval_json_and_sweep_csv(bundled, capsys, monkeypatch, tmp_path):
     for key in QUALITY_KEYS:
         assert isinstance(d[key], float), key
     assert d["prompt_tokens"] == 64 and d["continuation_tokens"] == 12 and d["kept_tokens"] == 20
-    assert (
-        len(d["per_token"]["kl"]) == 12 and d["per_token"]["kl"][0] < 1e-6
-    )  # token 0: the prefill
+    assert len(d["per_token"]["kl"]) == 12 and d["per_token"]["kl"][0] < 1e-6  # token 0: the prefill
     # 75 -> 20 tokens; 4-bit plus a 16-bit scale and 16-bit float offset per group: keys per
     # channel (20 kept tokens < one group of 32: KIVI keeps the partial group at 16 bits), values
     # per token (groups of 32 channels: 4 + 32 / 32 = 5 bits a value)
@@ -397,13 +371,7 @@ def test_cli_eval_json_and_sweep_csv(bundled, capsys, monkeypatch, tmp_path):
     import csv
 
     rows = list(csv.DictReader(open(csv_path)))
-    assert [r["method"] for r in rows] == [
-        "streaming",
-        "streaming",
-        "recent-only",
-        "recent-only",
-        "kv-4bit",
-    ]
+    assert [r["method"] for r in rows] == ["streaming", "streaming", "recent-only", "recent-only", "kv-4bit"]
     assert float(rows[0]["memory_ratio"]) < float(rows[1]["memory_ratio"]) < 1.0
 
 
@@ -431,13 +399,7 @@ def test_rerotated_keys_give_the_logits_of_cache_slot_positions(tiny):
     k_true = at(k_raw, kept)
     q_true = at(q_raw[:, None], np.full((H, 1), p))[:, 0]
     cache = CompressedCache(
-        Spec(sink=1, recent=4, heavy=2, positions="cache"),
-        1,
-        H,
-        H,
-        D,
-        capacity=16,
-        inv_freq=rope_inv_freq(model),
+        Spec(sink=1, recent=4, heavy=2, positions="cache"), 1, H, H, D, capacity=16, inv_freq=rope_inv_freq(model)
     )
     ours = (q_true[:, None] * cache._rerotated(k_true, kept, p)).sum(-1)
     k_slot = at(k_raw, np.tile(np.arange(m), (H, 1)))

@@ -21,12 +21,7 @@ def replay(cache, spec, n, steps):
     for layer in range(trace.n_layers):
         if get_policy(spec.scorer).needs_query:
             expected = np.stack(
-                [
-                    np.pad(
-                        kept_at_query(trace, spec, layer, int(p)), ((0, 0), (0, n + steps - p - 1))
-                    )
-                    for p in positions
-                ]
+                [np.pad(kept_at_query(trace, spec, layer, int(p)), ((0, 0), (0, n + steps - p - 1))) for p in positions]
             )
         else:
             expected = keep_masks(trace, spec, layer, positions)
@@ -76,9 +71,7 @@ def test_decode_makes_the_engines_decisions(tiny, scorer, allocation):  # noqa: 
     elif scorer == "quest":  # per query head: a KV head serves its group's union (replayed above)
         held = np.stack([h.sum(axis=2) for h in hist])
         assert allocation == "adakv" or ((held >= spec.budget).all() and (held > spec.budget).any())
-    elif (
-        scorer == "chunkkv"
-    ):  # whole chunks at the compression point; arrivals fill up to the budget
+    elif scorer == "chunkkv":  # whole chunks at the compression point; arrivals fill up to the budget
         assert all((h.sum(axis=2) <= spec.budget).all() for h in hist)
     else:
         assert all((h.sum(axis=2).sum(axis=1) == 2 * spec.budget).all() for h in hist)  # per layer
@@ -93,15 +86,11 @@ def test_adakv_heads_hold_different_lengths_and_the_ragged_attention_is_exact(ti
     got, _, cache = decode(model, ids[:n], spec, steps, feed=ids[n : n + steps], record=True)
     lengths = {len(k) for layer in cache.heads_kept for k in layer}
     assert len(lengths) > 1, "AdaKV gave every head the same budget on this run"
-    ref, _, _ = decode(
-        model, ids[:n], spec.with_(allocation="uniform", heavy=200), steps, feed=ids[n : n + steps]
-    )
+    ref, _, _ = decode(model, ids[:n], spec.with_(allocation="uniform", heavy=200), steps, feed=ids[n : n + steps])
     assert (got - ref).abs().max() > 1e-3  # something was evicted
     even = spec.with_(adakv_alpha=1.0)
     ragged, _, c1 = decode(model, ids[:n], even, steps, feed=ids[n : n + steps])
-    uniform, _, c2 = decode(
-        model, ids[:n], even.with_(allocation="uniform"), steps, feed=ids[n : n + steps]
-    )
+    uniform, _, c2 = decode(model, ids[:n], even.with_(allocation="uniform"), steps, feed=ids[n : n + steps])
     assert type(c1).__name__ == "RaggedCache" and type(c2).__name__ == "CompressedCache"
     assert torch.allclose(ragged, uniform, atol=1e-5)
 
@@ -129,8 +118,7 @@ def test_quantized_ragged_cache_runs(tiny):  # noqa: F811
     exact = memory_for(cache.trace, spec, cache.n_tokens, counts).kv_bytes
     assert exact == pytest.approx(
         sum(
-            memory_for(cache.trace, spec, cache.n_tokens, np.full_like(counts, k)).kv_bytes
-            / counts.size
+            memory_for(cache.trace, spec, cache.n_tokens, np.full_like(counts, k)).kv_bytes / counts.size
             for k in counts.ravel()
         )
     )

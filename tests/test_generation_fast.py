@@ -25,26 +25,8 @@ ONE_SHOT = [
     Spec(key_bits=2, value_bits=2, group_size=4, residual=3),  # KIVI axes
     Spec(key_bits=2, value_bits=4, key_axis="token", group_size=8, residual=0),
     Spec(key_bits=3, value_bits=2, group_size=4, residual=2, partial="quantize", symmetric=True),
-    Spec(
-        sink=2,
-        recent=6,
-        heavy=6,
-        scorer="snapkv",
-        key_bits=2,
-        value_bits=2,
-        group_size=4,
-        residual=2,
-    ),
-    Spec(
-        sink=2,
-        recent=5,
-        heavy=7,
-        scorer="knorm",
-        key_bits=4,
-        value_bits=4,
-        key_axis="token",
-        group_size=8,
-    ),
+    Spec(sink=2, recent=6, heavy=6, scorer="snapkv", key_bits=2, value_bits=2, group_size=4, residual=2),
+    Spec(sink=2, recent=5, heavy=7, scorer="knorm", key_bits=4, value_bits=4, key_axis="token", group_size=8),
     Spec(sink=4, recent=8, scorer="streaming", positions="cache"),
     Spec(),
 ]
@@ -56,9 +38,7 @@ def test_one_masked_pass_equals_the_step_loop(tiny, spec):
     n, steps = 24, 30
     loop, _, c1 = decode(model, ids[:n], spec, steps, feed=ids[n : n + steps])
     pre = prefill(model, ids[: n + steps + 1])
-    fast, fed, c2 = decode(
-        model, ids[:n], spec, steps, feed=ids[n : n + steps], prefix=pre, block=True
-    )
+    fast, fed, c2 = decode(model, ids[:n], spec, steps, feed=ids[n : n + steps], prefix=pre, block=True)
     assert c2.block, "the one-shot spec did not take the masked pass"
     assert fed == ids[n : n + steps] and fast.shape == loop.shape == (steps + 1, 97)
     assert (fast - loop).abs().max() < 1e-5
@@ -81,9 +61,7 @@ def test_one_masked_pass_equals_the_step_loop(tiny, spec):
 def test_streaming_policies_keep_the_step_loop(tiny, spec):
     model, ids = tiny
     loop, _, _ = decode(model, ids[:24], spec, 12, feed=ids[24:36])
-    fast, _, cache = decode(
-        model, ids[:24], spec, 12, feed=ids[24:36], prefix=prefill(model, ids[:40]), block=True
-    )
+    fast, _, cache = decode(model, ids[:24], spec, 12, feed=ids[24:36], prefix=prefill(model, ids[:40]), block=True)
     assert not cache.block
     assert (fast - loop).abs().max() < 1e-5
 
@@ -97,16 +75,12 @@ def test_shared_prefill_is_the_prompts_own_prefill(tiny):
     assert (pre.logits - own).abs().max() < 1e-4  # our attention = the model's eager one
     short = prefill(model, ids[:20])
     assert (pre.logits[:20] - short.logits).abs().max() < 1e-5
-    assert torch.allclose(pre.k[:, :, :20], short.k, atol=1e-5) and np.allclose(
-        pre.q[:, :, :20], short.q, atol=1e-5
-    )
+    assert torch.allclose(pre.k[:, :, :20], short.k, atol=1e-5) and np.allclose(pre.q[:, :, :20], short.q, atol=1e-5)
     assert pre.covers(ids[:20]) and not pre.covers(ids[1:21]) and not pre.covers(ids[:51])
     # a greedy run from the shared prefill gives the same tokens as one that runs its own
     spec = Spec(sink=2, recent=4, scorer="streaming")
     streamed = []
-    got = gen.greedy(
-        model, ids[:20], spec, 10, prefix=pre, on_token=lambda i, t: streamed.append((i, t))
-    )
+    got = gen.greedy(model, ids[:20], spec, 10, prefix=pre, on_token=lambda i, t: streamed.append((i, t)))
     assert got == gen.greedy(model, ids[:20], spec, 10)
     assert streamed == list(enumerate(got))
 
@@ -148,11 +122,7 @@ def test_batched_runs_equal_separate_runs(tiny):
     run in one batched loop give what each gives alone."""
     model, ids = tiny
     n = 24
-    specs = [
-        Spec(),
-        Spec(sink=2, recent=4, scorer="streaming"),
-        Spec(sink=2, recent=5, heavy=7, scorer="h2o"),
-    ]
+    specs = [Spec(), Spec(sink=2, recent=4, scorer="streaming"), Spec(sink=2, recent=5, heavy=7, scorer="h2o")]
     steps, feeds = [7, 7, 15], [None, None, ids[n : n + 15]]
     seen = []
     out = gen.decode_many(

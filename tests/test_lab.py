@@ -49,10 +49,7 @@ def lab_dir(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "spec",
-    [
-        Spec(sink=2, recent=6, heavy=4, scorer="snapkv"),
-        Spec(sink=2, recent=6, heavy=4, scorer="h2o"),
-    ],
+    [Spec(sink=2, recent=6, heavy=4, scorer="snapkv"), Spec(sink=2, recent=6, heavy=4, scorer="h2o")],
     ids=lambda s: s.scorer,
 )
 def test_a_run_equals_the_separate_functions(tiny, spec):
@@ -65,17 +62,10 @@ def test_a_run_equals_the_separate_functions(tiny, spec):
     np.testing.assert_allclose(result.quality.nll, q.nll, atol=1e-5)
     np.testing.assert_allclose(result.quality.kl, q.kl, atol=1e-5)
     pair = gen.side_by_side(model, Tok(), ids[:24], spec, 8)
-    assert (
-        result.pair.full_ids == pair.full_ids and result.pair.compressed_ids == pair.compressed_ids
-    )
+    assert result.pair.full_ids == pair.full_ids and result.pair.compressed_ids == pair.compressed_ids
     assert tuple(streamed) == pair.compressed_ids
     assert lab.full_cached(model, Tok(), settings)  # the full-cache side is kept per text
-    again = lab.run(
-        model,
-        Tok(),
-        "tiny",
-        settings.__class__(**{**settings.__dict__, "spec": Spec(sink=1, recent=4)}),
-    )
+    again = lab.run(model, Tok(), "tiny", settings.__class__(**{**settings.__dict__, "spec": Spec(sink=1, recent=4)}))
     assert again.pair.full_ids == pair.full_ids
     assert labstore.estimate(settings) > 0  # measured step times now exist
 
@@ -83,11 +73,7 @@ def test_a_run_equals_the_separate_functions(tiny, spec):
 @pytest.mark.parametrize(
     "n_ids, asked, fitted",
     [
-        (
-            177,
-            (206, 57),
-            (120, 57),
-        ),  # the Bakery story at the page's defaults: the continuation kept
+        (177, (206, 57), (120, 57)),  # the Bakery story at the page's defaults: the continuation kept
         (300, (206, 57), (206, 57)),  # a longer text: unchanged
         (207, (206, 57), (206, 57)),  # one token left to score is enough: unchanged
         (206, (206, 57), (149, 57)),
@@ -119,19 +105,14 @@ def test_a_text_shorter_than_the_prompt_runs_on_the_fitted_settings_and_says_wha
 @pytest.mark.parametrize("point", ["before-question", "after-question"])
 @pytest.mark.parametrize(
     "spec",
-    [
-        Spec(sink=2, recent=6, heavy=4, scorer="snapkv"),
-        Spec(sink=2, recent=6, heavy=4, scorer="h2o"),
-    ],
+    [Spec(sink=2, recent=6, heavy=4, scorer="snapkv"), Spec(sink=2, recent=6, heavy=4, scorer="h2o")],
     ids=lambda s: s.scorer,
 )
 def test_a_run_with_a_question_equals_the_separate_functions(tiny, spec, point):
     """A question after the context: the batched lab loop (question fed first when compressing before it) gives
     what evaluate and side_by_side give alone, and streams the answer from its first token."""
     model, text = tiny
-    settings = labsettings.LabSettings(
-        "tiny", text, 20, 16, 6, spec, question="3 1 4 1 5", question_point=point
-    )
+    settings = labsettings.LabSettings("tiny", text, 20, 16, 6, spec, question="3 1 4 1 5", question_point=point)
     streamed = []
     result = lab.run(model, Tok(), "tiny", settings, on_token=lambda i, t: streamed.append((i, t)))
     ids = Tok()(text)["input_ids"]
@@ -143,14 +124,9 @@ def test_a_run_with_a_question_equals_the_separate_functions(tiny, spec, point):
     q = gen.evaluate(model, ref, spec, block=False, question_point=point)
     np.testing.assert_allclose(result.quality.nll, q.nll, atol=1e-5)
     np.testing.assert_allclose(result.quality.kl, q.kl, atol=1e-5)
-    assert (
-        result.quality.as_dict()["compressed_at"] == c
-        and result.quality.as_dict()["question_tokens"] == 5
-    )
+    assert result.quality.as_dict()["compressed_at"] == c and result.quality.as_dict()["question_tokens"] == 5
     pair = gen.side_by_side(model, Tok(), list(ref.ids[:25]), spec, 6, compress_at=c)
-    assert (
-        result.pair.full_ids == pair.full_ids and result.pair.compressed_ids == pair.compressed_ids
-    )
+    assert result.pair.full_ids == pair.full_ids and result.pair.compressed_ids == pair.compressed_ids
     assert streamed == list(enumerate(pair.compressed_ids))
     assert len(pair.compressed_ids) == 6 and result.prompt_text == "".join(ref.tokens[:25])
 
@@ -174,9 +150,7 @@ def test_compressing_before_the_question_decodes_it_through_the_compressed_cache
 
 def test_a_callback_can_cancel_a_run(tiny):
     model, text = tiny
-    settings = labsettings.LabSettings(
-        "tiny", text, 24, 20, 12, Spec(sink=2, recent=4, scorer="h2o")
-    )
+    settings = labsettings.LabSettings("tiny", text, 24, 20, 12, Spec(sink=2, recent=4, scorer="h2o"))
 
     def stop(i, t):
         if i == 4:
@@ -198,17 +172,10 @@ def test_results_round_trip_through_json(tiny):
     assert path.is_file() and path.read_text().startswith("{")  # JSON, not a pickle
     back = labstore.load_result(settings)
     q, b = result.quality, back.quality
-    assert (
-        b.spec == q.spec
-        and b.tokens == q.tokens
-        and np.array_equal(b.nll, q.nll)
-        and np.array_equal(b.kl, q.kl)
-    )
+    assert b.spec == q.spec and b.tokens == q.tokens and np.array_equal(b.nll, q.nll) and np.array_equal(b.kl, q.kl)
     assert b.as_dict() == q.as_dict()
     assert back.pair == result.pair and back.precomputed
-    other = labsettings.LabSettings(
-        "tiny", text, 24, 20, 6, Spec(sink=2, recent=6, heavy=4, scorer="knorm")
-    )
+    other = labsettings.LabSettings("tiny", text, 24, 20, 6, Spec(sink=2, recent=6, heavy=4, scorer="knorm"))
     assert labstore.load_result(other) is None  # keyed by the settings
     path.write_text("{broken")
     assert labstore.load_result(settings) is None
@@ -221,10 +188,7 @@ def test_the_page_opens_on_the_stored_default_result(tiny, monkeypatch):
 
     model, text = tiny
     tiny_result = lab.run(
-        model,
-        Tok(),
-        "tiny",
-        labsettings.LabSettings("tiny", text, 24, 20, 6, Spec(sink=4, recent=8)),
+        model, Tok(), "tiny", labsettings.LabSettings("tiny", text, 24, 20, 6, Spec(sink=4, recent=8))
     )
     default = labsettings.default_settings()
     labstore.save_result(default, dataclasses.replace(tiny_result, model="stored model"))
@@ -244,12 +208,7 @@ def test_the_estimate_is_the_median_of_the_last_runs_of_the_same_size():
     labstore.record_time("step", 0.01)
     labstore.record_time("forward_token", 0.001)
     by_steps = labstore.step_estimate(settings)
-    assert labstore.estimate(settings) == pytest.approx(by_steps) and labstore.recent_runs(
-        settings
-    ) == (
-        None,
-        0,
-    )
+    assert labstore.estimate(settings) == pytest.approx(by_steps) and labstore.recent_runs(settings) == (None, 0)
     for seconds in (90.0, 6.0, 7.0):
         labstore.record_run(settings, seconds)
     assert labstore.recent_runs(settings) == (7.0, 3) and labstore.estimate(settings) == 7.0
@@ -277,12 +236,7 @@ def test_the_estimate_is_the_median_of_the_last_runs_of_the_same_size():
     assert labsettings.one_pass(stepwise.spec) != labsettings.one_pass(Spec())
     assert labstore.recent_runs(
         labsettings.LabSettings(
-            settings.model,
-            settings.text,
-            settings.prompt_tokens,
-            settings.continuation,
-            settings.greedy_tokens,
-            Spec(),
+            settings.model, settings.text, settings.prompt_tokens, settings.continuation, settings.greedy_tokens, Spec()
         )
     ) == (None, 0)
 
@@ -309,9 +263,7 @@ def test_the_page_says_where_its_estimate_comes_from_and_when_the_server_is_busy
     for seconds in (12.0, 95.0, 14.0):
         labstore.record_run(labsettings.default_settings(), seconds)
     text = caption(run_app(LAB_PAGE, 120))
-    assert text.startswith(
-        "About 14 s (the median of the last 3 runs of this size on this server)"
-    ), text
+    assert text.startswith("About 14 s (the median of the last 3 runs of this size on this server)"), text
     assert "busy" not in text
     busy = guard.Pool(4)  # another visitor's run holds a slot of this server
     busy.acquire(object(), lambda: None)

@@ -49,10 +49,7 @@ def test_a_timeline_and_an_ensemble_over_layers_say_the_models_numbers(two_layer
 def test_the_heatmap_names_its_rows_by_the_numbers_it_is_given():
     grid = np.arange(6.0).reshape(2, 3)
     fig = grids.heatmap_figure(grid, "t", "v", layers=(3, 15))
-    assert (
-        list(fig.data[0].y) == ["3", "15"]
-        and fig.layout.yaxis.title.text == "layer (the model's number)"
-    )
+    assert list(fig.data[0].y) == ["3", "15"] and fig.layout.yaxis.title.text == "layer (the model's number)"
     assert list(grids.heatmap_figure(grid, "t", "v").data[0].y) == ["0", "1"]
     with pytest.raises(ValueError, match="2 rows"):
         grids.heatmap_figure(grid, "t", "v", layers=(3,))

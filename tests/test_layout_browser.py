@@ -174,17 +174,13 @@ def check_page(page, name: str, width: int, height: int, found: dict) -> None:
     where = f"{name} at {width}x{height}"
     if (name, width) == ("Explorer", 1440):  # a laptop screen: the first chart starts on it
         box = page.locator('[data-testid="stPlotlyChart"]').first.bounding_box()
-        assert box["y"] + box["height"] / 3 < height, (
-            f"the Explorer's first chart starts at y={box['y']:.0f}"
-        )
+        assert box["y"] + box["height"] / 3 < height, f"the Explorer's first chart starts at y={box['y']:.0f}"
     errors = page.locator('[data-testid="stAlertContentError"], [data-testid="stException"]')
     if errors.count():  # every page at its defaults runs without an error
         found[where] = [f"an error box: {errors.first.inner_text()[:200]}"]
     if name in PRESENTED and width == 1024:
         box = page.locator(".js-plotly-plot").filter(has_text=PRESENTED[name]).first.bounding_box()
-        assert 0 <= box["y"] and box["y"] + box["height"] / 2 <= height, (
-            f"{name}: the chart is at {box}"
-        )
+        assert 0 <= box["y"] and box["y"] + box["height"] / 2 <= height, f"{name}: the chart is at {box}"
         small = page.evaluate(SMALL_TEXT_JS, [PRESENTED[name], 15.5])  # a projector's chart text
         if small:
             found[f"{name}: chart text under 16 px"] = small
@@ -207,25 +203,19 @@ def test_no_text_overlaps_or_is_cut_on_any_page(page, app_url, quarter_study, la
     page.set_viewport_size({"width": width, "height": height})
     page.goto(f"{app_url}/?study={quarter_study}")
     for name, marker in PAGES:
-        if (
-            name == "Model lab, presenting" and not lab_result
-        ):  # its result first: nothing to draw without one
+        if name == "Model lab, presenting" and not lab_result:  # its result first: nothing to draw without one
             continue
         if name == "Presentation mode":  # the Explorer as a lecture shows it
             page.goto(f"{app_url}/?present=1&study={quarter_study}")
         elif name.endswith(", presenting"):  # presentation mode is kept across pages
-            page.locator('[data-testid="stSidebarNav"]').get_by_role(
-                "link", name=name.split(",")[0]
-            ).click()
+            page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=name.split(",")[0]).click()
         elif name != "Explorer":
             page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=name).click()
         if marker:
             expect(page.locator(".js-plotly-plot").filter(has_text=marker).first).to_be_visible()
         elif name == "Model lab":
             expect(
-                page.get_by_role(
-                    "button", name="Run again (live)" if lab_result else "Run the model"
-                )
+                page.get_by_role("button", name="Run again (live)" if lab_result else "Run the model")
             ).to_be_visible()
             if lab_result:
                 expect(page.locator(".js-plotly-plot").first).to_be_visible()
@@ -234,9 +224,7 @@ def test_no_text_overlaps_or_is_cut_on_any_page(page, app_url, quarter_study, la
         if not name.endswith(", presenting"):
             for size in (laptop, (width, height)):  # widened, measured, and back for the next page
                 page.set_viewport_size({"width": size[0], "height": size[1]})
-                page.wait_for_timeout(
-                    300
-                )  # the charts' resize handlers run after the window's event
+                page.wait_for_timeout(300)  # the charts' resize handlers run after the window's event
                 idle(page)
                 if size == laptop:
                     check_page(page, name, *laptop, found)

@@ -21,11 +21,7 @@ def test_each_task_scores_exactly_its_key():
     digits, word = TASKS["multikey"], TASKS["qa"]
     assert digits.score(" 48213. Remember", "48213") and not digits.score(" 4821 3", "48213")
     assert not digits.score("The key is 48212", "48213")
-    assert (
-        word.score(" Mango.", "Mango")
-        and word.score("mango", "Mango")
-        and not word.score(" a mango", "Mango")
-    )
+    assert word.score(" Mango.", "Mango") and word.score("mango", "Mango") and not word.score(" a mango", "Mango")
 
 
 def test_instances_are_seeded_and_the_pass_key_is_the_needle_tests_own():
@@ -48,10 +44,7 @@ def test_the_request_is_checked_before_any_model():
         lb.BoardRequest(ratios=[1.0]).check()
     with pytest.raises(SpecError, match="unknown scorer 'bogus'"):
         lb.BoardRequest(methods=["bogus"]).check()
-    assert (
-        len(lb.METHODS) >= 15
-        and lb.BoardRequest().n_cells == 2 * 6 * (1 + 4 * len(lb.METHODS)) == 924
-    )
+    assert len(lb.METHODS) >= 15 and lb.BoardRequest().n_cells == 2 * 6 * (1 + 4 * len(lb.METHODS)) == 924
 
 
 def test_a_method_that_keeps_its_own_count_is_set_for_the_budget():
@@ -64,9 +57,9 @@ def test_a_method_that_keeps_its_own_count_is_set_for_the_budget():
     thresholds = [spec_for("threshold", f, 16, 256).threshold for f in (0.125, 0.25, 0.5, 0.75)]
     assert all(a > b for a, b in zip(thresholds, thresholds[1:]))
     # a budget method's spec is not changed
-    assert get_policy("snapkv").fit_budget(
-        Spec(sink=4, recent=8, heavy=8, scorer="snapkv"), 20, 100
-    ) == Spec(sink=4, recent=8, heavy=8, scorer="snapkv")
+    assert get_policy("snapkv").fit_budget(Spec(sink=4, recent=8, heavy=8, scorer="snapkv"), 20, 100) == Spec(
+        sink=4, recent=8, heavy=8, scorer="snapkv"
+    )
 
 
 def test_the_study_file_runs_the_leaderboards_cells():
@@ -98,9 +91,7 @@ def test_cli_errors_are_one_line_before_any_model_loads(capsys, monkeypatch):
 
 # --- the bundled model ---------------------------------------------------------------------
 
-SMALL = lb.BoardRequest(
-    methods=["snapkv", "duo_attention"], ratios=[0.5], tasks=["passkey", "qa"], depths=[0.5]
-)
+SMALL = lb.BoardRequest(methods=["snapkv", "duo_attention"], ratios=[0.5], tasks=["passkey", "qa"], depths=[0.5])
 
 
 @pytest.fixture(scope="module")
@@ -112,16 +103,8 @@ def board(tmp_path_factory):
     mp.setenv("KVVIZ_CACHE_DIR", str(tmp_path_factory.mktemp("leaderboard-cache")))
     heard = []
     try:
-        fresh = lb.run(
-            model, tokenizer, "bundled", SMALL, progress=lambda f, m: heard.append((f, m))
-        )
-        again = lb.run(
-            None,
-            None,
-            "bundled",
-            SMALL,
-            load=lambda: pytest.fail("a cached rerun loaded the model"),
-        )
+        fresh = lb.run(model, tokenizer, "bundled", SMALL, progress=lambda f, m: heard.append((f, m)))
+        again = lb.run(None, None, "bundled", SMALL, load=lambda: pytest.fail("a cached rerun loaded the model"))
     finally:
         mp.undo()
     return fresh, again, heard
@@ -148,9 +131,7 @@ def test_the_ratio_reached_is_what_the_caches_hold(board):
         assert rows[(protocol, "full")]["ratio_reached"] == 0.0
     # question-aware: the budget is the prompt's half, to rounding; DuoAttention about it (whole heads)
     assert rows[("question-aware", "snapkv")]["ratio_reached"] == pytest.approx(0.5, abs=0.01)
-    assert rows[("question-aware", "duo_attention")]["ratio_reached"] == pytest.approx(
-        0.5, abs=0.05
-    )
+    assert rows[("question-aware", "duo_attention")]["ratio_reached"] == pytest.approx(0.5, abs=0.05)
     table = lb.format_board(fresh)
     assert "question-aware" in table and "query-agnostic" in table and "snapkv" in table
     rows_csv = list(csv.DictReader(io.StringIO(fresh.to_csv())))
@@ -188,11 +169,7 @@ def test_the_shipped_board_is_the_default_request_complete():
     }
     assert all(s["cells"] == len(req.tasks) * len(req.depths) for s in scores)
     budgeted = [s for s in scores if s["method"] in ("snapkv", "streaming", "adakv-snapkv")]
-    assert all(
-        abs(s["ratio_reached"] - s["ratio"]) < 0.02
-        for s in budgeted
-        if s["protocol"] == "question-aware"
-    )
+    assert all(abs(s["ratio_reached"] - s["ratio"]) < 0.02 for s in budgeted if s["protocol"] == "question-aware")
 
 
 def test_the_trade_offs_page_shows_the_board_when_opened():

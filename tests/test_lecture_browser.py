@@ -36,9 +36,7 @@ CHART_JS = """(title) => {
 
 def main_slider(page, label):
     return page.locator('[data-testid="stMain"] [data-testid="stSlider"]').filter(
-        has=page.locator(
-            '[data-testid="stWidgetLabel"]', has_text=re.compile(f"^{re.escape(label)}$")
-        )
+        has=page.locator('[data-testid="stWidgetLabel"]', has_text=re.compile(f"^{re.escape(label)}$"))
     )
 
 
@@ -58,14 +56,8 @@ def test_presentation_mode_is_one_lecture_screen(page, app_url):
         box = main_slider(page, label).bounding_box()
         assert box is not None and 0 <= box["y"] and box["y"] + box["height"] <= 768, (label, box)
     box = chart.bounding_box()
-    assert box["y"] >= 0 and box["y"] + box["height"] <= 768, (
-        f"the attention chart is not in the first screen: {box}"
-    )
-    lock = (
-        page.locator('[data-testid="stMain"] label')
-        .filter(has_text="Lock the charts' y-axes")
-        .locator("input")
-    )
+    assert box["y"] >= 0 and box["y"] + box["height"] <= 768, f"the attention chart is not in the first screen: {box}"
+    lock = page.locator('[data-testid="stMain"] label').filter(has_text="Lock the charts' y-axes").locator("input")
     assert lock.is_checked(), "the y-axes are locked by default in Presentation mode"
 
     before = page.evaluate(CHART_JS, ATTENTION)
@@ -77,9 +69,7 @@ def test_presentation_mode_is_one_lecture_screen(page, app_url):
         thumb.focus()
         thumb.press(key)
         page.wait_for_function(
-            "([title, data]) => { const p = ("
-            + CHART_JS
-            + ")(title); return p && p.data !== data; }",
+            "([title, data]) => { const p = (" + CHART_JS + ")(title); return p && p.data !== data; }",
             arg=[ATTENTION, before["data"]],
             timeout=TIMEOUT,
             polling=100,
@@ -87,9 +77,7 @@ def test_presentation_mode_is_one_lecture_screen(page, app_url):
         idle(page)
         assert thumb.evaluate("e => e.value") != was, f"{label} did not move"
         now = page.evaluate(CHART_JS, ATTENTION)
-        assert now["data"] != before["data"], (
-            f"moving {label} did not change the attention chart's data"
-        )
+        assert now["data"] != before["data"], f"moving {label} did not change the attention chart's data"
         assert now["range"] == before["range"], (
             f"the locked y-axis moved with {label}: {before['range']} -> {now['range']}"
         )

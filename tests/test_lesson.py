@@ -84,9 +84,7 @@ def test_a_link_reads_back_to_the_values_the_app_wrote():
         "symmetric": True,
     }
     query = encode_query(values)
-    assert (
-        "bits=4" in query and "symmetric=1" in query and "recent" not in query
-    )  # defaults are not written
+    assert "bits=4" in query and "symmetric=1" in query and "recent" not in query  # defaults are not written
     for link in (query, "?" + query, "http://lecture-hall:8501/?" + query):
         back, notes = parse_query(link)
         assert notes == [] and back == values
@@ -104,20 +102,13 @@ def test_a_link_reads_back_to_the_values_the_app_wrote():
 
 def test_a_bad_link_says_what_is_wrong():
     values, notes = parse_query("sink=abc&bits=11&utm=x&ens_size=99")
-    assert (
-        values["sink"] == PARAMS["sink"].default
-        and values["bits"] == 16
-        and values["ens_size"] == 32
-    )
+    assert values["sink"] == PARAMS["sink"].default and values["bits"] == 16 and values["ens_size"] == 32
     assert len(notes) == 4 and "`utm` is not a kvviz setting" in notes
 
 
 def test_linked_sources_are_the_apps():
     hb = source_from_values(defaults())
-    assert (
-        hb.label == "handbook example"
-        and hb.trace_for_seed(3).k.tobytes() == handbook_trace(seed=3).k.tobytes()
-    )
+    assert hb.label == "handbook example" and hb.trace_for_seed(3).k.tobytes() == handbook_trace(seed=3).k.tobytes()
     syn = source_from_values(synthetic_preset_values("topic shift"))
     assert syn.trace.n_positions == 512 + 48 and syn.label == "synthetic pattern (512 tokens)"
     assert (
@@ -158,9 +149,7 @@ def test_longer_sources_get_coarser_grids_so_the_page_stays_small():
 
 
 def test_grid_takes_the_current_setting_and_refuses_what_it_cannot_show():
-    grid, _ = lesson_grid(
-        544, Spec(sink=3, recent=100, heavy=0, key_bits=5, value_bits=5, symmetric=True)
-    )
+    grid, _ = lesson_grid(544, Spec(sink=3, recent=100, heavy=0, key_bits=5, value_bits=5, symmetric=True))
     assert grid == {
         "sink": (0, 1, 3, 4, 8, 16),
         "recent": (0, 16, 32, 64, 100, 128, 256, 512),
@@ -229,13 +218,8 @@ def test_every_handbook_point_is_compare_bit_for_bit():
 
 def test_long_sources_are_binned_as_in_the_explorer():
     trace = make_synthetic(SyntheticSpec(context=300, steps=2, layers=1, q_heads=2, kv_heads=1))
-    view, base = (
-        View(ensemble="heads", ensemble_size=8),
-        Spec(sink=4, recent=32, heavy=16, key_bits=4, value_bits=4),
-    )
-    grid, start = lesson_grid(
-        302, base, {"sink": (4,), "recent": (0, 32), "heavy": (16,), "bits": (4, 16)}
-    )
+    view, base = (View(ensemble="heads", ensemble_size=8), Spec(sink=4, recent=32, heavy=16, key_bits=4, value_bits=4))
+    grid, start = lesson_grid(302, base, {"sink": (4,), "recent": (0, 32), "heavy": (16,), "bits": (4, 16)})
     lesson = compute_lesson(trace, base, view, grid, start)
     assert lesson.binned and lesson.columns == BIN_COLUMNS and lesson.members == 2
     for i, spec in enumerate(lesson.specs):
@@ -273,19 +257,10 @@ def handbook_page():
 def test_the_page_holds_the_lesson_exactly(handbook_page):
     page, lesson = handbook_page
     meta, arrays = page_data(page)
-    assert np.array_equal(arrays["rows"], lesson.rows) and np.array_equal(
-        arrays["row_of"], lesson.row_of
-    )
-    assert np.array_equal(arrays["marks"], lesson.marks) and np.array_equal(
-        arrays["mark_of"], lesson.mark_of
-    )
+    assert np.array_equal(arrays["rows"], lesson.rows) and np.array_equal(arrays["row_of"], lesson.row_of)
+    assert np.array_equal(arrays["marks"], lesson.marks) and np.array_equal(arrays["mark_of"], lesson.mark_of)
     assert meta["original"] == lesson.original.tolist() and meta["columns"] == list(TOKEN_COLUMNS)
-    assert [s["start"] for s in meta["sliders"]] == [
-        1,
-        1,
-        1,
-        1,
-    ]  # sink 4, recent 8, heavy 2, bits 4
+    assert [s["start"] for s in meta["sliders"]] == [1, 1, 1, 1]  # sink 4, recent 8, heavy 2, bits 4
     strings = arrays["strings"]
     for i in range(lesson.points):
         shown = {f: strings[arrays["text_of"][i, j]] for j, f in enumerate(FIELDS)}
@@ -296,23 +271,16 @@ def test_the_page_holds_the_lesson_exactly(handbook_page):
     assert "not quantized" not in strings[arrays["text_of"][i, FIELDS.index("warnings")]]
     start = lesson.index(sink=4, recent=8, heavy=2, bits=4)
     first = lesson.frame(start)
-    assert meta["first"]["marks"] == first.pop("reason").tolist() and meta["first"][
-        "text"
-    ] == point_texts(lesson, start)
+    assert meta["first"]["marks"] == first.pop("reason").tolist() and meta["first"]["text"] == point_texts(
+        lesson, start
+    )
     assert meta["first"]["columns"] == {k: v.tolist() for k, v in first.items()}
-    assert meta["link"]["query"] == {} and meta["link"]["defaults"] == {
-        "sink": 4,
-        "recent": 8,
-        "heavy": 2,
-        "bits": 16,
-    }
+    assert meta["link"]["query"] == {} and meta["link"]["defaults"] == {"sink": 4, "recent": 8, "heavy": 2, "bits": 16}
 
 
 def test_the_page_runs_only_its_own_script(handbook_page):
     page, _ = handbook_page
-    assert (
-        page.count("<script") == 3 and "alert(1)</script>" not in page
-    )  # the lecturer's text is data
+    assert page.count("<script") == 3 and "alert(1)</script>" not in page  # the lecturer's text is data
     policy = re.search(r'Content-Security-Policy" content="([^"]+)"', page).group(1)
     assert policy.startswith("default-src 'none'; script-src 'sha256-")
     script = re.search(r"<script>(.*)</script>", page, re.S).group(1)
@@ -332,26 +300,14 @@ def test_one_lesson_is_always_the_same_bytes(handbook_page):
 
 
 def small_grid_args():
-    return [
-        arg
-        for name, values in SMALL_GRID.items()
-        for arg in ("--grid", f"{name}={','.join(map(str, values))}")
-    ]
+    return [arg for name, values in SMALL_GRID.items() for arg in ("--grid", f"{name}={','.join(map(str, values))}")]
 
 
 def test_export_from_a_link(capsys, tmp_path):
     out = tmp_path / "lesson.html"
     link = "http://hall:8501/?sink=0&recent=8&heavy=8&bits=2&scorer=tova&ensemble=none"
     code, _, err = run_cli(
-        capsys,
-        "lesson",
-        "export",
-        "--out",
-        str(out),
-        "--from-url",
-        link,
-        "--quiet",
-        *small_grid_args(),
+        capsys, "lesson", "export", "--out", str(out), "--from-url", link, "--quiet", *small_grid_args()
     )
     assert code == 0 and f"wrote {out}" in err and "36 settings" in err
     meta, arrays = page_data(out.read_text())
@@ -364,9 +320,7 @@ def test_export_from_a_link(capsys, tmp_path):
     start = point(meta, sink=0, recent=8, heavy=8, bits=2)
     assert start == ((0 * 2 + 1) * 3 + 2) * 3 + 0
     comp = compare(
-        handbook_trace(),
-        Spec(recent=8, heavy=8, scorer="tova", key_bits=2, value_bits=2, partial="quantize"),
-        View(),
+        handbook_trace(), Spec(recent=8, heavy=8, scorer="tova", key_bits=2, value_bits=2, partial="quantize"), View()
     )
     row = arrays["rows"][arrays["row_of"][start]]
     assert np.array_equal(row[0], comp.primary.compressed)
@@ -379,13 +333,9 @@ def test_export_from_a_link(capsys, tmp_path):
 def test_export_a_real_models_trace(capsys, tmp_path):
     """A captured trace's layer and head; its token text goes into the page as data (escaped there)."""
     trace = make_synthetic(SyntheticSpec(context=40, steps=3, layers=2, q_heads=2, kv_heads=1))
-    tokens = ("<script>alert(1)</script>",) + tuple(
-        f" word{i}" for i in range(1, trace.n_positions)
-    )
+    tokens = ("<script>alert(1)</script>",) + tuple(f" word{i}" for i in range(1, trace.n_positions))
     trace = replace(
-        trace,
-        tokens=tokens,
-        meta={"source": "model", "model": "tiny-test", "prompt_tokens": 40, "new_tokens": 3},
+        trace, tokens=tokens, meta={"source": "model", "model": "tiny-test", "prompt_tokens": 40, "new_tokens": 3}
     )
     path = save_trace(trace, tmp_path / "t.safetensors")
     out = tmp_path / "real.html"
@@ -416,21 +366,13 @@ def test_export_a_real_models_trace(capsys, tmp_path):
     assert "<script>alert" not in page and page.count("<script") == 3
     meta, arrays = page_data(page)
     assert meta["labels"][0] == "<script>alert(1)</script>" and meta["text_tokens"] is True
-    assert (
-        meta["source"] == "tiny-test: 40 prompt tokens + 3 generated"
-        and "layer 1, query head 1" in meta["row"]
-    )
+    assert meta["source"] == "tiny-test: 40 prompt tokens + 3 generated" and "layer 1, query head 1" in meta["row"]
     comp = compare(
         trace,
         Spec(sink=1, recent=4, heavy=4, key_bits=3, value_bits=3, partial="quantize"),
         View(layer=1, head=1, ensemble="heads"),
     )
-    assert [s["values"] for s in meta["sliders"]] == [
-        [0, 1, 4],
-        [4, 8],
-        [0, 2, 4],
-        [3, 16],
-    ]  # + the defaults
+    assert [s["values"] for s in meta["sliders"]] == [[0, 1, 4], [4, 8], [0, 2, 4], [3, 16]]  # + the defaults
     i = point(meta, sink=1, recent=4, heavy=4, bits=3)
     assert np.array_equal(arrays["rows"][arrays["row_of"][i]][0], comp.primary.compressed)
 
@@ -462,11 +404,7 @@ def test_cli_compare_and_the_lesson_agree_on_the_handbooks_seeds(capsys):
         trace_for_seed=src.trace_for_seed,
     )
     data = json.loads(out)
-    assert (
-        code == 0
-        and data["error_std_sample"] == comp.spread.std.tolist()
-        and max(data["error_std_sample"]) > 0
-    )
+    assert code == 0 and data["error_std_sample"] == comp.spread.std.tolist() and max(data["error_std_sample"]) > 0
 
 
 @pytest.mark.parametrize(
@@ -474,10 +412,7 @@ def test_cli_compare_and_the_lesson_agree_on_the_handbooks_seeds(capsys):
     [
         (["--from-url", "sink=abc"], "not a number"),
         (["--from-url", "source=file"], "--trace FILE"),
-        (
-            ["--from-url", "sink=2", "--trace", "missing.safetensors"],
-            "the link's source is the handbook",
-        ),
+        (["--from-url", "sink=2", "--trace", "missing.safetensors"], "the link's source is the handbook"),
         (["--trace", "missing.safetensors"], "no such trace file"),
         (["--grid", "bits=9"], "bits must be"),
         (["--from-url", "sink=2&split=1&key_bits=4"], "keys and values together"),
@@ -488,9 +423,7 @@ def test_cli_compare_and_the_lesson_agree_on_the_handbooks_seeds(capsys):
 def test_bad_exports_say_why_in_one_line_and_write_nothing(capsys, tmp_path, argv, words):
     out = tmp_path / "never.html"
     code, _, err = run_cli(capsys, "lesson", "export", "--out", str(out), "--quiet", *argv)
-    assert (
-        code == 2 and words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
-    )
+    assert code == 2 and words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
 
 
@@ -500,6 +433,4 @@ def test_export_refuses_a_wrong_target(capsys, tmp_path):
     code, _, err = run_cli(capsys, "lesson", "export", "--out", str(tmp_path / "no" / "x.html"))
     assert code == 2 and "does not exist" in err
     with pytest.raises(SystemExit):
-        main(
-            ["lesson", "export", "--out", "x.html", "--preset", "handbook", "--from-url", "sink=1"]
-        )
+        main(["lesson", "export", "--out", "x.html", "--preset", "handbook", "--from-url", "sink=1"])

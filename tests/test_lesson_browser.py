@@ -27,12 +27,7 @@ from kvviz.sources import SyntheticSpec, make_synthetic, save_trace
 
 pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parents[1]
-HANDBOOK_GRID = {
-    "sink": (0, 2, 4),
-    "recent": (0, 4, 8, 16),
-    "heavy": (0, 2, 8, 32),
-    "bits": (2, 4, 16),
-}
+HANDBOOK_GRID = {"sink": (0, 2, 4), "recent": (0, 4, 8, 16), "heavy": (0, 2, 8, 32), "bits": (2, 4, 16)}
 POINTS = [
     dict(sink=4, recent=8, heavy=2, bits=16),
     dict(sink=0, recent=16, heavy=8, bits=4),
@@ -127,18 +122,9 @@ def check_point(shown, comp, frame, binned=False):
     """Everything the page shows at one point == what kvviz.compare gives there (values bit for bit)."""
     cards = card_values(comp.metrics)
     assert shown["cards"]["mass"][0] == cards["Attention mass retained"]
-    assert (
-        shown["cards"]["tv"][0] == cards["TV distance"]
-        and shown["cards"]["tvq"][0] == cards["TV from quantization"]
-    )
-    assert (
-        shown["cards"]["kl"][0] == cards["KL divergence"]
-        and shown["cards"]["out"][0] == cards["Output error"]
-    )
-    assert (
-        shown["cards"]["kv"][0] == cards["KV memory"]
-        and shown["cards"]["ratio"][0] == cards["Memory vs 16-bit"]
-    )
+    assert shown["cards"]["tv"][0] == cards["TV distance"] and shown["cards"]["tvq"][0] == cards["TV from quantization"]
+    assert shown["cards"]["kl"][0] == cards["KL divergence"] and shown["cards"]["out"][0] == cards["Output error"]
+    assert shown["cards"]["kv"][0] == cards["KV memory"] and shown["cards"]["ratio"][0] == cards["Memory vs 16-bit"]
     assert shown["cards"]["kept"][0] == cards["Tokens kept"]
     assert shown["cards"]["ratio"][1] == f"({comp.metrics['compression_ratio']:.1f}× smaller)"
     assert shown["setting"].endswith(comp.spec.label() or "no compression")
@@ -147,9 +133,7 @@ def check_point(shown, comp, frame, binned=False):
     assert all(drawn[i] == compressed[i] for i in drawn)
     if not binned:
         p = comp.primary
-        assert sorted(drawn) == [
-            i for i in range(len(p.kept)) if p.kept[i]
-        ]  # evicted: no compressed bar
+        assert sorted(drawn) == [i for i in range(len(p.kept)) if p.kept[i]]  # evicted: no compressed bar
         assert all(compressed[i] == 0 for i in range(len(p.kept)) if i not in drawn)
         assert sorted(i for i, _ in shown["original"]) == list(range(len(p.kept)))
         assert all(number(v) == p.original[i] for i, v in shown["original"])
@@ -163,9 +147,7 @@ def check_point(shown, comp, frame, binned=False):
     assert [(i, number(v)) for i, v in shown["total"]] == list(enumerate(mean))
     lo, hi = frame["band_lo"].to_numpy(), frame["band_hi"].to_numpy()
     if len(comp.members) > 1:
-        assert [(i, number(a), number(b)) for i, a, b in shown["band"]] == [
-            (i, lo[i], hi[i]) for i in range(len(lo))
-        ]
+        assert [(i, number(a), number(b)) for i, a, b in shown["band"]] == [(i, lo[i], hi[i]) for i in range(len(lo))]
     else:
         assert shown["band"] == []
 
@@ -230,22 +212,16 @@ def test_the_page_agrees_with_the_kvviz_compare_command(offline_page, handbook_l
     )
     printed = json.loads(out.stdout)
     assert [number(v) for _, v in shown["total"]] == printed["error_mean"]
-    assert {i: number(v) for i, v in shown["compressed"]} == {
-        i: c for i, c in enumerate(printed["compressed"]) if c
-    }
+    assert {i: number(v) for i, v in shown["compressed"]} == {i: c for i, c in enumerate(printed["compressed"]) if c}
     assert [number(lo) for _, lo, _ in shown["band"]] == [
         m - s for m, s in zip(printed["error_mean"], printed["error_std_sample"])
     ]
     metrics = {**printed["metrics"], "output_rel_error": printed["metrics"]["output_rel_error"]}
     cards = card_values(metrics)
     assert (
-        shown["cards"]["mass"][0] == cards["Attention mass retained"]
-        and shown["cards"]["kv"][0] == cards["KV memory"]
+        shown["cards"]["mass"][0] == cards["Attention mass retained"] and shown["cards"]["kv"][0] == cards["KV memory"]
     )
-    assert (
-        shown["cards"]["tv"][0] == cards["TV distance"]
-        and shown["cards"]["kept"][0] == cards["Tokens kept"]
-    )
+    assert shown["cards"]["tv"][0] == cards["TV distance"] and shown["cards"]["kept"][0] == cards["Tokens kept"]
 
 
 def test_keyboard_moves_a_slider_along_its_grid(offline_page, handbook_lesson):
@@ -291,20 +267,14 @@ def test_token_text_is_shown_as_text(offline_page, tmp_path):
     pg = offline_page
     open_lesson(pg, page)
     assert pg.dialogs == [] and pg.evaluate("document.querySelectorAll('img').length") == 0
-    assert pg.evaluate("Array.from(document.querySelectorAll('b')).map(b => b.textContent)") == [
-        "Kept tokens: "
-    ]
+    assert pg.evaluate("Array.from(document.querySelectorAll('b')).map(b => b.textContent)") == ["Kept tokens: "]
     assert pg.evaluate("document.scripts.length") == 3
     assert pg.locator("#lecturer").text_content() == "<img src=x onerror=alert(2)>"
     assert pg.locator("h1").text_content() == "</title><script>alert(3)</script>"
     pg.locator('#attention rect[data-i="0"]').first.hover()
     tip = pg.locator("#attention .tip")
-    assert tip.is_visible() and tip.text_content().startswith(
-        "<script>alert(1)</script> (position 0)"
-    )
-    labels = pg.evaluate(
-        "Array.from(document.querySelectorAll('#attention .xaxis text')).map(t => t.textContent)"
-    )
+    assert tip.is_visible() and tip.text_content().startswith("<script>alert(1)</script> (position 0)")
+    labels = pg.evaluate("Array.from(document.querySelectorAll('#attention .xaxis text')).map(t => t.textContent)")
     assert labels[0] == "<script>al"  # the axis shows its first 10 characters
     assert pg.locator("#source").text_content().startswith("<b>bold</b> model: ")
     assert pg.requests == [page.as_uri()] and pg.errors == []
@@ -312,11 +282,7 @@ def test_token_text_is_shown_as_text(offline_page, tmp_path):
 
 def test_a_long_source_is_binned_and_exact(offline_page, tmp_path):
     values = {"context": 300, "steps": 2, "layers": 1, "q_heads": 2, "kv_heads": 1}
-    link = (
-        "source=synthetic&"
-        + "&".join(f"{k}={v}" for k, v in values.items())
-        + "&sink=4&recent=32&heavy=16&bits=4"
-    )
+    link = "source=synthetic&" + "&".join(f"{k}={v}" for k, v in values.items()) + "&sink=4&recent=32&heavy=16&bits=4"
     page = export(
         tmp_path,
         "binned",
@@ -339,9 +305,7 @@ def test_a_long_source_is_binned_and_exact(offline_page, tmp_path):
         shown = pg.evaluate(SHOWN)
         comp = compare(
             trace,
-            Spec(
-                sink=4, recent=recent, heavy=16, key_bits=bits, value_bits=bits, partial=APP_PARTIAL
-            ),
+            Spec(sink=4, recent=recent, heavy=16, key_bits=bits, value_bits=bits, partial=APP_PARTIAL),
             View(ensemble="heads", ensemble_size=8),
         )
         frame = with_band(binned_frame(comp), "std")
@@ -365,19 +329,13 @@ def test_fits_a_projector(offline_page, handbook_lesson):
     artifacts = ROOT / "test-artifacts"
     artifacts.mkdir(exist_ok=True)
     pg.screenshot(path=str(artifacts / "lesson.png"), full_page=True)
-    if (
-        os.environ.get("KVVIZ_UPDATE_SCREENSHOT") == "1"
-    ):  # docs/lesson.md: the default handbook lesson
+    if os.environ.get("KVVIZ_UPDATE_SCREENSHOT") == "1":  # docs/lesson.md: the default handbook lesson
         full = export(handbook_lesson.parent, "full")
         open_lesson(pg, full)
-        set_point(
-            pg, sink=4, recent=16, heavy=16, bits=2
-        )  # 36 kept tokens: keys fill a group, both errors
+        set_point(pg, sink=4, recent=16, heavy=16, bits=2)  # 36 kept tokens: keys fill a group, both errors
         pg.evaluate("document.activeElement.blur()")
         pg.screenshot(
-            path=str(ROOT / "docs" / "lesson.png"),
-            clip={"x": 0, "y": 0, "width": 1024, "height": 1380},
-            full_page=True,
+            path=str(ROOT / "docs" / "lesson.png"), clip={"x": 0, "y": 0, "width": 1024, "height": 1380}, full_page=True
         )
 
 

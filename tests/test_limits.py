@@ -51,9 +51,7 @@ def test_the_issue_example_is_named_knob_by_knob():
         "this request needs 32 layers × 32 heads × 33,280 positions × 64 × 4 B = 8.7 GB of "
         "queries; the limit is 1.5 GB (KVVIZ_MAX_BYTES): lower the context or the heads"
     )
-    assert (
-        isinstance(e.value, SpecError) and e.value.work is work and e.value.limit == 1_500_000_000
-    )
+    assert isinstance(e.value, SpecError) and e.value.work is work and e.value.limit == 1_500_000_000
     assert work.check(limit=queries.bytes) is work  # exactly at the limit is allowed
 
 
@@ -66,12 +64,7 @@ def test_sizes_and_the_limit_from_the_environment(monkeypatch):
         2 * 1024**3,
         64_000,
     ]
-    assert [fmt_bytes(x) for x in (8_724_152_320, 512e6, 3000, 12)] == [
-        "8.7 GB",
-        "512 MB",
-        "3.0 kB",
-        "12 B",
-    ]
+    assert [fmt_bytes(x) for x in (8_724_152_320, 512e6, 3000, 12)] == ["8.7 GB", "512 MB", "3.0 kB", "12 B"]
     assert max_bytes() == DEFAULT_MAX_BYTES == 1_500_000_000
     monkeypatch.setenv("KVVIZ_MAX_BYTES", "3GB")
     assert max_bytes() == 3_000_000_000
@@ -98,11 +91,7 @@ def test_a_synthetic_request_past_the_limit_is_refused_before_any_allocation(mon
         "64 dims × 4 B = 8.7 GB of queries, 13.2 GB in all with keys and values and "
         "scratch; the limit is 1.5 GB"
     )
-    assert (
-        e.value.work.bytes
-        == 8_724_152_320 + 2 * 4_362_076_160 // 2 + 6 * 33_280 * 64 * 8
-        == 13_188_464_640
-    )
+    assert e.value.work.bytes == 8_724_152_320 + 2 * 4_362_076_160 // 2 + 6 * 33_280 * 64 * 8 == 13_188_464_640
     spec = SyntheticSpec(context=64, steps=4)
     q, kv = 2 * 4 * 68 * 64 * 4, 2 * 2 * 2 * 68 * 64 * 4
     assert spec.work().bytes == q + kv + 6 * 68 * 64 * 8
@@ -141,16 +130,13 @@ def test_a_trace_file_is_checked_from_its_header_before_its_arrays_are_read(tmp_
         with pytest.raises(BudgetError) as e:
             load()
         # float16 is widened to float32 when read: 2 + 4 bytes a value
-        assert (
-            "1,000 layers × 64 query heads × 32,768 positions × 128 dims × 6 B = 1.6 TB of tensor 'q'"
-            in str(e.value)
+        assert "1,000 layers × 64 query heads × 32,768 positions × 128 dims × 6 B = 1.6 TB of tensor 'q'" in str(
+            e.value
         )
 
 
 def test_a_trace_file_within_the_limit_still_loads(tmp_path):
-    path = save_trace(
-        make_synthetic(SyntheticSpec(context=64, steps=4)), tmp_path / "t.safetensors"
-    )
+    path = save_trace(make_synthetic(SyntheticSpec(context=64, steps=4)), tmp_path / "t.safetensors")
     assert load_trace(path).n_positions == 68
 
 
@@ -178,9 +164,7 @@ def test_compare_states_its_peak_and_refuses_a_seeds_ensemble_of_big_traces(monk
             View(ensemble="seeds", ensemble_size=8),
             trace_for_seed=lambda r: pytest.fail("built a seed trace"),
         )
-    assert compare(
-        big, Spec(), View(ensemble="seeds", ensemble_size=8)
-    ).members  # no new traces: fits
+    assert compare(big, Spec(), View(ensemble="seeds", ensemble_size=8)).members  # no new traces: fits
 
 
 def test_attention_chunks_stay_under_their_bound():
@@ -247,17 +231,10 @@ def test_a_timeline_states_its_masks_and_is_refused_past_the_limit(monkeypatch):
 
     t = make_synthetic(SyntheticSpec(context=64, steps=8))
     work = timeline_work(t, 8, 3)
-    assert (
-        work.bytes
-        == t.q.nbytes + t.k.nbytes + t.v.nbytes + 8 * 72 * 8 + 3 * 4 * 8 * 72 + 8 * 2 * 72
-    )
+    assert work.bytes == t.q.nbytes + t.k.nbytes + t.v.nbytes + 8 * 72 * 8 + 3 * 4 * 8 * 72 + 8 * 2 * 72
     monkeypatch.setattr("kvviz.limits.max_bytes", lambda: work.bytes - 1)
     with pytest.raises(BudgetError, match="this timeline needs"):
-        timeline(
-            t,
-            Spec(sink=4, recent=8, heavy=8, scorer="oracle"),
-            policies=("h2o", "tova", "streaming"),
-        )
+        timeline(t, Spec(sink=4, recent=8, heavy=8, scorer="oracle"), policies=("h2o", "tova", "streaming"))
 
 
 def test_a_real_model_prefill_and_capture_state_their_size():
@@ -284,9 +261,7 @@ def test_a_real_model_prefill_and_capture_state_their_size():
     ]
     assert round(work.parts[0].bytes / 1e6) == 142 and round(work.parts[1].bytes / 2e6) == 47
     assert capture_work(dims, 30, 2048, 2048, attention="sdpa").parts == work.parts[:2]
-    assert (
-        capture_work(dims, 30, 2048, 2048, attention="eager", on_host=False).parts == work.parts[:2]
-    )
+    assert capture_work(dims, 30, 2048, 2048, attention="eager", on_host=False).parts == work.parts[:2]
     # to a file, in bfloat16: one layer's rows on the host, twice - whatever the length of the whole trace
     to_file = capture_work((32, 32, 8, 128), 32, 32768, 32768, attention="sdpa", item_bytes=2)
     assert to_file.bytes == 2 * (32 + 2 * 8) * 32768 * 128 * 2 < 1.5e9

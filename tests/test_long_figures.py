@@ -31,9 +31,7 @@ def points(fig) -> int:
 def long_row():
     """A 32k-token row: eviction (sinks, a recent window, K-norm's scattered heavy hitters) and 4-bit
     quantization, error bars over 2 query heads."""
-    t = make_synthetic(
-        SyntheticSpec(context=N, steps=0, layers=1, q_heads=2, kv_heads=1, head_dim=64)
-    )
+    t = make_synthetic(SyntheticSpec(context=N, steps=0, layers=1, q_heads=2, kv_heads=1, head_dim=64))
     spec = Spec(sink=4, recent=512, heavy=512, scorer="knorm", key_bits=4, value_bits=4)
     comp = compare(t, spec, View(layer=0, head=0, ensemble="heads", ensemble_size=2))
     assert len(comp.tokens) == N and 0 < comp.primary.kept.sum() < N
@@ -49,9 +47,7 @@ def all_figures(frame, binned: bool, members: int, pinned=None):
     return att, figures.error_figure(frame, "std", members, text_tokens=not binned, pinned=pinned)
 
 
-@pytest.mark.parametrize(
-    "first, last", [(0, -1), (1000, 9999), (30_000, 30_000 + BIN_THRESHOLD - 1), (12_345, 12_345)]
-)
+@pytest.mark.parametrize("first, last", [(0, -1), (1000, 9999), (30_000, 30_000 + BIN_THRESHOLD - 1), (12_345, 12_345)])
 def test_every_chart_of_a_32k_row_carries_a_few_hundred_points(long_row, first, last):
     frame, binned = zoom_frame(long_row, first, last)
     assert binned == ((last if last >= 0 else N - 1) - first + 1 > BIN_THRESHOLD)
@@ -71,9 +67,7 @@ def test_the_whole_row_is_binned_with_the_mass_and_the_largest_token_of_each_bin
     w = N // MAX_BINS
     assert np.array_equal(frame["original_max"], p.original.reshape(MAX_BINS, w).max(axis=1))
     by_bin = p.error.reshape(MAX_BINS, w)
-    assert np.array_equal(
-        frame["error_extreme"], by_bin[np.arange(MAX_BINS), np.abs(by_bin).argmax(axis=1)]
-    )
+    assert np.array_equal(frame["error_extreme"], by_bin[np.arange(MAX_BINS), np.abs(by_bin).argmax(axis=1)])
     att, err = all_figures(frame, True, len(long_row.members))
     assert att.layout.yaxis.title.text == "attention mass per bin (sum)"
     assert "original: largest single token in the bin" in [t.name for t in att.data]
@@ -102,9 +96,7 @@ def test_a_zoom_reaches_single_tokens(long_row):
     assert not binned and list(one["position"]) == [12_345]
     att = figures.attention_figure(one, text_tokens=True)
     xs = [x for t in att.data for x in t.x]
-    assert set(xs) == {12_345} and len(xs) == (
-        2 if p.kept[12_345] else 1
-    )  # original (+ compressed if kept)
+    assert set(xs) == {12_345} and len(xs) == (2 if p.kept[12_345] else 1)  # original (+ compressed if kept)
     assert one.equals(token_frame(long_row).iloc[[12_345]])
 
 

@@ -46,9 +46,7 @@ def test_a_layer_merges_each_head_before_the_compression_point_only():
     keys, values = rng.normal(size=(2, 10, 4)), rng.normal(size=(2, 10, 4))
     kept = rng.random((2, 6)) < 0.5
     out = merged_values(keys, values, kept)
-    np.testing.assert_array_equal(
-        out[:, 6:], values[:, 6:]
-    )  # arrivals after the point: as they come
+    np.testing.assert_array_equal(out[:, 6:], values[:, 6:])  # arrivals after the point: as they come
     for g in range(2):
         np.testing.assert_array_equal(out[g, :6], fold_evicted(keys[g, :6], values[g, :6], kept[g]))
 
@@ -76,9 +74,7 @@ def test_merging_moves_the_outputs_only(handbook, scorer):
 def test_merging_without_eviction_changes_nothing(handbook):
     plain = compare(handbook, Spec(merge=True), View())
     assert plain.metrics["output_rel_error"] == 0.0
-    wide = compare(
-        handbook, Spec(sink=60, recent=4, scorer="snapkv", merge=True), View()
-    )  # the budget holds it all
+    wide = compare(handbook, Spec(sink=60, recent=4, scorer="snapkv", merge=True), View())  # the budget holds it all
     assert wide.metrics["output_rel_error"] == pytest.approx(0.0, abs=1e-12)
 
 
@@ -106,11 +102,7 @@ def test_merging_needs_one_compression_point(settings, says):
 
 
 def test_the_label_says_so():
-    assert (
-        Spec(sink=2, recent=4, heavy=4, scorer="knorm", merge=True)
-        .label()
-        .endswith("evicted values merged")
-    )
+    assert Spec(sink=2, recent=4, heavy=4, scorer="knorm", merge=True).label().endswith("evicted values merged")
     assert "merged" not in Spec(sink=2, recent=4, heavy=4, scorer="knorm").label()
 
 
@@ -125,21 +117,13 @@ def test_the_decode_cache_holds_the_fold_of_its_prompt_values(tiny):
     settings = dict(sink=2, recent=5, heavy=7, scorer="snapkv")
     n, steps = 24, 12
     drop_logits, _, drop = decode(model, ids[:n], Spec(**settings), steps, feed=ids[n : n + steps])
-    merge_logits, _, merged = decode(
-        model, ids[:n], Spec(**settings, merge=True), steps, feed=ids[n : n + steps]
-    )
-    masked, _, _ = decode(
-        model, ids[:n], Spec(**settings, merge=True), steps, feed=ids[n : n + steps], mode="mask"
-    )
+    merge_logits, _, merged = decode(model, ids[:n], Spec(**settings, merge=True), steps, feed=ids[n : n + steps])
+    masked, _, _ = decode(model, ids[:n], Spec(**settings, merge=True), steps, feed=ids[n : n + steps], mode="mask")
     spec = Spec(**settings)
     for layer in range(drop.L):
         np.testing.assert_array_equal(drop.kept[layer], merged.kept[layer])  # the same tokens kept
-        np.testing.assert_array_equal(
-            drop.k[layer, :, :n].numpy(), merged.k[layer, :, :n].numpy()
-        )  # prompt keys
-        at_point = select(
-            drop.scores[layer, :, :n], spec
-        )  # (kv_heads, n): the compression point's kept set
+        np.testing.assert_array_equal(drop.k[layer, :, :n].numpy(), merged.k[layer, :, :n].numpy())  # prompt keys
+        at_point = select(drop.scores[layer, :, :n], spec)  # (kv_heads, n): the compression point's kept set
         want = merged_values(drop.k[layer, :, :n].numpy(), drop.v[layer, :, :n].numpy(), at_point)
         np.testing.assert_allclose(merged.v[layer, :, :n].numpy(), want, rtol=1e-6, atol=1e-7)
         assert not np.array_equal(want, drop.v[layer, :, :n].numpy())

@@ -27,9 +27,7 @@ def reference_divergences(p, q):
     kl = float(np.sum(q[kept] * np.log(q[kept] / p[kept])))
     kl_forward = math.inf if np.any((p > 0) & ~kept) else float(np.sum(p * np.log(p / q)))
     m = (p + q) / 2
-    js = 0.5 * float(np.sum(p * np.log(p / m))) + 0.5 * float(
-        np.sum(q[kept] * np.log(q[kept] / m[kept]))
-    )
+    js = 0.5 * float(np.sum(p * np.log(p / m))) + 0.5 * float(np.sum(q[kept] * np.log(q[kept] / m[kept])))
     return kl, kl_forward, js
 
 
@@ -53,20 +51,14 @@ def test_handbook_kl_is_minus_log_of_the_mass_kept():
     head=st.integers(0, 3),
 )
 def test_divergences_match_their_definitions(trace, sink, recent, heavy, scorer, bits, head):
-    spec = Spec(
-        sink=sink, recent=recent, heavy=heavy, scorer=scorer, key_bits=bits, value_bits=bits
-    )
+    spec = Spec(sink=sink, recent=recent, heavy=heavy, scorer=scorer, key_bits=bits, value_bits=bits)
     row = compare(trace, spec, View(head=head)).primary
     kl, kl_forward, js = reference_divergences(row.original, row.compressed)
     assert row.metrics.kl == pytest.approx(kl, rel=1e-7, abs=1e-12)
     assert row.metrics.js == pytest.approx(js, rel=1e-7, abs=1e-12)
-    tv = 0.5 * float(
-        np.abs(row.compressed - row.original).sum()
-    )  # total variation: half the L1 distance
+    tv = 0.5 * float(np.abs(row.compressed - row.original).sum())  # total variation: half the L1 distance
     assert row.metrics.tv_distance == pytest.approx(tv, rel=1e-9, abs=1e-15)
-    assert row.metrics.max_abs_error == pytest.approx(
-        float(np.abs(row.compressed - row.original).max()), abs=1e-15
-    )
+    assert row.metrics.max_abs_error == pytest.approx(float(np.abs(row.compressed - row.original).max()), abs=1e-15)
     assert 0 <= row.metrics.js <= LN2
     if math.isinf(kl_forward):
         assert row.metrics.kl_forward == math.inf
@@ -84,13 +76,9 @@ def test_no_compression_gives_zero_divergence(trace):
 def test_quantization_alone_has_finite_divergences_that_fall_with_bits(trace):
     kls = []
     for bits in (2, 4, 8):
-        row = compare(
-            trace, Spec(key_bits=bits, value_bits=bits, key_axis="token"), View(head=1)
-        ).primary
+        row = compare(trace, Spec(key_bits=bits, value_bits=bits, key_axis="token"), View(head=1)).primary
         m = row.metrics
-        kl, kl_forward, js = reference_divergences(
-            row.original, row.compressed
-        )  # nothing evicted: all finite
+        kl, kl_forward, js = reference_divergences(row.original, row.compressed)  # nothing evicted: all finite
         assert m.kl == pytest.approx(kl, rel=1e-7) and m.kl > 0
         assert m.kl_forward == pytest.approx(kl_forward, rel=1e-7) and m.kl_forward > 0
         assert m.js == pytest.approx(js, rel=1e-7)
@@ -106,16 +94,11 @@ def test_a_barely_attended_kept_token_does_not_make_kl_nonzero():
     q[..., 0] = 1.0
     k = np.zeros((1, 1, 8, 4), np.float32)
     k[0, 0, :, 0] = logits * 2  # logit = q.k / sqrt(4)
-    t = Trace(
-        q=q, k=k, v=None, context_len=8, tokens=tuple("abcdefgh"), query_positions=np.array([7])
-    )
+    t = Trace(q=q, k=k, v=None, context_len=8, tokens=tuple("abcdefgh"), query_positions=np.array([7]))
     m = compare(t, Spec()).metrics
     assert (m["kl"], m["kl_forward"], m["js"]) == (0.0, 0.0, 0.0)
     m = compare(t, Spec(sink=3, recent=4)).metrics  # evicts token 3 only
-    assert (
-        m["kl"] == pytest.approx(-math.log(m["mass_retained"]), rel=1e-9)
-        and m["kl_forward"] == math.inf
-    )
+    assert m["kl"] == pytest.approx(-math.log(m["mass_retained"]), rel=1e-9) and m["kl_forward"] == math.inf
 
 
 # --- error bands ----------------------------------------------------------------------------
@@ -180,9 +163,7 @@ def test_output_error_and_cosine_follow_their_definitions():
         V = (t.v[row.layer, row.kv_head] * scale).astype(np.float64)
         o, o_hat = row.original @ V, row.compressed @ V
         assert np.linalg.norm(o) < 1 if scale < 1 else np.linalg.norm(o) > 1
-        assert row.metrics.output_rel_error == pytest.approx(
-            np.linalg.norm(o_hat - o) / np.linalg.norm(o), rel=1e-5
-        )
+        assert row.metrics.output_rel_error == pytest.approx(np.linalg.norm(o_hat - o) / np.linalg.norm(o), rel=1e-5)
         assert row.metrics.output_cosine == pytest.approx(
             o @ o_hat / (np.linalg.norm(o) * np.linalg.norm(o_hat)), rel=1e-6
         )
@@ -200,10 +181,7 @@ def test_tv_from_quantization_is_the_distance_from_eviction_alone(trace):
         evict = np.where(row.kept, row.original / row.original[row.kept].sum(), 0.0)
         want = 0.5 * float(np.abs(row.compressed - evict).sum())
         assert row.metrics.tv_quantization == pytest.approx(want, rel=1e-9) and want > 0
-    assert (
-        compare(trace, spec.with_(key_bits=16, value_bits=16)).primary.metrics.tv_quantization
-        == 0.0
-    )
+    assert compare(trace, spec.with_(key_bits=16, value_bits=16)).primary.metrics.tv_quantization == 0.0
 
 
 def test_spread_of_members_that_do_not_all_see_every_token():
@@ -214,9 +192,7 @@ def test_spread_of_members_that_do_not_all_see_every_token():
     np.testing.assert_allclose(s.mean, [2.0, 4.5, 4.5])
     np.testing.assert_allclose(s.std, [1.0, np.sqrt(0.5), np.sqrt(4.5)])
     assert s.n.tolist() == [3, 2, 2]
-    with pytest.raises(
-        ValueError, match="^every token needs at least one ensemble member that sees it$"
-    ):
+    with pytest.raises(ValueError, match="^every token needs at least one ensemble member that sees it$"):
         spread(np.array([[1.0, np.nan], [2.0, np.nan]]))
 
 
@@ -246,9 +222,7 @@ def test_error_split_of_kept_tokens_without_attention_is_finite():
     a_evict = 0 and the eviction part is -a, never 0/0 = NaN."""
     from kvviz.metrics import error_split
 
-    eviction, quantization = error_split(
-        np.array([0.0, 1.0]), np.array([0.0, 0.0]), np.array([True, False])
-    )
+    eviction, quantization = error_split(np.array([0.0, 1.0]), np.array([0.0, 0.0]), np.array([True, False]))
     assert eviction.tolist() == [0.0, -1.0] and quantization.tolist() == [0.0, 0.0]
 
 
@@ -258,9 +232,7 @@ def test_concentration_curve_by_hand():
     top 25% (1 token) hold 0.4 / 1.0 of it, the top 30% (ceil 1.2 = 2 tokens) 0.7, none of it 0."""
     from kvviz.metrics import concentration_curve
 
-    fractions, share = concentration_curve(
-        np.array([0.1, 0.4, 0.2, 0.3]) * 0.5, np.array([0.0, 0.25, 0.3, 0.75, 1.0])
-    )
+    fractions, share = concentration_curve(np.array([0.1, 0.4, 0.2, 0.3]) * 0.5, np.array([0.0, 0.25, 0.3, 0.75, 1.0]))
     assert fractions.tolist() == [0.0, 0.25, 0.3, 0.75, 1.0]
     np.testing.assert_allclose(share, [0.0, 0.4, 0.7, 0.9, 1.0], rtol=1e-15, atol=0)
 
@@ -315,9 +287,7 @@ def test_entropy_by_hand():
     6 tokens is ln 4; one token holding everything is 0."""
     from kvviz.metrics import entropy
 
-    assert entropy(np.array([0.25, 0.0, 0.25, 0.25, 0.0, 0.25])) == pytest.approx(
-        math.log(4), rel=1e-15
-    )
+    assert entropy(np.array([0.25, 0.0, 0.25, 0.25, 0.0, 0.25])) == pytest.approx(math.log(4), rel=1e-15)
     assert entropy(np.array([0.0, 1.0, 0.0])) == 0.0
     assert entropy(np.array([0.5, 0.3, 0.2])) == pytest.approx(
         -(0.5 * math.log(0.5) + 0.3 * math.log(0.3) + 0.2 * math.log(0.2)), rel=1e-15
@@ -346,7 +316,4 @@ def test_row_metrics_batch_passes_each_rows_quantization_distance_through():
     ones = np.ones(2)
     rows = row_metrics_batch(error, ones, ones, ones, ones, tv_quantization=np.array([0.25, 0.5]))
     assert [r.tv_quantization for r in rows] == [0.25, 0.5]
-    assert [r.tv_quantization for r in row_metrics_batch(error, ones, ones, ones, ones)] == [
-        0.0,
-        0.0,
-    ]
+    assert [r.tv_quantization for r in row_metrics_batch(error, ones, ones, ones, ones)] == [0.0, 0.0]

@@ -97,11 +97,7 @@ def test_tiny_trace_shapes_tokens_and_meta(tiny, tiny_trace):
     assert "▁" in "".join(t.tokens[:P]) and "↵" in "".join(t.tokens[:P])
     m = t.meta
     assert m["source"] == "model" and m["prompt"] == TINY_TEXT and m["new_tokens"] == 6
-    assert (
-        m["truncated"] is False
-        and m["layers"] == [0, 1]
-        and m["config"]["num_key_value_heads"] == 2
-    )
+    assert m["truncated"] is False and m["layers"] == [0, 1] and m["config"]["num_key_value_heads"] == 2
     assert m["kvviz_version"] and m["architecture"] == "LlamaForCausalLM"
 
 
@@ -131,21 +127,13 @@ def test_tiny_keys_values_are_the_cache_and_decode_is_greedy(tiny, tiny_trace):
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True)
         gen = model.generate(
-            torch.tensor([ids[:P]]),
-            max_new_tokens=6,
-            min_new_tokens=6,
-            do_sample=False,
-            pad_token_id=1,
+            torch.tensor([ids[:P]]), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=1
         )
     assert gen[0].tolist() == ids  # our decode loop == generate()
     cache = out.past_key_values
     for layer in range(2):
-        np.testing.assert_allclose(
-            tiny_trace.k[layer], cache.layers[layer].keys[0].numpy(), atol=1e-5
-        )
-        np.testing.assert_allclose(
-            tiny_trace.v[layer], cache.layers[layer].values[0].numpy(), atol=1e-5
-        )
+        np.testing.assert_allclose(tiny_trace.k[layer], cache.layers[layer].keys[0].numpy(), atol=1e-5)
+        np.testing.assert_allclose(tiny_trace.v[layer], cache.layers[layer].values[0].numpy(), atol=1e-5)
     assert model.config._attn_implementation == "eager"  # restored after the capture
 
 
@@ -201,15 +189,7 @@ def test_tiny_save_load_round_trip(tiny_trace, tmp_path):
 def test_progress_is_reported_and_monotonic(tiny):
     model, tok, info = tiny
     seen = []
-    capture(
-        model,
-        tok,
-        info,
-        TINY_TEXT,
-        new_tokens=3,
-        stop_at_eos=False,
-        progress=lambda f, m: seen.append((f, m)),
-    )
+    capture(model, tok, info, TINY_TEXT, new_tokens=3, stop_at_eos=False, progress=lambda f, m: seen.append((f, m)))
     fractions = [f for f, _ in seen]
     assert fractions == sorted(fractions) and fractions[-1] == 1.0
     text = " | ".join(m for _, m in seen)
@@ -220,18 +200,8 @@ def test_capture_trace_loads_then_captures(tiny_dir, tiny_trace):
     from kvviz.sources.capture import capture_trace
 
     seen = []
-    t = capture_trace(
-        str(tiny_dir),
-        TINY_TEXT,
-        new_tokens=0,
-        layers=[0],
-        progress=lambda f, m: seen.append((f, m)),
-    )
-    assert (
-        t.context_len == tiny_trace.context_len
-        and t.n_positions == t.context_len
-        and t.n_layers == 1
-    )
+    t = capture_trace(str(tiny_dir), TINY_TEXT, new_tokens=0, layers=[0], progress=lambda f, m: seen.append((f, m)))
+    assert t.context_len == tiny_trace.context_len and t.n_positions == t.context_len and t.n_layers == 1
     np.testing.assert_allclose(t.q[0], tiny_trace.q[0, :, : t.n_positions], atol=1e-6)
     loading = [f for f, m in seen if "load" in m]
     assert loading and max(loading) <= 0.4 and seen[-1][0] == 1.0
@@ -255,9 +225,7 @@ def test_head_overview_and_concentration_match_brute_force():
     for layer in range(L):
         for h in range(H):
             for p in range(22, 30):  # the last 8 context rows
-                a = softmax(
-                    t.k[layer, h // 2, : p + 1].astype(np.float64) @ t.q[layer, h, p] / np.sqrt(D)
-                )
+                a = softmax(t.k[layer, h // 2, : p + 1].astype(np.float64) @ t.q[layer, h, p] / np.sqrt(D))
                 want_first[layer, h] += a[0] / 8
                 if layer >= 1:
                     tops.append(np.sort(a)[::-1][: int(np.ceil(0.1 * (p + 1)))].sum())
@@ -291,9 +259,7 @@ def test_load_errors_say_what_to_do(tmp_path, monkeypatch):
     with pytest.raises(ModelError, match="unsupported GGUF architecture"):
         load_model(str(tmp_path / "odd.gguf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(
-        ModelError, match="no network and not in the local cache; try --model bundled"
-    ):
+    with pytest.raises(ModelError, match="no network and not in the local cache; try --model bundled"):
         load_model("someone/not-a-cached-model")
     with pytest.raises(ModelError, match="dtype must be one of"):
         load_model("bundled", dtype="int3")
@@ -324,9 +290,7 @@ def test_cli_capture_then_compare(tiny_dir, tmp_path, capsys):
     assert "loading" in err and "[100%] captured" in err and "wrote" in err
     t = load_trace(out)
     assert t.n_layers == 2 and t.meta["new_tokens"] + t.context_len == t.n_positions
-    code, table, err = run_cli(
-        capsys, "compare", "--source", out, "--sink", "2", "--recent", "4", "--layer", "1"
-    )
+    code, table, err = run_cli(capsys, "compare", "--source", out, "--sink", "2", "--recent", "4", "--layer", "1")
     assert code == 0, err
     assert t.tokens[0] in table
 
@@ -349,18 +313,7 @@ def test_cli_capture_with_kvzips_pass_then_compare_with_kvzip(tiny_dir, tmp_path
     )
     assert code == 0, err
     code, table, err = run_cli(
-        capsys,
-        "compare",
-        "--source",
-        out,
-        "--scorer",
-        "kvzip",
-        "--sink",
-        "2",
-        "--recent",
-        "2",
-        "--heavy",
-        "8",
+        capsys, "compare", "--source", out, "--scorer", "kvzip", "--sink", "2", "--recent", "2", "--heavy", "8"
     )
     assert code == 0, err
     assert "KVzip" in table or "kvzip" in table
@@ -370,10 +323,7 @@ def test_cli_capture_with_kvzips_pass_then_compare_with_kvzip(tiny_dir, tmp_path
     "argv, message",
     [
         (["--model", "/no/such/folder", "--prompt", "hi"], "no such model folder or file"),
-        (
-            ["--model", "someone/not-cached", "--prompt", "hi"],
-            "no network and not in the local cache",
-        ),
+        (["--model", "someone/not-cached", "--prompt", "hi"], "no network and not in the local cache"),
         (["--model", "bundled", "--prompt", "   "], "the prompt is empty"),
     ],
 )
@@ -428,9 +378,7 @@ def test_bundled_trace_is_real_attention(bundled, bundled_trace):
     assert c["first_token"] >= 0.20, c  # an attention sink (random weights give ~0.01)
     assert c["top_share"] >= 0.70, c  # the top 10% of the keys hold most of the mass
     overview = head_overview(t)
-    assert overview.shape == (30, 9) and overview[2:].mean() == pytest.approx(
-        c["first_token"], abs=0.05
-    )
+    assert overview.shape == (30, 9) and overview[2:].mean() == pytest.approx(c["first_token"], abs=0.05)
 
 
 @pytest.mark.model
@@ -466,8 +414,7 @@ def _real_model_page():
         + (
             "none"
             if t is None
-            else f"{t.n_layers}x{t.n_q_heads}x{t.n_positions}"
-            f" ctx {t.context_len} {t.meta['model_name']}"
+            else f"{t.n_layers}x{t.n_q_heads}x{t.n_positions} ctx {t.context_len} {t.meta['model_name']}"
         )
     )
 
@@ -480,10 +427,7 @@ def _kvzip_page():
     from kvviz.policies.kvzip import META
 
     t = real_model_source(st.sidebar)
-    st.write(
-        "KVZIP:"
-        + ("none" if t is None or META not in t.meta else str(np.asarray(t.meta[META]).shape))
-    )
+    st.write("KVZIP:" + ("none" if t is None or META not in t.meta else str(np.asarray(t.meta[META]).shape)))
 
 
 def _trace_file_page():
@@ -522,9 +466,7 @@ def test_the_main_area_capture_button_captures_the_chosen_model(tiny_dir, cache)
     assert _shown(at) == f"TRACE:2x4x68 ctx 64 {tiny_dir}"
     assert at.status[0].label.startswith("Captured 68 tokens")
     at.run()
-    assert not [
-        b for b in at.main.button if b.key == "rm_capture_main"
-    ]  # captured: no button any more
+    assert not [b for b in at.main.button if b.key == "rm_capture_main"]  # captured: no button any more
     assert _shown(at) == f"TRACE:2x4x68 ctx 64 {tiny_dir}"
 
 
@@ -592,15 +534,11 @@ def test_app_trace_file_upload_and_saved(tiny_trace, cache):
     good = save_trace(tiny_trace, cache / "good.safetensors").read_bytes()
     at = AppTest.from_function(_trace_file_page, default_timeout=60).run()
     assert not at.exception
-    assert (
-        _shown(at) == f"TRACE:{tiny_trace.n_positions} tokens {tiny_trace.tokens[0]}"
-    )  # saved, newest
+    assert _shown(at) == f"TRACE:{tiny_trace.n_positions} tokens {tiny_trace.tokens[0]}"  # saved, newest
     assert "(1)" in at.sidebar.radio(key="tf_how").options[1]
     at.sidebar.radio(key="tf_how").set_value("upload").run()
     assert _shown(at) == "TRACE:none"
-    at.get("file_uploader")[0].upload(
-        "bad.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!"
-    ).run()
+    at.get("file_uploader")[0].upload("bad.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00garbage!").run()
     assert not at.exception and _shown(at) == "TRACE:none"
     err = at.sidebar.error[0].value
     assert "bad.safetensors" in err and "cannot be used" in err and "kvviz capture" in err
@@ -616,11 +554,7 @@ def test_app_real_model_default_flow_on_the_bundled_model(bundled, cache, monkey
 
     import kvviz.models
 
-    monkeypatch.setattr(
-        kvviz.models,
-        "load_model",
-        lambda name, device="cpu", dtype="float32", progress=None: bundled,
-    )
+    monkeypatch.setattr(kvviz.models, "load_model", lambda name, device="cpu", dtype="float32", progress=None: bundled)
     at = AppTest.from_function(_real_model_page, default_timeout=180).run()
     at.sidebar.button(key="rm_capture").click().run()
     assert not at.exception

@@ -53,10 +53,7 @@ def test_budget_is_a_fraction_of_the_prompt_and_specs_follow_the_model_lab_split
     h = needle.spec_for("h2o", 0.25, 4, 320)
     assert (h.sink, h.recent, h.heavy, h.budget, h.key_bits, h.value_bits) == (4, 36, 40, 80, 4, 4)
     assert needle.spec_for("full", 0.25, 16, 320) == Spec()
-    assert (
-        needle.spec_for("full", 0.25, 4, 320).quantizes
-        and not needle.spec_for("full", 0.25, 4, 320).evicts
-    )
+    assert needle.spec_for("full", 0.25, 4, 320).quantizes and not needle.spec_for("full", 0.25, 4, 320).evicts
     with pytest.raises(SpecError, match="unknown scorer"):
         needle.spec_for("nope", 0.25, 16, 320)
 
@@ -107,12 +104,8 @@ def test_the_shipped_default_grid_is_complete_and_consistent():
             c = grid.cell(name, p.length, p.depth)
             kept = c.kept()
             assert np.all(kept.sum(axis=2) == c.budget_tokens)
-            assert np.allclose(
-                kept[:, :, p.needle_start : p.needle_end].mean(axis=2), c.needle_kept_by_head
-            )
-            assert c.full_answer == full.answer and c.correct == needle.score_answer(
-                c.answer, c.key
-            )
+            assert np.allclose(kept[:, :, p.needle_start : p.needle_end].mean(axis=2), c.needle_kept_by_head)
+            assert c.full_answer == full.answer and c.correct == needle.score_answer(c.answer, c.key)
 
 
 # --- the bundled model ---------------------------------------------------------------------
@@ -138,9 +131,7 @@ def runs(bundled, cache_folder):
     mp = pytest.MonkeyPatch()
     mp.setenv("KVVIZ_CACHE_DIR", str(cache_folder))
     try:
-        request = needle.GridRequest(
-            lengths=[LENGTH], depths=[DEPTH], scorers=["full", *POLICIES], budgets=[BUDGET]
-        )
+        request = needle.GridRequest(lengths=[LENGTH], depths=[DEPTH], scorers=["full", *POLICIES], budgets=[BUDGET])
         s1, s2 = {}, {}
         fresh = needle.run_grid(model, tokenizer, "bundled", request, stats=s1)
         again = needle.run_grid(model, tokenizer, "bundled", request, stats=s2)
@@ -154,9 +145,7 @@ def test_prompt_has_the_asked_length_and_the_needle_where_it_says(bundled):
     _, tokenizer = bundled
     p = needle.build_prompt(tokenizer, LENGTH, DEPTH)
     assert len(p.ids) == len(p.tokens) == LENGTH
-    assert "".join(
-        p.tokens[p.needle_start : p.needle_end]
-    ).strip() == needle.NEEDLE_TEMPLATE.format(key=p.key)
+    assert "".join(p.tokens[p.needle_start : p.needle_end]).strip() == needle.NEEDLE_TEMPLATE.format(key=p.key)
     assert "".join(p.tokens[p.question_start :]).lstrip().startswith(needle.QUESTION)
     assert "".join(p.tokens).rstrip().endswith(needle.PRIMER.rstrip())
     assert abs(p.needle_depth - DEPTH) < 0.06  # snapped to the nearest sentence end
@@ -183,9 +172,7 @@ def test_streaming_window_that_cannot_reach_the_needle_evicts_it_everywhere(runs
     p = fresh.prompt(LENGTH, DEPTH)
     c = fresh.cell("streaming", LENGTH, DEPTH)
     spec = needle.spec_for("streaming", BUDGET, 16, LENGTH)
-    assert (
-        spec.sink <= p.needle_start and p.needle_end <= LENGTH - spec.recent
-    )  # out of reach, by position
+    assert spec.sink <= p.needle_start and p.needle_end <= LENGTH - spec.recent  # out of reach, by position
     by_head = np.array(c.needle_kept_by_head)
     assert by_head.shape == (30, 3) and np.all(by_head == 0.0) and c.needle_kept == 0.0
     assert c.kept_mass == 0.0 and c.wanted_mass > 0.0
@@ -231,9 +218,7 @@ def test_results_are_identical_from_the_cache_and_fresh(runs):
     fresh, again, s1, s2 = runs
     assert s1["computed"] == 1 + len(POLICIES) and s1["cached"] == 0
     assert s2["computed"] == 0 and s2["cached"] == 1 + len(POLICIES)
-    assert [c.as_dict(kept=True) for c in fresh.cells] == [
-        c.as_dict(kept=True) for c in again.cells
-    ]
+    assert [c.as_dict(kept=True) for c in fresh.cells] == [c.as_dict(kept=True) for c in again.cells]
     assert fresh == again
 
 
@@ -251,8 +236,7 @@ def test_results_are_identical_from_the_cache_and_fresh(runs):
         (["--lengths", "x"], "--lengths takes"),
         (
             ["--lengths", "1000000000"],
-            "--lengths are token counts of 1-131,072 (and at most the model's positions), "
-            "got 1,000,000,000",
+            "--lengths are token counts of 1-131,072 (and at most the model's positions), got 1,000,000,000",
         ),
         (["--new-tokens", "0"], "--new-tokens: must be 1-64, got 0"),
     ],
@@ -288,9 +272,7 @@ def test_cli_lengths_past_the_model_positions(bundled, capsys, monkeypatch):
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_cli_json_csv_and_progress_from_the_cache(
-    runs, cache_folder, capsys, monkeypatch, tmp_path
-):
+def test_cli_json_csv_and_progress_from_the_cache(runs, cache_folder, capsys, monkeypatch, tmp_path):
     import csv
     import json
 
@@ -335,12 +317,7 @@ def test_cli_json_csv_and_progress_from_the_cache(
     assert "6 cells: 0 computed, 6 from the cache" in err and "[" in err  # the progress line
     code, out, err = run_cli(capsys, *args, "--out", tmp_path / "needle.csv", "--quiet")
     rows = list(csv.DictReader(open(tmp_path / "needle.csv")))
-    assert (
-        code == 0
-        and len(rows) == 6
-        and rows[1]["scorer"] == "streaming"
-        and rows[1]["needle_kept"] == "0"
-    )
+    assert code == 0 and len(rows) == 6 and rows[1]["scorer"] == "streaming" and rows[1]["needle_kept"] == "0"
     assert rows[0]["correct"] == "True"
     code, out, err = run_cli(capsys, *args, "--quiet")
     assert code == 0 and "streaming 0.25" in out and "correct 1/1" in out
@@ -348,9 +325,7 @@ def test_cli_json_csv_and_progress_from_the_cache(
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_question_after_compression_and_quantization_run_the_same_path(
-    bundled, runs, cache_folder, monkeypatch
-):
+def test_question_after_compression_and_quantization_run_the_same_path(bundled, runs, cache_folder, monkeypatch):
     """Query-agnostic: compressed right after the haystack, the question decoded through the
     compressed cache. 4-bit K/V on every cell; `full` is then quantization alone."""
     model, tokenizer = bundled
@@ -373,34 +348,24 @@ def test_question_after_compression_and_quantization_run_the_same_path(
     quant, stream = grid.cell("full", LENGTH, DEPTH), grid.cell("streaming", LENGTH, DEPTH)
     assert quant.question_after_compression and stream.question_after_compression
     assert quant.spec == "K4/V4-bit" and quant.needle_kept == 1.0 and quant.budget_tokens == LENGTH
-    assert stream.spec.startswith("streaming sink 4 recent 76") and stream.spec.endswith(
-        "K4/V4-bit"
-    )
+    assert stream.spec.startswith("streaming sink 4 recent 76") and stream.spec.endswith("K4/V4-bit")
     assert stream.needle_kept == 0.0 and stream.budget_tokens == 80
     kept = stream.kept()
-    assert (
-        np.all(kept[:, :, LENGTH - 76 :]) and not kept[:, :, 4 : LENGTH - 76].any()
-    )  # sinks + window, nothing else
+    assert np.all(kept[:, :, LENGTH - 76 :]) and not kept[:, :, 4 : LENGTH - 76].any()  # sinks + window, nothing else
     # the reference is still the uncompressed cache's answer
-    assert (
-        quant.full_answer == fresh.cell("full", LENGTH, DEPTH).answer and p.question_start < LENGTH
-    )
+    assert quant.full_answer == fresh.cell("full", LENGTH, DEPTH).answer and p.question_start < LENGTH
 
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_duo_attention_retrieval_heads_hold_the_needle_and_streaming_heads_do_not(
-    bundled, cache_folder
-):
+def test_duo_attention_retrieval_heads_hold_the_needle_and_streaming_heads_do_not(bundled, cache_folder):
     """A cache whose heads hold different numbers of tokens is measured head by head: the retrieval heads keep
     the whole prompt (the needle with it), the streaming heads sinks and window only (the needle out of reach)."""
     model, tokenizer = bundled
     mp = pytest.MonkeyPatch()
     mp.setenv("KVVIZ_CACHE_DIR", str(cache_folder))
     try:
-        request = needle.GridRequest(
-            lengths=[LENGTH], depths=[DEPTH], scorers=["duo_attention"], budgets=[BUDGET]
-        )
+        request = needle.GridRequest(lengths=[LENGTH], depths=[DEPTH], scorers=["duo_attention"], budgets=[BUDGET])
         grid = needle.run_grid(model, tokenizer, "bundled", request)
     finally:
         mp.undo()
@@ -409,11 +374,7 @@ def test_duo_attention_retrieval_heads_hold_the_needle_and_streaming_heads_do_no
     assert spec.sink <= p.needle_start and p.needle_end <= LENGTH - spec.recent
     by_head = np.array(c.needle_kept_by_head)
     streaming = round(90 * spec.duo_streaming)  # of 30 x 3 heads: the share set for the budget
-    assert (
-        0 < streaming < 90
-        and set(np.unique(by_head)) == {0.0, 1.0}
-        and int(by_head.sum()) == 90 - streaming
-    )
+    assert 0 < streaming < 90 and set(np.unique(by_head)) == {0.0, 1.0} and int(by_head.sum()) == 90 - streaming
     counts = c.kept().sum(axis=2)
     assert set(np.unique(counts)) == {spec.sink + spec.recent, LENGTH}
     assert np.array_equal(counts == LENGTH, by_head == 1.0)

@@ -19,9 +19,7 @@ def test_needle_page_shows_both_protocols_grids_without_a_live_run(page, app_url
 
     grids = needle.load_grids()
     if len(grids) < 2:
-        pytest.skip(
-            "the shipped needle file holds one grid (scripts/needle_default.py writes both)"
-        )
+        pytest.skip("the shipped needle file holds one grid (scripts/needle_default.py writes both)")
     page.set_viewport_size({"width": 1400, "height": 1900})
     page.goto(app_url)
     e = expect()
@@ -43,13 +41,10 @@ def test_needle_page_shows_both_protocols_grids_without_a_live_run(page, app_url
     assert not agnostic.cell("tova", 640, 0.0).correct and aware.cell("tova", 640, 0.0).correct
     # a square of the second (query-aware) grid: its traces come after the first grid's
     n_traces = plot.locator(".scatterlayer .trace").count()
-    second = plot.locator(".scatterlayer .trace").nth(
-        n_traces // 2
-    )  # the full cache's right squares, row 2
+    second = plot.locator(".scatterlayer .trace").nth(n_traces // 2)  # the full cache's right squares, row 2
     second.locator(".points path").first.click(force=True)
     page.wait_for_function(
-        "() => (new URLSearchParams(location.search).get('nd_cell') || '').endsWith(':aware')",
-        timeout=30_000,
+        "() => (new URLSearchParams(location.search).get('nd_cell') || '').endsWith(':aware')", timeout=30_000
     )
     assert address(page)["nd_cell"].startswith("full:"), address(page)
     e(page.get_by_role("heading", name=re.compile(r"^Full cache · "))).to_be_visible()

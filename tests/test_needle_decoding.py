@@ -38,21 +38,15 @@ compress_every = [0, 4]
 
 
 def test_the_request_gives_the_setting_to_the_one_shot_scorers_only():
-    req = needle.GridRequest(
-        scorers=["full", "streaming", "h2o", "snapkv", "knorm"], compress_every=8
-    )
+    req = needle.GridRequest(scorers=["full", "streaming", "h2o", "snapkv", "knorm"], compress_every=8)
     req.check()
     assert isinstance(req.lengths, tuple) and req.settings()["compress_every"] == 8
     every = {s: req.spec(s, 0.25, 16, 320).compress_every for s in req.scorers}
     # H2O decides at every step; StreamingLLM's sinks + window are one-shot scores too (kvpress's DecodingPress
     # takes any scorer press): the setting's own owner test decides (kvviz.policies.decoding.one_shot)
     assert every == {"full": 0, "streaming": 8, "h2o": 0, "snapkv": 8, "knorm": 8}
-    assert req.spec("snapkv", 0.25, 16, 320) == needle.spec_for("snapkv", 0.25, 16, 320).with_(
-        compress_every=8
-    )
-    assert (
-        "compress_every" not in needle.GridRequest().settings()
-    )  # as the shipped grids were saved
+    assert req.spec("snapkv", 0.25, 16, 320) == needle.spec_for("snapkv", 0.25, 16, 320).with_(compress_every=8)
+    assert "compress_every" not in needle.GridRequest().settings()  # as the shipped grids were saved
     with pytest.raises(SpecError, match="0-100,000, got -1"):
         needle.GridRequest(compress_every=-1).check()
     with pytest.raises(SpecError, match="chunkkv: ChunkKV's whole chunks"):
@@ -66,10 +60,7 @@ def test_kvviz_needle_takes_the_flag_from_the_settings_table(capsys):
     with pytest.raises(SystemExit):
         main(["needle", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert (
-        "--compress-every COMPRESS_EVERY" in out
-        and " ".join(SETTINGS["compress_every"].help.split())[:60] in out
-    )
+    assert "--compress-every COMPRESS_EVERY" in out and " ".join(SETTINGS["compress_every"].help.split())[:60] in out
     with pytest.raises(SystemExit) as stop:
         main(["needle", "--compress-every", "-1"])
     assert stop.value.code == 2
@@ -103,9 +94,7 @@ def test_a_needle_study_has_the_axis_and_nothing_else_of_the_table():
 
 
 @pytest.mark.model
-def test_the_needle_cache_is_compressed_again_and_never_holds_more_than_budget_plus_n(
-    monkeypatch, tmp_path
-):
+def test_the_needle_cache_is_compressed_again_and_never_holds_more_than_budget_plus_n(monkeypatch, tmp_path):
     """Query-agnostic: compressed after the haystack, then the question's tokens arrive through the cache: with
     compress_every 4 SnapKV scores again every 4 of them, so the cache the first answer step reads holds
     budget + (steps since the last compression) <= budget + 4 tokens, and other tokens than compressing once.
@@ -144,7 +133,4 @@ def test_the_needle_cache_is_compressed_again_and_never_holds_more_than_budget_p
     run_study(parse_study(NEEDLE_STUDY.replace('"full", "h2o", ', "")), tmp_path / "s")
     rows = StudyDir(tmp_path / "s").rows().set_index("compress_every")
     assert rows.loc[4, "spec"] == again.spec and rows.loc[0, "spec"] == once.spec
-    assert (
-        rows.loc[4, "needle_kept"] == again.needle_kept
-        and rows.loc[0, "needle_kept"] == once.needle_kept
-    )
+    assert rows.loc[4, "needle_kept"] == again.needle_kept and rows.loc[0, "needle_kept"] == once.needle_kept

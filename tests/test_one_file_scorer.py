@@ -90,9 +90,7 @@ def test_a_scorer_is_one_file_and_then_everywhere(tmp_path):
     copy.mkdir()
     for name in ("kvviz", "pages", "tests", ".streamlit"):
         if (ROOT / name).exists():
-            shutil.copytree(
-                ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__", "data")
-            )
+            shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__", "data"))
     shutil.copytree(ROOT / "kvviz" / "data", copy / "kvviz" / "data")
     shutil.copy(ROOT / "app.py", copy / "app.py")
     (copy / "kvviz" / "policies" / "oldest.py").write_text(SCORER, encoding="utf-8")

@@ -31,11 +31,7 @@ def _forget():
             PLUGIN_SCORERS.remove(name)
     plugins._loaded_entry_points = False
     plugins.ERRORS.clear()
-    for m in [
-        m
-        for m in sys.modules
-        if m.startswith("kvviz_example_plugin") or m.startswith("kvviz_plugin_")
-    ]:
+    for m in [m for m in sys.modules if m.startswith("kvviz_example_plugin") or m.startswith("kvviz_plugin_")]:
         sys.modules.pop(m)
 
 
@@ -45,12 +41,9 @@ def installed(tmp_path, monkeypatch):
     shutil.copytree(EXAMPLE / "kvviz_example_plugin", tmp_path / "kvviz_example_plugin")
     info = tmp_path / "kvviz_example_plugin-0.1.0.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: kvviz-example-plugin\nVersion: 0.1.0\n"
-    )
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvviz-example-plugin\nVersion: 0.1.0\n")
     (info / "entry_points.txt").write_text(
-        "[kvviz.policies]\nlast8 = kvviz_example_plugin:LastQueries\n"
-        "keep_early = kvviz_example_plugin:keep_early\n"
+        "[kvviz.policies]\nlast8 = kvviz_example_plugin:LastQueries\nkeep_early = kvviz_example_plugin:keep_early\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
@@ -65,11 +58,7 @@ def last8_reference(trace, layer):
     votes = np.zeros((trace.n_kv_heads, c))
     for qi in range(c - 8, c):
         for h in range(trace.n_q_heads):
-            logits = (
-                trace.k[layer, h // g, : qi + 1].astype(np.float64)
-                @ trace.q[layer, h, qi]
-                / np.sqrt(d)
-            )
+            logits = trace.k[layer, h // g, : qi + 1].astype(np.float64) @ trace.q[layer, h, qi] / np.sqrt(d)
             a = np.exp(logits - logits.max())
             votes[h // g, : qi + 1] += a / a.sum()
     return votes
@@ -79,9 +68,7 @@ def test_installed_plugin_is_found_by_entry_point_and_matches_its_rule(installed
     from test_policies_new import random_trace
 
     assert "last8" not in POLICIES
-    spec = Spec(
-        sink=2, recent=4, heavy=6, scorer="last8"
-    )  # the name is known from the installed metadata ...
+    spec = Spec(sink=2, recent=4, heavy=6, scorer="last8")  # the name is known from the installed metadata ...
     assert "last8" not in POLICIES  # ... its code is not loaded for a spec
     with pytest.raises(SpecError, match="unknown scorer 'nope'"):
         Spec(scorer="nope")  # a name no plug-in declares is refused
@@ -100,23 +87,7 @@ def test_installed_plugin_is_found_by_entry_point_and_matches_its_rule(installed
 
 
 def test_plugin_through_compare_and_sweep_on_the_cli(installed, capsys):
-    assert (
-        main(
-            [
-                "compare",
-                "--scorer",
-                "last8",
-                "--sink",
-                "4",
-                "--recent",
-                "8",
-                "--heavy",
-                "4",
-                "--json",
-            ]
-        )
-        == 0
-    )
+    assert main(["compare", "--scorer", "last8", "--sink", "4", "--recent", "8", "--heavy", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["spec"]["scorer"] == "last8" and sum(out["kept"]) == 16
     assert (
@@ -137,10 +108,7 @@ def test_plugin_through_compare_and_sweep_on_the_cli(installed, capsys):
         == 0
     )
     csv = capsys.readouterr().out.splitlines()
-    assert (
-        sum(line.startswith("last8,") for line in csv) == 2
-        and sum(line.startswith("h2o,") for line in csv) == 2
-    )
+    assert sum(line.startswith("last8,") for line in csv) == 2 and sum(line.startswith("h2o,") for line in csv) == 2
 
 
 def test_policy_file_on_the_cli(capsys):
@@ -205,9 +173,7 @@ def test_plugins_cannot_replace_built_ins():
 def test_plugin_in_the_app(installed):
     from apptest_util import run_app
 
-    at = run_app(
-        str(ROOT / "app.py"), opened=("_advanced_open",), scorer="last8", sink=4, recent=8, heavy=4
-    )
+    at = run_app(str(ROOT / "app.py"), opened=("_advanced_open",), scorer="last8", sink=4, recent=8, heavy=4)
     box = next(b for b in at.selectbox if b.label == "Heavy-hitter scorer")
     assert box.value == "last8"
     assert any("last8 (plug-in: attention from the last 8" in o for o in box.options)
@@ -267,9 +233,7 @@ def test_register_names_and_describes_what_it_is_given(registry):
         return np.zeros(ctx.n_positions)
 
     assert registry.register(newest, "newest-first").name == "newest-first"  # the given name wins
-    assert (
-        get_policy("newest-first").description == "newest tokens first"
-    )  # the docstring's first line
+    assert get_policy("newest-first").description == "newest tokens first"  # the docstring's first line
     assert "newest-first" in PLUGIN_SCORERS
     plain = registry.register(anonymous)  # no name: the function's
     assert plain.name == "anonymous"
@@ -280,11 +244,7 @@ def test_register_names_and_describes_what_it_is_given(registry):
             return np.zeros(ctx.n_positions)
 
     named = registry.register(Nameless, "My.Scorer_2-b")  # capitals, digits, _ . -
-    assert (
-        isinstance(named, Nameless)
-        and named.name == "My.Scorer_2-b"
-        and get_policy("My.Scorer_2-b") is named
-    )
+    assert isinstance(named, Nameless) and named.name == "My.Scorer_2-b" and get_policy("My.Scorer_2-b") is named
     assert named.description == f"plug-in {__name__}.{Nameless.__qualname__}"
     instance = Nameless()
     assert registry.as_policy(instance, "given") is instance and instance.name == "given"
@@ -297,21 +257,9 @@ def test_register_names_and_describes_what_it_is_given(registry):
     "obj, name, message",
     [
         (42, None, "42 is not a kvviz Policy subclass or a score(ctx) function"),
-        (
-            newest,
-            "9lives",
-            "plug-in scorer name '9lives' must be a short identifier (letters, digits, _ . -)",
-        ),
-        (
-            newest,
-            "h2o",
-            "plug-in scorer 'h2o' would replace kvviz's built-in 'h2o'; give it another name",
-        ),
-        (
-            type("Unscored", (plugins.Policy,), {}),
-            "unscored",
-            "plug-in 'unscored' does not implement score(ctx)",
-        ),
+        (newest, "9lives", "plug-in scorer name '9lives' must be a short identifier (letters, digits, _ . -)"),
+        (newest, "h2o", "plug-in scorer 'h2o' would replace kvviz's built-in 'h2o'; give it another name"),
+        (type("Unscored", (plugins.Policy,), {}), "unscored", "plug-in 'unscored' does not implement score(ctx)"),
     ],
 )
 def test_register_refuses_with_a_reason(registry, obj, name, message):
@@ -326,9 +274,7 @@ class FakeEntryPoint:
         self.name, self.value, self.load = name, value, load
 
 
-def test_entry_points_load_once_under_their_own_names_and_failures_are_reported_once(
-    registry, monkeypatch
-):
+def test_entry_points_load_once_under_their_own_names_and_failures_are_reported_once(registry, monkeypatch):
     """An entry point registers under its entry-point name; one that fails to load is skipped with one line
     (its message's first line, or the exception's type when it has no message); the group is read once
     unless forced, and a failure read twice is reported once."""
@@ -398,9 +344,7 @@ def test_load_file_imports_a_plugin_file_as_its_own_module(registry, tmp_path):
     second.write_text(PLUGIN_SOURCE.replace("newest_file", "newest_other"))
     try:
         a, b = registry.load_file(f"{first}:Newest"), registry.load_file(f"{second}:Newest")
-        module = "kvviz_plugin_" + re.sub(
-            r"\W", "_", str(first.resolve())
-        )  # the path, every non-word char _
+        module = "kvviz_plugin_" + re.sub(r"\W", "_", str(first.resolve()))  # the path, every non-word char _
         assert type(a).__module__ == module and module.isidentifier()
         assert sys.modules[module].Newest is type(a)  # each file its own module (pickle finds it)
         assert sys.modules[type(b).__module__].Newest is type(b) and type(b) is not type(a)
@@ -422,8 +366,5 @@ def test_load_file_that_fails_to_import_leaves_no_module_behind(registry, tmp_pa
     before = set(sys.modules)
     with pytest.raises(plugins.PluginError) as refused:
         registry.load_file(f"{broken}:X")
-    assert (
-        str(refused.value)
-        == f"--policy: {broken} failed to import: ZeroDivisionError: division by zero"
-    )
+    assert str(refused.value) == f"--policy: {broken} failed to import: ZeroDivisionError: division by zero"
     assert set(sys.modules) == before

@@ -20,9 +20,7 @@ def random_trace(seed=0, L=2, Hq=4, Hkv=2, D=16, c=48, steps=6, rope=True):
     q = rng.standard_normal((L, Hq, P, D)).astype(np.float32)
     k = rng.standard_normal((L, Hkv, P, D)).astype(np.float32)
     k[..., 3] += 2.0 * rng.standard_normal((L, Hkv, 1))  # a shared direction: cosines differ
-    v = rng.standard_normal((L, Hkv, P, D)).astype(np.float32) * rng.uniform(
-        0.5, 2, (L, Hkv, P, 1)
-    ).astype(np.float32)
+    v = rng.standard_normal((L, Hkv, P, D)).astype(np.float32) * rng.uniform(0.5, 2, (L, Hkv, P, 1)).astype(np.float32)
     meta = {"source": "test"}
     if rope:
         meta["rope_inv_freq"] = (1.0 / 100.0 ** (np.arange(0, D, 2) / D)).tolist()
@@ -30,11 +28,7 @@ def random_trace(seed=0, L=2, Hq=4, Hkv=2, D=16, c=48, steps=6, rope=True):
 
 
 def heavy_set(kept_row, spec, n):
-    return (
-        set(np.flatnonzero(kept_row))
-        - set(range(min(spec.sink, n)))
-        - set(range(n - spec.recent, n))
-    )
+    return set(np.flatnonzero(kept_row)) - set(range(min(spec.sink, n))) - set(range(n - spec.recent, n))
 
 
 def top_set(scores, first, end, k):
@@ -73,9 +67,7 @@ def expected_attention_reference(trace, layer, horizon, covariance=True):
         cov = (pre - mu).T @ (pre - mu) / len(pre)
         mu, cov = Rbar @ mu, Rbar @ cov @ Rbar.T
         K = trace.k[layer, h // g, sinks:c].astype(np.float64)
-        z = K @ mu / np.sqrt(d) + (
-            0.5 / d * np.einsum("ni,ij,nj->n", K, cov, K) if covariance else 0
-        )
+        z = K @ mu / np.sqrt(d) + (0.5 / d * np.einsum("ni,ij,nj->n", K, cov, K) if covariance else 0)
         a = np.exp(z - z.max())
         out[h // g, sinks:] += a / a.sum() / g
     out[:, sinks:] *= np.linalg.norm(trace.v[layer, :, sinks:c].astype(np.float64), axis=-1)
@@ -94,22 +86,13 @@ def score_ea(trace, layer, **settings):
 @pytest.mark.parametrize("covariance", [True, False])
 def test_expected_attention_matches_the_kvpress_rule(covariance):
     trace = random_trace(1)
-    spec = Spec(
-        sink=0,
-        recent=4,
-        heavy=12,
-        scorer="expected_attention",
-        ea_horizon=32,
-        ea_covariance=covariance,
-    )
+    spec = Spec(sink=0, recent=4, heavy=12, scorer="expected_attention", ea_horizon=32, ea_covariance=covariance)
     c = trace.context_len
     for layer in (0, 1):  # each layer its own query statistics (cached per layer)
         ref = expected_attention_reference(trace, layer, 32, covariance)
         got = score_ea(trace, layer, ea_horizon=32, ea_covariance=covariance)
         np.testing.assert_allclose(got[:, 4:c], ref[:, 4:], rtol=1e-6, atol=1e-12)
-        assert np.all(
-            got[:, :4] == got[:, 4:c].max() + 1.0
-        )  # the first 4 rank first: kvpress's max + 1
+        assert np.all(got[:, :4] == got[:, 4:c].max() + 1.0)  # the first 4 rank first: kvpress's max + 1
         assert np.all(np.isneginf(got[:, c:]))
     kept = keep_masks(trace, spec, 1, [c - 1])[0]
     ref = expected_attention_reference(trace, 1, 32, covariance)
@@ -123,9 +106,7 @@ def test_expected_attention_on_contexts_too_short_for_the_sinks(c):
     trace = random_trace(4, c=c)  # 1 to 7 context tokens, 6 later queries
     for layer in (0, 1):
         got = score_ea(trace, layer, ea_horizon=16)
-        np.testing.assert_allclose(
-            got[:, :c], expected_attention_reference(trace, layer, 16), rtol=1e-6
-        )
+        np.testing.assert_allclose(got[:, :c], expected_attention_reference(trace, layer, 16), rtol=1e-6)
 
 
 def test_expected_attention_of_a_float16_trace_is_that_of_its_values():
@@ -133,28 +114,17 @@ def test_expected_attention_of_a_float16_trace_is_that_of_its_values():
     the scores are those of the same values in float64."""
     base = random_trace(1)
     half = trace_with(
-        base,
-        q=base.q.astype(np.float16),
-        k=(3 * base.k).astype(np.float16),
-        v=(40 * base.v).astype(np.float16),
+        base, q=base.q.astype(np.float16), k=(3 * base.k).astype(np.float16), v=(40 * base.v).astype(np.float16)
     )
     c = half.context_len
     for covariance in (False, True):
         got = score_ea(half, 0, ea_horizon=8, ea_covariance=covariance)
-        np.testing.assert_allclose(
-            got[:, :c], expected_attention_reference(half, 0, 8, covariance), rtol=1e-5
-        )
+        np.testing.assert_allclose(got[:, :c], expected_attention_reference(half, 0, 8, covariance), rtol=1e-5)
 
 
 @pytest.mark.parametrize(
     "rows",
-    [
-        np.arange(40),
-        np.arange(5),
-        np.arange(1),
-        np.array([0, 1, 2, 3, 5, 6, 9, 10, 17, 30]),
-        np.array([2, 4, 7]),
-    ],
+    [np.arange(40), np.arange(5), np.arange(1), np.array([0, 1, 2, 3, 5, 6, 9, 10, 17, 30]), np.array([2, 4, 7])],
 )
 def test_query_statistics_are_the_pre_rope_mean_and_covariance_after_the_sinks(rows):
     """query_statistics(rows) against numpy: the queries un-rotated at their own positions, the first 4 left
@@ -167,13 +137,9 @@ def test_query_statistics_are_the_pre_rope_mean_and_covariance_after_the_sinks(r
     for layer in (0, 1):
         mu, cov = query_statistics(trace, layer, rows)  # (Hq, d), (Hq, d, d)
         for h in range(trace.n_q_heads):
-            pre = np.array(
-                [rope_matrix(p, freq).T @ trace.q[layer, h, p].astype(np.float64) for p in used]
-            )
+            pre = np.array([rope_matrix(p, freq).T @ trace.q[layer, h, p].astype(np.float64) for p in used])
             np.testing.assert_allclose(mu[h], pre.mean(0), rtol=1e-6, atol=1e-6)
-            np.testing.assert_allclose(
-                cov[h], np.cov(pre.T, bias=True).reshape(cov[h].shape), rtol=1e-5, atol=1e-6
-            )
+            np.testing.assert_allclose(cov[h], np.cov(pre.T, bias=True).reshape(cov[h].shape), rtol=1e-5, atol=1e-6)
 
 
 def test_query_statistics_of_queries_with_a_large_offset_keep_the_mean_and_the_covariance():
@@ -185,9 +151,7 @@ def test_query_statistics_of_queries_with_a_large_offset_keep_the_mean_and_the_c
     rng = np.random.default_rng(8)
     base = random_trace(8, L=1, c=200, rope=False)
     q = base.q.copy()  # (1, 4, 206, 16)
-    q[..., :8] = 3000.0 + 0.05 * rng.standard_normal(
-        q[..., :8].shape
-    )  # half the channels: a big offset
+    q[..., :8] = 3000.0 + 0.05 * rng.standard_normal(q[..., :8].shape)  # half the channels: a big offset
     trace = trace_with(base, q=q, context_len=200)
     mu, cov = query_statistics(trace, 0, np.arange(200))
     pre = q[0, :, 4:200].astype(np.float64)  # (4, 196, 16)
@@ -253,8 +217,7 @@ def keydiff_reference(keys):
 
 
 @pytest.mark.parametrize(
-    "dtype, scale, rtol",
-    [(np.float64, 1.0, 1e-12), (np.float32, 1e-3, 1e-5), (np.float16, 1.0, 1e-5)],
+    "dtype, scale, rtol", [(np.float64, 1.0, 1e-12), (np.float32, 1e-3, 1e-5), (np.float16, 1.0, 1e-5)]
 )
 def test_keydiff_scores_are_the_negated_cosine_to_the_anchor(dtype, scale, rtol):
     """The scores themselves, not only their order: float64 keys scored in float64, float16 ones in float32
@@ -266,9 +229,7 @@ def test_keydiff_scores_are_the_negated_cosine_to_the_anchor(dtype, scale, rtol)
     k = (trace.k * scale).astype(dtype)  # (L, kv_heads, P, d)
     trace = trace_with(trace, k=k)
     c = trace.context_len
-    got = POLICIES["keydiff"].score(
-        ScoreContext(trace, 1, Spec(sink=2, recent=6, heavy=10, scorer="keydiff"))
-    )
+    got = POLICIES["keydiff"].score(ScoreContext(trace, 1, Spec(sink=2, recent=6, heavy=10, scorer="keydiff")))
     np.testing.assert_allclose(got[:, :c], keydiff_reference(k[1, :, :c]), rtol=rtol)
     assert np.isneginf(got[:, c:]).all()
 
@@ -280,13 +241,7 @@ def test_chunkkv_keeps_whole_top_chunks_by_summed_mean_score():
     trace = random_trace(4, c=60)
     c, C = 60, 5
     spec = Spec(
-        sink=0,
-        recent=10,
-        heavy=15,
-        scorer="chunkkv",
-        chunk_size=C,
-        chunk_scorer="keydiff",
-        chunk_rule="budget",
+        sink=0, recent=10, heavy=15, scorer="chunkkv", chunk_size=C, chunk_scorer="keydiff", chunk_rule="budget"
     )
     kept = keep_masks(trace, spec, 1, [c - 1])[0]
     # kvpress: token scores summed over heads, mean per chunk of C, top chunks, kept whole
@@ -295,9 +250,7 @@ def test_chunkkv_keeps_whole_top_chunks_by_summed_mean_score():
     anchor = unit.mean(1, keepdims=True)
     token = -(unit * anchor).sum(-1) / np.linalg.norm(anchor, axis=-1)
     chunk = token.sum(0).reshape(-1, C).mean(1)  # (12,)
-    eligible = [
-        j for j in range(len(chunk)) if (j + 1) * C <= c - 10
-    ]  # the window's chunks are kept anyway
+    eligible = [j for j in range(len(chunk)) if (j + 1) * C <= c - 10]  # the window's chunks are kept anyway
     best = sorted(eligible, key=lambda j: -chunk[j])[:3]
     want = {i for j in best for i in range(j * C, (j + 1) * C)}
     assert np.array_equal(kept[0], kept[1])  # one decision for every head
@@ -326,15 +279,7 @@ def test_chunkkv_keeps_kvpress_count_of_whole_chunks_and_nothing_else():
 def test_chunkkv_pads_snapkv_window_with_max_plus_one():
     """The chunk straddling SnapKV's window scores with its window tokens at max + 1 (kvpress)."""
     trace = random_trace(5, c=80)
-    spec = Spec(
-        sink=0,
-        recent=16,
-        heavy=24,
-        scorer="chunkkv",
-        chunk_size=10,
-        chunk_scorer="snapkv",
-        snapkv_window=16,
-    )
+    spec = Spec(sink=0, recent=16, heavy=24, scorer="chunkkv", chunk_size=10, chunk_scorer="snapkv", snapkv_window=16)
     from kvviz.policies import get_policy
     from kvviz.policies.base import ScoreContext
 
@@ -356,9 +301,7 @@ def test_chunk_scores_are_the_mean_of_each_chunks_head_summed_token_scores(c, si
 
     token = np.random.default_rng(c + size).standard_normal((2, c + 3))  # (kv_heads, >= c)
     summed = token[:, :c].sum(axis=0)
-    want = [
-        summed[j - j % size : j - j % size + size].mean() for j in range(c)
-    ]  # (c,) plain slices
+    want = [summed[j - j % size : j - j % size + size].mean() for j in range(c)]  # (c,) plain slices
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = chunk_scores(token, c, size)
@@ -374,9 +317,7 @@ def test_chunkkv_scores_its_inner_scorers_chunks_and_leaves_arrivals_unscored():
     spec = Spec(sink=0, recent=6, heavy=10, scorer="chunkkv", chunk_size=5, chunk_scorer="knorm")
     got = POLICIES["chunkkv"].score(ScoreContext(trace, 0, spec))  # (kv_heads, positions)
     knorm = -np.linalg.norm(trace.k[0].astype(np.float64), axis=-1)  # (kv_heads, positions)
-    np.testing.assert_allclose(
-        got[:, :c], np.broadcast_to(chunk_scores(knorm, c, 5), (2, c)), rtol=1e-6
-    )
+    np.testing.assert_allclose(got[:, :c], np.broadcast_to(chunk_scores(knorm, c, 5), (2, c)), rtol=1e-6)
     assert np.isneginf(got[:, c:]).all()  # an arrival has no chunk score
 
 
@@ -387,15 +328,7 @@ def test_chunkkv_with_nothing_ranked_by_its_inner_scorer_ties_every_chunk():
 
     trace = random_trace(4)
     c = trace.context_len
-    spec = Spec(
-        sink=0,
-        recent=c,
-        heavy=0,
-        scorer="chunkkv",
-        chunk_size=5,
-        chunk_scorer="snapkv",
-        snapkv_window=c,
-    )
+    spec = Spec(sink=0, recent=c, heavy=0, scorer="chunkkv", chunk_size=5, chunk_scorer="snapkv", snapkv_window=c)
     scores = POLICIES["chunkkv"].score(ScoreContext(trace, 0, spec))  # (kv_heads, positions)
     assert np.isfinite(scores[:, :c]).all() and len(np.unique(scores[:, :c])) == 1
     assert keep_masks(trace, spec, 0, [c - 1])[0, :, :c].all()
@@ -416,25 +349,12 @@ def chunkkv_reference_kept(per_chunk, c, size, budget):
         (48, 10, 29, [0.3, 0.9, 0.1, 0.5, 0.7]),  # 5 chunks, not 4.8: 3 kept, not 2
         (48, 10, 3, [0.3, 0.9, 0.1, 0.5, 0.7]),  # int(...) = 0: still one chunk
         (10, 10, 4, [0.2]),  # one whole chunk: kvpress keeps it
-        (
-            80,
-            2,
-            20,
-            np.random.default_rng(0).integers(0, 3, 40).astype(float).tolist(),
-        ),  # 10 of 40, ties
+        (80, 2, 20, np.random.default_rng(0).integers(0, 3, 40).astype(float).tolist()),  # 10 of 40, ties
     ],
 )
 def test_chunkkv_compression_kept_is_kvpress_count_of_top_chunks(c, size, budget, per_chunk):
-    spec = Spec(
-        sink=0,
-        recent=min(4, budget),
-        heavy=budget - min(4, budget),
-        scorer="chunkkv",
-        chunk_size=size,
-    )
-    scores = np.broadcast_to(
-        np.repeat(per_chunk, size)[:c], (2, c)
-    )  # every token carries its chunk's
+    spec = Spec(sink=0, recent=min(4, budget), heavy=budget - min(4, budget), scorer="chunkkv", chunk_size=size)
+    scores = np.broadcast_to(np.repeat(per_chunk, size)[:c], (2, c))  # every token carries its chunk's
     kept = POLICIES["chunkkv"].compression_kept(scores, spec)  # (kv_heads, c)
     assert kept.dtype == bool and kept.shape == (2, c)
     want = chunkkv_reference_kept(per_chunk, c, size, budget)
@@ -463,14 +383,10 @@ def test_quest_reading_every_page_is_exact_and_stores_the_whole_cache():
     np.testing.assert_array_equal(exact.primary.compressed, exact.primary.original)
     np.testing.assert_array_equal(exact.primary.out_compressed, exact.primary.out_original)
     assert exact.metrics["mass_retained"] == pytest.approx(1.0, abs=1e-12)
-    part = compare(
-        trace, Spec(sink=0, recent=4, heavy=16, scorer="quest", page_size=8), View(layer=1, head=2)
-    )
+    part = compare(trace, Spec(sink=0, recent=4, heavy=16, scorer="quest", page_size=8), View(layer=1, head=2))
     assert part.memory.kept_tokens == n  # stored: all of it, plus page min / max
     assert part.memory.kv_bytes > part.memory.kv_bytes_full
-    assert (
-        part.memory.kv_bytes_read < part.memory.kv_bytes_full
-    )  # what it saves: bytes read per step
+    assert part.memory.kv_bytes_read < part.memory.kv_bytes_full  # what it saves: bytes read per step
 
 
 def test_quest_reads_the_top_pages_by_the_bound_of_the_query():
@@ -502,9 +418,7 @@ def test_quest_reads_its_pages_from_the_whole_cache_quantized_as_stored(key_axis
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_quant import (
-        _reference as reference_quantize,
-    )  # docs/definitions.md's formulas, a group at a time
+    from test_quant import _reference as reference_quantize  # docs/definitions.md's formulas, a group at a time
 
     trace = random_trace(8)
     spec = Spec(
@@ -585,18 +499,14 @@ def test_expected_attention_on_a_config_only_trace_with_llama3_scaled_rope():
             "original_max_position_embeddings": 8192,
         },
     }
-    model_freq = LlamaRotaryEmbedding(
-        LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})
-    ).inv_freq
+    model_freq = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})).inv_freq
     base = random_trace(6, D=16, rope=False)
     only_config = trace_with(base, meta={"source": "test", "config": config})
     got = rope_inv_freq(only_config)
     np.testing.assert_allclose(got, model_freq.double().numpy(), rtol=1e-6)
     unscaled = 1.0 / 500000.0 ** (np.arange(0, 16, 2) / 16)
     assert not np.allclose(got, unscaled)  # llama3 really rescales the low ones
-    carried = trace_with(
-        base, meta={"source": "test", "rope_inv_freq": model_freq.double().numpy().tolist()}
-    )
+    carried = trace_with(base, meta={"source": "test", "rope_inv_freq": model_freq.double().numpy().tolist()})
     spec = Spec(heavy=8, scorer="expected_attention")
     a = ExpectedAttention().score(ScoreContext(only_config, 0, spec))
     b = ExpectedAttention().score(ScoreContext(carried, 0, spec))
@@ -612,24 +522,17 @@ def config_trace(config):
 @pytest.mark.parametrize(
     "config",
     [
-        {
-            "rope_theta": 1e4,
-            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
-        },  # transformers 4
+        {"rope_theta": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},  # transformers 4
         {"rope_parameters": {"rope_theta": 1e4, "rope_type": "linear", "factor": 2.0}},
     ],
 )  # transformers 5
-def test_a_scaled_rope_trace_without_frequencies_is_refused_not_scored_unrotated(
-    monkeypatch, config
-):
+def test_a_scaled_rope_trace_without_frequencies_is_refused_not_scored_unrotated(monkeypatch, config):
     import re
 
     import kvviz.models.config as model_config
     from kvviz.policies.expected_attention import rope_inv_freq
 
-    monkeypatch.setattr(
-        model_config, "inv_freq_from_config", lambda config, head_dim: None
-    )  # no transformers
+    monkeypatch.setattr(model_config, "inv_freq_from_config", lambda config, head_dim: None)  # no transformers
     with pytest.raises(
         SpecError,
         match=re.escape(
@@ -712,9 +615,7 @@ def test_quest_query_kept_is_the_union_of_each_heads_own_top_pages():
         ("chunkkv", {"chunk_rule": "chunks"}, False),
     ],
 )
-def test_a_policy_says_it_fills_the_budget_where_every_head_holds_exactly_the_budget(
-    scorer, setting, fills
-):
+def test_a_policy_says_it_fills_the_budget_where_every_head_holds_exactly_the_budget(scorer, setting, fills):
     """fills_budget lets the memory card count bytes from the budget alone: true for Quest's one choice per
     KV head and ChunkKV's budget rule, where every head holds (reads) min(budget, tokens seen); false for
     Quest per query head (a union of reads) and kvpress's whole chunks, whose counts are their own."""
@@ -724,10 +625,7 @@ def test_a_policy_says_it_fills_the_budget_where_every_head_holds_exactly_the_bu
     spec = Spec(sink=1, recent=4, heavy=13, scorer=scorer, page_size=4, chunk_size=5, **setting)
     assert POLICIES[scorer].fills_budget(spec) is fills
     exact = [
-        (
-            kept_at_query(trace, spec, layer, qi).sum(axis=1)
-            == min(spec.budget, trace.query_positions[qi] + 1)
-        ).all()
+        (kept_at_query(trace, spec, layer, qi).sum(axis=1) == min(spec.budget, trace.query_positions[qi] + 1)).all()
         for layer in range(trace.n_layers)
         for qi in trace.evaluated_queries
     ]
@@ -740,15 +638,7 @@ def test_quest_per_query_head_reads_its_layers_pyramid_budget():
     from kvviz.policies.allocation import layer_spec
 
     trace = random_trace(7, L=3, c=40, steps=2)
-    spec = Spec(
-        sink=1,
-        recent=4,
-        heavy=12,
-        scorer="quest",
-        page_size=1,
-        allocation="pyramid",
-        pyramid_schedule="heavy",
-    )
+    spec = Spec(sink=1, recent=4, heavy=12, scorer="quest", page_size=1, allocation="pyramid", pyramid_schedule="heavy")
     n = trace.n_positions
     query, budgets = trace.q[:, :, n - 1], []
     for layer in range(trace.n_layers):

@@ -54,24 +54,15 @@ def snapkv_votes(trace, layer, window, kernel=5):
     return per_head.mean(axis=1)  # (kv_heads, c - window)
 
 
-@given(
-    sink=st.integers(0, 6),
-    recent=st.integers(1, 40),
-    heavy=st.integers(1, 50),
-    window=st.integers(0, 40),
-)
-def test_snapkv_heavy_slots_go_to_the_top_voted_tokens_before_the_window(
-    trace, sink, recent, heavy, window
-):
+@given(sink=st.integers(0, 6), recent=st.integers(1, 40), heavy=st.integers(1, 50), window=st.integers(0, 40))
+def test_snapkv_heavy_slots_go_to_the_top_voted_tokens_before_the_window(trace, sink, recent, heavy, window):
     """At every budget, including heavy < window - recent (where the old +inf window filled every
     heavy slot with the window's first tokens), the heavy hitters are the top votes of the prefix."""
     if window > recent:
         with pytest.raises(SpecError, match="must fit inside the recent window"):
             Spec(sink=sink, recent=recent, heavy=heavy, scorer="snapkv", snapkv_window=window)
         return
-    spec = Spec(
-        sink=sink, recent=recent, heavy=heavy, scorer="snapkv", snapkv_window=window or None
-    )
+    spec = Spec(sink=sink, recent=recent, heavy=heavy, scorer="snapkv", snapkv_window=window or None)
     w = observation_window(spec)
     assert w == (window or min(recent, 64))
     c = trace.context_len
@@ -87,12 +78,8 @@ def test_snapkv_heavy_slots_go_to_the_top_voted_tokens_before_the_window(
         assert np.all(kept[g, c - w : c])  # the window itself is kept
 
 
-@pytest.mark.parametrize(
-    "window, kernel, chunk_rows", [(1, 5, None), (7, 3, 2), (119, 5, None), (40, 1, 3)]
-)
-def test_snapkv_scores_are_the_pooled_votes_of_its_window(
-    trace, monkeypatch, window, kernel, chunk_rows
-):
+@pytest.mark.parametrize("window, kernel, chunk_rows", [(1, 5, None), (7, 3, 2), (119, 5, None), (40, 1, 3)])
+def test_snapkv_scores_are_the_pooled_votes_of_its_window(trace, monkeypatch, window, kernel, chunk_rows):
     """The scores themselves, not only their order: the window's mean attention to each token before it,
     average-pooled (zeros counted) and averaged over the GQA group, the same when the window's rows come
     in several chunks; down to a window of one query and a prefix of one token. Tokens in the window and
@@ -101,17 +88,11 @@ def test_snapkv_scores_are_the_pooled_votes_of_its_window(
     from kvviz.policies import POLICIES, ScoreContext
 
     if chunk_rows is not None:  # context_rows: chunk_rows rows a chunk (heads x rows x keys floats)
-        monkeypatch.setattr(
-            attention, "CHUNK_BYTES", 4 * trace.n_q_heads * trace.context_len * chunk_rows
-        )
+        monkeypatch.setattr(attention, "CHUNK_BYTES", 4 * trace.n_q_heads * trace.context_len * chunk_rows)
     c = trace.context_len
-    spec = Spec(
-        sink=0, recent=window, heavy=4, scorer="snapkv", snapkv_window=window, snapkv_kernel=kernel
-    )
+    spec = Spec(sink=0, recent=window, heavy=4, scorer="snapkv", snapkv_window=window, snapkv_kernel=kernel)
     got = POLICIES["snapkv"].score(ScoreContext(trace, 1, spec))  # (kv_heads, positions)
-    np.testing.assert_allclose(
-        got[:, : c - window], snapkv_votes(trace, 1, window, kernel), rtol=1e-5
-    )
+    np.testing.assert_allclose(got[:, : c - window], snapkv_votes(trace, 1, window, kernel), rtol=1e-5)
     assert np.isneginf(got[:, c - window :]).all()
 
 
@@ -152,14 +133,10 @@ def h2o_reference(trace, spec, layer, positions, normalized):
     for kv in range(trace.n_kv_heads):
         heads = range(kv * g, (kv + 1) * g)
         total = sum(causal_attention(trace, layer, h, ctx_rows, P).sum(axis=0) for h in heads)
-        count = np.array(
-            [sum(trace.query_positions[r] >= i for r in ctx_rows) for i in range(P)], float
-        )
+        count = np.array([sum(trace.query_positions[r] >= i for r in ctx_rows) for i in range(P)], float)
         score = lambda i: total[i] / max(count[i], 1) if normalized else total[i]  # noqa: E731
         ranked = sorted(range(spec.sink, c - spec.recent), key=lambda i: (-score(i), i))
-        kept = sorted(
-            set(range(spec.sink)) | set(range(c - spec.recent, c)) | set(ranked[: spec.heavy])
-        )
+        kept = sorted(set(range(spec.sink)) | set(range(c - spec.recent, c)) | set(ranked[: spec.heavy]))
         unseen = set()
         for p in range(c, max(positions) + 1):
             kept.append(p)
@@ -226,10 +203,7 @@ def test_snapkv_sweep_points_spend_heavy_slots_on_voted_tokens_at_every_budget()
         heavy = np.flatnonzero(row.reason == 3)
         assert row.kept.sum() == spec.budget and len(heavy) == spec.heavy
         assert np.all(heavy < t.context_len - observation_window(spec))
-    assert (
-        "mean over the queries that saw each token"
-        in Spec(sink=1, recent=2, heavy=3, h2o_normalized=True).label()
-    )
+    assert "mean over the queries that saw each token" in Spec(sink=1, recent=2, heavy=3, h2o_normalized=True).label()
 
 
 LONG = SyntheticSpec(
@@ -308,9 +282,7 @@ def test_h2o_decode_steps_drive_the_decision_when_the_context_is_short(normalize
     t = make_synthetic(SHORT_CONTEXT)
     spec = Spec(sink=1, recent=4, heavy=6, scorer="h2o", h2o_normalized=normalized)
     positions = [int(p) for p in t.query_positions[t.later_queries]]
-    np.testing.assert_array_equal(
-        keep_masks(t, spec, 0, positions), h2o_reference(t, spec, 0, positions, normalized)
-    )
+    np.testing.assert_array_equal(keep_masks(t, spec, 0, positions), h2o_reference(t, spec, 0, positions, normalized))
 
 
 # --- policies/base.py against plain references (mutation testing) -----------------------
@@ -453,11 +425,7 @@ def test_arrival_scores_of_the_query_free_scorers_are_what_score_gives_that_key(
     np.testing.assert_allclose(knorm, -np.linalg.norm(key.astype(np.float64), axis=-1), rtol=1e-6)
     np.testing.assert_array_equal(knorm, POLICIES["knorm"].score(ctx)[:, p])
     streaming = POLICIES["streaming"].arrival_score(key, 1, p, Spec())
-    assert (
-        streaming.tolist()
-        == [float(p)] * t.n_kv_heads
-        == POLICIES["streaming"].score(ctx)[:, p].tolist()
-    )
+    assert streaming.tolist() == [float(p)] * t.n_kv_heads == POLICIES["streaming"].score(ctx)[:, p].tolist()
 
 
 def test_random_scores_are_uniform_draws_fixed_by_seed_layer_and_position():
@@ -476,12 +444,7 @@ def test_random_scores_are_uniform_draws_fixed_by_seed_layer_and_position():
     assert (scores != rand.score(ScoreContext(t, 1, Spec(seed=3)))).all()
     key = np.ones((3, 8))  # (kv_heads, head_dim)
     arrival = rand.arrival_score(key, 1, 10, Spec(seed=3))
-    assert (
-        arrival.shape == (3,)
-        and arrival.min() >= 0
-        and arrival.max() < 1
-        and len(set(arrival)) == 3
-    )
+    assert arrival.shape == (3,) and arrival.min() >= 0 and arrival.max() < 1 and len(set(arrival)) == 3
     np.testing.assert_array_equal(arrival, rand.arrival_score(key, 1, 10, Spec(seed=3)))
     for other in (
         rand.arrival_score(key, 1, 11, Spec(seed=3)),
@@ -495,9 +458,7 @@ def test_the_oracle_has_no_compression_time_score():
     from kvviz.policies import POLICIES, ScoreContext
 
     t = make_synthetic(SMALL)
-    with pytest.raises(
-        TypeError, match="^the oracle is scored per evaluated query: use query_scores$"
-    ):
+    with pytest.raises(TypeError, match="^the oracle is scored per evaluated query: use query_scores$"):
         POLICIES["oracle"].score(ScoreContext(t, 0, Spec(scorer="oracle")))
 
 
@@ -509,13 +470,9 @@ def tova_reference(trace, spec, layer, positions):
     c, P, heads = trace.context_len, trace.n_positions, range(trace.n_q_heads)
     ctx_rows = [i for i, p in enumerate(trace.query_positions) if p < c]
     later = {int(p): i for i, p in enumerate(trace.query_positions) if p >= c}
-    score = np.mean(
-        [causal_attention(trace, layer, h, ctx_rows[-1:], P)[0] for h in heads], axis=0
-    )  # (P,)
+    score = np.mean([causal_attention(trace, layer, h, ctx_rows[-1:], P)[0] for h in heads], axis=0)  # (P,)
     ranked = sorted(range(spec.sink, c - spec.recent), key=lambda i: (-score[i], i))
-    kept = sorted(
-        set(range(spec.sink)) | set(range(c - spec.recent, c)) | set(ranked[: spec.heavy])
-    )
+    kept = sorted(set(range(spec.sink)) | set(range(c - spec.recent, c)) | set(ranked[: spec.heavy]))
     out = np.zeros((len(positions), trace.n_kv_heads, P), bool)
     for p in range(c, max(positions) + 1):
         kept.append(p)
@@ -562,9 +519,7 @@ def test_a_streaming_plugin_under_adakv_and_a_one_shot_policy_asked_per_query_ar
 
     t = make_synthetic(SMALL)
     ctx = ScoreContext(t, 0, Spec(sink=1, recent=2, heavy=3, scorer="knorm", allocation="adakv"))
-    with pytest.raises(
-        SpecError, match="AdaKV allocates once from one-shot scores; test-every-step decides at"
-    ):
+    with pytest.raises(SpecError, match="AdaKV allocates once from one-shot scores; test-every-step decides at"):
         allocation_for(ctx.spec).keep_masks(EveryStep(), ctx, [t.n_positions - 1])
     with pytest.raises(TypeError, match="h2o scores at the compression point: use score"):
         POLICIES["h2o"].query_scores(np.ones((4, 5)), ctx)

@@ -23,10 +23,7 @@ def test_error_at_most_half_a_step(x, bits, axis, group):
     assert np.all(np.abs(x - x_hat) <= s / 2 + 1e-9 * (1 + np.abs(x)))
 
 
-@given(
-    x=arrays(np.float64, st.tuples(st.integers(2, 40), st.integers(2, 16)), elements=finite),
-    bits=st.integers(2, 8),
-)
+@given(x=arrays(np.float64, st.tuples(st.integers(2, 40), st.integers(2, 16)), elements=finite), bits=st.integers(2, 8))
 def test_symmetric_error_bound(x, bits):
     x_hat = quantize(x, bits, "token", 8, symmetric=True)
     s = quant_step(x, bits, "token", 8, symmetric=True)
@@ -52,9 +49,7 @@ def test_per_channel_beats_per_token_on_outlier_keys():
     keys = rng.standard_normal((512, 64))
     keys[:, [3, 17]] = 20 + rng.standard_normal((512, 2))  # outlier channels, as real keys have
     err = {
-        (b, axis): np.abs(quantize(keys, b, axis, 32) - keys).mean()
-        for b in (2, 4)
-        for axis in ("channel", "token")
+        (b, axis): np.abs(quantize(keys, b, axis, 32) - keys).mean() for b in (2, 4) for axis in ("channel", "token")
     }
     assert err[2, "channel"] < 0.7 * err[2, "token"]
     assert err[4, "channel"] < 0.5 * err[4, "token"]
@@ -84,14 +79,10 @@ def _groups(n_quant, dim, axis, group, partial):
     """The index of every quantization group among the first n_quant tokens of a (tokens, dim) matrix."""
     if axis == "channel":
         end = n_quant - n_quant % group if partial == "full" else n_quant
-        return [
-            (slice(t, min(t + group, end)), c) for c in range(dim) for t in range(0, end, group)
-        ]
+        return [(slice(t, min(t + group, end)), c) for c in range(dim) for t in range(0, end, group)]
     group = min(group, dim)
     end = dim - dim % group if partial == "full" else dim
-    return [
-        (t, slice(c, min(c + group, end))) for t in range(n_quant) for c in range(0, end, group)
-    ]
+    return [(t, slice(c, min(c + group, end))) for t in range(n_quant) for c in range(0, end, group)]
 
 
 def _reference(x, bits, axis, group, residual, symmetric, zero_point="float", partial="full"):
@@ -101,11 +92,7 @@ def _reference(x, bits, axis, group, residual, symmetric, zero_point="float", pa
         g = x[where]
         if symmetric:
             s = np.abs(g).max() / (2 ** (bits - 1) - 1)
-            out[where] = (
-                s * np.clip(np.round(g / s), -(2 ** (bits - 1) - 1), 2 ** (bits - 1) - 1)
-                if s
-                else g
-            )
+            out[where] = s * np.clip(np.round(g / s), -(2 ** (bits - 1) - 1), 2 ** (bits - 1) - 1) if s else g
             continue
         s = (g.max() - g.min()) / (2**bits - 1)
         if s == 0:
@@ -134,17 +121,11 @@ KIVI_OFFSET_GROUPS = dict(x=KIVI_OFFSET_CASE, group=2, symmetric=False)  # asymm
     zero_point=st.sampled_from(["float", "int"]),
     partial=st.sampled_from(["full", "quantize"]),
 )
-@example(
-    **KIVI_OFFSET_GROUPS, bits=2, axis="channel", residual=0, zero_point="float", partial="full"
-)
-@example(
-    **KIVI_OFFSET_GROUPS, bits=3, axis="token", residual=1, zero_point="float", partial="quantize"
-)
+@example(**KIVI_OFFSET_GROUPS, bits=2, axis="channel", residual=0, zero_point="float", partial="full")
+@example(**KIVI_OFFSET_GROUPS, bits=3, axis="token", residual=1, zero_point="float", partial="quantize")
 @example(**KIVI_OFFSET_GROUPS, bits=2, axis="token", residual=0, zero_point="int", partial="full")
 def test_matches_reference_formulas(x, bits, axis, group, residual, symmetric, zero_point, partial):
-    got = quantize(
-        x, bits, axis, group, residual, symmetric, zero_point=zero_point, partial=partial
-    )
+    got = quantize(x, bits, axis, group, residual, symmetric, zero_point=zero_point, partial=partial)
     want = _reference(x, bits, axis, group, residual, symmetric, zero_point, partial)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-9)
 
@@ -189,9 +170,7 @@ def test_partial_trailing_groups_stay_in_full_precision_and_cost_16_bits():
     np.testing.assert_array_equal(x_hat[64:], x[64:])
     # the two full groups are quantized: every element moves by at most half its group's step s,
     # s = (max - min) / 3 of its 32 tokens of one channel, and a 2-bit grid moves most of them
-    s = (
-        x[:64].reshape(2, 32, 64).max(axis=1) - x[:64].reshape(2, 32, 64).min(axis=1)
-    ) / 3  # (2, 64)
+    s = (x[:64].reshape(2, 32, 64).max(axis=1) - x[:64].reshape(2, 32, 64).min(axis=1)) / 3  # (2, 64)
     err = np.abs(x_hat[:64] - x[:64]).reshape(2, 32, 64)
     assert np.all(err <= s[:, None, :] / 2 + 1e-12)
     assert np.mean(err > 1e-12) > 0.9
@@ -242,9 +221,7 @@ def test_kept_tokens_read_in_place_equal_quantizing_a_gathered_copy(
     gathered = cache[heads[:, None], positions]  # (4, n_kept, 16)
     x_hat = quantize_kept(cache, heads, positions, bits, axis, group, residual, symmetric)
     np.testing.assert_array_equal(x_hat, quantize(gathered, bits, axis, group, residual, symmetric))
-    delta = quantize_kept(
-        cache, heads, positions, bits, axis, group, residual, symmetric, delta=True
-    )
+    delta = quantize_kept(cache, heads, positions, bits, axis, group, residual, symmetric, delta=True)
     np.testing.assert_array_equal(delta, x_hat - gathered)
     if residual:
         assert np.all(delta[:, max(0, n_kept - residual) :] == 0)  # the residual window is exact
@@ -274,26 +251,14 @@ def test_half_precision_cache_is_quantized_in_float32():
     x = np.random.default_rng(3).standard_normal((2, 40, 8)).astype(np.float16)
     got = quantize(x, 3, "channel", 8)
     assert got.dtype == np.float16
-    np.testing.assert_array_equal(
-        got, quantize(x.astype(np.float32), 3, "channel", 8).astype(np.float16)
-    )
+    np.testing.assert_array_equal(got, quantize(x.astype(np.float32), 3, "channel", 8).astype(np.float16))
 
 
 def test_kivi_residual_keeps_128_exact_and_leaves_one_group_to_quantize_on_a_short_cache():
     from kvviz.quant import KIVI_GROUP, KIVI_RESIDUAL, kivi_residual
 
     assert (KIVI_RESIDUAL, KIVI_GROUP) == (128, 32)
-    assert [kivi_residual(n) for n in (0, 20, 32, 33, 64, 159, 160, 161, 4096)] == [
-        0,
-        0,
-        0,
-        1,
-        32,
-        127,
-        128,
-        128,
-        128,
-    ]
+    assert [kivi_residual(n) for n in (0, 20, 32, 33, 64, 159, 160, 161, 4096)] == [0, 0, 0, 1, 32, 127, 128, 128, 128]
 
 
 def _reference_step(x, bits, axis, group, symmetric, partial="full"):
@@ -302,11 +267,7 @@ def _reference_step(x, bits, axis, group, symmetric, partial="full"):
     out = np.zeros(x.shape)
     for where in _groups(x.shape[0], x.shape[1], axis, group, partial):
         g = x[where]
-        out[where] = (
-            np.abs(g).max() / (2 ** (bits - 1) - 1)
-            if symmetric
-            else (g.max() - g.min()) / (2**bits - 1)
-        )
+        out[where] = np.abs(g).max() / (2 ** (bits - 1) - 1) if symmetric else (g.max() - g.min()) / (2**bits - 1)
     return out
 
 
@@ -355,9 +316,7 @@ def test_quant_step_defaults_are_those_of_quantize():
     """quant_step(x, b) describes quantize(x, b): per-token groups of 32, asymmetric, a trailing
     group shorter than 32 channels exact (here channels 32..39)."""
     x = np.random.default_rng(10).standard_normal((6, 40))
-    np.testing.assert_allclose(
-        quant_step(x, 3), _reference_step(x, 3, "token", 32, False), rtol=1e-14, atol=0
-    )
+    np.testing.assert_allclose(quant_step(x, 3), _reference_step(x, 3, "token", 32, False), rtol=1e-14, atol=0)
     assert not quant_step(x, 3)[:, 32:].any()
 
 
@@ -376,9 +335,7 @@ def test_sixteen_bits_reads_the_kept_tokens_exactly():
     """bits = 16 is 'off': quantize_kept returns the kept rows unchanged, and delta=True exact zeros."""
     cache = np.random.default_rng(8).standard_normal((2, 10, 4))
     heads, positions = np.array([1, 0]), np.array([[0, 3, 9], [2, 5, 6]])
-    np.testing.assert_array_equal(
-        quantize_kept(cache, heads, positions, 16), cache[heads[:, None], positions]
-    )
+    np.testing.assert_array_equal(quantize_kept(cache, heads, positions, 16), cache[heads[:, None], positions])
     assert not quantize_kept(cache, heads, positions, 16, delta=True).any()
 
 
@@ -398,9 +355,7 @@ def test_half_precision_cache_keeps_every_option(options):
     args = (heads, positions, 3, "channel", 5)  # 12 kept tokens: 2 groups of 5, then 2 (partial)
     got = quantize_kept(cache, *args, **options)
     assert got.dtype == np.float16
-    np.testing.assert_array_equal(
-        got, quantize_kept(cache.astype(np.float32), *args, **options).astype(np.float16)
-    )
+    np.testing.assert_array_equal(got, quantize_kept(cache.astype(np.float32), *args, **options).astype(np.float16))
 
 
 def test_memory_when_everything_is_residual_and_of_short_per_token_groups():
@@ -451,10 +406,7 @@ def test_compile_kernel_compiles_for_float32_and_float64_caches():
 
     compile_kernel()
     for axis in ("channel", "token"):
-        assert {
-            f"{axis} float32 int64 int64 bool",
-            f"{axis} float64 int64 int64 bool",
-        } <= _kernel_signatures()
+        assert {f"{axis} float32 int64 int64 bool", f"{axis} float64 int64 int64 bool"} <= _kernel_signatures()
     root = Path(__file__).resolve().parents[1]
     probe = (
         "from kvviz.quant import compile_kernel\n"
@@ -470,9 +422,6 @@ def test_compile_kernel_compiles_for_float32_and_float64_caches():
         [sys.executable, "-c", probe], cwd=root, env=env, capture_output=True, text=True, check=True
     ).stdout
     lines = set(out.splitlines())
-    for axis in (
-        "channel",
-        "token",
-    ):  # the per-token kernel in KIVI's group size, the one the defaults use
+    for axis in ("channel", "token"):  # the per-token kernel in KIVI's group size, the one the defaults use
         assert {f"{axis} float32 int64 int64 bool", f"{axis} float64 int64 int64 bool"} <= lines
     assert "token groups compiled [32]" in lines

@@ -28,10 +28,7 @@ def test_the_lab_question_and_its_compression_point_are_in_the_link(monkeypatch)
     params = {"lab_question": QUESTION, "lab_point": "after-question"}
     at = run_app(LAB, 300, **params)
     assert dict(at.query_params) == params
-    assert (
-        at.text_input(key="lab_question").value == QUESTION
-        and not at.radio(key="lab_point").disabled
-    )
+    assert at.text_input(key="lab_question").value == QUESTION and not at.radio(key="lab_point").disabled
     assert any("Compressed:** after the question" in md.value for md in at.markdown)
     at.radio(key="lab_point").set_value("before-question").run()
     assert "lab_point" not in at.query_params  # back to the default
@@ -80,19 +77,11 @@ def test_kvviz_eval_compresses_before_or_after_the_question_and_snapkv_differs(m
         out[point] = json.loads(capsys.readouterr().out)
     before, after = out["before-question"], out["after-question"]
     n = before["prompt_tokens"]
-    assert (
-        n == after["prompt_tokens"] == 120 + before["question_tokens"]
-        and before["question_tokens"] > 3
-    )
+    assert n == after["prompt_tokens"] == 120 + before["question_tokens"] and before["question_tokens"] > 3
     assert (before["compressed_at"], after["compressed_at"]) == (120, n)
     assert before["per_token"]["tokens"] == after["per_token"]["tokens"]
-    assert (
-        before["per_token"]["nll_full"] == after["per_token"]["nll_full"]
-    )  # one full-cache reference
-    assert (
-        before["kl_mean"] != after["kl_mean"]
-        and before["per_token"]["kl"] != after["per_token"]["kl"]
-    )
+    assert before["per_token"]["nll_full"] == after["per_token"]["nll_full"]  # one full-cache reference
+    assert before["kl_mean"] != after["kl_mean"] and before["per_token"]["kl"] != after["per_token"]["kl"]
     # the first scored token: predicted by the prefill after compressing after the question (as without one),
     # by a decode step through the compressed cache before it
     assert after["per_token"]["kl"][0] == 0.0 and before["per_token"]["kl"][0] > 0.0
@@ -118,12 +107,9 @@ def test_snapkv_keeps_other_context_tokens_before_the_question_than_after():
         # the cache at the prompt's end: the budget, the question's tokens the newest of the window
         assert all(len(s) == 36 and set(range(n - 8, n)) <= s for s in kept[point])
     context = [
-        (b & set(range(120)), a & set(range(120)))
-        for b, a in zip(kept["before-question"], kept["after-question"])
+        (b & set(range(120)), a & set(range(120))) for b, a in zip(kept["before-question"], kept["after-question"])
     ]
-    assert (
-        sum(b != a for b, a in context) > len(context) // 2
-    )  # most heads keep other context tokens
+    assert sum(b != a for b, a in context) > len(context) // 2  # most heads keep other context tokens
     for point in ("before-question", "after-question"):  # no eviction: the full cache both ways
         assert evaluate(model, ref, Spec(), question_point=point).kl.max() < 1e-3
 
@@ -150,12 +136,7 @@ def test_the_lab_page_runs_with_a_question_and_shows_the_cores_numbers(monkeypat
 
     model, tok, _ = load_once("bundled")
     ref = reference(model, tok, sample_text(), 64, 8, question=QUESTION)
-    q = evaluate(
-        model,
-        ref,
-        Spec(sink=4, recent=8, heavy=24, scorer="snapkv"),
-        question_point="before-question",
-    )
+    q = evaluate(model, ref, Spec(sink=4, recent=8, heavy=24, scorer="snapkv"), question_point="before-question")
     assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"
     assert shown["Next-token KL"] == f"{q.kl_mean:.3f}"
     assert any("compressed at token 64, before the question" in c.value for c in at.caption)
@@ -185,8 +166,7 @@ def test_a_model_study_has_the_question_and_its_compression_points_as_an_axis():
     plain = parse_study(STUDY.format(question="", points=""))
     both = parse_study(
         STUDY.format(
-            question=f'question = "{QUESTION}"',
-            points='question_points = ["before-question", "after-question"]',
+            question=f'question = "{QUESTION}"', points='question_points = ["before-question", "after-question"]'
         )
     )
     # a study without a question keeps the ids it had before the key existed; one cell per method
@@ -198,9 +178,7 @@ def test_a_model_study_has_the_question_and_its_compression_points_as_an_axis():
     with pytest.raises(StudyError, match=r"\[grid\] question_points: .* needs \[source\] question"):
         parse_study(STUDY.format(question="", points='question_points = ["after-question"]'))
     with pytest.raises(StudyError, match="'middle' is not one of before-question, after-question"):
-        parse_study(
-            STUDY.format(question=f'question = "{QUESTION}"', points='question_points = ["middle"]')
-        )
+        parse_study(STUDY.format(question=f'question = "{QUESTION}"', points='question_points = ["middle"]'))
     # a row opens in the Model lab with its question, where it compressed, and its compress_every
     values, page, _ = cell_values(
         {
@@ -217,10 +195,7 @@ def test_a_model_study_has_the_question_and_its_compression_points_as_an_axis():
             "chunk_size": float("nan"),
         }
     )
-    assert page == "model_lab" and (values["lab_question"], values["lab_point"]) == (
-        QUESTION,
-        "after-question",
-    )
+    assert page == "model_lab" and (values["lab_question"], values["lab_point"]) == (QUESTION, "after-question")
     assert values["compress_every"] == 16
 
 
@@ -234,8 +209,7 @@ def test_a_model_study_runs_both_compression_points_as_kvviz_eval_does(monkeypat
 
     study = parse_study(
         STUDY.format(
-            question=f'question = "{QUESTION}"',
-            points='question_points = ["before-question", "after-question"]',
+            question=f'question = "{QUESTION}"', points='question_points = ["before-question", "after-question"]'
         ).replace('"snapkv", "h2o"', '"snapkv"')
     )
     report = run_study(study, tmp_path / "q")
@@ -248,7 +222,5 @@ def test_a_model_study_runs_both_compression_points_as_kvviz_eval_does(monkeypat
     spec = model_spec("snapkv", 0.5, 16, 64)  # 32 tokens: 4 sinks, 12 recent, 16 heavy
     for point in ("before-question", "after-question"):
         q = evaluate(model, ref, spec, question_point=point)
-        assert rows.loc[point, "spec"] == spec.label() and rows.loc[
-            point, "kl_mean"
-        ] == pytest.approx(q.kl_mean)
+        assert rows.loc[point, "spec"] == spec.label() and rows.loc[point, "kl_mean"] == pytest.approx(q.kl_mean)
     assert rows.loc["before-question", "kl_mean"] != rows.loc["after-question", "kl_mean"]

@@ -29,9 +29,7 @@ def test_connections_the_server_accepts_send_small_writes_at_once(monkeypatch):
     """Streamlit binds its listening socket with protocol 0, so asyncio leaves Nagle's algorithm on for every
     connection it accepts: a response's body then waits 40 ms for the browser's delayed ACK of its headers.
     The launcher turns it off on the listening socket, which the accepted connections inherit."""
-    monkeypatch.setattr(
-        starlette_server, "_bind_socket", starlette_server._bind_socket
-    )  # restored afterwards
+    monkeypatch.setattr(starlette_server, "_bind_socket", starlette_server._bind_socket)  # restored afterwards
     assert _accepted_no_delay(starlette_server._bind_socket) == 0, (
         "Streamlit now turns Nagle off itself: kvviz.app.serve._no_delay can go"
     )

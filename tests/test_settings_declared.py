@@ -130,22 +130,12 @@ def test_the_setting_gets_a_widget_in_the_app(pivot):
 
     from kvviz.app.compression import ADVANCED
 
-    at = run_app(
-        str(ROOT / "app.py"),
-        opened=(ADVANCED,),
-        scorer="pivot",
-        sink=0,
-        recent=1,
-        heavy=5,
-        pivot=40,
-    )
+    at = run_app(str(ROOT / "app.py"), opened=(ADVANCED,), scorer="pivot", sink=0, recent=1, heavy=5, pivot=40)
     box = at.number_input(key="pivot")
     assert box.label == "Pivot position (tokens)" and box.value == 40
     box.set_value(41).run()
     assert at.session_state["_kvviz_state"]["pivot"] == 41
-    at = run_app(
-        str(ROOT / "app.py"), opened=(ADVANCED,), scorer="h2o"
-    )  # another scorer's settings are not shown
+    at = run_app(str(ROOT / "app.py"), opened=(ADVANCED,), scorer="h2o")  # another scorer's settings are not shown
     assert "pivot" not in [w.key for w in at.number_input]
 
 
@@ -175,9 +165,7 @@ def test_every_declared_setting_has_a_link_name_a_flag_and_a_valid_default():
     positions, set by --rerotate)."""
     from kvviz.cli.parser import build_parser
 
-    flags = {
-        a.dest for a in build_parser()._subparsers._group_actions[0].choices["compare"]._actions
-    }
+    flags = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["compare"]._actions}
     for name, s in SETTINGS.items():
         assert s.problem(s.default) is None, name
         assert name in flags or name == "positions", name

@@ -47,20 +47,12 @@ def hand_trace(windows=(None, W, None), context=30, q_zero=False, seed=0) -> Tra
 def test_the_trace_names_each_layers_window_and_kind():
     t = hand_trace()
     assert t.layer_windows == (None, W, None) and t.has_sliding_layers
-    assert [t.layer_kind(i) for i in range(3)] == [
-        "full_attention",
-        "sliding_attention",
-        "full_attention",
-    ]
-    plain = trace_with(
-        t, meta={"source": "older file"}
-    )  # a trace without windows: full attention everywhere
+    assert [t.layer_kind(i) for i in range(3)] == ["full_attention", "sliding_attention", "full_attention"]
+    plain = trace_with(t, meta={"source": "older file"})  # a trace without windows: full attention everywhere
     assert plain.layer_windows == (None,) * 3 and not plain.has_sliding_layers
 
 
-@pytest.mark.parametrize(
-    "bad", [[None, 8], [None, 0, None], [None, "8", None], [None, 8.5, None], 8]
-)
+@pytest.mark.parametrize("bad", [[None, 8], [None, 0, None], [None, "8", None], [None, 8.5, None], 8])
 def test_a_damaged_window_list_is_refused_in_one_line(bad):
     with pytest.raises(TraceError, match="layer_windows"):
         trace_with(hand_trace(), meta={"layer_windows": bad})
@@ -103,9 +95,7 @@ def test_a_sliding_layer_sees_its_last_w_keys_exactly():
         want[40 - seen :] = 1 / seen
         np.testing.assert_allclose(a, np.broadcast_to(want, a.shape), rtol=1e-12, atol=0)
     # a query younger than the window sees every key before it
-    np.testing.assert_allclose(
-        softmax(logit_rows(t, 1, [0], 5)), np.full((1, 6), 1 / 6), rtol=1e-12
-    )
+    np.testing.assert_allclose(softmax(logit_rows(t, 1, [0], 5)), np.full((1, 6), 1 / 6), rtol=1e-12)
     # context_rows (the scorers', the overview's and check_attention's rows): the same window
     for idx, a in context_rows(t, 1, np.arange(HQ), np.arange(P), P):
         for i, p in enumerate(t.query_positions[idx]):
@@ -145,18 +135,14 @@ def test_a_sliding_layer_is_left_as_the_model_runs_it(spec):
     c = compare(t, spec, View(layer=1, head=3, ensemble="heads", ensemble_size=4))
     assert c.layer_kind == "sliding_attention" and c.layer_window == W
     for row in c.members:
-        assert np.array_equal(
-            row.compressed, row.original
-        )  # the model's own attention, bit for bit
+        assert np.array_equal(row.compressed, row.original)  # the model's own attention, bit for bit
         assert np.array_equal(row.kept, np.arange(40) >= 32)
         assert np.array_equal(row.reason, np.where(np.arange(40) >= 32, RECENT, EVICTED))
         np.testing.assert_allclose(row.out_compressed, row.out_original, rtol=0, atol=0)
         m = row.metrics
         assert m.tv_distance == 0 and m.kl == 0 and m.kl_forward == 0 and m.max_abs_error == 0
         # sums over the window's 8 float64 weights: 1 and 0 to the sum's rounding
-        assert m.mass_retained == pytest.approx(1, abs=1e-12) and m.js == pytest.approx(
-            0, abs=1e-12
-        )
+        assert m.mass_retained == pytest.approx(1, abs=1e-12) and m.js == pytest.approx(0, abs=1e-12)
     assert any("Layer 1 is a sliding-window layer" in n for n in c.notes)
     j = c.to_json()
     assert j["layer_kind"] == "sliding_attention" and j["layer_window"] == W
@@ -170,10 +156,7 @@ def test_the_full_layers_are_compressed_as_on_a_trace_without_windows():
     plain = trace_with(t, meta={"source": "test"})
     spec = Spec(sink=2, recent=4, heavy=4, scorer="snapkv", key_bits=4, value_bits=4)
     for layer in (0, 2):
-        a, b = (
-            compare(t, spec, View(layer=layer, head=1)),
-            compare(plain, spec, View(layer=layer, head=1)),
-        )
+        a, b = (compare(t, spec, View(layer=layer, head=1)), compare(plain, spec, View(layer=layer, head=1)))
         assert a.layer_kind == "full_attention" and a.to_json()["layer_window"] is None
         assert np.array_equal(a.primary.compressed, b.primary.compressed)
         assert a.primary.metrics.tv_distance > 0.01 and a.primary.kept.sum() == 10
@@ -193,9 +176,7 @@ def test_the_cli_says_the_layers_kind(tmp_path, capsys):
     assert "layer 1 (sliding window 8)" in out and "note: Layer 1 is a sliding-window layer" in out
     assert main(["compare", "--source", src, "--layer", "2", *window, "--json"]) == 0
     j = json.loads(capsys.readouterr().out)
-    assert (
-        j["layer_kind"] == "full_attention" and j["layer_window"] is None and j["layer_number"] == 2
-    )
+    assert j["layer_kind"] == "full_attention" and j["layer_window"] is None and j["layer_number"] == 2
 
 
 # --- 4. the memory card and the ledger count each layer as what it is --------------------------

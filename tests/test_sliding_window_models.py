@@ -96,15 +96,11 @@ def test_the_compressed_decode_refuses_a_sliding_window_model_in_one_line(tmp_pa
     ids = [int(w) for w in PROMPT.split()][:20]
     with pytest.raises(SpecError, match="sliding-window layers") as e:
         gen.prefill(model, ids)
-    assert "\n" not in str(
-        e.value
-    ) and "MistralForCausalLM has 2 sliding-window layers of 2" in str(e.value)
+    assert "\n" not in str(e.value) and "MistralForCausalLM has 2 sliding-window layers of 2" in str(e.value)
     # the Model lab's run (the page shows a SpecError as "Cannot run: ...")
     from kvviz.decode import lab, labsettings
 
     monkeypatch.setenv("KVVIZ_LAB_DIR", str(tmp_path / "lab"))
-    settings = labsettings.LabSettings(
-        "tiny", " ".join(map(str, ids)), 12, 6, 4, Spec(sink=2, recent=4, heavy=4)
-    )
+    settings = labsettings.LabSettings("tiny", " ".join(map(str, ids)), 12, 6, 4, Spec(sink=2, recent=4, heavy=4))
     with pytest.raises(SpecError, match="sliding-window layers"):
         lab.run(model, Tok(), "tiny", settings)

@@ -23,9 +23,7 @@ def brute_force(trace, base, view, metric, target):
     values = {}
     for b in range(1, n + 1):
         values[b] = compare(trace, base.with_(**split_budget(base.scorer, b)), view).metrics[metric]
-    ok = [
-        b for b, v in values.items() if (v >= target if metric == "mass_retained" else v <= target)
-    ]
+    ok = [b for b, v in values.items() if (v >= target if metric == "mass_retained" else v <= target)]
     return min(ok), values
 
 
@@ -61,10 +59,7 @@ def test_exact_where_kept_sets_nest(trace):
     brute-force smallest (exact); SnapKV's automatic window follows the recent window, so they need not."""
     view = View(head=1)
     sol = solve(trace, Spec(scorer="knorm"), view, target_mass=0.9)
-    assert (
-        sol.exact
-        and sol.budget == brute_force(trace, Spec(scorer="knorm"), view, "mass_retained", 0.9)[0]
-    )
+    assert sol.exact and sol.budget == brute_force(trace, Spec(scorer="knorm"), view, "mass_retained", 0.9)[0]
     assert not solve(trace, Spec(scorer="snapkv"), view, target_mass=0.9).exact
     assert not solve(trace, Spec(scorer="knorm", compress_every=4), view, target_mass=0.9).exact
 
@@ -83,8 +78,7 @@ def test_cli_solve_json(capsys):
     assert {"budget", "sink", "recent", "heavy", "mass_retained", "split_rule"} <= set(out)
     assert out["mass_retained"] >= 0.95 and out["one_token_less"] < 0.95
     again = compare(
-        handbook_trace(),
-        Spec(sink=out["sink"], recent=out["recent"], heavy=out["heavy"], key_bits=4, value_bits=4),
+        handbook_trace(), Spec(sink=out["sink"], recent=out["recent"], heavy=out["heavy"], key_bits=4, value_bits=4)
     )
     assert again.metrics["mass_retained"] == out["mass_retained"]
     with pytest.raises(SystemExit) as exc:

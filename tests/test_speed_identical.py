@@ -47,9 +47,7 @@ def rope_trace(seed=5, L=2, Hq=8, Hkv=2, D=32, c=250, steps=6) -> Trace:
     q = rng.standard_normal((L, Hq, P, D)).astype(np.float32)
     k = rng.standard_normal((L, Hkv, P, D)).astype(np.float32)
     k[..., 3] += 2.0 * rng.standard_normal((L, Hkv, 1)).astype(np.float32)
-    v = (rng.standard_normal((L, Hkv, P, D)) * rng.uniform(0.5, 2, (L, Hkv, P, 1))).astype(
-        np.float32
-    )
+    v = (rng.standard_normal((L, Hkv, P, D)) * rng.uniform(0.5, 2, (L, Hkv, P, 1))).astype(np.float32)
     meta = {"source": "test", "rope_inv_freq": (1.0 / 100.0 ** (np.arange(0, D, 2) / D)).tolist()}
     return every_query_trace(q, k, v, c, meta)
 
@@ -57,14 +55,10 @@ def rope_trace(seed=5, L=2, Hq=8, Hkv=2, D=32, c=250, steps=6) -> Trace:
 def traces() -> dict[str, Trace]:
     return {
         "gqa4": make_synthetic(
-            SyntheticSpec(
-                context=600, steps=8, layers=2, q_heads=8, kv_heads=2, head_dim=64, seed=1
-            )
+            SyntheticSpec(context=600, steps=8, layers=2, q_heads=8, kv_heads=2, head_dim=64, seed=1)
         ),
         "gqa2": make_synthetic(
-            PRESETS["diffuse"].with_(
-                context=333, steps=5, layers=2, q_heads=6, kv_heads=3, head_dim=48, seed=2
-            )
+            PRESETS["diffuse"].with_(context=333, steps=5, layers=2, q_heads=6, kv_heads=3, head_dim=48, seed=2)
         ),
         "rope": rope_trace(),
         "handbook": handbook_trace(),
@@ -132,11 +126,7 @@ def masks(trace: Trace, spec: Spec) -> np.ndarray:
     """Packed bits of the kept masks of every layer at the first, middle and last evaluated query."""
     evaluated = trace.evaluated_queries
     picks = sorted({int(evaluated[0]), int(evaluated[len(evaluated) // 2]), int(evaluated[-1])})
-    bits = [
-        kept_at_query(trace, spec, layer, qi).ravel()
-        for layer in range(trace.n_layers)
-        for qi in picks
-    ]
+    bits = [kept_at_query(trace, spec, layer, qi).ravel() for layer in range(trace.n_layers) for qi in picks]
     return np.packbits(np.concatenate(bits))
 
 
@@ -190,9 +180,7 @@ def test_kept_masks_match_the_code_before_the_speed_work(scorer, reference, trac
         assert np.array_equal(got, reference[label]), f"kept set changed: {label}"
         _SCORE_CACHE.clear()  # and through a warm cache (a sweep's second budget)
         masks(trace, spec.with_(heavy=spec.heavy + 1))
-        assert np.array_equal(masks(trace, spec), reference[label]), (
-            f"kept set changed (cached): {label}"
-        )
+        assert np.array_equal(masks(trace, spec), reference[label]), f"kept set changed (cached): {label}"
         checked += 1
     assert checked >= 8
 
@@ -224,9 +212,7 @@ if __name__ == "__main__" and "--record" in sys.argv:
     REFERENCE.parent.mkdir(exist_ok=True)
     recorded = compute_all()
     np.savez_compressed(REFERENCE, **recorded)
-    print(
-        f"recorded {len(recorded)} kept-mask sets to {REFERENCE} ({REFERENCE.stat().st_size} bytes)"
-    )
+    print(f"recorded {len(recorded)} kept-mask sets to {REFERENCE} ({REFERENCE.stat().st_size} bytes)")
 
 if __name__ == "__main__" and "--record-changed" in sys.argv:
     # re-record only the entries a changed rule decides, keeping each old value as "pre24|<label>"
@@ -286,19 +272,13 @@ def test_expected_attention_float32_products_keep_the_float64_ranking(which):
     from kvviz.policies.base import select
 
     trace = (
-        make_synthetic(
-            SyntheticSpec(
-                context=1024, steps=2, layers=1, q_heads=8, kv_heads=2, head_dim=64, seed=3
-            )
-        )
+        make_synthetic(SyntheticSpec(context=1024, steps=2, layers=1, q_heads=8, kv_heads=2, head_dim=64, seed=3))
         if which == "synthetic"
         else rope_trace(c=1024, D=64, L=1)
     )
     c = trace.context_len
     _SCORE_CACHE.clear()
-    got = POLICIES["expected_attention"].score(
-        ScoreContext(trace, 0, Spec(scorer="expected_attention"))
-    )[:, :c]
+    got = POLICIES["expected_attention"].score(ScoreContext(trace, 0, Spec(scorer="expected_attention")))[:, :c]
     ref = expected_attention_float64(trace, 0, 512)
     np.testing.assert_allclose(got, ref, rtol=2e-6, atol=0)
     for fraction in (0.02, 0.05, 0.1, 0.2, 0.3, 0.5):

@@ -20,11 +20,7 @@ def test_the_pinned_streamlit_is_the_one_the_internals_were_read_from():
 def test_the_socket_binding_takes_an_address_a_port_and_a_backlog():
     from streamlit.web.server.starlette import starlette_server
 
-    assert list(inspect.signature(starlette_server._bind_socket).parameters)[:3] == [
-        "address",
-        "port",
-        "backlog",
-    ]
+    assert list(inspect.signature(starlette_server._bind_socket).parameters)[:3] == ["address", "port", "backlog"]
 
 
 def test_the_first_element_check_and_its_flag_are_there():

@@ -35,9 +35,7 @@ bits = [16, 4]
 """
 
 
-def study_text(
-    source: str = "", grid: str = "", top: str = 'name = "t"', kind: str = "synthetic"
-) -> str:
+def study_text(source: str = "", grid: str = "", top: str = 'name = "t"', kind: str = "synthetic") -> str:
     base_source = {
         "synthetic": "seeds = [0]\ncontext = 64",
         "model": 'models = ["bundled"]',
@@ -48,9 +46,7 @@ def study_text(
         "model": 'methods = ["h2o"]\nbudgets = [0.25]',
         "needle": 'scorers = ["h2o"]',
     }[kind]
-    return (
-        f'{top}\n[source]\nkind = "{kind}"\n{base_source}\n{source}\n[grid]\n{base_grid}\n{grid}\n'
-    )
+    return f'{top}\n[source]\nkind = "{kind}"\n{base_source}\n{source}\n[grid]\n{base_grid}\n{grid}\n'
 
 
 # --- the study file's errors: one message, naming the key ---------------------------------------------
@@ -70,16 +66,10 @@ def study_text(
         (study_text(grid="bits = [4, 4]"), "[grid] bits: 4 is listed twice"),
         (study_text(source="kv_heads = 3"), "[source] kv_heads: "),
         (study_text(source="layer = 2"), "[source] layer: 2 is not a layer of a 2-layer trace"),
-        (
-            study_text(source='ensemble = "seeds"'),
-            "[source] ensemble: 'seeds' is not one of heads, layers, steps",
-        ),
+        (study_text(source='ensemble = "seeds"'), "[source] ensemble: 'seeds' is not one of heads, layers, steps"),
         (study_text(grid='formats = ["fp3"]'), "[grid] formats: unknown format 'fp3'"),
         (study_text(top='name = "a b"'), "name: use letters"),
-        (
-            study_text().replace('kind = "synthetic"', 'kind = "video"'),
-            "[source] kind: expected one of",
-        ),
+        (study_text().replace('kind = "synthetic"', 'kind = "video"'), "[source] kind: expected one of"),
         ('name = "t"\n[source]\nkind = "synthetic"\nseeds = [0]\n', "grid: missing (required)"),
         (
             'name = "t"\n[source]\nkind = "synthetic"\n[grid]\nscorers = ["h2o"]\nbudgets = [0.5]\n',
@@ -106,10 +96,7 @@ def study_text(
             study_text(kind="model", source='device = "tpu"'),
             "[source] device: 'tpu' is not one of cpu, cuda, auto, mps",
         ),
-        (
-            study_text(kind="needle").replace("depths = [0.5]", "depths = [0.5, 1.5]"),
-            "[source] depths",
-        ),
+        (study_text(kind="needle").replace("depths = [0.5]", "depths = [0.5, 1.5]"), "[source] depths"),
         (study_text(kind="needle", grid="budgets = [0]"), "[grid] budgets: 0 is not a fraction"),
         (
             study_text(kind="needle").replace('scorers = ["h2o"]', 'scorers = ["h2o", "magic"]'),
@@ -174,9 +161,7 @@ def test_local_run_writes_one_row_per_cell_with_settings_metrics_versions_and_ti
     n = 128 + 8  # the last query sees the context and the 8 later steps
     evict16 = rows[(rows.bits == 16) & (rows.scorer != "full")]
     assert (evict16.budget_tokens == round(0.25 * n)).all()
-    assert evict16.memory_ratio.tolist() == [round(0.25 * n) / n] * len(
-        evict16
-    )  # bytes of kept tokens, exactly
+    assert evict16.memory_ratio.tolist() == [round(0.25 * n) / n] * len(evict16)  # bytes of kept tokens, exactly
     # pure eviction: TV between the rows is exactly the evicted mass
     assert ((evict16.tv - (1 - evict16.mass_retained)).abs() < 1e-12).all()
     full16 = rows[(rows.bits == 16) & (rows.scorer == "full")]
@@ -185,9 +170,7 @@ def test_local_run_writes_one_row_per_cell_with_settings_metrics_versions_and_ti
 
 
 def test_a_process_pool_gives_the_same_rows(tmp_path, monkeypatch):
-    pytest.importorskip(
-        "torch"
-    )  # loaded here, not in the pool's fresh processes: rows must not care
+    pytest.importorskip("torch")  # loaded here, not in the pool's fresh processes: rows must not care
     # Under pytest-xdist this process's __main__ is execnet's bootstrap script, which a spawned worker
     # would re-run (and fail on: it needs execnet's arguments); `kvviz study run`'s __main__ is the CLI.
     main = sys.modules["__main__"]
@@ -205,11 +188,7 @@ def test_a_process_pool_gives_the_same_rows(tmp_path, monkeypatch):
 
 def test_a_killed_run_resumes_to_exactly_the_full_set(tmp_path):
     study = tmp_path / "slow.toml"
-    study.write_text(
-        SMALL.replace("context = 128", "context = 1536").replace(
-            "seeds = [0, 1]", "seeds = [0, 1, 2, 3]"
-        )
-    )
+    study.write_text(SMALL.replace("context = 128", "context = 1536").replace("seeds = [0, 1]", "seeds = [0, 1, 2, 3]"))
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
@@ -255,9 +234,7 @@ def test_rerun_prints_zero_to_run_and_status_export_agree(tmp_path, capsys):
     assert main(["study", "export", str(out), "--csv"]) == 0
     assert "wrote 12 rows to" in capsys.readouterr().err
     text = (out / "small.csv").read_text().splitlines()
-    assert len(text) == 13 and text[0].startswith(
-        "study,cell,seed,scorer,budget,bits,format,kind,context"
-    )
+    assert len(text) == 13 and text[0].startswith("study,cell,seed,scorer,budget,bits,format,kind,context")
 
 
 def test_a_changed_fixed_setting_is_refused_and_a_longer_list_runs_only_the_new_cells(tmp_path):
@@ -285,11 +262,7 @@ def test_an_unreadable_part_is_one_error_naming_it(tmp_path, capsys):
     part.write_bytes(b"not parquet")
     assert main(["study", "export", str(tmp_path / "s"), "--csv"]) == 2
     err = capsys.readouterr().err
-    assert (
-        f"{part} is unreadable" in err
-        and "delete it and rerun" in err
-        and len(err.splitlines()) == 1
-    )
+    assert f"{part} is unreadable" in err and "delete it and rerun" in err and len(err.splitlines()) == 1
 
 
 def test_out_must_be_a_new_or_study_folder(tmp_path):
@@ -345,15 +318,10 @@ def test_frontier_means_and_95_percent_t_intervals_over_seeds():
     fr = frontier(rows, "synthetic", "tv")
     p = fr.points.set_index(["scorer", "budget"])
     assert p.loc[("h2o", 0.1), "mean"] == 2.0 and p.loc[("h2o", 0.1), "n"] == 3
-    assert math.isclose(
-        p.loc[("h2o", 0.1), "half"], 4.302652729749464 / math.sqrt(3), rel_tol=1e-12
-    )  # t(0.975, 2)
+    assert math.isclose(p.loc[("h2o", 0.1), "half"], 4.302652729749464 / math.sqrt(3), rel_tol=1e-12)  # t(0.975, 2)
     assert p.loc[("h2o", 0.5), "half"] == 0.0
     front = fr.points.loc[fr.front]
-    assert list(zip(front.scorer, front.budget)) == [
-        ("h2o", 0.1),
-        ("streaming", 0.5),
-    ]  # the oracle is left out
+    assert list(zip(front.scorer, front.budget)) == [("h2o", 0.1), ("streaming", 0.5)]  # the oracle is left out
     assert t_half_width(pd.Series([7.0])) == 0.0
 
 
@@ -379,9 +347,7 @@ def test_a_needle_study_gives_kvviz_needles_cells(tmp_path, monkeypatch):
 
     if bundled_model_file() is None:
         pytest.skip("the bundled model is not installed")
-    monkeypatch.setenv(
-        "KVVIZ_CACHE_DIR", str(tmp_path / "cache")
-    )  # computed here, not read from a cache
+    monkeypatch.setenv("KVVIZ_CACHE_DIR", str(tmp_path / "cache"))  # computed here, not read from a cache
     report = run_study(parse_study(NEEDLE), tmp_path / "n")
     assert (report.cells, report.finished, report.failures) == (2, 2, [])
     rows = StudyDir(tmp_path / "n").rows()
@@ -394,19 +360,11 @@ def test_a_needle_study_gives_kvviz_needles_cells(tmp_path, monkeypatch):
     )
     for r in rows.to_dict("records"):
         c = grid.cell(r["scorer"], r["length"], r["depth"]).as_dict()
-        assert {
-            k: r[k]
-            for k in ("correct", "answer", "needle_kept", "kept_mass", "budget_tokens", "key")
-        } == {
-            k: c[k]
-            for k in ("correct", "answer", "needle_kept", "kept_mass", "budget_tokens", "key")
+        assert {k: r[k] for k in ("correct", "answer", "needle_kept", "kept_mass", "budget_tokens", "key")} == {
+            k: c[k] for k in ("correct", "answer", "needle_kept", "kept_mass", "budget_tokens", "key")
         }
     # StreamingLLM keeps a window of the last quarter: the needle at depth 0 is gone, at depth 1 it is kept
     s = rows[rows.scorer == "streaming"].set_index("depth")
     assert s.loc[0.0, "needle_kept"] == 0.0 and s.loc[1.0, "needle_kept"] == 1.0
     fr = frontier(rows, "needle", "correct")
-    assert (
-        list(fr.points.n) == [2]
-        and list(fr.points.x) == [0.25]
-        and list(fr.points["mean"]) == [0.5]
-    )
+    assert list(fr.points.n) == [2] and list(fr.points.x) == [0.25] and list(fr.points["mean"]) == [0.5]

@@ -75,9 +75,7 @@ def test_a_folder_outside_the_root_or_not_a_study_is_refused(root, small_study, 
     at = run_app(PAGE, study=name)
     assert not at.get("plotly_chart")
     assert at.error and "Cannot open this study" in at.error[0].value
-    assert ("outside the studies folder" in at.error[0].value) or (
-        "not a study folder" in at.error[0].value
-    )
+    assert ("outside the studies folder" in at.error[0].value) or ("not a study folder" in at.error[0].value)
 
 
 def test_a_symlink_out_of_the_root_is_refused(root, small_study):
@@ -93,14 +91,8 @@ def test_the_shipped_example_is_listed_and_runs_into_the_root(root):
     assert any("kvviz study run examples/studies/quarter-cache.toml" in c.value for c in at.code)
     at.button(key="run_example_quarter-cache").click().run(timeout=300)
     assert not at.exception, [e.value for e in at.exception]
-    assert (
-        StudyDir(root / "quarter-cache").status_line()
-        == "study quarter-cache: 36 cells, 36 done, 0 to run"
-    )
-    assert at.get("plotly_chart") and at.query_params["study"] in (
-        "quarter-cache",
-        ["quarter-cache"],
-    )
+    assert StudyDir(root / "quarter-cache").status_line() == "study quarter-cache: 36 cells, 36 done, 0 to run"
+    assert at.get("plotly_chart") and at.query_params["study"] in ("quarter-cache", ["quarter-cache"])
 
 
 def test_presenting_with_no_study_open_offers_the_example_the_page_points_to(root, small_study):
@@ -112,9 +104,7 @@ def test_presenting_with_no_study_open_offers_the_example_the_page_points_to(roo
     _copy(small_study, root / "small")
     at = run_app(PAGE, present="1", study="small")
     assert not at.exception and len(at.get("plotly_chart")) == 1
-    assert "run_example_quarter-cache" not in [
-        b.key for b in at.button
-    ]  # a lecture shows the study
+    assert "run_example_quarter-cache" not in [b.key for b in at.button]  # a lecture shows the study
     layout = json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]  # at a projector's sizes
     assert layout["xaxis"]["tickfont"]["size"] >= 16 and layout["legend"]["font"]["size"] >= 16
 
@@ -131,11 +121,7 @@ def test_a_clicked_cell_maps_to_the_explorer_and_the_model_lab_exactly(small_stu
     for row in StudyDir(small_study).rows().to_dict("records"):
         values, page, notes = cell_values(row)
         assert page == "explorer" and not notes
-        assert (
-            values["syn_seed"] == row["seed"]
-            and values["context"] == 128
-            and values["source"] == "synthetic"
-        )
+        assert values["syn_seed"] == row["seed"] and values["context"] == 128 and values["source"] == "synthetic"
         method = row["scorer"]
         want = point_spec(method, int(row["budget_tokens"]), int(row["bits"]), row["format"])
         got = spec_from_values(defaults | values)
@@ -155,12 +141,7 @@ def test_a_clicked_cell_maps_to_the_explorer_and_the_model_lab_exactly(small_stu
         }
     )
     assert page == "model_lab" and values["lab_prompt"] == 128 and values["lab_cont"] == 32
-    assert (values["sink"], values["recent"], values["heavy"], values["scorer"]) == (
-        4,
-        12,
-        16,
-        "snapkv",
-    )
+    assert (values["sink"], values["recent"], values["heavy"], values["scorer"]) == (4, 12, 16, "snapkv")
     assert notes and "texts/x.txt" in notes[0]
 
 
@@ -169,10 +150,7 @@ def test_the_page_loads_with_no_study_and_the_picker_opens_one(root, small_study
     at = app_test(PAGE)
     at.run()
     assert not at.exception and any("No study open" in i.value for i in at.info)
-    assert not at.get("plotly_chart") and at.selectbox(key="study").options == [
-        "— choose a study —",
-        "small",
-    ]
+    assert not at.get("plotly_chart") and at.selectbox(key="study").options == ["— choose a study —", "small"]
     at.selectbox(key="study").select("small").run()
     assert not at.exception and len(at.get("plotly_chart")) == 1
     assert at.query_params["study"] in ("small", ["small"])

@@ -9,9 +9,7 @@ import pytest
 from kvviz.analysis.study import StudyDir, parse_study, run_study
 from tests.test_study import SMALL
 
-ray = pytest.importorskip(
-    "ray", reason="the ray extra is not installed (pip install 'kvviz[ray]'; make dev)"
-)
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'kvviz[ray]'; make dev)")
 pytestmark = pytest.mark.ray
 
 
@@ -35,9 +33,7 @@ def test_ray_and_local_engines_give_identical_rows(tmp_path, local_ray):
     a, b = (StudyDir(tmp_path / d).rows() for d in ("local", "ray"))
     assert set(b.engine) == {"ray"}
     drop = ["wall_time_s", "engine"]
-    assert a.drop(columns=drop).equals(
-        b.drop(columns=drop)
-    )  # every setting and metric, bit for bit
+    assert a.drop(columns=drop).equals(b.drop(columns=drop))  # every setting and metric, bit for bit
     again = run_study(study, tmp_path / "ray", engine="ray", workers=2)
     assert again.start_line() == "study small: 12 cells, 12 done, 0 to run" and again.finished == 0
 
@@ -70,9 +66,7 @@ def test_model_cells_on_ray_actors_a_bad_path_fails_only_its_cells(tmp_path, loc
     assert rows.model_revision.str.startswith("SmolLM2-135M-Instruct.Q4_1.gguf sha256:").all()
     assert (rows.torch_version != "").all() and (rows.scored_tokens == 8).all()
     assert rows[rows.method == "streaming"].budget_tokens.tolist() == [16]  # 0.25 x 64
-    assert (
-        rows.perplexity_full == rows.perplexity_full.iloc[0]
-    ).all()  # one reference for the text
+    assert (rows.perplexity_full == rows.perplexity_full.iloc[0]).all()  # one reference for the text
     # the same cells in this process: the same numbers (float32 on 1 vs 2 threads: to rounding)
     local = run_study(parse_study(MODEL_STUDY), tmp_path / "l")
     lrows = StudyDir(tmp_path / "l").rows()

@@ -151,10 +151,7 @@ def test_token_history_tells_when_a_token_was_evicted_and_needed(shifted):
     needed = np.flatnonzero(h2o.missed[:, token])
     from kvviz.analysis.frames import ranges_text
 
-    assert (
-        f"needed at step{'s' if len(needed) > 1 else ''} {ranges_text(needed)} while evicted"
-        in text
-    )
+    assert f"needed at step{'s' if len(needed) > 1 else ''} {ranges_text(needed)} while evicted" in text
     if token < tl.context_len and not h2o.kept[0, token]:
         assert text.startswith("evicted at the compression point")
     assert tl.policies["oracle"].history(token, tl.positions, tl.context_len).count("needed") == 0

@@ -20,9 +20,7 @@ def test_one_frame_per_step_with_the_step_line_and_the_regrets():
     for s in (0, 7):
         frame = fig.frames[s]
         lines = [sh for sh in frame.layout.shapes if sh.line.dash == "dot"]
-        assert (
-            lines[0].x0 == s and all(sh.y0 == s for sh in lines[1:]) and len(lines) == 3
-        )  # regret + 2 maps
+        assert lines[0].x0 == s and all(sh.y0 == s for sh in lines[1:]) and len(lines) == 3  # regret + 2 maps
         assert f"h2o {tl.policies['h2o'].regret[s]:.3f}" in frame.layout.title.text
         assert f"position {int(tl.positions[s])}" in frame.layout.title.text
     heat = [t for t in fig.data if t.type == "heatmap"]
@@ -46,6 +44,4 @@ def test_presenting_the_maps_alone_with_one_policy_and_compression_during_decodi
     assert len(dots) == 1 and dots[0].y0 == 5 and dots[0].yref == "y"  # the one map's step line
     assert fig.layout.updatemenus[0].y > 1 and fig.layout.sliders[0].y > 1
     assert fig.frames[5].layout.title.text.startswith("Step 5<br>regret: snapkv")
-    assert any(
-        sh.line.color == "#AA3377" for sh in fig.layout.shapes
-    )  # scored again: its lines are drawn
+    assert any(sh.line.color == "#AA3377" for sh in fig.layout.shapes)  # scored again: its lines are drawn

@@ -63,9 +63,7 @@ def test_sdpa_capture_equals_eager_capture(tiny_dir, dtype, tol):
     model, tok, info = load_model(str(tiny_dir), dtype=dtype)
     sdpa = capture(model, tok, info, TEXT, new_tokens=3, stop_at_eos=False, attention="sdpa")
     eager = capture(model, tok, info, TEXT, new_tokens=3, stop_at_eos=False, attention="eager")
-    assert (
-        sdpa.meta["attn_implementation"] == "sdpa" and eager.meta["attn_implementation"] == "eager"
-    )
+    assert sdpa.meta["attn_implementation"] == "sdpa" and eager.meta["attn_implementation"] == "eager"
     assert sdpa.meta["token_ids"] == eager.meta["token_ids"]
     # layer 0's q, k, v come before any attention: the same bits whatever attention runs
     for name in ("q", "k", "v"):
@@ -110,9 +108,7 @@ def test_bfloat16_capture_stays_bfloat16_bit_exact(tiny_bf16, tmp_path):
     from safetensors import safe_open
 
     model, tok, info = tiny_bf16
-    mem = capture(
-        model, tok, info, TEXT, new_tokens=2, stop_at_eos=False
-    )  # float32 = bf16 widened exactly
+    mem = capture(model, tok, info, TEXT, new_tokens=2, stop_at_eos=False)  # float32 = bf16 widened exactly
     path = tmp_path / "b.safetensors"
     lazy = capture(model, tok, info, TEXT, new_tokens=2, stop_at_eos=False, out=path)
     with safe_open(str(path), framework="pt") as f:
@@ -133,9 +129,7 @@ def test_bfloat16_capture_stays_bfloat16_bit_exact(tiny_bf16, tmp_path):
     assert f32.q.code == "F32"
 
     def data(p):  # tensor bytes (the header's reserved room is the same few kB for both)
-        return sum(
-            e["bytes"] for k, e in trace_info(p)["tensors"].items() if k != "query_positions"
-        )
+        return sum(e["bytes"] for k, e in trace_info(p)["tensors"].items() if k != "query_positions")
 
     assert data(path) * 2 == data(tmp_path / "f.safetensors")
 
@@ -143,10 +137,7 @@ def test_bfloat16_capture_stays_bfloat16_bit_exact(tiny_bf16, tmp_path):
 def test_float16_round_trip_is_bit_exact(tmp_path):
     t = make_synthetic(SyntheticSpec(context=48, steps=3, layers=3))
     h = trace_with(
-        t,
-        q=t.q.astype(np.float16),
-        k=t.k.astype(np.float16),
-        v=None if t.v is None else t.v.astype(np.float16),
+        t, q=t.q.astype(np.float16), k=t.k.astype(np.float16), v=None if t.v is None else t.v.astype(np.float16)
     )
     back = load_trace(save_trace(h, tmp_path / "h.safetensors"))
     assert back.q.code == "F16"
@@ -178,9 +169,7 @@ def test_a_failed_capture_leaves_the_old_file(tiny, tmp_path):
 
 def test_lazy_reads_touch_only_the_layer_shown(tiny, tmp_path):
     model, tok, info = tiny
-    t = capture(
-        model, tok, info, TEXT, new_tokens=2, stop_at_eos=False, out=tmp_path / "l.safetensors"
-    )
+    t = capture(model, tok, info, TEXT, new_tokens=2, stop_at_eos=False, out=tmp_path / "l.safetensors")
     spans = []
     inner = t.q.read
 
@@ -194,9 +183,7 @@ def test_lazy_reads_touch_only_the_layer_shown(tiny, tmp_path):
     assert c.primary.layer == 1
     touched = {(s.what, layer) for s in (t.q, t.k, t.v) for layer, _ in s.reads}
     assert {layer for _, layer in touched} == {1}
-    layer1 = [
-        (s.starts[1], s.starts[1] + s.nbytes // s.shape[0]) for s in (t.q, t.k, t.v)
-    ]  # F32 file
+    layer1 = [(s.starts[1], s.starts[1] + s.nbytes // s.shape[0]) for s in (t.q, t.k, t.v)]  # F32 file
     assert spans and all(any(a <= off < b for a, b in layer1) for off, _ in spans)
     # one head alone: one run of bytes, that head's
     t.q.reads.clear()
@@ -394,21 +381,12 @@ def test_sliding_window_layers_are_recorded_with_their_window(tiny_dir, tmp_path
     )
     config_class, model_class, want = {
         "mistral": ("MistralConfig", "MistralForCausalLM", ["sliding_attention"] * 4),
-        "gemma2": (
-            "Gemma2Config",
-            "Gemma2ForCausalLM",
-            ["sliding_attention", "full_attention"] * 2,
-        ),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", ["sliding_attention", "full_attention"] * 2),
         "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", ["sliding_attention"] * 4),
     }[arch]
     cfg = getattr(transformers, config_class)(**common)
     if arch == "gemma3":
-        cfg.layer_types = [
-            "sliding_attention",
-            "sliding_attention",
-            "sliding_attention",
-            "full_attention",
-        ]
+        cfg.layer_types = ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]
         want = list(cfg.layer_types)
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(cfg).eval()
@@ -425,11 +403,7 @@ def test_sliding_window_layers_are_recorded_with_their_window(tiny_dir, tmp_path
     # Gemma's query scale (query_pre_attn_scalar) is stored beside the raw q and applied as q is read:
     # the same numbers as the in-memory capture, which folds it into q
     mem = capture(model, tok, info, TEXT)
-    assert (
-        (t.meta.get("query_scale", 1.0) != 1.0)
-        == arch.startswith("gemma")
-        == mem.meta["query_rescaled"]
-    )
+    assert (t.meta.get("query_scale", 1.0) != 1.0) == arch.startswith("gemma") == mem.meta["query_rescaled"]
     np.testing.assert_array_equal(np.asarray(t.q), mem.q)
 
 
@@ -442,9 +416,7 @@ def test_the_cli_budget_is_the_free_memory_during_a_capture_only(tiny_dir, tmp_p
     seen = []
     real = limits.set_max_bytes
     monkeypatch.setattr(limits, "set_max_bytes", lambda v: (seen.append(v), real(v)))
-    monkeypatch.setattr(
-        psutil, "virtual_memory", lambda: type("VM", (), {"available": 7_000_000_000})()
-    )
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": 7_000_000_000})())
     capture = ["capture", "--model", str(tiny_dir), "--prompt", TEXT]
     assert main([*capture, "--out", str(tmp_path / "c.safetensors"), "--quiet"]) == 0
     assert seen == [7_000_000_000, None] and limits.max_bytes() == limits.DEFAULT_MAX_BYTES
@@ -466,10 +438,7 @@ def test_the_app_names_a_partial_captures_layers_by_the_models_numbers(tmp_path,
     monkeypatch.setenv("KVVIZ_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("KVVIZ_TRACE_DIRS", str(folder))
     t = make_synthetic(SyntheticSpec(context=32, steps=2, layers=2))
-    save_trace(
-        dataclasses.replace(t, meta={**t.meta, "layers": [3, 15]}),
-        folder / "two-layers.safetensors",
-    )
+    save_trace(dataclasses.replace(t, meta={**t.meta, "layers": [3, 15]}), folder / "two-layers.safetensors")
     at = run_app(str(ROOT / "app.py"), source="file")
     at.radio(key="tf_how").set_value("saved").run()
     box = at.selectbox(key="layer")

@@ -18,11 +18,7 @@ def test_round_trip(tmp_path):
         for name in ("q", "k", "v", "logits", "noise_eps", "query_positions"):
             a, b = getattr(t, name), getattr(u, name)
             assert (a is None and b is None) or np.array_equal(a, b)
-        assert (
-            u.tokens == t.tokens
-            and u.context_len == t.context_len
-            and u.meta == json.loads(json.dumps(t.meta))
-        )
+        assert u.tokens == t.tokens and u.context_len == t.context_len and u.meta == json.loads(json.dumps(t.meta))
 
 
 def test_rejects_garbage(tmp_path):

@@ -48,9 +48,7 @@ def one_gguf_parse(monkeypatch):
         return readers[key]
 
     monkeypatch.setattr(gguf, "GGUFReader", read_once)
-    monkeypatch.setattr(
-        gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
-    )
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
     return readers
 
 
@@ -59,14 +57,10 @@ def _logits(model, tokenizer):
         return model(input_ids=torch.tensor([tokenizer(TEXT)["input_ids"]])).logits
 
 
-def test_cached_weights_give_bit_identical_logits_and_corruption_is_rebuilt(
-    gguf, one_gguf_parse, monkeypatch
-):
+def test_cached_weights_give_bit_identical_logits_and_corruption_is_rebuilt(gguf, one_gguf_parse, monkeypatch):
     phases = []
     model, tokenizer, info = load_model("bundled", progress=lambda f, m: phases.append(m))
-    assert list(one_gguf_parse) and all(
-        k[0] == str(gguf) for k in one_gguf_parse
-    )  # converted from the file
+    assert list(one_gguf_parse) and all(k[0] == str(gguf) for k in one_gguf_parse)  # converted from the file
     folder = weights_cache_folder(gguf, "float32")
     assert cached_weights_valid(folder, gguf, "float32")
     assert any("converting the GGUF weights" in m for m in phases)
@@ -87,9 +81,7 @@ def test_cached_weights_give_bit_identical_logits_and_corruption_is_rebuilt(
     data[len(data) // 2] ^= 0xFF
     weights.write_bytes(bytes(data))
     assert not cached_weights_valid(folder, gguf, "float32")
-    monkeypatch.setattr(
-        models, "_load_plain", lambda *a, **k: pytest.fail("loaded a corrupt cache")
-    )
+    monkeypatch.setattr(models, "_load_plain", lambda *a, **k: pytest.fail("loaded a corrupt cache"))
     # the conversion itself was timed above; here it hands back the model and tokenizer converted then
     import transformers
 
@@ -123,17 +115,10 @@ def test_stale_cache_records_are_refused(gguf, tmp_path):
     }
     (folder / META_FILE).write_text(json.dumps(meta))
     assert cached_weights_valid(folder, gguf, "float32")  # the record itself is consistent
-    for key, value in (
-        ("gguf_sha256", "0" * 64),
-        ("dtype", "float16"),
-        ("format", 0),
-        ("transformers", "0.0"),
-    ):
+    for key, value in (("gguf_sha256", "0" * 64), ("dtype", "float16"), ("format", 0), ("transformers", "0.0")):
         (folder / META_FILE).write_text(json.dumps({**meta, key: value}))
         assert not cached_weights_valid(folder, gguf, "float32"), key
-    (folder / META_FILE).write_text(
-        json.dumps({**meta, "weights_bytes": 3})
-    )  # truncated / grown file
+    (folder / META_FILE).write_text(json.dumps({**meta, "weights_bytes": 3}))  # truncated / grown file
     assert not cached_weights_valid(folder, gguf, "float32")
     (folder / META_FILE).write_text("not json")
     assert not cached_weights_valid(folder, gguf, "float32")

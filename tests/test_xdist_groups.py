@@ -56,9 +56,7 @@ def test_the_browser_weights_name_browser_tests_that_exist():
     """A renamed browser test would silently lose its weight and unbalance the groups."""
     source = (ROOT / "tests" / "test_browser.py").read_text()
     for name in BROWSER_SECONDS:
-        assert (ROOT / "tests" / f"{name}.py").is_file() or re.search(
-            rf"^def {name}\(", source, re.M
-        ), name
+        assert (ROOT / "tests" / f"{name}.py").is_file() or re.search(rf"^def {name}\(", source, re.M), name
 
 
 def test_the_browser_tests_are_dealt_heaviest_first_onto_the_lightest_group():
@@ -67,19 +65,13 @@ def test_the_browser_tests_are_dealt_heaviest_first_onto_the_lightest_group():
 
     class Item:
         def __init__(self, module, name):
-            self.path, self.name, self.originalname = (
-                Path(f"tests/{module}.py"),
-                name,
-                name.split("[")[0],
-            )
+            self.path, self.name, self.originalname = (Path(f"tests/{module}.py"), name, name.split("[")[0])
             self.nodeid = f"tests/{module}.py::{name}"
 
     every_page = "test_every_page_opens_from_the_explorer_fits_a_projector_and_links_its_first_move"
     items = [
         Item("test_browser", "test_explorer_link_follows_every_single_interaction"),  # 32
-        Item(
-            "test_browser", "test_model_lab_cancel_stops_the_run_and_keeps_the_previous_results"
-        ),  # 37
+        Item("test_browser", "test_model_lab_cancel_stops_the_run_and_keeps_the_previous_results"),  # 37
         Item("test_browser", f"{every_page}[a]"),
         Item("test_browser", f"{every_page}[b]"),  # 8 each
         Item("test_layout_browser", "test_one"),

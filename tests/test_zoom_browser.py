@@ -53,9 +53,7 @@ def test_the_range_controls_fit_a_1024_screen_and_zoom_the_charts(page, app_url)
     assert set(found) == {"Charts from token", "to token", "◀", "▶", "Whole row"}, found
     for name, b in found.items():
         assert not b["cut"], f"{name}: its label is cut"
-        assert b["right"] <= b["vw"] + 1 and b["left"] >= 0, (
-            f"{name} is past the screen's edge: {b}"
-        )
+        assert b["right"] <= b["vw"] + 1 and b["left"] >= 0, f"{name} is past the screen's edge: {b}"
         assert b["h"] >= 28, f"{name} is too small to click: {b}"
     assert found["Charts from token"]["w"] >= 90 and found["to token"]["w"] >= 90  # '32767' fits
     assert found["Whole row"]["w"] >= 60

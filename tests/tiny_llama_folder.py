@@ -16,9 +16,7 @@ def save_tiny_llama(folder, text: str, *, vocab_size: int, layers: int, seed: in
     bpe.train_from_iterator(
         [text] * 3,
         trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=["<s>", "</s>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            vocab_size=vocab_size, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
         ),
     )
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")

@@ -60,9 +60,7 @@ def band_columns(s: Spread) -> dict[str, np.ndarray]:
 def band_bounds(columns, bars: str) -> tuple:
     """(band_lo, band_hi): the band the chart draws (one of BANDS), from a frame or a dict of its columns."""
     if bars == "std":
-        return columns["error_mean"] - columns["error_std_sample"], columns["error_mean"] + columns[
-            "error_std_sample"
-        ]
+        return columns["error_mean"] - columns["error_std_sample"], columns["error_mean"] + columns["error_std_sample"]
     return {
         "ci95": (columns["error_ci95_lo"], columns["error_ci95_hi"]),
         "range": (columns["error_min"], columns["error_max"]),
@@ -134,11 +132,7 @@ def error_extent(frame: pd.DataFrame) -> float:
 def attention_extent(frame: pd.DataFrame) -> float:
     """The largest attention bar of the frame, original or compressed (what a locked attention axis must hold)."""
     return float(
-        np.nanmax(
-            np.concatenate(
-                [frame["original"].to_numpy(dtype=float), frame["compressed"].to_numpy(dtype=float)]
-            )
-        )
+        np.nanmax(np.concatenate([frame["original"].to_numpy(dtype=float), frame["compressed"].to_numpy(dtype=float)]))
     )
 
 
@@ -192,9 +186,7 @@ def token_range(n: int, first: int = 0, last: int = -1) -> tuple[int, int]:
     return first, last
 
 
-def zoom_frame(
-    comp: Comparison, first: int = 0, last: int = -1, max_bins: int = MAX_BINS
-) -> tuple[pd.DataFrame, bool]:
+def zoom_frame(comp: Comparison, first: int = 0, last: int = -1, max_bins: int = MAX_BINS) -> tuple[pd.DataFrame, bool]:
     """(frame, binned) of the tokens first..last of the row: one row per token where the range holds
     at most BIN_THRESHOLD tokens (token_frame's rows), else at most `max_bins` bins of it (binned_frame).
     What the charts draw, so they never carry more than a few hundred bars whatever the row's length."""
@@ -204,9 +196,7 @@ def zoom_frame(
     return binned_frame(comp, max_bins, first, last), True
 
 
-def binned_frame(
-    comp: Comparison, max_bins: int = MAX_BINS, first: int = 0, last: int = -1
-) -> pd.DataFrame:
+def binned_frame(comp: Comparison, max_bins: int = MAX_BINS, first: int = 0, last: int = -1) -> pd.DataFrame:
     """Bins of consecutive tokens of first..last (the whole row by default): attention mass per bin (the
     sum over its tokens), the largest single token's attention and error in it, and the error bars of
     each bin's mass shift.
@@ -223,9 +213,7 @@ def _extreme(values: np.ndarray, edges: np.ndarray) -> np.ndarray:
     return np.where(top >= -bottom, top, bottom)
 
 
-def binned_columns(
-    comp: Comparison, max_bins: int = MAX_BINS, first: int = 0, last: int = -1
-) -> dict:
+def binned_columns(comp: Comparison, max_bins: int = MAX_BINS, first: int = 0, last: int = -1) -> dict:
     """binned_frame's columns as arrays (start / end are positions in the row)."""
     p = comp.primary
     first, last = token_range(len(p.original), first, last)
@@ -247,8 +235,7 @@ def binned_columns(
     original, compressed, error = p.original[full], p.compressed[full], p.error[full]
     evict_members, quant_members = member_parts(comp)
     part_means = [
-        np.nanmean(bin_sums(np.nan_to_num(part[:, full]), edges), axis=0)
-        for part in (evict_members, quant_members)
+        np.nanmean(bin_sums(np.nan_to_num(part[:, full]), edges), axis=0) for part in (evict_members, quant_members)
     ]
     tokens = comp.tokens
     return {
@@ -288,11 +275,7 @@ class Concentration:
 
 
 def concentration(
-    trace: Trace,
-    step: int | None = None,
-    sink: int = 1,
-    window: int = 16,
-    fractions: np.ndarray | None = None,
+    trace: Trace, step: int | None = None, sink: int = 1, window: int = 16, fractions: np.ndarray | None = None
 ) -> Concentration:
     """How concentrated the attention of the evaluated query at `step` is, for every layer and head."""
     if fractions is None:

@@ -41,11 +41,7 @@ from kvviz.spec import SCORERS, SpecError
 
 RATIOS = (0.25, 0.5, 0.75, 0.875)  # kvpress's leaderboard columns
 PROTOCOLS = ("question-aware", "query-agnostic")
-TASK_SET = (
-    "passkey",
-    "multikey",
-    "qa",
-)  # the variable-tracking task is left out: SmolLM2-135M fails it uncompressed
+TASK_SET = ("passkey", "multikey", "qa")  # the variable-tracking task is left out: SmolLM2-135M fails it uncompressed
 # every built-in scorer that evicts (the registry's order), then what two wrappers buy on two scorers, then
 # the bound
 METHODS = (
@@ -63,18 +59,7 @@ DEPTHS = (0.25, 0.75)
 NEW_TOKENS = 6
 # the shipped board (`kvviz leaderboard --save`), which the Trade-offs page opens on
 DEFAULT_FILE = Path(__file__).resolve().parents[1] / "data" / "leaderboard.json.gz"
-FIELDS = (
-    "task",
-    "protocol",
-    "method",
-    "ratio",
-    "length",
-    "depth",
-    "correct",
-    "ratio_reached",
-    "answer",
-    "key",
-)
+FIELDS = ("task", "protocol", "method", "ratio", "length", "depth", "correct", "ratio_reached", "answer", "key")
 
 Progress = Callable[[float, str], None]
 
@@ -99,18 +84,12 @@ class BoardRequest:
     def check(self) -> None:
         bad = [p for p in self.protocols if p not in PROTOCOLS]
         if bad or not self.protocols:
-            raise SpecError(
-                f"unknown protocol {bad[0] if bad else ''!r}; choose from {', '.join(PROTOCOLS)}"
-            )
+            raise SpecError(f"unknown protocol {bad[0] if bad else ''!r}; choose from {', '.join(PROTOCOLS)}")
         bad = [t for t in self.tasks if t not in TASKS]
         if bad or not self.tasks:
-            raise SpecError(
-                f"unknown task {bad[0] if bad else ''!r}; choose from {', '.join(TASKS)}"
-            )
+            raise SpecError(f"unknown task {bad[0] if bad else ''!r}; choose from {', '.join(TASKS)}")
         if not self.ratios or any(not 0.0 <= r < 1.0 for r in self.ratios):
-            raise SpecError(
-                f"compression ratios are shares of the prompt removed, in [0, 1), got {self.ratios}"
-            )
+            raise SpecError(f"compression ratios are shares of the prompt removed, in [0, 1), got {self.ratios}")
         for task in self.tasks:
             self.grid(task, self.protocols[0]).check()
 
@@ -269,18 +248,14 @@ def format_board(board: Board) -> str:
         ]
         lines.append(f"{'method':28s}" + "".join(f"{r:>14.3g}" for r in ratios))
         for method in board.request.methods:
-            row = {
-                s["ratio"]: s for s in scores if s["protocol"] == protocol and s["method"] == method
-            }
+            row = {s["ratio"]: s for s in scores if s["protocol"] == protocol and s["method"] == method}
             cells = []
             for r in ratios:
                 s = row.get(round(r, 6))
                 if s is None:
                     cells.append(f"{'-':>14s}")
                     continue
-                reached = (
-                    "" if abs(s["ratio_reached"] - r) < 0.03 else f" ~{s['ratio_reached']:.2f}"
-                )
+                reached = "" if abs(s["ratio_reached"] - r) < 0.03 else f" ~{s['ratio_reached']:.2f}"
                 cells.append(f"{s['score']:>6.0%}{reached:>8s}")
             lines.append(f"{method:28s}" + "".join(cells))
     return "\n".join(lines)

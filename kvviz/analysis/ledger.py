@@ -140,9 +140,7 @@ class Ledger:
 
 def _bytes(spec: Spec, n_kept: int, trace: Trace, n_tokens: int) -> dict:
     parts = dict(payload_bytes=0.0, overhead_bytes=0.0, residual_bytes=0.0, partial_bytes=0.0)
-    for b in head_parts(
-        spec, n_kept, trace.head_dim, trace.n_kv_heads, n_tokens, trace.context_len
-    ):
+    for b in head_parts(spec, n_kept, trace.head_dim, trace.n_kv_heads, n_tokens, trace.context_len):
         parts["payload_bytes"] += b.payload
         parts["overhead_bytes"] += b.overhead
         parts["residual_bytes"] += b.residual
@@ -163,15 +161,9 @@ def budget_ledger(trace: Trace, spec: Spec, step: int | None = None) -> Ledger:
     for layer, window in enumerate(trace.layer_windows):
         kept = kept_at_query(trace, spec, layer, qi)  # (kv_heads, n)
         reason = reasons_for(kept, spec)
-        declared = (
-            min(layer_spec(spec, layer, trace.n_layers, trace.context_len).budget, n)
-            if spec.evicts
-            else n
-        )
+        declared = min(layer_spec(spec, layer, trace.n_layers, trace.context_len).budget, n) if spec.evicts else n
         full_l, prefill_l = full, prefill
-        if (
-            window is not None
-        ):  # the model's window, at 16 bits: what the layer holds, compressed or not
+        if window is not None:  # the model's window, at 16 bits: what the layer holds, compressed or not
             reason = np.full(kept.shape, RECENT, np.int8)
             declared = seen_tokens(window, n)
             full_l = kv_bytes_per_token(1, 1, D) * declared
@@ -183,9 +175,7 @@ def budget_ledger(trace: Trace, spec: Spec, step: int | None = None) -> Ledger:
             parts = _bytes(spec, stored_tok, trace, n)
             meta = page_meta_bytes(spec, n, D) if reads else 0.0
             if window is not None:
-                parts = dict.fromkeys(parts, 0.0) | {
-                    "payload_bytes": k_tok * kv_bytes_per_token(1, 1, D)
-                }
+                parts = dict.fromkeys(parts, 0.0) | {"payload_bytes": k_tok * kv_bytes_per_token(1, 1, D)}
                 meta = 0.0
             stored = sum(parts.values()) + meta
             read = (sum(_bytes(spec, k_tok, trace, n).values()) + meta) if reads else stored
@@ -213,18 +203,12 @@ def budget_ledger(trace: Trace, spec: Spec, step: int | None = None) -> Ledger:
         position=p,
         n_tokens=n,
         rows=tuple(rows),
-        sliding=tuple(
-            (number, w)
-            for number, w in zip(trace.layer_numbers, trace.layer_windows)
-            if w is not None
-        ),
+        sliding=tuple((number, w) for number, w in zip(trace.layer_numbers, trace.layer_windows) if w is not None),
     )
 
 
 def to_csv(ledger: Ledger) -> str:
     lines = [",".join(COLUMNS)]
     for r in ledger.rows:
-        lines.append(
-            ",".join(f"{r[c]:g}" if isinstance(r[c], float) else str(r[c]) for c in COLUMNS)
-        )
+        lines.append(",".join(f"{r[c]:g}" if isinstance(r[c], float) else str(r[c]) for c in COLUMNS))
     return "\n".join(lines) + "\n"

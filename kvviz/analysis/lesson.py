@@ -50,14 +50,7 @@ TIERS = (
 MAX_CELLS = 1_050_000
 # What each chart row holds, per token (or per bin): the columns of kvviz.analysis.frames the
 # Explorer's attention and error charts draw (band_lo / band_hi: the error bars `bars` asks for).
-TOKEN_COLUMNS = (
-    "compressed",
-    "error_eviction_mean",
-    "error_quantization_mean",
-    "error_mean",
-    "band_lo",
-    "band_hi",
-)
+TOKEN_COLUMNS = ("compressed", "error_eviction_mean", "error_quantization_mean", "error_mean", "band_lo", "band_hi")
 BIN_COLUMNS = ("compressed", "evicted_mass") + TOKEN_COLUMNS[1:]
 
 
@@ -105,9 +98,7 @@ class Lesson:
         for name in SLIDERS:
             axis = self.grid[name]
             if values[name] not in axis:
-                raise SpecError(
-                    f"{name} {values[name]} is not on the lesson's grid ({', '.join(map(str, axis))})"
-                )
+                raise SpecError(f"{name} {values[name]} is not on the lesson's grid ({', '.join(map(str, axis))})")
             i = i * len(axis) + axis.index(values[name])
         return i
 
@@ -130,9 +121,7 @@ def _budget_values(n: int, steps: int) -> tuple[int, ...]:
 def default_grid(n_tokens: int, symmetric: bool = False) -> dict[str, tuple[int, ...]]:
     """The densest of TIERS within MAX_CELLS for a query that sees n_tokens (binned past BIN_THRESHOLD)."""
     binned = n_tokens > BIN_THRESHOLD
-    columns = (len(bin_edges(n_tokens)) if binned else n_tokens) * len(
-        BIN_COLUMNS if binned else TOKEN_COLUMNS
-    )
+    columns = (len(bin_edges(n_tokens)) if binned else n_tokens) * len(BIN_COLUMNS if binned else TOKEN_COLUMNS)
     for sinks, steps, bits in TIERS:
         grid = {
             "sink": tuple(s for s in sinks if s <= n_tokens),
@@ -146,10 +135,7 @@ def default_grid(n_tokens: int, symmetric: bool = False) -> dict[str, tuple[int,
 
 
 def lesson_grid(
-    n_tokens: int,
-    base: Spec,
-    given: dict[str, tuple[int, ...]] | None = None,
-    limit: int | None = None,
+    n_tokens: int, base: Spec, given: dict[str, tuple[int, ...]] | None = None, limit: int | None = None
 ) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
     """(grid, start): each slider's values and the base setting's value of each.
 
@@ -198,15 +184,11 @@ def parse_grid(items: list[str] | tuple[str, ...]) -> dict[str, tuple[int, ...]]
         name, sep, raw = item.partition("=")
         name = name.strip()
         if not sep or name not in SLIDERS:
-            raise SpecError(
-                f"--grid {item!r}: write NAME=V1,V2,... with NAME one of {', '.join(SLIDERS)}"
-            )
+            raise SpecError(f"--grid {item!r}: write NAME=V1,V2,... with NAME one of {', '.join(SLIDERS)}")
         try:
             values = tuple(sorted({int(v) for v in raw.split(",") if v.strip()}))
         except ValueError:
-            raise SpecError(
-                f"--grid {item!r}: the values must be whole numbers separated by commas"
-            ) from None
+            raise SpecError(f"--grid {item!r}: the values must be whole numbers separated by commas") from None
         if not values:
             raise SpecError(f"--grid {item!r}: give at least one value")
         if min(values) < 0:
@@ -214,9 +196,7 @@ def parse_grid(items: list[str] | tuple[str, ...]) -> dict[str, tuple[int, ...]]
         if name == "bits" and not set(values) <= set(range(1, 9)) | {FULL_BITS}:
             raise SpecError(f"--grid {item!r}: bits must be 1-8 or {FULL_BITS} (not quantized)")
         if len(values) > MAX_VALUES:
-            raise SpecError(
-                f"--grid {item!r}: at most {MAX_VALUES} values a slider (to keep the file small)"
-            )
+            raise SpecError(f"--grid {item!r}: at most {MAX_VALUES} values a slider (to keep the file small)")
         out[name] = values
     return out
 
@@ -226,9 +206,7 @@ def grid_specs(base: Spec, grid: dict[str, tuple[int, ...]]) -> list[Spec]:
     specs = []
     for sink, recent, heavy, bits in itertools.product(*(grid[name] for name in SLIDERS)):
         try:
-            specs.append(
-                base.with_(sink=sink, recent=recent, heavy=heavy, key_bits=bits, value_bits=bits)
-            )
+            specs.append(base.with_(sink=sink, recent=recent, heavy=heavy, key_bits=bits, value_bits=bits))
         except SpecError as e:
             raise SpecError(
                 f"the grid point sink {sink}, recent {recent}, heavy {heavy}, bits {bits} is impossible "
@@ -265,9 +243,7 @@ def compute_lesson(
         frame = binned_columns(comp) if binned else token_columns(comp)
         frame["band_lo"], frame["band_hi"] = band_bounds(frame, bars)
         columns = BIN_COLUMNS if binned else TOKEN_COLUMNS
-        row = np.ascontiguousarray(
-            np.stack([np.asarray(frame[c], dtype=np.float64) for c in columns])
-        )
+        row = np.ascontiguousarray(np.stack([np.asarray(frame[c], dtype=np.float64) for c in columns]))
         mark = (
             np.asarray(frame["kept_tokens"], dtype=np.int32)
             if binned

@@ -40,11 +40,7 @@ def memory_peak_text(metrics: dict) -> str | None:
     compression) where that is more than what is stored, and the bytes one decode step reads where a method
     reads less than it stores (Quest)."""
     parts = []
-    peak, stored, read = (
-        metrics.get("kv_bytes_peak"),
-        metrics["kv_bytes"],
-        metrics.get("kv_bytes_read"),
-    )
+    peak, stored, read = (metrics.get("kv_bytes_peak"), metrics["kv_bytes"], metrics.get("kv_bytes_read"))
     if peak is not None and peak > stored:
         parts.append(f"peak {fmt_bytes(peak)}")
     if read is not None and read < stored:
@@ -133,9 +129,7 @@ def concentration_verdict(fractions, curves, band=((0.10, 0.20), (0.80, 0.90))) 
     if hi < y0:
         return f"Less concentrated than the handbook's band: {held}, so eviction keeps less of the attention here."
     if lo > y1:
-        return (
-            f"More concentrated than the handbook's band: {held}, so eviction loses even less here."
-        )
+        return f"More concentrated than the handbook's band: {held}, so eviction loses even less here."
     return f"Within the handbook's band: {held}."
 
 

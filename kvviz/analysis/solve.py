@@ -110,12 +110,8 @@ def solve(
 ) -> Solution:
     """The smallest budget meeting the target with base's scorer and quantizer (see the module doc)."""
     if (target_mass is None) == (target_tv is None):
-        raise SpecError(
-            "give exactly one target: a mass to keep (0-1) or a TV distance to stay under (0-1)"
-        )
-    metric, target = (
-        ("mass_retained", target_mass) if target_mass is not None else ("tv_distance", target_tv)
-    )
+        raise SpecError("give exactly one target: a mass to keep (0-1) or a TV distance to stay under (0-1)")
+    metric, target = ("mass_retained", target_mass) if target_mass is not None else ("tv_distance", target_tv)
     if not 0 < target <= 1 or target != target:
         raise SpecError(f"the target is a share between 0 and 1, got {target}")
     policy = get_policy(base.scorer)
@@ -135,10 +131,7 @@ def solve(
             spec = base.with_(**split_budget(base.scorer, b, max_sink))
             results[b] = compare(trace, spec, view)
             if progress is not None:
-                progress(
-                    min(0.95, len(results) / (2 * max(n.bit_length(), 1))),
-                    f"budget {b} of {n} tokens",
-                )
+                progress(min(0.95, len(results) / (2 * max(n.bit_length(), 1))), f"budget {b} of {n} tokens")
         return results[b]
 
     def value(b: int) -> float:

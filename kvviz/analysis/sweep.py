@@ -63,9 +63,7 @@ def split_budget(scorer: str, budget: int, sink: int = 4) -> dict:
     return dict(sink=sink, recent=recent, heavy=rest - recent)
 
 
-def point_spec(
-    method: str, budget: int, bits: int, fmt: str = "int", base: Spec = Spec()
-) -> Spec | None:
+def point_spec(method: str, budget: int, bits: int, fmt: str = "int", base: Spec = Spec()) -> Spec | None:
     """The spec of one sweep point: `method` ("full" = no eviction) at a token budget, K and V at
     `bits` in format `fmt`, the rest from `base`. None when the base's allocation has no such
     method (e.g. AdaKV with H2O / TOVA); SpecError when the point is impossible."""
@@ -115,10 +113,7 @@ def sweep(
     A fraction of 1.0 means no eviction (the method column then reads "full") so the
     quantization-only points sit on the same chart.
     """
-    n_tokens = (
-        int(trace.query_positions[trace.evaluated_queries[-1 if view.step is None else view.step]])
-        + 1
-    )
+    n_tokens = int(trace.query_positions[trace.evaluated_queries[-1 if view.step is None else view.step]]) + 1
     fractions, bits = sorted(set(fractions)), list(bits)
     widths = [(b, "int") for b in bits] + [(SWEEP_FORMATS[f], f) for f in formats]
     jobs = []
@@ -136,9 +131,7 @@ def sweep(
         if progress:
             progress(
                 i / len(jobs),
-                f"{method} budget {budget} at {b} bits"
-                if fmt == "int"
-                else f"{method} budget {budget} in {fmt}",
+                f"{method} budget {budget} at {b} bits" if fmt == "int" else f"{method} budget {budget} in {fmt}",
             )
         spec = point_spec(method, budget, b, fmt, base)
         if spec is None:
@@ -155,9 +148,7 @@ def sweep(
                 "compression_ratio": c.memory.compression_ratio,
                 # eviction and quantization save memory stored; read-selection methods (Quest) store
                 # everything and save memory read per step
-                "memory_read_ratio": c.memory.bytes_read / c.memory.kv_bytes_full
-                if c.memory.kv_bytes_full
-                else 1.0,
+                "memory_read_ratio": c.memory.bytes_read / c.memory.kv_bytes_full if c.memory.kv_bytes_full else 1.0,
                 "saves": "memory read" if c.memory.kv_bytes_read is not None else "memory stored",
                 **{column: m[key] for column, key in METRIC_COLUMNS.items()},
                 "format": fmt,

@@ -42,12 +42,7 @@ DEFAULT_NEED = 0.02  # attention share that counts as "needed" at a step
 
 # Cell states of the steps x tokens map (figures colour by these).
 FUTURE, EVICTED, KEPT, MISSED = 0, 1, 2, 3
-STATE_NAMES = {
-    FUTURE: "not arrived yet",
-    EVICTED: "evicted",
-    KEPT: "kept",
-    MISSED: "evicted but needed now",
-}
+STATE_NAMES = {FUTURE: "not arrived yet", EVICTED: "evicted", KEPT: "kept", MISSED: "evicted but needed now"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,22 +93,16 @@ class PolicyTimeline:
         parts = []
         if not held[steps[0]]:
             parts.append(
-                "evicted at the compression point"
-                if token < context_len
-                else f"evicted on arrival (step {steps[0]})"
+                "evicted at the compression point" if token < context_len else f"evicted on arrival (step {steps[0]})"
             )
         else:
             gone = steps[~held[steps]]
             parts.append(
-                f"held until step {gone[0] - 1}, evicted at step {gone[0]}"
-                if len(gone)
-                else "held at every step"
+                f"held until step {gone[0] - 1}, evicted at step {gone[0]}" if len(gone) else "held at every step"
             )
         needed = np.flatnonzero(self.missed[:, token])
         if len(needed):
-            parts.append(
-                f"needed at step{'s' if len(needed) > 1 else ''} {ranges_text(needed)} while evicted"
-            )
+            parts.append(f"needed at step{'s' if len(needed) > 1 else ''} {ranges_text(needed)} while evicted")
         return "; ".join(parts)
 
 
@@ -157,9 +146,7 @@ class Timeline:
                     "policy": labels.get(name, name),
                     "regret at this step": round(float(pt.regret[step]), 4),
                     "tokens held": int(pt.kept[step].sum()),
-                    "needed now but evicted": ", ".join(
-                        f"{i} {self.tokens[i]!r}" for i in missed[:max_tokens]
-                    )
+                    "needed now but evicted": ", ".join(f"{i} {self.tokens[i]!r}" for i in missed[:max_tokens])
                     + (" …" if len(missed) > max_tokens else ""),
                 }
             )
@@ -192,21 +179,13 @@ def full_attention(trace: Trace, layer: int, kv_head: int, query_indices: np.nda
         else:
             q = trace.q[layer, heads, qi].astype(np.float64)  # (g, D)
             logits = q @ k[: p + 1].T * scale  # (g, p+1)
-        logits[
-            :, : window_start(p, trace.layer_windows[layer])
-        ] = -np.inf  # a sliding layer's window
+        logits[:, : window_start(p, trace.layer_windows[layer])] = -np.inf  # a sliding layer's window
         out[s, : p + 1] = softmax(logits).mean(axis=0)
     return out
 
 
 def policy_masks(
-    trace: Trace,
-    spec: Spec,
-    layer: int,
-    positions: np.ndarray,
-    name: str,
-    kv_head: int,
-    attention: np.ndarray,
+    trace: Trace, spec: Spec, layer: int, positions: np.ndarray, name: str, kv_head: int, attention: np.ndarray
 ) -> np.ndarray:
     """(steps, positions) kept masks of one policy for one KV head (a sliding layer's: its window)."""
     if trace.layer_windows[layer] is not None:
@@ -242,11 +221,7 @@ def timeline_work(trace: Trace, n_steps: int, n_policies: int) -> Work:
             Part("the trace", ((trace_bytes(trace), "bytes"),), item_bytes=1),
             Part("attention", (steps, P), item_bytes=8),
             Part("policy masks", ((n_policies, "policies"), (4, "masks"), steps, P), item_bytes=1),
-            Part(
-                "kept masks of every KV head",
-                (steps, (trace.n_kv_heads, "KV heads"), P),
-                item_bytes=1,
-            ),
+            Part("kept masks of every KV head", (steps, (trace.n_kv_heads, "KV heads"), P), item_bytes=1),
         ),
         lower="the steps shown, the policies or the source's size",
     )
@@ -266,21 +241,14 @@ def timeline(
     scorers compress again every `compress_every` decode steps (0: once, at the end of the prompt)."""
     if not trace.has_later_queries:
         raise TraceError(
-            "the decode timeline needs a trace with decode steps (later queries); "
-            "this one only has its prompt"
+            "the decode timeline needs a trace with decode steps (later queries); this one only has its prompt"
         )
     if not 0 <= layer < trace.n_layers:
-        raise SpecError(
-            f"layer {layer} does not exist: this trace has layers 0-{trace.n_layers - 1}"
-        )
+        raise SpecError(f"layer {layer} does not exist: this trace has layers 0-{trace.n_layers - 1}")
     if not 0 <= kv_head < trace.n_kv_heads:
-        raise SpecError(
-            f"KV head {kv_head} does not exist: this trace has KV heads 0-{trace.n_kv_heads - 1}"
-        )
+        raise SpecError(f"KV head {kv_head} does not exist: this trace has KV heads 0-{trace.n_kv_heads - 1}")
     if not spec.evicts:
-        raise SpecError(
-            "set a budget (sink, recent or heavy) - without eviction every policy keeps everything"
-        )
+        raise SpecError("set a budget (sink, recent or heavy) - without eviction every policy keeps everything")
     if not 0 < need <= 1:
         raise SpecError(f"the 'needed' threshold is an attention share in (0, 1], got {need}")
     steps = trace.later_queries
@@ -308,15 +276,11 @@ def timeline(
             [
                 i
                 for i, p in enumerate(positions)
-                if s.evicts
-                and is_due(int(p), trace.context_len, s.compress_every)
-                and i < len(positions) - 1
+                if s.evicts and is_due(int(p), trace.context_len, s.compress_every) and i < len(positions) - 1
             ],
             dtype=np.int64,
         )
-        out[name] = PolicyTimeline(
-            name=name, kept=kept, regret=regret, missed=missed, compressed_after=again
-        )
+        out[name] = PolicyTimeline(name=name, kept=kept, regret=regret, missed=missed, compressed_after=again)
     return Timeline(
         spec=spec,
         layer=layer,

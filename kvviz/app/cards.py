@@ -83,11 +83,7 @@ def metric_cards(comp: Comparison, pinned: Comparison | None = None) -> None:
     ratio = comp.metrics["compression_ratio"]
     cols = st.columns(4) + st.columns(4)
     for col, (label, value) in zip(cols, values.items()):
-        extra = (
-            f" ({ratio:.1f}× smaller)"
-            if label == "Memory vs 16-bit" and math.isfinite(ratio)
-            else ""
-        )
+        extra = f" ({ratio:.1f}× smaller)" if label == "Memory vs 16-bit" and math.isfinite(ratio) else ""
         kwargs = {}
         cosine = comp.metrics["output_cosine"]
         if label == "Output error" and cosine is not None:  # the bounded measure beside it

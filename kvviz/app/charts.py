@@ -130,9 +130,7 @@ def chart(fig, key: str, where=None, **kwargs):
     if not deferred():
         return where.plotly_chart(fig, key=key, **kwargs)
     height = int(fig.layout.height or DEFAULT_HEIGHT)
-    where.container(height=height, border=True, key=f"{WAITING}_{key}").caption(
-        "Drawing the chart…"
-    )
+    where.container(height=height, border=True, key=f"{WAITING}_{key}").caption("Drawing the chart…")
     return None
 
 
@@ -200,8 +198,4 @@ def chart_step(chart_key: str, step: int, key: str, on_change) -> None:
     """Report where the chart `chart_key`'s animation slider comes to rest: `on_change` runs (before the
     rerun, as a widget's callback) with the step in st.session_state[key]. `step` is the step the page
     shows now (the browser reports only another one)."""
-    _step_reporter()(
-        key=key,
-        data={"chart": chart_key, "step": int(step), "still_ms": 600},
-        on_step_change=on_change,
-    )
+    _step_reporter()(key=key, data={"chart": chart_key, "step": int(step), "still_ms": 600}, on_step_change=on_change)

@@ -18,11 +18,7 @@ HEADLINE_BUDGETS = ("sink", "recent", "heavy")  # token counts whose sliders are
 
 
 def compression_section(
-    trace: Trace,
-    where=None,
-    budget_only: bool = False,
-    headline=None,
-    percent_of: tuple[int, str] | None = None,
+    trace: Trace, where=None, budget_only: bool = False, headline=None, percent_of: tuple[int, str] | None = None
 ) -> Spec | None:
     """Sidebar: the four headline sliders and the Advanced expander. None if the combination is impossible.
 
@@ -84,16 +80,8 @@ def budget_sliders(where, headline, n: int, percent_of) -> tuple:
         where.caption("Presentation mode: the four headline sliders are above the charts.")
     slots = headline.columns(4, gap="medium") if projector else [where] * 4
     budgets = (
-        (
-            "sink",
-            "Sink tokens",
-            "The first tokens, always kept: attention sinks (StreamingLLM keeps 4).",
-        ),
-        (
-            "recent",
-            "Recent window",
-            "The last tokens the query sees (its own included), always kept.",
-        ),
+        ("sink", "Sink tokens", "The first tokens, always kept: attention sinks (StreamingLLM keeps 4)."),
+        ("recent", "Recent window", "The last tokens the query sees (its own included), always kept."),
         # a projector's quarter-width column: the long label wrapped and pushed its slider below the others
         (
             "heavy",
@@ -113,9 +101,7 @@ def _spec_or_error(values: dict) -> Spec | None:
     try:
         return spec_from_values(values)
     except SpecError as e:
-        bits_used = (
-            (values["key_bits"], values["value_bits"]) if values["split"] else (values["bits"],)
-        )
+        bits_used = (values["key_bits"], values["value_bits"]) if values["split"] else (values["bits"],)
         hint = (
             " Turn off symmetric quantization or raise the bits to 2 or more."
             if values["symmetric"] and 1 in bits_used
@@ -143,9 +129,7 @@ def clamp_to_trace(n: int) -> None:
             clamp(PARAMS[s.url_name].name, *_trace_range(s, n), s.label or s.name)
 
 
-def w_setting(
-    where, name: str, n: int | None = None, disabled: bool = False, widget: str | None = None
-):
+def w_setting(where, name: str, n: int | None = None, disabled: bool = False, widget: str | None = None):
     """The widget of one Spec setting, made from its declaration (kvviz.settings): a checkbox, a choice or a
     number box with its label, help, range and option labels. `n`: the tokens of the trace, the top of a
     token count's range."""
@@ -164,13 +148,7 @@ def w_setting(
             if options == BITS_OPTIONS
             else str
         )
-        kind = widget or (
-            "select_slider"
-            if options == BITS_OPTIONS
-            else "radio"
-            if len(options) <= 3
-            else "selectbox"
-        )
+        kind = widget or ("select_slider" if options == BITS_OPTIONS else "radio" if len(options) <= 3 else "selectbox")
         return w_choice(
             where,
             p.name,
@@ -183,27 +161,14 @@ def w_setting(
         )
     lo, hi = _trace_range(s, n)  # a token count: at most the trace
     return w_number(
-        where,
-        p.name,
-        s.label or s.name,
-        lo,
-        hi,
-        step=s.step,
-        help=s.help or None,
-        fmt=s.fmt,
-        disabled=disabled,
+        where, p.name, s.label or s.name, lo, hi, step=s.step, help=s.help or None, fmt=s.fmt, disabled=disabled
     )
 
 
 def advanced_controls(n: int) -> None:
     """Advanced: the scorer and its settings, the budget allocation, the quantizer and the cache format."""
     scorer = w_choice(
-        st,
-        "scorer",
-        "Heavy-hitter scorer",
-        tuple(SCORER_CHOICES),
-        format_func=SCORER_LABELS.get,
-        help=scorer_help(),
+        st, "scorer", "Heavy-hitter scorer", tuple(SCORER_CHOICES), format_func=SCORER_LABELS.get, help=scorer_help()
     )
     allocation = w_setting(st, "allocation", widget="selectbox")
     owned_settings(st, {"scorer": scorer, "allocation": allocation}, n)

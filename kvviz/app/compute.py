@@ -34,12 +34,8 @@ def _items(obj) -> tuple:
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
-def _compare_cached(
-    source_key: tuple, spec_items: tuple, view_items: tuple, _trace: Trace, _seed_fn
-) -> Comparison:
-    return compare(
-        _trace, Spec(**dict(spec_items)), View(**dict(view_items)), trace_for_seed=_seed_fn
-    )
+def _compare_cached(source_key: tuple, spec_items: tuple, view_items: tuple, _trace: Trace, _seed_fn) -> Comparison:
+    return compare(_trace, Spec(**dict(spec_items)), View(**dict(view_items)), trace_for_seed=_seed_fn)
 
 
 # --- warm before the first touch ---------------------------------------------------------------
@@ -74,9 +70,7 @@ def warm_up() -> threading.Event:
     with _warm_lock:
         if not _warmed:
             _warmed.append(threading.Event())
-            threading.Thread(
-                target=_warm, args=(_warmed[0],), name="kvviz-warm-up", daemon=True
-            ).start()
+            threading.Thread(target=_warm, args=(_warmed[0],), name="kvviz-warm-up", daemon=True).start()
         return _warmed[0]
 
 
@@ -108,10 +102,7 @@ def _warm_figures(comp: Comparison) -> None:
     from kvviz.plots import figures
 
     frame = token_frame(comp)
-    for fig in (
-        figures.attention_figure(frame),
-        figures.error_figure(frame, members=len(comp.members)),
-    ):
+    for fig in (figures.attention_figure(frame), figures.error_figure(frame, members=len(comp.members))):
         plotly.io.to_json(fig, validate=False)
 
 
@@ -122,9 +113,7 @@ def run_compare(source: Source, spec: Spec, view: View) -> Comparison | None:
     try:
         return _compare_cached(source.key, _items(spec), _items(view), source.trace, source.seed_fn)
     except (SpecError, TraceError, ValueError) as e:
-        st.error(
-            f"Cannot compare with these settings: {e}. Change the View or Compression settings in the sidebar."
-        )
+        st.error(f"Cannot compare with these settings: {e}. Change the View or Compression settings in the sidebar.")
         return None
 
 
@@ -136,20 +125,12 @@ def _sweep_results() -> dict:
 
 
 def run_sweep(
-    source: Source,
-    scorers: tuple,
-    bits: tuple,
-    view: View,
-    base: Spec,
-    max_entries: int = 16,
-    formats: tuple = (),
+    source: Source, scorers: tuple, bits: tuple, view: View, base: Spec, max_entries: int = 16, formats: tuple = ()
 ) -> list[dict] | None:
     """kvviz.analysis.sweep with a progress bar, cached by (source, methods, bits, formats, view, base spec)."""
     from kvviz.analysis.sweep import sweep
 
-    key = (source.key, tuple(scorers), tuple(bits), _items(view), _items(base)) + (
-        (tuple(formats),) if formats else ()
-    )
+    key = (source.key, tuple(scorers), tuple(bits), _items(view), _items(base)) + ((tuple(formats),) if formats else ())
     results = _sweep_results()
     if key in results:
         return results[key]
@@ -176,9 +157,7 @@ def run_sweep(
 
 
 @st.cache_data(max_entries=16, show_spinner=False)
-def _concentration_cached(
-    source_key: tuple, step: int | None, sink: int, window: int, _trace: Trace
-):
+def _concentration_cached(source_key: tuple, step: int | None, sink: int, window: int, _trace: Trace):
     from kvviz.analysis.frames import concentration
 
     return concentration(_trace, step=step, sink=sink, window=window)
@@ -189,9 +168,7 @@ def run_concentration(source: Source, step: int | None, sink: int, window: int):
 
 
 @st.cache_data(max_entries=32, show_spinner="Computing every layer and head…")
-def _head_grid_cached(
-    source_key: tuple, spec_items: tuple, step: int | None, metric: str, _trace: Trace
-) -> np.ndarray:
+def _head_grid_cached(source_key: tuple, spec_items: tuple, step: int | None, metric: str, _trace: Trace) -> np.ndarray:
     from kvviz.engine import head_grid
 
     return head_grid(_trace, Spec(**dict(spec_items)), step, metric)

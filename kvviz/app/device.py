@@ -48,18 +48,9 @@ def device_controls(container, prefix: str) -> tuple[str, str]:
         "runs in float32 either way; bfloat16 on a CPU is slower than float32.",
     )
     if f"{prefix}_dtype" in PARAMS:  # a setting of the page's link
-        dtype = w_choice(
-            container,
-            f"{prefix}_dtype",
-            label,
-            DTYPES,
-            format_func=DTYPE_LABELS.get,
-            help=help_text,
-        )
+        dtype = w_choice(container, f"{prefix}_dtype", label, DTYPES, format_func=DTYPE_LABELS.get, help=help_text)
     else:
-        dtype = container.selectbox(
-            label, DTYPES, key=f"{prefix}_dtype", format_func=DTYPE_LABELS.get, help=help_text
-        )
+        dtype = container.selectbox(label, DTYPES, key=f"{prefix}_dtype", format_func=DTYPE_LABELS.get, help=help_text)
     return str(device), str(dtype)
 
 
@@ -70,6 +61,6 @@ def run_notice(exc: BaseException) -> str | None:
     line = device_error(exc)
     if line is None:
         return None
-    return line.replace(
-        "--prompt-tokens / --continuation-tokens (or the lengths)", "the token counts"
-    ).replace("--dtype bfloat16 or float16", "the bfloat16 or float16 dtype")
+    return line.replace("--prompt-tokens / --continuation-tokens (or the lengths)", "the token counts").replace(
+        "--dtype bfloat16 or float16", "the bfloat16 or float16 dtype"
+    )

@@ -32,11 +32,7 @@ PIN_NONE = "default"  # a pin of the all-default compression settings
 
 def pin_encode(values: dict) -> str:
     """The compression settings that differ from their defaults, as 'name:value,...'."""
-    parts = [
-        f"{k}:{PARAMS[k].encode(values[k])}"
-        for k in compression_params()
-        if values[k] != PARAMS[k].default
-    ]
+    parts = [f"{k}:{PARAMS[k].encode(values[k])}" for k in compression_params() if values[k] != PARAMS[k].default]
     return ",".join(parts) or PIN_NONE
 
 
@@ -108,9 +104,7 @@ def nice_ceiling(x: float) -> float:
     return float(10 ** (k + 1))
 
 
-def y_lock(
-    extent: float, top: float, present: bool = False, where=None
-) -> tuple[float | None, float | None]:
+def y_lock(extent: float, top: float, present: bool = False, where=None) -> tuple[float | None, float | None]:
     """A toggle that freezes the charts' y-axes (in the URL): the error chart at ±range, the attention
     chart at [0, top]. Returns (±range, top), None where automatic.
 
@@ -186,12 +180,7 @@ def token_range(n: int, scope, where=None) -> tuple[int, int]:
         )
     )
     last = w_last_is_minus_one(
-        c2,
-        "zoom_to",
-        "to token",
-        n,
-        scope,
-        help=f"Ranges of more than {BIN_THRESHOLD} tokens are drawn in bins.",
+        c2, "zoom_to", "to token", n, scope, help=f"Ranges of more than {BIN_THRESHOLD} tokens are drawn in bins."
     )
     lo, hi = sorted((first, last))
     width = hi - lo + 1
@@ -214,11 +203,7 @@ def token_range(n: int, scope, where=None) -> tuple[int, int]:
             args=(ahead - width + 1, ahead, n),
         )
         st.button(
-            "Whole row",
-            key="_zoom_all",
-            disabled=(lo, hi) == (0, n - 1),
-            on_click=_set_range,
-            args=(0, n - 1, n),
+            "Whole row", key="_zoom_all", disabled=(lo, hi) == (0, n - 1), on_click=_set_range, args=(0, n - 1, n)
         )
     return lo, hi
 
@@ -233,10 +218,7 @@ def _solve(trace, base: Spec, view: View) -> None:
     target = float(store["solve_target"])
     try:
         sol = solve(
-            trace,
-            base,
-            view,
-            **({"target_mass": target} if store["solve_kind"] == "mass" else {"target_tv": target}),
+            trace, base, view, **({"target_mass": target} if store["solve_kind"] == "mass" else {"target_tv": target})
         )
     except SpecError as e:
         ss["_solve_msg"] = ("error", f"No cache meets that target: {e}.")
@@ -244,9 +226,7 @@ def _solve(trace, base: Spec, view: View) -> None:
     for name in ("sink", "recent", "heavy"):
         store[name] = ss[name] = getattr(sol.spec, name)
     what = (
-        "keeps ≥ " + fmt_pct(target) + " of the attention"
-        if sol.metric == "mass_retained"
-        else f"has TV ≤ {target:g}"
+        "keeps ≥ " + fmt_pct(target) + " of the attention" if sol.metric == "mass_retained" else f"has TV ≤ {target:g}"
     )
     below = "" if sol.below is None else f"; one token less gives {sol.below:.4f}"
     ss["_solve_msg"] = (
@@ -265,9 +245,7 @@ def ss_store() -> dict:
 def solver_panel(trace, spec: Spec, view: View) -> None:
     from kvviz.analysis.solve import SPLIT_RULE
 
-    box = folded(
-        "Find the smallest cache for a target", key="_solver_open", icon=":material/target:"
-    )
+    box = folded("Find the smallest cache for a target", key="_solver_open", icon=":material/target:")
     with box:
         if not box.open:
             return
@@ -286,20 +264,12 @@ def solver_panel(trace, spec: Spec, view: View) -> None:
             key="_solve",
             type="primary",
             on_click=_solve,
-            args=(
-                trace,
-                spec.with_(sink=0, recent=0, heavy=0),
-                View(layer=view.layer, head=view.head, step=view.step),
-            ),
+            args=(trace, spec.with_(sink=0, recent=0, heavy=0), View(layer=view.layer, head=view.head, step=view.step)),
         )
         st.caption(
             f"For the row shown, with the current scorer and quantizer. Split rule: {SPLIT_RULE}. "
             "Smallest means one token less misses the target"
-            + (
-                " (attention mass: the exact smallest for one-shot policies)."
-                if kind == "mass"
-                else "."
-            )
+            + (" (attention mass: the exact smallest for one-shot policies)." if kind == "mass" else ".")
         )
         msg = st.session_state.pop("_solve_msg", None)
         if msg:
@@ -314,14 +284,10 @@ def slug(spec: Spec, source_label: str) -> str:
     bits = "16bit" if not spec.quantizes else f"k{spec.key_bits}v{spec.value_bits}bit"
     if spec.quantizes and (spec.key_format != "int" or spec.value_format != "int"):
         name = lambda fmt, b: f"{b}bit" if fmt == "int" else fmt  # noqa: E731
-        bits = (
-            f"k-{name(spec.key_format, spec.key_bits)}-v-{name(spec.value_format, spec.value_bits)}"
-        )
+        bits = f"k-{name(spec.key_format, spec.key_bits)}-v-{name(spec.value_format, spec.value_bits)}"
     if spec.quantizes and spec.rotate != "none":
         bits += "-rotated"
-    evict = (
-        f"{spec.scorer}-s{spec.sink}-r{spec.recent}-h{spec.heavy}" if spec.evicts else "no-eviction"
-    )
+    evict = f"{spec.scorer}-s{spec.sink}-r{spec.recent}-h{spec.heavy}" if spec.evicts else "no-eviction"
     text = f"kvviz-{source_label}-{evict}-{bits}"
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-").lower()
 

@@ -31,25 +31,17 @@ def key_rotation_expander(source, view: View) -> None:
     outlying the largest channel is and what 2-bit per-token keys lose either way. Computed only while
     the expander is open."""
     trace = source.trace
-    box = folded(
-        "Keys before and after rotation (channel × token)",
-        key="_rotation_open",
-        icon=":material/grid_on:",
-    )
+    box = folded("Keys before and after rotation (channel × token)", key="_rotation_open", icon=":material/grid_on:")
     with box:
         if not box.open:
             return
         if trace.k is None:
-            st.info(
-                "This source has no keys (attention logits only), so there is nothing to rotate."
-            )
+            st.info("This source has no keys (attention logits only), so there is nothing to rotate.")
             return
         layer = min(view.layer, trace.n_layers - 1)
         kv_head = min(view.head, trace.n_q_heads - 1) // trace.group_size
         step = (
-            len(trace.evaluated_queries) - 1
-            if view.step is None
-            else min(view.step, len(trace.evaluated_queries) - 1)
+            len(trace.evaluated_queries) - 1 if view.step is None else min(view.step, len(trace.evaluated_queries) - 1)
         )
         n = int(trace.query_positions[trace.evaluated_queries[step]]) + 1
         start = max(0, n - MAX_HEATMAP_TOKENS)

@@ -201,11 +201,7 @@ def serve(page) -> None:
     """app.py's router: run `page` (an st.Page) while holding one of the server's slots."""
     start_run()
     p, ticket, holder = pool(), object(), _STATUS.get()
-    ticker = (
-        _Ticker(holder, ticket, p)
-        if p.busy and holder is not None and internals.run_context()
-        else None
-    )
+    ticker = _Ticker(holder, ticket, p) if p.busy and holder is not None and internals.run_context() else None
     try:
         p.acquire(ticket, limits.checkpoint)
     finally:

@@ -36,9 +36,7 @@ class _Labels:
         )
         if text:
             return text
-        return (
-            f"{key} (plug-in)" if self.attr == "short" else f"{key} (plug-in: {p.description[:60]})"
-        )
+        return f"{key} (plug-in)" if self.attr == "short" else f"{key} (plug-in: {p.description[:60]})"
 
     def __getitem__(self, key):
         return self.get(key)
@@ -62,10 +60,6 @@ def scorer_help() -> str:
 
     def line(name, p):
         extra = "; ".join(x for x in (p.paper, f"kvpress: {p.kvpress}" if p.kvpress else "") if x)
-        return f"- **{SCORER_LABELS.get(name)}**: {p.description}." + (
-            f" ({extra})" if extra else ""
-        )
+        return f"- **{SCORER_LABELS.get(name)}**: {p.description}." + (f" ({extra})" if extra else "")
 
-    return "How heavy hitters are ranked:\n\n" + "\n".join(
-        line(name, p) for name, p in POLICIES.items()
-    )
+    return "How heavy hitters are ranked:\n\n" + "\n".join(line(name, p) for name, p in POLICIES.items())

@@ -133,9 +133,7 @@ def leaderboard_section() -> None:
         chart(_figure(json.dumps(board.as_dict())), key="leaderboard_chart", config=CHART_CONFIG)
         for protocol in board.request.protocols:
             st.markdown(f"**{protocol}**: % right at each compression ratio")
-            st.dataframe(
-                _table(board, protocol), hide_index=True, key=f"leaderboard_table_{protocol}"
-            )
+            st.dataframe(_table(board, protocol), hide_index=True, key=f"leaderboard_table_{protocol}")
         st.download_button(
             "Download the board's cells (CSV)",
             data=board.to_csv,

@@ -20,10 +20,7 @@ def _ledger(source_key: tuple, spec: Spec, step: int | None, _trace: Trace) -> L
 
 def ledger_expander(source: Source, spec: Spec, step: int | None = None) -> None:
     trace = source.trace
-    box = folded(
-        "Budget ledger: declared vs kept tokens and bytes, per layer and KV head",
-        key="_ledger_open",
-    )
+    box = folded("Budget ledger: declared vs kept tokens and bytes, per layer and KV head", key="_ledger_open")
     with box:
         if not box.open:
             return
@@ -52,6 +49,4 @@ def ledger_expander(source: Source, spec: Spec, step: int | None = None) -> None
         from kvviz.plots.ledger import ledger_figure
 
         chart(ledger_figure(ledger), key="ledger_chart", config=CHART_CONFIG)
-        st.dataframe(
-            pd.DataFrame(list(ledger.rows)), hide_index=True, height=240, key="ledger_table"
-        )
+        st.dataframe(pd.DataFrame(list(ledger.rows)), hide_index=True, height=240, key="ledger_table")

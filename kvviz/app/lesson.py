@@ -71,12 +71,7 @@ def lesson_export(source: Source, spec: Spec, view: View, bars: str, file_stem: 
     from kvviz.plots.lesson import default_title, lesson_page
 
     ss = st.session_state
-    wanted = (
-        source.key,
-        tuple(sorted(spec.as_dict().items())),
-        tuple(sorted(asdict(view).items())),
-        bars,
-    )
+    wanted = (source.key, tuple(sorted(spec.as_dict().items())), tuple(sorted(asdict(view).items())), bars)
     box = folded(
         "Export this as a lesson (one HTML page with live sliders, runs offline)",
         key="_lesson_open",
@@ -91,9 +86,7 @@ def lesson_export(source: Source, spec: Spec, view: View, bars: str, file_stem: 
             "the grid is listed on the page), computed here once and saved in one HTML file that any current "
             "browser opens from disk. Everything else stays as it is now. Takes about a minute."
         )
-        title = st.text_input(
-            "Title (optional)", key="_lesson_title", placeholder=default_title(source.label)
-        )
+        title = st.text_input("Title (optional)", key="_lesson_title", placeholder=default_title(source.label))
         words = st.text_area("Your words for the class (optional)", key="_lesson_text", height=80)
         if st.button("Build the lesson", key="_lesson_build", icon=":material/build:"):
             _build(source, spec, view, bars, wanted)
@@ -112,8 +105,7 @@ def lesson_export(source: Source, spec: Spec, view: View, bars: str, file_stem: 
                 ).encode("utf-8")
                 built["words"] = (title, words)
             st.download_button(
-                f"Download the lesson ({fmt_bytes(len(built['page']))}, "
-                f"{built['lesson'].points:,} settings)",
+                f"Download the lesson ({fmt_bytes(len(built['page']))}, {built['lesson'].points:,} settings)",
                 data=built["page"],
                 file_name=f"{file_stem}-lesson.html",
                 mime="text/html",
@@ -122,6 +114,4 @@ def lesson_export(source: Source, spec: Spec, view: View, bars: str, file_stem: 
                 key="_lesson_download",
             )
         elif built is not None:
-            st.caption(
-                "The settings changed since the lesson was built: build it again for this view."
-            )
+            st.caption("The settings changed since the lesson was built: build it again for this view.")

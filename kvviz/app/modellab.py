@@ -47,11 +47,7 @@ def _label(info, name: str) -> str:
 
 def estimate_text(settings: labsettings.LabSettings) -> str:
     median, runs = labstore.recent_runs(settings)
-    seconds = (
-        median
-        if median is not None
-        else labstore.step_estimate(settings, full_cached=_full_cached(settings))
-    )
+    seconds = median if median is not None else labstore.step_estimate(settings, full_cached=_full_cached(settings))
     others = other_runs()
     busy = (
         f" The server is busy ({others} other run{'s' if others > 1 else ''} in progress or waiting), so this "
@@ -113,19 +109,12 @@ def _decode(settings: labsettings.LabSettings) -> labstore.LabResult:
     def progress(f: float, msg: str) -> None:
         bar.progress(min(max(float(f), 0.0), 1.0))
         took = time.perf_counter() - t0
-        left = (
-            f" · about {max(1, round(expected - took))} s left"
-            if expected and expected > took
-            else ""
-        )
+        left = f" · about {max(1, round(expected - took))} s left" if expected and expected > took else ""
         line.caption(f"{msg} · {took:.0f} s{left}")
 
     progress(0.0, "Loading the model (read from the weights cache after the first conversion)…")
     model, tokenizer, info = ui_sources.shared_model(
-        settings.model,
-        settings.device,
-        settings.dtype,
-        progress=lambda f, m: progress(0.0, f"Loading the model: {m}"),
+        settings.model, settings.device, settings.dtype, progress=lambda f, m: progress(0.0, f"Loading the model: {m}")
     )
     a, b = st.columns(2)
     full_box, comp_box = a.empty(), b.empty()
@@ -203,10 +192,7 @@ def show(result: labstore.LabResult, present: bool = False) -> None:
     chart(nll_chart(q.tokens, q.nll, q.nll_full), key="lab_nll")
     with st.expander("All numbers"):
         st.dataframe(
-            [
-                {"metric": k, "value": fmt_exact(v) if isinstance(v, float) else str(v)}
-                for k, v in q.as_dict().items()
-            ],
+            [{"metric": k, "value": fmt_exact(v) if isinstance(v, float) else str(v)} for k, v in q.as_dict().items()],
             hide_index=True,
             key="lab_numbers",
         )
@@ -221,9 +207,7 @@ def about(result: labstore.LabResult) -> None:
         else f"the cache was compressed at token {d['compressed_at']}, before the question's "
         f"{d['question_tokens']} tokens, which were then read through it"
     )
-    question = (
-        f", the last {d['question_tokens']} of them the question" if d["question_tokens"] else ""
-    )
+    question = f", the last {d['question_tokens']} of them the question" if d["question_tokens"] else ""
     st.caption(
         f"{result.model}: {d['prompt_tokens']}-token prompt{question}, {d['continuation_tokens']} continuation "
         f"tokens scored (teacher-forced; {where})."
@@ -287,8 +271,4 @@ def greedy(pair, q) -> None:
             )
         a, b = st.columns(2)
         a.html(continuation_html(pair.full_tokens, pair.first_divergence, "Full cache"))
-        b.html(
-            continuation_html(
-                pair.compressed_tokens, pair.first_divergence, f"Compressed: {q.spec.label()}"
-            )
-        )
+        b.html(continuation_html(pair.compressed_tokens, pair.first_divergence, f"Compressed: {q.spec.label()}"))

@@ -22,23 +22,13 @@ def quant_model_note(source: Source, spec: Spec) -> str:
             f"Quantization model: the handbook's logit-noise stand-in (logits + σ·ε, σ = {spec.noise_sigma:g}); "
             "the bits set the memory only."
         )
-    now = (
-        "off (16 bits)"
-        if not spec.quantizes
-        else f"K {spec.key_bits}-bit / V {spec.value_bits}-bit"
-    )
-    if spec.quantizes and (
-        spec.key_format != "int" or spec.value_format != "int" or spec.rotate != "none"
-    ):
+    now = "off (16 bits)" if not spec.quantizes else f"K {spec.key_bits}-bit / V {spec.value_bits}-bit"
+    if spec.quantizes and (spec.key_format != "int" or spec.value_format != "int" or spec.rotate != "none"):
         from kvviz.quant.formats import format_label
 
         now = (
             f"K {format_label(spec.key_format, spec.key_bits)} / V {format_label(spec.value_format, spec.value_bits)}"
-            + (
-                ""
-                if spec.rotate == "none"
-                else ", Hadamard-rotated " + spec.rotate.replace("-", " and ")
-            )
+            + ("" if spec.rotate == "none" else ", Hadamard-rotated " + spec.rotate.replace("-", " and "))
         )
     return f"Quantization model: {source.quant_note_kv}; now {now}."
 
@@ -69,9 +59,7 @@ def quant_warning_box(spec: Spec, kept: int) -> None:
     for w in quant_warnings(spec, kept):
         st.warning(w, icon=":material/warning:")
     if quant_warnings(spec, kept):
-        st.button(
-            "Quantize the partial groups too", key="_fix_partial", on_click=_quantize_partial_groups
-        )
+        st.button("Quantize the partial groups too", key="_fix_partial", on_click=_quantize_partial_groups)
 
 
 def scorer_note(spec: Spec, trace: Trace | None = None) -> str | None:

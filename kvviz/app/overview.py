@@ -47,10 +47,7 @@ def head_overview(source: Source, spec: Spec, view: View) -> None:
             ("tv_distance", "mass_retained"),
             horizontal=True,
             key="_overview_metric",
-            format_func={
-                "tv_distance": "TV distance (error)",
-                "mass_retained": "attention mass retained",
-            }.get,
+            format_func={"tv_distance": "TV distance (error)", "mass_retained": "attention mass retained"}.get,
         )
         try:
             grid = run_head_grid(source, spec, view.step, metric)
@@ -60,16 +57,11 @@ def head_overview(source: Source, spec: Spec, view: View) -> None:
         label = "TV distance" if metric == "tv_distance" else "mass retained"
         chart(
             grids.heatmap_figure(
-                grid,
-                f"{label} per layer and query head at this query",
-                label,
-                layers=t.layer_numbers,
+                grid, f"{label} per layer and query head at this query", label, layers=t.layer_numbers
             ),
             key="overview_chart",
         )
-        worst = np.unravel_index(
-            np.argmax(grid) if metric == "tv_distance" else np.argmin(grid), grid.shape
-        )
+        worst = np.unravel_index(np.argmax(grid) if metric == "tv_distance" else np.argmin(grid), grid.shape)
         worst_layer = t.layer_numbers[int(worst[0])]
         st.button(
             f"Jump to the head that loses most: layer {worst_layer}, head {worst[1]}",
@@ -102,23 +94,14 @@ def token_grid(comp: Comparison, source: Source) -> None:
         "Colour the chips by",
         ("reason", "attention", "error"),
         widget="radio",
-        format_func={
-            "reason": "why kept",
-            "attention": "original attention",
-            "error": "attention error",
-        }.get,
+        format_func={"reason": "why kept", "attention": "original attention", "error": "attention error"}.get,
     )
     start, stop = 0, n
     if n > GRID_MAX_TOKENS:  # pages of GRID_MAX_TOKENS tokens, the last (the newest tokens) first
         pages = -(-n // GRID_MAX_TOKENS)
         c1, c2 = st.columns([1, 3], vertical_alignment="bottom")
         page = w_last_is_minus_one(
-            c1,
-            "grid_page",
-            f"Page (of {pages})",
-            pages,
-            (source.key, n),
-            help="0 is the first page.",
+            c1, "grid_page", f"Page (of {pages})", pages, (source.key, n), help="0 is the first page."
         )
         start, stop = page * GRID_MAX_TOKENS, min(n, (page + 1) * GRID_MAX_TOKENS)
         c2.caption(f"Tokens {start}-{stop - 1} of {n}, {GRID_MAX_TOKENS} a page.")

@@ -6,15 +6,7 @@ app); the app's modules keep importing it from here.
 
 from __future__ import annotations
 
-from kvviz.links import (
-    ENSEMBLE_OPTIONS,
-    MAX_TOKENS,
-    PARAMS,
-    SCORER_CHOICES,
-    Param,
-    compression_params,
-    read_settings,
-)
+from kvviz.links import ENSEMBLE_OPTIONS, MAX_TOKENS, PARAMS, SCORER_CHOICES, Param, compression_params, read_settings
 from kvviz.quant.integer import BITS_OPTIONS
 
 __all__ = [

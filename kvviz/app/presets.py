@@ -78,13 +78,7 @@ def preset_values(name: str, n_tokens: int) -> dict:
     """Slider values of a preset for a query that sees n_tokens tokens."""
     tenth = max(1, math.ceil(0.1 * n_tokens))
     if name == "Handbook example":
-        return dict(
-            _NO_QUANT,
-            sink=handbook.SINK,
-            recent=handbook.RECENT,
-            heavy=handbook.HEAVY,
-            scorer="h2o",
-        )
+        return dict(_NO_QUANT, sink=handbook.SINK, recent=handbook.RECENT, heavy=handbook.HEAVY, scorer="h2o")
     if name == "StreamingLLM":  # 4 attention sinks + a recent window (~20% of the tokens)
         return dict(_NO_QUANT, sink=4, recent=max(8, 2 * tenth - 4), heavy=0, scorer="streaming")
     if name == "H2O 10%+10%":
@@ -137,15 +131,7 @@ def preset_values(name: str, n_tokens: int) -> dict:
     if name == "llama.cpp q8_0 / q4_0 K/V":  # kvviz.quant.ggml
         return dict(_NO_QUANT, sink=0, recent=0, heavy=0, key_fmt="q8_0", value_fmt="q4_0")
     if name == "vLLM FP8 (uncalibrated)":  # kvviz.quant.fp8, static scales of 1.0
-        return dict(
-            _NO_QUANT,
-            sink=0,
-            recent=0,
-            heavy=0,
-            key_fmt="e4m3",
-            value_fmt="e4m3",
-            fp8_scale="static",
-        )
+        return dict(_NO_QUANT, sink=0, recent=0, heavy=0, key_fmt="e4m3", value_fmt="e4m3", fp8_scale="static")
     raise ValueError(f"unknown preset {name!r}")
 
 
@@ -160,10 +146,4 @@ def preset_buttons(n_tokens: int) -> None:
     with st.container(horizontal=True, vertical_alignment="center", gap="small"):
         st.markdown("**Presets**", width="content")
         for name in PRESETS:
-            st.button(
-                name,
-                key=f"preset_{name}",
-                on_click=apply_preset,
-                args=(name, n_tokens),
-                help=PRESET_HELP[name],
-            )
+            st.button(name, key=f"preset_{name}", on_click=apply_preset, args=(name, n_tokens), help=PRESET_HELP[name])

@@ -88,16 +88,13 @@ def source_section(where=None) -> Source | None:
     if missing:
         where.caption(f"{' and '.join(missing)}: coming soon.")
     if choice == "handbook":
-        where.caption(
-            "One query over 64 tokens: sinks 0-3, heavy hitters 15 and 28, a local window of 8."
-        )
+        where.caption("One query over 64 tokens: sinks 0-3, heavy hitters 15 and 28, a local window of 8.")
         return Source(
             ("handbook",),
             _handbook(0),
             "handbook example",
             seed_fn=_handbook,
-            quant_note_kv="real K/V quantization of keys realised from the handbook's logits "
-            "(exact at 16 bits)",
+            quant_note_kv="real K/V quantization of keys realised from the handbook's logits (exact at 16 bits)",
         )
     if choice == "synthetic":
         return _synthetic_section(where)
@@ -152,14 +149,10 @@ def _pattern_knobs() -> dict:
     """The synthetic pattern's shape: sink, locality, anchors, background, topic shift, outliers, head dim."""
     return dict(
         sink_strength=w_number(st, "sink_strength", "Sink strength (logit)", 0.0, 30.0, step=0.5),
-        local_strength=w_number(
-            st, "local_strength", "Locality strength (logit)", 0.0, 30.0, step=0.5
-        ),
+        local_strength=w_number(st, "local_strength", "Locality strength (logit)", 0.0, 30.0, step=0.5),
         local_width=w_number(st, "local_width", "Locality width (tokens)", 0.5, 512.0, step=1.0),
         n_anchors=w_number(st, "n_anchors", "Anchor tokens (heavy hitters)", 0, 64),
-        anchor_strength=w_number(
-            st, "anchor_strength", "Anchor strength (logit)", 0.0, 30.0, step=0.5
-        ),
+        anchor_strength=w_number(st, "anchor_strength", "Anchor strength (logit)", 0.0, 30.0, step=0.5),
         sparsity=w_number(st, "sparsity", "Background sparsity (logit std)", 0.0, 10.0, step=0.1),
         topic_shift=w_number(
             st,
@@ -203,12 +196,7 @@ def _synthetic_section(where) -> Source | None:
         layers=w_number(where, "layers", "Layers", 1, 32),
         q_heads=w_number(where, "q_heads", "Query heads", 1, 32),
         kv_heads=w_number(
-            where,
-            "kv_heads",
-            "KV heads",
-            1,
-            32,
-            help="Query heads must be a multiple of KV heads (GQA).",
+            where, "kv_heads", "KV heads", 1, 32, help="Query heads must be a multiple of KV heads (GQA)."
         ),
     )
     with where.expander("Pattern knobs"):
@@ -216,9 +204,7 @@ def _synthetic_section(where) -> Source | None:
     try:  # past the work budget: a notice, and the previous (or default) pattern
         spec = guard.within_budget("synthetic", lambda: SyntheticSpec(**knobs), SyntheticSpec)
     except SpecError as e:
-        st.error(
-            f"The synthetic pattern cannot be built: {e}. Change the pattern knobs in the sidebar."
-        )
+        st.error(f"The synthetic pattern cannot be built: {e}. Change the pattern knobs in the sidebar.")
         return None
     items = tuple(sorted(spec.as_dict().items()))
 
@@ -226,10 +212,7 @@ def _synthetic_section(where) -> Source | None:
         return _synthetic(tuple(sorted(_spec.with_(seed=_spec.seed + r).as_dict().items())))
 
     return Source(
-        ("synthetic", items),
-        _synthetic(items),
-        f"synthetic pattern ({spec.context} tokens)",
-        seed_fn=seed_fn,
+        ("synthetic", items), _synthetic(items), f"synthetic pattern ({spec.context} tokens)", seed_fn=seed_fn
     )
 
 
@@ -260,9 +243,7 @@ def view_section(
         representative_head(source)
         layer = layer_picker(where, t)
         if head:
-            head_index = w_number(
-                where, "head", "Query head", 0, t.n_q_heads - 1, disabled=t.n_q_heads == 1
-            )
+            head_index = w_number(where, "head", "Query head", 0, t.n_q_heads - 1, disabled=t.n_q_heads == 1)
     step = w_step(where, n_eval, scope=(source.key, n_eval))
     choice, bars, size = "none", "std", 1
     if ensemble:
@@ -285,11 +266,7 @@ def view_section(
             "Error bars show",
             ("std", "ci95", "range"),
             widget="radio",
-            format_func={
-                "std": "± 1 sample std",
-                "ci95": "95% CI of the mean",
-                "range": "min–max",
-            }.get,
+            format_func={"std": "± 1 sample std", "ci95": "95% CI of the mean", "range": "min–max"}.get,
             help="± 1 sample standard deviation of the members (n − 1); a 95% t-interval for the "
             "mean error (mean ± t·s/√N, members taken as independent draws); or the range of "
             "the N members themselves.",
@@ -323,9 +300,7 @@ def typical_head(trace: Trace) -> tuple[int, int, str]:
 
     if trace.k is not None and trace.k.nbytes > TYPICAL_ALL_LAYERS_BYTES:
         middle = trace.n_layers // 2
-        rows = softmax(
-            logit_rows(trace, middle, np.arange(trace.n_q_heads), int(trace.evaluated_queries[-1]))
-        )
+        rows = softmax(logit_rows(trace, middle, np.arange(trace.n_q_heads), int(trace.evaluated_queries[-1])))
         top10 = np.zeros((trace.n_layers, trace.n_q_heads))
         top10[middle] = [concentration_curve(a, np.array([0.1]))[1][0] for a in rows]
         order = middle * trace.n_q_heads + np.argsort(top10[middle], kind="stable")
@@ -359,10 +334,7 @@ def representative_head(source: Source) -> None:
     if source.trace.n_layers * source.trace.n_q_heads <= 1:
         return
     layer, head, why = typical_head(source.trace)
-    for name, value in (
-        ("layer", source.trace.layer_numbers[layer]),
-        ("head", head),
-    ):  # the link's number
+    for name, value in (("layer", source.trace.layer_numbers[layer]), ("head", head)):  # the link's number
         store[name] = value
         ss.pop(name, None)
     ss["_typical_note"] = why
@@ -383,9 +355,7 @@ class Settings:
     view: ViewSettings
 
 
-def sidebar(
-    compression: bool = True, ensemble: bool = True, head: bool = True, headline=None
-) -> Settings | None:
+def sidebar(compression: bool = True, ensemble: bool = True, head: bool = True, headline=None) -> Settings | None:
     """Render the sidebar in the fixed order: Source, its knobs, Compression, Advanced, View.
     headline: a main-area container for the four headline sliders (Presentation mode)."""
     state()

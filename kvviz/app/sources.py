@@ -68,11 +68,7 @@ class CaptureSettings:
         from kvviz.version import __version__
 
         # the fields away from their defaults: a field added later leaves every older capture's key as it was
-        settings = {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if getattr(self, f.name) != f.default
-        }
+        settings = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
         blob = json.dumps({**settings, "format": VERSION, "kvviz": __version__}, sort_keys=True)
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
@@ -108,16 +104,11 @@ def shared_model(name: str, device: str = "cpu", dtype: str = "float32", progres
     key = (name, device, dtype)
     loading = store.get("loading", {}).get(key)
     if loading is not None:
-        if (
-            "wanted" in loading
-        ):  # the background load stops yielding to page runs: this one waits for it
+        if "wanted" in loading:  # the background load stops yielding to page runs: this one waits for it
             loading["wanted"].set()
         while not loading["done"].wait(0.25):
             if progress is not None:
-                progress(
-                    loading["f"],
-                    f"{loading['msg']} (started {time.time() - loading['t0']:.0f} s ago)",
-                )
+                progress(loading["f"], f"{loading['msg']} (started {time.time() - loading['t0']:.0f} s ago)")
     with store["lock"]:
         models = store["models"]
         if key not in models:
@@ -166,9 +157,7 @@ def warm_up(name: str = BUNDLED) -> dict | None:
         # torch's import and the weights competed with it for two cores (benchmarks/browser.py).
         guard.pool().wait_quiet(QUIET_BEFORE_MODEL_S, timeout=60.0)
         try:
-            loaded = load_model(
-                name, progress=lambda f, m: (status.update(f=f, msg=m), yield_to_runs(status))
-            )
+            loaded = load_model(name, progress=lambda f, m: (status.update(f=f, msg=m), yield_to_runs(status)))
             with store["lock"]:
                 if not store["models"]:
                     store["models"][key] = loaded
@@ -237,12 +226,8 @@ def run_capture(settings: CaptureSettings) -> Trace:
             return say
 
         t0 = time.perf_counter()
-        status.update(
-            label=f"Loading model {settings.model} (first time: converting weights, ~20 s) …"
-        )
-        model, tok, info = shared_model(
-            settings.model, settings.device, settings.dtype, progress=progress(0.0, 0.3)
-        )
+        status.update(label=f"Loading model {settings.model} (first time: converting weights, ~20 s) …")
+        model, tok, info = shared_model(settings.model, settings.device, settings.dtype, progress=progress(0.0, 0.3))
         status.update(label="Running the model over the prompt …")
         trace = capture(
             model,
@@ -322,9 +307,7 @@ def real_model_source(container=None) -> Trace | None:
     if not prompt.strip():
         c.error("The prompt is empty: type some text to capture.")
         return None
-    settings = CaptureSettings(
-        name, prompt, int(new_tokens), int(max_tokens), dtype=dtype, device=device, kvzip=kvzip
-    )
+    settings = CaptureSettings(name, prompt, int(new_tokens), int(max_tokens), dtype=dtype, device=device, kvzip=kvzip)
     return _captured(c, settings, clicked)
 
 
@@ -349,9 +332,7 @@ def _model_choice(c) -> str | None:
             return None
         return BUNDLED
     name = c.text_input(
-        "Model folder, .gguf file or hub id",
-        key="rm_name",
-        placeholder="/path/to/model or HuggingFaceTB/SmolLM2-360M",
+        "Model folder, .gguf file or hub id", key="rm_name", placeholder="/path/to/model or HuggingFaceTB/SmolLM2-360M"
     ).strip()
     if not name:
         c.info("Type a model folder, a .gguf file or a hub id, or pick the bundled model.")
@@ -415,9 +396,7 @@ def _captured(c, settings: CaptureSettings, clicked: bool) -> Trace | None:
         return trace
     last = st.session_state.get("rm_last")
     if last and Path(last).is_file():  # keep showing the previous capture while editing
-        c.info(
-            "Settings changed: press **Capture** to run the model on them. Showing the previous capture."
-        )
+        c.info("Settings changed: press **Capture** to run the model on them. Showing the previous capture.")
         try:
             return _load_cached(last, Path(last).stat().st_mtime)
         except TraceError:

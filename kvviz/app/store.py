@@ -49,9 +49,7 @@ def state() -> dict:
     ss = st.session_state
     if STORE not in ss:
         pairs = [(name, (st.query_params.get_all(name) or [""])[-1]) for name in st.query_params]
-        read, notes = read_settings(
-            pairs, unknown="The link's `{name}` is not a kvviz setting; ignored."
-        )
+        read, notes = read_settings(pairs, unknown="The link's `{name}` is not a kvviz setting; ignored.")
         ss[STORE] = {**{name: p.default for name, p in PARAMS.items()}, **read}
         ss[NOTICES] = notes
         ss[LINKED] = frozenset(name for name in st.query_params if name in PARAMS)
@@ -86,20 +84,15 @@ def show_notices() -> None:
     notes = st.session_state.get(NOTICES) or []
     if notes:
         st.warning(
-            "**Some settings were adjusted:**\n\n" + "\n".join(f"- {n}" for n in notes),
-            icon=":material/warning:",
+            "**Some settings were adjusted:**\n\n" + "\n".join(f"- {n}" for n in notes), icon=":material/warning:"
         )
-        st.button(
-            "Dismiss", key="_dismiss_notices", on_click=lambda: st.session_state[NOTICES].clear()
-        )
+        st.button("Dismiss", key="_dismiss_notices", on_click=lambda: st.session_state[NOTICES].clear())
     st.session_state[SLOT] = st.container()
 
 
 def link_params() -> dict[str, str]:
     """The link's query parameters: every setting that differs from its default, encoded."""
-    return {
-        name: PARAMS[name].encode(v) for name, v in state().items() if v != PARAMS[name].default
-    }
+    return {name: PARAMS[name].encode(v) for name, v in state().items() if v != PARAMS[name].default}
 
 
 def sync_url() -> None:
@@ -130,9 +123,7 @@ def _take(name: str, from_widget: Callable | None = None, scope=None) -> None:
     state()[name] = from_widget(ss[name]) if from_widget else ss[name]
 
 
-def _bind(
-    name: str, lo=None, hi=None, label: str = "", to_widget=None, from_widget=None, scope=None
-) -> None:
+def _bind(name: str, lo=None, hi=None, label: str = "", to_widget=None, from_widget=None, scope=None) -> None:
     """Before a widget renders: take its last value into the store, clamp to [lo, hi], seed it.
 
     `scope` is what the widget's raw value is relative to (the query step widget counts
@@ -180,20 +171,11 @@ def w_slider(where, name: str, label: str, lo: int, hi: int, help: str | None = 
     if hi <= lo:  # a slider needs a range; a single possible value is shown as text
         where.caption(f"{label}: {lo}")
         return _after(name, lo)
-    return _after(
-        name, where.slider(label, lo, hi, key=name, help=help, on_change=_take, args=(name,))
-    )
+    return _after(name, where.slider(label, lo, hi, key=name, help=help, on_change=_take, args=(name,)))
 
 
 def w_budget(
-    where,
-    name: str,
-    label: str,
-    n: int,
-    unit: str,
-    help: str | None = None,
-    box: bool = True,
-    base: int | None = None,
+    where, name: str, label: str, n: int, unit: str, help: str | None = None, box: bool = True, base: int | None = None
 ) -> int:
     """A token budget: a slider (counts, 0..n) and a number box beside it (counts or % of `base`
     tokens, n by default: the Model lab's budgets are shares of its prompt, not of its slider's range).
@@ -209,9 +191,7 @@ def w_budget(
         if n <= 0:
             where.caption(f"{label}: 0")
             return _after(name, 0)
-        return _after(
-            name, where.slider(label, 0, n, key=name, help=help, on_change=_take, args=(name,))
-        )
+        return _after(name, where.slider(label, 0, n, key=name, help=help, on_change=_take, args=(name,)))
     ss, box = st.session_state, f"_box_{name}"
     value = state()[name]
     ss[box] = value if unit == "tokens" else round(100.0 * value / base, 1)
@@ -303,9 +283,7 @@ def w_choice(
         notice(f"{label} {state()[name]} is not available here; using {options[0]}.")
         state()[name] = options[0]
         st.session_state[name] = options[0]
-    fn = {"selectbox": where.selectbox, "radio": where.radio, "select_slider": where.select_slider}[
-        widget
-    ]
+    fn = {"selectbox": where.selectbox, "radio": where.radio, "select_slider": where.select_slider}[widget]
     kwargs = dict(
         options=list(options),
         key=name,
@@ -326,36 +304,20 @@ def w_check(where, name: str, label: str, help: str | None = None) -> bool:
 
 
 def w_text(
-    where,
-    name: str,
-    label: str,
-    help: str | None = None,
-    placeholder: str | None = None,
-    max_chars: int = 600,
+    where, name: str, label: str, help: str | None = None, placeholder: str | None = None, max_chars: int = 600
 ) -> str:
     """A one-line text box (a link's text parameter, at most `max_chars`, as the link's parse allows)."""
     _bind(name)
     return _after(
         name,
         where.text_input(
-            label,
-            key=name,
-            help=help,
-            placeholder=placeholder,
-            max_chars=max_chars,
-            on_change=_take,
-            args=(name,),
+            label, key=name, help=help, placeholder=placeholder, max_chars=max_chars, on_change=_take, args=(name,)
         ),
     )
 
 
 def w_pills(
-    where,
-    name: str,
-    label: str,
-    options: Sequence,
-    format_func: Callable = str,
-    help: str | None = None,
+    where, name: str, label: str, options: Sequence, format_func: Callable = str, help: str | None = None
 ) -> tuple:
     """A multi-choice as pills: every option visible, nothing truncated to '1…' at 1024 px."""
     _bind(name, to_widget=list, from_widget=tuple)
@@ -401,9 +363,7 @@ def w_step(where, n_eval: int, scope) -> int:
     )
 
 
-def w_last_is_minus_one(
-    where, name: str, label: str, n: int, scope, help: str | None = None
-) -> int:
+def w_last_is_minus_one(where, name: str, label: str, n: int, scope, help: str | None = None) -> int:
     """A number box of 0..n-1 whose last value is stored as -1 (so it stays the last when the row grows:
     the charts' last token, the token grid's page). A typed number outside 0..n-1 is clamped, with a
     notice below 0; the box has no browser-side min / max. Returns 0..n-1."""
@@ -416,13 +376,7 @@ def w_last_is_minus_one(
         notice(f"{label} {store[name]} is out of range (0-{n - 1}); clamped to {n - 1}.")
         store[name] = -1
     _bind(
-        name,
-        -1,
-        n - 1,
-        label,
-        to_widget=lambda v: n - 1 if v < 0 else min(v, n - 1),
-        from_widget=from_w,
-        scope=scope,
+        name, -1, n - 1, label, to_widget=lambda v: n - 1 if v < 0 else min(v, n - 1), from_widget=from_w, scope=scope
     )
     span = f"Range 0-{n - 1}; a number outside it is clamped."
     where.number_input(

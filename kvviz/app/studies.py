@@ -28,9 +28,7 @@ from kvviz.spec import FULL_BITS, Spec
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "studies"
 # the Explorer's synthetic knobs a link can carry (study key -> URL name): the link's own table, read
 # backwards (a study names a knob as SyntheticSpec does), and the layer the study evaluates
-SYNTHETIC_PARAMS = {field: name for name, field in links.SYNTHETIC_PARAMS.items()} | {
-    "layer": "layer"
-}
+SYNTHETIC_PARAMS = {field: name for name, field in links.SYNTHETIC_PARAMS.items()} | {"layer": "layer"}
 
 
 def studies_root() -> Path:
@@ -47,13 +45,11 @@ def resolve_study(name: str, root: Path | None = None) -> Path:
     path = (root / text).resolve()
     if path != root and not path.is_relative_to(root):
         raise StudyError(
-            f"`{text}` is outside the studies folder {root} (set KVVIZ_STUDIES_DIR to change it); "
-            "open a study under it"
+            f"`{text}` is outside the studies folder {root} (set KVVIZ_STUDIES_DIR to change it); open a study under it"
         )
     if not (path / "study.json").is_file():
         raise StudyError(
-            f"`{text}` is not a study folder under {root}: run `kvviz study run FILE --out "
-            f"{root / 'NAME'}` first"
+            f"`{text}` is not a study folder under {root}: run `kvviz study run FILE --out {root / 'NAME'}` first"
         )
     return path
 
@@ -99,16 +95,11 @@ def example_section(root: Path) -> None:
             st.error(f"{ex.name}: {exc}")
             continue
         rel = ex.relative_to(EXAMPLES.parents[1])
-        st.markdown(
-            f"**{study.name}** — {study.description or study.kind} "
-            f"({len(cells(study))} cells, {study.kind})"
-        )
+        st.markdown(f"**{study.name}** — {study.description or study.kind} ({len(cells(study))} cells, {study.kind})")
         st.code(f"kvviz study run {rel} --out {root / study.name}", language="bash")
         if study.kind == "synthetic" and not (root / study.name / "study.json").exists():
             if st.button(
-                f"Run {study.name} here (seconds)",
-                key=f"run_example_{study.name}",
-                icon=":material/play_circle:",
+                f"Run {study.name} here (seconds)", key=f"run_example_{study.name}", icon=":material/play_circle:"
             ):
                 bar = st.progress(0.0, text="starting")
                 counts = {}
@@ -119,10 +110,7 @@ def example_section(root: Path) -> None:
 
                 def cell(c, result) -> None:
                     counts["done"] += 1
-                    bar.progress(
-                        counts["done"] / counts["total"],
-                        text=f"{counts['done']} of {counts['total']} cells",
-                    )
+                    bar.progress(counts["done"] / counts["total"], text=f"{counts['done']} of {counts['total']} cells")
 
                 root.mkdir(parents=True, exist_ok=True)
                 run_study(ex, root / study.name, on_start=start, on_cell=cell)
@@ -146,10 +134,7 @@ def frontier_section(path: Path, present: bool = False) -> None:
     )
     rows = load_rows(path)
     if rows.empty:
-        st.info(
-            "No cell has finished yet: run the study (`kvviz study run`), then reload.",
-            icon=":material/info:",
-        )
+        st.info("No cell has finished yet: run the study (`kvviz study run`), then reload.", icon=":material/info:")
         return
     metrics = METRICS[kind]
     # a link of another kind of study, or none: its first measure
@@ -157,14 +142,7 @@ def frontier_section(path: Path, present: bool = False) -> None:
         state()["st_metric"] = next(iter(metrics))
         st.session_state.pop("st_metric", None)
         relink()
-    metric = w_choice(
-        st,
-        "st_metric",
-        "Measure",
-        tuple(metrics),
-        widget="radio",
-        format_func=lambda m: metrics[m][0],
-    )
+    metric = w_choice(st, "st_metric", "Measure", tuple(metrics), widget="radio", format_func=lambda m: metrics[m][0])
     fr = frontier(rows, kind, metric)
     fig = frontier_figure(
         fr,
@@ -181,11 +159,7 @@ def frontier_section(path: Path, present: bool = False) -> None:
         selection_mode="points",
         config=CHART_CONFIG,
     )
-    points = [
-        p
-        for p in (getattr(getattr(event, "selection", None), "points", None) or [])
-        if p.get("customdata")
-    ]
+    points = [p for p in (getattr(getattr(event, "selection", None), "points", None) or []) if p.get("customdata")]
     if points:
         hit = rows[rows["cell"] == points[0]["customdata"][0]]
         if len(hit):
@@ -250,24 +224,14 @@ def cell_values(row: dict) -> tuple[dict, str, list[str]]:
             from kvviz.sources.synthetic import SyntheticSpec
 
             if k in row and row[k] != getattr(SyntheticSpec(), k):
-                notes.append(
-                    f"the Explorer has no control for `{k}` ({row[k]}); it uses the default"
-                )
+                notes.append(f"the Explorer has no control for `{k}` ({row[k]}); it uses the default")
         scorer = row["scorer"]
-        evict = (
-            dict(sink=0, recent=0, heavy=0)
-            if scorer == "full"
-            else split_budget(scorer, int(row["budget_tokens"]))
-        )
+        evict = dict(sink=0, recent=0, heavy=0) if scorer == "full" else split_budget(scorer, int(row["budget_tokens"]))
         fmt = row.get("format", "int")
         # every compression control as the study's Spec had it (the app's own defaults differ: partial groups)
         values.update({k: v for k, v in values_from_spec(Spec()).items() if k != "scorer"})
         values.update(
-            evict,
-            bits=int(row["bits"]) if fmt == "int" else FULL_BITS,
-            split=False,
-            key_fmt=fmt,
-            value_fmt=fmt,
+            evict, bits=int(row["bits"]) if fmt == "int" else FULL_BITS, split=False, key_fmt=fmt, value_fmt=fmt
         )
         if scorer != "full":
             values["scorer"] = scorer
@@ -275,19 +239,13 @@ def cell_values(row: dict) -> tuple[dict, str, list[str]]:
     from kvviz.analysis.study.grid import model_spec
 
     spec = model_spec(
-        row["method"],
-        float(row["budget"]),
-        int(row["bits"]),
-        int(row["prompt_tokens"]),
-        _setting_values(row),
+        row["method"], float(row["budget"]), int(row["bits"]), int(row["prompt_tokens"]), _setting_values(row)
     )
     values = values_from_spec(spec)
     cont = row.get("scored_tokens") or 57
     values.update(lab_prompt=int(row["prompt_tokens"]), lab_cont=int(cont), lab_text="sample")
     if isinstance(row.get("question"), str) and row["question"].strip():
-        values.update(
-            lab_question=row["question"], lab_point=row.get("question_point") or "before-question"
-        )
+        values.update(lab_question=row["question"], lab_point=row.get("question_point") or "before-question")
     if row.get("text") != "sample":
         notes.append(
             f"the Model lab opens on its sample text, not the study's text {row.get('text')!r} "

@@ -58,11 +58,7 @@ def trace_dirs() -> list[Path]:
     """The server folders whose trace files the app offers: the capture cache, and the folders in
     $KVVIZ_TRACE_DIRS (separated by the path separator, ':' on Linux) - where big traces copied from a
     GPU machine go, so they open in place (lazily) instead of through an upload."""
-    extra = [
-        Path(p).expanduser()
-        for p in os.environ.get(TRACE_DIRS_ENV, "").split(os.pathsep)
-        if p.strip()
-    ]
+    extra = [Path(p).expanduser() for p in os.environ.get(TRACE_DIRS_ENV, "").split(os.pathsep) if p.strip()]
     return [cache_dir(), *extra]
 
 
@@ -169,10 +165,7 @@ def trace_file_source(container=None) -> Trace | None:
         help="Written by `kvviz capture` or kvviz.sources.save_trace.",
     )
     if up is None:
-        c.info(
-            "Upload a trace written by `kvviz capture` (e.g. captured on a GPU machine, "
-            "see docs/big-models.md)."
-        )
+        c.info("Upload a trace written by `kvviz capture` (e.g. captured on a GPU machine, see docs/big-models.md).")
         return None
     if up.size > limit_mb * 1024**2:
         c.error(

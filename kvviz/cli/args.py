@@ -34,9 +34,7 @@ class OneLineParser(argparse.ArgumentParser):
             options = m.group(1).split("/")
             at = next((i for i, x in enumerate(self.argv) if x in options), None)
             value = self.argv[at + 1] if at is not None and at + 1 < len(self.argv) else "-1"
-            message += (
-                f"; a value that starts with '-' must be attached with '=': {options[-1]}={value}"
-            )
+            message += f"; a value that starts with '-' must be attached with '=': {options[-1]}={value}"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -92,8 +90,7 @@ def number(lo: float, hi: float, open_low: bool = False):
         value = _number(text, float)
         if not (lo < value if open_low else lo <= value) or value > hi:
             raise argparse.ArgumentTypeError(
-                f"must be {'above' if open_low else 'at least'} {lo:g} and at most "
-                f"{hi:g}, got {value:g}"
+                f"must be {'above' if open_low else 'at least'} {lo:g} and at most {hi:g}, got {value:g}"
             )
         return value
 
@@ -107,17 +104,13 @@ def number_list(kind, lo: float, hi: float, example: str, open_low: bool = False
     def parse(text: str) -> list:
         items = [x.strip() for x in text.split(",") if x.strip()]
         if not items:
-            raise argparse.ArgumentTypeError(
-                f"expected comma-separated values like {example}, got {text!r}"
-            )
+            raise argparse.ArgumentTypeError(f"expected comma-separated values like {example}, got {text!r}")
         out = []
         for x in items:
             try:
                 out.append(one(x))
             except argparse.ArgumentTypeError as e:
-                raise argparse.ArgumentTypeError(
-                    f"{x!r} in {text!r}: {e} (like {example})"
-                ) from None
+                raise argparse.ArgumentTypeError(f"{x!r} in {text!r}: {e} (like {example})") from None
         return out
 
     return parse
@@ -143,22 +136,10 @@ _SYNTHETIC_SIZES = (
 
 def add_source_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("source")
-    g.add_argument(
-        "--source", default="handbook", help="handbook, synthetic, or a trace file (.safetensors)"
-    )
+    g.add_argument("--source", default="handbook", help="handbook, synthetic, or a trace file (.safetensors)")
     for flag, low, high, default, what in _SYNTHETIC_SIZES:
-        g.add_argument(
-            flag,
-            type=integer(low, high),
-            default=default,
-            help=f"synthetic: {what} ({low}-{high})",
-        )
-    g.add_argument(
-        "--topic-shift",
-        type=number(0, 1000),
-        default=0.0,
-        help="synthetic: logit boost of late anchors",
-    )
+        g.add_argument(flag, type=integer(low, high), default=default, help=f"synthetic: {what} ({low}-{high})")
+    g.add_argument("--topic-shift", type=number(0, 1000), default=0.0, help="synthetic: logit boost of late anchors")
 
 
 # The flags that are not one Spec setting each: the scorer's name (with --policy), the bits both K and V take,
@@ -180,35 +161,21 @@ def add_setting_arg(g, s: Setting) -> None:
     help_text = s.help or s.label
     if s.kind == "bool":
         g.add_argument(
-            s.flag,
-            dest=s.name,
-            action="store_false" if s.default else "store_true",
-            default=s.default,
-            help=help_text,
+            s.flag, dest=s.name, action="store_false" if s.default else "store_true", default=s.default, help=help_text
         )
         return
     if s.name in ("key_bits", "value_bits"):  # no default: they follow --bits unless given
-        g.add_argument(
-            s.flag,
-            dest=s.name,
-            type=_setting_type(s),
-            default=None,
-            help=f"{help_text} (overrides --bits)",
-        )
+        g.add_argument(s.flag, dest=s.name, type=_setting_type(s), default=None, help=f"{help_text} (overrides --bits)")
         return
     default = s.none_as if s.default is None else s.default
-    late = s.kind == "choice" and callable(
-        s.choices
-    )  # values known when parsed: ChunkKV's inner scorers
+    late = s.kind == "choice" and callable(s.choices)  # values known when parsed: ChunkKV's inner scorers
     if late:
         kwargs = dict(metavar=s.name.upper(), type=_choice_of(s))
     elif s.kind == "choice":
         kwargs = dict(choices=s.values)
     else:
         kwargs = dict(type=_setting_type(s))
-    g.add_argument(
-        s.flag, dest=s.name, default=default, help=f"{help_text} (default {default})", **kwargs
-    )
+    g.add_argument(s.flag, dest=s.name, default=default, help=f"{help_text} (default {default})", **kwargs)
 
 
 def _choice_of(s: Setting):
@@ -226,9 +193,7 @@ def add_compression_args(p: argparse.ArgumentParser) -> None:
     from kvviz.policies.registry import load_entry_points
 
     load_entry_points()  # an installed plug-in's settings get flags (and --help lines) too
-    g = p.add_argument_group(
-        "compression (eviction is off unless --sink, --recent or --heavy is given)"
-    )
+    g = p.add_argument_group("compression (eviction is off unless --sink, --recent or --heavy is given)")
     g.add_argument(
         "--scorer",
         default=None,
@@ -275,11 +240,7 @@ def scorer_from_args(a: argparse.Namespace) -> str:
 
 def spec_from_args(a: argparse.Namespace) -> Spec:
     bits = FULL_BITS if a.bits is None else a.bits
-    values = {
-        s.name: getattr(a, s.name)
-        for s in SETTINGS.values()
-        if s.name not in _BY_HAND and hasattr(a, s.name)
-    }
+    values = {s.name: getattr(a, s.name) for s in SETTINGS.values() if s.name not in _BY_HAND and hasattr(a, s.name)}
     for s in SETTINGS.values():
         if s.default is None and values.get(s.name) == s.none_as:
             values[s.name] = None
@@ -333,9 +294,7 @@ def source_from_args(a: argparse.Namespace):
             topic_shift=a.topic_shift,
         )
     elif a.source not in ("handbook",) and not Path(a.source).exists():
-        raise TraceError(
-            f"no such source or file: {a.source} (use handbook, synthetic or a .safetensors trace)"
-        )
+        raise TraceError(f"no such source or file: {a.source} (use handbook, synthetic or a .safetensors trace)")
     trace = load_source(a.source, synthetic)
     for_seed = None
     # other seeds realise other keys and values, as in the app (kvviz.links)
@@ -382,14 +341,9 @@ def add_view_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--head", type=integer(0, MAX_TOKENS), default=0, help="query head")
     g.add_argument(
-        "--step",
-        type=integer(0, MAX_TOKENS),
-        default=None,
-        help="which evaluated query (default: the last)",
+        "--step", type=integer(0, MAX_TOKENS), default=None, help="which evaluated query (default: the last)"
     )
-    g.add_argument(
-        "--ensemble", choices=ENSEMBLES, default=None, help="what the error bars range over"
-    )
+    g.add_argument("--ensemble", choices=ENSEMBLES, default=None, help="what the error bars range over")
     g.add_argument(
         "--ensemble-size",
         type=integer(1, MAX_ENSEMBLE),

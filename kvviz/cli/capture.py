@@ -34,9 +34,7 @@ def register(subparsers) -> None:
     )
     text = p.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="the prompt text")
-    text.add_argument(
-        "--prompt-file", help="read the prompt from this UTF-8 text file ('-' = stdin)"
-    )
+    text.add_argument("--prompt-file", help="read the prompt from this UTF-8 text file ('-' = stdin)")
     p.add_argument(
         "--new-tokens",
         type=integer(0, MAX_NEW_TOKENS),
@@ -50,14 +48,10 @@ def register(subparsers) -> None:
         help=f"longer prompts are cut to their first N tokens (1-{MAX_CAPTURE_TOKENS:,}, default "
         f"{DEFAULT_MAX_TOKENS}); the work budget (KVVIZ_MAX_BYTES) bounds what the model's shape allows",
     )
-    p.add_argument(
-        "--layers", default=None, help="layers to keep, e.g. 0,1,5 or 0-3 (default: all)"
-    )
+    p.add_argument("--layers", default=None, help="layers to keep, e.g. 0,1,5 or 0-3 (default: all)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps (default cpu)")
     p.add_argument(
-        "--device-map",
-        default=None,
-        help="e.g. 'auto' to spread a big model over several GPUs (needs accelerate)",
+        "--device-map", default=None, help="e.g. 'auto' to spread a big model over several GPUs (needs accelerate)"
     )
     p.add_argument(
         "--dtype",
@@ -85,8 +79,7 @@ def register(subparsers) -> None:
     m = subparsers.add_parser(
         "models",
         help="list the models available offline",
-        description="The bundled model (present or not) and models in the "
-        "local Hugging Face cache.",
+        description="The bundled model (present or not) and models in the local Hugging Face cache.",
     )
     m.set_defaults(func=cmd_models)
 
@@ -127,11 +120,7 @@ def cmd_capture(a: argparse.Namespace) -> int:
     try:
         free_budget = default_budget_is_free_memory()
         model, tokenizer, info = load_model(
-            a.model,
-            device=a.device,
-            dtype=a.dtype,
-            device_map=a.device_map,
-            progress=lambda f, m: bar(0.3 * f, m),
+            a.model, device=a.device, dtype=a.dtype, device_map=a.device_map, progress=lambda f, m: bar(0.3 * f, m)
         )
         trace = capture(
             model,
@@ -184,7 +173,5 @@ def cmd_models(a: argparse.Namespace) -> int:
     for m in available_models():
         state = "available" if m.present else "missing"
         print(f"{m.name:<40} {m.kind:<9} {state:<10} {m.detail}")
-    print(
-        "any local folder or .gguf file also works: kvviz capture --model PATH ...", file=sys.stderr
-    )
+    print("any local folder or .gguf file also works: kvviz capture --model PATH ...", file=sys.stderr)
     return 0

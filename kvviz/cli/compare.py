@@ -30,11 +30,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
     if a.json:
         json.dump(
             _json_safe(
-                {
-                    **result.to_json(),
-                    "layer_number": trace.layer_numbers[view.layer],
-                    "definitions": METRIC_DEFINITIONS,
-                }
+                {**result.to_json(), "layer_number": trace.layer_numbers[view.layer], "definitions": METRIC_DEFINITIONS}
             ),
             sys.stdout,
         )
@@ -60,11 +56,7 @@ def format_table(result, trace, max_rows: int = 80) -> str:
         f"{'pos':>6} {'token':<12} {'original':>10} {'compressed':>11} {'error':>10} {'err std':>9}  kept",
     ]
     n = len(p.original)
-    rows = (
-        range(n)
-        if n <= max_rows
-        else list(range(max_rows // 2)) + list(range(n - max_rows // 2, n))
-    )
+    rows = range(n) if n <= max_rows else list(range(max_rows // 2)) + list(range(n - max_rows // 2, n))
     last = -1
     for i in rows:
         if i != last + 1:

@@ -70,9 +70,7 @@ def load_from_args(a: argparse.Namespace, progress=None):
 
     if not a.device_map:
         check_device(a.device)
-    return load_model(
-        a.model, device=a.device, dtype=a.dtype, device_map=a.device_map, progress=progress
-    )
+    return load_model(a.model, device=a.device, dtype=a.dtype, device_map=a.device_map, progress=progress)
 
 
 def device_errors(fn):

@@ -19,9 +19,7 @@ from kvviz.policies.registry import featured
 
 DEFAULT_PROMPT_TOKENS = 206
 # the featured scorers (Policy.featured), the recent window alone, and the whole-cache quantizers
-DEFAULT_METHODS = ",".join(
-    (*featured(), "recent-only", "kv-8bit", "kv-4bit", "kivi-2bit", "2bit-per-token-keys")
-)
+DEFAULT_METHODS = ",".join((*featured(), "recent-only", "kv-8bit", "kv-4bit", "kivi-2bit", "2bit-per-token-keys"))
 DEFAULT_BUDGETS = "32,64,128"
 
 
@@ -247,18 +245,13 @@ def format_eval(q, pair=None) -> str:
             2,
             f"question: the prompt's last {d['question_tokens']} tokens; the cache is compressed "
             + (
-                f"before it (at token {d['compressed_at']}: query-agnostic), then the question is decoded "
-                "through it"
+                f"before it (at token {d['compressed_at']}: query-agnostic), then the question is decoded through it"
                 if before
                 else "after it (at the prompt's end: query-aware, the scorer sees the question)"
             ),
         )
     if pair is not None:
-        mark = (
-            "identical"
-            if pair.first_divergence is None
-            else f"first divergence at token {pair.first_divergence}"
-        )
+        mark = "identical" if pair.first_divergence is None else f"first divergence at token {pair.first_divergence}"
         lines += [
             "",
             f"greedy continuation ({mark}):",
@@ -284,9 +277,7 @@ def cmd_eval_sweep(a: argparse.Namespace) -> int:
 
     bad = [m for m in methods if m not in SWEEP_METHODS and m not in QUANT_METHODS]
     if bad:
-        raise SpecError(
-            f"unknown method {bad[0]!r}; choose from {', '.join([*SWEEP_METHODS, *QUANT_METHODS])}"
-        )
+        raise SpecError(f"unknown method {bad[0]!r}; choose from {', '.join([*SWEEP_METHODS, *QUANT_METHODS])}")
     model, _, ref, say = _prepare(a)
     rows = sweep(model, ref, methods, budgets, progress=say)
     if say:
@@ -295,12 +286,7 @@ def cmd_eval_sweep(a: argparse.Namespace) -> int:
     w = csv.DictWriter(buf, fieldnames=list(SWEEP_FIELDS), lineterminator="\n")
     w.writeheader()
     for r in rows:
-        w.writerow(
-            {
-                k: (f"{v:.6g}" if isinstance(v, float) and math.isfinite(v) else v)
-                for k, v in r.items()
-            }
-        )
+        w.writerow({k: (f"{v:.6g}" if isinstance(v, float) and math.isfinite(v) else v) for k, v in r.items()})
     if a.out:
         Path(a.out).write_text(buf.getvalue())
         print(f"wrote {len(rows)} rows to {a.out}", file=sys.stderr)

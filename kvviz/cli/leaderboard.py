@@ -30,24 +30,16 @@ def register(subparsers) -> None:
         "after it; the score is the share right. Cells are cached on disk, so a rerun is instant.",
     )
     add_model_args(p)
-    p.add_argument(
-        "--methods", default=",".join(lb.METHODS), help="comma-separated (default: %(default)s)"
-    )
+    p.add_argument("--methods", default=",".join(lb.METHODS), help="comma-separated (default: %(default)s)")
     p.add_argument(
         "--ratios",
         default=",".join(f"{r:g}" for r in lb.RATIOS),
         help="compression ratios: shares of the prompt removed (default %(default)s)",
     )
     p.add_argument("--protocols", default=",".join(lb.PROTOCOLS), help="default %(default)s")
+    p.add_argument("--tasks", default=",".join(lb.TASK_SET), help=f"any of {', '.join(TASKS)} (default %(default)s)")
     p.add_argument(
-        "--tasks",
-        default=",".join(lb.TASK_SET),
-        help=f"any of {', '.join(TASKS)} (default %(default)s)",
-    )
-    p.add_argument(
-        "--lengths",
-        default=",".join(map(str, lb.LENGTHS)),
-        help="prompt lengths in tokens (default %(default)s)",
+        "--lengths", default=",".join(map(str, lb.LENGTHS)), help="prompt lengths in tokens (default %(default)s)"
     )
     p.add_argument(
         "--depths",
@@ -57,11 +49,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", help="write one CSV row per cell to this file")
     p.add_argument("--html", help="write the score-vs-ratio chart as a standalone HTML page")
     p.add_argument("--save", help="write the whole board (JSON, gzip) for the app to open")
-    p.add_argument(
-        "--no-cache",
-        action="store_true",
-        help="recompute every cell (the disk cache is still written)",
-    )
+    p.add_argument("--no-cache", action="store_true", help="recompute every cell (the disk cache is still written)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_leaderboard)
 
@@ -94,11 +82,7 @@ def cmd_leaderboard(a: argparse.Namespace) -> int:
 
     request = parse(a)
     t0 = time.perf_counter()
-    bar = (
-        None
-        if a.quiet
-        else tqdm(total=1000, file=sys.stderr, bar_format="{l_bar}{bar}| {elapsed} {postfix}")
-    )
+    bar = None if a.quiet else tqdm(total=1000, file=sys.stderr, bar_format="{l_bar}{bar}| {elapsed} {postfix}")
 
     def say(fraction: float, message: str) -> None:
         if bar is not None:
@@ -109,9 +93,7 @@ def cmd_leaderboard(a: argparse.Namespace) -> int:
         model, tokenizer, _ = load_from_args(a)
         return model, tokenizer
 
-    board = lb.run(
-        None, None, model_id(a), request, use_cache=not a.no_cache, progress=say, load=load
-    )
+    board = lb.run(None, None, model_id(a), request, use_cache=not a.no_cache, progress=say, load=load)
     if bar is not None:
         bar.close()
     print(f"{len(board.cells)} cells in {time.perf_counter() - t0:.0f} s", file=sys.stderr)

@@ -27,9 +27,7 @@ def register(sub) -> None:
         description="Lessons that run anywhere: the Explorer's charts and numbers, precomputed at "
         "a grid of slider settings, in one HTML file that opens from disk offline.",
     )
-    cmds = p.add_subparsers(
-        dest="lesson_command", required=True, metavar="export", parser_class=type(p)
-    )
+    cmds = p.add_subparsers(dest="lesson_command", required=True, metavar="export", parser_class=type(p))
     e = cmds.add_parser(
         "export",
         help="write the lesson page",
@@ -58,9 +56,7 @@ def register(sub) -> None:
     )
     e.add_argument("--layer", type=int, help="layer (default: the link's, else 0)")
     e.add_argument("--head", type=int, help="query head (default: the link's, else 0)")
-    e.add_argument(
-        "--step", type=int, help="which evaluated query (default: the link's, else the last)"
-    )
+    e.add_argument("--step", type=int, help="which evaluated query (default: the link's, else the last)")
     e.add_argument(
         "--grid",
         action="append",
@@ -108,9 +104,7 @@ def _values(a: argparse.Namespace):
     trace = None
     if a.trace:
         if a.preset:
-            raise CliError(
-                "--preset names a built-in source; a trace file is its own source: drop one of them"
-            )
+            raise CliError("--preset names a built-in source; a trace file is its own source: drop one of them")
         if a.from_url and values["source"] in ("handbook", "synthetic"):
             raise CliError(
                 f"the link's source is the {values['source']} one, not a trace: drop --trace, or copy "

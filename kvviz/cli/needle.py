@@ -42,14 +42,9 @@ def _grid_args(p) -> None:
     p.add_argument(
         "--budget",
         default=str(nd.DEFAULT_BUDGET),
-        help="cache budget as a fraction of the prompt's tokens, or several comma-separated "
-        "(default %(default)s)",
+        help="cache budget as a fraction of the prompt's tokens, or several comma-separated (default %(default)s)",
     )
-    p.add_argument(
-        "--bits",
-        default="16",
-        help="K/V bits for every cell, 1-8 or 16 = off, or several (default 16)",
-    )
+    p.add_argument("--bits", default="16", help="K/V bits for every cell, 1-8 or 16 = off, or several (default 16)")
 
 
 def register(subparsers) -> None:
@@ -86,10 +81,7 @@ def register(subparsers) -> None:
         help="greedy answer tokens, 1-64 (default 8)",
     )
     p.add_argument(
-        "--seed",
-        type=integer(0, MAX_SEED),
-        default=nd.DEFAULT_SEED,
-        help="seed of the pass keys (default 0)",
+        "--seed", type=integer(0, MAX_SEED), default=nd.DEFAULT_SEED, help="seed of the pass keys (default 0)"
     )
     p.add_argument(
         "--haystack",
@@ -97,9 +89,7 @@ def register(subparsers) -> None:
         choices=nd.HAYSTACKS,
         help="filler (the classic repeated sentences) or sample (kvviz's bundled English text)",
     )
-    p.add_argument(
-        "--no-cache", action="store_true", help="recompute every cell (and overwrite the cache)"
-    )
+    p.add_argument("--no-cache", action="store_true", help="recompute every cell (and overwrite the cache)")
     out = p.add_mutually_exclusive_group()
     out.add_argument(
         "--json",
@@ -139,16 +129,13 @@ def parse(a: argparse.Namespace):
     bits = _list(a.bits, int, "bits", "16 or 4")
     bad = [s for s in scorers if s not in nd.SCORER_NAMES]
     if bad or not scorers:
-        raise SpecError(
-            f"unknown scorer {bad[0] if bad else a.scorers!r}; choose from {', '.join(nd.SCORER_NAMES)}"
-        )
+        raise SpecError(f"unknown scorer {bad[0] if bad else a.scorers!r}; choose from {', '.join(nd.SCORER_NAMES)}")
     if any(not 0 <= d <= 1 for d in depths):
         raise SpecError("depths are fractions of the haystack in [0, 1] (or percentages 0%-100%)")
     if not 1 <= min(lengths) <= max(lengths) <= nd.MAX_LENGTH:
         bad = next(n for n in lengths if not 1 <= n <= nd.MAX_LENGTH)
         raise SpecError(
-            f"--lengths are token counts of 1-{nd.MAX_LENGTH:,} (and at most the model's positions), "
-            f"got {bad:,}"
+            f"--lengths are token counts of 1-{nd.MAX_LENGTH:,} (and at most the model's positions), got {bad:,}"
         )
     for b in budgets:
         nd.budget_tokens(b, 1000)
@@ -199,16 +186,7 @@ def cmd_needle(a: argparse.Namespace) -> int:
 
     stats: dict = {}
     # loads only if needed
-    grid = nd.run_grid(
-        None,
-        None,
-        model_id(a),
-        request,
-        use_cache=not a.no_cache,
-        progress=say,
-        stats=stats,
-        load=load,
-    )
+    grid = nd.run_grid(None, None, model_id(a), request, use_cache=not a.no_cache, progress=say, stats=stats, load=load)
     if say:
         sys.stderr.write("\r" + " " * 70 + "\r")
         sys.stderr.write(

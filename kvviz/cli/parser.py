@@ -7,44 +7,18 @@ from __future__ import annotations
 
 import sys
 
-from kvviz.cli import (
-    capture,
-    compare,
-    evaluate,
-    leaderboard,
-    ledger,
-    lesson,
-    needle,
-    solve,
-    study,
-    sweep,
-    trace,
-)
+from kvviz.cli import capture, compare, evaluate, leaderboard, ledger, lesson, needle, solve, study, sweep, trace
 from kvviz.cli.args import CliError, OneLineParser
 from kvviz.limits import ENV
 from kvviz.spec import SpecError
 from kvviz.trace import TraceError
 
 # in the order --help lists them
-COMMANDS = (
-    compare,
-    sweep,
-    solve,
-    ledger,
-    capture,
-    trace,
-    evaluate,
-    needle,
-    leaderboard,
-    lesson,
-    study,
-)
+COMMANDS = (compare, sweep, solve, ledger, capture, trace, evaluate, needle, leaderboard, lesson, study)
 
 
 def build_parser() -> OneLineParser:
-    parser = OneLineParser(
-        prog="kvviz", description="See what KV-cache compression does to attention."
-    )
+    parser = OneLineParser(prog="kvviz", description="See what KV-cache compression does to attention.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     for command in COMMANDS:
         command.register(sub)

@@ -30,15 +30,11 @@ def cmd_solve(a: argparse.Namespace) -> int:
             + "); use --max-sink to change the number of sinks"
         )
     if (a.target_mass is None) == (a.target_tv is None):
-        raise CliError(
-            "give one target: --target-mass M (keep at least M of the attention) or --target-tv T"
-        )
+        raise CliError("give one target: --target-mass M (keep at least M of the attention) or --target-tv T")
     base = spec_from_args(a)
     trace, _ = source_from_args(a)
     view = view_from_args(trace, a)
-    sol = solve(
-        trace, base, view, target_mass=a.target_mass, target_tv=a.target_tv, max_sink=a.max_sink
-    )
+    sol = solve(trace, base, view, target_mass=a.target_mass, target_tv=a.target_tv, max_sink=a.max_sink)
     if a.json:
         json.dump(_json_safe(sol.as_dict()), sys.stdout)
         sys.stdout.write("\n")
@@ -59,25 +55,15 @@ def cmd_solve(a: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
-        "solve", help="the smallest cache that keeps a target attention mass (or TV)"
-    )
+    p = sub.add_parser("solve", help="the smallest cache that keeps a target attention mass (or TV)")
     add_source_args(p)
     add_compression_args(p)
     add_view_args(p)
     g = p.add_argument_group("target (give one)")
     g.add_argument(
-        "--target-mass",
-        type=number(0, 1, open_low=True),
-        help="keep at least this share of the attention (0-1)",
+        "--target-mass", type=number(0, 1, open_low=True), help="keep at least this share of the attention (0-1)"
     )
-    g.add_argument(
-        "--target-tv",
-        type=number(0, 1, open_low=True),
-        help="keep the TV distance at most this (0-1)",
-    )
-    p.add_argument(
-        "--max-sink", type=_nonneg, default=4, help="sinks in the split rule (default 4)"
-    )
+    g.add_argument("--target-tv", type=number(0, 1, open_low=True), help="keep the TV distance at most this (0-1)")
+    p.add_argument("--max-sink", type=_nonneg, default=4, help="sinks in the split rule (default 4)")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     p.set_defaults(func=cmd_solve)

@@ -25,18 +25,12 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="study_command", required=True, parser_class=type(p))
     r = sub.add_parser("run", help="run the cells not yet in --out")
     r.add_argument("study_file", metavar="STUDY.toml")
-    r.add_argument(
-        "--out",
-        required=True,
-        metavar="DIR",
-        help="the results folder (created; reused on a rerun)",
-    )
+    r.add_argument("--out", required=True, metavar="DIR", help="the results folder (created; reused on a rerun)")
     r.add_argument(
         "--engine",
         default="local",
         choices=("local", "ray"),
-        help="local: this process (or a process pool with --workers); ray: Ray tasks and model actors "
-        "(default local)",
+        help="local: this process (or a process pool with --workers); ray: Ray tasks and model actors (default local)",
     )
     r.add_argument(
         "--workers",
@@ -49,25 +43,14 @@ def register(subparsers) -> None:
         default=None,
         help="--engine ray: an existing cluster ('auto', 'ray://host:10001') instead of a local Ray",
     )
-    r.add_argument(
-        "--quiet",
-        action="store_true",
-        help="no progress bar (failures and the summary still print)",
-    )
+    r.add_argument("--quiet", action="store_true", help="no progress bar (failures and the summary still print)")
     r.set_defaults(func=cmd_run)
     s = sub.add_parser("status", help="cells, done, to run (and the last run's failures)")
     s.add_argument("dir", metavar="DIR")
     s.set_defaults(func=cmd_status)
     e = sub.add_parser("export", help="every finished cell as one table")
     e.add_argument("dir", metavar="DIR")
-    e.add_argument(
-        "--csv",
-        nargs="?",
-        const="",
-        default=None,
-        metavar="FILE",
-        help="write CSV (default DIR/NAME.csv)",
-    )
+    e.add_argument("--csv", nargs="?", const="", default=None, metavar="FILE", help="write CSV (default DIR/NAME.csv)")
     e.set_defaults(func=cmd_export)
 
 
@@ -103,8 +86,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                 dynamic_ncols=True,
                 file=sys.stderr,
                 desc=f"{a.engine}",
-                bar_format="{desc}: {n_fmt}/{total_fmt} cells |{bar}| "
-                "{rate_fmt}, {elapsed} elapsed, ETA {remaining}",
+                bar_format="{desc}: {n_fmt}/{total_fmt} cells |{bar}| {rate_fmt}, {elapsed} elapsed, ETA {remaining}",
             )
 
     def cell_done(cell, result) -> None:
@@ -140,10 +122,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         flush=True,
     )
     if failed:
-        print(
-            f"{failed} cells failed (listed above and in {a.out}/failed.json); a rerun retries them",
-            file=sys.stderr,
-        )
+        print(f"{failed} cells failed (listed above and in {a.out}/failed.json); a rerun retries them", file=sys.stderr)
         return 1
     return 0
 
@@ -155,14 +134,10 @@ def cmd_status(a: argparse.Namespace) -> int:
     print(d.status_line())
     c = d.counts()
     if c["extra"]:
-        print(
-            f"{c['extra']} finished cells of an earlier grid are kept in {a.dir}/parts but are not in this study"
-        )
+        print(f"{c['extra']} finished cells of an earlier grid are kept in {a.dir}/parts but are not in this study")
     for f in d.failures():
         if f.get("cell") not in d.done_ids():
-            settings = " ".join(
-                f"{k}={v}" for k, v in f.get("settings", {}).items() if k != "text_sha256"
-            )
+            settings = " ".join(f"{k}={v}" for k, v in f.get("settings", {}).items() if k != "text_sha256")
             print(f"failed in the last run: {settings}: {f.get('error')}")
     return 0
 

@@ -44,9 +44,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     formats = [f.strip() for f in a.formats_list.split(",") if f.strip()]
     bad = [f for f in formats if f not in SWEEP_FORMATS]
     if bad:
-        raise CliError(
-            f"unknown format {bad[0]!r} in --formats-list; choose from {', '.join(SWEEP_FORMATS)}"
-        )
+        raise CliError(f"unknown format {bad[0]!r} in --formats-list; choose from {', '.join(SWEEP_FORMATS)}")
     rows = sweep(
         trace,
         scorers,
@@ -88,8 +86,7 @@ def register(sub) -> None:
     p.add_argument(
         "--formats-list",
         default="",
-        help="cache formats to add to the sweep, K and V alike: "
-        f"{','.join(SERVING_FORMATS)} (default none)",
+        help=f"cache formats to add to the sweep, K and V alike: {','.join(SERVING_FORMATS)} (default none)",
     )
     p.add_argument("--out", help="CSV file (default: standard output)")
     p.set_defaults(func=cmd_sweep)

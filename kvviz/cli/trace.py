@@ -67,9 +67,7 @@ def format_info(info: dict) -> str:
         f"{fmt_bytes(info['bytes_per_token'])} a token",
     ]
     for kind, e in info["tensors"].items():
-        lines.append(
-            f"  {kind:<16} {e['dtype']:<5} {e['tensors']:>4} x {e['shape']}  {fmt_bytes(e['bytes'])}"
-        )
+        lines.append(f"  {kind:<16} {e['dtype']:<5} {e['tensors']:>4} x {e['shape']}  {fmt_bytes(e['bytes'])}")
     for key in MANIFEST:
         if m.get(key) is not None:
             value = m[key]

@@ -21,14 +21,7 @@ May import: the core, policies, quant, models. torch and transformers only insid
 from kvviz.decode.attend import MODES
 from kvviz.decode.cache import CompressedCache
 from kvviz.decode.eval_sweep import QUANT_METHODS, SWEEP_FIELDS, SWEEP_METHODS, sweep
-from kvviz.decode.loop import (
-    Prefill,
-    decode,
-    decode_many,
-    masked_reference_logits,
-    plain_decode,
-    prefill,
-)
+from kvviz.decode.loop import Prefill, decode, decode_many, masked_reference_logits, plain_decode, prefill
 from kvviz.decode.quality import (
     MAX_NEW_TOKENS,
     MAX_PROMPT_TOKENS,

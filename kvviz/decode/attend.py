@@ -29,9 +29,7 @@ def check_run(spec: Spec, mode: str, inv_freq) -> None:
                 "(RoPE); this model has none kvviz can find"
             )
         if mode != "delete":
-            raise SpecError(
-                "keys re-rotated to cache slots are only simulated with deleted entries"
-            )
+            raise SpecError("keys re-rotated to cache slots are only simulated with deleted entries")
     if spec.quant_model == "noise" and spec.noise_sigma > 0:
         raise SpecError(
             "the logit-noise model is a stand-in for attention rows only; "
@@ -76,9 +74,7 @@ class KeptAttention(StoredKV):
             and not self.record
             and not (self.evicts and self.spec.compress_every)
             and not (self.evicts and (self.policy.streaming or self.policy.needs_query))
-            and not (
-                self.spec.quant_model == "kv" and self.spec.quantizes and uses_formats(self.spec)
-            )
+            and not (self.spec.quant_model == "kv" and self.spec.quantizes and uses_formats(self.spec))
         )
 
     def _attend_block(self, layer: int, q, start: int, scaling: float):

@@ -82,23 +82,15 @@ class CompressedCache(KeptAttention):
         self.dtype = torch.float32 if dtype is None else dtype
         # numpy views share the storage
         self.fast = is_cpu(self.device) and self.dtype == torch.float32
-        self.inv_freq = (
-            None
-            if inv_freq is None
-            else torch.as_tensor(inv_freq, dtype=torch.float32, device=self.device)
-        )
+        self.inv_freq = None if inv_freq is None else torch.as_tensor(inv_freq, dtype=torch.float32, device=self.device)
         self.spec, self.mode = spec, mode
         self.policy = get_policy(spec.scorer)
         self.L, self.Hq, self.H, self.D = n_layers, n_q_heads, n_kv_heads, head_dim
         self.group = n_q_heads // n_kv_heads
         self.capacity = capacity
         # on the model's device, in its dtype (kvviz.decode.place)
-        self.k = torch.zeros(
-            n_layers, n_kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device
-        )
-        self.v = torch.zeros(
-            n_layers, n_kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device
-        )
+        self.k = torch.zeros(n_layers, n_kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(n_layers, n_kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device)
         self.kept: list[np.ndarray] = [np.zeros((n_kv_heads, 0), dtype=np.int64)] * n_layers
         # what a scorer reads beyond the prefill, put in the prompt's trace (KVzip's reconstruction scores)
         self.extra_meta: dict = {}
@@ -159,9 +151,7 @@ class CompressedCache(KeptAttention):
         self.k[:, :, :n] = prefix.k[:, :, :n]
         self.v[:, :, :n] = prefix.v[:, :, :n]
         self.length = [n] * self.L
-        self.prefill_q = [
-            prefix.q[layer, :, :n] for layer in range(self.L)
-        ]  # numpy or the device's
+        self.prefill_q = [prefix.q[layer, :, :n] for layer in range(self.L)]  # numpy or the device's
 
     def compress(self) -> None:
         """The compression point: score the prompt from its own attention, keep what the policy keeps, and
@@ -212,17 +202,13 @@ class CompressedCache(KeptAttention):
                 self.kept[layer] = np.tile(np.arange(n), (self.H, 1))
                 continue
             ctx = ScoreContext(self.trace, layer, self.spec)
-            scores = np.broadcast_to(
-                np.asarray(self.policy.score(ctx), dtype=np.float64), (self.H, n)
-            )
+            scores = np.broadcast_to(np.asarray(self.policy.score(ctx), dtype=np.float64), (self.H, n))
             self.scores[layer, :, :n] = scores
             if self.policy.ragged:  # heads of different lengths: RaggedCache keeps them
                 continue
             # ChunkKV's whole chunks
             own = self.policy.compression_kept(self.scores[layer, :, :n], self.spec)
-            self.kept[layer] = _indices(
-                select(self.scores[layer, :, :n], self.spec) if own is None else own
-            )
+            self.kept[layer] = _indices(select(self.scores[layer, :, :n], self.spec) if own is None else own)
         self.compressed = True
         if not self.fast and not self.record and not (self.spec.compress_every and self.evicts):
             self.trace.q.release()  # nothing reads the prompt's queries again: the device's memory back
@@ -239,17 +225,13 @@ class CompressedCache(KeptAttention):
         own simulation can replay the run (the tests check it makes the same decisions).
         """
         if not self.record or self.trace is None:
-            raise RuntimeError(
-                "run_trace needs CompressedCache(record=True) and a finished prefill"
-            )
+            raise RuntimeError("run_trace needs CompressedCache(record=True) and a finished prefill")
         n = self.n_tokens
         steps = np.stack([np.stack(s_, axis=1) for s_ in self.step_q]) if self.step_q[0] else None
         context_q = np.stack([host(self._context_q(layer)) for layer in range(self.L)])
         q = context_q if steps is None else np.concatenate([context_q, steps], axis=2)
         tokens = (
-            self.tokens[:n]
-            if self.tokens is not None and len(self.tokens) >= n
-            else tuple(f"t{i}" for i in range(n))
+            self.tokens[:n] if self.tokens is not None and len(self.tokens) >= n else tuple(f"t{i}" for i in range(n))
         )
         return Trace(
             q=q.astype(np.float32),
@@ -304,10 +286,7 @@ class CompressedCache(KeptAttention):
             K_all = self.k[layer, :, : p + 1].float()  # (H, p+1, D)
             a_full = torch.softmax(qg @ K_all.transpose(1, 2) * scaling, dim=-1)  # (H, g, p+1)
             attention = host(a_full.reshape(self.Hq, -1)).astype(np.float64)  # (Hq, p+1)
-            ctx, inputs = (
-                ScoreContext(self.trace, layer, spec),
-                dict(query=host(q[:, 0]), keys=host(K_all)),
-            )
+            ctx, inputs = (ScoreContext(self.trace, layer, spec), dict(query=host(q[:, 0]), keys=host(K_all)))
             reads = self.policy.query_reads(attention, ctx, **inputs)
             # Quest per query head: each head reads its own pages
             if reads is not None:
@@ -357,31 +336,17 @@ class CompressedCache(KeptAttention):
         if not is_due(p, self.trace.context_len, self.spec.compress_every):
             return
         n = p + 1
-        tokens = (
-            self.tokens
-            if self.tokens is not None and len(self.tokens) >= n
-            else tuple(f"t{i}" for i in range(n))
-        )
+        tokens = self.tokens if self.tokens is not None and len(self.tokens) >= n else tuple(f"t{i}" for i in range(n))
         if self.fast:
             # (Hq, n, D)
-            q_all = np.concatenate(
-                [self._context_q(layer), np.stack(self.decode_q[layer], axis=1)], axis=1
-            )
+            q_all = np.concatenate([self._context_q(layer), np.stack(self.decode_q[layer], axis=1)], axis=1)
             sub = layer_trace(
-                q_all,
-                host(self.k[layer, :, :n]),
-                host(self.v[layer, :, :n]),
-                layer,
-                self.L,
-                tokens,
-                self.trace.meta,
+                q_all, host(self.k[layer, :, :n]), host(self.v[layer, :, :n]), layer, self.L, tokens, self.trace.meta
             )
         else:  # the layer's positions 0..p as every layer of a device trace (as layer_trace does)
             import torch
 
-            q_all = torch.cat(
-                [self._context_q(layer).float(), torch.stack(self.decode_q[layer], dim=1)], dim=1
-            )
+            q_all = torch.cat([self._context_q(layer).float(), torch.stack(self.decode_q[layer], dim=1)], dim=1)
             sub = device_trace(
                 [q_all] * self.L,
                 [self.k[layer, :, :n]] * self.L,
@@ -393,8 +358,7 @@ class CompressedCache(KeptAttention):
                 meta=self.trace.meta,
             )
         scores = np.broadcast_to(
-            np.asarray(self.policy.score(ScoreContext(sub, layer, self.spec)), dtype=np.float64),
-            (self.H, n),
+            np.asarray(self.policy.score(ScoreContext(sub, layer, self.spec)), dtype=np.float64), (self.H, n)
         )
         self.scores[layer, :, :n] = scores
         self.kept[layer] = recompressed(self.kept[layer], self.scores[layer, :, :n], self.spec)
@@ -404,9 +368,7 @@ class CompressedCache(KeptAttention):
         """Token p joins layer's cache; the cache is trimmed back to the budget. Returns the kept set."""
         spec = self.spec
         kept = np.concatenate([self.kept[layer], np.full((self.H, 1), p)], axis=1)  # arrives
-        self.scores[layer, :, p] = self.policy.arrival_score(
-            host(self.k[layer, :, p]), layer, p, spec
-        )
+        self.scores[layer, :, p] = self.policy.arrival_score(host(self.k[layer, :, p]), layer, p, spec)
         # evict one per head
         if self.evicts and kept.shape[1] > spec.budget and not spec.compress_every:
             kept = evict_one(kept, self.scores[layer], spec, p)

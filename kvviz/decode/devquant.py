@@ -55,9 +55,7 @@ def quantize_torch(
             blocks.append((slice(full, n_quant), (1, n_quant - full, dim), -2))
         for rows, shape, reduce in blocks:
             xb = x[..., rows, :].reshape(*lead, *shape)
-            out[..., rows, :] = _round_trip(xb, reduce, top, symmetric, offset).reshape(
-                *lead, -1, dim
-            )
+            out[..., rows, :] = _round_trip(xb, reduce, top, symmetric, offset).reshape(*lead, -1, dim)
         return out
     full = d_quant - d_quant % group  # token axis: G consecutive channels of one token
     blocks = [(slice(0, full), (n_quant, full // group, group))] if full else []
@@ -65,9 +63,7 @@ def quantize_torch(
         blocks.append((slice(full, d_quant), (n_quant, 1, d_quant - full)))
     for cols, shape in blocks:
         xb = x[..., :n_quant, cols].reshape(*lead, *shape)
-        out[..., :n_quant, cols] = _round_trip(xb, -1, top, symmetric, offset).reshape(
-            *lead, n_quant, -1
-        )
+        out[..., :n_quant, cols] = _round_trip(xb, -1, top, symmetric, offset).reshape(*lead, n_quant, -1)
     return out
 
 
@@ -149,9 +145,7 @@ def _fp8(x, fmt_name: str, scale: str, calibrate: bool = False):
     if amax is None:
         s = torch.full((1, 1, 1), UNCALIBRATED, dtype=torch.float64, device=x.device)
     else:
-        s = torch.where(
-            amax > 0, _fp32_at_least(amax.double() / f.max_value), torch.ones_like(amax)
-        ).double()
+        s = torch.where(amax > 0, _fp32_at_least(amax.double() / f.max_value), torch.ones_like(amax)).double()
     return (_minifloat_round(x.double() / s, f) * s).to(x.dtype)
 
 
@@ -171,21 +165,12 @@ def _nvfp4(x, block: int = 16):
 
     amax_t = float(x.abs().amax()) if x.numel() else 0.0
     s_t = (
-        float(
-            _fp32_at_least(
-                torch.tensor(amax_t / (E4M3.max_value * E2M1.max_value), dtype=torch.float64)
-            )
-        )
+        float(_fp32_at_least(torch.tensor(amax_t / (E4M3.max_value * E2M1.max_value), dtype=torch.float64)))
         if amax_t > 0
         else 1.0
     )
     xb = _blocked(x, block)
-    s = (
-        _minifloat_round(
-            xb.abs().amax(dim=-1, keepdim=True).double() / (E2M1.max_value * s_t), E4M3
-        )
-        * s_t
-    )
+    s = _minifloat_round(xb.abs().amax(dim=-1, keepdim=True).double() / (E2M1.max_value * s_t), E4M3) * s_t
     safe = torch.where(s > 0, s, torch.ones_like(s))
     out = torch.where(s > 0, _minifloat_round(xb.double() / safe, E2M1) * s, torch.zeros_like(s))
     return out.reshape(*x.shape[:-1], -1)[..., : x.shape[-1]].to(x.dtype)
@@ -199,9 +184,7 @@ def _mxfp4(x, block: int = 32):
     xb = _blocked(x, block)
     amax = xb.abs().amax(dim=-1, keepdim=True).double()
     _, ex = torch.frexp(torch.where(amax > 0, amax, torch.ones_like(amax)))
-    e = torch.clamp(
-        torch.where(amax > 0, ex - 1, torch.full_like(ex, E8M0_MIN_EXP)), E8M0_MIN_EXP, E8M0_MAX_EXP
-    )
+    e = torch.clamp(torch.where(amax > 0, ex - 1, torch.full_like(ex, E8M0_MIN_EXP)), E8M0_MIN_EXP, E8M0_MAX_EXP)
     e = torch.clamp(e - 2, E8M0_MIN_EXP, E8M0_MAX_EXP)
     s = torch.ldexp(torch.ones_like(amax), e.double())
     out = _minifloat_round(xb.double() / s, E2M1) * s
@@ -275,9 +258,7 @@ def quantize_tensor_torch(x, spec, which: str, residual: int):
 
     fmt, bits, axis, rotated = settings(spec, which)
     if not device_quantizes(spec):
-        raise ValueError(
-            f"no device quantizer for {fmt}: use the host's (kvviz.quant.formats.quantize_tensor)"
-        )
+        raise ValueError(f"no device quantizer for {fmt}: use the host's (kvviz.quant.formats.quantize_tensor)")
     if not is_quantized(spec, which):
         return x
     n_quant = max(0, x.shape[-2] - residual)
@@ -287,9 +268,7 @@ def quantize_tensor_torch(x, spec, which: str, residual: int):
     r = _hadamard(x.shape[-1], x) if rotated else None
     xr = head @ r if rotated else head
     if fmt == "int":
-        q = quantize_torch(
-            xr, bits, axis, spec.group_size, 0, spec.symmetric, spec.zero_point, spec.partial
-        )
+        q = quantize_torch(xr, bits, axis, spec.group_size, 0, spec.symmetric, spec.zero_point, spec.partial)
     elif fmt in ("e4m3", "e5m2"):
         q = _fp8(xr, fmt, spec.fp8_scale, spec.fp8_calibrate)
     elif fmt == "nvfp4":

@@ -93,9 +93,7 @@ class DeviceStack:
         import torch
 
         if self.layers is None:
-            raise RuntimeError(
-                "this trace's device tensors were released after the compression point"
-            )
+            raise RuntimeError("this trace's device tensors were released after the compression point")
         if isinstance(key, tuple) and key and isinstance(key[0], (int, np.integer)):
             return self.crossing.send(self.layers[int(key[0])][_torch_key(key[1:])])
         if isinstance(key, (int, np.integer)):
@@ -104,14 +102,7 @@ class DeviceStack:
 
     # -- what the scorers read, computed here (kvviz.attention dispatches to these) -----------------
     def _attention_chunks(
-        self,
-        trace,
-        layer: int,
-        heads: np.ndarray,
-        rows: np.ndarray,
-        n_keys: int,
-        chunk: int,
-        trim: bool,
+        self, trace, layer: int, heads: np.ndarray, rows: np.ndarray, n_keys: int, chunk: int, trim: bool
     ):
         """kvviz.attention.context_rows on the device: (row indices, attention (heads, c, m) float32)."""
         import torch
@@ -137,26 +128,13 @@ class DeviceStack:
             yield idx, torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
 
     def context_rows(
-        self,
-        trace,
-        layer: int,
-        heads: np.ndarray,
-        rows: np.ndarray,
-        n_keys: int,
-        chunk: int = 512,
-        trim: bool = False,
+        self, trace, layer: int, heads: np.ndarray, rows: np.ndarray, n_keys: int, chunk: int = 512, trim: bool = False
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         for idx, a in self._attention_chunks(trace, layer, heads, rows, n_keys, chunk, trim):
             yield idx, self.crossing.send(a)
 
     def attention_sums(
-        self,
-        trace,
-        layer: int,
-        heads: np.ndarray,
-        rows: np.ndarray,
-        n_keys: int,
-        trim: bool = False,
+        self, trace, layer: int, heads: np.ndarray, rows: np.ndarray, n_keys: int, trim: bool = False
     ) -> np.ndarray:
         import torch
 
@@ -258,9 +236,7 @@ def _torch_key(key):
     return key
 
 
-def device_trace(
-    q_layers: Sequence, k_layers: Sequence, v_layers: Sequence | None, crossing: Crossing, **fields
-):
+def device_trace(q_layers: Sequence, k_layers: Sequence, v_layers: Sequence | None, crossing: Crossing, **fields):
     """A Trace over device tensors: q (Hq, n, D) and k, v (H, n, D) per layer; fields: the Trace's other
     fields (context_len, tokens, query_positions, meta)."""
     from kvviz.trace import Trace

@@ -53,9 +53,7 @@ SWEEP_METHODS: dict[str, Callable[[int], Spec]] = {}
 for _name in SCORERS:
     SWEEP_METHODS[_name] = partial(split_spec, _name)
     if get_policy(_name).window_only:
-        SWEEP_METHODS["recent-only"] = partial(
-            lambda s_, b: Spec(sink=0, recent=b, scorer=s_), _name
-        )
+        SWEEP_METHODS["recent-only"] = partial(lambda s_, b: Spec(sink=0, recent=b, scorer=s_), _name)
 # allocations over heads / layers around the one-shot scorers they suit (Policy.allocated_in_sweeps)
 SWEEP_METHODS.update(
     {
@@ -78,19 +76,10 @@ SWEEP_METHODS.update(
 # precision (kivi_residual: less on a prompt too short to quantize a group otherwise).
 QUANT_METHODS: dict[str, Callable[[int], Spec]] = {
     "kivi-2bit": lambda n: Spec(
-        key_bits=2,
-        value_bits=2,
-        key_axis="channel",
-        value_axis="token",
-        group_size=32,
-        residual=kivi_residual(n),
+        key_bits=2, value_bits=2, key_axis="channel", value_axis="token", group_size=32, residual=kivi_residual(n)
     ),
-    "kv-4bit": lambda n: Spec(
-        key_bits=4, value_bits=4, key_axis="channel", value_axis="token", group_size=32
-    ),
-    "kv-8bit": lambda n: Spec(
-        key_bits=8, value_bits=8, key_axis="channel", value_axis="token", group_size=32
-    ),
+    "kv-4bit": lambda n: Spec(key_bits=4, value_bits=4, key_axis="channel", value_axis="token", group_size=32),
+    "kv-8bit": lambda n: Spec(key_bits=8, value_bits=8, key_axis="channel", value_axis="token", group_size=32),
     "2bit-per-token-keys": lambda n: Spec(
         key_bits=2, value_bits=2, key_axis="token", value_axis="token", group_size=32
     ),
@@ -100,9 +89,7 @@ QUANT_METHODS: dict[str, Callable[[int], Spec]] = {
 QUANT_METHODS.update(
     {
         "fp16": lambda n: Spec(),  # the full cache: the baseline row
-        "fp8-e4m3-tensor": lambda n: Spec(
-            key_format="e4m3", value_format="e4m3", fp8_scale="tensor"
-        ),
+        "fp8-e4m3-tensor": lambda n: Spec(key_format="e4m3", value_format="e4m3", fp8_scale="tensor"),
         "fp8-e4m3-head": lambda n: Spec(key_format="e4m3", value_format="e4m3", fp8_scale="head"),
         "fp8-e4m3-token": lambda n: Spec(key_format="e4m3", value_format="e4m3", fp8_scale="token"),
         "fp8-e5m2-head": lambda n: Spec(key_format="e5m2", value_format="e5m2", fp8_scale="head"),
@@ -110,9 +97,7 @@ QUANT_METHODS.update(
         "mxfp4": lambda n: Spec(key_format="mxfp4", value_format="mxfp4"),
         "nvfp4-rotated": lambda n: Spec(key_format="nvfp4", value_format="nvfp4", rotate="keys"),
         "kivi-2bit-rotated": lambda n: QUANT_METHODS["kivi-2bit"](n).with_(rotate="keys"),
-        "2bit-per-token-keys-rotated": lambda n: QUANT_METHODS["2bit-per-token-keys"](n).with_(
-            rotate="keys"
-        ),
+        "2bit-per-token-keys-rotated": lambda n: QUANT_METHODS["2bit-per-token-keys"](n).with_(rotate="keys"),
         "hf-qc-4bit": lambda n: hf_quantized_cache(4),
         "hf-qc-2bit": lambda n: hf_quantized_cache(2),
     }
@@ -127,11 +112,7 @@ def sweep_spec(name: str, budget: int, n: int) -> Spec:
 
 
 def sweep(
-    model,
-    ref: Reference,
-    methods: Sequence[str],
-    budgets: Sequence[int],
-    progress: Progress | None = None,
+    model, ref: Reference, methods: Sequence[str], budgets: Sequence[int], progress: Progress | None = None
 ) -> list[dict]:
     """Quality against memory ratio: every eviction method at every budget, plus quantizers."""
     jobs: list[tuple[str, int | str, Spec]] = []
@@ -141,10 +122,7 @@ def sweep(
         elif name in QUANT_METHODS:
             jobs.append((name, "", QUANT_METHODS[name](ref.prompt_len)))
         else:
-            raise SpecError(
-                f"unknown sweep method {name!r}; choose from "
-                f"{', '.join([*SWEEP_METHODS, *QUANT_METHODS])}"
-            )
+            raise SpecError(f"unknown sweep method {name!r}; choose from {', '.join([*SWEEP_METHODS, *QUANT_METHODS])}")
     rows = []
     for j, (name, budget, spec) in enumerate(jobs):
         if progress is not None:

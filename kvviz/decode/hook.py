@@ -53,10 +53,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             raise RuntimeError(f"a batch of {query.shape[0]} rows for {len(cache)} caches")
         import torch
 
-        outs = [
-            c.attend(module.layer_idx, query[b], key[b], value[b], scale)
-            for b, c in enumerate(cache)
-        ]
+        outs = [c.attend(module.layer_idx, query[b], key[b], value[b], scale) for b, c in enumerate(cache)]
         out = torch.stack(outs).transpose(1, 2).contiguous()
         return out.to(query.device, query.dtype), None
     if query.shape[0] != 1:

@@ -26,14 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvviz.decode.labsettings import LabSettings, default_settings, fit_to_text, one_pass
-from kvviz.decode.labstore import (
-    LabResult,
-    record_time,
-    load_result,
-    record_run,
-    result_path,
-    save_result,
-)
+from kvviz.decode.labstore import LabResult, record_time, load_result, record_run, result_path, save_result
 from kvviz.spec import Spec
 
 Progress = Callable[[float, str], None]
@@ -95,9 +88,7 @@ def run(
     t1 = time.perf_counter()
     got = _decode_runs(model, ref, runs, c, q, on_full_token, on_token, say)
     if full is None:
-        full = FullSide(
-            ref=ref, greedy_ids=_greedy_ids(got["full"], q) if "full" in got else (), seconds=0.0
-        )
+        full = FullSide(ref=ref, greedy_ids=_greedy_ids(got["full"], q) if "full" in got else (), seconds=0.0)
         with _FULL_LOCK:
             _FULL[key] = full
             while len(_FULL) > _FULL_SIZE:
@@ -128,16 +119,12 @@ def _reference(model, tokenizer, ids, settings: LabSettings, say):
     from kvviz.decode.quality import reference
 
     say(0.0, "full cache: one forward pass over prompt + continuation")
-    ref = reference(
-        model, tokenizer, ids, settings.prompt_tokens, settings.continuation, settings.question
-    )
+    ref = reference(model, tokenizer, ids, settings.prompt_tokens, settings.continuation, settings.question)
     record_time("forward_token", ref.seconds / len(ref.ids))
     return ref
 
 
-def _runs(
-    ref, settings: LabSettings, full, c: int, on_full_token, on_token
-) -> list[tuple[str, Spec, int, Any]]:
+def _runs(ref, settings: LabSettings, full, c: int, on_full_token, on_token) -> list[tuple[str, Spec, int, Any]]:
     """The decode runs, (role, spec, steps, tokens fed): the full cache's greedy text (once per text), the
     compressed greedy text, and for a policy that cannot score the continuation in one pass its
     teacher-forced steps. The first greedy token (the prefill's) is streamed here."""
@@ -252,9 +239,7 @@ def full_cached(model, tokenizer, settings: LabSettings) -> bool:
 
 
 def precompute(
-    settings: LabSettings | None = None,
-    progress: Progress | None = None,
-    loader: Callable[..., tuple] | None = None,
+    settings: LabSettings | None = None, progress: Progress | None = None, loader: Callable[..., tuple] | None = None
 ) -> Path | None:
     """Compute and store the result of `settings` (default: the page's opening settings)."""
     from kvviz.models import load_model
@@ -280,9 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m kvviz.decode.lab",
         description="Precompute the Model lab's default result (and the weights cache).",
     )
-    p.add_argument(
-        "--precompute", action="store_true", help="compute and store the default settings' result"
-    )
+    p.add_argument("--precompute", action="store_true", help="compute and store the default settings' result")
     a = p.parse_args(argv)
     if not a.precompute:
         p.print_help()

@@ -53,9 +53,7 @@ def default_settings(spec: Spec | None = None) -> LabSettings:
     from kvviz.decode.quality import sample_text
 
     spec = spec or links.spec_from_values(links.defaults())
-    return LabSettings(
-        DEFAULT_MODEL, sample_text(), DEFAULT_PROMPT, DEFAULT_CONTINUATION, DEFAULT_GREEDY, spec
-    )
+    return LabSettings(DEFAULT_MODEL, sample_text(), DEFAULT_PROMPT, DEFAULT_CONTINUATION, DEFAULT_GREEDY, spec)
 
 
 def fit_to_text(settings: LabSettings, n_ids: int) -> LabSettings:
@@ -66,9 +64,7 @@ def fit_to_text(settings: LabSettings, n_ids: int) -> LabSettings:
     if n_ids > settings.prompt_tokens or n_ids < 2:
         return settings
     continuation = max(1, min(settings.continuation, n_ids // 2))
-    return dataclasses.replace(
-        settings, prompt_tokens=n_ids - continuation, continuation=continuation
-    )
+    return dataclasses.replace(settings, prompt_tokens=n_ids - continuation, continuation=continuation)
 
 
 def one_pass(spec: Spec) -> bool:

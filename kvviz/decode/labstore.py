@@ -65,11 +65,7 @@ def record_time(kind: str, seconds: float) -> None:
     try:
         d = _timings()
         old = d.get(kind)
-        d[kind] = (
-            float(seconds)
-            if not isinstance(old, (int, float))
-            else 0.5 * old + 0.5 * float(seconds)
-        )
+        d[kind] = float(seconds) if not isinstance(old, (int, float)) else 0.5 * old + 0.5 * float(seconds)
         lab_cache_dir().mkdir(parents=True, exist_ok=True)
         _timings_path().write_text(json.dumps(d))
     except OSError:
@@ -85,12 +81,7 @@ RUNS_KEPT = 5  # per size: the median of the last five
 def run_size(settings: LabSettings) -> tuple:
     """What a run's time depends on: prompt, continuation and greedy tokens, and whether the teacher-forced
     tokens go in one masked pass or step by step."""
-    return (
-        settings.prompt_tokens,
-        settings.continuation,
-        settings.greedy_tokens,
-        one_pass(settings.spec),
-    )
+    return (settings.prompt_tokens, settings.continuation, settings.greedy_tokens, one_pass(settings.spec))
 
 
 def record_run(settings: LabSettings, seconds: float) -> None:
@@ -153,11 +144,7 @@ def result_path(settings: LabSettings) -> Path:
     model_id = settings.model
     if settings.model == BUNDLED and bundled_model_file() is not None:
         model_id = file_sha256(bundled_model_file())
-    where = (
-        []
-        if (settings.device, settings.dtype) == ("cpu", "float32")
-        else [settings.device, settings.dtype]
-    )
+    where = [] if (settings.device, settings.dtype) == ("cpu", "float32") else [settings.device, settings.dtype]
     blob = json.dumps(
         [
             LAB_FORMAT,

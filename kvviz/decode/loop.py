@@ -64,12 +64,7 @@ def prefill(model, ids: Sequence[int]) -> Prefill:
     with torch.inference_mode(), compressed_cache(model, cache):
         logits = _forward(model, ids, 0)
     return Prefill(
-        ids=tuple(ids),
-        logits=logits,
-        k=cache.k,
-        v=cache.v,
-        q=_stack(cache.prefill_q),
-        seconds=time.perf_counter() - t0,
+        ids=tuple(ids), logits=logits, k=cache.k, v=cache.v, q=_stack(cache.prefill_q), seconds=time.perf_counter() - t0
     )
 
 
@@ -120,21 +115,12 @@ def decode(
         raise SpecError("the prompt is empty")
     inv_freq = rope_inv_freq(model)  # RoPE: re-rotation, Expected Attention
     cache = new_cache(
-        model,
-        spec,
-        n + steps,
-        cache_class(spec),
-        mode=mode,
-        tokens=tokens,
-        record=record,
-        inv_freq=inv_freq,
+        model, spec, n + steps, cache_class(spec), mode=mode, tokens=tokens, record=record, inv_freq=inv_freq
     )
     say = progress or (lambda f, m: None)
     if prefix is not None and not prefix.covers(prompt_ids):
         prefix = None
-    prepare(
-        cache, model, repeat, prompt_ids
-    )  # KVzip's reconstruction pass, where the scorer reads one
+    prepare(cache, model, repeat, prompt_ids)  # KVzip's reconstruction pass, where the scorer reads one
     with torch.inference_mode(), compressed_cache(model, cache):
         say(0.0, f"prefill of {n} prompt tokens")
         t0 = time.perf_counter()
@@ -230,9 +216,7 @@ def decode_many(
             checkpoint()
             live = [r for r in range(R) if steps[r] > i]
             toks = [
-                int(feeds[r][i])
-                if feeds[r] is not None and i < len(feeds[r])
-                else int(torch.argmax(rows[r][-1]))
+                int(feeds[r][i]) if feeds[r] is not None and i < len(feeds[r]) else int(torch.argmax(rows[r][-1]))
                 for r in live
             ]
             active[:] = [caches[r] for r in live]
@@ -248,11 +232,7 @@ def decode_many(
 
 
 def plain_decode(
-    model,
-    prompt_ids: Sequence[int],
-    steps: int,
-    feed: Sequence[int] | None = None,
-    timings: dict | None = None,
+    model, prompt_ids: Sequence[int], steps: int, feed: Sequence[int] | None = None, timings: dict | None = None
 ):
     """The plain full-cache baseline: transformers' DynamicCache, one token a step.
 
@@ -279,11 +259,7 @@ def plain_decode(
         rows.append(last)
         for i in range(steps):
             tok = int(feed[i]) if feed is not None and i < len(feed) else int(torch.argmax(last))
-            out = model(
-                input_ids=torch.tensor([[tok]], device=device),
-                past_key_values=cache,
-                use_cache=True,
-            )
+            out = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=cache, use_cache=True)
             last = out.logits[0, -1].float()
             rows.append(last)
             fed.append(tok)
@@ -292,9 +268,7 @@ def plain_decode(
     return torch.stack(rows), fed
 
 
-def masked_reference_logits(
-    model, ids: Sequence[int], prompt_len: int, evicted: Callable[[int], Sequence[int]]
-):
+def masked_reference_logits(model, ids: Sequence[int], prompt_len: int, evicted: Callable[[int], Sequence[int]]):
     """transformers' own eager attention with a 2-D mask with holes and explicit position_ids.
 
     The full DynamicCache is kept; at decode position p the mask zeroes `evicted(p)`.

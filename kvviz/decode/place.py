@@ -49,11 +49,7 @@ def on(a: np.ndarray, device):
     import torch
 
     t = torch.from_numpy(np.ascontiguousarray(a))
-    return (
-        t
-        if device is None or torch.device(device).type == "cpu"
-        else t.to(device, non_blocking=True)
-    )
+    return t if device is None or torch.device(device).type == "cpu" else t.to(device, non_blocking=True)
 
 
 def is_cpu(device) -> bool:
@@ -107,11 +103,7 @@ def device_error(exc: BaseException) -> str | None:
     oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if (oom and isinstance(exc, oom)) or "out of memory" in text.lower():
-        where = (
-            "GPU"
-            if "cuda" in text.lower() or "gpu" in text.lower() or (oom and isinstance(exc, oom))
-            else "device"
-        )
+        where = "GPU" if "cuda" in text.lower() or "gpu" in text.lower() or (oom and isinstance(exc, oom)) else "device"
         if "mps" in text.lower():
             where = "MPS"
         return OOM_ADVICE.format(where=where) + f" ({text[:160]})"
@@ -124,7 +116,5 @@ def device_error(exc: BaseException) -> str | None:
         or "torch not compiled with cuda" in low
         or "mps backend" in low
     ):
-        return (
-            f"that device is not available here ({text[:160]}); use --device cpu or another device"
-        )
+        return f"that device is not available here ({text[:160]}); use --device cpu or another device"
     return None

@@ -72,9 +72,7 @@ class Reference:
         """The position the cache is compressed at (the first token not in it): the prompt's end, or with a
         question and "before-question" the question's start."""
         if question_point not in QUESTION_POINTS:
-            raise SpecError(
-                f"the compression point is one of {', '.join(QUESTION_POINTS)}, got {question_point!r}"
-            )
+            raise SpecError(f"the compression point is one of {', '.join(QUESTION_POINTS)}, got {question_point!r}")
         if self.question_start is None or question_point == "after-question":
             return self.prompt_len
         return self.question_start
@@ -121,8 +119,7 @@ def check_lengths(
         raise SpecError(f"the continuation needs at least 1 token, got {continuation_tokens}")
     if m > max_new:
         raise SpecError(
-            f"the continuation is capped at {max_new} tokens (asked for {m}); "
-            "use fewer continuation tokens"
+            f"the continuation is capped at {max_new} tokens (asked for {m}); use fewer continuation tokens"
         )
     return prompt_tokens, m
 
@@ -167,17 +164,11 @@ def reference(
     is context + question; Reference.compression_point says where a run compresses."""
     import torch
 
-    ids = (
-        tokenize(tokenizer, text_or_ids)
-        if isinstance(text_or_ids, str)
-        else [int(i) for i in text_or_ids]
-    )
+    ids = tokenize(tokenizer, text_or_ids) if isinstance(text_or_ids, str) else [int(i) for i in text_or_ids]
     n, m = check_lengths(len(ids), prompt_tokens, continuation_tokens)
     q = question_ids(tokenizer, question) if question else []
     if q and n + len(q) > MAX_PROMPT_TOKENS:
-        raise SpecError(
-            f"context + question is {n + len(q)} tokens, past the prompt cap of {MAX_PROMPT_TOKENS}"
-        )
+        raise SpecError(f"context + question is {n + len(q)} tokens, past the prompt cap of {MAX_PROMPT_TOKENS}")
     ids = ids[:n] + q + ids[n : n + m]
     question_start = n if q else None
     n += len(q)
@@ -319,20 +310,13 @@ def evaluate(
         prefix=ref.prefill,
         repeat=ref.repeat,
         block=block,
-        progress=None
-        if progress is None
-        else (lambda f, msg: progress(f, f"{spec.label()}: {msg}")),
+        progress=None if progress is None else (lambda f, msg: progress(f, f"{spec.label()}: {msg}")),
     )
     return quality_from(ref, spec, logits[n - c :], cache, t0, compressed_at=c)
 
 
 def quality_from(
-    ref: Reference,
-    spec: Spec,
-    logits,
-    cache: CompressedCache,
-    t0: float,
-    compressed_at: int | None = None,
+    ref: Reference, spec: Spec, logits, cache: CompressedCache, t0: float, compressed_at: int | None = None
 ) -> Quality:
     """Quality of a teacher-forced run's logits (m, vocab) against the reference (see evaluate); the logits
     predict the continuation's tokens (a question decoded before them is cut off by the caller)."""

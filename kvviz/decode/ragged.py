@@ -79,9 +79,7 @@ class RaggedCache(CompressedCache):
     def __init__(self, spec: Spec, *args, **kwargs) -> None:
         super().__init__(spec, *args, **kwargs)
         if spec.positions == "cache":
-            raise SpecError(
-                "re-rotating keys to cache slots is not simulated for ragged (AdaKV) caches"
-            )
+            raise SpecError("re-rotating keys to cache slots is not simulated for ragged (AdaKV) caches")
         # per layer, per head (m_h,)
         self.heads_kept: list[list[np.ndarray]] = [[] for _ in range(self.L)]
         self.head_budget: list[np.ndarray | None] = [None] * self.L

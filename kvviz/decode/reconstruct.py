@@ -45,9 +45,7 @@ class RepeatPrompt:
 
 def repeat_prompt(tokenizer) -> RepeatPrompt:
     prefix, suffix = template_parts(tokenizer)
-    return RepeatPrompt(
-        prefix, tuple(suffix), tuple(_encode(tokenizer, FIRST)), tuple(_encode(tokenizer, LATER))
-    )
+    return RepeatPrompt(prefix, tuple(suffix), tuple(_encode(tokenizer, FIRST)), tuple(_encode(tokenizer, LATER)))
 
 
 def prepare(cache, model, repeat, ids: Sequence[int], memo: dict | None = None) -> None:
@@ -139,9 +137,7 @@ def kvzip_scores(model, repeat: RepeatPrompt, ids: Sequence[int], chunk: int = C
             _forward(model, ids + replay, 0, last_only=True)
         sink = min(N_SINK, start)
         seen = np.r_[0:sink, start:end, c : c + r]  # the keys the repeat's softmax runs over
-        causal = np.triu(
-            np.full((r, r), -np.inf), k=1
-        )  # a repeat query sees the repeat up to itself
+        causal = np.triu(np.full((r, r), -np.inf), k=1)  # a repeat query sees the repeat up to itself
         for layer in range(L):
             q = _host(cache.prefill_q[layer][:, c : c + r]).reshape(H, g, r, D)  # (H, g, r, D)
             k = _host(cache.k[layer][:, torch.as_tensor(seen)])  # (H, m, D)

@@ -119,12 +119,7 @@ def side_by_side(
         full = [int(i) for i in full_ids[:max_new_tokens]]
     else:
         full = greedy(
-            model,
-            ids,
-            Spec(),
-            max_new_tokens,
-            prefix=prefix,
-            progress=lambda f, m: say(0.5 * f, "full cache: " + m),
+            model, ids, Spec(), max_new_tokens, prefix=prefix, progress=lambda f, m: say(0.5 * f, "full cache: " + m)
         )
     comp = greedy(
         model,

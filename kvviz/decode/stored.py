@@ -76,9 +76,7 @@ class StoredKV:
         """kvviz.quant.quantize of x (..., tokens, D) with the spec's K or V settings, no residual."""
         s = self.spec
         bits, axis = (s.key_bits, s.key_axis) if which == "k" else (s.value_bits, s.value_axis)
-        return quantize(
-            x, bits, axis, s.group_size, 0, s.symmetric, zero_point=s.zero_point, partial=s.partial
-        )
+        return quantize(x, bits, axis, s.group_size, 0, s.symmetric, zero_point=s.zero_point, partial=s.partial)
 
     # -- attention ------------------------------------------------------------------------
     def _kv_head(self, layer: int, h: int, idx: np.ndarray):
@@ -96,9 +94,7 @@ class StoredKV:
             if s.quant_model != "kv" or bits >= FULL_BITS or n_quant == 0:
                 continue
             x = host(K if which == "k" else V).copy()
-            x[:n_quant] = quantize(
-                x[None, :n_quant], bits, axis, s.group_size, 0, s.symmetric, **settings
-            )[0]
+            x[:n_quant] = quantize(x[None, :n_quant], bits, axis, s.group_size, 0, s.symmetric, **settings)[0]
             if which == "k":
                 K = on(x, self.device)
             else:
@@ -129,9 +125,7 @@ class StoredKV:
             and device_quantizes(s)
         ):
             residual = formats_residual_at(s, idx, self.length[layer] - 1, self.trace.context_len)
-            return quantize_tensor_torch(K, s, "k", residual), quantize_tensor_torch(
-                V, s, "v", residual
-            )
+            return quantize_tensor_torch(K, s, "k", residual), quantize_tensor_torch(V, s, "v", residual)
         if s.quant_model == "kv" and uses_formats(s):
             return self._kept_kv_formats(layer, host(K), host(V), idx)
         # on the model's device (kvviz.decode.devquant)
@@ -150,9 +144,7 @@ class StoredKV:
 
         s = self.spec
         bits, axis = (s.key_bits, s.key_axis) if which == "k" else (s.value_bits, s.value_axis)
-        return quantize_torch(
-            x, bits, axis, s.group_size, s.residual, s.symmetric, s.zero_point, s.partial
-        )
+        return quantize_torch(x, bits, axis, s.group_size, s.residual, s.symmetric, s.zero_point, s.partial)
 
     def _kept_kv_formats(self, layer: int, K: np.ndarray, V: np.ndarray, idx: np.ndarray):
         """FP8 / FP4 formats, rotation, HF's residual flush (kvviz.quant.formats): the whole

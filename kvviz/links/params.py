@@ -96,9 +96,7 @@ class Param:
             for c in self.choices:
                 if str(c) == raw.strip():
                     return c, None
-            return self.default, (
-                f"{label} is not one of {', '.join(map(str, self.choices))}; using {self.default}."
-            )
+            return self.default, (f"{label} is not one of {', '.join(map(str, self.choices))}; using {self.default}.")
         if self.kind == "list":
             items = [s for s in raw.split(",") if s.strip()]
             by_text = {str(c): c for c in self.choices}
@@ -106,9 +104,7 @@ class Param:
             known = list(dict.fromkeys(by_text[s.strip()] for s in items if s.strip() in by_text))
             bad = [s for s in items if s.strip() not in by_text]
             note = (
-                f"{label}: ignored {', '.join(bad)} (not one of {', '.join(map(str, self.choices))})."
-                if bad
-                else None
+                f"{label}: ignored {', '.join(bad)} (not one of {', '.join(map(str, self.choices))})." if bad else None
             )
             return (tuple(known) if known else self.default), note
         try:
@@ -126,10 +122,7 @@ class Param:
                 if x < self.lo and self.hi >= OPEN_ENDED
                 else f"{number_text(self.lo)}-{number_text(self.hi)}"
             )
-            return (
-                clamped,
-                f"{label} is out of range ({allowed}); clamped to {number_text(clamped)}.",
-            )
+            return (clamped, f"{label} is out of range ({allowed}); clamped to {number_text(clamped)}.")
         return x, None
 
     def encode(self, value: Any) -> str:
@@ -193,9 +186,7 @@ _PARAMS = [
     Param("grid_page", "int", -1, -1, 10_000_000),
     # trade-offs page
     Param("metric", "choice", "tv", choices=("tv", "kl", "js", "mass", "output_error")),
-    Param(
-        "logx", "bool", True
-    ),  # a log memory axis: the bit widths' curves apart, not tangled at the left
+    Param("logx", "bool", True),  # a log memory axis: the bit widths' curves apart, not tangled at the left
     Param("methods", "list", featured(), choices=SCORER_CHOICES),
     Param("sweep_bits", "list", (16, 4, 2), choices=(16, 8, 4, 3, 2)),
     # the quantizers' serving formats (kvviz.quant.formats), a new one included
@@ -237,12 +228,7 @@ _PARAMS = [
 # Where a link opens differently from Spec(): the handbook's budgets, and short trailing groups quantized (KIVI
 # keeps them at 16 bits until they fill: on the handbook example the 14 kept tokens fill no per-channel key
 # group of 32, and the bits slider would reach nothing)
-LINK_DEFAULTS = {
-    "sink": handbook.SINK,
-    "recent": handbook.RECENT,
-    "heavy": handbook.HEAVY,
-    "partial": "quantize",
-}
+LINK_DEFAULTS = {"sink": handbook.SINK, "recent": handbook.RECENT, "heavy": handbook.HEAVY, "partial": "quantize"}
 # Spec settings a link never carries: the random draws' seed (the sources have their own), and the real-model
 # decode's key positions (the Model lab's own `lab_rerotate`)
 NOT_IN_LINKS = frozenset({"seed", "positions"})
@@ -287,9 +273,7 @@ class _Params(dict):
         for p in _setting_params():
             taken = dict.get(self, p.name)
             if taken is not None and taken.setting != p.setting:
-                raise ValueError(
-                    f"setting {p.setting!r}: link name {p.name!r} is already the app's {taken.name!r}"
-                )
+                raise ValueError(f"setting {p.setting!r}: link name {p.name!r} is already the app's {taken.name!r}")
             dict.__setitem__(self, p.name, p)
         self._seen = len(SETTINGS)
 

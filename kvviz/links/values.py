@@ -71,11 +71,7 @@ def parse_query(link: str) -> tuple[dict, list[str]]:
 def encode_query(values: dict) -> str:
     """The query string the app writes for these values: the settings that differ from their defaults."""
     return urlencode(
-        {
-            name: PARAMS[name].encode(v)
-            for name, v in values.items()
-            if name in PARAMS and v != PARAMS[name].default
-        }
+        {name: PARAMS[name].encode(v) for name, v in values.items() if name in PARAMS and v != PARAMS[name].default}
     )
 
 
@@ -112,11 +108,7 @@ def synthetic_preset_values(name: str) -> dict:
     from kvviz.sources.synthetic import PRESETS
 
     preset = PRESETS[name].as_dict()
-    return {
-        **defaults(),
-        "source": "synthetic",
-        **{k: preset[field] for k, field in SYNTHETIC_PARAMS.items()},
-    }
+    return {**defaults(), "source": "synthetic", **{k: preset[field] for k, field in SYNTHETIC_PARAMS.items()}}
 
 
 def resolve_ensemble(choice: str, source: str) -> str | None:
@@ -142,9 +134,7 @@ def view_from_values(v: dict) -> View:
 
 # --- the source a link names ---------------------------------------------------------------------
 
-HANDBOOK_QUANT_NOTE = (
-    "real K/V quantization of keys realised from the handbook's logits (exact at 16 bits)"
-)
+HANDBOOK_QUANT_NOTE = "real K/V quantization of keys realised from the handbook's logits (exact at 16 bits)"
 
 
 @dataclass(frozen=True, eq=False)
@@ -187,8 +177,7 @@ def source_from_values(v: dict, trace: Trace | None = None) -> LinkedSource:
         )
     m = trace.meta
     label = (
-        f"{m['model']}: {m.get('prompt_tokens', trace.context_len)} prompt tokens + {m.get('new_tokens', 0)} "
-        "generated"
+        f"{m['model']}: {m.get('prompt_tokens', trace.context_len)} prompt tokens + {m.get('new_tokens', 0)} generated"
         if m.get("model")
         else f"trace ({trace.n_positions} tokens)"
     )

@@ -16,13 +16,7 @@ from kvviz.models.names import (
     bundled_model_file,
     resolve,
 )
-from kvviz.models.weights import (
-    META_FILE,
-    WEIGHTS_FILE,
-    cached_weights_valid,
-    file_sha256,
-    weights_cache_dir,
-)
+from kvviz.models.weights import META_FILE, WEIGHTS_FILE, cached_weights_valid, file_sha256, weights_cache_dir
 
 __all__ = [
     "Available",

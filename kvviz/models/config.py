@@ -64,10 +64,7 @@ def prefill_work(dims: tuple[int, int, int, int], n_tokens: int, what: str = "th
     return Work(
         what,
         (
-            Part(
-                "attention scores",
-                ((PREFILL_SCORE_COPIES, ""), (Hq, "query heads"), tokens, (n_tokens, "keys")),
-            ),
+            Part("attention scores", ((PREFILL_SCORE_COPIES, ""), (Hq, "query heads"), tokens, (n_tokens, "keys"))),
             Part("queries", ((L, "layers"), (Hq, "query heads"), tokens, (D, "dims"))),
             Part("keys and values", ((4, ""), (L, "layers"), (H, "KV heads"), tokens, (D, "dims"))),
         ),

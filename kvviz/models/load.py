@@ -179,9 +179,7 @@ def load_model(
     return model, tokenizer, model_info(plan.name, plan.where, model, dtype, plan.where_runs)
 
 
-def _plan(
-    name: str, device: str, dtype: str, device_map: str | None, attn: str, torch: Any
-) -> _Plan:
+def _plan(name: str, device: str, dtype: str, device_map: str | None, attn: str, torch: Any) -> _Plan:
     """Check the settings and resolve the name (ModelError when impossible)."""
     name = (name or "").strip()
     torch_dtype(dtype)
@@ -190,29 +188,19 @@ def _plan(
         raise ModelError(f"attention must be one of {', '.join(ATTENTIONS)}, not {attn!r}")
     where, extra = resolve(name)
     gguf = Path(where) / extra["gguf_file"] if "gguf_file" in extra else None
-    return _Plan(
-        name, where, {**extra, "trust_remote_code": False}, gguf, dtype, device, device_map, attn
-    )
+    return _Plan(name, where, {**extra, "trust_remote_code": False}, gguf, dtype, device, device_map, attn)
 
 
-def _from_weights_cache(
-    plan: _Plan, say: Progress, t_start: float
-) -> tuple[Any, Any, ModelInfo] | None:
+def _from_weights_cache(plan: _Plan, say: Progress, t_start: float) -> tuple[Any, Any, ModelInfo] | None:
     """The model from the converted-weights cache; None when it is not there (a stale or corrupt folder is
     deleted: never loaded, rebuilt by the caller)."""
     say(0.02, f"reading {plan.gguf.name} (checking the converted-weights cache)")
     folder = weights_cache_folder(plan.gguf, plan.dtype)
     if cached_weights_valid(folder, plan.gguf, plan.dtype):
-        say(
-            0.1,
-            f"reading the converted weights from the cache ({_eta(_timings().get('cached', 1.0))})",
-        )
+        say(0.1, f"reading the converted weights from the cache ({_eta(_timings().get('cached', 1.0))})")
         try:
             model, tokenizer = _load_plain(
-                folder,
-                torch_dtype(plan.dtype),
-                {"local_files_only": True, "trust_remote_code": False},
-                plan.attn,
+                folder, torch_dtype(plan.dtype), {"local_files_only": True, "trust_remote_code": False}, plan.attn
             )
         except (OSError, ValueError, KeyError, TypeError, RuntimeError):
             model = None  # unreadable after all: convert again
@@ -222,11 +210,7 @@ def _from_weights_cache(
             model.eval()
             _record_timing("cached", time.perf_counter() - t_start)
             say(1.0, "model ready")
-            return (
-                model,
-                tokenizer,
-                model_info(plan.name, plan.where, model, plan.dtype, plan.device),
-            )
+            return (model, tokenizer, model_info(plan.name, plan.where, model, plan.dtype, plan.device))
     if folder.exists():
         import shutil
 
@@ -251,8 +235,7 @@ def _from_pretrained(plan: _Plan, say: Progress) -> tuple[Any, Any]:
         left = expected * (1 - done / total) if expected else 0.0
         say(
             0.3 + 0.55 * done / total,
-            f"converting the GGUF weights (first time only): tensor {done}/{total}, "
-            f"{_eta(left)} left",
+            f"converting the GGUF weights (first time only): tensor {done}/{total}, {_eta(left)} left",
         )
 
     gguf_bar = _silence_gguf_bar(on_tensor) if gguf is not None else None
@@ -265,15 +248,9 @@ def _from_pretrained(plan: _Plan, say: Progress) -> tuple[Any, Any]:
         say(
             0.3,
             "loading the weights"
-            + (
-                f" (converting the GGUF file, first time only: {_eta(expected)})"
-                if gguf is not None
-                else ""
-            ),
+            + (f" (converting the GGUF file, first time only: {_eta(expected)})" if gguf is not None else ""),
         )
-        kwargs: dict[str, Any] = dict(
-            common, attn_implementation=plan.attn, dtype=torch_dtype(plan.dtype)
-        )
+        kwargs: dict[str, Any] = dict(common, attn_implementation=plan.attn, dtype=torch_dtype(plan.dtype))
         if plan.device_map:
             kwargs["device_map"] = plan.device_map
         model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
@@ -284,12 +261,8 @@ def _from_pretrained(plan: _Plan, say: Progress) -> tuple[Any, Any]:
     except (ValueError, KeyError, TypeError) as exc:
         msg = _first_line(exc)
         if gguf is not None and ("architecture" in msg.lower() or "not supported" in msg.lower()):
-            raise ModelError(
-                f"cannot load {name!r}: unsupported GGUF architecture ({msg})"
-            ) from None
-        raise ModelError(
-            f"{name!r} is not a causal language model transformers can load ({msg})"
-        ) from None
+            raise ModelError(f"cannot load {name!r}: unsupported GGUF architecture ({msg})") from None
+        raise ModelError(f"{name!r} is not a causal language model transformers can load ({msg})") from None
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
@@ -309,9 +282,7 @@ def _load_plain(folder: Path, dt: Any, common: dict, attn: str = "eager") -> tup
     transformers.utils.logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **common)
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, **common, attn_implementation=attn, dtype=dt
-        )
+        model = AutoModelForCausalLM.from_pretrained(folder, **common, attn_implementation=attn, dtype=dt)
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
@@ -354,9 +325,7 @@ def model_info(name: str, where: str, model: Any, dtype: str, device: str) -> Mo
         device=str(device),
         config=_jsonable(small),
         layer_kinds=kinds,
-        layer_windows=tuple(
-            int(window) if k == "sliding_attention" and window else None for k in kinds
-        ),
+        layer_windows=tuple(int(window) if k == "sliding_attention" and window else None for k in kinds),
     )
 
 
@@ -367,9 +336,7 @@ def layer_kinds(text_config: Any) -> tuple[str, ...]:
     types = getattr(text_config, "layer_types", None)
     if isinstance(types, (list, tuple)) and len(types) == n:
         return tuple(str(t) for t in types)
-    if getattr(text_config, "sliding_window", None) and getattr(
-        text_config, "use_sliding_window", True
-    ):
+    if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True):
         return ("sliding_attention",) * n
     return ("full_attention",) * n
 
@@ -388,9 +355,7 @@ def _check_causal_lm(name: str, config: Any) -> None:
 
 def _check_device(device: str, torch: Any) -> None:
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelError(
-            f"device {device!r} asked for, but this torch has no CUDA GPU; use --device cpu"
-        )
+        raise ModelError(f"device {device!r} asked for, but this torch has no CUDA GPU; use --device cpu")
     if device == "mps" and not torch.backends.mps.is_available():
         raise ModelError("device 'mps' asked for, but it is not available here; use --device cpu")
 

@@ -79,12 +79,7 @@ def available_models() -> list[Available]:
         if "config.json" not in files and not any(f.endswith(".gguf") for f in files):
             continue
         out.append(
-            Available(
-                repo.repo_id,
-                "hf-cache",
-                True,
-                f"local Hugging Face cache, {repo.size_on_disk / 1e6:.0f} MB",
-            )
+            Available(repo.repo_id, "hf-cache", True, f"local Hugging Face cache, {repo.size_on_disk / 1e6:.0f} MB")
         )
     return out
 
@@ -93,21 +88,14 @@ def available_models() -> list[Available]:
 
 
 def _looks_like_path(name: str) -> bool:
-    return (
-        name.startswith((".", "/", "~"))
-        or name.endswith(".gguf")
-        or name.count("/") > 1
-        or "\\" in name
-    )
+    return name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1 or "\\" in name
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
     """A quick TCP connect to the hub; False with no network (DNS failure, refused, timeout)."""
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
-        with socket.create_connection(
-            (url.hostname or "huggingface.co", url.port or 443), timeout=timeout
-        ):
+        with socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout):
             return True
     except OSError:
         return False
@@ -147,8 +135,7 @@ def resolve(name: str) -> tuple[str, dict[str, Any]]:
             if len(ggufs) == 1:
                 return str(local), {"gguf_file": ggufs[0].name}
             raise ModelError(
-                f"{local} has no config.json: point --model at a transformers model folder "
-                "or a .gguf file"
+                f"{local} has no config.json: point --model at a transformers model folder or a .gguf file"
             )
         return str(local), {}
     if _looks_like_path(name):

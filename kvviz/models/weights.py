@@ -34,12 +34,7 @@ def weights_cache_dir() -> Path:
 
 
 def weights_cache_enabled() -> bool:
-    return os.environ.get("KVVIZ_WEIGHTS_CACHE", "1").strip().lower() not in (
-        "0",
-        "false",
-        "no",
-        "off",
-    )
+    return os.environ.get("KVVIZ_WEIGHTS_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def file_sha256(path: Path) -> str:
@@ -80,17 +75,13 @@ def cached_weights_valid(folder: Path, gguf: Path, dtype: str) -> bool:
     try:
         meta = json.loads((folder / META_FILE).read_text())
         weights = folder / WEIGHTS_FILE
-        if not isinstance(meta, dict) or {
-            k: meta.get(k) for k in _meta_for(gguf, dtype)
-        } != _meta_for(gguf, dtype):
+        if not isinstance(meta, dict) or {k: meta.get(k) for k in _meta_for(gguf, dtype)} != _meta_for(gguf, dtype):
             return False
         if not (folder / "config.json").is_file() or not (folder / "tokenizer.json").is_file():
             return False
         if weights.stat().st_size != meta.get("weights_bytes"):
             return False
-        _HASHES.pop(
-            (str(weights.resolve()), weights.stat().st_size, weights.stat().st_mtime_ns), None
-        )
+        _HASHES.pop((str(weights.resolve()), weights.stat().st_size, weights.stat().st_mtime_ns), None)
         return file_sha256(weights) == meta.get("weights_sha256")
     except (OSError, ValueError):
         return False

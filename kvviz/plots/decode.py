@@ -12,13 +12,7 @@ import html
 import numpy as np
 import plotly.graph_objects as go
 
-from kvviz.plots.style import (
-    LEGEND_BELOW,
-    METHOD_COLORS,
-    METHOD_DASH,
-    METHOD_SYMBOLS,
-    REASON_COLORS,
-)
+from kvviz.plots.style import LEGEND_BELOW, METHOD_COLORS, METHOD_DASH, METHOD_SYMBOLS, REASON_COLORS
 from kvviz.analysis.timeline import EVICTED, FUTURE, KEPT, MISSED, STATE_NAMES, Timeline
 
 # Colours mean what they mean on the Explorer (kvviz.plots.figures): kept = sky blue ("kept"),
@@ -60,9 +54,7 @@ def state_heatmap(tl: Timeline, policy: str, max_tokens: int = 1200, hover: str 
         zmax=3.5,
         colorscale=_discrete_scale(),
         showscale=False,
-        customdata=np.broadcast_to(
-            np.array([tl.tokens[i] for i in x], dtype=object), states[:, lo:].shape
-        ),
+        customdata=np.broadcast_to(np.array([tl.tokens[i] for i in x], dtype=object), states[:, lo:].shape),
         text=np.vectorize(STATE_NAMES.get)(states[:, lo:]),
         hovertemplate=hover + "step %{y}<br>token %{x} %{customdata}<br>%{text}<extra></extra>",
     )
@@ -83,11 +75,7 @@ def state_legend() -> list[go.Scatter]:
 
 
 def timeline_map(
-    tl: Timeline,
-    policy: str,
-    step: int | None = None,
-    max_tokens: int = 1200,
-    shift_step: int | None = None,
+    tl: Timeline, policy: str, step: int | None = None, max_tokens: int = 1200, shift_step: int | None = None
 ) -> go.Figure:
     """Steps x tokens map of what `policy` holds; the chosen step is outlined, a topic shift marked.
 
@@ -117,11 +105,7 @@ def timeline_map(
     for s in pt.compressed_after:  # the cache was scored again after this step's query
         fig.add_hline(y=s + 0.5, line=RECOMPRESS_LINE)
     if len(pt.compressed_after):
-        fig.add_trace(
-            go.Scatter(
-                x=[None], y=[None], mode="lines", name=_recompress_label(tl), line=RECOMPRESS_LINE
-            )
-        )
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=_recompress_label(tl), line=RECOMPRESS_LINE))
     title = (
         f"{policy}: tokens held at each decode step (layer {tl.model_layer}, KV head {tl.kv_head}, "
         f"budget {tl.spec.budget})"
@@ -212,10 +196,7 @@ def nll_chart(tokens, nll: np.ndarray, nll_full: np.ndarray) -> go.Figure:
     x = np.arange(len(nll))
     labels = [t.replace("\n", "\\n") for t in tokens]
     # (values, legend name, hover tag, colour): the full cache first, so the compressed line draws on top
-    lines = (
-        (nll_full, "full cache", "full", "#000000"),
-        (nll, "compressed", "compressed", "#D55E00"),
-    )
+    lines = ((nll_full, "full cache", "full", "#000000"), (nll, "compressed", "compressed", "#D55E00"))
     fig = go.Figure(
         [
             go.Scatter(
@@ -246,11 +227,7 @@ def continuation_html(tokens, first_divergence: int | None, label: str) -> str:
     for i, t in enumerate(tokens):
         style = "padding:1px 2px;border-radius:3px;"
         if first_divergence is not None and i >= first_divergence:
-            style += (
-                "background:#D55E00;color:white;"
-                if i == first_divergence
-                else "background:#fbe3d6;"
-            )
+            style += "background:#D55E00;color:white;" if i == first_divergence else "background:#fbe3d6;"
         text = html.escape(t).replace("\n", "&#8629;<br>")
         title = f"token {i}" + (" - first divergence" if i == first_divergence else "")
         chips.append(f'<span style="{style}" title="{title}">{text}</span>')

@@ -30,9 +30,7 @@ def _token_axis(frame: pd.DataFrame, text_tokens: bool, max_labels: int = 48) ->
         return {}
     step = max(1, -(-len(frame) // max_labels))
     at = frame["position"].to_numpy()[::step]
-    labels = [
-        t.replace("\n", "↵").strip() or "␣" for t in frame["token"].astype(str).to_numpy()[::step]
-    ]
+    labels = [t.replace("\n", "↵").strip() or "␣" for t in frame["token"].astype(str).to_numpy()[::step]]
     return dict(tickmode="array", tickvals=at, ticktext=[w[:10] for w in labels], tickangle=-60)
 
 
@@ -50,16 +48,7 @@ def _figure(traces: list[dict], look: dict, x_axis: dict, y_axis: dict) -> go.Fi
 
 def _points(x, y, name: str, marker: dict, hovertemplate: str, **more) -> dict:
     """A trace of markers, in plotly's dict form."""
-    return dict(
-        type="scatter",
-        x=x,
-        y=y,
-        mode="markers",
-        name=name,
-        marker=marker,
-        hovertemplate=hovertemplate,
-        **more,
-    )
+    return dict(type="scatter", x=x, y=y, mode="markers", name=name, marker=marker, hovertemplate=hovertemplate, **more)
 
 
 # a pinned setting A's values: open diamonds on either chart
@@ -88,13 +77,8 @@ def attention_figure(
         "<b>%{customdata[0]}</b> (position %{x})<br>original %{customdata[1]:.4f}"
         "<br>compressed %{customdata[2]:.4f}<br>%{customdata[3]}<extra></extra>"
     )
-    custom = np.stack(
-        [frame["token"].astype(str), frame["original"], frame["compressed"], frame["reason"]],
-        axis=1,
-    )
-    position, original, compressed = (
-        frame[c].to_numpy() for c in ("position", "original", "compressed")
-    )
+    custom = np.stack([frame["token"].astype(str), frame["original"], frame["compressed"], frame["reason"]], axis=1)
+    position, original, compressed = (frame[c].to_numpy() for c in ("position", "original", "compressed"))
     reason = frame["reason"].to_numpy()
 
     def bars(sel: np.ndarray, values: np.ndarray, name: str, group: str, marker: dict) -> dict:
@@ -112,15 +96,11 @@ def attention_figure(
     ev = reason == "evicted"
     traces = [bars(~ev, original, "original", "original", dict(color=ORIGINAL_COLOR))]
     if ev.any():
-        traces.append(
-            bars(ev, original, "evicted: original (now 0)", "original", _evicted_marker())
-        )
+        traces.append(bars(ev, original, "evicted: original (now 0)", "original", _evicted_marker()))
     for why in REASON_COLORS:
         sel = reason == why
         if why != "evicted" and sel.any():
-            traces.append(
-                bars(sel, compressed, f"compressed: {why}", "compressed", _kept_marker(why))
-            )
+            traces.append(bars(sel, compressed, f"compressed: {why}", "compressed", _kept_marker(why)))
     if pinned is not None:
         traces.append(
             _points(
@@ -218,12 +198,7 @@ def binned_attention_figure(
             dict(color=REASON_COLORS["evicted"], pattern=dict(shape="x")),
             base=kept_mass.tolist(),  # plotly sends "base" as a list (its validator takes any value)
         ),
-        bars(
-            frame["compressed"].to_numpy(),
-            "compressed",
-            0,
-            dict(color=REASON_COLORS["kept (no eviction)"]),
-        ),
+        bars(frame["compressed"].to_numpy(), "compressed", 0, dict(color=REASON_COLORS["kept (no eviction)"])),
     ]
     if "original_max" in frame:
         traces.append(
@@ -232,8 +207,7 @@ def binned_attention_figure(
                 frame["original_max"].to_numpy(),
                 "original: largest single token in the bin",
                 dict(symbol="line-ew-open", size=10, color=OKABE_ITO["black"], line=dict(width=2)),
-                "<b>tokens %{customdata[0]}-%{customdata[1]}</b><br>largest single token "
-                "%{y:.4f}<extra></extra>",
+                "<b>tokens %{customdata[0]}-%{customdata[1]}</b><br>largest single token %{y:.4f}<extra></extra>",
                 customdata=custom,
             )
         )
@@ -255,11 +229,7 @@ def _span(frame: pd.DataFrame) -> str:
     return f"{int(frame['start'].iloc[0])}-{int(frame['end'].iloc[-1])}"
 
 
-BAND_TEXT = {
-    "std": "± 1 sample std",
-    "ci95": "95% t-interval for the mean",
-    "range": "range (min–max)",
-}
+BAND_TEXT = {"std": "± 1 sample std", "ci95": "95% t-interval for the mean", "range": "range (min–max)"}
 
 
 def error_figure(
@@ -291,10 +261,7 @@ def error_figure(
     binned = "start" in frame.columns
     x = (frame["start"] + (frame["tokens"] - 1) / 2 if binned else frame["position"]).to_numpy()
     if binned:
-        hover = _Hover(
-            "tokens %{customdata[0]}-%{customdata[1]}",
-            np.stack([frame["start"], frame["end"]], axis=1),
-        )
+        hover = _Hover("tokens %{customdata[0]}-%{customdata[1]}", np.stack([frame["start"], frame["end"]], axis=1))
         x_title = f"token position {_span(frame)} (bins of {int(frame['tokens'].max())} tokens)"
         y_title = "mass error per bin (sum)"
     else:
@@ -303,9 +270,7 @@ def error_figure(
         x_title = "token" if text_tokens else "token position (index)"
         y_title = "attention error (compressed − original)"
     bar_span = _bar_span(mean, band)
-    traces = _part_bars(x, col, hover) + [
-        _total_ticks(x, mean, band, bar_span, hover, bars, members)
-    ]
+    traces = _part_bars(x, col, hover) + [_total_ticks(x, mean, band, bar_span, hover, bars, members)]
     extreme = col.get("error_extreme") if binned else None
     if extreme is not None:
         traces.append(
@@ -353,14 +318,7 @@ class _Hover:
 def _zero_line() -> dict:
     """The zero line: add_hline's shape, drawn across the plot whatever the x range."""
     return dict(
-        type="line",
-        xref="x domain",
-        x0=0,
-        x1=1,
-        yref="y",
-        y0=0,
-        y1=0,
-        line=dict(width=1, color=OKABE_ITO["black"]),
+        type="line", xref="x domain", x0=0, x1=1, yref="y", y0=0, y1=0, line=dict(width=1, color=OKABE_ITO["black"])
     )
 
 
@@ -376,10 +334,7 @@ def _part_bars(x: np.ndarray, col: dict, hover: _Hover) -> list[dict]:
                     x=x,
                     y=values,
                     name=f"{part} part",
-                    marker=dict(
-                        color=PART_COLORS[part],
-                        pattern=dict(shape="/" if part == "eviction" else ""),
-                    ),
+                    marker=dict(color=PART_COLORS[part], pattern=dict(shape="/" if part == "eviction" else "")),
                     customdata=hover.ids,
                     hovertemplate=f"<b>{hover.label}</b><br>{part} part %{{y:.5f}}<extra></extra>",
                 )

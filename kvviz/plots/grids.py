@@ -38,11 +38,7 @@ def heatmap_figure(
             zmin=zmin,
             zmax=zmax,
             colorbar=dict(title=dict(text=colorbar)),
-            hovertemplate="layer %{y}, head %{x}<br>"
-            + colorbar
-            + " %{z:"
-            + fmt
-            + "}<extra></extra>",
+            hovertemplate="layer %{y}, head %{x}<br>" + colorbar + " %{z:" + fmt + "}<extra></extra>",
         )
     )
     fig = layout(
@@ -149,6 +145,5 @@ def token_grid_html(
     )
     # the chips' font on their box, once (a page of a long text is a thousand chips, sent on every rerun)
     return (
-        f"<div>{legend}</div><div style='line-height:1.9;font-family:monospace;font-size:13px'>"
-        f"{''.join(chips)}</div>"
+        f"<div>{legend}</div><div style='line-height:1.9;font-family:monospace;font-size:13px'>{''.join(chips)}</div>"
     )

@@ -6,29 +6,16 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from kvviz.plots.style import (
-    FONT,
-    LEGEND_BELOW,
-    METHOD_COLORS,
-    METHOD_DASH,
-    METHOD_LABELS,
-    METHOD_SYMBOLS,
-)
+from kvviz.plots.style import FONT, LEGEND_BELOW, METHOD_COLORS, METHOD_DASH, METHOD_LABELS, METHOD_SYMBOLS
 
 # a wrapper over a scorer in a method's name (adakv-snapkv): what the legend adds, and the line's dash
-WRAPPERS = {
-    "adakv": ("AdaKV", "dot"),
-    "pyramid": ("PyramidKV", "dash"),
-    "merge": ("merged", "dashdot"),
-}
+WRAPPERS = {"adakv": ("AdaKV", "dot"), "pyramid": ("PyramidKV", "dash"), "merge": ("merged", "dashdot")}
 
 
 def method_look(method: str) -> tuple[str, str, str, str]:
     """(label, colour, symbol, dash) of a leaderboard method: a scorer's own look, or a wrapper over one
     (adakv-snapkv, merge-snapkv: SnapKV's colour, open markers and the wrapper's dash)."""
-    wrapper, _, scorer = (
-        method.partition("-") if method.split("-")[0] in WRAPPERS else ("", "", method)
-    )
+    wrapper, _, scorer = method.partition("-") if method.split("-")[0] in WRAPPERS else ("", "", method)
     label = METHOD_LABELS[scorer] if scorer in METHOD_LABELS else scorer
     if wrapper:
         name, dash = WRAPPERS[wrapper]
@@ -40,11 +27,7 @@ def leaderboard_figure(board, height: int = 460) -> go.Figure:
     """Score (% right) against the ratio each method reached, per protocol; hover names the nominal ratio."""
     protocols = board.request.protocols
     fig = make_subplots(
-        rows=1,
-        cols=len(protocols),
-        shared_yaxes=True,
-        subplot_titles=protocols,
-        horizontal_spacing=0.06,
+        rows=1, cols=len(protocols), shared_yaxes=True, subplot_titles=protocols, horizontal_spacing=0.06
     )
     scores = board.scores()
     for col, protocol in enumerate(protocols, start=1):

@@ -34,13 +34,7 @@ def ledger_figure(ledger: Ledger) -> go.Figure:
         ("heavy hitters / all", "heavy", HEAVY),
     ):
         fig.add_bar(
-            x=layers,
-            y=ledger.per_layer(col),
-            name=name,
-            marker_color=colour,
-            row=1,
-            col=1,
-            legendgroup="tokens",
+            x=layers, y=ledger.per_layer(col), name=name, marker_color=colour, row=1, col=1, legendgroup="tokens"
         )
     fig.add_scatter(
         x=layers,
@@ -78,12 +72,7 @@ def ledger_figure(ledger: Ledger) -> go.Figure:
         row=2,
         col=1,
     )
-    fig.update_layout(
-        barmode="stack",
-        height=560,
-        margin=dict(t=40, b=40, l=60, r=20),
-        legend=LEGEND_BELOW,
-    )
+    fig.update_layout(barmode="stack", height=560, margin=dict(t=40, b=40, l=60, r=20), legend=LEGEND_BELOW)
     fig.update_xaxes(title_text="layer", row=2, col=1)
     fig.update_yaxes(title_text="tokens", row=1, col=1)
     fig.update_yaxes(title_text="bytes", row=2, col=1)

@@ -35,20 +35,7 @@ SLIDER_LABELS = {
     "bits": "Quantization bits",
 }
 # the texts of each point, in the order the page reads them (lesson_page.js: p.text.<field>)
-FIELDS = (
-    "label",
-    "mass",
-    "tv",
-    "tvq",
-    "kl",
-    "out",
-    "cos",
-    "kv",
-    "ratio",
-    "smaller",
-    "kept",
-    "warnings",
-)
+FIELDS = ("label", "mass", "tv", "tvq", "kl", "out", "cos", "kv", "ratio", "smaller", "kept", "warnings")
 
 
 def slider_display(name: str, value: int) -> str:
@@ -119,9 +106,7 @@ def _opening(lesson: Lesson, texts: list[dict]) -> dict:
     frame = lesson.frame(i)
     marks = frame.pop("kept_tokens" if lesson.binned else "reason")
     return {
-        "columns": {
-            k: [None if math.isnan(x) else x for x in v.tolist()] for k, v in frame.items()
-        },
+        "columns": {k: [None if math.isnan(x) else x for x in v.tolist()] for k, v in frame.items()},
         "marks": marks.tolist(),
         "text": texts[i],
     }
@@ -154,9 +139,7 @@ def lesson_html(
     """
     texts = [point_texts(lesson, i) for i in range(lesson.points)]
     strings: dict[str, int] = {}
-    text_of = np.array(
-        [[strings.setdefault(t[f], len(strings)) for f in FIELDS] for t in texts], dtype=np.uint32
-    )
+    text_of = np.array([[strings.setdefault(t[f], len(strings)) for f in FIELDS] for t in texts], dtype=np.uint32)
     manifest, data = pack(
         {
             "rows": lesson.rows,
@@ -198,12 +181,7 @@ def lesson_html(
         "first": _opening(lesson, texts),
         "fixed": fixed,
         "quant": quant_note,
-        "link": {
-            "base": link_base,
-            "query": link_query,
-            "defaults": link_defaults,
-            "note": link_note,
-        },
+        "link": {"base": link_base, "query": link_query, "defaults": link_defaults, "note": link_note},
     }
     return _page(title, meta, data)
 
@@ -258,8 +236,7 @@ def fixed_settings(spec, view) -> str:
         + (
             "symmetric"
             if spec.symmetric
-            else "asymmetric with a "
-            + ("float offset (KIVI)" if spec.zero_point == "float" else "integer zero point")
+            else "asymmetric with a " + ("float offset (KIVI)" if spec.zero_point == "float" else "integer zero point")
         )
         + f", partial groups {'at 16 bits' if spec.partial == 'full' else 'quantized'}"
     )
@@ -281,9 +258,7 @@ def fixed_settings(spec, view) -> str:
         "positions",
     }
     default = Spec()
-    others = [
-        f"{k} {v}" for k, v in spec.__dict__.items() if k not in skip and v != getattr(default, k)
-    ]
+    others = [f"{k} {v}" for k, v in spec.__dict__.items() if k not in skip and v != getattr(default, k)]
     step = "the last query" if view.step is None else f"query step {view.step}"
     return (
         f"Fixed in this lesson: scorer {spec.scorer}; {quant}"
@@ -313,14 +288,10 @@ def export_lesson(
     """(page, lesson) for a kvviz.links.LinkedSource at the link `values` describe (spec, view from them):
     `build_lesson`, then `lesson_page`."""
     lesson = build_lesson(source, spec, view, grid_given, bars=bars, progress=progress)
-    return lesson_page(
-        lesson, source, view, values, title=title, lecturer=lecturer, app_url=app_url
-    ), lesson
+    return lesson_page(lesson, source, view, values, title=title, lecturer=lecturer, app_url=app_url), lesson
 
 
-def build_lesson(
-    source, spec, view, grid_given: dict | None = None, *, bars: str = "std", progress=None
-) -> Lesson:
+def build_lesson(source, spec, view, grid_given: dict | None = None, *, bars: str = "std", progress=None) -> Lesson:
     """The lesson's numbers: kvviz.analysis.lesson.lesson_grid's default grid for the tokens the query sees
     (any slider's values in `grid_given` instead), compare at every point."""
     from kvviz.analysis.lesson import compute_lesson, lesson_grid
@@ -330,26 +301,12 @@ def build_lesson(
     n_tokens = int(trace.query_positions[check_view(trace, view)]) + 1
     grid, start = lesson_grid(n_tokens, spec, grid_given, limit=trace.n_positions)
     return compute_lesson(
-        trace,
-        spec,
-        view,
-        grid,
-        start,
-        bars=bars,
-        trace_for_seed=source.trace_for_seed,
-        progress=progress,
+        trace, spec, view, grid, start, bars=bars, trace_for_seed=source.trace_for_seed, progress=progress
     )
 
 
 def lesson_page(
-    lesson: Lesson,
-    source,
-    view,
-    values: dict,
-    *,
-    title: str = "",
-    lecturer: str = "",
-    app_url: str = DEFAULT_APP_URL,
+    lesson: Lesson, source, view, values: dict, *, title: str = "", lecturer: str = "", app_url: str = DEFAULT_APP_URL
 ) -> str:
     """The page of a built lesson, with its words (title, the lecturer's text) and its link back to the app."""
     from urllib.parse import parse_qsl
@@ -357,9 +314,7 @@ def lesson_page(
     from kvviz.links import PARAMS, encode_query
 
     base = lesson.specs[lesson.index(**lesson.start)]
-    query = dict(
-        parse_qsl(encode_query({k: v for k, v in values.items() if k not in SLIDER_PARAMS}))
-    )
+    query = dict(parse_qsl(encode_query({k: v for k, v in values.items() if k not in SLIDER_PARAMS})))
     note = (
         ""
         if source.name in ("handbook", "synthetic")

@@ -51,16 +51,12 @@ def grid_figure(cells: Sequence, selected: tuple | None = None, height: int = 33
 
 
 def grids_figure(
-    grids: Sequence[tuple[str | None, str, Sequence]],
-    selected: tuple | None = None,
-    height: int = 330,
+    grids: Sequence[tuple[str | None, str, Sequence]], selected: tuple | None = None, height: int = 330
 ) -> go.Figure:
     """Several grids one above the other, each policy's in one column so a column compares them: grids =
     (key, title, cells) per row. A row with a key adds it to every square's customdata (scorer, length,
     depth, key) and to `selected`, so a click says which grid it was in."""
-    groups = list(
-        dict.fromkeys((c.scorer, c.budget, c.bits) for _, _, cells in grids for c in cells)
-    )
+    groups = list(dict.fromkeys((c.scorer, c.budget, c.bits) for _, _, cells in grids for c in cells))
     lengths = sorted({c.length for _, _, cells in grids for c in cells})
     depths = sorted({c.depth for _, _, cells in grids for c in cells})
     cols, n_rows = max(1, len(groups)), max(1, len(grids))
@@ -94,10 +90,7 @@ def grids_figure(
             )
         fig.update_yaxes(title_text="needle depth", row=r, col=1)
     fig.update_yaxes(
-        type="category",
-        categoryorder="array",
-        categoryarray=[f"{d:.0%}" for d in depths],
-        autorange="reversed",
+        type="category", categoryorder="array", categoryarray=[f"{d:.0%}" for d in depths], autorange="reversed"
     )
     _row_titles(fig, [title for _, title, _ in grids], lines)
     top = 24 + 17 * lines

@@ -46,9 +46,7 @@ def key_rotation_figure(
             colorbar=dict(title="key value"),
             name=name,
             customdata=np.broadcast_to(np.array(labels, dtype=object)[None, :], (d, n)),
-            hovertemplate="channel %{y}<br>token %{x} (%{customdata})<br>%{z:.3f}<extra>"
-            + name
-            + "</extra>",
+            hovertemplate="channel %{y}<br>token %{x} (%{customdata})<br>%{z:.3f}<extra>" + name + "</extra>",
             row=1,
             col=col,
         )

@@ -36,11 +36,7 @@ LABELS = {
     "hf-qc-4bit": "HF QuantizedCache 4-bit",
     "hf-qc-2bit": "HF QuantizedCache 2-bit",
 }
-CLICK = {
-    "synthetic": "click to open in the Explorer",
-    "model": "click to open in the Model lab",
-    "needle": "",
-}
+CLICK = {"synthetic": "click to open in the Explorer", "model": "click to open in the Model lab", "needle": ""}
 
 
 def _study_lines(fig: go.Figure, fr: Frontier) -> None:
@@ -55,9 +51,7 @@ def _study_lines(fig: go.Figure, fr: Frontier) -> None:
         g = g.sort_values("x")
         method, bits, fmt = g[method_col].iloc[0], int(g["bits"].iloc[0]), fmt_of(g)
         model = g["model"].iloc[0] if "model" in g else None
-        name = LABELS.get(method, method) + (
-            f" · {model}" if model is not None and len(models) > 1 else ""
-        )
+        name = LABELS.get(method, method) + (f" · {model}" if model is not None and len(models) > 1 else "")
         fig.add_scatter(
             x=g["x"],
             y=g["mean"],
@@ -76,9 +70,7 @@ def _study_lines(fig: go.Figure, fr: Frontier) -> None:
             hovertemplate=(
                 f"<b>{name}</b>, {width_name(bits, fmt)}<br>budget %{{customdata[1]:.3g}}<br>x %{{x:.3f}}<br>"
                 f"{fr.label} %{{y:.4f}} ± %{{customdata[3]:.4f}} (95% t, N = %{{customdata[2]}} "
-                f"{fr.replicates})"
-                + (f"<br>{CLICK[fr.kind]}" if CLICK[fr.kind] else "")
-                + "<extra></extra>"
+                f"{fr.replicates})" + (f"<br>{CLICK[fr.kind]}" if CLICK[fr.kind] else "") + "<extra></extra>"
             ),
         )
         seen.add(name)
@@ -116,10 +108,7 @@ def frontier_figure(
         height=540,
         subtitle=f"mean over {n} {fr.replicates}; error bars: 95% t-interval for the mean",
     )
-    fig.update_layout(
-        legend=LEGEND_BELOW,
-        margin=dict(b=130),
-    )
+    fig.update_layout(legend=LEGEND_BELOW, margin=dict(b=130))
     if log_x:
         fig.update_xaxes(type="log")
     return fig

@@ -60,10 +60,7 @@ class _ByPolicy(Mapping):
     def _table(self) -> dict:
         from kvviz.policies import POLICIES
 
-        table = {
-            name: getattr(p, self.attr) or (name if self.attr == "title" else "")
-            for name, p in POLICIES.items()
-        }
+        table = {name: getattr(p, self.attr) or (name if self.attr == "title" else "") for name, p in POLICIES.items()}
         return {**{k: v for k, v in table.items() if v}, "full": self.full}
 
     def __getitem__(self, name):
@@ -80,19 +77,10 @@ METHOD_COLORS = _ByPolicy("colour", "#555555")
 METHOD_SYMBOLS = _ByPolicy("symbol", "hexagon")
 METHOD_DASH = _ByPolicy("dash", "longdashdot")
 # the token's fate on the attention chart, as a bar pattern too (evicted: hatched)
-REASON_PATTERNS = {
-    "sink": ".",
-    "recent": "-",
-    "heavy hitter": "x",
-    "kept (no eviction)": "",
-    "evicted": "/",
-}
+REASON_PATTERNS = {"sink": ".", "recent": "-", "heavy hitter": "x", "kept (no eviction)": "", "evicted": "/"}
 FONT = dict(family="Source Sans Pro, sans-serif", size=13)
 # plotly's own toolbar: its camera button saves the chart as SVG (vector, for slides), in the browser
-CHART_CONFIG = {
-    "toImageButtonOptions": {"format": "svg", "filename": "kvviz-chart"},
-    "displaylogo": False,
-}
+CHART_CONFIG = {"toImageButtonOptions": {"format": "svg", "filename": "kvviz-chart"}, "displaylogo": False}
 
 
 def wrap(text: str, width: int, sep: str = " ") -> str:
@@ -113,14 +101,10 @@ def wrap(text: str, width: int, sep: str = " ") -> str:
 # A legend below the plot, anchored to the figure's bottom edge (plotly reserves the margin it needs). Not to
 # the plot area (y < 0 in paper units): after the window's width changes, plotly keeps such a legend where the
 # previous width's margins put it, on top of the x axis's title, until the chart is drawn afresh.
-LEGEND_BELOW = dict(
-    orientation="h", yref="container", yanchor="bottom", y=0.0, xanchor="left", x=0.0
-)
+LEGEND_BELOW = dict(orientation="h", yref="container", yanchor="bottom", y=0.0, xanchor="left", x=0.0)
 
 
-def base_layout(
-    title: str, x_title: str, y_title: str, height: int = 380, subtitle: str = ""
-) -> dict:
+def base_layout(title: str, x_title: str, y_title: str, height: int = 380, subtitle: str = "") -> dict:
     """The layout every kvviz chart shares, as a plain dict: a figure built from dicts in one
     `go.Figure(data=..., layout=...)` is validated once, where each update_* call validates again."""
     text = f"{title}<br><sup>{subtitle}</sup>" if subtitle else title
@@ -136,9 +120,7 @@ def base_layout(
     )
 
 
-def layout(
-    fig: go.Figure, title: str, x_title: str, y_title: str, height: int = 380, subtitle: str = ""
-) -> go.Figure:
+def layout(fig: go.Figure, title: str, x_title: str, y_title: str, height: int = 380, subtitle: str = "") -> go.Figure:
     fig.update_layout(base_layout(title, x_title, y_title, height, subtitle))
     return fig
 
@@ -188,9 +170,7 @@ FORMAT_MARKS = {
 
 def point_marker(method: str, bits: int, fmt: str = "int", color: str | None = None) -> dict:
     """A trade-off point's marker: the method's shape, filled / open and sized by its bit width."""
-    variant, size = (
-        BITS_MARKS.get(bits, ("", 9)) if fmt == "int" else FORMAT_MARKS.get(fmt, ("-open", 13))
-    )
+    variant, size = BITS_MARKS.get(bits, ("", 9)) if fmt == "int" else FORMAT_MARKS.get(fmt, ("-open", 13))
     return dict(
         symbol=METHOD_SYMBOLS.get(method, "circle") + variant,
         size=size,
@@ -235,17 +215,12 @@ def _merged(base: dict, changes: dict) -> dict:
     out = dict(base)
     for key, value in changes.items():
         old = out.get(key)
-        out[key] = (
-            _merged(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
-        )
+        out[key] = _merged(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
     return out
 
 
 def projector(
-    fig: go.Figure,
-    height: int | None = None,
-    y_title: str | None = None,
-    legend_right: bool = False,
+    fig: go.Figure, height: int | None = None, y_title: str | None = None, legend_right: bool = False
 ) -> go.Figure:
     """A chart for a projector (Presentation mode): every text at PROJECTOR_FONT px or more (the
     subtitle too: a plain second title line, not a small <sup>), the legend in two columns below the
@@ -265,21 +240,12 @@ def projector(
     fonts = dict(tickfont=dict(size=PROJECTOR_FONT), title=dict(font=dict(size=PROJECTOR_FONT)))
     # a log axis's in-between labels (the 2 and 5 of each decade) are drawn smaller than its ticks: off
     axes = {
-        name: {
-            **fonts,
-            **({"minorloglabels": "none"} if look.get(name, {}).get("type") == "log" else {}),
-        }
+        name: {**fonts, **({"minorloglabels": "none"} if look.get(name, {}).get("type") == "log" else {})}
         for name in ("xaxis", "yaxis", *look)
         if name.startswith(("xaxis", "yaxis"))
     }
     if y_title:
-        axes.update(
-            {
-                name: _merged(fonts, dict(title=dict(text=y_title)))
-                for name in axes
-                if name[0] == "y"
-            }
-        )
+        axes.update({name: _merged(fonts, dict(title=dict(text=y_title))) for name in axes if name[0] == "y"})
     if legend_right:
         rows = 0
         legend = dict(

@@ -10,21 +10,10 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvviz.analysis.timeline import Timeline
-from kvviz.plots.decode import (
-    RECOMPRESS_LINE,
-    _recompress_label,
-    regret_lines,
-    state_heatmap,
-    state_legend,
-)
+from kvviz.plots.decode import RECOMPRESS_LINE, _recompress_label, regret_lines, state_heatmap, state_legend
 from kvviz.plots.style import wrap
 
-PLAY = dict(
-    frame=dict(duration=150, redraw=True),
-    transition=dict(duration=0),
-    fromcurrent=True,
-    mode="immediate",
-)
+PLAY = dict(frame=dict(duration=150, redraw=True), transition=dict(duration=0), fromcurrent=True, mode="immediate")
 PAUSE = dict(frame=dict(duration=0, redraw=False), mode="immediate")
 JUMP = dict(frame=dict(duration=0, redraw=True), mode="immediate", transition=dict(duration=0))
 
@@ -53,9 +42,7 @@ class Sizes:
     @classmethod
     def of(cls, maps: int, present: bool) -> Sizes:
         n = max(maps, 1)
-        if (
-            present
-        ):  # the maps share one token axis (ticks under the last): between two maps a title only
+        if present:  # the maps share one token axis (ticks under the last): between two maps a title only
             gap, under, legend = 40, 60, 45
             panel = min(200, max(60, (480 - gap * (maps - 1)) // n))
             return cls(
@@ -72,16 +59,7 @@ class Sizes:
             )
         gap, under, buttons, slider, legend = 95, 55, 45, 85, 60
         return cls(
-            False,
-            gap,
-            under,
-            buttons,
-            slider,
-            legend,
-            14,
-            0,
-            (0.28, *(0.72 / n,) * maps),
-            300 + (260 + gap) * maps,
+            False, gap, under, buttons, slider, legend, 14, 0, (0.28, *(0.72 / n,) * maps), 300 + (260 + gap) * maps
         )
 
 
@@ -121,9 +99,7 @@ def _state_maps(fig: go.Figure, tl: Timeline, first: int, max_tokens: int) -> in
         fig.add_trace(entry, row=first, col=1)
     if any(len(pt.compressed_after) for pt in tl.policies.values()):
         fig.add_trace(
-            go.Scatter(
-                x=[None], y=[None], mode="lines", name=_recompress_label(tl), line=RECOMPRESS_LINE
-            ),
+            go.Scatter(x=[None], y=[None], mode="lines", name=_recompress_label(tl), line=RECOMPRESS_LINE),
             row=first,
             col=1,
         )
@@ -132,16 +108,7 @@ def _state_maps(fig: go.Figure, tl: Timeline, first: int, max_tokens: int) -> in
 
 def _row_line(row: int, y: float, line: dict) -> dict:
     """A line across a map's row (between steps y - 0.5 and y + 0.5: y a half step)."""
-    return dict(
-        type="line",
-        xref=f"x{_axis(row)} domain",
-        x0=0,
-        x1=1,
-        yref=f"y{_axis(row)}",
-        y0=y,
-        y1=y,
-        line=line,
-    )
+    return dict(type="line", xref=f"x{_axis(row)} domain", x0=0, x1=1, yref=f"y{_axis(row)}", y0=y, y1=y, line=line)
 
 
 def _fixed_lines(tl: Timeline, first: int, shift_step: int | None, positions: int) -> list[dict]:
@@ -154,9 +121,7 @@ def _fixed_lines(tl: Timeline, first: int, shift_step: int | None, positions: in
     ]
     for row in rows:
         if shift_step is not None and 0 <= shift_step < tl.n_steps:
-            lines.append(
-                _row_line(row, shift_step - 0.5, dict(color="#000000", width=2, dash="dash"))
-            )
+            lines.append(_row_line(row, shift_step - 0.5, dict(color="#000000", width=2, dash="dash")))
         if 0 <= tl.context_len - 0.5 <= positions:
             lines.append(
                 dict(
@@ -188,8 +153,7 @@ def _step_lines(s: int, first: int, maps: int) -> list[dict]:
         )
     ]
     return regret[: first - 1] + [
-        _row_line(row, s, dict(color="#000000", width=1.5, dash="dot"))
-        for row in range(first, first + maps)
+        _row_line(row, s, dict(color="#000000", width=1.5, dash="dot")) for row in range(first, first + maps)
     ]
 
 
@@ -228,10 +192,7 @@ def _controls(step: int, steps: int, size: Sizes, area: int) -> dict:
                 pad=dict(t=0),
                 currentvalue=dict(prefix="decode step ", font=dict(size=size.font + 2)),
                 font=font,
-                steps=[
-                    dict(label=str(s), method="animate", args=[[str(s)], JUMP])
-                    for s in range(steps)
-                ],
+                steps=[dict(label=str(s), method="animate", args=[[str(s)], JUMP]) for s in range(steps)],
             )
         ],
     )
@@ -271,19 +232,14 @@ def timeline_animation(
         row_heights=list(size.heights),
         vertical_spacing=size.gap / area,
         shared_xaxes=present,
-        subplot_titles=(
-            [] if present else ["Regret per step: attention the full model put on evicted tokens"]
-        )
+        subplot_titles=([] if present else ["Regret per step: attention the full model put on evicted tokens"])
         + [f"{labels.get(n, n)}: tokens held at each decode step" for n in tl.policies],
     )
     if not present:
         fig.add_traces(regret_lines(tl, labels, legendgroup="regret"), rows=1, cols=1)
     fixed = _fixed_lines(tl, first, shift_step, _state_maps(fig, tl, first, max_tokens))
     fig.frames = [
-        go.Frame(
-            name=str(s),
-            layout=dict(shapes=fixed + _step_lines(s, first, maps), title=dict(text=title(s))),
-        )
+        go.Frame(name=str(s), layout=dict(shapes=fixed + _step_lines(s, first, maps), title=dict(text=title(s))))
         for s in range(steps)
     ]
     fig.update_layout(

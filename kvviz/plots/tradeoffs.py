@@ -58,12 +58,7 @@ def tradeoff_figure(
         frame["format"] = frame["format"].fillna("int")
         _method_lines(fig, frame, metric, label)
         widths = frame[["bits", "format"]].drop_duplicates()
-        width_legend(
-            fig,
-            sorted(
-                zip(widths["bits"], widths["format"]), key=lambda w: (w[1] != "int", -w[0], w[1])
-            ),
-        )
+        width_legend(fig, sorted(zip(widths["bits"], widths["format"]), key=lambda w: (w[1] != "int", -w[0], w[1])))
         if len(front):
             _frontier(fig, [list(rows)[i] for i in front], metric)
     if current is not None and current.get(metric) is not None:
@@ -76,10 +71,7 @@ def tradeoff_figure(
         f"{label} — {better}",
         height=540,
     )
-    fig.update_layout(
-        legend=LEGEND_BELOW,
-        margin=dict(b=130),
-    )
+    fig.update_layout(legend=LEGEND_BELOW, margin=dict(b=130))
     if log_x:
         fig.update_xaxes(type="log")
     return fig
@@ -141,12 +133,7 @@ def _star(fig: go.Figure, current: dict, metric: str, label: str) -> None:
         y=[current[metric]],
         mode="markers",
         name=f"current: {current.get('label', 'explorer setting')}",
-        marker=dict(
-            symbol="star",
-            size=20,
-            color=OKABE_ITO["yellow"],
-            line=dict(width=2, color=OKABE_ITO["black"]),
-        ),
+        marker=dict(symbol="star", size=20, color=OKABE_ITO["yellow"], line=dict(width=2, color=OKABE_ITO["black"])),
         hovertemplate="current setting<br>memory %{x:.3f}<br>" + label + " %{y:.4f}<extra></extra>",
     )
 

@@ -92,10 +92,7 @@ declare(
         choices=("all", "outside-window"),
         owner=("allocation", "adakv"),
         label="AdaKV safeguard counts",
-        option_labels={
-            "all": "sinks and window first (kvpress)",
-            "outside-window": "heavy hitters only",
-        },
+        option_labels={"all": "sinks and window first (kvpress)", "outside-window": "heavy hitters only"},
         help="all = each head's top α × budget tokens, sinks and window first (kvpress); outside-window = "
         "α × heavy heavy hitters beside them (a larger floor than kvpress's)",
     ),
@@ -144,10 +141,7 @@ def _adakv_needs_one_shot_scores(spec) -> None:
             "over heads: use allocation uniform or pyramid"
         )
     if spec.quantizes and (
-        spec.key_format != "int"
-        or spec.value_format != "int"
-        or spec.rotate != "none"
-        or spec.residual_mode != "kivi"
+        spec.key_format != "int" or spec.value_format != "int" or spec.rotate != "none" or spec.residual_mode != "kivi"
     ):
         raise SpecError(
             "AdaKV's per-head caches have different lengths; the FP8 / FP4 formats, rotation and HF's "
@@ -182,9 +176,7 @@ def pyramid_budgets(heavy: int, n_layers: int, beta: float) -> np.ndarray:
     return out
 
 
-def pyramid_totals(
-    budget: int, window: int, n_context: int, n_layers: int, beta: float
-) -> np.ndarray | None:
+def pyramid_totals(budget: int, window: int, n_context: int, n_layers: int, beta: float) -> np.ndarray | None:
     """kvpress PyramidKVPress.get_layer_budget: each layer's total kept tokens (n_layers,), or None
     where kvpress falls back to the uniform budget.
 
@@ -230,9 +222,7 @@ def select_heads(scores: np.ndarray, spec: Spec, heavy: np.ndarray) -> np.ndarra
     return out
 
 
-def allocate(
-    scores: np.ndarray, spec: Spec, layer: int, n_layers: int, n_context: int
-) -> np.ndarray:
+def allocate(scores: np.ndarray, spec: Spec, layer: int, n_layers: int, n_context: int) -> np.ndarray:
     """Kept mask (H, n) of one layer from its scores under the spec's allocation."""
     return allocation_for(spec).select(scores, spec, layer, n_layers, n_context)
 
@@ -260,9 +250,7 @@ class Uniform:
         """The uniform spec this layer runs under."""
         return spec
 
-    def select(
-        self, scores: np.ndarray, spec: Spec, layer: int, n_layers: int, n_context: int
-    ) -> np.ndarray:
+    def select(self, scores: np.ndarray, spec: Spec, layer: int, n_layers: int, n_context: int) -> np.ndarray:
         """Kept mask (H, n) of one layer from its scores (H, n), as one decision (the oracle and Quest
         decide at every query through this)."""
         return select(scores, self.layer_spec(spec, layer, n_layers, n_context))
@@ -325,11 +313,7 @@ class AdaKV(Uniform):
             floor = min(max(0, int(min(spec.budget, n) * self.alpha) - (n - n_c)), take)
         else:
             floor = min(int(self.alpha * spec.heavy), take)
-        s = np.nan_to_num(
-            np.asarray(scores[:, first:end], dtype=np.float64),
-            nan=-np.inf,
-            posinf=np.finfo(float).max,
-        )
+        s = np.nan_to_num(np.asarray(scores[:, first:end], dtype=np.float64), nan=-np.inf, posinf=np.finfo(float).max)
         # per head, best first, earlier on ties
         order = np.argsort(-s, axis=1, kind="stable")
         rank = np.empty_like(order)
@@ -345,9 +329,7 @@ class AdaKV(Uniform):
             counts += np.bincount(chosen, minlength=H)
         return counts
 
-    def select(
-        self, scores: np.ndarray, spec: Spec, layer: int, n_layers: int, n_context: int
-    ) -> np.ndarray:
+    def select(self, scores: np.ndarray, spec: Spec, layer: int, n_layers: int, n_context: int) -> np.ndarray:
         return select_heads(scores, spec, self.head_budgets(scores, spec))
 
     def keep_masks(self, policy: Scorer, ctx: Any, positions: np.ndarray) -> np.ndarray:
@@ -355,9 +337,7 @@ class AdaKV(Uniform):
         grows its own kept set under fixed scores."""
         trace, spec = ctx.trace, ctx.spec
         if policy.streaming:
-            raise SpecError(
-                f"AdaKV allocates once from one-shot scores; {policy.name} decides at every step"
-            )
+            raise SpecError(f"AdaKV allocates once from one-shot scores; {policy.name} decides at every step")
         positions = np.asarray(positions)
         P, Hkv = trace.n_positions, trace.n_kv_heads
         out = np.zeros((len(positions), Hkv, P), dtype=bool)

@@ -61,9 +61,7 @@ class ScoreContext:
         qp = self.trace.query_positions[self.history_rows]
         return len(qp) - np.searchsorted(qp, np.arange(self.n_positions), side="left")
 
-    def context_attention(
-        self, rows: np.ndarray | None = None, heads: np.ndarray | None = None, trim: bool = False
-    ):
+    def context_attention(self, rows: np.ndarray | None = None, heads: np.ndarray | None = None, trim: bool = False):
         """Chunks of (rows, attention (heads, rows, n_context)) of context queries; trim=True: over
         the keys the chunk's rows may see only (heads, rows, m <= n_context), see context_rows."""
         rows = self.history_rows if rows is None else rows
@@ -187,33 +185,21 @@ class Policy:
         raise NotImplementedError
 
     def query_scores(
-        self,
-        attention: np.ndarray,
-        ctx: ScoreContext,
-        query: np.ndarray | None = None,
-        keys: np.ndarray | None = None,
+        self, attention: np.ndarray, ctx: ScoreContext, query: np.ndarray | None = None, keys: np.ndarray | None = None
     ) -> np.ndarray:
         """needs_query policies: scores (kv_heads, n) at one query from its attention (q_heads, n),
         its query vectors (q_heads, head_dim) and the cached keys (kv_heads, n, head_dim)."""
         raise TypeError(f"{self.name} scores at the compression point: use score")
 
     def query_reads(
-        self,
-        attention: np.ndarray,
-        ctx: ScoreContext,
-        query: np.ndarray | None = None,
-        keys: np.ndarray | None = None,
+        self, attention: np.ndarray, ctx: ScoreContext, query: np.ndarray | None = None, keys: np.ndarray | None = None
     ) -> np.ndarray | None:
         """needs_query policies that choose per query head (Quest as the paper): each query head's own
         read mask (q_heads, n) under the allocation; None where one choice serves a KV head's group."""
         return None
 
     def query_kept(
-        self,
-        attention: np.ndarray,
-        ctx: ScoreContext,
-        query: np.ndarray | None = None,
-        keys: np.ndarray | None = None,
+        self, attention: np.ndarray, ctx: ScoreContext, query: np.ndarray | None = None, keys: np.ndarray | None = None
     ) -> np.ndarray:
         """needs_query policies: the kept (read) mask (kv_heads, n) at one query, under the allocation;
         where query heads choose their own (query_reads), what the KV head's cache serves: their union."""
@@ -229,11 +215,7 @@ class Policy:
         )
 
     def update(
-        self,
-        scores: np.ndarray,
-        attention: np.ndarray,
-        ctx: ScoreContext,
-        seen_counts: np.ndarray | None = None,
+        self, scores: np.ndarray, attention: np.ndarray, ctx: ScoreContext, seen_counts: np.ndarray | None = None
     ) -> None:
         """Streaming policies: fold one later query's attention (q_heads, m) over the kept tokens
         into their scores (kv_heads, m) in place. seen_counts (kv_heads, m): how many queries
@@ -288,10 +270,7 @@ class Policy:
         if hit is not None:
             return hit
         read: set[str] = set()
-        scores = np.asarray(
-            self.score(ScoreContext(ctx.trace, ctx.layer, SpecReads(ctx.spec, read))),
-            dtype=np.float64,
-        )
+        scores = np.asarray(self.score(ScoreContext(ctx.trace, ctx.layer, SpecReads(ctx.spec, read))), dtype=np.float64)
         scores.flags.writeable = False
         READS.note(self.name, read)
         _cache_put(ctx.trace, ctx.layer, self.name, (READS.key(self.name, ctx.spec), extra), scores)
@@ -319,11 +298,7 @@ class Policy:
             own = self.compression_kept(scores[:, :c], spec)
             # the policy's own rule at the compression point; each head its own count if ragged
             if own is not None:
-                caps = (
-                    self.head_caps(scores[:, :c], spec)
-                    if self.ragged
-                    else np.full(Hkv, spec.budget)
-                )
+                caps = self.head_caps(scores[:, :c], spec) if self.ragged else np.full(Hkv, spec.budget)
                 return self._grow(own, caps, scores, spec, c, positions, out)
             # one decision for every head: take it once
             shared = scores.strides[0] == 0 and Hkv > 1
@@ -334,12 +309,7 @@ class Policy:
             return self._simulate(ctx, scores.copy(), positions, out)
 
     def _decoding(
-        self,
-        ctx: ScoreContext,
-        spec: Spec,
-        scores: np.ndarray,
-        positions: np.ndarray,
-        out: np.ndarray,
+        self, ctx: ScoreContext, spec: Spec, scores: np.ndarray, positions: np.ndarray, out: np.ndarray
     ) -> np.ndarray:
         """Kept masks when the cache is compressed again every spec.compress_every decode steps
         (kvviz.policies.recompress): before the prompt's end as compressing once gives them; after it, the
@@ -348,15 +318,11 @@ class Policy:
         own = self.compression_kept(scores[:, :c], spec)
         for i, p in enumerate(positions):
             if p < c:
-                out[i, :, : p + 1] = (
-                    own[:, : p + 1] if own is not None else select(scores[:, : p + 1], spec)
-                )
+                out[i, :, : p + 1] = own[:, : p + 1] if own is not None else select(scores[:, : p + 1], spec)
         kept_c = own if own is not None else select(scores[:, :c], spec)
         # (H, m): equal per head
         held = np.stack([np.flatnonzero(r) for r in kept_c])
-        return decoding_masks(
-            held, c, spec, positions, out, lambda end: self.scores_until(ctx, end)
-        )
+        return decoding_masks(held, c, spec, positions, out, lambda end: self.scores_until(ctx, end))
 
     def scores_until(self, ctx: ScoreContext, end: int) -> np.ndarray:
         """Scores (kv_heads, end) at a compression point after the query at end - 1: the scorer reads the
@@ -395,9 +361,7 @@ class Policy:
                 out[i, h, kept[0]] = True
         return out
 
-    def _simulate(
-        self, ctx: ScoreContext, scores: np.ndarray, positions: np.ndarray, out: np.ndarray
-    ) -> np.ndarray:
+    def _simulate(self, ctx: ScoreContext, scores: np.ndarray, positions: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Run a streaming policy step by step from the compression point.
 
         The cache is held as kept positions per KV head, `kept` (kv_heads, m): every head
@@ -429,9 +393,7 @@ class Policy:
                 continue
             kept_q = np.repeat(kept, g, axis=0)  # (Hq, m)
             if trace.logits is not None:
-                logits = np.take_along_axis(
-                    trace.logits[layer, :, qi].astype(np.float64), kept_q, axis=1
-                )
+                logits = np.take_along_axis(trace.logits[layer, :, qi].astype(np.float64), kept_q, axis=1)
             else:
                 q = trace.q[layer, :, qi].reshape(Hkv, g, -1)  # (Hkv, g, D)
                 # (Hkv, m, D), row gathers

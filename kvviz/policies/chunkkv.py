@@ -99,8 +99,7 @@ class ChunkKV(Policy):
         "SnapKV's votes by default) summed over heads; one decision for every head"
     )
     paper = (
-        "Liu et al. 2025, ChunkKV: semantic-preserving KV cache compression for efficient long-context LLM "
-        "inference"
+        "Liu et al. 2025, ChunkKV: semantic-preserving KV cache compression for efficient long-context LLM inference"
     )
     kvpress = "ChunkKVPress(press=SnapKVPress(...), chunk_length=20)"
 
@@ -133,16 +132,12 @@ class ChunkKV(Policy):
 
         inner = get_policy(ctx.spec.chunk_scorer)
         c = ctx.n_context
-        token = np.broadcast_to(
-            inner.scores_at_compression(ctx), (ctx.trace.n_kv_heads, ctx.n_positions)
-        )[:, :c]
+        token = np.broadcast_to(inner.scores_at_compression(ctx), (ctx.trace.n_kv_heads, ctx.n_positions))[:, :c]
         # kvpress pads what the inner press leaves unranked with max + 1
         if ctx.spec.chunk_rule == "chunks":
             ranked = np.isfinite(token)
             if not ranked.all():
-                token = np.where(
-                    ranked, token, (token[ranked].max() if ranked.any() else 0.0) + 1.0
-                )
+                token = np.where(ranked, token, (token[ranked].max() if ranked.any() else 0.0) + 1.0)
         scores = np.full(ctx.n_positions, -np.inf)
         scores[:c] = chunk_scores(token, c, ctx.spec.chunk_size)
         return np.broadcast_to(scores, (ctx.trace.n_kv_heads, ctx.n_positions))

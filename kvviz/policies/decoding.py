@@ -20,9 +20,7 @@ def one_shot(scorer: str) -> bool:
     from kvviz.policies.registry import POLICIES
 
     policy = POLICIES.get(scorer)
-    return (
-        policy is not None and not policy.streaming and not policy.needs_query and not policy.ragged
-    )
+    return policy is not None and not policy.streaming and not policy.needs_query and not policy.ragged
 
 
 declare(

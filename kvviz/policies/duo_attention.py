@@ -41,14 +41,12 @@ declare(
         label="DuoAttention: share of streaming heads",
         help="DuoAttention: the share of all KV heads (every layer) that keep only the sinks and the recent "
         "window; the others keep every token (kvpress head_compression_ratio).",
-    ),
+    )
 )
 LABELS["duo_attention"] = lambda spec: f"duo_attention ({spec.duo_streaming:.0%} streaming heads)"
 
 
-def _prerope_mean(
-    stack, layer: int, rows: np.ndarray, positions: np.ndarray, inv_freq
-) -> np.ndarray:
+def _prerope_mean(stack, layer: int, rows: np.ndarray, positions: np.ndarray, inv_freq) -> np.ndarray:
     """(heads, d): the mean of a layer's queries or keys `rows` (at `positions`), back before RoPE."""
     on_device = getattr(stack, "moments", None)  # where the stack lives (kvviz.decode.devtrace)
     if on_device is not None:
@@ -64,20 +62,14 @@ def layer_head_scores(trace, layer: int) -> np.ndarray:
     if inv_freq is None:  # no RoPE: the last context query's own attention
         row = int(np.flatnonzero(trace.query_positions == c - 1)[0])
         q = np.asarray(trace.q[layer][:, row], dtype=np.float64)  # (Hq, d)
-        keys = np.repeat(
-            np.asarray(trace.k[layer][:, :c], dtype=np.float64), g, axis=0
-        )  # (Hq, c, d)
+        keys = np.repeat(np.asarray(trace.k[layer][:, :c], dtype=np.float64), g, axis=0)  # (Hq, c, d)
     else:
         rows, context = trace.context_queries, np.arange(c)
-        mean_q = _prerope_mean(
-            trace.q, layer, rows, trace.query_positions[rows], inv_freq
-        )  # (Hq, d)
+        mean_q = _prerope_mean(trace.q, layer, rows, trace.query_positions[rows], inv_freq)  # (Hq, d)
         mean_k = _prerope_mean(trace.k, layer, context, context, inv_freq)  # (Hkv, d)
         spread = np.arange(DUO_POSITIONS)
         q = rotate(mean_q[:, None, :], spread[-1:], inv_freq)[:, 0]  # (Hq, d) at the last position
-        keys = np.repeat(
-            rotate(np.repeat(mean_k[:, None, :], DUO_POSITIONS, 1), spread, inv_freq), g, axis=0
-        )
+        keys = np.repeat(rotate(np.repeat(mean_k[:, None, :], DUO_POSITIONS, 1), spread, inv_freq), g, axis=0)
     attention = softmax(np.einsum("hd,hnd->hn", q, keys) / np.sqrt(d))  # (Hq, n)
     area = np.cumsum(attention, axis=1).mean(axis=1)  # (Hq,)
     return area.reshape(-1, g).mean(axis=1)

@@ -172,9 +172,7 @@ def query_statistics(trace, layer: int, rows: np.ndarray) -> tuple[np.ndarray, n
 
     def compute():
         r = rows[EA_SINK:] if len(rows) > EA_SINK + 1 else rows
-        on_device = getattr(
-            trace.q, "moments", None
-        )  # where the queries live (kvviz.decode.devtrace)
+        on_device = getattr(trace.q, "moments", None)  # where the queries live (kvviz.decode.devtrace)
         if on_device is not None:
             return on_device(layer, r, trace.query_positions[r], rope_inv_freq(trace))
         q = trace.q[layer]
@@ -204,9 +202,7 @@ def query_statistics(trace, layer: int, rows: np.ndarray) -> tuple[np.ndarray, n
     return cached_on_trace(trace, layer, "expected_attention/query-statistics", (), compute)
 
 
-def expected_attention(
-    keys: np.ndarray, mu: np.ndarray, cov: np.ndarray | None, chunk: int = 1024
-) -> np.ndarray:
+def expected_attention(keys: np.ndarray, mu: np.ndarray, cov: np.ndarray | None, chunk: int = 1024) -> np.ndarray:
     """softmax_i(mu . k_i / sqrt(d) + k_i^T S k_i / (2 d)) averaged over each KV group's query heads.
 
     keys (Hkv, n, d), mu (Hkv, g, d), cov (Hkv, g, d, d) or None (mean term only) -> (Hkv, n), float64.

@@ -29,9 +29,7 @@ declare(
         "(kvpress's observed-attention press).",
     )
 )
-LABELS["h2o"] = lambda spec: (
-    "h2o (mean over the queries that saw each token)" if spec.h2o_normalized else "h2o"
-)
+LABELS["h2o"] = lambda spec: "h2o (mean over the queries that saw each token)" if spec.h2o_normalized else "h2o"
 
 
 class H2O(Policy):

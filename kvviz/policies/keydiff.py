@@ -24,8 +24,7 @@ class KeyDiff(Policy):
     dash = "2px,2px,8px,2px"
     chunkable = True
     description = (
-        "least cosine-similar to the anchor, the mean of the context's normalised keys; "
-        "needs no attention at all"
+        "least cosine-similar to the anchor, the mean of the context's normalised keys; needs no attention at all"
     )
     paper = "Park et al. 2025, KeyDiff: key similarity-based KV cache eviction for long-context LLM inference"
     kvpress = "KeyDiffPress"
@@ -40,9 +39,7 @@ class KeyDiff(Policy):
         c = ctx.n_context
         # norms (kv_heads, c), anchor (kv_heads, d), dots (kv_heads, c): on the cache's device where it lives
         norms, anchor, dots = normalised_mean(ctx.trace.k, ctx.layer, c)
-        anchor_norm = np.maximum(
-            np.linalg.norm(anchor.astype(np.float64), axis=-1, keepdims=True), 1e-12
-        )
+        anchor_norm = np.maximum(np.linalg.norm(anchor.astype(np.float64), axis=-1, keepdims=True), 1e-12)
         cos = dots.astype(np.float64) / (norms * anchor_norm)
         scores = np.full((ctx.trace.n_kv_heads, ctx.n_positions), -np.inf)
         scores[:, :c] = -cos

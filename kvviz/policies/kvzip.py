@@ -40,14 +40,9 @@ def reconstruction_scores(trace) -> np.ndarray:
         )
     scores = np.asarray(scores, dtype=np.float64)
     rows = layer_rows(trace, scores)
-    if (
-        scores.ndim != 3
-        or rows is None
-        or scores.shape[1:] != (trace.n_kv_heads, trace.context_len)
-    ):
+    if scores.ndim != 3 or rows is None or scores.shape[1:] != (trace.n_kv_heads, trace.context_len):
         raise SpecError(
-            f"the trace's KVzip scores have shape {scores.shape}, not (layers, {trace.n_kv_heads}, "
-            f"{trace.context_len})"
+            f"the trace's KVzip scores have shape {scores.shape}, not (layers, {trace.n_kv_heads}, {trace.context_len})"
         )
     return scores
 
@@ -67,9 +62,7 @@ def kept_everywhere(scores: np.ndarray, spec) -> np.ndarray:
     L, H, c = scores.shape
     s = scores.copy()
     s[..., : min(spec.sink, c)] = s.max() + 1.0
-    s[..., max(0, c - spec.recent) :] = (
-        np.inf
-    )  # the prompt's last tokens stay (a window of at least one)
+    s[..., max(0, c - spec.recent) :] = np.inf  # the prompt's last tokens stay (a window of at least one)
     pruned = min(max(int(L * H * (c - kvpress_kept(spec.budget))), 0), s.size)
     keep = np.ones(s.size, dtype=bool)
     keep[np.argsort(s, axis=None, kind="stable")[:pruned]] = False
@@ -90,9 +83,7 @@ class KVzip(Policy):
         "scores each token by the attention the model pays it while repeating the context (its own forward "
         "pass); one budget for the whole cache, spent on the best-scored tokens of any layer and head"
     )
-    paper = (
-        "Kim et al. 2025, KVzip: query-agnostic KV cache compression with context reconstruction"
-    )
+    paper = "Kim et al. 2025, KVzip: query-agnostic KV cache compression with context reconstruction"
     kvpress = "KVzipPress(compression_ratio=..., n_sink=4)"
 
     def note(self, spec, trace=None) -> str | None:

@@ -72,9 +72,7 @@ def _merge_needs_a_compression_point(spec) -> None:
         )
 
 
-def merge_weight(
-    similarity: np.ndarray, evicted_norm: np.ndarray, target_norm: np.ndarray
-) -> np.ndarray:
+def merge_weight(similarity: np.ndarray, evicted_norm: np.ndarray, target_norm: np.ndarray) -> np.ndarray:
     """How much of an evicted value goes into its target: the keys' cosine similarity (nothing when
     negative) times the evicted value's share of the two values' norms."""
     return np.maximum(similarity, 0.0) * evicted_norm / (evicted_norm + target_norm + EPS)

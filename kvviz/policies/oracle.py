@@ -38,8 +38,6 @@ class Oracle(Policy):
     def score(self, ctx: ScoreContext) -> np.ndarray:
         raise TypeError("the oracle is scored per evaluated query: use query_scores")
 
-    def query_scores(
-        self, attention: np.ndarray, ctx: ScoreContext, query=None, keys=None
-    ) -> np.ndarray:
+    def query_scores(self, attention: np.ndarray, ctx: ScoreContext, query=None, keys=None) -> np.ndarray:
         """Scores (kv_heads, n) from one query's attention of every query head (q_heads, n)."""
         return ctx.per_kv_head(attention)

@@ -49,10 +49,7 @@ def _builtins() -> dict[str, Policy]:
         found += [
             cls
             for cls in vars(module).values()
-            if isinstance(cls, type)
-            and issubclass(cls, Policy)
-            and cls.__module__ == module.__name__
-            and cls.name
+            if isinstance(cls, type) and issubclass(cls, Policy) and cls.__module__ == module.__name__ and cls.name
         ]
     return {cls.name: cls() for cls in sorted(found, key=lambda c: (c.order, c.name))}
 
@@ -140,13 +137,9 @@ def register(obj, name: str | None = None):
     policy = as_policy(obj, name)
     n = policy.name
     if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_.-]{0,63}", n):
-        raise PluginError(
-            f"plug-in scorer name {n!r} must be a short identifier (letters, digits, _ . -)"
-        )
+        raise PluginError(f"plug-in scorer name {n!r} must be a short identifier (letters, digits, _ . -)")
     if n in SCORERS:
-        raise PluginError(
-            f"plug-in scorer {n!r} would replace kvviz's built-in {n!r}; give it another name"
-        )
+        raise PluginError(f"plug-in scorer {n!r} would replace kvviz's built-in {n!r}; give it another name")
     if type(policy).score is Policy.score and not policy.needs_query:
         raise PluginError(f"plug-in {n!r} does not implement score(ctx)")
     if not getattr(policy, "description", ""):

@@ -58,12 +58,7 @@ LABELS["threshold"] = lambda spec: f"threshold ({spec.threshold_scorer} ≥ {spe
 
 @rule
 def _snapkv_votes_need_a_window(spec) -> None:
-    if (
-        spec.scorer == "threshold"
-        and spec.threshold_scorer == "snapkv"
-        and spec.evicts
-        and spec.recent < 1
-    ):
+    if spec.scorer == "threshold" and spec.threshold_scorer == "snapkv" and spec.evicts and spec.recent < 1:
         raise SpecError(
             "Threshold eviction over SnapKV's votes needs a recent window of at least 1 token: the observation "
             "window (the last context queries, which vote) is kept as part of it"
@@ -106,9 +101,7 @@ class Threshold(Policy):
         from kvviz.policies.registry import get_policy
 
         inner = get_policy(ctx.spec.threshold_scorer)
-        token = np.broadcast_to(
-            inner.scores_at_compression(ctx), (ctx.trace.n_kv_heads, ctx.n_positions)
-        )
+        token = np.broadcast_to(inner.scores_at_compression(ctx), (ctx.trace.n_kv_heads, ctx.n_positions))
         scores = np.full((ctx.trace.n_kv_heads, ctx.n_positions), np.inf)  # arrivals: kept
         scores[:, : ctx.n_context] = token[:, : ctx.n_context]
         return scores

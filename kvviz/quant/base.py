@@ -19,8 +19,6 @@ class CacheBytes:
         return self.payload + self.overhead + self.residual + self.partial
 
 
-def kv_bytes_per_token(
-    layers: int, kv_heads: int, head_dim: int, bytes_per_value: float = 2.0
-) -> float:
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_value: float = 2.0) -> float:
     """Full-cache bytes per token: K and V, every layer and KV head (fp16: 2 bytes)."""
     return 2 * bytes_per_value * layers * kv_heads * head_dim

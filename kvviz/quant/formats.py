@@ -128,8 +128,7 @@ def quantization_label(spec: Spec) -> str:
             parts.append(
                 f"FP8 scale per {spec.fp8_scale}"
                 if spec.fp8_scale != "static"
-                else "FP8 static scales "
-                + ("calibrated on the context" if spec.fp8_calibrate else "1.0")
+                else "FP8 static scales " + ("calibrated on the context" if spec.fp8_calibrate else "1.0")
             )
     if spec.rotate != "none":
         parts.append("Hadamard-rotated " + ("keys" if spec.rotate == "keys" else "keys and values"))
@@ -158,10 +157,7 @@ def is_quantized(spec: Spec, which: str) -> bool:
 def uses_formats(spec: Spec) -> bool:
     """Whether the spec needs this module's path (anything beyond the integer kernel's settings)."""
     return (
-        spec.key_format != "int"
-        or spec.value_format != "int"
-        or spec.rotate != "none"
-        or spec.residual_mode != "kivi"
+        spec.key_format != "int" or spec.value_format != "int" or spec.rotate != "none" or spec.residual_mode != "kivi"
     )
 
 
@@ -188,9 +184,7 @@ def residual_at(spec: Spec, kept_positions: np.ndarray, p: int, context_len: int
     return int(np.min(counts)) if np.ndim(counts) else int(counts)
 
 
-def quantize_values(
-    x: np.ndarray, fmt: str, fp8_scale: str = "head", static_scale: float | None = None
-) -> np.ndarray:
+def quantize_values(x: np.ndarray, fmt: str, fp8_scale: str = "head", static_scale: float | None = None) -> np.ndarray:
     """Quantize-dequantize every token of x (U, T, D) in an FP8 / FP4 / llama.cpp format (one tensor: U heads);
     static_scale: FP8's fixed scale under fp8_scale "static" (None: 1.0)."""
     if fmt in ("e4m3", "e5m2"):
@@ -223,14 +217,7 @@ def quantize_tensor(
     xr = rotate(head) if rotated else head
     if fmt == "int":
         q = integer.quantize(
-            xr,
-            bits,
-            axis,
-            spec.group_size,
-            0,
-            spec.symmetric,
-            zero_point=spec.zero_point,
-            partial=spec.partial,
+            xr, bits, axis, spec.group_size, 0, spec.symmetric, zero_point=spec.zero_point, partial=spec.partial
         )
     else:
         if static_scale is None and spec.fp8_calibrate and fmt in ("e4m3", "e5m2"):
@@ -241,22 +228,12 @@ def quantize_tensor(
     return out
 
 
-def tensor_bytes(
-    spec: Spec, which: str, n_tokens: int, dim: int, kv_heads: int, residual: int
-) -> CacheBytes:
+def tensor_bytes(spec: Spec, which: str, n_tokens: int, dim: int, kv_heads: int, residual: int) -> CacheBytes:
     """Bytes of one KV head's K (or V) cache of n_tokens, `residual` of them at 16 bits."""
     fmt, bits, axis, _ = settings(spec, which)
     if fmt == "int":
         return integer.tensor_bytes(
-            n_tokens,
-            dim,
-            bits,
-            axis,
-            spec.group_size,
-            residual,
-            spec.symmetric,
-            spec.zero_point,
-            spec.partial,
+            n_tokens, dim, bits, axis, spec.group_size, residual, spec.symmetric, spec.zero_point, spec.partial
         )
     n_quant = max(0, n_tokens - residual)
     if fmt in ("e4m3", "e5m2"):
@@ -295,10 +272,7 @@ HF_GROUP = 64
 
 
 def hf_quantized_cache(
-    nbits: int = 4,
-    residual_length: int = HF_RESIDUAL_LENGTH,
-    q_group_size: int = HF_GROUP,
-    **changes,
+    nbits: int = 4, residual_length: int = HF_RESIDUAL_LENGTH, q_group_size: int = HF_GROUP, **changes
 ) -> Spec:
     """transformers' QuantizedCache (quanto backend, its defaults axis_key = axis_value = 0) as a Spec.
 

@@ -64,9 +64,7 @@ def _calibrate_needs_static(spec) -> None:
     if spec.fp8_calibrate and spec.fp8_scale != "static":
         from kvviz.spec import SpecError
 
-        raise SpecError(
-            "fp8_calibrate sets static FP8 scales: use it with fp8_scale static (--fp8-scale static)"
-        )
+        raise SpecError("fp8_calibrate sets static FP8 scales: use it with fp8_scale static (--fp8-scale static)")
 
 
 SCALE_BYTES = 4  # FP32 scales
@@ -97,9 +95,7 @@ def fp32_at_least(x) -> np.ndarray:
     return np.where(s.astype(np.float64) < x, np.nextafter(s, np.float32(np.inf)), s)
 
 
-def fp8_quantize(
-    x: np.ndarray, fmt: str, scale: str = "head", static_scale: float | None = None
-) -> np.ndarray:
+def fp8_quantize(x: np.ndarray, fmt: str, scale: str = "head", static_scale: float | None = None) -> np.ndarray:
     """Quantize-dequantize x (U, T, D) to FP8 (fmt 'e4m3' or 'e5m2'); same dtype as x. static_scale: the
     fixed scale of scale="static" (None: 1.0)."""
     f = FP8[fmt]
@@ -120,9 +116,7 @@ def calibrate(context: np.ndarray, fmt: str) -> float:
     return float(fp32_at_least(amax / FP8[fmt].max_value)) if amax > 0 else UNCALIBRATED
 
 
-def clipped(
-    x: np.ndarray, fmt: str, scale: str = "static", static_scale: float | None = None
-) -> tuple[int, int]:
+def clipped(x: np.ndarray, fmt: str, scale: str = "static", static_scale: float | None = None) -> tuple[int, int]:
     """(saturated, flushed): how many values of x a cast with these scales saturates (|x / s| above the
     format's max, stored as ±max) and flushes to zero (x != 0 stored as 0)."""
     f = FP8[fmt]
@@ -136,9 +130,7 @@ def fp8_bytes(n_quant: int, dim: int, scale: str, kv_heads: int) -> tuple[float,
     """(payload, scale bytes) of one KV head's n_quant quantized tokens; a per-tensor scale
     is shared by the layer's kv_heads heads."""
     n_scales = (
-        {"tensor": 1 / kv_heads, "head": 1.0, "token": float(n_quant), "static": 1 / kv_heads}[
-            scale
-        ]
+        {"tensor": 1 / kv_heads, "head": 1.0, "token": float(n_quant), "static": 1 / kv_heads}[scale]
         if n_quant
         else 0.0
     )

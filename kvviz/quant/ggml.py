@@ -64,9 +64,7 @@ def quantize_blocks(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
         d = (m / np.float32(-8)).astype(np.float32)
         q = np.trunc(b * _reciprocal(d)[..., None] + np.float32(8.5)).astype(np.int16).clip(0, 15)
     else:
-        raise ValueError(
-            f"unknown llama.cpp format {fmt!r}; choose one of {', '.join(GGML_FORMATS)}"
-        )
+        raise ValueError(f"unknown llama.cpp format {fmt!r}; choose one of {', '.join(GGML_FORMATS)}")
     return d.astype(np.float16), q
 
 
@@ -117,13 +115,4 @@ def ggml_bytes(n_quant: int, dim: int, fmt: str) -> tuple[float, float]:
     return float(blocks * (BLOCK_BYTES[fmt] - 2)), float(blocks * 2)
 
 
-__all__ = [
-    "BLOCK",
-    "BLOCK_BYTES",
-    "GGML_FORMATS",
-    "decode",
-    "encode",
-    "ggml_bytes",
-    "ggml_quantize",
-    "quantize_blocks",
-]
+__all__ = ["BLOCK", "BLOCK_BYTES", "GGML_FORMATS", "decode", "encode", "ggml_bytes", "ggml_quantize", "quantize_blocks"]

@@ -143,11 +143,7 @@ def check_bits(spec) -> None:
         if not low <= bits <= 8:
             raise SpecError(
                 f"{what} bits must be {low}-8 (or 16 for no quantization), got {bits}"
-                + (
-                    " — symmetric quantization needs at least 2 bits"
-                    if spec.symmetric and bits == 1
-                    else ""
-                )
+                + (" — symmetric quantization needs at least 2 bits" if spec.symmetric and bits == 1 else "")
             )
 
 
@@ -185,9 +181,7 @@ def _blocks(n_tokens: int, dim: int, axis: str, group: int):
             yield slice(None), slice(full, dim), (n_tokens, 1, dim - full), -1
 
 
-def _scale(
-    block: np.ndarray, bits: int, symmetric: bool, reduce: int
-) -> tuple[np.ndarray, np.ndarray | None]:
+def _scale(block: np.ndarray, bits: int, symmetric: bool, reduce: int) -> tuple[np.ndarray, np.ndarray | None]:
     """Per-group scale s and (asymmetric) minimum, shaped to broadcast against `block`."""
     rows, axis = block, reduce
     if reduce == -1:  # numpy reduces a short last axis row by row (slow): put it first
@@ -325,41 +319,26 @@ def compile_kernel() -> None:
     for dtype in (np.float32, np.float64):
         cache = np.zeros((1, KIVI_GROUP, KIVI_GROUP), dtype=dtype)
         for axis in ("channel", "token"):
-            quantize_kept(
-                cache,
-                np.zeros(1, int),
-                np.arange(KIVI_GROUP)[None],
-                4,
-                axis,
-                KIVI_GROUP,
-                delta=True,
-            )
+            quantize_kept(cache, np.zeros(1, int), np.arange(KIVI_GROUP)[None], 4, axis, KIVI_GROUP, delta=True)
 
 
 def quant_step(
-    x: np.ndarray,
-    bits: int,
-    axis: str = "token",
-    group_size: int = 32,
-    symmetric: bool = False,
-    partial: str = "full",
+    x: np.ndarray, bits: int, axis: str = "token", group_size: int = 32, symmetric: bool = False, partial: str = "full"
 ) -> np.ndarray:
     """The scale s of the group each element of x (..., tokens, dim) falls in (0 where it stays exact).
 
     Every dequantized element is within s/2 of the original, the bound the tests check.
     """
-    n_quant, d_quant, group = quantized_extent(
-        x.shape[-2], x.shape[-1], axis, group_size, 0, partial
-    )
+    n_quant, d_quant, group = quantized_extent(x.shape[-2], x.shape[-1], axis, group_size, 0, partial)
     out = np.zeros(x.shape, dtype=np.float64)
     lead = x.shape[:-2]
     part = x[..., :n_quant, :d_quant]
     for tokens, channels, shape, reduce in _blocks(n_quant, d_quant, axis, group):
         block = part[..., tokens, channels].reshape(*lead, *shape)
         scale, _ = _scale(block, bits, symmetric, reduce)
-        out[..., :n_quant, :d_quant][..., tokens, channels] = np.broadcast_to(
-            scale, block.shape
-        ).reshape(part[..., tokens, channels].shape)
+        out[..., :n_quant, :d_quant][..., tokens, channels] = np.broadcast_to(scale, block.shape).reshape(
+            part[..., tokens, channels].shape
+        )
     return out
 
 
@@ -386,9 +365,7 @@ def tensor_bytes(
     n_res = n_tokens - n_before
     n_quant, d_quant, group = quantized_extent(n_tokens, dim, axis, group_size, residual, partial)
     values = n_quant * d_quant
-    n_groups = (
-        d_quant * -(-n_quant // group) if axis == "channel" else n_quant * -(-d_quant // group)
-    )
+    n_groups = d_quant * -(-n_quant // group) if axis == "channel" else n_quant * -(-d_quant // group)
     zero_bits = 0 if symmetric else (ZERO_BITS if zero_point == "float" else bits)
     return CacheBytes(
         payload=values * bits / 8,

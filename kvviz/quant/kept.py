@@ -54,9 +54,7 @@ def stored_kept(
                 trace.k[layer], heads, where, spec.key_bits, spec.key_axis, delta=True, **settings
             )
         if values is not None and spec.value_bits < FULL_BITS:
-            v_hat = quantize_kept(
-                values, heads, where, spec.value_bits, spec.value_axis, **settings
-            )
+            v_hat = quantize_kept(values, heads, where, spec.value_bits, spec.value_axis, **settings)
         for u, g in enumerate(missing):
             cache[keys[g]] = key_delta[u], v_hat[u]
     return {g: cache[key] for g, key in keys.items()}
@@ -93,7 +91,4 @@ def _stored_kept_formats(
             v_hat = qformats.quantize_tensor(values[rows, where], spec, "v", residual, sv)
         cache[key] = key_delta, v_hat
     key_delta, v_hat = cache[key]
-    return {
-        g: (None if key_delta is None else key_delta[g], None if v_hat is None else v_hat[g])
-        for g in kept_at
-    }
+    return {g: (None if key_delta is None else key_delta[g], None if v_hat is None else v_hat[g]) for g in kept_at}

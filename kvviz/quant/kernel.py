@@ -90,9 +90,7 @@ def _residual(x, at, n_quant, delta, out):
 
 
 @kernel
-def _quantize_by_channel(
-    cache, heads, positions, n_quant, group, top, symmetric, offset, delta, out
-):
+def _quantize_by_channel(cache, heads, positions, n_quant, group, top, symmetric, offset, delta, out):
     """Per-channel groups (KIVI's keys) of every row u: out[u] from cache[heads[u]] at positions[u]."""
     D = cache.shape[2]
     code_lo = -top if symmetric else top - top
@@ -102,9 +100,7 @@ def _quantize_by_channel(
     z = np.empty_like(lo)
     for u in range(len(heads)):
         x, at = cache[heads[u]], positions[u]  # (P, D), (T,)
-        _by_channel(
-            x, at, n_quant, group, top, symmetric, offset, code_lo, delta, out[u], lo, hi, s, z
-        )
+        _by_channel(x, at, n_quant, group, top, symmetric, offset, code_lo, delta, out[u], lo, hi, s, z)
         _residual(x, at, n_quant, delta, out[u])
 
 
@@ -119,9 +115,7 @@ def _by_token(group: int):
     """
 
     @kernel
-    def quantize_by_token(
-        cache, heads, positions, n_quant, d_quant, top, symmetric, offset, delta, out
-    ):
+    def quantize_by_token(cache, heads, positions, n_quant, d_quant, top, symmetric, offset, delta, out):
         D = cache.shape[2]
         code_lo = -top if symmetric else top - top
         # full groups; then a short one up to d_quant
@@ -173,9 +167,7 @@ def _by_token(group: int):
     return quantize_by_token
 
 
-def fake_quantize(
-    cache, heads, positions, n_quant, by_channel, group, d_quant, top, symmetric, offset, delta, out
-):
+def fake_quantize(cache, heads, positions, n_quant, by_channel, group, d_quant, top, symmetric, offset, delta, out):
     """Write the dequantized kept tokens into out (U, T, D).
 
     cache (S, P, D): K or V of one layer; row u of the result holds cache[heads[u]] at
@@ -187,10 +179,6 @@ def fake_quantize(
     (exactly zero where nothing changed).
     """
     if by_channel:
-        _quantize_by_channel(
-            cache, heads, positions, n_quant, group, top, symmetric, offset, delta, out
-        )
+        _quantize_by_channel(cache, heads, positions, n_quant, group, top, symmetric, offset, delta, out)
     else:
-        _by_token(int(group))(
-            cache, heads, positions, n_quant, d_quant, top, symmetric, offset, delta, out
-        )
+        _by_token(int(group))(cache, heads, positions, n_quant, d_quant, top, symmetric, offset, delta, out)

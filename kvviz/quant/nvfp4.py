@@ -31,11 +31,7 @@ def blocked(x: np.ndarray, block: int) -> np.ndarray:
 def nvfp4_scales(x: np.ndarray, block: int = NVFP4_BLOCK) -> tuple[np.float32, np.ndarray]:
     """(tensor scale s_t, block scales s_b (..., n_blocks, 1)) of x (..., D)."""
     amax_t = float(np.abs(x).max(initial=0.0))
-    s_t = (
-        fp32_at_least(amax_t / (E4M3.max_value * E2M1.max_value))[()]
-        if amax_t > 0
-        else np.float32(1.0)
-    )
+    s_t = fp32_at_least(amax_t / (E4M3.max_value * E2M1.max_value))[()] if amax_t > 0 else np.float32(1.0)
     amax_b = np.abs(blocked(x, block)).max(axis=-1, keepdims=True).astype(np.float64)
     s_b = E4M3.round(amax_b / (E2M1.max_value * float(s_t)))
     return s_t, s_b
@@ -51,9 +47,7 @@ def nvfp4_quantize(x: np.ndarray, block: int = NVFP4_BLOCK) -> np.ndarray:
     return out.reshape(*x.shape[:-1], -1)[..., : x.shape[-1]].astype(x.dtype)
 
 
-def nvfp4_bytes(
-    n_quant: int, dim: int, kv_heads: int, block: int = NVFP4_BLOCK
-) -> tuple[float, float]:
+def nvfp4_bytes(n_quant: int, dim: int, kv_heads: int, block: int = NVFP4_BLOCK) -> tuple[float, float]:
     """(payload, scale bytes) of one KV head's n_quant tokens; the tensor scale is shared by kv_heads."""
     if not n_quant:
         return 0.0, 0.0

@@ -64,7 +64,5 @@ def rotate(x: np.ndarray) -> np.ndarray:
 
 def unrotate(x: np.ndarray) -> np.ndarray:
     """Back to the original basis: x R^T (R is symmetric, so this is x R)."""
-    r = hadamard(x.shape[-1]).T.astype(
-        x.dtype if x.dtype in (np.float32, np.float64) else np.float64
-    )
+    r = hadamard(x.shape[-1]).T.astype(x.dtype if x.dtype in (np.float32, np.float64) else np.float64)
     return x @ r

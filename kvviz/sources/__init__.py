@@ -25,18 +25,8 @@ def load_source(name: str, synthetic: SyntheticSpec | None = None) -> Trace:
         return make_synthetic(synthetic or SyntheticSpec())
     path = Path(name)
     if not path.exists():
-        raise TraceError(
-            f"unknown source {name!r}: use handbook, synthetic, or the path of a trace file"
-        )
+        raise TraceError(f"unknown source {name!r}: use handbook, synthetic, or the path of a trace file")
     return load_trace(path)
 
 
-__all__ = [
-    "SOURCES",
-    "SyntheticSpec",
-    "handbook_trace",
-    "load_source",
-    "load_trace",
-    "make_synthetic",
-    "save_trace",
-]
+__all__ = ["SOURCES", "SyntheticSpec", "handbook_trace", "load_source", "load_trace", "make_synthetic", "save_trace"]

@@ -58,9 +58,7 @@ Progress = Callable[[float, str], None]
 
 def _cache_of(out: Any) -> Any:
     fields = getattr(type(out), "__dataclass_fields__", {})
-    return (
-        out["cache"] if "cache" in fields and out.get("cache") is not None else out.past_key_values
-    )
+    return out["cache"] if "cache" in fields and out.get("cache") is not None else out.past_key_values
 
 
 ATTENTIONS = ("sdpa", "eager", "model")  # "model": whatever the model was loaded with
@@ -123,17 +121,7 @@ def capture(
             meta=meta,
         )
     return _capture_to_file(
-        model,
-        tokenizer,
-        info,
-        prompt,
-        req,
-        attention,
-        stop_at_eos,
-        say,
-        dtype,
-        Path(out),
-        more_meta,
+        model, tokenizer, info, prompt, req, attention, stop_at_eos, say, dtype, Path(out), more_meta
     )
 
 
@@ -156,43 +144,25 @@ def _capture_to_file(
     from kvviz.sources.tracewriter import TraceWriter
 
     _, Hq, Hkv, D = model_dims(model)
-    code = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}[
-        str(dtype).split(".")[-1]
-    ]
+    code = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}[str(dtype).split(".")[-1]]
     tensors = {}
     for n in req.layers:
         tensors.update(
-            {
-                f"q.{n}": (code, (Hq, req.T, D)),
-                f"k.{n}": (code, (Hkv, req.T, D)),
-                f"v.{n}": (code, (Hkv, req.T, D)),
-            }
+            {f"q.{n}": (code, (Hq, req.T, D)), f"k.{n}": (code, (Hkv, req.T, D)), f"v.{n}": (code, (Hkv, req.T, D))}
         )
     tensors["query_positions"] = ("I64", (req.T,))
     reserve = 64 * 1024 + 64 * req.T + 4 * len(prompt.encode("utf-8"))
     if more_meta:  # room for a value per (layer, KV head, prompt token), as KVzip's scores take
         reserve += 12 * model_dims(model)[0] * Hkv * req.P
     with TraceWriter(out, tensors, reserve=reserve) as w:
-        run = _run(
-            model,
-            tokenizer,
-            info,
-            req,
-            _FileSink(w, req.layers, dtype),
-            attention,
-            stop_at_eos,
-            say,
-        )
+        run = _run(model, tokenizer, info, req, _FileSink(w, req.layers, dtype), attention, stop_at_eos, say)
         n = run["n"]
         w.put("query_positions", np.arange(req.T, dtype=np.int64))
         meta = _meta(model, tokenizer, info, prompt, req, run, attention)
         meta.update(more_meta(list(req.ids)) if more_meta else {})
         if run["q_scale"] != 1.0:
             meta["query_scale"] = run["q_scale"]
-        w.finish(
-            header_fields(req.P, token_strings(tokenizer, run["ids"]), meta, req.layers),
-            positions=n,
-        )
+        w.finish(header_fields(req.P, token_strings(tokenizer, run["ids"]), meta, req.layers), positions=n)
     say(1.0, run["message"] + f", written to {out.name}")
     return load_trace(out)
 
@@ -218,10 +188,7 @@ def _run(
     def on_layer(layer: int) -> None:
         checkpoint()
         if rec.start == 0:
-            say(
-                prefill_w / total_w * (layer + 1) / n_layers,
-                f"running prefill: layer {layer + 1}/{n_layers}",
-            )
+            say(prefill_w / total_w * (layer + 1) / n_layers, f"running prefill: layer {layer + 1}/{n_layers}")
 
     rec = _Recorder({m: i for i, m in enumerate(req.layers)}, sink, on_layer)
     device = _input_device(model)
@@ -241,20 +208,13 @@ def _run(
             nxt = int(out.logits[0, -1].argmax())
             if stop_at_eos and nxt in eos:
                 stopped = "eos"
-                notes.append(
-                    f"the model ended its answer (end-of-sequence) after {step} new tokens"
-                )
+                notes.append(f"the model ended its answer (end-of-sequence) after {step} new tokens")
                 break
             all_ids.append(nxt)
             rec.start = P + step
             checkpoint()
             say((prefill_w + step) / total_w, f"decoding step {step + 1}/{new_tokens}")
-            out = model(
-                input_ids=torch.tensor([[nxt]], device=device),
-                past_key_values=cache,
-                use_cache=True,
-                **keep,
-            )
+            out = model(input_ids=torch.tensor([[nxt]], device=device), past_key_values=cache, use_cache=True, **keep)
             cache = _cache_of(out)
         next_token = int(out.logits[0, -1].argmax())
     seconds = time.perf_counter() - t0
@@ -289,13 +249,7 @@ def _prefill(model: Any, x: Any, rec: _Recorder) -> tuple[Any, dict]:
 
 
 def _meta(
-    model: Any,
-    tokenizer: Any,
-    info: ModelInfo,
-    prompt: str,
-    req: _Request,
-    run: dict,
-    attention: str | None,
+    model: Any, tokenizer: Any, info: ModelInfo, prompt: str, req: _Request, run: dict, attention: str | None
 ) -> dict[str, Any]:
     """The trace's provenance: the model and where it came from, the versions, the prompt, when."""
     import datetime
@@ -319,12 +273,8 @@ def _meta(
         "dtype": str(_model_dtype(model)).split(".")[-1],
         "device": info.device,
         "attn_implementation": run["attention"],
-        "layer_kinds": [
-            info.layer_kinds[i] if info.layer_kinds else "full_attention" for i in req.layers
-        ],
-        "layer_windows": [
-            info.layer_windows[i] if info.layer_windows else None for i in req.layers
-        ],
+        "layer_kinds": [info.layer_kinds[i] if info.layer_kinds else "full_attention" for i in req.layers],
+        "layer_windows": [info.layer_windows[i] if info.layer_windows else None for i in req.layers],
         "prompt": prompt,
         "prompt_sha256": hashlib.sha256(prompt.encode("utf-8")).hexdigest(),
         "prompt_tokens": P,
@@ -378,9 +328,7 @@ def capture_trace(
     say = progress or (lambda f, m: None)
     if prompt is None or not str(prompt).strip():
         raise CaptureError("the prompt is empty: give some text to capture")
-    model, tokenizer, info = load_model(
-        model_name, device=device, dtype=dtype, progress=lambda f, m: say(0.4 * f, m)
-    )
+    model, tokenizer, info = load_model(model_name, device=device, dtype=dtype, progress=lambda f, m: say(0.4 * f, m))
     return capture(
         model,
         tokenizer,
@@ -404,11 +352,7 @@ def forward_only(model: Any, ids: Sequence[int], attention: str | None = "sdpa")
         if attention and attention != before:
             model.set_attn_implementation(attention)
         try:
-            model(
-                input_ids=torch.tensor([list(ids)], device=_input_device(model)),
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            model(input_ids=torch.tensor([list(ids)], device=_input_device(model)), use_cache=True, logits_to_keep=1)
         finally:
             if attention and attention != before:
                 model.set_attn_implementation(before)

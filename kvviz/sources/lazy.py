@@ -38,9 +38,7 @@ def file_reader(path: str) -> Reader:
     def read(offset: int, n: int) -> bytes:
         out = os.pread(holder.fd, n, offset)
         if len(out) != n:
-            raise TraceError(
-                f"{os.path.basename(path)} is truncated: wanted {n} bytes at {offset}, got {len(out)}"
-            )
+            raise TraceError(f"{os.path.basename(path)} is truncated: wanted {n} bytes at {offset}, got {len(out)}")
         return out
 
     read.holder = holder  # type: ignore[attr-defined] - keeps the descriptor alive with the reader
@@ -139,13 +137,7 @@ class LayerStack:
     def __array__(self, dtype=None, copy=None):
         Work(
             f"reading all of {self.what} from {self.name}",
-            (
-                Part(
-                    self.what,
-                    tuple(zip(self.shape, ("layers", "heads", "positions", "dims"))),
-                    self.dtype.itemsize,
-                ),
-            ),
+            (Part(self.what, tuple(zip(self.shape, ("layers", "heads", "positions", "dims"))), self.dtype.itemsize),),
             lower="the layers read: open one layer (kvviz compare --layer N reads only that one)",
         ).check()
         out = np.stack([self._read(i, None) for i in range(self.shape[0])])
@@ -175,9 +167,7 @@ class LayerStack:
         block = self._read(layer, head)
         with self._lock:
             self._cache[(layer, head)] = block
-            while (
-                len(self._cache) > 1 and sum(b.nbytes for b in self._cache.values()) > CACHE_BYTES
-            ):
+            while len(self._cache) > 1 and sum(b.nbytes for b in self._cache.values()) > CACHE_BYTES:
                 self._cache.popitem(last=False)
         return block
 
@@ -197,9 +187,7 @@ class LayerStack:
         if self.scale != 1.0:
             block = block * np.float32(self.scale)
         if not np.isfinite(block).all():
-            where = f"layer {self.layer_numbers[layer]}" + (
-                "" if head is None else f", head {head}"
-            )
+            where = f"layer {self.layer_numbers[layer]}" + ("" if head is None else f", head {head}")
             raise TraceError(f"{self.name}: {self.what} of {where} contains NaN or infinite values")
         block.flags.writeable = False
         return block

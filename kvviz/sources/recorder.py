@@ -111,15 +111,12 @@ class _Recorder:
             n, d = query.shape[2], query.shape[3]
             if d != key.shape[-1]:
                 raise CaptureError(
-                    f"queries ({d}) and keys ({key.shape[-1]}) differ in head size; "
-                    "kvviz cannot score this attention"
+                    f"queries ({d}) and keys ({key.shape[-1]}) differ in head size; kvviz cannot score this attention"
                 )
             if scaling is not None and abs(scaling * math.sqrt(d) - 1.0) > 1e-6:
                 self.q_scale = float(scaling * math.sqrt(d))
             # query (1, Hq, n, D); key, value (1, Hkv, kv, D) with the n new tokens last
-            self.sink.put(
-                slot, self.start, query[0], key[0, :, -n:], value[0, :, -n:], self.q_scale
-            )
+            self.sink.put(slot, self.start, query[0], key[0, :, -n:], value[0, :, -n:], self.q_scale)
         if self.on_layer is not None:
             self.on_layer(layer)
 
@@ -131,9 +128,7 @@ def _inner_attention(module: Any, impl: str) -> Callable:
     if impl == "eager":
         fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
         if fn is None:
-            raise CaptureError(
-                f"{type(module).__name__} has no eager attention function kvviz can wrap"
-            )
+            raise CaptureError(f"{type(module).__name__} has no eager attention function kvviz can wrap")
         return fn
     return ALL_ATTENTION_FUNCTIONS[impl]
 
@@ -158,9 +153,7 @@ def _register(impl: str) -> str:
     if name not in AttentionInterface._global_mapping:
         AttentionInterface.register(name, _make_capture_attention(impl))
         if impl in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-            AttentionMaskInterface.register(
-                name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[impl]
-            )
+            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[impl])
     return name
 
 

@@ -40,9 +40,7 @@ def parse_layers(spec: str | Sequence[int] | None, n_layers: int) -> list[int] |
         layers = sorted({int(x) for x in spec})
     bad = [x for x in layers if not 0 <= x < n_layers]
     if bad or not layers:
-        raise CaptureError(
-            f"layers {bad or spec} do not exist: this model has layers 0-{n_layers - 1}"
-        )
+        raise CaptureError(f"layers {bad or spec} do not exist: this model has layers 0-{n_layers - 1}")
     return layers
 
 
@@ -67,12 +65,7 @@ class _Request:
 
 
 def _request(
-    tokenizer: Any,
-    info: ModelInfo,
-    prompt: str,
-    new_tokens: int,
-    max_tokens: int,
-    layers: str | Sequence[int] | None,
+    tokenizer: Any, info: ModelInfo, prompt: str, new_tokens: int, max_tokens: int, layers: str | Sequence[int] | None
 ) -> _Request:
     """Check the settings and tokenize the prompt, cut to max_tokens (and the model's positions)."""
     if prompt is None or not str(prompt).strip():
@@ -99,12 +92,7 @@ def _request(
         )
         notes.append(f"the prompt has {total} tokens; kept the first {limit} ({why})")
     return _Request(
-        ids,
-        chosen if chosen is not None else list(range(info.n_layers)),
-        new_tokens,
-        max_tokens,
-        total,
-        tuple(notes),
+        ids, chosen if chosen is not None else list(range(info.n_layers)), new_tokens, max_tokens, total, tuple(notes)
     )
 
 
@@ -128,9 +116,7 @@ def capture_work(
     if item_bytes is None:
         parts = [
             Part("queries", ((n_layers, "layers"), (Hq, "query heads"), T, (D, "dims"))),
-            Part(
-                "keys and values", ((2, ""), (n_layers, "layers"), (H, "KV heads"), T, (D, "dims"))
-            ),
+            Part("keys and values", ((2, ""), (n_layers, "layers"), (H, "KV heads"), T, (D, "dims"))),
         ]
     else:
         parts = [
@@ -144,12 +130,7 @@ def capture_work(
         parts.append(
             Part(
                 "attention scores",
-                (
-                    (PREFILL_SCORE_COPIES, ""),
-                    (Hq, "query heads"),
-                    (n_prompt, "tokens"),
-                    (n_prompt, "keys"),
-                ),
+                ((PREFILL_SCORE_COPIES, ""), (Hq, "query heads"), (n_prompt, "tokens"), (n_prompt, "keys")),
             )
         )
     return Work(

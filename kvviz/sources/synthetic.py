@@ -70,19 +70,9 @@ class SyntheticSpec:
         return Work(
             "the synthetic pattern",
             (
+                Part("queries", ((self.layers, "layers"), (self.q_heads, "query heads"), positions, dims)),
                 Part(
-                    "queries",
-                    ((self.layers, "layers"), (self.q_heads, "query heads"), positions, dims),
-                ),
-                Part(
-                    "keys and values",
-                    (
-                        (2, ""),
-                        (self.layers, "layers"),
-                        (self.kv_heads, "KV heads"),
-                        positions,
-                        dims,
-                    ),
+                    "keys and values", ((2, ""), (self.layers, "layers"), (self.kv_heads, "KV heads"), positions, dims)
                 ),
                 Part("scratch", ((SCRATCH_ARRAYS, ""), positions, dims), item_bytes=8),
             ),
@@ -102,21 +92,12 @@ def check_synthetic(s: SyntheticSpec) -> None:
         raise SpecError("need at least one layer, and query heads a multiple of KV heads")
     reserved = 2 * N_ROPE_PAIRS + 1 + s.n_anchors + s.n_shift_tokens + s.outlier_channels + 4
     if s.head_dim < reserved:
-        raise SpecError(
-            f"head dim {s.head_dim} is too small for these knobs; needs at least {reserved}"
-        )
+        raise SpecError(f"head dim {s.head_dim} is too small for these knobs; needs at least {reserved}")
     if s.n_anchors + s.n_shift_tokens > s.context // 2:
         raise SpecError("too many anchor / topic-shift tokens for this context length")
     if s.local_width <= 0 or not 0 <= s.shift_at <= 1:
         raise SpecError("locality width must be positive and the shift point between 0 and 1")
-    values = (
-        s.sink_strength,
-        s.local_strength,
-        s.anchor_strength,
-        s.sparsity,
-        s.topic_shift,
-        s.outlier_scale,
-    )
+    values = (s.sink_strength, s.local_strength, s.anchor_strength, s.sparsity, s.topic_shift, s.outlier_scale)
     if not all(np.isfinite(values)) or min(values) < 0:
         raise SpecError("strengths, sparsity and scales must be finite and non-negative")
     s.work().check()  # before anything is allocated: the knobs' product, not each knob alone
@@ -218,14 +199,10 @@ def _query_head(rng, spec: SyntheticSpec, at: _Layout, depth: float) -> np.ndarr
     rot = np.tile([1.0, 0.0], (P, N_ROPE_PAIRS, 1)) * (local * at.rope_w * sqrt_d)[:, None]
     qq[:, : at.n_rot] = _rotate(rot, pos, at.theta).reshape(P, at.n_rot)
     qq[:, at.c_sink] = spec.sink_strength * mix[1] * (0.7 + 0.3 * depth)
-    qq[:, at.c_anchor : at.c_shift] = (
-        spec.anchor_strength * mix[2] * rng.uniform(0.7, 1.3, spec.n_anchors)
-    )
+    qq[:, at.c_anchor : at.c_shift] = spec.anchor_strength * mix[2] * rng.uniform(0.7, 1.3, spec.n_anchors)
     qq[at.shift_step :, at.c_shift : at.c_out] = spec.topic_shift
     # background: logit std = sparsity (random channels of q and k are independent N(0,1))
-    qq[:, at.c_rand :] = rng.standard_normal((P, n_rand)) * (
-        spec.sparsity * sqrt_d / np.sqrt(n_rand)
-    )
+    qq[:, at.c_rand :] = rng.standard_normal((P, n_rand)) * (spec.sparsity * sqrt_d / np.sqrt(n_rand))
     qq[:, at.c_out : at.c_rand] = 0.02 * rng.standard_normal((P, spec.outlier_channels))
     return qq
 

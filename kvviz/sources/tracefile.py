@@ -128,9 +128,7 @@ def trace_from_bytes(data: bytes, name: str = "upload") -> Trace:
             if arr.dtype.kind not in "iu":
                 raise TraceError(f"{name}: query_positions must be integers")
         elif arr.dtype not in _FLOAT_DTYPES:
-            raise TraceError(
-                f"{name}: tensor '{key}' has dtype {arr.dtype}; expected float16/32/64"
-            )
+            raise TraceError(f"{name}: tensor '{key}' has dtype {arr.dtype}; expected float16/32/64")
     context_len, tokens, meta = _labels(header, name)
 
     def as_float(key: str):
@@ -154,13 +152,7 @@ def trace_from_bytes(data: bytes, name: str = "upload") -> Trace:
 
 
 def _stack(
-    table: dict,
-    kind: str,
-    layers: list[int],
-    name: str,
-    read: Reader,
-    scale: float = 1.0,
-    identity: str = "",
+    table: dict, kind: str, layers: list[int], name: str, read: Reader, scale: float = 1.0, identity: str = ""
 ) -> LayerStack | None:
     """The lazy (layers, heads, T, D) stack of `kind` ('q', 'k', 'v', 'logits'), or None if absent."""
     present = [f"{kind}.{n}" in table for n in layers]
@@ -169,21 +161,17 @@ def _stack(
     if not all(present):
         missing = [n for n, p in zip(layers, present) if not p]
         raise TraceError(
-            f"{name} has no '{kind}' tensor for layer{'s' if len(missing) > 1 else ''} "
-            f"{layer_ranges(missing)}"
+            f"{name} has no '{kind}' tensor for layer{'s' if len(missing) > 1 else ''} {layer_ranges(missing)}"
         )
     code, shape, _ = table[f"{kind}.{layers[0]}"]
     for n in layers:
         c, s, _ = table[f"{kind}.{n}"]
         if (c, s) != (code, shape) or len(s) != 3:
             raise TraceError(
-                f"{name}: tensor '{kind}.{n}' is {c} {list(s)}; every layer's must be a 3-D "
-                f"{code} {list(shape)}"
+                f"{name}: tensor '{kind}.{n}' is {c} {list(s)}; every layer's must be a 3-D {code} {list(shape)}"
             )
     if code not in _FLOAT_CODES:
-        raise TraceError(
-            f"{name}: tensor '{kind}.{layers[0]}' has dtype {code}; expected F16, BF16, F32 or F64"
-        )
+        raise TraceError(f"{name}: tensor '{kind}.{layers[0]}' has dtype {code}; expected F16, BF16, F32 or F64")
     what = {"q": "queries", "k": "keys", "v": "values", "logits": "logits"}[kind]
     return LayerStack(
         what,
@@ -214,21 +202,12 @@ def _small(table: dict, key: str, read: Reader, name: str) -> np.ndarray | None:
 
 
 def _open_v2(
-    header_json: dict,
-    header: dict[str, str],
-    data_start: int,
-    size: int,
-    read: Reader,
-    name: str,
-    identity: str,
+    header_json: dict, header: dict[str, str], data_start: int, size: int, read: Reader, name: str, identity: str
 ) -> Trace:
     table = _tensor_table(header_json, name, data_start, size)
     context_len, tokens, meta = _labels(header, name)
     layers = _layer_list(header, name)
-    allowed = {f"{kind}.{n}" for kind in ("q", "k", "v", "logits") for n in layers} | {
-        "query_positions",
-        "noise_eps",
-    }
+    allowed = {f"{kind}.{n}" for kind in ("q", "k", "v", "logits") for n in layers} | {"query_positions", "noise_eps"}
     unknown = set(table) - allowed
     if unknown:
         raise TraceError(f"{name} has unexpected tensors: {', '.join(sorted(unknown)[:5])}")

@@ -21,9 +21,7 @@ VERSIONS = ("1", "2")
 MAX_HEADER_BYTES = 100 * 1024**2
 
 
-def header_fields(
-    context_len: int, tokens: tuple[str, ...], meta: dict, layers: list[int]
-) -> dict[str, str]:
+def header_fields(context_len: int, tokens: tuple[str, ...], meta: dict, layers: list[int]) -> dict[str, str]:
     """The `__metadata__` strings of a trace file: format, version, labels, meta and layer numbers."""
     return {
         "format": FORMAT,
@@ -51,17 +49,7 @@ def _header_json(data: bytes, name: str, size: int) -> dict:
     return header
 
 
-_ITEM_BYTES = {
-    "F16": 2,
-    "BF16": 2,
-    "F32": 4,
-    "F64": 8,
-    "I64": 8,
-    "I32": 4,
-    "U8": 1,
-    "I8": 1,
-    "BOOL": 1,
-}
+_ITEM_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1}
 
 
 def trace_work(header: dict, name: str, file_bytes: int) -> Work:
@@ -76,16 +64,10 @@ def trace_work(header: dict, name: str, file_bytes: int) -> Work:
             shape = [int(x) for x in info["shape"]]
             item = _ITEM_BYTES.get(str(info["dtype"]), 8)
         except (KeyError, TypeError, ValueError):
-            raise TraceError(
-                f"{name} is not a safetensors file (tensor {key!r} has no shape or dtype)"
-            ) from None
+            raise TraceError(f"{name} is not a safetensors file (tensor {key!r} has no shape or dtype)") from None
         if any(x < 0 for x in shape):
-            raise TraceError(
-                f"{name} is not a safetensors file (tensor {key!r} has a negative size)"
-            )
-        factors = tuple(
-            (x, axis) for x, axis in zip(shape, _AXES.get(key, ()) + ("",) * len(shape))
-        )
+            raise TraceError(f"{name} is not a safetensors file (tensor {key!r} has a negative size)")
+        factors = tuple((x, axis) for x, axis in zip(shape, _AXES.get(key, ()) + ("",) * len(shape)))
         parts.append(Part(f"tensor '{key}'", factors, item_bytes=item + (4 if item == 2 else 0)))
         largest = max(largest, parts[-1].bytes // max(parts[-1].item_bytes, 1))
     parts.append(Part("the finiteness check", ((largest, "values"),), item_bytes=1))
@@ -121,9 +103,7 @@ def _read_header(data: bytes, name: str) -> dict[str, str]:
     if not isinstance(meta, dict):
         raise TraceError(f"{name} is not a safetensors file (unreadable header)")
     if meta.get("format") != FORMAT:
-        raise TraceError(
-            f"{name} is a safetensors file but not a kvviz trace (no '{FORMAT}' header)"
-        )
+        raise TraceError(f"{name} is a safetensors file but not a kvviz trace (no '{FORMAT}' header)")
     if meta.get("version") not in VERSIONS:
         raise TraceError(
             f"{name} is a kvviz trace of format version {meta.get('version')}; "
@@ -148,9 +128,7 @@ def _labels(header: dict[str, str], name: str) -> tuple[int, tuple[str, ...], di
 # --- format 2 ----------------------------------------------------------------------------------
 
 
-def _tensor_table(
-    header: dict, name: str, data_start: int, size: int
-) -> dict[str, tuple[str, tuple, int]]:
+def _tensor_table(header: dict, name: str, data_start: int, size: int) -> dict[str, tuple[str, tuple, int]]:
     """name -> (dtype code, shape, absolute first byte), with the byte ranges checked: each the size its
     shape says, back to back from the header's end to the file's end (a truncated file fails here)."""
     table, spans = {}, []
@@ -165,9 +143,7 @@ def _tensor_table(
                 f"{name} is not a safetensors file (tensor {key!r} has no dtype, shape or offsets)"
             ) from None
         if code not in ITEM_BYTES or any(x < 0 for x in shape):
-            raise TraceError(
-                f"{name}: tensor {key!r} has dtype {code} and shape {shape}; expected floats or integers"
-            )
+            raise TraceError(f"{name}: tensor {key!r} has dtype {code} and shape {shape}; expected floats or integers")
         if b - a != int(np.prod(shape, dtype=np.int64)) * ITEM_BYTES[code]:
             raise TraceError(
                 f"{name}: tensor {key!r} holds {b - a} bytes, but {code} {list(shape)} needs "
@@ -182,9 +158,7 @@ def _tensor_table(
         at = b
     if data_start + at != size:
         what = "truncated" if data_start + at > size else "longer than its tensors"
-        raise TraceError(
-            f"{name} is {what}: the header describes {data_start + at:,} bytes, the file has {size:,}"
-        )
+        raise TraceError(f"{name} is {what}: the header describes {data_start + at:,} bytes, the file has {size:,}")
     return table
 
 
@@ -199,9 +173,7 @@ def _layer_list(header: dict[str, str], name: str) -> list[int]:
         or not all(isinstance(x, int) and x >= 0 for x in layers)
         or len(set(layers)) != len(layers)
     ):
-        raise TraceError(
-            f"{name} has a damaged header (layers must be a list of distinct layer numbers)"
-        )
+        raise TraceError(f"{name} has a damaged header (layers must be a list of distinct layer numbers)")
     return layers
 
 
@@ -231,13 +203,7 @@ def trace_info(path: str | os.PathLike) -> dict[str, Any]:
             continue
         kind = key.split(".")[0]
         entry = kinds.setdefault(
-            kind,
-            {
-                "dtype": str(info.get("dtype")),
-                "tensors": 0,
-                "bytes": 0,
-                "shape": list(info.get("shape", [])),
-            },
+            kind, {"dtype": str(info.get("dtype")), "tensors": 0, "bytes": 0, "shape": list(info.get("shape", []))}
         )
         entry["tensors"] += 1
         a, b = info.get("data_offsets", [0, 0])
@@ -246,9 +212,7 @@ def trace_info(path: str | os.PathLike) -> dict[str, Any]:
         _tensor_table(header_json, path.name, len(head), size)
         layers = _layer_list(header, path.name)
     else:
-        layers = meta.get("layers") or list(
-            range(int(header_json.get("q", {}).get("shape", [0])[0]))
-        )
+        layers = meta.get("layers") or list(range(int(header_json.get("q", {}).get("shape", [0])[0])))
     n_pos = len(tokens)
     return {
         "file": str(path),
@@ -259,10 +223,6 @@ def trace_info(path: str | os.PathLike) -> dict[str, Any]:
         "layers": layers,
         "tensors": kinds,
         "bytes_per_token": round(sum(e["bytes"] for e in kinds.values()) / max(n_pos, 1), 1),
-        "meta": {
-            k: v
-            for k, v in meta.items()
-            if k not in ("token_ids", "config", "rope_inv_freq", "prompt")
-        },
+        "meta": {k: v for k, v in meta.items() if k not in ("token_ids", "config", "rope_inv_freq", "prompt")},
         "prompt": meta.get("prompt"),
     }

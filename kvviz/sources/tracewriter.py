@@ -47,9 +47,7 @@ def code_of(a: np.ndarray) -> str:
     try:
         return CODES[a.dtype]
     except KeyError:
-        raise ValueError(
-            f"kvviz traces store float16/32/64 or bfloat16 tensors, not {a.dtype}"
-        ) from None
+        raise ValueError(f"kvviz traces store float16/32/64 or bfloat16 tensors, not {a.dtype}") from None
 
 
 @dataclass(frozen=True)
@@ -69,10 +67,7 @@ class TraceWriter:
     """A format-2 trace file written in place; see the module docstring. Use as a context manager."""
 
     def __init__(
-        self,
-        path: str | os.PathLike,
-        tensors: dict[str, tuple[str, tuple[int, ...]]],
-        reserve: int = 64 * 1024,
+        self, path: str | os.PathLike, tensors: dict[str, tuple[str, tuple[int, ...]]], reserve: int = 64 * 1024
     ):
         self.path = Path(path)
         self.slots: dict[str, Slot] = {}
@@ -106,8 +101,7 @@ class TraceWriter:
             or not 0 <= start <= slot.shape[1] - a.shape[1]
         ):
             raise ValueError(
-                f"tensor {name}: rows {start}..{start + a.shape[1]} of shape {a.shape} "
-                f"do not fit {slot.shape}"
+                f"tensor {name}: rows {start}..{start + a.shape[1]} of shape {a.shape} do not fit {slot.shape}"
             )
         row = math.prod(slot.shape[2:]) * ITEM_BYTES[slot.code]  # bytes of one row
         # one run of bytes a head
@@ -161,15 +155,9 @@ class TraceWriter:
         return False
 
     def _header(self, metadata: dict[str, str]) -> bytes:
-        body: dict = (
-            {"__metadata__": {str(k): str(v) for k, v in metadata.items()}} if metadata else {}
-        )
+        body: dict = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}} if metadata else {}
         for name, s in self.slots.items():
-            body[name] = {
-                "dtype": s.code,
-                "shape": list(s.shape),
-                "data_offsets": [s.start, s.start + s.nbytes],
-            }
+            body[name] = {"dtype": s.code, "shape": list(s.shape), "data_offsets": [s.start, s.start + s.nbytes]}
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
     def _positions(self) -> int | None:
@@ -189,9 +177,7 @@ class TraceWriter:
             return shape
 
         new = {n: (s.code, cut(s.shape)) for n, s in self.slots.items()}
-        with TraceWriter(
-            self.path, new, reserve=len(json.dumps(metadata, ensure_ascii=False).encode()) + 4096
-        ) as w:
+        with TraceWriter(self.path, new, reserve=len(json.dumps(metadata, ensure_ascii=False).encode()) + 4096) as w:
             for name, s in self.slots.items():
                 shape = new[name][1]
                 if shape == s.shape:
@@ -202,10 +188,7 @@ class TraceWriter:
                     row = math.prod(s.shape[2:]) * ITEM_BYTES[s.code]
                     for h in range(s.shape[0]):
                         self._copy(
-                            w,
-                            s.start + h * s.shape[1] * row,
-                            w.slots[name].start + h * shape[1] * row,
-                            shape[1] * row,
+                            w, s.start + h * s.shape[1] * row, w.slots[name].start + h * shape[1] * row, shape[1] * row
                         )
             path = w.finish(metadata)
         self.abort()

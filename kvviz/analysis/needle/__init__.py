@@ -64,20 +64,8 @@ torch is imported lazily (inside functions), so `import kvviz.analysis.needle` s
 from kvviz.analysis.needle import cell, grid, prompt, readout, results, store
 from kvviz.analysis.needle.tasks import NEEDLE_TEMPLATE, PRIMER, QUESTION, TASK_NAMES, TASKS, Task
 from kvviz.analysis.needle.cell import NeedleCell, prefill, run_cell, score_answer
-from kvviz.analysis.needle.grid import (
-    MAX_LENGTH,
-    GridRequest,
-    check_lengths,
-    max_positions,
-    run_grid,
-)
-from kvviz.analysis.needle.readout import (
-    CSV_FIELDS,
-    classic_failure,
-    format_grid,
-    loudest_head,
-    to_csv,
-)
+from kvviz.analysis.needle.grid import MAX_LENGTH, GridRequest, check_lengths, max_positions, run_grid
+from kvviz.analysis.needle.readout import CSV_FIELDS, classic_failure, format_grid, loudest_head, to_csv
 from kvviz.analysis.needle.results import (
     DEFAULT_FILE,
     PROTOCOL_TITLES,

@@ -201,9 +201,7 @@ def _first_answer_attention(pre: _Prefill, pos: int) -> np.ndarray:
     g = Hq // H
     out = np.empty((L, Hq, pos + 1))
     for layer in range(L):
-        q = host(pre.q[layer][:, pos]).astype(
-            np.float64
-        )  # (Hq, D), from numpy or the model's device
+        q = host(pre.q[layer][:, pos]).astype(np.float64)  # (Hq, D), from numpy or the model's device
         k = host(pre.k[layer, :, : pos + 1]).astype(np.float64)  # (H, pos+1, D)
         logits = np.einsum("hgd,hnd->hgn", q.reshape(H, g, D), k).reshape(Hq, -1) * pre.scaling
         logits -= logits.max(axis=1, keepdims=True)
@@ -303,13 +301,7 @@ def _query_kept_at(cache, pre: _Prefill, attn: np.ndarray, layer: int, P: int) -
 
 
 def _measure(
-    prompt: NeedlePrompt,
-    spec: Spec,
-    kept: np.ndarray,
-    attn: np.ndarray,
-    tokenizer,
-    answer: list[int],
-    group: int,
+    prompt: NeedlePrompt, spec: Spec, kept: np.ndarray, attn: np.ndarray, tokenizer, answer: list[int], group: int
 ) -> dict:
     L, H, P = kept.shape
     ns, ne = prompt.needle_start, prompt.needle_end

@@ -45,9 +45,7 @@ MAX_LENGTH = 131072
 # --- the grid ------------------------------------------------------------------------------
 
 
-def check_lengths(
-    lengths: Sequence[int], max_positions: int | None, new_tokens: int, minimum: int
-) -> None:
+def check_lengths(lengths: Sequence[int], max_positions: int | None, new_tokens: int, minimum: int) -> None:
     for n in lengths:
         if n < minimum:
             raise SpecError(
@@ -115,12 +113,8 @@ class GridRequest:
         if self.task not in TASKS:
             raise SpecError(f"unknown task {self.task!r}; choose from {', '.join(TASKS)}")
         if self.haystack not in HAYSTACKS:
-            raise SpecError(
-                f"unknown haystack {self.haystack!r}; choose from {', '.join(HAYSTACKS)}"
-            )
-        for scorer in (
-            self.scorers
-        ):  # compressing again: refused where its rule refuses it (ChunkKV's chunks)
+            raise SpecError(f"unknown haystack {self.haystack!r}; choose from {', '.join(HAYSTACKS)}")
+        for scorer in self.scorers:  # compressing again: refused where its rule refuses it (ChunkKV's chunks)
             self.spec(scorer, self.budgets[0] if self.budgets else DEFAULT_BUDGET, FULL_BITS, 1000)
 
     def spec(self, scorer: str, fraction: float, bits: int, length: int) -> Spec:
@@ -176,9 +170,7 @@ def run_grid(
     req.check()
     if model is None and load is None:
         raise ValueError("run_grid needs a model and tokenizer, or a load function")
-    run = _GridRun(
-        req, model_id, use_cache, progress or (lambda f, m: None), model, tokenizer, load
-    )
+    run = _GridRun(req, model_id, use_cache, progress or (lambda f, m: None), model, tokenizer, load)
     run.check_lengths()
     prompts, cells = [], []
     for n, d in run.jobs:
@@ -188,9 +180,7 @@ def run_grid(
     run.say(1.0, f"{len(cells)} cells: {run.computed} computed, {run.cached} from the cache")
     if stats is not None:
         stats.update(computed=run.computed, cached=run.cached, seconds=time.perf_counter() - run.t0)
-    return NeedleGrid(
-        model=model_id, settings=req.settings(), prompts=tuple(prompts), cells=tuple(cells)
-    )
+    return NeedleGrid(model=model_id, settings=req.settings(), prompts=tuple(prompts), cells=tuple(cells))
 
 
 class _GridRun:
@@ -201,12 +191,7 @@ class _GridRun:
         self._model, self._tokenizer, self._load = model, tokenizer, load
         self.folder = cache_dir()
         self.jobs = [(n, d) for n in req.lengths for d in req.depths]
-        variants = [
-            (s, b, q)
-            for s in req.scorers
-            for b in (req.budgets if s != FULL else (1.0,))
-            for q in req.bits
-        ]
+        variants = [(s, b, q) for s in req.scorers for b in (req.budgets if s != FULL else (1.0,)) for q in req.bits]
         self.variants = list(dict.fromkeys(variants))
         self.total, self.done = len(self.jobs) * (len(self.variants) + 1), 0
         self.computed = self.cached = 0
@@ -224,20 +209,14 @@ class _GridRun:
 
     def _prompt_path(self, n: int, d: float) -> Path:
         req = self.req
-        return (
-            self.folder
-            / "prompts"
-            / f"{prompt_key(self.model_id, n, d, req.seed, req.haystack, req.task)}.json"
-        )
+        return self.folder / "prompts" / f"{prompt_key(self.model_id, n, d, req.seed, req.haystack, req.task)}.json"
 
     def check_lengths(self) -> None:
         """The lengths against the model's positions: from the prompts on disk if all are, else the model."""
         req = self.req
         if len(self.stored) == len(self.jobs) and self._model is None:
             limits = self.stored[self.jobs[0]]
-            check_lengths(
-                req.lengths, limits["max_positions"], req.new_tokens, limits["min_length"]
-            )
+            check_lengths(req.lengths, limits["max_positions"], req.new_tokens, limits["min_length"])
             return
         m, tok = self.model()
         check_lengths(req.lengths, max_positions(m), req.new_tokens, min_length(tok, req.task))
@@ -292,9 +271,7 @@ class _GridRun:
         """One cell's record: from disk, else run on the prompt's prefill (made once, kept in `shared` beside
         where the prompt is in the grid); `what` names the cell in the progress."""
         checkpoint()
-        path = (
-            self.folder / f"{cell_key(self.model_id, prompt, spec, qac, self.req.new_tokens)}.json"
-        )
+        path = self.folder / f"{cell_key(self.model_id, prompt, spec, qac, self.req.new_tokens)}.json"
         hit = _read(path) if self.use_cache else None
         if hit is not None:
             self.cached += 1
@@ -309,16 +286,7 @@ class _GridRun:
             shared["attention"] = _first_answer_attention(shared["prefill"], len(prompt.ids) - 1)
         self.say(fraction, f"{shared['where']}: {what}")
         m, tok = self.model()
-        out = run_cell(
-            m,
-            tok,
-            prompt,
-            shared["prefill"],
-            spec,
-            qac,
-            self.req.new_tokens,
-            attention=shared["attention"],
-        )
+        out = run_cell(m, tok, prompt, shared["prefill"], spec, qac, self.req.new_tokens, attention=shared["attention"])
         self.computed += 1
         _write(path, out)
         return json.loads(json.dumps(out))  # exactly what a later read returns

@@ -19,9 +19,7 @@ INSTRUCTION = (
     "I will quiz you about the important information there.\n\n"
 )  # before the haystack
 # The classic passkey filler (plain, repeated); the other haystack is kvviz's own sample text.
-FILLER = (
-    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-)
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 HAYSTACKS = ("filler", "sample")
 FULL = "full"  # the uncompressed cache's name in `scorers`
 SCORER_NAMES = (FULL, *SCORERS)
@@ -143,12 +141,7 @@ def min_length(tokenizer, task: str = "passkey") -> int:
 
 
 def build_prompt(
-    tokenizer,
-    length: int,
-    depth: float,
-    seed: int = DEFAULT_SEED,
-    haystack: str = "filler",
-    task: str = "passkey",
+    tokenizer, length: int, depth: float, seed: int = DEFAULT_SEED, haystack: str = "filler", task: str = "passkey"
 ) -> NeedlePrompt:
     """The needle prompt of exactly `length` tokens with the needle at `depth` of the haystack.
 
@@ -174,9 +167,7 @@ def build_prompt(
     text = haystack_text(haystack)
     unit = _encode(tokenizer, text)
     hay = (unit * (n_hay // max(len(unit), 1) + 2))[:n_hay]
-    ends = [0] + [
-        i + 1 for i, t in enumerate(hay) if tokenizer.decode([t]).rstrip().endswith((".", "!", "?"))
-    ]
+    ends = [0] + [i + 1 for i, t in enumerate(hay) if tokenizer.decode([t]).rstrip().endswith((".", "!", "?"))]
     if n_hay not in ends:
         ends.append(n_hay)
     at = min(ends, key=lambda e: (abs(e - depth * n_hay), e))
@@ -206,9 +197,7 @@ def build_prompt(
 def budget_tokens(fraction: float, length: int) -> int:
     """The token budget for a fraction of the prompt's tokens (at least MIN_BUDGET_TOKENS)."""
     if not 0.0 < fraction <= 1.0:
-        raise SpecError(
-            f"--budget is a fraction of the prompt's tokens in (0, 1], got {fraction:g}"
-        )
+        raise SpecError(f"--budget is a fraction of the prompt's tokens in (0, 1], got {fraction:g}")
     return min(length, max(MIN_BUDGET_TOKENS, int(round(fraction * length))))
 
 
@@ -224,9 +213,7 @@ def spec_for(scorer: str, fraction: float, bits: int, length: int) -> Spec:
         raise SpecError(f"unknown scorer {scorer!r}; choose from {', '.join(SCORER_NAMES)}")
     quant: dict[str, Any] = {}
     if bits != FULL_BITS:
-        quant = dict(
-            key_bits=bits, value_bits=bits, key_axis="channel", value_axis="token", group_size=32
-        )
+        quant = dict(key_bits=bits, value_bits=bits, key_axis="channel", value_axis="token", group_size=32)
     if scorer == FULL:
         return Spec(**quant)
     b = budget_tokens(fraction, length)

@@ -40,13 +40,7 @@ def to_csv(grid: NeedleGrid) -> str:
     w.writeheader()
     for c in grid.cells:
         d = c.as_dict()
-        w.writerow(
-            {
-                k: (f"{v:.6g}" if isinstance(v, float) else v)
-                for k, v in d.items()
-                if k in CSV_FIELDS
-            }
-        )
+        w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in d.items() if k in CSV_FIELDS})
     return buf.getvalue()
 
 
@@ -72,18 +66,12 @@ def format_grid(grid: NeedleGrid) -> str:
                     ),
                     None,
                 )
-                row.append(
-                    "" if c is None else f"{'ok' if c.correct else 'MISS'} {c.needle_kept:4.0%}"
-                )
+                row.append("" if c is None else f"{'ok' if c.correct else 'MISS'} {c.needle_kept:4.0%}")
             lines.append(f"  depth {d:>4.0%}      " + "".join(f"{r:>14}" for r in row))
-        n_ok = sum(
-            c.correct for c in grid.cells if (c.scorer, c.budget, c.bits) == (scorer, budget, bits)
-        )
+        n_ok = sum(c.correct for c in grid.cells if (c.scorer, c.budget, c.bits) == (scorer, budget, bits))
         n_all = sum(1 for c in grid.cells if (c.scorer, c.budget, c.bits) == (scorer, budget, bits))
         lines.append(f"  correct {n_ok}/{n_all}")
-    lines.append(
-        "cells: ok/MISS = the key exactly right or not; % = needle tokens kept over all layers x KV heads"
-    )
+    lines.append("cells: ok/MISS = the key exactly right or not; % = needle tokens kept over all layers x KV heads")
     return "\n".join(lines)
 
 

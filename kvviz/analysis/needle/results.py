@@ -69,9 +69,7 @@ class NeedleGrid:
         )
 
     def save(self, path: str | Path) -> None:
-        blob = json.dumps(self.as_dict(kept=True, prompts=True), separators=(",", ":")).encode(
-            "utf-8"
-        )
+        blob = json.dumps(self.as_dict(kept=True, prompts=True), separators=(",", ":")).encode("utf-8")
         Path(path).write_bytes(gzip.compress(blob, mtime=0))
 
     @classmethod
@@ -94,28 +92,20 @@ PROTOCOL_TITLES = {
 def save_grids(path: str | Path, grids: Sequence[NeedleGrid]) -> None:
     """Several grids in one file (the shipped default holds both protocols): {"grids": [...]}."""
     blob = {"grids": [g.as_dict(kept=True, prompts=True) for g in grids]}
-    Path(path).write_bytes(
-        gzip.compress(json.dumps(blob, separators=(",", ":")).encode("utf-8"), mtime=0)
-    )
+    Path(path).write_bytes(gzip.compress(json.dumps(blob, separators=(",", ":")).encode("utf-8"), mtime=0))
 
 
 def load_grids(path: str | Path | None = None) -> tuple[NeedleGrid, ...]:
     """Every grid of a file (one for a file `NeedleGrid.save` wrote), agnostic first; () if it is missing."""
     try:
         d = json.loads(gzip.decompress(Path(path or DEFAULT_FILE).read_bytes()).decode("utf-8"))
-        grids = (
-            tuple(NeedleGrid.from_dict(g) for g in d["grids"])
-            if "grids" in d
-            else (NeedleGrid.from_dict(d),)
-        )
+        grids = tuple(NeedleGrid.from_dict(g) for g in d["grids"]) if "grids" in d else (NeedleGrid.from_dict(d),)
     except (OSError, ValueError, KeyError, TypeError):
         return ()
     return tuple(sorted(grids, key=lambda g: protocol(g) != "agnostic"))
 
 
-def load_default(
-    path: str | Path | None = None, question_after_compression: bool = False
-) -> NeedleGrid | None:
+def load_default(path: str | Path | None = None, question_after_compression: bool = False) -> NeedleGrid | None:
     """The shipped precomputed default grid (bundled model) of one protocol (default: compressed after the
     question), or None if the file is missing or does not hold it."""
     want = "agnostic" if question_after_compression else "aware"

@@ -24,13 +24,7 @@ def cache_dir() -> Path:
     return base / "kvviz" / "needle"
 
 
-def cell_key(
-    model_id: str,
-    prompt: NeedlePrompt,
-    spec: Spec,
-    question_after_compression: bool,
-    new_tokens: int,
-) -> str:
+def cell_key(model_id: str, prompt: NeedlePrompt, spec: Spec, question_after_compression: bool, new_tokens: int) -> str:
     """sha256 of everything that changes a cell's numbers."""
     from kvviz.version import __version__
 
@@ -72,17 +66,11 @@ def _write(path: Path, d: dict) -> None:
         pass
 
 
-def prompt_key(
-    model_id: str, length: int, depth: float, seed: int, haystack: str, task: str = "passkey"
-) -> str:
+def prompt_key(model_id: str, length: int, depth: float, seed: int, haystack: str, task: str = "passkey") -> str:
     """sha256 of what decides a prompt's tokens (the model's tokenizer by its name, the task, and the texts)."""
     from kvviz.version import __version__
 
-    shown = (
-        {}
-        if task == "passkey"
-        else {"task": task, "instance": TASKS[task].instance(seed, length, depth).__dict__}
-    )
+    shown = {} if task == "passkey" else {"task": task, "instance": TASKS[task].instance(seed, length, depth).__dict__}
     blob = json.dumps(
         {
             **shown,

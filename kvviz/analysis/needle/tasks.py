@@ -26,18 +26,7 @@ QUESTION = "What is the pass key?"
 # token before the digits, as in " 71432"): the first answer step predicts the first digit.
 PRIMER = "The pass key is "
 COLOURS = ("red", "blue")
-NAMES = (
-    "Biscuit",
-    "Pepper",
-    "Mango",
-    "Ziggy",
-    "Luna",
-    "Waffle",
-    "Nutmeg",
-    "Pickle",
-    "Ginger",
-    "Toffee",
-)
+NAMES = ("Biscuit", "Pepper", "Mango", "Ziggy", "Luna", "Waffle", "Nutmeg", "Pickle", "Ginger", "Toffee")
 VARIABLES = ("A", "B", "C", "D")
 
 
@@ -62,24 +51,16 @@ class Task:
     def instance(self, seed: int, length: int, depth: float) -> Instance:
         cell = [int(seed), int(length), int(round(depth * 1000))]
         # the pass key's draw is the needle test's own; the other tasks draw apart from it
-        rng = np.random.default_rng(
-            cell if self.name == "passkey" else [*cell, TASK_NAMES.index(self.name)]
-        )
+        rng = np.random.default_rng(cell if self.name == "passkey" else [*cell, TASK_NAMES.index(self.name)])
         key = str(int(rng.integers(10000, 100000)))
         if self.name == "passkey":
             return Instance(key, NEEDLE_TEMPLATE.format(key=key), QUESTION, PRIMER)
         if self.name == "multikey":
-            keys = [
-                str(int(k))
-                for k in rng.choice(np.arange(10000, 100000), len(COLOURS), replace=False)
-            ]
+            keys = [str(int(k)) for k in rng.choice(np.arange(10000, 100000), len(COLOURS), replace=False)]
             ask = int(rng.integers(len(COLOURS)))
             needle = " ".join(f"The {c} pass key is {k}." for c, k in zip(COLOURS, keys))
             return Instance(
-                keys[ask],
-                needle,
-                f"What is the {COLOURS[ask]} pass key?",
-                f"The {COLOURS[ask]} pass key is ",
+                keys[ask], needle, f"What is the {COLOURS[ask]} pass key?", f"The {COLOURS[ask]} pass key is "
             )
         if self.name == "variable":
             other = str(int(rng.integers(10000, 100000)))
@@ -91,10 +72,7 @@ class Task:
             )
         name = NAMES[int(rng.integers(len(NAMES)))]
         return Instance(
-            name,
-            f"The name of Mira's cat is {name}.",
-            "What is the name of Mira's cat?",
-            "The name of Mira's cat is",
+            name, f"The name of Mira's cat is {name}.", "What is the name of Mira's cat?", "The name of Mira's cat is"
         )
 
     def score(self, answer: str, key: str) -> bool:

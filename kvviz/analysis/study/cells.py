@@ -68,12 +68,7 @@ NEEDLE_METRICS = (
 
 def job_for(study: Study, cell: Cell) -> dict:
     """What a worker needs to run `cell` (plain data)."""
-    job = {
-        "kind": study.kind,
-        "id": cell.id,
-        "source": dict(study.source),
-        "settings": dict(cell.settings),
-    }
+    job = {"kind": study.kind, "id": cell.id, "source": dict(study.source), "settings": dict(cell.settings)}
     if study.kind == "model":
         from kvviz.analysis.study.grid import text_of
 
@@ -129,14 +124,8 @@ def run_synthetic(source: dict, settings: dict) -> dict:
     from kvviz.analysis.sweep import sweep
 
     trace = _synthetic_trace(source, settings["seed"])
-    size = {
-        "heads": source["q_heads"],
-        "layers": source["layers"],
-        "steps": max(1, min(source["steps"], 256)),
-    }
-    view = View(
-        layer=source["layer"], ensemble=source["ensemble"], ensemble_size=size[source["ensemble"]]
-    )
+    size = {"heads": source["q_heads"], "layers": source["layers"], "steps": max(1, min(source["steps"], 256))}
+    view = View(layer=source["layer"], ensemble=source["ensemble"], ensemble_size=size[source["ensemble"]])
     fmt, bits = settings["format"], settings["bits"]
     # budget 1: the sweep's "full" point (any scorer: it keeps everything)
     scorer = settings["scorer"] if settings["scorer"] != FULL else Spec().scorer
@@ -206,14 +195,7 @@ class ModelWorker:
         # busy 2-core machine 2 threads per process ran this study's cells ~10x slower (docs/studies.md);
         # KVVIZ_TORCH_THREADS set by the user wins
         os.environ.setdefault("KVVIZ_TORCH_THREADS", "1")
-        self.name, self.model, self.tokenizer, self.ref, self.ref_key, self.error = (
-            key,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        self.name, self.model, self.tokenizer, self.ref, self.ref_key, self.error = (key, None, None, None, None, None)
         try:
             auto = source["device"] == "auto"
             self.model, self.tokenizer, _ = load_model(
@@ -258,9 +240,7 @@ class ModelWorker:
         point = s.get("question_point", "before-question")
         d = evaluate(self.model, self.ref, spec, question_point=point).as_dict()
         d["scored_tokens"] = d["continuation_tokens"]
-        d["budget_tokens"] = (
-            spec.sink + spec.recent + spec.heavy if spec.evicts else self.ref.prompt_len
-        )
+        d["budget_tokens"] = spec.sink + spec.recent + spec.heavy if spec.evicts else self.ref.prompt_len
         return {k: d[k] for k in MODEL_METRICS}
 
     def needle_cell(self, job: dict) -> dict:
@@ -279,9 +259,7 @@ class ModelWorker:
             budgets=[s["budget"]],
             bits=[s["bits"]],
             question_after_compression=(
-                s["protocol"] == "query-agnostic"
-                if "protocol" in s
-                else src["question_after_compression"]
+                s["protocol"] == "query-agnostic" if "protocol" in s else src["question_after_compression"]
             ),
             compress_every=s.get("compress_every", 0),
             new_tokens=src["new_tokens"],
@@ -323,9 +301,4 @@ def execute(job: dict, worker: ModelWorker | None = None) -> dict:
             "pid": os.getpid(),
         }
     except Exception as exc:  # noqa: BLE001 - one cell's failure is reported, the rest go on
-        return {
-            "id": job["id"],
-            "error": one_line(exc),
-            "seconds": time.perf_counter() - t0,
-            "pid": os.getpid(),
-        }
+        return {"id": job["id"], "error": one_line(exc), "seconds": time.perf_counter() - t0, "pid": os.getpid()}

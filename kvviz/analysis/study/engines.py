@@ -65,9 +65,7 @@ def run_pool(study: Study, cells: list[Cell], on_result: OnResult, workers: int)
     from concurrent.futures.process import BrokenProcessPool
 
     todo = list(cells)
-    with ProcessPoolExecutor(
-        max_workers=workers, mp_context=multiprocessing.get_context("spawn")
-    ) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         pending = {}
         while todo or pending:
             # a bounded window: memory stays flat
@@ -92,9 +90,7 @@ def start_ray(ray, workers: int, address: str | None = None) -> bool:
         try:
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise StudyError(
-                f"cannot reach the Ray cluster at {address!r}: {str(exc).splitlines()[0]}"
-            ) from None
+            raise StudyError(f"cannot reach the Ray cluster at {address!r}: {str(exc).splitlines()[0]}") from None
         return True
     # workers import kvviz from where this driver does (an editable checkout is not on their path otherwise)
     root = str(Path(__file__).resolve().parents[3])
@@ -109,13 +105,7 @@ def start_ray(ray, workers: int, address: str | None = None) -> bool:
     return True
 
 
-def run_ray(
-    study: Study,
-    cells: list[Cell],
-    on_result: OnResult,
-    workers: int = 1,
-    address: str | None = None,
-) -> None:
+def run_ray(study: Study, cells: list[Cell], on_result: OnResult, workers: int = 1, address: str | None = None) -> None:
     try:
         import ray
     except ImportError:
@@ -169,10 +159,7 @@ def _ray_actors(ray, study: Study, cells: list[Cell], on_result: OnResult, worke
     """Per model: up to `workers` actors, each loading the model once; cells dealt to idle actors;
     a model's actors are released when its cells are done (so the next model's can start)."""
     actor_cls = ray.remote(
-        num_cpus=1,
-        num_gpus=gpus_per_actor(study.source),
-        max_restarts=RETRIES,
-        max_task_retries=RETRIES,
+        num_cpus=1, num_gpus=gpus_per_actor(study.source), max_restarts=RETRIES, max_task_retries=RETRIES
     )(ModelWorker)
     by_model: dict[str, list[Cell]] = {}
     for cell in cells:

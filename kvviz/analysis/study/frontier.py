@@ -74,9 +74,7 @@ def frontier(rows: pd.DataFrame, kind: str, metric: str | None = None) -> Fronti
     metrics = METRICS[kind]
     metric = metric or next(iter(metrics))
     if metric not in metrics:
-        raise KeyError(
-            f"unknown metric {metric!r} for a {kind} study; choose from {', '.join(metrics)}"
-        )
+        raise KeyError(f"unknown metric {metric!r} for a {kind} study; choose from {', '.join(metrics)}")
     label, higher = metrics[metric]
     reps = {"synthetic": "seeds", "model": "texts", "needle": "prompts (length × depth)"}[kind]
     series, x = list(SERIES[kind]), X_COLUMN[kind]
@@ -102,8 +100,5 @@ def frontier(rows: pd.DataFrame, kind: str, metric: str | None = None) -> Fronti
     points["lo"], points["hi"] = points["mean"] - points["half"], points["mean"] + points["half"]
     sign = -1.0 if higher else 1.0
     real = [i for i in range(len(points)) if not is_bound(points.loc[i, METHOD_COLUMN[kind]])]
-    front = [
-        real[j]
-        for j in pareto_front([(points.loc[i, "x"], sign * points.loc[i, "mean"]) for i in real])
-    ]
+    front = [real[j] for j in pareto_front([(points.loc[i, "x"], sign * points.loc[i, "mean"]) for i in real])]
     return Frontier(kind, metric, label, higher, reps, points, front)

@@ -12,15 +12,7 @@ import hashlib
 from itertools import product
 from pathlib import Path
 
-from kvviz.analysis.study.schema import (
-    MIN_MODEL_BUDGET,
-    SAMPLE,
-    Cell,
-    Study,
-    StudyError,
-    cell_id,
-    read_study,
-)
+from kvviz.analysis.study.schema import MIN_MODEL_BUDGET, SAMPLE, Cell, Study, StudyError, cell_id, read_study
 from kvviz.spec import FULL_BITS, Spec, SpecError
 
 FULL = "full"
@@ -78,9 +70,7 @@ def applicable(values: dict, chosen: dict) -> dict:
     return {k: v for k, v in chosen.items() if shown(SETTINGS[k], values)}
 
 
-def model_spec(
-    method: str, budget: float, bits: int, prompt_tokens: int, settings: dict | None = None
-) -> Spec:
+def model_spec(method: str, budget: float, bits: int, prompt_tokens: int, settings: dict | None = None) -> Spec:
     """A model cell's spec: `kvviz eval-sweep`'s method at round(budget x prompt) tokens, K/V at `bits`
     (keys per channel, values per token, groups of 32, as the kv-Nbit methods); a quantizer as is; then the
     grid's Spec-setting values that apply to it (`applicable`)."""
@@ -91,13 +81,7 @@ def model_spec(
     else:
         spec = SWEEP_METHODS[method](int(round(budget * prompt_tokens)))
         if bits != FULL_BITS:
-            spec = spec.with_(
-                key_bits=bits,
-                value_bits=bits,
-                key_axis="channel",
-                value_axis="token",
-                group_size=32,
-            )
+            spec = spec.with_(key_bits=bits, value_bits=bits, key_axis="channel", value_axis="token", group_size=32)
     extra = applicable(spec.__dict__, settings or {})
     return spec.with_(**extra) if extra else spec
 
@@ -122,9 +106,7 @@ def load_study(path: str | Path) -> Study:
 
 def check(study: Study) -> None:
     """Every key's range and every cell's spec, before anything runs (StudyError naming the key)."""
-    {"synthetic": _check_synthetic, "model": _check_model, "needle": _check_needle}[study.kind](
-        study
-    )
+    {"synthetic": _check_synthetic, "model": _check_model, "needle": _check_needle}[study.kind](study)
     cells(study)
 
 
@@ -143,22 +125,16 @@ def _check_synthetic(study: Study) -> None:
     if min(src["seeds"]) < 0:
         raise StudyError(f"[source] seeds: {min(src['seeds'])} is negative")
     if not 0 <= src["layer"] < src["layers"]:
-        raise StudyError(
-            f"[source] layer: {src['layer']} is not a layer of a {src['layers']}-layer trace"
-        )
+        raise StudyError(f"[source] layer: {src['layer']} is not a layer of a {src['layers']}-layer trace")
     load_entry_points()
     bad = [s for s in grid["scorers"] if s not in scorer_names()]
     if bad:
-        raise StudyError(
-            f"[grid] scorers: unknown scorer {bad[0]!r}; choose from {', '.join(scorer_names())}"
-        )
+        raise StudyError(f"[grid] scorers: unknown scorer {bad[0]!r}; choose from {', '.join(scorer_names())}")
     _fractions_ok(grid["budgets"], "the tokens the query sees")
     _bits_ok(grid["bits"])
     bad = [f for f in grid["formats"] if f not in SWEEP_FORMATS]
     if bad:
-        raise StudyError(
-            f"[grid] formats: unknown format {bad[0]!r}; choose from {', '.join(SWEEP_FORMATS)}"
-        )
+        raise StudyError(f"[grid] formats: unknown format {bad[0]!r}; choose from {', '.join(SWEEP_FORMATS)}")
     if not grid["bits"] and not grid["formats"]:
         raise StudyError("[grid] bits: give at least one bit width (or a format)")
     n = synthetic_tokens(src)
@@ -230,20 +206,15 @@ def _check_model(study: Study) -> None:
         if not text_of(study, t).strip():
             raise StudyError(f"[source] texts: {t!r} is empty")
     if not src["question"].strip() and grid["question_points"] != ["before-question"]:
-        raise StudyError(
-            "[grid] question_points: where to compress around a question needs [source] question"
-        )
+        raise StudyError("[grid] question_points: where to compress around a question needs [source] question")
     bad = [x for x in grid["methods"] if x not in SWEEP_METHODS and x not in QUANT_METHODS]
     if bad:
         raise StudyError(
-            f"[grid] methods: unknown method {bad[0]!r}; choose from "
-            f"{', '.join([*SWEEP_METHODS, *QUANT_METHODS])}"
+            f"[grid] methods: unknown method {bad[0]!r}; choose from {', '.join([*SWEEP_METHODS, *QUANT_METHODS])}"
         )
     evictors = [x for x in grid["methods"] if x in SWEEP_METHODS]
     if evictors and not grid["budgets"]:
-        raise StudyError(
-            f"[grid] budgets: {evictors[0]} evicts tokens: give budgets as fractions of the prompt"
-        )
+        raise StudyError(f"[grid] budgets: {evictors[0]} evicts tokens: give budgets as fractions of the prompt")
     _fractions_ok(grid["budgets"], "the prompt")
     for f in grid["budgets"]:
         if evictors and round(f * n) < MIN_MODEL_BUDGET:
@@ -267,9 +238,7 @@ def _check_model(study: Study) -> None:
 
 def _check_models(src: dict) -> None:
     if any(not m.strip() for m in src["models"]):
-        raise StudyError(
-            "[source] models: a model name is empty (use 'bundled', a folder, a .gguf file or a hub id)"
-        )
+        raise StudyError("[source] models: a model name is empty (use 'bundled', a folder, a .gguf file or a hub id)")
     if src["gpus"] < 0:
         raise StudyError(f"[source] gpus: {src['gpus']} is negative")
 
@@ -301,9 +270,7 @@ def _check_needle(study: Study) -> None:
         try:
             budget_tokens(f, 1000)
         except SpecError:
-            raise StudyError(
-                f"[grid] budgets: {f:g} is not a fraction in (0, 1] of the prompt"
-            ) from None
+            raise StudyError(f"[grid] budgets: {f:g} is not a fraction in (0, 1] of the prompt") from None
     _bits_ok(grid["bits"])
     for chosen in setting_points(grid):
         for scorer in grid["scorers"]:
@@ -312,17 +279,13 @@ def _check_needle(study: Study) -> None:
                 spec_for(scorer, grid["budgets"][0], FULL_BITS, 1000).with_(**extra)
             except SpecError as exc:
                 where = "".join(f" {k}={v}" for k, v in extra.items())
-                raise StudyError(
-                    f"[grid] the cell scorer={scorer}{where} is impossible: {exc}"
-                ) from None
+                raise StudyError(f"[grid] the cell scorer={scorer}{where} is impossible: {exc}") from None
 
 
 def cells(study: Study) -> list[Cell]:
     """Every cell, in run order (a model's cells together, a text's / prompt's cells together)."""
     fixed = {k: v for k, v in study.fixed().items() if k != "name"}
-    kind_cells = {"synthetic": _synthetic_cells, "model": _model_cells}.get(
-        study.kind, _needle_cells
-    )
+    kind_cells = {"synthetic": _synthetic_cells, "model": _model_cells}.get(study.kind, _needle_cells)
     out: dict[str, Cell] = {}  # by id: a cell the grid names twice runs once
     for settings in kind_cells(study):
         cid = cell_id(study.kind, fixed, settings)
@@ -356,11 +319,7 @@ def _model_cells(study: Study):
 
     src, grid = study.source, study.grid
     n = src["prompt_tokens"]
-    points = (
-        [{"question_point": p} for p in grid["question_points"]]
-        if src["question"].strip()
-        else [{}]
-    )
+    points = [{"question_point": p} for p in grid["question_points"]] if src["question"].strip() else [{}]
     for model in src["models"]:
         for text in src["texts"]:
             sha = hashlib.sha256(text_of(study, text).encode("utf-8")).hexdigest()
@@ -396,9 +355,7 @@ def _needle_cells(study: Study):
             for chosen in setting_points(grid):
                 for scorer in grid["scorers"]:
                     extra = applicable({"scorer": scorer}, chosen)
-                    for f, b in product(
-                        (1.0,) if scorer == FULL else grid["budgets"], grid["bits"]
-                    ):
+                    for f, b in product((1.0,) if scorer == FULL else grid["budgets"], grid["bits"]):
                         yield {
                             "model": model,
                             **task,

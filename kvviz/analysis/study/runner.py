@@ -26,14 +26,10 @@ class RunReport:
     failures: list[dict] = field(default_factory=list)
 
     def start_line(self) -> str:
-        return (
-            f"study {self.name}: {self.cells} cells, {self.done_before} done, {self.to_run} to run"
-        )
+        return f"study {self.name}: {self.cells} cells, {self.done_before} done, {self.to_run} to run"
 
 
-def plan(
-    study: Study | str | Path, out: str | Path
-) -> tuple[Study, StudyDir, list[Cell], RunReport]:
+def plan(study: Study | str | Path, out: str | Path) -> tuple[Study, StudyDir, list[Cell], RunReport]:
     """The checked study, its prepared folder, the cells left to run, and the counts (nothing runs)."""
     study = study if isinstance(study, Study) else load_study(study)
     cells = grid_cells(study)
@@ -60,9 +56,7 @@ def run_study(
 
     def finished(cell: Cell, result: dict) -> None:
         if "error" in result:
-            report.failures.append(
-                {"cell": cell.id, "settings": cell.settings, "error": result["error"]}
-            )
+            report.failures.append({"cell": cell.id, "settings": cell.settings, "error": result["error"]})
         else:
             folder.write_part(cell.id, row_for(study, cell, result, engine))
             report.finished += 1

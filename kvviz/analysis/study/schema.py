@@ -105,10 +105,7 @@ GRID_KEYS: dict[str, dict[str, Key]] = {
         "bits": Key("ints", [FULL_BITS], axis="bits"),
         # with a [source] question: where the cache is compressed (kvviz eval --compression-point)
         "question_points": Key(
-            "strs",
-            ["before-question"],
-            axis="question_point",
-            choices=("before-question", "after-question"),
+            "strs", ["before-question"], axis="question_point", choices=("before-question", "after-question")
         ),
     },
     "needle": {
@@ -116,26 +113,13 @@ GRID_KEYS: dict[str, dict[str, Key]] = {
         "budgets": Key("floats", [0.25], axis="budget"),
         "bits": Key("ints", [FULL_BITS], axis="bits"),
         # both question protocols as an axis (a leaderboard); empty: [source] question_after_compression decides
-        "protocols": Key(
-            "strs", [], axis="protocol", choices=("question-aware", "query-agnostic"), later=True
-        ),
+        "protocols": Key("strs", [], axis="protocol", choices=("question-aware", "query-agnostic"), later=True),
     },
 }
 # Spec settings that are not axes of their own here: the grid's scorers / budgets / bits / formats set them, the
 # synthetic source has its own seeds, and the key positions are the real-model decode's
 NOT_SETTING_AXES = frozenset(
-    {
-        "sink",
-        "recent",
-        "heavy",
-        "scorer",
-        "seed",
-        "positions",
-        "key_bits",
-        "value_bits",
-        "key_format",
-        "value_format",
-    }
+    {"sink", "recent", "heavy", "scorer", "seed", "positions", "key_bits", "value_bits", "key_format", "value_format"}
 )
 _LIST_OF = {"int": "ints", "float": "floats", "bool": "bools", "choice": "strs"}
 
@@ -236,9 +220,7 @@ def _check_value(where: str, key: Key, value: Any) -> Any:
         if key.choices:
             wrong = [v for v in items if v not in key.choices]
             if wrong:
-                raise StudyError(
-                    f"{where}: {wrong[0]!r} is not one of {', '.join(map(str, key.choices))}"
-                )
+                raise StudyError(f"{where}: {wrong[0]!r} is not one of {', '.join(map(str, key.choices))}")
         return items
     out = one(key.type, value)
     if key.choices and out not in key.choices:
@@ -249,9 +231,7 @@ def _check_value(where: str, key: Key, value: Any) -> Any:
 def _table(where: str, raw: dict, keys: dict[str, Key]) -> dict[str, Any]:
     unknown = [k for k in raw if k not in keys]
     if unknown:
-        raise StudyError(
-            f"{where}: unknown key {unknown[0]!r}; the keys here are {', '.join(keys)}"
-        )
+        raise StudyError(f"{where}: unknown key {unknown[0]!r}; the keys here are {', '.join(keys)}")
     out = {}
     for name, key in keys.items():
         label = f"{where} {name}" if where else name
@@ -274,14 +254,9 @@ class Cell:
     settings: dict = field(hash=False)
 
     def label(self) -> str:
-        columns = [
-            *AXIS_COLUMNS,
-            *(k for k in self.settings if k not in AXIS_COLUMNS and k in setting_axes()),
-        ]
+        columns = [*AXIS_COLUMNS, *(k for k in self.settings if k not in AXIS_COLUMNS and k in setting_axes())]
         return " ".join(
-            f"{k}={self.settings[k]:g}"
-            if isinstance(self.settings[k], float)
-            else f"{k}={self.settings[k]}"
+            f"{k}={self.settings[k]:g}" if isinstance(self.settings[k], float) else f"{k}={self.settings[k]}"
             for k in columns
             if k in self.settings
         )
@@ -368,9 +343,7 @@ def read_study(text: str, base_dir: str | Path = ".", origin: str = "study file"
 
 def cell_id(kind: str, fixed: dict, settings: dict) -> str:
     """16 hex digits of sha256 over everything that decides the cell's numbers."""
-    blob = json.dumps(
-        {"format": FORMAT, "kind": kind, "fixed": fixed, "cell": settings}, sort_keys=True
-    )
+    blob = json.dumps({"format": FORMAT, "kind": kind, "fixed": fixed, "cell": settings}, sort_keys=True)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 

@@ -48,19 +48,12 @@ class StudyDir:
             meta = json.loads((self.path / STUDY_JSON).read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise StudyError(
-                f"{self.path} holds no study (no {STUDY_JSON}): run `kvviz study run FILE --out "
-                f"{self.path}` first"
+                f"{self.path} holds no study (no {STUDY_JSON}): run `kvviz study run FILE --out {self.path}` first"
             ) from None
         except (OSError, ValueError) as exc:
             raise StudyError(f"{self.path / STUDY_JSON} is unreadable ({exc})") from None
-        if (
-            not isinstance(meta, dict)
-            or meta.get("format") != FORMAT
-            or not isinstance(meta.get("cells"), list)
-        ):
-            raise StudyError(
-                f"{self.path / STUDY_JSON} is not a kvviz study record (format {FORMAT})"
-            )
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("cells"), list):
+            raise StudyError(f"{self.path / STUDY_JSON} is not a kvviz study record (format {FORMAT})")
         return meta
 
     def exists(self) -> bool:
@@ -85,12 +78,8 @@ class StudyDir:
                     "the old one aside). Lists (seeds, texts, models, scorers, budgets, ...) may "
                     "change; other keys may not."
                 )
-        elif self.path.exists() and any(
-            p for p in self.path.iterdir() if not p.name.startswith(".")
-        ):
-            raise StudyError(
-                f"--out {self.path} is a folder with other files in it; give a new or empty folder"
-            )
+        elif self.path.exists() and any(p for p in self.path.iterdir() if not p.name.startswith(".")):
+            raise StudyError(f"--out {self.path} is a folder with other files in it; give a new or empty folder")
         (self.path / PARTS).mkdir(parents=True, exist_ok=True)
         meta = {
             "format": FORMAT,
