@@ -350,3 +350,18 @@ def add_view_args(p: argparse.ArgumentParser) -> None:
         default=8,
         help=f"rows behind the error bars (1-{MAX_ENSEMBLE})",
     )
+
+
+def add_trace_args(p: argparse.ArgumentParser) -> None:
+    """The source, compression and view groups: what a command that works on one trace's view takes."""
+    add_source_args(p)
+    add_compression_args(p)
+    add_view_args(p)
+
+
+def spec_trace_view(a: argparse.Namespace, **more):
+    """(spec, trace, trace_for_seed, view) from add_trace_args' options, in that order: a bad spec is
+    reported before the source is loaded; `more` sets the View's other fields (view_from_args)."""
+    spec = spec_from_args(a)
+    trace, for_seed = source_from_args(a)
+    return spec, trace, for_seed, view_from_args(trace, a, **more)

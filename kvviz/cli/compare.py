@@ -7,25 +7,15 @@ import json
 import math
 import sys
 
-from kvviz.cli.args import (
-    _json_safe,
-    add_compression_args,
-    add_source_args,
-    add_view_args,
-    source_from_args,
-    spec_from_args,
-    view_from_args,
-)
+from kvviz.cli.args import _json_safe, add_trace_args, spec_trace_view
 from kvviz.metrics import DEFINITIONS as METRIC_DEFINITIONS
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
     from kvviz.engine import compare
 
-    spec = spec_from_args(a)
-    trace, for_seed = source_from_args(a)
     # --layer is the model's own layer number (a capture of --layers 0-3,15 holds layer 15 at position 4)
-    view = view_from_args(trace, a, ensemble=a.ensemble, ensemble_size=a.ensemble_size)
+    spec, trace, for_seed, view = spec_trace_view(a, ensemble=a.ensemble, ensemble_size=a.ensemble_size)
     result = compare(trace, spec, view, trace_for_seed=for_seed)
     if a.json:
         json.dump(
@@ -121,8 +111,6 @@ def register(sub) -> None:
         description=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_source_args(p)
-    add_compression_args(p)
-    add_view_args(p)
+    add_trace_args(p)
     p.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
     p.set_defaults(func=cmd_compare)

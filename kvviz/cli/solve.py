@@ -6,18 +6,7 @@ import argparse
 import json
 import sys
 
-from kvviz.cli.args import (
-    CliError,
-    _json_safe,
-    _nonneg,
-    number,
-    add_compression_args,
-    add_source_args,
-    add_view_args,
-    source_from_args,
-    spec_from_args,
-    view_from_args,
-)
+from kvviz.cli.args import CliError, _json_safe, _nonneg, add_trace_args, number, spec_trace_view
 
 
 def cmd_solve(a: argparse.Namespace) -> int:
@@ -31,9 +20,7 @@ def cmd_solve(a: argparse.Namespace) -> int:
         )
     if (a.target_mass is None) == (a.target_tv is None):
         raise CliError("give one target: --target-mass M (keep at least M of the attention) or --target-tv T")
-    base = spec_from_args(a)
-    trace, _ = source_from_args(a)
-    view = view_from_args(trace, a)
+    base, trace, _, view = spec_trace_view(a)
     sol = solve(trace, base, view, target_mass=a.target_mass, target_tv=a.target_tv, max_sink=a.max_sink)
     if a.json:
         json.dump(_json_safe(sol.as_dict()), sys.stdout)
@@ -56,9 +43,7 @@ def cmd_solve(a: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("solve", help="the smallest cache that keeps a target attention mass (or TV)")
-    add_source_args(p)
-    add_compression_args(p)
-    add_view_args(p)
+    add_trace_args(p)
     g = p.add_argument_group("target (give one)")
     g.add_argument(
         "--target-mass", type=number(0, 1, open_low=True), help="keep at least this share of the attention (0-1)"

@@ -6,17 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvviz.cli.args import (
-    CliError,
-    add_compression_args,
-    add_source_args,
-    add_view_args,
-    number_list,
-    scorer_from_args,
-    source_from_args,
-    spec_from_args,
-    view_from_args,
-)
+from kvviz.cli.args import CliError, add_trace_args, number_list, scorer_from_args, spec_trace_view
 from kvviz.quant.formats import SERVING_FORMATS
 from kvviz.spec import FULL_BITS
 from kvviz.spec import SCORERS, SpecError, scorer_names
@@ -36,9 +26,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     if bad:
         raise SpecError(f"unknown scorer {bad[0]!r}; choose from {', '.join(scorer_names())}")
     fractions, bits = a.budgets, a.bits_list  # checked by their argparse types
-    base = spec_from_args(a)
-    trace, _ = source_from_args(a)
-    view = view_from_args(trace, a, ensemble=a.ensemble or "heads", ensemble_size=a.ensemble_size)
+    base, trace, _, view = spec_trace_view(a, ensemble=a.ensemble or "heads", ensemble_size=a.ensemble_size)
     from kvviz.analysis.sweep import SWEEP_FORMATS
 
     formats = [f.strip() for f in a.formats_list.split(",") if f.strip()]
@@ -67,9 +55,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("sweep", help="several policies over several budgets and bits -> CSV")
-    add_source_args(p)
-    add_compression_args(p)
-    add_view_args(p)
+    add_trace_args(p)
     p.add_argument("--scorers", default=",".join(SCORERS), help="comma-separated scorers")
     p.add_argument(
         "--budgets",
