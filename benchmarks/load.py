@@ -29,7 +29,6 @@ import argparse
 import os
 import random
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -77,25 +76,10 @@ def rss_mb(pid: int) -> float:
 def served(log: Path, root: Path = ROOT, env: dict | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """`streamlit run app.py` of `root` on a free loopback port: yield (url, process) once it is healthy
     (the body may stop it itself); stop it afterwards."""
+    from kvviz.app.serve import local_command
+
     port = free_port()
-    streamlit = shutil.which("streamlit", path=str(Path(sys.executable).parent)) or "streamlit"
-    cmd = [
-        streamlit,
-        "run",
-        str(root / "app.py"),
-        "--server.headless",
-        "true",
-        "--server.port",
-        str(port),
-        "--server.address",
-        "127.0.0.1",
-        "--browser.gatherUsageStats",
-        "false",
-        "--server.fileWatcherType",
-        "none",
-        "--server.runOnSave",
-        "false",
-    ]
+    cmd = local_command(port, root / "app.py")
     with open(log, "w") as out:
         proc = subprocess.Popen(
             cmd, cwd=root, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "KVVIZ_WARMUP": "0", **(env or {})}

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -122,24 +120,10 @@ def serve_app(log: Path, env: dict | None = None, launcher: bool = False):
     """`streamlit run app.py` on a free localhost port (headless, usage stats off): yield its URL once
     healthy, stop it afterwards. Raises RuntimeError if it exits or is not healthy within 60 s.
     launcher=True starts it as `make run` does (`python -m kvviz.app.serve`: the app warm from the start)."""
+    from kvviz.app.serve import local_command
+
     port = _free_port()
-    streamlit = shutil.which("streamlit", path=str(Path(sys.executable).parent)) or "streamlit"
-    start = [sys.executable, "-m", "kvviz.app.serve"] if launcher else [streamlit, "run", str(ROOT / "app.py")]
-    cmd = [
-        *start,
-        "--server.headless",
-        "true",
-        "--server.port",
-        str(port),
-        "--server.address",
-        "127.0.0.1",
-        "--browser.gatherUsageStats",
-        "false",
-        "--server.fileWatcherType",
-        "none",
-        "--server.runOnSave",
-        "false",
-    ]
+    cmd = local_command(port, ROOT / "app.py", launcher=launcher)
     log.parent.mkdir(exist_ok=True)
     with open(log, "w") as out:
         proc = subprocess.Popen(

@@ -139,6 +139,31 @@ async def lifespan(app):
     yield
 
 
+def local_command(port: int, app: Path = APP, launcher: bool = False) -> list[str]:
+    """The command that serves `app` on 127.0.0.1:PORT for a test or a benchmark: headless, no usage stats,
+    no file watching or rerun on save. launcher=True starts it as `make run` does (this module, which
+    serves this checkout's app.py), else as `streamlit run APP`."""
+    import shutil
+
+    streamlit = shutil.which("streamlit", path=str(Path(sys.executable).parent)) or "streamlit"
+    start = [sys.executable, "-m", "kvviz.app.serve"] if launcher else [streamlit, "run", str(app)]
+    return [
+        *start,
+        "--server.headless",
+        "true",
+        "--server.port",
+        str(port),
+        "--server.address",
+        "127.0.0.1",
+        "--browser.gatherUsageStats",
+        "false",
+        "--server.fileWatcherType",
+        "none",
+        "--server.runOnSave",
+        "false",
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     _no_delay()
     internals.streamlit_run([str(APP), *(sys.argv[1:] if argv is None else argv)])
