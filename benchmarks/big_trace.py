@@ -79,6 +79,30 @@ def kvviz(*argv: str) -> tuple[int, float, float, str]:
     return out.returncode, peak, wall, (out.stderr + out.stdout)[-600:]
 
 
+def capture(folder: Path, prompt: Path, tokens: int, out: Path, *more: str) -> tuple[int, float, float, str]:
+    """`kvviz capture` of the model in `folder` on the prompt file's first `tokens` tokens to `out`, as kvviz()
+    runs it; `more`: further capture options."""
+    return kvviz(
+        "capture",
+        "--model",
+        str(folder),
+        "--prompt-file",
+        str(prompt),
+        "--max-tokens",
+        str(tokens),
+        *more,
+        "--out",
+        str(out),
+        "--quiet",
+    )
+
+
+def verdict(good: bool, text: str) -> bool:
+    """Print TEXT with `ok`, or `MISS` where a target is missed; `good` again."""
+    print(f"{text} {'ok' if good else 'MISS'}")
+    return good
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         return child(sys.argv[2:])
@@ -100,72 +124,43 @@ def main() -> int:
             f"random-weight Llama: {layers} layers x 32 query heads x 8 KV heads x 128, hidden 256; "
             f"{tokens} tokens; CPU, {os.cpu_count()} cores"
         )
-        rc, peak, wall, tail = kvviz(
-            "capture",
-            "--model",
-            str(tmp / "model"),
-            "--prompt-file",
-            str(prompt),
-            "--max-tokens",
-            str(tokens),
-            "--out",
-            str(f32),
-            "--quiet",
-        )
+        rc, peak, wall, tail = capture(tmp / "model", prompt, tokens, f32)
         size = f32.stat().st_size if f32.exists() else 0
-        good = rc == 0 and peak <= 2560
-        ok &= good
-        print(
+        ok &= verdict(
+            rc == 0 and peak <= 2560,
             f"capture float32, default budget: exit {rc}, {wall:.1f} s, file {size / 1e9:.2f} GB, "
-            f"peak RSS {peak:.0f} MiB (target exit 0, <= 2560 MiB) {'ok' if good else 'MISS'}"
+            f"peak RSS {peak:.0f} MiB (target exit 0, <= 2560 MiB)",
         )
         if rc != 0:
             print(tail, file=sys.stderr)
             return 1
         rc, peak, wall, tail = kvviz("trace", "info", str(f32))
-        good = rc == 0 and wall <= 5.0
-        ok &= good
-        print(
-            f"kvviz trace info: exit {rc}, {wall:.2f} s wall, process start included (target <= 5 s) "
-            f"{'ok' if good else 'MISS'}"
+        ok &= verdict(
+            rc == 0 and wall <= 5.0,
+            f"kvviz trace info: exit {rc}, {wall:.2f} s wall, process start included (target <= 5 s)",
         )
         layer = min(17, layers - 1)
         rc, peak, wall, tail = kvviz("compare", "--source", str(f32), "--layer", str(layer), "--head", "5")
-        good = rc == 0 and peak <= 1229
-        ok &= good
-        print(
+        ok &= verdict(
+            rc == 0 and peak <= 1229,
             f"kvviz compare --layer {layer} --head 5: exit {rc}, {wall:.1f} s, peak RSS {peak:.0f} MiB "
-            f"of a {size / 1e9:.2f} GB trace (target <= 1229 MiB) {'ok' if good else 'MISS'}"
+            f"of a {size / 1e9:.2f} GB trace (target <= 1229 MiB)",
         )
         if rc != 0:
             print(tail, file=sys.stderr)
         sizes = {}
         for dtype in ("float32", "bfloat16"):
             out = tmp / f"{dtype}-short.safetensors"
-            rc, _, wall, tail = kvviz(
-                "capture",
-                "--model",
-                str(tmp / "model"),
-                "--prompt-file",
-                str(prompt),
-                "--max-tokens",
-                str(bf16_tokens),
-                "--dtype",
-                dtype,
-                "--out",
-                str(out),
-                "--quiet",
-            )
+            rc, _, wall, tail = capture(tmp / "model", prompt, bf16_tokens, out, "--dtype", dtype)
             if rc != 0:
                 print(tail, file=sys.stderr)
                 return 1
             sizes[dtype] = out.stat().st_size
         ratio = sizes["bfloat16"] / sizes["float32"]
-        good = ratio <= 0.55
-        ok &= good
-        print(
+        ok &= verdict(
+            ratio <= 0.55,
             f"{bf16_tokens} tokens: bfloat16 file {sizes['bfloat16'] / 1e6:.1f} MB / float32 file "
-            f"{sizes['float32'] / 1e6:.1f} MB = ratio {ratio:.3f} (target <= 0.55) {'ok' if good else 'MISS'}"
+            f"{sizes['float32'] / 1e6:.1f} MB = ratio {ratio:.3f} (target <= 0.55)",
         )
     print("OK" if ok else "OVER TARGET")
     return 0 if ok else 1
