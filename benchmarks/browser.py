@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+from _common import targets_met  # noqa: E402
 from load import cpu_seconds  # noqa: E402  (the server's CPU time, from /proc)
 
 WARMUP = os.environ.get("KVVIZ_WARMUP", "1")  # the app's default; tests/conftest sets 0 on import
@@ -307,8 +308,7 @@ def main() -> int:
         "URL": linked == len(MOVES),
     }
     missed = [name for name, ok in met.items() if not ok]
-    print("targets: " + ("met" if not missed else "MISSED: " + ", ".join(missed)))
-    return 1 if missed else 0
+    return targets_met("targets", missed)
 
 
 if __name__ == "__main__":

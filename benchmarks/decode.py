@@ -32,7 +32,7 @@ import argparse
 import statistics
 import sys
 
-from _common import kivi_4bit, offline
+from _common import bundled_model, decode_times, exit_status, kivi_4bit, offline
 
 offline()
 
@@ -54,19 +54,14 @@ def main() -> int:
 
     import torch
 
-    try:  # the decode side is moving into a package (kvviz.decode)
-        from kvviz.decode import decode, plain_decode, sample_text, tokenize
-    except ImportError:
-        from kvviz.generation import decode, plain_decode, sample_text, tokenize
-    from kvviz.models import load_model
+    from threadpoolctl import threadpool_limits
+
+    from kvviz.decode import decode, plain_decode, sample_text, tokenize
     from kvviz.sources import handbook
     from kvviz.spec import Spec
 
-    torch.set_num_threads(a.threads)
-    from threadpoolctl import threadpool_limits
-
-    threadpool_limits(a.threads)  # numpy's BLAS too: one thread on both sides
-    model, tokenizer, info = load_model("bundled", dtype=a.dtype)
+    threadpool_limits(a.threads)  # numpy's BLAS too: one thread on both sides (torch's: bundled_model)
+    model, tokenizer, info, _ = bundled_model(a.threads, dtype=a.dtype)
     print(
         f"model: {info.name} ({info.n_layers} layers, {info.n_q_heads} q / {info.n_kv_heads} kv heads); "
         f"torch threads {torch.get_num_threads()}, attention {model.config._attn_implementation}"
@@ -99,22 +94,11 @@ def main() -> int:
         print(f"profile of the lab default, {steps} steps ({t['decode'] * 1e3 / steps:.1f} ms/step incl. profiling):")
         pstats.Stats(pr, stream=sys.stdout).sort_stats("tottime").print_stats(25)
 
-    plain: list[float] = []
-    comp: dict[str, list[float]] = {k: [] for k in specs}
-    point: dict[str, list[float]] = {k: [] for k in specs}
-    for _ in range(a.repeats):
-        for name, spec in specs.items():
-            tp: dict = {}
-            plain_decode(model, prompt, steps, feed=feed, timings=tp)
-            plain.append(tp["decode"] / steps)
-            tc: dict = {}
-            decode(model, prompt, spec, steps, feed=feed, timings=tc)
-            comp[name].append(tc["decode"] / steps)
-            point[name].append(tc["prefill"])
-    base = statistics.median(plain)
+    plain, comp, point = decode_times(model, prompt, feed, specs, steps, a.repeats)
+    base = statistics.median(plain) / steps
     worst = 0.0
     for i, name in enumerate(specs):
-        c = statistics.median(comp[name])
+        c = statistics.median(comp[name]) / steps
         if i < 2:  # the lab's step and kvviz's attention alone
             worst = max(worst, c / base)
         print(
@@ -175,8 +159,7 @@ def long_check(model, tokenizer, a) -> int:
             f"{name}: compressed {c * 1e3:.1f} ms/step, transformers DynamicCache {base * 1e3:.1f} ms/step, "
             f"ratio {c / base:.2f}"
         )
-    print(f"worst ratio at {a.long} tokens {worst:.2f} (target <= {LONG_TARGET:g})")
-    return 0 if worst <= LONG_TARGET else 1
+    return exit_status(f"worst ratio at {a.long} tokens {worst:.2f}", worst, LONG_TARGET)
 
 
 if __name__ == "__main__":

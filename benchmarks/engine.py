@@ -34,6 +34,7 @@ import sys
 import time
 
 import numpy as np
+from _common import exit_status
 
 from kvviz import Spec, View, compare
 from kvviz.policies.base import _SCORE_CACHE
@@ -200,7 +201,7 @@ def main() -> None:
             + ("" if full / bare <= TARGET else f"  MISSES the target <= {TARGET:g}"),
             flush=True,
         )
-    print(f"worst ratio {worst:.2f} (target <= {TARGET:g})", flush=True)
+    status = exit_status(f"worst ratio {worst:.2f}", worst, TARGET)
 
     from kvviz.sources.handbook import handbook_trace
 
@@ -214,8 +215,8 @@ def main() -> None:
         f"32k tokens, single query (snapkv, 4-bit): {t * 1e3:.1f} ms; bare attention {bare * 1e3:.1f} ms; "
         f"ratio {t / bare:.2f}"
     )
-    if worst > TARGET:
-        sys.exit(1)
+    if status:
+        sys.exit(status)
 
 
 def bare_attention_long(trace):

@@ -20,9 +20,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
-from _common import offline
+from _common import bundled_model, decode_times, offline, within
 
 offline()
 
@@ -39,15 +38,12 @@ def main() -> int:
 
     from kvviz.decode.loop import decode, plain_decode
     from kvviz.decode.quality import sample_text, tokenize
-    from kvviz.models import load_model
     from kvviz.spec import Spec
 
-    torch.set_num_threads(a.threads)
-    t = time.perf_counter()
-    model, tokenizer, info = load_model("bundled")
+    model, tokenizer, info, seconds = bundled_model(a.threads)
     print(
         f"model: {info.name} ({info.n_layers} layers, {info.n_q_heads} q / {info.n_kv_heads} kv heads), "
-        f"loaded in {time.perf_counter() - t:.1f} s; torch threads {torch.get_num_threads()}"
+        f"loaded in {seconds:.1f} s; torch threads {torch.get_num_threads()}"
     )
     ids = tokenize(tokenizer, sample_text())
     n, m = a.prompt_tokens, a.steps
@@ -65,18 +61,7 @@ def main() -> int:
     plain_decode(model, prompt, 4, feed=feed)
     decode(model, prompt, Spec(sink=4, recent=28, heavy=32), 4, feed=feed)
 
-    plain: list[float] = []
-    comp: dict[str, list[float]] = {k: [] for k in specs}
-    prefill: dict[str, list[float]] = {k: [] for k in specs}
-    for _ in range(a.repeats):
-        for name, spec in specs.items():
-            tp: dict = {}
-            plain_decode(model, prompt, m, feed=feed, timings=tp)
-            plain.append(tp["decode"])
-            tc: dict = {}
-            decode(model, prompt, spec, m, feed=feed, timings=tc)
-            comp[name].append(tc["decode"])
-            prefill[name].append(tc["prefill"])
+    plain, comp, prefill = decode_times(model, prompt, feed, specs, m, a.repeats)
     base = statistics.median(plain)
     print(
         f"prompt {n} tokens, {m} decode steps; plain full-cache decode: {base:.3f} s "
@@ -91,7 +76,7 @@ def main() -> int:
             f"{name}: compressed decode / plain full-cache decode = {ratio:.2f} "
             f"({1000 * c / m:.1f} ms/token; compression point incl. prefill {statistics.median(prefill[name]):.2f} s)"
         )
-    print(f"worst ratio {worst:.2f} (target <= 1.5): {'OK' if worst <= 1.5 else 'OVER'}")
+    within(f"worst ratio {worst:.2f}", worst, 1.5)
     return 0
 
 

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import targets_met  # noqa: E402
 from load import ROOT, Session, rss_mb, served  # noqa: E402
 
 HUGE = "source=synthetic&context=1000000000&steps=1000000000&layers=100000&q_heads=100000&kv_heads=100000"
@@ -148,12 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             if seconds >= STOP_S:
                 missed.append("SIGTERM")
         stop.set()
-    print(
-        "targets (notice < 5 s, peak RSS < 2 GB, rerun < 5 s, stop < 5 s): "
-        + ("met" if not missed else "MISSED: " + ", ".join(missed))
-        + f"; server log {log}"
-    )
-    return 1 if missed else 0
+    return targets_met("targets (notice < 5 s, peak RSS < 2 GB, rerun < 5 s, stop < 5 s)", missed, log)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from _common import targets_met
+
 ROOT = Path(__file__).resolve().parents[1]
 SLIDERS = ("Sink tokens", "Recent window", "Heavy-hitter budget", "Quantization bits", "Ensemble size")
 TARGETS = {
@@ -378,13 +380,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         if bad
     ]
-    print(
+    return targets_met(
         "  targets (0 exceptions, 0 missing, RSS growth < 100 MB, health p99 < 1 s, every move done, wait per move "
-        "mean <= 1 s and p95 <= 2 s): "
-        + ("met" if not missed else "MISSED: " + ", ".join(missed))
-        + f"; server log {log}"
+        "mean <= 1 s and p95 <= 2 s)",
+        missed,
+        log,
     )
-    return 1 if missed else 0
 
 
 if __name__ == "__main__":

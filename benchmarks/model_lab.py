@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from _common import offline
+from _common import bundled_model, offline
 
 offline()
 
@@ -38,13 +38,10 @@ def main() -> int:
     from kvviz.decode import lab, labsettings
     from kvviz.decode.loop import plain_decode
     from kvviz.decode.quality import tokenize
-    from kvviz.models import load_model
     from kvviz.spec import Spec
 
-    torch.set_num_threads(a.threads)
-    t = time.perf_counter()
-    model, tokenizer, info = load_model("bundled")
-    print(f"model: {info.label}, loaded in {time.perf_counter() - t:.1f} s; torch threads {torch.get_num_threads()}")
+    model, tokenizer, info, seconds = bundled_model(a.threads)
+    print(f"model: {info.label}, loaded in {seconds:.1f} s; torch threads {torch.get_num_threads()}")
     default = labsettings.default_settings()
     n, m, g = default.prompt_tokens, default.continuation, default.greedy_tokens
     ids = tokenize(tokenizer, default.text)[: n + m]

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from _common import offline
+from _common import offline, within
 
 offline()
 
@@ -52,7 +52,7 @@ def main() -> int:
         f"first load (GGUF conversion + saving the cache): {first:.2f} s; "
         f"cached load: {c:.2f} s (median of {len(cached)}: {', '.join(f'{x:.2f}' for x in cached)})"
     )
-    print(f"cached load / first conversion = {c / first:.3f} (target <= 0.2): {'OK' if c / first <= 0.2 else 'OVER'}")
+    within(f"cached load / first conversion = {c / first:.3f}", c / first, 0.2)
     return 0
 
 

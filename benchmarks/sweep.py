@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import exit_status  # noqa: E402
 from engine import LAYER, bare_attention, benchmark_trace, best_of  # noqa: E402  (benchmarks/engine.py)
 
 try:  # the package layout in flux: kvviz.analysis.sweep, else kvviz.sweep
@@ -98,8 +99,7 @@ def main() -> int:
         f"per configuration: {total / n_configs * 1e3:.2f} ms = {total / (n_configs * row):.2f} x one evaluated "
         f"row set ({row * 1e3:.2f} ms: the 8 heads' attention of the last query)"
     )
-    print(f"worst ratio {ratio:.2f} (target <= {TARGET:g})")
-    return 0 if ratio <= TARGET else 1
+    return exit_status(f"worst ratio {ratio:.2f}", ratio, TARGET)
 
 
 if __name__ == "__main__":

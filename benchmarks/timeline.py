@@ -21,6 +21,8 @@ import statistics
 import sys
 import time
 
+from _common import within
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -71,7 +73,7 @@ def main() -> int:
         f"first computation (4 policies x 48 steps + the animated figure): {f:.3f} s (median of {len(firsts)}); "
         f"step move: {1000 * m:.1f} ms (median of {len(moves)})"
     )
-    print(f"step move / first computation = {m / f:.5f} (target <= 0.05): {'OK' if m / f <= 0.05 else 'OVER'}")
+    within(f"step move / first computation = {m / f:.5f}", m / f, 0.05)
     return 0
 
 
