@@ -323,6 +323,18 @@ def to_hex(positions: list[int], n: int) -> str:
     return format(sum(1 << i for i in positions), "x").zfill(-(-n // 4))
 
 
+def entry(press: str, settings: dict, kept: list, n: int, **more) -> dict:
+    """One method's record: its kvpress press, kvviz's settings for it, and the positions (of `n`) that each
+    layer's KV heads kept, as hex bit masks; `more`: further fields."""
+    return {"press": press, "kvviz": settings, "kept": [[to_hex(h, n) for h in layer] for layer in kept], **more}
+
+
+def kept_per_head(kept: list) -> str:
+    """`layers L  kept per head A..B`: how many layers, and the fewest and most positions a head kept."""
+    sizes = sorted({len(h) for layer in kept for h in layer})
+    return f"layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a transformers folder of the bundled model (default: kvviz's cache)")
@@ -358,32 +370,17 @@ def main() -> None:
                 model_dir, dtype=torch.float32, attn_implementation=impl
             ).eval()
         kept = record(models[impl], ids, name, RATIO)
-        out["methods"][name] = {
-            "press": expr,
-            "kvviz": settings,
-            "kept": [[to_hex(h, len(ids)) for h in layer] for layer in kept],
-        }
-        sizes = sorted({len(h) for layer in kept for h in layer})
-        print(f"{name:26s} {expr:48s} layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}")
+        out["methods"][name] = entry(expr, settings, kept, len(ids))
+        print(f"{name:26s} {expr:48s} {kept_per_head(kept)}")
     out["own_budgets"] = {}
     for name, (expr, settings) in OWN_BUDGETS.items():
         kept = record_masked(models["sdpa"], ids, name)
-        out["own_budgets"][name] = {
-            "press": expr,
-            "kvviz": settings,
-            "kept": [[to_hex(h, len(ids)) for h in layer] for layer in kept],
-        }
-        sizes = sorted({len(h) for layer in kept for h in layer})
-        print(f"{name:26s} {expr[:48]:48s} layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}")
+        out["own_budgets"][name] = entry(expr, settings, kept, len(ids))
+        print(f"{name:26s} {expr[:48]:48s} {kept_per_head(kept)}")
     out["merging"] = {}
     for name, (expr, settings) in MERGING.items():
         kept, moved = record_merging(models["sdpa"], ids)
-        out["merging"][name] = {
-            "press": expr,
-            "kvviz": settings,
-            "kept": [[to_hex(h, len(ids)) for h in layer] for layer in kept],
-            "moved": moved,
-        }
+        out["merging"][name] = entry(expr, settings, kept, len(ids), moved=moved)
         print(
             f"{name:26s} {expr:48s} layers {len(kept)}  values moved in "
             f"{sum(x > 0 for layer in moved for h in layer for x in h)} of "
@@ -393,15 +390,12 @@ def main() -> None:
     out["decoding"] = {"steps": DECODE_STEPS, "every": DECODE_EVERY, "continuation_ids": more, "methods": {}}
     for name, (expr, settings) in DECODING.items():
         kept = record_decoding(models["sdpa"], ids, more, name)
-        n = len(ids) + len(more)
-        out["decoding"]["methods"][name] = {
-            "press": f"PrefillDecodingPress({expr} at 0.5, DecodingPress({expr}, "
-            f"compression_interval={DECODE_EVERY}, target_size=130))",
-            "kvviz": settings,
-            "kept": [[to_hex(h, n) for h in layer] for layer in kept],
-        }
-        sizes = sorted({len(h) for layer in kept for h in layer})
-        print(f"{name:26s} after {len(more)} decode steps: layers {len(kept)}  kept per head {sizes[0]}..{sizes[-1]}")
+        press = (
+            f"PrefillDecodingPress({expr} at 0.5, DecodingPress({expr}, "
+            f"compression_interval={DECODE_EVERY}, target_size=130))"
+        )
+        out["decoding"]["methods"][name] = entry(press, settings, kept, len(ids) + len(more))
+        print(f"{name:26s} after {len(more)} decode steps: {kept_per_head(kept)}")
     Path(args.out).write_text(json.dumps(out, separators=(",", ":")) + "\n", encoding="utf-8")
     print(f"wrote {args.out} ({Path(args.out).stat().st_size / 1e3:.0f} kB)")
 
