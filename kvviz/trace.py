@@ -24,7 +24,7 @@ indexed by layer first like the arrays); they check their own values for NaN / i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -240,19 +240,7 @@ def layer_ranges(numbers: tuple[int, ...] | list[int]) -> str:
 
 def trace_with(t: Trace, **changes: Any) -> Trace:
     """A copy of `t` with some fields replaced (re-validated)."""
-    fields = dict(
-        q=t.q,
-        k=t.k,
-        v=t.v,
-        context_len=t.context_len,
-        tokens=t.tokens,
-        query_positions=t.query_positions,
-        meta=t.meta,
-        logits=t.logits,
-        noise_eps=t.noise_eps,
-    )
-    fields.update(changes)
-    return Trace(**fields)
+    return replace(t, **changes)
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

@@ -16,6 +16,16 @@ from kvviz.trace import Trace
 
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
 DEFAULT_BITS = (16, 8, 4, 2)
+# Which metric of the engine each error column holds (kl: KL(compressed || original), finite), in the
+# columns' order
+METRIC_COLUMNS = {
+    "mass_retained": "mass_retained",
+    "tv": "tv_distance",
+    "kl_compressed_vs_original": "kl",
+    "js": "js",
+    "output_error": "output_rel_error",
+    "output_cosine": "output_cosine",
+}
 COLUMNS = (
     "method",
     "budget",
@@ -23,12 +33,7 @@ COLUMNS = (
     "bits",
     "memory_ratio",
     "compression_ratio",
-    "mass_retained",
-    "tv",
-    "kl_compressed_vs_original",
-    "js",
-    "output_error",
-    "output_cosine",
+    *METRIC_COLUMNS,
     "memory_read_ratio",
     "saves",
     "format",
@@ -36,15 +41,6 @@ COLUMNS = (
 # Cache formats a sweep can add next to the integer bit widths: the quantizers' serving formats
 # (kvviz.quant.formats), in their order; `bits` is their width.
 SWEEP_FORMATS = {f: FORMAT_BITS[f] for f in SERVING_FORMATS}
-# Which metric of the engine each error column holds (kl: KL(compressed || original), finite).
-METRIC_COLUMNS = {
-    "tv": "tv_distance",
-    "kl_compressed_vs_original": "kl",
-    "js": "js",
-    "output_error": "output_rel_error",
-    "output_cosine": "output_cosine",
-    "mass_retained": "mass_retained",
-}
 
 
 def split_budget(scorer: str, budget: int, sink: int = 4) -> dict:

@@ -254,14 +254,12 @@ def device_quantizes(spec) -> bool:
 def quantize_tensor_torch(x, spec, which: str, residual: int):
     """kvviz.quant.formats.quantize_tensor in torch on x's device: x (U, T, D) float32, the last `residual`
     tokens unchanged, the rest rotated (if the spec says so), quantized in the spec's format, rotated back."""
-    from kvviz.quant.formats import is_quantized, settings
+    from kvviz.quant.formats import quantized_tokens, settings
 
     fmt, bits, axis, rotated = settings(spec, which)
     if not device_quantizes(spec):
         raise ValueError(f"no device quantizer for {fmt}: use the host's (kvviz.quant.formats.quantize_tensor)")
-    if not is_quantized(spec, which):
-        return x
-    n_quant = max(0, x.shape[-2] - residual)
+    n_quant = quantized_tokens(x, spec, which, residual)
     if n_quant == 0:
         return x
     head = x[..., :n_quant, :]

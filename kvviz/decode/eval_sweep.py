@@ -8,7 +8,7 @@ from functools import partial
 
 
 from kvviz.decode.cache import Progress
-from kvviz.decode.quality import Reference, evaluate
+from kvviz.decode.quality import QUALITY_FIELDS, Reference, evaluate
 from kvviz.policies import get_policy
 from kvviz.policies.merging import merges
 from kvviz.quant import kivi_residual
@@ -16,24 +16,7 @@ from kvviz.quant.formats import hf_quantized_cache
 from kvviz.spec import SCORERS, Spec, SpecError
 
 
-SWEEP_FIELDS = (
-    "method",
-    "budget",
-    "spec",
-    "residual",
-    "perplexity",
-    "perplexity_full",
-    "perplexity_ratio",
-    "kl_mean",
-    "kl_max",
-    "top1_agreement",
-    "kv_bytes",
-    "kv_bytes_full",
-    "compression_ratio",
-    "memory_ratio",
-    "kept_tokens",
-    "total_tokens",
-)
+SWEEP_FIELDS = ("method", "budget", "spec", "residual", *QUALITY_FIELDS)
 
 SINKS = 4  # a sweep's attention sinks, StreamingLLM's
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvviz.decode.labsettings import LabSettings, one_pass
+from kvviz.models.weights import read_timings, write_timing
 from kvviz.spec import Spec
 
 if TYPE_CHECKING:
@@ -53,23 +54,16 @@ def _timings_path() -> Path:
 
 
 def _timings() -> dict:
-    try:
-        d = json.loads(_timings_path().read_text())
-        return d if isinstance(d, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return read_timings(_timings_path())
 
 
 def record_time(kind: str, seconds: float) -> None:
     """Remember a measured time (exponential average with the previous ones)."""
-    try:
-        d = _timings()
-        old = d.get(kind)
-        d[kind] = float(seconds) if not isinstance(old, (int, float)) else 0.5 * old + 0.5 * float(seconds)
-        lab_cache_dir().mkdir(parents=True, exist_ok=True)
-        _timings_path().write_text(json.dumps(d))
-    except OSError:
-        pass
+    write_timing(_timings_path(), kind, seconds, _running_mean)
+
+
+def _running_mean(old, new: float) -> float:
+    return new if not isinstance(old, (int, float)) else 0.5 * old + 0.5 * new
 
 
 # run size -> the last few runs' seconds, in this process (this server)

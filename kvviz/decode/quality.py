@@ -279,6 +279,24 @@ class Quality:
         }
 
 
+# The columns of Quality.as_dict that say how a compressed cache did against the full one and what it held:
+# an eval sweep's row and a study's model cell report these
+QUALITY_FIELDS = (
+    "perplexity",
+    "perplexity_full",
+    "perplexity_ratio",
+    "kl_mean",
+    "kl_max",
+    "top1_agreement",
+    "kv_bytes",
+    "kv_bytes_full",
+    "compression_ratio",
+    "memory_ratio",
+    "kept_tokens",
+    "total_tokens",
+)
+
+
 def evaluate(
     model,
     ref: Reference,

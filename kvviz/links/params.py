@@ -257,6 +257,17 @@ def _setting_params() -> list[Param]:
     return [setting_param(s) for s in SETTINGS.values() if s.name not in NOT_IN_LINKS]
 
 
+def _synced(read):
+    """A dict method of _Params that first brings the table up to date with SETTINGS (`_sync`)."""
+
+    def method(self, *args):
+        self._sync()
+        return read(self, *args)
+
+    method.__name__ = read.__name__
+    return method
+
+
 class _Params(dict):
     """Every link parameter by name: the app's own, then one per Spec setting (a setting declared later, by a
     plug-in, joins the next time the table is read)."""
@@ -277,37 +288,15 @@ class _Params(dict):
             dict.__setitem__(self, p.name, p)
         self._seen = len(SETTINGS)
 
-    def __getitem__(self, name):
-        self._sync()
-        return dict.__getitem__(self, name)
-
-    def __contains__(self, name):
-        self._sync()
-        return dict.__contains__(self, name)
-
-    def __iter__(self):
-        self._sync()
-        return dict.__iter__(self)
-
-    def __len__(self):
-        self._sync()
-        return dict.__len__(self)
-
-    def items(self):
-        self._sync()
-        return dict.items(self)
-
-    def values(self):
-        self._sync()
-        return dict.values(self)
-
-    def keys(self):
-        self._sync()
-        return dict.keys(self)
-
-    def get(self, name, default=None):
-        self._sync()
-        return dict.get(self, name, default)
+    # every read brings the table up to date first
+    __getitem__ = _synced(dict.__getitem__)
+    __contains__ = _synced(dict.__contains__)
+    __iter__ = _synced(dict.__iter__)
+    __len__ = _synced(dict.__len__)
+    items = _synced(dict.items)
+    values = _synced(dict.values)
+    keys = _synced(dict.keys)
+    get = _synced(dict.get)
 
 
 PARAMS: dict[str, Param] = _Params({p.name: p for p in _PARAMS})

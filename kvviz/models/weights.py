@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,19 +123,30 @@ def save_weights_cache(model: Any, tokenizer: Any, gguf: Path, dtype: str) -> Pa
         return None
 
 
-def _timings() -> dict:
+def read_timings(path: Path) -> dict:
+    """A timings file's {kind: seconds}: {} where it is missing, unreadable or not a JSON object."""
     try:
-        d = json.loads((weights_cache_dir() / TIMINGS_FILE).read_text())
+        d = json.loads(path.read_text())
         return d if isinstance(d, dict) else {}
     except (OSError, ValueError):
         return {}
 
 
-def _record_timing(kind: str, seconds: float) -> None:
+def write_timing(path: Path, kind: str, seconds: float, blend: Callable[[Any, float], float]) -> None:
+    """Record a measured time in the timings file at `path` (its folder made if need be): the kind's entry
+    becomes blend(its old value or None, seconds). A file that cannot be written stays as it was."""
     try:
-        d = _timings()
-        d[kind] = round(float(seconds), 3)
-        weights_cache_dir().mkdir(parents=True, exist_ok=True)
-        (weights_cache_dir() / TIMINGS_FILE).write_text(json.dumps(d))
+        d = read_timings(path)
+        d[kind] = blend(d.get(kind), float(seconds))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(d))
     except OSError:
         pass
+
+
+def _timings() -> dict:
+    return read_timings(weights_cache_dir() / TIMINGS_FILE)
+
+
+def _record_timing(kind: str, seconds: float) -> None:
+    write_timing(weights_cache_dir() / TIMINGS_FILE, kind, seconds, lambda old, new: round(new, 3))

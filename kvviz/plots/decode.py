@@ -112,16 +112,7 @@ def timeline_map(
     )
     if lo:
         title += f" - positions {lo}-{P - 1}"
-    fig.update_layout(
-        title=title,
-        xaxis_title="token position",
-        yaxis_title="decode step",
-        yaxis=dict(autorange="reversed"),
-        height=320,
-        margin=dict(l=50, r=10, t=50, b=40),
-        legend=LEGEND_BELOW,
-    )
-    return fig
+    return _timeline_layout(fig, title, "token position", "decode step", dict(autorange="reversed"), 320)
 
 
 def regret_lines(tl: Timeline, labels: dict | None = None, **more) -> list[go.Scatter]:
@@ -148,13 +139,22 @@ def regret_chart(tl: Timeline, step: int | None = None) -> go.Figure:
     fig = go.Figure(regret_lines(tl))
     if step is not None:
         fig.add_vline(x=step, line=dict(color="#000000", width=1, dash="dot"))
+    title = (
+        "Regret per step: attention the full model put on evicted tokens "
+        f"(layer {tl.model_layer}, KV head {tl.kv_head})"
+    )
+    y_title = "attention mass on evicted tokens"
+    return _timeline_layout(fig, title, "decode step", y_title, dict(rangemode="tozero"), 340)
+
+
+def _timeline_layout(fig: go.Figure, title: str, x_title: str, y_title: str, yaxis: dict, height: int) -> go.Figure:
+    """The decode timeline's step charts (tokens held, regret): narrow margins, the legend below."""
     fig.update_layout(
-        title=f"Regret per step: attention the full model put on evicted tokens "
-        f"(layer {tl.model_layer}, KV head {tl.kv_head})",
-        xaxis_title="decode step",
-        yaxis_title="attention mass on evicted tokens",
-        yaxis=dict(rangemode="tozero"),
-        height=340,
+        title=title,
+        xaxis_title=x_title,
+        yaxis_title=y_title,
+        yaxis=yaxis,
+        height=height,
         margin=dict(l=50, r=10, t=50, b=40),
         legend=LEGEND_BELOW,
     )

@@ -165,6 +165,17 @@ class Policy:
         """What this scorer keeps and why, for the Explorer, where the sliders alone do not say it."""
         return None
 
+    def streaming_note(self, spec: Spec, trace: Trace | None, scored_by: str = "") -> str | None:
+        """A streaming policy's note: it decides again at every decode step (`scored_by`: what its scores
+        are where the title does not say it); None where the trace has no decode steps."""
+        if trace is None or not trace.has_later_queries:
+            return None
+        return (
+            f"{self.title} decides again at every decode step{scored_by}: the new token arrives inside the "
+            f"budget, so each query attends over exactly {spec.budget} tokens (sink + recent + heavy), itself "
+            "among them."
+        )
+
     def scores_follow_budget(self, spec: Spec) -> bool:
         """Whether the scores change with the budget (SnapKV's automatic window follows the recent window):
         when they do not, kept sets grow with the budget and `solve` can bisect exactly."""

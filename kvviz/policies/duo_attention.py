@@ -23,6 +23,7 @@ import numpy as np
 
 from kvviz.attention import softmax
 from kvviz.policies.base import Policy, ScoreContext, cached_on_trace
+from kvviz.policies.select import keep_sinks_and_window
 from kvviz.policies.expected_attention import rope_inv_freq, rotate
 from kvviz.settings import LABELS, Setting, declare
 
@@ -136,11 +137,7 @@ class DuoAttention(Policy):
 
     def compression_kept(self, scores: np.ndarray, spec) -> np.ndarray:
         """(H, c): every token in a retrieval head, sinks and window in a streaming head."""
-        c = scores.shape[1]
-        kept = np.isposinf(scores).copy()
-        kept[:, : spec.sink] = True
-        kept[:, max(0, c - spec.recent) :] = True
-        return kept
+        return keep_sinks_and_window(np.isposinf(scores), spec)
 
     def head_caps(self, scores: np.ndarray, spec) -> np.ndarray:
         retrieval = np.isposinf(scores).all(axis=1)

@@ -51,12 +51,8 @@ class H2O(Policy):
     streaming = True
 
     def note(self, spec, trace=None) -> str | None:
-        if trace is None or not trace.has_later_queries:
-            return None
-        form = " divided by the queries that saw each token" if spec.h2o_normalized else ""
-        return (
-            f"H2O decides again at every decode step{form}: the new token arrives inside the budget, so each "
-            f"query attends over exactly {spec.budget} tokens (sink + recent + heavy), itself among them."
+        return self.streaming_note(
+            spec, trace, " divided by the queries that saw each token" if spec.h2o_normalized else ""
         )
 
     def score(self, ctx: ScoreContext) -> np.ndarray:

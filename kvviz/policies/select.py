@@ -12,6 +12,14 @@ import numpy as np
 from kvviz.spec import Spec
 
 
+def keep_sinks_and_window(keep: np.ndarray, spec: Spec) -> np.ndarray:
+    """Mark the first `sink` and the last `recent` of the n tokens kept in keep (H, n), in place; returns it."""
+    n = keep.shape[1]
+    keep[:, : spec.sink] = True
+    keep[:, max(0, n - spec.recent) :] = True
+    return keep
+
+
 def select(scores: np.ndarray, spec: Spec) -> np.ndarray:
     """Kept mask (kv_heads, n): sinks, recent window, and the top `heavy` of the rest.
 
@@ -20,9 +28,7 @@ def select(scores: np.ndarray, spec: Spec) -> np.ndarray:
     tokens tied at that score fill what is left.
     """
     H, n = scores.shape
-    keep = np.zeros((H, n), dtype=bool)
-    keep[:, : spec.sink] = True
-    keep[:, max(0, n - spec.recent) :] = True
+    keep = keep_sinks_and_window(np.zeros((H, n), dtype=bool), spec)
     # candidates: [first, end)
     first, end = min(spec.sink, n), max(min(spec.sink, n), n - spec.recent)
     take = min(spec.heavy, end - first)

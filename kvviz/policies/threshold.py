@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvviz.policies.base import Policy, ScoreContext
+from kvviz.policies.select import keep_sinks_and_window
 from kvviz.policies.chunkkv import inner_scorers  # the one-shot token scorers (`chunkable`)
 from kvviz.settings import LABELS, Setting, declare, rule
 from kvviz.spec import SpecError
@@ -111,11 +112,7 @@ class Threshold(Policy):
 
     def compression_kept(self, scores: np.ndarray, spec) -> np.ndarray:
         """(H, c): the tokens that pass, the sinks and the recent window."""
-        c = scores.shape[1]
-        kept = scores >= spec.threshold
-        kept[:, : spec.sink] = True
-        kept[:, max(0, c - spec.recent) :] = True
-        return kept
+        return keep_sinks_and_window(scores >= spec.threshold, spec)
 
     def head_caps(self, scores: np.ndarray, spec) -> np.ndarray:
         return np.full(scores.shape[0], np.inf)  # every arrival stays

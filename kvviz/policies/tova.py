@@ -22,12 +22,7 @@ class TOVA(Policy):
     streaming = True
 
     def note(self, spec, trace=None) -> str | None:
-        if trace is None or not trace.has_later_queries:
-            return None
-        return (
-            "TOVA decides again at every decode step: the new token arrives inside the budget, so each query "
-            f"attends over exactly {spec.budget} tokens (sink + recent + heavy), itself among them."
-        )
+        return self.streaming_note(spec, trace)
 
     def score(self, ctx: ScoreContext) -> np.ndarray:
         last = ctx.history_rows[-1:]

@@ -154,6 +154,12 @@ def is_quantized(spec: Spec, which: str) -> bool:
     return fmt != "int" or bits < FULL_BITS
 
 
+def quantized_tokens(x, spec: Spec, which: str, residual: int) -> int:
+    """How many leading tokens of x (U, T, D) the spec quantizes in K (which="k") or V: all but the last
+    `residual`; none where it leaves this tensor at 16 bits. numpy or torch x alike."""
+    return max(0, x.shape[-2] - residual) if is_quantized(spec, which) else 0
+
+
 def uses_formats(spec: Spec) -> bool:
     """Whether the spec needs this module's path (anything beyond the integer kernel's settings)."""
     return (
@@ -208,9 +214,7 @@ def quantize_tensor(
     layer's fixed FP8 scale (`layer_static_scale`); None with fp8_calibrate: calibrated from x itself.
     """
     fmt, bits, axis, rotated = settings(spec, which)
-    if not is_quantized(spec, which):
-        return x
-    n_quant = max(0, x.shape[-2] - residual)
+    n_quant = quantized_tokens(x, spec, which, residual)
     if n_quant == 0:
         return x
     head = x[..., :n_quant, :]

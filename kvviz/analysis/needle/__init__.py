@@ -63,7 +63,7 @@ torch is imported lazily (inside functions), so `import kvviz.analysis.needle` s
 
 from kvviz.analysis.needle import cell, grid, prompt, readout, results, store
 from kvviz.analysis.needle.tasks import NEEDLE_TEMPLATE, PRIMER, QUESTION, TASK_NAMES, TASKS, Task
-from kvviz.analysis.needle.cell import NeedleCell, prefill, run_cell, score_answer
+from kvviz.analysis.needle.cell import ANSWER_FIELDS, NeedleCell, prefill, run_cell, score_answer
 from kvviz.analysis.needle.grid import MAX_LENGTH, GridRequest, check_lengths, max_positions, run_grid
 from kvviz.analysis.needle.readout import CSV_FIELDS, classic_failure, format_grid, loudest_head, to_csv
 from kvviz.analysis.needle.results import (
@@ -107,6 +107,7 @@ __all__ = [
     "load_grids",
     "protocol",
     "save_grids",
+    "ANSWER_FIELDS",
     "CSV_FIELDS",
     "DEFAULT_BUDGET",
     "DEFAULT_DEPTHS",

@@ -28,6 +28,11 @@ def _unpack(text: str, shape: tuple[int, ...]) -> np.ndarray:
     return bits[: int(np.prod(shape))].reshape(shape).astype(bool)
 
 
+# What a cell found, beside its settings: the key, the answers with and without compression, the share of the
+# needle kept and the attention masses (the columns the needle CSV and a study's needle cell take of as_dict)
+ANSWER_FIELDS = ("key", "correct", "answer", "full_answer", "full_correct", "needle_kept", "wanted_mass", "kept_mass")
+
+
 @dataclass(frozen=True)
 class NeedleCell:
     """One (scorer, budget, bits) on one prompt. Everything here round-trips through JSON exactly."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvviz.analysis.needle.cell import NeedleCell
+from kvviz.analysis.needle.cell import ANSWER_FIELDS, NeedleCell
 from kvviz.analysis.needle.results import NeedleGrid
 from kvviz.analysis.needle.prompt import FULL
 from kvviz.policies import POLICIES
@@ -19,14 +19,7 @@ CSV_FIELDS = (
     "bits",
     "question_after_compression",
     "budget_tokens",
-    "key",
-    "correct",
-    "answer",
-    "full_answer",
-    "full_correct",
-    "needle_kept",
-    "wanted_mass",
-    "kept_mass",
+    *ANSWER_FIELDS,
     "spec",
 )
 

@@ -20,51 +20,6 @@ from kvviz.analysis.study.grid import FULL, model_spec, synthetic_tokens
 from kvviz.analysis.study.schema import Cell, Study, setting_axes
 from kvviz.spec import Spec, View
 
-SYNTHETIC_METRICS = (
-    "budget_tokens",
-    "memory_ratio",
-    "compression_ratio",
-    "memory_read_ratio",
-    "saves",
-    "mass_retained",
-    "tv",
-    "kl_compressed_vs_original",
-    "js",
-    "output_error",
-    "output_cosine",
-    "members",
-)
-MODEL_METRICS = (
-    "budget_tokens",
-    "spec",
-    "perplexity",
-    "perplexity_full",
-    "perplexity_ratio",
-    "kl_mean",
-    "kl_max",
-    "top1_agreement",
-    "kv_bytes",
-    "kv_bytes_full",
-    "compression_ratio",
-    "memory_ratio",
-    "kept_tokens",
-    "total_tokens",
-    "scored_tokens",
-)
-NEEDLE_METRICS = (
-    "budget_tokens",
-    "spec",
-    "key",
-    "correct",
-    "answer",
-    "full_answer",
-    "full_correct",
-    "needle_kept",
-    "wanted_mass",
-    "kept_mass",
-    "ratio_reached",  # 1 - the share of the prompt the caches hold at the first answer step
-)
-
 
 def job_for(study: Study, cell: Cell) -> dict:
     """What a worker needs to run `cell` (plain data)."""
@@ -121,7 +76,7 @@ def _synthetic_trace(source: dict, seed: int):
 def run_synthetic(source: dict, settings: dict) -> dict:
     """One sweep point (kvviz.analysis.sweep) on the seeded synthetic trace; errors averaged over the
     ensemble (`[source] ensemble`: the query heads of `layer` by default)."""
-    from kvviz.analysis.sweep import sweep
+    from kvviz.analysis.sweep import METRIC_COLUMNS, sweep
 
     trace = _synthetic_trace(source, settings["seed"])
     size = {"heads": source["q_heads"], "layers": source["layers"], "steps": max(1, min(source["steps"], 256))}
@@ -144,11 +99,9 @@ def run_synthetic(source: dict, settings: dict) -> dict:
     assert row["method"] == settings["scorer"] or row["method"] == FULL, (row["method"], settings)
     n = synthetic_tokens(source)
     assert row["budget"] == min(max(1, int(round(settings["budget"] * n))), n)
-    return {
-        **{k: row[k] for k in SYNTHETIC_METRICS if k in row},
-        "budget_tokens": row["budget"],
-        "members": size[source["ensemble"]],
-    }
+    # the sweep's memory and error columns (kvviz.analysis.sweep)
+    recorded = ("memory_ratio", "compression_ratio", "memory_read_ratio", "saves", *METRIC_COLUMNS)
+    return {**{k: row[k] for k in recorded}, "budget_tokens": row["budget"], "members": size[source["ensemble"]]}
 
 
 # --- real models --------------------------------------------------------------------------------
@@ -212,7 +165,7 @@ class ModelWorker:
         return execute(job, self)
 
     def model_cell(self, job: dict) -> dict:
-        from kvviz.decode.quality import evaluate, reference
+        from kvviz.decode.quality import QUALITY_FIELDS, evaluate, reference
 
         src, s = job["source"], job["settings"]
         self._load(src, s["model"])
@@ -241,10 +194,10 @@ class ModelWorker:
         d = evaluate(self.model, self.ref, spec, question_point=point).as_dict()
         d["scored_tokens"] = d["continuation_tokens"]
         d["budget_tokens"] = spec.sink + spec.recent + spec.heavy if spec.evicts else self.ref.prompt_len
-        return {k: d[k] for k in MODEL_METRICS}
+        return {k: d[k] for k in ("budget_tokens", "spec", *QUALITY_FIELDS, "scored_tokens")}
 
     def needle_cell(self, job: dict) -> dict:
-        from kvviz.analysis.needle import GridRequest, run_grid
+        from kvviz.analysis.needle import ANSWER_FIELDS, GridRequest, run_grid
 
         src, s = job["source"], job["settings"]
         self._load(src, s["model"])
@@ -270,7 +223,7 @@ class ModelWorker:
         grid = run_grid(self.model, self.tokenizer, model_id, request)
         (c,) = grid.cells
         d = {**c.as_dict(), "ratio_reached": float(1.0 - c.kept().mean())}
-        return {k: d[k] for k in NEEDLE_METRICS}
+        return {k: d[k] for k in ("budget_tokens", "spec", *ANSWER_FIELDS, "ratio_reached")}
 
 
 def one_line(exc: BaseException) -> str:
