@@ -292,7 +292,7 @@ def logit_only_trace(seed=3, c=20, steps=8, gap=(23,)):
     """A logit-only source (its own logits, unrelated to q . k) with later queries, some decode positions
     without a query (`gap`): the streaming policy reads the logits, and a position with no query scores
     nothing."""
-    from kvviz import Trace
+    from trace_util import numbered_trace
 
     rng = np.random.default_rng(seed)
     P, L, Hq, Hkv, D = c + steps, 1, 4, 2, 8
@@ -300,16 +300,7 @@ def logit_only_trace(seed=3, c=20, steps=8, gap=(23,)):
     q = rng.standard_normal((L, Hq, len(qp), D)).astype(np.float32)
     k = rng.standard_normal((L, Hkv, P, D)).astype(np.float32)
     logits = (2.0 * rng.standard_normal((L, Hq, len(qp), P))).astype(np.float32)
-    return Trace(
-        q=q,
-        k=k,
-        v=None,
-        context_len=c,
-        tokens=tuple(f"t{i}" for i in range(P)),
-        query_positions=qp,
-        meta={"source": "test"},
-        logits=logits,
-    )
+    return numbered_trace(q, k, None, c, {"source": "test"}, qp, logits=logits)
 
 
 @pytest.mark.parametrize("heavy", [5, 20])
