@@ -168,7 +168,7 @@ def test_chunkkv_filling_the_budget_compresses_again(trace):
 
 def test_link_flag_and_study_axis(tmp_path, capsys):
     from kvviz import links
-    from study_util import one_layer_study, study_rows
+    from study_util import check_one_axis
 
     from kvviz.cli import main
 
@@ -177,17 +177,9 @@ def test_link_flag_and_study_axis(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["compare", "--help"])
     assert "--compress-every" in capsys.readouterr().out
-    study = one_layer_study(
-        "every",
-        context=64,
-        steps=24,
-        grid="""scorers = ["knorm"]
-        budgets = [0.2]
-        compress_every = [0, 8]""",
+    check_one_axis(
+        tmp_path / "s", "every", context=64, steps=24, scorer="knorm", budget=0.2, axis="compress_every", values=[0, 8]
     )
-    rows = study_rows(study, tmp_path / "s").sort_values("compress_every")
-    assert rows["compress_every"].tolist() == [0, 8]
-    assert rows["mass_retained"].nunique() == 2  # the axis reached the cache
 
 
 # --- the real-model cache: a tiny random Llama ----------------------------------------------------
