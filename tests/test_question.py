@@ -4,7 +4,6 @@ for SnapKV; the lab's question box and its choice are in the page's link."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -50,31 +49,13 @@ def test_kvviz_eval_compresses_before_or_after_the_question_and_snapkv_differs(m
     through it; after it the scorer sees the question. Same text, same tokens, same full cache: SnapKV keeps
     other tokens, so its scores differ; without eviction both points give the full cache exactly."""
     share_one_model_load(monkeypatch)
-    from kvviz.cli import main
+    from cli_util import eval_json
 
-    argv = [
-        "eval",
-        "--scorer",
-        "snapkv",
-        "--sink",
-        "4",
-        "--recent",
-        "8",
-        "--heavy",
-        "24",
-        "--prompt-tokens",
-        "120",
-        "--continuation-tokens",
-        "16",
-        "--question",
-        QUESTION,
-        "--quiet",
-        "--json",
-    ]
-    out = {}
-    for point in ("before-question", "after-question"):
-        assert main([*argv, "--compression-point", point]) == 0
-        out[point] = json.loads(capsys.readouterr().out)
+    window = ("--scorer", "snapkv", "--sink", 4, "--recent", 8, "--heavy", 24)
+    argv = (*window, "--prompt-tokens", 120, "--continuation-tokens", 16, "--question", QUESTION)
+    out = {
+        point: eval_json(capsys, *argv, "--compression-point", point) for point in ("before-question", "after-question")
+    }
     before, after = out["before-question"], out["after-question"]
     n = before["prompt_tokens"]
     assert n == after["prompt_tokens"] == 120 + before["question_tokens"] and before["question_tokens"] > 3
