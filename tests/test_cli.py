@@ -12,6 +12,7 @@ from kvviz.cli import main
 from kvviz.sources import handbook_trace, save_trace
 
 from cli_util import SYNTHETIC_64, run_cli, run_or_exit
+from test_engine import TO_JSON_KEYS
 
 KEYS = (
     "mass_retained",
@@ -32,21 +33,7 @@ def test_compare_json_matches_engine(capsys):
     code, out, _ = run_cli(capsys, "compare", "--sink", "4", "--recent", "8", "--heavy", "2", "--bits", "4", "--json")
     assert code == 0
     data = json.loads(out)
-    for key in (
-        "tokens",
-        "original",
-        "compressed",
-        "kept",
-        "error_mean",
-        "error_std_sample",
-        "error_ci95_lo",
-        "error_ci95_hi",
-        "error_min",
-        "error_max",
-        "metrics",
-        "definitions",
-    ):
-        assert key in data
+    assert set(data) == {*TO_JSON_KEYS, "definitions"}
     assert set(KEYS) <= set(data["metrics"])
     assert data["metrics"]["kl_forward"] is None  # infinite: tokens were evicted
     assert "KL(compressed || original)" in data["definitions"]["kl"]
