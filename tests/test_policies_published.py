@@ -206,17 +206,9 @@ def test_snapkv_sweep_points_spend_heavy_slots_on_voted_tokens_at_every_budget()
     assert "mean over the queries that saw each token" in Spec(sink=1, recent=2, heavy=3, h2o_normalized=True).label()
 
 
-LONG = SyntheticSpec(
-    context=600,
-    steps=2,
-    layers=1,
-    q_heads=2,
-    kv_heads=1,
-    head_dim=40,
-    n_anchors=3,
-    n_shift_tokens=1,
-    outlier_channels=1,
-)
+# The H2O sources below: one layer, head_dim 40, a few of each feature (3 heavy hitters, 1 shift token, 1 outlier)
+FEW_FEATURES = dict(layers=1, head_dim=40, n_anchors=3, n_shift_tokens=1, outlier_channels=1)
+LONG = SyntheticSpec(context=600, steps=2, q_heads=2, kv_heads=1, **FEW_FEATURES)
 
 
 @pytest.mark.parametrize("normalized", [False, True])
@@ -261,18 +253,7 @@ def test_h2o_compression_scores_are_the_attention_each_token_received(normalized
         assert count[-1] == 1
 
 
-SHORT_CONTEXT = SyntheticSpec(
-    context=24,
-    steps=40,
-    layers=1,
-    q_heads=4,
-    kv_heads=2,
-    head_dim=40,
-    n_anchors=3,
-    n_shift_tokens=1,
-    outlier_channels=1,
-    topic_shift=2.0,
-)
+SHORT_CONTEXT = SyntheticSpec(context=24, steps=40, q_heads=4, kv_heads=2, topic_shift=2.0, **FEW_FEATURES)
 
 
 @pytest.mark.parametrize("normalized", [False, True])
