@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from apptest_util import numbers, plotly_values, run_app, share_one_model_load, unfold
+from apptest_util import lab_quality, lab_run_metrics, numbers, plotly_values, run_app, share_one_model_load, unfold
 
 from kvviz.app.compression import ADVANCED
 from kvviz import Spec, View, compare
@@ -102,14 +102,8 @@ def test_model_lab_runs_a_serving_format(monkeypatch):
         lab_cont="8",
         lab_greedy="0",
     )
-    at.button(key="lab_run").click().run()
-    assert not at.exception, [e.value for e in at.exception]
-    shown = {m.label: m.value for m in at.metric}
-    from kvviz.decode.quality import evaluate, reference, sample_text
-
-    model, tok, _ = load_once("bundled")
-    spec = Spec(key_format="nvfp4", value_format="e4m3", rotate="keys")
-    q = evaluate(model, reference(model, tok, sample_text(), 40, 8), spec)
+    shown = lab_run_metrics(at)
+    q = lab_quality(load_once, Spec(key_format="nvfp4", value_format="e4m3", rotate="keys"), 40, 8)
     assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"
     assert "NVFP4" in "".join(m.value for m in at.markdown)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from apptest_util import run_app, share_one_model_load
+from apptest_util import lab_quality, lab_run_metrics, run_app, share_one_model_load
 
 from kvviz.spec import Spec
 
@@ -110,14 +110,9 @@ def test_the_lab_page_runs_with_a_question_and_shows_the_cores_numbers(monkeypat
         lab_greedy="4",
         lab_question=QUESTION,
     )
-    at.button(key="lab_run").click().run()
-    assert not at.exception, [e.value for e in at.exception]
-    shown = {m.label: m.value for m in at.metric}
-    from kvviz.decode.quality import evaluate, reference, sample_text
-
-    model, tok, _ = load_once("bundled")
-    ref = reference(model, tok, sample_text(), 64, 8, question=QUESTION)
-    q = evaluate(model, ref, Spec(sink=4, recent=8, heavy=24, scorer="snapkv"), question_point="before-question")
+    shown = lab_run_metrics(at)
+    spec = Spec(sink=4, recent=8, heavy=24, scorer="snapkv")
+    q = lab_quality(load_once, spec, 64, 8, question=QUESTION, question_point="before-question")
     assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"
     assert shown["Next-token KL"] == f"{q.kl_mean:.3f}"
     assert any("compressed at token 64, before the question" in c.value for c in at.caption)
