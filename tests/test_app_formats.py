@@ -47,18 +47,11 @@ def test_hf_preset_sets_per_token_groups_and_the_flush():
     assert not at.exception
     assert at.radio(key="key_axis").value == "token" and at.radio(key="res_mode").value == "hf"
     assert at.selectbox(key="group").value == 64
+    from kvviz.quant.formats import hf_quantized_cache
+
     n = numbers(at)
     t = make_synthetic(SyntheticSpec(context=128, steps=4))
-    spec = Spec(
-        key_bits=4,
-        value_bits=4,
-        key_axis="token",
-        value_axis="token",
-        group_size=64,
-        residual=128,
-        residual_mode="hf",
-        partial="quantize",
-    )
+    spec = hf_quantized_cache(4)  # its fields: test_formats; against transformers: test_hf_quantized_cache
     assert n["tv_distance"] == compare(t, spec, View(ensemble="heads")).metrics["tv_distance"]
 
 
