@@ -92,3 +92,23 @@ def plotly_values(v) -> list:
     if isinstance(v, dict):
         return np.frombuffer(base64.b64decode(v["bdata"]), dtype=np.dtype(v["dtype"])).tolist()
     return list(v)
+
+
+def lab_run_metrics(at: AppTest, **tokens) -> dict:
+    """Set the Model lab's token counts (`prompt`, `cont`, `greedy`: its lab_* number inputs), click Run,
+    which must run without an exception; returns the metrics the page shows, label -> value as shown."""
+    for name, value in tokens.items():
+        at.number_input(key=f"lab_{name}").set_value(value)
+    at.button(key="lab_run").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    return {m.label: m.value for m in at.metric}
+
+
+def lab_quality(load_once, spec, prompt: int, cont: int, question: str | None = None, **options):
+    """kvviz.decode.quality.evaluate of `spec` (with `options`) on the bundled model (loaded by `load_once`,
+    share_one_model_load's loader), its sample text's first `prompt` tokens then `cont` scored (after
+    `question`, if any): the numbers a Model lab run shows."""
+    from kvviz.decode.quality import evaluate, reference, sample_text
+
+    model, tok, _ = load_once("bundled")
+    return evaluate(model, reference(model, tok, sample_text(), prompt, cont, question=question), spec, **options)

@@ -1,5 +1,7 @@
 """Shared test helpers for the command line: run `kvviz ...` in this process and read what it printed."""
 
+import json
+
 # The small synthetic source the command-line tests compare on: 64 tokens, fast enough for any test.
 SYNTHETIC_64 = ("--source", "synthetic", "--context", "64")
 # A window of 4 sink, 8 recent and 8 heavy tokens (20 kept of the 64).
@@ -25,3 +27,10 @@ def run_or_exit(capsys, *argv):
     except SystemExit as exc:
         code = exc.code
     return code, capsys.readouterr().err
+
+
+def eval_json(capsys, *argv) -> dict:
+    """Run `kvviz eval *argv --quiet --json`, which must succeed; returns the JSON object it printed."""
+    code, out, err = run_cli(capsys, "eval", *argv, "--quiet", "--json")
+    assert code == 0, err
+    return json.loads(out)

@@ -456,18 +456,13 @@ def tiny_llama(hidden_size: int = 64):
     """A tiny random Llama (2 layers, 4 query heads over 2 KV heads, eager attention) and 60 token ids:
     fast and exact, for the decode paths."""
     import torch
+    from tiny_llama_folder import TINY_SHAPE
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    shape = TINY_SHAPE | {"hidden_size": hidden_size}
     cfg = LlamaConfig(
-        vocab_size=97,
-        hidden_size=hidden_size,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        attn_implementation="eager",
+        **shape, vocab_size=97, num_hidden_layers=2, max_position_embeddings=256, attn_implementation="eager"
     )
     model = LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -29,3 +29,15 @@ def study_rows(study, folder):
 
     run_study(study, folder)
     return StudyDir(folder).rows()
+
+
+def check_one_axis(folder, name: str, *, context: int, steps: int, scorer: str, budget: float, axis: str, values):
+    """Run into `folder` a one_layer_study of `scorer` at `budget` over the integer `values` of the study axis
+    `axis`: its rows have each value, one a row, and their mass retained differs (the axis reached the
+    cache). Returns the study."""
+    grid = f'scorers = ["{scorer}"]\nbudgets = [{budget}]\n{axis} = {list(values)}'
+    study = one_layer_study(name, context=context, steps=steps, grid=grid)
+    rows = study_rows(study, folder).sort_values(axis)
+    assert rows[axis].tolist() == list(values)
+    assert rows["mass_retained"].nunique() == len(values)
+    return study

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from apptest_util import numbers, plotly_values, run_app, share_one_model_load, unfold
+from apptest_util import lab_quality, lab_run_metrics, numbers, plotly_values, run_app, share_one_model_load, unfold
 
 from kvviz.app.compression import ADVANCED
 from kvviz import Spec, View, compare
@@ -47,18 +47,11 @@ def test_hf_preset_sets_per_token_groups_and_the_flush():
     assert not at.exception
     assert at.radio(key="key_axis").value == "token" and at.radio(key="res_mode").value == "hf"
     assert at.selectbox(key="group").value == 64
+    from kvviz.quant.formats import hf_quantized_cache
+
     n = numbers(at)
     t = make_synthetic(SyntheticSpec(context=128, steps=4))
-    spec = Spec(
-        key_bits=4,
-        value_bits=4,
-        key_axis="token",
-        value_axis="token",
-        group_size=64,
-        residual=128,
-        residual_mode="hf",
-        partial="quantize",
-    )
+    spec = hf_quantized_cache(4)  # its fields: test_formats; against transformers: test_hf_quantized_cache
     assert n["tv_distance"] == compare(t, spec, View(ensemble="heads")).metrics["tv_distance"]
 
 
@@ -102,14 +95,8 @@ def test_model_lab_runs_a_serving_format(monkeypatch):
         lab_cont="8",
         lab_greedy="0",
     )
-    at.button(key="lab_run").click().run()
-    assert not at.exception, [e.value for e in at.exception]
-    shown = {m.label: m.value for m in at.metric}
-    from kvviz.decode.quality import evaluate, reference, sample_text
-
-    model, tok, _ = load_once("bundled")
-    spec = Spec(key_format="nvfp4", value_format="e4m3", rotate="keys")
-    q = evaluate(model, reference(model, tok, sample_text(), 40, 8), spec)
+    shown = lab_run_metrics(at)
+    q = lab_quality(load_once, Spec(key_format="nvfp4", value_format="e4m3", rotate="keys"), 40, 8)
     assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"
     assert "NVFP4" in "".join(m.value for m in at.markdown)
 

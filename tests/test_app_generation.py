@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from apptest_util import run_app, share_one_model_load
+from apptest_util import lab_quality, lab_run_metrics, run_app, share_one_model_load
 from streamlit.testing.v1 import AppTest
 
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
@@ -150,17 +150,8 @@ def test_model_lab_run_shows_the_cores_numbers(monkeypatch):
     real_run = lab.run
     monkeypatch.setattr(lab, "run", lambda *a, **k: runs.append(a) or real_run(*a, **k))
     at = run(LAB, sink=4, recent=12, heavy=0, scorer="streaming")
-    at.number_input(key="lab_prompt").set_value(48)
-    at.number_input(key="lab_cont").set_value(10)
-    at.number_input(key="lab_greedy").set_value(6)
-    at.button(key="lab_run").click().run()
-    assert not at.exception, [e.value for e in at.exception]
-    shown = {m.label: m.value for m in at.metric}
-
-    from kvviz.decode.quality import evaluate, reference, sample_text
-
-    model, tok, _ = load_once("bundled")
-    q = evaluate(model, reference(model, tok, sample_text(), 48, 10), Spec(sink=4, recent=12, scorer="streaming"))
+    shown = lab_run_metrics(at, prompt=48, cont=10, greedy=6)
+    q = lab_quality(load_once, Spec(sink=4, recent=12, scorer="streaming"), 48, 10)
     assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"
     assert shown["Perplexity (full cache)"] == f"{q.perplexity_full:.2f}"
     assert shown["Next-token KL"] == f"{q.kl_mean:.3f}"

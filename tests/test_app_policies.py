@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from apptest_util import run_app, unfold, share_one_model_load
+from apptest_util import lab_quality, lab_run_metrics, run_app, unfold, share_one_model_load
 
 from kvviz.app.compression import ADVANCED
 from kvviz import Spec, View, compare
@@ -123,22 +123,10 @@ def test_timeline_with_new_scorers_and_ragged_caches():
 @pytest.mark.model
 @pytest.mark.slow
 def test_model_lab_runs_adakv_snapkv_with_the_cores_numbers(monkeypatch):
-    from kvviz.decode.quality import evaluate, reference, sample_text
-
     load_once = share_one_model_load(monkeypatch)  # the page and this test share one load
     at = run_app(
         str(ROOT / "pages" / "3_model-lab.py"), 300, sink=4, recent=8, heavy=8, scorer="snapkv", allocation="adakv"
     )
-    at.number_input(key="lab_prompt").set_value(48)
-    at.number_input(key="lab_cont").set_value(10)
-    at.number_input(key="lab_greedy").set_value(0)
-    at.button(key="lab_run").click().run()
-    assert not at.exception, [e.value for e in at.exception]
-    shown = {m.label: m.value for m in at.metric}
-    model, tok, _ = load_once("bundled")
-    q = evaluate(
-        model,
-        reference(model, tok, sample_text(), 48, 10),
-        Spec(sink=4, recent=8, heavy=8, scorer="snapkv", allocation="adakv"),
-    )
+    shown = lab_run_metrics(at, prompt=48, cont=10, greedy=0)
+    q = lab_quality(load_once, Spec(sink=4, recent=8, heavy=8, scorer="snapkv", allocation="adakv"), 48, 10)
     assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"

@@ -12,6 +12,7 @@ from kvviz.cli import main
 from kvviz.sources import handbook_trace, save_trace
 
 from cli_util import SYNTHETIC_64, run_cli, run_or_exit
+from test_engine import TO_JSON_KEYS
 
 KEYS = (
     "mass_retained",
@@ -32,21 +33,7 @@ def test_compare_json_matches_engine(capsys):
     code, out, _ = run_cli(capsys, "compare", "--sink", "4", "--recent", "8", "--heavy", "2", "--bits", "4", "--json")
     assert code == 0
     data = json.loads(out)
-    for key in (
-        "tokens",
-        "original",
-        "compressed",
-        "kept",
-        "error_mean",
-        "error_std_sample",
-        "error_ci95_lo",
-        "error_ci95_hi",
-        "error_min",
-        "error_max",
-        "metrics",
-        "definitions",
-    ):
-        assert key in data
+    assert set(data) == {*TO_JSON_KEYS, "definitions"}
     assert set(KEYS) <= set(data["metrics"])
     assert data["metrics"]["kl_forward"] is None  # infinite: tokens were evicted
     assert "KL(compressed || original)" in data["definitions"]["kl"]
@@ -204,30 +191,15 @@ def test_out_of_range_and_oversized_requests_are_one_line(capsys, monkeypatch, a
 def test_an_oversized_trace_file_is_refused_from_its_header(capsys, tmp_path, monkeypatch):
     """Format 1 is read whole: refused from its header's sizes. Format 2 opens lazily: the budget
     applies to what the view reads (one layer), so the same trace in format 2 opens."""
-    import json
-
-    from safetensors.numpy import save_file
+    from trace_util import save_trace_format_1
 
     from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
-
-    def v1(t, path):
-        save_file(
-            {"q": t.q, "k": t.k, "v": t.v, "query_positions": t.query_positions.astype(np.int64)},
-            str(path),
-            metadata={
-                "format": "kvviz-trace",
-                "version": "1",
-                "context_len": str(t.context_len),
-                "tokens": json.dumps(list(t.tokens)),
-                "meta": json.dumps(t.meta),
-            },
-        )
-        return path
 
     traces = {
         n: make_synthetic(SyntheticSpec(context=n, steps=0, layers=2, q_heads=4, kv_heads=4)) for n in (1024, 2048)
     }
-    small, big = (v1(traces[1024], tmp_path / "small.safetensors"), v1(traces[2048], tmp_path / "big.safetensors"))
+    small = save_trace_format_1(traces[1024], tmp_path / "small.safetensors")
+    big = save_trace_format_1(traces[2048], tmp_path / "big.safetensors")
     monkeypatch.setenv("KVVIZ_MAX_BYTES", "16MB")  # loading holds a file's bytes and its arrays: 2 x 6.3 MB fits
     code, err = run_or_exit(capsys, "compare", "--source", str(small))
     assert code == 0

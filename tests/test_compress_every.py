@@ -11,7 +11,6 @@ bundled model `kvviz eval --compress-every 16` runs and differs from compressing
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -168,7 +167,7 @@ def test_chunkkv_filling_the_budget_compresses_again(trace):
 
 def test_link_flag_and_study_axis(tmp_path, capsys):
     from kvviz import links
-    from study_util import one_layer_study, study_rows
+    from study_util import check_one_axis
 
     from kvviz.cli import main
 
@@ -177,17 +176,9 @@ def test_link_flag_and_study_axis(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["compare", "--help"])
     assert "--compress-every" in capsys.readouterr().out
-    study = one_layer_study(
-        "every",
-        context=64,
-        steps=24,
-        grid="""scorers = ["knorm"]
-        budgets = [0.2]
-        compress_every = [0, 8]""",
+    check_one_axis(
+        tmp_path / "s", "every", context=64, steps=24, scorer="knorm", budget=0.2, axis="compress_every", values=[0, 8]
     )
-    rows = study_rows(study, tmp_path / "s").sort_values("compress_every")
-    assert rows["compress_every"].tolist() == [0, 8]
-    assert rows["mass_retained"].nunique() == 2  # the axis reached the cache
 
 
 # --- the real-model cache: a tiny random Llama ----------------------------------------------------
@@ -243,39 +234,21 @@ def test_real_run_pyramid_and_block_fallback(tiny):
 @pytest.mark.model
 def test_kvviz_eval_compress_every_16_differs_from_once(capsys, monkeypatch):
     from apptest_util import share_one_model_load
-
-    from kvviz.cli import main
+    from cli_util import eval_json, run_cli
 
     share_one_model_load(monkeypatch)  # both runs read the model this process loaded once
 
-    argv = [
-        "eval",
-        "--scorer",
-        "snapkv",
-        "--sink",
-        "4",
-        "--recent",
-        "16",
-        "--heavy",
-        "32",
-        "--prompt-tokens",
-        "96",
-        "--continuation-tokens",
-        "48",
-        "--quiet",
-        "--json",
-    ]
-    assert main(argv) == 0
-    once = json.loads(capsys.readouterr().out)
-    assert main([*argv, "--compress-every", "16"]) == 0
-    again = json.loads(capsys.readouterr().out)
+    window = ("--scorer", "snapkv", "--sink", 4, "--recent", 16, "--heavy", 32)
+    argv = (*window, "--prompt-tokens", 96, "--continuation-tokens", 48)
+    once = eval_json(capsys, *argv)
+    again = eval_json(capsys, *argv, "--compress-every", 16)
     assert (again["compress_every"], once["compress_every"]) == (16, 0)
     assert again["spec"] == once["spec"] + ", compressed again every 16 steps"
     assert again["kl_mean"] != once["kl_mean"] and again["per_token"]["kl"] != once["per_token"]["kl"]
     # the first continuation token is predicted by the prefill, before any decode step
     assert again["per_token"]["kl"][:1] == once["per_token"]["kl"][:1]
-    assert main([*argv, "--scorer", "h2o", "--compress-every", "16"]) == 2  # refused: one line
-    assert "already decides at every decode step" in capsys.readouterr().err
+    code, _, err = run_cli(capsys, "eval", *argv, "--scorer", "h2o", "--compress-every", 16, "--quiet", "--json")
+    assert code == 2 and "already decides at every decode step" in err  # refused: one line
     # 47 decode steps at positions 96..142, compressed again after 111 and 127: 52 + 15 held at the end
     assert (once["kept_tokens"], again["kept_tokens"]) == (52, 67)
 

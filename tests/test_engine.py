@@ -17,6 +17,35 @@ from floatbounds import logit_error_bound, softmax_rtol
 from test_quant import _reference as reference_quantize  # docs/definitions.md's formulas, a group at a time
 
 SMALL = small_synthetic(context=96, steps=12, layers=2, head_dim=48)
+# Comparison.to_json's fields, every one (`kvviz compare --json` prints them and the metric definitions)
+TO_JSON_KEYS = (
+    "source",
+    "spec",
+    "layer",
+    "layer_number",
+    "layer_kind",
+    "layer_window",
+    "head",
+    "kv_head",
+    "position",
+    "ensemble",
+    "ensemble_members",
+    "tokens",
+    "original",
+    "compressed",
+    "kept",
+    "reason",
+    "error",
+    "error_mean",
+    "error_std_sample",
+    "error_ci95_lo",
+    "error_ci95_hi",
+    "error_min",
+    "error_max",
+    "metrics",
+    "metrics_mean",
+    "notes",
+)
 
 
 @pytest.fixture(scope="module")
@@ -793,36 +822,7 @@ def test_to_json_holds_every_field_of_the_comparison(trace):
     c = compare(trace, spec, View(layer=1, head=2, step=5, ensemble="heads", ensemble_size=3))
     got = c.to_json()
     assert c.view == View(layer=1, head=2, step=5, ensemble="heads", ensemble_size=3) and c.spec == spec
-    assert sorted(got) == sorted(
-        [
-            "source",
-            "spec",
-            "layer",
-            "layer_number",
-            "layer_kind",
-            "layer_window",
-            "head",
-            "kv_head",
-            "position",
-            "ensemble",
-            "ensemble_members",
-            "tokens",
-            "original",
-            "compressed",
-            "kept",
-            "reason",
-            "error",
-            "error_mean",
-            "error_std_sample",
-            "error_ci95_lo",
-            "error_ci95_hi",
-            "error_min",
-            "error_max",
-            "metrics",
-            "metrics_mean",
-            "notes",
-        ]
-    )
+    assert sorted(got) == sorted(TO_JSON_KEYS)
     assert got["layer_kind"] == "full_attention" and got["layer_window"] is None
     qi = int(trace.evaluated_queries[5])
     n = int(trace.query_positions[qi]) + 1

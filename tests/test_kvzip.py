@@ -11,19 +11,16 @@ from kvviz.policies.allocation import kvpress_kept
 from kvviz.policies.kvzip import META, kept_everywhere
 from kvviz.trace import Trace, trace_with
 
+from trace_util import every_query_trace
+
 
 def scored_trace(seed=0, L=3, H=2, g=2, c=40, steps=4, D=8) -> Trace:
     rng = np.random.default_rng(seed)
     P = c + steps
-    return Trace(
-        q=rng.standard_normal((L, H * g, P, D)).astype(np.float32),
-        k=rng.standard_normal((L, H, P, D)).astype(np.float32),
-        v=rng.standard_normal((L, H, P, D)).astype(np.float32),
-        context_len=c,
-        tokens=tuple(f"t{i}" for i in range(P)),
-        query_positions=np.arange(P),
-        meta={"source": "test", META: rng.random((L, H, c)).tolist()},
-    )
+    q = rng.standard_normal((L, H * g, P, D)).astype(np.float32)
+    k = rng.standard_normal((L, H, P, D)).astype(np.float32)
+    v = rng.standard_normal((L, H, P, D)).astype(np.float32)
+    return every_query_trace(q, k, v, c, {"source": "test", META: rng.random((L, H, c)).tolist()})
 
 
 def test_the_global_cut_keeps_the_budget_over_every_layer_and_head():

@@ -206,17 +206,9 @@ def test_snapkv_sweep_points_spend_heavy_slots_on_voted_tokens_at_every_budget()
     assert "mean over the queries that saw each token" in Spec(sink=1, recent=2, heavy=3, h2o_normalized=True).label()
 
 
-LONG = SyntheticSpec(
-    context=600,
-    steps=2,
-    layers=1,
-    q_heads=2,
-    kv_heads=1,
-    head_dim=40,
-    n_anchors=3,
-    n_shift_tokens=1,
-    outlier_channels=1,
-)
+# The H2O sources below: one layer, head_dim 40, a few of each feature (3 heavy hitters, 1 shift token, 1 outlier)
+FEW_FEATURES = dict(layers=1, head_dim=40, n_anchors=3, n_shift_tokens=1, outlier_channels=1)
+LONG = SyntheticSpec(context=600, steps=2, q_heads=2, kv_heads=1, **FEW_FEATURES)
 
 
 @pytest.mark.parametrize("normalized", [False, True])
@@ -261,18 +253,7 @@ def test_h2o_compression_scores_are_the_attention_each_token_received(normalized
         assert count[-1] == 1
 
 
-SHORT_CONTEXT = SyntheticSpec(
-    context=24,
-    steps=40,
-    layers=1,
-    q_heads=4,
-    kv_heads=2,
-    head_dim=40,
-    n_anchors=3,
-    n_shift_tokens=1,
-    outlier_channels=1,
-    topic_shift=2.0,
-)
+SHORT_CONTEXT = SyntheticSpec(context=24, steps=40, q_heads=4, kv_heads=2, topic_shift=2.0, **FEW_FEATURES)
 
 
 @pytest.mark.parametrize("normalized", [False, True])
@@ -292,7 +273,7 @@ def logit_only_trace(seed=3, c=20, steps=8, gap=(23,)):
     """A logit-only source (its own logits, unrelated to q . k) with later queries, some decode positions
     without a query (`gap`): the streaming policy reads the logits, and a position with no query scores
     nothing."""
-    from kvviz import Trace
+    from trace_util import numbered_trace
 
     rng = np.random.default_rng(seed)
     P, L, Hq, Hkv, D = c + steps, 1, 4, 2, 8
@@ -300,16 +281,7 @@ def logit_only_trace(seed=3, c=20, steps=8, gap=(23,)):
     q = rng.standard_normal((L, Hq, len(qp), D)).astype(np.float32)
     k = rng.standard_normal((L, Hkv, P, D)).astype(np.float32)
     logits = (2.0 * rng.standard_normal((L, Hq, len(qp), P))).astype(np.float32)
-    return Trace(
-        q=q,
-        k=k,
-        v=None,
-        context_len=c,
-        tokens=tuple(f"t{i}" for i in range(P)),
-        query_positions=qp,
-        meta={"source": "test"},
-        logits=logits,
-    )
+    return numbered_trace(q, k, None, c, {"source": "test"}, qp, logits=logits)
 
 
 @pytest.mark.parametrize("heavy", [5, 20])

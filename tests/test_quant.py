@@ -9,14 +9,16 @@ from hypothesis.extra.numpy import arrays
 from kvviz.quant import kv_bytes_per_token, quant_step, quantize, quantize_kept, tensor_bytes
 
 finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False, width=64)
-
-
-@given(
+# A matrix of up to 40 tokens x 16 channels at 1-8 bits, either axis, groups of 1-40: the error bound's inputs
+MATRIX_BITS_AXIS_GROUP = dict(
     x=arrays(np.float64, st.tuples(st.integers(1, 40), st.integers(1, 16)), elements=finite),
     bits=st.integers(1, 8),
     axis=st.sampled_from(["channel", "token"]),
     group=st.integers(1, 40),
 )
+
+
+@given(**MATRIX_BITS_AXIS_GROUP)
 def test_error_at_most_half_a_step(x, bits, axis, group):
     x_hat = quantize(x, bits, axis, group)
     s = quant_step(x, bits, axis, group)
@@ -140,12 +142,7 @@ def test_kivi_float_offset_stays_inside_the_data_where_an_integer_zero_point_doe
     np.testing.assert_allclose(np.unique(integer), [-3.89, 0.0])
 
 
-@given(
-    x=arrays(np.float64, st.tuples(st.integers(1, 40), st.integers(1, 16)), elements=finite),
-    bits=st.integers(1, 8),
-    axis=st.sampled_from(["channel", "token"]),
-    group=st.integers(1, 40),
-)
+@given(**MATRIX_BITS_AXIS_GROUP)
 def test_float_offset_reconstructs_inside_each_group(x, bits, axis, group):
     """x_hat in [min, max] of its group (KIVI's form), checked through the step bound and the range."""
     x_hat = quantize(x, bits, axis, group, partial="quantize")

@@ -4,11 +4,10 @@ for SnapKV; the lab's question box and its choice are in the page's link."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from apptest_util import run_app, share_one_model_load
+from apptest_util import lab_quality, lab_run_metrics, run_app, share_one_model_load
 
 from kvviz.spec import Spec
 
@@ -50,31 +49,13 @@ def test_kvviz_eval_compresses_before_or_after_the_question_and_snapkv_differs(m
     through it; after it the scorer sees the question. Same text, same tokens, same full cache: SnapKV keeps
     other tokens, so its scores differ; without eviction both points give the full cache exactly."""
     share_one_model_load(monkeypatch)
-    from kvviz.cli import main
+    from cli_util import eval_json
 
-    argv = [
-        "eval",
-        "--scorer",
-        "snapkv",
-        "--sink",
-        "4",
-        "--recent",
-        "8",
-        "--heavy",
-        "24",
-        "--prompt-tokens",
-        "120",
-        "--continuation-tokens",
-        "16",
-        "--question",
-        QUESTION,
-        "--quiet",
-        "--json",
-    ]
-    out = {}
-    for point in ("before-question", "after-question"):
-        assert main([*argv, "--compression-point", point]) == 0
-        out[point] = json.loads(capsys.readouterr().out)
+    window = ("--scorer", "snapkv", "--sink", 4, "--recent", 8, "--heavy", 24)
+    argv = (*window, "--prompt-tokens", 120, "--continuation-tokens", 16, "--question", QUESTION)
+    out = {
+        point: eval_json(capsys, *argv, "--compression-point", point) for point in ("before-question", "after-question")
+    }
     before, after = out["before-question"], out["after-question"]
     n = before["prompt_tokens"]
     assert n == after["prompt_tokens"] == 120 + before["question_tokens"] and before["question_tokens"] > 3
@@ -129,14 +110,9 @@ def test_the_lab_page_runs_with_a_question_and_shows_the_cores_numbers(monkeypat
         lab_greedy="4",
         lab_question=QUESTION,
     )
-    at.button(key="lab_run").click().run()
-    assert not at.exception, [e.value for e in at.exception]
-    shown = {m.label: m.value for m in at.metric}
-    from kvviz.decode.quality import evaluate, reference, sample_text
-
-    model, tok, _ = load_once("bundled")
-    ref = reference(model, tok, sample_text(), 64, 8, question=QUESTION)
-    q = evaluate(model, ref, Spec(sink=4, recent=8, heavy=24, scorer="snapkv"), question_point="before-question")
+    shown = lab_run_metrics(at)
+    spec = Spec(sink=4, recent=8, heavy=24, scorer="snapkv")
+    q = lab_quality(load_once, spec, 64, 8, question=QUESTION, question_point="before-question")
     assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"
     assert shown["Next-token KL"] == f"{q.kl_mean:.3f}"
     assert any("compressed at token 64, before the question" in c.value for c in at.caption)

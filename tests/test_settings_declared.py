@@ -140,21 +140,13 @@ def test_the_setting_gets_a_widget_in_the_app(pivot):
 
 
 def test_the_setting_is_a_study_axis(pivot, tmp_path):
-    from study_util import one_layer_study, study_rows
+    from study_util import check_one_axis
 
     from kvviz.analysis.study import parse_study
 
-    study = one_layer_study(
-        "pivots",
-        context=96,
-        steps=0,
-        grid="""scorers = ["pivot"]
-        budgets = [0.1]
-        pivot_at = [10, 40]""",
+    study = check_one_axis(
+        tmp_path / "s", "pivots", context=96, steps=0, scorer="pivot", budget=0.1, axis="pivot_at", values=[10, 40]
     )
-    rows = study_rows(study, tmp_path / "s").sort_values("pivot_at")
-    assert rows["pivot_at"].tolist() == [10, 40]
-    assert rows["mass_retained"].nunique() == 2  # the axis reached the scorer
     with pytest.raises(SpecError, match="pivot_at"):
         parse_study(study.text.replace("pivot_at = [10, 40]", "pivot_at = [10, -1]"))
 

@@ -21,7 +21,7 @@ from kvviz.memory import head_bytes, memory_for
 from kvviz.sources.tracefile import load_trace, save_trace, trace_from_bytes
 from kvviz.trace import Trace, TraceError, trace_with
 
-from trace_util import every_query_trace
+from trace_util import every_query_trace, save_trace_format_1
 
 D, HKV, HQ, P, W = 16, 2, 4, 40, 8
 APP = str(Path(__file__).resolve().parents[1] / "app.py")
@@ -59,27 +59,15 @@ def test_a_damaged_window_list_is_refused_in_one_line(bad):
 
 
 def test_both_file_formats_keep_the_windows(tmp_path):
-    from safetensors.numpy import save_file
-
     t = hand_trace()
     save_trace(t, tmp_path / "two.safetensors")  # format 2: lazy
     lazy = load_trace(tmp_path / "two.safetensors")
     assert lazy.q.lazy and lazy.layer_windows == (None, W, None)
-    header = {
-        "format": "kvviz-trace",
-        "version": "1",
-        "context_len": str(t.context_len),
-        "tokens": json.dumps(list(t.tokens)),
-        "meta": json.dumps(t.meta),
-    }
-    tensors = {"q": t.q, "k": t.k, "v": t.v, "query_positions": t.query_positions.astype(np.int64)}
-    save_file(tensors, str(tmp_path / "one.safetensors"), metadata=header)
+    save_trace_format_1(t, tmp_path / "one.safetensors")
     assert load_trace(tmp_path / "one.safetensors").layer_windows == (None, W, None)
-    header["meta"] = json.dumps({"source": "before windows were recorded"})
-    save_file(tensors, str(tmp_path / "old.safetensors"), metadata=header)
+    save_trace_format_1(t, tmp_path / "old.safetensors", meta={"source": "before windows were recorded"})
     assert load_trace(tmp_path / "old.safetensors").layer_windows == (None,) * 3
-    header["meta"] = json.dumps({"layer_windows": [None, -3, None]})
-    save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=header)
+    save_trace_format_1(t, tmp_path / "bad.safetensors", meta={"layer_windows": [None, -3, None]})
     with pytest.raises(TraceError, match="layer_windows"):
         trace_from_bytes((tmp_path / "bad.safetensors").read_bytes())
 

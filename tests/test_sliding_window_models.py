@@ -11,6 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tiny_llama_folder import TINY_SHAPE  # noqa: E402
+
 from kvviz import Spec, View, compare  # noqa: E402
 from kvviz.trace import trace_with  # noqa: E402
 
@@ -30,12 +32,9 @@ class Tok:
 
 def tiny(arch: str, window: int = 32):
     common = dict(
+        TINY_SHAPE,
         vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=512,
         sliding_window=window,

@@ -192,20 +192,10 @@ def test_lazy_reads_touch_only_the_layer_shown(tiny, tmp_path):
 
 
 def test_version_1_files_still_open(tmp_path):
-    from safetensors.numpy import save_file
+    from trace_util import save_trace_format_1
 
     t = make_synthetic(SyntheticSpec(context=40, steps=2))
-    header = {
-        "format": "kvviz-trace",
-        "version": "1",
-        "context_len": str(t.context_len),
-        "tokens": json.dumps(list(t.tokens)),
-        "meta": json.dumps(t.meta),
-    }
-    tensors = {"q": t.q, "k": t.k, "query_positions": t.query_positions.astype(np.int64)}
-    if t.v is not None:
-        tensors["v"] = t.v
-    save_file(tensors, str(tmp_path / "v1.safetensors"), metadata=header)
+    save_trace_format_1(t, tmp_path / "v1.safetensors")
     back = load_trace(tmp_path / "v1.safetensors")
     np.testing.assert_array_equal(back.q, t.q)
     assert trace_info(tmp_path / "v1.safetensors")["version"] == 1

@@ -10,6 +10,8 @@ from kvviz.sources import handbook_trace, load_trace, save_trace
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
 from kvviz.sources.tracefile import trace_from_bytes
 
+from trace_util import save_format_1
+
 
 def test_round_trip(tmp_path):
     for t in (handbook_trace(), make_synthetic(SyntheticSpec(context=64, steps=4))):
@@ -38,46 +40,16 @@ def test_rejects_plain_safetensors_and_bad_shapes(tmp_path):
     save_file({"x": np.zeros(3, np.float32)}, str(p))
     with pytest.raises(TraceError, match="not a kvviz trace"):
         load_trace(p)
-    header = {
-        "format": "kvviz-trace",
-        "version": "1",
-        "context_len": "4",
-        "tokens": json.dumps(["a"] * 4),
-        "meta": "{}",
-    }
-    save_file(
-        {
-            "q": np.zeros((1, 1, 4, 8), np.float32),
-            "k": np.zeros((1, 1, 5, 8), np.float32),
-            "query_positions": np.arange(4),
-        },
-        str(p),
-        metadata=header,
-    )
-    with pytest.raises(TraceError, match="token labels"):
-        load_trace(p)
-    save_file(
-        {
-            "q": np.full((1, 1, 4, 8), np.nan, np.float32),
-            "k": np.zeros((1, 1, 4, 8), np.float32),
-            "query_positions": np.arange(4),
-        },
-        str(p),
-        metadata=header,
-    )
-    with pytest.raises(TraceError, match="NaN"):
-        load_trace(p)
-    save_file(
-        {
-            "q": np.zeros((1, 1, 4, 8), np.float32),
-            "k": np.zeros((1, 1, 4, 8), np.float32),
-            "query_positions": np.arange(4),
-        },
-        str(p),
-        metadata={**header, "version": "99"},
-    )
-    with pytest.raises(TraceError, match="version 99"):
-        load_trace(p)
+    zeros = np.zeros((1, 1, 4, 8), np.float32)
+    for q, k, version, match in (
+        (zeros, np.zeros((1, 1, 5, 8), np.float32), "1", "token labels"),  # 5 positions, 4 tokens
+        (np.full((1, 1, 4, 8), np.nan, np.float32), zeros, "1", "NaN"),
+        (zeros, zeros, "99", "version 99"),
+    ):
+        arrays = {"q": q, "k": k, "query_positions": np.arange(4)}
+        save_format_1(p, arrays, context_len=4, tokens=["a"] * 4, meta={}, version=version)
+        with pytest.raises(TraceError, match=match):
+            load_trace(p)
 
 
 def test_upload_bytes(tmp_path):

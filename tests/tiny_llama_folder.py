@@ -1,5 +1,9 @@
 """Shared test helper: a tiny random Llama saved like any hub model folder, with a byte-level BPE
-tokenizer trained on the spot (needs torch, transformers and tokenizers)."""
+tokenizer trained on the spot (needs torch, transformers and tokenizers), and the shape every tiny
+random model of the tests has."""
+
+# The tiny decoder the model tests build: 4 query heads over 2 KV heads, head_dim 16 at hidden size 64.
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 
 
 def save_tiny_llama(folder, text: str, *, vocab_size: int, layers: int, seed: int):
@@ -22,12 +26,9 @@ def save_tiny_llama(folder, text: str, *, vocab_size: int, layers: int, seed: in
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
     tok.save_pretrained(folder)
     cfg = LlamaConfig(
+        **TINY_SHAPE,
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=512,
         bos_token_id=0,
         eos_token_id=1,
