@@ -32,7 +32,7 @@ def main() -> int:
     import numpy as np
     import plotly.graph_objects as go
 
-    from kvviz.plots.decode import timeline_animation
+    from kvviz.plots.timeline import timeline_animation
     from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
     from kvviz.spec import Spec
     from kvviz.analysis.timeline import timeline
