@@ -130,6 +130,18 @@ def test_cells_are_the_product_of_the_lists_with_one_full_cell_per_width():
     assert len(grid_cells(load_study(EXAMPLE))) == 3 * 3 * 2 * 2
 
 
+def test_a_setting_axis_reaches_only_the_cells_it_applies_to():
+    """ChunkKV's chunk size makes a ChunkKV cell a value; H2O, which never reads it, stays one cell (not one a
+    value with the same numbers), as does the full cache."""
+    study = parse_study(SMALL.replace('"streaming"', '"chunkkv"') + "chunk_size = [4, 8]\n")
+    cells = grid_cells(study)
+    by_scorer = {}
+    for c in cells:
+        if c.settings["seed"] == 0 and c.settings["bits"] == 16:
+            by_scorer.setdefault(c.settings["scorer"], []).append(c.settings.get("chunk_size"))
+    assert by_scorer == {"h2o": [None], "chunkkv": [4, 8], "full": [None]}, by_scorer
+
+
 # --- the local engine -----------------------------------------------------------------------------------
 
 

@@ -294,21 +294,27 @@ def cells(study: Study) -> list[Cell]:
 
 
 def _synthetic_cells(study: Study):
+    """A Spec-setting axis reaches the cells whose spec it applies to (`applicable`: SnapKV's window for
+    SnapKV); a cell it does not apply to is one cell, not one a value that would all give the same numbers."""
+    from kvviz.analysis.sweep import point_spec
+
     src, grid = study.source, study.grid
     n = synthetic_tokens(src)
     for seed in src["seeds"]:
         for chosen in setting_points(grid):
             for scorer in grid["scorers"]:
                 for f in grid["budgets"]:
-                    full = max(1, int(round(f * n))) >= n
+                    budget = max(1, int(round(f * n)))
+                    full = budget >= n
                     for b, fmt in widths(grid):
+                        spec = point_spec(FULL if full else scorer, budget, b, fmt, Spec(**chosen))
                         yield {
                             "seed": seed,
                             "scorer": FULL if full else scorer,
                             "budget": 1.0 if full else f,
                             "bits": b,
                             "format": fmt,
-                            **chosen,
+                            **applicable(spec.__dict__, chosen),
                         }
 
 
