@@ -302,12 +302,13 @@ def _synthetic_cells(study: Study):
     n = synthetic_tokens(src)
     for seed in src["seeds"]:
         for chosen in setting_points(grid):
+            base = Spec(**chosen)
             for scorer in grid["scorers"]:
                 for f in grid["budgets"]:
                     budget = max(1, int(round(f * n)))
                     full = budget >= n
                     for b, fmt in widths(grid):
-                        spec = point_spec(FULL if full else scorer, budget, b, fmt, Spec(**chosen))
+                        spec = point_spec(FULL if full else scorer, budget, b, fmt, base)
                         yield {
                             "seed": seed,
                             "scorer": FULL if full else scorer,
