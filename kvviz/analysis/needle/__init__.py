@@ -57,6 +57,7 @@ torch is imported lazily (inside functions), so `import kvviz.analysis.needle` s
     cell    one cell run: compressed copy of the prefill, greedy answer, what each head kept
     grid    the grid run (GridRequest: what it runs)
     store   its cache on disk: where, and the keys of a prompt and a cell
+    records a prompt's or a cell's JSON record, read back by its fields' types
     results the NeedleGrid a run returns, its file, the two protocols, the shipped default
     readout its CSV and text table, the cell the page opens on
 """

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from kvviz.analysis.needle.prompt import DEFAULT_NEW_TOKENS, NeedlePrompt
+from kvviz.analysis.needle.records import from_record, to_record
 from kvviz.analysis.needle.tasks import TASKS
 from kvviz.spec import Spec
 
@@ -73,58 +74,11 @@ class NeedleCell:
         return _unpack(self.kept_packed, (self.n_layers, self.n_kv_heads, self.length))
 
     def as_dict(self, kept: bool = False) -> dict:
-        d = {
-            "scorer": self.scorer,
-            "length": self.length,
-            "depth": self.depth,
-            "budget": self.budget,
-            "bits": self.bits,
-            "question_after_compression": self.question_after_compression,
-            "spec": self.spec,
-            "budget_tokens": self.budget_tokens,
-            "key": self.key,
-            "correct": self.correct,
-            "answer": self.answer,
-            "answer_ids": list(self.answer_ids),
-            "needle_kept": self.needle_kept,
-            "needle_kept_by_head": [list(r) for r in self.needle_kept_by_head],
-            "wanted_mass": self.wanted_mass,
-            "wanted_mass_by_head": [list(r) for r in self.wanted_mass_by_head],
-            "kept_mass": self.kept_mass,
-            "kept_mass_by_head": [list(r) for r in self.kept_mass_by_head],
-            "full_answer": self.full_answer,
-            "full_correct": self.full_correct,
-        }
-        if kept:
-            d["kept_packed"] = self.kept_packed
-        return d
+        return to_record(self, leave_out=() if kept else ("kept_packed",))
 
     @classmethod
     def from_dict(cls, d: dict) -> "NeedleCell":
-        grid = lambda rows: tuple(tuple(float(x) for x in r) for r in rows)  # noqa: E731
-        return cls(
-            scorer=d["scorer"],
-            length=int(d["length"]),
-            depth=float(d["depth"]),
-            budget=float(d["budget"]),
-            bits=int(d["bits"]),
-            question_after_compression=bool(d["question_after_compression"]),
-            spec=d["spec"],
-            budget_tokens=int(d["budget_tokens"]),
-            key=str(d["key"]),
-            correct=bool(d["correct"]),
-            answer=d["answer"],
-            answer_ids=tuple(int(i) for i in d["answer_ids"]),
-            needle_kept=float(d["needle_kept"]),
-            needle_kept_by_head=grid(d["needle_kept_by_head"]),
-            wanted_mass=float(d["wanted_mass"]),
-            wanted_mass_by_head=grid(d["wanted_mass_by_head"]),
-            kept_mass=float(d["kept_mass"]),
-            kept_mass_by_head=grid(d["kept_mass_by_head"]),
-            full_answer=d["full_answer"],
-            full_correct=bool(d["full_correct"]),
-            kept_packed=d.get("kept_packed", ""),
-        )
+        return from_record(cls, d)
 
 
 def score_answer(answer: str, key: str) -> bool:

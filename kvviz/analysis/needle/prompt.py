@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
+from kvviz.analysis.needle.records import from_record, to_record
 from kvviz.analysis.needle.tasks import PRIMER, TASKS
 from kvviz.policies.registry import featured
 from kvviz.spec import FULL_BITS, SCORERS, Spec, SpecError
@@ -61,35 +62,11 @@ class NeedlePrompt:
         return (self.needle_start - self.hay_start) / hay if hay > 0 else 0.0
 
     def as_dict(self) -> dict:
-        return {
-            "length": self.length,
-            "depth": self.depth,
-            "key": self.key,
-            "haystack": self.haystack,
-            "ids": list(self.ids),
-            "tokens": list(self.tokens),
-            "needle_start": self.needle_start,
-            "needle_end": self.needle_end,
-            "question_start": self.question_start,
-            "hay_start": self.hay_start,
-            "task": self.task,
-        }
+        return to_record(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "NeedlePrompt":
-        return cls(
-            length=int(d["length"]),
-            depth=float(d["depth"]),
-            key=str(d["key"]),
-            haystack=d["haystack"],
-            ids=tuple(int(i) for i in d["ids"]),
-            tokens=tuple(d["tokens"]),
-            needle_start=int(d["needle_start"]),
-            needle_end=int(d["needle_end"]),
-            question_start=int(d["question_start"]),
-            hay_start=int(d.get("hay_start", 0)),
-            task=str(d.get("task", "passkey")),
-        )
+        return from_record(cls, d)
 
 
 def passkey(seed: int, length: int, depth: float) -> str:
