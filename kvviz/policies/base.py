@@ -162,8 +162,9 @@ class Policy:
     allocated_in_sweeps: bool = False
 
     def note(self, spec: Spec, trace: Trace | None = None) -> str | None:
-        """What this scorer keeps and why, for the Explorer, where the sliders alone do not say it."""
-        return None
+        """What this scorer keeps and why, for the Explorer, where the sliders alone do not say it (a streaming
+        policy: that it decides again at every decode step)."""
+        return self.streaming_note(spec, trace) if self.streaming else None
 
     def streaming_note(self, spec: Spec, trace: Trace | None, scored_by: str = "") -> str | None:
         """A streaming policy's note: it decides again at every decode step (`scored_by`: what its scores

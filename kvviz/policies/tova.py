@@ -21,9 +21,6 @@ class TOVA(Policy):
     )
     streaming = True
 
-    def note(self, spec, trace=None) -> str | None:
-        return self.streaming_note(spec, trace)
-
     def score(self, ctx: ScoreContext) -> np.ndarray:
         last = ctx.history_rows[-1:]
         _, attn = next(ctx.context_attention(rows=last))  # (q_heads, 1, n_context)
