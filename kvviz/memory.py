@@ -30,6 +30,7 @@ from kvviz.policies import get_policy
 from kvviz.policies.allocation import allocation_for
 from kvviz.quant import formats as qformats
 from kvviz.quant import CacheBytes, kv_bytes_per_token, tensor_bytes
+from kvviz.quant.integer import grouping
 from kvviz.spec import Spec
 from kvviz.trace import Trace
 
@@ -147,9 +148,7 @@ def head_parts(
         residual = qformats.spec_residual_for_memory(spec, n_kept, n_tokens or n_kept, context_len)
         return tuple(qformats.tensor_bytes(spec, which, n_kept, head_dim, n_kv_heads, residual) for which in ("k", "v"))
     return tuple(
-        tensor_bytes(
-            n_kept, head_dim, bits, axis, spec.group_size, spec.residual, spec.symmetric, spec.zero_point, spec.partial
-        )
+        tensor_bytes(n_kept, head_dim, bits, axis, **grouping(spec))
         for bits, axis in ((spec.key_bits, spec.key_axis), (spec.value_bits, spec.value_axis))
     )
 

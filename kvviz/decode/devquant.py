@@ -20,7 +20,7 @@ torch is imported lazily.
 
 from __future__ import annotations
 
-from kvviz.quant.integer import quantized_extent
+from kvviz.quant.integer import grouping, quantized_extent
 from kvviz.spec import FULL_BITS
 
 
@@ -266,7 +266,7 @@ def quantize_tensor_torch(x, spec, which: str, residual: int):
     r = _hadamard(x.shape[-1], x) if rotated else None
     xr = head @ r if rotated else head
     if fmt == "int":
-        q = quantize_torch(xr, bits, axis, spec.group_size, 0, spec.symmetric, spec.zero_point, spec.partial)
+        q = quantize_torch(xr, bits, axis, **grouping(spec, residual=0))
     elif fmt in ("e4m3", "e5m2"):
         q = _fp8(xr, fmt, spec.fp8_scale, spec.fp8_calibrate)
     elif fmt == "nvfp4":

@@ -220,9 +220,7 @@ def quantize_tensor(
     head = x[..., :n_quant, :]
     xr = rotate(head) if rotated else head
     if fmt == "int":
-        q = integer.quantize(
-            xr, bits, axis, spec.group_size, 0, spec.symmetric, zero_point=spec.zero_point, partial=spec.partial
-        )
+        q = integer.quantize(xr, bits, axis, **integer.grouping(spec, residual=0))
     else:
         if static_scale is None and spec.fp8_calibrate and fmt in ("e4m3", "e5m2"):
             static_scale = calibrate(xr, fmt)
@@ -236,9 +234,7 @@ def tensor_bytes(spec: Spec, which: str, n_tokens: int, dim: int, kv_heads: int,
     """Bytes of one KV head's K (or V) cache of n_tokens, `residual` of them at 16 bits."""
     fmt, bits, axis, _ = settings(spec, which)
     if fmt == "int":
-        return integer.tensor_bytes(
-            n_tokens, dim, bits, axis, spec.group_size, residual, spec.symmetric, spec.zero_point, spec.partial
-        )
+        return integer.tensor_bytes(n_tokens, dim, bits, axis, **integer.grouping(spec, residual))
     n_quant = max(0, n_tokens - residual)
     if fmt in ("e4m3", "e5m2"):
         payload, scales = fp8_bytes(n_quant, dim, spec.fp8_scale, kv_heads)

@@ -153,6 +153,18 @@ KIVI_RESIDUAL = 128  # KIVI keeps the last 128 tokens at full precision
 KIVI_GROUP = 32
 
 
+def grouping(spec, residual: int | None = None) -> dict:
+    """The integer quantizer's keyword arguments that a spec sets: its group size, residual (unless
+    `residual` is given), symmetric or not, zero point and partial-group rule."""
+    return dict(
+        group_size=spec.group_size,
+        residual=spec.residual if residual is None else residual,
+        symmetric=spec.symmetric,
+        zero_point=spec.zero_point,
+        partial=spec.partial,
+    )
+
+
 def kivi_residual(n_tokens: int) -> int:
     """KIVI's full-precision residual (128) for a cache of n_tokens, shrunk on a short cache
     so that at least one group of 32 tokens is quantized."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvviz.quant import formats as qformats
-from kvviz.quant.integer import quantize_kept
+from kvviz.quant.integer import grouping, quantize_kept
 from kvviz.spec import FULL_BITS, Spec
 from kvviz.trace import Trace
 
@@ -42,13 +42,7 @@ def stored_kept(
     if missing:
         heads, where = np.array(missing), np.stack([kept_at[g] for g in missing])  # (U,), (U, m)
         key_delta = v_hat = [None] * len(missing)
-        settings = dict(
-            group_size=spec.group_size,
-            residual=spec.residual,
-            symmetric=spec.symmetric,
-            zero_point=spec.zero_point,
-            partial=spec.partial,
-        )
+        settings = grouping(spec)
         if spec.key_bits < FULL_BITS:
             key_delta = quantize_kept(
                 trace.k[layer], heads, where, spec.key_bits, spec.key_axis, delta=True, **settings
