@@ -103,6 +103,13 @@ def verdict(good: bool, text: str) -> bool:
     return good
 
 
+def failed(rc: int, tail: str) -> bool:
+    """Whether a child run failed (exit status `rc`); where it did, the tail of its output on stderr."""
+    if rc != 0:
+        print(tail, file=sys.stderr)
+    return rc != 0
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         return child(sys.argv[2:])
@@ -131,8 +138,7 @@ def main() -> int:
             f"capture float32, default budget: exit {rc}, {wall:.1f} s, file {size / 1e9:.2f} GB, "
             f"peak RSS {peak:.0f} MiB (target exit 0, <= 2560 MiB)",
         )
-        if rc != 0:
-            print(tail, file=sys.stderr)
+        if failed(rc, tail):
             return 1
         rc, peak, wall, tail = kvviz("trace", "info", str(f32))
         ok &= verdict(
@@ -146,14 +152,12 @@ def main() -> int:
             f"kvviz compare --layer {layer} --head 5: exit {rc}, {wall:.1f} s, peak RSS {peak:.0f} MiB "
             f"of a {size / 1e9:.2f} GB trace (target <= 1229 MiB)",
         )
-        if rc != 0:
-            print(tail, file=sys.stderr)
+        failed(rc, tail)
         sizes = {}
         for dtype in ("float32", "bfloat16"):
             out = tmp / f"{dtype}-short.safetensors"
             rc, _, wall, tail = capture(tmp / "model", prompt, bf16_tokens, out, "--dtype", dtype)
-            if rc != 0:
-                print(tail, file=sys.stderr)
+            if failed(rc, tail):
                 return 1
             sizes[dtype] = out.stat().st_size
         ratio = sizes["bfloat16"] / sizes["float32"]
