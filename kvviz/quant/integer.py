@@ -34,47 +34,40 @@ BITS_OPTIONS = (1, 2, 3, 4, 5, 6, 7, 8, FULL_BITS)  # what the bits sliders offe
 # what the group-size menu offers (any 1-4096 is valid)
 GROUP_OPTIONS = (8, 16, 32, 64, 128)
 
+
+def _bits(part: str) -> Setting:
+    """The bits of the cached keys or values (`part`): the two settings are alike but for the name."""
+    return Setting(
+        f"{part}_bits",
+        "int",
+        FULL_BITS,
+        1,
+        FULL_BITS,
+        quantizes=True,
+        options=BITS_OPTIONS,
+        label=f"{part.capitalize()} bits",
+        help=f"{part} bits (1-8; 16 = not quantized)",
+    )
+
+
+def _axis(part: str, default: str, help: str) -> Setting:
+    """Which way the groups of the cached keys or values (`part`) run."""
+    return Setting(
+        f"{part}_axis",
+        "choice",
+        default,
+        choices=("channel", "token"),
+        quantizes=True,
+        label=f"{part.capitalize()} groups run along",
+        help=help,
+    )
+
+
 declare(
-    Setting(
-        "key_bits",
-        "int",
-        FULL_BITS,
-        1,
-        FULL_BITS,
-        quantizes=True,
-        options=BITS_OPTIONS,
-        label="Key bits",
-        help="key bits (1-8; 16 = not quantized)",
-    ),
-    Setting(
-        "value_bits",
-        "int",
-        FULL_BITS,
-        1,
-        FULL_BITS,
-        quantizes=True,
-        options=BITS_OPTIONS,
-        label="Value bits",
-        help="value bits (1-8; 16 = not quantized)",
-    ),
-    Setting(
-        "key_axis",
-        "choice",
-        "channel",
-        choices=("channel", "token"),
-        quantizes=True,
-        label="Key groups run along",
-        help="KIVI quantizes keys per channel (keys have outlier channels).",
-    ),
-    Setting(
-        "value_axis",
-        "choice",
-        "token",
-        choices=("channel", "token"),
-        quantizes=True,
-        label="Value groups run along",
-        help="KIVI quantizes values per token.",
-    ),
+    _bits("key"),
+    _bits("value"),
+    _axis("key", "channel", "KIVI quantizes keys per channel (keys have outlier channels)."),
+    _axis("value", "token", "KIVI quantizes values per token."),
     Setting(
         "group_size",
         "int",
