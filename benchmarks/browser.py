@@ -188,7 +188,8 @@ def move(page, label: str, key: str, pid: int) -> dict:
 
 CHARTS_JS = """
 new MutationObserver(() => {   // when the Explorer's two charts are first both drawn
-  if (!window.__chartsDrawn && document.querySelectorAll('.js-plotly-plot .main-svg').length >= 2)
+  const drawn = Array.from(document.querySelectorAll('.js-plotly-plot')).filter((p) => p.querySelector('.main-svg'));
+  if (!window.__chartsDrawn && drawn.length >= 2)
     window.__chartsDrawn = performance.now();
 }).observe(document, {subtree: true, childList: true});
 """

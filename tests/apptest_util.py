@@ -112,3 +112,27 @@ def lab_quality(load_once, spec, prompt: int, cont: int, question: str | None = 
 
     model, tok, _ = load_once("bundled")
     return evaluate(model, reference(model, tok, sample_text(), prompt, cont, question=question), spec, **options)
+
+
+def plotly_charts(at: AppTest) -> list:
+    """Every plotly chart on the page, in page order, whether st.plotly_chart drew it or it is drawn in
+    place (kvviz.app.livechart): each as st.plotly_chart's element reads, with `.key`, `.proto.spec`
+    (the figure's JSON) and `.proto.id`."""
+    import json
+    from types import SimpleNamespace
+
+    from kvviz.app import livechart
+
+    def walk(node):
+        kind = getattr(node, "type", "")
+        if kind == "plotly_chart":
+            yield node
+        elif kind == "bidi_component" and node.proto.component_name == livechart.NAME:
+            spec = json.dumps(json.loads(node.proto.bytes)["figure"])
+            key = node.proto.id.split("-", 2)[2]  # $$ID-<hash>-<key>
+            yield SimpleNamespace(type="plotly_chart", key=key, proto=SimpleNamespace(spec=spec, id=node.proto.id))
+        children = getattr(node, "children", None)
+        for child in children.values() if isinstance(children, dict) else ():
+            yield from walk(child)
+
+    return [c for root in (at.sidebar, at.main) for c in walk(root)]

@@ -351,13 +351,17 @@ def idle(page, after: int = 0, quiet_ms: int = 400) -> None:
     or a page switch; PAGE_PROBE_JS), its script-run state is "notRunning", neither it nor the page
     (its elements, results, address bar) has changed for `quiet_ms` (the page has drawn the run's
     last messages: a chart is redrawn after its run ends), no element is still loading (a skeleton;
-    a chart's frame or the first-paint probe, whose report is still to come: kvviz.app.charts) and
-    every chart on screen is drawn. Not "a chart exists": a chart from the previous run exists too."""
+    a chart's frame or the first-paint probe, whose report is still to come: kvviz.app.charts; a chart
+    drawn in place that waits for plotly or draws a newer figure: kvviz.app.livechart) and every chart
+    on screen is drawn. Not "a chart exists": a chart from the previous run exists too."""
     from playwright.sync_api import TimeoutError as WaitRanOut
 
     from kvviz.app.charts import PROBE_KEY, WAITING
+    from kvviz.app.livechart import DRAWING, PENDING
 
-    loading = f'[data-testid="stSkeleton"], [class*="st-key-{WAITING}"]'  # still to come: not idle
+    # still to come: not idle (a chart drawn in place says it is pending or drawing a newer figure)
+    loading = f'[data-testid="stSkeleton"], [class*="st-key-{WAITING}"], [{PENDING}], [{DRAWING}]'
+
     probe = f".st-key-{PROBE_KEY}"
     try:
         page.wait_for_function(

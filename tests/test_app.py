@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
-from apptest_util import numbers, plotly_values, run_app, unfold
+from apptest_util import numbers, plotly_charts, plotly_values, run_app, unfold
 from streamlit.testing.v1 import AppTest
 
 from kvviz import Spec, View, compare
@@ -207,20 +207,20 @@ def test_separate_key_and_value_bits():
 
 def test_error_bars_choice_changes_the_chart():
     at = run(ensemble="seeds", qmodel="noise", sigma="0.5", sink="0", recent="0", heavy="0")
-    std_title = at.get("plotly_chart")[1].proto.spec
+    std_title = plotly_charts(at)[1].proto.spec
     at.radio(key="bars").set_value("ci95").run()
-    ci_title = at.get("plotly_chart")[1].proto.spec
+    ci_title = plotly_charts(at)[1].proto.spec
     assert "95% t-interval for the mean" in ci_title and "1 sample std" in std_title
     assert "N = 8 rows" in ci_title and "8 random seeds" in ci_title
     at.radio(key="bars").set_value("range").run()
-    assert "range (min" in at.get("plotly_chart")[1].proto.spec
+    assert "range (min" in plotly_charts(at)[1].proto.spec
     assert "logit-noise" in " ".join(c.value for c in at.caption)
 
 
 def test_long_sequences_are_binned():
     at = run(source="synthetic", context="1024", steps="2", sink="4", recent="64", heavy="64")
     assert any("bins of up to" in c.value for c in at.caption)
-    spec = at.get("plotly_chart")[0].proto.spec
+    spec = plotly_charts(at)[0].proto.spec
     assert "bins of" in spec and spec.count('"x"') < 20  # a handful of traces, not a bar per token
 
 
@@ -241,7 +241,7 @@ def test_tradeoffs_presenting_draws_the_chart_first_in_projector_type():
         e.type if e.type == "plotly_chart" else e.key for e in walk(at.main) if e.type in ("plotly_chart", "radio")
     ]
     assert order.index("plotly_chart") < order.index("metric"), order
-    fig = json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]
+    fig = json.loads(plotly_charts(at)[0].proto.spec)["layout"]
     assert fig["font"]["size"] == 18 and fig["xaxis"]["tickfont"]["size"] == fig["yaxis"]["tickfont"]["size"] == 18
     assert fig["legend"]["orientation"] == "v" and fig["legend"]["x"] > 1
     assert not at.dataframe and not at.get("download_button") and not at.main.caption
@@ -249,7 +249,7 @@ def test_tradeoffs_presenting_draws_the_chart_first_in_projector_type():
 
 def test_concentration_presenting_puts_the_curve_under_its_sliders_in_projector_type():
     at = run(str(Path(APP).parent / "pages" / "2_concentration.py"), present="1")
-    layout = json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]
+    layout = json.loads(plotly_charts(at)[0].proto.spec)["layout"]
     assert layout["font"]["size"] == 18 and layout["xaxis"]["tickfont"]["size"] == 18
     assert layout["title"]["text"].startswith("How concentrated is attention?")
     assert [m.label for m in at.metric][0] == "Top 10% of tokens hold" and not at.main.caption
@@ -258,7 +258,7 @@ def test_concentration_presenting_puts_the_curve_under_its_sliders_in_projector_
 def test_tradeoffs_page():
     at = run(TRADEOFFS, methods="h2o,streaming,oracle", sweep_bits="16,2")
     assert not at.error
-    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    fig = json.loads(plotly_charts(at)[0].proto.spec)
     legend = [t["name"] for t in fig["data"] if t.get("showlegend", True) and t.get("name")]
     # one legend entry per method, the bit widths once as markers, not one entry per (method, bits)
     assert {
@@ -274,17 +274,17 @@ def test_tradeoffs_page():
     assert all(t["line"]["dash"] == "dot" for t in oracle)
     assert any(n.startswith("current:") for n in legend) and not any("TOVA" in n for n in legend)
     at.radio(key="metric").set_value("kl").run()
-    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    fig = json.loads(plotly_charts(at)[0].proto.spec)
     assert fig["layout"]["yaxis"]["title"]["text"] == "KL(compressed ‖ original), nats — lower is better"
     at.radio(key="metric").set_value("js").run()
-    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    fig = json.loads(plotly_charts(at)[0].proto.spec)
     assert fig["layout"]["yaxis"]["title"]["text"].startswith("Jensen–Shannon")
     at.radio(key="metric").set_value("mass").run()
-    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    fig = json.loads(plotly_charts(at)[0].proto.spec)
     assert fig["layout"]["yaxis"]["title"]["text"].endswith("higher is better")
     assert fig["layout"]["xaxis"]["type"] == "log" and "logx" not in at.query_params  # log by default
     at.checkbox(key="logx").uncheck().run()
-    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    fig = json.loads(plotly_charts(at)[0].proto.spec)
     assert fig["layout"]["xaxis"].get("type", "linear") == "linear" and at.query_params["logx"] == "0"
     table = at.dataframe[0].value
     assert "budget" in table.columns and "oracle" not in set(table["method"])  # the bound is not a frontier point
@@ -305,8 +305,8 @@ def test_concentration_page_numbers():
     assert shown["Top 10% of tokens hold"] == f"{100 * c.top10.mean():.1f}%"
     assert shown["Sink share (first 1)"] == f"{100 * c.sink_share.mean():.1f}%"
     assert shown["Locality (last 8)"] == f"{100 * c.locality.mean():.1f}%"
-    assert len(at.get("plotly_chart")) == 4
-    assert "80-90%" in at.get("plotly_chart")[0].proto.spec
+    assert len(plotly_charts(at)) == 4
+    assert "80-90%" in plotly_charts(at)[0].proto.spec
 
 
 def test_concentration_uses_the_sidebar_sinks_and_no_single_cell_maps():
@@ -314,7 +314,7 @@ def test_concentration_uses_the_sidebar_sinks_and_no_single_cell_maps():
     at = run(CONCENTRATION)
     c = concentration(handbook_trace(), sink=4, window=16)
     assert cards(at)["Sink share (first 4)"] == f"{100 * c.sink_share.mean():.1f}%"
-    assert len(at.get("plotly_chart")) == 1 and "Entropy" in cards(at)
+    assert len(plotly_charts(at)) == 1 and "Entropy" in cards(at)
 
 
 def test_navigation_keeps_settings():
@@ -474,7 +474,7 @@ def test_pin_and_compare_a_against_b():
     b = compare(handbook_trace(), Spec(sink=4, recent=8, heavy=10)).metrics
     mass = next(m for m in at.metric if m.label == "Attention mass retained")
     assert mass.proto.delta == f"{100 * (b['mass_retained'] - a['mass_retained']):+.1f} pts"
-    spec = json.loads(at.get("plotly_chart")[0].proto.spec)
+    spec = json.loads(plotly_charts(at)[0].proto.spec)
     assert any(t.get("name", "").startswith("pinned A") for t in spec["data"])
     assert any("**A:** h2o sink 4 recent 8 heavy 2" in m.value for m in at.markdown)
     # a link with the pin reproduces the comparison
@@ -490,7 +490,7 @@ def test_locked_y_axis_survives_slider_moves():
     locked = float(at.query_params["ylock"])
     assert locked > 0
     at.slider(key="heavy").set_value(20).run()
-    layout = json.loads(at.get("plotly_chart")[1].proto.spec)["layout"]
+    layout = json.loads(plotly_charts(at)[1].proto.spec)["layout"]
     assert layout["yaxis"]["range"] == [-locked, locked]
 
 
@@ -503,7 +503,7 @@ def test_a_locked_axis_never_hides_a_bar():
     for name, value in (("sink", 1), ("recent", 0), ("heavy", 0)):
         at.slider(key=name).set_value(value).run()
     assert not at.exception and (float(at.query_params["ylock"]), float(at.query_params["alock"])) == (ylock, alock)
-    attention, error = (json.loads(c.proto.spec) for c in at.get("plotly_chart"))
+    attention, error = (json.loads(c.proto.spec) for c in plotly_charts(at))
     tallest = max(max(plotly_values(t["y"])) for t in attention["data"] if t["type"] == "bar")
     assert tallest > alock and attention["layout"]["yaxis"]["range"][1] >= tallest
     assert f"lock {alock:.3g} widened" in attention["layout"]["title"]["text"]
@@ -525,7 +525,7 @@ def test_solver_applies_the_smallest_budget():
 
 def test_presentation_mode_puts_the_main_chart_first_and_folds_the_extras():
     at = run(present="1")  # the attention chart first, then the error chart
-    charts = [c.proto.id for c in at.get("plotly_chart")]
+    charts = [c.proto.id for c in plotly_charts(at)]
     assert charts[0].endswith("attention_chart") and charts[1].endswith("error_chart")
     assert [m.label for m in at.metric] == ["Attention kept", "Memory saved", "Tokens kept"]
     assert at.toggle(key="_ylock_on").value and float(at.query_params["ylock"]) > 0  # locked by default
@@ -613,7 +613,7 @@ def test_folded_sections_compute_nothing_until_opened_then_once(monkeypatch):
     at = run(**SMALL, sink=5, heavy=7)
     at.slider(key="heavy").set_value(9).run()  # a move with everything folded
     assert calls == {"ledger": 0, "rotation": 0, "overview": 0}
-    assert not [c for c in at.get("plotly_chart") if "after the Hadamard rotation" in c.proto.spec]
+    assert not [c for c in plotly_charts(at) if "after the Hadamard rotation" in c.proto.spec]
     assert not at.dataframe  # "All numbers" folded: no table (nor the data grid's scripts) on the page
     assert len(unfold(at, "_numbers_open").dataframe) == 2
     for key, name in (("_ledger_open", "ledger"), ("_rotation_open", "rotation"), ("_overview_open", "overview")):
@@ -653,39 +653,71 @@ print('ok')
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-def test_before_the_first_paint_charts_are_frames_and_folded_sections_wait():
-    """A session's first run, before its browser has said it painted the page (kvviz.app.charts): the cards
-    are drawn, each chart is a frame as tall as the chart, the folded sections (Advanced, the solver) hold no
-    widget, and a probe asks the browser for its report. The report's rerun draws the charts into the frames'
-    places and asks no more; a folded section draws its widgets once it is opened, not before."""
-    from kvviz.app.charts import WAITING
+def _blocks(node):
+    yield node
+    for child in node.children.values() if isinstance(getattr(node, "children", None), dict) else ():
+        yield from _blocks(child)
 
-    def blocks(node):
-        yield node
-        for child in node.children.values() if isinstance(getattr(node, "children", None), dict) else ():
-            yield from blocks(child)
+
+def test_the_explorers_first_run_sends_its_charts_to_draw_after_the_paint_and_folded_sections_wait():
+    """A session's first run, before its browser has said it painted the page: the cards are drawn, and each
+    chart comes with its figure, to be drawn in place once the browser has painted the page
+    (kvviz.app.livechart), in a frame as tall as the figure -- no probe, no second run. The folded sections
+    (Advanced, the solver) hold no widget until they are opened."""
+    from kvviz.app import livechart
 
     at = AppTest.from_file(APP, default_timeout=120).run()
     assert not at.exception, [e.value for e in at.exception]
-    assert len(at.metric) == 8 and not at.get("plotly_chart")
+    assert len(at.metric) == 8
+    mounted = at.get("bidi_component")
+    assert [b.proto.component_name for b in mounted] == [livechart.NAME] * 2  # and no first-paint probe
+    charts = plotly_charts(at)
+    assert [c.key for c in charts] == ["attention_chart", "error_chart"]
+    for chart, component in zip(charts, mounted):
+        assert json.loads(component.proto.bytes)["height"] == json.loads(chart.proto.spec)["layout"]["height"]
+    assert not [c for c in at.caption if c.value == "Drawing the chart…"]
+    assert "scorer" not in [b.key for b in at.selectbox] and "solve_kind" not in [r.key for r in at.radio]
+    unfold(unfold(at, ADVANCED), "_solver_open")
+    assert "scorer" in [b.key for b in at.selectbox] and "solve_kind" in [r.key for r in at.radio]
+
+
+def test_without_streamlits_plotly_code_the_explorer_draws_st_plotly_chart(monkeypatch):
+    """Where a Streamlit upgrade renames its plotly chunk (kvviz.app.internals.plotly_chunk says None), the
+    Explorer's charts are st.plotly_chart's, with the same figures."""
+    from kvviz.app import internals
+
+    drawn_in_place = [json.loads(c.proto.spec) for c in plotly_charts(run())]
+    monkeypatch.setattr(internals, "plotly_chunk", lambda: None)
+    at = run()
+    assert not at.get("bidi_component") and len(at.get("plotly_chart")) == 2
+    assert [json.loads(c.proto.spec) for c in at.get("plotly_chart")] == drawn_in_place
+
+
+def test_before_the_first_paint_a_selectable_chart_is_a_frame_until_the_report():
+    """A chart whose points can be selected is Streamlit's own (the Trade-offs chart): before the browser
+    has said it painted the page (kvviz.app.charts) it is a frame as tall as the chart, and a probe asks the
+    browser for its report. The report's rerun draws the chart into the frame's place and asks no more."""
+    from kvviz.app.charts import WAITING
+
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.switch_page(TRADEOFFS)  # the session's first run: a link to the page
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.title[0].value.startswith("Trade-offs") and not plotly_charts(at)
     frames = {
         b.proto.id.rsplit(f"{WAITING}_", 1)[1]: b.proto.height_config.pixel_height
-        for b in blocks(at._tree)
+        for b in _blocks(at._tree)
         if getattr(b, "type", None) == "flex_container" and WAITING in b.proto.id
     }
-    assert set(frames) == {"attention_chart", "error_chart"}
-    assert [c.value for c in at.caption if c.value == "Drawing the chart…"] == ["Drawing the chart…"] * 2
-    assert "scorer" not in [b.key for b in at.selectbox] and "solve_kind" not in [r.key for r in at.radio]
+    assert set(frames) == {"tradeoff_chart"}
+    assert [c.value for c in at.caption if c.value == "Drawing the chart…"] == ["Drawing the chart…"]
     assert len(at.get("bidi_component")) == 1  # the probe
 
     at.run()  # the next run -- the probe's report, or any click -- comes after the browser drew this one
     assert not at.exception, [e.value for e in at.exception]
-    charts = {c.key: json.loads(c.proto.spec)["layout"]["height"] for c in at.get("plotly_chart")}
-    assert charts == frames  # each chart as tall as its frame was
+    charts = {c.key: json.loads(c.proto.spec)["layout"]["height"] for c in plotly_charts(at)}
+    assert charts == frames  # the chart as tall as its frame was
     assert not [c for c in at.caption if c.value == "Drawing the chart…"] and not at.get("bidi_component")
-    assert "scorer" not in [b.key for b in at.selectbox] and "solve_kind" not in [r.key for r in at.radio]
-    unfold(unfold(at, ADVANCED), "_solver_open")
-    assert "scorer" in [b.key for b in at.selectbox] and "solve_kind" in [r.key for r in at.radio]
 
 
 def test_advice_is_never_impossible():

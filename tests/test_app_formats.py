@@ -5,7 +5,16 @@ import json
 from pathlib import Path
 
 import pytest
-from apptest_util import lab_quality, lab_run_metrics, numbers, plotly_values, run_app, share_one_model_load, unfold
+from apptest_util import (
+    lab_quality,
+    lab_run_metrics,
+    numbers,
+    plotly_charts,
+    plotly_values,
+    run_app,
+    share_one_model_load,
+    unfold,
+)
 
 from kvviz.app.compression import ADVANCED
 from kvviz import Spec, View, compare
@@ -57,9 +66,7 @@ def test_hf_preset_sets_per_token_groups_and_the_flush():
 
 def test_rotation_heatmap_expander():
     at = unfold(run_app(APP, 120, opened=(ADVANCED,), **SMALL), "_rotation_open")
-    fig = json.loads(
-        next(c for c in at.get("plotly_chart") if "after the Hadamard rotation" in c.proto.spec).proto.spec
-    )
+    fig = json.loads(next(c for c in plotly_charts(at) if "after the Hadamard rotation" in c.proto.spec).proto.spec)
     heatmaps = [t for t in fig["data"] if t["type"] == "heatmap"]
     assert len(heatmaps) == 2 and heatmaps[0]["z"]["shape"] == "64, 132"  # channels down, tokens 0..131 across
     text = next(m.value for m in at.markdown if "2-bit per-token key error" in m.value)
@@ -70,7 +77,7 @@ def test_rotation_heatmap_expander():
 def test_tradeoffs_gets_fp8_and_fp4_points():
     at = run_app(TRADEOFFS, 180, **SMALL, methods="h2o", sweep_bits="16", sweep_formats="e4m3,nvfp4")
     assert not at.error and not at.exception
-    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    fig = json.loads(plotly_charts(at)[0].proto.spec)
     names = [t.get("name") for t in fig["data"]]
     assert "FP8 E4M3" in names and "NVFP4" in names
     fp8 = [t for t in fig["data"] if t.get("customdata") and t["customdata"][0][3] == "e4m3"]
@@ -121,7 +128,7 @@ def test_tradeoffs_and_its_link_offer_every_serving_format_llama_cpp_included():
     assert not at.error and not at.warning
     assert list(at.pills(key="sweep_formats").options) == [FORMAT_NAMES[f] for f in SERVING_FORMATS]
     assert at.pills(key="sweep_formats").value == ["q8_0", "q4_0"]
-    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    fig = json.loads(plotly_charts(at)[0].proto.spec)
     names = [t.get("name") for t in fig["data"]]
     assert "llama.cpp q8_0" in names and "llama.cpp q4_0" in names
     full = {

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from apptest_util import lab_quality, lab_run_metrics, run_app, share_one_model_load
+from apptest_util import lab_quality, lab_run_metrics, plotly_charts, run_app, share_one_model_load
 from streamlit.testing.v1 import AppTest
 
 from kvviz.sources.synthetic import SyntheticSpec, make_synthetic
@@ -56,7 +56,7 @@ def test_timeline_numbers_are_the_cores():
     # the step (the chart's slider reports it; a link carries it) drives the per-step table and the chart
     at = run(TIMELINE, **SMALL_SHIFT, tl_step="12")
     assert any("**Step 12**: query at position 140" in md.value for md in at.markdown)
-    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    fig = json.loads(plotly_charts(at)[0].proto.spec)
     assert fig["layout"]["sliders"][0]["active"] == 12 and fig["layout"]["title"]["text"].startswith("Step 12:")
     table = at.dataframe[0].value
     assert list(table["regret at this step"]) == [round(float(tl.policies[n].regret[12]), 4) for n in tl.policies]
@@ -79,15 +79,13 @@ def test_timeline_plays_in_the_browser_and_no_budget():
     import json
 
     at = run(TIMELINE, **SMALL_SHIFT)
-    charts = at.get("plotly_chart")
+    charts = plotly_charts(at)
     assert len(charts) == 1
     fig = json.loads(charts[0].proto.spec)
     assert len(fig["frames"]) == 16 and [f["name"] for f in fig["frames"]] == [str(s) for s in range(16)]
     assert fig["layout"]["updatemenus"][0]["buttons"][0]["method"] == "animate"
     assert len(fig["layout"]["sliders"][0]["steps"]) == 16
-    assert json.loads(at.get("plotly_chart")[0].proto.spec)["frames"][5]["layout"]["title"]["text"].startswith(
-        "Step 5:"
-    )
+    assert json.loads(plotly_charts(at)[0].proto.spec)["frames"][5]["layout"]["title"]["text"].startswith("Step 5:")
     assert len(at.get("bidi_component")) == 1  # what reports the slider's step back (a browser test moves it)
     at = run(TIMELINE, **{**SMALL_SHIFT, "sink": 0, "recent": 0, "heavy": 0})
     assert any("Eviction is off" in w.value for w in at.warning)
@@ -99,14 +97,14 @@ def test_timeline_presents_its_maps_first_with_the_step_controls_above_them():
     at = run(TIMELINE, **SMALL_SHIFT, present="1")
     assert {"tl_layer", "tl_kv_head", "tl_need"} <= {w.key for w in at.sidebar.number_input}
     assert "tl_policies" in {w.key for w in at.sidebar.button_group}
-    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    fig = json.loads(plotly_charts(at)[0].proto.spec)
     layout = fig["layout"]
     assert [t["type"] for t in fig["data"][:4]] == ["heatmap"] * 4  # no regret line chart
     assert layout["updatemenus"][0]["y"] > 1 and layout["sliders"][0]["y"] > 1  # above the maps
     assert min(layout[a]["tickfont"]["size"] for a in layout if a.startswith(("xaxis", "yaxis"))) >= 16
     assert fig["frames"][3]["layout"]["title"]["text"].startswith("Step 3<br>regret: H2O")
     at = run(TIMELINE, **SMALL_SHIFT)  # not presenting: as before
-    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    fig = json.loads(plotly_charts(at)[0].proto.spec)
     assert fig["data"][0]["type"] == "scatter" and fig["layout"]["updatemenus"][0]["y"] < 0
 
 
@@ -155,7 +153,7 @@ def test_model_lab_run_shows_the_cores_numbers(monkeypatch):
     assert shown["Perplexity (compressed)"] == f"{q.perplexity:.2f}"
     assert shown["Perplexity (full cache)"] == f"{q.perplexity_full:.2f}"
     assert shown["Next-token KL"] == f"{q.kl_mean:.3f}"
-    assert at.get("plotly_chart")
+    assert plotly_charts(at)
     assert len(runs) == 1  # the click ran the model once
     # a rerun with the same settings shows the cached result without running again
     at.run()
@@ -166,7 +164,7 @@ def test_model_lab_run_shows_the_cores_numbers(monkeypatch):
     # Presentation mode: the same result, its KL strip first and larger, the run's settings folded below it
     at.checkbox(key="present").check().run()
     assert not at.exception and len(runs) == 1 and {m.label: m.value for m in at.metric} == shown
-    charts = at.get("plotly_chart")
+    charts = plotly_charts(at)
     assert charts[0].proto.id.endswith("lab_kl_strip") and charts[1].proto.id.endswith("lab_nll")
     assert json.loads(charts[0].proto.spec)["layout"]["xaxis"]["tickfont"]["size"] >= 16
     folded = next(e for e in at.expander if e.label == "Text and run settings")

@@ -5,7 +5,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from apptest_util import app_test
+from apptest_util import app_test, plotly_charts
 from streamlit.testing.v1 import AppTest
 
 import kvviz.sources.synthetic as synthetic
@@ -62,7 +62,7 @@ def test_the_huge_link_gives_a_notice_and_a_usable_page(path, monkeypatch):
     assert "Showing the default setting instead" in warnings
     # what was built (if not cached already) is the default pattern, and the page drew its charts
     assert all(s.context == 512 and s.layers == 2 for s in made)
-    assert at.get("plotly_chart")
+    assert plotly_charts(at)
     if path == "app.py":
         cards = {m.label: m.value for m in at.metric}
         assert cards["Tokens kept"].endswith("/ 544")  # the default pattern's 512 + 32 tokens

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from apptest_util import plotly_values, run_app
+from apptest_util import plotly_charts, plotly_values, run_app
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = str(ROOT / "app.py")
@@ -14,7 +14,7 @@ LONG = dict(source="synthetic", context="1024", steps="0", layers="1", q_heads="
 
 def chart_x(at, i: int) -> list:
     """The x values of the page's i-th chart, as the browser gets them (plotly's binary arrays decoded)."""
-    fig = json.loads(at.get("plotly_chart")[i].proto.spec)
+    fig = json.loads(plotly_charts(at)[i].proto.spec)
     return sorted({int(x) for t in fig["data"] for x in plotly_values(t.get("x", []))})
 
 

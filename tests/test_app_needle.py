@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from apptest_util import run_app
+from apptest_util import plotly_charts, run_app
 
 from kvviz.analysis import needle
 
@@ -112,7 +112,7 @@ def test_presenting_shows_the_grid_in_projector_type_without_the_long_caption(sh
 
     at = run_app(PAGE, present="1")
     assert not [c for c in at.main.caption if "precomputed" in c.value]
-    layout = json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]
+    layout = json.loads(plotly_charts(at)[0].proto.spec)["layout"]
     ticks = [v["tickfont"]["size"] for k, v in layout.items() if k.startswith(("xaxis", "yaxis"))]
     assert ticks and min(ticks) >= 18
     titles = layout.get("annotations", [])
@@ -254,7 +254,7 @@ def test_the_page_opens_on_both_grids_each_labelled(shipped_pair):
 
     agnostic, aware = shipped_pair
     at = run_app(PAGE, 120)
-    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    fig = json.loads(plotly_charts(at)[0].proto.spec)
     titles = [a["text"] for a in fig["layout"]["annotations"]]
     assert f"<b>{needle.PROTOCOL_TITLES['agnostic']}</b>" in titles
     assert f"<b>{needle.PROTOCOL_TITLES['aware']}</b>" in titles

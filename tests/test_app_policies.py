@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from apptest_util import lab_quality, lab_run_metrics, run_app, unfold, share_one_model_load
+from apptest_util import lab_quality, lab_run_metrics, plotly_charts, run_app, share_one_model_load, unfold
 
 from kvviz.app.compression import ADVANCED
 from kvviz import Spec, View, compare
@@ -56,7 +56,7 @@ def test_impossible_allocation_says_why_and_changes_nothing():
     at = run_app(APP, 120, opened=(ADVANCED,), scorer="h2o", allocation="adakv")
     for _ in range(2):
         assert [e.value for e in at.error if "AdaKV" in e.value and "h2o decides again at every step" in e.value]
-        assert not at.metric and not at.get("plotly_chart")
+        assert not at.metric and not plotly_charts(at)
         assert (store(at)["scorer"], store(at)["allocation"]) == ("h2o", "adakv")
         assert dict(at.query_params) == {"allocation": "adakv"}  # h2o is the default: not written
         at.run()

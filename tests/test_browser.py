@@ -15,7 +15,9 @@ import pytest
 
 from kvviz import Spec, View, compare
 from kvviz.sources.handbook import handbook_trace
+from kvviz.analysis.frames import token_frame
 from kvviz.app.cards import card_values
+from kvviz.app import livechart
 from kvviz.app.charts import PROBE_KEY, WAITING
 from conftest import TIMEOUT, idle, runs, view
 from kvviz.app.studies import studies_root
@@ -53,7 +55,7 @@ FIRST_SEEN_JS = """
 window.__firstSeen = {};
 new MutationObserver(() => {
   const seen = window.__firstSeen, now = performance.now();
-  const frames = Array.from(document.querySelectorAll('[class*="st-key-WAITING"]'));
+  const frames = Array.from(document.querySelectorAll('[class*="st-key-WAITING"], [PENDING]'));
   if (!seen.metric && document.querySelector('[data-testid="stMetricValue"]')) seen.metric = now;
   if (!seen.frames && frames.length) {
     seen.frames = now;
@@ -61,7 +63,7 @@ new MutationObserver(() => {
   }
   if (!seen.chart && document.querySelector('.js-plotly-plot .main-svg')) seen.chart = now;
 }).observe(document, {subtree: true, childList: true});
-""".replace("WAITING", WAITING)
+""".replace("WAITING", WAITING).replace("PENDING", livechart.PENDING)
 
 
 def test_shared_url_reproduces_state(page, app_url):
@@ -118,13 +120,13 @@ new MutationObserver((_, watch) => {   // a page link clicked the moment the fir
 
 
 def test_a_page_link_clicked_before_the_first_paint_report_is_followed(page, app_url):
-    """A person can click a page link before the first-paint probe has reported (kvviz.app.charts). The
-    report's rerun is for the page the browser still shows, and on the server the newer request's page
-    wins: it sent the reader back (CI, once). Input puts the report off, and the link's run draws the
-    charts itself."""
+    """A person can click a page link before the first-paint probe has reported (kvviz.app.charts: the
+    Trade-offs chart, whose points can be selected, waits for it). The report's rerun is for the page the
+    browser still shows, and on the server the newer request's page wins: it sent the reader back (CI,
+    once). Input puts the report off, and the link's run draws the charts itself."""
     page.add_init_script(CLICK_AT_PROBE_JS)
     page.set_viewport_size({"width": 1400, "height": 2000})
-    page.goto(f"{app_url}/?sink=3")
+    page.goto(f"{app_url}/trade-offs?sink=3")
     e = expect()
     e(page.get_by_role("heading", name=re.compile("Concentration")).first).to_be_visible()
     idle(page)
@@ -763,12 +765,17 @@ def assert_nothing_clipped(page, where: str) -> None:
         assert legend["below"] and not legend["overTitle"], f"{where}: a legend covers its chart: {legend}"
 
 
+# the attention chart's compressed bars as plotly drew them: [token position, attention] pairs
+COMPRESSED_BARS_JS = """() => document.querySelector('.st-key-attention_chart .js-plotly-plot')._fullData
+  .filter((t) => t.name.startsWith('compressed:')).flatMap((t) => Array.from(t.x, (x, i) => [x, t.y[i]]))"""
+
+
 def test_the_explorer_paints_fits_a_projector_and_follows_each_slider_move(page, app_url):
     """One page load of the Explorer carries its first-paint, projector and slider checks.
 
-    The first paint: a fresh session's page is painted before its charts (kvviz.app.charts): the metric cards
-    come with a frame in each chart's place and no chart; the charts replace the frames after the browser's
-    report, each as tall as its frame, so nothing below them jumps. At a projector's 1024 x 768 nothing is
+    The first paint: a fresh session's page is painted before its charts (kvviz.app.livechart): the metric
+    cards come with a frame in each chart's place and no chart; plotly draws into the frames once the page is
+    on screen, each chart as tall as its frame, so nothing below them jumps. At a projector's 1024 x 768 nothing is
     clipped. Then each single slider move (one key press) updates the cards to what kvviz.compare computes
     and the address bar to the new link, not the previous one; switching the source writes the source, never
     a stray step=0 (one rule for defaults)."""
@@ -781,10 +788,13 @@ def test_the_explorer_paints_fits_a_projector_and_follows_each_slider_move(page,
     e(page.locator(".js-plotly-plot:visible")).to_have_count(2)  # the expanders' charts stay folded
     idle(page)
     seen = page.evaluate("window.__firstSeen")
-    assert seen["frames"] <= seen["metric"] < seen["chart"], seen
-    charts = page.locator('[data-testid="stPlotlyChart"]:visible')
-    assert charts.count() == 2 and page.locator(f'[class*="st-key-{WAITING}"]').count() == 0
-    heights = [round(charts.nth(i).bounding_box()["height"]) for i in range(2)]
+    assert max(seen["frames"], seen["metric"]) < seen["chart"], seen
+    assert page.locator(f".{livechart.CLASS}:visible").count() == 2
+    assert page.locator(f'[class*="st-key-{WAITING}"], [{livechart.PENDING}]').count() == 0
+    heights = [
+        round(page.locator(f".{livechart.CLASS}:visible").nth(i).locator(".main-svg").first.bounding_box()["height"])
+        for i in range(2)
+    ]
     assert all(abs(h - f) <= 0.05 * f for h, f in zip(heights, seen["frameHeights"])), (heights, seen)
     shot(page, "explorer")
     if os.environ.get("KVVIZ_UPDATE_SCREENSHOT") == "1":
@@ -798,6 +808,7 @@ def test_the_explorer_paints_fits_a_projector_and_follows_each_slider_move(page,
 
     page.set_viewport_size({"width": 1400, "height": 1600})
     e(slider_thumb(page, "Heavy-hitter budget")).to_have_value("2")
+    page.evaluate(f"window.__firstSvg = document.querySelector('.st-key-attention_chart .{livechart.CLASS} .main-svg')")
     expected = {}
     moves = [
         ("Heavy-hitter budget", "ArrowRight", "heavy", "3"),
@@ -815,22 +826,29 @@ def test_the_explorer_paints_fits_a_projector_and_follows_each_slider_move(page,
         expected[name] = value
         wait_for_address(page, expected)
         bits = int(expected.get("bits", 16))
-        shown = card_values(
-            compare(
-                handbook_trace(),
-                Spec(
-                    sink=int(expected.get("sink", 4)),
-                    recent=int(expected.get("recent", 8)),
-                    heavy=int(expected["heavy"]),
-                    key_bits=bits,
-                    value_bits=bits,
-                    partial="quantize",
-                ),
-                View(ensemble="seeds", ensemble_size=8),
-            ).metrics
+        comp = compare(
+            handbook_trace(),
+            Spec(
+                sink=int(expected.get("sink", 4)),
+                recent=int(expected.get("recent", 8)),
+                heavy=int(expected["heavy"]),
+                key_bits=bits,
+                value_bits=bits,
+                partial="quantize",
+            ),
+            View(ensemble="seeds", ensemble_size=8),
         )
+        shown = card_values(comp.metrics)
         for card in ("Tokens kept", "TV distance", "Attention mass retained"):
             e(metric(page, card)).to_have_text(shown[card])
+    # six moves redrew the attention chart in place (the SVG of its first paint), with the core's numbers
+    idle(page)
+    assert page.evaluate(
+        f"window.__firstSvg === document.querySelector('.st-key-attention_chart .{livechart.CLASS} .main-svg')"
+    )
+    frame = token_frame(comp)
+    kept = frame[frame["kept"]]
+    assert dict(page.evaluate(COMPRESSED_BARS_JS)) == pytest.approx(dict(zip(kept["position"], kept["compressed"])))
     page.locator('[data-testid="stSidebar"]').get_by_text("Synthetic pattern", exact=True).click()
     wait_for_address(page, {**expected, "source": "synthetic"})
     no_console_errors(page)

@@ -245,8 +245,10 @@ def test_every_figure_starts_from_kvviz_template_plotly_white_cut_to_what_kvviz_
     assert set(ours.to_plotly_json()["data"]) == {"bar", "scatter", "heatmap"}
     for kind in ("bar", "scatter", "heatmap"):
         assert ours.data[kind] == white.data[kind]
-    for part in ("paper_bgcolor", "plot_bgcolor", "colorway", "font", "xaxis", "yaxis", "hoverlabel"):
+    for part in ("paper_bgcolor", "plot_bgcolor", "colorway", "xaxis", "yaxis", "hoverlabel"):
         assert ours.layout[part] == white.layout[part], part
+    # the page's text colour and a bold title, the page's look (no longer lent by Streamlit's chart theme)
+    assert ours.layout.font.color == style.INK and ours.layout.title.font.weight == "bold"
 
 
 def test_projector_sets_every_text_of_every_axis_and_keeps_the_data(handbook_comp):

@@ -77,9 +77,9 @@ def test_the_timeline_page_offers_the_models_layer_numbers(saved):
 
 
 def test_the_concentration_heatmaps_name_rows_by_the_models_numbers(saved):
-    from apptest_util import run_app
+    from apptest_util import plotly_charts, run_app
 
     at = run_app(str(ROOT / "pages" / "2_concentration.py"), source="file", tf_how="saved")
-    figs = [c.proto.spec for c in at.get("plotly_chart")]
+    figs = [c.proto.spec for c in plotly_charts(at)]
     assert len(figs) == 4  # the curves and three layer x head maps
     assert sum('"y":["3","15"]' in f.replace(" ", "") for f in figs) == 3

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from apptest_util import app_test, plotly_values, run_app
+from apptest_util import app_test, plotly_charts, plotly_values, run_app
 
 from kvviz.analysis.study import StudyDir, parse_study, run_study
 from kvviz.analysis.study.frontier import frontier
@@ -42,7 +42,7 @@ def _copy(src: Path, dest: Path) -> Path:
 
 
 def chart_spec(at) -> dict:
-    return json.loads(at.get("plotly_chart")[0].proto.spec)
+    return json.loads(plotly_charts(at)[0].proto.spec)
 
 
 def test_the_page_draws_a_study_with_its_own_means_and_error_bars(root, small_study):
@@ -73,7 +73,7 @@ def test_the_page_draws_a_study_with_its_own_means_and_error_bars(root, small_st
 def test_a_folder_outside_the_root_or_not_a_study_is_refused(root, small_study, name):
     _copy(small_study, root.parent / "outside")  # a real study, but not under the root
     at = run_app(PAGE, study=name)
-    assert not at.get("plotly_chart")
+    assert not plotly_charts(at)
     assert at.error and "Cannot open this study" in at.error[0].value
     assert ("outside the studies folder" in at.error[0].value) or ("not a study folder" in at.error[0].value)
 
@@ -82,7 +82,7 @@ def test_a_symlink_out_of_the_root_is_refused(root, small_study):
     _copy(small_study, root.parent / "outside")
     os.symlink(root.parent / "outside", root / "link")
     at = run_app(PAGE, study="link")
-    assert not at.get("plotly_chart") and "outside the studies folder" in at.error[0].value
+    assert not plotly_charts(at) and "outside the studies folder" in at.error[0].value
 
 
 def test_the_shipped_example_is_listed_and_runs_into_the_root(root):
@@ -92,7 +92,7 @@ def test_the_shipped_example_is_listed_and_runs_into_the_root(root):
     at.button(key="run_example_quarter-cache").click().run(timeout=300)
     assert not at.exception, [e.value for e in at.exception]
     assert StudyDir(root / "quarter-cache").status_line() == "study quarter-cache: 36 cells, 36 done, 0 to run"
-    assert at.get("plotly_chart") and at.query_params["study"] in ("quarter-cache", ["quarter-cache"])
+    assert plotly_charts(at) and at.query_params["study"] in ("quarter-cache", ["quarter-cache"])
 
 
 def test_presenting_with_no_study_open_offers_the_example_the_page_points_to(root, small_study):
@@ -103,9 +103,9 @@ def test_presenting_with_no_study_open_offers_the_example_the_page_points_to(roo
     assert "run_example_quarter-cache" in [b.key for b in at.button]
     _copy(small_study, root / "small")
     at = run_app(PAGE, present="1", study="small")
-    assert not at.exception and len(at.get("plotly_chart")) == 1
+    assert not at.exception and len(plotly_charts(at)) == 1
     assert "run_example_quarter-cache" not in [b.key for b in at.button]  # a lecture shows the study
-    layout = json.loads(at.get("plotly_chart")[0].proto.spec)["layout"]  # at a projector's sizes
+    layout = json.loads(plotly_charts(at)[0].proto.spec)["layout"]  # at a projector's sizes
     assert layout["xaxis"]["tickfont"]["size"] >= 16 and layout["legend"]["font"]["size"] >= 16
 
 
@@ -150,10 +150,10 @@ def test_the_page_loads_with_no_study_and_the_picker_opens_one(root, small_study
     at = app_test(PAGE)
     at.run()
     assert not at.exception and any("No study open" in i.value for i in at.info)
-    assert not at.get("plotly_chart") and at.selectbox(key="study").options == ["— choose a study —", "small"]
+    assert not plotly_charts(at) and at.selectbox(key="study").options == ["— choose a study —", "small"]
     at.selectbox(key="study").select("small").run()
-    assert not at.exception and len(at.get("plotly_chart")) == 1
+    assert not at.exception and len(plotly_charts(at)) == 1
     assert at.query_params["study"] in ("small", ["small"])
     at.radio(key="st_metric").set_value("mass_retained").run()  # the choice survives a rerun
-    assert at.selectbox(key="study").value == "small" and len(at.get("plotly_chart")) == 1
+    assert at.selectbox(key="study").value == "small" and len(plotly_charts(at)) == 1
     assert "attention mass retained" in chart_spec(at)["layout"]["yaxis"]["title"]["text"]

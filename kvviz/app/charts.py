@@ -25,11 +25,12 @@ import functools
 
 import streamlit as st
 
+from kvviz.app import internals, livechart
+
 # session: a run has finished, so the next one comes after the browser drew it
 PAINTED = "_kvviz_painted"
 WAITING = "kvviz_chart_wait"  # the frames' key prefix (their class: st-key-kvviz_chart_wait_N)
 _WAITING_RUN = "_kvviz_waiting"  # session: this run left something for the run after the paint
-DEFAULT_HEIGHT = 450  # st.plotly_chart's height for a figure that sets none
 PROBE_KEY = "_kvviz_first_paint"  # the probe's key (its class: st-key-_kvviz_first_paint)
 
 # After the component is mounted: two animation frames (the first paint is on screen), then report,
@@ -123,26 +124,18 @@ def deferred() -> bool:
 
 
 def chart(fig, key: str, where=None, **kwargs):
-    """st.plotly_chart(fig, key=key, **kwargs) in `where` (default: the page), or, before the first
-    paint, an empty frame of the chart's height that the next run fills. Returns the chart's event
-    (its selection) or None while it is a frame."""
+    """The figure in `where` (default: the page). A chart with neither selection events nor animation
+    frames is drawn in place (kvviz.app.livechart: it waits for the first paint by itself). Any other is
+    st.plotly_chart(fig, key=key, **kwargs), or, before the first paint, an empty frame of the chart's
+    height that the next run fills. Returns the chart's event (its selection) or None."""
+    if "on_select" not in kwargs and not fig.frames and livechart.chart(fig, key, where, kwargs.get("config")):
+        return None
     where = where or st
     if not deferred():
         return where.plotly_chart(fig, key=key, **kwargs)
-    height = int(fig.layout.height or DEFAULT_HEIGHT)
+    height = int(fig.layout.height or livechart.DEFAULT_HEIGHT)
     where.container(height=height, border=True, key=f"{WAITING}_{key}").caption("Drawing the chart…")
     return None
-
-
-@functools.cache
-def _plotly_chunk() -> str | None:
-    """The file name of Streamlit's plotly chunk (PlotlyChart.<hash>.js), or None where this Streamlit
-    names it otherwise (then nothing is preloaded)."""
-    from pathlib import Path
-
-    folder = Path(st.__file__).parent / "static" / "static" / "js"
-    found = sorted(folder.glob("PlotlyChart.*.js"))
-    return found[0].name if len(found) == 1 else None
 
 
 @functools.cache
@@ -156,7 +149,7 @@ def report_first_paint() -> None:
     to keep: that rerun is the news (PAINTED is set here, as the run ends)."""
     # set only by deferred(), so only before the paint
     if st.session_state.pop(_WAITING_RUN, False):
-        _probe()(key=PROBE_KEY, data={"plotly": _plotly_chunk()}, on_painted_change=lambda: None)
+        _probe()(key=PROBE_KEY, data={"plotly": internals.plotly_chunk()}, on_painted_change=lambda: None)
     st.session_state[PAINTED] = True
 
 

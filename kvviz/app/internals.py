@@ -18,6 +18,10 @@ behaviour (said at each function).
 - `pages_manager`, `set_legacy_pages`, `legacy_pages`: the address a request asked for (an old page
   address pointed at its page) and the legacy pages/ flag st.navigation sets on its first run (set at
   start, a fresh server's first request takes the app's own navigation: kvviz.app.router).
+- `plotly_chunk`: the file name of the plotly code Streamlit ships (a 4.7 MB chunk that sets
+  `window.Plotly` when evaluated). kvviz.app.livechart draws the Explorer's charts with it, in place
+  (a slider move's redraw, both charts: plotly's newPlot each move, ~0.1 s of the page's thread, became
+  a react of what changed), and the first-paint probe asks the browser to fetch it early.
 
 The app's JavaScript and CSS also read a few of Streamlit's DOM hooks: `data-testid` and the
 `data-test-script-state` attribute (kvviz.app.layout's styles, kvviz.app.charts' first-paint probe),
@@ -27,8 +31,10 @@ them fail when one goes (tests/test_browser.py, tests/test_layout_browser.py).
 
 from __future__ import annotations
 
+import functools
 import socket
 from collections.abc import Callable
+from pathlib import Path
 
 VERIFIED = "1.67.0"  # the Streamlit these were read from (requirements.txt pins it)
 
@@ -128,3 +134,16 @@ def set_legacy_pages(on: bool) -> None:
 def legacy_pages() -> bool:
     manager = _pages_manager_class()
     return bool(manager is not None and manager.uses_pages_directory)
+
+
+@functools.cache
+def plotly_chunk() -> str | None:
+    """The file name of Streamlit's plotly chunk (PlotlyChart.<hash>.js, beside its main script), or
+    None where this Streamlit names it otherwise or its code no longer sets window.Plotly (then the
+    Explorer draws st.plotly_chart, and nothing is fetched early)."""
+    import streamlit
+
+    found = sorted((Path(streamlit.__file__).parent / "static" / "static" / "js").glob("PlotlyChart.*.js"))
+    if len(found) != 1 or b"window.Plotly=" not in found[0].read_bytes():
+        return None
+    return found[0].name

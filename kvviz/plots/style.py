@@ -78,7 +78,9 @@ METHOD_SYMBOLS = _ByPolicy("symbol", "hexagon")
 METHOD_DASH = _ByPolicy("dash", "longdashdot")
 # the token's fate on the attention chart, as a bar pattern too (evicted: hatched)
 REASON_PATTERNS = {"sink": ".", "recent": "-", "heavy hitter": "x", "kept (no eviction)": "", "evicted": "/"}
-FONT = dict(family="Source Sans Pro, sans-serif", size=13)
+# the app's page font first (Streamlit's web font), then its older name and any sans-serif (an exported page)
+FONT = dict(family='"Source Sans", "Source Sans Pro", sans-serif', size=13)
+INK = "#31333F"  # the page's text colour
 # plotly's own toolbar: its camera button saves the chart as SVG (vector, for slides), in the browser
 CHART_CONFIG = {"toImageButtonOptions": {"format": "svg", "filename": "kvviz-chart"}, "displaylogo": False}
 
@@ -130,10 +132,10 @@ def _template() -> go.layout.Template:
     and its defaults for bar, scatter and heatmap traces (plotly_white has defaults for 24 kinds)."""
     white = pio.templates["plotly_white"].to_plotly_json()
     unused = ("polar", "ternary", "scene", "geo", "coloraxis", "colorscale")
-    return go.layout.Template(
-        layout={k: v for k, v in white["layout"].items() if k not in unused},
-        data={kind: white["data"][kind] for kind in ("bar", "scatter", "heatmap")},
-    )
+    layout = {k: v for k, v in white["layout"].items() if k not in unused}
+    # the page's text colour, and a title in the weight of the page's headings
+    layout |= {"font": {"color": INK}, "title": {**layout["title"], "font": {"size": 16, "weight": "bold"}}}
+    return go.layout.Template(layout=layout, data={kind: white["data"][kind] for kind in ("bar", "scatter", "heatmap")})
 
 
 # Every figure made in this process starts from this template. Plotly validates a template whole each

@@ -1,0 +1,139 @@
+"""A plotly chart that a slider move updates in place.
+
+Streamlit's st.plotly_chart keys its chart by an id hashed from the figure, so each move mounts the chart
+afresh: plotly builds it from nothing (`Plotly.newPlot`) and lays it out twice. And its chart reads the
+figure once, when it mounts, so a stable id would leave the old figure on screen. This component keeps
+one plotly chart per key for the life of the page and hands each new figure to `Plotly.react`, which
+redraws only what changed (the bars' heights, the title) in the same SVG.
+
+It draws with the plotly code Streamlit itself ships (its PlotlyChart chunk sets `window.Plotly` when it
+is evaluated: kvviz.app.internals.plotly_chunk), imported once a page, after the browser has painted the
+page for the first time: the 4.7 MB script takes ~0.8 s of the page's one thread, and the sidebar, the
+cards and the text come first. Until then the chart is an empty frame of its height that says it is
+being drawn, so nothing below it jumps. Where that chunk is gone (another Streamlit), `chart` returns
+False and the caller draws st.plotly_chart.
+
+For a figure without animation frames or selection events (an Explorer chart). What plotly draws is
+the figure as kvviz.plots built it (its template gives it the page's font and colours), not restyled
+by Streamlit's chart theme.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import streamlit as st
+
+from kvviz.app import internals
+
+CLASS = "kvviz-chart"  # the chart's element (plotly adds js-plotly-plot to it once it draws)
+PENDING = "data-kvviz-pending"  # on that element until its first figure is drawn
+DRAWING = "data-kvviz-drawing"  # on it while a newer figure is being drawn
+
+# One component instance per key: its element (parentElement) stays while the page shows the chart, and
+# Streamlit calls this function again with each run's data. A draw already running picks up the newest
+# figure when it ends, so a fast run of moves draws the last one, not each in turn.
+CHART_JS = (
+    """
+const paintedThenPlotly = (chunk) => {
+  if (window.Plotly) return Promise.resolve(window.Plotly);
+  if (!window.__kvvizPlotly) {
+    const main = document.querySelector('script[type="module"][src*="/static/js/"]');
+    const frame = () => new Promise((done) => requestAnimationFrame(done));
+    const painted = frame().then(frame);   // two frames: the first paint is on screen
+    window.__kvvizPlotly = painted.then(() => import(new URL(chunk, main.src).href)).then(() => window.Plotly);
+  }
+  return window.__kvvizPlotly;
+};
+
+async function draw(chart, Plotly) {
+  if (chart.busy) return;
+  chart.busy = true;
+  const plot = chart.plot;
+  try {
+    while (chart.want !== chart.shown) {
+      const want = chart.want;
+      const { figure: { data, layout }, config } = want;
+      plot.setAttribute("DRAWING", "");
+      const shown = { ...layout, autosize: true };
+      delete shown.width;   // the page's column decides
+      await Plotly.react(plot, data, shown, config);
+      chart.shown = want;
+    }
+  } catch (error) {
+    chart.note.textContent = `The chart could not be drawn: ${error}`;
+    chart.note.hidden = false;
+    throw error;
+  } finally {
+    chart.busy = false;
+    plot.removeAttribute("DRAWING");
+  }
+  if (plot.hasAttribute("PENDING")) {
+    plot.removeAttribute("PENDING");
+    chart.note.hidden = true;
+    let width = plot.clientWidth;   // the sidebar opened or closed, the window resized: plotly follows
+    chart.resized = new ResizeObserver(() => {
+      if (plot.clientWidth !== width) { width = plot.clientWidth; Plotly.Plots.resize(plot); }
+    });
+    chart.resized.observe(plot);
+  }
+}
+
+export default function ({ data, parentElement }) {
+  let chart = parentElement.__kvvizChart;
+  if (!chart) {
+    const note = Object.assign(document.createElement("p"), { textContent: "Drawing the chart…" });
+    note.style.cssText = "margin: 0.5rem; opacity: 0.6; font-size: 0.875rem; position: absolute;";
+    const plot = Object.assign(document.createElement("div"), { className: "CLASS" });
+    plot.setAttribute("PENDING", "");
+    parentElement.style.position = "relative";
+    parentElement.append(note, plot);
+    chart = parentElement.__kvvizChart = { plot, note, text: null, want: null, shown: null, busy: false, resized: null };
+  }
+  const text = new TextDecoder().decode(data);   // a run that changed nothing draws nothing
+  if (text !== chart.text) Object.assign(chart, { text, want: JSON.parse(text) });
+  chart.plot.style.height = `${chart.want.height}px`;
+  paintedThenPlotly(chart.want.chunk).then((Plotly) => draw(chart, Plotly)).catch((error) => {
+    chart.note.textContent = `The chart could not be drawn: ${error}`;
+    console.error(error);
+  });
+  return () => {
+    if (chart.resized) chart.resized.disconnect();
+    if (window.Plotly) window.Plotly.purge(chart.plot);
+    delete parentElement.__kvvizChart;
+  };
+}
+""".replace("CLASS", CLASS)
+    .replace("PENDING", PENDING)
+    .replace("DRAWING", DRAWING)
+)
+
+NAME = "kvviz_chart"  # the component's name
+DEFAULT_HEIGHT = 450  # st.plotly_chart's height for a figure that sets none
+
+
+@functools.cache
+def _component():
+    # isolate_styles=False: plotly puts its style sheet (the toolbar, the hover labels) in the document's
+    # head, which a shadow root would keep out
+    return st.components.v2.component(NAME, js=CHART_JS, isolate_styles=False)
+
+
+def chart(fig, key: str, where=None, config: dict | None = None) -> bool:
+    """Draw `fig` in place under `key` in `where` (default: the page); False where this Streamlit has no
+    plotly chunk to draw with (nothing drawn: the caller draws st.plotly_chart)."""
+    chunk = internals.plotly_chunk()
+    if chunk is None:
+        return False
+    height = int(fig.layout.height or DEFAULT_HEIGHT)
+    # bytes: the figure's JSON as plotly wrote it, not escaped again as a string inside Streamlit's JSON
+    head = json.dumps({"height": height, "chunk": chunk, "config": config or {}})
+    data = f'{head[:-1]}, "figure": {fig.to_json()}}}'.encode()
+    mount = functools.partial(_component(), key=key, data=data, height=height)
+    if where is None:
+        mount()
+    else:
+        with where:
+            mount()
+    return True
