@@ -247,8 +247,8 @@ def test_every_figure_starts_from_kvviz_template_plotly_white_cut_to_what_kvviz_
         assert ours.data[kind] == white.data[kind]
     for part in ("paper_bgcolor", "plot_bgcolor", "colorway", "xaxis", "yaxis", "hoverlabel"):
         assert ours.layout[part] == white.layout[part], part
-    # the page's text colour and a bold title, the page's look (no longer lent by Streamlit's chart theme)
-    assert ours.layout.font.color == style.INK and ours.layout.title.font.weight == "bold"
+    # the page's text colour and a title a size up: the page's look (no longer lent by Streamlit's chart theme)
+    assert ours.layout.font.color == style.INK and ours.layout.title.font.size == 16
 
 
 def test_projector_sets_every_text_of_every_axis_and_keeps_the_data(handbook_comp):

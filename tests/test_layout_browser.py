@@ -173,7 +173,7 @@ def check_page(page, name: str, width: int, height: int, found: dict) -> None:
     cut or overlapping (LAYOUT_JS); what is wrong goes into `found`."""
     where = f"{name} at {width}x{height}"
     if (name, width) == ("Explorer", 1440):  # a laptop screen: the first chart starts on it
-        box = page.locator('[data-testid="stPlotlyChart"]').first.bounding_box()
+        box = page.locator(".js-plotly-plot").first.bounding_box()
         assert box["y"] + box["height"] / 3 < height, f"the Explorer's first chart starts at y={box['y']:.0f}"
     errors = page.locator('[data-testid="stAlertContentError"], [data-testid="stException"]')
     if errors.count():  # every page at its defaults runs without an error

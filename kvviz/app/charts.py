@@ -1,15 +1,17 @@
-"""What waits: every page's plotly charts for the browser's first paint of a session, and the content of
-a folded section until it is opened.
+"""What waits: the plotly charts for the browser's first paint of a session, and the content of a folded
+section until it is opened.
 
-A browser draws Streamlit's first chart only after it has fetched and run the plotly code (a 4.7 MB
-script: ~0.8 s of the page's one thread on a two-core machine) and plotly has laid the chart out.
-When a session's first run sent its charts with the rest, the sidebar, the title and the metric cards
-waited for all of that and appeared with the charts, ~3 s after the page was opened.
+A browser draws a chart only after it has fetched and run the plotly code (a 4.7 MB script: ~0.8 s of
+the page's one thread on a two-core machine) and plotly has laid the chart out. When a session's first
+run sent its charts with the rest, the sidebar, the title and the metric cards waited for all of that and
+appeared with the charts, ~3 s after the page was opened.
 
-So until the browser says it has painted the page once, `chart` draws an empty frame of the chart's
-height, and `report_first_paint` (the end of every run) adds a small component that reports when the
-page is on screen. Its report reruns the page, which draws the charts into their frames. From then on
-everything is drawn at once.
+Most charts are drawn in place (kvviz.app.livechart): their first run sends the figure, and the component
+imports plotly itself once the page is painted. A chart Streamlit must draw -- one whose points can be
+selected, or an animation -- instead waits for a report: until the browser says it has painted the page
+once, `chart` draws an empty frame of the chart's height, and `report_first_paint` (the end of every run)
+adds a small component that reports when the page is on screen. Its report reruns the page, which draws
+the charts into their frames. From then on everything is drawn at once.
 
 A section that is folded (`folded`: Advanced, the solver, the lesson, the tables) draws its content only
 once it is opened, on the first paint and on every slider move after it.

@@ -89,7 +89,8 @@ export default function ({ data, parentElement }) {
     plot.setAttribute("PENDING", "");
     parentElement.style.position = "relative";
     parentElement.append(note, plot);
-    chart = parentElement.__kvvizChart = { plot, note, text: null, want: null, shown: null, busy: false, resized: null };
+    chart = { plot, note, text: null, want: null, shown: null, busy: false, resized: null };
+    parentElement.__kvvizChart = chart;
   }
   const text = new TextDecoder().decode(data);   // a run that changed nothing draws nothing
   if (text !== chart.text) Object.assign(chart, { text, want: JSON.parse(text) });

@@ -133,8 +133,8 @@ def _template() -> go.layout.Template:
     white = pio.templates["plotly_white"].to_plotly_json()
     unused = ("polar", "ternary", "scene", "geo", "coloraxis", "colorscale")
     layout = {k: v for k, v in white["layout"].items() if k not in unused}
-    # the page's text colour, and a title in the weight of the page's headings
-    layout |= {"font": {"color": INK}, "title": {**layout["title"], "font": {"size": 16, "weight": "bold"}}}
+    # the page's text colour, the title a size up
+    layout |= {"font": {"color": INK}, "title": {**layout["title"], "font": {"size": 16}}}
     return go.layout.Template(layout=layout, data={kind: white["data"][kind] for kind in ("bar", "scatter", "heatmap")})
 
 
