@@ -85,8 +85,8 @@ def main() -> None:
     if present:  # text >= 18 px, the chart as tall as the first screen allows
         fig = style.projector(fig, height=520, y_title=METRICS[metric][0], legend_right=True)
     with chart_slot or st.container():
-        event = chart(fig, key="tradeoff_chart", on_select="rerun", selection_mode="points", config=style.CHART_CONFIG)
-    points = [p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3]
+        picked = chart(fig, key="tradeoff_chart", config=style.CHART_CONFIG, selectable=True)
+    points = [p for p in picked if len(p.get("customdata") or []) >= 3]
     if points:
         open_in_explorer(points[0])
     if present:

@@ -278,8 +278,8 @@ def grid_chart(grids: list, sel: tuple, present: bool) -> None:
         figure = grids_figure([(needle.protocol(g), title(g), g.cells) for g in grids], selected=sel)
     if present:
         figure = projector(figure)
-    event = chart(figure, key="needle_grid_chart", on_select="rerun", selection_mode="points", config=CHART_CONFIG)
-    points = [p for p in (event.selection.points if event else []) if len(p.get("customdata") or []) >= 3]
+    picked = chart(figure, key="needle_grid_chart", config=CHART_CONFIG, selectable=True)
+    points = [p for p in picked if len(p.get("customdata") or []) >= 3]
     if points:
         scorer, length, depth, *where = points[0]["customdata"]
         picked = (scorer, int(length), float(depth), where[0] if where else needle.protocol(grids[0]))

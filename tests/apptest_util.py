@@ -24,14 +24,8 @@ def load_shared(name: str = "bundled", **kwargs):
 
 
 def app_test(path: str, timeout: float = 120) -> AppTest:
-    """An AppTest of a page whose browser has painted it once: AppTest has no browser, so nothing would
-    report the first paint that the app's charts and folded sections wait for (kvviz.app.charts).
-    test_app.py's first-paint test runs a page without it."""
-    from kvviz.app.charts import PAINTED
-
-    at = AppTest.from_file(path, default_timeout=timeout)
-    at.session_state[PAINTED] = True
-    return at
+    """An AppTest of a page."""
+    return AppTest.from_file(path, default_timeout=timeout)
 
 
 def run_app(path: str, timeout: float = 120, opened: tuple[str, ...] = (), **params) -> AppTest:

@@ -350,47 +350,41 @@ def idle(page, after: int = 0, quiet_ms: int = 400) -> None:
     page asked for has started, and the last one finished rather than stopped for a rerun: an st.rerun
     or a page switch; PAGE_PROBE_JS), its script-run state is "notRunning", neither it nor the page
     (its elements, results, address bar) has changed for `quiet_ms` (the page has drawn the run's
-    last messages: a chart is redrawn after its run ends), no element is still loading (a skeleton;
-    a chart's frame or the first-paint probe, whose report is still to come: kvviz.app.charts; a chart
-    drawn in place that waits for plotly or draws a newer figure: kvviz.app.livechart) and every chart
-    on screen is drawn. Not "a chart exists": a chart from the previous run exists too."""
+    last messages: a chart is redrawn after its run ends), no element is still loading (a skeleton; a
+    chart that waits for plotly or draws a newer figure: kvviz.app.livechart) and every chart on screen
+    is drawn. Not "a chart exists": a chart from the previous run exists too."""
     from playwright.sync_api import TimeoutError as WaitRanOut
 
-    from kvviz.app.charts import PROBE_KEY, WAITING
     from kvviz.app.livechart import DRAWING, PENDING
 
-    # still to come: not idle (a chart drawn in place says it is pending or drawing a newer figure)
-    loading = f'[data-testid="stSkeleton"], [class*="st-key-{WAITING}"], [{PENDING}], [{DRAWING}]'
-
-    probe = f".st-key-{PROBE_KEY}"
+    # still to come: not idle (a chart says it waits for plotly or draws a newer figure)
+    loading = f'[data-testid="stSkeleton"], [{PENDING}], [{DRAWING}]'
     try:
         page.wait_for_function(
-            """([after, quiet, loading, probe]) => { const k = window.__kvviz, last = k.samples[k.samples.length - 1];
+            """([after, quiet, loading]) => { const k = window.__kvviz, last = k.samples[k.samples.length - 1];
                                    return k.runs > after && k.state === 'notRunning'
                                    && k.started > k.asked && !k.early
                                    && performance.now() - Math.max(k.changed, k.drawn, last ? last[2] : 0) > quiet
-                                   && !document.querySelector(probe)
                                    && !Array.from(document.querySelectorAll(loading))
                                             .some(c => c.offsetParent !== null)
                                    && Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]'))
                                            .every(c => c.offsetParent === null || c.querySelector('.main-svg')); }""",
-            arg=[after, quiet_ms, loading, probe],
+            arg=[after, quiet_ms, loading],
             timeout=TIMEOUT,
             polling=100,
         )
     except WaitRanOut as e:  # say what the app was doing, not only that the wait ran out
         state = page.evaluate(
-            """([loading, probe]) => ({runs: window.__kvviz.runs, state: window.__kvviz.state,
+            """(loading) => ({runs: window.__kvviz.runs, state: window.__kvviz.state,
             asked: window.__kvviz.asked, started: window.__kvviz.started, early: window.__kvviz.early,
             sinceChange: performance.now() - window.__kvviz.changed,
             sinceDrawn: performance.now() - window.__kvviz.drawn, samples: window.__kvviz.samples.length,
             sinceSample: performance.now() - (window.__kvviz.samples.at(-1) || [0, 0, 0])[2],
             skeletons: Array.from(document.querySelectorAll(loading)).filter(c => c.offsetParent !== null).length,
-            probe: !!document.querySelector(probe),
             undrawn: Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]'))
                        .filter(c => c.offsetParent !== null && !c.querySelector('.main-svg')).length,
             url: location.href})""",
-            [loading, probe],
+            loading,
         )
         raise AssertionError(f"the app did not become idle after run {after}: {state}") from e
 

@@ -238,9 +238,11 @@ def test_tradeoffs_presenting_draws_the_chart_first_in_projector_type():
             yield from walk(child)
 
     order = [
-        e.type if e.type == "plotly_chart" else e.key for e in walk(at.main) if e.type in ("plotly_chart", "radio")
+        "chart" if e.type in ("plotly_chart", "bidi_component") else e.key
+        for e in walk(at.main)
+        if e.type in ("plotly_chart", "bidi_component", "radio")
     ]
-    assert order.index("plotly_chart") < order.index("metric"), order
+    assert order.index("chart") < order.index("metric"), order
     fig = json.loads(plotly_charts(at)[0].proto.spec)["layout"]
     assert fig["font"]["size"] == 18 and fig["xaxis"]["tickfont"]["size"] == fig["yaxis"]["tickfont"]["size"] == 18
     assert fig["legend"]["orientation"] == "v" and fig["legend"]["x"] > 1
@@ -653,24 +655,17 @@ print('ok')
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-def _blocks(node):
-    yield node
-    for child in node.children.values() if isinstance(getattr(node, "children", None), dict) else ():
-        yield from _blocks(child)
-
-
 def test_the_explorers_first_run_sends_its_charts_to_draw_after_the_paint_and_folded_sections_wait():
-    """A session's first run, before its browser has said it painted the page: the cards are drawn, and each
-    chart comes with its figure, to be drawn in place once the browser has painted the page
-    (kvviz.app.livechart), in a frame as tall as the figure -- no probe, no second run. The folded sections
-    (Advanced, the solver) hold no widget until they are opened."""
+    """A session's first run: the cards are drawn, and each chart comes with its figure, to be drawn in place
+    once the browser has painted the page (kvviz.app.livechart), in a frame as tall as the figure -- no
+    second run needed. The folded sections (Advanced, the solver) hold no widget until they are opened."""
     from kvviz.app import livechart
 
     at = AppTest.from_file(APP, default_timeout=120).run()
     assert not at.exception, [e.value for e in at.exception]
     assert len(at.metric) == 8
     mounted = at.get("bidi_component")
-    assert [b.proto.component_name for b in mounted] == [livechart.NAME] * 2  # and no first-paint probe
+    assert [b.proto.component_name for b in mounted] == [livechart.NAME] * 2
     charts = plotly_charts(at)
     assert [c.key for c in charts] == ["attention_chart", "error_chart"]
     for chart, component in zip(charts, mounted):
@@ -693,31 +688,20 @@ def test_without_streamlits_plotly_code_the_explorer_draws_st_plotly_chart(monke
     assert [json.loads(c.proto.spec) for c in at.get("plotly_chart")] == drawn_in_place
 
 
-def test_before_the_first_paint_a_selectable_chart_is_a_frame_until_the_report():
-    """A chart whose points can be selected is Streamlit's own (the Trade-offs chart): before the browser
-    has said it painted the page (kvviz.app.charts) it is a frame as tall as the chart, and a probe asks the
-    browser for its report. The report's rerun draws the chart into the frame's place and asks no more."""
-    from kvviz.app.charts import WAITING
+def test_a_chart_whose_points_can_be_picked_is_drawn_in_place_and_reports_clicks():
+    """The Trade-offs chart (a click on a point opens it in the Explorer) is drawn in place like the rest, told
+    to report a click; the Explorer's charts are not (a click on a bar reruns nothing)."""
+    from kvviz.app import livechart
 
-    at = AppTest.from_file(APP, default_timeout=120)
-    at.switch_page(TRADEOFFS)  # the session's first run: a link to the page
-    at.run()
-    assert not at.exception, [e.value for e in at.exception]
-    assert at.title[0].value.startswith("Trade-offs") and not plotly_charts(at)
-    frames = {
-        b.proto.id.rsplit(f"{WAITING}_", 1)[1]: b.proto.height_config.pixel_height
-        for b in _blocks(at._tree)
-        if getattr(b, "type", None) == "flex_container" and WAITING in b.proto.id
-    }
-    assert set(frames) == {"tradeoff_chart"}
-    assert [c.value for c in at.caption if c.value == "Drawing the chart…"] == ["Drawing the chart…"]
-    assert len(at.get("bidi_component")) == 1  # the probe
+    def told(at):
+        return {
+            b.proto.id.split("-", 2)[2]: json.loads(b.proto.bytes)["select"]
+            for b in at.get("bidi_component")
+            if b.proto.component_name == livechart.NAME
+        }
 
-    at.run()  # the next run -- the probe's report, or any click -- comes after the browser drew this one
-    assert not at.exception, [e.value for e in at.exception]
-    charts = {c.key: json.loads(c.proto.spec)["layout"]["height"] for c in plotly_charts(at)}
-    assert charts == frames  # the chart as tall as its frame was
-    assert not [c for c in at.caption if c.value == "Drawing the chart…"] and not at.get("bidi_component")
+    assert told(run(TRADEOFFS)) == {"tradeoff_chart": True}
+    assert told(run()) == {"attention_chart": False, "error_chart": False}
 
 
 def test_advice_is_never_impossible():

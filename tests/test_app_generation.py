@@ -86,7 +86,8 @@ def test_timeline_plays_in_the_browser_and_no_budget():
     assert fig["layout"]["updatemenus"][0]["buttons"][0]["method"] == "animate"
     assert len(fig["layout"]["sliders"][0]["steps"]) == 16
     assert json.loads(plotly_charts(at)[0].proto.spec)["frames"][5]["layout"]["title"]["text"].startswith("Step 5:")
-    assert len(at.get("bidi_component")) == 1  # what reports the slider's step back (a browser test moves it)
+    # and what reports the slider's step back (a browser test moves it)
+    assert [b.key for b in at.get("bidi_component")] == ["tl_animation", "_tl_step_report"]
     at = run(TIMELINE, **{**SMALL_SHIFT, "sink": 0, "recent": 0, "heavy": 0})
     assert any("Eviction is off" in w.value for w in at.warning)
 

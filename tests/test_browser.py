@@ -18,7 +18,6 @@ from kvviz.sources.handbook import handbook_trace
 from kvviz.analysis.frames import token_frame
 from kvviz.app.cards import card_values
 from kvviz.app import livechart
-from kvviz.app.charts import PROBE_KEY, WAITING
 from conftest import TIMEOUT, idle, runs, view
 from kvviz.app.studies import studies_root
 
@@ -55,7 +54,7 @@ FIRST_SEEN_JS = """
 window.__firstSeen = {};
 new MutationObserver(() => {
   const seen = window.__firstSeen, now = performance.now();
-  const frames = Array.from(document.querySelectorAll('[class*="st-key-WAITING"], [PENDING]'));
+  const frames = Array.from(document.querySelectorAll('[PENDING]'));
   if (!seen.metric && document.querySelector('[data-testid="stMetricValue"]')) seen.metric = now;
   if (!seen.frames && frames.length) {
     seen.frames = now;
@@ -63,7 +62,7 @@ new MutationObserver(() => {
   }
   if (!seen.chart && document.querySelector('.js-plotly-plot .main-svg')) seen.chart = now;
 }).observe(document, {subtree: true, childList: true});
-""".replace("WAITING", WAITING).replace("PENDING", livechart.PENDING)
+""".replace("PENDING", livechart.PENDING)
 
 
 def test_shared_url_reproduces_state(page, app_url):
@@ -95,47 +94,32 @@ def test_out_of_range_link_shows_notice(page, app_url):
     no_console_errors(page)
 
 
-CLICK_AT_PROBE_JS = """
-// The server's messages reach the page 400 ms late once the link is clicked (a slow server or network):
-// the page then still shows the old page when the probe's two frames have passed.
-const Socket = window.WebSocket;
-window.WebSocket = class extends Socket {
-  addEventListener(type, handle, ...rest) {
-    if (type !== 'message') return super.addEventListener(type, handle, ...rest);
-    const late = (e) => window.__kvvizLag ? setTimeout(() => handle.call(this, e), window.__kvvizLag)
-                                          : handle.call(this, e);
-    return super.addEventListener(type, late, ...rest);
-  }
-};
-new MutationObserver((_, watch) => {   // a page link clicked the moment the first-paint probe listens
+# a page link clicked the moment the Explorer's first chart waits for plotly (kvviz.app.livechart)
+CLICK_WHILE_PENDING_JS = """
+new MutationObserver((_, watch) => {
   const link = Array.from(document.querySelectorAll('[data-testid="stSidebarNav"] a'))
     .find((a) => a.textContent.trim() === "Concentration");
-  if (link && document.querySelector('.st-key-PROBE_KEY [data-kvviz-listening]')) {
+  if (link && document.querySelector('[PENDING]')) {
     watch.disconnect();
-    window.__kvvizLag = 400;
     link.click();
   }
-}).observe(document, {subtree: true, childList: true, attributes: true, attributeFilter: ['data-kvviz-listening']});
-""".replace("PROBE_KEY", PROBE_KEY)
+}).observe(document, {subtree: true, childList: true, attributes: true});
+""".replace("PENDING", livechart.PENDING)
 
 
-def test_a_page_link_clicked_before_the_first_paint_report_is_followed(page, app_url):
-    """A person can click a page link before the first-paint probe has reported (kvviz.app.charts: the
-    Trade-offs chart, whose points can be selected, waits for it). The report's rerun is for the page the
-    browser still shows, and on the server the newer request's page wins: it sent the reader back (CI,
-    once). Input puts the report off, and the link's run draws the charts itself."""
-    page.add_init_script(CLICK_AT_PROBE_JS)
+def test_a_page_link_clicked_while_the_charts_wait_for_plotly_is_followed(page, app_url):
+    """A person can click a page link before the Explorer's charts are drawn (plotly is imported after the
+    first paint): the link is followed, the charts left behind draw nothing and say nothing in the console,
+    and the new page's chart is drawn."""
+    page.add_init_script(CLICK_WHILE_PENDING_JS)
     page.set_viewport_size({"width": 1400, "height": 2000})
-    page.goto(f"{app_url}/trade-offs?sink=3")
+    page.goto(f"{app_url}/?sink=3")
     e = expect()
     e(page.get_by_role("heading", name=re.compile("Concentration")).first).to_be_visible()
     idle(page)
-    page.wait_for_timeout(2500)  # past the report's fallback timer: nothing may send the reader back
-    idle(page)
     assert urlparse(page.evaluate("location.href")).path == "/concentration"
-    e(page.get_by_role("heading", name=re.compile("Concentration")).first).to_be_visible()
     e(page.locator(".js-plotly-plot").filter(has_text="Top x% of tokens hold").first).to_be_visible()
-    assert page.locator(f'[class*="st-key-{WAITING}"]').count() == 0
+    assert page.locator(f"[{livechart.PENDING}]").count() == 0
     assert query(page.evaluate("location.href")) == {"sink": "3"}
     no_console_errors(page)
 
@@ -339,14 +323,17 @@ def key(label: str, *keys: str):
 
 def chart_step(chart_key: str, step: int, steps: int) -> callable:
     """A click on a plotly animation's step slider (the chart keyed `chart_key`), on step `step` of
-    `steps`: the chart moves there in the browser, and the page hears of it once the slider rests."""
+    `steps` (at its tick: plotly insets the steps from the rail's ends): the chart moves there in the
+    browser, and the page hears of it once the slider rests."""
 
     def click(page):
         rail = page.locator(f".st-key-{chart_key} .slider-rail-touch-rect").first
         rail.scroll_into_view_if_needed()
         standing_still(rail)
-        box = rail.bounding_box()
-        page.mouse.click(box["x"] + box["width"] * step / (steps - 1), box["y"] + box["height"] / 2)
+        ticks = page.locator(f".st-key-{chart_key} .slider-tick-rect")
+        assert ticks.count() == steps, ticks.count()
+        box, tick = rail.bounding_box(), ticks.nth(step).bounding_box()
+        page.mouse.click(tick["x"] + tick["width"] / 2, box["y"] + box["height"] / 2)
 
     return click
 
@@ -790,7 +777,7 @@ def test_the_explorer_paints_fits_a_projector_and_follows_each_slider_move(page,
     seen = page.evaluate("window.__firstSeen")
     assert max(seen["frames"], seen["metric"]) < seen["chart"], seen
     assert page.locator(f".{livechart.CLASS}:visible").count() == 2
-    assert page.locator(f'[class*="st-key-{WAITING}"], [{livechart.PENDING}]').count() == 0
+    assert page.locator(f"[{livechart.PENDING}]").count() == 0
     heights = [
         round(page.locator(f".{livechart.CLASS}:visible").nth(i).locator(".main-svg").first.bounding_box()["height"])
         for i in range(2)

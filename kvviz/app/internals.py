@@ -18,15 +18,16 @@ behaviour (said at each function).
 - `pages_manager`, `set_legacy_pages`, `legacy_pages`: the address a request asked for (an old page
   address pointed at its page) and the legacy pages/ flag st.navigation sets on its first run (set at
   start, a fresh server's first request takes the app's own navigation: kvviz.app.router).
-- `plotly_chunk`: the file name of the plotly code Streamlit ships (a 4.7 MB chunk that sets
-  `window.Plotly` when evaluated). kvviz.app.livechart draws the Explorer's charts with it, in place
-  (a slider move's redraw, both charts: plotly's newPlot each move, ~0.1 s of the page's thread, became
-  a react of what changed), and the first-paint probe asks the browser to fetch it early.
+- `plotly_chunk`: the file name of the plotly code Streamlit ships (a 4.7 MB chunk beside its main
+  script that sets `window.Plotly` when evaluated). kvviz.app.livechart draws every chart with it, in
+  place: a slider move's redraw of the Explorer's two charts became a `Plotly.react` of what changed
+  (move -> charts redrawn, median 0.32 -> 0.27 s, benchmarks/browser.py), and a first visit needs no
+  second run to draw them (charts drawn 3.01 -> 2.59 s).
 
-The app's JavaScript and CSS also read a few of Streamlit's DOM hooks: `data-testid` and the
-`data-test-script-state` attribute (kvviz.app.layout's styles, kvviz.app.charts' first-paint probe),
-and the `st-key-<key>` class of a keyed element (charts' step reporter). The browser tests that use
-them fail when one goes (tests/test_browser.py, tests/test_layout_browser.py).
+The app's JavaScript and CSS also read a few of Streamlit's DOM hooks: `data-testid` attributes
+(kvviz.app.layout's styles), the main script's `<script type="module">` tag (livechart finds the
+chunk beside it) and the `st-key-<key>` class of a keyed element (charts' step reporter). The browser
+tests that use them fail when one goes (tests/test_browser.py, tests/test_layout_browser.py).
 """
 
 from __future__ import annotations

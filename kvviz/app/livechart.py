@@ -11,11 +11,11 @@ is evaluated: kvviz.app.internals.plotly_chunk), imported once a page, after the
 page for the first time: the 4.7 MB script takes ~0.8 s of the page's one thread, and the sidebar, the
 cards and the text come first. Until then the chart is an empty frame of its height that says it is
 being drawn, so nothing below it jumps. Where that chunk is gone (another Streamlit), `chart` returns
-False and the caller draws st.plotly_chart.
+None and the caller draws st.plotly_chart.
 
-For a figure without animation frames or selection events (an Explorer chart). What plotly draws is
-the figure as kvviz.plots built it (its template gives it the page's font and colours), not restyled
-by Streamlit's chart theme.
+What plotly draws is the figure as kvviz.plots built it, animation frames included (its template gives
+it the page's font and colours), not restyled by Streamlit's chart theme. A click on a point of a chart
+drawn `selectable` reruns the page with the points picked.
 """
 
 from __future__ import annotations
@@ -48,17 +48,17 @@ const paintedThenPlotly = (chunk) => {
 };
 
 async function draw(chart, Plotly) {
-  if (chart.busy) return;
+  if (chart.busy || chart.gone) return;   // gone: the page moved on while plotly loaded
   chart.busy = true;
   const plot = chart.plot;
   try {
-    while (chart.want !== chart.shown) {
+    while (chart.want !== chart.shown && !chart.gone) {
       const want = chart.want;
-      const { figure: { data, layout }, config } = want;
+      const { figure: { data, layout, frames }, config } = want;
       plot.setAttribute("DRAWING", "");
       const shown = { ...layout, autosize: true };
       delete shown.width;   // the page's column decides
-      await Plotly.react(plot, data, shown, config);
+      await Plotly.react(plot, { data, layout: shown, frames: frames || [], config });
       chart.shown = want;
     }
   } catch (error) {
@@ -77,10 +77,15 @@ async function draw(chart, Plotly) {
       if (plot.clientWidth !== width) { width = plot.clientWidth; Plotly.Plots.resize(plot); }
     });
     chart.resized.observe(plot);
+    // on a chart whose points can be picked, a click reports them (the run it starts reads them once)
+    plot.on("plotly_click", (event) => chart.want.select && chart.report("select", event.points.map((p) => ({
+      curve_number: p.curveNumber, point_number: p.pointNumber, point_index: p.pointIndex,
+      x: p.x, y: p.y, customdata: p.customdata ?? null,
+    }))));
   }
 }
 
-export default function ({ data, parentElement }) {
+export default function ({ data, parentElement, setTriggerValue }) {
   let chart = parentElement.__kvvizChart;
   if (!chart) {
     const note = Object.assign(document.createElement("p"), { textContent: "Drawing the chart…" });
@@ -92,6 +97,7 @@ export default function ({ data, parentElement }) {
     chart = { plot, note, text: null, want: null, shown: null, busy: false, resized: null };
     parentElement.__kvvizChart = chart;
   }
+  chart.report = setTriggerValue;
   const text = new TextDecoder().decode(data);   // a run that changed nothing draws nothing
   if (text !== chart.text) Object.assign(chart, { text, want: JSON.parse(text) });
   chart.plot.style.height = `${chart.want.height}px`;
@@ -100,6 +106,7 @@ export default function ({ data, parentElement }) {
     console.error(error);
   });
   return () => {
+    chart.gone = true;
     if (chart.resized) chart.resized.disconnect();
     if (window.Plotly) window.Plotly.purge(chart.plot);
     delete parentElement.__kvvizChart;
@@ -121,20 +128,23 @@ def _component():
     return st.components.v2.component(NAME, js=CHART_JS, isolate_styles=False)
 
 
-def chart(fig, key: str, where=None, config: dict | None = None) -> bool:
-    """Draw `fig` in place under `key` in `where` (default: the page); False where this Streamlit has no
-    plotly chunk to draw with (nothing drawn: the caller draws st.plotly_chart)."""
+def chart(fig, key: str, where=None, config: dict | None = None, selectable: bool = False) -> list[dict] | None:
+    """Draw `fig` (its animation frames too) in place under `key` in `where` (default: the page). Where
+    `selectable`, returns the points a click on the chart picked, in the run the click started (else
+    []): each with its curve_number, point_number, point_index, x, y and customdata, as st.plotly_chart's
+    selection has them. None where this Streamlit has no plotly chunk to draw with (nothing drawn: the
+    caller draws st.plotly_chart)."""
     chunk = internals.plotly_chunk()
     if chunk is None:
-        return False
+        return None
     height = int(fig.layout.height or DEFAULT_HEIGHT)
     # bytes: the figure's JSON as plotly wrote it, not escaped again as a string inside Streamlit's JSON
-    head = json.dumps({"height": height, "chunk": chunk, "config": config or {}})
+    head = json.dumps({"height": height, "chunk": chunk, "config": config or {}, "select": selectable})
     data = f'{head[:-1]}, "figure": {fig.to_json()}}}'.encode()
-    mount = functools.partial(_component(), key=key, data=data, height=height)
+    mount = functools.partial(_component(), key=key, data=data, height=height, on_select_change=lambda: None)
     if where is None:
-        mount()
+        result = mount()
     else:
         with where:
-            mount()
-    return True
+            result = mount()
+    return list(getattr(result, "select", None) or [])

@@ -22,7 +22,6 @@ from pathlib import Path
 import streamlit as st
 
 from kvviz.app import guard, internals
-from kvviz.app.charts import report_first_paint
 from kvviz.app.layout import PAGES
 from kvviz.app.store import sync_url
 
@@ -95,8 +94,6 @@ def navigate() -> None:
     # first: this run's interaction callbacks have set the store; link to it before computing
     sync_url()
     guard.serve(page)  # in one of the server's run slots, cancelled by a rerun or a closed tab
-    # charts left as frames before the browser's first paint: drawn when it says so
-    report_first_paint()
     sync_url()  # last: the page may have clamped or set values on the way
 
 

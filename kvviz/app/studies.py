@@ -152,14 +152,8 @@ def frontier_section(path: Path, present: bool = False) -> None:
     )
     if present:  # a projector's text sizes, the methods' legend beside the plot
         fig = projector(fig, height=470, legend_right=True)
-    event = chart(
-        fig,
-        key="study_chart",
-        on_select="rerun" if kind != "needle" else "ignore",
-        selection_mode="points",
-        config=CHART_CONFIG,
-    )
-    points = [p for p in (getattr(getattr(event, "selection", None), "points", None) or []) if p.get("customdata")]
+    picked = chart(fig, key="study_chart", config=CHART_CONFIG, selectable=kind != "needle")
+    points = [p for p in picked if p.get("customdata")] if kind != "needle" else []
     if points:
         hit = rows[rows["cell"] == points[0]["customdata"][0]]
         if len(hit):
