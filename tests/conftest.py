@@ -526,31 +526,32 @@ def _module_fixture(item) -> bool:
 # and Chromium; the session fixtures above are per worker), dealt out by weight so the groups take about
 # the same time: the seconds each test took in a measured run (tests/test_browser.py's tests case by case,
 # every other browser module whole, as its module fixtures are built once), heaviest first onto the
-# lightest group. Measured with both workers of a 2-core machine busy (load average 15-20: the
-# proportions count, not the seconds). A browser test not named here weighs BROWSER_UNKNOWN.
+# lightest group. Measured in a `make test` run on a 2-core machine (the proportions count, not the
+# seconds). A browser test not named here weighs BROWSER_UNKNOWN.
 BROWSER_SECONDS = {
-    "test_model_lab_cancel_stops_the_run_and_keeps_the_previous_results": 37,
-    "test_explorer_link_follows_every_single_interaction": 32,
-    "test_decode_timeline_link_follows_every_single_interaction": 25,
-    "test_needle_link_follows_every_single_interaction": 23,
-    "test_tradeoffs_link_follows_every_single_interaction": 22,
-    "test_model_lab_link_follows_every_single_interaction": 18,
-    "test_concentration_link_follows_every_single_interaction": 17,
-    "test_studies_link_follows_every_single_interaction": 17,
+    "test_model_lab_cancel_stops_the_run_and_keeps_the_previous_results": 34,
+    "test_explorer_link_follows_every_single_interaction": 31,
+    "test_decode_timeline_link_follows_every_single_interaction": 30,
+    "test_tradeoffs_link_follows_every_single_interaction": 24,
+    "test_concentration_link_follows_every_single_interaction": 20,
+    "test_needle_link_follows_every_single_interaction": 20,
+    "test_model_lab_link_follows_every_single_interaction": 19,
+    "test_studies_link_follows_every_single_interaction": 15,
     "test_the_explorer_paints_fits_a_projector_and_follows_each_slider_move": 12,
     "test_a_fresh_server_opens_a_page_link_as_that_page": 10,  # each case
-    "test_shared_url_reproduces_state": 9,
-    "test_a_page_link_clicked_before_the_first_paint_report_is_followed": 9,
-    "test_every_page_opens_from_the_explorer_fits_a_projector_and_links_its_first_move": 8,  # each case
-    "test_the_huge_link_gives_a_notice_and_the_server_stays_small": 7,  # each case
+    "test_shared_url_reproduces_state": 10,
+    "test_every_page_opens_from_the_explorer_fits_a_projector_and_links_its_first_move": 9,  # each case
+    "test_a_page_link_clicked_while_the_charts_wait_for_plotly_is_followed": 8,
+    "test_the_huge_link_gives_a_notice_and_the_server_stays_small": 6,  # each case
     "test_presentation_mode_puts_the_lesson_above_the_fold": 5,
-    "test_out_of_range_link_shows_notice": 3,
-    "test_layout_browser": 30,
-    "test_study_browser": 12,
-    "test_lecture_browser": 10,  # whole modules
+    "test_a_locked_axis_shows_every_bar_on_screen": 5,
+    "test_out_of_range_link_shows_notice": 2,
+    "test_layout_browser": 35,
+    "test_lesson_browser": 14,  # whole modules
     "test_zoom_browser": 10,
-    "test_needle_browser": 9,
-    "test_lesson_browser": 8,
+    "test_lecture_browser": 9,
+    "test_study_browser": 7,
+    "test_needle_browser": 7,
 }
 BROWSER_UNKNOWN = 15
 
