@@ -61,10 +61,6 @@ async function draw(chart, Plotly) {
       await Plotly.react(plot, { data, layout: shown, frames: frames || [], config });
       chart.shown = want;
     }
-  } catch (error) {
-    chart.note.textContent = `The chart could not be drawn: ${error}`;
-    chart.note.hidden = false;
-    throw error;
   } finally {
     chart.busy = false;
     plot.removeAttribute("DRAWING");
@@ -102,13 +98,15 @@ export default function ({ data, parentElement, setTriggerValue }) {
   if (text !== chart.text) Object.assign(chart, { text, want: JSON.parse(text) });
   chart.plot.style.height = `${chart.want.height}px`;
   paintedThenPlotly(chart.want.chunk).then((Plotly) => draw(chart, Plotly)).catch((error) => {
-    chart.note.textContent = `The chart could not be drawn: ${error}`;
-    console.error(error);
+    Object.assign(chart.note, { textContent: `The chart could not be drawn: ${error}`, hidden: false });
+    console.error(error);   // the browser tests fail on any console error
   });
+  // Unmounted (another page, a section closed): no Plotly.purge. A draw or an automargin redraw may still
+  // be under way, and plotly's next step then read the purged chart's layout and threw (CI, once); the
+  // detached chart is collected with its listeners.
   return () => {
     chart.gone = true;
     if (chart.resized) chart.resized.disconnect();
-    if (window.Plotly) window.Plotly.purge(chart.plot);
     delete parentElement.__kvvizChart;
   };
 }
