@@ -68,9 +68,16 @@ async function draw(chart, Plotly) {
   if (plot.hasAttribute("PENDING")) {
     plot.removeAttribute("PENDING");
     chart.note.hidden = true;
-    let width = plot.clientWidth;   // the sidebar opened or closed, the window resized: plotly follows
+    // the sidebar opened or closed, the window resized: plotly follows. Not while the chart is hidden or
+    // on its way out (plotly refuses a chart that is not displayed: "Resize must be passed a displayed
+    // plot div element", CI, once, as a click on the Trade-offs chart left the page).
+    let width = plot.clientWidth;
     chart.resized = new ResizeObserver(() => {
-      if (plot.clientWidth !== width) { width = plot.clientWidth; Plotly.Plots.resize(plot); }
+      if (chart.gone || !plot.isConnected || plot.offsetParent === null || plot.clientWidth === 0) return;
+      if (plot.clientWidth !== width) {
+        width = plot.clientWidth;
+        Plotly.Plots.resize(plot).catch(() => {});   // hidden between this check and plotly's own
+      }
     });
     chart.resized.observe(plot);
     // on a chart whose points can be picked, a click reports them (the run it starts reads them once)
