@@ -95,9 +95,9 @@ def main() -> None:
     pinned = run_compare(source, pinned_spec, vs.view) if pinned_spec is not None else None
     page = Shown(source, spec, vs, comp, pinned_spec, pinned, present)
     cards_slot, lock_slot, top_chart, bottom_chart = places(page)
-    # The attention figure is built (~0.1 s) before the cards are drawn, so that the cards and the charts'
-    # frames reach the browser together (kvviz.app.charts: the first paint); the lock toggle, drawn into its
-    # place below the cards, decides the figure's y-axis, so it runs first.
+    # The attention figure is built before the cards are drawn, so that the cards and the charts reach the
+    # browser together (kvviz.app.livechart draws the charts once that first paint is on screen); the lock
+    # toggle, drawn into its place below the cards, decides the figure's y-axis, so it runs first.
     with lock_slot:  # the toggle sits with the charts it locks
         y_range, y_top = ux.y_lock(error_extent(page.frame), attention_extent(page.frame), present)
     fig_attention = attention_figure(page, y_top)
