@@ -48,9 +48,9 @@ def test_the_page_manager_names_the_page_asked_for_and_the_legacy_flag():
 
 
 def test_streamlits_plotly_chunk_is_one_file_that_sets_window_plotly():
-    """The Explorer draws its charts in place with the plotly code Streamlit ships (kvviz.app.livechart);
-    where the chunk is renamed, split or no longer sets window.Plotly, plotly_chunk() says None and the
-    Explorer falls back to st.plotly_chart -- this test says so first."""
+    """Every chart is drawn in place with the plotly code Streamlit ships (kvviz.app.livechart); where the
+    chunk is renamed, split or no longer sets window.Plotly, plotly_chunk() says None and the charts fall
+    back to st.plotly_chart -- this test says so first."""
     chunk = internals.plotly_chunk()
     assert chunk is not None and chunk.startswith("PlotlyChart.") and chunk.endswith(".js")
 

@@ -140,8 +140,8 @@ def legacy_pages() -> bool:
 @functools.cache
 def plotly_chunk() -> str | None:
     """The file name of Streamlit's plotly chunk (PlotlyChart.<hash>.js, beside its main script), or
-    None where this Streamlit names it otherwise or its code no longer sets window.Plotly (then the
-    Explorer draws st.plotly_chart, and nothing is fetched early)."""
+    None where this Streamlit names it otherwise or its code no longer sets window.Plotly (then every
+    chart is st.plotly_chart's: kvviz.app.charts.chart)."""
     import streamlit
 
     found = sorted((Path(streamlit.__file__).parent / "static" / "static" / "js").glob("PlotlyChart.*.js"))
