@@ -288,3 +288,30 @@ def test_the_explorer_figures_built_without_validation_pass_plotly_validation(ha
         assert json.loads(pio.to_json(validated)) == json.loads(pio.to_json(fig))  # and changes none
     with pytest.raises(ValueError):
         go.Figure({**built[0].to_dict(), "layout": {"no_such_property": 1}})  # the check can fail
+
+
+def test_the_live_charts_json_is_plotlys_own(handbook_comp, long_comp):
+    """export.figure_json reads the figure's dicts without plotly's copies; what it writes must be what
+    fig.to_json() writes, figure by figure, frames and odd values included."""
+    one, long = token_frame(handbook_comp), binned_frame(long_comp)
+    c = concentration(make_synthetic(SyntheticSpec(context=256, steps=2, layers=2, q_heads=2, kv_heads=1)))
+    animated = go.Figure(
+        go.Bar(x=np.arange(3), y=np.array([0.1, 0.2, 0.3])),
+        frames=[go.Frame(data=[go.Bar(y=np.array([0.3, 0.2, v]))], name=str(i)) for i, v in enumerate((0.1, 0.5))],
+    )
+    odd = go.Figure(go.Scatter(x=["2026-12-07", "2026-12-08"], y=[1.0, float("nan")]), layout={"title": "odd"})
+    built = [
+        figures.attention_figure(one, text_tokens=True, pinned=one, y_top=0.5),
+        figures.binned_attention_figure(long, y_top=0.5),
+        figures.error_figure(one, "ci95", 4, y_range=0.1, text_tokens=True, pinned=one),
+        style.projector(figures.error_figure(long, "range", 4, pinned=long), 470, "attention error"),
+        grids.heatmap_figure(c.entropy, "Entropy", "nats"),
+        tradeoffs.concentration_figure(c.fractions, c.curves),
+        animated,
+        odd,
+    ]
+    strict = dict(parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))  # NaN must go as null
+    for fig in built:
+        assert json.loads(export.figure_json(fig), **strict) == json.loads(fig.to_json(), **strict)
+    assert '"bdata"' in export.figure_json(built[0])  # arrays as plotly's typed arrays, as to_json sends them
+    assert json.loads(export.figure_json(animated))["frames"][1]["name"] == "1"

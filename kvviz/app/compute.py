@@ -33,9 +33,17 @@ def _items(obj) -> tuple:
     return tuple(sorted((obj.as_dict() if isinstance(obj, Spec) else asdict(obj)).items()))
 
 
+def _key(source: Source, *settings) -> str:
+    """One string that names a cached call: the source's key and each Spec / View's settings, as text.
+    Streamlit's cache hashes its arguments object by object (about 150 objects for a source, a spec and a
+    view: 2.5 ms of every slider move); one string is one object. repr of ints, floats, strings, None and
+    tuples of them is exact, so two calls share a key only when their settings are the same."""
+    return repr((source.key, *(_items(s) for s in settings)))
+
+
 @st.cache_data(max_entries=64, show_spinner=False)
-def _compare_cached(source_key: tuple, spec_items: tuple, view_items: tuple, _trace: Trace, _seed_fn) -> Comparison:
-    return compare(_trace, Spec(**dict(spec_items)), View(**dict(view_items)), trace_for_seed=_seed_fn)
+def _compare_cached(key: str, _trace: Trace, _spec: Spec, _view: View, _seed_fn) -> Comparison:
+    return compare(_trace, _spec, _view, trace_for_seed=_seed_fn)
 
 
 # --- warm before the first touch ---------------------------------------------------------------
@@ -111,7 +119,7 @@ def run_compare(source: Source, spec: Spec, view: View) -> Comparison | None:
     if spec.quantizes and spec.quant_model == "kv":
         warm_up().wait()  # usually long done; never a "compiling" spinner on a slider move
     try:
-        return _compare_cached(source.key, _items(spec), _items(view), source.trace, source.seed_fn)
+        return _compare_cached(_key(source, spec, view), source.trace, spec, view, source.seed_fn)
     except (SpecError, TraceError, ValueError) as e:
         st.error(f"Cannot compare with these settings: {e}. Change the View or Compression settings in the sidebar.")
         return None
@@ -168,12 +176,12 @@ def run_concentration(source: Source, step: int | None, sink: int, window: int):
 
 
 @st.cache_data(max_entries=32, show_spinner="Computing every layer and head…")
-def _head_grid_cached(source_key: tuple, spec_items: tuple, step: int | None, metric: str, _trace: Trace) -> np.ndarray:
+def _head_grid_cached(key: str, step: int | None, metric: str, _trace: Trace, _spec: Spec) -> np.ndarray:
     from kvviz.engine import head_grid
 
-    return head_grid(_trace, Spec(**dict(spec_items)), step, metric)
+    return head_grid(_trace, _spec, step, metric)
 
 
 def run_head_grid(source: Source, spec: Spec, step: int | None, metric: str) -> np.ndarray:
     """kvviz.engine.head_grid through the cache: the metric for every layer and query head."""
-    return _head_grid_cached(source.key, _items(spec), step, metric, source.trace)
+    return _head_grid_cached(_key(source, spec), step, metric, source.trace, spec)

@@ -26,6 +26,7 @@ import json
 import streamlit as st
 
 from kvviz.app import internals
+from kvviz.plots.export import figure_json
 
 CLASS = "kvviz-chart"  # the chart's element (plotly adds js-plotly-plot to it once it draws)
 PENDING = "data-kvviz-pending"  # on that element until its first figure is drawn
@@ -145,7 +146,7 @@ def chart(fig, key: str, where=None, config: dict | None = None, selectable: boo
     height = int(fig.layout.height or DEFAULT_HEIGHT)
     # bytes: the figure's JSON as plotly wrote it, not escaped again as a string inside Streamlit's JSON
     head = json.dumps({"height": height, "chunk": chunk, "config": config or {}, "select": selectable})
-    data = f'{head[:-1]}, "figure": {fig.to_json()}}}'.encode()
+    data = f'{head[:-1]}, "figure": {figure_json(fig)}}}'.encode()
     mount = functools.partial(_component(), key=key, data=data, height=height, on_select_change=lambda: None)
     if where is None:
         result = mount()
