@@ -3,8 +3,6 @@
 `main` reads top to bottom as the page: the sidebar, the comparison, then each section into its place.
 """
 
-from dataclasses import dataclass
-
 import streamlit as st
 
 from kvviz.plots import export, figures, style
@@ -28,6 +26,7 @@ from kvviz.app.presets import preset_buttons
 from kvviz.app.router import run_page
 from kvviz.app.sidebar import sidebar
 from kvviz.app import explorer as ux
+from kvviz.app.explorer import Shown
 from kvviz.app import formats as ui_formats
 from kvviz.app import ledger as ui_ledger
 from kvviz.plots.figures import BAND_TEXT
@@ -41,37 +40,6 @@ from kvviz.analysis.frames import (
     zoom_frame,
     BIN_THRESHOLD,
 )
-
-
-@dataclass
-class Shown:
-    """What the page shows: the source, the settings, the comparison (and the pinned setting A's), and once
-    the places are laid out the tokens first..last of the row as the charts draw them."""
-
-    source: object
-    spec: object
-    vs: object
-    comp: object
-    pinned_spec: object
-    pinned: object
-    present: bool
-    frame: object = None
-    binned: bool = False
-    pinned_frame: object = None
-    first: int = 0
-    last: int = 0
-
-    @property
-    def n_seen(self) -> int:
-        return len(self.comp.tokens)
-
-    @property
-    def about(self) -> str:  # under the cards: where the numbers come from
-        source, spec = self.source, self.spec
-        return f"{source.label} · {row_text(self.comp)} · {spec.label()} · {quant_model_note(source, spec)}"
-
-    def look(self, fig, y_title: str):  # Presentation mode: text >= 18 px, a y title that fits
-        return style.projector(fig, height=470, y_title=y_title) if self.present else fig
 
 
 def main() -> None:
