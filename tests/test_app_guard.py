@@ -2,6 +2,7 @@
 closed session stopping a long build at its next chunk, and the pool that makes heavy sessions queue."""
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -200,13 +201,13 @@ def test_a_queued_page_says_so_and_runs_when_a_slot_frees(monkeypatch):
     real = guard.queued_text
     monkeypatch.setattr(guard, "queued_text", lambda n: shown.append(n) or real(n))
 
-    def release_once_queued():
-        while not p._queue:
+    def release_once_shown():
+        deadline = time.monotonic() + 30
+        while not shown and time.monotonic() < deadline:
             threading.Event().wait(0.05)
-        threading.Event().wait(0.6)  # a tick of the status line
         p.release()
 
-    threading.Thread(target=release_once_queued, daemon=True).start()
+    threading.Thread(target=release_once_shown, daemon=True).start()
     at = page("app.py", source="synthetic", syn_seed=9)
     at.run()
     assert not at.exception and at.metric
@@ -216,6 +217,37 @@ def test_a_queued_page_says_so_and_runs_when_a_slot_frees(monkeypatch):
     )
     assert real(3).startswith("Queued behind 3 other visitors' pages")
     assert p._running == 0 and p._queue == []  # the page gave its slot back
+
+
+def test_the_status_line_of_a_queued_run_waits_then_follows_the_line():
+    class Holder:
+        def __init__(self):
+            self.calls = []
+
+        def info(self, text, icon=None):
+            self.calls.append(text)
+
+        def empty(self):
+            self.calls.append(None)
+
+    p, holder, ticket = guard.Pool(1), Holder(), object()
+    p.acquire(object(), lambda: None)
+    p._queue += [object(), ticket]  # one run holds the slot, one waits ahead of this ticket
+    status = guard._Status(holder, ticket, p)
+    status(guard.SHOW_AFTER_S / 2)
+    assert holder.calls == []  # a short wait says nothing
+    status(guard.SHOW_AFTER_S)
+    assert holder.calls == [guard.queued_text(2)]
+    p._queue.pop(0)
+    status(guard.SHOW_AFTER_S + guard.TICK_SECONDS / 2)
+    assert len(holder.calls) == 1  # refreshed once a tick, not on every wait
+    status(guard.SHOW_AFTER_S + guard.TICK_SECONDS)
+    assert holder.calls[-1] == guard.queued_text(1)
+    status.clear()
+    assert holder.calls[-1] is None
+    quiet = Holder()
+    guard._Status(quiet, ticket, p).clear()
+    assert quiet.calls == []  # never shown: nothing to clear
 
 
 def test_a_queued_page_leaves_the_line_when_its_session_closes(monkeypatch):

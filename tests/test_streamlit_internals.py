@@ -30,13 +30,13 @@ def test_the_first_element_check_and_its_flag_are_there():
     assert hasattr(delta_generator, "_use_warning_has_been_displayed")
 
 
-def test_the_run_context_its_cancel_check_and_a_threads_share_of_it():
-    from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
+def test_the_run_context_and_its_cancel_check():
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
     from streamlit.runtime.scriptrunner_utils.script_run_context import get_run_yield_check
 
     assert "suppress_warning" in inspect.signature(get_script_run_ctx).parameters
     assert internals.run_context() is None  # outside a run
-    assert callable(get_run_yield_check) and callable(add_script_run_ctx)
+    assert callable(get_run_yield_check)
 
 
 def test_the_page_manager_names_the_page_asked_for_and_the_legacy_flag():

@@ -42,6 +42,7 @@ from kvviz.app import internals
 T = TypeVar("T")
 WORKERS_ENV = "KVVIZ_WORKERS"
 TICK_SECONDS = 0.5  # how often a queued session's status line is refreshed
+SHOW_AFTER_S = 0.3  # a queued session's status line appears once it has waited this long
 POLL_SECONDS = 0.1  # how often a queued session checks for a rerun or a closed tab
 LAST_GOOD = "_kvviz_guard_last"  # session state: the last source of each kind that fit the budget
 _STATUS: ContextVar = ContextVar("kvviz_status_line", default=None)
@@ -78,13 +79,17 @@ def pool() -> "Pool":
 
 
 class Pool:
-    """A few slots, handed out first come, first served."""
+    """A few slots, handed out first come, first served.
+
+    A release wakes only the run next in line (its own event), not every waiting run: with a class of
+    thirty on two cores, thirty runs woke for each of the two that could go on."""
 
     def __init__(self, size: int):
         self.size = size
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # guards the counts; wait_quiet waits on it
         self._running = 0
         self._queue: list[object] = []
+        self._wakes: dict[object, threading.Event] = {}  # ticket -> the event its waiting run sleeps on
         self._last_busy = time.monotonic()  # when a run last held or waited for a slot
 
     def ahead_of(self, ticket: object) -> int:
@@ -102,32 +107,48 @@ class Pool:
         with self._cond:
             return max(0, self._running - int(holding)) + len(self._queue)
 
-    def acquire(self, ticket: object, check: Callable[[], None]) -> None:
-        """Wait for a slot; `check` runs between waits and may raise to leave the line."""
+    def acquire(self, ticket: object, check: Callable[[], None], waiting: Callable[[float], None] | None = None):
+        """Wait for a slot; between waits `check` runs (it may raise to leave the line), then `waiting`
+        with the seconds waited so far."""
+        wake = threading.Event()
+        t0 = time.monotonic()
         with self._cond:
             self._queue.append(ticket)
+            self._wakes[ticket] = wake
         try:
             while True:
                 with self._cond:
                     if self._queue[0] is ticket and self._running < self.size:
-                        self._queue.pop(0)
+                        self._leave(ticket)
                         self._running += 1
-                        self._cond.notify_all()
+                        self._wake_next()
                         return
-                    self._cond.wait(POLL_SECONDS)
+                wake.wait(POLL_SECONDS)
+                wake.clear()  # the state is read again under the lock: a wake-up cleared here is not lost
                 check()
+                if waiting is not None:
+                    waiting(time.monotonic() - t0)
         except BaseException:
             with self._cond:
                 if ticket in self._queue:
-                    self._queue.remove(ticket)
-                    self._cond.notify_all()
+                    self._leave(ticket)
+                    self._wake_next()
             raise
 
     def release(self) -> None:
         with self._cond:
             self._running -= 1
             self._last_busy = time.monotonic()
-            self._cond.notify_all()
+            self._wake_next()
+            self._cond.notify_all()  # wait_quiet
+
+    def _leave(self, ticket: object) -> None:  # holding the lock
+        self._queue.remove(ticket)
+        self._wakes.pop(ticket, None)
+
+    def _wake_next(self) -> None:  # holding the lock
+        if self._queue and self._running < self.size:
+            self._wakes[self._queue[0]].set()
 
     def wait_quiet(self, quiet: float, timeout: float) -> bool:
         """Block until no run has held or waited for a slot for `quiet` seconds (at most `timeout`):
@@ -172,41 +193,39 @@ def queued_text(n: int) -> str:
     )
 
 
-class _Ticker:
-    """Refreshes a queued session's status line from a helper thread attached to its script run (as
-    Streamlit's own spinner is shown), while the script thread waits for its slot."""
+class _Status:
+    """A queued run's status line, written by its own script thread between waits for a slot: the line
+    appears once the run has waited SHOW_AFTER_S (a wait the eye barely sees says nothing) and says how
+    many runs are ahead, refreshed every TICK_SECONDS."""
 
     def __init__(self, holder, ticket: object, queue: Pool):
         self.holder, self.ticket, self.queue = holder, ticket, queue
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="kvviz-queue-status", daemon=True)
-        internals.attach_run_context(self.thread, internals.run_context())
-        self.thread.start()
+        self.shown: int | None = None
+        self.at = 0.0  # seconds waited when it was last refreshed
 
-    def _run(self) -> None:
-        shown = None
-        while not self.done.wait(0 if shown is None else TICK_SECONDS):
-            n = self.queue.ahead_of(self.ticket)
-            if n != shown:
-                self.holder.info(queued_text(n), icon=":material/hourglass_top:")
-                shown = n
-        self.holder.empty()
+    def __call__(self, waited: float) -> None:
+        if waited < SHOW_AFTER_S or (self.shown is not None and waited - self.at < TICK_SECONDS):
+            return
+        n = self.queue.ahead_of(self.ticket)
+        if n != self.shown:
+            self.holder.info(queued_text(n), icon=":material/hourglass_top:")
+            self.shown, self.at = n, waited
 
-    def stop(self) -> None:
-        self.done.set()
-        self.thread.join(2)
+    def clear(self) -> None:
+        if self.shown is not None:
+            self.holder.empty()
 
 
 def serve(page) -> None:
     """app.py's router: run `page` (an st.Page) while holding one of the server's slots."""
     start_run()
     p, ticket, holder = pool(), object(), _STATUS.get()
-    ticker = _Ticker(holder, ticket, p) if p.busy and holder is not None and internals.run_context() else None
+    status = _Status(holder, ticket, p) if holder is not None else None
     try:
-        p.acquire(ticket, limits.checkpoint)
+        p.acquire(ticket, limits.checkpoint, status)
     finally:
-        if ticker is not None:
-            ticker.stop()
+        if status is not None:
+            status.clear()
     token = _SERVED.set(True)
     try:
         page.run()

@@ -12,9 +12,8 @@ behaviour (said at each function).
 - `ask_first_element_check`: Streamlit's once-per-process REPL check, asked at start (~0.1 s of the
   first visitor's run on two cores otherwise).
 - `runtime_exists`: whether the server's runtime is up (the start-up preload waits for it).
-- `run_context`, `run_yield_check`, `attach_run_context`: the script run's context, its cancel check (a
-  long computation stops when the page reruns: kvviz.limits), and a helper thread's share of it (the
-  queue's status line: kvviz.app.guard).
+- `run_context`, `run_yield_check`: the script run's context and its cancel check (a long computation
+  stops when the page reruns: kvviz.limits).
 - `pages_manager`, `set_legacy_pages`, `legacy_pages`: the address a request asked for (an old page
   address pointed at its page) and the legacy pages/ flag st.navigation sets on its first run (set at
   start, a fresh server's first request takes the app's own navigation: kvviz.app.router).
@@ -102,13 +101,6 @@ def run_yield_check() -> Callable[[], None]:
     from streamlit.runtime.scriptrunner_utils.script_run_context import get_run_yield_check
 
     return get_run_yield_check()
-
-
-def attach_run_context(thread, ctx) -> None:
-    """Let a helper thread draw into the run `ctx` (as Streamlit's own spinner does)."""
-    from streamlit.runtime.scriptrunner import add_script_run_ctx
-
-    add_script_run_ctx(thread, ctx)
 
 
 def pages_manager():
