@@ -94,6 +94,7 @@ def test_a_needle_study_has_the_axis_and_nothing_else_of_the_table():
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_the_needle_cache_is_compressed_again_and_never_holds_more_than_budget_plus_n(monkeypatch, tmp_path):
     """Query-agnostic: compressed after the haystack, then the question's tokens arrive through the cache: with
     compress_every 4 SnapKV scores again every 4 of them, so the cache the first answer step reads holds

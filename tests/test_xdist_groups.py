@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BROWSER_SECONDS, _browser_groups
+from conftest import BROWSER_SECONDS, _browser_groups, slow_first
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,3 +100,22 @@ def test_the_browser_tests_are_dealt_heaviest_first_onto_the_lightest_group(monk
     }  # + 8 = 68 vs 62
     assert set(_browser_groups(items, 1).values()) == {"browser-1"}
     assert len(set(_browser_groups(items, 4).values())) == 4
+
+
+def test_slow_tests_outside_a_group_come_first_and_the_rest_keep_their_order():
+    class Item:
+        def __init__(self, name, *marks):
+            self.name, self.marks = name, marks
+
+        def get_closest_marker(self, mark):
+            return mark if mark in self.marks else None
+
+    items = [
+        Item("a"),
+        Item("slow grouped", "slow", "xdist_group"),
+        Item("b"),
+        Item("slow", "slow"),
+        Item("c", "xdist_group"),
+        Item("slow too", "slow"),
+    ]
+    assert [i.name for i in slow_first(items)] == ["slow", "slow too", "a", "slow grouped", "b", "c"]
