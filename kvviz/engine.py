@@ -263,6 +263,7 @@ def _same_step(a: Trace, b: Trace, qi: int) -> int:
     return int(evaluated_b[min(evaluated_a.index(qi), len(evaluated_b) - 1)])
 
 
+@small_blas()  # the rows' own contexts nest inside it: BLAS's thread count set once a comparison
 def evaluate_members(members: list) -> list[RowResult]:
     """The rows of an ensemble's members (trace, spec, layer, query head, query), in their order.
 

@@ -1106,3 +1106,34 @@ def test_views_outside_the_trace_are_refused_word_for_word(trace):
     assert compare(dataclasses.replace(trace, meta={}), Spec()).to_json()["source"] == ""
     everything_recent = compare(trace, Spec(recent=200), View(step=0)).primary  # a window past the start
     assert [REASONS[int(r)] for r in everything_recent.reason] == ["recent"] * (trace.context_len + 1)
+
+
+def test_blas_runs_single_threaded_inside_a_comparison_and_is_set_once(monkeypatch):
+    """BLAS's thread count is the process's: the first small_blas context in sets it to 1, contexts inside it
+    (and in other threads meanwhile) change nothing, the last one out restores it."""
+    import threading
+
+    from kvviz import attention
+
+    class Lib:
+        def __init__(self):
+            self.num_threads, self.sets = 4, []
+
+        def set_num_threads(self, n):
+            self.sets.append(n)
+            self.num_threads = n
+
+    lib = Lib()
+    monkeypatch.setattr(attention, "_blas_libraries", lambda: (lib,))
+    seen = []
+    with attention.small_blas():
+        with attention.small_blas():
+            seen.append(lib.num_threads)
+        other = threading.Thread(target=lambda: attention.small_blas()(lambda: seen.append(lib.num_threads))())
+        other.start()
+        other.join()
+        seen.append(lib.num_threads)
+    assert seen == [1, 1, 1] and lib.sets == [1, 4] and lib.num_threads == 4
+    trace = make_synthetic(small_synthetic(context=64, steps=2, layers=1))
+    compare(trace, Spec(sink=2, recent=4, heavy=2), View(ensemble="heads"))
+    assert lib.sets == [1, 4, 1, 4] and lib.num_threads == 4  # a whole comparison: set once, restored
