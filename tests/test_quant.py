@@ -422,3 +422,26 @@ def test_compile_kernel_compiles_for_float32_and_float64_caches():
     for axis in ("channel", "token"):  # the per-token kernel in KIVI's group size, the one the defaults use
         assert {f"{axis} float32 int64 int64 bool", f"{axis} float64 int64 int64 bool"} <= lines
     assert "token groups compiled [32]" in lines
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_per_token_kernel_gives_the_same_bits_with_its_group_size_a_constant_or_an_argument(dtype):
+    """Group sizes outside CONSTANT_GROUPS run one kernel that takes the size as an argument (one compile for
+    every such size): for a size both kernels take, their results are equal bit for bit, partial group and
+    residual included."""
+    from kvviz.quant.kernel import CONSTANT_GROUPS, _by_token, _token_kernel
+
+    rng = np.random.default_rng(7)
+    cache = rng.standard_normal((3, 50, 72)).astype(dtype)
+    heads, positions = np.array([0, 2]), np.stack([np.arange(0, 50, 2), np.arange(1, 50, 2)])
+    for group in sorted(CONSTANT_GROUPS):
+        assert _by_token(group) is _token_kernel(group) and _by_token(group) is not _token_kernel(0)
+        for symmetric, offset, delta in ((False, True, False), (True, False, True), (False, False, False)):
+            top = dtype(7 if symmetric else 15)
+            outs = []
+            for kernel in (_token_kernel(group), _token_kernel(0)):
+                out = np.full((2, 25, 72), np.nan, dtype=dtype)
+                kernel(cache, heads, positions, 20, 70, top, symmetric, offset, delta, out, group)
+                outs.append(out)
+            np.testing.assert_array_equal(outs[0], outs[1])
+    assert _by_token(24) is _token_kernel(0)

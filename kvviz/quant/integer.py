@@ -291,8 +291,10 @@ def quantize_kept(
             partial,
         ).astype(cache.dtype)
     cache = np.ascontiguousarray(cache)
-    positions = np.ascontiguousarray(positions, dtype=np.int64)
-    heads = np.ascontiguousarray(heads, dtype=np.int64)
+    # writable as well: numba compiles the kernel again for a read-only array (a second 0.5-1.6 s compile,
+    # on disk once per variant); these two are small, so a read-only one is copied
+    positions = np.require(positions, dtype=np.int64, requirements=("C", "W"))
+    heads = np.require(heads, dtype=np.int64, requirements=("C", "W"))
     n_tokens, dim = positions.shape[1], cache.shape[-1]
     out = np.empty((len(positions), n_tokens, dim), dtype=cache.dtype)
     if bits >= FULL_BITS:

@@ -104,18 +104,33 @@ def _quantize_by_channel(cache, heads, positions, n_quant, group, top, symmetric
         _residual(x, at, n_quant, delta, out[u])
 
 
-@lru_cache(maxsize=None)
-def _by_token(group: int):
-    """The per-token kernel for one group size G (KIVI's values): groups of G consecutive channels of
-    one token; channels from d_quant on (a partial trailing group kept in full precision) stay exact.
+# Group sizes compiled as constants of their own kernel (the presets', the formats', KIVI's); any other
+# size runs one kernel that takes it as an argument. Each compiled kernel costs ~0.9 s the first time
+# (numba caches it on disk): a kernel per size compiled ~30 of them in a fresh checkout's test run.
+CONSTANT_GROUPS = frozenset({16, 32, 64, 128})
 
-    G is a constant of the compiled code, so a full group's loops have a known trip count, and the
-    work runs in two passes over the tokens: every group's step, then every round trip (fused per
-    group, the min / max chains of successive groups could not overlap: 3x slower).
+
+def _by_token(group: int):
+    """The per-token kernel for group size G (KIVI's values): groups of G consecutive channels of one
+    token; channels from d_quant on (a partial trailing group kept in full precision) stay exact. Call it
+    with G as its last argument.
+
+    For a size in CONSTANT_GROUPS, G is a constant of the compiled code, so a full group's loops have a
+    known trip count (unrolled, vectorised); the results are the same either way (min, max and each
+    element's own round trip: no sum whose order could change). The work runs in two passes over the
+    tokens: every group's step, then every round trip (fused per group, the min / max chains of
+    successive groups could not overlap: 3x slower).
     """
+    return _token_kernel(group if group in CONSTANT_GROUPS else 0)
+
+
+@lru_cache(maxsize=None)
+def _token_kernel(constant: int):
+    """The per-token kernel with its group size a constant (`constant` > 0) or its last argument (0)."""
 
     @kernel
-    def quantize_by_token(cache, heads, positions, n_quant, d_quant, top, symmetric, offset, delta, out):
+    def quantize_by_token(cache, heads, positions, n_quant, d_quant, top, symmetric, offset, delta, out, size):
+        group = constant if constant > 0 else size  # a constant once compiled, where `constant` is one
         D = cache.shape[2]
         code_lo = -top if symmetric else top - top
         # full groups; then a short one up to d_quant
@@ -181,4 +196,4 @@ def fake_quantize(cache, heads, positions, n_quant, by_channel, group, d_quant, 
     if by_channel:
         _quantize_by_channel(cache, heads, positions, n_quant, group, top, symmetric, offset, delta, out)
     else:
-        _by_token(int(group))(cache, heads, positions, n_quant, d_quant, top, symmetric, offset, delta, out)
+        _by_token(int(group))(cache, heads, positions, n_quant, d_quant, top, symmetric, offset, delta, out, int(group))
