@@ -23,6 +23,55 @@ def test_the_socket_binding_takes_an_address_a_port_and_a_backlog():
     assert list(inspect.signature(starlette_server._bind_socket).parameters)[:3] == ["address", "port", "backlog"]
 
 
+def test_a_sessions_script_events_go_through_the_method_the_batching_replaces():
+    from streamlit.runtime.app_session import AppSession
+
+    own = getattr(AppSession._call_soon_on_event_loop, "original", AppSession._call_soon_on_event_loop)
+    assert list(inspect.signature(own).parameters) == ["self", "callback"]
+    assert "self._event_loop.call_soon_threadsafe(callback)" in inspect.getsource(own)
+    for method in ("_on_scriptrunner_event", "handle_backmsg_exception"):  # every event, through that method
+        assert "self._call_soon_on_event_loop(" in inspect.getsource(getattr(AppSession, method)), method
+
+
+def test_batched_script_events_run_in_order_at_one_wake_up_and_a_failing_one_stops_none():
+    import asyncio
+    import threading
+    import types
+
+    from streamlit.runtime.app_session import AppSession
+
+    assert internals.batch_script_events()
+    loop = asyncio.new_event_loop()
+    try:
+        wake_ups, seen, errors = [], [], []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda callback, *args: (wake_ups.append(callback), real(callback, *args))[1]
+        loop.set_exception_handler(lambda _, context: errors.append(str(context["exception"])))
+        session = types.SimpleNamespace(_event_loop=loop)  # a session as far as the batching reads one
+        call_soon = AppSession._call_soon_on_event_loop
+
+        def fail():
+            raise ValueError("one event failed")
+
+        def script_thread():
+            for i in range(50):
+                call_soon(session, fail if i == 20 else lambda i=i: seen.append(i))
+
+        thread = threading.Thread(target=script_thread)
+        thread.start()
+        thread.join()
+        loop.call_soon(loop.stop)
+        loop.run_forever()
+        assert seen == [i for i in range(50) if i != 20] and errors == ["one event failed"]
+        assert len(wake_ups) == 1  # fifty events, one wake-up
+        call_soon(session, lambda: seen.append("next"))  # a later event: a wake-up of its own
+        loop.call_soon(loop.stop)
+        loop.run_forever()
+        assert seen[-1] == "next" and len(wake_ups) == 2
+    finally:
+        loop.close()
+
+
 def test_the_first_element_check_and_its_flag_are_there():
     from streamlit import delta_generator
 

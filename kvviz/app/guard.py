@@ -107,7 +107,9 @@ class Pool:
         with self._cond:
             return max(0, self._running - int(holding)) + len(self._queue)
 
-    def acquire(self, ticket: object, check: Callable[[], None], waiting: Callable[[float], None] | None = None):
+    def acquire(
+        self, ticket: object, check: Callable[[], None], waiting: Callable[[float], None] | None = None
+    ) -> None:
         """Wait for a slot; between waits `check` runs (it may raise to leave the line), then `waiting`
         with the seconds waited so far."""
         wake = threading.Event()

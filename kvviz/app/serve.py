@@ -4,7 +4,8 @@ Streamlit runs no page code before the first browser session, so the first visit
 the app (plotly, scipy, the app's modules: ~2 s on two cores) before anything was drawn. Two ways in:
 - `streamlit run app.py`: app.py defines an `st.App` (Streamlit's ASGI server), so Streamlit imports it
   at start and runs its start-up hook, `lifespan` below, once the runtime exists: it turns Nagle's
-  algorithm off on the listening socket (see `_no_delay`) and starts `_preload` in a thread.
+  algorithm off on the listening socket (see `_no_delay`), hands each session's script events to the
+  event loop in batches, and starts `_preload` in a thread.
 - `python -m kvviz.app.serve [streamlit options]` (`make run`): the same `streamlit run app.py` in this
   process, with Streamlit's socket binding patched before the server binds, so even the very first
   connection is accepted with TCP_NODELAY; the hook then finds it done.
@@ -106,12 +107,14 @@ def _listening_sockets() -> list[socket.socket]:
 
 def start_warm() -> None:
     """What the start-up hook does, once per process: TCP_NODELAY on the listening sockets (inherited by
-    every connection accepted from now on, Linux) and the preload thread."""
+    every connection accepted from now on, Linux), a session's script events handed to the event loop in
+    batches (kvviz.app.internals.batch_script_events), and the preload thread."""
     with _started_lock:
         if _started:
             return
         _started.append(True)
     no_delay_on_listening()
+    internals.batch_script_events()
     threading.Thread(target=_preload, name="kvviz-preload", daemon=True).start()
 
 
