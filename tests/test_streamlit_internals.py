@@ -33,12 +33,28 @@ def test_a_sessions_script_events_go_through_the_method_the_batching_replaces():
         assert "self._call_soon_on_event_loop(" in inspect.getsource(getattr(AppSession, method)), method
 
 
+def test_the_flush_request_and_the_session_managers_copy_of_it_are_where_the_batching_expects():
+    from streamlit.runtime.app_session import AppSession
+    from streamlit.runtime.runtime import AsyncObjects, Runtime
+    from streamlit.runtime.websocket_session_manager import WebsocketSessionManager
+
+    own = getattr(Runtime._enqueued_some_message, "original", Runtime._enqueued_some_message)
+    assert "call_soon_threadsafe(async_objs.need_send_data.set)" in inspect.getsource(own)
+    assert {"eventloop", "need_send_data"} <= set(AsyncObjects._fields)
+    assert '"message_enqueued_callback": self._enqueued_some_message' in inspect.getsource(Runtime.__init__)
+    manager = inspect.getsource(WebsocketSessionManager)
+    assert "self._message_enqueued_callback = message_enqueued_callback" in manager
+    assert "message_enqueued_callback=self._message_enqueued_callback" in manager  # handed to every session
+    assert "self._message_enqueued_callback()" in inspect.getsource(AppSession._enqueue_forward_msg)
+
+
 def test_batched_script_events_run_in_order_at_one_wake_up_and_a_failing_one_stops_none():
     import asyncio
     import threading
     import types
 
     from streamlit.runtime.app_session import AppSession
+    from streamlit.runtime.runtime import Runtime
 
     assert internals.batch_script_events()
     loop = asyncio.new_event_loop()
@@ -68,6 +84,24 @@ def test_batched_script_events_run_in_order_at_one_wake_up_and_a_failing_one_sto
         loop.call_soon(loop.stop)
         loop.run_forever()
         assert seen[-1] == "next" and len(wake_ups) == 2
+        # the flush request: on the loop's own thread the event is set at once, from another thread through
+        # the loop (a wake-up)
+        objs = types.SimpleNamespace(eventloop=loop, need_send_data=asyncio.Event())
+        runtime = types.SimpleNamespace(_get_async_objs=lambda: objs)  # a runtime as far as the request reads one
+        flush = Runtime._enqueued_some_message
+
+        async def on_the_loop():
+            flush(runtime)
+            return objs.need_send_data.is_set()
+
+        assert loop.run_until_complete(on_the_loop()) and len(wake_ups) == 2
+        objs.need_send_data.clear()
+        other = threading.Thread(target=flush, args=(runtime,))
+        other.start()
+        other.join()
+        loop.call_soon(loop.stop)
+        loop.run_forever()
+        assert objs.need_send_data.is_set() and len(wake_ups) == 3
     finally:
         loop.close()
 
