@@ -322,7 +322,7 @@ def quantize_kept(
 def compile_kernel() -> None:
     """Compile the quantization kernels for float32 and float64 caches, or load them from
     numba's on-disk cache (a few seconds the first time after an install or an edit): groups
-    by channel, and by token in KIVI's group size (the per-token kernel is compiled per size)."""
+    by channel, and by token in KIVI's group size (one of the sizes with a per-token kernel of its own)."""
     for dtype in (np.float32, np.float64):
         cache = np.zeros((1, KIVI_GROUP, KIVI_GROUP), dtype=dtype)
         for axis in ("channel", "token"):

@@ -9,8 +9,10 @@ in the cache's own dtype, in the order of the formulas of docs/definitions.md, s
 the same formulas evaluated with numpy.
 
 Loops are written so LLVM vectorises them: the innermost loop runs along contiguous memory.
-Per-token groups are compiled once per group size (a constant trip count is what lets LLVM
-unroll and vectorise a group's min / max and round trip: 3x faster than a runtime size), and
+Per-token groups of the common sizes (CONSTANT_GROUPS) have a kernel each, the size a constant (a
+constant trip count is what lets LLVM unroll and vectorise a group's min / max and round trip);
+every other size shares one kernel that takes it as an argument (group 24 over 8 x 1,024 x 128
+float32: ~2.5 ms against ~2.1 ms with its own kernel, for one compile instead of one per size). Both
 run as two passes: every group's step first, then the round trip along each row.
 Imported lazily: paths that never quantize skip numba.
 """
