@@ -97,6 +97,7 @@ def batch_script_events() -> bool:
     if own is None:
         return False
     if getattr(own, "batched", False):
+        _flush_without_wake_up()  # a runtime made since the first call: its manager's copy bound too
         return True
     lock = threading.Lock()  # guards every session's list: held for an append or a swap only
 
@@ -139,22 +140,21 @@ def _flush_without_wake_up() -> None:
     from streamlit.runtime import Runtime
 
     own = Runtime._enqueued_some_message
-    if getattr(own, "batched", False):
-        return
+    if not getattr(own, "batched", False):
 
-    def enqueued(self) -> None:
-        objs = self._get_async_objs()
-        try:
-            on_loop = asyncio.get_running_loop() is objs.eventloop
-        except RuntimeError:  # no loop runs in this thread
-            on_loop = False
-        if on_loop:
-            objs.need_send_data.set()
-        else:
-            own(self)
+        def enqueued(self) -> None:
+            objs = self._get_async_objs()
+            try:
+                on_loop = asyncio.get_running_loop() is objs.eventloop
+            except RuntimeError:  # no loop runs in this thread
+                on_loop = False
+            if on_loop:
+                objs.need_send_data.set()
+            else:
+                own(self)
 
-    enqueued.batched, enqueued.original = True, own
-    Runtime._enqueued_some_message = enqueued
+        enqueued.batched, enqueued.original = True, own
+        Runtime._enqueued_some_message = enqueued
     if Runtime.exists():
         manager = getattr(Runtime.instance(), "_session_mgr", None)
         if getattr(manager, "_message_enqueued_callback", None) is not None:
